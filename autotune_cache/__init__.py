@@ -1,0 +1,1 @@
+"""The tuning table, the tuner and the model shape presets."""

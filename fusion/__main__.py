@@ -1,0 +1,5 @@
+import sys
+
+from hybridgemm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,75 @@
+"""Argument checks and operand normalisation shared by every entry point.
+
+Errors name the problem (which argument, its shape/dtype/device, what was expected), so a
+bad call fails at the boundary with a message a user can act on, never inside a kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .problem import DTYPE_NAMES
+
+
+def check_linear_args(x, weight, bias, who: str = "linear") -> None:
+    """The rules of ``F.linear``: x (..., K), weight (N, K), bias (N,) or None; one dtype,
+    one device."""
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{who}: bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"{who}: weight must be 2-D (out_features, in_features), "
+                         f"got shape {tuple(weight.shape)}")
+    if x.dim() < 1:
+        raise ValueError(f"{who}: x must have at least 1 dimension (..., in_features), got a scalar")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"{who}: x has {x.shape[-1]} input features (shape {tuple(x.shape)}) but "
+                         f"weight expects {k} (shape {tuple(weight.shape)})")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        raise ValueError(f"{who}: bias must have shape ({n},) to match weight's {n} out_features, "
+                         f"got {tuple(bias.shape)}")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        got = f"x={x.dtype}, weight={weight.dtype}" + (f", bias={bias.dtype}" if bias is not None else "")
+        raise TypeError(f"{who}: x, weight and bias must share one dtype, got {got}")
+    devices = {x.device, weight.device} | ({bias.device} if bias is not None else set())
+    if len(devices) > 1:
+        got = f"x={x.device}, weight={weight.device}" + (f", bias={bias.device}" if bias is not None else "")
+        raise ValueError(f"{who}: x, weight and bias must be on one device, got {got}")
+
+
+def check_gpu_kernel_args(x, weight, bias, who: str) -> None:
+    """What a GPU kernel needs beyond F.linear's rules: CUDA tensors of a supported dtype."""
+    check_linear_args(x, weight, bias, who)
+    if x.device.type != "cuda":
+        raise ValueError(f"{who}: needs CUDA tensors, got {x.device} (use hybridgemm.linear, "
+                         "which falls back to torch on the CPU)")
+    if x.dtype not in DTYPE_NAMES:
+        raise TypeError(f"{who}: dtype {x.dtype} is not supported (float16, bfloat16, float32)")
+
+
+def rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """Flatten leading dims: (..., K) -> (M, K), a view where strides allow."""
+    k = x.shape[-1]
+    return x.reshape(1, k) if x.dim() == 1 else x.reshape(-1, k)
+
+
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (R, C) if it is row-major with unit column stride and non-overlapping rows
+    (a row stride ≥ C, as after slicing columns), else a contiguous copy."""
+    r, c = t.shape
+    if t.stride(1) == 1 and (r <= 1 or t.stride(0) >= c):
+        return t
+    return t.contiguous()
+
+
+def contiguous_bias(bias: torch.Tensor | None, min_align: int = 16) -> torch.Tensor | None:
+    """Bias as a unit-stride vector whose address is ``min_align``-byte aligned (copied if not:
+    N elements, negligible next to the GEMM; torch allocations are 512-byte aligned)."""
+    if bias is None or (bias.stride(0) == 1 and bias.data_ptr() % min_align == 0):
+        return bias
+    out = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
+    out.copy_(bias)
+    return out

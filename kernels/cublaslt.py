@@ -1,0 +1,651 @@
+"""cuBLASLt backend: ``act(x @ W.T + b)`` with the bias and activation in cuBLASLt's epilogue.
+
+Reached through the raw ``nvmath.bindings.cublasLt`` bindings (nvmath's high-level
+``Matmul.execute`` costs 63–83 µs of host time per call and its captured plans failed in
+CUDA graphs on the H200; the raw call costs about what ``F.linear`` does).
+
+Layout: cuBLASLt is column-major, so we compute ``D = op(A) @ op(B)`` with ``A = W`` seen as
+a column-major ``(K, N)`` matrix (transposed: ``op(A) = W``, ``(N, K)``), ``B = x`` seen as a
+column-major ``(K, M)`` matrix, and ``D`` column-major ``(N, M)`` — exactly row-major
+``y (M, N)``. The bias runs along D's rows (length N), which is what ``*_BIAS`` epilogues do.
+
+Epilogues: none, bias, relu, bias+relu, gelu_tanh, bias+gelu_tanh. cuBLASLt's GELU is the
+tanh approximation; the exact (erf) GELU is not available here (Triton backend only).
+Compute: fp32 accumulation for fp16/bf16; fp32 inputs use true fp32 (``COMPUTE_32F``) unless
+``torch.backends.cuda.matmul.allow_tf32`` is set, then ``COMPUTE_32F_FAST_TF32`` as torch does.
+
+Per exact problem (shape, strides, pointer alignment class, epilogue, dtype, math mode) a
+:class:`Plan` holds the descriptors and the algorithm; plans live in a bounded LRU cache.
+One 32 MiB workspace per (device, stream), like PyTorch's own cuBLAS workspaces, and kept
+for the life of the process (a CUDA graph captured with it may replay any time).
+The call path does no host synchronisation and allocates only the output, through torch.
+
+Determinism: cuBLASLt runs a fixed algorithm the same way every time (split-K reductions,
+where an algorithm has them, are ordered: in-place with counters or through a workspace);
+the same algorithm and problem give bit-identical results across calls and processes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from .cublaslt_algos import CublasLtAlgo, InvalidAlgorithm, read_algo_fields, set_algo_field
+from .epilogue import Activation, Epilogue, apply_activation
+from .problem import MAX_ALIGNMENT, Problem, dtype_name
+
+WORKSPACE_BYTES = 32 * 1024 * 1024  # what cuBLAS recommends on Hopper
+PLAN_CACHE_SIZE = 512
+HEURISTIC_COUNT = 16
+
+_CUDA_R_16F, _CUDA_R_32F, _CUDA_R_16BF = 2, 0, 14
+_CUDA_DTYPE = {torch.float16: _CUDA_R_16F, torch.bfloat16: _CUDA_R_16BF, torch.float32: _CUDA_R_32F}
+_COMPUTE_32F, _COMPUTE_32F_FAST_TF32 = 68, 77
+_OP_N, _OP_T = 0, 1
+
+# (activation, bias) -> cublasLtEpilogue_t name
+_EPILOGUE_NAMES = {
+    (Activation.NONE, False): "DEFAULT",
+    (Activation.NONE, True): "BIAS",
+    (Activation.RELU, False): "RELU",
+    (Activation.RELU, True): "RELU_BIAS",
+    (Activation.GELU_TANH, False): "GELU",
+    (Activation.GELU_TANH, True): "GELU_BIAS",
+}
+
+
+class CublasLtUnavailable(RuntimeError):
+    """nvmath-python (cuBLASLt bindings) or a CUDA device is missing."""
+
+
+class CublasLtUnsupported(ValueError):
+    """cuBLASLt offers no algorithm for this problem (the caller may fall back)."""
+
+
+def _lt():
+    try:
+        from nvmath.bindings import cublasLt
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise CublasLtUnavailable(
+            "the cuBLASLt backend needs nvmath-python: pip install 'hybridgemm[cu13]' "
+            f"(or [cu12]) on a CUDA machine ({e})"
+        ) from e
+    return cublasLt
+
+
+def is_available() -> bool:
+    """True when a CUDA device and nvmath-python's cuBLASLt bindings are both present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        _lt()
+    except CublasLtUnavailable:
+        return False
+    return cublaslt_version() is not None
+
+
+_VERSION: list[int | None] = []
+
+
+def cublaslt_version() -> int | None:
+    """The loaded cuBLASLt's version (e.g. 130100), or None where it cannot be loaded."""
+    if not _VERSION:
+        try:
+            _VERSION.append(int(_lt().get_version()))
+        except Exception:  # no nvmath, or no libcublasLt on this machine
+            _VERSION.append(None)
+    return _VERSION[0]
+
+
+def epilogue_supported(epilogue: Epilogue) -> bool:
+    return (epilogue.activation, epilogue.bias) in _EPILOGUE_NAMES
+
+
+def supports(problem: Problem) -> tuple[bool, str]:
+    """Can cuBLASLt run this problem at all? (Which algorithm fits is asked of cuBLASLt.)"""
+    if problem.dtype not in _CUDA_DTYPE:
+        return False, f"dtype {problem.dtype} not supported (fp16, bf16, fp32)"
+    if not epilogue_supported(problem.epilogue):
+        return False, f"epilogue {problem.epilogue.name!r} has no cuBLASLt equivalent"
+    if min(problem.m, problem.n, problem.k) < 1:
+        return False, "empty problem (handled without a GEMM)"
+    return True, ""
+
+
+# ---------------------------------------------------------------------------------------
+# Per-device handles and per-(device, stream) workspaces
+
+_lock = threading.Lock()
+_handles: dict[int, int] = {}
+_workspaces: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _handle(device_index: int) -> int:
+    h = _handles.get(device_index)
+    if h is None:
+        with _lock, torch.cuda.device(device_index):
+            h = _handles.get(device_index)
+            if h is None:
+                h = _handles[device_index] = int(_lt().create())
+    return h
+
+
+def _workspace_ptr(device_index: int, stream: int) -> int:
+    ws = _workspaces.get((device_index, stream))
+    if ws is None:
+        ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", device_index))
+        _workspaces[(device_index, stream)] = ws
+    return ws.data_ptr()
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(device_index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def _set_attr(setter, obj: int, attr, value, dtype) -> None:
+    buf = np.array([value], dtype=dtype)
+    setter(obj, attr, buf.ctypes.data, buf.nbytes)
+
+
+# ---------------------------------------------------------------------------------------
+# Plans: descriptors for one exact problem plus the algorithm to run
+
+
+class Plan:
+    """cuBLASLt descriptors for one problem; ``algo`` is set by :meth:`use`."""
+
+    def __init__(self, problem: Problem, device_index: int, allow_reduced_reduction: bool = True):
+        ok, why = supports(problem)
+        if not ok:
+            raise CublasLtUnsupported(why)
+        lt = _lt()
+        self.problem = problem
+        self.device_index = device_index
+        self.handle = _handle(device_index)
+        self._lt = lt
+        self._destroyed = False
+        p = problem
+        dt = _CUDA_DTYPE[p.dtype]
+        compute = _COMPUTE_32F_FAST_TF32 if p.tf32 else _COMPUTE_32F
+        self.compute_type, self.scale_type, self.data_type = compute, _CUDA_R_32F, dt
+        D = lt.MatmulDescAttribute
+        self.desc = lt.matmul_desc_create(compute, _CUDA_R_32F)
+        _set_attr(lt.matmul_desc_set_attribute, self.desc, D.TRANSA, _OP_T, np.int32)
+        _set_attr(lt.matmul_desc_set_attribute, self.desc, D.TRANSB, _OP_N, np.int32)
+        epi = lt.Epilogue[_EPILOGUE_NAMES[(p.epilogue.activation, p.epilogue.bias)]]
+        _set_attr(lt.matmul_desc_set_attribute, self.desc, D.EPILOGUE, int(epi), np.uint32)
+        self.adesc = lt.matrix_layout_create(dt, p.k, p.n, p.ldw)
+        self.bdesc = lt.matrix_layout_create(dt, p.k, p.m, p.ldx)
+        self.ddesc = lt.matrix_layout_create(dt, p.n, p.m, p.ldo)
+        P = lt.MatmulPreferenceAttribute
+        self.pref = lt.matmul_preference_create()
+        _set_attr(lt.matmul_preference_set_attribute, self.pref, P.MAX_WORKSPACE_BYTES,
+                  WORKSPACE_BYTES, np.uint64)
+        for attr, align in ((P.MIN_ALIGNMENT_A_BYTES, p.align_w), (P.MIN_ALIGNMENT_B_BYTES, p.align_x),
+                            (P.MIN_ALIGNMENT_C_BYTES, p.align_out), (P.MIN_ALIGNMENT_D_BYTES, p.align_out)):
+            _set_attr(lt.matmul_preference_set_attribute, self.pref, attr, align, np.uint32)
+        if not allow_reduced_reduction:  # as torch does when reduced-precision reduction is off
+            mask = int(lt.ReductionScheme.MASK) & ~int(lt.ReductionScheme.OUTPUT_TYPE)
+            _set_attr(lt.matmul_preference_set_attribute, self.pref, P.REDUCTION_SCHEME_MASK,
+                      mask, np.uint32)
+        self._alpha = np.ones(1, dtype=np.float32)
+        self._beta = np.zeros(1, dtype=np.float32)
+        self._bias_holder = np.zeros(1, dtype=np.int64)
+        self._last_bias = -1
+        self._call_lock = threading.Lock()
+        self.algo: CublasLtAlgo | None = None
+        self._algo_buf: np.ndarray | None = None
+
+    # -- algorithms --------------------------------------------------------------------
+    def heuristics(self, count: int = HEURISTIC_COUNT) -> list[CublasLtAlgo]:
+        """cuBLASLt's heuristic ranking, best first (deterministic for a given library)."""
+        lt = self._lt
+        results = np.zeros(count, dtype=lt.matmul_heuristic_result_dtype)
+        n_found = np.zeros(1, dtype=np.int32)
+        try:
+            lt.matmul_algo_get_heuristic(self.handle, self.desc, self.adesc, self.bdesc, self.ddesc,
+                                         self.ddesc, self.pref, count, results.ctypes.data,
+                                         n_found.ctypes.data)
+        except lt.cuBLASLtError as e:
+            raise CublasLtUnsupported(f"cuBLASLt heuristic found no algorithm: {e}") from None
+        version = cublaslt_version()
+        algos = []
+        for r in results[: int(n_found[0])]:
+            if int(r["state"]) != 0:
+                continue
+            algos.append(CublasLtAlgo.from_buffer(np.array(r["algo"]["data_"], dtype=np.uint64),
+                                                  version, int(r["workspace_size"]), "heuristic"))
+        return algos
+
+    def check(self, algo: CublasLtAlgo) -> int:
+        """``cublasLtMatmulAlgoCheck``: workspace bytes the algorithm needs for this problem;
+        raises :class:`InvalidAlgorithm` with the reason when it does not fit."""
+        lt = self._lt
+        result = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
+        buf = algo.buffer()
+        try:
+            lt.matmul_algo_check(self.handle, self.desc, self.adesc, self.bdesc, self.ddesc,
+                                 self.ddesc, buf.ctypes.data, result.ctypes.data)
+        except lt.cuBLASLtError as e:
+            raise InvalidAlgorithm(f"algorithm {algo.describe()} does not fit {_describe(self.problem)}: {e}") from None
+        if int(result[0]["state"]) != 0:
+            raise InvalidAlgorithm(f"algorithm {algo.describe()} rejected: status {int(result[0]['state'])}")
+        ws = int(result[0]["workspace_size"])
+        if ws > WORKSPACE_BYTES:
+            raise InvalidAlgorithm(f"algorithm {algo.describe()} needs {ws} bytes of workspace "
+                                   f"(> {WORKSPACE_BYTES})")
+        return ws
+
+    def use(self, algo: CublasLtAlgo | None) -> Plan:
+        """Run with ``algo`` (checked first), or with the heuristic's first choice if None."""
+        if algo is None:
+            found = self.heuristics(1)
+            if not found:
+                raise CublasLtUnsupported(f"cuBLASLt has no algorithm for {_describe(self.problem)}")
+            algo = found[0]
+        else:
+            self.check(algo)
+        self.algo = algo
+        self._algo_buf = algo.buffer()
+        return self
+
+    # -- the call ------------------------------------------------------------------------
+    def launch(self, x_ptr: int, w_ptr: int, bias_ptr: int, out_ptr: int, stream: int) -> None:
+        lt = self._lt
+        ws = _workspace_ptr(self.device_index, stream)
+        with self._call_lock:
+            if bias_ptr != self._last_bias:
+                self._bias_holder[0] = bias_ptr
+                lt.matmul_desc_set_attribute(self.desc, 8, self._bias_holder.ctypes.data, 8)  # BIAS_POINTER
+                self._last_bias = bias_ptr
+            lt.matmul(self.handle, self.desc, self._alpha.ctypes.data, w_ptr, self.adesc, x_ptr,
+                      self.bdesc, self._beta.ctypes.data, out_ptr, self.ddesc, out_ptr, self.ddesc,
+                      self._algo_buf.ctypes.data, ws, WORKSPACE_BYTES, stream)
+
+    def destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        try:
+            lt = self._lt
+            lt.matmul_preference_destroy(self.pref)
+            for d in (self.adesc, self.bdesc, self.ddesc):
+                lt.matrix_layout_destroy(d)
+            lt.matmul_desc_destroy(self.desc)
+        except Exception:  # interpreter shutdown: the library may already be gone
+            pass
+
+    def __del__(self):
+        self.destroy()
+
+
+def _describe(p: Problem) -> str:
+    return (f"{dtype_name(p.dtype)} M={p.m} N={p.n} K={p.k} epilogue={p.epilogue.name} "
+            f"ld(x,w,out)=({p.ldx},{p.ldw},{p.ldo}) align(x,w,out)=({p.align_x},{p.align_w},{p.align_out})")
+
+
+_C = torch._C
+
+
+def _tf32_allowed() -> bool:
+    return bool(_C._get_cublas_allow_tf32())
+
+
+def _reduced_reduction_allowed(dtype: torch.dtype) -> bool:
+    """torch's setting for reduced-precision split-K reductions (mirrored in our preference)."""
+    if dtype == torch.bfloat16:
+        return bool(_C._get_cublas_allow_bf16_reduced_precision_reduction()[0])
+    if dtype == torch.float16:
+        return bool(_C._get_cublas_allow_fp16_reduced_precision_reduction()[0])
+    return True
+
+
+class _PlanCache:
+    """Bounded LRU of plans keyed by (device, problem, algorithm bytes)."""
+
+    def __init__(self, capacity: int = PLAN_CACHE_SIZE):
+        self.capacity = capacity
+        self._d: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        plan = self._d.get(key)
+        if plan is not None:
+            self._d.move_to_end(key)
+        return plan
+
+    def put(self, key, plan: Plan) -> None:
+        with self._lock:
+            self._d[key] = plan
+            self._d.move_to_end(key)
+            while len(self._d) > self.capacity:
+                # No explicit destroy: linear()'s fast path may still hold the plan; its
+                # descriptors are freed by Plan.__del__ once nothing refers to it.
+                self._d.popitem(last=False)
+
+    def __len__(self):
+        return len(self._d)
+
+    def clear(self):
+        with self._lock:
+            self._d.clear()
+
+
+_plans = _PlanCache()
+
+
+def clear_caches() -> None:
+    """Drop every cached plan (workspaces stay: captured graphs may still use them)."""
+    _fast.clear()
+    _plans.clear()
+
+
+# ---------------------------------------------------------------------------------------
+# Candidates for tuning
+
+
+def heuristic_algos(problem: Problem, device_index: int = 0, count: int = HEURISTIC_COUNT):
+    plan = Plan(problem, device_index, _reduced_reduction_allowed(problem.dtype))
+    try:
+        return plan.heuristics(count)
+    finally:
+        plan.destroy()
+
+
+def _cap_array(lt, algo_buf: np.ndarray, attr) -> list[int]:
+    written = np.zeros(1, dtype=np.uint64)
+    lt.matmul_algo_cap_get_attribute(algo_buf.ctypes.data, attr, 0, 0, written.ctypes.data)
+    n = int(written[0]) // 4
+    if n == 0:
+        return []
+    arr = np.zeros(n, dtype=np.uint32)
+    lt.matmul_algo_cap_get_attribute(algo_buf.ctypes.data, attr, arr.ctypes.data, arr.nbytes,
+                                     written.ctypes.data)
+    return [int(v) for v in arr]
+
+
+def _cap_scalar(lt, algo_buf: np.ndarray, attr) -> int:
+    written = np.zeros(1, dtype=np.uint64)
+    val = np.zeros(1, dtype=lt.get_matmul_algo_cap_attribute_dtype(attr))
+    lt.matmul_algo_cap_get_attribute(algo_buf.ctypes.data, attr, val.ctypes.data, val.nbytes,
+                                     written.ctypes.data)
+    return int(val[0])
+
+
+def exhaustive_algos(problem: Problem, device_index: int = 0, limit: int = 256,
+                     splitk_values: tuple[int, ...] = (1, 2, 4, 8)) -> list[CublasLtAlgo]:
+    """Every (algorithm id, tile, stages, split-K) that ``cublasLtMatmulAlgoCheck`` accepts for
+    this problem, via ``AlgoGetIds -> AlgoInit -> caps -> AlgoCheck``, up to ``limit``.
+
+    Split-K > 1 uses one reduction scheme per algorithm (the first supported of
+    COMPUTE_TYPE, INPLACE, OUTPUT_TYPE: fp32 partials first, as they round least).
+    Swizzle and cluster shape stay at the algorithm's defaults to keep the space tractable.
+    """
+    lt = _lt()
+    plan = Plan(problem, device_index, _reduced_reduction_allowed(problem.dtype))
+    version = cublaslt_version()
+    C = lt.MatmulAlgoCapAttribute
+    found: list[CublasLtAlgo] = []
+    try:
+        ids = lt.matmul_algo_get_ids(plan.handle, plan.compute_type, plan.scale_type, plan.data_type,
+                                     plan.data_type, plan.data_type, plan.data_type, 128)
+        epi_bit = int(lt.Epilogue[_EPILOGUE_NAMES[(problem.epilogue.activation, problem.epilogue.bias)]])
+        for algo_id in ids:
+            buf = np.zeros(8, dtype=np.uint64)
+            try:
+                lt.matmul_algo_init(plan.handle, plan.compute_type, plan.scale_type, plan.data_type,
+                                    plan.data_type, plan.data_type, plan.data_type, int(algo_id),
+                                    buf.ctypes.data)
+            except lt.cuBLASLtError:
+                continue
+            if epi_bit != 1 and (_cap_scalar(lt, buf, C.EPILOGUE_MASK) & epi_bit) != epi_bit:
+                continue
+            tiles = _cap_array(lt, buf, C.TILE_IDS) or [0]
+            stages = _cap_array(lt, buf, C.STAGES_IDS) or [0]
+            splitk_ok = _cap_scalar(lt, buf, C.SPLITK_SUPPORT)
+            red_mask = _cap_scalar(lt, buf, C.REDUCTION_SCHEME_MASK)
+            scheme = next((s for s in (2, 1, 4) if red_mask & s), 0)
+            for tile in tiles:
+                for stage in stages:
+                    for splitk in splitk_values:
+                        if splitk > 1 and (not splitk_ok or not scheme):
+                            continue
+                        cand = buf.copy()
+                        set_algo_field(cand, "TILE_ID", tile)
+                        set_algo_field(cand, "STAGES_ID", stage)
+                        set_algo_field(cand, "SPLITK_NUM", splitk)
+                        if splitk > 1:
+                            set_algo_field(cand, "REDUCTION_SCHEME", scheme)
+                        algo = CublasLtAlgo.from_buffer(cand, version, 0, "exhaustive")
+                        try:
+                            ws = plan.check(algo)
+                        except InvalidAlgorithm:
+                            continue
+                        found.append(CublasLtAlgo(algo.data, algo.fields, version, ws, "exhaustive"))
+                        if len(found) >= limit:
+                            return found
+        return found
+    finally:
+        plan.destroy()
+
+
+def candidates(problem: Problem, device_index: int = 0, heuristic_count: int = HEURISTIC_COUNT,
+               exhaustive_limit: int = 64) -> list[CublasLtAlgo]:
+    """Heuristic top-``heuristic_count`` first, then exhaustive finds not already listed."""
+    algos = heuristic_algos(problem, device_index, heuristic_count)
+    seen = {tuple(sorted(a.field_dict.items())) for a in algos}
+    if exhaustive_limit > 0:
+        for a in exhaustive_algos(problem, device_index, limit=exhaustive_limit + len(algos)):
+            sig = tuple(sorted(a.field_dict.items()))
+            if sig not in seen:
+                seen.add(sig)
+                algos.append(a)
+                if len(algos) >= heuristic_count + exhaustive_limit:
+                    break
+    return algos
+
+
+def restore_algo(record: dict, problem: Problem, device_index: int = 0) -> CublasLtAlgo:
+    """Rebuild an algorithm from its record and check it fits ``problem`` on this cuBLASLt.
+    Raises :class:`InvalidAlgorithm` naming the reason (other version, edited bytes, misfit)."""
+    algo = CublasLtAlgo.from_record(record, running_version=cublaslt_version())
+    plan = Plan(problem, device_index, _reduced_reduction_allowed(problem.dtype))
+    try:
+        plan.check(algo)
+    finally:
+        plan.destroy()
+    return algo
+
+
+# ---------------------------------------------------------------------------------------
+# The call path
+
+
+def _align(ptr: int) -> int:
+    return min(MAX_ALIGNMENT, ptr & -ptr) if ptr else MAX_ALIGNMENT
+
+
+def run(config: CublasLtAlgo | None, x: torch.Tensor, weight: torch.Tensor,
+        bias: torch.Tensor | None, out: torch.Tensor, activation=None) -> torch.Tensor:
+    """Backend contract: ``out[:] = act(x @ weight.T + bias)`` with algorithm ``config``
+    (None: the heuristic's first choice). ``x`` (M, K), ``weight`` (N, K) and ``out`` (M, N)
+    are CUDA, row-major with unit column stride (``row_major``), M, N, K ≥ 1, and ``bias``
+    unit-stride and 16-byte aligned (``contiguous_bias``). No checks beyond that: the
+    caller (``linear`` or the dispatcher) has made them."""
+    act = activation if isinstance(activation, Activation) else Activation.parse(activation)
+    dev = x.device.index
+    m, k = x.shape
+    n = weight.shape[0]
+    xp, wp, op = x.data_ptr(), weight.data_ptr(), out.data_ptr()
+    dtype = x.dtype
+    tf32 = dtype == torch.float32 and _tf32_allowed()
+    reduced = _reduced_reduction_allowed(dtype)
+    key = (dev, dtype, act, bias is not None, m, n, k,
+           x.stride(0) if m > 1 else k, weight.stride(0) if n > 1 else k,
+           out.stride(0) if m > 1 else n, _align(xp), _align(wp), _align(op), tf32, reduced,
+           config.data if config is not None else None)
+    plan = _plans.get(key)
+    if plan is None:
+        problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=Epilogue(act, bias is not None),
+                          ldx=key[7], ldw=key[8], ldo=key[9], align_x=key[10], align_w=key[11],
+                          align_out=key[12], tf32=tf32)
+        plan = Plan(problem, dev, reduced).use(config)
+        _plans.put(key, plan)
+    _launch_on_device(plan, dev, xp, wp, bias.data_ptr() if bias is not None else 0, op)
+    return out
+
+
+_get_device = getattr(_C, "_cuda_getDevice", None)
+
+
+def _launch_on_device(plan: Plan, dev: int, xp: int, wp: int, bp: int, op: int) -> None:
+    # cuBLASLt launches into the current CUDA context: make it the tensors' device.
+    if (_get_device() if _get_device is not None else torch.cuda.current_device()) == dev:
+        plan.launch(xp, wp, bp, op, _current_stream(dev))
+    else:
+        with torch.cuda.device(dev):
+            plan.launch(xp, wp, bp, op, _current_stream(dev))
+
+
+# Fast path of ``linear``: per call signature (shapes, strides, dtypes, devices, pointer
+# residues mod 256, activation, math flags) the checks' verdict and the plan, so a repeated
+# call costs one dict lookup plus the launch. Bounded like the plan cache.
+_fast: OrderedDict = OrderedDict()
+_FAST_CACHE_SIZE = 1024
+
+
+def _fast_key(x, weight, bias, activation):
+    xp, wp = x.data_ptr(), weight.data_ptr()
+    return (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype,
+            weight.device, xp & 255, wp & 255,
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device, bias.data_ptr() & 15),
+            activation, _C._get_cublas_allow_tf32(), _C._get_cublas_allow_bf16_reduced_precision_reduction(),
+            _C._get_cublas_allow_fp16_reduced_precision_reduction()), xp, wp
+
+
+def _remember_fast(key, x, weight, bias, act, out_shape) -> None:
+    """After a successful slow-path call: cache the verdict if the operands can be passed
+    to cuBLASLt as they are (no copies) and the problem is not empty."""
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    n, k = weight.shape
+    if m == 0 or n == 0 or k == 0 or x.device.type != "cuda":
+        return
+    if x.dim() > 1 and not _rows_are_flat(x):
+        return
+    if weight.stride(1) != 1 or (n > 1 and weight.stride(0) < k):
+        return
+    if bias is not None and (bias.stride(0) != 1 or bias.data_ptr() % 16):
+        return
+    ldx = x.stride(-2) if x.dim() > 1 and m > 1 else k
+    ldw = weight.stride(0) if n > 1 else k
+    xp, wp = x.data_ptr(), weight.data_ptr()
+    tf32 = x.dtype == torch.float32 and _tf32_allowed()
+    reduced = _reduced_reduction_allowed(x.dtype)
+    problem = Problem(m=m, n=n, k=k, dtype=x.dtype, epilogue=Epilogue(act, bias is not None), ldx=ldx, ldw=ldw,
+                      ldo=n, align_x=_align(xp), align_w=_align(wp), align_out=MAX_ALIGNMENT, tf32=tf32)
+    pkey = (x.device.index, x.dtype, act, bias is not None, m, n, k, ldx, ldw, n, problem.align_x,
+            problem.align_w, MAX_ALIGNMENT, tf32, reduced, None)
+    plan = _plans.get(pkey)
+    if plan is None:
+        return
+    _fast[key] = (plan, tuple(out_shape), x.device.index)
+    while len(_fast) > _FAST_CACHE_SIZE:
+        _fast.popitem(last=False)
+
+
+def _rows_are_flat(x: torch.Tensor) -> bool:
+    """Can x (..., K) be read as an (M, K) matrix with one row stride, without a copy?"""
+    if x.stride(-1) != 1:
+        return False
+    ld = x.stride(-2)
+    if ld < x.shape[-1] and x.shape[-2] > 1:
+        return False
+    expect = ld * x.shape[-2]
+    for size, stride in zip(reversed(x.shape[:-2]), reversed(x.stride()[:-2])):
+        if size > 1 and stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           activation=None, *, algo: CublasLtAlgo | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` through cuBLASLt, for CUDA fp16/bf16/fp32 tensors.
+
+    ``x`` may have any leading dims and any strides (copied only when its rows are not
+    row-major); misaligned pointers are passed to cuBLASLt's alignment-aware heuristics and,
+    if it has no algorithm for them, copied to aligned storage. ``algo`` pins an algorithm
+    (from :func:`candidates` or :func:`restore_algo`); ``out`` (M, N), if given, receives
+    the result. M = 0 or N = 0 give an empty result; K = 0 gives ``act(bias)`` broadcast
+    (zeros without bias), as ``F.linear`` does.
+    """
+    if algo is None and out is None:
+        key, xp, wp = _fast_key(x, weight, bias, activation)
+        hit = _fast.get(key)
+        if hit is not None:
+            plan, out_shape, dev = hit
+            y = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+            _launch_on_device(plan, dev, xp, wp, bias.data_ptr() if bias is not None else 0, y.data_ptr())
+            return y
+    else:
+        key = None
+    y = _linear_checked(x, weight, bias, activation, algo, out)
+    if key is not None:
+        _remember_fast(key, x, weight, bias, Activation.parse(activation), y.shape)
+    return y
+
+
+def _linear_checked(x, weight, bias, activation, algo, out) -> torch.Tensor:
+    from .checks import check_gpu_kernel_args, contiguous_bias, row_major, rows_2d
+
+    check_gpu_kernel_args(x, weight, bias, "cublaslt.linear")
+    act = Activation.parse(activation)
+    epi = Epilogue(act, bias is not None)
+    if not epilogue_supported(epi):
+        raise ValueError(f"cublaslt.linear: epilogue {epi.name!r} is not available in cuBLASLt "
+                         "(exact GELU: use activation='gelu_tanh' or the Triton backend)")
+    lead = x.shape[:-1]
+    n, k = weight.shape
+    x2 = row_major(rows_2d(x))
+    m = x2.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or out.device != x.device or out.stride(1) != 1:
+        raise ValueError(f"cublaslt.linear: out must be a ({m}, {n}) {x.dtype} tensor on {x.device} "
+                         f"with unit column stride, got {tuple(out.shape)} {out.dtype} {out.device}")
+    if m == 0 or n == 0:
+        return out.reshape(*lead, n)
+    if k == 0:
+        z = bias.to(torch.float32).expand(m, n) if bias is not None else \
+            torch.zeros((m, n), dtype=torch.float32, device=x.device)
+        out.copy_(apply_activation(z, act))
+        return out.reshape(*lead, n)
+    w = row_major(weight)
+    b = contiguous_bias(bias)
+    try:
+        run(algo, x2, w, b, out, act)
+    except CublasLtUnsupported:
+        # No algorithm for these alignments: retry on freshly allocated (512-byte aligned) copies.
+        if algo is not None or min(_align(x2.data_ptr()), _align(w.data_ptr()), _align(out.data_ptr())) >= 16:
+            raise
+        tmp = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        run(None, x2.contiguous().clone(), w.contiguous().clone(), b, tmp, act)
+        out.copy_(tmp)
+    return out.reshape(*lead, n)
+
+
+__all__ = [
+    "CublasLtAlgo", "CublasLtUnavailable", "CublasLtUnsupported", "InvalidAlgorithm", "Plan",
+    "candidates", "clear_caches", "cublaslt_version", "epilogue_supported", "exhaustive_algos",
+    "heuristic_algos", "is_available", "linear", "read_algo_fields", "restore_algo", "run",
+    "supports",
+]

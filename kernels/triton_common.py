@@ -1,0 +1,203 @@
+"""What the two Triton kernels share: epilogue math, operand checks, device facts, config records.
+
+Nothing here touches a GPU at import time; device facts are queried on first use and cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .epilogue import Activation
+from .problem import DTYPE_NAMES, Problem, dtype_name
+
+# H100/H200 opt-in shared memory per block; what candidates() assume when no device is given.
+HOPPER_SMEM_PER_BLOCK = 232448
+HOPPER_NUM_SMS = 132  # H200 (SXM); candidates() use it to size split-K grids
+INT32_LIMIT = 2**31 - 1  # the kernels compute element offsets in 32-bit integers
+TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned base pointers and row strides
+
+# Activation -> the constexpr code the kernels branch on.
+ACT_CODE = {Activation.NONE: 0, Activation.RELU: 1, Activation.GELU_TANH: 2, Activation.GELU: 3}
+
+
+@triton.jit
+def apply_activation(z, ACT: tl.constexpr):
+    """The activation of the fused epilogue, on the fp32 accumulator (codes: ACT_CODE)."""
+    if ACT == 1:
+        z = tl.maximum(z, 0.0)
+    elif ACT == 2:
+        # 0.5 * (1 + tanh(u)) == sigmoid(2u): no tanh intrinsic needed, and for large |u| the
+        # exp saturates to the right limits (z or -0) instead of producing inf/inf.
+        u = 0.7978845608028654 * (z + 0.044715 * z * z * z)
+        z = z / (1.0 + tl.exp(-2.0 * u))
+    elif ACT == 3:
+        z = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
+    return z
+
+
+def dot_precision(problem: Problem) -> str:
+    """fp32 inputs use TF32 tensor cores only when the caller allowed it; otherwise exact fp32."""
+    return "tf32" if problem.dtype != torch.float32 or problem.tf32 else "ieee"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------- device facts
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    num_sms: int
+    capability: tuple[int, int]
+    smem_per_block: int
+
+
+# Under the interpreter (CPU) a persistent grid of 4 programs makes every program loop over
+# several tiles in the small test shapes, and TMA descriptors work there, so say "Hopper".
+_INTERPRETER_FACTS = DeviceFacts(num_sms=4, capability=(9, 0), smem_per_block=HOPPER_SMEM_PER_BLOCK)
+_FACTS: dict[int, DeviceFacts] = {}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def device_facts(device: torch.device) -> DeviceFacts:
+    """SM count, compute capability and opt-in shared memory of ``device``; cached per index."""
+    if device.type != "cuda":
+        return _INTERPRETER_FACTS
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    facts = _FACTS.get(idx)
+    if facts is None:
+        props = torch.cuda.get_device_properties(idx)
+        smem = getattr(props, "shared_memory_per_block_optin", 0)
+        if not smem:  # older torch: ask Triton's driver, which is what its compiler checks against
+            smem = triton.runtime.driver.active.utils.get_device_properties(idx)["max_shared_mem"]
+        facts = DeviceFacts(props.multi_processor_count, (props.major, props.minor), int(smem))
+        _FACTS[idx] = facts
+    return facts
+
+
+# ----------------------------------------------------------------------------- operands
+
+
+def check_operands(x, weight, bias, out) -> None:
+    """Clear TypeError/ValueError for anything the kernels cannot take. Run once per plan."""
+    named = {"x": x, "weight": weight, "out": out} | ({} if bias is None else {"bias": bias})
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 2 or weight.dim() != 2 or out.dim() != 2:
+        raise ValueError(
+            f"x, weight and out must be 2-D, got x{tuple(x.shape)}, weight{tuple(weight.shape)}, "
+            f"out{tuple(out.shape)}"
+        )
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or tuple(out.shape) != (m, n):
+        raise ValueError(
+            f"shape mismatch: x{tuple(x.shape)} @ weight{tuple(weight.shape)}.T -> out{tuple(out.shape)}"
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or (n > 1 and bias.stride(0) != 1)):
+        raise ValueError(f"bias must be a contiguous vector of {n} elements, got {tuple(bias.shape)}")
+    dtype_name(x.dtype)  # TypeError for anything but fp16/bf16/fp32
+    for name, t in named.items():
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}; all must match")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if (k > 1 and (x.stride(1) != 1 or weight.stride(1) != 1)) or (n > 1 and out.stride(1) != 1):
+        raise ValueError("x, weight and out need unit column stride (rows may be padded)")
+    if m > 1 and out.stride(0) < n:
+        raise ValueError(f"out rows overlap (row stride {out.stride(0)} < N={n})")
+    if x.device.type != "cuda" and not interpreting():
+        raise ValueError(f"Triton kernels need CUDA tensors (got {x.device}) or TRITON_INTERPRET=1")
+
+
+def operand_key(x, weight, bias, out) -> tuple:
+    """Everything a plan depends on, cheaply: dtypes, shapes, strides, devices, 16-byte
+    alignment (what TMA needs and what Triton specialises pointer arguments on)."""
+    key = (
+        x.dtype, x.shape, x.stride(), x.get_device(), x.data_ptr() % 16 == 0,
+        weight.dtype, weight.shape, weight.stride(), weight.get_device(), weight.data_ptr() % 16 == 0,
+        out.dtype, out.shape, out.stride(), out.get_device(), out.data_ptr() % 16 == 0,
+    )
+    if bias is None:
+        return key
+    return key + (bias.dtype, bias.shape, bias.stride(), bias.get_device(), bias.data_ptr() % 16 == 0)
+
+
+def parse_activation(activation) -> Activation:
+    return activation if type(activation) is Activation else Activation.parse(activation)
+
+
+def problem_limits(problem: Problem) -> str | None:
+    """Why a problem cannot run at all (dtype, 32-bit offsets), or None."""
+    if problem.dtype not in DTYPE_NAMES:
+        return f"dtype {problem.dtype} not supported (fp16, bf16, fp32 only)"
+    if problem.epilogue.activation not in ACT_CODE:
+        return f"activation {problem.epilogue.activation!r} not supported"
+    extents = (problem.m * problem.ldx, problem.n * problem.ldw, problem.m * problem.ldo)
+    if max(extents) > INT32_LIMIT:
+        return "a tensor spans more than 2**31 elements (the kernels use 32-bit offsets)"
+    return None
+
+
+def tma_reason(problem: Problem) -> str | None:
+    """Why TMA tensor descriptors cannot describe x, W and out of this problem, or None."""
+    e = problem.itemsize
+    if min(problem.m, problem.n, problem.k) < 1:
+        return "TMA needs non-empty M, N and K"
+    for name, align in (("x", problem.align_x), ("weight", problem.align_w), ("out", problem.align_out)):
+        if align < TMA_ALIGN:
+            return f"TMA needs 16-byte aligned pointers ({name} is {align}-byte aligned)"
+    for name, ld, width in (("x", problem.ldx, problem.k), ("weight", problem.ldw, problem.k),
+                            ("out", problem.ldo, problem.n)):
+        if (ld * e) % TMA_ALIGN or ld < width:
+            return f"TMA needs 16-byte aligned row strides ({name} row stride is {ld * e} bytes)"
+    return None
+
+
+# ----------------------------------------------------------------------------- config records
+
+
+def check_pow2(name: str, value: int, lo: int, hi: int) -> None:
+    if value < lo or value > hi or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two in [{lo}, {hi}]")
+
+
+def check_range(name: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={value} must be in [{lo}, {hi}]")
+
+
+def config_to_record(config, kind: str) -> dict:
+    return {"kind": kind, **dataclasses.asdict(config)}
+
+
+def config_from_record(cls, kind: str, record):
+    """Rebuild ``cls`` from a record: exact key set, exact JSON types, then the value checks of
+    ``cls.__post_init__``. Every failure is a ValueError that names the problem."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{cls.__name__} record must be a dict, got {type(record).__name__}")
+    if record.get("kind") != kind:
+        raise ValueError(f"record kind {record.get('kind')!r} is not {kind!r}")
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    keys = set(record) - {"kind"}
+    if keys != set(fields):
+        missing, extra = sorted(set(fields) - keys), sorted(keys - set(fields))
+        raise ValueError(f"{kind} record: missing keys {missing}, unexpected keys {extra}")
+    for name, type_name in fields.items():
+        value = record[name]
+        want_bool = type_name == "bool"
+        if want_bool != isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{kind} record: {name}={value!r} must be {type_name}")
+    return cls(**{name: record[name] for name in fields})

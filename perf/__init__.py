@@ -1,0 +1,1 @@
+"""Benchmarks: providers, the timing method (timing.py) and plots."""

@@ -1,0 +1,77 @@
+"""Long-form benchmark CSVs: one row per (GPU, shape, M, dtype, epilogue, provider, method).
+
+Writing upserts: rows of the same key are replaced, every other row (other GPUs, other
+shapes) is kept, so several machines can share one file. Columns are the union of all rows,
+in a stable order (known columns first, then the rest sorted).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import platform
+import tempfile
+
+import torch
+
+KEY_COLUMNS = ("gpu", "shape", "N", "K", "M", "dtype", "epilogue", "provider", "method")
+FIRST_COLUMNS = (*KEY_COLUMNS, "median_us", "spread_us", "tflops", "gbps", "config", "rel_err")
+TAIL_COLUMNS = ("torch", "triton", "cublaslt", "nvmath", "hybridgemm", "host", "command")
+
+
+def environment_columns(command: str) -> dict:
+    """GPU and versions, so that every row says where and with what it was measured."""
+    import hybridgemm
+
+    env = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "torch": torch.__version__, "hybridgemm": hybridgemm.__version__,
+           "host": platform.node(), "command": command}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = ""
+    try:
+        import nvmath
+
+        env["nvmath"] = nvmath.__version__
+    except ImportError:
+        env["nvmath"] = ""
+    return env
+
+
+def _key(row: dict) -> tuple:
+    return tuple(str(row.get(c, "")) for c in KEY_COLUMNS)
+
+
+def read_rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
+    """Upsert ``rows`` into the CSV at ``path`` (atomic replace)."""
+    merged = {_key(r): r for r in read_rows(path)}
+    for r in rows:
+        merged[_key(r)] = {k: v for k, v in r.items() if v is not None}
+    cols = set().union(*(r.keys() for r in merged.values())) if merged else set()
+    order = [c for c in FIRST_COLUMNS if c in cols]
+    order += sorted(c for c in cols if c not in FIRST_COLUMNS and c not in TAIL_COLUMNS)
+    order += [c for c in TAIL_COLUMNS if c in cols]
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".csv")
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=order, extrasaction="ignore")
+            w.writeheader()
+            for r in merged.values():
+                w.writerow(r)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,48 @@
+"""Shared test helpers: references, error measures and bounds."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridgemm.kernels.epilogue import Activation, apply_activation, reference_linear
+
+# Error floors per dtype (relative Frobenius error). Bounds are max(2 x torch's own error on
+# the same inputs, floor): a kernel must be about as accurate as F.linear, and never sloppier
+# than the dtype's rounding allows.
+FLOORS = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64, ref64 = out.double(), ref.double()
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    denom = ref64.norm().item()
+    diff = (out64 - ref64).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def torch_linear(x, w, b, activation) -> torch.Tensor:
+    """What a user gets from PyTorch today: F.linear then the activation, in the input dtype."""
+    return apply_activation(F.linear(x, w, b), Activation.parse(activation))
+
+
+def check_close_to_reference(out, x, w, b, activation, what: str = "") -> tuple[float, float]:
+    """Assert ``out`` is within the bound of an fp64 reference; return (ours, torch's) error."""
+    ref = reference_linear(x, w, b, activation)
+    ours = rel_err(out, ref)
+    theirs = rel_err(torch_linear(x, w, b, activation), ref)
+    bound = max(2.0 * theirs, FLOORS[x.dtype])
+    assert ours <= bound, f"{what}: rel err {ours:.3g} > bound {bound:.3g} (torch's own: {theirs:.3g})"
+    return ours, theirs
+
+
+def make_operands(m, n, k, dtype, device, bias=True, scale=1.0):
+    x = torch.randn(m, k, device=device, dtype=torch.float32).to(dtype) * scale
+    w = (torch.randn(n, k, device=device, dtype=torch.float32) / k**0.5).to(dtype)
+    b = torch.randn(n, device=device, dtype=torch.float32).to(dtype) if bias else None
+    return x, w, b
+
+
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)

@@ -1,0 +1,74 @@
+import pytest
+
+from hybridgemm.autotune_cache.presets import (
+    PRESETS,
+    ProjectionShape,
+    get_preset,
+    parse_shape,
+    preset_names,
+)
+
+
+def shapes(name):
+    return {p.name: (p.n, p.k, p.bias) for p in get_preset(name).projections}
+
+
+def test_llama3_8b_matches_design_figures():
+    # DESIGN.md: 8b qkv K=4096 -> N=6144, o 4096x4096, kv N=1024.
+    assert shapes("llama3-8b") == {
+        "q": (4096, 4096, False), "kv": (1024, 4096, False),
+        "qkv": (6144, 4096, False), "o": (4096, 4096, False),
+    }
+
+
+def test_llama3_70b_matches_design_figures():
+    # DESIGN.md: 70b qkv 8192 -> 10240, o 8192 -> 8192.
+    s = shapes("llama3-70b")
+    assert s["qkv"] == (10240, 8192, False)
+    assert s["o"] == (8192, 8192, False)
+    assert s["kv"] == (1024, 8192, False)
+
+
+def test_qwen_has_qkv_bias_but_no_o_bias():
+    assert shapes("qwen2.5-7b") == {
+        "q": (3584, 3584, True), "kv": (512, 3584, True),
+        "qkv": (4608, 3584, True), "o": (3584, 3584, False),
+    }
+
+
+@pytest.mark.parametrize("name", ["bert-base", "gpt2"])
+def test_mha_models_have_bias_everywhere(name):
+    assert shapes(name) == {
+        "q": (768, 768, True), "kv": (768, 768, True),
+        "qkv": (2304, 768, True), "o": (768, 768, True),
+    }
+
+
+def test_mistral_is_llama3_8b_shaped():
+    assert shapes("mistral-7b") == shapes("llama3-8b")
+
+
+def test_every_preset_is_consistent():
+    assert preset_names() == list(PRESETS)
+    for preset in PRESETS.values():
+        s = {p.name: p for p in preset.projections}
+        assert s["qkv"].n == s["q"].n + 2 * s["kv"].n
+        assert s["o"].k == s["q"].n and s["o"].n == preset.hidden
+        assert preset.heads % preset.kv_heads == 0
+        assert preset.projection("o") == s["o"]
+
+
+def test_get_preset_is_forgiving_about_spelling_and_lists_names():
+    assert get_preset("Llama3_8B") is PRESETS["llama3-8b"]
+    with pytest.raises(ValueError, match="valid names: .*llama3-70b"):
+        get_preset("llama2")
+    with pytest.raises(ValueError, match="has no projection 'v'"):
+        get_preset("gpt2").projection("v")
+
+
+def test_parse_shape():
+    assert parse_shape("6144,4096") == ProjectionShape("6144,4096", 6144, 4096, True)
+    assert parse_shape(" 10 , 20 ", bias=False) == ProjectionShape("10,20", 10, 20, False)
+    for bad in ["6144", "6144x4096", "a,b", "0,4096", "1,2,3", "", "-1,4"]:
+        with pytest.raises(ValueError, match="bad shape"):
+            parse_shape(bad)
