@@ -1,9 +1,125 @@
-"""The `hybridgemm` command (also `python -m hybridgemm`)."""
+"""The `hybridgemm` command (also `python -m hybridgemm`).
+
+    hybridgemm autotune --model llama3-8b [--m 1 16 ...] [--dtype bf16] [--out PATH] [--force|--check]
+    hybridgemm show [PATH]
+    hybridgemm explain --x 16,4096 --w 6144,4096 [--dtype bf16] [--no-bias] [--activation relu]
+    hybridgemm demo | main
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.replace("x", ",").split(",") if v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _need_gpu(what: str) -> bool:
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    print(f"hybridgemm {what}: needs a CUDA GPU, and this machine has none. "
+          "(`hybridgemm show` and `hybridgemm explain` work anywhere.)", file=sys.stderr)
+    return False
+
+
+def _table_path(arg: str | None) -> Path:
+    from hybridgemm.autotune_cache.table import user_table_path
+
+    return Path(arg) if arg else user_table_path()
+
+
+def _cmd_autotune(args) -> int:
+    if not _need_gpu("autotune"):
+        return 2
+    from hybridgemm.autotune_cache.presets import get_preset, parse_shape
+    from hybridgemm.autotune_cache.signature import current_signature
+    from hybridgemm.autotune_cache.table import M_BUCKETS, TuningTable
+    from hybridgemm.autotune_cache.tuner import check_table, keys_for, tune
+
+    shapes = []
+    for name in args.model or []:
+        shapes += list(get_preset(name).projections)
+    shapes += [parse_shape(s) for s in args.shape or []]
+    if not shapes:
+        print("hybridgemm autotune: give --model NAME or --shape N,K", file=sys.stderr)
+        return 2
+    seen, unique = set(), []
+    for s in shapes:  # presets share shapes (e.g. q and o): tune each (N, K, bias) once
+        if (s.n, s.k, s.bias) not in seen:
+            seen.add((s.n, s.k, s.bias))
+            unique.append(s)
+    buckets = sorted(set(args.m)) if args.m else list(M_BUCKETS)
+    bad = [m for m in buckets if m not in M_BUCKETS]
+    if bad:
+        print(f"hybridgemm autotune: --m takes M buckets (powers of two 1..16384), got {bad}", file=sys.stderr)
+        return 2
+    keys = keys_for(unique, buckets, args.dtype, args.epilogue)
+    path = _table_path(args.out)
+    table = TuningTable.load(path, signature=current_signature())
+    if args.check:
+        rows = check_table(table, [k for k in keys if table.lookup(k) is not None])
+        drifted = [r for r in rows if r.get("status") != "ok"]
+        print(f"checked {len(rows)} entries of {path}: {len(drifted)} drifted more than 5% or were rejected")
+        return 1 if drifted else 0
+    print(f"tuning {len(keys)} keys ({len(unique)} shapes x {len(buckets)} M buckets x {len(args.dtype)} dtypes) "
+          f"into {path}")
+    results = tune(keys, table, path, force=args.force, progress=not args.no_progress)
+    _print_summary(results)
+    return 0 if all(r.skipped or r.winner for r in results) else 1
+
+
+def _print_summary(results) -> None:
+    rows = [r for r in results if not r.skipped and r.winner]
+    if not rows:
+        return
+    print(f"\n{'key':46s} {'winner':14s} {'µs':>9s} {'vs next':>8s} {'vs F.linear':>11s}  config")
+    for r in rows:
+        w = r.winner
+        nxt = f"{r.runner_up_us / w['median_us']:7.3f}x" if r.runner_up_us else "       -"
+        fl = f"{r.flinear_us / w['median_us']:10.3f}x" if r.flinear_us else "          -"
+        print(f"{r.key.to_string():46s} {w['backend']:14s} {w['median_us']:9.2f} {nxt} {fl}  {w['describe'][:60]}")
+
+
+def _cmd_show(args) -> int:
+    from hybridgemm.autotune_cache.table import TuningTable, shipped_table_paths
+
+    paths = [Path(args.path)] if args.path else [p for p in [_table_path(None)] if p.exists()]
+    paths += [] if args.path else shipped_table_paths()
+    if not paths:
+        print("no tables: run `hybridgemm autotune` on a GPU machine", file=sys.stderr)
+        return 1
+    for path in paths:
+        if not path.exists():
+            print(f"{path}: no such file", file=sys.stderr)
+            return 1
+        table = TuningTable.load(path, strict=False)
+        sig = table.signature or {}
+        print(f"{path}: {len(table)} entries; GPU {sig.get('gpu_name', '?')}, cuBLASLt {sig.get('cublaslt_version', '?')}, "
+              f"Triton {sig.get('triton_version', '?')}")
+        print(f"  {'key':46s} {'backend':14s} {'µs':>9s} {'F.linear µs':>11s} {'speedup':>8s}")
+        for key in sorted(table.entries, key=lambda k: (k.dtype, k.epilogue, k.n, k.k, k.m_bucket, k.layout)):
+            e = table.entries[key]
+            fl = e.get("flinear_us")
+            sp = f"{fl / e['median_us']:7.3f}x" if fl else "       -"
+            print(f"  {key.to_string():46s} {e['backend']:14s} {e['median_us']:9.2f} {fl or 0:11.2f} {sp}")
+    return 0
+
+
+def _cmd_explain(args) -> int:
+    from hybridgemm.dispatch import explain, set_table_path
+
+    if args.table:
+        set_table_path(args.table)
+    print(explain(args.x, args.w, args.dtype, bias=not args.no_bias, activation=args.activation))
+    return 0
 
 
 def _cmd_demo(args) -> int:
@@ -13,22 +129,58 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_main(args) -> int:
-    """The README's main job. GPU: demo of every backend beside F.linear. CPU: the CPU path."""
+    """The README's main job. GPU: tune the preset, then the demo (every backend beside
+    F.linear). CPU: the CPU path, and what the shipped table would pick on its GPU."""
+    import torch
+
     from hybridgemm.demo import run_demo
 
-    return run_demo()
+    if torch.cuda.is_available():
+        rc = _cmd_autotune(build_parser().parse_args(["autotune", "--model", args.model]))
+        return rc or run_demo()
+    rc = run_demo()
+    _cmd_show(argparse.Namespace(path=None))
+    return rc
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hybridgemm", description="Bias-fused GEMMs for PyTorch: tools.")
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("main", help="the main job (README): on a GPU tune + benchmark; on a CPU the CPU path")
-    p.set_defaults(fn=_cmd_main)
+
+    p = sub.add_parser("autotune", help="time every backend's candidates per shape and M bucket; fill the table")
+    p.add_argument("--model", action="append", help="model preset (repeatable): bert-base, gpt2, llama3-8b, ...")
+    p.add_argument("--shape", action="append", help="explicit N,K projection shape (repeatable)")
+    p.add_argument("--m", type=int, nargs="+", help="M buckets (default: 1 2 4 ... 16384)")
+    p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32", "tf32"])
+    p.add_argument("--epilogue", nargs="+", help="epilogue names (default: bias if the shape has one, else none)")
+    p.add_argument("--out", help="table path (default: the user table; see README)")
+    p.add_argument("--force", action="store_true", help="re-tune keys already in the table")
+    p.add_argument("--check", action="store_true", help="re-time the table's winners and report drift")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(fn=_cmd_autotune)
+
+    p = sub.add_parser("show", help="print a tuning table (default: the user table and the shipped ones)")
+    p.add_argument("path", nargs="?")
+    p.set_defaults(fn=_cmd_show)
+
+    p = sub.add_parser("explain", help="which kernel runs for these shapes, and why")
+    p.add_argument("--x", type=_ints, required=True, help="input shape, e.g. 16,4096 or 2,8,4096")
+    p.add_argument("--w", type=_ints, required=True, help="weight shape N,K, e.g. 6144,4096")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--no-bias", action="store_true")
+    p.add_argument("--activation", choices=["relu", "gelu_tanh", "gelu"])
+    p.add_argument("--table", help="explicit table path (over the user and shipped tables)")
+    p.set_defaults(fn=_cmd_explain)
+
     p = sub.add_parser("demo", help="one bias-fused GEMM per backend, checked and timed beside F.linear")
     p.add_argument("--m", type=int, default=16)
     p.add_argument("--n", type=int, default=6144)
     p.add_argument("--k", type=int, default=4096)
     p.set_defaults(fn=_cmd_demo)
+
+    p = sub.add_parser("main", help="the main job (README): on a GPU tune + demo; on a CPU the CPU path")
+    p.add_argument("--model", default="llama3-8b")
+    p.set_defaults(fn=_cmd_main)
     return ap
 
 

@@ -1,24 +1,53 @@
 """The dispatcher: which backend and configuration runs a given linear call.
 
-``fused_linear(x, weight, bias, activation)`` is the single entry point the user-facing
-layer (linear, autograd, attention projection) calls for the forward GEMM.
+``fused_linear(x, weight, bias, activation)`` is the forward GEMM behind ``hybridgemm.linear``
+and the attention projection. The choice is a pure function of the loaded tuning table and
+the problem; nothing is timed at call time.
 
-Rules, in order (the tuned-table lookup arrives with the autotune work):
-  1. Checks: F.linear's argument rules (clear errors naming dtype/shape/device).
-  2. Not CUDA, or a dtype no kernel takes (e.g. float64): PyTorch computes it.
-  3. Empty problems (M, N or K = 0): PyTorch semantics without a GEMM.
-  4. cuBLASLt when it is available and has the epilogue; otherwise the Triton kernels;
-     otherwise PyTorch.
+Rules, in order:
+  1. F.linear's argument rules (clear errors naming dtype, shape, device).
+  2. CPU tensors, or a dtype no kernel takes (e.g. float64): PyTorch computes it.
+  3. Empty problems (M, N or K = 0): PyTorch's semantics, no GEMM.
+  4. Table hit: the entry for (op, dtype, epilogue, N, K, M bucket, layout class).
+  5. Miss: the entry of the nearest tuned M bucket for the same everything else
+     (autotune_cache/table.py: log2 distance, ties to the smaller bucket).
+  6. No entry (or the entry's config fails the backend's validity check, which warns once):
+     the size rule: cuBLASLt's heuristic when it has the epilogue; else the Triton split-K
+     kernel for M ≤ 64 and the tiled kernel above; else PyTorch.
+Misses are logged once per key at debug level. ``explain()`` says which rule fired.
+
+Tables: loaded lazily per device (``load_tables``: explicit path > user table > shipped
+tables matching the device). ``HYBRIDGEMM_TABLE`` or :func:`set_table_path` names an explicit
+table; :func:`reload_tables` re-reads and clears every cached decision.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from hybridgemm.kernels.checks import check_linear_args
-from hybridgemm.kernels.epilogue import Activation, apply_activation
-from hybridgemm.kernels.problem import DTYPE_NAMES
+from hybridgemm.kernels.checks import (
+    call_signature,
+    check_gpu_kernel_args,
+    check_linear_args,
+    contiguous_bias,
+    row_major,
+    rows_2d,
+    rows_are_flat,
+)
+from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
+from hybridgemm.kernels.problem import DTYPE_NAMES, Problem
+
+_log = logging.getLogger(__name__)
+CACHE_SIZE = 1024
 
 
 def torch_linear(x, weight, bias, activation: Activation) -> torch.Tensor:
@@ -26,16 +55,227 @@ def torch_linear(x, weight, bias, activation: Activation) -> torch.Tensor:
     return apply_activation(F.linear(x, weight, bias), activation)
 
 
-def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 activation=None) -> torch.Tensor:
-    """``act(x @ weight.T + bias)`` for any leading dims of ``x``, on the best backend."""
-    act = Activation.parse(activation)
-    if x.device.type != "cuda" or x.dtype not in DTYPE_NAMES:
-        check_linear_args(x, weight, bias, "hybridgemm.linear")
-        return torch_linear(x, weight, bias, act)
+@dataclass(frozen=True)
+class Choice:
+    backend: str  # "cublaslt", "triton_gemm", "triton_splitk" or "torch"
+    config: Any  # the backend's restored config (None: cuBLASLt heuristic / torch)
+    source: str  # "table", "nearest", "rule"
+    key: str  # the table key asked for
+    reason: str
+
+    def describe(self) -> str:
+        cfg = ""
+        if self.config is not None:
+            from hybridgemm.backends import get_backend
+
+            cfg = f" [{get_backend(self.backend).describe(self.config)}]"
+        return f"{self.backend}{cfg} ({self.source}: {self.reason})"
+
+
+class _Bounded(OrderedDict):
+    def put(self, key, value):
+        self[key] = value
+        while len(self) > CACHE_SIZE:
+            self.popitem(last=False)
+
+
+_lock = threading.Lock()
+_tables: dict[int, Any] = {}
+_choices = _Bounded()
+_fast = _Bounded()
+_warned: set = set()
+_explicit_path: list[str | None] = [None]
+
+
+def set_table_path(path: str | os.PathLike | None) -> None:
+    """Use this table (over the user and shipped ones) from now on; None: back to the default."""
+    _explicit_path[0] = os.fspath(path) if path is not None else None
+    reload_tables()
+
+
+def reload_tables() -> None:
+    """Forget loaded tables and every cached decision (the next call re-reads the tables)."""
+    with _lock:
+        _tables.clear()
+        _choices.clear()
+        _fast.clear()
+
+
+def table_for_device(device_index: int):
+    table = _tables.get(device_index)
+    if table is None:
+        from hybridgemm.autotune_cache.signature import current_signature
+        from hybridgemm.autotune_cache.table import load_tables
+
+        explicit = _explicit_path[0] or os.environ.get("HYBRIDGEMM_TABLE") or None
+        table = load_tables(current_signature(device_index), explicit)
+        _tables[device_index] = table
+    return table
+
+
+def _warn_once(key, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def size_rule(problem: Problem, why: str) -> Choice:
+    """Rule 6: no usable table entry."""
+    from hybridgemm.backends import get_backend
     from hybridgemm.kernels import cublaslt
 
-    if act is not Activation.GELU and cublaslt.is_available():
-        return cublaslt.linear(x, weight, bias, act)
-    check_linear_args(x, weight, bias, "hybridgemm.linear")
-    return torch_linear(x, weight, bias, act)
+    key = _key_string(problem)
+    if cublaslt.is_available() and cublaslt.supports(problem)[0]:
+        return Choice("cublaslt", None, "rule", key, f"{why}; cuBLASLt heuristic")
+    name = "triton_splitk" if problem.m <= 64 else "triton_gemm"
+    try:
+        be = get_backend(name)
+        cands = be.candidates(problem)
+        if cands:
+            return Choice(name, cands[0], "rule", key, f"{why}; Triton default for M={problem.m}")
+    except ImportError:
+        pass
+    return Choice("torch", None, "rule", key, f"{why}; no kernel takes this problem")
+
+
+def _key_string(problem: Problem) -> str:
+    from hybridgemm.autotune_cache.table import TableKey
+
+    return TableKey.from_problem(problem).to_string()
+
+
+def choose(problem: Problem, device_index: int) -> Choice:
+    """Rules 4-6 for one problem (pure given the loaded table)."""
+    from hybridgemm.autotune_cache.table import TableKey
+    from hybridgemm.backends import ConfigRejected, get_backend
+
+    key = TableKey.from_problem(problem)
+    table = table_for_device(device_index)
+    entry, source = table.lookup(key), "table"
+    if entry is None:
+        hit = table.nearest(key)
+        if hit is None:
+            _log.debug("hybridgemm: no table entry for %s", key.to_string())
+            return size_rule(problem, "no table entry")
+        near_key, entry = hit
+        source = "nearest"
+        _log.debug("hybridgemm: %s not tuned; using bucket M=%d", key.to_string(), near_key.m_bucket)
+    try:
+        be = get_backend(entry["backend"])
+        if not be.available():
+            raise ConfigRejected(f"backend {entry['backend']} is not available here")
+        cfg = be.config_from_record(entry["config"], problem)
+    except (ConfigRejected, ValueError, ImportError) as e:
+        _warn_once(("rejected", key), f"hybridgemm: table entry for {key.to_string()} cannot be used ({e}); "
+                   "falling back to the size rule")
+        return size_rule(problem, "table entry rejected")
+    what = "tuned" if source == "table" else "nearest tuned M bucket"
+    return Choice(entry["backend"], cfg, source, key.to_string(), f"{what}, {entry['median_us']:.1f} µs when tuned")
+
+
+def _run_choice(choice: Choice, x2, w2, b2, out, act, tf32) -> None:
+    if choice.backend == "torch":
+        out.copy_(torch_linear(x2, w2, b2, act))
+        return
+    from hybridgemm.backends import get_backend
+
+    get_backend(choice.backend).run(choice.config, x2, w2, b2, out, act, tf32)
+
+
+def _launcher(choice: Choice, x, w, b, act, tf32):
+    """A no-checks callable for calls with this exact signature, or None (copies needed)."""
+    if choice.backend == "torch" or not rows_are_flat(x) or w.stride(1) != 1:
+        return None
+    n, k = w.shape
+    if (n > 1 and w.stride(0) < k) or (b is not None and (b.stride(0) != 1 or b.data_ptr() % 16)):
+        return None
+    if choice.backend == "cublaslt":
+        from hybridgemm.kernels import cublaslt
+
+        return cublaslt.launcher_for(x, w, b, act, choice.config)
+    from hybridgemm.backends import get_backend
+
+    run, cfg = get_backend(choice.backend).run, choice.config
+    m = x.numel() // k
+    out_shape, dtype, device = (*x.shape[:-1], n), x.dtype, x.device
+
+    def launch(x, w, b, xp, wp):
+        out = torch.empty((m, n), dtype=dtype, device=device)
+        run(cfg, x.reshape(m, k), w, b, out, act, tf32)
+        return out.view(out_shape)
+
+    return launch
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 activation=None) -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` for any leading dims of ``x``, on the chosen backend."""
+    if x.device.type != "cuda" or x.dtype not in DTYPE_NAMES:
+        check_linear_args(x, weight, bias, "hybridgemm.linear")
+        return torch_linear(x, weight, bias, Activation.parse(activation))
+    key, xp, wp = call_signature(x, weight, bias, activation)
+    fn = _fast.get(key)
+    if fn is not None:
+        return fn(x, weight, bias, xp, wp)
+    return _fused_linear_slow(x, weight, bias, activation, key)
+
+
+def _fused_linear_slow(x, weight, bias, activation, fast_key) -> torch.Tensor:
+    check_gpu_kernel_args(x, weight, bias, "hybridgemm.linear")
+    act = Activation.parse(activation)
+    lead = x.shape[:-1]
+    n, k = weight.shape
+    x2 = row_major(rows_2d(x))
+    m = x2.shape[0]
+    if m == 0 or n == 0 or k == 0:
+        return torch_linear(x, weight, bias, act)
+    w2, b2 = row_major(weight), contiguous_bias(bias)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tf32 = x.dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
+    problem = Problem.from_tensors(x2, w2, b2, out, Epilogue(act, bias is not None), tf32)
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    choice = _choices.get((dev, problem))
+    if choice is None:
+        with torch.cuda.device(dev):
+            choice = choose(problem, dev)
+        _choices.put((dev, problem), choice)
+    try:
+        _run_choice(choice, x2, w2, b2, out, act, tf32)
+    except ValueError as e:  # e.g. cuBLASLt has no algorithm for these alignments
+        _warn_once(("run", problem), f"hybridgemm: {choice.backend} could not run {choice.key} ({e}); "
+                   "computing this shape with PyTorch")
+        choice = Choice("torch", None, "rule", choice.key, f"{choice.backend} failed: {e}")
+        _choices.put((dev, problem), choice)
+        out = torch_linear(x2, w2, b2, act)
+    launcher = _launcher(choice, x, weight, bias, act, tf32)
+    if launcher is not None:
+        _fast.put(fast_key, launcher)
+    return out.reshape(*lead, n)
+
+
+def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: bool = True,
+            activation=None, device: int | None = None) -> str:
+    """Which kernel ``hybridgemm.linear`` runs for these shapes, and why (a table hit, the
+    nearest bucket, or a fallback rule). Works without a GPU (it then says PyTorch runs)."""
+    from hybridgemm.kernels.problem import NAME_TO_DTYPE
+
+    if isinstance(dtype, str):
+        dtype = NAME_TO_DTYPE.get(dtype) or getattr(torch, dtype)
+    act = Activation.parse(activation)
+    m = 1
+    for d in tuple(x_shape)[:-1]:
+        m *= int(d)
+    n, k = (int(v) for v in w_shape)
+    if int(tuple(x_shape)[-1]) != k:
+        raise ValueError(f"x_shape {tuple(x_shape)} has {x_shape[-1]} features, w_shape expects {k}")
+    problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=Epilogue(act, bias), ldx=k, ldw=k, ldo=n,
+                      tf32=dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32))
+    head = f"linear {DTYPE_NAMES.get(dtype, dtype)} M={m} N={n} K={k} epilogue={problem.epilogue.name}"
+    if not torch.cuda.is_available():
+        return f"{head}: no CUDA device here, so PyTorch (F.linear) computes it on the CPU"
+    if dtype not in DTYPE_NAMES:
+        return f"{head}: dtype not taken by any kernel, so PyTorch computes it"
+    dev = torch.cuda.current_device() if device is None else device
+    with torch.cuda.device(dev):
+        choice = choose(problem, dev)
+    return f"{head}\n  key {choice.key}\n  runs {choice.describe()}"

@@ -6,6 +6,8 @@ bad call fails at the boundary with a message a user can act on, never inside a 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .problem import DTYPE_NAMES
@@ -53,7 +55,7 @@ def check_gpu_kernel_args(x, weight, bias, who: str) -> None:
 def rows_2d(x: torch.Tensor) -> torch.Tensor:
     """Flatten leading dims: (..., K) -> (M, K), a view where strides allow."""
     k = x.shape[-1]
-    return x.reshape(1, k) if x.dim() == 1 else x.reshape(-1, k)
+    return x.reshape(math.prod(x.shape[:-1]), k)
 
 
 def row_major(t: torch.Tensor) -> torch.Tensor:
@@ -73,3 +75,36 @@ def contiguous_bias(bias: torch.Tensor | None, min_align: int = 16) -> torch.Ten
     out = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
     out.copy_(bias)
     return out
+
+
+def rows_are_flat(x: torch.Tensor) -> bool:
+    """Can x (..., K) be read as an (M, K) row-major matrix with one row stride, no copy?"""
+    if x.dim() == 1:
+        return x.stride(0) == 1 or x.shape[0] <= 1
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        return False
+    ld = x.stride(-2)
+    if ld < x.shape[-1] and x.shape[-2] > 1:
+        return False
+    expect = ld * x.shape[-2]
+    for size, stride in zip(reversed(x.shape[:-2]), reversed(x.stride()[:-2])):
+        if size > 1 and stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+_C = torch._C
+
+
+def call_signature(x, weight, bias, activation) -> tuple[tuple, int, int]:
+    """Everything a cached launch decision depends on, as a hashable tuple (plus the x and W
+    data pointers, which the caller needs anyway): shapes, strides, dtypes, devices, pointer
+    residues mod 256 (alignment class), the activation, and torch's matmul math flags.
+    Costs about 2 µs; used as the key of the fast paths."""
+    xp, wp = x.data_ptr(), weight.data_ptr()
+    return (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype,
+            weight.device, xp & 255, wp & 255,
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device, bias.data_ptr() & 15),
+            activation, _C._get_cublas_allow_tf32(), _C._get_cublas_allow_bf16_reduced_precision_reduction(),
+            _C._get_cublas_allow_fp16_reduced_precision_reduction()), xp, wp

@@ -33,7 +33,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .cublaslt_algos import CublasLtAlgo, InvalidAlgorithm, read_algo_fields, set_algo_field
+from .checks import call_signature, check_gpu_kernel_args, contiguous_bias, row_major, rows_2d, rows_are_flat
+from .cublaslt_algos import CublasLtAlgo, InvalidAlgorithm, read_algo_fields
 from .epilogue import Activation, Epilogue, apply_activation
 from .problem import MAX_ALIGNMENT, Problem, dtype_name
 
@@ -133,12 +134,16 @@ def _handle(device_index: int) -> int:
     return h
 
 
+_workspace_ptrs: dict[tuple[int, int], int] = {}
+
+
 def _workspace_ptr(device_index: int, stream: int) -> int:
-    ws = _workspaces.get((device_index, stream))
-    if ws is None:
+    ptr = _workspace_ptrs.get((device_index, stream))
+    if ptr is None:
         ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", device_index))
-        _workspaces[(device_index, stream)] = ws
-    return ws.data_ptr()
+        _workspaces[(device_index, stream)] = ws  # keeps the memory alive for the process
+        ptr = _workspace_ptrs[(device_index, stream)] = ws.data_ptr()
+    return ptr
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -196,9 +201,14 @@ class Plan:
             mask = int(lt.ReductionScheme.MASK) & ~int(lt.ReductionScheme.OUTPUT_TYPE)
             _set_attr(lt.matmul_preference_set_attribute, self.pref, P.REDUCTION_SCHEME_MASK,
                       mask, np.uint32)
+        # Host buffers and their addresses, read once: numpy's .ctypes.data costs ~1 µs a call.
         self._alpha = np.ones(1, dtype=np.float32)
         self._beta = np.zeros(1, dtype=np.float32)
         self._bias_holder = np.zeros(1, dtype=np.int64)
+        self._alpha_ptr, self._beta_ptr = self._alpha.ctypes.data, self._beta.ctypes.data
+        self._bias_holder_ptr = self._bias_holder.ctypes.data
+        self._matmul = lt.matmul
+        self._set_desc_attr = lt.matmul_desc_set_attribute
         self._last_bias = -1
         self._call_lock = threading.Lock()
         self.algo: CublasLtAlgo | None = None
@@ -255,20 +265,22 @@ class Plan:
             self.check(algo)
         self.algo = algo
         self._algo_buf = algo.buffer()
+        self._algo_ptr = self._algo_buf.ctypes.data
         return self
 
     # -- the call ------------------------------------------------------------------------
     def launch(self, x_ptr: int, w_ptr: int, bias_ptr: int, out_ptr: int, stream: int) -> None:
-        lt = self._lt
-        ws = _workspace_ptr(self.device_index, stream)
+        ws = _workspace_ptrs.get((self.device_index, stream)) or _workspace_ptr(self.device_index, stream)
+        # The bias pointer is a descriptor attribute: set it only when it changes (weights
+        # rarely move), under a lock so two threads sharing a plan cannot interleave.
         with self._call_lock:
             if bias_ptr != self._last_bias:
                 self._bias_holder[0] = bias_ptr
-                lt.matmul_desc_set_attribute(self.desc, 8, self._bias_holder.ctypes.data, 8)  # BIAS_POINTER
+                self._set_desc_attr(self.desc, 8, self._bias_holder_ptr, 8)  # CUBLASLT_MATMUL_DESC_BIAS_POINTER
                 self._last_bias = bias_ptr
-            lt.matmul(self.handle, self.desc, self._alpha.ctypes.data, w_ptr, self.adesc, x_ptr,
-                      self.bdesc, self._beta.ctypes.data, out_ptr, self.ddesc, out_ptr, self.ddesc,
-                      self._algo_buf.ctypes.data, ws, WORKSPACE_BYTES, stream)
+            self._matmul(self.handle, self.desc, self._alpha_ptr, w_ptr, self.adesc, x_ptr, self.bdesc,
+                         self._beta_ptr, out_ptr, self.ddesc, out_ptr, self.ddesc, self._algo_ptr, ws,
+                         WORKSPACE_BYTES, stream)
 
     def destroy(self) -> None:
         if self._destroyed:
@@ -349,123 +361,6 @@ def clear_caches() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Candidates for tuning
-
-
-def heuristic_algos(problem: Problem, device_index: int = 0, count: int = HEURISTIC_COUNT):
-    plan = Plan(problem, device_index, _reduced_reduction_allowed(problem.dtype))
-    try:
-        return plan.heuristics(count)
-    finally:
-        plan.destroy()
-
-
-def _cap_array(lt, algo_buf: np.ndarray, attr) -> list[int]:
-    written = np.zeros(1, dtype=np.uint64)
-    lt.matmul_algo_cap_get_attribute(algo_buf.ctypes.data, attr, 0, 0, written.ctypes.data)
-    n = int(written[0]) // 4
-    if n == 0:
-        return []
-    arr = np.zeros(n, dtype=np.uint32)
-    lt.matmul_algo_cap_get_attribute(algo_buf.ctypes.data, attr, arr.ctypes.data, arr.nbytes,
-                                     written.ctypes.data)
-    return [int(v) for v in arr]
-
-
-def _cap_scalar(lt, algo_buf: np.ndarray, attr) -> int:
-    written = np.zeros(1, dtype=np.uint64)
-    val = np.zeros(1, dtype=lt.get_matmul_algo_cap_attribute_dtype(attr))
-    lt.matmul_algo_cap_get_attribute(algo_buf.ctypes.data, attr, val.ctypes.data, val.nbytes,
-                                     written.ctypes.data)
-    return int(val[0])
-
-
-def exhaustive_algos(problem: Problem, device_index: int = 0, limit: int = 256,
-                     splitk_values: tuple[int, ...] = (1, 2, 4, 8)) -> list[CublasLtAlgo]:
-    """Every (algorithm id, tile, stages, split-K) that ``cublasLtMatmulAlgoCheck`` accepts for
-    this problem, via ``AlgoGetIds -> AlgoInit -> caps -> AlgoCheck``, up to ``limit``.
-
-    Split-K > 1 uses one reduction scheme per algorithm (the first supported of
-    COMPUTE_TYPE, INPLACE, OUTPUT_TYPE: fp32 partials first, as they round least).
-    Swizzle and cluster shape stay at the algorithm's defaults to keep the space tractable.
-    """
-    lt = _lt()
-    plan = Plan(problem, device_index, _reduced_reduction_allowed(problem.dtype))
-    version = cublaslt_version()
-    C = lt.MatmulAlgoCapAttribute
-    found: list[CublasLtAlgo] = []
-    try:
-        ids = lt.matmul_algo_get_ids(plan.handle, plan.compute_type, plan.scale_type, plan.data_type,
-                                     plan.data_type, plan.data_type, plan.data_type, 128)
-        epi_bit = int(lt.Epilogue[_EPILOGUE_NAMES[(problem.epilogue.activation, problem.epilogue.bias)]])
-        for algo_id in ids:
-            buf = np.zeros(8, dtype=np.uint64)
-            try:
-                lt.matmul_algo_init(plan.handle, plan.compute_type, plan.scale_type, plan.data_type,
-                                    plan.data_type, plan.data_type, plan.data_type, int(algo_id),
-                                    buf.ctypes.data)
-            except lt.cuBLASLtError:
-                continue
-            if epi_bit != 1 and (_cap_scalar(lt, buf, C.EPILOGUE_MASK) & epi_bit) != epi_bit:
-                continue
-            tiles = _cap_array(lt, buf, C.TILE_IDS) or [0]
-            stages = _cap_array(lt, buf, C.STAGES_IDS) or [0]
-            splitk_ok = _cap_scalar(lt, buf, C.SPLITK_SUPPORT)
-            red_mask = _cap_scalar(lt, buf, C.REDUCTION_SCHEME_MASK)
-            scheme = next((s for s in (2, 1, 4) if red_mask & s), 0)
-            for tile in tiles:
-                for stage in stages:
-                    for splitk in splitk_values:
-                        if splitk > 1 and (not splitk_ok or not scheme):
-                            continue
-                        cand = buf.copy()
-                        set_algo_field(cand, "TILE_ID", tile)
-                        set_algo_field(cand, "STAGES_ID", stage)
-                        set_algo_field(cand, "SPLITK_NUM", splitk)
-                        if splitk > 1:
-                            set_algo_field(cand, "REDUCTION_SCHEME", scheme)
-                        algo = CublasLtAlgo.from_buffer(cand, version, 0, "exhaustive")
-                        try:
-                            ws = plan.check(algo)
-                        except InvalidAlgorithm:
-                            continue
-                        found.append(CublasLtAlgo(algo.data, algo.fields, version, ws, "exhaustive"))
-                        if len(found) >= limit:
-                            return found
-        return found
-    finally:
-        plan.destroy()
-
-
-def candidates(problem: Problem, device_index: int = 0, heuristic_count: int = HEURISTIC_COUNT,
-               exhaustive_limit: int = 64) -> list[CublasLtAlgo]:
-    """Heuristic top-``heuristic_count`` first, then exhaustive finds not already listed."""
-    algos = heuristic_algos(problem, device_index, heuristic_count)
-    seen = {tuple(sorted(a.field_dict.items())) for a in algos}
-    if exhaustive_limit > 0:
-        for a in exhaustive_algos(problem, device_index, limit=exhaustive_limit + len(algos)):
-            sig = tuple(sorted(a.field_dict.items()))
-            if sig not in seen:
-                seen.add(sig)
-                algos.append(a)
-                if len(algos) >= heuristic_count + exhaustive_limit:
-                    break
-    return algos
-
-
-def restore_algo(record: dict, problem: Problem, device_index: int = 0) -> CublasLtAlgo:
-    """Rebuild an algorithm from its record and check it fits ``problem`` on this cuBLASLt.
-    Raises :class:`InvalidAlgorithm` naming the reason (other version, edited bytes, misfit)."""
-    algo = CublasLtAlgo.from_record(record, running_version=cublaslt_version())
-    plan = Plan(problem, device_index, _reduced_reduction_allowed(problem.dtype))
-    try:
-        plan.check(algo)
-    finally:
-        plan.destroy()
-    return algo
-
-
-# ---------------------------------------------------------------------------------------
 # The call path
 
 
@@ -515,65 +410,54 @@ def _launch_on_device(plan: Plan, dev: int, xp: int, wp: int, bp: int, op: int) 
             plan.launch(xp, wp, bp, op, _current_stream(dev))
 
 
-# Fast path of ``linear``: per call signature (shapes, strides, dtypes, devices, pointer
-# residues mod 256, activation, math flags) the checks' verdict and the plan, so a repeated
-# call costs one dict lookup plus the launch. Bounded like the plan cache.
+# Fast path: a launcher per call signature (shapes, strides, dtypes, devices, pointer
+# residues, activation, math flags; see checks.call_signature) so that a repeated call
+# costs one dict lookup, the output allocation and the launch. Bounded.
 _fast: OrderedDict = OrderedDict()
 _FAST_CACHE_SIZE = 1024
 
 
-def _fast_key(x, weight, bias, activation):
-    xp, wp = x.data_ptr(), weight.data_ptr()
-    return (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype,
-            weight.device, xp & 255, wp & 255,
-            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device, bias.data_ptr() & 15),
-            activation, _C._get_cublas_allow_tf32(), _C._get_cublas_allow_bf16_reduced_precision_reduction(),
-            _C._get_cublas_allow_fp16_reduced_precision_reduction()), xp, wp
-
-
-def _remember_fast(key, x, weight, bias, act, out_shape) -> None:
-    """After a successful slow-path call: cache the verdict if the operands can be passed
-    to cuBLASLt as they are (no copies) and the problem is not empty."""
+def launcher_for(x, weight, bias, act: Activation, algo: CublasLtAlgo | None = None):
+    """A callable ``(x, weight, bias, xp, wp) -> y`` that runs this exact call signature with no
+    checks, or None where the operands cannot be passed as they are (a copy is needed, or the
+    problem is empty). Valid only for operands of the same signature (the caller's key)."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     n, k = weight.shape
-    if m == 0 or n == 0 or k == 0 or x.device.type != "cuda":
-        return
-    if x.dim() > 1 and not _rows_are_flat(x):
-        return
+    if m == 0 or n == 0 or k == 0 or x.device.type != "cuda" or not rows_are_flat(x):
+        return None
     if weight.stride(1) != 1 or (n > 1 and weight.stride(0) < k):
-        return
+        return None
     if bias is not None and (bias.stride(0) != 1 or bias.data_ptr() % 16):
-        return
+        return None
+    dev, dtype, device = x.device.index, x.dtype, x.device
     ldx = x.stride(-2) if x.dim() > 1 and m > 1 else k
     ldw = weight.stride(0) if n > 1 else k
-    xp, wp = x.data_ptr(), weight.data_ptr()
-    tf32 = x.dtype == torch.float32 and _tf32_allowed()
-    reduced = _reduced_reduction_allowed(x.dtype)
-    problem = Problem(m=m, n=n, k=k, dtype=x.dtype, epilogue=Epilogue(act, bias is not None), ldx=ldx, ldw=ldw,
-                      ldo=n, align_x=_align(xp), align_w=_align(wp), align_out=MAX_ALIGNMENT, tf32=tf32)
-    pkey = (x.device.index, x.dtype, act, bias is not None, m, n, k, ldx, ldw, n, problem.align_x,
-            problem.align_w, MAX_ALIGNMENT, tf32, reduced, None)
+    tf32 = dtype == torch.float32 and _tf32_allowed()
+    reduced = _reduced_reduction_allowed(dtype)
+    problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=Epilogue(act, bias is not None), ldx=ldx, ldw=ldw,
+                      ldo=n, align_x=_align(x.data_ptr()), align_w=_align(weight.data_ptr()), tf32=tf32)
+    pkey = (dev, dtype, act, bias is not None, m, n, k, ldx, ldw, n, problem.align_x, problem.align_w,
+            MAX_ALIGNMENT, tf32, reduced, algo.data if algo is not None else None)
     plan = _plans.get(pkey)
     if plan is None:
-        return
-    _fast[key] = (plan, tuple(out_shape), x.device.index)
-    while len(_fast) > _FAST_CACHE_SIZE:
-        _fast.popitem(last=False)
+        plan = Plan(problem, dev, reduced).use(algo)
+        _plans.put(pkey, plan)
+    out_shape = (*x.shape[:-1], n)
 
+    plan_launch = plan.launch
+    get_device = _get_device if _get_device is not None else torch.cuda.current_device
+    stream_of = _raw_stream if _raw_stream is not None else _current_stream
 
-def _rows_are_flat(x: torch.Tensor) -> bool:
-    """Can x (..., K) be read as an (M, K) matrix with one row stride, without a copy?"""
-    if x.stride(-1) != 1:
-        return False
-    ld = x.stride(-2)
-    if ld < x.shape[-1] and x.shape[-2] > 1:
-        return False
-    expect = ld * x.shape[-2]
-    for size, stride in zip(reversed(x.shape[:-2]), reversed(x.stride()[:-2])):
-        if size > 1 and stride != expect:
-            return False
-        expect *= size
-    return True
+    def launch(x, weight, bias, xp, wp):
+        y = torch.empty(out_shape, dtype=dtype, device=device)
+        bp = bias.data_ptr() if bias is not None else 0
+        if get_device() == dev:  # the common case, inlined: every µs here is host overhead
+            plan_launch(xp, wp, bp, y.data_ptr(), stream_of(dev))
+        else:
+            _launch_on_device(plan, dev, xp, wp, bp, y.data_ptr())
+        return y
+
+    return launch
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -588,25 +472,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the result. M = 0 or N = 0 give an empty result; K = 0 gives ``act(bias)`` broadcast
     (zeros without bias), as ``F.linear`` does.
     """
-    if algo is None and out is None:
-        key, xp, wp = _fast_key(x, weight, bias, activation)
-        hit = _fast.get(key)
-        if hit is not None:
-            plan, out_shape, dev = hit
-            y = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-            _launch_on_device(plan, dev, xp, wp, bias.data_ptr() if bias is not None else 0, y.data_ptr())
-            return y
-    else:
-        key = None
-    y = _linear_checked(x, weight, bias, activation, algo, out)
-    if key is not None:
-        _remember_fast(key, x, weight, bias, Activation.parse(activation), y.shape)
+    if out is not None:
+        return _linear_checked(x, weight, bias, activation, algo, out)
+    key, xp, wp = call_signature(x, weight, bias, activation)
+    key = (key, algo.data if algo is not None else None)
+    fn = _fast.get(key)
+    if fn is not None:
+        return fn(x, weight, bias, xp, wp)
+    y = _linear_checked(x, weight, bias, activation, algo, None)
+    fn = launcher_for(x, weight, bias, Activation.parse(activation), algo)
+    if fn is not None:
+        _fast[key] = fn
+        while len(_fast) > _FAST_CACHE_SIZE:
+            _fast.popitem(last=False)
     return y
 
 
 def _linear_checked(x, weight, bias, activation, algo, out) -> torch.Tensor:
-    from .checks import check_gpu_kernel_args, contiguous_bias, row_major, rows_2d
-
     check_gpu_kernel_args(x, weight, bias, "cublaslt.linear")
     act = Activation.parse(activation)
     epi = Epilogue(act, bias is not None)
@@ -643,9 +525,12 @@ def _linear_checked(x, weight, bias, activation, algo, out) -> torch.Tensor:
     return out.reshape(*lead, n)
 
 
+# Search functions live in cublaslt_search.py (tuning only); re-exported for one namespace.
+from .cublaslt_search import candidates, exhaustive_algos, heuristic_algos, restore_algo  # noqa: E402
+
 __all__ = [
     "CublasLtAlgo", "CublasLtUnavailable", "CublasLtUnsupported", "InvalidAlgorithm", "Plan",
     "candidates", "clear_caches", "cublaslt_version", "epilogue_supported", "exhaustive_algos",
-    "heuristic_algos", "is_available", "linear", "read_algo_fields", "restore_algo", "run",
+    "heuristic_algos", "is_available", "launcher_for", "linear", "read_algo_fields", "restore_algo", "run",
     "supports",
 ]

@@ -159,11 +159,22 @@ def tma_reason(problem: Problem) -> str | None:
     for name, align in (("x", problem.align_x), ("weight", problem.align_w), ("out", problem.align_out)):
         if align < TMA_ALIGN:
             return f"TMA needs 16-byte aligned pointers ({name} is {align}-byte aligned)"
-    for name, ld, width in (("x", problem.ldx, problem.k), ("weight", problem.ldw, problem.k),
-                            ("out", problem.ldo, problem.n)):
+    for name, rows, ld, width in (("x", problem.m, problem.ldx, problem.k),
+                                  ("weight", problem.n, problem.ldw, problem.k),
+                                  ("out", problem.m, problem.ldo, problem.n)):
+        ld = tma_row_stride(rows, ld, width, e)
         if (ld * e) % TMA_ALIGN or ld < width:
             return f"TMA needs 16-byte aligned row strides ({name} row stride is {ld * e} bytes)"
     return None
+
+
+def tma_row_stride(rows: int, ld: int, width: int, itemsize: int) -> int:
+    """The row stride to describe an operand with: a single row's stride is never used, so
+    round its width up to 16 bytes (a 1 x 45 fp16 x still qualifies for TMA)."""
+    if rows != 1:
+        return ld
+    per = TMA_ALIGN // itemsize
+    return -(-width // per) * per
 
 
 # ----------------------------------------------------------------------------- config records

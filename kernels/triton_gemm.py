@@ -50,6 +50,7 @@ from .triton_common import (
     parse_activation,
     problem_limits,
     tma_reason,
+    tma_row_stride,
 )
 
 KIND = "triton_gemm"
@@ -318,10 +319,11 @@ def _make_plan(config, x, weight, bias, out, act, tf32) -> _Plan:
     descs = None
     if config.use_tma:
         store_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
+        e = problem.itemsize
         descs = (
-            ([m, k], [problem.ldx, 1], [config.block_m, config.block_k]),
-            ([n, k], [problem.ldw, 1], [config.block_n, config.block_k]),
-            ([m, n], [problem.ldo, 1], [config.block_m, store_n]),
+            ([m, k], [tma_row_stride(m, problem.ldx, k, e), 1], [config.block_m, config.block_k]),
+            ([n, k], [tma_row_stride(n, problem.ldw, k, e), 1], [config.block_n, config.block_k]),
+            ([m, n], [tma_row_stride(m, problem.ldo, n, e), 1], [config.block_m, store_n]),
         )
         for t, (shape, strides, block) in zip((x, weight, out), descs):
             TensorDescriptor(t, shape, strides, block)  # Triton's own checks, once per plan

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridgemm.kernels import cublaslt as lt
+from hybridgemm.kernels.checks import call_signature
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import Problem
 from hybridgemm.perf.csvio import environment_columns, write_rows
@@ -118,8 +119,9 @@ def host_breakdown(n=256, k=256, dtype=torch.bfloat16, calls=2000) -> dict[str, 
     w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
     b = torch.randn(n, device="cuda").to(dtype)
     out = torch.empty(1, n, device="cuda", dtype=dtype)
+    lt.clear_caches()
     lt.linear(x, w, b)
-    plan = next(iter(lt._fast.values()))[0]
+    plan = next(iter(lt._plans._d.values()))
     L = lt._lt()
     h, d, a, bd, dd = plan.handle, plan.desc, plan.adesc, plan.bdesc, plan.ddesc
     alpha, beta, algo = plan._alpha.ctypes.data, plan._beta.ctypes.data, plan._algo_buf.ctypes.data
@@ -137,7 +139,7 @@ def host_breakdown(n=256, k=256, dtype=torch.bfloat16, calls=2000) -> dict[str, 
         "lt.run (no checks)": lambda: lt.run(None, x, w, b, out, Activation.NONE),
         "lt.linear (fast path)": lambda: lt.linear(x, w, b),
         "torch.empty": lambda: torch.empty((1, n), dtype=dtype, device="cuda"),
-        "fast key": lambda: lt._fast_key(x, w, b, None),
+        "call signature (fast key)": lambda: call_signature(x, w, b, None),
     }
     res = eager_time_interleaved(fns, calls=calls)
     return {name: t.median_us for name, t in res.items()}

@@ -1,0 +1,264 @@
+"""Fused attention projections: one GEMM for Q, K and V, views for the heads.
+
+Layout. The fused weight stacks the rows of W_q (H*D), W_k (Hkv*D) and W_v (Hkv*D), in that
+order (what concatenating ``q_proj``/``k_proj``/``v_proj`` gives, and the order of
+``nn.MultiheadAttention.in_proj_weight``). One GEMM gives ``y`` (..., S, (H + 2*Hkv)*D);
+``y.unflatten(-1, (H + 2*Hkv, D)).split([H, Hkv, Hkv], dim=-2)`` and a transpose of the
+sequence and head dims give ``q`` (..., H, S, D), ``k`` and ``v`` (..., Hkv, S, D) without
+a copy. They are *non-contiguous views* into ``y`` (strides ``(S*(H+2Hkv)*D, D,
+(H+2Hkv)*D, 1)`` for 3-D ``x``): the last dim has unit stride, which is all
+``F.scaled_dot_product_attention`` needs (flash, memory-efficient and math backends
+accept them; SDPA's own ``.transpose(1, 2)`` output of HF models has the same kind of
+layout). Call ``.contiguous()`` only if a consumer insists. In the backward, autograd
+joins the three gradients with one ``cat`` (the backward of ``split``) into the fused
+gradient, which then goes through one dx GEMM and one dW GEMM.
+
+State dict of :class:`AttentionProjection`:
+``qkv_proj.weight`` ((H+2*Hkv)*D, hidden), ``qkv_proj.bias`` ((H+2*Hkv)*D,) if any,
+``o_proj.weight`` (out_features, H*D), ``o_proj.bias`` (out_features,) if any.
+:func:`fuse_qkv_state_dict` / :func:`split_qkv_state_dict` convert from/to the separate
+``q_proj``/``k_proj``/``v_proj``/``o_proj`` keys of Llama/Qwen2-style checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hybridgemm.kernels.checks import check_linear_args
+
+from .linear import HybridLinear, linear
+
+WHO = "hybridgemm.attention_projection"
+
+
+def _positive_int(value, name: str, who: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{who}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def resolve_heads(hidden_size: int, num_heads, num_kv_heads, head_dim, who: str = WHO) -> tuple[int, int, int]:
+    """Validate head counts; return ``(H, Hkv, D)``. ``num_kv_heads=None`` means H (no GQA);
+    ``head_dim=None`` means ``hidden_size // num_heads`` (which must then divide evenly)."""
+    h = _positive_int(num_heads, "num_heads", who)
+    hkv = h if num_kv_heads is None else _positive_int(num_kv_heads, "num_kv_heads", who)
+    if h % hkv:
+        raise ValueError(f"{who}: num_heads ({h}) must be a multiple of num_kv_heads ({hkv}) "
+                         "(each KV head serves a whole group of query heads)")
+    if head_dim is None:
+        if hidden_size % h:
+            raise ValueError(f"{who}: hidden size {hidden_size} is not divisible by num_heads {h}; "
+                             "pass head_dim explicitly if the model's head_dim is not hidden_size // num_heads")
+        d = hidden_size // h
+    else:
+        d = _positive_int(head_dim, "head_dim", who)
+    return h, hkv, d
+
+
+def attention_projection(x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None, num_heads: int,
+                         num_kv_heads: int | None = None, head_dim: int | None = None):
+    """``q, k, v`` (..., heads, S, D) from ``x`` (..., S, hidden) with ONE fused GEMM.
+
+    ``qkv_weight`` is ((H + 2*Hkv) * D, hidden), rows ordered Q, K, V; ``qkv_bias`` matches
+    or is None. The results are views (see the module docstring) ready for
+    ``F.scaled_dot_product_attention(q, k, v, enable_gqa=H != Hkv)``.
+    """
+    if not isinstance(x, Tensor) or x.dim() < 2:
+        what = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ValueError(f"{WHO}: x must be a tensor (..., seq, hidden), got {what}")
+    if not isinstance(qkv_weight, Tensor) or qkv_weight.dim() != 2:
+        what = tuple(qkv_weight.shape) if isinstance(qkv_weight, Tensor) else type(qkv_weight).__name__
+        raise ValueError(f"{WHO}: qkv_weight must be a 2-D tensor ((H + 2*Hkv) * head_dim, hidden), got {what}")
+    hidden = x.shape[-1]
+    h, hkv, d = resolve_heads(hidden, num_heads, num_kv_heads, head_dim)
+    rows = (h + 2 * hkv) * d
+    if qkv_weight.shape[0] != rows:
+        raise ValueError(f"{WHO}: qkv_weight has {qkv_weight.shape[0]} rows, expected (num_heads + 2 * "
+                         f"num_kv_heads) * head_dim = ({h} + 2*{hkv}) * {d} = {rows}")
+    check_linear_args(x, qkv_weight, qkv_bias, WHO)  # hidden size, bias shape, dtypes, devices
+    y = linear(x, qkv_weight, qkv_bias).unflatten(-1, (h + 2 * hkv, d))
+    q, k, v = y.split([h, hkv, hkv], dim=-2)
+    return q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
+    if q.shape[-3] != k.shape[-3]:
+        kwargs.setdefault("enable_gqa", True)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+class AttentionProjection(nn.Module):
+    """Fused QKV projection + output projection of one attention layer.
+
+    ``forward_qkv(x)`` -> ``q, k, v`` (B, H|Hkv, S, D); ``forward_out(attn)`` takes the
+    attention result (..., H, S, D) and returns (..., S, out_features); ``forward(x,
+    attn_fn=None, **kw)`` runs both around ``attn_fn(q, k, v, **kw)`` (default:
+    ``F.scaled_dot_product_attention``, with ``enable_gqa`` when H != Hkv). Inputs are
+    batch-first (B, S, hidden). Biases are optional for each projection (Qwen2: QKV bias,
+    no O bias; GPT-2/BERT/ViT: both).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, qkv_bias: bool = True, out_bias: bool = True,
+                 out_features: int | None = None, device=None, dtype=None):
+        super().__init__()
+        who = "AttentionProjection"
+        _positive_int(hidden_size, "hidden_size", who)
+        self.num_heads, self.num_kv_heads, self.head_dim = resolve_heads(
+            hidden_size, num_heads, num_kv_heads, head_dim, who)
+        self.hidden_size = hidden_size
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        out = hidden_size if out_features is None else _positive_int(out_features, "out_features", who)
+        # nn.Linear's init with fan_in = hidden for the fused weight: what three separate
+        # q/k/v linears would get.
+        self.qkv_proj = HybridLinear(hidden_size, (h + 2 * hkv) * d, bias=qkv_bias, device=device, dtype=dtype)
+        self.o_proj = HybridLinear(h * d, out, bias=out_bias, device=device, dtype=dtype)
+
+    @property
+    def split_sizes(self) -> tuple[int, int, int]:
+        """Rows of W_q, W_k, W_v in the fused weight."""
+        return (self.num_heads * self.head_dim,) + (self.num_kv_heads * self.head_dim,) * 2
+
+    def forward_qkv(self, x: Tensor):
+        return attention_projection(x, self.qkv_proj.weight, self.qkv_proj.bias,
+                                    self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward_out(self, attn: Tensor) -> Tensor:
+        h, d = self.num_heads, self.head_dim
+        if attn.dim() < 3 or attn.shape[-3] != h or attn.shape[-1] != d:
+            raise ValueError(f"AttentionProjection.forward_out: expected (..., {h} heads, seq, {d}), "
+                             f"got {tuple(attn.shape)}")
+        # (..., H, S, D) -> (..., S, H*D): a view when attn is laid out (..., S, H, D) in
+        # memory (SDPA's flash/cuDNN outputs are), else one copy inside the flatten.
+        return self.o_proj(attn.transpose(-3, -2).flatten(-2))
+
+    def forward(self, x: Tensor, attn_fn=None, **attn_kwargs) -> Tensor:
+        q, k, v = self.forward_qkv(x)
+        o = (attn_fn or _sdpa)(q, k, v, **attn_kwargs)
+        return self.forward_out(o)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
+
+    # ------------------------------------------------------------------ conversions
+
+    @classmethod
+    def from_linears(cls, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear, num_heads: int,
+                     num_kv_heads: int | None = None, head_dim: int | None = None) -> AttentionProjection:
+        """Fuse separate projections (copies the weights; the result shares no storage)."""
+        who = "AttentionProjection.from_linears"
+        lins = {"q": q, "k": k, "v": v, "o": o}
+        for name, lin in lins.items():
+            if not isinstance(getattr(lin, "weight", None), Tensor) or lin.weight.dim() != 2:
+                raise TypeError(f"{who}: {name} must be an nn.Linear-like module with a 2-D weight")
+        hidden = q.weight.shape[1]
+        if head_dim is None and q.weight.shape[0] % _positive_int(num_heads, "num_heads", who) == 0:
+            head_dim = q.weight.shape[0] // num_heads
+        h, hkv, d = resolve_heads(hidden, num_heads, num_kv_heads, head_dim, who)
+        want = {"q": (h * d, hidden), "k": (hkv * d, hidden), "v": (hkv * d, hidden)}
+        for name, shape in want.items():
+            if tuple(lins[name].weight.shape) != shape:
+                raise ValueError(f"{who}: {name}.weight has shape {tuple(lins[name].weight.shape)}, expected "
+                                 f"{shape} for {h} heads, {hkv} KV heads, head_dim {d}, hidden {hidden}")
+        if o.weight.shape[1] != h * d:
+            raise ValueError(f"{who}: o.weight has {o.weight.shape[1]} input features, expected H*D = {h * d}")
+        params = [t for lin in lins.values() for t in (lin.weight, lin.bias) if t is not None]
+        if len({t.dtype for t in params}) > 1 or len({t.device for t in params}) > 1:
+            raise TypeError(f"{who}: q, k, v, o must share one dtype and device, got "
+                            f"{sorted({str(t.dtype) for t in params})} on {sorted({str(t.device) for t in params})}")
+        has_b = [lin.bias is not None for lin in (q, k, v)]
+        if any(has_b) and not all(has_b):
+            raise ValueError(f"{who}: q, k and v must all have a bias or none (got q={has_b[0]}, "
+                             f"k={has_b[1]}, v={has_b[2]}); a fused bias cannot leave one out")
+        mod = cls(hidden, h, hkv, d, qkv_bias=all(has_b), out_bias=o.bias is not None,
+                  out_features=o.weight.shape[0], device=q.weight.device, dtype=q.weight.dtype)
+        with torch.no_grad():
+            mod.qkv_proj.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
+            if all(has_b):
+                mod.qkv_proj.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
+            mod.o_proj.weight.copy_(o.weight)
+            if o.bias is not None:
+                mod.o_proj.bias.copy_(o.bias)
+        return mod
+
+    @classmethod
+    def from_multihead_attention(cls, mha: nn.MultiheadAttention) -> AttentionProjection:
+        """From ``nn.MultiheadAttention``'s packed ``in_proj_weight``/``in_proj_bias`` and
+        ``out_proj`` (copied). Note the result is batch-first whatever ``mha.batch_first`` is."""
+        who = "AttentionProjection.from_multihead_attention"
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise TypeError(f"{who}: expected nn.MultiheadAttention, got {type(mha).__name__}")
+        if not mha._qkv_same_embed_dim or mha.in_proj_weight is None:
+            raise ValueError(f"{who}: kdim/vdim differ from embed_dim ({mha.kdim}, {mha.vdim} vs "
+                             f"{mha.embed_dim}): K and V do not come from the same input, nothing to fuse")
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError(f"{who}: add_bias_kv / add_zero_attn append extra keys; not representable")
+        e, h = mha.embed_dim, mha.num_heads
+        mod = cls(e, h, h, e // h, qkv_bias=mha.in_proj_bias is not None,
+                  out_bias=mha.out_proj.bias is not None, device=mha.in_proj_weight.device,
+                  dtype=mha.in_proj_weight.dtype)
+        with torch.no_grad():
+            mod.qkv_proj.weight.copy_(mha.in_proj_weight)
+            if mha.in_proj_bias is not None:
+                mod.qkv_proj.bias.copy_(mha.in_proj_bias)
+            mod.o_proj.weight.copy_(mha.out_proj.weight)
+            if mha.out_proj.bias is not None:
+                mod.o_proj.bias.copy_(mha.out_proj.bias)
+        return mod
+
+    def to_linears(self) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:
+        """Separate ``nn.Linear`` q, k, v, o with copies of the weights (inverse of from_linears)."""
+        w, b = self.qkv_proj.weight.detach(), self.qkv_proj.bias
+        out = []
+        for wi, bi in zip(w.split(self.split_sizes), b.detach().split(self.split_sizes) if b is not None
+                          else (None,) * 3):
+            lin = nn.Linear(wi.shape[1], wi.shape[0], bias=bi is not None, device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                lin.weight.copy_(wi)
+                if bi is not None:
+                    lin.bias.copy_(bi)
+            out.append(lin)
+        o = nn.Linear(self.o_proj.in_features, self.o_proj.out_features, bias=self.o_proj.bias is not None,
+                      device=w.device, dtype=w.dtype)
+        o.load_state_dict(self.o_proj.state_dict())
+        return (*out, o)
+
+
+def fuse_qkv_state_dict(sd: dict, prefix: str = "") -> dict:
+    """``{prefix}q_proj.*, k_proj.*, v_proj.*, o_proj.*`` -> AttentionProjection keys
+    (``qkv_proj.*``, ``o_proj.*``). Other keys are left out."""
+    out = {"qkv_proj.weight": torch.cat([sd[f"{prefix}{p}_proj.weight"] for p in "qkv"])}
+    has_b = [f"{prefix}{p}_proj.bias" in sd for p in "qkv"]
+    if any(has_b) and not all(has_b):
+        raise ValueError("fuse_qkv_state_dict: q, k and v must all have a bias or none")
+    if all(has_b):
+        out["qkv_proj.bias"] = torch.cat([sd[f"{prefix}{p}_proj.bias"] for p in "qkv"])
+    for name in ("weight", "bias"):
+        if f"{prefix}o_proj.{name}" in sd:
+            out[f"o_proj.{name}"] = sd[f"{prefix}o_proj.{name}"]
+    return out
+
+
+def split_qkv_state_dict(sd: dict, num_heads: int, num_kv_heads: int | None, head_dim: int,
+                         prefix: str = "") -> dict:
+    """Inverse of :func:`fuse_qkv_state_dict`: AttentionProjection keys -> ``q_proj.*`` ...
+    (the split tensors are views of the fused ones)."""
+    hkv = num_heads if num_kv_heads is None else num_kv_heads
+    sizes = [num_heads * head_dim, hkv * head_dim, hkv * head_dim]
+    w = sd["qkv_proj.weight"]
+    if w.shape[0] != sum(sizes):
+        raise ValueError(f"split_qkv_state_dict: qkv_proj.weight has {w.shape[0]} rows, expected {sum(sizes)}")
+    out = {f"{prefix}{p}_proj.weight": t for p, t in zip("qkv", w.split(sizes))}
+    if "qkv_proj.bias" in sd:
+        out.update({f"{prefix}{p}_proj.bias": t for p, t in zip("qkv", sd["qkv_proj.bias"].split(sizes))})
+    for name in ("weight", "bias"):
+        if f"o_proj.{name}" in sd:
+            out[f"{prefix}o_proj.{name}"] = sd[f"o_proj.{name}"]
+    return out
+
+
+__all__ = ["AttentionProjection", "attention_projection", "fuse_qkv_state_dict", "resolve_heads",
+           "split_qkv_state_dict"]

@@ -1,0 +1,157 @@
+"""``hybridgemm.linear``: a drop-in for ``F.linear`` with the bias and activation fused, and
+:class:`HybridLinear`, an ``nn.Linear`` that calls it.
+
+Routing (why three routes: a custom op costs ~10-25 µs of host time per call, which a
+decode step cannot afford, while ``torch.compile`` and autograd need the op):
+
+* eager, no gradient wanted (inference, ``torch.no_grad``), plain tensors:
+  ``hybridgemm.dispatch.fused_linear`` directly, the cheapest call there is;
+* gradient wanted, or under ``torch.compile``, or tensor subclasses (fake tensors, ...):
+  the ``hybridgemm::linear_fwd`` / ``linear_act_fwd`` custom ops (fusion/ops.py), whose
+  autograd runs the backward GEMMs through ``hybridgemm.dispatch.linear_backward``.
+
+Semantics are those of ``F.linear`` followed by the activation: ``x`` (..., K), ``weight``
+(N, K), ``bias`` (N,) or None, one dtype and one device; the result is (..., N) in the
+input dtype. Under ``torch.autocast`` the operands are cast to the autocast dtype first,
+as autocast does for ``F.linear``. CPU tensors and dtypes no kernel takes (float64, ...)
+are computed by PyTorch inside the dispatcher.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from hybridgemm import dispatch
+from hybridgemm.kernels.checks import check_linear_args
+from hybridgemm.kernels.epilogue import Activation
+
+from . import ops  # noqa: F401  (registers the hybridgemm:: custom ops)
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+_AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # autocast leaves fp64 alone
+
+
+def _autocast_dtype(x: Tensor) -> torch.dtype | None:
+    dev = x.device.type
+    if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return None
+
+
+def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    if t is None or t.dtype == dtype or t.dtype not in _AUTOCAST_CASTS:
+        return t
+    return t.to(dtype)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation=None) -> Tensor:
+    """``act(x @ weight.T + bias)`` for any leading dims of ``x``.
+
+    ``activation``: None, ``"relu"``, ``"gelu_tanh"`` (tanh approximation) or ``"gelu"``
+    (exact erf form), or an :class:`~hybridgemm.Activation`. Differentiable in ``x``,
+    ``weight`` and ``bias``; traceable by ``torch.compile(fullgraph=True)``.
+    """
+    act = Activation.parse(activation)
+    if not isinstance(x, Tensor) or not isinstance(weight, Tensor) or (
+            bias is not None and not isinstance(bias, Tensor)):
+        check_linear_args(x, weight, bias, "hybridgemm.linear")  # raises a TypeError naming the argument
+    ac = _autocast_dtype(x)
+    if ac is not None:
+        x, weight, bias = _cast(x, ac), _cast(weight, ac), _cast(bias, ac)
+    wants_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    if not wants_grad:
+        if (not torch.compiler.is_compiling() and type(x) in _PLAIN and type(weight) in _PLAIN
+                and (bias is None or type(bias) in _PLAIN)):
+            return dispatch.fused_linear(x, weight, bias, act)
+        return torch.ops.hybridgemm.linear_fwd(x, weight, bias, act.value)
+    if act in (Activation.GELU, Activation.GELU_TANH):
+        return torch.ops.hybridgemm.linear_act_fwd(x, weight, bias, act.value)[0]
+    return torch.ops.hybridgemm.linear_fwd(x, weight, bias, act.value)
+
+
+def _activation_grad(grad_out: Tensor, saved: Tensor | None, act: Activation) -> Tensor:
+    """``dL/dz`` from ``dL/dy``: the same aten kernels stock autograd uses, so the result
+    matches ``F.linear`` + ``F.relu``/``F.gelu`` bit for bit."""
+    if act is Activation.NONE:
+        return grad_out
+    if saved is None:
+        raise ValueError(f"linear_backward: activation {act.value!r} needs the saved tensor, got None")
+    if saved.shape != grad_out.shape:
+        raise ValueError(f"linear_backward: saved tensor shape {tuple(saved.shape)} != grad_out shape "
+                         f"{tuple(grad_out.shape)}")
+    if act is Activation.RELU:
+        # saved is y = relu(z) (or z): 1[y > 0] == 1[z > 0]
+        return torch.ops.aten.threshold_backward(grad_out, saved, 0)
+    approximate = "tanh" if act is Activation.GELU_TANH else "none"
+    return torch.ops.aten.gelu_backward(grad_out, saved, approximate=approximate)
+
+
+def torch_linear_backward(grad_out: Tensor, x: Tensor | None, weight: Tensor | None,
+                          pre_activation: Tensor | None, activation, needs_input_grad):
+    """Reference backward of ``y = act(x @ W.T + b)``, in PyTorch; returns ``(dx, dW, db)``.
+
+    ``grad_out`` (..., N) is ``dL/dy``; ``dz = grad_out * act'(z)``; then
+    ``dx = dz @ W`` (..., K), ``dW = dz^T @ x`` (N, K), ``db = dz.sum over rows`` (N,).
+    ``pre_activation`` is ``z`` for ``gelu``/``gelu_tanh``, the output ``y`` (or ``z``) for
+    ``relu``, None without an activation. ``needs_input_grad`` = (dx?, dW?, db?); a gradient
+    not asked for is returned as None, and its operand may be None (``x`` is only read for
+    dW, ``weight`` only for dx). This is the contract of ``hybridgemm.dispatch.linear_backward``.
+    """
+    act = Activation.parse(activation)
+    need_x, need_w, need_b = (bool(v) for v in needs_input_grad)
+    dz = _activation_grad(grad_out, pre_activation, act)
+    n = dz.shape[-1]
+    dz2 = dz.reshape(-1, n)
+    dx = dw = db = None
+    if need_x:
+        if weight is None:
+            raise ValueError("linear_backward: dx needs weight, got None")
+        dx = (dz2 @ weight).reshape(*dz.shape[:-1], weight.shape[1])
+    if need_w:
+        if x is None:
+            raise ValueError("linear_backward: dW needs x, got None")
+        dw = dz2.t() @ x.reshape(-1, x.shape[-1])
+    if need_b:
+        db = dz2.sum(0)
+    return dx, dw, db
+
+
+class HybridLinear(nn.Linear):
+    """``nn.Linear`` whose forward is :func:`hybridgemm.linear`, with an optional fused
+    activation. Same parameters and state-dict keys (``weight``, ``bias``) as ``nn.Linear``.
+
+    :func:`hybridgemm.patch` turns an existing ``nn.Linear`` into one in place (the class
+    attribute ``activation = None`` covers instances that never ran ``__init__``).
+    """
+
+    activation: str | None = None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, activation=None,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        act = Activation.parse(activation)
+        self.activation = None if act is Activation.NONE else act.value
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, activation=None) -> HybridLinear:
+        """A new module sharing ``lin``'s parameters (no copy)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = lin.in_features, lin.out_features
+        new.weight = lin.weight
+        new.bias = lin.bias
+        act = Activation.parse(activation)
+        new.activation = None if act is Activation.NONE else act.value
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias, self.activation)
+
+    def extra_repr(self) -> str:
+        act = f", activation={self.activation}" if self.activation else ""
+        return super().extra_repr() + act
+
+
+__all__ = ["HybridLinear", "linear", "torch_linear_backward"]

@@ -1,0 +1,116 @@
+"""Dispatcher and tuner on the GPU: tune end to end, reload in a fresh process, run each backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from helpers import check_close_to_reference, make_operands
+from hybridgemm import dispatch
+from hybridgemm.autotune_cache.presets import ProjectionShape
+from hybridgemm.autotune_cache.signature import current_signature
+from hybridgemm.autotune_cache.table import TableKey, TuningTable, make_entry
+from hybridgemm.autotune_cache.tuner import keys_for, tune
+from hybridgemm.kernels.epilogue import Epilogue
+from hybridgemm.kernels.problem import Problem
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch(monkeypatch, tmp_path):
+    monkeypatch.setenv("HYBRIDGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    dispatch.set_table_path(None)
+    yield
+    dispatch.set_table_path(None)
+
+
+def _tiny_tune(path, buckets=(1, 64, 512)):
+    keys = keys_for([ProjectionShape("t", 384, 512, True)], list(buckets))
+    table = TuningTable.load(path, signature=current_signature())
+    results = tune(keys, table, path, progress=False, log=lambda s: None)
+    return keys, results
+
+
+def test_tune_end_to_end_and_reload(tmp_path):
+    path = tmp_path / "table.json"
+    keys, results = _tiny_tune(path)
+    assert all(r.winner for r in results), [r.rejected for r in results]
+    doc = json.loads(path.read_text())
+    assert len(doc["entries"]) == len(keys)
+    # resume: nothing left to do
+    _, again = _tiny_tune(path)
+    assert all(r.skipped for r in again)
+    # the same choices in a fresh process reading the table
+    code = ("import sys, hybridgemm.dispatch as d; d.set_table_path(sys.argv[1]);"
+            "print('\\n'.join(d.explain((m, 512), (384, 512)) for m in (1, 64, 512, 300)))")
+    outs = [subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True,
+                           env=dict(os.environ)).stdout for _ in range(2)]
+    assert outs[0] == outs[1]
+    assert outs[0].count("(table:") == 3 and "(nearest:" in outs[0]
+
+
+@pytest.mark.parametrize("backend, record", [
+    ("triton_gemm", {"kind": "triton_gemm", "block_m": 64, "block_n": 128, "block_k": 64, "group_m": 8,
+                     "num_warps": 4, "num_stages": 3, "persistent": True, "use_tma": True, "epilogue_subtile": False}),
+    ("triton_splitk", {"kind": "triton_splitk", "block_m": 16, "block_n": 64, "block_k": 128, "split_k": 4,
+                       "num_warps": 4, "num_stages": 3}),
+    ("cublaslt", None),
+])
+def test_dispatch_runs_each_backend(tmp_path, backend, record):
+    m, n, k = 16, 384, 512
+    x, w, b = make_operands(m, n, k, torch.bfloat16, "cuda")
+    key = TableKey("linear", "bf16", "bias", n, k, 16, "c")
+    if record is None:
+        from hybridgemm.kernels import cublaslt as lt
+
+        problem = Problem(m=m, n=n, k=k, dtype=torch.bfloat16, epilogue=Epilogue.from_name("bias"), ldx=k, ldw=k,
+                          ldo=n)
+        record = lt.heuristic_algos(problem, count=2)[-1].to_record()  # not the heuristic's first
+    table = TuningTable(signature=current_signature())
+    table.set(key, make_entry(backend, record, median_us=10.0, spread_us=0.1))
+    path = tmp_path / "t.json"
+    table.save(path)
+    dispatch.set_table_path(path)
+    assert f"runs {backend}" in dispatch.explain((m, k), (n, k))
+    for _ in range(2):  # slow path, then the cached launcher
+        y = dispatch.fused_linear(x, w, b)
+        check_close_to_reference(y, x, w, b, None, backend)
+    y3 = dispatch.fused_linear(x.view(2, 8, k), w, b)
+    assert y3.shape == (2, 8, n) and torch.equal(y3.view(m, n), y)
+
+
+def test_rejected_entry_warns_once_and_falls_back(tmp_path):
+    m, n, k = 16, 384, 512
+    key = TableKey("linear", "bf16", "bias", n, k, 16, "c")
+    table = TuningTable(signature=current_signature())
+    bad = {"kind": "triton_gemm", "block_m": 256, "block_n": 256, "block_k": 256, "group_m": 8, "num_warps": 4,
+           "num_stages": 8, "persistent": True, "use_tma": True, "epilogue_subtile": False}  # too much smem
+    table.set(key, make_entry("triton_gemm", bad, median_us=1.0, spread_us=0.1))
+    path = tmp_path / "t.json"
+    table.save(path)
+    dispatch.set_table_path(path)
+    x, w, b = make_operands(m, n, k, torch.bfloat16, "cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = dispatch.fused_linear(x, w, b)
+        dispatch.fused_linear(x, w, b)
+    msgs = [str(c.message) for c in caught if "cannot be used" in str(c.message)]
+    assert len(msgs) == 1, msgs
+    check_close_to_reference(y, x, w, b, None, "fallback")
+    assert "(rule:" in dispatch.explain((m, k), (n, k))
+
+
+@pytest.mark.parametrize("act", [None, "relu", "gelu_tanh", "gelu"])
+@pytest.mark.parametrize("mnk", [(1, 100, 72), (17, 257, 130), (1000, 37, 45)])
+def test_untuned_shapes_follow_the_rule(act, mnk):
+    m, n, k = mnk
+    x, w, b = make_operands(m, n, k, torch.float16, "cuda")
+    y = dispatch.fused_linear(x, w, b, act)
+    check_close_to_reference(y, x, w, b, act, f"{mnk} {act}")

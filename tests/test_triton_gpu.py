@@ -1,0 +1,164 @@
+"""Triton backend on a real GPU (``pytest -m gpu``): bf16/fp16/fp32, both GEMM paths (TMA and
+pointer), split-K, determinism, CUDA-graph capture, misaligned operands, TF32 control.
+
+Errors are bounded relative to F.linear's own error on the same inputs, against an fp64
+reference computed on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridgemm.kernels import triton_gemm as tg
+from hybridgemm.kernels import triton_splitk as ts
+from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation, reference_linear
+from hybridgemm.kernels.problem import Problem
+from hybridgemm.kernels.triton_common import device_facts
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+EPS = {torch.bfloat16: 1e-3, torch.float16: 2e-4, torch.float32: 2e-6}
+
+
+def operands(m, n, k, dtype, bias=True):
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+    b = torch.randn(n, device="cuda").to(dtype) if bias else None
+    return x, w, b
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def problem_of(x, w, b, act=Activation.NONE, tf32=False):
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    return Problem.from_tensors(x, w, b, out, Epilogue(act, b is not None), tf32)
+
+
+def check(module, cfg, x, w, b, act, tf32=False):
+    """NaN-poisoned output, every element written, error ≤ 2 x F.linear's + eps."""
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device="cuda")
+    module.run(cfg, x, w, b, out, act, tf32=tf32)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "some output elements were not written"
+    ref = reference_linear(x, w, b, act)
+    err = rel_err(out, ref)
+    bound = 2 * rel_err(apply_activation(F.linear(x, w, b), act), ref) + EPS[x.dtype]
+    assert err <= bound, f"rel err {err:.3g} > {bound:.3g} with {cfg}"
+    return out
+
+
+def gemm_configs(prob):
+    """The default (TMA, persistent on Hopper) and the first pointer-path candidate."""
+    found = tg.candidates(prob)
+    pointer = next(c for c in found if not c.use_tma)
+    return [found[0], pointer] if found[0] != pointer else [pointer]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", list(Activation), ids=lambda a: a.value)
+def test_gemm_dtypes_activations(dtype, act):
+    x, w, b = operands(300, 520, 384, dtype)  # M, N not multiples of the tiles
+    for cfg in gemm_configs(problem_of(x, w, b, act)):
+        check(tg, cfg, x, w, b, act)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemm_no_bias(dtype):
+    x, w, b = operands(257, 384, 256, dtype, bias=False)
+    for cfg in gemm_configs(problem_of(x, w, b)):
+        check(tg, cfg, x, w, b, Activation.GELU)
+
+
+def test_gemm_tma_path_on_hopper():
+    x, w, b = operands(4096, 4096, 4096, torch.bfloat16)
+    cfg = tg.default_config(problem_of(x, w, b))
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert cfg.use_tma and cfg.persistent  # many more tiles than SMs: programs loop
+    check(tg, cfg, x, w, b, Activation.NONE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", list(Activation), ids=lambda a: a.value)
+@pytest.mark.parametrize("m", [1, 16])
+def test_splitk_dtypes_activations(dtype, act, m):
+    x, w, b = operands(m, 1064, 4096, dtype)
+    prob = problem_of(x, w, b, act)
+    direct = ts.TritonSplitKConfig(16, 64, 256 // x.element_size(), 1, 4, 4)
+    for cfg in (ts.default_config(prob), direct):
+        check(ts, cfg, x, w, b, act)
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_splitk_70b_qkv(m):
+    x, w, b = operands(m, 10240, 8192, torch.bfloat16)
+    for cfg in ts.candidates(problem_of(x, w, b))[:3]:
+        check(ts, cfg, x, w, b, Activation.NONE)
+
+
+def test_misaligned_operands_use_pointer_path():
+    m, n, k = 33, 520, 384
+    buf = torch.randn(m, k + 1, device="cuda").to(torch.bfloat16)
+    x = buf[:, 1:]  # 2 bytes off 16-byte alignment, row stride K + 1
+    _, w, b = operands(m, n, k, torch.bfloat16)
+    prob = problem_of(x, w, b)
+    assert prob.align_x == 2
+    cfg = tg.default_config(prob)
+    assert not cfg.use_tma
+    check(tg, cfg, x, w, b, Activation.RELU)
+    tma_cfg = tg.default_config(problem_of(x.contiguous(), w, b))
+    if tma_cfg.use_tma:
+        with pytest.raises(ValueError, match="16-byte"):
+            tg.run(tma_cfg, x, w, b, torch.empty(m, n, dtype=x.dtype, device="cuda"))
+    xs = buf[:1, 1:]
+    check(ts, ts.default_config(problem_of(xs, w, b)), xs, w, b, Activation.GELU_TANH)
+
+
+@pytest.mark.parametrize("module, m", [(tg, 512), (ts, 1), (ts, 16)], ids=["gemm", "splitk1", "splitk16"])
+def test_bit_identical_and_graph_replay(module, m):
+    x, w, b = operands(m, 1024, 2048, torch.bfloat16)
+    cfg = module.default_config(problem_of(x, w, b))
+    out = torch.empty(m, 1024, dtype=x.dtype, device="cuda")
+    first = module.run(cfg, x, w, b, out, "gelu").clone()
+    for _ in range(3):
+        assert torch.equal(module.run(cfg, x, w, b, out, "gelu"), first)
+    graph_out = torch.full_like(out, float("nan"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up on the capture stream's side, as torch advises
+        module.run(cfg, x, w, b, graph_out, "gelu")
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        module.run(cfg, x, w, b, graph_out, "gelu")
+    graph_out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, first)
+    x.copy_(torch.randn_like(x))  # the graph reads the live buffers
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, module.run(cfg, x, w, b, out, "gelu"))
+
+
+def test_tf32_is_opt_in():
+    x, w, b = operands(512, 512, 4096, torch.float32)
+    ref = reference_linear(x, w, b)
+    out = torch.empty(512, 512, device="cuda")
+    cfg = tg.default_config(problem_of(x, w, b))
+    tg.run(cfg, x, w, b, out)
+    exact = rel_err(out, ref)
+    tg.run(cfg, x, w, b, out, tf32=True)
+    tf32 = rel_err(out, ref)
+    assert exact < 1e-5, f"fp32 without TF32 should be exact-ish, got {exact:.3g}"
+    assert tf32 < 5e-3 and tf32 > 4 * exact, (exact, tf32)
+
+
+def test_device_facts():
+    facts = device_facts(torch.device("cuda", torch.cuda.current_device()))
+    assert facts.num_sms >= 1 and facts.smem_per_block >= 48 * 1024
+    assert facts.capability == torch.cuda.get_device_capability()

@@ -1,0 +1,210 @@
+"""Triton split-K (decode) GEMM: correctness, determinism, workspace reuse, configs, supports().
+
+Runs under the Triton interpreter on a CPU machine; bf16 is GPU-only (test_triton_gpu.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridgemm.kernels import triton_splitk as ts
+from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation, reference_linear
+from hybridgemm.kernels.problem import Problem
+from hybridgemm.kernels.triton_common import HOPPER_NUM_SMS
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+DTYPES = [torch.float16, torch.float32]
+EPS = {torch.float16: 1e-4, torch.float32: 1e-6}
+
+Cfg = ts.TritonSplitKConfig
+SPLIT3 = Cfg(block_m=16, block_n=16, block_k=16, split_k=3, num_warps=4, num_stages=2)
+DIRECT = Cfg(block_m=16, block_n=32, block_k=32, split_k=1, num_warps=4, num_stages=2)
+SPLIT2 = Cfg(block_m=16, block_n=32, block_k=16, split_k=2, num_warps=4, num_stages=3)
+CONFIGS = [SPLIT3, DIRECT, SPLIT2]
+
+
+def operands(m, n, k, dtype, device, bias=True):
+    x = torch.randn(m, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) / max(k, 1) ** 0.5).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    return x, w, b
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check(cfg, x, w, b, act, out=None):
+    """Run into a NaN-poisoned output; error bounded relative to PyTorch's own same-dtype one."""
+    if out is None:
+        out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    assert ts.run(cfg, x, w, b, out, act) is out
+    assert torch.isfinite(out).all(), "some output elements were not written"
+    ref = reference_linear(x, w, b, act)
+    bound = 2 * rel_err(apply_activation(F.linear(x, w, b), act), ref) + EPS[x.dtype]
+    err = rel_err(out, ref)
+    assert err <= bound, f"rel err {err:.3g} > {bound:.3g} ({cfg})"
+    return out
+
+
+@pytest.mark.parametrize("cfg", [SPLIT3, DIRECT], ids=lambda c: f"split{c.split_k}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", list(Activation), ids=lambda a: a.value)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_every_epilogue(cfg, dtype, act, bias, device):
+    x, w, b = operands(3, 40, 64, dtype, device, bias)
+    check(cfg, x, w, b, act)
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"split{c.split_k}")
+def test_odd_shapes(m, dtype, cfg, device):
+    x, w, b = operands(m, 37, 45, dtype, device)  # K tail, N tail, M=17 spans two m-blocks
+    check(cfg, x, w, b, Activation.GELU)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_contiguous_x_and_padded_out(dtype, device):
+    m, n, k = 5, 37, 45
+    buf = torch.randn(m, k + 8, device=device).to(dtype)
+    x = buf[:, 3 : 3 + k]  # row stride > K, misaligned pointer
+    _, w, b = operands(m, n, k, dtype, device)
+    obuf = torch.full((m, n + 3), float("nan"), dtype=dtype, device=device)
+    check(SPLIT3, x, w, b, Activation.RELU, out=obuf[:, :n])
+    assert torch.isnan(obuf[:, n:]).all(), "store wrote past N"
+
+
+def test_deterministic_and_workspace_reused(device):
+    x, w, b = operands(3, 40, 64, torch.float16, device)
+    first = check(SPLIT3, x, w, b, Activation.GELU_TANH)
+    held = ts.workspace_bytes()
+    assert held > 0
+    for _ in range(3):
+        assert torch.equal(check(SPLIT3, x, w, b, Activation.GELU_TANH), first)
+    assert ts.workspace_bytes() == held, "workspace reallocated per call"
+    # A different M in the same size bucket reuses the same buffer too.
+    x2, _, _ = operands(5, 40, 64, torch.float16, device)
+    check(SPLIT3, x2, w, b, Activation.NONE)
+    assert ts.workspace_bytes() == held
+
+
+def test_split_counts_agree(device):
+    x, w, b = operands(2, 40, 96, torch.float32, device)
+    outs = [check(Cfg(16, 16, 16, s, 4, 2), x, w, b, Activation.NONE) for s in (1, 2, 3, 6)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_empty(device):
+    x, w, b = operands(0, 40, 48, torch.float16, device)
+    out = torch.empty(0, 40, dtype=torch.float16, device=device)
+    assert ts.run(SPLIT3, x, w, b, out) is out
+
+
+def test_run_rejects(device):
+    x, w, b = operands(2, 40, 32, torch.float16, device)
+    out = torch.empty(2, 40, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="exceeds the 2 blocks of K"):
+        ts.run(SPLIT3, x, w, b, out)
+    with pytest.raises(TypeError, match="dtype"):
+        ts.run(DIRECT, x, w, b.float(), out)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        ts.run(DIRECT, x, w, b, out[:, :39])
+
+
+# ----------------------------------------------------------------------------- configs
+
+configs = st.builds(
+    Cfg,
+    block_m=st.sampled_from([16, 32, 64, 128]),
+    block_n=st.sampled_from([16, 32, 64, 128, 256]),
+    block_k=st.sampled_from([16, 32, 64, 128, 256, 512]),
+    split_k=st.integers(1, 64),
+    num_warps=st.sampled_from([1, 2, 4, 8, 16]),
+    num_stages=st.integers(1, 8),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(configs)
+def test_record_round_trip(cfg):
+    record = json.loads(json.dumps(cfg.to_record()))
+    assert record["kind"] == "triton_splitk"
+    assert Cfg.from_record(record) == cfg
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"kind": "triton_gemm"}, "kind"),
+        ({"split_k": 0}, "split_k"),
+        ({"split_k": 2.0}, "must be int"),
+        ({"block_n": 24}, "power of two"),
+        ({"block_m": 8}, "power of two"),
+        ({"num_stages": True}, "must be int"),
+        ({"persistent": False}, "unexpected keys"),
+    ],
+)
+def test_bad_records_rejected(change, match):
+    with pytest.raises(ValueError, match=match):
+        Cfg.from_record({**SPLIT3.to_record(), **change})
+
+
+def test_missing_key_rejected():
+    record = SPLIT3.to_record()
+    del record["split_k"]
+    with pytest.raises(ValueError, match="missing keys"):
+        Cfg.from_record(record)
+
+
+def problem(m=1, n=10240, k=8192, dtype=torch.bfloat16, **kw):
+    layout = dict(ldx=k, ldw=k, ldo=n) | kw
+    return Problem(m, n, k, dtype, Epilogue(Activation.NONE, True), **layout)
+
+
+def test_supports_reasons():
+    assert Cfg(16, 64, 128, 4, 4, 4).supports(problem(align_x=2, align_w=2))[0]  # any alignment
+    ok, why = Cfg(16, 64, 128, 4, 4, 4).supports(problem(k=256, ldx=256, ldw=256))
+    assert not ok and "exceeds the 2 blocks of K" in why
+    ok, why = Cfg(16, 256, 512, 2, 4, 4).supports(problem())
+    assert not ok and "shared memory" in why
+    ok, why = Cfg(128, 256, 64, 2, 4, 2).supports(problem(m=64))
+    assert not ok and "registers" in why
+    ok, why = Cfg(16, 64, 128, 2, 4, 4).supports(problem(dtype=torch.int8))
+    assert not ok and "dtype" in why
+
+
+SHAPES = {  # name: (N, K), the shapes the split-K kernel is tuned for
+    "8b-q": (4096, 4096), "8b-kv": (1024, 4096), "8b-qkv": (6144, 4096), "8b-o": (4096, 4096),
+    "70b-qkv": (10240, 8192), "70b-o": (8192, 8192),
+}
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_candidates_cover_the_gpu(name, m):
+    n, k = SHAPES[name]
+    prob = problem(m=m, n=n, k=k)
+    found = ts.candidates(prob)
+    assert 1 <= len(found) <= 12 and len(set(found)) == len(found)
+    assert all(c.supports(prob)[0] for c in found)
+    assert ts.default_config(prob).supports(prob)[0]
+    programs = [(-(-n // c.block_n)) * c.split_k * (-(-m // c.block_m)) for c in found]
+    # Each candidate fills the SMs at least half-way and at most ~5 waves; some give ~2+ waves.
+    assert all(HOPPER_NUM_SMS // 2 <= p <= 5 * HOPPER_NUM_SMS for p in programs), programs
+    assert any(1.9 * HOPPER_NUM_SMS <= p for p in programs), programs
+
+
+def test_candidates_only_for_decode():
+    assert ts.candidates(problem(m=65)) == []
+    assert ts.candidates(problem(m=64))
+    small = problem(m=1, n=37, k=45, ldx=45, ldw=45, ldo=37, dtype=torch.float16)
+    assert ts.default_config(small).supports(small)[0]
