@@ -260,5 +260,86 @@ def split_qkv_state_dict(sd: dict, num_heads: int, num_kv_heads: int | None, hea
     return out
 
 
-__all__ = ["AttentionProjection", "attention_projection", "fuse_qkv_state_dict", "resolve_heads",
-           "split_qkv_state_dict"]
+class HybridMultiheadAttention(nn.MultiheadAttention):
+    """``nn.MultiheadAttention`` whose self-attention path is :func:`attention_projection` +
+    ``F.scaled_dot_product_attention`` + :func:`hybridgemm.linear` for the output.
+
+    :func:`hybridgemm.patch` turns an ``nn.MultiheadAttention`` into one in place (same
+    object, same parameters and state-dict keys); ``unpatch`` turns it back. The fused path
+    runs when ``query is key is value`` (self-attention), the projection is packed
+    (no kdim/vdim), there is no ``add_bias_kv``/``add_zero_attn``, the input is a dense
+    2-D/3-D tensor and the masks have the documented shapes; every other call goes to the
+    stock ``forward`` unchanged (including its error messages). Mask semantics follow the
+    stock module: boolean ``True`` = not allowed, float masks are added to the scores.
+    """
+
+    def _fusable(self, query, key, value, key_padding_mask, attn_mask, is_causal) -> bool:
+        if not (query is key and key is value and isinstance(query, Tensor)) or query.is_nested:
+            return False
+        if not self._qkv_same_embed_dim or self.bias_k is not None or self.add_zero_attn:
+            return False
+        if query.dim() not in (2, 3) or query.shape[-1] != self.embed_dim:
+            return False
+        if is_causal and attn_mask is None:
+            return False  # the stock forward raises its own error for this
+        batched = query.dim() == 3
+        seq = query.shape[1 if batched and self.batch_first else 0]
+        bsz = query.shape[0 if self.batch_first else 1] if batched else 1
+        for m in (attn_mask, key_padding_mask):
+            if m is not None and (m.dtype != torch.bool and not m.is_floating_point()):
+                return False
+        if attn_mask is not None and tuple(attn_mask.shape) not in ((seq, seq), (bsz * self.num_heads, seq, seq)):
+            return False
+        want_kpm = (bsz, seq) if batched else (seq,)
+        return key_padding_mask is None or tuple(key_padding_mask.shape) == want_kpm
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        if not self._fusable(query, key, value, key_padding_mask, attn_mask, is_causal):
+            return super().forward(query, key, value, key_padding_mask=key_padding_mask,
+                                   need_weights=need_weights, attn_mask=attn_mask,
+                                   average_attn_weights=average_attn_weights, is_causal=is_causal)
+        batched = query.dim() == 3
+        x = query if not batched or self.batch_first else query.transpose(0, 1)
+        x = x if batched else x.unsqueeze(0)  # (B, L, E)
+        bsz, seq = x.shape[0], x.shape[1]
+        h = self.num_heads
+        q, k, v = attention_projection(x, self.in_proj_weight, self.in_proj_bias, h, h)
+        mask = None
+        if attn_mask is not None:
+            mask = _additive(attn_mask, q.dtype)
+            mask = mask.view(bsz, h, seq, seq) if mask.dim() == 3 else mask
+        if key_padding_mask is not None:
+            kpm = _additive(key_padding_mask, q.dtype).view(bsz, 1, 1, seq)
+            mask = kpm if mask is None else mask + kpm
+        dropout_p = self.dropout if self.training else 0.0
+        weights = None
+        if need_weights:
+            scores = (q * (1.0 / self.head_dim) ** 0.5) @ k.transpose(-2, -1)
+            probs = torch.softmax(scores if mask is None else scores + mask, dim=-1)
+            if dropout_p > 0.0:
+                probs = F.dropout(probs, p=dropout_p)
+            o = probs @ v
+            weights = probs.mean(dim=1) if average_attn_weights else probs
+        elif is_causal and key_padding_mask is None:
+            # As the stock module: the causal hint replaces the (causal) attn_mask.
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        out = linear(o.transpose(1, 2).flatten(-2), self.out_proj.weight, self.out_proj.bias)
+        if not batched:
+            return out.squeeze(0), (weights.squeeze(0) if weights is not None else None)
+        return (out if self.batch_first else out.transpose(0, 1)), weights
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Boolean (True = masked out) -> float with -inf there; a float mask as it is."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+
+
+
+
+__all__ = ["AttentionProjection", "HybridMultiheadAttention", "attention_projection", "fuse_qkv_state_dict",
+           "resolve_heads", "split_qkv_state_dict"]

@@ -102,8 +102,8 @@ def _cmd_show(args) -> int:
             return 1
         table = TuningTable.load(path, strict=False)
         sig = table.signature or {}
-        print(f"{path}: {len(table)} entries; GPU {sig.get('gpu_name', '?')}, cuBLASLt {sig.get('cublaslt_version', '?')}, "
-              f"Triton {sig.get('triton_version', '?')}")
+        print(f"{path}: {len(table)} entries; GPU {sig.get('gpu_name', '?')}, "
+              f"cuBLASLt {sig.get('cublaslt_version', '?')}, Triton {sig.get('triton_version', '?')}")
         print(f"  {'key':46s} {'backend':14s} {'µs':>9s} {'F.linear µs':>11s} {'speedup':>8s}")
         for key in sorted(table.entries, key=lambda k: (k.dtype, k.epilogue, k.n, k.k, k.m_bucket, k.layout)):
             e = table.entries[key]

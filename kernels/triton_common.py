@@ -27,7 +27,7 @@ ACT_CODE = {Activation.NONE: 0, Activation.RELU: 1, Activation.GELU_TANH: 2, Act
 
 
 @triton.jit
-def apply_activation(z, ACT: tl.constexpr):
+def tl_activation(z, ACT: tl.constexpr):
     """The activation of the fused epilogue, on the fp32 accumulator (codes: ACT_CODE)."""
     if ACT == 1:
         z = tl.maximum(z, 0.0)
@@ -135,8 +135,16 @@ def operand_key(x, weight, bias, out) -> tuple:
     return key + (bias.dtype, bias.shape, bias.stride(), bias.get_device(), bias.data_ptr() % 16 == 0)
 
 
+# Activation is a str enum, so this dict answers Activation members and their string values
+# alike with one hash lookup (Activation.parse costs ~0.5 µs per call).
+_ACTIVATIONS = {None: Activation.NONE, **{a.value: a for a in Activation}}
+
+
 def parse_activation(activation) -> Activation:
-    return activation if type(activation) is Activation else Activation.parse(activation)
+    try:
+        return _ACTIVATIONS[activation]
+    except (KeyError, TypeError):
+        return Activation.parse(activation)
 
 
 def problem_limits(problem: Problem) -> str | None:

@@ -38,7 +38,6 @@ from .problem import Problem
 from .triton_common import (
     ACT_CODE,
     HOPPER_SMEM_PER_BLOCK,
-    apply_activation,
     check_operands,
     check_pow2,
     check_range,
@@ -49,6 +48,7 @@ from .triton_common import (
     operand_key,
     parse_activation,
     problem_limits,
+    tl_activation,
     tma_reason,
     tma_row_stride,
 )
@@ -196,7 +196,7 @@ def _store_tile(acc, out_src, bias_ptr, off_m, off_n, M, N, ldo, BM: tl.constexp
     offs_n = off_n + tl.arange(0, WIDTH)
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    acc = apply_activation(acc, ACT)
+    acc = tl_activation(acc, ACT)
     if USE_TMA:
         out_src.store([off_m, off_n], acc.to(out_src.dtype))
     else:

@@ -35,7 +35,6 @@ from .triton_common import (
     HOPPER_NUM_SMS,
     HOPPER_SMEM_PER_BLOCK,
     INT32_LIMIT,
-    apply_activation,
     check_operands,
     check_pow2,
     check_range,
@@ -47,6 +46,7 @@ from .triton_common import (
     operand_key,
     parse_activation,
     problem_limits,
+    tl_activation,
 )
 
 KIND = "triton_splitk"
@@ -105,14 +105,14 @@ class TritonSplitKConfig:
         return True, ""
 
 
-# (block_n, bytes of K per row per stage, num_warps, num_stages): W tiles of 16-48 KB per stage.
+# (block_n, bytes of K per row per stage, num_warps, num_stages): W tiles of 16-32 KB per stage.
 _SHAPES = ((64, 256, 4, 4), (64, 512, 4, 3), (128, 256, 4, 4), (32, 512, 4, 4))
 
 
 def _split_for(waves: float, tiles: int, k_blocks: int, num_sms: int) -> int:
     """split_k giving about ``waves`` waves of programs, keeping ≥ 2 K blocks per split so the
     pipeline has something to overlap."""
-    return max(1, min(max(1, k_blocks // 2), round(waves * num_sms / tiles)))
+    return max(1, min(max(1, k_blocks // 2), round(waves * num_sms / max(1, tiles))))
 
 
 def candidates(
@@ -189,7 +189,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, M, N, K, ldx, ldw, l
     if DIRECT:  # split_k == 1: the epilogue runs here, no workspace
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        acc = apply_activation(acc, ACT)
+        acc = tl_activation(acc, ACT)
         ptrs = out_ptr + offs_m[None, :] * ldo + offs_n[:, None]
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
@@ -207,7 +207,7 @@ def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, ldo, split_k,
         acc += tl.load(ws_ptr + (s * M + m) * N + offs, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    acc = apply_activation(acc, ACT)
+    acc = tl_activation(acc, ACT)
     tl.store(out_ptr + m * ldo + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 

@@ -1,0 +1,241 @@
+"""hybridgemm.linear on the CPU: F.linear's semantics, the custom ops, autograd, compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import check_close_to_reference, make_operands, rel_err, torch_linear
+
+import hybridgemm
+from hybridgemm import HybridLinear, dispatch
+from hybridgemm.linear import torch_linear_backward
+
+ACTS = [None, "relu", "gelu_tanh", "gelu"]
+
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("lead", [(), (1,), (3,), (17,), (2, 3, 5)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_forward_matches_reference(lead, activation, bias):
+    n, k = 37, 50  # neither a multiple of 64
+    x = torch.randn(*lead, k)
+    w = torch.randn(n, k) / k**0.5
+    b = torch.randn(n) if bias else None
+    out = hybridgemm.linear(x, w, b, activation)
+    assert out.shape == (*lead, n) and out.dtype == x.dtype
+    check_close_to_reference(out.reshape(-1, n), x.reshape(-1, k), w, b, activation, f"{lead} {activation}")
+    torch.testing.assert_close(out, torch_linear(x, w, b, activation), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_custom_op_path_equals_fast_path(activation):
+    x, w, b = make_operands(17, 33, 70, torch.float32, "cpu")
+    fast = hybridgemm.linear(x, w, b, activation)
+    op = torch.ops.hybridgemm.linear_fwd(x, w, b, activation or "none")
+    torch.testing.assert_close(fast, op, rtol=0, atol=0)
+
+
+def test_non_contiguous_operands():
+    base = torch.randn(40, 9, 5)
+    x = base.transpose(0, 1)[:, ::2, :]  # (9, 20, 5), no unit stride pattern
+    w = torch.randn(5, 13).t()  # (13, 5) column-major
+    b = torch.randn(26)[::2]
+    out = hybridgemm.linear(x, w, b, "gelu")
+    torch.testing.assert_close(out, F.gelu(F.linear(x, w, b)), rtol=1e-6, atol=1e-6)
+
+
+def test_float64_and_empty_problems():
+    x, w, b = make_operands(3, 5, 7, torch.float64, "cpu")
+    torch.testing.assert_close(hybridgemm.linear(x, w, b, "relu"), torch.relu(F.linear(x, w, b)))
+    assert hybridgemm.linear(torch.randn(0, 7), torch.randn(5, 7)).shape == (0, 5)
+    kzero = hybridgemm.linear(torch.randn(4, 0), torch.randn(5, 0), torch.arange(5.0) - 2, "relu")
+    torch.testing.assert_close(kzero, torch.relu(torch.arange(5.0) - 2).expand(4, 5))
+
+
+def test_forward_goes_through_dispatcher(monkeypatch):
+    calls = []
+    real = dispatch.fused_linear
+
+    def spy(x, w, b=None, activation=None):
+        calls.append(str(getattr(activation, "value", activation)))
+        return real(x, w, b, activation)
+
+    monkeypatch.setattr(dispatch, "fused_linear", spy)
+    x, w, b = make_operands(3, 8, 6, torch.float32, "cpu")
+    hybridgemm.linear(x, w, b, "relu")  # eager, no grad
+    w.requires_grad_(True)
+    hybridgemm.linear(x, w, b, "relu").sum().backward()  # op path, output kept for backward
+    hybridgemm.linear(x, w, b, "gelu")  # keeps z: unfused GEMM + activation
+    assert calls == ["relu", "relu", "none"]
+
+
+# ------------------------------------------------------------------------------- autograd
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradcheck_fp64(activation, bias):
+    x = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64, requires_grad=True) if bias else None
+    inputs = (x, w, b) if bias else (x, w)
+    assert torch.autograd.gradcheck(lambda *a: hybridgemm.linear(*a[:2], a[2] if bias else None, activation),
+                                    inputs)
+
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_fp32_gradients_vs_fp64_reference(activation, m):
+    n, k = 45, 70
+    x, w, b = make_operands(m, n, k, torch.float32, "cpu")
+    gy = torch.randn(m, n)
+    ours = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    hybridgemm.linear(*ours, activation).backward(gy)
+    ref = [t.double().requires_grad_(True) for t in (x, w, b)]
+    torch_linear(*ref, activation).backward(gy.double())
+    stock = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    torch_linear(*stock, activation).backward(gy)
+    for name, o, r, s in zip("xwb", ours, ref, stock):
+        theirs = rel_err(s.grad, r.grad)
+        assert rel_err(o.grad, r.grad) <= max(2 * theirs, 2e-6), f"d{name}"
+
+
+@pytest.mark.parametrize("wanted", ["x", "w", "b", "wb"])
+def test_only_requested_gradients(wanted):
+    x, w, b = make_operands(4, 6, 5, torch.float64, "cpu")
+    for name, t in zip("xwb", (x, w, b)):
+        t.requires_grad_(name in wanted)
+    hybridgemm.linear(x, w, b, "gelu_tanh").sum().backward()
+    for name, t in zip("xwb", (x, w, b)):
+        assert (t.grad is not None) == (name in wanted)
+    xr, wr, br = (t.detach().requires_grad_(n in wanted) for n, t in zip("xwb", (x, w, b)))
+    F.gelu(F.linear(xr, wr, br), approximate="tanh").sum().backward()
+    for name, t, r in zip("xwb", (x, w, b), (xr, wr, br)):
+        if name in wanted:
+            torch.testing.assert_close(t.grad, r.grad)
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_backward_calls_dispatch_linear_backward(monkeypatch, activation):
+    seen = []
+
+    def spy(grad_out, x, weight, pre, act, needs):
+        seen.append((pre, act, tuple(needs), x is None, weight is None))
+        return torch_linear_backward(grad_out, x, weight, pre, act, needs)
+
+    monkeypatch.setattr(dispatch, "linear_backward", spy, raising=False)
+    x, w, b = make_operands(3, 4, 5, torch.float32, "cpu")
+    w.requires_grad_(True)
+    b.requires_grad_(True)
+    y = hybridgemm.linear(x, w, b, activation)
+    y.sum().backward()
+    (pre, act, needs, x_none, w_none), = seen
+    assert act == (activation or "none") and needs == (False, True, True)
+    assert not x_none and w_none  # W is not kept when dx is not wanted
+    if activation is None:
+        assert pre is None
+    elif activation == "relu":
+        torch.testing.assert_close(pre, y.detach())  # relu keeps its output, like torch.relu
+    else:
+        torch.testing.assert_close(pre, F.linear(x, w, b).detach())  # the pre-activation z
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_torch_linear_backward_reference(activation):
+    x, w, b = (t.requires_grad_(True) for t in make_operands(6, 5, 4, torch.float64, "cpu"))
+    z = F.linear(x, w, b)
+    y = torch_linear(x, w, b, activation)
+    g = torch.randn_like(y)
+    y.backward(g)
+    saved = y.detach() if activation == "relu" else z.detach()
+    dx, dw, db = torch_linear_backward(g, x.detach(), w.detach(), saved, activation, (True, True, True))
+    for ours, t in zip((dx, dw, db), (x, w, b)):
+        torch.testing.assert_close(ours, t.grad)
+    assert torch_linear_backward(g, None, w.detach(), saved, activation, (True, False, False))[1:] == (None, None)
+    if activation is not None:
+        with pytest.raises(ValueError, match="needs the saved tensor"):
+            torch_linear_backward(g, x, w, None, activation, (True, True, True))
+    with pytest.raises(ValueError, match="dW needs x"):
+        torch_linear_backward(g, None, w, saved, activation, (False, True, False))
+
+
+def test_opcheck_custom_ops():
+    x, w, b = (t.requires_grad_(True) for t in make_operands(3, 6, 5, torch.float32, "cpu"))
+    torch.library.opcheck(torch.ops.hybridgemm.linear_fwd.default, (x, w, b, "relu"))
+    torch.library.opcheck(torch.ops.hybridgemm.linear_fwd.default, (x, w, None, "none"))
+    torch.library.opcheck(torch.ops.hybridgemm.linear_act_fwd.default, (x.detach(), w.detach(), b.detach(), "gelu"),
+                          test_utils=("test_schema", "test_faketensor"))
+    g = torch.randn(3, 6)
+    torch.library.opcheck(torch.ops.hybridgemm.linear_bwd.default, (g, x.detach(), None, None, "none", False,
+                                                                    True, True))
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+def test_torch_compile_fullgraph(activation):
+    torch._dynamo.reset()
+    x, w, b = make_operands(5, 12, 10, torch.float32, "cpu")
+    w2 = torch.randn(7, 12)
+
+    def f(x, w, b, w2):
+        h = hybridgemm.linear(x, w, b, activation)
+        return hybridgemm.linear(h.unsqueeze(0), w2).square().sum()
+
+    args = [t.clone().requires_grad_(True) for t in (x, w, b, w2)]
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out = compiled(*args)
+    out.backward()
+    ref_args = [t.clone().requires_grad_(True) for t in (x, w, b, w2)]
+    ref = f(*ref_args)
+    ref.backward()
+    torch.testing.assert_close(out, ref)
+    for a, r in zip(args, ref_args):
+        torch.testing.assert_close(a.grad, r.grad)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x, w, b, w2),
+                                   f(x, w, b, w2))
+
+
+def test_autocast_cpu_casts_like_f_linear():
+    x, w, b = make_operands(4, 6, 8, torch.float32, "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = hybridgemm.linear(x, w, b)
+        ref = F.linear(x, w, b)
+    assert ours.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, ref)
+
+
+# --------------------------------------------------------------------------------- errors
+
+def test_errors_are_clear():
+    x, w, b = make_operands(3, 4, 5, torch.float32, "cpu")
+    with pytest.raises(TypeError, match="one dtype"):
+        hybridgemm.linear(x, w.double(), b)
+    with pytest.raises(TypeError, match="one dtype"):
+        hybridgemm.linear(x, w, b.half())
+    with pytest.raises(ValueError, match="one device"):
+        hybridgemm.linear(x, w.to("meta"), b)
+    with pytest.raises(ValueError, match="input features"):
+        hybridgemm.linear(x, torch.randn(4, 6), b)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        hybridgemm.linear(x, w, torch.randn(3))
+    with pytest.raises(ValueError, match="unknown activation"):
+        hybridgemm.linear(x, w, b, "swish")
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        hybridgemm.linear([[1.0]], w, b)
+    with pytest.raises(ValueError, match="input features"):  # also through the op (grad wanted)
+        hybridgemm.linear(x, torch.randn(4, 6, requires_grad=True), b)
+
+
+# ---------------------------------------------------------------------------- HybridLinear
+
+def test_hybrid_linear_module():
+    lin = torch.nn.Linear(9, 11)
+    hyb = HybridLinear.from_linear(lin, activation="relu")
+    assert hyb.weight is lin.weight and hyb.bias is lin.bias
+    assert set(hyb.state_dict()) == {"weight", "bias"}
+    x = torch.randn(2, 3, 9)
+    torch.testing.assert_close(hyb(x), torch.relu(lin(x)))
+    fresh = HybridLinear(9, 11, bias=False, activation="gelu")
+    fresh.load_state_dict({"weight": lin.weight.detach()})
+    torch.testing.assert_close(fresh(x), F.gelu(F.linear(x, lin.weight)))
+    assert "activation=gelu" in repr(fresh)
