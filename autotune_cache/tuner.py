@@ -106,7 +106,7 @@ def tune_key(key: TableKey, backends, log: Callable[[str], None] = lambda s: Non
                     if not e <= bound:
                         res.rejected.append((be.name, be.describe(cfg), f"rel err {e:.2e} > {bound:.2e}"))
                         continue
-                    t = gpu_time(fn, reps=reps, replays=5)
+                    t = gpu_time(fn, reps=reps, replays=3)
                 except Exception as ex:  # compile failure, launch error: skip this candidate
                     res.rejected.append((be.name, be.describe(cfg), f"{type(ex).__name__}: {ex}"[:300]))
                     continue

@@ -129,6 +129,7 @@ def host_breakdown(n=256, k=256, dtype=torch.bfloat16, calls=2000) -> dict[str, 
     stream = torch.cuda.current_stream().cuda_stream
     ws = lt._workspace_ptr(0, stream)
     holder = np.array([b.data_ptr()], dtype=np.int64)
+    dev_obj = x.device
     fns = {
         "F.linear": lambda: F.linear(x, w, b),
         "raw cublasLtMatmul binding": lambda: L.matmul(h, d, alpha, wp, a, xp, bd, beta, op, dd, op, dd, algo, ws,
@@ -138,7 +139,9 @@ def host_breakdown(n=256, k=256, dtype=torch.bfloat16, calls=2000) -> dict[str, 
                                                      lt.WORKSPACE_BYTES, stream)),
         "lt.run (no checks)": lambda: lt.run(None, x, w, b, out, Activation.NONE),
         "lt.linear (fast path)": lambda: lt.linear(x, w, b),
-        "torch.empty": lambda: torch.empty((1, n), dtype=dtype, device="cuda"),
+        "torch.empty (device str)": lambda: torch.empty((1, n), dtype=dtype, device="cuda"),
+        "torch.empty (device obj)": lambda: torch.empty((1, n), dtype=dtype, device=dev_obj),
+        "x.new_empty": lambda: x.new_empty((1, n)),
         "call signature (fast key)": lambda: call_signature(x, w, b, None),
     }
     res = eager_time_interleaved(fns, calls=calls)

@@ -15,8 +15,10 @@ import tempfile
 import torch
 
 KEY_COLUMNS = ("gpu", "shape", "N", "K", "M", "dtype", "epilogue", "provider", "method")
-FIRST_COLUMNS = (*KEY_COLUMNS, "median_us", "spread_us", "tflops", "gbps", "config", "rel_err")
-TAIL_COLUMNS = ("torch", "triton", "cublaslt", "nvmath", "hybridgemm", "host", "command")
+# status: ok | failed (wrong result, not timed) | skipped (cannot run here; see note) | error
+FIRST_COLUMNS = (*KEY_COLUMNS, "status", "median_us", "spread_us", "speedup_vs_flinear", "tflops", "gbps", "config",
+                 "rel_err", "err_bound")
+TAIL_COLUMNS = ("note", "torch", "triton", "cublaslt", "nvmath", "hybridgemm", "host", "command")
 
 
 def environment_columns(command: str) -> dict:

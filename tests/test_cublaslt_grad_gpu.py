@@ -30,13 +30,14 @@ def test_grads_match_reference(dtype, mnk):
     w = torch.randn(n, k, device="cuda").to(dtype)
     dx = grad_input(dz, w)
     dw, db = grad_weight(dz, x, bias_grad=True)
-    dw2, none = grad_weight(dz, x, bias_grad=False)
-    assert none is None and torch.equal(dw, dw2)
+    dw2, none = grad_weight(dz, x, bias_grad=False)  # may run another algorithm: not bit-equal
+    assert none is None
     ref_dx = dz.double() @ w.double()
     ref_dw = dz.double().T @ x.double()
     ref_db = dz.double().sum(0)
     assert _bound(rel_err(dx, ref_dx), rel_err(dz @ w, ref_dx), dtype), rel_err(dx, ref_dx)
     assert _bound(rel_err(dw, ref_dw), rel_err(dz.T @ x, ref_dw), dtype), rel_err(dw, ref_dw)
+    assert _bound(rel_err(dw2, ref_dw), rel_err(dz.T @ x, ref_dw), dtype), rel_err(dw2, ref_dw)
     assert _bound(rel_err(db, ref_db), rel_err(dz.sum(0), ref_db), dtype), rel_err(db, ref_db)
 
 

@@ -49,11 +49,12 @@ def test_tune_end_to_end_and_reload(tmp_path):
     assert all(r.skipped for r in again)
     # the same choices in a fresh process reading the table
     code = ("import sys, hybridgemm.dispatch as d; d.set_table_path(sys.argv[1]);"
-            "print('\\n'.join(d.explain((m, 512), (384, 512)) for m in (1, 64, 512, 300)))")
+            "print('\\n'.join(d.explain((m, 512), (384, 512)) for m in (1, 64, 300, 2000)))")
     outs = [subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True,
                            env=dict(os.environ)).stdout for _ in range(2)]
     assert outs[0] == outs[1]
-    assert outs[0].count("(table:") == 3 and "(nearest:" in outs[0]
+    # 1, 64 and 300 (bucket 512) are tuned; 2000 (bucket 2048) takes the nearest tuned bucket
+    assert outs[0].count("(table:") == 3 and outs[0].count("(nearest:") == 1, outs[0]
 
 
 @pytest.mark.parametrize("backend, record", [

@@ -58,7 +58,7 @@ def test_forward_goes_through_dispatcher(monkeypatch):
     real = dispatch.fused_linear
 
     def spy(x, w, b=None, activation=None):
-        calls.append(str(getattr(activation, "value", activation)))
+        calls.append(hybridgemm.Activation.parse(activation).value)
         return real(x, w, b, activation)
 
     monkeypatch.setattr(dispatch, "fused_linear", spy)

@@ -1,0 +1,140 @@
+"""The ``bench`` and ``plot`` subcommands of the ``hybridgemm`` command (wired in fusion/cli.py).
+
+    hybridgemm bench --model llama3-8b [--m 1 16 ...] [--providers ...] [--dtype bf16] [--out results.csv]
+                     [--training] [--plot DIR] [--list-providers]
+    hybridgemm plot results.csv [more.csv ...] [--out DIR]
+
+Each handler returns an exit code: 0 done, 1 ran but something is missing (no figure, a
+provider failed), 2 cannot run (bad arguments, no GPU, missing file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+DEFAULT_OUT = "bench_results.csv"
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    from hybridgemm.perf.bench import DEFAULT_M
+
+    p = subparsers.add_parser("bench", help="benchmark every provider beside F.linear on model projection shapes "
+                                            "(needs a GPU); writes a long-form CSV")
+    p.add_argument("--model", action="append", help="model preset (repeatable; default llama3-8b): bert-base, gpt2, "
+                                                    "llama3-8b, llama3-70b, qwen2.5-7b, mistral-7b")
+    p.add_argument("--shape", action="append", help="explicit N,K projection shape (repeatable)")
+    p.add_argument("--m", type=int, nargs="+", default=list(DEFAULT_M), help="M values (default: 1 16 128 1024 4096)")
+    p.add_argument("--providers", nargs="+", help="providers to run (default: all but the opt-in ones; "
+                                                  "F.linear always runs, it is the baseline); see --list-providers")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--activation", default="none", choices=["none", "relu", "gelu_tanh", "gelu"])
+    p.add_argument("--bias", default="model", choices=["model", "on", "off"],
+                   help="bias as the model has it (default), or forced on/off")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"CSV to upsert rows into (default: {DEFAULT_OUT})")
+    p.add_argument("--training", action="store_true", help="also time forward+backward of hybridgemm.linear "
+                                                           "vs F.linear with autograd")
+    p.add_argument("--plot", metavar="DIR", help="draw the figures from --out into DIR afterwards")
+    p.add_argument("--list-providers", action="store_true", help="list the providers and whether each can run here")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(fn=cmd_bench)
+    return p
+
+
+def add_plot_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plot", help="draw the benchmark figures from CSVs (works anywhere, no GPU)")
+    p.add_argument("csv", nargs="+", help="benchmark CSVs (bench, attention benchmark); later files win on a key")
+    p.add_argument("--out", help="output directory (default: the first CSV's directory)")
+    p.set_defaults(fn=cmd_plot)
+    return p
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def list_providers(out=sys.stdout) -> None:
+    from hybridgemm.perf.providers import PROVIDERS
+
+    for p in PROVIDERS.values():
+        note = p.unavailable()
+        flags = " (opt-in: name it in --providers)" if p.opt_in else ""
+        status = f"skipped here: {note}" if note else "available"
+        print(f"{p.name:22s} {status:50s} {p.doc}{flags}", file=out)
+
+
+def _command_line(args) -> str:
+    """The run as a canonical command line (stored in every CSV row): rebuilt from the parsed
+    arguments, so it is right however the command was invoked (script, -m, a test)."""
+    parts = ["hybridgemm", "bench"]
+    for m in args.model or []:
+        parts += ["--model", m]
+    for s in args.shape or []:
+        parts += ["--shape", s]
+    parts += ["--m", *map(str, args.m), "--dtype", args.dtype, "--activation", args.activation, "--bias", args.bias]
+    if args.providers:
+        parts += ["--providers", *args.providers]
+    parts += ["--out", args.out] + (["--training"] if args.training else [])
+    return shlex.join(parts)
+
+
+def cmd_bench(args) -> int:
+    from hybridgemm.perf import providers as P
+
+    if args.list_providers:
+        list_providers()
+        return 0
+    try:
+        P.select(args.providers)
+    except ValueError as e:
+        _err(f"hybridgemm bench: {e}")
+        return 2
+    if any(m < 1 for m in args.m):
+        _err(f"hybridgemm bench: --m values must be ≥ 1, got {args.m}")
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        _err("hybridgemm bench: needs a CUDA GPU, and this machine has none (it measures GPU and host time "
+             "of every provider). `hybridgemm plot` works anywhere, from CSVs measured elsewhere.")
+        return 2
+    from hybridgemm.perf.bench import print_summary, run_bench, shapes_for
+
+    args.model = args.model or ([] if args.shape else ["llama3-8b"])
+    try:
+        shapes = shapes_for(args.model, args.shape or [], args.bias)
+    except ValueError as e:
+        _err(f"hybridgemm bench: {e}")
+        return 2
+    res = run_bench(shapes, args.m, args.providers, args.dtype, args.out, args.activation, args.training,
+                    progress=not args.no_progress, command=_command_line(args))
+    print_summary(res)
+    print(f"wrote {len(res.rows)} rows to {args.out}")
+    rc = 1 if any(s["failed"] for s in res.summary) else 0
+    if args.plot:
+        rc = max(rc, cmd_plot(argparse.Namespace(csv=[args.out], out=args.plot)))
+    return rc
+
+
+def cmd_plot(args) -> int:
+    import os
+
+    missing = [p for p in args.csv if not os.path.isfile(p)]
+    if missing:
+        _err(f"hybridgemm plot: no such CSV file: {', '.join(missing)}")
+        return 2
+    from hybridgemm.perf.plots import make_all_plots
+
+    out = args.out or os.path.dirname(os.path.abspath(args.csv[0]))
+    try:
+        written = make_all_plots(args.csv, out, log=_err)
+    except (ValueError, KeyError, OSError) as e:  # a CSV that is not a benchmark CSV
+        _err(f"hybridgemm plot: cannot plot {', '.join(args.csv)}: {type(e).__name__}: {e}")
+        return 2
+    for p in written:
+        print(p)
+    if not written:
+        _err("hybridgemm plot: the CSVs hold no rows to plot")
+        return 1
+    return 0

@@ -1,0 +1,348 @@
+"""Figures drawn from benchmark CSVs only (perf/csvio.py's long form): no GPU, no re-measuring.
+
+    make_all_plots(["perf/results/h200/bench.csv", "perf/results/h200/attention_h200.csv"], "out/")
+
+1. ``tflops_vs_m.png``: TFLOP/s vs M per projection shape, one line per provider (method
+   ``gpu``), log-x, with two ceilings: HBM read bandwidth x arithmetic intensity (what bounds
+   small M: the weights must be read once) and the measured GEMM peak.
+2. ``dispatch_speedup.png``: speedup of ``dispatch`` over F.linear, heatmap shape x M.
+3. ``attention_path.png``: the attention-layer projection path (perf/bench_attention.py's
+   rows: providers ``stock``, ``naive_fused``, ``hybridgemm``), decode and prefill bars.
+   Skipped with a note when no CSV holds such rows.
+4. ``host_time.png``: host time per eager call per provider (method ``eager``), with
+   F.linear's GPU time for reference: where a provider's line sits above it, the host is the
+   bottleneck.
+5. ``training_fwd_bwd.png`` (when rows exist): speedup of ``hybridgemm.linear`` fwd+bwd.
+Several GPUs or dtypes in the CSVs give one file per (GPU, dtype), suffixed.
+Matplotlib's object API with the Agg canvas: no pyplot, no global backend switch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+from hybridgemm.perf.csvio import KEY_COLUMNS, read_rows
+
+HBM_TBPS = 4.23  # measured HBM read ceiling on the H200 (DESIGN.md)
+PEAK_TFLOPS = {"bf16": 790.0, "fp16": 790.0}  # best measured dense GEMMs on the H200
+ATTENTION_PROVIDERS = ("stock", "naive_fused", "hybridgemm")
+PROVIDER_ORDER = ("flinear", "matmul_add", "cublaslt_heuristic", "cublaslt_best", "triton_best", "dispatch",
+                  "compile_max_autotune", "hybridgemm_linear")
+LABELS = {"flinear": "F.linear (baseline)", "matmul_add": "x @ W.T + b (unfused)",
+          "cublaslt_heuristic": "cuBLASLt heuristic", "cublaslt_best": "cuBLASLt best algo",
+          "triton_best": "Triton best config", "dispatch": "hybridgemm dispatch",
+          "compile_max_autotune": "torch.compile max-autotune", "hybridgemm_linear": "hybridgemm.linear"}
+ITEMSIZE = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4, "tf32": 4}
+DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def load_rows(csv_paths) -> list[dict]:
+    """Rows of every CSV (a later file's row replaces an earlier one of the same key), with
+    M/N/K as ints and times as floats. Raises FileNotFoundError naming a missing file."""
+    merged: dict[tuple, dict] = {}
+    for p in csv_paths:
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"no such CSV file: {p}")
+        for r in read_rows(str(p)):
+            for c in ("M", "N", "K"):
+                r[c] = _int(r.get(c))
+            for c in ("median_us", "spread_us", "tflops"):
+                r[c] = _float(r.get(c))
+            r["dtype"] = DTYPE_SHORT.get(r.get("dtype", ""), r.get("dtype", ""))
+            merged[tuple(str(r.get(c, "")) for c in KEY_COLUMNS)] = r
+    return list(merged.values())
+
+
+def _int(v) -> int:
+    try:
+        return int(float(v))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _float(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def measured(rows, method: str) -> list[dict]:
+    """Rows of ``method`` that hold a time: status ok (or none recorded) and a positive median."""
+    return [r for r in rows if r.get("method") == method and r.get("status", "ok") in ("", "ok")
+            and r["median_us"] > 0]
+
+
+def _groups(rows) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        out.setdefault((r.get("gpu", "?"), r.get("dtype", "?")), []).append(r)
+    return out
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower()
+
+
+def _path(out_dir: Path, stem: str, group: tuple, n_groups: int) -> Path:
+    return out_dir / (f"{stem}.png" if n_groups == 1 else f"{stem}_{_slug(group[0])}_{group[1]}.png")
+
+
+def caption(rows) -> str:
+    """GPU and software versions the rows were measured with (every distinct value)."""
+    def vals(col):
+        return ", ".join(sorted({str(r.get(col) or "") for r in rows} - {""})) or "?"
+
+    return (f"GPU: {vals('gpu')} | torch {vals('torch')} | Triton {vals('triton')} | cuBLASLt {vals('cublaslt')} | "
+            f"nvmath-python {vals('nvmath')} | hybridgemm {vals('hybridgemm')}")
+
+
+def _figure(n_panels: int, panel_w=5.0, panel_h=3.8):
+    from matplotlib.figure import Figure
+
+    ncols = min(3, max(1, n_panels))
+    nrows = math.ceil(max(1, n_panels) / ncols)
+    fig = Figure(figsize=(panel_w * ncols + 2.5, panel_h * nrows + 0.6), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax in axes[n_panels:]:
+        ax.set_visible(False)
+    return fig, axes
+
+
+def _save(fig, path: Path, rows) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    # Lay the figure out first, then put the caption under the lowest thing drawn (an outside
+    # legend may hang below the figure's edge; "tight" saving then keeps both).
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    low = fig.get_tightbbox(canvas.get_renderer()).y0 / fig.get_size_inches()[1]
+    fig.text(0.5, min(low, 0.0) - 0.01, caption(rows), ha="center", va="top", fontsize=7, color="0.3")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130, bbox_inches="tight")
+    return path
+
+
+def _style(provider: str) -> dict:
+    if provider == "flinear":
+        return dict(color="black", lw=2.4, marker="o", zorder=5)
+    # crc32, not hash(): a provider keeps its colour from one run (process) to the next
+    idx = PROVIDER_ORDER.index(provider) if provider in PROVIDER_ORDER else zlib.crc32(provider.encode()) % 10
+    return dict(color=f"C{idx % 10}", lw=1.5, marker="os^vDP*X"[idx % 8], ms=4)
+
+
+def _providers(rows) -> list[str]:
+    names = {r["provider"] for r in rows}
+    return [p for p in PROVIDER_ORDER if p in names] + sorted(names - set(PROVIDER_ORDER))
+
+
+def _panels(rows) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        out.setdefault((r["shape"], r["N"], r["K"], r.get("epilogue", "")), []).append(r)
+    return out
+
+
+def _m_axis(ax, ms) -> None:
+    from matplotlib.ticker import NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("M (rows of x: tokens)")
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def _lines(ax, rows, value: Callable[[dict], float]) -> None:
+    for prov in _providers(rows):
+        pts = sorted((r["M"], value(r)) for r in rows if r["provider"] == prov)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=LABELS.get(prov, prov), **_style(prov))
+
+
+def _legend(fig, axes) -> None:
+    seen = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
+    # below the panels: a legend at the side collides with the centred suptitle
+    fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncol=min(4, len(seen)), fontsize=8)
+
+
+def _log_y(ax) -> None:
+    """Log y with plain numbers (5, 10, 20, 50 ...), not 2 x 10^1."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_minor_locator(LogLocator(base=10, subs=(3.0, 4.0, 6.0, 7.0, 8.0, 9.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+
+
+def plot_tflops(rows, path: Path) -> Path:
+    import numpy as np
+
+    panels = _panels(rows)
+    fig, axes = _figure(len(panels))
+    dtype = rows[0].get("dtype", "")
+    e = ITEMSIZE.get(dtype, 2)
+    for ax, ((shape, n, k, epi), prs) in zip(axes, panels.items()):
+        ms = sorted({r["M"] for r in prs})
+        _lines(ax, prs, lambda r: 2 * r["M"] * r["N"] * r["K"] / r["median_us"] / 1e6)
+        mm = np.geomspace(ms[0], ms[-1], 64)
+        bias = n if epi.startswith("bias") else 0
+        # bytes a GEMM must move at least: read x, W, bias once, write y once
+        intensity = 2 * mm * n * k / (e * (mm * k + n * k + mm * n + bias))
+        ax.plot(mm, HBM_TBPS * intensity, ls="--", color="0.45", lw=1.2,
+                label=f"HBM read ceiling ({HBM_TBPS} TB/s x intensity)")
+        if dtype in PEAK_TFLOPS:
+            ax.axhline(PEAK_TFLOPS[dtype], ls=":", color="0.2", lw=1.2,
+                       label=f"measured GEMM peak (~{PEAK_TFLOPS[dtype]:.0f} TFLOP/s)")
+        _log_y(ax)
+        top = max(PEAK_TFLOPS.get(dtype, 0.0), max(2 * r["M"] * n * k / r["median_us"] / 1e6 for r in prs))
+        ax.set_ylim(top=1.8 * top)  # the HBM line runs off far above the peak at large M: cut it
+        _m_axis(ax, ms)
+        ax.set_ylabel("TFLOP/s (higher is better)")
+        ax.set_title(f"{shape}: N={n}, K={k}, {epi}", fontsize=10)
+    _legend(fig, axes)
+    fig.suptitle(f"Fused linear throughput vs M, {dtype}, GPU time L2-clean-cold (CUDA-graph replay, median)")
+    return _save(fig, path, rows)
+
+
+def _heatmap(rows, path: Path, provider: str, baseline: str, title: str, what: str) -> Path | None:
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    t = {(r["shape"], r["M"], r["provider"]): r["median_us"] for r in rows}
+    shapes = list(dict.fromkeys(r["shape"] for r in rows if r["provider"] == provider))
+    ms = sorted({r["M"] for r in rows if r["provider"] == provider})
+    if not shapes:
+        return None
+    val = np.full((len(shapes), len(ms)), np.nan)
+    for i, s in enumerate(shapes):
+        for j, m in enumerate(ms):
+            a, b = t.get((s, m, baseline)), t.get((s, m, provider))
+            if a and b:
+                val[i, j] = a / b
+    if np.isnan(val).all():
+        return None
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(1.1 * len(ms) + 4.5, 0.55 * len(shapes) + 2.2), layout="constrained")
+    ax = fig.subplots()
+    lo, hi = np.nanmin(val), np.nanmax(val)
+    norm = TwoSlopeNorm(vcenter=1.0, vmin=min(lo, 0.95), vmax=max(hi, 1.05))  # white = parity
+    im = ax.imshow(np.ma.masked_invalid(val), cmap="RdYlGn", norm=norm, aspect="auto")
+    for i in range(len(shapes)):
+        for j in range(len(ms)):
+            ax.text(j, i, "-" if np.isnan(val[i, j]) else f"{val[i, j]:.2f}x", ha="center", va="center", fontsize=9)
+    ax.set_xticks(range(len(ms)), [str(m) for m in ms])
+    ax.set_yticks(range(len(shapes)), shapes)
+    ax.set_xlabel("M (rows of x: tokens)")
+    fig.colorbar(im, ax=ax, label=f"{what} (> 1: faster)")
+    ax.set_title(title, fontsize=10)
+    return _save(fig, path, rows)
+
+
+def plot_attention(rows, path: Path) -> Path | None:
+    import numpy as np
+
+    if not rows:
+        return None
+    methods = {r["method"] for r in rows}
+    method = "gpu" if "gpu" in methods else sorted(methods)[0]
+    rows = [r for r in rows if r["method"] == method]
+    provs = [p for p in ATTENTION_PROVIDERS if any(r["provider"] == p for r in rows)]
+    t = {(r["shape"], r["provider"]): r["median_us"] for r in rows}
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    parts = [("decode", [s for s in shapes if s.startswith("decode")]),
+             ("prefill / training", [s for s in shapes if not s.startswith("decode")])]
+    parts = [p for p in parts if p[1]]
+    fig, axes = _figure(len(parts), panel_w=max(4.0, 1.6 * max(len(p[1]) for p in parts)))
+    width = 0.8 / max(1, len(provs))
+    for ax, (label, shs) in zip(axes, parts):
+        x = np.arange(len(shs))
+        for i, prov in enumerate(provs):
+            ys = [t.get((s, prov), np.nan) for s in shs]
+            pos = x + (i - (len(provs) - 1) / 2) * width
+            ax.bar(pos, ys, width, label=prov, color="0.25" if prov == "stock" else f"C{i + 1}")
+            for xp, s, y in zip(pos, shs, ys):
+                stock = t.get((s, "stock"))
+                if prov != "stock" and stock and y == y:
+                    ax.annotate(f"{stock / y:.2f}x", (xp, y), ha="center", va="bottom", fontsize=7,
+                                xytext=(0, 2), textcoords="offset points")
+        ax.set_xticks(x, shs, rotation=15)
+        ax.set_ylabel(f"{'GPU' if method == 'gpu' else method} time per layer call (µs; lower is better)")
+        ax.set_title(f"attention projection path, {label}", fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+    _legend(fig, axes)
+    fig.suptitle("Attention-layer projections: stock PyTorch vs hybridgemm (labels: speedup over stock)")
+    return _save(fig, path, rows)
+
+
+def plot_host_time(rows, gpu_rows, path: Path) -> Path:
+    panels = _panels(rows)
+    fig, axes = _figure(len(panels))
+    gpu_fl = {(r["shape"], r["M"]): r["median_us"] for r in gpu_rows if r["provider"] == "flinear"}
+    for ax, ((shape, n, k, epi), prs) in zip(axes, panels.items()):
+        ms = sorted({r["M"] for r in prs})
+        _lines(ax, prs, lambda r: r["median_us"])
+        ref = [(m, gpu_fl[(shape, m)]) for m in ms if (shape, m) in gpu_fl]
+        if ref:
+            ax.plot([p[0] for p in ref], [p[1] for p in ref], ls=":", color="0.5", lw=1.5,
+                    label="F.linear GPU time (for reference)")
+        _log_y(ax)
+        _m_axis(ax, ms)
+        ax.set_ylabel("µs per call (lower is better)")
+        ax.set_title(f"{shape}: N={n}, K={k}, {epi}", fontsize=10)
+    _legend(fig, axes)
+    fig.suptitle("Host time per eager call: back-to-back calls, no sync, providers alternating in one loop")
+    return _save(fig, path, rows)
+
+
+def make_all_plots(csv_paths, out_dir, log: Callable[[str], None] = print) -> list[Path]:
+    """Draw every figure the CSVs have data for into ``out_dir``; return the files written.
+    A figure without data is skipped with a note through ``log``."""
+    rows = load_rows(csv_paths)
+    out_dir = Path(out_dir)
+    written: list[Path] = []
+    attention = [r for r in rows if r.get("provider") in ATTENTION_PROVIDERS]
+    linear = [r for r in rows if r.get("provider") not in ATTENTION_PROVIDERS]
+    gpu, eager, train = measured(linear, "gpu"), measured(linear, "eager"), measured(linear, "fwd_bwd_events")
+    if not gpu:
+        log("note: no GPU-time rows (method 'gpu') in the CSVs: skipping the TFLOP/s and dispatch figures")
+    groups = _groups(gpu)
+    for g, grows in groups.items():
+        written.append(plot_tflops(grows, _path(out_dir, "tflops_vs_m", g, len(groups))))
+        p = _heatmap(grows, _path(out_dir, "dispatch_speedup", g, len(groups)), "dispatch", "flinear",
+                     f"hybridgemm dispatch vs F.linear, {g[1]}, {g[0]}\nGPU time ratio F.linear / dispatch",
+                     "speedup")
+        if p is None:
+            log(f"note: no dispatch and F.linear rows for {g}: skipping the dispatch heatmap")
+        else:
+            written.append(p)
+    att = [r for r in attention if r.get("status", "ok") in ("", "ok") and r["median_us"] > 0]
+    p = plot_attention(att, out_dir / "attention_path.png")  # GPU-time rows if any, else what there is
+    if p is None:
+        log("note: no attention-layer rows (providers stock/hybridgemm, from perf/bench_attention.py's CSV): "
+            "skipping the attention figure")
+    else:
+        written.append(p)
+    groups = _groups(eager)
+    if not eager:
+        log("note: no eager rows: skipping the host-time figure")
+    for g, grows in groups.items():
+        written.append(plot_host_time(grows, gpu, _path(out_dir, "host_time", g, len(groups))))
+    groups = _groups(train)
+    for g, grows in groups.items():
+        p = _heatmap(grows, _path(out_dir, "training_fwd_bwd", g, len(groups)), "hybridgemm_linear", "flinear",
+                     f"training fwd+bwd of one linear, {g[1]}, {g[0]}\nCUDA-events time ratio F.linear / hybridgemm.linear",
+                     "speedup")
+        if p is not None:
+            written.append(p)
+    return written

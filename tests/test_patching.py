@@ -1,0 +1,266 @@
+"""hybridgemm.patch / unpatch on real clients: transformers Qwen2, Llama, GPT-2, BERT built
+from tiny configs with random weights (no downloads), and nn.MultiheadAttention."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import hybridgemm
+from hybridgemm import HybridLinear, HybridMultiheadAttention, dispatch
+from hybridgemm.patching import FusedQKV, HybridConv1D, QKVSlice
+
+VOCAB = 97
+
+
+def _tiny(kind: str, attn: str = "sdpa", layers: int = 2):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        raise AssertionError(kind)
+    model.config._attn_implementation = attn
+    return model.eval()
+
+
+def _snapshot(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _count_fused_calls(monkeypatch):
+    calls = []
+    real = dispatch.fused_linear
+    monkeypatch.setattr(dispatch, "fused_linear", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("kind,attn", [("qwen2", "sdpa"), ("llama", "sdpa"), ("qwen2", "eager")])
+def test_hf_causal_lm_logits_and_greedy_decode(kind, attn, monkeypatch):
+    model = _tiny(kind, attn)
+    before = _snapshot(model)
+    params_before = {n: p for n, p in model.named_parameters()}
+    ids = torch.randint(0, VOCAB, (2, 11))
+    with torch.no_grad():
+        ref = model(ids).logits
+        ref_tokens = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+    report = hybridgemm.patch(model)
+    assert report.fused_qkv == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert report.patched == ["model.layers.0.self_attn", "model.layers.0.self_attn.o_proj",
+                              "model.layers.1.self_attn", "model.layers.1.self_attn.o_proj"]
+    attn0 = model.model.layers[0].self_attn
+    assert isinstance(attn0.q_proj, QKVSlice) and isinstance(attn0.qkv_proj, FusedQKV)
+    assert type(attn0.o_proj) is HybridLinear
+
+    calls = _count_fused_calls(monkeypatch)
+    with torch.no_grad():
+        out = model(ids).logits
+    # one fused QKV GEMM (4 + 2*2 heads of 16 = 128 rows) and one O GEMM per layer, nothing else
+    assert calls == [128, 64, 128, 64]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens, ref_tokens)
+    assert attn0.qkv_proj._rec is None  # every slice handed out: nothing kept alive
+
+    restored = hybridgemm.unpatch(model)
+    assert sorted(restored) == sorted(report.patched)
+    assert all(type(getattr(attn0, n)) is nn.Linear for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    after = _snapshot(model)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert all(p is params_before[n] and p.is_contiguous() for n, p in model.named_parameters())
+    assert hybridgemm.unpatch(model) == []
+
+
+def test_hf_training_grads_and_step_then_unpatch():
+    stock = _tiny("qwen2")
+    stock.train()
+    patched = copy.deepcopy(stock)
+    hybridgemm.patch(patched)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, patched)]
+    for m, opt in zip((stock, patched), opts):
+        m(ids, labels=ids).loss.backward()
+    a_s, a_p = stock.model.layers[1].self_attn, patched.model.layers[1].self_attn
+    fused_grad = torch.cat([a_s.q_proj.weight.grad, a_s.k_proj.weight.grad, a_s.v_proj.weight.grad])
+    torch.testing.assert_close(a_p.qkv_proj.weight.grad, fused_grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(a_p.o_proj.weight.grad, a_s.o_proj.weight.grad, rtol=1e-5, atol=1e-7)
+    for opt in opts:
+        opt.step()
+    hybridgemm.unpatch(patched)  # the originals get the trained values back
+    ref, got = stock.state_dict(), patched.state_dict()
+    assert ref.keys() == got.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_hf_torch_compile_fullgraph_patched():
+    torch._dynamo.reset()
+    model = _tiny("llama", layers=1)
+    ids = torch.randint(0, VOCAB, (1, 7))
+    with torch.no_grad():
+        ref = model(ids).logits
+        hybridgemm.patch(model)
+        out = torch.compile(model, fullgraph=True, backend="aot_eager")(ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    hybridgemm.unpatch(model)
+
+
+def test_gpt2_conv1d_and_bert():
+    transformers = pytest.importorskip("transformers")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=4,
+                                                                n_positions=32)).eval()
+    bert = transformers.BertModel(transformers.BertConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2,
+                                                          num_attention_heads=4, intermediate_size=64)).eval()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    for model, get, expect in [
+        (gpt2, lambda m: m(ids).logits, ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj"]),
+        (bert, lambda m: m(ids).last_hidden_state, ["encoder.layer.0.attention.self",
+                                                    "encoder.layer.0.attention.output.dense"]),
+    ]:
+        before = _snapshot(model)
+        with torch.no_grad():
+            ref = get(model)
+            report = hybridgemm.patch(model)
+            assert report.patched[:2] == expect and len(report.patched) == 4
+            torch.testing.assert_close(get(model), ref, rtol=1e-5, atol=1e-5)
+        hybridgemm.unpatch(model)
+        after = _snapshot(model)
+        assert all(torch.equal(after[k], before[k]) and after[k].is_contiguous() for k in before)
+    assert type(gpt2.transformer.h[0].attn.c_attn).__name__ == "Conv1D"
+    hybridgemm.patch(gpt2)
+    assert isinstance(gpt2.transformer.h[0].attn.c_attn, HybridConv1D)
+    assert gpt2.transformer.h[0].attn.c_attn.weight.t().is_contiguous()  # no per-call weight copy
+
+
+def test_bert_cross_attention_not_fused():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=48, is_decoder=True, add_cross_attention=True)
+    model = transformers.BertModel(cfg).eval()
+    ids, enc = torch.randint(0, VOCAB, (2, 5)), torch.randn(2, 7, 32)
+    with torch.no_grad():
+        ref = model(ids, encoder_hidden_states=enc).last_hidden_state
+        report = hybridgemm.patch(model)
+        out = model(ids, encoder_hidden_states=enc).last_hidden_state
+    assert report.fused_qkv == ["encoder.layer.0.attention.self"]
+    assert any("cross-attention" in why for _, why in report.skipped)
+    assert type(model.encoder.layer[0].crossattention.self.key) is HybridLinear
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_slices_never_mix_inputs():
+    lin = [nn.Linear(16, n) for n in (16, 8, 8)]
+    holder = nn.Module()
+    for name, m in zip(("q_proj", "k_proj", "v_proj"), lin):
+        holder.add_module(name, m)
+    refs = copy.deepcopy(lin)
+    hybridgemm.patch(holder)
+    a, b = torch.randn(3, 16), torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(holder.q_proj(a), refs[0](a))
+        torch.testing.assert_close(holder.k_proj(b), refs[1](b))  # another input: its own GEMM
+        torch.testing.assert_close(holder.v_proj(a), refs[2](a))
+        holder.q_proj(a)
+        a.mul_(2)  # in-place change between the calls: the version counter catches it
+        torch.testing.assert_close(holder.k_proj(a), refs[1](a))
+        torch.testing.assert_close(holder.k_proj(a), refs[1](a))  # asked twice: recomputed
+    assert holder.q_proj.weight.shape == (16, 16) and holder.v_proj.bias.shape == (8,)
+
+
+def test_multihead_attention_variants(monkeypatch):
+    import hybridgemm.attention as attention_mod
+
+    fused = []
+    real = attention_mod.attention_projection
+    monkeypatch.setattr(attention_mod, "attention_projection", lambda *a, **kw: fused.append(1) or real(*a, **kw))
+    for batch_first in (True, False):
+        mha = nn.MultiheadAttention(32, 4, batch_first=batch_first).eval()
+        stock = copy.deepcopy(mha)
+        report = hybridgemm.patch(mha)
+        assert report.patched == ["(root)"] and type(mha) is HybridMultiheadAttention
+        b, s = 3, 7
+        x = torch.randn(b, s, 32) if batch_first else torch.randn(s, b, 32)
+        kpm = torch.rand(b, s) < 0.3
+        kpm[:, 0] = False
+        causal = nn.Transformer.generate_square_subsequent_mask(s)
+        cases = [dict(), dict(need_weights=False), dict(key_padding_mask=kpm), dict(attn_mask=causal.bool() * 1.0),
+                 dict(attn_mask=causal == float("-inf"), key_padding_mask=kpm, average_attn_weights=False),
+                 dict(attn_mask=causal, is_causal=True, need_weights=False),
+                 dict(attn_mask=torch.randn(b * 4, s, s))]
+        for kw in cases:
+            n = len(fused)
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out, w = mha(x, x, x, **kw)
+                ref, rw = stock(x, x, x, **kw)
+            assert len(fused) == n + 1, kw
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+            assert (w is None) == (rw is None)
+            if w is not None:
+                torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+        # unbatched, and cross-attention (delegated to the stock forward)
+        with torch.no_grad():
+            torch.testing.assert_close(mha(x[0], x[0], x[0])[0], stock(x[0], x[0], x[0])[0], rtol=1e-5, atol=1e-6)
+            y = torch.randn_like(x)
+            n = len(fused)
+            torch.testing.assert_close(mha(x, y, y)[0], stock(x, y, y)[0])
+            assert len(fused) == n
+        assert hybridgemm.unpatch(mha) == ["(root)"] and type(mha) is nn.MultiheadAttention
+
+
+def test_transformer_encoder_layer_training():
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=48, dropout=0.0, batch_first=True)
+    stock = copy.deepcopy(layer)
+    report = hybridgemm.patch(layer)
+    assert report.patched == ["self_attn"]
+    x = torch.randn(2, 5, 32)
+    out, ref = layer(x), stock(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    ref.sum().backward()
+    torch.testing.assert_close(layer.self_attn.in_proj_weight.grad, stock.self_attn.in_proj_weight.grad,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_nothing_to_patch_and_bad_input():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.warns(UserWarning, match="nothing patched"):
+        report = hybridgemm.patch(model)
+    assert not report and report.patched == []
+    with pytest.raises(ValueError, match="nothing patched"):
+        hybridgemm.patch(model, strict=True)
+    with pytest.raises(TypeError, match="expected an nn.Module"):
+        hybridgemm.patch("model")
+    assert hybridgemm.unpatch(model) == []
+
+    class LoraLinear(nn.Linear):
+        pass
+
+    attn = nn.Module()
+    for n in ("q_proj", "k_proj", "v_proj"):
+        attn.add_module(n, LoraLinear(8, 8))
+    with pytest.warns(UserWarning, match="not plain nn.Linear"):
+        report = hybridgemm.patch(attn)
+    assert report.skipped and "LoraLinear" in report.skipped[0][1]
+
+
+def test_patch_twice_and_no_fuse_option():
+    model = _tiny("qwen2", layers=1)
+    keys = set(model.state_dict())
+    report = hybridgemm.patch(model, fuse_qkv=False)
+    assert report.fused_qkv == [] and len(report.patched) == 4
+    assert set(model.state_dict()) == keys  # one-by-one swaps keep the checkpoint keys
+    with pytest.warns(UserWarning, match="nothing patched"):
+        again = hybridgemm.patch(model)
+    assert not again
+    hybridgemm.unpatch(model)
+    assert all(type(m) is not HybridLinear for m in model.modules())
