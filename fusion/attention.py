@@ -3,8 +3,8 @@
 Layout. The fused weight stacks the rows of W_q (H*D), W_k (Hkv*D) and W_v (Hkv*D), in that
 order (what concatenating ``q_proj``/``k_proj``/``v_proj`` gives, and the order of
 ``nn.MultiheadAttention.in_proj_weight``). One GEMM gives ``y`` (..., S, (H + 2*Hkv)*D);
-``y.unflatten(-1, (H + 2*Hkv, D)).split([H, Hkv, Hkv], dim=-2)`` and a transpose of the
-sequence and head dims give ``q`` (..., H, S, D), ``k`` and ``v`` (..., Hkv, S, D) without
+viewing it (..., S, H + 2*Hkv, D), splitting the heads [H, Hkv, Hkv] and transposing the
+sequence and head dims gives ``q`` (..., H, S, D), ``k`` and ``v`` (..., Hkv, S, D) without
 a copy. They are *non-contiguous views* into ``y`` (strides ``(S*(H+2Hkv)*D, D,
 (H+2Hkv)*D, 1)`` for 3-D ``x``): the last dim has unit stride, which is all
 ``F.scaled_dot_product_attention`` needs (flash, memory-efficient and math backends
@@ -78,9 +78,22 @@ def attention_projection(x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None,
         raise ValueError(f"{WHO}: qkv_weight has {qkv_weight.shape[0]} rows, expected (num_heads + 2 * "
                          f"num_kv_heads) * head_dim = ({h} + 2*{hkv}) * {d} = {rows}")
     check_linear_args(x, qkv_weight, qkv_bias, WHO)  # hidden size, bias shape, dtypes, devices
-    y = linear(x, qkv_weight, qkv_bias).unflatten(-1, (h + 2 * hkv, d))
-    q, k, v = y.split([h, hkv, hkv], dim=-2)
-    return q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)
+    return _project(x, qkv_weight, qkv_bias, h, hkv, d)
+
+
+def _project(x: Tensor, w: Tensor, b: Tensor | None, h: int, hkv: int, d: int):
+    """The fused GEMM and the head views, arguments already validated."""
+    y = linear(x, w, b)
+    heads = y.view(*y.shape[:-1], h + 2 * hkv, d)  # splitting the last dim is always a view
+    if y.requires_grad:
+        # Split before transposing: the backward of the split is then one cat written
+        # straight in y's (..., S, heads, D) layout, with no extra copy before the GEMMs.
+        q, k, v = heads.split_with_sizes((h, hkv, hkv), dim=-2)
+        return q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)
+    # No autograd: one transpose, then the split; the same views with fewer ops (host time
+    # matters in decode).
+    q, k, v = heads.transpose(-3, -2).split_with_sizes((h, hkv, hkv), dim=-3)
+    return q, k, v
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
@@ -122,8 +135,11 @@ class AttentionProjection(nn.Module):
         return (self.num_heads * self.head_dim,) + (self.num_kv_heads * self.head_dim,) * 2
 
     def forward_qkv(self, x: Tensor):
-        return attention_projection(x, self.qkv_proj.weight, self.qkv_proj.bias,
-                                    self.num_heads, self.num_kv_heads, self.head_dim)
+        # Head counts were validated at construction; hidden size, dtypes and devices are
+        # checked by the GEMM call. (The submodules hold the parameters; their forward, and
+        # any hook on them, is not called.)
+        return _project(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads, self.num_kv_heads,
+                        self.head_dim)
 
     def forward_out(self, attn: Tensor) -> Tensor:
         h, d = self.num_heads, self.head_dim
@@ -132,7 +148,7 @@ class AttentionProjection(nn.Module):
                              f"got {tuple(attn.shape)}")
         # (..., H, S, D) -> (..., S, H*D): a view when attn is laid out (..., S, H, D) in
         # memory (SDPA's flash/cuDNN outputs are), else one copy inside the flatten.
-        return self.o_proj(attn.transpose(-3, -2).flatten(-2))
+        return linear(attn.transpose(-3, -2).flatten(-2), self.o_proj.weight, self.o_proj.bias)
 
     def forward(self, x: Tensor, attn_fn=None, **attn_kwargs) -> Tensor:
         q, k, v = self.forward_qkv(x)

@@ -82,7 +82,7 @@ class FusedQKV(nn.Module):
         self._rec = None  # (x, x._version, [q, k, v] with handed-out slots set to None)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return linear(x, self.weight, self.bias).split_with_sizes(self.sizes, dim=-1)
 
     def part(self, x: Tensor, idx: int) -> Tensor:
         rec = self._rec  # read once: the checks and the slice come from the same record

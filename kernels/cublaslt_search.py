@@ -54,6 +54,8 @@ def exhaustive_algos(problem: Problem, device_index: int = 0, limit: int = 256,
     Split-K > 1 uses one reduction scheme per algorithm (the first supported of
     COMPUTE_TYPE, INPLACE, OUTPUT_TYPE: fp32 partials first, as they round least).
     Swizzle and cluster shape stay at the algorithm's defaults to keep the space tractable.
+    No one algorithm id takes more than a quarter of ``limit``, so a small limit still spans
+    several kernel families instead of the tile variants of the first one.
     """
     lt = _lt()
     plan = Plan(problem, device_index, _reduced_reduction_allowed(problem.dtype))
@@ -79,6 +81,7 @@ def exhaustive_algos(problem: Problem, device_index: int = 0, limit: int = 256,
             splitk_ok = _cap_scalar(lt, buf, C.SPLITK_SUPPORT)
             red_mask = _cap_scalar(lt, buf, C.REDUCTION_SCHEME_MASK)
             scheme = next((s for s in (2, 1, 4) if red_mask & s), 0)
+            per_id, budget = max(4, limit // 4), len(found)
             for tile in tiles:
                 for stage in stages:
                     for splitk in splitk_values:
@@ -98,6 +101,12 @@ def exhaustive_algos(problem: Problem, device_index: int = 0, limit: int = 256,
                         found.append(CublasLtAlgo(algo.data, algo.fields, version, ws, "exhaustive"))
                         if len(found) >= limit:
                             return found
+                        if len(found) - budget >= per_id:
+                            break
+                    if len(found) - budget >= per_id:
+                        break
+                if len(found) - budget >= per_id:
+                    break
         return found
     finally:
         plan.destroy()

@@ -204,19 +204,175 @@ def config_to_record(config, kind: str) -> dict:
 
 def config_from_record(cls, kind: str, record):
     """Rebuild ``cls`` from a record: exact key set, exact JSON types, then the value checks of
-    ``cls.__post_init__``. Every failure is a ValueError that names the problem."""
+    ``cls.__post_init__``. Every failure is a ValueError that names the problem. A field added
+    later with a default (e.g. ``split_k``) may be absent: records written before it still load."""
     if not isinstance(record, dict):
         raise ValueError(f"{cls.__name__} record must be a dict, got {type(record).__name__}")
     if record.get("kind") != kind:
         raise ValueError(f"record kind {record.get('kind')!r} is not {kind!r}")
     fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    optional = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
     keys = set(record) - {"kind"}
-    if keys != set(fields):
-        missing, extra = sorted(set(fields) - keys), sorted(keys - set(fields))
+    if not set(fields) - optional <= keys <= set(fields):
+        missing, extra = sorted(set(fields) - optional - keys), sorted(keys - set(fields))
         raise ValueError(f"{kind} record: missing keys {missing}, unexpected keys {extra}")
     for name, type_name in fields.items():
+        if name not in record:
+            continue
         value = record[name]
         want_bool = type_name == "bool"
         if want_bool != isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{kind} record: {name}={value!r} must be {type_name}")
-    return cls(**{name: record[name] for name in fields})
+    return cls(**{name: record[name] for name in fields if name in record})
+
+
+# ----------------------------------------------------------------------------- split-K scratch
+#
+# Both kernels can split K and reduce the fp32 partials in fixed split order. Scratch memory:
+#   - a workspace [SPLIT_K, M, N] fp32 for the partials;
+#   - for the single-pass reduction, an int32 arrival counter per output tile. A counter only
+#     signals "every split of this tile has written its partial"; it never carries values. The
+#     program that arrives last sums the partials in split order 0..S-1 and resets the counter
+#     to 0, so the buffer is all zeros between calls (what the next call and graph replays need).
+#
+# Both are kept per (device, stream) from torch's caching allocator and never freed: a CUDA
+# graph captured with a split-K call bakes in their addresses. Graphs captured on one stream
+# share them: do not replay such graphs concurrently with each other or with eager calls on
+# that stream.
+#
+# Counters must be zero before the first use. A buffer created eagerly is zeroed eagerly. One
+# created while the stream is being captured is zeroed by a memset *inside that graph*; it is
+# reused by later captures on that stream (which then rely on that graph, or any eager/replayed
+# call using the buffer, having run first) but never by eager calls, which get a fresh buffer.
+# Warm up eagerly before capturing (torch's advice anyway) and none of this matters.
+
+_WORKSPACES: dict[tuple, torch.Tensor] = {}
+_COUNTERS: dict[tuple, tuple[torch.Tensor, bool]] = {}
+_RETIRED: list[torch.Tensor] = []  # replaced counter buffers a captured graph may still use
+
+
+def _stream_key(device: torch.device) -> tuple:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return (device.type, device.index, stream)
+
+
+def workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """An fp32 buffer of ≥ ``numel`` elements for the current stream; sizes are bucketed to
+    powers of two (≥ 1 MiB) so varying M reuses a few buffers. Never freed (see above)."""
+    nbytes = max(1 << 20, next_pow2(numel * 4))
+    key = _stream_key(device) + (nbytes,)
+    buf = _WORKSPACES.get(key)
+    if buf is None:
+        buf = _WORKSPACES[key] = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    return buf
+
+
+def split_counters(device: torch.device, numel: int) -> torch.Tensor:
+    """A zero-filled int32 buffer of ≥ ``numel`` arrival counters for the current stream."""
+    key = _stream_key(device)
+    entry = _COUNTERS.get(key)
+    if entry is not None and entry[0].numel() >= numel and not entry[1]:
+        return entry[0]  # the common case: an eagerly zeroed buffer, no capture query needed
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if entry is not None and entry[0].numel() >= numel and capturing:
+        return entry[0]
+    if entry is not None:
+        _RETIRED.append(entry[0])
+    buf = torch.zeros(max(1024, next_pow2(numel)), dtype=torch.int32, device=device)
+    _COUNTERS[key] = (buf, capturing)
+    return buf
+
+
+def workspace_bytes() -> int:
+    """Bytes held by cached split-K workspaces (for tests and memory accounting)."""
+    return sum(b.numel() * 4 for b in _WORKSPACES.values())
+
+
+def counters_snapshot() -> list[torch.Tensor]:
+    """The live counter buffers (tests check that every call leaves them all zero)."""
+    return [buf for buf, _ in _COUNTERS.values()]
+
+
+def clear_workspaces() -> None:
+    """Drop cached workspaces and counters. Unsafe while a captured CUDA graph still uses one."""
+    _WORKSPACES.clear()
+    _COUNTERS.clear()
+    _RETIRED.clear()
+
+
+@triton.jit
+def tl_split_fixup(acc, ws_ptr, offs, mask, split_stride, cnt_ptr, pid_s, split_k):
+    """Single-pass deterministic split-K reduction of one output tile.
+
+    Every split program stores its fp32 partial ``acc`` at ``ws_ptr + pid_s * split_stride +
+    offs`` and then bumps the tile's counter. The program that sees ``split_k - 1`` arrived
+    before it returns ``(sum of the partials in split order 0..split_k-1, True)`` and resets
+    the counter; the others return ``(acc, False)`` and must not store. Which program finishes
+    the tile varies from run to run, the sum and its order do not: bit-identical results.
+
+    Ordering: the barrier makes the whole CTA's partial stores happen before thread 0's
+    release (acq_rel, GPU scope) increment; the last program's acquire makes the other
+    programs' partials visible to it, and its loads bypass L1 (``.cg``).
+    """
+    tl.store(ws_ptr + pid_s * split_stride + offs, acc, mask=mask)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == split_k - 1
+    total = acc
+    if last:
+        first = tl.load(ws_ptr + offs, mask=mask & (pid_s != 0), other=0.0, cache_modifier=".cg")
+        total = tl.where(pid_s == 0, acc, first)
+        for s in range(1, split_k):  # fixed order; this program's own partial from registers
+            part = tl.load(ws_ptr + s * split_stride + offs, mask=mask & (s != pid_s), other=0.0,
+                           cache_modifier=".cg")
+            total += tl.where(s == pid_s, acc, part)
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    return total, last
+
+
+# ----------------------------------------------------------------------------- launches
+
+
+class Launcher:
+    """Launch one @triton.jit kernel on a fixed grid with fixed constexprs, cheaply.
+
+    The first call goes through ``JITFunction.__getitem__`` (binds, specialises, compiles) and
+    returns the ``CompiledKernel``; later calls use ``CompiledKernel[grid]`` (Triton's public
+    launcher of an already compiled kernel), skipping the per-call argument binding and cache
+    key. That is valid because a Launcher belongs to one plan, whose key fixes everything
+    Triton specialises on: every integer argument's value, each pointer's 16-byte alignment,
+    the dtypes, the device. Without a CompiledKernel (the interpreter, another Triton version)
+    or with HYBRIDGEMM_TRITON_SLOW_LAUNCH=1 every call takes the normal path.
+    """
+
+    __slots__ = ("fn", "grid", "meta", "tail", "runner")
+
+    def __init__(self, fn, grid: tuple, meta: dict):
+        self.fn, self.grid, self.meta = fn, grid, meta
+        self.tail: tuple | None = None  # constexpr values, in signature order after the args
+        self.runner = None
+
+    def __call__(self, *args) -> None:
+        runner = self.runner
+        if runner is not None:
+            runner(*args, *self.tail)
+            return
+        compiled = self.fn[self.grid](*args, **self.meta)
+        if self.tail is None:  # only the first call tries to set up the fast path
+            self.tail = ()
+            self.runner = self._fast_runner(compiled, len(args))
+
+    def _fast_runner(self, compiled, nargs: int):
+        if interpreting() or os.environ.get("HYBRIDGEMM_TRITON_SLOW_LAUNCH", "0") not in ("", "0"):
+            return None
+        compiled_cls = getattr(getattr(triton, "compiler", None), "CompiledKernel", None)
+        names = getattr(self.fn, "arg_names", None)
+        if compiled_cls is None or not isinstance(compiled, compiled_cls) or names is None:
+            return None
+        try:
+            tail = tuple(self.meta[name] for name in names[nargs:])
+            runner = compiled[self.grid]
+        except (KeyError, TypeError, AttributeError):
+            return None
+        self.tail = tail
+        return runner

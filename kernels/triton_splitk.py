@@ -7,17 +7,20 @@ BLOCK_N x (K / SPLIT_K) slab of W with the matching columns of x and writes its 
 to a workspace ``[SPLIT_K, M, N]``. A second small kernel adds the splits **in index order**
 (bit-identical results for a fixed config, no atomics), then bias, activation and the cast.
 With ``split_k == 1`` the first kernel applies the epilogue itself (one launch, no workspace).
+With ``fused_reduce`` the second launch goes away: each split program writes its partial, bumps
+a per-output-tile arrival counter (signalling only, see ``triton_common.tl_split_fixup``), and
+the program that arrives last adds the partials in split order 0..S-1 and runs the epilogue.
+Same sums in the same order as the two-launch path, so the same bits.
 
 The dot is computed "swapped", ``acc[BN, BM] = W_tile @ x_tile.T``: W's 64-128 rows are the
 MMA's M side (so Hopper can use wgmma) and the handful of x rows, padded to 16, its N side.
 W tiles are loaded whole (``BLOCK_K`` contiguous elements per row, 16-byte vectors) and
-pipelined through shared memory with ``num_stages`` buffers.
+pipelined through shared memory with ``num_stages`` buffers. W is read once per call, so its
+loads are marked ``evict_first``; x is re-read by every program (``evict_last``).
 
-Workspace: from torch's caching allocator, kept per (device, stream, size bucket) and reused,
-never freed. Graph-capture caveat: a graph captured with a split-K call bakes in the workspace
-address, so the buffer must outlive the graph; keeping it cached forever guarantees that
-(``clear_workspaces`` is for tests and must not be called while such graphs exist). Graphs
-captured on the same stream share one workspace: do not replay them concurrently.
+Workspace and counters: from torch's caching allocator, kept per (device, stream) and reused,
+never freed (``triton_common``: graph-capture caveats). ``clear_workspaces`` is for tests and
+must not be called while graphs captured with split-K calls exist.
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ from .triton_common import (
     HOPPER_NUM_SMS,
     HOPPER_SMEM_PER_BLOCK,
     INT32_LIMIT,
+    Launcher,
     check_operands,
     check_pow2,
     check_range,
+    clear_workspaces,
     config_from_record,
     config_to_record,
     device_facts,
@@ -46,12 +51,22 @@ from .triton_common import (
     operand_key,
     parse_activation,
     problem_limits,
+    split_counters,
     tl_activation,
+    tl_split_fixup,
+    workspace,
+    workspace_bytes,
 )
+
+__all__ = [
+    "KIND", "MAX_M", "TritonSplitKConfig", "candidates", "clear_workspaces", "default_config", "run",
+    "workspace_bytes",
+]
 
 KIND = "triton_splitk"
 MAX_M = 64  # candidates() offers split-K up to this M; past it the tiled GEMM wins
 MAX_ACC_REGS = 128
+MAX_CANDIDATES = 16
 
 
 @dataclass(frozen=True)
@@ -62,6 +77,7 @@ class TritonSplitKConfig:
     split_k: int
     num_warps: int
     num_stages: int
+    fused_reduce: bool = False  # split_k > 1: reduce in the same launch (arrival counters)
 
     def __post_init__(self):
         check_pow2("block_m", self.block_m, 16, 128)
@@ -70,6 +86,8 @@ class TritonSplitKConfig:
         check_range("split_k", self.split_k, 1, 64)
         check_pow2("num_warps", self.num_warps, 1, 16)
         check_range("num_stages", self.num_stages, 1, 8)
+        if self.fused_reduce and self.split_k == 1:
+            raise ValueError("fused_reduce needs split_k > 1 (split_k == 1 has nothing to reduce)")
 
     def to_record(self) -> dict:
         return config_to_record(self, KIND)
@@ -105,8 +123,34 @@ class TritonSplitKConfig:
         return True, ""
 
 
-# (block_n, bytes of K per row per stage, num_warps, num_stages): W tiles of 16-32 KB per stage.
-_SHAPES = ((64, 256, 4, 4), (64, 512, 4, 3), (128, 256, 4, 4), (32, 512, 4, 4))
+# The default config's shape: (block_n, bytes of K per row per stage, num_warps, num_stages).
+_DEFAULT_SHAPE = (64, 256, 4, 4)
+
+# What candidates() offers, most promising first: (block_n, bytes of K per row per stage,
+# num_warps, num_stages, waves of programs to aim for, single-pass reduction). W bytes in flight
+# per program = block_n x bytes x (num_stages - 1). At 1 wave a big N needs no split (one launch,
+# no workspace); a small N (8b kv) needs a split either way. More waves = more programs per SM
+# (narrow tiles fit 2-4 CTAs per SM) = more loads in flight and a shorter tail.
+_PLAN = (
+    (32, 512, 4, 4, 1, True),     # H200 best for 8b q/o (split 1 there)
+    (64, 512, 4, 3, 1, True),     # 8b qkv, 70b o
+    (64, 256, 4, 4, 1, False),    # 70b qkv (split 1); 8b kv two-pass split 8
+    (32, 512, 4, 4, 2, True),
+    (64, 256, 4, 4, 2, True),
+    (16, 512, 2, 4, 2, True),
+    (32, 1024, 4, 3, 1, True),    # 512 bf16 elements of K per stage
+    (32, 512, 4, 6, 2, True),
+    (64, 512, 4, 4, 4, True),
+    (16, 1024, 2, 4, 4, True),
+    (128, 256, 4, 4, 2, True),
+    (64, 256, 4, 6, 1, True),
+    (64, 512, 4, 3, 2, False),
+    (32, 256, 2, 6, 4, True),
+    (64, 1024, 4, 3, 1, True),
+    (16, 512, 1, 6, 4, True),
+    (32, 512, 4, 4, 4, True),
+    (64, 256, 4, 4, 4, False),
+)
 
 
 def _split_for(waves: float, tiles: int, k_blocks: int, num_sms: int) -> int:
@@ -115,31 +159,35 @@ def _split_for(waves: float, tiles: int, k_blocks: int, num_sms: int) -> int:
     return max(1, min(max(1, k_blocks // 2), round(waves * num_sms / max(1, tiles))))
 
 
+def _block_m(problem: Problem) -> int:
+    return min(64, max(16, next_pow2(problem.m)))
+
+
 def candidates(
     problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, smem_limit: int = HOPPER_SMEM_PER_BLOCK,
     capability=(9, 0),
 ) -> list[TritonSplitKConfig]:
-    """Configs worth timing for decode-sized ``problem`` (≤ 12; none past M = 64)."""
+    """Configs worth timing for decode-sized ``problem`` (≤ 16; none past M = 64)."""
     if problem.m > MAX_M or problem_limits(problem):
         return []
-    bm = min(64, max(16, next_pow2(problem.m)))
+    bm = _block_m(problem)
     found: list[TritonSplitKConfig] = []
-    for bn, k_bytes, warps, stages in _SHAPES:
-        bk = k_bytes // problem.itemsize
+    for bn, k_bytes, warps, stages, waves, fused in _PLAN:
+        bk = min(512, max(16, k_bytes // problem.itemsize))
         tiles = triton.cdiv(problem.n, bn) * triton.cdiv(problem.m, bm)
-        k_blocks = triton.cdiv(problem.k, bk)
-        for split in sorted({_split_for(w, tiles, k_blocks, num_sms) for w in (1, 2, 4)}):
-            cfg = TritonSplitKConfig(bm, bn, bk, split, warps, stages)
-            ok, _ = cfg.supports(problem, smem_limit=smem_limit, capability=capability)
-            if ok and cfg not in found:
-                found.append(cfg)
-    return found[:12]
+        split = _split_for(waves, tiles, triton.cdiv(problem.k, bk), num_sms)
+        cfg = TritonSplitKConfig(bm, bn, bk, split, warps, stages, fused and split > 1)
+        ok, _ = cfg.supports(problem, smem_limit=smem_limit, capability=capability)
+        if ok and cfg not in found:
+            found.append(cfg)
+    return found[:MAX_CANDIDATES]
 
 
 def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits):
-    """A sensible pick without timing: 64-row W tiles, 256 bytes of K per stage, ~2 waves."""
-    bm = min(64, max(16, next_pow2(problem.m)))
-    bn, k_bytes, warps, stages = _SHAPES[0]
+    """A sensible pick without timing: 64-row W tiles, 256 bytes of K per stage, ~2 waves,
+    two-launch reduction."""
+    bm = _block_m(problem)
+    bn, k_bytes, warps, stages = _DEFAULT_SHAPE
     bk = max(16, k_bytes // problem.itemsize)
     tiles = triton.cdiv(problem.n, bn) * triton.cdiv(problem.m, bm)
     split = _split_for(2, tiles, triton.cdiv(problem.k, bk), num_sms)
@@ -154,10 +202,12 @@ def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits)
 
 
 @triton.jit
-def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, M, N, K, ldx, ldw, ldo, k_per_split,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DIRECT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
-                   EVEN_K: tl.constexpr):
+def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, ldx, ldw, ldo,
+                   k_per_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                   PREC: tl.constexpr, EVEN_K: tl.constexpr):
+    # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
+    # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -176,24 +226,33 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, M, N, K, ldx, ldw, l
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     for k in range(k0, k1, BK):
         if EVEN_K:
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0, eviction_policy="evict_last")
         else:
             k_ok = (k + offs_k) < K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0,
+                        eviction_policy="evict_last")
         acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
         w_ptrs += BK
         x_ptrs += BK
     mask = n_ok[:, None] & m_ok[None, :]
-    if DIRECT:  # split_k == 1: the epilogue runs here, no workspace
-        if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        acc = tl_activation(acc, ACT)
-        ptrs = out_ptr + offs_m[None, :] * ldo + offs_n[:, None]
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    ws_offs = offs_m[None, :] * N + offs_n[:, None]
+    if MODE == 1:
+        tl.store(ws_ptr + pid_s * M * N + ws_offs, acc, mask=mask)
     else:
-        tl.store(ws_ptr + (pid_s * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=mask)
+        last = True
+        if MODE == 2:
+            tile = pid_m * tl.num_programs(0) + pid_n
+            acc, last = tl_split_fixup(acc, ws_ptr, ws_offs, mask, M * N, cnt_ptr + tile, pid_s,
+                                       tl.num_programs(1))
+        if last:
+            if HAS_BIAS:
+                bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                acc = acc + bias[:, None]
+            acc = tl_activation(acc, ACT)
+            ptrs = out_ptr + offs_m[None, :] * ldo + offs_n[:, None]
+            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -213,44 +272,20 @@ def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, ldo, split_k,
 
 # ----------------------------------------------------------------------------- launcher
 
-_WORKSPACES: dict[tuple, torch.Tensor] = {}
-
-
-def _workspace(device: torch.device, numel: int) -> torch.Tensor:
-    """An fp32 buffer of ≥ ``numel`` elements for the current stream; sizes are bucketed to
-    powers of two (≥ 1 MiB) so varying M reuses a few buffers. Never freed (graph caveat above)."""
-    nbytes = max(1 << 20, next_pow2(numel * 4))
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream, nbytes)
-    buf = _WORKSPACES.get(key)
-    if buf is None:
-        buf = _WORKSPACES[key] = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    return buf
-
-
-def workspace_bytes() -> int:
-    """Bytes held by cached workspaces (for tests and memory accounting)."""
-    return sum(b.numel() * 4 for b in _WORKSPACES.values())
-
-
-def clear_workspaces() -> None:
-    """Drop cached workspaces. Unsafe while a captured CUDA graph still uses one."""
-    _WORKSPACES.clear()
-
 
 @dataclass(frozen=True)
 class _Plan:
-    """Per (config, operand layout, activation): grids, scalar args, constexprs, computed once
-    (no Problem, supports() check or device query on a repeated call)."""
+    """Per (config, operand layout, activation): launchers (grids, constexprs), scalar args,
+    scratch sizes, computed once (no Problem, supports() check or device query on a repeated
+    call)."""
 
     device: torch.device
-    grid: tuple
+    launch: Launcher | None
     scalars: tuple
-    meta: dict
-    ws_numel: int  # 0 when split_k == 1 (no workspace, no reduce launch)
-    reduce_grid: tuple
+    ws_numel: int  # 0 when split_k == 1 (no workspace)
+    counters: int  # output tiles when fused_reduce (arrival counters), else 0
+    reduce: Launcher | None  # the second launch of the two-launch split-K
     reduce_scalars: tuple  # (M, N, ldo, split_k)
-    reduce_meta: dict
     empty: bool
 
 
@@ -262,7 +297,7 @@ def _make_plan(config, x, weight, bias, out, act, tf32) -> _Plan:
     check_operands(x, weight, bias, out)
     problem = Problem.from_tensors(x, weight, bias, out, Epilogue(act, bias is not None), tf32)
     if problem.m == 0 or problem.n == 0:
-        return _Plan(x.device, (), (), {}, 0, (), (), {}, empty=True)
+        return _Plan(x.device, None, (), 0, 0, None, (), empty=True)
     facts = device_facts(x.device)
     ok, reason = config.supports(problem, smem_limit=facts.smem_per_block,
                                  capability=facts.capability)
@@ -271,20 +306,23 @@ def _make_plan(config, x, weight, bias, out, act, tf32) -> _Plan:
     m, n, k, split = problem.m, problem.n, problem.k, config.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
     grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, config.block_m))
+    mode = 0 if split == 1 else (2 if config.fused_reduce else 1)
     meta = dict(
-        BM=config.block_m, BN=config.block_n, BK=config.block_k, DIRECT=split == 1,
+        BM=config.block_m, BN=config.block_n, BK=config.block_k, MODE=mode,
         HAS_BIAS=bias is not None, ACT=ACT_CODE[act], PREC=dot_precision(problem),
         EVEN_K=k % config.block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    block = min(1024, next_pow2(n))
-    reduce_meta = dict(BLOCK=block, HAS_BIAS=bias is not None, ACT=ACT_CODE[act],
-                       num_warps=4)
+    reduce = None
+    if mode == 1:
+        block = min(1024, next_pow2(n))
+        reduce = Launcher(_reduce_kernel, (triton.cdiv(n, block), m),
+                          dict(BLOCK=block, HAS_BIAS=bias is not None, ACT=ACT_CODE[act], num_warps=4))
     return _Plan(
-        device=x.device, grid=grid,
-        scalars=(m, n, k, problem.ldx, problem.ldw, problem.ldo, k_per_split), meta=meta,
+        device=x.device, launch=Launcher(_splitk_kernel, grid, meta),
+        scalars=(m, n, k, problem.ldx, problem.ldw, problem.ldo, k_per_split),
         ws_numel=split * m * n if split > 1 else 0,
-        reduce_grid=(triton.cdiv(n, block), m), reduce_scalars=(m, n, problem.ldo, split),
-        reduce_meta=reduce_meta, empty=False,
+        counters=grid[0] * grid[2] if mode == 2 else 0,
+        reduce=reduce, reduce_scalars=(m, n, problem.ldo, split), empty=False,
     )
 
 
@@ -313,8 +351,9 @@ def run(
     if plan.empty:
         return out
     b = out if bias is None else bias  # placeholder pointer when HAS_BIAS is False
-    ws = _workspace(plan.device, plan.ws_numel) if plan.ws_numel else out
-    _splitk_kernel[plan.grid](x, weight, b, out, ws, *plan.scalars, **plan.meta)
-    if plan.ws_numel:
-        _reduce_kernel[plan.reduce_grid](ws, b, out, *plan.reduce_scalars, **plan.reduce_meta)
+    ws = workspace(plan.device, plan.ws_numel) if plan.ws_numel else out
+    cnt = split_counters(plan.device, plan.counters) if plan.counters else ws
+    plan.launch(x, weight, b, out, ws, cnt, *plan.scalars)
+    if plan.reduce is not None:
+        plan.reduce(ws, b, out, *plan.reduce_scalars)
     return out

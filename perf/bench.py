@@ -164,11 +164,11 @@ def bench_point(pt: P.ProblemTensors, providers: list[P.Provider], skipped: dict
 def bench_training(shape: str, m: int, n: int, k: int, dtype: torch.dtype, bias: bool, act: Activation,
                    base: dict, timers: P.Timers, device="cuda", log=print) -> tuple[list[dict], dict]:
     """Forward + backward of one linear: ``hybridgemm.linear`` vs F.linear with autograd."""
-    g = torch.Generator(device="cpu").manual_seed(17 * m + n + 3 * k)
-    x0 = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
-    w0 = (torch.randn(n, k, generator=g) / k**0.5).to(device=device, dtype=dtype)
-    b0 = torch.randn(n, generator=g).to(device=device, dtype=dtype) if bias else None
-    gy = torch.randn(m, n, generator=g).to(device=device, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(17 * m + n + 3 * k)
+    x0 = torch.randn(m, k, generator=g, device=device).to(dtype)
+    w0 = (torch.randn(n, k, generator=g, device=device) / k**0.5).to(dtype)
+    b0 = torch.randn(n, generator=g, device=device).to(dtype) if bias else None
+    gy = torch.randn(m, n, generator=g, device=device).to(dtype)
     ours = P.hybridgemm_linear()
     lins = {TRAIN_BASELINE: lambda x, w, b: apply_activation(F.linear(x, w, b), act)}
     if ours is not None:

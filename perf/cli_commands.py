@@ -54,9 +54,10 @@ def _err(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-def list_providers(out=sys.stdout) -> None:
+def list_providers(out=None) -> None:
     from hybridgemm.perf.providers import PROVIDERS
 
+    out = out or sys.stdout  # looked up per call (tests and callers redirect it)
     for p in PROVIDERS.values():
         note = p.unavailable()
         flags = " (opt-in: name it in --providers)" if p.opt_in else ""

@@ -102,29 +102,26 @@ def caption(rows) -> str:
             f"nvmath-python {vals('nvmath')} | hybridgemm {vals('hybridgemm')}")
 
 
-def _figure(n_panels: int, panel_w=5.0, panel_h=3.8):
+def _figure(n_panels: int, panel_w=5.0, panel_h=3.8, foot=0.75):
+    """A figure of panels (``body``) over a footer (``foot``, ``foot`` inches tall) that holds
+    the legend and the caption: a fixed strip, so neither can overlap the panels or each other."""
     from matplotlib.figure import Figure
 
     ncols = min(3, max(1, n_panels))
     nrows = math.ceil(max(1, n_panels) / ncols)
-    fig = Figure(figsize=(panel_w * ncols + 2.5, panel_h * nrows + 0.6), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    height = panel_h * nrows + 0.6
+    fig = Figure(figsize=(panel_w * ncols, height + foot), layout="constrained")
+    body, footer = fig.subfigures(2, 1, height_ratios=[height, foot])
+    axes = body.subplots(nrows, ncols, squeeze=False).ravel()
     for ax in axes[n_panels:]:
         ax.set_visible(False)
-    return fig, axes
+    return fig, body, footer, axes
 
 
-def _save(fig, path: Path, rows) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    # Lay the figure out first, then put the caption under the lowest thing drawn (an outside
-    # legend may hang below the figure's edge; "tight" saving then keeps both).
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    low = fig.get_tightbbox(canvas.get_renderer()).y0 / fig.get_size_inches()[1]
-    fig.text(0.5, min(low, 0.0) - 0.01, caption(rows), ha="center", va="top", fontsize=7, color="0.3")
+def _save(fig, footer, path: Path, rows) -> Path:
+    footer.text(0.5, 0.04, caption(rows), ha="center", va="bottom", fontsize=7, color="0.3")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130, bbox_inches="tight")
+    fig.savefig(path, dpi=130)
     return path
 
 
@@ -164,13 +161,13 @@ def _lines(ax, rows, value: Callable[[dict], float]) -> None:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label=LABELS.get(prov, prov), **_style(prov))
 
 
-def _legend(fig, axes) -> None:
+def _legend(footer, axes) -> None:
     seen = {}
     for ax in axes:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             seen.setdefault(lab, h)
-    # below the panels: a legend at the side collides with the centred suptitle
-    fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncol=min(4, len(seen)), fontsize=8)
+    footer.legend(list(seen.values()), list(seen), loc="upper center", ncol=min(5, len(seen)), fontsize=8,
+                  frameon=False)
 
 
 def _log_y(ax) -> None:
@@ -188,7 +185,7 @@ def plot_tflops(rows, path: Path) -> Path:
     import numpy as np
 
     panels = _panels(rows)
-    fig, axes = _figure(len(panels))
+    fig, body, footer, axes = _figure(len(panels))
     dtype = rows[0].get("dtype", "")
     e = ITEMSIZE.get(dtype, 2)
     for ax, ((shape, n, k, epi), prs) in zip(axes, panels.items()):
@@ -209,9 +206,9 @@ def plot_tflops(rows, path: Path) -> Path:
         _m_axis(ax, ms)
         ax.set_ylabel("TFLOP/s (higher is better)")
         ax.set_title(f"{shape}: N={n}, K={k}, {epi}", fontsize=10)
-    _legend(fig, axes)
-    fig.suptitle(f"Fused linear throughput vs M, {dtype}, GPU time L2-clean-cold (CUDA-graph replay, median)")
-    return _save(fig, path, rows)
+    _legend(footer, axes)
+    body.suptitle(f"Fused linear throughput vs M, {dtype}, GPU time L2-clean-cold (CUDA-graph replay, median)")
+    return _save(fig, footer, path, rows)
 
 
 def _heatmap(rows, path: Path, provider: str, baseline: str, title: str, what: str) -> Path | None:
@@ -231,10 +228,7 @@ def _heatmap(rows, path: Path, provider: str, baseline: str, title: str, what: s
                 val[i, j] = a / b
     if np.isnan(val).all():
         return None
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(1.1 * len(ms) + 4.5, 0.55 * len(shapes) + 2.2), layout="constrained")
-    ax = fig.subplots()
+    fig, body, footer, (ax,) = _figure(1, 1.1 * len(ms) + 4.5, 0.55 * len(shapes) + 1.6, foot=0.3)
     lo, hi = np.nanmin(val), np.nanmax(val)
     norm = TwoSlopeNorm(vcenter=1.0, vmin=min(lo, 0.95), vmax=max(hi, 1.05))  # white = parity
     im = ax.imshow(np.ma.masked_invalid(val), cmap="RdYlGn", norm=norm, aspect="auto")
@@ -244,9 +238,9 @@ def _heatmap(rows, path: Path, provider: str, baseline: str, title: str, what: s
     ax.set_xticks(range(len(ms)), [str(m) for m in ms])
     ax.set_yticks(range(len(shapes)), shapes)
     ax.set_xlabel("M (rows of x: tokens)")
-    fig.colorbar(im, ax=ax, label=f"{what} (> 1: faster)")
+    body.colorbar(im, ax=ax, label=f"{what} (> 1: faster)")
     ax.set_title(title, fontsize=10)
-    return _save(fig, path, rows)
+    return _save(fig, footer, path, rows)
 
 
 def plot_attention(rows, path: Path) -> Path | None:
@@ -263,7 +257,7 @@ def plot_attention(rows, path: Path) -> Path | None:
     parts = [("decode", [s for s in shapes if s.startswith("decode")]),
              ("prefill / training", [s for s in shapes if not s.startswith("decode")])]
     parts = [p for p in parts if p[1]]
-    fig, axes = _figure(len(parts), panel_w=max(4.0, 1.6 * max(len(p[1]) for p in parts)))
+    fig, body, footer, axes = _figure(len(parts), panel_w=max(4.0, 1.6 * max(len(p[1]) for p in parts)))
     width = 0.8 / max(1, len(provs))
     for ax, (label, shs) in zip(axes, parts):
         x = np.arange(len(shs))
@@ -280,14 +274,14 @@ def plot_attention(rows, path: Path) -> Path | None:
         ax.set_ylabel(f"{'GPU' if method == 'gpu' else method} time per layer call (µs; lower is better)")
         ax.set_title(f"attention projection path, {label}", fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
-    _legend(fig, axes)
-    fig.suptitle("Attention-layer projections: stock PyTorch vs hybridgemm (labels: speedup over stock)")
-    return _save(fig, path, rows)
+    _legend(footer, axes)
+    body.suptitle("Attention-layer projections: stock PyTorch vs hybridgemm (labels: speedup over stock)")
+    return _save(fig, footer, path, rows)
 
 
 def plot_host_time(rows, gpu_rows, path: Path) -> Path:
     panels = _panels(rows)
-    fig, axes = _figure(len(panels))
+    fig, body, footer, axes = _figure(len(panels))
     gpu_fl = {(r["shape"], r["M"]): r["median_us"] for r in gpu_rows if r["provider"] == "flinear"}
     for ax, ((shape, n, k, epi), prs) in zip(axes, panels.items()):
         ms = sorted({r["M"] for r in prs})
@@ -300,9 +294,9 @@ def plot_host_time(rows, gpu_rows, path: Path) -> Path:
         _m_axis(ax, ms)
         ax.set_ylabel("µs per call (lower is better)")
         ax.set_title(f"{shape}: N={n}, K={k}, {epi}", fontsize=10)
-    _legend(fig, axes)
-    fig.suptitle("Host time per eager call: back-to-back calls, no sync, providers alternating in one loop")
-    return _save(fig, path, rows)
+    _legend(footer, axes)
+    body.suptitle("Host time per eager call: back-to-back calls, no sync, providers alternating in one loop")
+    return _save(fig, footer, path, rows)
 
 
 def make_all_plots(csv_paths, out_dir, log: Callable[[str], None] = print) -> list[Path]:
@@ -341,7 +335,8 @@ def make_all_plots(csv_paths, out_dir, log: Callable[[str], None] = print) -> li
     groups = _groups(train)
     for g, grows in groups.items():
         p = _heatmap(grows, _path(out_dir, "training_fwd_bwd", g, len(groups)), "hybridgemm_linear", "flinear",
-                     f"training fwd+bwd of one linear, {g[1]}, {g[0]}\nCUDA-events time ratio F.linear / hybridgemm.linear",
+                     f"training fwd+bwd of one linear, {g[1]}, {g[0]}\n"
+                     "CUDA-events time ratio F.linear / hybridgemm.linear",
                      "speedup")
         if p is not None:
             written.append(p)

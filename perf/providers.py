@@ -110,10 +110,11 @@ def make_problem_tensors(shape: str, m: int, n: int, k: int, dtype: torch.dtype,
     """Random operands scaled like a trained layer (W ~ 1/sqrt(K)), the fp32 reference, and the
     error bound from F.linear's own error on these inputs."""
     act = Activation.parse(activation)
-    g = torch.Generator(device="cpu").manual_seed(seed + 7919 * m + 31 * n + k)
-    x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(device=device, dtype=dtype)
-    b = torch.randn(n, generator=g).to(device=device, dtype=dtype) if bias else None
+    # drawn on the device: a CPU generator would spend ~1 s per large point on randn alone
+    g = torch.Generator(device=device).manual_seed(seed + 7919 * m + 31 * n + k)
+    x = torch.randn(m, k, generator=g, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=device) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g, device=device).to(dtype) if bias else None
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # a reference must be true fp32
     try:

@@ -238,3 +238,10 @@ def test_module_compiles_fullgraph():
 def test_exports():
     assert hybridgemm.AttentionProjection is AttentionProjection
     assert callable(hybridgemm.linear) and callable(hybridgemm.patch) and callable(hybridgemm.unpatch)
+
+
+def test_bench_attention_check_only_runs_on_cpu(capsys):
+    from hybridgemm.perf import bench_attention
+
+    assert bench_attention.main(["--check-only", "--tiny", "--scenarios", "decode_b8", "train_4096"]) == 0
+    assert "train_4096: rel err" in capsys.readouterr().out

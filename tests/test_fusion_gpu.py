@@ -13,9 +13,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import FLOORS, check_close_to_reference, make_operands, rel_err, torch_linear
 
 import hybridgemm
+from helpers import FLOORS, check_close_to_reference, make_operands, rel_err, torch_linear
 from hybridgemm import AttentionProjection, attention_projection, dispatch
 
 pytestmark = pytest.mark.gpu

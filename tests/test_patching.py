@@ -87,7 +87,7 @@ def test_hf_training_grads_and_step_then_unpatch():
     hybridgemm.patch(patched)
     ids = torch.randint(0, VOCAB, (2, 9))
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (stock, patched)]
-    for m, opt in zip((stock, patched), opts):
+    for m in (stock, patched):
         m(ids, labels=ids).loss.backward()
     a_s, a_p = stock.model.layers[1].self_attn, patched.model.layers[1].self_attn
     fused_grad = torch.cat([a_s.q_proj.weight.grad, a_s.k_proj.weight.grad, a_s.v_proj.weight.grad])
