@@ -287,6 +287,9 @@ class HybridMultiheadAttention(nn.MultiheadAttention):
     2-D/3-D tensor and the masks have the documented shapes; every other call goes to the
     stock ``forward`` unchanged (including its error messages). Mask semantics follow the
     stock module: boolean ``True`` = not allowed, float masks are added to the scores.
+    Note: ``nn.TransformerEncoderLayer``'s inference fast path (eval mode, no autograd)
+    calls a native kernel with the parameters and never calls this forward; it stays
+    correct, it just does not run through hybridgemm.
     """
 
     def _fusable(self, query, key, value, key_padding_mask, attn_mask, is_causal) -> bool:

@@ -3,6 +3,8 @@
     hybridgemm autotune --model llama3-8b [--m 1 16 ...] [--dtype bf16] [--out PATH] [--force|--check]
     hybridgemm show [PATH]
     hybridgemm explain --x 16,4096 --w 6144,4096 [--dtype bf16] [--no-bias] [--activation relu]
+    hybridgemm bench --model llama3-8b [--m ...] [--providers ...] [--out results.csv] [--training] [--plot DIR]
+    hybridgemm plot results.csv [more.csv ...] [--out DIR]
     hybridgemm demo | main
 """
 
@@ -181,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("main", help="the main job (README): on a GPU tune + demo; on a CPU the CPU path")
     p.add_argument("--model", default="llama3-8b")
     p.set_defaults(fn=_cmd_main)
+
+    from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser
+
+    add_bench_parser(sub)
+    add_plot_parser(sub)
     return ap
 
 

@@ -279,3 +279,44 @@ def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: b
     with torch.cuda.device(dev):
         choice = choose(problem, dev)
     return f"{head}\n  key {choice.key}\n  runs {choice.describe()}"
+
+
+def linear_backward(grad_out: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None,
+                    pre_activation: torch.Tensor | None, activation, needs_input_grad):
+    """Backward of ``y = act(x @ W.T + b)``: ``(dx, dW, db)``, None where not asked.
+
+    On CUDA with cuBLASLt: ``dz = grad_out * act'(z)`` (elementwise, torch), then
+    ``dx = dz @ W`` and ``dW = dz^T @ x`` as cuBLASLt GEMMs, the bias gradient fused into the
+    dW GEMM (``BGRADB`` epilogue, kernels/cublaslt_grad.py). Elsewhere (CPU, float64, no
+    nvmath) the torch reference (``hybridgemm.linear.torch_linear_backward``). Contract:
+    ``pre_activation`` is z for gelu/gelu_tanh and y for relu.
+    """
+    from hybridgemm.linear import _activation_grad, torch_linear_backward
+
+    if (grad_out.device.type != "cuda" or grad_out.dtype not in DTYPE_NAMES
+            or (x is not None and x.dtype != grad_out.dtype)
+            or (weight is not None and weight.dtype != grad_out.dtype)):
+        return torch_linear_backward(grad_out, x, weight, pre_activation, activation, needs_input_grad)
+    from hybridgemm.kernels import cublaslt
+
+    if not cublaslt.is_available():
+        return torch_linear_backward(grad_out, x, weight, pre_activation, activation, needs_input_grad)
+    from hybridgemm.kernels.cublaslt_grad import grad_input, grad_weight
+
+    need_x, need_w, need_b = (bool(v) for v in needs_input_grad)
+    dz = _activation_grad(grad_out, pre_activation, Activation.parse(activation))
+    n = dz.shape[-1]
+    dz2 = dz.reshape(-1, n)
+    dx = dw = db = None
+    with torch.cuda.device(grad_out.device):
+        if need_x:
+            if weight is None:
+                raise ValueError("linear_backward: dx needs weight, got None")
+            dx = grad_input(dz2, weight).reshape(*dz.shape[:-1], weight.shape[1])
+        if need_w:
+            if x is None:
+                raise ValueError("linear_backward: dW needs x, got None")
+            dw, db = grad_weight(dz2, x.reshape(-1, x.shape[-1]), bias_grad=need_b)
+        elif need_b:
+            db = dz2.sum(0)
+    return dx, dw, db

@@ -17,9 +17,10 @@ Ops (namespace ``hybridgemm``):
     We *save* ``z`` rather than recompute it in the backward: keeping it costs ``M x N``
     elements, exactly what stock ``F.linear`` + ``F.gelu`` keep (gelu saves its input),
     while recomputing would cost a whole extra forward GEMM (+50% of the backward's
-    FLOPs). Today ``z`` comes from an unfused GEMM followed by the activation; once a
-    backend writes ``z`` as an aux output of the fused GEMM (cuBLASLt ``GELU_AUX_BIAS``)
-    this op is where that goes.
+    FLOPs). ``(y, z)`` come from ``hybridgemm.dispatch.fused_linear_with_preactivation(x,
+    weight, bias, activation)`` when the dispatcher has it (a GEMM that writes ``z`` as an
+    aux output, cuBLASLt ``GELU_AUX_BIAS``), else from the GEMM with the bias only followed
+    by the activation.
 ``linear_bwd(grad_out, x?, weight?, saved?, activation, needs_x, needs_w, needs_b) -> (dx, dw, db)``
     Calls ``hybridgemm.dispatch.linear_backward`` (see :func:`backward_impl`). A custom op
     cannot return ``None``, so a gradient that is not needed comes back as an empty tensor
@@ -102,6 +103,10 @@ linear_fwd.register_autograd(_linear_fwd_backward, setup_context=_setup_linear_f
 def linear_act_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> tuple[Tensor, Tensor]:
     if activation not in _SAVES_PREACT:
         raise ValueError(f"{WHO}: linear_act_fwd is for {_SAVES_PREACT}, got {activation!r}")
+    fused = getattr(dispatch, "fused_linear_with_preactivation", None)
+    if fused is not None:
+        y, z = fused(x, weight, bias, activation)
+        return y.contiguous(), z.contiguous()
     z = dispatch.fused_linear(x, weight, bias, None).contiguous()
     return apply_activation(z, Activation.parse(activation)), z
 
@@ -157,7 +162,8 @@ def linear_bwd(grad_out: Tensor, x: Tensor | None, weight: Tensor | None, saved:
 @linear_bwd.register_fake
 def _linear_bwd_fake(grad_out, x, weight, saved, activation, needs_x, needs_w, needs_b):
     n = grad_out.shape[-1]
-    k = weight.shape[1] if weight is not None else x.shape[-1]
+    # dx reads W, dW reads x; with only db wanted neither is kept (and K is not needed)
+    k = weight.shape[1] if weight is not None else (x.shape[-1] if x is not None else 0)
     dx = grad_out.new_empty((*grad_out.shape[:-1], k)) if needs_x else grad_out.new_empty(0)
     dw = grad_out.new_empty((n, k)) if needs_w else grad_out.new_empty(0)
     db = grad_out.new_empty((n,)) if needs_b else grad_out.new_empty(0)

@@ -21,7 +21,11 @@ so an in-place change of ``x`` in between is detected) get their slice without a
 each slice handed out once. A call with any other input runs the fused GEMM for that
 input. So the attention code works unchanged and can never get a slice of another
 input's projection; cross-attention modules are not fused (their K/V read another input),
-only their linears are swapped.
+only their linears are swapped. Fine print: a record whose slices are not all taken (an
+attention forward that skips V) keeps that one GEMM output alive until the module's next
+call; concurrent forwards of one module stay correct (a slice only ever comes from the
+record of the same input) but may redo the GEMM; under ``torch.compile`` only the
+identity check applies (Dynamo cannot read version counters).
 
 Parameters. ``HybridLinear``/``HybridMultiheadAttention`` are the *same* module objects
 with their class swapped: parameters, state-dict keys, optimizer state all unchanged.
@@ -74,12 +78,35 @@ class FusedQKV(nn.Module):
     """One weight for Q, K and V (rows stacked in that order) and the one-GEMM cache that
     the three :class:`QKVSlice` modules share (see the module docstring)."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, sizes: tuple[int, int, int]):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, sizes: tuple[int, int, int],
+                 originals: tuple[nn.Linear, ...] = ()):
         super().__init__()
         self.weight = weight
         self.bias = bias
         self.sizes = tuple(sizes)
         self._rec = None  # (x, x._version, [q, k, v] with handed-out slots set to None)
+        object.__setattr__(self, "_originals", tuple(originals))  # not submodules
+        self.alias_originals()
+
+    def alias_originals(self) -> None:
+        """Point the replaced linears' parameters at slices of the fused ones (no second
+        copy of the weights while patched; someone holding an original still sees current
+        values)."""
+        if not self._originals:
+            return
+        ws = self.weight.detach().split(self.sizes)
+        bs = self.bias.detach().split(self.sizes) if self.bias is not None else (None,) * 3
+        for lin, wi, bi in zip(self._originals, ws, bs):
+            lin.weight.data = wi
+            if bi is not None:
+                lin.bias.data = bi
+
+    def _apply(self, fn, *args, **kwargs):
+        # model.to()/.half()/.cuda() give the fused parameters new storage; re-point the
+        # originals, or they would keep the old storage (and memory) alive.
+        out = super()._apply(fn, *args, **kwargs)
+        self.alias_originals()
+        return out
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return linear(x, self.weight, self.bias).split_with_sizes(self.sizes, dim=-1)
@@ -111,8 +138,9 @@ def _same_version(v: int, x: Tensor) -> bool:
 
 
 class QKVSlice(nn.Module):
-    """Stands where ``q_proj``/``k_proj``/``v_proj`` stood; holds no parameters of its own
-    (``weight``/``bias`` are read-only views of the fused ones, for code that inspects them)."""
+    """Stands where ``q_proj``/``k_proj``/``v_proj`` stood; holds no parameters of its own.
+    ``weight``/``bias`` are views of the fused parameters' rows (differentiable, and writes
+    through them land in the fused storage), for code that inspects or reads them."""
 
     def __init__(self, fused: FusedQKV, idx: int):
         super().__init__()
@@ -125,7 +153,7 @@ class QKVSlice(nn.Module):
         if t is None:
             return None
         start = sum(self.fused.sizes[: self.idx])
-        return t.detach()[start:start + self.out_features]
+        return t[start:start + self.out_features]
 
     @property
     def weight(self) -> Tensor:
@@ -283,13 +311,7 @@ def _fuse(name: str, mod: nn.Module, names, lins: list[nn.Linear], undo: list) -
         w = nn.Parameter(torch.cat([lin.weight for lin in lins]), requires_grad=rg)
         b = nn.Parameter(torch.cat([lin.bias for lin in lins]), requires_grad=rg) \
             if lins[0].bias is not None else None
-        # The originals now view the fused storage: no second copy while patched.
-        for lin, wi, bi in zip(lins, w.detach().split(sizes), b.detach().split(sizes) if b is not None
-                               else (None,) * 3):
-            lin.weight.data = wi
-            if bi is not None:
-                lin.bias.data = bi
-    fused = FusedQKV(w, b, sizes)
+    fused = FusedQKV(w, b, sizes, tuple(lins))
     mod.add_module(_FUSED_NAME, fused)
     for i, n in enumerate(names):
         setattr(mod, n, QKVSlice(fused, i))
@@ -329,6 +351,7 @@ def unpatch(model: nn.Module) -> list[str]:
                     lin.weight.requires_grad_(fused.weight.requires_grad)
                     setattr(mod, n, lin)
             fused._rec = None
+            object.__setattr__(fused, "_originals", ())
     return restored
 
 

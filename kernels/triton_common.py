@@ -256,20 +256,20 @@ def _stream_key(device: torch.device) -> tuple:
     return (device.type, device.index, stream)
 
 
-def workspace(device: torch.device, numel: int) -> torch.Tensor:
+def workspace(device: torch.device, numel: int, stream_key: tuple | None = None) -> torch.Tensor:
     """An fp32 buffer of ≥ ``numel`` elements for the current stream; sizes are bucketed to
     powers of two (≥ 1 MiB) so varying M reuses a few buffers. Never freed (see above)."""
     nbytes = max(1 << 20, next_pow2(numel * 4))
-    key = _stream_key(device) + (nbytes,)
+    key = (stream_key or _stream_key(device)) + (nbytes,)
     buf = _WORKSPACES.get(key)
     if buf is None:
         buf = _WORKSPACES[key] = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
     return buf
 
 
-def split_counters(device: torch.device, numel: int) -> torch.Tensor:
+def split_counters(device: torch.device, numel: int, stream_key: tuple | None = None) -> torch.Tensor:
     """A zero-filled int32 buffer of ≥ ``numel`` arrival counters for the current stream."""
-    key = _stream_key(device)
+    key = stream_key or _stream_key(device)
     entry = _COUNTERS.get(key)
     if entry is not None and entry[0].numel() >= numel and not entry[1]:
         return entry[0]  # the common case: an eagerly zeroed buffer, no capture query needed
@@ -281,6 +281,13 @@ def split_counters(device: torch.device, numel: int) -> torch.Tensor:
     buf = torch.zeros(max(1024, next_pow2(numel)), dtype=torch.int32, device=device)
     _COUNTERS[key] = (buf, capturing)
     return buf
+
+
+def split_scratch(device: torch.device, ws_numel: int, counters: int) -> tuple:
+    """(workspace, counters or None) for a split-K launch on the current stream."""
+    key = _stream_key(device)
+    ws = workspace(device, ws_numel, key)
+    return ws, (split_counters(device, counters, key) if counters else None)
 
 
 def workspace_bytes() -> int:
@@ -371,7 +378,7 @@ class Launcher:
             return None
         try:
             tail = tuple(self.meta[name] for name in names[nargs:])
-            runner = compiled[self.grid]
+            runner = compiled[tuple(self.grid) + (1,) * (3 - len(self.grid))]  # it reads 3 dims
         except (KeyError, TypeError, AttributeError):
             return None
         self.tail = tail

@@ -14,6 +14,11 @@ One kernel, specialised by constexprs:
   Out-of-range rows/columns of edge tiles are zero-filled by TMA on load and clipped on store.
 - ``epilogue_subtile``: the accumulator is stored as two BM x BN/2 halves, halving the
   epilogue's shared-memory staging so that more pipeline stages fit.
+- ``split_k`` (non-persistent only): when M x N makes too few tiles to fill the SMs (8b kv,
+  N = 1024, at M = 1024: 64 tiles of 128 x 128 for 132 SMs), K is split too. Each program
+  writes its fp32 partial tile to a workspace and bumps the tile's arrival counter; the last
+  one adds the partials in split order 0..S-1 and runs the epilogue (``tl_split_fixup`` in
+  triton_common: deterministic, counters only signal, one launch).
 
 Why host-side descriptors (``triton.tools.tensor_descriptor.TensorDescriptor``) rather than
 ``tl.make_tensor_descriptor``: device-side descriptors need ``triton.set_allocator``, a
@@ -37,7 +42,10 @@ from .epilogue import Activation, Epilogue
 from .problem import Problem
 from .triton_common import (
     ACT_CODE,
+    HOPPER_NUM_SMS,
     HOPPER_SMEM_PER_BLOCK,
+    INT32_LIMIT,
+    Launcher,
     check_operands,
     check_pow2,
     check_range,
@@ -48,7 +56,9 @@ from .triton_common import (
     operand_key,
     parse_activation,
     problem_limits,
+    split_scratch,
     tl_activation,
+    tl_split_fixup,
     tma_reason,
     tma_row_stride,
 )
@@ -68,6 +78,7 @@ class TritonGemmConfig:
     persistent: bool
     use_tma: bool
     epilogue_subtile: bool = False
+    split_k: int = 1  # > 1: split K too, reduced in the same launch (non-persistent only)
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -77,6 +88,9 @@ class TritonGemmConfig:
         check_range("num_stages", self.num_stages, 1, 8)
         if self.epilogue_subtile and self.block_n < 32:
             raise ValueError("epilogue_subtile needs block_n >= 32")
+        check_range("split_k", self.split_k, 1, 16)
+        if self.split_k > 1 and self.persistent:
+            raise ValueError("split_k > 1 needs persistent=False")
 
     def to_record(self) -> dict:
         return config_to_record(self, KIND)
@@ -109,26 +123,68 @@ class TritonGemmConfig:
         smem = self.smem_bytes(problem.itemsize)
         if smem > smem_limit:
             return False, f"needs ~{smem} bytes of shared memory, over the {smem_limit} limit"
+        if self.split_k > 1:
+            k_blocks = triton.cdiv(problem.k, self.block_k)
+            if self.split_k > k_blocks:
+                return False, f"split_k={self.split_k} exceeds the {k_blocks} blocks of K"
+            if self.split_k * problem.m * problem.n > INT32_LIMIT:
+                return False, "workspace spans more than 2**31 elements"
         regs = self.block_m * self.block_n // (32 * self.num_warps)
         if regs > MAX_ACC_REGS:
             return False, f"accumulator needs {regs} registers per thread (> {MAX_ACC_REGS})"
         return True, ""
 
 
-def _cfg(bm, bn, bk, stages, warps, persistent, tma, subtile=False) -> TritonGemmConfig:
-    return TritonGemmConfig(bm, bn, bk, 8, warps, stages, persistent, tma, subtile)
+def _cfg(bm, bn, bk, stages, warps, persistent, tma, subtile=False, split=1) -> TritonGemmConfig:
+    return TritonGemmConfig(bm, bn, bk, 8, warps, stages, persistent, tma, subtile, split)
+
+
+def _tiles(problem: Problem, bm: int, bn: int) -> int:
+    return triton.cdiv(problem.m, bm) * triton.cdiv(problem.n, bn)
+
+
+def _split_for(problem: Problem, bm: int, bn: int, bk: int, waves: float, num_sms: int) -> int:
+    """split_k for about ``waves`` waves of BM x BN tiles, keeping ≥ 8 K blocks per split."""
+    most = max(1, min(16, triton.cdiv(problem.k, bk) // 8))
+    return max(1, min(most, round(waves * num_sms / _tiles(problem, bm, bn))))
+
+
+def _few_tiles(problem: Problem, bk: int, num_sms: int) -> list[TritonGemmConfig]:
+    """Large M, small N (8b kv at M = 1024): 128 x 128 tiles make under ~1.5 waves. Smaller
+    tiles (4 warps; several CTAs per SM fit) and/or a split of K, reduced in one launch."""
+    def split(bm, bn, waves=1.0, k=bk):
+        return _split_for(problem, bm, bn, k, waves, num_sms)
+
+    return [
+        _cfg(128, 128, bk, 4, 8, False, True, split=split(128, 128)),
+        _cfg(64, 128, bk, 4, 4, False, True),
+        _cfg(128, 64, bk, 4, 4, False, True),
+        _cfg(64, 128, bk, 3, 4, False, True, split=split(64, 128, 2)),  # 2 CTAs per SM
+        _cfg(128, 256, bk, 3, 8, False, True, split=split(128, 256)),
+        _cfg(64, 64, bk, 4, 4, False, True),
+        _cfg(128, 128, bk, 4, 8, False, True, split=split(128, 128, 2)),
+        _cfg(128, 128, 2 * bk, 3, 8, False, True, split=split(128, 128, k=2 * bk)),
+        _cfg(64, 128, bk, 4, 4, True, True),
+        _cfg(128, 128, bk, 4, 8, True, True),
+        _cfg(64, 128, bk, 4, 4, False, False),
+        _cfg(128, 128, bk, 4, 8, False, False, split=split(128, 128)),
+    ]
 
 
 def candidates(
-    problem: Problem, *, smem_limit: int = HOPPER_SMEM_PER_BLOCK, capability=(9, 0)
+    problem: Problem, *, smem_limit: int = HOPPER_SMEM_PER_BLOCK, capability=(9, 0),
+    num_sms: int = HOPPER_NUM_SMS,
 ) -> list[TritonGemmConfig]:
     """Configs worth timing for ``problem`` (≤ 12), most promising first, all supported.
 
     Tile shapes feed wgmma (BM 64/128/256 with 4-8 warps, BK = 128 bytes of K). When TMA does
     not apply (misaligned operands, pre-Hopper), each TMA config is offered on the pointer path.
+    When big tiles would leave SMs idle, smaller tiles and split-K configs are offered.
     """
     bk = 128 // problem.itemsize  # 64 for fp16/bf16, 32 for fp32
-    if problem.m > 256:
+    if problem.m > 256 and _tiles(problem, 128, 128) < 1.5 * num_sms:
+        shapes = _few_tiles(problem, bk, num_sms)
+    elif problem.m > 256:
         shapes = [
             _cfg(128, 256, bk, 3, 8, True, True),
             _cfg(128, 256, bk, 4, 8, True, True, subtile=True),
@@ -155,6 +211,11 @@ def candidates(
             _cfg(64, 64, bk, 4, 4, False, False),
             _cfg(128, 128, bk, 4, 8, True, False),
         ]
+        if _tiles(problem, 64, 128) < num_sms:  # few tiles even at BM = 64: split K as well
+            shapes[5:7] = [
+                _cfg(64, 128, bk, 4, 4, False, True, split=_split_for(problem, 64, 128, bk, 1, num_sms)),
+                _cfg(64, 64, bk, 4, 4, False, True, split=_split_for(problem, 64, 64, bk, 1, num_sms)),
+            ]
     out: list[TritonGemmConfig] = []
     for cfg in shapes:
         ok, _ = cfg.supports(problem, smem_limit=smem_limit, capability=capability)
@@ -207,40 +268,9 @@ def _store_tile(acc, out_src, bias_ptr, off_m, off_n, M, N, ldo, BM: tl.constexp
 
 
 @triton.jit
-def _gemm_tile(tile, x_src, w_src, out_src, bias_ptr, M, N, K, ldx, ldw, ldo,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-               USE_TMA: tl.constexpr, SUBTILE: tl.constexpr, HAS_BIAS: tl.constexpr,
-               ACT: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr):
-    pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
-    off_m = pid_m * BM
-    off_n = pid_n * BN
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BK)
-    if USE_TMA:
-        for ki in range(k_tiles):
-            a = x_src.load([off_m, ki * BK])
-            b = w_src.load([off_n, ki * BK])
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
-    else:
-        # Rows past M (N) are clamped to row 0: loads need no row mask, the store drops them.
-        rows_m = off_m + tl.arange(0, BM)
-        rows_n = off_n + tl.arange(0, BN)
-        rows_m = tl.where(rows_m < M, rows_m, 0)
-        rows_n = tl.where(rows_n < N, rows_n, 0)
-        offs_k = tl.arange(0, BK)
-        x_ptrs = x_src + rows_m[:, None] * ldx + offs_k[None, :]
-        w_ptrs = w_src + rows_n[:, None] * ldw + offs_k[None, :]
-        for ki in range(k_tiles):
-            if EVEN_K:
-                a = tl.load(x_ptrs)
-                b = tl.load(w_ptrs)
-            else:
-                k_ok = offs_k[None, :] < K - ki * BK
-                a = tl.load(x_ptrs, mask=k_ok, other=0.0)
-                b = tl.load(w_ptrs, mask=k_ok, other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
-            x_ptrs += BK
-            w_ptrs += BK
+def _finish_tile(acc, out_src, bias_ptr, off_m, off_n, M, N, ldo, BM: tl.constexpr,
+                 BN: tl.constexpr, SUBTILE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ACT: tl.constexpr, USE_TMA: tl.constexpr):
     if SUBTILE:
         halves = tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1))
         acc0, acc1 = tl.split(halves)
@@ -253,20 +283,79 @@ def _gemm_tile(tile, x_src, w_src, out_src, bias_ptr, M, N, K, ldx, ldw, ldo,
 
 
 @triton.jit
-def _gemm_kernel(x_src, w_src, out_src, bias_ptr, M, N, K, ldx, ldw, ldo, num_progs,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 PERSISTENT: tl.constexpr, USE_TMA: tl.constexpr, SUBTILE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
-                 EVEN_K: tl.constexpr):
-    # x_src/w_src/out_src are pointers, or TMA descriptors when USE_TMA.
+def _gemm_tile(tile, x_src, w_src, out_src, bias_ptr, ws_ptr, cnt_ptr, M, N, K, ldx, ldw, ldo,
+               k_per_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, SUBTILE: tl.constexpr,
+               HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
+               EVEN_K: tl.constexpr, SPLIT: tl.constexpr):
+    pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
+    off_m = pid_m * BM
+    off_n = pid_n * BN
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if SPLIT:  # this program's share of K: blocks [k_lo, k_hi)
+        pid_s = tl.program_id(1)
+        k_lo = pid_s * (k_per_split // BK)
+        k_tiles = tl.minimum(k_lo + k_per_split // BK, tl.cdiv(K, BK))
+    else:
+        k_lo = 0
+        k_tiles = tl.cdiv(K, BK)
+    if USE_TMA:
+        for ki in range(k_lo, k_tiles):
+            a = x_src.load([off_m, ki * BK])
+            b = w_src.load([off_n, ki * BK])
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+    else:
+        # Rows past M (N) are clamped to row 0: loads need no row mask, the store drops them.
+        rows_m = off_m + tl.arange(0, BM)
+        rows_n = off_n + tl.arange(0, BN)
+        rows_m = tl.where(rows_m < M, rows_m, 0)
+        rows_n = tl.where(rows_n < N, rows_n, 0)
+        offs_k = tl.arange(0, BK)
+        x_ptrs = x_src + rows_m[:, None] * ldx + (k_lo * BK + offs_k)[None, :]
+        w_ptrs = w_src + rows_n[:, None] * ldw + (k_lo * BK + offs_k)[None, :]
+        for ki in range(k_lo, k_tiles):
+            if EVEN_K:
+                a = tl.load(x_ptrs)
+                b = tl.load(w_ptrs)
+            else:
+                k_ok = offs_k[None, :] < K - ki * BK
+                a = tl.load(x_ptrs, mask=k_ok, other=0.0)
+                b = tl.load(w_ptrs, mask=k_ok, other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+            x_ptrs += BK
+            w_ptrs += BK
+    if SPLIT:
+        offs_m = off_m + tl.arange(0, BM)
+        offs_n = off_n + tl.arange(0, BN)
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        acc, last = tl_split_fixup(acc, ws_ptr, offs_m[:, None] * N + offs_n[None, :], mask,
+                                   M * N, cnt_ptr + tile, pid_s, tl.num_programs(1))
+        if last:
+            _finish_tile(acc, out_src, bias_ptr, off_m, off_n, M, N, ldo, BM, BN, SUBTILE,
+                         HAS_BIAS, ACT, USE_TMA)
+    else:
+        _finish_tile(acc, out_src, bias_ptr, off_m, off_n, M, N, ldo, BM, BN, SUBTILE, HAS_BIAS,
+                     ACT, USE_TMA)
+
+
+@triton.jit
+def _gemm_kernel(x_src, w_src, out_src, bias_ptr, ws_ptr, cnt_ptr, M, N, K, ldx, ldw, ldo,
+                 num_progs, k_per_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, USE_TMA: tl.constexpr,
+                 SUBTILE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+                 PREC: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr):
+    # x_src/w_src/out_src are pointers, or TMA descriptors when USE_TMA. ws_ptr/cnt_ptr are
+    # the split-K workspace and arrival counters (placeholders unless SPLIT).
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
         for tile in tl.range(tl.program_id(0), num_tiles, num_progs, flatten=True):
-            _gemm_tile(tile, x_src, w_src, out_src, bias_ptr, M, N, K, ldx, ldw, ldo, BM, BN, BK,
-                       GROUP_M, USE_TMA, SUBTILE, HAS_BIAS, ACT, PREC, EVEN_K)
+            _gemm_tile(tile, x_src, w_src, out_src, bias_ptr, ws_ptr, cnt_ptr, M, N, K, ldx, ldw,
+                       ldo, k_per_split, BM, BN, BK, GROUP_M, USE_TMA, SUBTILE, HAS_BIAS, ACT,
+                       PREC, EVEN_K, False)
     else:
-        _gemm_tile(tl.program_id(0), x_src, w_src, out_src, bias_ptr, M, N, K, ldx, ldw, ldo,
-                   BM, BN, BK, GROUP_M, USE_TMA, SUBTILE, HAS_BIAS, ACT, PREC, EVEN_K)
+        _gemm_tile(tl.program_id(0), x_src, w_src, out_src, bias_ptr, ws_ptr, cnt_ptr, M, N, K,
+                   ldx, ldw, ldo, k_per_split, BM, BN, BK, GROUP_M, USE_TMA, SUBTILE, HAS_BIAS,
+                   ACT, PREC, EVEN_K, SPLIT)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -282,10 +371,12 @@ class _Plan:
     three descriptors when TMA is on, and launches.
     """
 
-    grid: tuple[int]
+    launch: Launcher | None
     scalars: tuple
-    meta: dict
     descs: tuple | None  # per operand (shape, strides, block_shape) when use_tma
+    ws_numel: int  # split-K workspace elements (0 without a split)
+    counters: int  # split-K arrival counters (output tiles; 0 without a split)
+    device: torch.device
     empty: bool
 
 
@@ -307,7 +398,7 @@ def _make_plan(config, x, weight, bias, out, act, tf32) -> _Plan:
     check_operands(x, weight, bias, out)
     problem = Problem.from_tensors(x, weight, bias, out, Epilogue(act, bias is not None), tf32)
     if problem.m == 0 or problem.n == 0:
-        return _Plan((0,), (), {}, None, empty=True)
+        return _Plan(None, (), None, 0, 0, x.device, empty=True)
     facts = device_facts(x.device)
     ok, reason = config.supports(problem, smem_limit=facts.smem_per_block,
                                  capability=facts.capability)
@@ -316,6 +407,8 @@ def _make_plan(config, x, weight, bias, out, act, tf32) -> _Plan:
     m, n, k = problem.m, problem.n, problem.k
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     progs = min(tiles, facts.num_sms) if config.persistent else tiles
+    split = config.split_k
+    k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
     descs = None
     if config.use_tma:
         store_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
@@ -331,10 +424,14 @@ def _make_plan(config, x, weight, bias, out, act, tf32) -> _Plan:
         BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m,
         PERSISTENT=config.persistent, USE_TMA=config.use_tma, SUBTILE=config.epilogue_subtile,
         HAS_BIAS=bias is not None, ACT=ACT_CODE[act], PREC=dot_precision(problem),
-        EVEN_K=k % config.block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages,
+        EVEN_K=k % config.block_k == 0, SPLIT=split > 1, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
-    scalars = (m, n, k, problem.ldx, problem.ldw, problem.ldo, progs)
-    return _Plan((progs,), scalars, meta, descs, empty=False)
+    scalars = (m, n, k, problem.ldx, problem.ldw, problem.ldo, progs, k_per_split)
+    grid = (progs, split) if split > 1 else (progs,)
+    return _Plan(Launcher(_gemm_kernel, grid, meta), scalars, descs,
+                 ws_numel=split * m * n if split > 1 else 0, counters=tiles if split > 1 else 0,
+                 device=x.device, empty=False)
 
 
 def run(
@@ -366,5 +463,10 @@ def run(
         srcs = (x, weight, out)
     else:
         srcs = (_desc(x, plan.descs[0]), _desc(weight, plan.descs[1]), _desc(out, plan.descs[2]))
-    _gemm_kernel[plan.grid](*srcs, out if bias is None else bias, *plan.scalars, **plan.meta)
+    b = out if bias is None else bias  # placeholder pointer when HAS_BIAS is False
+    if plan.ws_numel:
+        ws, cnt = split_scratch(plan.device, plan.ws_numel, plan.counters)
+    else:
+        ws = cnt = b  # placeholders, never dereferenced
+    plan.launch(*srcs, b, ws, cnt, *plan.scalars)
     return out

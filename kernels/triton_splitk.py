@@ -51,10 +51,9 @@ from .triton_common import (
     operand_key,
     parse_activation,
     problem_limits,
-    split_counters,
+    split_scratch,
     tl_activation,
     tl_split_fixup,
-    workspace,
     workspace_bytes,
 )
 
@@ -351,8 +350,11 @@ def run(
     if plan.empty:
         return out
     b = out if bias is None else bias  # placeholder pointer when HAS_BIAS is False
-    ws = workspace(plan.device, plan.ws_numel) if plan.ws_numel else out
-    cnt = split_counters(plan.device, plan.counters) if plan.counters else ws
+    if plan.ws_numel:
+        ws, cnt = split_scratch(plan.device, plan.ws_numel, plan.counters)
+        cnt = ws if cnt is None else cnt  # placeholder for the two-launch path
+    else:
+        ws = cnt = out  # placeholders, never dereferenced
     plan.launch(x, weight, b, out, ws, cnt, *plan.scalars)
     if plan.reduce is not None:
         plan.reduce(ws, b, out, *plan.reduce_scalars)

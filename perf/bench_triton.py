@@ -7,7 +7,9 @@ F.linear's own error + 1e-3), then time F.linear (baseline) and every candidate 
 ``gpu_time`` (L2-clean-cold CUDA-graph replay). Split-K candidates at M in {1, 16}, tiled GEMM
 candidates at M in {1024, 4096}. Host µs per call: ``eager_time_interleaved`` beside F.linear
 at small problems where GPU time is below host time. A config that fails to compile or run is
-recorded with its error and skipped. Writes ``DIR/triton_h200.csv`` (long form, one row per
+recorded with its error and skipped. The summary also gives, per point, the best time of each
+way of reducing over K (no split, split-K in one launch, split-K with a second reduce launch).
+Writes ``DIR/triton_h200.csv`` (long form, one row per
 provider/config, flushed as it goes) and prints a summary.
 """
 
@@ -46,6 +48,14 @@ COLUMNS = [
     "gpu", "torch", "triton", "shape", "M", "N", "K", "dtype", "provider", "config", "status",
     "rel_err", "gpu_us", "spread_us", "tflops", "gbps", "speedup_vs_flinear", "host_us",
 ]
+
+
+def _mode(cfg) -> str:
+    """How a candidate reduces over K: the summary shows the best time of each mode."""
+    split = getattr(cfg, "split_k", 1)
+    if split == 1:
+        return "no-split"
+    return "split-1-launch" if getattr(cfg, "fused_reduce", True) else "split-2-launch"
 
 
 class Bench:
@@ -96,6 +106,7 @@ class Bench:
         if self.quick:
             configs = configs[:4]
         best = None
+        by_mode: dict[str, float] = {}
         for cfg in configs:
             record = json.dumps(cfg.to_record(), sort_keys=True)
             fields = dict(base, provider=module.KIND, config=record)
@@ -119,8 +130,10 @@ class Bench:
                      speedup_vs_flinear=f"{speedup:.3f}")
             if best is None or t.median_us < best[1].median_us:
                 best = (cfg, t)
+            mode = _mode(cfg)
+            by_mode[mode] = min(by_mode.get(mode, math.inf), t.median_us)
         self.summary.append(dict(shape=name, M=m, kind=module.KIND, flinear=t_ref, best=best, flops=flops,
-                                 nbytes=nbytes, weight_bytes=n * k * problem.itemsize))
+                                 nbytes=nbytes, weight_bytes=n * k * problem.itemsize, by_mode=by_mode))
 
     @staticmethod
     def _rates(t, flops, nbytes) -> dict:
@@ -187,6 +200,8 @@ class Bench:
             rec = {k: v for k, v in cfg.to_record().items() if k != "kind"}
             print(f"{s['shape']:16s} {s['M']:5d} {s['flinear'].median_us:9.2f} {us:9.2f} "
                   f"{speedup:7.3f}x {rate:>16s}  {rec}")
+            modes = "  ".join(f"{mode} {t:.2f}" for mode, t in sorted(s["by_mode"].items()))
+            print(f"{'':16s} {'':5s} best per mode (µs): {modes}")
         if decode_speedups:
             geo = math.exp(sum(map(math.log, decode_speedups)) / len(decode_speedups))
             print(f"decode (split-K points) geomean speedup vs F.linear: {geo:.3f}x "

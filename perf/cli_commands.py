@@ -112,7 +112,10 @@ def cmd_bench(args) -> int:
                     progress=not args.no_progress, command=_command_line(args))
     print_summary(res)
     print(f"wrote {len(res.rows)} rows to {args.out}")
-    rc = 1 if any(s["failed"] for s in res.summary) else 0
+    bad = sorted({(r["provider"], r["method"]) for r in res.rows if r.get("status") in ("failed", "error")})
+    if bad:  # recorded in the CSV with the reason; the exit code says so too
+        _err("hybridgemm bench: failed or errored: " + ", ".join(f"{p} ({m})" for p, m in bad))
+    rc = 1 if bad else 0
     if args.plot:
         rc = max(rc, cmd_plot(argparse.Namespace(csv=[args.out], out=args.plot)))
     return rc
@@ -125,12 +128,19 @@ def cmd_plot(args) -> int:
     if missing:
         _err(f"hybridgemm plot: no such CSV file: {', '.join(missing)}")
         return 2
+    import csv
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        _err("hybridgemm plot: needs matplotlib: pip install 'hybridgemm[plot]'")
+        return 2
     from hybridgemm.perf.plots import make_all_plots
 
     out = args.out or os.path.dirname(os.path.abspath(args.csv[0]))
     try:
         written = make_all_plots(args.csv, out, log=_err)
-    except (ValueError, KeyError, OSError) as e:  # a CSV that is not a benchmark CSV
+    except (ValueError, KeyError, OSError, csv.Error) as e:  # a file that is not a benchmark CSV
         _err(f"hybridgemm plot: cannot plot {', '.join(args.csv)}: {type(e).__name__}: {e}")
         return 2
     for p in written:

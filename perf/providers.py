@@ -364,4 +364,5 @@ def fastest(pt: ProblemTensors, cands: list[tuple[str, Callable]], what: str, fi
         r[0] = pt.timers.gpu(r[2], reps=reps, replays=9).median_us
     best = min(timed[:finalists], key=lambda r: r[0])
     pt.notes[what] = rejected
-    return _tag(best[2], f"{best[1]} (best of {len(timed)})")
+    dropped = f", {len(rejected)} rejected" if rejected else ""
+    return _tag(best[2], f"{best[1]} (best of {len(timed)}{dropped})")

@@ -100,6 +100,18 @@ def test_fp32_gradients_vs_fp64_reference(activation, m):
         assert rel_err(o.grad, r.grad) <= max(2 * theirs, 2e-6), f"d{name}"
 
 
+def test_compile_bias_only_gradient():
+    torch._dynamo.reset()
+    x, w, b = make_operands(4, 6, 5, torch.float32, "cpu")
+    b.requires_grad_(True)
+    f = torch.compile(lambda x, w, b: hybridgemm.linear(x, w, b, "gelu_tanh").sum(), fullgraph=True,
+                      backend="aot_eager")
+    f(x, w, b).backward()
+    ref = b.detach().clone().requires_grad_(True)
+    F.gelu(F.linear(x, w, ref), approximate="tanh").sum().backward()
+    torch.testing.assert_close(b.grad, ref.grad)
+
+
 @pytest.mark.parametrize("wanted", ["x", "w", "b", "wb"])
 def test_only_requested_gradients(wanted):
     x, w, b = make_operands(4, 6, 5, torch.float64, "cpu")
@@ -140,6 +152,22 @@ def test_backward_calls_dispatch_linear_backward(monkeypatch, activation):
         torch.testing.assert_close(pre, F.linear(x, w, b).detach())  # the pre-activation z
 
 
+def test_preactivation_forward_hook(monkeypatch):
+    seen = []
+
+    def fused(x, w, b, activation):
+        seen.append(activation)
+        z = F.linear(x, w, b)
+        return F.gelu(z), z
+
+    monkeypatch.setattr(dispatch, "fused_linear_with_preactivation", fused, raising=False)
+    x, w, b = (t.requires_grad_(True) for t in make_operands(3, 4, 5, torch.float64, "cpu"))
+    y = hybridgemm.linear(x, w, b, "gelu")
+    y.sum().backward()
+    assert seen == ["gelu"]
+    torch.testing.assert_close(y, F.gelu(F.linear(x, w, b)))
+
+
 @pytest.mark.parametrize("activation", ACTS)
 def test_torch_linear_backward_reference(activation):
     x, w, b = (t.requires_grad_(True) for t in make_operands(6, 5, 4, torch.float64, "cpu"))
@@ -167,6 +195,8 @@ def test_opcheck_custom_ops():
     g = torch.randn(3, 6)
     torch.library.opcheck(torch.ops.hybridgemm.linear_bwd.default, (g, x.detach(), None, None, "none", False,
                                                                     True, True))
+    torch.library.opcheck(torch.ops.hybridgemm.linear_bwd.default, (g, None, None, None, "none", False,
+                                                                    False, True))
 
 
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])

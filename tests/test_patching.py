@@ -157,6 +157,23 @@ def test_bert_cross_attention_not_fused():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_move_while_patched_keeps_originals_in_step():
+    model = _tiny("qwen2", layers=1)
+    q_param = model.model.layers[0].self_attn.q_proj.weight
+    ids = torch.randint(0, VOCAB, (1, 6))
+    with torch.no_grad():
+        ref = model.double()(ids).logits
+        model.float()
+        hybridgemm.patch(model)
+        model.double()  # new storage for the fused parameters: the originals follow
+        fused = model.model.layers[0].self_attn.qkv_proj.weight
+        assert q_param.dtype == torch.float64 and q_param.data_ptr() == fused.data_ptr()
+        torch.testing.assert_close(model(ids).logits, ref)
+    hybridgemm.unpatch(model)
+    assert model.model.layers[0].self_attn.q_proj.weight is q_param and q_param.dtype == torch.float64
+    assert q_param.data_ptr() != fused.data_ptr()  # own storage again
+
+
 def test_fused_slices_never_mix_inputs():
     lin = [nn.Linear(16, n) for n in (16, 8, 8)]
     holder = nn.Module()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridgemm.kernels import triton_common as tc
 from hybridgemm.kernels import triton_gemm as tg
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation, reference_linear
 from hybridgemm.kernels.problem import Problem
@@ -31,8 +32,22 @@ PTR_PERSISTENT = Cfg(16, 32, 16, 2, 4, 2, persistent=True, use_tma=False)
 PTR_TILED = Cfg(32, 16, 32, 1, 4, 2, persistent=False, use_tma=False)
 TMA_PERSISTENT = Cfg(16, 32, 16, 2, 4, 2, persistent=True, use_tma=True, epilogue_subtile=True)
 TMA_TILED = Cfg(32, 16, 16, 1, 4, 3, persistent=False, use_tma=True)
-ALL_PATHS = [PTR_PERSISTENT, PTR_TILED, TMA_PERSISTENT, TMA_TILED]
-PTR_PATHS = [PTR_PERSISTENT, PTR_TILED]
+# Split K (non-persistent only), reduced in one launch through arrival counters.
+PTR_SPLIT = Cfg(16, 32, 16, 1, 4, 2, persistent=False, use_tma=False, split_k=3)
+TMA_SPLIT = Cfg(32, 16, 16, 2, 4, 3, persistent=False, use_tma=True, epilogue_subtile=False, split_k=2)
+TMA_SPLIT_SUB = Cfg(16, 32, 16, 1, 4, 2, persistent=False, use_tma=True, epilogue_subtile=True,
+                    split_k=3)
+ALL_PATHS = [PTR_PERSISTENT, PTR_TILED, TMA_PERSISTENT, TMA_TILED, PTR_SPLIT, TMA_SPLIT_SUB]
+PTR_PATHS = [PTR_PERSISTENT, PTR_TILED, PTR_SPLIT]
+
+
+def path_id(c):
+    return f"tma{int(c.use_tma)}-p{int(c.persistent)}-s{c.split_k}"
+
+
+def assert_counters_zero():
+    for buf in tc.counters_snapshot():
+        assert not buf.any(), "split-K arrival counters were not reset"
 
 
 def operands(m, n, k, dtype, device, bias=True):
@@ -65,26 +80,28 @@ def check(cfg, x, w, b, act, out=None, tf32=False):
     return out
 
 
-@pytest.mark.parametrize("cfg", ALL_PATHS, ids=lambda c: f"tma{int(c.use_tma)}-p{int(c.persistent)}")
+@pytest.mark.parametrize("cfg", ALL_PATHS, ids=path_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act", list(Activation), ids=lambda a: a.value)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_every_path_and_epilogue(cfg, dtype, act, bias, device):
     x, w, b = operands(37, 48, 64, dtype, device, bias)  # M, N not multiples of the blocks
     check(cfg, x, w, b, act)
+    assert_counters_zero()
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("cfg", PTR_PATHS, ids=lambda c: f"p{int(c.persistent)}")
+@pytest.mark.parametrize("cfg", PTR_PATHS, ids=path_id)
 def test_odd_shapes_pointer_path(m, dtype, cfg, device):
     x, w, b = operands(m, 37, 45, dtype, device)  # K tail, N tail, unaligned row strides
     check(cfg, x, w, b, Activation.GELU_TANH)
+    assert_counters_zero()
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("cfg", [TMA_PERSISTENT, TMA_TILED], ids=lambda c: f"p{int(c.persistent)}")
+@pytest.mark.parametrize("cfg", [TMA_PERSISTENT, TMA_TILED, TMA_SPLIT], ids=path_id)
 def test_odd_shapes_tma_padded_rows(m, dtype, cfg, device):
     """Odd logical shapes inside padded (16-byte aligned) rows: TMA must zero-fill loads past
     K and clip stores past N, leaving the padding columns of out untouched."""
@@ -113,11 +130,29 @@ def test_non_contiguous_x(dtype, device):
         tg.run(TMA_PERSISTENT, x_misaligned, w, b, torch.empty(m, n, dtype=dtype, device=device))
 
 
-def test_bit_identical_repeats(device):
+@pytest.mark.parametrize("cfg", [TMA_PERSISTENT, PTR_SPLIT, TMA_SPLIT_SUB], ids=path_id)
+def test_bit_identical_repeats(cfg, device):
     x, w, b = operands(37, 48, 64, torch.float16, device)
-    first = check(TMA_PERSISTENT, x, w, b, Activation.GELU)
+    first = check(cfg, x, w, b, Activation.GELU)
     for _ in range(2):
-        assert torch.equal(check(TMA_PERSISTENT, x, w, b, Activation.GELU), first)
+        assert torch.equal(check(cfg, x, w, b, Activation.GELU), first)
+        assert_counters_zero()
+    # other operands through the same counters, then the first problem again
+    x2, w2, b2 = operands(17, 37, 45, torch.float16, device)
+    check(PTR_SPLIT, x2, w2, b2, Activation.RELU)
+    assert torch.equal(check(cfg, x, w, b, Activation.GELU), first)
+    assert_counters_zero()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_matches_unsplit(dtype, device):
+    """Splitting K changes only the fp32 summation order."""
+    x, w, b = operands(33, 40, 96, dtype, device)
+    whole = check(PTR_TILED, x, w, b, Activation.NONE)
+    for split in (2, 3, 6):
+        cfg = Cfg(32, 16, 16, 1, 4, 2, persistent=False, use_tma=False, split_k=split)
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(check(cfg, x, w, b, Activation.NONE), whole, rtol=tol, atol=tol)
 
 
 def test_tf32_flag(device):
@@ -169,8 +204,12 @@ def test_plan_cache_reused(device):
 
 # ----------------------------------------------------------------------------- configs
 
+def _config(persistent, split_k, **kw):
+    return Cfg(persistent=persistent, split_k=1 if persistent else split_k, **kw)
+
+
 configs = st.builds(
-    Cfg,
+    _config,
     block_m=st.sampled_from([16, 32, 64, 128, 256]),
     block_n=st.sampled_from([32, 64, 128, 256]),
     block_k=st.sampled_from([16, 32, 64, 128]),
@@ -180,6 +219,7 @@ configs = st.builds(
     persistent=st.booleans(),
     use_tma=st.booleans(),
     epilogue_subtile=st.booleans(),
+    split_k=st.integers(1, 16),
 )
 
 
@@ -212,6 +252,17 @@ def test_bad_records_rejected(change, match):
         Cfg.from_record(record)
 
 
+def test_split_k_config_checks():
+    with pytest.raises(ValueError, match="persistent=False"):
+        Cfg(64, 64, 64, 8, 4, 3, persistent=True, use_tma=True, split_k=2)
+    with pytest.raises(ValueError, match="split_k"):
+        Cfg(64, 64, 64, 8, 4, 3, persistent=False, use_tma=True, split_k=0)
+    record = PTR_PERSISTENT.to_record()
+    del record["split_k"]  # a record written before split_k existed
+    assert Cfg.from_record(record) == PTR_PERSISTENT
+    assert Cfg.from_record(PTR_SPLIT.to_record()) == PTR_SPLIT
+
+
 def test_bad_records_missing_key_and_not_dict():
     record = PTR_PERSISTENT.to_record()
     del record["use_tma"]
@@ -233,6 +284,8 @@ def test_supports_reasons():
     assert Cfg(128, 256, 64, 8, 8, 4, True, True, epilogue_subtile=True).supports(problem())[0]
     tma = Cfg(128, 128, 64, 8, 8, 3, True, True)
     assert tma.supports(problem())[0]
+    ok, why = Cfg(128, 128, 64, 8, 8, 3, False, True, split_k=16).supports(problem(k=512, ldx=512, ldw=512))
+    assert not ok and "exceeds the 8 blocks of K" in why
     ok, why = tma.supports(problem(align_x=8))
     assert not ok and "16-byte aligned pointers" in why
     ok, why = tma.supports(problem(k=4100, ldx=4100, ldw=4100))
@@ -256,8 +309,10 @@ def test_supports_reasons():
         problem(m=128),
         problem(dtype=torch.float32),
         problem(dtype=torch.float16, align_x=2, k=4099, ldx=4099, ldw=4099),
+        problem(m=1024, n=1024, k=4096),
+        problem(m=256, n=1024, k=4096),
     ],
-    ids=["4k", "tall-k", "medium-m", "fp32", "misaligned"],
+    ids=["4k", "tall-k", "medium-m", "fp32", "misaligned", "8b-kv-1024", "8b-kv-256"],
 )
 def test_candidates(prob):
     found = tg.candidates(prob)
@@ -271,3 +326,18 @@ def test_candidates(prob):
         assert found[0].use_tma and any(c.persistent for c in found)
     if prob.m <= 256:
         assert any(c.block_m == 64 for c in found)
+
+
+@pytest.mark.parametrize("m", [1024, 2048])
+def test_candidates_fill_the_sms_when_tiles_are_few(m):
+    """8b kv (N = 1024) at large M: 128 x 128 tiles leave SMs idle, so smaller tiles and
+    split-K configs must be on the list, each making at least ~one wave of programs."""
+    prob = problem(m=m, n=1024, k=4096)
+    found = tg.candidates(prob)
+    assert len(found) <= 12
+    programs = {c: -(-m // c.block_m) * (-(-1024 // c.block_n)) * c.split_k for c in found}
+    assert any(c.split_k > 1 for c in found)
+    assert any(c.block_m == 64 and c.num_warps == 4 for c in found)
+    assert any(c.block_n == 64 and c.num_warps == 4 for c in found)
+    assert sum(p >= 128 for c, p in programs.items() if not c.persistent) >= 6, programs
+    assert all(not (c.persistent and c.split_k > 1) for c in found)

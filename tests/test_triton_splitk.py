@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridgemm.kernels import triton_common as tc
 from hybridgemm.kernels import triton_splitk as ts
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation, reference_linear
 from hybridgemm.kernels.problem import Problem
@@ -27,7 +28,19 @@ Cfg = ts.TritonSplitKConfig
 SPLIT3 = Cfg(block_m=16, block_n=16, block_k=16, split_k=3, num_warps=4, num_stages=2)
 DIRECT = Cfg(block_m=16, block_n=32, block_k=32, split_k=1, num_warps=4, num_stages=2)
 SPLIT2 = Cfg(block_m=16, block_n=32, block_k=16, split_k=2, num_warps=4, num_stages=3)
-CONFIGS = [SPLIT3, DIRECT, SPLIT2]
+FUSED3 = Cfg(16, 16, 16, split_k=3, num_warps=4, num_stages=2, fused_reduce=True)
+FUSED2 = Cfg(16, 32, 16, split_k=2, num_warps=4, num_stages=3, fused_reduce=True)
+CONFIGS = [SPLIT3, DIRECT, SPLIT2, FUSED3, FUSED2]
+
+
+def cfg_id(c):
+    return f"split{c.split_k}{'-fused' if c.fused_reduce else ''}"
+
+
+def assert_counters_zero():
+    """Single-pass split-K leaves every arrival counter at 0 (the next call relies on it)."""
+    for buf in tc.counters_snapshot():
+        assert not buf.any(), "arrival counters were not reset"
 
 
 def operands(m, n, k, dtype, device, bias=True):
@@ -54,21 +67,23 @@ def check(cfg, x, w, b, act, out=None):
     return out
 
 
-@pytest.mark.parametrize("cfg", [SPLIT3, DIRECT], ids=lambda c: f"split{c.split_k}")
+@pytest.mark.parametrize("cfg", [SPLIT3, DIRECT, FUSED3], ids=cfg_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("act", list(Activation), ids=lambda a: a.value)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_every_epilogue(cfg, dtype, act, bias, device):
     x, w, b = operands(3, 40, 64, dtype, device, bias)
     check(cfg, x, w, b, act)
+    assert_counters_zero()
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"split{c.split_k}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=cfg_id)
 def test_odd_shapes(m, dtype, cfg, device):
     x, w, b = operands(m, 37, 45, dtype, device)  # K tail, N tail, M=17 spans two m-blocks
     check(cfg, x, w, b, Activation.GELU)
+    assert_counters_zero()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -79,6 +94,9 @@ def test_non_contiguous_x_and_padded_out(dtype, device):
     _, w, b = operands(m, n, k, dtype, device)
     obuf = torch.full((m, n + 3), float("nan"), dtype=dtype, device=device)
     check(SPLIT3, x, w, b, Activation.RELU, out=obuf[:, :n])
+    assert torch.isnan(obuf[:, n:]).all(), "store wrote past N"
+    obuf.fill_(float("nan"))
+    check(FUSED3, x, w, b, Activation.RELU, out=obuf[:, :n])
     assert torch.isnan(obuf[:, n:]).all(), "store wrote past N"
 
 
@@ -96,9 +114,48 @@ def test_deterministic_and_workspace_reused(device):
     assert ts.workspace_bytes() == held
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_reduce_bit_identical_to_two_launches(dtype, device):
+    """Same partials, same order: the single-pass reduction gives the two-launch bits."""
+    x, w, b = operands(17, 37, 45, dtype, device)
+    for split in (2, 3):
+        two = check(Cfg(16, 16, 16, split, 4, 2), x, w, b, Activation.GELU_TANH)
+        one = check(Cfg(16, 16, 16, split, 4, 2, fused_reduce=True), x, w, b, Activation.GELU_TANH)
+        assert torch.equal(one, two)
+        assert_counters_zero()
+
+
+def test_fused_reduce_repeats_and_counters_reset(device):
+    """Counters go back to 0 after every call, so repeated calls, new data and a different
+    problem on the same (device, stream) buffer all come out right and bit-identical."""
+    x, w, b = operands(5, 40, 64, torch.float16, device)
+    first = check(FUSED3, x, w, b, Activation.GELU)
+    assert_counters_zero()
+    held = ts.workspace_bytes()
+    for _ in range(3):
+        assert torch.equal(check(FUSED3, x, w, b, Activation.GELU), first)
+        assert_counters_zero()
+    assert ts.workspace_bytes() == held, "workspace reallocated per call"
+    x2, w2, b2 = operands(3, 37, 45, torch.float16, device)
+    check(FUSED2, x2, w2, b2, Activation.RELU)  # different tile count, same counters
+    check(FUSED3, x2, w2, None, Activation.NONE)
+    assert_counters_zero()
+    assert torch.equal(check(FUSED3, x, w, b, Activation.GELU), first)
+
+
+def test_counters_survive_clear(device):
+    x, w, b = operands(2, 40, 64, torch.float32, device)
+    check(FUSED2, x, w, b, Activation.NONE)
+    ts.clear_workspaces()
+    assert tc.counters_snapshot() == [] and ts.workspace_bytes() == 0
+    check(FUSED2, x, w, b, Activation.NONE)  # fresh zeroed counters
+    assert_counters_zero()
+
+
 def test_split_counts_agree(device):
     x, w, b = operands(2, 40, 96, torch.float32, device)
     outs = [check(Cfg(16, 16, 16, s, 4, 2), x, w, b, Activation.NONE) for s in (1, 2, 3, 6)]
+    outs += [check(Cfg(16, 16, 16, s, 4, 2, True), x, w, b, Activation.NONE) for s in (2, 6)]
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
 
@@ -114,6 +171,8 @@ def test_run_rejects(device):
     out = torch.empty(2, 40, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="exceeds the 2 blocks of K"):
         ts.run(SPLIT3, x, w, b, out)
+    with pytest.raises(ValueError, match="exceeds the 2 blocks of K"):
+        ts.run(FUSED3, x, w, b, out)
     with pytest.raises(TypeError, match="dtype"):
         ts.run(DIRECT, x, w, b.float(), out)
     with pytest.raises(ValueError, match="shape mismatch"):
@@ -122,14 +181,19 @@ def test_run_rejects(device):
 
 # ----------------------------------------------------------------------------- configs
 
+def _config(split_k, fused, **kw):
+    return Cfg(split_k=split_k, fused_reduce=fused and split_k > 1, **kw)
+
+
 configs = st.builds(
-    Cfg,
+    _config,
     block_m=st.sampled_from([16, 32, 64, 128]),
     block_n=st.sampled_from([16, 32, 64, 128, 256]),
     block_k=st.sampled_from([16, 32, 64, 128, 256, 512]),
     split_k=st.integers(1, 64),
     num_warps=st.sampled_from([1, 2, 4, 8, 16]),
     num_stages=st.integers(1, 8),
+    fused=st.booleans(),
 )
 
 
@@ -156,6 +220,21 @@ def test_record_round_trip(cfg):
 def test_bad_records_rejected(change, match):
     with pytest.raises(ValueError, match=match):
         Cfg.from_record({**SPLIT3.to_record(), **change})
+
+
+def test_record_without_fused_reduce_loads():
+    """Records written before ``fused_reduce`` existed (shipped tables) still load."""
+    record = SPLIT3.to_record()
+    del record["fused_reduce"]
+    assert Cfg.from_record(record) == SPLIT3
+    assert FUSED3.to_record()["fused_reduce"] is True
+
+
+def test_fused_reduce_needs_a_split():
+    with pytest.raises(ValueError, match="fused_reduce needs split_k > 1"):
+        Cfg(16, 16, 16, 1, 4, 2, fused_reduce=True)
+    with pytest.raises(ValueError, match="must be bool"):
+        Cfg.from_record({**FUSED3.to_record(), "fused_reduce": 1})
 
 
 def test_missing_key_rejected():
@@ -194,13 +273,18 @@ def test_candidates_cover_the_gpu(name, m):
     n, k = SHAPES[name]
     prob = problem(m=m, n=n, k=k)
     found = ts.candidates(prob)
-    assert 1 <= len(found) <= 12 and len(set(found)) == len(found)
+    assert 1 <= len(found) <= 16 and len(set(found)) == len(found)
     assert all(c.supports(prob)[0] for c in found)
     assert ts.default_config(prob).supports(prob)[0]
     programs = [(-(-n // c.block_n)) * c.split_k * (-(-m // c.block_m)) for c in found]
     # Each candidate fills the SMs at least half-way and at most ~5 waves; some give ~2+ waves.
     assert all(HOPPER_NUM_SMS // 2 <= p <= 5 * HOPPER_NUM_SMS for p in programs), programs
     assert any(1.9 * HOPPER_NUM_SMS <= p for p in programs), programs
+    assert all(c.split_k > 1 or not c.fused_reduce for c in found)
+    if m <= 16:  # the single-pass reduction, the two-launch one and no split are all timed
+        assert any(c.fused_reduce for c in found)
+        assert any(c.split_k > 1 and not c.fused_reduce for c in found)
+        assert any(c.split_k == 1 for c in found) or n <= 1024
 
 
 def test_candidates_only_for_decode():
@@ -208,3 +292,53 @@ def test_candidates_only_for_decode():
     assert ts.candidates(problem(m=64))
     small = problem(m=1, n=37, k=45, ldx=45, ldw=45, ldo=37, dtype=torch.float16)
     assert ts.default_config(small).supports(small)[0]
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def test_launcher_fast_path(monkeypatch):
+    """After the first (JIT) launch, a Launcher calls CompiledKernel[grid] with the args and
+    then the constexprs in signature order; the interpreter always takes the JIT path."""
+    from triton.compiler import CompiledKernel
+
+    calls = []
+
+    class FakeCompiled(CompiledKernel):
+        def __init__(self):
+            pass
+
+        def __getitem__(self, grid):
+            return lambda *args: calls.append(("fast", grid, args))
+
+    class FakeFn:
+        arg_names = ["a", "b", "C", "D"]
+
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                calls.append(("jit", grid, args, meta))
+                return FakeCompiled()
+            return launch
+
+    meta = dict(D=2, C=1, num_warps=4)
+    slow = tc.Launcher(FakeFn(), (3, 2), meta)
+    slow(10, 20)
+    slow(11, 21)
+    assert [c[0] for c in calls] == ["jit", "jit"]  # interpreting: never the fast path
+    calls.clear()
+    monkeypatch.setattr(tc, "interpreting", lambda: False)
+    fast = tc.Launcher(FakeFn(), (3, 2), meta)
+    fast(10, 20)
+    fast(11, 21)
+    assert calls == [("jit", (3, 2), (10, 20), meta), ("fast", (3, 2, 1), (11, 21, 1, 2))]
+    calls.clear()
+    one_dim = tc.Launcher(FakeFn(), (5,), meta)  # CompiledKernel's runner indexes 3 grid dims
+    one_dim(1, 2)
+    one_dim(1, 2)
+    assert calls[1] == ("fast", (5, 1, 1), (1, 2, 1, 2))
+    calls.clear()
+    monkeypatch.setenv("HYBRIDGEMM_TRITON_SLOW_LAUNCH", "1")
+    opted_out = tc.Launcher(FakeFn(), (3, 2), meta)
+    opted_out(1, 2)
+    opted_out(1, 2)
+    assert [c[0] for c in calls] == ["jit", "jit"]
