@@ -131,7 +131,7 @@ def test_decode_step_graph_capture_replays():
         q, k, v = mod.forward_qkv(x)
         kc.index_copy_(2, pos.view(1), k)
         vc.index_copy_(2, pos.view(1), v)
-        mask = torch.arange(ctx, device=DEV) <= pos
+        mask = (torch.arange(ctx, device=DEV) <= pos).view(1, 1, 1, ctx)  # SDPA wants a 4-D mask
         o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=True)
         return mod.forward_out(o)
 
