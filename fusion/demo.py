@@ -18,7 +18,7 @@ def _rel_err(out, ref) -> float:
 
 
 def run_demo(m: int = 16, n: int = 6144, k: int = 4096, print_fn=print) -> int:
-    from hybridgemm.dispatch import fused_linear
+    from hybridgemm import linear as fused_linear
 
     if not torch.cuda.is_available():
         print_fn("no CUDA GPU here: the GPU kernels cannot run; showing the CPU path (PyTorch).")
@@ -29,7 +29,7 @@ def run_demo(m: int = 16, n: int = 6144, k: int = 4096, print_fn=print) -> int:
         y = fused_linear(x, w, b)
         err = _rel_err(y, ref.float())
         ok = err < 1e-5
-        print_fn(f"hybridgemm (dispatch) on CPU, fp32, M={m} N={n} K={k}: rel err vs fp64 {err:.2e} "
+        print_fn(f"hybridgemm.linear on CPU, fp32, M={m} N={n} K={k}: rel err vs fp64 {err:.2e} "
                  f"({'ok' if ok else 'FAIL'})")
         return 0 if ok else 1
 
@@ -40,7 +40,7 @@ def run_demo(m: int = 16, n: int = 6144, k: int = 4096, print_fn=print) -> int:
     w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
     b = torch.randn(n, device="cuda").to(dtype)
     ref = F.linear(x.float(), w.float(), b.float())
-    providers = {"F.linear": lambda: F.linear(x, w, b), "hybridgemm (dispatch)": lambda: fused_linear(x, w, b)}
+    providers = {"F.linear": lambda: F.linear(x, w, b), "hybridgemm.linear": lambda: fused_linear(x, w, b)}
     from hybridgemm.kernels import cublaslt
 
     if cublaslt.is_available():

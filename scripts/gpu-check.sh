@@ -8,6 +8,12 @@
 #         alltests  the whole suite on the GPU (CPU tests too, Triton compiled for real)
 #         bench     the backend benchmarks (cuBLASLt, Triton)
 #         quick     the backend benchmarks, small subset
+#         tune      autotune llama3-8b (all M buckets) + qwen2.5-7b (decode/prefill/train M) into
+#                   $OUT/h200.json, then again with --force into $OUT/h200_rerun.json, and compare
+#         dispatch  dispatched calls vs the table's winners vs F.linear ($OUT/h200.json)
+#         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
+#         harness   hybridgemm bench (all providers, training) + plots into $OUT/plots
+#         pack      tar every CSV, PNG and table under $OUT into $OUT/results.tar.gz
 #         <other>   run as a shell command (e.g. "python3 -m hybridgemm ...")
 # Results and logs go to $OUT (the device tool's output folder) or ./out.
 # Before calling: ../shared/device/fetch-wheels.sh (nvmath-python, platformdirs into .whl/),
@@ -57,6 +63,43 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
         $PY -m "hybridgemm.perf.$mod" --out "$OUT" "${q[@]}" >"$OUT/$mod.txt" 2>&1; rc=$?
         tail -n 45 "$OUT/$mod.txt" | tee -a "$OUT/summary.txt"; [ $rc -eq 0 ] || status=$rc
       done
+      ;;
+    tune)
+      log "autotune (twice)"
+      for t in h200 h200_rerun; do
+        f=(); [ $t = h200_rerun ] && f=(--force)
+        /usr/bin/time -f "autotune llama3-8b wall %e s" $PY -m hybridgemm autotune --model llama3-8b \
+          --out "$OUT/$t.json" --no-progress "${f[@]}" >"$OUT/autotune_$t.txt" 2>&1 || status=1
+        $PY -m hybridgemm autotune --model qwen2.5-7b --m 1 8 2048 4096 16384 --out "$OUT/$t.json" \
+          --no-progress "${f[@]}" >>"$OUT/autotune_$t.txt" 2>&1 || status=1
+        grep -E "wall|tuned " "$OUT/autotune_$t.txt" | tee -a "$OUT/summary.txt"
+      done
+      $PY -m hybridgemm.perf.bench_dispatch --compare "$OUT/h200.json" "$OUT/h200_rerun.json" 2>&1 \
+        | tee "$OUT/tune_compare.txt" | tail -n 20 | tee -a "$OUT/summary.txt"
+      ;;
+    dispatch)
+      log "bench_dispatch"
+      $PY -m hybridgemm.perf.bench_dispatch --table "$OUT/h200.json" --out "$OUT" >"$OUT/bench_dispatch.txt" 2>&1 \
+        || status=1
+      tail -n 4 "$OUT/bench_dispatch.txt" | tee -a "$OUT/summary.txt"
+      ;;
+    attention)
+      log "bench_attention"
+      HYBRIDGEMM_TABLE="$OUT/h200.json" $PY -m hybridgemm.perf.bench_attention --out "$OUT" \
+        >"$OUT/bench_attention.txt" 2>&1 || status=1
+      tail -n 25 "$OUT/bench_attention.txt" | tee -a "$OUT/summary.txt"
+      ;;
+    harness)
+      log "hybridgemm bench"
+      HYBRIDGEMM_TABLE="$OUT/h200.json" $PY -m hybridgemm bench --model llama3-8b --training --no-progress \
+        --out "$OUT/bench_h200.csv" --plot "$OUT/plots" >"$OUT/bench_harness.txt" 2>&1 || status=1
+      tail -n 40 "$OUT/bench_harness.txt" | tee -a "$OUT/summary.txt"
+      ;;
+    pack)
+      log "pack"
+      (cd "$OUT" && tar czf results.tar.gz --exclude results.tar.gz --exclude summary.txt \
+        $(ls | grep -vE '^(results.tar.gz|summary.txt)$') && ls | grep -vE '^(results.tar.gz|summary.txt)$' \
+        | xargs rm -rf)
       ;;
     *)
       log "$stage"
