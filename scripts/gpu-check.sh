@@ -79,19 +79,19 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       ;;
     dispatch)
       log "bench_dispatch"
-      $PY -m hybridgemm.perf.bench_dispatch --table "$OUT/h200.json" --out "$OUT" >"$OUT/bench_dispatch.txt" 2>&1 \
+      $PY -m hybridgemm.perf.bench_dispatch --table "${TABLE:-$OUT/h200.json}" --out "$OUT" >"$OUT/bench_dispatch.txt" 2>&1 \
         || status=1
       tail -n 4 "$OUT/bench_dispatch.txt" | tee -a "$OUT/summary.txt"
       ;;
     attention)
       log "bench_attention"
-      HYBRIDGEMM_TABLE="$OUT/h200.json" $PY -m hybridgemm.perf.bench_attention --out "$OUT" \
+      HYBRIDGEMM_TABLE="${TABLE:-$OUT/h200.json}" $PY -m hybridgemm.perf.bench_attention --out "$OUT" \
         >"$OUT/bench_attention.txt" 2>&1 || status=1
       tail -n 25 "$OUT/bench_attention.txt" | tee -a "$OUT/summary.txt"
       ;;
     harness)
       log "hybridgemm bench"
-      HYBRIDGEMM_TABLE="$OUT/h200.json" $PY -m hybridgemm bench --model llama3-8b --training --no-progress \
+      HYBRIDGEMM_TABLE="${TABLE:-$OUT/h200.json}" $PY -m hybridgemm bench --model llama3-8b --training --no-progress \
         --out "$OUT/bench_h200.csv" --plot "$OUT/plots" >"$OUT/bench_harness.txt" 2>&1 || status=1
       tail -n 40 "$OUT/bench_harness.txt" | tee -a "$OUT/summary.txt"
       ;;
