@@ -40,6 +40,9 @@ def environment_columns(command: str) -> dict:
         env["nvmath"] = nvmath.__version__
     except ImportError:
         env["nvmath"] = ""
+    from hybridgemm.kernels.cublaslt import cublaslt_version
+
+    env.setdefault("cublaslt", cublaslt_version() or "")
     return env
 
 
