@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -313,7 +314,7 @@ def print_summary(res: BenchResult, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or Console(width=None if sys.stdout.isatty() else 160)  # logs: no 80-column truncation
 
     def x(fl, t):
         return f"{fl / t:.3f}x" if fl and t else "-"
