@@ -308,15 +308,15 @@ def linear_backward(grad_out: torch.Tensor, x: torch.Tensor | None, weight: torc
     n = dz.shape[-1]
     dz2 = dz.reshape(-1, n)
     dx = dw = db = None
-    with torch.cuda.device(grad_out.device):
-        if need_x:
-            if weight is None:
-                raise ValueError("linear_backward: dx needs weight, got None")
-            dx = grad_input(dz2, weight).reshape(*dz.shape[:-1], weight.shape[1])
-        if need_w:
-            if x is None:
-                raise ValueError("linear_backward: dW needs x, got None")
-            dw, db = grad_weight(dz2, x.reshape(-1, x.shape[-1]), bias_grad=need_b)
-        elif need_b:
-            db = dz2.sum(0)
+    # grad_input/grad_weight make the tensors' device current themselves (only when needed).
+    if need_x:
+        if weight is None:
+            raise ValueError("linear_backward: dx needs weight, got None")
+        dx = grad_input(dz2, weight).reshape(*dz.shape[:-1], weight.shape[1])
+    if need_w:
+        if x is None:
+            raise ValueError("linear_backward: dW needs x, got None")
+        dw, db = grad_weight(dz2, x.reshape(-1, x.shape[-1]), bias_grad=need_b)
+    elif need_b:
+        db = dz2.sum(0)
     return dx, dw, db

@@ -118,8 +118,13 @@ def _plan(key, *args) -> _GemmPlan:
 
 
 def _launch(plan: _GemmPlan, dev: int, *ptrs) -> None:
-    with torch.cuda.device(dev):
+    # Enter a device context only when needed: the backward runs on autograd's device
+    # thread, which already has the right device, and the context manager costs host time.
+    if torch.cuda.current_device() == dev:
         plan.launch(*ptrs, _current_stream(dev))
+    else:
+        with torch.cuda.device(dev):
+            plan.launch(*ptrs, _current_stream(dev))
 
 
 def grad_input(dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
