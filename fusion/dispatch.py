@@ -291,7 +291,7 @@ def linear_backward(grad_out: torch.Tensor, x: torch.Tensor | None, weight: torc
     nvmath) the torch reference (``hybridgemm.linear.torch_linear_backward``). Contract:
     ``pre_activation`` is z for gelu/gelu_tanh and y for relu.
     """
-    from hybridgemm.linear import _activation_grad, torch_linear_backward
+    from hybridgemm.linear import backward_gemms, torch_linear_backward
 
     if (grad_out.device.type != "cuda" or grad_out.dtype not in DTYPE_NAMES
             or (x is not None and x.dtype != grad_out.dtype)
@@ -303,20 +303,6 @@ def linear_backward(grad_out: torch.Tensor, x: torch.Tensor | None, weight: torc
         return torch_linear_backward(grad_out, x, weight, pre_activation, activation, needs_input_grad)
     from hybridgemm.kernels.cublaslt_grad import grad_input, grad_weight
 
-    need_x, need_w, need_b = (bool(v) for v in needs_input_grad)
-    dz = _activation_grad(grad_out, pre_activation, Activation.parse(activation))
-    n = dz.shape[-1]
-    dz2 = dz.reshape(-1, n)
-    dx = dw = db = None
     # grad_input/grad_weight make the tensors' device current themselves (only when needed).
-    if need_x:
-        if weight is None:
-            raise ValueError("linear_backward: dx needs weight, got None")
-        dx = grad_input(dz2, weight).reshape(*dz.shape[:-1], weight.shape[1])
-    if need_w:
-        if x is None:
-            raise ValueError("linear_backward: dW needs x, got None")
-        dw, db = grad_weight(dz2, x.reshape(-1, x.shape[-1]), bias_grad=need_b)
-    elif need_b:
-        db = dz2.sum(0)
-    return dx, dw, db
+    return backward_gemms(grad_out, x, weight, pre_activation, activation, needs_input_grad, grad_input,
+                          grad_weight)

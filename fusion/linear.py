@@ -126,6 +126,37 @@ def _activation_grad(grad_out: Tensor, saved: Tensor | None, act: Activation) ->
     return torch.ops.aten.gelu_backward(grad_out, saved, approximate=approximate)
 
 
+def _torch_grad_input(dz2: Tensor, weight: Tensor) -> Tensor:
+    return dz2 @ weight
+
+
+def _torch_grad_weight(dz2: Tensor, x2: Tensor, bias_grad: bool):
+    return dz2.t() @ x2, (dz2.sum(0) if bias_grad else None)
+
+
+def backward_gemms(grad_out: Tensor, x: Tensor | None, weight: Tensor | None, pre_activation: Tensor | None,
+                   activation, needs_input_grad, grad_input=_torch_grad_input, grad_weight=_torch_grad_weight):
+    """The backward of ``y = act(x @ W.T + b)`` around two GEMM functions: ``grad_input(dz2, W)
+    -> dx2`` and ``grad_weight(dz2, x2, bias_grad) -> (dW, db or None)`` (torch's by default;
+    ``hybridgemm.dispatch.linear_backward`` passes the cuBLASLt ones)."""
+    need_x, need_w, need_b = (bool(v) for v in needs_input_grad)
+    dz = _activation_grad(grad_out, pre_activation, Activation.parse(activation))
+    n = dz.shape[-1]
+    dz2 = dz.reshape(-1, n)
+    dx = dw = db = None
+    if need_x:
+        if weight is None:
+            raise ValueError("linear_backward: dx needs weight, got None")
+        dx = grad_input(dz2, weight).reshape(*dz.shape[:-1], weight.shape[1])
+    if need_w:
+        if x is None:
+            raise ValueError("linear_backward: dW needs x, got None")
+        dw, db = grad_weight(dz2, x.reshape(-1, x.shape[-1]), need_b)
+    elif need_b:
+        db = dz2.sum(0)
+    return dx, dw, db
+
+
 def torch_linear_backward(grad_out: Tensor, x: Tensor | None, weight: Tensor | None,
                           pre_activation: Tensor | None, activation, needs_input_grad):
     """Reference backward of ``y = act(x @ W.T + b)``, in PyTorch; returns ``(dx, dW, db)``.
@@ -137,23 +168,7 @@ def torch_linear_backward(grad_out: Tensor, x: Tensor | None, weight: Tensor | N
     not asked for is returned as None, and its operand may be None (``x`` is only read for
     dW, ``weight`` only for dx). This is the contract of ``hybridgemm.dispatch.linear_backward``.
     """
-    act = Activation.parse(activation)
-    need_x, need_w, need_b = (bool(v) for v in needs_input_grad)
-    dz = _activation_grad(grad_out, pre_activation, act)
-    n = dz.shape[-1]
-    dz2 = dz.reshape(-1, n)
-    dx = dw = db = None
-    if need_x:
-        if weight is None:
-            raise ValueError("linear_backward: dx needs weight, got None")
-        dx = (dz2 @ weight).reshape(*dz.shape[:-1], weight.shape[1])
-    if need_w:
-        if x is None:
-            raise ValueError("linear_backward: dW needs x, got None")
-        dw = dz2.t() @ x.reshape(-1, x.shape[-1])
-    if need_b:
-        db = dz2.sum(0)
-    return dx, dw, db
+    return backward_gemms(grad_out, x, weight, pre_activation, activation, needs_input_grad)
 
 
 class HybridLinear(nn.Linear):
