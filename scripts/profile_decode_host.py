@@ -22,8 +22,6 @@ out = torch.empty(1, w.shape[0], device="cuda", dtype=dt)
 mod = hybridgemm.AttentionProjection(hidden, h, hkv, qkv_bias=True, out_bias=False, device="cuda", dtype=dt)
 attn = torch.randn(1, 1, h, d, device="cuda", dtype=dt).transpose(1, 2)
 print(dispatch.explain((1, hidden), tuple(w.shape)))
-key = dispatch.choose.__module__  # noqa: F841
-choice = dispatch._choices.get  # noqa: F841
 hybridgemm.linear(x, w, b)
 prob_choice = next(iter(dispatch._choices.values()))
 be = get_backend(prob_choice.backend)
