@@ -40,3 +40,12 @@ def _seed():
 def device() -> str:
     """Where kernel tests run: the GPU if there is one, else the CPU (Triton interpreter)."""
     return "cuda" if cuda_available() else "cpu"
+
+
+@pytest.fixture
+def no_tf32():
+    """fp32 GEMMs (references included) in true fp32, not TF32, for the test's duration."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old

@@ -39,10 +39,18 @@ def check_close_to_reference(out, x, w, b, activation, what: str = "") -> tuple[
 
 def make_operands(m, n, k, dtype, device, bias=True, scale=1.0):
     x = torch.randn(m, k, device=device, dtype=torch.float32).to(dtype) * scale
-    w = (torch.randn(n, k, device=device, dtype=torch.float32) / k**0.5).to(dtype)
+    w = (torch.randn(n, k, device=device, dtype=torch.float32) / max(k, 1) ** 0.5).to(dtype)
     b = torch.randn(n, device=device, dtype=torch.float32).to(dtype) if bias else None
     return x, w, b
 
 
 def poisoned(shape, dtype, device) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def assert_counters_zero():
+    """Single-pass split-K leaves every arrival counter at 0 (the next call relies on it)."""
+    from hybridgemm.kernels.triton_common import counters_snapshot
+
+    for buf in counters_snapshot():
+        assert not buf.any(), "split-K arrival counters were not reset"

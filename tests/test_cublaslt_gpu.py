@@ -13,7 +13,7 @@ import torch
 
 from helpers import check_close_to_reference, make_operands, poisoned, rel_err
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]  # fp32 references stay fp32
 
 lt = pytest.importorskip("hybridgemm.kernels.cublaslt")
 if torch.cuda.is_available() and not lt.is_available():
@@ -27,12 +27,6 @@ ACTS = [None, "relu", "gelu_tanh"]
 SHAPES_MNK = [(1, 100, 72), (3, 257, 130), (17, 64, 1000), (128, 1000, 520), (1000, 37, 45)]
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -18,20 +18,13 @@ import hybridgemm
 from helpers import FLOORS, check_close_to_reference, make_operands, rel_err, torch_linear
 from hybridgemm import AttentionProjection, attention_projection, dispatch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]  # fp32 references stay fp32
 
 DTYPES = [torch.bfloat16, torch.float16]
 ACTS = [None, "relu", "gelu_tanh", "gelu"]
 DEV = "cuda"
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    """fp32 references must be fp32, not TF32."""
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridgemm.kernels import triton_common as tc
+from helpers import assert_counters_zero, rel_err
+from helpers import make_operands as operands
 from hybridgemm.kernels import triton_gemm as tg
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation, reference_linear
 from hybridgemm.kernels.problem import Problem
@@ -45,20 +46,6 @@ def path_id(c):
     return f"tma{int(c.use_tma)}-p{int(c.persistent)}-s{c.split_k}"
 
 
-def assert_counters_zero():
-    for buf in tc.counters_snapshot():
-        assert not buf.any(), "split-K arrival counters were not reset"
-
-
-def operands(m, n, k, dtype, device, bias=True):
-    x = torch.randn(m, k, device=device).to(dtype)
-    w = (torch.randn(n, k, device=device) / max(k, 1) ** 0.5).to(dtype)
-    b = torch.randn(n, device=device).to(dtype) if bias else None
-    return x, w, b
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def torch_err(x, w, b, act):

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import assert_counters_zero, rel_err
+from helpers import make_operands as operands
 from hybridgemm.kernels import triton_common as tc
 from hybridgemm.kernels import triton_splitk as ts
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation, reference_linear
@@ -37,21 +39,6 @@ def cfg_id(c):
     return f"split{c.split_k}{'-fused' if c.fused_reduce else ''}"
 
 
-def assert_counters_zero():
-    """Single-pass split-K leaves every arrival counter at 0 (the next call relies on it)."""
-    for buf in tc.counters_snapshot():
-        assert not buf.any(), "arrival counters were not reset"
-
-
-def operands(m, n, k, dtype, device, bias=True):
-    x = torch.randn(m, k, device=device).to(dtype)
-    w = (torch.randn(n, k, device=device) / max(k, 1) ** 0.5).to(dtype)
-    b = torch.randn(n, device=device).to(dtype) if bias else None
-    return x, w, b
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def check(cfg, x, w, b, act, out=None):
