@@ -10,11 +10,14 @@ __version__ = "0.1.0"
 # ``from hybridgemm.linear import linear`` below runs after that submodule is loaded, so
 # the package attribute ends up being the function (never import it lazily).
 from hybridgemm.attention import AttentionProjection, HybridMultiheadAttention, attention_projection
+from hybridgemm.dispatch import explain
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.linear import HybridLinear, linear
+from hybridgemm.modes import get_mode, mode, set_mode
 from hybridgemm.patching import PatchReport, patch, unpatch
 
 __all__ = [
     "Activation", "AttentionProjection", "Epilogue", "HybridLinear", "HybridMultiheadAttention",
-    "PatchReport", "__version__", "attention_projection", "linear", "patch", "unpatch",
+    "PatchReport", "__version__", "attention_projection", "explain", "get_mode", "linear", "mode", "patch", "set_mode",
+    "unpatch",
 ]

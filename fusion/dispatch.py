@@ -10,11 +10,17 @@ Rules, in order:
   3. Empty problems (M, N or K = 0): PyTorch's semantics, no GEMM.
   4. Table hit: the entry for (op, dtype, epilogue, N, K, M bucket, layout class).
   5. Miss: the entry of the nearest tuned M bucket for the same everything else
-     (autotune_cache/table.py: log2 distance, ties to the smaller bucket).
+     (autotune_cache/table.py: log2 distance, ties to the smaller bucket), when it lies on
+     the same side of M = 64 (decode vs. the rest) as the call; else rule 6.
   6. No entry (or the entry's config fails the backend's validity check, which warns once):
      the size rule: cuBLASLt's heuristic when it has the epilogue; else the Triton split-K
      kernel for M ≤ 64 and the tiled kernel above; else PyTorch.
 Misses are logged once per key at debug level. ``explain()`` says which rule fired.
+
+In ``batch_invariant`` mode (fusion/modes.py) rules 4-6 are replaced by one: the Triton tiled
+kernel with the fixed config of :func:`hybridgemm.modes.fixed_config` (the same for every M),
+else PyTorch with a warning. Cached decisions are kept per mode, so switching modes never
+reuses a decision made in the other one.
 
 Tables: loaded lazily per device (``load_tables``: explicit path > user table > shipped
 tables matching the device). ``HYBRIDGEMM_TABLE`` or :func:`set_table_path` names an explicit
@@ -46,8 +52,11 @@ from hybridgemm.kernels.checks import (
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
 from hybridgemm.kernels.problem import DTYPE_NAMES, Problem
 
+from . import modes
+
 _log = logging.getLogger(__name__)
 CACHE_SIZE = 1024
+DECODE_MAX_M = 64  # the decode regime (split-K weight streaming) ends here, in rules 5 and 6
 
 
 def torch_linear(x, weight, bias, activation: Activation) -> torch.Tensor:
@@ -73,16 +82,27 @@ class Choice:
 
 
 class _Bounded(OrderedDict):
+    mode = modes.DEFAULT  # the dispatch mode whose decisions this cache holds
+
     def put(self, key, value):
         self[key] = value
         while len(self) > CACHE_SIZE:
             self.popitem(last=False)
 
 
+def _mode_caches(mode: str) -> tuple[_Bounded, _Bounded]:
+    choices, fast = _Bounded(), _Bounded()
+    choices.mode = fast.mode = mode
+    return choices, fast
+
+
 _lock = threading.Lock()
 _tables: dict[int, Any] = {}
-_choices = _Bounded()
-_fast = _Bounded()
+# Per mode: (decisions per problem, launchers per call signature). ``_choices``/``_fast`` are
+# the current mode's; the hot path reads ``_fast`` once and the slow path works with that
+# cache's ``.mode``, so a call racing a mode switch stays within one mode's decisions.
+_MODE_CACHES = {m: _mode_caches(m) for m in modes.MODES}
+_choices, _fast = _MODE_CACHES[modes.get_mode()]
 _warned: set = set()
 _explicit_path: list[str | None] = [None]
 
@@ -97,8 +117,15 @@ def reload_tables() -> None:
     """Forget loaded tables and every cached decision (the next call re-reads the tables)."""
     with _lock:
         _tables.clear()
-        _choices.clear()
-        _fast.clear()
+        for caches in _MODE_CACHES.values():
+            for cache in caches:
+                cache.clear()
+
+
+def select_mode_caches(mode: str) -> None:
+    """Make ``mode``'s cached decisions the current ones (called by ``hybridgemm.set_mode``)."""
+    global _choices, _fast
+    _choices, _fast = _MODE_CACHES[mode]
 
 
 def table_for_device(device_index: int):
@@ -127,7 +154,7 @@ def size_rule(problem: Problem, why: str) -> Choice:
     key = _key_string(problem)
     if cublaslt.is_available() and cublaslt.supports(problem)[0]:
         return Choice("cublaslt", None, "rule", key, f"{why}; cuBLASLt heuristic")
-    name = "triton_splitk" if problem.m <= 64 else "triton_gemm"
+    name = "triton_splitk" if problem.m <= DECODE_MAX_M else "triton_gemm"
     try:
         be = get_backend(name)
         cands = be.candidates(problem)
@@ -136,6 +163,28 @@ def size_rule(problem: Problem, why: str) -> Choice:
     except ImportError:
         pass
     return Choice("torch", None, "rule", key, f"{why}; no kernel takes this problem")
+
+
+def batch_invariant_choice(problem: Problem, device_index: int | None) -> Choice:
+    """The batch-invariant mode's decision: the Triton tiled kernel with the fixed config for
+    (N, K, dtype, epilogue, W layout), never the table or cuBLASLt (which picks per M); PyTorch
+    when no config can take the problem. ``device_index`` None: assume an H100/H200."""
+    key = _key_string(problem)
+    try:
+        if device_index is None:
+            limits = modes.HOPPER_LIMITS
+        else:
+            from hybridgemm.backends import _device_limits, _num_sms
+
+            limits = {**_device_limits(device_index), "num_sms": _num_sms(device_index)}
+        cfg, why = modes.fixed_config(problem, **limits)
+    except ImportError as e:
+        cfg, why = None, f"Triton is not available ({e})"
+    if cfg is None:
+        return Choice("torch", None, modes.SOURCE, key,
+                      f"no Triton config takes this problem ({why}); PyTorch computes it, deterministic "
+                      "but NOT batch-invariant")
+    return Choice("triton_gemm", cfg, modes.SOURCE, key, modes.rule_text(problem))
 
 
 def _key_string(problem: Problem) -> str:
@@ -158,6 +207,13 @@ def choose(problem: Problem, device_index: int) -> Choice:
             _log.debug("hybridgemm: no table entry for %s", key.to_string())
             return size_rule(problem, "no table entry")
         near_key, entry = hit
+        if (near_key.m_bucket <= DECODE_MAX_M) != (problem.m <= DECODE_MAX_M):
+            # Borrow only within a regime: a decode (weight-streaming split-K) entry would run
+            # a prefill call at a fraction of the speed, and a large-M tile would waste a decode.
+            _log.debug("hybridgemm: %s not tuned; nearest bucket M=%d is across M=%d", key.to_string(),
+                       near_key.m_bucket, DECODE_MAX_M)
+            return size_rule(problem, f"no entry; the nearest tuned bucket (M={near_key.m_bucket}) is on the "
+                                      f"other side of M={DECODE_MAX_M}")
         source = "nearest"
         _log.debug("hybridgemm: %s not tuned; using bucket M=%d", key.to_string(), near_key.m_bucket)
     try:
@@ -173,13 +229,19 @@ def choose(problem: Problem, device_index: int) -> Choice:
     return Choice(entry["backend"], cfg, source, key.to_string(), f"{what}, {entry['median_us']:.1f} µs when tuned")
 
 
+def _runner(choice: Choice):
+    if choice.source == modes.SOURCE:
+        return modes.run  # the tiled kernel, in row chunks past 32-bit offsets
+    from hybridgemm.backends import get_backend
+
+    return get_backend(choice.backend).run
+
+
 def _run_choice(choice: Choice, x2, w2, b2, out, act, tf32) -> None:
     if choice.backend == "torch":
         out.copy_(torch_linear(x2, w2, b2, act))
         return
-    from hybridgemm.backends import get_backend
-
-    get_backend(choice.backend).run(choice.config, x2, w2, b2, out, act, tf32)
+    _runner(choice)(choice.config, x2, w2, b2, out, act, tf32)
 
 
 def _launcher(choice: Choice, x, w, b, act, tf32):
@@ -193,9 +255,7 @@ def _launcher(choice: Choice, x, w, b, act, tf32):
         from hybridgemm.kernels import cublaslt
 
         return cublaslt.launcher_for(x, w, b, act, choice.config)
-    from hybridgemm.backends import get_backend
-
-    run, cfg = get_backend(choice.backend).run, choice.config
+    run, cfg = _runner(choice), choice.config
     m = x.numel() // k
     out_shape, dtype, device = (*x.shape[:-1], n), x.dtype, x.device
 
@@ -214,13 +274,16 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         check_linear_args(x, weight, bias, "hybridgemm.linear")
         return torch_linear(x, weight, bias, Activation.parse(activation))
     key, xp, wp = call_signature(x, weight, bias, activation)
-    fn = _fast.get(key)
+    fast = _fast
+    fn = fast.get(key)
     if fn is not None:
         return fn(x, weight, bias, xp, wp)
-    return _fused_linear_slow(x, weight, bias, activation, key)
+    return _fused_linear_slow(x, weight, bias, activation, key, fast.mode)
 
 
-def _fused_linear_slow(x, weight, bias, activation, fast_key) -> torch.Tensor:
+def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str = modes.DEFAULT) -> torch.Tensor:
+    choices, fast = _MODE_CACHES[mode]
+    invariant = mode == modes.BATCH_INVARIANT
     check_gpu_kernel_args(x, weight, bias, "hybridgemm.linear")
     act = Activation.parse(activation)
     lead = x.shape[:-1]
@@ -234,22 +297,28 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key) -> torch.Tensor:
     tf32 = x.dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
     problem = Problem.from_tensors(x2, w2, b2, out, Epilogue(act, bias is not None), tf32)
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    choice = _choices.get((dev, problem))
+    choice = choices.get((dev, problem))
     if choice is None:
         with torch.cuda.device(dev):
-            choice = choose(problem, dev)
-        _choices.put((dev, problem), choice)
+            choice = batch_invariant_choice(problem, dev) if invariant else choose(problem, dev)
+        if invariant and choice.backend == "torch":
+            _warn_once(("invariant", problem.n, problem.k, problem.dtype),
+                       f"hybridgemm: batch_invariant mode cannot run {choice.key} on Triton; {choice.reason}")
+        choices.put((dev, problem), choice)
+    copied = invariant and choice.backend == "triton_gemm" and modes.needs_dense_x(choice.config, x2)
+    if copied:  # one load path for every call: copy an x that TMA cannot describe
+        x2 = x2.clone(memory_format=torch.contiguous_format)
     try:
         _run_choice(choice, x2, w2, b2, out, act, tf32)
     except ValueError as e:  # e.g. cuBLASLt has no algorithm for these alignments
         _warn_once(("run", problem), f"hybridgemm: {choice.backend} could not run {choice.key} ({e}); "
-                   "computing this shape with PyTorch")
+                   "computing this shape with PyTorch" + (" (NOT batch-invariant)" if invariant else ""))
         choice = Choice("torch", None, "rule", choice.key, f"{choice.backend} failed: {e}")
-        _choices.put((dev, problem), choice)
+        choices.put((dev, problem), choice)
         out = torch_linear(x2, w2, b2, act)
-    launcher = _launcher(choice, x, weight, bias, act, tf32)
+    launcher = None if copied else _launcher(choice, x, weight, bias, act, tf32)
     if launcher is not None:
-        _fast.put(fast_key, launcher)
+        fast.put(fast_key, launcher)
     return out.reshape(*lead, n)
 
 
@@ -271,12 +340,21 @@ def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: b
     problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=Epilogue(act, bias), ldx=k, ldw=k, ldo=n,
                       tf32=dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32))
     head = f"linear {DTYPE_NAMES.get(dtype, dtype)} M={m} N={n} K={k} epilogue={problem.epilogue.name}"
+    invariant = modes.get_mode() == modes.BATCH_INVARIANT
     if not torch.cuda.is_available():
-        return f"{head}: no CUDA device here, so PyTorch (F.linear) computes it on the CPU"
+        line = f"{head}: no CUDA device here, so PyTorch (F.linear) computes it on the CPU"
+        if invariant and dtype in DTYPE_NAMES:
+            line += (f"\n  batch_invariant mode: {batch_invariant_choice(problem, None).describe()} on an "
+                     "H100/H200-class GPU; PyTorch on the CPU is not guaranteed batch-invariant")
+        return line
     if dtype not in DTYPE_NAMES:
-        return f"{head}: dtype not taken by any kernel, so PyTorch computes it"
+        tail = " (not guaranteed batch-invariant)" if invariant else ""
+        return f"{head}: dtype not taken by any kernel, so PyTorch computes it{tail}"
     dev = torch.cuda.current_device() if device is None else device
     with torch.cuda.device(dev):
+        if invariant:
+            choice = batch_invariant_choice(problem, dev)
+            return f"{head}\n  key {choice.key}\n  batch_invariant mode: {choice.describe()}"
         choice = choose(problem, dev)
     return f"{head}\n  key {choice.key}\n  runs {choice.describe()}"
 

@@ -331,7 +331,10 @@ class _PlanCache:
     def get(self, key):
         plan = self._d.get(key)
         if plan is not None:
-            self._d.move_to_end(key)
+            try:
+                self._d.move_to_end(key)
+            except KeyError:  # another thread's put() evicted it in between: still a valid plan
+                pass
         return plan
 
     def put(self, key, plan: Plan) -> None:

@@ -41,6 +41,7 @@ from .cublaslt import (
     _set_attr,
     _tf32_allowed,
     _workspace_ptr,
+    _workspace_ptrs,
 )
 
 _PLANS: OrderedDict = OrderedDict()
@@ -83,19 +84,28 @@ class _GemmPlan:
         self._algo = np.array(results[0]["algo"]["data_"], dtype=np.uint64)
         self._scalars = np.array([1.0, 0.0], dtype=np.float32)
         self._holder = np.zeros(1, dtype=np.int64)
+        # Raw addresses, read once: numpy's .ctypes builds an object per access, which cost
+        # several µs per call on the H200 machine's CPU.
+        self._alpha_ptr = self._scalars.ctypes.data
+        self._algo_ptr = self._algo.ctypes.data
+        self._holder_ptr = self._holder.ctypes.data
+        self._last_bias = 0
         self._call_lock = threading.Lock()
 
     def launch(self, a_ptr, b_ptr, d_ptr, bias_ptr, stream):
         lt = self._lt
         a, b, d = self.layouts
-        ws = _workspace_ptr(self.dev, stream)
-        alpha = self._scalars.ctypes.data
+        ws = _workspace_ptrs.get((self.dev, stream)) or _workspace_ptr(self.dev, stream)
+        alpha = self._alpha_ptr
         with self._call_lock:
-            if bias_ptr:
+            # The bias-gradient pointer is a descriptor attribute: set it only when it moves
+            # (torch's caching allocator usually hands a training loop the same block).
+            if bias_ptr and bias_ptr != self._last_bias:
                 self._holder[0] = bias_ptr
-                lt.matmul_desc_set_attribute(self.desc, 8, self._holder.ctypes.data, 8)  # BIAS_POINTER
+                lt.matmul_desc_set_attribute(self.desc, 8, self._holder_ptr, 8)  # BIAS_POINTER
+                self._last_bias = bias_ptr
             lt.matmul(self.handle, self.desc, alpha, a_ptr, a, b_ptr, b, alpha + 4, d_ptr, d, d_ptr, d,
-                      self._algo.ctypes.data, ws, WORKSPACE_BYTES, stream)
+                      self._algo_ptr, ws, WORKSPACE_BYTES, stream)
 
     def __del__(self):
         try:
@@ -117,10 +127,13 @@ def _plan(key, *args) -> _GemmPlan:
     return plan
 
 
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 def _launch(plan: _GemmPlan, dev: int, *ptrs) -> None:
     # Enter a device context only when needed: the backward runs on autograd's device
     # thread, which already has the right device, and the context manager costs host time.
-    if torch.cuda.current_device() == dev:
+    if _current_device() == dev:
         plan.launch(*ptrs, _current_stream(dev))
     else:
         with torch.cuda.device(dev):

@@ -3,7 +3,9 @@
     python -m hybridgemm.perf.bench_dispatch --table PATH --model llama3-8b [--out DIR]
     python -m hybridgemm.perf.bench_dispatch --compare A.json B.json
 
-For every (shape, M bucket) of the preset: GPU time (CUDA-graph, L2-clean-cold) of
+For every (shape, M bucket) of the preset: GPU time (the tuner's method,
+perf/timing.gpu_time_rotating: CUDA graphs of calls on rotating copies of x and W, so every
+call reads them cold, replayed in interleaved rounds) of
 ``hybridgemm.linear``'s dispatcher (``fused_linear``) and of ``F.linear`` in the same run, and
 the table's recorded best candidate. Prints ratios, the worst shape and the geometric mean.
 ``--compare`` reports how often two tuning runs chose the same kernel and, where not, how far
@@ -67,10 +69,11 @@ def main(argv=None) -> int:
     from hybridgemm import dispatch
     from hybridgemm.autotune_cache.presets import get_preset
     from hybridgemm.autotune_cache.table import M_BUCKETS, TableKey
+    from hybridgemm.autotune_cache.tuner import operands_for
     from hybridgemm.kernels.epilogue import Activation, Epilogue
     from hybridgemm.kernels.problem import Problem
     from hybridgemm.perf.csvio import environment_columns, write_rows
-    from hybridgemm.perf.timing import gpu_time
+    from hybridgemm.perf.timing import gpu_time_rotating
 
     if args.table:
         dispatch.set_table_path(args.table)
@@ -84,31 +87,28 @@ def main(argv=None) -> int:
             continue
         seen.add((shape.n, shape.k, shape.bias))
         for m in args.m or M_BUCKETS:
-            x = torch.randn(m, shape.k, device="cuda").bfloat16()
-            w = (torch.randn(shape.n, shape.k, device="cuda") / shape.k**0.5).bfloat16()
-            b = torch.randn(shape.n, device="cuda").bfloat16() if shape.bias else None
             p = Problem(m=m, n=shape.n, k=shape.k, dtype=torch.bfloat16, epilogue=Epilogue(Activation.NONE, shape.bias),
                         ldx=shape.k, ldw=shape.k, ldo=shape.n)
+            x, w, b, out, xs, ws = operands_for(p)
             key = TableKey.from_problem(p)
             entry = table.lookup(key)
             ref = F.linear(x.float(), w.float(), b.float() if b is not None else None)
             err = ((dispatch.fused_linear(x, w, b).float() - ref).norm() / ref.norm()).item()
             assert err < 2e-2, f"{key.to_string()}: dispatched result wrong (rel err {err:.2e})"
-            reps = 10 if m <= 1024 else 2
-            fns = {"dispatch": lambda: dispatch.fused_linear(x, w, b), "flinear": lambda: F.linear(x, w, b)}
+            fns = {"dispatch": lambda i: dispatch.fused_linear(xs[i], ws[i], b),
+                   "flinear": lambda i: F.linear(xs[i], ws[i], b)}
             if entry:  # the table's winner, re-timed in this run beside the dispatched call
                 from hybridgemm.backends import get_backend
 
                 be_w = get_backend(entry["backend"])
                 cfg = be_w.config_from_record(entry["config"], p)
-                out = torch.empty(m, shape.n, device="cuda", dtype=torch.bfloat16)
-                fns["winner"] = lambda: be_w.run(cfg, x, w, b, out, Activation.NONE)
-            # Two rounds in alternating order, the lower median of each: halves the chance
-            # that a clock or neighbour hiccup lands on one provider only.
+                fns["winner"] = lambda i: be_w.run(cfg, xs[i], ws[i], b, out, Activation.NONE)
+            # The tuner's method (gpu_time_rotating: cold operands by rotation, graphs replayed
+            # in interleaved rounds), twice in opposite orders, the lower median of each.
             times = {name: float("inf") for name in fns}
             for order in (list(fns), list(fns)[::-1]):
-                for name in order:
-                    times[name] = min(times[name], gpu_time(fns[name], reps=reps, replays=9).median_us)
+                for name, t in zip(order, gpu_time_rotating([fns[n] for n in order], len(ws), replays=9)):
+                    times[name] = min(times[name], t.median_us)
             t_d, t_f, best = times["dispatch"], times["flinear"], times.get("winner", float("nan"))
             rb, rf = t_d / best, t_f / t_d
             if entry:
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
             be = entry["backend"] if entry else "(untuned)"
             print(f"{key.to_string():48s}{t_d:10.2f}{best:10.2f}{t_f:10.2f}{rb:9.3f}{rf:9.3f}  {be}", flush=True)
             base = dict(env, shape=f"{args.model}.{shape.name}", N=shape.n, K=shape.k, M=m, dtype="bfloat16",
-                        epilogue=p.epilogue.name, method="gpu")
+                        epilogue=p.epilogue.name, method="gpu_rotating")
             rows.append(dict(base, provider="dispatch", median_us=round(t_d, 3), config=be, rel_err=f"{err:.2e}"))
             rows.append(dict(base, provider="flinear_beside_dispatch", median_us=round(t_f, 3)))
             rows.append(dict(base, provider="table_winner_retimed", median_us=round(best, 3)))

@@ -11,6 +11,7 @@ overhead (Python, argument checks, launch) shows.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -153,3 +154,110 @@ def eager_time_interleaved(
     return {
         name: Timing(statistics.median(s), max(s) - min(s), rounds) for name, s in samples.items()
     }
+
+
+def gpu_time_many(
+    fns: list[Callable[[], object]],
+    device: torch.device | str = "cuda",
+    reps: int = 10,
+    replays: int = 9,
+    warmup: int = 2,
+) -> list[Timing]:
+    """:func:`gpu_time` of several callables measured together: each is captured once, then
+    the graphs are replayed in rounds (``fn_0, fn_1, ..., flush-only``) so that clock and
+    thermal drift hit every candidate alike. Comparing candidates this way is what the tuner
+    needs: the noise that matters is the one *between* them, and interleaving cancels the
+    common part of it."""
+    device = torch.device(device)
+    flusher = L2Flusher.for_device(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for fn in fns:
+            for _ in range(warmup):
+                fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graphs = [_capture(fn, flusher, reps) for fn in fns]
+    g_base = _capture(lambda: None, flusher, reps)
+    for g in (*graphs, g_base):
+        _replay_ms(g, 1)  # uploads
+    samples: list[list[float]] = [[] for _ in fns]
+    base: list[float] = []
+    for _ in range(replays):
+        for i, g in enumerate(graphs):
+            samples[i] += _replay_ms(g, 1)
+        base += _replay_ms(g_base, 1)
+    base_ms = statistics.median(base)
+    out = []
+    for s in samples:
+        per_call = [(t - base_ms) * 1000.0 / reps for t in s]
+        out.append(Timing(max(statistics.median(per_call), 0.0), max(per_call) - min(per_call), replays))
+    del graphs, g_base
+    return out
+
+
+# ----------------------------------------------------------------------------- rotating weights
+
+
+def rotation_copies(weight_bytes: int, device: torch.device | str = "cuda", l2_multiple: float = 3.0,
+                    most: int = 64) -> int:
+    """How many copies of a weight to cycle through so that, between two uses of one copy,
+    the others (``l2_multiple`` x the L2 size of bytes) have evicted it: each call then reads
+    its weights cold from HBM, as with a flush, but with nothing to subtract."""
+    device = torch.device(device)
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    l2 = getattr(torch.cuda.get_device_properties(idx), "L2_cache_size", 0) or 64 * 2**20
+    return int(min(most, max(2, math.ceil(l2_multiple * l2 / max(weight_bytes, 1)) + 1)))
+
+
+def gpu_time_rotating(
+    calls: list[Callable[[int], object]],
+    copies: int,
+    device: torch.device | str = "cuda",
+    replays: int = 9,
+    min_graph_ms: float = 1.0,
+    max_passes: int = 50,
+) -> list[Timing]:
+    """GPU time per call (µs) of each ``call(i)``, which must run on copy ``i`` of its weights
+    (0 <= i < ``copies``, see :func:`rotation_copies`).
+
+    Each callable is captured as one CUDA graph of ``passes x [call(0), ..., call(copies-1)]``
+    (enough passes for ``min_graph_ms``); the graphs are replayed in ``replays`` interleaved
+    rounds and the median replay / calls is reported. Against the flush method
+    (:func:`gpu_time`) nothing is subtracted, so a ~10 µs kernel is not measured as the small
+    difference of two ~1.4 ms replays; the tuner and the dispatch benchmark use this one.
+    """
+    device = torch.device(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for call in calls:  # compile, plan, and fill per-pointer caches for every copy
+            for i in range(copies):
+                call(i)
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graphs, per_graph = [], []
+    for call in calls:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(copies):
+            call(i)
+        end.record()
+        end.synchronize()
+        passes = int(min(max_passes, max(1, math.ceil(min_graph_ms / max(start.elapsed_time(end), 1e-3)))))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(passes):
+                for i in range(copies):
+                    call(i)
+        graphs.append(g)
+        per_graph.append(passes * copies)
+    for g in graphs:
+        _replay_ms(g, 1)  # uploads
+    samples: list[list[float]] = [[] for _ in calls]
+    for _ in range(replays):
+        for s, g, n in zip(samples, graphs, per_graph):
+            s.append(_replay_ms(g, 1)[0] * 1000.0 / n)
+    del graphs
+    return [Timing(statistics.median(s), max(s) - min(s), replays) for s in samples]

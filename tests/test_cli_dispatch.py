@@ -61,6 +61,13 @@ def test_explain_on_cpu(capsys):
     assert "M=16 N=6144 K=4096" in out and "PyTorch" in out
 
 
+def test_explain_is_exported_at_top_level():
+    import hybridgemm
+
+    assert hybridgemm.explain is dispatch.explain and "explain" in hybridgemm.__all__
+    assert "M=3 N=48 K=40" in hybridgemm.explain((3, 40), (48, 40), torch.float16)
+
+
 def test_explain_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="features"):
         dispatch.explain((4, 100), (8, 99))

@@ -34,8 +34,18 @@ def _fresh_dispatch(monkeypatch, tmp_path):
 def _tiny_tune(path, buckets=(1, 64, 512)):
     keys = keys_for([ProjectionShape("t", 384, 512, True)], list(buckets))
     table = TuningTable.load(path, signature=current_signature())
-    results = tune(keys, table, path, progress=False, log=lambda s: None)
+    results = tune(keys, table, path, progress=False, log=lambda s: None, jobs=2)  # 2: the parallel compile path
     return keys, results
+
+
+def test_precompile_builds_every_triton_candidate():
+    from hybridgemm.autotune_cache.precompile import precompile
+    from hybridgemm.backends import available_backends
+
+    keys = keys_for([ProjectionShape("t", 320, 448, True)], [1, 64])
+    lines = []
+    stats = precompile(keys, available_backends(), jobs=2, log=lines.append)
+    assert stats["kernels"] > 4 and stats["failed"] == 0 and stats["jobs"] == 2, (stats, lines)
 
 
 def test_tune_end_to_end_and_reload(tmp_path):

@@ -243,3 +243,39 @@ def test_shapes_for_merges_identical_projections():
     assert all(s.bias for s in shapes_for(["llama3-8b"], bias="on"))
     with pytest.raises(ValueError, match="unknown model preset"):
         shapes_for(["gpt-9"])
+
+
+# ----------------------------------------------------------------------------- bench_modes
+
+
+def test_bench_modes_arguments_and_no_gpu_message(monkeypatch, capsys, tmp_path):
+    from hybridgemm.perf import bench_modes as BM
+
+    args = BM.parse_args(["--out", str(tmp_path)])
+    assert args.ms == (1, 16, 1024, 4096, 16384) and not args.quick
+    assert BM.parse_args(["--out", "d", "--quick"]).ms == BM.QUICK_MS
+    assert BM.parse_args(["--out", "d", "--m", "8", "2048"]).ms == (8, 2048)
+    for bad in ([], ["--out", "d", "--m", "0"], ["--out", "d", "--m", "x"]):
+        with pytest.raises(SystemExit):
+            BM.parse_args(bad)
+    capsys.readouterr()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert BM.main(["--out", str(tmp_path), "--quick"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written without a GPU
+
+
+def test_bench_modes_shapes_and_summary():
+    from hybridgemm.perf import bench_modes as BM
+
+    assert BM.bench_shapes() == [("llama3-8b.q/o", 4096, 4096), ("llama3-8b.kv", 1024, 4096),
+                                 ("llama3-8b.qkv", 6144, 4096), ("llama3-70b.qkv", 10240, 8192),
+                                 ("llama3-70b.o", 8192, 8192)]
+    assert BM.gpu_slug("NVIDIA H200") == "h200" and BM.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    times = {("a", 1): {"batch_invariant": 20.0, "default": 10.0},  # M < 1024: not in the worst
+             ("a", 1024): {"batch_invariant": 10.0, "default": 9.0},
+             ("b", 4096): {"batch_invariant": 12.0, "default": 6.0},
+             ("b", 16384): {"default": 6.0}}  # batch_invariant failed: no ratio
+    lines, worst = BM.summarize(times)
+    assert worst == (0.5, "b M=4096")
+    assert "0.900x" in lines[1] and "0.500x" in lines[1] and "0.500x" in lines[2] and "-" in lines[2]

@@ -69,3 +69,32 @@ def test_best_of_providers_pick_a_correct_candidate(tmp_path):
     assert rows["triton_best"]["status"] == "ok" and "best of" in rows["triton_best"]["config"]
     assert rows["cublaslt_best"]["status"] in ("ok", "skipped")
     assert float(rows["triton_best"]["rel_err"]) <= float(rows["triton_best"]["err_bound"])
+
+
+def test_rotating_timing_reads_weights_cold():
+    """gpu_time_rotating: enough copies to exceed the L2 several times, and every call reads
+    its weights from HBM: no faster than the bytes at the H200's 4.8 TB/s peak (a 32 MiB
+    weight left in the 60 MB L2 would read at L2 speed, several times faster), and a weight
+    twice as big measures clearly slower."""
+    import torch
+    import torch.nn.functional as F
+
+    from hybridgemm.perf.timing import gpu_time_many, gpu_time_rotating, rotation_copies
+
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    assert rotation_copies(1 << 40) == 2 and rotation_copies(1) == 64
+    small, big = (4096, 4096), (8192, 4096)  # 32 MiB and 64 MiB of bf16 weights
+    ws = {s: [torch.randn(*s, device="cuda", dtype=torch.bfloat16) for _ in range(rotation_copies(s[0] * s[1] * 2))]
+          for s in (small, big)}
+    for s in ws:
+        assert (len(ws[s]) - 1) * s[0] * s[1] * 2 >= 3 * l2
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    t_small, t_big = gpu_time_rotating([lambda i: F.linear(x, ws[small][i % len(ws[small])]),
+                                        lambda i: F.linear(x, ws[big][i % len(ws[big])])],
+                                       max(len(v) for v in ws.values()), replays=5)
+    peak = 4.8e12 / 1e6  # bytes per µs
+    assert t_small.median_us >= 4096 * 4096 * 2 / peak and t_big.median_us >= 8192 * 4096 * 2 / peak, (t_small, t_big)
+    assert t_big.median_us > 1.2 * t_small.median_us, (t_small, t_big)
+    # the flush method (weights cold after an L2-evicting read) measures the same kernel alike
+    flushed = gpu_time_many([lambda: F.linear(x, ws[small][0])], replays=5)[0]
+    assert 0.7 < t_small.median_us / flushed.median_us < 1.3, (t_small, flushed)

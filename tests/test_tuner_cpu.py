@@ -1,0 +1,74 @@
+"""The tuner's selection rule and the parallel-compile task list, without a GPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from hybridgemm.autotune_cache import tuner
+from hybridgemm.autotune_cache.keys import TableKey
+from hybridgemm.autotune_cache.precompile import compile_tasks, precompile
+from hybridgemm.autotune_cache.presets import ProjectionShape
+
+
+def test_finalists_are_the_window_clamped():
+    assert tuner.finalist_count([]) == 0
+    assert tuner.finalist_count([10.0]) == 1
+    # only one within 6%: still the 3 fastest are re-timed
+    assert tuner.finalist_count([10.0, 20.0, 30.0, 40.0]) == 3
+    # five within 6% (10.6 is at the edge and counts), the 11.0 does not
+    assert tuner.finalist_count([10.0, 10.1, 10.3, 10.5, 10.6, 11.0]) == 5
+    # never more than MAX_FINALISTS
+    assert tuner.finalist_count([10.0] * 20) == tuner.MAX_FINALISTS
+
+
+def test_winner_is_the_preferred_one_among_ties():
+    # (median µs, backend rank, candidate rank)
+    rows = [(10.0, 2, 0), (10.1, 0, 5), (10.2, 1, 0), (11.0, 0, 0)]
+    # 10.1 and 10.2 are within 1.5% of 10.0; cuBLASLt (rank 0) is preferred; 11.0 is not a tie
+    assert tuner.pick_winner(rows) == 1
+    # outside the band the fastest wins whatever the preference
+    assert tuner.pick_winner([(10.0, 2, 3), (10.2, 0, 0)]) == 0
+    # within a backend, the backend's own order decides
+    assert tuner.pick_winner([(10.0, 1, 4), (10.05, 1, 2)]) == 1
+    # the same rows in another order pick the same candidate (the rule is order-free)
+    rows2 = [rows[3], rows[2], rows[1], rows[0]]
+    assert rows2[tuner.pick_winner(rows2)] == rows[1]
+
+
+@dataclass(frozen=True)
+class _Cfg:
+    block: int
+
+    def to_record(self):
+        return {"kind": "fake", "block": self.block}
+
+
+class _FakeBackend:
+    def __init__(self, name, blocks):
+        self.name, self.blocks, self.asked = name, blocks, 0
+
+    def candidates(self, problem):
+        self.asked += 1
+        return [_Cfg(b) for b in self.blocks]
+
+
+def test_compile_tasks_one_per_distinct_kernel():
+    keys = tuner.keys_for([ProjectionShape("t", 384, 512, True)], [1, 2, 4, 16, 32, 64])
+    split, tiled, lt = _FakeBackend("triton_splitk", [16, 32]), _FakeBackend("triton_gemm", [64]), \
+        _FakeBackend("cublaslt", [1, 2, 3])
+    tasks = compile_tasks(keys, [lt, split, tiled])
+    assert lt.asked == 0  # cuBLASLt compiles nothing
+    # M classes: 1 (M=1), not-multiple-of-16 (2, 4), multiple of 16 (16, 32, 64) -> 3 per config
+    assert len(tasks) == 3 * (2 + 1)
+    backends = {b for _, b, _ in tasks}
+    assert backends == {"triton_splitk", "triton_gemm"}
+    for key_text, _, record in tasks:
+        assert TableKey.from_string(key_text) in keys and record["kind"] == "fake"
+
+
+def test_precompile_with_one_job_does_nothing():
+    keys = tuner.keys_for([ProjectionShape("t", 384, 512, True)], [16])
+    stats = precompile(keys, [_FakeBackend("triton_gemm", [64])], jobs=1, log=pytest.fail)
+    assert stats == {"kernels": 1, "failed": 0, "seconds": 0.0, "jobs": 1}
