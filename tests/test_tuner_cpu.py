@@ -72,3 +72,21 @@ def test_precompile_with_one_job_does_nothing():
     keys = tuner.keys_for([ProjectionShape("t", 384, 512, True)], [16])
     stats = precompile(keys, [_FakeBackend("triton_gemm", [64])], jobs=1, log=pytest.fail)
     assert stats == {"kernels": 1, "failed": 0, "seconds": 0.0, "jobs": 1}
+
+
+def test_tune_fails_before_timing_when_the_table_cannot_be_written(tmp_path):
+    """An unwritable table path is reported before any candidate is compiled or timed (the
+    tuner would otherwise lose up to 16 tuned keys before its first save)."""
+    from test_table import SIG
+
+    from hybridgemm.autotune_cache.table import TableWriteError, TuningTable
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    path = blocker / "table.json"  # its parent is a file: no save can succeed
+    keys = tuner.keys_for([ProjectionShape("t", 384, 512, True)], [16])
+    backend = _FakeBackend("triton_gemm", [64])
+    with pytest.raises(TableWriteError):
+        tuner.tune(keys, TuningTable(signature=dict(SIG)), path, backends=[backend], progress=False,
+                   log=lambda s: None, jobs=1)
+    assert backend.asked == 0  # nothing was enumerated, compiled or timed
