@@ -13,6 +13,7 @@
 #         dispatch  dispatched calls vs the table's winners vs F.linear ($OUT/h200.json)
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
 #         harness   hybridgemm bench (all providers, training) + plots into $OUT/plots
+#         modes     batch-invariant mode vs default vs F.linear (perf/bench_modes.py -> modes_h200.csv)
 #         sanitize  compute-sanitizer over focused GPU test subsets, one pytest process per tool:
 #                   memcheck (both backends, dispatcher, bad inputs; caching allocator off),
 #                   racecheck and synccheck (Triton tests) -> $OUT/sanitizer_<tool>.txt. Each tool
@@ -103,6 +104,11 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       HYBRIDGEMM_TABLE="${TABLE:-$OUT/h200.json}" $PY -m hybridgemm bench --model llama3-8b --training --no-progress \
         --out "$OUT/bench_h200.csv" --plot "$OUT/plots" >"$OUT/bench_harness.txt" 2>&1 || status=1
       tail -n 40 "$OUT/bench_harness.txt" | tee -a "$OUT/summary.txt"
+      ;;
+    modes)
+      log "bench_modes"
+      $PY -m hybridgemm.perf.bench_modes --out "$OUT" >"$OUT/bench_modes.txt" 2>&1 || status=1
+      tail -n 8 "$OUT/bench_modes.txt" | tee -a "$OUT/summary.txt"
       ;;
     sanitize)
       san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer \
