@@ -65,7 +65,7 @@ def _compile_one(task: tuple[str, str, dict]) -> tuple[bool, str]:
     from hybridgemm.backends import get_backend
 
     from .keys import TableKey
-    from .tuner import problem_for
+    from .tuner import problem_for, random_operands
 
     key_text, backend, record = task
     try:
@@ -73,10 +73,7 @@ def _compile_one(task: tuple[str, str, dict]) -> tuple[bool, str]:
         p = problem_for(key)
         be = get_backend(backend)
         cfg = be.config_from_record(record, p)
-        x = torch.randn(p.m, p.k, device="cuda").to(p.dtype)
-        w = torch.randn(p.n, p.k, device="cuda").to(p.dtype)
-        b = torch.randn(p.n, device="cuda").to(p.dtype) if p.epilogue.bias else None
-        out = torch.empty(p.m, p.n, device="cuda", dtype=p.dtype)
+        x, w, b, out = random_operands(p)
         old = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = p.tf32
         try:

@@ -60,15 +60,20 @@ def problem_for(key: TableKey) -> Problem:
                    ldx=key.k, ldw=key.k, ldo=key.n, tf32=key.dtype == "tf32")
 
 
-def operands_for(p: Problem):
-    """Random operands for ``p`` on the GPU: x, w, b, out, and the rotation copies of (x, w)
-    (perf/timing.gpu_time_rotating), the first of which are x and w themselves."""
-    from hybridgemm.perf.timing import rotation_copies
-
+def random_operands(p: Problem):
+    """Random x, w, b (None without a bias) and an empty out for ``p``, on the GPU."""
     x = torch.randn(p.m, p.k, device="cuda").to(p.dtype)
     w = (torch.randn(p.n, p.k, device="cuda") / p.k**0.5).to(p.dtype)
     b = torch.randn(p.n, device="cuda").to(p.dtype) if p.epilogue.bias else None
-    out = torch.empty(p.m, p.n, device="cuda", dtype=p.dtype)
+    return x, w, b, torch.empty(p.m, p.n, device="cuda", dtype=p.dtype)
+
+
+def operands_for(p: Problem):
+    """:func:`random_operands` plus the rotation copies of (x, w) (perf/timing.gpu_time_rotating),
+    the first of which are x and w themselves."""
+    from hybridgemm.perf.timing import rotation_copies
+
+    x, w, b, out = random_operands(p)
     copies = rotation_copies((x.numel() + w.numel()) * x.element_size())
     xs = [x] + [x.clone() for _ in range(copies - 1)]
     ws = [w] + [w.clone() for _ in range(copies - 1)]

@@ -50,13 +50,12 @@ from hybridgemm.kernels.checks import (
     rows_are_flat,
 )
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
-from hybridgemm.kernels.problem import DTYPE_NAMES, Problem
+from hybridgemm.kernels.problem import DECODE_MAX_M, DTYPE_NAMES, Problem
 
 from . import modes
 
 _log = logging.getLogger(__name__)
 CACHE_SIZE = 1024
-DECODE_MAX_M = 64  # the decode regime (split-K weight streaming) ends here, in rules 5 and 6
 
 
 def torch_linear(x, weight, bias, activation: Activation) -> torch.Tensor:

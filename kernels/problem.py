@@ -17,6 +17,9 @@ from .epilogue import Epilogue
 
 MAX_ALIGNMENT = 256
 
+# Decode regime: up to this M the weight-streaming split-K kernel is offered (its candidates)
+# and the dispatcher's size rule picks it; a tuned bucket is borrowed only on its own side.
+DECODE_MAX_M = 64
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 NAME_TO_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
 

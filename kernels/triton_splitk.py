@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .epilogue import Activation, Epilogue
-from .problem import Problem
+from .problem import DECODE_MAX_M, Problem
 from .triton_common import (
     ACT_CODE,
     HOPPER_NUM_SMS,
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 KIND = "triton_splitk"
-MAX_M = 64  # candidates() offers split-K up to this M; past it the tiled GEMM wins
+MAX_M = DECODE_MAX_M  # candidates() offers split-K up to this M; past it the tiled GEMM wins
 MAX_ACC_REGS = 128
 MAX_CANDIDATES = 16
 

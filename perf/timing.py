@@ -90,33 +90,7 @@ def gpu_time(
     ``fn`` must be capturable: no host synchronisation, no allocation outside torch's
     caching allocator. It is called ``warmup`` times eagerly first (compilation, plans).
     """
-    device = torch.device(device)
-    flusher = L2Flusher.for_device(device) if flush_l2 else None
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    g_call = _capture(fn, flusher, reps)
-    g_base = _capture(lambda: None, flusher, reps) if flusher is not None else None
-    _replay_ms(g_call, 1)  # first replay uploads the graph
-    if g_base is not None:
-        _replay_ms(g_base, 1)
-    with_call, base = [], []
-    for _ in range(replays):  # interleave so drift hits both alike
-        with_call += _replay_ms(g_call, 1)
-        if g_base is not None:
-            base += _replay_ms(g_base, 1)
-    base_ms = statistics.median(base) if base else 0.0
-    per_call = [(t - base_ms) * 1000.0 / reps for t in with_call]
-    del g_call, g_base
-    return Timing(
-        median_us=max(statistics.median(per_call), 0.0),
-        spread_us=max(per_call) - min(per_call),
-        replays=replays,
-    )
+    return gpu_time_many([fn], device, reps, replays, warmup, flush_l2)[0]
 
 
 def eager_time(fn: Callable[[], object], calls: int = 200, rounds: int = 5, warmup: int = 20) -> Timing:
@@ -162,39 +136,46 @@ def gpu_time_many(
     reps: int = 10,
     replays: int = 9,
     warmup: int = 2,
+    flush_l2: bool = True,
 ) -> list[Timing]:
     """:func:`gpu_time` of several callables measured together: each is captured once, then
     the graphs are replayed in rounds (``fn_0, fn_1, ..., flush-only``) so that clock and
     thermal drift hit every candidate alike. Comparing candidates this way is what the tuner
     needs: the noise that matters is the one *between* them, and interleaving cancels the
-    common part of it."""
+    common part of it. (:func:`gpu_time` is the one-callable case.)"""
     device = torch.device(device)
-    flusher = L2Flusher.for_device(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for fn in fns:
-            for _ in range(warmup):
-                fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
+    flusher = L2Flusher.for_device(device) if flush_l2 else None
+    _warm_up(device, [lambda fn=fn: [fn() for _ in range(warmup)] for fn in fns])
     graphs = [_capture(fn, flusher, reps) for fn in fns]
-    g_base = _capture(lambda: None, flusher, reps)
-    for g in (*graphs, g_base):
-        _replay_ms(g, 1)  # uploads
+    g_base = _capture(lambda: None, flusher, reps) if flusher is not None else None
+    for g in (*graphs, *([g_base] if g_base is not None else [])):
+        _replay_ms(g, 1)  # first replay uploads the graph
     samples: list[list[float]] = [[] for _ in fns]
     base: list[float] = []
-    for _ in range(replays):
+    for _ in range(replays):  # interleave so drift hits all alike
         for i, g in enumerate(graphs):
             samples[i] += _replay_ms(g, 1)
-        base += _replay_ms(g_base, 1)
-    base_ms = statistics.median(base)
+        if g_base is not None:
+            base += _replay_ms(g_base, 1)
+    base_ms = statistics.median(base) if base else 0.0
     out = []
     for s in samples:
         per_call = [(t - base_ms) * 1000.0 / reps for t in s]
         out.append(Timing(max(statistics.median(per_call), 0.0), max(per_call) - min(per_call), replays))
     del graphs, g_base
     return out
+
+
+def _warm_up(device: torch.device, calls: list[Callable[[], object]]) -> None:
+    """Run ``calls`` on a side stream (compilation, plans, lazy allocations happen outside
+    any capture), then wait for them."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
 
 
 # ----------------------------------------------------------------------------- rotating weights
@@ -229,14 +210,8 @@ def gpu_time_rotating(
     difference of two ~1.4 ms replays; the tuner and the dispatch benchmark use this one.
     """
     device = torch.device(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for call in calls:  # compile, plan, and fill per-pointer caches for every copy
-            for i in range(copies):
-                call(i)
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
+    # compile, plan, and fill per-pointer caches for every copy
+    _warm_up(device, [lambda call=call: [call(i) for i in range(copies)] for call in calls])
     graphs, per_graph = [], []
     for call in calls:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
