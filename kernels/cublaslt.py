@@ -27,6 +27,7 @@ the same algorithm and problem give bit-identical results across calls and proce
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 
@@ -38,7 +39,24 @@ from .cublaslt_algos import CublasLtAlgo, InvalidAlgorithm, read_algo_fields
 from .epilogue import Activation, Epilogue, apply_activation
 from .problem import MAX_ALIGNMENT, Problem, dtype_name
 
-WORKSPACE_BYTES = 32 * 1024 * 1024  # what cuBLAS recommends on Hopper
+WORKSPACE_BYTES = 32 * 1024 * 1024  # allocated per device+stream: what cuBLAS recommends on Hopper
+
+
+def heuristic_workspace_bytes() -> int:
+    """The workspace limit the heuristic ranks algorithms under (``heuristics()``, and so the
+    untuned first choice): torch's cuBLASLt limit, ``CUBLASLT_WORKSPACE_SIZE`` KiB, 1 MiB when
+    unset, at most :data:`WORKSPACE_BYTES`.
+
+    Why not the 32 MiB we allocate: the limit changes the heuristic's ranking, and the bigger
+    one is not better. Measured on the H200 (scripts/diag_gaps.py lt), 70b qkv M=16: under 32
+    MiB the first pick is a 256x16 split-K=3 kernel, 1.09x F.linear's time; under 1 MiB it is
+    the 128x16 no-split kernel F.linear runs. At M=1 the 1 MiB pick is F.linear's 512x8 split-K
+    kernel. The tuner still times the 32 MiB ranking's algorithms too (cublaslt_search)."""
+    try:
+        kib = int(os.environ.get("CUBLASLT_WORKSPACE_SIZE", "1024"))
+    except ValueError:
+        kib = 1024
+    return max(0, min(WORKSPACE_BYTES, kib * 1024))
 PLAN_CACHE_SIZE = 512
 HEURISTIC_COUNT = 16
 
@@ -192,8 +210,9 @@ class Plan:
         self.ddesc = lt.matrix_layout_create(dt, p.n, p.m, p.ldo)
         P = lt.MatmulPreferenceAttribute
         self.pref = lt.matmul_preference_create()
+        self._heuristic_ws = heuristic_workspace_bytes()
         _set_attr(lt.matmul_preference_set_attribute, self.pref, P.MAX_WORKSPACE_BYTES,
-                  WORKSPACE_BYTES, np.uint64)
+                  self._heuristic_ws, np.uint64)
         for attr, align in ((P.MIN_ALIGNMENT_A_BYTES, p.align_w), (P.MIN_ALIGNMENT_B_BYTES, p.align_x),
                             (P.MIN_ALIGNMENT_C_BYTES, p.align_out), (P.MIN_ALIGNMENT_D_BYTES, p.align_out)):
             _set_attr(lt.matmul_preference_set_attribute, self.pref, attr, align, np.uint32)
@@ -215,17 +234,26 @@ class Plan:
         self._algo_buf: np.ndarray | None = None
 
     # -- algorithms --------------------------------------------------------------------
-    def heuristics(self, count: int = HEURISTIC_COUNT) -> list[CublasLtAlgo]:
-        """cuBLASLt's heuristic ranking, best first (deterministic for a given library)."""
+    def heuristics(self, count: int = HEURISTIC_COUNT, max_workspace: int | None = None) -> list[CublasLtAlgo]:
+        """cuBLASLt's heuristic ranking, best first (deterministic for a given library), for
+        algorithms needing at most ``max_workspace`` bytes (default: heuristic_workspace_bytes())."""
         lt = self._lt
         results = np.zeros(count, dtype=lt.matmul_heuristic_result_dtype)
         n_found = np.zeros(1, dtype=np.int32)
+        limit = self._heuristic_ws if max_workspace is None else min(int(max_workspace), WORKSPACE_BYTES)
+        P = lt.MatmulPreferenceAttribute
+        if limit != self._heuristic_ws:
+            _set_attr(lt.matmul_preference_set_attribute, self.pref, P.MAX_WORKSPACE_BYTES, limit, np.uint64)
         try:
             lt.matmul_algo_get_heuristic(self.handle, self.desc, self.adesc, self.bdesc, self.ddesc,
                                          self.ddesc, self.pref, count, results.ctypes.data,
                                          n_found.ctypes.data)
         except lt.cuBLASLtError as e:
             raise CublasLtUnsupported(f"cuBLASLt heuristic found no algorithm: {e}") from None
+        finally:
+            if limit != self._heuristic_ws:
+                _set_attr(lt.matmul_preference_set_attribute, self.pref, P.MAX_WORKSPACE_BYTES,
+                          self._heuristic_ws, np.uint64)
         version = cublaslt_version()
         algos = []
         for r in results[: int(n_found[0])]:

@@ -9,19 +9,24 @@ import numpy as np
 from .cublaslt import (
     _EPILOGUE_NAMES,
     HEURISTIC_COUNT,
+    WORKSPACE_BYTES,
     Plan,
     _lt,
     _reduced_reduction_allowed,
     cublaslt_version,
+    heuristic_workspace_bytes,
 )
 from .cublaslt_algos import CublasLtAlgo, InvalidAlgorithm, set_algo_field
 from .problem import Problem
 
 
-def heuristic_algos(problem: Problem, device_index: int = 0, count: int = HEURISTIC_COUNT):
+def heuristic_algos(problem: Problem, device_index: int = 0, count: int = HEURISTIC_COUNT,
+                    max_workspace: int | None = None):
+    """The heuristic's top ``count`` under ``max_workspace`` bytes (default: the limit the
+    untuned first choice uses, ``cublaslt.heuristic_workspace_bytes()``)."""
     plan = Plan(problem, device_index, _reduced_reduction_allowed(problem.dtype))
     try:
-        return plan.heuristics(count)
+        return plan.heuristics(count, max_workspace)
     finally:
         plan.destroy()
 
@@ -114,9 +119,17 @@ def exhaustive_algos(problem: Problem, device_index: int = 0, limit: int = 256,
 
 def candidates(problem: Problem, device_index: int = 0, heuristic_count: int = HEURISTIC_COUNT,
                exhaustive_limit: int = 64) -> list[CublasLtAlgo]:
-    """Heuristic top-``heuristic_count`` first, then exhaustive finds not already listed."""
+    """Heuristic top-``heuristic_count`` first (under the default workspace limit, then the
+    ranking under the whole allocated workspace: the two rank differently, see
+    ``cublaslt.heuristic_workspace_bytes``), then exhaustive finds not already listed."""
     algos = heuristic_algos(problem, device_index, heuristic_count)
     seen = {tuple(sorted(a.field_dict.items())) for a in algos}
+    if heuristic_workspace_bytes() < WORKSPACE_BYTES:
+        for a in heuristic_algos(problem, device_index, heuristic_count, WORKSPACE_BYTES):
+            sig = tuple(sorted(a.field_dict.items()))
+            if sig not in seen:
+                seen.add(sig)
+                algos.append(a)
     if exhaustive_limit > 0:
         for a in exhaustive_algos(problem, device_index, limit=exhaustive_limit + len(algos)):
             sig = tuple(sorted(a.field_dict.items()))

@@ -252,8 +252,14 @@ _RETIRED: list[torch.Tensor] = []  # replaced counter buffers a captured graph m
 
 
 def _stream_key(device: torch.device) -> tuple:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    return (device.type, device.index, stream)
+    if device.type != "cuda":
+        return (device.type, device.index, 0)
+    # torch.cuda.current_stream() builds a Stream object (~10 µs on a slow host, once per
+    # split-K call); the raw getter returns the same cudaStream_t as an int.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _get_raw_stream is not None:
+        return (device.type, index, _get_raw_stream(index))
+    return (device.type, index, torch.cuda.current_stream(index).cuda_stream)
 
 
 def workspace(device: torch.device, numel: int, stream_key: tuple | None = None) -> torch.Tensor:

@@ -151,22 +151,28 @@ def _split_for(problem: Problem, bm: int, bn: int, bk: int, waves: float, num_sm
 
 def _few_tiles(problem: Problem, bk: int, num_sms: int) -> list[TritonGemmConfig]:
     """Large M, small N (8b kv at M = 1024): 128 x 128 tiles make under ~1.5 waves. Smaller
-    tiles (4 warps; several CTAs per SM fit) and/or a split of K, reduced in one launch."""
+    tiles (4 warps; several CTAs per SM fit) with deep K stages, and/or a split of K, reduced
+    in one launch.
+
+    Measured on the H200 at 8b kv M = 1024 (scripts/sweep_configs.py, 105 configs,
+    perf/results/h200/sweep_triton_gemm.csv): what matters is bytes in flight per SM. 64 x 128
+    tiles with 256 bytes of K per stage (BK = 128 bf16) x 4 stages run at 0.975x F.linear;
+    the same tile with BK = 64 at 0.69x (5 stages: 0.85x); every split-K variant ≤ 0.75x."""
     def split(bm, bn, waves=1.0, k=bk):
         return _split_for(problem, bm, bn, k, waves, num_sms)
 
     return [
-        _cfg(128, 128, bk, 4, 8, False, True, split=split(128, 128)),
-        _cfg(64, 128, bk, 4, 4, False, True),
-        _cfg(128, 64, bk, 4, 4, False, True),
-        _cfg(64, 128, bk, 3, 4, False, True, split=split(64, 128, 2)),  # 2 CTAs per SM
-        _cfg(128, 256, bk, 3, 8, False, True, split=split(128, 256)),
-        _cfg(64, 64, bk, 4, 4, False, True),
-        _cfg(128, 128, bk, 4, 8, False, True, split=split(128, 128, 2)),
+        _cfg(64, 128, 2 * bk, 4, 4, False, True),
+        _cfg(64, 128, 2 * bk, 4, 4, True, True),
+        _cfg(64, 128, bk, 5, 4, False, True),
+        _cfg(128, 64, 2 * bk, 4, 4, False, True),
+        _cfg(128, 64, bk, 5, 4, False, True),
+        _cfg(64, 128, bk, 4, 4, False, True, split=split(64, 128, 2)),
+        _cfg(128, 128, bk, 5, 8, False, True, split=split(128, 128)),
         _cfg(128, 128, 2 * bk, 3, 8, False, True, split=split(128, 128, k=2 * bk)),
-        _cfg(64, 128, bk, 4, 4, True, True),
-        _cfg(128, 128, bk, 4, 8, True, True),
-        _cfg(64, 128, bk, 4, 4, False, False),
+        _cfg(64, 256, bk, 4, 8, False, True, split=split(64, 256)),
+        _cfg(128, 128, bk, 4, 8, False, True, split=split(128, 128, 2)),
+        _cfg(64, 128, 2 * bk, 4, 4, False, False),
         _cfg(128, 128, bk, 4, 8, False, False, split=split(128, 128)),
     ]
 

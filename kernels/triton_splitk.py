@@ -129,9 +129,11 @@ _DEFAULT_SHAPE = (64, 256, 4, 4)
 # num_warps, num_stages, waves of programs to aim for, single-pass reduction). W bytes in flight
 # per program = block_n x bytes x (num_stages - 1). At 1 wave a big N needs no split (one launch,
 # no workspace); a small N (8b kv) needs a split either way. More waves = more programs per SM
-# (narrow tiles fit 2-4 CTAs per SM) = more loads in flight and a shorter tail.
+# (narrow tiles fit 2-4 CTAs per SM) = more loads in flight and a shorter tail. 0 waves = no split.
 _PLAN = (
     (32, 512, 4, 4, 1, True),     # H200 best for 8b q/o (split 1 there)
+    (64, 512, 4, 4, 0, False),    # no split, even with few tiles: best at qwen2.5-7b o and qkv
+                                  # (56/72 programs; sweep_triton_splitk.csv)
     (64, 512, 4, 3, 1, True),     # 8b qkv, 70b o
     (64, 256, 4, 4, 1, False),    # 70b qkv (split 1); 8b kv two-pass split 8
     (32, 512, 4, 4, 2, True),
@@ -174,6 +176,8 @@ def candidates(
     for bn, k_bytes, warps, stages, waves, fused in _PLAN:
         bk = min(512, max(16, k_bytes // problem.itemsize))
         tiles = triton.cdiv(problem.n, bn) * triton.cdiv(problem.m, bm)
+        if waves == 0 and tiles < num_sms // 4:
+            continue  # no split with this few programs cannot keep HBM busy
         split = _split_for(waves, tiles, triton.cdiv(problem.k, bk), num_sms)
         cfg = TritonSplitKConfig(bm, bn, bk, split, warps, stages, fused and split > 1)
         ok, _ = cfg.supports(problem, smem_limit=smem_limit, capability=capability)

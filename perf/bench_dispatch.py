@@ -5,7 +5,7 @@
 
 For every (shape, M bucket) of the preset: GPU time (the tuner's method,
 perf/timing.gpu_time_rotating: CUDA graphs of calls on rotating copies of x and W, so every
-call reads them cold, replayed in interleaved rounds) of
+call reads them cold, replayed in interleaved rounds, on 3 fresh sets of copies) of
 ``hybridgemm.linear``'s dispatcher (``fused_linear``) and of ``F.linear`` in the same run, and
 the table's recorded best candidate. Prints ratios, the worst shape and the geometric mean.
 ``--compare`` reports how often two tuning runs chose the same kernel and, where not, how far
@@ -69,11 +69,10 @@ def main(argv=None) -> int:
     from hybridgemm import dispatch
     from hybridgemm.autotune_cache.presets import get_preset
     from hybridgemm.autotune_cache.table import M_BUCKETS, TableKey
-    from hybridgemm.autotune_cache.tuner import operands_for
+    from hybridgemm.autotune_cache.tuner import operands_for, time_placements
     from hybridgemm.kernels.epilogue import Activation, Epilogue
     from hybridgemm.kernels.problem import Problem
     from hybridgemm.perf.csvio import environment_columns, write_rows
-    from hybridgemm.perf.timing import gpu_time_rotating
 
     if args.table:
         dispatch.set_table_path(args.table)
@@ -102,13 +101,15 @@ def main(argv=None) -> int:
 
                 be_w = get_backend(entry["backend"])
                 cfg = be_w.config_from_record(entry["config"], p)
-                fns["winner"] = lambda i: be_w.run(cfg, xs[i], ws[i], b, out, Activation.NONE)
-            # The tuner's method (gpu_time_rotating: cold operands by rotation, graphs replayed
-            # in interleaved rounds), twice in opposite orders, the lower median of each.
+                # called as a user would: its own output per call (the dispatcher allocates one)
+                fns["winner"] = lambda i: be_w.run(cfg, xs[i], ws[i], b, torch.empty_like(out), Activation.NONE)
+            # The tuner's method (tuner.time_placements: gpu_time_rotating on 3 fresh sets of
+            # operand copies, the median over sets), in both orders, the lower of the two.
             times = {name: float("inf") for name in fns}
             for order in (list(fns), list(fns)[::-1]):
-                for name, t in zip(order, gpu_time_rotating([fns[n] for n in order], len(ws), replays=9)):
-                    times[name] = min(times[name], t.median_us)
+                placed = time_placements([fns[n] for n in order], x, w, xs, ws, [out])
+                for name, (t, _) in zip(order, placed):
+                    times[name] = min(times[name], t)
             t_d, t_f, best = times["dispatch"], times["flinear"], times.get("winner", float("nan"))
             rb, rf = t_d / best, t_f / t_d
             if entry:

@@ -96,23 +96,18 @@ def lt_heuristic(n: int, k: int, ms: list[int]) -> None:
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         print(f"N={n} K={k} M={m}: F.linear kernels {_kernels(lambda: F.linear(x, w, b))}")
         picks = []
-        saved = lt.WORKSPACE_BYTES
-        try:
-            for ws_mib in (0, 1, 4, 32):
-                for align in (None, 16):
-                    lt.WORKSPACE_BYTES = ws_mib * 2**20
-                    p = Problem.from_tensors(x, w, b, out, Epilogue(Activation.NONE, True))
-                    if align:
-                        from dataclasses import replace
+        for ws_mib in (0, 1, 4, 32):
+            for align in (None, 16):
+                p = Problem.from_tensors(x, w, b, out, Epilogue(Activation.NONE, True))
+                if align:
+                    from dataclasses import replace
 
-                        p = replace(p, align_x=align, align_w=align, align_out=align)
-                    plan = lt.Plan(p, torch.cuda.current_device())
-                    algos = plan.heuristics(4)
-                    plan.destroy()
-                    if algos:
-                        picks.append((f"ws={ws_mib}MiB align={align or 'ptr'}", algos[0]))
-        finally:
-            lt.WORKSPACE_BYTES = saved
+                    p = replace(p, align_x=align, align_w=align, align_out=align)
+                plan = lt.Plan(p, torch.cuda.current_device())
+                algos = plan.heuristics(4, ws_mib * 2**20)
+                plan.destroy()
+                if algos:
+                    picks.append((f"ws={ws_mib}MiB align={align or 'ptr'}", algos[0]))
         uniq = []
         for label, a in picks:
             if all(a.data != u[1].data for u in uniq):

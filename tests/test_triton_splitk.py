@@ -265,7 +265,10 @@ def test_candidates_cover_the_gpu(name, m):
     assert ts.default_config(prob).supports(prob)[0]
     programs = [(-(-n // c.block_n)) * c.split_k * (-(-m // c.block_m)) for c in found]
     # Each candidate fills the SMs at least half-way and at most ~5 waves; some give ~2+ waves.
-    assert all(HOPPER_NUM_SMS // 2 <= p <= 5 * HOPPER_NUM_SMS for p in programs), programs
+    # Exception: a no-split config with deep stages may use as few as a quarter of the SMs
+    # (measured best at qwen2.5-7b o: 56 programs of 64 rows, sweep_triton_splitk.csv).
+    assert all(HOPPER_NUM_SMS // 2 <= p <= 5 * HOPPER_NUM_SMS or (c.split_k == 1 and HOPPER_NUM_SMS // 4 <= p)
+               for c, p in zip(found, programs)), programs
     assert any(1.9 * HOPPER_NUM_SMS <= p for p in programs), programs
     assert all(c.split_k > 1 or not c.fused_reduce for c in found)
     if m <= 16:  # the single-pass reduction, the two-launch one and no split are all timed

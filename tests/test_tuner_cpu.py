@@ -26,10 +26,12 @@ def test_finalists_are_the_window_clamped():
 def test_winner_is_the_preferred_one_among_ties():
     # (median µs, backend rank, candidate rank)
     rows = [(10.0, 2, 0), (10.1, 0, 5), (10.2, 1, 0), (11.0, 0, 0)]
-    # 10.1 and 10.2 are within 1.5% of 10.0; cuBLASLt (rank 0) is preferred; 11.0 is not a tie
+    # 10.1 and 10.2 are within 2% of 10.0; cuBLASLt (rank 0) is preferred; 11.0 is not a tie
     assert tuner.pick_winner(rows) == 1
     # outside the band the fastest wins whatever the preference
-    assert tuner.pick_winner([(10.0, 2, 3), (10.2, 0, 0)]) == 0
+    assert tuner.pick_winner([(10.0, 2, 3), (10.25, 0, 0)]) == 0
+    # the band is 2%: 10.19 is a tie, and the preferred one wins it
+    assert tuner.pick_winner([(10.0, 2, 3), (10.19, 0, 0)]) == 1
     # within a backend, the backend's own order decides
     assert tuner.pick_winner([(10.0, 1, 4), (10.05, 1, 2)]) == 1
     # the same rows in another order pick the same candidate (the rule is order-free)
@@ -90,3 +92,30 @@ def test_tune_fails_before_timing_when_the_table_cannot_be_written(tmp_path):
         tuner.tune(keys, TuningTable(signature=dict(SIG)), path, backends=[backend], progress=False,
                    log=lambda s: None, jobs=1)
     assert backend.asked == 0  # nothing was enumerated, compiled or timed
+
+
+def test_placements_time_every_call_on_fresh_operands_and_restore_them(monkeypatch):
+    import torch
+
+    from hybridgemm.perf import timing
+
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    xs, ws, outs = [x, x.clone()], [w, w.clone()], [torch.empty(2, 4)]
+    first = (list(xs), list(ws), list(outs))
+    seen = []  # data pointers each placement's calls see
+    medians = iter([[10.0, 5.0], [12.0, 5.5], [11.0, 7.0]])  # per placement: call 0, call 1
+
+    def fake_rotating(calls, copies, replays=9, **kw):
+        assert copies == len(ws) and replays == 5
+        for c in calls:
+            c(0)
+        seen.append(tuple(t.data_ptr() for t in (*xs, *ws, *outs)))
+        return [timing.Timing(m, 0.1, replays) for m in next(medians)]
+
+    monkeypatch.setattr(timing, "gpu_time_rotating", fake_rotating)
+    calls = [lambda i: outs[0].copy_(xs[i] @ ws[i].T), lambda i: None]
+    got = tuner.time_placements(calls, x, w, xs, ws, outs, placements=3)
+    assert got == [(11.0, 2.0), (5.5, 2.0)]  # median over placements, and their spread
+    assert len(seen) == 3 and len(set(seen)) == 3  # each placement on other tensors
+    assert all(not set(a) & set(b) for a in seen for b in seen if a is not b)
+    assert (xs, ws, outs) == first  # the caller's lists come back as they were
