@@ -10,7 +10,8 @@ Selection rule (written down so a re-run reproduces the table):
   3. The finalists are every candidate whose screened median is within ``FINALIST_WINDOW``
      (6%) of the fastest, at least 3 and at most ``MAX_FINALISTS`` (6), re-timed together
      with F.linear in 5 rounds on each of ``PLACEMENTS`` (3) fresh sets of operand copies;
-     the median over placements of each one's median decides (and gives ``flinear_us``).
+     each one's median ratio to F.linear in the same round (x F.linear's median) decides
+     (``time_placements``; F.linear's median is ``flinear_us``).
   4. Finalists whose time is within ``TIE_TOLERANCE`` (2%) of the fastest are ties;
      among ties the fixed preference order wins: backend (cuBLASLt, Triton split-K, Triton
      tiled), then the backend's own candidate order (cuBLASLt: heuristic rank).
@@ -108,17 +109,24 @@ def pick_winner(finalists: list[tuple[float, int, int]]) -> int:
 
 def time_placements(calls, x, w, xs: list, ws: list, outs: list, placements: int = PLACEMENTS,
                      replays: int = 5):
-    """(median over placements of each call's median µs, spread of those medians) for
-    ``calls`` (each ``call(i)`` reads ``xs[i]``, ``ws[i]`` and writes ``outs[0]``), timed with
+    """``(µs, spread)`` per call of ``calls`` (each ``call(i)`` reads ``xs[i]``, ``ws[i]`` and
+    writes ``outs[0]``; ``calls[0]`` is the reference, e.g. F.linear), timed with
     gpu_time_rotating on ``placements`` sets of operands: the given one, then fresh clones of
     x and W and a fresh output, allocated while the earlier sets are still held (so they land
-    at new addresses). The lists are restored before returning."""
+    at new addresses). The lists are restored before returning.
+
+    Each call is scored by its time relative to the reference *in the same round*, the median
+    of those ratios over all rounds of all placements, times the reference's median: drift of
+    the GPU's clocks between rounds and placements (seen as 3-7% spreads at large M) moves
+    every call of a round alike and cancels in the ratio. ``spread`` is the max - min of the
+    per-placement medians, in µs."""
     from statistics import median
 
     from hybridgemm.perf.timing import gpu_time_rotating
 
     first_xs, first_ws, first_outs, held = list(xs), list(ws), list(outs), []
-    samples: list[list[float]] = [[] for _ in calls]
+    rounds: list[list[float]] = []
+    per_placement: list[list[float]] = [[] for _ in calls]
     try:
         for p in range(placements):
             if p:
@@ -126,12 +134,17 @@ def time_placements(calls, x, w, xs: list, ws: list, outs: list, placements: int
                 xs[:] = [x.clone() for _ in xs]
                 ws[:] = [w.clone() for _ in ws]
                 outs[:] = [torch.empty_like(o) for o in outs]
-            for s, t in zip(samples, gpu_time_rotating(calls, len(ws), replays=replays)):
+            for s, t in zip(per_placement, gpu_time_rotating(calls, len(ws), replays=replays, rounds=rounds)):
                 s.append(t.median_us)
     finally:
         xs[:], ws[:], outs[:] = first_xs, first_ws, first_outs
         del held
-    return [(median(s), max(s) - min(s)) for s in samples]
+    ref_us = median(r[0] for r in rounds)
+    out = []
+    for j, s in enumerate(per_placement):
+        ratio = median(r[j] / r[0] for r in rounds) if j else 1.0
+        out.append((ratio * ref_us, max(s) - min(s)))
+    return out
 
 
 def tune_key(key: TableKey, backends, log: Callable[[str], None] = lambda s: None) -> KeyResult:

@@ -199,6 +199,7 @@ def gpu_time_rotating(
     replays: int = 9,
     min_graph_ms: float = 1.0,
     max_passes: int = 50,
+    rounds: list | None = None,
 ) -> list[Timing]:
     """GPU time per call (µs) of each ``call(i)``, which must run on copy ``i`` of its weights
     (0 <= i < ``copies``, see :func:`rotation_copies`).
@@ -208,6 +209,7 @@ def gpu_time_rotating(
     rounds and the median replay / calls is reported. Against the flush method
     (:func:`gpu_time`) nothing is subtracted, so a ~10 µs kernel is not measured as the small
     difference of two ~1.4 ms replays; the tuner and the dispatch benchmark use this one.
+    ``rounds``, when given, receives one list per round: each call's µs in that round.
     """
     device = torch.device(device)
     # compile, plan, and fill per-pointer caches for every copy
@@ -234,5 +236,7 @@ def gpu_time_rotating(
     for _ in range(replays):
         for s, g, n in zip(samples, graphs, per_graph):
             s.append(_replay_ms(g, 1)[0] * 1000.0 / n)
+        if rounds is not None:  # per-round times, for ratios that cancel drift between rounds
+            rounds.append([s[-1] for s in samples])
     del graphs
     return [Timing(statistics.median(s), max(s) - min(s), replays) for s in samples]

@@ -105,17 +105,46 @@ def test_placements_time_every_call_on_fresh_operands_and_restore_them(monkeypat
     seen = []  # data pointers each placement's calls see
     medians = iter([[10.0, 5.0], [12.0, 5.5], [11.0, 7.0]])  # per placement: call 0, call 1
 
-    def fake_rotating(calls, copies, replays=9, **kw):
+    def fake_rotating(calls, copies, replays=9, rounds=None, **kw):
         assert copies == len(ws) and replays == 5
         for c in calls:
             c(0)
         seen.append(tuple(t.data_ptr() for t in (*xs, *ws, *outs)))
-        return [timing.Timing(m, 0.1, replays) for m in next(medians)]
+        ms = next(medians)
+        for _ in range(replays):  # every round the same: call 1 at ms[1] / ms[0] of the reference
+            rounds.append(list(ms))
+        return [timing.Timing(m, 0.1, replays) for m in ms]
 
     monkeypatch.setattr(timing, "gpu_time_rotating", fake_rotating)
     calls = [lambda i: outs[0].copy_(xs[i] @ ws[i].T), lambda i: None]
     got = tuner.time_placements(calls, x, w, xs, ws, outs, placements=3)
-    assert got == [(11.0, 2.0), (5.5, 2.0)]  # median over placements, and their spread
+    # the reference: its median over all rounds (11.0); call 1: its median per-round ratio to
+    # the reference (ratios 5/10, 5.5/12, 7/11: median 0.5) times that; spreads are max - min
+    # of the per-placement medians
+    assert got[0] == (11.0, 2.0)
+    assert got[1][0] == pytest.approx(11.0 * 0.5) and got[1][1] == pytest.approx(2.0)
     assert len(seen) == 3 and len(set(seen)) == 3  # each placement on other tensors
     assert all(not set(a) & set(b) for a in seen for b in seen if a is not b)
     assert (xs, ws, outs) == first  # the caller's lists come back as they were
+
+
+def test_placement_scores_cancel_drift_common_to_a_round(monkeypatch):
+    """A GPU slowing down 10% per round moves every call of the round alike: the score keeps
+    the true 2:1 ratio that raw medians over rounds would blur."""
+    import torch
+
+    from hybridgemm.perf import timing
+
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    xs, ws, outs = [x], [w], [torch.empty(2, 4)]
+
+    def drifting(calls, copies, replays=9, rounds=None, **kw):
+        base = len(rounds)
+        for r in range(replays):
+            f = 1.1 ** (base + r)
+            rounds.append([10.0 * f, 20.0 * f])
+        return [timing.Timing(10.0, 0, replays), timing.Timing(20.0, 0, replays)]
+
+    monkeypatch.setattr(timing, "gpu_time_rotating", drifting)
+    ref, other = tuner.time_placements([lambda i: None] * 2, x, w, xs, ws, outs, placements=2)
+    assert other[0] == pytest.approx(2 * ref[0])
