@@ -77,21 +77,36 @@ def contiguous_bias(bias: torch.Tensor | None, min_align: int = 16) -> torch.Ten
     return out
 
 
+def flat_row_stride(x: torch.Tensor) -> int | None:
+    """The row stride with which x (..., K) reads as an (M, K) row-major matrix without a
+    copy, or None when no single stride does. Dims of size 1 are skipped (their strides are
+    arbitrary: attention's (B, H, 1, D) output transposed and flattened for the O projection
+    is (B, 1, H*D) with a meaningless stride on the 1); with no row dim above 1 it is K."""
+    if x.dim() == 0:
+        return None
+    k = x.shape[-1]
+    if x.stride(-1) != 1 and k > 1:
+        return None
+    ld = expect = None
+    for size, stride in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
+        if size == 0:
+            return k  # no rows at all
+        if size == 1:
+            continue
+        if ld is None:
+            if stride < k:
+                return None  # rows would overlap
+            ld, expect = stride, stride * size
+        elif stride != expect:
+            return None
+        else:
+            expect *= size
+    return k if ld is None else ld
+
+
 def rows_are_flat(x: torch.Tensor) -> bool:
     """Can x (..., K) be read as an (M, K) row-major matrix with one row stride, no copy?"""
-    if x.dim() == 1:
-        return x.stride(0) == 1 or x.shape[0] <= 1
-    if x.stride(-1) != 1 and x.shape[-1] > 1:
-        return False
-    ld = x.stride(-2)
-    if ld < x.shape[-1] and x.shape[-2] > 1:
-        return False
-    expect = ld * x.shape[-2]
-    for size, stride in zip(reversed(x.shape[:-2]), reversed(x.stride()[:-2])):
-        if size > 1 and stride != expect:
-            return False
-        expect *= size
-    return True
+    return flat_row_stride(x) is not None
 
 
 _C = torch._C

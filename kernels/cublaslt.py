@@ -34,7 +34,15 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .checks import call_signature, check_gpu_kernel_args, contiguous_bias, row_major, rows_2d, rows_are_flat
+from .checks import (
+    call_signature,
+    check_gpu_kernel_args,
+    contiguous_bias,
+    flat_row_stride,
+    row_major,
+    rows_2d,
+    rows_are_flat,
+)
 from .cublaslt_algos import CublasLtAlgo, InvalidAlgorithm, read_algo_fields
 from .epilogue import Activation, Epilogue, apply_activation
 from .problem import MAX_ALIGNMENT, Problem, dtype_name
@@ -461,7 +469,7 @@ def launcher_for(x, weight, bias, act: Activation, algo: CublasLtAlgo | None = N
     if bias is not None and (bias.stride(0) != 1 or bias.data_ptr() % 16):
         return None
     dev, dtype, device = x.device.index, x.dtype, x.device
-    ldx = x.stride(-2) if x.dim() > 1 and m > 1 else k
+    ldx = flat_row_stride(x) if m > 1 else k
     ldw = weight.stride(0) if n > 1 else k
     tf32 = dtype == torch.float32 and _tf32_allowed()
     reduced = _reduced_reduction_allowed(dtype)

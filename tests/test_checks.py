@@ -8,6 +8,7 @@ from hybridgemm.kernels.checks import (
     check_gpu_kernel_args,
     check_linear_args,
     contiguous_bias,
+    flat_row_stride,
     row_major,
     rows_2d,
     rows_are_flat,
@@ -26,12 +27,18 @@ from hybridgemm.kernels.checks import (
     (torch.randn(8), True),
     (torch.randn(16)[::2], False),
     (torch.randn(4, 8).expand(3, 4, 8), False),     # stride 0 on a leading dim
+    # attention's (B, H, 1, D) output -> (B, 1, H*D) for the O projection: the size-1 seq dim
+    # keeps stride D, which must not count (decode at B = 8 copied x on every call before)
+    (torch.randn(8, 28, 1, 16).transpose(1, 2).flatten(-2), True),
+    (torch.as_strided(torch.randn(64), (3, 1, 8), (16, 5, 1)), True),   # odd stride on a size-1 dim
+    (torch.as_strided(torch.randn(64), (3, 1, 8), (4, 5, 1)), False),   # rows overlap
+    (torch.randn(0, 8), True),
 ])
 def test_rows_are_flat(x, expect):
     assert rows_are_flat(x) is expect
     if expect:  # the claim must hold: the view equals the flattened rows
         m, k = x.numel() // x.shape[-1], x.shape[-1]
-        ld = x.stride(-2) if x.dim() > 1 and m > 1 else k
+        ld = flat_row_stride(x)
         flat = torch.as_strided(x, (m, k), (ld, 1))
         assert torch.equal(flat, x.reshape(m, k))
 

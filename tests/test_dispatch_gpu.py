@@ -125,3 +125,37 @@ def test_untuned_shapes_follow_the_rule(act, mnk):
     x, w, b = make_operands(m, n, k, torch.float16, "cuda")
     y = dispatch.fused_linear(x, w, b, act)
     check_close_to_reference(y, x, w, b, act, f"{mnk} {act}")
+
+
+@pytest.mark.parametrize("backend", ["cublaslt", "triton_splitk", "triton_gemm"])
+def test_o_projection_input_with_a_size_one_seq_dim(backend, tmp_path):
+    """Attention's (B, H, 1, D) output, transposed and flattened for the O projection, is
+    (B, 1, H*D) with a meaningless stride on the 1: it is read in place with the right row
+    stride (before, every such call was copied on the slow path), on every backend, and
+    matches the reference on the first call and on the cached launcher's."""
+    from hybridgemm.backends import get_backend
+
+    b_, h, d = 8, 6, 64
+    k = n = h * d
+    x = torch.randn(b_, h, 1, d, device="cuda").bfloat16().transpose(1, 2).flatten(-2)
+    assert x.shape == (b_, 1, k) and x.stride(-2) != k  # the layout under test
+    w = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
+    bias = torch.randn(n, device="cuda").bfloat16()
+    p = Problem(m=b_, n=n, k=k, dtype=torch.bfloat16, epilogue=Epilogue.from_name("bias"), ldx=k, ldw=k, ldo=n)
+    cands = get_backend(backend).candidates(p)
+    record = cands[-1].to_record()  # not the default pick: the table's config must be the one run
+    table = TuningTable(signature=current_signature())
+    table.set(TableKey("linear", "bf16", "bias", n, k, 8, "c"), make_entry(backend, record, median_us=10.0,
+                                                                          spread_us=0.1))
+    path = tmp_path / "t.json"
+    table.save(path)
+    dispatch.set_table_path(path)
+    assert f"runs {backend}" in dispatch.explain(tuple(x.shape), (n, k))
+    x2 = x.reshape(b_, k)
+    for _ in range(3):  # slow path, then the cached launcher
+        y = dispatch.fused_linear(x, w, bias)
+        assert y.shape == (b_, 1, n)
+        check_close_to_reference(y.view(b_, n), x2, w, bias, None, backend)
+    from hybridgemm.kernels.checks import call_signature
+
+    assert dispatch._fast.get(call_signature(x, w, bias, None)[0]) is not None  # no copy: a cached launcher
