@@ -41,25 +41,6 @@ def _kernels(fn, reps: int = 3) -> list[str]:
     return names
 
 
-def _graph_nodes(fn) -> list[str]:
-    """The nodes of a CUDA graph of one ``fn(0)`` call (CUDAGraph.debug_dump), addresses
-    blanked, so two graphs can be compared launch parameter by launch parameter."""
-    import os
-    import re
-    import tempfile
-
-    g = torch.cuda.CUDAGraph()
-    g.enable_debug_mode()
-    with torch.cuda.graph(g):
-        fn(0)
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "g.dot")
-        g.debug_dump(path)
-        text = open(path).read()
-    lines = [ln.strip() for ln in text.splitlines() if "label" in ln]
-    return [re.sub(r"0x[0-9a-fA-F]+", "ADDR", re.sub(r"node_\d+|\b\d{9,}\b", "N", ln)) for ln in lines]
-
-
 def dispatch_gap(table: str | None) -> None:
     from hybridgemm import dispatch
     from hybridgemm.autotune_cache.table import TableKey
@@ -100,13 +81,6 @@ def dispatch_gap(table: str | None) -> None:
             print(f"   {name:22s} {t:8.2f} µs  {t / best['winner_shared_out']:.3f}x")
         for name in ("winner_shared_out", "dispatch"):
             print(f"   kernels of {name}: {_kernels(lambda: fns[name](0))}")
-        dumps = {name: _graph_nodes(fns[name]) for name in ("winner_fresh_empty", "dispatch")}
-        a, b2 = dumps["winner_fresh_empty"], dumps["dispatch"]
-        print(f"   graph nodes: winner_fresh_empty {len(a)}, dispatch {len(b2)}; "
-              f"{'identical apart from addresses' if a == b2 else 'DIFFERENT'}")
-        if a != b2:
-            for line in sorted(set(a) ^ set(b2))[:12]:
-                print(f"     {'W' if line in a else 'D'}: {line[:300]}")
 
 
 def lt_heuristic(n: int, k: int, ms: list[int]) -> None:
