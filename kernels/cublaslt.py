@@ -468,7 +468,7 @@ def launcher_for(x, weight, bias, act: Activation, algo: CublasLtAlgo | None = N
         return None
     if bias is not None and (bias.stride(0) != 1 or bias.data_ptr() % 16):
         return None
-    dev, dtype, device = x.device.index, x.dtype, x.device
+    dev, dtype = x.device.index, x.dtype
     ldx = flat_row_stride(x) if m > 1 else k
     ldw = weight.stride(0) if n > 1 else k
     tf32 = dtype == torch.float32 and _tf32_allowed()
@@ -488,7 +488,7 @@ def launcher_for(x, weight, bias, act: Activation, algo: CublasLtAlgo | None = N
     stream_of = _raw_stream if _raw_stream is not None else _current_stream
 
     def launch(x, weight, bias, xp, wp):
-        y = torch.empty(out_shape, dtype=dtype, device=device)
+        y = x.new_empty(out_shape)  # ~1.3 µs cheaper than torch.empty(dtype=, device=) (host breakdown)
         bp = bias.data_ptr() if bias is not None else 0
         if get_device() == dev:  # the common case, inlined: every µs here is host overhead
             plan_launch(xp, wp, bp, y.data_ptr(), stream_of(dev))
