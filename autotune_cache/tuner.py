@@ -80,13 +80,10 @@ def random_operands(p: Problem):
 def operands_for(p: Problem):
     """:func:`random_operands` plus the rotation copies of (x, w) (perf/timing.gpu_time_rotating),
     the first of which are x and w themselves."""
-    from hybridgemm.perf.timing import rotation_copies
+    from hybridgemm.perf.timing import rotation_lists
 
     x, w, b, out = random_operands(p)
-    copies = rotation_copies((x.numel() + w.numel()) * x.element_size())
-    xs = [x] + [x.clone() for _ in range(copies - 1)]
-    ws = [w] + [w.clone() for _ in range(copies - 1)]
-    return x, w, b, out, xs, ws
+    return (x, w, b, out, *rotation_lists(x, w))
 
 
 def finalist_count(screened_us: list[float]) -> int:

@@ -28,7 +28,7 @@ from hybridgemm.kernels.checks import call_signature
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import Problem
 from hybridgemm.perf.csvio import environment_columns, write_rows
-from hybridgemm.perf.timing import Timing, eager_time_interleaved, gpu_time_rotating, rotation_copies
+from hybridgemm.perf.timing import Timing, eager_time_interleaved, gpu_time_rotating, rotation_lists
 
 # (name, N, K): the attention projections of llama3-8b and llama3-70b (DESIGN.md)
 SHAPES = [
@@ -73,9 +73,8 @@ def bench_shape(name, n, k, m, dtype, exhaustive, rows, env, log):
     # together on 3 fresh sets of copies (autotune_cache.tuner.time_placements), which
     # decides; the two F.linear rows show the noise left. "Best" is the fastest of those
     # finalists, the heuristic pick included (so it can never read slower than it).
-    copies = rotation_copies((x.numel() + w.numel()) * x.element_size())
-    xs = [x] + [x.clone() for _ in range(copies - 1)]
-    ws = [w] + [w.clone() for _ in range(copies - 1)]
+    xs, ws = rotation_lists(x, w)
+    copies = len(ws)
 
     def flinear(i):
         return F.linear(xs[i], ws[i], b)

@@ -31,7 +31,7 @@ from hybridgemm.autotune_cache.tuner import time_placements
 from hybridgemm.kernels import triton_gemm, triton_splitk
 from hybridgemm.kernels.epilogue import Activation, Epilogue, reference_linear
 from hybridgemm.kernels.problem import Problem, dtype_name
-from hybridgemm.perf.timing import Timing, eager_time_interleaved, gpu_time_rotating, rotation_copies
+from hybridgemm.perf.timing import Timing, eager_time_interleaved, gpu_time_rotating, rotation_lists
 
 SHAPES = {  # name: (N, K) of W (N x K)
     "llama3-8b-q": (4096, 4096),
@@ -127,9 +127,8 @@ class Bench:
         # The tuner's method: rotating copies (every call reads cold operands), all candidates
         # and F.linear interleaved in a 3-round screen; the 4 fastest re-timed beside F.linear
         # on 3 fresh sets of copies (autotune_cache.tuner.time_placements), which decides.
-        copies = rotation_copies((x.numel() + w.numel()) * x.element_size())
-        xs = [x] + [x.clone() for _ in range(copies - 1)]
-        ws = [w] + [w.clone() for _ in range(copies - 1)]
+        xs, ws = rotation_lists(x, w)
+        copies = len(ws)
         fns = [lambda i: F.linear(xs[i], ws[i], b)]
         fns += [lambda i, cfg=cfg: module.run(cfg, xs[i], ws[i], b, out) for cfg, _, _ in valid]
         screen = gpu_time_rotating(fns, copies, replays=3)

@@ -192,6 +192,13 @@ def rotation_copies(weight_bytes: int, device: torch.device | str = "cuda", l2_m
     return int(min(most, max(2, math.ceil(l2_multiple * l2 / max(weight_bytes, 1)) + 1)))
 
 
+def rotation_lists(x: torch.Tensor, w: torch.Tensor) -> tuple[list, list]:
+    """``(xs, ws)``: x and W themselves first, then clones, :func:`rotation_copies` of each
+    (for :func:`gpu_time_rotating`'s ``call(i)``)."""
+    copies = rotation_copies((x.numel() + w.numel()) * x.element_size(), x.device)
+    return [x] + [x.clone() for _ in range(copies - 1)], [w] + [w.clone() for _ in range(copies - 1)]
+
+
 def gpu_time_rotating(
     calls: list[Callable[[int], object]],
     copies: int,

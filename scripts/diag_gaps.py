@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -100,8 +101,6 @@ def lt_heuristic(n: int, k: int, ms: list[int]) -> None:
             for align in (None, 16):
                 p = Problem.from_tensors(x, w, b, out, Epilogue(Activation.NONE, True))
                 if align:
-                    from dataclasses import replace
-
                     p = replace(p, align_x=align, align_w=align, align_out=align)
                 plan = lt.Plan(p, torch.cuda.current_device())
                 algos = plan.heuristics(4, ws_mib * 2**20)
