@@ -7,7 +7,7 @@ default: the heuristic's first algorithm), ``lt_best`` (fastest of the heuristic
 up to ``--exhaustive`` algorithms from the exhaustive AlgoGetIds/AlgoInit/AlgoCheck loop).
 Every provider is checked against an fp32 reference before it is timed.
 GPU time: the tuner's method (rotating cold copies of x and W, interleaved CUDA-graph
-replays, finalists re-timed on 3 fresh sets of copies; see bench_shape). Host time: eager back-to-back
+replays, finalists re-timed on the tuner's placements; see bench_shape). Host time: eager back-to-back
 calls of F.linear and lt_heuristic in alternating rounds of one loop.
 Writes DIR/cublaslt_h200.csv (long form) and prints a summary table.
 """
@@ -70,7 +70,7 @@ def bench_shape(name, n, k, m, dtype, exhaustive, rows, env, log):
     # The tuner's method: every call reads its own cold copy of x and W (rotating copies),
     # CUDA graphs replayed in interleaved rounds. A screen of all enumerated algorithms, then
     # F.linear, the heuristic pick, the 3 fastest of the screen and F.linear again re-timed
-    # together on 3 fresh sets of copies (autotune_cache.tuner.time_placements), which
+    # together on the tuner's placements (autotune_cache.tuner.time_placements), which
     # decides; the two F.linear rows show the noise left. "Best" is the fastest of those
     # finalists, the heuristic pick included (so it can never read slower than it).
     xs, ws = rotation_lists(x, w)

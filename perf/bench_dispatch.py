@@ -5,7 +5,7 @@
 
 For every (shape, M bucket) of the preset: GPU time (the tuner's method,
 perf/timing.gpu_time_rotating: CUDA graphs of calls on rotating copies of x and W, so every
-call reads them cold, replayed in interleaved rounds, on 3 fresh sets of copies) of
+call reads them cold, replayed in interleaved rounds, on 6 placements of operands and outputs) of
 ``hybridgemm.linear``'s dispatcher (``fused_linear``) and of ``F.linear`` in the same run, and
 the table's recorded best candidate. Prints ratios, the worst shape and the geometric mean.
 ``--compare`` reports how often two tuning runs chose the same kernel and, where not, how far
@@ -103,8 +103,10 @@ def main(argv=None) -> int:
                 cfg = be_w.config_from_record(entry["config"], p)
                 # called as a user would: its own output per call (the dispatcher allocates one)
                 fns["winner"] = lambda i: be_w.run(cfg, xs[i], ws[i], b, torch.empty_like(out), Activation.NONE)
-            # The tuner's method (tuner.time_placements: gpu_time_rotating on 3 fresh sets of
-            # operand copies, the median over sets), in both orders, the lower of the two.
+            # The tuner's method (tuner.time_placements: gpu_time_rotating on PLACEMENTS fresh
+            # sets of operand copies, with what the calls allocate moved within their graphs'
+            # pools), in both orders, the lower of the two. The moves matter here: the same
+            # kernel read 2.5% apart with only its per-call output at another address.
             times = {name: float("inf") for name in fns}
             for order in (list(fns), list(fns)[::-1]):
                 placed = time_placements([fns[n] for n in order], x, w, xs, ws, [out])

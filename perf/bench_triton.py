@@ -4,8 +4,8 @@
 
 For each shape and M: check every provider against an fp64 reference (error bounded by twice
 F.linear's own error + 1e-3), then time F.linear (baseline) and every candidate config, the
-tuner's way (rotating cold copies, a screen, the 4 fastest re-timed beside F.linear on 3 fresh
-sets of copies). Split-K candidates at M in {1, 16}, tiled GEMM candidates at M in {1024,
+tuner's way (rotating cold copies, a screen, the 4 fastest re-timed beside F.linear on the tuner's
+placements). Split-K candidates at M in {1, 16}, tiled GEMM candidates at M in {1024,
 4096}. Host µs per call: ``eager_time_interleaved`` beside F.linear
 at small problems where GPU time is below host time. A config that fails to compile or run is
 recorded with its error and skipped. The summary also gives, per point, the best time of each
@@ -126,7 +126,7 @@ class Bench:
             valid.append((cfg, fields, err))
         # The tuner's method: rotating copies (every call reads cold operands), all candidates
         # and F.linear interleaved in a 3-round screen; the 4 fastest re-timed beside F.linear
-        # on 3 fresh sets of copies (autotune_cache.tuner.time_placements), which decides.
+        # on the tuner's placements (autotune_cache.tuner.time_placements), which decides.
         xs, ws = rotation_lists(x, w)
         copies = len(ws)
         fns = [lambda i: F.linear(xs[i], ws[i], b)]

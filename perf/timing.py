@@ -207,6 +207,7 @@ def gpu_time_rotating(
     min_graph_ms: float = 1.0,
     max_passes: int = 50,
     rounds: list | None = None,
+    skew_bytes: int = 0,
 ) -> list[Timing]:
     """GPU time per call (µs) of each ``call(i)``, which must run on copy ``i`` of its weights
     (0 <= i < ``copies``, see :func:`rotation_copies`).
@@ -217,11 +218,15 @@ def gpu_time_rotating(
     (:func:`gpu_time`) nothing is subtracted, so a ~10 µs kernel is not measured as the small
     difference of two ~1.4 ms replays; the tuner and the dispatch benchmark use this one.
     ``rounds``, when given, receives one list per round: each call's µs in that round.
+    ``skew_bytes``: each capture first allocates (and holds) that many bytes from its graph's
+    memory pool, so what the calls allocate inside it (outputs, split-K scratch) lands that
+    far along: a way to time the same calls with their outputs elsewhere (see
+    tuner.time_placements).
     """
     device = torch.device(device)
     # compile, plan, and fill per-pointer caches for every copy
     _warm_up(device, [lambda call=call: [call(i) for i in range(copies)] for call in calls])
-    graphs, per_graph = [], []
+    graphs, per_graph, pads = [], [], []
     for call in calls:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -232,6 +237,8 @@ def gpu_time_rotating(
         passes = int(min(max_passes, max(1, math.ceil(min_graph_ms / max(start.elapsed_time(end), 1e-3)))))
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
+            if skew_bytes:  # no kernel touches it; it only moves later allocations of this pool
+                pads.append(torch.empty(skew_bytes, dtype=torch.uint8, device=device))
             for _ in range(passes):
                 for i in range(copies):
                     call(i)
@@ -245,5 +252,5 @@ def gpu_time_rotating(
             s.append(_replay_ms(g, 1)[0] * 1000.0 / n)
         if rounds is not None:  # per-round times, for ratios that cancel drift between rounds
             rounds.append([s[-1] for s in samples])
-    del graphs
+    del graphs, pads
     return [Timing(statistics.median(s), max(s) - min(s), replays) for s in samples]

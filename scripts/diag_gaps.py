@@ -3,6 +3,7 @@
 
     python scripts/diag_gaps.py dispatch [--table PATH]   dispatched call vs its table winner
     python scripts/diag_gaps.py lt [--n 10240 --k 8192 --m 16]   cuBLASLt heuristic vs F.linear
+    python scripts/diag_gaps.py repro [--table PATH] [--repeats 3]   candidate ratios, re-timed
 
 ``dispatch``: bench_dispatch found decode split-K keys ~2% slower through the dispatcher than
 the table's winner launched directly. The two differ in where the output lives: the direct
@@ -14,6 +15,12 @@ graph launches (torch.profiler), so a launch difference would show.
 ``lt``: the heuristic's first algorithm at 70b qkv M=16 was 1.10x F.linear. Asks the heuristic
 with several workspace limits and alignment preferences, times each first pick beside
 F.linear, and names the kernels F.linear and each pick run.
+
+``repro``: two tuning runs chose differently at a few M >= 512 keys, with the two winners 2-7%
+apart as one run timed them. Re-times each such key's recorded candidates (the table's top 5,
+which hold both runs' winners) beside F.linear ``--repeats`` times in this process, each time on
+freshly allocated operands, and prints every candidate's ratio to F.linear. Run it in several
+processes: a spread across processes larger than within one says the effect is per process.
 """
 
 from __future__ import annotations
@@ -54,8 +61,7 @@ def dispatch_gap(table: str | None) -> None:
     if table:
         dispatch.set_table_path(table)
     tab = dispatch.table_for_device(torch.cuda.current_device())
-    for n, k, m, bias in ((4096, 4096, 1, False), (6144, 4096, 1, False), (4096, 4096, 8, False),
-                          (1024, 4096, 1, False), (3584, 3584, 1, True)):
+    for n, k, m, bias in ((1024, 4096, 16, False), (1024, 4096, 1, False), (4096, 4096, 1, False)):
         p = Problem(m=m, n=n, k=k, dtype=torch.bfloat16, epilogue=Epilogue(Activation.NONE, bias),
                     ldx=k, ldw=k, ldo=n)
         x, w, b, out, xs, ws = operands_for(p)
@@ -70,9 +76,14 @@ def dispatch_gap(table: str | None) -> None:
             "winner_shared_out": lambda i: be.run(cfg, xs[i], ws[i], b, out, Activation.NONE),
             "winner_out_per_copy": lambda i: be.run(cfg, xs[i], ws[i], b, outs[i], Activation.NONE),
             "winner_fresh_empty": lambda i: be.run(cfg, xs[i], ws[i], b, torch.empty_like(out), Activation.NONE),
+            "winner_new_empty": lambda i: be.run(cfg, xs[i], ws[i], b, xs[i].new_empty(out.shape), Activation.NONE),
             "dispatch": lambda i: dispatch.fused_linear(xs[i], ws[i], b),
             "flinear": lambda i: F.linear(xs[i], ws[i], b),
         }
+        dispatch.fused_linear(x, w, b)
+        chosen = dispatch.choose(Problem.from_tensors(x, w, b, out, p.epilogue), torch.cuda.current_device())
+        print(f"   dispatcher's choice: {chosen.backend} {chosen.config} (same as the entry: "
+              f"{chosen.backend == entry['backend'] and chosen.config == cfg})")
         best = {name: float("inf") for name in fns}
         for order in (list(fns), list(fns)[::-1], list(fns)):
             for name, t in zip(order, gpu_time_rotating([fns[o] for o in order], len(ws), replays=11)):
@@ -82,6 +93,47 @@ def dispatch_gap(table: str | None) -> None:
             print(f"   {name:22s} {t:8.2f} µs  {t / best['winner_shared_out']:.3f}x")
         for name in ("winner_shared_out", "dispatch"):
             print(f"   kernels of {name}: {_kernels(lambda: fns[name](0))}")
+
+
+def repro(table: str | None, repeats: int) -> None:
+    import os
+
+    from hybridgemm import dispatch
+    from hybridgemm.autotune_cache.table import TableKey
+    from hybridgemm.autotune_cache.tuner import operands_for, time_placements
+    from hybridgemm.backends import get_backend
+    from hybridgemm.kernels.epilogue import Activation, Epilogue
+    from hybridgemm.kernels.problem import Problem
+
+    if table:
+        dispatch.set_table_path(table)
+    tab = dispatch.table_for_device(torch.cuda.current_device())
+    print(f"pid {os.getpid()}")
+    for n, k, m, bias in ((512, 3584, 2048, True), (1024, 4096, 1024, False), (1024, 4096, 512, False),
+                          (6144, 4096, 2048, False), (4096, 4096, 1, False)):
+        p = Problem(m=m, n=n, k=k, dtype=torch.bfloat16, epilogue=Epilogue(Activation.NONE, bias),
+                    ldx=k, ldw=k, ldo=n)
+        entry = tab.lookup(TableKey.from_problem(p))
+        if not entry:
+            print(f"N={n} K={k} M={m}: no table entry")
+            continue
+        cands = []
+        for c in entry["candidates"]:
+            be = get_backend(c["backend"])
+            cands.append((be, be.config_from_record(c["config"], p)))
+        print(f"N={n} K={k} M={m} bias={bias}: ratio to F.linear per candidate, one row per repeat")
+        for be, cfg in cands:
+            print(f"   c{cands.index((be, cfg))}: {be.name} {be.describe(cfg)}")
+        for r in range(repeats):
+            x, w, b, out, xs, ws = operands_for(p)
+            outs = [out]
+            calls = [lambda i: F.linear(xs[i], ws[i], b)]
+            calls += [lambda i, be=be, cfg=cfg: be.run(cfg, xs[i], ws[i], b, outs[0], Activation.NONE)
+                      for be, cfg in cands]
+            res = time_placements(calls, x, w, xs, ws, outs)
+            ref = res[0][0]
+            print(f"   repeat {r}: F.linear {ref:8.2f} µs | " + " ".join(
+                f"c{j}={t / ref:.3f}(±{s / ref:.3f})" for j, (t, s) in enumerate(res[1:])), flush=True)
 
 
 def lt_heuristic(n: int, k: int, ms: list[int]) -> None:
@@ -122,7 +174,8 @@ def lt_heuristic(n: int, k: int, ms: list[int]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["dispatch", "lt"])
+    ap.add_argument("what", choices=["dispatch", "lt", "repro"])
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--table")
     ap.add_argument("--n", type=int, default=10240)
     ap.add_argument("--k", type=int, default=8192)
@@ -133,6 +186,8 @@ def main(argv=None) -> int:
         return 2
     if args.what == "dispatch":
         dispatch_gap(args.table)
+    elif args.what == "repro":
+        repro(args.table, args.repeats)
     else:
         lt_heuristic(args.n, args.k, args.m)
     return 0

@@ -9,7 +9,8 @@
 #         bench     the backend benchmarks (cuBLASLt, Triton)
 #         quick     the backend benchmarks, small subset
 #         tune      autotune llama3-8b (all M buckets) + qwen2.5-7b (decode/prefill/train M) into
-#                   $OUT/h200.json, then again with --force into $OUT/h200_rerun.json, and compare
+#                   $OUT/h200.json, then again with --force into $OUT/h200_rerun.json (TUNE_RUNS=3:
+#                   also h200_rerun2.json), and compare every pair ($OUT/tune_compare.txt)
 #         dispatch  dispatched calls vs the table's winners vs F.linear ($OUT/h200.json)
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
 #         harness   hybridgemm bench (all providers, training) + plots into $OUT/plots
@@ -77,17 +78,24 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       done
       ;;
     tune)
-      log "autotune (twice)"
-      for t in h200 h200_rerun; do
-        f=(); [ $t = h200_rerun ] && f=(--force)
+      # TUNE_RUNS (default 2) runs, each a fresh process per model; every pair is compared
+      runs=(h200); for ((r = 1; r < ${TUNE_RUNS:-2}; r++)); do runs+=("h200_rerun$([ $r -gt 1 ] && echo $r)"); done
+      log "autotune (${#runs[@]} runs)"
+      for t in "${runs[@]}"; do
+        f=(); [ $t != h200 ] && f=(--force)
         /usr/bin/time -f "autotune llama3-8b wall %e s" $PY -m hybridgemm autotune --model llama3-8b \
           --out "$OUT/$t.json" --no-progress "${f[@]}" >"$OUT/autotune_$t.txt" 2>&1 || status=1
         $PY -m hybridgemm autotune --model qwen2.5-7b --m 1 8 2048 4096 16384 --out "$OUT/$t.json" \
           --no-progress "${f[@]}" >>"$OUT/autotune_$t.txt" 2>&1 || status=1
         grep -E "wall|tuned " "$OUT/autotune_$t.txt" | tee -a "$OUT/summary.txt"
       done
-      $PY -m hybridgemm.perf.bench_dispatch --compare "$OUT/h200.json" "$OUT/h200_rerun.json" 2>&1 \
-        | tee "$OUT/tune_compare.txt" | tail -n 20 | tee -a "$OUT/summary.txt"
+      : >"$OUT/tune_compare.txt"
+      for ((i = 0; i < ${#runs[@]}; i++)); do for ((j = i + 1; j < ${#runs[@]}; j++)); do
+        echo "## ${runs[$i]} vs ${runs[$j]}" >>"$OUT/tune_compare.txt"
+        $PY -m hybridgemm.perf.bench_dispatch --compare "$OUT/${runs[$i]}.json" "$OUT/${runs[$j]}.json" \
+          >>"$OUT/tune_compare.txt" 2>&1
+      done; done
+      tail -n 40 "$OUT/tune_compare.txt" | tee -a "$OUT/summary.txt"
       ;;
     dispatch)
       log "bench_dispatch"

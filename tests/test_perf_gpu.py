@@ -98,3 +98,28 @@ def test_rotating_timing_reads_weights_cold():
     # the flush method (weights cold after an L2-evicting read) measures the same kernel alike
     flushed = gpu_time_many([lambda: F.linear(x, ws[small][0])], replays=5)[0]
     assert 0.7 < t_small.median_us / flushed.median_us < 1.3, (t_small, flushed)
+
+
+def test_rotating_skew_moves_what_the_calls_allocate_inside_the_graph():
+    """tuner.time_placements relies on skew_bytes landing a call's own allocations (outputs)
+    elsewhere in the graph's pool: record where F.linear's output lands during capture."""
+    import torch
+    import torch.nn.functional as F
+
+    from hybridgemm.perf.timing import gpu_time_rotating
+
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    ws = [torch.randn(128, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    where: dict[int, set] = {}
+    for skew in (0, 193 * 1024):
+        seen = where.setdefault(skew, set())
+
+        def call(i, seen=seen):
+            y = F.linear(x, ws[i])
+            if torch.cuda.is_current_stream_capturing():
+                seen.add(y.data_ptr() % (2 << 20))
+            return y
+
+        t = gpu_time_rotating([call], len(ws), replays=2, skew_bytes=skew)[0]
+        assert math.isfinite(t.median_us) and t.median_us > 0
+    assert where[0] and where[193 * 1024] and not where[0] & where[193 * 1024], where

@@ -102,11 +102,12 @@ def test_placements_time_every_call_on_fresh_operands_and_restore_them(monkeypat
     x, w = torch.randn(2, 8), torch.randn(4, 8)
     xs, ws, outs = [x, x.clone()], [w, w.clone()], [torch.empty(2, 4)]
     first = (list(xs), list(ws), list(outs))
-    seen = []  # data pointers each placement's calls see
+    seen, skews = [], []  # data pointers each placement's calls see; the skew each asks for
     medians = iter([[10.0, 5.0], [12.0, 5.5], [11.0, 7.0]])  # per placement: call 0, call 1
 
-    def fake_rotating(calls, copies, replays=9, rounds=None, **kw):
-        assert copies == len(ws) and replays == 5
+    def fake_rotating(calls, copies, replays=9, rounds=None, skew_bytes=0, **kw):
+        assert copies == len(ws) and replays == tuner.PLACEMENT_REPLAYS
+        skews.append(skew_bytes)
         for c in calls:
             c(0)
         seen.append(tuple(t.data_ptr() for t in (*xs, *ws, *outs)))
@@ -126,6 +127,15 @@ def test_placements_time_every_call_on_fresh_operands_and_restore_them(monkeypat
     assert len(seen) == 3 and len(set(seen)) == 3  # each placement on other tensors
     assert all(not set(a) & set(b) for a in seen for b in seen if a is not b)
     assert (xs, ws, outs) == first  # the caller's lists come back as they were
+    # the first placement as allocated, the others with in-graph allocations moved, each
+    # elsewhere and by whole allocator blocks
+    assert skews[0] == 0 and len(set(skews)) == 3 and all(s % 512 == 0 for s in skews)
+
+
+def test_placement_skews_are_distinct_block_multiples_within_a_segment():
+    skews = [tuner.placement_skew(p) for p in range(tuner.PLACEMENTS + tuner.DUEL_PLACEMENTS)]
+    assert skews[0] == 0 and len(set(skews)) == len(skews)
+    assert all(s % 512 == 0 and 0 <= s < 2 << 20 for s in skews)
 
 
 def test_placement_scores_cancel_drift_common_to_a_round(monkeypatch):
@@ -148,3 +158,55 @@ def test_placement_scores_cancel_drift_common_to_a_round(monkeypatch):
     monkeypatch.setattr(timing, "gpu_time_rotating", drifting)
     ref, other = tuner.time_placements([lambda i: None] * 2, x, w, xs, ws, outs, placements=2)
     assert other[0] == pytest.approx(2 * ref[0])
+
+
+def test_near_band_edge_flags_only_finalists_about_the_tie_tolerance_above_the_fastest():
+    edge = 1 + tuner.TIE_TOLERANCE
+    assert tuner.near_band_edge([10.0, 10.0 * edge])
+    assert tuner.near_band_edge([10.0, 10.0 * (edge + tuner.DUEL_MARGIN * 0.9)])
+    assert not tuner.near_band_edge([10.0, 10.0 * (edge + tuner.DUEL_MARGIN * 1.1)])
+    assert not tuner.near_band_edge([10.0, 10.05, 10.0 * (edge - tuner.DUEL_MARGIN * 1.1)])
+    assert not tuner.near_band_edge([10.0])
+
+
+def test_pooled_samples_decide_on_every_round_of_both_timings():
+    """A duel's rounds join the first timing's: the re-timed calls' scores use all rounds,
+    the reference's median too; calls not re-timed keep their ratios."""
+    first = tuner.PlacementSamples(ref_us=[10.0, 10.0], ratios=[[1.0, 1.0], [0.5, 0.5], [0.9, 0.9]],
+                                   per_placement=[[10.0], [5.0], [9.0]])
+    more = tuner.PlacementSamples(ref_us=[20.0, 20.0, 20.0], ratios=[[1.0] * 3, [0.6] * 3],
+                                  per_placement=[[20.0], [12.0]])
+    first.pool(more, [1])
+    (ref, ref_spread), (one, one_spread), (two, _) = first.scores()
+    assert ref == 20.0 and ref_spread == 10.0  # median of 10, 10, 20, 20, 20
+    assert one == pytest.approx(0.6 * 20.0) and one_spread == pytest.approx(7.0)  # median ratio of 0.5 x2, 0.6 x3
+    assert two == pytest.approx(0.9 * 20.0)
+
+
+def _fake_samples(log, first_ratios, duel_ratios):
+    def fake(calls, x, w, xs, ws, outs, placements=tuner.PLACEMENTS, replays=4, first=0):
+        log.append((len(calls), placements, first))
+        ratios = first_ratios if first == 0 else duel_ratios
+        return tuner.PlacementSamples([10.0] * 4, [[r] * 4 for r in ratios[:len(calls)]], [[10.0 * r] for r in ratios])
+    return fake
+
+
+def test_finalists_near_the_band_edge_are_timed_again_and_the_pooled_times_decide(monkeypatch):
+    """The preferred candidate (index 2) at +2.3%, near the edge: the close finalists (not the
+    one 20% off) are re-timed on DUEL_PLACEMENTS more placements after the first ones, and
+    the pooled rounds (2.3% x4, 0.5% x4: median 1.4%) put it inside the band."""
+    log = []
+    monkeypatch.setattr(tuner, "placement_samples", _fake_samples(log, [1.0, 1.0, 1.023, 1.2], [1.0, 1.0, 1.005]))
+    calls = [lambda i: None] * 4
+    times, dueled = tuner.time_finalists(calls, None, None, [], [], [])
+    assert log == [(4, tuner.PLACEMENTS, 0), (3, tuner.DUEL_PLACEMENTS, tuner.PLACEMENTS)] and dueled == 2
+    assert times[2][0] == pytest.approx(10.0 * 1.014)
+    assert tuner.pick_winner([(times[1][0], 1, 0), (times[2][0], 0, 0), (times[3][0], 0, 1)]) == 1
+
+
+def test_finalists_clear_of_the_band_edge_are_timed_once(monkeypatch):
+    log = []
+    monkeypatch.setattr(tuner, "placement_samples", _fake_samples(log, [1.0, 1.0, 1.005, 1.05], []))
+    times, dueled = tuner.time_finalists([lambda i: None] * 4, None, None, [], [], [])
+    assert log == [(4, tuner.PLACEMENTS, 0)] and dueled == 0
+    assert [t for t, _ in times] == pytest.approx([10.0, 10.0, 10.05, 10.5])
