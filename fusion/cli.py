@@ -73,7 +73,8 @@ def _cmd_autotune(args) -> int:
         return 1 if drifted else 0
     print(f"tuning {len(keys)} keys ({len(unique)} shapes x {len(buckets)} M buckets x {len(args.dtype)} dtypes) "
           f"into {path}")
-    results = tune(keys, table, path, force=args.force, progress=not args.no_progress, jobs=args.jobs)
+    results = tune(keys, table, path, force=args.force, progress=not args.no_progress, jobs=args.jobs,
+                   second_process=not args.one_process)
     _print_summary(results)
     return 0 if all(r.skipped or r.winner for r in results) else 1
 
@@ -174,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="re-tune keys already in the table")
     p.add_argument("--check", action="store_true", help="re-time the table's winners and report drift")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--one-process", action="store_true",
+                   help="re-time keys with close finalists in this process, not a second one (see README)")
     p.add_argument("--jobs", type=int, help="processes compiling Triton candidates before timing "
                    "(default: half the CPUs, at most 8; 1: compile lazily while tuning)")
     p.set_defaults(fn=_cmd_autotune)

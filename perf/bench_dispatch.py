@@ -1,7 +1,7 @@
 """The tuned table's promise, measured: dispatched calls vs the best candidate vs F.linear.
 
     python -m hybridgemm.perf.bench_dispatch --table PATH --model llama3-8b [--out DIR]
-    python -m hybridgemm.perf.bench_dispatch --compare A.json B.json
+    python -m hybridgemm.perf.bench_dispatch --compare A.json B.json [--retime]
 
 For every (shape, M bucket) of the preset: GPU time (the tuner's method,
 perf/timing.gpu_time_rotating: CUDA graphs of calls on rotating copies of x and W, so every
@@ -10,7 +10,11 @@ call reads them cold, replayed in interleaved rounds, on 6 placements of operand
 the table's recorded best candidate. Prints ratios, the worst shape and the geometric mean.
 ``--compare`` reports how often two tuning runs chose the same kernel and, where not, how far
 apart the two winners were (each run's recorded median of its own winner, and the other run's
-winner as timed by the first run when it is among its recorded candidates).
+winner as timed by the first run when it is among its recorded candidates). With ``--retime``
+(GPU) it also times the two winners of every differing key side by side in this process, on
+the tuner's placements and its near-edge ones (18 in all), a third view free of either tuning
+process's own placement: the same cuBLASLt algorithm read 6% apart in two tuning processes
+while steady within each.
 """
 
 from __future__ import annotations
@@ -46,6 +50,27 @@ def compare_tables(path_a: str, path_b: str) -> dict:
     return {"keys": len(keys), "same": same, "differ": gaps}
 
 
+def retime_pair(key_string: str, a: dict, b: dict) -> tuple[float, float, float]:
+    """(µs of A's winner, µs of B's winner, F.linear µs) for one table key, timed side by side
+    with tuner.time_placements on PLACEMENTS + DUEL_PLACEMENTS placements."""
+    from hybridgemm.autotune_cache import tuner
+    from hybridgemm.autotune_cache.table import TableKey
+    from hybridgemm.backends import get_backend
+
+    key = TableKey.from_string(key_string)
+    p = tuner.problem_for(key)
+    x, w, bias, out, xs, ws = tuner.operands_for(p)
+    outs, act = [out], p.epilogue.activation
+    fns = [lambda i: F.linear(xs[i], ws[i], bias)]
+    for e in (a, b):
+        be = get_backend(e["backend"])
+        cfg = be.config_from_record(e["config"], p)
+        fns.append(lambda i, be=be, cfg=cfg: be.run(cfg, xs[i], ws[i], bias, outs[0], act, p.tf32))
+    (t_f, _), (t_a, _), (t_b, _) = tuner.time_placements(fns, x, w, xs, ws, outs,
+                                                         placements=tuner.PLACEMENTS + tuner.DUEL_PLACEMENTS)
+    return t_a, t_b, t_f
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--table")
@@ -53,6 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--m", type=int, nargs="+")
     ap.add_argument("--out")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"))
+    ap.add_argument("--retime", action="store_true", help="with --compare: time differing winners side by side (GPU)")
     args = ap.parse_args(argv)
     if args.compare:
         r = compare_tables(*args.compare)
@@ -62,6 +88,21 @@ def main(argv=None) -> int:
             print(f"  {key:48s} A={ba:14s} B={bb:14s} gap {gap:+.2%} ({how})")
         worst = max((abs(g[3]) for g in r["differ"]), default=0.0)
         print(f"largest gap between differing winners: {worst:.2%}")
+        if args.retime and r["differ"]:
+            if not torch.cuda.is_available():
+                print("bench_dispatch --retime: needs a CUDA GPU", file=sys.stderr)
+                return 2
+            from hybridgemm.autotune_cache.table import TableKey, TuningTable
+
+            ta, tb = (TuningTable.load(path) for path in args.compare)
+            gaps = []
+            for key, *_ in r["differ"]:
+                k = TableKey.from_string(key)
+                t_a, t_b, t_f = retime_pair(key, ta.entries[k], tb.entries[k])
+                gaps.append(t_b / t_a - 1)
+                print(f"  retimed side by side: {key:48s} A's {t_a:9.2f}  B's {t_b:9.2f}  F.linear {t_f:9.2f} µs  "
+                      f"gap {gaps[-1]:+.2%}", flush=True)
+            print(f"largest gap, retimed side by side: {max(abs(g) for g in gaps):.2%}")
         return 0
     if not torch.cuda.is_available():
         print("bench_dispatch: needs a CUDA GPU", file=sys.stderr)

@@ -10,7 +10,8 @@
 #         quick     the backend benchmarks, small subset
 #         tune      autotune llama3-8b (all M buckets) + qwen2.5-7b (decode/prefill/train M) into
 #                   $OUT/h200.json, then again with --force into $OUT/h200_rerun.json (TUNE_RUNS=3:
-#                   also h200_rerun2.json), and compare every pair ($OUT/tune_compare.txt)
+#                   also h200_rerun2.json), and compare every pair, differing winners re-timed side
+#                   by side in a fresh process ($OUT/tune_compare.txt)
 #         dispatch  dispatched calls vs the table's winners vs F.linear ($OUT/h200.json)
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
 #         harness   hybridgemm bench (all providers, training) + plots into $OUT/plots
@@ -92,7 +93,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       : >"$OUT/tune_compare.txt"
       for ((i = 0; i < ${#runs[@]}; i++)); do for ((j = i + 1; j < ${#runs[@]}; j++)); do
         echo "## ${runs[$i]} vs ${runs[$j]}" >>"$OUT/tune_compare.txt"
-        $PY -m hybridgemm.perf.bench_dispatch --compare "$OUT/${runs[$i]}.json" "$OUT/${runs[$j]}.json" \
+        $PY -m hybridgemm.perf.bench_dispatch --compare "$OUT/${runs[$i]}.json" "$OUT/${runs[$j]}.json" --retime \
           >>"$OUT/tune_compare.txt" 2>&1
       done; done
       tail -n 40 "$OUT/tune_compare.txt" | tee -a "$OUT/summary.txt"

@@ -67,6 +67,36 @@ def test_tune_end_to_end_and_reload(tmp_path):
     assert outs[0].count("(table:") == 3 and outs[0].count("(nearest:") == 1, outs[0]
 
 
+def test_tune_confirms_close_keys_in_a_second_process(tmp_path):
+    """Every key whose finalists were close got the second process's timings (none fell back
+    to this process alone), and the entries saved are the final decisions."""
+    path = tmp_path / "table.json"
+    keys, results = _tiny_tune(path, buckets=(1, 16))
+    close = [r for r in results if r.dueled]
+    assert close and all(r.second_process and r.pending is None for r in close), [(r.key, r.dueled) for r in results]
+    saved = TuningTable.load(path, signature=current_signature())
+    for r in results:
+        e = saved.lookup(r.key)
+        assert (e["backend"], e["config"]) == (r.winner["backend"], r.winner["config"])
+
+
+def test_second_process_times_each_job_and_reports_a_bad_one():
+    from hybridgemm.autotune_cache import second_process, tuner
+    from hybridgemm.backends import get_backend
+
+    key = TableKey("linear", "bf16", "bias", 384, 512, 16, "c")
+    p = tuner.problem_for(key)
+    finalists = [(name, get_backend(name).candidates(p)[0].to_record()) for name in ("triton_splitk", "triton_gemm")]
+    jobs = [second_process.job_for(key.to_string(), finalists),
+            second_process.job_for(key.to_string(), [("triton_gemm", {"kind": "triton_gemm", "block_m": 7})])]
+    lines = []
+    got = second_process.retime(jobs, torch.cuda.current_device(), log=lines.append)
+    rounds = tuner.DUEL_PLACEMENTS * tuner.PLACEMENT_REPLAYS
+    assert got[0] is not None and len(got[0].ref_us) == rounds and len(got[0].ratios) == 3
+    assert all(len(r) == rounds and all(0 < v < 100 for v in r) for r in got[0].ratios)
+    assert got[1] is None and len(lines) == 1 and "could not time" in lines[0], lines
+
+
 @pytest.mark.parametrize("backend, record", [
     ("triton_gemm", {"kind": "triton_gemm", "block_m": 64, "block_n": 128, "block_k": 64, "group_m": 8,
                      "num_warps": 4, "num_stages": 3, "persistent": True, "use_tma": True, "epilogue_subtile": False}),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -160,13 +161,11 @@ def test_placement_scores_cancel_drift_common_to_a_round(monkeypatch):
     assert other[0] == pytest.approx(2 * ref[0])
 
 
-def test_near_band_edge_flags_only_finalists_about_the_tie_tolerance_above_the_fastest():
-    edge = 1 + tuner.TIE_TOLERANCE
-    assert tuner.near_band_edge([10.0, 10.0 * edge])
-    assert tuner.near_band_edge([10.0, 10.0 * (edge + tuner.DUEL_MARGIN * 0.9)])
-    assert not tuner.near_band_edge([10.0, 10.0 * (edge + tuner.DUEL_MARGIN * 1.1)])
-    assert not tuner.near_band_edge([10.0, 10.05, 10.0 * (edge - tuner.DUEL_MARGIN * 1.1)])
-    assert not tuner.near_band_edge([10.0])
+def test_close_finalists_are_those_within_the_band_plus_the_margin():
+    edge = 1 + tuner.TIE_TOLERANCE + tuner.DUEL_MARGIN
+    assert tuner.close_finalists([10.0, 10.0 * edge * 0.999, 10.0 * edge * 1.001]) == [0, 1]
+    assert tuner.close_finalists([10.25, 10.0, 12.0]) == [0, 1]
+    assert tuner.close_finalists([10.0, 11.0]) == [0]
 
 
 def test_pooled_samples_decide_on_every_round_of_both_timings():
@@ -191,22 +190,111 @@ def _fake_samples(log, first_ratios, duel_ratios):
     return fake
 
 
-def test_finalists_near_the_band_edge_are_timed_again_and_the_pooled_times_decide(monkeypatch):
-    """The preferred candidate (index 2) at +2.3%, near the edge: the close finalists (not the
-    one 20% off) are re-timed on DUEL_PLACEMENTS more placements after the first ones, and
+def test_close_finalists_are_timed_again_and_the_pooled_times_decide(monkeypatch):
+    """The preferred candidate (index 2) at +2.3%, outside the band: the close finalists (not
+    the one 20% off) are re-timed on DUEL_PLACEMENTS more placements after the first ones, and
     the pooled rounds (2.3% x4, 0.5% x4: median 1.4%) put it inside the band."""
     log = []
     monkeypatch.setattr(tuner, "placement_samples", _fake_samples(log, [1.0, 1.0, 1.023, 1.2], [1.0, 1.0, 1.005]))
-    calls = [lambda i: None] * 4
-    times, dueled = tuner.time_finalists(calls, None, None, [], [], [])
-    assert log == [(4, tuner.PLACEMENTS, 0), (3, tuner.DUEL_PLACEMENTS, tuner.PLACEMENTS)] and dueled == 2
+    samples, close = tuner.time_finalists([lambda i: None] * 4, None, None, [], [], [])
+    assert log == [(4, tuner.PLACEMENTS, 0), (3, tuner.DUEL_PLACEMENTS, tuner.PLACEMENTS)] and close == [1, 2]
+    times = samples.scores()
     assert times[2][0] == pytest.approx(10.0 * 1.014)
     assert tuner.pick_winner([(times[1][0], 1, 0), (times[2][0], 0, 0), (times[3][0], 0, 1)]) == 1
 
 
-def test_finalists_clear_of_the_band_edge_are_timed_once(monkeypatch):
+def test_finalists_not_close_are_timed_once_and_deferred_ones_are_not_retimed_here(monkeypatch):
     log = []
-    monkeypatch.setattr(tuner, "placement_samples", _fake_samples(log, [1.0, 1.0, 1.005, 1.05], []))
-    times, dueled = tuner.time_finalists([lambda i: None] * 4, None, None, [], [], [])
-    assert log == [(4, tuner.PLACEMENTS, 0)] and dueled == 0
-    assert [t for t, _ in times] == pytest.approx([10.0, 10.0, 10.05, 10.5])
+    monkeypatch.setattr(tuner, "placement_samples", _fake_samples(log, [1.0, 1.0, 1.05, 1.1], []))
+    samples, close = tuner.time_finalists([lambda i: None] * 4, None, None, [], [], [])
+    assert log == [(4, tuner.PLACEMENTS, 0)] and close == []
+    assert [t for t, _ in samples.scores()] == pytest.approx([10.0, 10.0, 10.5, 11.0])
+    log.clear()
+    monkeypatch.setattr(tuner, "placement_samples", _fake_samples(log, [1.0, 1.0, 1.01, 1.1], []))
+    samples, close = tuner.time_finalists([lambda i: None] * 4, None, None, [], [], [], duel=False)
+    assert log == [(4, tuner.PLACEMENTS, 0)] and close == [1, 2]  # left for the second process
+
+
+class _NamedBackend:
+    def __init__(self, name):
+        self.name = name
+
+    def describe(self, cfg):
+        return f"{self.name}:{cfg.n}"
+
+
+class _RecordConfig:
+    def __init__(self, n):
+        self.n = n
+
+    def to_record(self):
+        return {"n": self.n}
+
+
+def _pending_result(first_ratios):
+    """A KeyResult whose finalists are cuBLASLt (preferred) and Triton, timed by one process."""
+    from hybridgemm.autotune_cache.table import TableKey
+
+    key = TableKey.from_string("linear|bf16|none|N=4096|K=4096|M=256|c")
+    rows = [[0.0, 0.0, 1, 0, _NamedBackend("triton_gemm"), _RecordConfig(1), None],
+            [0.0, 0.0, 0, 0, _NamedBackend("cublaslt"), _RecordConfig(2), None]]
+    samples = tuner.PlacementSamples([10.0] * 4, [[1.0] * 4] + [[r] * 4 for r in first_ratios], [[10.0]] * 3)
+    res = tuner.KeyResult(key, pending=(samples, rows, [], [1, 2]))
+    tuner.decide(res, samples, rows, [])
+    return res
+
+
+def test_a_second_process_overturns_a_choice_one_process_made_on_its_own_luck():
+    """This process saw cuBLASLt 3% slower than Triton (outside the band: Triton won); the
+    second process sees them equal; pooled (3% x4, 0% x4: 1.5%) they tie and the preferred
+    cuBLASLt wins. The job names exactly the close finalists."""
+    res = _pending_result([1.0, 1.03])
+    assert res.winner["backend"] == "triton_gemm"
+    job = tuner.pending_job(res)
+    assert job == {"key": res.key.to_string(), "calls": [{"backend": "triton_gemm", "config": {"n": 1}},
+                                                          {"backend": "cublaslt", "config": {"n": 2}}]}
+    more = tuner.PlacementSamples([10.0] * 4, [[1.0] * 4, [1.0] * 4, [1.0] * 4], [[10.0]] * 3)
+    tuner.finish_pending(res, more)
+    assert res.winner["backend"] == "cublaslt" and res.second_process and res.pending is None
+    assert res.winner["median_us"] == pytest.approx(10.15)
+
+
+def test_without_the_second_process_the_first_decision_stands():
+    res = _pending_result([1.0, 1.03])
+    tuner.finish_pending(res, None)
+    assert res.winner["backend"] == "triton_gemm" and not res.second_process and res.pending is None
+
+
+def test_second_process_failures_leave_the_decision_to_this_process(monkeypatch, tmp_path):
+    """A child that cannot time (here: no GPU, exit 2) gives None per job and one log line;
+    a child that times some jobs gives their samples and None, with the reason, for the rest."""
+    from hybridgemm.autotune_cache import second_process
+
+    lines = []
+    jobs = [{"key": "linear|bf16|none|N=64|K=64|M=1|c", "calls": []}] * 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert second_process.retime(jobs, 0, log=lines.append) == [None, None]
+    assert len(lines) == 1 and "second process failed (exit 2" in lines[0] and "needs a CUDA GPU" in lines[0]
+
+    script = (
+        "import json, sys; json.dump({'results': [{'ref_us': [5.0], 'ratios': [[1.0], [0.9]],"
+        " 'per_placement': [[5.0], [4.5]]}, {'error': 'ValueError: no'}]}, open(sys.argv[2], 'w'));"
+        " print('done 0'); print('done 1')")
+    monkeypatch.setattr(second_process, "_child_command",
+                        lambda jobs_path, out_path, device: [sys.executable, "-c", script, jobs_path, out_path])
+    lines.clear()
+    seen = []
+    got = second_process.retime(jobs, 0, advance=seen.append, log=lines.append)
+    assert got[0].ratios == [[1.0], [0.9]] and got[1] is None and len(seen) == 2
+    assert lines == [f"second process could not time {jobs[1]['key']}: ValueError: no"]
+
+
+def test_a_hung_second_process_is_killed_at_its_time_limit(monkeypatch):
+    from hybridgemm.autotune_cache import second_process
+
+    monkeypatch.setattr(second_process, "_child_command",
+                        lambda jobs_path, out_path, device: [sys.executable, "-c", "import time; time.sleep(60)"])
+    lines = []
+    jobs = [{"key": "linear|bf16|none|N=64|K=64|M=1|c", "calls": []}]
+    assert second_process.retime(jobs, 0, log=lines.append, timeout_s=1.0) == [None]
+    assert len(lines) == 1 and "killed" in lines[0] and "limit is 1 s" in lines[0], lines
