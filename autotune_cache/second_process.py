@@ -3,7 +3,7 @@
 Why: a kernel's speed can shift for the life of a process. One cuBLASLt algorithm (llama3-8b q,
 M=256) read 17.0 µs in one tuning process and 16.0 in the next, steady within each (per-placement
 spread 0.1 µs), and 16.9 in a third; a run that saw it fast chose it over a kernel 7% faster
-(logs/tune_compare_retimed.txt). No number of placements inside one process samples that. So
+(logs/tune_compare_inprocess_duel.txt). No number of placements inside one process samples that. So
 after the tuner has timed every key, the keys whose finalists are close (two or more within
 ``TIE_TOLERANCE + DUEL_MARGIN`` of the fastest) are timed again here, in one child process
 (the same method, on placements the parent did not use), and the parent decides on the rounds of
