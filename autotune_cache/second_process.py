@@ -96,26 +96,15 @@ def retime(jobs: list[dict], device: int, advance: Callable[[str], None] = lambd
 
 def _time_job(job: dict) -> dict:
     import torch
-    import torch.nn.functional as F
-
-    from hybridgemm.backends import get_backend
-    from hybridgemm.kernels.epilogue import apply_activation
 
     from .table import TableKey
-    from .tuner import DUEL_PLACEMENTS, PLACEMENTS, operands_for, placement_samples, problem_for
+    from .tuner import DUEL_PLACEMENTS, PLACEMENTS, placement_samples, problem_for, record_calls
 
     p = problem_for(TableKey.from_string(job["key"]))
-    act = p.epilogue.activation
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = p.tf32
     try:
-        x, w, b, out, xs, ws = operands_for(p)
-        outs = [out]
-        calls = [lambda i: apply_activation(F.linear(xs[i], ws[i], b), act)]
-        for c in job["calls"]:
-            be = get_backend(c["backend"])
-            cfg = be.config_from_record(c["config"], p)
-            calls.append(lambda i, be=be, cfg=cfg: be.run(cfg, xs[i], ws[i], b, outs[0], act, p.tf32))
+        x, w, xs, ws, outs, calls = record_calls(p, [(c["backend"], c["config"]) for c in job["calls"]])
         s = placement_samples(calls, x, w, xs, ws, outs, placements=DUEL_PLACEMENTS, first=PLACEMENTS)
         return {"ref_us": s.ref_us, "ratios": s.ratios, "per_placement": s.per_placement}
     finally:

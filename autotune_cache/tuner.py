@@ -107,6 +107,23 @@ def operands_for(p: Problem):
     return (x, w, b, out, *rotation_lists(x, w))
 
 
+def record_calls(p: Problem, records: list[tuple[str, dict]]):
+    """Fresh operands for ``p`` (:func:`operands_for`) and the calls to time on them: F.linear
+    (with ``p``'s activation) as the reference, then one per ``(backend name, config record)``
+    writing ``outs[0]``. Returns ``(x, w, xs, ws, outs, calls)`` for :func:`placement_samples`.
+    Raises what the backend raises for a record it rejects."""
+    from hybridgemm.backends import get_backend
+
+    x, w, b, out, xs, ws = operands_for(p)
+    outs, act = [out], p.epilogue.activation
+    calls = [lambda i: apply_activation(F.linear(xs[i], ws[i], b), act)]
+    for name, record in records:
+        be = get_backend(name)
+        cfg = be.config_from_record(record, p)
+        calls.append(lambda i, be=be, cfg=cfg: be.run(cfg, xs[i], ws[i], b, outs[0], act, p.tf32))
+    return x, w, xs, ws, outs, calls
+
+
 def finalist_count(screened_us: list[float]) -> int:
     """How many of the screened candidates (fastest first) are re-timed: those within
     ``FINALIST_WINDOW`` of the fastest, clamped to [MIN_FINALISTS, MAX_FINALISTS]."""

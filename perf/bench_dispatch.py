@@ -55,17 +55,9 @@ def retime_pair(key_string: str, a: dict, b: dict) -> tuple[float, float, float]
     with tuner.time_placements on PLACEMENTS + DUEL_PLACEMENTS placements."""
     from hybridgemm.autotune_cache import tuner
     from hybridgemm.autotune_cache.table import TableKey
-    from hybridgemm.backends import get_backend
 
-    key = TableKey.from_string(key_string)
-    p = tuner.problem_for(key)
-    x, w, bias, out, xs, ws = tuner.operands_for(p)
-    outs, act = [out], p.epilogue.activation
-    fns = [lambda i: F.linear(xs[i], ws[i], bias)]
-    for e in (a, b):
-        be = get_backend(e["backend"])
-        cfg = be.config_from_record(e["config"], p)
-        fns.append(lambda i, be=be, cfg=cfg: be.run(cfg, xs[i], ws[i], bias, outs[0], act, p.tf32))
+    p = tuner.problem_for(TableKey.from_string(key_string))
+    x, w, xs, ws, outs, fns = tuner.record_calls(p, [(e["backend"], e["config"]) for e in (a, b)])
     (t_f, _), (t_a, _), (t_b, _) = tuner.time_placements(fns, x, w, xs, ws, outs,
                                                          placements=tuner.PLACEMENTS + tuner.DUEL_PLACEMENTS)
     return t_a, t_b, t_f

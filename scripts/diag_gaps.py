@@ -100,7 +100,7 @@ def repro(table: str | None, repeats: int) -> None:
 
     from hybridgemm import dispatch
     from hybridgemm.autotune_cache.table import TableKey
-    from hybridgemm.autotune_cache.tuner import operands_for, time_placements
+    from hybridgemm.autotune_cache.tuner import record_calls, time_placements
     from hybridgemm.backends import get_backend
     from hybridgemm.kernels.epilogue import Activation, Epilogue
     from hybridgemm.kernels.problem import Problem
@@ -124,12 +124,9 @@ def repro(table: str | None, repeats: int) -> None:
         print(f"N={n} K={k} M={m} bias={bias}: ratio to F.linear per candidate, one row per repeat")
         for be, cfg in cands:
             print(f"   c{cands.index((be, cfg))}: {be.name} {be.describe(cfg)}")
+        records = [(c["backend"], c["config"]) for c in entry["candidates"]]
         for r in range(repeats):
-            x, w, b, out, xs, ws = operands_for(p)
-            outs = [out]
-            calls = [lambda i: F.linear(xs[i], ws[i], b)]
-            calls += [lambda i, be=be, cfg=cfg: be.run(cfg, xs[i], ws[i], b, outs[0], Activation.NONE)
-                      for be, cfg in cands]
+            x, w, xs, ws, outs, calls = record_calls(p, records)  # fresh operands each repeat
             res = time_placements(calls, x, w, xs, ws, outs)
             ref = res[0][0]
             print(f"   repeat {r}: F.linear {ref:8.2f} µs | " + " ".join(
