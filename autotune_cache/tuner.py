@@ -47,6 +47,8 @@ runs at call time.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -355,21 +357,33 @@ def entry_of(res: KeyResult) -> dict:
                       candidates=cands, flinear_us=res.flinear_us)
 
 
+def with_exhaustive(backends: list, limit: int) -> list:
+    """``backends`` with cuBLASLt's candidates extended by up to ``limit`` exhaustively
+    enumerated algorithms (``limit`` ≤ 0: unchanged)."""
+    if limit <= 0:
+        return list(backends)
+    return [dataclasses.replace(be, candidates=functools.partial(be.candidates, exhaustive_limit=limit))
+            if be.name == "cublaslt" else be for be in backends]
+
+
 def tune(keys: Iterable[TableKey], table: TuningTable, path, *, force: bool = False, backends=None,
          save_every: int = 16, progress: bool = True, log: Callable[[str], None] = print,
-         jobs: int | None = None, second_process: bool = True) -> list[KeyResult]:
+         jobs: int | None = None, second_process: bool = True, exhaustive: int = 0) -> list[KeyResult]:
     """Tune ``keys`` into ``table`` and save it to ``path`` (merged under the file lock) every
     ``save_every`` keys and at the end. Keys already in the table are skipped unless ``force``
     (so an interrupted run resumes where it stopped). Triton candidates are compiled first on
     ``jobs`` worker processes (default: half the CPUs, at most 8; 1 compiles lazily in this
     process). ``second_process``: keys with close finalists are decided on this process's
     timings pooled with a child process's (second_process.py; their provisional entries are
-    saved first); False re-times them in this process instead."""
+    saved first); False re-times them in this process instead. ``exhaustive``: also time up to
+    that many cuBLASLt algorithms from the exhaustive enumeration (tile x stages x split-K
+    configurations the heuristic does not rank), beyond its top 8."""
     from hybridgemm.backends import available_backends
 
     from .precompile import compile_tasks, default_jobs, precompile
 
     backends = available_backends() if backends is None else backends
+    backends = with_exhaustive(backends, exhaustive)
     keys = list(keys)
     results: list[KeyResult] = []
     todo = [k for k in keys if force or table.lookup(k) is None]

@@ -9,9 +9,14 @@ a copy. They are *non-contiguous views* into ``y`` (strides ``(S*(H+2Hkv)*D, D,
 (H+2Hkv)*D, 1)`` for 3-D ``x``): the last dim has unit stride, which is all
 ``F.scaled_dot_product_attention`` needs (flash, memory-efficient and math backends
 accept them; SDPA's own ``.transpose(1, 2)`` output of HF models has the same kind of
-layout). Call ``.contiguous()`` only if a consumer insists. In the backward, autograd
-joins the three gradients with one ``cat`` (the backward of ``split``) into the fused
-gradient, which then goes through one dx GEMM and one dW GEMM.
+layout). Call ``.contiguous()`` only if a consumer insists. In the backward the three
+gradients are joined with one ``cat`` into the fused gradient, which then goes through one
+dx GEMM and one dW GEMM (bias gradient fused).
+
+Routes (see README "The attention projection: what runs"): eager inference takes a cached
+raw launch per input signature (``eager_fast.py``) that writes straight into the head-major
+views; eager training records one autograd node per projection (``_QKVProjection``,
+``_OutProjection``); ``torch.compile`` and everything else go through ``hybridgemm.linear``.
 
 State dict of :class:`AttentionProjection`:
 ``qkv_proj.weight`` ((H+2*Hkv)*D, hidden), ``qkv_proj.bias`` ((H+2*Hkv)*D,) if any,
@@ -28,6 +33,13 @@ from torch import Tensor, nn
 
 from hybridgemm.kernels.checks import check_linear_args
 
+from . import eager_fast
+from .eager_fast import OutProjection as _OutProjection
+from .eager_fast import QKVProjection as _QKVProjection
+from .eager_fast import head_views as _heads
+from .eager_fast import out_cached as _out_cached
+from .eager_fast import out_launch as _out_launch
+from .eager_fast import qkv_launch as _qkv_launch
 from .linear import HybridLinear, linear
 
 WHO = "hybridgemm.attention_projection"
@@ -83,17 +95,9 @@ def attention_projection(x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None,
 
 def _project(x: Tensor, w: Tensor, b: Tensor | None, h: int, hkv: int, d: int):
     """The fused GEMM and the head views, arguments already validated."""
-    y = linear(x, w, b)
-    heads = y.view(*y.shape[:-1], h + 2 * hkv, d)  # splitting the last dim is always a view
-    if y.requires_grad:
-        # Split before transposing: the backward of the split is then one cat written
-        # straight in y's (..., S, heads, D) layout, with no extra copy before the GEMMs.
-        q, k, v = heads.split_with_sizes((h, hkv, hkv), dim=-2)
-        return q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)
-    # No autograd: one transpose, then the split; the same views with fewer ops (host time
-    # matters in decode).
-    q, k, v = heads.transpose(-3, -2).split_with_sizes((h, hkv, hkv), dim=-3)
-    return q, k, v
+    if eager_fast.eager_training(x, w, b):
+        return _QKVProjection.apply(x, w, b, h, hkv, d, None)
+    return _heads(linear(x, w, b), h, hkv, d)
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
@@ -129,26 +133,63 @@ class AttentionProjection(nn.Module):
         self.qkv_proj = HybridLinear(hidden_size, (h + 2 * hkv) * d, bias=qkv_bias, device=device, dtype=dtype)
         self.o_proj = HybridLinear(h * d, out, bias=out_bias, device=device, dtype=dtype)
 
+    # Cached raw launches of eager inference calls (fusion/eager_fast.py), made on first use;
+    # not state: never saved, pickled or copied.
+    _fast_qkv: eager_fast.LaunchCache | None = None
+    _fast_out: eager_fast.LaunchCache | None = None
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_fast_qkv", None)
+        state.pop("_fast_out", None)
+        return state
+
     @property
     def split_sizes(self) -> tuple[int, int, int]:
         """Rows of W_q, W_k, W_v in the fused weight."""
         return (self.num_heads * self.head_dim,) + (self.num_kv_heads * self.head_dim,) * 2
 
+    def _cache(self, name: str) -> eager_fast.LaunchCache:
+        cache = getattr(self, name)
+        if cache is None:
+            cache = eager_fast.LaunchCache()
+            setattr(self, name, cache)
+        return cache
+
     def forward_qkv(self, x: Tensor):
         # Head counts were validated at construction; hidden size, dtypes and devices are
         # checked by the GEMM call. (The submodules hold the parameters; their forward, and
         # any hook on them, is not called.)
-        return _project(x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads, self.num_kv_heads,
-                        self.head_dim)
+        w, b = self.qkv_proj.weight, self.qkv_proj.bias
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if eager_fast.eligible(x, w, b) and x.dim() >= 2:
+            # Eager inference: the cached raw launch (fusion/eager_fast.py)
+            return _qkv_launch(self._fast_qkv or self._cache("_fast_qkv"), x, w, b, h, hkv, d)
+        if eager_fast.eager_training(x, w, b) and x.dim() >= 2:
+            return _QKVProjection.apply(x, w, b, h, hkv, d, self._fast_qkv or self._cache("_fast_qkv"))
+        return _project(x, w, b, h, hkv, d)
 
     def forward_out(self, attn: Tensor) -> Tensor:
+        w, b = self.o_proj.weight, self.o_proj.bias
+        if eager_fast.eligible(attn, w, b):
+            cache = self._fast_out or self._cache("_fast_out")
+            y = _out_cached(cache, attn, w, b)
+            if y is not None:
+                return y
+            self._check_attn(attn)
+            return _out_launch(cache, attn, w, b)
+        self._check_attn(attn)
+        if eager_fast.eager_training(attn, w, b):
+            return _OutProjection.apply(attn, w, b, self._fast_out or self._cache("_fast_out"))
+        # (..., H, S, D) -> (..., S, H*D): a view when attn is laid out (..., S, H, D) in
+        # memory (SDPA's flash/cuDNN outputs are), else one copy inside the flatten.
+        return linear(attn.transpose(-3, -2).flatten(-2), w, b)
+
+    def _check_attn(self, attn: Tensor) -> None:
         h, d = self.num_heads, self.head_dim
         if attn.dim() < 3 or attn.shape[-3] != h or attn.shape[-1] != d:
             raise ValueError(f"AttentionProjection.forward_out: expected (..., {h} heads, seq, {d}), "
                              f"got {tuple(attn.shape)}")
-        # (..., H, S, D) -> (..., S, H*D): a view when attn is laid out (..., S, H, D) in
-        # memory (SDPA's flash/cuDNN outputs are), else one copy inside the flatten.
-        return linear(attn.transpose(-3, -2).flatten(-2), self.o_proj.weight, self.o_proj.bias)
 
     def forward(self, x: Tensor, attn_fn=None, **attn_kwargs) -> Tensor:
         q, k, v = self.forward_qkv(x)

@@ -32,6 +32,9 @@ class Backend:
     config_from_record: Callable[[dict, Problem], Any]
     run: Callable[..., torch.Tensor]
     describe: Callable[[Any], str]
+    # bind(config, x, w, b, out, act, tf32) -> fn(xp, wp, bp, op) or None: ``run`` for operands
+    # of exactly this signature as raw pointers, once ``run`` has run it (the eager fast paths)
+    bind: Callable[..., Any] | None = None
 
 
 @functools.cache
@@ -67,7 +70,10 @@ def _cublaslt() -> Backend:
     def run(config, x, w, b, out, act, tf32=False):  # tf32 comes from torch's flag inside lt.run
         return lt.run(config, x, w, b, out, act)
 
-    return Backend("cublaslt", lt.is_available, candidates, from_record, run, lambda c: c.describe())
+    def bind(config, x, w, b, out, act, tf32=False):
+        return lt.bind(config, x, w, b, out, act)
+
+    return Backend("cublaslt", lt.is_available, candidates, from_record, run, lambda c: c.describe(), bind)
 
 
 def _triton(module_name: str) -> Backend:
@@ -102,7 +108,12 @@ def _triton(module_name: str) -> Backend:
         rec = cfg.to_record()
         return " ".join(f"{k}={v}" for k, v in rec.items() if k != "kind")
 
-    return Backend(module_name, available, candidates, from_record, run, describe)
+    bind = None
+    if hasattr(mod, "bind"):
+        def bind(config, x, w, b, out, act, tf32=False):
+            return mod.bind(config, x, w, b, out, act, tf32=tf32)
+
+    return Backend(module_name, available, candidates, from_record, run, describe, bind)
 
 
 PREFERENCE = ("cublaslt", "triton_splitk", "triton_gemm")

@@ -74,7 +74,7 @@ def _cmd_autotune(args) -> int:
     print(f"tuning {len(keys)} keys ({len(unique)} shapes x {len(buckets)} M buckets x {len(args.dtype)} dtypes) "
           f"into {path}")
     results = tune(keys, table, path, force=args.force, progress=not args.no_progress, jobs=args.jobs,
-                   second_process=not args.one_process)
+                   second_process=not args.one_process, exhaustive=max(0, args.exhaustive))
     _print_summary(results)
     return 0 if all(r.skipped or r.winner for r in results) else 1
 
@@ -175,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="re-tune keys already in the table")
     p.add_argument("--check", action="store_true", help="re-time the table's winners and report drift")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--exhaustive", type=int, default=0, metavar="N",
+                   help="also time up to N cuBLASLt algorithms from its exhaustive enumeration (slower)")
     p.add_argument("--one-process", action="store_true",
                    help="re-time keys with close finalists in this process, not a second one (see README)")
     p.add_argument("--jobs", type=int, help="processes compiling Triton candidates before timing "

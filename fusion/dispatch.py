@@ -103,6 +103,7 @@ _tables: dict[int, Any] = {}
 _MODE_CACHES = {m: _mode_caches(m) for m in modes.MODES}
 _choices, _fast = _MODE_CACHES[modes.get_mode()]
 _warned: set = set()
+_generation = [0]  # see generation()
 _explicit_path: list[str | None] = [None]
 
 
@@ -115,6 +116,7 @@ def set_table_path(path: str | os.PathLike | None) -> None:
 def reload_tables() -> None:
     """Forget loaded tables and every cached decision (the next call re-reads the tables)."""
     with _lock:
+        _generation[0] += 1
         _tables.clear()
         for caches in _MODE_CACHES.values():
             for cache in caches:
@@ -125,6 +127,7 @@ def select_mode_caches(mode: str) -> None:
     """Make ``mode``'s cached decisions the current ones (called by ``hybridgemm.set_mode``)."""
     global _choices, _fast
     _choices, _fast = _MODE_CACHES[mode]
+    _generation[0] += 1
 
 
 def table_for_device(device_index: int):
@@ -243,20 +246,44 @@ def _run_choice(choice: Choice, x2, w2, b2, out, act, tf32) -> None:
     _runner(choice)(choice.config, x2, w2, b2, out, act, tf32)
 
 
-def _launcher(choice: Choice, x, w, b, act, tf32):
-    """A no-checks callable for calls with this exact signature, or None (copies needed)."""
+def _bindable(choice: Choice, x, w, b) -> bool:
+    """Can calls of this signature skip every copy (x's rows flat, W row-major, the bias
+    unit-stride and 16-byte aligned) and run the chosen kernel as it is?"""
     if choice.backend == "torch" or not rows_are_flat(x) or w.stride(1) != 1:
+        return False
+    n, k = w.shape
+    return not ((n > 1 and w.stride(0) < k) or (b is not None and (b.stride(0) != 1 or b.data_ptr() % 16)))
+
+
+def _raw_launch(choice: Choice, x2, w2, b2, out, act, tf32):
+    """The backend's ``fn(xp, wp, bp, op)`` for this signature (see Backend.bind), or None."""
+    if choice.source == modes.SOURCE:
+        return None  # batch-invariant runs go through modes.run (row chunks)
+    from hybridgemm.backends import get_backend
+
+    bind = get_backend(choice.backend).bind
+    return None if bind is None else bind(choice.config, x2, w2, b2, out, act, tf32)
+
+
+def _launcher(choice: Choice, x, w, b, act, tf32, raw=None):
+    """A no-checks callable for calls with this exact signature, or None (copies needed)."""
+    if not _bindable(choice, x, w, b):
         return None
     n, k = w.shape
-    if (n > 1 and w.stride(0) < k) or (b is not None and (b.stride(0) != 1 or b.data_ptr() % 16)):
-        return None
+    m = x.numel() // k
+    out_shape = (*x.shape[:-1], n)
+    if raw is not None:
+        def launch_raw(x, w, b, xp, wp):
+            out = x.new_empty(out_shape)
+            raw(xp, wp, 0 if b is None else b.data_ptr(), out.data_ptr())
+            return out
+
+        return launch_raw
     if choice.backend == "cublaslt":
         from hybridgemm.kernels import cublaslt
 
         return cublaslt.launcher_for(x, w, b, act, choice.config)
     run, cfg = _runner(choice), choice.config
-    m = x.numel() // k
-    out_shape = (*x.shape[:-1], n)
 
     def launch(x, w, b, xp, wp):
         out = x.new_empty((m, n))  # x's dtype and device; cheaper than torch.empty(dtype=, device=)
@@ -280,7 +307,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return _fused_linear_slow(x, weight, bias, activation, key, fast.mode)
 
 
-def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str = modes.DEFAULT) -> torch.Tensor:
+def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str = modes.DEFAULT, want_raw: bool = False):
     choices, fast = _MODE_CACHES[mode]
     invariant = mode == modes.BATCH_INVARIANT
     check_gpu_kernel_args(x, weight, bias, "hybridgemm.linear")
@@ -290,7 +317,8 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str = modes.
     x2 = row_major(rows_2d(x))
     m = x2.shape[0]
     if m == 0 or n == 0 or k == 0:
-        return torch_linear(x, weight, bias, act)
+        y = torch_linear(x, weight, bias, act)
+        return (y, None) if want_raw else y
     w2, b2 = row_major(weight), contiguous_bias(bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tf32 = x.dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
@@ -315,10 +343,34 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str = modes.
         choice = Choice("torch", None, "rule", choice.key, f"{choice.backend} failed: {e}")
         choices.put((dev, problem), choice)
         out = torch_linear(x2, w2, b2, act)
-    launcher = None if copied else _launcher(choice, x, weight, bias, act, tf32)
-    if launcher is not None:
+    raw = None
+    if not copied and choice.backend != "torch" and _bindable(choice, x, weight, bias):
+        raw = _raw_launch(choice, x2, w2, b2, out, act, tf32)
+    launcher = None if copied else _launcher(choice, x, weight, bias, act, tf32, raw)
+    if launcher is not None and fast_key is not None:
         fast.put(fast_key, launcher)
+    if want_raw:
+        return out.reshape(*lead, n), raw
     return out.reshape(*lead, n)
+
+
+def fused_linear_and_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                            activation=None):
+    """``(y, raw)``: ``y = fused_linear(x, weight, bias, activation)`` and the kernel that
+    computed it as ``raw(xp, wp, bp, op)`` (raw data pointers, ``bp`` 0 without a bias; the
+    output (M, N) row-major at ``op``), valid for later calls with operands of exactly this
+    signature (shapes, strides, dtypes, devices, alignment classes) while :func:`generation`
+    is unchanged; ``raw`` is None where no such launch exists (PyTorch computes it, a copy
+    is needed, a backend without raw launches). For callers that keep their own per-signature
+    cache and allocate the output in their own layout (the attention projection)."""
+    if x.device.type != "cuda" or x.dtype not in DTYPE_NAMES:
+        return fused_linear(x, weight, bias, activation), None
+    return _fused_linear_slow(x, weight, bias, activation, None, _fast.mode, want_raw=True)
+
+
+def generation() -> int:
+    """Bumped whenever cached decisions become invalid (tables reloaded, mode switched)."""
+    return _generation[0]
 
 
 def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: bool = True,
@@ -368,18 +420,45 @@ def linear_backward(grad_out: torch.Tensor, x: torch.Tensor | None, weight: torc
     nvmath) the torch reference (``hybridgemm.linear.torch_linear_backward``). Contract:
     ``pre_activation`` is z for gelu/gelu_tanh and y for relu.
     """
-    from hybridgemm.linear import backward_gemms, torch_linear_backward
-
-    if (grad_out.device.type != "cuda" or grad_out.dtype not in DTYPE_NAMES
+    gemms = _backward_gemms[0] or _load_backward_gemms()
+    backward_gemms, torch_linear_backward, grad_input, grad_weight = gemms
+    if (grad_out.device.type != "cuda" or grad_out.dtype not in DTYPE_NAMES or grad_input is None
             or (x is not None and x.dtype != grad_out.dtype)
             or (weight is not None and weight.dtype != grad_out.dtype)):
         return torch_linear_backward(grad_out, x, weight, pre_activation, activation, needs_input_grad)
-    from hybridgemm.kernels import cublaslt
-
-    if not cublaslt.is_available():
-        return torch_linear_backward(grad_out, x, weight, pre_activation, activation, needs_input_grad)
-    from hybridgemm.kernels.cublaslt_grad import grad_input, grad_weight
-
     # grad_input/grad_weight make the tensors' device current themselves (only when needed).
     return backward_gemms(grad_out, x, weight, pre_activation, activation, needs_input_grad, grad_input,
                           grad_weight)
+
+
+def linear_grads(grad_out: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None, needs_input_grad):
+    """:func:`linear_backward` without an activation, by the shortest path: the cuBLASLt
+    backward GEMMs called directly where they apply (bias gradient fused into dW), else
+    :func:`linear_backward`. For the attention projection's one-node autograd Functions,
+    whose backward is host-bound at a few thousand tokens."""
+    backward_gemms, _, grad_input, grad_weight = _backward_gemms[0] or _load_backward_gemms()
+    dtype = grad_out.dtype
+    if (grad_input is None or grad_out.device.type != "cuda" or dtype not in DTYPE_NAMES
+            or (x is not None and x.dtype != dtype) or (weight is not None and weight.dtype != dtype)
+            or linear_backward is not _LINEAR_BACKWARD):  # re-routed (tests, extensions): honour it
+        return linear_backward(grad_out, x, weight, None, "none", needs_input_grad)
+    return backward_gemms(grad_out, x, weight, None, "none", needs_input_grad, grad_input, grad_weight)
+
+
+# (backward_gemms, torch_linear_backward, cuBLASLt grad_input or None, grad_weight or None),
+# resolved on the first backward: imports inside a per-call function cost host time.
+_backward_gemms: list = [None]
+
+
+def _load_backward_gemms() -> tuple:
+    from hybridgemm.kernels import cublaslt
+    from hybridgemm.linear import backward_gemms, torch_linear_backward
+
+    grad_input = grad_weight = None
+    if cublaslt.is_available():
+        from hybridgemm.kernels.cublaslt_grad import grad_input, grad_weight
+    _backward_gemms[0] = (backward_gemms, torch_linear_backward, grad_input, grad_weight)
+    return _backward_gemms[0]
+
+
+_LINEAR_BACKWARD = linear_backward

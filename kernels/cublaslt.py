@@ -415,29 +415,56 @@ def run(config: CublasLtAlgo | None, x: torch.Tensor, weight: torch.Tensor,
     unit-stride and 16-byte aligned (``contiguous_bias``). No checks beyond that: the
     caller (``linear`` or the dispatcher) has made them."""
     act = activation if isinstance(activation, Activation) else Activation.parse(activation)
-    dev = x.device.index
-    m, k = x.shape
-    n = weight.shape[0]
-    xp, wp, op = x.data_ptr(), weight.data_ptr(), out.data_ptr()
-    dtype = x.dtype
-    tf32 = dtype == torch.float32 and _tf32_allowed()
-    reduced = _reduced_reduction_allowed(dtype)
-    key = (dev, dtype, act, bias is not None, m, n, k,
-           x.stride(0) if m > 1 else k, weight.stride(0) if n > 1 else k,
-           out.stride(0) if m > 1 else n, _align(xp), _align(wp), _align(op), tf32, reduced,
-           config.data if config is not None else None)
+    key = _run_key(config, x, weight, bias, out, act)
     plan = _plans.get(key)
     if plan is None:
-        problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=Epilogue(act, bias is not None),
-                          ldx=key[7], ldw=key[8], ldo=key[9], align_x=key[10], align_w=key[11],
-                          align_out=key[12], tf32=tf32)
+        dev, dtype, act, has_bias, m, n, k, ldx, ldw, ldo, ax, aw, ao, tf32, reduced, _ = key
+        problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=Epilogue(act, has_bias), ldx=ldx, ldw=ldw,
+                          ldo=ldo, align_x=ax, align_w=aw, align_out=ao, tf32=tf32)
         plan = Plan(problem, dev, reduced).use(config)
         _plans.put(key, plan)
-    _launch_on_device(plan, dev, xp, wp, bias.data_ptr() if bias is not None else 0, op)
+    _launch_on_device(plan, key[0], x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
+                      out.data_ptr())
     return out
 
 
+def _run_key(config, x, weight, bias, out, act: Activation) -> tuple:
+    """The plan key of :func:`run`: device, dtype, epilogue, M, N, K, leading dims, pointer
+    alignment classes, math mode, algorithm."""
+    m, k = x.shape
+    n = weight.shape[0]
+    dtype = x.dtype
+    return (x.device.index, dtype, act, bias is not None, m, n, k,
+            x.stride(0) if m > 1 else k, weight.stride(0) if n > 1 else k,
+            out.stride(0) if m > 1 else n, _align(x.data_ptr()), _align(weight.data_ptr()),
+            _align(out.data_ptr()), dtype == torch.float32 and _tf32_allowed(), _reduced_reduction_allowed(dtype),
+            config.data if config is not None else None)
+
+
 _get_device = getattr(_C, "_cuda_getDevice", None)
+
+
+def bind(config: CublasLtAlgo | None, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         out: torch.Tensor, activation=None):
+    """``fn(xp, wp, bp, op)``: :func:`run` for operands of exactly this signature (shapes,
+    strides, dtype, device, pointer alignment classes) given as raw data pointers (``bp`` 0
+    without a bias); no checks, no allocation. None unless :func:`run` has run this signature
+    (it builds the plan)."""
+    act = activation if isinstance(activation, Activation) else Activation.parse(activation)
+    plan = _plans.get(_run_key(config, x, weight, bias, out, act))
+    if plan is None:
+        return None
+    dev, plan_launch = x.device.index, plan.launch
+    get_device = _get_device if _get_device is not None else torch.cuda.current_device
+    stream_of = _raw_stream if _raw_stream is not None else _current_stream
+
+    def launch(xp, wp, bp, op):
+        if get_device() == dev:
+            plan_launch(xp, wp, bp, op, stream_of(dev))
+        else:
+            _launch_on_device(plan, dev, xp, wp, bp, op)
+
+    return launch
 
 
 def _launch_on_device(plan: Plan, dev: int, xp: int, wp: int, bp: int, op: int) -> None:

@@ -25,11 +25,13 @@ must not be called while graphs captured with split-K calls exist.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .epilogue import Activation, Epilogue
 from .problem import DECODE_MAX_M, Problem
@@ -47,6 +49,7 @@ from .triton_common import (
     config_to_record,
     device_facts,
     dot_precision,
+    interpreting,
     next_pow2,
     operand_key,
     parse_activation,
@@ -204,13 +207,35 @@ def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits)
 # ----------------------------------------------------------------------------- kernels
 
 
+def pdl_enabled(capability: tuple[int, int]) -> bool:
+    """Launch the split-K kernels with programmatic dependent launch (PDL) on Hopper and later.
+
+    Why: a decode GEMV lasts ~10 µs, and a kernel boundary (the next grid's launch and start)
+    costs about a microsecond of it. With PDL the next grid is launched while this one runs its
+    epilogue (``gdc_launch_dependents``) and waits (``gdc_wait``) before touching memory, so
+    the boundary overlaps. Correctness does not depend on the neighbours: the wait returns only
+    once the previous kernel on the stream has completed and its writes are visible, whoever
+    launched it; kernels launched after ours without PDL wait for our completion as usual.
+    ``HYBRIDGEMM_PDL=0`` turns it off (read when a plan is built)."""
+    if interpreting() or capability < (9, 0):
+        return False
+    return os.environ.get("HYBRIDGEMM_PDL", "1") not in ("0", "")
+
+
+
+
 @triton.jit
 def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, ldx, ldw, ldo,
                    k_per_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                   PREC: tl.constexpr, EVEN_K: tl.constexpr):
+                   PREC: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
+    # PDL (programmatic dependent launch): this grid may start while the previous kernel on
+    # the stream finishes; nothing is read or written before the wait, which returns once that
+    # kernel has completed and its writes are visible (see pdl_enabled()).
+    if PDL:
+        gdc_wait()
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -239,6 +264,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, ld
         acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
         w_ptrs += BK
         x_ptrs += BK
+    if PDL:
+        gdc_launch_dependents()  # only the epilogue is left: let the next grid get ready
     mask = n_ok[:, None] & m_ok[None, :]
     ws_offs = offs_m[None, :] * N + offs_n[:, None]
     if MODE == 1:
@@ -260,7 +287,9 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, ld
 
 @triton.jit
 def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, ldo, split_k,
-                   BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+                   BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
     m = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -310,16 +339,20 @@ def _make_plan(config, x, weight, bias, out, act, tf32) -> _Plan:
     k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
     grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, config.block_m))
     mode = 0 if split == 1 else (2 if config.fused_reduce else 1)
+    pdl = pdl_enabled(facts.capability)
+    launch_opts = dict(launch_pdl=True) if pdl else {}
     meta = dict(
         BM=config.block_m, BN=config.block_n, BK=config.block_k, MODE=mode,
         HAS_BIAS=bias is not None, ACT=ACT_CODE[act], PREC=dot_precision(problem),
-        EVEN_K=k % config.block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages,
+        EVEN_K=k % config.block_k == 0, PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages,
+        **launch_opts,
     )
     reduce = None
     if mode == 1:
         block = min(1024, next_pow2(n))
         reduce = Launcher(_reduce_kernel, (triton.cdiv(n, block), m),
-                          dict(BLOCK=block, HAS_BIAS=bias is not None, ACT=ACT_CODE[act], num_warps=4))
+                          dict(BLOCK=block, HAS_BIAS=bias is not None, ACT=ACT_CODE[act], PDL=pdl, num_warps=4,
+                               **launch_opts))
     return _Plan(
         device=x.device, launch=Launcher(_splitk_kernel, grid, meta),
         scalars=(m, n, k, problem.ldx, problem.ldw, problem.ldo, k_per_split),
@@ -363,3 +396,36 @@ def run(
     if plan.reduce is not None:
         plan.reduce(ws, b, out, *plan.reduce_scalars)
     return out
+
+
+def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+         out: torch.Tensor, activation: Activation | str | None = None, *, tf32: bool = False):
+    """``fn(xp, wp, bp, op)``: :func:`run` for operands of exactly this signature (dtypes,
+    shapes, strides, device, 16-byte alignment) given as raw data pointers (``bp`` 0 without
+    a bias), with no checks and no Triton Python per call. None until :func:`run` has
+    launched this signature once, or where Triton offers no raw launch (interpreter)."""
+    act = parse_activation(activation)
+    plan = _PLANS.get((config, act, bool(tf32)) + operand_key(x, weight, bias, out))
+    if plan is None or plan.empty:
+        return None
+    main = plan.launch.raw()
+    reduce = plan.reduce.raw() if plan.reduce is not None else None
+    if main is None or (plan.reduce is not None and reduce is None):
+        return None
+    dev, scalars = x.device.index, plan.scalars
+    if not plan.ws_numel:
+        def launch(xp, wp, bp, op):
+            main(dev, xp, wp, bp or op, op, op, op, *scalars)
+        return launch
+
+    device, ws_numel, counters, reduce_scalars = plan.device, plan.ws_numel, plan.counters, plan.reduce_scalars
+
+    def launch_split(xp, wp, bp, op):
+        ws, cnt = split_scratch(device, ws_numel, counters)  # of dev's current stream, as main launches on
+        wsp = ws.data_ptr()
+        cntp = wsp if cnt is None else cnt.data_ptr()
+        main(dev, xp, wp, bp or op, op, wsp, cntp, *scalars)
+        if reduce is not None:
+            reduce(dev, wsp, bp or op, op, *reduce_scalars)
+
+    return launch_split

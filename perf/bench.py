@@ -56,23 +56,35 @@ def reps_for(fn: Callable[[], object], target_ms: float = 1.0, most: int = 10) -
 def events_time(fn: Callable[[], object], iters: int = 25, warmup: int = 5) -> Timing:
     """GPU time of ``fn`` by CUDA events around each call, L2 flushed (read) before each, median.
     For training steps, which autograd cannot run inside a captured graph as they are."""
+    return events_time_interleaved({"fn": fn}, rounds=1, iters=iters, warmup=warmup)["fn"]
+
+
+def events_time_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 7, iters: int = 5,
+                            warmup: int = 3) -> dict[str, Timing]:
+    """:func:`events_time` for several callables in alternating rounds of ``iters`` steps, so
+    clock drift under sustained load (power, temperature) falls on each alike; median over all
+    of a callable's steps, spread = max - min."""
     from hybridgemm.perf.timing import L2Flusher
 
     flush = L2Flusher.for_device(torch.device("cuda", torch.cuda.current_device()))
-    for _ in range(warmup):
-        fn()
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     torch.cuda.synchronize()
-    pairs = []
-    for _ in range(iters):
-        flush()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        pairs.append((s, e))
-    torch.cuda.synchronize()
-    us = [s.elapsed_time(e) * 1000.0 for s, e in pairs]
-    return Timing(statistics.median(us), max(us) - min(us), iters)
+    us: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            pairs = []
+            for _ in range(iters):
+                flush()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                pairs.append((s, e))
+            torch.cuda.synchronize()
+            us[name] += [s.elapsed_time(e) * 1000.0 for s, e in pairs]
+    return {name: Timing(statistics.median(v), max(v) - min(v), len(v)) for name, v in us.items()}
 
 
 # ----------------------------------------------------------------------------- workloads

@@ -14,7 +14,9 @@ replay, L2-clean-cold (perf/timing.gpu_time, method ``gpu``) and eager µs per c
 alternating rounds of one loop (``eager_time_interleaved``, method ``eager``); ``train_4096``,
 ``train_16384`` (tokens, B=1): forward + backward with given output gradients (parameter
 grads set to None before each step, as zero_grad does), GPU time by CUDA events around each
-step with L2 flushed before it, median (method ``fwd_bwd_events``; not graph-captured).
+step with L2 flushed before it, median (method ``fwd_bwd_events``; not graph-captured). The
+providers take turns in rounds of a few steps (``events_time_interleaved``): timed one after
+another, whichever ran last read slower (the GPU's clocks drop under sustained GEMM load).
 Every provider is checked against an fp32 reference first (outputs, and dx/dW for training);
 one that fails is recorded ``failed`` and not timed.
 Writes DIR/attention_h200.csv (long form, perf/csvio.py) and prints a summary with the
@@ -72,14 +74,13 @@ class Layer:
     def run(self, provider: str, x: torch.Tensor, attn: torch.Tensor):
         """-> q, k, v (B, heads, S, D), y (B, S, hidden)."""
         b, s, _ = x.shape
-        o_in = attn.transpose(1, 2).flatten(2)  # a view: attn is (B, S, H, D) in memory
         if provider == "stock":
             q, k, v = (lin(x).view(b, s, -1, self.d).transpose(1, 2) for lin in (self.q, self.k, self.v))
-            return q, k, v, self.o(o_in)
+            return q, k, v, self.o(attn.transpose(1, 2).flatten(2))  # a view: attn is (B, S, H, D) in memory
         if provider == "naive_fused":
             y = F.linear(x, self.w_cat, self.b_cat).view(b, s, -1, self.d)
             q, k, v = (t.transpose(1, 2) for t in y.split([self.h, self.hkv, self.hkv], dim=2))
-            return q, k, v, F.linear(o_in, self.o.weight)
+            return q, k, v, F.linear(attn.transpose(1, 2).flatten(2), self.o.weight)
         q, k, v = self.fused.forward_qkv(x)
         return q, k, v, self.fused.forward_out(attn)
 
@@ -171,10 +172,11 @@ def run_scenario(name, cfg, device, dtype, quick, rows, env, log, scenarios=SCEN
 
     attn = attn_bshd.transpose(1, 2)
     if kind == "train":
-        from hybridgemm.perf.bench import events_time
+        from hybridgemm.perf.bench import events_time_interleaved
 
-        for p in ok:
-            t = events_time(train_step_fn(layer, p, x, attn_bshd, grads), iters=10 if quick else 25)
+        steps = {p: train_step_fn(layer, p, x, attn_bshd, grads) for p in ok}
+        timed = events_time_interleaved(steps, rounds=3 if quick else 7, iters=4 if quick else 5)
+        for p, t in timed.items():
             rows.append(dict(base, provider=p, method="fwd_bwd_events", status="ok", median_us=round(t.median_us, 3),
                              spread_us=round(t.spread_us, 3), rel_err=f"{errs[p]:.2e}"))
             result[(p, "fwd_bwd_events")] = t.median_us

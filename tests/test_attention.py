@@ -9,7 +9,7 @@ from torch import nn
 
 import hybridgemm
 from hybridgemm import AttentionProjection, attention_projection, dispatch
-from hybridgemm.attention import fuse_qkv_state_dict, split_qkv_state_dict
+from hybridgemm.attention import _OutProjection, fuse_qkv_state_dict, split_qkv_state_dict
 
 
 def make_linears(hidden, h, hkv, d, qkv_bias=True, o_bias=True, dtype=torch.float32):
@@ -95,6 +95,40 @@ def test_gradients_match_separate_linears():
     torch.testing.assert_close(x.grad, xs.grad)
     torch.testing.assert_close(w.grad, torch.cat([q.weight.grad, k.weight.grad, v.weight.grad]))
     torch.testing.assert_close(b.grad, torch.cat([q.bias.grad, k.bias.grad, v.bias.grad]))
+
+
+def test_training_is_one_autograd_node_per_projection():
+    """Eager training records the fused QKV GEMM and its head views as one node, and the O
+    projection with its transpose/flatten as one; gradients stay those of stock autograd."""
+    hidden, h, hkv, d = 24, 4, 2, 6
+    mod = AttentionProjection(hidden, h, hkv, d, qkv_bias=True, out_bias=False, dtype=torch.float64)
+    x = torch.randn(2, 3, hidden, dtype=torch.float64, requires_grad=True)
+    q, k, v = mod.forward_qkv(x)
+    assert q.grad_fn is k.grad_fn is v.grad_fn and "QKVProjection" in type(q.grad_fn).__name__
+    attn_bshd = torch.randn(2, 3, h, d, dtype=torch.float64, requires_grad=True)
+    y = mod.forward_out(attn_bshd.transpose(1, 2))
+    assert "OutProjection" in type(y.grad_fn).__name__
+    assert torch.autograd.gradcheck(lambda a, w: _OutProjection.apply(a.transpose(1, 2), w, None, None),
+                                    (attn_bshd, mod.o_proj.weight))
+    assert torch.autograd.gradcheck(lambda a, w, b: _OutProjection.apply(a, w, b, None),
+                                    (torch.randn(2, h, 3, d, dtype=torch.float64, requires_grad=True),
+                                     mod.o_proj.weight, torch.randn(hidden, dtype=torch.float64, requires_grad=True)))
+    # only q feeds the loss: k and v get no gradient from autograd, the fused dW rows stay 0
+    w, b = mod.qkv_proj.weight, mod.qkv_proj.bias
+    x.grad = w.grad = b.grad = None
+    mod.forward_qkv(x)[0].square().sum().backward()
+    xr, wr, br = (t.detach().clone().requires_grad_(True) for t in (x, w, b))
+    F.linear(xr, wr[: h * d], br[: h * d]).square().sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(w.grad[: h * d], wr.grad[: h * d])
+    assert not w.grad[h * d:].any() and not b.grad[h * d:].any()
+    # frozen weights (LoRA-style): only x gets a gradient, the weight none
+    w.requires_grad_(False)
+    b.requires_grad_(False)
+    x.grad = None
+    sum(t.sum() for t in mod.forward_qkv(x)).backward()
+    assert x.grad is not None and w.grad is not None  # untouched from before
+    torch.testing.assert_close(x.grad, w.sum(0).expand_as(x))
 
 
 def test_errors():

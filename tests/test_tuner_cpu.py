@@ -71,6 +71,25 @@ def test_compile_tasks_one_per_distinct_kernel():
         assert TableKey.from_string(key_text) in keys and record["kind"] == "fake"
 
 
+def test_with_exhaustive_extends_only_cublaslt():
+    from hybridgemm.backends import Backend
+
+    asked = []
+
+    def lt_candidates(problem, heuristic_count=8, exhaustive_limit=0):
+        asked.append(exhaustive_limit)
+        return []
+
+    lt = Backend("cublaslt", lambda: True, lt_candidates, None, None, str)
+    split = _FakeBackend("triton_splitk", [16])
+    assert tuner.with_exhaustive([lt, split], 0) == [lt, split]
+    new_lt, new_split = tuner.with_exhaustive([lt, split], 48)
+    assert new_split is split and new_lt.name == "cublaslt"
+    new_lt.candidates(None)
+    lt.candidates(None)
+    assert asked == [48, 0]  # the original backend is not modified
+
+
 def test_precompile_with_one_job_does_nothing():
     keys = tuner.keys_for([ProjectionShape("t", 384, 512, True)], [16])
     stats = precompile(keys, [_FakeBackend("triton_gemm", [64])], jobs=1, log=pytest.fail)
