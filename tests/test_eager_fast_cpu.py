@@ -78,3 +78,26 @@ def test_module_cpu_paths_keep_no_launches():
         mod.forward_out(q)
     sum(t.sum() for t in mod.forward_qkv(x)).backward()  # training: the one-node Function
     assert not mod._fast_qkv and not mod._fast_out  # nothing to launch on the CPU
+
+
+def test_module_reads_parametrized_and_replaced_weights():
+    """The projections read their submodules' parameters straight from ``_parameters`` (host
+    time); a parametrized weight (a property) or a replaced parameter must still be honoured."""
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    mod = AttentionProjection(32, 4, 2, dtype=torch.float64)
+    x = torch.randn(2, 3, 32, dtype=torch.float64)
+    w0 = mod.qkv_proj.weight.detach().clone()
+    parametrize.register_parametrization(mod.qkv_proj, "weight", Double())
+    ref = torch.nn.functional.linear(x, 2 * w0, mod.qkv_proj.bias)
+    with torch.no_grad():
+        got = torch.cat([t.transpose(1, 2).flatten(-2) for t in mod.forward_qkv(x)], -1)
+    torch.testing.assert_close(got, ref)
+    mod.o_proj.weight = nn.Parameter(torch.randn_like(mod.o_proj.weight))
+    attn = torch.randn(2, 4, 3, 8, dtype=torch.float64)
+    torch.testing.assert_close(mod.forward_out(attn), torch.nn.functional.linear(
+        attn.transpose(1, 2).flatten(-2), mod.o_proj.weight, mod.o_proj.bias))
