@@ -34,12 +34,7 @@ from torch import Tensor, nn
 from hybridgemm.kernels.checks import check_linear_args
 
 from . import eager_fast
-from .eager_fast import OutProjection as _OutProjection
-from .eager_fast import QKVProjection as _QKVProjection
 from .eager_fast import head_views as _heads
-from .eager_fast import out_cached as _out_cached
-from .eager_fast import out_launch as _out_launch
-from .eager_fast import qkv_launch as _qkv_launch
 from .linear import HybridLinear, linear
 
 WHO = "hybridgemm.attention_projection"
@@ -96,7 +91,7 @@ def attention_projection(x: Tensor, qkv_weight: Tensor, qkv_bias: Tensor | None,
 def _project(x: Tensor, w: Tensor, b: Tensor | None, h: int, hkv: int, d: int):
     """The fused GEMM and the head views, arguments already validated."""
     if eager_fast.eager_training(x, w, b):
-        return _QKVProjection.apply(x, w, b, h, hkv, d, None)
+        return eager_fast.QKVProjection.apply(x, w, b, h, hkv, d, None)
     return _heads(linear(x, w, b), h, hkv, d)
 
 
@@ -165,10 +160,9 @@ class AttentionProjection(nn.Module):
         return (self.num_heads * self.head_dim,) + (self.num_kv_heads * self.head_dim,) * 2
 
     def _cache(self, name: str) -> eager_fast.LaunchCache:
-        cache = getattr(self, name)
+        cache = self.__dict__.get(name)
         if cache is None:
-            cache = eager_fast.LaunchCache()
-            setattr(self, name, cache)
+            cache = self.__dict__[name] = eager_fast.LaunchCache()
         return cache
 
     def forward_qkv(self, x: Tensor):
@@ -179,23 +173,23 @@ class AttentionProjection(nn.Module):
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if eager_fast.eligible(x, w, b) and x.dim() >= 2:
             # Eager inference: the cached raw launch (fusion/eager_fast.py)
-            return _qkv_launch(self._fast_qkv or self._cache("_fast_qkv"), x, w, b, h, hkv, d)
+            return eager_fast.qkv_launch(self._cache("_fast_qkv"), x, w, b, h, hkv, d)
         if eager_fast.eager_training(x, w, b) and x.dim() >= 2:
-            return _QKVProjection.apply(x, w, b, h, hkv, d, self._fast_qkv or self._cache("_fast_qkv"))
+            return eager_fast.QKVProjection.apply(x, w, b, h, hkv, d, self._cache("_fast_qkv"))
         return _project(x, w, b, h, hkv, d)
 
     def forward_out(self, attn: Tensor) -> Tensor:
         w, b = _weight_and_bias(self._modules["o_proj"])
         if eager_fast.eligible(attn, w, b):
-            cache = self._fast_out or self._cache("_fast_out")
-            y = _out_cached(cache, attn, w, b)
+            cache = self._cache("_fast_out")
+            y = eager_fast.out_cached(cache, attn, w, b)
             if y is not None:
                 return y
             self._check_attn(attn)
-            return _out_launch(cache, attn, w, b)
+            return eager_fast.out_bind(cache, attn, w, b)
         self._check_attn(attn)
         if eager_fast.eager_training(attn, w, b):
-            return _OutProjection.apply(attn, w, b, self._fast_out or self._cache("_fast_out"))
+            return eager_fast.OutProjection.apply(attn, w, b, self._cache("_fast_out"))
         # (..., H, S, D) -> (..., S, H*D): a view when attn is laid out (..., S, H, D) in
         # memory (SDPA's flash/cuDNN outputs are), else one copy inside the flatten.
         return linear(attn.transpose(-3, -2).flatten(-2), w, b)

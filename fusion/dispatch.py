@@ -266,9 +266,8 @@ def _raw_launch(choice: Choice, x2, w2, b2, out, act, tf32):
 
 
 def _launcher(choice: Choice, x, w, b, act, tf32, raw=None):
-    """A no-checks callable for calls with this exact signature, or None (copies needed)."""
-    if not _bindable(choice, x, w, b):
-        return None
+    """A no-checks callable for calls with this exact signature (the caller has checked
+    :func:`_bindable`): ``raw`` wrapped with the output allocation when there is one."""
     n, k = w.shape
     m = x.numel() // k
     out_shape = (*x.shape[:-1], n)
@@ -344,11 +343,11 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str = modes.
         choices.put((dev, problem), choice)
         out = torch_linear(x2, w2, b2, act)
     raw = None
-    if not copied and choice.backend != "torch" and _bindable(choice, x, weight, bias):
+    if not copied and _bindable(choice, x, weight, bias):
         raw = _raw_launch(choice, x2, w2, b2, out, act, tf32)
-    launcher = None if copied else _launcher(choice, x, weight, bias, act, tf32, raw)
-    if launcher is not None and fast_key is not None:
-        fast.put(fast_key, launcher)
+        launcher = _launcher(choice, x, weight, bias, act, tf32, raw)
+        if launcher is not None and fast_key is not None:
+            fast.put(fast_key, launcher)
     if want_raw:
         return out.reshape(*lead, n), raw
     return out.reshape(*lead, n)
@@ -431,20 +430,6 @@ def linear_backward(grad_out: torch.Tensor, x: torch.Tensor | None, weight: torc
                           grad_weight)
 
 
-def linear_grads(grad_out: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None, needs_input_grad):
-    """:func:`linear_backward` without an activation, by the shortest path: the cuBLASLt
-    backward GEMMs called directly where they apply (bias gradient fused into dW), else
-    :func:`linear_backward`. For the attention projection's one-node autograd Functions,
-    whose backward is host-bound at a few thousand tokens."""
-    backward_gemms, _, grad_input, grad_weight = _backward_gemms[0] or _load_backward_gemms()
-    dtype = grad_out.dtype
-    if (grad_input is None or grad_out.device.type != "cuda" or dtype not in DTYPE_NAMES
-            or (x is not None and x.dtype != dtype) or (weight is not None and weight.dtype != dtype)
-            or linear_backward is not _LINEAR_BACKWARD):  # re-routed (tests, extensions): honour it
-        return linear_backward(grad_out, x, weight, None, "none", needs_input_grad)
-    return backward_gemms(grad_out, x, weight, None, "none", needs_input_grad, grad_input, grad_weight)
-
-
 # (backward_gemms, torch_linear_backward, cuBLASLt grad_input or None, grad_weight or None),
 # resolved on the first backward: imports inside a per-call function cost host time.
 _backward_gemms: list = [None]
@@ -459,6 +444,3 @@ def _load_backward_gemms() -> tuple:
         from hybridgemm.kernels.cublaslt_grad import grad_input, grad_weight
     _backward_gemms[0] = (backward_gemms, torch_linear_backward, grad_input, grad_weight)
     return _backward_gemms[0]
-
-
-_LINEAR_BACKWARD = linear_backward

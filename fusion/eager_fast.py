@@ -137,12 +137,9 @@ def out_cached(cache: LaunchCache, attn: Tensor, w: Tensor, b: Tensor | None) ->
     return y
 
 
-def out_launch(cache: LaunchCache, attn: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    """The O projection of a validated ``attn`` (no autograd): cached launch, else the general
-    path, whose launch is cached when the flatten is a view (the launch then reads attn)."""
-    y = out_cached(cache, attn, w, b)
-    if y is not None:
-        return y
+def out_bind(cache: LaunchCache, attn: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """The O projection of a validated ``attn`` (no autograd) through the general path, caching
+    its launch when the flatten is a view (the launch then reads attn itself)."""
     # (..., H, S, D) -> (..., S, H*D): a view when attn is laid out (..., S, H, D) in memory
     # (SDPA's flash/cuDNN outputs are), else one copy inside the flatten.
     x = attn.transpose(-3, -2).flatten(-2)
@@ -162,7 +159,7 @@ class QKVProjection(torch.autograd.Function):
     inference fast path (``cache``: the module's launches; None for the functional form),
     and the backward gets ``dq, dk, dv``, joins them with one ``cat`` straight into ``y``'s
     (..., S, H+2Hkv, D) layout (the kernel the split's backward runs too), and runs the dx
-    and dW (+ fused bias gradient) GEMMs (``dispatch.linear_grads``)."""
+    and dW (+ fused bias gradient) GEMMs (``dispatch.linear_backward``)."""
 
     @staticmethod
     def forward(ctx, x, w, b, h, hkv, d, cache):
@@ -183,7 +180,7 @@ class QKVProjection(torch.autograd.Function):
                  for g, shape in zip((dq, dk, dv), ctx.qkv_shapes)]
         dy = torch.cat(parts, dim=-2).flatten(-2)  # (..., S, (H+2Hkv)*D), y's layout
         nx, nw, nb = ctx.needs_input_grad[:3]
-        dx, dw, db = dispatch.linear_grads(dy, x, w, (nx, nw, nb and ctx.has_bias))
+        dx, dw, db = dispatch.linear_backward(dy, x, w, None, "none", (nx, nw, nb and ctx.has_bias))
         return dx, dw, db, None, None, None, None
 
 
@@ -193,8 +190,11 @@ class OutProjection(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, attn, w, b, cache):
-        y = out_launch(cache, attn, w, b) if cache is not None else \
-            dispatch.fused_linear(attn.transpose(-3, -2).flatten(-2), w, b, None)
+        if cache is None:
+            y = dispatch.fused_linear(attn.transpose(-3, -2).flatten(-2), w, b, None)
+        else:
+            y = out_cached(cache, attn, w, b)
+            y = out_bind(cache, attn, w, b) if y is None else y
         ctx.save_for_backward(attn if w.requires_grad else None, w if attn.requires_grad else None)
         ctx.has_bias = b is not None
         ctx.attn_shape = attn.shape
@@ -205,7 +205,7 @@ class OutProjection(torch.autograd.Function):
         attn, w = ctx.saved_tensors
         x = attn.transpose(-3, -2).flatten(-2) if attn is not None else None
         nx, nw, nb = ctx.needs_input_grad[:3]
-        dx, dw, db = dispatch.linear_grads(dy, x, w, (nx, nw, nb and ctx.has_bias))
+        dx, dw, db = dispatch.linear_backward(dy, x, w, None, "none", (nx, nw, nb and ctx.has_bias))
         if dx is not None:
             *lead, h, s, d = ctx.attn_shape
             dx = dx.view(*lead, s, h, d).transpose(-3, -2)
@@ -213,4 +213,4 @@ class OutProjection(torch.autograd.Function):
 
 
 __all__ = ["LaunchCache", "OutProjection", "QKVProjection", "eager_training", "eligible", "head_views",
-           "out_cached", "out_launch", "pointers", "qkv_launch", "signature"]
+           "out_bind", "out_cached", "pointers", "qkv_launch", "signature"]

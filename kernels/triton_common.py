@@ -391,16 +391,12 @@ class Launcher:
         slow = self.runner
 
         def launch(device: int, *args):
-            enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
-            if ((enter is not None and getattr(enter, "calls", True))
-                    or (leave is not None and getattr(leave, "calls", True))):
-                with torch.cuda.device(device):
-                    slow(*args, *tail)
-                return
             if _get_device() != device:
-                with torch.cuda.device(device):
-                    c_launch(gx, gy, gz, _get_raw_stream(device), function, coop, pdl, None, None, packed,
-                             None, None, None, *args, *tail)
+                with torch.cuda.device(device):  # then the call below takes the current-device path
+                    launch(device, *args)
+                return
+            if _hooks_installed(hooks):
+                slow(*args, *tail)
                 return
             c_launch(gx, gy, gz, _get_raw_stream(device), function, coop, pdl, None, None, packed, None, None,
                      None, *args, *tail)
@@ -439,6 +435,14 @@ _get_device = getattr(torch._C, "_cuda_getDevice", None)
 _get_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def _hooks_installed(hooks) -> bool:
+    """Is a Triton launch hook installed (profilers, proton)? Triton 3.6 keeps them in
+    HookChain objects (never None); an empty chain is no hook."""
+    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+    return ((enter is not None and bool(getattr(enter, "calls", True)))
+            or (leave is not None and bool(getattr(leave, "calls", True))))
+
+
 def _direct_runner(compiled, grid: tuple):
     """``CompiledKernel[grid]`` minus its per-call Python: Triton's runner asks the driver
     for the device and stream and builds launch metadata for hooks on every call (about a
@@ -458,10 +462,7 @@ def _direct_runner(compiled, grid: tuple):
     slow = compiled[grid]
 
     def runner(*args):
-        # Triton 3.6 keeps its hooks in HookChain objects (never None); an empty chain is no hook.
-        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
-        if ((enter is not None and getattr(enter, "calls", True))
-                or (leave is not None and getattr(leave, "calls", True))):
+        if _hooks_installed(hooks):
             slow(*args)
             return
         run(gx, gy, gz, _get_raw_stream(_get_device()), function, packed, None, None, None, *args)

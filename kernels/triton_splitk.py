@@ -222,8 +222,6 @@ def pdl_enabled(capability: tuple[int, int]) -> bool:
     return os.environ.get("HYBRIDGEMM_PDL", "1") not in ("0", "")
 
 
-
-
 @triton.jit
 def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, ldx, ldw, ldo,
                    k_per_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,

@@ -9,7 +9,8 @@ from torch import nn
 
 import hybridgemm
 from hybridgemm import AttentionProjection, attention_projection, dispatch
-from hybridgemm.attention import _OutProjection, fuse_qkv_state_dict, split_qkv_state_dict
+from hybridgemm.attention import fuse_qkv_state_dict, split_qkv_state_dict
+from hybridgemm.eager_fast import OutProjection as _OutProjection
 
 
 def make_linears(hidden, h, hkv, d, qkv_bias=True, o_bias=True, dtype=torch.float32):
