@@ -1,8 +1,15 @@
-"""Table keys: ``(op, dtype, epilogue, N, K, M bucket, layout class)``, M buckets and layout
-classes (autotune_cache/table.py's docstring says what each means)."""
+"""Table keys: ``(op, dtype, epilogue, N, K, M range, layout class)``, M ranges and layout
+classes (autotune_cache/table.py's docstring says what each means).
+
+An entry serves the M range in its key, ``M=lo-hi``, and only that range: the tuner timed it
+at several M across the range (``sample_points``) against F.linear. The default grid is
+octaves, ``[2^(i-1) + 1, 2^i]`` (``[1, 1]`` and ``[2, 2]`` first) up to ``M_MAX``; the tuner
+halves an octave that one config cannot serve whole (:func:`split_range`).
+"""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -10,32 +17,75 @@ from typing import Any
 from hybridgemm.kernels.epilogue import ALL_EPILOGUES
 from hybridgemm.kernels.problem import DTYPE_NAMES
 
-M_BUCKETS = tuple(1 << i for i in range(15))  # 1, 2, 4, ..., 16384
+SCHEMA_VERSION = 2  # the table document format (autotune_cache/table.py)
+M_MAX = 16384
+OCTAVE_TOPS = tuple(1 << i for i in range(15))  # 1, 2, 4, ..., 16384: the default ranges' top edges
 DTYPES = ("bf16", "fp16", "fp32", "tf32")
+MIN_SPLIT_WIDTH = 8  # a range narrower than this is not halved
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _LAYOUT_RE = re.compile(r"^(c|a(1|2|4|8)|s(1|2|4|8|16))$")
 _EPILOGUE_NAMES = frozenset(e.name for e in ALL_EPILOGUES)
-_INT_RE = re.compile(r"^[1-9][0-9]*$")
+_INT_RE = re.compile(r"^[1-9][0-9]{0,5}$")  # at most 6 digits: nothing in a key is larger
+_RANGE_RE = re.compile(r"^([1-9][0-9]{0,4})-([1-9][0-9]{0,4})$")
 
 
 class TableError(ValueError):
     """A table document (or entry, or key) is malformed."""
 
 
-def m_bucket(m: int) -> int:
-    """Smallest bucket ≥ ``m``; past the last bucket, the last. ``m ≤ 0`` is an error
-    (callers handle empty inputs before looking anything up)."""
+def _check_m(m: int) -> int:
     if isinstance(m, bool) or not isinstance(m, int):
         raise TypeError(f"m must be an int, got {type(m).__name__}")
     if m <= 0:
-        raise ValueError(f"m must be positive to pick an M bucket, got {m}")
-    return min(1 << (m - 1).bit_length(), M_BUCKETS[-1])
+        raise ValueError(f"m must be positive to pick an M range, got {m}")
+    return m
+
+
+def octave(m: int) -> tuple[int, int] | None:
+    """The default-grid range ``(lo, hi)`` holding ``m``: ``hi`` the smallest power of two ≥ m,
+    ``lo = hi // 2 + 1`` (``(1, 1)`` for m = 1). ``None`` past ``M_MAX``: no range covers it."""
+    if _check_m(m) > M_MAX:
+        return None
+    hi = 1 << (m - 1).bit_length()
+    return (hi // 2 + 1 if hi > 1 else 1), hi
+
+
+def sample_points(lo: int, hi: int) -> list[int]:
+    """The M values a range is timed at: both edges and the geometric middle (fewer where the
+    range is narrower). The low edge of an octave (2^i + 1) is the M that wastes most of a
+    power-of-two tile, the top edge the most work: between them a config's ratio to F.linear
+    moves the most."""
+    mid = int(round(math.sqrt(lo * hi)))
+    return sorted({lo, min(max(mid, lo), hi), hi})
+
+
+def validation_points(lo: int, hi: int, count: int = 12) -> list[int]:
+    """The further M a pinned winner is checked at beyond :func:`sample_points`: every M of a
+    range up to ``2 * count`` wide, else ``count`` log-spaced M strictly inside it. F.linear
+    asks cuBLAS's heuristic for each exact M and its kernel changes at M values no formula
+    predicts (on the H200 it ran 4096 x 4096 at 11.4 µs for M = 25-30 but 14 µs at M = 32), so
+    a config is only kept where it was measured at least as fast at all of these."""
+    sampled = set(sample_points(lo, hi))
+    if hi - lo + 1 <= 2 * count:
+        return [m for m in range(lo, hi + 1) if m not in sampled]
+    step = (hi / lo) ** (1 / (count + 1))
+    found = {min(max(int(round(lo * step ** i)), lo + 1), hi - 1) for i in range(1, count + 1)}
+    return sorted(found - sampled)
+
+
+def split_range(lo: int, hi: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """The two halves of ``[lo, hi]`` (split at the geometric middle), or None when the range
+    is narrower than ``MIN_SPLIT_WIDTH``."""
+    if hi - lo + 1 < MIN_SPLIT_WIDTH:
+        return None
+    mid = min(max(int(round(math.sqrt(lo * hi))), lo), hi - 1)
+    return (lo, mid), (mid + 1, hi)
 
 
 def layout_class(problem: Any) -> str:
     """The layout/alignment class of a :class:`~hybridgemm.kernels.problem.Problem`
-    (see the module docstring)."""
+    (see autotune_cache/table.py)."""
     e = problem.dtype.itemsize
     a = 16
     for v in (problem.align_x, problem.align_w, problem.align_out, problem.align_bias,
@@ -48,13 +98,36 @@ def layout_class(problem: Any) -> str:
 
 
 @dataclass(frozen=True)
+class ShapeKey:
+    """Everything of a key but the M range: what a call is looked up by, with its M."""
+
+    op: str
+    dtype: str
+    epilogue: str
+    n: int
+    k: int
+    layout: str = "c"
+
+    def to_string(self) -> str:
+        return f"{self.op}|{self.dtype}|{self.epilogue}|N={self.n}|K={self.k}|{self.layout}"
+
+    @classmethod
+    def from_problem(cls, problem: Any, op: str = "linear") -> ShapeKey:
+        dtype = DTYPE_NAMES[problem.dtype]
+        if dtype == "fp32" and problem.tf32:
+            dtype = "tf32"
+        return cls(op, dtype, problem.epilogue.name, problem.n, problem.k, layout_class(problem))
+
+
+@dataclass(frozen=True)
 class TableKey:
     op: str
     dtype: str
     epilogue: str
     n: int
     k: int
-    m_bucket: int
+    m_lo: int
+    m_hi: int
     layout: str = "c"
 
     def __post_init__(self) -> None:
@@ -66,36 +139,62 @@ class TableKey:
             raise TableError(f"bad epilogue {self.epilogue!r}")
         for name in ("n", "k"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            if type(v) is not int or not 0 < v < 2**31:
                 raise TableError(f"bad {name.upper()} {v!r}")
-        if type(self.m_bucket) is not int or self.m_bucket not in M_BUCKETS:
-            raise TableError(f"bad M bucket {self.m_bucket!r}; buckets are powers of 2, 1..16384")
+        lo, hi = self.m_lo, self.m_hi
+        if type(lo) is not int or type(hi) is not int or not 1 <= lo <= hi <= M_MAX:
+            raise TableError(f"bad M range {lo!r}-{hi!r}; expected 1 <= lo <= hi <= {M_MAX}")
         if not isinstance(self.layout, str) or not _LAYOUT_RE.match(self.layout):
             raise TableError(f"bad layout class {self.layout!r}")
 
+    @property
+    def shape(self) -> ShapeKey:
+        return ShapeKey(self.op, self.dtype, self.epilogue, self.n, self.k, self.layout)
+
+    def covers(self, m: int) -> bool:
+        return self.m_lo <= m <= self.m_hi
+
     def to_string(self) -> str:
         return (f"{self.op}|{self.dtype}|{self.epilogue}|N={self.n}|K={self.k}"
-                f"|M={self.m_bucket}|{self.layout}")
+                f"|M={self.m_lo}-{self.m_hi}|{self.layout}")
 
     @classmethod
     def from_string(cls, text: str) -> TableKey:
-        parts = text.split("|") if isinstance(text, str) else []
+        parts = text.split("|") if isinstance(text, str) and len(text) < 200 else []
         if len(parts) != 7:
-            raise TableError(f"bad key {text!r}: expected op|dtype|epilogue|N=|K=|M=|layout")
-        ints = []
-        for part, label in zip(parts[3:6], ("N=", "K=", "M=")):
-            if not part.startswith(label) or not _INT_RE.match(part[2:]):
-                raise TableError(f"bad key {text!r}: expected {label}<positive int>")
-            ints.append(int(part[2:]))
-        return cls(parts[0], parts[1], parts[2], ints[0], ints[1], ints[2], parts[6])
+            raise TableError(f"bad key {text!r:.120}: expected op|dtype|epilogue|N=|K=|M=lo-hi|layout")
+        n, k = (_int_field(text, part, label) for part, label in zip(parts[3:5], ("N=", "K=")))
+        m = _RANGE_RE.match(parts[5][2:]) if parts[5].startswith("M=") else None
+        if m is None:
+            raise TableError(f"bad key {text!r}: expected M=<lo>-<hi>")
+        return cls(parts[0], parts[1], parts[2], n, k, int(m.group(1)), int(m.group(2)), parts[6])
+
+    @classmethod
+    def from_v1_string(cls, text: str) -> TableKey:
+        """A schema-1 key (``...|M=<bucket>|...``, one M each) as the one-M range it was timed at."""
+        parts = text.split("|") if isinstance(text, str) and len(text) < 200 else []
+        if len(parts) != 7:
+            raise TableError(f"bad key {text!r:.120}: expected op|dtype|epilogue|N=|K=|M=|layout")
+        n, k, m = (_int_field(text, part, label) for part, label in zip(parts[3:6], ("N=", "K=", "M=")))
+        return cls(parts[0], parts[1], parts[2], n, k, m, m, parts[6])
+
+    @classmethod
+    def for_range(cls, shape: ShapeKey, lo: int, hi: int) -> TableKey:
+        return cls(shape.op, shape.dtype, shape.epilogue, shape.n, shape.k, lo, hi, shape.layout)
 
     @classmethod
     def from_problem(cls, problem: Any, op: str = "linear") -> TableKey:
-        dtype = DTYPE_NAMES[problem.dtype]
-        if dtype == "fp32" and problem.tf32:
-            dtype = "tf32"
-        return cls(op, dtype, problem.epilogue.name, problem.n, problem.k,
-                   m_bucket(problem.m), layout_class(problem))
+        """The default-grid (octave) key holding ``problem.m``; ValueError past ``M_MAX``."""
+        rng = octave(problem.m)
+        if rng is None:
+            raise ValueError(f"M={problem.m} is past the last tuned range (M ≤ {M_MAX})")
+        return cls.for_range(ShapeKey.from_problem(problem, op), *rng)
 
-    def with_bucket(self, bucket: int) -> TableKey:
-        return TableKey(self.op, self.dtype, self.epilogue, self.n, self.k, bucket, self.layout)
+    def with_range(self, lo: int, hi: int) -> TableKey:
+        return TableKey.for_range(self.shape, lo, hi)
+
+
+def _int_field(text: str, part: str, label: str) -> int:
+    if not part.startswith(label) or not _INT_RE.match(part[2:]):
+        raise TableError(f"bad key {text!r:.120}: expected {label}<positive int>")
+    return int(part[2:])

@@ -29,36 +29,39 @@ def default_jobs() -> int:
 
 
 def _m_class(m: int) -> int:
-    # Triton specialises integer arguments equal to 1 and divisible by 16; M buckets that
+    # Triton specialises integer arguments equal to 1 and divisible by 16; values of M that
     # agree on both compile to the same kernel, so one of them is enough.
     return 1 if m == 1 else (16 if m % 16 == 0 else 0)
 
 
-def compile_tasks(keys: Iterable, backends) -> list[tuple[str, str, dict]]:
-    """(key, backend, config record) per distinct Triton kernel the tuner will launch."""
+def compile_tasks(keys: Iterable, backends) -> list[tuple[str, str, dict, int]]:
+    """(key, backend, config record, M) per distinct Triton kernel the tuner will launch: every
+    candidate at every M a range is timed at, one M per specialisation class."""
+    from .keys import sample_points
     from .tuner import problem_for
 
     tasks, seen = [], set()
     for key in keys:
-        p = problem_for(key)
-        for be in backends:
-            if be.name not in TRITON_BACKENDS:
-                continue
-            try:
-                cands = be.candidates(p)
-            except Exception:  # the tuner reports it
-                continue
-            for cfg in cands:
-                rec = cfg.to_record()
-                ident = (be.name, repr(sorted(rec.items())), key.n, key.k, key.dtype, key.epilogue, key.layout,
-                         _m_class(key.m_bucket))
-                if ident not in seen:
-                    seen.add(ident)
-                    tasks.append((key.to_string(), be.name, rec))
+        for m in sample_points(key.m_lo, key.m_hi):
+            p = problem_for(key, m)
+            for be in backends:
+                if be.name not in TRITON_BACKENDS:
+                    continue
+                try:
+                    cands = be.candidates(p)
+                except Exception:  # the tuner reports it
+                    continue
+                for cfg in cands:
+                    rec = cfg.to_record()
+                    ident = (be.name, repr(sorted(rec.items())), key.n, key.k, key.dtype, key.epilogue, key.layout,
+                             _m_class(m))
+                    if ident not in seen:
+                        seen.add(ident)
+                        tasks.append((key.to_string(), be.name, rec, m))
     return tasks
 
 
-def _compile_one(task: tuple[str, str, dict]) -> tuple[bool, str]:
+def _compile_one(task: tuple[str, str, dict, int]) -> tuple[bool, str]:
     """Worker: run one candidate once (compiling it into Triton's cache)."""
     import torch
 
@@ -67,10 +70,10 @@ def _compile_one(task: tuple[str, str, dict]) -> tuple[bool, str]:
     from .keys import TableKey
     from .tuner import problem_for, random_operands
 
-    key_text, backend, record = task
+    key_text, backend, record, m = task
     try:
         key = TableKey.from_string(key_text)
-        p = problem_for(key)
+        p = problem_for(key, m)
         be = get_backend(backend)
         cfg = be.config_from_record(record, p)
         x, w, b, out = random_operands(p)

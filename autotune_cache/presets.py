@@ -14,7 +14,10 @@ have none; Qwen2.5 has q/k/v biases but no output-projection bias.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import stat
 from dataclasses import dataclass
 
 
@@ -96,3 +99,220 @@ def parse_shape(text: str, bias: bool = True) -> ProjectionShape:
     if n <= 0 or k <= 0:
         raise ValueError(f"bad shape {text!r}: N and K must be positive")
     return ProjectionShape(f"{n},{k}", n, k, bias)
+
+
+# --- shapes from a Hugging Face ``config.json`` -------------------------------------------
+
+_HF_CONFIG_MAX_BYTES = 16 * 1024 * 1024  # real config.json files are a few KiB
+_HF_DIM_LIMIT = 2**31 - 1  # GEMM dimensions are 32-bit in every backend
+
+# Field names for one quantity across model families, tried in order.
+_HF_HIDDEN = ("hidden_size", "n_embd", "d_model")
+_HF_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
+_HF_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
+_HF_HEAD_DIM = ("head_dim", "d_kv")
+# A field that switches every attention bias (q, k, v and o) on or off.
+_HF_BIAS = ("attention_bias", "bias", "use_bias", "enable_bias")
+
+# (q/k/v bias, o bias) of families whose configs carry no bias field: the attention layers
+# hard-code it.
+_HF_BIAS_BY_MODEL_TYPE: dict[str, tuple[bool, bool]] = {
+    **dict.fromkeys(("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_vl_text"),
+                    (True, False)),
+    **dict.fromkeys(("gpt2", "bert", "roberta", "xlm-roberta", "distilbert", "gpt_neox", "gpt_bigcode",
+                     "opt", "bloom", "phi"), (True, True)),
+    **dict.fromkeys(("llama", "mistral", "mixtral", "gemma", "gemma2", "gemma3", "gemma3_text", "phi3",
+                     "qwen3", "qwen3_moe", "gptj", "t5"), (False, False)),
+}
+
+
+def _show(value: object, limit: int = 60) -> str:
+    """``repr`` of a value, cut short, so an error message stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _show_path(path: str) -> str:
+    return path if path.isprintable() else repr(path)
+
+
+def _read_hf_config(path: str | os.PathLike) -> tuple[str, object]:
+    """Return (the config file's path, its parsed JSON); every failure is a one-line ValueError."""
+    try:
+        raw = os.fspath(path)
+    except TypeError:
+        raise ValueError(f"Hugging Face config path must be a str or path, got {_show(path)}") from None
+    if isinstance(raw, bytes):
+        raw = os.fsdecode(raw)
+    shown = _show_path(raw)
+    if not raw:
+        raise ValueError("Hugging Face config path is empty")
+    in_dir = False
+    try:
+        st = os.stat(raw)
+        if stat.S_ISDIR(st.st_mode):
+            in_dir, raw = True, os.path.join(raw, "config.json")
+            shown = _show_path(raw)
+            st = os.stat(raw)
+    except FileNotFoundError:
+        missing = "no config.json in this directory" if in_dir else "no such file"
+        raise ValueError(f"{shown}: {missing}") from None
+    except OSError as e:
+        raise ValueError(f"{shown}: cannot read: {e.strerror or e}") from None
+    except ValueError:  # os.stat's answer to an embedded NUL byte
+        raise ValueError(f"{shown}: not a usable file path") from None
+    # Refuse FIFOs, sockets and devices before opening: reading one could block forever or
+    # never end.
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{shown}: not a regular file")
+    if st.st_size > _HF_CONFIG_MAX_BYTES:
+        raise ValueError(f"{shown}: {st.st_size} bytes, too large for a config.json "
+                         f"(limit {_HF_CONFIG_MAX_BYTES})")
+    # O_NONBLOCK: should the path be swapped for a FIFO after the stat, open still returns
+    # at once, and the fstat below rejects it.
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(raw, flags)
+    except OSError as e:
+        raise ValueError(f"{shown}: cannot open: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{shown}: not a regular file")
+        chunks, total = [], 0
+        while total <= _HF_CONFIG_MAX_BYTES:
+            chunk = os.read(fd, min(1 << 20, _HF_CONFIG_MAX_BYTES + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as e:
+        raise ValueError(f"{shown}: cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if total > _HF_CONFIG_MAX_BYTES:
+        raise ValueError(f"{shown}: too large for a config.json (limit {_HF_CONFIG_MAX_BYTES} bytes)")
+    try:
+        text = b"".join(chunks).decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{shown}: not UTF-8 text: {e.reason} at byte {e.start}") from None
+    try:
+        return raw, json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{shown}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise ValueError(f"{shown}: not usable JSON: nested too deeply") from None
+
+
+def _safe_name(text: object) -> str:
+    """Lowercase ``[a-z0-9._-]`` name from a Hub id or path: its last component."""
+    if not isinstance(text, str):
+        return ""
+    last = text.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+    name = re.sub(r"[^a-z0-9._-]+", "-", last.lower())
+    return name.strip("-._")[:64].strip("-._")
+
+
+def preset_from_hf_config(path: str | os.PathLike) -> ModelPreset:
+    """Attention projection shapes of any model, from its Hugging Face ``config.json``.
+
+    ``path`` is a ``config.json`` file or a local model directory holding one; the file is
+    read with the standard library (``transformers`` is not needed, and nothing is fetched).
+    Multimodal configs with a ``text_config`` are read from that sub-config. Field names of
+    the common families are understood (``hidden_size``/``n_embd``/``d_model``,
+    ``num_attention_heads``/``n_head``/``num_heads``, ``num_key_value_heads``/``num_kv_heads``
+    with ``multi_query`` meaning one KV head, ``head_dim``). Attention bias comes from an
+    ``attention_bias``/``bias``/``qkv_bias`` field, else from the ``model_type``. The preset's
+    ``name`` is the last component of ``_name_or_path``, else the ``model_type``, else the
+    name of the file's directory, lowercased to ``[a-z0-9._-]``.
+
+    Every problem (unreadable file, bad JSON, missing or invalid field) raises a one-line
+    ``ValueError`` that names the file and the field.
+    """
+    file, top = _read_hf_config(path)
+    shown = _show_path(file)
+    if not isinstance(top, dict):
+        raise ValueError(f"{shown}: expected a JSON object at the top level, got {type(top).__name__}")
+    cfg, prefix = top, ""
+    nested = top.get("text_config")
+    if nested is not None:
+        if not isinstance(nested, dict):
+            raise ValueError(f"{shown}: text_config: expected a JSON object, got {type(nested).__name__}")
+        cfg, prefix = nested, "text_config."
+
+    def pick(names: tuple[str, ...]) -> tuple[str, object]:
+        """The first of ``names`` set (not null) in the config, as (field, value)."""
+        for key in names:
+            if cfg.get(key) is not None:
+                return key, cfg[key]
+        return names[0], None
+
+    def positive_int(names: tuple[str, ...], what: str, required: bool = True) -> int | None:
+        key, value = pick(names)
+        if value is None:
+            if not required:
+                return None
+            raise ValueError(f"{shown}: {prefix}{key}: missing ({what}; also looked for "
+                             f"{', '.join(prefix + n for n in names[1:])})")
+        # bool is an int subclass in Python; true/false is never a size.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{shown}: {prefix}{key}: expected a positive integer ({what}), got {_show(value)}")
+        if value <= 0 or value > _HF_DIM_LIMIT:
+            raise ValueError(f"{shown}: {prefix}{key}: expected a positive integer below 2**31 ({what}), "
+                             f"got {value}")
+        return value
+
+    def flag(key: str) -> bool | None:
+        value = cfg.get(key)
+        if value is None or isinstance(value, bool):
+            return value
+        raise ValueError(f"{shown}: {prefix}{key}: expected true or false, got {_show(value)}")
+
+    hidden = positive_int(_HF_HIDDEN, "hidden size")
+    heads_key, _ = pick(_HF_HEADS)
+    heads = positive_int(_HF_HEADS, "attention heads")
+
+    # Falcon and GPT-BigCode: multi_query means one shared K/V head, unless Falcon's
+    # new_decoder_architecture is set, which uses num_kv_heads instead.
+    if flag("multi_query") and not flag("new_decoder_architecture"):
+        kv_key, kv_heads = "multi_query", 1
+    else:
+        kv_key, _ = pick(_HF_KV_HEADS)
+        kv_heads = positive_int(_HF_KV_HEADS, "key/value heads", required=False)
+        if kv_heads is None:
+            kv_heads = heads
+    if heads % kv_heads:
+        raise ValueError(f"{shown}: {prefix}{kv_key}: {heads} attention heads ({prefix}{heads_key}) "
+                         f"are not a multiple of {kv_heads} key/value heads")
+
+    head_dim = positive_int(_HF_HEAD_DIM, "per-head size", required=False)
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"{shown}: {prefix}{heads_key}: hidden size {hidden} is not divisible by "
+                             f"{heads} heads, and there is no {prefix}head_dim")
+        head_dim = hidden // heads
+    if (heads + 2 * kv_heads) * head_dim > _HF_DIM_LIMIT:
+        raise ValueError(f"{shown}: {prefix}head_dim: {heads} heads of {head_dim} give projections wider "
+                         "than 2**31 - 1")
+
+    model_type = cfg.get("model_type") if isinstance(cfg.get("model_type"), str) else top.get("model_type")
+    bias_key = next((k for k in _HF_BIAS if cfg.get(k) is not None), None)
+    both = flag(bias_key) if bias_key else None
+    qkv_only = flag("qkv_bias")
+    default = _HF_BIAS_BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    if both is not None:
+        qkv_bias, o_bias = both, both
+    elif default is not None:
+        qkv_bias, o_bias = default
+    elif qkv_only is not None:
+        qkv_bias, o_bias = qkv_only, False  # a q/k/v-only switch: the output projection has none
+    else:
+        raise ValueError(f"{shown}: {prefix}attention_bias: missing, and model_type {_show(model_type)} is not "
+                         "one whose attention bias is known; add \"attention_bias\": true or false")
+    if qkv_only is not None:
+        qkv_bias = qkv_only
+
+    name = next((n for n in (_safe_name(top.get("_name_or_path")), _safe_name(top.get("model_type")),
+                             _safe_name(cfg.get("model_type")),
+                             _safe_name(os.path.basename(os.path.dirname(os.path.abspath(file)))))
+                 if n), "hf-config")
+    return ModelPreset(name, hidden, heads, kv_heads, head_dim, qkv_bias=qkv_bias, o_bias=o_bias)

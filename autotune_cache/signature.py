@@ -103,7 +103,7 @@ def current_signature(device_index: int | None = None) -> dict[str, Any] | None:
     if cached is None:
         import hybridgemm
 
-        from .table import SCHEMA_VERSION
+        from .keys import SCHEMA_VERSION
 
         props = torch.cuda.get_device_properties(index)
         cached = {

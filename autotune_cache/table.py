@@ -1,16 +1,22 @@
 """The persisted, deterministic tuning table: keys, entries, load/save, and where tables live.
 
-**Document.** ``{"schema": 1, "signature": {...}, "entries": {key: entry}}``, JSON only
+**Document.** ``{"schema": 2, "signature": {...}, "entries": {key: entry}}``, JSON only
 (``json.loads`` and strict type checks: a table is data and can never run code).
 Written canonically: ``json.dumps(sort_keys=True, indent=1)`` plus a newline, timings
 rounded to 4 significant digits, so re-tuning diffs cleanly and save → load → save is
 byte-identical. The signature rules are in :mod:`.signature`.
 
-**Key.** ``op|dtype|epilogue|N=..|K=..|M=..|layout``, e.g.
-``linear|bf16|bias|N=6144|K=4096|M=16|c``. ``dtype`` is ``bf16``, ``fp16``, ``fp32``, or
+**Key.** ``op|dtype|epilogue|N=..|K=..|M=lo-hi|layout``, e.g.
+``linear|bf16|bias|N=6144|K=4096|M=9-16|c``. ``dtype`` is ``bf16``, ``fp16``, ``fp32``, or
 ``tf32`` (fp32 inputs with TF32 allowed: a different race from exact fp32). ``epilogue`` is
-``Epilogue.name``. ``M`` is the bucket: powers of two 1..16384, a runtime M uses the
-smallest bucket ≥ M, past 16384 the last bucket.
+``Epilogue.name``. ``M=lo-hi`` is the range of M the entry serves, and was validated on.
+
+**Entry.** The winner (``backend``, ``config``: a backend's record; ``{}`` for cuBLASLt
+means its heuristic asked at the exact M of each call, and backend ``torch`` means F.linear
+itself), the M values it was timed at (``m_points``, both edges of the range among them),
+its speed ratio to F.linear at each (``ratios``: F.linear time / its time, > 1 is faster),
+``worst_ratio`` (their minimum), ``median_us``/``spread_us``/``flinear_us`` at the top
+point, the runner-up candidates, and ``tuned_at``.
 
 **Layout class** (:func:`layout_class`): ``a`` = the largest power of two, capped at 16
 bytes, dividing every pointer (x, W, out, bias) and every row stride in bytes. 16 bytes
@@ -21,11 +27,14 @@ is what TMA and 128-bit vector loads need, so nothing above it matters.
 - ``s16``, ``s8``, ...: strided rows (some leading dimension exceeds its width, e.g. a
   slice of a fused QKV output), with alignment ``a``.
 
-**Lookup and the miss rule.** :meth:`TuningTable.lookup` is a pure dictionary read.
-:meth:`TuningTable.nearest` keeps everything but the M bucket and returns the tuned bucket
-nearest in log2 distance (buckets are powers of two, so 8 is as far from 16 as 32 is);
-ties go to the smaller bucket: the runtime M is at most its bucket, so in log2 terms it
-is at least as close to the smaller one. Nothing is timed.
+**Lookup.** :meth:`TuningTable.find` returns the entry whose range holds the call's M, for
+the same op, dtype, epilogue, N, K and layout, or nothing: an entry is never used outside
+the range it was validated on. Ranges of one shape never overlap: storing or merging an
+entry drops the entries whose ranges it overlaps (the newer or higher-precedence one wins).
+
+**Schema 1** tables (one entry per power-of-two M bucket, timed at that M alone) are read
+with one warning: an entry is kept only for the one M it was timed at, and only when it
+recorded a ratio to F.linear of at least ``V1_MIN_RATIO``.
 
 **Where tables live, and precedence** (:func:`load_tables` merges key by key, higher wins):
 
@@ -41,11 +50,13 @@ A bad table never raises on load (unless ``strict=True``): it is ignored with ex
 :class:`HybridGemmTableWarning` per path per process. :meth:`TuningTable.save` writes
 atomically (temp file in the same directory + ``os.replace``) under a cross-process
 ``filelock``, merging with what is on disk: entries set in this session win, entries only
-on disk are kept. Failure to write raises :class:`TableWriteError` (an ``OSError``).
+on disk are kept unless a new entry's range overlaps them. Failure to write raises
+:class:`TableWriteError` (an ``OSError``).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
@@ -55,21 +66,38 @@ import threading
 import types
 import warnings
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .keys import _NAME_RE, DTYPES, M_BUCKETS, TableError, TableKey, layout_class, m_bucket  # noqa: F401 (re-exported)
+from .keys import (  # noqa: F401 (re-exported)
+    _NAME_RE,
+    DTYPES,
+    M_MAX,
+    OCTAVE_TOPS,
+    SCHEMA_VERSION,
+    ShapeKey,
+    TableError,
+    TableKey,
+    layout_class,
+    octave,
+)
 from .signature import signature_matches, validate_signature
 
-SCHEMA_VERSION = 1
 SIGNIFICANT_DIGITS = 4
 CACHE_DIR_ENV = "HYBRIDGEMM_CACHE_DIR"
 LOCK_TIMEOUT_S = 120.0
+V1_MIN_RATIO = 0.97  # a schema-1 entry is kept (at its one M) only if it was at least this fast
+MAX_US = 1e9  # a timing above this (over 16 minutes per call) is not a timing
+MAX_RATIO = 1e3
 
 _log = logging.getLogger(__name__)
-_ENTRY_FIELDS = {"backend", "config", "candidates", "median_us", "spread_us", "tuned_at"}
+_ENTRY_FIELDS = {"backend", "config", "candidates", "median_us", "spread_us", "tuned_at", "m_points", "ratios",
+                 "worst_ratio"}
+_OPTIONAL_FIELDS = {"flinear_us"}
 _CANDIDATE_FIELDS = {"backend", "config", "median_us", "spread_us"}
+_V1_ENTRY_FIELDS = {"backend", "config", "candidates", "median_us", "spread_us", "tuned_at"}
 
 
 class HybridGemmTableWarning(UserWarning):
@@ -96,37 +124,81 @@ def _round(x: float) -> float:
     return float(f"{x:.{SIGNIFICANT_DIGITS}g}")
 
 
-def _time(obj: Mapping, field: str, where: str) -> float:
-    v = obj.get(field)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise TableError(f"{where}{field} must be a finite number ≥ 0, got {v!r}")
-    return _round(float(v))
+def _number(v: Any, where: str, lo: float, hi: float, lo_open: bool = False) -> float:
+    """``v`` as a float in [lo, hi] (or (lo, hi]); TableError otherwise. Checks the range
+    before converting: a 400-digit integer must not raise OverflowError."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TableError(f"{where} must be a number, got {v!r:.40}")
+    if isinstance(v, int) and not -10**12 < v < 10**12:
+        raise TableError(f"{where} is out of range: {v!r:.40}")
+    v = float(v)
+    if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+        raise TableError(f"{where} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r:.40}")
+    return _round(v)
+
+
+def _time(obj: Mapping, name: str, where: str) -> float:
+    return _number(obj.get(name), f"{where}{name}", 0.0, MAX_US)
 
 
 def _record(obj: Mapping, where: str) -> tuple[str, dict]:
     backend, config = obj.get("backend"), obj.get("config")
     if not isinstance(backend, str) or not _NAME_RE.match(backend):
-        raise TableError(f"{where}backend must be a lowercase name, got {backend!r}")
+        raise TableError(f"{where}backend must be a lowercase name, got {backend!r:.60}")
     if not isinstance(config, dict):
         raise TableError(f"{where}config must be an object, got {type(config).__name__}")
     return backend, config
 
 
-def normalize_entry(entry: Any) -> dict:
-    """Validate ``entry`` and return its canonical form (a fresh, JSON-safe deep copy with
-    rounded timings). Raises :class:`TableError` naming the first problem."""
+def _json_copy(entry: Any) -> Any:
     try:  # JSON round trip: a deep copy, tuples -> lists, and proof that it serialises
-        entry = json.loads(json.dumps(entry, allow_nan=False))
-    except (TypeError, ValueError) as e:
+        return json.loads(json.dumps(entry, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
         raise TableError(f"entry is not JSON data: {e}") from None
+
+
+def _tuned_at(entry: Mapping) -> str:
+    tuned_at = entry["tuned_at"]
+    if not isinstance(tuned_at, str) or len(tuned_at) > 40:
+        raise TableError(f"tuned_at must be an ISO date string, got {tuned_at!r:.60}")
+    try:
+        datetime.fromisoformat(tuned_at.replace("Z", "+00:00"))
+    except ValueError:
+        raise TableError(f"tuned_at is not an ISO date: {tuned_at!r}") from None
+    return tuned_at
+
+
+def _candidates(entry: Mapping) -> list[dict]:
+    candidates = entry["candidates"]
+    if not isinstance(candidates, list):
+        raise TableError("candidates must be a list")
+    out = []
+    for i, c in enumerate(candidates):  # order is the ranking (best first): keep it
+        where = f"candidates[{i}]."
+        if not isinstance(c, dict) or not _CANDIDATE_FIELDS <= set(c) <= _CANDIDATE_FIELDS | {"worst_ratio"}:
+            raise TableError(f"{where[:-1]} must be an object with {sorted(_CANDIDATE_FIELDS)} (+ worst_ratio)")
+        b, cfg = _record(c, where)
+        row = {"backend": b, "config": cfg, "median_us": _time(c, "median_us", where),
+               "spread_us": _time(c, "spread_us", where)}
+        if "worst_ratio" in c:
+            row["worst_ratio"] = _number(c["worst_ratio"], f"{where}worst_ratio", 0.0, MAX_RATIO, lo_open=True)
+        out.append(row)
+    return out
+
+
+def normalize_entry(entry: Any, key: TableKey | None = None) -> dict:
+    """Validate ``entry`` and return its canonical form (a fresh, JSON-safe deep copy with
+    rounded numbers). With ``key``, its ``m_points`` must lie in the key's range and include
+    both edges. Raises :class:`TableError` naming the first problem."""
+    entry = _json_copy(entry)
     if not isinstance(entry, dict):
         raise TableError(f"entry must be an object, got {type(entry).__name__}")
     if entry.get("flinear_us", 0) is None:
         del entry["flinear_us"]  # optional: absent and null mean the same; store absent
     fields = set(entry)
-    if not _ENTRY_FIELDS <= fields <= _ENTRY_FIELDS | {"flinear_us"}:
-        missing, extra = _ENTRY_FIELDS - fields, fields - _ENTRY_FIELDS - {"flinear_us"}
-        raise TableError(f"entry fields: missing {sorted(missing)}, unknown {sorted(extra)}")
+    if not _ENTRY_FIELDS <= fields <= _ENTRY_FIELDS | _OPTIONAL_FIELDS:
+        missing, extra = _ENTRY_FIELDS - fields, fields - _ENTRY_FIELDS - _OPTIONAL_FIELDS
+        raise TableError(f"entry fields: missing {sorted(missing)}, unknown {sorted(extra)[:8]}")
     backend, config = _record(entry, "")
     out: dict[str, Any] = {
         "backend": backend, "config": config,
@@ -134,39 +206,56 @@ def normalize_entry(entry: Any) -> dict:
     }
     if "flinear_us" in entry:
         out["flinear_us"] = _time(entry, "flinear_us", "")
-    tuned_at = entry["tuned_at"]
-    if not isinstance(tuned_at, str):
-        raise TableError(f"tuned_at must be an ISO date string, got {tuned_at!r}")
-    try:
-        datetime.fromisoformat(tuned_at.replace("Z", "+00:00"))
-    except ValueError:
-        raise TableError(f"tuned_at is not an ISO date: {tuned_at!r}") from None
-    out["tuned_at"] = tuned_at
-    candidates = entry["candidates"]
-    if not isinstance(candidates, list):
-        raise TableError("candidates must be a list")
-    out["candidates"] = []
-    for i, c in enumerate(candidates):  # order is the ranking (best first): keep it
-        where = f"candidates[{i}]."
-        if not isinstance(c, dict) or set(c) != _CANDIDATE_FIELDS:
-            raise TableError(f"{where[:-1]} must be an object with {sorted(_CANDIDATE_FIELDS)}")
-        b, cfg = _record(c, where)
-        out["candidates"].append({"backend": b, "config": cfg,
-                                  "median_us": _time(c, "median_us", where),
-                                  "spread_us": _time(c, "spread_us", where)})
+    points, ratios = entry["m_points"], entry["ratios"]
+    if not isinstance(points, list) or not points or len(points) > 64:
+        raise TableError("m_points must be a non-empty list (at most 64)")
+    if any(type(m) is not int or not 1 <= m <= M_MAX for m in points) or points != sorted(set(points)):
+        raise TableError(f"m_points must be increasing ints in 1..{M_MAX}, got {points!r:.80}")
+    if not isinstance(ratios, list) or len(ratios) != len(points):
+        raise TableError("ratios must be a list with one ratio per m_point")
+    out["m_points"] = points
+    out["ratios"] = [_number(r, "ratios[]", 0.0, MAX_RATIO, lo_open=True) for r in ratios]
+    out["worst_ratio"] = _number(entry["worst_ratio"], "worst_ratio", 0.0, MAX_RATIO, lo_open=True)
+    if out["worst_ratio"] != min(out["ratios"]):
+        raise TableError(f"worst_ratio {out['worst_ratio']} is not the least of ratios {out['ratios']}")
+    if key is not None and (points[0] != key.m_lo or points[-1] != key.m_hi):
+        raise TableError(f"m_points {points[0]}..{points[-1]} do not span the key's range {key.m_lo}-{key.m_hi}")
+    out["tuned_at"] = _tuned_at(entry)
+    out["candidates"] = _candidates(entry)
     return out
 
 
-def make_entry(backend: str, config: Mapping, *, median_us: float, spread_us: float,
-               candidates: Iterable[Mapping] = (), flinear_us: float | None = None,
-               tuned_at: str | None = None) -> dict:
-    """Build a canonical entry; ``tuned_at`` defaults to today's UTC date."""
+def make_entry(backend: str, config: Mapping, *, m_points: Iterable[int], ratios: Iterable[float],
+               median_us: float, spread_us: float, candidates: Iterable[Mapping] = (),
+               flinear_us: float | None = None, tuned_at: str | None = None) -> dict:
+    """Build a canonical entry (``worst_ratio`` is the least of ``ratios``); ``tuned_at``
+    defaults to today's UTC date."""
+    ratios = [_round(float(r)) for r in ratios]
     return normalize_entry({
-        "backend": backend, "config": dict(config), "median_us": median_us,
+        "backend": backend, "config": dict(config), "m_points": [int(m) for m in m_points], "ratios": ratios,
+        "worst_ratio": min(ratios) if ratios else None, "median_us": median_us,
         "spread_us": spread_us, "candidates": [dict(c) for c in candidates],
         "flinear_us": flinear_us,
         "tuned_at": tuned_at or datetime.now(timezone.utc).date().isoformat(),
     })
+
+
+def _migrate_v1_entry(text: str, value: Any) -> tuple[TableKey, dict | None]:
+    """A schema-1 entry as a one-M range entry, or ``(key, None)`` when it recorded no ratio
+    to F.linear of at least ``V1_MIN_RATIO`` (nothing shows it is safe to run)."""
+    key = TableKey.from_v1_string(text)
+    value = _json_copy(value)
+    if not isinstance(value, dict) or not _V1_ENTRY_FIELDS <= set(value) <= _V1_ENTRY_FIELDS | _OPTIONAL_FIELDS:
+        raise TableError("not a schema-1 entry")
+    median = _time(value, "median_us", "")
+    flinear = value.get("flinear_us")
+    if flinear is None or median <= 0:
+        return key, None
+    ratio = _number(flinear, "flinear_us", 0.0, MAX_US) / median
+    if ratio < V1_MIN_RATIO:
+        return key, None
+    return key, normalize_entry({**value, "m_points": [key.m_lo], "ratios": [_round(ratio)],
+                                 "worst_ratio": _round(ratio)}, key)
 
 
 # --------------------------------------------------------------------------- documents
@@ -191,44 +280,91 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not allowed in a tuning table")
 
 
-def parse_document(data: bytes) -> tuple[dict, dict[TableKey, dict], list[str]]:
-    """Parse table bytes into ``(signature, entries, dropped)``; ``dropped`` describes
-    entries that failed validation. Raises :class:`TableError` if the document is unusable."""
+@dataclass
+class ParsedTable:
+    """:func:`parse_document`'s result. ``dropped`` describes entries that failed validation
+    (or overlapped an earlier one); ``note`` is set when a schema-1 table was migrated."""
+
+    signature: dict
+    entries: dict[TableKey, dict]
+    dropped: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+def parse_document(data: bytes) -> ParsedTable:
+    """Parse table bytes. Raises :class:`TableError` if the document is unusable. A schema-1
+    document is migrated (module docstring) and its signature re-labelled as this schema."""
     try:
         doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
     except UnicodeDecodeError:
         raise TableError("not UTF-8 text") from None
     except (ValueError, RecursionError) as e:
-        raise TableError(f"not valid JSON ({e})") from None
+        raise TableError(f"not valid JSON ({str(e)[:120]})") from None
     if not isinstance(doc, dict):
         raise TableError(f"top level is {type(doc).__name__}, not an object")
     schema = doc.get("schema")
-    if type(schema) is not int or schema != SCHEMA_VERSION:
-        raise TableError(f"schema version {schema!r}; this hybridgemm reads {SCHEMA_VERSION}")
+    if type(schema) is not int or schema not in (1, SCHEMA_VERSION):
+        raise TableError(f"schema version {schema!r:.20}; this hybridgemm reads {SCHEMA_VERSION} (and 1)")
     if set(doc) != {"schema", "signature", "entries"}:
-        raise TableError(f"top-level fields {sorted(doc)}; expected entries, schema, signature")
+        raise TableError(f"top-level fields {sorted(map(str, doc))[:6]}; expected entries, schema, signature")
     reason = validate_signature(doc["signature"])
     if reason:
         raise TableError(reason)
     if not isinstance(doc["entries"], dict):
         raise TableError("entries is not an object")
-    entries, dropped = {}, []
-    for text, value in doc["entries"].items():
+    signature = dict(doc["signature"])
+    entries: dict[TableKey, dict] = {}
+    dropped: list[str] = []
+    unsafe = 0
+    for text, value in sorted(doc["entries"].items()):
         try:
-            key = TableKey.from_string(text)
-            if key.to_string() != text:
-                raise TableError("key is not in canonical form")
-            entries[key] = normalize_entry(value)
+            if schema == 1:
+                key, entry = _migrate_v1_entry(text, value)
+                if entry is None:
+                    unsafe += 1
+                    continue
+            else:
+                key = TableKey.from_string(text)
+                if key.to_string() != text:
+                    raise TableError("key is not in canonical form")
+                entry = normalize_entry(value, key)
+            clash = next((k for k in entries if k.shape == key.shape and _overlap(k, key)), None)
+            if clash is not None:
+                raise TableError(f"its M range overlaps {clash.to_string()}")
+            entries[key] = entry
         except TableError as e:
-            dropped.append(f"{text!r}: {e}")
-    return doc["signature"], entries, dropped
+            dropped.append(f"{text!r:.120}: {e}")
+    note = ""
+    if schema == 1:
+        signature["schema"] = SCHEMA_VERSION
+        note = (f"schema-1 table: each entry was timed at one M only; kept {len(entries)} of "
+                f"{len(doc['entries'])} entries, each for exactly the M it was timed at "
+                f"({unsafe} without a recorded ratio to F.linear >= {V1_MIN_RATIO} dropped); "
+                "run `hybridgemm autotune --force` to tune whole M ranges")
+    return ParsedTable(signature, entries, dropped, note)
 
 
 def dump_document(signature: Mapping, entries: Mapping[TableKey, dict]) -> str:
     """Canonical text of a table document."""
-    doc = {"schema": SCHEMA_VERSION, "signature": dict(signature),
+    doc = {"schema": SCHEMA_VERSION, "signature": {**signature, "schema": SCHEMA_VERSION},
            "entries": {k.to_string(): v for k, v in entries.items()}}
     return json.dumps(doc, sort_keys=True, indent=1, allow_nan=False) + "\n"
+
+
+def _overlap(a: TableKey, b: TableKey) -> bool:
+    return a.m_lo <= b.m_hi and b.m_lo <= a.m_hi
+
+
+def _overlay(base: dict[TableKey, dict], new: Mapping[TableKey, dict]) -> dict[TableKey, dict]:
+    """``base`` with ``new``'s entries set, dropping every entry of ``base`` whose range
+    overlaps a new entry of the same shape (ranges of one shape never overlap)."""
+    by_shape: dict[ShapeKey, list[TableKey]] = {}
+    for k in new:
+        by_shape.setdefault(k.shape, []).append(k)
+    out = {k: v for k, v in base.items()
+           if k in new or not any(_overlap(k, n) for n in by_shape.get(k.shape, ()))}
+    out.update(new)
+    return out
 
 
 # --------------------------------------------------------------------------- the table
@@ -242,12 +378,12 @@ class TuningTable:
         self.signature = dict(signature) if signature is not None else None
         self._entries: dict[TableKey, dict] = {}
         self._dirty: set[TableKey] = set()  # keys set in this session: they win on save
-        self._index: dict[tuple, list[int]] | None = None
+        self._index: dict[ShapeKey, tuple[list[int], list[TableKey]]] | None = None
         self.sources: list[Path] = []  # files this table's entries came from
         for key, entry in (entries or {}).items():
             if not isinstance(key, TableKey):
                 raise TypeError(f"keys must be TableKey, got {type(key).__name__}")
-            self._entries[key] = normalize_entry(entry)
+            self._entries = _overlay(self._entries, {key: normalize_entry(entry, key)})
 
     # ---- reading
     @classmethod
@@ -267,21 +403,24 @@ class TuningTable:
         except OSError as e:
             return cls._reject(path, f"cannot be read ({e})", signature, strict)
         try:
-            file_sig, entries, dropped = parse_document(data)
+            parsed = parse_document(data)
         except TableError as e:
             return cls._reject(path, str(e), signature, strict)
         if signature is not None:
-            ok, reason = signature_matches(file_sig, signature)
+            ok, reason = signature_matches(parsed.signature, signature)
             if not ok:
                 return cls._reject(path, f"tuned for another device or version: {reason}",
                                    signature, strict)
-        if dropped:
-            msg = f"dropped {len(dropped)} invalid entr{'y' if len(dropped) == 1 else 'ies'}"
+        if parsed.dropped:
+            n = len(parsed.dropped)
+            msg = f"dropped {n} invalid entr{'y' if n == 1 else 'ies'}"
             if strict:
-                raise TableError(f"{path}: {msg}: {dropped[0]}")
-            _warn_once(path, f"{msg} (first: {dropped[0]})")
-        table = cls(signature if signature is not None else file_sig)
-        table._entries = entries
+                raise TableError(f"{path}: {msg}: {parsed.dropped[0]}")
+            _warn_once(path, f"{msg} (first: {parsed.dropped[0]})")
+        if parsed.note:
+            _warn_once(path, parsed.note, kind="schema")
+        table = cls(signature if signature is not None else parsed.signature)
+        table._entries = parsed.entries
         table.sources.append(path)
         return table
 
@@ -305,38 +444,48 @@ class TuningTable:
         return key in self._entries
 
     def lookup(self, key: TableKey) -> dict | None:
-        """The entry for exactly ``key``, or ``None``. Pure; do not mutate the result."""
+        """The entry for exactly ``key`` (same range), or ``None``. Do not mutate the result."""
         return self._entries.get(key)
 
-    def nearest(self, key: TableKey) -> tuple[TableKey, dict] | None:
-        """The entry with the same op, dtype, epilogue, N, K and layout whose M bucket is
-        nearest to ``key.m_bucket`` in log2 distance (ties: the smaller bucket); ``None``
-        if no bucket of that shape is tuned. An exact hit is its own nearest."""
+    def find(self, shape: ShapeKey, m: int) -> tuple[TableKey, dict] | None:
+        """The entry of ``shape`` whose M range holds ``m``, or ``None``: nothing outside
+        the range an entry was validated on."""
         if self._index is None:
-            index: dict[tuple, list[int]] = {}
+            groups: dict[ShapeKey, list[TableKey]] = {}
             for k in self._entries:
-                index.setdefault(_shape_of(k), []).append(k.m_bucket)
-            self._index = {s: sorted(b) for s, b in index.items()}
-        buckets = self._index.get(_shape_of(key))
-        if not buckets:
+                groups.setdefault(k.shape, []).append(k)
+            self._index = {}
+            for s, keys in groups.items():
+                keys.sort(key=lambda k: k.m_lo)
+                self._index[s] = ([k.m_lo for k in keys], keys)
+        found = self._index.get(shape)
+        if found is None:
             return None
-        target = key.m_bucket.bit_length()
-        best = min(buckets, key=lambda b: (abs(b.bit_length() - target), b))
-        found = key.with_bucket(best)
-        return found, self._entries[found]
+        los, keys = found
+        i = bisect.bisect_right(los, m) - 1
+        if i < 0 or not keys[i].covers(m):
+            return None
+        return keys[i], self._entries[keys[i]]
+
+    def covering(self, key: TableKey) -> list[TableKey]:
+        """The keys of ``key``'s shape whose ranges overlap ``key``'s, lowest first."""
+        return sorted((k for k in self._entries if k.shape == key.shape and _overlap(k, key)),
+                      key=lambda k: k.m_lo)
 
     # ---- writing
     def set(self, key: TableKey, entry: Mapping) -> None:
-        """Store a validated copy of ``entry``; it wins over disk on the next save."""
+        """Store a validated copy of ``entry`` (dropping entries whose range it overlaps);
+        it wins over disk on the next save."""
         if not isinstance(key, TableKey):
             raise TypeError(f"key must be a TableKey, got {type(key).__name__}")
-        self._entries[key] = normalize_entry(entry)
-        self._dirty.add(key)
+        self._entries = _overlay(self._entries, {key: normalize_entry(entry, key)})
+        self._dirty = {k for k in self._dirty if k in self._entries} | {key}
         self._index = None
 
     def update(self, other: TuningTable) -> None:
         """Merge ``other``'s entries over ours (used to layer tables; not marked dirty)."""
-        self._entries.update(other._entries)
+        self._entries = _overlay(self._entries, other._entries)
+        self._dirty &= set(self._entries)
         self.sources.extend(other.sources)
         self._index = None
 
@@ -347,10 +496,11 @@ class TuningTable:
 
     def save(self, path: os.PathLike | str) -> None:
         """Merge with the table on disk under a cross-process lock, then replace it
-        atomically. Our session's entries win; entries only on disk are kept; a disk table
-        for another signature, or an unreadable one, is replaced (with a warning).
-        Save a table loaded from ``path`` itself, not a :func:`load_tables` view: a view's
-        entries (shipped ones included) would all be copied into ``path``."""
+        atomically. Our session's entries win (and drop disk entries whose ranges they
+        overlap); entries only on disk are kept; a disk table for another signature, or an
+        unreadable one, is replaced (with a warning). Save a table loaded from ``path``
+        itself, not a :func:`load_tables` view: a view's entries (shipped ones included)
+        would all be copied into ``path``."""
         from filelock import FileLock, Timeout
 
         if self.signature is None:
@@ -359,9 +509,8 @@ class TuningTable:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with FileLock(os.fspath(path) + ".lock", timeout=LOCK_TIMEOUT_S):
-                merged = dict(self._entries)
-                merged.update(self._read_for_merge(path))
-                merged.update({k: self._entries[k] for k in self._dirty})
+                merged = _overlay(dict(self._entries), self._read_for_merge(path))
+                merged = _overlay(merged, {k: self._entries[k] for k in self._dirty})
                 text = dump_document(self.signature, merged)
                 _atomic_write(path, text)
         except Timeout:
@@ -380,19 +529,15 @@ class TuningTable:
         except FileNotFoundError:
             return {}
         try:
-            disk_sig, entries, _dropped = parse_document(data)
+            parsed = parse_document(data)
         except TableError as e:
             _warn_once(path, f"{e}; replacing it", kind="save")
             return {}
-        ok, reason = signature_matches(disk_sig, self.signature)
+        ok, reason = signature_matches(parsed.signature, self.signature)
         if not ok:
             _warn_once(path, f"replacing a table tuned elsewhere ({reason})", kind="save")
             return {}
-        return entries
-
-
-def _shape_of(key: TableKey) -> tuple:
-    return (key.op, key.dtype, key.epilogue, key.n, key.k, key.layout)
+        return parsed.entries
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -449,7 +594,7 @@ def load_tables(signature: dict | None, explicit_path: os.PathLike | str | None 
             _log.debug("skipping shipped table %s: no device signature to match", path)
             continue
         try:
-            file_sig, _, _ = parse_document(path.read_bytes())
+            file_sig = parse_document(path.read_bytes()).signature
         except (OSError, TableError) as e:
             _warn_once(path, f"shipped table is unusable ({e}); ignoring it")
             continue

@@ -1,46 +1,35 @@
-"""The offline tuner: time every candidate of every backend per key, keep the winner.
+"""The offline tuner: for each M range of a shape, time every candidate of every backend
+against F.linear at several M across the range, and keep the one that is fastest where it is
+slowest.
 
 Selection rule (written down so a re-run reproduces the table):
-  1. Every candidate is checked against an fp32 reference first; a wrong one is dropped.
+  1. A range ``[lo, hi]`` is timed at ``keys.sample_points``: both edges and the geometric
+     middle. Candidates are the union of every backend's candidates at those M (cuBLASLt:
+     its heuristic asked at each call's exact M, then pinned algorithms from its rankings,
+     at most ``MAX_PINNED_CUBLASLT``), and each must restore, and match an fp32 reference,
+     at every point; a candidate that fails anywhere is dropped.
   2. Timing: perf/timing.gpu_time_rotating. Each call reads its own copy of x and W, cycling
-     through enough copies (3x the L2 size) that every call finds them cold in HBM, as a
-     layer's weights are in a decode step; each candidate is one CUDA graph of such calls,
-     and the graphs of all candidates (and F.linear) are replayed in interleaved rounds, so
-     clock and power drift hit all alike. The screen: 3 rounds over every candidate.
-  3. The finalists are every candidate whose screened median is within ``FINALIST_WINDOW``
-     (6%) of the fastest, at least 3 and at most ``MAX_FINALISTS`` (6), re-timed together
-     with F.linear in 4 rounds on each of ``PLACEMENTS`` (6) placements: fresh sets of
-     operand copies, and outputs moved within each graph's memory pool; each one's median
-     ratio to F.linear in the same round (x F.linear's median) decides (``time_placements``;
-     F.linear's median is ``flinear_us``).
-  4. Where two or more finalists are within ``TIE_TOLERANCE + DUEL_MARGIN`` (3%) of the
-     fastest, those are timed again on ``DUEL_PLACEMENTS`` (6) more placements *in a second
-     process* (second_process.py, one child for all such keys, after the others), and the
-     rounds of both processes are pooled, each weighing the same.
-  5. Finalists whose time is within ``TIE_TOLERANCE`` (2%) of the fastest are ties;
-     among ties the fixed preference order wins: backend (cuBLASLt, Triton split-K, Triton
-     tiled), then the backend's own candidate order (cuBLASLt: heuristic rank).
-Why placements: the same kernel timed on operands at other addresses differs by 1-3% at
-decode sizes (scripts/diag_gaps.py dispatch: one split-K kernel read 14.91 to 15.33 µs
-depending only on where its output lived), steady within a run, so more rounds on one set
-of copies cannot average it out; two tuning runs then flipped between candidates that close.
-Why 6 and output skews: `diag_gaps.py repro` (logs/diag_repro_*.txt) re-timed the keys two
-runs disagreed on, three times per process in three processes. A candidate's ratio to
-F.linear moved by up to 7% between sets of operands *within* one process, about as much as
-between processes, and the same kernel with only its output allocated elsewhere read 2.5%
-apart (logs/diag_dispatch_gap_3.txt). Three placements left keys whose candidates sit near the
-2% band edge deciding by placement luck; six, with the outputs moved too, cut that noise.
-Why a second process: with 12 more placements in the same process for close keys, three
-runs agreed on 95.4/96.9/95.4% of keys, but a neutral third process timed some differing
-winners 2.4-7% apart: one cuBLASLt algorithm ran 6% faster for the whole life of one tuning
-process (second_process.py). Measuring only close keys again keeps llama3-8b inside 90 s.
-Why 2%: what the table promises is a kernel within 2% of the fastest, and a band that wide
-lets the preference order, not placement luck, decide between near-equal candidates.
-Why: the first method (an L2 flush before each call, subtracted; candidates timed one after
-the other; top-3 finalists; 1% tie band) made the same choice in two runs on 77% of llama3-8b
-keys: ~10 µs kernels were measured as the difference of two ~1.4 ms replays, and big GEMMs
-drifted with the GPU's clocks between candidates (F.linear, timed first, read 8% faster than
-the same cuBLAS kernel timed later).
+     through enough copies (3x the L2 size) that every call finds them cold in HBM; each
+     candidate is one CUDA graph of such calls, and the graphs of all candidates and F.linear
+     are replayed in interleaved rounds, so clock and power drift hit all alike. A candidate's
+     ratio at a point is F.linear's time over its own in the same round (median over rounds),
+     and its score is the least of its ratios over the points.
+  3. The screen: ``SCREEN_REPLAYS`` rounds per point. The finalists (scores within
+     ``FINALIST_WINDOW`` of the best, at least 3 and at most 6) are timed again at every
+     point on ``PLACEMENTS`` placements (fresh operand copies, outputs moved; see
+     :func:`placement_samples`), ``PLACEMENT_REPLAYS`` rounds each, and scored again.
+  4. F.linear itself is a candidate with ratio 1 everywhere. Candidates whose score is within
+     ``TIE_TOLERANCE`` (2%) of the best are ties, and the fixed preference order decides:
+     F.linear, then backend (cuBLASLt, Triton split-K, Triton tiled), then the backend's own
+     candidate order (cuBLASLt's heuristic first). So a kernel replaces F.linear only where it
+     is more than 2% faster at every point of the range.
+  5. Where a candidate beat the winner by ``SPLIT_GAIN`` (3%) at some point, one config does
+     not serve the whole range: it is halved (``keys.split_range``, while at least
+     ``keys.MIN_SPLIT_WIDTH`` wide, up to ``split_depth`` times) and each half tuned anew.
+Why several M: an entry timed only at its range's top edge and pinned for the whole range
+ran at 0.54x F.linear at M = 264 (a tile sized for 512 rows) while F.linear, which asks
+cuBLASLt's heuristic for the exact M, adapted. Why placements: the same kernel timed on
+operands at other addresses differs by 1-3% at decode sizes, steady within a run.
 Triton candidates are compiled first on worker processes (precompile.py); nothing here
 runs at call time.
 """
@@ -49,9 +38,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,37 +51,71 @@ import torch.nn.functional as F
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
 
-from .table import TableKey, TuningTable, make_entry
+from .keys import OCTAVE_TOPS, TableKey, octave, sample_points, split_range, validation_points
+from .table import TuningTable, make_entry
 
 TIE_TOLERANCE = 0.02
-PLACEMENTS = 6
+SCREEN_REPLAYS = 3
+PLACEMENTS = 3
 PLACEMENT_REPLAYS = 4
-DUEL_MARGIN = 0.01
-DUEL_PLACEMENTS = 6
 FINALIST_WINDOW = 0.06
 MIN_FINALISTS, MAX_FINALISTS = 3, 6
+SPLIT_GAIN = 0.05
+SPLIT_DEPTH = 1
+VALIDATE_FLOOR = 0.99
+VALIDATE_REPLAYS = 3
+MAX_VALIDATED = 2
+MAX_PINNED_CUBLASLT = 6
 KEEP_CANDIDATES = 5
 ERR_FLOOR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+TORCH_RANK = (-1, 0)  # F.linear's place in the preference order: first
+
+
+@dataclass
+class Candidate:
+    """One candidate of a range: its backend and record (``{}``: cuBLASLt's heuristic), its
+    place in the preference order, and its ratio to F.linear (> 1 is faster), µs and spread
+    at each of the range's points (screen values until the finals replace them)."""
+
+    backend: str
+    record: dict
+    rank: tuple[int, int]
+    describe: str
+    ratios: list[float] = field(default_factory=list)
+    us: list[float] = field(default_factory=list)
+    spread: list[float] = field(default_factory=list)
+    final: bool = False
+
+    @property
+    def score(self) -> float:
+        return min(self.ratios) if self.ratios else 0.0
 
 
 @dataclass
 class KeyResult:
     key: TableKey
-    winner: dict | None = None  # {"backend", "config", "median_us", "spread_us", "describe"}
-    runner_up_us: float | None = None
-    flinear_us: float | None = None
+    winner: dict | None = None  # {"backend", "config", "median_us", "spread_us", "describe", "worst_ratio"}
+    m_points: list[int] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)  # the winner's, per point
+    runner_up: float | None = None  # the best score among the others
+    flinear_us: float | None = None  # at the top point
     timed: list = field(default_factory=list)
     rejected: list = field(default_factory=list)
     skipped: bool = False
-    dueled: int = 0  # close finalists re-timed on DUEL_PLACEMENTS more placements (0: none were)
-    pending: tuple | None = None  # (samples, finalist rows, other rows, close indices) awaiting a second process
-    second_process: bool = False  # the decision pooled a second process's timings
+    split_hint: bool = False  # a candidate beat the winner by SPLIT_GAIN at some point, or it failed validation
+    points: list = field(default_factory=list, repr=False)  # the sample points' operands, while tuning
+
+    @property
+    def worst_ratio(self) -> float | None:
+        return min(self.ratios) if self.ratios else None
 
 
-def problem_for(key: TableKey) -> Problem:
+def problem_for(key: TableKey, m: int | None = None) -> Problem:
+    """The dense, aligned problem of ``key`` at ``m`` (default: the range's top edge)."""
     dtype = torch.float32 if key.dtype == "tf32" else NAME_TO_DTYPE[key.dtype]
-    return Problem(m=key.m_bucket, n=key.n, k=key.k, dtype=dtype, epilogue=Epilogue.from_name(key.epilogue),
-                   ldx=key.k, ldw=key.k, ldo=key.n, tf32=key.dtype == "tf32")
+    return Problem(m=key.m_hi if m is None else m, n=key.n, k=key.k, dtype=dtype,
+                   epilogue=Epilogue.from_name(key.epilogue), ldx=key.k, ldw=key.k, ldo=key.n,
+                   tf32=key.dtype == "tf32")
 
 
 def random_operands(p: Problem):
@@ -126,24 +152,6 @@ def record_calls(p: Problem, records: list[tuple[str, dict]]):
     return x, w, xs, ws, outs, calls
 
 
-def finalist_count(screened_us: list[float]) -> int:
-    """How many of the screened candidates (fastest first) are re-timed: those within
-    ``FINALIST_WINDOW`` of the fastest, clamped to [MIN_FINALISTS, MAX_FINALISTS]."""
-    if not screened_us:
-        return 0
-    best = min(screened_us)
-    n = sum(1 for t in screened_us if t <= best * (1 + FINALIST_WINDOW))
-    return min(len(screened_us), max(MIN_FINALISTS, min(MAX_FINALISTS, n)))
-
-
-def pick_winner(finalists: list[tuple[float, int, int]]) -> int:
-    """Index of the winner among ``(median_us, backend rank, candidate rank)`` rows: the
-    earliest in preference order among those within ``TIE_TOLERANCE`` of the fastest."""
-    best = min(t for t, _, _ in finalists)
-    ties = [i for i, (t, _, _) in enumerate(finalists) if t <= best * (1 + TIE_TOLERANCE)]
-    return min(ties, key=lambda i: finalists[i][1:])
-
-
 def placement_skew(p: int) -> int:
     """Bytes placement ``p`` shifts what the timed calls allocate inside their graphs (0 for
     the first): multiples of 193 KiB (512-byte aligned, like the allocator's blocks) wrapped at
@@ -168,13 +176,6 @@ class PlacementSamples:
 
         ref = median(self.ref_us)
         return [(median(r) * ref, max(s) - min(s)) for r, s in zip(self.ratios, self.per_placement)]
-
-    def pool(self, more: PlacementSamples, which: list[int]) -> None:
-        """Add ``more`` (its calls: the reference, then this one's calls ``which``) in place."""
-        self.ref_us += more.ref_us
-        for k, j in enumerate([0, *which]):
-            self.ratios[j] += more.ratios[k]
-            self.per_placement[j] += more.per_placement[k]
 
 
 def placement_samples(calls, x, w, xs: list, ws: list, outs: list, placements: int = PLACEMENTS,
@@ -220,141 +221,341 @@ def time_placements(calls, x, w, xs: list, ws: list, outs: list, placements: int
     return placement_samples(calls, x, w, xs, ws, outs, placements, replays).scores()
 
 
-def close_finalists(times_us: list[float]) -> list[int]:
-    """Indices of the finalist times within ``TIE_TOLERANCE + DUEL_MARGIN`` (3%) of the
-    fastest: where two or more are, the choice between them (a tie broken by preference, or
-    one just outside the band) turns on a few % of timing, and they are timed again."""
-    best = min(times_us)
-    return [j for j, t in enumerate(times_us) if t <= best * (1 + TIE_TOLERANCE + DUEL_MARGIN)]
+def finalist_count(scores: list[float]) -> int:
+    """How many of the screened candidates (best first) are re-timed: those whose score is
+    within ``FINALIST_WINDOW`` of the best, clamped to [MIN_FINALISTS, MAX_FINALISTS]."""
+    if not scores:
+        return 0
+    best = max(scores)
+    n = sum(1 for s in scores if s >= best * (1 - FINALIST_WINDOW))
+    return min(len(scores), max(MIN_FINALISTS, min(MAX_FINALISTS, n)))
 
 
-def time_finalists(calls, x, w, xs: list, ws: list, outs: list, duel: bool = True):
-    """Time the finalists (``calls[0]`` the reference) on PLACEMENTS placements; where two or
-    more are close (:func:`close_finalists`) and ``duel``, time those again on DUEL_PLACEMENTS
-    more placements in this process and pool the rounds. Returns ``(samples, close)``: the
-    PlacementSamples and the close finalists' indices in ``calls`` (empty: none were close)."""
-    samples = placement_samples(calls, x, w, xs, ws, outs)
-    close = [j + 1 for j in close_finalists([t for t, _ in samples.scores()[1:]])]
-    if len(close) < 2:
-        return samples, []
-    if duel:
-        more = placement_samples([calls[0]] + [calls[j] for j in close], x, w, xs, ws, outs,
-                                 placements=DUEL_PLACEMENTS, first=PLACEMENTS)
-        samples.pool(more, close)
-    return samples, close
+def pick_winner(rows: list[tuple[float, tuple[int, int]]]) -> int:
+    """Index of the winner among ``(score, preference rank)`` rows (higher score is better),
+    one of which is F.linear's (``TORCH_RANK``, score 1): a kernel must beat F.linear by more
+    than ``TIE_TOLERANCE`` at its worst point to be eligible; among the eligible, the earliest
+    in preference order within ``TIE_TOLERANCE`` of the best wins; with none, F.linear."""
+    torch_at = next((i for i, (_, r) in enumerate(rows) if r == TORCH_RANK), None)
+    eligible = [i for i, (s, r) in enumerate(rows) if r != TORCH_RANK and s > 1 + TIE_TOLERANCE]
+    if not eligible:
+        if torch_at is not None:
+            return torch_at
+        eligible = list(range(len(rows)))
+    best = max(rows[i][0] for i in eligible)
+    ties = [i for i in eligible if rows[i][0] * (1 + TIE_TOLERANCE) >= best]
+    return min(ties, key=lambda i: rows[i][1])
 
 
-def tune_key(key: TableKey, backends, log: Callable[[str], None] = lambda s: None,
-             second_process: bool = False) -> KeyResult:
-    """Time every candidate of ``backends`` for ``key`` and decide (the rule above). With
-    ``second_process``, close finalists are not re-timed here: ``res.pending`` holds them for
-    :func:`pending_job` / :func:`finish_pending`, and the winner is provisional until then."""
+def _ratios_of(rounds: list[list[float]], j: int) -> float:
+    """F.linear's time over call ``j``'s, per round, median: > 1 means call j is faster."""
+    return 1.0 / statistics.median(r[j] / r[0] for r in rounds)
+
+
+@dataclass
+class _Point:
+    """One M of a range: its problem, operands (rotation copies) and the candidates' calls."""
+
+    m: int
+    problem: Problem
+    x: Any
+    w: Any
+    b: Any
+    xs: list
+    ws: list
+    outs: list
+    baseline: Callable[[int], Any]
+    err: Callable[[Any], float]
+    bound: float
+    fns: dict = field(default_factory=dict)  # candidate index -> call(i)
+
+
+def _setup_point(key: TableKey, m: int) -> _Point:
+    p = problem_for(key, m)
+    act = p.epilogue.activation
+    x, w, b, out, xs, ws = operands_for(p)
+    outs = [out]  # a list, so that placement_samples can move the output too
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref = apply_activation(F.linear(x.float(), w.float(), b.float() if b is not None else None), act)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    ref_norm = ref.norm().item() or 1.0
+
+    def err(y):
+        return (y.float() - ref).norm().item() / ref_norm
+
+    def baseline(i=0):
+        return apply_activation(F.linear(xs[i], ws[i], b), act)
+
+    bound = max(2 * err(baseline()), ERR_FLOOR[p.dtype])
+    return _Point(m, p, x, w, b, xs, ws, outs, baseline, err, bound)
+
+
+def _record_key(name: str, record: dict) -> tuple[str, str]:
+    return name, json.dumps(record, sort_keys=True)
+
+
+def gather_candidates(backends, points: list[_Point], rejected: list) -> list[Candidate]:
+    """The union of every backend's candidates at the points, in preference order: cuBLASLt's
+    heuristic (asked at each call's exact M) first, then per backend its candidates at the top
+    point, then those only other points list (for cuBLASLt only their first two: its ranking at
+    another M), each once."""
+    out: list[Candidate] = []
+    seen: set = set()
+    top = points[-1]
+    for rank_b, be in enumerate(backends):
+        per_point = []
+        for pt in [top, *points[:-1]]:
+            try:
+                per_point.append(list(be.candidates(pt.problem)))
+            except Exception as e:  # a backend that cannot enumerate is reported, not fatal
+                rejected.append((be.name, "candidates", f"M={pt.m}: {e}"[:200]))
+                per_point.append([])
+        if be.name == "cublaslt":
+            records = [{}] if any(per_point) else []
+            records += [c.to_record() for c in per_point[0]]
+            for cands in per_point[1:]:
+                records += [c.to_record() for c in cands[:2]]
+        else:
+            records = [c.to_record() for cands in per_point for c in cands]
+        pinned = 0
+        for record in records:
+            ident = _record_key(be.name, record)
+            if ident in seen:
+                continue
+            if be.name == "cublaslt" and record:
+                if pinned >= MAX_PINNED_CUBLASLT:
+                    continue
+                pinned += 1
+            seen.add(ident)
+            out.append(Candidate(be.name, record, (rank_b, len(out)), ""))
+    return out
+
+
+def _bind_candidates(backends, cands: list[Candidate], points: list[_Point], rejected: list) -> list[Candidate]:
+    """Restore every candidate at every point, check it against the reference there and warm
+    its calls; keep those that pass everywhere (each point's ``fns`` gets their calls)."""
+    by_name = {be.name: be for be in backends}
+    valid = []
+    for c in cands:
+        be = by_name[c.backend]
+        calls = []
+        try:
+            for pt in points:
+                cfg = be.config_from_record(c.record, pt.problem)
+                if not c.describe:
+                    c.describe = "heuristic at the exact M" if cfg is None else be.describe(cfg)
+                act, tf32 = pt.problem.epilogue.activation, pt.problem.tf32
+                fn = (lambda i=0, be=be, cfg=cfg, pt=pt, act=act, tf32=tf32:
+                      be.run(cfg, pt.xs[i], pt.ws[i], pt.b, pt.outs[0], act, tf32))
+                pt.outs[0].fill_(float("nan"))
+                fn()
+                e = pt.err(pt.outs[0])
+                if not e <= pt.bound:
+                    raise ValueError(f"M={pt.m}: rel err {e:.2e} > {pt.bound:.2e}")
+                for i in range(1, len(pt.ws)):  # every copy runs too (plans, launchers per pointer)
+                    fn(i)
+                calls.append(fn)
+            torch.cuda.synchronize()
+        except Exception as ex:  # restore/compile failure, launch error, wrong result: drop it
+            rejected.append((c.backend, c.describe or json.dumps(c.record)[:80], f"{type(ex).__name__}: {ex}"[:300]))
+            continue
+        for pt, fn in zip(points, calls):
+            pt.fns[len(valid)] = fn
+        valid.append(c)
+    return valid
+
+
+def measure_range(key: TableKey, backends, res: KeyResult) -> list[Candidate]:
+    """Steps 1-3 of the rule for ``key``'s range: the valid candidates with their final (for
+    the finalists) or screen ratios per point; ``res`` gets the points, F.linear's µs at the
+    top point and the rejections."""
     from hybridgemm.perf.timing import gpu_time_rotating
 
-    res = KeyResult(key)
-    p = problem_for(key)
-    act = p.epilogue.activation
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = p.tf32
     try:
-        x, w, b, out, xs, ws = operands_for(p)
-        outs = [out]  # a list, so that time_placements can move the output too
-        torch.backends.cuda.matmul.allow_tf32 = False
-        ref = apply_activation(F.linear(x.float(), w.float(), b.float() if b is not None else None), act)
-        torch.backends.cuda.matmul.allow_tf32 = p.tf32
-        ref_norm = ref.norm().item() or 1.0
-
-        def err(y):
-            return ((y.float() - ref).norm().item()) / ref_norm
-
-        def baseline(i=0):
-            return apply_activation(F.linear(xs[i], ws[i], b), act)
-
-        fl_err = err(baseline())
-        bound = max(2 * fl_err, ERR_FLOOR[p.dtype])
-        valid = []  # [backend rank, candidate rank, backend, config, fn(i)]
-        for rank_b, be in enumerate(backends):
-            try:
-                cands = be.candidates(p)
-            except Exception as e:  # a backend that cannot enumerate is reported, not fatal
-                res.rejected.append((be.name, "candidates", str(e)))
-                continue
-            for rank_c, cfg in enumerate(cands):
-                fn = (lambda i=0, be=be, cfg=cfg: be.run(cfg, xs[i], ws[i], b, outs[0], act, p.tf32))
-                try:
-                    outs[0].fill_(float("nan"))
-                    fn()
-                    e = err(outs[0])
-                    if not e <= bound:
-                        res.rejected.append((be.name, be.describe(cfg), f"rel err {e:.2e} > {bound:.2e}"))
-                        continue
-                    for i in range(1, len(ws)):  # every copy runs too (plans, launchers per pointer)
-                        fn(i)
-                    torch.cuda.synchronize()
-                except Exception as ex:  # compile failure, launch error: skip this candidate
-                    res.rejected.append((be.name, be.describe(cfg), f"{type(ex).__name__}: {ex}"[:300]))
-                    continue
-                valid.append([rank_b, rank_c, be, cfg, fn])
-        if not valid:
-            return res
-        copies = len(ws)
-        # The screen: every valid candidate and F.linear, interleaved, 3 rounds.
-        times = gpu_time_rotating([baseline] + [v[4] for v in valid], copies, replays=3)
-        screened = [[t.median_us, t.spread_us, *v[:4], v[4]] for t, v in zip(times[1:], valid)]
-        n_final = finalist_count([r[0] for r in screened])
-        screened.sort(key=lambda r: r[0])
-        rows, rest = screened[:n_final], screened[n_final:]
-        samples, close = time_finalists([baseline] + [r[6] for r in rows], x, w, xs, ws, outs,
-                                        duel=not second_process)
-        res.dueled = len(close)
-        if second_process and close:
-            res.pending = (samples, rows, rest, close)
-        decide(res, samples, rows, rest)
-        return res
+        ms = sample_points(key.m_lo, key.m_hi)
+        points = []
+        for m in ms:
+            p = problem_for(key, m)
+            torch.backends.cuda.matmul.allow_tf32 = p.tf32
+            points.append(_setup_point(key, m))
+        res.m_points, res.points = ms, points
+        valid = _bind_candidates(backends, gather_candidates(backends, points, res.rejected), points, res.rejected)
+        flinear = []
+        for pt in points:  # the screen
+            rounds: list = []
+            calls = [pt.baseline] + [pt.fns[j] for j in range(len(valid))]
+            times = gpu_time_rotating(calls, len(pt.ws), replays=SCREEN_REPLAYS, rounds=rounds)
+            flinear.append(times[0].median_us)
+            for j, c in enumerate(valid):
+                c.ratios.append(_ratios_of(rounds, j + 1))
+                c.us.append(times[j + 1].median_us)
+                c.spread.append(times[j + 1].spread_us)
+        res.flinear_us = flinear[-1] if flinear else None
+        ranked = sorted(range(len(valid)), key=lambda j: (-valid[j].score, valid[j].rank))
+        finalists = ranked[:finalist_count([valid[j].score for j in ranked])]
+        if finalists:
+            for c in (valid[j] for j in finalists):
+                c.ratios, c.us, c.spread, c.final = [], [], [], True
+            top_ref = []
+            for pt in points:  # the finals
+                calls = [pt.baseline] + [pt.fns[j] for j in finalists]
+                s = placement_samples(calls, pt.x, pt.w, pt.xs, pt.ws, pt.outs, placements=PLACEMENTS,
+                                      replays=PLACEMENT_REPLAYS)
+                ref = statistics.median(s.ref_us)
+                top_ref.append(ref)
+                for k, j in enumerate(finalists):
+                    ratio = statistics.median(s.ratios[k + 1])
+                    valid[j].ratios.append(1.0 / ratio)
+                    valid[j].us.append(ratio * ref)
+                    valid[j].spread.append(max(s.per_placement[k + 1]) - min(s.per_placement[k + 1]))
+            res.flinear_us = top_ref[-1]
+        return valid
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old_tf32
 
 
-def decide(res: KeyResult, samples: PlacementSamples, rows: list, rest: list) -> None:
-    """Fill ``res``'s winner, runner-up and kept candidates from the finalists' timings
-    (``rows``: the finalists in ``samples``' call order after the reference; ``rest``: the
-    screened-out candidates, with their screen times)."""
-    final_times = samples.scores()
-    res.flinear_us = final_times[0][0]
-    for r, (t, spread) in zip(rows, final_times[1:]):
-        r[0], r[1] = t, spread
-    finalists = sorted(rows, key=lambda r: r[0]) + rest
-    winner = finalists[pick_winner([(r[0], r[2], r[3]) for r in finalists[:len(rows)]])]
-    others = [r for r in finalists if r is not winner]
-    res.runner_up_us = min((r[0] for r in others), default=None)
-    res.timed = [{"backend": r[4].name, "config": r[5].to_record(), "median_us": r[0], "spread_us": r[1],
-                  "describe": r[4].describe(r[5])} for r in [winner] + others[: KEEP_CANDIDATES - 1]]
+def decide(res: KeyResult, cands: list[Candidate], excluded: tuple = ()) -> Candidate:
+    """Step 4 (and the split hint of step 5): fill ``res``'s winner, its ratios and the kept
+    candidates from ``cands`` (finalists scored on their final timings, the rest on the
+    screen), never one of ``excluded`` (winners that failed validation). Returns the winner."""
+    n = len(res.m_points)
+    torch_row = Candidate("torch", {}, TORCH_RANK, "F.linear", [1.0] * n,
+                          [res.flinear_us or 0.0] * n, [0.0] * n, True)
+    rows = [torch_row] + [c for c in cands if c.final and c not in excluded]
+    winner = rows[pick_winner([(c.score, c.rank) for c in rows])]
+    others = sorted((c for c in [torch_row, *cands] if c is not winner), key=lambda c: (-c.score, c.rank))
+    res.runner_up = others[0].score if others else None
+    res.ratios = list(winner.ratios[:n])
+    gain = 1 + SPLIT_GAIN
+    res.split_hint = bool(excluded) or any(
+        c.ratios[i] >= max(res.ratios[i], 1.0) * gain for c in cands for i in range(min(n, len(c.ratios))))
+
+    def row(c: Candidate) -> dict:
+        return {"backend": c.backend, "config": c.record, "median_us": c.us[n - 1] if len(c.us) >= n else 0.0,
+                "spread_us": c.spread[n - 1] if len(c.spread) >= n else 0.0, "worst_ratio": c.score,
+                "describe": c.describe}
+
+    res.timed = [row(c) for c in [winner] + others[: KEEP_CANDIDATES - 1]]
     res.winner = res.timed[0]
+    return winner
 
 
-def pending_job(res: KeyResult) -> dict:
-    """The second process's job for a key whose close finalists await it."""
-    from .second_process import job_for
+def validate(key: TableKey, res: KeyResult, winner: Candidate, backends) -> bool:
+    """Time ``winner`` beside F.linear at ``keys.validation_points`` of the range (a fresh x
+    and W per point, ``VALIDATE_REPLAYS`` interleaved rounds, checked against the reference
+    first). True, with the points and ratios added to ``res``, when it was at least
+    ``VALIDATE_FLOOR`` of F.linear's speed at every one; False (``res`` unchanged) otherwise."""
+    from hybridgemm.perf.timing import gpu_time_rotating
 
-    _, rows, _, close = res.pending
-    return job_for(res.key.to_string(), [(rows[j - 1][4].name, rows[j - 1][5].to_record()) for j in close])
+    be = next(b for b in backends if b.name == winner.backend)
+    got = []
+    old_tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for m in validation_points(key.m_lo, key.m_hi):
+            pt = _setup_point(key, m)
+            torch.backends.cuda.matmul.allow_tf32 = pt.problem.tf32
+            cfg = be.config_from_record(winner.record, pt.problem)
+            act, tf32 = pt.problem.epilogue.activation, pt.problem.tf32
+
+            def fn(i=0, cfg=cfg, pt=pt, act=act, tf32=tf32):
+                return be.run(cfg, pt.xs[i], pt.ws[i], pt.b, pt.outs[0], act, tf32)
+
+            pt.outs[0].fill_(float("nan"))
+            fn()
+            if not pt.err(pt.outs[0]) <= pt.bound:
+                res.rejected.append((winner.backend, winner.describe, f"M={m}: wrong result"))
+                return False
+            rounds: list = []
+            gpu_time_rotating([pt.baseline, fn], len(pt.ws), replays=VALIDATE_REPLAYS, rounds=rounds)
+            got.append((m, _ratios_of(rounds, 1)))
+            if got[-1][1] < VALIDATE_FLOOR:
+                res.rejected.append((winner.backend, winner.describe,
+                                     f"M={m}: {got[-1][1]:.3f}x F.linear (validation floor {VALIDATE_FLOOR})"))
+                return False
+    except Exception as e:  # a config that cannot run at some M of the range cannot serve it
+        res.rejected.append((winner.backend, winner.describe, f"validation: {type(e).__name__}: {e}"[:300]))
+        return False
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old_tf32
+    merged = sorted([*zip(res.m_points, res.ratios), *got])
+    res.m_points, res.ratios = [m for m, _ in merged], [_round4(r) for _, r in merged]
+    res.winner["worst_ratio"] = min(res.ratios)
+    return True
 
 
-def finish_pending(res: KeyResult, more: PlacementSamples | None) -> None:
-    """Pool the second process's rounds (None: it could not time them) and decide again."""
-    samples, rows, rest, close = res.pending
-    res.pending = None
-    if more is not None:
-        samples.pool(more, close)
-        res.second_process = True
-    decide(res, samples, rows, rest)
+def _round4(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def merge_results(results: list[KeyResult]) -> list[KeyResult]:
+    """Adjacent results with the same winner (backend and config) as one result over their
+    joined range, timed at all their points: a split that chose the same kernel twice."""
+    out: list[KeyResult] = []
+    for r in results:
+        prev = out[-1] if out else None
+        if (prev is not None and r.winner and prev.winner and prev.key.m_hi + 1 == r.key.m_lo
+                and (prev.winner["backend"], prev.winner["config"]) == (r.winner["backend"], r.winner["config"])):
+            joined = KeyResult(prev.key.with_range(prev.key.m_lo, r.key.m_hi), m_points=prev.m_points + r.m_points,
+                               ratios=prev.ratios + r.ratios, flinear_us=r.flinear_us,
+                               rejected=prev.rejected + r.rejected)
+            joined.runner_up = max(x for x in (prev.runner_up, r.runner_up) if x is not None) \
+                if prev.runner_up is not None or r.runner_up is not None else None
+            joined.timed = [dict(r.timed[0], worst_ratio=min(joined.ratios))] + r.timed[1:]
+            joined.winner = joined.timed[0]
+            out[-1] = joined
+        else:
+            out.append(r)
+    return out
+
+
+def tune_range(key: TableKey, backends, log: Callable[[str], None] = lambda s: None,
+               split_depth: int = SPLIT_DEPTH) -> list[KeyResult]:
+    """Tune ``key``'s range (the rule above); where one config cannot serve it whole, its
+    halves instead. Returns one result per range decided (halves that chose the same kernel
+    joined again)."""
+    res = KeyResult(key)
+    cands = measure_range(key, backends, res)
+    excluded: list[Candidate] = []
+    winner = decide(res, cands)
+    halves = split_range(key.m_lo, key.m_hi) if split_depth > 0 else None
+    while winner.backend != "torch":
+        if validate(key, res, winner, backends):
+            break
+        excluded.append(winner)
+        if halves is not None or len(excluded) >= MAX_VALIDATED:
+            winner = decide(res, [], tuple(excluded))  # F.linear; the halves may still do better
+            break
+        winner = decide(res, cands, tuple(excluded))
+    res.points = []  # free the operands before the halves allocate theirs
+    if halves is None or not res.split_hint:
+        return [res]
+    log(f"{key.to_string()}: one config does not serve the whole range; tuning its halves")
+    out = []
+    for lo, hi in halves:
+        out += tune_range(key.with_range(lo, hi), backends, log, split_depth - 1)
+    return merge_results(out)
 
 
 def entry_of(res: KeyResult) -> dict:
     w = res.winner
-    cands = [{k: c[k] for k in ("backend", "config", "median_us", "spread_us")} for c in res.timed]
-    return make_entry(w["backend"], w["config"], median_us=w["median_us"], spread_us=w["spread_us"],
-                      candidates=cands, flinear_us=res.flinear_us)
+    cands = [{k: c[k] for k in ("backend", "config", "median_us", "spread_us", "worst_ratio")} for c in res.timed]
+    return make_entry(w["backend"], w["config"], m_points=res.m_points, ratios=res.ratios,
+                      median_us=w["median_us"], spread_us=w["spread_us"], candidates=cands,
+                      flinear_us=res.flinear_us)
+
+
+def covered(table: TuningTable, key: TableKey) -> bool:
+    """Whether ``table``'s entries of ``key``'s shape cover every M of ``key``'s range."""
+    m = key.m_lo
+    for k in table.covering(key):
+        if k.m_lo > m:
+            return False
+        m = max(m, k.m_hi + 1)
+    return m > key.m_hi
 
 
 def with_exhaustive(backends: list, limit: int) -> list:
@@ -368,16 +569,14 @@ def with_exhaustive(backends: list, limit: int) -> list:
 
 def tune(keys: Iterable[TableKey], table: TuningTable, path, *, force: bool = False, backends=None,
          save_every: int = 16, progress: bool = True, log: Callable[[str], None] = print,
-         jobs: int | None = None, second_process: bool = True, exhaustive: int = 0) -> list[KeyResult]:
-    """Tune ``keys`` into ``table`` and save it to ``path`` (merged under the file lock) every
-    ``save_every`` keys and at the end. Keys already in the table are skipped unless ``force``
-    (so an interrupted run resumes where it stopped). Triton candidates are compiled first on
-    ``jobs`` worker processes (default: half the CPUs, at most 8; 1 compiles lazily in this
-    process). ``second_process``: keys with close finalists are decided on this process's
-    timings pooled with a child process's (second_process.py; their provisional entries are
-    saved first); False re-times them in this process instead. ``exhaustive``: also time up to
-    that many cuBLASLt algorithms from the exhaustive enumeration (tile x stages x split-K
-    configurations the heuristic does not rank), beyond its top 8."""
+         jobs: int | None = None, exhaustive: int = 0, split_depth: int = SPLIT_DEPTH) -> list[KeyResult]:
+    """Tune ``keys`` (M ranges) into ``table`` and save it to ``path`` (merged under the file
+    lock) every ``save_every`` results and at the end. Ranges the table already covers are
+    skipped unless ``force`` (so an interrupted run resumes where it stopped). Triton
+    candidates are compiled first on ``jobs`` worker processes (default: half the CPUs, at
+    most 8; 1 compiles lazily in this process). ``exhaustive``: also time up to that many
+    cuBLASLt algorithms from the exhaustive enumeration. ``split_depth``: how many times a
+    range may be halved (rule step 5)."""
     from hybridgemm.backends import available_backends
 
     from .precompile import compile_tasks, default_jobs, precompile
@@ -386,14 +585,14 @@ def tune(keys: Iterable[TableKey], table: TuningTable, path, *, force: bool = Fa
     backends = with_exhaustive(backends, exhaustive)
     keys = list(keys)
     results: list[KeyResult] = []
-    todo = [k for k in keys if force or table.lookup(k) is None]
+    todo = [k for k in keys if force or not covered(table, k)]
     for k in keys:
         if k not in todo:
             results.append(KeyResult(k, skipped=True))
     t0 = time.time()
     if todo:
         # Write the table once before any timing: an unwritable path (read-only cache dir,
-        # a file where a folder should be) fails now, not after the first 16 tuned keys.
+        # a file where a folder should be) fails now, not after the first 16 tuned ranges.
         table.save(path)
     jobs = default_jobs() if jobs is None else jobs
     if todo and jobs > 1:
@@ -403,34 +602,22 @@ def tune(keys: Iterable[TableKey], table: TuningTable, path, *, force: bool = Fa
     unsaved = 0
     with _progress(progress, len(todo), "tuning") as advance:
         for key in todo:
-            res = tune_key(key, backends, log, second_process=second_process)
-            results.append(res)
-            if res.winner is not None:
-                table.set(key, entry_of(res))
-                unsaved += 1
-            else:
-                log(f"no candidate ran for {key.to_string()}: {res.rejected[:3]}")
+            for res in tune_range(key, backends, log, split_depth):
+                results.append(res)
+                if res.winner is not None:
+                    table.set(res.key, entry_of(res))
+                    unsaved += 1
+                else:
+                    log(f"no candidate ran for {res.key.to_string()}: {res.rejected[:3]}")
             if unsaved >= save_every:
                 table.save(path)
                 unsaved = 0
             advance(key.to_string())
     if unsaved or not todo:
         table.save(path)
-    pending = [r for r in results if r.pending is not None]
-    if pending:
-        from .second_process import retime
-
-        with _progress(progress, len(pending), "confirming") as advance:
-            more = retime([pending_job(r) for r in pending], torch.cuda.current_device(), advance, log)
-        for res, m in zip(pending, more):
-            finish_pending(res, m)
-            table.set(res.key, entry_of(res))
-        table.save(path)
-    dueled = sum(1 for r in results if r.dueled)
-    where = (f"in a second process ({sum(r.second_process for r in results)} confirmed)" if second_process
-             else "in this process")
-    log(f"tuned {len(todo)} keys ({len(keys) - len(todo)} already in the table) in {time.time() - t0:.1f} s"
-        + (f"; {dueled} with close finalists re-timed on {DUEL_PLACEMENTS} more placements {where}" if dueled else ""))
+    split = sum(1 for r in results if not r.skipped and (r.key.m_lo, r.key.m_hi) != octave(r.key.m_hi))
+    log(f"tuned {len(todo)} ranges ({len(keys) - len(todo)} already in the table) in {time.time() - t0:.1f} s"
+        + (f"; {split} entries are halves of a range one config could not serve" if split else ""))
     return results
 
 
@@ -470,25 +657,29 @@ class _progress:
             self._p.stop()
 
 
-def keys_for(shapes, m_buckets, dtypes=("bf16",), epilogues=None, op: str = "linear") -> list[TableKey]:
-    """Table keys for (N, K, bias) shapes x M buckets x dtypes, for dense, aligned operands
-    (the layout class follows from the shape, e.g. an odd K is not 16-byte aligned). The
-    epilogue follows each shape's bias unless ``epilogues`` (names) is given."""
+def keys_for(shapes, ms: Iterable[int] | None = None, dtypes=("bf16",), epilogues=None,
+             op: str = "linear") -> list[TableKey]:
+    """Table keys for (N, K, bias) shapes x the default-grid ranges holding ``ms`` (default:
+    every range, 1 to 16384) x dtypes, for dense, aligned operands (the layout class follows
+    from the shape, e.g. an odd K is not 16-byte aligned). The epilogue follows each shape's
+    bias unless ``epilogues`` (names) is given."""
+    ranges = sorted({octave(m) for m in (OCTAVE_TOPS if ms is None else ms)} - {None})
     keys = []
     for shape in shapes:
         epis = [Epilogue.from_name(e) for e in epilogues] if epilogues else [Epilogue(Activation.NONE, shape.bias)]
         for dt in dtypes:
             dtype = torch.float32 if dt == "tf32" else NAME_TO_DTYPE[dt]
             for epi in epis:
-                for m in m_buckets:
-                    p = Problem(m=m, n=shape.n, k=shape.k, dtype=dtype, epilogue=epi, ldx=shape.k, ldw=shape.k,
+                for lo, hi in ranges:
+                    p = Problem(m=hi, n=shape.n, k=shape.k, dtype=dtype, epilogue=epi, ldx=shape.k, ldw=shape.k,
                                 ldo=shape.n, tf32=dt == "tf32")
-                    keys.append(TableKey.from_problem(p, op=op))
+                    keys.append(TableKey.from_problem(p, op=op).with_range(lo, hi))
     return keys
 
 
 def check_table(table: TuningTable, keys: Iterable[TableKey] | None = None, log=print) -> list[dict]:
-    """Re-time each entry's winner (same method) and report drift against the recorded median."""
+    """Re-time each entry's winner beside F.linear at its range's points (the screen's method)
+    and report its worst ratio now against the one recorded."""
     from hybridgemm.backends import get_backend
     from hybridgemm.perf.timing import gpu_time_rotating
 
@@ -497,21 +688,29 @@ def check_table(table: TuningTable, keys: Iterable[TableKey] | None = None, log=
         entry = table.lookup(key)
         if entry is None:
             continue
-        p = problem_for(key)
-        if key.layout != TableKey.from_problem(p).layout:
+        if key.layout != TableKey.from_problem(problem_for(key)).layout:
             continue  # a strided/misaligned layout: not reproducible from the key alone
-        be = get_backend(entry["backend"])
+        ratios = []
         try:
-            cfg = be.config_from_record(entry["config"], p)
+            for m in entry["m_points"]:
+                pt = _setup_point(key, m)
+                if entry["backend"] == "torch":
+                    fn = pt.baseline
+                else:
+                    be = get_backend(entry["backend"])
+                    cfg = be.config_from_record(entry["config"], pt.problem)
+                    fn = (lambda i, be=be, cfg=cfg, pt=pt: be.run(cfg, pt.xs[i], pt.ws[i], pt.b, pt.outs[0],
+                                                                  pt.problem.epilogue.activation, pt.problem.tf32))
+                rounds: list = []
+                gpu_time_rotating([pt.baseline, fn], len(pt.ws), replays=9, rounds=rounds)
+                ratios.append(_ratios_of(rounds, 1))
         except Exception as e:
             rows.append({"key": key.to_string(), "status": f"rejected: {e}"})
             continue
-        _, _, b, out, xs, ws = operands_for(p)
-        fn = lambda i: be.run(cfg, xs[i], ws[i], b, out, p.epilogue.activation, p.tf32)  # noqa: E731, B023
-        now = gpu_time_rotating([fn], len(ws), replays=9)[0].median_us
-        drift = now / entry["median_us"] - 1
-        rows.append({"key": key.to_string(), "backend": entry["backend"], "recorded_us": entry["median_us"],
-                     "now_us": now, "drift": drift, "status": "ok" if abs(drift) <= 0.05 else "DRIFT"})
-        log(f"{key.to_string():48s} {entry['backend']:14s} {entry['median_us']:9.2f} -> {now:9.2f} µs "
-            f"({drift:+.1%})")
+        worst = min(ratios)
+        drift = worst / entry["worst_ratio"] - 1
+        rows.append({"key": key.to_string(), "backend": entry["backend"], "recorded_worst": entry["worst_ratio"],
+                     "now_worst": worst, "drift": drift, "status": "ok" if drift >= -0.05 else "DRIFT"})
+        log(f"{key.to_string():52s} {entry['backend']:14s} worst {entry['worst_ratio']:.3f}x -> {worst:.3f}x "
+            f"F.linear ({drift:+.1%})")
     return rows

@@ -1,6 +1,6 @@
 """The `hybridgemm` command (also `python -m hybridgemm`).
 
-    hybridgemm autotune --model llama3-8b [--m 1 16 ...] [--dtype bf16] [--out PATH] [--force|--check]
+    hybridgemm autotune --model llama3-8b|--hf-config PATH [--m 1 16 ...] [--dtype bf16] [--out PATH] [--force|--check]
     hybridgemm show [PATH]
     hybridgemm explain --x 16,4096 --w 6144,4096 [--dtype bf16] [--no-bias] [--activation relu]
     hybridgemm bench --model llama3-8b [--m ...] [--providers ...] [--out results.csv] [--training] [--plot DIR]
@@ -39,42 +39,56 @@ def _table_path(arg: str | None) -> Path:
 
 
 def _cmd_autotune(args) -> int:
-    if not _need_gpu("autotune"):
-        return 2
-    from hybridgemm.autotune_cache.presets import get_preset, parse_shape
-    from hybridgemm.autotune_cache.signature import current_signature
-    from hybridgemm.autotune_cache.table import M_BUCKETS, TuningTable
-    from hybridgemm.autotune_cache.tuner import check_table, keys_for, tune
+    from hybridgemm.autotune_cache.presets import get_preset, parse_shape, preset_from_hf_config
 
+    # Shapes first: a bad --model, --hf-config or --shape is reported on any machine, GPU or not.
     shapes = []
     for name in args.model or []:
         shapes += list(get_preset(name).projections)
+    for path in args.hf_config or []:
+        try:
+            shapes += list(preset_from_hf_config(path).projections)
+        except ValueError as e:
+            print(f"hybridgemm autotune: {e}", file=sys.stderr)
+            return 2
     shapes += [parse_shape(s) for s in args.shape or []]
     if not shapes:
-        print("hybridgemm autotune: give --model NAME or --shape N,K", file=sys.stderr)
+        print("hybridgemm autotune: give --model NAME, --hf-config PATH or --shape N,K", file=sys.stderr)
         return 2
+    if not _need_gpu("autotune"):
+        return 2
+    from hybridgemm.autotune_cache.keys import M_MAX
+    from hybridgemm.autotune_cache.signature import current_signature
+    from hybridgemm.autotune_cache.table import TuningTable
+    from hybridgemm.autotune_cache.tuner import check_table, covered, keys_for, tune
+
     seen, unique = set(), []
     for s in shapes:  # presets share shapes (e.g. q and o): tune each (N, K, bias) once
         if (s.n, s.k, s.bias) not in seen:
             seen.add((s.n, s.k, s.bias))
             unique.append(s)
-    buckets = sorted(set(args.m)) if args.m else list(M_BUCKETS)
-    bad = [m for m in buckets if m not in M_BUCKETS]
+    bad = [m for m in args.m or [] if not 1 <= m <= M_MAX]
     if bad:
-        print(f"hybridgemm autotune: --m takes M buckets (powers of two 1..16384), got {bad}", file=sys.stderr)
+        print(f"hybridgemm autotune: --m takes values of M in 1..{M_MAX}, got {bad}", file=sys.stderr)
         return 2
-    keys = keys_for(unique, buckets, args.dtype, args.epilogue)
+    if args.split_depth < 0:
+        print("hybridgemm autotune: --split-depth must be 0 or more", file=sys.stderr)
+        return 2
+    keys = keys_for(unique, args.m, args.dtype, args.epilogue)
     path = _table_path(args.out)
     table = TuningTable.load(path, signature=current_signature())
     if args.check:
-        rows = check_table(table, [k for k in keys if table.lookup(k) is not None])
+        entries = sorted({k for key in keys for k in table.covering(key)}, key=lambda k: k.to_string())
+        rows = check_table(table, entries)
         drifted = [r for r in rows if r.get("status") != "ok"]
-        print(f"checked {len(rows)} entries of {path}: {len(drifted)} drifted more than 5% or were rejected")
+        print(f"checked {len(rows)} entries of {path}: {len(drifted)} slower by more than 5% or rejected")
         return 1 if drifted else 0
-    print(f"tuning {len(keys)} keys ({len(unique)} shapes x {len(buckets)} M buckets x {len(args.dtype)} dtypes) "
-          f"into {path}")
+    ranges = len({(k.m_lo, k.m_hi) for k in keys})
+    todo = sum(1 for k in keys if args.force or not covered(table, k))
+    print(f"tuning {len(keys)} M ranges ({len(unique)} shapes x {ranges} ranges x {len(args.dtype)} dtypes; "
+          f"{len(keys) - todo} already covered) into {path}")
     results = tune(keys, table, path, force=args.force, progress=not args.no_progress, jobs=args.jobs,
-                   second_process=not args.one_process, exhaustive=max(0, args.exhaustive))
+                   exhaustive=max(0, args.exhaustive), split_depth=args.split_depth)
     _print_summary(results)
     return 0 if all(r.skipped or r.winner for r in results) else 1
 
@@ -83,12 +97,12 @@ def _print_summary(results) -> None:
     rows = [r for r in results if not r.skipped and r.winner]
     if not rows:
         return
-    print(f"\n{'key':46s} {'winner':14s} {'µs':>9s} {'vs next':>8s} {'vs F.linear':>11s}  config")
+    print(f"\n{'key':50s} {'winner':14s} {'µs at top':>9s} {'worst vs F.linear':>17s} {'next':>7s}  config")
     for r in rows:
         w = r.winner
-        nxt = f"{r.runner_up_us / w['median_us']:7.3f}x" if r.runner_up_us else "       -"
-        fl = f"{r.flinear_us / w['median_us']:10.3f}x" if r.flinear_us else "          -"
-        print(f"{r.key.to_string():46s} {w['backend']:14s} {w['median_us']:9.2f} {nxt} {fl}  {w['describe'][:60]}")
+        nxt = f"{r.runner_up:6.3f}x" if r.runner_up else "      -"
+        print(f"{r.key.to_string():50s} {w['backend']:14s} {w['median_us']:9.2f} {r.worst_ratio:16.3f}x {nxt}  "
+              f"{w['describe'][:60]}")
 
 
 def _cmd_show(args) -> int:
@@ -107,12 +121,13 @@ def _cmd_show(args) -> int:
         sig = table.signature or {}
         print(f"{path}: {len(table)} entries; GPU {sig.get('gpu_name', '?')}, "
               f"cuBLASLt {sig.get('cublaslt_version', '?')}, Triton {sig.get('triton_version', '?')}")
-        print(f"  {'key':46s} {'backend':14s} {'µs':>9s} {'F.linear µs':>11s} {'speedup':>8s}")
-        for key in sorted(table.entries, key=lambda k: (k.dtype, k.epilogue, k.n, k.k, k.m_bucket, k.layout)):
+        print(f"  {'key':52s} {'backend':14s} {'µs at top':>9s} {'F.linear µs':>11s} {'worst':>7s}  timed at M")
+        for key in sorted(table.entries, key=lambda k: (k.dtype, k.epilogue, k.n, k.k, k.layout, k.m_lo)):
             e = table.entries[key]
             fl = e.get("flinear_us")
-            sp = f"{fl / e['median_us']:7.3f}x" if fl else "       -"
-            print(f"  {key.to_string():46s} {e['backend']:14s} {e['median_us']:9.2f} {fl or 0:11.2f} {sp}")
+            points = ",".join(str(m) for m in e["m_points"])
+            print(f"  {key.to_string():52s} {e['backend']:14s} {e['median_us']:9.2f} {fl or 0:11.2f} "
+                  f"{e['worst_ratio']:6.3f}x  {points}")
     return 0
 
 
@@ -165,10 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hybridgemm", description="Bias-fused GEMMs for PyTorch: tools.")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("autotune", help="time every backend's candidates per shape and M bucket; fill the table")
+    p = sub.add_parser("autotune", help="time every backend's candidates per shape and M range; fill the table")
     p.add_argument("--model", action="append", help="model preset (repeatable): bert-base, gpt2, llama3-8b, ...")
     p.add_argument("--shape", action="append", help="explicit N,K projection shape (repeatable)")
-    p.add_argument("--m", type=int, nargs="+", help="M buckets (default: 1 2 4 ... 16384)")
+    p.add_argument("--hf-config", action="append", metavar="PATH",
+                   help="a Hugging Face config.json, or a local model directory holding one: tune its "
+                   "q, k/v, qkv and o projections (repeatable; read locally, no transformers needed)")
+    p.add_argument("--m", type=int, nargs="+", help="tune the M ranges holding these M (default: every range, "
+                   "1 to 16384: 1, 2, 3-4, 5-8, ..., 8193-16384)")
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32", "tf32"])
     p.add_argument("--epilogue", nargs="+", help="epilogue names (default: bias if the shape has one, else none)")
     p.add_argument("--out", help="table path (default: the user table; see README)")
@@ -177,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--exhaustive", type=int, default=0, metavar="N",
                    help="also time up to N cuBLASLt algorithms from its exhaustive enumeration (slower)")
-    p.add_argument("--one-process", action="store_true",
-                   help="re-time keys with close finalists in this process, not a second one (see README)")
+    p.add_argument("--split-depth", type=int, default=1, metavar="D",
+                   help="halve a range one config cannot serve whole, up to D times (default 1; 0: never)")
     p.add_argument("--jobs", type=int, help="processes compiling Triton candidates before timing "
                    "(default: half the CPUs, at most 8; 1: compile lazily while tuning)")
     p.set_defaults(fn=_cmd_autotune)

@@ -8,16 +8,16 @@ Rules, in order:
   1. F.linear's argument rules (clear errors naming dtype, shape, device).
   2. CPU tensors, or a dtype no kernel takes (e.g. float64): PyTorch computes it.
   3. Empty problems (M, N or K = 0): PyTorch's semantics, no GEMM.
-  4. Table hit: the entry for (op, dtype, epilogue, N, K, M bucket, layout class).
-  5. Miss: the entry of the nearest tuned M bucket for the same everything else
-     (autotune_cache/table.py: log2 distance, ties to the smaller bucket), when it lies on
-     the same side of M = 64 (decode vs. the rest) as the call; else rule 6.
-  6. No entry (or the entry's config fails the backend's validity check, which warns once):
-     the size rule: cuBLASLt's heuristic when it has the epilogue; else the Triton split-K
-     kernel for M ≤ 64 and the tiled kernel above; else PyTorch.
-Misses are logged once per key at debug level. ``explain()`` says which rule fired.
+  4. Table hit: the entry for (op, dtype, epilogue, N, K, layout class) whose M range holds
+     the call's M (autotune_cache/table.py). Its winner was timed against F.linear at several
+     M across that range and chosen on its worst ratio there; it may be F.linear itself
+     (backend ``torch``) or cuBLASLt's heuristic asked at the call's exact M.
+  5. No entry holds M (nothing is borrowed from another range), or the entry's config fails
+     the backend's validity check (which warns once): F.linear itself (``fallback_rule``).
+Misses are logged once per key at debug level. ``explain()`` says which rule fired, and for
+a table hit the range the entry was validated on and its worst measured ratio.
 
-In ``batch_invariant`` mode (fusion/modes.py) rules 4-6 are replaced by one: the Triton tiled
+In ``batch_invariant`` mode (fusion/modes.py) rules 4-5 are replaced by one: the Triton tiled
 kernel with the fixed config of :func:`hybridgemm.modes.fixed_config` (the same for every M),
 else PyTorch with a warning. Cached decisions are kept per mode, so switching modes never
 reuses a decision made in the other one.
@@ -50,7 +50,7 @@ from hybridgemm.kernels.checks import (
     rows_are_flat,
 )
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
-from hybridgemm.kernels.problem import DECODE_MAX_M, DTYPE_NAMES, Problem
+from hybridgemm.kernels.problem import DTYPE_NAMES, Problem
 
 from . import modes
 
@@ -66,10 +66,13 @@ def torch_linear(x, weight, bias, activation: Activation) -> torch.Tensor:
 @dataclass(frozen=True)
 class Choice:
     backend: str  # "cublaslt", "triton_gemm", "triton_splitk" or "torch"
-    config: Any  # the backend's restored config (None: cuBLASLt heuristic / torch)
-    source: str  # "table", "nearest", "rule"
-    key: str  # the table key asked for
+    config: Any  # the backend's restored config (None: cuBLASLt heuristic at the exact M / torch)
+    source: str  # "table" or "rule" (or the batch-invariant mode's)
+    key: str  # the table key that decided, or the shape and M asked for
     reason: str
+    m_lo: int | None = None  # a table entry's validated M range and worst ratio to F.linear there
+    m_hi: int | None = None
+    worst_ratio: float | None = None
 
     def describe(self) -> str:
         cfg = ""
@@ -77,6 +80,8 @@ class Choice:
             from hybridgemm.backends import get_backend
 
             cfg = f" [{get_backend(self.backend).describe(self.config)}]"
+        elif self.backend == "cublaslt":
+            cfg = " [heuristic at the exact M]"
         return f"{self.backend}{cfg} ({self.source}: {self.reason})"
 
 
@@ -148,30 +153,20 @@ def _warn_once(key, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def size_rule(problem: Problem, why: str) -> Choice:
-    """Rule 6: no usable table entry."""
-    from hybridgemm.backends import get_backend
-    from hybridgemm.kernels import cublaslt
-
-    key = _key_string(problem)
-    if cublaslt.is_available() and cublaslt.supports(problem)[0]:
-        return Choice("cublaslt", None, "rule", key, f"{why}; cuBLASLt heuristic")
-    name = "triton_splitk" if problem.m <= DECODE_MAX_M else "triton_gemm"
-    try:
-        be = get_backend(name)
-        cands = be.candidates(problem)
-        if cands:
-            return Choice(name, cands[0], "rule", key, f"{why}; Triton default for M={problem.m}")
-    except ImportError:
-        pass
-    return Choice("torch", None, "rule", key, f"{why}; no kernel takes this problem")
+def fallback_rule(problem: Problem, why: str) -> Choice:
+    """Rule 5, no usable table entry: F.linear itself (then the activation). Not cuBLASLt's
+    heuristic asked for the exact M: for GEMMs without a bias F.linear does not run cuBLASLt's
+    heuristic choice, and that choice was measured at 0.63x F.linear's speed (N=1024, K=8192,
+    M=645, H200; perf/results/h200/README.md). The tuner still times the heuristic as a
+    candidate, so it runs wherever it was measured faster."""
+    return Choice("torch", None, "rule", _call_string(problem), f"{why}; F.linear")
 
 
 def batch_invariant_choice(problem: Problem, device_index: int | None) -> Choice:
     """The batch-invariant mode's decision: the Triton tiled kernel with the fixed config for
     (N, K, dtype, epilogue, W layout), never the table or cuBLASLt (which picks per M); PyTorch
     when no config can take the problem. ``device_index`` None: assume an H100/H200."""
-    key = _key_string(problem)
+    key = _call_string(problem)
     try:
         if device_index is None:
             limits = modes.HOPPER_LIMITS
@@ -189,35 +184,28 @@ def batch_invariant_choice(problem: Problem, device_index: int | None) -> Choice
     return Choice("triton_gemm", cfg, modes.SOURCE, key, modes.rule_text(problem))
 
 
-def _key_string(problem: Problem) -> str:
-    from hybridgemm.autotune_cache.table import TableKey
+def _call_string(problem: Problem) -> str:
+    from hybridgemm.autotune_cache.keys import ShapeKey
 
-    return TableKey.from_problem(problem).to_string()
+    return f"{ShapeKey.from_problem(problem).to_string()} at M={problem.m}"
 
 
 def choose(problem: Problem, device_index: int) -> Choice:
-    """Rules 4-6 for one problem (pure given the loaded table)."""
-    from hybridgemm.autotune_cache.table import TableKey
+    """Rules 4-5 for one problem (pure given the loaded table)."""
+    from hybridgemm.autotune_cache.keys import ShapeKey
     from hybridgemm.backends import ConfigRejected, get_backend
 
-    key = TableKey.from_problem(problem)
     table = table_for_device(device_index)
-    entry, source = table.lookup(key), "table"
-    if entry is None:
-        hit = table.nearest(key)
-        if hit is None:
-            _log.debug("hybridgemm: no table entry for %s", key.to_string())
-            return size_rule(problem, "no table entry")
-        near_key, entry = hit
-        if (near_key.m_bucket <= DECODE_MAX_M) != (problem.m <= DECODE_MAX_M):
-            # Borrow only within a regime: a decode (weight-streaming split-K) entry would run
-            # a prefill call at a fraction of the speed, and a large-M tile would waste a decode.
-            _log.debug("hybridgemm: %s not tuned; nearest bucket M=%d is across M=%d", key.to_string(),
-                       near_key.m_bucket, DECODE_MAX_M)
-            return size_rule(problem, f"no entry; the nearest tuned bucket (M={near_key.m_bucket}) is on the "
-                                      f"other side of M={DECODE_MAX_M}")
-        source = "nearest"
-        _log.debug("hybridgemm: %s not tuned; using bucket M=%d", key.to_string(), near_key.m_bucket)
+    hit = table.find(ShapeKey.from_problem(problem), problem.m)
+    if hit is None:
+        _log.debug("hybridgemm: no table entry for %s", _call_string(problem))
+        return fallback_rule(problem, "no table entry holds this M")
+    key, entry = hit
+    lo, hi, worst = key.m_lo, key.m_hi, entry["worst_ratio"]
+    points = ",".join(str(m) for m in entry["m_points"])
+    reason = (f"tuned for M {lo}-{hi}, timed at M={points}: worst {worst:.3f}x F.linear's speed there")
+    if entry["backend"] == "torch":
+        return Choice("torch", None, "table", key.to_string(), reason + "; runs F.linear", lo, hi, worst)
     try:
         be = get_backend(entry["backend"])
         if not be.available():
@@ -225,10 +213,9 @@ def choose(problem: Problem, device_index: int) -> Choice:
         cfg = be.config_from_record(entry["config"], problem)
     except (ConfigRejected, ValueError, ImportError) as e:
         _warn_once(("rejected", key), f"hybridgemm: table entry for {key.to_string()} cannot be used ({e}); "
-                   "falling back to the size rule")
-        return size_rule(problem, "table entry rejected")
-    what = "tuned" if source == "table" else "nearest tuned M bucket"
-    return Choice(entry["backend"], cfg, source, key.to_string(), f"{what}, {entry['median_us']:.1f} µs when tuned")
+                   "falling back to F.linear")
+        return fallback_rule(problem, "table entry rejected")
+    return Choice(entry["backend"], cfg, "table", key.to_string(), reason, lo, hi, worst)
 
 
 def _runner(choice: Choice):
@@ -263,6 +250,13 @@ def _raw_launch(choice: Choice, x2, w2, b2, out, act, tf32):
 
     bind = get_backend(choice.backend).bind
     return None if bind is None else bind(choice.config, x2, w2, b2, out, act, tf32)
+
+
+def _torch_launcher(act: Activation):
+    def launch_torch(x, w, b, xp, wp):
+        return torch_linear(x, w, b, act)
+
+    return launch_torch
 
 
 def _launcher(choice: Choice, x, w, b, act, tf32, raw=None):
@@ -331,6 +325,11 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str = modes.
             _warn_once(("invariant", problem.n, problem.k, problem.dtype),
                        f"hybridgemm: batch_invariant mode cannot run {choice.key} on Triton; {choice.reason}")
         choices.put((dev, problem), choice)
+    if choice.backend == "torch":  # F.linear itself: no output of ours to fill, no copy
+        if fast_key is not None:
+            fast.put(fast_key, _torch_launcher(act))
+        y = torch_linear(x, weight, bias, act)
+        return (y, None) if want_raw else y
     copied = invariant and choice.backend == "triton_gemm" and modes.needs_dense_x(choice.config, x2)
     if copied:  # one load path for every call: copy an x that TMA cannot describe
         x2 = x2.clone(memory_format=torch.contiguous_format)
@@ -374,8 +373,9 @@ def generation() -> int:
 
 def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: bool = True,
             activation=None, device: int | None = None) -> str:
-    """Which kernel ``hybridgemm.linear`` runs for these shapes, and why (a table hit, the
-    nearest bucket, or a fallback rule). Works without a GPU (it then says PyTorch runs)."""
+    """Which kernel ``hybridgemm.linear`` runs for these shapes, and why (a table hit with the
+    M range it was validated on and its worst measured ratio to F.linear, or the fallback
+    rule). Works without a GPU (it then says PyTorch runs)."""
     from hybridgemm.kernels.problem import NAME_TO_DTYPE
 
     if isinstance(dtype, str):

@@ -2,6 +2,7 @@
 
     hybridgemm bench --model llama3-8b [--m 1 16 ...] [--providers ...] [--dtype bf16] [--out results.csv]
                      [--training] [--plot DIR] [--list-providers]
+    hybridgemm bench --m-sweep [--model NAME ...] [--dtype bf16] [--out DIR/any.csv]
     hybridgemm plot results.csv [more.csv ...] [--out DIR]
 
 Each handler returns an exit code: 0 done, 1 ran but something is missing (no figure, a
@@ -38,6 +39,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="DIR", help="draw the figures from --out into DIR afterwards")
     p.add_argument("--list-providers", action="store_true", help="list the providers and whether each can run here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--m-sweep", action="store_true",
+                   help="instead: the M sweep (perf/bench_msweep.py): the dispatched call beside F.linear at ~100 M "
+                        "from 1 to 16384 per projection shape of --model (default: every preset); writes "
+                        "m_sweep_<gpu>.csv, m_sweep_summary.txt and m_sweep.png into --out's directory")
     p.set_defaults(fn=cmd_bench)
     return p
 
@@ -86,6 +91,8 @@ def cmd_bench(args) -> int:
     if args.list_providers:
         list_providers()
         return 0
+    if getattr(args, "m_sweep", False):
+        return cmd_m_sweep(args)
     try:
         P.select(args.providers)
     except ValueError as e:
@@ -119,6 +126,36 @@ def cmd_bench(args) -> int:
     if args.plot:
         rc = max(rc, cmd_plot(argparse.Namespace(csv=[args.out], out=args.plot)))
     return rc
+
+
+def cmd_m_sweep(args) -> int:
+    """``hybridgemm bench --m-sweep``: perf/bench_msweep.py's sweep over --model's shapes (all
+    presets without one) in --dtype, its files in the directory of --out (or --out itself when
+    it is a directory)."""
+    import os
+
+    from hybridgemm.autotune_cache.presets import get_preset
+
+    if args.shape:
+        _err("hybridgemm bench --m-sweep: sweeps the projections of model presets (--model); --shape is not "
+             "supported with it")
+        return 2
+    try:
+        models = [get_preset(m).name for m in args.model or []]
+    except ValueError as e:
+        _err(f"hybridgemm bench --m-sweep: {e}")
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        _err("hybridgemm bench --m-sweep: needs a CUDA GPU, and this machine has none (it times the dispatched "
+             "call beside F.linear on the GPU)")
+        return 2
+    from hybridgemm.perf.bench_msweep import main as m_sweep_main
+
+    out_dir = args.out if os.path.isdir(args.out) or args.out.endswith(("/", os.sep)) else os.path.dirname(args.out)
+    argv = ["--out", out_dir or ".", "--dtype", args.dtype, *(a for m in models for a in ("--model", m))]
+    return m_sweep_main(argv + (["--no-progress"] if args.no_progress else []))
 
 
 def cmd_plot(args) -> int:

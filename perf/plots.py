@@ -13,6 +13,8 @@
    F.linear's GPU time for reference: where a provider's line sits above it, the host is the
    bottleneck.
 5. ``training_fwd_bwd.png`` (when rows exist): speedup of ``hybridgemm.linear`` fwd+bwd.
+6. ``m_sweep.png`` (:func:`plot_m_sweep`, from perf/bench_msweep.py's own CSV, not through
+   make_all_plots): speedup of the dispatched call over F.linear against M, one line per shape.
 Several GPUs or dtypes in the CSVs give one file per (GPU, dtype), suffixed.
 Matplotlib's object API with the Agg canvas: no pyplot, no global backend switch.
 """
@@ -341,3 +343,75 @@ def make_all_plots(csv_paths, out_dir, log: Callable[[str], None] = print) -> li
         if p is not None:
             written.append(p)
     return written
+
+
+M_SWEEP_MARKERS = "os^vDP*Xph<>d8H"
+
+
+def _m_sweep_colours(n: int) -> list:
+    """``n`` colours, all distinct up to 27 series (tab10, then Dark2 and Set1), then repeating
+    (the markers keep later series apart)."""
+    from matplotlib import colormaps
+
+    palette = [*colormaps["tab10"].colors, *colormaps["Dark2"].colors, *colormaps["Set1"].colors]
+    return [palette[i % len(palette)] for i in range(n)]
+
+
+def plot_m_sweep(csv_path, out_dir) -> Path:
+    """``m_sweep.png`` in ``out_dir`` from perf/bench_msweep.py's CSV: speedup of the dispatched
+    call over F.linear (F.linear time / dispatched time) against M on a log2 axis, one line per
+    shape ("N x K (+bias) — models"), a dashed line at the 0.97x mark and a light one at parity.
+    Raises FileNotFoundError for a missing file, ValueError when no row holds M and a speedup."""
+    from hybridgemm.perf.bench_msweep import BELOW, as_bool, shape_label
+
+    if not os.path.isfile(csv_path):
+        raise FileNotFoundError(f"no such CSV file: {csv_path}")
+    rows = read_rows(str(csv_path))
+    series: dict[tuple, list[tuple[int, float]]] = {}
+    models: dict[tuple, str] = {}
+    for r in rows:
+        m, sp = _int(r.get("m")), _float(r.get("speedup"))
+        if m < 1 or not (math.isfinite(sp) and sp > 0):
+            continue
+        key = (_int(r.get("n")), _int(r.get("k")), as_bool(r.get("bias")), r.get("dtype", ""))
+        series.setdefault(key, []).append((m, sp))
+        models.setdefault(key, r.get("models", ""))
+    if not series:
+        raise ValueError(f"{csv_path}: no rows with an M and a speedup (not an M-sweep CSV?)")
+    dtypes = sorted({key[3] for key in series})
+    n_legend = len(series) + 1
+    fig, body, footer, (ax,) = _figure(1, panel_w=11.0, panel_h=6.0, foot=0.45 + 0.2 * math.ceil(n_legend / 3))
+    for (key, pts), colour, marker in zip(series.items(), _m_sweep_colours(len(series)),
+                                          (M_SWEEP_MARKERS[i % len(M_SWEEP_MARKERS)] for i in range(len(series)))):
+        pts.sort()
+        label = shape_label(*key[:3], models[key]) + (f" [{key[3]}]" if len(dtypes) > 1 else "")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colour, marker=marker, ms=3.5, lw=1.2, label=label)
+    ax.axhline(1.0, color="0.6", lw=0.8, zorder=0)
+    ax.axhline(BELOW, ls="--", color="crimson", lw=1.3, label=f"{BELOW}x F.linear")
+    sps = [p[1] for pts in series.values() for p in pts]
+    top_m = max(p[0] for pts in series.values() for p in pts)
+    _m_axis(ax, [2**i for i in range(max(0, math.ceil(math.log2(top_m))) + 1)])
+    ax.set_ylim(min(0.9, min(sps) - 0.02), max(1.1, max(sps) + 0.02))
+    ax.set_ylabel("speedup: F.linear time / dispatched time (> 1: faster)")
+    handles: dict = {}
+    for h, lab in zip(*ax.get_legend_handles_labels()):
+        handles.setdefault(lab, h)
+    footer.legend(list(handles.values()), list(handles), loc="upper center", ncol=3, fontsize=8, frameon=False)
+    stem = Path(csv_path).stem
+    gpu = stem[len("m_sweep_"):] if stem.startswith("m_sweep_") else ""
+    body.suptitle(f"hybridgemm.dispatch.fused_linear vs F.linear across M, {'/'.join(dtypes)}"
+                  + (f", {gpu.upper() if gpu == 'h200' else gpu}" if gpu else "")
+                  + "\nGPU time per call: CUDA-graph replay, L2-cold rotating operands, "
+                    "median of per-round ratios to F.linear")
+
+    def vals(col):
+        return ", ".join(sorted({str(r.get(col) or "") for r in rows} - {""})) or "?"
+
+    n_ms = len({p[0] for pts in series.values() for p in pts})
+    footer.text(0.5, 0.04, f"{len(series)} shapes x {n_ms} M values (log-spaced and log-uniform random) | "
+                f"placements {vals('placements')} x replays {vals('replays')} | {vals('date')} | "
+                f"commit {vals('commit')}", ha="center", va="bottom", fontsize=7, color="0.3")
+    path = Path(out_dir) / "m_sweep.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    return path

@@ -8,11 +8,11 @@
 #         alltests  the whole suite on the GPU (CPU tests too, Triton compiled for real)
 #         bench     the backend benchmarks (cuBLASLt, Triton)
 #         quick     the backend benchmarks, small subset
-#         tune      autotune llama3-8b (all M buckets) + qwen2.5-7b (decode/prefill/train M) into
-#                   $OUT/h200.json, then again with --force into $OUT/h200_rerun.json (TUNE_RUNS=3:
-#                   also h200_rerun2.json), and compare every pair, differing winners re-timed side
-#                   by side in a fresh process ($OUT/tune_compare.txt)
-#         dispatch  dispatched calls vs the table's winners vs F.linear ($OUT/h200.json)
+#         tune      autotune TUNE_MODELS (default llama3-8b; every M range) into $OUT/h200.json, then
+#                   llama3-8b again with --force (TUNE_RUNS - 1 times, default once) and each rerun's
+#                   choices compared with the first ($OUT/tune_compare.txt)
+#         msweep    perf/bench_msweep.py: dispatched vs F.linear at 128 M per preset shape
+#                   (table: $TABLE or $OUT/h200.json; MSWEEP_ARGS passed on)
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
 #         harness   hybridgemm bench (all providers, training) + plots into $OUT/plots
 #         modes     batch-invariant mode vs default vs F.linear (perf/bench_modes.py -> modes_h200.csv)
@@ -79,30 +79,28 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       done
       ;;
     tune)
-      # TUNE_RUNS (default 2) runs, each a fresh process per model; every pair is compared
-      runs=(h200); for ((r = 1; r < ${TUNE_RUNS:-2}; r++)); do runs+=("h200_rerun$([ $r -gt 1 ] && echo $r)"); done
-      log "autotune (${#runs[@]} runs)"
-      for t in "${runs[@]}"; do
-        f=(); [ $t != h200 ] && f=(--force)
-        /usr/bin/time -f "autotune llama3-8b wall %e s" $PY -m hybridgemm autotune --model llama3-8b \
-          --out "$OUT/$t.json" --no-progress "${f[@]}" >"$OUT/autotune_$t.txt" 2>&1 || status=1
-        $PY -m hybridgemm autotune --model qwen2.5-7b --m 1 8 2048 4096 16384 --out "$OUT/$t.json" \
-          --no-progress "${f[@]}" >>"$OUT/autotune_$t.txt" 2>&1 || status=1
-        grep -E "wall|tuned " "$OUT/autotune_$t.txt" | tee -a "$OUT/summary.txt"
-      done
+      # TUNE_MODELS (default llama3-8b) into $OUT/h200.json, timed; then TUNE_RUNS - 1 (default 1)
+      # more runs of llama3-8b alone with --force into h200_rerun*.json, each compared with the first
+      models=(${TUNE_MODELS:-llama3-8b}); margs=(); for mdl in "${models[@]}"; do margs+=(--model "$mdl"); done
+      log "autotune ${models[*]} -> $OUT/h200.json"
+      /usr/bin/time -f "autotune ${models[*]} wall %e s" $PY -m hybridgemm autotune "${margs[@]}" \
+        --out "$OUT/h200.json" --no-progress >"$OUT/autotune_h200.txt" 2>&1 || status=1
+      grep -E "wall|tuned |compiled" "$OUT/autotune_h200.txt" | tee -a "$OUT/summary.txt"
       : >"$OUT/tune_compare.txt"
-      for ((i = 0; i < ${#runs[@]}; i++)); do for ((j = i + 1; j < ${#runs[@]}; j++)); do
-        echo "## ${runs[$i]} vs ${runs[$j]}" >>"$OUT/tune_compare.txt"
-        $PY -m hybridgemm.perf.bench_dispatch --compare "$OUT/${runs[$i]}.json" "$OUT/${runs[$j]}.json" --retime \
-          >>"$OUT/tune_compare.txt" 2>&1
-      done; done
+      for ((r = 1; r < ${TUNE_RUNS:-2}; r++)); do
+        /usr/bin/time -f "autotune llama3-8b rerun $r wall %e s" $PY -m hybridgemm autotune --model llama3-8b --force \
+          --out "$OUT/h200_rerun$r.json" --no-progress >"$OUT/autotune_rerun$r.txt" 2>&1 || status=1
+        grep -E "wall|tuned " "$OUT/autotune_rerun$r.txt" | tee -a "$OUT/summary.txt"
+        echo "## h200.json vs h200_rerun$r.json (llama3-8b ranges)" >>"$OUT/tune_compare.txt"
+        $PY -m hybridgemm.perf.compare_tables "$OUT/h200.json" "$OUT/h200_rerun$r.json" >>"$OUT/tune_compare.txt" 2>&1
+      done
       tail -n 40 "$OUT/tune_compare.txt" | tee -a "$OUT/summary.txt"
       ;;
-    dispatch)
-      log "bench_dispatch"
-      $PY -m hybridgemm.perf.bench_dispatch --table "${TABLE:-$OUT/h200.json}" --out "$OUT" >"$OUT/bench_dispatch.txt" 2>&1 \
-        || status=1
-      tail -n 4 "$OUT/bench_dispatch.txt" | tee -a "$OUT/summary.txt"
+    msweep)
+      log "bench_msweep (table ${TABLE:-$OUT/h200.json})"
+      HYBRIDGEMM_TABLE="${TABLE:-$OUT/h200.json}" $PY -m hybridgemm.perf.bench_msweep --out "$OUT" \
+        ${MSWEEP_ARGS:-} >"$OUT/bench_msweep.txt" 2>&1 || status=1
+      tail -n 30 "$OUT/bench_msweep.txt" | tee -a "$OUT/summary.txt"
       ;;
     attention)
       log "bench_attention"

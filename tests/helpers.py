@@ -54,3 +54,14 @@ def assert_counters_zero():
 
     for buf in counters_snapshot():
         assert not buf.any(), "split-K arrival counters were not reset"
+
+
+def range_entry(backend: str, record: dict, lo: int, hi: int, ratio: float = 1.1, median_us: float = 10.0) -> dict:
+    """A table entry for the M range lo-hi, as the tuner writes one: timed at the range's
+    sample points, ``ratio`` times F.linear's speed at each."""
+    from hybridgemm.autotune_cache.keys import sample_points
+    from hybridgemm.autotune_cache.table import make_entry
+
+    points = sample_points(lo, hi)
+    return make_entry(backend, record, m_points=points, ratios=[ratio] * len(points), median_us=median_us,
+                      spread_us=0.1, flinear_us=median_us * ratio)

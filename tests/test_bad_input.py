@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import hybridgemm
 from hybridgemm import AttentionProjection, attention_projection
+from hybridgemm.autotune_cache.table import HybridGemmTableWarning
 from hybridgemm.cli import main as cli_main
 from hybridgemm.kernels.epilogue import Activation, apply_activation
 
@@ -86,7 +87,8 @@ def _results(dev):
         ("leading_dims", _t(2, 3, 4, 16, dev=dev), _t(9, 16, dev=dev), _t(9, dev=dev), "relu"),
         ("float64", _t(3, 8, dev=dev, dtype=torch.float64), _t(5, 8, dev=dev, dtype=torch.float64), None, "gelu"),
         ("huge_k", _t(1, 1 << 17, dev=dev), _t(2, 1 << 17, dev=dev) / 300, _t(2, dev=dev), None),
-        ("m_past_last_bucket", _t(16385, 8, dev=dev), _t(4, 8, dev=dev), _t(4, dev=dev), None),
+        ("m_top_of_last_range", _t(16384, 8, dev=dev), _t(4, 8, dev=dev), _t(4, dev=dev), None),
+        ("m_past_last_range", _t(16385, 8, dev=dev), _t(4, 8, dev=dev), _t(4, dev=dev), None),
     ]
 
 
@@ -126,13 +128,29 @@ def test_requires_grad_combinations(needs, dev):
             torch.testing.assert_close(t.grad, r.grad)
 
 
-def test_cli_errors_are_messages_not_tracebacks(capsys, tmp_path):
+def test_cli_errors_are_messages_not_tracebacks(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDGEMM_CACHE_DIR", str(tmp_path / "user-cache"))
     assert cli_main(["explain", "--x", "4,100", "--w", "8,99"]) == 2
     assert "features" in capsys.readouterr().err
     assert cli_main(["show", str(tmp_path / "missing.json")]) == 1
     assert cli_main(["plot", str(tmp_path / "missing.csv"), "--out", str(tmp_path)]) != 0
     with pytest.raises(SystemExit):
         cli_main(["autotune", "--dtype", "int8"])
+    with pytest.raises(SystemExit):  # removed option
+        cli_main(["autotune", "--shape", "384,512", "--one-process"])
+    capsys.readouterr()
+    # M outside 1..16384: a message (on a machine without a GPU, that one is needed), no tuning
+    for bad_m in ("0", "16385"):
+        assert cli_main(["autotune", "--shape", "384,512", "--m", bad_m, "--out", str(tmp_path / "t.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hybridgemm autotune: ") and "Traceback" not in err
+        assert not (tmp_path / "t.json").exists()
+    # a table that is not a table: a warning and no entries, not a traceback
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\x00\xff not json")
+    with pytest.warns(HybridGemmTableWarning):
+        assert cli_main(["show", str(bad)]) == 0
+    assert f"{bad}: 0 entries" in capsys.readouterr().out
 
 
 @pytest.mark.gpu

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,11 +10,12 @@ import warnings
 import pytest
 import torch
 
-from helpers import check_close_to_reference, make_operands
+from helpers import check_close_to_reference, make_operands, range_entry
 from hybridgemm import dispatch
+from hybridgemm.autotune_cache import tuner
 from hybridgemm.autotune_cache.presets import ProjectionShape
 from hybridgemm.autotune_cache.signature import current_signature
-from hybridgemm.autotune_cache.table import TableKey, TuningTable, make_entry
+from hybridgemm.autotune_cache.table import TableKey, TuningTable
 from hybridgemm.autotune_cache.tuner import keys_for, tune
 from hybridgemm.kernels.epilogue import Epilogue
 from hybridgemm.kernels.problem import Problem
@@ -31,11 +31,19 @@ def _fresh_dispatch(monkeypatch, tmp_path):
     dispatch.set_table_path(None)
 
 
-def _tiny_tune(path, buckets=(1, 64, 512)):
-    keys = keys_for([ProjectionShape("t", 384, 512, True)], list(buckets))
+def _tiny_tune(path, ms=(1, 64, 512)):
+    keys = keys_for([ProjectionShape("t", 384, 512, True)], list(ms))
     table = TuningTable.load(path, signature=current_signature())
     results = tune(keys, table, path, progress=False, log=lambda s: None, jobs=2)  # 2: the parallel compile path
     return keys, results
+
+
+def _one_entry_table(tmp_path, lo, hi, backend, record):
+    table = TuningTable(signature=current_signature())
+    table.set(TableKey("linear", "bf16", "bias", 384, 512, lo, hi, "c"), range_entry(backend, record, lo, hi))
+    path = tmp_path / "t.json"
+    table.save(path)
+    dispatch.set_table_path(path)
 
 
 def test_precompile_builds_every_triton_candidate():
@@ -52,8 +60,14 @@ def test_tune_end_to_end_and_reload(tmp_path):
     path = tmp_path / "table.json"
     keys, results = _tiny_tune(path)
     assert all(r.winner for r in results), [r.rejected for r in results]
-    doc = json.loads(path.read_text())
-    assert len(doc["entries"]) == len(keys)
+    saved = TuningTable.load(path, signature=current_signature(), strict=True)
+    for r in results:  # every decided range saved as decided, timed at both its edges
+        e = saved.lookup(r.key)
+        assert (e["backend"], e["config"]) == (r.winner["backend"], r.winner["config"])
+        assert e["m_points"][0] == r.key.m_lo and e["m_points"][-1] == r.key.m_hi
+        assert e["worst_ratio"] == min(e["ratios"]) and all(0.2 < v < 5 for v in e["ratios"])
+    for key in keys:  # each asked range covered, by itself or by its halves
+        assert tuner.covered(saved, key)
     # resume: nothing left to do
     _, again = _tiny_tune(path)
     assert all(r.skipped for r in again)
@@ -63,43 +77,33 @@ def test_tune_end_to_end_and_reload(tmp_path):
     outs = [subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True,
                            env=dict(os.environ)).stdout for _ in range(2)]
     assert outs[0] == outs[1]
-    # 1, 64 and 300 (bucket 512) are tuned; 2000 (bucket 2048) takes the nearest tuned bucket
-    assert outs[0].count("(table:") == 3 and outs[0].count("(nearest:") == 1, outs[0]
+    # 1, 64 and 300 (range 257-512, or its half) are tuned; 2000 lies in no tuned range: the fallback rule
+    assert outs[0].count("(table:") == 3 and outs[0].count("(rule:") == 1, outs[0]
 
 
-def test_tune_confirms_close_keys_in_a_second_process(tmp_path, monkeypatch):
-    """Every key whose finalists were close got the second process's timings (none fell back
-    to this process alone), and the entries saved are the final decisions. A margin no finalist
-    misses makes every key close here (whether a real one is depends on the timings)."""
-    from hybridgemm.autotune_cache import tuner
-
-    monkeypatch.setattr(tuner, "DUEL_MARGIN", 10.0)
-    path = tmp_path / "table.json"
-    keys, results = _tiny_tune(path, buckets=(1, 16))
-    close = [r for r in results if r.dueled]
-    assert len(close) == len(keys), [(r.key, r.dueled) for r in results]
-    assert all(r.second_process and r.pending is None for r in close)
-    saved = TuningTable.load(path, signature=current_signature())
-    for r in results:
-        e = saved.lookup(r.key)
-        assert (e["backend"], e["config"]) == (r.winner["backend"], r.winner["config"])
-
-
-def test_second_process_times_each_job_and_reports_a_bad_one():
-    from hybridgemm.autotune_cache import second_process, tuner
+def test_an_entry_is_never_run_outside_its_range(tmp_path):
+    """A pinned Triton config for M 257-363 runs at 257, 300 and 363, and nowhere else: 256 and
+    364 go to F.linear (the fallback rule). Checked on the calls' own decisions (the
+    per-problem cache the call path fills), each result against the reference."""
     from hybridgemm.backends import get_backend
 
-    key = TableKey("linear", "bf16", "bias", 384, 512, 16, "c")
-    p = tuner.problem_for(key)
-    finalists = [(name, get_backend(name).candidates(p)[0].to_record()) for name in ("triton_splitk", "triton_gemm")]
-    jobs = [second_process.job_for(key.to_string(), finalists),
-            second_process.job_for(key.to_string(), [("triton_gemm", {"kind": "triton_gemm", "block_m": 7})])]
-    lines = []
-    got = second_process.retime(jobs, torch.cuda.current_device(), log=lines.append)
-    rounds = tuner.DUEL_PLACEMENTS * tuner.PLACEMENT_REPLAYS
-    assert got[0] is not None and len(got[0].ref_us) == rounds and len(got[0].ratios) == 3
-    assert all(len(r) == rounds and all(0 < v < 100 for v in r) for r in got[0].ratios)
-    assert got[1] is None and len(lines) == 1 and "could not time" in lines[0], lines
+    p = Problem(m=300, n=384, k=512, dtype=torch.bfloat16, epilogue=Epilogue.from_name("bias"), ldx=512, ldw=512,
+                ldo=384)
+    record = get_backend("triton_gemm").candidates(p)[0].to_record()
+    _one_entry_table(tmp_path, 257, 363, "triton_gemm", record)
+    ran = {}
+    for m in (1, 256, 257, 300, 363, 364, 2000):
+        x, w, b = make_operands(m, 384, 512, torch.bfloat16, "cuda")
+        y = dispatch.fused_linear(x, w, b)
+        check_close_to_reference(y, x, w, b, None, f"M={m}")
+        choices = dispatch._MODE_CACHES["default"][0]
+        (choice,) = [c for (dev, prob), c in choices.items() if prob.m == m and prob.n == 384]
+        ran[m] = (choice.backend, choice.source, choice.m_lo, choice.m_hi)
+    inside = ("triton_gemm", "table", 257, 363)
+    assert {m: ran[m] == inside for m in ran} == {1: False, 256: False, 257: True, 300: True, 363: True,
+                                                  364: False, 2000: False}, ran
+    assert all(ran[m][:2] == ("torch", "rule") for m in (1, 256, 364, 2000)), ran
+    assert "tuned for M 257-363" in dispatch.explain((300, 512), (384, 512))
 
 
 @pytest.mark.parametrize("backend, record", [
@@ -108,11 +112,13 @@ def test_second_process_times_each_job_and_reports_a_bad_one():
     ("triton_splitk", {"kind": "triton_splitk", "block_m": 16, "block_n": 64, "block_k": 128, "split_k": 4,
                        "num_warps": 4, "num_stages": 3}),
     ("cublaslt", None),
+    ("cublaslt", {}),
+    ("torch", {}),
 ])
 def test_dispatch_runs_each_backend(tmp_path, backend, record):
     m, n, k = 16, 384, 512
     x, w, b = make_operands(m, n, k, torch.bfloat16, "cuda")
-    key = TableKey("linear", "bf16", "bias", n, k, 16, "c")
+    key = TableKey("linear", "bf16", "bias", n, k, 9, 16, "c")
     if record is None:
         from hybridgemm.kernels import cublaslt as lt
 
@@ -120,11 +126,12 @@ def test_dispatch_runs_each_backend(tmp_path, backend, record):
                           ldo=n)
         record = lt.heuristic_algos(problem, count=2)[-1].to_record()  # not the heuristic's first
     table = TuningTable(signature=current_signature())
-    table.set(key, make_entry(backend, record, median_us=10.0, spread_us=0.1))
+    table.set(key, range_entry(backend, record, 9, 16))
     path = tmp_path / "t.json"
     table.save(path)
     dispatch.set_table_path(path)
     assert f"runs {backend}" in dispatch.explain((m, k), (n, k))
+    assert "(table: tuned for M 9-16" in dispatch.explain((m, k), (n, k))
     for _ in range(2):  # slow path, then the cached launcher
         y = dispatch.fused_linear(x, w, b)
         check_close_to_reference(y, x, w, b, None, backend)
@@ -134,11 +141,11 @@ def test_dispatch_runs_each_backend(tmp_path, backend, record):
 
 def test_rejected_entry_warns_once_and_falls_back(tmp_path):
     m, n, k = 16, 384, 512
-    key = TableKey("linear", "bf16", "bias", n, k, 16, "c")
+    key = TableKey("linear", "bf16", "bias", n, k, 9, 16, "c")
     table = TuningTable(signature=current_signature())
     bad = {"kind": "triton_gemm", "block_m": 256, "block_n": 256, "block_k": 256, "group_m": 8, "num_warps": 4,
            "num_stages": 8, "persistent": True, "use_tma": True, "epilogue_subtile": False}  # too much smem
-    table.set(key, make_entry("triton_gemm", bad, median_us=1.0, spread_us=0.1))
+    table.set(key, range_entry("triton_gemm", bad, 9, 16))
     path = tmp_path / "t.json"
     table.save(path)
     dispatch.set_table_path(path)
@@ -182,8 +189,7 @@ def test_o_projection_input_with_a_size_one_seq_dim(backend, tmp_path):
     cands = get_backend(backend).candidates(p)
     record = cands[-1].to_record()  # not the default pick: the table's config must be the one run
     table = TuningTable(signature=current_signature())
-    table.set(TableKey("linear", "bf16", "bias", n, k, 8, "c"), make_entry(backend, record, median_us=10.0,
-                                                                          spread_us=0.1))
+    table.set(TableKey("linear", "bf16", "bias", n, k, 5, 8, "c"), range_entry(backend, record, 5, 8))
     path = tmp_path / "t.json"
     table.save(path)
     dispatch.set_table_path(path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import pytest
@@ -14,27 +13,28 @@ from hybridgemm.autotune_cache.presets import ProjectionShape
 
 
 def test_finalists_are_the_window_clamped():
+    # scores: the least ratio to F.linear over a range's points, higher is better
     assert tuner.finalist_count([]) == 0
-    assert tuner.finalist_count([10.0]) == 1
-    # only one within 6%: still the 3 fastest are re-timed
-    assert tuner.finalist_count([10.0, 20.0, 30.0, 40.0]) == 3
-    # five within 6% (10.6 is at the edge and counts), the 11.0 does not
-    assert tuner.finalist_count([10.0, 10.1, 10.3, 10.5, 10.6, 11.0]) == 5
+    assert tuner.finalist_count([1.0]) == 1
+    # only one within 6% of the best: still the 3 best are re-timed
+    assert tuner.finalist_count([1.2, 1.0, 0.9, 0.8]) == 3
+    # five within 6% of 1.0 (0.94 is at the edge and counts), 0.93 is not
+    assert tuner.finalist_count([1.0, 0.99, 0.97, 0.95, 0.94, 0.93]) == 5
     # never more than MAX_FINALISTS
-    assert tuner.finalist_count([10.0] * 20) == tuner.MAX_FINALISTS
+    assert tuner.finalist_count([1.0] * 20) == tuner.MAX_FINALISTS
 
 
 def test_winner_is_the_preferred_one_among_ties():
-    # (median µs, backend rank, candidate rank)
-    rows = [(10.0, 2, 0), (10.1, 0, 5), (10.2, 1, 0), (11.0, 0, 0)]
-    # 10.1 and 10.2 are within 2% of 10.0; cuBLASLt (rank 0) is preferred; 11.0 is not a tie
+    # (score, (backend rank, candidate rank)); F.linear is rank (-1, 0)
+    rows = [(1.10, (2, 0)), (1.09, (0, 5)), (1.08, (1, 0)), (1.0, tuner.TORCH_RANK)]
+    # 1.09 and 1.08 are within 2% of 1.10; cuBLASLt (rank 0) is preferred; F.linear is not a tie
     assert tuner.pick_winner(rows) == 1
-    # outside the band the fastest wins whatever the preference
-    assert tuner.pick_winner([(10.0, 2, 3), (10.25, 0, 0)]) == 0
-    # the band is 2%: 10.19 is a tie, and the preferred one wins it
-    assert tuner.pick_winner([(10.0, 2, 3), (10.19, 0, 0)]) == 1
+    # a kernel 1.5% faster than F.linear at its worst point is a tie, and F.linear is preferred
+    assert tuner.pick_winner([(1.015, (1, 0)), (1.0, tuner.TORCH_RANK)]) == 1
+    # 2.5% faster everywhere: it replaces F.linear
+    assert tuner.pick_winner([(1.025, (1, 0)), (1.0, tuner.TORCH_RANK)]) == 0
     # within a backend, the backend's own order decides
-    assert tuner.pick_winner([(10.0, 1, 4), (10.05, 1, 2)]) == 1
+    assert tuner.pick_winner([(1.2, (1, 4)), (1.19, (1, 2))]) == 1
     # the same rows in another order pick the same candidate (the rule is order-free)
     rows2 = [rows[3], rows[2], rows[1], rows[0]]
     assert rows2[tuner.pick_winner(rows2)] == rows[1]
@@ -58,17 +58,21 @@ class _FakeBackend:
 
 
 def test_compile_tasks_one_per_distinct_kernel():
-    keys = tuner.keys_for([ProjectionShape("t", 384, 512, True)], [1, 2, 4, 16, 32, 64])
+    # ranges 1, 2, 3-4 (points 3, 4) and 9-16 (points 9, 12, 16)
+    keys = tuner.keys_for([ProjectionShape("t", 384, 512, True)], [1, 2, 4, 16])
+    assert [(k.m_lo, k.m_hi) for k in keys] == [(1, 1), (2, 2), (3, 4), (9, 16)]
     split, tiled, lt = _FakeBackend("triton_splitk", [16, 32]), _FakeBackend("triton_gemm", [64]), \
         _FakeBackend("cublaslt", [1, 2, 3])
     tasks = compile_tasks(keys, [lt, split, tiled])
     assert lt.asked == 0  # cuBLASLt compiles nothing
-    # M classes: 1 (M=1), not-multiple-of-16 (2, 4), multiple of 16 (16, 32, 64) -> 3 per config
+    # M classes over every point of every range: 1 (M=1), not-multiple-of-16 (2, 3, 4, 9, 12),
+    # multiple of 16 (16) -> 3 per config
     assert len(tasks) == 3 * (2 + 1)
-    backends = {b for _, b, _ in tasks}
-    assert backends == {"triton_splitk", "triton_gemm"}
-    for key_text, _, record in tasks:
-        assert TableKey.from_string(key_text) in keys and record["kind"] == "fake"
+    assert {b for _, b, _, _ in tasks} == {"triton_splitk", "triton_gemm"}
+    for key_text, _, record, m in tasks:
+        key = TableKey.from_string(key_text)
+        assert key in keys and key.covers(m) and record["kind"] == "fake"
+    assert sorted({m for *_, m in tasks if m == 1 or m % 16 == 0}) == [1, 16]
 
 
 def test_with_exhaustive_extends_only_cublaslt():
@@ -93,7 +97,8 @@ def test_with_exhaustive_extends_only_cublaslt():
 def test_precompile_with_one_job_does_nothing():
     keys = tuner.keys_for([ProjectionShape("t", 384, 512, True)], [16])
     stats = precompile(keys, [_FakeBackend("triton_gemm", [64])], jobs=1, log=pytest.fail)
-    assert stats == {"kernels": 1, "failed": 0, "seconds": 0.0, "jobs": 1}
+    # range 9-16 is timed at 9, 12 (one specialisation class) and 16 (another): two kernels
+    assert stats == {"kernels": 2, "failed": 0, "seconds": 0.0, "jobs": 1}
 
 
 def test_tune_fails_before_timing_when_the_table_cannot_be_written(tmp_path):
@@ -153,7 +158,7 @@ def test_placements_time_every_call_on_fresh_operands_and_restore_them(monkeypat
 
 
 def test_placement_skews_are_distinct_block_multiples_within_a_segment():
-    skews = [tuner.placement_skew(p) for p in range(tuner.PLACEMENTS + tuner.DUEL_PLACEMENTS)]
+    skews = [tuner.placement_skew(p) for p in range(12)]
     assert skews[0] == 0 and len(set(skews)) == len(skews)
     assert all(s % 512 == 0 and 0 <= s < 2 << 20 for s in skews)
 
@@ -180,140 +185,186 @@ def test_placement_scores_cancel_drift_common_to_a_round(monkeypatch):
     assert other[0] == pytest.approx(2 * ref[0])
 
 
-def test_close_finalists_are_those_within_the_band_plus_the_margin():
-    edge = 1 + tuner.TIE_TOLERANCE + tuner.DUEL_MARGIN
-    assert tuner.close_finalists([10.0, 10.0 * edge * 0.999, 10.0 * edge * 1.001]) == [0, 1]
-    assert tuner.close_finalists([10.25, 10.0, 12.0]) == [0, 1]
-    assert tuner.close_finalists([10.0, 11.0]) == [0]
+# ----------------------------------------------------------------------------- range selection
+
+KEY = TableKey("linear", "bf16", "none", 4096, 4096, 257, 512)
 
 
-def test_pooled_samples_decide_on_every_round_of_both_timings():
-    """A duel's rounds join the first timing's: the re-timed calls' scores use all rounds,
-    the reference's median too; calls not re-timed keep their ratios."""
-    first = tuner.PlacementSamples(ref_us=[10.0, 10.0], ratios=[[1.0, 1.0], [0.5, 0.5], [0.9, 0.9]],
-                                   per_placement=[[10.0], [5.0], [9.0]])
-    more = tuner.PlacementSamples(ref_us=[20.0, 20.0, 20.0], ratios=[[1.0] * 3, [0.6] * 3],
-                                  per_placement=[[20.0], [12.0]])
-    first.pool(more, [1])
-    (ref, ref_spread), (one, one_spread), (two, _) = first.scores()
-    assert ref == 20.0 and ref_spread == 10.0  # median of 10, 10, 20, 20, 20
-    assert one == pytest.approx(0.6 * 20.0) and one_spread == pytest.approx(7.0)  # median ratio of 0.5 x2, 0.6 x3
-    assert two == pytest.approx(0.9 * 20.0)
+def _cand(backend, rank, ratios, final=True, us=10.0):
+    return tuner.Candidate(backend, {"id": rank}, (0 if backend == "cublaslt" else 1, rank), f"{backend}#{rank}",
+                           list(ratios), [us] * len(ratios), [0.1] * len(ratios), final)
 
 
-def _fake_samples(log, first_ratios, duel_ratios):
-    def fake(calls, x, w, xs, ws, outs, placements=tuner.PLACEMENTS, replays=4, first=0):
-        log.append((len(calls), placements, first))
-        ratios = first_ratios if first == 0 else duel_ratios
-        return tuner.PlacementSamples([10.0] * 4, [[r] * 4 for r in ratios[:len(calls)]], [[10.0 * r] for r in ratios])
-    return fake
-
-
-def test_close_finalists_are_timed_again_and_the_pooled_times_decide(monkeypatch):
-    """The preferred candidate (index 2) at +2.3%, outside the band: the close finalists (not
-    the one 20% off) are re-timed on DUEL_PLACEMENTS more placements after the first ones, and
-    the pooled rounds (2.3% x4, 0.5% x4: median 1.4%) put it inside the band."""
-    log = []
-    monkeypatch.setattr(tuner, "placement_samples", _fake_samples(log, [1.0, 1.0, 1.023, 1.2], [1.0, 1.0, 1.005]))
-    samples, close = tuner.time_finalists([lambda i: None] * 4, None, None, [], [], [])
-    assert log == [(4, tuner.PLACEMENTS, 0), (3, tuner.DUEL_PLACEMENTS, tuner.PLACEMENTS)] and close == [1, 2]
-    times = samples.scores()
-    assert times[2][0] == pytest.approx(10.0 * 1.014)
-    assert tuner.pick_winner([(times[1][0], 1, 0), (times[2][0], 0, 0), (times[3][0], 0, 1)]) == 1
-
-
-def test_finalists_not_close_are_timed_once_and_deferred_ones_are_not_retimed_here(monkeypatch):
-    log = []
-    monkeypatch.setattr(tuner, "placement_samples", _fake_samples(log, [1.0, 1.0, 1.05, 1.1], []))
-    samples, close = tuner.time_finalists([lambda i: None] * 4, None, None, [], [], [])
-    assert log == [(4, tuner.PLACEMENTS, 0)] and close == []
-    assert [t for t, _ in samples.scores()] == pytest.approx([10.0, 10.0, 10.5, 11.0])
-    log.clear()
-    monkeypatch.setattr(tuner, "placement_samples", _fake_samples(log, [1.0, 1.0, 1.01, 1.1], []))
-    samples, close = tuner.time_finalists([lambda i: None] * 4, None, None, [], [], [], duel=False)
-    assert log == [(4, tuner.PLACEMENTS, 0)] and close == [1, 2]  # left for the second process
-
-
-class _NamedBackend:
-    def __init__(self, name):
-        self.name = name
-
-    def describe(self, cfg):
-        return f"{self.name}:{cfg.n}"
-
-
-class _RecordConfig:
-    def __init__(self, n):
-        self.n = n
-
-    def to_record(self):
-        return {"n": self.n}
-
-
-def _pending_result(first_ratios):
-    """A KeyResult whose finalists are cuBLASLt (preferred) and Triton, timed by one process."""
-    from hybridgemm.autotune_cache.table import TableKey
-
-    key = TableKey.from_string("linear|bf16|none|N=4096|K=4096|M=256|c")
-    rows = [[0.0, 0.0, 1, 0, _NamedBackend("triton_gemm"), _RecordConfig(1), None],
-            [0.0, 0.0, 0, 0, _NamedBackend("cublaslt"), _RecordConfig(2), None]]
-    samples = tuner.PlacementSamples([10.0] * 4, [[1.0] * 4] + [[r] * 4 for r in first_ratios], [[10.0]] * 3)
-    res = tuner.KeyResult(key, pending=(samples, rows, [], [1, 2]))
-    tuner.decide(res, samples, rows, [])
+def _decided(cands, points=(257, 363, 512)):
+    res = tuner.KeyResult(KEY, m_points=list(points), flinear_us=12.0)
+    tuner.decide(res, cands)
     return res
 
 
-def test_a_second_process_overturns_a_choice_one_process_made_on_its_own_luck():
-    """This process saw cuBLASLt 3% slower than Triton (outside the band: Triton won); the
-    second process sees them equal; pooled (3% x4, 0% x4: 1.5%) they tie and the preferred
-    cuBLASLt wins. The job names exactly the close finalists."""
-    res = _pending_result([1.0, 1.03])
-    assert res.winner["backend"] == "triton_gemm"
-    job = tuner.pending_job(res)
-    assert job == {"key": res.key.to_string(), "calls": [{"backend": "triton_gemm", "config": {"n": 1}},
-                                                          {"backend": "cublaslt", "config": {"n": 2}}]}
-    more = tuner.PlacementSamples([10.0] * 4, [[1.0] * 4, [1.0] * 4, [1.0] * 4], [[10.0]] * 3)
-    tuner.finish_pending(res, more)
-    assert res.winner["backend"] == "cublaslt" and res.second_process and res.pending is None
-    assert res.winner["median_us"] == pytest.approx(10.15)
+def test_f_linear_stays_unless_a_kernel_is_faster_at_every_point():
+    # 20% faster at two points, 5% slower at the low edge: its score is 0.95, so F.linear
+    res = _decided([_cand("triton_gemm", 0, [0.95, 1.2, 1.2])])
+    assert res.winner["backend"] == "torch" and res.ratios == [1.0, 1.0, 1.0] and res.worst_ratio == 1.0
+    assert res.split_hint  # ... but it beat the winner by more than 3% somewhere: the range is halved
+    # 1.5% faster everywhere: within the tie band, F.linear is preferred, and nothing to split for
+    res = _decided([_cand("cublaslt", 1, [1.015, 1.015, 1.015])])
+    assert res.winner["backend"] == "torch" and not res.split_hint
+    # 5% faster at its worst point: it wins, and its own ratios are recorded
+    res = _decided([_cand("triton_gemm", 0, [1.05, 1.1, 1.2]), _cand("cublaslt", 2, [1.0, 1.0, 1.0])])
+    assert res.winner["backend"] == "triton_gemm" and res.ratios == [1.05, 1.1, 1.2] and res.worst_ratio == 1.05
+    assert res.winner["worst_ratio"] == 1.05 and res.runner_up == 1.0
 
 
-def test_without_the_second_process_the_first_decision_stands():
-    res = _pending_result([1.0, 1.03])
-    tuner.finish_pending(res, None)
-    assert res.winner["backend"] == "triton_gemm" and not res.second_process and res.pending is None
+def test_screened_out_candidates_never_win_and_are_kept_as_runners_up():
+    res = _decided([_cand("triton_gemm", 0, [1.05, 1.05, 1.05]), _cand("triton_gemm", 1, [1.5, 1.5, 1.5], final=False)])
+    assert res.winner["backend"] == "triton_gemm" and res.winner["config"] == {"id": 0}
+    # the rest ranked by score: the screened-out one (its screen score), then F.linear
+    assert [(c["backend"], c["config"], c["worst_ratio"]) for c in res.timed] == [
+        ("triton_gemm", {"id": 0}, 1.05), ("triton_gemm", {"id": 1}, 1.5), ("torch", {}, 1.0)]
 
 
-def test_second_process_failures_leave_the_decision_to_this_process(monkeypatch, tmp_path):
-    """A child that cannot time (here: no GPU, exit 2) gives None per job and one log line;
-    a child that times some jobs gives their samples and None, with the reason, for the rest."""
-    from hybridgemm.autotune_cache import second_process
-
-    lines = []
-    jobs = [{"key": "linear|bf16|none|N=64|K=64|M=1|c", "calls": []}] * 2
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert second_process.retime(jobs, 0, log=lines.append) == [None, None]
-    assert len(lines) == 1 and "second process failed (exit 2" in lines[0] and "needs a CUDA GPU" in lines[0]
-
-    script = (
-        "import json, sys; json.dump({'results': [{'ref_us': [5.0], 'ratios': [[1.0], [0.9]],"
-        " 'per_placement': [[5.0], [4.5]]}, {'error': 'ValueError: no'}]}, open(sys.argv[2], 'w'));"
-        " print('done 0'); print('done 1')")
-    monkeypatch.setattr(second_process, "_child_command",
-                        lambda jobs_path, out_path, device: [sys.executable, "-c", script, jobs_path, out_path])
-    lines.clear()
-    seen = []
-    got = second_process.retime(jobs, 0, advance=seen.append, log=lines.append)
-    assert got[0].ratios == [[1.0], [0.9]] and got[1] is None and len(seen) == 2
-    assert lines == [f"second process could not time {jobs[1]['key']}: ValueError: no"]
+def test_the_heuristic_wins_ties_over_pinned_and_triton_configs():
+    heuristic = tuner.Candidate("cublaslt", {}, (0, 0), "heuristic at the exact M", [1.10, 1.10, 1.10],
+                                [9.0] * 3, [0.1] * 3, True)
+    res = _decided([_cand("triton_gemm", 5, [1.11, 1.12, 1.11]), heuristic, _cand("cublaslt", 3, [1.1, 1.11, 1.1])])
+    assert res.winner["backend"] == "cublaslt" and res.winner["config"] == {}
 
 
-def test_a_hung_second_process_is_killed_at_its_time_limit(monkeypatch):
-    from hybridgemm.autotune_cache import second_process
+def test_entry_of_records_the_range_points_and_ratios():
+    res = _decided([_cand("triton_gemm", 0, [1.05, 1.1, 1.2])])
+    e = tuner.entry_of(res)
+    assert e["m_points"] == [257, 363, 512] and e["ratios"] == [1.05, 1.1, 1.2] and e["worst_ratio"] == 1.05
+    assert e["flinear_us"] == 12.0 and e["candidates"][0]["worst_ratio"] == 1.05
+    from hybridgemm.autotune_cache.table import normalize_entry
 
-    monkeypatch.setattr(second_process, "_child_command",
-                        lambda jobs_path, out_path, device: [sys.executable, "-c", "import time; time.sleep(60)"])
-    lines = []
-    jobs = [{"key": "linear|bf16|none|N=64|K=64|M=1|c", "calls": []}]
-    assert second_process.retime(jobs, 0, log=lines.append, timeout_s=1.0) == [None]
-    assert len(lines) == 1 and "killed" in lines[0] and "limit is 1 s" in lines[0], lines
+    assert normalize_entry(e, KEY) == e  # valid for its key's range
+
+
+def test_a_range_one_config_cannot_serve_is_halved_and_each_half_tuned(monkeypatch):
+    measured = []
+
+    def fake_measure(key, backends, res):
+        measured.append((key.m_lo, key.m_hi))
+        res.m_points = tuner.sample_points(key.m_lo, key.m_hi)
+        res.flinear_us = 10.0
+        n = len(res.m_points)
+        if (key.m_lo, key.m_hi) == (257, 512):  # fast at the top, slow at the low edge
+            return [_cand("triton_gemm", 0, [0.9] + [1.2] * (n - 1))]
+        if key.m_lo == 257:
+            return [_cand("triton_gemm", 0, [0.95] * n)]
+        return [_cand("triton_gemm", 0, [1.2] * n)]
+
+    monkeypatch.setattr(tuner, "measure_range", fake_measure)
+    monkeypatch.setattr(tuner, "validate", lambda key, res, winner, backends: True)
+    out = tuner.tune_range(KEY, [], split_depth=1)
+    assert measured == [(257, 512), (257, 363), (364, 512)]
+    assert [(r.key.m_lo, r.key.m_hi, r.winner["backend"]) for r in out] == [(257, 363, "torch"),
+                                                                          (364, 512, "triton_gemm")]
+    measured.clear()
+    assert len(tuner.tune_range(KEY, [], split_depth=0)) == 1 and measured == [(257, 512)]
+    measured.clear()  # ranges narrower than MIN_SPLIT_WIDTH are never halved
+    assert len(tuner.tune_range(KEY.with_range(5, 8), [], split_depth=3)) == 1 and measured == [(5, 8)]
+
+
+def test_covered_needs_every_m_of_the_range():
+    from test_table import SIG
+
+    from hybridgemm.autotune_cache.table import TuningTable, make_entry
+
+    def entry(lo, hi):
+        pts = tuner.sample_points(lo, hi)
+        return make_entry("torch", {}, m_points=pts, ratios=[1.0] * len(pts), median_us=1.0, spread_us=0.0)
+
+    t = TuningTable(dict(SIG))
+    assert not tuner.covered(t, KEY)
+    t.set(KEY.with_range(257, 363), entry(257, 363))
+    assert not tuner.covered(t, KEY)
+    t.set(KEY.with_range(364, 512), entry(364, 512))
+    assert tuner.covered(t, KEY)
+    t.set(KEY.with_range(300, 300), entry(300, 300))  # drops 257-363: a hole at 257-299 and 301-363
+    assert not tuner.covered(t, KEY)
+
+
+def test_keys_for_takes_any_m_and_tunes_the_ranges_holding_them():
+    keys = tuner.keys_for([ProjectionShape("t", 384, 512, False)], [1, 300, 333, 16384])
+    assert [(k.m_lo, k.m_hi) for k in keys] == [(1, 1), (257, 512), (8193, 16384)]
+    assert len(tuner.keys_for([ProjectionShape("t", 384, 512, False)])) == 15
+
+
+class _ListBackend:
+    def __init__(self, name, per_m):
+        self.name, self.per_m = name, per_m
+
+    def candidates(self, problem):
+        return [_Cfg(b) for b in self.per_m(problem.m)]
+
+
+def test_candidates_are_the_union_over_the_points_with_the_heuristic_first():
+    pts = [tuner._Point(m, tuner.problem_for(KEY, m), *([None] * 6), None, None, 0.0) for m in (257, 363, 512)]
+    lt = _ListBackend("cublaslt", lambda m: [m, m + 1, m + 2])
+    tiled = _ListBackend("triton_gemm", lambda m: [64, 128] if m > 300 else [32])
+    rejected = []
+    cands = tuner.gather_candidates([lt, tiled], pts, rejected)
+    recs = [(c.backend, c.record.get("block")) for c in cands]
+    # cuBLASLt: its heuristic ({}), every algorithm ranked at the top point, the first two of
+    # the others' (at most MAX_PINNED_CUBLASLT = 6 pinned: 364 is cut); then Triton's at the
+    # top point, then those only another point lists
+    assert tuner.MAX_PINNED_CUBLASLT == 6
+    assert recs == [("cublaslt", None), ("cublaslt", 512), ("cublaslt", 513), ("cublaslt", 514),
+                    ("cublaslt", 257), ("cublaslt", 258), ("cublaslt", 363),
+                    ("triton_gemm", 64), ("triton_gemm", 128), ("triton_gemm", 32)]
+    assert cands[0].record == {} and rejected == []
+    assert [c.rank for c in cands] == sorted(c.rank for c in cands)
+
+
+def test_a_winner_that_fails_validation_is_replaced(monkeypatch):
+    """Validation (the winner beside F.linear at many more M of the range) can reject a
+    winner: without a split left, the next eligible finalist is validated, and after
+    MAX_VALIDATED failures F.linear serves the range; with a split left, F.linear holds the
+    whole range and the halves are tuned."""
+    def fake_measure(key, backends, res):
+        res.m_points = tuner.sample_points(key.m_lo, key.m_hi)
+        res.flinear_us = 10.0
+        n = len(res.m_points)
+        return [_cand("triton_splitk", 0, [1.2] * n), _cand("triton_splitk", 1, [1.19] * n),
+                _cand("cublaslt", 2, [1.1] * n)]
+
+    tried = []
+
+    def fake_validate(key, res, winner, backends):
+        tried.append(winner.record["id"])
+        return winner.record["id"] in passes
+
+    monkeypatch.setattr(tuner, "measure_range", fake_measure)
+    monkeypatch.setattr(tuner, "validate", fake_validate)
+    small = KEY.with_range(5, 8)  # too narrow to halve
+    passes = {2}
+    # the preferred of the two tied split-K configs (rank 0), then the other, then F.linear:
+    # the cuBLASLt one (1.1) is outside the tie band of the best and is never tried
+    (res,) = tuner.tune_range(small, [], split_depth=1)
+    assert tried == [0, 1] and res.winner["backend"] == "torch" and res.worst_ratio == 1.0
+    tried.clear()
+    passes = {1}
+    (res,) = tuner.tune_range(small, [], split_depth=1)
+    assert tried == [0, 1] and res.winner["config"] == {"id": 1}
+    tried.clear()
+    passes = set()  # a wide range: F.linear for the whole, then each half on its own (two tries
+    # each), and the two halves that both fell back to F.linear are joined again
+    out = tuner.tune_range(KEY, [], split_depth=1)
+    assert tried == [0, 0, 1, 0, 1]
+    assert [(r.key.m_lo, r.key.m_hi, r.winner["backend"]) for r in out] == [(257, 512, "torch")]
+    assert out[0].m_points == [257, 305, 363, 364, 432, 512]  # sqrt(257 * 363) = 305.4
+
+
+def test_halves_that_chose_the_same_kernel_are_joined():
+    a = _decided([_cand("triton_gemm", 0, [1.05, 1.1, 1.2])], points=(257, 310, 363))
+    a.key = KEY.with_range(257, 363)
+    b = _decided([_cand("triton_gemm", 0, [1.07, 1.1, 1.1])], points=(364, 432, 512))
+    b.key = KEY.with_range(364, 512)
+    (joined,) = tuner.merge_results([a, b])
+    assert (joined.key.m_lo, joined.key.m_hi) == (257, 512)
+    assert joined.m_points == [257, 310, 363, 364, 432, 512] and joined.worst_ratio == 1.05
+    assert tuner.entry_of(joined)["worst_ratio"] == 1.05
+    c = _decided([_cand("triton_gemm", 1, [1.07, 1.1, 1.1])], points=(364, 432, 512))
+    c.key = KEY.with_range(364, 512)
+    assert len(tuner.merge_results([a, c])) == 2  # another config: kept apart

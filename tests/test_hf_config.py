@@ -1,0 +1,332 @@
+"""Projection shapes from Hugging Face config.json files (``preset_from_hf_config`` and
+``hybridgemm autotune --hf-config``). CPU only: the configs are written to tmp_path, and
+every expected shape is worked out by hand from the config's figures."""
+
+import json
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+from hybridgemm.autotune_cache.presets import preset_from_hf_config
+from hybridgemm.cli import main
+
+# Trimmed from the models' published config.json files (the fields that matter, plus a few
+# that must be ignored).
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 8192,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.40.0.dev0",
+    "use_cache": True, "vocab_size": 128256,
+}
+QWEN25_7B = {  # no bias field: Qwen2 attention hard-codes q/k/v bias and no o bias
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+    "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
+    "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 152064,
+}
+GPT2 = {
+    "activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.1,
+    "bos_token_id": 50256, "embd_pdrop": 0.1, "eos_token_id": 50256, "initializer_range": 0.02,
+    "layer_norm_epsilon": 1e-05, "model_type": "gpt2", "n_ctx": 1024, "n_embd": 768, "n_head": 12,
+    "n_layer": 12, "n_positions": 1024, "resid_pdrop": 0.1, "vocab_size": 50257,
+}
+GEMMA_7B = {  # head_dim 256 although hidden / heads = 192
+    "architectures": ["GemmaForCausalLM"], "bos_token_id": 2, "eos_token_id": 1, "head_dim": 256,
+    "hidden_act": "gelu", "hidden_size": 3072, "intermediate_size": 24576, "max_position_embeddings": 8192,
+    "model_type": "gemma", "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 16,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "vocab_size": 256000,
+}
+GEMMA3_4B = {  # multimodal: the language model's figures sit under text_config
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "model_type": "gemma3",
+    "mm_tokens_per_image": 256,
+    "text_config": {
+        "head_dim": 256, "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+        "num_attention_heads": 8, "num_hidden_layers": 34, "num_key_value_heads": 4,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+    },
+    "vision_config": {
+        "hidden_size": 1152, "image_size": 896, "intermediate_size": 4304, "model_type": "siglip_vision_model",
+        "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14,
+    },
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+}
+FALCON_7B = {  # multi_query: one K/V head shared by all 71 query heads
+    "architectures": ["FalconForCausalLM"], "bias": False, "hidden_size": 4544, "model_type": "falcon",
+    "multi_query": True, "n_head": 71, "n_layer": 32, "new_decoder_architecture": False, "parallel_attn": True,
+    "vocab_size": 65024,
+}
+
+
+def write(tmp_path, cfg, name="config.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg) if not isinstance(cfg, str) else cfg)
+    return path
+
+
+def shapes(preset):
+    return {p.name: (p.n, p.k, p.bias) for p in preset.projections}
+
+
+def test_llama3_8b(tmp_path):
+    p = preset_from_hf_config(write(tmp_path, LLAMA3_8B))
+    # 32 heads * 128 = 4096; 8 kv heads * 128 = 1024; qkv = 4096 + 2 * 1024 = 6144.
+    assert shapes(p) == {
+        "q": (4096, 4096, False), "kv": (1024, 4096, False),
+        "qkv": (6144, 4096, False), "o": (4096, 4096, False),
+    }
+    assert (p.hidden, p.heads, p.kv_heads, p.head_dim) == (4096, 32, 8, 128)
+    assert p.name == "llama"
+
+
+def test_qwen25_7b_bias_on_qkv_only(tmp_path):
+    p = preset_from_hf_config(write(tmp_path, QWEN25_7B))
+    # head_dim = 3584 / 28 = 128; kv = 4 * 128 = 512; qkv = 3584 + 2 * 512 = 4608.
+    assert shapes(p) == {
+        "q": (3584, 3584, True), "kv": (512, 3584, True),
+        "qkv": (4608, 3584, True), "o": (3584, 3584, False),
+    }
+
+
+def test_gpt2_old_field_names_and_bias(tmp_path):
+    p = preset_from_hf_config(write(tmp_path, GPT2))
+    # n_embd 768, n_head 12, no kv field -> 12 kv heads of 64: qkv = 3 * 768 = 2304.
+    assert shapes(p) == {
+        "q": (768, 768, True), "kv": (768, 768, True),
+        "qkv": (2304, 768, True), "o": (768, 768, True),
+    }
+
+
+def test_explicit_head_dim_differs_from_hidden_over_heads(tmp_path):
+    p = preset_from_hf_config(write(tmp_path, GEMMA_7B))
+    # 16 heads * 256 = 4096 (not 3072); o maps 4096 back to 3072.
+    assert shapes(p) == {
+        "q": (4096, 3072, False), "kv": (4096, 3072, False),
+        "qkv": (12288, 3072, False), "o": (3072, 4096, False),
+    }
+
+
+def test_null_head_dim_is_derived(tmp_path):
+    p = preset_from_hf_config(write(tmp_path, {**LLAMA3_8B, "head_dim": None}))
+    assert p.head_dim == 128 and shapes(p)["qkv"] == (6144, 4096, False)
+
+
+def test_model_directory(tmp_path):
+    model_dir = tmp_path / "Meta-Llama-3-8B"
+    model_dir.mkdir()
+    write(model_dir, {k: v for k, v in LLAMA3_8B.items() if k != "model_type"})
+    (model_dir / "model.safetensors").write_bytes(b"")
+    p = preset_from_hf_config(model_dir)
+    assert shapes(p)["qkv"] == (6144, 4096, False)
+    assert p.name == "meta-llama-3-8b"  # no _name_or_path, no model_type: the directory's name
+    assert preset_from_hf_config(str(model_dir)) == p
+
+
+def test_text_config_of_multimodal_model(tmp_path):
+    p = preset_from_hf_config(write(tmp_path, GEMMA3_4B))
+    # From text_config, not vision_config: 8 * 256 = 2048, 4 * 256 = 1024, 2048 + 2 * 1024 = 4096.
+    assert shapes(p) == {
+        "q": (2048, 2560, False), "kv": (1024, 2560, False),
+        "qkv": (4096, 2560, False), "o": (2560, 2048, False),
+    }
+    assert p.name == "gemma3"
+
+
+def test_multi_query_means_one_kv_head(tmp_path):
+    p = preset_from_hf_config(write(tmp_path, FALCON_7B))
+    # 4544 / 71 = 64; qkv = (71 + 2) * 64 = 4672; bias field false.
+    assert shapes(p) == {
+        "q": (4544, 4544, False), "kv": (64, 4544, False),
+        "qkv": (4672, 4544, False), "o": (4544, 4544, False),
+    }
+
+
+def test_bias_fields_beat_model_type(tmp_path):
+    assert shapes(preset_from_hf_config(write(tmp_path, {**LLAMA3_8B, "attention_bias": True})))["o"] == \
+        (4096, 4096, True)
+    assert shapes(preset_from_hf_config(write(tmp_path, {**GPT2, "bias": False})))["qkv"] == (2304, 768, False)
+    qkv_only = {**LLAMA3_8B, "model_type": "somenewmodel", "qkv_bias": True}
+    del qkv_only["attention_bias"]
+    s = shapes(preset_from_hf_config(write(tmp_path, qkv_only)))
+    assert s["qkv"] == (6144, 4096, True) and s["o"] == (4096, 4096, False)
+
+
+def test_name_from_name_or_path_is_made_safe(tmp_path):
+    p = preset_from_hf_config(write(tmp_path, {**QWEN25_7B, "_name_or_path": "Qwen/Qwen2.5 7B:Instruct"}))
+    assert p.name == "qwen2.5-7b-instruct"
+
+
+# --- errors: one-line ValueErrors naming the file and the field ---------------------------
+
+def raises(path, *needles):
+    with pytest.raises(ValueError) as info:
+        preset_from_hf_config(path)
+    msg = str(info.value)
+    assert "\n" not in msg
+    for needle in needles:
+        assert needle in msg, msg
+    return msg
+
+
+def test_missing_file(tmp_path):
+    raises(tmp_path / "nope.json", str(tmp_path / "nope.json"), "no such file")
+
+
+def test_directory_without_config(tmp_path):
+    raises(tmp_path, str(tmp_path / "config.json"), "no config.json")
+
+
+def test_invalid_json(tmp_path):
+    raises(write(tmp_path, '{"hidden_size": 4096,'), "config.json", "not valid JSON", "line 1")
+
+
+def test_not_utf8(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(b'{"model_type": "\xff"}')
+    raises(path, "config.json", "UTF-8")
+
+
+def test_list_at_top_level(tmp_path):
+    raises(write(tmp_path, [LLAMA3_8B]), "config.json", "JSON object", "list")
+
+
+def test_text_config_not_an_object(tmp_path):
+    raises(write(tmp_path, {**LLAMA3_8B, "text_config": [1]}), "config.json", "text_config")
+
+
+def test_missing_hidden_size(tmp_path):
+    cfg = {k: v for k, v in LLAMA3_8B.items() if k != "hidden_size"}
+    raises(write(tmp_path, cfg), "config.json", "hidden_size", "missing", "n_embd", "d_model")
+
+
+def test_missing_hidden_size_in_text_config(tmp_path):
+    cfg = {**GEMMA3_4B, "text_config": {"model_type": "llama", "num_attention_heads": 32}}
+    raises(write(tmp_path, cfg), "text_config.hidden_size", "missing")
+
+
+def test_missing_heads(tmp_path):
+    cfg = {k: v for k, v in LLAMA3_8B.items() if k != "num_attention_heads"}
+    raises(write(tmp_path, cfg), "num_attention_heads", "missing")
+
+
+def test_heads_not_divisible_by_kv_heads(tmp_path):
+    raises(write(tmp_path, {**LLAMA3_8B, "num_key_value_heads": 5}), "config.json", "num_key_value_heads",
+           "32", "5")
+
+
+def test_hidden_not_divisible_by_heads_without_head_dim(tmp_path):
+    raises(write(tmp_path, {**LLAMA3_8B, "num_attention_heads": 24, "num_key_value_heads": 8,
+                            "hidden_size": 4100}), "num_attention_heads", "4100", "head_dim")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("hidden_size", -4096), ("hidden_size", 0), ("num_attention_heads", -32), ("num_key_value_heads", -8),
+    ("head_dim", -128), ("hidden_size", 2**40),
+])
+def test_non_positive_or_huge_values(tmp_path, field, value):
+    raises(write(tmp_path, {**LLAMA3_8B, field: value}), "config.json", field, str(value))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("hidden_size", True), ("num_attention_heads", False), ("num_key_value_heads", True), ("head_dim", True),
+    ("hidden_size", 4096.0), ("hidden_size", "4096"), ("num_attention_heads", [32]),
+])
+def test_wrong_types_where_ints_are_expected(tmp_path, field, value):
+    raises(write(tmp_path, {**LLAMA3_8B, field: value}), "config.json", field, "positive integer")
+
+
+def test_bias_field_not_a_bool(tmp_path):
+    raises(write(tmp_path, {**LLAMA3_8B, "attention_bias": "yes"}), "attention_bias", "true or false")
+
+
+def test_unknown_model_without_bias_field(tmp_path):
+    cfg = {k: v for k, v in LLAMA3_8B.items() if k != "attention_bias"}
+    raises(write(tmp_path, {**cfg, "model_type": "brandnew"}), "config.json", "attention_bias", "brandnew")
+
+
+def test_too_large_file(tmp_path):
+    path = tmp_path / "config.json"
+    with open(path, "wb") as f:
+        f.truncate(16 * 1024 * 1024 + 1)  # sparse: costs no disk
+    raises(path, "config.json", "too large")
+
+
+def test_wrong_path_types(tmp_path):
+    raises(None, "str or path")
+    raises("", "empty")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("as_dir", [False, True])
+def test_fifo_is_refused_without_blocking(tmp_path, as_dir):
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    result = {}
+
+    def load():
+        try:
+            preset_from_hf_config(tmp_path if as_dir else fifo)
+        except ValueError as e:
+            result["msg"] = str(e)
+
+    # In a thread, so a regression shows as a failure rather than a hung test run.
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(timeout=5)
+    if t.is_alive():  # unblock the stuck open() by opening the write end, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("preset_from_hf_config blocked on a FIFO")
+    assert "not a regular file" in result["msg"] and "config.json" in result["msg"]
+
+
+# --- the command line -------------------------------------------------------------------
+
+def test_cli_help_lists_hf_config(capsys):
+    with pytest.raises(SystemExit):
+        main(["autotune", "--help"])
+    assert "--hf-config PATH" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content", ['{"hidden_size": 4096', '[]', json.dumps({**LLAMA3_8B,
+                                                                             "num_key_value_heads": 5})])
+def test_cli_bad_config_is_a_message_not_a_traceback(tmp_path, capsys, content):
+    bad = write(tmp_path, content)
+    assert main(["autotune", "--hf-config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridgemm autotune: ") and str(bad) in err
+    assert "Traceback" not in err and "needs a CUDA GPU" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_cli_missing_config(tmp_path, capsys):
+    assert main(["autotune", "--model", "llama3-8b", "--hf-config", str(tmp_path / "gone")]) == 2
+    err = capsys.readouterr().err
+    assert "no such file" in err and "needs a CUDA GPU" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_cli_good_config_then_needs_gpu(tmp_path, capsys):
+    good = write(tmp_path, QWEN25_7B)
+    assert main(["autotune", "--hf-config", str(good), "--hf-config", str(good)]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "Traceback" not in err
+
+
+def test_cli_without_any_shape_mentions_hf_config(capsys):
+    assert main(["autotune"]) == 2
+    assert "--hf-config PATH" in capsys.readouterr().err
+
+
+def test_no_transformers_import(tmp_path):
+    """The reader works without transformers: it must not import it."""
+    had = "transformers" in sys.modules
+    preset_from_hf_config(write(tmp_path, LLAMA3_8B))
+    assert had or "transformers" not in sys.modules

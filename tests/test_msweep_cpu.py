@@ -1,0 +1,257 @@
+"""The M sweep (perf/bench_msweep.py) without a GPU: the M list, the shape dedupe across
+presets, the summary's numbers on hand-made rows, the figure from a small CSV, and the
+command lines' answer on a machine without a GPU."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hybridgemm.perf import bench_msweep as MS
+from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser
+from hybridgemm.perf.csvio import read_rows
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _cli(*argv):
+    ap = argparse.ArgumentParser(prog="hybridgemm")
+    sub = ap.add_subparsers(dest="command", required=True)
+    add_bench_parser(sub)
+    add_plot_parser(sub)
+    args = ap.parse_args(list(argv))
+    return args.fn(args)
+
+
+# ----------------------------------------------------------------------------- M values
+
+
+def test_log_spaced_m_count_range_and_spacing():
+    ms = MS.m_values(points=64, random=0, m_max=16384)
+    got = [m for m, s in ms if s == "log"]
+    assert len(got) == len(ms)  # random=0: only log points
+    assert got == sorted(set(got)) and got[0] == 1 and got[-1] == 16384
+    assert all(1 <= m <= 16384 for m in got)
+    # rounding merges neighbours below ~7 (1, 2, ..., 7 each once): 57 of the 64 remain
+    assert len(got) == 57 and got[:7] == [1, 2, 3, 4, 5, 6, 7]
+    # log spacing: above rounding noise, consecutive points are one geometric step apart
+    step = math.log(16384) / 63
+    big = [m for m in got if m >= 100]
+    assert len(big) > 20
+    for a, b in zip(big, big[1:]):
+        assert abs(math.log(b / a) - step) < 0.01, (a, b)
+
+
+def test_random_m_reproducible_disjoint_and_in_range():
+    a = MS.m_values(points=64, random=64, seed=7, m_max=16384)
+    assert a == MS.m_values(points=64, random=64, seed=7, m_max=16384)  # same seed, same M
+    assert a != MS.m_values(points=64, random=64, seed=8, m_max=16384)
+    log_set = {m for m, s in a if s == "log"}
+    rnd = [m for m, s in a if s == "random"]
+    assert not log_set & set(rnd) and len(rnd) == len(set(rnd))  # disjoint, no repeats
+    assert 0 < len(rnd) <= 64 and all(1 <= m <= 16384 for m in rnd)
+    assert [m for m, _ in a] == sorted(m for m, _ in a)
+    assert len(log_set) == 57  # the random ones never displace log points
+    # log-uniform: about as many below sqrt(m_max) = 128 as above it (64 draws; loose bounds)
+    assert 10 <= sum(m < 128 for m in rnd) and 10 <= sum(m > 128 for m in rnd)
+    # the draws themselves follow the seed: the same as drawing by hand with numpy
+    hand = np.rint(np.exp(np.random.default_rng(7).uniform(0, math.log(16384), 64))).astype(int)
+    assert set(rnd) == {int(m) for m in hand} - log_set
+
+
+def test_m_values_edges_and_bad_arguments():
+    assert MS.m_values(points=5, random=3, m_max=1) == [(1, "log")]
+    assert MS.m_values(points=0, random=0) == []
+    only_random = MS.m_values(points=0, random=16, seed=1, m_max=1000)
+    assert only_random and all(s == "random" and 1 <= m <= 1000 for m, s in only_random)
+    for bad in (dict(m_max=0), dict(points=-1), dict(random=-2)):
+        with pytest.raises(ValueError):
+            MS.m_values(**bad)
+
+
+def test_quick_and_default_arguments(tmp_path):
+    a = MS.parse_args(["--out", str(tmp_path)])
+    assert (a.points, a.random, a.placements, a.replays, a.m_max, a.dtype, a.model) == (64, 64, 2, 3, 16384, "bf16",
+                                                                                       None)
+    q = MS.parse_args(["--out", str(tmp_path), "--quick", "--model", "Llama3_8B"])
+    assert (q.placements, q.replays) == (1, 3) and q.points < 64 and q.random < 64 and q.model == ["llama3-8b"]
+    for bad in (["--out", "d", "--model", "gpt-9"], ["--out", "d", "--m-max", "0"], ["--out", "d", "--points", "0",
+                "--random", "0"], []):
+        with pytest.raises(SystemExit):
+            MS.parse_args(bad)
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+def test_shapes_shared_by_presets_are_one_row_set_with_every_name():
+    shapes = MS.sweep_shapes(["llama3-8b", "mistral-7b"])
+    assert [(s.n, s.k, s.bias) for s in shapes] == [(4096, 4096, False), (1024, 4096, False), (6144, 4096, False)]
+    assert all(s.models == ("llama3-8b", "mistral-7b") for s in shapes)
+    assert [s.projections for s in shapes] == [("q", "o"), ("kv",), ("qkv",)]
+    assert shapes[0].label == "4096 x 4096 — llama3-8b, mistral-7b"
+
+
+def test_all_presets_deduplicated_bias_kept_apart():
+    shapes = MS.sweep_shapes()
+    keys = [(s.n, s.k, s.bias) for s in shapes]
+    assert len(keys) == len(set(keys)) == 12
+    by_key = {(s.n, s.k, s.bias): s for s in shapes}
+    assert by_key[(768, 768, True)].models == ("bert-base", "gpt2")
+    assert by_key[(768, 768, True)].projections == ("q", "kv", "o")
+    # qwen2.5's q (with bias) and o (without) share N x K but are different problems
+    assert by_key[(3584, 3584, True)].projections == ("q",) and by_key[(3584, 3584, False)].projections == ("o",)
+    assert by_key[(768, 768, True)].label == "768 x 768 (+bias) — bert-base, gpt2"
+
+
+def test_gpu_label():
+    assert MS.gpu_label("NVIDIA H200") == "h200" and MS.gpu_label("NVIDIA H200 NVL") == "h200"
+    assert MS.gpu_label("NVIDIA A100-SXM4-80GB") == "nvidia-a100-sxm4-80gb"
+    assert MS.gpu_label("???") == "gpu"
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def _hand_rows():
+    """Two shapes; A's rows as CSV text, B's as numbers, one row without a time."""
+    a = dict(models="llama3-8b;mistral-7b", projection="kv", n="1024", k="4096", bias="False", dtype="bf16")
+    b = dict(models="bert-base;gpt2", projection="q/kv/o", n=768, k=768, bias=True, dtype="bf16")
+    return [
+        dict(a, m="1", sample="log", speedup="2.0"),
+        dict(a, m="8", sample="random", speedup="0.5"),
+        dict(a, m="100", sample="log", speedup="1.0"),
+        dict(a, m="20", sample="random", speedup="1.0"),
+        dict(b, m=1, sample="log", speedup=4.0),
+        dict(b, m=16, sample="log", speedup=0.25),
+        dict(b, m=5000, sample="random", speedup=0.96),
+        dict(b, m=64, sample="log", speedup=""),  # not measured: counted apart, in no mean
+    ]
+
+
+def test_summarize_hand_computed():
+    s = MS.summarize(_hand_rows())
+    assert s["rows"] == 7 and s["unmeasured"] == 1
+    assert s["min"] == {"speedup": 0.25, "shape": "768 x 768 (+bias) — bert-base, gpt2", "m": 16}
+    # all: 2 * 0.5 * 1 * 1 * 4 * 0.25 * 0.96 = 0.96 over 7 rows
+    assert s["geomean_all"] == pytest.approx(0.96 ** (1 / 7), rel=1e-12)
+    # sample=log: 2 * 1 * 4 * 0.25 = 2 over 4 rows
+    assert s["n_log"] == 4 and s["geomean_log"] == pytest.approx(2 ** (1 / 4), rel=1e-12)
+    # M <= 16: 2 * 0.5 * 4 * 0.25 = 1 over 4 rows (A's M=1, 8; B's M=1, 16)
+    assert s["n_small_m"] == 4 and s["geomean_small_m"] == pytest.approx(1.0, rel=1e-12)
+    assert s["below"] == 3  # 0.5, 0.25 and 0.96 are under 0.97
+    (sa, sb) = s["shapes"]
+    assert sa["shape"] == "1024 x 4096 — llama3-8b, mistral-7b" and sb["shape"].startswith("768 x 768 (+bias)")
+    assert (sa["rows"], sa["min"], sa["min_m"]) == (4, 0.5, 8) and sa["geomean"] == pytest.approx(1.0, rel=1e-12)
+    assert (sb["rows"], sb["min"], sb["min_m"]) == (3, 0.25, 16)
+    assert sb["geomean"] == pytest.approx(0.96 ** (1 / 3), rel=1e-12)
+    text = "\n".join(MS.summary_lines(s))
+    assert "minimum speedup: 0.250x at M=16 (768 x 768 (+bias) — bert-base, gpt2)" in text
+    assert "rows below 0.97x: 3" in text and "1024 x 4096 — llama3-8b, mistral-7b" in text
+
+
+def test_summarize_without_rows():
+    s = MS.summarize([])
+    assert s["rows"] == 0 and s["min"] is None and math.isnan(s["geomean_all"]) and s["below"] == 0
+    assert MS.summary_lines(s)[-1] == "no measured rows"
+
+
+def test_csv_round_trip_keeps_the_summary(tmp_path):
+    rows = [dict(r, m=int(r["m"]), speedup=float(r["speedup"] or "nan")) for r in _hand_rows()]
+    path = tmp_path / "m_sweep_h200.csv"
+    MS.write_csv(path, rows)
+    back = read_rows(str(path))
+    assert list(back[0]) == list(MS.COLUMNS) and len(back) == len(rows)
+    assert MS.summarize(back) == MS.summarize(_hand_rows())
+
+
+def test_run_sweep_bookkeeping_with_a_fake_measurement(monkeypatch):
+    """The check runs once per shape at the swept M closest to 333; failures are collected;
+    rows are handed to on_shape after each shape."""
+    calls = []
+
+    def fake(shape, m, sample, dtype, placements, replays, check=False, extra=None):
+        calls.append((shape.n, m, check))
+        bad = check and shape.n == 512
+        return {**(extra or {}), "n": shape.n, "m": m, "sample": sample, "speedup": 1.0, "flinear_us": 2.0,
+                "dispatched_us": 2.0, "backend": "cublaslt", "source": "table", "range": "",
+                "check": ("FAILED (rel err 1e-01 > 3e-03)" if bad else "ok (rel err 1e-03 <= 3e-03)") if check else ""}
+
+    monkeypatch.setattr(MS, "measure_point", fake)
+    shapes = [MS.SweepShape(1024, 4096, False, ("m",), ("kv",)), MS.SweepShape(512, 3584, True, ("q",), ("kv",))]
+    saved = []
+    res = MS.run_sweep(shapes, [(1, "log"), (300, "random"), (4000, "log")], progress=False, log=lambda s: None,
+                       on_shape=lambda rows: saved.append(len(rows)))
+    assert [c for c in calls if c[2]] == [(1024, 300, True), (512, 300, True)]
+    assert len(res.rows) == 6 and saved == [3, 6]
+    assert len(res.failed) == 1 and "512 x 3584 (+bias)" in res.failed[0] and "M=300" in res.failed[0]
+
+
+# ----------------------------------------------------------------------------- figure
+
+
+def _fixture_csv(path):
+    rows = []
+    for n, k, bias, models, base in ((1024, 4096, False, "llama3-8b;mistral-7b", 1.1),
+                                      (768, 768, True, "bert-base;gpt2", 0.99)):
+        for i, m in enumerate((1, 3, 17, 100, 333, 2048, 16384)):
+            sp = base + 0.03 * math.sin(i)
+            rows.append(dict(models=models, projection="kv", n=n, k=k, bias=bias, dtype="bf16", m=m,
+                             sample="log" if i % 2 == 0 else "random", dispatched_us=10.0 / sp, flinear_us=10.0,
+                             speedup=sp, backend="cublaslt", source="table", range="", validated_worst="",
+                             placements=2, replays=3, date="2025-01-01", commit="abc1234"))
+    MS.write_csv(path, rows)
+    return path
+
+
+def test_plot_m_sweep_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from hybridgemm.perf.plots import plot_m_sweep
+
+    csv_path = _fixture_csv(tmp_path / "m_sweep_h200.csv")
+    out = plot_m_sweep(csv_path, tmp_path / "figs")
+    assert out == tmp_path / "figs" / "m_sweep.png" and out.is_file()
+    data = out.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 20_000
+
+
+def test_plot_m_sweep_clear_errors(tmp_path):
+    pytest.importorskip("matplotlib")
+    from hybridgemm.perf.plots import plot_m_sweep
+
+    with pytest.raises(FileNotFoundError, match="no such CSV file"):
+        plot_m_sweep(tmp_path / "nope.csv", tmp_path)
+    empty = tmp_path / "m_sweep_x.csv"
+    MS.write_csv(empty, [])
+    with pytest.raises(ValueError, match="no rows with an M and a speedup"):
+        plot_m_sweep(empty, tmp_path)
+
+
+# ----------------------------------------------------------------------------- command lines without a GPU
+
+
+def test_bench_m_sweep_without_gpu_says_so_and_returns_2(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _cli("bench", "--m-sweep", "--out", str(tmp_path / "r.csv")) == 2
+    err = capsys.readouterr().err
+    assert "hybridgemm bench --m-sweep: needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_bench_m_sweep_rejects_bad_model_and_shape(capsys):
+    assert _cli("bench", "--m-sweep", "--model", "gpt-9") == 2
+    assert "unknown model preset" in capsys.readouterr().err
+    assert _cli("bench", "--m-sweep", "--shape", "64,32") == 2
+    assert "--shape is not supported" in capsys.readouterr().err
+
+
+def test_module_main_without_gpu_returns_2(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert MS.main(["--out", str(tmp_path), "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())
