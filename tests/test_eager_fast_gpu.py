@@ -87,14 +87,17 @@ def test_cublaslt_bind_matches_run(m, n, k, bias, act):
 
 # ------------------------------------------------------------------ the attention projection
 
-@pytest.fixture(params=["table", "split1", "split3_fused", "split3_two_launch", "triton_gemm"])
+@pytest.fixture(params=["own", "heuristic", "split1", "split3_fused", "split3_two_launch", "triton_gemm"])
 def forced_backend(request, monkeypatch):
-    """Make the dispatcher choose a given kernel for every problem ("table": its own choice)."""
+    """Make the dispatcher choose a given kernel for every problem ("own": its own choice, which
+    for these untuned shapes is F.linear; "heuristic": cuBLASLt's heuristic at the exact M)."""
     dispatch.reload_tables()
-    if request.param != "table":
+    if request.param != "own":
         real_choose = dispatch.choose
 
         def choose(problem, device_index):
+            if request.param == "heuristic":
+                return Choice("cublaslt", None, "table", "forced", "test")
             if request.param == "triton_gemm":
                 from hybridgemm.backends import get_backend
 
@@ -143,7 +146,8 @@ def test_attention_fast_path_equals_general_path(forced_backend, shape):
             got = torch.cat([t.transpose(-3, -2).flatten(-2) for t in (q, k, v)], -1)
             assert rel_err(got, ref_qkv) <= FLOORS[torch.bfloat16]
     cached = len(mod._fast_qkv or {}) + len(mod._fast_out or {})
-    assert cached == (0 if forced_backend == "triton_gemm" else 2)  # triton_gemm has no raw launch
+    # no raw launch: triton_gemm's, and F.linear's (the fallback for a shape no table covers)
+    assert cached == (0 if forced_backend in ("triton_gemm", "own") else 2)
 
 
 def test_attention_fast_path_invalidated(forced_backend):
@@ -222,7 +226,8 @@ def test_attention_fast_path_in_cuda_graph(forced_backend):
             assert torch.equal(ours, ref)
 
 
-def test_module_pickles_without_cached_launches():
+@pytest.mark.parametrize("forced_backend", ["heuristic"], indirect=True)
+def test_module_pickles_without_cached_launches(forced_backend):
     import copy
     import io
 

@@ -255,3 +255,28 @@ def test_module_main_without_gpu_returns_2(monkeypatch, capsys, tmp_path):
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_a_row_under_the_retime_bar_is_timed_again_and_pooled(monkeypatch):
+    """A slow-looking row gets RETIME_PLACEMENTS more placements on fresh operands, and its
+    speedup is the median over every round of both timings; a row above the bar is timed once."""
+    calls = []
+
+    def fake_pair(p, dtype, placements, replays, check):
+        calls.append(placements)
+        first = len(calls) == 1
+        # first timing: dispatched at 1/0.96 of F.linear's time; second: at 1/1.0, five rounds
+        return ([10.0] * 3, [1 / 0.96] * 3, "", 0) if first else ([10.0] * 5, [1.0] * 5, "", 0)
+
+    monkeypatch.setattr(MS, "_time_pair", fake_pair)
+    monkeypatch.setattr(MS, "_choice_columns", lambda p: {"backend": "torch", "source": "table", "range": "1-1",
+                                                          "validated_worst": 1.0})
+    shape = MS.sweep_shapes(["llama3-8b"])[0]
+    row = MS.measure_point(shape, 300, "log", placements=2, replays=3)
+    assert calls == [2, MS.RETIME_PLACEMENTS] and row["retimed"] is True
+    assert row["placements"] == 2 + MS.RETIME_PLACEMENTS
+    assert row["speedup"] == pytest.approx(1.0)  # median of 3 x (1/0.96) and 5 x 1.0 ratios: 1.0
+    calls.clear()
+    monkeypatch.setattr(MS, "_time_pair", lambda *a: (calls.append(a[2]), ([10.0] * 3, [1 / 1.1] * 3, "", 0))[1])
+    row = MS.measure_point(shape, 300, "log", placements=2, replays=3)
+    assert calls == [2] and row["retimed"] is False and row["speedup"] == pytest.approx(1.1)
