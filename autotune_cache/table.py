@@ -230,7 +230,7 @@ def make_entry(backend: str, config: Mapping, *, m_points: Iterable[int], ratios
                flinear_us: float | None = None, tuned_at: str | None = None) -> dict:
     """Build a canonical entry (``worst_ratio`` is the least of ``ratios``); ``tuned_at``
     defaults to today's UTC date."""
-    ratios = [_round(float(r)) for r in ratios]
+    ratios = [_number(r, "ratios[]", 0.0, MAX_RATIO, lo_open=True) for r in ratios]
     return normalize_entry({
         "backend": backend, "config": dict(config), "m_points": [int(m) for m in m_points], "ratios": ratios,
         "worst_ratio": min(ratios) if ratios else None, "median_us": median_us,
@@ -314,6 +314,7 @@ def parse_document(data: bytes) -> ParsedTable:
         raise TableError("entries is not an object")
     signature = dict(doc["signature"])
     entries: dict[TableKey, dict] = {}
+    by_shape: dict[ShapeKey, list[TableKey]] = {}  # kept keys per shape, for the overlap check
     dropped: list[str] = []
     unsafe = 0
     for text, value in sorted(doc["entries"].items()):
@@ -328,10 +329,12 @@ def parse_document(data: bytes) -> ParsedTable:
                 if key.to_string() != text:
                     raise TableError("key is not in canonical form")
                 entry = normalize_entry(value, key)
-            clash = next((k for k in entries if k.shape == key.shape and _overlap(k, key)), None)
+            same_shape = by_shape.setdefault(key.shape, [])
+            clash = next((k for k in same_shape if _overlap(k, key)), None)
             if clash is not None:
                 raise TableError(f"its M range overlaps {clash.to_string()}")
             entries[key] = entry
+            same_shape.append(key)
         except TableError as e:
             dropped.append(f"{text!r:.120}: {e}")
     note = ""

@@ -18,18 +18,29 @@ Selection rule (written down so a re-run reproduces the table):
      ``FINALIST_WINDOW`` of the best, at least 3 and at most 6) are timed again at every
      point on ``PLACEMENTS`` placements (fresh operand copies, outputs moved; see
      :func:`placement_samples`), ``PLACEMENT_REPLAYS`` rounds each, and scored again.
-  4. F.linear itself is a candidate with ratio 1 everywhere. Candidates whose score is within
-     ``TIE_TOLERANCE`` (2%) of the best are ties, and the fixed preference order decides:
-     F.linear, then backend (cuBLASLt, Triton split-K, Triton tiled), then the backend's own
-     candidate order (cuBLASLt's heuristic first). So a kernel replaces F.linear only where it
-     is more than 2% faster at every point of the range.
-  5. Where a candidate beat the winner by ``SPLIT_GAIN`` (3%) at some point, one config does
-     not serve the whole range: it is halved (``keys.split_range``, while at least
-     ``keys.MIN_SPLIT_WIDTH`` wide, up to ``split_depth`` times) and each half tuned anew.
-Why several M: an entry timed only at its range's top edge and pinned for the whole range
-ran at 0.54x F.linear at M = 264 (a tile sized for 512 rows) while F.linear, which asks
-cuBLASLt's heuristic for the exact M, adapted. Why placements: the same kernel timed on
-operands at other addresses differs by 1-3% at decode sizes, steady within a run.
+     Measured on the H200: llama3-8b's 45 ranges take 87 s with a cold Triton cache
+     (perf/results/h200/README.md).
+  4. F.linear itself is a candidate with ratio 1 everywhere. A kernel is eligible only when
+     its score beats F.linear by more than ``TIE_TOLERANCE`` (2%); among the eligible, those
+     within ``TIE_TOLERANCE`` of the best are ties and the fixed preference order decides:
+     backend (cuBLASLt, Triton split-K, Triton tiled), then the backend's own candidate order
+     (cuBLASLt's heuristic first). With none eligible, F.linear serves the range.
+  5. Validation: a kernel that won is timed beside F.linear at ``keys.validation_points`` (up
+     to 13 more M of the range, every M of a narrow one) and kept only if it is at least
+     ``VALIDATE_FLOOR`` of F.linear's speed at each. F.linear's own kernel changes at M values
+     no formula predicts, so three points are not enough to trust a pinned config between
+     them. A winner that fails is replaced by the next eligible finalist (at most
+     ``MAX_VALIDATED`` are tried), else by F.linear.
+  6. Where a candidate beat the winner by ``SPLIT_GAIN`` (5%) at some point, or the winner
+     failed validation, one config does not serve the whole range: it is halved
+     (``keys.split_range``, while at least ``keys.MIN_SPLIT_WIDTH`` wide, up to
+     ``split_depth`` times) and each half tuned anew; halves that chose the same kernel are
+     joined again.
+Why ranges timed at several M: a config timed at one M and used for a whole range can be far
+slower elsewhere in it (on the H200 a tile sized for 512 rows ran 264-row llama3-8b qkv calls
+at 0.54x F.linear's speed), while F.linear asks cuBLAS's heuristic for each exact M. Why
+placements: the same kernel timed on operands at other addresses differs by 1-3% at decode
+sizes, steady within a run.
 Triton candidates are compiled first on worker processes (precompile.py); nothing here
 runs at call time.
 """

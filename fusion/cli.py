@@ -55,9 +55,17 @@ def _cmd_autotune(args) -> int:
     if not shapes:
         print("hybridgemm autotune: give --model NAME, --hf-config PATH or --shape N,K", file=sys.stderr)
         return 2
+    from hybridgemm.autotune_cache.keys import M_MAX
+
+    bad = [m for m in args.m or [] if not 1 <= m <= M_MAX]
+    if bad:
+        print(f"hybridgemm autotune: --m takes values of M in 1..{M_MAX}, got {bad}", file=sys.stderr)
+        return 2
+    if args.split_depth < 0:
+        print("hybridgemm autotune: --split-depth must be 0 or more", file=sys.stderr)
+        return 2
     if not _need_gpu("autotune"):
         return 2
-    from hybridgemm.autotune_cache.keys import M_MAX
     from hybridgemm.autotune_cache.signature import current_signature
     from hybridgemm.autotune_cache.table import TuningTable
     from hybridgemm.autotune_cache.tuner import check_table, covered, keys_for, tune
@@ -67,13 +75,6 @@ def _cmd_autotune(args) -> int:
         if (s.n, s.k, s.bias) not in seen:
             seen.add((s.n, s.k, s.bias))
             unique.append(s)
-    bad = [m for m in args.m or [] if not 1 <= m <= M_MAX]
-    if bad:
-        print(f"hybridgemm autotune: --m takes values of M in 1..{M_MAX}, got {bad}", file=sys.stderr)
-        return 2
-    if args.split_depth < 0:
-        print("hybridgemm autotune: --split-depth must be 0 or more", file=sys.stderr)
-        return 2
     keys = keys_for(unique, args.m, args.dtype, args.epilogue)
     path = _table_path(args.out)
     table = TuningTable.load(path, signature=current_signature())

@@ -187,6 +187,13 @@ def test_autotune_rejects_bad_m_and_split_depth(fake_gpu_autotune, tmp_path, cap
     assert fake_gpu_autotune == [] and not (tmp_path / "t.json").exists()
 
 
+def test_autotune_reports_a_bad_m_before_asking_for_a_gpu(capsys):
+    """On a machine without a GPU, a bad --m is still named (not hidden behind 'needs a GPU')."""
+    assert main(["autotune", "--shape", "384,512", "--m", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--m takes values of M in 1..16384, got [0]" in err and "GPU" not in err
+
+
 def test_python_dash_m_entry_point():
     res = subprocess.run([sys.executable, "-m", "hybridgemm", "--help"], capture_output=True, text=True)
     assert res.returncode == 0 and "autotune" in res.stdout

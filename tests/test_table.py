@@ -944,3 +944,9 @@ def test_current_signature_with_a_fake_device(monkeypatch):
     assert current_signature(0)["gpu_name"] == "NVIDIA H200"
     current_signature(1)
     assert calls == [0, 1]
+
+
+def test_make_entry_rejects_out_of_range_ratios_with_a_table_error():
+    for bad in (10**400, 0, -1.0, float("nan")):
+        with pytest.raises(TableError):
+            make_entry("torch", {}, m_points=[1], ratios=[bad], median_us=1.0, spread_us=0.0)
