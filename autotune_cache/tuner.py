@@ -25,8 +25,8 @@ Selection rule (written down so a re-run reproduces the table):
      within ``TIE_TOLERANCE`` of the best are ties and the fixed preference order decides:
      backend (cuBLASLt, Triton split-K, Triton tiled), then the backend's own candidate order
      (cuBLASLt's heuristic first). With none eligible, F.linear serves the range.
-  5. Validation: a kernel that won is timed beside F.linear at ``keys.validation_points`` (up
-     to 13 more M of the range, every M of a narrow one) and kept only if it is at least
+  5. Validation: a kernel that won is timed beside F.linear at ``keys.validation_points``
+     (every M of a range up to 24 wide, else 12 more log-spaced M) and kept only if it is at least
      ``VALIDATE_FLOOR`` of F.linear's speed at each. F.linear's own kernel changes at M values
      no formula predicts, so three points are not enough to trust a pinned config between
      them. A winner that fails is replaced by the next eligible finalist (at most

@@ -4,10 +4,10 @@
                                            [--seed 0] [--m-max 16384] [--dtype bf16] [--quick]
     hybridgemm bench --m-sweep [--model NAME ...] [--dtype bf16] [--out DIR/any.csv]
 
-What it shows: at no M is ``hybridgemm.dispatch.fused_linear(x, w, b)`` slower than
-``F.linear(x, w, b)``. The table is tuned at a few M buckets and other M borrow a bucket's
-kernel, so the buckets alone do not prove it; the sweep times M values between and beyond
-them.
+What it shows: whether ``hybridgemm.dispatch.fused_linear(x, w, b)`` is slower than
+``F.linear(x, w, b)`` at any M. Table entries serve M ranges and were timed at a few M of
+each; the sweep times M values the tuner never saw (log-spaced and random), with the same
+method but other operands.
 
 - Shapes: every projection (q, kv, fused qkv, o) of the model presets (default: all of
   autotune_cache/presets.PRESETS), identical (N, K, bias) measured once; the row names every
@@ -22,8 +22,8 @@ them.
   Per round the dispatched time is divided by F.linear's time in that round, which cancels
   clock drift between rounds; ``speedup`` = 1 / median of those ratios, ``flinear_us`` =
   F.linear's median, ``dispatched_us`` = median ratio x ``flinear_us``.
-- What ran: ``dispatch.choose`` for the same problem (backend, source: table / nearest /
-  rule, and the validated M range and worst ratio when the table records them).
+- What ran: ``dispatch.choose`` for the same problem (backend, source: table or rule, and
+  the entry's validated M range and worst ratio).
 - Correctness: once per shape (at the swept M closest to 333), the dispatched result against
   an fp32 reference: relative Frobenius error ≤ 2 x F.linear's own + one rounding unit of the
   dtype; a failure is marked in the row's ``check`` column and makes the exit code 1.
