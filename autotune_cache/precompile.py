@@ -20,6 +20,13 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
+import torch
+
+from hybridgemm.kernels.backends import get_backend
+
+from .keys import TableKey, sample_points
+from .measure import problem_for, random_operands
+
 TRITON_BACKENDS = ("triton_splitk", "triton_gemm")
 
 
@@ -37,9 +44,6 @@ def _m_class(m: int) -> int:
 def compile_tasks(keys: Iterable, backends) -> list[tuple[str, str, dict, int]]:
     """(key, backend, config record, M) per distinct Triton kernel the tuner will launch: every
     candidate at every M a range is timed at, one M per specialisation class."""
-    from .keys import sample_points
-    from .tuner import problem_for
-
     tasks, seen = [], set()
     for key in keys:
         for m in sample_points(key.m_lo, key.m_hi):
@@ -63,13 +67,6 @@ def compile_tasks(keys: Iterable, backends) -> list[tuple[str, str, dict, int]]:
 
 def _compile_one(task: tuple[str, str, dict, int]) -> tuple[bool, str]:
     """Worker: run one candidate once (compiling it into Triton's cache)."""
-    import torch
-
-    from hybridgemm.backends import get_backend
-
-    from .keys import TableKey
-    from .tuner import problem_for, random_operands
-
     key_text, backend, record, m = task
     try:
         key = TableKey.from_string(key_text)
@@ -90,8 +87,6 @@ def _compile_one(task: tuple[str, str, dict, int]) -> tuple[bool, str]:
 
 
 def _worker_init() -> None:
-    import torch
-
     torch.cuda.init()
 
 

@@ -37,6 +37,13 @@ import re
 import threading
 from typing import Any
 
+import torch
+
+from hybridgemm.kernels import cublaslt
+from hybridgemm.kernels.version import __version__
+
+from .keys import SCHEMA_VERSION
+
 #: Bump when kernels or config records change in a way that invalidates tuned choices.
 KERNEL_ABI = 1
 
@@ -74,16 +81,14 @@ def _cublaslt_version() -> int | None:
     # The cuBLASLt backend is optional (nvmath-python); any failure to ask it means
     # "no cuBLASLt here", which is itself part of the signature.
     try:
-        from hybridgemm.kernels.cublaslt import cublaslt_version
-
-        v = cublaslt_version()
+        v = cublaslt.cublaslt_version()
     except Exception:
         return None
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def _triton_version() -> str | None:
-    try:
+    try:  # Triton is optional off Linux: imported only when a signature is asked for
         import triton
     except Exception:
         return None
@@ -93,7 +98,6 @@ def _triton_version() -> str | None:
 def current_signature(device_index: int | None = None) -> dict[str, Any] | None:
     """Signature of CUDA device ``device_index`` (default: the current device), or ``None``
     when there is no CUDA device. Cached per device index; returns a fresh copy each call."""
-    import torch
 
     if not torch.cuda.is_available():
         return None
@@ -101,10 +105,6 @@ def current_signature(device_index: int | None = None) -> dict[str, Any] | None:
     with _cache_lock:
         cached = _cache.get(index)
     if cached is None:
-        import hybridgemm
-
-        from .keys import SCHEMA_VERSION
-
         props = torch.cuda.get_device_properties(index)
         cached = {
             "schema": SCHEMA_VERSION,
@@ -115,7 +115,7 @@ def current_signature(device_index: int | None = None) -> dict[str, Any] | None:
             "cublaslt_version": _cublaslt_version(),
             "triton_version": _triton_version(),
             "torch_version": str(torch.__version__),
-            "package_version": str(hybridgemm.__version__),
+            "package_version": str(__version__),
         }
         with _cache_lock:
             cached = _cache.setdefault(index, cached)

@@ -71,6 +71,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import platformdirs
+from filelock import FileLock, Timeout
+
 from .keys import (  # noqa: F401 (re-exported)
     _NAME_RE,
     DTYPES,
@@ -504,7 +507,6 @@ class TuningTable:
         unreadable one, is replaced (with a warning). Save a table loaded from ``path``
         itself, not a :func:`load_tables` view: a view's entries (shipped ones included)
         would all be copied into ``path``."""
-        from filelock import FileLock, Timeout
 
         if self.signature is None:
             raise ValueError("a tuning table needs a device signature to be saved")
@@ -578,7 +580,6 @@ def user_table_path() -> Path:
     env = os.environ.get(CACHE_DIR_ENV)
     if env:
         return Path(env).expanduser() / "table.json"
-    import platformdirs
 
     return Path(platformdirs.user_cache_dir("hybridgemm")) / "table.json"
 

@@ -8,7 +8,7 @@ Selection rule (written down so a re-run reproduces the table):
      its heuristic asked at each call's exact M, then pinned algorithms from its rankings,
      at most ``MAX_PINNED_CUBLASLT``), and each must restore, and match an fp32 reference,
      at every point; a candidate that fails anywhere is dropped.
-  2. Timing: perf/timing.gpu_time_rotating. Each call reads its own copy of x and W, cycling
+  2. Timing: measure.gpu_time_rotating. Each call reads its own copy of x and W, cycling
      through enough copies (3x the L2 size) that every call finds them cold in HBM; each
      candidate is one CUDA graph of such calls, and the graphs of all candidates and F.linear
      are replayed in interleaved rounds, so clock and power drift hit all alike. A candidate's
@@ -59,16 +59,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hybridgemm.kernels.backends import available_backends, get_backend
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
 
 from .keys import OCTAVE_TOPS, TableKey, octave, sample_points, split_range, validation_points
+from .measure import PLACEMENT_REPLAYS, PLACEMENTS, gpu_time_rotating, operands_for, placement_samples, problem_for
+from .precompile import compile_tasks, default_jobs, precompile
 from .table import TuningTable, make_entry
 
 TIE_TOLERANCE = 0.02
 SCREEN_REPLAYS = 3
-PLACEMENTS = 3
-PLACEMENT_REPLAYS = 4
 FINALIST_WINDOW = 0.06
 MIN_FINALISTS, MAX_FINALISTS = 3, 6
 SPLIT_GAIN = 0.05
@@ -119,117 +120,6 @@ class KeyResult:
     @property
     def worst_ratio(self) -> float | None:
         return min(self.ratios) if self.ratios else None
-
-
-def problem_for(key: TableKey, m: int | None = None) -> Problem:
-    """The dense, aligned problem of ``key`` at ``m`` (default: the range's top edge)."""
-    dtype = torch.float32 if key.dtype == "tf32" else NAME_TO_DTYPE[key.dtype]
-    return Problem(m=key.m_hi if m is None else m, n=key.n, k=key.k, dtype=dtype,
-                   epilogue=Epilogue.from_name(key.epilogue), ldx=key.k, ldw=key.k, ldo=key.n,
-                   tf32=key.dtype == "tf32")
-
-
-def random_operands(p: Problem):
-    """Random x, w, b (None without a bias) and an empty out for ``p``, on the GPU."""
-    x = torch.randn(p.m, p.k, device="cuda").to(p.dtype)
-    w = (torch.randn(p.n, p.k, device="cuda") / p.k**0.5).to(p.dtype)
-    b = torch.randn(p.n, device="cuda").to(p.dtype) if p.epilogue.bias else None
-    return x, w, b, torch.empty(p.m, p.n, device="cuda", dtype=p.dtype)
-
-
-def operands_for(p: Problem):
-    """:func:`random_operands` plus the rotation copies of (x, w) (perf/timing.gpu_time_rotating),
-    the first of which are x and w themselves."""
-    from hybridgemm.perf.timing import rotation_lists
-
-    x, w, b, out = random_operands(p)
-    return (x, w, b, out, *rotation_lists(x, w))
-
-
-def record_calls(p: Problem, records: list[tuple[str, dict]]):
-    """Fresh operands for ``p`` (:func:`operands_for`) and the calls to time on them: F.linear
-    (with ``p``'s activation) as the reference, then one per ``(backend name, config record)``
-    writing ``outs[0]``. Returns ``(x, w, xs, ws, outs, calls)`` for :func:`placement_samples`.
-    Raises what the backend raises for a record it rejects."""
-    from hybridgemm.backends import get_backend
-
-    x, w, b, out, xs, ws = operands_for(p)
-    outs, act = [out], p.epilogue.activation
-    calls = [lambda i: apply_activation(F.linear(xs[i], ws[i], b), act)]
-    for name, record in records:
-        be = get_backend(name)
-        cfg = be.config_from_record(record, p)
-        calls.append(lambda i, be=be, cfg=cfg: be.run(cfg, xs[i], ws[i], b, outs[0], act, p.tf32))
-    return x, w, xs, ws, outs, calls
-
-
-def placement_skew(p: int) -> int:
-    """Bytes placement ``p`` shifts what the timed calls allocate inside their graphs (0 for
-    the first): multiples of 193 KiB (512-byte aligned, like the allocator's blocks) wrapped at
-    2 MiB, so that small outputs land at other offsets of their 2 MiB segments."""
-    return (p * 193 * 1024) % (2 << 20)
-
-
-@dataclass
-class PlacementSamples:
-    """What :func:`placement_samples` measured: the reference's µs per round, every call's
-    per-round ratio to the reference (index 0: the reference itself, all 1.0), and every
-    call's median µs per placement."""
-
-    ref_us: list[float]
-    ratios: list[list[float]]
-    per_placement: list[list[float]]
-
-    def scores(self) -> list[tuple[float, float]]:
-        """``(µs, spread)`` per call: its median ratio times the reference's median µs, and
-        the max - min of its per-placement medians."""
-        from statistics import median
-
-        ref = median(self.ref_us)
-        return [(median(r) * ref, max(s) - min(s)) for r, s in zip(self.ratios, self.per_placement)]
-
-
-def placement_samples(calls, x, w, xs: list, ws: list, outs: list, placements: int = PLACEMENTS,
-                      replays: int = PLACEMENT_REPLAYS, first: int = 0) -> PlacementSamples:
-    """Times ``calls`` (each ``call(i)`` reads ``xs[i]``, ``ws[i]`` and writes ``outs[0]`` or
-    an output it allocates; ``calls[0]`` is the reference, e.g. F.linear) with
-    gpu_time_rotating on placements ``first .. first + placements - 1``: placement 0 is the
-    operands as given, every other one fresh clones of x and W and a fresh output, allocated
-    while the earlier sets are still held (so they land at new addresses), and what the calls
-    allocate in their graphs moved by :func:`placement_skew`. The lists are restored before
-    returning."""
-    from hybridgemm.perf.timing import gpu_time_rotating
-
-    first_xs, first_ws, first_outs, held = list(xs), list(ws), list(outs), []
-    rounds: list[list[float]] = []
-    per_placement: list[list[float]] = [[] for _ in calls]
-    try:
-        for p in range(first, first + placements):
-            if p:
-                held.append((list(xs), list(ws), list(outs)))
-                xs[:] = [x.clone() for _ in xs]
-                ws[:] = [w.clone() for _ in ws]
-                outs[:] = [torch.empty_like(o) for o in outs]
-            timed = gpu_time_rotating(calls, len(ws), replays=replays, rounds=rounds, skew_bytes=placement_skew(p))
-            for s, t in zip(per_placement, timed):
-                s.append(t.median_us)
-    finally:
-        xs[:], ws[:], outs[:] = first_xs, first_ws, first_outs
-        del held
-    ratios = [[r[j] / r[0] for r in rounds] for j in range(len(calls))]
-    return PlacementSamples([r[0] for r in rounds], ratios, per_placement)
-
-
-def time_placements(calls, x, w, xs: list, ws: list, outs: list, placements: int = PLACEMENTS,
-                     replays: int = PLACEMENT_REPLAYS):
-    """``(µs, spread)`` per call of ``calls``, timed by :func:`placement_samples`.
-
-    Each call is scored by its time relative to the reference *in the same round*, the median
-    of those ratios over all rounds of all placements, times the reference's median: drift of
-    the GPU's clocks between rounds and placements (seen as 3-7% spreads at large M) moves
-    every call of a round alike and cancels in the ratio. ``spread`` is the max - min of the
-    per-placement medians, in µs."""
-    return placement_samples(calls, x, w, xs, ws, outs, placements, replays).scores()
 
 
 def finalist_count(scores: list[float]) -> int:
@@ -383,8 +273,6 @@ def measure_range(key: TableKey, backends, res: KeyResult) -> list[Candidate]:
     """Steps 1-3 of the rule for ``key``'s range: the valid candidates with their final (for
     the finalists) or screen ratios per point; ``res`` gets the points, F.linear's µs at the
     top point and the rejections."""
-    from hybridgemm.perf.timing import gpu_time_rotating
-
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
     try:
         ms = sample_points(key.m_lo, key.m_hi)
@@ -460,8 +348,6 @@ def validate(key: TableKey, res: KeyResult, winner: Candidate, backends) -> bool
     and W per point, ``VALIDATE_REPLAYS`` interleaved rounds, checked against the reference
     first). True, with the points and ratios added to ``res``, when it was at least
     ``VALIDATE_FLOOR`` of F.linear's speed at every one; False (``res`` unchanged) otherwise."""
-    from hybridgemm.perf.timing import gpu_time_rotating
-
     be = next(b for b in backends if b.name == winner.backend)
     got = []
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -588,10 +474,6 @@ def tune(keys: Iterable[TableKey], table: TuningTable, path, *, force: bool = Fa
     most 8; 1 compiles lazily in this process). ``exhaustive``: also time up to that many
     cuBLASLt algorithms from the exhaustive enumeration. ``split_depth``: how many times a
     range may be halved (rule step 5)."""
-    from hybridgemm.backends import available_backends
-
-    from .precompile import compile_tasks, default_jobs, precompile
-
     backends = available_backends() if backends is None else backends
     backends = with_exhaustive(backends, exhaustive)
     keys = list(keys)
@@ -608,10 +490,10 @@ def tune(keys: Iterable[TableKey], table: TuningTable, path, *, force: bool = Fa
     jobs = default_jobs() if jobs is None else jobs
     if todo and jobs > 1:
         tasks = compile_tasks(todo, backends)
-        with _progress(progress, len(tasks), "compiling") as advance:
+        with Progress(progress, len(tasks), "compiling") as advance:
             precompile(todo, backends, jobs, log=log, advance=advance, tasks=tasks)
     unsaved = 0
-    with _progress(progress, len(todo), "tuning") as advance:
+    with Progress(progress, len(todo), "tuning") as advance:
         for key in todo:
             for res in tune_range(key, backends, log, split_depth):
                 results.append(res)
@@ -632,7 +514,7 @@ def tune(keys: Iterable[TableKey], table: TuningTable, path, *, force: bool = Fa
     return results
 
 
-class _progress:
+class Progress:
     """A rich progress bar with ETA (plain log lines when rich is missing or disabled)."""
 
     def __init__(self, enabled: bool, total: int, label: str = "tuning"):
@@ -691,9 +573,6 @@ def keys_for(shapes, ms: Iterable[int] | None = None, dtypes=("bf16",), epilogue
 def check_table(table: TuningTable, keys: Iterable[TableKey] | None = None, log=print) -> list[dict]:
     """Re-time each entry's winner beside F.linear at its range's points (the screen's method)
     and report its worst ratio now against the one recorded."""
-    from hybridgemm.backends import get_backend
-    from hybridgemm.perf.timing import gpu_time_rotating
-
     rows = []
     for key in keys if keys is not None else sorted(table.entries, key=lambda k: k.to_string()):
         entry = table.lookup(key)

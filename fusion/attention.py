@@ -35,7 +35,7 @@ from hybridgemm.kernels.checks import check_linear_args
 
 from . import eager_fast
 from .eager_fast import head_views as _heads
-from .linear import HybridLinear, linear
+from .linear_layer import HybridLinear, linear
 
 WHO = "hybridgemm.attention_projection"
 

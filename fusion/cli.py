@@ -14,6 +14,17 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
+from hybridgemm.autotune_cache import signature, tuner
+from hybridgemm.autotune_cache.keys import M_MAX
+from hybridgemm.autotune_cache.presets import get_preset, parse_shape, preset_from_hf_config
+from hybridgemm.autotune_cache.table import TuningTable, shipped_table_paths, user_table_path
+from hybridgemm.dispatch import explain, set_table_path
+from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser
+from hybridgemm.perf.demo import run_demo
+from hybridgemm.perf.plots import make_all_plots
+
 
 def _ints(text: str) -> tuple[int, ...]:
     try:
@@ -23,8 +34,6 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _need_gpu(what: str) -> bool:
-    import torch
-
     if torch.cuda.is_available():
         return True
     print(f"hybridgemm {what}: needs a CUDA GPU, and this machine has none. "
@@ -33,13 +42,11 @@ def _need_gpu(what: str) -> bool:
 
 
 def _table_path(arg: str | None) -> Path:
-    from hybridgemm.autotune_cache.table import user_table_path
 
     return Path(arg) if arg else user_table_path()
 
 
 def _cmd_autotune(args) -> int:
-    from hybridgemm.autotune_cache.presets import get_preset, parse_shape, preset_from_hf_config
 
     # Shapes first: a bad --model, --hf-config or --shape is reported on any machine, GPU or not.
     shapes = []
@@ -55,7 +62,6 @@ def _cmd_autotune(args) -> int:
     if not shapes:
         print("hybridgemm autotune: give --model NAME, --hf-config PATH or --shape N,K", file=sys.stderr)
         return 2
-    from hybridgemm.autotune_cache.keys import M_MAX
 
     bad = [m for m in args.m or [] if not 1 <= m <= M_MAX]
     if bad:
@@ -66,29 +72,26 @@ def _cmd_autotune(args) -> int:
         return 2
     if not _need_gpu("autotune"):
         return 2
-    from hybridgemm.autotune_cache.signature import current_signature
-    from hybridgemm.autotune_cache.table import TuningTable
-    from hybridgemm.autotune_cache.tuner import check_table, covered, keys_for, tune
 
     seen, unique = set(), []
     for s in shapes:  # presets share shapes (e.g. q and o): tune each (N, K, bias) once
         if (s.n, s.k, s.bias) not in seen:
             seen.add((s.n, s.k, s.bias))
             unique.append(s)
-    keys = keys_for(unique, args.m, args.dtype, args.epilogue)
+    keys = tuner.keys_for(unique, args.m, args.dtype, args.epilogue)
     path = _table_path(args.out)
-    table = TuningTable.load(path, signature=current_signature())
+    table = TuningTable.load(path, signature=signature.current_signature())
     if args.check:
         entries = sorted({k for key in keys for k in table.covering(key)}, key=lambda k: k.to_string())
-        rows = check_table(table, entries)
+        rows = tuner.check_table(table, entries)
         drifted = [r for r in rows if r.get("status") != "ok"]
         print(f"checked {len(rows)} entries of {path}: {len(drifted)} slower by more than 5% or rejected")
         return 1 if drifted else 0
     ranges = len({(k.m_lo, k.m_hi) for k in keys})
-    todo = sum(1 for k in keys if args.force or not covered(table, k))
+    todo = sum(1 for k in keys if args.force or not tuner.covered(table, k))
     print(f"tuning {len(keys)} M ranges ({len(unique)} shapes x {ranges} ranges x {len(args.dtype)} dtypes; "
           f"{len(keys) - todo} already covered) into {path}")
-    results = tune(keys, table, path, force=args.force, progress=not args.no_progress, jobs=args.jobs,
+    results = tuner.tune(keys, table, path, force=args.force, progress=not args.no_progress, jobs=args.jobs,
                    exhaustive=max(0, args.exhaustive), split_depth=args.split_depth)
     _print_summary(results)
     return 0 if all(r.skipped or r.winner for r in results) else 1
@@ -107,7 +110,6 @@ def _print_summary(results) -> None:
 
 
 def _cmd_show(args) -> int:
-    from hybridgemm.autotune_cache.table import TuningTable, shipped_table_paths
 
     paths = [Path(args.path)] if args.path else [p for p in [_table_path(None)] if p.exists()]
     paths += [] if args.path else shipped_table_paths()
@@ -133,7 +135,6 @@ def _cmd_show(args) -> int:
 
 
 def _cmd_explain(args) -> int:
-    from hybridgemm.dispatch import explain, set_table_path
 
     if args.table:
         set_table_path(args.table)
@@ -142,7 +143,6 @@ def _cmd_explain(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from hybridgemm.demo import run_demo
 
     return run_demo(m=args.m, n=args.n, k=args.k)
 
@@ -151,9 +151,7 @@ def _cmd_main(args) -> int:
     """The README's main job. GPU: tune the preset into the user table, then benchmark every
     provider beside F.linear and draw the plots (perf/results/<gpu>/). CPU: the CPU path,
     the shipped table, and the plots redrawn from the committed H200 results."""
-    import torch
 
-    from hybridgemm.demo import run_demo
 
     if torch.cuda.is_available():
         rc = _cmd_autotune(build_parser().parse_args(["autotune", "--model", args.model]))
@@ -169,7 +167,6 @@ def _cmd_main(args) -> int:
     _cmd_show(argparse.Namespace(path=None))
     committed = sorted(Path("perf/results/h200").glob("*.csv"))
     if committed:
-        from hybridgemm.perf.plots import make_all_plots
 
         out = Path("out/plots")
         paths = make_all_plots([str(p) for p in committed], out)
@@ -226,7 +223,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="llama3-8b")
     p.set_defaults(fn=_cmd_main)
 
-    from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser
 
     add_bench_parser(sub)
     add_plot_parser(sub)

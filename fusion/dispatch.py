@@ -29,17 +29,24 @@ table; :func:`reload_tables` re-reads and clears every cached decision.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from hybridgemm.autotune_cache import signature
+from hybridgemm.autotune_cache.keys import ShapeKey
+from hybridgemm.autotune_cache.table import load_tables
+from hybridgemm.kernels import backends, cublaslt
+from hybridgemm.kernels.backends import ConfigRejected
 from hybridgemm.kernels.checks import (
     call_signature,
     check_gpu_kernel_args,
@@ -50,7 +57,7 @@ from hybridgemm.kernels.checks import (
     rows_are_flat,
 )
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
-from hybridgemm.kernels.problem import DTYPE_NAMES, Problem
+from hybridgemm.kernels.problem import DTYPE_NAMES, NAME_TO_DTYPE, Problem
 
 from . import modes
 
@@ -77,9 +84,7 @@ class Choice:
     def describe(self) -> str:
         cfg = ""
         if self.config is not None:
-            from hybridgemm.backends import get_backend
-
-            cfg = f" [{get_backend(self.backend).describe(self.config)}]"
+            cfg = f" [{backends.get_backend(self.backend).describe(self.config)}]"
         elif self.backend == "cublaslt":
             cfg = " [heuristic at the exact M]"
         return f"{self.backend}{cfg} ({self.source}: {self.reason})"
@@ -106,7 +111,8 @@ _tables: dict[int, Any] = {}
 # the current mode's; the hot path reads ``_fast`` once and the slow path works with that
 # cache's ``.mode``, so a call racing a mode switch stays within one mode's decisions.
 _MODE_CACHES = {m: _mode_caches(m) for m in modes.MODES}
-_choices, _fast = _MODE_CACHES[modes.get_mode()]
+_mode = [modes.DEFAULT]
+_choices, _fast = _MODE_CACHES[_mode[0]]
 _warned: set = set()
 _generation = [0]  # see generation()
 _explicit_path: list[str | None] = [None]
@@ -128,21 +134,45 @@ def reload_tables() -> None:
                 cache.clear()
 
 
-def select_mode_caches(mode: str) -> None:
-    """Make ``mode``'s cached decisions the current ones (called by ``hybridgemm.set_mode``)."""
+def get_mode() -> str:
+    """The current dispatch mode, ``"default"`` or ``"batch_invariant"`` (process-global)."""
+    return _mode[0]
+
+
+def set_mode(name: str) -> str:
+    """Switch the dispatch mode for the whole process; returns the previous mode.
+
+    ``"batch_invariant"``: rows of ``hybridgemm.linear`` are bit-identical for every M (the
+    policy and its limits: fusion/modes.py). ``"default"``: the tuned kernels. Each mode keeps
+    its own cached decisions, so a switch never reuses the other mode's.
+    """
     global _choices, _fast
-    _choices, _fast = _MODE_CACHES[mode]
-    _generation[0] += 1
+    if name not in modes.MODES:
+        raise ValueError(f"unknown hybridgemm mode {name!r}; valid modes: {', '.join(map(repr, modes.MODES))}")
+    with _lock:
+        previous = _mode[0]
+        _mode[0] = name
+        _choices, _fast = _MODE_CACHES[name]
+        _generation[0] += 1
+    return previous
+
+
+@contextlib.contextmanager
+def mode(name: str) -> Iterator[str]:
+    """``with hybridgemm.mode("batch_invariant"): ...``: the mode inside the block, the
+    previous one restored on exit (exceptions included). Process-global, like set_mode."""
+    previous = set_mode(name)
+    try:
+        yield name
+    finally:
+        set_mode(previous)
 
 
 def table_for_device(device_index: int):
     table = _tables.get(device_index)
     if table is None:
-        from hybridgemm.autotune_cache.signature import current_signature
-        from hybridgemm.autotune_cache.table import load_tables
-
         explicit = _explicit_path[0] or os.environ.get("HYBRIDGEMM_TABLE") or None
-        table = load_tables(current_signature(device_index), explicit)
+        table = load_tables(signature.current_signature(device_index), explicit)
         _tables[device_index] = table
     return table
 
@@ -171,9 +201,7 @@ def batch_invariant_choice(problem: Problem, device_index: int | None) -> Choice
         if device_index is None:
             limits = modes.HOPPER_LIMITS
         else:
-            from hybridgemm.backends import _device_limits, _num_sms
-
-            limits = {**_device_limits(device_index), "num_sms": _num_sms(device_index)}
+            limits = {**backends.device_limits(device_index), "num_sms": backends.num_sms(device_index)}
         cfg, why = modes.fixed_config(problem, **limits)
     except ImportError as e:
         cfg, why = None, f"Triton is not available ({e})"
@@ -185,16 +213,11 @@ def batch_invariant_choice(problem: Problem, device_index: int | None) -> Choice
 
 
 def _call_string(problem: Problem) -> str:
-    from hybridgemm.autotune_cache.keys import ShapeKey
-
     return f"{ShapeKey.from_problem(problem).to_string()} at M={problem.m}"
 
 
 def choose(problem: Problem, device_index: int) -> Choice:
     """Rules 4-5 for one problem (pure given the loaded table)."""
-    from hybridgemm.autotune_cache.keys import ShapeKey
-    from hybridgemm.backends import ConfigRejected, get_backend
-
     table = table_for_device(device_index)
     hit = table.find(ShapeKey.from_problem(problem), problem.m)
     if hit is None:
@@ -207,7 +230,7 @@ def choose(problem: Problem, device_index: int) -> Choice:
     if entry["backend"] == "torch":
         return Choice("torch", None, "table", key.to_string(), reason + "; runs F.linear", lo, hi, worst)
     try:
-        be = get_backend(entry["backend"])
+        be = backends.get_backend(entry["backend"])
         if not be.available():
             raise ConfigRejected(f"backend {entry['backend']} is not available here")
         cfg = be.config_from_record(entry["config"], problem)
@@ -221,9 +244,7 @@ def choose(problem: Problem, device_index: int) -> Choice:
 def _runner(choice: Choice):
     if choice.source == modes.SOURCE:
         return modes.run  # the tiled kernel, in row chunks past 32-bit offsets
-    from hybridgemm.backends import get_backend
-
-    return get_backend(choice.backend).run
+    return backends.get_backend(choice.backend).run
 
 
 def _run_choice(choice: Choice, x2, w2, b2, out, act, tf32) -> None:
@@ -246,9 +267,7 @@ def _raw_launch(choice: Choice, x2, w2, b2, out, act, tf32):
     """The backend's ``fn(xp, wp, bp, op)`` for this signature (see Backend.bind), or None."""
     if choice.source == modes.SOURCE:
         return None  # batch-invariant runs go through modes.run (row chunks)
-    from hybridgemm.backends import get_backend
-
-    bind = get_backend(choice.backend).bind
+    bind = backends.get_backend(choice.backend).bind
     return None if bind is None else bind(choice.config, x2, w2, b2, out, act, tf32)
 
 
@@ -273,8 +292,6 @@ def _launcher(choice: Choice, x, w, b, act, tf32, raw=None):
 
         return launch_raw
     if choice.backend == "cublaslt":
-        from hybridgemm.kernels import cublaslt
-
         return cublaslt.launcher_for(x, w, b, act, choice.config)
     run, cfg = _runner(choice), choice.config
 
@@ -376,8 +393,6 @@ def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: b
     """Which kernel ``hybridgemm.linear`` runs for these shapes, and why (a table hit with the
     M range it was validated on and its worst measured ratio to F.linear, or the fallback
     rule). Works without a GPU (it then says PyTorch runs)."""
-    from hybridgemm.kernels.problem import NAME_TO_DTYPE
-
     if isinstance(dtype, str):
         dtype = NAME_TO_DTYPE.get(dtype) or getattr(torch, dtype)
     act = Activation.parse(activation)
@@ -390,7 +405,7 @@ def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: b
     problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=Epilogue(act, bias), ldx=k, ldw=k, ldo=n,
                       tf32=dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32))
     head = f"linear {DTYPE_NAMES.get(dtype, dtype)} M={m} N={n} K={k} epilogue={problem.epilogue.name}"
-    invariant = modes.get_mode() == modes.BATCH_INVARIANT
+    invariant = get_mode() == modes.BATCH_INVARIANT
     if not torch.cuda.is_available():
         line = f"{head}: no CUDA device here, so PyTorch (F.linear) computes it on the CPU"
         if invariant and dtype in DTYPE_NAMES:
@@ -407,40 +422,3 @@ def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: b
             return f"{head}\n  key {choice.key}\n  batch_invariant mode: {choice.describe()}"
         choice = choose(problem, dev)
     return f"{head}\n  key {choice.key}\n  runs {choice.describe()}"
-
-
-def linear_backward(grad_out: torch.Tensor, x: torch.Tensor | None, weight: torch.Tensor | None,
-                    pre_activation: torch.Tensor | None, activation, needs_input_grad):
-    """Backward of ``y = act(x @ W.T + b)``: ``(dx, dW, db)``, None where not asked.
-
-    On CUDA with cuBLASLt: ``dz = grad_out * act'(z)`` (elementwise, torch), then
-    ``dx = dz @ W`` and ``dW = dz^T @ x`` as cuBLASLt GEMMs, the bias gradient fused into the
-    dW GEMM (``BGRADB`` epilogue, kernels/cublaslt_grad.py). Elsewhere (CPU, float64, no
-    nvmath) the torch reference (``hybridgemm.linear.torch_linear_backward``). Contract:
-    ``pre_activation`` is z for gelu/gelu_tanh and y for relu.
-    """
-    gemms = _backward_gemms[0] or _load_backward_gemms()
-    backward_gemms, torch_linear_backward, grad_input, grad_weight = gemms
-    if (grad_out.device.type != "cuda" or grad_out.dtype not in DTYPE_NAMES or grad_input is None
-            or (x is not None and x.dtype != grad_out.dtype)
-            or (weight is not None and weight.dtype != grad_out.dtype)):
-        return torch_linear_backward(grad_out, x, weight, pre_activation, activation, needs_input_grad)
-    # grad_input/grad_weight make the tensors' device current themselves (only when needed).
-    return backward_gemms(grad_out, x, weight, pre_activation, activation, needs_input_grad, grad_input,
-                          grad_weight)
-
-
-# (backward_gemms, torch_linear_backward, cuBLASLt grad_input or None, grad_weight or None),
-# resolved on the first backward: imports inside a per-call function cost host time.
-_backward_gemms: list = [None]
-
-
-def _load_backward_gemms() -> tuple:
-    from hybridgemm.kernels import cublaslt
-    from hybridgemm.linear import backward_gemms, torch_linear_backward
-
-    grad_input = grad_weight = None
-    if cublaslt.is_available():
-        from hybridgemm.kernels.cublaslt_grad import grad_input, grad_weight
-    _backward_gemms[0] = (backward_gemms, torch_linear_backward, grad_input, grad_weight)
-    return _backward_gemms[0]

@@ -27,6 +27,8 @@ from torch import Tensor, nn
 
 from hybridgemm import dispatch
 
+from . import backward
+
 _C = torch._C
 _PLAIN = (Tensor, nn.Parameter)
 MAX_ENTRIES = 8  # per module: a few batch sizes / sequence lengths in a serving loop
@@ -159,7 +161,7 @@ class QKVProjection(torch.autograd.Function):
     inference fast path (``cache``: the module's launches; None for the functional form),
     and the backward gets ``dq, dk, dv``, joins them with one ``cat`` straight into ``y``'s
     (..., S, H+2Hkv, D) layout (the kernel the split's backward runs too), and runs the dx
-    and dW (+ fused bias gradient) GEMMs (``dispatch.linear_backward``)."""
+    and dW (+ fused bias gradient) GEMMs (``backward.linear_backward``)."""
 
     @staticmethod
     def forward(ctx, x, w, b, h, hkv, d, cache):
@@ -180,7 +182,7 @@ class QKVProjection(torch.autograd.Function):
                  for g, shape in zip((dq, dk, dv), ctx.qkv_shapes)]
         dy = torch.cat(parts, dim=-2).flatten(-2)  # (..., S, (H+2Hkv)*D), y's layout
         nx, nw, nb = ctx.needs_input_grad[:3]
-        dx, dw, db = dispatch.linear_backward(dy, x, w, None, "none", (nx, nw, nb and ctx.has_bias))
+        dx, dw, db = backward.linear_backward(dy, x, w, None, "none", (nx, nw, nb and ctx.has_bias))
         return dx, dw, db, None, None, None, None
 
 
@@ -205,7 +207,7 @@ class OutProjection(torch.autograd.Function):
         attn, w = ctx.saved_tensors
         x = attn.transpose(-3, -2).flatten(-2) if attn is not None else None
         nx, nw, nb = ctx.needs_input_grad[:3]
-        dx, dw, db = dispatch.linear_backward(dy, x, w, None, "none", (nx, nw, nb and ctx.has_bias))
+        dx, dw, db = backward.linear_backward(dy, x, w, None, "none", (nx, nw, nb and ctx.has_bias))
         if dx is not None:
             *lead, h, s, d = ctx.attn_shape
             dx = dx.view(*lead, s, h, d).transpose(-3, -2)

@@ -44,12 +44,9 @@ Limits of the guarantee (batch_invariant mode):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-from collections.abc import Iterator
 
-from hybridgemm.kernels.problem import MAX_ALIGNMENT, Problem
+from hybridgemm.kernels.problem import DTYPE_NAMES, MAX_ALIGNMENT, Problem
 
 DEFAULT = "default"
 BATCH_INVARIANT = "batch_invariant"
@@ -69,43 +66,6 @@ WIDE_N = 4096
 REF_M = 1024
 WAVE_FILL = 0.75
 PERSISTENT = True  # a persistent grid walks tiles in grouped order; the per-tile code is the same
-
-_lock = threading.Lock()
-_current = [DEFAULT]
-
-
-def get_mode() -> str:
-    """The current dispatch mode, ``"default"`` or ``"batch_invariant"`` (process-global)."""
-    return _current[0]
-
-
-def set_mode(name: str) -> str:
-    """Switch the dispatch mode for the whole process; returns the previous mode.
-
-    ``"batch_invariant"``: rows of ``hybridgemm.linear`` are bit-identical for every M (see
-    this module's docstring for the limits). ``"default"``: the fastest tuned kernel.
-    """
-    if name not in MODES:
-        raise ValueError(f"unknown hybridgemm mode {name!r}; valid modes: {', '.join(map(repr, MODES))}")
-    from hybridgemm import dispatch
-
-    with _lock:
-        previous = _current[0]
-        _current[0] = name
-        dispatch.select_mode_caches(name)
-    return previous
-
-
-@contextlib.contextmanager
-def mode(name: str) -> Iterator[str]:
-    """``with hybridgemm.mode("batch_invariant"): ...``: the mode inside the block, the
-    previous one restored on exit (exceptions included). Process-global, like set_mode."""
-    previous = set_mode(name)
-    try:
-        yield name
-    finally:
-        set_mode(previous)
-
 
 # ----------------------------------------------------------------------------- the fixed config
 
@@ -162,6 +122,7 @@ def fixed_config(problem: Problem, *, smem_limit: int = HOPPER_LIMITS["smem_limi
     them (Hopper+, K, N and W's row stride multiples of 16 bytes, W 16-byte aligned), else the
     pointer path, for every M alike. Raises ImportError without Triton.
     """
+    # Triton is imported on first use: importing hybridgemm must work where Triton is absent.
     from hybridgemm.kernels.triton_common import problem_limits
     from hybridgemm.kernels.triton_gemm import TritonGemmConfig
 
@@ -201,7 +162,7 @@ def run(config, x, weight, bias, out, activation=None, tf32: bool = False):
     """``triton_gemm.run`` with the fixed config; a call too tall for 32-bit offsets runs in
     row chunks, which changes nothing for any row (a row's arithmetic does not depend on the
     rows around it)."""
-    from hybridgemm.kernels import triton_gemm
+    from hybridgemm.kernels import triton_gemm  # on first use, as in fixed_config
 
     m = x.shape[0]
     step = _chunk_rows(x, out)
@@ -214,7 +175,6 @@ def run(config, x, weight, bias, out, activation=None, tf32: bool = False):
 
 def rule_text(problem: Problem) -> str:
     """One line for explain(): why this config, and that it is the same for every M."""
-    from hybridgemm.kernels.problem import DTYPE_NAMES
 
     return (f"fixed config for N={problem.n}, K={problem.k}, {DTYPE_NAMES.get(problem.dtype, problem.dtype)}, "
             f"{problem.epilogue.name}: split_k=1, same kernel for every M")

@@ -17,12 +17,9 @@ Ops (namespace ``hybridgemm``):
     We *save* ``z`` rather than recompute it in the backward: keeping it costs ``M x N``
     elements, exactly what stock ``F.linear`` + ``F.gelu`` keep (gelu saves its input),
     while recomputing would cost a whole extra forward GEMM (+50% of the backward's
-    FLOPs). ``(y, z)`` come from ``hybridgemm.dispatch.fused_linear_with_preactivation(x,
-    weight, bias, activation)`` when the dispatcher has it (a GEMM that writes ``z`` as an
-    aux output, cuBLASLt ``GELU_AUX_BIAS``), else from the GEMM with the bias only followed
-    by the activation.
+    FLOPs). ``z`` is the GEMM with the bias only, ``y`` the activation applied to it.
 ``linear_bwd(grad_out, x?, weight?, saved?, activation, needs_x, needs_w, needs_b) -> (dx, dw, db)``
-    Calls ``hybridgemm.dispatch.linear_backward`` (see :func:`backward_impl`). A custom op
+    Calls ``hybridgemm.backward.linear_backward``. A custom op
     cannot return ``None``, so a gradient that is not needed comes back as an empty tensor
     and the autograd formula turns it into ``None``.
 
@@ -39,18 +36,10 @@ from hybridgemm import dispatch
 from hybridgemm.kernels.checks import check_linear_args
 from hybridgemm.kernels.epilogue import Activation, apply_activation
 
+from . import backward
+
 WHO = "hybridgemm.linear"
 _SAVES_PREACT = (Activation.GELU.value, Activation.GELU_TANH.value)
-
-
-def backward_impl():
-    """The backward GEMMs: ``hybridgemm.dispatch.linear_backward`` when the dispatcher has it,
-    else the torch reference :func:`hybridgemm.linear.torch_linear_backward`. Looked up on
-    every call so that the dispatcher can gain (or re-route) it without touching this file."""
-    fn = getattr(dispatch, "linear_backward", None)
-    if fn is None:
-        from hybridgemm.linear import torch_linear_backward as fn
-    return fn
 
 
 def _out_shape(x: Tensor, weight: Tensor) -> tuple[int, ...]:
@@ -103,10 +92,6 @@ linear_fwd.register_autograd(_linear_fwd_backward, setup_context=_setup_linear_f
 def linear_act_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> tuple[Tensor, Tensor]:
     if activation not in _SAVES_PREACT:
         raise ValueError(f"{WHO}: linear_act_fwd is for {_SAVES_PREACT}, got {activation!r}")
-    fused = getattr(dispatch, "fused_linear_with_preactivation", None)
-    if fused is not None:
-        y, z = fused(x, weight, bias, activation)
-        return y.contiguous(), z.contiguous()
     z = dispatch.fused_linear(x, weight, bias, None).contiguous()
     return apply_activation(z, Activation.parse(activation)), z
 
@@ -149,7 +134,7 @@ def _run_backward(ctx, grad, x, weight, saved):
 @torch.library.custom_op("hybridgemm::linear_bwd", mutates_args=())
 def linear_bwd(grad_out: Tensor, x: Tensor | None, weight: Tensor | None, saved: Tensor | None,
                activation: str, needs_x: bool, needs_w: bool, needs_b: bool) -> tuple[Tensor, Tensor, Tensor]:
-    grads = backward_impl()(grad_out, x, weight, saved, activation, (needs_x, needs_w, needs_b))
+    grads = backward.linear_backward(grad_out, x, weight, saved, activation, (needs_x, needs_w, needs_b))
     out = []
     for g, want in zip(grads, (needs_x, needs_w, needs_b)):
         if want and g is None:
@@ -170,4 +155,4 @@ def _linear_bwd_fake(grad_out, x, weight, saved, activation, needs_x, needs_w, n
     return dx, dw, db
 
 
-__all__ = ["backward_impl", "linear_act_fwd", "linear_bwd", "linear_fwd"]
+__all__ = ["linear_act_fwd", "linear_bwd", "linear_fwd"]

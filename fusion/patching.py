@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from .attention import HybridMultiheadAttention
-from .linear import HybridLinear, linear
+from .linear_layer import HybridLinear, linear
 
 _QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 _OUT_NAMES = ("o_proj", "out_proj")

@@ -56,7 +56,7 @@ def heuristic_workspace_bytes() -> int:
     unset, at most :data:`WORKSPACE_BYTES`.
 
     Why not the 32 MiB we allocate: the limit changes the heuristic's ranking, and the bigger
-    one is not better. Measured on the H200 (scripts/diag_gaps.py lt), 70b qkv M=16: under 32
+    one is not better. Measured on the H200 (perf/results/h200/logs/diag_lt_heuristic.txt), 70b qkv M=16: under 32
     MiB the first pick is a 256x16 split-K=3 kernel, 1.09x F.linear's time; under 1 MiB it is
     the 128x16 no-split kernel F.linear runs. At M=1 the 1 MiB pick is F.linear's 512x8 split-K
     kernel. The tuner still times the 32 MiB ranking's algorithms too (cublaslt_search)."""
@@ -591,12 +591,8 @@ def _linear_checked(x, weight, bias, activation, algo, out) -> torch.Tensor:
     return out.reshape(*lead, n)
 
 
-# Search functions live in cublaslt_search.py (tuning only); re-exported for one namespace.
-from .cublaslt_search import candidates, exhaustive_algos, heuristic_algos, restore_algo  # noqa: E402
-
 __all__ = [
     "CublasLtAlgo", "CublasLtUnavailable", "CublasLtUnsupported", "InvalidAlgorithm", "Plan",
-    "candidates", "clear_caches", "cublaslt_version", "epilogue_supported", "exhaustive_algos",
-    "heuristic_algos", "is_available", "launcher_for", "linear", "read_algo_fields", "restore_algo", "run",
-    "supports",
+    "clear_caches", "cublaslt_version", "epilogue_supported", "is_available", "launcher_for", "linear",
+    "read_algo_fields", "run", "supports",
 ]

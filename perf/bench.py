@@ -1,6 +1,6 @@
 """The benchmark sweep behind ``hybridgemm bench``: providers x projection shapes x M.
 
-Per (shape, M) point, in one process and one loop (DESIGN.md, "How we measure"):
+Per (shape, M) point, in one process and one loop (perf/timing.py):
   1. every provider's output is checked against an fp32 reference (error at most
      max(2 x F.linear's own error, dtype floor)); a provider that fails is recorded as
      ``failed`` and not timed, one that cannot run here as ``skipped`` with a note;
@@ -16,8 +16,6 @@ sweep keeps what it measured and other GPUs' rows in the same file are never clo
 
 from __future__ import annotations
 
-import math
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,65 +24,17 @@ import torch
 import torch.nn.functional as F
 
 from hybridgemm.autotune_cache.presets import ProjectionShape, get_preset, parse_shape
+from hybridgemm.kernels import cublaslt
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
 from hybridgemm.kernels.problem import DTYPE_NAMES, NAME_TO_DTYPE
 from hybridgemm.perf import providers as P
 from hybridgemm.perf.csvio import environment_columns, write_rows
-from hybridgemm.perf.timing import Timing
 
 DEFAULT_M = (1, 16, 128, 1024, 4096)
 TRAIN_BASELINE, TRAIN_OURS = "flinear", "hybridgemm_linear"
 
 
 # ----------------------------------------------------------------------------- timing helpers
-
-
-def reps_for(fn: Callable[[], object], target_ms: float = 1.0, most: int = 10) -> int:
-    """Calls per captured graph so one replay lasts about ``target_ms``: a few-µs kernel needs
-    several calls for its difference against the flush-only graph to rise above replay jitter."""
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        fn()
-    end.record()
-    end.synchronize()
-    per_call_ms = max(start.elapsed_time(end) / 3, 1e-3)
-    return int(min(most, max(1, math.ceil(target_ms / per_call_ms))))
-
-
-def events_time(fn: Callable[[], object], iters: int = 25, warmup: int = 5) -> Timing:
-    """GPU time of ``fn`` by CUDA events around each call, L2 flushed (read) before each, median.
-    For training steps, which autograd cannot run inside a captured graph as they are."""
-    return events_time_interleaved({"fn": fn}, rounds=1, iters=iters, warmup=warmup)["fn"]
-
-
-def events_time_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 7, iters: int = 5,
-                            warmup: int = 3) -> dict[str, Timing]:
-    """:func:`events_time` for several callables in alternating rounds of ``iters`` steps, so
-    clock drift under sustained load (power, temperature) falls on each alike; median over all
-    of a callable's steps, spread = max - min."""
-    from hybridgemm.perf.timing import L2Flusher
-
-    flush = L2Flusher.for_device(torch.device("cuda", torch.cuda.current_device()))
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    us: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            pairs = []
-            for _ in range(iters):
-                flush()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                pairs.append((s, e))
-            torch.cuda.synchronize()
-            us[name] += [s.elapsed_time(e) * 1000.0 for s, e in pairs]
-    return {name: Timing(statistics.median(v), max(v) - min(v), len(v)) for name, v in us.items()}
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -252,7 +202,6 @@ def run_bench(shapes: list[ProjectionShape], ms=DEFAULT_M, provider_names=None, 
     timers = timers or P.Timers.default()
     env = environment_columns(command)
     if device != "cpu":
-        from hybridgemm.kernels import cublaslt
 
         env["cublaslt"] = cublaslt.cublaslt_version() or ""
     res = BenchResult()

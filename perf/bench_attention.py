@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridgemm import AttentionProjection
+from hybridgemm.perf.csvio import environment_columns, write_rows
+from hybridgemm.perf.timing import eager_time_interleaved, events_time_interleaved, gpu_time
 
 MODEL = dict(name="qwen2.5-7b", hidden=3584, heads=28, kv_heads=4, head_dim=128)
 TINY = dict(name="tiny", hidden=256, heads=8, kv_heads=2, head_dim=32)
@@ -169,12 +171,8 @@ def run_scenario(name, cfg, device, dtype, quick, rows, env, log, scenarios=SCEN
     result = {"errs": errs}
     if device.type != "cuda":
         return result
-    from hybridgemm.perf.timing import eager_time_interleaved, gpu_time
-
     attn = attn_bshd.transpose(1, 2)
     if kind == "train":
-        from hybridgemm.perf.bench import events_time_interleaved
-
         steps = {p: train_step_fn(layer, p, x, attn_bshd, grads) for p in ok}
         timed = events_time_interleaved(steps, rounds=3 if quick else 7, iters=4 if quick else 5)
         for p, t in timed.items():
@@ -248,7 +246,6 @@ def main(argv=None) -> int:
     scenarios = {k: (b, min(s, 64), kind) for k, (b, s, kind) in SCENARIOS.items()} if args.tiny else SCENARIOS
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 references must be fp32
     torch.manual_seed(0)
-    from hybridgemm.perf.csvio import environment_columns, write_rows
 
     env = environment_columns(" ".join(["python -m hybridgemm.perf.bench_attention", *(argv or sys.argv[1:])]))
     rows, results, failed = [], {}, 0

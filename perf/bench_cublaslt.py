@@ -22,15 +22,16 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hybridgemm.autotune_cache.tuner import time_placements
+from hybridgemm.autotune_cache.measure import time_placements
 from hybridgemm.kernels import cublaslt as lt
+from hybridgemm.kernels import cublaslt_search as lts
 from hybridgemm.kernels.checks import call_signature
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import Problem
 from hybridgemm.perf.csvio import environment_columns, write_rows
 from hybridgemm.perf.timing import Timing, eager_time_interleaved, gpu_time_rotating, rotation_lists
 
-# (name, N, K): the attention projections of llama3-8b and llama3-70b (DESIGN.md)
+# (name, N, K): the attention projections of llama3-8b and llama3-70b (autotune_cache/presets.py)
 SHAPES = [
     ("llama3-8b.q", 4096, 4096),
     ("llama3-8b.kv", 1024, 4096),
@@ -64,13 +65,13 @@ def bench_shape(name, n, k, m, dtype, exhaustive, rows, env, log):
         return r
 
     problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=Epilogue(Activation.NONE, True), ldx=k, ldw=k, ldo=n)
-    heur = lt.heuristic_algos(problem, count=16)
+    heur = lts.heuristic_algos(problem, count=16)
     err = _rel_err(lt.linear(x, w, b, out=out), ref)
 
     # The tuner's method: every call reads its own cold copy of x and W (rotating copies),
     # CUDA graphs replayed in interleaved rounds. A screen of all enumerated algorithms, then
     # F.linear, the heuristic pick, the 3 fastest of the screen and F.linear again re-timed
-    # together on the tuner's placements (autotune_cache.tuner.time_placements), which
+    # together on the tuner's placements (autotune_cache.measure.time_placements), which
     # decides; the two F.linear rows show the noise left. "Best" is the fastest of those
     # finalists, the heuristic pick included (so it can never read slower than it).
     xs, ws = rotation_lists(x, w)
@@ -82,7 +83,7 @@ def bench_shape(name, n, k, m, dtype, exhaustive, rows, env, log):
     def heuristic(i):
         return lt.run(None, xs[i], ws[i], b, out, Activation.NONE)
 
-    cands = lt.candidates(problem, heuristic_count=16, exhaustive_limit=exhaustive)
+    cands = lts.candidates(problem, heuristic_count=16, exhaustive_limit=exhaustive)
     ok = []
     for algo in cands:
         try:

@@ -18,6 +18,15 @@ import math
 import os
 import sys
 
+import torch
+import torch.nn.functional as F
+
+import hybridgemm
+from hybridgemm import dispatch
+from hybridgemm.autotune_cache.presets import get_preset
+from hybridgemm.perf.csvio import environment_columns, write_rows
+from hybridgemm.perf.timing import gpu_time
+
 SHAPES = (("llama3-8b", ("q", "kv", "qkv", "o")), ("llama3-70b", ("qkv", "o")))
 MS = (1, 16, 1024, 4096, 16384)
 QUICK_MS = (1, 1024, 4096)
@@ -28,7 +37,6 @@ PROVIDERS = ("batch_invariant", "default", "flinear")
 
 def bench_shapes() -> list[tuple[str, int, int]]:
     """(name, N, K) of the benchmarked projections; identical (N, K) pairs merged (8b q and o)."""
-    from hybridgemm.autotune_cache.presets import get_preset
 
     out: dict[tuple[int, int], str] = {}
     for model, names in SHAPES:
@@ -86,18 +94,12 @@ def summarize(times: dict[tuple[str, int], dict[str, float]]) -> tuple[list[str]
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
 
     if not torch.cuda.is_available():
         print("bench_modes: needs a CUDA GPU (none found here); run it on the GPU machine "
               "(scripts/gpu-check.sh)", file=sys.stderr)
         return 2
-    import torch.nn.functional as F
 
-    import hybridgemm
-    from hybridgemm import dispatch
-    from hybridgemm.perf.csvio import environment_columns, write_rows
-    from hybridgemm.perf.timing import gpu_time
 
     if args.table:
         dispatch.set_table_path(args.table)
@@ -128,7 +130,7 @@ def main(argv=None) -> int:
                                 for i in sorted({0, m // 2, m - 1}))
                 config = dispatch.explain((m, k), (n, k), torch.bfloat16).splitlines()[-1].split("[")[-1]
                 config = config.split("]")[0]
-            # Two rounds in alternating order, the lower median of each (as bench_dispatch).
+            # Two rounds in alternating order, the lower median of each (both orders).
             reps = 10 if m <= 1024 else 2
             t = {p: float("inf") for p in PROVIDERS}
             for order in (PROVIDERS, PROVIDERS[::-1]):

@@ -16,7 +16,7 @@ method but other operands.
   so fewer remain at small M: 57 of 64 by default), sample "log"; plus ``--random`` M drawn
   log-uniformly in [1, ``--m-max``] from ``numpy.random.default_rng(seed)`` (the same seed gives
   the same M), sample "random", skipping ones already drawn or in the log set.
-- Timing: the tuner's method, ``autotune_cache/tuner.placement_samples``: CUDA graphs of calls
+- Timing: the tuner's method, ``autotune_cache/measure.placement_samples``: CUDA graphs of calls
   on rotating copies of x and W (every call reads them cold from HBM), F.linear and the
   dispatched call replayed in interleaved rounds on ``placements`` fresh sets of operands.
   Per round the dispatched time is divided by F.linear's time in that round, which cancels
@@ -50,10 +50,22 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hybridgemm import dispatch
+from hybridgemm.autotune_cache.measure import operands_for, placement_samples
+from hybridgemm.autotune_cache.presets import PRESETS, get_preset, preset_names
+from hybridgemm.autotune_cache.tuner import Progress
+from hybridgemm.dispatch import choose, fused_linear
+from hybridgemm.kernels.epilogue import Activation, Epilogue
+from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
+from hybridgemm.perf.plots import BELOW, as_bool, plot_m_sweep, shape_label  # noqa: F401 (BELOW, as_bool used by callers too)
+
 COLUMNS = ("models", "projection", "n", "k", "bias", "dtype", "m", "sample", "dispatched_us", "flinear_us", "speedup",
            "backend", "source", "range", "validated_worst", "placements", "replays", "retimed", "date", "commit",
            "check")
-BELOW = 0.97  # a row under this speedup is counted (and drawn under the dashed line)
 SMALL_M = 16  # the decode regime's geomean is reported apart: there the dispatcher differs most from F.linear
 CHECK_M = 333  # the correctness check runs at the swept M closest to this (partial tiles at every tile size)
 POINTS, RANDOM, M_MAX = 64, 64, 16384
@@ -88,21 +100,9 @@ class SweepShape:
         return shape_label(self.n, self.k, self.bias, ";".join(self.models))
 
 
-def shape_label(n, k, bias, models: str) -> str:
-    """``"N x K (+bias) — models"`` (models given ';'-joined, shown ', '-joined)."""
-    names = ", ".join(m for m in str(models).split(";") if m)
-    return f"{n} x {k}{' (+bias)' if as_bool(bias) else ''}" + (f" — {names}" if names else "")
-
-
-def as_bool(v) -> bool:
-    """A bias flag from a row: a bool, or its CSV text ("True"/"False", "1"/"0", "yes"/"no")."""
-    return v if isinstance(v, bool) else str(v).strip().lower() in ("1", "true", "yes", "on")
-
-
 def sweep_shapes(models: Iterable[str] | None = None) -> list[SweepShape]:
     """The projections of ``models`` (preset names; None: every preset), one per distinct
     (N, K, bias), in first-seen order, each naming every preset and projection that has it."""
-    from hybridgemm.autotune_cache.presets import PRESETS, get_preset
 
     presets = list(PRESETS.values()) if models is None else [get_preset(m) for m in models]
     merged: dict[tuple[int, int, bool], tuple[list[str], list[str]]] = {}
@@ -121,7 +121,6 @@ def m_values(points: int = POINTS, random: int = RANDOM, seed: int = 0, m_max: i
     rounded, deduplicated: fewer than ``points`` remain when they crowd at small M), sample
     "log"; then ``random`` draws log-uniform in [1, m_max] from ``default_rng(seed)``, rounded,
     sample "random", each kept only if not already in the list (so at most ``random``)."""
-    import numpy as np
 
     if m_max < 1 or points < 0 or random < 0:
         raise ValueError(f"need m_max ≥ 1 and non-negative counts, got m_max={m_max}, points={points}, "
@@ -265,11 +264,8 @@ def git_commit() -> str:
 
 def problem_for_m(m: int, n: int, k: int, bias: bool, dtype: str = "bf16"):
     """The Problem of ``F.linear(x[m, k], W[n, k], b)`` on dense operands, built as
-    autotune_cache/tuner.problem_for builds a key's (with an explicit M)."""
-    import torch
+    autotune_cache/measure.problem_for builds a key's (with an explicit M)."""
 
-    from hybridgemm.kernels.epilogue import Activation, Epilogue
-    from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
 
     dt = NAME_TO_DTYPE[dtype]
     tf32 = dt == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)  # as the dispatcher decides it
@@ -279,10 +275,7 @@ def problem_for_m(m: int, n: int, k: int, bias: bool, dtype: str = "bf16"):
 def check_dispatched(x, w, b, dtype: str) -> tuple[bool, float, float]:
     """``(ok, rel_err, bound)``: the dispatched result's relative Frobenius error against an
     fp32 reference, bounded by 2 x F.linear's own error + one rounding unit of ``dtype``."""
-    import torch
-    import torch.nn.functional as F
 
-    from hybridgemm.dispatch import fused_linear
 
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -302,9 +295,7 @@ def check_dispatched(x, w, b, dtype: str) -> tuple[bool, float, float]:
 
 def _choice_columns(problem) -> dict:
     """What the dispatcher runs for ``problem``: backend, source, validated M range, worst ratio."""
-    import torch
 
-    from hybridgemm.dispatch import choose
 
     c = choose(problem, torch.cuda.current_device())
     lo, hi, worst = (getattr(c, name, None) for name in ("m_lo", "m_hi", "worst_ratio"))
@@ -316,10 +307,7 @@ def _choice_columns(problem) -> dict:
 def _time_pair(p, dtype: str, placements: int, replays: int, check: bool) -> tuple[list, list, str, int]:
     """``(F.linear µs per round, dispatched / F.linear ratio per round, check text, operand
     bytes)`` for problem ``p`` on fresh operands, which are released when this returns."""
-    import torch.nn.functional as F
 
-    from hybridgemm.autotune_cache.tuner import operands_for, placement_samples
-    from hybridgemm.dispatch import fused_linear
 
     x, w, b, out, xs, ws = operands_for(p)
     verdict = ""
@@ -336,12 +324,11 @@ def _time_pair(p, dtype: str, placements: int, replays: int, check: bool) -> tup
 def measure_point(shape: SweepShape, m: int, sample: str, dtype: str = "bf16", placements: int = PLACEMENTS,
                   replays: int = REPLAYS, check: bool = False, extra: dict | None = None) -> dict:
     """One row: F.linear and the dispatched call at ``m`` rows, timed together by
-    tuner.placement_samples (calls[0] F.linear, the reference of every round's ratio); a row
+    measure.placement_samples (calls[0] F.linear, the reference of every round's ratio); a row
     under RETIME_BELOW is timed again on RETIME_PLACEMENTS more placements and its rounds
     pooled (``retimed``). With ``check``, the dispatched result is first checked
     (:func:`check_dispatched`) and the row's ``check`` column says how it went ("ok ..." or
     "FAILED ..."). ``extra``: more columns."""
-    import torch
 
     p = problem_for_m(m, shape.n, shape.k, shape.bias, dtype)
     ref_us, ratios, verdict, nbytes = _time_pair(p, dtype, placements, replays, check)
@@ -371,11 +358,10 @@ def run_sweep(shapes: list[SweepShape], ms: list[tuple[int, str]], dtype: str = 
               on_shape: Callable[[list[dict]], None] | None = None) -> SweepResult:
     """:func:`measure_point` for every shape x ``(m, sample)``, the correctness check at the M
     closest to CHECK_M; ``on_shape(rows so far)`` after each shape (to save them)."""
-    from hybridgemm.autotune_cache.tuner import _progress
 
     res = SweepResult()
     check_m = min((m for m, _ in ms), key=lambda m: (abs(math.log(m / CHECK_M)), m), default=None)
-    with _progress(progress, len(shapes) * len(ms), "m-sweep") as advance:
+    with Progress(progress, len(shapes) * len(ms), "m-sweep") as advance:
         for shape in shapes:
             for m, sample in ms:
                 row = measure_point(shape, m, sample, dtype, placements, replays, check=m == check_m, extra=extra)
@@ -397,7 +383,6 @@ def run_sweep(shapes: list[SweepShape], ms: list[tuple[int, str]], dtype: str = 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from hybridgemm.autotune_cache.presets import get_preset, preset_names
 
     ap = argparse.ArgumentParser(prog="python -m hybridgemm.perf.bench_msweep", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for m_sweep_<gpu>.csv, m_sweep_summary.txt, m_sweep.png")
@@ -439,13 +424,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
 
     if not torch.cuda.is_available():
         print("bench_msweep: needs a CUDA GPU (none found here): it times the dispatched call and F.linear on the GPU",
               file=sys.stderr)
         return 2
-    from hybridgemm import dispatch
 
     if args.table:
         dispatch.set_table_path(args.table)
@@ -467,7 +450,6 @@ def main(argv=None) -> int:
     print(f"wrote {path} ({len(res.rows)} rows) and {Path(args.out) / SUMMARY_FILE}")
     if not args.no_plot:
         try:
-            from hybridgemm.perf.plots import plot_m_sweep
 
             print(f"wrote {plot_m_sweep(path, args.out)}")
         except ImportError:

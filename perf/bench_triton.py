@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from hybridgemm.autotune_cache.tuner import time_placements
+from hybridgemm.autotune_cache.measure import time_placements
 from hybridgemm.kernels import triton_gemm, triton_splitk
 from hybridgemm.kernels.epilogue import Activation, Epilogue, reference_linear
 from hybridgemm.kernels.problem import Problem, dtype_name
-from hybridgemm.perf.timing import Timing, eager_time_interleaved, gpu_time_rotating, rotation_lists
+from hybridgemm.perf.timing import HBM_TBPS, Timing, eager_time_interleaved, gpu_time_rotating, rotation_lists
 
 SHAPES = {  # name: (N, K) of W (N x K)
     "llama3-8b-q": (4096, 4096),
@@ -45,7 +45,6 @@ QUICK_SHAPES = ("llama3-8b-qkv", "llama3-70b-o")
 DECODE_M = (1, 16)
 PREFILL_M = (1024, 4096)
 DEVICE = "cuda"
-HBM_TBPS = 4.23  # measured read ceiling on the H200 (DESIGN.md)
 COLUMNS = [
     "gpu", "torch", "triton", "shape", "M", "N", "K", "dtype", "provider", "config", "status",
     "rel_err", "gpu_us", "spread_us", "tflops", "gbps", "speedup_vs_flinear", "host_us",
@@ -126,7 +125,7 @@ class Bench:
             valid.append((cfg, fields, err))
         # The tuner's method: rotating copies (every call reads cold operands), all candidates
         # and F.linear interleaved in a 3-round screen; the 4 fastest re-timed beside F.linear
-        # on the tuner's placements (autotune_cache.tuner.time_placements), which decides.
+        # on the tuner's placements (autotune_cache.measure.time_placements), which decides.
         xs, ws = rotation_lists(x, w)
         copies = len(ws)
         fns = [lambda i: F.linear(xs[i], ws[i], b)]

@@ -12,14 +12,24 @@ provider failed), 2 cannot run (bad arguments, no GPU, missing file).
 from __future__ import annotations
 
 import argparse
+import csv
+import os
 import shlex
 import sys
+
+import torch
+
+from hybridgemm.autotune_cache.presets import get_preset
+from hybridgemm.perf import providers as P
+from hybridgemm.perf.bench import DEFAULT_M, print_summary, run_bench, shapes_for
+from hybridgemm.perf.bench_msweep import main as m_sweep_main
+from hybridgemm.perf.plots import make_all_plots
+from hybridgemm.perf.providers import PROVIDERS
 
 DEFAULT_OUT = "bench_results.csv"
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    from hybridgemm.perf.bench import DEFAULT_M
 
     p = subparsers.add_parser("bench", help="benchmark every provider beside F.linear on model projection shapes "
                                             "(needs a GPU); writes a long-form CSV")
@@ -60,7 +70,6 @@ def _err(msg: str) -> None:
 
 
 def list_providers(out=None) -> None:
-    from hybridgemm.perf.providers import PROVIDERS
 
     out = out or sys.stdout  # looked up per call (tests and callers redirect it)
     for p in PROVIDERS.values():
@@ -86,7 +95,6 @@ def _command_line(args) -> str:
 
 
 def cmd_bench(args) -> int:
-    from hybridgemm.perf import providers as P
 
     if args.list_providers:
         list_providers()
@@ -101,13 +109,11 @@ def cmd_bench(args) -> int:
     if any(m < 1 for m in args.m):
         _err(f"hybridgemm bench: --m values must be ≥ 1, got {args.m}")
         return 2
-    import torch
 
     if not torch.cuda.is_available():
         _err("hybridgemm bench: needs a CUDA GPU, and this machine has none (it measures GPU and host time "
              "of every provider). `hybridgemm plot` works anywhere, from CSVs measured elsewhere.")
         return 2
-    from hybridgemm.perf.bench import print_summary, run_bench, shapes_for
 
     args.model = args.model or ([] if args.shape else ["llama3-8b"])
     try:
@@ -132,9 +138,7 @@ def cmd_m_sweep(args) -> int:
     """``hybridgemm bench --m-sweep``: perf/bench_msweep.py's sweep over --model's shapes (all
     presets without one) in --dtype, its files in the directory of --out (or --out itself when
     it is a directory)."""
-    import os
 
-    from hybridgemm.autotune_cache.presets import get_preset
 
     if args.shape:
         _err("hybridgemm bench --m-sweep: sweeps the projections of model presets (--model); --shape is not "
@@ -145,13 +149,11 @@ def cmd_m_sweep(args) -> int:
     except ValueError as e:
         _err(f"hybridgemm bench --m-sweep: {e}")
         return 2
-    import torch
 
     if not torch.cuda.is_available():
         _err("hybridgemm bench --m-sweep: needs a CUDA GPU, and this machine has none (it times the dispatched "
              "call beside F.linear on the GPU)")
         return 2
-    from hybridgemm.perf.bench_msweep import main as m_sweep_main
 
     out_dir = args.out if os.path.isdir(args.out) or args.out.endswith(("/", os.sep)) else os.path.dirname(args.out)
     argv = ["--out", out_dir or ".", "--dtype", args.dtype, *(a for m in models for a in ("--model", m))]
@@ -159,20 +161,17 @@ def cmd_m_sweep(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    import os
 
     missing = [p for p in args.csv if not os.path.isfile(p)]
     if missing:
         _err(f"hybridgemm plot: no such CSV file: {', '.join(missing)}")
         return 2
-    import csv
 
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         _err("hybridgemm plot: needs matplotlib: pip install 'hybridgemm[plot]'")
         return 2
-    from hybridgemm.perf.plots import make_all_plots
 
     out = args.out or os.path.dirname(os.path.abspath(args.csv[0]))
     try:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hybridgemm.autotune_cache.keys import octave
+from hybridgemm.autotune_cache.table import TuningTable
+
 
 def _choices(table, key) -> tuple:
     return tuple((k.m_lo, k.m_hi, table.entries[k]["backend"], repr(sorted(table.entries[k]["config"].items())))
@@ -26,8 +29,6 @@ def _describe(table, key) -> str:
 
 def compare_tables(path_a: str, path_b: str) -> dict:
     """``{"ranges": n, "same": n, "differ": [(range key, A's choices, B's choices)]}``."""
-    from hybridgemm.autotune_cache.keys import octave
-    from hybridgemm.autotune_cache.table import TuningTable
 
     a, b = TuningTable.load(path_a, strict=True), TuningTable.load(path_b, strict=True)
     octaves = set()

@@ -14,6 +14,9 @@ import tempfile
 
 import torch
 
+import hybridgemm
+from hybridgemm.kernels.cublaslt import cublaslt_version
+
 KEY_COLUMNS = ("gpu", "shape", "N", "K", "M", "dtype", "epilogue", "provider", "method")
 # status: ok | failed (wrong result, not timed) | skipped (cannot run here; see note) | error
 FIRST_COLUMNS = (*KEY_COLUMNS, "status", "median_us", "spread_us", "speedup_vs_flinear", "tflops", "gbps", "config",
@@ -23,7 +26,6 @@ TAIL_COLUMNS = ("note", "torch", "triton", "cublaslt", "nvmath", "hybridgemm", "
 
 def environment_columns(command: str) -> dict:
     """GPU and versions, so that every row says where and with what it was measured."""
-    import hybridgemm
 
     env = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__, "hybridgemm": hybridgemm.__version__,
@@ -40,7 +42,6 @@ def environment_columns(command: str) -> dict:
         env["nvmath"] = nvmath.__version__
     except ImportError:
         env["nvmath"] = ""
-    from hybridgemm.kernels.cublaslt import cublaslt_version
 
     env.setdefault("cublaslt", cublaslt_version() or "")
     return env

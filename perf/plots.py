@@ -28,9 +28,11 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-from hybridgemm.perf.csvio import KEY_COLUMNS, read_rows
+import numpy as np
 
-HBM_TBPS = 4.23  # measured HBM read ceiling on the H200 (DESIGN.md)
+from hybridgemm.perf.csvio import KEY_COLUMNS, read_rows
+from hybridgemm.perf.timing import HBM_TBPS
+
 PEAK_TFLOPS = {"bf16": 790.0, "fp16": 790.0}  # best measured dense GEMMs on the H200
 ATTENTION_PROVIDERS = ("stock", "naive_fused", "hybridgemm")
 PROVIDER_ORDER = ("flinear", "matmul_add", "cublaslt_heuristic", "cublaslt_best", "triton_best", "dispatch",
@@ -41,6 +43,20 @@ LABELS = {"flinear": "F.linear (baseline)", "matmul_add": "x @ W.T + b (unfused)
           "compile_max_autotune": "torch.compile max-autotune", "hybridgemm_linear": "hybridgemm.linear"}
 ITEMSIZE = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4, "tf32": 4}
 DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+BELOW = 0.97  # an M-sweep row under this speedup is counted (and drawn under the dashed line)
+
+
+def shape_label(n, k, bias, models: str) -> str:
+    """``"N x K (+bias) — models"`` (models given ';'-joined, shown ', '-joined)."""
+    names = ", ".join(m for m in str(models).split(";") if m)
+    return f"{n} x {k}{' (+bias)' if as_bool(bias) else ''}" + (f" — {names}" if names else "")
+
+
+def as_bool(v) -> bool:
+    """A bias flag from a row: a bool, or its CSV text ("True"/"False", "1"/"0", "yes"/"no")."""
+    return v if isinstance(v, bool) else str(v).strip().lower() in ("1", "true", "yes", "on")
+
 
 
 def load_rows(csv_paths) -> list[dict]:
@@ -184,7 +200,6 @@ def _log_y(ax) -> None:
 
 
 def plot_tflops(rows, path: Path) -> Path:
-    import numpy as np
 
     panels = _panels(rows)
     fig, body, footer, axes = _figure(len(panels))
@@ -214,7 +229,6 @@ def plot_tflops(rows, path: Path) -> Path:
 
 
 def _heatmap(rows, path: Path, provider: str, baseline: str, title: str, what: str) -> Path | None:
-    import numpy as np
     from matplotlib.colors import TwoSlopeNorm
 
     t = {(r["shape"], r["M"], r["provider"]): r["median_us"] for r in rows}
@@ -246,7 +260,6 @@ def _heatmap(rows, path: Path, provider: str, baseline: str, title: str, what: s
 
 
 def plot_attention(rows, path: Path) -> Path | None:
-    import numpy as np
 
     if not rows:
         return None
@@ -362,7 +375,6 @@ def plot_m_sweep(csv_path, out_dir) -> Path:
     call over F.linear (F.linear time / dispatched time) against M on a log2 axis, one line per
     shape ("N x K (+bias) — models"), a dashed line at the 0.97x mark and a light one at parity.
     Raises FileNotFoundError for a missing file, ValueError when no row holds M and a speedup."""
-    from hybridgemm.perf.bench_msweep import BELOW, as_bool, shape_label
 
     if not os.path.isfile(csv_path):
         raise FileNotFoundError(f"no such CSV file: {csv_path}")

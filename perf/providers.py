@@ -22,8 +22,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+import hybridgemm
+from hybridgemm.dispatch import explain, fused_linear
+from hybridgemm.kernels import cublaslt
+from hybridgemm.kernels import cublaslt as lt
+from hybridgemm.kernels import cublaslt_search as lts
+from hybridgemm.kernels.backends import get_backend
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
 from hybridgemm.kernels.problem import Problem
+from hybridgemm.perf.timing import eager_time_interleaved, events_time, gpu_time, reps_for
 
 # Relative Frobenius error floors per dtype: a provider passes when its error is at most
 # max(2 x F.linear's own error on the same inputs, floor) (as in the tests and the tuner).
@@ -47,9 +54,6 @@ class Timers:
 
     @classmethod
     def default(cls) -> Timers:
-        from hybridgemm.perf.bench import events_time, reps_for
-        from hybridgemm.perf.timing import eager_time_interleaved, gpu_time
-
         return cls(gpu_time, eager_time_interleaved, events_time, reps_for)
 
 
@@ -152,7 +156,6 @@ def _no_cuda() -> str | None:
 
 
 def _no_nvmath() -> str | None:
-    from hybridgemm.kernels import cublaslt
 
     if _no_cuda():
         return _no_cuda()
@@ -160,24 +163,14 @@ def _no_nvmath() -> str | None:
 
 
 def hybridgemm_linear():
-    """``hybridgemm.linear`` (fusion/linear.py), or None where it is not there yet."""
-    import importlib
-
-    import hybridgemm
-
-    fn = getattr(hybridgemm, "linear", None)
-    if callable(fn):
-        return fn
-    try:
-        return importlib.import_module("hybridgemm.linear").linear
-    except (ImportError, AttributeError):
-        return None
+    """``hybridgemm.linear`` (fusion/linear_layer.py)."""
+    return hybridgemm.linear
 
 
 _NEED_CHECKS = {
     "cuda": _no_cuda,
     "nvmath": _no_nvmath,
-    "hybridgemm.linear": lambda: None if hybridgemm_linear() else "hybridgemm.linear is not available",
+    "hybridgemm.linear": lambda: None,
 }
 
 PROVIDERS: dict[str, Provider] = {}
@@ -260,7 +253,6 @@ def _matmul_add(pt: ProblemTensors):
 @register("cublaslt_heuristic", "hybridgemm.kernels.cublaslt.linear, heuristic's first algorithm",
           needs=("cuda", "nvmath"))
 def _cublaslt_heuristic(pt: ProblemTensors):
-    from hybridgemm.kernels import cublaslt as lt
 
     if not lt.epilogue_supported(pt.epilogue):
         raise ProviderSkip(f"cuBLASLt has no epilogue {pt.epilogue.name!r}")
@@ -271,14 +263,13 @@ def _cublaslt_heuristic(pt: ProblemTensors):
 @register("cublaslt_best", "fastest of cuBLASLt's heuristic top 16 + 16 exhaustive algorithms",
           needs=("cuda", "nvmath"))
 def _cublaslt_best(pt: ProblemTensors):
-    from hybridgemm.kernels import cublaslt as lt
 
     problem = pt.problem()
     ok, why = lt.supports(problem)
     if not ok:
         raise ProviderSkip(why)
     dev = pt.x.device.index if pt.x.device.index is not None else torch.cuda.current_device()
-    algos = lt.candidates(problem, dev, heuristic_count=16, exhaustive_limit=16)
+    algos = lts.candidates(problem, dev, heuristic_count=16, exhaustive_limit=16)
     x, w, b, act = pt.x, pt.w, pt.b, pt.act
     cands = [(f"{a.source}: {a.describe()}", lambda a=a: lt.linear(x, w, b, act, algo=a)) for a in algos]
     return fastest(pt, cands, "cuBLASLt")
@@ -287,7 +278,6 @@ def _cublaslt_best(pt: ProblemTensors):
 @register("triton_best", "fastest of the Triton split-K and tiled kernels' candidates for this M",
           needs=("cuda",))
 def _triton_best(pt: ProblemTensors):
-    from hybridgemm.backends import get_backend
 
     problem = pt.problem()
     x, w, b, act = pt.x, pt.w, pt.b, pt.act
@@ -306,7 +296,6 @@ def _triton_best(pt: ProblemTensors):
 @register("dispatch", "hybridgemm.dispatch.fused_linear: the tuned table's pick (what users get)",
           needs=("cuda",))
 def _dispatch(pt: ProblemTensors):
-    from hybridgemm.dispatch import explain, fused_linear
 
     x, w, b, act = pt.x, pt.w, pt.b, pt.act
     why = explain(tuple(x.shape), tuple(w.shape), x.dtype, bias=b is not None, activation=act)

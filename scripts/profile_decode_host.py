@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import hybridgemm
 from hybridgemm import dispatch
-from hybridgemm.backends import get_backend
+from hybridgemm.kernels.backends import get_backend
 from hybridgemm.kernels.checks import call_signature
 from hybridgemm.perf.timing import eager_time_interleaved
 

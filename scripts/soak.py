@@ -6,7 +6,7 @@ On a CUDA GPU, cycles through ``--shapes`` distinct linear problems (M from 1 to
 llama/qwen/gpt2-sized and odd; bf16 and fp16; with and without bias; no activation, relu,
 gelu_tanh and exact gelu) and, for each, every path that takes it:
 
-* ``cublaslt``, ``triton_gemm``, ``triton_splitk``: ``hybridgemm.backends.get_backend(name).run``
+* ``cublaslt``, ``triton_gemm``, ``triton_splitk``: ``hybridgemm.kernels.backends.get_backend(name).run``
   with the backend's default for the problem (cuBLASLt: ``None``, the heuristic's first
   algorithm, as the dispatcher's size rule runs it; Triton: ``candidates(problem)[0]``; the
   split-K kernel offers candidates only for M <= 64, cuBLASLt has no exact GELU);
@@ -153,8 +153,8 @@ class Case:
 
 def build_problems(shapes, torch, dev):
     from hybridgemm import dispatch
-    from hybridgemm.backends import get_backend
     from hybridgemm.kernels import cublaslt
+    from hybridgemm.kernels.backends import get_backend
     from hybridgemm.kernels.epilogue import Activation, Epilogue
     from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
 
@@ -188,7 +188,7 @@ def run_path(p: Case, path: Route, torch, poison: bool = False):
         import hybridgemm
 
         return hybridgemm.linear(p.x_linear, p.w, p.b, s.act).view(s.m, s.n)
-    from hybridgemm.backends import get_backend
+    from hybridgemm.kernels.backends import get_backend
 
     out = torch.empty(s.m, s.n, dtype=p.x.dtype, device=p.x.device)
     if poison:

@@ -6,7 +6,7 @@ candidate lists might be missing.
     python scripts/sweep_configs.py --backend triton_splitk --shape 3584,3584 4608,3584 --m 1 8
 
 Kernels are compiled first on worker processes (autotune_cache/precompile.py), then timed
-with the tuner's method (perf/timing.gpu_time_rotating: cold operands by rotation, graphs
+with the tuner's method (autotune_cache/measure.gpu_time_rotating: cold operands by rotation, graphs
 replayed in interleaved rounds), in chunks of 8 beside F.linear. Every config is checked
 against an fp32 reference before it is timed. Prints the 15 fastest per (shape, M) with GB/s
 and TFLOP/s and writes DIR/sweep_<backend>.csv when --out is given.
@@ -77,9 +77,9 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
 
     from hybridgemm.autotune_cache.keys import TableKey
+    from hybridgemm.autotune_cache.measure import operands_for
     from hybridgemm.autotune_cache.precompile import precompile
-    from hybridgemm.autotune_cache.tuner import operands_for
-    from hybridgemm.backends import get_backend
+    from hybridgemm.kernels.backends import get_backend
     from hybridgemm.kernels.epilogue import Activation, Epilogue
     from hybridgemm.kernels.problem import Problem
     from hybridgemm.perf.timing import gpu_time_rotating

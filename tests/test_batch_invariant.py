@@ -29,9 +29,9 @@ GPU_MS = (1, 7, 64, 1000, 4096)
 @pytest.fixture(autouse=True)
 def _default_mode_around_each_test():
     """Every test starts and ends in the default mode (the mode is process-global)."""
-    modes.set_mode("default")
+    dispatch.set_mode("default")
     yield
-    modes.set_mode("default")
+    dispatch.set_mode("default")
 
 
 def _problem(m, n, k, dtype, bias=True, act=Activation.NONE, **layout):

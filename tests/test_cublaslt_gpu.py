@@ -16,6 +16,7 @@ from helpers import check_close_to_reference, make_operands, poisoned, rel_err
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]  # fp32 references stay fp32
 
 lt = pytest.importorskip("hybridgemm.kernels.cublaslt")
+lts = pytest.importorskip("hybridgemm.kernels.cublaslt_search")
 if torch.cuda.is_available() and not lt.is_available():
     pytest.skip("nvmath-python / cuBLASLt not loadable here", allow_module_level=True)
 
@@ -116,38 +117,38 @@ def _problem(m, n, k, dtype, bias=True):
 def test_candidates_run_and_round_trip(dtype):
     m, n, k = 64, 384, 512
     x, w, b = make_operands(m, n, k, dtype, "cuda")
-    cands = lt.candidates(_problem(m, n, k, dtype), exhaustive_limit=8)
+    cands = lts.candidates(_problem(m, n, k, dtype), exhaustive_limit=8)
     assert len(cands) >= 2
     assert any(c.source == "exhaustive" for c in cands)
     for algo in cands:
         out = lt.linear(x, w, b, algo=algo)
         check_close_to_reference(out, x, w, b, None, algo.describe())
         rec = json.loads(json.dumps(algo.to_record()))
-        restored = lt.restore_algo(rec, _problem(m, n, k, dtype))
+        restored = lts.restore_algo(rec, _problem(m, n, k, dtype))
         again = lt.linear(x, w, b, algo=restored)
         assert torch.equal(out, again), f"restored {algo.describe()} differs"
 
 
 def test_restore_refuses_bad_records():
     p = _problem(64, 384, 512, torch.bfloat16)
-    algo = lt.heuristic_algos(p, count=1)[0]
+    algo = lts.heuristic_algos(p, count=1)[0]
     rec = algo.to_record()
     with pytest.raises(lt.InvalidAlgorithm, match="cuBLASLt"):
-        lt.restore_algo({**rec, "cublaslt_version": rec["cublaslt_version"] + 1}, p)
+        lts.restore_algo({**rec, "cublaslt_version": rec["cublaslt_version"] + 1}, p)
     with pytest.raises(lt.InvalidAlgorithm, match="disagree"):
-        lt.restore_algo({**rec, "tile": rec["tile"] + 1}, p)
+        lts.restore_algo({**rec, "tile": rec["tile"] + 1}, p)
     with pytest.raises(lt.InvalidAlgorithm, match="hex"):
-        lt.restore_algo({**rec, "bytes": "zz" * 64}, p)
+        lts.restore_algo({**rec, "bytes": "zz" * 64}, p)
     with pytest.raises(lt.InvalidAlgorithm):  # a bf16 algorithm does not fit an fp32 problem
         fp32 = _problem(64, 384, 512, torch.float32)
-        bad = [a for a in lt.heuristic_algos(p, count=16) if _fails(a, fp32)]
+        bad = [a for a in lts.heuristic_algos(p, count=16) if _fails(a, fp32)]
         assert bad, "every bf16 algorithm also fits fp32; pick another misfit"
-        lt.restore_algo(bad[0].to_record(), fp32)
+        lts.restore_algo(bad[0].to_record(), fp32)
 
 
 def _fails(algo, problem) -> bool:
     try:
-        lt.restore_algo(algo.to_record(), problem)
+        lts.restore_algo(algo.to_record(), problem)
     except lt.InvalidAlgorithm:
         return True
     return False
@@ -155,7 +156,7 @@ def _fails(algo, problem) -> bool:
 
 def test_bit_identical_repeats():
     x, w, b = make_operands(16, 4096, 4096, torch.bfloat16, "cuda")
-    for algo in lt.heuristic_algos(_problem(16, 4096, 4096, torch.bfloat16), count=4):
+    for algo in lts.heuristic_algos(_problem(16, 4096, 4096, torch.bfloat16), count=4):
         first = lt.linear(x, w, b, algo=algo)
         for _ in range(20):
             assert torch.equal(lt.linear(x, w, b, algo=algo), first), algo.describe()

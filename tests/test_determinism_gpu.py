@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 import hybridgemm
 from helpers import FLOORS, assert_counters_zero, check_close_to_reference, make_operands, rel_err
-from hybridgemm.backends import ConfigRejected, get_backend
+from hybridgemm.kernels.backends import ConfigRejected, get_backend
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
 from hybridgemm.kernels.problem import Problem
 from hybridgemm.kernels.triton_gemm import TritonGemmConfig
@@ -157,9 +157,9 @@ def _cublaslt_restored(problem: Problem):
     """What a table hit runs: an algorithm's JSON record restored (and checked) for the problem.
     Picks one with a split-K reduction when the heuristic offers one (its reduction order is
     what could make it nondeterministic), else the heuristic's last choice."""
-    from hybridgemm.kernels import cublaslt as lt
+    from hybridgemm.kernels import cublaslt_search as lts
 
-    algos = lt.heuristic_algos(problem, torch.cuda.current_device(), count=16)
+    algos = lts.heuristic_algos(problem, torch.cuda.current_device(), count=16)
     if not algos:
         raise ConfigRejected("cuBLASLt's heuristic offers no algorithm")
     pick = next((a for a in algos if a.field_dict["splitk"] > 1), algos[-1])

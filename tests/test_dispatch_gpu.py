@@ -48,7 +48,7 @@ def _one_entry_table(tmp_path, lo, hi, backend, record):
 
 def test_precompile_builds_every_triton_candidate():
     from hybridgemm.autotune_cache.precompile import precompile
-    from hybridgemm.backends import available_backends
+    from hybridgemm.kernels.backends import available_backends
 
     keys = keys_for([ProjectionShape("t", 320, 448, True)], [1, 64])
     lines = []
@@ -85,7 +85,7 @@ def test_an_entry_is_never_run_outside_its_range(tmp_path):
     """A pinned Triton config for M 257-363 runs at 257, 300 and 363, and nowhere else: 256 and
     364 go to F.linear (the fallback rule). Checked on the calls' own decisions (the
     per-problem cache the call path fills), each result against the reference."""
-    from hybridgemm.backends import get_backend
+    from hybridgemm.kernels.backends import get_backend
 
     p = Problem(m=300, n=384, k=512, dtype=torch.bfloat16, epilogue=Epilogue.from_name("bias"), ldx=512, ldw=512,
                 ldo=384)
@@ -120,11 +120,11 @@ def test_dispatch_runs_each_backend(tmp_path, backend, record):
     x, w, b = make_operands(m, n, k, torch.bfloat16, "cuda")
     key = TableKey("linear", "bf16", "bias", n, k, 9, 16, "c")
     if record is None:
-        from hybridgemm.kernels import cublaslt as lt
+        from hybridgemm.kernels import cublaslt_search as lts
 
         problem = Problem(m=m, n=n, k=k, dtype=torch.bfloat16, epilogue=Epilogue.from_name("bias"), ldx=k, ldw=k,
                           ldo=n)
-        record = lt.heuristic_algos(problem, count=2)[-1].to_record()  # not the heuristic's first
+        record = lts.heuristic_algos(problem, count=2)[-1].to_record()  # not the heuristic's first
     table = TuningTable(signature=current_signature())
     table.set(key, range_entry(backend, record, 9, 16))
     path = tmp_path / "t.json"
@@ -175,7 +175,7 @@ def test_o_projection_input_with_a_size_one_seq_dim(backend, tmp_path):
     (B, 1, H*D) with a meaningless stride on the 1: it is read in place with the right row
     stride (before, every such call was copied on the slow path), on every backend, and
     matches the reference on the first call and on the cached launcher's."""
-    from hybridgemm.backends import get_backend
+    from hybridgemm.kernels.backends import get_backend
 
     b_, h, d = 8, 6, 64
     k = n = h * d

@@ -99,7 +99,7 @@ def forced_backend(request, monkeypatch):
             if request.param == "heuristic":
                 return Choice("cublaslt", None, "table", "forced", "test")
             if request.param == "triton_gemm":
-                from hybridgemm.backends import get_backend
+                from hybridgemm.kernels.backends import get_backend
 
                 cfg = get_backend("triton_gemm").candidates(problem)[0]
                 return Choice("triton_gemm", cfg, "table", "forced", "test")

@@ -101,7 +101,7 @@ def test_rotating_timing_reads_weights_cold():
 
 
 def test_rotating_skew_moves_what_the_calls_allocate_inside_the_graph():
-    """tuner.time_placements relies on skew_bytes landing a call's own allocations (outputs)
+    """measure.time_placements relies on skew_bytes landing a call's own allocations (outputs)
     elsewhere in the graph's pool: record where F.linear's output lands during capture."""
     import torch
     import torch.nn.functional as F

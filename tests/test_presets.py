@@ -14,7 +14,7 @@ def shapes(name):
 
 
 def test_llama3_8b_matches_design_figures():
-    # DESIGN.md: 8b qkv K=4096 -> N=6144, o 4096x4096, kv N=1024.
+    # Llama-3-8B config: 8b qkv K=4096 -> N=6144, o 4096x4096, kv N=1024.
     assert shapes("llama3-8b") == {
         "q": (4096, 4096, False), "kv": (1024, 4096, False),
         "qkv": (6144, 4096, False), "o": (4096, 4096, False),
@@ -22,7 +22,7 @@ def test_llama3_8b_matches_design_figures():
 
 
 def test_llama3_70b_matches_design_figures():
-    # DESIGN.md: 70b qkv 8192 -> 10240, o 8192 -> 8192.
+    # Llama-3-70B config: 70b qkv 8192 -> 10240, o 8192 -> 8192.
     s = shapes("llama3-70b")
     assert s["qkv"] == (10240, 8192, False)
     assert s["o"] == (8192, 8192, False)

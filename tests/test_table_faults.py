@@ -34,10 +34,10 @@ import torch
 from test_table import BAD_FILES, SIG, _writer, entry, filled_table, key, v1_doc, v1_entry
 
 import hybridgemm.autotune_cache.table as T
-from hybridgemm import backends, dispatch
+from hybridgemm import dispatch
 from hybridgemm.autotune_cache import signature
 from hybridgemm.autotune_cache.table import HybridGemmTableWarning, TableKey, TableWriteError, TuningTable, make_entry
-from hybridgemm.kernels import cublaslt
+from hybridgemm.kernels import backends, cublaslt
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import Problem
 
@@ -63,8 +63,8 @@ def fake_h200(monkeypatch, tmp_path):
     monkeypatch.delenv("HYBRIDGEMM_TABLE", raising=False)
     monkeypatch.setattr(signature, "current_signature", lambda device_index=None: dict(FAKE_SIG))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(backends, "_device_limits", lambda index: dict(H200_LIMITS))
-    monkeypatch.setattr(backends, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(backends, "device_limits", lambda index: dict(H200_LIMITS))
+    monkeypatch.setattr(backends, "num_sms", lambda index: 132)
     monkeypatch.setattr(cublaslt, "is_available", lambda: False)  # also on a GPU machine (alltests)
     real = backends.get_backend
 

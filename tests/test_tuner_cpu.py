@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from hybridgemm.autotune_cache import tuner
+from hybridgemm.autotune_cache import measure, tuner
 from hybridgemm.autotune_cache.keys import TableKey
 from hybridgemm.autotune_cache.precompile import compile_tasks, precompile
 from hybridgemm.autotune_cache.presets import ProjectionShape
@@ -76,7 +76,7 @@ def test_compile_tasks_one_per_distinct_kernel():
 
 
 def test_with_exhaustive_extends_only_cublaslt():
-    from hybridgemm.backends import Backend
+    from hybridgemm.kernels.backends import Backend
 
     asked = []
 
@@ -122,8 +122,6 @@ def test_tune_fails_before_timing_when_the_table_cannot_be_written(tmp_path):
 def test_placements_time_every_call_on_fresh_operands_and_restore_them(monkeypatch):
     import torch
 
-    from hybridgemm.perf import timing
-
     x, w = torch.randn(2, 8), torch.randn(4, 8)
     xs, ws, outs = [x, x.clone()], [w, w.clone()], [torch.empty(2, 4)]
     first = (list(xs), list(ws), list(outs))
@@ -131,7 +129,7 @@ def test_placements_time_every_call_on_fresh_operands_and_restore_them(monkeypat
     medians = iter([[10.0, 5.0], [12.0, 5.5], [11.0, 7.0]])  # per placement: call 0, call 1
 
     def fake_rotating(calls, copies, replays=9, rounds=None, skew_bytes=0, **kw):
-        assert copies == len(ws) and replays == tuner.PLACEMENT_REPLAYS
+        assert copies == len(ws) and replays == measure.PLACEMENT_REPLAYS
         skews.append(skew_bytes)
         for c in calls:
             c(0)
@@ -139,11 +137,11 @@ def test_placements_time_every_call_on_fresh_operands_and_restore_them(monkeypat
         ms = next(medians)
         for _ in range(replays):  # every round the same: call 1 at ms[1] / ms[0] of the reference
             rounds.append(list(ms))
-        return [timing.Timing(m, 0.1, replays) for m in ms]
+        return [measure.Timing(m, 0.1, replays) for m in ms]
 
-    monkeypatch.setattr(timing, "gpu_time_rotating", fake_rotating)
+    monkeypatch.setattr(measure, "gpu_time_rotating", fake_rotating)
     calls = [lambda i: outs[0].copy_(xs[i] @ ws[i].T), lambda i: None]
-    got = tuner.time_placements(calls, x, w, xs, ws, outs, placements=3)
+    got = measure.time_placements(calls, x, w, xs, ws, outs, placements=3)
     # the reference: its median over all rounds (11.0); call 1: its median per-round ratio to
     # the reference (ratios 5/10, 5.5/12, 7/11: median 0.5) times that; spreads are max - min
     # of the per-placement medians
@@ -158,7 +156,7 @@ def test_placements_time_every_call_on_fresh_operands_and_restore_them(monkeypat
 
 
 def test_placement_skews_are_distinct_block_multiples_within_a_segment():
-    skews = [tuner.placement_skew(p) for p in range(12)]
+    skews = [measure.placement_skew(p) for p in range(12)]
     assert skews[0] == 0 and len(set(skews)) == len(skews)
     assert all(s % 512 == 0 and 0 <= s < 2 << 20 for s in skews)
 
@@ -168,8 +166,6 @@ def test_placement_scores_cancel_drift_common_to_a_round(monkeypatch):
     the true 2:1 ratio that raw medians over rounds would blur."""
     import torch
 
-    from hybridgemm.perf import timing
-
     x, w = torch.randn(2, 8), torch.randn(4, 8)
     xs, ws, outs = [x], [w], [torch.empty(2, 4)]
 
@@ -178,10 +174,10 @@ def test_placement_scores_cancel_drift_common_to_a_round(monkeypatch):
         for r in range(replays):
             f = 1.1 ** (base + r)
             rounds.append([10.0 * f, 20.0 * f])
-        return [timing.Timing(10.0, 0, replays), timing.Timing(20.0, 0, replays)]
+        return [measure.Timing(10.0, 0, replays), measure.Timing(20.0, 0, replays)]
 
-    monkeypatch.setattr(timing, "gpu_time_rotating", drifting)
-    ref, other = tuner.time_placements([lambda i: None] * 2, x, w, xs, ws, outs, placements=2)
+    monkeypatch.setattr(measure, "gpu_time_rotating", drifting)
+    ref, other = measure.time_placements([lambda i: None] * 2, x, w, xs, ws, outs, placements=2)
     assert other[0] == pytest.approx(2 * ref[0])
 
 

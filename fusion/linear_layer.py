@@ -1,4 +1,5 @@
-"""``hybridgemm.linear``: a drop-in for ``F.linear`` with the bias and activation fused, and
+"""``hybridgemm.linear`` (defined in this module, ``hybridgemm.linear_layer``): a drop-in for
+``F.linear`` with the bias and activation fused, and
 :class:`HybridLinear`, an ``nn.Linear`` that calls it.
 
 Routing (why three routes: a custom op costs ~10-25 µs of host time per call, which a
@@ -8,7 +9,7 @@ decode step cannot afford, while ``torch.compile`` and autograd need the op):
   ``hybridgemm.dispatch.fused_linear`` directly, the cheapest call there is;
 * gradient wanted, or under ``torch.compile``, or tensor subclasses (fake tensors, ...):
   the ``hybridgemm::linear_fwd`` / ``linear_act_fwd`` custom ops (fusion/ops.py), whose
-  autograd runs the backward GEMMs through ``hybridgemm.dispatch.linear_backward``.
+  autograd runs the backward GEMMs of fusion/backward.py.
 
 Semantics are those of ``F.linear`` followed by the activation: ``x`` (..., K), ``weight``
 (N, K), ``bias`` (N,) or None, one dtype and one device; the result is (..., N) in the
@@ -26,7 +27,10 @@ from hybridgemm import dispatch
 from hybridgemm.kernels.checks import check_linear_args
 from hybridgemm.kernels.epilogue import Activation, apply_activation
 
-from . import ops  # noqa: F401  (registers the hybridgemm:: custom ops)
+from . import (
+    backward,
+    ops,  # noqa: F401  (registers the hybridgemm:: custom ops)
+)
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 _AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # autocast leaves fp64 alone
@@ -86,12 +90,8 @@ class _EagerLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, act_value: str):
         act = Activation(act_value)
         if act in (Activation.GELU, Activation.GELU_TANH):
-            fused = getattr(dispatch, "fused_linear_with_preactivation", None)  # same hook as ops.py
-            if fused is not None:
-                y, saved = fused(x, weight, bias, act_value)
-            else:
-                z = dispatch.fused_linear(x, weight, bias, None)
-                y, saved = apply_activation(z, act), z
+            z = dispatch.fused_linear(x, weight, bias, None)
+            y, saved = apply_activation(z, act), z
         else:
             y = dispatch.fused_linear(x, weight, bias, act)
             saved = y if act is Activation.RELU else None
@@ -101,74 +101,10 @@ class _EagerLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from hybridgemm.ops import backward_impl
-
         x, weight, saved = ctx.saved_tensors
         nx, nw, nb = ctx.needs_input_grad[:3]
-        dx, dw, db = backward_impl()(grad_out, x, weight, saved, ctx.act, (nx, nw, nb and ctx.has_bias))
+        dx, dw, db = backward.linear_backward(grad_out, x, weight, saved, ctx.act, (nx, nw, nb and ctx.has_bias))
         return dx, dw, db, None
-
-
-def _activation_grad(grad_out: Tensor, saved: Tensor | None, act: Activation) -> Tensor:
-    """``dL/dz`` from ``dL/dy``: the same aten kernels stock autograd uses, so the result
-    matches ``F.linear`` + ``F.relu``/``F.gelu`` bit for bit."""
-    if act is Activation.NONE:
-        return grad_out
-    if saved is None:
-        raise ValueError(f"linear_backward: activation {act.value!r} needs the saved tensor, got None")
-    if saved.shape != grad_out.shape:
-        raise ValueError(f"linear_backward: saved tensor shape {tuple(saved.shape)} != grad_out shape "
-                         f"{tuple(grad_out.shape)}")
-    if act is Activation.RELU:
-        # saved is y = relu(z) (or z): 1[y > 0] == 1[z > 0]
-        return torch.ops.aten.threshold_backward(grad_out, saved, 0)
-    approximate = "tanh" if act is Activation.GELU_TANH else "none"
-    return torch.ops.aten.gelu_backward(grad_out, saved, approximate=approximate)
-
-
-def _torch_grad_input(dz2: Tensor, weight: Tensor) -> Tensor:
-    return dz2 @ weight
-
-
-def _torch_grad_weight(dz2: Tensor, x2: Tensor, bias_grad: bool):
-    return dz2.t() @ x2, (dz2.sum(0) if bias_grad else None)
-
-
-def backward_gemms(grad_out: Tensor, x: Tensor | None, weight: Tensor | None, pre_activation: Tensor | None,
-                   activation, needs_input_grad, grad_input=_torch_grad_input, grad_weight=_torch_grad_weight):
-    """The backward of ``y = act(x @ W.T + b)`` around two GEMM functions: ``grad_input(dz2, W)
-    -> dx2`` and ``grad_weight(dz2, x2, bias_grad) -> (dW, db or None)`` (torch's by default;
-    ``hybridgemm.dispatch.linear_backward`` passes the cuBLASLt ones)."""
-    need_x, need_w, need_b = (bool(v) for v in needs_input_grad)
-    dz = _activation_grad(grad_out, pre_activation, Activation.parse(activation))
-    n = dz.shape[-1]
-    dz2 = dz.reshape(-1, n)
-    dx = dw = db = None
-    if need_x:
-        if weight is None:
-            raise ValueError("linear_backward: dx needs weight, got None")
-        dx = grad_input(dz2, weight).reshape(*dz.shape[:-1], weight.shape[1])
-    if need_w:
-        if x is None:
-            raise ValueError("linear_backward: dW needs x, got None")
-        dw, db = grad_weight(dz2, x.reshape(-1, x.shape[-1]), need_b)
-    elif need_b:
-        db = dz2.sum(0)
-    return dx, dw, db
-
-
-def torch_linear_backward(grad_out: Tensor, x: Tensor | None, weight: Tensor | None,
-                          pre_activation: Tensor | None, activation, needs_input_grad):
-    """Reference backward of ``y = act(x @ W.T + b)``, in PyTorch; returns ``(dx, dW, db)``.
-
-    ``grad_out`` (..., N) is ``dL/dy``; ``dz = grad_out * act'(z)``; then
-    ``dx = dz @ W`` (..., K), ``dW = dz^T @ x`` (N, K), ``db = dz.sum over rows`` (N,).
-    ``pre_activation`` is ``z`` for ``gelu``/``gelu_tanh``, the output ``y`` (or ``z``) for
-    ``relu``, None without an activation. ``needs_input_grad`` = (dx?, dW?, db?); a gradient
-    not asked for is returned as None, and its operand may be None (``x`` is only read for
-    dW, ``weight`` only for dx). This is the contract of ``hybridgemm.dispatch.linear_backward``.
-    """
-    return backward_gemms(grad_out, x, weight, pre_activation, activation, needs_input_grad)
 
 
 class HybridLinear(nn.Linear):
@@ -207,4 +143,4 @@ class HybridLinear(nn.Linear):
         return super().extra_repr() + act
 
 
-__all__ = ["HybridLinear", "linear", "torch_linear_backward"]
+__all__ = ["HybridLinear", "linear"]

@@ -12,14 +12,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridgemm import linear as fused_linear
+from hybridgemm.kernels import cublaslt
+from hybridgemm.perf.timing import eager_time_interleaved, gpu_time
+
 
 def _rel_err(out, ref) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
 def run_demo(m: int = 16, n: int = 6144, k: int = 4096, print_fn=print) -> int:
-    from hybridgemm import linear as fused_linear
-
     if not torch.cuda.is_available():
         print_fn("no CUDA GPU here: the GPU kernels cannot run; showing the CPU path (PyTorch).")
         x = torch.randn(m, k)
@@ -33,16 +35,12 @@ def run_demo(m: int = 16, n: int = 6144, k: int = 4096, print_fn=print) -> int:
                  f"({'ok' if ok else 'FAIL'})")
         return 0 if ok else 1
 
-    from hybridgemm.perf.timing import eager_time_interleaved, gpu_time
-
     dtype = torch.bfloat16
     x = torch.randn(m, k, device="cuda").to(dtype)
     w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
     b = torch.randn(n, device="cuda").to(dtype)
     ref = F.linear(x.float(), w.float(), b.float())
     providers = {"F.linear": lambda: F.linear(x, w, b), "hybridgemm.linear": lambda: fused_linear(x, w, b)}
-    from hybridgemm.kernels import cublaslt
-
     if cublaslt.is_available():
         providers["cublaslt backend"] = lambda: cublaslt.linear(x, w, b)
     else:

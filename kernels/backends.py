@@ -12,12 +12,15 @@ itself uses), then the Triton split-K and tiled kernels. A cuBLASLt config of ``
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hybridgemm.kernels import cublaslt as lt
+from hybridgemm.kernels import cublaslt_search as lts
 from hybridgemm.kernels.problem import Problem
 
 
@@ -39,25 +42,26 @@ class Backend:
 
 
 @functools.cache
-def _device_limits(device_index: int) -> dict:
-    from hybridgemm.kernels.triton_common import device_facts
+def device_limits(device_index: int) -> dict:
+
+    # Triton is imported on first use: importing hybridgemm must work where Triton is absent.
+    from .triton_common import device_facts
 
     facts = device_facts(torch.device("cuda", device_index))
     return {"smem_limit": facts.smem_per_block, "capability": tuple(facts.capability)}
 
 
 @functools.cache
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _cublaslt() -> Backend:
-    from hybridgemm.kernels import cublaslt as lt
 
     def candidates(problem: Problem, heuristic_count: int = 8, exhaustive_limit: int = 0):
         if not lt.supports(problem)[0]:
             return []
-        return lt.candidates(problem, torch.cuda.current_device(), heuristic_count, exhaustive_limit)
+        return lts.candidates(problem, torch.cuda.current_device(), heuristic_count, exhaustive_limit)
 
     def from_record(record: dict, problem: Problem):
         ok, why = lt.supports(problem)
@@ -66,7 +70,7 @@ def _cublaslt() -> Backend:
         if not record:  # {}: the heuristic, asked at each call's exact M (what F.linear runs)
             return None
         try:
-            return lt.restore_algo(record, problem, torch.cuda.current_device())
+            return lts.restore_algo(record, problem, torch.cuda.current_device())
         except lt.InvalidAlgorithm as e:
             raise ConfigRejected(str(e)) from None
 
@@ -80,7 +84,6 @@ def _cublaslt() -> Backend:
 
 
 def _triton(module_name: str) -> Backend:
-    import importlib
 
     mod = importlib.import_module(f"hybridgemm.kernels.{module_name}")
     cfg_cls = mod.TritonGemmConfig if module_name == "triton_gemm" else mod.TritonSplitKConfig
@@ -89,9 +92,9 @@ def _triton(module_name: str) -> Backend:
         return torch.cuda.is_available()
 
     def candidates(problem: Problem):
-        limits = _device_limits(torch.cuda.current_device())
+        limits = device_limits(torch.cuda.current_device())
         if module_name == "triton_splitk":
-            limits = {**limits, "num_sms": _num_sms(torch.cuda.current_device())}
+            limits = {**limits, "num_sms": num_sms(torch.cuda.current_device())}
         return mod.candidates(problem, **limits)
 
     def from_record(record: dict, problem: Problem):
@@ -99,7 +102,7 @@ def _triton(module_name: str) -> Backend:
             cfg = cfg_cls.from_record(record)
         except (ValueError, TypeError, KeyError) as e:
             raise ConfigRejected(f"bad {module_name} record: {e}") from None
-        ok, why = cfg.supports(problem, **_device_limits(torch.cuda.current_device()))
+        ok, why = cfg.supports(problem, **device_limits(torch.cuda.current_device()))
         if not ok:
             raise ConfigRejected(why)
         return cfg

@@ -1,0 +1,148 @@
+"""The package's import graph: layers import one way and no module imports itself back.
+
+Layers, lowest first: kernels/ (hybridgemm.kernels) ← autotune_cache/ ← fusion/ (the
+package root: dispatch, linear_layer, attention, patching, ...) ← perf/ ← the command line
+(hybridgemm.cli, hybridgemm.__main__). A module may import its own layer and those below.
+Read from the source with ``ast``, so every import counts, inside functions too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {"kernels": "hybridgemm.kernels", "autotune_cache": "hybridgemm.autotune_cache", "fusion": "hybridgemm",
+           "perf": "hybridgemm.perf"}
+CLI = {"hybridgemm.cli", "hybridgemm.__main__"}
+RANK = {"kernels": 0, "autotune_cache": 1, "fusion": 2, "perf": 3, "cli": 4}
+# Imports of project modules inside functions, each for a reason: Triton is imported on first
+# use so that `import hybridgemm` works where Triton is absent (the CPU path needs none).
+LAZY_ALLOWED = {
+    ("hybridgemm.modes", "hybridgemm.kernels.triton_common"),
+    ("hybridgemm.modes", "hybridgemm.kernels.triton_gemm"),
+    ("hybridgemm.kernels.backends", "hybridgemm.kernels.triton_common"),
+}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for folder, pkg in FOLDERS.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            mods[pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _layer(mod: str) -> str:
+    if mod in CLI:
+        return "cli"
+    for folder, pkg in FOLDERS.items():
+        if folder != "fusion" and (mod == pkg or mod.startswith(pkg + ".")):
+            return folder
+    return "fusion"
+
+
+def _resolve(mod: str, node) -> list[str]:
+    """The project modules an import statement in ``mod`` loads (a name imported from a
+    package counts as its submodule when there is one)."""
+    names = []
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            pkg = mod if MODULES[mod].stem == "__init__" else mod.rsplit(".", 1)[0]
+            for _ in range(node.level - 1):
+                pkg = pkg.rsplit(".", 1)[0]
+            base = f"{pkg}.{base}" if base else pkg
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+    found = []
+    for name in names:
+        while name and name not in MODULES:
+            name = name.rsplit(".", 1)[0] if "." in name else ""
+        if name:
+            found.append(name)
+    return found
+
+
+def _edges() -> list[tuple[str, str, bool, int]]:
+    """(importer, imported, inside a function?, line) for every project import."""
+    edges = []
+    for mod, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in _resolve(mod, node):
+                    if target != mod:
+                        edges.append((mod, target, id(node) not in top, node.lineno))
+    return edges
+
+
+EDGES = _edges()
+
+
+def test_the_graph_sees_the_package():
+    # a graph reader that found nothing would pass every test below
+    assert {"hybridgemm.dispatch", "hybridgemm.autotune_cache.tuner", "hybridgemm.kernels.cublaslt",
+            "hybridgemm.perf.bench_msweep", "hybridgemm.cli"} <= set(MODULES)
+    assert ("hybridgemm.dispatch", "hybridgemm.autotune_cache.table") in {(a, b) for a, b, _, _ in EDGES}
+    assert len(EDGES) > 100
+
+
+def test_layers_import_one_way():
+    upward = [f"{a}:{line} imports {b} ({_layer(a)} -> {_layer(b)})" for a, b, _, line in EDGES
+              if RANK[_layer(b)] > RANK[_layer(a)]]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycles():
+    graph: dict[str, set[str]] = {}
+    for a, b, _, _ in EDGES:
+        graph.setdefault(a, set()).add(b)
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for mod in sorted(MODULES):
+        if mod not in state:
+            visit(mod, [mod])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_project_imports_inside_functions_are_only_the_listed_lazy_ones():
+    lazy = {(a, b) for a, b, inside, _ in EDGES if inside}
+    assert lazy == LAZY_ALLOWED, f"unlisted: {sorted(lazy - LAZY_ALLOWED)}; gone: {sorted(LAZY_ALLOWED - lazy)}"
+
+
+@pytest.mark.parametrize("module", ["hybridgemm", "hybridgemm.cli", "hybridgemm.perf.bench_msweep"])
+def test_import_needs_no_triton(module):
+    """With Triton unimportable, the package (and the CLI) still import: the CPU path and
+    `hybridgemm show/explain` need none."""
+    import subprocess
+    import sys
+
+    code = ("import sys, importlib.abc\n"
+            "class Block(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name == 'triton' or name.startswith('triton.'):\n"
+            "            raise ImportError('triton blocked')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            f"import {module}\n"
+            "print('triton' in sys.modules)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "False"
