@@ -21,10 +21,8 @@ from dataclasses import dataclass
 from statistics import median
 
 import torch
-import torch.nn.functional as F
 
-from hybridgemm.kernels.backends import get_backend
-from hybridgemm.kernels.epilogue import Epilogue, apply_activation
+from hybridgemm.kernels.epilogue import Epilogue
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
 
 from .keys import TableKey
@@ -164,21 +162,6 @@ def operands_for(p: Problem):
     the first of which are x and w themselves."""
     x, w, b, out = random_operands(p)
     return (x, w, b, out, *rotation_lists(x, w))
-
-
-def record_calls(p: Problem, records: list[tuple[str, dict]]):
-    """Fresh operands for ``p`` (:func:`operands_for`) and the calls to time on them: F.linear
-    (with ``p``'s activation) as the reference, then one per ``(backend name, config record)``
-    writing ``outs[0]``. Returns ``(x, w, xs, ws, outs, calls)`` for :func:`placement_samples`.
-    Raises what the backend raises for a record it rejects."""
-    x, w, b, out, xs, ws = operands_for(p)
-    outs, act = [out], p.epilogue.activation
-    calls = [lambda i: apply_activation(F.linear(xs[i], ws[i], b), act)]
-    for name, record in records:
-        be = get_backend(name)
-        cfg = be.config_from_record(record, p)
-        calls.append(lambda i, be=be, cfg=cfg: be.run(cfg, xs[i], ws[i], b, outs[0], act, p.tf32))
-    return x, w, xs, ws, outs, calls
 
 
 def placement_skew(p: int) -> int:

@@ -37,15 +37,12 @@ check failed, 2 when it cannot run (no GPU, bad arguments).
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import math
-import os
 import re
 import statistics
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +58,7 @@ from hybridgemm.autotune_cache.tuner import Progress
 from hybridgemm.dispatch import choose, fused_linear
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
+from hybridgemm.perf import csvio
 from hybridgemm.perf.plots import BELOW, as_bool, plot_m_sweep, shape_label  # noqa: F401 (BELOW, as_bool used by callers too)
 
 COLUMNS = ("models", "projection", "n", "k", "bias", "dtype", "m", "sample", "dispatched_us", "flinear_us", "speedup",
@@ -234,19 +232,7 @@ def write_csv(path, rows: list[dict]) -> None:
     """Write ``rows`` (columns :data:`COLUMNS`) to ``path``, replacing it atomically. Not
     perf/csvio.write_rows: that one upserts on the bench's key columns (gpu, shape, N, K, M,
     provider, method), which these rows do not have."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".csv")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(COLUMNS), extrasaction="ignore")
-            w.writeheader()
-            w.writerows(rows)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    csvio.write_csv(path, COLUMNS, rows)
 
 
 def git_commit() -> str:

@@ -67,15 +67,20 @@ def write_rows(path: str, rows: list[dict]) -> None:
     order = [c for c in FIRST_COLUMNS if c in cols]
     order += sorted(c for c in cols if c not in FIRST_COLUMNS and c not in TAIL_COLUMNS)
     order += [c for c in TAIL_COLUMNS if c in cols]
+    write_csv(path, order, merged.values())
+
+
+def write_csv(path, fieldnames: list[str], rows) -> None:
+    """Write ``rows`` (dicts; columns ``fieldnames``, others ignored) to the CSV at ``path``,
+    replacing it atomically (temp file in the same folder + ``os.replace``)."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".csv")
     try:
         with os.fdopen(fd, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=order, extrasaction="ignore")
+            w = csv.DictWriter(f, fieldnames=list(fieldnames), extrasaction="ignore")
             w.writeheader()
-            for r in merged.values():
-                w.writerow(r)
+            w.writerows(rows)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

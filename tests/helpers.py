@@ -65,3 +65,17 @@ def range_entry(backend: str, record: dict, lo: int, hi: int, ratio: float = 1.1
     points = sample_points(lo, hi)
     return make_entry(backend, record, m_points=points, ratios=[ratio] * len(points), median_us=median_us,
                       spread_us=0.1, flinear_us=median_us * ratio)
+
+
+def bench_cli(*argv):
+    """``hybridgemm bench|plot ...`` through the parsers perf/cli_commands.py adds; returns the exit code."""
+    import argparse
+
+    from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser
+
+    ap = argparse.ArgumentParser(prog="hybridgemm")
+    sub = ap.add_subparsers(dest="command", required=True)
+    add_bench_parser(sub)
+    add_plot_parser(sub)
+    args = ap.parse_args(list(argv))
+    return args.fn(args)

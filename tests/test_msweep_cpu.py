@@ -4,27 +4,18 @@ command lines' answer on a machine without a GPU."""
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import bench_cli
 from hybridgemm.perf import bench_msweep as MS
-from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser
 from hybridgemm.perf.csvio import read_rows
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-
-def _cli(*argv):
-    ap = argparse.ArgumentParser(prog="hybridgemm")
-    sub = ap.add_subparsers(dest="command", required=True)
-    add_bench_parser(sub)
-    add_plot_parser(sub)
-    args = ap.parse_args(list(argv))
-    return args.fn(args)
 
 
 # ----------------------------------------------------------------------------- M values
@@ -236,16 +227,16 @@ def test_plot_m_sweep_clear_errors(tmp_path):
 
 def test_bench_m_sweep_without_gpu_says_so_and_returns_2(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert _cli("bench", "--m-sweep", "--out", str(tmp_path / "r.csv")) == 2
+    assert bench_cli("bench", "--m-sweep", "--out", str(tmp_path / "r.csv")) == 2
     err = capsys.readouterr().err
     assert "hybridgemm bench --m-sweep: needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())  # nothing written
 
 
 def test_bench_m_sweep_rejects_bad_model_and_shape(capsys):
-    assert _cli("bench", "--m-sweep", "--model", "gpt-9") == 2
+    assert bench_cli("bench", "--m-sweep", "--model", "gpt-9") == 2
     assert "unknown model preset" in capsys.readouterr().err
-    assert _cli("bench", "--m-sweep", "--shape", "64,32") == 2
+    assert bench_cli("bench", "--m-sweep", "--shape", "64,32") == 2
     assert "--shape is not supported" in capsys.readouterr().err
 
 

@@ -3,7 +3,6 @@ CLI errors, the provider registry, and the sweep's bookkeeping with injected tim
 
 from __future__ import annotations
 
-import argparse
 import io
 from pathlib import Path
 
@@ -11,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import bench_cli
 from hybridgemm.autotune_cache.presets import ProjectionShape
 from hybridgemm.perf import providers as P
 from hybridgemm.perf.bench import print_summary, run_bench, shapes_for
-from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser
 from hybridgemm.perf.csvio import KEY_COLUMNS, environment_columns, read_rows, write_rows
 from hybridgemm.perf.plots import load_rows, make_all_plots
 from hybridgemm.perf.timing import Timing
@@ -23,14 +22,6 @@ FIXTURE = Path(__file__).parent / "data" / "bench_fixture.csv"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = ("tflops_vs_m.png", "dispatch_speedup.png", "attention_path.png", "host_time.png", "training_fwd_bwd.png")
 
-
-def _cli(*argv):
-    ap = argparse.ArgumentParser(prog="hybridgemm")
-    sub = ap.add_subparsers(dest="command", required=True)
-    add_bench_parser(sub)
-    add_plot_parser(sub)
-    args = ap.parse_args(list(argv))
-    return args.fn(args)
 
 
 def _row(gpu, m, provider, us, **extra):
@@ -103,9 +94,9 @@ def test_two_gpus_in_one_csv_give_one_figure_each(tmp_path):
 
 
 def test_plot_cli_works_and_missing_file_is_a_clear_error(tmp_path, capsys):
-    assert _cli("plot", str(FIXTURE), "--out", str(tmp_path)) == 0
+    assert bench_cli("plot", str(FIXTURE), "--out", str(tmp_path)) == 0
     assert "tflops_vs_m.png" in capsys.readouterr().out
-    assert _cli("plot", str(tmp_path / "nope.csv"), "--out", str(tmp_path)) == 2
+    assert bench_cli("plot", str(tmp_path / "nope.csv"), "--out", str(tmp_path)) == 2
     err = capsys.readouterr().err
     assert "no such CSV file" in err and "nope.csv" in err
 
@@ -115,19 +106,19 @@ def test_plot_cli_works_and_missing_file_is_a_clear_error(tmp_path, capsys):
 
 def test_bench_without_gpu_says_so_and_returns_2(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert _cli("bench", "--model", "llama3-8b", "--m", "1", "16") == 2
+    assert bench_cli("bench", "--model", "llama3-8b", "--m", "1", "16") == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_bench_unknown_provider_is_rejected_before_anything_runs(capsys):
-    assert _cli("bench", "--providers", "flinear", "warp_drive") == 2
+    assert bench_cli("bench", "--providers", "flinear", "warp_drive") == 2
     err = capsys.readouterr().err
     assert "warp_drive" in err and "cublaslt_best" in err  # names the known ones
 
 
 def test_bench_list_providers_works_anywhere(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert _cli("bench", "--list-providers") == 0
+    assert bench_cli("bench", "--list-providers") == 0
     out = capsys.readouterr().out
     for name in P.provider_names():
         assert name in out
