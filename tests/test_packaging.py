@@ -1,0 +1,52 @@
+"""The wheel a user installs: built from this tree, it holds every subpackage, the shipped
+tables, the typing marker and the license, and the build prints no packaging warning."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                          "-w", str(out)], capture_output=True, text=True, timeout=300)
+    if res.returncode != 0 and "No module named pip" in res.stderr:
+        pytest.skip("pip is not installed in this interpreter")
+    assert res.returncode == 0, res.stderr[-3000:]
+    (path,) = out.glob("hybridgemm-*.whl")
+    return path, res.stdout + res.stderr
+
+
+def test_wheel_holds_every_subpackage_table_and_marker(wheel):
+    path, _ = wheel
+    names = set(zipfile.ZipFile(path).namelist())
+    for pkg, folder in (("hybridgemm", "fusion"), ("hybridgemm/kernels", "kernels"),
+                        ("hybridgemm/autotune_cache", "autotune_cache"), ("hybridgemm/perf", "perf")):
+        sources = {f"{pkg}/{p.name}" for p in (ROOT / folder).glob("*.py")}
+        assert sources and sources <= names, sorted(sources - names)
+    tables = {f"hybridgemm/autotune_cache/tables/{p.name}" for p in (ROOT / "autotune_cache/tables").glob("*.json")}
+    assert tables and tables <= names, sorted(tables - names)
+    assert "hybridgemm/py.typed" in names
+    assert any(n.endswith("licenses/LICENSE") for n in names), sorted(n for n in names if "dist-info" in n)
+
+
+def test_wheel_build_prints_no_packaging_warning(wheel):
+    _, log = wheel
+    assert "would be ignored" not in log and "BuildBackendWarning" not in log, log[-3000:]
+
+
+def test_version_is_read_from_the_installed_metadata():
+    import re
+
+    import hybridgemm
+
+    declared = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert hybridgemm.__version__ == declared
