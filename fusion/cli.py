@@ -11,26 +11,77 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
 import sys
 from pathlib import Path
 
 import torch
 
 from hybridgemm.autotune_cache import signature, tuner
-from hybridgemm.autotune_cache.keys import M_MAX
+from hybridgemm.autotune_cache.keys import M_MAX, TableError
 from hybridgemm.autotune_cache.presets import get_preset, parse_shape, preset_from_hf_config
 from hybridgemm.autotune_cache.table import TuningTable, shipped_table_paths, user_table_path
 from hybridgemm.dispatch import explain, set_table_path
+from hybridgemm.kernels.version import __version__
 from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser
 from hybridgemm.perf.demo import run_demo
 from hybridgemm.perf.plots import make_all_plots
 
+_DIM_RE = re.compile(r"[0-9]{1,19}")
+_DIM_MAX = 2**63 - 1  # a tensor dimension is an int64
+
 
 def _ints(text: str) -> tuple[int, ...]:
+    """A shape: one or more positive integers separated by commas (or ``x``): ``16,4096``,
+    ``2,8,4096``, ``16x4096``. Empty parts, signs, decimals and zeros are refused."""
+    parts = [p.strip() for p in text.replace("x", ",").split(",")]
+    if not all(_DIM_RE.fullmatch(p) for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected positive integers separated by commas (e.g. 16,4096 or 2,8,4096), got {text!r:.80}")
+    dims = tuple(int(p) for p in parts)
+    if not all(dims):
+        raise argparse.ArgumentTypeError(f"dimensions must be positive, got {text!r:.80}")
+    if max(dims) > _DIM_MAX:
+        raise argparse.ArgumentTypeError(f"dimensions must be at most {_DIM_MAX} (int64), got {text!r:.80}")
+    return dims
+
+
+def _weight_shape(text: str) -> tuple[int, int]:
+    """``N,K``: exactly two positive integers."""
+    dims = _ints(text)
+    if len(dims) != 2:
+        raise argparse.ArgumentTypeError(f"expected N,K (two positive integers, e.g. 6144,4096), got {text!r:.80}")
+    return dims
+
+
+def _printable(value: object) -> str:
+    """``value`` as text safe for a terminal: printable characters as they are, every other
+    one (control characters, ESC of a terminal escape sequence, line breaks, lone surrogates)
+    as its ``\\x1b``-style escape. Output is always one line."""
     try:
-        return tuple(int(v) for v in text.replace("x", ",").split(",") if v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        text = value if isinstance(value, str) else str(value)
+    except Exception:  # a hostile __str__: say what it is instead
+        text = f"<unprintable {type(value).__name__}>"
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def _number(value: object, width: int, digits: int, suffix: str = "") -> str:
+    """A table's timing or ratio, right-aligned; ``-`` for a missing one, the escaped text
+    for anything that is not a finite number."""
+    if value is None:
+        return f"{'-':>{width}s}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float's range
+            number = math.nan
+        if math.isfinite(number):
+            return f"{number:{width}.{digits}f}{suffix}"
+    return f"{_printable(value):>{width}s}"
 
 
 def _need_gpu(what: str) -> bool:
@@ -109,34 +160,88 @@ def _print_summary(results) -> None:
               f"{w['describe'][:60]}")
 
 
-def _cmd_show(args) -> int:
+def _show_error(message: object) -> None:
+    print(f"hybridgemm show: error: {_printable(message)}", file=sys.stderr)
 
-    paths = [Path(args.path)] if args.path else [p for p in [_table_path(None)] if p.exists()]
-    paths += [] if args.path else shipped_table_paths()
-    if not paths:
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.realpath(a) == os.path.realpath(b)
+    except (OSError, ValueError):
+        return False
+
+
+def _print_table(path: Path, table: TuningTable) -> None:
+    sig = table.signature if isinstance(table.signature, dict) else {}
+    gpu, lt, tr = (_printable(sig.get(f, "?")) for f in ("gpu_name", "cublaslt_version", "triton_version"))
+    print(f"{_printable(path)}: {len(table)} entries; GPU {gpu}, cuBLASLt {lt}, Triton {tr}")
+    print(f"  {'key':52s} {'backend':14s} {'µs at top':>9s} {'F.linear µs':>11s} {'worst':>7s}  timed at M")
+    for key in sorted(table.entries, key=lambda k: (k.dtype, k.epilogue, k.n, k.k, k.layout, k.m_lo)):
+        e = table.entries[key]
+        points = ",".join(_printable(m) for m in e.get("m_points") or ())
+        print(f"  {_printable(key.to_string()):52s} {_printable(e.get('backend', '?')):14s} "
+              f"{_number(e.get('median_us'), 9, 2)} {_number(e.get('flinear_us'), 11, 2)} "
+              f"{_number(e.get('worst_ratio'), 6, 3, 'x')}  {points}")
+
+
+def _cmd_show(args) -> int:
+    """Print tables. An explicit one (PATH, else ``$HYBRIDGEMM_TABLE``) is read strictly: if it
+    is missing, unreadable or corrupt, one line says why and the exit code is 1. Without
+    PATH, the user table and the shipped tables follow (a bad one there warns and shows empty)."""
+    env = os.environ.get("HYBRIDGEMM_TABLE") or None
+    explicit = Path(args.path) if args.path else Path(env) if env else None
+    where = "" if args.path or explicit is None else " (HYBRIDGEMM_TABLE)"
+    others = [] if args.path else [p for p in [_table_path(None)] if p.exists()] + shipped_table_paths()
+    if explicit is not None:
+        others = [p for p in others if not _same_file(p, explicit)]
+    if explicit is None and not others:
         print("no tables: run `hybridgemm autotune` on a GPU machine", file=sys.stderr)
         return 1
-    for path in paths:
-        if not path.exists():
-            print(f"{path}: no such file", file=sys.stderr)
+    rc = 0
+    if explicit is not None:
+        if not os.path.exists(explicit):
+            _show_error(f"{explicit}{where}: no such file")
             return 1
-        table = TuningTable.load(path, strict=False)
-        sig = table.signature or {}
-        print(f"{path}: {len(table)} entries; GPU {sig.get('gpu_name', '?')}, "
-              f"cuBLASLt {sig.get('cublaslt_version', '?')}, Triton {sig.get('triton_version', '?')}")
-        print(f"  {'key':52s} {'backend':14s} {'µs at top':>9s} {'F.linear µs':>11s} {'worst':>7s}  timed at M")
-        for key in sorted(table.entries, key=lambda k: (k.dtype, k.epilogue, k.n, k.k, k.layout, k.m_lo)):
-            e = table.entries[key]
-            fl = e.get("flinear_us")
-            points = ",".join(str(m) for m in e["m_points"])
-            print(f"  {key.to_string():52s} {e['backend']:14s} {e['median_us']:9.2f} {fl or 0:11.2f} "
-                  f"{e['worst_ratio']:6.3f}x  {points}")
-    return 0
+        if not os.path.isfile(explicit):
+            _show_error(f"{explicit}{where}: not a regular file")
+            return 1
+        try:
+            table = TuningTable.load(explicit, strict=True)
+        except (TableError, OSError) as e:
+            _show_error(f"{e}{where}" if str(explicit) in str(e) else f"{explicit}{where}: {e}")
+            return 1
+        except Exception as e:  # the loader's own failure on hostile input: still one line
+            _show_error(f"{explicit}{where}: cannot load it ({type(e).__name__}: {e})")
+            return 1
+        _print_table(explicit, table)
+    for path in others:
+        if not os.path.isfile(path):
+            _show_error(f"{path}: not a regular file; skipped")
+            rc = 1
+            continue
+        try:
+            table = TuningTable.load(path, strict=False)
+        except Exception as e:  # a bad table here warns and loads empty; anything else: one line
+            _show_error(f"{path}: cannot load it ({type(e).__name__}: {e})")
+            rc = 1
+            continue
+        _print_table(path, table)
+    return rc
 
 
 def _cmd_explain(args) -> int:
-
-    if args.table:
+    """Shapes are checked by the parser (:func:`_ints`, :func:`_weight_shape`) and by
+    :func:`explain` (K must match); ``--table`` must name a regular file."""
+    if args.table is not None:
+        if not os.path.exists(args.table):
+            problem = "no such file"
+        elif not os.path.isfile(args.table):
+            problem = "not a regular file"
+        else:
+            problem = ""
+        if problem:
+            print(f"hybridgemm explain: error: --table {_printable(args.table)}: {problem}", file=sys.stderr)
+            return 2
         set_table_path(args.table)
     print(explain(args.x, args.w, args.dtype, bias=not args.no_bias, activation=args.activation))
     return 0
@@ -176,6 +281,7 @@ def _cmd_main(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hybridgemm", description="Bias-fused GEMMs for PyTorch: tools.")
+    ap.add_argument("--version", action="version", version=f"hybridgemm {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("autotune", help="time every backend's candidates per shape and M range; fill the table")
@@ -206,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("explain", help="which kernel runs for these shapes, and why")
     p.add_argument("--x", type=_ints, required=True, help="input shape, e.g. 16,4096 or 2,8,4096")
-    p.add_argument("--w", type=_ints, required=True, help="weight shape N,K, e.g. 6144,4096")
+    p.add_argument("--w", type=_weight_shape, required=True, help="weight shape N,K, e.g. 6144,4096")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--no-bias", action="store_true")
     p.add_argument("--activation", choices=["relu", "gelu_tanh", "gelu"])
@@ -229,12 +335,44 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# Commands that never show a traceback: any failure is one line on stderr.
+_ONE_LINE_COMMANDS = frozenset({"show", "explain"})
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe (``hybridgemm show | head``): send what is left of stdout to
+    /dev/null, so that the interpreter's final flush does not report it again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout without a descriptor (captured)
+        pass
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    command = args.command
+    guarded = command in _ONE_LINE_COMMANDS
     try:
         return int(args.fn(args) or 0)
+    except BrokenPipeError:
+        if not guarded:
+            raise
+        _quiet_stdout()
+        return 1
     except (ValueError, OSError) as e:  # bad shapes, names, files: a message, not a traceback
-        print(f"hybridgemm {args.command}: error: {e}", file=sys.stderr)
+        print(f"hybridgemm {command}: error: {_printable(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if not guarded:
+            raise
+        print(f"hybridgemm {command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # last resort: an unexpected failure is still one line, not a traceback
+        if not guarded:
+            raise
+        print(f"hybridgemm {command}: error: {type(e).__name__}: {_printable(e)}", file=sys.stderr)
         return 2
 
 

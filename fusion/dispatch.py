@@ -392,19 +392,66 @@ def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: b
             activation=None, device: int | None = None) -> str:
     """Which kernel ``hybridgemm.linear`` runs for these shapes, and why (a table hit with the
     M range it was validated on and its worst measured ratio to F.linear, or the fallback
-    rule). Works without a GPU (it then says PyTorch runs)."""
+    rule). Works without a GPU (it then says PyTorch runs).
+
+    ``x_shape`` is one or more non-negative ints (``(..., K)``), ``w_shape`` two (``(N, K)``),
+    with the same K; ``dtype`` a ``torch.dtype``, one of ``bf16``/``fp16``/``fp32``, or the name
+    of a torch dtype (``bfloat16``, ``float16``, ``float32``, ``float64``, ...; a ``torch.``
+    prefix is allowed). Anything else raises ValueError naming the argument and what it takes."""
+    import operator
+
+    def dims(shape, what: str, example: str) -> tuple[int, ...]:
+        def bad() -> ValueError:
+            return ValueError(f"{what} must be a sequence of non-negative ints such as {example}, got {shape!r:.80}")
+
+        if isinstance(shape, (str, bytes)):
+            raise bad()
+        try:
+            items = tuple(shape)
+        except TypeError:
+            raise bad() from None
+        out = []
+        for d in items:
+            try:
+                v = None if isinstance(d, bool) else operator.index(d)
+            except TypeError:
+                v = None
+            if v is None or v < 0:
+                raise bad()
+            out.append(v)
+        return tuple(out)
+
+    accepted = ("a torch.dtype, or one of bf16, fp16, fp32, bfloat16, float16, float32, float64 "
+                "(or another torch dtype's name)")
     if isinstance(dtype, str):
-        dtype = NAME_TO_DTYPE.get(dtype) or getattr(torch, dtype)
+        name = dtype.strip().removeprefix("torch.")
+        found = NAME_TO_DTYPE.get(name)
+        if found is None:
+            found = vars(torch).get(name)  # a lookup, not getattr: never imports or runs anything
+        if not isinstance(found, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r:.40}; expected {accepted}")
+        dtype = found
+    elif not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be {accepted}; got {dtype!r:.60}")
+    x_dims = dims(x_shape, "x_shape", "(16, 4096) or (2, 8, 4096)")
+    w_dims = dims(w_shape, "w_shape", "(6144, 4096)")
+    if not x_dims:
+        raise ValueError("x_shape needs at least one dimension (its last is K), got ()")
+    if len(w_dims) != 2:
+        raise ValueError(f"w_shape must be two ints (N, K), got {w_dims}")
     act = Activation.parse(activation)
+    bias = bool(bias)
     m = 1
-    for d in tuple(x_shape)[:-1]:
-        m *= int(d)
-    n, k = (int(v) for v in w_shape)
-    if int(tuple(x_shape)[-1]) != k:
-        raise ValueError(f"x_shape {tuple(x_shape)} has {x_shape[-1]} features, w_shape expects {k}")
+    for d in x_dims[:-1]:
+        m *= d
+    n, k = w_dims
+    if x_dims[-1] != k:
+        raise ValueError(f"x_shape {x_dims} has {x_dims[-1]} features, w_shape expects {k}")
     problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=Epilogue(act, bias), ldx=k, ldw=k, ldo=n,
                       tf32=dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32))
     head = f"linear {DTYPE_NAMES.get(dtype, dtype)} M={m} N={n} K={k} epilogue={problem.epilogue.name}"
+    if m == 0 or n == 0 or k == 0:
+        return f"{head}: empty problem (M, N or K = 0), so PyTorch computes it (no GEMM)"
     invariant = get_mode() == modes.BATCH_INVARIANT
     if not torch.cuda.is_available():
         line = f"{head}: no CUDA device here, so PyTorch (F.linear) computes it on the CPU"

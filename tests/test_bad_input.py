@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 import hybridgemm
 from hybridgemm import AttentionProjection, attention_projection
-from hybridgemm.autotune_cache.table import HybridGemmTableWarning
 from hybridgemm.cli import main as cli_main
 from hybridgemm.kernels.epilogue import Activation, apply_activation
 
@@ -145,12 +144,12 @@ def test_cli_errors_are_messages_not_tracebacks(capsys, tmp_path, monkeypatch):
         err = capsys.readouterr().err
         assert err.startswith("hybridgemm autotune: ") and "Traceback" not in err
         assert not (tmp_path / "t.json").exists()
-    # a table that is not a table: a warning and no entries, not a traceback
+    # a table that is not a table: one error line, not a traceback
     bad = tmp_path / "bad.json"
     bad.write_bytes(b"\x00\xff not json")
-    with pytest.warns(HybridGemmTableWarning):
-        assert cli_main(["show", str(bad)]) == 0
-    assert f"{bad}: 0 entries" in capsys.readouterr().out
+    assert cli_main(["show", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"hybridgemm show: error: {bad}: ") and "Traceback" not in err
 
 
 @pytest.mark.gpu

@@ -74,13 +74,14 @@ def test_show_reads_a_schema_1_table_as_one_m_ranges(tmp_path, capsys):
         ["linear|bf16|bias|N=6144|K=4096|M=16-16|c", "cublaslt", "10.00", "12.00", "1.200x", "16"]]
 
 
-def test_show_a_corrupt_table_warns_and_shows_nothing(tmp_path, capsys):
+def test_show_of_a_corrupt_table_named_explicitly_is_one_error_line(tmp_path, capsys):
     path = tmp_path / "bad.json"
     path.write_text('{"schema": 2, "signature": ')
-    with pytest.warns(HybridGemmTableWarning, match="not valid JSON"):
-        assert main(["show", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert f"{path}: 0 entries" in out and "linear|" not in out
+    assert main(["show", str(path)]) == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"hybridgemm show: error: {path}: ") and "not valid JSON" in err[0]
+    assert "linear|" not in captured.out and "Traceback" not in captured.err
 
 
 def test_show_missing_file(tmp_path, capsys):
