@@ -122,17 +122,35 @@ class AttentionProjection(nn.Module):
     ``forward_qkv(x)`` -> ``q, k, v`` (B, H|Hkv, S, D); ``forward_out(attn)`` takes the
     attention result (..., H, S, D) and returns (..., S, out_features); ``forward(x,
     attn_fn=None, **kw)`` runs both around ``attn_fn(q, k, v, **kw)`` (default:
-    ``F.scaled_dot_product_attention``, with ``enable_gqa`` when H != Hkv). Inputs are
-    batch-first (B, S, hidden). Biases are optional for each projection (Qwen2: QKV bias,
-    no O bias; GPT-2/BERT/ViT: both).
+    ``F.scaled_dot_product_attention``, with ``enable_gqa`` when H != Hkv). Biases are
+    optional for each projection (Qwen2: QKV bias, no O bias; GPT-2/BERT/ViT: both).
+
+    Layout: with ``batch_first=True`` (default) inputs are (..., S, hidden) and outputs
+    (..., S, out_features); with ``batch_first=False`` they are (S, B, hidden) -> (S, B,
+    out_features), as ``nn.MultiheadAttention(batch_first=False)`` takes them (2-D inputs are
+    unbatched (S, hidden) either way). ``q, k, v`` and ``forward_out``'s input are head-major
+    (B, H, S, D) in both layouts.
+
+    ``dropout``: probability of dropping attention weights in training mode, applied by the
+    default attention (``F.scaled_dot_product_attention``'s ``dropout_p``, where
+    ``nn.MultiheadAttention`` applies its ``dropout``); nothing is dropped in eval mode. An
+    ``attn_fn`` passed to ``forward`` does its own attention, dropout included, and a
+    ``dropout_p`` passed to ``forward`` overrides it.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, qkv_bias: bool = True, out_bias: bool = True,
-                 out_features: int | None = None, device=None, dtype=None):
+                 out_features: int | None = None, device=None, dtype=None, *, batch_first: bool = True,
+                 dropout: float = 0.0):
         super().__init__()
         who = "AttentionProjection"
         _positive_int(hidden_size, "hidden_size", who)
+        if not isinstance(batch_first, bool):
+            raise TypeError(f"{who}: batch_first must be a bool, got {batch_first!r}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout <= 1.0:
+            raise ValueError(f"{who}: dropout must be a probability between 0 and 1, got {dropout!r}")
+        self.batch_first = batch_first
+        self.dropout = float(dropout)
         self.num_heads, self.num_kv_heads, self.head_dim = resolve_heads(
             hidden_size, num_heads, num_kv_heads, head_dim, who)
         self.hidden_size = hidden_size
@@ -142,6 +160,10 @@ class AttentionProjection(nn.Module):
         # q/k/v linears would get.
         self.qkv_proj = HybridLinear(hidden_size, (h + 2 * hkv) * d, bias=qkv_bias, device=device, dtype=dtype)
         self.o_proj = HybridLinear(h * d, out, bias=out_bias, device=device, dtype=dtype)
+
+    # Class-level defaults: read by an instance whose state lacks them (unpickled without these keys).
+    batch_first: bool = True
+    dropout: float = 0.0
 
     # Cached raw launches of eager inference calls (fusion/eager_fast.py), made on first use;
     # not state: never saved, pickled or copied.
@@ -169,6 +191,8 @@ class AttentionProjection(nn.Module):
         # Head counts were validated at construction; hidden size, dtypes and devices are
         # checked by the GEMM call. (The submodules hold the parameters; their forward, and
         # any hook on them, is not called.)
+        if not self.batch_first:
+            x = self._seq_first_input(x)
         w, b = _weight_and_bias(self._modules["qkv_proj"])
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if eager_fast.eligible(x, w, b) and x.dim() >= 2:
@@ -178,7 +202,27 @@ class AttentionProjection(nn.Module):
             return eager_fast.QKVProjection.apply(x, w, b, h, hkv, d, self._cache("_fast_qkv"))
         return _project(x, w, b, h, hkv, d)
 
+    def _seq_first_input(self, x) -> Tensor:
+        """(S, B, hidden) -> a (B, S, hidden) view; (S, hidden) as it is."""
+        if not isinstance(x, Tensor) or x.dim() not in (2, 3):
+            what = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"AttentionProjection (batch_first=False): expected x of shape (seq, batch, hidden) "
+                             f"or (seq, hidden), got {what}")
+        return x.transpose(0, 1) if x.dim() == 3 else x
+
     def forward_out(self, attn: Tensor) -> Tensor:
+        if self.batch_first:
+            return self._out(attn)
+        if not isinstance(attn, Tensor) or attn.dim() not in (3, 4):
+            what = tuple(attn.shape) if isinstance(attn, Tensor) else type(attn).__name__
+            raise ValueError(f"AttentionProjection.forward_out (batch_first=False): expected attn of shape "
+                             f"(batch, {self.num_heads} heads, seq, {self.head_dim}) or ({self.num_heads} heads, "
+                             f"seq, {self.head_dim}), got {what}")
+        y = self._out(attn)  # (B, S, out) or (S, out)
+        return y.transpose(0, 1) if y.dim() == 3 else y
+
+    def _out(self, attn: Tensor) -> Tensor:
+        """(..., H, S, D) -> (..., S, out_features)."""
         w, b = _weight_and_bias(self._modules["o_proj"])
         if eager_fast.eligible(attn, w, b):
             cache = self._cache("_fast_out")
@@ -202,12 +246,20 @@ class AttentionProjection(nn.Module):
 
     def forward(self, x: Tensor, attn_fn=None, **attn_kwargs) -> Tensor:
         q, k, v = self.forward_qkv(x)
-        o = (attn_fn or _sdpa)(q, k, v, **attn_kwargs)
+        if attn_fn is None:
+            if self.dropout and self.training:
+                attn_kwargs.setdefault("dropout_p", self.dropout)
+            o = _sdpa(q, k, v, **attn_kwargs)
+        else:
+            o = attn_fn(q, k, v, **attn_kwargs)
         return self.forward_out(o)
 
     def extra_repr(self) -> str:
+        extra = "" if self.batch_first else ", batch_first=False"
+        if self.dropout:
+            extra += f", dropout={self.dropout}"
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}")
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{extra}")
 
     # ------------------------------------------------------------------ conversions
 
@@ -253,7 +305,10 @@ class AttentionProjection(nn.Module):
     @classmethod
     def from_multihead_attention(cls, mha: nn.MultiheadAttention) -> AttentionProjection:
         """From ``nn.MultiheadAttention``'s packed ``in_proj_weight``/``in_proj_bias`` and
-        ``out_proj`` (copied). Note the result is batch-first whatever ``mha.batch_first`` is."""
+        ``out_proj`` (copied). The result takes the same input layout (``batch_first``),
+        applies the same attention dropout in training mode and starts in the same
+        training/eval mode as ``mha``; ``forward(x)`` gives what ``mha(x, x, x,
+        need_weights=False)[0]`` gives."""
         who = "AttentionProjection.from_multihead_attention"
         if not isinstance(mha, nn.MultiheadAttention):
             raise TypeError(f"{who}: expected nn.MultiheadAttention, got {type(mha).__name__}")
@@ -265,7 +320,8 @@ class AttentionProjection(nn.Module):
         e, h = mha.embed_dim, mha.num_heads
         mod = cls(e, h, h, e // h, qkv_bias=mha.in_proj_bias is not None,
                   out_bias=mha.out_proj.bias is not None, device=mha.in_proj_weight.device,
-                  dtype=mha.in_proj_weight.dtype)
+                  dtype=mha.in_proj_weight.dtype, batch_first=bool(mha.batch_first), dropout=mha.dropout)
+        mod.train(mha.training)
         with torch.no_grad():
             mod.qkv_proj.weight.copy_(mha.in_proj_weight)
             if mha.in_proj_bias is not None:
@@ -406,8 +462,6 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     if mask.dtype != torch.bool:
         return mask
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
-
-
 
 
 __all__ = ["AttentionProjection", "HybridMultiheadAttention", "attention_projection", "fuse_qkv_state_dict",

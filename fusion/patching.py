@@ -34,10 +34,26 @@ replace the q/k/v keys in the state dict while patched: build the optimizer afte
 patching, save checkpoints after unpatching); the original ``nn.Linear`` parameters are
 re-pointed at slices of it, so memory is not doubled, and on unpatch they get the current
 (possibly trained, moved or cast) values in storage of their own.
+
+Tied weights. Fusing copies Q, K and V into one new parameter, which would untie weights
+that are shared. So Q/K/V are not fused (each linear is swapped on its own, which keeps
+every parameter object, hence every tie; the report says why) when one of the q/k/v linears,
+or one of their parameters, is registered in more than one place under the patched root
+(``k_proj is q_proj``, ``k_proj.weight is q_proj.weight``, a weight shared with another layer).
+A tie to a module outside the patched root cannot be seen: patch the model that holds both.
+
+Bookkeeping. Each change is recorded on the module it changed (the swapped module, or the
+attention module whose children were replaced), so :func:`unpatch` of any module undoes
+every patch applied anywhere under it, whichever module ``patch`` was called on, most
+recent first. Patching an already patched module changes nothing (the report lists it in
+``already_patched``). TorchScript modules (``torch.jit.script``/``trace``) are compiled
+code that cannot be changed in place: ``patch`` refuses one, and skips one found inside an
+eager model.
 """
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass, field
 
@@ -51,27 +67,35 @@ _QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 _OUT_NAMES = ("o_proj", "out_proj")
 _UNDO_ATTR = "_hybridgemm_undo"
 _FUSED_NAME = "qkv_proj"
+_SEQ = itertools.count()  # orders undo records across modules and patch calls
 
 
 @dataclass
 class PatchReport:
     """What :func:`patch` did: ``patched`` lists every module name it changed (an attention
     module whose Q/K/V were fused is listed once, also in ``fused_qkv``); ``skipped`` holds
-    ``(name, reason)`` for attention-like modules it left alone."""
+    ``(name, reason)`` for attention-like modules it left alone or did not fuse;
+    ``already_patched`` lists what an earlier :func:`patch` had changed (left as it is)."""
 
     patched: list[str] = field(default_factory=list)
     fused_qkv: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    already_patched: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.patched)
 
     def summary(self) -> str:
         if not self.patched:
-            why = "; ".join(f"{n}: {r}" for n, r in self.skipped) or "no attention projections found"
-            return f"hybridgemm.patch: nothing patched ({why})"
+            why = [f"{n or '(root)'}: {r}" for n, r in self.skipped]
+            if self.already_patched:
+                shown = ", ".join(self.already_patched[:4]) + (", ..." if len(self.already_patched) > 4 else "")
+                why.append(f"{len(self.already_patched)} modules already patched by an earlier hybridgemm.patch "
+                           f"({shown}); call hybridgemm.unpatch first to patch them again")
+            return f"hybridgemm.patch: nothing patched ({'; '.join(why) or 'no attention projections found'})"
         return (f"hybridgemm.patch: patched {len(self.patched)} modules ({len(self.fused_qkv)} with fused QKV)"
-                + (f", skipped {len(self.skipped)}" if self.skipped else ""))
+                + (f", skipped {len(self.skipped)}" if self.skipped else "")
+                + (f", {len(self.already_patched)} already patched" if self.already_patched else ""))
 
 
 class FusedQKV(nn.Module):
@@ -199,35 +223,95 @@ def _get(m: nn.Module, name: str):
     return m._modules.get(name)
 
 
+def _qual(parent: str, child: str) -> str:
+    return f"{parent}.{child}" if parent else child
+
+
+def _check_module(model, who: str) -> None:
+    """TypeError unless ``model`` is an initialised eager ``nn.Module``."""
+    if isinstance(model, torch.jit.ScriptModule):
+        if who.endswith("unpatch"):
+            raise TypeError(f"{who}: got a TorchScript module ({type(model).__name__}); hybridgemm.patch never "
+                            "patches one, so there is nothing to undo: unpatch the eager nn.Module it was made from")
+        raise TypeError(f"{who}: got a TorchScript module ({type(model).__name__}, made by torch.jit.script or "
+                        "torch.jit.trace); its forward is compiled TorchScript, which cannot be patched in place. "
+                        "Patch the eager nn.Module instead (a patched model runs under torch.compile)")
+    if not isinstance(model, nn.Module):
+        if isinstance(model, type) and issubclass(model, nn.Module):
+            got = f"the class {model.__name__} (pass an instance)"
+        else:
+            got = "None" if model is None else type(model).__name__
+        raise TypeError(f"{who}: expected an nn.Module, got {got}")
+    if not isinstance(model.__dict__.get("_modules"), dict):
+        raise TypeError(f"{who}: this {type(model).__name__} is not an initialised nn.Module (its __init__ must "
+                        "call super().__init__() first)")
+
+
+def _records(mod: nn.Module) -> list:
+    return mod.__dict__.get(_UNDO_ATTR) or []
+
+
+def _record(mod: nn.Module, rec: tuple) -> None:
+    mod.__dict__.setdefault(_UNDO_ATTR, []).append(rec)
+
+
+def _record_name(name: str, rec: tuple) -> str:
+    """The module name a record stands for, given the name of the module that holds it."""
+    return _qual(name, rec[2]) if rec[0] == "conv1d" else (name or "(root)")
+
+
 def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False) -> PatchReport:
     """Patch ``model`` in place (see the module docstring); returns a :class:`PatchReport`.
 
     ``fuse_qkv=False`` swaps each q/k/v linear on its own (state-dict keys unchanged).
     Nothing to patch: a warning and an empty report, or ``ValueError`` with ``strict=True``.
-    Patching twice patches only what is new; :func:`unpatch` undoes every patch.
+    What an earlier patch changed is left as it is (``report.already_patched``); only what
+    is new gets patched. :func:`unpatch` of ``model`` or of any module above it undoes it all.
+    ``TypeError`` for anything but an eager ``nn.Module`` (TorchScript modules included).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"hybridgemm.patch: expected an nn.Module, got {type(model).__name__}")
+    _check_module(model, "hybridgemm.patch")
     report = PatchReport()
-    undo = model.__dict__.setdefault(_UNDO_ATTR, [])
     done: set[str] = set()  # module names handled as part of a parent
+    modules = dict(model.named_modules())
 
-    def qual(parent: str, child: str) -> str:
-        return f"{parent}.{child}" if parent else child
+    # Where each module and parameter object is registered (tied weights, shared modules).
+    owners: dict[int, list[str]] = {}
+    for mname, m in modules.items():
+        if isinstance(m, torch.jit.ScriptModule):
+            continue
+        for slot, obj in (*m._modules.items(), *m._parameters.items()):
+            if obj is not None:
+                owners.setdefault(id(obj), []).append(_qual(mname, slot))
+
+    def subtree(name: str):
+        prefix = _qual(name, "")
+        return (n for n in modules if n.startswith(prefix))
 
     def swap(name: str, mod: nn.Module, cls) -> None:
-        undo.append(("class", name or "(root)", mod, type(mod)))
+        if _records(mod):
+            return  # a module registered under several names: swapped once
+        _record(mod, ("class", next(_SEQ), type(mod)))
         mod.__class__ = cls
         report.patched.append(name or "(root)")
         done.add(name)
 
-    modules = dict(model.named_modules())
     for name, mod in modules.items():
         if name in done:
             continue
+        if isinstance(mod, torch.jit.ScriptModule):
+            report.skipped.append((name, f"TorchScript module ({type(mod).__name__}): compiled code, cannot be "
+                                         "patched in place"))
+            done.update(subtree(name))
+            continue
+        recs = _records(mod)
+        if recs:  # changed by an earlier patch
+            report.already_patched.extend(_record_name(name, rec) for rec in recs)
+            if isinstance(mod, nn.MultiheadAttention):
+                done.update(subtree(name))
+            continue
         if type(mod) is nn.MultiheadAttention:
             swap(name, mod, HybridMultiheadAttention)
-            done.update(n for n in modules if n.startswith(qual(name, "")))
+            done.update(subtree(name))
             continue
         c_attn = _get(mod, "c_attn")
         if c_attn is not None and _is_conv1d(c_attn):
@@ -237,30 +321,32 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False) -> Patc
                     new = HybridConv1D(conv)
                     with torch.no_grad():
                         new.weight.data = new.weight.data.t().contiguous().t()
-                    undo.append(("conv1d", qual(name, child), mod, child, conv, new))
+                    _record(mod, ("conv1d", next(_SEQ), child, conv, new))
                     setattr(mod, child, new)
-                    report.patched.append(qual(name, child))
-                    done.add(qual(name, child))
+                    report.patched.append(_qual(name, child))
+                    done.add(_qual(name, child))
             continue
         names = next((t for t in _QKV_NAMES if all(_get(mod, n) is not None for n in t)), None)
         if names is None:
             continue
         lins = [_get(mod, n) for n in names]
+        if all(_records(lin) for lin in lins):
+            continue  # swapped one by one by an earlier patch (listed in already_patched)
         if not all(type(lin) is nn.Linear for lin in lins):
             kinds = ", ".join(type(lin).__name__ for lin in lins)
             report.skipped.append((name, f"{'/'.join(names)} are {kinds}, not plain nn.Linear"))
             continue
-        why_not = _why_not_fuse(mod, lins) if fuse_qkv else "fuse_qkv=False"
+        why_not = _why_not_fuse(name, mod, names, lins, owners) if fuse_qkv else "fuse_qkv=False"
         if why_not is None:
-            _fuse(name or "(root)", mod, names, lins, undo)
+            _fuse(mod, names, lins)
             report.patched.append(name or "(root)")
             report.fused_qkv.append(name or "(root)")
         else:
             if fuse_qkv:
                 report.skipped.append((name, f"q/k/v not fused: {why_not}; swapped one by one"))
             for n, lin in zip(names, lins):
-                swap(qual(name, n), lin, HybridLinear)
-        done.update(qual(name, n) for n in names)
+                swap(_qual(name, n), lin, HybridLinear)
+        done.update(_qual(name, n) for n in names)
         out_name, out = _output_projection(name, mod, modules)
         if out is not None and out_name not in done:
             swap(out_name, out, HybridLinear)
@@ -287,11 +373,22 @@ def _output_projection(name: str, mod: nn.Module, modules: dict):
     return None, None
 
 
-def _why_not_fuse(mod: nn.Module, lins: list[nn.Linear]) -> str | None:
+def _why_not_fuse(name: str, mod: nn.Module, names, lins: list[nn.Linear], owners: dict) -> str | None:
     if getattr(mod, "is_cross_attention", False) or "Cross" in type(mod).__name__:
         return "cross-attention (K/V read another input)"
     if _get(mod, _FUSED_NAME) is not None or _FUSED_NAME in mod.__dict__:
         return f"the module already has an attribute {_FUSED_NAME!r}"
+    # A fused copy of a shared module or parameter would untie it from its other uses.
+    for n, lin in zip(names, lins):
+        here = _qual(name, n)
+        others = [o for o in owners.get(id(lin), ()) if o != here]
+        if others:
+            return f"{here} is the same nn.Linear as {others[0]} (shared weights; fusing would untie them)"
+        for pname, p in lin._parameters.items():
+            here_p = _qual(here, pname)
+            others = [o for o in owners.get(id(p), ()) if o != here_p] if p is not None else []
+            if others:
+                return f"{here_p} is tied to {others[0]} (the same parameter; fusing would untie them)"
     if len({lin.in_features for lin in lins}) > 1:
         return "different in_features"
     params = [p for lin in lins for p in (lin.weight, lin.bias) if p is not None]
@@ -304,7 +401,7 @@ def _why_not_fuse(mod: nn.Module, lins: list[nn.Linear]) -> str | None:
     return None
 
 
-def _fuse(name: str, mod: nn.Module, names, lins: list[nn.Linear], undo: list) -> None:
+def _fuse(mod: nn.Module, names, lins: list[nn.Linear]) -> None:
     sizes = tuple(lin.out_features for lin in lins)
     rg = lins[0].weight.requires_grad
     with torch.no_grad():
@@ -315,30 +412,36 @@ def _fuse(name: str, mod: nn.Module, names, lins: list[nn.Linear], undo: list) -
     mod.add_module(_FUSED_NAME, fused)
     for i, n in enumerate(names):
         setattr(mod, n, QKVSlice(fused, i))
-    undo.append(("fused", name, mod, tuple(names), tuple(lins)))
+    _record(mod, ("fused", next(_SEQ), tuple(names), tuple(lins)))
 
 
 def unpatch(model: nn.Module) -> list[str]:
-    """Undo every :func:`patch` of ``model``; returns the names of the restored modules (last
-    patched first; empty if nothing was patched). Restored modules are the original objects;
-    their parameters hold the current (possibly trained, moved or cast) values."""
-    undo = model.__dict__.pop(_UNDO_ATTR, [])
+    """Undo every :func:`patch` applied to ``model`` or to any module under it (whichever
+    module ``patch`` was called on); returns the names (relative to ``model``) of the
+    restored modules, most recently patched first, empty if nothing was patched. Restored
+    modules are the original objects; their parameters hold the current (possibly trained,
+    moved or cast) values. ``TypeError`` for anything but an eager ``nn.Module``."""
+    _check_module(model, "hybridgemm.unpatch")
+    found = []
+    for name, mod in model.named_modules():
+        for rec in mod.__dict__.pop(_UNDO_ATTR, None) or ():
+            found.append((rec[1], name, mod, rec))
+    found.sort(key=lambda item: item[0], reverse=True)
     restored = []
-    for rec in reversed(undo):
-        kind, name = rec[0], rec[1]
-        restored.append(name)
+    for _, name, mod, rec in found:
+        restored.append(_record_name(name, rec))
+        kind = rec[0]
         if kind == "class":
-            _, _, mod, cls = rec
-            mod.__class__ = cls
+            mod.__class__ = rec[2]
         elif kind == "conv1d":
-            _, _, parent, child, conv, new = rec
+            _, _, child, conv, new = rec
             with torch.no_grad():
                 conv.weight = new.weight
                 conv.bias = new.bias
                 conv.weight.data = conv.weight.data.contiguous()
-            setattr(parent, child, conv)
+            setattr(mod, child, conv)
         elif kind == "fused":
-            _, _, mod, names, lins = rec
+            _, _, names, lins = rec
             fused = mod._modules.pop(_FUSED_NAME)
             sizes = fused.sizes
             with torch.no_grad():
