@@ -12,9 +12,10 @@
 4. ``host_time.png``: host time per eager call per provider (method ``eager``), with
    F.linear's GPU time for reference: where a provider's line sits above it, the host is the
    bottleneck.
-5. ``training_fwd_bwd.png`` (when rows exist): speedup of ``hybridgemm.linear`` fwd+bwd.
-6. ``m_sweep.png`` (:func:`plot_m_sweep`, from perf/bench_msweep.py's own CSV, not through
+5. ``m_sweep.png`` (:func:`plot_m_sweep`, from perf/bench_msweep.py's own CSV, not through
    make_all_plots): speedup of the dispatched call over F.linear against M, one line per shape.
+Training rows (method ``fwd_bwd_events``: CUDA events around eager steps, which at small M
+measure the host as much as the GPU) are tabulated by ``hybridgemm bench``, not drawn.
 Several GPUs or dtypes in the CSVs give one file per (GPU, dtype), suffixed.
 Matplotlib's object API with the Agg canvas: no pyplot, no global backend switch.
 """
@@ -322,7 +323,7 @@ def make_all_plots(csv_paths, out_dir, log: Callable[[str], None] = print) -> li
     written: list[Path] = []
     attention = [r for r in rows if r.get("provider") in ATTENTION_PROVIDERS]
     linear = [r for r in rows if r.get("provider") not in ATTENTION_PROVIDERS]
-    gpu, eager, train = measured(linear, "gpu"), measured(linear, "eager"), measured(linear, "fwd_bwd_events")
+    gpu, eager = measured(linear, "gpu"), measured(linear, "eager")
     if not gpu:
         log("note: no GPU-time rows (method 'gpu') in the CSVs: skipping the TFLOP/s and dispatch figures")
     groups = _groups(gpu)
@@ -347,14 +348,6 @@ def make_all_plots(csv_paths, out_dir, log: Callable[[str], None] = print) -> li
         log("note: no eager rows: skipping the host-time figure")
     for g, grows in groups.items():
         written.append(plot_host_time(grows, gpu, _path(out_dir, "host_time", g, len(groups))))
-    groups = _groups(train)
-    for g, grows in groups.items():
-        p = _heatmap(grows, _path(out_dir, "training_fwd_bwd", g, len(groups)), "hybridgemm_linear", "flinear",
-                     f"training fwd+bwd of one linear, {g[1]}, {g[0]}\n"
-                     "CUDA-events time ratio F.linear / hybridgemm.linear",
-                     "speedup")
-        if p is not None:
-            written.append(p)
     return written
 
 

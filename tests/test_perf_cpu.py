@@ -20,7 +20,7 @@ from hybridgemm.perf.timing import Timing
 
 FIXTURE = Path(__file__).parent / "data" / "bench_fixture.csv"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-FIGURES = ("tflops_vs_m.png", "dispatch_speedup.png", "attention_path.png", "host_time.png", "training_fwd_bwd.png")
+FIGURES = ("tflops_vs_m.png", "dispatch_speedup.png", "attention_path.png", "host_time.png")
 
 
 
