@@ -26,7 +26,7 @@ MIN_SPLIT_WIDTH = 8  # a range narrower than this is not halved
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _LAYOUT_RE = re.compile(r"^(c|a(1|2|4|8)|s(1|2|4|8|16))$")
 _EPILOGUE_NAMES = frozenset(e.name for e in ALL_EPILOGUES)
-_INT_RE = re.compile(r"^[1-9][0-9]{0,5}$")  # at most 6 digits: nothing in a key is larger
+_INT_RE = re.compile(r"^[1-9][0-9]{0,9}$")  # N and K are checked below 2**31 by TableKey
 _RANGE_RE = re.compile(r"^([1-9][0-9]{0,4})-([1-9][0-9]{0,4})$")
 
 

@@ -11,12 +11,13 @@ byte-identical. The signature rules are in :mod:`.signature`.
 ``tf32`` (fp32 inputs with TF32 allowed: a different race from exact fp32). ``epilogue`` is
 ``Epilogue.name``. ``M=lo-hi`` is the range of M the entry serves, and was validated on.
 
-**Entry.** The winner (``backend``, ``config``: a backend's record; ``{}`` for cuBLASLt
-means its heuristic asked at the exact M of each call, and backend ``torch`` means F.linear
-itself), the M values it was timed at (``m_points``, both edges of the range among them),
-its speed ratio to F.linear at each (``ratios``: F.linear time / its time, > 1 is faster),
-``worst_ratio`` (their minimum), ``median_us``/``spread_us``/``flinear_us`` at the top
-point, the runner-up candidates, and ``tuned_at``.
+**Entry.** The winner (``backend``, ``config``: a backend's record, an object whose values
+are JSON scalars or lists of scalars; ``{}`` for cuBLASLt means its heuristic asked at the
+exact M of each call, and backend ``torch`` means F.linear itself), the M values it was
+timed at (``m_points``, both edges of the range among them), its speed ratio to F.linear at
+each (``ratios``: F.linear time / its time, > 1 is faster), ``worst_ratio`` (their minimum),
+``median_us``/``spread_us``/``flinear_us`` at the top point, the runner-up candidates, and
+``tuned_at``.
 
 **Layout class** (:func:`layout_class`): ``a`` = the largest power of two, capped at 16
 bytes, dividing every pointer (x, W, out, bias) and every row stride in bytes. 16 bytes
@@ -52,17 +53,55 @@ atomically (temp file in the same directory + ``os.replace``) under a cross-proc
 ``filelock``, merging with what is on disk: entries set in this session win, entries only
 on disk are kept unless a new entry's range overlaps them. Failure to write raises
 :class:`TableWriteError` (an ``OSError``).
+
+**Reading a file** (every read in this module goes through one helper, ``_read_table_bytes``):
+
+- only a regular file is read. The path is ``os.stat``-ed first (symlinks followed); a FIFO,
+  socket, device (e.g. a link to ``/dev/zero``) or directory is rejected with its kind as the
+  reason and never opened for reading. The file is opened ``O_RDONLY | O_NONBLOCK |
+  O_CLOEXEC`` and ``fstat``-ed again (it may have been swapped between the two calls), so
+  not even a FIFO swapped in late can block the caller;
+- a table is at most ``MAX_TABLE_BYTES`` = 16 MiB. A larger file is rejected from its size,
+  and at most ``MAX_TABLE_BYTES + 1`` bytes are ever read (a file that grows, or reports
+  size 0 like ``/proc`` files, is still cut off). A document with more than
+  ``MAX_TABLE_ENTRIES`` entries (more than 16 MiB of valid ones could hold) is rejected
+  before they are validated, so the worst file under the cap parses in about a second;
+- any failure to parse or validate — whatever Python raises on hostile JSON (huge
+  numbers, deep nesting, ``1e400`` read as infinity, ``MemoryError``...) — is reported as a
+  :class:`TableError`: the file is ignored with one warning naming it and the reason, or,
+  with ``strict=True``, the ``TableError`` is raised. A failure inside one entry drops that
+  entry only;
+- text is UTF-8; one leading UTF-8 byte-order mark is accepted and skipped. A JSON object
+  with the same name twice (anywhere in the document) makes the document ambiguous and
+  rejects it. Strings are data: one holding an escaped lone surrogate (``"\\ud800"``: not
+  encodable as UTF-8) rejects its entry (or, in the signature, the file); terminal escape
+  sequences are kept as data and only ever shown through ``repr``.
+
+Each call reads each file once; nothing here caches a result: the caller (the dispatcher's
+``table_for_device``) keeps the loaded table, and :func:`load_tables` never raises on a bad
+file, so a bad table is read once per load, not once per call.
+
+**Stale temp files.** A writer killed between creating its temp file and the replace leaves
+``.{table name}.<random>.tmp`` behind (the name ``_atomic_write`` gives it). ``save`` removes
+such files from the table's directory when they are regular files (not followed if they are
+symlinks) last modified over ``STALE_TEMP_S`` = 60 s ago; errors while cleaning are ignored.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import json
 import logging
 import math
 import os
+import re
+import reprlib
+import stat
 import tempfile
 import threading
+import time
 import types
 import warnings
 from collections.abc import Iterable, Mapping
@@ -94,6 +133,11 @@ LOCK_TIMEOUT_S = 120.0
 V1_MIN_RATIO = 0.97  # a schema-1 entry is kept (at its one M) only if it was at least this fast
 MAX_US = 1e9  # a timing above this (over 16 minutes per call) is not a timing
 MAX_RATIO = 1e3
+MAX_TABLE_BYTES = 16 * 1024 * 1024  # a table file larger than this is rejected unread (module docstring)
+# More entries than a 16 MiB file of valid entries can hold (each takes over 160 bytes): a
+# document with more is not a table, and is rejected before validating them one by one.
+MAX_TABLE_ENTRIES = 1 << 17
+STALE_TEMP_S = 60.0  # a temp file of ours older than this (mtime) is a killed writer's
 
 _log = logging.getLogger(__name__)
 _ENTRY_FIELDS = {"backend", "config", "candidates", "median_us", "spread_us", "tuned_at", "m_points", "ratios",
@@ -101,6 +145,29 @@ _ENTRY_FIELDS = {"backend", "config", "candidates", "median_us", "spread_us", "t
 _OPTIONAL_FIELDS = {"flinear_us"}
 _CANDIDATE_FIELDS = {"backend", "config", "median_us", "spread_us"}
 _V1_ENTRY_FIELDS = {"backend", "config", "candidates", "median_us", "spread_us", "tuned_at"}
+
+
+# Values in messages: bounded in length and depth (a repr of a 900-deep list would itself
+# raise RecursionError), escapes shown as escapes.
+_brief_repr = reprlib.Repr()
+_brief_repr.maxlevel, _brief_repr.maxlist, _brief_repr.maxdict = 2, 6, 4
+_brief_repr.maxstring, _brief_repr.maxlong, _brief_repr.maxother = 60, 40, 60
+
+
+def _brief(v: Any) -> str:
+    try:
+        return _brief_repr.repr(v)
+    except Exception:  # never let describing a bad value fail
+        return f"<{type(v).__name__}>"
+
+
+def _is_text(s: str) -> bool:
+    """Whether ``s`` is encodable as UTF-8 (JSON's ``"\\ud800"`` gives a lone surrogate, which is not)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class HybridGemmTableWarning(UserWarning):
@@ -131,9 +198,9 @@ def _number(v: Any, where: str, lo: float, hi: float, lo_open: bool = False) -> 
     """``v`` as a float in [lo, hi] (or (lo, hi]); TableError otherwise. Checks the range
     before converting: a 400-digit integer must not raise OverflowError."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TableError(f"{where} must be a number, got {v!r:.40}")
+        raise TableError(f"{where} must be a number, got {_brief(v)}")
     if isinstance(v, int) and not -10**12 < v < 10**12:
-        raise TableError(f"{where} is out of range: {v!r:.40}")
+        raise TableError(f"{where} is out of range: {_brief(v)}")
     v = float(v)
     if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
         raise TableError(f"{where} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r:.40}")
@@ -144,30 +211,56 @@ def _time(obj: Mapping, name: str, where: str) -> float:
     return _number(obj.get(name), f"{where}{name}", 0.0, MAX_US)
 
 
+_SCALAR_TYPES = frozenset({str, int, float, bool, type(None)})
+
+
+def _flat_record(config: dict) -> bool:
+    """Whether every value of ``config`` is a JSON scalar or a list of scalars, as every
+    backend's record is (``to_record`` in kernels/). Nothing nested: re-dumping it can never
+    recurse deeply, and checking it stops at the first nested value."""
+    for v in config.values():
+        if type(v) is list:
+            if not set(map(type, v)) <= _SCALAR_TYPES:
+                return False
+        elif type(v) not in _SCALAR_TYPES:
+            return False
+    return True
+
+
 def _record(obj: Mapping, where: str) -> tuple[str, dict]:
     backend, config = obj.get("backend"), obj.get("config")
     if not isinstance(backend, str) or not _NAME_RE.match(backend):
-        raise TableError(f"{where}backend must be a lowercase name, got {backend!r:.60}")
+        raise TableError(f"{where}backend must be a lowercase name, got {_brief(backend)}")
     if not isinstance(config, dict):
         raise TableError(f"{where}config must be an object, got {type(config).__name__}")
+    if not _flat_record(config):
+        raise TableError(f"{where}config values must be numbers, strings, booleans, null or lists of those")
     return backend, config
 
 
 def _json_copy(entry: Any) -> Any:
-    try:  # JSON round trip: a deep copy, tuples -> lists, and proof that it serialises
-        return json.loads(json.dumps(entry, allow_nan=False))
+    # JSON round trip: a deep copy, tuples -> lists, and proof that it serialises (finite
+    # numbers, string keys, strings that are Unicode text).
+    try:
+        text = json.dumps(entry, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError) as e:
-        raise TableError(f"entry is not JSON data: {e}") from None
+        raise TableError(f"entry is not JSON data: {str(e)[:120]}") from None
+    if not _is_text(text):
+        raise TableError("entry is not JSON data: a string holds a lone surrogate (not Unicode text)")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise TableError(f"entry is not JSON data: {str(e)[:120]}") from None
 
 
 def _tuned_at(entry: Mapping) -> str:
     tuned_at = entry["tuned_at"]
     if not isinstance(tuned_at, str) or len(tuned_at) > 40:
-        raise TableError(f"tuned_at must be an ISO date string, got {tuned_at!r:.60}")
+        raise TableError(f"tuned_at must be an ISO date string, got {_brief(tuned_at)}")
     try:
         datetime.fromisoformat(tuned_at.replace("Z", "+00:00"))
     except ValueError:
-        raise TableError(f"tuned_at is not an ISO date: {tuned_at!r}") from None
+        raise TableError(f"tuned_at is not an ISO date: {_brief(tuned_at)}") from None
     return tuned_at
 
 
@@ -193,7 +286,12 @@ def normalize_entry(entry: Any, key: TableKey | None = None) -> dict:
     """Validate ``entry`` and return its canonical form (a fresh, JSON-safe deep copy with
     rounded numbers). With ``key``, its ``m_points`` must lie in the key's range and include
     both edges. Raises :class:`TableError` naming the first problem."""
-    entry = _json_copy(entry)
+    return _normalize(_json_copy(entry), key)
+
+
+def _normalize(entry: Any, key: TableKey | None) -> dict:
+    # ``entry`` is JSON data of its own (a _json_copy, or fresh from parsing a document
+    # that holds no lone surrogate and no non-finite number): it is validated, not copied.
     if not isinstance(entry, dict):
         raise TableError(f"entry must be an object, got {type(entry).__name__}")
     if entry.get("flinear_us", 0) is None:
@@ -213,7 +311,7 @@ def normalize_entry(entry: Any, key: TableKey | None = None) -> dict:
     if not isinstance(points, list) or not points or len(points) > 64:
         raise TableError("m_points must be a non-empty list (at most 64)")
     if any(type(m) is not int or not 1 <= m <= M_MAX for m in points) or points != sorted(set(points)):
-        raise TableError(f"m_points must be increasing ints in 1..{M_MAX}, got {points!r:.80}")
+        raise TableError(f"m_points must be increasing ints in 1..{M_MAX}, got {_brief(points)}")
     if not isinstance(ratios, list) or len(ratios) != len(points):
         raise TableError("ratios must be a list with one ratio per m_point")
     out["m_points"] = points
@@ -247,7 +345,6 @@ def _migrate_v1_entry(text: str, value: Any) -> tuple[TableKey, dict | None]:
     """A schema-1 entry as a one-M range entry, or ``(key, None)`` when it recorded no ratio
     to F.linear of at least ``V1_MIN_RATIO`` (nothing shows it is safe to run)."""
     key = TableKey.from_v1_string(text)
-    value = _json_copy(value)
     if not isinstance(value, dict) or not _V1_ENTRY_FIELDS <= set(value) <= _V1_ENTRY_FIELDS | _OPTIONAL_FIELDS:
         raise TableError("not a schema-1 entry")
     median = _time(value, "median_us", "")
@@ -283,6 +380,93 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not allowed in a tuning table")
 
 
+class _Refused(ValueError):
+    """Valid JSON syntax that a table may not hold (raised by the parser's hooks)."""
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        name = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _Refused(f"the name {_brief(name)} appears twice in one object (ambiguous)")
+    return obj
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):  # 1e400 parses as infinity, like the NaN/Infinity constants refused
+        raise _Refused(f"the number {text[:40]} is out of range (not a finite double)")
+    return v
+
+
+# A JSON escape that can make a lone surrogate (\ud800-\udfff); documents without one are
+# Unicode text throughout and skip the per-entry check.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+class _Unreadable(TableError):
+    """The file exists but cannot, or must not, be read (an OSError, or not a regular file).
+    ``errno`` is the OSError's, if any."""
+
+    def __init__(self, reason: str, errno: int | None = None):
+        super().__init__(reason)
+        self.errno = errno
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _read_table_bytes(path: Path) -> bytes | None:
+    """The bytes of the table file at ``path``, or ``None`` when there is no such file.
+
+    Raises :class:`_Unreadable` (a :class:`TableError`) when the file cannot be read or is
+    not a regular file, and :class:`TableError` when it is larger than ``MAX_TABLE_BYTES``
+    (module docstring: never a blocking open, never more than the cap + 1 bytes read)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise _Unreadable(f"cannot be read ({e})", getattr(e, "errno", None)) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _Unreadable(f"cannot be read: it is {_file_kind(st.st_mode)}, not a regular file")
+    if st.st_size > MAX_TABLE_BYTES:
+        raise TableError(f"is {st.st_size} bytes, larger than a table may be ({MAX_TABLE_BYTES} bytes)")
+    flags = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+             | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:  # removed since the stat: as if it had never been there
+        return None
+    except OSError as e:
+        raise _Unreadable(f"cannot be read ({e})", e.errno) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped between stat and open
+            raise _Unreadable(f"cannot be read: it is {_file_kind(st.st_mode)}, not a regular file")
+        chunks, left = [], MAX_TABLE_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as e:
+        raise _Unreadable(f"cannot be read ({e})", e.errno) from None
+    finally:
+        os.close(fd)
+    if left <= 0:
+        raise TableError(f"is larger than a table may be ({MAX_TABLE_BYTES} bytes)")
+    return b"".join(chunks)
+
+
 @dataclass
 class ParsedTable:
     """:func:`parse_document`'s result. ``dropped`` describes entries that failed validation
@@ -294,30 +478,96 @@ class ParsedTable:
     note: str = ""
 
 
-def parse_document(data: bytes) -> ParsedTable:
-    """Parse table bytes. Raises :class:`TableError` if the document is unusable. A schema-1
-    document is migrated (module docstring) and its signature re-labelled as this schema."""
+def _failure(e: BaseException) -> str:
+    """A reason for an unexpected exception met while parsing (never raises)."""
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    if isinstance(e, MemoryError):
+        return "too large to hold in memory"
     try:
-        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        text = str(e)
+    except Exception:
+        text = ""
+    return f"{type(e).__name__}: {text[:120]}" if text else type(e).__name__
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Any:
+    """Pause the cyclic garbage collector (if it runs) for the block. Parsing a 16 MiB table
+    creates millions of containers, and each full collection they trigger walks the whole
+    heap (torch's included): with torch imported that doubled the parse time. A parsed JSON
+    tree holds no reference cycles, so nothing is left uncollected; reference counting
+    still frees everything as usual, and the collector is back on when the block ends."""
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
+
+
+def parse_document(data: bytes) -> ParsedTable:
+    """Parse table bytes. Raises :class:`TableError` — and nothing else, whatever the bytes —
+    if the document is unusable. A schema-1 document is migrated (module docstring) and its
+    signature re-labelled as this schema."""
+    try:
+        with _cyclic_gc_paused():
+            return _parse_document(data)
+    except TableError:
+        raise
+    except Exception as e:  # hostile input must not reach the caller as anything else
+        raise TableError(f"cannot be parsed ({_failure(e)})") from None
+
+
+def _check_signature_values(sig: dict) -> None:
+    # validate_signature allows unknown scalar fields: also require them to be writable
+    # back (finite numbers, strings that are Unicode text).
+    for name, value in sig.items():
+        if not _is_text(name) or (isinstance(value, str) and not _is_text(value)):
+            raise TableError(f"signature field {_brief(name)} holds a lone surrogate (not Unicode text)")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise TableError(f"signature field {_brief(name)} is not a finite number")
+
+
+def _parse_document(data: bytes) -> ParsedTable:
+    try:  # "utf-8-sig": one leading byte-order mark is skipped (module docstring)
+        source = bytes(data).decode("utf-8-sig")
+        doc = json.loads(source, parse_constant=_reject_constant, parse_float=_finite_float,
+                         object_pairs_hook=_unique_object)
     except UnicodeDecodeError:
         raise TableError("not UTF-8 text") from None
-    except (ValueError, RecursionError) as e:
+    except _Refused as e:
+        raise TableError(f"not a table's JSON: {e}") from None
+    except RecursionError:
+        raise TableError("not valid JSON (nested too deeply)") from None
+    except ValueError as e:
         raise TableError(f"not valid JSON ({str(e)[:120]})") from None
     if not isinstance(doc, dict):
         raise TableError(f"top level is {type(doc).__name__}, not an object")
     schema = doc.get("schema")
     if type(schema) is not int or schema not in (1, SCHEMA_VERSION):
-        raise TableError(f"schema version {schema!r:.20}; this hybridgemm reads {SCHEMA_VERSION} (and 1)")
+        raise TableError(f"schema version {_brief(schema)}; this hybridgemm reads {SCHEMA_VERSION} (and 1)")
     if set(doc) != {"schema", "signature", "entries"}:
-        raise TableError(f"top-level fields {sorted(map(str, doc))[:6]}; expected entries, schema, signature")
+        names = ", ".join(_brief(n) for n in sorted(doc)[:6])
+        raise TableError(f"top-level fields [{names}]; expected entries, schema, signature")
     reason = validate_signature(doc["signature"])
     if reason:
         raise TableError(reason)
+    _check_signature_values(doc["signature"])
     if not isinstance(doc["entries"], dict):
         raise TableError("entries is not an object")
+    if len(doc["entries"]) > MAX_TABLE_ENTRIES:
+        raise TableError(f"{len(doc['entries'])} entries; a table holds at most {MAX_TABLE_ENTRIES}")
     signature = dict(doc["signature"])
+    check_text = _SURROGATE_ESCAPE.search(source) is not None
+    del source
     entries: dict[TableKey, dict] = {}
-    by_shape: dict[ShapeKey, list[TableKey]] = {}  # kept keys per shape, for the overlap check
+    # Kept ranges per shape, sorted by m_lo; they never overlap, so they are sorted by m_hi
+    # too and one bisection finds a clash (a linear scan per entry is quadratic: 16 MiB of
+    # one-M entries of one shape would take minutes).
+    kept: dict[tuple, tuple[list[int], list[TableKey]]] = {}
     dropped: list[str] = []
     unsafe = 0
     for text, value in sorted(doc["entries"].items()):
@@ -331,15 +581,17 @@ def parse_document(data: bytes) -> ParsedTable:
                 key = TableKey.from_string(text)
                 if key.to_string() != text:
                     raise TableError("key is not in canonical form")
-                entry = normalize_entry(value, key)
-            same_shape = by_shape.setdefault(key.shape, [])
-            clash = next((k for k in same_shape if _overlap(k, key)), None)
-            if clash is not None:
-                raise TableError(f"its M range overlaps {clash.to_string()}")
+                entry = _normalize(_json_copy(value) if check_text else value, key)
+            los, keys = kept.setdefault(_shape_of(key), ([], []))
+            i = bisect.bisect_right(los, key.m_hi)  # keys[:i] start at or below our top
+            if i and keys[i - 1].m_hi >= key.m_lo:
+                raise TableError(f"its M range overlaps {keys[i - 1].to_string()}")
             entries[key] = entry
-            same_shape.append(key)
-        except TableError as e:
-            dropped.append(f"{text!r:.120}: {e}")
+            los.insert(i, key.m_lo)
+            keys.insert(i, key)
+        except Exception as e:  # one bad entry, whatever it raised, drops that entry only
+            reason = str(e) if isinstance(e, TableError) else _failure(e)
+            dropped.append(f"{repr(text[:120])}: {reason}")
     note = ""
     if schema == 1:
         signature["schema"] = SCHEMA_VERSION
@@ -361,14 +613,41 @@ def _overlap(a: TableKey, b: TableKey) -> bool:
     return a.m_lo <= b.m_hi and b.m_lo <= a.m_hi
 
 
+def _shape_of(k: TableKey) -> tuple:
+    # ``k.shape`` as a plain tuple: building a ShapeKey per key is most of the cost of
+    # merging tens of thousands of entries.
+    return k.op, k.dtype, k.epilogue, k.n, k.k, k.layout
+
+
 def _overlay(base: dict[TableKey, dict], new: Mapping[TableKey, dict]) -> dict[TableKey, dict]:
     """``base`` with ``new``'s entries set, dropping every entry of ``base`` whose range
     overlaps a new entry of the same shape (ranges of one shape never overlap)."""
-    by_shape: dict[ShapeKey, list[TableKey]] = {}
+    if not base or not new:
+        return {**base, **new}
+    # Per shape: the new ranges sorted by m_lo, and the running maximum of their m_hi. A
+    # range [lo, hi] overlaps one of them iff among those starting at or below hi, the
+    # highest top reaches lo: one bisection per entry of base, not a scan of new.
+    by_shape: dict[tuple, list[tuple[int, int]]] = {}
     for k in new:
-        by_shape.setdefault(k.shape, []).append(k)
-    out = {k: v for k, v in base.items()
-           if k in new or not any(_overlap(k, n) for n in by_shape.get(k.shape, ()))}
+        by_shape.setdefault(_shape_of(k), []).append((k.m_lo, k.m_hi))
+    index: dict[tuple, tuple[list[int], list[int]]] = {}
+    for shape, rngs in by_shape.items():
+        rngs.sort()
+        tops, top = [], 0
+        for _, hi in rngs:
+            top = max(top, hi)
+            tops.append(top)
+        index[shape] = ([lo for lo, _ in rngs], tops)
+
+    def overlapped(k: TableKey) -> bool:
+        found = index.get(_shape_of(k))
+        if found is None:
+            return False
+        los, tops = found
+        i = bisect.bisect_right(los, k.m_hi)
+        return i > 0 and tops[i - 1] >= k.m_lo
+
+    out = {k: v for k, v in base.items() if k in new or not overlapped(k)}
     out.update(new)
     return out
 
@@ -401,14 +680,20 @@ class TuningTable:
         or raises :class:`TableError` when ``strict``. Invalid entries alone are dropped.
         With ``signature``, the loaded table carries it (it is now this device's table);
         without, the file's own signature."""
-        path = Path(path)
+        return cls._load(Path(path), signature, strict)
+
+    @classmethod
+    def _load(cls, path: Path, signature: dict | None, strict: bool,
+              missing: str | None = None) -> TuningTable:
+        """:meth:`load`; ``missing``: the warning for a missing file (default: silent)."""
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return cls(signature)
-        except OSError as e:
-            return cls._reject(path, f"cannot be read ({e})", signature, strict)
-        try:
+            data = _read_table_bytes(path)
+            if data is None:
+                if missing is not None:
+                    if strict:
+                        raise TableError(missing)
+                    _warn_once(path, missing)
+                return cls(signature)
             parsed = parse_document(data)
         except TableError as e:
             return cls._reject(path, str(e), signature, strict)
@@ -417,6 +702,11 @@ class TuningTable:
             if not ok:
                 return cls._reject(path, f"tuned for another device or version: {reason}",
                                    signature, strict)
+        return cls._from_parsed(path, parsed, signature, strict)
+
+    @classmethod
+    def _from_parsed(cls, path: Path, parsed: ParsedTable, signature: dict | None,
+                     strict: bool) -> TuningTable:
         if parsed.dropped:
             n = len(parsed.dropped)
             msg = f"dropped {n} invalid entr{'y' if n == 1 else 'ies'}"
@@ -503,8 +793,11 @@ class TuningTable:
     def save(self, path: os.PathLike | str) -> None:
         """Merge with the table on disk under a cross-process lock, then replace it
         atomically. Our session's entries win (and drop disk entries whose ranges they
-        overlap); entries only on disk are kept; a disk table for another signature, or an
-        unreadable one, is replaced (with a warning). Save a table loaded from ``path``
+        overlap); entries only on disk are kept; a disk table for another signature, or a
+        corrupt or oversized one, is replaced (with a warning). One that cannot be read, or
+        is not a regular file (a FIFO, a device, a directory), is neither read nor replaced:
+        the save raises :class:`TableWriteError`. Stale temp files of killed writers are
+        removed first (module docstring). Save a table loaded from ``path``
         itself, not a :func:`load_tables` view: a view's entries (shipped ones included)
         would all be copied into ``path``."""
 
@@ -514,6 +807,7 @@ class TuningTable:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with FileLock(os.fspath(path) + ".lock", timeout=LOCK_TIMEOUT_S):
+                _remove_stale_temps(path)
                 merged = _overlay(dict(self._entries), self._read_for_merge(path))
                 merged = _overlay(merged, {k: self._entries[k] for k in self._dirty})
                 text = dump_document(self.signature, merged)
@@ -529,12 +823,16 @@ class TuningTable:
         self._index = None
 
     def _read_for_merge(self, path: Path) -> dict[TableKey, dict]:
+        """The entries on disk to merge with. A file that cannot be read, or is not a
+        regular file, is not replaced: the save fails (``TableWriteError``) rather than
+        overwrite entries it could not see. A corrupt or oversized one is replaced."""
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return {}
-        try:
+            data = _read_table_bytes(path)
+            if data is None:
+                return {}
             parsed = parse_document(data)
+        except _Unreadable as e:
+            raise TableWriteError(path, e) from None
         except TableError as e:
             _warn_once(path, f"{e}; replacing it", kind="save")
             return {}
@@ -545,7 +843,29 @@ class TuningTable:
         return parsed.entries
 
 
+def _remove_stale_temps(path: Path) -> None:
+    """Remove the temp files killed writers of ``path`` left (module docstring). Best effort:
+    never raises."""
+    try:
+        pattern = re.compile(re.escape(f".{path.name}.") + r"[A-Za-z0-9_]+\.tmp")
+        cutoff = time.time() - STALE_TEMP_S
+        with os.scandir(path.parent) as it:
+            for item in it:
+                if not pattern.fullmatch(item.name):
+                    continue
+                try:
+                    st = item.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                        os.unlink(item.path)  # unlink removes a name; it never follows a link
+                except OSError:
+                    continue
+    except Exception as e:
+        _log.debug("cleaning stale temp files next to %s: %s", path, e)
+
+
 def _atomic_write(path: Path, text: str) -> None:
+    # The temp file is named ".{name}.<random>.tmp" (mkstemp's random part is [a-z0-9_]):
+    # _remove_stale_temps relies on it.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
@@ -597,21 +917,26 @@ def load_tables(signature: dict | None, explicit_path: os.PathLike | str | None 
         if signature is None:
             _log.debug("skipping shipped table %s: no device signature to match", path)
             continue
-        try:
-            file_sig = parse_document(path.read_bytes()).signature
-        except (OSError, TableError) as e:
+        try:  # read once: the signature check and the entries come from the same bytes
+            data = _read_table_bytes(path)
+            if data is None:
+                continue  # removed since the directory was listed
+            parsed = parse_document(data)
+        except TableError as e:
             _warn_once(path, f"shipped table is unusable ({e}); ignoring it")
             continue
-        ok, reason = signature_matches(file_sig, signature)
+        ok, reason = signature_matches(parsed.signature, signature)
         if not ok:
             _log.debug("skipping shipped table %s: %s", path, reason)
             continue
-        merged.update(TuningTable.load(path, signature))
-    merged.update(TuningTable.load(user_table_path(), signature))
+        merged.update(TuningTable._from_parsed(path, parsed, signature, strict=False))
+    try:
+        user = user_table_path()
+    except Exception as e:  # e.g. "~nosuchuser" in HYBRIDGEMM_CACHE_DIR
+        _warn_once(Path(os.environ.get(CACHE_DIR_ENV, "")), f"cannot locate the user table ({e}); ignoring it")
+    else:
+        merged.update(TuningTable._load(user, signature, strict=False))
     if explicit_path is not None:
-        explicit_path = Path(explicit_path)
-        if not explicit_path.exists():
-            _warn_once(explicit_path, "does not exist; ignoring it")
-        else:
-            merged.update(TuningTable.load(explicit_path, signature))
+        merged.update(TuningTable._load(Path(explicit_path), signature, strict=False,
+                                        missing="does not exist; ignoring it"))
     return merged

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from hybridgemm.autotune_cache import signature
 from hybridgemm.autotune_cache.keys import ShapeKey
-from hybridgemm.autotune_cache.table import load_tables
+from hybridgemm.autotune_cache.table import TuningTable, load_tables
 from hybridgemm.kernels import backends, cublaslt
 from hybridgemm.kernels.backends import ConfigRejected
 from hybridgemm.kernels.checks import (
@@ -172,7 +172,12 @@ def table_for_device(device_index: int):
     table = _tables.get(device_index)
     if table is None:
         explicit = _explicit_path[0] or os.environ.get("HYBRIDGEMM_TABLE") or None
-        table = load_tables(signature.current_signature(device_index), explicit)
+        try:
+            table = load_tables(signature.current_signature(device_index), explicit)
+        except Exception as e:  # no device facts, no tables: every call runs F.linear, and says so once
+            _warn_once(("tables", device_index), f"hybridgemm: tuning tables not loaded for device {device_index} "
+                       f"({type(e).__name__}: {e}); every call runs F.linear")
+            table = TuningTable(None)
         _tables[device_index] = table
     return table
 

@@ -950,3 +950,10 @@ def test_make_entry_rejects_out_of_range_ratios_with_a_table_error():
     for bad in (10**400, 0, -1.0, float("nan")):
         with pytest.raises(TableError):
             make_entry("torch", {}, m_points=[1], ratios=[bad], median_us=1.0, spread_us=0.0)
+
+
+def test_keys_with_large_n_and_k_round_trip_and_past_31_bits_are_refused():
+    big = TableKey("linear", "bf16", "none", 1_000_000, 2**31 - 1, 1, 1)
+    assert TableKey.from_string(big.to_string()) == big
+    with pytest.raises(TableError):
+        TableKey.from_string(big.to_string().replace(f"K={2**31 - 1}", f"K={2**31}"))

@@ -487,3 +487,21 @@ def test_a_schema_1_table_serves_only_the_ms_it_was_timed_at(fake_h200):
     assert (c.backend, c.source, c.m_lo, c.m_hi) == ("triton_gemm", "table", 512, 512)
     for m in (15, 17, 9, 64, 256, 257, 511, 513):  # the octave around a one-M entry is not its range
         assert choose_at(m) == miss(m), m
+
+
+def test_tables_that_cannot_be_loaded_leave_every_call_on_f_linear(fake_h200, monkeypatch):
+    """A device whose signature cannot be read: one warning, the fallback for every problem,
+    and nothing retried per call."""
+    calls = []
+
+    def broken(device_index=None):
+        calls.append(device_index)
+        raise RuntimeError("driver query failed")
+
+    monkeypatch.setattr(signature, "current_signature", broken)
+    dispatch.reload_tables()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        got = [choose_at(m) for m in (16, 16, 300)]
+    assert got == [miss(16), miss(16), miss(300)]
+    assert len(calls) == 1 and len([w for w in rec if "not loaded" in str(w.message)]) == 1
