@@ -333,11 +333,13 @@ def tl_split_fixup(acc, ws_ptr, offs, mask, split_stride, cnt_ptr, pid_s, split_
     last = arrived == split_k - 1
     total = acc
     if last:
-        first = tl.load(ws_ptr + offs, mask=mask & (pid_s != 0), other=0.0, cache_modifier=".cg")
+        # where(c, mask, False), not mask & c: same PTX; Triton 3.9's interpreter rejects mask & c as an int32 mask
+        first = tl.load(ws_ptr + offs, mask=tl.where(pid_s != 0, mask, False), other=0.0, cache_modifier=".cg")
         total = tl.where(pid_s == 0, acc, first)
         for s in range(1, split_k):  # fixed order; this program's own partial from registers
-            part = tl.load(ws_ptr + s * split_stride + offs, mask=mask & (s != pid_s), other=0.0,
-                           cache_modifier=".cg")
+            # where(), not &, for the same reason as above (scalar comparison in the load mask)
+            part = tl.load(ws_ptr + s * split_stride + offs, mask=tl.where(s != pid_s, mask, False),
+                           other=0.0, cache_modifier=".cg")
             total += tl.where(s == pid_s, acc, part)
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call
     return total, last
@@ -380,7 +382,8 @@ class Launcher:
             return None
         launcher = compiled.run
         c_launch = getattr(launcher, "launch", None)
-        if (c_launch is None or getattr(launcher, "global_scratch_size", 1)
+        # Triton >= 3.8's launcher (it has kernel_signature) parses another C argument layout: no raw launch
+        if (c_launch is None or hasattr(launcher, "kernel_signature") or getattr(launcher, "global_scratch_size", 1)
                 or getattr(launcher, "profile_scratch_size", 1) or _get_raw_stream is None):
             return None
         coop = int(bool(launcher.launch_cooperative_grid))

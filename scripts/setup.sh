@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with everything hybridgemm needs (idempotent; re-runs when pyproject.toml changes).
-#   - no NVIDIA GPU: CPU torch 2.13.0, triton 3.6.0 and numpy < 2.3 (a pair whose Triton
-#     interpreter works: CPU tests run the Triton kernels under TRITON_INTERPRET=1)
+#   - no NVIDIA GPU: CPU torch 2.13.0, triton 3.6.0 and numpy < 2.3 (CPU tests run the Triton
+#     kernels under TRITON_INTERPRET=1; triton 3.6 and numpy 2.2 are the oldest supported, and
+#     Triton 3.6's interpreter fails on numpy >= 2.4). scripts/ci-stacks.sh tests the range's ends.
 #   - NVIDIA GPU: torch (CUDA build) and nvmath-python's cu13 extra; a python3 that already has
 #     torch is reused through --system-site-packages
 set -euo pipefail

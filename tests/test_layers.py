@@ -135,14 +135,12 @@ def test_import_needs_no_triton(module):
     import subprocess
     import sys
 
-    code = ("import sys, importlib.abc\n"
-            "class Block(importlib.abc.MetaPathFinder):\n"
-            "    def find_spec(self, name, path, target=None):\n"
-            "        if name == 'triton' or name.startswith('triton.'):\n"
-            "            raise ImportError('triton blocked')\n"
-            "sys.meta_path.insert(0, Block())\n"
+    # sys.modules['triton'] = None: importing triton raises ImportError, and find_spec('triton')
+    # answers None (torch >= 2.15 probes for triton that way while it is imported)
+    code = ("import sys\n"
+            "sys.modules['triton'] = None\n"
             f"import {module}\n"
-            "print('triton' in sys.modules)\n")
+            "print(any(m.split('.')[0] == 'triton' and v is not None for m, v in sys.modules.items()))\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "False"

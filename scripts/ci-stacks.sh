@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The CPU suite (Triton interpreter, no GPU) on the ends of the range pyproject.toml declares:
+#   oldest: torch 2.10.0, triton 3.6.0, numpy 2.2.6
+#   newest: torch 2.15.0, triton 3.9.0, numpy 2.4.6
+# Each stack gets its own venv, .venv/stacks/NAME (git-ignored with .venv/), installed once and
+# re-checked when pyproject.toml or this file changes. PyPI has no CPU build of these torch
+# releases, so their CUDA builds are installed (~6-7 GB each) and run on the CPU.
+#   bash scripts/ci-stacks.sh [oldest] [newest] [-- PYTEST_ARGS]   (no names: both)
+# Runs every stack asked for, then exits non-zero if any stack failed to install or to pass.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+names=()
+while [ $# -gt 0 ]; do
+  [ "$1" = "--" ] && { shift; break; }
+  names+=("$1"); shift
+done
+[ ${#names[@]} -gt 0 ] || names=(oldest newest)
+
+pins() {
+  case "$1" in
+    oldest) echo "torch==2.10.0 triton==3.6.0 numpy==2.2.6" ;;
+    newest) echo "torch==2.15.0 triton==3.9.0 numpy==2.4.6" ;;
+    *) return 1 ;;
+  esac
+}
+
+install() {  # install() NAME VENV: the pinned stack plus .[test,nvmath], once per stamp
+  local name=$1 venv=$2 stamp
+  stamp="$venv/.stack-$(cat pyproject.toml scripts/ci-stacks.sh | sha1sum | cut -c1-12)"
+  [ -f "$stamp" ] && return 0
+  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv" || return 1
+  echo "ci-stacks: installing $name into $venv" >&2
+  "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  # The pins are the stack: a machine-wide pip constraint file must not cap them (PIP_CONSTRAINT).
+  # setuptools>=77 is the build requirement tests/test_packaging.py builds the wheel with.
+  # shellcheck disable=SC2046
+  PIP_CONSTRAINT=/dev/null "$venv/bin/python" -m pip install -q $(pins "$name") "setuptools>=77" \
+    -e ".[test,nvmath]" || return 1
+  rm -f "$venv"/.stack-*
+  touch "$stamp"
+}
+
+failed=()
+for name in "${names[@]}"; do
+  if ! pins "$name" >/dev/null; then
+    echo "ci-stacks: unknown stack '$name' (oldest, newest)" >&2
+    failed+=("$name"); continue
+  fi
+  venv=".venv/stacks/$name"
+  if ! install "$name" "$venv"; then
+    echo "ci-stacks: $name: install failed" >&2
+    failed+=("$name"); continue
+  fi
+  echo "== stack $name: $("$venv/bin/python" -c 'import numpy, torch, triton
+print(f"torch {torch.__version__}, triton {triton.__version__}, numpy {numpy.__version__}")')"
+  # No GPU is used even where one exists: the gpu tests skip, kernels run in the interpreter.
+  CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+  rc=$?
+  if [ $rc -ne 0 ]; then
+    echo "ci-stacks: $name: pytest exited $rc" >&2
+    failed+=("$name")
+  fi
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "ci-stacks: FAILED: ${failed[*]}" >&2
+  exit 1
+fi
