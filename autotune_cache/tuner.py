@@ -115,7 +115,6 @@ class KeyResult:
     rejected: list = field(default_factory=list)
     skipped: bool = False
     split_hint: bool = False  # a candidate beat the winner by SPLIT_GAIN at some point, or it failed validation
-    points: list = field(default_factory=list, repr=False)  # the sample points' operands, while tuning
 
     @property
     def worst_ratio(self) -> float | None:
@@ -281,7 +280,7 @@ def measure_range(key: TableKey, backends, res: KeyResult) -> list[Candidate]:
             p = problem_for(key, m)
             torch.backends.cuda.matmul.allow_tf32 = p.tf32
             points.append(_setup_point(key, m))
-        res.m_points, res.points = ms, points
+        res.m_points = ms
         valid = _bind_candidates(backends, gather_candidates(backends, points, res.rejected), points, res.rejected)
         flinear = []
         for pt in points:  # the screen
@@ -379,13 +378,9 @@ def validate(key: TableKey, res: KeyResult, winner: Candidate, backends) -> bool
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old_tf32
     merged = sorted([*zip(res.m_points, res.ratios), *got])
-    res.m_points, res.ratios = [m for m, _ in merged], [_round4(r) for _, r in merged]
+    res.m_points, res.ratios = [m for m, _ in merged], [r for _, r in merged]
     res.winner["worst_ratio"] = min(res.ratios)
     return True
-
-
-def _round4(x: float) -> float:
-    return float(f"{x:.4g}")
 
 
 def merge_results(results: list[KeyResult]) -> list[KeyResult]:
@@ -427,7 +422,6 @@ def tune_range(key: TableKey, backends, log: Callable[[str], None] = lambda s: N
             winner = decide(res, [], tuple(excluded))  # F.linear; the halves may still do better
             break
         winner = decide(res, cands, tuple(excluded))
-    res.points = []  # free the operands before the halves allocate theirs
     if halves is None or not res.split_hint:
         return [res]
     log(f"{key.to_string()}: one config does not serve the whole range; tuning its halves")
