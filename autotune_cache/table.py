@@ -50,7 +50,7 @@ recorded a ratio to F.linear of at least ``V1_MIN_RATIO``.
 A bad table never raises on load (unless ``strict=True``): it is ignored with exactly one
 :class:`HybridGemmTableWarning` per path per process. :meth:`TuningTable.save` writes
 atomically (temp file in the same directory + ``os.replace``) under a cross-process
-``filelock``, merging with what is on disk: entries set in this session win, entries only
+``filelock``, merging with what is on disk: entries set on this table win, entries only
 on disk are kept unless a new entry's range overlaps them. Failure to write raises
 :class:`TableWriteError` (an ``OSError``).
 
@@ -662,7 +662,7 @@ class TuningTable:
                  entries: Mapping[TableKey, dict] | None = None):
         self.signature = dict(signature) if signature is not None else None
         self._entries: dict[TableKey, dict] = {}
-        self._dirty: set[TableKey] = set()  # keys set in this session: they win on save
+        self._dirty: set[TableKey] = set()  # keys set on this table: they win on save
         self._index: dict[ShapeKey, tuple[list[int], list[TableKey]]] | None = None
         self.sources: list[Path] = []  # files this table's entries came from
         for key, entry in (entries or {}).items():

@@ -723,7 +723,7 @@ def test_save_drops_disk_entries_that_a_new_range_overlaps(tmp_path):
     stale.save(path)
     expected = {(1, 1): 1.0, (257, 363): 10.0, (364, 512): 11.0, (513, 1024): 60.0, (1025, 2048): 70.0}
     assert ranges(TuningTable.load(path, SIG)) == expected == ranges(stale)
-    # A range set in this session wins over the disk's and drops what it overlaps there.
+    # A range set in memory (not yet saved) wins over the disk's and drops what it overlaps there.
     whole = TuningTable.load(path, SIG)
     whole.set(key(300, 600), entry(us=80.0, lo=300, hi=600))
     whole.save(path)
