@@ -37,6 +37,10 @@ ERRORS = [
     ("bias_len", lambda d: _lin(_t(2, 3, dev=d), _t(4, 3, dev=d), _t(5, dev=d)), ValueError,
      r"bias must have shape \(4,\)"),
     ("bias_2d", lambda d: _lin(_t(2, 3, dev=d), _t(4, 3, dev=d), _t(1, 4, dev=d)), ValueError, "bias must have shape"),
+    # (N, 1): its first dim matches N, so only the dimension check refuses it (else it would
+    # broadcast per row, not per column, without a word)
+    ("bias_column", lambda d: _lin(_t(2, 3, dev=d), _t(4, 3, dev=d), _t(4, 1, dev=d)), ValueError,
+     r"bias must have shape \(4,\)"),
     ("x_list", lambda d: _lin([[1.0, 2.0]], _t(4, 2, dev=d)), TypeError, "x must be a torch.Tensor"),
     ("w_list", lambda d: _lin(_t(2, 2, dev=d), [[1.0, 2.0]]), TypeError, "weight must be a torch.Tensor"),
     ("bias_float", lambda d: _lin(_t(2, 2, dev=d), _t(3, 2, dev=d), 1.5), TypeError, "bias must be"),
