@@ -93,12 +93,10 @@ def _need_gpu(what: str) -> bool:
 
 
 def _table_path(arg: str | None) -> Path:
-
     return Path(arg) if arg else user_table_path()
 
 
 def _cmd_autotune(args) -> int:
-
     # Shapes first: a bad --model, --hf-config or --shape is reported on any machine, GPU or not.
     shapes = []
     for name in args.model or []:
@@ -248,7 +246,6 @@ def _cmd_explain(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-
     return run_demo(m=args.m, n=args.n, k=args.k)
 
 
@@ -256,7 +253,6 @@ def _cmd_main(args) -> int:
     """The README's main job. GPU: tune the preset into the user table, then benchmark every
     provider beside F.linear and draw the plots (perf/results/<gpu>/). CPU: the CPU path,
     the shipped table, and the plots redrawn from the committed H200 results."""
-
 
     if torch.cuda.is_available():
         rc = _cmd_autotune(build_parser().parse_args(["autotune", "--model", args.model]))

@@ -43,7 +43,6 @@ class Backend:
 
 @functools.cache
 def device_limits(device_index: int) -> dict:
-
     # Triton is imported on first use: importing hybridgemm must work where Triton is absent.
     from .triton_common import device_facts
 
@@ -57,7 +56,6 @@ def num_sms(device_index: int) -> int:
 
 
 def _cublaslt() -> Backend:
-
     def candidates(problem: Problem, heuristic_count: int = 8, exhaustive_limit: int = 0):
         if not lt.supports(problem)[0]:
             return []
@@ -84,7 +82,6 @@ def _cublaslt() -> Backend:
 
 
 def _triton(module_name: str) -> Backend:
-
     mod = importlib.import_module(f"hybridgemm.kernels.{module_name}")
     cfg_cls = mod.TritonGemmConfig if module_name == "triton_gemm" else mod.TritonSplitKConfig
 

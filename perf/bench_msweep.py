@@ -252,7 +252,6 @@ def problem_for_m(m: int, n: int, k: int, bias: bool, dtype: str = "bf16"):
     """The Problem of ``F.linear(x[m, k], W[n, k], b)`` on dense operands, built as
     autotune_cache/measure.problem_for builds a key's (with an explicit M)."""
 
-
     dt = NAME_TO_DTYPE[dtype]
     tf32 = dt == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)  # as the dispatcher decides it
     return Problem(m=m, n=n, k=k, dtype=dt, epilogue=Epilogue(Activation.NONE, bias), ldx=k, ldw=k, ldo=n, tf32=tf32)
@@ -261,7 +260,6 @@ def problem_for_m(m: int, n: int, k: int, bias: bool, dtype: str = "bf16"):
 def check_dispatched(x, w, b, dtype: str) -> tuple[bool, float, float]:
     """``(ok, rel_err, bound)``: the dispatched result's relative Frobenius error against an
     fp32 reference, bounded by 2 x F.linear's own error + one rounding unit of ``dtype``."""
-
 
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -282,7 +280,6 @@ def check_dispatched(x, w, b, dtype: str) -> tuple[bool, float, float]:
 def _choice_columns(problem) -> dict:
     """What the dispatcher runs for ``problem``: backend, source, validated M range, worst ratio."""
 
-
     c = choose(problem, torch.cuda.current_device())
     lo, hi, worst = (getattr(c, name, None) for name in ("m_lo", "m_hi", "worst_ratio"))
     return {"backend": c.backend, "source": c.source,
@@ -293,7 +290,6 @@ def _choice_columns(problem) -> dict:
 def _time_pair(p, dtype: str, placements: int, replays: int, check: bool) -> tuple[list, list, str, int]:
     """``(F.linear µs per round, dispatched / F.linear ratio per round, check text, operand
     bytes)`` for problem ``p`` on fresh operands, which are released when this returns."""
-
 
     x, w, b, out, xs, ws = operands_for(p)
     verdict = ""
@@ -369,7 +365,6 @@ def run_sweep(shapes: list[SweepShape], ms: list[tuple[int, str]], dtype: str = 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-
     ap = argparse.ArgumentParser(prog="python -m hybridgemm.perf.bench_msweep", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for m_sweep_<gpu>.csv, m_sweep_summary.txt, m_sweep.png")
     ap.add_argument("--model", action="append",

@@ -30,7 +30,6 @@ DEFAULT_OUT = "bench_results.csv"
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-
     p = subparsers.add_parser("bench", help="benchmark every provider beside F.linear on model projection shapes "
                                             "(needs a GPU); writes a long-form CSV")
     p.add_argument("--model", action="append", help="model preset (repeatable; default llama3-8b): bert-base, gpt2, "
@@ -70,7 +69,6 @@ def _err(msg: str) -> None:
 
 
 def list_providers(out=None) -> None:
-
     out = out or sys.stdout  # looked up per call (tests and callers redirect it)
     for p in PROVIDERS.values():
         note = p.unavailable()
@@ -95,7 +93,6 @@ def _command_line(args) -> str:
 
 
 def cmd_bench(args) -> int:
-
     if args.list_providers:
         list_providers()
         return 0
@@ -139,7 +136,6 @@ def cmd_m_sweep(args) -> int:
     presets without one) in --dtype, its files in the directory of --out (or --out itself when
     it is a directory)."""
 
-
     if args.shape:
         _err("hybridgemm bench --m-sweep: sweeps the projections of model presets (--model); --shape is not "
              "supported with it")
@@ -161,7 +157,6 @@ def cmd_m_sweep(args) -> int:
 
 
 def cmd_plot(args) -> int:
-
     missing = [p for p in args.csv if not os.path.isfile(p)]
     if missing:
         _err(f"hybridgemm plot: no such CSV file: {', '.join(missing)}")

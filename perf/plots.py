@@ -201,7 +201,6 @@ def _log_y(ax) -> None:
 
 
 def plot_tflops(rows, path: Path) -> Path:
-
     panels = _panels(rows)
     fig, body, footer, axes = _figure(len(panels))
     dtype = rows[0].get("dtype", "")
@@ -261,7 +260,6 @@ def _heatmap(rows, path: Path, provider: str, baseline: str, title: str, what: s
 
 
 def plot_attention(rows, path: Path) -> Path | None:
-
     if not rows:
         return None
     methods = {r["method"] for r in rows}

@@ -156,7 +156,6 @@ def _no_cuda() -> str | None:
 
 
 def _no_nvmath() -> str | None:
-
     if _no_cuda():
         return _no_cuda()
     return None if cublaslt.is_available() else "needs nvmath-python's cuBLASLt bindings (not installed)"
@@ -253,7 +252,6 @@ def _matmul_add(pt: ProblemTensors):
 @register("cublaslt_heuristic", "hybridgemm.kernels.cublaslt.linear, heuristic's first algorithm",
           needs=("cuda", "nvmath"))
 def _cublaslt_heuristic(pt: ProblemTensors):
-
     if not lt.epilogue_supported(pt.epilogue):
         raise ProviderSkip(f"cuBLASLt has no epilogue {pt.epilogue.name!r}")
     x, w, b, act = pt.x, pt.w, pt.b, pt.act
@@ -263,7 +261,6 @@ def _cublaslt_heuristic(pt: ProblemTensors):
 @register("cublaslt_best", "fastest of cuBLASLt's heuristic top 16 + 16 exhaustive algorithms",
           needs=("cuda", "nvmath"))
 def _cublaslt_best(pt: ProblemTensors):
-
     problem = pt.problem()
     ok, why = lt.supports(problem)
     if not ok:
@@ -278,7 +275,6 @@ def _cublaslt_best(pt: ProblemTensors):
 @register("triton_best", "fastest of the Triton split-K and tiled kernels' candidates for this M",
           needs=("cuda",))
 def _triton_best(pt: ProblemTensors):
-
     problem = pt.problem()
     x, w, b, act = pt.x, pt.w, pt.b, pt.act
     shape, dtype, device = (pt.m, pt.n), x.dtype, x.device
@@ -296,7 +292,6 @@ def _triton_best(pt: ProblemTensors):
 @register("dispatch", "hybridgemm.dispatch.fused_linear: the tuned table's pick (what users get)",
           needs=("cuda",))
 def _dispatch(pt: ProblemTensors):
-
     x, w, b, act = pt.x, pt.w, pt.b, pt.act
     why = explain(tuple(x.shape), tuple(w.shape), x.dtype, bias=b is not None, activation=act)
     runs = [ln.strip().removeprefix("runs ") for ln in why.splitlines() if ln.strip().startswith("runs ")]
