@@ -14,10 +14,10 @@ returns (head-major views need one ``split``).
 
 Validity: a cached launch is reused only for an identical key: the input's shape, strides,
 dtype, device and pointer alignment class; the weight's and bias's data pointers, shapes,
-strides and dtypes; torch's matmul math flags; and ``dispatch.generation()`` (bumped when
-tables are reloaded or the dispatch mode changes). The launch takes the pointers from the key,
-so a weight replaced or moved is a miss, never a stale read. Anything else (autograd wanted,
-``torch.compile``, autocast, tensor subclasses, CPU) takes the general path.
+strides and dtypes; torch's matmul math flag for the dtype; and ``dispatch.generation()``
+(bumped when tables are reloaded or the dispatch mode changes). The launch takes the pointers
+from the key, so a weight replaced or moved is a miss, never a stale read. Anything else
+(autograd wanted, ``torch.compile``, autocast, tensor subclasses, CPU) takes the general path.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from hybridgemm import dispatch
+from hybridgemm.kernels.checks import flag_getter, operand_key
 
 from . import backward
 
@@ -58,22 +59,17 @@ def eager_training(x, w: Tensor, b: Tensor | None) -> bool:
             and x.dtype == w.dtype and (b is None or b.dtype == x.dtype))
 
 
-# The math flag a kernel choice of each dtype depends on (cuBLASLt's compute/reduction mode;
-# TF32 for fp32): one flag read per call instead of three.
-_FLAG = {torch.float32: _C._get_cublas_allow_tf32,
-         torch.bfloat16: _C._get_cublas_allow_bf16_reduced_precision_reduction,
-         torch.float16: _C._get_cublas_allow_fp16_reduced_precision_reduction}
 _GENERATION = dispatch._generation  # a one-element list: read without a call
 
 
 def signature(x: Tensor, w: Tensor, b: Tensor | None) -> tuple[tuple, int]:
-    """``(key, x data pointer)``; see the module docstring for what the key covers."""
+    """``(key, x data pointer)``; see the module docstring for what the key covers. The weight
+    and bias are keyed by their data pointers (``by_pointer``): the cached launch takes them
+    from the cache entry."""
     xp = x.data_ptr()
-    dtype = x.dtype
-    flag = _FLAG.get(dtype)
-    return (x.shape, x.stride(), dtype, x.get_device(), xp & 255, w.data_ptr(), w.shape, w.stride(), w.dtype,
-            None if b is None else (b.data_ptr(), b.shape, b.stride(), b.dtype), _GENERATION[0],
-            flag() if flag is not None else None), xp
+    key = operand_key(x, xp, w, w.data_ptr(), b, None, 255, True)
+    flag = flag_getter(key[2])  # x's dtype, already read
+    return (key, _GENERATION[0], None if flag is None else flag()), xp
 
 
 class LaunchCache(dict):

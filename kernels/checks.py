@@ -111,15 +111,48 @@ def rows_are_flat(x: torch.Tensor) -> bool:
 
 _C = torch._C
 
+# The math flag a cached decision for each dtype depends on: TF32 for fp32 (the compute type of
+# cuBLASLt and Triton's dot precision), torch's reduced-precision reduction switch for bf16 and
+# fp16 (cuBLASLt's reduction scheme). One flag read per call instead of three.
+MATH_FLAG = {torch.float32: _C._get_cublas_allow_tf32,
+             torch.bfloat16: _C._get_cublas_allow_bf16_reduced_precision_reduction,
+             torch.float16: _C._get_cublas_allow_fp16_reduced_precision_reduction}
+# A dtype's flag getter (None for other dtypes): MATH_FLAG.get bound once, one attribute lookup
+# less per call on the fast paths.
+flag_getter = MATH_FLAG.get
+
+
+def operand_key(x, xp: int, w, wp: int, b, out=None, mask: int = 255, by_pointer: bool = False) -> tuple:
+    """The operand part of every cached-decision key (fast paths and plan caches), as a tuple:
+    for x, the weight w, the bias b (None without one) and ``out`` (when given), the shape,
+    strides, dtype, device index and a pointer class.
+
+    ``xp`` and ``wp`` are x's and w's data pointers, which callers need anyway. The pointer
+    class of x, w and out is the residue ``ptr & mask``: ``255`` for the alignment class up to
+    256 bytes (what cuBLASLt's heuristics see), ``15`` for the 16-byte alignment Triton
+    specialises on and TMA needs; the bias's is its residue mod 16 (every kernel takes a
+    16-byte aligned bias). ``by_pointer``: w and b are keyed by their whole data pointers
+    instead (for launches that bake those addresses in); a whole pointer also names the
+    device (one address space under UVA), so theirs is left out. About 1 µs on the fast paths:
+    one tuple, one branch."""
+    if by_pointer:
+        return (x.shape, x.stride(), x.dtype, x.get_device(), xp & mask, w.shape, w.stride(), w.dtype, wp,
+                None if b is None else (b.shape, b.stride(), b.dtype, b.data_ptr()))
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), xp & mask,
+           w.shape, w.stride(), w.dtype, w.get_device(), wp & mask,
+           None if b is None else (b.shape, b.stride(), b.dtype, b.get_device(), b.data_ptr() & 15))
+    if out is None:
+        return key
+    return key + (out.shape, out.stride(), out.dtype, out.get_device(), out.data_ptr() & mask)
+
 
 def call_signature(x, weight, bias, activation) -> tuple[tuple, int, int]:
-    """Everything a cached launch decision depends on, as a hashable tuple (plus the x and W
-    data pointers, which the caller needs anyway): shapes, strides, dtypes, devices, pointer
-    residues mod 256 (alignment class), the activation, and torch's matmul math flags.
-    Costs about 2 µs; used as the key of the fast paths."""
+    """Everything a cached launch decision of ``linear(x, weight, bias, activation)`` depends
+    on, as a hashable tuple (plus the x and W data pointers, which the caller needs anyway):
+    :func:`operand_key` (pointer residues mod 256 for x and W, mod 16 for the bias), the
+    activation, and torch's matmul math flag for the dtype (:data:`MATH_FLAG`). The key of the
+    fast paths."""
     xp, wp = x.data_ptr(), weight.data_ptr()
-    return (x.shape, x.stride(), x.dtype, x.device, weight.shape, weight.stride(), weight.dtype,
-            weight.device, xp & 255, wp & 255,
-            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device, bias.data_ptr() & 15),
-            activation, _C._get_cublas_allow_tf32(), _C._get_cublas_allow_bf16_reduced_precision_reduction(),
-            _C._get_cublas_allow_fp16_reduced_precision_reduction()), xp, wp
+    key = operand_key(x, xp, weight, wp, bias)
+    flag = flag_getter(key[2])  # x's dtype, already read
+    return (key, activation, None if flag is None else flag()), xp, wp

@@ -5,7 +5,7 @@ together with the fields a person can read (algorithm id, tile, stages, split-K,
 scheme, swizzle, custom option, inner and cluster shape, all read back *from* the bytes
 through ``cublasLtMatmulAlgoConfigGetAttribute``) and the cuBLASLt version that produced
 them. A record is only ever restored into the same cuBLASLt version, and then checked
-against the problem with ``cublasLtMatmulAlgoCheck`` before use (kernels/cublaslt.py).
+against the problem with ``cublasLtMatmulAlgoCheck`` before use (kernels/cublaslt_plan.py).
 
 Nothing here touches the GPU; reading attributes of an algorithm struct is host-only.
 """
@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from .cublaslt_runtime import CublasLtUnavailable, bindings
 
 ALGO_BYTES = 64
 RECORD_KIND = "cublaslt"
@@ -37,12 +39,6 @@ class InvalidAlgorithm(ValueError):
     """A cuBLASLt algorithm record that cannot be used here (and why)."""
 
 
-def _lt():
-    from nvmath.bindings import cublasLt
-
-    return cublasLt
-
-
 def _enum_name(enum_cls, value: int) -> str:
     try:
         return enum_cls(value).name
@@ -52,7 +48,7 @@ def _enum_name(enum_cls, value: int) -> str:
 
 def read_algo_fields(algo_buf: np.ndarray) -> dict[str, int]:
     """Read the configuration attributes of a 64-byte algorithm buffer."""
-    lt = _lt()
+    lt = bindings()
     out = {}
     written = np.zeros(1, dtype=np.uint64)
     for attr_name, field in _FIELDS:
@@ -66,7 +62,7 @@ def read_algo_fields(algo_buf: np.ndarray) -> dict[str, int]:
 
 
 def set_algo_field(algo_buf: np.ndarray, attr_name: str, value: int) -> None:
-    lt = _lt()
+    lt = bindings()
     attr = lt.MatmulAlgoConfigAttribute[attr_name]
     val = np.array([value], dtype=lt.get_matmul_algo_config_attribute_dtype(attr))
     lt.matmul_algo_config_set_attribute(algo_buf.ctypes.data, attr, val.ctypes.data, val.nbytes)
@@ -108,7 +104,7 @@ class CublasLtAlgo:
 
     def describe(self) -> str:
         """Short human-readable summary, e.g. ``id=66 TILE_128x256 STAGES_64x4 splitk=1``."""
-        lt = _lt()
+        lt = bindings()
         f = self.field_dict
         parts = [
             f"id={f['algo_id']}",
@@ -134,11 +130,11 @@ class CublasLtAlgo:
         rec["source"] = self.source
         rec["bytes"] = self.data.hex()
         try:  # names make the record readable; the numbers are what restore uses
-            lt = _lt()
+            lt = bindings()
             f = self.field_dict
             rec["tile_name"] = _enum_name(lt.MatmulTile, f["tile"])
             rec["stages_name"] = _enum_name(lt.MatmulStages, f["stages"])
-        except ImportError:
+        except CublasLtUnavailable:
             pass
         return rec
 

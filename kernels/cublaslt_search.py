@@ -6,17 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cublaslt import (
-    _EPILOGUE_NAMES,
-    HEURISTIC_COUNT,
-    WORKSPACE_BYTES,
-    Plan,
-    _lt,
-    _reduced_reduction_allowed,
-    cublaslt_version,
-    heuristic_workspace_bytes,
-)
+from .cublaslt import forward_plan, heuristic_workspace_bytes
 from .cublaslt_algos import CublasLtAlgo, InvalidAlgorithm, set_algo_field
+from .cublaslt_plan import HEURISTIC_COUNT
+from .cublaslt_runtime import WORKSPACE_BYTES, bindings, cublaslt_version, reduced_reduction_allowed
 from .problem import Problem
 
 
@@ -24,7 +17,7 @@ def heuristic_algos(problem: Problem, device_index: int = 0, count: int = HEURIS
                     max_workspace: int | None = None):
     """The heuristic's top ``count`` under ``max_workspace`` bytes (default: the limit the
     untuned first choice uses, ``cublaslt.heuristic_workspace_bytes()``)."""
-    plan = Plan(problem, device_index, _reduced_reduction_allowed(problem.dtype))
+    plan = forward_plan(problem, device_index, reduced_reduction_allowed(problem.dtype))
     try:
         return plan.heuristics(count, max_workspace)
     finally:
@@ -62,15 +55,15 @@ def exhaustive_algos(problem: Problem, device_index: int = 0, limit: int = 256,
     No one algorithm id takes more than a quarter of ``limit``, so a small limit still spans
     several kernel families instead of the tile variants of the first one.
     """
-    lt = _lt()
-    plan = Plan(problem, device_index, _reduced_reduction_allowed(problem.dtype))
+    lt = bindings()
+    plan = forward_plan(problem, device_index, reduced_reduction_allowed(problem.dtype))
     version = cublaslt_version()
     C = lt.MatmulAlgoCapAttribute
     found: list[CublasLtAlgo] = []
     try:
         ids = lt.matmul_algo_get_ids(plan.handle, plan.compute_type, plan.scale_type, plan.data_type,
                                      plan.data_type, plan.data_type, plan.data_type, 128)
-        epi_bit = int(lt.Epilogue[_EPILOGUE_NAMES[(problem.epilogue.activation, problem.epilogue.bias)]])
+        epi_bit = int(lt.Epilogue[plan.spec.epilogue])
         for algo_id in ids:
             buf = np.zeros(8, dtype=np.uint64)
             try:
@@ -145,7 +138,7 @@ def restore_algo(record: dict, problem: Problem, device_index: int = 0) -> Cubla
     """Rebuild an algorithm from its record and check it fits ``problem`` on this cuBLASLt.
     Raises :class:`InvalidAlgorithm` naming the reason (other version, edited bytes, misfit)."""
     algo = CublasLtAlgo.from_record(record, running_version=cublaslt_version())
-    plan = Plan(problem, device_index, _reduced_reduction_allowed(problem.dtype))
+    plan = forward_plan(problem, device_index, reduced_reduction_allowed(problem.dtype))
     try:
         plan.check(algo)
     finally:

@@ -1,4 +1,5 @@
-"""What the two Triton kernels share: epilogue math, operand checks, device facts, config records.
+"""What the two Triton kernels share: epilogue math, operand checks, device facts, config
+records, launch plans and their cache.
 
 Nothing here touches a GPU at import time; device facts are queried on first use and cached.
 """
@@ -13,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .epilogue import Activation
+from .checks import operand_key
+from .epilogue import Activation, Epilogue
 from .problem import DTYPE_NAMES, Problem, dtype_name
 
 # H100/H200 opt-in shared memory per block; what candidates() assume when no device is given.
@@ -120,19 +122,6 @@ def check_operands(x, weight, bias, out) -> None:
         raise ValueError(f"out rows overlap (row stride {out.stride(0)} < N={n})")
     if x.device.type != "cuda" and not interpreting():
         raise ValueError(f"Triton kernels need CUDA tensors (got {x.device}) or TRITON_INTERPRET=1")
-
-
-def operand_key(x, weight, bias, out) -> tuple:
-    """Everything a plan depends on, cheaply: dtypes, shapes, strides, devices, 16-byte
-    alignment (what TMA needs and what Triton specialises pointer arguments on)."""
-    key = (
-        x.dtype, x.shape, x.stride(), x.get_device(), x.data_ptr() % 16 == 0,
-        weight.dtype, weight.shape, weight.stride(), weight.get_device(), weight.data_ptr() % 16 == 0,
-        out.dtype, out.shape, out.stride(), out.get_device(), out.data_ptr() % 16 == 0,
-    )
-    if bias is None:
-        return key
-    return key + (bias.dtype, bias.shape, bias.stride(), bias.get_device(), bias.data_ptr() % 16 == 0)
 
 
 # Activation is a str enum, so this dict answers Activation members and their string values
@@ -471,3 +460,87 @@ def _direct_runner(compiled, grid: tuple):
         run(gx, gy, gz, _get_raw_stream(_get_device()), function, packed, None, None, None, *args)
 
     return runner
+
+
+# ----------------------------------------------------------------------------- plans
+
+PLAN_CACHE_SIZE = 4096  # plans per kernel: varying M in a server makes new keys; rebuilding is cheap
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """Everything about a launch that depends only on (config, operand layout, activation,
+    tf32), computed once, so that a repeated call does no Problem construction, no
+    ``supports`` check, no device query and no grid arithmetic."""
+
+    device: torch.device
+    launch: Launcher | None = None
+    scalars: tuple = ()  # the kernel's integer arguments
+    ws_numel: int = 0  # split-K workspace elements (0 without a split)
+    counters: int = 0  # split-K arrival counters (output tiles of a one-launch reduction, else 0)
+    descs: tuple | None = None  # TMA: per operand (shape, strides, block_shape)
+    reduce: Launcher | None = None  # the second launch of a two-launch split-K reduction
+    reduce_scalars: tuple = ()
+    empty: bool = False  # M or N is 0: nothing to launch
+
+
+class PlanCache(dict):
+    """One kernel's plans by (config, activation, tf32, operand layout): ``operand_key`` with
+    16-byte pointer classes (what Triton specialises pointer arguments on and TMA needs).
+
+    Bounded: cleared when full. Thread-safe through the dict's own atomic operations: two
+    threads missing the same key both build a plan, and either is valid."""
+
+    def __init__(self, build, capacity: int = PLAN_CACHE_SIZE):
+        super().__init__()
+        self.build = build  # (config, x, weight, bias, out, act, tf32) -> TritonPlan
+        self.capacity = capacity
+
+    def plan(self, config, x, weight, bias, out, activation, tf32, build: bool = True) -> TritonPlan | None:
+        """The plan for these operands, built on a miss (None on a miss when not ``build``)."""
+        act = parse_activation(activation)
+        tf32 = bool(tf32)
+        key = (config, act, tf32, operand_key(x, x.data_ptr(), weight, weight.data_ptr(), bias, out, 15))
+        plan = self.get(key)
+        if plan is None and build:
+            if len(self) >= self.capacity:
+                self.clear()
+            plan = self[key] = self.build(config, x, weight, bias, out, act, tf32)
+        return plan
+
+
+def plan_problem(config, x, weight, bias, out, act: Activation, tf32: bool):
+    """What building any plan starts with: the operand checks (clear errors), the Problem, and
+    ``config.supports`` on x's device. ``(problem, device facts)``, or None for an empty output
+    (M or N is 0). Raises ValueError when the config cannot run the problem there."""
+    check_operands(x, weight, bias, out)
+    problem = Problem.from_tensors(x, weight, bias, out, Epilogue(act, bias is not None), tf32)
+    if problem.m == 0 or problem.n == 0:
+        return None
+    facts = device_facts(x.device)
+    ok, reason = config.supports(problem, smem_limit=facts.smem_per_block, capability=facts.capability)
+    if not ok:
+        raise ValueError(f"{config} does not support {problem}: {reason}")
+    return problem, facts
+
+
+def plan_meta(config, problem: Problem, act: Activation, has_bias: bool) -> dict:
+    """The constexprs and launch options both kernels take, from a config with block_m/n/k,
+    num_warps and num_stages."""
+    return dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, HAS_BIAS=has_bias, ACT=ACT_CODE[act],
+                PREC=dot_precision(problem), EVEN_K=problem.k % config.block_k == 0,
+                num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def split_extent(k: int, block_k: int, split: int) -> int:
+    """Elements of K per split: whole blocks, spread evenly over ``split`` programs."""
+    return triton.cdiv(triton.cdiv(k, block_k), split) * block_k
+
+
+def plan_scratch(plan: TritonPlan, placeholder: torch.Tensor) -> tuple:
+    """(workspace, counters) for a launch of ``plan`` on the current stream; ``placeholder``
+    for each that the plan does not use (never dereferenced)."""
+    if not plan.ws_numel:
+        return placeholder, placeholder
+    ws, cnt = split_scratch(plan.device, plan.ws_numel, plan.counters)
+    return ws, (ws if cnt is None else cnt)

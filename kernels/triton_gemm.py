@@ -38,25 +38,24 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .epilogue import Activation, Epilogue
+from .epilogue import Activation
 from .problem import Problem
 from .triton_common import (
-    ACT_CODE,
     HOPPER_NUM_SMS,
     HOPPER_SMEM_PER_BLOCK,
     INT32_LIMIT,
     Launcher,
-    check_operands,
+    PlanCache,
+    TritonPlan,
     check_pow2,
     check_range,
     config_from_record,
     config_to_record,
-    device_facts,
-    dot_precision,
-    operand_key,
-    parse_activation,
+    plan_meta,
+    plan_problem,
+    plan_scratch,
     problem_limits,
-    split_scratch,
+    split_extent,
     tl_activation,
     tl_split_fixup,
     tma_reason,
@@ -154,7 +153,7 @@ def _few_tiles(problem: Problem, bk: int, num_sms: int) -> list[TritonGemmConfig
     tiles (4 warps; several CTAs per SM fit) with deep K stages, and/or a split of K, reduced
     in one launch.
 
-    Measured on the H200 at 8b kv M = 1024 (scripts/sweep_configs.py, 105 configs,
+    Measured on the H200 at 8b kv M = 1024 (perf/sweep_configs.py, 105 configs,
     perf/results/h200/sweep_triton_gemm.csv): what matters is bytes in flight per SM. 64 x 128
     tiles with 256 bytes of K per stage (BK = 128 bf16) x 4 stages run at 0.975x F.linear;
     the same tile with BK = 64 at 0.69x (5 stages: 0.85x); every split-K variant ≤ 0.75x."""
@@ -367,29 +366,6 @@ def _gemm_kernel(x_src, w_src, out_src, bias_ptr, ws_ptr, cnt_ptr, M, N, K, ldx,
 # ----------------------------------------------------------------------------- launcher
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """Everything about a launch that depends only on (config, operand layout): computed once.
-
-    Cached per ``operand_key`` (dtypes, shapes, strides, devices, 16-byte alignment) plus
-    config, activation and tf32, so a repeated call does no Problem construction, no
-    ``supports`` check, no device query and no grid arithmetic: it builds the key, builds
-    three descriptors when TMA is on, and launches.
-    """
-
-    launch: Launcher | None
-    scalars: tuple
-    descs: tuple | None  # per operand (shape, strides, block_shape) when use_tma
-    ws_numel: int  # split-K workspace elements (0 without a split)
-    counters: int  # split-K arrival counters (output tiles; 0 without a split)
-    device: torch.device
-    empty: bool
-
-
-_PLANS: dict[tuple, _Plan] = {}
-_MAX_PLANS = 4096  # varying M in a server makes new keys; bound the memory, rebuilding is cheap
-
-
 def _desc(base: torch.Tensor, spec: tuple) -> TensorDescriptor:
     # The plan's first call built the same descriptor through TensorDescriptor's validating
     # constructor; from then on skip its re-validation (~1.5 µs per descriptor): only the base
@@ -400,21 +376,15 @@ def _desc(base: torch.Tensor, spec: tuple) -> TensorDescriptor:
     return d
 
 
-def _make_plan(config, x, weight, bias, out, act, tf32) -> _Plan:
-    check_operands(x, weight, bias, out)
-    problem = Problem.from_tensors(x, weight, bias, out, Epilogue(act, bias is not None), tf32)
-    if problem.m == 0 or problem.n == 0:
-        return _Plan(None, (), None, 0, 0, x.device, empty=True)
-    facts = device_facts(x.device)
-    ok, reason = config.supports(problem, smem_limit=facts.smem_per_block,
-                                 capability=facts.capability)
-    if not ok:
-        raise ValueError(f"{config} does not support {problem}: {reason}")
+def _make_plan(config, x, weight, bias, out, act, tf32) -> TritonPlan:
+    found = plan_problem(config, x, weight, bias, out, act, tf32)
+    if found is None:
+        return TritonPlan(x.device, empty=True)
+    problem, facts = found
     m, n, k = problem.m, problem.n, problem.k
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     progs = min(tiles, facts.num_sms) if config.persistent else tiles
     split = config.split_k
-    k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
     descs = None
     if config.use_tma:
         store_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
@@ -426,18 +396,18 @@ def _make_plan(config, x, weight, bias, out, act, tf32) -> _Plan:
         )
         for t, (shape, strides, block) in zip((x, weight, out), descs):
             TensorDescriptor(t, shape, strides, block)  # Triton's own checks, once per plan
-    meta = dict(
-        BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m,
-        PERSISTENT=config.persistent, USE_TMA=config.use_tma, SUBTILE=config.epilogue_subtile,
-        HAS_BIAS=bias is not None, ACT=ACT_CODE[act], PREC=dot_precision(problem),
-        EVEN_K=k % config.block_k == 0, SPLIT=split > 1, num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    scalars = (m, n, k, problem.ldx, problem.ldw, problem.ldo, progs, k_per_split)
+    meta = dict(plan_meta(config, problem, act, bias is not None), GROUP_M=config.group_m,
+                PERSISTENT=config.persistent, USE_TMA=config.use_tma, SUBTILE=config.epilogue_subtile,
+                SPLIT=split > 1)
+    scalars = (m, n, k, problem.ldx, problem.ldw, problem.ldo, progs, split_extent(k, config.block_k, split))
     grid = (progs, split) if split > 1 else (progs,)
-    return _Plan(Launcher(_gemm_kernel, grid, meta), scalars, descs,
-                 ws_numel=split * m * n if split > 1 else 0, counters=tiles if split > 1 else 0,
-                 device=x.device, empty=False)
+    return TritonPlan(x.device, Launcher(_gemm_kernel, grid, meta), scalars,
+                      ws_numel=split * m * n if split > 1 else 0, counters=tiles if split > 1 else 0, descs=descs)
+
+
+# Plans per (config, activation, tf32, operand layout): a repeated call builds the key, builds
+# three descriptors when TMA is on, and launches.
+_PLANS = PlanCache(_make_plan)
 
 
 def run(
@@ -456,13 +426,7 @@ def run(
     ``torch.backends.cuda.matmul.allow_tf32``. Raises ValueError/TypeError naming the problem
     when the operands or the config do not fit. No host sync, no allocation: capturable.
     """
-    act = parse_activation(activation)
-    key = (config, act, bool(tf32)) + operand_key(x, weight, bias, out)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _make_plan(config, x, weight, bias, out, act, bool(tf32))
+    plan = _PLANS.plan(config, x, weight, bias, out, activation, tf32)
     if plan.empty:
         return out
     if plan.descs is None:
@@ -470,9 +434,6 @@ def run(
     else:
         srcs = (_desc(x, plan.descs[0]), _desc(weight, plan.descs[1]), _desc(out, plan.descs[2]))
     b = out if bias is None else bias  # placeholder pointer when HAS_BIAS is False
-    if plan.ws_numel:
-        ws, cnt = split_scratch(plan.device, plan.ws_numel, plan.counters)
-    else:
-        ws = cnt = b  # placeholders, never dereferenced
+    ws, cnt = plan_scratch(plan, b)
     plan.launch(*srcs, b, ws, cnt, *plan.scalars)
     return out

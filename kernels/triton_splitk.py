@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .epilogue import Activation, Epilogue
+from .epilogue import Activation
 from .problem import DECODE_MAX_M, Problem
 from .triton_common import (
     ACT_CODE,
@@ -41,19 +41,20 @@ from .triton_common import (
     HOPPER_SMEM_PER_BLOCK,
     INT32_LIMIT,
     Launcher,
-    check_operands,
+    PlanCache,
+    TritonPlan,
     check_pow2,
     check_range,
     clear_workspaces,
     config_from_record,
     config_to_record,
-    device_facts,
-    dot_precision,
     interpreting,
     next_pow2,
-    operand_key,
-    parse_activation,
+    plan_meta,
+    plan_problem,
+    plan_scratch,
     problem_limits,
+    split_extent,
     split_scratch,
     tl_activation,
     tl_split_fixup,
@@ -303,61 +304,35 @@ def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, ldo, split_k,
 # ----------------------------------------------------------------------------- launcher
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """Per (config, operand layout, activation): launchers (grids, constexprs), scalar args,
-    scratch sizes, computed once (no Problem, supports() check or device query on a repeated
-    call)."""
-
-    device: torch.device
-    launch: Launcher | None
-    scalars: tuple
-    ws_numel: int  # 0 when split_k == 1 (no workspace)
-    counters: int  # output tiles when fused_reduce (arrival counters), else 0
-    reduce: Launcher | None  # the second launch of the two-launch split-K
-    reduce_scalars: tuple  # (M, N, ldo, split_k)
-    empty: bool
-
-
-_PLANS: dict[tuple, _Plan] = {}
-_MAX_PLANS = 4096
-
-
-def _make_plan(config, x, weight, bias, out, act, tf32) -> _Plan:
-    check_operands(x, weight, bias, out)
-    problem = Problem.from_tensors(x, weight, bias, out, Epilogue(act, bias is not None), tf32)
-    if problem.m == 0 or problem.n == 0:
-        return _Plan(x.device, None, (), 0, 0, None, (), empty=True)
-    facts = device_facts(x.device)
-    ok, reason = config.supports(problem, smem_limit=facts.smem_per_block,
-                                 capability=facts.capability)
-    if not ok:
-        raise ValueError(f"{config} does not support {problem}: {reason}")
+def _make_plan(config, x, weight, bias, out, act, tf32) -> TritonPlan:
+    found = plan_problem(config, x, weight, bias, out, act, tf32)
+    if found is None:
+        return TritonPlan(x.device, empty=True)
+    problem, facts = found
     m, n, k, split = problem.m, problem.n, problem.k, config.split_k
-    k_per_split = triton.cdiv(triton.cdiv(k, config.block_k), split) * config.block_k
     grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, config.block_m))
     mode = 0 if split == 1 else (2 if config.fused_reduce else 1)
     pdl = pdl_enabled(facts.capability)
     launch_opts = dict(launch_pdl=True) if pdl else {}
-    meta = dict(
-        BM=config.block_m, BN=config.block_n, BK=config.block_k, MODE=mode,
-        HAS_BIAS=bias is not None, ACT=ACT_CODE[act], PREC=dot_precision(problem),
-        EVEN_K=k % config.block_k == 0, PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages,
-        **launch_opts,
-    )
+    meta = dict(plan_meta(config, problem, act, bias is not None), MODE=mode, PDL=pdl, **launch_opts)
     reduce = None
     if mode == 1:
         block = min(1024, next_pow2(n))
         reduce = Launcher(_reduce_kernel, (triton.cdiv(n, block), m),
                           dict(BLOCK=block, HAS_BIAS=bias is not None, ACT=ACT_CODE[act], PDL=pdl, num_warps=4,
                                **launch_opts))
-    return _Plan(
-        device=x.device, launch=Launcher(_splitk_kernel, grid, meta),
-        scalars=(m, n, k, problem.ldx, problem.ldw, problem.ldo, k_per_split),
+    return TritonPlan(
+        x.device, Launcher(_splitk_kernel, grid, meta),
+        scalars=(m, n, k, problem.ldx, problem.ldw, problem.ldo, split_extent(k, config.block_k, split)),
         ws_numel=split * m * n if split > 1 else 0,
         counters=grid[0] * grid[2] if mode == 2 else 0,
-        reduce=reduce, reduce_scalars=(m, n, problem.ldo, split), empty=False,
+        reduce=reduce, reduce_scalars=(m, n, problem.ldo, split),
     )
+
+
+# Plans per (config, activation, tf32, operand layout): launchers (grids, constexprs), scalar
+# arguments and scratch sizes, so a repeated call does none of that work.
+_PLANS = PlanCache(_make_plan)
 
 
 def run(
@@ -375,21 +350,11 @@ def run(
     Deterministic for a fixed config. ``tf32`` (fp32 inputs) allows TF32 tensor cores.
     Raises ValueError/TypeError naming the problem when operands or config do not fit.
     """
-    act = parse_activation(activation)
-    key = (config, act, bool(tf32)) + operand_key(x, weight, bias, out)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _make_plan(config, x, weight, bias, out, act, bool(tf32))
+    plan = _PLANS.plan(config, x, weight, bias, out, activation, tf32)
     if plan.empty:
         return out
     b = out if bias is None else bias  # placeholder pointer when HAS_BIAS is False
-    if plan.ws_numel:
-        ws, cnt = split_scratch(plan.device, plan.ws_numel, plan.counters)
-        cnt = ws if cnt is None else cnt  # placeholder for the two-launch path
-    else:
-        ws = cnt = out  # placeholders, never dereferenced
+    ws, cnt = plan_scratch(plan, out)
     plan.launch(x, weight, b, out, ws, cnt, *plan.scalars)
     if plan.reduce is not None:
         plan.reduce(ws, b, out, *plan.reduce_scalars)
@@ -402,8 +367,7 @@ def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias
     shapes, strides, device, 16-byte alignment) given as raw data pointers (``bp`` 0 without
     a bias), with no checks and no Triton Python per call. None until :func:`run` has
     launched this signature once, or where Triton offers no raw launch (interpreter)."""
-    act = parse_activation(activation)
-    plan = _PLANS.get((config, act, bool(tf32)) + operand_key(x, weight, bias, out))
+    plan = _PLANS.plan(config, x, weight, bias, out, activation, tf32, build=False)
     if plan is None or plan.empty:
         return None
     main = plan.launch.raw()

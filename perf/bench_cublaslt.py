@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from hybridgemm.autotune_cache.measure import time_placements
 from hybridgemm.kernels import cublaslt as lt
+from hybridgemm.kernels import cublaslt_runtime
 from hybridgemm.kernels import cublaslt_search as lts
 from hybridgemm.kernels.checks import call_signature
 from hybridgemm.kernels.epilogue import Activation, Epilogue
@@ -139,12 +140,12 @@ def host_breakdown(n=256, k=256, dtype=torch.bfloat16, calls=2000) -> dict[str, 
     lt.clear_caches()
     lt.linear(x, w, b)
     plan = next(iter(lt._plans._d.values()))
-    L = lt._lt()
+    L = cublaslt_runtime.bindings()
     h, d, a, bd, dd = plan.handle, plan.desc, plan.adesc, plan.bdesc, plan.ddesc
-    alpha, beta, algo = plan._alpha.ctypes.data, plan._beta.ctypes.data, plan._algo_buf.ctypes.data
+    alpha, beta, algo = plan.alpha_ptr, plan.beta_ptr, plan.algo_ptr
     xp, wp, op = x.data_ptr(), w.data_ptr(), out.data_ptr()
     stream = torch.cuda.current_stream().cuda_stream
-    ws = lt._workspace_ptr(0, stream)
+    ws = cublaslt_runtime.workspace_ptr(0, stream)
     holder = np.array([b.data_ptr()], dtype=np.int64)
     dev_obj = x.device
     fns = {

@@ -31,11 +31,12 @@ Writes ``DIR/soak_h200.csv`` (the samples) and ``DIR/soak_summary.txt``; exits 0
 1 on failure, 2 when it cannot run (no CUDA GPU).
 
 Caches it relies on being bounded (sizes in the summary):
-  dispatch._choices, dispatch._fast          FIFO, CACHE_SIZE = 1024 entries each
+  dispatch._MODE_CACHES (decisions and       FIFO, CACHE_SIZE = 1024 entries each
+  launchers, per mode)
   cublaslt._plans                            LRU, PLAN_CACHE_SIZE = 512 plans
   cublaslt._fast                             FIFO, _FAST_CACHE_SIZE = 1024 launchers
-  cublaslt_grad._PLANS                       FIFO, 256 plans (backward; not used here)
-  triton_gemm._PLANS, triton_splitk._PLANS   cleared when full, _MAX_PLANS = 4096 each
+  cublaslt_grad._plans                       LRU, GRAD_PLAN_CACHE_SIZE = 256 plans (backward; not used here)
+  triton_gemm._PLANS, triton_splitk._PLANS   cleared when full, triton_common.PLAN_CACHE_SIZE = 4096 each
   Triton's JITFunction.device_caches         unbounded dict per kernel, one entry per
                                              specialisation (constexprs, dtypes, 16-byte
                                              divisibility of ints/pointers): grows only with
@@ -152,7 +153,7 @@ class Case:
 
 
 def build_problems(shapes, torch, dev):
-    from hybridgemm import dispatch
+    from hybridgemm import decide
     from hybridgemm.kernels import cublaslt
     from hybridgemm.kernels.backends import get_backend
     from hybridgemm.kernels.epilogue import Activation, Epilogue
@@ -176,7 +177,7 @@ def build_problems(shapes, torch, dev):
             if cands:
                 p.paths.append(Route(name, cands[0]))
         p.paths.append(Route("linear"))
-        p.dispatch = dispatch.explain(tuple(xl.shape), (s.n, s.k), dt, s.bias, s.act).splitlines()[-1].strip()
+        p.dispatch = decide.explain(tuple(xl.shape), (s.n, s.k), dt, s.bias, s.act).splitlines()[-1].strip()
         probs.append(p)
     return probs
 
@@ -218,13 +219,15 @@ def check_output(p: Case, path: Route, out, torch) -> str | None:
 
 def cache_sizes() -> dict[str, int]:
     """Entries in every bounded cache the call path uses (and Triton's compiled-kernel caches)."""
-    from hybridgemm import dispatch
-    from hybridgemm.kernels import cublaslt, cublaslt_grad, triton_common, triton_gemm, triton_splitk
+    from hybridgemm import decide, dispatch
+    from hybridgemm.kernels import cublaslt, cublaslt_grad, cublaslt_runtime, triton_common, triton_gemm, triton_splitk
 
+    decisions, launchers = dispatch._MODE_CACHES[decide.get_mode()]
     sizes = {
-        "dispatch._choices": len(dispatch._choices), "dispatch._fast": len(dispatch._fast),
+        "dispatch decisions": len(decisions), "dispatch launchers": len(launchers),
         "cublaslt._plans": len(cublaslt._plans), "cublaslt._fast": len(cublaslt._fast),
-        "cublaslt._workspaces": len(cublaslt._workspaces), "cublaslt_grad._PLANS": len(cublaslt_grad._PLANS),
+        "cublaslt_runtime.workspaces": len(cublaslt_runtime.workspaces),
+        "cublaslt_grad._plans": len(cublaslt_grad._plans),
         "triton_gemm._PLANS": len(triton_gemm._PLANS), "triton_splitk._PLANS": len(triton_splitk._PLANS),
         "triton_common._WORKSPACES": len(triton_common._WORKSPACES),
         "triton_common._COUNTERS": len(triton_common._COUNTERS),
@@ -241,11 +244,11 @@ def cache_sizes() -> dict[str, int]:
 
 
 CACHE_BOUNDS = {
-    "dispatch._choices": "FIFO, dispatch.CACHE_SIZE", "dispatch._fast": "FIFO, dispatch.CACHE_SIZE",
+    "dispatch decisions": "FIFO, dispatch.CACHE_SIZE", "dispatch launchers": "FIFO, dispatch.CACHE_SIZE",
     "cublaslt._plans": "LRU, cublaslt.PLAN_CACHE_SIZE", "cublaslt._fast": "FIFO, cublaslt._FAST_CACHE_SIZE",
-    "cublaslt_grad._PLANS": "FIFO, cublaslt_grad._MAX_PLANS",
-    "triton_gemm._PLANS": "cleared when full, triton_gemm._MAX_PLANS",
-    "triton_splitk._PLANS": "cleared when full, triton_splitk._MAX_PLANS",
+    "cublaslt_grad._plans": "LRU, cublaslt_grad.GRAD_PLAN_CACHE_SIZE",
+    "triton_gemm._PLANS": "cleared when full, triton_common.PLAN_CACHE_SIZE",
+    "triton_splitk._PLANS": "cleared when full, triton_common.PLAN_CACHE_SIZE",
 }
 
 
@@ -253,10 +256,10 @@ def bound_values() -> dict[str, int]:
     from hybridgemm import dispatch
     from hybridgemm.kernels import cublaslt, cublaslt_grad, triton_gemm, triton_splitk
 
-    return {"dispatch._choices": dispatch.CACHE_SIZE, "dispatch._fast": dispatch.CACHE_SIZE,
+    return {"dispatch decisions": dispatch.CACHE_SIZE, "dispatch launchers": dispatch.CACHE_SIZE,
             "cublaslt._plans": cublaslt._plans.capacity, "cublaslt._fast": cublaslt._FAST_CACHE_SIZE,
-            "cublaslt_grad._PLANS": cublaslt_grad._MAX_PLANS, "triton_gemm._PLANS": triton_gemm._MAX_PLANS,
-            "triton_splitk._PLANS": triton_splitk._MAX_PLANS}
+            "cublaslt_grad._plans": cublaslt_grad._plans.capacity, "triton_gemm._PLANS": triton_gemm._PLANS.capacity,
+            "triton_splitk._PLANS": triton_splitk._PLANS.capacity}
 
 
 def fmt_mib(nbytes: float) -> str:
@@ -287,10 +290,10 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(ROOT / "tests"))  # helpers.py: the tests' error bound and reference
     import hybridgemm
-    from hybridgemm import dispatch
+    from hybridgemm import decide
 
     if args.table:
-        dispatch.set_table_path(args.table)
+        decide.set_table_path(args.table)
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be fp32
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
