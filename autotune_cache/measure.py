@@ -41,17 +41,33 @@ class Timing:
         return {"median_us": self.median_us, "spread_us": self.spread_us, "replays": self.replays}
 
 
+def elapsed_ms(fn: Callable[[], object]) -> float:
+    """GPU time of one ``fn()`` on the current stream, by CUDA events around it (ms); returns
+    once it has finished. The graph timings here and in perf/timing.py are built on it."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def replay_ms(g: torch.cuda.CUDAGraph, replays: int) -> list[float]:
-    times = []
+    """ms of each of ``replays`` replays of ``g``, one after the other."""
+    return [elapsed_ms(g.replay) for _ in range(replays)]
+
+
+def replay_interleaved(graphs: list[torch.cuda.CUDAGraph], replays: int) -> list[list[float]]:
+    """ms per replay of each graph, over ``replays`` rounds that replay every graph once in
+    order, so clock and thermal drift hit all alike; each graph is replayed once beforehand
+    (the first replay uploads it) and that one is not counted."""
+    for g in graphs:
+        replay_ms(g, 1)
+    samples: list[list[float]] = [[] for _ in graphs]
     for _ in range(replays):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+        for s, g in zip(samples, graphs):
+            s.append(elapsed_ms(g.replay))
+    return samples
 
 
 def warm_up(device: torch.device, calls: list[Callable[[], object]]) -> None:
@@ -113,13 +129,11 @@ def gpu_time_rotating(
     warm_up(device, [lambda call=call: [call(i) for i in range(copies)] for call in calls])
     graphs, per_graph, pads = [], [], []
     for call in calls:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(copies):
-            call(i)
-        end.record()
-        end.synchronize()
-        passes = int(min(max_passes, max(1, math.ceil(min_graph_ms / max(start.elapsed_time(end), 1e-3)))))
+        def one_pass(call=call):
+            for i in range(copies):
+                call(i)
+
+        passes = int(min(max_passes, max(1, math.ceil(min_graph_ms / max(elapsed_ms(one_pass), 1e-3)))))
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             if skew_bytes:  # no kernel touches it; it only moves later allocations of this pool
@@ -129,14 +143,9 @@ def gpu_time_rotating(
                     call(i)
         graphs.append(g)
         per_graph.append(passes * copies)
-    for g in graphs:
-        replay_ms(g, 1)  # uploads
-    samples: list[list[float]] = [[] for _ in calls]
-    for _ in range(replays):
-        for s, g, n in zip(samples, graphs, per_graph):
-            s.append(replay_ms(g, 1)[0] * 1000.0 / n)
-        if rounds is not None:  # per-round times, for ratios that cancel drift between rounds
-            rounds.append([s[-1] for s in samples])
+    samples = [[t * 1000.0 / n for t in ms] for ms, n in zip(replay_interleaved(graphs, replays), per_graph)]
+    if rounds is not None:  # per-round times, for ratios that cancel drift between rounds
+        rounds.extend([s[r] for s in samples] for r in range(replays))
     del graphs, pads
     return [Timing(statistics.median(s), max(s) - min(s), replays) for s in samples]
 

@@ -5,7 +5,7 @@ Importing the package does no GPU work and needs no CUDA driver (it registers th
 """
 
 from hybridgemm.attention import AttentionProjection, HybridMultiheadAttention, attention_projection
-from hybridgemm.dispatch import explain, get_mode, mode, set_mode
+from hybridgemm.decide import explain, get_mode, mode, set_mode
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.version import __version__
 from hybridgemm.linear_layer import HybridLinear, linear

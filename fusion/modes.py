@@ -2,7 +2,7 @@
 
 ``"default"``
     The fastest kernel per shape: the tuning table, cuBLASLt's heuristic, the size rule
-    (fusion/dispatch.py). Every call is deterministic, but calls with different numbers of
+    (fusion/decide.py). Every call is deterministic, but calls with different numbers of
     rows M may run different kernels (cuBLASLt picks per M, split-K for decode, other tiles),
     so the same input row can come out different in the last bits in an M = 1 call and
     inside an M = 64 batch.

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import hybridgemm
-from hybridgemm import dispatch
+from hybridgemm import decide, dispatch
 from hybridgemm.autotune_cache.presets import get_preset
 from hybridgemm.perf.csvio import environment_columns, write_rows
 from hybridgemm.perf.timing import gpu_time
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 
 
     if args.table:
-        dispatch.set_table_path(args.table)
+        decide.set_table_path(args.table)
     env = environment_columns(" ".join(["python -m hybridgemm.perf.bench_modes", *(argv or sys.argv[1:])]))
     replays = 5 if args.quick else 9
     rows, times = [], {}
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                 y_all = dispatch.fused_linear(x, w, b)
                 same_rows = all(torch.equal(dispatch.fused_linear(x[i:i + 1], w, b)[0], y_all[i])
                                 for i in sorted({0, m // 2, m - 1}))
-                config = dispatch.explain((m, k), (n, k), torch.bfloat16).splitlines()[-1].split("[")[-1]
+                config = decide.explain((m, k), (n, k), torch.bfloat16).splitlines()[-1].split("[")[-1]
                 config = config.split("]")[0]
             # Two rounds in alternating order, the lower median of each (both orders).
             reps = 10 if m <= 1024 else 2

@@ -22,7 +22,7 @@ method but other operands.
   Per round the dispatched time is divided by F.linear's time in that round, which cancels
   clock drift between rounds; ``speedup`` = 1 / median of those ratios, ``flinear_us`` =
   F.linear's median, ``dispatched_us`` = median ratio x ``flinear_us``.
-- What ran: ``dispatch.choose`` for the same problem (backend, source: table or rule, and
+- What ran: ``decide.choose`` for the same problem (backend, source: table or rule, and
   the entry's validated M range and worst ratio).
 - Correctness: once per shape (at the swept M closest to 333), the dispatched result against
   an fp32 reference: relative Frobenius error ≤ 2 x F.linear's own + one rounding unit of the
@@ -51,11 +51,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hybridgemm import dispatch
+from hybridgemm import decide, dispatch
 from hybridgemm.autotune_cache.measure import operands_for, placement_samples
 from hybridgemm.autotune_cache.presets import PRESETS, get_preset, preset_names
 from hybridgemm.autotune_cache.tuner import Progress
-from hybridgemm.dispatch import choose, fused_linear
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
 from hybridgemm.perf import csvio
@@ -273,14 +272,14 @@ def check_dispatched(x, w, b, dtype: str) -> tuple[bool, float, float]:
         return (y.float() - ref).norm().item() / norm
 
     bound = 2 * err(F.linear(x, w, b)) + ROUNDING_UNIT[dtype]
-    e = err(fused_linear(x, w, b))
+    e = err(dispatch.fused_linear(x, w, b))
     return e <= bound, e, bound
 
 
 def _choice_columns(problem) -> dict:
     """What the dispatcher runs for ``problem``: backend, source, validated M range, worst ratio."""
 
-    c = choose(problem, torch.cuda.current_device())
+    c = decide.choose(problem, torch.cuda.current_device())
     lo, hi, worst = (getattr(c, name, None) for name in ("m_lo", "m_hi", "worst_ratio"))
     return {"backend": c.backend, "source": c.source,
             "range": f"{lo}-{hi}" if lo is not None and hi is not None else "",
@@ -297,7 +296,7 @@ def _time_pair(p, dtype: str, placements: int, replays: int, check: bool) -> tup
         ok, e, bound = check_dispatched(x, w, b, dtype)
         verdict = f"{'ok' if ok else 'FAILED'} (rel err {e:.2e} {'<=' if ok else '>'} {bound:.2e})"
     calls = [lambda i: F.linear(xs[i], ws[i], b),
-             lambda i: fused_linear(xs[i], ws[i], b)]  # allocates its own output, as a caller's call does
+             lambda i: dispatch.fused_linear(xs[i], ws[i], b)]  # allocates its own output, as a caller's call does
     samples = placement_samples(calls, x, w, xs, ws, [out], placements=placements, replays=replays)
     nbytes = sum(t.numel() * t.element_size() for t in (*xs, *ws, out))
     return samples.ref_us, samples.ratios[1], verdict, nbytes
@@ -412,7 +411,7 @@ def main(argv=None) -> int:
         return 2
 
     if args.table:
-        dispatch.set_table_path(args.table)
+        decide.set_table_path(args.table)
     shapes = sweep_shapes(args.model)
     ms = m_values(args.points, args.random, args.seed, args.m_max)
     n_log = sum(1 for _, s in ms if s == "log")

@@ -23,8 +23,9 @@ import torch
 # them; the benchmarks use the same functions through this module.
 from hybridgemm.autotune_cache.measure import (  # noqa: F401 (re-exported)
     Timing,
+    elapsed_ms,
     gpu_time_rotating,
-    replay_ms,
+    replay_interleaved,
     rotation_copies,
     rotation_lists,
     warm_up,
@@ -82,11 +83,10 @@ def gpu_time(
     return gpu_time_many([fn], device, reps, replays, warmup, flush_l2)[0]
 
 
-def eager_time_interleaved(
-    fns: dict[str, Callable[[], object]], calls: int = 200, rounds: int = 7, warmup: int = 20
-) -> dict[str, Timing]:
-    """Eager time of several callables measured in alternating rounds of one loop, so that
-    CPU clock and load drift affect each alike (the fair way to compare host overhead)."""
+def _rounds(fns: dict[str, Callable[[], object]], rounds: int, warmup: int,
+            measure: Callable[[Callable[[], object]], list[float]]) -> dict[str, list[float]]:
+    """Each callable run ``warmup`` times, then ``rounds`` rounds in which each in turn is
+    measured once (``measure(fn)``: µs samples), so drift falls on each alike."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -94,11 +94,24 @@ def eager_time_interleaved(
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-            samples[name].append((time.perf_counter() - t0) * 1e6 / calls)
+            samples[name] += measure(fn)
+    return samples
+
+
+def eager_time_interleaved(
+    fns: dict[str, Callable[[], object]], calls: int = 200, rounds: int = 7, warmup: int = 20
+) -> dict[str, Timing]:
+    """Eager time of several callables measured in alternating rounds of one loop, so that
+    CPU clock and load drift affect each alike (the fair way to compare host overhead)."""
+
+    def wall_us(fn) -> list[float]:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return [(time.perf_counter() - t0) * 1e6 / calls]
+
+    samples = _rounds(fns, rounds, warmup, wall_us)
     return {
         name: Timing(statistics.median(s), max(s) - min(s), rounds) for name, s in samples.items()
     }
@@ -122,15 +135,9 @@ def gpu_time_many(
     warm_up(device, [lambda fn=fn: [fn() for _ in range(warmup)] for fn in fns])
     graphs = [_capture(fn, flusher, reps) for fn in fns]
     g_base = _capture(lambda: None, flusher, reps) if flusher is not None else None
-    for g in (*graphs, *([g_base] if g_base is not None else [])):
-        replay_ms(g, 1)  # first replay uploads the graph
-    samples: list[list[float]] = [[] for _ in fns]
-    base: list[float] = []
-    for _ in range(replays):  # interleave so drift hits all alike
-        for i, g in enumerate(graphs):
-            samples[i] += replay_ms(g, 1)
-        if g_base is not None:
-            base += replay_ms(g_base, 1)
+    # interleaved so drift hits all alike; the flush-only graph last in each round
+    samples = replay_interleaved(graphs + ([g_base] if g_base is not None else []), replays)
+    base = samples.pop() if g_base is not None else []
     base_ms = statistics.median(base) if base else 0.0
     out = []
     for s in samples:
@@ -144,13 +151,12 @@ def reps_for(fn: Callable[[], object], target_ms: float = 1.0, most: int = 10) -
     """Calls per captured graph so one replay lasts about ``target_ms``: a few-µs kernel needs
     several calls for its difference against the flush-only graph to rise above replay jitter."""
     fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        fn()
-    end.record()
-    end.synchronize()
-    per_call_ms = max(start.elapsed_time(end) / 3, 1e-3)
+
+    def three_calls():
+        for _ in range(3):
+            fn()
+
+    per_call_ms = max(elapsed_ms(three_calls) / 3, 1e-3)
     return int(min(most, max(1, math.ceil(target_ms / per_call_ms))))
 
 
@@ -166,21 +172,19 @@ def events_time_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 
     clock drift under sustained load (power, temperature) falls on each alike; median over all
     of a callable's steps, spread = max - min."""
     flush = L2Flusher.for_device(torch.device("cuda", torch.cuda.current_device()))
-    for fn in fns.values():
-        for _ in range(warmup):
+
+    def steps_us(fn) -> list[float]:
+        # events around every step, one wait after the round's last
+        pairs = []
+        for _ in range(iters):
+            flush()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
             fn()
-    torch.cuda.synchronize()
-    us: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            pairs = []
-            for _ in range(iters):
-                flush()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                pairs.append((s, e))
-            torch.cuda.synchronize()
-            us[name] += [s.elapsed_time(e) * 1000.0 for s, e in pairs]
+            e.record()
+            pairs.append((s, e))
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) * 1000.0 for s, e in pairs]
+
+    us = _rounds(fns, rounds, warmup, steps_us)
     return {name: Timing(statistics.median(v), max(v) - min(v), len(v)) for name, v in us.items()}

@@ -26,7 +26,8 @@
 #         determinism  tests/test_determinism_gpu.py in two fresh pytest processes; their
 #                   output hashes must be identical ($OUT/determinism*)
 #         pack      tar every CSV, PNG and table under $OUT into $OUT/results.tar.gz
-#         <other>   run as a shell command (e.g. "python3 -m hybridgemm ...")
+#         <other>   run as a shell command (e.g. "python3 -m hybridgemm.perf.host_profile calls" or
+#                   "python3 -m hybridgemm.perf.sweep_configs --backend triton_splitk --shape 3584,3584 --m 1")
 # Results and logs go to $OUT (the device tool's output folder) or ./out.
 # Before calling: ../shared/device/fetch-wheels.sh (nvmath-python, platformdirs into .whl/),
 # and name .whl in the device call's carry list.

@@ -16,7 +16,7 @@ import torch
 
 import hybridgemm
 from helpers import check_close_to_reference, make_operands, poisoned
-from hybridgemm import dispatch, modes
+from hybridgemm import decide, dispatch, modes
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import Problem
 
@@ -29,9 +29,9 @@ GPU_MS = (1, 7, 64, 1000, 4096)
 @pytest.fixture(autouse=True)
 def _default_mode_around_each_test():
     """Every test starts and ends in the default mode (the mode is process-global)."""
-    dispatch.set_mode("default")
+    decide.set_mode("default")
     yield
-    dispatch.set_mode("default")
+    decide.set_mode("default")
 
 
 def _problem(m, n, k, dtype, bias=True, act=Activation.NONE, **layout):
@@ -95,16 +95,21 @@ def test_context_manager_restores_the_previous_mode_even_on_error():
 
 
 def test_each_mode_has_its_own_decision_caches():
-    default_caches = (dispatch._choices, dispatch._fast)
+    default_caches = dispatch._MODE_CACHES["default"]
     assert {c.mode for c in default_caches} == {"default"}
+    assert dispatch._launchers[0] is default_caches[1]
     default_caches[1]["sentinel"] = "a default-mode launcher"
+    before = dispatch.generation()
     with hybridgemm.mode("batch_invariant"):
-        assert dispatch._choices is not default_caches[0] and dispatch._fast is not default_caches[1]
-        assert {dispatch._choices.mode, dispatch._fast.mode} == {"batch_invariant"}
-        assert "sentinel" not in dispatch._fast  # a default decision is never seen here
-        dispatch._fast["other"] = "a batch-invariant launcher"
-    assert (dispatch._choices, dispatch._fast) == default_caches and "other" not in dispatch._fast
-    dispatch.reload_tables()  # forgets every mode's decisions
+        assert dispatch.generation() == before + 1  # launches cached outside dispatch go stale too
+        fast = dispatch._launchers[0]
+        assert fast is dispatch._MODE_CACHES["batch_invariant"][1] and fast is not default_caches[1]
+        assert {c.mode for c in dispatch._MODE_CACHES["batch_invariant"]} == {"batch_invariant"}
+        assert "sentinel" not in fast  # a default decision is never seen here
+        fast["other"] = "a batch-invariant launcher"
+    assert dispatch._launchers[0] is default_caches[1] and "other" not in default_caches[1]
+    assert dispatch.generation() == before + 2 and default_caches[1]["sentinel"]  # kept across the switch
+    decide.reload_tables()  # forgets every mode's decisions
     assert all(len(c) == 0 for caches in dispatch._MODE_CACHES.values() for c in caches)
 
 
@@ -183,7 +188,7 @@ def test_explain_says_batch_invariant_and_the_config_is_the_same_for_every_m():
     lines = {}
     with hybridgemm.mode("batch_invariant"):
         for m in (1, 7, 4096):
-            text = dispatch.explain((m, 4096), (4096, 4096), "bf16", activation="relu")
+            text = decide.explain((m, 4096), (4096, 4096), "bf16", activation="relu")
             assert f"M={m} N=4096 K=4096" in text
             lines[m] = next(line for line in text.splitlines() if "batch_invariant mode:" in line)
     assert len(set(lines.values())) == 1
@@ -192,7 +197,7 @@ def test_explain_says_batch_invariant_and_the_config_is_the_same_for_every_m():
     assert "split_k=1" in line and "same kernel for every M" in line
     if not torch.cuda.is_available():
         assert "not guaranteed batch-invariant" in line
-    assert "batch_invariant" not in dispatch.explain((1, 4096), (4096, 4096))  # default mode
+    assert "batch_invariant" not in decide.explain((1, 4096), (4096, 4096))  # default mode
 
 
 # ----------------------------------------------------------------------------- the kernel (interpreter or GPU)
@@ -280,7 +285,7 @@ def _bi_choices(n, k):
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096)])
 @pytest.mark.parametrize("act", [None, "relu", "gelu"])
 def test_gpu_rows_bitwise_equal_across_m(dtype, n, k, act):
-    dispatch.reload_tables()
+    decide.reload_tables()
     x_all, w, b = make_operands(max(GPU_MS), n, k, dtype, "cuda")
     with hybridgemm.mode("batch_invariant"):
         outs = _linear_at_each_m(x_all, w, b, act)
@@ -301,7 +306,7 @@ def test_gpu_odd_shape_takes_the_pointer_path_for_every_m():
     with hybridgemm.mode("batch_invariant"):
         outs = _linear_at_each_m(x_all, w, b, "relu", ms=(1, 7, 64, 1000))
         rows = [hybridgemm.linear(x_all[i:i + 1], w, b, "relu") for i in (1, 3, 999)]  # misaligned pointers
-        text = dispatch.explain((1, k), (n, k), "bf16", activation="relu")
+        text = decide.explain((1, k), (n, k), "bf16", activation="relu")
     _assert_prefix_rows_equal(outs, "N=1000 K=1003")
     for i, row in zip((1, 3, 999), rows):
         assert torch.equal(row[0], outs[1000][i])
@@ -349,17 +354,17 @@ def test_gpu_attention_projections_are_batch_invariant():
 
 @pytest.mark.gpu
 def test_gpu_default_mode_is_unaffected():
-    dispatch.reload_tables()
+    decide.reload_tables()
     x, w, b = make_operands(16, 4096, 4096, torch.bfloat16, "cuda")
     before = hybridgemm.linear(x, w, b)
-    text_before = dispatch.explain((16, 4096), (4096, 4096))
+    text_before = decide.explain((16, 4096), (4096, 4096))
     with hybridgemm.mode("batch_invariant"):
         invariant = hybridgemm.linear(x, w, b)
     after = hybridgemm.linear(x, w, b)
     assert torch.equal(before, after)
-    assert dispatch.explain((16, 4096), (4096, 4096)) == text_before and "batch_invariant" not in text_before
+    assert decide.explain((16, 4096), (4096, 4096)) == text_before and "batch_invariant" not in text_before
     dev = torch.cuda.current_device()
     p = Problem.from_tensors(x, w, b, torch.empty_like(before), Epilogue(Activation.NONE, True))
-    cached, fresh = dispatch._MODE_CACHES["default"][0][(dev, p)], dispatch.choose(p, dev)
+    cached, fresh = dispatch._MODE_CACHES["default"][0][(dev, p)], decide.choose(p, dev)
     assert (cached.backend, cached.source, cached.key) == (fresh.backend, fresh.source, fresh.key)
     check_close_to_reference(invariant, x, w, b, None, "batch_invariant M=16")

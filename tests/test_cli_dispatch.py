@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from hybridgemm import dispatch
+from hybridgemm import decide, dispatch
 from hybridgemm.autotune_cache import signature, tuner
 from hybridgemm.autotune_cache.table import HybridGemmTableWarning, TableKey, TuningTable, make_entry
 from hybridgemm.cli import main
@@ -99,13 +99,13 @@ def test_explain_on_cpu(capsys):
 def test_explain_is_exported_at_top_level():
     import hybridgemm
 
-    assert hybridgemm.explain is dispatch.explain and "explain" in hybridgemm.__all__
+    assert hybridgemm.explain is decide.explain and "explain" in hybridgemm.__all__
     assert "M=3 N=48 K=40" in hybridgemm.explain((3, 40), (48, 40), torch.float16)
 
 
 def test_explain_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="features"):
-        dispatch.explain((4, 100), (8, 99))
+        decide.explain((4, 100), (8, 99))
 
 
 def test_cli_bad_arguments():

@@ -212,7 +212,7 @@ def _linear_case(name, lead, n, k, dtype, bias, act, mode: str | None = None) ->
             check_close_to_reference(outs[0].reshape(m, n), x2, w, b, act, name)
 
         with scope():
-            what = hybridgemm.dispatch.explain(tuple(x.shape), (n, k), dtype, bias, act)
+            what = hybridgemm.decide.explain(tuple(x.shape), (n, k), dtype, bias, act)
         return Prepared(call, check, what)
 
     return Case(name, prepare)
@@ -397,7 +397,7 @@ print("HASHES " + json.dumps(t.case_hashes(), sort_keys=True))
 
 def test_bit_identical_across_processes():
     # The fresh process starts from the defaults: no explicit table path, the default mode.
-    hybridgemm.dispatch.set_table_path(None)
+    hybridgemm.decide.set_table_path(None)
     if getattr(hybridgemm, "set_mode", None) is not None:
         hybridgemm.set_mode("default")
     here = case_hashes()

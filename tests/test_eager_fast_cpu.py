@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridgemm import AttentionProjection, dispatch, eager_fast
+from hybridgemm import AttentionProjection, decide, dispatch, eager_fast
 
 
 def _operands(dtype=torch.float32):
@@ -57,7 +57,7 @@ def test_signature_covers_layout_pointers_flags_and_generation():
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     before = dispatch.generation()
-    dispatch.reload_tables()
+    decide.reload_tables()
     assert dispatch.generation() == before + 1
     assert eager_fast.signature(x, w, b)[0] != key  # reloaded tables: every cached launch is stale
 

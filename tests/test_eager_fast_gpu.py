@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import hybridgemm
 from helpers import FLOORS, check_close_to_reference, make_operands, rel_err
-from hybridgemm import AttentionProjection, dispatch
-from hybridgemm.dispatch import Choice
+from hybridgemm import AttentionProjection, decide, dispatch
+from hybridgemm.decide import Choice
 from hybridgemm.kernels import triton_splitk
 from hybridgemm.kernels.epilogue import Activation
 
@@ -91,9 +91,9 @@ def test_cublaslt_bind_matches_run(m, n, k, bias, act):
 def forced_backend(request, monkeypatch):
     """Make the dispatcher choose a given kernel for every problem ("own": its own choice, which
     for these untuned shapes is F.linear; "heuristic": cuBLASLt's heuristic at the exact M)."""
-    dispatch.reload_tables()
+    decide.reload_tables()
     if request.param != "own":
-        real_choose = dispatch.choose
+        real_choose = decide.choose
 
         def choose(problem, device_index):
             if request.param == "heuristic":
@@ -107,9 +107,9 @@ def forced_backend(request, monkeypatch):
             ok, _ = cfg.supports(problem)
             return Choice("triton_splitk", cfg, "table", "forced", "test") if ok else real_choose(problem, device_index)
 
-        monkeypatch.setattr(dispatch, "choose", choose)
+        monkeypatch.setattr(decide, "choose", choose)
     yield request.param
-    dispatch.reload_tables()
+    decide.reload_tables()
 
 
 def _module(hidden=256, h=8, hkv=2, qkv_bias=True, out_bias=False, dtype=torch.bfloat16):
@@ -169,7 +169,7 @@ def test_attention_fast_path_invalidated(forced_backend):
         for ours, ref in zip((*mod.forward_qkv(x), mod.forward_out(attn)), _general(mod, x, attn)):
             assert torch.equal(ours, ref)
         before = dispatch.generation()
-        dispatch.reload_tables()
+        decide.reload_tables()
         assert dispatch.generation() != before
         for ours, ref in zip((*mod.forward_qkv(x), mod.forward_out(attn)), _general(mod, x, attn)):
             assert torch.equal(ours, ref)

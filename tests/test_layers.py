@@ -1,8 +1,9 @@
 """The package's import graph: layers import one way and no module imports itself back.
 
 Layers, lowest first: kernels/ (hybridgemm.kernels) ← autotune_cache/ ← fusion/ (the
-package root: dispatch, linear_layer, attention, patching, ...) ← perf/ ← the command line
+package root: decide, dispatch, linear_layer, attention, patching, ...) ← perf/ ← the command line
 (hybridgemm.cli, hybridgemm.__main__). A module may import its own layer and those below.
+Inside fusion/, the decision (decide) never imports the code that runs it (dispatch).
 Read from the source with ``ast``, so every import counts, inside functions too.
 """
 
@@ -89,9 +90,9 @@ EDGES = _edges()
 
 def test_the_graph_sees_the_package():
     # a graph reader that found nothing would pass every test below
-    assert {"hybridgemm.dispatch", "hybridgemm.autotune_cache.tuner", "hybridgemm.kernels.cublaslt",
-            "hybridgemm.perf.bench_msweep", "hybridgemm.cli"} <= set(MODULES)
-    assert ("hybridgemm.dispatch", "hybridgemm.autotune_cache.table") in {(a, b) for a, b, _, _ in EDGES}
+    assert {"hybridgemm.decide", "hybridgemm.dispatch", "hybridgemm.autotune_cache.tuner",
+            "hybridgemm.kernels.cublaslt", "hybridgemm.perf.bench_msweep", "hybridgemm.cli"} <= set(MODULES)
+    assert ("hybridgemm.decide", "hybridgemm.autotune_cache.table") in {(a, b) for a, b, _, _ in EDGES}
     assert len(EDGES) > 100
 
 
@@ -121,6 +122,20 @@ def test_no_import_cycles():
         if mod not in state:
             visit(mod, [mod])
     assert not cycles, "\n".join(cycles)
+
+
+def test_decide_never_reaches_dispatch():
+    """The decision half imports nothing that leads to the run half (directly or through others)."""
+    graph: dict[str, set[str]] = {}
+    for a, b, _, _ in EDGES:
+        graph.setdefault(a, set()).add(b)
+    seen, todo = set(), ["hybridgemm.decide"]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    assert "hybridgemm.dispatch" not in seen and "hybridgemm.autotune_cache.table" in seen
 
 
 def test_project_imports_inside_functions_are_only_the_listed_lazy_ones():
