@@ -1,4 +1,5 @@
-"""The device signature a tuning table is tied to, and the rule for when a table still applies.
+"""The device signature a tuning table is tied to, and the rules for when a table and each of
+its entries still apply.
 
 A signature is a flat JSON object::
 
@@ -6,7 +7,11 @@ A signature is a flat JSON object::
      "sm_count": 132, "cublaslt_version": 130100, "triton_version": "3.6.0",
      "torch_version": "2.11.0+cu130", "package_version": "0.1.0"}
 
-Which fields must match (``MUST_MATCH``) and why:
+Its fields fall in three groups: what decides whether a table applies at all, what decides
+whether one entry may be trusted, and what is recorded for audit only.
+
+**The table applies** only when these match (``MUST_MATCH``): they decide whether the
+choices are valid at all, and nothing per entry could repair a difference.
 
 - ``schema``: the table's own format; a reader cannot trust entries of another format.
 - ``kernel_abi``: :data:`KERNEL_ABI`, bumped by hand whenever a kernel, a ``Config``
@@ -16,16 +21,31 @@ Which fields must match (``MUST_MATCH``) and why:
 - ``gpu_name``, ``compute_capability``, ``sm_count``: timings and the validity of configs
   (shared memory, persistent grid size) depend on the exact part; an H100 PCIe and an
   H100 SXM share a capability but not an SM count or bandwidth.
-- ``cublaslt_version``: cuBLASLt algorithm records are only meaningful for the cuBLAS
-  version that produced them, and its kernels change between releases. Compared exactly;
-  ``None`` (cuBLASLt unavailable) only matches ``None``: a table tuned with cuBLASLt in the
-  race was chosen against it, so it is not the right table for a machine without it.
-- ``triton_version``: Triton's code generation changes performance and which configs
-  compile, so a Triton upgrade invalidates Triton choices.
 
-Informational only (recorded for audit, not compared): ``torch_version`` (our kernels do
-not call torch's GEMMs; the cuBLAS that torch loads is covered by ``cublaslt_version``,
-and torch pins its Triton, which is compared) and ``package_version`` (see ``kernel_abi``).
+**Per entry** (``PER_ENTRY``): a library upgrade can make one kind of entry untrustworthy
+while leaving the others as good as they were, so these fields are judged entry by entry
+(:func:`entry_verdict`) and never reject a table.
+
+- ``cublaslt_version``: a pinned cuBLASLt algorithm record is opaque bytes that only the
+  cuBLASLt version which produced them can interpret (each record carries that version).
+  Under another version the entry runs F.linear: the tuner validated that exact algorithm,
+  not whatever cuBLASLt would pick instead, and F.linear is the dispatcher's fallback
+  everywhere else. An entry of cuBLASLt's heuristic (record ``{}``) asks the running cuBLASLt
+  at each call and is kept: a new version may change its speed, not its correctness.
+- ``triton_version``: Triton's code generation changes the speed of a config and, rarely,
+  which configs compile or compute correctly. A Triton entry tuned under another Triton is
+  used when the backend's own validity check accepts its config and the config passes a
+  one-time correctness probe (:mod:`.probe`), with one warning per table; it may no longer
+  be the fastest choice, which re-tuning fixes. A table records, per Triton entry, the
+  Triton it was tuned under when that differs from the table's own (autotune_cache/table.py).
+- Entries of F.linear (backend ``torch``) depend on neither.
+
+When the running process has no cuBLASLt (``cublaslt_version`` ``None``) or no Triton, the
+entries of that backend run F.linear; the rest of the table applies.
+
+**Informational only** (recorded for audit, not compared): ``torch_version`` (our kernels
+do not call torch's GEMMs; the cuBLAS that torch loads is covered by ``cublaslt_version``)
+and ``package_version`` (see ``kernel_abi``).
 
 Nothing here touches the GPU at import time; :func:`current_signature` queries the device
 on first call and caches the answer per device index.
@@ -53,10 +73,21 @@ MUST_MATCH = (
     "gpu_name",
     "compute_capability",
     "sm_count",
-    "cublaslt_version",
-    "triton_version",
 )
+PER_ENTRY = ("cublaslt_version", "triton_version")
 INFORMATIONAL = ("torch_version", "package_version")
+
+# What a difference in each of MUST_MATCH means, in words for `hybridgemm show`.
+_MISMATCH_LABELS = {
+    "schema": "other table format",
+    "kernel_abi": "other kernel ABI (tuned for another hybridgemm's kernels)",
+    "gpu_name": "other GPU",
+    "compute_capability": "other compute capability",
+    "sm_count": "other SM count",
+}
+
+# entry_verdict's answers: run the entry as recorded, probe its config once first, or run F.linear.
+USE, PROBE, FLINEAR = "use", "probe", "flinear"
 
 # Expected types of the known fields; ``None`` allowed where a component may be absent.
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
@@ -139,7 +170,7 @@ def validate_signature(sig: Any) -> str | None:
             continue
         if isinstance(value, bool) or not isinstance(value, types):
             return f"signature field {field!r} has type {type(value).__name__}"
-    for field in MUST_MATCH:
+    for field in MUST_MATCH + PER_ENTRY:
         if field not in sig:
             return f"signature lacks field {field!r}"
     if not _CC_RE.match(sig["compute_capability"]):
@@ -151,7 +182,8 @@ def signature_matches(table_sig: Any, running_sig: dict[str, Any]) -> tuple[bool
     """Whether a table tuned on ``table_sig`` applies to a device with ``running_sig``.
 
     Returns ``(ok, reason)``; ``reason`` names the first differing field of
-    :data:`MUST_MATCH` (in that order) with both values, or is ``""`` when they match."""
+    :data:`MUST_MATCH` (in that order) with both values, or is ``""`` when they match.
+    Library versions (``PER_ENTRY``) are not compared here: see :func:`entry_verdict`."""
     if not isinstance(table_sig, dict):
         return False, "the table has no device signature"
     for field in MUST_MATCH:
@@ -163,3 +195,50 @@ def signature_matches(table_sig: Any, running_sig: dict[str, Any]) -> tuple[bool
             shown = "nothing" if theirs is _MISSING else repr(theirs)
             return False, f"{field} differs: table has {ours!r}, this device has {shown}"
     return True, ""
+
+
+def why_not_applicable(table_sig: Any, running_sig: dict[str, Any] | None) -> str:
+    """``""`` when a table tuned on ``table_sig`` applies to the device with ``running_sig``,
+    else why not in words (``"no CUDA GPU on this machine"``, ``"other GPU (...)"``, ...)."""
+    if running_sig is None:
+        return "no CUDA GPU on this machine"
+    ok, reason = signature_matches(table_sig, running_sig)
+    if ok:
+        return ""
+    field = reason.split(" ", 1)[0]
+    label = _MISMATCH_LABELS.get(field)
+    return f"{label} ({reason})" if label else reason
+
+
+def is_triton_backend(backend: str) -> bool:
+    """Whether entries of ``backend`` are Triton kernels (``triton_gemm``, ``triton_splitk``):
+    the backends whose configs are judged by the Triton version."""
+    return backend.startswith("triton")
+
+
+def entry_verdict(backend: str, config: Any, tuned_triton: str | None,
+                  running_sig: dict[str, Any]) -> tuple[str, str]:
+    """How an entry may run in a process with ``running_sig`` (module docstring, "per entry").
+
+    ``backend``/``config``: the entry's winner; ``tuned_triton``: the Triton version the entry
+    was tuned under (Triton entries). Returns ``(USE, "")``, ``(PROBE, reason)`` (a Triton
+    config tuned under another Triton: check it once before use) or ``(FLINEAR, reason)``
+    (run F.linear for this entry)."""
+    if backend == "cublaslt":
+        running = running_sig.get("cublaslt_version")
+        if running is None:
+            return FLINEAR, "no cuBLASLt in this process"
+        if not config:  # {}: the heuristic, asked of the running cuBLASLt at each call
+            return USE, ""
+        tuned = config.get("cublaslt_version") if isinstance(config, dict) else None
+        if tuned != running or type(tuned) is not type(running):
+            return FLINEAR, (f"cuBLASLt algorithm record tuned under cuBLASLt {tuned!r}, "
+                             f"this process runs {running!r}")
+        return USE, ""
+    if is_triton_backend(backend):
+        running = running_sig.get("triton_version")
+        if running is None:
+            return FLINEAR, "no Triton in this process"
+        if tuned_triton != running:
+            return PROBE, f"Triton config tuned under Triton {tuned_triton}, this process runs {running}"
+    return USE, ""

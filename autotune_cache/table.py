@@ -17,7 +17,9 @@ exact M of each call, and backend ``torch`` means F.linear itself), the M values
 timed at (``m_points``, both edges of the range among them), its speed ratio to F.linear at
 each (``ratios``: F.linear time / its time, > 1 is faster), ``worst_ratio`` (their minimum),
 ``median_us``/``spread_us``/``flinear_us`` at the top point, the runner-up candidates, and
-``tuned_at``.
+``tuned_at``. A Triton entry tuned under another Triton than the one in the table's signature
+says which in ``triton_version`` (absent otherwise): a table merged or re-saved after a
+Triton upgrade keeps, entry by entry, what each config was tuned under.
 
 **Layout class** (:func:`layout_class`): ``a`` = the largest power of two, capped at 16
 bytes, dividing every pointer (x, W, out, bias) and every row stride in bytes. 16 bytes
@@ -36,6 +38,12 @@ entry drops the entries whose ranges it overlaps (the newer or higher-precedence
 **Schema 1** tables (one entry per power-of-two M bucket, timed at that M alone) are read
 with one warning: an entry is kept only for the one M it was timed at, and only when it
 recorded a ratio to F.linear of at least ``V1_MIN_RATIO``.
+
+**Library versions.** A table applies to a device when the device fields of its signature
+match; cuBLASLt and Triton versions are judged per entry (:mod:`.signature`,
+:meth:`TuningTable.entry_status`): a pinned cuBLASLt record of another cuBLASLt runs F.linear,
+a Triton config tuned under another Triton is probed once before use. :func:`load_tables`
+says so once per table (one :class:`HybridGemmTableWarning`), with how many entries it affects.
 
 **Where tables live, and precedence** (:func:`load_tables` merges key by key, higher wins):
 
@@ -125,7 +133,14 @@ from .keys import (  # noqa: F401 (re-exported)
     layout_class,
     octave,
 )
-from .signature import signature_matches, validate_signature
+from .signature import (
+    FLINEAR,
+    USE,
+    entry_verdict,
+    is_triton_backend,
+    signature_matches,
+    validate_signature,
+)
 
 SIGNIFICANT_DIGITS = 4
 CACHE_DIR_ENV = "HYBRIDGEMM_CACHE_DIR"
@@ -142,7 +157,8 @@ STALE_TEMP_S = 60.0  # a temp file of ours older than this (mtime) is a killed w
 _log = logging.getLogger(__name__)
 _ENTRY_FIELDS = {"backend", "config", "candidates", "median_us", "spread_us", "tuned_at", "m_points", "ratios",
                  "worst_ratio"}
-_OPTIONAL_FIELDS = {"flinear_us"}
+_OPTIONAL_FIELDS = {"flinear_us", "triton_version"}
+MAX_VERSION_CHARS = 40
 _CANDIDATE_FIELDS = {"backend", "config", "median_us", "spread_us"}
 _V1_ENTRY_FIELDS = {"backend", "config", "candidates", "median_us", "spread_us", "tuned_at"}
 
@@ -294,8 +310,9 @@ def _normalize(entry: Any, key: TableKey | None) -> dict:
     # that holds no lone surrogate and no non-finite number): it is validated, not copied.
     if not isinstance(entry, dict):
         raise TableError(f"entry must be an object, got {type(entry).__name__}")
-    if entry.get("flinear_us", 0) is None:
-        del entry["flinear_us"]  # optional: absent and null mean the same; store absent
+    for name in _OPTIONAL_FIELDS:  # optional: absent and null mean the same; store absent
+        if name in entry and entry[name] is None:
+            del entry[name]
     fields = set(entry)
     if not _ENTRY_FIELDS <= fields <= _ENTRY_FIELDS | _OPTIONAL_FIELDS:
         missing, extra = _ENTRY_FIELDS - fields, fields - _ENTRY_FIELDS - _OPTIONAL_FIELDS
@@ -307,6 +324,13 @@ def _normalize(entry: Any, key: TableKey | None) -> dict:
     }
     if "flinear_us" in entry:
         out["flinear_us"] = _time(entry, "flinear_us", "")
+    if "triton_version" in entry:
+        tuned = entry["triton_version"]
+        if not is_triton_backend(backend):
+            raise TableError(f"triton_version is recorded on Triton entries only, not on {backend!r}")
+        if not isinstance(tuned, str) or not 0 < len(tuned) <= MAX_VERSION_CHARS:
+            raise TableError(f"triton_version must be a version string, got {_brief(tuned)}")
+        out["triton_version"] = tuned
     points, ratios = entry["m_points"], entry["ratios"]
     if not isinstance(points, list) or not points or len(points) > 64:
         raise TableError("m_points must be a non-empty list (at most 64)")
@@ -652,6 +676,65 @@ def _overlay(base: dict[TableKey, dict], new: Mapping[TableKey, dict]) -> dict[T
     return out
 
 
+def _triton_of(signature: Mapping | None) -> str | None:
+    v = signature.get("triton_version") if isinstance(signature, Mapping) else None
+    return v if isinstance(v, str) else None
+
+
+def _rebased(entry: dict, from_triton: str | None, to_triton: str | None) -> dict:
+    """``entry`` of a table whose signature names Triton ``from_triton``, as an entry of one
+    naming ``to_triton``: a Triton entry records the Triton it was tuned under exactly when
+    that differs from its table's (a new dict when that changes anything, else ``entry``)."""
+    if not is_triton_backend(entry["backend"]):
+        return entry
+    tuned = entry.get("triton_version") or from_triton or "unknown"
+    if tuned == to_triton:
+        if "triton_version" not in entry:
+            return entry
+        return {k: v for k, v in entry.items() if k != "triton_version"}
+    if entry.get("triton_version") == tuned:
+        return entry
+    return {**entry, "triton_version": tuned}
+
+
+def _rebase(entries: dict[TableKey, dict], from_sig: Mapping | None, to_sig: Mapping | None) -> dict[TableKey, dict]:
+    """Every entry of ``entries`` (a table tuned on ``from_sig``) through :func:`_rebased`
+    for a table with ``to_sig``; ``entries`` itself is updated and returned. Unchanged when
+    ``to_sig`` is None (a table without a signature has no Triton to compare with)."""
+    if to_sig is None:
+        return entries
+    from_triton, to_triton = _triton_of(from_sig), _triton_of(to_sig)
+    for k, e in entries.items():
+        new = _rebased(e, from_triton, to_triton)
+        if new is not e:
+            entries[k] = new
+    return entries
+
+
+@dataclass(frozen=True)
+class VersionEffect:
+    """Entries of a table that a library version changes (:meth:`TuningTable.version_effects`):
+    ``count`` entries of ``library`` ("cuBLASLt" or "Triton") tuned under version ``tuned``,
+    in a process running ``running`` (``None``: that library is not available), which
+    ``status`` (``PROBE`` or ``FLINEAR``) says how they now run."""
+
+    library: str
+    tuned: str
+    running: str | None
+    status: str
+    count: int
+
+    def describe(self) -> str:
+        n = f"{self.count} entr{'y' if self.count == 1 else 'ies'}"
+        if self.running is None:
+            return f"{self.library} is not available here: its {n} run F.linear"
+        if self.status == FLINEAR:
+            return (f"{self.library} records tuned under {self.library} {self.tuned} (here {self.running}): "
+                    f"{n} run F.linear")
+        return (f"{self.library} configs tuned under {self.library} {self.tuned} (here {self.running}): {n} "
+                "checked once against an fp32 reference before first use")
+
+
 # --------------------------------------------------------------------------- the table
 
 
@@ -665,10 +748,18 @@ class TuningTable:
         self._dirty: set[TableKey] = set()  # keys set on this table: they win on save
         self._index: dict[ShapeKey, tuple[list[int], list[TableKey]]] | None = None
         self.sources: list[Path] = []  # files this table's entries came from
+        self._foreign_triton: bool | None = None  # computed on first use (foreign_triton)
         for key, entry in (entries or {}).items():
             if not isinstance(key, TableKey):
                 raise TypeError(f"keys must be TableKey, got {type(key).__name__}")
-            self._entries = _overlay(self._entries, {key: normalize_entry(entry, key)})
+            self._entries = _overlay(self._entries, {key: self._native(normalize_entry(entry, key))})
+
+    def _native(self, entry: dict) -> dict:
+        """A new entry of this table: ``triton_version`` only where it differs from ours."""
+        if self.signature is None:
+            return entry
+        triton = _triton_of(self.signature)
+        return _rebased(entry, entry.get("triton_version") or triton, triton)
 
     # ---- reading
     @classmethod
@@ -678,8 +769,9 @@ class TuningTable:
         (unreadable, not JSON, wrong types or schema, or — when ``signature`` is given —
         tuned on another device) gives an empty table and one warning per path per process,
         or raises :class:`TableError` when ``strict``. Invalid entries alone are dropped.
-        With ``signature``, the loaded table carries it (it is now this device's table);
-        without, the file's own signature."""
+        With ``signature``, the loaded table carries it (it is now this device's table; other
+        library versions are judged per entry, :meth:`entry_status`); without, the file's
+        own signature."""
         return cls._load(Path(path), signature, strict)
 
     @classmethod
@@ -700,8 +792,7 @@ class TuningTable:
         if signature is not None:
             ok, reason = signature_matches(parsed.signature, signature)
             if not ok:
-                return cls._reject(path, f"tuned for another device or version: {reason}",
-                                   signature, strict)
+                return cls._reject(path, f"tuned for another device or kernel ABI: {reason}", signature, strict)
         return cls._from_parsed(path, parsed, signature, strict)
 
     @classmethod
@@ -716,7 +807,7 @@ class TuningTable:
         if parsed.note:
             _warn_once(path, parsed.note, kind="schema")
         table = cls(signature if signature is not None else parsed.signature)
-        table._entries = parsed.entries
+        table._entries = _rebase(parsed.entries, parsed.signature, table.signature)
         table.sources.append(path)
         return table
 
@@ -768,22 +859,88 @@ class TuningTable:
         return sorted((k for k in self._entries if k.shape == key.shape and _overlap(k, key)),
                       key=lambda k: k.m_lo)
 
+    # ---- library versions
+    def tuned_triton(self, key: TableKey) -> str | None:
+        """The Triton version the entry at ``key`` was tuned under (Triton entries; else None)."""
+        entry = self._entries[key]
+        if not is_triton_backend(entry["backend"]):
+            return None
+        return entry.get("triton_version") or _triton_of(self.signature) or "unknown"
+
+    def entry_status(self, key: TableKey, running: Mapping | None = None) -> tuple[str, str]:
+        """How the entry at ``key`` may run under the library versions of ``running`` (default:
+        this table's signature, which a table loaded for a device carries): ``(USE, "")``,
+        ``(PROBE, reason)`` — a Triton config tuned under another Triton: run it only once
+        :func:`~hybridgemm.autotune_cache.probe.probe_entry` passed — or ``(FLINEAR, reason)``:
+        run F.linear for this entry (a cuBLASLt record of another cuBLASLt, or a backend this
+        process lacks). KeyError for a key not in the table."""
+        entry = self._entries[key]
+        running = self.signature if running is None else running
+        if running is None:
+            return USE, ""
+        return entry_verdict(entry["backend"], entry["config"], self.tuned_triton(key), running)
+
+    @property
+    def foreign_triton(self) -> bool:
+        """Whether some entry is a Triton config tuned under another Triton than this table's
+        signature names (its :meth:`entry_status` is ``PROBE``)."""
+        if self._foreign_triton is None:
+            self._foreign_triton = (self.signature is not None and _triton_of(self.signature) is not None
+                                    and any("triton_version" in e for e in self._entries.values()))
+        return self._foreign_triton
+
+    def version_effects(self, running: Mapping | None = None) -> list[VersionEffect]:
+        """The entries whose :meth:`entry_status` under ``running`` (default: this table's
+        signature) is not ``USE``, grouped by library and the version they were tuned under."""
+        running = self.signature if running is None else running
+        if running is None:
+            return []
+        counts: dict[tuple[str, str, str | None, str], int] = {}
+        lt_now, triton_now = running.get("cublaslt_version"), running.get("triton_version")
+        ours = _triton_of(self.signature)
+        for key, entry in self._entries.items():
+            backend, config = entry["backend"], entry["config"]
+            # the common cases first, without entry_status: a table may hold 10^5 entries
+            if backend == "torch" or (backend == "cublaslt" and lt_now is not None
+                                      and (not config or config.get("cublaslt_version") == lt_now)):
+                continue
+            if (triton_now is not None and is_triton_backend(backend)
+                    and (entry.get("triton_version") or ours) == triton_now):
+                continue
+            status, _ = self.entry_status(key, running)
+            if status == USE:
+                continue
+            if backend == "cublaslt":
+                library, now, tuned = "cuBLASLt", lt_now, config.get("cublaslt_version") if config else None
+            else:
+                library, now, tuned = "Triton", triton_now, self.tuned_triton(key)
+            group = (library, "" if now is None else str(tuned), None if now is None else str(now), status)
+            counts[group] = counts.get(group, 0) + 1
+        return [VersionEffect(*group, count) for group, count in sorted(counts.items(), key=repr)]
+
     # ---- writing
     def set(self, key: TableKey, entry: Mapping) -> None:
         """Store a validated copy of ``entry`` (dropping entries whose range it overlaps);
         it wins over disk on the next save."""
         if not isinstance(key, TableKey):
             raise TypeError(f"key must be a TableKey, got {type(key).__name__}")
-        self._entries = _overlay(self._entries, {key: normalize_entry(entry, key)})
+        self._entries = _overlay(self._entries, {key: self._native(normalize_entry(entry, key))})
         self._dirty = {k for k in self._dirty if k in self._entries} | {key}
         self._index = None
+        self._foreign_triton = None
 
     def update(self, other: TuningTable) -> None:
-        """Merge ``other``'s entries over ours (used to layer tables; not marked dirty)."""
-        self._entries = _overlay(self._entries, other._entries)
+        """Merge ``other``'s entries over ours (used to layer tables; not marked dirty). Its
+        Triton entries keep the Triton they were tuned under (``triton_version``)."""
+        theirs = other._entries
+        if (self.signature is not None and other.signature is not None
+                and _triton_of(other.signature) != _triton_of(self.signature)):
+            theirs = _rebase(dict(theirs), other.signature, self.signature)
+        self._entries = _overlay(self._entries, theirs)
         self._dirty &= set(self._entries)
         self.sources.extend(other.sources)
         self._index = None
+        self._foreign_triton = None
 
     def dumps(self) -> str:
         if self.signature is None:
@@ -821,6 +978,7 @@ class TuningTable:
             raise TableWriteError(path, e) from e
         self._entries = merged
         self._index = None
+        self._foreign_triton = None
 
     def _read_for_merge(self, path: Path) -> dict[TableKey, dict]:
         """The entries on disk to merge with. A file that cannot be read, or is not a
@@ -840,7 +998,7 @@ class TuningTable:
         if not ok:
             _warn_once(path, f"replacing a table tuned elsewhere ({reason})", kind="save")
             return {}
-        return parsed.entries
+        return _rebase(parsed.entries, parsed.signature, self.signature)
 
 
 def _remove_stale_temps(path: Path) -> None:
@@ -895,6 +1053,43 @@ def shipped_table_paths(directory: os.PathLike | str | None = None) -> list[Path
     return sorted(d.glob("*.json")) if d.is_dir() else []
 
 
+def device_slug(name: str) -> str:
+    """A GPU name as shipped tables are named: lowercase words joined by ``-``, without the
+    vendor (``"NVIDIA H200"`` → ``"h200"``, ``"NVIDIA H100 80GB HBM3"`` → ``"h100-80gb-hbm3"``)."""
+    words = re.findall(r"[a-z0-9]+", name.lower()) if isinstance(name, str) else []
+    return "-".join(w for w in words if w != "nvidia")
+
+
+def shipped_devices(directory: os.PathLike | str | None = None) -> dict[str, tuple[Path, str]]:
+    """The GPU models shipped tables are for: the table's file-name stem (``h200``) → (its
+    path, the GPU name its signature records; ``""`` for a table that cannot be read, which
+    its file name still names, so that loading it can say what is wrong)."""
+    found = {}
+    for path in shipped_table_paths(directory):
+        gpu = ""
+        try:
+            data = _read_table_bytes(path)
+            if data is not None:
+                gpu = parse_document(data).signature.get("gpu_name", "")
+        except TableError as e:
+            _log.debug("shipped table %s: no GPU name (%s)", path, e)
+        found[path.stem] = (path, gpu if isinstance(gpu, str) else "")
+    return found
+
+
+def shipped_table_for_device(name: str, directory: os.PathLike | str | None = None) -> Path | None:
+    """The shipped table for the GPU model ``name``, matched case-insensitively on the table's
+    file name (``h200``) or on the GPU name its signature records (``"NVIDIA H200"``,
+    ``nvidia-h200``), or ``None``."""
+    slug = device_slug(name)
+    if not slug:
+        return None
+    for stem, (path, gpu) in shipped_devices(directory).items():
+        if slug in (device_slug(stem), device_slug(gpu)):
+            return path
+    return None
+
+
 def user_table_path() -> Path:
     """``$HYBRIDGEMM_CACHE_DIR/table.json`` if set, else the platform's user cache dir."""
     env = os.environ.get(CACHE_DIR_ENV)
@@ -929,14 +1124,26 @@ def load_tables(signature: dict | None, explicit_path: os.PathLike | str | None 
         if not ok:
             _log.debug("skipping shipped table %s: %s", path, reason)
             continue
-        merged.update(TuningTable._from_parsed(path, parsed, signature, strict=False))
+        merged.update(_warn_versions(path, TuningTable._from_parsed(path, parsed, signature, strict=False)))
     try:
         user = user_table_path()
     except Exception as e:  # e.g. "~nosuchuser" in HYBRIDGEMM_CACHE_DIR
         _warn_once(Path(os.environ.get(CACHE_DIR_ENV, "")), f"cannot locate the user table ({e}); ignoring it")
     else:
-        merged.update(TuningTable._load(user, signature, strict=False))
+        merged.update(_warn_versions(user, TuningTable._load(user, signature, strict=False)))
     if explicit_path is not None:
-        merged.update(TuningTable._load(Path(explicit_path), signature, strict=False,
-                                        missing="does not exist; ignoring it"))
+        path = Path(explicit_path)
+        merged.update(_warn_versions(path, TuningTable._load(path, signature, strict=False,
+                                                             missing="does not exist; ignoring it")))
     return merged
+
+
+def _warn_versions(path: Path, table: TuningTable) -> TuningTable:
+    """One warning per table (per process) whose entries other library versions affect
+    (:meth:`TuningTable.version_effects`), saying how many and what they run now. A library
+    missing from this process is not repeated here: the backend warning says it."""
+    effects = [e for e in table.version_effects() if e.running is not None]
+    if effects:
+        _warn_once(path, "; ".join(e.describe() for e in effects)
+                   + "; run `hybridgemm autotune` (the same --model or --shape) to re-tune them", kind="versions")
+    return table

@@ -66,6 +66,7 @@ from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
 from .keys import OCTAVE_TOPS, TableKey, octave, sample_points, split_range, validation_points
 from .measure import PLACEMENT_REPLAYS, PLACEMENTS, gpu_time_rotating, operands_for, placement_samples, problem_for
 from .precompile import compile_tasks, default_jobs, precompile
+from .signature import USE
 from .table import TuningTable, make_entry
 
 TIE_TOLERANCE = 0.02
@@ -440,9 +441,14 @@ def entry_of(res: KeyResult) -> dict:
 
 
 def covered(table: TuningTable, key: TableKey) -> bool:
-    """Whether ``table``'s entries of ``key``'s shape cover every M of ``key``'s range."""
+    """Whether ``table``'s entries of ``key``'s shape cover every M of ``key``'s range. An
+    entry that the running library versions do not trust as it is (``entry_status`` other
+    than USE: a cuBLASLt record or Triton config tuned under another version) covers
+    nothing: re-tuning replaces it."""
     m = key.m_lo
     for k in table.covering(key):
+        if table.entry_status(k)[0] != USE:
+            continue
         if k.m_lo > m:
             return False
         m = max(m, k.m_hi + 1)

@@ -3,6 +3,7 @@
     hybridgemm autotune --model llama3-8b|--hf-config PATH [--m 1 16 ...] [--dtype bf16] [--out PATH] [--force|--check]
     hybridgemm show [PATH]
     hybridgemm explain --x 16,4096 --w 6144,4096 [--dtype bf16] [--no-bias] [--activation relu]
+                       [--table PATH | --device h200]
     hybridgemm bench --model llama3-8b [--m ...] [--providers ...] [--out results.csv] [--training] [--plot DIR]
     hybridgemm plot results.csv [more.csv ...] [--out DIR]
     hybridgemm demo | main
@@ -20,10 +21,19 @@ from pathlib import Path
 import torch
 
 from hybridgemm.autotune_cache import signature, tuner
-from hybridgemm.autotune_cache.keys import M_MAX, TableError
+from hybridgemm.autotune_cache.keys import M_MAX, ShapeKey, TableError
 from hybridgemm.autotune_cache.presets import get_preset, parse_shape, preset_from_hf_config
-from hybridgemm.autotune_cache.table import TuningTable, shipped_table_paths, user_table_path
-from hybridgemm.dispatch import explain, set_table_path
+from hybridgemm.autotune_cache.table import (
+    TuningTable,
+    shipped_devices,
+    shipped_table_for_device,
+    shipped_table_paths,
+    user_table_path,
+)
+from hybridgemm.decide import explain, set_table_path
+from hybridgemm.kernels import backends
+from hybridgemm.kernels.epilogue import Activation, Epilogue
+from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
 from hybridgemm.kernels.version import __version__
 from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser
 from hybridgemm.perf.demo import run_demo
@@ -169,10 +179,42 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def _print_table(path: Path, table: TuningTable) -> None:
+def _running_signature() -> tuple[dict | None, str]:
+    """This machine's device signature (None without a CUDA GPU), and why it is missing
+    when asking for it failed."""
+    try:
+        return signature.current_signature(), ""
+    except Exception as e:  # a broken driver: the tables then apply nowhere here
+        return None, f"the GPU's facts could not be read ({type(e).__name__}: {e})"
+
+
+def _applicability(table: TuningTable, running: dict | None, failure: str = "") -> list[str]:
+    """Whether ``table`` applies on this machine and, if only in part, which entries not."""
+    why = failure or signature.why_not_applicable(table.signature, running)
+    if why:
+        return [f"  does not apply here: {_printable(why)}"]
+    effects = table.version_effects(running)
+    if not effects:
+        return ["  applies here"]
+    return ["  applies here, in part:"] + [f"    {_printable(effect.describe())}" for effect in effects]
+
+
+def _print_backends() -> None:
+    """Which backends can run on this machine and, for the others, why not."""
+    missing = backends.unavailable_backends()
+    print("backends on this machine:")
+    for name in backends.PREFERENCE:
+        state = f"unavailable: {missing[name]}" if name in missing else "available"
+        print(f"  {name:14s} {_printable(state)}")
+
+
+def _print_table(path: Path, table: TuningTable, notes: list[str] = ()) -> None:
+    """The table's header line, then ``notes`` (whether it applies here), then its entries."""
     sig = table.signature if isinstance(table.signature, dict) else {}
     gpu, lt, tr = (_printable(sig.get(f, "?")) for f in ("gpu_name", "cublaslt_version", "triton_version"))
     print(f"{_printable(path)}: {len(table)} entries; GPU {gpu}, cuBLASLt {lt}, Triton {tr}")
+    for line in notes:
+        print(line)
     print(f"  {'key':52s} {'backend':14s} {'µs at top':>9s} {'F.linear µs':>11s} {'worst':>7s}  timed at M")
     for key in sorted(table.entries, key=lambda k: (k.dtype, k.epilogue, k.n, k.k, k.layout, k.m_lo)):
         e = table.entries[key]
@@ -196,6 +238,7 @@ def _cmd_show(args) -> int:
         print("no tables: run `hybridgemm autotune` on a GPU machine", file=sys.stderr)
         return 1
     rc = 0
+    running, failure = _running_signature()
     if explicit is not None:
         if not os.path.exists(explicit):
             _show_error(f"{explicit}{where}: no such file")
@@ -211,7 +254,7 @@ def _cmd_show(args) -> int:
         except Exception as e:  # the loader's own failure on hostile input: still one line
             _show_error(f"{explicit}{where}: cannot load it ({type(e).__name__}: {e})")
             return 1
-        _print_table(explicit, table)
+        _print_table(explicit, table, _applicability(table, running, failure))
     for path in others:
         if not os.path.isfile(path):
             _show_error(f"{path}: not a regular file; skipped")
@@ -223,13 +266,80 @@ def _cmd_show(args) -> int:
             _show_error(f"{path}: cannot load it ({type(e).__name__}: {e})")
             rc = 1
             continue
-        _print_table(path, table)
+        # a bad table loads empty (no source), with a warning saying why
+        _print_table(path, table, _applicability(table, running, failure) if table.sources else [])
+    _print_backends()
     return rc
+
+
+def _record_text(backend: str, record: dict) -> str:
+    """A table entry's config in words, from its record alone (no GPU, no library needed)."""
+    if backend == "cublaslt":
+        if not record:
+            return " [heuristic at the exact M]"
+        names = " ".join(str(record[f]) for f in ("tile_name", "stages_name") if f in record)
+        return f" [algo {record.get('algo_id', '?')} {names} splitk={record.get('splitk', '?')}]"
+    if not record:
+        return ""
+    return " [" + " ".join(f"{k}={v}" for k, v in record.items() if k != "kind") + "]"
+
+
+def _explain_for_device(args) -> int:
+    """``explain --device NAME``: what a GPU of that model runs for the call, from its shipped
+    table alone (with the table's own cuBLASLt and Triton versions), on any machine, touching
+    no GPU."""
+    path = shipped_table_for_device(args.device)
+    if path is None:
+        known = ", ".join(f"{stem} ({gpu})" if gpu else stem
+                          for stem, (_, gpu) in sorted(shipped_devices().items())) or "none"
+        print(f"hybridgemm explain: error: --device {_printable(args.device)}: no shipped table for this GPU; "
+              f"known devices: {_printable(known)}", file=sys.stderr)
+        return 2
+    table = TuningTable.load(path, strict=True)  # a TableError (ValueError) ends as one line, rc 2
+    dtype = NAME_TO_DTYPE[args.dtype]
+    *lead, k = args.x
+    n, wk = args.w
+    if k != wk:
+        raise ValueError(f"x_shape {tuple(args.x)} has {k} features, w_shape expects {wk}")
+    m = math.prod(lead)
+    epilogue = Epilogue(Activation.parse(args.activation), not args.no_bias)
+    tf32 = dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
+    problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=epilogue, ldx=k, ldw=k, ldo=n, tf32=tf32)
+    sig = table.signature
+    print(f"linear {args.dtype} M={m} N={n} K={k} epilogue={epilogue.name}, on an "
+          f"{_printable(sig.get('gpu_name'))} ({_printable(sig.get('sm_count'))} SMs) with cuBLASLt "
+          f"{_printable(sig.get('cublaslt_version'))} and Triton {_printable(sig.get('triton_version'))} "
+          f"(shipped table {path.name})")
+    shape = ShapeKey.from_problem(problem)
+    hit = table.find(shape, m) if m <= M_MAX else None
+    if hit is None:
+        print(f"  key {shape.to_string()} at M={m}")
+        print("  runs torch (rule: no table entry holds this M; F.linear)")
+        return 0
+    key, entry = hit
+    points = ",".join(str(p) for p in entry["m_points"])
+    reason = (f"tuned for M {key.m_lo}-{key.m_hi}, timed at M={points}: worst {entry['worst_ratio']:.3f}x "
+              "F.linear's speed there")
+    backend = entry["backend"]
+    print(f"  key {key.to_string()}")
+    if backend == "torch":
+        print(f"  runs torch (table: {reason}; runs F.linear)")
+        return 0
+    print(f"  runs {_printable(backend)}{_printable(_record_text(backend, entry['config']))} (table: {reason})")
+    if backend == "cublaslt" and entry["config"]:
+        print(f"  under another cuBLASLt than {_printable(sig.get('cublaslt_version'))} this entry runs F.linear")
+    elif signature.is_triton_backend(backend):
+        print(f"  under another Triton than {_printable(table.tuned_triton(key))} this config is first "
+              "checked once against an fp32 reference")
+    return 0
 
 
 def _cmd_explain(args) -> int:
     """Shapes are checked by the parser (:func:`_ints`, :func:`_weight_shape`) and by
-    :func:`explain` (K must match); ``--table`` must name a regular file."""
+    :func:`explain` (K must match); ``--table`` must name a regular file; ``--device`` a GPU
+    model a shipped table is for."""
+    if args.device is not None:
+        return _explain_for_device(args)
     if args.table is not None:
         if not os.path.exists(args.table):
             problem = "no such file"
@@ -242,6 +352,7 @@ def _cmd_explain(args) -> int:
             return 2
         set_table_path(args.table)
     print(explain(args.x, args.w, args.dtype, bias=not args.no_bias, activation=args.activation))
+    _print_backends()
     return 0
 
 
@@ -312,7 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--no-bias", action="store_true")
     p.add_argument("--activation", choices=["relu", "gelu_tanh", "gelu"])
-    p.add_argument("--table", help="explicit table path (over the user and shipped tables)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--table", help="explicit table path (over the user and shipped tables)")
+    where.add_argument("--device", metavar="GPU", help="answer for a GPU of this model from its shipped table "
+                       "(e.g. h200), on any machine")
     p.set_defaults(fn=_cmd_explain)
 
     p = sub.add_parser("demo", help="one bias-fused GEMM per backend, checked and timed beside F.linear")

@@ -7,12 +7,20 @@ pruned with), ``run(config, x, w, b, out, act, tf32)`` and ``describe(config)``.
 noise (written down so re-tuning reproduces the table): cuBLASLt first (the library F.linear
 itself uses), then the Triton split-K and tiled kernels. A cuBLASLt config of ``None``
 (record ``{}``) is its heuristic, asked at each call's exact M.
+
+A backend that cannot run here is skipped by :func:`available_backends`;
+:func:`unavailable_backends` says why, with the fix (nvmath-python missing or broken,
+Triton missing or too old, no CUDA device, ...), and :func:`warn_unavailable_once` says it
+once per process as a :class:`BackendUnavailableWarning`.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +86,9 @@ def _cublaslt() -> Backend:
     def bind(config, x, w, b, out, act, tf32=False):
         return lt.bind(config, x, w, b, out, act)
 
-    return Backend("cublaslt", lt.is_available, candidates, from_record, run, lambda c: c.describe(), bind)
+    # availability looked up at each call, not bound once: the registry is built on first use
+    # and must not keep whatever ``lt.is_available`` was at that moment
+    return Backend("cublaslt", lambda: lt.is_available(), candidates, from_record, run, lambda c: c.describe(), bind)
 
 
 def _triton(module_name: str) -> Backend:
@@ -143,3 +153,137 @@ def available_backends() -> list[Backend]:
         if be.available():
             out.append(be)
     return out
+
+
+# ------------------------------------------------------------------ why a backend is unavailable
+
+LABELS = {"cublaslt": "cuBLASLt", "triton_splitk": "Triton split-K", "triton_gemm": "Triton tiled"}
+_NVMATH_FIX = "pip install nvmath-python (Linux x86-64/aarch64), or pip install 'hybridgemm[cu13]'"
+_TRITON_FIX = "pip install 'triton>=3.6' (Linux)"
+
+
+class BackendUnavailableWarning(RuntimeWarning):
+    """A backend cannot run in this process; calls it would serve run another kernel or F.linear."""
+
+
+def _error_text(e: BaseException) -> str:
+    text = " ".join(str(e).split())[:200]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _module_missing(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):  # a parent that fails to import, or a broken __spec__
+        return False
+
+
+def _import_failure(name: str, e: BaseException) -> str:
+    """Why importing backend ``name``'s module failed, and the fix."""
+    missing = getattr(e, "name", None)
+    if isinstance(e, ModuleNotFoundError) and missing and missing.split(".")[0] == "triton":
+        if missing == "triton" or _module_missing("triton"):
+            return f"Triton is not installed ({_TRITON_FIX})"
+    if isinstance(e, ImportError) and "tensor_descriptor" in str(e):
+        return (f"Triton {_triton_version_text()} lacks triton.tools.tensor_descriptor, which the tiled "
+                f"kernel needs ({_TRITON_FIX})")
+    if _module_missing("triton") and name.startswith("triton"):
+        return f"Triton is not installed ({_TRITON_FIX})"
+    return f"its module failed to import ({_error_text(e)})"
+
+
+def _triton_version_text() -> str:
+    try:
+        import triton
+
+        return str(triton.__version__)
+    except Exception:
+        return "(version unknown)"
+
+
+def _cublaslt_problems() -> list[str]:
+    """What keeps cuBLASLt from running here, most actionable first."""
+    problems = []
+    if _module_missing("nvmath"):
+        problems.append(f"nvmath-python is not installed ({_NVMATH_FIX})")
+    else:
+        try:
+            from nvmath.bindings import cublasLt
+        except Exception as e:
+            problems.append(f"nvmath-python failed to import ({_error_text(e)}; reinstall it: {_NVMATH_FIX})")
+        else:
+            if torch.cuda.is_available():
+                try:
+                    cublasLt.get_version()
+                except Exception as e:
+                    problems.append(f"libcublasLt could not be loaded ({_error_text(e)}; pip install "
+                                    "'hybridgemm[cu13]' or '[cu12]' for the CUDA libraries)")
+    return problems
+
+
+def _not_available_reason(name: str) -> str:
+    """Why backend ``name`` (imported fine) says it is not available."""
+    problems = _cublaslt_problems() if name == "cublaslt" else []
+    if not torch.cuda.is_available():
+        problems.append("no CUDA device")
+    return "; ".join(problems) or "its availability check says no"
+
+
+def unavailable_backends() -> dict[str, str]:
+    """Each backend that cannot run here (in preference order), with why and how to fix it;
+    ``{}`` when every backend can run. Touches no GPU: it imports the backends' libraries and
+    asks whether a CUDA device exists."""
+    out = {}
+    for name in PREFERENCE:
+        try:
+            be = get_backend(name)
+        except Exception as e:
+            out[name] = _import_failure(name, e) + ("" if torch.cuda.is_available() else "; no CUDA device")
+            continue
+        try:
+            ok = bool(be.available())
+        except Exception as e:
+            out[name] = f"its availability check failed ({_error_text(e)})"
+            continue
+        if not ok:
+            out[name] = _not_available_reason(name)
+    return out
+
+
+def describe_unavailable(missing: dict[str, str]) -> str:
+    """One sentence naming the backends in ``missing`` (from :func:`unavailable_backends`)
+    and why; backends that share a reason are named together."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in missing.items():
+        by_reason.setdefault(reason, []).append(f"{LABELS.get(name, name)} ({name})")
+    parts = []
+    for reason, names in by_reason.items():
+        who = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        parts.append(f"{who} unavailable: {reason}")
+    return "; ".join(parts)
+
+
+_warned_unavailable = threading.Event()
+_warn_lock = threading.Lock()
+
+
+def warn_unavailable_once(stacklevel: int = 2) -> dict[str, str]:
+    """The first call in a process: if some backend cannot run here, one
+    :class:`BackendUnavailableWarning` naming each and why, with the fix; returns what it
+    warned about. Every later call returns ``{}`` at once (cheap enough for a hot path).
+    ``stacklevel`` as for :func:`warnings.warn` (2: the caller's line)."""
+    if _warned_unavailable.is_set():
+        return {}
+    with _warn_lock:
+        if _warned_unavailable.is_set():
+            return {}
+        try:
+            missing = unavailable_backends()
+        finally:
+            _warned_unavailable.set()
+    if missing:
+        warnings.warn(f"hybridgemm: {describe_unavailable(missing)}. The calls "
+                      f"{'this backend' if len(missing) == 1 else 'these backends'} would serve run another "
+                      "backend or F.linear; `hybridgemm show` lists the backends.",
+                      BackendUnavailableWarning, stacklevel=stacklevel)
+    return missing

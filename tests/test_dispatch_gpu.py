@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from helpers import check_close_to_reference, make_operands, range_entry
-from hybridgemm import dispatch
+from hybridgemm import decide, dispatch
 from hybridgemm.autotune_cache import tuner
 from hybridgemm.autotune_cache.presets import ProjectionShape
 from hybridgemm.autotune_cache.signature import current_signature
 from hybridgemm.autotune_cache.table import TableKey, TuningTable
 from hybridgemm.autotune_cache.tuner import keys_for, tune
-from hybridgemm.kernels.epilogue import Epilogue
+from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import Problem
 
 pytestmark = pytest.mark.gpu
@@ -26,9 +26,9 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True)
 def _fresh_dispatch(monkeypatch, tmp_path):
     monkeypatch.setenv("HYBRIDGEMM_CACHE_DIR", str(tmp_path / "cache"))
-    dispatch.set_table_path(None)
+    decide.set_table_path(None)
     yield
-    dispatch.set_table_path(None)
+    decide.set_table_path(None)
 
 
 def _tiny_tune(path, ms=(1, 64, 512)):
@@ -43,7 +43,7 @@ def _one_entry_table(tmp_path, lo, hi, backend, record):
     table.set(TableKey("linear", "bf16", "bias", 384, 512, lo, hi, "c"), range_entry(backend, record, lo, hi))
     path = tmp_path / "t.json"
     table.save(path)
-    dispatch.set_table_path(path)
+    decide.set_table_path(path)
 
 
 def test_precompile_builds_every_triton_candidate():
@@ -72,7 +72,7 @@ def test_tune_end_to_end_and_reload(tmp_path):
     _, again = _tiny_tune(path)
     assert all(r.skipped for r in again)
     # the same choices in a fresh process reading the table
-    code = ("import sys, hybridgemm.dispatch as d; d.set_table_path(sys.argv[1]);"
+    code = ("import sys, hybridgemm.decide as d; d.set_table_path(sys.argv[1]);"
             "print('\\n'.join(d.explain((m, 512), (384, 512)) for m in (1, 64, 300, 2000)))")
     outs = [subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True,
                            env=dict(os.environ)).stdout for _ in range(2)]
@@ -103,7 +103,7 @@ def test_an_entry_is_never_run_outside_its_range(tmp_path):
     assert {m: ran[m] == inside for m in ran} == {1: False, 256: False, 257: True, 300: True, 363: True,
                                                   364: False, 2000: False}, ran
     assert all(ran[m][:2] == ("torch", "rule") for m in (1, 256, 364, 2000)), ran
-    assert "tuned for M 257-363" in dispatch.explain((300, 512), (384, 512))
+    assert "tuned for M 257-363" in decide.explain((300, 512), (384, 512))
 
 
 @pytest.mark.parametrize("backend, record", [
@@ -129,9 +129,9 @@ def test_dispatch_runs_each_backend(tmp_path, backend, record):
     table.set(key, range_entry(backend, record, 9, 16))
     path = tmp_path / "t.json"
     table.save(path)
-    dispatch.set_table_path(path)
-    assert f"runs {backend}" in dispatch.explain((m, k), (n, k))
-    assert "(table: tuned for M 9-16" in dispatch.explain((m, k), (n, k))
+    decide.set_table_path(path)
+    assert f"runs {backend}" in decide.explain((m, k), (n, k))
+    assert "(table: tuned for M 9-16" in decide.explain((m, k), (n, k))
     for _ in range(2):  # slow path, then the cached launcher
         y = dispatch.fused_linear(x, w, b)
         check_close_to_reference(y, x, w, b, None, backend)
@@ -148,7 +148,7 @@ def test_rejected_entry_warns_once_and_falls_back(tmp_path):
     table.set(key, range_entry("triton_gemm", bad, 9, 16))
     path = tmp_path / "t.json"
     table.save(path)
-    dispatch.set_table_path(path)
+    decide.set_table_path(path)
     x, w, b = make_operands(m, n, k, torch.bfloat16, "cuda")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -157,7 +157,7 @@ def test_rejected_entry_warns_once_and_falls_back(tmp_path):
     msgs = [str(c.message) for c in caught if "cannot be used" in str(c.message)]
     assert len(msgs) == 1, msgs
     check_close_to_reference(y, x, w, b, None, "fallback")
-    assert "(rule:" in dispatch.explain((m, k), (n, k))
+    assert "(rule:" in decide.explain((m, k), (n, k))
 
 
 @pytest.mark.parametrize("act", [None, "relu", "gelu_tanh", "gelu"])
@@ -192,8 +192,8 @@ def test_o_projection_input_with_a_size_one_seq_dim(backend, tmp_path):
     table.set(TableKey("linear", "bf16", "bias", n, k, 5, 8, "c"), range_entry(backend, record, 5, 8))
     path = tmp_path / "t.json"
     table.save(path)
-    dispatch.set_table_path(path)
-    assert f"runs {backend}" in dispatch.explain(tuple(x.shape), (n, k))
+    decide.set_table_path(path)
+    assert f"runs {backend}" in decide.explain(tuple(x.shape), (n, k))
     x2 = x.reshape(b_, k)
     for _ in range(3):  # slow path, then the cached launcher
         y = dispatch.fused_linear(x, w, bias)
@@ -201,4 +201,22 @@ def test_o_projection_input_with_a_size_one_seq_dim(backend, tmp_path):
         check_close_to_reference(y.view(b_, n), x2, w, bias, None, backend)
     from hybridgemm.kernels.checks import call_signature
 
-    assert dispatch._fast.get(call_signature(x, w, bias, None)[0]) is not None  # no copy: a cached launcher
+    assert dispatch._launchers[0].get(call_signature(x, w, bias, None)[0]) is not None  # no copy: a cached launcher
+
+
+def test_an_unavailable_backend_is_said_once_on_the_first_gpu_call(monkeypatch):
+    """One BackendUnavailableWarning on the first GPU call (naming the backend and why), none
+    on later calls of this or other shapes; the calls still give right results."""
+    from hybridgemm.kernels import backends
+
+    why = "nvmath-python is not installed (pip install nvmath-python)"
+    monkeypatch.setattr(backends, "unavailable_backends", lambda: {"cublaslt": why})
+    monkeypatch.setattr(backends, "_warned_unavailable", type(backends._warned_unavailable)())
+    decide.reload_tables()  # no cached decision: the next calls take the slow path
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for m, n in ((3, 520), (3, 520), (17, 776)):
+            x, w, b = make_operands(m, n, 320, torch.bfloat16, "cuda")
+            check_close_to_reference(dispatch.fused_linear(x, w, b), x, w, b, Activation.NONE)
+    said = [str(r.message) for r in rec if issubclass(r.category, backends.BackendUnavailableWarning)]
+    assert len(said) == 1 and "cublaslt" in said[0] and why in said[0]

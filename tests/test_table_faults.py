@@ -2,7 +2,7 @@
 
 tests/test_table.py checks ``TuningTable.load``/``save`` against the fault catalogue (truncated
 file, random bytes, wrong types, wrong schema, another GPU's table, concurrent writers). This
-file checks what a *call* sees: the dispatcher's decision (``dispatch.choose``, rules 4-5)
+file checks what a *call* sees: the dispatcher's decision (``decide.choose``, rules 4-5)
 with a faulty explicit or user table keeps working — it falls back to the fallback rule
 (F.linear itself, never a pinned config) with exactly one warning — and
 uses good entries next to bad ones; table entries whose config no longer validates; an entry
@@ -34,7 +34,7 @@ import torch
 from test_table import BAD_FILES, SIG, _writer, entry, filled_table, key, v1_doc, v1_entry
 
 import hybridgemm.autotune_cache.table as T
-from hybridgemm import dispatch
+from hybridgemm import decide
 from hybridgemm.autotune_cache import signature
 from hybridgemm.autotune_cache.table import HybridGemmTableWarning, TableKey, TableWriteError, TuningTable, make_entry
 from hybridgemm.kernels import backends, cublaslt
@@ -73,10 +73,10 @@ def fake_h200(monkeypatch, tmp_path):
         return dataclasses.replace(be, available=lambda: name != "cublaslt")
 
     monkeypatch.setattr(backends, "get_backend", get_backend)
-    monkeypatch.setattr(dispatch, "_warned", set())  # the dispatcher warns once per key per process
-    dispatch.set_table_path(None)
+    monkeypatch.setattr(decide, "_warned", set())  # the dispatcher warns once per key per process
+    decide.set_table_path(None)
     yield tmp_path
-    dispatch.set_table_path(None)
+    decide.set_table_path(None)
 
 
 @pytest.fixture
@@ -98,12 +98,12 @@ def tuned(backend, record, k=KEY, us=9.0, m_points=None, ratios=None):
 
 
 def choose_at(m):
-    return dispatch.choose(dataclasses.replace(PROBLEM, m=m), 0)
+    return decide.choose(dataclasses.replace(PROBLEM, m=m), 0)
 
 
 def miss(m, why="no table entry holds this M"):
     """The fallback rule's decision at M = ``m``, F.linear (hand-written, not asked of the dispatcher)."""
-    return dispatch.Choice("torch", None, "rule", f"linear|bf16|bias|N={N}|K={K}|c at M={m}", f"{why}; F.linear")
+    return decide.Choice("torch", None, "rule", f"linear|bf16|bias|N={N}|K={K}|c at M={m}", f"{why}; F.linear")
 
 
 def _table(path, entries, sig=FAKE_SIG):
@@ -118,12 +118,12 @@ def _choose_three_times(path=None):
     """Three decisions for PROBLEM (the third after reloading the tables, as a long-running
     process that calls ``reload_tables`` would): (choices, warnings raised)."""
     if path is not None:
-        dispatch.set_table_path(path)
+        decide.set_table_path(path)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        choices = [dispatch.choose(PROBLEM, 0), dispatch.choose(PROBLEM, 0)]
-        dispatch.reload_tables()
-        choices.append(dispatch.choose(PROBLEM, 0))
+        choices = [decide.choose(PROBLEM, 0), decide.choose(PROBLEM, 0)]
+        decide.reload_tables()
+        choices.append(decide.choose(PROBLEM, 0))
     return choices, rec
 
 
@@ -276,7 +276,7 @@ def test_read_only_cache_dir_is_read_and_a_save_there_fails_cleanly(fake_h200, m
         assert user.read_bytes() == before, "a failed save must leave the table on disk as it was"
         assert not [p.name for p in cache.iterdir() if p.name.endswith(".tmp")]
         assert tuner.lookup(KEY.with_range(1, 8))["median_us"] == 5.0  # the tuner's results are kept in memory
-        assert dispatch.choose(PROBLEM, 0).source == "table"  # and calls go on
+        assert decide.choose(PROBLEM, 0).source == "table"  # and calls go on
     finally:
         cache.chmod(0o755)
         user.chmod(0o644)
@@ -375,7 +375,7 @@ def test_an_entry_is_used_only_inside_its_range(fake_h200):
         KEY: tuned("triton_splitk", SPLITK_RECORD),  # 9-16
         R257: tuned("triton_gemm", GEMM_RECORD, R257, us=90.0, m_points=[257, 363, 512], ratios=[1.2, 1.05, 1.3]),
     })
-    dispatch.set_table_path(path)
+    decide.set_table_path(path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for m in (257, 300, 363, 512):
@@ -395,12 +395,12 @@ def test_a_halved_range_sends_each_half_to_its_own_entry(fake_h200):
         low: tuned("triton_gemm", GEMM_RECORD, low, ratios=[1.2, 1.15]),
         high: tuned("torch", {}, high, ratios=[1.0, 1.0]),  # F.linear itself won the upper half
     })
-    dispatch.set_table_path(path)
+    decide.set_table_path(path)
     for m in (257, 363):
         c = choose_at(m)
         assert (c.backend, c.source, c.m_lo, c.m_hi, c.worst_ratio) == ("triton_gemm", "table", 257, 363, 1.15)
     for m in (364, 512):
-        assert choose_at(m) == dispatch.Choice(
+        assert choose_at(m) == decide.Choice(
             "torch", None, "table", "linear|bf16|bias|N=384|K=512|M=364-512|c",
             "tuned for M 364-512, timed at M=364,512: worst 1.000x F.linear's speed there; runs F.linear",
             364, 512, 1.0)
@@ -410,7 +410,7 @@ def test_a_halved_range_sends_each_half_to_its_own_entry(fake_h200):
 def test_the_reason_names_the_range_the_points_and_the_worst_ratio(fake_h200, monkeypatch):
     path = _table(fake_h200 / "reason.json", {
         R257: tuned("triton_gemm", GEMM_RECORD, R257, m_points=[257, 363, 512], ratios=[1.25, 0.987, 1.1])})
-    dispatch.set_table_path(path)
+    decide.set_table_path(path)
     c = choose_at(300)
     assert c.reason == "tuned for M 257-512, timed at M=257,363,512: worst 0.987x F.linear's speed there"
     assert "M 257-512" in c.reason and "0.987x" in c.reason and c.worst_ratio == 0.987
@@ -418,11 +418,11 @@ def test_the_reason_names_the_range_the_points_and_the_worst_ratio(fake_h200, mo
     # explain() prints the same, given a (faked) device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    text = dispatch.explain((3, 100, K), (N, K), "bf16")
+    text = decide.explain((3, 100, K), (N, K), "bf16")
     assert text.splitlines()[0] == f"linear bf16 M=300 N={N} K={K} epilogue=bias"
     assert "key linear|bf16|bias|N=384|K=512|M=257-512|c" in text
     assert "runs triton_gemm [" in text and "tuned for M 257-512" in text and "worst 0.987x" in text
-    miss_text = dispatch.explain((513, K), (N, K), "bf16")
+    miss_text = decide.explain((513, K), (N, K), "bf16")
     assert "at M=513" in miss_text and "runs torch (rule: no table entry holds this M; F.linear)" in miss_text
 
 
@@ -431,7 +431,7 @@ def test_the_reason_names_the_range_the_points_and_the_worst_ratio(fake_h200, mo
 
 def test_a_miss_runs_f_linear_even_where_cublaslt_is_available(fake_h200_lt):
     """Rule 5 is F.linear itself: not a pinned config, and not cuBLASLt's heuristic either
-    (measured slower than F.linear for some shapes; see ``dispatch.fallback_rule``)."""
+    (measured slower than F.linear for some shapes; see ``decide.fallback_rule``)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert [choose_at(m) for m in (1, 16, 300, 16384)] == [miss(m) for m in (1, 16, 300, 16384)]
@@ -444,7 +444,7 @@ def test_a_cublaslt_heuristic_entry(fake_h200_lt, monkeypatch):
     path = _table(fake_h200_lt / "heuristic.json", {KEY: tuned("cublaslt", {}, ratios=[1.02, 1.01])})
     choices, rec = _choose_three_times(path)
     assert not [str(w.message) for w in rec]
-    assert choices == [dispatch.Choice(
+    assert choices == [decide.Choice(
         "cublaslt", None, "table", KEY.to_string(),
         "tuned for M 9-16, timed at M=9,16: worst 1.010x F.linear's speed there", 9, 16, 1.01)] * 3
     assert choices[0].describe().startswith("cublaslt [heuristic at the exact M] (table: tuned for M 9-16")
@@ -499,7 +499,7 @@ def test_tables_that_cannot_be_loaded_leave_every_call_on_f_linear(fake_h200, mo
         raise RuntimeError("driver query failed")
 
     monkeypatch.setattr(signature, "current_signature", broken)
-    dispatch.reload_tables()
+    decide.reload_tables()
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         got = [choose_at(m) for m in (16, 16, 300)]
