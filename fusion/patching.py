@@ -29,11 +29,26 @@ identity check applies (Dynamo cannot read version counters).
 
 Parameters. ``HybridLinear``/``HybridMultiheadAttention`` are the *same* module objects
 with their class swapped: parameters, state-dict keys, optimizer state all unchanged.
-Fused Q/K/V: the fused weight is a new parameter (``...qkv_proj.weight``/``.bias``
-replace the q/k/v keys in the state dict while patched: build the optimizer after
-patching, save checkpoints after unpatching); the original ``nn.Linear`` parameters are
-re-pointed at slices of it, so memory is not doubled, and on unpatch they get the current
-(possibly trained, moved or cast) values in storage of their own.
+Fused Q/K/V: the fused weight and bias are new parameters; ``named_parameters()`` lists
+``...qkv_proj.weight``/``.bias`` in place of the q/k/v ones, so build the optimizer after
+patching (an optimizer's state dict then fits only a model patched the same way). The
+original ``nn.Linear`` parameters are re-pointed at slices of them, so memory is not
+doubled, and on unpatch they get the current (possibly trained, moved or cast) values in
+storage of their own.
+
+Checkpoints. A patched model's ``state_dict()`` has the stock keys, in the stock order, with
+the stock values, so ``save_pretrained``/``torch.save`` write a stock checkpoint and a stock
+checkpoint loads into a patched model. Saving: each :class:`QKVSlice` writes its rows of the
+fused parameters under its stock name (``q_proj.weight``, ...; views, not copies, as a stock
+state dict aliases the parameters) and :class:`FusedQKV` writes nothing. Loading: a
+load-state-dict pre-hook on the attention module concatenates the stock q/k/v entries into
+``qkv_proj.weight``/``.bias`` before torch loads the fused module, so ``strict``,
+``assign=True`` and missing/unexpected/size-mismatch reports (under the stock names) behave
+as they do for the stock module; a state dict with ``qkv_proj`` keys loads too. State-dict
+hooks rather than parameters that are views of the fused weight: a view of a parameter is
+not a leaf, so gradients and optimizer state must live on the one fused parameter that the
+GEMM reads. :class:`HybridConv1D`'s state dict holds a contiguous copy of its weight (the
+parameter is stored transposed while patched; safetensors refuses non-contiguous tensors).
 
 Tied weights. Fusing copies Q, K and V into one new parameter, which would untie weights
 that are shared. So Q/K/V are not fused (each linear is swapped on its own, which keeps
@@ -103,11 +118,12 @@ class FusedQKV(nn.Module):
     the three :class:`QKVSlice` modules share (see the module docstring)."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, sizes: tuple[int, int, int],
-                 originals: tuple[nn.Linear, ...] = ()):
+                 originals: tuple[nn.Linear, ...] = (), names: tuple[str, str, str] = ("q_proj", "k_proj", "v_proj")):
         super().__init__()
         self.weight = weight
         self.bias = bias
         self.sizes = tuple(sizes)
+        self.names = tuple(names)  # the slices' attribute names on the attention module (state-dict keys)
         self._rec = None  # (x, x._version, [q, k, v] with handed-out slots set to None)
         object.__setattr__(self, "_originals", tuple(originals))  # not submodules
         self.alias_originals()
@@ -121,9 +137,9 @@ class FusedQKV(nn.Module):
         ws = self.weight.detach().split(self.sizes)
         bs = self.bias.detach().split(self.sizes) if self.bias is not None else (None,) * 3
         for lin, wi, bi in zip(self._originals, ws, bs):
-            lin.weight.data = wi
+            _repoint(lin, "weight", wi)
             if bi is not None:
-                lin.bias.data = bi
+                _repoint(lin, "bias", bi)
 
     def _apply(self, fn, *args, **kwargs):
         # model.to()/.half()/.cuda() give the fused parameters new storage; re-point the
@@ -131,6 +147,17 @@ class FusedQKV(nn.Module):
         out = super()._apply(fn, *args, **kwargs)
         self.alias_originals()
         return out
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        pass  # the slices save the fused parameters' rows under the stock q/k/v names
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # Its own keys are optional: checkpoints carry the stock q/k/v names, which the
+        # attention module's pre-hook (_load_stock_qkv) turns into these keys, reporting
+        # absent ones as missing under their stock names.
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, [], unexpected_keys, error_msgs)
+        self.alias_originals()  # assign=True or swapped tensors give the parameters new storage
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return linear(x, self.weight, self.bias).split_with_sizes(self.sizes, dim=-1)
@@ -151,6 +178,16 @@ class FusedQKV(nn.Module):
         return f"in_features={self.weight.shape[1]}, sizes={self.sizes}, bias={self.bias is not None}"
 
 
+def _repoint(lin: nn.Linear, name: str, t: Tensor) -> None:
+    """``lin.<name>.data = t``; where torch refuses that (meta -> real device, as after
+    ``load_state_dict(assign=True)`` or ``to_empty``) a new parameter takes the old one's place."""
+    p = lin._parameters[name]
+    try:
+        p.data = t
+    except RuntimeError:
+        lin._parameters[name] = nn.Parameter(t, requires_grad=p.requires_grad)
+
+
 def _version(x: Tensor) -> int:
     # Dynamo cannot read version counters (it makes them data-dependent symbols), so under
     # torch.compile only the identity check applies; eager calls check both.
@@ -159,6 +196,48 @@ def _version(x: Tensor) -> int:
 
 def _same_version(v: int, x: Tensor) -> bool:
     return v == _version(x)
+
+
+def _load_stock_qkv(module: nn.Module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                    error_msgs) -> None:
+    """Load-state-dict pre-hook of an attention module whose Q/K/V are fused: replaces the
+    stock ``q_proj.weight``/``k_proj.weight``/``v_proj.weight`` entries (and biases) of
+    ``state_dict`` by one ``qkv_proj.weight`` (``.bias``) that torch then loads into the
+    fused parameter. A part that is absent is reported missing and keeps its current value;
+    a part of the wrong shape is reported as torch reports one, under its stock name."""
+    fused = module._modules.get(_FUSED_NAME)
+    if not isinstance(fused, FusedQKV):
+        return
+    for attr in ("weight", "bias"):
+        current = getattr(fused, attr)
+        if current is None:
+            continue  # stock bias keys stay: the slices report them unexpected, as a bias-less Linear would
+        keys = [f"{prefix}{n}.{attr}" for n in fused.names]
+        present = [k in state_dict for k in keys]
+        if not any(present):
+            if strict and f"{prefix}{_FUSED_NAME}.{attr}" not in state_dict:
+                missing_keys.extend(keys)
+            continue
+        parts, ok = [], True
+        for key, here, cur in zip(keys, present, current.detach().split(fused.sizes)):
+            if not here:
+                if strict:
+                    missing_keys.append(key)
+                parts.append(cur)
+                continue
+            t = state_dict.pop(key)
+            if not isinstance(t, Tensor):
+                error_msgs.append(f'While copying the parameter named "{key}", expected torch.Tensor from checkpoint '
+                                  f"but received {type(t)}")
+                ok = False
+            elif t.shape != cur.shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {t.shape} from checkpoint, "
+                                  f"the shape in current model is {cur.shape}.")
+                ok = False
+            parts.append(t)
+        if ok:
+            device = next(t.device for t, here in zip(parts, present) if here)
+            state_dict[f"{prefix}{_FUSED_NAME}.{attr}"] = torch.cat([t.to(device) for t in parts])
 
 
 class QKVSlice(nn.Module):
@@ -187,6 +266,12 @@ class QKVSlice(nn.Module):
     def bias(self) -> Tensor | None:
         return self._rows(self.fused.bias)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name in ("weight", "bias"):
+            t = self._rows(getattr(self.fused, name))
+            if t is not None:
+                destination[prefix + name] = t if keep_vars else t.detach()
+
     def forward(self, x: Tensor) -> Tensor:
         return self.fused.part(x, self.idx)
 
@@ -205,6 +290,21 @@ class HybridConv1D(nn.Module):
         self.nf, self.nx = conv.weight.shape[1], conv.weight.shape[0]
         self.weight = conv.weight
         self.bias = conv.bias
+        self.store_transposed()
+
+    def store_transposed(self) -> None:
+        """Give W the (in, out)-shaped, transposed-in-memory layout (a copy unless it has it)."""
+        if self.weight.dim() == 2 and not self.weight.t().is_contiguous():
+            self.weight.data = self.weight.data.t().contiguous().t()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not keep_vars:  # the stock layout: safetensors and .view() need a contiguous tensor
+            destination[prefix + "weight"] = self.weight.detach().contiguous()
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.store_transposed()  # assign=True puts the checkpoint's (contiguous) tensor in place
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight.t(), self.bias)
@@ -319,8 +419,6 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False) -> Patc
                 conv = _get(mod, child)
                 if conv is not None and _is_conv1d(conv):
                     new = HybridConv1D(conv)
-                    with torch.no_grad():
-                        new.weight.data = new.weight.data.t().contiguous().t()
                     _record(mod, ("conv1d", next(_SEQ), child, conv, new))
                     setattr(mod, child, new)
                     report.patched.append(_qual(name, child))
@@ -408,11 +506,12 @@ def _fuse(mod: nn.Module, names, lins: list[nn.Linear]) -> None:
         w = nn.Parameter(torch.cat([lin.weight for lin in lins]), requires_grad=rg)
         b = nn.Parameter(torch.cat([lin.bias for lin in lins]), requires_grad=rg) \
             if lins[0].bias is not None else None
-    fused = FusedQKV(w, b, sizes, tuple(lins))
+    fused = FusedQKV(w, b, sizes, tuple(lins), tuple(names))
     mod.add_module(_FUSED_NAME, fused)
     for i, n in enumerate(names):
         setattr(mod, n, QKVSlice(fused, i))
-    _record(mod, ("fused", next(_SEQ), tuple(names), tuple(lins)))
+    hook = mod.register_load_state_dict_pre_hook(_load_stock_qkv)
+    _record(mod, ("fused", next(_SEQ), tuple(names), tuple(lins), hook))
 
 
 def unpatch(model: nn.Module) -> list[str]:
@@ -441,7 +540,8 @@ def unpatch(model: nn.Module) -> list[str]:
                 conv.weight.data = conv.weight.data.contiguous()
             setattr(mod, child, conv)
         elif kind == "fused":
-            _, _, names, lins = rec
+            _, _, names, lins, hook = rec
+            hook.remove()
             fused = mod._modules.pop(_FUSED_NAME)
             sizes = fused.sizes
             with torch.no_grad():
