@@ -5,7 +5,7 @@ Importing the package does no GPU work and needs no CUDA driver (it registers th
 """
 
 from hybridgemm.attention import AttentionProjection, HybridMultiheadAttention, attention_projection
-from hybridgemm.decide import explain, get_mode, mode, set_mode
+from hybridgemm.decide import explain, get_mode, mode, reload_tables, set_mode, set_table_path
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.version import __version__
 from hybridgemm.linear_layer import HybridLinear, linear
@@ -13,6 +13,6 @@ from hybridgemm.patching import PatchReport, patch, unpatch
 
 __all__ = [
     "Activation", "AttentionProjection", "Epilogue", "HybridLinear", "HybridMultiheadAttention",
-    "PatchReport", "__version__", "attention_projection", "explain", "get_mode", "linear", "mode", "patch", "set_mode",
-    "unpatch",
+    "PatchReport", "__version__", "attention_projection", "explain", "get_mode", "linear", "mode", "patch",
+    "reload_tables", "set_mode", "set_table_path", "unpatch",
 ]

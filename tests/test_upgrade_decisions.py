@@ -87,3 +87,18 @@ def test_a_table_of_this_triton_is_never_probed(monkeypatch, tmp_path):
     asked = _probe_answers(monkeypatch, ProbeResult(False, "must not be asked"))
     choice, _ = _choose(_table(tmp_path / "same.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)}))
     assert (choice.backend, choice.source) == ("triton_splitk", "table") and asked == []
+
+
+@pytest.mark.usefixtures("fake_h200")
+def test_the_package_root_names_the_table_and_reloads_it(tmp_path):
+    """``hybridgemm.set_table_path`` / ``reload_tables`` are the dispatcher's: a table named
+    there decides the next call, and a reload after the file changed is seen."""
+    import hybridgemm
+
+    path = _table(tmp_path / "root.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)})
+    hybridgemm.set_table_path(path)
+    assert decide.choose(PROBLEM, 0).backend == "triton_splitk"
+    _table(path, {KEY: tuned("torch", {})})
+    hybridgemm.reload_tables()
+    assert (decide.choose(PROBLEM, 0).backend, decide.choose(PROBLEM, 0).source) == ("torch", "table")
+    hybridgemm.set_table_path(None)
