@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -220,3 +221,52 @@ def test_an_unavailable_backend_is_said_once_on_the_first_gpu_call(monkeypatch):
             check_close_to_reference(dispatch.fused_linear(x, w, b), x, w, b, Activation.NONE)
     said = [str(r.message) for r in rec if issubclass(r.category, backends.BackendUnavailableWarning)]
     assert len(said) == 1 and "cublaslt" in said[0] and why in said[0]
+
+
+def test_a_triton_config_tuned_under_another_triton_is_probed_then_run(tmp_path, monkeypatch):
+    """A table whose signature names another Triton: its Triton entry runs after the one-time
+    correctness probe (on this GPU, against an fp32 reference), with one table warning; a
+    config the probe rejects (a wrong kernel, faked) runs F.linear with one warning."""
+    from hybridgemm.autotune_cache import probe
+    from hybridgemm.kernels import backends
+
+    m, n, k = 16, 384, 512
+    key = TableKey("linear", "bf16", "bias", n, k, 9, 16, "c")
+    record = {"kind": "triton_splitk", "block_m": 16, "block_n": 64, "block_k": 128, "split_k": 4, "num_warps": 4,
+              "num_stages": 3}
+    table = TuningTable(signature={**current_signature(), "triton_version": "0.0.1"})
+    table.set(key, range_entry("triton_splitk", record, 9, 16))
+    path = tmp_path / "old-triton.json"
+    table.save(path)
+    probe.clear_cache()
+    decide.set_table_path(path)
+    x, w, b = make_operands(m, n, k, torch.bfloat16, "cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = dispatch.fused_linear(x, w, b)
+    said = [str(c.message) for c in caught]
+    assert len([s for s in said if "0.0.1" in s]) == 1, said
+    check_close_to_reference(y, x, w, b, None, "probed")
+    text = decide.explain((m, k), (n, k))
+    assert "runs triton_splitk" in text and "passed its correctness probe" in text
+
+    # the same entry when the kernel computes something else: the probe fails, F.linear runs
+    real = backends.get_backend("triton_splitk")
+
+    def wrong(config, x2, w2, b2, out, act, tf32=False):
+        real.run(config, x2, w2, b2, out, act, tf32)
+        out.mul_(1.5)
+
+    wrong_backend = dataclasses.replace(real, run=wrong)
+    orig = backends.get_backend
+    monkeypatch.setattr(backends, "get_backend", lambda name: wrong_backend if name == "triton_splitk" else orig(name))
+    probe.clear_cache()
+    decide.reload_tables()
+    problem = Problem.from_tensors(x, w, b, torch.empty(m, n, dtype=x.dtype, device="cuda"),
+                                   Epilogue.from_name("bias"), False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decision = decide.choose(problem, torch.cuda.current_device())
+    probe.clear_cache()
+    assert decision.backend == "torch" and "probe" in decision.reason
+    assert len([c for c in caught if "failed its correctness probe" in str(c.message)]) == 1
