@@ -5,6 +5,7 @@
     hybridgemm explain --x 16,4096 --w 6144,4096 [--dtype bf16] [--no-bias] [--activation relu]
                        [--table PATH | --device h200]
     hybridgemm bench --model llama3-8b [--m ...] [--providers ...] [--out results.csv] [--training] [--plot DIR]
+    hybridgemm bench --m-sweep ... | --e2e --model qwen2.5-7b|llama3-8b ...   (perf/cli_commands.py)
     hybridgemm plot results.csv [more.csv ...] [--out DIR]
     hybridgemm demo | main
 """

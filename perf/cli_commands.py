@@ -3,6 +3,8 @@
     hybridgemm bench --model llama3-8b [--m 1 16 ...] [--providers ...] [--dtype bf16] [--out results.csv]
                      [--training] [--plot DIR] [--list-providers]
     hybridgemm bench --m-sweep [--model NAME ...] [--dtype bf16] [--out DIR/any.csv]
+    hybridgemm bench --e2e --model qwen2.5-7b|llama3-8b [--layers N] [--batch 1 8] [--prefill 2048]
+                     [--tokens T] [--modes ...] [--rounds R] [--out CSV] [--plot DIR]
     hybridgemm plot results.csv [more.csv ...] [--out DIR]
 
 Each handler returns an exit code: 0 done, 1 ran but something is missing (no figure, a
@@ -20,9 +22,11 @@ import sys
 import torch
 
 from hybridgemm.autotune_cache.presets import get_preset
+from hybridgemm.perf import bench_e2e
 from hybridgemm.perf import providers as P
 from hybridgemm.perf.bench import DEFAULT_M, print_summary, run_bench, shapes_for
 from hybridgemm.perf.bench_msweep import main as m_sweep_main
+from hybridgemm.perf.e2e_models import model_names
 from hybridgemm.perf.plots import make_all_plots
 from hybridgemm.perf.providers import PROVIDERS
 
@@ -52,6 +56,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="instead: the M sweep (perf/bench_msweep.py): the dispatched call beside F.linear at ~100 M "
                         "from 1 to 16384 per projection shape of --model (default: every preset); writes "
                         "m_sweep_<gpu>.csv, m_sweep_summary.txt and m_sweep.png into --out's directory")
+    p.add_argument("--e2e", action="store_true",
+                   help="instead: the end-to-end run (perf/bench_e2e.py): one whole model (--model qwen2.5-7b or "
+                        "llama3-8b, random weights), stock vs patched, in HF generate, eager and compiled static-cache "
+                        "decode, prefill, and logits against fp32; upserts rows into --out (default e2e_<gpu>.csv)")
+    bench_e2e.add_e2e_options(p)
     p.set_defaults(fn=cmd_bench)
     return p
 
@@ -96,6 +105,12 @@ def cmd_bench(args) -> int:
     if args.list_providers:
         list_providers()
         return 0
+    if getattr(args, "e2e", False):
+        return cmd_e2e(args)
+    given = [f"--{name}" for name in E2E_ONLY if getattr(args, name, None) is not None]
+    if given:
+        _err(f"hybridgemm bench: {', '.join(given)}: only with --e2e")
+        return 2
     if getattr(args, "m_sweep", False):
         return cmd_m_sweep(args)
     try:
@@ -154,6 +169,40 @@ def cmd_m_sweep(args) -> int:
     out_dir = args.out if os.path.isdir(args.out) or args.out.endswith(("/", os.sep)) else os.path.dirname(args.out)
     argv = ["--out", out_dir or ".", "--dtype", args.dtype, *(a for m in models for a in ("--model", m))]
     return m_sweep_main(argv + (["--no-progress"] if args.no_progress else []))
+
+
+E2E_ONLY = ("layers", "batch", "prefill", "tokens", "modes", "rounds")
+
+
+def cmd_e2e(args) -> int:
+    """``hybridgemm bench --e2e``: perf/bench_e2e.py for the one --model, its options passed on;
+    --out unless left at bench's default."""
+
+    if args.shape or args.providers or args.training or args.m_sweep:
+        _err("hybridgemm bench --e2e: runs whole models (--model); --shape, --providers, --training and --m-sweep "
+             "do not apply")
+        return 2
+    if len(args.model or []) != 1:
+        _err(f"hybridgemm bench --e2e: give one --model ({' or '.join(model_names())})")
+        return 2
+    try:
+        model = bench_e2e.model_name(args.model[0])
+    except argparse.ArgumentTypeError as e:
+        _err(f"hybridgemm bench --e2e: {e}")
+        return 2
+
+    if not torch.cuda.is_available():
+        _err("hybridgemm bench --e2e: needs a CUDA GPU, and this machine has none (it times whole models on the GPU)")
+        return 2
+
+    argv = ["--model", model]
+    for name in E2E_ONLY:
+        value = getattr(args, name, None)
+        if value is not None:
+            argv += [f"--{name}", *map(str, value if isinstance(value, (list, tuple)) else [value])]
+    argv += ["--out", args.out] if args.out != DEFAULT_OUT else []
+    argv += ["--plot", args.plot] if args.plot else []
+    return bench_e2e.main(argv + (["--no-progress"] if args.no_progress else []))
 
 
 def cmd_plot(args) -> int:

@@ -14,6 +14,9 @@
    bottleneck.
 5. ``m_sweep.png`` (:func:`plot_m_sweep`, from perf/bench_msweep.py's own CSV, not through
    make_all_plots): speedup of the dispatched call over F.linear against M, one line per shape.
+6. ``e2e.png`` (:func:`plot_e2e`, from perf/bench_e2e.py's CSV; make_all_plots draws it for
+   such a CSV): whole-model ms per decode step and per prefill, stock vs hybridgemm, with the
+   HBM floor of the weights.
 Training rows (method ``fwd_bwd_events``: CUDA events around eager steps, which at small M
 measure the host as much as the GPU) are tabulated by ``hybridgemm bench``, not drawn.
 Several GPUs or dtypes in the CSVs give one file per (GPU, dtype), suffixed.
@@ -121,12 +124,13 @@ def caption(rows) -> str:
             f"nvmath-python {vals('nvmath')} | hybridgemm {vals('hybridgemm')}")
 
 
-def _figure(n_panels: int, panel_w=5.0, panel_h=3.8, foot=0.75):
-    """A figure of panels (``body``) over a footer (``foot``, ``foot`` inches tall) that holds
-    the legend and the caption: a fixed strip, so neither can overlap the panels or each other."""
+def _figure(n_panels: int, panel_w=5.0, panel_h=3.8, foot=0.75, ncols: int = 3):
+    """A figure of panels (``body``, at most ``ncols`` a row) over a footer (``foot`` inches
+    tall) that holds the legend and the caption: a fixed strip, so neither can overlap the
+    panels or each other."""
     from matplotlib.figure import Figure
 
-    ncols = min(3, max(1, n_panels))
+    ncols = min(ncols, max(1, n_panels))
     nrows = math.ceil(max(1, n_panels) / ncols)
     height = panel_h * nrows + 0.6
     fig = Figure(figsize=(panel_w * ncols, height + foot), layout="constrained")
@@ -315,10 +319,15 @@ def plot_host_time(rows, gpu_rows, path: Path) -> Path:
 
 def make_all_plots(csv_paths, out_dir, log: Callable[[str], None] = print) -> list[Path]:
     """Draw every figure the CSVs have data for into ``out_dir``; return the files written.
-    A figure without data is skipped with a note through ``log``."""
-    rows = load_rows(csv_paths)
+    A figure without data is skipped with a note through ``log``. An end-to-end CSV
+    (perf/bench_e2e.py) gives its own figure (:func:`plot_e2e`)."""
     out_dir = Path(out_dir)
-    written: list[Path] = []
+    e2e = [p for p in csv_paths if os.path.isfile(p) and is_e2e_csv(p)]
+    written = [plot_e2e(p, out_dir, "e2e.png" if len(e2e) == 1 else f"{Path(p).stem}.png") for p in e2e]
+    csv_paths = [p for p in csv_paths if p not in e2e]
+    if e2e and not csv_paths:
+        return written
+    rows = load_rows(csv_paths)
     attention = [r for r in rows if r.get("provider") in ATTENTION_PROVIDERS]
     linear = [r for r in rows if r.get("provider") not in ATTENTION_PROVIDERS]
     gpu, eager = measured(linear, "gpu"), measured(linear, "eager")
@@ -418,3 +427,77 @@ def plot_m_sweep(csv_path, out_dir) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     return path
+
+
+E2E_DECODE_MODES = ("eager_generate", "eager_static", "compiled_static")
+E2E_VARIANTS = (("stock", "0.25"), ("hybridgemm", "C3"))
+
+
+def is_e2e_csv(path) -> bool:
+    """Whether the CSV at ``path`` holds perf/bench_e2e.py's rows (its header has mode and variant)."""
+    with open(path, newline="") as f:
+        header = f.readline()
+    return {"mode", "variant"} <= {c.strip() for c in header.split(",")}
+
+
+def _e2e_bars(ax, groups: list[tuple], rows: dict, labels: list[str]) -> None:
+    """Stock and hybridgemm bars per group (``rows[(group, variant)]``: ms), the speedup over
+    stock written above each hybridgemm bar."""
+    x = np.arange(len(groups))
+    width = 0.38
+    for i, (variant, colour) in enumerate(E2E_VARIANTS):
+        ys = [rows.get((g, variant), np.nan) for g in groups]
+        pos = x + (i - 0.5) * width
+        ax.bar(pos, ys, width, label=variant, color=colour)
+        for xp, g, y in zip(pos, groups, ys):
+            stock = rows.get((g, "stock"))
+            if variant != "stock" and stock and y == y:
+                ax.annotate(f"{stock / y:.2f}x", (xp, y), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+                            textcoords="offset points")
+    ax.set_xticks(x, labels)
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def plot_e2e(csv_path, out_dir, name: str = "e2e.png") -> Path:
+    """``name`` (default ``e2e.png``) in ``out_dir`` from perf/bench_e2e.py's CSV: per (GPU, model, layers), ms per
+    decode step for each decode mode and batch (stock and hybridgemm bars, log scale, the HBM
+    floor of the weights as a dashed line), and ms per prefill beside it. Rows whose status is
+    not ok are left out. Raises FileNotFoundError for a missing file, ValueError when no row
+    holds a time."""
+
+    if not os.path.isfile(csv_path):
+        raise FileNotFoundError(f"no such CSV file: {csv_path}")
+    rows = [r for r in read_rows(str(csv_path)) if r.get("status") == "ok" and _float(r.get("ms_per_token")) > 0]
+    if not rows:
+        raise ValueError(f"{csv_path}: no rows with a time (not an end-to-end CSV?)")
+    models: dict[tuple, list[dict]] = {}
+    for r in rows:
+        models.setdefault((r.get("gpu", "?"), r.get("model", "?"), r.get("layers", "?")), []).append(r)
+    panels = []
+    for key, mine in models.items():
+        panels.append((key, "decode", [r for r in mine if r.get("mode") in E2E_DECODE_MODES]))
+        panels.append((key, "prefill", [r for r in mine if r.get("mode") == "prefill"]))
+    panels = [p for p in panels if p[2]]
+    fig, body, footer, axes = _figure(len(panels), panel_w=6.5, panel_h=4.2, ncols=2)
+    for ax, ((gpu, model, layers), kind, prs) in zip(axes, panels):
+        ms = {((r["mode"], _int(r["batch"])), r["variant"]): _float(r["ms_per_token"]) for r in prs}
+        order = {m: i for i, m in enumerate(E2E_DECODE_MODES)}
+        groups = sorted({g for g, _ in ms}, key=lambda g: (order.get(g[0], 9), g[1]))
+        if kind == "decode":
+            _e2e_bars(ax, groups, ms, [f"{m.replace('_', chr(10))}\nB={b}" for m, b in groups])
+            floors = {_float(r.get("hbm_floor_ms")) for r in prs} - {math.nan}
+            floors = {f for f in floors if f > 0}
+            if floors:
+                ax.axhline(min(floors), ls="--", color="crimson", lw=1.3,
+                           label=f"HBM floor: weights / {HBM_TBPS} TB/s")
+            _log_y(ax)
+            ax.set_ylabel("ms per decode step (lower is better)")
+            ax.set_title(f"{model}, {layers} layers: decode" + (f" ({gpu})" if gpu else ""), fontsize=10)
+        else:
+            _e2e_bars(ax, groups, ms, [f"B={b}, {prs[0].get('tokens', '?')} tokens" for _, b in groups])
+            ax.set_xlim(-1.5, len(groups) + 0.5)  # one group: keep its bars as narrow as the decode ones
+            ax.set_ylabel("ms per prefill (lower is better)")
+            ax.set_title(f"{model}, {layers} layers: prefill" + (f" ({gpu})" if gpu else ""), fontsize=10)
+    _legend(footer, axes)
+    body.suptitle("End to end: stock vs hybridgemm.patch, same weights, one process (labels: speedup over stock)")
+    return _save(fig, footer, Path(out_dir) / name, rows)

@@ -1,0 +1,566 @@
+"""End to end: a whole decoder model, stock beside ``hybridgemm.patch``, as users run it.
+
+    hybridgemm bench --e2e --model qwen2.5-7b|llama3-8b [--layers N] [--batch 1 8] [--prefill 2048]
+                     [--tokens 64] [--modes ...] [--rounds 3] [--out CSV] [--plot DIR]
+    python -m hybridgemm.perf.bench_e2e  (the same options)
+
+The model is Qwen2ForCausalLM or LlamaForCausalLM built from a config of the real model's sizes
+(perf/e2e_models.py; ``--layers`` shortens it) with random weights, bf16, on one CUDA GPU, in
+one process. Modes, each at every ``--batch`` (prefill at batch 1), after a prompt of
+:data:`PROMPT_LEN` random tokens:
+
+- ``eager_generate``: HF ``generate`` (greedy, default dynamic cache); ms/token = (wall time of
+  ``--tokens`` new tokens - wall time of 1) / (tokens - 1), which removes the prompt's forward.
+- ``eager_static``: a greedy loop over a ``StaticCache``, one token per step, positions
+  advancing on the device; wall time of ``--tokens`` steps (synchronised around) / tokens.
+- ``compiled_static``: the same step under ``torch.compile(mode="reduce-overhead",
+  fullgraph=True)`` (CUDA graph trees), :data:`WARMUP` steps first (compilation, graph
+  recording), then ``--tokens`` steps timed with CUDA events. Dynamo is reset before each
+  batch size and after the mode.
+- ``prefill``: one forward of a ``--prefill``-token prompt, logits of its last position only
+  (as ``generate`` runs it), CUDA events; ms per prefill.
+- ``logits_error``: ``||logits - ref|| / ||ref||`` over all positions of a fixed
+  (:data:`LOGITS_SHAPE`) batch of tokens, for the bf16 stock and patched models, ``ref`` from an
+  fp32 copy built from the same state dict (TF32 off), which is freed at once.
+
+Stock and patched: two instances of the model with the same weights (the second built, loaded
+with the first's state dict, then patched in place). Keeping both is what lets the variants
+alternate: each mode runs ``--rounds`` rounds and in each round both variants are timed, their
+order swapped every round (ABBA...), so clock and thermal drift fall on both alike, and the
+compiled step functions of both stay valid between rounds (patching one model back and forth
+would invalidate the other's graphs and recompile each round). Reported: the median over the
+rounds, ``spread_ms`` = max - min. After all timings the patched model is unpatched and its
+state dict compared bit for bit with the stock one. Peak memory: the bf16 model and its fp32
+copy during ``logits_error`` (~45 GB for Qwen2.5-7B at full depth), then two bf16 copies.
+
+Rows (one CSV, upserted on gpu, model, layers, mode, batch, variant, so runs of several models
+or of single modes share a file): ``ms_per_token`` (ms per decode step, each step one new token
+for every sequence of the batch; for prefill, ms per prefill), ``tokens_per_s``,
+``hbm_floor_ms`` = bytes of the weights a decode step reads (every parameter except the input
+embedding table, of which a step reads a row per token; the LM head included) / the H200's
+measured HBM bandwidth (perf/timing.HBM_TBPS), ``fraction_of_floor`` = floor / ms_per_token
+(decode only: prefill is compute-bound), ``speedup`` = stock / variant, ``logits_rel_err``,
+``tokens`` (new tokens per timed run: ``--tokens``, or the prefill length), ``prompt_len``,
+``rounds``, ``samples`` (timings behind the median: one a round, :data:`PREFILL_PER_ROUND` for
+prefill), ``status`` (ok | error, the exception in ``note``; ``note`` also says when
+torch.compile ran without CUDA graphs) and the environment columns.
+A failing mode or variant records ``error`` and the run goes on; exit code 1 then (or when
+unpatch is not bit-exact), 2 when it cannot run (no GPU, no transformers, bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import hybridgemm
+from hybridgemm.perf import csvio
+from hybridgemm.perf import e2e_models as hf
+from hybridgemm.perf.bench_msweep import git_commit, gpu_label
+from hybridgemm.perf.plots import plot_e2e
+from hybridgemm.perf.timing import HBM_TBPS, elapsed_ms
+
+MODES = ("eager_generate", "eager_static", "compiled_static", "prefill", "logits_error")
+DECODE_MODES = MODES[:3]
+VARIANTS = ("stock", "hybridgemm")
+BATCHES, PREFILL, TOKENS, ROUNDS = (1, 8), 2048, 64, 3
+PROMPT_LEN = 32  # context before the timed decode steps
+WARMUP = 3  # decode steps before timing: compilation, then CUDA-graph warm-up and recording
+PREFILL_PER_ROUND = 3
+LOGITS_SHAPE = (2, 64)
+SEED = 0
+COMPILE = {"mode": "reduce-overhead", "fullgraph": True}
+KEY = ("gpu", "model", "layers", "mode", "batch", "variant")
+COLUMNS = (*KEY, "status", "ms_per_token", "spread_ms", "tokens_per_s", "hbm_floor_ms", "fraction_of_floor",
+           "speedup", "logits_rel_err", "tokens", "prompt_len", "rounds", "samples", "weight_bytes", "note", "date",
+           "commit", "torch", "triton", "transformers", "cublaslt", "nvmath", "hybridgemm", "host", "command")
+
+
+@dataclass
+class Run:
+    """One benchmark run's settings. ``compile_options``: torch.compile's arguments for
+    ``compiled_static`` (on the CPU, tests trace with ``backend="eager"``)."""
+
+    name: str
+    config: object  # a transformers config
+    device: torch.device
+    batches: tuple[int, ...] = BATCHES
+    tokens: int = TOKENS
+    prefill: int = PREFILL
+    rounds: int = ROUNDS
+    modes: tuple[str, ...] = MODES
+    dtype: torch.dtype = torch.bfloat16
+    compile_options: dict = field(default_factory=lambda: dict(COMPILE))
+    extra: dict = field(default_factory=dict)  # columns of every row (environment, command)
+    log: Callable[[str], None] = lambda line: None
+
+
+@dataclass
+class Result:
+    rows: list[dict] = field(default_factory=list)
+    unpatch_exact: bool | None = None
+
+    @property
+    def errors(self) -> list[dict]:
+        return [r for r in self.rows if r["status"] != "ok"]
+
+
+def hbm_floor_ms(weight_bytes: int, tbps: float = HBM_TBPS) -> float:
+    """Milliseconds to read ``weight_bytes`` once at ``tbps`` TB/s."""
+    return weight_bytes / (tbps * 1e12) * 1e3
+
+
+class Clock:
+    """Milliseconds of a call: wall time with the device synchronised around it (what an eager
+    caller waits, host overhead included), or CUDA events (stream time); wall time on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def wall_ms(self, fn) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    def event_ms(self, fn) -> float:
+        if not self.cuda:
+            return self.wall_ms(fn)
+        self.sync()
+        return elapsed_ms(fn)
+
+
+def tokens(batch: int, length: int, vocab: int, device, seed: int = SEED) -> torch.Tensor:
+    """A fixed batch of random token ids (the same for every variant and run)."""
+    g = torch.Generator().manual_seed(seed + 1000 * batch + length)
+    return torch.randint(0, vocab, (batch, length), generator=g).to(device)
+
+
+def _free(device) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+# ----------------------------------------------------------------------------- one round per mode
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1, :].argmax(dim=-1, keepdim=True)
+
+
+def _decoder(run: Run, model, batch: int, compiled: bool) -> Callable[[int], None]:
+    """``steps(n)``: n greedy decode steps over a fresh StaticCache holding the prompt, the
+    last token and the position carried on the device from one call to the next."""
+    api, vocab = hf.forward_api(model), model.config.vocab_size
+    cap = PROMPT_LEN + WARMUP + run.rounds * run.tokens
+    cache = hf.static_cache(model, batch, -(-cap // 64) * 64)
+    prompt = tokens(batch, PROMPT_LEN, vocab, run.device)
+    state = {"tok": _greedy(hf.cached_forward(model, api, prompt, cache, torch.arange(PROMPT_LEN, device=run.device)))}
+    pos = torch.tensor([PROMPT_LEN], device=run.device)
+
+    def step(tok, pos):
+        return _greedy(hf.cached_forward(model, api, tok, cache, pos))
+
+    fn = torch.compile(step, **run.compile_options) if compiled else step
+
+    def steps(n: int) -> None:
+        tok = state["tok"]
+        for _ in range(n):
+            if compiled:
+                torch.compiler.cudagraph_mark_step_begin()
+                tok = fn(tok, pos).clone()  # the graph's output buffer is reused by its next replay
+            else:
+                tok = fn(tok, pos)
+            pos.add_(1)
+        state["tok"] = tok
+
+    return steps
+
+
+def make_round(run: Run, mode: str, model, batch: int, clock: Clock) -> Callable[[], list[float]]:
+    """Set ``mode`` up for ``model`` at ``batch`` (warm-up included) and return one timed
+    round: a list of ms per token (ms per prefill)."""
+    if mode == "eager_generate":
+        ids = tokens(batch, PROMPT_LEN, model.config.vocab_size, run.device)
+        hf.generate(model, ids, 2)
+        t = run.tokens
+
+        def gen_round():
+            one = clock.wall_ms(lambda: hf.generate(model, ids, 1))
+            return [(clock.wall_ms(lambda: hf.generate(model, ids, t)) - one) / (t - 1)]
+
+        return gen_round
+    if mode in ("eager_static", "compiled_static"):
+        compiled = mode == "compiled_static"
+        steps = _decoder(run, model, batch, compiled)
+        steps(WARMUP)
+        timer = clock.event_ms if compiled else clock.wall_ms
+        return lambda: [timer(lambda: steps(run.tokens)) / run.tokens]
+    if mode == "prefill":
+        api = hf.forward_api(model)
+        ids = tokens(1, run.prefill, model.config.vocab_size, run.device)
+        for _ in range(2):
+            hf.prefill_forward(model, api, ids)
+        return lambda: [clock.event_ms(lambda: hf.prefill_forward(model, api, ids)) for _ in range(PREFILL_PER_ROUND)]
+    raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(MODES)}")
+
+
+def _cudagraph_skips() -> int:
+    """How many times Inductor has declined CUDA graphs in this process (0 where torch keeps no count)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["inductor"]["cudagraph_skips"])
+    except Exception:  # noqa: BLE001 (a torch without the counter)
+        return 0
+
+
+def time_mode(run: Run, mode: str, batch: int, models: dict) -> tuple[dict, dict]:
+    """``({variant: [ms, ...] or the exception}, {variant: note})`` for ``mode`` at ``batch``;
+    ``models`` maps each variant to its model (or to the exception that kept it from being
+    built). Rounds alternate the variants, the order swapped every round. A note says when
+    ``torch.compile`` ran a variant without CUDA graphs."""
+    clock, results, rounds, notes = Clock(run.device), {}, {}, {}
+    if mode == "compiled_static":
+        torch._dynamo.reset()
+    try:
+        for v, model in models.items():
+            if isinstance(model, BaseException):
+                results[v] = model
+                continue
+            skips = _cudagraph_skips()
+            try:
+                rounds[v] = make_round(run, mode, model, batch, clock)
+            except Exception as e:  # noqa: BLE001 (recorded in the row; the run goes on)
+                results[v] = e.with_traceback(None)  # its frames would keep the mode's tensors alive
+            if _cudagraph_skips() > skips:
+                notes[v] = "torch.compile skipped CUDA graphs (TORCH_LOGS=perf_hints says why)"
+                run.log(f"{mode} batch {batch} {v}: {notes[v]}")
+        samples = {v: [] for v in rounds}
+        for r in range(run.rounds):
+            for v in list(rounds)[:: 1 if r % 2 == 0 else -1]:
+                if v in results:
+                    continue
+                try:
+                    samples[v] += rounds[v]()
+                except Exception as e:  # noqa: BLE001
+                    results[v] = e.with_traceback(None)
+        return {v: results.get(v, samples.get(v)) for v in models}, notes
+    finally:
+        rounds.clear()
+        if mode == "compiled_static":
+            torch._dynamo.reset()
+        _free(run.device)
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def mode_rows(run: Run, mode: str, batch: int, results: dict, weight_bytes: int,
+              notes: dict | None = None) -> list[dict]:
+    """One row per variant from :func:`time_mode`'s results and notes."""
+    floor = hbm_floor_ms(weight_bytes)
+    ok = {v: statistics.median(s) for v, s in results.items() if isinstance(s, list) and s}
+    rows = []
+    for v, res in results.items():
+        row = {**run.extra, "model": run.name, "layers": run.config.num_hidden_layers, "mode": mode, "batch": batch,
+               "variant": v, "weight_bytes": weight_bytes, "rounds": run.rounds,
+               "tokens": run.prefill if mode == "prefill" else run.tokens,
+               "prompt_len": run.prefill if mode == "prefill" else PROMPT_LEN}
+        if v not in ok:
+            err = res if isinstance(res, BaseException) else RuntimeError("no samples")
+            row.update(status="error", note=f"{type(err).__name__}: {err}"[:600])
+        else:
+            ms = ok[v]
+            per_run = run.prefill if mode == "prefill" else batch
+            row.update(status="ok", note=(notes or {}).get(v), ms_per_token=ms, spread_ms=max(res) - min(res),
+                       samples=len(res),
+                       tokens_per_s=per_run * 1e3 / ms if ms > 0 else math.nan,
+                       speedup=ok["stock"] / ms if "stock" in ok and ms > 0 else None)
+            if mode in DECODE_MODES:
+                row.update(hbm_floor_ms=floor, fraction_of_floor=floor / ms if ms > 0 else math.nan)
+        rows.append(row)
+    return rows
+
+
+def logits_rows(run: Run, stock, patched, ref: torch.Tensor | BaseException, ids) -> list[dict]:
+    """``logits_error`` rows: each variant's relative error against the fp32 logits ``ref``."""
+    rows = []
+    base = {**run.extra, "model": run.name, "layers": run.config.num_hidden_layers, "mode": "logits_error",
+            "batch": ids.shape[0], "prompt_len": ids.shape[1]}
+    errs = {}
+    for v, model in (("stock", stock), ("hybridgemm", patched)):
+        row = {**base, "variant": v}
+        try:
+            if isinstance(ref, BaseException):
+                raise ref
+            if isinstance(model, BaseException):
+                raise model
+            with torch.no_grad():
+                errs[v] = ((hf.full_logits(model, ids).float() - ref).norm() / ref.norm()).item()
+            row.update(status="ok", logits_rel_err=errs[v])
+        except Exception as e:  # noqa: BLE001
+            row.update(status="error", note=f"{type(e).__name__}: {e}"[:600])
+        rows.append(row)
+    if len(errs) == 2 and errs["stock"] > 0:
+        rows[1]["note"] = f"{errs['hybridgemm'] / errs['stock']:.3f}x stock bf16's error"
+    return rows
+
+
+def fp32_logits(run: Run, stock, ids) -> torch.Tensor:
+    """Logits of an fp32 copy of ``stock`` (its state dict), TF32 off; the copy is freed."""
+    ref_model = hf.build_model(run.config, torch.float32, run.device)
+    try:
+        ref_model.load_state_dict(stock.state_dict())
+        with torch.no_grad(), _no_tf32():
+            return hf.full_logits(ref_model, ids).float()
+    finally:
+        del ref_model
+        _free(run.device)
+
+
+def run_e2e(run: Run, on_rows: Callable[[list[dict]], None] | None = None) -> Result:
+    """Every mode of ``run`` (see the module docstring); ``on_rows(rows so far)`` after each."""
+    res = Result()
+
+    def add(rows):
+        res.rows += rows
+        if on_rows is not None:
+            on_rows(res.rows)
+
+    torch.manual_seed(SEED)
+    stock = hf.build_model(run.config, run.dtype, run.device)
+    weight_bytes = hf.decode_weight_bytes(stock)
+    run.log(f"{run.name}, {run.config.num_hidden_layers} layers: {weight_bytes / 1e9:.2f} GB read per decode step, "
+            f"HBM floor {hbm_floor_ms(weight_bytes):.3f} ms at {HBM_TBPS} TB/s")
+    ids = tokens(*LOGITS_SHAPE, run.config.vocab_size, run.device)
+    ref: torch.Tensor | BaseException | None = None
+    if "logits_error" in run.modes:
+        try:
+            ref = fp32_logits(run, stock, ids)
+        except Exception as e:  # noqa: BLE001
+            ref = e.with_traceback(None)
+    try:
+        patched = hf.build_model(run.config, run.dtype, run.device)
+        patched.load_state_dict(stock.state_dict())
+        run.log(hybridgemm.patch(patched, strict=True).summary())
+    except Exception as e:  # noqa: BLE001 (the stock rows are still measured)
+        patched = e.with_traceback(None)
+        run.log(f"patch failed: {type(e).__name__}: {e}")
+    models = {"stock": stock, "hybridgemm": patched}
+    if ref is not None:
+        add(logits_rows(run, stock, patched, ref, ids))
+        ref = None
+        _free(run.device)
+    tasks = [(m, b) for m in run.modes if m in DECODE_MODES for b in run.batches]
+    tasks += [("prefill", 1)] if "prefill" in run.modes else []
+    with torch.no_grad():
+        for i, (mode, batch) in enumerate(tasks, 1):
+            run.log(f"[{i}/{len(tasks)}] {mode} batch {batch} ...")
+            results, notes = time_mode(run, mode, batch, models)
+            rows = mode_rows(run, mode, batch, results, weight_bytes, notes)
+            run.log(f"[{i}/{len(tasks)}] {mode} batch {batch}: " + _brief(rows))
+            add(rows)
+    if not isinstance(patched, BaseException):
+        hybridgemm.unpatch(patched)
+        a, b = stock.state_dict(), patched.state_dict()
+        res.unpatch_exact = list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+        run.log(f"unpatch: state dict {'bit-exact with' if res.unpatch_exact else 'DIFFERS from'} the stock model's")
+    return res
+
+
+def _brief(rows: list[dict]) -> str:
+    parts = []
+    for r in rows:
+        if r["status"] != "ok":
+            parts.append(f"{r['variant']} ERROR {r.get('note', '')[:160]}")
+            continue
+        floor = f" ({r['fraction_of_floor']:.0%} of floor)" if r.get("fraction_of_floor") else ""
+        sp = f", {r['speedup']:.3f}x" if r["variant"] != "stock" and r.get("speedup") else ""
+        parts.append(f"{r['variant']} {r['ms_per_token']:.3f} ms{floor}{sp}")
+    return "; ".join(parts)
+
+
+# ----------------------------------------------------------------------------- files, summary
+
+
+def upsert(path, rows: list[dict]) -> None:
+    """Write ``rows`` into the CSV at ``path`` (columns :data:`COLUMNS`), replacing earlier rows
+    of the same :data:`KEY` and keeping the others."""
+    merged = {tuple(str(r.get(c, "")) for c in KEY): r for r in csvio.read_rows(str(path))}
+    for r in rows:
+        merged[tuple(str(r.get(c, "")) for c in KEY)] = r
+    csvio.write_csv(path, COLUMNS, merged.values())
+
+
+def print_summary(res: Result, console=None) -> None:
+    """Per (mode, batch): both variants' ms, the speedup and the fractions of the HBM floor;
+    then the logits errors."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=None if sys.stdout.isatty() else 160)
+    by = {(r["mode"], r["batch"], r["variant"]): r for r in res.rows}
+    tab = Table(title="end to end: ms per decode step (prefill: ms per prefill); speedup = stock / hybridgemm")
+    for col in ("mode", "batch", "stock ms", "hybridgemm ms", "speedup", "stock / floor", "hybridgemm / floor"):
+        tab.add_column(col, justify="left" if col == "mode" else "right")
+
+    def num(r, col, fmt):
+        if r is None:
+            return "-"
+        if r["status"] != "ok":
+            return "error"
+        v = r.get(col)
+        return format(v, fmt) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
+
+    for mode, batch in dict.fromkeys((r["mode"], r["batch"]) for r in res.rows if r["mode"] != "logits_error"):
+        s, h = by.get((mode, batch, "stock")), by.get((mode, batch, "hybridgemm"))
+        tab.add_row(mode, str(batch), num(s, "ms_per_token", ".3f"), num(h, "ms_per_token", ".3f"),
+                    num(h, "speedup", ".3f"), num(s, "fraction_of_floor", ".1%"), num(h, "fraction_of_floor", ".1%"))
+    console.print(tab)
+    for r in res.rows:
+        if r["mode"] == "logits_error":
+            console.print(f"logits error vs fp32, {r['variant']}: {num(r, 'logits_rel_err', '.3e')}"
+                          + (f" ({r['note']})" if r.get("note") else ""), markup=False, highlight=False)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r:.40}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def token_count(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError("must be at least 2 (ms/token of generate is a difference over "
+                                          "tokens - 1)")
+    return value
+
+
+def model_name(text: str) -> str:
+    try:
+        return hf.canonical_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_e2e_options(ap: argparse.ArgumentParser) -> None:
+    """The options that only the end-to-end run has (shared with ``hybridgemm bench``)."""
+    ap.add_argument("--layers", type=positive_int, help="decoder layers (default: the model's own)")
+    ap.add_argument("--batch", type=positive_int, nargs="+", help=f"batch sizes of the decode modes (default "
+                    f"{' '.join(map(str, BATCHES))})")
+    ap.add_argument("--prefill", type=positive_int, help=f"prompt length of the prefill mode (default {PREFILL})")
+    ap.add_argument("--tokens", type=token_count, help=f"decode steps timed per round (default {TOKENS})")
+    ap.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE",
+                    help=f"modes to run (default: all): {', '.join(MODES)}")
+    ap.add_argument("--rounds", type=positive_int, help=f"timed rounds per variant (default {ROUNDS})")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m hybridgemm.perf.bench_e2e", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, type=model_name, help=f"one of {', '.join(hf.model_names())}")
+    add_e2e_options(ap)
+    ap.add_argument("--out", help="CSV to upsert rows into, or a folder for e2e_<gpu>.csv (default: e2e_<gpu>.csv)")
+    ap.add_argument("--plot", metavar="DIR", help="draw e2e.png from the CSV into DIR afterwards")
+    ap.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    return ap.parse_args(argv)
+
+
+def command_line(args) -> str:
+    """The run as one canonical command line (stored in every row)."""
+    parts = ["hybridgemm", "bench", "--e2e", "--model", args.model, "--layers", str(args.layers),
+             "--batch", *map(str, args.batch), "--prefill", str(args.prefill), "--tokens", str(args.tokens),
+             "--modes", *args.modes, "--rounds", str(args.rounds)]
+    return shlex.join(parts)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_e2e: needs a CUDA GPU (none found here): it times whole models on the GPU", file=sys.stderr)
+        return 2
+    try:
+        import transformers
+    except ImportError:
+        print("bench_e2e: needs transformers (pip install transformers) to build the models", file=sys.stderr)
+        return 2
+
+    config = hf.hf_config(args.model, args.layers)
+    args.layers = config.num_hidden_layers
+    args.batch = tuple(args.batch or BATCHES)
+    args.prefill, args.tokens = args.prefill or PREFILL, args.tokens or TOKENS
+    args.modes, args.rounds = tuple(dict.fromkeys(args.modes or MODES)), args.rounds or ROUNDS
+    gpu = torch.cuda.get_device_name()
+    out = args.out or f"e2e_{gpu_label(gpu)}.csv"
+    if os.path.isdir(out) or out.endswith(("/", os.sep)):
+        out = os.path.join(out, f"e2e_{gpu_label(gpu)}.csv")
+    extra = {**csvio.environment_columns(command_line(args)), "transformers": transformers.__version__,
+             "date": datetime.date.today().isoformat(), "commit": git_commit()}
+    start = time.perf_counter()
+
+    def log(line: str) -> None:
+        if not args.no_progress:
+            print(f"[{time.perf_counter() - start:7.1f}s] {line}", file=sys.stderr, flush=True)
+
+    run = Run(args.model, config, torch.device("cuda"), args.batch, args.tokens, args.prefill, args.rounds,
+              args.modes, extra=extra, log=log)
+    log(f"{command_line(args)} on {gpu}, torch {torch.__version__}, transformers {transformers.__version__}")
+    res = run_e2e(run, on_rows=lambda rows: upsert(out, rows))
+    print_summary(res)
+    print(f"wrote {len(res.rows)} rows to {out}")
+    rc = 0
+    if res.errors:
+        print("bench_e2e: errors in " + ", ".join(f"{r['mode']} B={r['batch']} {r['variant']}" for r in res.errors),
+              file=sys.stderr)
+        rc = 1
+    if res.unpatch_exact is False:
+        print("bench_e2e: after unpatch the state dict differs from the stock model's", file=sys.stderr)
+        rc = 1
+    if args.plot:
+        try:
+            print(f"wrote {plot_e2e(out, args.plot)}")
+        except ImportError:
+            print("bench_e2e: no matplotlib: skipping e2e.png (pip install 'hybridgemm[plot]')", file=sys.stderr)
+        except ValueError as e:  # no row with a time
+            print(f"bench_e2e: no figure: {e}", file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

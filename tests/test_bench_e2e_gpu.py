@@ -1,0 +1,37 @@
+"""The end-to-end benchmark on the GPU (perf/bench_e2e.py): Llama-3-8B sizes cut to 2 layers,
+every mode for stock and patched, one process, as ``hybridgemm bench --e2e`` runs it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hybridgemm.perf import bench_e2e as E
+from hybridgemm.perf.csvio import read_rows
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("transformers")
+
+
+def test_two_layer_llama_every_mode_both_variants(tmp_path):
+    out = tmp_path / "e2e.csv"
+    rc = E.main(["--model", "llama3-8b", "--layers", "2", "--tokens", "4", "--batch", "1", "--prefill", "64",
+                 "--out", str(out), "--plot", str(tmp_path), "--no-progress"])
+    rows = read_rows(str(out))
+    by = {(r["mode"], r["variant"]): r for r in rows}
+    assert set(by) == {(m, v) for m in E.MODES for v in E.VARIANTS}, sorted(by)
+    bad = {k: r["note"] for k, r in by.items() if r["status"] != "ok"}
+    assert not bad and rc == 0, bad
+    for (mode, variant), r in by.items():
+        assert (r["model"], r["layers"], r["batch"]) == ("llama3-8b", "2", "2" if mode == "logits_error" else "1")
+        if mode == "logits_error":
+            err = float(r["logits_rel_err"])
+            assert math.isfinite(err) and 0 < err < 0.2, (variant, err)
+            continue
+        cols = ["ms_per_token", "tokens_per_s", "speedup"]
+        cols += ["hbm_floor_ms", "fraction_of_floor"] if mode in E.DECODE_MODES else []
+        for col in cols:
+            value = float(r[col])
+            assert math.isfinite(value) and value > 0, (mode, variant, col, r[col])
+    assert (tmp_path / "e2e.png").is_file()
