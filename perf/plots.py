@@ -454,16 +454,18 @@ def _e2e_bars(ax, groups: list[tuple], rows: dict, labels: list[str]) -> None:
             if variant != "stock" and stock and y == y:
                 ax.annotate(f"{stock / y:.2f}x", (xp, y), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
                             textcoords="offset points")
+            elif variant != "stock" and stock:  # no time: the row failed (its note in the CSV says why)
+                ax.annotate("no result\n(see CSV)", (xp, stock), ha="center", va="top", fontsize=7, color=colour)
     ax.set_xticks(x, labels)
     ax.grid(True, axis="y", alpha=0.3)
 
 
 def plot_e2e(csv_path, out_dir, name: str = "e2e.png") -> Path:
-    """``name`` (default ``e2e.png``) in ``out_dir`` from perf/bench_e2e.py's CSV: per (GPU, model, layers), ms per
-    decode step for each decode mode and batch (stock and hybridgemm bars, log scale, the HBM
-    floor of the weights as a dashed line), and ms per prefill beside it. Rows whose status is
-    not ok are left out. Raises FileNotFoundError for a missing file, ValueError when no row
-    holds a time."""
+    """``name`` (default ``e2e.png``) in ``out_dir`` from perf/bench_e2e.py's CSV: per (GPU,
+    model, layers), ms per decode step for each decode mode and batch (stock and hybridgemm
+    bars, log scale, the HBM floor of the weights as a dashed line), and ms per prefill beside
+    it. Rows whose status is not ok have no bar; a hybridgemm bar missing beside a stock one is
+    marked. Raises FileNotFoundError for a missing file, ValueError when no row holds a time."""
 
     if not os.path.isfile(csv_path):
         raise FileNotFoundError(f"no such CSV file: {csv_path}")
