@@ -79,3 +79,18 @@ def bench_cli(*argv):
     add_plot_parser(sub)
     args = ap.parse_args(list(argv))
     return args.fn(args)
+
+
+def run_like_the_dispatcher(backend: str, config, x, weight, bias, activation=None) -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` as fusion/dispatch.py computes it once a decision names
+    ``backend`` and ``config``, on CPU tensors under the Triton interpreter: the operands
+    normalised by kernels/checks.py (leading dims flattened, row-major rows, a unit-stride
+    aligned bias), the backend's kernel into a NaN-poisoned (M, N) output, and that output
+    viewed with x's leading dims."""
+    from hybridgemm.kernels import backends
+    from hybridgemm.kernels.checks import contiguous_bias, row_major, rows_2d
+
+    x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
+    out = poisoned((x2.shape[0], weight.shape[0]), x.dtype, x.device)
+    assert backends.get_backend(backend).run(config, x2, w2, b2, out, Activation.parse(activation)) is out
+    return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,20 +1,35 @@
 """The bad-input catalogue: every case either raises the named error with a message naming
 the problem, or returns what F.linear (+ the activation) returns. Each case runs on the CPU,
 and on the GPU (marker ``gpu``) where there is one; none may crash or hang.
+
+On the CPU ``hybridgemm.linear`` is F.linear itself, so the result cases are not compared with
+F.linear there: each goes through what a call does on a GPU instead (the operand
+normalisation, the decision with an H200 faked, the chosen Triton kernel under the
+interpreter), against a float64 reference.
 """
 
 from __future__ import annotations
 
 import pytest
+import test_table_faults
 import torch
 import torch.nn.functional as F
+from test_table_faults import FAKE_SIG
 
 import hybridgemm
-from hybridgemm import AttentionProjection, attention_projection
+from hybridgemm import AttentionProjection, attention_projection, decide
+from hybridgemm.autotune_cache.keys import M_MAX
+from hybridgemm.autotune_cache.table import TableKey, TuningTable, make_entry
 from hybridgemm.cli import main as cli_main
-from hybridgemm.kernels.epilogue import Activation, apply_activation
+from hybridgemm.kernels import backends, checks
+from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
+from hybridgemm.kernels.problem import DTYPE_NAMES, Problem
+from hybridgemm.kernels.triton_gemm import TritonGemmConfig
+from hybridgemm.kernels.triton_splitk import MAX_M as SPLITK_MAX_M
+from hybridgemm.kernels.triton_splitk import TritonSplitKConfig
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+fake_h200 = test_table_faults.fake_h200  # the fixture: the decision path as on an H200
 
 
 def _t(*shape, dev, dtype=torch.float32):
@@ -98,20 +113,95 @@ def _results(dev):
 RESULT_IDS = [r[0] for r in _results("cpu")]
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("idx", range(len(RESULT_IDS)), ids=RESULT_IDS)
-def test_results_match_f_linear(idx, dev):
-    _, x, w, b, act = _results(dev)[idx]
-    got = hybridgemm.linear(x, w, b, act)
-    ref = apply_activation(F.linear(x.double(), w.double(), b.double() if b is not None else None),
-                           Activation.parse(act))
-    assert got.shape == ref.shape and got.dtype == x.dtype and got.device == x.device
-    assert torch.equal(torch.isnan(got), torch.isnan(ref)), "NaN positions differ from F.linear's"
+def _reference(x, w, b, act):
+    return apply_activation(F.linear(x.double(), w.double(), b.double() if b is not None else None),
+                            Activation.parse(act))
+
+
+def _check_result(got, ref, x, what):
+    assert got.shape == ref.shape and got.dtype == x.dtype and got.device == x.device, what
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)), f"{what}: NaN positions differ from F.linear's"
     finite = torch.isfinite(ref)
-    assert torch.equal(torch.isfinite(got), finite), "Inf positions differ from F.linear's"
+    assert torch.equal(torch.isfinite(got), finite), f"{what}: Inf positions differ from F.linear's"
     if finite.any():
         tol = 1e-2 if x.device.type == "cuda" and x.dtype == torch.float32 else 1e-4  # cuda fp32 may be TF32
-        torch.testing.assert_close(got[finite].double(), ref[finite], rtol=tol, atol=tol)
+        torch.testing.assert_close(got[finite].double(), ref[finite], rtol=tol, atol=tol, msg=what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("idx", range(len(RESULT_IDS)), ids=RESULT_IDS)
+def test_results_match_f_linear(idx):
+    _, x, w, b, act = _results("cuda")[idx]
+    _check_result(hybridgemm.linear(x, w, b, act), _reference(x, w, b, act), x, "hybridgemm.linear")
+
+
+def _kernel_config(backend: str, m: int, k: int):
+    """A small config of ``backend`` that the interpreter runs quickly for these shapes: wide
+    row blocks for many rows, long K blocks split 16 or 64 ways for a long K (and split-K
+    split in two where K has two blocks, so its reduction runs too)."""
+    long_k = k > 4096
+    if backend == "triton_gemm":
+        return TritonGemmConfig(block_m=256 if m > 4096 else 32, block_n=16, block_k=256 if long_k else 32,
+                                group_m=8, num_warps=4, num_stages=2, persistent=False, use_tma=False,
+                                split_k=16 if long_k else 1)
+    block_k = 256 if long_k else 32
+    split = 64 if long_k else max(1, min(2, -(-k // block_k)))  # a split needs a block of K each
+    return TritonSplitKConfig(block_m=16, block_n=16, block_k=block_k, split_k=split, num_warps=4, num_stages=2,
+                              fused_reduce=long_k)
+
+
+def _cpu_result_params():
+    out = []
+    for idx, (name, x, *_rest) in enumerate(_results("cpu")):
+        m = x.numel() // x.shape[-1] if x.shape[-1] else x.shape[0]
+        for backend in ("triton_gemm", "triton_splitk"):
+            if backend == "triton_splitk" and m > SPLITK_MAX_M:
+                continue  # split-K is a decode kernel: never offered past M = 64
+            out.append(pytest.param(idx, backend, id=f"{name}-{backend}"))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # the interpreter's
+@pytest.mark.parametrize("idx, backend", _cpu_result_params())
+def test_results_through_the_decision_and_the_interpreter_kernels(idx, backend, fake_h200):
+    """The CPU variant of the result cases (module docstring): the operands normalised as the
+    dispatcher does (kernels/checks.py), the decision for the case's problem with a table whose
+    entry for the case's key names ``backend``, and that entry's kernel under the interpreter."""
+    name, x, w, b, act_name = _results("cpu")[idx]
+    act = Activation.parse(act_name)
+    ref = _reference(x, w, b, act_name)
+    if x.dtype not in DTYPE_NAMES:  # float64: no kernel takes it, so a call goes to PyTorch
+        with pytest.raises(TypeError, match="float64"):
+            backends.get_backend(backend).run(_kernel_config(backend, 3, 8), x, w, b, torch.empty_like(ref), act)
+        return
+    x2, w2, b2 = checks.row_major(checks.rows_2d(x)), checks.row_major(w), checks.contiguous_bias(b)
+    n = w.shape[0]
+    out = torch.full((x2.shape[0], n), float("nan"), dtype=x.dtype)
+    problem = Problem.from_tensors(x2, w2, b2, out, Epilogue(act, b is not None))
+    cfg = _kernel_config(backend, problem.m, problem.k)
+    if problem.m == 0 or problem.n == 0 or problem.k == 0:
+        # rule 3: no decision, no GEMM (PyTorch's semantics); the kernels still take them
+        assert "empty problem" in decide.explain(tuple(x.shape), tuple(w.shape), x.dtype, b is not None, act_name)
+        choice = None
+    elif problem.m > M_MAX:  # past the last tuned range: no entry can hold it, F.linear runs
+        with pytest.raises(ValueError, match="past the last tuned range"):
+            TableKey.from_problem(problem)
+        choice = decide.choose(problem, 0)
+        assert (choice.backend, choice.source) == ("torch", "rule") and "no table entry" in choice.reason
+        return
+    else:
+        key = TableKey.from_problem(problem)
+        pts = [key.m_lo] if key.m_lo == key.m_hi else [key.m_lo, key.m_hi]
+        table = TuningTable(FAKE_SIG)
+        table.set(key, make_entry(backend, cfg.to_record(), m_points=pts, ratios=[1.1] * len(pts),
+                                  median_us=5.0, spread_us=0.1))
+        table.save(fake_h200 / f"{name}.json")
+        decide.set_table_path(fake_h200 / f"{name}.json")
+        choice = decide.choose(problem, 0)
+        assert (choice.backend, choice.config, choice.source, choice.key) == (backend, cfg, "table", key.to_string())
+    runner = backends.get_backend(backend if choice is None else choice.backend)
+    assert runner.run(cfg if choice is None else choice.config, x2, w2, b2, out, act) is out
+    _check_result(out.reshape(*x.shape[:-1], n), ref, x, f"{name} on {backend}")
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -1,4 +1,9 @@
-"""hybridgemm.linear on the CPU: F.linear's semantics, the custom ops, autograd, compile."""
+"""hybridgemm.linear on the CPU: F.linear's semantics, the custom ops, autograd, compile.
+
+On the CPU ``hybridgemm.linear`` computes with F.linear itself, so its forward values are not
+compared with F.linear here: the forward cases run the dispatcher's operand handling and the
+Triton kernels under the interpreter (``helpers.run_like_the_dispatcher``) against float64.
+"""
 
 from __future__ import annotations
 
@@ -7,25 +12,43 @@ import torch
 import torch.nn.functional as F
 
 import hybridgemm
-from helpers import check_close_to_reference, make_operands, rel_err, torch_linear
+from helpers import check_close_to_reference, make_operands, rel_err, run_like_the_dispatcher, torch_linear
 from hybridgemm import HybridLinear, backward, dispatch
 from hybridgemm.backward import torch_linear_backward
 
 ACTS = [None, "relu", "gelu_tanh", "gelu"]
 
 
+def _tiled(k):
+    from hybridgemm.kernels.triton_gemm import TritonGemmConfig
+
+    return TritonGemmConfig(32, 16, 32, 8, 4, 2, persistent=False, use_tma=False)
+
+
+def _split(k):
+    """Split in two (single-pass reduction) where K has the two blocks that takes."""
+    from hybridgemm.kernels.triton_splitk import TritonSplitKConfig
+
+    return TritonSplitKConfig(16, 32, 16, 2 if k > 16 else 1, 4, 2, fused_reduce=k > 16)
+
+
+KERNELS = [("triton_gemm", _tiled), ("triton_splitk", _split)]
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # the interpreter's
+@pytest.mark.parametrize("backend, config", KERNELS, ids=[k[0] for k in KERNELS])
 @pytest.mark.parametrize("activation", ACTS)
 @pytest.mark.parametrize("lead", [(), (1,), (3,), (17,), (2, 3, 5)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_forward_matches_reference(lead, activation, bias):
-    n, k = 37, 50  # neither a multiple of 64
-    x = torch.randn(*lead, k)
-    w = torch.randn(n, k) / k**0.5
-    b = torch.randn(n) if bias else None
-    out = hybridgemm.linear(x, w, b, activation)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_forward_matches_reference(lead, activation, bias, backend, config, dtype):
+    n, k = 37, 50  # neither a multiple of the blocks
+    x = torch.randn(*lead, k).to(dtype)
+    w = (torch.randn(n, k) / k**0.5).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    out = run_like_the_dispatcher(backend, config(k), x, w, b, activation)
     assert out.shape == (*lead, n) and out.dtype == x.dtype
     check_close_to_reference(out.reshape(-1, n), x.reshape(-1, k), w, b, activation, f"{lead} {activation}")
-    torch.testing.assert_close(out, torch_linear(x, w, b, activation), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("activation", ACTS)
@@ -36,21 +59,33 @@ def test_custom_op_path_equals_fast_path(activation):
     torch.testing.assert_close(fast, op, rtol=0, atol=0)
 
 
-def test_non_contiguous_operands():
-    base = torch.randn(40, 9, 5)
-    x = base.transpose(0, 1)[:, ::2, :]  # (9, 20, 5), no unit stride pattern
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # the interpreter's
+@pytest.mark.parametrize("backend, config, rows", [("triton_gemm", _tiled, 20), ("triton_gemm", _tiled, 3),
+                                                   ("triton_splitk", _split, 3)],  # split-K: decode, M <= 64
+                         ids=["triton_gemm-m180", "triton_gemm-m27", "triton_splitk-m27"])
+def test_non_contiguous_operands(backend, config, rows):
+    base = torch.randn(2 * rows, 9, 5)
+    x = base.transpose(0, 1)[:, ::2, :]  # (9, rows, 5), no unit stride pattern
     w = torch.randn(5, 13).t()  # (13, 5) column-major
     b = torch.randn(26)[::2]
-    out = hybridgemm.linear(x, w, b, "gelu")
-    torch.testing.assert_close(out, F.gelu(F.linear(x, w, b)), rtol=1e-6, atol=1e-6)
+    out = run_like_the_dispatcher(backend, config(5), x, w, b, "gelu")
+    assert out.shape == (9, rows, 13)
+    check_close_to_reference(out.reshape(-1, 13), x.reshape(-1, 5), w, b, "gelu", "non-contiguous")
 
 
-def test_float64_and_empty_problems():
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # the interpreter's
+@pytest.mark.parametrize("backend, config", KERNELS, ids=[k[0] for k in KERNELS])
+def test_float64_and_empty_problems(backend, config):
+    # float64: no kernel takes it (a call goes to PyTorch), and a kernel asked directly says so
     x, w, b = make_operands(3, 5, 7, torch.float64, "cpu")
-    torch.testing.assert_close(hybridgemm.linear(x, w, b, "relu"), torch.relu(F.linear(x, w, b)))
-    assert hybridgemm.linear(torch.randn(0, 7), torch.randn(5, 7)).shape == (0, 5)
-    kzero = hybridgemm.linear(torch.randn(4, 0), torch.randn(5, 0), torch.arange(5.0) - 2, "relu")
-    torch.testing.assert_close(kzero, torch.relu(torch.arange(5.0) - 2).expand(4, 5))
+    with pytest.raises(TypeError, match="float64"):
+        run_like_the_dispatcher(backend, config(7), x, w, b, "relu")
+    # no rows, no columns: nothing to write; K = 0: act(bias) in every row
+    assert run_like_the_dispatcher(backend, config(7), torch.randn(0, 7), torch.randn(5, 7), None).shape == (0, 5)
+    assert run_like_the_dispatcher(backend, config(7), torch.randn(4, 7), torch.randn(0, 7), None).shape == (4, 0)
+    bias = torch.randn(5)
+    kzero = run_like_the_dispatcher(backend, config(0), torch.randn(4, 0), torch.randn(5, 0), bias, "relu")
+    assert torch.equal(kzero, torch.relu(bias).expand(4, 5))
 
 
 def test_forward_goes_through_dispatcher(monkeypatch):
