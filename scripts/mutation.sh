@@ -8,8 +8,8 @@
 # .mutation/summary.txt (killed/total and score per file, then every survivor).
 #
 # Usage: bash scripts/mutation.sh [keys|table|checks|rules ...]   (default: all four)
-# Expected runtime on 2 CPU cores: ~35 min for all four (table.py alone ~25 min); the
-# measured numbers are in tests/RELIABILITY.md, "Mutation testing".
+# Expected runtime on 2 CPU cores: 15-20 min for all four (most of it table.py); the
+# measured numbers and every surviving mutant are in tests/RELIABILITY.md, "Mutation testing".
 #
 # Why a staging tree: the package is installed from fusion/, kernels/, autotune_cache/ and
 # perf/ through setuptools' package-dir mapping, so `hybridgemm.autotune_cache.table` lives in

@@ -918,3 +918,15 @@ def test_an_entry_of_a_backend_this_version_does_not_know_is_no_version_effect()
     table.set(key(), raw_entry(backend="cublaslt", config=pinned))
     assert table.entry_status(key(1, 8)) == ("use", "")
     assert [(e.library, e.count) for e in table.version_effects()] == [("cuBLASLt", 1)]
+
+
+def test_without_triton_here_or_in_the_table_its_triton_entries_run_f_linear():
+    no_triton = {**SIG, "triton_version": None}
+    for table in (TuningTable(no_triton, {key(): triton_entry()}), TuningTable(None, {key(): triton_entry()})):
+        assert table.version_effects(no_triton) == [T.VersionEffect("Triton", "", None, "flinear", 1)]
+
+
+def test_merging_a_table_without_a_signature_leaves_its_entries_as_they_are():
+    merged = TuningTable(TRITON_SIG)
+    merged.update(TuningTable(None, {key(): triton_entry()}))
+    assert "triton_version" not in merged.entries[key()] and merged.tuned_triton(key()) == "3.6.0"
