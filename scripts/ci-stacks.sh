@@ -4,17 +4,25 @@
 #   newest: torch 2.15.0, triton 3.9.0, numpy 2.4.6
 # Each stack gets its own venv, .venv/stacks/NAME (git-ignored with .venv/), installed once and
 # re-checked when pyproject.toml or this file changes. PyPI has no CPU build of these torch
-# releases, so their CUDA builds are installed (~6-7 GB each) and run on the CPU.
-#   bash scripts/ci-stacks.sh [oldest] [newest] [-- PYTEST_ARGS]   (no names: both)
+# releases, so their CUDA builds are installed (~6-7 GB each) and run on the CPU. Installs bypass
+# pip's wheel cache, which would hold another ~3 GB per stack.
+#   bash scripts/ci-stacks.sh [--discard] [oldest] [newest] [-- PYTEST_ARGS]   (no names: both)
+#   --discard: delete each stack's venv once its tests have run, so that at most one stack is on
+#              disk at a time (CI machines have a few GB to spare, not 14)
 # Runs every stack asked for, then exits non-zero if any stack failed to install or to pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 names=()
+discard=0
 while [ $# -gt 0 ]; do
-  [ "$1" = "--" ] && { shift; break; }
-  names+=("$1"); shift
+  case "$1" in
+    --) shift; break ;;
+    --discard) discard=1 ;;
+    *) names+=("$1") ;;
+  esac
+  shift
 done
 [ ${#names[@]} -gt 0 ] || names=(oldest newest)
 
@@ -26,12 +34,15 @@ pins() {
   esac
 }
 
+free_disk() { df -h --output=avail . 2>/dev/null | tail -1 | tr -d ' '; }
+
 install() {  # install() NAME VENV: the pinned stack plus .[test,nvmath], once per stamp
   local name=$1 venv=$2 stamp
   stamp="$venv/.stack-$(cat pyproject.toml scripts/ci-stacks.sh | sha1sum | cut -c1-12)"
   [ -f "$stamp" ] && return 0
   [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv" || return 1
-  echo "ci-stacks: installing $name into $venv" >&2
+  echo "ci-stacks: installing $name into $venv ($(free_disk) free)" >&2
+  export PIP_NO_CACHE_DIR=1
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   # The pins are the stack: a machine-wide pip constraint file must not cap them (PIP_CONSTRAINT).
   # setuptools>=77 is the build requirement tests/test_packaging.py builds the wheel with.
@@ -50,8 +61,10 @@ for name in "${names[@]}"; do
   fi
   venv=".venv/stacks/$name"
   if ! install "$name" "$venv"; then
-    echo "ci-stacks: $name: install failed" >&2
-    failed+=("$name"); continue
+    echo "ci-stacks: $name: install failed ($(free_disk) free on disk)" >&2
+    failed+=("$name")
+    [ $discard = 1 ] && rm -rf "$venv"
+    continue
   fi
   echo "== stack $name: $("$venv/bin/python" -c 'import numpy, torch, triton
 print(f"torch {torch.__version__}, triton {triton.__version__}, numpy {numpy.__version__}")')"
@@ -62,6 +75,7 @@ print(f"torch {torch.__version__}, triton {triton.__version__}, numpy {numpy.__v
     echo "ci-stacks: $name: pytest exited $rc" >&2
     failed+=("$name")
   fi
+  [ $discard = 1 ] && rm -rf "$venv"
 done
 if [ ${#failed[@]} -gt 0 ]; then
   echo "ci-stacks: FAILED: ${failed[*]}" >&2
