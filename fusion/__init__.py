@@ -9,10 +9,12 @@ from hybridgemm.decide import explain, get_mode, mode, reload_tables, set_mode, 
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.version import __version__
 from hybridgemm.linear_layer import HybridLinear, linear
+from hybridgemm.mlp import gated_linear
 from hybridgemm.patching import PatchReport, patch, unpatch
 
 __all__ = [
     "Activation", "AttentionProjection", "Epilogue", "HybridLinear", "HybridMultiheadAttention",
-    "PatchReport", "__version__", "attention_projection", "explain", "get_mode", "linear", "mode", "patch",
+    "PatchReport", "__version__", "attention_projection", "explain", "gated_linear", "get_mode", "linear", "mode",
+    "patch",
     "reload_tables", "set_mode", "set_table_path", "unpatch",
 ]

@@ -1,4 +1,5 @@
-"""``hybridgemm.patch(model)``: run a model's attention projections through hybridgemm;
+"""``hybridgemm.patch(model)``: run a model's projections through hybridgemm — the attention
+projections, the MLPs (fusion/mlp.py) and the LM head, each switchable;
 ``hybridgemm.unpatch(model)``: put the original modules back.
 
 What is patched (found by structure, never by model name, so any architecture with the
@@ -6,30 +7,25 @@ same layout is covered; ``transformers`` is never imported here):
 
 * a module with exact ``nn.Linear`` children ``q_proj/k_proj/v_proj`` (Llama, Qwen2,
   Mistral, ...) or ``query/key/value`` (BERT, ViT, ...): Q, K and V are *fused* into one
-  GEMM (below); the output projection (``o_proj``/``out_proj`` child, or BERT/ViT's
+  GEMM (``qkv_proj``); the output projection (``o_proj``/``out_proj`` child, or BERT/ViT's
   sibling ``output.dense``) becomes a :class:`~hybridgemm.HybridLinear`.
 * GPT-2 style ``c_attn``/``c_proj`` (transformers' ``Conv1D``, ``x @ W + b`` with W stored
   (in, out)): each becomes a :class:`HybridConv1D`. ``c_attn`` is already one fused QKV GEMM.
 * ``nn.MultiheadAttention``: becomes :class:`~hybridgemm.attention.HybridMultiheadAttention`.
+* gated MLPs (gate/up fused into ``gate_up_proj``, the gated product by
+  :func:`hybridgemm.gated_linear`), GPT-2 and BERT MLPs (GELU in the first GEMM's epilogue):
+  see fusion/mlp.py.
+* an ``nn.Linear`` named ``lm_head``: becomes a :class:`~hybridgemm.HybridLinear` (the same
+  object and parameters, so a head tied to the embedding stays tied).
 
-How Q/K/V are fused without re-implementing any attention forward: the module's
-``q_proj``, ``k_proj``, ``v_proj`` are replaced by three :class:`QKVSlice` modules backed by
-one :class:`FusedQKV` (registered as ``qkv_proj`` on the attention module). The first
-slice called with an input ``x`` runs ONE GEMM for all of Q, K and V and keeps the other
-two slices; the next calls with the *same tensor object* (and the same version counter,
-so an in-place change of ``x`` in between is detected) get their slice without a GEMM,
-each slice handed out once. A call with any other input runs the fused GEMM for that
-input. So the attention code works unchanged and can never get a slice of another
-input's projection; cross-attention modules are not fused (their K/V read another input),
-only their linears are swapped. Fine print: a record whose slices are not all taken (an
-attention forward that skips V) keeps that one GEMM output alive until the module's next
-call; concurrent forwards of one module stay correct (a slice only ever comes from the
-record of the same input) but may redo the GEMM; under ``torch.compile`` only the
-identity check applies (Dynamo cannot read version counters).
+How several linears are fused without re-implementing any forward (:class:`QKVSlice` modules
+standing where the linears stood, backed by one :class:`FusedQKV`; one GEMM per input, each
+part handed out once): fusion/fused_rows.py. Cross-attention modules are not fused (their K/V
+read another input), only their linears are swapped.
 
 Parameters. ``HybridLinear``/``HybridMultiheadAttention`` are the *same* module objects
 with their class swapped: parameters, state-dict keys, optimizer state all unchanged.
-Fused Q/K/V: the fused weight and bias are new parameters; ``named_parameters()`` lists
+Fused Q/K/V (gate/up alike): the fused weight and bias are new parameters; ``named_parameters()`` lists
 ``...qkv_proj.weight``/``.bias`` in place of the q/k/v ones, so build the optimizer after
 patching (an optimizer's state dict then fits only a model patched the same way). The
 original ``nn.Linear`` parameters are re-pointed at slices of them, so memory is not
@@ -68,7 +64,6 @@ eager model.
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from dataclasses import dataclass, field
 
@@ -76,13 +71,29 @@ import torch
 from torch import Tensor, nn
 
 from .attention import HybridMultiheadAttention
+from .fused_rows import SEQ as _SEQ
+from .fused_rows import UNDO_ATTR as _UNDO_ATTR
+from .fused_rows import FusedLinears, FusedSlice, fuse, qual, record, records, unfuse, why_not_fuse
 from .linear_layer import HybridLinear, linear
+from .mlp import (
+    FUSED_GATE_UP,
+    GATED_NAMES,
+    HybridConvMLP,
+    HybridGatedMLP,
+    HybridIntermediate,
+    conv_mlp_act,
+    gated_parts,
+    intermediate_act,
+    is_lm_head,
+)
 
 _QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 _OUT_NAMES = ("o_proj", "out_proj")
-_UNDO_ATTR = "_hybridgemm_undo"
 _FUSED_NAME = "qkv_proj"
-_SEQ = itertools.count()  # orders undo records across modules and patch calls
+
+# The fused Q/K/V module and the modules standing where q_proj/k_proj/v_proj stood.
+FusedQKV = FusedLinears
+QKVSlice = FusedSlice
 
 
 @dataclass
@@ -94,6 +105,7 @@ class PatchReport:
 
     patched: list[str] = field(default_factory=list)
     fused_qkv: list[str] = field(default_factory=list)
+    fused_mlp: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     already_patched: list[str] = field(default_factory=list)
 
@@ -108,175 +120,10 @@ class PatchReport:
                 why.append(f"{len(self.already_patched)} modules already patched by an earlier hybridgemm.patch "
                            f"({shown}); call hybridgemm.unpatch first to patch them again")
             return f"hybridgemm.patch: nothing patched ({'; '.join(why) or 'no attention projections found'})"
-        return (f"hybridgemm.patch: patched {len(self.patched)} modules ({len(self.fused_qkv)} with fused QKV)"
+        return (f"hybridgemm.patch: patched {len(self.patched)} modules ({len(self.fused_qkv)} with fused QKV, "
+                f"{len(self.fused_mlp)} with fused gate/up)"
                 + (f", skipped {len(self.skipped)}" if self.skipped else "")
                 + (f", {len(self.already_patched)} already patched" if self.already_patched else ""))
-
-
-class FusedQKV(nn.Module):
-    """One weight for Q, K and V (rows stacked in that order) and the one-GEMM cache that
-    the three :class:`QKVSlice` modules share (see the module docstring)."""
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, sizes: tuple[int, int, int],
-                 originals: tuple[nn.Linear, ...] = (), names: tuple[str, str, str] = ("q_proj", "k_proj", "v_proj")):
-        super().__init__()
-        self.weight = weight
-        self.bias = bias
-        self.sizes = tuple(sizes)
-        self.names = tuple(names)  # the slices' attribute names on the attention module (state-dict keys)
-        self._rec = None  # (x, x._version, [q, k, v] with handed-out slots set to None)
-        object.__setattr__(self, "_originals", tuple(originals))  # not submodules
-        self.alias_originals()
-
-    def alias_originals(self) -> None:
-        """Point the replaced linears' parameters at slices of the fused ones (no second
-        copy of the weights while patched; someone holding an original still sees current
-        values)."""
-        if not self._originals:
-            return
-        ws = self.weight.detach().split(self.sizes)
-        bs = self.bias.detach().split(self.sizes) if self.bias is not None else (None,) * 3
-        for lin, wi, bi in zip(self._originals, ws, bs):
-            _repoint(lin, "weight", wi)
-            if bi is not None:
-                _repoint(lin, "bias", bi)
-
-    def _apply(self, fn, *args, **kwargs):
-        # model.to()/.half()/.cuda() give the fused parameters new storage; re-point the
-        # originals, or they would keep the old storage (and memory) alive.
-        out = super()._apply(fn, *args, **kwargs)
-        self.alias_originals()
-        return out
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        pass  # the slices save the fused parameters' rows under the stock q/k/v names
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        # Its own keys are optional: checkpoints carry the stock q/k/v names, which the
-        # attention module's pre-hook (_load_stock_qkv) turns into these keys, reporting
-        # absent ones as missing under their stock names.
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, [], unexpected_keys, error_msgs)
-        self.alias_originals()  # assign=True or swapped tensors give the parameters new storage
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return linear(x, self.weight, self.bias).split_with_sizes(self.sizes, dim=-1)
-
-    def part(self, x: Tensor, idx: int) -> Tensor:
-        rec = self._rec  # read once: the checks and the slice come from the same record
-        if rec is not None and rec[0] is x and rec[2][idx] is not None and _same_version(rec[1], x):
-            out, rec[2][idx] = rec[2][idx], None
-            if all(p is None for p in rec[2]):
-                self._rec = None  # everything handed out: keep no reference to x or y
-            return out
-        parts = list(self.forward(x))
-        out, parts[idx] = parts[idx], None
-        self._rec = (x, _version(x), parts)
-        return out
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.weight.shape[1]}, sizes={self.sizes}, bias={self.bias is not None}"
-
-
-def _repoint(lin: nn.Linear, name: str, t: Tensor) -> None:
-    """``lin.<name>.data = t``; where torch refuses that (meta -> real device, as after
-    ``load_state_dict(assign=True)`` or ``to_empty``) a new parameter takes the old one's place."""
-    p = lin._parameters[name]
-    try:
-        p.data = t
-    except RuntimeError:
-        lin._parameters[name] = nn.Parameter(t, requires_grad=p.requires_grad)
-
-
-def _version(x: Tensor) -> int:
-    # Dynamo cannot read version counters (it makes them data-dependent symbols), so under
-    # torch.compile only the identity check applies; eager calls check both.
-    return -1 if torch.compiler.is_compiling() else x._version
-
-
-def _same_version(v: int, x: Tensor) -> bool:
-    return v == _version(x)
-
-
-def _load_stock_qkv(module: nn.Module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                    error_msgs) -> None:
-    """Load-state-dict pre-hook of an attention module whose Q/K/V are fused: replaces the
-    stock ``q_proj.weight``/``k_proj.weight``/``v_proj.weight`` entries (and biases) of
-    ``state_dict`` by one ``qkv_proj.weight`` (``.bias``) that torch then loads into the
-    fused parameter. A part that is absent is reported missing and keeps its current value;
-    a part of the wrong shape is reported as torch reports one, under its stock name."""
-    fused = module._modules.get(_FUSED_NAME)
-    if not isinstance(fused, FusedQKV):
-        return
-    for attr in ("weight", "bias"):
-        current = getattr(fused, attr)
-        if current is None:
-            continue  # stock bias keys stay: the slices report them unexpected, as a bias-less Linear would
-        keys = [f"{prefix}{n}.{attr}" for n in fused.names]
-        present = [k in state_dict for k in keys]
-        if not any(present):
-            if strict and f"{prefix}{_FUSED_NAME}.{attr}" not in state_dict:
-                missing_keys.extend(keys)
-            continue
-        parts, ok = [], True
-        for key, here, cur in zip(keys, present, current.detach().split(fused.sizes)):
-            if not here:
-                if strict:
-                    missing_keys.append(key)
-                parts.append(cur)
-                continue
-            t = state_dict.pop(key)
-            if not isinstance(t, Tensor):
-                error_msgs.append(f'While copying the parameter named "{key}", expected torch.Tensor from checkpoint '
-                                  f"but received {type(t)}")
-                ok = False
-            elif t.shape != cur.shape:
-                error_msgs.append(f"size mismatch for {key}: copying a param with shape {t.shape} from checkpoint, "
-                                  f"the shape in current model is {cur.shape}.")
-                ok = False
-            parts.append(t)
-        if ok:
-            device = next(t.device for t, here in zip(parts, present) if here)
-            state_dict[f"{prefix}{_FUSED_NAME}.{attr}"] = torch.cat([t.to(device) for t in parts])
-
-
-class QKVSlice(nn.Module):
-    """Stands where ``q_proj``/``k_proj``/``v_proj`` stood; holds no parameters of its own.
-    ``weight``/``bias`` are views of the fused parameters' rows (differentiable, and writes
-    through them land in the fused storage), for code that inspects or reads them."""
-
-    def __init__(self, fused: FusedQKV, idx: int):
-        super().__init__()
-        object.__setattr__(self, "fused", fused)  # not a submodule: no duplicate state-dict keys
-        self.idx = idx
-        self.out_features = fused.sizes[idx]
-        self.in_features = fused.weight.shape[1]
-
-    def _rows(self, t: Tensor | None) -> Tensor | None:
-        if t is None:
-            return None
-        start = sum(self.fused.sizes[: self.idx])
-        return t[start:start + self.out_features]
-
-    @property
-    def weight(self) -> Tensor:
-        return self._rows(self.fused.weight)
-
-    @property
-    def bias(self) -> Tensor | None:
-        return self._rows(self.fused.bias)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        for name in ("weight", "bias"):
-            t = self._rows(getattr(self.fused, name))
-            if t is not None:
-                destination[prefix + name] = t if keep_vars else t.detach()
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fused.part(x, self.idx)
-
-    def extra_repr(self) -> str:
-        return f"{'qkv'[self.idx]} of fused qkv_proj, out_features={self.out_features}"
 
 
 class HybridConv1D(nn.Module):
@@ -285,8 +132,11 @@ class HybridConv1D(nn.Module):
     (same shape and values, strides ``(1, in)``) so that ``W.T`` is a row-major (out, in)
     matrix the GEMM reads without a copy; unpatch makes it contiguous again."""
 
-    def __init__(self, conv: nn.Module):
+    activation: str | None = None  # fused into the epilogue (GPT-2's c_fc: its GELU)
+
+    def __init__(self, conv: nn.Module, activation: str | None = None):
         super().__init__()
+        self.activation = activation
         self.nf, self.nx = conv.weight.shape[1], conv.weight.shape[0]
         self.weight = conv.weight
         self.bias = conv.bias
@@ -307,10 +157,10 @@ class HybridConv1D(nn.Module):
         self.store_transposed()  # assign=True puts the checkpoint's (contiguous) tensor in place
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight.t(), self.bias)
+        return linear(x, self.weight.t(), self.bias, self.activation)
 
     def extra_repr(self) -> str:
-        return f"nf={self.nf}, nx={self.nx}"
+        return f"nf={self.nf}, nx={self.nx}" + (f", activation={self.activation}" if self.activation else "")
 
 
 def _is_conv1d(m: nn.Module) -> bool:
@@ -321,10 +171,6 @@ def _is_conv1d(m: nn.Module) -> bool:
 
 def _get(m: nn.Module, name: str):
     return m._modules.get(name)
-
-
-def _qual(parent: str, child: str) -> str:
-    return f"{parent}.{child}" if parent else child
 
 
 def _check_module(model, who: str) -> None:
@@ -347,23 +193,18 @@ def _check_module(model, who: str) -> None:
                         "call super().__init__() first)")
 
 
-def _records(mod: nn.Module) -> list:
-    return mod.__dict__.get(_UNDO_ATTR) or []
-
-
-def _record(mod: nn.Module, rec: tuple) -> None:
-    mod.__dict__.setdefault(_UNDO_ATTR, []).append(rec)
-
-
 def _record_name(name: str, rec: tuple) -> str:
     """The module name a record stands for, given the name of the module that holds it."""
-    return _qual(name, rec[2]) if rec[0] == "conv1d" else (name or "(root)")
+    return qual(name, rec[2]) if rec[0] == "conv1d" else (name or "(root)")
 
 
-def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False) -> PatchReport:
+def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, attention: bool = True,
+          mlp: bool = True, lm_head: bool = True) -> PatchReport:
     """Patch ``model`` in place (see the module docstring); returns a :class:`PatchReport`.
 
-    ``fuse_qkv=False`` swaps each q/k/v linear on its own (state-dict keys unchanged).
+    ``attention``, ``mlp``, ``lm_head``: which parts to patch (the attention projections, the
+    MLPs of fusion/mlp.py, a ``lm_head`` nn.Linear). ``fuse_qkv=False`` swaps each q/k/v linear
+    on its own (state-dict keys unchanged).
     Nothing to patch: a warning and an empty report, or ``ValueError`` with ``strict=True``.
     What an earlier patch changed is left as it is (``report.already_patched``); only what
     is new gets patched. :func:`unpatch` of ``model`` or of any module above it undoes it all.
@@ -381,16 +222,16 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False) -> Patc
             continue
         for slot, obj in (*m._modules.items(), *m._parameters.items()):
             if obj is not None:
-                owners.setdefault(id(obj), []).append(_qual(mname, slot))
+                owners.setdefault(id(obj), []).append(qual(mname, slot))
 
     def subtree(name: str):
-        prefix = _qual(name, "")
+        prefix = qual(name, "")
         return (n for n in modules if n.startswith(prefix))
 
     def swap(name: str, mod: nn.Module, cls) -> None:
-        if _records(mod):
+        if records(mod):
             return  # a module registered under several names: swapped once
-        _record(mod, ("class", next(_SEQ), type(mod)))
+        record(mod, ("class", next(_SEQ), type(mod)))
         mod.__class__ = cls
         report.patched.append(name or "(root)")
         done.add(name)
@@ -403,11 +244,18 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False) -> Patc
                                          "patched in place"))
             done.update(subtree(name))
             continue
-        recs = _records(mod)
+        recs = records(mod)
         if recs:  # changed by an earlier patch
-            report.already_patched.extend(_record_name(name, rec) for rec in recs)
+            report.already_patched.extend(_record_name(name, rec) for rec in recs if rec[0] != "attr")
             if isinstance(mod, nn.MultiheadAttention):
                 done.update(subtree(name))
+            continue
+        if mlp and _patch_mlp(name, mod, modules, owners, report, swap, done):
+            continue
+        if lm_head and is_lm_head(name, mod):
+            swap(name, mod, HybridLinear)
+            continue
+        if not attention:
             continue
         if type(mod) is nn.MultiheadAttention:
             swap(name, mod, HybridMultiheadAttention)
@@ -419,16 +267,16 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False) -> Patc
                 conv = _get(mod, child)
                 if conv is not None and _is_conv1d(conv):
                     new = HybridConv1D(conv)
-                    _record(mod, ("conv1d", next(_SEQ), child, conv, new))
+                    record(mod, ("conv1d", next(_SEQ), child, conv, new))
                     setattr(mod, child, new)
-                    report.patched.append(_qual(name, child))
-                    done.add(_qual(name, child))
+                    report.patched.append(qual(name, child))
+                    done.add(qual(name, child))
             continue
         names = next((t for t in _QKV_NAMES if all(_get(mod, n) is not None for n in t)), None)
         if names is None:
             continue
         lins = [_get(mod, n) for n in names]
-        if all(_records(lin) for lin in lins):
+        if all(records(lin) for lin in lins):
             continue  # swapped one by one by an earlier patch (listed in already_patched)
         if not all(type(lin) is nn.Linear for lin in lins):
             kinds = ", ".join(type(lin).__name__ for lin in lins)
@@ -436,15 +284,15 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False) -> Patc
             continue
         why_not = _why_not_fuse(name, mod, names, lins, owners) if fuse_qkv else "fuse_qkv=False"
         if why_not is None:
-            _fuse(mod, names, lins)
+            fuse(mod, names, lins, _FUSED_NAME)
             report.patched.append(name or "(root)")
             report.fused_qkv.append(name or "(root)")
         else:
             if fuse_qkv:
                 report.skipped.append((name, f"q/k/v not fused: {why_not}; swapped one by one"))
             for n, lin in zip(names, lins):
-                swap(_qual(name, n), lin, HybridLinear)
-        done.update(_qual(name, n) for n in names)
+                swap(qual(name, n), lin, HybridLinear)
+        done.update(qual(name, n) for n in names)
         out_name, out = _output_projection(name, mod, modules)
         if out is not None and out_name not in done:
             swap(out_name, out, HybridLinear)
@@ -454,6 +302,64 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False) -> Patc
             raise ValueError(report.summary())
         warnings.warn(report.summary(), stacklevel=2)
     return report
+
+
+def _set_attr(mod: nn.Module, attr: str, value) -> None:
+    """``mod.<attr> = value`` as an instance attribute, recorded for unpatch."""
+    had = attr in mod.__dict__
+    record(mod, ("attr", next(_SEQ), attr, had, mod.__dict__.get(attr)))
+    mod.__dict__[attr] = value
+
+
+def _patch_mlp(name: str, mod: nn.Module, modules: dict, owners: dict, report: PatchReport, swap, done) -> bool:
+    """Patch ``mod`` if it is an MLP of fusion/mlp.py; False if it is none."""
+    lins, act, why = gated_parts(mod)
+    if why is not None:
+        report.skipped.append((name, why))
+        return True
+    if lins:
+        down = _get(mod, "down_proj")
+        why_not = why_not_fuse(name, mod, GATED_NAMES, lins, owners, FUSED_GATE_UP, "gate/up")
+        if why_not is not None:  # still through hybridgemm, one GEMM each, the module's own forward
+            report.skipped.append((name, f"gate/up not fused: {why_not}; swapped one by one"))
+            for n, lin in zip(GATED_NAMES, lins):
+                swap(qual(name, n), lin, HybridLinear)
+        else:
+            swap(name, mod, HybridGatedMLP)  # before fuse: swap() leaves modules holding records alone
+            fuse(mod, GATED_NAMES, lins, FUSED_GATE_UP)
+            _set_attr(mod, "glu_activation", act)
+            report.fused_mlp.append(name or "(root)")
+        if type(down) is nn.Linear:
+            swap(qual(name, "down_proj"), down, HybridLinear)
+        done.update(qual(name, n) for n in (*GATED_NAMES, "down_proj"))
+        return True
+    act, why = conv_mlp_act(mod, _is_conv1d)
+    if act is None:
+        act, why = intermediate_act(mod)
+        if act is None:
+            if why is not None:
+                report.skipped.append((name, why))
+            return why is not None
+        dense = _get(mod, "dense")
+        swap(qual(name, "dense"), dense, HybridLinear)
+        _set_attr(dense, "activation", act)
+        swap(name, mod, HybridIntermediate)
+        parent = modules[name.rpartition(".")[0]] if name else None
+        output = _get(parent, "output") if parent is not None else None
+        out_dense = _get(output, "dense") if output is not None else None
+        out_name = qual(qual(name.rpartition(".")[0], "output"), "dense")
+        if type(out_dense) is nn.Linear and out_name not in done:
+            swap(out_name, out_dense, HybridLinear)
+        return True
+    swap(name, mod, HybridConvMLP)
+    for child in ("c_fc", "c_proj"):
+        conv = _get(mod, child)
+        new = HybridConv1D(conv, act if child == "c_fc" else None)
+        record(mod, ("conv1d", next(_SEQ), child, conv, new))
+        setattr(mod, child, new)
+        report.patched.append(qual(name, child))
+        done.add(qual(name, child))
+    return True
 
 
 def _output_projection(name: str, mod: nn.Module, modules: dict):
@@ -474,44 +380,7 @@ def _output_projection(name: str, mod: nn.Module, modules: dict):
 def _why_not_fuse(name: str, mod: nn.Module, names, lins: list[nn.Linear], owners: dict) -> str | None:
     if getattr(mod, "is_cross_attention", False) or "Cross" in type(mod).__name__:
         return "cross-attention (K/V read another input)"
-    if _get(mod, _FUSED_NAME) is not None or _FUSED_NAME in mod.__dict__:
-        return f"the module already has an attribute {_FUSED_NAME!r}"
-    # A fused copy of a shared module or parameter would untie it from its other uses.
-    for n, lin in zip(names, lins):
-        here = _qual(name, n)
-        others = [o for o in owners.get(id(lin), ()) if o != here]
-        if others:
-            return f"{here} is the same nn.Linear as {others[0]} (shared weights; fusing would untie them)"
-        for pname, p in lin._parameters.items():
-            here_p = _qual(here, pname)
-            others = [o for o in owners.get(id(p), ()) if o != here_p] if p is not None else []
-            if others:
-                return f"{here_p} is tied to {others[0]} (the same parameter; fusing would untie them)"
-    if len({lin.in_features for lin in lins}) > 1:
-        return "different in_features"
-    params = [p for lin in lins for p in (lin.weight, lin.bias) if p is not None]
-    if len({(p.dtype, p.device) for p in params}) > 1:
-        return "different dtypes or devices"
-    if len({p.requires_grad for p in params}) > 1:
-        return "mixed requires_grad"
-    if len({lin.bias is None for lin in lins}) > 1:
-        return "some of q/k/v have a bias and some not"
-    return None
-
-
-def _fuse(mod: nn.Module, names, lins: list[nn.Linear]) -> None:
-    sizes = tuple(lin.out_features for lin in lins)
-    rg = lins[0].weight.requires_grad
-    with torch.no_grad():
-        w = nn.Parameter(torch.cat([lin.weight for lin in lins]), requires_grad=rg)
-        b = nn.Parameter(torch.cat([lin.bias for lin in lins]), requires_grad=rg) \
-            if lins[0].bias is not None else None
-    fused = FusedQKV(w, b, sizes, tuple(lins), tuple(names))
-    mod.add_module(_FUSED_NAME, fused)
-    for i, n in enumerate(names):
-        setattr(mod, n, QKVSlice(fused, i))
-    hook = mod.register_load_state_dict_pre_hook(_load_stock_qkv)
-    _record(mod, ("fused", next(_SEQ), tuple(names), tuple(lins), hook))
+    return why_not_fuse(name, mod, names, lins, owners, _FUSED_NAME, "q/k/v")
 
 
 def unpatch(model: nn.Module) -> list[str]:
@@ -528,8 +397,16 @@ def unpatch(model: nn.Module) -> list[str]:
     found.sort(key=lambda item: item[0], reverse=True)
     restored = []
     for _, name, mod, rec in found:
-        restored.append(_record_name(name, rec))
         kind = rec[0]
+        if kind == "attr":
+            _, _, attr, had, old = rec
+            if had:
+                mod.__dict__[attr] = old
+            else:
+                mod.__dict__.pop(attr, None)
+            continue
+        if _record_name(name, rec) not in restored:
+            restored.append(_record_name(name, rec))
         if kind == "class":
             mod.__class__ = rec[2]
         elif kind == "conv1d":
@@ -540,21 +417,7 @@ def unpatch(model: nn.Module) -> list[str]:
                 conv.weight.data = conv.weight.data.contiguous()
             setattr(mod, child, conv)
         elif kind == "fused":
-            _, _, names, lins, hook = rec
-            hook.remove()
-            fused = mod._modules.pop(_FUSED_NAME)
-            sizes = fused.sizes
-            with torch.no_grad():
-                ws = fused.weight.detach().split(sizes)
-                bs = fused.bias.detach().split(sizes) if fused.bias is not None else (None,) * 3
-                for n, lin, wi, bi in zip(names, lins, ws, bs):
-                    lin.weight.data = wi.clone()
-                    if bi is not None:
-                        lin.bias.data = bi.clone()
-                    lin.weight.requires_grad_(fused.weight.requires_grad)
-                    setattr(mod, n, lin)
-            fused._rec = None
-            object.__setattr__(fused, "_originals", ())
+            unfuse(mod, rec)
     return restored
 
 

@@ -9,8 +9,9 @@ The model is Qwen2ForCausalLM or LlamaForCausalLM built from a config of the rea
 one process. Modes, each at every ``--batch`` (prefill at batch 1), after a prompt of
 :data:`PROMPT_LEN` random tokens:
 
-- ``eager_generate``: HF ``generate`` (greedy, default dynamic cache); ms/token = (wall time of
-  ``--tokens`` new tokens - wall time of 1) / (tokens - 1), which removes the prompt's forward.
+- ``eager_generate``: HF ``generate`` (greedy, default dynamic cache); ms/token = the host time
+  from the first new token to the last, as each reaches generate's streamer, / (tokens - 1),
+  which leaves out the prompt's forward.
 - ``eager_static``: a greedy loop over a ``StaticCache``, one token per step, positions
   advancing on the device; wall time of ``--tokens`` steps (synchronised around) / tokens.
 - ``compiled_static``: the same step under ``torch.compile(mode="reduce-overhead",
@@ -214,8 +215,10 @@ def make_round(run: Run, mode: str, model, batch: int, clock: Clock) -> Callable
         t = run.tokens
 
         def gen_round():
-            one = clock.wall_ms(lambda: hf.generate(model, ids, 1))
-            return [(clock.wall_ms(lambda: hf.generate(model, ids, t)) - one) / (t - 1)]
+            stamps = hf.TokenClock()
+            clock.sync()
+            hf.generate(model, ids, t, streamer=stamps)
+            return [stamps.ms_per_step()]
 
         return gen_round
     if mode in ("eager_static", "compiled_static"):

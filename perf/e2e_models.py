@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import time
 from dataclasses import dataclass
 
 import torch
@@ -163,8 +164,33 @@ def prefill_forward(model: nn.Module, api: ForwardApi, ids: torch.Tensor) -> tor
     return model(input_ids=ids, use_cache=False, **kw).logits
 
 
-def generate(model: nn.Module, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def generate(model: nn.Module, ids: torch.Tensor, new_tokens: int, streamer=None) -> torch.Tensor:
     """HF ``generate``, greedy, exactly ``new_tokens`` new tokens (an end-of-sequence token
-    does not stop it early), default (dynamic) cache."""
+    does not stop it early), default (dynamic) cache; ``streamer`` as HF takes one."""
     return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=streamer)
+
+
+class TokenClock:
+    """An HF streamer that notes the host clock as each new token reaches the host (generate
+    copies every token to the CPU for its streamer, which waits for the step's GPU work): the
+    gaps between new tokens are the decode steps' wall times, the prompt's forward excluded."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:  # the first put is the prompt, before any forward
+            self._prompt_seen = True
+            return
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def ms_per_step(self) -> float:
+        """Mean ms between consecutive new tokens (needs at least two)."""
+        if len(self.stamps) < 2:
+            raise ValueError(f"{len(self.stamps)} new tokens were streamed; a step time needs at least 2")
+        return (self.stamps[-1] - self.stamps[0]) * 1e3 / (len(self.stamps) - 1)

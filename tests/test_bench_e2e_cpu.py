@@ -259,3 +259,18 @@ def test_main_writes_the_csv_and_exits_1_on_an_error(monkeypatch, tmp_path, caps
     assert rows[0]["gpu"] == "NVIDIA H200" and rows[0]["transformers"] == transformers.__version__ and rows[0]["date"]
     out = capsys.readouterr()
     assert "prefill" in out.out and "errors in prefill B=1 hybridgemm" in out.err
+
+
+def test_token_clock_times_the_gaps_between_new_tokens_only(monkeypatch):
+    from hybridgemm.perf import e2e_models
+
+    ticks = iter([10.0, 10.5, 10.75, 11.5])
+    monkeypatch.setattr(e2e_models.time, "perf_counter", lambda: next(ticks))
+    clock = e2e_models.TokenClock()
+    clock.put("prompt")  # not stamped: the prompt is streamed before any forward
+    with pytest.raises(ValueError, match="at least 2"):
+        clock.ms_per_step()
+    for _ in range(4):
+        clock.put("token")
+    clock.end()
+    assert clock.ms_per_step() == pytest.approx(1500.0 / 3)

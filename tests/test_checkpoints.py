@@ -55,10 +55,11 @@ def _ids() -> torch.Tensor:
 
 def _patch(model: nn.Module, kind: str) -> hybridgemm.PatchReport:
     report = hybridgemm.patch(model)
-    if kind == "gpt2":
-        assert len(report.patched) == 4 and isinstance(model.transformer.h[0].attn.c_attn, HybridConv1D)
-    else:
-        assert len(report.fused_qkv) == 2, report  # both layers' Q/K/V really are fused
+    if kind == "gpt2":  # per layer: c_attn, c_proj, the MLP, its c_fc and c_proj; the LM head
+        assert len(report.patched) == 11 and isinstance(model.transformer.h[0].attn.c_attn, HybridConv1D)
+        assert isinstance(model.transformer.h[0].mlp.c_fc, HybridConv1D), report
+    else:  # both layers' Q/K/V (and a gated MLP's gate/up) really are fused
+        assert len(report.fused_qkv) == 2 and len(report.fused_mlp) == (0 if kind == "bert" else 2), report
     return report
 
 
@@ -279,7 +280,9 @@ def test_training_trains_the_fused_parameter_and_checkpoints_stay_stock(tmp_path
     names = [n for n, _ in patched.named_parameters()]
     assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.self_attn.qkv_proj.bias" in names
     assert not any(".q_proj." in n or ".k_proj." in n or ".v_proj." in n for n in names)
-    assert len(names) == len(list(stock.named_parameters())) - 2 * 2 * 2  # 6 q/k/v params -> 2 fused, per layer
+    # per layer: 6 q/k/v parameters -> 2 fused, 2 gate/up weights -> 1 fused
+    assert len(names) == len(list(stock.named_parameters())) - 2 * (4 + 1)
+    assert "model.layers.0.mlp.gate_up_proj.weight" in names
 
     ids = _ids()
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (stock, patched)]

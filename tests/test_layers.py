@@ -25,6 +25,7 @@ LAZY_ALLOWED = {
     ("hybridgemm.modes", "hybridgemm.kernels.triton_common"),
     ("hybridgemm.modes", "hybridgemm.kernels.triton_gemm"),
     ("hybridgemm.kernels.backends", "hybridgemm.kernels.triton_common"),
+    ("hybridgemm.mlp", "hybridgemm.kernels.triton_glu"),
 }
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 import hybridgemm
 from hybridgemm import HybridLinear, HybridMultiheadAttention, dispatch
+from hybridgemm.mlp import HybridGatedMLP
 from hybridgemm.patching import FusedQKV, HybridConv1D, QKVSlice
 
 VOCAB = 97
@@ -52,19 +53,24 @@ def test_hf_causal_lm_logits_and_greedy_decode(kind, attn, monkeypatch):
         ref = model(ids).logits
         ref_tokens = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
 
+    mlp_class = type(model.model.layers[0].mlp)
     report = hybridgemm.patch(model)
     assert report.fused_qkv == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
-    assert report.patched == ["model.layers.0.self_attn", "model.layers.0.self_attn.o_proj",
-                              "model.layers.1.self_attn", "model.layers.1.self_attn.o_proj"]
-    attn0 = model.model.layers[0].self_attn
+    assert report.fused_mlp == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert report.patched == [f"model.layers.{i}.{n}" for i in range(2)
+                              for n in ("self_attn", "self_attn.o_proj", "mlp", "mlp.down_proj")] + ["lm_head"]
+    attn0, mlp0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert isinstance(attn0.q_proj, QKVSlice) and isinstance(attn0.qkv_proj, FusedQKV)
-    assert type(attn0.o_proj) is HybridLinear
+    assert type(attn0.o_proj) is HybridLinear and type(model.lm_head) is HybridLinear
+    assert type(mlp0) is HybridGatedMLP and mlp0.glu_activation == "silu"
+    assert isinstance(mlp0.gate_up_proj, FusedQKV) and type(mlp0.down_proj) is HybridLinear
 
     calls = _count_fused_calls(monkeypatch)
     with torch.no_grad():
         out = model(ids).logits
-    # one fused QKV GEMM (4 + 2*2 heads of 16 = 128 rows) and one O GEMM per layer, nothing else
-    assert calls == [128, 64, 128, 64]
+    # per layer: one fused QKV GEMM (4 + 2*2 heads of 16 = 128 rows), one O GEMM, one gate/up GEMM
+    # (2 * 96 rows), one down GEMM; then the LM head (VOCAB rows); nothing else
+    assert calls == [128, 64, 192, 64] * 2 + [VOCAB]
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         tokens = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -74,6 +80,9 @@ def test_hf_causal_lm_logits_and_greedy_decode(kind, attn, monkeypatch):
     restored = hybridgemm.unpatch(model)
     assert sorted(restored) == sorted(report.patched)
     assert all(type(getattr(attn0, n)) is nn.Linear for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert type(mlp0) is mlp_class and "glu_activation" not in mlp0.__dict__ and not hasattr(mlp0, "gate_up_proj")
+    assert all(type(getattr(mlp0, n)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is params_before["lm_head.weight"]
     after = _snapshot(model)
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert all(p is params_before[n] and p.is_contiguous() for n, p in model.named_parameters())
@@ -121,23 +130,33 @@ def test_gpt2_conv1d_and_bert():
     bert = transformers.BertModel(transformers.BertConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2,
                                                           num_attention_heads=4, intermediate_size=64)).eval()
     ids = torch.randint(0, VOCAB, (2, 9))
+    gpt2_layer = ["attn.c_attn", "attn.c_proj", "mlp", "mlp.c_fc", "mlp.c_proj"]
+    bert_layer = ["attention.self", "attention.output.dense", "intermediate.dense", "intermediate", "output.dense"]
     for model, get, expect in [
-        (gpt2, lambda m: m(ids).logits, ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj"]),
-        (bert, lambda m: m(ids).last_hidden_state, ["encoder.layer.0.attention.self",
-                                                    "encoder.layer.0.attention.output.dense"]),
+        (gpt2, lambda m: m(ids).logits,
+         [f"transformer.h.{i}.{n}" for i in range(2) for n in gpt2_layer] + ["lm_head"]),
+        (bert, lambda m: m(ids).last_hidden_state, [f"encoder.layer.{i}.{n}" for i in range(2) for n in bert_layer]),
     ]:
         before = _snapshot(model)
+        classes = {n: type(m) for n, m in model.named_modules()}
         with torch.no_grad():
             ref = get(model)
             report = hybridgemm.patch(model)
-            assert report.patched[:2] == expect and len(report.patched) == 4
+            assert report.patched == expect
             torch.testing.assert_close(get(model), ref, rtol=1e-5, atol=1e-5)
         hybridgemm.unpatch(model)
         after = _snapshot(model)
         assert all(torch.equal(after[k], before[k]) and after[k].is_contiguous() for k in before)
+        assert {n: type(m) for n, m in model.named_modules()} == classes
+        assert not any("activation" in m.__dict__ for m in model.modules() if isinstance(m, nn.Linear))
     assert type(gpt2.transformer.h[0].attn.c_attn).__name__ == "Conv1D"
     hybridgemm.patch(gpt2)
+    hybridgemm.patch(bert)
     assert isinstance(gpt2.transformer.h[0].attn.c_attn, HybridConv1D)
+    # the MLPs' GELUs run in the first GEMM's epilogue: gelu_new is the tanh form, BERT's the erf form
+    mlp = gpt2.transformer.h[0].mlp
+    assert mlp.c_fc.activation == "gelu_tanh" and mlp.c_proj.activation is None
+    assert bert.encoder.layer[0].intermediate.dense.activation == "gelu"
     assert gpt2.transformer.h[0].attn.c_attn.weight.t().is_contiguous()  # no per-call weight copy
 
 
@@ -273,11 +292,12 @@ def test_nothing_to_patch_and_bad_input():
 def test_patch_twice_and_no_fuse_option():
     model = _tiny("qwen2", layers=1)
     keys = set(model.state_dict())
-    report = hybridgemm.patch(model, fuse_qkv=False)
+    report = hybridgemm.patch(model, fuse_qkv=False, mlp=False, lm_head=False)
     assert report.fused_qkv == [] and len(report.patched) == 4
     assert set(model.state_dict()) == keys  # one-by-one swaps keep the checkpoint keys
     with pytest.warns(UserWarning, match="nothing patched"):
-        again = hybridgemm.patch(model)
+        again = hybridgemm.patch(model, mlp=False, lm_head=False)
     assert not again
+    assert hybridgemm.patch(model).fused_mlp == ["model.layers.0.mlp"]  # what is new still gets patched
     hybridgemm.unpatch(model)
     assert all(type(m) is not HybridLinear for m in model.modules())

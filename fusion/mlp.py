@@ -1,0 +1,206 @@
+"""The MLP half of :func:`hybridgemm.patch`, and :func:`gated_linear`.
+
+Found by module structure, never by model name (``transformers`` is never imported here):
+
+* **Gated MLPs** (Llama, Qwen2, Mistral, Gemma, ...): a module with exact ``nn.Linear``
+  children ``gate_proj`` and ``up_proj`` reading the same input, a ``down_proj`` child and an
+  ``act_fn`` that is SiLU (SwiGLU) or a GELU (GeGLU). gate and up are fused into one GEMM
+  (``gate_up_proj``, fusion/fused_rows.py: stock state-dict keys, ties respected) and the
+  module's class becomes :class:`HybridGatedMLP`, whose forward is
+  ``down_proj(gated_linear(x, gate_up_proj.weight, gate_up_proj.bias, act))``;
+  ``down_proj`` (if a plain ``nn.Linear``) becomes a :class:`~hybridgemm.HybridLinear`.
+* **Bias + GELU MLPs** through the fused bias + activation epilogues: GPT-2's ``c_fc``/``c_proj``
+  (transformers' ``Conv1D``) with ``act``; BERT's ``intermediate.dense`` with
+  ``intermediate_act_fn`` and its sibling ``output.dense``. The activation moves into the first
+  GEMM's epilogue and the module's class becomes one whose forward no longer applies it.
+
+An activation module that is not recognised (an unknown class, a custom function) leaves the
+MLP alone, with the reason in the report: fusing must compute what the module computed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .decide import get_mode
+from .linear_layer import linear
+from .modes import DEFAULT
+
+GATED_NAMES = ("gate_proj", "up_proj")
+FUSED_GATE_UP = "gate_up_proj"
+
+# What each gated activation applies to the gate half (the up half is multiplied in as is).
+GLU_FUNCTIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def activation_name(act) -> str | None:
+    """The epilogue name of an activation module ("silu", "gelu_tanh", "gelu", "relu"), or None
+    when it is not one whose math is known exactly."""
+    t = type(act)
+    name, from_hf = t.__name__, t.__module__.startswith("transformers")
+    if t is nn.SiLU or (from_hf and name == "SiLUActivation"):
+        return "silu"
+    if t is nn.ReLU:
+        return "relu"
+    if t is nn.GELU:
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    if from_hf and name in ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh"):
+        return "gelu_tanh"  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), the tanh form
+    if from_hf and name == "GELUActivation":
+        return "gelu"  # erf form, whether through F.gelu or transformers' Python copy of it
+    return None
+
+
+# Rows of x up to which gated_linear's "auto" runs the Triton kernel with the product in its
+# epilogue (kernels/triton_glu.py) rather than one GEMM and a separate product: decode sizes,
+# where the (M, 2I) intermediate and the two extra launches cost most relative to the GEMM.
+TRITON_GLU_MAX_M = 16
+KERNELS = ("auto", "gemm", "triton")
+_PLAIN = (Tensor, nn.Parameter)
+
+
+def _triton_glu():
+    # Imported on first use: importing hybridgemm needs no Triton (tests/test_layers.py).
+    from hybridgemm.kernels import triton_glu
+
+    return triton_glu
+
+
+def _auto_picks_triton(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Inference on CUDA fp16/bf16 at decode sizes, default dispatch mode, weight rows
+    unit-stride (the kernel would otherwise copy the weight)."""
+    if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return False
+    m = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
+    if not isinstance(m, int) or not 1 <= m <= TRITON_GLU_MAX_M:
+        return False
+    return weight.stride(-1) == 1 and get_mode() == DEFAULT and (bias is None or bias.dtype == x.dtype)
+
+
+@torch.library.custom_op("hybridgemm::gated_fwd", mutates_args=())
+def gated_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    """The Triton gated kernel as an opaque op (torch.compile; inference only, no autograd)."""
+    return _triton_glu().glu(x, weight, bias, activation)
+
+
+@gated_fwd.register_fake
+def _gated_fwd_fake(x, weight, bias, activation):
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
+def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "silu", *,
+                 kernel: str = "auto") -> Tensor:
+    """``act(x @ Wg.T + bg) * (x @ Wu.T + bu)`` where ``weight`` = ``cat([Wg, Wu])`` (2I, K) and
+    ``bias`` = ``cat([bg, bu])`` (2I,) or None; ``activation``: "silu" (SwiGLU), "gelu_tanh" or
+    "gelu" (GeGLU). Returns (..., I).
+
+    ``kernel="gemm"``: one GEMM through :func:`hybridgemm.linear` (dispatcher, autograd,
+    torch.compile), then the activation and the product in x's dtype, as the stock modules
+    compute them. ``"triton"``: kernels/triton_glu.py, the product in the GEMM's epilogue (fp32
+    until the one rounding; CUDA, no autograd). ``"auto"``: the Triton kernel for inference at
+    M ≤ :data:`TRITON_GLU_MAX_M` rows on CUDA fp16/bf16 in the default dispatch mode, else the GEMM.
+    """
+    fn = GLU_FUNCTIONS.get(activation)
+    if fn is None:
+        raise ValueError(f"hybridgemm.gated_linear: activation must be one of {', '.join(GLU_FUNCTIONS)}, "
+                         f"got {activation!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"hybridgemm.gated_linear: kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] % 2:
+        shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+        raise ValueError("hybridgemm.gated_linear: weight must be 2-D (2I, K), the gate rows stacked over the up "
+                         f"rows, got {shape}")
+    if kernel == "triton" or (kernel == "auto" and isinstance(x, Tensor) and _auto_picks_triton(x, weight, bias)):
+        if torch.compiler.is_compiling() or not (type(x) in _PLAIN and type(weight) in _PLAIN):
+            return torch.ops.hybridgemm.gated_fwd(x, weight, bias, activation)
+        return _triton_glu().glu(x, weight, bias, activation)
+    gate, up = linear(x, weight, bias).chunk(2, dim=-1)
+    return fn(gate) * up
+
+
+class HybridGatedMLP(nn.Module):
+    """Stands in for a gated MLP module (its class is swapped in place; every attribute stays):
+    one GEMM for gate and up, the gated product, then ``down_proj``."""
+
+    glu_activation = "silu"
+
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        fused = self._modules[FUSED_GATE_UP]
+        return self.down_proj(gated_linear(x, fused.weight, fused.bias, self.glu_activation))
+
+
+class HybridIntermediate(nn.Module):
+    """Stands in for BERT's intermediate module: ``dense`` carries the activation in its epilogue."""
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return self.dense(hidden_states)
+
+
+class HybridConvMLP(nn.Module):
+    """Stands in for GPT-2's MLP: ``c_fc`` carries the activation in its epilogue."""
+
+    def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+        return self.dropout(self.c_proj(self.c_fc(hidden_states)))
+
+
+def gated_parts(mod: nn.Module) -> tuple[list, str | None, str | None]:
+    """(``[gate_proj, up_proj]``, activation, reason not to patch) for a gated MLP; ``([], None,
+    None)`` when ``mod`` is not one."""
+    lins = [mod._modules.get(n) for n in GATED_NAMES]
+    if any(lin is None for lin in lins) or mod._modules.get("down_proj") is None:
+        return [], None, None
+    if not all(type(lin) is nn.Linear for lin in lins):
+        return [], None, "gate_proj/up_proj are " + ", ".join(type(lin).__name__ for lin in lins) + \
+            ", not plain nn.Linear"
+    act_fn = getattr(mod, "act_fn", None)
+    act = activation_name(act_fn) if isinstance(act_fn, nn.Module) else None
+    if act not in GLU_FUNCTIONS:
+        return [], None, f"gated MLP with act_fn {type(act_fn).__name__}: only SiLU and GELU are fused"
+    if lins[0].out_features != lins[1].out_features:
+        return [], None, "gate_proj and up_proj have different out_features"
+    return lins, act, None
+
+
+def intermediate_act(mod: nn.Module) -> tuple[str | None, str | None]:
+    """(activation, reason not to) for a BERT-style intermediate module (``dense`` +
+    ``intermediate_act_fn``); (None, None) for anything else."""
+    dense, act_fn = mod._modules.get("dense"), getattr(mod, "intermediate_act_fn", None)
+    if dense is None or act_fn is None:
+        return None, None
+    if type(dense) is not nn.Linear:
+        return None, f"dense is {type(dense).__name__}, not a plain nn.Linear"
+    act = activation_name(act_fn) if isinstance(act_fn, nn.Module) else None
+    if act not in ("gelu", "gelu_tanh", "relu"):
+        return None, f"intermediate_act_fn {type(act_fn).__name__} has no fused epilogue"
+    return act, None
+
+
+def conv_mlp_act(mod: nn.Module, is_conv1d) -> tuple[str | None, str | None]:
+    """(activation, reason not to) for a GPT-2-style MLP (``c_fc``/``c_proj`` Conv1D, ``act``,
+    ``dropout``); (None, None) for anything else."""
+    c_fc, c_proj = mod._modules.get("c_fc"), mod._modules.get("c_proj")
+    if c_fc is None or c_proj is None or not (is_conv1d(c_fc) and is_conv1d(c_proj)):
+        return None, None
+    if mod._modules.get("dropout") is None:
+        return None, "GPT-2-style MLP without a dropout module"
+    act = activation_name(getattr(mod, "act", None))
+    if act not in ("gelu", "gelu_tanh", "relu"):
+        return None, f"act {type(getattr(mod, 'act', None)).__name__} has no fused epilogue"
+    return act, None
+
+
+def is_lm_head(name: str, mod: nn.Module) -> bool:
+    return name.rpartition(".")[2] == "lm_head" and type(mod) is nn.Linear
+
+
+__all__ = ["GLU_FUNCTIONS", "HybridConvMLP", "HybridGatedMLP", "HybridIntermediate", "activation_name",
+           "gated_linear"]
