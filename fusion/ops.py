@@ -35,6 +35,7 @@ from torch import Tensor
 from hybridgemm import dispatch
 from hybridgemm.kernels.checks import check_linear_args
 from hybridgemm.kernels.epilogue import Activation, apply_activation
+from hybridgemm.kernels.process_memory import per_call_scratch
 
 from . import backward
 
@@ -51,7 +52,8 @@ def _out_shape(x: Tensor, weight: Tensor) -> tuple[int, ...]:
 @torch.library.custom_op("hybridgemm::linear_fwd", mutates_args=())
 def linear_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
     # .contiguous(): the fake kernel promises a contiguous result (Inductor relies on it).
-    return dispatch.fused_linear(x, weight, bias, activation).contiguous()
+    with per_call_scratch():  # no scratch cached from inside a compiled region (CUDA graph trees)
+        return dispatch.fused_linear(x, weight, bias, activation).contiguous()
 
 
 @linear_fwd.register_fake
@@ -92,7 +94,8 @@ linear_fwd.register_autograd(_linear_fwd_backward, setup_context=_setup_linear_f
 def linear_act_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> tuple[Tensor, Tensor]:
     if activation not in _SAVES_PREACT:
         raise ValueError(f"{WHO}: linear_act_fwd is for {_SAVES_PREACT}, got {activation!r}")
-    z = dispatch.fused_linear(x, weight, bias, None).contiguous()
+    with per_call_scratch():
+        z = dispatch.fused_linear(x, weight, bias, None).contiguous()
     return apply_activation(z, Activation.parse(activation)), z
 
 
@@ -134,7 +137,8 @@ def _run_backward(ctx, grad, x, weight, saved):
 @torch.library.custom_op("hybridgemm::linear_bwd", mutates_args=())
 def linear_bwd(grad_out: Tensor, x: Tensor | None, weight: Tensor | None, saved: Tensor | None,
                activation: str, needs_x: bool, needs_w: bool, needs_b: bool) -> tuple[Tensor, Tensor, Tensor]:
-    grads = backward.linear_backward(grad_out, x, weight, saved, activation, (needs_x, needs_w, needs_b))
+    with per_call_scratch():
+        grads = backward.linear_backward(grad_out, x, weight, saved, activation, (needs_x, needs_w, needs_b))
     out = []
     for g, want in zip(grads, (needs_x, needs_w, needs_b)):
         if want and g is None:

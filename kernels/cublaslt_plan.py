@@ -35,6 +35,7 @@ from .cublaslt_runtime import (
     workspace_ptr,
     workspace_ptrs,
 )
+from .process_memory import per_call
 
 HEURISTIC_COUNT = 16
 
@@ -167,7 +168,12 @@ class Plan:
     def launch(self, a_ptr: int, b_ptr: int, d_ptr: int, bias_ptr: int, stream: int) -> None:
         """``D = epilogue(op(A) @ op(B))`` on ``stream``, which must belong to the current device
         (this plan's). ``bias_ptr``: the epilogue's bias (or bias gradient) vector, 0 if none."""
-        ws = workspace_ptrs.get((self.device_index, stream)) or workspace_ptr(self.device_index, stream)
+        scratch = None
+        if per_call():  # a compiled region: a workspace for this call only (kernels/process_memory.py)
+            scratch = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", self.device_index))
+            ws = scratch.data_ptr()
+        else:
+            ws = workspace_ptrs.get((self.device_index, stream)) or workspace_ptr(self.device_index, stream)
         # The bias pointer is a descriptor attribute: set it only when it changes (weights
         # rarely move), under a lock so two threads sharing a plan cannot interleave.
         with self._call_lock:

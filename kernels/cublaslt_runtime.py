@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from .checks import MATH_FLAG
-from .process_memory import process_buffer
 
 WORKSPACE_BYTES = 32 * 1024 * 1024  # allocated per device+stream: what cuBLAS recommends on Hopper
 
@@ -83,10 +82,10 @@ def handle(device_index: int) -> int:
 
 def workspace_ptr(device_index: int, stream: int) -> int:
     """The address of the :data:`WORKSPACE_BYTES` workspace of ``(device, stream)``, allocated
-    through torch on first use, outside every CUDA-graph pool, and never freed."""
+    through torch on first use and never freed."""
     ptr = workspace_ptrs.get((device_index, stream))
     if ptr is None:
-        ws = process_buffer(WORKSPACE_BYTES, torch.uint8, torch.device("cuda", device_index))
+        ws = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", device_index))
         workspaces[(device_index, stream)] = ws
         ptr = workspace_ptrs[(device_index, stream)] = ws.data_ptr()
     return ptr

@@ -1,36 +1,39 @@
-"""Device buffers that live for the whole process: cuBLASLt workspaces and split-K scratch.
+"""Where scratch memory comes from: buffers kept for the process, or per call.
 
-A CUDA graph captured with such a buffer bakes in its address, so it is allocated once and never
-freed. It must also stay out of any CUDA-graph memory pool: torch.compile's CUDA graph trees
-allocate everything a compiled region creates (during its eager warm-up and its capture) from a
-private pool, and refuse a recording that leaves a pool tensor alive that is not one of the
-graph's outputs ("Detected N tensor(s) in the cudagraph pool not tracked as outputs"). The
-allocator routes an allocation to a graph pool by the stream it is made on, so these buffers are
-allocated on a side stream of their own, which no capture or pool ever targets. Allocating
-issues no kernel; callers that need zeros fill the buffer on their own stream.
+Eager calls reuse cuBLASLt workspaces and split-K scratch kept per (device, stream) for the
+whole process: no allocation per call, and a CUDA graph captured by hand bakes in their
+addresses (they are never freed).
+
+Calls from inside a compiled region (the ``hybridgemm::`` custom ops) must not do that.
+torch.compile's CUDA graph trees allocate everything a region creates, during its eager warm-up
+and during its capture, from a private pool, and refuse a recording that leaves a pool tensor
+alive that is not one of the graph's outputs ("Detected N tensor(s) in the cudagraph pool not
+tracked as outputs"): a buffer cached on first use there would be exactly that. So inside
+:func:`per_call_scratch` the backends allocate their scratch per call through the caching
+allocator and drop it when the call returns (stream-ordered, so the memory is reused only by
+later work on that stream; inside a graph it is pool memory the graph owns). Cost: an
+allocation per split-K or cuBLASLt call (a cached block, a few µs of host time; the split-K
+counters add a memset), paid only under torch.compile, where a CUDA graph replays without it.
 """
 
 from __future__ import annotations
 
-import torch
+import threading
+from contextlib import contextmanager
 
-_ALLOC_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def process_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised 1-D buffer that is never in a CUDA-graph pool (see the module doc)."""
-    if device.type != "cuda":
-        return torch.empty(numel, dtype=dtype, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _ALLOC_STREAMS.get(index)
-    if stream is None:
-        stream = _ALLOC_STREAMS[index] = torch.cuda.Stream(index)
-    with torch.cuda.stream(stream):
-        return torch.empty(numel, dtype=dtype, device=torch.device("cuda", index))
+_STATE = threading.local()
 
 
-def release_wait(device: torch.device) -> None:
-    """Before dropping process buffers: wait for the work that may still use them, so the
-    allocator cannot hand their memory to the next buffer while a kernel still writes it."""
-    if device.type == "cuda" and torch.cuda.is_initialized():
-        torch.cuda.synchronize(device)
+def per_call() -> bool:
+    """True while this thread runs inside :func:`per_call_scratch`."""
+    return getattr(_STATE, "depth", 0) > 0
+
+
+@contextmanager
+def per_call_scratch():
+    """Backends called in this block (this thread) allocate their scratch per call."""
+    _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1

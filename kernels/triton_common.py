@@ -17,7 +17,7 @@ import triton.language as tl
 from .checks import operand_key
 from .epilogue import Activation, Epilogue
 from .problem import DTYPE_NAMES, Problem, dtype_name
-from .process_memory import process_buffer, release_wait
+from .process_memory import per_call
 
 # H100/H200 opt-in shared memory per block; what candidates() assume when no device is given.
 HOPPER_SMEM_PER_BLOCK = 232448
@@ -225,8 +225,9 @@ def config_from_record(cls, kind: str, record):
 #     program that arrives last sums the partials in split order 0..S-1 and resets the counter
 #     to 0, so the buffer is all zeros between calls (what the next call and graph replays need).
 #
-# Both are kept per (device, stream) and never freed (kernels/process_memory.py: outside every
-# CUDA-graph pool): a CUDA graph captured with a split-K call bakes in their addresses. Graphs captured on one stream
+# Both are kept per (device, stream) from torch's caching allocator and never freed: a CUDA
+# graph captured with a split-K call bakes in their addresses. Calls from compiled regions take
+# fresh ones per call instead (kernels/process_memory.py). Graphs captured on one stream
 # share them: do not replay such graphs concurrently with each other or with eager calls on
 # that stream.
 #
@@ -259,7 +260,7 @@ def workspace(device: torch.device, numel: int, stream_key: tuple | None = None)
     key = (stream_key or _stream_key(device)) + (nbytes,)
     buf = _WORKSPACES.get(key)
     if buf is None:
-        buf = _WORKSPACES[key] = process_buffer(nbytes // 4, torch.float32, device)
+        buf = _WORKSPACES[key] = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
     return buf
 
 
@@ -274,13 +275,17 @@ def split_counters(device: torch.device, numel: int, stream_key: tuple | None = 
         return entry[0]
     if entry is not None:
         _RETIRED.append(entry[0])
-    buf = process_buffer(max(1024, next_pow2(numel)), torch.int32, device).zero_()  # on this stream
+    buf = torch.zeros(max(1024, next_pow2(numel)), dtype=torch.int32, device=device)
     _COUNTERS[key] = (buf, capturing)
     return buf
 
 
 def split_scratch(device: torch.device, ws_numel: int, counters: int) -> tuple:
-    """(workspace, counters or None) for a split-K launch on the current stream."""
+    """(workspace, counters or None) for a split-K launch on the current stream; fresh ones,
+    dropped after the call, inside ``process_memory.per_call_scratch`` (compiled regions)."""
+    if per_call():
+        ws = torch.empty(ws_numel, dtype=torch.float32, device=device)
+        return ws, (torch.zeros(counters, dtype=torch.int32, device=device) if counters else None)
     key = _stream_key(device)
     ws = workspace(device, ws_numel, key)
     return ws, (split_counters(device, counters, key) if counters else None)
@@ -298,8 +303,6 @@ def counters_snapshot() -> list[torch.Tensor]:
 
 def clear_workspaces() -> None:
     """Drop cached workspaces and counters. Unsafe while a captured CUDA graph still uses one."""
-    for device in {buf.device for buf in _WORKSPACES.values()} | {buf.device for buf, _ in _COUNTERS.values()}:
-        release_wait(device)
     _WORKSPACES.clear()
     _COUNTERS.clear()
     _RETIRED.clear()

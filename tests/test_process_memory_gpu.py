@@ -1,10 +1,10 @@
-"""Process-wide device buffers stay out of CUDA-graph memory pools (``pytest -m gpu``).
+"""Scratch memory of calls from compiled regions (``pytest -m gpu``, kernels/process_memory.py).
 
-torch.compile's CUDA graph trees refuse a recording that leaves a tensor of their private pool
-alive. The cuBLASLt workspaces and the split-K scratch live for the process and are first made
-wherever the first call runs, which under graph trees is inside their pool's warm-up or capture.
-Here they are first made during a capture into a private pool; each must land in the ordinary
-pool, and the captured graph must replay to the eager call's bits.
+Inside ``per_call_scratch`` (what the ``hybridgemm::`` custom ops run under), split-K and
+cuBLASLt calls must cache no workspace or counters: under torch.compile's CUDA graph trees a
+cached buffer made during warm-up or capture is a pool tensor kept alive, which graph trees
+refuse. Here such calls are captured into a CUDA graph: the caches must not grow, and the graph
+must replay to the eager call's bits.
 """
 
 from __future__ import annotations
@@ -16,37 +16,33 @@ from helpers import assert_counters_zero, make_operands
 from hybridgemm.kernels import cublaslt_runtime, triton_common
 from hybridgemm.kernels import triton_splitk as ts
 from hybridgemm.kernels.epilogue import Activation
+from hybridgemm.kernels.process_memory import per_call_scratch
 
 pytestmark = pytest.mark.gpu
 
 
-def _pool_id(ptr: int) -> tuple:
-    for seg in torch.cuda.memory_snapshot():
-        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
-            return tuple(seg.get("segment_pool_id", (0, 0)))
-    raise AssertionError(f"address {ptr:#x} is in no segment of torch's allocator")
+def _cached() -> set:
+    return ({id(t) for t in triton_common._WORKSPACES.values()} | {id(t) for t, _ in triton_common._COUNTERS.values()}
+            | {id(t) for t in cublaslt_runtime.workspaces.values()})
 
 
 def _capture(fn) -> torch.cuda.CUDAGraph:
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+    with torch.cuda.graph(graph):  # its own capture stream: a stream no cached scratch belongs to
         fn()
     return graph
 
 
-def test_splitk_scratch_first_made_during_capture_is_outside_the_graph_pool():
+def test_splitk_per_call_scratch_is_not_cached_and_replays_bitwise():
     x, w, b = make_operands(3, 1064, 8192, torch.bfloat16, "cuda")
     cfg = ts.TritonSplitKConfig(16, 32, 128, 8, 4, 3, fused_reduce=True)
     eager = torch.full((3, 1064), float("nan"), dtype=x.dtype, device="cuda")
-    ts.run(cfg, x, w, b, eager, Activation.GELU_TANH)  # compiles the kernel; scratch of this stream
-    before = {id(t) for t in triton_common._WORKSPACES.values()} | {id(t) for t, _ in triton_common._COUNTERS.values()}
+    ts.run(cfg, x, w, b, eager, Activation.GELU_TANH)  # compiles the kernel
+    before = _cached()
     out = torch.full_like(eager, float("nan"))
-    graph = _capture(lambda: ts.run(cfg, x, w, b, out, Activation.GELU_TANH))  # the capture stream's own
-    made = [t for t in triton_common._WORKSPACES.values() if id(t) not in before]
-    made += [t for t, _ in triton_common._COUNTERS.values() if id(t) not in before]
-    assert len(made) == 2, "the capture did not make its own workspace and counters"
-    for buf in made:
-        assert _pool_id(buf.data_ptr()) == (0, 0), "split-K scratch was allocated in the graph's pool"
+    with per_call_scratch():
+        graph = _capture(lambda: ts.run(cfg, x, w, b, out, Activation.GELU_TANH))
+    assert _cached() == before, "a call under per_call_scratch cached split-K scratch"
     for _ in range(3):
         out.fill_(float("nan"))
         graph.replay()
@@ -55,19 +51,17 @@ def test_splitk_scratch_first_made_during_capture_is_outside_the_graph_pool():
     assert_counters_zero()
 
 
-def test_cublaslt_workspace_first_made_during_capture_is_outside_the_graph_pool():
+def test_cublaslt_per_call_workspace_is_not_cached_and_replays_bitwise():
     lt = pytest.importorskip("hybridgemm.kernels.cublaslt")
     if not lt.is_available():
         pytest.skip("nvmath-python's cuBLASLt bindings are not installed")
     x, w, b = make_operands(17, 1000, 960, torch.bfloat16, "cuda")
     eager = lt.linear(x, w, b, "relu")
-    before = set(cublaslt_runtime.workspaces)
+    before = _cached()
     out = torch.full_like(eager, float("nan"))
-    graph = _capture(lambda: lt.linear(x, w, b, "relu", out=out))
-    made = [cublaslt_runtime.workspaces[k] for k in set(cublaslt_runtime.workspaces) - before]
-    assert made, "the capture did not make its own workspace"
-    for buf in made:
-        assert _pool_id(buf.data_ptr()) == (0, 0), "the cuBLASLt workspace was allocated in the graph's pool"
+    with per_call_scratch():
+        graph = _capture(lambda: lt.linear(x, w, b, "relu", out=out))
+    assert _cached() == before, "a call under per_call_scratch cached a cuBLASLt workspace"
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
