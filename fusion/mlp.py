@@ -62,7 +62,7 @@ def activation_name(act) -> str | None:
 # H200 at Llama-3-8B's gate/up (I = 14336, K = 4096, bf16; perf/results/h200/mlp_h200.csv):
 # 1.03-1.07x the stock module's GPU time at M = 1-16 and 1.19x at M = 64, but 0.68x at M = 333.
 TRITON_GLU_MAX_M = 64
-KERNELS = ("auto", "gemm", "triton")
+KERNELS = ("auto", "halves", "gemm", "triton")
 _PLAIN = (Tensor, nn.Parameter)
 
 
@@ -104,11 +104,15 @@ def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activati
     ``bias`` = ``cat([bg, bu])`` (2I,) or None; ``activation``: "silu" (SwiGLU), "gelu_tanh" or
     "gelu" (GeGLU). Returns (..., I).
 
-    ``kernel="gemm"``: one GEMM through :func:`hybridgemm.linear` (dispatcher, autograd,
-    torch.compile), then the activation and the product in x's dtype, as the stock modules
-    compute them. ``"triton"``: kernels/triton_glu.py, the product in the GEMM's epilogue (fp32
-    until the one rounding; CUDA, no autograd). ``"auto"``: the Triton kernel for inference at
-    M ≤ :data:`TRITON_GLU_MAX_M` rows on CUDA fp16/bf16 in the default dispatch mode, else the GEMM.
+    ``kernel="halves"``: the gate and the up GEMM (views of the stacked weight) through
+    :func:`hybridgemm.linear` (dispatcher, autograd, torch.compile), then the activation and the
+    product in x's dtype, as the stock modules compute them. ``"gemm"``: the same with one GEMM
+    over the stacked weight. ``"triton"``: kernels/triton_glu.py, the product in the GEMM's
+    epilogue (fp32 until the one rounding; CUDA, no autograd). ``"auto"``: the Triton kernel for
+    inference at M ≤ :data:`TRITON_GLU_MAX_M` rows on CUDA fp16/bf16 in the default dispatch
+    mode, else the halves. (On the H200 at Llama-3-8B's sizes, M = 333 and 2048, the one
+    stacked GEMM's untuned cuBLASLt choice ran at 0.87-0.88x of the stock pair; the halves at
+    1.00-1.01x.)
     """
     fn = GLU_FUNCTIONS.get(activation)
     if fn is None:
@@ -124,8 +128,12 @@ def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activati
         if torch.compiler.is_compiling() or not (type(x) in _PLAIN and type(weight) in _PLAIN):
             return torch.ops.hybridgemm.gated_fwd(x, weight, bias, activation)
         return _triton_glu().glu(x, weight, bias, activation)
-    gate, up = linear(x, weight, bias).chunk(2, dim=-1)
-    return fn(gate) * up
+    if kernel == "gemm":
+        gate, up = linear(x, weight, bias).chunk(2, dim=-1)
+        return fn(gate) * up
+    inter = weight.shape[0] // 2
+    bg, bu = (None, None) if bias is None else (bias[:inter], bias[inter:])
+    return fn(linear(x, weight[:inter], bg)) * linear(x, weight[inter:], bu)
 
 
 class HybridGatedMLP(nn.Module):

@@ -8,7 +8,8 @@ Per model (bf16, its hidden size H, MLP width I, vocabulary V) and per M:
   F.linear, F.silu, a multiply); ``gemm_act`` one GEMM over the stacked (2I, H) weight through
   the dispatcher, then F.silu and the multiply (``gated_linear(kernel="gemm")``); ``triton_glu``
   the Triton kernel with the product in its epilogue (kernels/triton_glu.py, its default config;
-  ``kernel="triton"``); ``halves`` the stock module's two GEMMs through the dispatcher;
+  ``kernel="triton"``); ``halves`` the stock module's two GEMMs through the dispatcher
+  (``kernel="halves"``);
   ``hybridgemm`` what ``gated_linear``'s "auto" picks.
 - ``down`` (H, I) and ``lm_head`` (V, H): ``stock`` F.linear, ``hybridgemm`` the dispatcher.
 
@@ -48,7 +49,7 @@ def _variants(op: str, inter: int):
     return {
         "stock": lambda x, w: F.silu(F.linear(x, w[:inter])) * F.linear(x, w[inter:]),
         "gemm_act": lambda x, w: gated_linear(x, w, None, "silu", kernel="gemm"),
-        "halves": lambda x, w: F.silu(dispatch.fused_linear(x, w[:inter])) * dispatch.fused_linear(x, w[inter:]),
+        "halves": lambda x, w: gated_linear(x, w, None, "silu", kernel="halves"),
         "triton_glu": lambda x, w: gated_linear(x, w, None, "silu", kernel="triton"),
         "hybridgemm": lambda x, w: gated_linear(x, w, None, "silu"),
     }

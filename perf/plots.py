@@ -503,3 +503,38 @@ def plot_e2e(csv_path, out_dir, name: str = "e2e.png") -> Path:
     _legend(footer, axes)
     body.suptitle("End to end: stock vs hybridgemm.patch, same weights, one process (labels: speedup over stock)")
     return _save(fig, footer, Path(out_dir) / name, rows)
+
+
+MLP_STYLES = {"stock": dict(color="black", lw=2.2, marker="o"), "hybridgemm": dict(color="C3", marker="s"),
+              "halves": dict(color="C0", marker="^"), "gemm_act": dict(color="C1", marker="v"),
+              "triton_glu": dict(color="C2", marker="D")}
+
+
+def plot_mlp(csv_path, out_dir, name: str = "mlp.png") -> Path:
+    """``name`` in ``out_dir`` from perf/bench_mlp.py's CSV: per model and op (gate_up, down,
+    lm_head), each variant's speedup over stock (stock time / variant time) against M, and
+    stock's fraction of the HBM ceiling. Raises FileNotFoundError for a missing file,
+    ValueError when no row holds a time."""
+    if not os.path.isfile(csv_path):
+        raise FileNotFoundError(f"no such CSV file: {csv_path}")
+    rows = [r for r in read_rows(str(csv_path)) if _float(r.get("us")) > 0]
+    if not rows:
+        raise ValueError(f"{csv_path}: no rows with a time (not a bench_mlp CSV?)")
+    panels: dict[tuple, list[dict]] = {}
+    for r in rows:
+        panels.setdefault((r["model"], r["op"], r["n"], r["k"]), []).append(r)
+    fig, body, footer, axes = _figure(len(panels), panel_w=5.0, panel_h=3.6)
+    for ax, ((model, op, n, k), prows) in zip(axes, panels.items()):
+        for variant in [v for v in MLP_STYLES if any(r["variant"] == v for r in prows)]:
+            pts = sorted((_int(r["m"]), _float(r["speedup"])) for r in prows if r["variant"] == variant)
+            style = {"ms": 4, "lw": 1.4, **MLP_STYLES[variant]}
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=variant, **style)
+        ax.axhline(1.0, color="0.6", lw=0.8, zorder=0)
+        _m_axis(ax, sorted({_int(r["m"]) for r in prows}))
+        hbm = {_int(r["m"]): _float(r["fraction_of_hbm"]) for r in prows if r["variant"] == "stock"}
+        ax.set_title(f"{model} {op} (N={n}, K={k})\nstock at M=1: {hbm.get(min(hbm), float('nan')):.0%} of HBM",
+                     fontsize=9)
+        ax.set_ylabel("stock time / variant time")
+    _legend(footer, axes)
+    body.suptitle("MLP GEMMs and LM head, bf16, GPU time (CUDA graphs, L2-cold rotating weights)")
+    return _save(fig, footer, Path(out_dir) / name, rows)

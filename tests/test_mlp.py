@@ -36,9 +36,10 @@ def test_gated_linear_matches_float64(act, bias, m):
     x = torch.randn(m, k, generator=g)
     w = torch.randn(2 * i, k, generator=g) / k ** 0.5
     b = torch.randn(2 * i, generator=g) if bias else None
-    out = gated_linear(x, w, b, act)
-    assert out.shape == (m, i) and out.dtype == x.dtype
-    torch.testing.assert_close(out.double(), _reference(x, w, b, act), rtol=1e-5, atol=1e-6)
+    for kernel in ("auto", "halves", "gemm"):
+        out = gated_linear(x, w, b, act, kernel=kernel)
+        assert out.shape == (m, i) and out.dtype == x.dtype
+        torch.testing.assert_close(out.double(), _reference(x, w, b, act), rtol=1e-5, atol=1e-6, msg=kernel)
     # gate and up are not interchangeable: a swapped weight gives another answer
     swapped = torch.cat([w[i:], w[:i]])
     assert not torch.allclose(gated_linear(x, swapped, None, act), gated_linear(x, w, None, act), atol=1e-3)
@@ -191,8 +192,8 @@ def test_gated_linear_triton_kernel_eager_and_compiled(act):
 
 
 def test_gated_linear_kernel_argument():
-    with pytest.raises(ValueError, match="kernel must be one of auto, gemm, triton"):
+    with pytest.raises(ValueError, match="kernel must be one of auto, halves, gemm, triton"):
         gated_linear(torch.randn(2, 8), torch.randn(6, 8), kernel="cublas")
-    # "auto" on the CPU is the GEMM path (the Triton kernel is for CUDA inference at decode sizes)
+    # "auto" on the CPU is the halves path (the Triton kernel is for CUDA inference at decode sizes)
     x, w = torch.randn(2, 8), torch.randn(6, 8)
-    assert torch.equal(gated_linear(x, w), gated_linear(x, w, kernel="gemm"))
+    assert torch.equal(gated_linear(x, w), gated_linear(x, w, kernel="halves"))
