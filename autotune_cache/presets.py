@@ -10,6 +10,11 @@ is the number of output features and ``k`` the number of input features. Per mod
 
 ``bias`` follows the model: BERT and GPT-2 have biases everywhere; Llama 3 and Mistral
 have none; Qwen2.5 has q/k/v biases but no output-projection bias.
+
+Under tensor parallelism (``hybridgemm.parallel``) each of ``tp`` ranks runs smaller GEMMs:
+:meth:`ModelPreset.tp_projections` lists one rank's shapes, and the ``tp_*`` functions below
+are the split rules themselves, shared by the tuner's shape derivation and by the code that
+shards a model, so the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import json
 import os
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,13 @@ class ModelPreset:
     head_dim: int
     qkv_bias: bool
     o_bias: bool
+    # Beyond attention (None where unknown): the MLP width (gate/up: hidden -> intermediate,
+    # down: back), the vocabulary (LM head rows), the decoder layer count.
+    intermediate: int | None = None
+    vocab: int | None = None
+    layers: int | None = None
+    mlp_bias: bool = False
+    tied_lm_head: bool = False  # the LM head shares the input embedding's weight
 
     @property
     def projections(self) -> tuple[ProjectionShape, ...]:
@@ -57,18 +69,104 @@ class ModelPreset:
         names = ", ".join(p.name for p in self.projections)
         raise ValueError(f"{self.name} has no projection {name!r}; it has {names}")
 
+    def tp_projections(self, tp: int) -> tuple[ProjectionShape, ...]:
+        """The GEMM shapes one of ``tp`` ranks runs after ``hybridgemm.parallel.parallelize``.
+
+        Attention: ``q``, ``kv``, ``qkv`` with the rank's heads (:func:`tp_local_heads`) and the
+        row-parallel ``o`` (input width: the rank's heads). Only rank 0 adds a row-parallel
+        layer's bias, so with a bias and ``tp > 1`` the other ranks' bias-less GEMM is listed
+        too (``o_nobias``). Where the preset knows them: the MLP's fused gate and up projections
+        ``gate_up`` (n = 2 * intermediate / tp), the row-parallel ``down`` (k = intermediate /
+        tp; ``down_nobias`` as for o), and the vocab-parallel ``lm_head`` (n = the rank's rows,
+        :func:`tp_vocab_rows`; the whole vocabulary when the head is tied to the embedding,
+        which stays replicated). ``tp=1`` gives the unsharded shapes of all of them.
+        ``ValueError`` naming the preset when the model cannot be split ``tp`` ways.
+        """
+        try:
+            heads, kv_heads = tp_local_heads(self.heads, self.kv_heads, tp)
+            shapes = list(replace(self, heads=heads, kv_heads=kv_heads).projections)
+            if tp > 1 and self.o_bias:
+                shapes.append(ProjectionShape("o_nobias", self.hidden, heads * self.head_dim, False))
+            if self.intermediate is not None:
+                width = tp_split(self.intermediate, tp, "intermediate size")
+                shapes += [ProjectionShape("gate_up", 2 * width, self.hidden, self.mlp_bias),
+                           ProjectionShape("down", self.hidden, width, self.mlp_bias)]
+                if tp > 1 and self.mlp_bias:
+                    shapes.append(ProjectionShape("down_nobias", self.hidden, width, False))
+            if self.vocab is not None:
+                rows = self.vocab if self.tied_lm_head else tp_vocab_rows(self.vocab, tp)
+                shapes.append(ProjectionShape("lm_head", rows, self.hidden, False))
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
+        return tuple(shapes)
+
+
+# --- tensor-parallel split rules ---------------------------------------------------------
+
+def _check_tp(tp: object) -> int:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"the tensor-parallel degree must be a positive integer, got {_show(tp)}")
+    return tp
+
+
+def tp_local_heads(heads: int, kv_heads: int, tp: int) -> tuple[int, int]:
+    """(query heads, key/value heads) that each of ``tp`` ranks holds.
+
+    Every rank takes ``heads / tp`` consecutive query heads, so ``tp`` must divide ``heads``,
+    and the KV heads those query heads read: ``kv_heads / tp`` whole GQA groups when ``tp``
+    divides ``kv_heads``; when ``kv_heads`` divides ``tp`` instead, a rank's query heads all
+    fall in one group and it holds that group's single KV head (a copy of it sits on
+    ``tp / kv_heads`` ranks). Any other ``kv_heads`` would leave some rank's query heads
+    spread over part of a group: ``ValueError``.
+    """
+    _check_tp(tp)
+    if heads % tp:
+        raise ValueError(f"tp={tp} does not divide the {heads} attention heads")
+    if kv_heads % tp == 0:
+        return heads // tp, kv_heads // tp
+    if tp % kv_heads == 0:
+        return heads // tp, 1
+    raise ValueError(f"tp={tp} does not fit the {kv_heads} key/value heads: tp must divide them (whole GQA "
+                     "groups per rank) or be a multiple of them (each rank keeps a copy of one KV head)")
+
+
+def tp_split(size: int, tp: int, what: str) -> int:
+    """``size / tp``, the even share of each rank; ``ValueError`` naming ``what`` otherwise."""
+    _check_tp(tp)
+    if size % tp:
+        raise ValueError(f"tp={tp} does not divide the {what} {size}")
+    return size // tp
+
+
+def tp_vocab_rows(vocab: int, tp: int) -> int:
+    """Rows of the LM head each rank holds: ``ceil(vocab / tp)``. A vocabulary ``tp`` does not
+    divide is not an error: the last rank holds fewer rows and its logits are padded to this
+    width for the gather, then cut off. ``ValueError`` when a rank would hold none."""
+    _check_tp(tp)
+    rows = -(-vocab // tp)
+    if rows * (tp - 1) >= vocab:
+        raise ValueError(f"a vocabulary of {vocab} is too small to split over tp={tp} ranks "
+                         f"({rows} rows each would leave the last rank none)")
+    return rows
+
 
 # Figures from each model's published config.json (hidden_size, num_attention_heads,
-# num_key_value_heads, head_dim, attention bias).
+# num_key_value_heads, head_dim, attention bias; for the gated-MLP decoders also
+# intermediate_size, vocab_size, num_hidden_layers; Mistral's are v0.1's). BERT and GPT-2
+# leave the MLP out: theirs is not the gate/up/down layout that tensor parallelism splits.
 PRESETS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
         ModelPreset("bert-base", 768, 12, 12, 64, qkv_bias=True, o_bias=True),
         ModelPreset("gpt2", 768, 12, 12, 64, qkv_bias=True, o_bias=True),
-        ModelPreset("llama3-8b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False),
-        ModelPreset("llama3-70b", 8192, 64, 8, 128, qkv_bias=False, o_bias=False),
-        ModelPreset("qwen2.5-7b", 3584, 28, 4, 128, qkv_bias=True, o_bias=False),
-        ModelPreset("mistral-7b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False),
+        ModelPreset("llama3-8b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False,
+                    intermediate=14336, vocab=128256, layers=32),
+        ModelPreset("llama3-70b", 8192, 64, 8, 128, qkv_bias=False, o_bias=False,
+                    intermediate=28672, vocab=128256, layers=80),
+        ModelPreset("qwen2.5-7b", 3584, 28, 4, 128, qkv_bias=True, o_bias=False,
+                    intermediate=18944, vocab=152064, layers=28),
+        ModelPreset("mistral-7b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False,
+                    intermediate=14336, vocab=32000, layers=32),
     )
 }
 
@@ -111,6 +209,9 @@ _HF_HIDDEN = ("hidden_size", "n_embd", "d_model")
 _HF_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 _HF_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
 _HF_HEAD_DIM = ("head_dim", "d_kv")
+_HF_INTERMEDIATE = ("intermediate_size",)
+_HF_VOCAB = ("vocab_size",)
+_HF_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
 # A field that switches every attention bias (q, k, v and o) on or off.
 _HF_BIAS = ("attention_bias", "bias", "use_bias", "enable_bias")
 
@@ -221,7 +322,10 @@ def preset_from_hf_config(path: str | os.PathLike) -> ModelPreset:
     the common families are understood (``hidden_size``/``n_embd``/``d_model``,
     ``num_attention_heads``/``n_head``/``num_heads``, ``num_key_value_heads``/``num_kv_heads``
     with ``multi_query`` meaning one KV head, ``head_dim``). Attention bias comes from an
-    ``attention_bias``/``bias``/``qkv_bias`` field, else from the ``model_type``. The preset's
+    ``attention_bias``/``bias``/``qkv_bias`` field, else from the ``model_type``. Optional, for
+    the tensor-parallel shapes (:meth:`ModelPreset.tp_projections`): ``intermediate_size``,
+    ``vocab_size``, ``num_hidden_layers``/``n_layer``/``num_layers``, ``mlp_bias`` (absent:
+    false) and ``tie_word_embeddings`` (absent: an untied LM head). The preset's
     ``name`` is the last component of ``_name_or_path``, else the ``model_type``, else the
     name of the file's directory, lowercased to ``[a-z0-9._-]``.
 
@@ -311,8 +415,19 @@ def preset_from_hf_config(path: str | os.PathLike) -> ModelPreset:
     if qkv_only is not None:
         qkv_bias = qkv_only
 
+    intermediate = positive_int(_HF_INTERMEDIATE, "MLP width", required=False)
+    vocab = positive_int(_HF_VOCAB, "vocabulary size", required=False)
+    layers = positive_int(_HF_LAYERS, "decoder layers", required=False)
+    mlp_bias = bool(flag("mlp_bias"))
+    # A multimodal config may keep the flag at the top level rather than in text_config.
+    tied = flag("tie_word_embeddings")
+    if tied is None and prefix and isinstance(top.get("tie_word_embeddings"), bool):
+        tied = top["tie_word_embeddings"]
+
     name = next((n for n in (_safe_name(top.get("_name_or_path")), _safe_name(top.get("model_type")),
                              _safe_name(cfg.get("model_type")),
                              _safe_name(os.path.basename(os.path.dirname(os.path.abspath(file)))))
                  if n), "hf-config")
-    return ModelPreset(name, hidden, heads, kv_heads, head_dim, qkv_bias=qkv_bias, o_bias=o_bias)
+    return ModelPreset(name, hidden, heads, kv_heads, head_dim, qkv_bias=qkv_bias, o_bias=o_bias,
+                       intermediate=intermediate, vocab=vocab, layers=layers, mlp_bias=mlp_bias,
+                       tied_lm_head=bool(tied))

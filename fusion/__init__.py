@@ -2,7 +2,12 @@
 
 Importing the package does no GPU work and needs no CUDA driver (it registers the
 ``hybridgemm::`` custom ops with ``torch.library``, which is host-only bookkeeping).
+Tensor parallelism (``hybridgemm.parallel``: ``parallelize``, ``load_full_state_dict``,
+``ParallelReport``) is imported on first use, so that ``import hybridgemm`` does not load
+torch's functional collectives.
 """
+
+import importlib
 
 from hybridgemm.attention import AttentionProjection, HybridMultiheadAttention, attention_projection
 from hybridgemm.decide import explain, get_mode, mode, reload_tables, set_mode, set_table_path
@@ -12,9 +17,23 @@ from hybridgemm.linear_layer import HybridLinear, linear
 from hybridgemm.mlp import gated_linear
 from hybridgemm.patching import PatchReport, patch, unpatch
 
+_PARALLEL = ("ParallelReport", "load_full_state_dict", "parallelize")
+
+
+def __getattr__(name: str):
+    if name == "parallel" or name in _PARALLEL:
+        module = importlib.import_module("hybridgemm.parallel")
+        return module if name == "parallel" else getattr(module, name)
+    raise AttributeError(f"module 'hybridgemm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "parallel", *_PARALLEL})
+
+
 __all__ = [
     "Activation", "AttentionProjection", "Epilogue", "HybridLinear", "HybridMultiheadAttention",
-    "PatchReport", "__version__", "attention_projection", "explain", "gated_linear", "get_mode", "linear", "mode",
-    "patch",
-    "reload_tables", "set_mode", "set_table_path", "unpatch",
+    "ParallelReport", "PatchReport", "__version__", "attention_projection", "explain", "gated_linear", "get_mode",
+    "load_full_state_dict", "linear", "mode", "parallelize", "patch", "reload_tables", "set_mode",
+    "set_table_path", "unpatch",
 ]

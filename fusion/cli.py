@@ -1,6 +1,7 @@
 """The `hybridgemm` command (also `python -m hybridgemm`).
 
-    hybridgemm autotune --model llama3-8b|--hf-config PATH [--m 1 16 ...] [--dtype bf16] [--out PATH] [--force|--check]
+    hybridgemm autotune --model llama3-8b|--hf-config PATH [--tp N] [--m 1 16 ...] [--dtype bf16] [--out PATH]
+                        [--force|--check]
     hybridgemm show [PATH]
     hybridgemm explain --x 16,4096 --w 6144,4096 [--dtype bf16] [--no-bias] [--activation relu]
                        [--table PATH | --device h200]
@@ -107,14 +108,27 @@ def _table_path(arg: str | None) -> Path:
     return Path(arg) if arg else user_table_path()
 
 
+def _preset_shapes(preset, tp: int | None) -> list:
+    """A preset's projection shapes; one rank's under ``--tp`` (``ModelPreset.tp_projections``)."""
+    return list(preset.projections if tp is None else preset.tp_projections(tp))
+
+
 def _cmd_autotune(args) -> int:
-    # Shapes first: a bad --model, --hf-config or --shape is reported on any machine, GPU or not.
+    # Shapes first: a bad --model, --hf-config, --shape or --tp is reported on any machine, GPU or not.
+    if args.tp is not None and args.tp < 1:
+        print(f"hybridgemm autotune: --tp takes the number of tensor-parallel ranks (1 or more), got {args.tp}",
+              file=sys.stderr)
+        return 2
+    if args.tp is not None and not (args.model or args.hf_config):
+        print("hybridgemm autotune: --tp applies to --model and --hf-config (a --shape is tuned as given)",
+              file=sys.stderr)
+        return 2
     shapes = []
     for name in args.model or []:
-        shapes += list(get_preset(name).projections)
+        shapes += _preset_shapes(get_preset(name), args.tp)
     for path in args.hf_config or []:
         try:
-            shapes += list(preset_from_hf_config(path).projections)
+            shapes += _preset_shapes(preset_from_hf_config(path), args.tp)
         except ValueError as e:
             print(f"hybridgemm autotune: {e}", file=sys.stderr)
             return 2
@@ -398,6 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-config", action="append", metavar="PATH",
                    help="a Hugging Face config.json, or a local model directory holding one: tune its "
                    "q, k/v, qkv and o projections (repeatable; read locally, no transformers needed)")
+    p.add_argument("--tp", type=int, metavar="N",
+                   help="tensor-parallel degree: tune the shapes each of N ranks runs after "
+                   "hybridgemm.parallel.parallelize (q/kv/qkv/o with the rank's heads; the MLP's gate_up and "
+                   "down and the LM head where the model's sizes are known); for --model and --hf-config")
     p.add_argument("--m", type=int, nargs="+", help="tune the M ranges holding these M (default: every range, "
                    "1 to 16384: 1, 2, 3-4, 5-8, ..., 8193-16384)")
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32", "tf32"])

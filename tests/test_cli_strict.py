@@ -269,3 +269,33 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"hybridgemm {hybridgemm.__version__}"
+
+
+# ----------------------------------------------------------------------------- autotune --tp: arguments
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "llama3-8b", "--tp", "0"], "--tp takes the number of tensor-parallel ranks (1 or more), got 0"),
+    (["--model", "llama3-8b", "--tp", "3"], "llama3-8b: tp=3 does not divide the 32 attention heads"),
+    (["--model", "qwen2.5-7b", "--tp", "8"], "qwen2.5-7b: tp=8 does not divide the 28 attention heads"),
+    (["--shape", "6144,4096", "--tp", "2"], "--tp applies to --model and --hf-config"),
+])
+def test_autotune_tp_that_cannot_apply_is_one_line(argv, needle, capsys):
+    assert main(["autotune", *argv]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("hybridgemm autotune: ") and needle in line and "needs a CUDA GPU" not in line
+
+
+@pytest.mark.parametrize("tp", ["two", "1.5", ""])
+def test_autotune_tp_must_be_an_integer(tp, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["autotune", "--model", "llama3-8b", f"--tp={tp}"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "argument --tp: invalid int value" in err.splitlines()[-1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_autotune_tp_that_splits_then_needs_a_gpu(capsys):
+    assert main(["autotune", "--model", "llama3-70b", "--tp", "8"]) == 2
+    assert "needs a CUDA GPU" in _one_line(capsys.readouterr().err)

@@ -330,3 +330,74 @@ def test_no_transformers_import(tmp_path):
     had = "transformers" in sys.modules
     preset_from_hf_config(write(tmp_path, LLAMA3_8B))
     assert had or "transformers" not in sys.modules
+
+
+# --- tensor parallelism: the MLP and LM head figures, and --tp -----------------------------
+
+def test_whole_model_figures_are_read(tmp_path):
+    p = preset_from_hf_config(write(tmp_path, LLAMA3_8B))
+    assert (p.intermediate, p.vocab, p.layers, p.mlp_bias, p.tied_lm_head) == (14336, 128256, 32, False, False)
+    g = preset_from_hf_config(write(tmp_path, GPT2))  # n_layer; no intermediate_size
+    assert (g.intermediate, g.vocab, g.layers) == (None, 50257, 12)
+    m = preset_from_hf_config(write(tmp_path, {**GEMMA3_4B, "tie_word_embeddings": True}))  # top-level flag
+    assert (m.intermediate, m.layers, m.tied_lm_head) == (10240, 34, True)
+    b = preset_from_hf_config(write(tmp_path, {**LLAMA3_8B, "mlp_bias": True, "tie_word_embeddings": True}))
+    assert b.mlp_bias and b.tied_lm_head
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("intermediate_size", 0, "positive integer"), ("vocab_size", "big", "positive integer"),
+    ("num_hidden_layers", True, "positive integer"), ("mlp_bias", "no", "true or false"),
+    ("tie_word_embeddings", 1, "true or false"),
+])
+def test_bad_whole_model_figures(tmp_path, field, value, needle):
+    raises(write(tmp_path, {**LLAMA3_8B, field: value}), "config.json", field, needle)
+
+
+def test_qwen25_7b_over_two_ranks(tmp_path):
+    p = preset_from_hf_config(write(tmp_path, QWEN25_7B))
+    # 14 query heads and 2 KV heads of 128 per rank, q/k/v biased; MLP 18944 / 2 = 9472.
+    assert {s.name: (s.n, s.k, s.bias) for s in p.tp_projections(2)} == {
+        "q": (1792, 3584, True), "kv": (256, 3584, True), "qkv": (2304, 3584, True),
+        "o": (3584, 1792, False), "gate_up": (18944, 3584, False), "down": (3584, 9472, False),
+        "lm_head": (76032, 3584, False),
+    }
+
+
+def _tuned_shapes(monkeypatch, argv):
+    """The shapes ``hybridgemm autotune ARGV`` hands the tuner (stopped right there: tuning
+    needs a GPU)."""
+    import hybridgemm.cli as cli
+
+    class Stop(Exception):
+        pass
+
+    def keys_for(shapes, *args, **kwargs):
+        raise Stop([(s.name, s.n, s.k, s.bias) for s in shapes])
+
+    monkeypatch.setattr(cli, "_need_gpu", lambda what: True)
+    monkeypatch.setattr(cli.tuner, "keys_for", keys_for)
+    with pytest.raises(Stop) as info:
+        main(["autotune", *argv])
+    return info.value.args[0]
+
+
+def test_cli_tp_tunes_one_ranks_shapes(tmp_path, monkeypatch):
+    shapes = _tuned_shapes(monkeypatch, ["--hf-config", str(write(tmp_path, LLAMA3_8B)), "--tp", "2"])
+    assert shapes == [("q", 2048, 4096, False), ("kv", 512, 4096, False), ("qkv", 3072, 4096, False),
+                      ("o", 4096, 2048, False), ("gate_up", 14336, 4096, False), ("down", 4096, 7168, False),
+                      ("lm_head", 64128, 4096, False)]
+    # the same model as a preset gives the same shapes; without --tp only attention's, unsplit
+    assert _tuned_shapes(monkeypatch, ["--model", "llama3-8b", "--tp", "2"]) == shapes
+    assert [s[0] for s in _tuned_shapes(monkeypatch, ["--model", "llama3-8b"])] == ["q", "kv", "qkv"]  # o == q
+
+
+@pytest.mark.parametrize("tp, needle", [("3", "tp=3 does not divide the 32 attention heads"),
+                                        ("0", "--tp takes the number of tensor-parallel ranks"),
+                                        ("-1", "(1 or more), got -1")])
+def test_cli_hf_config_tp_that_does_not_split(tmp_path, capsys, tp, needle):
+    path = write(tmp_path, LLAMA3_8B)
+    assert main(["autotune", "--hf-config", str(path), "--tp", tp]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridgemm autotune: ") and needle in err
+    assert len(err.strip().splitlines()) == 1 and "needs a CUDA GPU" not in err

@@ -1,0 +1,441 @@
+"""Tensor parallelism on the CPU (``hybridgemm.parallel``).
+
+Two processes on the gloo backend run every sharded case once (one spawn for the whole
+module, bounded by timeouts so that a hang fails instead of blocking): each rank builds the
+same fp32 model from the same seed, keeps an unsharded copy, shards the other with
+``parallelize`` (which then patches it, so each rank's q/k/v run fused) and compares. The
+argument errors and the per-rank slicing need no second process: a fake process group (torch's
+test backend, whose collectives do nothing) gives this process a rank in a larger group.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import socket
+import time
+import traceback
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import hybridgemm
+from hybridgemm.parallel import (
+    RowParallelLinear,
+    VocabParallelLinear,
+    load_full_state_dict,
+    parallelize,
+)
+
+transformers = pytest.importorskip("transformers")
+
+RTOL = 1e-5
+SEED = 1234
+RUN_TIMEOUT_S = 180  # the whole two-process run; each collective times out sooner (COLLECTIVE_TIMEOUT)
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)
+
+
+# --- models ------------------------------------------------------------------------------
+
+def llama_config(**kw):
+    base = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=2, vocab_size=96, max_position_embeddings=64, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(**{**base, **kw})
+    config._attn_implementation = "eager"  # eager attention reads num_key_value_groups (repeat_kv)
+    return config
+
+
+def qwen2_config(**kw):
+    base = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=2, vocab_size=97, max_position_embeddings=64, tie_word_embeddings=False,
+                use_sliding_window=False)
+    config = transformers.Qwen2Config(**{**base, **kw})
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def randomize(module: nn.Module, seed: int = SEED) -> nn.Module:
+    """Every parameter drawn from ``seed`` (biases too: transformers initialises them to
+    zero, which would hide a bias added twice or not at all)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / max(p.shape[-1], 1) ** 0.5)
+    return module
+
+
+def causal_lm(config, seed: int = SEED) -> nn.Module:
+    torch.manual_seed(seed)
+    return randomize(transformers.AutoModelForCausalLM.from_config(config), seed).eval()
+
+
+def token_ids(vocab: int, shape=(2, 7)) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(SEED + 1))
+
+
+def assert_same(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert out.shape == ref.shape, (what, out.shape, ref.shape)
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=RTOL * ref.abs().max().item(), msg=lambda m: f"{what}: {m}")
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+class MlpWithHead(nn.Module):
+    """A gated MLP and an LM head on one module: what parallelize finds in a decoder, small
+    enough to compile quickly."""
+
+    def __init__(self, hidden=32, width=64, vocab=97):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width)
+        self.up_proj = nn.Linear(hidden, width)
+        self.down_proj = nn.Linear(width, hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x):
+        return self.lm_head(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+# --- the cases, run on both ranks ---------------------------------------------------------
+
+def case_mlp_layer_with_bias_on_a_mesh(rank, group):
+    """A Llama MLP with biases, sharded over a 1-D DeviceMesh: down_proj's bias counted once."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlp = randomize(LlamaMLP(llama_config(mlp_bias=True)))
+    ref = copy.deepcopy(mlp)
+    report = parallelize(mlp, init_device_mesh("cpu", (2,)), patch=False)
+    assert (report.tp, report.rank, report.mlp) == (2, rank, ["(root)"]), report
+    assert isinstance(mlp.down_proj, RowParallelLinear) and mlp.down_proj.adds_bias == (rank == 0)
+    assert type(mlp.gate_proj) is nn.Linear and mlp.gate_proj.weight.shape == (32, 32)
+    torch.testing.assert_close(mlp.gate_proj.bias, ref.gate_proj.bias[rank * 32:(rank + 1) * 32], rtol=0, atol=0)
+    x = torch.randn(3, 5, 32, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert_same(mlp(x), ref(x), "MLP")
+    # A gradient through the collectives would be wrong: the backward refuses.
+    y = mlp(x)
+    try:
+        y.sum().backward()
+    except RuntimeError as e:
+        assert "for inference" in str(e), e
+    else:
+        raise AssertionError("backward through a sharded MLP did not raise")
+
+
+def case_attention_layer_with_biases(rank, group):
+    """Llama attention with q/k/v and o biases (attention_bias=True), patched after sharding."""
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    config = llama_config(attention_bias=True)
+    attn = randomize(LlamaAttention(config, layer_idx=0)).eval()
+    ref = copy.deepcopy(attn)
+    report = parallelize(attn, group)
+    assert report.attention == ["(root)"] and report.patch.fused_qkv == ["(root)"], report
+    assert isinstance(attn.o_proj, RowParallelLinear) and attn.num_key_value_groups == 2
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(8))
+    rope = LlamaRotaryEmbedding(config)
+    pos = rope(x, torch.arange(6).view(1, -1))
+    with torch.no_grad():
+        assert_same(attn(x, pos, None)[0], ref(x, pos, None)[0], "attention")
+
+
+def case_llama_gqa_one_kv_head(rank, group):
+    """One KV head, two ranks: each keeps a copy of it; o_proj and down_proj biases once."""
+    config = llama_config(num_key_value_heads=1, attention_bias=True, mlp_bias=True)
+    model, ref = causal_lm(config), causal_lm(config)
+    report = parallelize(model, group)
+    assert len(report.attention) == 2 and len(report.mlp) == 2 and report.lm_head == ["lm_head"], report
+    assert len(report.patch.fused_qkv) == 2, report.patch
+    attn, ref_attn = model.model.layers[0].self_attn, ref.model.layers[0].self_attn
+    assert attn.num_key_value_groups == 2 and attn.q_proj.out_features == 16 and attn.k_proj.out_features == 8
+    torch.testing.assert_close(attn.k_proj.weight, ref_attn.k_proj.weight, rtol=0, atol=0)  # the one KV head
+    ids = token_ids(config.vocab_size)
+    assert_same(logits(model, ids), logits(ref, ids), "Llama logits (Hkv=1 < tp=2)")
+
+
+def case_qwen2_padded_vocab_state_dict(rank, group):
+    """Qwen2 (q/k/v biases, 97-token vocabulary: 49 + 48 rows): logits, the stock state-dict
+    keys with per-rank shapes, and load_full_state_dict into a differently seeded model."""
+    config = qwen2_config()
+    model, ref = causal_lm(config), causal_lm(config)
+    stock_keys = list(ref.state_dict())
+    report = parallelize(model, group)
+    assert isinstance(model.lm_head, VocabParallelLinear) and model.lm_head.weight.shape == (49 - rank, 32)
+    assert len(report.patch.fused_qkv) == 2
+    ids = token_ids(config.vocab_size)
+    assert_same(logits(model, ids), logits(ref, ids), "Qwen2 logits")
+
+    sd = model.state_dict()
+    assert list(sd) == stock_keys
+    assert sd["model.layers.0.self_attn.q_proj.bias"].shape == (16,)
+    assert sd["model.layers.0.self_attn.k_proj.weight"].shape == (8, 32)
+    assert sd["model.layers.0.self_attn.o_proj.weight"].shape == (32, 16)
+    assert sd["model.layers.0.mlp.down_proj.weight"].shape == (32, 32)
+
+    other = causal_lm(config, seed=SEED + 99)
+    parallelize(other, group)
+    assert not torch.allclose(logits(other, ids), logits(ref, ids))
+    result = load_full_state_dict(other, ref.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys, result
+    assert_same(logits(other, ids), logits(ref, ids), "Qwen2 logits after load_full_state_dict")
+
+
+def case_mistral_logits(rank, group):
+    config = transformers.MistralConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                        num_key_value_heads=2, num_hidden_layers=2, vocab_size=96,
+                                        max_position_embeddings=64, sliding_window=None, tie_word_embeddings=False)
+    model, ref = causal_lm(config), causal_lm(config)
+    report = parallelize(model, group)
+    assert len(report.attention) == 2 and len(report.mlp) == 2 and report.lm_head == ["lm_head"], report
+    ids = token_ids(config.vocab_size)
+    assert_same(logits(model, ids), logits(ref, ids), "Mistral logits")
+
+
+def case_tied_lm_head_stays_whole(rank, group):
+    config = llama_config(tie_word_embeddings=True)
+    model, ref = causal_lm(config), causal_lm(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    report = parallelize(model, group)
+    assert report.lm_head == [] and any(n == "lm_head" and "tied" in r for n, r in report.skipped), report
+    # (hybridgemm.patch may swap the head's class; it stays a whole nn.Linear, still tied)
+    assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight is model.model.embed_tokens.weight
+    ids = token_ids(config.vocab_size)
+    assert_same(logits(model, ids), logits(ref, ids), "tied-head logits")
+
+
+def case_compiled_fullgraph(rank, group):
+    """Row-parallel MLP and vocab-parallel head under torch.compile(fullgraph=True)."""
+    torch.manual_seed(SEED)
+    model = randomize(MlpWithHead())
+    ref = copy.deepcopy(model)
+    report = parallelize(model, group, patch=False)
+    assert report.mlp == ["(root)"] and report.lm_head == ["lm_head"], report
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(9))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert_same(compiled(x), ref(x), "compiled MLP + head")
+        assert_same(model(x), ref(x), "eager MLP + head")
+
+
+CASES = {f.__name__[len("case_"):]: f for f in (
+    case_mlp_layer_with_bias_on_a_mesh, case_attention_layer_with_biases, case_llama_gqa_one_kv_head,
+    case_qwen2_padded_vocab_state_dict, case_mistral_logits, case_tied_lm_head_stays_whole,
+    case_compiled_fullgraph)}
+
+
+def _worker(rank: int, port: int, out_dir: str, backend: str, cases: list) -> None:
+    """Run ``cases`` in order; the first failure ends the run on this rank (the other rank may
+    be waiting in a collective that this one will never join: it times out and stops too)."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=COLLECTIVE_TIMEOUT)
+    results = {}
+    try:
+        for case in cases:
+            try:
+                skip = case(rank, dist.group.WORLD)  # None, or why the case does not apply here
+                dist.barrier()
+                results[case.__name__] = "ok" if skip is None else f"skipped: {skip}"
+            except Exception:
+                results[case.__name__] = traceback.format_exc(limit=6)
+                break
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_on_two_ranks(cases: list, backend: str, out_dir, timeout_s: float = RUN_TIMEOUT_S) -> dict[str, list[str]]:
+    """Spawn two processes that run ``cases`` (module-level functions ``case(rank, group)``
+    returning None, or a reason to skip) on ``backend``; returns {case name: [rank 0's
+    result, rank 1's]}, each "ok", "skipped: <reason>" or a traceback.
+    Fails the test if the run takes longer than ``timeout_s``."""
+    ctx = mp.start_processes(_worker, args=(_free_port(), str(out_dir), backend, cases), nprocs=2, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the two-rank run did not finish within {timeout_s} s")
+    except mp.ProcessException:
+        pass  # a rank that died still wrote what it ran (or nothing): reported per case below
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+    results = [json.loads(f.read_text()) if (f := out_dir / f"rank{r}.json").exists() else {} for r in range(2)]
+    return {c.__name__: [r.get(c.__name__, "not run (an earlier case failed, or the rank died)") for r in results]
+            for c in cases}
+
+
+def assert_ranks_ok(results: list[str]) -> None:
+    failed = {f"rank {r}": res for r, res in enumerate(results) if res != "ok"}
+    assert not failed, "\n".join(f"{who}:\n{res}" for who, res in failed.items())
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Every case run once on two gloo ranks."""
+    return run_on_two_ranks(list(CASES.values()), "gloo", tmp_path_factory.mktemp("tp"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks(two_ranks, case):
+    assert_ranks_ok(two_ranks[CASES[case].__name__])
+
+
+# --- one process: a fake group gives it a rank in a larger one ---------------------------
+
+@pytest.fixture
+def fake_group():
+    """``fake_group(world_size, rank)``: this process as ``rank`` of a group whose
+    collectives do nothing (enough to shard, not to run)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def start(world_size: int, rank: int = 0):
+        dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+        return dist.group.WORLD
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_not_a_module_is_a_type_error():
+    for bad, needle in ((None, "got None"), (nn.Linear, "pass an instance"), ("model", "got str")):
+        with pytest.raises(TypeError, match=needle):
+            parallelize(bad)
+    with pytest.raises(TypeError, match="not an initialised nn.Module"):
+        parallelize(nn.Module.__new__(nn.Module))
+
+
+def test_group_must_be_a_group_or_mesh_and_distributed_initialised():
+    model = causal_lm(llama_config())
+    with pytest.raises(TypeError, match="ProcessGroup, a 1-D DeviceMesh or None"):
+        parallelize(model, "nccl")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        parallelize(model)
+    with pytest.raises(TypeError, match="fuse_qkv given with patch=False"):
+        parallelize(model, patch=False, fuse_qkv=False)
+
+
+def test_mesh_must_be_one_dimensional(fake_group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fake_group(4)
+    model = causal_lm(llama_config())
+    with pytest.raises(ValueError, match=r"1-D DeviceMesh .* 2-D mesh of shape \(2, 2\)"):
+        parallelize(model, init_device_mesh("cpu", (2, 2)))
+
+
+@pytest.mark.parametrize("tp, config, needle", [
+    (3, dict(), "tp=3 does not divide the 4 attention heads"),
+    # 12 heads over 6 ranks is 2 each, but 4 KV heads are neither a multiple nor a divisor of 6
+    (6, dict(hidden_size=48, num_attention_heads=12, num_key_value_heads=4), "does not fit the 4 key/value heads"),
+    (2, dict(intermediate_size=33), "does not divide the intermediate size 33"),
+    (4, dict(vocab_size=3), "vocabulary of 3 is too small"),
+])
+def test_sizes_that_do_not_split_are_clear_errors_and_change_nothing(fake_group, tp, config, needle):
+    group = fake_group(tp)
+    model = causal_lm(llama_config(**config))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=needle) as info:
+        parallelize(model, group)
+    assert str(info.value).startswith("hybridgemm.parallelize: model.") or "lm_head" in str(info.value)
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], v) for k, v in before.items())
+    assert type(model.model.layers[0].self_attn.o_proj) is nn.Linear
+
+
+def test_group_of_one_shards_nothing_but_patches(fake_group):
+    group = fake_group(1)
+    model = causal_lm(llama_config())
+    ref = causal_lm(llama_config())
+    report = parallelize(model, group)
+    assert (report.tp, report.rank, report.attention, report.mlp, report.lm_head) == (1, 0, [], [], [])
+    assert len(report.patch.fused_qkv) == 2
+    ids = token_ids(96)
+    assert_same(logits(model, ids), logits(ref, ids), "tp=1 logits")
+
+
+def test_each_rank_keeps_its_heads_rows_and_columns(fake_group):
+    """Rank 3 of 4, 8 query heads of 4 in 2 GQA groups: heads 6-7, which read KV head 1;
+    intermediate 64 -> columns 48-63; vocabulary 10 -> rows 9 (3 per rank, the last has 1)."""
+    group = fake_group(4, rank=3)
+    config = llama_config(num_attention_heads=8, num_key_value_heads=2, vocab_size=10, attention_bias=True)
+    model, ref = causal_lm(config), causal_lm(config)
+    report = parallelize(model, group, patch=False)
+    assert (report.rank, report.tp, len(report.attention), len(report.mlp), report.lm_head) == (3, 4, 2, 2, ["lm_head"])
+    a, r = model.model.layers[1].self_attn, ref.model.layers[1].self_attn
+    eq = lambda t, u: torch.testing.assert_close(t, u, rtol=0, atol=0)  # noqa: E731
+    eq(a.q_proj.weight, r.q_proj.weight[24:32])
+    eq(a.q_proj.bias, r.q_proj.bias[24:32])
+    eq(a.k_proj.weight, r.k_proj.weight[4:8])
+    eq(a.v_proj.bias, r.v_proj.bias[4:8])
+    eq(a.o_proj.weight, r.o_proj.weight[:, 24:32])
+    eq(a.o_proj.bias, r.o_proj.bias)  # whole on every rank; only rank 0 adds it
+    assert not a.o_proj.adds_bias and a.num_key_value_groups == 2
+    m, rm = model.model.layers[1].mlp, ref.model.layers[1].mlp
+    eq(m.up_proj.weight, rm.up_proj.weight[48:64])
+    eq(m.down_proj.weight, rm.down_proj.weight[:, 48:64])
+    eq(model.lm_head.weight, ref.lm_head.weight[9:10])
+    assert (model.lm_head.rows, model.lm_head.vocab) == (3, 10)
+
+
+def test_state_dict_keys_and_loading_a_full_one(fake_group):
+    group = fake_group(2, rank=1)
+    config = qwen2_config()
+    model, ref = causal_lm(config), causal_lm(config, seed=SEED + 5)
+    parallelize(model, group)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    full = ref.state_dict()
+    load_full_state_dict(model, full)
+    sd = model.state_dict()
+    key = "model.layers.1.self_attn.q_proj.bias"
+    torch.testing.assert_close(sd[key], full[key][16:])
+    torch.testing.assert_close(sd["lm_head.weight"], full["lm_head.weight"][49:])
+    torch.testing.assert_close(sd["model.norm.weight"], full["model.norm.weight"])
+    # An already sharded state dict is not a full one: the error names the key.
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj.weight: expected the full"):
+        load_full_state_dict(model, sd)
+
+
+def test_a_second_parallelize_changes_nothing(fake_group):
+    group = fake_group(2)
+    model = causal_lm(llama_config())
+    parallelize(model, group)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning):
+        report = parallelize(model, group)
+    assert report.attention == report.mlp == report.lm_head == []
+    assert all("already sharded" in r for _, r in report.skipped)
+    assert {k: v.shape for k, v in model.state_dict().items()} == shapes
+
+
+def test_lazy_exports():
+    assert hybridgemm.parallelize is parallelize and hybridgemm.load_full_state_dict is load_full_state_dict
+    assert "parallelize" in hybridgemm.__all__ and "parallel" in dir(hybridgemm)
+    with pytest.raises(AttributeError):
+        hybridgemm.no_such_name  # noqa: B018
