@@ -14,6 +14,8 @@
 #         msweep    perf/bench_msweep.py: dispatched vs F.linear at 128 M per preset shape
 #                   (table: $TABLE or $OUT/h200.json; MSWEEP_ARGS passed on)
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
+#         mlp       perf/bench_mlp.py: the MLP GEMMs and LM head of llama3-8b and qwen2.5-7b vs stock
+#         e2e       hybridgemm bench --e2e (E2E_ARGS, default: --model llama3-8b --layers 8) -> $OUT/e2e_h200.csv
 #         harness   hybridgemm bench (all providers, training) + plots into $OUT/plots
 #         modes     batch-invariant mode vs default vs F.linear (perf/bench_modes.py -> modes_h200.csv)
 #         sanitize  compute-sanitizer over focused GPU test subsets, one pytest process per tool:
@@ -108,6 +110,18 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       HYBRIDGEMM_TABLE="${TABLE:-$OUT/h200.json}" $PY -m hybridgemm.perf.bench_attention --out "$OUT" \
         >"$OUT/bench_attention.txt" 2>&1 || status=1
       tail -n 25 "$OUT/bench_attention.txt" | tee -a "$OUT/summary.txt"
+      ;;
+    mlp)
+      log "bench_mlp"
+      $PY -m hybridgemm.perf.bench_mlp --out "$OUT/mlp_h200.csv" >"$OUT/bench_mlp.txt" 2>&1 || status=1
+      tail -n 30 "$OUT/bench_mlp.txt" | tee -a "$OUT/summary.txt"
+      ;;
+    e2e)
+      log "bench_e2e"
+      # shellcheck disable=SC2086
+      $PY -m hybridgemm bench --e2e ${E2E_ARGS:---model llama3-8b --layers 8} --out "$OUT/e2e_h200.csv" \
+        --plot "$OUT/plots" --no-progress >"$OUT/bench_e2e.txt" 2>&1 || status=1
+      tail -n 20 "$OUT/bench_e2e.txt" | tee -a "$OUT/summary.txt"
       ;;
     harness)
       log "hybridgemm bench"
