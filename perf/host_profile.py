@@ -14,6 +14,9 @@ grad         µs per call of the cuBLASLt backward GEMMs (dx; dW with and withou
 kernels      which CUDA kernels F.linear and the cuBLASLt heuristic run at M=1 (torch.profiler)
 linear-step  eager fwd+bwd of ``hybridgemm.linear`` beside F.linear at ``--m --n --k``: µs per
              step, then torch.profiler tables (CPU and CUDA time)
+hf-layer     a one-layer Llama-3-8B-shaped HF model (perf/e2e_models.py), stock and patched,
+             eager decode of one token at ``--batch`` over a static cache: µs per call of
+             q/k/v, o, the MLP, the LM head and the whole step, then cProfile of the patched step
 
 No PROBE: all of them. Every µs figure is ``perf/timing.eager_time_interleaved`` (the
 callables alternate in rounds of one loop); cProfile and torch.profiler slow what they watch,
@@ -42,7 +45,7 @@ from hybridgemm.kernels.problem import Problem
 from hybridgemm.perf.bench_attention import MODEL, Layer, train_step_fn
 from hybridgemm.perf.timing import eager_time_interleaved
 
-PROBES = ("calls", "decode", "train", "grad", "kernels", "linear-step")
+PROBES = ("calls", "decode", "train", "grad", "kernels", "linear-step", "hf-layer")
 DTYPE = torch.bfloat16
 
 
@@ -184,8 +187,37 @@ def linear_step_probe(args) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
 
 
+def hf_layer_probe(args) -> None:
+    import copy
+
+    from hybridgemm.perf import e2e_models as hf
+
+    stock = hf.build_model(hf.hf_config("llama3-8b", layers=1), DTYPE, "cuda")
+    patched = copy.deepcopy(stock)
+    print(hybridgemm.patch(patched).summary())
+    batch, hidden = args.batch, stock.config.hidden_size
+    x = torch.randn(batch, 1, hidden, device="cuda", dtype=DTYPE)
+    heads = stock.config.num_attention_heads
+    attn = torch.randn(batch, 1, heads * (hidden // heads), device="cuda", dtype=DTYPE)
+    ids = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
+    pos = torch.zeros(1, dtype=torch.long, device="cuda")
+    fns = {}
+    for name, model in (("stock", stock), ("patched", patched)):
+        layer, api, cache = model.model.layers[0], hf.forward_api(model), hf.static_cache(model, batch, 16)
+        a = layer.self_attn
+        fns[f"{name} q/k/v"] = lambda a=a: (a.q_proj(x), a.k_proj(x), a.v_proj(x))
+        fns[f"{name} o"] = lambda a=a: a.o_proj(attn)
+        fns[f"{name} mlp"] = lambda layer=layer: layer.mlp(x)
+        fns[f"{name} lm_head"] = lambda model=model: model.lm_head(x)
+        fns[f"{name} one-token step"] = lambda model=model, api=api, cache=cache: hf.cached_forward(
+            model, api, ids, cache, pos)
+    with torch.no_grad():
+        _print_times(fns, calls=200, width=28)
+        _cprofile("patched one-token step", fns["patched one-token step"], calls=100)
+
+
 RUN = {"calls": calls_probe, "decode": decode_probe, "train": train_probe, "grad": grad_probe,
-       "kernels": kernels_probe, "linear-step": linear_step_probe}
+       "kernels": kernels_probe, "linear-step": linear_step_probe, "hf-layer": hf_layer_probe}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -196,9 +228,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--m", type=int, default=16, help="linear-step: rows of x (default 16)")
     ap.add_argument("--n", type=int, default=4096, help="linear-step: output features (default 4096)")
     ap.add_argument("--k", type=int, default=4096, help="linear-step: input features (default 4096)")
+    ap.add_argument("--batch", type=int, default=1, help="hf-layer: sequences decoded at once (default 1)")
     args = ap.parse_args(argv)
-    if min(args.m, args.n, args.k) < 1:
-        ap.error(f"--m, --n and --k must be positive, got {args.m}, {args.n}, {args.k}")
+    if min(args.m, args.n, args.k, args.batch) < 1:
+        ap.error(f"--m, --n, --k and --batch must be positive, got {args.m}, {args.n}, {args.k}, {args.batch}")
     unknown = [p for p in args.probes if p not in PROBES]
     if unknown:
         ap.error(f"unknown probe {', '.join(map(repr, unknown))}; probes: {', '.join(PROBES)}")

@@ -60,10 +60,11 @@ def test_host_profile_arguments():
     assert a.probes == list(host_profile.PROBES) and (a.m, a.n, a.k) == (16, 4096, 4096)
     a = host_profile.parse_args(["linear-step", "calls", "--m", "1", "--n", "256", "--k", "512"])
     assert a.probes == ["linear-step", "calls"] and (a.m, a.n, a.k) == (1, 256, 512)
+    assert host_profile.parse_args(["hf-layer", "--batch", "8"]).batch == 8
     assert set(host_profile.RUN) == set(host_profile.PROBES)
 
 
-@pytest.mark.parametrize("argv", [["nope"], ["calls", "--m", "0"], ["--k", "x"]])
+@pytest.mark.parametrize("argv", [["nope"], ["calls", "--m", "0"], ["--k", "x"], ["hf-layer", "--batch", "0"]])
 def test_host_profile_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as e:
         host_profile.parse_args(argv)
