@@ -110,9 +110,9 @@ def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activati
     over the stacked weight. ``"triton"``: kernels/triton_glu.py, the product in the GEMM's
     epilogue (fp32 until the one rounding; CUDA, no autograd). ``"auto"``: the Triton kernel for
     inference at M ≤ :data:`TRITON_GLU_MAX_M` rows on CUDA fp16/bf16 in the default dispatch
-    mode, else the halves. (On the H200 at Llama-3-8B's sizes, M = 333 and 2048, the one
-    stacked GEMM's untuned cuBLASLt choice ran at 0.87-0.88x of the stock pair; the halves at
-    1.00-1.01x.)
+    mode, else the halves. (On the H200 at Llama-3-8B's sizes, M = 333 and 2048, one GEMM over
+    the stacked weight ran at 0.87-0.88x of the stock pair; the halves at 1.00-1.01x. Neither
+    shape has a table entry, so both ran F.linear's kernels.)
     """
     fn = GLU_FUNCTIONS.get(activation)
     if fn is None:
