@@ -142,7 +142,7 @@ class HybridGatedMLP(nn.Module):
 
     glu_activation = "silu"
 
-    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         fused = self._modules[FUSED_GATE_UP]
         return self.down_proj(gated_linear(x, fused.weight, fused.bias, self.glu_activation))
 
@@ -157,7 +157,7 @@ class HybridIntermediate(nn.Module):
 class HybridConvMLP(nn.Module):
     """Stands in for GPT-2's MLP: ``c_fc`` carries the activation in its epilogue."""
 
-    def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+    def forward(self, hidden_states: Tensor) -> Tensor:
         return self.dropout(self.c_proj(self.c_fc(hidden_states)))
 
 
