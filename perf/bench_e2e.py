@@ -415,13 +415,13 @@ def _brief(rows: list[dict]) -> str:
 # ----------------------------------------------------------------------------- files, summary
 
 
-def upsert(path, rows: list[dict]) -> None:
-    """Write ``rows`` into the CSV at ``path`` (columns :data:`COLUMNS`), replacing earlier rows
-    of the same :data:`KEY` and keeping the others."""
-    merged = {tuple(str(r.get(c, "")) for c in KEY): r for r in csvio.read_rows(str(path))}
+def upsert(path, rows: list[dict], columns: tuple[str, ...] = COLUMNS, key: tuple[str, ...] = KEY) -> None:
+    """Write ``rows`` into the CSV at ``path`` (``columns``, default :data:`COLUMNS`), replacing
+    earlier rows of the same ``key`` (default :data:`KEY`) and keeping the others."""
+    merged = {tuple(str(r.get(c, "")) for c in key): r for r in csvio.read_rows(str(path))}
     for r in rows:
-        merged[tuple(str(r.get(c, "")) for c in KEY)] = r
-    csvio.write_csv(path, COLUMNS, merged.values())
+        merged[tuple(str(r.get(c, "")) for c in key)] = r
+    csvio.write_csv(path, columns, merged.values())
 
 
 def print_summary(res: Result, console=None) -> None:
@@ -483,15 +483,17 @@ def model_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_e2e_options(ap: argparse.ArgumentParser) -> None:
-    """The options that only the end-to-end run has (shared with ``hybridgemm bench``)."""
+def add_e2e_options(ap: argparse.ArgumentParser, default_modes: tuple[str, ...] = MODES) -> None:
+    """The options that only the end-to-end run has (shared with ``hybridgemm bench`` and
+    perf/bench_tp.py, whose default modes, named in the help, are ``default_modes``)."""
     ap.add_argument("--layers", type=positive_int, help="decoder layers (default: the model's own)")
     ap.add_argument("--batch", type=positive_int, nargs="+", help=f"batch sizes of the decode modes (default "
                     f"{' '.join(map(str, BATCHES))})")
     ap.add_argument("--prefill", type=positive_int, help=f"prompt length of the prefill mode (default {PREFILL})")
     ap.add_argument("--tokens", type=token_count, help=f"decode steps timed per round (default {TOKENS})")
     ap.add_argument("--modes", nargs="+", choices=MODES, metavar="MODE",
-                    help=f"modes to run (default: all): {', '.join(MODES)}")
+                    help=f"modes to run (default: {'all' if default_modes == MODES else ' '.join(default_modes)}): "
+                    f"{', '.join(MODES)}")
     ap.add_argument("--rounds", type=positive_int, help=f"timed rounds per variant (default {ROUNDS})")
 
 

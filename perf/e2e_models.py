@@ -43,6 +43,7 @@ class ModelSizes:
 SIZES: dict[str, ModelSizes] = {
     "qwen2.5-7b": ModelSizes("qwen2", 18944, 28, 152064, 1e6, 1e-6, 32768),
     "llama3-8b": ModelSizes("llama", 14336, 32, 128256, 5e5, 1e-5, 8192),
+    "llama3-70b": ModelSizes("llama", 28672, 80, 128256, 5e5, 1e-5, 8192),  # ~141 GB in bf16: tensor parallel only
 }
 
 

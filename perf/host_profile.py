@@ -26,6 +26,7 @@ so read their tables for proportions.
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import pstats
 import sys
@@ -42,6 +43,7 @@ from hybridgemm.kernels.backends import get_backend
 from hybridgemm.kernels.checks import call_signature
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import Problem
+from hybridgemm.perf import e2e_models as hf
 from hybridgemm.perf.bench_attention import MODEL, Layer, train_step_fn
 from hybridgemm.perf.timing import eager_time_interleaved
 
@@ -188,10 +190,6 @@ def linear_step_probe(args) -> None:
 
 
 def hf_layer_probe(args) -> None:
-    import copy
-
-    from hybridgemm.perf import e2e_models as hf
-
     stock = hf.build_model(hf.hf_config("llama3-8b", layers=1), DTYPE, "cuda")
     patched = copy.deepcopy(stock)
     print(hybridgemm.patch(patched).summary())

@@ -538,3 +538,86 @@ def plot_mlp(csv_path, out_dir, name: str = "mlp.png") -> Path:
     _legend(footer, axes)
     body.suptitle("MLP GEMMs and LM head, bf16, GPU time (CUDA graphs, L2-cold rotating weights)")
     return _save(fig, footer, Path(out_dir) / name, rows)
+
+
+TP_VARIANTS = (("tp1_hybridgemm", "0.55"), ("tp2_hybridgemm", "C3"), ("tp2_stock", "C0"))
+
+
+def _tp_bars(ax, groups: list[tuple], rows: dict) -> None:
+    """One bar per variant per group (``rows[(group, variant)]``: the CSV row), each tp=2 bar
+    labelled with its speedup over tp1_hybridgemm (its ``speedup_vs_tp1``; where tp=1 has no
+    time, the hybridgemm bar gets its speedup over tp2_stock instead). A variant without a time
+    gets its status (skipped, error) written where its bar would stand."""
+    x = np.arange(len(groups))
+    width = 0.8 / len(TP_VARIANTS)
+    for i, (variant, colour) in enumerate(TP_VARIANTS):
+        pos = x + (i - (len(TP_VARIANTS) - 1) / 2) * width
+        ys = [_float(rows[(g, variant)].get("ms_per_token")) if (g, variant) in rows else np.nan for g in groups]
+        ys = [y if rows.get((g, variant), {}).get("status") == "ok" else np.nan for g, y in zip(groups, ys)]
+        ax.bar(pos, ys, width, label=variant, color=colour)
+        for xp, g, y in zip(pos, groups, ys):
+            row = rows.get((g, variant))
+            if row is None:
+                continue
+            if y != y:
+                ax.annotate(row.get("status") or "no time", (xp, 0), ha="center", va="bottom", rotation=90,
+                            fontsize=7, color=colour, xytext=(0, 3), textcoords="offset points")
+                continue
+            label = f"{_float(row.get('speedup_vs_tp1')):.2f}x" if _float(row.get("speedup_vs_tp1")) > 0 else ""
+            stock = _float(rows.get((g, "tp2_stock"), {}).get("ms_per_token"))
+            if not label and variant == "tp2_hybridgemm" and stock > 0:
+                label = f"{stock / y:.2f}x\nvs stock"
+            if label and variant != "tp1_hybridgemm":
+                ax.annotate(label, (xp, y), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+                            textcoords="offset points")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def plot_tp(csv_path, out_dir, name: str = "tp.png") -> Path:
+    """``name`` (default ``tp.png``) in ``out_dir`` from perf/bench_tp.py's CSV: per (GPU, model,
+    layers), ms per decode step for each decode mode and batch, and ms per prefill beside it,
+    one bar per variant (tp1_hybridgemm, tp2_hybridgemm, tp2_stock), each tp=2 bar labelled with
+    its speedup over tp=1 (see :func:`_tp_bars`); the title gives each variant's HBM floor per
+    GPU. Raises FileNotFoundError for a missing file, ValueError when no row holds a time."""
+    if not os.path.isfile(csv_path):
+        raise FileNotFoundError(f"no such CSV file: {csv_path}")
+    known = dict(TP_VARIANTS)
+    rows = [r for r in read_rows(str(csv_path)) if r.get("variant") in known and r.get("mode") != "logits_error"]
+    if not any(r.get("status") == "ok" and _float(r.get("ms_per_token")) > 0 for r in rows):
+        raise ValueError(f"{csv_path}: no rows with a time (not a bench_tp CSV?)")
+    models: dict[tuple, list[dict]] = {}
+    for r in rows:
+        models.setdefault((r.get("gpu", "?"), r.get("model", "?"), r.get("layers", "?")), []).append(r)
+    panels = [(key, kind, [r for r in mine if (r.get("mode") == "prefill") == (kind == "prefill")])
+              for key, mine in models.items() for kind in ("decode", "prefill")]
+    panels = [p for p in panels if any(r.get("status") == "ok" for r in p[2])]
+    fig, body, footer, axes = _figure(len(panels), panel_w=6.5, panel_h=4.2, ncols=2)
+    order = {m: i for i, m in enumerate(E2E_DECODE_MODES)}
+    for ax, ((gpu, model, layers), kind, prs) in zip(axes, panels):
+        by = {((r["mode"], _int(r["batch"])), r["variant"]): r for r in prs}
+        timed = {g for (g, _), r in by.items() if r.get("status") == "ok"}  # a group of skips only: not drawn
+        groups = sorted(timed, key=lambda g: (order.get(g[0], 9), g[1]))
+        _tp_bars(ax, groups, by)
+        if kind == "decode":
+            ax.set_xticks(np.arange(len(groups)), [f"{m.replace('_', chr(10))}\nB={b}" for m, b in groups])
+            ax.set_ylabel("ms per decode step (lower is better)")
+            floors = {_tp_of(r["variant"]): _float(r.get("hbm_floor_ms_per_gpu")) for r in prs
+                      if _float(r.get("hbm_floor_ms_per_gpu")) > 0}
+            floor = ", ".join(f"tp={tp} {f:.3f} ms" for tp, f in sorted(floors.items()))
+            ax.set_title(f"{model}, {layers} layers: decode ({gpu})" + (f"\nHBM floor per GPU: {floor}" if floor
+                                                                          else ""), fontsize=9)
+        else:
+            ax.set_xticks(np.arange(len(groups)), [f"B={b}, {prs[0].get('tokens', '?')} tokens" for _, b in groups])
+            ax.set_xlim(-1.5, len(groups) + 0.5)
+            ax.set_ylabel("ms per prefill (lower is better)")
+            ax.set_title(f"{model}, {layers} layers: prefill ({gpu})", fontsize=9)
+    _legend(footer, axes)
+    body.suptitle("Tensor parallelism: tp=1 vs tp=2 with hybridgemm.parallelize and torch's DTensor TP "
+                  "(labels: speedup over tp=1)")
+    return _save(fig, footer, Path(out_dir) / name, [r for r in rows if r.get("status") == "ok"])
+
+
+def _tp_of(variant: str) -> str:
+    """The tensor-parallel degree in a bench_tp variant's name (``tp2_stock`` -> ``"2"``)."""
+    m = re.match(r"tp(\d+)_", variant)
+    return m.group(1) if m else "?"

@@ -1,0 +1,744 @@
+"""Tensor parallelism end to end: one decoder model on one rank, then sharded over two ranks by
+``hybridgemm.parallelize`` and by torch's own tensor-parallel API, timed in the same run.
+
+    torchrun --nproc-per-node 2 -m hybridgemm.perf.bench_tp --model llama3-8b|qwen2.5-7b|llama3-70b|tiny
+             [--layers N] [--batch 1 8] [--prefill 2048] [--tokens 64] [--rounds 3] [--modes ...]
+             [--variants ...] [--backend nccl|gloo] [--device cuda|cpu] [--out CSV] [--plot DIR]
+
+Every rank builds the same model (a config of the real model's sizes, perf/e2e_models.py,
+``--layers`` shortening it; ``tiny`` is a 2-layer Llama-layout model with attention biases, for
+tests and CPU runs), bf16, with the same random weights. Variants, one after another, one model
+in memory at a time:
+
+- ``tp1_hybridgemm``: rank 0 alone runs the whole model, ``hybridgemm.patch``-ed; the other
+  ranks wait at a barrier of a gloo group (no GPU work, no NCCL timeout). Skipped, with a
+  note, when the weights exceed :data:`TP1_MAX_FRACTION` of the GPU's memory (the 80-layer
+  Llama-3-70B: ~141 GB).
+- ``tp2_hybridgemm``: ``hybridgemm.parallelize(model, group)``: fusion/parallel.py's
+  column/row-parallel attention and MLP and vocab-parallel LM head, then ``hybridgemm.patch``.
+- ``tp2_stock``: the unpatched model sharded with ``torch.distributed.tensor.parallel``
+  (:func:`shard_stock`): ``ColwiseParallel`` for q/k/v/gate/up, ``RowwiseParallel`` for o/down,
+  the LM head colwise with its logits gathered (``output_layouts=Replicate()``), over a 1-D
+  ``DeviceMesh``; each attention module's head-count attributes set to the local counts, as
+  torch's tensor-parallel tutorial does.
+
+How the model is built (:func:`build`), so that a 70B shard never needs the whole model in
+memory: ``hf.build_model`` on the ``meta`` device (no storage), sharded there (``parallelize``
+cuts meta tensors; ``parallelize_module`` makes meta DTensors), then ``to_empty`` allocates
+only this rank's shards on the device and :func:`fill` writes them, one decoder layer at a
+time: each parameter's full tensor is drawn from a generator seeded by the parameter's name
+(:func:`weight_value`; normal, std = the config's ``initializer_range``, norm weights around
+1, biases drawn too so that a bias added on the wrong rank shows in the logits), rounded to
+bf16, and this rank's part taken from it (``hybridgemm.parallel.load_full_state_dict`` for the
+hybridgemm variants, ``distribute_tensor(src_data_rank=None)`` for DTensors). Every variant on
+every rank therefore holds its part of one and the same full model, whatever its sharding.
+Peak memory per GPU: the shard, plus one full parameter in fp32 (the 70B embedding: 4.2 GB).
+Non-persistent buffers (RoPE's inverse frequencies) come from a 1-layer copy of the model
+built on the device (:func:`fill_buffers`). ``hybridgemm.patch`` runs after the weights are
+written (it concatenates q/k/v and gate/up, which needs their values).
+
+Modes (perf/bench_e2e.py's, whose round functions, decode loop and clock run here): at every
+``--batch``, ``compiled_static`` (static-cache greedy decode under ``torch.compile(mode=
+"reduce-overhead", fullgraph=True)``, CUDA events; for ``tp2_stock`` only, a failure with
+``fullgraph=True`` is retried with ``fullgraph=False`` and the note says so), ``eager_static``
+and ``eager_generate``; ``prefill`` of ``--prefill`` tokens at batch 1; and ``logits_error``:
+``||logits - ref|| / ||ref||`` over a fixed (:data:`bench_e2e.LOGITS_SHAPE`) batch, ``ref``
+from an fp32 copy of the same full model on rank 0 (TF32 off), skipped with a note when that
+copy does not fit the GPU. Default: ``compiled_static prefill logits_error``. On the CPU the
+compiled mode is skipped (``reduce-overhead`` is CUDA graphs), with a note, unless
+``--compile-backend`` names a backend to trace with (tests use ``eager``).
+
+The ranks run in lockstep: both set each mode up and run each round, a gloo barrier before
+every round; after each step they exchange their errors (:meth:`Ranks.agree`), so a failure
+on one rank is recorded on both and the run goes on, and never leaves the other waiting in a
+collective. Rank 0's timings are the ones recorded (its clock, its CUDA events; a step's
+collectives make it wait for the other rank). Each mode runs ``--rounds`` rounds; reported:
+the median.
+
+Rows (rank 0 writes the CSV, upserted on gpu, model, layers, mode, batch, variant, after each
+variant, and the figure, :func:`hybridgemm.perf.plots.plot_tp`): ``tp``, ``status`` (ok |
+error | skipped, ``note`` says why), ``ms_per_token`` (per decode step; prefill: per prefill),
+``tokens_per_s``, ``speedup_vs_tp1`` (tp1_hybridgemm's ms / the variant's, same mode and
+batch), ``hbm_floor_ms_per_gpu`` (bytes of the weights a decode step reads on one GPU, its
+shard, counted as bench_e2e counts them / perf/timing.HBM_TBPS), ``fraction_of_floor``
+(decode only), ``logits_rel_err``, and the environment columns. Exit code 0; 1 when a row is
+an error; 2 when the run cannot start (not launched by torchrun, a world size that is not
+the largest tp asked, an unknown model, no GPU for ``--device cuda``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime
+import math
+import os
+import re
+import shlex
+import statistics
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+import hybridgemm
+from hybridgemm.parallel import load_full_state_dict
+from hybridgemm.perf import bench_e2e as E
+from hybridgemm.perf import csvio
+from hybridgemm.perf import e2e_models as hf
+from hybridgemm.perf.bench_msweep import git_commit, gpu_label
+from hybridgemm.perf.plots import plot_tp
+
+VARIANTS = {"tp1_hybridgemm": 1, "tp2_hybridgemm": 2, "tp2_stock": 2}  # name: ranks it runs on
+MODES = E.MODES
+DEFAULT_MODES = ("compiled_static", "prefill", "logits_error")
+KEY = E.KEY
+COLUMNS = (*KEY, "tp", "status", "ms_per_token", "spread_ms", "tokens_per_s", "speedup_vs_tp1", "hbm_floor_ms_per_gpu",
+           "fraction_of_floor", "logits_rel_err", "weight_bytes_per_gpu", "tokens", "rounds", "samples", "note", "date",
+           "commit", "torch", "triton", "transformers", "cublaslt", "hybridgemm", "host", "command")
+TP1_MAX_FRACTION = 0.85  # of GPU memory the tp=1 weights may take (caches, activations, graph pools: the rest)
+REF_MAX_FRACTION = 0.9  # of the free memory that the fp32 reference may take
+TIMEOUT = datetime.timedelta(minutes=30)  # of a collective: the idle rank waits out the whole tp=1 variant
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+            vocab_size=256, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=False,
+            attention_bias=True, mlp_bias=False)
+LAUNCH = "torchrun --nproc-per-node 2 -m hybridgemm.perf.bench_tp --model llama3-8b"
+
+
+class UsageError(Exception):
+    """The run cannot start as asked (exit code 2, the message on one line)."""
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def model_names() -> list[str]:
+    return [*hf.model_names(), "tiny"]
+
+
+def model_name(text: str) -> str:
+    """The canonical name of ``text`` (as bench_e2e's, plus ``tiny``); an argparse error naming
+    the known models otherwise."""
+    key = str(text).strip().lower().replace("_", "-")
+    if key not in model_names():
+        raise argparse.ArgumentTypeError(f"unknown model {text!r}; known: {', '.join(model_names())}")
+    return key
+
+
+def model_config(name: str, layers: int | None = None):
+    """The transformers config of ``name`` (:func:`hf.hf_config`; ``tiny``: :data:`TINY`)."""
+    if name != "tiny":
+        return hf.hf_config(name, layers)
+    import transformers
+
+    return transformers.LlamaConfig(**{**TINY, "num_hidden_layers": layers or TINY["num_hidden_layers"]})
+
+
+def weight_value(name: str, shape, config, device, dtype: torch.dtype, round_to: torch.dtype, norm: bool,
+                 seed: int = E.SEED) -> torch.Tensor:
+    """The full tensor of parameter ``name`` of the benchmark's model: the same on every rank
+    and for every variant (a generator seeded by ``seed`` and the name), normal with std
+    ``config.initializer_range`` (1 + that for a norm's weight), rounded to ``round_to`` (the
+    benchmark's dtype, so an fp32 copy holds the bf16 model's values), in ``dtype``."""
+    gen = torch.Generator(device=device).manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    t = torch.randn(tuple(shape), generator=gen, device=device).mul_(getattr(config, "initializer_range", 0.02))
+    return (t.add_(1) if norm else t).to(round_to).to(dtype)
+
+
+def _layer_chunks(names) -> dict[str, list[str]]:
+    """Parameter names by the module that :func:`fill` loads them through: the module of their
+    first numbered path component (a decoder layer), the root ("") for the rest."""
+    out: dict[str, list[str]] = {}
+    for n in names:
+        m = re.match(r"(.*?\.\d+)\.", n)
+        out.setdefault(m.group(1) if m else "", []).append(n)
+    return out
+
+
+def fill_buffers(model: nn.Module, config, dtype: torch.dtype, device) -> None:
+    """Give ``model`` (built on the meta device, then ``to_empty``) its non-persistent buffers
+    (RoPE tables, which no state dict holds): copied from a 1-layer model of ``config`` built on
+    ``device`` (a buffer of layer i from that model's layer 0)."""
+    names = [n for n, _ in model.named_buffers()]
+    if not names:
+        return
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = 1
+    donor = dict(hf.build_model(small, dtype, device).named_buffers())
+    with torch.no_grad():
+        for n, buf in model.named_buffers():
+            src = donor.get(re.sub(r"\.\d+\.", ".0.", n, count=1))
+            if src is None or src.shape != buf.shape:
+                raise RuntimeError(f"bench_tp: cannot initialise the buffer {n} (not in a 1-layer model of the config)")
+            buf.copy_(src)
+    del donor
+    E._free(device)
+
+
+def fill(model: nn.Module, shapes: dict, norms: set, config, device, dtype: torch.dtype, round_to: torch.dtype) -> None:
+    """Allocate ``model``'s (local) parameters on ``device`` and write this rank's part of each
+    full tensor (:func:`weight_value`; ``shapes``: the full shapes, ``norms``: the norm weights),
+    one decoder layer at a time. A plain parameter is cut by the rule ``parallelize`` recorded
+    (:func:`hybridgemm.parallel.load_full_state_dict`; an unsharded one loads whole), a DTensor
+    gets its placements' shard of the full tensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model.to_empty(device=device)
+    fill_buffers(model, config, dtype, device)
+    with torch.no_grad():
+        for prefix, names in _layer_chunks(shapes).items():
+            module = model.get_submodule(prefix)
+            cut = len(prefix) + 1 if prefix else 0
+            params = dict(module.named_parameters())
+            full = {}
+            for n in names:
+                value = weight_value(n, shapes[n], config, device, dtype, round_to, n in norms)
+                p = params[n[cut:]]
+                if isinstance(p, DTensor):
+                    p.to_local().copy_(distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+                                       .to_local())
+                else:
+                    full[n[cut:]] = value
+            loaded = load_full_state_dict(module, full, strict=False)
+            if loaded.unexpected_keys:
+                raise RuntimeError(f"bench_tp: parameters not in the model: {loaded.unexpected_keys[:4]}")
+            del full
+
+
+def gpu_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights one decode step reads on this GPU: every parameter's local part (a
+    DTensor's shard) once, the input embedding table left out unless the LM head is tied to it
+    (as :func:`hf.decode_weight_bytes` counts a whole model)."""
+    from torch.distributed.tensor import DTensor
+
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    skip = emb.weight if emb is not None and not (head is not None and head.weight is emb.weight) else None
+    local = (p.to_local() if isinstance(p, DTensor) else p for p in model.parameters() if p is not skip)
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def shard_stock(model: nn.Module, mesh, tp: int) -> list[str]:
+    """Shard ``model`` in place with ``torch.distributed.tensor.parallel`` over the 1-D ``mesh``
+    (see the module docstring); returns notes. ``NotImplementedError`` (the variant is then
+    skipped) for a model this plan does not fit: not the ``model.layers[i].self_attn/.mlp``
+    layout, or head counts ``tp`` does not divide (colwise sharding would cut a head)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % tp or kv_heads % tp:
+        raise NotImplementedError(f"torch's colwise split needs tp={tp} to divide the {heads} query and {kv_heads} "
+                                  "key/value heads")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise NotImplementedError(f"{type(model).__name__} has no model.layers: not the Llama/Qwen2 layout")
+    plan = {**{f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")},
+            "self_attn.o_proj": RowwiseParallel(),
+            **{f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")}, "mlp.down_proj": RowwiseParallel()}
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    width = heads * head_dim
+    local = {"num_heads": (heads, heads // tp), "num_attention_heads": (heads, heads // tp),
+             "num_key_value_heads": (kv_heads, kv_heads // tp), "hidden_size": (width, width // tp)}
+    for layer in layers:
+        parallelize_module(layer, mesh, plan)
+        for attr, (whole, part) in local.items():  # what this transformers version keeps on the module
+            if layer.self_attn.__dict__.get(attr) == whole:
+                setattr(layer.self_attn, attr, part)
+    if getattr(config, "tie_word_embeddings", False):
+        return ["lm_head tied to the input embedding: left whole on every rank"]
+    try:
+        parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    except Exception as e:  # noqa: BLE001 (the head then runs whole on every rank, which the note says)
+        return [f"lm_head left whole ({type(e).__name__}: {e})"[:300]]
+    model.lm_head.register_forward_hook(_wait_for_gather)
+    return []
+
+
+def _wait_for_gather(module, args, out):
+    """The gathered logits, waited for: eager DTensor returns them as an AsyncCollectiveTensor
+    whose gather is only waited for when something reads it, and the prefill mode reads nothing,
+    which would leave the gather out of the time (hybridgemm's all_gather is waited for in the
+    forward). Under torch.compile the output is a plain traced tensor, returned as it is."""
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+@dataclass
+class Built:
+    model: nn.Module
+    weight_bytes: int  # read per decode step on this GPU
+    notes: list[str] = field(default_factory=list)
+
+
+def meta_model(run: E.Run, dtype: torch.dtype) -> tuple[nn.Module, dict, set]:
+    """The model of ``run`` on the meta device, its full parameter shapes and its norm weights."""
+    model = hf.build_model(run.config, dtype, "meta")
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    norms = {f"{mn}.{pn}" if mn else pn for mn, m in model.named_modules() if "Norm" in type(m).__name__
+             for pn, _ in m.named_parameters(recurse=False)}
+    return model, shapes, norms
+
+
+def build(run: E.Run, variant: str, ranks: Ranks) -> Built:
+    """``variant``'s model on this rank (see the module docstring)."""
+    model, shapes, norms = meta_model(run, run.dtype)
+    notes = []
+    if variant == "tp2_hybridgemm":
+        report = hybridgemm.parallelize(model, ranks.group, patch=False)
+        run.log(report.summary())
+        notes += [f"left whole: {n}: {why}" for n, why in report.skipped]
+    elif variant == "tp2_stock":
+        notes += shard_stock(model, ranks.mesh(run.device), VARIANTS[variant])
+    fill(model, shapes, norms, run.config, run.device, run.dtype, run.dtype)
+    built = Built(model.eval(), gpu_weight_bytes(model), notes)
+    if variant.endswith("hybridgemm"):
+        run.log(hybridgemm.patch(model).summary())
+    return built
+
+
+def fp32_reference(run: E.Run, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of ``ids`` by an fp32 copy of the whole model (the bf16 values; TF32 off), freed after."""
+    model, shapes, norms = meta_model(run, torch.float32)
+    try:
+        fill(model, shapes, norms, run.config, run.device, torch.float32, run.dtype)
+        with torch.no_grad(), E._no_tf32():
+            return hf.full_logits(model.eval(), ids).float()
+    finally:
+        del model
+        E._free(run.device)
+
+
+def full_bytes(run: E.Run, dtype: torch.dtype) -> int:
+    model, shapes, _ = meta_model(run, dtype)
+    return sum(math.prod(s) for s in shapes.values()) * torch.empty((), dtype=dtype).element_size()
+
+
+def fits(nbytes: int, device, fraction: float, free: bool = False) -> str | None:
+    """None when ``nbytes`` fit in ``fraction`` of the device's total (or ``free``) memory, else
+    the figures that say why not. The CPU is not checked."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free_b, total_b = torch.cuda.mem_get_info(device)
+    have = free_b if free else total_b
+    if nbytes <= fraction * have:
+        return None
+    return f"{nbytes / 1e9:.1f} GB, above {fraction:.0%} of the GPU's {'free' if free else 'total'} {have / 1e9:.1f} GB"
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+@dataclass
+class Ranks:
+    """This process's place in the run: ``group`` (the default group, which the tp=2 variants
+    shard over) and ``control``, a gloo group for the barriers and error exchanges, so that a
+    rank waiting out another's work holds no GPU and no NCCL collective."""
+
+    rank: int
+    world: int
+    group: object
+    control: object
+    _mesh: object = None
+
+    def mesh(self, device):
+        """A 1-D DeviceMesh over the world (made on first use)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(torch.device(device).type, (self.world,))
+        return self._mesh
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.control)
+
+    def agree(self, err: BaseException | None) -> BaseException | None:
+        """Every rank's ``err`` gathered: this rank's own, else another rank's (as a
+        RuntimeError naming it), else None."""
+        text = None if err is None else f"{type(err).__name__}: {err}"
+        texts: list = [None] * self.world
+        dist.all_gather_object(texts, text, group=self.control)
+        if err is not None:
+            return err
+        other = next(((r, t) for r, t in enumerate(texts) if t is not None), None)
+        return None if other is None else RuntimeError(f"on rank {other[0]}: {other[1]}")
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _short(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}".splitlines()[0][:300]
+
+
+def measure(run: E.Run, mode: str, batch: int, model, ranks: Ranks, lockstep: bool) -> tuple[list | BaseException, str]:
+    """(rank 0's ms per token of each round, or the exception; a note) for ``mode`` at
+    ``batch``: bench_e2e's round function, set up then run ``run.rounds`` times. With
+    ``lockstep`` every rank runs it, a barrier before each round and errors exchanged after
+    each step."""
+    clock, note, rnd = E.Clock(run.device), "", None
+    compiled = mode == "compiled_static"
+    sync = ranks.agree if lockstep else (lambda e: e)
+    if compiled:
+        torch._dynamo.reset()
+    try:
+        skips = E._cudagraph_skips()
+        err = None
+        try:
+            rnd = E.make_round(run, mode, model, batch, clock)
+        except Exception as e:  # noqa: BLE001 (recorded in the row)
+            err = e.with_traceback(None)
+        if (err := sync(err)) is not None:
+            return err, note
+        if compiled and E._cudagraph_skips() > skips:
+            note = "torch.compile skipped CUDA graphs (TORCH_LOGS=perf_hints says why)"
+        samples = []
+        for _ in range(run.rounds):
+            if lockstep:
+                ranks.barrier()
+            try:
+                samples += rnd()
+            except Exception as e:  # noqa: BLE001
+                err = e.with_traceback(None)
+            if (err := sync(err)) is not None:
+                return err, note
+        return samples, note
+    finally:
+        rnd = None
+        if compiled:
+            torch._dynamo.reset()
+        E._free(run.device)
+
+
+def measure_variant_mode(run: E.Run, variant: str, mode: str, batch: int, model, ranks: Ranks):
+    """:func:`measure`, and for ``tp2_stock``'s compiled mode a second try with
+    ``fullgraph=False`` when ``fullgraph=True`` fails (the note says so)."""
+    lockstep = VARIANTS[variant] > 1
+    res, note = measure(run, mode, batch, model, ranks, lockstep)
+    if (isinstance(res, BaseException) and variant == "tp2_stock" and mode == "compiled_static"
+            and run.compile_options.get("fullgraph")):
+        relaxed = dataclasses.replace(run, compile_options={**run.compile_options, "fullgraph": False})
+        first = _short(res)
+        res, note = measure(relaxed, mode, batch, model, ranks, lockstep)
+        note = "; ".join(x for x in (f"fullgraph=False (with fullgraph=True: {first})", note) if x)
+    return res, note
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def _row(run: E.Run, variant: str, mode: str, batch: int, **kw) -> dict:
+    return {**run.extra, "model": run.name, "layers": run.config.num_hidden_layers, "mode": mode, "batch": batch,
+            "variant": variant, "tp": VARIANTS[variant], "rounds": run.rounds, **kw}
+
+
+def timed_row(run: E.Run, variant: str, mode: str, batch: int, res, note: str, weight_bytes: int) -> dict:
+    row = _row(run, variant, mode, batch, weight_bytes_per_gpu=weight_bytes,
+               tokens=run.prefill if mode == "prefill" else run.tokens)
+    if isinstance(res, BaseException) or not res:
+        err = res if isinstance(res, BaseException) else RuntimeError("no samples")
+        return {**row, "status": "error", "note": "; ".join(x for x in (_short(err), note) if x)}
+    ms = statistics.median(res)
+    per_run = run.prefill if mode == "prefill" else batch
+    floor = E.hbm_floor_ms(weight_bytes)
+    row.update(status="ok", note=note or None, ms_per_token=ms, spread_ms=max(res) - min(res), samples=len(res),
+               tokens_per_s=per_run * 1e3 / ms if ms > 0 else math.nan, hbm_floor_ms_per_gpu=floor)
+    if mode != "prefill":
+        row["fraction_of_floor"] = floor / ms if ms > 0 else math.nan
+    return row
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """``speedup_vs_tp1`` of every timed ok row whose (mode, batch) has an ok tp1_hybridgemm time."""
+    base = {(r["mode"], r["batch"]): r["ms_per_token"] for r in rows
+            if r["variant"] == "tp1_hybridgemm" and r["status"] == "ok" and r.get("ms_per_token")}
+    for r in rows:
+        tp1 = base.get((r["mode"], r["batch"]))
+        if r["status"] == "ok" and r.get("ms_per_token") and tp1:
+            r["speedup_vs_tp1"] = tp1 / r["ms_per_token"]
+
+
+def tasks(run: E.Run) -> list[tuple[str, int]]:
+    """(mode, batch) of every timed measurement, in run order."""
+    out = [(m, b) for m in run.modes if m in E.DECODE_MODES for b in run.batches]
+    return out + ([("prefill", 1)] if "prefill" in run.modes else [])
+
+
+def skipped_rows(run: E.Run, variant: str, note: str) -> list[dict]:
+    """A ``skipped`` row, with ``note``, for every measurement of ``variant``."""
+    todo = tasks(run) + ([("logits_error", E.LOGITS_SHAPE[0])] if "logits_error" in run.modes else [])
+    return [_row(run, variant, m, b, status="skipped", note=note) for m, b in todo]
+
+
+@dataclass
+class Result:
+    rows: list[dict] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[dict]:
+        return [r for r in self.rows if r["status"] == "error"]
+
+
+def run_variant(run: E.Run, variant: str, ranks: Ranks, ref, ids, compiled_note: str | None) -> list[dict]:
+    """Build ``variant`` on this rank, then run every mode; the rows (rank 0's are the ones kept).
+    ``ref``: the fp32 logits (rank 0), None (the other ranks) or why there are none (every rank)."""
+    lockstep = VARIANTS[variant] > 1
+    rows: list[dict] = []
+    try:
+        built, err = Built(None, 0), None
+        try:
+            built = build(run, variant, ranks)
+        except NotImplementedError as e:
+            err = e
+        except Exception as e:  # noqa: BLE001 (recorded in the rows)
+            err = e.with_traceback(None)
+        if lockstep:
+            err = ranks.agree(err)
+        if err is not None:
+            status = "skipped" if isinstance(err, NotImplementedError) else "error"
+            run.log(f"{variant}: {status}: {_short(err)}")
+            return [{**r, "status": status} for r in skipped_rows(run, variant, _short(err))]
+        notes = "; ".join(built.notes)
+        run.log(f"{variant}: {built.weight_bytes / 1e9:.2f} GB of weights per decode step on each GPU, HBM floor "
+                f"{E.hbm_floor_ms(built.weight_bytes):.3f} ms")
+        if "logits_error" in run.modes:
+            rows.append(logits_row(run, variant, built.model, ref, ids, lockstep, ranks))
+        for mode, batch in tasks(run):
+            if mode == "compiled_static" and compiled_note:
+                rows.append(_row(run, variant, mode, batch, status="skipped", note=compiled_note))
+                continue
+            with torch.no_grad():
+                res, note = measure_variant_mode(run, variant, mode, batch, built.model, ranks)
+            note = "; ".join(x for x in (note, notes) if x)
+            row = timed_row(run, variant, mode, batch, res, note, built.weight_bytes)
+            run.log(f"{variant} {mode} batch {batch}: " + (f"{row['ms_per_token']:.3f} ms" if row["status"] == "ok"
+                                                             else f"{row['status']}: {row['note']}"))
+            rows.append(row)
+        return rows
+    finally:
+        built = None
+        torch._dynamo.reset()
+        E._free(run.device)
+
+
+def logits_row(run: E.Run, variant: str, model, ref, ids, lockstep: bool, ranks: Ranks) -> dict:
+    """The ``logits_error`` row: every rank runs the model on ``ids``, rank 0 compares with ``ref``."""
+    row = _row(run, variant, "logits_error", ids.shape[0])
+    if isinstance(ref, str):
+        return {**row, "status": "skipped", "note": ref}
+    err = None
+    try:
+        with torch.no_grad():
+            logits = hf.full_logits(model, ids).float()
+    except Exception as e:  # noqa: BLE001
+        err = e.with_traceback(None)
+    if lockstep:
+        err = ranks.agree(err)
+    if err is not None:
+        return {**row, "status": "error", "note": _short(err)}
+    if ranks.rank != 0:
+        return row
+    rel = ((logits - ref).norm() / ref.norm()).item()
+    run.log(f"{variant}: logits error vs fp32 {rel:.3e}")
+    return {**row, "status": "ok", "logits_rel_err": rel}
+
+
+def run_tp(run: E.Run, ranks: Ranks, variants: tuple[str, ...], on_rows: Callable[[list[dict]], None] | None = None
+           ) -> Result:
+    """Every variant of ``variants`` in turn (see the module docstring); rank 0's rows, with
+    ``on_rows(rows so far)`` after each variant."""
+    res = Result()
+    compiled_note = None
+    if run.device.type != "cuda" and run.compile_options.get("mode") == "reduce-overhead":
+        compiled_note = "skipped on the CPU: compile mode reduce-overhead is CUDA graphs (--compile-backend traces)"
+    ids = E.tokens(*E.LOGITS_SHAPE, run.config.vocab_size, run.device)
+    ref: torch.Tensor | str | None = None
+    if "logits_error" in run.modes and ranks.rank == 0:
+        ref = fits(full_bytes(run, torch.float32), run.device, REF_MAX_FRACTION, free=True)
+        ref = f"no fp32 reference: the fp32 copy of the model does not fit one GPU: {ref}" if ref else None
+        if ref is None:
+            try:
+                ref = fp32_reference(run, ids)
+            except Exception as e:  # noqa: BLE001
+                ref = f"no fp32 reference: {_short(e)}"
+    if "logits_error" in run.modes:  # every rank must know whether the logits are computed (they need all ranks)
+        shared = [ref if isinstance(ref, str) else None]
+        dist.broadcast_object_list(shared, src=0, group=ranks.control)
+        ref = ref if ranks.rank == 0 else shared[0]
+    ranks.barrier()
+    for variant in variants:
+        if VARIANTS[variant] == 1:
+            if ranks.rank == 0:
+                why = fits(full_bytes(run, run.dtype), run.device, TP1_MAX_FRACTION)
+                if why:
+                    why = f"the bf16 weights do not fit one GPU: {why}"
+                    run.log(f"{variant}: skipped: {why}")
+                    res.rows += skipped_rows(run, variant, why)
+                else:
+                    res.rows += run_variant(run, variant, ranks, ref, ids, compiled_note)
+            ranks.barrier()  # the other ranks wait here while rank 0 runs the whole model
+        else:
+            rows = run_variant(run, variant, ranks, ref, ids, compiled_note)
+            res.rows += rows if ranks.rank == 0 else []
+        add_speedups(res.rows)
+        if on_rows is not None and ranks.rank == 0:
+            on_rows(res.rows)
+    return res
+
+
+# ----------------------------------------------------------------------------- summary, command line
+
+
+def print_summary(res: Result, variants: tuple[str, ...], console=None) -> None:
+    """Per (mode, batch): every variant's ms (speedup over tp1); then the logits errors."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=None if sys.stdout.isatty() else 160)
+    by = {(r["mode"], r["batch"], r["variant"]): r for r in res.rows}
+    tab = Table(title="tensor parallel: ms per decode step (prefill: ms per prefill) and speedup over tp1_hybridgemm")
+    for col in ("mode", "batch", *variants):
+        tab.add_column(col, justify="left" if col == "mode" else "right")
+
+    def cell(r):
+        if r is None or r["status"] != "ok":
+            return "-" if r is None else r["status"]
+        if r["mode"] == "logits_error":
+            return f"{r['logits_rel_err']:.2e}"
+        sp = r.get("speedup_vs_tp1")
+        return f"{r['ms_per_token']:.3f}" + (f" ({sp:.2f}x)" if sp and r["variant"] != "tp1_hybridgemm" else "")
+
+    for mode, batch in dict.fromkeys((r["mode"], r["batch"]) for r in res.rows):
+        tab.add_row(mode, str(batch), *(cell(by.get((mode, batch, v))) for v in variants))
+    console.print(tab)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="torchrun --nproc-per-node 2 -m hybridgemm.perf.bench_tp",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, type=model_name, help=f"one of {', '.join(model_names())}")
+    E.add_e2e_options(ap, DEFAULT_MODES)
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), metavar="VARIANT",
+                    help=f"variants to run (default: all): {', '.join(VARIANTS)}")
+    ap.add_argument("--backend", choices=("nccl", "gloo"), help="torch.distributed backend (default: nccl with "
+                    "--device cuda, else gloo)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), help="where the models run (default: cuda if available)")
+    ap.add_argument("--compile-backend", metavar="NAME", help="torch.compile backend of compiled_static instead of "
+                    "mode='reduce-overhead' (e.g. eager, to trace on the CPU)")
+    ap.add_argument("--out", help="CSV to upsert rows into, or a folder for tp_<gpu>x<ranks>.csv (default: "
+                    "tp_<gpu>x<ranks>.csv)")
+    ap.add_argument("--plot", metavar="DIR", help="draw tp.png from the CSV into DIR afterwards")
+    ap.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    return ap.parse_args(argv)
+
+
+def command_line(args, world: int) -> str:
+    """The run as one canonical command line (stored in every row)."""
+    parts = ["torchrun", "--nproc-per-node", str(world), "-m", "hybridgemm.perf.bench_tp", "--model", args.model,
+             "--layers", str(args.layers), "--batch", *map(str, args.batch), "--prefill", str(args.prefill),
+             "--tokens", str(args.tokens), "--modes", *args.modes, "--rounds", str(args.rounds),
+             "--variants", *args.variants, "--backend", args.backend, "--device", args.device]
+    return shlex.join(parts + (["--compile-backend", args.compile_backend] if args.compile_backend else []))
+
+
+def check_launch(args, env=os.environ) -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; :class:`UsageError` when
+    the run cannot start as asked. Fills in the defaults of ``args``."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise UsageError(f"no torch.distributed environment ({', '.join(missing)} not set): launch with torchrun, "
+                         f"e.g. `{LAUNCH}`")
+    rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+    args.variants = tuple(dict.fromkeys(args.variants or VARIANTS))
+    need = max(VARIANTS[v] for v in args.variants)
+    if world != need:
+        raise UsageError(f"world size {world}, but the variants asked ({', '.join(args.variants)}) need {need} "
+                         f"rank{'s' if need > 1 else ''}: launch with torchrun --nproc-per-node {need}")
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cuda" and torch.cuda.device_count() <= local:
+        raise UsageError(f"--device cuda: local rank {local} needs GPU {local}, and this machine has "
+                         f"{torch.cuda.device_count()} (--device cpu runs on the CPU, with gloo)")
+    args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    if args.backend == "nccl" and args.device != "cuda":
+        raise UsageError("--backend nccl needs --device cuda; use --backend gloo on the CPU")
+    return rank, world, local
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        rank, world, local = check_launch(args)
+        import transformers
+    except UsageError as e:
+        print(f"bench_tp: {e}", file=sys.stderr)
+        return 2
+    except ImportError:
+        print("bench_tp: needs transformers (pip install transformers) to build the models", file=sys.stderr)
+        return 2
+    config = model_config(args.model, args.layers)
+    args.layers = config.num_hidden_layers
+    args.batch = tuple(args.batch or E.BATCHES)
+    args.prefill, args.tokens = args.prefill or E.PREFILL, args.tokens or E.TOKENS
+    args.modes, args.rounds = tuple(dict.fromkeys(args.modes or DEFAULT_MODES)), args.rounds or E.ROUNDS
+    device = torch.device(args.device, local) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend, timeout=TIMEOUT, **({"device_id": device} if args.backend == "nccl" else {}))
+    try:
+        control = dist.new_group(backend="gloo", timeout=TIMEOUT) if args.backend != "gloo" else dist.group.WORLD
+        ranks = Ranks(rank, world, dist.group.WORLD, control)
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        out = args.out or f"tp_{gpu_label(gpu)}x{world}.csv"
+        if os.path.isdir(out) or out.endswith(("/", os.sep)):
+            out = os.path.join(out, f"tp_{gpu_label(gpu)}x{world}.csv")
+        extra = {**csvio.environment_columns(command_line(args, world)), "gpu": gpu,
+                 "transformers": transformers.__version__, "date": datetime.date.today().isoformat(),
+                 "commit": git_commit()}
+        start = time.perf_counter()
+
+        def log(line: str) -> None:
+            if rank == 0 and not args.no_progress:
+                print(f"[{time.perf_counter() - start:7.1f}s] {line}", file=sys.stderr, flush=True)
+
+        compile_options = dict(E.COMPILE)
+        if args.compile_backend:
+            compile_options = {"backend": args.compile_backend, "fullgraph": True}
+        run = E.Run(args.model, config, device, args.batch, args.tokens, args.prefill, args.rounds, args.modes,
+                    compile_options=compile_options, extra=extra, log=log)
+        log(f"{command_line(args, world)} on {world} x {gpu}, {args.backend}, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}")
+        res = run_tp(run, ranks, args.variants, on_rows=lambda rows: E.upsert(out, rows, COLUMNS, KEY))
+        failed = ranks.agree(RuntimeError("errors") if res.errors else None) is not None
+        if rank == 0:
+            report(res, args, out)
+        ranks.barrier()  # every rank stays up until rank 0 is done: a rank leaving early can abort at exit
+    finally:
+        dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+def report(res: Result, args, out: str) -> None:
+    """Rank 0's summary table, the errors and the figure."""
+    print_summary(res, args.variants)
+    print(f"wrote {len(res.rows)} rows to {out}")
+    if res.errors:
+        print("bench_tp: errors in " + ", ".join(f"{r['mode']} B={r['batch']} {r['variant']}" for r in res.errors),
+              file=sys.stderr)
+    if args.plot:
+        try:
+            print(f"wrote {plot_tp(out, args.plot)}")
+        except ImportError:
+            print("bench_tp: no matplotlib: skipping tp.png (pip install 'hybridgemm[plot]')", file=sys.stderr)
+        except ValueError as e:
+            print(f"bench_tp: no figure: {e}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
