@@ -12,7 +12,7 @@ Found by module structure, never by model name (``transformers`` is never import
 * **Bias + GELU MLPs** through the fused bias + activation epilogues: GPT-2's ``c_fc``/``c_proj``
   (transformers' ``Conv1D``) with ``act``; BERT's ``intermediate.dense`` with
   ``intermediate_act_fn`` and its sibling ``output.dense``. The activation moves into the first
-  GEMM's epilogue and the module's class becomes one whose forward no longer applies it.
+  GEMM's epilogue and the module's class becomes one whose forward does not apply it again.
 
 An activation module that is not recognised (an unknown class, a custom function) leaves the
 MLP alone, with the reason in the report: fusing must compute what the module computed.
