@@ -21,8 +21,9 @@ MLP alone, with the reason in the report: fusing must compute what the module co
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from hybridgemm.kernels.epilogue import GLU_ACTIVATIONS
 
 from .decide import get_mode
 from .linear_layer import linear
@@ -31,12 +32,7 @@ from .modes import DEFAULT
 GATED_NAMES = ("gate_proj", "up_proj")
 FUSED_GATE_UP = "gate_up_proj"
 
-# What each gated activation applies to the gate half (the up half is multiplied in as is).
-GLU_FUNCTIONS = {
-    "silu": F.silu,
-    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
-    "gelu": F.gelu,
-}
+GLU_FUNCTIONS = GLU_ACTIVATIONS  # what each gated activation applies to the gate half
 
 
 def activation_name(act) -> str | None:

@@ -78,6 +78,15 @@ class Epilogue:
 ALL_EPILOGUES = tuple(Epilogue(a, b) for b in (False, True) for a in Activation)
 
 
+# The gate activations of gated MLPs (``act(gate) * up``; SwiGLU, GeGLU), as PyTorch computes
+# them: the Triton gated kernel's reference and hybridgemm.gated_linear's separate path.
+GLU_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
 def apply_activation(z: torch.Tensor, activation: Activation) -> torch.Tensor:
     if activation is Activation.NONE:
         return z

@@ -32,13 +32,12 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from . import triton_common as tc
 from .checks import check_linear_args, contiguous_bias, row_major, rows_2d
-from .epilogue import Activation, Epilogue
+from .epilogue import GLU_ACTIVATIONS, Activation, Epilogue
 from .problem import DTYPE_NAMES, Problem, dtype_name
 from .triton_common import tl_activation
 
@@ -55,7 +54,6 @@ SWAP_MAX_BM = 32  # block_m up to this: swapped dots (W rows on the MMA's wide s
 SILU_CODE = max(tc.ACT_CODE.values()) + 1
 ACTIVATIONS = {"silu": SILU_CODE, "gelu_tanh": tc.ACT_CODE[Activation.GELU_TANH], "gelu": tc.ACT_CODE[Activation.GELU]}
 _SILU = tl.constexpr(SILU_CODE)  # what the kernel compares against (jit code reads only constexpr globals)
-_TORCH_ACT = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "gelu": F.gelu}
 
 
 @dataclass(frozen=True)
@@ -332,7 +330,7 @@ def glu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: st
         if b is None:
             return out.zero_()
         bf = b.float()
-        return out.copy_((_TORCH_ACT[act](bf[:i]) * bf[i:]).expand(shape))
+        return out.copy_((GLU_ACTIVATIONS[act](bf[:i]) * bf[i:]).expand(shape))
     x2 = row_major(rows_2d(x))
     out2 = out.view(-1, i)
     if config is None:
