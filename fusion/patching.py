@@ -266,11 +266,7 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
             for child in ("c_attn", "c_proj"):
                 conv = _get(mod, child)
                 if conv is not None and _is_conv1d(conv):
-                    new = HybridConv1D(conv)
-                    record(mod, ("conv1d", next(_SEQ), child, conv, new))
-                    setattr(mod, child, new)
-                    report.patched.append(qual(name, child))
-                    done.add(qual(name, child))
+                    _swap_conv1d(name, mod, child, None, report, done)
             continue
         names = next((t for t in _QKV_NAMES if all(_get(mod, n) is not None for n in t)), None)
         if names is None:
@@ -344,22 +340,27 @@ def _patch_mlp(name: str, mod: nn.Module, modules: dict, owners: dict, report: P
         swap(qual(name, "dense"), dense, HybridLinear)
         _set_attr(dense, "activation", act)
         swap(name, mod, HybridIntermediate)
-        parent = modules[name.rpartition(".")[0]] if name else None
-        output = _get(parent, "output") if parent is not None else None
+        parent_name = name.rpartition(".")[0]
+        output = _get(modules[parent_name], "output") if name else None
         out_dense = _get(output, "dense") if output is not None else None
-        out_name = qual(qual(name.rpartition(".")[0], "output"), "dense")
+        out_name = qual(parent_name, "output.dense")
         if type(out_dense) is nn.Linear and out_name not in done:
             swap(out_name, out_dense, HybridLinear)
         return True
     swap(name, mod, HybridConvMLP)
-    for child in ("c_fc", "c_proj"):
-        conv = _get(mod, child)
-        new = HybridConv1D(conv, act if child == "c_fc" else None)
-        record(mod, ("conv1d", next(_SEQ), child, conv, new))
-        setattr(mod, child, new)
-        report.patched.append(qual(name, child))
-        done.add(qual(name, child))
+    _swap_conv1d(name, mod, "c_fc", act, report, done)
+    _swap_conv1d(name, mod, "c_proj", None, report, done)
     return True
+
+
+def _swap_conv1d(name: str, mod: nn.Module, child: str, act: str | None, report: PatchReport, done: set) -> None:
+    """Replace ``mod``'s Conv1D ``child`` by a :class:`HybridConv1D` (``act`` in its epilogue)."""
+    conv = _get(mod, child)
+    new = HybridConv1D(conv, act)
+    record(mod, ("conv1d", next(_SEQ), child, conv, new))
+    setattr(mod, child, new)
+    report.patched.append(qual(name, child))
+    done.add(qual(name, child))
 
 
 def _output_projection(name: str, mod: nn.Module, modules: dict):
