@@ -199,7 +199,10 @@ def _sum_over_ranks(y: Tensor, group: dist.ProcessGroup) -> Tensor:
 def _gather_last_dim(y: Tensor, group: dist.ProcessGroup, tp: int) -> Tensor:
     """The ranks' ``y`` concatenated along the last dim, in rank order."""
     if torch.compiler.is_compiling():
-        return funcol.all_gather_tensor(y.contiguous(), y.dim() - 1, group)
+        # Gathered along dim 0, then the rank dim moved next to the last: Dynamo in torch 2.11
+        # cannot trace a gather along another dim (pytorch/pytorch#179722, fixed in 2.12).
+        g = funcol.all_gather_tensor(y.contiguous(), 0, group).view(tp, *y.shape)
+        return g.movedim(0, -2).reshape(*y.shape[:-1], tp * y.shape[-1])
     if y.requires_grad and torch.is_grad_enabled():
         return _Collective.apply(y, lambda t: _gather_last_dim(t, group, tp))
     y = y.contiguous()

@@ -17,6 +17,8 @@ same layout is covered; ``transformers`` is never imported here):
   see fusion/mlp.py.
 * an ``nn.Linear`` named ``lm_head``: becomes a :class:`~hybridgemm.HybridLinear` (the same
   object and parameters, so a head tied to the embedding stays tied).
+* transformers' Llama-style RMSNorm modules: one Triton launch in eager inference
+  (fusion/norm.py; recognised by class, since the formula is not visible in the structure).
 
 How several linears are fused without re-implementing any forward (:class:`QKVSlice` modules
 standing where the linears stood, backed by one :class:`FusedQKV`; one GEMM per input, each
@@ -86,6 +88,7 @@ from .mlp import (
     intermediate_act,
     is_lm_head,
 )
+from .norm import HybridRMSNorm, is_rms_norm
 
 _QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 _OUT_NAMES = ("o_proj", "out_proj")
@@ -199,11 +202,12 @@ def _record_name(name: str, rec: tuple) -> str:
 
 
 def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, attention: bool = True,
-          mlp: bool = True, lm_head: bool = True) -> PatchReport:
+          mlp: bool = True, lm_head: bool = True, norm: bool = True) -> PatchReport:
     """Patch ``model`` in place (see the module docstring); returns a :class:`PatchReport`.
 
-    ``attention``, ``mlp``, ``lm_head``: which parts to patch (the attention projections, the
-    MLPs of fusion/mlp.py, a ``lm_head`` nn.Linear). ``fuse_qkv=False`` swaps each q/k/v linear
+    ``attention``, ``mlp``, ``lm_head``, ``norm``: which parts to patch (the attention
+    projections, the MLPs of fusion/mlp.py, a ``lm_head`` nn.Linear, the RMSNorms of
+    fusion/norm.py). ``fuse_qkv=False`` swaps each q/k/v linear
     on its own (state-dict keys unchanged).
     Nothing to patch: a warning and an empty report, or ``ValueError`` with ``strict=True``.
     What an earlier patch changed is left as it is (``report.already_patched``); only what
@@ -249,6 +253,9 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
             report.already_patched.extend(_record_name(name, rec) for rec in recs if rec[0] != "attr")
             if isinstance(mod, nn.MultiheadAttention):
                 done.update(subtree(name))
+            continue
+        if norm and is_rms_norm(mod):
+            swap(name, mod, HybridRMSNorm)
             continue
         if mlp and _patch_mlp(name, mod, modules, owners, report, swap, done):
             continue

@@ -177,7 +177,7 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1, :].argmax(dim=-1, keepdim=True)
 
 
-def _decoder(run: Run, model, batch: int, compiled: bool) -> Callable[[int], None]:
+def decoder(run: Run, model, batch: int, compiled: bool) -> Callable[[int], None]:
     """``steps(n)``: n greedy decode steps over a fresh StaticCache holding the prompt, the
     last token and the position carried on the device from one call to the next."""
     api, vocab = hf.forward_api(model), model.config.vocab_size
@@ -223,7 +223,7 @@ def make_round(run: Run, mode: str, model, batch: int, clock: Clock) -> Callable
         return gen_round
     if mode in ("eager_static", "compiled_static"):
         compiled = mode == "compiled_static"
-        steps = _decoder(run, model, batch, compiled)
+        steps = decoder(run, model, batch, compiled)
         steps(WARMUP)
         timer = clock.event_ms if compiled else clock.wall_ms
         return lambda: [timer(lambda: steps(run.tokens)) / run.tokens]

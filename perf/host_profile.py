@@ -189,6 +189,24 @@ def linear_step_probe(args) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
 
 
+STEP_CACHE_LEN = 64
+
+
+def _endless_steps(model, api, ids, pos, cache):
+    """One-token decode steps at position ``pos`` over ``cache``, as many as asked: a cache
+    that keeps its own position (transformers 5) is reset before it fills (one call in
+    ``STEP_CACHE_LEN - 1`` then also zeroes the cache)."""
+    calls = [0]
+
+    def step():
+        calls[0] += 1
+        if calls[0] % (STEP_CACHE_LEN - 1) == 0:
+            cache.reset()
+        return hf.cached_forward(model, api, ids, cache, pos)
+
+    return step
+
+
 def hf_layer_probe(args) -> None:
     stock = hf.build_model(hf.hf_config("llama3-8b", layers=1), DTYPE, "cuda")
     patched = copy.deepcopy(stock)
@@ -201,14 +219,14 @@ def hf_layer_probe(args) -> None:
     pos = torch.zeros(1, dtype=torch.long, device="cuda")
     fns = {}
     for name, model in (("stock", stock), ("patched", patched)):
-        layer, api, cache = model.model.layers[0], hf.forward_api(model), hf.static_cache(model, batch, 16)
+        layer, api = model.model.layers[0], hf.forward_api(model)
+        step = _endless_steps(model, api, ids, pos, hf.static_cache(model, batch, STEP_CACHE_LEN))
         a = layer.self_attn
         fns[f"{name} q/k/v"] = lambda a=a: (a.q_proj(x), a.k_proj(x), a.v_proj(x))
         fns[f"{name} o"] = lambda a=a: a.o_proj(attn)
         fns[f"{name} mlp"] = lambda layer=layer: layer.mlp(x)
         fns[f"{name} lm_head"] = lambda model=model: model.lm_head(x)
-        fns[f"{name} one-token step"] = lambda model=model, api=api, cache=cache: hf.cached_forward(
-            model, api, ids, cache, pos)
+        fns[f"{name} one-token step"] = step
     with torch.no_grad():
         _print_times(fns, calls=200, width=28)
         _cprofile("patched one-token step", fns["patched one-token step"], calls=100)

@@ -607,7 +607,8 @@ def plot_tp(csv_path, out_dir, name: str = "tp.png") -> Path:
             ax.set_title(f"{model}, {layers} layers: decode ({gpu})" + (f"\nHBM floor per GPU: {floor}" if floor
                                                                           else ""), fontsize=9)
         else:
-            ax.set_xticks(np.arange(len(groups)), [f"B={b}, {prs[0].get('tokens', '?')} tokens" for _, b in groups])
+            length = next((r["tokens"] for r in prs if r.get("tokens")), "?")  # skipped rows have none
+            ax.set_xticks(np.arange(len(groups)), [f"B={b}, {length} tokens" for _, b in groups])
             ax.set_xlim(-1.5, len(groups) + 0.5)
             ax.set_ylabel("ms per prefill (lower is better)")
             ax.set_title(f"{model}, {layers} layers: prefill ({gpu})", fontsize=9)

@@ -26,6 +26,7 @@ LAZY_ALLOWED = {
     ("hybridgemm.modes", "hybridgemm.kernels.triton_gemm"),
     ("hybridgemm.kernels.backends", "hybridgemm.kernels.triton_common"),
     ("hybridgemm.mlp", "hybridgemm.kernels.triton_glu"),
+    ("hybridgemm.norm", "hybridgemm.kernels.triton_rmsnorm"),
 }
 
 

@@ -82,19 +82,20 @@ def case_bit_identical_runs_and_ranks(rank, group):
     assert torch.equal(both[0], both[1]), "the ranks' logits differ"
 
 
-def _decode_step(model, cache, cache_kw: str):
+def _decode_step(model, cache, cache_kw: str, cache_position: bool):
     """One decode step (one token per sequence) through the decoder layers, with the KV cache
     and an additive mask over the cache's slots given as static buffers: what a serving loop
-    captures in a CUDA graph."""
+    captures in a CUDA graph. ``cache_position``: the layers take the slot to write as
+    ``cache_position`` (transformers 4 and early 5), else the cache keeps its own."""
     inner = model.model
 
     def step(ids, pos, mask):
         h = inner.embed_tokens(ids)
         pos_ids = pos.view(1, -1)
         rope = inner.rotary_emb(h, pos_ids)
+        kw = {cache_kw: cache, **({"cache_position": pos} if cache_position else {})}
         for layer in inner.layers:
-            out = layer(h, attention_mask=mask, position_ids=pos_ids, position_embeddings=rope, use_cache=True,
-                        **{cache_kw: cache})
+            out = layer(h, attention_mask=mask, position_ids=pos_ids, position_embeddings=rope, use_cache=True, **kw)
             h = out[0] if isinstance(out, tuple) else out
         return model.lm_head(inner.norm(h))
 
@@ -111,8 +112,14 @@ def case_cuda_graph_decode_step(rank, group):
     assert isinstance(sharded.lm_head, VocabParallelLinear)
     params = inspect.signature(type(sharded.model.layers[0]).forward).parameters
     cache_kw = next((k for k in ("cache", "past_key_values", "past_key_value") if k in params), None)
-    if cache_kw != "cache":
-        return "the static cache keeps its own position only in transformers 5 (decoder-layer keyword 'cache')"
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if cache_kw is None and takes_kwargs:
+        cache_kw = "past_key_values"  # a layer that passes its keywords through to the attention
+    # Without a cache that keeps its own position (transformers 5's ``cache``), the slot to
+    # write goes in as ``cache_position``, named or through **kwargs.
+    takes_position = cache_kw != "cache" and ("cache_position" in params or takes_kwargs)
+    if cache_kw is None or (cache_kw != "cache" and not takes_position):
+        return f"this transformers' decoder layer takes no cache keyword: {list(params)}"
     api = forward_api(sharded)
     device, batch, prompt_len, max_len, steps = torch.device("cuda", rank), 2, 8, 32, 4
     prompt = token_ids(CONFIG["vocab_size"], (batch, prompt_len)).cuda(rank)
@@ -127,7 +134,7 @@ def case_cuda_graph_decode_step(rank, group):
         mask = torch.full((1, 1, 1, max_len), float("-inf"), device=device, dtype=torch.bfloat16)
         mask[..., : prompt_len + 1] = 0
 
-        warm = _decode_step(sharded, caches["warmup"], cache_kw)
+        warm = _decode_step(sharded, caches["warmup"], cache_kw, takes_position)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -137,8 +144,8 @@ def case_cuda_graph_decode_step(rank, group):
 
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            static_logits = _decode_step(sharded, caches["graph"], cache_kw)(ids, pos, mask)
-        eager = _decode_step(sharded, caches["eager"], cache_kw)
+            static_logits = _decode_step(sharded, caches["graph"], cache_kw, takes_position)(ids, pos, mask)
+        eager = _decode_step(sharded, caches["eager"], cache_kw, takes_position)
         for t in range(steps):
             p = prompt_len + t
             ids.copy_(tok)

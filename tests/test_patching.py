@@ -13,6 +13,7 @@ from torch import nn
 import hybridgemm
 from hybridgemm import HybridLinear, HybridMultiheadAttention, dispatch
 from hybridgemm.mlp import HybridGatedMLP
+from hybridgemm.norm import HybridRMSNorm
 from hybridgemm.patching import FusedQKV, HybridConv1D, QKVSlice
 
 VOCAB = 97
@@ -57,8 +58,11 @@ def test_hf_causal_lm_logits_and_greedy_decode(kind, attn, monkeypatch):
     report = hybridgemm.patch(model)
     assert report.fused_qkv == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert report.fused_mlp == ["model.layers.0.mlp", "model.layers.1.mlp"]
-    assert report.patched == [f"model.layers.{i}.{n}" for i in range(2)
-                              for n in ("self_attn", "self_attn.o_proj", "mlp", "mlp.down_proj")] + ["lm_head"]
+    layer_parts = ("self_attn", "self_attn.o_proj", "mlp", "mlp.down_proj", "input_layernorm",
+                   "post_attention_layernorm")
+    assert report.patched == [f"model.layers.{i}.{n}" for i in range(2) for n in layer_parts] + [
+        "model.norm", "lm_head"]
+    assert all(type(m) is HybridRMSNorm for m in (model.model.norm, model.model.layers[1].input_layernorm))
     attn0, mlp0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert isinstance(attn0.q_proj, QKVSlice) and isinstance(attn0.qkv_proj, FusedQKV)
     assert type(attn0.o_proj) is HybridLinear and type(model.lm_head) is HybridLinear
@@ -293,12 +297,16 @@ def test_nothing_to_patch_and_bad_input():
 def test_patch_twice_and_no_fuse_option():
     model = _tiny("qwen2", layers=1)
     keys = set(model.state_dict())
-    report = hybridgemm.patch(model, fuse_qkv=False, mlp=False, lm_head=False)
+    report = hybridgemm.patch(model, fuse_qkv=False, mlp=False, lm_head=False, norm=False)
     assert report.fused_qkv == [] and len(report.patched) == 4
     assert set(model.state_dict()) == keys  # one-by-one swaps keep the checkpoint keys
     with pytest.warns(UserWarning, match="nothing patched"):
-        again = hybridgemm.patch(model, mlp=False, lm_head=False)
+        again = hybridgemm.patch(model, mlp=False, lm_head=False, norm=False)
     assert not again
-    assert hybridgemm.patch(model).fused_mlp == ["model.layers.0.mlp"]  # what is new still gets patched
+    third = hybridgemm.patch(model)  # what is new still gets patched
+    assert third.fused_mlp == ["model.layers.0.mlp"]
+    assert [n for n in third.patched if "norm" in n] == [
+        "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm", "model.norm"]
+    assert set(model.state_dict()) - keys == set()  # norms keep their weight keys
     hybridgemm.unpatch(model)
-    assert all(type(m) is not HybridLinear for m in model.modules())
+    assert all(type(m) not in (HybridLinear, HybridRMSNorm) for m in model.modules())

@@ -1,0 +1,157 @@
+"""RMSNorm in one Triton launch, with the exact math of Hugging Face's LlamaRMSNorm (also
+Qwen2RMSNorm and MistralRMSNorm)::
+
+    xf = x.to(float32)
+    y = (xf * rsqrt(mean(xf * xf, -1) + eps)).to(x.dtype)   # rounded to x's dtype first
+    out = weight * y                                        # torch's promotion of (weight, x)
+
+The product is computed in fp32 and rounded once to ``torch.promote_types(weight.dtype,
+x.dtype)``; for 16-bit operands that is what torch does (the product of two 16-bit values is
+exact in fp32).
+
+Why: a decode step in eager mode runs HF's RMSNorm as about eight torch ops (to fp32, pow,
+mean, add, rsqrt, mul, to, mul), each a kernel launch and a host dispatch, on a few KB of
+data; the host time is the cost. This is one launch, through a cached plan.
+
+Inference only: no autograd. Callers use torch's own ops when a gradient is wanted, and under
+torch.compile, which fuses the norm by itself. Nothing touches a GPU at import time.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_common as tc
+from .problem import DTYPE_NAMES
+
+__all__ = ["PLAN_CACHE_SIZE", "rms_norm", "run"]
+
+SINGLE_PASS_MAX = 16384  # widest row kept in registers (16 warps: 32 fp32 values per thread)
+CHUNK = 4096  # elements per step of the two-pass loop over wider rows
+PLAN_CACHE_SIZE = 1024  # plans kept; cleared when full (varying M in a server makes new keys)
+
+
+@triton.jit
+def _scale_store(xf, rstd, x_row, w_ptr, out_row, cols, mask):
+    # HF rounds the normalised row to x's dtype before the weight multiplies it.
+    y = (xf * rstd).to(x_row.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_row + cols, (w * y).to(out_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, ldx, eps, BLOCK: tl.constexpr, CHUNKED: tl.constexpr):
+    # One program per row. 64-bit row offsets: M * ldx may pass 2**31 elements.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * ldx
+    out_row = out_ptr + row * H
+    cols = tl.arange(0, BLOCK)
+    # tl.math.rsqrt, not 1 / sqrt: torch's CUDA rsqrt calls rsqrtf, the same hardware approximation.
+    if CHUNKED:  # rows too wide for registers: sum of squares, then a second read to normalise
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, H, BLOCK):
+            mask = start + cols < H
+            xf = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += xf * xf
+        rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / H + eps)
+        for start in range(0, H, BLOCK):
+            mask = start + cols < H
+            xf = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            _scale_store(xf, rstd, x_row, w_ptr + start, out_row + start, cols, mask)
+    else:  # the row is read once and stays in registers
+        mask = cols < H
+        xf = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+        _scale_store(xf, rstd, x_row, w_ptr, out_row, cols, mask)
+
+
+def _make_plan(m: int, h: int, ldx: int, device: torch.device) -> tc.TritonPlan:
+    if m == 0 or h == 0:
+        return tc.TritonPlan(device, empty=True)
+    chunked = h > SINGLE_PASS_MAX
+    block = CHUNK if chunked else tc.next_pow2(h)
+    warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    meta = dict(BLOCK=block, CHUNKED=chunked, num_warps=warps)
+    return tc.TritonPlan(device, tc.Launcher(_rms_norm_kernel, (m,), meta), scalars=(h, ldx))
+
+
+# Plans by everything the compiled kernel is specialised on: (M, H, ldx, the three dtypes,
+# device index, 16-byte alignment of each pointer). tc.PlanCache keys GEMM operands (config,
+# bias, activation, tf32), so this kernel keeps its own bounded dict.
+_PLANS: dict[tuple, tc.TritonPlan] = {}
+
+
+def run(x2d: torch.Tensor, weight: torch.Tensor, out2d: torch.Tensor, eps: float) -> torch.Tensor:
+    """``out2d[:] = rms_norm(x2d, weight, eps)``; returns ``out2d``. The backend contract,
+    unchecked: x2d (M, H) with unit column stride (any row stride), weight a contiguous (H,)
+    vector, out2d a contiguous (M, H) of torch's promoted dtype, all on one device."""
+    m, h = x2d.shape
+    ldx = x2d.stride(0) if m > 1 else h  # a single row's stride is never used: one plan for all
+    key = (m, h, ldx, x2d.dtype, weight.dtype, out2d.dtype, x2d.get_device(),
+           not x2d.data_ptr() & 15, not weight.data_ptr() & 15, not out2d.data_ptr() & 15)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= PLAN_CACHE_SIZE:
+            _PLANS.clear()
+        plan = _PLANS[key] = _make_plan(m, h, ldx, x2d.device)
+    if not plan.empty:
+        # float(): an int eps would be specialised by Triton (1 becomes a constant), unlike the
+        # fp32 argument the cached launch was compiled for.
+        plan.launch(x2d, weight, out2d, *plan.scalars, float(eps))
+    return out2d
+
+
+def _check_dtype(name: str, dtype: torch.dtype) -> None:
+    if dtype not in DTYPE_NAMES:
+        raise TypeError(f"rms_norm: {name} has unsupported dtype {dtype}; expected float16, bfloat16 or float32")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """HF's RMSNorm of x (..., H) with weight (H,): a tensor of x's shape and dtype
+    ``torch.promote_types(weight.dtype, x.dtype)`` (``out`` when given: contiguous, that shape,
+    dtype and device). x is read in place when its last dim has unit stride and its leading
+    dims flatten to one row stride, else copied. Bad arguments raise TypeError/ValueError
+    naming the argument."""
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"rms_norm: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() < 1:
+        raise ValueError("rms_norm: x must have at least 1 dimension (..., H), got a scalar")
+    h = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != h:
+        raise ValueError(f"rms_norm: weight must have shape ({h},) to match x's last dim (x shape "
+                         f"{tuple(x.shape)}), got {tuple(weight.shape)}")
+    _check_dtype("x", x.dtype)
+    _check_dtype("weight", weight.dtype)
+    if weight.device != x.device:
+        raise ValueError(f"rms_norm: weight is on {weight.device} but x is on {x.device}")
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and tc.interpreting()):
+        raise ValueError(f"rms_norm: x must be a CUDA tensor (or a CPU one under TRITON_INTERPRET=1), "
+                         f"got one on {x.device}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"rms_norm: eps must be a real number, got {type(eps).__name__}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"rms_norm: eps must be finite and non-negative, got {eps!r}")
+    dtype = torch.promote_types(weight.dtype, x.dtype)
+    if out is None:
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    elif not isinstance(out, torch.Tensor):
+        raise TypeError(f"rms_norm: out must be a torch.Tensor or None, got {type(out).__name__}")
+    elif out.dtype != dtype:
+        raise TypeError(f"rms_norm: out has dtype {out.dtype}, expected {dtype} (torch's promotion of "
+                        f"weight {weight.dtype} and x {x.dtype})")
+    elif out.shape != x.shape or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"rms_norm: out must be a contiguous tensor of shape {tuple(x.shape)} on {x.device}, "
+                         f"got {tuple(out.shape)} on {out.device}{'' if out.is_contiguous() else ', not contiguous'}")
+    if out.numel() == 0:
+        return out
+    x2d = x.reshape(-1, h)  # a view where the leading dims flatten to one row stride
+    if h > 1 and x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    run(x2d, weight if weight.is_contiguous() else weight.contiguous(), out.view(-1, h), eps)
+    return out

@@ -1,0 +1,160 @@
+"""Where a decode step's GPU time goes (GPU machine): CUDA kernel time per token of a
+random-weight HF model, stock beside patched, grouped by what the kernel does.
+
+    python -m hybridgemm.perf.e2e_profile --model llama3-8b --layers 8 --batch 1 8 \
+        [--modes compiled_static eager_static] [--steps 16] [--out CSV]
+
+Each variant decodes greedily over a static cache exactly as ``hybridgemm bench --e2e`` does
+(perf/bench_e2e.py's decoder, compiled with "reduce-overhead" and fullgraph for
+``compiled_static``); ``--steps`` steps run under torch.profiler (CUDA activity only, which
+records each kernel of a CUDA-graph replay too) after the warm-up. Every kernel is put in a
+group by its name (:data:`GROUPS`): ``gemm`` (cuBLAS/cuBLASLt, and hybridgemm's Triton GEMM
+and gated kernels), ``attention``, ``norm`` (RMSNorm, as Inductor or eager torch runs it),
+``copy`` (KV-cache writes, casts, cat), ``elementwise`` and ``other``. The table printed per
+(mode, batch) gives µs per token and per layer of each group for both variants, the step's
+kernel time against its HBM floor (weight bytes / 4.23 TB/s) and, for the GEMMs, the
+fraction of the floor their bytes alone would allow. Kernel time excludes the gaps between
+kernels: the wall time per token of ``bench --e2e`` minus this sum is launch and host time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import hybridgemm
+from hybridgemm.perf import csvio
+from hybridgemm.perf import e2e_models as hf
+from hybridgemm.perf.bench_e2e import Run, decoder, hbm_floor_ms, positive_int
+from hybridgemm.perf.bench_msweep import git_commit
+
+MODES = ("compiled_static", "eager_static")
+# First match wins; names as CUPTI reports them (Inductor's fused kernels carry the op names).
+GROUPS = (
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)),
+    ("gemm", re.compile(r"nvjet|gemm|gemv|xmma|cutlass|_glu_kernel|_splitk_kernel|_reduce_kernel|splitK", re.I)),
+    ("norm", re.compile(r"rsqrt|rms|_mean|mean_|norm", re.I)),
+    ("copy", re.compile(r"copy|index_put|scatter|cat|_to_copy|convert", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|triton_poi|mul|add|silu|cos|sin|neg", re.I)),
+)
+COLUMNS = ("model", "layers", "mode", "batch", "variant", "group", "kernel", "calls_per_token", "us_per_token",
+           "us_per_layer", "date", "commit", "command")
+
+
+def group_of(kernel: str) -> str:
+    for name, pattern in GROUPS:
+        if pattern.search(kernel):
+            return name
+    return "other"
+
+
+def kernel_times(steps, n: int) -> dict[str, tuple[int, float]]:
+    """``{kernel name: (calls, total µs)}`` of the CUDA kernels ``steps(n)`` runs."""
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        steps(n)
+        torch.cuda.synchronize()
+    out: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            slot = out[ev.name]
+            slot[0] += 1
+            slot[1] += ev.device_time
+    return {k: (c, us) for k, (c, us) in out.items()}
+
+
+def profile_variant(run: Run, model, mode: str, batch: int, steps: int) -> dict[str, tuple[int, float]]:
+    step = decoder(run, model, batch, compiled=mode == "compiled_static")
+    step(3)  # compilation, CUDA-graph warm-up and recording
+    torch.cuda.synchronize()
+    return kernel_times(step, steps)
+
+
+def rows_for(args, mode, batch, variant, times, steps) -> list[dict]:
+    rows = []
+    for kernel, (calls, us) in sorted(times.items(), key=lambda kv: -kv[1][1]):
+        rows.append({"model": args.model, "layers": args.layers, "mode": mode, "batch": batch, "variant": variant,
+                     "group": group_of(kernel), "kernel": kernel[:200], "calls_per_token": calls / steps,
+                     "us_per_token": us / steps, "us_per_layer": us / steps / args.layers})
+    return rows
+
+
+def summary(rows: list[dict], floor_ms: float, layers: int) -> str:
+    """The per-group table of one (mode, batch): µs per token and per layer for each variant."""
+    by = defaultdict(float)
+    variants = sorted({r["variant"] for r in rows}, key=lambda v: v != "stock")
+    for r in rows:
+        by[(r["variant"], r["group"])] += r["us_per_token"]
+    groups = sorted({g for _, g in by}, key=lambda g: -max(by[(v, g)] for v in variants))
+    head = f"{'group':12s}" + "".join(f"{v + ' µs/tok':>22s}{'µs/layer':>10s}" for v in variants)
+    lines = [head]
+    for g in groups:
+        lines.append(f"{g:12s}" + "".join(f"{by[(v, g)]:22.1f}{by[(v, g)] / layers:10.1f}" for v in variants))
+    totals = {v: sum(by[(v, g)] for g in groups) for v in variants}
+    lines.append(f"{'total':12s}" + "".join(f"{totals[v]:22.1f}{totals[v] / layers:10.1f}" for v in variants))
+    lines.append(f"HBM floor {floor_ms * 1e3:.1f} µs/token; kernel time as a fraction of it: "
+                 + ", ".join(f"{v} {floor_ms * 1e3 / totals[v]:.1%}" for v in variants if totals[v])
+                 + "; GEMM kernels alone: "
+                 + ", ".join(f"{v} {by[(v, 'gemm')]:.1f} µs" for v in variants))
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m hybridgemm.perf.e2e_profile", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, choices=hf.model_names())
+    ap.add_argument("--layers", type=positive_int, help="decoder layers (default: the model's own)")
+    ap.add_argument("--batch", type=positive_int, nargs="+", default=[1])
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--steps", type=positive_int, default=16, help="decode steps profiled (default 16)")
+    ap.add_argument("--out", help="CSV of every kernel's time per token (default: none)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("e2e_profile: needs a CUDA GPU (none found here); run it on the GPU machine", file=sys.stderr)
+        return 2
+    config = hf.hf_config(args.model, layers=args.layers)
+    args.layers = config.num_hidden_layers
+    torch.manual_seed(0)
+    stock = hf.build_model(config, torch.bfloat16, "cuda")
+    patched = copy.deepcopy(stock)
+    print(hybridgemm.patch(patched).summary())
+    floor = hbm_floor_ms(hf.decode_weight_bytes(stock))
+    run = Run(args.model, config, torch.device("cuda"), tokens=args.steps, rounds=1)
+    command = "python -m hybridgemm.perf.e2e_profile " + " ".join(sys.argv[1:] if argv is None else argv)
+    extra = {"date": datetime.date.today().isoformat(), "commit": git_commit(), "command": command}
+    all_rows = []
+    with torch.no_grad():
+        for mode in args.modes:
+            for batch in args.batch:
+                rows = []
+                for variant, model in (("stock", stock), ("hybridgemm", patched)):
+                    torch._dynamo.reset()
+                    times = profile_variant(run, model, mode, batch, args.steps)
+                    rows += rows_for(args, mode, batch, variant, times, args.steps)
+                print(f"\n## {args.model}, {args.layers} layers, {mode}, batch {batch}")
+                print(summary(rows, floor, args.layers))
+                for v in ("stock", "hybridgemm"):
+                    top = [r for r in rows if r["variant"] == v][:12]
+                    print(f"-- {v}: top kernels (µs/token, calls/token, group)")
+                    for r in top:
+                        print(f"  {r['us_per_token']:9.1f} {r['calls_per_token']:6.1f}  {r['group']:11s} "
+                              f"{r['kernel'][:110]}")
+                all_rows += [{**r, **extra} for r in rows]
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        csvio.write_csv(args.out, list(COLUMNS), all_rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""perf/e2e_profile.py without a GPU: kernel names go to the right group, the per-group table
+adds up, and the command refuses to run without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridgemm.perf import e2e_profile as ep
+
+
+@pytest.mark.parametrize("name,group", [
+    ("nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT", "gemm"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "gemm"),
+    ("_glu_kernel", "gemm"),
+    ("_splitk_kernel", "gemm"),
+    ("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16", "attention"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::rsqrt_kernel_cuda>", "norm"),
+    ("void at::native::index_elementwise_kernel<128, 4, at::native::index_copy_kernel_impl>", "copy"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>", "elementwise"),
+    ("Memset (Device)", "other"),
+])
+def test_kernel_groups(name, group):
+    assert ep.group_of(name) == group
+
+
+def test_summary_adds_the_groups_per_variant():
+    rows = [{"variant": v, "group": g, "us_per_token": us} for v, g, us in (
+        ("stock", "gemm", 100.0), ("stock", "norm", 20.0), ("hybridgemm", "gemm", 90.0), ("hybridgemm", "norm", 5.0))]
+    text = ep.summary(rows, floor_ms=0.06, layers=2)
+    total = next(line for line in text.splitlines() if line.startswith("total")).split()
+    assert [float(v) for v in total[1:]] == [120.0, 60.0, 95.0, 47.5]
+    assert "stock 50.0%" in text and "hybridgemm 63.2%" in text
+
+
+def test_needs_cuda(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert ep.main(["--model", "llama3-8b", "--layers", "1"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -1,0 +1,142 @@
+"""The RMSNorm part of ``hybridgemm.patch`` (fusion/norm.py): which modules are recognised,
+the stock formula off the fast path (CPU, gradients), the fast path's glue around the Triton
+kernel (run here under the interpreter by letting CPU tensors take it), state-dict keys and
+unpatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hybridgemm
+from hybridgemm import norm as hnorm
+from hybridgemm.kernels import triton_common as tc
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+from transformers.models.mistral.modeling_mistral import MistralRMSNorm  # noqa: E402
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm  # noqa: E402
+
+EPS = 1e-5
+
+
+def stock_norm(cls=LlamaRMSNorm, h=96, dtype=torch.float32, seed=0):
+    m = cls(h, eps=EPS).to(dtype)
+    with torch.no_grad():
+        m.weight.copy_(1 + 0.5 * torch.randn(h, generator=torch.Generator().manual_seed(seed)))
+    return m
+
+
+def patched_copy(stock):
+    import copy
+
+    m = copy.deepcopy(stock)
+    hybridgemm.patch(nn.Sequential(m), strict=True)
+    assert type(m) is hnorm.HybridRMSNorm
+    return m
+
+
+@pytest.mark.parametrize("cls", [LlamaRMSNorm, Qwen2RMSNorm, MistralRMSNorm])
+def test_transformers_rms_norms_are_recognised(cls):
+    assert hnorm.is_rms_norm(cls(8))
+
+
+def test_other_norms_are_left_alone():
+    class LlamaRMSNorm(nn.Module):  # the right name, defined outside transformers: formula unknown
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+            self.variance_epsilon = 1e-6
+
+    assert not hnorm.is_rms_norm(LlamaRMSNorm())
+    assert not hnorm.is_rms_norm(nn.LayerNorm(8))
+    gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
+    assert not hnorm.is_rms_norm(gemma.GemmaRMSNorm(8))  # scales by 1 + weight
+    odd = LlamaRMSNorm.__new__(LlamaRMSNorm)
+    nn.Module.__init__(odd)
+    odd.weight = nn.Parameter(torch.ones(2, 4))  # not a 1-D weight
+    odd.variance_epsilon = 1e-6
+    assert not hnorm.is_rms_norm(odd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_path_is_the_stock_formula_bit_for_bit(dtype):
+    stock = stock_norm(dtype=dtype)
+    patched = patched_copy(stock)
+    x = (torch.randn(3, 5, 96) * 3).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(patched(x), stock(x))
+
+
+def test_gradients_match_stock():
+    stock = stock_norm()
+    patched = patched_copy(stock)
+    x1 = torch.randn(4, 96, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    stock(x1).square().sum().backward()
+    patched(x2).square().sum().backward()
+    assert torch.equal(x1.grad, x2.grad) and torch.equal(stock.weight.grad, patched.weight.grad)
+
+
+@pytest.fixture
+def cpu_fast_path(monkeypatch):
+    """CPU tensors take the kernel path (Triton's interpreter runs it)."""
+    if not tc.interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 to run the Triton kernel on the CPU")
+    calls = []
+    real = hnorm._fast_path
+
+    def fast(x, w):
+        ok = real(x, w) or (x.device.type == "cpu" and x.stride(-1) == 1 and not torch.is_grad_enabled())
+        calls.append(ok)
+        return ok
+
+    monkeypatch.setattr(hnorm, "_fast_path", fast)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 4096), (2, 17, 96), (333, 96), (96,)])
+def test_fast_path_matches_the_stock_module(cpu_fast_path, dtype, shape):
+    h = shape[-1]
+    stock = stock_norm(h=h, dtype=dtype, seed=h)
+    patched = patched_copy(stock)
+    x = (torch.randn(*shape) * 2).to(dtype)
+    with torch.no_grad():
+        out, ref = patched(x), stock(x)
+    assert cpu_fast_path == [True]
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    # the same formula; only the order of the sum of squares differs: within a couple of ulp
+    ulp = torch.finfo(dtype).eps
+    assert (out.float() - ref.float()).abs().max() <= 2 * ulp * ref.float().abs().max()
+    wrong = stock.weight.float() * x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + EPS)
+    assert (out.float() - wrong).abs().max() > 10 * ulp * ref.float().abs().max()  # the bound can fail
+
+
+def test_fast_path_reads_a_row_strided_input(cpu_fast_path):
+    stock = stock_norm(h=64)
+    patched = patched_copy(stock)
+    wide = torch.randn(5, 200)
+    x = wide[:, 10:74]  # rows 200 apart
+    with torch.no_grad():
+        torch.testing.assert_close(patched(x), stock(x), rtol=2e-6, atol=1e-6)
+    assert cpu_fast_path == [True]
+
+
+def test_patched_model_keeps_keys_and_unpatch_restores():
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=97)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    keys = list(model.state_dict())
+    report = hybridgemm.patch(model, attention=False, mlp=False, lm_head=False)
+    assert len(report.patched) == 5  # two per layer and the final norm
+    assert list(model.state_dict()) == keys
+    ids = torch.randint(0, 97, (2, 7))
+    with torch.no_grad():
+        out = model(ids).logits
+    hybridgemm.unpatch(model)
+    assert not any(isinstance(m, hnorm.HybridRMSNorm) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, out)
