@@ -102,7 +102,7 @@ DEFAULT_MODES = ("compiled_static", "prefill", "logits_error")
 KEY = E.KEY
 COLUMNS = (*KEY, "tp", "status", "ms_per_token", "spread_ms", "tokens_per_s", "speedup_vs_tp1", "hbm_floor_ms_per_gpu",
            "fraction_of_floor", "logits_rel_err", "weight_bytes_per_gpu", "tokens", "rounds", "samples", "note", "date",
-           "commit", "torch", "triton", "transformers", "cublaslt", "hybridgemm", "host", "command")
+           "commit", "torch", "triton", "transformers", "cublaslt", "nvmath", "hybridgemm", "host", "command")
 TP1_MAX_FRACTION = 0.85  # of GPU memory the tp=1 weights may take (caches, activations, graph pools: the rest)
 REF_MAX_FRACTION = 0.9  # of the free memory that the fp32 reference may take
 TIMEOUT = datetime.timedelta(minutes=30)  # of a collective: the idle rank waits out the whole tp=1 variant

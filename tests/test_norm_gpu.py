@@ -43,7 +43,10 @@ def test_kernel_matches_the_stock_module(dtype, shape, monkeypatch):
     ulp = torch.finfo(dtype).eps
     diff = (out.float() - ref.float()).abs()
     assert diff.max() <= 2 * ulp * ref.float().abs().max()  # a sum order apart
-    assert (diff == 0).float().mean() > 0.95  # mostly bit-identical: the same formula and roundings
+    if dtype is torch.float32:  # the sum order moves rstd by an ulp or two, and with it every element
+        assert (diff <= 4 * ulp * ref.abs()).all()
+    else:  # the rounding to 16 bits hides that: mostly bit-identical (the same formula and roundings)
+        assert (diff == 0).float().mean() > 0.95
 
 
 def test_cuda_graph_replay_equals_eager():
