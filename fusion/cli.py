@@ -108,8 +108,11 @@ def _table_path(arg: str | None) -> Path:
     return Path(arg) if arg else user_table_path()
 
 
-def _preset_shapes(preset, tp: int | None) -> list:
-    """A preset's projection shapes; one rank's under ``--tp`` (``ModelPreset.tp_projections``)."""
+def _preset_shapes(preset, tp: int | None, mlp: bool = False) -> list:
+    """A preset's attention projection shapes; with ``mlp`` also its MLP and LM-head shapes
+    (``ModelPreset.tp_projections(1)``); one rank's under ``--tp`` (all of them)."""
+    if tp is None and mlp:
+        tp = 1
     return list(preset.projections if tp is None else preset.tp_projections(tp))
 
 
@@ -119,16 +122,17 @@ def _cmd_autotune(args) -> int:
         print(f"hybridgemm autotune: --tp takes the number of tensor-parallel ranks (1 or more), got {args.tp}",
               file=sys.stderr)
         return 2
-    if args.tp is not None and not (args.model or args.hf_config):
-        print("hybridgemm autotune: --tp applies to --model and --hf-config (a --shape is tuned as given)",
-              file=sys.stderr)
-        return 2
+    for flag, given in (("--tp", args.tp is not None), ("--mlp", args.mlp)):
+        if given and not (args.model or args.hf_config):
+            print(f"hybridgemm autotune: {flag} applies to --model and --hf-config (a --shape is tuned as given)",
+                  file=sys.stderr)
+            return 2
     shapes = []
     for name in args.model or []:
-        shapes += _preset_shapes(get_preset(name), args.tp)
+        shapes += _preset_shapes(get_preset(name), args.tp, args.mlp)
     for path in args.hf_config or []:
         try:
-            shapes += _preset_shapes(preset_from_hf_config(path), args.tp)
+            shapes += _preset_shapes(preset_from_hf_config(path), args.tp, args.mlp)
         except ValueError as e:
             print(f"hybridgemm autotune: {e}", file=sys.stderr)
             return 2
@@ -412,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-config", action="append", metavar="PATH",
                    help="a Hugging Face config.json, or a local model directory holding one: tune its "
                    "q, k/v, qkv and o projections (repeatable; read locally, no transformers needed)")
+    p.add_argument("--mlp", action="store_true",
+                   help="also tune the MLP's gate/up and down and the LM head of --model / --hf-config, the "
+                   "GEMMs hybridgemm.patch runs through the dispatcher (where the model's sizes are known)")
     p.add_argument("--tp", type=int, metavar="N",
                    help="tensor-parallel degree: tune the shapes each of N ranks runs after "
                    "hybridgemm.parallel.parallelize (q/kv/qkv/o with the rank's heads; the MLP's gate/up and "

@@ -392,6 +392,20 @@ def test_cli_tp_tunes_one_ranks_shapes(tmp_path, monkeypatch):
     assert [s[0] for s in _tuned_shapes(monkeypatch, ["--model", "llama3-8b"])] == ["q", "kv", "qkv"]  # o == q
 
 
+def test_cli_mlp_adds_the_mlp_and_lm_head_shapes(tmp_path, monkeypatch, capsys):
+    shapes = _tuned_shapes(monkeypatch, ["--hf-config", str(write(tmp_path, LLAMA3_8B)), "--mlp"])
+    assert shapes == [("q", 4096, 4096, False), ("kv", 1024, 4096, False), ("qkv", 6144, 4096, False),
+                      ("gate_up", 14336, 4096, False), ("down", 4096, 14336, False),
+                      ("lm_head", 128256, 4096, False)]  # o is q's shape: tuned once
+    assert _tuned_shapes(monkeypatch, ["--model", "llama3-8b", "--mlp"]) == shapes
+    assert _tuned_shapes(monkeypatch, ["--model", "llama3-8b", "--mlp", "--tp", "2"]) == _tuned_shapes(
+        monkeypatch, ["--model", "llama3-8b", "--tp", "2"])
+    # a preset without the MLP's sizes (BERT's MLP is not gate/up/down): attention only
+    assert [s[0] for s in _tuned_shapes(monkeypatch, ["--model", "bert-base", "--mlp"])] == ["q", "qkv"]  # kv, o: q's
+    assert main(["autotune", "--shape", "6144,4096", "--mlp"]) == 2
+    assert "--mlp applies to --model and --hf-config" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("tp, needle", [("3", "tp=3 does not divide the 32 attention heads"),
                                         ("0", "--tp takes the number of tensor-parallel ranks"),
                                         ("-1", "(1 or more), got -1")])
