@@ -337,6 +337,9 @@ def _patch_mlp(name: str, mod: nn.Module, modules: dict, owners: dict, report: P
         done.update(qual(name, n) for n in (*GATED_NAMES, "down_proj"))
         return True
     act, why = conv_mlp_act(mod, _is_conv1d)
+    if why is not None:  # a GPT-2-style MLP that cannot be fused: left alone, with the reason
+        report.skipped.append((name, why))
+        return True
     if act is None:
         act, why = intermediate_act(mod)
         if act is None:

@@ -128,6 +128,23 @@ def test_hf_torch_compile_fullgraph_patched():
     hybridgemm.unpatch(model)
 
 
+def test_gpt2_mlp_with_an_activation_no_epilogue_has_is_left_alone_and_reported():
+    transformers = pytest.importorskip("transformers")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=48, n_layer=1, n_head=4, n_positions=32, activation_function="silu")).eval()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    mlp_class = type(gpt2.transformer.h[0].mlp)
+    with torch.no_grad():
+        ref = gpt2(ids).logits
+        report = hybridgemm.patch(gpt2)
+        out = gpt2(ids).logits
+    reasons = dict(report.skipped)
+    assert "has no fused epilogue" in reasons["transformer.h.0.mlp"]
+    assert type(gpt2.transformer.h[0].mlp) is mlp_class and "transformer.h.0.mlp" not in report.patched
+    assert report.patched == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "lm_head"]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_gpt2_conv1d_and_bert():
     transformers = pytest.importorskip("transformers")
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=2, n_head=4,
