@@ -59,15 +59,30 @@ def reference_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(dtype)
 
 
+_current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else None
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 def _fast_path(x, w: Tensor) -> bool:
+    """May this call take the Triton launch? CUDA tensors on the current device (the launch
+    goes to the current device's stream), plain tensors (not vmap's or other wrappers), no
+    gradient wanted, not traced, no autocast, kernel dtypes, a unit-stride last dim, and a
+    weight that fits x (anything else runs the stock formula, which raises the stock error)."""
     if type(x) not in _PLAIN or type(w) not in _PLAIN or not x.is_cuda:
+        return False
+    return _eligible(x, w, _current_device is not None and x.get_device() == _current_device())
+
+
+def _eligible(x: Tensor, w: Tensor, on_current_device: bool) -> bool:
+    """The device-independent part of :func:`_fast_path` (the CPU tests call it directly)."""
+    if not on_current_device or _functorch_wrapped(x):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return False
-    if torch.compiler.is_compiling() or torch.is_autocast_enabled("cuda"):
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
         return False
     return (x.dtype in _KERNEL_DTYPES and w.dtype in _KERNEL_DTYPES and x.dim() > 0 and x.stride(-1) == 1
-            and w.device == x.device and w.is_contiguous())
+            and w.dim() == 1 and w.shape[0] == x.shape[-1] and w.device == x.device and w.is_contiguous())
 
 
 class HybridRMSNorm(nn.Module):
@@ -77,17 +92,15 @@ class HybridRMSNorm(nn.Module):
     weight: nn.Parameter
     variance_epsilon: float
 
-    def forward(self, x: Tensor) -> Tensor:
-        w = self.weight
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        x, w = hidden_states, self.weight
         if not _fast_path(x, w):
             return reference_rms_norm(x, w, self.variance_epsilon)
         h = x.shape[-1]
         out = torch.empty(x.shape, dtype=torch.promote_types(w.dtype, x.dtype), device=x.device)
         if out.numel():
-            x2 = x.reshape(-1, h)  # a view for the decode and prefill layouts
-            if x2.stride(-1) != 1:
-                x2 = x2.contiguous()
-            _triton_rmsnorm().run(x2, w, out.view(-1, h), self.variance_epsilon)
+            # a view for the decode and prefill layouts, else a copy (reshape keeps the unit last stride)
+            _triton_rmsnorm().run(x.reshape(-1, h), w, out.view(-1, h), self.variance_epsilon)
         return out
 
     def extra_repr(self) -> str:

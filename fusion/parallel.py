@@ -200,7 +200,7 @@ def _gather_last_dim(y: Tensor, group: dist.ProcessGroup, tp: int) -> Tensor:
     """The ranks' ``y`` concatenated along the last dim, in rank order."""
     if torch.compiler.is_compiling():
         # Gathered along dim 0, then the rank dim moved next to the last: Dynamo in torch 2.11
-        # cannot trace a gather along another dim (pytorch/pytorch#179722, fixed in 2.12).
+        # cannot trace a gather along another dim (pytorch/pytorch#179722); torch 2.13 traces both.
         g = funcol.all_gather_tensor(y.contiguous(), 0, group).view(tp, *y.shape)
         return g.movedim(0, -2).reshape(*y.shape[:-1], tp * y.shape[-1])
     if y.requires_grad and torch.is_grad_enabled():

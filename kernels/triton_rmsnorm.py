@@ -1,5 +1,5 @@
-"""RMSNorm in one Triton launch, with the exact math of Hugging Face's LlamaRMSNorm (also
-Qwen2RMSNorm and MistralRMSNorm)::
+"""RMSNorm in one Triton launch, with the formula of Hugging Face's LlamaRMSNorm (also
+Qwen2RMSNorm, Qwen3RMSNorm and MistralRMSNorm)::
 
     xf = x.to(float32)
     y = (xf * rsqrt(mean(xf * xf, -1) + eps)).to(x.dtype)   # rounded to x's dtype first
@@ -7,7 +7,8 @@ Qwen2RMSNorm and MistralRMSNorm)::
 
 The product is computed in fp32 and rounded once to ``torch.promote_types(weight.dtype,
 x.dtype)``; for 16-bit operands that is what torch does (the product of two 16-bit values is
-exact in fp32).
+exact in fp32). The mean is the fp32 sum times fp32(1/H), as torch's CUDA mean computes it;
+the order of the sum differs from torch's, so fp32 results can differ in the last bits.
 
 Why: a decode step in eager mode runs HF's RMSNorm as about eight torch ops (to fp32, pow,
 mean, add, rsqrt, mul, to, mul), each a kernel launch and a host dispatch, on a few KB of
@@ -45,7 +46,7 @@ def _scale_store(xf, rstd, x_row, w_ptr, out_row, cols, mask):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, ldx, eps, BLOCK: tl.constexpr, CHUNKED: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, ldx, inv_h, eps, BLOCK: tl.constexpr, CHUNKED: tl.constexpr):
     # One program per row. 64-bit row offsets: M * ldx may pass 2**31 elements.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * ldx
@@ -58,7 +59,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, ldx, eps, BLOCK: tl.constexpr, CH
             mask = start + cols < H
             xf = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
             acc += xf * xf
-        rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / H + eps)
+        rstd = tl.math.rsqrt(tl.sum(acc, axis=0) * inv_h + eps)
         for start in range(0, H, BLOCK):
             mask = start + cols < H
             xf = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -66,7 +67,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, ldx, eps, BLOCK: tl.constexpr, CH
     else:  # the row is read once and stays in registers
         mask = cols < H
         xf = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) * inv_h + eps)
         _scale_store(xf, rstd, x_row, w_ptr, out_row, cols, mask)
 
 
@@ -77,7 +78,8 @@ def _make_plan(m: int, h: int, ldx: int, device: torch.device) -> tc.TritonPlan:
     block = CHUNK if chunked else tc.next_pow2(h)
     warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
     meta = dict(BLOCK=block, CHUNKED=chunked, num_warps=warps)
-    return tc.TritonPlan(device, tc.Launcher(_rms_norm_kernel, (m,), meta), scalars=(h, ldx))
+    # 1 / H as an fp32 argument: torch's CUDA mean multiplies the sum by fp32(1/N)
+    return tc.TritonPlan(device, tc.Launcher(_rms_norm_kernel, (m,), meta), scalars=(h, ldx, 1.0 / h))
 
 
 # Plans by everything the compiled kernel is specialised on: (M, H, ldx, the three dtypes,
@@ -89,7 +91,7 @@ _PLANS: dict[tuple, tc.TritonPlan] = {}
 def run(x2d: torch.Tensor, weight: torch.Tensor, out2d: torch.Tensor, eps: float) -> torch.Tensor:
     """``out2d[:] = rms_norm(x2d, weight, eps)``; returns ``out2d``. The backend contract,
     unchecked: x2d (M, H) with unit column stride (any row stride), weight a contiguous (H,)
-    vector, out2d a contiguous (M, H) of torch's promoted dtype, all on one device."""
+    vector, out2d a contiguous (M, H) of torch's promoted dtype, all on the current device."""
     m, h = x2d.shape
     ldx = x2d.stride(0) if m > 1 else h  # a single row's stride is never used: one plan for all
     key = (m, h, ldx, x2d.dtype, weight.dtype, out2d.dtype, x2d.get_device(),
@@ -153,5 +155,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
     x2d = x.reshape(-1, h)  # a view where the leading dims flatten to one row stride
     if h > 1 and x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    run(x2d, weight if weight.is_contiguous() else weight.contiguous(), out.view(-1, h), eps)
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    if x.is_cuda and x.get_device() != torch.cuda.current_device():
+        with torch.cuda.device(x.device):  # the launch goes to the current device's stream
+            run(x2d, w, out.view(-1, h), eps)
+    else:
+        run(x2d, w, out.view(-1, h), eps)
     return out

@@ -8,9 +8,11 @@ Each variant decodes greedily over a static cache exactly as ``hybridgemm bench 
 (perf/bench_e2e.py's decoder, compiled with "reduce-overhead" and fullgraph for
 ``compiled_static``); ``--steps`` steps run under torch.profiler (CUDA activity only, which
 records each kernel of a CUDA-graph replay too) after the warm-up. Every kernel is put in a
-group by its name (:data:`GROUPS`): ``gemm`` (cuBLAS/cuBLASLt, and hybridgemm's Triton GEMM
-and gated kernels), ``attention``, ``norm`` (RMSNorm, as Inductor or eager torch runs it),
-``copy`` (KV-cache writes, casts, cat), ``elementwise`` and ``other``. The table printed per
+group by its name (:func:`group_of`): ``gemm`` (cuBLAS/cuBLASLt, and hybridgemm's Triton GEMM
+and gated kernels), ``attention`` (SDPA's kernels), ``norm``, ``activation``, ``rotary``,
+``kv_cache``, ``copy``, ``elementwise`` and ``other``. Inductor's kernels are grouped by the
+ops their names list (a kernel fusing rotary with the KV-cache write counts as rotary); an
+eager RMSNorm's casts, multiplies and add count as copy and elementwise. The table printed per
 (mode, batch) gives µs per token and per layer of each group for both variants, the step's
 kernel time against its HBM floor (weight bytes / 4.23 TB/s) and, for the GEMMs, the
 fraction of the floor their bytes alone would allow. Kernel time excludes the gaps between
@@ -32,27 +34,48 @@ import torch
 import hybridgemm
 from hybridgemm.perf import csvio
 from hybridgemm.perf import e2e_models as hf
-from hybridgemm.perf.bench_e2e import Run, decoder, hbm_floor_ms, positive_int
+from hybridgemm.perf.bench_e2e import WARMUP, Run, decoder, hbm_floor_ms, positive_int
 from hybridgemm.perf.bench_msweep import git_commit
 
 MODES = ("compiled_static", "eager_static")
-# First match wins; names as CUPTI reports them (Inductor's fused kernels carry the op names).
-GROUPS = (
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)),
-    ("gemm", re.compile(r"nvjet|gemm|gemv|xmma|cutlass|_glu_kernel|_splitk_kernel|_reduce_kernel|splitK", re.I)),
-    ("norm", re.compile(r"rsqrt|rms|_mean|mean_|norm", re.I)),
-    ("copy", re.compile(r"copy|index_put|scatter|cat|_to_copy|convert", re.I)),
-    ("elementwise", re.compile(r"elementwise|vectorized|triton_poi|mul|add|silu|cos|sin|neg", re.I)),
+GEMM = re.compile(r"nvjet|gemm|gemv|xmma|cutlass|_glu_kernel|_splitk_kernel|_reduce_kernel|splitKreduce", re.I)
+ATTENTION = re.compile(r"flash|fmha|cudnn.*sdpa|attention_kernel", re.I)  # SDPA's own kernels
+# Inductor names a fused kernel after the ops it fuses (triton_poi_fused_<ops>_<n>): the most
+# telling op decides, in this order.
+INDUCTOR = re.compile(r"^triton_(?:poi|red|per)_fused_(.*)$")
+FUSED_OPS = (
+    ("norm", re.compile(r"(^|_)(rsqrt|mean|var_mean)(_|$)")),
+    ("activation", re.compile(r"(^|_)(silu|gelu|sigmoid)(_|$)")),
+    ("rotary", re.compile(r"(^|_)(cos|sin|neg)(_|$)")),
+    ("kv_cache", re.compile(r"index_copy|index_put|scatter")),
+    ("other", re.compile(r"(^|_)(argmax|max|topk)(_|$)")),
+)
+# Eager ATen kernels, by functor or kernel name. An eager RMSNorm is also two casts and two
+# multiplies and an add, which land in copy and elementwise: only its pow, mean and rsqrt
+# kernels are told apart here.
+ATEN = (
+    ("norm", re.compile(r"_rms_norm_kernel|MeanOps|rsqrt|pow_tensor_scalar")),  # ours, then the stock ops
+    ("activation", re.compile(r"silu|gelu|sigmoid", re.I)),
+    ("rotary", re.compile(r"neg_kernel|CatArray")),
+    ("kv_cache", re.compile(r"index_copy|index_put|scatter")),
+    ("copy", re.compile(r"copy_kernel|direct_copy")),
+    ("other", re.compile(r"ArgMax|Memset|FillFunctor|indexSelect|reduce_kernel")),
 )
 COLUMNS = ("model", "layers", "mode", "batch", "variant", "group", "kernel", "calls_per_token", "us_per_token",
            "us_per_layer", "date", "commit", "command")
 
 
 def group_of(kernel: str) -> str:
-    for name, pattern in GROUPS:
-        if pattern.search(kernel):
-            return name
-    return "other"
+    """What a kernel does, from its name: gemm, attention, norm, activation, rotary, kv_cache,
+    copy, elementwise or other (see the module docstring)."""
+    if GEMM.search(kernel):
+        return "gemm"
+    fused = INDUCTOR.match(kernel)
+    if fused:
+        return next((g for g, p in FUSED_OPS if p.search(fused.group(1))), "elementwise")
+    if ATTENTION.search(kernel):
+        return "attention"
+    return next((g for g, p in ATEN if p.search(kernel)), "elementwise")
 
 
 def kernel_times(steps, n: int) -> dict[str, tuple[int, float]]:
@@ -72,7 +95,7 @@ def kernel_times(steps, n: int) -> dict[str, tuple[int, float]]:
 
 def profile_variant(run: Run, model, mode: str, batch: int, steps: int) -> dict[str, tuple[int, float]]:
     step = decoder(run, model, batch, compiled=mode == "compiled_static")
-    step(3)  # compilation, CUDA-graph warm-up and recording
+    step(WARMUP)  # compilation, CUDA-graph warm-up and recording
     torch.cuda.synchronize()
     return kernel_times(step, steps)
 

@@ -13,12 +13,32 @@ from hybridgemm.perf import e2e_profile as ep
     ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "gemm"),
     ("_glu_kernel", "gemm"),
     ("_splitk_kernel", "gemm"),
+    ("_rms_norm_kernel", "norm"),
     ("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16", "attention"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm"),
+    ("triton_poi_fused__unsafe_view_mul_silu_8", "activation"),
+    ("triton_poi_fused__to_copy_mul_silu_0", "activation"),
+    # Inductor's prologue of SDPA: rotary and casts, named after the attention op it feeds
+    ("triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy__unsafe_view_add_arange_bmm_cat_clone_cos_expand",
+     "rotary"),
+    ("triton_poi_fused__to_copy_add_arange_bmm_cat_cos_index_copy_mul_neg_sin_slice_split_with_sizes_transpose",
+     "rotary"),
+    ("triton_poi_fused_add_copy__16", "elementwise"),
+    ("triton_red_fused_argmax_select_15", "other"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::rsqrt_kernel_cuda>", "norm"),
-    ("void at::native::index_elementwise_kernel<128, 4, at::native::index_copy_kernel_impl>", "copy"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float>>>",
+     "norm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::pow_tensor_scalar_kernel_impl<float>>", "norm"),
+    ("void at::native::elementwise_kernel<128, 4, at::native::neg_kernel_cuda>", "rotary"),
+    ("void at::native::CatArrayBatchedCopy<at::native::OpaqueType<2u>, unsigned int, 4, 64, 64>", "rotary"),
+    ("void at::native::index_elementwise_kernel<128, 4, at::native::index_copy_kernel_impl>", "kv_cache"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>", "copy"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda>", "copy"),
     ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>", "elementwise"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, at::native::ArgMaxOps<float>>>",
+     "other"),
     ("Memset (Device)", "other"),
+    ("truncate_allocate_kernel", "elementwise"),  # no stray substring ("cat", "mean") makes it something else
 ])
 def test_kernel_groups(name, group):
     assert ep.group_of(name) == group

@@ -85,10 +85,10 @@ def cpu_fast_path(monkeypatch):
     if not tc.interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 to run the Triton kernel on the CPU")
     calls = []
-    real = hnorm._fast_path
+    real = hnorm._fast_path  # False for every CPU tensor; _eligible is the rest of its rule
 
     def fast(x, w):
-        ok = real(x, w) or (x.device.type == "cpu" and x.stride(-1) == 1 and not torch.is_grad_enabled())
+        ok = real(x, w) or (x.device.type == "cpu" and hnorm._eligible(x, w, on_current_device=True))
         calls.append(ok)
         return ok
 
@@ -102,16 +102,19 @@ def test_fast_path_matches_the_stock_module(cpu_fast_path, dtype, shape):
     h = shape[-1]
     stock = stock_norm(h=h, dtype=dtype, seed=h)
     patched = patched_copy(stock)
-    x = (torch.randn(*shape) * 2).to(dtype)
+    x = (torch.randn(*shape) * 0.004).to(dtype)  # mean square ~1.6e-5, beside EPS: where eps goes shows
     with torch.no_grad():
         out, ref = patched(x), stock(x)
     assert cpu_fast_path == [True]
     assert out.dtype == ref.dtype and out.shape == ref.shape
     # the same formula; only the order of the sum of squares differs: within a couple of ulp
     ulp = torch.finfo(dtype).eps
-    assert (out.float() - ref.float()).abs().max() <= 2 * ulp * ref.float().abs().max()
-    wrong = stock.weight.float() * x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + EPS)
-    assert (out.float() - wrong).abs().max() > 10 * ulp * ref.float().abs().max()  # the bound can fail
+    bound = 2 * ulp * ref.float().abs().max()
+    assert (out.float() - ref.float()).abs().max() <= bound
+    xf, w = x.float(), stock.weight.float()
+    ms = xf.pow(2).mean(-1, keepdim=True)
+    for wrong in (w * xf * torch.rsqrt(ms), xf * torch.rsqrt(ms + EPS)):  # eps not passed; weight left out
+        assert (wrong - ref.float()).abs().max() > 10 * bound  # the bound can fail
 
 
 def test_fast_path_reads_a_row_strided_input(cpu_fast_path):
@@ -140,3 +143,69 @@ def test_patched_model_keeps_keys_and_unpatch_restores():
     assert not any(isinstance(m, hnorm.HybridRMSNorm) for m in model.modules())
     with torch.no_grad():
         assert torch.equal(model(ids).logits, out)
+
+
+def _gate(x, w, **kw):
+    return hnorm._eligible(x, w, on_current_device=kw.get("on_device", True))
+
+
+def test_the_fast_path_rule(monkeypatch):
+    """Each condition of the Triton launch's rule, on CPU tensors (the device check aside)."""
+    w = nn.Parameter(torch.ones(96))
+    x = torch.randn(2, 96)
+    with torch.no_grad():
+        assert _gate(x, w)
+        assert not _gate(x, w, on_device=False)
+        assert not _gate(x.double(), w) and not _gate(x, w.double().detach())
+        assert not _gate(torch.randn(96, 2).t(), w)  # last dim not unit-stride
+        assert _gate(torch.randn(2, 200)[:, :96], w)  # rows strided: fine
+        assert not _gate(torch.randn(2, 64), w)  # the weight does not fit: the stock path raises
+        assert not _gate(x, torch.ones(2, 96)) and not _gate(x, torch.ones(192)[::2])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not _gate(x, w)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not _gate(x, w)
+        monkeypatch.undo()
+        seen = []
+        torch.vmap(lambda t: seen.append(_gate(t, w)) or t)(x)
+        assert seen == [False]  # vmap's batched tensors have no data pointer to launch on
+    assert not _gate(x, w)  # grad enabled and w requires grad
+    assert not _gate(x.requires_grad_(), w.detach())
+    with torch.inference_mode():
+        assert _gate(torch.randn(2, 96), w)
+
+
+def test_a_width_mismatch_raises_as_stock_does():
+    stock = stock_norm(h=96)
+    patched = patched_copy(stock)
+    x = torch.randn(2, 64)
+    with torch.no_grad(), pytest.raises(RuntimeError) as stock_err:
+        stock(x)
+    with torch.no_grad(), pytest.raises(RuntimeError) as ours:
+        patched(x)
+    assert str(ours.value) == str(stock_err.value)
+
+
+def test_qwen3_per_head_norms_on_fused_qkv_slices(cpu_fast_path):
+    """Qwen3 normalises q and k per head (q_norm/k_norm on (..., heads, head_dim) views of the
+    fused Q/K/V GEMM's slices): the kernel path gives the stock logits."""
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=97)
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for m in stock.modules():
+        if hnorm.is_rms_norm(m):
+            with torch.no_grad():
+                m.weight.copy_(1 + 0.5 * torch.randn_like(m.weight))
+    import copy
+
+    patched = copy.deepcopy(stock)
+    report = hybridgemm.patch(patched)
+    assert type(patched.model.layers[0].self_attn.q_norm) is hnorm.HybridRMSNorm
+    assert report.fused_qkv == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    ids = torch.randint(0, 97, (2, 7))
+    with torch.no_grad():
+        out, ref = patched(ids).logits, stock(ids).logits
+    assert cpu_fast_path and all(cpu_fast_path)
+    assert len(cpu_fast_path) == 2 * 4 + 1  # per layer: input, q, k, post-attention; the final norm
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

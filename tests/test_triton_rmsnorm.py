@@ -299,6 +299,6 @@ def test_plan_cache_is_bounded(device, monkeypatch):
 ])
 def test_plan_launch_shape(h, block, chunked, warps):
     plan = trms._make_plan(5, h, h, torch.device("cpu"))
-    assert plan.launch.grid == (5,) and plan.scalars == (h, h)
+    assert plan.launch.grid == (5,) and plan.scalars == (h, h, 1.0 / h)
     assert plan.launch.meta == {"BLOCK": block, "CHUNKED": chunked, "num_warps": warps}
     assert trms._make_plan(0, h, h, torch.device("cpu")).empty
