@@ -1,5 +1,19 @@
 """Table keys: ``(op, dtype, epilogue, N, K, M range, layout class)``, M ranges and layout
-classes (autotune_cache/table.py's docstring says what each means).
+classes.
+
+**Key.** ``op|dtype|epilogue|N=..|K=..|M=lo-hi|layout``, e.g.
+``linear|bf16|bias|N=6144|K=4096|M=9-16|c``. ``dtype`` is ``bf16``, ``fp16``, ``fp32``, or
+``tf32`` (fp32 inputs with TF32 allowed: a different race from exact fp32). ``epilogue`` is
+``Epilogue.name``. ``M=lo-hi`` is the range of M the entry serves, and was validated on.
+
+**Layout class** (:func:`layout_class`): ``a`` = the largest power of two, capped at 16
+bytes, dividing every pointer (x, W, out, bias) and every row stride in bytes. 16 bytes
+is what TMA and 128-bit vector loads need, so nothing above it matters.
+
+- ``c``: dense rows (``ldx == K``, ``ldw == K``, ``ldo == N``) and ``a == 16``: the usual case;
+- ``a1``/``a2``/``a4``/``a8``: dense rows, weaker alignment (odd K or N, offset views);
+- ``s16``, ``s8``, ...: strided rows (some leading dimension exceeds its width, e.g. a
+  slice of a fused QKV output), with alignment ``a``.
 
 An entry serves the M range in its key, ``M=lo-hi``, and only that range: the tuner timed it
 at several M across the range (``sample_points``) against F.linear. The default grid is
@@ -17,7 +31,7 @@ from typing import Any
 from hybridgemm.kernels.epilogue import ALL_EPILOGUES
 from hybridgemm.kernels.problem import DTYPE_NAMES
 
-SCHEMA_VERSION = 2  # the table document format (autotune_cache/table.py)
+SCHEMA_VERSION = 2  # the table document format (autotune_cache/table_document.py)
 M_MAX = 16384
 OCTAVE_TOPS = tuple(1 << i for i in range(15))  # 1, 2, 4, ..., 16384: the default ranges' top edges
 DTYPES = ("bf16", "fp16", "fp32", "tf32")
@@ -85,7 +99,7 @@ def split_range(lo: int, hi: int) -> tuple[tuple[int, int], tuple[int, int]] | N
 
 def layout_class(problem: Any) -> str:
     """The layout/alignment class of a :class:`~hybridgemm.kernels.problem.Problem`
-    (see autotune_cache/table.py)."""
+    (module docstring)."""
     e = problem.dtype.itemsize
     a = 16
     for v in (problem.align_x, problem.align_w, problem.align_out, problem.align_bias,

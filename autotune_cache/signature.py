@@ -37,7 +37,7 @@ while leaving the others as good as they were, so these fields are judged entry 
   used when the backend's own validity check accepts its config and the config passes a
   one-time correctness probe (:mod:`.probe`), with one warning per table; it may no longer
   be the fastest choice, which re-tuning fixes. A table records, per Triton entry, the
-  Triton it was tuned under when that differs from the table's own (autotune_cache/table.py).
+  Triton it was tuned under when that differs from the table's own (autotune_cache/table_entries.py).
 - Entries of F.linear (backend ``torch``) depend on neither.
 
 When the running process has no cuBLASLt (``cublaslt_version`` ``None``) or no Triton, the

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Mutation testing (mutmut 3.8.1) of the code that decides what a call runs and what a table
 # may hold, against the CPU test suite:
-#   autotune_cache/keys.py, autotune_cache/table.py, kernels/checks.py and the dispatcher's
-#   rules, fusion/decide.py.
+#   autotune_cache/keys.py, the tuning table (autotune_cache/table.py and the table_entries,
+#   table_document and table_locations modules beside it), kernels/checks.py and the
+#   dispatcher's rules, fusion/decide.py.
 # Each mutant runs only the tests (of TEST_FILES below) that call the mutated function, with
 # TRITON_INTERPRET=1; a test failing kills it. Results are written to
 # .mutation/summary.txt (killed/total and score per file, then every survivor).
 #
 # Usage: bash scripts/mutation.sh [keys|table|checks|rules ...]   (default: all four)
-# Expected runtime on 2 CPU cores: 15-20 min for all four (most of it table.py); the
+# Expected runtime on 2 CPU cores: 15-20 min for all four (most of it the table); the
 # measured numbers and every surviving mutant are in tests/RELIABILITY.md, "Mutation testing".
 #
 # Why a staging tree: the package is installed from fusion/, kernels/, autotune_cache/ and
@@ -49,7 +50,9 @@ files=() globs=()
 for t in "${targets[@]}"; do
   case $t in
     keys) files+=(src/hybridgemm/autotune_cache/keys.py); globs+=("hybridgemm.autotune_cache.keys.*") ;;
-    table) files+=(src/hybridgemm/autotune_cache/table.py); globs+=("hybridgemm.autotune_cache.table.*") ;;
+    table) for m in table table_entries table_document table_locations; do
+             files+=(src/hybridgemm/autotune_cache/$m.py); globs+=("hybridgemm.autotune_cache.$m.*")
+           done ;;
     checks) files+=(src/hybridgemm/kernels/checks.py); globs+=("hybridgemm.kernels.checks.*") ;;
     rules) files+=(src/hybridgemm/decide.py); globs+=("hybridgemm.decide.*") ;;
     *) echo "mutation.sh: unknown target $t (keys, table, checks, rules)" >&2; exit 2 ;;

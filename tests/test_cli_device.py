@@ -12,6 +12,8 @@ import torch
 from test_table import SIG
 
 import hybridgemm.autotune_cache.table as T
+import hybridgemm.autotune_cache.table_document as D
+import hybridgemm.autotune_cache.table_locations as L
 from hybridgemm.autotune_cache import signature
 from hybridgemm.autotune_cache.table import TableKey, TuningTable, make_entry, shipped_table_for_device
 from hybridgemm.cli import main
@@ -62,8 +64,8 @@ def _isolated(tmp_path, monkeypatch):
     shipped = tmp_path / "shipped"
     shipped.mkdir()
     save_table(shipped / "h200.json")
-    monkeypatch.setattr(T, "shipped_table_dir", lambda: shipped)
-    monkeypatch.setattr(T, "_warned", set())
+    monkeypatch.setattr(L, "shipped_table_dir", lambda: shipped)
+    monkeypatch.setattr(D, "_warned", set())
     monkeypatch.setattr(backends, "unavailable_backends", lambda: {
         "cublaslt": "nvmath-python is not installed (pip install nvmath-python)", "triton_gemm": "no CUDA device"})
     return shipped
@@ -230,7 +232,7 @@ def test_explain_device_from_the_real_shipped_table(capsys, monkeypatch):
     monkeypatch.setenv("HYBRIDGEMM_CACHE_DIR", "/nonexistent-hybridgemm-cache")
     no_cuda_allowed(monkeypatch)
     path = T.shipped_table_for_device("h200")
-    assert path is not None and path.parent == T.shipped_table_dir()
+    assert path is not None and path.parent == L.shipped_table_dir()
     table = TuningTable.load(path, strict=True)
     for k, e in sorted(table.entries.items(), key=lambda item: item[0].to_string())[::17]:
         argv = ["--x", f"{k.m_hi},{k.k}", "--w", f"{k.n},{k.k}"] + ([] if k.epilogue == "bias" else ["--no-bias"])

@@ -24,6 +24,9 @@ from filelock import FileLock
 from test_table import SIG, V1_ENTRIES, entry, key, v1_doc, v1_entry
 
 import hybridgemm.autotune_cache.table as T
+import hybridgemm.autotune_cache.table_document as D
+import hybridgemm.autotune_cache.table_entries as E
+import hybridgemm.autotune_cache.table_locations as L
 from hybridgemm.autotune_cache.signature import validate_signature
 from hybridgemm.autotune_cache.table import (
     HybridGemmTableWarning,
@@ -43,7 +46,7 @@ DIGIT_LIMIT = getattr(sys, "get_int_max_str_digits", lambda: 0)() != 0  # ints p
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRIDGEMM_CACHE_DIR", str(tmp_path / "user-cache"))
-    monkeypatch.setattr(T, "_warned", set())  # each test sees its own first warnings
+    monkeypatch.setattr(D, "_warned", set())  # each test sees its own first warnings
 
 
 def doc(entries=None, signature=None, schema=2, **top) -> bytes:
@@ -129,7 +132,7 @@ def test_a_signature_may_carry_finite_extra_numbers():
 
 
 def test_the_entry_count_limit_is_exact(monkeypatch):
-    monkeypatch.setattr(T, "MAX_TABLE_ENTRIES", 2)
+    monkeypatch.setattr(D, "MAX_TABLE_ENTRIES", 2)
     two = {key(1, 1).to_string(): entry(lo=1, hi=1), key(2, 2).to_string(): entry(lo=2, hi=2)}
     assert len(parse_document(doc(two)).entries) == 2
     three = {**two, key(3, 4).to_string(): entry(lo=3, hi=4)}
@@ -141,7 +144,7 @@ def test_an_unexpected_failure_is_named():
         raise KeyError("boom")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(T, "_parse_document", boom)
+        mp.setattr(D, "_parse_document", boom)
         assert parse_error(b"{}") == "cannot be parsed (KeyError: 'boom')"
 
 
@@ -165,14 +168,14 @@ def test_a_dropped_entry_names_its_key_in_120_characters():
 
 
 def test_an_entry_failing_with_any_exception_is_dropped_with_its_type(monkeypatch):
-    real = T._normalize
+    real = D._normalize
 
     def normalize(value, k):
         if k is not None and k.m_lo == 1:
             raise KeyError("boom")
         return real(value, k)
 
-    monkeypatch.setattr(T, "_normalize", normalize)
+    monkeypatch.setattr(D, "_normalize", normalize)
     parsed = parse_document(doc({key(1, 1).to_string(): entry(lo=1, hi=1), key().to_string(): entry()}))
     assert list(parsed.entries) == [key()]
     assert parsed.dropped == [f"{key(1, 1).to_string()!r}: KeyError: 'boom'"]
@@ -382,7 +385,7 @@ def test_a_table_is_opened_with_exactly_these_flags(tmp_path, monkeypatch):
 
 
 def test_the_size_limit_is_exact(tmp_path, monkeypatch):
-    monkeypatch.setattr(T, "MAX_TABLE_BYTES", 100)
+    monkeypatch.setattr(D, "MAX_TABLE_BYTES", 100)
     exact, over = tmp_path / "exact", tmp_path / "over"
     exact.write_bytes(b"x" * 100)
     over.write_bytes(b"x" * 101)
@@ -396,7 +399,7 @@ def test_a_file_reading_past_its_size_is_cut_off_at_the_limit(monkeypatch):
     proc = Path("/proc/self/status")  # reports size 0, reads about a kilobyte
     if not proc.exists() or proc.stat().st_size != 0 or len(proc.read_bytes()) <= 101:
         pytest.skip("needs a /proc file that reports size 0")
-    monkeypatch.setattr(T, "MAX_TABLE_BYTES", 100)
+    monkeypatch.setattr(D, "MAX_TABLE_BYTES", 100)
     with pytest.raises(TableError) as info:
         T._read_table_bytes(proc)
     assert str(info.value) == "is larger than a table may be (100 bytes)"
@@ -659,7 +662,7 @@ def _stale(directory: Path, name: str, mtime: float) -> Path:
 
 def test_stale_temp_age_limit_is_exact(tmp_path, monkeypatch):
     now = 2_000_000_000.0
-    monkeypatch.setattr(T.time, "time", lambda: now)
+    monkeypatch.setattr(D.time, "time", lambda: now)
     at_limit = _stale(tmp_path, ".table.json.atlimit.tmp", now - T.STALE_TEMP_S)
     older = _stale(tmp_path, ".table.json.older.tmp", now - T.STALE_TEMP_S - 1)
     T._remove_stale_temps(tmp_path / "table.json")
@@ -720,7 +723,7 @@ def test_short_reads_are_still_cut_off_at_the_limit(monkeypatch):
     proc = Path("/proc/self/status")
     if not proc.exists() or proc.stat().st_size != 0 or len(proc.read_bytes()) <= 101:
         pytest.skip("needs a /proc file that reports size 0")
-    monkeypatch.setattr(T, "MAX_TABLE_BYTES", 100)
+    monkeypatch.setattr(D, "MAX_TABLE_BYTES", 100)
     real = os.read
     monkeypatch.setattr(os, "read", lambda fd, n: real(fd, min(n, 50)))  # a reader that returns 50 bytes at most
     with pytest.raises(TableError) as info:
@@ -751,7 +754,7 @@ def test_a_user_table_whose_location_cannot_be_found_without_the_variable(tmp_pa
     def no_cache_dir(name):
         raise RuntimeError("no home directory")
 
-    monkeypatch.setattr(T.platformdirs, "user_cache_dir", no_cache_dir)
+    monkeypatch.setattr(L.platformdirs, "user_cache_dir", no_cache_dir)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         assert len(load_tables(SIG, shipped_dir=tmp_path)) == 0
@@ -769,7 +772,7 @@ def test_make_entry_dates_an_entry_in_utc(monkeypatch):
         def now(cls, tz=None):
             return instant.astimezone(tz) if tz is not None else (instant + timedelta(hours=10)).replace(tzinfo=None)
 
-    monkeypatch.setattr(T, "datetime", Clock)
+    monkeypatch.setattr(E, "datetime", Clock)
     e = make_entry("torch", {}, m_points=[1], ratios=[1.0], median_us=1, spread_us=0)
     assert e["tuned_at"] == "2026-11-30"
 

@@ -32,6 +32,7 @@ import pytest
 from test_table import SIG
 
 import hybridgemm.autotune_cache.table as T
+import hybridgemm.autotune_cache.table_document as D
 from hybridgemm.autotune_cache.table import (
     MAX_TABLE_BYTES,
     HybridGemmTableWarning,
@@ -577,7 +578,7 @@ def test_at_most_cap_plus_one_bytes_are_read(tmp_path, monkeypatch):
     path = tmp_path / "proc.json"
     path.symlink_to("/proc/self/maps")
     assert os.stat(path).st_size == 0 and len(Path("/proc/self/maps").read_bytes()) > 200
-    monkeypatch.setattr(T, "MAX_TABLE_BYTES", 100)
+    monkeypatch.setattr(D, "MAX_TABLE_BYTES", 100)
     asked = []
     real_read = os.read
     monkeypatch.setattr(T.os, "read", lambda fd, n: (asked.append(n), real_read(fd, n))[1])

@@ -17,6 +17,7 @@ import torch
 from test_table import SIG
 
 import hybridgemm.autotune_cache.table as T
+import hybridgemm.autotune_cache.table_document as D
 from hybridgemm.autotune_cache import probe, signature, tuner
 from hybridgemm.autotune_cache.signature import FLINEAR, PROBE, USE, entry_verdict, why_not_applicable
 from hybridgemm.autotune_cache.table import (
@@ -78,7 +79,7 @@ def version_warnings(records):
 def _isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRIDGEMM_CACHE_DIR", str(tmp_path / "user-cache"))
     monkeypatch.delenv("HYBRIDGEMM_TABLE", raising=False)
-    monkeypatch.setattr(T, "_warned", set())  # warn-once memory, per test
+    monkeypatch.setattr(D, "_warned", set())  # warn-once memory, per test
 
 
 # ----------------------------------------------------------------------------- the signature split
@@ -142,7 +143,7 @@ def test_a_table_for_another_gpu_or_sm_count_does_not_apply(tmp_path):
     for field, value in (("gpu_name", "NVIDIA H100"), ("sm_count", 114)):
         with pytest.warns(HybridGemmTableWarning, match=field):
             assert len(TuningTable.load(path, {**UPGRADED, field: value})) == 0
-        T._warned.clear()
+        D._warned.clear()
 
 
 def test_load_tables_warns_once_per_table_with_counts(tmp_path):
