@@ -189,6 +189,7 @@ def test_a_width_mismatch_raises_as_stock_does():
 def test_qwen3_per_head_norms_on_fused_qkv_slices(cpu_fast_path):
     """Qwen3 normalises q and k per head (q_norm/k_norm on (..., heads, head_dim) views of the
     fused Q/K/V GEMM's slices): the kernel path gives the stock logits."""
+    pytest.importorskip("transformers.models.qwen3")
     config = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                                       num_key_value_heads=2, head_dim=16, num_hidden_layers=2, vocab_size=97)
     torch.manual_seed(0)
