@@ -2,8 +2,8 @@
 torchrun on the gloo backend run the tiny model end to end (eager decode, prefill, logits
 error; the compiled mode recorded as skipped, and once traced with ``--compile-backend
 eager``), the rows, the CSV and the figure checked; the command-line errors in this process;
-the 70B sizes and both sharding plans on the meta device, under a fake process group; and
-plot_tp from a synthetic CSV."""
+the 70B sizes and both sharding plans of perf/tp_models.py on the meta device, under a fake
+process group; and plot_tp from a synthetic CSV."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hybridgemm.perf import bench_e2e as E
 from hybridgemm.perf import bench_tp as T
+from hybridgemm.perf import tp_models as M
 from hybridgemm.perf.csvio import read_rows
 
 transformers = pytest.importorskip("transformers")
@@ -40,7 +41,7 @@ def torchrun(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 def tiny_weight_bytes(tp: int) -> int:
-    """Bytes a decode step reads on one of ``tp`` ranks, counted by hand from bench_tp.TINY:
+    """Bytes a decode step reads on one of ``tp`` ranks, counted by hand from tp_models.TINY:
     hidden 64, 4 heads of 16 (2 KV heads), MLP 128, vocabulary 256, 2 layers, q/k/v/o biases.
     Sharded: q/k/v rows with their biases, o columns (its bias whole on every rank), the MLP,
     the LM head's rows; norms whole; the input embedding never read in full."""
@@ -246,19 +247,19 @@ def test_bad_arguments_exit_2(argv, words, capsys):
 
 
 def test_llama3_70b_is_known_and_does_not_fit_one_h200_at_full_depth(monkeypatch):
-    config = T.model_config("llama3-70b")
+    config = M.model_config("llama3-70b")
     sizes = dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672,
                  vocab_size=128256, num_hidden_layers=80)
     assert {k: getattr(config, k) for k in sizes} == sizes
     run = E.Run("llama3-70b", config, torch.device("cpu"))
-    nbytes = T.full_bytes(run, torch.bfloat16)
+    nbytes = M.full_bytes(run, torch.bfloat16)
     assert nbytes == pytest.approx(141.1e9, rel=1e-3)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (150.0e9, 150.1e9))  # an idle H200
-    assert T.fits(nbytes, "cuda", T.TP1_MAX_FRACTION) == "141.1 GB, above 85% of the GPU's total 150.1 GB"
-    assert "of the GPU's free 150.0 GB" in T.fits(2 * nbytes, "cuda", T.REF_MAX_FRACTION, free=True)
-    cut = T.full_bytes(E.Run("llama3-70b", T.model_config("llama3-70b", 8), torch.device("cpu")), torch.bfloat16)
-    assert T.fits(cut, "cuda", T.TP1_MAX_FRACTION) is None
-    assert T.fits(nbytes, "cpu", T.TP1_MAX_FRACTION) is None  # the CPU is not checked
+    assert M.fits(nbytes, "cuda", T.TP1_MAX_FRACTION) == "141.1 GB, above 85% of the GPU's total 150.1 GB"
+    assert "of the GPU's free 150.0 GB" in M.fits(2 * nbytes, "cuda", T.REF_MAX_FRACTION, free=True)
+    cut = M.full_bytes(E.Run("llama3-70b", M.model_config("llama3-70b", 8), torch.device("cpu")), torch.bfloat16)
+    assert M.fits(cut, "cuda", T.TP1_MAX_FRACTION) is None
+    assert M.fits(nbytes, "cpu", T.TP1_MAX_FRACTION) is None  # the CPU is not checked
 
 
 @pytest.fixture
@@ -278,41 +279,41 @@ def test_both_plans_shard_the_real_models_alike_on_the_meta_device(fake_ranks, n
     input embedding and norms, which both keep whole."""
     import hybridgemm
 
-    run = E.Run(name, T.model_config(name), torch.device("cpu"))
+    run = E.Run(name, M.model_config(name), torch.device("cpu"))
     held = {}
     for variant in ("tp2_hybridgemm", "tp2_stock"):
-        model, _, norms = T.meta_model(run, torch.bfloat16)
+        model, _, norms = M.meta_model(run, torch.bfloat16)
         if variant == "tp2_hybridgemm":
             assert not hybridgemm.parallelize(model, fake_ranks.group, patch=False).skipped
         else:
-            assert T.shard_stock(model, fake_ranks.mesh("cpu"), 2) == []
-        held[variant] = T.gpu_weight_bytes(model)
-    whole, _, norms = T.meta_model(run, torch.bfloat16)
+            assert M.shard_stock(model, fake_ranks.mesh("cpu"), 2) == []
+        held[variant] = M.gpu_weight_bytes(model)
+    whole, _, norms = M.meta_model(run, torch.bfloat16)
     read = sum(p.numel() for n, p in whole.named_parameters() if "embed_tokens" not in n)
     kept = sum(p.numel() for n, p in whole.named_parameters() if n in norms)
     assert held["tp2_hybridgemm"] == held["tp2_stock"] == 2 * ((read - kept) // 2 + kept)
 
 
 def test_stock_plan_refuses_heads_that_do_not_split(fake_ranks):
-    run = E.Run("tiny", T.model_config("tiny"), torch.device("cpu"))
-    model, _, _ = T.meta_model(run, torch.bfloat16)
+    run = E.Run("tiny", M.model_config("tiny"), torch.device("cpu"))
+    model, _, _ = M.meta_model(run, torch.bfloat16)
     with pytest.raises(NotImplementedError, match="tp=4 to divide the 4 query and 2 key/value heads"):
-        T.shard_stock(model, fake_ranks.mesh("cpu"), 4)
+        M.shard_stock(model, fake_ranks.mesh("cpu"), 4)
 
 
 def test_weights_depend_on_the_name_only():
-    config = T.model_config("tiny")
-    a = T.weight_value("model.layers.0.mlp.up_proj.weight", (128, 64), config, "cpu", torch.bfloat16, torch.bfloat16,
+    config = M.model_config("tiny")
+    a = M.weight_value("model.layers.0.mlp.up_proj.weight", (128, 64), config, "cpu", torch.bfloat16, torch.bfloat16,
                        False)
-    again = T.weight_value("model.layers.0.mlp.up_proj.weight", (128, 64), config, "cpu", torch.float32,
+    again = M.weight_value("model.layers.0.mlp.up_proj.weight", (128, 64), config, "cpu", torch.float32,
                            torch.bfloat16, False)
-    other = T.weight_value("model.layers.1.mlp.up_proj.weight", (128, 64), config, "cpu", torch.bfloat16,
+    other = M.weight_value("model.layers.1.mlp.up_proj.weight", (128, 64), config, "cpu", torch.bfloat16,
                            torch.bfloat16, False)
-    norm = T.weight_value("model.norm.weight", (64,), config, "cpu", torch.bfloat16, torch.bfloat16, True)
+    norm = M.weight_value("model.norm.weight", (64,), config, "cpu", torch.bfloat16, torch.bfloat16, True)
     assert again.dtype == torch.float32 and torch.equal(again, a.float())  # the fp32 copy holds the bf16 values
     assert not torch.equal(a, other) and 0.015 < a.float().std().item() < 0.025
     assert (norm.float() - 1).abs().max().item() < 0.2
-    assert T._layer_chunks(["model.embed_tokens.weight", "model.layers.0.a.weight", "model.layers.0.b.bias",
+    assert M._layer_chunks(["model.embed_tokens.weight", "model.layers.0.a.weight", "model.layers.0.b.bias",
                             "model.layers.11.a.weight", "lm_head.weight"]) == {
         "": ["model.embed_tokens.weight", "lm_head.weight"], "model.layers.0": ["model.layers.0.a.weight",
                                                                                 "model.layers.0.b.bias"],
