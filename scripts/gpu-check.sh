@@ -16,6 +16,8 @@
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
 #         mlp       perf/bench_mlp.py: the MLP GEMMs and LM head of llama3-8b and qwen2.5-7b vs stock
 #         e2e       hybridgemm bench --e2e (E2E_ARGS, default: --model llama3-8b --layers 8) -> $OUT/e2e_h200.csv
+#         profile   perf/e2e_profile.py: kernel time per decode token by group, stock vs patched
+#                   (PROFILE_ARGS, default: --model llama3-8b --layers 8 --batch 1) -> $OUT/e2e_profile_h200.csv
 #         harness   hybridgemm bench (all providers, training) + plots into $OUT/plots
 #         modes     batch-invariant mode vs default vs F.linear (perf/bench_modes.py -> modes_h200.csv)
 #         sanitize  compute-sanitizer over focused GPU test subsets, one pytest process per tool:
@@ -122,6 +124,13 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       $PY -m hybridgemm bench --e2e ${E2E_ARGS:---model llama3-8b --layers 8} --out "$OUT/e2e_h200.csv" \
         --plot "$OUT/plots" --no-progress >"$OUT/bench_e2e.txt" 2>&1 || status=1
       tail -n 20 "$OUT/bench_e2e.txt" | tee -a "$OUT/summary.txt"
+      ;;
+    profile)
+      log "e2e_profile"
+      # shellcheck disable=SC2086
+      $PY -m hybridgemm.perf.e2e_profile ${PROFILE_ARGS:---model llama3-8b --layers 8 --batch 1} \
+        --out "$OUT/e2e_profile_h200.csv" >"$OUT/e2e_profile.txt" 2>&1 || status=1
+      grep -v -i warn "$OUT/e2e_profile.txt" | head -n 40 | tee -a "$OUT/summary.txt"
       ;;
     harness)
       log "hybridgemm bench"
