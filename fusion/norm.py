@@ -67,8 +67,9 @@ def _fast_path(x, w: Tensor) -> bool:
     """May this call take the Triton launch? CUDA tensors on the current device (the launch
     goes to the current device's stream), plain tensors (not vmap's or other wrappers), no
     gradient wanted, not traced, no autocast, kernel dtypes, a unit-stride last dim, and a
-    weight that fits x (anything else runs the stock formula, which raises the stock error)."""
-    if type(x) not in _PLAIN or type(w) not in _PLAIN or not x.is_cuda:
+    weight that fits x (anything else runs the stock formula, which raises the stock error).
+    Compiling is checked first: Dynamo cannot trace the device and functorch queries below."""
+    if torch.compiler.is_compiling() or type(x) not in _PLAIN or type(w) not in _PLAIN or not x.is_cuda:
         return False
     return _eligible(x, w, _current_device is not None and x.get_device() == _current_device())
 

@@ -5,6 +5,8 @@ unpatch."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -165,6 +167,12 @@ def test_the_fast_path_rule(monkeypatch):
             assert not _gate(x, w)
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         assert not _gate(x, w)
+        # while compiling, nothing Dynamo cannot trace is asked (the current-device query is
+        # a builtin that returns an int: fullgraph=True fails on it)
+        fake_cuda = SimpleNamespace(is_cuda=True)
+        monkeypatch.setattr(hnorm, "_PLAIN", (SimpleNamespace, *hnorm._PLAIN))
+        monkeypatch.setattr(hnorm, "_current_device", lambda: pytest.fail("device queried while compiling"))
+        assert not hnorm._fast_path(fake_cuda, w)
         monkeypatch.undo()
         seen = []
         torch.vmap(lambda t: seen.append(_gate(t, w)) or t)(x)
