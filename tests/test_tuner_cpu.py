@@ -26,15 +26,18 @@ def test_finalists_are_the_window_clamped():
 
 def test_winner_is_the_preferred_one_among_ties():
     # (score, (backend rank, candidate rank)); F.linear is rank (-1, 0)
-    rows = [(1.10, (2, 0)), (1.09, (0, 5)), (1.08, (1, 0)), (1.0, tuner.TORCH_RANK)]
-    # 1.09 and 1.08 are within 2% of 1.10; cuBLASLt (rank 0) is preferred; F.linear is not a tie
+    rows = [(1.10, (2, 0)), (1.075, (0, 5)), (1.08, (1, 0)), (1.0, tuner.TORCH_RANK)]
+    # 1.075 and 1.08 are within 3% of 1.10; cuBLASLt (rank 0) is preferred; F.linear is not a tie
     assert tuner.pick_winner(rows) == 1
-    # a kernel 1.5% faster than F.linear at its worst point is a tie, and F.linear is preferred
-    assert tuner.pick_winner([(1.015, (1, 0)), (1.0, tuner.TORCH_RANK)]) == 1
-    # 2.5% faster everywhere: it replaces F.linear
-    assert tuner.pick_winner([(1.025, (1, 0)), (1.0, tuner.TORCH_RANK)]) == 0
+    # 1.065 is more than 3% below 1.10: no longer a tie, and split-K (rank 1) at 1.08 is
+    assert tuner.pick_winner([(1.10, (2, 0)), (1.065, (0, 5)), (1.08, (1, 0)), (1.0, tuner.TORCH_RANK)]) == 2
+    # a kernel 2.5% faster than F.linear at its worst point is not eligible: F.linear serves
+    assert tuner.pick_winner([(1.025, (1, 0)), (1.0, tuner.TORCH_RANK)]) == 1
+    # 3.5% faster everywhere: it replaces F.linear
+    assert tuner.pick_winner([(1.035, (1, 0)), (1.0, tuner.TORCH_RANK)]) == 0
     # within a backend, the backend's own order decides
     assert tuner.pick_winner([(1.2, (1, 4)), (1.19, (1, 2))]) == 1
+    assert tuner.pick_winner([(1.2, (1, 4)), (1.16, (1, 2))]) == 0
     # the same rows in another order pick the same candidate (the rule is order-free)
     rows2 = [rows[3], rows[2], rows[1], rows[0]]
     assert rows2[tuner.pick_winner(rows2)] == rows[1]
@@ -201,10 +204,15 @@ def test_f_linear_stays_unless_a_kernel_is_faster_at_every_point():
     # 20% faster at two points, 5% slower at the low edge: its score is 0.95, so F.linear
     res = _decided([_cand("triton_gemm", 0, [0.95, 1.2, 1.2])])
     assert res.winner["backend"] == "torch" and res.ratios == [1.0, 1.0, 1.0] and res.worst_ratio == 1.0
-    assert res.split_hint  # ... but it beat the winner by more than 3% somewhere: the range is halved
-    # 1.5% faster everywhere: within the tie band, F.linear is preferred, and nothing to split for
-    res = _decided([_cand("cublaslt", 1, [1.015, 1.015, 1.015])])
+    assert res.split_hint  # ... but it beat the winner by more than 8% somewhere: the range is halved
+    # 2.5% faster everywhere: under the eligibility margin, F.linear serves, nothing to split for
+    res = _decided([_cand("cublaslt", 1, [1.025, 1.025, 1.025])])
     assert res.winner["backend"] == "torch" and not res.split_hint
+    # 7% faster at one point only: under SPLIT_GAIN, so the range stays whole; 9% halves it
+    res = _decided([_cand("cublaslt", 1, [1.0, 1.0, 1.07])])
+    assert res.winner["backend"] == "torch" and not res.split_hint
+    res = _decided([_cand("cublaslt", 1, [1.0, 1.0, 1.09])])
+    assert res.winner["backend"] == "torch" and res.split_hint
     # 5% faster at its worst point: it wins, and its own ratios are recorded
     res = _decided([_cand("triton_gemm", 0, [1.05, 1.1, 1.2]), _cand("cublaslt", 2, [1.0, 1.0, 1.0])])
     assert res.winner["backend"] == "triton_gemm" and res.ratios == [1.05, 1.1, 1.2] and res.worst_ratio == 1.05
