@@ -36,7 +36,9 @@ Everything else (embeddings, norms, rotary tables) stays whole on every rank, as
 attention/MLP module that cannot be split (the report lists it with the reason): such a
 module computes its full result on every rank, which is correct, only not divided.
 
-Collectives: eager calls use ``torch.distributed.all_reduce`` (in place) and
+Collectives: on an NCCL group, row-parallel sums that fit ``one_shot_bytes`` go through
+torch's one-shot symmetric-memory all-reduce (:mod:`hybridgemm.collectives`, one kernel, the
+same bits on every rank). Other sums: eager calls use ``torch.distributed.all_reduce`` (in place) and
 ``all_gather``; under ``torch.compile`` the functional collectives
 (``torch.distributed._functional_collectives``) are called, which is what Dynamo turns the
 in-place calls into anyway (with torch 2.13 both compile with ``fullgraph=True``). The
@@ -64,6 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hybridgemm.autotune_cache.presets import tp_local_heads, tp_split, tp_vocab_rows
 
+from .collectives import ONE_SHOT_MAX_BYTES, enable_one_shot, fits_one_shot, tp_sum
 from .linear_layer import linear
 from .patching import PatchReport, _check_module
 from .patching import patch as _patch
@@ -107,10 +110,13 @@ class ParallelReport:
     lm_head: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     patch: PatchReport | None = None
+    all_reduce: str = "none"  # how row-parallel outputs are summed: "one-shot ..." or "nccl ..."
 
     def summary(self) -> str:
         parts = [f"{len(self.attention)} attention", f"{len(self.mlp)} MLP", f"{len(self.lm_head)} LM head"]
         text = f"hybridgemm.parallelize: rank {self.rank} of {self.tp}: sharded {', '.join(parts)}"
+        if self.tp > 1:
+            text += f"; sums: {self.all_reduce}"
         if self.skipped:
             text += "; left whole: " + "; ".join(f"{n or '(root)'}: {r}" for n, r in self.skipped)
         return text
@@ -132,10 +138,12 @@ class RowParallelLinear(nn.Module):
         self.adds_bias = rank == 0
         self.rank, self.tp = rank, tp
         self.group = group
+        self.group_name = group.group_name  # a str: what torch.compile reads without tracing the group
+        self.one_shot = False  # parallelize sets it where the group's one-shot all-reduce is enabled
 
     def forward(self, x: Tensor) -> Tensor:
         y = linear(x, self.weight, self.bias if self.adds_bias else None)
-        return _sum_over_ranks(y, self.group)
+        return _sum_over_ranks(y, self.group, self.group_name, self.one_shot)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (of {self.in_features * self.tp}), out_features={self.out_features}, "
@@ -157,6 +165,8 @@ class VocabParallelLinear(nn.Module):
         self.vocab, self.rows = vocab, rows
         self.rank, self.tp = rank, tp
         self.group = group
+        self.group_name = group.group_name  # a str: what torch.compile reads without tracing the group
+        self.one_shot = False  # parallelize sets it where the group's one-shot all-reduce is enabled
 
     def forward(self, x: Tensor) -> Tensor:
         y = linear(x, self.weight, self.bias)
@@ -186,12 +196,16 @@ class _Collective(torch.autograd.Function):
                            "have no backward (gradients are not reduced over the ranks)")
 
 
-def _sum_over_ranks(y: Tensor, group: dist.ProcessGroup) -> Tensor:
+def _sum_over_ranks(y: Tensor, group: dist.ProcessGroup, group_name: str, one_shot: bool) -> Tensor:
+    if one_shot and fits_one_shot(y, group_name):
+        if y.requires_grad and torch.is_grad_enabled():
+            return _Collective.apply(y, lambda t: tp_sum(t, group_name))
+        return tp_sum(y, group_name)
     if torch.compiler.is_compiling():
         return funcol.all_reduce(y, "sum", group)
     if y.requires_grad and torch.is_grad_enabled():
         # autograd's output may not be changed in place: reduce a copy
-        return _Collective.apply(y, lambda t: _sum_over_ranks(t.clone(), group))
+        return _Collective.apply(y, lambda t: _sum_over_ranks(t.clone(), group, group_name, False))
     dist.all_reduce(y, group=group)
     return y
 
@@ -422,12 +436,17 @@ def _resolve_group(group_or_mesh) -> dist.ProcessGroup:
 
 
 def parallelize(model: nn.Module, group_or_mesh: dist.ProcessGroup | DeviceMesh | None = None, *,
-                patch: bool = True, **patch_kwargs) -> ParallelReport:
+                patch: bool = True, one_shot_bytes: int = ONE_SHOT_MAX_BYTES, **patch_kwargs) -> ParallelReport:
     """Shard ``model`` in place over the ranks of ``group_or_mesh`` (a ProcessGroup, a 1-D
     ``DeviceMesh``, or None for the default group); see the module docstring for what is
     split and how. Call it on every rank of the group, on identical models. With
     ``patch=True`` it then runs ``hybridgemm.patch(model, **patch_kwargs)`` (which fuses each
     rank's q/k/v). Returns a :class:`ParallelReport`.
+
+    Row-parallel sums of up to ``one_shot_bytes`` use the one-shot symmetric-memory
+    all-reduce on an NCCL group (:mod:`hybridgemm.collectives`; its buffer is allocated on
+    the current CUDA device here, so call it after ``torch.cuda.set_device``); ``0`` keeps
+    every sum on NCCL. ``report.all_reduce`` says which is used and, for NCCL, why.
 
     A group of one rank shards nothing (the patch still runs). ``TypeError`` for anything but
     an initialised eager ``nn.Module``, or a group of another type; ``ValueError`` for a mesh
@@ -455,6 +474,13 @@ def parallelize(model: nn.Module, group_or_mesh: dist.ProcessGroup | DeviceMesh 
                 "no q/k/v/o_proj, gate/up/down_proj or lm_head linears found"
             warnings.warn(f"hybridgemm.parallelize: nothing sharded ({why}); every rank runs the whole model",
                           stacklevel=2)
+        if any(getattr(report, kind) for kind in ("attention", "mlp")):
+            why = enable_one_shot(group, one_shot_bytes)
+            report.all_reduce = (f"one-shot through symmetric memory up to {one_shot_bytes} bytes, NCCL above"
+                                 if why is None else f"nccl ({why})")
+            for mod in model.modules():
+                if isinstance(mod, RowParallelLinear) and mod.group_name == group.group_name:
+                    mod.one_shot = why is None
     if patch:
         report.patch = _patch(model, **patch_kwargs)
     return report

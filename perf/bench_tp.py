@@ -16,7 +16,9 @@ memory at a time:
   note, when the weights exceed :data:`TP1_MAX_FRACTION` of the GPU's memory (the 80-layer
   Llama-3-70B: ~141 GB).
 - ``tp2_hybridgemm``: ``hybridgemm.parallelize(model, group)``: fusion/parallel.py's
-  column/row-parallel attention and MLP and vocab-parallel LM head, then ``hybridgemm.patch``.
+  column/row-parallel attention and MLP and vocab-parallel LM head, then ``hybridgemm.patch``;
+  row-parallel sums through the one-shot symmetric-memory all-reduce (fusion/collectives.py).
+- ``tp2_hybridgemm_nccl``: the same with ``one_shot_bytes=0``: every sum on NCCL.
 - ``tp2_stock``: the unpatched model sharded with ``torch.distributed.tensor.parallel``
   (perf/tp_models.py's :func:`shard_stock`): ``ColwiseParallel`` for q/k/v/gate/up,
   ``RowwiseParallel`` for o/down, the LM head colwise with its logits gathered.

@@ -540,7 +540,8 @@ def plot_mlp(csv_path, out_dir, name: str = "mlp.png") -> Path:
     return _save(fig, footer, Path(out_dir) / name, rows)
 
 
-TP_VARIANTS = (("tp1_hybridgemm", "0.55"), ("tp2_hybridgemm", "C3"), ("tp2_stock", "C0"))
+TP_VARIANTS = (("tp1_hybridgemm", "0.55"), ("tp2_hybridgemm", "C3"), ("tp2_hybridgemm_nccl", "C1"),
+               ("tp2_stock", "C0"))
 
 
 def _tp_bars(ax, groups: list[tuple], rows: dict) -> None:
@@ -576,7 +577,7 @@ def _tp_bars(ax, groups: list[tuple], rows: dict) -> None:
 def plot_tp(csv_path, out_dir, name: str = "tp.png") -> Path:
     """``name`` (default ``tp.png``) in ``out_dir`` from perf/bench_tp.py's CSV: per (GPU, model,
     layers), ms per decode step for each decode mode and batch, and ms per prefill beside it,
-    one bar per variant (tp1_hybridgemm, tp2_hybridgemm, tp2_stock), each tp=2 bar labelled with
+    one bar per variant (:data:`TP_VARIANTS`), each tp=2 bar labelled with
     its speedup over tp=1 (see :func:`_tp_bars`); the title gives each variant's HBM floor per
     GPU. Raises FileNotFoundError for a missing file, ValueError when no row holds a time."""
     if not os.path.isfile(csv_path):

@@ -6,7 +6,8 @@ The models: a config of the real model's sizes (perf/e2e_models.py, ``layers`` s
 or ``tiny``, a 2-layer Llama-layout model with attention biases (:data:`TINY`), for tests and
 CPU runs. :func:`build` makes each variant of :data:`VARIANTS` (perf/bench_tp.py's docstring
 says what each one times): ``tp1_hybridgemm`` whole, ``tp2_hybridgemm`` sharded by
-``hybridgemm.parallelize``, both then ``hybridgemm.patch``-ed, and ``tp2_stock`` sharded by
+``hybridgemm.parallelize`` (``tp2_hybridgemm_nccl`` the same with every sum on NCCL), all then
+``hybridgemm.patch``-ed, and ``tp2_stock`` sharded by
 torch's own plan (:func:`shard_stock`): ``ColwiseParallel`` for q/k/v/gate/up,
 ``RowwiseParallel`` for o/down, the LM head colwise with its logits gathered
 (``output_layouts=Replicate()``), over a 1-D ``DeviceMesh``; each attention module's
@@ -45,12 +46,13 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 import hybridgemm
+from hybridgemm.collectives import ONE_SHOT_MAX_BYTES
 from hybridgemm.parallel import load_full_state_dict
 from hybridgemm.perf import bench_e2e as E
 from hybridgemm.perf import e2e_models as hf
 from hybridgemm.perf.tp_ranks import Ranks
 
-VARIANTS = {"tp1_hybridgemm": 1, "tp2_hybridgemm": 2, "tp2_stock": 2}  # name: ranks it runs on
+VARIANTS = {"tp1_hybridgemm": 1, "tp2_hybridgemm": 2, "tp2_hybridgemm_nccl": 2, "tp2_stock": 2}  # name: ranks
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
             vocab_size=256, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=False,
             attention_bias=True, mlp_bias=False)
@@ -218,15 +220,16 @@ def build(run: E.Run, variant: str, ranks: Ranks) -> Built:
     """``variant``'s model on this rank (see the module docstring)."""
     model, shapes, norms = meta_model(run, run.dtype)
     notes = []
-    if variant == "tp2_hybridgemm":
-        report = hybridgemm.parallelize(model, ranks.group, patch=False)
+    if variant.startswith("tp2_hybridgemm"):
+        one_shot = 0 if variant.endswith("_nccl") else ONE_SHOT_MAX_BYTES
+        report = hybridgemm.parallelize(model, ranks.group, patch=False, one_shot_bytes=one_shot)
         run.log(report.summary())
         notes += [f"left whole: {n}: {why}" for n, why in report.skipped]
     elif variant == "tp2_stock":
         notes += shard_stock(model, ranks.mesh(run.device), VARIANTS[variant])
     fill(model, shapes, norms, run.config, run.device, run.dtype, run.dtype)
     built = Built(model.eval(), gpu_weight_bytes(model), notes)
-    if variant.endswith("hybridgemm"):
+    if "hybridgemm" in variant:
         run.log(hybridgemm.patch(model).summary())
     return built
 

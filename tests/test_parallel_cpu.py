@@ -159,6 +159,8 @@ def case_llama_gqa_one_kv_head(rank, group):
     report = parallelize(model, group)
     assert len(report.attention) == 2 and len(report.mlp) == 2 and report.lm_head == ["lm_head"], report
     assert len(report.patch.fused_qkv) == 2, report.patch
+    # gloo on the CPU: no symmetric memory, the sums go through the group's own all-reduce
+    assert report.all_reduce.startswith("nccl (") and "sums: nccl (" in report.summary(), report.all_reduce
     attn, ref_attn = model.model.layers[0].self_attn, ref.model.layers[0].self_attn
     assert attn.num_key_value_groups == 2 and attn.q_proj.out_features == 16 and attn.k_proj.out_features == 8
     torch.testing.assert_close(attn.k_proj.weight, ref_attn.k_proj.weight, rtol=0, atol=0)  # the one KV head
@@ -432,6 +434,21 @@ def test_a_second_parallelize_changes_nothing(fake_group):
     assert report.attention == report.mlp == report.lm_head == []
     assert all("already sharded" in r for _, r in report.skipped)
     assert {k: v.shape for k, v in model.state_dict().items()} == shapes
+
+
+def test_one_shot_needs_an_enabled_nccl_group(fake_group):
+    from hybridgemm import collectives
+
+    group = fake_group(2, 0)
+    why = collectives.enable_one_shot(group)
+    assert why is not None and ("CUDA" in why or "nccl" in why), why
+    assert collectives.enable_one_shot(group, max_bytes=0) == "disabled (max_bytes <= 0)"
+    assert not collectives.one_shot_enabled(group)
+    assert not collectives.fits_one_shot(torch.ones(2, 8), group.group_name)
+    # a group with one-shot disabled by the caller reports it, and still shards
+    model = causal_lm(llama_config())
+    report = parallelize(model, group, one_shot_bytes=0, patch=False)
+    assert report.attention and report.all_reduce == "nccl (disabled (max_bytes <= 0))", report.all_reduce
 
 
 def test_lazy_exports():

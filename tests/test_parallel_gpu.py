@@ -160,7 +160,62 @@ def case_cuda_graph_decode_step(rank, group):
     return None
 
 
-CASES = [case_bf16_within_flinear_error_bound, case_bit_identical_runs_and_ranks, case_cuda_graph_decode_step]
+def _nccl_sum(t):
+    out = t.clone()
+    dist.all_reduce(out)
+    return out
+
+
+def case_one_shot_sum_is_nccls_sum(rank, group):
+    """parallelize enables the one-shot all-reduce; its sums are bit-identical to NCCL's for
+    bf16 and fp32 at odd sizes, eagerly, back to back with one rank running late, and replayed
+    from a CUDA graph with new inputs; what it cannot take (fp16, over the buffer, an
+    unaligned view) still sums right through NCCL."""
+    from hybridgemm import collectives
+
+    sharded, _, _ = _models(rank)
+    report = parallelize(transformers.AutoModelForCausalLM.from_config(llama_config(**CONFIG)), group, patch=False)
+    assert report.all_reduce.startswith("one-shot"), report.all_reduce
+    name = group.group_name
+    gen = torch.Generator(device="cuda").manual_seed(100 + rank)  # each rank its own data
+    cases = [((1, 4096), torch.bfloat16), ((3, 1000), torch.bfloat16), ((17, 1000), torch.float32),
+             ((8, 8192), torch.bfloat16)]
+    for shape, dtype in cases:
+        assert collectives.fits_one_shot(torch.empty(shape, dtype=dtype, device="cuda"), name), (shape, dtype)
+        for _ in range(3):
+            y = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
+            assert torch.equal(collectives.tp_sum(y, name), _nccl_sum(y)), (shape, dtype)
+    # back to back with distinct data, rank 1 delayed: a rank must not overwrite its buffer
+    # while the other still reads it
+    ys = [torch.randn(2, 4096, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(32)]
+    expected = [_nccl_sum(y) for y in ys]
+    torch.cuda.synchronize()
+    if rank == 1:
+        torch.cuda._sleep(50_000_000)
+    got = [collectives.tp_sum(y, name) for y in ys]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert torch.equal(g, e), f"back-to-back call {i} differs from NCCL's sum"
+    # captured in a CUDA graph, replayed on new inputs
+    x = torch.zeros(4, 4096, device="cuda", dtype=torch.bfloat16)
+    collectives.tp_sum(x, name)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = collectives.tp_sum(x, name)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda", dtype=x.dtype))
+        graph.replay()
+        assert torch.equal(out, _nccl_sum(x)), "graph replay of the one-shot sum differs from NCCL's"
+    # the NCCL fallbacks
+    big = torch.randn(64, 4096, generator=gen, device="cuda", dtype=torch.bfloat16)  # 512 KiB
+    half = torch.randn(2, 4096, generator=gen, device="cuda", dtype=torch.float16)
+    unaligned = torch.randn(2 * 4096 + 1, generator=gen, device="cuda", dtype=torch.bfloat16)[1:].view(2, 4096)
+    for t in (big, half, unaligned):
+        assert torch.equal(collectives.tp_sum(t, name), _nccl_sum(t)), (t.shape, t.dtype)
+    del sharded
+
+
+CASES = [case_bf16_within_flinear_error_bound, case_bit_identical_runs_and_ranks, case_cuda_graph_decode_step,
+         case_one_shot_sum_is_nccls_sum]
 
 
 @pytest.fixture(scope="module")
