@@ -25,8 +25,8 @@ Selection rule (written down so a re-run reproduces the table):
      within ``KERNEL_TIE`` (3%) of the best are ties and the fixed preference order decides:
      backend (cuBLASLt, Triton split-K, Triton tiled), then the backend's own candidate order
      (cuBLASLt's heuristic first). With none eligible, F.linear serves the range. Both
-     margins are wider than the 1-3% that one kernel's ratio moves between processes (see
-     placements below), so that a re-run lands on the same side of them.
+     margins are as wide as the 1-3% that one kernel's ratio moves between processes (see
+     placements below), so that a re-run mostly lands on the same side of them.
   5. Validation: a kernel that won is timed beside F.linear at ``keys.validation_points``
      (every M of a range up to 24 wide, else 12 more log-spaced M) and kept only if it is at least
      ``VALIDATE_FLOOR`` of F.linear's speed at each. F.linear's own kernel changes at M values

@@ -13,8 +13,11 @@ before any CUDA graph is captured.
 
 The order of the sum is rank 0 + rank 1 + ... on every rank, so every rank gets the same
 bits, run after run. Messages the one-shot kernel cannot take (other dtypes than bf16 and
-fp32, larger than the buffer, not 16-byte aligned, on another device) go to NCCL, as does
-everything on a group where symmetric memory is not enabled (gloo, CPU, a torch without it).
+fp32, larger than the buffer, not a multiple of 16 bytes) go to NCCL, as does everything on a
+group where symmetric memory is not enabled (gloo, CPU, a torch without it).
+
+One buffer serves every sum over its group, in stream order: two models sharing a group and
+summing on different streams at the same time would race on it (NCCL would serialise them).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ ONE_SHOT_MAX_BYTES = 256 * 1024  # (8, 8192) bf16 is 128 KiB: the largest decode
 ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)  # what torch's kernel is built for
 
 _BUFFERS: dict[str, Tensor] = {}  # group name -> this rank's symmetric buffer (uint8)
-# group name -> (device, capacity in bytes): plain values, so that torch.compile reads them as constants
-_SPECS: dict[str, tuple[torch.device, int]] = {}
+# group name -> capacity in bytes: a plain value, so that torch.compile reads it as a constant
+_CAPACITY: dict[str, int] = {}
+_GROUPS: dict[str, dist.ProcessGroup] = {}  # group name -> the group the buffer was exchanged over
 
 
 def one_shot_unavailable(group: dist.ProcessGroup) -> str | None:
@@ -47,41 +51,61 @@ def one_shot_unavailable(group: dist.ProcessGroup) -> str | None:
     return None
 
 
-def enable_one_shot(group: dist.ProcessGroup, max_bytes: int = ONE_SHOT_MAX_BYTES) -> str | None:
-    """Allocate this rank's symmetric buffer of ``max_bytes`` for ``group`` on the current
-    CUDA device and exchange it with the other ranks (a collective: every rank of the group
-    calls it, in the same order as its other collectives). Returns None when enabled (or
-    already enabled), else why not; then the group keeps using NCCL."""
+def _all_ranks(ok: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``ok`` holds on every rank of ``group`` (a collective): the ranks must all take
+    the one-shot path or all not, or the first sum would hang."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def enable_one_shot(group: dist.ProcessGroup, max_bytes: int = ONE_SHOT_MAX_BYTES,
+                    device: torch.device | None = None) -> str | None:
+    """Allocate this rank's symmetric buffer of ``max_bytes`` for ``group`` on ``device``
+    (default: the current CUDA device) and exchange it with the other ranks. A collective:
+    every rank of the group calls it, in the same order as its other collectives; the ranks
+    agree on the outcome, so either all use the buffer or none does. Returns None when enabled
+    (or already enabled for this group), else why not; then the group keeps using NCCL."""
     if max_bytes <= 0:
         return "disabled (max_bytes <= 0)"
     why = one_shot_unavailable(group)
     if why is not None:
         return why
     name = group.group_name
-    if name in _BUFFERS:
+    if _GROUPS.get(name) is group:
         return None
+    release(name)  # a buffer of an earlier group of the same name (process group re-created)
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     symm_mem = importlib.import_module("torch.distributed._symmetric_memory")
+    buf, why = None, None
     try:
-        buf = symm_mem.empty(max_bytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+        buf = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+    except Exception as e:
+        why = f"the symmetric buffer could not be allocated ({type(e).__name__}: {e})"[:300]
+    if not _all_ranks(why is None, group, device):
+        return why or "another rank could not allocate its symmetric buffer"
+    try:
         symm_mem.rendezvous(buf, group)
     except Exception as e:  # a driver or fabric without peer access: NCCL still works
-        return f"symmetric memory could not be set up ({type(e).__name__}: {e})"[:300]
-    _BUFFERS[name] = buf
-    _SPECS[name] = (buf.device, max_bytes)
+        why = f"symmetric memory could not be set up ({type(e).__name__}: {e})"[:300]
+    if not _all_ranks(why is None, group, device):
+        return why or "another rank could not set up symmetric memory"
+    _BUFFERS[name], _CAPACITY[name], _GROUPS[name] = buf, max_bytes, group
     return None
 
 
-def one_shot_enabled(group: dist.ProcessGroup) -> bool:
-    return group.group_name in _SPECS
+def one_shot_capacity(group: dist.ProcessGroup) -> int:
+    """The largest sum in bytes that goes one-shot over ``group`` (0: not enabled)."""
+    return _CAPACITY.get(group.group_name, 0) if _GROUPS.get(group.group_name) is group else 0
 
 
 def fits_one_shot(y: Tensor, group_name: str) -> bool:
-    """Whether ``y`` can go through the one-shot kernel of group ``group_name`` by its
-    dtype, size and device (also true of a fake tensor while compiling; the address is
-    checked when the op runs)."""
-    spec = _SPECS.get(group_name)
-    return (spec is not None and y.dtype in ONE_SHOT_DTYPES and y.device == spec[0]
-            and 0 < y.numel() * y.element_size() <= spec[1])
+    """Whether ``y`` goes through the one-shot kernel of group ``group_name``: by its dtype
+    and size only, the same on every rank (and answerable for a fake tensor while compiling)."""
+    cap = _CAPACITY.get(group_name, 0)
+    nbytes = y.numel() * y.element_size()
+    # a whole number of 16-byte vectors: the kernel's widest loads, and an alignment its check accepts
+    return y.dtype in ONE_SHOT_DTYPES and 0 < nbytes <= cap and nbytes % 16 == 0
 
 
 def _nccl_sum(y: Tensor, group_name: str) -> Tensor:
@@ -93,12 +117,22 @@ def _nccl_sum(y: Tensor, group_name: str) -> Tensor:
 @torch.library.custom_op("hybridgemm::tp_sum", mutates_args=())
 def tp_sum(y: Tensor, group_name: str) -> Tensor:
     """The sum of ``y`` over the ranks of group ``group_name``, as a new tensor: one-shot
-    through the group's symmetric buffer where :func:`fits_one_shot` and the address is
-    16-byte aligned, NCCL otherwise."""
+    through the group's symmetric buffer where :func:`fits_one_shot`, NCCL otherwise.
+
+    The choice depends only on what every rank shares (dtype, shape, device, the group), never
+    on an address: a rank in the one-shot kernel's barrier while another waits in NCCL would
+    hang both. A ``y`` that is not contiguous from a 16-byte aligned start is copied first."""
     nbytes = y.numel() * y.element_size()
-    if (fits_one_shot(y, group_name) and y.is_contiguous() and y.storage_offset() == 0
-            and y.data_ptr() % 16 == 0 and nbytes % 16 == 0):
-        staged = _BUFFERS[group_name][:nbytes].view(y.dtype).view(y.shape)
+    if fits_one_shot(y, group_name):
+        buf = _BUFFERS[group_name]
+        if y.device != buf.device:
+            raise RuntimeError(
+                f"hybridgemm.parallel: the one-shot buffer of process group {group_name!r} is on {buf.device}, "
+                f"but this rank's tensor is on {y.device}: call torch.cuda.set_device(local_rank) before "
+                "parallelize and keep the model on that device, or parallelize with one_shot_bytes=0")
+        if not (y.is_contiguous() and y.storage_offset() == 0 and y.data_ptr() % 16 == 0):
+            y = y.clone(memory_format=torch.contiguous_format)  # new storage: offset 0, allocator-aligned
+        staged = buf[:nbytes].view(y.dtype).view(y.shape)
         out = torch.empty_like(y, memory_format=torch.contiguous_format)
         return torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, y, "sum", group_name, out)
     return _nccl_sum(y, group_name)
@@ -111,10 +145,10 @@ def _(y: Tensor, group_name: str) -> Tensor:
 
 def release(group_name: str) -> None:
     """Forget ``group_name``'s buffer (for a group about to be destroyed): later sums over a
-    group of that name use NCCL."""
-    _SPECS.pop(group_name, None)
-    _BUFFERS.pop(group_name, None)
+    group of that name use NCCL until :func:`enable_one_shot` is called for it again."""
+    for table in (_CAPACITY, _BUFFERS, _GROUPS):
+        table.pop(group_name, None)
 
 
-__all__ = ["ONE_SHOT_MAX_BYTES", "enable_one_shot", "fits_one_shot", "one_shot_enabled", "one_shot_unavailable",
+__all__ = ["ONE_SHOT_MAX_BYTES", "enable_one_shot", "fits_one_shot", "one_shot_capacity", "one_shot_unavailable",
            "release", "tp_sum"]

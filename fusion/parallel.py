@@ -66,7 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hybridgemm.autotune_cache.presets import tp_local_heads, tp_split, tp_vocab_rows
 
-from .collectives import ONE_SHOT_MAX_BYTES, enable_one_shot, fits_one_shot, tp_sum
+from .collectives import ONE_SHOT_MAX_BYTES, enable_one_shot, fits_one_shot, one_shot_capacity, tp_sum
 from .linear_layer import linear
 from .patching import PatchReport, _check_module
 from .patching import patch as _patch
@@ -445,8 +445,9 @@ def parallelize(model: nn.Module, group_or_mesh: dist.ProcessGroup | DeviceMesh 
 
     Row-parallel sums of up to ``one_shot_bytes`` use the one-shot symmetric-memory
     all-reduce on an NCCL group (:mod:`hybridgemm.collectives`; its buffer is allocated on
-    the current CUDA device here, so call it after ``torch.cuda.set_device``); ``0`` keeps
-    every sum on NCCL. ``report.all_reduce`` says which is used and, for NCCL, why.
+    the model's CUDA device, or the current one for a model not yet on a GPU, so call
+    ``torch.cuda.set_device`` first); ``0`` keeps every sum on NCCL. The first call for a
+    group sets its buffer size. ``report.all_reduce`` says which is used and, for NCCL, why.
 
     A group of one rank shards nothing (the patch still runs). ``TypeError`` for anything but
     an initialised eager ``nn.Module``, or a group of another type; ``ValueError`` for a mesh
@@ -475,9 +476,10 @@ def parallelize(model: nn.Module, group_or_mesh: dist.ProcessGroup | DeviceMesh 
             warnings.warn(f"hybridgemm.parallelize: nothing sharded ({why}); every rank runs the whole model",
                           stacklevel=2)
         if any(getattr(report, kind) for kind in ("attention", "mlp")):
-            why = enable_one_shot(group, one_shot_bytes)
-            report.all_reduce = (f"one-shot through symmetric memory up to {one_shot_bytes} bytes, NCCL above"
-                                 if why is None else f"nccl ({why})")
+            device = next((p.device for p in model.parameters() if p.is_cuda), None)
+            why = enable_one_shot(group, one_shot_bytes, device)
+            report.all_reduce = (f"one-shot through symmetric memory up to {one_shot_capacity(group)} bytes, "
+                                 "NCCL above" if why is None else f"nccl ({why})")
             for mod in model.modules():
                 if isinstance(mod, RowParallelLinear) and mod.group_name == group.group_name:
                     mod.one_shot = why is None

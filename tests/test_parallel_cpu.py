@@ -443,7 +443,7 @@ def test_one_shot_needs_an_enabled_nccl_group(fake_group):
     why = collectives.enable_one_shot(group)
     assert why is not None and ("CUDA" in why or "nccl" in why), why
     assert collectives.enable_one_shot(group, max_bytes=0) == "disabled (max_bytes <= 0)"
-    assert not collectives.one_shot_enabled(group)
+    assert collectives.one_shot_capacity(group) == 0
     assert not collectives.fits_one_shot(torch.ones(2, 8), group.group_name)
     # a group with one-shot disabled by the caller reports it, and still shards
     model = causal_lm(llama_config())

@@ -170,7 +170,7 @@ def case_one_shot_sum_is_nccls_sum(rank, group):
     """parallelize enables the one-shot all-reduce; its sums are bit-identical to NCCL's for
     bf16 and fp32 at odd sizes, eagerly, back to back with one rank running late, and replayed
     from a CUDA graph with new inputs; what it cannot take (fp16, over the buffer, an
-    unaligned view) still sums right through NCCL."""
+    odd byte count) still sums right through NCCL, and an unaligned view is copied first."""
     from hybridgemm import collectives
 
     sharded, _, _ = _models(rank)
@@ -180,11 +180,16 @@ def case_one_shot_sum_is_nccls_sum(rank, group):
     gen = torch.Generator(device="cuda").manual_seed(100 + rank)  # each rank its own data
     cases = [((1, 4096), torch.bfloat16), ((3, 1000), torch.bfloat16), ((17, 1000), torch.float32),
              ((8, 8192), torch.bfloat16)]
+    buf = collectives._BUFFERS[name]
+    assert collectives.enable_one_shot(group) is None and collectives._BUFFERS[name] is buf  # enabled once
     for shape, dtype in cases:
         assert collectives.fits_one_shot(torch.empty(shape, dtype=dtype, device="cuda"), name), (shape, dtype)
         for _ in range(3):
             y = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
             assert torch.equal(collectives.tp_sum(y, name), _nccl_sum(y)), (shape, dtype)
+            nbytes = y.numel() * y.element_size()
+            staged = buf[:nbytes].view(dtype).view(shape)
+            assert torch.equal(staged, y), "the sum did not go through the symmetric buffer"
     # back to back with distinct data, rank 1 delayed: a rank must not overwrite its buffer
     # while the other still reads it
     ys = [torch.randn(2, 4096, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(32)]
@@ -208,14 +213,49 @@ def case_one_shot_sum_is_nccls_sum(rank, group):
     # the NCCL fallbacks
     big = torch.randn(64, 4096, generator=gen, device="cuda", dtype=torch.bfloat16)  # 512 KiB
     half = torch.randn(2, 4096, generator=gen, device="cuda", dtype=torch.float16)
+    odd = torch.randn(3, 1001, generator=gen, device="cuda", dtype=torch.bfloat16)  # 6006 bytes
+    assert not any(collectives.fits_one_shot(t, name) for t in (big, half, odd))
     unaligned = torch.randn(2 * 4096 + 1, generator=gen, device="cuda", dtype=torch.bfloat16)[1:].view(2, 4096)
-    for t in (big, half, unaligned):
+    transposed = torch.randn(4096, 2, generator=gen, device="cuda", dtype=torch.float32).t()
+    assert collectives.fits_one_shot(unaligned, name) and collectives.fits_one_shot(transposed, name)
+    for t in (big, half, odd, unaligned, transposed):
         assert torch.equal(collectives.tp_sum(t, name), _nccl_sum(t)), (t.shape, t.dtype)
+    # a tensor on another GPU than the buffer: a clear error on every rank, not a hang
+    other = torch.ones(2, 4096, device=f"cuda:{1 - rank}", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="set_device"):
+        collectives.tp_sum(other, name)
     del sharded
 
 
+def case_compiled_mlp_sums_one_shot(rank, group):
+    """A row-parallel MLP under torch.compile(fullgraph=True, mode="reduce-overhead") matches
+    the eager module call after call, and its compiled sum goes through the symmetric buffer."""
+    from hybridgemm import collectives
+
+    sharded, _, _ = _models(rank)
+    mlp = sharded.model.layers[0].mlp
+    assert isinstance(mlp.down_proj, RowParallelLinear) and mlp.down_proj.one_shot
+    buf = collectives._BUFFERS[group.group_name]
+    compiled = torch.compile(mlp, fullgraph=True, mode="reduce-overhead")
+    gen = torch.Generator(device="cuda").manual_seed(7)  # the same input on every rank, as in TP
+    with torch.no_grad():
+        for i in range(5):
+            x = torch.randn(2, 1, CONFIG["hidden_size"], generator=gen, device="cuda", dtype=torch.bfloat16)
+            torch.cuda.synchronize()
+            dist.barrier()
+            buf.zero_()
+            torch.cuda.synchronize()
+            dist.barrier()
+            got = compiled(x).clone()
+            torch.cuda.synchronize()
+            assert buf[: x.numel() * 2].count_nonzero() > 0, f"call {i}: the compiled sum did not use the buffer"
+            ref = mlp(x)
+            err = rel_err(got, ref)
+            assert err <= FLOORS[torch.bfloat16], f"call {i}: compiled vs eager rel err {err:.3g}"
+
+
 CASES = [case_bf16_within_flinear_error_bound, case_bit_identical_runs_and_ranks, case_cuda_graph_decode_step,
-         case_one_shot_sum_is_nccls_sum]
+         case_one_shot_sum_is_nccls_sum, case_compiled_mlp_sums_one_shot]
 
 
 @pytest.fixture(scope="module")
