@@ -161,7 +161,7 @@ def case_cuda_graph_decode_step(rank, group):
 
 
 def _nccl_sum(t):
-    out = t.clone()
+    out = t.clone(memory_format=torch.contiguous_format)  # NCCL takes contiguous tensors only
     dist.all_reduce(out)
     return out
 
