@@ -39,10 +39,10 @@ _GROUPS: dict[str, dist.ProcessGroup] = {}  # group name -> the group the buffer
 
 def one_shot_unavailable(group: dist.ProcessGroup) -> str | None:
     """Why the one-shot all-reduce cannot serve ``group`` here, or None when it can."""
+    if dist.get_backend(group) != "nccl":  # first: a gloo group never initialises CUDA here
+        return f"the group's backend is {dist.get_backend(group)}, not nccl"
     if not torch.cuda.is_available():
         return "no CUDA device"
-    if dist.get_backend(group) != "nccl":
-        return f"the group's backend is {dist.get_backend(group)}, not nccl"
     try:
         importlib.import_module("torch.distributed._symmetric_memory")
         torch.ops.symm_mem.one_shot_all_reduce_copy_out  # noqa: B018
