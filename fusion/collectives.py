@@ -119,9 +119,10 @@ def tp_sum(y: Tensor, group_name: str) -> Tensor:
     """The sum of ``y`` over the ranks of group ``group_name``, as a new tensor: one-shot
     through the group's symmetric buffer where :func:`fits_one_shot`, NCCL otherwise.
 
-    The choice depends only on what every rank shares (dtype, shape, device, the group), never
+    The choice depends only on what every rank shares (dtype, byte count, the group), never
     on an address: a rank in the one-shot kernel's barrier while another waits in NCCL would
-    hang both. A ``y`` that is not contiguous from a 16-byte aligned start is copied first."""
+    hang both. A ``y`` that is not contiguous from a 16-byte aligned start is copied first; a
+    ``y`` on another GPU than the buffer is a RuntimeError."""
     nbytes = y.numel() * y.element_size()
     if fits_one_shot(y, group_name):
         buf = _BUFFERS[group_name]

@@ -165,8 +165,6 @@ class VocabParallelLinear(nn.Module):
         self.vocab, self.rows = vocab, rows
         self.rank, self.tp = rank, tp
         self.group = group
-        self.group_name = group.group_name  # a str: what torch.compile reads without tracing the group
-        self.one_shot = False  # parallelize sets it where the group's one-shot all-reduce is enabled
 
     def forward(self, x: Tensor) -> Tensor:
         y = linear(x, self.weight, self.bias)
