@@ -49,6 +49,22 @@ def dot_precision(problem: Problem) -> str:
     return "tf32" if problem.dtype != torch.float32 or problem.tf32 else "ieee"
 
 
+def pdl_enabled(capability: tuple[int, int]) -> bool:
+    """Launch the decode kernels (split-K GEMM, gated GEMM) with programmatic dependent launch
+    (PDL) on Hopper and later.
+
+    Why: a decode GEMV lasts ~10 µs, and a kernel boundary (the next grid's launch and start)
+    costs about a microsecond of it. With PDL the next grid is launched while this one runs its
+    epilogue (``gdc_launch_dependents``) and waits (``gdc_wait``) before touching memory, so
+    the boundary overlaps. Correctness does not depend on the neighbours: the wait returns only
+    once the previous kernel on the stream has completed and its writes are visible, whoever
+    launched it; kernels launched after ours without PDL wait for our completion as usual.
+    ``HYBRIDGEMM_PDL=0`` turns it off (read when a plan is built)."""
+    if interpreting() or capability < (9, 0):
+        return False
+    return os.environ.get("HYBRIDGEMM_PDL", "1") not in ("0", "")
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -20,7 +20,8 @@ of 32 or less the dots are computed swapped, ``acc[BN, BM] = W_tile @ x_tile.T``
 rows fill the MMA's wide side (wgmma on Hopper) and the few x rows its narrow side (the same
 orientation as triton_splitk). Larger M uses 64/128-row tiles in the usual orientation, in
 grouped order (GROUP_M tile-rows walked column by column) so concurrent programs share W
-tiles in L2.
+tiles in L2. On Hopper the kernel is launched with programmatic dependent launch, like
+triton_splitk (``triton_common.pdl_enabled``).
 
 Deterministic: no atomics, no split of K; every output element is one program's fixed-order
 sum. Nothing touches a GPU at import time.
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import triton_common as tc
 from .checks import check_linear_args, contiguous_bias, row_major, rows_2d
@@ -104,11 +106,21 @@ def _problem(m, i, k, dtype, has_bias, ldx, ldw, ldo, tf32=False) -> Problem:
     return Problem(m, 2 * i, k, dtype, Epilogue(Activation.NONE, has_bias), ldx, ldw, ldo, tf32=tf32)
 
 
-# What candidates() offers for M <= 64, most promising first: (block_n, bytes of K per row per
-# stage, num_warps, num_stages). Both W tiles together hold 2 x block_n rows, so block_n = 32
-# with 512 bytes puts the same 32 KB of W in each stage as triton_splitk's measured best
-# no-split decode shape (64 rows x 512 bytes x 4 stages). Narrower tiles give more programs
-# (Llama-3-8B, I = 14336: 448 of 32 columns, 224 of 64) and shorter tails.
+# What candidates() offers for M <= 16, fastest first: (block_n, bytes of K per row per stage,
+# num_warps, num_stages). Timed at M = 1 and 8 on the H200 over Llama-3-8B, Qwen2.5-7B and
+# their tp=2 shards and Llama-3-70B's tp=2 shard (perf/results/h200/sweep_triton_glu.csv): the
+# first is within 4.2% of the fastest config at every one of those shapes, at 4.1-4.3 TB/s;
+# the small-footprint stages (~60 KB of shared memory) let three programs share an SM, so the
+# last wave of programs is short whatever I is.
+_DECODE = (
+    (32, 256, 2, 3), (64, 256, 4, 3), (32, 256, 4, 3), (64, 256, 4, 4), (128, 256, 4, 3), (64, 512, 4, 3),
+    (16, 512, 2, 4), (32, 512, 4, 4),
+)
+
+# M of 17..64: (block_n, bytes of K per row per stage, num_warps, num_stages). Both W tiles
+# together hold 2 x block_n rows, so block_n = 32 with 512 bytes puts the same 32 KB of W in
+# each stage as triton_splitk's measured best no-split decode shape (64 rows x 512 bytes x 4
+# stages).
 _SMALL_M = (
     (32, 512, 4, 4), (64, 256, 4, 4), (32, 256, 4, 5), (64, 512, 4, 3),
     (16, 512, 4, 4), (128, 256, 4, 3), (32, 512, 4, 3), (64, 256, 4, 5),
@@ -133,7 +145,7 @@ def candidates(m: int, i: int, k: int, dtype: torch.dtype, *,
     e = dtype.itemsize
     if m <= 64:
         bm = max(16, tc.next_pow2(m))
-        shapes = [(bm, bn, k_bytes, w, s) for bn, k_bytes, w, s in _SMALL_M]
+        shapes = [(bm, bn, k_bytes, w, s) for bn, k_bytes, w, s in (_DECODE if m <= 16 else _SMALL_M)]
     else:
         shapes = list(_LARGE_M)
     found: list[TritonGluConfig] = []
@@ -198,9 +210,12 @@ def _mma(w, xt, acc, PREC: tl.constexpr, SWAP: tl.constexpr):
 def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, ldx, ldw, ldo,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
-                SWAP: tl.constexpr):
+                SWAP: tl.constexpr, PDL: tl.constexpr):
     # N = I, the output width: gate rows of w are 0..N-1, up rows N..2N-1.
     # One program per BM x BN tile of out, in grouped order (a no-op when M fits one tile-row).
+    # PDL: nothing is read or written before the wait (triton_common.pdl_enabled).
+    if PDL:
+        gdc_wait()
     num_n = tl.cdiv(N, BN)
     tile = tl.program_id(0)
     pid_m, pid_n = tl.swizzle2d(tile // num_n, tile % num_n, tl.cdiv(M, BM), num_n, GROUP_M)
@@ -234,6 +249,8 @@ def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, ldx, ldw, ldo,
         x_ptrs += BK
         wg_ptrs += BK
         wu_ptrs += BK
+    if PDL:
+        gdc_launch_dependents()  # only the epilogue is left: let the next grid get ready
     grid_m, grid_n = _tile_grid(offs_m, offs_n, SWAP)
     in_n = grid_n < N
     if HAS_BIAS:  # loaded in the accumulator's orientation, [BN, 1] or [1, BN]
@@ -262,8 +279,9 @@ def _make_plan(key, x, w, b, out, _act, tf32) -> tc.TritonPlan:
         reason = config.supports(m, i, k, x.dtype, smem_limit=tc.device_facts(x.device).smem_per_block)[1]
     if reason:
         raise ValueError(f"{config} cannot run glu with m={m}, i={i}, k={k}, {x.dtype}: {reason}")
+    pdl = tc.pdl_enabled(tc.device_facts(x.device).capability)
     meta = dict(tc.plan_meta(config, problem, Activation.NONE, b is not None), ACT=ACTIVATIONS[act],
-                GROUP_M=GROUP_M, SWAP=config.block_m <= SWAP_MAX_BM)
+                GROUP_M=GROUP_M, SWAP=config.block_m <= SWAP_MAX_BM, PDL=pdl, **(dict(launch_pdl=True) if pdl else {}))
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(i, config.block_n),)
     return tc.TritonPlan(x.device, tc.Launcher(_glu_kernel, grid, meta), scalars=(m, i, k, ldx, ldw, ldo))
 

@@ -25,7 +25,6 @@ must not be called while graphs captured with split-K calls exist.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +47,8 @@ from .triton_common import (
     clear_workspaces,
     config_from_record,
     config_to_record,
-    interpreting,
     next_pow2,
+    pdl_enabled,
     plan_meta,
     plan_problem,
     plan_scratch,
@@ -62,7 +61,7 @@ from .triton_common import (
 )
 
 __all__ = [
-    "KIND", "MAX_M", "TritonSplitKConfig", "candidates", "clear_workspaces", "default_config", "run",
+    "KIND", "MAX_M", "TritonSplitKConfig", "candidates", "clear_workspaces", "default_config", "pdl_enabled", "run",
     "workspace_bytes",
 ]
 
@@ -206,21 +205,6 @@ def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits)
 
 
 # ----------------------------------------------------------------------------- kernels
-
-
-def pdl_enabled(capability: tuple[int, int]) -> bool:
-    """Launch the split-K kernels with programmatic dependent launch (PDL) on Hopper and later.
-
-    Why: a decode GEMV lasts ~10 µs, and a kernel boundary (the next grid's launch and start)
-    costs about a microsecond of it. With PDL the next grid is launched while this one runs its
-    epilogue (``gdc_launch_dependents``) and waits (``gdc_wait``) before touching memory, so
-    the boundary overlaps. Correctness does not depend on the neighbours: the wait returns only
-    once the previous kernel on the stream has completed and its writes are visible, whoever
-    launched it; kernels launched after ours without PDL wait for our completion as usual.
-    ``HYBRIDGEMM_PDL=0`` turns it off (read when a plan is built)."""
-    if interpreting() or capability < (9, 0):
-        return False
-    return os.environ.get("HYBRIDGEMM_PDL", "1") not in ("0", "")
 
 
 @triton.jit

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hybridgemm.autotune_cache import measure
-from hybridgemm.perf import host_profile, sweep_configs, timing
+from hybridgemm.kernels import triton_glu
+from hybridgemm.perf import host_profile, sweep_configs, sweep_glu, timing
 
 # ----------------------------------------------------------------------------- sweep_configs
 
@@ -31,6 +32,26 @@ def test_sweep_configs_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as e:
         sweep_configs.parse_args(argv)
     assert e.value.code == 2 and "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--shape", "14336"], ["--shape", "0,4096"], ["--shape", "a,b"], ["--shape", "1,2,3"],
+    ["--shape", "14336,4096", "--m", "0"], [],
+])
+def test_sweep_glu_rejects_bad_arguments(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        sweep_glu.main(argv)
+    assert e.value.code == 2 and "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("m", [1, 8, 33])
+def test_sweep_glu_times_its_grid_and_the_default(m):
+    """Every config the sweep times runs the shape, the default among them, none twice."""
+    found = sweep_glu.configs(m, 14336, 4096)
+    assert len(found) == len(set(found)) >= (len(sweep_glu.GRID) if m <= 16 else 4)
+    assert triton_glu.default_config(m, 14336, 4096, torch.bfloat16) in found
+    assert all(c.supports(m, 14336, 4096, torch.bfloat16)[0] and c.block_m == max(16, 1 << (m - 1).bit_length())
+               for c in found)
 
 
 def test_sweep_grid_is_the_one_the_committed_sweeps_timed():
