@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import json
 import statistics
 import time
@@ -498,13 +499,24 @@ def tune(keys: Iterable[TableKey], table: TuningTable, path, *, force: bool = Fa
     unsaved = 0
     with Progress(progress, len(todo), "tuning") as advance:
         for key in todo:
-            for res in tune_range(key, backends, log, split_depth):
-                results.append(res)
-                if res.winner is not None:
-                    table.set(res.key, entry_of(res))
-                    unsaved += 1
-                else:
-                    log(f"no candidate ran for {res.key.to_string()}: {res.rejected[:3]}")
+            try:
+                for res in tune_range(key, backends, log, split_depth):
+                    results.append(res)
+                    if res.winner is not None:
+                        table.set(res.key, entry_of(res))
+                        unsaved += 1
+                    else:
+                        log(f"no candidate ran for {res.key.to_string()}: {res.rejected[:3]}")
+            except torch.OutOfMemoryError as e:
+                # A range's operands, outputs and fp32 references at every sample point (an LM
+                # head at M = 16384: GBs each) may not fit beside the rotation copies. The range
+                # keeps no entry, so F.linear serves it; the ranges tuned so far are kept.
+                first = str(e).splitlines()[0] if str(e) else "CUDA out of memory"
+                log(f"{key.to_string()}: out of GPU memory while tuning ({first}); no entry, F.linear serves it")
+                results.append(KeyResult(key, rejected=[("all", f"out of GPU memory: {first}")]))
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
             if unsaved >= save_every:
                 table.save(path)
                 unsaved = 0

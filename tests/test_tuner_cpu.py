@@ -372,3 +372,35 @@ def test_halves_that_chose_the_same_kernel_are_joined():
     c = _decided([_cand("triton_gemm", 1, [1.07, 1.1, 1.1])], points=(364, 432, 512))
     c.key = KEY.with_range(364, 512)
     assert len(tuner.merge_results([a, c])) == 2  # another config: kept apart
+
+
+def test_a_range_that_runs_out_of_gpu_memory_is_reported_and_the_rest_tuned(tmp_path, monkeypatch):
+    """An LM head at M = 16384 may not fit beside its rotation copies: that range gets no entry
+    (F.linear serves it) and a log line saying why; the ranges after it are still tuned and the
+    table is saved."""
+    import torch
+    from test_table import SIG
+
+    from hybridgemm.autotune_cache.table import TuningTable
+
+    keys = tuner.keys_for([ProjectionShape("t", 384, 512, True)], [1, 16])
+    assert len(keys) == 2
+    seen = []
+
+    def fake_tune_range(key, backends, log, split_depth):
+        seen.append(key)
+        if key == keys[0]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.83 GiB.\nmore text")
+        yield tuner.KeyResult(key)
+
+    monkeypatch.setattr(tuner, "tune_range", fake_tune_range)
+    lines = []
+    path = tmp_path / "table.json"
+    results = tuner.tune(keys, TuningTable(signature=dict(SIG)), path, backends=[], progress=False,
+                         log=lines.append, jobs=1)
+    assert seen == keys and path.exists()
+    oom = [r for r in results if r.key == keys[0]]
+    assert len(oom) == 1 and oom[0].winner is None and "out of GPU memory" in oom[0].rejected[0][1]
+    assert any("out of GPU memory" in line and "Tried to allocate 7.83 GiB." in line and "F.linear" in line
+               for line in lines)
+    assert not any("more text" in line for line in lines)
