@@ -55,8 +55,9 @@ def activation_name(act) -> str | None:
 
 # Rows of x up to which gated_linear's "auto" runs the Triton kernel with the product in its
 # epilogue (kernels/triton_glu.py) rather than one GEMM and a separate product. Measured on the
-# H200 at Llama-3-8B's gate/up (I = 14336, K = 4096, bf16; perf/results/h200/mlp_h200.csv):
-# 1.03-1.07x the stock module's GPU time at M = 1-16 and 1.19x at M = 64, but 0.68x at M = 333.
+# H200 at Llama-3-8B's gate/up (I = 14336, K = 4096, bf16), stock module's GPU time / the
+# kernel's: 1.15x at M = 1 and 1.12x at M = 8 (perf/results/h200/sweep_triton_glu.csv), 1.19x
+# at M = 64, but 0.68x at M = 333 (perf/results/h200/mlp_h200.csv).
 TRITON_GLU_MAX_M = 64
 KERNELS = ("auto", "halves", "gemm", "triton")
 _PLAIN = (Tensor, nn.Parameter)

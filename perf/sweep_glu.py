@@ -12,19 +12,24 @@ Prints the four fastest per (shape, M) and writes DIR/sweep_triton_glu.csv.
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from hybridgemm.autotune_cache.measure import gpu_time_rotating, rotation_copies
 from hybridgemm.kernels import triton_glu as tglu
-from hybridgemm.perf.csvio import write_csv
+from hybridgemm.perf.bench_msweep import git_commit
+from hybridgemm.perf.csvio import environment_columns, write_csv
 
 # (block_n, bytes of K per row per stage, num_warps, num_stages)
 GRID = ((128, 256, 4, 3), (128, 256, 8, 3), (128, 256, 4, 2), (64, 256, 4, 4), (64, 512, 4, 3), (32, 256, 4, 3),
         (32, 512, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (64, 128, 4, 6), (16, 512, 2, 4), (32, 256, 2, 3))
+COLUMNS = ("gpu", "i", "k", "m", "variant", "config", "us", "weight_tbps", "speedup", "date", "commit", "torch",
+           "triton", "hybridgemm", "command")
 MAX_REL_ERROR = 2e-2  # of the reference's largest magnitude: bf16 output rounding is ~4e-3
 
 
@@ -88,8 +93,10 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     rows = list(itertools.chain.from_iterable(sweep_shape(i, k, args.m, device) for i, k in shapes))
     if args.out:
+        env = environment_columns(" ".join(["python -m hybridgemm.perf.sweep_glu", *(argv or sys.argv[1:])]))
+        env.update(date=datetime.date.today().isoformat(), commit=git_commit())
         path = os.path.join(args.out, "sweep_triton_glu.csv")
-        write_csv(path, list(rows[0]), rows)
+        write_csv(path, COLUMNS, [{**env, **r} for r in rows])
         print(f"wrote {path}")
 
 
