@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from hybridgemm.autotune_cache import signature, tuner
+from hybridgemm.autotune_cache import signature, tune_table
 from hybridgemm.autotune_cache.keys import M_MAX, ShapeKey, TableError
 from hybridgemm.autotune_cache.presets import get_preset, parse_shape, preset_from_hf_config
 from hybridgemm.autotune_cache.table import (
@@ -156,20 +156,20 @@ def _cmd_autotune(args) -> int:
         if (s.n, s.k, s.bias) not in seen:
             seen.add((s.n, s.k, s.bias))
             unique.append(s)
-    keys = tuner.keys_for(unique, args.m, args.dtype, args.epilogue)
+    keys = tune_table.keys_for(unique, args.m, args.dtype, args.epilogue)
     path = _table_path(args.out)
     table = TuningTable.load(path, signature=signature.current_signature())
     if args.check:
         entries = sorted({k for key in keys for k in table.covering(key)}, key=lambda k: k.to_string())
-        rows = tuner.check_table(table, entries)
+        rows = tune_table.check_table(table, entries)
         drifted = [r for r in rows if r.get("status") != "ok"]
         print(f"checked {len(rows)} entries of {path}: {len(drifted)} slower by more than 5% or rejected")
         return 1 if drifted else 0
     ranges = len({(k.m_lo, k.m_hi) for k in keys})
-    todo = sum(1 for k in keys if args.force or not tuner.covered(table, k))
+    todo = sum(1 for k in keys if args.force or not tune_table.covered(table, k))
     print(f"tuning {len(keys)} M ranges ({len(unique)} shapes x {ranges} ranges x {len(args.dtype)} dtypes; "
           f"{len(keys) - todo} already covered) into {path}")
-    results = tuner.tune(keys, table, path, force=args.force, progress=not args.no_progress, jobs=args.jobs,
+    results = tune_table.tune(keys, table, path, force=args.force, progress=not args.no_progress, jobs=args.jobs,
                    exhaustive=max(0, args.exhaustive), split_depth=args.split_depth)
     _print_summary(results)
     return 0 if all(r.skipped or r.winner for r in results) else 1

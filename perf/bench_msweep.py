@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from hybridgemm import decide, dispatch
 from hybridgemm.autotune_cache.measure import operands_for, placement_samples
 from hybridgemm.autotune_cache.presets import PRESETS, get_preset, preset_names
-from hybridgemm.autotune_cache.tuner import Progress
+from hybridgemm.autotune_cache.tune_table import Progress
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
 from hybridgemm.perf import csvio

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridgemm import decide, dispatch
-from hybridgemm.autotune_cache import signature, tuner
+from hybridgemm.autotune_cache import signature, tune_table
 from hybridgemm.autotune_cache.table import HybridGemmTableWarning, TableKey, TuningTable, make_entry
 from hybridgemm.cli import main
 from hybridgemm.kernels.epilogue import Activation, Epilogue
@@ -138,8 +138,8 @@ def fake_gpu_autotune(monkeypatch, tmp_path):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(signature, "current_signature", lambda device_index=None: dict(SIG))
-    monkeypatch.setattr(tuner, "tune", fake_tune)
-    monkeypatch.setattr(tuner, "check_table", fake_check)
+    monkeypatch.setattr(tune_table, "tune", fake_tune)
+    monkeypatch.setattr(tune_table, "check_table", fake_check)
     monkeypatch.setenv("HYBRIDGEMM_CACHE_DIR", str(tmp_path / "user-cache"))
     return calls
 

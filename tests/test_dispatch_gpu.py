@@ -13,11 +13,11 @@ import torch
 
 from helpers import check_close_to_reference, make_operands, range_entry
 from hybridgemm import decide, dispatch
-from hybridgemm.autotune_cache import tuner
+from hybridgemm.autotune_cache import tune_table
 from hybridgemm.autotune_cache.presets import ProjectionShape
 from hybridgemm.autotune_cache.signature import current_signature
 from hybridgemm.autotune_cache.table import TableKey, TuningTable
-from hybridgemm.autotune_cache.tuner import keys_for, tune
+from hybridgemm.autotune_cache.tune_table import keys_for, tune
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import Problem
 
@@ -68,7 +68,7 @@ def test_tune_end_to_end_and_reload(tmp_path):
         assert e["m_points"][0] == r.key.m_lo and e["m_points"][-1] == r.key.m_hi
         assert e["worst_ratio"] == min(e["ratios"]) and all(0.2 < v < 5 for v in e["ratios"])
     for key in keys:  # each asked range covered, by itself or by its halves
-        assert tuner.covered(saved, key)
+        assert tune_table.covered(saved, key)
     # resume: nothing left to do
     _, again = _tiny_tune(path)
     assert all(r.skipped for r in again)

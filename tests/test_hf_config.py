@@ -376,7 +376,7 @@ def _tuned_shapes(monkeypatch, argv):
         raise Stop([(s.name, s.n, s.k, s.bias) for s in shapes])
 
     monkeypatch.setattr(cli, "_need_gpu", lambda what: True)
-    monkeypatch.setattr(cli.tuner, "keys_for", keys_for)
+    monkeypatch.setattr(cli.tune_table, "keys_for", keys_for)
     with pytest.raises(Stop) as info:
         main(["autotune", *argv])
     return info.value.args[0]

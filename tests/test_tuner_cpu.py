@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from hybridgemm.autotune_cache import measure, tuner
+from hybridgemm.autotune_cache import measure, tune_table, tuner
 from hybridgemm.autotune_cache.keys import TableKey
 from hybridgemm.autotune_cache.precompile import compile_tasks, precompile
 from hybridgemm.autotune_cache.presets import ProjectionShape
@@ -62,7 +62,7 @@ class _FakeBackend:
 
 def test_compile_tasks_one_per_distinct_kernel():
     # ranges 1, 2, 3-4 (points 3, 4) and 9-16 (points 9, 12, 16)
-    keys = tuner.keys_for([ProjectionShape("t", 384, 512, True)], [1, 2, 4, 16])
+    keys = tune_table.keys_for([ProjectionShape("t", 384, 512, True)], [1, 2, 4, 16])
     assert [(k.m_lo, k.m_hi) for k in keys] == [(1, 1), (2, 2), (3, 4), (9, 16)]
     split, tiled, lt = _FakeBackend("triton_splitk", [16, 32]), _FakeBackend("triton_gemm", [64]), \
         _FakeBackend("cublaslt", [1, 2, 3])
@@ -89,8 +89,8 @@ def test_with_exhaustive_extends_only_cublaslt():
 
     lt = Backend("cublaslt", lambda: True, lt_candidates, None, None, str)
     split = _FakeBackend("triton_splitk", [16])
-    assert tuner.with_exhaustive([lt, split], 0) == [lt, split]
-    new_lt, new_split = tuner.with_exhaustive([lt, split], 48)
+    assert tune_table.with_exhaustive([lt, split], 0) == [lt, split]
+    new_lt, new_split = tune_table.with_exhaustive([lt, split], 48)
     assert new_split is split and new_lt.name == "cublaslt"
     new_lt.candidates(None)
     lt.candidates(None)
@@ -98,7 +98,7 @@ def test_with_exhaustive_extends_only_cublaslt():
 
 
 def test_precompile_with_one_job_does_nothing():
-    keys = tuner.keys_for([ProjectionShape("t", 384, 512, True)], [16])
+    keys = tune_table.keys_for([ProjectionShape("t", 384, 512, True)], [16])
     stats = precompile(keys, [_FakeBackend("triton_gemm", [64])], jobs=1, log=pytest.fail)
     # range 9-16 is timed at 9, 12 (one specialisation class) and 16 (another): two kernels
     assert stats == {"kernels": 2, "failed": 0, "seconds": 0.0, "jobs": 1}
@@ -114,10 +114,10 @@ def test_tune_fails_before_timing_when_the_table_cannot_be_written(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     path = blocker / "table.json"  # its parent is a file: no save can succeed
-    keys = tuner.keys_for([ProjectionShape("t", 384, 512, True)], [16])
+    keys = tune_table.keys_for([ProjectionShape("t", 384, 512, True)], [16])
     backend = _FakeBackend("triton_gemm", [64])
     with pytest.raises(TableWriteError):
-        tuner.tune(keys, TuningTable(signature=dict(SIG)), path, backends=[backend], progress=False,
+        tune_table.tune(keys, TuningTable(signature=dict(SIG)), path, backends=[backend], progress=False,
                    log=lambda s: None, jobs=1)
     assert backend.asked == 0  # nothing was enumerated, compiled or timed
 
@@ -280,19 +280,19 @@ def test_covered_needs_every_m_of_the_range():
         return make_entry("torch", {}, m_points=pts, ratios=[1.0] * len(pts), median_us=1.0, spread_us=0.0)
 
     t = TuningTable(dict(SIG))
-    assert not tuner.covered(t, KEY)
+    assert not tune_table.covered(t, KEY)
     t.set(KEY.with_range(257, 363), entry(257, 363))
-    assert not tuner.covered(t, KEY)
+    assert not tune_table.covered(t, KEY)
     t.set(KEY.with_range(364, 512), entry(364, 512))
-    assert tuner.covered(t, KEY)
+    assert tune_table.covered(t, KEY)
     t.set(KEY.with_range(300, 300), entry(300, 300))  # drops 257-363: a hole at 257-299 and 301-363
-    assert not tuner.covered(t, KEY)
+    assert not tune_table.covered(t, KEY)
 
 
 def test_keys_for_takes_any_m_and_tunes_the_ranges_holding_them():
-    keys = tuner.keys_for([ProjectionShape("t", 384, 512, False)], [1, 300, 333, 16384])
+    keys = tune_table.keys_for([ProjectionShape("t", 384, 512, False)], [1, 300, 333, 16384])
     assert [(k.m_lo, k.m_hi) for k in keys] == [(1, 1), (257, 512), (8193, 16384)]
-    assert len(tuner.keys_for([ProjectionShape("t", 384, 512, False)])) == 15
+    assert len(tune_table.keys_for([ProjectionShape("t", 384, 512, False)])) == 15
 
 
 class _ListBackend:
@@ -383,7 +383,7 @@ def test_a_range_that_runs_out_of_gpu_memory_is_reported_and_the_rest_tuned(tmp_
 
     from hybridgemm.autotune_cache.table import TuningTable
 
-    keys = tuner.keys_for([ProjectionShape("t", 384, 512, True)], [1, 16])
+    keys = tune_table.keys_for([ProjectionShape("t", 384, 512, True)], [1, 16])
     assert len(keys) == 2
     seen = []
 
@@ -396,7 +396,7 @@ def test_a_range_that_runs_out_of_gpu_memory_is_reported_and_the_rest_tuned(tmp_
     monkeypatch.setattr(tuner, "tune_range", fake_tune_range)
     lines = []
     path = tmp_path / "table.json"
-    results = tuner.tune(keys, TuningTable(signature=dict(SIG)), path, backends=[], progress=False,
+    results = tune_table.tune(keys, TuningTable(signature=dict(SIG)), path, backends=[], progress=False,
                          log=lines.append, jobs=1)
     assert seen == keys and path.exists()
     oom = [r for r in results if r.key == keys[0]]

@@ -18,7 +18,7 @@ from test_table import SIG
 
 import hybridgemm.autotune_cache.table as T
 import hybridgemm.autotune_cache.table_document as D
-from hybridgemm.autotune_cache import probe, signature, tuner
+from hybridgemm.autotune_cache import probe, signature, tune_table
 from hybridgemm.autotune_cache.signature import FLINEAR, PROBE, USE, entry_verdict, why_not_applicable
 from hybridgemm.autotune_cache.table import (
     HybridGemmTableWarning,
@@ -239,9 +239,9 @@ def test_autotune_re_tunes_entries_the_running_libraries_do_not_trust(tmp_path):
     path = save_table(tmp_path / "t.json")
     upgraded, native = TuningTable.load(path, UPGRADED), TuningTable.load(path, SIG)
     for k in ENTRIES:
-        assert tuner.covered(native, k)
-    assert not tuner.covered(upgraded, K_TRITON) and not tuner.covered(upgraded, K_PINNED)
-    assert tuner.covered(upgraded, K_HEUR) and tuner.covered(upgraded, K_TORCH)
+        assert tune_table.covered(native, k)
+    assert not tune_table.covered(upgraded, K_TRITON) and not tune_table.covered(upgraded, K_PINNED)
+    assert tune_table.covered(upgraded, K_HEUR) and tune_table.covered(upgraded, K_TORCH)
 
 
 # ----------------------------------------------------------------------------- the probe
