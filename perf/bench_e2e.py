@@ -70,7 +70,7 @@ import hybridgemm
 from hybridgemm.perf import csvio
 from hybridgemm.perf import e2e_models as hf
 from hybridgemm.perf.bench_msweep import git_commit, gpu_label
-from hybridgemm.perf.plots import plot_e2e
+from hybridgemm.perf.plots_models import plot_e2e
 from hybridgemm.perf.timing import HBM_TBPS, elapsed_ms
 
 MODES = ("eager_generate", "eager_static", "compiled_static", "prefill", "logits_error")

@@ -30,7 +30,7 @@ method but other operands.
 
 Writes into ``--out``: ``m_sweep_<gpu>.csv`` (one row per (shape, M), rewritten whole after
 every shape: one file holds one run), ``m_sweep_summary.txt`` (what :func:`summary_lines`
-prints) and ``m_sweep.png`` (perf/plots.plot_m_sweep). Exit code: 0, 1 when a correctness
+prints) and ``m_sweep.png`` (perf/plots_models.plot_m_sweep). Exit code: 0, 1 when a correctness
 check failed, 2 when it cannot run (no GPU, bad arguments).
 """
 
@@ -58,7 +58,8 @@ from hybridgemm.autotune_cache.tune_table import Progress
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
 from hybridgemm.perf import csvio
-from hybridgemm.perf.plots import BELOW, as_bool, plot_m_sweep, shape_label  # noqa: F401 (BELOW, as_bool used by callers too)
+from hybridgemm.perf.plot_style import as_bool, shape_label  # noqa: F401 (as_bool used by callers too)
+from hybridgemm.perf.plots_models import BELOW, plot_m_sweep  # noqa: F401 (BELOW used by callers too)
 
 COLUMNS = ("models", "projection", "n", "k", "bias", "dtype", "m", "sample", "dispatched_us", "flinear_us", "speedup",
            "backend", "source", "range", "validated_worst", "placements", "replays", "retimed", "date", "commit",
@@ -434,7 +435,7 @@ def main(argv=None) -> int:
             print(f"wrote {plot_m_sweep(path, args.out)}")
         except ImportError:
             print("note: no matplotlib: skipping m_sweep.png (pip install 'hybridgemm[plot]'; "
-                  "perf/plots.plot_m_sweep draws it from the CSV anywhere)", file=sys.stderr)
+                  "perf/plots_models.plot_m_sweep draws it from the CSV anywhere)", file=sys.stderr)
     if res.failed:
         print("bench_msweep: dispatched results failed the correctness check: " + "; ".join(res.failed),
               file=sys.stderr)

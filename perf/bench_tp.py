@@ -42,7 +42,7 @@ clock, its CUDA events; a step's collectives make it wait for the other rank). E
 ``--rounds`` rounds; reported: the median.
 
 Rows (rank 0 writes the CSV, upserted on gpu, model, layers, mode, batch, variant, after each
-variant, and the figure, :func:`hybridgemm.perf.plots.plot_tp`): ``tp``, ``status`` (ok |
+variant, and the figure, :func:`hybridgemm.perf.plots_models.plot_tp`): ``tp``, ``status`` (ok |
 error | skipped, ``note`` says why), ``ms_per_token`` (per decode step; prefill: per prefill),
 ``tokens_per_s``, ``speedup_vs_tp1`` (tp1_hybridgemm's ms / the variant's, same mode and
 batch), ``hbm_floor_ms_per_gpu`` (bytes of the weights a decode step reads on one GPU, its
@@ -73,7 +73,7 @@ from hybridgemm.perf import bench_e2e as E
 from hybridgemm.perf import csvio
 from hybridgemm.perf import e2e_models as hf
 from hybridgemm.perf.bench_msweep import git_commit, gpu_label
-from hybridgemm.perf.plots import plot_tp
+from hybridgemm.perf.plots_models import plot_tp
 from hybridgemm.perf.tp_models import (
     VARIANTS,
     Built,

@@ -203,7 +203,8 @@ def test_csv_upsert_summary_and_figure(smoke, tmp_path):
     assert all(m in text for m in ("eager_generate", "eager_static", "compiled_static", "prefill"))
     assert "logits error vs fp32, hybridgemm" in text
 
-    from hybridgemm.perf.plots import make_all_plots, plot_e2e
+    from hybridgemm.perf.plots import make_all_plots
+    from hybridgemm.perf.plots_models import plot_e2e
 
     png = plot_e2e(path, tmp_path / "figs")
     assert png.name == "e2e.png" and png.read_bytes()[:8] == PNG_MAGIC

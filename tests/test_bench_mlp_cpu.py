@@ -1,4 +1,4 @@
-"""perf/bench_mlp.py and plots.plot_mlp without a GPU: the plot from a CSV, the CLI's answers."""
+"""perf/bench_mlp.py and plots_models.plot_mlp without a GPU: the plot from a CSV, the CLI's answers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import csv
 import pytest
 
 from hybridgemm.perf import bench_mlp
-from hybridgemm.perf.plots import plot_mlp
+from hybridgemm.perf.plots_models import plot_mlp
 
 
 def _write(path, rows):

@@ -345,7 +345,7 @@ def synthetic_csv(path) -> None:
 
 
 def test_plot_tp_from_a_synthetic_csv(tmp_path):
-    from hybridgemm.perf.plots import plot_tp
+    from hybridgemm.perf.plots_models import plot_tp
 
     path = tmp_path / "tp.csv"
     synthetic_csv(path)

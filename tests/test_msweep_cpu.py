@@ -201,7 +201,7 @@ def _fixture_csv(path):
 
 def test_plot_m_sweep_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from hybridgemm.perf.plots import plot_m_sweep
+    from hybridgemm.perf.plots_models import plot_m_sweep
 
     csv_path = _fixture_csv(tmp_path / "m_sweep_h200.csv")
     out = plot_m_sweep(csv_path, tmp_path / "figs")
@@ -212,7 +212,7 @@ def test_plot_m_sweep_writes_a_png(tmp_path):
 
 def test_plot_m_sweep_clear_errors(tmp_path):
     pytest.importorskip("matplotlib")
-    from hybridgemm.perf.plots import plot_m_sweep
+    from hybridgemm.perf.plots_models import plot_m_sweep
 
     with pytest.raises(FileNotFoundError, match="no such CSV file"):
         plot_m_sweep(tmp_path / "nope.csv", tmp_path)

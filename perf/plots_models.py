@@ -1,0 +1,299 @@
+"""Figures of whole models and single-op sweeps, each from its own benchmark's CSV: the M sweep
+of the dispatcher (perf/bench_msweep.py), end to end stock vs patched (perf/bench_e2e.py), the
+MLP GEMMs and the LM head (perf/bench_mlp.py) and tensor parallelism (perf/bench_tp.py).
+No GPU, no re-measuring.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from hybridgemm.perf.csvio import read_rows
+from hybridgemm.perf.plot_style import (
+    as_bool,
+    figure,
+    legend,
+    log_y,
+    m_axis,
+    save,
+    shape_label,
+    to_float,
+    to_int,
+)
+from hybridgemm.perf.timing import HBM_TBPS
+
+BELOW = 0.97  # an M-sweep row under this speedup is counted (and drawn under the dashed line)
+
+
+M_SWEEP_MARKERS = "os^vDP*Xph<>d8H"
+
+
+def _m_sweep_colours(n: int) -> list:
+    """``n`` colours, all distinct up to 27 series (tab10, then Dark2 and Set1), then repeating
+    (the markers keep later series apart)."""
+    from matplotlib import colormaps
+
+    palette = [*colormaps["tab10"].colors, *colormaps["Dark2"].colors, *colormaps["Set1"].colors]
+    return [palette[i % len(palette)] for i in range(n)]
+
+
+def plot_m_sweep(csv_path, out_dir) -> Path:
+    """``m_sweep.png`` in ``out_dir`` from perf/bench_msweep.py's CSV: speedup of the dispatched
+    call over F.linear (F.linear time / dispatched time) against M on a log2 axis, one line per
+    shape ("N x K (+bias) — models"), a dashed line at the 0.97x mark and a light one at parity.
+    Raises FileNotFoundError for a missing file, ValueError when no row holds M and a speedup."""
+
+    if not os.path.isfile(csv_path):
+        raise FileNotFoundError(f"no such CSV file: {csv_path}")
+    rows = read_rows(str(csv_path))
+    series: dict[tuple, list[tuple[int, float]]] = {}
+    models: dict[tuple, str] = {}
+    for r in rows:
+        m, sp = to_int(r.get("m")), to_float(r.get("speedup"))
+        if m < 1 or not (math.isfinite(sp) and sp > 0):
+            continue
+        key = (to_int(r.get("n")), to_int(r.get("k")), as_bool(r.get("bias")), r.get("dtype", ""))
+        series.setdefault(key, []).append((m, sp))
+        models.setdefault(key, r.get("models", ""))
+    if not series:
+        raise ValueError(f"{csv_path}: no rows with an M and a speedup (not an M-sweep CSV?)")
+    dtypes = sorted({key[3] for key in series})
+    n_legend = len(series) + 1
+    fig, body, footer, (ax,) = figure(1, panel_w=11.0, panel_h=6.0, foot=0.45 + 0.2 * math.ceil(n_legend / 3))
+    for (key, pts), colour, marker in zip(series.items(), _m_sweep_colours(len(series)),
+                                          (M_SWEEP_MARKERS[i % len(M_SWEEP_MARKERS)] for i in range(len(series)))):
+        pts.sort()
+        label = shape_label(*key[:3], models[key]) + (f" [{key[3]}]" if len(dtypes) > 1 else "")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colour, marker=marker, ms=3.5, lw=1.2, label=label)
+    ax.axhline(1.0, color="0.6", lw=0.8, zorder=0)
+    ax.axhline(BELOW, ls="--", color="crimson", lw=1.3, label=f"{BELOW}x F.linear")
+    sps = [p[1] for pts in series.values() for p in pts]
+    top_m = max(p[0] for pts in series.values() for p in pts)
+    m_axis(ax, [2**i for i in range(max(0, math.ceil(math.log2(top_m))) + 1)])
+    ax.set_ylim(min(0.9, min(sps) - 0.02), max(1.1, max(sps) + 0.02))
+    ax.set_ylabel("speedup: F.linear time / dispatched time (> 1: faster)")
+    handles: dict = {}
+    for h, lab in zip(*ax.get_legend_handles_labels()):
+        handles.setdefault(lab, h)
+    footer.legend(list(handles.values()), list(handles), loc="upper center", ncol=3, fontsize=8, frameon=False)
+    stem = Path(csv_path).stem
+    gpu = stem[len("m_sweep_"):] if stem.startswith("m_sweep_") else ""
+    body.suptitle(f"hybridgemm.dispatch.fused_linear vs F.linear across M, {'/'.join(dtypes)}"
+                  + (f", {gpu.upper() if gpu == 'h200' else gpu}" if gpu else "")
+                  + "\nGPU time per call: CUDA-graph replay, L2-cold rotating operands, "
+                    "median of per-round ratios to F.linear")
+
+    def vals(col):
+        return ", ".join(sorted({str(r.get(col) or "") for r in rows} - {""})) or "?"
+
+    n_ms = len({p[0] for pts in series.values() for p in pts})
+    footer.text(0.5, 0.04, f"{len(series)} shapes x {n_ms} M values (log-spaced and log-uniform random) | "
+                f"placements {vals('placements')} x replays {vals('replays')} | {vals('date')} | "
+                f"commit {vals('commit')}", ha="center", va="bottom", fontsize=7, color="0.3")
+    path = Path(out_dir) / "m_sweep.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)
+    return path
+
+
+E2E_DECODE_MODES = ("eager_generate", "eager_static", "compiled_static")
+
+
+E2E_VARIANTS = (("stock", "0.25"), ("hybridgemm", "C3"))
+
+
+def is_e2e_csv(path) -> bool:
+    """Whether the CSV at ``path`` holds perf/bench_e2e.py's rows (its header has mode and variant)."""
+    with open(path, newline="") as f:
+        header = f.readline()
+    return {"mode", "variant"} <= {c.strip() for c in header.split(",")}
+
+
+def _e2e_bars(ax, groups: list[tuple], rows: dict, labels: list[str]) -> None:
+    """Stock and hybridgemm bars per group (``rows[(group, variant)]``: ms), the speedup over
+    stock written above each hybridgemm bar."""
+    x = np.arange(len(groups))
+    width = 0.38
+    for i, (variant, colour) in enumerate(E2E_VARIANTS):
+        ys = [rows.get((g, variant), np.nan) for g in groups]
+        pos = x + (i - 0.5) * width
+        ax.bar(pos, ys, width, label=variant, color=colour)
+        for xp, g, y in zip(pos, groups, ys):
+            stock = rows.get((g, "stock"))
+            if variant != "stock" and stock and y == y:
+                ax.annotate(f"{stock / y:.2f}x", (xp, y), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+                            textcoords="offset points")
+            elif variant != "stock" and stock:  # no time: the row failed (its note in the CSV says why)
+                ax.annotate("no result\n(see CSV)", (xp, stock), ha="center", va="top", fontsize=7, color=colour)
+    ax.set_xticks(x, labels)
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def plot_e2e(csv_path, out_dir, name: str = "e2e.png") -> Path:
+    """``name`` (default ``e2e.png``) in ``out_dir`` from perf/bench_e2e.py's CSV: per (GPU,
+    model, layers), ms per decode step for each decode mode and batch (stock and hybridgemm
+    bars, log scale, the HBM floor of the weights as a dashed line), and ms per prefill beside
+    it. Rows whose status is not ok have no bar; a hybridgemm bar missing beside a stock one is
+    marked. Raises FileNotFoundError for a missing file, ValueError when no row holds a time."""
+
+    if not os.path.isfile(csv_path):
+        raise FileNotFoundError(f"no such CSV file: {csv_path}")
+    rows = [r for r in read_rows(str(csv_path)) if r.get("status") == "ok" and to_float(r.get("ms_per_token")) > 0]
+    if not rows:
+        raise ValueError(f"{csv_path}: no rows with a time (not an end-to-end CSV?)")
+    models: dict[tuple, list[dict]] = {}
+    for r in rows:
+        models.setdefault((r.get("gpu", "?"), r.get("model", "?"), r.get("layers", "?")), []).append(r)
+    panels = []
+    for key, mine in models.items():
+        panels.append((key, "decode", [r for r in mine if r.get("mode") in E2E_DECODE_MODES]))
+        panels.append((key, "prefill", [r for r in mine if r.get("mode") == "prefill"]))
+    panels = [p for p in panels if p[2]]
+    fig, body, footer, axes = figure(len(panels), panel_w=6.5, panel_h=4.2, ncols=2)
+    for ax, ((gpu, model, layers), kind, prs) in zip(axes, panels):
+        ms = {((r["mode"], to_int(r["batch"])), r["variant"]): to_float(r["ms_per_token"]) for r in prs}
+        order = {m: i for i, m in enumerate(E2E_DECODE_MODES)}
+        groups = sorted({g for g, _ in ms}, key=lambda g: (order.get(g[0], 9), g[1]))
+        if kind == "decode":
+            _e2e_bars(ax, groups, ms, [f"{m.replace('_', chr(10))}\nB={b}" for m, b in groups])
+            floors = {to_float(r.get("hbm_floor_ms")) for r in prs} - {math.nan}
+            floors = {f for f in floors if f > 0}
+            if floors:
+                ax.axhline(min(floors), ls="--", color="crimson", lw=1.3,
+                           label=f"HBM floor: weights / {HBM_TBPS} TB/s")
+            log_y(ax)
+            ax.set_ylabel("ms per decode step (lower is better)")
+            ax.set_title(f"{model}, {layers} layers: decode" + (f" ({gpu})" if gpu else ""), fontsize=10)
+        else:
+            _e2e_bars(ax, groups, ms, [f"B={b}, {prs[0].get('tokens', '?')} tokens" for _, b in groups])
+            ax.set_xlim(-1.5, len(groups) + 0.5)  # one group: keep its bars as narrow as the decode ones
+            ax.set_ylabel("ms per prefill (lower is better)")
+            ax.set_title(f"{model}, {layers} layers: prefill" + (f" ({gpu})" if gpu else ""), fontsize=10)
+    legend(footer, axes)
+    body.suptitle("End to end: stock vs hybridgemm.patch, same weights, one process (labels: speedup over stock)")
+    return save(fig, footer, Path(out_dir) / name, rows)
+
+
+MLP_STYLES = {"stock": dict(color="black", lw=2.2, marker="o"), "hybridgemm": dict(color="C3", marker="s"),
+              "halves": dict(color="C0", marker="^"), "gemm_act": dict(color="C1", marker="v"),
+              "triton_glu": dict(color="C2", marker="D")}
+
+
+def plot_mlp(csv_path, out_dir, name: str = "mlp.png") -> Path:
+    """``name`` in ``out_dir`` from perf/bench_mlp.py's CSV: per model and op (gate_up, down,
+    lm_head), each variant's speedup over stock (stock time / variant time) against M, and
+    stock's fraction of the HBM ceiling. Raises FileNotFoundError for a missing file,
+    ValueError when no row holds a time."""
+    if not os.path.isfile(csv_path):
+        raise FileNotFoundError(f"no such CSV file: {csv_path}")
+    rows = [r for r in read_rows(str(csv_path)) if to_float(r.get("us")) > 0]
+    if not rows:
+        raise ValueError(f"{csv_path}: no rows with a time (not a bench_mlp CSV?)")
+    panels: dict[tuple, list[dict]] = {}
+    for r in rows:
+        panels.setdefault((r["model"], r["op"], r["n"], r["k"]), []).append(r)
+    fig, body, footer, axes = figure(len(panels), panel_w=5.0, panel_h=3.6)
+    for ax, ((model, op, n, k), prows) in zip(axes, panels.items()):
+        for variant in [v for v in MLP_STYLES if any(r["variant"] == v for r in prows)]:
+            pts = sorted((to_int(r["m"]), to_float(r["speedup"])) for r in prows if r["variant"] == variant)
+            style = {"ms": 4, "lw": 1.4, **MLP_STYLES[variant]}
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=variant, **style)
+        ax.axhline(1.0, color="0.6", lw=0.8, zorder=0)
+        m_axis(ax, sorted({to_int(r["m"]) for r in prows}))
+        hbm = {to_int(r["m"]): to_float(r["fraction_of_hbm"]) for r in prows if r["variant"] == "stock"}
+        ax.set_title(f"{model} {op} (N={n}, K={k})\nstock at M=1: {hbm.get(min(hbm), float('nan')):.0%} of HBM",
+                     fontsize=9)
+        ax.set_ylabel("stock time / variant time")
+    legend(footer, axes)
+    body.suptitle("MLP GEMMs and LM head, bf16, GPU time (CUDA graphs, L2-cold rotating weights)")
+    return save(fig, footer, Path(out_dir) / name, rows)
+
+
+TP_VARIANTS = (("tp1_hybridgemm", "0.55"), ("tp2_hybridgemm", "C3"), ("tp2_hybridgemm_nccl", "C1"),
+               ("tp2_stock", "C0"))
+
+
+def _tp_bars(ax, groups: list[tuple], rows: dict) -> None:
+    """One bar per variant per group (``rows[(group, variant)]``: the CSV row), each tp=2 bar
+    labelled with its speedup over tp1_hybridgemm (its ``speedup_vs_tp1``; where tp=1 has no
+    time, the hybridgemm bar gets its speedup over tp2_stock instead). A variant without a time
+    gets its status (skipped, error) written where its bar would stand."""
+    x = np.arange(len(groups))
+    width = 0.8 / len(TP_VARIANTS)
+    for i, (variant, colour) in enumerate(TP_VARIANTS):
+        pos = x + (i - (len(TP_VARIANTS) - 1) / 2) * width
+        ys = [to_float(rows[(g, variant)].get("ms_per_token")) if (g, variant) in rows else np.nan for g in groups]
+        ys = [y if rows.get((g, variant), {}).get("status") == "ok" else np.nan for g, y in zip(groups, ys)]
+        ax.bar(pos, ys, width, label=variant, color=colour)
+        for xp, g, y in zip(pos, groups, ys):
+            row = rows.get((g, variant))
+            if row is None:
+                continue
+            if y != y:
+                ax.annotate(row.get("status") or "no time", (xp, 0), ha="center", va="bottom", rotation=90,
+                            fontsize=7, color=colour, xytext=(0, 3), textcoords="offset points")
+                continue
+            label = f"{to_float(row.get('speedup_vs_tp1')):.2f}x" if to_float(row.get("speedup_vs_tp1")) > 0 else ""
+            stock = to_float(rows.get((g, "tp2_stock"), {}).get("ms_per_token"))
+            if not label and variant == "tp2_hybridgemm" and stock > 0:
+                label = f"{stock / y:.2f}x\nvs stock"
+            if label and variant != "tp1_hybridgemm":
+                ax.annotate(label, (xp, y), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+                            textcoords="offset points")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def plot_tp(csv_path, out_dir, name: str = "tp.png") -> Path:
+    """``name`` (default ``tp.png``) in ``out_dir`` from perf/bench_tp.py's CSV: per (GPU, model,
+    layers), ms per decode step for each decode mode and batch, and ms per prefill beside it,
+    one bar per variant (:data:`TP_VARIANTS`), each tp=2 bar labelled with
+    its speedup over tp=1 (see :func:`_tp_bars`); the title gives each variant's HBM floor per
+    GPU. Raises FileNotFoundError for a missing file, ValueError when no row holds a time."""
+    if not os.path.isfile(csv_path):
+        raise FileNotFoundError(f"no such CSV file: {csv_path}")
+    known = dict(TP_VARIANTS)
+    rows = [r for r in read_rows(str(csv_path)) if r.get("variant") in known and r.get("mode") != "logits_error"]
+    if not any(r.get("status") == "ok" and to_float(r.get("ms_per_token")) > 0 for r in rows):
+        raise ValueError(f"{csv_path}: no rows with a time (not a bench_tp CSV?)")
+    models: dict[tuple, list[dict]] = {}
+    for r in rows:
+        models.setdefault((r.get("gpu", "?"), r.get("model", "?"), r.get("layers", "?")), []).append(r)
+    panels = [(key, kind, [r for r in mine if (r.get("mode") == "prefill") == (kind == "prefill")])
+              for key, mine in models.items() for kind in ("decode", "prefill")]
+    panels = [p for p in panels if any(r.get("status") == "ok" for r in p[2])]
+    fig, body, footer, axes = figure(len(panels), panel_w=6.5, panel_h=4.2, ncols=2)
+    order = {m: i for i, m in enumerate(E2E_DECODE_MODES)}
+    for ax, ((gpu, model, layers), kind, prs) in zip(axes, panels):
+        by = {((r["mode"], to_int(r["batch"])), r["variant"]): r for r in prs}
+        timed = {g for (g, _), r in by.items() if r.get("status") == "ok"}  # a group of skips only: not drawn
+        groups = sorted(timed, key=lambda g: (order.get(g[0], 9), g[1]))
+        _tp_bars(ax, groups, by)
+        if kind == "decode":
+            ax.set_xticks(np.arange(len(groups)), [f"{m.replace('_', chr(10))}\nB={b}" for m, b in groups])
+            ax.set_ylabel("ms per decode step (lower is better)")
+            floors = {_tp_of(r["variant"]): to_float(r.get("hbm_floor_ms_per_gpu")) for r in prs
+                      if to_float(r.get("hbm_floor_ms_per_gpu")) > 0}
+            floor = ", ".join(f"tp={tp} {f:.3f} ms" for tp, f in sorted(floors.items()))
+            ax.set_title(f"{model}, {layers} layers: decode ({gpu})" + (f"\nHBM floor per GPU: {floor}" if floor
+                                                                          else ""), fontsize=9)
+        else:
+            length = next((r["tokens"] for r in prs if r.get("tokens")), "?")  # skipped rows have none
+            ax.set_xticks(np.arange(len(groups)), [f"B={b}, {length} tokens" for _, b in groups])
+            ax.set_xlim(-1.5, len(groups) + 0.5)
+            ax.set_ylabel("ms per prefill (lower is better)")
+            ax.set_title(f"{model}, {layers} layers: prefill ({gpu})", fontsize=9)
+    legend(footer, axes)
+    body.suptitle("Tensor parallelism: tp=1 vs tp=2 with hybridgemm.parallelize and torch's DTensor TP "
+                  "(labels: speedup over tp=1)")
+    return save(fig, footer, Path(out_dir) / name, [r for r in rows if r.get("status") == "ok"])
+
+
+def _tp_of(variant: str) -> str:
+    """The tensor-parallel degree in a bench_tp variant's name (``tp2_stock`` -> ``"2"``)."""
+    m = re.match(r"tp(\d+)_", variant)
+    return m.group(1) if m else "?"
