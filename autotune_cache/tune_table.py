@@ -83,6 +83,7 @@ def tune(keys: Iterable[TableKey], table: TuningTable, path, *, force: bool = Fa
     unsaved = 0
     with Progress(progress, len(todo), "tuning") as advance:
         for key in todo:
+            out_of_memory = None
             try:
                 for res in tuner.tune_range(key, backends, log, split_depth):
                     results.append(res)
@@ -95,9 +96,13 @@ def tune(keys: Iterable[TableKey], table: TuningTable, path, *, force: bool = Fa
                 # A range's operands, outputs and fp32 references at every sample point (an LM
                 # head at M = 16384: GBs each) may not fit beside the rotation copies. The range
                 # keeps no entry, so F.linear serves it; the ranges tuned so far are kept.
-                first = str(e).splitlines()[0] if str(e) else "CUDA out of memory"
-                log(f"{key.to_string()}: out of GPU memory while tuning ({first}); no entry, F.linear serves it")
-                results.append(tuner.KeyResult(key, rejected=[("all", f"out of GPU memory: {first}")]))
+                out_of_memory = str(e).splitlines()[0] if str(e) else "CUDA out of memory"
+            if out_of_memory is not None:
+                # Outside the except block: its traceback holds the failed range's frames and
+                # their tensors, which the cache could not release while it is alive.
+                log(f"{key.to_string()}: out of GPU memory while tuning ({out_of_memory}); no entry, "
+                    "F.linear serves it")
+                results.append(tuner.KeyResult(key, rejected=[("all", "", f"out of GPU memory: {out_of_memory}")]))
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()

@@ -109,7 +109,7 @@ def _problem(m, i, k, dtype, has_bias, ldx, ldw, ldo, tf32=False) -> Problem:
 # What candidates() offers for M <= 16, fastest first: (block_n, bytes of K per row per stage,
 # num_warps, num_stages). Timed at M = 1 and 8 on the H200 over Llama-3-8B, Qwen2.5-7B and
 # their tp=2 shards and Llama-3-70B's tp=2 shard (perf/results/h200/sweep_triton_glu.csv): the
-# first is within 4.2% of the fastest config at every one of those shapes, at 4.1-4.3 TB/s;
+# first is within 3.8% of the fastest config at every one of those shapes, at 3.85-4.3 TB/s;
 # the small-footprint stages (~60 KB of shared memory) let three programs share an SM, so the
 # last wave of programs is short whatever I is.
 _DECODE = (

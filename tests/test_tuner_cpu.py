@@ -391,16 +391,22 @@ def test_a_range_that_runs_out_of_gpu_memory_is_reported_and_the_rest_tuned(tmp_
         seen.append(key)
         if key == keys[0]:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.83 GiB.\nmore text")
-        yield tuner.KeyResult(key)
+        winner = {"backend": "torch", "config": {}, "median_us": 9.5, "spread_us": 0.1, "describe": "F.linear",
+                  "worst_ratio": 1.0}
+        points = sorted({key.m_lo, key.m_hi})
+        yield tuner.KeyResult(key, winner=winner, m_points=points, ratios=[1.0] * len(points), flinear_us=9.5,
+                              timed=[dict(winner)])
 
     monkeypatch.setattr(tuner, "tune_range", fake_tune_range)
     lines = []
     path = tmp_path / "table.json"
     results = tune_table.tune(keys, TuningTable(signature=dict(SIG)), path, backends=[], progress=False,
                          log=lines.append, jobs=1)
-    assert seen == keys and path.exists()
+    assert seen == keys
+    saved = TuningTable.load(path, strict=True)
+    assert keys[1] in saved.entries and keys[0] not in saved.entries  # the later range was saved
     oom = [r for r in results if r.key == keys[0]]
-    assert len(oom) == 1 and oom[0].winner is None and "out of GPU memory" in oom[0].rejected[0][1]
+    assert len(oom) == 1 and oom[0].winner is None and "out of GPU memory" in oom[0].rejected[0][2]
     assert any("out of GPU memory" in line and "Tried to allocate 7.83 GiB." in line and "F.linear" in line
                for line in lines)
     assert not any("more text" in line for line in lines)
