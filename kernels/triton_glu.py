@@ -274,12 +274,13 @@ def _make_plan(key, x, w, b, out, _act, tf32) -> tc.TritonPlan:
     ldw = w.stride(0)
     ldo = out.stride(0) if m > 1 else i
     problem = _problem(m, i, k, x.dtype, b is not None, ldx, ldw, ldo, tf32 and x.dtype == torch.float32)
+    facts = tc.device_facts(x.device)
     reason = tc.problem_limits(problem)
     if not reason:
-        reason = config.supports(m, i, k, x.dtype, smem_limit=tc.device_facts(x.device).smem_per_block)[1]
+        reason = config.supports(m, i, k, x.dtype, smem_limit=facts.smem_per_block)[1]
     if reason:
         raise ValueError(f"{config} cannot run glu with m={m}, i={i}, k={k}, {x.dtype}: {reason}")
-    pdl = tc.pdl_enabled(tc.device_facts(x.device).capability)
+    pdl = tc.pdl_enabled(facts.capability)
     meta = dict(tc.plan_meta(config, problem, Activation.NONE, b is not None), ACT=ACTIVATIONS[act],
                 GROUP_M=GROUP_M, SWAP=config.block_m <= SWAP_MAX_BM, PDL=pdl, **(dict(launch_pdl=True) if pdl else {}))
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(i, config.block_n),)

@@ -22,6 +22,27 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
+def assert_chain_reads_its_producer(chain, expected, x0: torch.Tensor, out: torch.Tensor,
+                                    bound: float = 1.5e-2, calls: int = 20) -> None:
+    """A chain of kernel calls, each reading the last one's output, against ``expected(x0)``:
+    ``calls`` times eagerly (``chain(x0)`` returns the result), then captured once as a CUDA
+    graph and replayed ``calls`` times on fresh ``x0`` (the result lands in ``out``). The
+    relative error stays near bf16 rounding for a chain whose grids each wait for their
+    producer; a grid that read its input too early (stale or half-written) is off by O(1)."""
+    want = expected(x0)
+    for _ in range(calls):
+        assert rel_err(chain(x0), want) < bound
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain(x0)
+    for _ in range(calls):
+        x0.copy_(torch.randn_like(x0))
+        want = expected(x0)
+        g.replay()
+        assert rel_err(out, want) < bound
+
+
 def torch_linear(x, w, b, activation) -> torch.Tensor:
     """What a user gets from PyTorch today: F.linear then the activation, in the input dtype."""
     return apply_activation(F.linear(x, w, b), Activation.parse(activation))

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import assert_chain_reads_its_producer
 from hybridgemm.kernels import triton_glu as tglu
 
 pytestmark = pytest.mark.gpu
@@ -172,19 +173,5 @@ def test_pdl_chain_reads_its_producer():
                 x = x * 2.0
         return x
 
-    def rel(a, b):
-        return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-    want = expected(x0)
-    assert 0.1 < want.float().pow(2).mean().sqrt() < 10  # the chain keeps a signal to compare
-    for _ in range(20):
-        assert rel(chain(x0), want) < 1.5e-2
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        chain(x0)
-    for _ in range(20):
-        x0.copy_(torch.randn_like(x0))
-        want = expected(x0)
-        g.replay()
-        assert rel(outs[-1], want) < 1.5e-2
+    assert 0.1 < expected(x0).float().pow(2).mean().sqrt() < 10  # the chain keeps a signal to compare
+    assert_chain_reads_its_producer(chain, expected, x0, outs[-1])
