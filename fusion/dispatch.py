@@ -176,6 +176,34 @@ def fused_linear_and_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return _fused_linear_slow(x, weight, bias, activation, None, _launchers[0].mode)
 
 
+def _decision(problem: Problem, dev: int, mode: str) -> Choice:
+    """The mode's decision for ``problem`` on device ``dev``, cached per (device, problem)."""
+    choices = _MODE_CACHES[mode][0]
+    choice = choices.get((dev, problem))
+    if choice is None:
+        invariant = mode == modes.BATCH_INVARIANT
+        backends.warn_unavailable_once(stacklevel=5)
+        with torch.cuda.device(dev):
+            choice = decide.batch_invariant_choice(problem, dev) if invariant else decide.choose(problem, dev)
+        if invariant and choice.backend == "torch":
+            decide.warn_once(("invariant", problem.n, problem.k, problem.dtype),
+                             f"hybridgemm: batch_invariant mode cannot run {choice.key} on Triton; {choice.reason}")
+        if not choice.provisional:
+            choices.put((dev, problem), choice)
+    return choice
+
+
+def decision_for(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> Choice:
+    """What the current mode runs for ``out = x2 @ weight.T + bias`` (x2 (M, K) and ``weight``
+    row-major, ``out`` (M, N) contiguous, CUDA, a kernel dtype, no activation): the decision
+    :func:`fused_linear` takes for these operands, for callers that fuse more around the same
+    GEMM (fusion/decoder_layer.py)."""
+    tf32 = x2.dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
+    problem = Problem.from_tensors(x2, weight, bias, out, Epilogue(Activation.NONE, bias is not None), tf32)
+    dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+    return _decision(problem, dev, _launchers[0].mode)
+
+
 def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str):
     """A call whose signature has no cached launcher: checks, the (cached) decision, the run.
     Returns ``(y, raw)`` as :func:`fused_linear_and_launch` does; caches a launcher under
@@ -195,16 +223,7 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str):
     tf32 = x.dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
     problem = Problem.from_tensors(x2, w2, b2, out, Epilogue(act, bias is not None), tf32)
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    choice = choices.get((dev, problem))
-    if choice is None:
-        backends.warn_unavailable_once(stacklevel=4)
-        with torch.cuda.device(dev):
-            choice = decide.batch_invariant_choice(problem, dev) if invariant else decide.choose(problem, dev)
-        if invariant and choice.backend == "torch":
-            decide.warn_once(("invariant", problem.n, problem.k, problem.dtype),
-                             f"hybridgemm: batch_invariant mode cannot run {choice.key} on Triton; {choice.reason}")
-        if not choice.provisional:
-            choices.put((dev, problem), choice)
+    choice = _decision(problem, dev, mode)
     if choice.backend == "torch":  # F.linear itself: no output of ours to fill, no copy
         if fast_key is not None and not choice.provisional:
             fast.put(fast_key, _torch_launcher(act))

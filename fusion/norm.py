@@ -86,6 +86,19 @@ def _eligible(x: Tensor, w: Tensor, on_current_device: bool) -> bool:
             and w.dim() == 1 and w.shape[0] == x.shape[-1] and w.device == x.device and w.is_contiguous())
 
 
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """The stock formula (:func:`reference_rms_norm`), as one Triton launch where
+    :func:`_fast_path` allows it."""
+    if not _fast_path(x, w):
+        return reference_rms_norm(x, w, eps)
+    h = x.shape[-1]
+    out = torch.empty(x.shape, dtype=torch.promote_types(w.dtype, x.dtype), device=x.device)
+    if out.numel():
+        # a view for the decode and prefill layouts, else a copy (reshape keeps the unit last stride)
+        _triton_rmsnorm().run(x.reshape(-1, h), w, out.view(-1, h), eps)
+    return out
+
+
 class HybridRMSNorm(nn.Module):
     """A recognised RMSNorm with its class swapped (same ``weight`` and ``variance_epsilon``):
     one Triton launch in eager CUDA inference, the stock formula everywhere else."""
@@ -94,18 +107,10 @@ class HybridRMSNorm(nn.Module):
     variance_epsilon: float
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        x, w = hidden_states, self.weight
-        if not _fast_path(x, w):
-            return reference_rms_norm(x, w, self.variance_epsilon)
-        h = x.shape[-1]
-        out = torch.empty(x.shape, dtype=torch.promote_types(w.dtype, x.dtype), device=x.device)
-        if out.numel():
-            # a view for the decode and prefill layouts, else a copy (reshape keeps the unit last stride)
-            _triton_rmsnorm().run(x.reshape(-1, h), w, out.view(-1, h), self.variance_epsilon)
-        return out
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
-__all__ = ["RMS_NORM_CLASSES", "HybridRMSNorm", "is_rms_norm", "reference_rms_norm"]
+__all__ = ["RMS_NORM_CLASSES", "HybridRMSNorm", "is_rms_norm", "reference_rms_norm", "rms_norm"]

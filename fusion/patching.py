@@ -19,6 +19,8 @@ same layout is covered; ``transformers`` is never imported here):
   object and parameters, so a head tied to the embedding stays tied).
 * transformers' Llama-style RMSNorm modules: one Triton launch in eager inference
   (fusion/norm.py; recognised by class, since the formula is not visible in the structure).
+* transformers' Llama, Qwen2, Qwen3 and Mistral decoder layers whose parts were all patched:
+  at decode sizes their RMSNorms and residual adds run inside the GEMMs (fusion/decoder_layer.py).
 
 How several linears are fused without re-implementing any forward (:class:`QKVSlice` modules
 standing where the linears stood, backed by one :class:`FusedQKV`; one GEMM per input, each
@@ -73,6 +75,7 @@ import torch
 from torch import Tensor, nn
 
 from .attention import HybridMultiheadAttention
+from .decoder_layer import NOT_A_LAYER, ResidualLinear, fused_class, why_not_fuse_layer
 from .fused_rows import SEQ as _SEQ
 from .fused_rows import UNDO_ATTR as _UNDO_ATTR
 from .fused_rows import FusedLinears, FusedSlice, fuse, qual, record, records, unfuse, why_not_fuse
@@ -109,6 +112,7 @@ class PatchReport:
     patched: list[str] = field(default_factory=list)
     fused_qkv: list[str] = field(default_factory=list)
     fused_mlp: list[str] = field(default_factory=list)
+    fused_layers: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     already_patched: list[str] = field(default_factory=list)
 
@@ -124,7 +128,8 @@ class PatchReport:
                            f"({shown}); call hybridgemm.unpatch first to patch them again")
             return f"hybridgemm.patch: nothing patched ({'; '.join(why) or 'no attention projections found'})"
         return (f"hybridgemm.patch: patched {len(self.patched)} modules ({len(self.fused_qkv)} with fused QKV, "
-                f"{len(self.fused_mlp)} with fused gate/up)"
+                f"{len(self.fused_mlp)} with fused gate/up, {len(self.fused_layers)} decoder layers with fused "
+                "norms and residuals)"
                 + (f", skipped {len(self.skipped)}" if self.skipped else "")
                 + (f", {len(self.already_patched)} already patched" if self.already_patched else ""))
 
@@ -202,12 +207,13 @@ def _record_name(name: str, rec: tuple) -> str:
 
 
 def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, attention: bool = True,
-          mlp: bool = True, lm_head: bool = True, norm: bool = True) -> PatchReport:
+          mlp: bool = True, lm_head: bool = True, norm: bool = True, layers: bool = True) -> PatchReport:
     """Patch ``model`` in place (see the module docstring); returns a :class:`PatchReport`.
 
     ``attention``, ``mlp``, ``lm_head``, ``norm``: which parts to patch (the attention
     projections, the MLPs of fusion/mlp.py, a ``lm_head`` nn.Linear, the RMSNorms of
-    fusion/norm.py). ``fuse_qkv=False`` swaps each q/k/v linear
+    fusion/norm.py). ``layers``: fuse the norms and residual adds of decoder layers whose
+    parts are all patched (fusion/decoder_layer.py). ``fuse_qkv=False`` swaps each q/k/v linear
     on its own (state-dict keys unchanged).
     Nothing to patch: a warning and an empty report, or ``ValueError`` with ``strict=True``.
     What an earlier patch changed is left as it is (``report.already_patched``); only what
@@ -300,11 +306,30 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
         if out is not None and out_name not in done:
             swap(out_name, out, HybridLinear)
 
+    if layers:
+        for name, mod in modules.items():
+            why_not = why_not_fuse_layer(mod) if name not in done and not records(mod) else NOT_A_LAYER
+            if why_not is None:
+                _fuse_layer(mod)
+                report.patched.append(name or "(root)")
+                report.fused_layers.append(name or "(root)")
+            elif why_not != NOT_A_LAYER:
+                report.skipped.append((name, f"decoder layer not fused: {why_not}"))
     if not report.patched:
         if strict:
             raise ValueError(report.summary())
         warnings.warn(report.summary(), stacklevel=2)
     return report
+
+
+def _fuse_layer(layer: nn.Module) -> None:
+    """Give a recognised decoder layer its fused forward and its O projection the residual
+    epilogue (classes swapped in place, recorded for unpatch)."""
+    o_proj = layer.self_attn.o_proj
+    record(o_proj, ("class", next(_SEQ), type(o_proj)))
+    o_proj.__class__ = ResidualLinear
+    record(layer, ("class", next(_SEQ), type(layer)))
+    layer.__class__ = fused_class(type(layer))
 
 
 def _set_attr(mod: nn.Module, attr: str, value) -> None:

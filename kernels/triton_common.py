@@ -44,6 +44,56 @@ def tl_activation(z, ACT: tl.constexpr):
     return z
 
 
+@triton.jit
+def tl_norm_tile_mma(xt, g, sq, PREC: tl.constexpr):
+    """One K-chunk of an RMSNorm fused into the GEMM that reads its output (a norm prologue).
+
+    ``rmsnorm(x) @ W.T == rstd * ((x * g) @ W.T)`` per row, ``rstd = rsqrt(mean(x²) + eps)``:
+    the GEMM multiplies ``x * g`` (the norm weight ``g`` [BK], rounded once to x's dtype) and
+    the caller scales each row of the fp32 result by ``rstd`` (:func:`tl_rstd`) before the
+    bias. The squares accumulate from the tiles the GEMM loads anyway (no extra pass over x),
+    here as one more small MMA, ``sq [BM, BM] += x @ x.T``, whose diagonal holds the rows'
+    sums of squares (:func:`tl_diagonal`). Returns ``(x * g, sq)``.
+    Hugging Face's module rounds ``x * rstd`` and then ``* g``: the results agree to the
+    rounding of the inputs, not bit for bit.
+
+    Each kernel uses the accumulation that measured faster in it on the H200: the gated
+    kernel this MMA, triton_splitk (whose main dot runs on wgmma there) the fp32 tile of
+    squares of :func:`tl_norm_tile_sq`; the other one cost each of them several times more.
+    What the fused norm costs a call: perf/results/h200/layer_fusion_h200.csv."""
+    xg = (xt.to(tl.float32) * g[None, :].to(tl.float32)).to(xt.dtype)
+    return xg, tl.dot(xt, tl.trans(xt), sq, input_precision=PREC)
+
+
+@triton.jit
+def tl_norm_tile_sq(xt, g, sq):
+    """:func:`tl_norm_tile_mma` with the squares summed elementwise into an fp32 [BM, BK] tile
+    ``sq`` (rows summed by the caller after the loop). Returns ``(x * g, sq)``."""
+    xf = xt.to(tl.float32)
+    return (xf * g[None, :].to(tl.float32)).to(xt.dtype), sq + xf * xf
+
+
+@triton.jit
+def tl_diagonal(sq, BM: tl.constexpr):
+    """The diagonal of a [BM, BM] tile, as a [BM] vector."""
+    idx = tl.arange(0, BM)
+    return tl.sum(tl.where(idx[:, None] == idx[None, :], sq, 0.0), axis=1)
+
+
+@triton.jit
+def tl_rstd(ss, inv_k, eps):
+    """``1 / rms`` of rows from their sums of squares (``inv_k`` = fp32(1/K), ``tl.math.rsqrt``:
+    triton_rmsnorm's formula)."""
+    return tl.math.rsqrt(ss * inv_k + eps)
+
+
+@triton.jit
+def tl_add_residual(acc, res_ptrs, mask, out_dtype: tl.constexpr):
+    """``residual + y`` as the decoder layer's add computes it: y rounded to the output dtype
+    first, the sum in fp32, rounded by the caller's store."""
+    return acc.to(out_dtype).to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
 def dot_precision(problem: Problem) -> str:
     """fp32 inputs use TF32 tensor cores only when the caller allowed it; otherwise exact fp32."""
     return "tf32" if problem.dtype != torch.float32 or problem.tf32 else "ieee"
@@ -557,6 +607,32 @@ def plan_meta(config, problem: Problem, act: Activation, has_bias: bool) -> dict
 def split_extent(k: int, block_k: int, split: int) -> int:
     """Elements of K per split: whole blocks, spread evenly over ``split`` programs."""
     return triton.cdiv(triton.cdiv(k, block_k), split) * block_k
+
+
+def check_fusion(x: torch.Tensor, out: torch.Tensor, norm: tuple | None, residual: torch.Tensor | None,
+                 who: str) -> None:
+    """ValueError/TypeError unless ``norm`` is None or (a contiguous K-vector of x's dtype on x's
+    device, a finite eps ≥ 0) and ``residual`` is None or an (M, N) tensor like ``out`` with unit
+    column stride."""
+    if norm is not None:
+        if not (isinstance(norm, tuple) and len(norm) == 2):
+            raise TypeError(f"{who}: norm must be a (weight, eps) pair, got {type(norm).__name__}")
+        nw, eps = norm
+        if not isinstance(nw, torch.Tensor) or nw.dim() != 1 or nw.shape[0] != x.shape[1] or nw.stride(0) != 1:
+            raise ValueError(f"{who}: the norm weight must be a contiguous vector of {x.shape[1]} elements (x's K)")
+        if nw.dtype != x.dtype or nw.device != x.device:
+            raise TypeError(f"{who}: the norm weight must have x's dtype and device ({x.dtype}, {x.device}), got "
+                            f"{nw.dtype} on {nw.device}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+            raise ValueError(f"{who}: norm eps must be a finite number ≥ 0, got {eps!r}")
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"{who}: residual must be a tensor, got {type(residual).__name__}")
+        if residual.shape != out.shape or residual.dtype != out.dtype or residual.device != out.device:
+            raise ValueError(f"{who}: residual must match the output ({tuple(out.shape)}, {out.dtype}, {out.device}), "
+                             f"got {tuple(residual.shape)}, {residual.dtype}, {residual.device}")
+        if residual.stride(1) != 1 or (residual.shape[0] > 1 and residual.stride(0) < residual.shape[1]):
+            raise ValueError(f"{who}: residual rows must be row-major with unit column stride")
 
 
 def plan_scratch(plan: TritonPlan, placeholder: torch.Tensor) -> tuple:

@@ -207,11 +207,13 @@ def _mma(w, xt, acc, PREC: tl.constexpr, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, ldx, ldw, ldo,
+def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, M, N, K, ldx, ldw, ldo, inv_k, eps,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
-                SWAP: tl.constexpr, PDL: tl.constexpr):
+                SWAP: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     # N = I, the output width: gate rows of w are 0..N-1, up rows N..2N-1.
+    # NORM: x is RMS-normalised (norm weight nw, eps): the dots take x * nw and the rows of the
+    # accumulators are scaled by 1/rms after the loop (triton_common.tl_norm_tile_mma).
     # One program per BM x BN tile of out, in grouped order (a no-op when M fits one tile-row).
     # PDL: nothing is read or written before the wait (triton_common.pdl_enabled).
     if PDL:
@@ -234,16 +236,21 @@ def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, ldx, ldw, ldo,
     else:
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros_like(acc_g)
+    sq = tl.zeros((BM, BM), dtype=tl.float32)  # NORM: x @ x.T, the rows' sums of squares on its diagonal
     for k in range(0, K, BK):
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0, eviction_policy="evict_last")
             wg = tl.load(wg_ptrs, eviction_policy="evict_first")
             wu = tl.load(wu_ptrs, eviction_policy="evict_first")
+            if NORM:
+                xt, sq = tc.tl_norm_tile_mma(xt, tl.load(nw_ptr + k + offs_k), sq, PREC)
         else:
             k_ok = offs_k < K - k
             xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_last")
             wg = tl.load(wg_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             wu = tl.load(wu_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            if NORM:
+                xt, sq = tc.tl_norm_tile_mma(xt, tl.load(nw_ptr + k + offs_k, mask=k_ok, other=0.0), sq, PREC)
         acc_g = _mma(wg, xt, acc_g, PREC, SWAP)
         acc_u = _mma(wu, xt, acc_u, PREC, SWAP)
         x_ptrs += BK
@@ -253,6 +260,14 @@ def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, ldx, ldw, ldo,
         gdc_launch_dependents()  # only the epilogue is left: let the next grid get ready
     grid_m, grid_n = _tile_grid(offs_m, offs_n, SWAP)
     in_n = grid_n < N
+    if NORM:  # 1/rms per row of x, in the accumulators' orientation
+        rstd = tc.tl_rstd(tc.tl_diagonal(sq, BM), inv_k, eps)
+        if SWAP:
+            rstd = rstd[None, :]
+        else:
+            rstd = rstd[:, None]
+        acc_g = acc_g * rstd
+        acc_u = acc_u * rstd
     if HAS_BIAS:  # loaded in the accumulator's orientation, [BN, 1] or [1, BN]
         acc_g += tl.load(b_ptr + grid_n, mask=in_n, other=0.0).to(tl.float32)
         acc_u += tl.load(b_ptr + N + grid_n, mask=in_n, other=0.0).to(tl.float32)
@@ -264,8 +279,9 @@ def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, ldx, ldw, ldo,
 
 
 def _make_plan(key, x, w, b, out, _act, tf32) -> tc.TritonPlan:
-    """A launch plan; ``key`` is (config, gate activation name), the PlanCache's config slot."""
-    config, act = key
+    """A launch plan; ``key`` is (config, gate activation name, norm: None or (eps, weight
+    16-byte aligned)), the PlanCache's config slot."""
+    config, act, norm = key
     m, k = x.shape
     i = out.shape[1]
     if m == 0 or i == 0:
@@ -282,9 +298,11 @@ def _make_plan(key, x, w, b, out, _act, tf32) -> tc.TritonPlan:
         raise ValueError(f"{config} cannot run glu with m={m}, i={i}, k={k}, {x.dtype}: {reason}")
     pdl = tc.pdl_enabled(facts.capability)
     meta = dict(tc.plan_meta(config, problem, Activation.NONE, b is not None), ACT=ACTIVATIONS[act],
-                GROUP_M=GROUP_M, SWAP=config.block_m <= SWAP_MAX_BM, PDL=pdl, **(dict(launch_pdl=True) if pdl else {}))
+                GROUP_M=GROUP_M, SWAP=config.block_m <= SWAP_MAX_BM, NORM=norm is not None, PDL=pdl,
+                **(dict(launch_pdl=True) if pdl else {}))
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(i, config.block_n),)
-    return tc.TritonPlan(x.device, tc.Launcher(_glu_kernel, grid, meta), scalars=(m, i, k, ldx, ldw, ldo))
+    inv_k, eps = 1.0 / max(k, 1), 0.0 if norm is None else norm[0]  # fp32(1/K), as triton_rmsnorm's mean
+    return tc.TritonPlan(x.device, tc.Launcher(_glu_kernel, grid, meta), scalars=(m, i, k, ldx, ldw, ldo, inv_k, eps))
 
 
 # Plans per ((config, act), tf32, operand layout): a repeated call looks up the key and launches.
@@ -293,8 +311,10 @@ _allow_tf32 = torch._C._get_cublas_allow_tf32
 
 
 def run(config: TritonGluConfig, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
-        act: str = "silu", *, tf32: bool | None = None) -> torch.Tensor:
+        act: str = "silu", *, tf32: bool | None = None, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """``out[:] = act(x @ w[:I].T + b[:I]) * (x @ w[I:].T + b[I:])``; returns ``out``.
+    ``norm=(g, eps)``: x is RMS-normalised first, as Hugging Face's Llama-style RMSNorm does it
+    (``g`` a contiguous K-vector of x's dtype; the caller checks it).
 
     The backend contract, unchecked: x (M, K) and w (2I, K) with unit column stride (rows may
     be padded), b None or a contiguous (2I,) vector, out (M, I) with unit column stride, one
@@ -304,19 +324,24 @@ def run(config: TritonGluConfig, x: torch.Tensor, w: torch.Tensor, b: torch.Tens
     """
     if tf32 is None:
         tf32 = x.dtype is torch.float32 and _allow_tf32()
-    plan = _PLANS.plan((config, act), x, w, b, out, None, tf32)
+    norm_key = None if norm is None else (float(norm[1]), norm[0].data_ptr() % 16 == 0)
+    plan = _PLANS.plan((config, act, norm_key), x, w, b, out, None, tf32)
     if plan.empty:
         return out
-    plan.launch(x, w, out if b is None else b, out, *plan.scalars)  # out: placeholder when HAS_BIAS is False
+    # out: placeholder for the bias and the norm weight when there is none
+    plan.launch(x, w, out if b is None else b, out, out if norm is None else norm[0], *plan.scalars)
     return out
 
 
 def glu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str = "silu", *,
-        config: TritonGluConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        config: TritonGluConfig | None = None, out: torch.Tensor | None = None,
+        norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """``act(x @ Wg.T + bg) * (x @ Wu.T + bu)`` for x (..., K), stacked w (2I, K) = [Wg; Wu] and
     b (2I,) = [bg; bu] or None; returns (..., I) in x's dtype (``out`` when given: contiguous,
     that shape and dtype). ``act``: "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU).
 
+    ``norm=(g, eps)``: x is RMS-normalised first (Hugging Face's Llama-style RMSNorm: ``g`` a
+    contiguous K-vector of x's dtype), the norm that precedes the MLP in a decoder layer.
     x is copied only when its rows cannot be read with one row stride and unit column stride.
     ``config`` defaults to :func:`default_config` for the shape and device. Bad arguments raise
     TypeError/ValueError naming the argument.
@@ -352,8 +377,10 @@ def glu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: st
         return out.copy_((GLU_ACTIVATIONS[act](bf[:i]) * bf[i:]).expand(shape))
     x2 = row_major(rows_2d(x))
     out2 = out.view(-1, i)
+    if norm is not None:
+        tc.check_fusion(x2, out2, norm, None, "glu")
     if config is None:
         facts = tc.device_facts(x.device)
         config = default_config(x2.shape[0], i, k, x.dtype, num_sms=facts.num_sms, smem_limit=facts.smem_per_block)
-    run(config, x2, row_major(w), contiguous_bias(b), out2, act)
+    run(config, x2, row_major(w), contiguous_bias(b), out2, act, norm=norm)
     return out

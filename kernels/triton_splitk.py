@@ -42,6 +42,7 @@ from .triton_common import (
     Launcher,
     PlanCache,
     TritonPlan,
+    check_fusion,
     check_pow2,
     check_range,
     clear_workspaces,
@@ -56,13 +57,16 @@ from .triton_common import (
     split_extent,
     split_scratch,
     tl_activation,
+    tl_add_residual,
+    tl_norm_tile_sq,
+    tl_rstd,
     tl_split_fixup,
     workspace_bytes,
 )
 
 __all__ = [
-    "KIND", "MAX_M", "TritonSplitKConfig", "candidates", "clear_workspaces", "default_config", "pdl_enabled", "run",
-    "workspace_bytes",
+    "KIND", "MAX_M", "Fusion", "TritonSplitKConfig", "candidates", "clear_workspaces", "default_config",
+    "fusion_of", "pdl_enabled", "run", "workspace_bytes",
 ]
 
 KIND = "triton_splitk"
@@ -208,12 +212,19 @@ def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits)
 
 
 @triton.jit
-def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, ldx, ldw, ldo,
-                   k_per_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res_ptr, M, N, K, ldx, ldw, ldo,
+                   ldr, k_per_split, inv_k, eps, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                   PREC: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                   PREC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                   PDL: tl.constexpr):
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
+    # NORM: x is RMS-normalised (norm weight nw, eps): the dot takes x * nw, each program sums
+    # the squares of its slice of x, and whoever runs the epilogue scales the rows by 1/rms of
+    # the summed squares (triton_common.tl_norm_tile_sq). Split programs leave their sums after
+    # the partials in the workspace: [S, M] for the reduce kernel (MODE 1), [tiles, S, BM]
+    # for the tile's last program (MODE 2). RESIDUAL: the epilogue adds res (ldr) to the
+    # rounded result.
     # PDL (programmatic dependent launch): this grid may start while the previous kernel on
     # the stream finishes; nothing is read or written before the wait, which returns once that
     # kernel has completed and its writes are visible (see pdl_enabled()).
@@ -235,15 +246,20 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, ld
     w_ptrs = w_ptr + rows_n[:, None] * ldw + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * ldx + (k0 + offs_k)[None, :]
     acc = tl.zeros((BN, BM), dtype=tl.float32)
+    sq = tl.zeros((BM, BK), dtype=tl.float32)  # NORM: this slice's squares of x, rows summed after the loop
     for k in range(k0, k1, BK):
         if EVEN_K:
             w = tl.load(w_ptrs, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0, eviction_policy="evict_last")
+            if NORM:
+                x, sq = tl_norm_tile_sq(x, tl.load(nw_ptr + k + offs_k), sq)
         else:
             k_ok = (k + offs_k) < K
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0,
                         eviction_policy="evict_last")
+            if NORM:
+                x, sq = tl_norm_tile_sq(x, tl.load(nw_ptr + k + offs_k, mask=k_ok, other=0.0), sq)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
         w_ptrs += BK
         x_ptrs += BK
@@ -251,26 +267,43 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, ld
         gdc_launch_dependents()  # only the epilogue is left: let the next grid get ready
     mask = n_ok[:, None] & m_ok[None, :]
     ws_offs = offs_m[None, :] * N + offs_n[:, None]
+    ss = tl.sum(sq, axis=1)
+    split_k = tl.num_programs(1)
+    ss_ptr = ws_ptr + split_k * M * N  # NORM: the sums of squares, after the partials
     if MODE == 1:
         tl.store(ws_ptr + pid_s * M * N + ws_offs, acc, mask=mask)
+        if NORM and pid_n == 0:
+            tl.store(ss_ptr + pid_s * M + offs_m, ss, mask=m_ok)
     else:
         last = True
         if MODE == 2:
             tile = pid_m * tl.num_programs(0) + pid_n
-            acc, last = tl_split_fixup(acc, ws_ptr, ws_offs, mask, M * N, cnt_ptr + tile, pid_s,
-                                       tl.num_programs(1))
+            tile_ss = ss_ptr + tile * split_k * BM + tl.arange(0, BM)
+            if NORM:  # stored before the fixup's barrier and release, like the partial
+                tl.store(tile_ss + pid_s * BM, ss)
+            acc, last = tl_split_fixup(acc, ws_ptr, ws_offs, mask, M * N, cnt_ptr + tile, pid_s, split_k)
+            if NORM and last:
+                ss = tl.load(tile_ss, cache_modifier=".cg")
+                for s in range(1, split_k):  # split order, as the partials
+                    ss += tl.load(tile_ss + s * BM, cache_modifier=".cg")
         if last:
+            if NORM:
+                acc = acc * tl_rstd(ss, inv_k, eps)[None, :]
             if HAS_BIAS:
                 bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
                 acc = acc + bias[:, None]
             acc = tl_activation(acc, ACT)
+            if RESIDUAL:
+                acc = tl_add_residual(acc, res_ptr + offs_m[None, :] * ldr + offs_n[:, None], mask,
+                                      out_ptr.dtype.element_ty)
             ptrs = out_ptr + offs_m[None, :] * ldo + offs_n[:, None]
             tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, ldo, split_k,
-                   BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr):
+def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, res_ptr, M, N, ldo, ldr, split_k, inv_k, eps,
+                   BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
+                   RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
     m = tl.program_id(1)
@@ -279,16 +312,49 @@ def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, ldo, split_k,
     acc = tl.load(ws_ptr + m * N + offs, mask=ok, other=0.0)
     for s in range(1, split_k):  # fixed order: the result never depends on timing
         acc += tl.load(ws_ptr + (s * M + m) * N + offs, mask=ok, other=0.0)
+    if NORM:  # the row's sum of squares, from the [S, M] sums after the partials
+        ss_ptr = ws_ptr + split_k * M * N + m
+        ss = tl.load(ss_ptr)
+        for s in range(1, split_k):
+            ss += tl.load(ss_ptr + s * M)
+        acc = acc * tl_rstd(ss, inv_k, eps)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     acc = tl_activation(acc, ACT)
+    if RESIDUAL:
+        acc = tl_add_residual(acc, res_ptr + m * ldr + offs, ok, out_ptr.dtype.element_ty)
     tl.store(out_ptr + m * ldo + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------- launcher
 
 
-def _make_plan(config, x, weight, bias, out, act, tf32) -> TritonPlan:
+@dataclass(frozen=True)
+class Fusion:
+    """What a plan fuses around the GEMM, part of its cache key: an RMSNorm of x in the prologue
+    (``norm_eps`` not None; the norm weight's 16-byte alignment), a residual added in the
+    epilogue (``residual_ld`` not None: its row stride; its 16-byte alignment)."""
+
+    norm_eps: float | None = None
+    norm_aligned: bool = True
+    residual_ld: int | None = None
+    residual_aligned: bool = True
+
+
+_NO_FUSION = Fusion()
+
+
+def fusion_of(norm: tuple | None, residual: torch.Tensor | None) -> Fusion:
+    """The :class:`Fusion` of a call's ``norm=(weight, eps)`` and ``residual`` arguments."""
+    if norm is None and residual is None:
+        return _NO_FUSION
+    return Fusion(None if norm is None else float(norm[1]), norm is None or norm[0].data_ptr() % 16 == 0,
+                  None if residual is None else (residual.stride(0) if residual.shape[0] > 1 else residual.shape[1]),
+                  residual is None or residual.data_ptr() % 16 == 0)
+
+
+def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
+    config, fusion = key
     found = plan_problem(config, x, weight, bias, out, act, tf32)
     if found is None:
         return TritonPlan(x.device, empty=True)
@@ -298,19 +364,26 @@ def _make_plan(config, x, weight, bias, out, act, tf32) -> TritonPlan:
     mode = 0 if split == 1 else (2 if config.fused_reduce else 1)
     pdl = pdl_enabled(facts.capability)
     launch_opts = dict(launch_pdl=True) if pdl else {}
-    meta = dict(plan_meta(config, problem, act, bias is not None), MODE=mode, PDL=pdl, **launch_opts)
+    norm, residual = fusion.norm_eps is not None, fusion.residual_ld is not None
+    ldr = fusion.residual_ld if residual else problem.ldo
+    meta = dict(plan_meta(config, problem, act, bias is not None), MODE=mode, NORM=norm,
+                RESIDUAL=residual and mode != 1, PDL=pdl, **launch_opts)
+    inv_k, eps = 1.0 / max(k, 1), fusion.norm_eps or 0.0  # fp32(1/K), as triton_rmsnorm computes the mean
     reduce = None
     if mode == 1:
         block = min(1024, next_pow2(n))
         reduce = Launcher(_reduce_kernel, (triton.cdiv(n, block), m),
-                          dict(BLOCK=block, HAS_BIAS=bias is not None, ACT=ACT_CODE[act], PDL=pdl, num_warps=4,
-                               **launch_opts))
+                          dict(BLOCK=block, HAS_BIAS=bias is not None, ACT=ACT_CODE[act], NORM=norm,
+                               RESIDUAL=residual, PDL=pdl, num_warps=4, **launch_opts))
+    # the norm's sums of squares after the partials: [S, M] (MODE 1) or [tiles, S, BM] (MODE 2)
+    ss_numel = (split * m if mode == 1 else grid[0] * grid[2] * split * config.block_m) if norm and split > 1 else 0
     return TritonPlan(
         x.device, Launcher(_splitk_kernel, grid, meta),
-        scalars=(m, n, k, problem.ldx, problem.ldw, problem.ldo, split_extent(k, config.block_k, split)),
-        ws_numel=split * m * n if split > 1 else 0,
+        scalars=(m, n, k, problem.ldx, problem.ldw, problem.ldo, ldr, split_extent(k, config.block_k, split),
+                 inv_k, eps),
+        ws_numel=split * m * n + ss_numel if split > 1 else 0,
         counters=grid[0] * grid[2] if mode == 2 else 0,
-        reduce=reduce, reduce_scalars=(m, n, problem.ldo, split),
+        reduce=reduce, reduce_scalars=(m, n, problem.ldo, ldr, split, inv_k, eps),
     )
 
 
@@ -328,30 +401,40 @@ def run(
     activation: Activation | str | None = None,
     *,
     tf32: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out[:] = act(x @ weight.T + bias)`` with ``config``; returns ``out``.
+    """``out[:] = act(rmsnorm(x) @ weight.T + bias) + residual`` with ``config``; returns ``out``.
 
+    ``norm=(g, eps)``: x is first normalised as Hugging Face's Llama-style RMSNorm does it
+    (``g`` x's dtype, K elements); ``residual`` (like ``out``): added after the rounding to the
+    output dtype, as ``residual + linear(...)`` adds it. Either may be None (plain GEMM).
     Deterministic for a fixed config. ``tf32`` (fp32 inputs) allows TF32 tensor cores.
     Raises ValueError/TypeError naming the problem when operands or config do not fit.
     """
-    plan = _PLANS.plan(config, x, weight, bias, out, activation, tf32)
+    if norm is not None or residual is not None:
+        check_fusion(x, out, norm, residual, "triton_splitk")
+    plan = _PLANS.plan((config, fusion_of(norm, residual)), x, weight, bias, out, activation, tf32)
     if plan.empty:
         return out
     b = out if bias is None else bias  # placeholder pointer when HAS_BIAS is False
+    nw = out if norm is None else norm[0]
+    res = out if residual is None else residual
     ws, cnt = plan_scratch(plan, out)
-    plan.launch(x, weight, b, out, ws, cnt, *plan.scalars)
+    plan.launch(x, weight, b, out, ws, cnt, nw, res, *plan.scalars)
     if plan.reduce is not None:
-        plan.reduce(ws, b, out, *plan.reduce_scalars)
+        plan.reduce(ws, b, out, res, *plan.reduce_scalars)
     return out
 
 
 def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
          out: torch.Tensor, activation: Activation | str | None = None, *, tf32: bool = False):
-    """``fn(xp, wp, bp, op)``: :func:`run` for operands of exactly this signature (dtypes,
-    shapes, strides, device, 16-byte alignment) given as raw data pointers (``bp`` 0 without
-    a bias), with no checks and no Triton Python per call. None until :func:`run` has
-    launched this signature once, or where Triton offers no raw launch (interpreter)."""
-    plan = _PLANS.plan(config, x, weight, bias, out, activation, tf32, build=False)
+    """``fn(xp, wp, bp, op)``: :func:`run` (no norm, no residual) for operands of exactly this
+    signature (dtypes, shapes, strides, device, 16-byte alignment) given as raw data pointers
+    (``bp`` 0 without a bias), with no checks and no Triton Python per call. None until
+    :func:`run` has launched this signature once, or where Triton offers no raw launch
+    (interpreter)."""
+    plan = _PLANS.plan((config, _NO_FUSION), x, weight, bias, out, activation, tf32, build=False)
     if plan is None or plan.empty:
         return None
     main = plan.launch.raw()
@@ -361,7 +444,7 @@ def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias
     dev, scalars = x.device.index, plan.scalars
     if not plan.ws_numel:
         def launch(xp, wp, bp, op):
-            main(dev, xp, wp, bp or op, op, op, op, *scalars)
+            main(dev, xp, wp, bp or op, op, op, op, op, op, *scalars)
         return launch
 
     device, ws_numel, counters, reduce_scalars = plan.device, plan.ws_numel, plan.counters, plan.reduce_scalars
@@ -370,8 +453,8 @@ def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias
         ws, cnt = split_scratch(device, ws_numel, counters)  # of dev's current stream, as main launches on
         wsp = ws.data_ptr()
         cntp = wsp if cnt is None else cnt.data_ptr()
-        main(dev, xp, wp, bp or op, op, wsp, cntp, *scalars)
+        main(dev, xp, wp, bp or op, op, wsp, cntp, op, op, *scalars)
         if reduce is not None:
-            reduce(dev, wsp, bp or op, op, *reduce_scalars)
+            reduce(dev, wsp, bp or op, op, op, *reduce_scalars)
 
     return launch_split

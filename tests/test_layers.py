@@ -26,6 +26,8 @@ LAZY_ALLOWED = {
     ("hybridgemm.modes", "hybridgemm.kernels.triton_gemm"),
     ("hybridgemm.kernels.backends", "hybridgemm.kernels.triton_common"),
     ("hybridgemm.mlp", "hybridgemm.kernels.triton_glu"),
+    ("hybridgemm.decoder_layer", "hybridgemm.kernels.triton_glu"),
+    ("hybridgemm.decoder_layer", "hybridgemm.kernels.triton_splitk"),
     ("hybridgemm.norm", "hybridgemm.kernels.triton_rmsnorm"),
 }
 

@@ -12,6 +12,7 @@ from torch import nn
 
 import hybridgemm
 from hybridgemm import HybridLinear, HybridMultiheadAttention, dispatch
+from hybridgemm.decoder_layer import ResidualLinear
 from hybridgemm.mlp import HybridGatedMLP
 from hybridgemm.norm import HybridRMSNorm
 from hybridgemm.patching import FusedQKV, HybridConv1D, QKVSlice
@@ -60,12 +61,14 @@ def test_hf_causal_lm_logits_and_greedy_decode(kind, attn, monkeypatch):
     assert report.fused_mlp == ["model.layers.0.mlp", "model.layers.1.mlp"]
     layer_parts = ("self_attn", "self_attn.o_proj", "mlp", "mlp.down_proj", "input_layernorm",
                    "post_attention_layernorm")
+    layers = ["model.layers.0", "model.layers.1"]
     assert report.patched == [f"model.layers.{i}.{n}" for i in range(2) for n in layer_parts] + [
-        "model.norm", "lm_head"]
+        "model.norm", "lm_head"] + layers
+    assert report.fused_layers == layers  # norms and residual adds inside the GEMMs at decode sizes (CUDA)
     assert all(type(m) is HybridRMSNorm for m in (model.model.norm, model.model.layers[1].input_layernorm))
     attn0, mlp0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert isinstance(attn0.q_proj, QKVSlice) and isinstance(attn0.qkv_proj, FusedQKV)
-    assert type(attn0.o_proj) is HybridLinear and type(model.lm_head) is HybridLinear
+    assert type(attn0.o_proj) is ResidualLinear and type(model.lm_head) is HybridLinear
     assert type(mlp0) is HybridGatedMLP and mlp0.glu_activation == "silu"
     assert isinstance(mlp0.gate_up_proj, FusedQKV) and type(mlp0.down_proj) is HybridLinear
 

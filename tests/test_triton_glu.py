@@ -131,7 +131,7 @@ def test_non_contiguous_x(device, monkeypatch):
     """Sliced rows are read in place; a transposed view (column stride != 1) is copied."""
     seen = []
     real_run = tglu.run
-    monkeypatch.setattr(tglu, "run", lambda cfg, x, *a: seen.append(x.data_ptr()) or real_run(cfg, x, *a))
+    monkeypatch.setattr(tglu, "run", lambda cfg, x, *a, **kw: seen.append(x.data_ptr()) or real_run(cfg, x, *a, **kw))
     _, w, b = operands((4,), DIM_I, DIM_K, torch.float32, device)
     sliced = torch.randn(4, DIM_K + 8, device=device)[:, 5:5 + DIM_K]
     glu_checked(sliced, w, b, "silu")

@@ -1,0 +1,281 @@
+"""Decoder-layer fusion: a Llama-style decoder layer's two RMSNorms and two residual adds run
+inside its GEMMs at decode sizes. Part of :func:`hybridgemm.patch` (``layers=True``).
+
+A stock layer runs, per token::
+
+    h = x + o_proj(attn(qkv(rmsnorm1(x))))        # norm kernel, QKV GEMM, ..., O GEMM, add
+    y = h + down(glu(gate_up(rmsnorm2(h))))       # norm kernel, gate/up GEMM, down GEMM, add
+
+Under torch.compile the add and the following norm become one Inductor kernel, so a decode
+step runs two such kernels per layer between the GEMMs; eager runs four launches. Here:
+
+* the QKV GEMM normalises x as it loads it (``norm_linear``: Triton split-K with an RMSNorm
+  prologue, every program first reading its x rows for their rms), and hands its output to
+  the attention module's q/k/v slices (``FusedLinears.seed``);
+* the O GEMM adds the residual in its epilogue (``linear_residual``: the O projection module
+  becomes a :class:`ResidualLinear`, given the residual by the layer for the one call);
+* the gate/up kernel normalises h on load (``gated_norm``: triton_glu with the prologue) and
+  the down GEMM adds h in its epilogue.
+
+The attention itself (rotary, KV cache, attention kernel) stays the model's own forward.
+Numerics are the stock formulas: the normalised row rounded to x's dtype, times the norm
+weight, rounded again; the residual added to the GEMM result after its rounding. The rms sum
+runs in another order than torch's, so a last bit can differ from the stock layer's.
+
+Taken only where it applies: CUDA, no gradient wanted, no autocast, the default dispatch mode,
+at most :data:`DECODE_ROWS` rows, positional arguments none (the model's call). A GEMM whose
+table decision is not Triton split-K runs the norm (or add) separately and the GEMM as the
+table says. Everything else (prefill, training, CPU) runs the stock layer forward.
+
+Recognised: transformers' ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``Qwen3DecoderLayer``
+and ``MistralDecoderLayer`` whose forward is the pre-norm layer above (checked in its source,
+so a transformers release that changes it is left alone, with the reason in the report), with
+the parts :func:`hybridgemm.patch` fused: Q/K/V, gate/up, HybridRMSNorm norms.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor, nn
+
+from hybridgemm import dispatch
+from hybridgemm.kernels.checks import contiguous_bias, row_major, rows_2d
+from hybridgemm.kernels.process_memory import per_call_scratch
+
+from .decide import get_mode
+from .fused_rows import FusedLinears
+from .linear_layer import HybridLinear, linear
+from .mlp import FUSED_GATE_UP, HybridGatedMLP
+from .modes import DEFAULT
+from .norm import HybridRMSNorm, rms_norm
+
+DECODE_ROWS = 16  # rows up to which the fused path runs (the gated kernel's decode configs)
+LAYER_CLASSES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
+QKV_NAME = "qkv_proj"
+NOT_A_LAYER = "not a decoder layer"
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_PLAIN = (Tensor, nn.Parameter)
+
+# The statements of the pre-norm layer forward and of the attention forward that the fused
+# forward reproduces (whitespace removed); a source without all of them is not fused.
+_LAYER_STATEMENTS = ("residual=hidden_states", "hidden_states=self.input_layernorm(hidden_states)",
+                     "hidden_states=residual+hidden_states",
+                     "hidden_states=self.post_attention_layernorm(hidden_states)",
+                     "hidden_states=self.mlp(hidden_states)", "returnhidden_states")
+_ATTENTION_STATEMENTS = ("attn_output=self.o_proj(attn_output)", "returnattn_output,attn_weights")
+
+
+def _kernels():
+    # Imported on first use: importing hybridgemm needs no Triton (tests/test_layers.py).
+    from hybridgemm.kernels import triton_glu, triton_splitk
+
+    return triton_splitk, triton_glu
+
+
+def _on_kernel_device(x: Tensor) -> bool:
+    """Do the fused kernels run on x's device? (CUDA; the CPU tests widen it to the interpreter.)"""
+    return x.is_cuda
+
+
+def _splitk_config(x2: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor):
+    """The split-K config the table runs for this GEMM, or None when it runs another backend
+    (or PyTorch computes it: CPU tensors, other dtypes)."""
+    if not x2.is_cuda or x2.dtype not in _KERNEL_DTYPES or weight.dtype != x2.dtype:
+        return None
+    choice = dispatch.decision_for(x2, weight, bias, out)
+    return choice.config if choice.backend == "triton_splitk" and choice.config is not None else None
+
+
+# ------------------------------------------------------------------- the fused computations
+
+def _norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None) -> Tensor:
+    n = weight.shape[0]
+    x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
+    out = x.new_empty((x2.shape[0], n))
+    config = _splitk_config(x2, w2, b2, out)
+    if config is None:
+        return dispatch.fused_linear(rms_norm(x, norm_weight, eps), weight, bias)
+    _kernels()[0].run(config, x2, w2, b2, out, None, norm=(norm_weight, float(eps)))
+    return out.view(*x.shape[:-1], n)
+
+
+def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+    n = weight.shape[0]
+    x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
+    out = x.new_empty((x2.shape[0], n))
+    config = _splitk_config(x2, w2, b2, out)
+    if config is None:
+        return residual + dispatch.fused_linear(x, weight, bias)
+    _kernels()[0].run(config, x2, w2, b2, out, None, residual=row_major(rows_2d(residual)))
+    return out.view(*x.shape[:-1], n)
+
+
+def _gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                activation: str) -> Tensor:
+    return _kernels()[1].glu(x, weight, bias, activation, norm=(norm_weight, float(eps)))
+
+
+@torch.library.custom_op("hybridgemm::norm_linear_fwd", mutates_args=())
+def norm_linear_fwd(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None) -> Tensor:
+    with per_call_scratch():  # no scratch cached from inside a compiled region (CUDA graph trees)
+        return _norm_linear(x, norm_weight, eps, weight, bias).contiguous()
+
+
+@norm_linear_fwd.register_fake
+def _norm_linear_fake(x, norm_weight, eps, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("hybridgemm::linear_residual_fwd", mutates_args=())
+def linear_residual_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+    with per_call_scratch():
+        return _linear_residual(x, weight, bias, residual).contiguous()
+
+
+@linear_residual_fwd.register_fake
+def _linear_residual_fake(x, weight, bias, residual):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("hybridgemm::gated_norm_fwd", mutates_args=())
+def gated_norm_fwd(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                   activation: str) -> Tensor:
+    return _gated_norm(x, norm_weight, eps, weight, bias, activation)
+
+
+@gated_norm_fwd.register_fake
+def _gated_norm_fake(x, norm_weight, eps, weight, bias, activation):
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
+def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``linear(rmsnorm(x), weight, bias)`` with Llama's RMSNorm (weight ``norm_weight``), one
+    GEMM launch where the table runs Triton split-K. Inference only (no autograd)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.hybridgemm.norm_linear_fwd(x, norm_weight, float(eps), weight, bias)
+    return _norm_linear(x, norm_weight, eps, weight, bias)
+
+
+def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+    """``residual + linear(x, weight, bias)``, one launch where the table runs Triton split-K.
+    Inference only (no autograd)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.hybridgemm.linear_residual_fwd(x, weight, bias, residual)
+    return _linear_residual(x, weight, bias, residual)
+
+
+def gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+               activation: str) -> Tensor:
+    """``gated_linear(rmsnorm(x), weight, bias, activation)`` in one launch of the gated kernel.
+    Inference only (no autograd)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.hybridgemm.gated_norm_fwd(x, norm_weight, float(eps), weight, bias, activation)
+    return _gated_norm(x, norm_weight, eps, weight, bias, activation)
+
+
+# ------------------------------------------------------------------------------- modules
+
+class ResidualLinear(HybridLinear):
+    """The O projection of a fused decoder layer: a :class:`HybridLinear` that adds
+    ``residual`` in its epilogue while the layer has set it (for one call), else plain."""
+
+    residual: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        r = self.residual
+        if r is None:
+            return linear(x, self.weight, self.bias, self.activation)
+        return linear_residual(x, self.weight, self.bias, r)
+
+
+class HybridDecoderLayer(nn.Module):
+    """Mixed in before a recognised decoder-layer class (:func:`fused_class`): the fused
+    forward where it applies, the class's own forward everywhere else."""
+
+    def forward(self, hidden_states: Tensor, *args, **kwargs):
+        if args or not _takes_fused_path(self, hidden_states):
+            return super().forward(hidden_states, *args, **kwargs)
+        attn, mlp = self.self_attn, self.mlp
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv = attn._modules[QKV_NAME]
+        qkv.seed(hidden_states, norm_linear(hidden_states, ln1.weight, ln1.variance_epsilon, qkv.weight, qkv.bias))
+        o_proj = attn.o_proj
+        o_proj.residual = hidden_states
+        if torch.compiler.is_compiling():  # an exception ends the compiled call anyway
+            h = attn(hidden_states=hidden_states, **kwargs)[0]
+            o_proj.residual = None
+        else:
+            try:
+                h = attn(hidden_states=hidden_states, **kwargs)[0]
+            finally:
+                o_proj.residual = None
+        gate_up, down = mlp._modules[FUSED_GATE_UP], mlp.down_proj
+        inter = gated_norm(h, ln2.weight, ln2.variance_epsilon, gate_up.weight, gate_up.bias, mlp.glu_activation)
+        return linear_residual(inter, down.weight, down.bias, h)
+
+
+def _takes_fused_path(layer: nn.Module, x) -> bool:
+    compiling = torch.compiler.is_compiling()
+    if not compiling and type(x) not in _PLAIN:
+        return False
+    if x.dtype not in _KERNEL_DTYPES or x.dim() < 2 or not _on_kernel_device(x):
+        return False
+    w = layer.self_attn._modules[QKV_NAME].weight
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return False
+    if torch.is_autocast_enabled(x.device.type) or get_mode() != DEFAULT:
+        return False
+    k = x.shape[-1]
+    return (x.numel() // k <= DECODE_ROWS if k else False) and w.dtype == x.dtype \
+        and layer.input_layernorm.weight.dtype == x.dtype and layer.post_attention_layernorm.weight.dtype == x.dtype
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def fused_class(cls: type) -> type:
+    """The class a recognised layer of class ``cls`` gets: :class:`HybridDecoderLayer` mixed in
+    (still an instance of ``cls``)."""
+    fused = _FUSED_CLASSES.get(cls)
+    if fused is None:
+        fused = _FUSED_CLASSES[cls] = type(f"Hybrid{cls.__name__}", (HybridDecoderLayer, cls),
+                                           {"__module__": __name__, "__qualname__": f"Hybrid{cls.__name__}"})
+    return fused
+
+
+def _statements(fn) -> str | None:
+    try:
+        return "".join(inspect.getsource(fn).split())
+    except (OSError, TypeError):
+        return None
+
+
+def why_not_fuse_layer(mod: nn.Module) -> str | None:
+    """Why the decoder layer ``mod`` cannot be fused (None: it can); raises nothing. A module
+    that is no recognised decoder layer gives :data:`NOT_A_LAYER`."""
+    t = type(mod)
+    if t.__name__ not in LAYER_CLASSES or not t.__module__.startswith("transformers"):
+        return NOT_A_LAYER
+    attn, mlp = mod._modules.get("self_attn"), mod._modules.get("mlp")
+    norms = [mod._modules.get(n) for n in ("input_layernorm", "post_attention_layernorm")]
+    if attn is None or not isinstance(attn._modules.get(QKV_NAME), FusedLinears) \
+            or type(attn._modules.get("o_proj")) is not HybridLinear:
+        return "its Q/K/V are not fused or its o_proj is not a plain nn.Linear"
+    if type(mlp) is not HybridGatedMLP or not isinstance(mlp._modules.get(FUSED_GATE_UP), FusedLinears) \
+            or type(mlp._modules.get("down_proj")) is not HybridLinear:
+        return "its MLP's gate/up are not fused or its down_proj is not a plain nn.Linear"
+    if not all(type(n) is HybridRMSNorm for n in norms):
+        return "its norms are not Llama-style RMSNorms"
+    layer_src, attn_src = _statements(t.forward), _statements(type(attn).forward)
+    if layer_src is None or not all(s in layer_src for s in _LAYER_STATEMENTS) \
+            or layer_src.count("hidden_states=residual+hidden_states") != 2:
+        return f"{t.__name__}.forward is not the pre-norm layer this transformers version was checked against"
+    if attn_src is None or not all(s in attn_src for s in _ATTENTION_STATEMENTS):
+        return f"{type(attn).__name__}.forward does not end with o_proj as expected"
+    return None
+
+
+__all__ = ["DECODE_ROWS", "LAYER_CLASSES", "NOT_A_LAYER", "HybridDecoderLayer", "ResidualLinear", "fused_class",
+           "gated_norm", "linear_residual", "norm_linear", "why_not_fuse_layer"]

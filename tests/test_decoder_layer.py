@@ -1,0 +1,157 @@
+"""Decoder-layer fusion (fusion/decoder_layer.py) on tiny random-weight transformers models:
+which layers ``patch`` fuses and why not, the fused forward against the stock model (its
+kernels run under the Triton interpreter here, with the device check widened to the CPU),
+the fallbacks, and unpatch. The real models run on the GPU (tests/test_models_gpu.py and
+``hybridgemm bench --e2e``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import hybridgemm
+from hybridgemm import decoder_layer as dl
+from hybridgemm.kernels import triton_glu, triton_splitk
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+VOCAB = 97
+SPLITK = triton_splitk.TritonSplitKConfig(16, 32, 32, split_k=2, num_warps=4, num_stages=2, fused_reduce=True)
+
+
+def _tiny(kind: str, layers: int = 2):
+    kw = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              num_hidden_layers=layers, vocab_size=VOCAB, max_position_embeddings=64)
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+              "mistral": transformers.MistralConfig}[kind](**kw)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """The fused path on CPU tensors (interpreter); counts the fused kernel calls."""
+    calls = []
+    monkeypatch.setattr(dl, "_on_kernel_device", lambda x: True)
+    monkeypatch.setattr(dl, "_splitk_config", lambda x2, w, b, out: SPLITK)
+    real_run, real_glu = triton_splitk.run, triton_glu.glu
+
+    def run(cfg, *a, norm=None, residual=None, **kw):
+        calls.append("norm" if norm is not None else "residual" if residual is not None else "plain")
+        return real_run(cfg, *a, norm=norm, residual=residual, **kw)
+
+    def glu(*a, norm=None, **kw):
+        calls.append("glu+norm" if norm is not None else "glu")
+        return real_glu(*a, norm=norm, **kw)
+
+    monkeypatch.setattr(triton_splitk, "run", run)
+    monkeypatch.setattr(triton_glu, "glu", glu)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_fused_layers_match_the_stock_model(kind, kernels_on_cpu):
+    stock = _tiny(kind)
+    model = copy.deepcopy(stock)
+    report = hybridgemm.patch(model)
+    assert report.fused_layers == ["model.layers.0", "model.layers.1"]
+    layer = model.model.layers[0]
+    assert isinstance(layer, type(stock.model.layers[0])) and isinstance(layer, dl.HybridDecoderLayer)
+    assert type(layer.self_attn.o_proj) is dl.ResidualLinear
+    ids = torch.randint(0, VOCAB, (2, 5))  # 10 rows: the decode path (<= 16)
+    with torch.no_grad():
+        ref, out = stock(ids).logits, model(ids).logits
+    # per layer: QKV with the norm, O with the residual, gate/up with the norm, down with the residual
+    assert kernels_on_cpu == ["norm", "residual", "glu+norm", "residual"] * 2
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert layer.self_attn.o_proj.residual is None and layer.self_attn.qkv_proj._rec is None
+    with torch.no_grad():
+        tokens = model.generate(ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        ref_tokens = stock.generate(ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens, ref_tokens)
+
+
+def test_a_gemm_the_table_gives_another_backend_runs_the_norm_and_add_apart(kernels_on_cpu, monkeypatch):
+    stock = _tiny("llama")
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    monkeypatch.setattr(dl, "_splitk_config", lambda *a: None)
+    norms = []
+    real = dl.rms_norm
+    monkeypatch.setattr(dl, "rms_norm", lambda x, w, eps: norms.append(x.shape) or real(x, w, eps))
+    ids = torch.randint(0, VOCAB, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-4)
+    assert kernels_on_cpu == ["glu+norm"] * 2 and len(norms) == 2  # the QKV norm apart; gate/up keeps its own
+
+
+@pytest.mark.parametrize("why", ["rows", "grad", "cpu"])
+def test_outside_decode_inference_the_stock_forward_runs(why, kernels_on_cpu, monkeypatch):
+    stock = _tiny("qwen2")
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    ids = torch.randint(0, VOCAB, (2, 9) if why == "rows" else (1, 4))  # 18 rows: past DECODE_ROWS
+    if why == "cpu":
+        monkeypatch.setattr(dl, "_on_kernel_device", lambda x: x.is_cuda)
+    with torch.set_grad_enabled(why == "grad"):
+        out = model(ids).logits
+        ref = stock(ids).logits
+    assert kernels_on_cpu == [] or all(c not in ("norm", "residual", "glu+norm") for c in kernels_on_cpu)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if why == "grad":
+        out.sum().backward()
+        assert model.model.layers[0].self_attn.qkv_proj.weight.grad is not None
+
+
+def test_unpatch_restores_the_stock_classes_and_state():
+    model = _tiny("llama")
+    classes = {n: type(m) for n, m in model.named_modules()}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = hybridgemm.patch(model)
+    assert list(model.state_dict()) == list(before)
+    restored = hybridgemm.unpatch(model)
+    assert sorted(restored) == sorted(report.patched)
+    assert {n: type(m) for n, m in model.named_modules()} == classes
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert not any(isinstance(m, (dl.HybridDecoderLayer, dl.ResidualLinear)) for m in model.modules())
+
+
+def test_what_is_not_fused_and_why(monkeypatch):
+    model = _tiny("llama", layers=1)
+    report = hybridgemm.patch(model, layers=False)
+    assert report.fused_layers == [] and not any("decoder layer" in why for _, why in report.skipped)
+    hybridgemm.unpatch(model)
+
+    report = hybridgemm.patch(model, mlp=False)
+    assert report.fused_layers == []
+    assert ("model.layers.0", "decoder layer not fused: its MLP's gate/up are not fused or its down_proj is not a "
+            "plain nn.Linear") in report.skipped
+    hybridgemm.unpatch(model)
+
+    monkeypatch.setattr(dl, "_LAYER_STATEMENTS", dl._LAYER_STATEMENTS + ("hidden_states=self.extra(hidden_states)",))
+    report = hybridgemm.patch(model)
+    assert report.fused_layers == [] and any("is not the pre-norm layer" in why for _, why in report.skipped)
+    hybridgemm.unpatch(model)
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=1, n_head=4,
+                                                                n_positions=32)).eval()
+    report = hybridgemm.patch(gpt2)
+    assert report.fused_layers == [] and not any("decoder layer" in why for _, why in report.skipped)
+
+
+def test_residual_linear_is_plain_without_a_residual():
+    lin = nn.Linear(12, 8)
+    ref = lin(torch.randn(3, 12))
+    lin.__class__ = dl.ResidualLinear
+    x = torch.randn(3, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), nn.functional.linear(x, lin.weight, lin.bias))
+        lin.residual = torch.randn(3, 8)
+        torch.testing.assert_close(lin(x), lin.residual + nn.functional.linear(x, lin.weight, lin.bias))
+    assert ref.shape == (3, 8)

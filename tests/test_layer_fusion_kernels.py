@@ -1,0 +1,135 @@
+"""The kernels' decoder-layer fusions under the Triton interpreter: the RMSNorm prologue of
+triton_splitk and triton_glu, the residual epilogue of triton_splitk, in every split-K mode,
+against an fp64 reference of the unrounded formula; their argument checks. bf16 and the real
+shapes run on the GPU (perf/bench_layer_fusion.py checks every fused call against fp32 first).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import assert_counters_zero, poisoned, rel_err
+from hybridgemm.kernels import triton_glu as tglu
+from hybridgemm.kernels import triton_splitk as ts
+from hybridgemm.norm import reference_rms_norm
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+Cfg = ts.TritonSplitKConfig
+DIRECT = Cfg(16, 32, 32, split_k=1, num_warps=4, num_stages=2)  # epilogue in the one launch
+TWO_LAUNCH = Cfg(16, 32, 16, split_k=2, num_warps=4, num_stages=3)  # partials, then _reduce_kernel
+FUSED3 = Cfg(16, 16, 16, split_k=3, num_warps=4, num_stages=2, fused_reduce=True)  # last program reduces
+SPLITK = [DIRECT, TWO_LAUNCH, FUSED3]
+GLU = [tglu.TritonGluConfig(16, 16, 32, 4, 2), tglu.TritonGluConfig(64, 16, 16, 4, 2)]  # swapped, usual
+EPS = 1e-5
+FLOOR = {torch.float16: 1e-3, torch.float32: 1e-5}
+N, K = 40, 72  # neither a multiple of the blocks: masked tiles, a partial last K block
+
+
+def _ids(c):
+    return f"split{c.split_k}{'-fused' if getattr(c, 'fused_reduce', False) else ''}" if isinstance(c, Cfg) else \
+        f"m{c.block_m}"
+
+
+def _operands(m, n, k, dtype, bias):
+    x = torch.randn(m, k, dtype=torch.float64).mul(3).to(dtype)  # rms far from 1: a lost norm shows
+    w = (torch.randn(n, k, dtype=torch.float64) / k**0.5).to(dtype)
+    b = torch.randn(n, dtype=torch.float64).to(dtype) if bias else None
+    g = (1 + 0.5 * torch.randn(k, dtype=torch.float64)).to(dtype)
+    r = torch.randn(m, n, dtype=torch.float64).to(dtype)
+    return x, w, b, g, r
+
+
+def _exact_norm(x, g):
+    xd = x.double()
+    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS) * g.double()
+
+
+def _stock_linear(x, w, b, g, r, norm, residual):
+    """What the stock layer computes in x's dtype (the bound's yardstick)."""
+    xin = reference_rms_norm(x, g, EPS) if norm else x
+    y = F.linear(xin.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+    return r + y if residual else y
+
+
+@pytest.mark.parametrize("cfg", SPLITK, ids=_ids)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("parts", ["norm", "residual", "both"])
+def test_splitk_fusions_match_the_exact_formula(cfg, dtype, m, parts):
+    norm, residual = parts in ("norm", "both"), parts in ("residual", "both")
+    cfg = cfg if m <= 16 else Cfg(32, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages,
+                                  cfg.fused_reduce)
+    for k in (K, 64):  # a partial last block, and whole blocks (EVEN_K)
+        x, w, b, g, r = _operands(m, N, k, dtype, bias=m != 3)
+        out = poisoned((m, N), dtype, "cpu")
+        ts.run(cfg, x, w, b, out, None, norm=(g, EPS) if norm else None, residual=r if residual else None)
+        assert torch.isfinite(out).all(), "some outputs were not written"
+        xin = _exact_norm(x, g) if norm else x.double()
+        ref = xin @ w.double().T + (0 if b is None else b.double())
+        ref = ref + r.double() if residual else ref
+        bound = 2 * rel_err(_stock_linear(x, w, b, g, r, norm, residual), ref) + FLOOR[dtype]
+        err = rel_err(out, ref)
+        assert err <= bound, f"{parts} m={m} k={k}: rel err {err:.3g} > {bound:.3g}"
+    assert_counters_zero()
+
+
+def test_splitk_norm_is_deterministic_and_plain_calls_are_unchanged():
+    x, w, b, g, r = _operands(5, N, K, torch.float32, bias=True)
+    outs = [ts.run(FUSED3, x, w, b, torch.empty(5, N), None, norm=(g, EPS), residual=r) for _ in range(2)]
+    assert torch.equal(outs[0], outs[1])
+    plain = ts.run(FUSED3, x, w, b, torch.empty(5, N))  # a plan of its own: no norm, no residual
+    ref = x.double() @ w.double().T + b.double()
+    assert rel_err(plain, ref) <= 1e-5
+    assert not torch.allclose(plain, outs[0], atol=1e-2)
+
+
+@pytest.mark.parametrize("cfg", GLU, ids=_ids)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_glu_norm_prologue_matches_the_exact_formula(cfg, dtype, m):
+    i = 24
+    for k in (K, 64):
+        x, w, b, g, _ = _operands(m, 2 * i, k, dtype, bias=m != 1)
+        out = poisoned((m, i), dtype, "cpu")
+        tglu.glu(x, w, b, "silu", config=cfg, out=out, norm=(g, EPS))
+        z = _exact_norm(x, g) @ w.double().T + (0 if b is None else b.double())
+        ref = F.silu(z[:, :i]) * z[:, i:]
+        zs = _stock_linear(x, w, b, g, None, True, False)
+        stock = F.silu(zs[:, :i]) * zs[:, i:]
+        bound = 2 * rel_err(stock, ref) + FLOOR[dtype]
+        err = rel_err(out, ref)
+        assert err <= bound, f"m={m} k={k}: rel err {err:.3g} > {bound:.3g}"
+
+
+def test_glu_norm_reads_a_row_strided_input():
+    x, w, _, g, _ = _operands(6, 32, 64, torch.float32, bias=False)
+    wide = torch.zeros(6, 100)
+    wide[:, 20:84] = x
+    out = tglu.glu(wide[:, 20:84], w, None, "silu", config=GLU[0], norm=(g, EPS))
+    ref = tglu.glu(x, w, None, "silu", config=GLU[0], norm=(g, EPS))
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("bad,err,match", [
+    (lambda x, g, r: dict(norm=(g[:-1], EPS)), ValueError, "contiguous vector of 72"),
+    (lambda x, g, r: dict(norm=(g.half(), EPS)), TypeError, "x's dtype"),
+    (lambda x, g, r: dict(norm=(g, -1.0)), ValueError, "finite number"),
+    (lambda x, g, r: dict(norm=(g, float("nan"))), ValueError, "finite number"),
+    (lambda x, g, r: dict(norm=(g, True)), ValueError, "finite number"),
+    (lambda x, g, r: dict(norm=g), TypeError, "a \\(weight, eps\\) pair"),
+    (lambda x, g, r: dict(residual=r[:, :-1]), ValueError, "must match the output"),
+    (lambda x, g, r: dict(residual=r.double()), ValueError, "must match the output"),
+    (lambda x, g, r: dict(residual=r.t().contiguous().t()), ValueError, "unit column stride"),
+    (lambda x, g, r: dict(residual=[1.0]), TypeError, "must be a tensor"),
+])
+def test_fusion_arguments_are_checked(bad, err, match):
+    x, w, b, g, r = _operands(4, N, K, torch.float32, bias=True)
+    out = torch.empty(4, N)
+    with pytest.raises(err, match=match):
+        ts.run(DIRECT, x, w, b, out, None, **bad(x, g, r))
+    if "norm" in bad(x, g, r):
+        with pytest.raises(err, match=match):
+            tglu.glu(x, torch.cat([w, w]), None, "silu", config=GLU[0], **bad(x, g, r))
