@@ -10,22 +10,28 @@ Under torch.compile the add and the following norm become one Inductor kernel, s
 step runs two such kernels per layer between the GEMMs; eager runs four launches. Here:
 
 * the QKV GEMM normalises x as it loads it (``norm_linear``: Triton split-K with an RMSNorm
-  prologue, every program first reading its x rows for their rms), and hands its output to
-  the attention module's q/k/v slices (``FusedLinears.seed``);
+  prologue, ``rstd * ((x * g) @ W.T)`` with the squares summed from the x tiles it loads; see
+  ``triton_common.tl_norm_tile_mma``), and hands its output to the attention module's q/k/v
+  slices (``FusedLinears.seed``);
 * the O GEMM adds the residual in its epilogue (``linear_residual``: the O projection module
   becomes a :class:`ResidualLinear`, given the residual by the layer for the one call);
 * the gate/up kernel normalises h on load (``gated_norm``: triton_glu with the prologue) and
   the down GEMM adds h in its epilogue.
 
 The attention itself (rotary, KV cache, attention kernel) stays the model's own forward.
-Numerics are the stock formulas: the normalised row rounded to x's dtype, times the norm
-weight, rounded again; the residual added to the GEMM result after its rounding. The rms sum
-runs in another order than torch's, so a last bit can differ from the stock layer's.
+Numerics: the residual is added to the GEMM result after its rounding, as the stock add does;
+a fused norm rounds ``x * g`` once where the stock module rounds ``x * rstd`` and then the
+product with g, so results agree with the stock layer's to the inputs' rounding, not bit for
+bit (fp16 is not fused: ``x * g`` could leave fp16's range where ``x * rstd * g`` does not).
 
-Taken only where it applies: CUDA, no gradient wanted, no autocast, the default dispatch mode,
-at most :data:`DECODE_ROWS` rows, positional arguments none (the model's call). A GEMM whose
-table decision is not Triton split-K runs the norm (or add) separately and the GEMM as the
-table says. Everything else (prefill, training, CPU) runs the stock layer forward.
+Taken only where it applies: CUDA, bf16 or fp32 with every weight in x's dtype, no gradient
+wanted by x or any weight the fused path reads, no autocast, the default dispatch mode, at
+most :data:`DECODE_ROWS` rows, no positional arguments (the model's call), no hooks on the
+norms, the MLP or down_proj (the fused path does not call them). A QKV, O or down GEMM whose
+table decision is not Triton split-K runs its norm (or add) apart and the GEMM as the table
+says; gate/up always runs the gated kernel. Everything else (prefill, training, fp16, CPU)
+runs the stock layer forward. One forward at a time per layer, as its KV cache needs anyway:
+the layer hands the O projection its residual through the module.
 
 Recognised: transformers' ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``Qwen3DecoderLayer``
 and ``MistralDecoderLayer`` whose forward is the pre-norm layer above (checked in its source,
@@ -35,6 +41,7 @@ the parts :func:`hybridgemm.patch` fused: Q/K/V, gate/up, HybridRMSNorm norms.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import torch
@@ -52,10 +59,15 @@ from .modes import DEFAULT
 from .norm import HybridRMSNorm, rms_norm
 
 DECODE_ROWS = 16  # rows up to which the fused path runs (the gated kernel's decode configs)
-LAYER_CLASSES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
+# Recognised layer classes and the transformers module of each (to rebuild the fused class
+# when a pickled model is loaded in a new process).
+LAYER_MODULES = {"LlamaDecoderLayer": "llama", "Qwen2DecoderLayer": "qwen2", "Qwen3DecoderLayer": "qwen3",
+                 "MistralDecoderLayer": "mistral"}
+LAYER_CLASSES = tuple(LAYER_MODULES)
 QKV_NAME = "qkv_proj"
 NOT_A_LAYER = "not a decoder layer"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LAYER_DTYPES = (torch.bfloat16, torch.float32)
 _PLAIN = (Tensor, nn.Parameter)
 
 # The statements of the pre-norm layer forward and of the attention forward that the fused
@@ -90,6 +102,11 @@ def _splitk_config(x2: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor)
 
 # ------------------------------------------------------------------- the fused computations
 
+def _tf32(x: Tensor) -> bool:
+    """TF32 where the dispatcher's decision assumed it (fp32 with torch's TF32 flag on)."""
+    return x.dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
+
+
 def _norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None) -> Tensor:
     n = weight.shape[0]
     x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
@@ -97,7 +114,7 @@ def _norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bia
     config = _splitk_config(x2, w2, b2, out)
     if config is None:
         return dispatch.fused_linear(rms_norm(x, norm_weight, eps), weight, bias)
-    _kernels()[0].run(config, x2, w2, b2, out, None, norm=(norm_weight, float(eps)))
+    _kernels()[0].run(config, x2, w2, b2, out, None, tf32=_tf32(x), norm=(norm_weight, float(eps)))
     return out.view(*x.shape[:-1], n)
 
 
@@ -108,7 +125,7 @@ def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: T
     config = _splitk_config(x2, w2, b2, out)
     if config is None:
         return residual + dispatch.fused_linear(x, weight, bias)
-    _kernels()[0].run(config, x2, w2, b2, out, None, residual=row_major(rows_2d(residual)))
+    _kernels()[0].run(config, x2, w2, b2, out, None, tf32=_tf32(x), residual=row_major(rows_2d(residual)))
     return out.view(*x.shape[:-1], n)
 
 
@@ -179,7 +196,8 @@ def gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias:
 
 class ResidualLinear(HybridLinear):
     """The O projection of a fused decoder layer: a :class:`HybridLinear` that adds
-    ``residual`` in its epilogue while the layer has set it (for one call), else plain."""
+    ``residual`` in its epilogue when the layer has set it, for the one next call (taken and
+    cleared by it), else plain. A residual of another shape than the output is an error."""
 
     residual: Tensor | None = None
 
@@ -187,6 +205,10 @@ class ResidualLinear(HybridLinear):
         r = self.residual
         if r is None:
             return linear(x, self.weight, self.bias, self.activation)
+        self.residual = None
+        if r.shape != (*x.shape[:-1], self.out_features):
+            raise RuntimeError(f"hybridgemm: the fused decoder layer's residual {tuple(r.shape)} does not fit "
+                               f"o_proj's output {(*x.shape[:-1], self.out_features)}")
         return linear_residual(x, self.weight, self.bias, r)
 
 
@@ -203,46 +225,85 @@ class HybridDecoderLayer(nn.Module):
         qkv.seed(hidden_states, norm_linear(hidden_states, ln1.weight, ln1.variance_epsilon, qkv.weight, qkv.bias))
         o_proj = attn.o_proj
         o_proj.residual = hidden_states
-        if torch.compiler.is_compiling():  # an exception ends the compiled call anyway
+        try:
             h = attn(hidden_states=hidden_states, **kwargs)[0]
+            # The slices must have handed out the seeded output (a hook that replaced their
+            # input would have made them project it without the norm).
+            unused = qkv._rec is not None
+        finally:
             o_proj.residual = None
-        else:
-            try:
-                h = attn(hidden_states=hidden_states, **kwargs)[0]
-            finally:
-                o_proj.residual = None
+            qkv._rec = None
+        if unused:
+            raise RuntimeError("hybridgemm: the fused decoder layer's attention did not take the normalised Q/K/V "
+                               "it was given (a hook or another attention forward?); patch with layers=False")
         gate_up, down = mlp._modules[FUSED_GATE_UP], mlp.down_proj
         inter = gated_norm(h, ln2.weight, ln2.variance_epsilon, gate_up.weight, gate_up.bias, mlp.glu_activation)
         return linear_residual(inter, down.weight, down.bias, h)
+
+
+def _tensors(layer: nn.Module) -> list:
+    """Every parameter the fused forward reads (its norms, QKV, O, gate/up, down)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    mods = (layer.input_layernorm, layer.post_attention_layernorm, attn._modules[QKV_NAME], attn.o_proj,
+            mlp._modules[FUSED_GATE_UP], mlp.down_proj)
+    return [t for m in mods for t in (m.weight, getattr(m, "bias", None)) if t is not None]
+
+
+def _hooked(mod: nn.Module) -> bool:
+    return bool(mod._forward_hooks or mod._forward_pre_hooks or "forward" in mod.__dict__)
 
 
 def _takes_fused_path(layer: nn.Module, x) -> bool:
     compiling = torch.compiler.is_compiling()
     if not compiling and type(x) not in _PLAIN:
         return False
-    if x.dtype not in _KERNEL_DTYPES or x.dim() < 2 or not _on_kernel_device(x):
+    if x.dtype not in _LAYER_DTYPES or x.dim() < 2 or not _on_kernel_device(x):
         return False
-    w = layer.self_attn._modules[QKV_NAME].weight
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+    k = x.shape[-1]
+    if not k or x.numel() // k > DECODE_ROWS:
         return False
     if torch.is_autocast_enabled(x.device.type) or get_mode() != DEFAULT:
         return False
-    k = x.shape[-1]
-    return (x.numel() // k <= DECODE_ROWS if k else False) and w.dtype == x.dtype \
-        and layer.input_layernorm.weight.dtype == x.dtype and layer.post_attention_layernorm.weight.dtype == x.dtype
+    params = _tensors(layer)
+    if any(t.dtype != x.dtype for t in params):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params)):
+        return False
+    mlp = layer.mlp
+    return not (_hooked(layer.input_layernorm) or _hooked(layer.post_attention_layernorm) or _hooked(mlp)
+                or _hooked(mlp.down_proj) or _global_hooks())
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as torch_module
+
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
 
 
 _FUSED_CLASSES: dict[type, type] = {}
 
 
 def fused_class(cls: type) -> type:
-    """The class a recognised layer of class ``cls`` gets: :class:`HybridDecoderLayer` mixed in
-    (still an instance of ``cls``)."""
+    """The class a recognised layer of class ``cls`` gets: :class:`HybridDecoderLayer` mixed in,
+    still an instance of ``cls`` and named like it (what name-based checks such as a model's
+    ``_no_split_modules`` read). Pickled as ``hybridgemm.decoder_layer.<name>``, which this
+    module resolves (:func:`__getattr__`)."""
     fused = _FUSED_CLASSES.get(cls)
     if fused is None:
-        fused = _FUSED_CLASSES[cls] = type(f"Hybrid{cls.__name__}", (HybridDecoderLayer, cls),
-                                           {"__module__": __name__, "__qualname__": f"Hybrid{cls.__name__}"})
+        fused = _FUSED_CLASSES[cls] = type(cls.__name__, (HybridDecoderLayer, cls),
+                                           {"__module__": __name__, "__qualname__": cls.__name__})
+        globals()[cls.__name__] = fused
     return fused
+
+
+def __getattr__(name: str):
+    # A pickled patched model names its layers' class hybridgemm.decoder_layer.<name>: rebuild it
+    # from transformers' class of that name.
+    family = LAYER_MODULES.get(name)
+    if family is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    stock = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+    return fused_class(stock)
 
 
 def _statements(fn) -> str | None:
@@ -260,12 +321,14 @@ def why_not_fuse_layer(mod: nn.Module) -> str | None:
         return NOT_A_LAYER
     attn, mlp = mod._modules.get("self_attn"), mod._modules.get("mlp")
     norms = [mod._modules.get(n) for n in ("input_layernorm", "post_attention_layernorm")]
-    if attn is None or not isinstance(attn._modules.get(QKV_NAME), FusedLinears) \
-            or type(attn._modules.get("o_proj")) is not HybridLinear:
-        return "its Q/K/V are not fused or its o_proj is not a plain nn.Linear"
-    if type(mlp) is not HybridGatedMLP or not isinstance(mlp._modules.get(FUSED_GATE_UP), FusedLinears) \
-            or type(mlp._modules.get("down_proj")) is not HybridLinear:
-        return "its MLP's gate/up are not fused or its down_proj is not a plain nn.Linear"
+    if attn is None or not isinstance(attn._modules.get(QKV_NAME), FusedLinears):
+        return "its Q/K/V are not fused into one GEMM"
+    if type(attn._modules.get("o_proj")) is not HybridLinear:
+        return f"its o_proj is a {type(attn._modules.get('o_proj')).__name__}, not a patched nn.Linear"
+    if type(mlp) is not HybridGatedMLP or not isinstance(mlp._modules.get(FUSED_GATE_UP), FusedLinears):
+        return "its MLP's gate/up are not fused into one GEMM"
+    if type(mlp._modules.get("down_proj")) is not HybridLinear:
+        return f"its down_proj is a {type(mlp._modules.get('down_proj')).__name__}, not a patched nn.Linear"
     if not all(type(n) is HybridRMSNorm for n in norms):
         return "its norms are not Llama-style RMSNorms"
     layer_src, attn_src = _statements(t.forward), _statements(type(attn).forward)

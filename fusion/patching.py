@@ -256,7 +256,7 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
             continue
         recs = records(mod)
         if recs:  # changed by an earlier patch
-            report.already_patched.extend(_record_name(name, rec) for rec in recs if rec[0] != "attr")
+            report.already_patched.extend(dict.fromkeys(_record_name(name, rec) for rec in recs if rec[0] != "attr"))
             if isinstance(mod, nn.MultiheadAttention):
                 done.update(subtree(name))
             continue

@@ -55,7 +55,9 @@ def tl_norm_tile_mma(xt, g, sq, PREC: tl.constexpr):
     here as one more small MMA, ``sq [BM, BM] += x @ x.T``, whose diagonal holds the rows'
     sums of squares (:func:`tl_diagonal`). Returns ``(x * g, sq)``.
     Hugging Face's module rounds ``x * rstd`` and then ``* g``: the results agree to the
-    rounding of the inputs, not bit for bit.
+    rounding of the inputs, not bit for bit. In fp16, ``x * g`` can overflow where the stock
+    order stays in range (activations of thousands times weights of tens): the decoder-layer
+    fusion takes bf16 and fp32 only.
 
     Each kernel uses the accumulation that measured faster in it on the H200: the gated
     kernel this MMA, triton_splitk (whose main dot runs on wgmma there) the fp32 tile of

@@ -210,7 +210,7 @@ def _mma(w, xt, acc, PREC: tl.constexpr, SWAP: tl.constexpr):
 def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, M, N, K, ldx, ldw, ldo, inv_k, eps,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
-                SWAP: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                SWAP: tl.constexpr, NORM: tl.constexpr, NORM_PREC: tl.constexpr, PDL: tl.constexpr):
     # N = I, the output width: gate rows of w are 0..N-1, up rows N..2N-1.
     # NORM: x is RMS-normalised (norm weight nw, eps): the dots take x * nw and the rows of the
     # accumulators are scaled by 1/rms after the loop (triton_common.tl_norm_tile_mma).
@@ -243,14 +243,14 @@ def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, M, N, K, ldx, ldw, ldo, in
             wg = tl.load(wg_ptrs, eviction_policy="evict_first")
             wu = tl.load(wu_ptrs, eviction_policy="evict_first")
             if NORM:
-                xt, sq = tc.tl_norm_tile_mma(xt, tl.load(nw_ptr + k + offs_k), sq, PREC)
+                xt, sq = tc.tl_norm_tile_mma(xt, tl.load(nw_ptr + k + offs_k), sq, NORM_PREC)
         else:
             k_ok = offs_k < K - k
             xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_last")
             wg = tl.load(wg_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             wu = tl.load(wu_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             if NORM:
-                xt, sq = tc.tl_norm_tile_mma(xt, tl.load(nw_ptr + k + offs_k, mask=k_ok, other=0.0), sq, PREC)
+                xt, sq = tc.tl_norm_tile_mma(xt, tl.load(nw_ptr + k + offs_k, mask=k_ok, other=0.0), sq, NORM_PREC)
         acc_g = _mma(wg, xt, acc_g, PREC, SWAP)
         acc_u = _mma(wu, xt, acc_u, PREC, SWAP)
         x_ptrs += BK
@@ -298,7 +298,8 @@ def _make_plan(key, x, w, b, out, _act, tf32) -> tc.TritonPlan:
         raise ValueError(f"{config} cannot run glu with m={m}, i={i}, k={k}, {x.dtype}: {reason}")
     pdl = tc.pdl_enabled(facts.capability)
     meta = dict(tc.plan_meta(config, problem, Activation.NONE, b is not None), ACT=ACTIVATIONS[act],
-                GROUP_M=GROUP_M, SWAP=config.block_m <= SWAP_MAX_BM, NORM=norm is not None, PDL=pdl,
+                GROUP_M=GROUP_M, SWAP=config.block_m <= SWAP_MAX_BM, NORM=norm is not None,
+                NORM_PREC="ieee" if x.dtype == torch.float32 else tc.dot_precision(problem), PDL=pdl,
                 **(dict(launch_pdl=True) if pdl else {}))
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(i, config.block_n),)
     inv_k, eps = 1.0 / max(k, 1), 0.0 if norm is None else norm[0]  # fp32(1/K), as triton_rmsnorm's mean

@@ -1,4 +1,6 @@
-"""Deterministic split-K Triton GEMM for decode-sized M (≤ 64): ``out = act(x @ W.T + b)``.
+"""Deterministic split-K Triton GEMM for decode-sized M (≤ 64): ``out = act(x @ W.T + b)``,
+optionally with an RMSNorm of x fused in front and a residual added after (``run(norm=,
+residual=)``, the decoder-layer fusion of fusion/decoder_layer.py).
 
 At small M the GEMM is a stream over W (N x K): the kernel's only job is to keep enough
 bytes of W in flight on every SM. N alone gives too few tiles (70b qkv: 160 tiles of 64

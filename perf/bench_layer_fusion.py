@@ -60,7 +60,7 @@ def bench_gemm(model: str, gemm: str, fused: str, n: int, k: int, bias: bool, m:
     copies = rotation_copies(wrows * k * 2, device)
     ws = [(torch.randn(wrows, k, device=device) / k**0.5).to(BF16) for _ in range(copies)]
     b = torch.randn(wrows, device=device).to(BF16) if bias else None
-    xs = [torch.randn(m, k, device=device).to(BF16) for _ in range(copies)]
+    xs = [(3 * torch.randn(m, k, device=device)).to(BF16) for _ in range(copies)]  # rms 3: a lost 1/rms shows
     g = (1 + 0.1 * torch.randn(k, device=device)).to(BF16)
     res = torch.randn(m, n, device=device).to(BF16)
     outs = [torch.empty(m, n, device=device, dtype=BF16) for _ in range(copies)]

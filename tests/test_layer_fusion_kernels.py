@@ -60,8 +60,6 @@ def _stock_linear(x, w, b, g, r, norm, residual):
 @pytest.mark.parametrize("parts", ["norm", "residual", "both"])
 def test_splitk_fusions_match_the_exact_formula(cfg, dtype, m, parts):
     norm, residual = parts in ("norm", "both"), parts in ("residual", "both")
-    cfg = cfg if m <= 16 else Cfg(32, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages,
-                                  cfg.fused_reduce)
     for k in (K, 64):  # a partial last block, and whole blocks (EVEN_K)
         x, w, b, g, r = _operands(m, N, k, dtype, bias=m != 3)
         out = poisoned((m, N), dtype, "cpu")
@@ -84,6 +82,16 @@ def test_splitk_norm_is_deterministic_and_plain_calls_are_unchanged():
     ref = x.double() @ w.double().T + b.double()
     assert rel_err(plain, ref) <= 1e-5
     assert not torch.allclose(plain, outs[0], atol=1e-2)
+
+
+def test_each_eps_gets_its_own_plan():
+    x, w, b, g, _ = _operands(2, N, K, torch.float32, bias=False)
+    x = x / 300  # mean square ~1e-4: eps 1e-2 and 1e-6 give visibly different norms
+    for eps in (1e-2, 1e-6, 1e-2):
+        out = ts.run(DIRECT, x, w, b, torch.empty(2, N), None, norm=(g, eps))
+        xd = x.double()
+        ref = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * g.double()) @ w.double().T
+        assert rel_err(out, ref) <= 1e-5, eps
 
 
 @pytest.mark.parametrize("cfg", GLU, ids=_ids)

@@ -160,6 +160,10 @@ def case_llama_gqa_one_kv_head(rank, group):
     report = parallelize(model, group)
     assert len(report.attention) == 2 and len(report.mlp) == 2 and report.lm_head == ["lm_head"], report
     assert len(report.patch.fused_qkv) == 2, report.patch
+    # a row-parallel O must not add the residual on every rank: sharded layers keep their own forward
+    whys = [why for _, why in report.patch.skipped if "decoder layer" in why]
+    assert report.patch.fused_layers == [] and len(whys) == 2, report.patch
+    assert all("o_proj is a RowParallelLinear" in why for why in whys), whys
     # gloo on the CPU: no symmetric memory, the sums go through the group's own all-reduce
     assert report.all_reduce == "nccl (the group's backend is gloo, not nccl)", report.all_reduce
     assert "sums: nccl (" in report.summary()
