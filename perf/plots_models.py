@@ -108,10 +108,11 @@ E2E_VARIANTS = (("stock", "0.25"), ("hybridgemm", "C3"))
 
 
 def is_e2e_csv(path) -> bool:
-    """Whether the CSV at ``path`` holds perf/bench_e2e.py's rows (its header has mode and variant)."""
+    """Whether the CSV at ``path`` holds perf/bench_e2e.py's rows (its header has mode, variant
+    and ms_per_token; perf/e2e_profile.py's kernel rows have the first two only)."""
     with open(path, newline="") as f:
         header = f.readline()
-    return {"mode", "variant"} <= {c.strip() for c in header.split(",")}
+    return {"mode", "variant", "ms_per_token"} <= {c.strip() for c in header.split(",")}
 
 
 def _e2e_bars(ax, groups: list[tuple], rows: dict, labels: list[str]) -> None:

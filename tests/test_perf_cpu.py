@@ -270,3 +270,13 @@ def test_bench_modes_shapes_and_summary():
     lines, worst = BM.summarize(times)
     assert worst == (0.5, "b M=4096")
     assert "0.900x" in lines[1] and "0.500x" in lines[1] and "0.500x" in lines[2] and "-" in lines[2]
+
+
+def test_the_main_jobs_redraw_of_the_committed_results_succeeds(tmp_path):
+    """`hybridgemm main` on a CPU machine redraws the figures from every committed H200 CSV
+    (kernel benchmarks, the M sweep, end to end, and CSVs no figure reads, such as the e2e
+    profile's kernel rows): none of them may stop it."""
+    committed = sorted(Path(__file__).resolve().parents[1].joinpath("perf/results/h200").glob("*.csv"))
+    assert any(p.name == "e2e_profile_h200.csv" for p in committed) and any(p.name == "e2e_h200.csv" for p in committed)
+    written = make_all_plots([str(p) for p in committed], tmp_path, log=lambda s: None)
+    assert "e2e.png" in {p.name for p in written}
