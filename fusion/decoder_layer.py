@@ -51,7 +51,7 @@ from hybridgemm import dispatch
 from hybridgemm.kernels.checks import contiguous_bias, row_major, rows_2d
 from hybridgemm.kernels.process_memory import per_call_scratch
 
-from .decide import get_mode
+from .decide import get_mode, warn_once
 from .fused_rows import FusedLinears
 from .linear_layer import HybridLinear, linear
 from .mlp import FUSED_GATE_UP, HybridGatedMLP
@@ -107,26 +107,36 @@ def _tf32(x: Tensor) -> bool:
     return x.dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
 
 
-def _norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None) -> Tensor:
+def _fused_splitk(x: Tensor, weight: Tensor, bias: Tensor | None, **fusion) -> Tensor | None:
+    """The GEMM with ``fusion`` (``norm=`` or ``residual=``) in one split-K launch, where the
+    table runs split-K for it; None where it does not, or where the launch is refused (a
+    ValueError, warned once per shape, as the dispatcher warns and falls back)."""
     n = weight.shape[0]
     x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
     out = x.new_empty((x2.shape[0], n))
     config = _splitk_config(x2, w2, b2, out)
     if config is None:
-        return dispatch.fused_linear(rms_norm(x, norm_weight, eps), weight, bias)
-    _kernels()[0].run(config, x2, w2, b2, out, None, tf32=_tf32(x), norm=(norm_weight, float(eps)))
+        return None
+    if "residual" in fusion:
+        fusion["residual"] = row_major(rows_2d(fusion["residual"]))
+    try:
+        _kernels()[0].run(config, x2, w2, b2, out, None, tf32=_tf32(x), **fusion)
+    except ValueError as e:
+        warn_once(("decoder_layer", tuple(weight.shape), x.dtype, tuple(fusion)),
+                  f"hybridgemm: split-K could not run the {'/'.join(fusion)} fusion for a {tuple(weight.shape)} "
+                  f"weight ({e}); that layer part runs unfused")
+        return None
     return out.view(*x.shape[:-1], n)
+
+
+def _norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None) -> Tensor:
+    y = _fused_splitk(x, weight, bias, norm=(norm_weight, float(eps)))
+    return dispatch.fused_linear(rms_norm(x, norm_weight, eps), weight, bias) if y is None else y
 
 
 def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
-    n = weight.shape[0]
-    x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
-    out = x.new_empty((x2.shape[0], n))
-    config = _splitk_config(x2, w2, b2, out)
-    if config is None:
-        return residual + dispatch.fused_linear(x, weight, bias)
-    _kernels()[0].run(config, x2, w2, b2, out, None, tf32=_tf32(x), residual=row_major(rows_2d(residual)))
-    return out.view(*x.shape[:-1], n)
+    y = _fused_splitk(x, weight, bias, residual=residual)
+    return residual + dispatch.fused_linear(x, weight, bias) if y is None else y
 
 
 def _gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,

@@ -11,6 +11,7 @@ import copy
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -242,3 +243,22 @@ def test_a_patched_model_pickles(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 0 and done.stdout.strip() == "HybridDecoderLayer", done.stderr[-2000:]
+
+
+def test_a_refused_split_k_launch_falls_back_with_one_warning(kernels_on_cpu, monkeypatch):
+    stock = _tiny("llama")
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+
+    def refuse(*a, **kw):
+        raise ValueError("no config fits this device")
+
+    monkeypatch.setattr(triton_splitk, "run", refuse)
+    ids = torch.randint(0, VOCAB, (1, 4))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = model(ids).logits
+        model(ids)  # once per fusion and weight shape: nothing new
+    unfused = [str(w.message) for w in seen if "runs unfused" in str(w.message)]
+    assert len(unfused) == 3 and all("no config fits this device" in m for m in unfused), unfused  # QKV, O, down
+    torch.testing.assert_close(out, stock(ids).logits, rtol=1e-4, atol=1e-4)
