@@ -34,10 +34,17 @@ def torchrun(tmp_path, *args: str) -> subprocess.CompletedProcess:
     --device cpu ARGS`` (torch.distributed.run is what the torchrun script runs), bounded."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "hybridgemm.perf.bench_tp", "--model", "tiny", "--device", "cpu", *args]
-    try:
-        return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"bench_tp on two ranks did not finish within {RUN_TIMEOUT_S} s:\n{e.stderr}")
+    for attempt in range(2):
+        try:
+            proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"bench_tp on two ranks did not finish within {RUN_TIMEOUT_S} s:\n{e.stderr}")
+        # One retry for a rank killed by C++'s std::terminate with no exception in flight (a
+        # thread torn down under it): seen once with torch 2.15's gloo on a CI machine, in none
+        # of a dozen reruns. Any other failure, or the same one twice, is reported.
+        if proc.returncode == 0 or "terminate called without an active exception" not in proc.stderr or attempt:
+            return proc
+    return proc
 
 
 def tiny_weight_bytes(tp: int) -> int:
