@@ -32,7 +32,7 @@ from hybridgemm.autotune_cache.table import (
     shipped_table_paths,
     user_table_path,
 )
-from hybridgemm.decide import explain, set_table_path
+from hybridgemm.decide import explain, set_table_path, uses_tf32
 from hybridgemm.kernels import backends
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
@@ -322,8 +322,7 @@ def _explain_for_device(args) -> int:
         raise ValueError(f"x_shape {tuple(args.x)} has {k} features, w_shape expects {wk}")
     m = math.prod(lead)
     epilogue = Epilogue(Activation.parse(args.activation), not args.no_bias)
-    tf32 = dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
-    problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=epilogue, ldx=k, ldw=k, ldo=n, tf32=tf32)
+    problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=epilogue, ldx=k, ldw=k, ldo=n, tf32=uses_tf32(dtype))
     sig = table.signature
     print(f"linear {args.dtype} M={m} N={n} K={k} epilogue={epilogue.name}, on an "
           f"{_printable(sig.get('gpu_name'))} ({_printable(sig.get('sm_count'))} SMs) with cuBLASLt "

@@ -145,6 +145,12 @@ def mode(name: str) -> Iterator[str]:
         set_mode(previous)
 
 
+def uses_tf32(dtype: torch.dtype) -> bool:
+    """Whether a GEMM of ``dtype`` may use TF32: fp32 with torch's matmul TF32 flag on (a
+    decision depends on it, so every caller that builds a Problem asks here)."""
+    return dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
+
+
 def warn_once(key, message: str) -> None:
     """One RuntimeWarning per ``key`` per process (a bad table entry, a backend that failed)."""
     if key not in _warned:
@@ -311,7 +317,7 @@ def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: b
     if x_dims[-1] != k:
         raise ValueError(f"x_shape {x_dims} has {x_dims[-1]} features, w_shape expects {k}")
     problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=Epilogue(act, bias), ldx=k, ldw=k, ldo=n,
-                      tf32=dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32))
+                      tf32=uses_tf32(dtype))
     head = f"linear {DTYPE_NAMES.get(dtype, dtype)} M={m} N={n} K={k} epilogue={problem.epilogue.name}"
     if m == 0 or n == 0 or k == 0:
         return f"{head}: empty problem (M, N or K = 0), so PyTorch computes it (no GEMM)"

@@ -46,12 +46,13 @@ import inspect
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _torch_module
 
 from hybridgemm import dispatch
 from hybridgemm.kernels.checks import contiguous_bias, row_major, rows_2d
 from hybridgemm.kernels.process_memory import per_call_scratch
 
-from .decide import get_mode, warn_once
+from .decide import get_mode, uses_tf32, warn_once
 from .fused_rows import FusedLinears
 from .linear_layer import HybridLinear, linear
 from .mlp import FUSED_GATE_UP, HybridGatedMLP
@@ -102,11 +103,6 @@ def _splitk_config(x2: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor)
 
 # ------------------------------------------------------------------- the fused computations
 
-def _tf32(x: Tensor) -> bool:
-    """TF32 where the dispatcher's decision assumed it (fp32 with torch's TF32 flag on)."""
-    return x.dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
-
-
 def _fused_splitk(x: Tensor, weight: Tensor, bias: Tensor | None, **fusion) -> Tensor | None:
     """The GEMM with ``fusion`` (``norm=`` or ``residual=``) in one split-K launch, where the
     table runs split-K for it; None where it does not, or where the launch is refused (a
@@ -120,7 +116,7 @@ def _fused_splitk(x: Tensor, weight: Tensor, bias: Tensor | None, **fusion) -> T
     if "residual" in fusion:
         fusion["residual"] = row_major(rows_2d(fusion["residual"]))
     try:
-        _kernels()[0].run(config, x2, w2, b2, out, None, tf32=_tf32(x), **fusion)
+        _kernels()[0].run(config, x2, w2, b2, out, None, tf32=uses_tf32(x.dtype), **fusion)
     except ValueError as e:
         warn_once(("decoder_layer", tuple(weight.shape), x.dtype, tuple(fusion)),
                   f"hybridgemm: split-K could not run the {'/'.join(fusion)} fusion for a {tuple(weight.shape)} "
@@ -285,9 +281,7 @@ def _takes_fused_path(layer: nn.Module, x) -> bool:
 
 
 def _global_hooks() -> bool:
-    from torch.nn.modules import module as torch_module
-
-    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+    return bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
 
 
 _FUSED_CLASSES: dict[type, type] = {}

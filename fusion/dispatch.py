@@ -198,8 +198,8 @@ def decision_for(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     row-major, ``out`` (M, N) contiguous, CUDA, a kernel dtype, no activation): the decision
     :func:`fused_linear` takes for these operands, for callers that fuse more around the same
     GEMM (fusion/decoder_layer.py)."""
-    tf32 = x2.dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
-    problem = Problem.from_tensors(x2, weight, bias, out, Epilogue(Activation.NONE, bias is not None), tf32)
+    problem = Problem.from_tensors(x2, weight, bias, out, Epilogue(Activation.NONE, bias is not None),
+                                   decide.uses_tf32(x2.dtype))
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     return _decision(problem, dev, _launchers[0].mode)
 
@@ -220,7 +220,7 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str):
         return torch_linear(x, weight, bias, act), None
     w2, b2 = row_major(weight), contiguous_bias(bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    tf32 = x.dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
+    tf32 = decide.uses_tf32(x.dtype)
     problem = Problem.from_tensors(x2, w2, b2, out, Epilogue(act, bias is not None), tf32)
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     choice = _decision(problem, dev, mode)
