@@ -52,6 +52,7 @@ from hybridgemm import dispatch
 from hybridgemm.kernels.checks import contiguous_bias, row_major, rows_2d
 from hybridgemm.kernels.process_memory import per_call_scratch
 
+from . import decode_attention as da
 from .decide import get_mode, uses_tf32, warn_once
 from .fused_rows import FusedLinears
 from .linear_layer import HybridLinear, linear
@@ -66,8 +67,15 @@ LAYER_MODULES = {"LlamaDecoderLayer": "llama", "Qwen2DecoderLayer": "qwen2", "Qw
                  "MistralDecoderLayer": "mistral"}
 LAYER_CLASSES = tuple(LAYER_MODULES)
 QKV_NAME = "qkv_proj"
+# Instance attribute set when the layer is patched: its attention can run as the fused step of
+# decode_attention (rotary and KV-cache write in the QKV GEMM) where a call allows it.
+ATTENTION_STEP = "_hybridgemm_attention_step"
+# A fused layer's int32 buffer (not in the state dict) of split-K arrival counters for its
+# GEMMs, which run one after another and leave it zero: a compiled decode step then needs no
+# zero-filled counters per GEMM (a fill kernel each).
+COUNTERS = "_hybridgemm_counters"
+COUNTER_SLOTS = 4096
 NOT_A_LAYER = "not a decoder layer"
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LAYER_DTYPES = (torch.bfloat16, torch.float32)
 _PLAIN = (Tensor, nn.Parameter)
 
@@ -92,31 +100,23 @@ def _on_kernel_device(x: Tensor) -> bool:
     return x.is_cuda
 
 
-def _splitk_config(x2: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor):
-    """The split-K config the table runs for this GEMM, or None when it runs another backend
-    (or PyTorch computes it: CPU tensors, other dtypes)."""
-    if not x2.is_cuda or x2.dtype not in _KERNEL_DTYPES or weight.dtype != x2.dtype:
-        return None
-    choice = dispatch.decision_for(x2, weight, bias, out)
-    return choice.config if choice.backend == "triton_splitk" and choice.config is not None else None
-
-
 # ------------------------------------------------------------------- the fused computations
 
-def _fused_splitk(x: Tensor, weight: Tensor, bias: Tensor | None, **fusion) -> Tensor | None:
+def _fused_splitk(x: Tensor, weight: Tensor, bias: Tensor | None, counters: Tensor | None = None,
+                  **fusion) -> Tensor | None:
     """The GEMM with ``fusion`` (``norm=`` or ``residual=``) in one split-K launch, where the
     table runs split-K for it; None where it does not, or where the launch is refused (a
     ValueError, warned once per shape, as the dispatcher warns and falls back)."""
     n = weight.shape[0]
     x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
     out = x.new_empty((x2.shape[0], n))
-    config = _splitk_config(x2, w2, b2, out)
+    config = da.splitk_config(x2, w2, b2, out)
     if config is None:
         return None
     if "residual" in fusion:
         fusion["residual"] = row_major(rows_2d(fusion["residual"]))
     try:
-        _kernels()[0].run(config, x2, w2, b2, out, None, tf32=uses_tf32(x.dtype), **fusion)
+        _kernels()[0].run(config, x2, w2, b2, out, None, tf32=uses_tf32(x.dtype), counters=counters, **fusion)
     except ValueError as e:
         warn_once(("decoder_layer", tuple(weight.shape), x.dtype, tuple(fusion)),
                   f"hybridgemm: split-K could not run the {'/'.join(fusion)} fusion for a {tuple(weight.shape)} "
@@ -125,13 +125,15 @@ def _fused_splitk(x: Tensor, weight: Tensor, bias: Tensor | None, **fusion) -> T
     return out.view(*x.shape[:-1], n)
 
 
-def _norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None) -> Tensor:
-    y = _fused_splitk(x, weight, bias, norm=(norm_weight, float(eps)))
+def _norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                 counters: Tensor | None = None) -> Tensor:
+    y = _fused_splitk(x, weight, bias, counters, norm=(norm_weight, float(eps)))
     return dispatch.fused_linear(rms_norm(x, norm_weight, eps), weight, bias) if y is None else y
 
 
-def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
-    y = _fused_splitk(x, weight, bias, residual=residual)
+def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor,
+                     counters: Tensor | None = None) -> Tensor:
+    y = _fused_splitk(x, weight, bias, counters, residual=residual)
     return residual + dispatch.fused_linear(x, weight, bias) if y is None else y
 
 
@@ -140,25 +142,29 @@ def _gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias
     return _kernels()[1].glu(x, weight, bias, activation, norm=(norm_weight, float(eps)))
 
 
+# ``counters`` (the layer's arrival counters, see COUNTERS) are scratch the kernels leave as they
+# found them (all zero), so the ops do not declare them mutated.
 @torch.library.custom_op("hybridgemm::norm_linear_fwd", mutates_args=())
-def norm_linear_fwd(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None) -> Tensor:
+def norm_linear_fwd(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                    counters: Tensor | None = None) -> Tensor:
     with per_call_scratch():  # no scratch cached from inside a compiled region (CUDA graph trees)
-        return _norm_linear(x, norm_weight, eps, weight, bias).contiguous()
+        return _norm_linear(x, norm_weight, eps, weight, bias, counters).contiguous()
 
 
 @norm_linear_fwd.register_fake
-def _norm_linear_fake(x, norm_weight, eps, weight, bias):
+def _norm_linear_fake(x, norm_weight, eps, weight, bias, counters=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.custom_op("hybridgemm::linear_residual_fwd", mutates_args=())
-def linear_residual_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+def linear_residual_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor,
+                        counters: Tensor | None = None) -> Tensor:
     with per_call_scratch():
-        return _linear_residual(x, weight, bias, residual).contiguous()
+        return _linear_residual(x, weight, bias, residual, counters).contiguous()
 
 
 @linear_residual_fwd.register_fake
-def _linear_residual_fake(x, weight, bias, residual):
+def _linear_residual_fake(x, weight, bias, residual, counters=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -173,20 +179,24 @@ def _gated_norm_fake(x, norm_weight, eps, weight, bias, activation):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
 
-def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None) -> Tensor:
+def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                counters: Tensor | None = None) -> Tensor:
     """``linear(rmsnorm(x), weight, bias)`` with Llama's RMSNorm (weight ``norm_weight``), one
-    GEMM launch where the table runs Triton split-K. Inference only (no autograd)."""
+    GEMM launch where the table runs Triton split-K. Inference only (no autograd).
+    ``counters``: zeroed int32 arrival counters for split-K's fused reduction (see
+    ``triton_splitk.run``), used by one launch at a time."""
     if torch.compiler.is_compiling():
-        return torch.ops.hybridgemm.norm_linear_fwd(x, norm_weight, float(eps), weight, bias)
-    return _norm_linear(x, norm_weight, eps, weight, bias)
+        return torch.ops.hybridgemm.norm_linear_fwd(x, norm_weight, float(eps), weight, bias, counters)
+    return _norm_linear(x, norm_weight, eps, weight, bias, counters)
 
 
-def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor,
+                    counters: Tensor | None = None) -> Tensor:
     """``residual + linear(x, weight, bias)``, one launch where the table runs Triton split-K.
-    Inference only (no autograd)."""
+    Inference only (no autograd). ``counters`` as for :func:`norm_linear`."""
     if torch.compiler.is_compiling():
-        return torch.ops.hybridgemm.linear_residual_fwd(x, weight, bias, residual)
-    return _linear_residual(x, weight, bias, residual)
+        return torch.ops.hybridgemm.linear_residual_fwd(x, weight, bias, residual, counters)
+    return _linear_residual(x, weight, bias, residual, counters)
 
 
 def gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
@@ -228,7 +238,24 @@ class HybridDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         qkv = attn._modules[QKV_NAME]
-        qkv.seed(hidden_states, norm_linear(hidden_states, ln1.weight, ln1.variance_epsilon, qkv.weight, qkv.bias))
+        counters = self._buffers.get(COUNTERS)
+        slot = da.kv_slot(attn, hidden_states, kwargs) if self.__dict__.get(ATTENTION_STEP) else None
+        if slot is not None:
+            o_proj = attn.o_proj
+            a = da.attention_step(attn, slot, hidden_states, ln1, qkv, kwargs, counters)
+            h = linear_residual(a, o_proj.weight, o_proj.bias, hidden_states, counters)
+        else:
+            h = self._attention(attn, ln1, qkv, hidden_states, kwargs, counters)
+        gate_up, down = mlp._modules[FUSED_GATE_UP], mlp.down_proj
+        inter = gated_norm(h, ln2.weight, ln2.variance_epsilon, gate_up.weight, gate_up.bias, mlp.glu_activation)
+        return linear_residual(inter, down.weight, down.bias, h, counters)
+
+    @staticmethod
+    def _attention(attn, ln1, qkv, hidden_states, kwargs, counters):
+        """``hidden_states + attention(norm(hidden_states))`` through the attention module's own
+        forward, given the normalised Q/K/V and O's residual."""
+        qkv.seed(hidden_states, norm_linear(hidden_states, ln1.weight, ln1.variance_epsilon, qkv.weight, qkv.bias,
+                                            counters))
         o_proj = attn.o_proj
         o_proj.residual = hidden_states
         try:
@@ -242,9 +269,7 @@ class HybridDecoderLayer(nn.Module):
         if unused:
             raise RuntimeError("hybridgemm: the fused decoder layer's attention did not take the normalised Q/K/V "
                                "it was given (a hook or another attention forward?); patch with layers=False")
-        gate_up, down = mlp._modules[FUSED_GATE_UP], mlp.down_proj
-        inter = gated_norm(h, ln2.weight, ln2.variance_epsilon, gate_up.weight, gate_up.bias, mlp.glu_activation)
-        return linear_residual(inter, down.weight, down.bias, h)
+        return h
 
 
 def _tensors(layer: nn.Module) -> list:

@@ -75,7 +75,16 @@ import torch
 from torch import Tensor, nn
 
 from .attention import HybridMultiheadAttention
-from .decoder_layer import NOT_A_LAYER, ResidualLinear, fused_class, why_not_fuse_layer
+from .decode_attention import why_not_fuse_attention
+from .decoder_layer import (
+    ATTENTION_STEP,
+    COUNTER_SLOTS,
+    COUNTERS,
+    NOT_A_LAYER,
+    ResidualLinear,
+    fused_class,
+    why_not_fuse_layer,
+)
 from .fused_rows import SEQ as _SEQ
 from .fused_rows import UNDO_ATTR as _UNDO_ATTR
 from .fused_rows import FusedLinears, FusedSlice, fuse, qual, record, records, unfuse, why_not_fuse
@@ -113,6 +122,7 @@ class PatchReport:
     fused_qkv: list[str] = field(default_factory=list)
     fused_mlp: list[str] = field(default_factory=list)
     fused_layers: list[str] = field(default_factory=list)
+    fused_attention: list[str] = field(default_factory=list)  # layers whose attention runs the fused step
     skipped: list[tuple[str, str]] = field(default_factory=list)
     already_patched: list[str] = field(default_factory=list)
 
@@ -129,7 +139,7 @@ class PatchReport:
             return f"hybridgemm.patch: nothing patched ({'; '.join(why) or 'no attention projections found'})"
         return (f"hybridgemm.patch: patched {len(self.patched)} modules ({len(self.fused_qkv)} with fused QKV, "
                 f"{len(self.fused_mlp)} with fused gate/up, {len(self.fused_layers)} decoder layers with fused "
-                "norms and residuals)"
+                f"norms and residuals, {len(self.fused_attention)} with rotary and KV-cache writes in the QKV GEMM)"
                 + (f", skipped {len(self.skipped)}" if self.skipped else "")
                 + (f", {len(self.already_patched)} already patched" if self.already_patched else ""))
 
@@ -310,9 +320,13 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
         for name, mod in modules.items():
             why_not = why_not_fuse_layer(mod) if name not in done and not records(mod) else NOT_A_LAYER
             if why_not is None:
-                _fuse_layer(mod)
+                why_not_attention = _fuse_layer(mod)
                 report.patched.append(name or "(root)")
                 report.fused_layers.append(name or "(root)")
+                if why_not_attention is None:
+                    report.fused_attention.append(name or "(root)")
+                else:
+                    report.skipped.append((name, f"attention step not fused: {why_not_attention}"))
             elif why_not != NOT_A_LAYER:
                 report.skipped.append((name, f"decoder layer not fused: {why_not}"))
     if not report.patched:
@@ -322,14 +336,23 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
     return report
 
 
-def _fuse_layer(layer: nn.Module) -> None:
+def _fuse_layer(layer: nn.Module) -> str | None:
     """Give a recognised decoder layer its fused forward and its O projection the residual
-    epilogue (classes swapped in place, recorded for unpatch)."""
+    epilogue (classes swapped in place, recorded for unpatch); mark it for the fused attention
+    step where its attention allows (else return why not)."""
     o_proj = layer.self_attn.o_proj
     record(o_proj, ("class", next(_SEQ), type(o_proj)))
     o_proj.__class__ = ResidualLinear
     record(layer, ("class", next(_SEQ), type(layer)))
     layer.__class__ = fused_class(type(layer))
+    param = next(layer.parameters())
+    layer.register_buffer(COUNTERS, torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=param.device),
+                          persistent=False)
+    record(layer, ("buffer", next(_SEQ), COUNTERS))
+    why_not = why_not_fuse_attention(layer.self_attn)
+    if why_not is None:
+        _set_attr(layer, ATTENTION_STEP, True)
+    return why_not
 
 
 def _set_attr(mod: nn.Module, attr: str, value) -> None:
@@ -440,6 +463,9 @@ def unpatch(model: nn.Module) -> list[str]:
                 mod.__dict__[attr] = old
             else:
                 mod.__dict__.pop(attr, None)
+            continue
+        if kind == "buffer":
+            mod._buffers.pop(rec[2], None)
             continue
         if _record_name(name, rec) not in restored:
             restored.append(_record_name(name, rec))

@@ -637,10 +637,15 @@ def check_fusion(x: torch.Tensor, out: torch.Tensor, norm: tuple | None, residua
             raise ValueError(f"{who}: residual rows must be row-major with unit column stride")
 
 
-def plan_scratch(plan: TritonPlan, placeholder: torch.Tensor) -> tuple:
+def plan_scratch(plan: TritonPlan, placeholder: torch.Tensor, counters: torch.Tensor | None = None) -> tuple:
     """(workspace, counters) for a launch of ``plan`` on the current stream; ``placeholder``
-    for each that the plan does not use (never dereferenced)."""
+    for each that the plan does not use (never dereferenced). ``counters``: the caller's own
+    zeroed int32 arrival counters, used when the plan needs no more than it holds (the kernels
+    leave them zero again); else the stream's, or fresh ones per call in compiled regions."""
     if not plan.ws_numel:
         return placeholder, placeholder
+    if counters is not None and plan.counters and counters.numel() >= plan.counters:
+        ws, _ = split_scratch(plan.device, plan.ws_numel, 0)
+        return ws, counters
     ws, cnt = split_scratch(plan.device, plan.ws_numel, plan.counters)
     return ws, (ws if cnt is None else cnt)

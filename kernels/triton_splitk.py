@@ -1,6 +1,7 @@
 """Deterministic split-K Triton GEMM for decode-sized M (≤ 64): ``out = act(x @ W.T + b)``,
-optionally with an RMSNorm of x fused in front and a residual added after (``run(norm=,
-residual=)``, the decoder-layer fusion of fusion/decoder_layer.py).
+optionally with an RMSNorm of x fused in front, a residual added after, and for a Q/K/V
+projection the rotary embedding and the KV-cache write (``run(norm=, residual=, rope=)``, the
+decoder-layer fusion of fusion/decoder_layer.py).
 
 At small M the GEMM is a stream over W (N x K): the kernel's only job is to keep enough
 bytes of W in flight on every SM. N alone gives too few tiles (70b qkv: 160 tiles of 64
@@ -45,12 +46,14 @@ from .triton_common import (
     PlanCache,
     TritonPlan,
     check_fusion,
+    check_operands,
     check_pow2,
     check_range,
     clear_workspaces,
     config_from_record,
     config_to_record,
     next_pow2,
+    parse_activation,
     pdl_enabled,
     plan_meta,
     plan_problem,
@@ -65,6 +68,7 @@ from .triton_common import (
     tl_split_fixup,
     workspace_bytes,
 )
+from .triton_rope import RopeLayout, RotaryCache, rope_layout, tl_rope_columns, tl_rope_epilogue
 
 __all__ = [
     "KIND", "MAX_M", "Fusion", "TritonSplitKConfig", "candidates", "clear_workspaces", "default_config",
@@ -214,11 +218,13 @@ def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits)
 
 
 @triton.jit
-def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res_ptr, M, N, K, ldx, ldw, ldo,
-                   ldr, k_per_split, inv_k, eps, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res_ptr, cos_ptr, sin_ptr, kc_ptr,
+                   vc_ptr, base_ptr, M, N, K, ldx, ldw, ldo, ldr, k_per_split, inv_k, eps, seq, cs_b, cs_s, kc_b,
+                   kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len, rope_tiles,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    PREC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                   PDL: tl.constexpr):
+                   ROPE: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr):
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
     # NORM: x is RMS-normalised (norm weight nw, eps): the dot takes x * nw, each program sums
@@ -226,7 +232,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # the summed squares (triton_common.tl_norm_tile_sq). Split programs leave their sums after
     # the partials in the workspace: [S, M] for the reduce kernel (MODE 1), [tiles, S, BM]
     # for the tile's last program (MODE 2). RESIDUAL: the epilogue adds res (ldr) to the
-    # rounded result.
+    # rounded result. ROPE: the rotary embedding of the q/k heads (tiles of paired columns) and,
+    # with KV, the k/v heads stored into a static cache (triton_rope).
     # PDL (programmatic dependent launch): this grid may start while the previous kernel on
     # the stream finishes; nothing is read or written before the wait, which returns once that
     # kernel has completed and its writes are visible (see pdl_enabled()).
@@ -236,6 +243,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
     offs_n = pid_n * BN + tl.arange(0, BN)
+    if ROPE:
+        offs_n = tl_rope_columns(pid_n, offs_n, rope_tiles, BN, HD)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     n_ok = offs_n < N
@@ -295,6 +304,10 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                 bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
                 acc = acc + bias[:, None]
             acc = tl_activation(acc, ACT)
+            if ROPE:
+                acc = tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr, vc_ptr, base_ptr,
+                                       seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start,
+                                       cache_len, rope_tiles, KV, BN, BM, HD)
             if RESIDUAL:
                 acc = tl_add_residual(acc, res_ptr + offs_m[None, :] * ldr + offs_n[:, None], mask,
                                       out_ptr.dtype.element_ty)
@@ -335,24 +348,29 @@ def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, res_ptr, M, N, ldo, ldr, split_k, 
 class Fusion:
     """What a plan fuses around the GEMM, part of its cache key: an RMSNorm of x in the prologue
     (``norm_eps`` not None; the norm weight's 16-byte alignment), a residual added in the
-    epilogue (``residual_ld`` not None: its row stride; its 16-byte alignment)."""
+    epilogue (``residual_ld`` not None: its row stride; its 16-byte alignment), the rotary
+    embedding and KV-cache write of a Q/K/V projection (``rope``)."""
 
     norm_eps: float | None = None
     norm_aligned: bool = True
     residual_ld: int | None = None
     residual_aligned: bool = True
+    rope: RopeLayout | None = None
 
 
 _NO_FUSION = Fusion()
+# The kernel's rotary arguments when it has none (integers fixed, so one specialisation).
+_NO_ROPE_SCALARS = (1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
-def fusion_of(norm: tuple | None, residual: torch.Tensor | None) -> Fusion:
-    """The :class:`Fusion` of a call's ``norm=(weight, eps)`` and ``residual`` arguments."""
-    if norm is None and residual is None:
+def fusion_of(norm: tuple | None, residual: torch.Tensor | None, rope: RopeLayout | None = None) -> Fusion:
+    """The :class:`Fusion` of a call's ``norm=(weight, eps)`` and ``residual`` arguments and its
+    checked rotary layout."""
+    if norm is None and residual is None and rope is None:
         return _NO_FUSION
     return Fusion(None if norm is None else float(norm[1]), norm is None or norm[0].data_ptr() % 16 == 0,
                   None if residual is None else (residual.stride(0) if residual.shape[0] > 1 else residual.shape[1]),
-                  residual is None or residual.data_ptr() % 16 == 0)
+                  residual is None or residual.data_ptr() % 16 == 0, rope)
 
 
 def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
@@ -368,8 +386,10 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     launch_opts = dict(launch_pdl=True) if pdl else {}
     norm, residual = fusion.norm_eps is not None, fusion.residual_ld is not None
     ldr = fusion.residual_ld if residual else problem.ldo
+    rope = fusion.rope
     meta = dict(plan_meta(config, problem, act, bias is not None), MODE=mode, NORM=norm,
-                RESIDUAL=residual and mode != 1, PDL=pdl, **launch_opts)
+                RESIDUAL=residual and mode != 1, ROPE=rope is not None, KV=rope is not None and rope.kv,
+                HD=rope.head_dim if rope is not None else 2, PDL=pdl, **launch_opts)
     inv_k, eps = 1.0 / max(k, 1), fusion.norm_eps or 0.0  # fp32(1/K), as triton_rmsnorm computes the mean
     reduce = None
     if mode == 1:
@@ -382,7 +402,7 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     return TritonPlan(
         x.device, Launcher(_splitk_kernel, grid, meta),
         scalars=(m, n, k, problem.ldx, problem.ldw, problem.ldo, ldr, split_extent(k, config.block_k, split),
-                 inv_k, eps),
+                 inv_k, eps, *(_NO_ROPE_SCALARS if rope is None else rope.scalars(config.block_n))),
         ws_numel=split * m * n + ss_numel if split > 1 else 0,
         counters=grid[0] * grid[2] if mode == 2 else 0,
         reduce=reduce, reduce_scalars=(m, n, problem.ldo, ldr, split, inv_k, eps),
@@ -405,25 +425,50 @@ def run(
     tf32: bool = False,
     norm: tuple[torch.Tensor, float] | None = None,
     residual: torch.Tensor | None = None,
+    rope: RotaryCache | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[:] = act(rmsnorm(x) @ weight.T + bias) + residual`` with ``config``; returns ``out``.
 
     ``norm=(g, eps)``: x is first normalised as Hugging Face's Llama-style RMSNorm does it
     (``g`` x's dtype, K elements); ``residual`` (like ``out``): added after the rounding to the
-    output dtype, as ``residual + linear(...)`` adds it. Either may be None (plain GEMM).
+    output dtype, as ``residual + linear(...)`` adds it. ``rope``: x @ W.T is a Q/K/V
+    projection whose q and k heads get the rotary embedding, and whose k and v heads are also
+    written to a static KV cache when it holds one (``triton_rope``; not with an activation,
+    a residual or the two-launch reduction). Any may be None (plain GEMM). ``counters``: a
+    zeroed int32 tensor on x's device for the fused reduction's arrival counters (left zero;
+    not to be shared with a launch running at the same time), instead of the stream's or, in
+    a compiled region, a zero-filled one per call.
     Deterministic for a fixed config. ``tf32`` (fp32 inputs) allows TF32 tensor cores.
     Raises ValueError/TypeError naming the problem when operands or config do not fit.
     """
     if norm is not None or residual is not None:
         check_fusion(x, out, norm, residual, "triton_splitk")
-    plan = _PLANS.plan((config, fusion_of(norm, residual)), x, weight, bias, out, activation, tf32)
+    layout = None
+    if rope is not None:
+        check_operands(x, weight, bias, out)
+        layout = rope_layout(rope, x, out, config.block_n, "triton_splitk")
+        if residual is not None or parse_activation(activation) != Activation.NONE:
+            raise ValueError("triton_splitk: rope takes no residual and no activation")
+        if config.split_k > 1 and not config.fused_reduce:
+            raise ValueError("triton_splitk: rope needs split_k == 1 or the fused reduction (fused_reduce=True)")
+    plan = _PLANS.plan((config, fusion_of(norm, residual, layout)), x, weight, bias, out, activation, tf32)
     if plan.empty:
         return out
     b = out if bias is None else bias  # placeholder pointer when HAS_BIAS is False
     nw = out if norm is None else norm[0]
     res = out if residual is None else residual
-    ws, cnt = plan_scratch(plan, out)
-    plan.launch(x, weight, b, out, ws, cnt, nw, res, *plan.scalars)
+    if counters is not None and (counters.dtype != torch.int32 or counters.device != out.device
+                                 or not counters.is_contiguous()):
+        raise ValueError("triton_splitk: counters must be a contiguous int32 tensor on the output's device")
+    ws, cnt = plan_scratch(plan, out, counters)
+    if rope is None:
+        rope_ptrs = (out,) * 5
+    elif rope.keys is None:
+        rope_ptrs = (rope.cos, rope.sin, out, out, out)
+    else:
+        rope_ptrs = (rope.cos, rope.sin, rope.keys, rope.values, rope.base)
+    plan.launch(x, weight, b, out, ws, cnt, nw, res, *rope_ptrs, *plan.scalars)
     if plan.reduce is not None:
         plan.reduce(ws, b, out, res, *plan.reduce_scalars)
     return out
@@ -446,7 +491,7 @@ def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias
     dev, scalars = x.device.index, plan.scalars
     if not plan.ws_numel:
         def launch(xp, wp, bp, op):
-            main(dev, xp, wp, bp or op, op, op, op, op, op, *scalars)
+            main(dev, xp, wp, bp or op, op, op, op, op, op, op, op, op, op, op, *scalars)
         return launch
 
     device, ws_numel, counters, reduce_scalars = plan.device, plan.ws_numel, plan.counters, plan.reduce_scalars
@@ -455,7 +500,7 @@ def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias
         ws, cnt = split_scratch(device, ws_numel, counters)  # of dev's current stream, as main launches on
         wsp = ws.data_ptr()
         cntp = wsp if cnt is None else cnt.data_ptr()
-        main(dev, xp, wp, bp or op, op, wsp, cntp, op, op, *scalars)
+        main(dev, xp, wp, bp or op, op, wsp, cntp, op, op, op, op, op, op, op, *scalars)
         if reduce is not None:
             reduce(dev, wsp, bp or op, op, op, *reduce_scalars)
 

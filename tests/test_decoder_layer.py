@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import hybridgemm
+from hybridgemm import decode_attention as da
 from hybridgemm import decoder_layer as dl
 from hybridgemm.kernels import triton_glu, triton_splitk
 
@@ -42,7 +43,7 @@ def kernels_on_cpu(monkeypatch):
     """The fused path on CPU tensors (interpreter); counts the fused kernel calls."""
     calls = []
     monkeypatch.setattr(dl, "_on_kernel_device", lambda x: True)
-    monkeypatch.setattr(dl, "_splitk_config", lambda x2, w, b, out: SPLITK)
+    monkeypatch.setattr(da, "splitk_config", lambda x2, w, b, out: SPLITK)
     real_run, real_glu = triton_splitk.run, triton_glu.glu
 
     def run(cfg, *a, norm=None, residual=None, **kw):
@@ -84,7 +85,7 @@ def test_a_gemm_the_table_gives_another_backend_runs_the_norm_and_add_apart(kern
     stock = _tiny("llama")
     model = copy.deepcopy(stock)
     hybridgemm.patch(model)
-    monkeypatch.setattr(dl, "_splitk_config", lambda *a: None)
+    monkeypatch.setattr(da, "splitk_config", lambda *a: None)
     norms = []
     real = dl.rms_norm
     monkeypatch.setattr(dl, "rms_norm", lambda x, w, eps: norms.append(x.shape) or real(x, w, eps))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hybridgemm
-from hybridgemm import decoder_layer as dl
+from hybridgemm import decode_attention as da
 from hybridgemm.kernels import triton_splitk
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +44,7 @@ def models(monkeypatch):
         calls.append("norm" if norm is not None else "residual" if residual is not None else "plain")
         return real(cfg, *a, norm=norm, residual=residual, **kw)
 
-    monkeypatch.setattr(dl, "_splitk_config", lambda *a: SPLITK)
+    monkeypatch.setattr(da, "splitk_config", lambda *a: SPLITK)
     monkeypatch.setattr(triton_splitk, "run", run)
     return ref, stock, patched, calls
 

@@ -1,0 +1,273 @@
+"""The attention half of a fused decoder layer at decode sizes with a static KV cache: one
+GEMM launch computes Q/K/V from the un-normalised hidden state, rotates q and k, and writes k
+and v into the cache (``triton_splitk.run(norm=, rope=)``, see kernels/triton_rope.py); then
+SDPA attention over the cache (the model's own function; for one token per sequence, SDPA
+called directly with each KV head's query heads as rows, see :func:`attention_step`), and O
+with the residual in its epilogue.
+
+A stock Llama attention runs, per layer and token: the QKV GEMM, the rotary embedding, two
+``index_copy_`` into the cache, the cache's length update, the attention and O; under
+torch.compile the rotary and the copies are three or four Inductor kernels between the GEMM
+and the attention, and GQA's expanded copies of the cached keys and values two more. Here
+those are gone; the length update
+(``cumulative_length.add_``) stays, as transformers' ``StaticLayer.update`` does it.
+
+Taken (:func:`kv_slot`) only where the result is the stock one: transformers'
+``StaticLayer`` (exact class, initialised, whose ``update`` is the one checked below) in a
+cache whose ``update`` is the base class's and that does not offload; the attention's source
+is the checked Llama/Qwen2/Mistral forward (:func:`why_not_fuse_attention`: no q/k norm, the
+standard ``apply_rotary_pos_emb``), ``sdpa`` attention, no sliding window, no dropout, no
+hooks on the modules it skips, a ``[B, S, D]`` hidden state and ``position_embeddings``.
+Elsewhere the layer runs its attention module as before (fusion/decoder_layer.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hybridgemm import dispatch
+from hybridgemm.kernels.checks import contiguous_bias, row_major, rows_2d
+from hybridgemm.kernels.process_memory import per_call_scratch
+
+from .decide import uses_tf32, warn_once
+from .norm import rms_norm
+
+# The statements of the attention forward that the fused step reproduces (whitespace removed).
+_ATTENTION_STATEMENTS = (
+    "query_states=self.q_proj(hidden_states).view(hidden_shape).transpose(1,2)",
+    "key_states=self.k_proj(hidden_states).view(hidden_shape).transpose(1,2)",
+    "value_states=self.v_proj(hidden_states).view(hidden_shape).transpose(1,2)",
+    "cos,sin=position_embeddings",
+    "query_states,key_states=apply_rotary_pos_emb(query_states,key_states,cos,sin)",
+    ".update(key_states,value_states,self.layer_idx",
+    "attn_output=attn_output.reshape(*input_shape,-1).contiguous()",
+    "attn_output=self.o_proj(attn_output)",
+)
+_ROTARY_STATEMENTS = ("q_embed=(q*cos)+(rotate_half(q)*sin)", "k_embed=(k*cos)+(rotate_half(k)*sin)")
+_ROTATE_HALF_STATEMENTS = ("x1=x[...,:x.shape[-1]//2]", "x2=x[...,x.shape[-1]//2:]", "returntorch.cat((-x2,x1),dim=-1)")
+_STATIC_UPDATE_STATEMENTS = (
+    "kv_length=key_states.shape[-2]",
+    "cache_position=torch.arange(kv_length,device=self.device)+self.cumulative_length",
+    "self.cumulative_length.add_(kv_length)",
+    "self.keys.index_copy_(2,cache_position,key_states)",
+    "self.values.index_copy_(2,cache_position,value_states)",
+    "returnself.keys,self.values",
+)
+_CACHE_UPDATE_STATEMENTS = ("self.layers[layer_idx].update(key_states,value_states",)
+# Keyword arguments of the attention forward that the stock one does not pass on to the
+# attention function.
+_CONSUMED = ("hidden_states", "position_embeddings", "attention_mask", "cache", "past_key_values", "cache_position")
+
+
+def _source(fn) -> str | None:
+    try:
+        return "".join(inspect.getsource(fn).split())
+    except (OSError, TypeError):
+        return None
+
+
+def _has_all(fn, statements) -> bool:
+    src = _source(fn)
+    return src is not None and all(s in src for s in statements)
+
+
+_STATIC_CACHE_OK: bool | None = None  # transformers' Cache.update and StaticLayer.update are the checked ones
+
+
+def _static_classes():
+    try:
+        from transformers.cache_utils import Cache, StaticLayer
+    except ImportError:
+        return None, None
+    return Cache, StaticLayer
+
+
+def _check_static_cache() -> bool:
+    global _STATIC_CACHE_OK
+    if _STATIC_CACHE_OK is None:
+        cache_cls, static_cls = _static_classes()
+        _STATIC_CACHE_OK = static_cls is not None and _has_all(cache_cls.update, _CACHE_UPDATE_STATEMENTS) \
+            and _has_all(static_cls.update, _STATIC_UPDATE_STATEMENTS)
+    return _STATIC_CACHE_OK
+
+
+def why_not_fuse_attention(attn: nn.Module) -> str | None:
+    """Why the attention module ``attn`` cannot run as the fused step (None: it can); raises
+    nothing. Read once when a layer is patched (source inspection), not per call."""
+    cls = type(attn)
+    if not _check_static_cache():
+        return "this transformers version's StaticCache update is not the one checked"
+    if not _has_all(cls.forward, _ATTENTION_STATEMENTS):
+        return f"{cls.__name__}.forward is not the attention this transformers version was checked against"
+    module = inspect.getmodule(cls)
+    rope, rotate = getattr(module, "apply_rotary_pos_emb", None), getattr(module, "rotate_half", None)
+    if rope is None or rotate is None or not _has_all(rope, _ROTARY_STATEMENTS) \
+            or not _has_all(rotate, _ROTATE_HALF_STATEMENTS):
+        return "its rotary embedding is not the standard rotate_half one"
+    if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
+        return "it has no integer head_dim and layer_idx"
+    return None
+
+
+def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
+    """``(cache layer, cos, sin)`` when this call can take the fused attention step, else None.
+    Only for an attention :func:`why_not_fuse_attention` accepted when it was patched."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    pe = kwargs.get("position_embeddings")
+    if cache is None or pe is None or x.dim() != 3 or attn.training or attn.config._attn_implementation != "sdpa" \
+            or getattr(attn, "sliding_window", None) is not None:
+        return None
+    cache_cls, static_cls = _static_classes()
+    layers = getattr(cache, "layers", None)
+    if not _STATIC_CACHE_OK or not isinstance(layers, list) or attn.layer_idx >= len(layers):
+        return None
+    layer = layers[attn.layer_idx]
+    if type(layer) is not static_cls or not layer.is_initialized or getattr(cache, "offloading", False) \
+            or type(cache).update is not cache_cls.update:
+        return None
+    keys, values, base = layer.keys, layer.values, layer.cumulative_length
+    b, hd = x.shape[0], attn.head_dim
+    if keys.dtype != x.dtype or values.dtype != x.dtype or keys.shape[0] != b or keys.shape[-1] != hd \
+            or values.shape != keys.shape or not keys.is_contiguous() or not values.is_contiguous():
+        return None
+    if not isinstance(base, Tensor) or base.dtype != torch.int64 or base.numel() != 1 or base.device != x.device:
+        return None
+    cos, sin = pe
+    if cos.dim() != 3 or cos.shape[-1] != hd or cos.shape[1] != x.shape[1] or cos.dtype != x.dtype \
+            or cos.shape != sin.shape:
+        return None
+    if any(_hooked(attn._modules.get(n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or _hooked(attn):
+        return None
+    return layer, cos, sin
+
+
+def _hooked(mod: nn.Module | None) -> bool:
+    return mod is not None and bool(mod._forward_hooks or mod._forward_pre_hooks or "forward" in mod.__dict__)
+
+
+# ------------------------------------------------------------------- the fused Q/K/V + cache
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def splitk_config(x2: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor):
+    """The split-K config the table runs for this GEMM, or None when it runs another backend
+    (or PyTorch computes it: CPU tensors, other dtypes)."""
+    if not x2.is_cuda or x2.dtype not in _KERNEL_DTYPES or weight.dtype != x2.dtype:
+        return None
+    choice = dispatch.decision_for(x2, weight, bias, out)
+    return choice.config if choice.backend == "triton_splitk" and choice.config is not None else None
+
+
+def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Hugging Face's rotary embedding of ``t`` [B, S, heads, hd], cos/sin [B or 1, S, hd]."""
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    half = t.shape[-1] // 2
+    return t * c + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * s
+
+
+def _unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads) -> Tensor:
+    """The stock computation: norm, GEMM, rotary in x's dtype, ``index_copy_`` into the cache."""
+    b, s = x.shape[:2]
+    hd = keys.shape[-1]
+    y = dispatch.fused_linear(rms_norm(x, norm_weight, eps), weight, bias)
+    q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    q = _rotate(q.reshape(b, s, heads, hd), cos, sin)
+    k = _rotate(k.reshape(b, s, kv_heads, hd), cos, sin)
+    pos = torch.arange(s, device=x.device) + base.view(())
+    keys.index_copy_(2, pos, k.transpose(1, 2))
+    values.index_copy_(2, pos, v.reshape(b, s, kv_heads, hd).transpose(1, 2))
+    return torch.cat([q.reshape(b, s, -1), k.reshape(b, s, -1), v], dim=-1)
+
+
+def _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
+              counters=None) -> Tensor:
+    from hybridgemm.kernels import triton_splitk
+    from hybridgemm.kernels.triton_rope import RotaryCache
+
+    n = weight.shape[0]
+    x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
+    out = x.new_empty((x2.shape[0], n))
+    config = splitk_config(x2, w2, b2, out)
+    if config is not None:
+        rc = RotaryCache(cos.contiguous() if cos.stride(-1) != 1 else cos, sin.contiguous() if sin.stride(-1) != 1
+                         else sin, heads, kv_heads, keys.shape[-1], keys, values, base)
+        try:
+            triton_splitk.run(config, x2, w2, b2, out, None, tf32=uses_tf32(x.dtype), norm=(norm_weight, float(eps)),
+                              rope=rc, counters=counters)
+            return out.view(*x.shape[:-1], n)
+        except ValueError as e:
+            warn_once(("decode_attention", tuple(weight.shape), x.dtype, config),
+                      f"hybridgemm: split-K could not run the rotary/KV-cache fusion for a {tuple(weight.shape)} "
+                      f"weight with {config} ({e}); that step runs unfused")
+    return _unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads)
+
+
+# counters: scratch left as found (all zero), not declared mutated (decoder_layer.COUNTERS)
+@torch.library.custom_op("hybridgemm::norm_rope_qkv_fwd", mutates_args=("keys", "values"))
+def norm_rope_qkv_fwd(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None, cos: Tensor,
+                      sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int, kv_heads: int,
+                      counters: Tensor | None = None) -> Tensor:
+    with per_call_scratch():  # no scratch cached from inside a compiled region (CUDA graph trees)
+        return _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
+                         counters).contiguous()
+
+
+@norm_rope_qkv_fwd.register_fake
+def _norm_rope_qkv_fake(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
+                        counters=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None, cos: Tensor,
+                  sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int, kv_heads: int,
+                  counters: Tensor | None = None) -> Tensor:
+    """Q/K/V of ``rmsnorm(x)`` (x [B, S, D]) with q and k rotated, k and v written into
+    ``keys``/``values`` [B, kv_heads, L, hd] at positions ``base + s``; returns [B, S, N].
+    One split-K launch where the table runs split-K with a config that fits (tiles within a
+    head, no two-launch reduction), the stock sequence of operations otherwise. Inference only.
+    ``counters``: zeroed int32 arrival counters for split-K's fused reduction (``triton_splitk.run``)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.hybridgemm.norm_rope_qkv_fwd(x, norm_weight, float(eps), weight, bias, cos, sin, keys, values,
+                                                      base, heads, kv_heads, counters)
+    return _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads, counters)
+
+
+def attention_step(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Module, kwargs: dict,
+                   counters: Tensor | None = None) -> Tensor:
+    """The attention sublayer's output before O, for a call :func:`kv_slot` accepted (``slot``):
+    ``[B, S, heads * hd]``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    layer, cos, sin = slot
+    b, s = x.shape[:2]
+    hd = attn.head_dim
+    keys, values = layer.keys, layer.values
+    kv_heads = keys.shape[1]
+    heads = qkv.weight.shape[0] // hd - 2 * kv_heads
+    y = norm_rope_qkv(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, cos, sin, keys, values,
+                      layer.cumulative_length, heads, kv_heads, counters)
+    layer.cumulative_length.add_(s)  # what StaticLayer.update does after computing the positions
+    mask = kwargs.get("attention_mask")
+    rep = heads // kv_heads
+    shared_mask = mask is None or (mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1)
+    if s == 1 and heads == rep * kv_heads and shared_mask:
+        # One query per sequence: the rep query heads that share a KV head become rep query rows
+        # of that head (one row of the mask serves them all), so SDPA reads the cache as it is
+        # instead of the rep-fold expanded copy that GQA otherwise makes of it.
+        q = y[..., : heads * hd].reshape(b, kv_heads, rep, hd)
+        if mask is not None and mask.shape[-1] != keys.shape[2]:
+            mask = mask[..., : keys.shape[2]]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
+        return out.reshape(b, 1, heads * hd)
+    q = y[..., : heads * hd].view(b, s, heads, hd).transpose(1, 2)
+    rest = {k: v for k, v in kwargs.items() if k not in _CONSUMED}
+    out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling, **rest)
+    return out.reshape(b, s, -1).contiguous()
+
+
+__all__ = ["attention_step", "kv_slot", "norm_rope_qkv", "splitk_config", "why_not_fuse_attention"]

@@ -1,0 +1,179 @@
+"""Rotary embedding and the KV-cache write, fused into the epilogue of a Q/K/V projection
+(``triton_splitk.run(rope=...)``, the decoder-layer fusion's attention part).
+
+The QKV GEMM's output columns are ``[q heads | k heads | v heads]``, each head ``head_dim``
+wide. Hugging Face's rotary embedding (``q * cos + rotate_half(q) * sin``) pairs column ``c``
+of a q or k head with column ``c ± head_dim / 2`` of the same head, which a tile of contiguous
+columns does not hold together. So a q/k tile takes its ``BN`` weight rows as two half-blocks,
+``BN / 2`` rows from the first half of one head and the matching ``BN / 2`` from its second
+half (:func:`tl_rope_columns`); pointer loads take any row order, the bytes of W read are the
+same. The epilogue then has both members of every pair in its fp32 tile and rotates in
+registers (:func:`tl_rotate_half_rows`), before the one rounding to the output dtype. The v
+tiles keep contiguous columns and are not rotated.
+
+With a cache, the k and v columns are also stored into a static KV cache
+(``keys``/``values`` ``[B, kv_heads, L, head_dim]``) at position ``base + s`` for token s of
+each sequence, ``base`` a device scalar (transformers' ``StaticLayer.cumulative_length``),
+read by the kernel so a CUDA graph replays it correctly. Positions at or past ``L`` are not
+written (stock's ``index_copy_`` raises a device assert there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_INT64 = torch.int64
+
+
+@dataclass(frozen=True)
+class RotaryCache:
+    """What the epilogue needs: ``cos``/``sin`` ``[B or 1, S, head_dim]`` (x's rows are B x S
+    tokens, batch-major, as a ``[B, S, D]`` hidden state flattens), the head counts and, for
+    the cache write, ``keys``/``values`` ``[B, kv_heads, L, head_dim]`` and ``base`` (an int64
+    device scalar). Without ``keys`` only the rotary embedding is applied."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    heads: int
+    kv_heads: int
+    head_dim: int
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    base: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class RopeLayout:
+    """The integers of a :class:`RotaryCache` call that the kernel is compiled or launched with
+    (part of the split-K plan's key): sizes, strides, pointer alignment."""
+
+    head_dim: int
+    heads: int
+    kv_heads: int
+    seq: int
+    cos_strides: tuple[int, int]
+    kv: bool
+    k_strides: tuple[int, int, int] = (0, 0, 0)
+    v_strides: tuple[int, int, int] = (0, 0, 0)
+    cache_len: int = 0
+    aligned: bool = True
+
+    def scalars(self, block_n: int) -> tuple:
+        """The kernel's rotary integer arguments, in signature order."""
+        q_cols = self.heads * self.head_dim
+        return (self.seq, *self.cos_strides, *self.k_strides, *self.v_strides, q_cols,
+                q_cols + self.kv_heads * self.head_dim, self.cache_len,
+                (self.heads + self.kv_heads) * self.head_dim // block_n)
+
+
+def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: int, who: str) -> RopeLayout:
+    """Check ``rc`` against x (M x K), out (M x N) and the config's ``block_n``; ValueError or
+    TypeError naming what does not fit."""
+    if not isinstance(rc, RotaryCache):
+        raise TypeError(f"{who}: rope must be a RotaryCache, got {type(rc).__name__}")
+    hd, h, hkv = rc.head_dim, rc.heads, rc.kv_heads
+    if not all(isinstance(v, int) and v > 0 for v in (hd, h, hkv)) or hd % 2:
+        raise ValueError(f"{who}: rope needs positive head counts and an even head_dim, got heads={h}, "
+                         f"kv_heads={hkv}, head_dim={hd}")
+    if out.shape[1] != (h + 2 * hkv) * hd:
+        raise ValueError(f"{who}: rope: the output's {out.shape[1]} columns are not (heads + 2 * kv_heads) * "
+                         f"head_dim = {(h + 2 * hkv) * hd}")
+    if block_n > hd or hd % block_n:
+        raise ValueError(f"{who}: rope needs tiles within one head: block_n={block_n} does not divide "
+                         f"head_dim={hd}")
+    m = x.shape[0]
+    cos, sin = rc.cos, rc.sin
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[-1] != hd or t.stride(-1) != 1:
+            raise ValueError(f"{who}: rope {name} must be [B or 1, S, {hd}] with unit last stride")
+        if t.dtype != x.dtype or t.device != x.device:
+            raise TypeError(f"{who}: rope {name} must have x's dtype and device ({x.dtype}, {x.device})")
+    if cos.shape != sin.shape or cos.stride() != sin.stride():
+        raise ValueError(f"{who}: rope cos and sin must have the same shape and strides")
+    seq = cos.shape[1]
+    batch = m // seq if seq else 0
+    if not seq or batch * seq != m or cos.shape[0] not in (1, batch):
+        raise ValueError(f"{who}: rope cos {tuple(cos.shape)} does not fit x's {m} rows as [B, S] tokens")
+    cos_strides = (0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(1))
+    ptrs = [cos, sin]
+    if rc.keys is None:
+        if rc.values is not None or rc.base is not None:
+            raise ValueError(f"{who}: rope: values and base need keys")
+        return RopeLayout(hd, h, hkv, seq, cos_strides, False, aligned=_aligned(ptrs))
+    keys, values, base = rc.keys, rc.values, rc.base
+    for name, t in (("keys", keys), ("values", values)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != batch or t.shape[1] != hkv \
+                or t.shape[3] != hd or t.stride(3) != 1:
+            raise ValueError(f"{who}: rope {name} must be [{batch}, {hkv}, L, {hd}] with unit last stride")
+        if t.dtype != out.dtype or t.device != out.device:
+            raise TypeError(f"{who}: rope {name} must have the output's dtype and device ({out.dtype}, {out.device})")
+    if keys.shape[2] != values.shape[2]:
+        raise ValueError(f"{who}: rope keys and values must hold the same number of positions")
+    if not isinstance(base, torch.Tensor) or base.numel() != 1 or base.dtype != _INT64 or base.device != x.device:
+        raise ValueError(f"{who}: rope base must be one int64 element on x's device")
+    ptrs += [keys, values]
+    return RopeLayout(hd, h, hkv, seq, cos_strides, True, tuple(keys.stride()[:3]), tuple(values.stride()[:3]),
+                      keys.shape[2], _aligned(ptrs))
+
+
+def _aligned(tensors) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+@triton.jit
+def tl_rope_columns(pid_n, offs_n, rope_tiles, BN: tl.constexpr, HD: tl.constexpr):
+    """The output columns of tile ``pid_n``: for a q/k tile (``pid_n < rope_tiles``) ``BN / 2``
+    columns of the first half of its head, then the ``BN / 2`` columns they pair with in the
+    second half; the contiguous ``offs_n`` otherwise."""
+    j = tl.arange(0, BN)
+    per_head: tl.constexpr = HD // BN
+    head = pid_n // per_head
+    paired = head * HD + (j // (BN // 2)) * (HD // 2) + (pid_n % per_head) * (BN // 2) + j % (BN // 2)
+    return tl.where(pid_n < rope_tiles, paired, offs_n)
+
+
+@triton.jit
+def tl_rotate_half_rows(acc, BN: tl.constexpr, BM: tl.constexpr):
+    """``rotate_half`` of a [BN, BM] tile laid out by :func:`tl_rope_columns`: row i of the
+    first half becomes ``-row(BN/2 + i)``, row ``BN/2 + i`` becomes row i."""
+    pairs = tl.permute(tl.reshape(acc, (2, BN // 2, BM)), (1, 2, 0))
+    first, second = tl.split(pairs)
+    return tl.reshape(tl.permute(tl.join(-second, first), (2, 0, 1)), (BN, BM))
+
+
+@triton.jit
+def tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr, vc_ptr, base_ptr, seq, cs_b, cs_s,
+                     kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len, rope_tiles,
+                     KV: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, HD: tl.constexpr):
+    """Rotate a q/k tile's fp32 accumulator [BN, BM] (columns from :func:`tl_rope_columns`,
+    tokens ``offs_m``) and, with ``KV``, store a k or v tile into the cache. Returns the tile."""
+    b = (offs_m // seq).to(tl.int64)
+    s = offs_m % seq
+    if pid_n < rope_tiles:
+        tok = b * cs_b + s * cs_s
+        c = offs_n % HD
+        cs = tok[None, :] + c[:, None]
+        cos = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
+        acc = acc * cos + tl_rotate_half_rows(acc, BN, BM) * sin
+    if KV:
+        if pid_n * BN >= q_cols:  # a k or v tile (tiles never straddle a head)
+            is_v = pid_n * BN >= v_start
+            col = offs_n - tl.where(is_v, v_start, q_cols)
+            head = (col // HD).to(tl.int64)
+            c = col % HD
+            pos = tl.load(base_ptr) + s
+            ok = mask & (pos < cache_len)[None, :]
+            val = acc.to(kc_ptr.dtype.element_ty)
+            if is_v:
+                tl.store(vc_ptr + (b * vc_b + pos * vc_s)[None, :] + (head * vc_h + c)[:, None], val, mask=ok)
+            else:
+                tl.store(kc_ptr + (b * kc_b + pos * kc_s)[None, :] + (head * kc_h + c)[:, None], val, mask=ok)
+    return acc
+
+
+__all__ = ["RopeLayout", "RotaryCache", "rope_layout", "tl_rope_columns", "tl_rope_epilogue", "tl_rotate_half_rows"]

@@ -1,0 +1,265 @@
+"""The fused attention step (fusion/decode_attention.py, kernels/triton_rope.py): the rotary
+embedding and the static KV-cache write in the QKV split-K epilogue, against an fp64
+reference (kernel) and against the stock model decoding with its own StaticCache (tiny
+random-weight models; kernels under the Triton interpreter, the device check widened to the
+CPU). GPU runs: tests/test_decode_attention_gpu.py."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import hybridgemm
+from hybridgemm import decode_attention as da
+from hybridgemm import decoder_layer as dl
+from hybridgemm.kernels import triton_splitk
+from hybridgemm.kernels.triton_rope import RotaryCache
+from hybridgemm.perf import e2e_models as hf
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+VOCAB = 97
+ONE_PASS = triton_splitk.TritonSplitKConfig(16, 16, 32, split_k=1, num_warps=4, num_stages=2)
+FUSED_REDUCE = triton_splitk.TritonSplitKConfig(16, 16, 32, split_k=2, num_warps=4, num_stages=2, fused_reduce=True)
+TWO_LAUNCH = triton_splitk.TritonSplitKConfig(16, 16, 32, split_k=2, num_warps=4, num_stages=2)
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+def _rotate_half(t):
+    h = t.shape[-1] // 2
+    return torch.cat((-t[..., h:], t[..., :h]), dim=-1)
+
+
+def _cos_sin(positions, hd, dtype, batch=1):
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    freqs = positions.to(torch.float64)[..., None] * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    return cos.expand(batch, *cos.shape[1:]) if batch > 1 and cos.shape[0] == 1 else cos, \
+        sin.expand(batch, *sin.shape[1:]) if batch > 1 and sin.shape[0] == 1 else sin
+
+
+def _reference(x, w, b, g, eps, cos, sin, heads, kv_heads, hd, batch, seq):
+    """fp64: rmsnorm(x) @ W.T + b, rotary on q and k, split into heads."""
+    xd = x.double()
+    if g is not None:
+        xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+    y = xd @ w.double().T + (0 if b is None else b.double())
+    y = y.view(batch, seq, -1)
+    q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    c, s = cos.double()[:, :, None], sin.double()[:, :, None]
+    q = q.reshape(batch, seq, heads, hd) * c + _rotate_half(q.reshape(batch, seq, heads, hd)) * s
+    k = k.reshape(batch, seq, kv_heads, hd) * c + _rotate_half(k.reshape(batch, seq, kv_heads, hd)) * s
+    return q, k, v.reshape(batch, seq, kv_heads, hd)
+
+
+@pytest.mark.parametrize("config", [ONE_PASS, FUSED_REDUCE], ids=["one-pass", "fused-reduce"])
+@pytest.mark.parametrize("batch,seq,heads,kv_heads,hd,k_dim,base,bias,norm", [
+    (1, 1, 4, 2, 32, 80, 5, True, True),      # M = 1, K not a multiple of the block
+    (3, 1, 2, 1, 16, 64, 0, False, True),     # M = 3, position 0
+    (2, 3, 4, 4, 32, 96, 6, True, False),     # M = 6, S = 3: the last position falls past the cache
+])
+def test_rope_epilogue_matches_fp64(config, batch, seq, heads, kv_heads, hd, k_dim, base, bias, norm):
+    torch.manual_seed(batch * 7 + seq)
+    dt, cache_len = torch.float32, 8
+    m, n = batch * seq, (heads + 2 * kv_heads) * hd
+    x = torch.randn(m, k_dim, dtype=dt)
+    w = torch.randn(n, k_dim, dtype=dt) / k_dim ** 0.5
+    b = torch.randn(n, dtype=dt) if bias else None
+    g = (torch.rand(k_dim, dtype=dt) + 0.5) if norm else None
+    pos = torch.arange(seq) + base
+    cos, sin = _cos_sin(pos[None], hd, dt, batch if batch == 3 else 1)  # batch 3: per-sequence rows (stride)
+    keys = torch.full((batch, kv_heads, cache_len, hd), 123.0, dtype=dt)
+    values = torch.full_like(keys, -321.0)
+    out = torch.full((m, n), float("nan"), dtype=dt)
+    rc = RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base))
+    triton_splitk.run(config, x, w, b, out, None, norm=None if g is None else (g, 1e-5), rope=rc)
+    q, k, v = _reference(x, w, b, g, 1e-5, cos, sin, heads, kv_heads, hd, batch, seq)
+    ref = torch.cat([q.reshape(m, -1), k.reshape(m, -1), v.reshape(m, -1)], dim=-1)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    for cache, new, poison in ((keys, k, 123.0), (values, v, -321.0)):
+        for s in range(seq):
+            p = base + s
+            if p < cache_len:
+                torch.testing.assert_close(cache[:, :, p].double(), new[:, s], rtol=1e-4, atol=1e-4)
+        untouched = torch.ones(cache_len, dtype=torch.bool)
+        untouched[base: base + seq] = False
+        assert (cache[:, :, untouched] == poison).all()  # nothing else written (nor past the end)
+
+
+def test_rope_without_a_cache_only_rotates():
+    torch.manual_seed(1)
+    heads, kv_heads, hd, k_dim = 2, 1, 16, 32
+    x = torch.randn(2, k_dim)
+    w = torch.randn((heads + 2 * kv_heads) * hd, k_dim)
+    cos, sin = _cos_sin(torch.tensor([[4]]), hd, torch.float32, 2)
+    out = torch.empty(2, w.shape[0])
+    triton_splitk.run(ONE_PASS, x, w, None, out, rope=RotaryCache(cos, sin, heads, kv_heads, hd))
+    q, k, v = _reference(x, w, None, None, 0.0, cos, sin, heads, kv_heads, hd, 2, 1)
+    torch.testing.assert_close(out.double(), torch.cat([q.reshape(2, -1), k.reshape(2, -1), v.reshape(2, -1)], -1),
+                               rtol=1e-4, atol=1e-4)
+
+
+def _args(**over):
+    heads, kv_heads, hd, k_dim, batch = 2, 1, 16, 32, 2
+    cos, sin = _cos_sin(torch.tensor([[3]]), hd, torch.float32, batch)
+    keys = torch.zeros(batch, kv_heads, 8, hd)
+    a = dict(config=ONE_PASS, x=torch.randn(batch, k_dim), w=torch.randn((heads + 2 * kv_heads) * hd, k_dim),
+             rc=RotaryCache(cos, sin, heads, kv_heads, hd, keys, keys.clone(), torch.tensor(3)), residual=None,
+             activation=None)
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: dict(config=TWO_LAUNCH), "fused reduction"),
+    (lambda a: dict(config=triton_splitk.TritonSplitKConfig(16, 32, 32, 1, 4, 2)), "does not divide head_dim"),
+    (lambda a: dict(w=a["w"][:-16]), "columns are not"),
+    (lambda a: dict(activation="relu"), "no residual and no activation"),
+    (lambda a: dict(rc=RotaryCache(a["rc"].cos[:, :, :8], a["rc"].sin[:, :, :8], 2, 1, 16)), "cos must be"),
+    (lambda a: dict(rc=RotaryCache(a["rc"].cos.double(), a["rc"].sin.double(), 2, 1, 16)), "x's dtype"),
+    (lambda a: dict(rc=RotaryCache(a["rc"].cos, a["rc"].sin, 2, 1, 16, a["rc"].keys, a["rc"].values,
+                                   torch.tensor(3, dtype=torch.int32))), "base must be one int64"),
+    (lambda a: dict(rc=RotaryCache(a["rc"].cos, a["rc"].sin, 2, 1, 16, a["rc"].keys[:1], a["rc"].values[:1],
+                                   a["rc"].base)), "keys must be"),
+    (lambda a: dict(rc=RotaryCache(a["rc"].cos, a["rc"].sin, 2, 1, 15)), "even head_dim"),
+    (lambda a: dict(rc="cos"), "must be a RotaryCache"),
+])
+def test_bad_rope_arguments_are_clear_errors(change, match):
+    a = _args()
+    a.update(change(a))
+    out = torch.empty(a["x"].shape[0], a["w"].shape[0])
+    with pytest.raises((ValueError, TypeError), match=match):
+        triton_splitk.run(a["config"], a["x"], a["w"], None, out, a["activation"], rope=a["rc"])
+
+
+# ----------------------------------------------------------------------------- the model
+
+def _tiny(kind: str, layers: int = 2, **extra):
+    kw = dict(hidden_size=128, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              num_hidden_layers=layers, vocab_size=VOCAB, max_position_embeddings=64, **extra)
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+              "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[kind](**kw)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """The fused path on CPU tensors (interpreter) with ``state["config"]``; records the
+    split-K calls that carry a rope."""
+    state = {"config": FUSED_REDUCE, "rope": 0, "counters": 0}
+    monkeypatch.setattr(dl, "_on_kernel_device", lambda x: True)
+    monkeypatch.setattr(da, "splitk_config", lambda x2, w, b, out: state["config"])
+    real_run = triton_splitk.run
+
+    def run(cfg, *a, rope=None, counters=None, **kw):
+        state["rope"] += rope is not None
+        state["counters"] += counters is not None
+        return real_run(cfg, *a, rope=rope, counters=counters, **kw)
+
+    monkeypatch.setattr(triton_splitk, "run", run)
+    return state
+
+
+def _decode(model, steps: int, batch: int = 2, prompt: int = 3, tokens=None):
+    """Greedy decode over a StaticCache: (logits per step, tokens fed, cache)."""
+    api = hf.forward_api(model)
+    cache = hf.static_cache(model, batch, 16)
+    ids = torch.randint(0, VOCAB, (batch, prompt), generator=torch.Generator().manual_seed(3))
+    logits = [hf.cached_forward(model, api, ids, cache, torch.arange(prompt))[:, -1]]
+    fed = []
+    for i in range(steps):
+        tok = logits[-1].argmax(-1, keepdim=True) if tokens is None else tokens[i]
+        fed.append(tok)
+        logits.append(hf.cached_forward(model, api, tok, cache, torch.tensor([prompt + i]))[:, -1])
+    return logits, fed, cache
+
+
+def _compare(model, stock, steps=3):
+    with torch.no_grad():
+        ref, fed, ref_cache = _decode(stock, steps)
+        out, _, cache = _decode(model, steps, tokens=fed)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for got, want in zip(cache.layers, ref_cache.layers):
+        torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.values, want.values, rtol=1e-4, atol=1e-4)
+        assert int(got.cumulative_length) == int(want.cumulative_length)
+
+
+@pytest.mark.parametrize("config", [ONE_PASS, FUSED_REDUCE], ids=["one-pass", "fused-reduce"])
+@pytest.mark.parametrize("kind,extra", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": None})])
+def test_static_cache_decode_matches_the_stock_model(kind, extra, config, kernels_on_cpu):
+    kernels_on_cpu["config"] = config
+    stock = _tiny(kind, **extra)
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    assert all(layer.__dict__.get(dl.ATTENTION_STEP) for layer in model.model.layers)
+    _compare(model, stock, steps=3)
+    assert kernels_on_cpu["rope"] == 3 * 2  # every decode step of both layers (the prefill initialises the cache)
+    # QKV, O and down of every fused call used the layer's own arrival counters (but the
+    # prefill's O, which the attention module calls), and left them zero
+    assert kernels_on_cpu["counters"] == (3 + 1) * 2 * 3 - 2
+    for layer in model.model.layers:
+        counters = layer._buffers[dl.COUNTERS]
+        assert counters.dtype == torch.int32 and not counters.any()
+    assert not any(dl.COUNTERS in k for k in model.state_dict())
+
+
+@pytest.mark.parametrize("why", ["two-launch", "not-split-k", "hook", "sliding-window", "qwen3"])
+def test_where_the_step_cannot_fuse_the_results_are_still_stock(why, kernels_on_cpu, monkeypatch):
+    kind, extra = ("qwen3", {}) if why == "qwen3" else ("mistral", {}) if why == "sliding-window" else ("llama", {})
+    stock = _tiny(kind, **extra)
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    if why == "two-launch":
+        kernels_on_cpu["config"] = TWO_LAUNCH
+    if why == "not-split-k":
+        kernels_on_cpu["config"] = None
+    if why == "hook":
+        model.model.layers[0].self_attn.register_forward_pre_hook(lambda mod, args, kwargs: None, with_kwargs=True)
+    if why == "qwen3":  # q/k norms before the rotary: the attention is not the checked one
+        assert da.why_not_fuse_attention(model.model.layers[0].self_attn) is not None
+        assert not any(layer.__dict__.get(dl.ATTENTION_STEP) for layer in model.model.layers)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _compare(model, stock, steps=2)
+    # two-launch: tried, refused, unfused; hook: only the hooked layer 0 runs its attention module
+    assert kernels_on_cpu["rope"] == {"two-launch": 4, "hook": 2}.get(why, 0)
+    if why == "two-launch":
+        assert sum("rotary/KV-cache fusion" in str(w.message) for w in seen) == 1
+
+
+def test_unpatch_removes_the_attention_step():
+    model = _tiny("llama", layers=1)
+    hybridgemm.patch(model)
+    assert model.model.layers[0].__dict__.get(dl.ATTENTION_STEP)
+    assert dl.COUNTERS in model.model.layers[0]._buffers
+    hybridgemm.unpatch(model)
+    assert dl.ATTENTION_STEP not in model.model.layers[0].__dict__
+    assert dl.COUNTERS not in model.model.layers[0]._buffers
+
+
+def test_dynamo_traces_a_decode_step_in_one_graph(kernels_on_cpu):
+    stock = _tiny("llama")
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    api = hf.forward_api(model)
+    with torch.no_grad():
+        ref, fed, _ = _decode(stock, 2)
+        cache = hf.static_cache(model, 2, 16)
+        ids = torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(3))
+        hf.cached_forward(model, api, ids, cache, torch.arange(3))
+        step = torch.compile(lambda tok, pos: hf.cached_forward(model, api, tok, cache, pos)[:, -1],
+                             fullgraph=True, backend="eager")
+        outs = [step(fed[i], torch.tensor([3 + i])) for i in range(2)]
+    torch._dynamo.reset()
+    for a, b in zip(outs, ref[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert kernels_on_cpu["rope"] == 2 * 2
