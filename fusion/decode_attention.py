@@ -255,10 +255,12 @@ def attention_step(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Mo
     mask = kwargs.get("attention_mask")
     rep = heads // kv_heads
     shared_mask = mask is None or (mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1)
-    if s == 1 and heads == rep * kv_heads and shared_mask:
+    if s == 1 and b > 1 and rep > 1 and heads == rep * kv_heads and shared_mask:
         # One query per sequence: the rep query heads that share a KV head become rep query rows
         # of that head (one row of the mask serves them all), so SDPA reads the cache as it is
-        # instead of the rep-fold expanded copy that GQA otherwise makes of it.
+        # instead of the rep-fold expanded copy that GQA otherwise makes of it. At batch 1 the
+        # expanded copy is small and cuDNN's kernel for the one-row queries measured faster
+        # (H200: docs/decoder_layer_fusion.md), so batch 1 keeps the model's own SDPA call.
         q = y[..., : heads * hd].reshape(b, kv_heads, rep, hd)
         if mask is not None and mask.shape[-1] != keys.shape[2]:
             mask = mask[..., : keys.shape[2]]

@@ -28,7 +28,8 @@ def test_sweep_rows_for_one_small_shape(tmp_path):
         if r["range"]:
             lo, hi = (int(v) for v in r["range"].split("-"))
             assert lo <= r["m"] <= hi, (r["m"], r["range"])
-        assert (r["n"], r["k"], r["bias"], r["placements"], r["replays"]) == (1024, 4096, False, 1, 3)
+        assert (r["n"], r["k"], r["bias"], r["replays"]) == (1024, 4096, False, 3)
+        assert r["placements"] == 1 + (MS.RETIME_PLACEMENTS if r["retimed"] else 0)  # a slow row is timed again
     checked = [r for r in res.rows if r["check"]]
     assert [r["m"] for r in checked] == [333] and checked[0]["check"].startswith("ok")
     path = tmp_path / "m_sweep_h200.csv"
