@@ -260,7 +260,7 @@ def attention_step(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Mo
         # of that head (one row of the mask serves them all), so SDPA reads the cache as it is
         # instead of the rep-fold expanded copy that GQA otherwise makes of it. At batch 1 the
         # expanded copy is small and cuDNN's kernel for the one-row queries measured faster
-        # (H200: docs/decoder_layer_fusion.md), so batch 1 keeps the model's own SDPA call.
+        # (H200: docs/DESIGN.md, "The attention step"), so batch 1 keeps the model's own SDPA call.
         q = y[..., : heads * hd].reshape(b, kv_heads, rep, hd)
         if mask is not None and mask.shape[-1] != keys.shape[2]:
             mask = mask[..., : keys.shape[2]]

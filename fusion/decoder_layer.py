@@ -18,7 +18,9 @@ step runs two such kernels per layer between the GEMMs; eager runs four launches
 * the gate/up kernel normalises h on load (``gated_norm``: triton_glu with the prologue) and
   the down GEMM adds h in its epilogue.
 
-The attention itself (rotary, KV cache, attention kernel) stays the model's own forward.
+With a static KV cache the attention part runs as decode_attention's fused step (rotary and
+the cache write in the QKV epilogue); otherwise the attention module's own forward runs on the
+seeded Q/K/V.
 Numerics: the residual is added to the GEMM result after its rounding, as the stock add does;
 a fused norm rounds ``x * g`` once where the stock module rounds ``x * rstd`` and then the
 product with g, so results agree with the stock layer's to the inputs' rounding, not bit for

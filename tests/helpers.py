@@ -115,3 +115,24 @@ def run_like_the_dispatcher(backend: str, config, x, weight, bias, activation=No
     out = poisoned((x2.shape[0], weight.shape[0]), x.dtype, x.device)
     assert backends.get_backend(backend).run(config, x2, w2, b2, out, Activation.parse(activation)) is out
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, device: str = "cuda"):
+    """A small 2-layer Llama (8 heads, 2 KV heads, random weights, seed 0) three ways: fp32 (the
+    reference), bf16 stock, and bf16 patched by hybridgemm with both decoder layers fused."""
+    import copy
+
+    import transformers
+
+    import hybridgemm
+
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size,
+                                      intermediate_size=intermediate_size, num_hidden_layers=2, num_attention_heads=8,
+                                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config).eval()
+    ref = copy.deepcopy(base).to(device)
+    stock = copy.deepcopy(base).to(device, torch.bfloat16)
+    patched = copy.deepcopy(stock)
+    assert hybridgemm.patch(patched).fused_layers == ["model.layers.0", "model.layers.1"]
+    return ref, stock, patched

@@ -7,6 +7,7 @@ CPU). GPU runs: tests/test_decode_attention_gpu.py."""
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 
 import pytest
@@ -181,10 +182,10 @@ def _decode(model, steps: int, batch: int = 2, prompt: int = 3, tokens=None):
     return logits, fed, cache
 
 
-def _compare(model, stock, steps=3):
+def _compare(model, stock, steps=3, batch=2):
     with torch.no_grad():
-        ref, fed, ref_cache = _decode(stock, steps)
-        out, _, cache = _decode(model, steps, tokens=fed)
+        ref, fed, ref_cache = _decode(stock, steps, batch)
+        out, _, cache = _decode(model, steps, batch, tokens=fed)
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     for got, want in zip(cache.layers, ref_cache.layers):
@@ -234,6 +235,20 @@ def test_where_the_step_cannot_fuse_the_results_are_still_stock(why, kernels_on_
     assert kernels_on_cpu["rope"] == {"two-launch": 4, "hook": 2}.get(why, 0)
     if why == "two-launch":
         assert sum("rotary/KV-cache fusion" in str(w.message) for w in seen) == 1
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_gqa_query_rows_are_packed_from_batch_2(batch, kernels_on_cpu, monkeypatch):
+    stock = _tiny("llama")
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    shapes, real = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(da, "F", types.SimpleNamespace(
+        scaled_dot_product_attention=lambda q, *a, **kw: shapes.append(tuple(q.shape)) or real(q, *a, **kw)))
+    _compare(model, stock, steps=2, batch=batch)
+    assert kernels_on_cpu["rope"] == 2 * 2
+    # 4 query heads on 2 KV heads: each KV head's 2 query heads as 2 rows (batch 1: the model's SDPA call)
+    assert shapes == ([] if batch == 1 else [(batch, 2, 2, 32)] * 4)
 
 
 def test_unpatch_removes_the_attention_step():

@@ -6,12 +6,10 @@ close to the fp32 model as stock bf16 is, bit-identical run to run.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-import hybridgemm
+from helpers import llama_variants
 from hybridgemm import decode_attention as da
 from hybridgemm.kernels import triton_splitk
 from hybridgemm.kernels.triton_rope import RotaryCache
@@ -85,15 +83,7 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
 
 @pytest.fixture
 def models(monkeypatch):
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
-                                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(config).eval()
-    ref = copy.deepcopy(base).cuda()
-    stock = copy.deepcopy(base).to("cuda", torch.bfloat16)
-    patched = copy.deepcopy(stock)
-    assert hybridgemm.patch(patched).fused_layers == ["model.layers.0", "model.layers.1"]
+    ref, stock, patched = llama_variants(512, 1024, VOCAB)
     calls = {"rope": 0}
     real = triton_splitk.run
 

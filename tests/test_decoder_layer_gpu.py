@@ -6,12 +6,10 @@ logits as close to the fp32 model's as stock bf16's are.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-import hybridgemm
+from helpers import llama_variants
 from hybridgemm import decode_attention as da
 from hybridgemm.kernels import triton_splitk
 
@@ -28,15 +26,7 @@ def _rel(a, ref) -> float:
 
 @pytest.fixture
 def models(monkeypatch):
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
-                                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(config).eval()
-    ref = copy.deepcopy(base).cuda()
-    stock = copy.deepcopy(base).to("cuda", torch.bfloat16)
-    patched = copy.deepcopy(stock)
-    assert hybridgemm.patch(patched).fused_layers == ["model.layers.0", "model.layers.1"]
+    ref, stock, patched = llama_variants(256, 704, VOCAB)
     calls = []
     real = triton_splitk.run
 

@@ -28,6 +28,8 @@ LAZY_ALLOWED = {
     ("hybridgemm.mlp", "hybridgemm.kernels.triton_glu"),
     ("hybridgemm.decoder_layer", "hybridgemm.kernels.triton_glu"),
     ("hybridgemm.decoder_layer", "hybridgemm.kernels.triton_splitk"),
+    ("hybridgemm.decode_attention", "hybridgemm.kernels.triton_rope"),
+    ("hybridgemm.decode_attention", "hybridgemm.kernels.triton_splitk"),
     ("hybridgemm.norm", "hybridgemm.kernels.triton_rmsnorm"),
 }
 
