@@ -58,6 +58,7 @@ _STATIC_UPDATE_STATEMENTS = (
     "returnself.keys,self.values",
 )
 _CACHE_UPDATE_STATEMENTS = ("self.layers[layer_idx].update(key_states,value_states",)
+_QKV = "qkv_proj"  # the fused Q/K/V module of a patched attention (decoder_layer.QKV_NAME)
 # Keyword arguments of the attention forward that the stock one does not pass on to the
 # attention function.
 _CONSUMED = ("hidden_states", "position_embeddings", "attention_mask", "cache", "past_key_values", "cache_position")
@@ -131,6 +132,10 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
         return None
     keys, values, base = layer.keys, layer.values, layer.cumulative_length
     b, hd = x.shape[0], attn.head_dim
+    config = attn.config
+    if keys.shape[1] != getattr(config, "num_key_value_heads", None) \
+            or attn._modules[_QKV].weight.shape[0] != (config.num_attention_heads + 2 * keys.shape[1]) * hd:
+        return None  # a cache (or fused weight) of other head counts: the attention module says what is wrong
     if keys.dtype != x.dtype or values.dtype != x.dtype or keys.shape[0] != b or keys.shape[-1] != hd \
             or values.shape != keys.shape or not keys.is_contiguous() or not values.is_contiguous():
         return None
@@ -237,6 +242,13 @@ def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bi
     return _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads, counters)
 
 
+def _stock_sdpa():
+    """transformers' own SDPA attention function (a user may register another under "sdpa")."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
 def attention_step(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Module, kwargs: dict,
                    counters: Tensor | None = None) -> Tensor:
     """The attention sublayer's output before O, for a call :func:`kv_slot` accepted (``slot``):
@@ -254,21 +266,21 @@ def attention_step(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Mo
     layer.cumulative_length.add_(s)  # what StaticLayer.update does after computing the positions
     mask = kwargs.get("attention_mask")
     rep = heads // kv_heads
-    shared_mask = mask is None or (mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1)
-    if s == 1 and b > 1 and rep > 1 and heads == rep * kv_heads and shared_mask:
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    shared_mask = mask is None or (mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
+                                   and mask.shape[-1] == keys.shape[2])
+    if s == 1 and b > 1 and rep > 1 and heads == rep * kv_heads and shared_mask and sdpa is _stock_sdpa():
         # One query per sequence: the rep query heads that share a KV head become rep query rows
         # of that head (one row of the mask serves them all), so SDPA reads the cache as it is
         # instead of the rep-fold expanded copy that GQA otherwise makes of it. At batch 1 the
         # expanded copy is small and cuDNN's kernel for the one-row queries measured faster
         # (H200: docs/DESIGN.md, "The attention step"), so batch 1 keeps the model's own SDPA call.
         q = y[..., : heads * hd].reshape(b, kv_heads, rep, hd)
-        if mask is not None and mask.shape[-1] != keys.shape[2]:
-            mask = mask[..., : keys.shape[2]]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
         return out.reshape(b, 1, heads * hd)
     q = y[..., : heads * hd].view(b, s, heads, hd).transpose(1, 2)
     rest = {k: v for k, v in kwargs.items() if k not in _CONSUMED}
-    out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling, **rest)
+    out, _ = sdpa(attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling, **rest)
     return out.reshape(b, s, -1).contiguous()
 
 

@@ -234,6 +234,17 @@ class HybridDecoderLayer(nn.Module):
     """Mixed in before a recognised decoder-layer class (:func:`fused_class`): the fused
     forward where it applies, the class's own forward everywhere else."""
 
+    def _apply(self, fn, *args, **kwargs):
+        # The counters must be zero before a kernel uses them: a move keeps them so, but
+        # to_empty() (a model built on the meta device) leaves them uninitialised, and
+        # load_state_dict does not touch a non-persistent buffer.
+        out = super()._apply(fn, *args, **kwargs)
+        counters = self._buffers.get(COUNTERS)
+        if counters is not None and not counters.is_meta:
+            with torch.no_grad():
+                counters.zero_()
+        return out
+
     def forward(self, hidden_states: Tensor, *args, **kwargs):
         if args or not _takes_fused_path(self, hidden_states):
             return super().forward(hidden_states, *args, **kwargs)

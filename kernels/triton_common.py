@@ -640,11 +640,12 @@ def check_fusion(x: torch.Tensor, out: torch.Tensor, norm: tuple | None, residua
 def plan_scratch(plan: TritonPlan, placeholder: torch.Tensor, counters: torch.Tensor | None = None) -> tuple:
     """(workspace, counters) for a launch of ``plan`` on the current stream; ``placeholder``
     for each that the plan does not use (never dereferenced). ``counters``: the caller's own
-    zeroed int32 arrival counters, used when the plan needs no more than it holds (the kernels
-    leave them zero again); else the stream's, or fresh ones per call in compiled regions."""
+    zeroed int32 arrival counters, used in compiled regions (``per_call_scratch``) when the plan
+    needs no more than they hold (the kernels leave them zero again), in place of a zero-filled
+    buffer per call; eager calls use their stream's (a caller's buffer is not per stream)."""
     if not plan.ws_numel:
         return placeholder, placeholder
-    if counters is not None and plan.counters and counters.numel() >= plan.counters:
+    if counters is not None and plan.counters and counters.numel() >= plan.counters and per_call():
         ws, _ = split_scratch(plan.device, plan.ws_numel, 0)
         return ws, counters
     ws, cnt = split_scratch(plan.device, plan.ws_numel, plan.counters)

@@ -14,8 +14,10 @@ tiles keep contiguous columns and are not rotated.
 With a cache, the k and v columns are also stored into a static KV cache
 (``keys``/``values`` ``[B, kv_heads, L, head_dim]``) at position ``base + s`` for token s of
 each sequence, ``base`` a device scalar (transformers' ``StaticLayer.cumulative_length``),
-read by the kernel so a CUDA graph replays it correctly. Positions at or past ``L`` are not
-written (stock's ``index_copy_`` raises a device assert there).
+read by the kernel so a CUDA graph replays it correctly. A position outside ``[0, L)`` is not
+written and that token's whole output row is NaN instead (stock's ``index_copy_`` raises a
+device assert there): a cache that overflows shows in the logits, never as silently missing
+keys.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class RopeLayout:
     k_strides: tuple[int, int, int] = (0, 0, 0)
     v_strides: tuple[int, int, int] = (0, 0, 0)
     cache_len: int = 0
-    aligned: bool = True
+    aligned: tuple[bool, ...] = ()  # 16-byte alignment of cos, sin (and keys, values), each
 
     def scalars(self, block_n: int) -> tuple:
         """The kernel's rotary integer arguments, in signature order."""
@@ -120,8 +122,8 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
                       keys.shape[2], _aligned(ptrs))
 
 
-def _aligned(tensors) -> bool:
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
+def _aligned(tensors) -> tuple[bool, ...]:
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 @triton.jit
@@ -150,7 +152,8 @@ def tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr,
                      kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len, rope_tiles,
                      KV: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, HD: tl.constexpr):
     """Rotate a q/k tile's fp32 accumulator [BN, BM] (columns from :func:`tl_rope_columns`,
-    tokens ``offs_m``) and, with ``KV``, store a k or v tile into the cache. Returns the tile."""
+    tokens ``offs_m``) and, with ``KV``, store a k or v tile into the cache. Returns the tile,
+    NaN in the rows of tokens whose cache position is outside ``[0, cache_len)``."""
     b = (offs_m // seq).to(tl.int64)
     s = offs_m % seq
     if pid_n < rope_tiles:
@@ -161,13 +164,15 @@ def tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr,
         sin = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
         acc = acc * cos + tl_rotate_half_rows(acc, BN, BM) * sin
     if KV:
+        pos = tl.load(base_ptr) + s
+        in_cache = (pos >= 0) & (pos < cache_len)
+        acc = tl.where(in_cache[None, :], acc, float("nan"))
         if pid_n * BN >= q_cols:  # a k or v tile (tiles never straddle a head)
             is_v = pid_n * BN >= v_start
             col = offs_n - tl.where(is_v, v_start, q_cols)
             head = (col // HD).to(tl.int64)
             c = col % HD
-            pos = tl.load(base_ptr) + s
-            ok = mask & (pos < cache_len)[None, :]
+            ok = mask & in_cache[None, :]
             val = acc.to(kc_ptr.dtype.element_ty)
             if is_v:
                 tl.store(vc_ptr + (b * vc_b + pos * vc_s)[None, :] + (head * vc_h + c)[:, None], val, mask=ok)

@@ -436,9 +436,9 @@ def run(
     projection whose q and k heads get the rotary embedding, and whose k and v heads are also
     written to a static KV cache when it holds one (``triton_rope``; not with an activation,
     a residual or the two-launch reduction). Any may be None (plain GEMM). ``counters``: a
-    zeroed int32 tensor on x's device for the fused reduction's arrival counters (left zero;
-    not to be shared with a launch running at the same time), instead of the stream's or, in
-    a compiled region, a zero-filled one per call.
+    zeroed int32 tensor on x's device for the fused reduction's arrival counters in compiled
+    regions (left zero; not to be shared with a launch running at the same time), instead of
+    a zero-filled one per call; eager calls use their stream's.
     Deterministic for a fixed config. ``tf32`` (fp32 inputs) allows TF32 tensor cores.
     Raises ValueError/TypeError naming the problem when operands or config do not fit.
     """

@@ -82,7 +82,9 @@ def test_rope_epilogue_matches_fp64(config, batch, seq, heads, kv_heads, hd, k_d
     triton_splitk.run(config, x, w, b, out, None, norm=None if g is None else (g, 1e-5), rope=rc)
     q, k, v = _reference(x, w, b, g, 1e-5, cos, sin, heads, kv_heads, hd, batch, seq)
     ref = torch.cat([q.reshape(m, -1), k.reshape(m, -1), v.reshape(m, -1)], dim=-1)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    outside = (pos >= cache_len).repeat(batch)  # token rows (batch-major) whose position the cache cannot hold
+    assert out[outside].isnan().all()  # shown, not silently dropped
+    torch.testing.assert_close(out[~outside].double(), ref[~outside], rtol=1e-4, atol=1e-4)
     for cache, new, poison in ((keys, k, 123.0), (values, v, -321.0)):
         for s in range(seq):
             p = base + s
@@ -261,7 +263,50 @@ def test_unpatch_removes_the_attention_step():
     assert dl.COUNTERS not in model.model.layers[0]._buffers
 
 
-def test_dynamo_traces_a_decode_step_in_one_graph(kernels_on_cpu):
+def test_a_cache_overflow_shows_as_nan_logits(kernels_on_cpu):
+    stock = _tiny("llama")
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    api = hf.forward_api(model)
+    with torch.no_grad():
+        cache = hf.static_cache(model, 2, 4)
+        hf.cached_forward(model, api, torch.randint(0, VOCAB, (2, 3)), cache, torch.arange(3))
+        last = hf.cached_forward(model, api, torch.randint(0, VOCAB, (2, 1)), cache, torch.tensor([3]))
+        assert torch.isfinite(last).all()  # position 3 is the cache's last
+        past = hf.cached_forward(model, api, torch.randint(0, VOCAB, (2, 1)), cache, torch.tensor([4]))
+    assert past.isnan().all()  # stock raises (index_copy_ out of range); never a silent wrong answer
+
+
+def test_a_cache_of_other_head_counts_runs_the_attention_module(kernels_on_cpu):
+    model = _tiny("llama", layers=1)
+    hybridgemm.patch(model)
+    api = hf.forward_api(model)
+    with torch.no_grad():
+        cache = hf.static_cache(model, 2, 8)
+        hf.cached_forward(model, api, torch.randint(0, VOCAB, (2, 3)), cache, torch.arange(3))
+        layer = cache.layers[0]
+        x = torch.randn(2, 1, 128)
+        cos = torch.ones(2, 1, 32)
+        kw = {"cache": cache, "position_embeddings": (cos, cos)}
+        attn = model.model.layers[0].self_attn
+        assert da.kv_slot(attn, x, kw) is not None
+        layer.keys, layer.values = layer.keys[:, :1].clone(), layer.values[:, :1].clone()
+        assert da.kv_slot(attn, x, kw) is None
+
+
+def test_counters_are_zeroed_when_the_layer_is_materialised():
+    with torch.device("meta"):
+        model = _tiny("llama", layers=1)
+    hybridgemm.patch(model)
+    model.to_empty(device="cpu")
+    assert not model.model.layers[0]._buffers[dl.COUNTERS].any()
+    model.model.layers[0]._buffers[dl.COUNTERS].fill_(3)
+    model.to(torch.float32)
+    assert not model.model.layers[0]._buffers[dl.COUNTERS].any()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_dynamo_traces_a_decode_step_in_one_graph(backend, kernels_on_cpu):
     stock = _tiny("llama")
     model = copy.deepcopy(stock)
     hybridgemm.patch(model)
@@ -272,7 +317,7 @@ def test_dynamo_traces_a_decode_step_in_one_graph(kernels_on_cpu):
         ids = torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(3))
         hf.cached_forward(model, api, ids, cache, torch.arange(3))
         step = torch.compile(lambda tok, pos: hf.cached_forward(model, api, tok, cache, pos)[:, -1],
-                             fullgraph=True, backend="eager")
+                             fullgraph=True, backend=backend)  # aot_eager: functionalised (the cache mutation)
         outs = [step(fed[i], torch.tensor([3 + i])) for i in range(2)]
     torch._dynamo.reset()
     for a, b in zip(outs, ref[1:]):
