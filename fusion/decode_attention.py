@@ -58,13 +58,15 @@ _STATIC_UPDATE_STATEMENTS = (
     "returnself.keys,self.values",
 )
 _CACHE_UPDATE_STATEMENTS = ("self.layers[layer_idx].update(key_states,value_states",)
-_QKV = "qkv_proj"  # the fused Q/K/V module of a patched attention (decoder_layer.QKV_NAME)
+QKV_NAME = "qkv_proj"  # the fused Q/K/V module of a patched attention
 # Keyword arguments of the attention forward that the stock one does not pass on to the
 # attention function.
 _CONSUMED = ("hidden_states", "position_embeddings", "attention_mask", "cache", "past_key_values", "cache_position")
 
 
-def _source(fn) -> str | None:
+def source_text(fn) -> str | None:
+    """``fn``'s source with all whitespace removed (None where it has none): what the
+    statement checks of the layer and attention forwards compare against."""
     try:
         return "".join(inspect.getsource(fn).split())
     except (OSError, TypeError):
@@ -72,27 +74,31 @@ def _source(fn) -> str | None:
 
 
 def _has_all(fn, statements) -> bool:
-    src = _source(fn)
+    src = source_text(fn)
     return src is not None and all(s in src for s in statements)
 
 
-_STATIC_CACHE_OK: bool | None = None  # transformers' Cache.update and StaticLayer.update are the checked ones
-
-
-def _static_classes():
-    try:
-        from transformers.cache_utils import Cache, StaticLayer
-    except ImportError:
-        return None, None
-    return Cache, StaticLayer
+# transformers' Cache.update and StaticLayer.update are the checked ones (None: not checked
+# yet), and the transformers objects a call reads, looked up once when a layer is patched
+# (never per call).
+_STATIC_CACHE_OK: bool | None = None
+_CACHE_CLS = _STATIC_LAYER_CLS = _ATTENTION_FUNCTIONS = _STOCK_SDPA = None
 
 
 def _check_static_cache() -> bool:
-    global _STATIC_CACHE_OK
+    global _STATIC_CACHE_OK, _CACHE_CLS, _STATIC_LAYER_CLS, _ATTENTION_FUNCTIONS, _STOCK_SDPA
     if _STATIC_CACHE_OK is None:
-        cache_cls, static_cls = _static_classes()
-        _STATIC_CACHE_OK = static_cls is not None and _has_all(cache_cls.update, _CACHE_UPDATE_STATEMENTS) \
-            and _has_all(static_cls.update, _STATIC_UPDATE_STATEMENTS)
+        try:
+            from transformers.cache_utils import Cache, StaticLayer
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        except ImportError:
+            _STATIC_CACHE_OK = False
+            return False
+        _CACHE_CLS, _STATIC_LAYER_CLS = Cache, StaticLayer
+        _ATTENTION_FUNCTIONS, _STOCK_SDPA = ALL_ATTENTION_FUNCTIONS, sdpa_attention_forward
+        _STATIC_CACHE_OK = _has_all(Cache.update, _CACHE_UPDATE_STATEMENTS) \
+            and _has_all(StaticLayer.update, _STATIC_UPDATE_STATEMENTS)
     return _STATIC_CACHE_OK
 
 
@@ -122,19 +128,18 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     if cache is None or pe is None or x.dim() != 3 or attn.training or attn.config._attn_implementation != "sdpa" \
             or getattr(attn, "sliding_window", None) is not None:
         return None
-    cache_cls, static_cls = _static_classes()
     layers = getattr(cache, "layers", None)
     if not _STATIC_CACHE_OK or not isinstance(layers, list) or attn.layer_idx >= len(layers):
         return None
     layer = layers[attn.layer_idx]
-    if type(layer) is not static_cls or not layer.is_initialized or getattr(cache, "offloading", False) \
-            or type(cache).update is not cache_cls.update:
+    if type(layer) is not _STATIC_LAYER_CLS or not layer.is_initialized or getattr(cache, "offloading", False) \
+            or type(cache).update is not _CACHE_CLS.update:
         return None
     keys, values, base = layer.keys, layer.values, layer.cumulative_length
     b, hd = x.shape[0], attn.head_dim
     config = attn.config
     if keys.shape[1] != getattr(config, "num_key_value_heads", None) \
-            or attn._modules[_QKV].weight.shape[0] != (config.num_attention_heads + 2 * keys.shape[1]) * hd:
+            or attn._modules[QKV_NAME].weight.shape[0] != (config.num_attention_heads + 2 * keys.shape[1]) * hd:
         return None  # a cache (or fused weight) of other head counts: the attention module says what is wrong
     if keys.dtype != x.dtype or values.dtype != x.dtype or keys.shape[0] != b or keys.shape[-1] != hd \
             or values.shape != keys.shape or not keys.is_contiguous() or not values.is_contiguous():
@@ -145,12 +150,13 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     if cos.dim() != 3 or cos.shape[-1] != hd or cos.shape[1] != x.shape[1] or cos.dtype != x.dtype \
             or cos.shape != sin.shape:
         return None
-    if any(_hooked(attn._modules.get(n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or _hooked(attn):
+    if any(hooked(attn._modules.get(n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or hooked(attn):
         return None
     return layer, cos, sin
 
 
-def _hooked(mod: nn.Module | None) -> bool:
+def hooked(mod: nn.Module | None) -> bool:
+    """Has ``mod`` forward hooks or a replaced forward (a fused path that skips it must not run)?"""
     return mod is not None and bool(mod._forward_hooks or mod._forward_pre_hooks or "forward" in mod.__dict__)
 
 
@@ -166,6 +172,35 @@ def splitk_config(x2: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor):
         return None
     choice = dispatch.decision_for(x2, weight, bias, out)
     return choice.config if choice.backend == "triton_splitk" and choice.config is not None else None
+
+
+_FUSION_NAMES = {"norm": "norm", "residual": "residual", "rope": "rotary/KV-cache"}
+
+
+def fused_splitk(x: Tensor, weight: Tensor, bias: Tensor | None, counters: Tensor | None = None,
+                 **fusion) -> Tensor | None:
+    """The GEMM with ``fusion`` (``triton_splitk.run``'s ``norm=``, ``residual=``, ``rope=``) in
+    one split-K launch, where the table runs split-K for it; None where it does not, or where
+    the launch is refused (a ValueError, warned once per shape, as the dispatcher warns and
+    falls back): the caller then computes it unfused."""
+    from hybridgemm.kernels import triton_splitk
+
+    n = weight.shape[0]
+    x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
+    out = x.new_empty((x2.shape[0], n))
+    config = splitk_config(x2, w2, b2, out)
+    if config is None:
+        return None
+    if "residual" in fusion:
+        fusion["residual"] = row_major(rows_2d(fusion["residual"]))
+    try:
+        triton_splitk.run(config, x2, w2, b2, out, None, tf32=uses_tf32(x.dtype), counters=counters, **fusion)
+    except ValueError as e:
+        warn_once(("decoder_layer", tuple(weight.shape), x.dtype, tuple(fusion)),
+                  f"hybridgemm: split-K could not run the {'/'.join(_FUSION_NAMES[f] for f in fusion)} fusion for a "
+                  f"{tuple(weight.shape)} weight ({e}); that layer part runs unfused")
+        return None
+    return out.view(*x.shape[:-1], n)
 
 
 def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -191,25 +226,14 @@ def _unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, he
 
 def _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
               counters=None) -> Tensor:
-    from hybridgemm.kernels import triton_splitk
     from hybridgemm.kernels.triton_rope import RotaryCache
 
-    n = weight.shape[0]
-    x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
-    out = x.new_empty((x2.shape[0], n))
-    config = splitk_config(x2, w2, b2, out)
-    if config is not None:
-        rc = RotaryCache(cos.contiguous() if cos.stride(-1) != 1 else cos, sin.contiguous() if sin.stride(-1) != 1
-                         else sin, heads, kv_heads, keys.shape[-1], keys, values, base)
-        try:
-            triton_splitk.run(config, x2, w2, b2, out, None, tf32=uses_tf32(x.dtype), norm=(norm_weight, float(eps)),
-                              rope=rc, counters=counters)
-            return out.view(*x.shape[:-1], n)
-        except ValueError as e:
-            warn_once(("decode_attention", tuple(weight.shape), x.dtype, config),
-                      f"hybridgemm: split-K could not run the rotary/KV-cache fusion for a {tuple(weight.shape)} "
-                      f"weight with {config} ({e}); that step runs unfused")
-    return _unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads)
+    rc = RotaryCache(cos.contiguous() if cos.stride(-1) != 1 else cos, sin.contiguous() if sin.stride(-1) != 1
+                     else sin, heads, kv_heads, keys.shape[-1], keys, values, base)
+    y = fused_splitk(x, weight, bias, counters, norm=(norm_weight, float(eps)), rope=rc)
+    if y is None:
+        return _unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads)
+    return y
 
 
 # counters: scratch left as found (all zero), not declared mutated (decoder_layer.COUNTERS)
@@ -242,19 +266,10 @@ def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bi
     return _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads, counters)
 
 
-def _stock_sdpa():
-    """transformers' own SDPA attention function (a user may register another under "sdpa")."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward
-
-
 def attention_step(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Module, kwargs: dict,
                    counters: Tensor | None = None) -> Tensor:
     """The attention sublayer's output before O, for a call :func:`kv_slot` accepted (``slot``):
     ``[B, S, heads * hd]``."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     layer, cos, sin = slot
     b, s = x.shape[:2]
     hd = attn.head_dim
@@ -266,10 +281,10 @@ def attention_step(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Mo
     layer.cumulative_length.add_(s)  # what StaticLayer.update does after computing the positions
     mask = kwargs.get("attention_mask")
     rep = heads // kv_heads
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    sdpa = _ATTENTION_FUNCTIONS["sdpa"]  # a user may have registered another one
     shared_mask = mask is None or (mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
                                    and mask.shape[-1] == keys.shape[2])
-    if s == 1 and b > 1 and rep > 1 and heads == rep * kv_heads and shared_mask and sdpa is _stock_sdpa():
+    if s == 1 and b > 1 and rep > 1 and heads == rep * kv_heads and shared_mask and sdpa is _STOCK_SDPA:
         # One query per sequence: the rep query heads that share a KV head become rep query rows
         # of that head (one row of the mask serves them all), so SDPA reads the cache as it is
         # instead of the rep-fold expanded copy that GQA otherwise makes of it. At batch 1 the
@@ -284,4 +299,5 @@ def attention_step(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Mo
     return out.reshape(b, s, -1).contiguous()
 
 
-__all__ = ["attention_step", "kv_slot", "norm_rope_qkv", "splitk_config", "why_not_fuse_attention"]
+__all__ = ["QKV_NAME", "attention_step", "fused_splitk", "hooked", "kv_slot", "norm_rope_qkv", "source_text",
+           "splitk_config", "why_not_fuse_attention"]

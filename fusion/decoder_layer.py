@@ -44,18 +44,16 @@ the parts :func:`hybridgemm.patch` fused: Q/K/V, gate/up, HybridRMSNorm norms.
 from __future__ import annotations
 
 import importlib
-import inspect
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _torch_module
 
 from hybridgemm import dispatch
-from hybridgemm.kernels.checks import contiguous_bias, row_major, rows_2d
 from hybridgemm.kernels.process_memory import per_call_scratch
 
 from . import decode_attention as da
-from .decide import get_mode, uses_tf32, warn_once
+from .decide import get_mode
 from .fused_rows import FusedLinears
 from .linear_layer import HybridLinear, linear
 from .mlp import FUSED_GATE_UP, HybridGatedMLP
@@ -68,7 +66,7 @@ DECODE_ROWS = 16  # rows up to which the fused path runs (the gated kernel's dec
 LAYER_MODULES = {"LlamaDecoderLayer": "llama", "Qwen2DecoderLayer": "qwen2", "Qwen3DecoderLayer": "qwen3",
                  "MistralDecoderLayer": "mistral"}
 LAYER_CLASSES = tuple(LAYER_MODULES)
-QKV_NAME = "qkv_proj"
+QKV_NAME = da.QKV_NAME
 # Instance attribute set when the layer is patched: its attention can run as the fused step of
 # decode_attention (rotary and KV-cache write in the QKV GEMM) where a call allows it.
 ATTENTION_STEP = "_hybridgemm_attention_step"
@@ -90,11 +88,11 @@ _LAYER_STATEMENTS = ("residual=hidden_states", "hidden_states=self.input_layerno
 _ATTENTION_STATEMENTS = ("attn_output=self.o_proj(attn_output)", "returnattn_output,attn_weights")
 
 
-def _kernels():
+def _glu_kernel():
     # Imported on first use: importing hybridgemm needs no Triton (tests/test_layers.py).
-    from hybridgemm.kernels import triton_glu, triton_splitk
+    from hybridgemm.kernels import triton_glu
 
-    return triton_splitk, triton_glu
+    return triton_glu
 
 
 def _on_kernel_device(x: Tensor) -> bool:
@@ -104,44 +102,21 @@ def _on_kernel_device(x: Tensor) -> bool:
 
 # ------------------------------------------------------------------- the fused computations
 
-def _fused_splitk(x: Tensor, weight: Tensor, bias: Tensor | None, counters: Tensor | None = None,
-                  **fusion) -> Tensor | None:
-    """The GEMM with ``fusion`` (``norm=`` or ``residual=``) in one split-K launch, where the
-    table runs split-K for it; None where it does not, or where the launch is refused (a
-    ValueError, warned once per shape, as the dispatcher warns and falls back)."""
-    n = weight.shape[0]
-    x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
-    out = x.new_empty((x2.shape[0], n))
-    config = da.splitk_config(x2, w2, b2, out)
-    if config is None:
-        return None
-    if "residual" in fusion:
-        fusion["residual"] = row_major(rows_2d(fusion["residual"]))
-    try:
-        _kernels()[0].run(config, x2, w2, b2, out, None, tf32=uses_tf32(x.dtype), counters=counters, **fusion)
-    except ValueError as e:
-        warn_once(("decoder_layer", tuple(weight.shape), x.dtype, tuple(fusion)),
-                  f"hybridgemm: split-K could not run the {'/'.join(fusion)} fusion for a {tuple(weight.shape)} "
-                  f"weight ({e}); that layer part runs unfused")
-        return None
-    return out.view(*x.shape[:-1], n)
-
-
 def _norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
                  counters: Tensor | None = None) -> Tensor:
-    y = _fused_splitk(x, weight, bias, counters, norm=(norm_weight, float(eps)))
+    y = da.fused_splitk(x, weight, bias, counters, norm=(norm_weight, float(eps)))
     return dispatch.fused_linear(rms_norm(x, norm_weight, eps), weight, bias) if y is None else y
 
 
 def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor,
                      counters: Tensor | None = None) -> Tensor:
-    y = _fused_splitk(x, weight, bias, counters, residual=residual)
+    y = da.fused_splitk(x, weight, bias, counters, residual=residual)
     return residual + dispatch.fused_linear(x, weight, bias) if y is None else y
 
 
 def _gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
                 activation: str) -> Tensor:
-    return _kernels()[1].glu(x, weight, bias, activation, norm=(norm_weight, float(eps)))
+    return _glu_kernel().glu(x, weight, bias, activation, norm=(norm_weight, float(eps)))
 
 
 # ``counters`` (the layer's arrival counters, see COUNTERS) are scratch the kernels leave as they
@@ -293,10 +268,6 @@ def _tensors(layer: nn.Module) -> list:
     return [t for m in mods for t in (m.weight, getattr(m, "bias", None)) if t is not None]
 
 
-def _hooked(mod: nn.Module) -> bool:
-    return bool(mod._forward_hooks or mod._forward_pre_hooks or "forward" in mod.__dict__)
-
-
 def _takes_fused_path(layer: nn.Module, x) -> bool:
     compiling = torch.compiler.is_compiling()
     if not compiling and type(x) not in _PLAIN:
@@ -314,8 +285,8 @@ def _takes_fused_path(layer: nn.Module, x) -> bool:
     if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params)):
         return False
     mlp = layer.mlp
-    return not (_hooked(layer.input_layernorm) or _hooked(layer.post_attention_layernorm) or _hooked(mlp)
-                or _hooked(mlp.down_proj) or _global_hooks())
+    return not (da.hooked(layer.input_layernorm) or da.hooked(layer.post_attention_layernorm) or da.hooked(mlp)
+                or da.hooked(mlp.down_proj) or _global_hooks())
 
 
 def _global_hooks() -> bool:
@@ -348,13 +319,6 @@ def __getattr__(name: str):
     return fused_class(stock)
 
 
-def _statements(fn) -> str | None:
-    try:
-        return "".join(inspect.getsource(fn).split())
-    except (OSError, TypeError):
-        return None
-
-
 def why_not_fuse_layer(mod: nn.Module) -> str | None:
     """Why the decoder layer ``mod`` cannot be fused (None: it can); raises nothing. A module
     that is no recognised decoder layer gives :data:`NOT_A_LAYER`."""
@@ -373,7 +337,7 @@ def why_not_fuse_layer(mod: nn.Module) -> str | None:
         return f"its down_proj is a {type(mlp._modules.get('down_proj')).__name__}, not a patched nn.Linear"
     if not all(type(n) is HybridRMSNorm for n in norms):
         return "its norms are not Llama-style RMSNorms"
-    layer_src, attn_src = _statements(t.forward), _statements(type(attn).forward)
+    layer_src, attn_src = da.source_text(t.forward), da.source_text(type(attn).forward)
     if layer_src is None or not all(s in layer_src for s in _LAYER_STATEMENTS) \
             or layer_src.count("hidden_states=residual+hidden_states") != 2:
         return f"{t.__name__}.forward is not the pre-norm layer this transformers version was checked against"

@@ -27,7 +27,6 @@ LAZY_ALLOWED = {
     ("hybridgemm.kernels.backends", "hybridgemm.kernels.triton_common"),
     ("hybridgemm.mlp", "hybridgemm.kernels.triton_glu"),
     ("hybridgemm.decoder_layer", "hybridgemm.kernels.triton_glu"),
-    ("hybridgemm.decoder_layer", "hybridgemm.kernels.triton_splitk"),
     ("hybridgemm.decode_attention", "hybridgemm.kernels.triton_rope"),
     ("hybridgemm.decode_attention", "hybridgemm.kernels.triton_splitk"),
     ("hybridgemm.norm", "hybridgemm.kernels.triton_rmsnorm"),
