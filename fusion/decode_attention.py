@@ -1,16 +1,16 @@
 """The attention half of a fused decoder layer at decode sizes with a static KV cache: one
 GEMM launch computes Q/K/V from the un-normalised hidden state, rotates q and k, and writes k
-and v into the cache (``triton_splitk.run(norm=, rope=)``, see kernels/triton_rope.py); then
-SDPA attention over the cache (the model's own function; for one token per sequence, SDPA
-called directly with each KV head's query heads as rows, see :func:`attention_step`), and O
-with the residual in its epilogue.
+and v into the cache (``triton_splitk.run(norm=, rope=)``, see kernels/triton_rope.py); for one
+token per sequence, one more launch computes the attention over the cache and updates its
+length (kernels/triton_decode_attention.py); then O with the residual in its epilogue.
 
 A stock Llama attention runs, per layer and token: the QKV GEMM, the rotary embedding, two
-``index_copy_`` into the cache, the cache's length update, the attention and O; under
-torch.compile the rotary and the copies are three or four Inductor kernels between the GEMM
-and the attention, and GQA's expanded copies of the cached keys and values two more. Here
-those are gone; the length update
-(``cumulative_length.add_``) stays, as transformers' ``StaticLayer.update`` does it.
+``index_copy_`` into the cache, the cache's length update, GQA's expanded copies of the cached
+keys and values, the mask conversion, the attention and O; under torch.compile that is six
+to nine kernels between the two GEMMs. Here it is one. Where the attention kernel does not
+apply (several tokens per sequence, a mask that is not boolean, another registered SDPA
+function, a device without the kernels) the model's attention function runs on the cache as
+before, or SDPA on packed GQA rows (:func:`attention_step`).
 
 Taken (:func:`kv_slot`) only where the result is the stock one: transformers'
 ``StaticLayer`` (exact class, initialised, whose ``update`` is the one checked below) in a
@@ -121,7 +121,8 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
 
 
 def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
-    """``(cache layer, cos, sin)`` when this call can take the fused attention step, else None.
+    """``(cache layer, cos, sin, first)`` when this call can take the fused attention step, else
+    None; ``first``: the layer is the cache's first.
     Only for an attention :func:`why_not_fuse_attention` accepted when it was patched."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     pe = kwargs.get("position_embeddings")
@@ -152,7 +153,7 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
         return None
     if any(hooked(attn._modules.get(n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or hooked(attn):
         return None
-    return layer, cos, sin
+    return layer, cos, sin, layer is layers[0]
 
 
 def hooked(mod: nn.Module | None) -> bool:
@@ -266,22 +267,73 @@ def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bi
     return _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads, counters)
 
 
+def _kernel_device(x: Tensor) -> bool:
+    """Does the decode-attention kernel run on x's device? (CUDA; the CPU tests widen it to the
+    interpreter.)"""
+    return x.is_cuda
+
+
+def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor, step: int,
+            counters: Tensor | None) -> Tensor:
+    from hybridgemm.kernels.triton_decode_attention import decode_attention
+
+    out = q.new_empty(q.shape)
+    return decode_attention(q, keys, values, mask, scale, out, base=base, step=step, counters=counters)
+
+
+# counters: scratch left as found (all zero), not declared mutated (decoder_layer.COUNTERS)
+@torch.library.custom_op("hybridgemm::decode_attention_fwd", mutates_args=("base",))
+def decode_attention_fwd(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor,
+                         step: int, counters: Tensor | None = None) -> Tensor:
+    with per_call_scratch():
+        return _attend(q, keys, values, mask, scale, base, step, counters)
+
+
+@decode_attention_fwd.register_fake
+def _decode_attention_fake(q, keys, values, mask, scale, base, step, counters=None):
+    return q.new_empty(q.shape)
+
+
+def _kernel_takes(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> bool:
+    from hybridgemm.kernels.triton_decode_attention import why_not
+
+    return _kernel_device(q) and why_not(q, keys, values, mask) is None
+
+
 def attention_step(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Module, kwargs: dict,
                    counters: Tensor | None = None) -> Tensor:
     """The attention sublayer's output before O, for a call :func:`kv_slot` accepted (``slot``):
     ``[B, S, heads * hd]``."""
-    layer, cos, sin = slot
+    layer, cos, sin, first = slot
     b, s = x.shape[:2]
     hd = attn.head_dim
     keys, values = layer.keys, layer.values
     kv_heads = keys.shape[1]
     heads = qkv.weight.shape[0] // hd - 2 * kv_heads
+    base = layer.cumulative_length
     y = norm_rope_qkv(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, cos, sin, keys, values,
-                      layer.cumulative_length, heads, kv_heads, counters)
-    layer.cumulative_length.add_(s)  # what StaticLayer.update does after computing the positions
+                      base, heads, kv_heads, counters)
     mask = kwargs.get("attention_mask")
-    rep = heads // kv_heads
     sdpa = _ATTENTION_FUNCTIONS["sdpa"]  # a user may have registered another one
+    if s == 1 and sdpa is _STOCK_SDPA:
+        q = y.view(b, -1)[:, : heads * hd]
+        if _kernel_takes(q, keys, values, mask):
+            # One launch: GQA without the expanded copy, the boolean mask read as it is, and the
+            # cache-length update (what StaticLayer.update does after computing the positions),
+            # except the first layer's: the model derives the step's positions and mask from
+            # that one (Cache.get_seq_length), and Inductor may recompute a mask after this
+            # kernel, so it stays a separate in-graph add whose ordering the compiler tracks.
+            inc = 0 if first else s
+            if torch.compiler.is_compiling():
+                out = torch.ops.hybridgemm.decode_attention_fwd(q, keys, values, mask, float(attn.scaling), base, inc,
+                                                                counters)
+            else:
+                out = _attend(q, keys, values, mask, float(attn.scaling), base, inc, counters)
+            if first:
+                base.add_(s)
+            return out.view(b, 1, heads * hd)
+    base.add_(s)  # what StaticLayer.update does after computing the positions
+    rep = heads // kv_heads
     shared_mask = mask is None or (mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
                                    and mask.shape[-1] == keys.shape[2])
     if s == 1 and b > 1 and rep > 1 and heads == rep * kv_heads and shared_mask and sdpa is _STOCK_SDPA:

@@ -7,6 +7,7 @@ CPU). GPU runs: tests/test_decode_attention_gpu.py."""
 from __future__ import annotations
 
 import copy
+import shutil
 import types
 import warnings
 
@@ -169,6 +170,7 @@ def kernels_on_cpu(monkeypatch):
     split-K calls that carry a rope."""
     state = {"config": FUSED_REDUCE, "rope": 0, "counters": 0}
     monkeypatch.setattr(dl, "_on_kernel_device", lambda x: True)
+    monkeypatch.setattr(da, "_kernel_device", lambda x: True)
     monkeypatch.setattr(da, "splitk_config", lambda x2, w, b, out: state["config"])
     real_run = triton_splitk.run
 
@@ -250,9 +252,27 @@ def test_where_the_step_cannot_fuse_the_results_are_still_stock(why, kernels_on_
 
 
 @pytest.mark.parametrize("batch", [1, 2, 3])
-def test_gqa_query_rows_are_packed_from_batch_2(batch, kernels_on_cpu, monkeypatch):
+def test_one_token_attention_is_one_kernel_launch(batch, kernels_on_cpu, monkeypatch):
+    from hybridgemm.kernels import triton_decode_attention as tda
+
     stock = _tiny("llama")
     model = _patched(stock)
+    launches, real = [], tda.decode_attention
+    monkeypatch.setattr(tda, "decode_attention", lambda q, k, *a, **kw: launches.append(
+        (tuple(q.shape), kw["step"], kw["counters"] is not None)) or real(q, k, *a, **kw))
+    monkeypatch.setattr(da, "F", None)  # no SDPA call at all
+    _compare(model, stock, steps=2, batch=batch)
+    assert kernels_on_cpu["rope"] == 2 * 2
+    # 4 query heads of 32 over 2 KV heads; each layer's call adds 1 to its cache length but the
+    # first layer's (an add after it: the model's positions come from that one)
+    assert launches == [((batch, 4 * 32), 0, True), ((batch, 4 * 32), 1, True)] * 2
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_without_the_kernel_gqa_query_rows_are_packed_from_batch_2(batch, kernels_on_cpu, monkeypatch):
+    stock = _tiny("llama")
+    model = _patched(stock)
+    monkeypatch.setattr(da, "_kernel_device", lambda x: False)
     shapes, real = [], torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(da, "F", types.SimpleNamespace(
         scaled_dot_product_attention=lambda q, *a, **kw: shapes.append(tuple(q.shape)) or real(q, *a, **kw)))
@@ -339,8 +359,13 @@ def test_counters_are_zeroed_when_the_layer_is_materialised():
     assert not model.model.layers[0]._buffers[dl.COUNTERS].any()
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_dynamo_traces_a_decode_step_in_one_graph(backend, kernels_on_cpu):
+    # inductor: the cache-length updates of the attention kernels are ordered against the
+    # positions and mask the model derives from the first layer's length, which Inductor
+    # may recompute per layer
+    if backend == "inductor" and not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("Inductor's CPU backend needs a C++ compiler")
     stock = _tiny("llama")
     model = _patched(stock)
     api = hf.forward_api(model)

@@ -97,10 +97,11 @@ def models(monkeypatch):
 
 
 def _decode(model, tokens, compiled: bool):
-    """Logits of each fed token after a 5-token prompt, over a fresh StaticCache (batch 2)."""
+    """Logits of each fed token after a 5-token prompt, over a fresh StaticCache."""
     api = hf.forward_api(model)
-    cache = hf.static_cache(model, 2, 32)
-    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(5)).cuda()
+    batch = tokens[0].shape[0]
+    cache = hf.static_cache(model, batch, 32)
+    prompt = torch.randint(0, VOCAB, (batch, 5), generator=torch.Generator().manual_seed(5)).cuda()
     hf.cached_forward(model, api, prompt, cache, torch.arange(5, device="cuda"))
 
     def step(tok, pos):
@@ -117,10 +118,12 @@ def _decode(model, tokens, compiled: bool):
     return torch.stack(out), cache
 
 
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_static_cache_decode_matches_fp32_as_stock_does(models, compiled):
+def test_static_cache_decode_matches_fp32_as_stock_does(models, compiled, batch):
     ref, stock, patched, calls = models
-    tokens = [torch.randint(0, VOCAB, (2, 1), generator=torch.Generator().manual_seed(i)).cuda() for i in range(6)]
+    tokens = [torch.randint(0, VOCAB, (batch, 1), generator=torch.Generator().manual_seed(i)).cuda()
+              for i in range(6)]
     with torch.no_grad():
         want, _ = _decode(ref, tokens, False)
         base, stock_cache = _decode(stock, tokens, False)
@@ -133,3 +136,51 @@ def test_static_cache_decode_matches_fp32_as_stock_does(models, compiled):
     for a, b in zip(cache.layers, stock_cache.layers):
         assert int(a.cumulative_length) == int(b.cumulative_length) == 11
         assert _rel(a.keys, b.keys) < 2e-2 and _rel(a.values, b.values) < 2e-2
+
+
+
+@pytest.mark.parametrize("heads,kv_heads,filled,length", [(32, 8, 100, 2080), (28, 4, 4096, 4096), (32, 8, 1, 64)])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_decode_attention_kernel_in_bf16(heads, kv_heads, filled, length, batch):
+    """Llama-3-8B's (32/8) and Qwen2.5-7B's (28/4) head layouts, a static cache filled to
+    ``filled`` of ``length``: as close to the fp32 attention as stock bf16 SDPA is, the cache
+    length updated once per call, bit-identical over repeated calls and CUDA-graph replays
+    (the spans of a pair are merged by whichever program finishes last)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    from hybridgemm.kernels.triton_decode_attention import decode_attention
+
+    hd = 128
+    g = torch.Generator(device="cuda").manual_seed(batch + filled)
+    y = torch.randn(batch, (heads + 2 * kv_heads) * hd, device="cuda", generator=g).bfloat16()
+    q = y[:, : heads * hd]
+    keys = torch.randn(batch, kv_heads, length, hd, device="cuda", generator=g).bfloat16()
+    values = torch.randn(batch, kv_heads, length, hd, device="cuda", generator=g).bfloat16()
+    mask = (torch.arange(length, device="cuda") < filled).view(1, 1, 1, length).expand(batch, 1, 1, length)
+    scale = hd ** -0.5
+    rep = heads // kv_heads
+    qh = q.reshape(batch, heads, 1, hd)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qh.float(), keys.float().repeat_interleave(rep, 1), values.float().repeat_interleave(rep, 1),
+        attn_mask=mask, scale=scale).reshape(batch, -1)
+    stock = torch.nn.functional.scaled_dot_product_attention(
+        qh, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1), attn_mask=mask,
+        scale=scale).reshape(batch, -1)
+    base = torch.zeros((), dtype=torch.int64, device="cuda")
+    out = torch.full_like(q, float("nan")).contiguous()
+    decode_attention(q, keys, values, mask, scale, out, base=base)
+    first = out.clone()
+    assert torch.isfinite(first).all()
+    assert _rel(first, ref) <= 1.5 * _rel(stock, ref) + 1e-3, (_rel(first, ref), _rel(stock, ref))
+    for _ in range(50):
+        decode_attention(q, keys, values, mask, scale, out, base=base)
+        assert torch.equal(out, first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, keys, values, mask, scale, out, base=base)
+    out.fill_(float("nan"))
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
+    assert int(base) == 1 + 50 + 20  # the capture itself runs nothing

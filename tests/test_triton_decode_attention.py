@@ -1,0 +1,145 @@
+"""The one-token decode attention kernel (kernels/triton_decode_attention.py) under the Triton
+interpreter, against fp64 SDPA with the GQA heads expanded: shapes, masks, spans merged by the
+last program, the cache-length update, counters, bad input. GPU runs:
+tests/test_decode_attention_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridgemm.kernels import triton_common as tc
+from hybridgemm.kernels import triton_decode_attention as tda
+from hybridgemm.kernels.process_memory import per_call_scratch
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+@pytest.fixture(params=[1, 64], ids=["one-span", "spans"])
+def sms(request, monkeypatch):
+    """The SM count the span count is sized for: 1 gives one span per (sequence, KV head),
+    64 several (merged by the last program)."""
+    facts = tc.DeviceFacts(num_sms=request.param, capability=(9, 0), smem_per_block=tc.HOPPER_SMEM_PER_BLOCK)
+    monkeypatch.setattr(tda, "device_facts", lambda device: facts)
+    return request.param
+
+
+def _reference(q, keys, values, mask, scale):
+    b, kvh, length, hd = keys.shape
+    heads = q.shape[1] // hd
+    rep = heads // kvh
+    qd = q.double().reshape(b, heads, 1, hd)
+    kd, vd = keys.double().repeat_interleave(rep, 1), values.double().repeat_interleave(rep, 1)
+    return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale).reshape(b, heads * hd)
+
+
+def _operands(b, heads, kvh, hd, length, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # q as the q columns of a fused Q/K/V output row: strided rows
+    y = torch.randn(b, (heads + 2 * kvh) * hd, generator=g).to(dtype)
+    keys = torch.randn(b, kvh, length, hd, generator=g).to(dtype)
+    values = torch.randn(b, kvh, length, hd, generator=g).to(dtype)
+    return y[:, : heads * hd], keys, values
+
+
+def _tol(dtype):
+    return dict(rtol=0, atol=2e-5) if dtype == torch.float32 else dict(rtol=0, atol=3e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,heads,kvh,hd,length", [
+    (1, 8, 2, 32, 1), (1, 8, 2, 32, 17), (3, 6, 3, 16, 333), (2, 7, 1, 64, 150), (1, 4, 4, 16, 1000),
+    (2, 28, 4, 16, 65)])
+@pytest.mark.parametrize("mask_kind", ["none", "per-sequence", "shared", "holes"])
+def test_matches_fp64_sdpa(sms, dtype, b, heads, kvh, hd, length, mask_kind):
+    q, keys, values = _operands(b, heads, kvh, hd, length, dtype)
+    g = torch.Generator().manual_seed(1)
+    filled = torch.randint(1, length + 1, (b,), generator=g)  # positions written so far, per sequence
+    mask = None
+    if mask_kind == "per-sequence":
+        mask = (torch.arange(length)[None] < filled[:, None]).view(b, 1, 1, length)
+    elif mask_kind == "shared":
+        mask = (torch.arange(length) < filled[0]).view(1, 1, 1, length)
+    elif mask_kind == "holes":  # left padding and scattered masked positions, the newest one kept
+        mask = torch.rand(b, 1, 1, length, generator=g) < 0.6
+        mask[..., -1] = True
+    out = torch.full((b, heads * hd), float("nan"), dtype=dtype)  # poisoned: every element must be written
+    tda.decode_attention(q, keys, values, mask, 0.125, out)
+    torch.testing.assert_close(out.double(), _reference(q, keys, values, mask, 0.125), **_tol(dtype))
+
+
+def test_a_long_cache_with_few_positions_filled(sms):
+    # a static cache of 1000 positions with 5 written: the masked blocks are skipped, garbage there is never read
+    q, keys, values = _operands(2, 8, 2, 32, 1000, torch.float32)
+    mask = (torch.arange(1000) < 5).view(1, 1, 1, 1000)
+    keys[:, :, 5:] = float("nan")
+    values[:, :, 5:] = float("inf")
+    out = torch.empty(2, 8 * 32)
+    tda.decode_attention(q, keys, values, mask, 0.2, out)
+    torch.testing.assert_close(out.double(), _reference(q, keys[:, :, :5], values[:, :, :5], None, 0.2),
+                               rtol=0, atol=2e-5)
+
+
+def test_the_cache_length_is_updated_once_per_call(sms):
+    q, keys, values = _operands(3, 4, 2, 16, 300, torch.float32)
+    base = torch.tensor(41, dtype=torch.int64)
+    out = torch.empty(3, 64)
+    for _ in range(3):
+        tda.decode_attention(q, keys, values, None, 1.0, out, base=base, step=2)
+    assert int(base) == 41 + 3 * 2
+    assert all(not c.any() for c in tc.counters_snapshot())  # every arrival counter is left zero
+
+
+def test_results_do_not_depend_on_the_span_count(monkeypatch):
+    q, keys, values = _operands(1, 8, 2, 32, 700, torch.float32)
+    outs = []
+    for n in (1, 3, 64):
+        facts = tc.DeviceFacts(num_sms=n, capability=(9, 0), smem_per_block=tc.HOPPER_SMEM_PER_BLOCK)
+        monkeypatch.setattr(tda, "device_facts", lambda device, f=facts: f)
+        outs.append(tda.decode_attention(q, keys, values, None, 0.1, torch.empty(1, 256)))
+    ref = _reference(q, keys, values, None, 0.1)
+    for out in outs:
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's 0/0
+def test_a_row_with_no_position_admitted_is_nan(sms):
+    q, keys, values = _operands(2, 4, 2, 16, 100, torch.float32)
+    mask = torch.ones(2, 1, 1, 100, dtype=torch.bool)
+    mask[1] = False
+    out = tda.decode_attention(q, keys, values, mask, 1.0, torch.empty(2, 64))
+    assert torch.isfinite(out[0]).all() and out[1].isnan().all()
+
+
+def test_caller_counters_are_used_in_compiled_regions_and_left_zero(sms):
+    q, keys, values = _operands(2, 4, 2, 16, 300, torch.float32)
+    counters = torch.zeros(8, dtype=torch.int32)
+    with per_call_scratch():
+        out = tda.decode_attention(q, keys, values, None, 1.0, torch.empty(2, 64), counters=counters)
+    assert not counters.any()
+    torch.testing.assert_close(out.double(), _reference(q, keys, values, None, 1.0), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(keys=torch.zeros(2, 4, 10, 12), values=torch.zeros(2, 4, 10, 12)), "head_dim 12"),
+    (dict(q=torch.zeros(2, 6 * 16)), "heads a multiple of 4"),
+    (dict(q=torch.zeros(3, 8 * 16)), r"q must be \[2"),
+    (dict(q=torch.zeros(8 * 16, 2).T), "unit column stride"),
+    (dict(mask=torch.zeros(2, 1, 1, 10)), "boolean"),
+    (dict(mask=torch.ones(2, 1, 1, 9, dtype=torch.bool)), "boolean"),
+    (dict(mask=torch.ones(2, 1, 2, 10, dtype=torch.bool)), "boolean"),
+    (dict(out=torch.zeros(2, 8 * 16, dtype=torch.float16)), "out must be"),
+    (dict(values=torch.zeros(2, 4, 11, 16)), "one shape"),
+    (dict(keys=torch.zeros(2, 4, 10, 16, dtype=torch.float64), values=torch.zeros(2, 4, 10, 16, dtype=torch.float64)),
+     "share a dtype"),
+    (dict(counters=torch.zeros(3, dtype=torch.int32)), "counters"),
+    (dict(keys=torch.zeros(2, 4, 0, 16), values=torch.zeros(2, 4, 0, 16), mask=None), "empty"),
+])
+def test_bad_operands_are_clear_errors(change, match):
+    args = dict(q=torch.zeros(2, 8 * 16), keys=torch.zeros(2, 4, 10, 16), values=torch.zeros(2, 4, 10, 16),
+                mask=torch.ones(2, 1, 1, 10, dtype=torch.bool), out=torch.zeros(2, 8 * 16), counters=None)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        tda.decode_attention(args["q"], args["keys"], args["values"], args["mask"], 1.0, args["out"],
+                             counters=args["counters"])
