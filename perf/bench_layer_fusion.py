@@ -6,9 +6,11 @@ fusion/decoder_layer.py timed with and without their fused norm or residual.
 Per model, at each M: the gated kernel (gate/up) with and without its RMSNorm prologue, the
 QKV GEMM with and without it, and the O and down GEMMs with and without the residual epilogue,
 each in the split-K config the shipped table picks (a GEMM the table gives another backend is
-listed as such, not timed). Every fused call is checked against an fp32 reference first;
-times use the tuner's method (cold weights by rotation, CUDA graphs, interleaved rounds).
-Writes DIR/layer_fusion_<gpu>.csv.
+listed as such, not timed). Beside them, the read ceiling at that size: the fastest of a few
+grids of a kernel that only reads the same weight bytes (``read_us``; ``plain_of_read``: the
+GEMM's streaming rate as a fraction of it). Every fused call is checked against an fp32
+reference first; times use the tuner's method (cold weights by rotation, CUDA graphs,
+interleaved rounds). Writes DIR/layer_fusion_<gpu>.csv.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from hybridgemm import dispatch
 from hybridgemm.autotune_cache.measure import gpu_time_rotating, rotation_copies
@@ -29,7 +33,9 @@ from hybridgemm.perf.csvio import environment_columns, write_csv
 from hybridgemm.perf.e2e_models import hf_config
 
 COLUMNS = ("gpu", "model", "gemm", "fused", "m", "n", "k", "config", "plain_us", "fused_us", "cost_us", "max_rel_err",
-           "date", "commit", "torch", "triton", "hybridgemm", "command")
+           "weight_mb", "read_us", "plain_tbps", "plain_of_read", "date", "commit", "torch", "triton", "hybridgemm",
+           "command")
+READ_PROGRAMS_PER_SM = (2, 4, 8, 16)  # grids of the read-only kernel; the fastest is the ceiling
 MAX_REL_ERROR = 2e-2  # of the reference's largest magnitude: bf16 rounding of inputs and output is ~1e-2
 EPS = 1e-5
 BF16 = torch.bfloat16
@@ -42,6 +48,32 @@ def _norm_ref(x, g):
 
 def _rel_err(out, ref) -> float:
     return (out.float() - ref).abs().max().item() / ref.abs().max().item()
+
+
+@triton.jit
+def _read_kernel(w_ptr, sink_ptr, per_prog, total, BLOCK: tl.constexpr):
+    """Sum a contiguous slice of the weight: HBM read traffic and nothing else."""
+    start = tl.program_id(0).to(tl.int64) * per_prog
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for i in range(0, per_prog, BLOCK):
+        offs = start + i + tl.arange(0, BLOCK)
+        acc += tl.load(w_ptr + offs, mask=offs < total, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    tl.store(sink_ptr + tl.program_id(0), tl.sum(acc))
+
+
+def _read_calls(ws, device) -> list:
+    """One read-only call per grid of READ_PROGRAMS_PER_SM, each reading copy j of ``ws``."""
+    total = ws[0].numel()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    block = 4096
+    calls = []
+    for per_sm in READ_PROGRAMS_PER_SM:
+        progs = sms * per_sm
+        per = triton.cdiv(triton.cdiv(total, progs), block) * block
+        sink = torch.empty(progs, device=device)
+        calls.append(lambda j, per=per, progs=progs, sink=sink:
+                     _read_kernel[(progs,)](ws[j], sink, per, total, BLOCK=block, num_warps=8))
+    return calls
 
 
 def _gemms(cfg) -> list[tuple[str, str, int, int, bool]]:
@@ -86,10 +118,14 @@ def bench_gemm(model: str, gemm: str, fused: str, n: int, k: int, bias: bool, m:
     err = _rel_err(outs[0], ref)
     if not err <= MAX_REL_ERROR:
         raise AssertionError(f"{model} {gemm} m={m}: fused result off by {err:.3g} of its largest magnitude")
-    t_plain, t_fused = gpu_time_rotating([plain, fused_call], copies, device)
+    t_plain, t_fused, *t_read = gpu_time_rotating([plain, fused_call, *_read_calls(ws, device)], copies, device)
+    wbytes = wrows * k * 2
+    read_us = min(t.median_us for t in t_read)
     return {**row, "config": str(cfg), "plain_us": round(t_plain.median_us, 3),
             "fused_us": round(t_fused.median_us, 3), "cost_us": round(t_fused.median_us - t_plain.median_us, 3),
-            "max_rel_err": f"{err:.3g}"}
+            "max_rel_err": f"{err:.3g}", "weight_mb": round(wbytes / 1e6, 1), "read_us": round(read_us, 3),
+            "plain_tbps": round(wbytes / t_plain.median_us / 1e6, 3),
+            "plain_of_read": round(read_us / t_plain.median_us, 3)}
 
 
 def main(argv=None) -> None:
@@ -116,8 +152,9 @@ def main(argv=None) -> None:
                 r = bench_gemm(name, gemm, fused, n, k, bias, m, device)
                 rows.append(r)
                 print(f"{name:12s} {gemm:8s} +{fused:8s} M={m:2d}: " + (
-                    f"{r['plain_us']:7.2f} -> {r['fused_us']:7.2f} us ({r['cost_us']:+.2f})" if "plain_us" in r
-                    else r["config"]), flush=True)
+                    f"{r['plain_us']:7.2f} -> {r['fused_us']:7.2f} us ({r['cost_us']:+.2f}); {r['weight_mb']} MB "
+                    f"at {r['plain_tbps']:.2f} TB/s, read alone {r['read_us']:.2f} us ({r['plain_of_read']:.1%})"
+                    if "plain_us" in r else r["config"]), flush=True)
     if args.out:
         env = environment_columns(" ".join(["python -m hybridgemm.perf.bench_layer_fusion", *(argv or sys.argv[1:])]))
         env.update(date=datetime.date.today().isoformat(), commit=git_commit())
