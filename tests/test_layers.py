@@ -29,6 +29,7 @@ LAZY_ALLOWED = {
     ("hybridgemm.decoder_layer", "hybridgemm.kernels.triton_glu"),
     ("hybridgemm.decode_attention", "hybridgemm.kernels.triton_rope"),
     ("hybridgemm.decode_attention", "hybridgemm.kernels.triton_splitk"),
+    ("hybridgemm.decode_attention", "hybridgemm.kernels.triton_decode_attention"),
     ("hybridgemm.norm", "hybridgemm.kernels.triton_rmsnorm"),
 }
 
