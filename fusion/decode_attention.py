@@ -275,10 +275,25 @@ def _kernel_device(x: Tensor) -> bool:
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor, step: int,
             counters: Tensor | None) -> Tensor:
+    from triton.errors import TritonError
+
     from hybridgemm.kernels.triton_decode_attention import decode_attention
 
     out = q.new_empty(q.shape)
-    return decode_attention(q, keys, values, mask, scale, out, base=base, step=step, counters=counters)
+    try:
+        return decode_attention(q, keys, values, mask, scale, out, base=base, step=step, counters=counters)
+    except (ValueError, TritonError) as e:  # refused or not compiled: nothing was launched
+        warn_once(("decode_attention", tuple(keys.shape), q.shape[1], q.dtype),
+                  f"hybridgemm: the decode attention kernel could not run for a cache of {tuple(keys.shape)} ({e}); "
+                  "that layer's attention runs on PyTorch's SDPA")
+    b, kv_heads, _, hd = keys.shape
+    rep = q.shape[1] // hd // kv_heads
+    qh = q.reshape(b, kv_heads * rep, 1, hd)
+    out = F.scaled_dot_product_attention(qh, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1),
+                                         attn_mask=mask, scale=scale).reshape(b, -1)
+    if step:
+        base.add_(step)
+    return out
 
 
 # counters: scratch left as found (all zero), not declared mutated (decoder_layer.COUNTERS)
@@ -294,10 +309,11 @@ def _decode_attention_fake(q, keys, values, mask, scale, base, step, counters=No
     return q.new_empty(q.shape)
 
 
-def _kernel_takes(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> bool:
+def _kernel_takes(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, counters: Tensor | None) -> bool:
     from hybridgemm.kernels.triton_decode_attention import why_not
 
-    return _kernel_device(q) and why_not(q, keys, values, mask) is None
+    return _kernel_device(q) and why_not(q, keys, values, mask) is None \
+        and (counters is None or counters.numel() >= keys.shape[0] * keys.shape[1])
 
 
 def attention_step(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Module, kwargs: dict,
@@ -317,7 +333,7 @@ def attention_step(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Mo
     sdpa = _ATTENTION_FUNCTIONS["sdpa"]  # a user may have registered another one
     if s == 1 and sdpa is _STOCK_SDPA:
         q = y.view(b, -1)[:, : heads * hd]
-        if _kernel_takes(q, keys, values, mask):
+        if _kernel_takes(q, keys, values, mask, counters):
             # One launch: GQA without the expanded copy, the boolean mask read as it is, and the
             # cache-length update (what StaticLayer.update does after computing the positions),
             # except the first layer's: the model derives the step's positions and mask from

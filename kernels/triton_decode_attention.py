@@ -20,7 +20,7 @@ a few microseconds, and each kernel boundary costs about one more on the H200.
 
 Scores and the softmax are fp32 (exp2 with the scale folded in), the probabilities are
 rounded to the cache's dtype for the product with V, as flash-attention kernels do. A query
-row whose mask admits no position gives NaN, as PyTorch's math SDPA does.
+row whose mask admits no position gives zeros, as PyTorch's math SDPA does (torch >= 2.5).
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ws_ptr, cnt_ptr,
         gdc_launch_dependents()
     o_ptrs = o_ptr + b * o_sb + (h * REP + rows)[:, None] * HD + cols[None, :]
     if SPLITS == 1:
+        l_i = tl.where(l_i > 0, l_i, 1.0)  # no position admitted (or a padding row): acc is 0
         tl.store(o_ptrs, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         # this span's (acc, m, l) for rows < REP; the pair's last program merges them in span order
@@ -101,6 +102,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ws_ptr, cnt_ptr,
             for s_ in range(SPLITS):
                 m_s = tl.load(pair_ws + s_ * part + REP * HD + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
                 m_all = tl.maximum(m_all, m_s)
+            m_all = tl.where(m_all > float("-inf"), m_all, 0.0)  # no span admitted a position: weights 0
             l_all = tl.zeros((RP,), tl.float32)
             o = tl.zeros((RP, HD), tl.float32)
             for s_ in range(SPLITS):  # span order: the same sum whoever arrived last
@@ -110,9 +112,14 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ws_ptr, cnt_ptr,
                 l_all += w * tl.load(src + REP * HD + REP + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
                 o += w[:, None] * tl.load(src + rows[:, None] * HD + cols[None, :], mask=row_ok[:, None],
                                           other=0.0, cache_modifier=".cg")
-            l_all = tl.where(row_ok, l_all, 1.0)  # padding rows: no 0/0
+            l_all = tl.where(l_all > 0, l_all, 1.0)  # no position admitted (or a padding row): o is 0
             tl.store(o_ptrs, (o / l_all[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
             tl.atomic_xchg(cnt_ptr + pid_g, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
+def _extent(t: torch.Tensor) -> int:
+    """The largest element offset a kernel computes into ``t`` from its sizes and strides."""
+    return sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()) if n > 0)
 
 
 def why_not(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -122,8 +129,8 @@ def why_not(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     if keys.dim() != 4 or values.shape != keys.shape:
         return "keys and values must be [B, kv_heads, L, head_dim] of one shape"
     b, kv_heads, length, hd = keys.shape
-    if hd < 16 or hd & (hd - 1) or hd > 256:
-        return f"head_dim {hd} is not a power of two in [16, 256]"
+    if hd < 16 or hd & (hd - 1) or hd > 128:
+        return f"head_dim {hd} is not a power of two in [16, 128]"
     if q.dim() != 2 or q.shape[0] != b or q.shape[1] % (kv_heads * hd) or q.stride(1) != 1:
         return f"q must be [{b}, heads * {hd}] with unit column stride, heads a multiple of {kv_heads}"
     if out is not None and (out.shape != q.shape or not out.is_contiguous() or out.dtype != q.dtype):
@@ -139,7 +146,7 @@ def why_not(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
         return f"the mask must be boolean [1 or {b}, 1, 1, {length}]"
     if length == 0:
         return "the cache is empty"
-    if max(keys.numel(), values.numel(), q.shape[0] * max(q.stride(0), q.shape[1])) > INT32_LIMIT:
+    if max(_extent(t) for t in (q, keys, values, mask, out) if t is not None) > INT32_LIMIT:
         return "offsets past 2**31 elements"
     return None
 
@@ -167,6 +174,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     region, left zero (eager calls use their stream's). Raises ValueError naming the problem.
     """
     reason = why_not(q, keys, values, mask, out)
+    if reason is None and base is not None and (base.dtype != torch.int64 or base.numel() != 1
+                                                 or base.device != q.device):
+        reason = f"base must be a one-element int64 tensor on {q.device}"
     if reason is not None:
         raise ValueError(f"decode_attention: {reason}")
     b, kv_heads, length, hd = keys.shape

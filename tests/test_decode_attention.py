@@ -292,8 +292,14 @@ def test_unpatch_removes_the_attention_step():
     assert dl.COUNTERS not in model.model.layers[0]._buffers
 
 
-def test_a_left_padded_batch_with_its_attention_mask_matches_stock(kernels_on_cpu):
-    # Per-sequence positions (so per-sequence cos/sin rows) and a mask hiding the padding.
+def test_a_left_padded_batch_with_its_attention_mask_matches_stock(kernels_on_cpu, monkeypatch):
+    # Per-sequence positions (so per-sequence cos/sin rows) and a mask hiding the padding,
+    # which the attention kernel reads per sequence.
+    from hybridgemm.kernels import triton_decode_attention as tda
+
+    masks, real = [], tda.decode_attention
+    monkeypatch.setattr(tda, "decode_attention", lambda q, k, v, mask, *a, **kw: masks.append(
+        None if mask is None else tuple(mask.shape)) or real(q, k, v, mask, *a, **kw))
     stock = _tiny("qwen2")
     model = _patched(stock)
     api = hf.forward_api(model)
@@ -317,6 +323,7 @@ def test_a_left_padded_batch_with_its_attention_mask_matches_stock(kernels_on_cp
     with torch.no_grad():
         torch.testing.assert_close(run(model), run(stock), rtol=1e-4, atol=1e-4)
     assert kernels_on_cpu["rope"] == 3 * 2
+    assert masks == [(2, 1, 1, 16)] * 3 * 2
 
 
 def test_a_cache_overflow_shows_as_nan_logits(kernels_on_cpu):
@@ -360,17 +367,21 @@ def test_counters_are_zeroed_when_the_layer_is_materialised():
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
-def test_dynamo_traces_a_decode_step_in_one_graph(backend, kernels_on_cpu):
+def test_dynamo_traces_a_decode_step_in_one_graph(backend, kernels_on_cpu, monkeypatch):
     # inductor: the cache-length updates of the attention kernels are ordered against the
     # positions and mask the model derives from the first layer's length, which Inductor
     # may recompute per layer
     if backend == "inductor" and not (shutil.which("c++") or shutil.which("g++")):
         pytest.skip("Inductor's CPU backend needs a C++ compiler")
+    from hybridgemm.kernels import triton_decode_attention as tda
+
+    launches, real = [], tda.decode_attention
+    monkeypatch.setattr(tda, "decode_attention", lambda *a, **kw: launches.append(kw["step"]) or real(*a, **kw))
     stock = _tiny("llama")
     model = _patched(stock)
     api = hf.forward_api(model)
     with torch.no_grad():
-        ref, fed, _ = _decode(stock, 2)
+        ref, fed, ref_cache = _decode(stock, 2)
         cache = hf.static_cache(model, 2, 16)
         ids = torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(3))
         hf.cached_forward(model, api, ids, cache, torch.arange(3))
@@ -381,3 +392,21 @@ def test_dynamo_traces_a_decode_step_in_one_graph(backend, kernels_on_cpu):
     for a, b in zip(outs, ref[1:]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert kernels_on_cpu["rope"] == 2 * 2
+    assert launches == [0, 1] * 2  # both layers' attention in the kernel, both steps
+    assert [int(la.cumulative_length) for la in cache.layers] == [int(la.cumulative_length)
+                                                                  for la in ref_cache.layers] == [5, 5]
+
+
+def test_an_attention_kernel_that_cannot_run_falls_back_to_sdpa_once_warned(kernels_on_cpu, monkeypatch):
+    from hybridgemm.kernels import triton_decode_attention as tda
+
+    def refuse(*a, **kw):
+        raise ValueError("refused for the test")
+
+    monkeypatch.setattr(tda, "decode_attention", refuse)
+    stock = _tiny("llama")
+    model = _patched(stock)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _compare(model, stock, steps=3)  # logits, caches and lengths as stock's
+    assert sum("decode attention kernel could not run" in str(w.message) for w in seen) == 1

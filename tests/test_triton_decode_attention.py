@@ -50,7 +50,7 @@ def _tol(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("b,heads,kvh,hd,length", [
     (1, 8, 2, 32, 1), (1, 8, 2, 32, 17), (3, 6, 3, 16, 333), (2, 7, 1, 64, 150), (1, 4, 4, 16, 1000),
-    (2, 28, 4, 16, 65)])
+    (2, 28, 4, 16, 65), (1, 40, 2, 16, 100), (1, 64, 1, 16, 70)])
 @pytest.mark.parametrize("mask_kind", ["none", "per-sequence", "shared", "holes"])
 def test_matches_fp64_sdpa(sms, dtype, b, heads, kvh, hd, length, mask_kind):
     q, keys, values = _operands(b, heads, kvh, hd, length, dtype)
@@ -103,20 +103,54 @@ def test_results_do_not_depend_on_the_span_count(monkeypatch):
         torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's 0/0
-def test_a_row_with_no_position_admitted_is_nan(sms):
+def test_a_row_with_no_position_admitted_is_zero_as_in_sdpa(sms):
     q, keys, values = _operands(2, 4, 2, 16, 100, torch.float32)
     mask = torch.ones(2, 1, 1, 100, dtype=torch.bool)
     mask[1] = False
-    out = tda.decode_attention(q, keys, values, mask, 1.0, torch.empty(2, 64))
-    assert torch.isfinite(out[0]).all() and out[1].isnan().all()
+    out = tda.decode_attention(q, keys, values, mask, 1.0, torch.full((2, 64), float("nan")))
+    torch.testing.assert_close(out.double(), _reference(q, keys, values, mask, 1.0), rtol=0, atol=2e-5)
+    assert torch.isfinite(out[0]).all() and (out[1] == 0).all()
 
 
-def test_caller_counters_are_used_in_compiled_regions_and_left_zero(sms):
+def test_spans_past_the_cache_end_merge_as_empty(monkeypatch):
+    # 15 SMs for one sequence and 2 KV heads: 15 spans of 128 positions over 1000, the last ones empty
+    facts = tc.DeviceFacts(num_sms=15, capability=(9, 0), smem_per_block=tc.HOPPER_SMEM_PER_BLOCK)
+    monkeypatch.setattr(tda, "device_facts", lambda device: facts)
+    q, keys, values = _operands(1, 4, 2, 16, 1000, torch.float32)
+    out = tda.decode_attention(q, keys, values, None, 0.5, torch.empty(1, 64))
+    torch.testing.assert_close(out.double(), _reference(q, keys, values, None, 0.5), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("layout", ["expanded", "row-of-square", "every-other"])
+def test_masks_of_other_strides(sms, layout):
+    b, length = 3, 150
+    q, keys, values = _operands(b, 4, 2, 16, length, torch.float32)
+    g = torch.Generator().manual_seed(2)
+    if layout == "expanded":  # one row for all sequences, batch stride 0
+        row = torch.rand(1, 1, 1, length, generator=g) < 0.7
+        row[..., 0] = True
+        mask = row.expand(b, 1, 1, length)
+    elif layout == "row-of-square":  # the last query row of a [B, 1, L, L] mask
+        mask = (torch.rand(b, 1, length, length, generator=g) < 0.7)[:, :, -1:, :]
+    else:  # positions two apart in memory
+        mask = (torch.rand(b, 1, 1, 2 * length, generator=g) < 0.7)[..., ::2]
+    if layout != "expanded":
+        mask[..., 0] = True
+    out = tda.decode_attention(q, keys, values, mask, 0.3, torch.empty(b, 64))
+    torch.testing.assert_close(out.double(), _reference(q, keys, values, mask, 0.3), rtol=0, atol=2e-5)
+
+
+def test_caller_counters_are_used_in_compiled_regions_and_left_zero(monkeypatch):
+    facts = tc.DeviceFacts(num_sms=64, capability=(9, 0), smem_per_block=tc.HOPPER_SMEM_PER_BLOCK)
+    monkeypatch.setattr(tda, "device_facts", lambda device: facts)
+    asked, real = [], tda.split_scratch
+    monkeypatch.setattr(tda, "split_scratch", lambda dev, ws, cnt: asked.append(cnt) or real(dev, ws, cnt))
     q, keys, values = _operands(2, 4, 2, 16, 300, torch.float32)
     counters = torch.zeros(8, dtype=torch.int32)
     with per_call_scratch():
         out = tda.decode_attention(q, keys, values, None, 1.0, torch.empty(2, 64), counters=counters)
+    tda.decode_attention(q, keys, values, None, 1.0, torch.empty(2, 64), counters=counters)
+    assert asked == [0, 4]  # compiled region: the caller's; eager: the stream's (4 pairs)
     assert not counters.any()
     torch.testing.assert_close(out.double(), _reference(q, keys, values, None, 1.0), rtol=0, atol=2e-5)
 
@@ -135,11 +169,15 @@ def test_caller_counters_are_used_in_compiled_regions_and_left_zero(sms):
      "share a dtype"),
     (dict(counters=torch.zeros(3, dtype=torch.int32)), "counters"),
     (dict(keys=torch.zeros(2, 4, 0, 16), values=torch.zeros(2, 4, 0, 16), mask=None), "empty"),
+    (dict(keys=torch.zeros(2, 4, 10, 256), values=torch.zeros(2, 4, 10, 256), q=torch.zeros(2, 8 * 256),
+          out=torch.zeros(2, 8 * 256)), "head_dim 256"),
+    (dict(base=torch.zeros((), dtype=torch.int32)), "base must be"),
+    (dict(base=torch.zeros(2, dtype=torch.int64)), "base must be"),
 ])
 def test_bad_operands_are_clear_errors(change, match):
     args = dict(q=torch.zeros(2, 8 * 16), keys=torch.zeros(2, 4, 10, 16), values=torch.zeros(2, 4, 10, 16),
-                mask=torch.ones(2, 1, 1, 10, dtype=torch.bool), out=torch.zeros(2, 8 * 16), counters=None)
+                mask=torch.ones(2, 1, 1, 10, dtype=torch.bool), out=torch.zeros(2, 8 * 16), counters=None, base=None)
     args.update(change)
     with pytest.raises(ValueError, match=match):
         tda.decode_attention(args["q"], args["keys"], args["values"], args["mask"], 1.0, args["out"],
-                             counters=args["counters"])
+                             counters=args["counters"], base=args["base"])
