@@ -273,15 +273,21 @@ def _kernel_device(x: Tensor) -> bool:
     return x.is_cuda
 
 
+def _attention_kernel():
+    # Imported on first use: importing hybridgemm needs no Triton (tests/test_layers.py).
+    from hybridgemm.kernels import triton_decode_attention
+
+    return triton_decode_attention
+
+
 def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor, step: int,
             counters: Tensor | None) -> Tensor:
     from triton.errors import TritonError
 
-    from hybridgemm.kernels.triton_decode_attention import decode_attention
-
     out = q.new_empty(q.shape)
     try:
-        return decode_attention(q, keys, values, mask, scale, out, base=base, step=step, counters=counters)
+        return _attention_kernel().decode_attention(q, keys, values, mask, scale, out, base=base, step=step,
+                                                    counters=counters)
     except (ValueError, TritonError) as e:  # refused or not compiled: nothing was launched
         warn_once(("decode_attention", tuple(keys.shape), q.shape[1], q.dtype),
                   f"hybridgemm: the decode attention kernel could not run for a cache of {tuple(keys.shape)} ({e}); "
@@ -310,9 +316,7 @@ def _decode_attention_fake(q, keys, values, mask, scale, base, step, counters=No
 
 
 def _kernel_takes(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, counters: Tensor | None) -> bool:
-    from hybridgemm.kernels.triton_decode_attention import why_not
-
-    return _kernel_device(q) and why_not(q, keys, values, mask) is None \
+    return _kernel_device(q) and _attention_kernel().why_not(q, keys, values, mask) is None \
         and (counters is None or counters.numel() >= keys.shape[0] * keys.shape[1])
 
 

@@ -180,6 +180,10 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if reason is not None:
         raise ValueError(f"decode_attention: {reason}")
     b, kv_heads, length, hd = keys.shape
+    if counters is not None and (counters.numel() < b * kv_heads or counters.dtype != torch.int32
+                                 or counters.device != q.device or not counters.is_contiguous()):
+        raise ValueError(f"decode_attention: counters must be a contiguous int32 tensor on {q.device} with at least "
+                         f"{b * kv_heads} entries")
     rep = q.shape[1] // hd // kv_heads
     facts = device_facts(q.device)
     splits = _splits(b * kv_heads, length, facts.num_sms)
@@ -198,10 +202,6 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         if pdl:
             meta["launch_pdl"] = True
         launch = _LAUNCHERS[key] = Launcher(_decode_attention_kernel, (b * kv_heads, splits), meta)
-    if counters is not None and (counters.numel() < b * kv_heads or counters.dtype != torch.int32
-                                 or counters.device != q.device or not counters.is_contiguous()):
-        raise ValueError(f"decode_attention: counters must be a contiguous int32 tensor on {q.device} with at least "
-                         f"{b * kv_heads} entries")
     if splits > 1:
         # the caller's counters only in compiled regions, as split-K's (triton_common.plan_scratch)
         own = counters is not None and per_call()
