@@ -138,9 +138,11 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
         return None
     keys, values, base = layer.keys, layer.values, layer.cumulative_length
     b, hd = x.shape[0], attn.head_dim
-    config = attn.config
-    if keys.shape[1] != getattr(config, "num_key_value_heads", None) \
-            or attn._modules[QKV_NAME].weight.shape[0] != (config.num_attention_heads + 2 * keys.shape[1]) * hd:
+    # Head counts from the fused weight and the cache, which hold this process's heads (all of
+    # them, or a tensor-parallel rank's share, where the config still gives the whole model's).
+    rows, kv_heads = attn._modules[QKV_NAME].weight.shape[0], keys.shape[1]
+    groups = getattr(attn, "num_key_value_groups", None)
+    if not isinstance(groups, int) or groups < 1 or rows != (groups + 2) * kv_heads * hd:
         return None  # a cache (or fused weight) of other head counts: the attention module says what is wrong
     if keys.dtype != x.dtype or values.dtype != x.dtype or keys.shape[0] != b or keys.shape[-1] != hd \
             or values.shape != keys.shape or not keys.is_contiguous() or not values.is_contiguous():

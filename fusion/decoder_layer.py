@@ -55,7 +55,7 @@ from hybridgemm.kernels.process_memory import per_call_scratch
 from . import decode_attention as da
 from .decide import get_mode
 from .fused_rows import FusedLinears
-from .linear_layer import HybridLinear, linear
+from .linear_layer import HybridLinear, PartialSumLinear, linear
 from .mlp import FUSED_GATE_UP, HybridGatedMLP
 from .modes import DEFAULT
 from .norm import HybridRMSNorm, rms_norm
@@ -108,10 +108,14 @@ def _norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bia
     return dispatch.fused_linear(rms_norm(x, norm_weight, eps), weight, bias) if y is None else y
 
 
-def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor,
+def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
                      counters: Tensor | None = None) -> Tensor:
-    y = da.fused_splitk(x, weight, bias, counters, residual=residual)
-    return residual + dispatch.fused_linear(x, weight, bias) if y is None else y
+    fusion = {} if residual is None else {"residual": residual}
+    y = da.fused_splitk(x, weight, bias, counters, **fusion)
+    if y is not None:
+        return y
+    y = dispatch.fused_linear(x, weight, bias)
+    return y if residual is None else residual + y
 
 
 def _gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
@@ -134,7 +138,7 @@ def _norm_linear_fake(x, norm_weight, eps, weight, bias, counters=None):
 
 
 @torch.library.custom_op("hybridgemm::linear_residual_fwd", mutates_args=())
-def linear_residual_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor,
+def linear_residual_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
                         counters: Tensor | None = None) -> Tensor:
     with per_call_scratch():
         return _linear_residual(x, weight, bias, residual, counters).contiguous()
@@ -167,10 +171,11 @@ def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias
     return _norm_linear(x, norm_weight, eps, weight, bias, counters)
 
 
-def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor,
+def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
                     counters: Tensor | None = None) -> Tensor:
-    """``residual + linear(x, weight, bias)``, one launch where the table runs Triton split-K.
-    Inference only (no autograd). ``counters`` as for :func:`norm_linear`."""
+    """``residual + linear(x, weight, bias)`` (``linear(x, weight, bias)`` for a None
+    residual), one launch where the table runs Triton split-K. Inference only (no autograd).
+    ``counters`` as for :func:`norm_linear`."""
     if torch.compiler.is_compiling():
         return torch.ops.hybridgemm.linear_residual_fwd(x, weight, bias, residual, counters)
     return _linear_residual(x, weight, bias, residual, counters)
@@ -229,14 +234,13 @@ class HybridDecoderLayer(nn.Module):
         counters = self._buffers.get(COUNTERS)
         slot = da.kv_slot(attn, hidden_states, kwargs) if self.__dict__.get(ATTENTION_STEP) else None
         if slot is not None:
-            o_proj = attn.o_proj
             a = da.attention_step(attn, slot, hidden_states, ln1, qkv, kwargs, counters)
-            h = linear_residual(a, o_proj.weight, o_proj.bias, hidden_states, counters)
+            h = _project_add(attn.o_proj, a, hidden_states, counters)
         else:
             h = self._attention(attn, ln1, qkv, hidden_states, kwargs, counters)
-        gate_up, down = mlp._modules[FUSED_GATE_UP], mlp.down_proj
+        gate_up = mlp._modules[FUSED_GATE_UP]
         inter = gated_norm(h, ln2.weight, ln2.variance_epsilon, gate_up.weight, gate_up.bias, mlp.glu_activation)
-        return linear_residual(inter, down.weight, down.bias, h, counters)
+        return _project_add(mlp.down_proj, inter, h, counters)
 
     @staticmethod
     def _attention(attn, ln1, qkv, hidden_states, kwargs, counters):
@@ -245,19 +249,36 @@ class HybridDecoderLayer(nn.Module):
         qkv.seed(hidden_states, norm_linear(hidden_states, ln1.weight, ln1.variance_epsilon, qkv.weight, qkv.bias,
                                             counters))
         o_proj = attn.o_proj
-        o_proj.residual = hidden_states
+        takes_residual = isinstance(o_proj, ResidualLinear)
+        if takes_residual:
+            o_proj.residual = hidden_states
         try:
             h = attn(hidden_states=hidden_states, **kwargs)[0]
+            if not takes_residual:  # a row-parallel O: its output is already the sum over the ranks
+                h = hidden_states + h
             # The slices must have handed out the seeded output (a hook that replaced their
             # input would have made them project it without the norm).
             unused = qkv._rec is not None
         finally:
-            o_proj.residual = None
+            if takes_residual:
+                o_proj.residual = None
             qkv._rec = None
         if unused:
             raise RuntimeError("hybridgemm: the fused decoder layer's attention did not take the normalised Q/K/V "
                                "it was given (a hook or another attention forward?); patch with layers=False")
         return h
+
+
+def _project_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor | None) -> Tensor:
+    """``residual + proj(x)`` for the layer's O or down projection. A row-parallel projection
+    (:class:`PartialSumLinear`) gets the residual in the epilogue of the one rank's GEMM that
+    adds the bias, the other ranks' GEMMs add nothing, and the parts are then summed: the sum
+    over the ranks holds the residual and the bias once each, and no separate add runs."""
+    if isinstance(proj, PartialSumLinear):
+        if proj.adds_bias:
+            return proj.sum_parts(linear_residual(x, proj.weight, proj.bias, residual, counters))
+        return proj.sum_parts(linear_residual(x, proj.weight, None, None, counters))
+    return linear_residual(x, proj.weight, proj.bias, residual, counters)
 
 
 def _tensors(layer: nn.Module) -> list:
@@ -319,6 +340,11 @@ def __getattr__(name: str):
     return fused_class(stock)
 
 
+def _fusable_projection(proj) -> bool:
+    """An O or down projection the fused forward computes: patched, or row-parallel."""
+    return type(proj) is HybridLinear or isinstance(proj, PartialSumLinear)
+
+
 def why_not_fuse_layer(mod: nn.Module) -> str | None:
     """Why the decoder layer ``mod`` cannot be fused (None: it can); raises nothing. A module
     that is no recognised decoder layer gives :data:`NOT_A_LAYER`."""
@@ -329,12 +355,13 @@ def why_not_fuse_layer(mod: nn.Module) -> str | None:
     norms = [mod._modules.get(n) for n in ("input_layernorm", "post_attention_layernorm")]
     if attn is None or not isinstance(attn._modules.get(QKV_NAME), FusedLinears):
         return "its Q/K/V are not fused into one GEMM"
-    if type(attn._modules.get("o_proj")) is not HybridLinear:
-        return f"its o_proj is a {type(attn._modules.get('o_proj')).__name__}, not a patched nn.Linear"
+    if not _fusable_projection(attn._modules.get("o_proj")):
+        return f"its o_proj is a {type(attn._modules.get('o_proj')).__name__}, not a patched or row-parallel nn.Linear"
     if type(mlp) is not HybridGatedMLP or not isinstance(mlp._modules.get(FUSED_GATE_UP), FusedLinears):
         return "its MLP's gate/up are not fused into one GEMM"
-    if type(mlp._modules.get("down_proj")) is not HybridLinear:
-        return f"its down_proj is a {type(mlp._modules.get('down_proj')).__name__}, not a patched nn.Linear"
+    if not _fusable_projection(mlp._modules.get("down_proj")):
+        return (f"its down_proj is a {type(mlp._modules.get('down_proj')).__name__}, not a patched or row-parallel "
+                "nn.Linear")
     if not all(type(n) is HybridRMSNorm for n in norms):
         return "its norms are not Llama-style RMSNorms"
     layer_src, attn_src = da.source_text(t.forward), da.source_text(type(attn).forward)

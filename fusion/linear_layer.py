@@ -143,4 +143,24 @@ class HybridLinear(nn.Linear):
         return super().extra_repr() + act
 
 
-__all__ = ["HybridLinear", "linear"]
+class PartialSumLinear(nn.Module):
+    """A linear layer whose local product is one part of a sum over processes: tensor
+    parallelism's row-parallel layer (:class:`hybridgemm.parallel.RowParallelLinear`), whose
+    input features are split over the ranks. ``forward(x)`` is
+    ``sum_parts(linear(x, weight, bias if adds_bias else None))``: exactly one part adds the
+    bias. A fused decoder layer (fusion/decoder_layer.py) computes the local part itself, with
+    the residual added where the bias is, and calls :meth:`sum_parts`."""
+
+    weight: Tensor
+    bias: Tensor | None
+    adds_bias: bool = False
+
+    def sum_parts(self, y: Tensor) -> Tensor:
+        """The sum of every part's ``y`` (the same on every part)."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.sum_parts(linear(x, self.weight, self.bias if self.adds_bias else None))
+
+
+__all__ = ["HybridLinear", "PartialSumLinear", "linear"]

@@ -67,7 +67,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hybridgemm.autotune_cache.presets import tp_local_heads, tp_split, tp_vocab_rows
 
 from .collectives import ONE_SHOT_MAX_BYTES, enable_one_shot, fits_one_shot, one_shot_capacity, tp_sum
-from .linear_layer import linear
+from .linear_layer import PartialSumLinear, linear
 from .patching import PatchReport, _check_module
 from .patching import patch as _patch
 
@@ -122,7 +122,7 @@ class ParallelReport:
         return text
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PartialSumLinear):
     """``y = sum over ranks of (x_r @ W_r.T) + b``: a linear layer whose input features are
     split over the ranks of ``group``. Each rank holds ``weight`` (N, K/tp), its columns of
     the full weight, and gets ``x_r``, its part of the input (what the column-parallel layers
@@ -141,8 +141,8 @@ class RowParallelLinear(nn.Module):
         self.group_name = group.group_name  # a str: what torch.compile reads without tracing the group
         self.one_shot = False  # parallelize sets it where the group's one-shot all-reduce is enabled
 
-    def forward(self, x: Tensor) -> Tensor:
-        y = linear(x, self.weight, self.bias if self.adds_bias else None)
+    def sum_parts(self, y: Tensor) -> Tensor:
+        """``y`` summed over the ranks (one-shot or NCCL, see the module docstring)."""
         return _sum_over_ranks(y, self.group, self.group_name, self.one_shot)
 
     def extra_repr(self) -> str:

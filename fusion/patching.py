@@ -341,8 +341,9 @@ def _fuse_layer(layer: nn.Module) -> str | None:
     epilogue (classes swapped in place, recorded for unpatch); mark it for the fused attention
     step where its attention allows (else return why not)."""
     o_proj = layer.self_attn.o_proj
-    record(o_proj, ("class", next(_SEQ), type(o_proj)))
-    o_proj.__class__ = ResidualLinear
+    if type(o_proj) is HybridLinear:  # a row-parallel O gets the residual from the layer (decoder_layer._project_add)
+        record(o_proj, ("class", next(_SEQ), type(o_proj)))
+        o_proj.__class__ = ResidualLinear
     record(layer, ("class", next(_SEQ), type(layer)))
     layer.__class__ = fused_class(type(layer))
     param = next(layer.parameters())

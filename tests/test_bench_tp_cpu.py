@@ -365,3 +365,47 @@ def test_plot_tp_from_a_synthetic_csv(tmp_path):
     empty.write_text(",".join(T.COLUMNS) + "\n")
     with pytest.raises(ValueError, match="no rows with a time"):
         plot_tp(empty, tmp_path)
+
+
+# ----------------------------------------------------------------------------- perf/tp_compute.py
+
+
+def test_rank0_shard_leaves_the_collectives_out(fake_ranks):
+    """tp_compute's model: rank 0's shard (the bytes counted by hand), its row-parallel layers
+    returning their partial products unsummed and its head its own slice of the logits, the
+    partial sums being what the real layers would sum over the ranks."""
+    from hybridgemm.parallel import RowParallelLinear, VocabParallelLinear
+    from hybridgemm.perf import tp_compute as C
+
+    run = E.Run("tiny", M.model_config("tiny"), torch.device("cpu"), dtype=torch.float32)
+    built = C.rank0_shard(run, fake_ranks.group)
+    model = built.model
+    assert built.weight_bytes == 2 * tiny_weight_bytes(2)  # fp32 here: twice the bf16 count
+    o_proj, head = model.model.layers[0].self_attn.o_proj, model.lm_head
+    assert type(o_proj) is C._UnsummedRowParallel and isinstance(o_proj, RowParallelLinear)
+    assert type(head) is C._LocalVocabSlice and isinstance(head, VocabParallelLinear)
+    assert type(model.model.layers[1].mlp.down_proj) is C._UnsummedRowParallel
+    x = torch.randn(3, o_proj.in_features, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(o_proj(x), x @ o_proj.weight.T + o_proj.bias)  # rank 0 adds the bias
+        logits = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False).logits
+    assert logits.shape == (1, 3, head.rows) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("argv", [["--model", "tiny", "--tp", "1"], ["--model", "tiny", "--batch", "0"],
+                                  ["--model", "nope"], ["--model", "tiny", "--rounds", "0"]])
+def test_tp_compute_bad_arguments_exit_2(argv, capsys):
+    from hybridgemm.perf import tp_compute as C
+
+    with pytest.raises(SystemExit) as info:
+        C.parse_args(argv)
+    assert info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_tp_compute_needs_a_gpu(monkeypatch, capsys):
+    from hybridgemm.perf import tp_compute as C
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert C.main(["--model", "tiny"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -160,10 +160,9 @@ def case_llama_gqa_one_kv_head(rank, group):
     report = parallelize(model, group)
     assert len(report.attention) == 2 and len(report.mlp) == 2 and report.lm_head == ["lm_head"], report
     assert len(report.patch.fused_qkv) == 2, report.patch
-    # a row-parallel O must not add the residual on every rank: sharded layers keep their own forward
-    whys = [why for _, why in report.patch.skipped if "decoder layer" in why]
-    assert report.patch.fused_layers == [] and len(whys) == 2, report.patch
-    assert all("o_proj is a RowParallelLinear" in why for why in whys), whys
+    # the decoder layers fuse with row-parallel O/down (on the CPU their stock forward runs)
+    assert report.patch.fused_layers == ["model.layers.0", "model.layers.1"], report.patch
+    assert not any("decoder layer" in why for _, why in report.patch.skipped), report.patch
     # gloo on the CPU: no symmetric memory, the sums go through the group's own all-reduce
     assert report.all_reduce == "nccl (the group's backend is gloo, not nccl)", report.all_reduce
     assert "sums: nccl (" in report.summary()
@@ -224,6 +223,83 @@ def case_tied_lm_head_stays_whole(rank, group):
     assert_same(logits(model, ids), logits(ref, ids), "tied-head logits")
 
 
+def _fused_kernels_on_cpu(calls: list):
+    """The fused decoder-layer path on CPU tensors (Triton interpreter), as tests/
+    test_decode_attention.py widens it; records each split-K launch's fusion. Returns an undo."""
+    from hybridgemm import decode_attention as da
+    from hybridgemm import decoder_layer as dl
+    from hybridgemm.kernels import triton_splitk
+
+    config = triton_splitk.TritonSplitKConfig(16, 16, 32, split_k=2, num_warps=4, num_stages=2, fused_reduce=True)
+    saved = [(dl, "_on_kernel_device"), (da, "_kernel_device"), (da, "splitk_config"), (triton_splitk, "run")]
+    saved = [(mod, name, getattr(mod, name)) for mod, name in saved]
+    real_run = triton_splitk.run
+
+    def run(cfg, *a, norm=None, residual=None, rope=None, **kw):
+        calls.append("rope" if rope is not None else "norm" if norm is not None else
+                     "residual" if residual is not None else "plain")
+        return real_run(cfg, *a, norm=norm, residual=residual, rope=rope, **kw)
+
+    dl._on_kernel_device = da._kernel_device = lambda x: True
+    da.splitk_config = lambda x2, w, b, out: config
+    triton_splitk.run = run
+
+    def undo():
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+    return undo
+
+
+def _static_decode(model, ids, steps: int, tokens=None):
+    """Greedy decode over a StaticCache: (last logits per step, tokens fed)."""
+    from hybridgemm.perf import e2e_models as hf
+
+    api, cache = hf.forward_api(model), hf.static_cache(model, ids.shape[0], 16)
+    prompt = ids.shape[1]
+    out = [hf.cached_forward(model, api, ids, cache, torch.arange(prompt))[:, -1]]
+    fed = []
+    for i in range(steps):
+        tok = out[-1].argmax(-1, keepdim=True) if tokens is None else tokens[i]
+        fed.append(tok)
+        out.append(hf.cached_forward(model, api, tok, cache, torch.arange(prompt + i, prompt + i + 1))[:, -1])
+    return out, fed
+
+
+def case_fused_decoder_layers_over_ranks(rank, group):
+    """Fused decoder layers with row-parallel O and down, kernels run (interpreter), biases
+    everywhere: rank 0's O/down GEMMs add the residual (and the bias), rank 1's add nothing,
+    and the sums give the unsharded model's logits, in a plain forward and in a static-cache
+    decode through the fused attention step. Two KV heads (one per rank) and one (copied)."""
+    for kv_heads in (2, 1):
+        config = llama_config(hidden_size=64, intermediate_size=96, num_key_value_heads=kv_heads,
+                              attention_bias=True, mlp_bias=True)
+        config._attn_implementation = "sdpa"  # the fused attention step follows the model's SDPA
+        model, ref = causal_lm(config), causal_lm(config)
+        report = parallelize(model, group)
+        assert report.patch.fused_layers == ["model.layers.0", "model.layers.1"], report.patch
+        assert report.patch.fused_attention == report.patch.fused_layers, report.patch
+        calls: list = []
+        undo = _fused_kernels_on_cpu(calls)
+        try:
+            ids = token_ids(config.vocab_size, (2, 5))  # 10 rows: the fused path (no cache: the module's attention)
+            assert_same(logits(model, ids), logits(ref, ids), f"fused logits (Hkv={kv_heads})")
+            # per layer: QKV with the norm; down with the residual on rank 0, plain on rank 1 (O
+            # runs in the attention module, as the row-parallel layer's own forward, then the add)
+            part = "residual" if rank == 0 else "plain"
+            assert calls == ["norm", part] * 2, calls
+            calls.clear()
+            with torch.no_grad():
+                want, fed = _static_decode(ref, ids[:, :3], steps=3)
+                got, _ = _static_decode(model, ids[:, :3], steps=3, tokens=fed)
+            for step, (g, w) in enumerate(zip(got, want)):
+                assert_same(g, w, f"static-cache decode step {step} (Hkv={kv_heads})")
+            # the 6-row prefill as above; then each step of each layer: QKV with the rotary and
+            # cache write, O and down both through the layer (residual on rank 0, plain on rank 1)
+            assert calls == ["norm", part] * 2 + ["rope", part, part] * 3 * 2, calls
+        finally:
+            undo()
+
+
 def case_compiled_fullgraph(rank, group):
     """Row-parallel MLP and vocab-parallel head under torch.compile(fullgraph=True)."""
     torch.manual_seed(SEED)
@@ -241,7 +317,7 @@ def case_compiled_fullgraph(rank, group):
 CASES = {f.__name__[len("case_"):]: f for f in (
     case_mlp_layer_with_bias_on_a_mesh, case_attention_layer_with_biases, case_llama_gqa_one_kv_head,
     case_qwen2_padded_vocab_state_dict, case_mistral_logits, case_tied_lm_head_stays_whole,
-    case_compiled_fullgraph)}
+    case_fused_decoder_layers_over_ranks, case_compiled_fullgraph)}
 
 
 def _worker(rank: int, port: int, out_dir: str, backend: str, cases: list) -> None:

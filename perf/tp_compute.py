@@ -1,0 +1,191 @@
+"""The work one GPU does in a tensor-parallel decode step, measured on one GPU: rank 0's shard of
+a model :func:`hybridgemm.parallelize` splits ``--tp`` ways, with its collectives left out,
+beside the whole model on the same GPU.
+
+    python -m hybridgemm.perf.tp_compute --model llama3-8b|qwen2.5-7b|llama3-70b|tiny [--layers N]
+           [--tp 2] [--batch 1 8] [--tokens 64] [--rounds 3] [--out CSV]
+
+What it answers: how much of a ``tp`` step is computation (GEMMs on the rank's weight shard,
+attention over its heads, norms, the LM head's vocabulary slice, the gaps between kernels)
+and so, by difference with a measured ``bench_tp`` step, how much the collectives add; and,
+where no machine with ``tp`` GPUs is at hand, the least time a ``tp`` step can take.
+
+How: this process is rank 0 of a group of ``tp`` whose collectives do nothing (torch's
+``fake`` backend); the model is built and sharded exactly as ``perf/bench_tp.py``'s
+``tp2_hybridgemm`` variant does (``perf/tp_models.py``: same random bf16 weights, this rank's
+part only), then each row-parallel layer returns its partial product unsummed and the
+vocab-parallel head its own slice of the logits (greedy decoding then picks from that slice).
+The logits are therefore not the model's: nothing here checks numerics (``bench_tp``'s
+``logits_error`` does, on ``tp`` GPUs). Timed as bench_e2e's ``compiled_static`` (static
+cache, ``torch.compile(mode="reduce-overhead", fullgraph=True)``, ms per decode step, the
+median of ``--rounds``). Variants: ``tp1_hybridgemm`` (the whole model, patched) and
+``tp<N>_rank0_compute``. HBM floor: the GPU's weight bytes / perf/timing.HBM_TBPS.
+
+Rows (upserted on gpu, model, layers, batch, variant): ``tp``, ``status``, ``ms_per_token``,
+``spread_ms``, ``hbm_floor_ms_per_gpu``, ``fraction_of_floor``, ``weight_bytes_per_gpu``,
+``note`` and the environment columns. Exit code 0; 1 when a row is an error; 2 for bad
+arguments or no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import hybridgemm
+from hybridgemm.parallel import RowParallelLinear, VocabParallelLinear
+from hybridgemm.perf import bench_e2e as E
+from hybridgemm.perf import csvio
+from hybridgemm.perf.bench_msweep import git_commit, gpu_label
+from hybridgemm.perf.bench_tp import TP1_MAX_FRACTION, measure, model_name
+from hybridgemm.perf.tp_models import (
+    Built,
+    fill,
+    fits,
+    full_bytes,
+    gpu_weight_bytes,
+    meta_model,
+    model_config,
+    model_names,
+)
+from hybridgemm.perf.tp_ranks import Ranks
+
+KEY = ("gpu", "model", "layers", "batch", "variant")
+COLUMNS = (*KEY, "tp", "status", "ms_per_token", "spread_ms", "hbm_floor_ms_per_gpu", "fraction_of_floor",
+           "weight_bytes_per_gpu", "tokens", "rounds", "samples", "note", "date", "commit", "torch", "triton",
+           "transformers", "hybridgemm", "host", "command")
+
+
+class _UnsummedRowParallel(RowParallelLinear):
+    """A row-parallel layer whose partial product is returned as it is (no sum over the ranks)."""
+
+    def sum_parts(self, y: Tensor) -> Tensor:
+        return y
+
+
+class _LocalVocabSlice(VocabParallelLinear):
+    """A vocab-parallel head returning this rank's slice of the logits (no gather)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return hybridgemm.linear(x, self.weight, self.bias)
+
+
+def rank0_shard(run: E.Run, group) -> Built:
+    """Rank 0's shard of ``run``'s model over ``group`` (tp_models.build's ``tp2_hybridgemm``
+    steps), patched, with its collectives left out."""
+    model, shapes, norms = meta_model(run, run.dtype)
+    report = hybridgemm.parallelize(model, group, patch=False, one_shot_bytes=0)
+    run.log(report.summary())
+    fill(model, shapes, norms, run.config, run.device, run.dtype, run.dtype)
+    for mod in model.modules():
+        if type(mod) is RowParallelLinear:
+            mod.__class__ = _UnsummedRowParallel
+        elif type(mod) is VocabParallelLinear:
+            mod.__class__ = _LocalVocabSlice
+    built = Built(model.eval(), gpu_weight_bytes(model), [f"left whole: {n}: {why}" for n, why in report.skipped])
+    run.log(hybridgemm.patch(model).summary())
+    return built
+
+
+def whole_model(run: E.Run) -> Built:
+    model, shapes, norms = meta_model(run, run.dtype)
+    fill(model, shapes, norms, run.config, run.device, run.dtype, run.dtype)
+    built = Built(model.eval(), gpu_weight_bytes(model))
+    run.log(hybridgemm.patch(model).summary())
+    return built
+
+
+def row(run: E.Run, variant: str, tp: int, batch: int, built: Built, res) -> dict:
+    out = {**run.extra, "model": run.name, "layers": run.config.num_hidden_layers, "batch": batch,
+           "variant": variant, "tp": tp, "rounds": run.rounds, "tokens": run.tokens,
+           "weight_bytes_per_gpu": built.weight_bytes, "note": "; ".join(built.notes) or None}
+    if isinstance(res, BaseException) or not res:
+        return {**out, "status": "error", "note": f"{type(res).__name__}: {res}".splitlines()[0][:300]}
+    ms, floor = statistics.median(res), E.hbm_floor_ms(built.weight_bytes)
+    return {**out, "status": "ok", "ms_per_token": ms, "spread_ms": max(res) - min(res), "samples": len(res),
+            "hbm_floor_ms_per_gpu": floor, "fraction_of_floor": floor / ms}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m hybridgemm.perf.tp_compute", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, type=model_name, help=f"one of {', '.join(model_names())}")
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the model's)")
+    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks the shard is one of (default 2)")
+    ap.add_argument("--batch", type=int, nargs="+", default=list(E.BATCHES), help="decode batch sizes (default 1 8)")
+    ap.add_argument("--tokens", type=int, default=E.TOKENS, help="decode steps per round (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=E.ROUNDS, help="rounds; the median is kept (default %(default)s)")
+    ap.add_argument("--out", help="CSV to upsert rows into (default: tp_compute_<gpu>.csv)")
+    args = ap.parse_args(argv)
+    if args.tp < 2 or (args.layers is not None and args.layers < 1) or min(args.batch) < 1 or args.tokens < 1 \
+            or args.rounds < 1:
+        ap.error("--tp must be at least 2; --layers, --batch, --tokens and --rounds at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tp_compute: needs a CUDA GPU (the decode step is timed under CUDA graphs)", file=sys.stderr)
+        return 2
+    import transformers
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    config = model_config(args.model, args.layers)
+    device = torch.device("cuda", torch.cuda.current_device())
+    gpu = torch.cuda.get_device_name(device)
+    parts = ["python", "-m", "hybridgemm.perf.tp_compute", "--model", args.model, "--layers",
+             str(config.num_hidden_layers), "--tp", str(args.tp), "--batch", *map(str, args.batch), "--tokens",
+             str(args.tokens), "--rounds", str(args.rounds)]
+    extra = {**csvio.environment_columns(shlex.join(parts)), "gpu": gpu, "transformers": transformers.__version__,
+             "date": datetime.date.today().isoformat(), "commit": git_commit()}
+    start = time.perf_counter()
+
+    def log(line: str) -> None:
+        print(f"[{time.perf_counter() - start:7.1f}s] {line}", file=sys.stderr, flush=True)
+
+    run = E.Run(args.model, config, device, tuple(args.batch), args.tokens, E.PREFILL, args.rounds,
+                ("compiled_static",), extra=extra, log=log)
+    out = args.out or f"tp_compute_{gpu_label(gpu)}.csv"
+    dist.init_process_group("fake", rank=0, world_size=args.tp, store=FakeStore())
+    rows = []
+    try:
+        ranks = Ranks(0, args.tp, dist.group.WORLD, None)
+        for variant, tp in (("tp1_hybridgemm", 1), (f"tp{args.tp}_rank0_compute", args.tp)):
+            why = fits(full_bytes(run, run.dtype), device, TP1_MAX_FRACTION) if tp == 1 else None
+            if why:
+                log(f"{variant}: skipped: the bf16 weights do not fit one GPU: {why}")
+                rows += [{**run.extra, "model": run.name, "layers": config.num_hidden_layers, "batch": b,
+                          "variant": variant, "tp": tp, "status": "skipped",
+                          "note": f"the bf16 weights do not fit one GPU: {why}"} for b in run.batches]
+                continue
+            built = whole_model(run) if tp == 1 else rank0_shard(run, dist.group.WORLD)
+            try:
+                for batch in run.batches:
+                    with torch.no_grad():
+                        res, note = measure(run, "compiled_static", batch, built.model, ranks, lockstep=False)
+                    r = row(run, variant, tp, batch, built, res)
+                    r["note"] = "; ".join(x for x in (r["note"], note) if x) or None
+                    log(f"{variant} batch {batch}: " + (f"{r['ms_per_token']:.3f} ms ({r['fraction_of_floor']:.1%} "
+                                                        f"of {r['hbm_floor_ms_per_gpu']:.3f})"
+                                                        if r["status"] == "ok" else r["note"]))
+                    rows.append(r)
+            finally:
+                built = None
+                E._free(device)
+            E.upsert(out, rows, COLUMNS, KEY)
+    finally:
+        dist.destroy_process_group()
+    print(f"wrote {len(rows)} rows to {out}")
+    return 1 if any(r["status"] == "error" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
