@@ -21,6 +21,13 @@ step runs two such kernels per layer between the GEMMs; eager runs four launches
 With a static KV cache the attention part runs as decode_attention's fused step (rotary and
 the cache write in the QKV epilogue); otherwise the attention module's own forward runs on the
 seeded Q/K/V.
+
+Tensor parallel (``hybridgemm.parallelize``): O and down are row-parallel
+(:class:`~hybridgemm.linear_layer.PartialSumLinear`). The rank whose GEMM adds the bias adds
+the residual in the same epilogue, the other ranks' GEMMs add nothing, then the parts are
+summed: the residual and the bias are each counted once and no separate add runs
+(:func:`_project_add`). Without the static-cache step, O runs inside the attention module as
+the row-parallel layer's own forward and the residual is added after it.
 Numerics: the residual is added to the GEMM result after its rounding, as the stock add does;
 a fused norm rounds ``x * g`` once where the stock module rounds ``x * rstd`` and then the
 product with g, so results agree with the stock layer's to the inputs' rounding, not bit for

@@ -29,7 +29,9 @@ imported here), with ``tp`` ranks and this process's rank ``r`` in the group:
   it, and a vocab-parallel embedding is not provided); the report says so.
 
 A row-parallel layer adds its bias on rank 0 only, in the GEMM's epilogue (the other ranks
-pass ``bias=None``), so the sum over ranks holds it exactly once. The bias parameter stays
+pass ``bias=None``), so the sum over ranks holds it exactly once. In a decoder layer that
+``hybridgemm.patch`` fuses, rank 0's O and down GEMMs also add the residual in that epilogue
+(fusion/decoder_layer.py). The bias parameter stays
 on every rank (same state-dict keys everywhere); only rank 0's is read.
 
 Everything else (embeddings, norms, rotary tables) stays whole on every rank, as does any

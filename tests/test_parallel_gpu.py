@@ -254,8 +254,52 @@ def case_compiled_mlp_sums_one_shot(rank, group):
             assert err <= FLOORS[torch.bfloat16], f"call {i}: compiled vs eager rel err {err:.3g}"
 
 
+def _teacher_forced_decode(model, prompt, steps):
+    """Logits (fp32) of each of ``steps`` decode steps over a StaticCache, the tokens fed fixed
+    (the same for every model compared)."""
+    from hybridgemm.perf.e2e_models import cached_forward, forward_api, static_cache
+
+    device, (batch, n) = prompt.device, prompt.shape
+    api, cache = forward_api(model), static_cache(model, batch, n + steps + 1)
+    fed = token_ids(CONFIG["vocab_size"], (steps, batch, 1)).to(device)
+    out = []
+    with torch.no_grad():
+        cached_forward(model, api, prompt, cache, torch.arange(n, device=device))
+        for i in range(steps):
+            pos = torch.arange(n + i, n + i + 1, device=device)
+            out.append(cached_forward(model, api, fed[i], cache, pos)[:, -1].float())
+    return torch.stack(out)
+
+
+def case_fused_decode_within_error_bound(rank, group):
+    """Static-cache decode through the fused decoder layers over two ranks (rank 0's O and down
+    add the residual before the sum): within 2x the unsharded stock model's error against fp32,
+    the same bits on both ranks and in a second run."""
+    from hybridgemm import decoder_layer as dl
+
+    sharded, stock, fp32 = _models(rank)
+    layer = sharded.model.layers[0]
+    assert isinstance(layer, dl.HybridDecoderLayer) and layer.__dict__.get(dl.ATTENTION_STEP), type(layer)
+    prompt = token_ids(CONFIG["vocab_size"], (2, 16)).cuda(rank)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref = _teacher_forced_decode(fp32, prompt, 8)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    ours, again = _teacher_forced_decode(sharded, prompt, 8), _teacher_forced_decode(sharded, prompt, 8)
+    theirs = rel_err(_teacher_forced_decode(stock, prompt, 8), ref)
+    bound = max(2.0 * theirs, FLOORS[torch.bfloat16])
+    err = rel_err(ours, ref)
+    assert err <= bound, f"fused sharded decode: rel err {err:.3g} > bound {bound:.3g} (stock: {theirs:.3g})"
+    assert torch.equal(ours, again), "two decodes of the sharded model differ"
+    both = [torch.empty_like(ours) for _ in range(2)]
+    dist.all_gather(both, ours.contiguous(), group=group)
+    assert torch.equal(both[0], both[1]), "the ranks' decode logits differ"
+
+
 CASES = [case_bf16_within_flinear_error_bound, case_bit_identical_runs_and_ranks, case_cuda_graph_decode_step,
-         case_one_shot_sum_is_nccls_sum, case_compiled_mlp_sums_one_shot]
+         case_one_shot_sum_is_nccls_sum, case_compiled_mlp_sums_one_shot, case_fused_decode_within_error_bound]
 
 
 @pytest.fixture(scope="module")
