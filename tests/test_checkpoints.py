@@ -303,8 +303,11 @@ def test_training_trains_the_fused_parameter_and_checkpoints_stay_stock(tmp_path
     trained = patched.state_dict()
     ref = stock.state_dict()
     assert list(trained) == list(ref)
-    for k in ref:  # the same training as stock (fp32 rounding apart)
-        torch.testing.assert_close(trained[k], ref[k], rtol=1e-4, atol=1e-5, msg=k)
+    # The same training as stock, fp32 rounding apart. AdamW divides each gradient by its own
+    # running magnitude, so a gradient near zero turns rounding noise into up to a whole step
+    # (lr = 1e-2) of difference; 1e-4 is 100x below one step: a wrong or missing gradient fails.
+    for k in ref:
+        torch.testing.assert_close(trained[k], ref[k], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
     patched.eval()
     ids2 = _ids()
