@@ -27,7 +27,10 @@ Tensor parallel (``hybridgemm.parallelize``): O and down are row-parallel
 the residual in the same epilogue, the other ranks' GEMMs add nothing, then the parts are
 summed: the residual and the bias are each counted once and no separate add runs
 (:func:`_project_add`). Without the static-cache step, O runs inside the attention module as
-the row-parallel layer's own forward and the residual is added after it.
+the row-parallel layer's own forward and the residual is added after it. Every rank must take
+the same path (same hooks, mode, autocast and grad state on every rank, as the collectives
+already require): a rank on the stock forward adds the residual after the sum, so mixed
+paths would count it on some ranks and not others.
 Numerics: the residual is added to the GEMM result after its rounding, as the stock add does;
 a fused norm rounds ``x * g`` once where the stock module rounds ``x * rstd`` and then the
 product with g, so results agree with the stock layer's to the inputs' rounding, not bit for
@@ -261,7 +264,7 @@ class HybridDecoderLayer(nn.Module):
             o_proj.residual = hidden_states
         try:
             h = attn(hidden_states=hidden_states, **kwargs)[0]
-            if not takes_residual:  # a row-parallel O: its output is already the sum over the ranks
+            if not takes_residual:  # a row-parallel O (the layer sets no residual on it): add here
                 h = hidden_states + h
             # The slices must have handed out the seeded output (a hook that replaced their
             # input would have made them project it without the norm).

@@ -30,8 +30,9 @@ imported here), with ``tp`` ranks and this process's rank ``r`` in the group:
 
 A row-parallel layer adds its bias on rank 0 only, in the GEMM's epilogue (the other ranks
 pass ``bias=None``), so the sum over ranks holds it exactly once. In a decoder layer that
-``hybridgemm.patch`` fuses, rank 0's O and down GEMMs also add the residual in that epilogue
-(fusion/decoder_layer.py). The bias parameter stays
+``hybridgemm.patch`` fuses, rank 0's down GEMM (and its O GEMM, in the static-cache attention
+step) also adds the residual in that epilogue (fusion/decoder_layer.py); every rank must then
+take the same path through the layer (same hooks, mode and autocast). The bias parameter stays
 on every rank (same state-dict keys everywhere); only rank 0's is read.
 
 Everything else (embeddings, norms, rotary tables) stays whole on every rank, as does any

@@ -337,9 +337,9 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
 
 
 def _fuse_layer(layer: nn.Module) -> str | None:
-    """Give a recognised decoder layer its fused forward and its O projection the residual
-    epilogue (classes swapped in place, recorded for unpatch); mark it for the fused attention
-    step where its attention allows (else return why not)."""
+    """Give a recognised decoder layer its fused forward and a patched (not row-parallel) O
+    projection the residual epilogue (classes swapped in place, recorded for unpatch); mark it
+    for the fused attention step where its attention allows (else return why not)."""
     o_proj = layer.self_attn.o_proj
     if type(o_proj) is HybridLinear:  # a row-parallel O gets the residual from the layer (decoder_layer._project_add)
         record(o_proj, ("class", next(_SEQ), type(o_proj)))

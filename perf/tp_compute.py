@@ -114,6 +114,40 @@ def row(run: E.Run, variant: str, tp: int, batch: int, built: Built, res) -> dic
             "hbm_floor_ms_per_gpu": floor, "fraction_of_floor": floor / ms}
 
 
+def run_variant(run: E.Run, variant: str, tp: int, ranks: Ranks) -> list[dict]:
+    """``variant``'s rows at every batch: built (the whole model for tp 1, skipped with a note
+    when it does not fit the GPU; else rank 0's shard), then timed. A failure to build or time
+    is an error row, not an exception."""
+    base = {**run.extra, "model": run.name, "layers": run.config.num_hidden_layers, "variant": variant, "tp": tp,
+            "rounds": run.rounds, "tokens": run.tokens}
+    why = fits(full_bytes(run, run.dtype), run.device, TP1_MAX_FRACTION) if tp == 1 else None
+    if why:
+        run.log(f"{variant}: skipped: the bf16 weights do not fit one GPU: {why}")
+        return [{**base, "batch": b, "status": "skipped", "note": f"the bf16 weights do not fit one GPU: {why}"}
+                for b in run.batches]
+    rows, built = [], None
+    try:
+        try:
+            built = whole_model(run) if tp == 1 else rank0_shard(run, ranks.group)
+        except Exception as e:  # noqa: BLE001 (recorded in the rows)
+            run.log(f"{variant}: could not be built: {type(e).__name__}: {e}")
+            return [{**base, "batch": b, "status": "error", "note": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+                    for b in run.batches]
+        for batch in run.batches:
+            with torch.no_grad():
+                res, note = measure(run, "compiled_static", batch, built.model, ranks, lockstep=False)
+            r = row(run, variant, tp, batch, built, res)
+            r["note"] = "; ".join(x for x in (r["note"], note) if x) or None
+            run.log(f"{variant} batch {batch}: " + (f"{r['ms_per_token']:.3f} ms ({r['fraction_of_floor']:.1%} of "
+                                                    f"{r['hbm_floor_ms_per_gpu']:.3f})" if r["status"] == "ok"
+                                                    else r["note"]))
+            rows.append(r)
+        return rows
+    finally:
+        built = None
+        E._free(run.device)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m hybridgemm.perf.tp_compute", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, type=model_name, help=f"one of {', '.join(model_names())}")
@@ -159,27 +193,7 @@ def main(argv=None) -> int:
     try:
         ranks = Ranks(0, args.tp, dist.group.WORLD, None)
         for variant, tp in (("tp1_hybridgemm", 1), (f"tp{args.tp}_rank0_compute", args.tp)):
-            why = fits(full_bytes(run, run.dtype), device, TP1_MAX_FRACTION) if tp == 1 else None
-            if why:
-                log(f"{variant}: skipped: the bf16 weights do not fit one GPU: {why}")
-                rows += [{**run.extra, "model": run.name, "layers": config.num_hidden_layers, "batch": b,
-                          "variant": variant, "tp": tp, "status": "skipped",
-                          "note": f"the bf16 weights do not fit one GPU: {why}"} for b in run.batches]
-                continue
-            built = whole_model(run) if tp == 1 else rank0_shard(run, dist.group.WORLD)
-            try:
-                for batch in run.batches:
-                    with torch.no_grad():
-                        res, note = measure(run, "compiled_static", batch, built.model, ranks, lockstep=False)
-                    r = row(run, variant, tp, batch, built, res)
-                    r["note"] = "; ".join(x for x in (r["note"], note) if x) or None
-                    log(f"{variant} batch {batch}: " + (f"{r['ms_per_token']:.3f} ms ({r['fraction_of_floor']:.1%} "
-                                                        f"of {r['hbm_floor_ms_per_gpu']:.3f})"
-                                                        if r["status"] == "ok" else r["note"]))
-                    rows.append(r)
-            finally:
-                built = None
-                E._free(device)
+            rows += run_variant(run, variant, tp, ranks)
             E.upsert(out, rows, COLUMNS, KEY)
     finally:
         dist.destroy_process_group()

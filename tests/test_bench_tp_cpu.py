@@ -372,8 +372,8 @@ def test_plot_tp_from_a_synthetic_csv(tmp_path):
 
 def test_rank0_shard_leaves_the_collectives_out(fake_ranks):
     """tp_compute's model: rank 0's shard (the bytes counted by hand), its row-parallel layers
-    returning their partial products unsummed and its head its own slice of the logits, the
-    partial sums being what the real layers would sum over the ranks."""
+    returning their partial products unsummed (rank 0's O: its columns' product plus the bias)
+    and its head its own slice of the logits."""
     from hybridgemm.parallel import RowParallelLinear, VocabParallelLinear
     from hybridgemm.perf import tp_compute as C
 
@@ -409,3 +409,23 @@ def test_tp_compute_needs_a_gpu(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert C.main(["--model", "tiny"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_tp_compute_records_skips_and_build_errors_as_rows(fake_ranks, monkeypatch):
+    """A model too big for one GPU skips tp1 with a note; a shard that cannot be built is an
+    error row at every batch, not a traceback."""
+    from hybridgemm.perf import tp_compute as C
+
+    run = E.Run("tiny", M.model_config("tiny"), torch.device("cpu"), batches=(1, 8))
+    monkeypatch.setattr(C, "fits", lambda *a: "141.1 GB, above 85% of the GPU's total 150.1 GB")
+    rows = C.run_variant(run, "tp1_hybridgemm", 1, fake_ranks)
+    assert [(r["batch"], r["status"]) for r in rows] == [(1, "skipped"), (8, "skipped")]
+    assert all("do not fit one GPU: 141.1 GB" in r["note"] for r in rows)
+
+    def broken(*a):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(C, "rank0_shard", broken)
+    rows = C.run_variant(run, "tp2_rank0_compute", 2, fake_ranks)
+    assert [(r["batch"], r["status"], r["note"]) for r in rows] == \
+        [(1, "error", "RuntimeError: CUDA out of memory"), (8, "error", "RuntimeError: CUDA out of memory")]
