@@ -46,16 +46,7 @@ from hybridgemm.perf import bench_e2e as E
 from hybridgemm.perf import csvio
 from hybridgemm.perf.bench_msweep import git_commit, gpu_label
 from hybridgemm.perf.bench_tp import TP1_MAX_FRACTION, measure, model_name
-from hybridgemm.perf.tp_models import (
-    Built,
-    fill,
-    fits,
-    full_bytes,
-    gpu_weight_bytes,
-    meta_model,
-    model_config,
-    model_names,
-)
+from hybridgemm.perf.tp_models import Built, build, fits, full_bytes, model_config, model_names
 from hybridgemm.perf.tp_ranks import Ranks
 
 KEY = ("gpu", "model", "layers", "batch", "variant")
@@ -78,28 +69,15 @@ class _LocalVocabSlice(VocabParallelLinear):
         return hybridgemm.linear(x, self.weight, self.bias)
 
 
-def rank0_shard(run: E.Run, group) -> Built:
-    """Rank 0's shard of ``run``'s model over ``group`` (tp_models.build's ``tp2_hybridgemm``
-    steps), patched, with its collectives left out."""
-    model, shapes, norms = meta_model(run, run.dtype)
-    report = hybridgemm.parallelize(model, group, patch=False, one_shot_bytes=0)
-    run.log(report.summary())
-    fill(model, shapes, norms, run.config, run.device, run.dtype, run.dtype)
-    for mod in model.modules():
+def rank0_shard(run: E.Run, ranks: Ranks) -> Built:
+    """Rank 0's shard of ``run``'s model over ``ranks.group``, built and patched as bench_tp's
+    tp=2 variant with NCCL sums (tp_models.build), then its collectives left out."""
+    built = build(run, "tp2_hybridgemm_nccl", ranks)
+    for mod in built.model.modules():
         if type(mod) is RowParallelLinear:
             mod.__class__ = _UnsummedRowParallel
         elif type(mod) is VocabParallelLinear:
             mod.__class__ = _LocalVocabSlice
-    built = Built(model.eval(), gpu_weight_bytes(model), [f"left whole: {n}: {why}" for n, why in report.skipped])
-    run.log(hybridgemm.patch(model).summary())
-    return built
-
-
-def whole_model(run: E.Run) -> Built:
-    model, shapes, norms = meta_model(run, run.dtype)
-    fill(model, shapes, norms, run.config, run.device, run.dtype, run.dtype)
-    built = Built(model.eval(), gpu_weight_bytes(model))
-    run.log(hybridgemm.patch(model).summary())
     return built
 
 
@@ -128,7 +106,7 @@ def run_variant(run: E.Run, variant: str, tp: int, ranks: Ranks) -> list[dict]:
     rows, built = [], None
     try:
         try:
-            built = whole_model(run) if tp == 1 else rank0_shard(run, ranks.group)
+            built = build(run, "tp1_hybridgemm", ranks) if tp == 1 else rank0_shard(run, ranks)
         except Exception as e:  # noqa: BLE001 (recorded in the rows)
             run.log(f"{variant}: could not be built: {type(e).__name__}: {e}")
             return [{**base, "batch": b, "status": "error", "note": f"{type(e).__name__}: {e}".splitlines()[0][:300]}

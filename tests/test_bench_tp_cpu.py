@@ -378,7 +378,7 @@ def test_rank0_shard_leaves_the_collectives_out(fake_ranks):
     from hybridgemm.perf import tp_compute as C
 
     run = E.Run("tiny", M.model_config("tiny"), torch.device("cpu"), dtype=torch.float32)
-    built = C.rank0_shard(run, fake_ranks.group)
+    built = C.rank0_shard(run, fake_ranks)
     model = built.model
     assert built.weight_bytes == 2 * tiny_weight_bytes(2)  # fp32 here: twice the bf16 count
     o_proj, head = model.model.layers[0].self_attn.o_proj, model.lm_head
