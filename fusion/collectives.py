@@ -16,6 +16,15 @@ bits, run after run. Messages the one-shot kernel cannot take (other dtypes than
 fp32, larger than the buffer, not a multiple of 16 bytes) go to NCCL, as does everything on a
 group where symmetric memory is not enabled (gloo, CPU, a torch without it).
 
+Two one-shot kernels can serve a group (``kernel`` of :func:`enable_one_shot`): ``"torch"``,
+the op above, and ``"push"``, hybridgemm's own (:mod:`hybridgemm.kernels.triton_push_sum`):
+each rank writes its tensor into the other ranks' buffers and raises a flag there, waits only
+for the flags in its own memory, and alternates buffer slots between calls instead of a
+closing barrier; it also takes part in programmatic dependent launch. Both sum in rank order
+and give the same bits for two ranks. The push kernel can also add a residual to the fp32 sum
+before its one rounding (:func:`tp_sum_residual`), which a fused decoder layer uses for its
+O and down projections (fusion/parallel.py says why).
+
 One buffer serves every sum over its group, in stream order: two models sharing a group and
 summing on different streams at the same time would race on it (NCCL would serialise them).
 """
@@ -28,13 +37,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hybridgemm.kernels import triton_push_sum as push_sum_kernel
+
 ONE_SHOT_MAX_BYTES = 256 * 1024  # (8, 8192) bf16 is 128 KiB: the largest decode message of a 70B at batch 8
 ONE_SHOT_DTYPES = (torch.bfloat16, torch.float32)  # what torch's kernel is built for
+ONE_SHOT_KERNELS = ("torch", "push")
 
 _BUFFERS: dict[str, Tensor] = {}  # group name -> this rank's symmetric buffer (uint8)
 # group name -> capacity in bytes: a plain value, so that torch.compile reads it as a constant
 _CAPACITY: dict[str, int] = {}
 _GROUPS: dict[str, dist.ProcessGroup] = {}  # group name -> the group the buffer was exchanged over
+_KERNEL: dict[str, str] = {}  # group name -> "torch" or "push"
+# group name -> the push kernel's state: (every rank's buffer address, this rank's call
+# counters, rank, world size, the symmetric-memory handle that keeps the peers mapped)
+_PUSH: dict[str, tuple] = {}
 
 
 def one_shot_unavailable(group: dist.ProcessGroup) -> str | None:
@@ -60,38 +76,64 @@ def _all_ranks(ok: bool, group: dist.ProcessGroup, device: torch.device) -> bool
 
 
 def enable_one_shot(group: dist.ProcessGroup, max_bytes: int = ONE_SHOT_MAX_BYTES,
-                    device: torch.device | None = None) -> str | None:
-    """Allocate this rank's symmetric buffer of ``max_bytes`` for ``group`` on ``device``
-    (default: the current CUDA device) and exchange it with the other ranks. A collective:
-    every rank of the group calls it, in the same order as its other collectives; the ranks
-    agree on the outcome, so either all use the buffer or none does. Returns None when enabled
-    (or already enabled for this group), else why not; then the group keeps using NCCL."""
+                    device: torch.device | None = None, kernel: str = "torch") -> str | None:
+    """Allocate this rank's symmetric buffer for sums of up to ``max_bytes`` over ``group`` on
+    ``device`` (default: the current CUDA device) and exchange it with the other ranks. A
+    collective: every rank of the group calls it, with the same arguments, in the same order
+    as its other collectives; the ranks agree on the outcome, so either all use the buffer or
+    none does. ``kernel`` picks the one-shot kernel (``ONE_SHOT_KERNELS``). Returns None when
+    enabled (or already enabled alike for this group), else why not; then the group keeps
+    using NCCL. ``ValueError`` for an unknown ``kernel``."""
+    if kernel not in ONE_SHOT_KERNELS:
+        raise ValueError(f"hybridgemm.collectives: one-shot kernel {kernel!r} is not one of {ONE_SHOT_KERNELS}")
     if max_bytes <= 0:
         return "disabled (max_bytes <= 0)"
     why = one_shot_unavailable(group)
     if why is not None:
         return why
     name = group.group_name
-    if _GROUPS.get(name) is group:
+    if _GROUPS.get(name) is group and _KERNEL.get(name) == kernel and _CAPACITY.get(name) == max_bytes:
         return None
-    release(name)  # a buffer of an earlier group of the same name (process group re-created)
+    release(name)  # a buffer of an earlier group of the same name, or of other arguments
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     symm_mem = importlib.import_module("torch.distributed._symmetric_memory")
-    buf, why = None, None
-    try:
-        buf = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
-    except Exception as e:
-        why = f"the symmetric buffer could not be allocated ({type(e).__name__}: {e})"[:300]
+    world = dist.get_world_size(group)
+    why = None if kernel == "torch" else push_sum_kernel.group_why_not(world, max_bytes)
+    buf = handle = None
+    if why is None:
+        try:
+            nbytes = max_bytes if kernel == "torch" else push_sum_kernel.buffer_bytes(world, max_bytes)
+            buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        except Exception as e:
+            why = f"the symmetric buffer could not be allocated ({type(e).__name__}: {e})"[:300]
     if not _all_ranks(why is None, group, device):
         return why or "another rank could not allocate its symmetric buffer"
     try:
-        symm_mem.rendezvous(buf, group)
+        handle = symm_mem.rendezvous(buf, group)
+        if kernel == "push":
+            _PUSH[name] = _push_state(buf, handle, device)
     except Exception as e:  # a driver or fabric without peer access: NCCL still works
         why = f"symmetric memory could not be set up ({type(e).__name__}: {e})"[:300]
+        _PUSH.pop(name, None)
+    # also the barrier after which every rank's flags are zero: no rank pushes before it
     if not _all_ranks(why is None, group, device):
+        _PUSH.pop(name, None)
         return why or "another rank could not set up symmetric memory"
-    _BUFFERS[name], _CAPACITY[name], _GROUPS[name] = buf, max_bytes, group
+    _BUFFERS[name], _CAPACITY[name], _GROUPS[name], _KERNEL[name] = buf, max_bytes, group, kernel
     return None
+
+
+def _push_state(buf: Tensor, handle, device: torch.device) -> tuple:
+    """The push kernel's table of every rank's buffer address (as this process maps it) and
+    its zeroed call counters; zeroes this rank's flags and waits for that to finish."""
+    rank, world = handle.rank, handle.world_size
+    addrs = [buf.data_ptr() if r == rank else handle.get_remote_tensor(r, buf.shape, buf.dtype).data_ptr()
+             for r in range(world)]
+    table = torch.tensor(addrs, dtype=torch.int64, device=device)
+    epochs = torch.zeros(push_sum_kernel.MAX_PROGRAMS, dtype=torch.int32, device=device)
+    buf[:push_sum_kernel.FLAG_BYTES].zero_()
+    torch.cuda.synchronize(device)
+    return table, epochs, rank, world, handle
 
 
 def one_shot_capacity(group: dist.ProcessGroup) -> int:
@@ -99,11 +141,18 @@ def one_shot_capacity(group: dist.ProcessGroup) -> int:
     return _CAPACITY.get(group.group_name, 0) if _GROUPS.get(group.group_name) is group else 0
 
 
+def one_shot_kernel(group: dist.ProcessGroup) -> str | None:
+    """Which one-shot kernel serves ``group`` ("torch" or "push"), None when not enabled."""
+    return _KERNEL.get(group.group_name) if _GROUPS.get(group.group_name) is group else None
+
+
 def fits_one_shot(y: Tensor, group_name: str) -> bool:
     """Whether ``y`` goes through the one-shot kernel of group ``group_name``: by its dtype
     and size only, the same on every rank (and answerable for a fake tensor while compiling)."""
     cap = _CAPACITY.get(group_name, 0)
     nbytes = y.numel() * y.element_size()
+    if _KERNEL.get(group_name) == "push":
+        return y.dtype in push_sum_kernel.DTYPES and 0 < nbytes <= cap
     # a whole number of 16-byte vectors: the kernel's widest loads, and an alignment its check accepts
     return y.dtype in ONE_SHOT_DTYPES and 0 < nbytes <= cap and nbytes % 16 == 0
 
@@ -133,8 +182,12 @@ def tp_sum(y: Tensor, group_name: str) -> Tensor:
                 "parallelize and keep the model on that device, or parallelize with one_shot_bytes=0")
         if not (y.is_contiguous() and y.storage_offset() == 0 and y.data_ptr() % 16 == 0):
             y = y.clone(memory_format=torch.contiguous_format)  # new storage: offset 0, allocator-aligned
-        staged = buf[:nbytes].view(y.dtype).view(y.shape)
         out = torch.empty_like(y, memory_format=torch.contiguous_format)
+        push = _PUSH.get(group_name)
+        if push is not None:
+            table, epochs, rank, world, _ = push
+            return push_sum_kernel.push_sum(y, out, table, epochs, rank, world, _CAPACITY[group_name])
+        staged = buf[:nbytes].view(y.dtype).view(y.shape)
         return torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, y, "sum", group_name, out)
     return _nccl_sum(y, group_name)
 
@@ -144,12 +197,44 @@ def _(y: Tensor, group_name: str) -> Tensor:
     return torch.empty_like(y, memory_format=torch.contiguous_format)
 
 
+def push_fits(y: Tensor, group_name: str) -> bool:
+    """Whether :func:`tp_sum_residual` can sum ``y``: the group's one-shot kernel is the push
+    kernel and ``y`` fits it (by dtype and size only, the same on every rank)."""
+    return group_name in _PUSH and fits_one_shot(y, group_name)
+
+
+@torch.library.custom_op("hybridgemm::tp_sum_residual", mutates_args=())
+def tp_sum_residual(y: Tensor, residual: Tensor, group_name: str) -> Tensor:
+    """``residual`` plus the sum of ``y`` over the ranks of group ``group_name``, in fp32 and
+    rounded once to y's dtype (rank order), as a new tensor, by the push kernel; only where
+    :func:`push_fits` (a ValueError otherwise). ``residual``: this rank's, of y's shape and
+    dtype (the same on every rank)."""
+    if not push_fits(y, group_name):
+        raise ValueError(f"hybridgemm.collectives: tp_sum_residual needs the push kernel on group {group_name!r} "
+                         f"and a message it takes ({tuple(y.shape)} {y.dtype})")
+    buf = _BUFFERS[group_name]
+    if y.device != buf.device:
+        raise RuntimeError(f"hybridgemm.parallel: the one-shot buffer of process group {group_name!r} is on "
+                           f"{buf.device}, but this rank's tensor is on {y.device}: call torch.cuda.set_device"
+                           "(local_rank) before parallelize and keep the model on that device")
+    y = y.contiguous()
+    residual = residual.contiguous()  # push_sum checks its shape and dtype against y
+    table, epochs, rank, world, _ = _PUSH[group_name]
+    out = torch.empty_like(y)
+    return push_sum_kernel.push_sum(y, out, table, epochs, rank, world, _CAPACITY[group_name], residual)
+
+
+@tp_sum_residual.register_fake
+def _(y: Tensor, residual: Tensor, group_name: str) -> Tensor:
+    return torch.empty_like(y, memory_format=torch.contiguous_format)
+
+
 def release(group_name: str) -> None:
     """Forget ``group_name``'s buffer (for a group about to be destroyed): later sums over a
     group of that name use NCCL until :func:`enable_one_shot` is called for it again."""
-    for table in (_CAPACITY, _BUFFERS, _GROUPS):
+    for table in (_CAPACITY, _BUFFERS, _GROUPS, _KERNEL, _PUSH):
         table.pop(group_name, None)
 
 
-__all__ = ["ONE_SHOT_MAX_BYTES", "enable_one_shot", "fits_one_shot", "one_shot_capacity", "one_shot_unavailable",
-           "release", "tp_sum"]
+__all__ = ["ONE_SHOT_KERNELS", "ONE_SHOT_MAX_BYTES", "enable_one_shot", "fits_one_shot", "one_shot_capacity",
+           "one_shot_kernel", "one_shot_unavailable", "push_fits", "release", "tp_sum", "tp_sum_residual"]

@@ -25,12 +25,14 @@ seeded Q/K/V.
 Tensor parallel (``hybridgemm.parallelize``): O and down are row-parallel
 (:class:`~hybridgemm.linear_layer.PartialSumLinear`). The rank whose GEMM adds the bias adds
 the residual in the same epilogue, the other ranks' GEMMs add nothing, then the parts are
-summed: the residual and the bias are each counted once and no separate add runs
-(:func:`_project_add`). Without the static-cache step, O runs inside the attention module as
-the row-parallel layer's own forward and the residual is added after it. Every rank must take
-the same path (same hooks, mode, autocast and grad state on every rank, as the collectives
-already require): a rank on the stock forward adds the residual after the sum, so mixed
-paths would count it on some ranks and not others.
+summed; or, where the sum itself adds the residual (``sums_residual``: the push kernel, fp32,
+one rounding), every GEMM adds nothing but the bias on that rank. Either way the residual and
+the bias are each counted once and no separate add runs (:func:`_project_add`). Without the
+static-cache step, O runs inside the attention module as the row-parallel layer's own forward
+and the residual is added after it. Every rank must take the same path (same hooks, mode,
+autocast and grad state on every rank, as the collectives already require): a rank on the
+stock forward adds the residual after the sum, so mixed paths would count it on some ranks
+and not others.
 Numerics: the residual is added to the GEMM result after its rounding, as the stock add does;
 a fused norm rounds ``x * g`` once where the stock module rounds ``x * rstd`` and then the
 product with g, so results agree with the stock layer's to the inputs' rounding, not bit for
@@ -281,10 +283,15 @@ class HybridDecoderLayer(nn.Module):
 
 def _project_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor | None) -> Tensor:
     """``residual + proj(x)`` for the layer's O or down projection. A row-parallel projection
-    (:class:`PartialSumLinear`) gets the residual in the epilogue of the one rank's GEMM that
-    adds the bias, the other ranks' GEMMs add nothing, and the parts are then summed: the sum
-    over the ranks holds the residual and the bias once each, and no separate add runs."""
+    (:class:`PartialSumLinear`) whose sum adds the residual (``sums_residual``) gets it there:
+    every rank's GEMM adds nothing but the one rank's bias. Otherwise the residual goes into
+    the epilogue of the one rank's GEMM that adds the bias and the other ranks' GEMMs add
+    nothing. Either way the sum over the ranks holds the residual and the bias once each, and
+    no separate add runs."""
     if isinstance(proj, PartialSumLinear):
+        if proj.sums_residual:
+            part = linear_residual(x, proj.weight, proj.bias if proj.adds_bias else None, None, counters)
+            return proj.sum_parts_residual(part, residual)
         if proj.adds_bias:
             return proj.sum_parts(linear_residual(x, proj.weight, proj.bias, residual, counters))
         return proj.sum_parts(linear_residual(x, proj.weight, None, None, counters))

@@ -149,14 +149,20 @@ class PartialSumLinear(nn.Module):
     input features are split over the ranks. ``forward(x)`` is
     ``sum_parts(linear(x, weight, bias if adds_bias else None))``: exactly one part adds the
     bias. A fused decoder layer (fusion/decoder_layer.py) computes the local part itself, with
-    the residual added where the bias is, and calls :meth:`sum_parts`."""
+    the residual added where the bias is, and calls :meth:`sum_parts`; or, with
+    ``sums_residual``, without the residual, and calls :meth:`sum_parts_residual`."""
 
     weight: Tensor
     bias: Tensor | None
     adds_bias: bool = False
+    sums_residual: bool = False  # a fused layer hands the residual to sum_parts_residual
 
     def sum_parts(self, y: Tensor) -> Tensor:
         """The sum of every part's ``y`` (the same on every part)."""
+        raise NotImplementedError
+
+    def sum_parts_residual(self, y: Tensor, residual: Tensor) -> Tensor:
+        """``residual`` + the sum of every part's ``y``, for a layer with ``sums_residual``."""
         raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:

@@ -30,19 +30,33 @@ imported here), with ``tp`` ranks and this process's rank ``r`` in the group:
 
 A row-parallel layer adds its bias on rank 0 only, in the GEMM's epilogue (the other ranks
 pass ``bias=None``), so the sum over ranks holds it exactly once. In a decoder layer that
-``hybridgemm.patch`` fuses, rank 0's down GEMM (and its O GEMM, in the static-cache attention
-step) also adds the residual in that epilogue (fusion/decoder_layer.py); every rank must then
-take the same path through the layer (same hooks, mode and autocast). The bias parameter stays
-on every rank (same state-dict keys everywhere); only rank 0's is read.
+``hybridgemm.patch`` fuses, the residual of its down projection (and of its O projection, in
+the static-cache attention step) is added once too, by one of two means
+(fusion/decoder_layer.py; :attr:`RowParallelLinear.sums_residual`):
+
+* with torch's one-shot kernel (``one_shot_kernel="torch"``, the default) rank 0's GEMM adds
+  it in the same epilogue as the bias, and the sum adds nothing: no extra kernel, but rank
+  0's partial is rounded to the model's dtype with the residual in it and the sum is rounded
+  again, two roundings at the residual stream's magnitude per projection where one model on
+  one GPU has one;
+* with the push kernel (``one_shot_kernel="push"``) the sum itself adds it: the partials are
+  summed in fp32, the residual is added, and the result is rounded once, in the same one
+  kernel. Where the push kernel cannot take a sum (gloo, a message too large), the same
+  arithmetic runs as separate steps (an fp32 sum over the ranks, the add, the rounding), with
+  the same bits for two ranks.
+
+Every rank must take the same path through a fused layer (same hooks, mode and autocast). The
+bias parameter stays on every rank (same state-dict keys everywhere); only rank 0's is read.
 
 Everything else (embeddings, norms, rotary tables) stays whole on every rank, as does any
 attention/MLP module that cannot be split (the report lists it with the reason): such a
 module computes its full result on every rank, which is correct, only not divided.
 
-Collectives: on an NCCL group, row-parallel sums that fit ``one_shot_bytes`` go through
-torch's one-shot symmetric-memory all-reduce (:mod:`hybridgemm.collectives`, one kernel, the
-same bits on every rank). Other sums: eager calls use ``torch.distributed.all_reduce`` (in place) and
-``all_gather``; under ``torch.compile`` the functional collectives
+Collectives: on an NCCL group, row-parallel sums that fit ``one_shot_bytes`` go through a
+one-shot symmetric-memory all-reduce (:mod:`hybridgemm.collectives`, one kernel, the same bits
+on every rank): torch's, or hybridgemm's push kernel. Other sums: eager calls use
+``torch.distributed.all_reduce`` (in place) and ``all_gather``; under ``torch.compile`` the
+functional collectives
 (``torch.distributed._functional_collectives``) are called, which is what Dynamo turns the
 in-place calls into anyway (with torch 2.13 both compile with ``fullgraph=True``). The
 collectives are outside autograd: this is for inference, and a backward pass through a
@@ -69,7 +83,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hybridgemm.autotune_cache.presets import tp_local_heads, tp_split, tp_vocab_rows
 
-from .collectives import ONE_SHOT_MAX_BYTES, enable_one_shot, fits_one_shot, one_shot_capacity, tp_sum
+from .collectives import (
+    ONE_SHOT_KERNELS,
+    ONE_SHOT_MAX_BYTES,
+    enable_one_shot,
+    fits_one_shot,
+    one_shot_capacity,
+    push_fits,
+    tp_sum,
+    tp_sum_residual,
+)
 from .linear_layer import PartialSumLinear, linear
 from .patching import PatchReport, _check_module
 from .patching import patch as _patch
@@ -143,10 +166,22 @@ class RowParallelLinear(PartialSumLinear):
         self.group = group
         self.group_name = group.group_name  # a str: what torch.compile reads without tracing the group
         self.one_shot = False  # parallelize sets it where the group's one-shot all-reduce is enabled
+        # parallelize sets it with one_shot_kernel="push": a fused decoder layer then hands the
+        # residual to sum_parts_residual instead of rank 0's GEMM (see the module docstring)
+        self.sums_residual = False
 
     def sum_parts(self, y: Tensor) -> Tensor:
         """``y`` summed over the ranks (one-shot or NCCL, see the module docstring)."""
         return _sum_over_ranks(y, self.group, self.group_name, self.one_shot)
+
+    def sum_parts_residual(self, y: Tensor, residual: Tensor) -> Tensor:
+        """``residual`` + ``y`` summed over the ranks, in fp32, rounded once to y's dtype: the
+        push kernel where it takes ``y``, else the same steps apart (the same bits for two
+        ranks). Inference only."""
+        if self.one_shot and push_fits(y, self.group_name):
+            return tp_sum_residual(y, residual, self.group_name)
+        total = _sum_over_ranks(y.float(), self.group, self.group_name, self.one_shot)
+        return (total + residual.float()).to(y.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (of {self.in_features * self.tp}), out_features={self.out_features}, "
@@ -437,7 +472,8 @@ def _resolve_group(group_or_mesh) -> dist.ProcessGroup:
 
 
 def parallelize(model: nn.Module, group_or_mesh: dist.ProcessGroup | DeviceMesh | None = None, *,
-                patch: bool = True, one_shot_bytes: int = ONE_SHOT_MAX_BYTES, **patch_kwargs) -> ParallelReport:
+                patch: bool = True, one_shot_bytes: int = ONE_SHOT_MAX_BYTES, one_shot_kernel: str = "torch",
+                **patch_kwargs) -> ParallelReport:
     """Shard ``model`` in place over the ranks of ``group_or_mesh`` (a ProcessGroup, a 1-D
     ``DeviceMesh``, or None for the default group); see the module docstring for what is
     split and how. Call it on every rank of the group, on identical models. With
@@ -447,20 +483,29 @@ def parallelize(model: nn.Module, group_or_mesh: dist.ProcessGroup | DeviceMesh 
     Row-parallel sums of up to ``one_shot_bytes`` use the one-shot symmetric-memory
     all-reduce on an NCCL group (:mod:`hybridgemm.collectives`; its buffer is allocated on
     the model's CUDA device, or the current one for a model not yet on a GPU, so call
-    ``torch.cuda.set_device`` first); ``0`` keeps every sum on NCCL. The first call for a
-    group sets its buffer size. ``report.all_reduce`` says which is used and, for NCCL, why.
+    ``torch.cuda.set_device`` first); ``0`` keeps every sum on NCCL. ``one_shot_kernel``:
+    ``"torch"`` (torch's op) or ``"push"`` (hybridgemm's, see :mod:`hybridgemm.collectives`),
+    which also decides where a fused decoder layer adds its residual (the module docstring
+    says how the two differ); ``"push"`` on a group without symmetric memory keeps that
+    arithmetic over NCCL or gloo. A later call for the same group with other values replaces
+    the buffer.
+    ``report.all_reduce`` says which is used and, for NCCL, why.
 
     A group of one rank shards nothing (the patch still runs). ``TypeError`` for anything but
     an initialised eager ``nn.Module``, or a group of another type; ``ValueError`` for a mesh
     that is not 1-D, a process outside the group, or a model that cannot be split over the
     group's size (query heads ``tp`` does not divide, KV heads that are neither a multiple
     nor a divisor of ``tp``, an intermediate size ``tp`` does not divide, a vocabulary too
-    small to give every rank rows); nothing is changed when it raises.
+    small to give every rank rows), or an unknown ``one_shot_kernel``; nothing is changed
+    when it raises.
     """
     _check_module(model, "hybridgemm.parallelize")
     if patch_kwargs and not patch:
         raise TypeError(f"hybridgemm.parallelize: {', '.join(patch_kwargs)} given with patch=False; they are "
                         "arguments of hybridgemm.patch")
+    if one_shot_kernel not in ONE_SHOT_KERNELS:
+        raise ValueError(f"hybridgemm.parallelize: one_shot_kernel must be one of {ONE_SHOT_KERNELS}, "
+                         f"got {one_shot_kernel!r}")
     group = _resolve_group(group_or_mesh)
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     if rank < 0:
@@ -478,12 +523,13 @@ def parallelize(model: nn.Module, group_or_mesh: dist.ProcessGroup | DeviceMesh 
                           stacklevel=2)
         if any(getattr(report, kind) for kind in ("attention", "mlp")):
             device = next((p.device for p in model.parameters() if p.is_cuda), None)
-            why = enable_one_shot(group, one_shot_bytes, device)
-            report.all_reduce = (f"one-shot through symmetric memory up to {one_shot_capacity(group)} bytes, "
-                                 "NCCL above" if why is None else f"nccl ({why})")
+            why = enable_one_shot(group, one_shot_bytes, device, kernel=one_shot_kernel)
+            report.all_reduce = (f"one-shot ({one_shot_kernel} kernel) through symmetric memory up to "
+                                 f"{one_shot_capacity(group)} bytes, NCCL above" if why is None else f"nccl ({why})")
             for mod in model.modules():
                 if isinstance(mod, RowParallelLinear) and mod.group_name == group.group_name:
                     mod.one_shot = why is None
+                    mod.sums_residual = one_shot_kernel == "push"
     if patch:
         report.patch = _patch(model, **patch_kwargs)
     return report

@@ -21,8 +21,14 @@ one process. Modes, each at every ``--batch`` (prefill at batch 1), after a prom
 - ``prefill``: one forward of a ``--prefill``-token prompt, logits of its last position only
   (as ``generate`` runs it), CUDA events; ms per prefill.
 - ``logits_error``: ``||logits - ref|| / ||ref||`` over all positions of a fixed
-  (:data:`LOGITS_SHAPE`) batch of tokens, for the bf16 stock and patched models, ``ref`` from an
-  fp32 copy built from the same state dict (TF32 off), which is freed at once.
+  (:data:`LOGITS_SHAPE`) batch of tokens in one forward, for the bf16 stock and patched
+  models, ``ref`` from an fp32 copy built from the same state dict (TF32 off), which is freed
+  at once.
+- ``decode_error``: the same error over the logits a decode loop computes
+  (:func:`~hybridgemm.perf.e2e_models.decode_logits`: a :data:`DECODE_PROMPT`-token prompt
+  into a ``StaticCache``, then one token per eager forward, teacher forced with the fixed
+  tokens of a :data:`DECODE_SHAPE` batch), which is the path the patched model's fused decode
+  kernels take (``logits_error``'s 128 rows take the unfused one).
 
 Stock and patched: two instances of the model with the same weights (the second built, loaded
 with the first's state dict, then patched in place). Keeping both is what lets the variants
@@ -32,7 +38,7 @@ compiled step functions of both stay valid between rounds (patching one model ba
 would invalidate the other's graphs and recompile each round). Reported: the median over the
 rounds, ``spread_ms`` = max - min. After all timings the patched model is unpatched and its
 state dict compared bit for bit with the stock one. Peak memory: the bf16 model and its fp32
-copy during ``logits_error`` (~45 GB for Qwen2.5-7B at full depth), then two bf16 copies.
+copy during the error modes (~45 GB for Qwen2.5-7B at full depth), then two bf16 copies.
 
 Rows (one CSV, upserted on gpu, model, layers, mode, batch, variant, so runs of several models
 or of single modes share a file): ``ms_per_token`` (ms per decode step, each step one new token
@@ -73,14 +79,16 @@ from hybridgemm.perf.bench_msweep import git_commit, gpu_label
 from hybridgemm.perf.plots_models import plot_e2e
 from hybridgemm.perf.timing import HBM_TBPS, elapsed_ms
 
-MODES = ("eager_generate", "eager_static", "compiled_static", "prefill", "logits_error")
+MODES = ("eager_generate", "eager_static", "compiled_static", "prefill", "logits_error", "decode_error")
 DECODE_MODES = MODES[:3]
+ERROR_MODES = MODES[4:]  # logits against an fp32 copy of the model; no timing
 VARIANTS = ("stock", "hybridgemm")
 BATCHES, PREFILL, TOKENS, ROUNDS = (1, 8), 2048, 64, 3
 PROMPT_LEN = 32  # context before the timed decode steps
 WARMUP = 3  # decode steps before timing: compilation, then CUDA-graph warm-up and recording
 PREFILL_PER_ROUND = 3
 LOGITS_SHAPE = (2, 64)
+DECODE_SHAPE, DECODE_PROMPT = (2, 64), 32  # 32 one-token steps after a 32-token prompt
 SEED = 0
 COMPILE = {"mode": "reduce-overhead", "fullgraph": True}
 KEY = ("gpu", "model", "layers", "mode", "batch", "variant")
@@ -314,11 +322,29 @@ def mode_rows(run: Run, mode: str, batch: int, results: dict, weight_bytes: int,
     return rows
 
 
-def logits_rows(run: Run, stock, patched, ref: torch.Tensor | BaseException, ids) -> list[dict]:
-    """``logits_error`` rows: each variant's relative error against the fp32 logits ``ref``."""
+def error_ids(mode: str, vocab: int, device) -> torch.Tensor:
+    """The fixed tokens of error mode ``mode``."""
+    return tokens(*(LOGITS_SHAPE if mode == "logits_error" else DECODE_SHAPE), vocab, device)
+
+
+def error_logits(mode: str, model, ids: torch.Tensor) -> torch.Tensor:
+    """The fp32 logits error mode ``mode`` compares: every position in one forward
+    (``logits_error``) or each decode step's (``decode_error``)."""
+    if mode == "logits_error":
+        return hf.full_logits(model, ids).float()
+    return hf.decode_logits(model, ids, DECODE_PROMPT)
+
+
+def rel_error(logits: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((logits - ref).norm() / ref.norm()).item()
+
+
+def logits_rows(run: Run, mode: str, stock, patched, ref: torch.Tensor | BaseException, ids) -> list[dict]:
+    """Error-mode ``mode`` rows: each variant's relative error against the fp32 logits ``ref``."""
     rows = []
-    base = {**run.extra, "model": run.name, "layers": run.config.num_hidden_layers, "mode": "logits_error",
-            "batch": ids.shape[0], "prompt_len": ids.shape[1]}
+    base = {**run.extra, "model": run.name, "layers": run.config.num_hidden_layers, "mode": mode,
+            "batch": ids.shape[0], "prompt_len": ids.shape[1] if mode == "logits_error" else DECODE_PROMPT,
+            "tokens": ids.shape[1] - (DECODE_PROMPT if mode == "decode_error" else 0)}
     errs = {}
     for v, model in (("stock", stock), ("hybridgemm", patched)):
         row = {**base, "variant": v}
@@ -328,7 +354,7 @@ def logits_rows(run: Run, stock, patched, ref: torch.Tensor | BaseException, ids
             if isinstance(model, BaseException):
                 raise model
             with torch.no_grad():
-                errs[v] = ((hf.full_logits(model, ids).float() - ref).norm() / ref.norm()).item()
+                errs[v] = rel_error(error_logits(mode, model, ids), ref)
             row.update(status="ok", logits_rel_err=errs[v])
         except Exception as e:  # noqa: BLE001
             row.update(status="error", note=f"{type(e).__name__}: {e}"[:600])
@@ -338,13 +364,23 @@ def logits_rows(run: Run, stock, patched, ref: torch.Tensor | BaseException, ids
     return rows
 
 
-def fp32_logits(run: Run, stock, ids) -> torch.Tensor:
-    """Logits of an fp32 copy of ``stock`` (its state dict), TF32 off; the copy is freed."""
-    ref_model = hf.build_model(run.config, torch.float32, run.device)
+def fp32_logits(run: Run, stock, jobs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | BaseException]:
+    """Per error mode of ``jobs`` (mode: ids), the logits of an fp32 copy of ``stock`` (its
+    state dict), TF32 off, or the exception; the copy is freed."""
     try:
+        ref_model = hf.build_model(run.config, torch.float32, run.device)
         ref_model.load_state_dict(stock.state_dict())
-        with torch.no_grad(), _no_tf32():
-            return hf.full_logits(ref_model, ids).float()
+    except Exception as e:  # noqa: BLE001 (each mode's rows record it)
+        return {mode: e.with_traceback(None) for mode in jobs}
+    out: dict[str, torch.Tensor | BaseException] = {}
+    try:
+        for mode, ids in jobs.items():
+            try:
+                with torch.no_grad(), _no_tf32():
+                    out[mode] = error_logits(mode, ref_model, ids)
+            except Exception as e:  # noqa: BLE001
+                out[mode] = e.with_traceback(None)
+        return out
     finally:
         del ref_model
         _free(run.device)
@@ -364,13 +400,8 @@ def run_e2e(run: Run, on_rows: Callable[[list[dict]], None] | None = None) -> Re
     weight_bytes = hf.decode_weight_bytes(stock)
     run.log(f"{run.name}, {run.config.num_hidden_layers} layers: {weight_bytes / 1e9:.2f} GB read per decode step, "
             f"HBM floor {hbm_floor_ms(weight_bytes):.3f} ms at {HBM_TBPS} TB/s")
-    ids = tokens(*LOGITS_SHAPE, run.config.vocab_size, run.device)
-    ref: torch.Tensor | BaseException | None = None
-    if "logits_error" in run.modes:
-        try:
-            ref = fp32_logits(run, stock, ids)
-        except Exception as e:  # noqa: BLE001
-            ref = e.with_traceback(None)
+    jobs = {m: error_ids(m, run.config.vocab_size, run.device) for m in run.modes if m in ERROR_MODES}
+    refs = fp32_logits(run, stock, jobs) if jobs else {}
     try:
         patched = hf.build_model(run.config, run.dtype, run.device)
         patched.load_state_dict(stock.state_dict())
@@ -379,9 +410,9 @@ def run_e2e(run: Run, on_rows: Callable[[list[dict]], None] | None = None) -> Re
         patched = e.with_traceback(None)
         run.log(f"patch failed: {type(e).__name__}: {e}")
     models = {"stock": stock, "hybridgemm": patched}
-    if ref is not None:
-        add(logits_rows(run, stock, patched, ref, ids))
-        ref = None
+    for mode, ids in jobs.items():
+        run.log(f"{mode} ...")
+        add(logits_rows(run, mode, stock, patched, refs.pop(mode), ids))
         _free(run.device)
     tasks = [(m, b) for m in run.modes if m in DECODE_MODES for b in run.batches]
     tasks += [("prefill", 1)] if "prefill" in run.modes else []
@@ -444,14 +475,15 @@ def print_summary(res: Result, console=None) -> None:
         v = r.get(col)
         return format(v, fmt) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
 
-    for mode, batch in dict.fromkeys((r["mode"], r["batch"]) for r in res.rows if r["mode"] != "logits_error"):
+    for mode, batch in dict.fromkeys((r["mode"], r["batch"]) for r in res.rows if r["mode"] not in ERROR_MODES):
         s, h = by.get((mode, batch, "stock")), by.get((mode, batch, "hybridgemm"))
         tab.add_row(mode, str(batch), num(s, "ms_per_token", ".3f"), num(h, "ms_per_token", ".3f"),
                     num(h, "speedup", ".3f"), num(s, "fraction_of_floor", ".1%"), num(h, "fraction_of_floor", ".1%"))
     console.print(tab)
     for r in res.rows:
-        if r["mode"] == "logits_error":
-            console.print(f"logits error vs fp32, {r['variant']}: {num(r, 'logits_rel_err', '.3e')}"
+        if r["mode"] in ERROR_MODES:
+            what = "logits" if r["mode"] == "logits_error" else "decode-step logits"
+            console.print(f"{what} error vs fp32, {r['variant']}: {num(r, 'logits_rel_err', '.3e')}"
                           + (f" ({r['note']})" if r.get("note") else ""), markup=False, highlight=False)
 
 

@@ -18,6 +18,8 @@ memory at a time:
 - ``tp2_hybridgemm``: ``hybridgemm.parallelize(model, group)``: fusion/parallel.py's
   column/row-parallel attention and MLP and vocab-parallel LM head, then ``hybridgemm.patch``;
   row-parallel sums through the one-shot symmetric-memory all-reduce (fusion/collectives.py).
+- ``tp2_hybridgemm_push``: the same with ``one_shot_kernel="push"``: hybridgemm's one-shot kernel, which
+  also adds the fused layers' residuals in its fp32 sums (fusion/parallel.py).
 - ``tp2_hybridgemm_nccl``: the same with ``one_shot_bytes=0``: every sum on NCCL.
 - ``tp2_stock``: the unpatched model sharded with ``torch.distributed.tensor.parallel``
   (perf/tp_models.py's :func:`shard_stock`): ``ColwiseParallel`` for q/k/v/gate/up,
@@ -27,12 +29,16 @@ Modes (perf/bench_e2e.py's, whose round functions, decode loop and clock run her
 ``--batch``, ``compiled_static`` (static-cache greedy decode under ``torch.compile(mode=
 "reduce-overhead", fullgraph=True)``, CUDA events; for ``tp2_stock`` only, a failure with
 ``fullgraph=True`` is retried with ``fullgraph=False`` and the note says so), ``eager_static``
-and ``eager_generate``; ``prefill`` of ``--prefill`` tokens at batch 1; and ``logits_error``:
-``||logits - ref|| / ||ref||`` over a fixed (:data:`bench_e2e.LOGITS_SHAPE`) batch, ``ref``
-from an fp32 copy of the same full model on rank 0 (TF32 off), skipped with a note when that
-copy does not fit the GPU. Default: ``compiled_static prefill logits_error``. On the CPU the
-compiled mode is skipped (``reduce-overhead`` is CUDA graphs), with a note, unless
-``--compile-backend`` names a backend to trace with (tests use ``eager``).
+and ``eager_generate``; ``prefill`` of ``--prefill`` tokens at batch 1; and the error modes
+``logits_error`` and ``decode_error`` (bench_e2e's: ``||logits - ref|| / ||ref||`` over one
+forward of a fixed batch, or over the steps of a teacher-forced static-cache decode, the path
+of the fused decode kernels), ``ref`` from an fp32 copy of the same full model on rank 0 (TF32
+off), skipped with a note when that copy does not fit the GPU. Default: ``compiled_static
+prefill logits_error``. On the CPU the compiled mode is skipped (``reduce-overhead`` is CUDA
+graphs), with a note, unless ``--compile-backend`` names a backend to trace with (tests use
+``eager``). ``--one-gpu`` (gloo only) puts every rank on GPU 0, for the error modes alone
+where one GPU is all there is: the numbers are those of two GPUs (the same kernels and sums),
+the timings would not be, so no timed mode runs with it.
 
 The ranks run in lockstep: both set each mode up and run each round, a gloo barrier before
 every round; after each step they exchange their errors (perf/tp_ranks.py's
@@ -71,7 +77,6 @@ import torch.distributed as dist
 
 from hybridgemm.perf import bench_e2e as E
 from hybridgemm.perf import csvio
-from hybridgemm.perf import e2e_models as hf
 from hybridgemm.perf.bench_msweep import git_commit, gpu_label
 from hybridgemm.perf.plots_models import plot_tp
 from hybridgemm.perf.tp_models import (
@@ -202,9 +207,15 @@ def tasks(run: E.Run) -> list[tuple[str, int]]:
     return out + ([("prefill", 1)] if "prefill" in run.modes else [])
 
 
+def error_modes(run: E.Run) -> list[str]:
+    """The error modes of ``run``, in run order."""
+    return [m for m in run.modes if m in E.ERROR_MODES]
+
+
 def skipped_rows(run: E.Run, variant: str, note: str) -> list[dict]:
     """A ``skipped`` row, with ``note``, for every measurement of ``variant``."""
-    todo = tasks(run) + ([("logits_error", E.LOGITS_SHAPE[0])] if "logits_error" in run.modes else [])
+    batch = {"logits_error": E.LOGITS_SHAPE[0], "decode_error": E.DECODE_SHAPE[0]}
+    todo = tasks(run) + [(m, batch[m]) for m in error_modes(run)]
     return [_row(run, variant, m, b, status="skipped", note=note) for m, b in todo]
 
 
@@ -217,9 +228,11 @@ class Result:
         return [r for r in self.rows if r["status"] == "error"]
 
 
-def run_variant(run: E.Run, variant: str, ranks: Ranks, ref, ids, compiled_note: str | None) -> list[dict]:
+def run_variant(run: E.Run, variant: str, ranks: Ranks, refs: dict, ids: dict, compiled_note: str | None
+                ) -> list[dict]:
     """Build ``variant`` on this rank, then run every mode; the rows (rank 0's are the ones kept).
-    ``ref``: the fp32 logits (rank 0), None (the other ranks) or why there are none (every rank)."""
+    ``refs``, per error mode: the fp32 logits (rank 0), None (the other ranks) or why there are
+    none (every rank); ``ids``: each error mode's tokens."""
     lockstep = VARIANTS[variant] > 1
     rows: list[dict] = []
     try:
@@ -239,8 +252,8 @@ def run_variant(run: E.Run, variant: str, ranks: Ranks, ref, ids, compiled_note:
         notes = "; ".join(built.notes)
         run.log(f"{variant}: {built.weight_bytes / 1e9:.2f} GB of weights per decode step on each GPU, HBM floor "
                 f"{E.hbm_floor_ms(built.weight_bytes):.3f} ms")
-        if "logits_error" in run.modes:
-            rows.append(logits_row(run, variant, built.model, ref, ids, lockstep, ranks))
+        for mode in error_modes(run):
+            rows.append(logits_row(run, variant, mode, built.model, refs[mode], ids[mode], lockstep, ranks))
         for mode, batch in tasks(run):
             if mode == "compiled_static" and compiled_note:
                 rows.append(_row(run, variant, mode, batch, status="skipped", note=compiled_note))
@@ -259,15 +272,16 @@ def run_variant(run: E.Run, variant: str, ranks: Ranks, ref, ids, compiled_note:
         E._free(run.device)
 
 
-def logits_row(run: E.Run, variant: str, model, ref, ids, lockstep: bool, ranks: Ranks) -> dict:
-    """The ``logits_error`` row: every rank runs the model on ``ids``, rank 0 compares with ``ref``."""
-    row = _row(run, variant, "logits_error", ids.shape[0])
+def logits_row(run: E.Run, variant: str, mode: str, model, ref, ids, lockstep: bool, ranks: Ranks) -> dict:
+    """The row of error mode ``mode``: every rank runs the model on ``ids``, rank 0 compares
+    with ``ref``."""
+    row = _row(run, variant, mode, ids.shape[0])
     if isinstance(ref, str):
         return {**row, "status": "skipped", "note": ref}
     err = None
     try:
         with torch.no_grad():
-            logits = hf.full_logits(model, ids).float()
+            logits = E.error_logits(mode, model, ids)
     except Exception as e:  # noqa: BLE001
         err = e.with_traceback(None)
     if lockstep:
@@ -276,8 +290,8 @@ def logits_row(run: E.Run, variant: str, model, ref, ids, lockstep: bool, ranks:
         return {**row, "status": "error", "note": _short(err)}
     if ranks.rank != 0:
         return row
-    rel = ((logits - ref).norm() / ref.norm()).item()
-    run.log(f"{variant}: logits error vs fp32 {rel:.3e}")
+    rel = E.rel_error(logits, ref)
+    run.log(f"{variant}: {mode} vs fp32 {rel:.3e}")
     return {**row, "status": "ok", "logits_rel_err": rel}
 
 
@@ -289,20 +303,19 @@ def run_tp(run: E.Run, ranks: Ranks, variants: tuple[str, ...], on_rows: Callabl
     compiled_note = None
     if run.device.type != "cuda" and run.compile_options.get("mode") == "reduce-overhead":
         compiled_note = "skipped on the CPU: compile mode reduce-overhead is CUDA graphs (--compile-backend traces)"
-    ids = E.tokens(*E.LOGITS_SHAPE, run.config.vocab_size, run.device)
-    ref: torch.Tensor | str | None = None
-    if "logits_error" in run.modes and ranks.rank == 0:
-        ref = fits(full_bytes(run, torch.float32), run.device, REF_MAX_FRACTION, free=True)
-        ref = f"no fp32 reference: the fp32 copy of the model does not fit one GPU: {ref}" if ref else None
-        if ref is None:
-            try:
-                ref = fp32_reference(run, ids)
-            except Exception as e:  # noqa: BLE001
-                ref = f"no fp32 reference: {_short(e)}"
-    if "logits_error" in run.modes:  # every rank must know whether the logits are computed (they need all ranks)
-        shared = [ref if isinstance(ref, str) else None]
+    ids = {m: E.error_ids(m, run.config.vocab_size, run.device) for m in error_modes(run)}
+    refs: dict[str, torch.Tensor | str | None] = dict.fromkeys(ids)
+    if ids and ranks.rank == 0:
+        why = fits(full_bytes(run, torch.float32), run.device, REF_MAX_FRACTION, free=True)
+        if why:
+            refs = dict.fromkeys(ids, f"no fp32 reference: the fp32 copy of the model does not fit one GPU: {why}")
+        else:
+            refs = {m: r if isinstance(r, torch.Tensor) else f"no fp32 reference: {_short(r)}"
+                    for m, r in fp32_reference(run, ids).items()}
+    if ids:  # every rank must know whether the logits are computed (they need all ranks)
+        shared = [{m: r if isinstance(r, str) else None for m, r in refs.items()}]
         dist.broadcast_object_list(shared, src=0, group=ranks.control)
-        ref = ref if ranks.rank == 0 else shared[0]
+        refs = refs if ranks.rank == 0 else shared[0]
     ranks.barrier()
     for variant in variants:
         if VARIANTS[variant] == 1:
@@ -313,10 +326,10 @@ def run_tp(run: E.Run, ranks: Ranks, variants: tuple[str, ...], on_rows: Callabl
                     run.log(f"{variant}: skipped: {why}")
                     res.rows += skipped_rows(run, variant, why)
                 else:
-                    res.rows += run_variant(run, variant, ranks, ref, ids, compiled_note)
+                    res.rows += run_variant(run, variant, ranks, refs, ids, compiled_note)
             ranks.barrier()  # the other ranks wait here while rank 0 runs the whole model
         else:
-            rows = run_variant(run, variant, ranks, ref, ids, compiled_note)
+            rows = run_variant(run, variant, ranks, refs, ids, compiled_note)
             res.rows += rows if ranks.rank == 0 else []
         add_speedups(res.rows)
         if on_rows is not None and ranks.rank == 0:
@@ -341,7 +354,7 @@ def print_summary(res: Result, variants: tuple[str, ...], console=None) -> None:
     def cell(r):
         if r is None or r["status"] != "ok":
             return "-" if r is None else r["status"]
-        if r["mode"] == "logits_error":
+        if r["mode"] in E.ERROR_MODES:
             return f"{r['logits_rel_err']:.2e}"
         sp = r.get("speedup_vs_tp1")
         return f"{r['ms_per_token']:.3f}" + (f" ({sp:.2f}x)" if sp and r["variant"] != "tp1_hybridgemm" else "")
@@ -370,6 +383,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--backend", choices=("nccl", "gloo"), help="torch.distributed backend (default: nccl with "
                     "--device cuda, else gloo)")
     ap.add_argument("--device", choices=("cuda", "cpu"), help="where the models run (default: cuda if available)")
+    ap.add_argument("--one-gpu", action="store_true", help="every rank on GPU 0 (with --backend gloo; error modes "
+                    "only: timings of ranks sharing a GPU mean nothing)")
     ap.add_argument("--compile-backend", metavar="NAME", help="torch.compile backend of compiled_static instead of "
                     "mode='reduce-overhead' (e.g. eager, to trace on the CPU)")
     ap.add_argument("--out", help="CSV to upsert rows into, or a folder for tp_<gpu>x<ranks>.csv (default: "
@@ -385,6 +400,7 @@ def command_line(args, world: int) -> str:
              "--layers", str(args.layers), "--batch", *map(str, args.batch), "--prefill", str(args.prefill),
              "--tokens", str(args.tokens), "--modes", *args.modes, "--rounds", str(args.rounds),
              "--variants", *args.variants, "--backend", args.backend, "--device", args.device]
+    parts += ["--one-gpu"] if args.one_gpu else []
     return shlex.join(parts + (["--compile-backend", args.compile_backend] if args.compile_backend else []))
 
 
@@ -402,6 +418,15 @@ def check_launch(args, env=os.environ) -> tuple[int, int, int]:
         raise UsageError(f"world size {world}, but the variants asked ({', '.join(args.variants)}) need {need} "
                          f"rank{'s' if need > 1 else ''}: launch with torchrun --nproc-per-node {need}")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.one_gpu:
+        args.backend = args.backend or "gloo"
+        if args.device != "cuda" or args.backend != "gloo":
+            raise UsageError("--one-gpu needs --device cuda and --backend gloo (NCCL takes one GPU per rank)")
+        timed = [m for m in (args.modes or DEFAULT_MODES) if m not in E.ERROR_MODES]
+        if timed:
+            raise UsageError(f"--one-gpu runs the error modes only ({', '.join(E.ERROR_MODES)}); asked: "
+                             f"{', '.join(timed)}")
+        local = 0
     if args.device == "cuda" and torch.cuda.device_count() <= local:
         raise UsageError(f"--device cuda: local rank {local} needs GPU {local}, and this machine has "
                          f"{torch.cuda.device_count()} (--device cpu runs on the CPU, with gloo)")

@@ -158,6 +158,23 @@ def full_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, use_cache=False).logits
 
 
+def decode_logits(model: nn.Module, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Logits (fp32) of the positions ``prompt_len - 1 .. T - 2`` of ``ids`` (B, T) as a decode
+    loop computes them: the first ``prompt_len`` tokens prefilled into a ``StaticCache``, then
+    one token per forward, each the next of ``ids`` (teacher forced, so every model compared
+    is fed the same tokens). (B, T - prompt_len, V): the prompt's last logits, then those of
+    every one-token step but the last token's."""
+    api, (batch, total) = forward_api(model), ids.shape
+    if not 0 < prompt_len < total:
+        raise ValueError(f"decode_logits: prompt_len {prompt_len} must be in 1 .. {total - 1}")
+    cache = static_cache(model, batch, -(-total // 64) * 64)
+    device = ids.device
+    out = [cached_forward(model, api, ids[:, :prompt_len], cache, torch.arange(prompt_len, device=device))[:, -1:]]
+    for p in range(prompt_len, total - 1):
+        out.append(cached_forward(model, api, ids[:, p:p + 1], cache, torch.arange(p, p + 1, device=device)))
+    return torch.cat([o.float() for o in out], dim=1)
+
+
 def prefill_forward(model: nn.Module, api: ForwardApi, ids: torch.Tensor) -> torch.Tensor:
     """One forward of a prompt as ``generate`` runs it: logits of the last position only
     (where the installed version can skip the others), no cache kept."""

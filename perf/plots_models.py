@@ -215,8 +215,8 @@ def plot_mlp(csv_path, out_dir, name: str = "mlp.png") -> Path:
     return save(fig, footer, Path(out_dir) / name, rows)
 
 
-TP_VARIANTS = (("tp1_hybridgemm", "0.55"), ("tp2_hybridgemm", "C3"), ("tp2_hybridgemm_nccl", "C1"),
-               ("tp2_stock", "C0"))
+TP_VARIANTS = (("tp1_hybridgemm", "0.55"), ("tp2_hybridgemm", "C3"), ("tp2_hybridgemm_push", "C2"),
+               ("tp2_hybridgemm_nccl", "C1"), ("tp2_stock", "C0"))
 
 
 def _tp_bars(ax, groups: list[tuple], rows: dict) -> None:
@@ -258,7 +258,8 @@ def plot_tp(csv_path, out_dir, name: str = "tp.png") -> Path:
     if not os.path.isfile(csv_path):
         raise FileNotFoundError(f"no such CSV file: {csv_path}")
     known = dict(TP_VARIANTS)
-    rows = [r for r in read_rows(str(csv_path)) if r.get("variant") in known and r.get("mode") != "logits_error"]
+    rows = [r for r in read_rows(str(csv_path)) if r.get("variant") in known
+            and r.get("mode") not in ("logits_error", "decode_error")]
     if not any(r.get("status") == "ok" and to_float(r.get("ms_per_token")) > 0 for r in rows):
         raise ValueError(f"{csv_path}: no rows with a time (not a bench_tp CSV?)")
     models: dict[tuple, list[dict]] = {}

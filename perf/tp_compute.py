@@ -3,7 +3,7 @@ a model :func:`hybridgemm.parallelize` splits ``--tp`` ways, with its collective
 beside the whole model on the same GPU.
 
     python -m hybridgemm.perf.tp_compute --model llama3-8b|qwen2.5-7b|llama3-70b|tiny [--layers N]
-           [--tp 2] [--batch 1 8] [--tokens 64] [--rounds 3] [--out CSV]
+           [--tp 2] [--batch 1 8] [--tokens 64] [--rounds 3] [--out CSV] [--profile CSV]
 
 What it answers: how much of a ``tp`` step is computation (GEMMs on the rank's weight shard,
 attention over its heads, norms, the LM head's vocabulary slice, the gaps between kernels)
@@ -21,6 +21,11 @@ cache, ``torch.compile(mode="reduce-overhead", fullgraph=True)``, ms per decode 
 median of ``--rounds``). Variants: ``tp1_hybridgemm`` (the whole model, patched) and
 ``tp<N>_rank0_compute``. HBM floor: the GPU's weight bytes / perf/timing.HBM_TBPS.
 
+``--profile CSV``: after each variant's timing, :data:`PROFILE_STEPS` more decode steps under
+torch.profiler (perf/e2e_profile.py's grouping of kernels: gemm, attention, norm, ...); the
+per-group table is printed and every kernel's µs per token written to CSV (e2e_profile's
+columns, the variant ``tp1_hybridgemm`` or ``tp<N>_rank0_compute``).
+
 Rows (upserted on gpu, model, layers, batch, variant): ``tp``, ``status``, ``ms_per_token``,
 ``spread_ms``, ``hbm_floor_ms_per_gpu``, ``fraction_of_floor``, ``weight_bytes_per_gpu``,
 ``note`` and the environment columns. Exit code 0; 1 when a row is an error; 2 for bad
@@ -35,6 +40,7 @@ import shlex
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -44,12 +50,14 @@ import hybridgemm
 from hybridgemm.parallel import RowParallelLinear, VocabParallelLinear
 from hybridgemm.perf import bench_e2e as E
 from hybridgemm.perf import csvio
+from hybridgemm.perf import e2e_profile as P
 from hybridgemm.perf.bench_msweep import git_commit, gpu_label
 from hybridgemm.perf.bench_tp import TP1_MAX_FRACTION, measure, model_name
 from hybridgemm.perf.tp_models import Built, build, fits, full_bytes, model_config, model_names
 from hybridgemm.perf.tp_ranks import Ranks
 
 KEY = ("gpu", "model", "layers", "batch", "variant")
+PROFILE_STEPS = 16
 COLUMNS = (*KEY, "tp", "status", "ms_per_token", "spread_ms", "hbm_floor_ms_per_gpu", "fraction_of_floor",
            "weight_bytes_per_gpu", "tokens", "rounds", "samples", "note", "date", "commit", "torch", "triton",
            "transformers", "hybridgemm", "host", "command")
@@ -92,10 +100,28 @@ def row(run: E.Run, variant: str, tp: int, batch: int, built: Built, res) -> dic
             "hbm_floor_ms_per_gpu": floor, "fraction_of_floor": floor / ms}
 
 
-def run_variant(run: E.Run, variant: str, tp: int, ranks: Ranks) -> list[dict]:
+def profile(run: E.Run, variant: str, batch: int, model, floor_ms: float) -> list[dict]:
+    """e2e_profile's kernel rows of ``PROFILE_STEPS`` compiled decode steps of ``model``; the
+    per-group table and the top kernels logged."""
+    layers = run.config.num_hidden_layers
+    torch._dynamo.reset()
+    try:
+        times = P.profile_variant(run, model, "compiled_static", batch, PROFILE_STEPS)
+    finally:
+        torch._dynamo.reset()
+    rows = P.rows_for(SimpleNamespace(model=run.name, layers=layers), "compiled_static", batch, variant, times,
+                      PROFILE_STEPS)
+    run.log(f"{variant} batch {batch}, kernels per token:\n" + P.summary(rows, floor_ms, layers))
+    for r in rows[:10]:
+        run.log(f"  {r['us_per_token']:9.1f} µs {r['calls_per_token']:6.1f} calls  {r['group']:11s} {r['kernel'][:90]}")
+    return [{**r, "date": run.extra.get("date"), "commit": run.extra.get("commit"),
+             "command": run.extra.get("command")} for r in rows]
+
+
+def run_variant(run: E.Run, variant: str, tp: int, ranks: Ranks, profiled: list | None = None) -> list[dict]:
     """``variant``'s rows at every batch: built (the whole model for tp 1, skipped with a note
-    when it does not fit the GPU; else rank 0's shard), then timed. A failure to build or time
-    is an error row, not an exception."""
+    when it does not fit the GPU; else rank 0's shard), then timed (and profiled into
+    ``profiled``, when given). A failure to build or time is an error row, not an exception."""
     base = {**run.extra, "model": run.name, "layers": run.config.num_hidden_layers, "variant": variant, "tp": tp,
             "rounds": run.rounds, "tokens": run.tokens}
     why = fits(full_bytes(run, run.dtype), run.device, TP1_MAX_FRACTION) if tp == 1 else None
@@ -120,6 +146,9 @@ def run_variant(run: E.Run, variant: str, tp: int, ranks: Ranks) -> list[dict]:
                                                     f"{r['hbm_floor_ms_per_gpu']:.3f})" if r["status"] == "ok"
                                                     else r["note"]))
             rows.append(r)
+            if profiled is not None and r["status"] == "ok":
+                with torch.no_grad():
+                    profiled += profile(run, variant, batch, built.model, r["hbm_floor_ms_per_gpu"])
         return rows
     finally:
         built = None
@@ -135,6 +164,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=E.TOKENS, help="decode steps per round (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=E.ROUNDS, help="rounds; the median is kept (default %(default)s)")
     ap.add_argument("--out", help="CSV to upsert rows into (default: tp_compute_<gpu>.csv)")
+    ap.add_argument("--profile", metavar="CSV", help="also profile each variant's kernels; their rows go here")
     args = ap.parse_args(argv)
     if args.tp < 2 or (args.layers is not None and args.layers < 1) or min(args.batch) < 1 or args.tokens < 1 \
             or args.rounds < 1:
@@ -155,7 +185,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(device)
     parts = ["python", "-m", "hybridgemm.perf.tp_compute", "--model", args.model, "--layers",
              str(config.num_hidden_layers), "--tp", str(args.tp), "--batch", *map(str, args.batch), "--tokens",
-             str(args.tokens), "--rounds", str(args.rounds)]
+             str(args.tokens), "--rounds", str(args.rounds)] + (["--profile", args.profile] if args.profile else [])
     extra = {**csvio.environment_columns(shlex.join(parts)), "gpu": gpu, "transformers": transformers.__version__,
              "date": datetime.date.today().isoformat(), "commit": git_commit()}
     start = time.perf_counter()
@@ -167,15 +197,18 @@ def main(argv=None) -> int:
                 ("compiled_static",), extra=extra, log=log)
     out = args.out or f"tp_compute_{gpu_label(gpu)}.csv"
     dist.init_process_group("fake", rank=0, world_size=args.tp, store=FakeStore())
-    rows = []
+    rows, profiled = [], [] if args.profile else None
     try:
         ranks = Ranks(0, args.tp, dist.group.WORLD, None)
         for variant, tp in (("tp1_hybridgemm", 1), (f"tp{args.tp}_rank0_compute", args.tp)):
-            rows += run_variant(run, variant, tp, ranks)
+            rows += run_variant(run, variant, tp, ranks, profiled)
             E.upsert(out, rows, COLUMNS, KEY)
     finally:
         dist.destroy_process_group()
     print(f"wrote {len(rows)} rows to {out}")
+    if profiled:
+        csvio.write_csv(args.profile, list(P.COLUMNS), profiled)
+        print(f"wrote {len(profiled)} kernel rows to {args.profile}")
     return 1 if any(r["status"] == "error" for r in rows) else 0
 
 

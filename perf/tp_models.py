@@ -6,7 +6,8 @@ The models: a config of the real model's sizes (perf/e2e_models.py, ``layers`` s
 or ``tiny``, a 2-layer Llama-layout model with attention biases (:data:`TINY`), for tests and
 CPU runs. :func:`build` makes each variant of :data:`VARIANTS` (perf/bench_tp.py's docstring
 says what each one times): ``tp1_hybridgemm`` whole, ``tp2_hybridgemm`` sharded by
-``hybridgemm.parallelize`` (``tp2_hybridgemm_nccl`` the same with every sum on NCCL), all then
+``hybridgemm.parallelize`` (``tp2_hybridgemm_push`` the same with the push one-shot kernel,
+``tp2_hybridgemm_nccl`` with every sum on NCCL), all then
 ``hybridgemm.patch``-ed, and ``tp2_stock`` sharded by
 torch's own plan (:func:`shard_stock`): ``ColwiseParallel`` for q/k/v/gate/up,
 ``RowwiseParallel`` for o/down, the LM head colwise with its logits gathered
@@ -52,7 +53,8 @@ from hybridgemm.perf import bench_e2e as E
 from hybridgemm.perf import e2e_models as hf
 from hybridgemm.perf.tp_ranks import Ranks
 
-VARIANTS = {"tp1_hybridgemm": 1, "tp2_hybridgemm": 2, "tp2_hybridgemm_nccl": 2, "tp2_stock": 2}  # name: ranks
+VARIANTS = {"tp1_hybridgemm": 1, "tp2_hybridgemm": 2, "tp2_hybridgemm_push": 2, "tp2_hybridgemm_nccl": 2,
+            "tp2_stock": 2}  # name: ranks
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
             vocab_size=256, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=5e5, tie_word_embeddings=False,
             attention_bias=True, mlp_bias=False)
@@ -222,7 +224,9 @@ def build(run: E.Run, variant: str, ranks: Ranks) -> Built:
     notes = []
     if variant.startswith("tp2_hybridgemm"):
         one_shot = 0 if variant.endswith("_nccl") else ONE_SHOT_MAX_BYTES
-        report = hybridgemm.parallelize(model, ranks.group, patch=False, one_shot_bytes=one_shot)
+        kernel = "push" if variant.endswith("_push") else "torch"
+        report = hybridgemm.parallelize(model, ranks.group, patch=False, one_shot_bytes=one_shot,
+                                        one_shot_kernel=kernel)
         run.log(report.summary())
         notes += [f"left whole: {n}: {why}" for n, why in report.skipped]
     elif variant == "tp2_stock":
@@ -234,13 +238,27 @@ def build(run: E.Run, variant: str, ranks: Ranks) -> Built:
     return built
 
 
-def fp32_reference(run: E.Run, ids: torch.Tensor) -> torch.Tensor:
-    """Logits of ``ids`` by an fp32 copy of the whole model (the bf16 values; TF32 off), freed after."""
-    model, shapes, norms = meta_model(run, torch.float32)
+def fp32_reference(run: E.Run, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | BaseException]:
+    """Per error mode of ``ids`` (mode: tokens, perf/bench_e2e.py's ``ERROR_MODES``), its
+    logits by an fp32 copy of the whole model (the bf16 values; TF32 off), or the exception;
+    the copy is freed after."""
     try:
+        model, shapes, norms = meta_model(run, torch.float32)
         fill(model, shapes, norms, run.config, run.device, torch.float32, run.dtype)
-        with torch.no_grad(), E._no_tf32():
-            return hf.full_logits(model.eval(), ids).float()
+        model.eval()
+    except Exception as e:  # noqa: BLE001 (each mode's rows record it)
+        model = None
+        E._free(run.device)
+        return {m: e.with_traceback(None) for m in ids}
+    out: dict[str, torch.Tensor | BaseException] = {}
+    try:
+        for mode, tok in ids.items():
+            try:
+                with torch.no_grad(), E._no_tf32():
+                    out[mode] = E.error_logits(mode, model, tok)
+            except Exception as e:  # noqa: BLE001
+                out[mode] = e.with_traceback(None)
+        return out
     finally:
         del model
         E._free(run.device)

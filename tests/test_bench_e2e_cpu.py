@@ -147,6 +147,23 @@ def test_weight_bytes_and_floor_counted_by_hand():
     assert hf.decode_weight_bytes(tied) == 2 * _hand_count()  # the head streams the shared table: counted once
 
 
+def test_decode_logits_are_the_forwards_logits_step_by_step():
+    """Teacher-forced static-cache decode computes, step by step, the logits one forward of
+    the whole sequence computes at the same positions (fp32, so only summation order differs)."""
+    torch.manual_seed(3)
+    model = hf.build_model(tiny_config(), torch.float32, "cpu")
+    ids = E.tokens(2, 19, 200, "cpu")
+    with torch.no_grad():
+        steps = hf.decode_logits(model, ids, 7)
+        whole = hf.full_logits(model, ids).float()
+    assert steps.shape == (2, 12, 200) and steps.dtype == torch.float32
+    torch.testing.assert_close(steps, whole[:, 6:18], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(steps[:, 1:], whole[:, 6:17], rtol=1e-2, atol=1e-2), "the positions are shifted"
+    for bad in (0, 19):
+        with pytest.raises(ValueError, match="prompt_len"):
+            hf.decode_logits(model, ids, bad)
+
+
 # ----------------------------------------------------------------------------- a whole run on the CPU
 
 
@@ -162,13 +179,18 @@ def test_run_times_every_mode_for_both_variants(smoke):
     res, lines = smoke
     assert not res.errors, res.errors
     got = {(r["mode"], r["batch"], r["variant"]) for r in res.rows}
-    assert got == {(m, b, v) for m, b in TIMED for v in E.VARIANTS} | {("logits_error", 2, v) for v in E.VARIANTS}
+    errors = {("logits_error", 2, v) for v in E.VARIANTS} | {("decode_error", 2, v) for v in E.VARIANTS}
+    assert got == {(m, b, v) for m, b in TIMED for v in E.VARIANTS} | errors
     floor = E.hbm_floor_ms(2 * _hand_count())
     for r in res.rows:
         assert set(r) <= set(E.COLUMNS), set(r) - set(E.COLUMNS)
         assert (r["gpu"], r["model"], r["layers"], r["status"]) == ("cpu", "tiny", 2, "ok")
         if r["mode"] == "logits_error":
             assert 0 < r["logits_rel_err"] < 0.05 and r["prompt_len"] == E.LOGITS_SHAPE[1]
+            continue
+        if r["mode"] == "decode_error":
+            assert 0 < r["logits_rel_err"] < 0.05 and r["prompt_len"] == E.DECODE_PROMPT
+            assert r["tokens"] == E.DECODE_SHAPE[1] - E.DECODE_PROMPT
             continue
         ms = r["ms_per_token"]
         assert math.isfinite(ms) and ms > 0 and r["samples"] >= r["rounds"] == 2

@@ -30,8 +30,8 @@ def test_two_layer_llama_every_eager_mode_both_variants(tmp_path):
     bad = {k: r["note"] for k, r in by.items() if r["status"] != "ok"}
     assert not bad and rc == 0, bad
     for (mode, variant), r in by.items():
-        assert (r["model"], r["layers"], r["batch"]) == ("llama3-8b", "2", "2" if mode == "logits_error" else "1")
-        if mode == "logits_error":
+        assert (r["model"], r["layers"], r["batch"]) == ("llama3-8b", "2", "2" if mode in E.ERROR_MODES else "1")
+        if mode in E.ERROR_MODES:
             err = float(r["logits_rel_err"])
             assert math.isfinite(err) and 0 < err < 0.2, (variant, err)
             continue

@@ -65,7 +65,7 @@ def tiny_weight_bytes(tp: int) -> int:
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp")
     proc = torchrun(tmp, "--batch", "1", "2", "--tokens", "3", "--prefill", "16", "--rounds", "2", "--modes",
-                    "eager_static", "compiled_static", "prefill", "logits_error", "--out", "res/tp.csv",
+                    "eager_static", "compiled_static", "prefill", "logits_error", "decode_error", "--out", "res/tp.csv",
                     "--plot", "figs")
     return proc, tmp
 
@@ -76,7 +76,7 @@ def test_two_ranks_write_every_row(two_ranks):
     rows = read_rows(str(tmp / "res" / "tp.csv"))
     assert list(rows[0]) == list(T.COLUMNS)
     measured = [("eager_static", 1), ("eager_static", 2), ("compiled_static", 1), ("compiled_static", 2),
-                ("prefill", 1), ("logits_error", E.LOGITS_SHAPE[0])]
+                ("prefill", 1), ("logits_error", E.LOGITS_SHAPE[0]), ("decode_error", E.DECODE_SHAPE[0])]
     assert sorted((r["mode"], int(r["batch"]), r["variant"]) for r in rows) == sorted(
         (m, b, v) for m, b in measured for v in VARIANTS)
     for r in rows:
@@ -88,12 +88,12 @@ def test_two_ranks_write_every_row(two_ranks):
         else:
             assert r["status"] == "ok", r
     assert (tmp / "figs" / "tp.png").read_bytes()[:8] == PNG_MAGIC
-    assert "tp2_stock" in proc.stdout and f"wrote {6 * len(VARIANTS)} rows" in proc.stdout
+    assert "tp2_stock" in proc.stdout and f"wrote {7 * len(VARIANTS)} rows" in proc.stdout
 
 
 def test_times_speedups_and_floors(two_ranks):
     proc, tmp = two_ranks
-    rows = [r for r in read_rows(str(tmp / "res" / "tp.csv")) if r["status"] == "ok" and r["mode"] != "logits_error"]
+    rows = [r for r in read_rows(str(tmp / "res" / "tp.csv")) if r["status"] == "ok" and r["mode"] not in E.ERROR_MODES]
     tp1 = {(r["mode"], r["batch"]): float(r["ms_per_token"]) for r in rows if r["variant"] == "tp1_hybridgemm"}
     for r in rows:
         ms, tp = float(r["ms_per_token"]), T.VARIANTS[r["variant"]]
@@ -115,12 +115,13 @@ def test_sharded_logits_are_as_close_to_fp32_as_the_whole_model(two_ranks):
     fp32 reference as tp=1's (a shard of another model, a bias added twice or a wrong KV head
     would be off by far more than bf16 rounding)."""
     proc, tmp = two_ranks
-    err = {r["variant"]: float(r["logits_rel_err"]) for r in read_rows(str(tmp / "res" / "tp.csv"))
-           if r["mode"] == "logits_error"}
-    assert set(err) == set(VARIANTS)
-    assert 0 < err["tp1_hybridgemm"] < 0.02
-    for v in ("tp2_hybridgemm", "tp2_stock"):
-        assert 0 < err[v] < 2 * err["tp1_hybridgemm"], err
+    for mode in E.ERROR_MODES:
+        err = {r["variant"]: float(r["logits_rel_err"]) for r in read_rows(str(tmp / "res" / "tp.csv"))
+               if r["mode"] == mode}
+        assert set(err) == set(VARIANTS), mode
+        assert 0 < err["tp1_hybridgemm"] < 0.02, (mode, err)
+        for v in ("tp2_hybridgemm", "tp2_hybridgemm_push", "tp2_stock"):
+            assert 0 < err[v] < 2 * err["tp1_hybridgemm"], (mode, err)
 
 
 def test_compiled_decode_traces_both_sharded_models_in_one_graph(tmp_path):
@@ -210,17 +211,39 @@ def test_without_torchrun_says_how_to_launch(no_torchrun_env, capsys):
 
 
 @pytest.mark.parametrize("world, argv, words", [
-    (3, [], "world size 3, but the variants asked (tp1_hybridgemm, tp2_hybridgemm, tp2_hybridgemm_nccl, "
-            "tp2_stock) need 2 ranks: launch with torchrun --nproc-per-node 2"),
+    (3, [], "world size 3, but the variants asked (tp1_hybridgemm, tp2_hybridgemm, tp2_hybridgemm_push, "
+            "tp2_hybridgemm_nccl, tp2_stock) need 2 ranks: launch with torchrun --nproc-per-node 2"),
     (1, [], "world size 1, but the variants asked"),
     (2, ["--variants", "tp1_hybridgemm"], "world size 2, but the variants asked (tp1_hybridgemm) need 1 rank: "
                                           "launch with torchrun --nproc-per-node 1"),
     (2, ["--backend", "nccl"], "--backend nccl needs --device cuda"),
+    (2, ["--one-gpu"], "--one-gpu needs --device cuda and --backend gloo"),
 ])
 def test_world_size_and_backend_errors(no_torchrun_env, capsys, world, argv, words):
     launched(no_torchrun_env, world)
     assert T.main(["--model", "tiny", "--device", "cpu", *argv]) == 2
     assert words in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--backend", "nccl"], "--one-gpu needs --device cuda and --backend gloo"),
+    ([], "--one-gpu runs the error modes only (logits_error, decode_error); asked: compiled_static, prefill"),
+    (["--modes", "decode_error", "eager_static"], "asked: eager_static"),
+])
+def test_one_gpu_takes_gloo_and_error_modes_only(no_torchrun_env, capsys, argv, words):
+    launched(no_torchrun_env, 2, rank=1)
+    no_torchrun_env.setattr(torch.cuda, "device_count", lambda: 1)
+    assert T.main(["--model", "tiny", "--device", "cuda", "--one-gpu", *argv]) == 2
+    assert words in one_line_error(capsys)
+
+
+def test_one_gpu_puts_every_rank_on_gpu_0(no_torchrun_env):
+    launched(no_torchrun_env, 2, rank=1)
+    no_torchrun_env.setattr(torch.cuda, "device_count", lambda: 1)
+    args = T.parse_args(["--model", "tiny", "--device", "cuda", "--one-gpu", "--modes", "decode_error"])
+    assert T.check_launch(args) == (1, 2, 0) and args.backend == "gloo"
+    args.layers, args.batch, args.prefill, args.tokens, args.modes, args.rounds = 2, (2,), 16, 2, ("decode_error",), 1
+    assert T.command_line(args, 2).endswith("--backend gloo --device cuda --one-gpu")
 
 
 def test_cuda_device_needs_a_gpu_per_rank(no_torchrun_env, capsys):

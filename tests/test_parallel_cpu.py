@@ -307,6 +307,42 @@ def case_fused_decoder_layers_over_ranks(rank, group):
             undo()
 
 
+def case_fused_layers_sum_the_residual(rank, group):
+    """With ``one_shot_kernel="push"`` (on gloo: the push kernel's arithmetic over the
+    collectives, fp32 sum plus the residual) the fused layers' O and down GEMMs add no
+    residual on any rank, only the bias on rank 0, and the sums add it once: the unsharded
+    model's logits in a plain forward, compiled, and in a static-cache decode."""
+    config = llama_config(hidden_size=64, intermediate_size=96, num_key_value_heads=2, attention_bias=True,
+                          mlp_bias=True)
+    config._attn_implementation = "sdpa"
+    model, ref = causal_lm(config), causal_lm(config)
+    report = parallelize(model, group, one_shot_kernel="push")
+    assert report.all_reduce.startswith("nccl (the group's backend is gloo"), report.all_reduce
+    downs = [m for n, m in model.named_modules() if n.endswith(("down_proj", "o_proj"))]
+    assert len(downs) == 4 and all(m.sums_residual and not m.one_shot for m in downs), downs
+    calls: list = []
+    undo = _fused_kernels_on_cpu(calls)
+    try:
+        ids = token_ids(config.vocab_size, (2, 5))
+        assert_same(logits(model, ids), logits(ref, ids), "fused logits, residual in the sum")
+        assert calls == ["norm", "plain"] * 2, calls  # no residual in rank 0's down GEMM either
+        calls.clear()
+        compiled = torch.compile(model, backend="aot_eager")
+        with torch.no_grad():
+            assert_same(compiled(input_ids=ids, use_cache=False).logits, logits(ref, ids), "compiled")
+        assert calls == ["norm", "plain"] * 2, calls
+        calls.clear()
+        torch._dynamo.reset()
+        with torch.no_grad():
+            want, fed = _static_decode(ref, ids[:, :3], steps=3)
+            got, _ = _static_decode(model, ids[:, :3], steps=3, tokens=fed)
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"static-cache decode step {step}, residual in the sum")
+        assert calls == ["norm", "plain"] * 2 + ["rope", "plain", "plain"] * 3 * 2, calls
+    finally:
+        undo()
+
+
 def case_compiled_fullgraph(rank, group):
     """Row-parallel MLP and vocab-parallel head under torch.compile(fullgraph=True)."""
     torch.manual_seed(SEED)
@@ -324,7 +360,7 @@ def case_compiled_fullgraph(rank, group):
 CASES = {f.__name__[len("case_"):]: f for f in (
     case_mlp_layer_with_bias_on_a_mesh, case_attention_layer_with_biases, case_llama_gqa_one_kv_head,
     case_qwen2_padded_vocab_state_dict, case_mistral_logits, case_tied_lm_head_stays_whole,
-    case_fused_decoder_layers_over_ranks, case_compiled_fullgraph)}
+    case_fused_decoder_layers_over_ranks, case_fused_layers_sum_the_residual, case_compiled_fullgraph)}
 
 
 def _worker(rank: int, port: int, out_dir: str, backend: str, cases: list) -> None:

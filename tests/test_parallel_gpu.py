@@ -31,8 +31,9 @@ CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, 
 SEED = 4321
 
 
-def _models(rank: int):
-    """(sharded + patched bf16, stock bf16, stock fp32 of the same bf16 weights), on this rank's GPU."""
+def _models(rank: int, kernel: str = "torch"):
+    """(sharded + patched bf16, stock bf16, stock fp32 of the same bf16 weights), on this rank's
+    GPU; the sharded model's sums by the one-shot ``kernel``."""
     device = torch.device("cuda", rank)
     config = llama_config(**CONFIG)
     config._attn_implementation = "sdpa"
@@ -43,7 +44,8 @@ def _models(rank: int):
     fp32.load_state_dict({k: v.float() for k, v in stock.state_dict().items()})
     sharded = transformers.AutoModelForCausalLM.from_config(config).eval().to(device=device, dtype=torch.bfloat16)
     sharded.load_state_dict(stock.state_dict())
-    report = parallelize(sharded, dist.group.WORLD)
+    report = parallelize(sharded, dist.group.WORLD, one_shot_kernel=kernel)
+    assert report.all_reduce.startswith(f"one-shot ({kernel} kernel)"), report.all_reduce
     assert len(report.attention) == len(report.mlp) == 2 and report.lm_head == ["lm_head"], report
     assert len(report.patch.fused_qkv) == 2, report.patch
     return sharded, stock, fp32
@@ -227,6 +229,65 @@ def case_one_shot_sum_is_nccls_sum(rank, group):
     del sharded
 
 
+def _rank_order_sum(y, residual=None):
+    """The fp32 sum of every rank's ``y`` in rank order (+ ``residual``), rounded once."""
+    parts = [torch.empty_like(y) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, y.contiguous())
+    acc = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
+    for p in parts:
+        acc += p.float()
+    if residual is not None:
+        acc += residual.float()
+    return acc.to(y.dtype)
+
+
+def case_push_sum_is_the_rank_order_sum(rank, group):
+    """parallelize with one_shot_kernel="push" enables hybridgemm's push kernel; its sums,
+    with and without a residual, are the fp32 rank-order sums rounded once, for bf16, fp16
+    and fp32 at odd sizes, eagerly, back to back with one rank running late, and replayed from
+    a CUDA graph with new inputs; a message over the buffer still sums right through NCCL."""
+    from hybridgemm import collectives
+
+    report = parallelize(transformers.AutoModelForCausalLM.from_config(llama_config(**CONFIG)), group, patch=False,
+                         one_shot_kernel="push")
+    assert report.all_reduce.startswith("one-shot (push kernel)"), report.all_reduce
+    name = group.group_name
+    assert collectives.one_shot_kernel(group) == "push"
+    gen = torch.Generator(device="cuda").manual_seed(200 + rank)  # each rank its own data
+    same = torch.Generator(device="cuda").manual_seed(300)  # the residual: the same on every rank
+    cases = [((1, 4096), torch.bfloat16), ((3, 1000), torch.bfloat16), ((17, 1001), torch.float16),
+             ((8, 8192), torch.bfloat16), ((5, 999), torch.float32)]
+    for shape, dtype in cases:
+        assert collectives.push_fits(torch.empty(shape, dtype=dtype, device="cuda"), name), (shape, dtype)
+        for _ in range(3):
+            y = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
+            r = torch.randn(shape, generator=same, device="cuda", dtype=dtype) * 16
+            assert torch.equal(collectives.tp_sum(y, name), _rank_order_sum(y)), (shape, dtype)
+            assert torch.equal(collectives.tp_sum_residual(y, r, name), _rank_order_sum(y, r)), (shape, dtype)
+    ys = [torch.randn(2, 4096, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(32)]
+    expected = [_rank_order_sum(y) for y in ys]
+    torch.cuda.synchronize()
+    if rank == 1:
+        torch.cuda._sleep(50_000_000)
+    got = [collectives.tp_sum(y, name) for y in ys]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert torch.equal(g, e), f"back-to-back call {i} differs from the rank-order sum"
+    x = torch.zeros(4, 4096, device="cuda", dtype=torch.bfloat16)
+    res = torch.zeros_like(x)
+    collectives.tp_sum_residual(x, res, name)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = collectives.tp_sum_residual(x, res, name)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda", dtype=x.dtype))
+        res.copy_(torch.randn(x.shape, generator=same, device="cuda", dtype=x.dtype))
+        graph.replay()
+        assert torch.equal(out, _rank_order_sum(x, res)), "graph replay of the push sum differs"
+    big = torch.randn(64, 4096, generator=gen, device="cuda", dtype=torch.bfloat16)  # 512 KiB: NCCL
+    assert not collectives.fits_one_shot(big, name)
+    assert torch.equal(collectives.tp_sum(big, name), _nccl_sum(big))
+
+
 def case_compiled_mlp_sums_one_shot(rank, group):
     """A row-parallel MLP under torch.compile(fullgraph=True, mode="reduce-overhead") matches
     the eager module call after call, and its compiled sum goes through the symmetric buffer."""
@@ -277,11 +338,21 @@ def case_fused_decode_within_error_bound(rank, group):
     residual before the sum, rank 1's add nothing. Within 2x the unsharded stock model's error
     against fp32; the same bits in a second run; the same residual stream on both ranks (the
     final norm's input, compared before the LM head's gather makes the logits alike anyway)."""
+    _fused_decode(rank, group, "torch")
+
+
+def case_fused_decode_push_sums_the_residual(rank, group):
+    """The same with one_shot_kernel="push": no GEMM adds the residual, the push kernel's sums
+    do (fp32, one rounding)."""
+    _fused_decode(rank, group, "push")
+
+
+def _fused_decode(rank, group, kernel):
     from hybridgemm import decode_attention as da
     from hybridgemm import decoder_layer as dl
     from hybridgemm.kernels import triton_splitk
 
-    sharded, stock, fp32 = _models(rank)
+    sharded, stock, fp32 = _models(rank, kernel)
     layer = sharded.model.layers[0]
     assert isinstance(layer, dl.HybridDecoderLayer) and layer.__dict__.get(dl.ATTENTION_STEP), type(layer)
     prompt = token_ids(CONFIG["vocab_size"], (2, 16)).cuda(rank)
@@ -310,7 +381,7 @@ def case_fused_decode_within_error_bound(rank, group):
         hook.remove()
     steps = 2 * 8  # two decodes of 8 steps, 2 layers each: one rotary QKV, O and down per layer
     assert launches.count("rope") == steps * 2, launches
-    assert launches.count("residual") == (steps * 2 * 2 if rank == 0 else 0), launches
+    assert launches.count("residual") == (steps * 2 * 2 if rank == 0 and kernel == "torch" else 0), launches
     err = rel_err(ours, ref)
     bound = max(2.0 * theirs, FLOORS[torch.bfloat16])
     assert err <= bound, f"fused sharded decode: rel err {err:.3g} > bound {bound:.3g} (stock: {theirs:.3g})"
@@ -322,12 +393,13 @@ def case_fused_decode_within_error_bound(rank, group):
 
 
 CASES = [case_bf16_within_flinear_error_bound, case_bit_identical_runs_and_ranks, case_cuda_graph_decode_step,
-         case_one_shot_sum_is_nccls_sum, case_compiled_mlp_sums_one_shot, case_fused_decode_within_error_bound]
+         case_one_shot_sum_is_nccls_sum, case_push_sum_is_the_rank_order_sum, case_compiled_mlp_sums_one_shot,
+         case_fused_decode_within_error_bound, case_fused_decode_push_sums_the_residual]
 
 
 @pytest.fixture(scope="module")
 def two_gpus(tmp_path_factory):
-    return run_on_two_ranks(CASES, "nccl", tmp_path_factory.mktemp("tp_gpu"), timeout_s=420)
+    return run_on_two_ranks(CASES, "nccl", tmp_path_factory.mktemp("tp_gpu"), timeout_s=600)
 
 
 @pytest.mark.parametrize("case", [c.__name__ for c in CASES])
