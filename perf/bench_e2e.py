@@ -479,7 +479,8 @@ def print_summary(res: Result, console=None) -> None:
         s, h = by.get((mode, batch, "stock")), by.get((mode, batch, "hybridgemm"))
         tab.add_row(mode, str(batch), num(s, "ms_per_token", ".3f"), num(h, "ms_per_token", ".3f"),
                     num(h, "speedup", ".3f"), num(s, "fraction_of_floor", ".1%"), num(h, "fraction_of_floor", ".1%"))
-    console.print(tab)
+    if tab.row_count:
+        console.print(tab)
     for r in res.rows:
         if r["mode"] in ERROR_MODES:
             what = "logits" if r["mode"] == "logits_error" else "decode-step logits"

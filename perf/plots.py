@@ -42,7 +42,7 @@ from hybridgemm.perf.plot_style import (
     to_float,
     to_int,
 )
-from hybridgemm.perf.plots_models import is_e2e_csv, plot_e2e
+from hybridgemm.perf.plots_models import has_times, is_e2e_csv, is_tp_csv, plot_e2e, plot_tp
 from hybridgemm.perf.timing import HBM_TBPS
 
 PEAK_TFLOPS = {"bf16": 790.0, "fp16": 790.0}  # best measured dense GEMMs on the H200
@@ -241,12 +241,19 @@ def plot_host_time(rows, gpu_rows, path: Path) -> Path:
 def make_all_plots(csv_paths, out_dir, log: Callable[[str], None] = print) -> list[Path]:
     """Draw every figure the CSVs have data for into ``out_dir``; return the files written.
     A figure without data is skipped with a note through ``log``. An end-to-end CSV
-    (perf/bench_e2e.py) gives its own figure (:func:`plot_e2e`)."""
+    (perf/bench_e2e.py) gives its own figure (:func:`plot_e2e`), a tensor-parallel one
+    (perf/bench_tp.py) its own (:func:`plot_tp`); one with no timed row (error modes only)
+    none."""
     out_dir = Path(out_dir)
     e2e = [p for p in csv_paths if os.path.isfile(p) and is_e2e_csv(p)]
+    tp = [p for p in csv_paths if os.path.isfile(p) and is_tp_csv(p)]
+    csv_paths = [p for p in csv_paths if p not in e2e and p not in tp]
+    for p in [p for p in e2e + tp if not has_times(p)]:
+        log(f"{p}: no timed rows (error modes only): no figure")
+    e2e, tp = [p for p in e2e if has_times(p)], [p for p in tp if has_times(p)]
     written = [plot_e2e(p, out_dir, "e2e.png" if len(e2e) == 1 else f"{Path(p).stem}.png") for p in e2e]
-    csv_paths = [p for p in csv_paths if p not in e2e]
-    if e2e and not csv_paths:
+    written += [plot_tp(p, out_dir, "tp.png" if len(tp) == 1 else f"{Path(p).stem}.png") for p in tp]
+    if not csv_paths:
         return written
     rows = load_rows(csv_paths)
     attention = [r for r in rows if r.get("provider") in ATTENTION_PROVIDERS]

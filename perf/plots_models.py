@@ -107,12 +107,27 @@ E2E_DECODE_MODES = ("eager_generate", "eager_static", "compiled_static")
 E2E_VARIANTS = (("stock", "0.25"), ("hybridgemm", "C3"))
 
 
+def _header(path) -> set[str]:
+    with open(path, newline="") as f:
+        return {c.strip() for c in f.readline().split(",")}
+
+
 def is_e2e_csv(path) -> bool:
     """Whether the CSV at ``path`` holds perf/bench_e2e.py's rows (its header has mode, variant
-    and ms_per_token; perf/e2e_profile.py's kernel rows have the first two only)."""
-    with open(path, newline="") as f:
-        header = f.readline()
-    return {"mode", "variant", "ms_per_token"} <= {c.strip() for c in header.split(",")}
+    and ms_per_token; perf/e2e_profile.py's kernel rows have the first two only; perf/bench_tp.py's
+    rows have a tp column besides)."""
+    header = _header(path)
+    return {"mode", "variant", "ms_per_token"} <= header and "tp" not in header
+
+
+def is_tp_csv(path) -> bool:
+    """Whether the CSV at ``path`` holds perf/bench_tp.py's rows (mode, variant, ms_per_token, tp)."""
+    return {"mode", "variant", "ms_per_token", "tp"} <= _header(path)
+
+
+def has_times(path) -> bool:
+    """Whether the CSV at ``path`` has an ok row with a time (an error-mode run has none)."""
+    return any(r.get("status") == "ok" and to_float(r.get("ms_per_token")) > 0 for r in read_rows(str(path)))
 
 
 def _e2e_bars(ax, groups: list[tuple], rows: dict, labels: list[str]) -> None:

@@ -267,31 +267,40 @@ def _static_decode(model, ids, steps: int, tokens=None):
 
 def case_fused_decoder_layers_over_ranks(rank, group):
     """Fused decoder layers with row-parallel O and down, kernels run (interpreter), biases
-    everywhere: rank 0's O/down GEMMs add the residual (and the bias), rank 1's add nothing,
-    and the sums give the unsharded model's logits, in a plain forward and in a static-cache
-    decode through the fused attention step. Two KV heads (one per rank) and one (copied)."""
-    for kv_heads in (2, 1):
+    everywhere, and the sums give the unsharded model's logits, in a plain forward and in a
+    static-cache decode through the fused attention step. With torch's one-shot kernel
+    (here: its fallback) rank 0's O/down GEMMs add the residual (and the bias), rank 1's add
+    nothing: two KV heads (one per rank) and one (copied). With ``one_shot_kernel="push"``
+    (on gloo: the push kernel's arithmetic over the collectives, fp32 sum plus the residual)
+    no GEMM adds the residual, only rank 0's the bias, and the sums add it once."""
+    for kernel, kv_heads in (("torch", 2), ("torch", 1), ("push", 2)):
         config = llama_config(hidden_size=64, intermediate_size=96, num_key_value_heads=kv_heads,
                               attention_bias=True, mlp_bias=True)
         config._attn_implementation = "sdpa"  # the fused attention step follows the model's SDPA
         model, ref = causal_lm(config), causal_lm(config)
-        report = parallelize(model, group)
+        report = parallelize(model, group, one_shot_kernel=kernel)
         assert report.patch.fused_layers == ["model.layers.0", "model.layers.1"], report.patch
         assert report.patch.fused_attention == report.patch.fused_layers, report.patch
+        assert report.all_reduce.startswith("nccl (the group's backend is gloo"), report.all_reduce
+        rows = [m for n, m in model.named_modules() if n.endswith(("o_proj", "down_proj"))]
+        assert len(rows) == 4 and all(m.sums_residual == (kernel == "push") for m in rows), rows
+        what = f"(Hkv={kv_heads}, {kernel} kernel)"
         calls: list = []
         undo = _fused_kernels_on_cpu(calls)
         try:
             ids = token_ids(config.vocab_size, (2, 5))  # 10 rows: the fused path (no cache: the module's attention)
-            assert_same(logits(model, ids), logits(ref, ids), f"fused logits (Hkv={kv_heads})")
-            # per layer: QKV with the norm; down with the residual on rank 0, plain on rank 1 (O
-            # runs in the attention module, as the row-parallel layer's own forward, then the add)
-            part = "residual" if rank == 0 else "plain"
+            assert_same(logits(model, ids), logits(ref, ids), f"fused logits {what}")
+            # per layer: QKV with the norm; down with the residual on rank 0 (torch's kernel),
+            # else plain (O runs in the attention module, as the row-parallel layer's own
+            # forward, then the add)
+            part = "residual" if rank == 0 and kernel == "torch" else "plain"
             assert calls == ["norm", part] * 2, calls
             calls.clear()
-            if kv_heads == 2:  # compiled: the fused ops (rank 1's down with no residual) and the sums traced
+            if kv_heads == 2:  # compiled: the fused ops (a down with no residual) and the sums traced
                 compiled = torch.compile(model, backend="aot_eager")
                 with torch.no_grad():
-                    assert_same(compiled(input_ids=ids, use_cache=False).logits, logits(ref, ids), "compiled fused")
+                    assert_same(compiled(input_ids=ids, use_cache=False).logits, logits(ref, ids),
+                                f"compiled fused {what}")
                 assert calls == ["norm", part] * 2, calls
                 calls.clear()
                 torch._dynamo.reset()
@@ -299,48 +308,12 @@ def case_fused_decoder_layers_over_ranks(rank, group):
                 want, fed = _static_decode(ref, ids[:, :3], steps=3)
                 got, _ = _static_decode(model, ids[:, :3], steps=3, tokens=fed)
             for step, (g, w) in enumerate(zip(got, want)):
-                assert_same(g, w, f"static-cache decode step {step} (Hkv={kv_heads})")
+                assert_same(g, w, f"static-cache decode step {step} {what}")
             # the 6-row prefill as above; then each step of each layer: QKV with the rotary and
-            # cache write, O and down both through the layer (residual on rank 0, plain on rank 1)
+            # cache write, O and down both through the layer
             assert calls == ["norm", part] * 2 + ["rope", part, part] * 3 * 2, calls
         finally:
             undo()
-
-
-def case_fused_layers_sum_the_residual(rank, group):
-    """With ``one_shot_kernel="push"`` (on gloo: the push kernel's arithmetic over the
-    collectives, fp32 sum plus the residual) the fused layers' O and down GEMMs add no
-    residual on any rank, only the bias on rank 0, and the sums add it once: the unsharded
-    model's logits in a plain forward, compiled, and in a static-cache decode."""
-    config = llama_config(hidden_size=64, intermediate_size=96, num_key_value_heads=2, attention_bias=True,
-                          mlp_bias=True)
-    config._attn_implementation = "sdpa"
-    model, ref = causal_lm(config), causal_lm(config)
-    report = parallelize(model, group, one_shot_kernel="push")
-    assert report.all_reduce.startswith("nccl (the group's backend is gloo"), report.all_reduce
-    downs = [m for n, m in model.named_modules() if n.endswith(("down_proj", "o_proj"))]
-    assert len(downs) == 4 and all(m.sums_residual and not m.one_shot for m in downs), downs
-    calls: list = []
-    undo = _fused_kernels_on_cpu(calls)
-    try:
-        ids = token_ids(config.vocab_size, (2, 5))
-        assert_same(logits(model, ids), logits(ref, ids), "fused logits, residual in the sum")
-        assert calls == ["norm", "plain"] * 2, calls  # no residual in rank 0's down GEMM either
-        calls.clear()
-        compiled = torch.compile(model, backend="aot_eager")
-        with torch.no_grad():
-            assert_same(compiled(input_ids=ids, use_cache=False).logits, logits(ref, ids), "compiled")
-        assert calls == ["norm", "plain"] * 2, calls
-        calls.clear()
-        torch._dynamo.reset()
-        with torch.no_grad():
-            want, fed = _static_decode(ref, ids[:, :3], steps=3)
-            got, _ = _static_decode(model, ids[:, :3], steps=3, tokens=fed)
-        for step, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"static-cache decode step {step}, residual in the sum")
-        assert calls == ["norm", "plain"] * 2 + ["rope", "plain", "plain"] * 3 * 2, calls
-    finally:
-        undo()
 
 
 def case_compiled_fullgraph(rank, group):
@@ -360,7 +333,7 @@ def case_compiled_fullgraph(rank, group):
 CASES = {f.__name__[len("case_"):]: f for f in (
     case_mlp_layer_with_bias_on_a_mesh, case_attention_layer_with_biases, case_llama_gqa_one_kv_head,
     case_qwen2_padded_vocab_state_dict, case_mistral_logits, case_tied_lm_head_stays_whole,
-    case_fused_decoder_layers_over_ranks, case_fused_layers_sum_the_residual, case_compiled_fullgraph)}
+    case_fused_decoder_layers_over_ranks, case_compiled_fullgraph)}
 
 
 def _worker(rank: int, port: int, out_dir: str, backend: str, cases: list) -> None:

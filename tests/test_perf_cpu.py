@@ -84,6 +84,21 @@ def test_attention_figure_skipped_with_a_note_without_its_rows(tmp_path):
     assert "tflops_vs_m.png" in {p.name for p in written}
 
 
+def test_tensor_parallel_and_error_only_csvs(tmp_path):
+    """A bench_tp CSV gets the tensor-parallel figure, not the end-to-end one; a bench_tp or
+    bench_e2e CSV of error modes only (no timed row) gets none, with a note, and stops nothing."""
+    tp_csv = Path(__file__).resolve().parents[1] / "perf/results/h200x2/tp_h200x2.csv"
+    errors = Path(__file__).resolve().parents[1] / "perf/results/h200/tp_errors_one_gpu_h200.csv"
+    e2e_errors = tmp_path / "e2e_errors.csv"
+    write_rows(str(e2e_errors), [r for r in read_rows(str(Path(__file__).resolve().parents[1]
+                                                         / "perf/results/h200/e2e_h200.csv"))
+                                 if r["mode"] in ("logits_error", "decode_error")])
+    notes: list = []
+    written = make_all_plots([str(tp_csv), str(errors), str(e2e_errors)], tmp_path / "out", log=notes.append)
+    assert [p.name for p in written] == ["tp.png"] and written[0].read_bytes()[:8] == PNG_MAGIC
+    assert sum("no timed rows" in n for n in notes) == 2, notes
+
+
 def test_two_gpus_in_one_csv_give_one_figure_each(tmp_path):
     rows = read_rows(str(FIXTURE))
     other = [dict(r, gpu="NVIDIA H100 80GB HBM3") for r in rows if r["method"] == "gpu"]
