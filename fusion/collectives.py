@@ -12,9 +12,10 @@ by every call; it is allocated and exchanged once (:func:`enable_one_shot`, a co
 before any CUDA graph is captured.
 
 The order of the sum is rank 0 + rank 1 + ... on every rank, so every rank gets the same
-bits, run after run. Messages the one-shot kernel cannot take (other dtypes than bf16 and
-fp32, larger than the buffer, not a multiple of 16 bytes) go to NCCL, as does everything on a
-group where symmetric memory is not enabled (gloo, CPU, a torch without it).
+bits, run after run. Messages the one-shot kernel cannot take go to NCCL (torch's: other
+dtypes than bf16 and fp32, larger than the buffer, not a multiple of 16 bytes; the push
+kernel's: other dtypes than fp16, bf16 and fp32, larger than the buffer), as does everything
+on a group where symmetric memory is not enabled (gloo, CPU, a torch without it).
 
 Two one-shot kernels can serve a group (``kernel`` of :func:`enable_one_shot`): ``"torch"``,
 the op above, and ``"push"``, hybridgemm's own (:mod:`hybridgemm.kernels.triton_push_sum`):
@@ -53,15 +54,18 @@ _KERNEL: dict[str, str] = {}  # group name -> "torch" or "push"
 _PUSH: dict[str, tuple] = {}
 
 
-def one_shot_unavailable(group: dist.ProcessGroup) -> str | None:
-    """Why the one-shot all-reduce cannot serve ``group`` here, or None when it can."""
+def one_shot_unavailable(group: dist.ProcessGroup, kernel: str = "torch") -> str | None:
+    """Why one-shot ``kernel`` cannot serve ``group`` here, or None when it can."""
     if dist.get_backend(group) != "nccl":  # first: a gloo group never initialises CUDA here
         return f"the group's backend is {dist.get_backend(group)}, not nccl"
     if not torch.cuda.is_available():
         return "no CUDA device"
     try:
-        importlib.import_module("torch.distributed._symmetric_memory")
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out  # noqa: B018
+        symm_mem = importlib.import_module("torch.distributed._symmetric_memory")
+        if kernel == "torch":
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out  # noqa: B018
+        else:  # the push kernel needs only the buffers and their exchange
+            symm_mem.empty, symm_mem.rendezvous  # noqa: B018
     except (ImportError, AttributeError, RuntimeError) as e:
         return f"this torch has no symmetric-memory one-shot all-reduce ({type(e).__name__}: {e})"
     return None
@@ -88,7 +92,7 @@ def enable_one_shot(group: dist.ProcessGroup, max_bytes: int = ONE_SHOT_MAX_BYTE
         raise ValueError(f"hybridgemm.collectives: one-shot kernel {kernel!r} is not one of {ONE_SHOT_KERNELS}")
     if max_bytes <= 0:
         return "disabled (max_bytes <= 0)"
-    why = one_shot_unavailable(group)
+    why = one_shot_unavailable(group, kernel)
     if why is not None:
         return why
     name = group.group_name
@@ -157,6 +161,17 @@ def fits_one_shot(y: Tensor, group_name: str) -> bool:
     return y.dtype in ONE_SHOT_DTYPES and 0 < nbytes <= cap and nbytes % 16 == 0
 
 
+def _buffer_for(y: Tensor, group_name: str) -> Tensor:
+    """The group's symmetric buffer; a RuntimeError when ``y`` is on another device than it."""
+    buf = _BUFFERS[group_name]
+    if y.device != buf.device:
+        raise RuntimeError(
+            f"hybridgemm.parallel: the one-shot buffer of process group {group_name!r} is on {buf.device}, "
+            f"but this rank's tensor is on {y.device}: call torch.cuda.set_device(local_rank) before "
+            "parallelize and keep the model on that device, or parallelize with one_shot_bytes=0")
+    return buf
+
+
 def _nccl_sum(y: Tensor, group_name: str) -> Tensor:
     out = y.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=dist.distributed_c10d._resolve_process_group(group_name))
@@ -174,12 +189,7 @@ def tp_sum(y: Tensor, group_name: str) -> Tensor:
     ``y`` on another GPU than the buffer is a RuntimeError."""
     nbytes = y.numel() * y.element_size()
     if fits_one_shot(y, group_name):
-        buf = _BUFFERS[group_name]
-        if y.device != buf.device:
-            raise RuntimeError(
-                f"hybridgemm.parallel: the one-shot buffer of process group {group_name!r} is on {buf.device}, "
-                f"but this rank's tensor is on {y.device}: call torch.cuda.set_device(local_rank) before "
-                "parallelize and keep the model on that device, or parallelize with one_shot_bytes=0")
+        buf = _buffer_for(y, group_name)
         if not (y.is_contiguous() and y.storage_offset() == 0 and y.data_ptr() % 16 == 0):
             y = y.clone(memory_format=torch.contiguous_format)  # new storage: offset 0, allocator-aligned
         out = torch.empty_like(y, memory_format=torch.contiguous_format)
@@ -212,11 +222,7 @@ def tp_sum_residual(y: Tensor, residual: Tensor, group_name: str) -> Tensor:
     if not push_fits(y, group_name):
         raise ValueError(f"hybridgemm.collectives: tp_sum_residual needs the push kernel on group {group_name!r} "
                          f"and a message it takes ({tuple(y.shape)} {y.dtype})")
-    buf = _BUFFERS[group_name]
-    if y.device != buf.device:
-        raise RuntimeError(f"hybridgemm.parallel: the one-shot buffer of process group {group_name!r} is on "
-                           f"{buf.device}, but this rank's tensor is on {y.device}: call torch.cuda.set_device"
-                           "(local_rank) before parallelize and keep the model on that device")
+    _buffer_for(y, group_name)
     y = y.contiguous()
     residual = residual.contiguous()  # push_sum checks its shape and dtype against y
     table, epochs, rank, world, _ = _PUSH[group_name]
@@ -231,7 +237,13 @@ def _(y: Tensor, residual: Tensor, group_name: str) -> Tensor:
 
 def release(group_name: str) -> None:
     """Forget ``group_name``'s buffer (for a group about to be destroyed): later sums over a
-    group of that name use NCCL until :func:`enable_one_shot` is called for it again."""
+    group of that name use NCCL until :func:`enable_one_shot` is called for it again. Waits
+    for this rank's queued work on the buffer's device first: a push kernel still queued
+    reads the peers' mappings and the address table that go with the buffer. CUDA graphs
+    captured with the buffer must not be replayed after it."""
+    buf = _BUFFERS.get(group_name)
+    if buf is not None and buf.is_cuda:
+        torch.cuda.synchronize(buf.device)
     for table in (_CAPACITY, _BUFFERS, _GROUPS, _KERNEL, _PUSH):
         table.pop(group_name, None)
 

@@ -23,8 +23,11 @@ its call ``e - 2`` had finished reading that same slot (kernels on a stream fini
 order). A flag is compared for equality, so the int32 counts may wrap.
 
 Every rank must make the same sequence of calls with the same sizes: a program waits for
-the same program of every other rank. The flags and counters start at zero (the caller
-zeroes them on every rank, then synchronises the ranks once, before the first sum).
+the same program of every other rank. Progress needs every program of a call to become
+resident on each GPU (at most :data:`MAX_PROGRAMS` of 4 warps, a fraction of one wave of an
+H200): a program waits for its peers, never for another program of its own rank. The flags
+and counters start at zero (the caller zeroes them on every rank, then synchronises the ranks
+once, before the first sum).
 
 The sum is fp32 in rank order ``y_0 + y_1 + ...``, plus ``residual`` when one is given (this
 rank's own tensor, the same on every rank: a decoder layer's residual stream), then rounded
@@ -42,8 +45,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .triton_common import Launcher, device_facts, interpreting, pdl_enabled
 
-__all__ = ["CHUNK_BYTES", "DTYPES", "FLAG_BYTES", "MAX_PROGRAMS", "MAX_WORLD", "buffer_bytes", "group_why_not",
-           "push_sum", "why_not"]
+__all__ = ["CHUNK_BYTES", "DTYPES", "FLAG_BYTES", "MAX_PROGRAMS", "MAX_WORLD", "buffer_bytes", "flag_view",
+           "group_why_not", "push_sum", "why_not"]
 
 CHUNK_BYTES = 2048  # one 16-byte vector per thread of 4 warps: the message a program moves
 MAX_WORLD = 8
@@ -55,6 +58,12 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def buffer_bytes(world: int, capacity: int) -> int:
     """Bytes of the symmetric buffer each rank needs for sums of up to ``capacity`` bytes."""
     return FLAG_BYTES + 2 * world * capacity
+
+
+def flag_view(buf: torch.Tensor, world: int) -> torch.Tensor:
+    """The int32 flags ``[2 parities][world][MAX_PROGRAMS]`` at the start of a rank's uint8
+    buffer (the layout above)."""
+    return buf[:FLAG_BYTES].view(torch.int32)[: 2 * world * MAX_PROGRAMS].view(2, world, MAX_PROGRAMS)
 
 
 @triton.jit
@@ -173,8 +182,8 @@ def push_sum(y: torch.Tensor, out: torch.Tensor, table: torch.Tensor, epochs: to
     # the launcher skips Triton's per-call specialisation: every integer value and pointer
     # alignment it would specialise on is in the key
     res = out if residual is None else residual  # a placeholder pointer without one
-    key = (y.device, y.dtype, n, rank, world, capacity, pdl, residual is not None, y.data_ptr() % 16,
-           out.data_ptr() % 16, res.data_ptr() % 16)
+    key = (y.device, y.dtype, n, rank, world, capacity, pdl, residual is not None,
+           *(t.data_ptr() % 16 for t in (y, out, res, table, epochs)))
     launch = _LAUNCHERS.get(key)
     if launch is None:
         meta = dict(RANK=rank, WORLD=world, CAP=capacity // y.element_size(), CHUNK=chunk, MAXP=MAX_PROGRAMS,

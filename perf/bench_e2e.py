@@ -26,9 +26,10 @@ one process. Modes, each at every ``--batch`` (prefill at batch 1), after a prom
   at once.
 - ``decode_error``: the same error over the logits a decode loop computes
   (:func:`~hybridgemm.perf.e2e_models.decode_logits`: a :data:`DECODE_PROMPT`-token prompt
-  into a ``StaticCache``, then one token per eager forward, teacher forced with the fixed
-  tokens of a :data:`DECODE_SHAPE` batch), which is the path the patched model's fused decode
-  kernels take (``logits_error``'s 128 rows take the unfused one).
+  into a ``StaticCache``, its last logits, then one token per eager forward, teacher forced
+  with the fixed tokens of a :data:`DECODE_SHAPE` batch: 31 of the 32 positions compared),
+  which is the path the patched model's fused decode kernels take (``logits_error``'s 128 rows
+  and the prompt take the unfused one).
 
 Stock and patched: two instances of the model with the same weights (the second built, loaded
 with the first's state dict, then patched in place). Keeping both is what lets the variants
@@ -88,7 +89,8 @@ PROMPT_LEN = 32  # context before the timed decode steps
 WARMUP = 3  # decode steps before timing: compilation, then CUDA-graph warm-up and recording
 PREFILL_PER_ROUND = 3
 LOGITS_SHAPE = (2, 64)
-DECODE_SHAPE, DECODE_PROMPT = (2, 64), 32  # 32 one-token steps after a 32-token prompt
+# decode_error: 32 positions' logits, the 32-token prompt's last, then 31 one-token steps
+DECODE_SHAPE, DECODE_PROMPT = (2, 64), 32
 SEED = 0
 COMPILE = {"mode": "reduce-overhead", "fullgraph": True}
 KEY = ("gpu", "model", "layers", "mode", "batch", "variant")

@@ -37,8 +37,9 @@ off), skipped with a note when that copy does not fit the GPU. Default: ``compil
 prefill logits_error``. On the CPU the compiled mode is skipped (``reduce-overhead`` is CUDA
 graphs), with a note, unless ``--compile-backend`` names a backend to trace with (tests use
 ``eager``). ``--one-gpu`` (gloo only) puts every rank on GPU 0, for the error modes alone
-where one GPU is all there is: the numbers are those of two GPUs (the same kernels and sums),
-the timings would not be, so no timed mode runs with it.
+where one GPU is all there is: the numbers are those of two GPUs (the same GEMM and attention
+kernels; the sums over gloo with the one-shot kernels' arithmetic: fp32, rank order, one
+rounding), the timings would not be, so no timed mode runs with it.
 
 The ranks run in lockstep: both set each mode up and run each round, a gloo barrier before
 every round; after each step they exchange their errors (perf/tp_ranks.py's
@@ -477,7 +478,8 @@ def main(argv=None) -> int:
             compile_options = {"backend": args.compile_backend, "fullgraph": True}
         run = E.Run(args.model, config, device, args.batch, args.tokens, args.prefill, args.rounds, args.modes,
                     compile_options=compile_options, extra=extra, log=log)
-        log(f"{command_line(args, world)} on {world} x {gpu}, {args.backend}, torch {torch.__version__}, "
+        where = f"{world} ranks sharing one {gpu}" if args.one_gpu else f"{world} x {gpu}"
+        log(f"{command_line(args, world)} on {where}, {args.backend}, torch {torch.__version__}, "
             f"transformers {transformers.__version__}")
         res = run_tp(run, ranks, args.variants, on_rows=lambda rows: E.upsert(out, rows, COLUMNS, KEY))
         failed = ranks.agree(RuntimeError("errors") if res.errors else None) is not None

@@ -22,6 +22,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
+def rank_order_sum(parts: list[torch.Tensor], residual: torch.Tensor | None = None) -> torch.Tensor:
+    """What a tensor-parallel sum of ``parts`` (one per rank) must give: their fp32 sum in rank
+    order, plus ``residual``, rounded once to their dtype."""
+    acc = torch.zeros(parts[0].shape, dtype=torch.float32, device=parts[0].device)
+    for p in parts:
+        acc += p.float()
+    if residual is not None:
+        acc += residual.float()
+    return acc.to(parts[0].dtype)
+
+
 def assert_chain_reads_its_producer(chain, expected, x0: torch.Tensor, out: torch.Tensor,
                                     bound: float = 1.5e-2, calls: int = 20) -> None:
     """A chain of kernel calls, each reading the last one's output, against ``expected(x0)``:

@@ -28,6 +28,7 @@ import traceback
 
 import torch
 
+from helpers import rank_order_sum  # tests/ is this script's folder, first on sys.path
 from hybridgemm.kernels import triton_push_sum as ps
 
 
@@ -44,8 +45,7 @@ class Loopback:
         torch.cuda.synchronize()
 
     def flags(self, rank: int) -> torch.Tensor:
-        return self.bufs[rank][:ps.FLAG_BYTES].view(torch.int32)[: 2 * self.world * ps.MAX_PROGRAMS].view(
-            2, self.world, ps.MAX_PROGRAMS)
+        return ps.flag_view(self.bufs[rank], self.world)
 
     def prime(self, calls) -> None:
         """Compile and load the kernel of every (rank, operands) that ``calls`` (lists of
@@ -91,13 +91,7 @@ class Loopback:
         return ps.push_sum(y, out, self.table, self.epochs[r], r, self.world, self.capacity, residual)
 
 
-def expected(ys: list[torch.Tensor], residual: torch.Tensor | None = None) -> torch.Tensor:
-    acc = torch.zeros(ys[0].shape, dtype=torch.float32, device=ys[0].device)
-    for y in ys:
-        acc += y.float()
-    if residual is not None:
-        acc += residual.float()
-    return acc.to(ys[0].dtype)
+expected = rank_order_sum
 
 
 SIZES = [1, 3, 17, 1000, 4096, 3 * 1001, 8 * 4096, 17 * 1000]  # elements; odd sizes end mid-chunk
@@ -106,7 +100,8 @@ SIZES = [1, 3, 17, 1000, 4096, 3 * 1001, 8 * 4096, 17 * 1000]  # elements; odd s
 def random_sequences(world: str, pdl: str) -> None:
     """200 calls of random sizes and dtypes, a residual in about half, back to back, with
     random delays on random ranks' streams between calls, so that ranks run ahead and behind
-    each other."""
+    each other. ``pdl`` "1" launches with programmatic dependent launch where the GPU has it
+    (Hopper and later: triton_common.pdl_enabled), "0" without."""
     saved = os.environ.get("HYBRIDGEMM_PDL")
     os.environ["HYBRIDGEMM_PDL"] = pdl  # read when a launch is planned
     try:
@@ -151,8 +146,8 @@ def _random_sequences(world: int, pdl: str) -> None:
 
 
 def one_rank_far_behind() -> None:
-    """Rank 1 starts 10 ms late, then every call of rank 0 waits for it: no result is lost or
-    taken from the wrong call."""
+    """Rank 1 starts about 5 ms late (10^7 GPU cycles), then every call of rank 0 waits for it:
+    no result is lost or taken from the wrong call."""
     group = Loopback(2, 64 * 1024)
     calls = [[torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for _ in range(64)]
     group.prime([[(c[0], None), (c[1], None)] for c in calls[:1]])

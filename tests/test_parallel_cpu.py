@@ -28,6 +28,7 @@ from torch import nn
 from torch.multiprocessing.spawn import ProcessException
 
 import hybridgemm
+from helpers import rank_order_sum
 from hybridgemm.parallel import (
     RowParallelLinear,
     VocabParallelLinear,
@@ -316,6 +317,38 @@ def case_fused_decoder_layers_over_ranks(rank, group):
             undo()
 
 
+def case_residual_sum_is_the_rank_order_sum(rank, group):
+    """Where the push kernel cannot take a sum (here: gloo), ``sum_parts_residual`` computes
+    what the kernel does, bit for bit: the ranks' bf16 parts summed in fp32 in rank order, the
+    residual added, one rounding; eagerly and compiled. ``tp_sum_residual`` itself refuses a
+    group without the push kernel."""
+    from hybridgemm import collectives
+
+    torch.manual_seed(SEED)
+    model = randomize(MlpWithHead())
+    parallelize(model, group, patch=False, one_shot_kernel="push")
+    down = model.down_proj
+    assert isinstance(down, RowParallelLinear) and down.sums_residual and not down.one_shot
+    gen = torch.Generator().manual_seed(50 + rank)  # each rank its own part
+    same = torch.Generator().manual_seed(60)  # the residual: the same on every rank
+    compiled = torch.compile(down.sum_parts_residual, fullgraph=True, backend="aot_eager")
+    for shape in ((1, 32), (3, 5, 32), (17, 32)):
+        y = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        r = (torch.randn(shape, generator=same) * 64).to(torch.bfloat16)
+        parts = [torch.empty_like(y) for _ in range(2)]
+        dist.all_gather(parts, y, group=group)
+        want = rank_order_sum(parts, r)
+        with torch.no_grad():
+            assert torch.equal(down.sum_parts_residual(y, r), want), shape
+            assert torch.equal(compiled(y, r), want), f"compiled {shape}"
+        # the other order, the residual rounded into rank 0's part first, differs somewhere
+        other = rank_order_sum([(parts[0].float() + r.float()).to(torch.bfloat16), parts[1]])
+        assert not torch.equal(other, want), shape
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="tp_sum_residual needs the push kernel"):
+        collectives.tp_sum_residual(y, r, group.group_name)
+
+
 def case_compiled_fullgraph(rank, group):
     """Row-parallel MLP and vocab-parallel head under torch.compile(fullgraph=True)."""
     torch.manual_seed(SEED)
@@ -333,7 +366,7 @@ def case_compiled_fullgraph(rank, group):
 CASES = {f.__name__[len("case_"):]: f for f in (
     case_mlp_layer_with_bias_on_a_mesh, case_attention_layer_with_biases, case_llama_gqa_one_kv_head,
     case_qwen2_padded_vocab_state_dict, case_mistral_logits, case_tied_lm_head_stays_whole,
-    case_fused_decoder_layers_over_ranks, case_compiled_fullgraph)}
+    case_fused_decoder_layers_over_ranks, case_residual_sum_is_the_rank_order_sum, case_compiled_fullgraph)}
 
 
 def _worker(rank: int, port: int, out_dir: str, backend: str, cases: list) -> None:
@@ -547,6 +580,15 @@ def test_one_shot_needs_an_enabled_nccl_group(fake_group):
     model = causal_lm(llama_config())
     report = parallelize(model, group, one_shot_bytes=0, patch=False)
     assert report.attention and report.all_reduce == "nccl (disabled (max_bytes <= 0))", report.all_reduce
+    # an unknown one-shot kernel: a clear error, nothing changed
+    with pytest.raises(ValueError, match=r"one-shot kernel 'nvls' is not one of \('torch', 'push'\)"):
+        collectives.enable_one_shot(group, kernel="nvls")
+    fresh = causal_lm(llama_config())
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match="one_shot_kernel must be one of"):
+        parallelize(fresh, group, one_shot_kernel="nvls")
+    after = fresh.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
 
 
 def test_lazy_exports():

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from test_parallel_cpu import assert_ranks_ok, llama_config, randomize, run_on_two_ranks, token_ids
 
-from helpers import FLOORS, rel_err
+from helpers import FLOORS, rank_order_sum, rel_err
 from hybridgemm.parallel import RowParallelLinear, VocabParallelLinear, parallelize
 
 pytestmark = [
@@ -233,12 +233,7 @@ def _rank_order_sum(y, residual=None):
     """The fp32 sum of every rank's ``y`` in rank order (+ ``residual``), rounded once."""
     parts = [torch.empty_like(y) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, y.contiguous())
-    acc = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
-    for p in parts:
-        acc += p.float()
-    if residual is not None:
-        acc += residual.float()
-    return acc.to(y.dtype)
+    return rank_order_sum(parts, residual)
 
 
 def case_push_sum_is_the_rank_order_sum(rank, group):

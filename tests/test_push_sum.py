@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import rank_order_sum
 from hybridgemm.kernels import triton_push_sum as ps
 from hybridgemm.kernels.triton_common import interpreting
 
@@ -31,8 +32,7 @@ class Group:
         self.epochs = [torch.zeros(ps.MAX_PROGRAMS, dtype=torch.int32) for _ in range(world)]
 
     def flags(self, rank: int) -> torch.Tensor:
-        return self.bufs[rank][:ps.FLAG_BYTES].view(torch.int32)[: 2 * self.world * ps.MAX_PROGRAMS].view(
-            2, self.world, ps.MAX_PROGRAMS)
+        return ps.flag_view(self.bufs[rank], self.world)
 
     def slots(self, rank: int, dtype: torch.dtype) -> torch.Tensor:
         return self.bufs[rank][ps.FLAG_BYTES:].view(dtype).view(2, self.world, -1)
@@ -59,13 +59,7 @@ class Group:
         return outs
 
 
-def _expected(ys: list[torch.Tensor], residual: torch.Tensor | None = None) -> torch.Tensor:
-    acc = torch.zeros(ys[0].shape, dtype=torch.float32)
-    for y in ys:  # rank order, fp32, rounded once
-        acc += y.float()
-    if residual is not None:
-        acc += residual.float()
-    return acc.to(ys[0].dtype)
+_expected = rank_order_sum
 
 
 # bf16: the interpreter truncates fp32 -> bf16 where the GPU rounds; the GPU test covers it
