@@ -24,9 +24,10 @@ import push_loopback  # noqa: E402 (the scenario names)
 TIMEOUT_S = 300  # every scenario, compilation included, takes well under a minute; a hang ends here
 
 
-@pytest.fixture(scope="module")
-def loopback_results() -> tuple[dict, str]:
-    """{scenario: "ok" or its traceback} of one run of every scenario, and its output."""
+def test_every_loopback_scenario():
+    """Every scenario of tests/push_loopback.py, in one process: one test, so that pytest-xdist
+    never runs two of these processes at once (their ranks' kernels wait for each other, and
+    on a shared GPU another such process only takes turns with them)."""
     env = {**os.environ, "CUDA_MODULE_LOADING": "EAGER", "PYTHONUNBUFFERED": "1"}
     try:
         done = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True,
@@ -40,11 +41,7 @@ def loopback_results() -> tuple[dict, str]:
         if line.startswith("{"):
             rec = json.loads(line)
             results[rec["scenario"]] = rec["result"]
-    return results, err[-4000:]
-
-
-@pytest.mark.parametrize("name", list(push_loopback.SCENARIOS))
-def test_loopback_scenario(loopback_results, name):
-    results, err = loopback_results
-    assert name in results, f"{name} did not finish (an earlier scenario hung or the process died): {err}"
-    assert results[name] == "ok", results[name]
+    missing = [name for name in push_loopback.SCENARIOS if name not in results]
+    failed = {name: res for name, res in results.items() if res != "ok"}
+    assert not missing and not failed, (f"did not finish (an earlier scenario hung or the process died): {missing}; "
+                                        f"failed: {failed}; stderr: {err[-3000:]}")
