@@ -168,6 +168,21 @@ def _nccl_sum(t):
     return out
 
 
+def _back_to_back_sums(rank, name, gen, reference, what):
+    """32 one-shot sums of distinct data back to back, rank 1 starting late: a rank must not
+    overwrite its buffer while the other still reads it. Each equals ``reference(y)``."""
+    from hybridgemm import collectives
+
+    ys = [torch.randn(2, 4096, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(32)]
+    expected = [reference(y) for y in ys]
+    torch.cuda.synchronize()
+    if rank == 1:
+        torch.cuda._sleep(50_000_000)
+    got = [collectives.tp_sum(y, name) for y in ys]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert torch.equal(g, e), f"back-to-back call {i} differs from {what}"
+
+
 def case_one_shot_sum_is_nccls_sum(rank, group):
     """parallelize enables the one-shot all-reduce; its sums are bit-identical to NCCL's for
     bf16 and fp32 at odd sizes, eagerly, back to back with one rank running late, and replayed
@@ -192,16 +207,7 @@ def case_one_shot_sum_is_nccls_sum(rank, group):
             nbytes = y.numel() * y.element_size()
             staged = buf[:nbytes].view(dtype).view(shape)
             assert torch.equal(staged, y), "the sum did not go through the symmetric buffer"
-    # back to back with distinct data, rank 1 delayed: a rank must not overwrite its buffer
-    # while the other still reads it
-    ys = [torch.randn(2, 4096, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(32)]
-    expected = [_nccl_sum(y) for y in ys]
-    torch.cuda.synchronize()
-    if rank == 1:
-        torch.cuda._sleep(50_000_000)
-    got = [collectives.tp_sum(y, name) for y in ys]
-    for i, (g, e) in enumerate(zip(got, expected)):
-        assert torch.equal(g, e), f"back-to-back call {i} differs from NCCL's sum"
+    _back_to_back_sums(rank, name, gen, _nccl_sum, "NCCL's sum")
     # captured in a CUDA graph, replayed on new inputs
     x = torch.zeros(4, 4096, device="cuda", dtype=torch.bfloat16)
     collectives.tp_sum(x, name)
@@ -259,14 +265,7 @@ def case_push_sum_is_the_rank_order_sum(rank, group):
             r = torch.randn(shape, generator=same, device="cuda", dtype=dtype) * 16
             assert torch.equal(collectives.tp_sum(y, name), _rank_order_sum(y)), (shape, dtype)
             assert torch.equal(collectives.tp_sum_residual(y, r, name), _rank_order_sum(y, r)), (shape, dtype)
-    ys = [torch.randn(2, 4096, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(32)]
-    expected = [_rank_order_sum(y) for y in ys]
-    torch.cuda.synchronize()
-    if rank == 1:
-        torch.cuda._sleep(50_000_000)
-    got = [collectives.tp_sum(y, name) for y in ys]
-    for i, (g, e) in enumerate(zip(got, expected)):
-        assert torch.equal(g, e), f"back-to-back call {i} differs from the rank-order sum"
+    _back_to_back_sums(rank, name, gen, _rank_order_sum, "the rank-order sum")
     x = torch.zeros(4, 4096, device="cuda", dtype=torch.bfloat16)
     res = torch.zeros_like(x)
     collectives.tp_sum_residual(x, res, name)
