@@ -172,6 +172,12 @@ def _buffer_for(y: Tensor, group_name: str) -> Tensor:
     return buf
 
 
+def _push(y: Tensor, out: Tensor, group_name: str, residual: Tensor | None = None) -> Tensor:
+    """The push kernel's sum of ``y`` (+ ``residual``) over the group, into ``out``."""
+    table, epochs, rank, world, _ = _PUSH[group_name]
+    return push_sum_kernel.push_sum(y, out, table, epochs, rank, world, _CAPACITY[group_name], residual)
+
+
 def _nccl_sum(y: Tensor, group_name: str) -> Tensor:
     out = y.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=dist.distributed_c10d._resolve_process_group(group_name))
@@ -193,10 +199,8 @@ def tp_sum(y: Tensor, group_name: str) -> Tensor:
         if not (y.is_contiguous() and y.storage_offset() == 0 and y.data_ptr() % 16 == 0):
             y = y.clone(memory_format=torch.contiguous_format)  # new storage: offset 0, allocator-aligned
         out = torch.empty_like(y, memory_format=torch.contiguous_format)
-        push = _PUSH.get(group_name)
-        if push is not None:
-            table, epochs, rank, world, _ = push
-            return push_sum_kernel.push_sum(y, out, table, epochs, rank, world, _CAPACITY[group_name])
+        if group_name in _PUSH:
+            return _push(y, out, group_name)
         staged = buf[:nbytes].view(y.dtype).view(y.shape)
         return torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, y, "sum", group_name, out)
     return _nccl_sum(y, group_name)
@@ -224,10 +228,8 @@ def tp_sum_residual(y: Tensor, residual: Tensor, group_name: str) -> Tensor:
                          f"and a message it takes ({tuple(y.shape)} {y.dtype})")
     _buffer_for(y, group_name)
     y = y.contiguous()
-    residual = residual.contiguous()  # push_sum checks its shape and dtype against y
-    table, epochs, rank, world, _ = _PUSH[group_name]
-    out = torch.empty_like(y)
-    return push_sum_kernel.push_sum(y, out, table, epochs, rank, world, _CAPACITY[group_name], residual)
+    # push_sum checks the residual's shape and dtype against y
+    return _push(y, torch.empty_like(y), group_name, residual.contiguous())
 
 
 @tp_sum_residual.register_fake

@@ -366,26 +366,37 @@ def logits_rows(run: Run, mode: str, stock, patched, ref: torch.Tensor | BaseExc
     return rows
 
 
-def fp32_logits(run: Run, stock, jobs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | BaseException]:
-    """Per error mode of ``jobs`` (mode: ids), the logits of an fp32 copy of ``stock`` (its
-    state dict), TF32 off, or the exception; the copy is freed."""
+def fp32_error_logits(run: Run, build: Callable[[], torch.nn.Module], jobs: dict[str, torch.Tensor]
+                      ) -> dict[str, torch.Tensor | BaseException]:
+    """Per error mode of ``jobs`` (mode: ids), the logits of the fp32 model ``build()`` makes,
+    TF32 off, or the exception (the build's, for every mode); the model is freed after."""
+    model = None
     try:
-        ref_model = hf.build_model(run.config, torch.float32, run.device)
-        ref_model.load_state_dict(stock.state_dict())
-    except Exception as e:  # noqa: BLE001 (each mode's rows record it)
-        return {mode: e.with_traceback(None) for mode in jobs}
-    out: dict[str, torch.Tensor | BaseException] = {}
-    try:
+        try:
+            model = build()
+        except Exception as e:  # noqa: BLE001 (each mode's rows record it)
+            return {mode: e.with_traceback(None) for mode in jobs}
+        out: dict[str, torch.Tensor | BaseException] = {}
         for mode, ids in jobs.items():
             try:
                 with torch.no_grad(), _no_tf32():
-                    out[mode] = error_logits(mode, ref_model, ids)
+                    out[mode] = error_logits(mode, model, ids)
             except Exception as e:  # noqa: BLE001
                 out[mode] = e.with_traceback(None)
         return out
     finally:
-        del ref_model
+        model = None
         _free(run.device)
+
+
+def fp32_logits(run: Run, stock, jobs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | BaseException]:
+    """:func:`fp32_error_logits` of an fp32 copy of ``stock`` (its state dict)."""
+    def copy():
+        ref_model = hf.build_model(run.config, torch.float32, run.device)
+        ref_model.load_state_dict(stock.state_dict())
+        return ref_model
+
+    return fp32_error_logits(run, copy, jobs)
 
 
 def run_e2e(run: Run, on_rows: Callable[[list[dict]], None] | None = None) -> Result:

@@ -241,27 +241,13 @@ def build(run: E.Run, variant: str, ranks: Ranks) -> Built:
 def fp32_reference(run: E.Run, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | BaseException]:
     """Per error mode of ``ids`` (mode: tokens, perf/bench_e2e.py's ``ERROR_MODES``), its
     logits by an fp32 copy of the whole model (the bf16 values; TF32 off), or the exception;
-    the copy is freed after."""
-    try:
+    the copy is freed after (bench_e2e's :func:`~hybridgemm.perf.bench_e2e.fp32_error_logits`)."""
+    def whole_fp32():
         model, shapes, norms = meta_model(run, torch.float32)
         fill(model, shapes, norms, run.config, run.device, torch.float32, run.dtype)
-        model.eval()
-    except Exception as e:  # noqa: BLE001 (each mode's rows record it)
-        model = None
-        E._free(run.device)
-        return {m: e.with_traceback(None) for m in ids}
-    out: dict[str, torch.Tensor | BaseException] = {}
-    try:
-        for mode, tok in ids.items():
-            try:
-                with torch.no_grad(), E._no_tf32():
-                    out[mode] = E.error_logits(mode, model, tok)
-            except Exception as e:  # noqa: BLE001
-                out[mode] = e.with_traceback(None)
-        return out
-    finally:
-        del model
-        E._free(run.device)
+        return model.eval()
+
+    return E.fp32_error_logits(run, whole_fp32, ids)
 
 
 def full_bytes(run: E.Run, dtype: torch.dtype) -> int:
