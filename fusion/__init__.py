@@ -15,7 +15,7 @@ from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.version import __version__
 from hybridgemm.linear_layer import HybridLinear, linear
 from hybridgemm.mlp import gated_linear
-from hybridgemm.patching import PatchReport, patch, unpatch
+from hybridgemm.models.patching import PatchReport, patch, unpatch
 
 _PARALLEL = ("ParallelReport", "load_full_state_dict", "parallelize")
 

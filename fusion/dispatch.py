@@ -197,7 +197,7 @@ def decision_for(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """What the current mode runs for ``out = x2 @ weight.T + bias`` (x2 (M, K) and ``weight``
     row-major, ``out`` (M, N) contiguous, CUDA, a kernel dtype, no activation): the decision
     :func:`fused_linear` takes for these operands, for callers that fuse more around the same
-    GEMM (fusion/decoder_layer.py)."""
+    GEMM (fusion/models/decoder_layer.py)."""
     problem = Problem.from_tensors(x2, weight, bias, out, Epilogue(Activation.NONE, bias is not None),
                                    decide.uses_tf32(x2.dtype))
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()

@@ -1,6 +1,6 @@
 """Several ``nn.Linear`` children of one module that read the same input, run as ONE GEMM over
 their stacked weights: Q/K/V of an attention module (``qkv_proj``), gate/up of a gated MLP
-(``gate_up_proj``). Used by :func:`hybridgemm.patch` (fusion/patching.py, fusion/mlp.py).
+(``gate_up_proj``). Used by :func:`hybridgemm.patch` (fusion/models/patching.py, fusion/mlp.py).
 
 The children are replaced by :class:`FusedSlice` modules backed by one :class:`FusedLinears`
 (registered under the fused name on the parent). The first slice called with an input ``x``
@@ -101,7 +101,7 @@ class FusedLinears(nn.Module):
 
     def seed(self, x: Tensor, y: Tensor) -> None:
         """Take ``y`` as this module's output for ``x``, computed by the caller (a decoder layer
-        that runs the GEMM with its RMSNorm fused, fusion/decoder_layer.py): the slices' next
+        that runs the GEMM with its RMSNorm fused, fusion/models/decoder_layer.py): the slices' next
         calls with ``x`` get their parts of ``y`` without a GEMM."""
         self._rec = (x, _version(x), list(y.split_with_sizes(self.sizes, dim=-1)))
 

@@ -1,7 +1,7 @@
 """Deterministic split-K Triton GEMM for decode-sized M (≤ 64): ``out = act(x @ W.T + b)``,
 optionally with an RMSNorm of x fused in front, a residual added after, and for a Q/K/V
 projection the rotary embedding and the KV-cache write (``run(norm=, residual=, rope=)``, the
-decoder-layer fusion of fusion/decoder_layer.py).
+decoder-layer fusion of fusion/models/decoder_layer.py).
 
 At small M the GEMM is a stream over W (N x K): the kernel's only job is to keep enough
 bytes of W in flight on every SM. N alone gives too few tiles (70b qkv: 160 tiles of 64

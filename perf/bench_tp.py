@@ -15,11 +15,11 @@ memory at a time:
   ranks wait at a barrier of a gloo group (no GPU work, no NCCL timeout). Skipped, with a
   note, when the weights exceed :data:`TP1_MAX_FRACTION` of the GPU's memory (the 80-layer
   Llama-3-70B: ~141 GB).
-- ``tp2_hybridgemm``: ``hybridgemm.parallelize(model, group)``: fusion/parallel.py's
+- ``tp2_hybridgemm``: ``hybridgemm.parallelize(model, group)``: fusion/parallel/tensor_parallel.py's
   column/row-parallel attention and MLP and vocab-parallel LM head, then ``hybridgemm.patch``;
-  row-parallel sums through the one-shot symmetric-memory all-reduce (fusion/collectives.py).
+  row-parallel sums through the one-shot symmetric-memory all-reduce (fusion/parallel/collectives.py).
 - ``tp2_hybridgemm_push``: the same with ``one_shot_kernel="push"``: hybridgemm's one-shot kernel, which
-  also adds the fused layers' residuals in its fp32 sums (fusion/parallel.py).
+  also adds the fused layers' residuals in its fp32 sums (fusion/parallel/tensor_parallel.py).
 - ``tp2_hybridgemm_nccl``: the same with ``one_shot_bytes=0``: every sum on NCCL.
 - ``tp2_stock``: the unpatched model sharded with ``torch.distributed.tensor.parallel``
   (perf/tp_models.py's :func:`shard_stock`): ``ColwiseParallel`` for q/k/v/gate/up,

@@ -1,4 +1,4 @@
-"""The ``bench`` and ``plot`` subcommands of the ``hybridgemm`` command (wired in fusion/cli.py).
+"""The ``bench`` and ``plot`` subcommands of the ``hybridgemm`` command (wired in fusion/cli/commands.py).
 
     hybridgemm bench --model llama3-8b [--m 1 16 ...] [--providers ...] [--dtype bf16] [--out results.csv]
                      [--training] [--plot DIR] [--list-providers]

@@ -47,8 +47,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 import hybridgemm
-from hybridgemm.collectives import ONE_SHOT_MAX_BYTES
 from hybridgemm.parallel import load_full_state_dict
+from hybridgemm.parallel.collectives import ONE_SHOT_MAX_BYTES
 from hybridgemm.perf import bench_e2e as E
 from hybridgemm.perf import e2e_models as hf
 from hybridgemm.perf.tp_ranks import Ranks

@@ -17,8 +17,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"kernels": "hybridgemm.kernels", "autotune_cache": "hybridgemm.autotune_cache", "fusion": "hybridgemm",
            "perf": "hybridgemm.perf"}
-CLI = {"hybridgemm.cli", "hybridgemm.__main__"}
-RANK = {"kernels": 0, "autotune_cache": 1, "fusion": 2, "perf": 3, "cli": 4}
+# Inside fusion/ (the package root, the linear call and its fused projections) the sub-packages
+# stand above it: models (patching, the fused decoder layer) and parallel (which patches too).
+# The package's __init__ gathers the public API from all three.
+SUBPACKAGES = {"hybridgemm.models": "models", "hybridgemm.parallel": "parallel"}
+API = "hybridgemm"
+CLI = "hybridgemm.cli"
+RANK = {"kernels": 0, "autotune_cache": 1, "fusion": 2, "models": 3, "parallel": 4, "api": 5, "perf": 6, "cli": 7}
 # Imports of project modules inside functions, each for a reason: Triton is imported on first
 # use so that `import hybridgemm` works where Triton is absent (the CPU path needs none).
 LAZY_ALLOWED = {
@@ -26,10 +31,10 @@ LAZY_ALLOWED = {
     ("hybridgemm.modes", "hybridgemm.kernels.triton_gemm"),
     ("hybridgemm.kernels.backends", "hybridgemm.kernels.triton_common"),
     ("hybridgemm.mlp", "hybridgemm.kernels.triton_glu"),
-    ("hybridgemm.decoder_layer", "hybridgemm.kernels.triton_glu"),
-    ("hybridgemm.decode_attention", "hybridgemm.kernels.triton_rope"),
-    ("hybridgemm.decode_attention", "hybridgemm.kernels.triton_splitk"),
-    ("hybridgemm.decode_attention", "hybridgemm.kernels.triton_decode_attention"),
+    ("hybridgemm.models.decoder_layer", "hybridgemm.kernels.triton_glu"),
+    ("hybridgemm.models.decode_step", "hybridgemm.kernels.triton_rope"),
+    ("hybridgemm.models.decode_step", "hybridgemm.kernels.triton_splitk"),
+    ("hybridgemm.models.decode_step", "hybridgemm.kernels.triton_decode_attention"),
     ("hybridgemm.norm", "hybridgemm.kernels.triton_rmsnorm"),
 }
 
@@ -37,8 +42,12 @@ LAZY_ALLOWED = {
 def _modules() -> dict[str, Path]:
     mods = {}
     for folder, pkg in FOLDERS.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
-            mods[pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"] = path
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            if "tables" not in parts:
+                mods[".".join((pkg, *parts))] = path
     return mods
 
 
@@ -46,8 +55,13 @@ MODULES = _modules()
 
 
 def _layer(mod: str) -> str:
-    if mod in CLI:
+    if mod == CLI or mod.startswith(CLI + ".") or mod == "hybridgemm.__main__":
         return "cli"
+    if mod == API:
+        return "api"
+    for pkg, layer in SUBPACKAGES.items():
+        if mod == pkg or mod.startswith(pkg + "."):
+            return layer
     for folder, pkg in FOLDERS.items():
         if folder != "fusion" and (mod == pkg or mod.startswith(pkg + ".")):
             return folder

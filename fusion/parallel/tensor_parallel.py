@@ -32,7 +32,7 @@ A row-parallel layer adds its bias on rank 0 only, in the GEMM's epilogue (the o
 pass ``bias=None``), so the sum over ranks holds it exactly once. In a decoder layer that
 ``hybridgemm.patch`` fuses, the residual of its down projection (and of its O projection, in
 the static-cache attention step) is added once too, by one of two means
-(fusion/decoder_layer.py; :attr:`RowParallelLinear.sums_residual`):
+(fusion/models/decoder_layer.py; :attr:`RowParallelLinear.sums_residual`):
 
 * with torch's one-shot kernel (``one_shot_kernel="torch"``, the default) rank 0's GEMM adds
   it in the same epilogue as the bias, and the sum adds nothing: no extra kernel, but rank
@@ -53,7 +53,7 @@ attention/MLP module that cannot be split (the report lists it with the reason):
 module computes its full result on every rank, which is correct, only not divided.
 
 Collectives: on an NCCL group, row-parallel sums that fit ``one_shot_bytes`` go through a
-one-shot symmetric-memory all-reduce (:mod:`hybridgemm.collectives`, one kernel, the same bits
+one-shot symmetric-memory all-reduce (:mod:`hybridgemm.parallel.collectives`, one kernel, the same bits
 on every rank): torch's, or hybridgemm's push kernel. Other sums: eager calls use
 ``torch.distributed.all_reduce`` (in place) and ``all_gather``; under ``torch.compile`` the
 functional collectives
@@ -82,6 +82,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybridgemm.autotune_cache.presets import tp_local_heads, tp_split, tp_vocab_rows
+from hybridgemm.linear_layer import PartialSumLinear, linear
+from hybridgemm.models.patching import PatchReport, _check_module
+from hybridgemm.models.patching import patch as _patch
 
 from .collectives import (
     ONE_SHOT_KERNELS,
@@ -93,9 +96,6 @@ from .collectives import (
     tp_sum,
     tp_sum_residual,
 )
-from .linear_layer import PartialSumLinear, linear
-from .patching import PatchReport, _check_module
-from .patching import patch as _patch
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -481,10 +481,10 @@ def parallelize(model: nn.Module, group_or_mesh: dist.ProcessGroup | DeviceMesh 
     rank's q/k/v). Returns a :class:`ParallelReport`.
 
     Row-parallel sums of up to ``one_shot_bytes`` use the one-shot symmetric-memory
-    all-reduce on an NCCL group (:mod:`hybridgemm.collectives`; its buffer is allocated on
+    all-reduce on an NCCL group (:mod:`hybridgemm.parallel.collectives`; its buffer is allocated on
     the model's CUDA device, or the current one for a model not yet on a GPU, so call
     ``torch.cuda.set_device`` first); ``0`` keeps every sum on NCCL. ``one_shot_kernel``:
-    ``"torch"`` (torch's op) or ``"push"`` (hybridgemm's, see :mod:`hybridgemm.collectives`),
+    ``"torch"`` (torch's op) or ``"push"`` (hybridgemm's, see :mod:`hybridgemm.parallel.collectives`),
     which also decides where a fused decoder layer adds its residual (the module docstring
     says how the two differ); ``"push"`` on a group without symmetric memory keeps that
     arithmetic over NCCL or gloo. A later call for the same group with other values replaces

@@ -25,10 +25,12 @@ import os
 import random
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 
-from helpers import rank_order_sum  # tests/ is this script's folder, first on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+from helpers import rank_order_sum  # noqa: E402
 from hybridgemm.kernels import triton_push_sum as ps
 
 

@@ -367,7 +367,7 @@ def test_qwen25_7b_over_two_ranks(tmp_path):
 def _tuned_shapes(monkeypatch, argv):
     """The shapes ``hybridgemm autotune ARGV`` hands the tuner (stopped right there: tuning
     needs a GPU)."""
-    import hybridgemm.cli as cli
+    import hybridgemm.cli.commands as cli
 
     class Stop(Exception):
         pass

@@ -20,7 +20,7 @@ same layout is covered; ``transformers`` is never imported here):
 * transformers' Llama-style RMSNorm modules: one Triton launch in eager inference
   (fusion/norm.py; recognised by class, since the formula is not visible in the structure).
 * transformers' Llama, Qwen2, Qwen3 and Mistral decoder layers whose parts were all patched:
-  at decode sizes their RMSNorms and residual adds run inside the GEMMs (fusion/decoder_layer.py).
+  at decode sizes their RMSNorms and residual adds run inside the GEMMs (fusion/models/decoder_layer.py).
 
 How several linears are fused without re-implementing any forward (:class:`QKVSlice` modules
 standing where the linears stood, backed by one :class:`FusedQKV`; one GEMM per input, each
@@ -74,22 +74,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .attention import HybridMultiheadAttention
-from .decode_attention import why_not_fuse_attention
-from .decoder_layer import (
-    ATTENTION_STEP,
-    COUNTER_SLOTS,
-    COUNTERS,
-    NOT_A_LAYER,
-    ResidualLinear,
-    fused_class,
-    why_not_fuse_layer,
-)
-from .fused_rows import SEQ as _SEQ
-from .fused_rows import UNDO_ATTR as _UNDO_ATTR
-from .fused_rows import FusedLinears, FusedSlice, fuse, qual, record, records, unfuse, why_not_fuse
-from .linear_layer import HybridLinear, linear
-from .mlp import (
+from hybridgemm.attention import HybridMultiheadAttention
+from hybridgemm.fused_rows import SEQ as _SEQ
+from hybridgemm.fused_rows import UNDO_ATTR as _UNDO_ATTR
+from hybridgemm.fused_rows import FusedLinears, FusedSlice, fuse, qual, record, records, unfuse, why_not_fuse
+from hybridgemm.linear_layer import HybridLinear, linear
+from hybridgemm.mlp import (
     FUSED_GATE_UP,
     GATED_NAMES,
     HybridConvMLP,
@@ -100,7 +90,18 @@ from .mlp import (
     intermediate_act,
     is_lm_head,
 )
-from .norm import HybridRMSNorm, is_rms_norm
+from hybridgemm.norm import HybridRMSNorm, is_rms_norm
+
+from .decode_step import why_not_fuse_attention
+from .decoder_layer import (
+    ATTENTION_STEP,
+    COUNTER_SLOTS,
+    COUNTERS,
+    NOT_A_LAYER,
+    ResidualLinear,
+    fused_class,
+    why_not_fuse_layer,
+)
 
 _QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 _OUT_NAMES = ("o_proj", "out_proj")
@@ -223,7 +224,7 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
     ``attention``, ``mlp``, ``lm_head``, ``norm``: which parts to patch (the attention
     projections, the MLPs of fusion/mlp.py, a ``lm_head`` nn.Linear, the RMSNorms of
     fusion/norm.py). ``layers``: fuse the norms and residual adds of decoder layers whose
-    parts are all patched (fusion/decoder_layer.py). ``fuse_qkv=False`` swaps each q/k/v linear
+    parts are all patched (fusion/models/decoder_layer.py). ``fuse_qkv=False`` swaps each q/k/v linear
     on its own (state-dict keys unchanged).
     Nothing to patch: a warning and an empty report, or ``ValueError`` with ``strict=True``.
     What an earlier patch changed is left as it is (``report.already_patched``); only what

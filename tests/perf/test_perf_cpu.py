@@ -18,7 +18,7 @@ from hybridgemm.perf.csvio import KEY_COLUMNS, environment_columns, read_rows, w
 from hybridgemm.perf.plots import load_rows, make_all_plots
 from hybridgemm.perf.timing import Timing
 
-FIXTURE = Path(__file__).parent / "data" / "bench_fixture.csv"
+FIXTURE = Path(__file__).resolve().parents[2] / "data" / "bench_fixture.csv"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FIGURES = ("tflops_vs_m.png", "dispatch_speedup.png", "attention_path.png", "host_time.png")
 
@@ -87,10 +87,10 @@ def test_attention_figure_skipped_with_a_note_without_its_rows(tmp_path):
 def test_tensor_parallel_and_error_only_csvs(tmp_path):
     """A bench_tp CSV gets the tensor-parallel figure, not the end-to-end one; a bench_tp or
     bench_e2e CSV of error modes only (no timed row) gets none, with a note, and stops nothing."""
-    tp_csv = Path(__file__).resolve().parents[1] / "perf/results/h200x2/tp_h200x2.csv"
-    errors = Path(__file__).resolve().parents[1] / "perf/results/h200/tp_errors_one_gpu_h200.csv"
+    tp_csv = Path(__file__).resolve().parents[2] / "perf/results/h200x2/tp_h200x2.csv"
+    errors = Path(__file__).resolve().parents[2] / "perf/results/h200/tp_errors_one_gpu_h200.csv"
     e2e_errors = tmp_path / "e2e_errors.csv"
-    write_rows(str(e2e_errors), [r for r in read_rows(str(Path(__file__).resolve().parents[1]
+    write_rows(str(e2e_errors), [r for r in read_rows(str(Path(__file__).resolve().parents[2]
                                                          / "perf/results/h200/e2e_h200.csv"))
                                  if r["mode"] in ("logits_error", "decode_error")])
     notes: list = []
@@ -291,7 +291,7 @@ def test_the_main_jobs_redraw_of_the_committed_results_succeeds(tmp_path):
     """`hybridgemm main` on a CPU machine redraws the figures from every committed H200 CSV
     (kernel benchmarks, the M sweep, end to end, and CSVs no figure reads, such as the e2e
     profile's kernel rows): none of them may stop it."""
-    committed = sorted(Path(__file__).resolve().parents[1].joinpath("perf/results/h200").glob("*.csv"))
+    committed = sorted(Path(__file__).resolve().parents[2].joinpath("perf/results/h200").glob("*.csv"))
     assert any(p.name == "e2e_profile_h200.csv" for p in committed) and any(p.name == "e2e_h200.csv" for p in committed)
     written = make_all_plots([str(p) for p in committed], tmp_path, log=lambda s: None)
     assert "e2e.png" in {p.name for p in written}

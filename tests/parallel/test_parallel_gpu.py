@@ -171,7 +171,7 @@ def _nccl_sum(t):
 def _back_to_back_sums(rank, name, gen, reference, what):
     """32 one-shot sums of distinct data back to back, rank 1 starting late: a rank must not
     overwrite its buffer while the other still reads it. Each equals ``reference(y)``."""
-    from hybridgemm import collectives
+    from hybridgemm.parallel import collectives
 
     ys = [torch.randn(2, 4096, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(32)]
     expected = [reference(y) for y in ys]
@@ -188,7 +188,7 @@ def case_one_shot_sum_is_nccls_sum(rank, group):
     bf16 and fp32 at odd sizes, eagerly, back to back with one rank running late, and replayed
     from a CUDA graph with new inputs; what it cannot take (fp16, over the buffer, an
     odd byte count) still sums right through NCCL, and an unaligned view is copied first."""
-    from hybridgemm import collectives
+    from hybridgemm.parallel import collectives
 
     sharded, _, _ = _models(rank)
     report = parallelize(transformers.AutoModelForCausalLM.from_config(llama_config(**CONFIG)), group, patch=False)
@@ -247,7 +247,7 @@ def case_push_sum_is_the_rank_order_sum(rank, group):
     with and without a residual, are the fp32 rank-order sums rounded once, for bf16, fp16
     and fp32 at odd sizes, eagerly, back to back with one rank running late, and replayed from
     a CUDA graph with new inputs; a message over the buffer still sums right through NCCL."""
-    from hybridgemm import collectives
+    from hybridgemm.parallel import collectives
 
     report = parallelize(transformers.AutoModelForCausalLM.from_config(llama_config(**CONFIG)), group, patch=False,
                          one_shot_kernel="push")
@@ -285,7 +285,7 @@ def case_push_sum_is_the_rank_order_sum(rank, group):
 def case_compiled_mlp_sums_one_shot(rank, group):
     """A row-parallel MLP under torch.compile(fullgraph=True, mode="reduce-overhead") matches
     the eager module call after call, and its compiled sum goes through the symmetric buffer."""
-    from hybridgemm import collectives
+    from hybridgemm.parallel import collectives
 
     sharded, _, _ = _models(rank)
     mlp = sharded.model.layers[0].mlp
@@ -342,9 +342,9 @@ def case_fused_decode_push_sums_the_residual(rank, group):
 
 
 def _fused_decode(rank, group, kernel):
-    from hybridgemm import decode_attention as da
-    from hybridgemm import decoder_layer as dl
     from hybridgemm.kernels import triton_splitk
+    from hybridgemm.models import decode_step as da
+    from hybridgemm.models import decoder_layer as dl
 
     sharded, stock, fp32 = _models(rank, kernel)
     layer = sharded.model.layers[0]

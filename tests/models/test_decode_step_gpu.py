@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from helpers import llama_variants
-from hybridgemm import decode_attention as da
 from hybridgemm.kernels import triton_splitk
 from hybridgemm.kernels.triton_rope import RotaryCache
+from hybridgemm.models import decode_step as da
 from hybridgemm.perf import e2e_models as hf
 
 pytestmark = pytest.mark.gpu

@@ -24,7 +24,7 @@ for the flags in its own memory, and alternates buffer slots between calls inste
 closing barrier; it also takes part in programmatic dependent launch. Both sum in rank order
 and give the same bits for two ranks. The push kernel can also add a residual to the fp32 sum
 before its one rounding (:func:`tp_sum_residual`), which a fused decoder layer uses for its
-O and down projections (fusion/parallel.py says why).
+O and down projections (fusion/parallel/tensor_parallel.py says why).
 
 One buffer serves every sum over its group, in stream order: two models sharing a group and
 summing on different streams at the same time would race on it (NCCL would serialise them).
@@ -89,7 +89,7 @@ def enable_one_shot(group: dist.ProcessGroup, max_bytes: int = ONE_SHOT_MAX_BYTE
     enabled (or already enabled alike for this group), else why not; then the group keeps
     using NCCL. ``ValueError`` for an unknown ``kernel``."""
     if kernel not in ONE_SHOT_KERNELS:
-        raise ValueError(f"hybridgemm.collectives: one-shot kernel {kernel!r} is not one of {ONE_SHOT_KERNELS}")
+        raise ValueError(f"hybridgemm: one-shot kernel {kernel!r} is not one of {ONE_SHOT_KERNELS}")
     if max_bytes <= 0:
         return "disabled (max_bytes <= 0)"
     why = one_shot_unavailable(group, kernel)
@@ -224,7 +224,7 @@ def tp_sum_residual(y: Tensor, residual: Tensor, group_name: str) -> Tensor:
     :func:`push_fits` (a ValueError otherwise). ``residual``: this rank's, of y's shape and
     dtype (the same on every rank)."""
     if not push_fits(y, group_name):
-        raise ValueError(f"hybridgemm.collectives: tp_sum_residual needs the push kernel on group {group_name!r} "
+        raise ValueError(f"hybridgemm: tp_sum_residual needs the push kernel on group {group_name!r} "
                          f"and a message it takes ({tuple(y.shape)} {y.dtype})")
     _buffer_for(y, group_name)
     y = y.contiguous()

@@ -13,7 +13,7 @@ from torch import nn
 
 import hybridgemm
 from hybridgemm import AttentionProjection, HybridLinear, HybridMultiheadAttention
-from hybridgemm.patching import FusedQKV, QKVSlice
+from hybridgemm.models.patching import FusedQKV, QKVSlice
 
 E, H = 16, 2  # embed dim, heads
 B, S = 3, 5  # batch, sequence

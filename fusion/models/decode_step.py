@@ -18,7 +18,7 @@ cache whose ``update`` is the base class's and that does not offload; the attent
 is the checked Llama/Qwen2/Mistral forward (:func:`why_not_fuse_attention`: no q/k norm, the
 standard ``apply_rotary_pos_emb``), ``sdpa`` attention, no sliding window, no dropout, no
 hooks on the modules it skips, a ``[B, S, D]`` hidden state and ``position_embeddings``.
-Elsewhere the layer runs its attention module as before (fusion/decoder_layer.py).
+Elsewhere the layer runs its attention module as before (fusion/models/decoder_layer.py).
 """
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridgemm import dispatch
+from hybridgemm.decide import uses_tf32, warn_once
 from hybridgemm.kernels.checks import contiguous_bias, row_major, rows_2d
 from hybridgemm.kernels.process_memory import per_call_scratch
-
-from .decide import uses_tf32, warn_once
-from .norm import rms_norm
+from hybridgemm.norm import rms_norm
 
 # The statements of the attention forward that the fused step reproduces (whitespace removed).
 _ATTENTION_STATEMENTS = (

@@ -1,4 +1,4 @@
-"""Decoder-layer fusion (fusion/decoder_layer.py) on tiny random-weight transformers models:
+"""Decoder-layer fusion (fusion/models/decoder_layer.py) on tiny random-weight transformers models:
 which layers ``patch`` fuses and why not, the fused forward against the stock model (its
 kernels run under the Triton interpreter here, with the device check widened to the CPU),
 the fallbacks, and unpatch. The real models run on the GPU (tests/test_models_gpu.py and
@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import hybridgemm
-from hybridgemm import decode_attention as da
-from hybridgemm import decoder_layer as dl
 from hybridgemm.kernels import triton_glu, triton_splitk
+from hybridgemm.models import decode_step as da
+from hybridgemm.models import decoder_layer as dl
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")

@@ -387,9 +387,10 @@ def test_repeats_are_bit_identical(case):
     assert_counters_zero()
 
 
+_HERE_AND_TESTS = (str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1]))
 _HASH_SCRIPT = """
 import json, sys
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = sys.argv[1:]
 import test_determinism_gpu as t
 print("HASHES " + json.dumps(t.case_hashes(), sort_keys=True))
 """
@@ -403,7 +404,7 @@ def test_bit_identical_across_processes():
     here = case_hashes()
     if os.environ.get(HASHES_ENV):
         Path(os.environ[HASHES_ENV]).write_text(json.dumps(here, sort_keys=True, indent=1) + "\n")
-    res = subprocess.run([sys.executable, "-c", _HASH_SCRIPT, str(Path(__file__).parent)], capture_output=True,
+    res = subprocess.run([sys.executable, "-c", _HASH_SCRIPT, *_HERE_AND_TESTS], capture_output=True,
                          text=True, env=dict(os.environ), timeout=900)
     assert res.returncode == 0, f"the fresh process failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     lines = [line for line in res.stdout.splitlines() if line.startswith("HASHES ")]

@@ -62,15 +62,15 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _torch_module
 
 from hybridgemm import dispatch
+from hybridgemm.decide import get_mode
+from hybridgemm.fused_rows import FusedLinears
 from hybridgemm.kernels.process_memory import per_call_scratch
+from hybridgemm.linear_layer import HybridLinear, PartialSumLinear, linear
+from hybridgemm.mlp import FUSED_GATE_UP, HybridGatedMLP
+from hybridgemm.modes import DEFAULT
+from hybridgemm.norm import HybridRMSNorm, rms_norm
 
-from . import decode_attention as da
-from .decide import get_mode
-from .fused_rows import FusedLinears
-from .linear_layer import HybridLinear, PartialSumLinear, linear
-from .mlp import FUSED_GATE_UP, HybridGatedMLP
-from .modes import DEFAULT
-from .norm import HybridRMSNorm, rms_norm
+from . import decode_step as da
 
 DECODE_ROWS = 16  # rows up to which the fused path runs (the gated kernel's decode configs)
 # Recognised layer classes and the transformers module of each (to rebuild the fused class
@@ -337,7 +337,7 @@ _FUSED_CLASSES: dict[type, type] = {}
 def fused_class(cls: type) -> type:
     """The class a recognised layer of class ``cls`` gets: :class:`HybridDecoderLayer` mixed in,
     still an instance of ``cls`` and named like it (what name-based checks such as a model's
-    ``_no_split_modules`` read). Pickled as ``hybridgemm.decoder_layer.<name>``, which this
+    ``_no_split_modules`` read). Pickled as ``hybridgemm.models.decoder_layer.<name>``, which this
     module resolves (:func:`__getattr__`)."""
     fused = _FUSED_CLASSES.get(cls)
     if fused is None:
@@ -348,7 +348,7 @@ def fused_class(cls: type) -> type:
 
 
 def __getattr__(name: str):
-    # A pickled patched model names its layers' class hybridgemm.decoder_layer.<name>: rebuild it
+    # A pickled patched model names its layers' class hybridgemm.models.decoder_layer.<name>: rebuild it
     # from transformers' class of that name.
     family = LAYER_MODULES.get(name)
     if family is None:

@@ -1,4 +1,4 @@
-"""The fused attention step (fusion/decode_attention.py, kernels/triton_rope.py): the rotary
+"""The fused attention step (fusion/models/decode_step.py, kernels/triton_rope.py): the rotary
 embedding and the static KV-cache write in the QKV split-K epilogue, against an fp64
 reference (kernel) and against the stock model decoding with its own StaticCache (tiny
 random-weight models; kernels under the Triton interpreter, the device check widened to the
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import hybridgemm
-from hybridgemm import decode_attention as da
-from hybridgemm import decoder_layer as dl
 from hybridgemm.kernels import triton_splitk
 from hybridgemm.kernels.triton_rope import RotaryCache
+from hybridgemm.models import decode_step as da
+from hybridgemm.models import decoder_layer as dl
 from hybridgemm.perf import e2e_models as hf
 
 transformers = pytest.importorskip("transformers")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from helpers import llama_variants
-from hybridgemm import decode_attention as da
 from hybridgemm.kernels import triton_splitk
+from hybridgemm.models import decode_step as da
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")

@@ -227,9 +227,9 @@ def case_tied_lm_head_stays_whole(rank, group):
 def _fused_kernels_on_cpu(calls: list):
     """The fused decoder-layer path on CPU tensors (Triton interpreter), as tests/
     test_decode_attention.py widens it; records each split-K launch's fusion. Returns an undo."""
-    from hybridgemm import decode_attention as da
-    from hybridgemm import decoder_layer as dl
     from hybridgemm.kernels import triton_splitk
+    from hybridgemm.models import decode_step as da
+    from hybridgemm.models import decoder_layer as dl
 
     config = triton_splitk.TritonSplitKConfig(16, 16, 32, split_k=2, num_warps=4, num_stages=2, fused_reduce=True)
     saved = [(dl, "_on_kernel_device"), (da, "_kernel_device"), (da, "splitk_config"), (triton_splitk, "run")]
@@ -322,7 +322,7 @@ def case_residual_sum_is_the_rank_order_sum(rank, group):
     what the kernel does, bit for bit: the ranks' bf16 parts summed in fp32 in rank order, the
     residual added, one rounding; eagerly and compiled. ``tp_sum_residual`` itself refuses a
     group without the push kernel."""
-    from hybridgemm import collectives
+    from hybridgemm.parallel import collectives
 
     torch.manual_seed(SEED)
     model = randomize(MlpWithHead())
@@ -568,7 +568,7 @@ def test_a_second_parallelize_changes_nothing(fake_group):
 
 
 def test_one_shot_needs_an_enabled_nccl_group(fake_group):
-    from hybridgemm import collectives
+    from hybridgemm.parallel import collectives
 
     group = fake_group(2, 0)
     why = collectives.enable_one_shot(group)

@@ -12,10 +12,10 @@ from torch import nn
 
 import hybridgemm
 from hybridgemm import HybridLinear, HybridMultiheadAttention, dispatch
-from hybridgemm.decoder_layer import ResidualLinear
 from hybridgemm.mlp import HybridGatedMLP
+from hybridgemm.models.decoder_layer import ResidualLinear
+from hybridgemm.models.patching import FusedQKV, HybridConv1D, QKVSlice
 from hybridgemm.norm import HybridRMSNorm
-from hybridgemm.patching import FusedQKV, HybridConv1D, QKVSlice
 
 VOCAB = 97
 

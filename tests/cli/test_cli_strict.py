@@ -247,8 +247,8 @@ def test_an_unexpected_failure_is_one_line_and_exit_2(tmp_path, capsys, monkeypa
     def boom(*args, **kwargs):
         raise KeyError("boom\nsecond line")
 
-    monkeypatch.setattr("hybridgemm.cli._print_table", boom)
-    monkeypatch.setattr("hybridgemm.cli.explain", boom)
+    monkeypatch.setattr("hybridgemm.cli.commands._print_table", boom)
+    monkeypatch.setattr("hybridgemm.cli.commands.explain", boom)
     assert main(command) == 2
     line = _one_line(capsys.readouterr().err)
     assert line.startswith(f"hybridgemm {command[0]}: error: KeyError: ")
@@ -258,7 +258,7 @@ def test_an_interrupt_is_one_line_and_exit_130(capsys, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("hybridgemm.cli.explain", interrupted)
+    monkeypatch.setattr("hybridgemm.cli.commands.explain", interrupted)
     assert main(["explain", "--x", "16,4096", "--w", "6144,4096"]) == 130
     assert _one_line(capsys.readouterr().err) == "hybridgemm explain: interrupted"
 

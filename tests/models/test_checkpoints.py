@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import hybridgemm
-from hybridgemm.patching import FusedQKV, HybridConv1D, QKVSlice
+from hybridgemm.models.patching import FusedQKV, HybridConv1D, QKVSlice
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
