@@ -37,7 +37,6 @@ import logging
 import operator
 import os
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,9 +49,10 @@ from hybridgemm.autotune_cache.table import TuningTable, load_tables
 from hybridgemm.kernels import backends
 from hybridgemm.kernels.backends import ConfigRejected
 from hybridgemm.kernels.epilogue import Activation, Epilogue
-from hybridgemm.kernels.problem import DTYPE_NAMES, NAME_TO_DTYPE, Problem
+from hybridgemm.kernels.problem import DTYPE_NAMES, NAME_TO_DTYPE, Problem, uses_tf32
 
 from . import modes
+from .diagnostics import warn_once
 
 _log = logging.getLogger(__name__)
 
@@ -62,7 +62,6 @@ _lock = threading.Lock()
 _tables: dict[int, TuningTable] = {}  # per device index
 _explicit_path: list[str | None] = [None]
 _mode: list[str] = [modes.DEFAULT]
-_warned: set = set()
 _hooks: list[Callable[[str, bool], None]] = []
 
 
@@ -143,19 +142,6 @@ def mode(name: str) -> Iterator[str]:
         yield name
     finally:
         set_mode(previous)
-
-
-def uses_tf32(dtype: torch.dtype) -> bool:
-    """Whether a GEMM of ``dtype`` may use TF32: fp32 with torch's matmul TF32 flag on (a
-    decision depends on it, so every caller that builds a Problem asks here)."""
-    return dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
-
-
-def warn_once(key, message: str) -> None:
-    """One RuntimeWarning per ``key`` per process (a bad table entry, a backend that failed)."""
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 # ----------------------------------------------------------------------------- the rules

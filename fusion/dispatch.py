@@ -30,10 +30,11 @@ from hybridgemm.kernels.checks import (
     rows_are_flat,
 )
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
-from hybridgemm.kernels.problem import DTYPE_NAMES, Problem
+from hybridgemm.kernels.problem import DTYPE_NAMES, Problem, uses_tf32
 
 from . import decide, modes
 from .decide import Choice
+from .diagnostics import warn_once
 
 CACHE_SIZE = 1024
 
@@ -186,8 +187,8 @@ def _decision(problem: Problem, dev: int, mode: str) -> Choice:
         with torch.cuda.device(dev):
             choice = decide.batch_invariant_choice(problem, dev) if invariant else decide.choose(problem, dev)
         if invariant and choice.backend == "torch":
-            decide.warn_once(("invariant", problem.n, problem.k, problem.dtype),
-                             f"hybridgemm: batch_invariant mode cannot run {choice.key} on Triton; {choice.reason}")
+            warn_once(("invariant", problem.n, problem.k, problem.dtype),
+                      f"hybridgemm: batch_invariant mode cannot run {choice.key} on Triton; {choice.reason}")
         if not choice.provisional:
             choices.put((dev, problem), choice)
     return choice
@@ -199,7 +200,7 @@ def decision_for(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     :func:`fused_linear` takes for these operands, for callers that fuse more around the same
     GEMM (fusion/models/decoder_layer.py)."""
     problem = Problem.from_tensors(x2, weight, bias, out, Epilogue(Activation.NONE, bias is not None),
-                                   decide.uses_tf32(x2.dtype))
+                                   uses_tf32(x2.dtype))
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     return _decision(problem, dev, _launchers[0].mode)
 
@@ -220,7 +221,7 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str):
         return torch_linear(x, weight, bias, act), None
     w2, b2 = row_major(weight), contiguous_bias(bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    tf32 = decide.uses_tf32(x.dtype)
+    tf32 = uses_tf32(x.dtype)
     problem = Problem.from_tensors(x2, w2, b2, out, Epilogue(act, bias is not None), tf32)
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     choice = _decision(problem, dev, mode)
@@ -234,8 +235,8 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str):
     try:
         _run_choice(choice, x2, w2, b2, out, act, tf32)
     except ValueError as e:  # e.g. cuBLASLt has no algorithm for these alignments
-        decide.warn_once(("run", problem), f"hybridgemm: {choice.backend} could not run {choice.key} ({e}); "
-                         "computing this shape with PyTorch" + (" (NOT batch-invariant)" if invariant else ""))
+        warn_once(("run", problem), f"hybridgemm: {choice.backend} could not run {choice.key} ({e}); "
+                  "computing this shape with PyTorch" + (" (NOT batch-invariant)" if invariant else ""))
         choice = Choice("torch", None, "rule", choice.key, f"{choice.backend} failed: {e}")
         choices.put((dev, problem), choice)
         out = torch_linear(x2, w2, b2, act)

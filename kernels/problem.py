@@ -17,8 +17,8 @@ from .epilogue import Epilogue
 
 MAX_ALIGNMENT = 256
 
-# Decode regime: up to this M the weight-streaming split-K kernel is offered (its candidates)
-# and the dispatcher's size rule picks it; a tuned bucket is borrowed only on its own side.
+# Decode regime: up to this M the weight-streaming split-K kernel is a candidate
+# (kernels/triton_splitk.py); the tuner times it there and a table entry may choose it.
 DECODE_MAX_M = 64
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 NAME_TO_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
@@ -29,6 +29,12 @@ def pointer_alignment(ptr: int) -> int:
     if ptr == 0:
         return MAX_ALIGNMENT
     return min(MAX_ALIGNMENT, ptr & -ptr)
+
+
+def uses_tf32(dtype: torch.dtype) -> bool:
+    """Whether a GEMM of ``dtype`` may use TF32 (:attr:`Problem.tf32`): fp32 with torch's matmul
+    TF32 flag on. Decisions depend on it, so every caller that builds a Problem asks here."""
+    return dtype == torch.float32 and bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -32,10 +32,10 @@ from hybridgemm.autotune_cache.table import (
     shipped_table_paths,
     user_table_path,
 )
-from hybridgemm.decide import explain, set_table_path, uses_tf32
+from hybridgemm.decide import explain, set_table_path
 from hybridgemm.kernels import backends
 from hybridgemm.kernels.epilogue import Activation, Epilogue
-from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
+from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem, uses_tf32
 from hybridgemm.kernels.version import __version__
 from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser
 from hybridgemm.perf.demo import run_demo

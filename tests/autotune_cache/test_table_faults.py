@@ -35,7 +35,7 @@ from test_table import BAD_FILES, SIG, _writer, entry, filled_table, key, v1_doc
 
 import hybridgemm.autotune_cache.table as T
 import hybridgemm.autotune_cache.table_document as D
-from hybridgemm import decide
+from hybridgemm import decide, diagnostics
 from hybridgemm.autotune_cache import signature
 from hybridgemm.autotune_cache.table import HybridGemmTableWarning, TableKey, TableWriteError, TuningTable, make_entry
 from hybridgemm.kernels import backends, cublaslt
@@ -74,7 +74,7 @@ def fake_h200(monkeypatch, tmp_path):
         return dataclasses.replace(be, available=lambda: name != "cublaslt")
 
     monkeypatch.setattr(backends, "get_backend", get_backend)
-    monkeypatch.setattr(decide, "_warned", set())  # the dispatcher warns once per key per process
+    monkeypatch.setattr(diagnostics, "_warned", set())  # the dispatcher warns once per key per process
     decide.set_table_path(None)
     yield tmp_path
     decide.set_table_path(None)
