@@ -10,11 +10,13 @@ torch's functional collectives.
 import importlib
 
 from hybridgemm.attention import AttentionProjection, HybridMultiheadAttention, attention_projection
-from hybridgemm.decide import explain, get_mode, mode, reload_tables, set_mode, set_table_path
+from hybridgemm.decide import reload_tables, set_table_path
+from hybridgemm.explain import explain  # the function; the module is sys.modules['hybridgemm.explain']
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.version import __version__
 from hybridgemm.linear_layer import HybridLinear, linear
 from hybridgemm.mlp import gated_linear
+from hybridgemm.mode_state import get_mode, mode, set_mode
 from hybridgemm.models.patching import PatchReport, patch, unpatch
 
 _PARALLEL = ("ParallelReport", "load_full_state_dict", "parallelize")

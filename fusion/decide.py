@@ -13,31 +13,28 @@ Rules, in order:
      M across that range and chosen on its worst ratio there; it may be F.linear itself
      (backend ``torch``) or cuBLASLt's heuristic asked at the call's exact M.
   5. No entry holds M (nothing is borrowed from another range), or the entry's config fails
-     the backend's validity check (which warns once): F.linear itself (``fallback_rule``).
+     the backend's validity check (which warns once): F.linear itself (:func:`fallback_rule`).
 Rules 1-3 are applied by the caller (fusion/dispatch.py) before it asks for a decision;
-:func:`choose` is rules 4-5. Misses are logged once per key at debug level. ``explain()``
-says which rule fired, and for a table hit the range the entry was validated on and its worst
-measured ratio.
+:func:`choose` is rules 4-5. Misses are logged once per key at debug level.
 
-In ``batch_invariant`` mode (fusion/modes.py) rules 4-5 are replaced by one
-(:func:`batch_invariant_choice`): the Triton tiled kernel with the fixed config of
-:func:`hybridgemm.modes.fixed_config` (the same for every M), else PyTorch with a warning.
+Tables: loaded lazily per device (:func:`table_for_device`: explicit path > user table >
+shipped tables matching the device). ``HYBRIDGEMM_TABLE`` or :func:`set_table_path` names an
+explicit table; :func:`reload_tables` re-reads them. Decisions already cached elsewhere stop
+holding when the tables are reloaded or the mode switches: :func:`on_change` tells the cache
+holders of both.
 
-Tables: loaded lazily per device (``load_tables``: explicit path > user table > shipped
-tables matching the device). ``HYBRIDGEMM_TABLE`` or :func:`set_table_path` names an explicit
-table; :func:`reload_tables` re-reads them. Decisions already cached elsewhere stop holding
-when the tables are reloaded or the mode switches: :func:`on_change` tells the cache holders.
+What lives elsewhere: the mode and its switches in fusion/mode_state.py; the batch-invariant
+mode's decision, which replaces rules 4-5 (``batch_invariant_choice``), in fusion/modes.py;
+``explain()``, which says which rule fired, in fusion/explain.py; ``warn_once`` in
+fusion/diagnostics.py; ``uses_tf32`` in kernels/problem.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import operator
 import os
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,20 +45,25 @@ from hybridgemm.autotune_cache.keys import ShapeKey
 from hybridgemm.autotune_cache.table import TuningTable, load_tables
 from hybridgemm.kernels import backends
 from hybridgemm.kernels.backends import ConfigRejected
-from hybridgemm.kernels.epilogue import Activation, Epilogue
-from hybridgemm.kernels.problem import DTYPE_NAMES, NAME_TO_DTYPE, Problem, uses_tf32
+from hybridgemm.kernels.problem import Problem
 
-from . import modes
+from . import mode_state
 from .diagnostics import warn_once
+
+# isort: split
+# names fusion/models imports from here until it imports them from their homes: get_mode
+# (fusion/mode_state.py), uses_tf32 (kernels/problem.py), warn_once (fusion/diagnostics.py,
+# imported above for this module's own warnings)
+from hybridgemm.kernels.problem import uses_tf32 as uses_tf32
+
+from .mode_state import get_mode as get_mode
 
 _log = logging.getLogger(__name__)
 
-# Module state: containers are changed in place and scalars live in one-element lists, so no
-# name is ever rebound and every reader holds the same object.
-_lock = threading.Lock()
+# Module state: containers are changed in place, so no name is ever rebound and every reader
+# holds the same object.
 _tables: dict[int, TuningTable] = {}  # per device index
 _explicit_path: list[str | None] = [None]
-_mode: list[str] = [modes.DEFAULT]
 _hooks: list[Callable[[str, bool], None]] = []
 
 
@@ -86,15 +88,23 @@ class Choice:
         return f"{self.backend}{cfg} ({self.source}: {self.reason})"
 
 
-# ----------------------------------------------------------------------------- state changes
+# ----------------------------------------------------------------------------- changes
 
 
 def on_change(hook: Callable[[str, bool], None]) -> None:
-    """Call ``hook(mode, tables_reloaded)`` under the lock whenever decisions made so far stop
-    holding: the tables reloaded (``True``: every mode's decisions) or the mode switched
-    (``False``; ``mode`` is the new one). How fusion/dispatch.py keeps its caches in step
-    without this module importing it."""
+    """Call ``hook(mode, tables_reloaded)`` under the mode lock whenever decisions made so far
+    stop holding: the tables reloaded (``True``: every mode's decisions; ``mode`` is the current
+    one) or the mode switched (``False``; ``mode`` is the new one). How fusion/dispatch.py keeps
+    its caches in step without this module importing it."""
     _hooks.append(hook)
+
+
+def _mode_switched(mode: str) -> None:
+    for hook in _hooks:
+        hook(mode, False)
+
+
+mode_state.on_switch(_mode_switched)
 
 
 def set_table_path(path: str | os.PathLike | None) -> None:
@@ -105,43 +115,10 @@ def set_table_path(path: str | os.PathLike | None) -> None:
 
 def reload_tables() -> None:
     """Forget loaded tables and every cached decision (the next call re-reads the tables)."""
-    with _lock:
+    with mode_state.held() as mode:
         _tables.clear()
         for hook in _hooks:
-            hook(_mode[0], True)
-
-
-def get_mode() -> str:
-    """The current dispatch mode, ``"default"`` or ``"batch_invariant"`` (process-global)."""
-    return _mode[0]
-
-
-def set_mode(name: str) -> str:
-    """Switch the dispatch mode for the whole process; returns the previous mode.
-
-    ``"batch_invariant"``: rows of ``hybridgemm.linear`` are bit-identical for every M (the
-    policy and its limits: fusion/modes.py). ``"default"``: the tuned kernels. Each mode keeps
-    its own cached decisions, so a switch never reuses the other mode's.
-    """
-    if name not in modes.MODES:
-        raise ValueError(f"unknown hybridgemm mode {name!r}; valid modes: {', '.join(map(repr, modes.MODES))}")
-    with _lock:
-        previous = _mode[0]
-        _mode[0] = name
-        for hook in _hooks:
-            hook(name, False)
-    return previous
-
-
-@contextlib.contextmanager
-def mode(name: str) -> Iterator[str]:
-    """``with hybridgemm.mode("batch_invariant"): ...``: the mode inside the block, the
-    previous one restored on exit (exceptions included). Process-global, like set_mode."""
-    previous = set_mode(name)
-    try:
-        yield name
-    finally:
-        set_mode(previous)
+            hook(mode, True)
 
 
 # ----------------------------------------------------------------------------- the rules
@@ -167,30 +144,11 @@ def fallback_rule(problem: Problem, why: str) -> Choice:
     heuristic choice, and that choice was measured at 0.63x F.linear's speed (N=1024, K=8192,
     M=645, H200; perf/results/h200/README.md). The tuner still times the heuristic as a
     candidate, so it runs wherever it was measured faster."""
-    return Choice("torch", None, "rule", _call_string(problem), f"{why}; F.linear")
+    return Choice("torch", None, "rule", call_key(problem), f"{why}; F.linear")
 
 
-def batch_invariant_choice(problem: Problem, device_index: int | None) -> Choice:
-    """The batch-invariant mode's decision: the Triton tiled kernel with the fixed config for
-    (N, K, dtype, epilogue, W layout), never the table or cuBLASLt (which picks per M); PyTorch
-    when no config can take the problem. ``device_index`` None: assume an H100/H200."""
-    key = _call_string(problem)
-    try:
-        if device_index is None:
-            limits = modes.HOPPER_LIMITS
-        else:
-            limits = {**backends.device_limits(device_index), "num_sms": backends.num_sms(device_index)}
-        cfg, why = modes.fixed_config(problem, **limits)
-    except ImportError as e:
-        cfg, why = None, f"Triton is not available ({e})"
-    if cfg is None:
-        return Choice("torch", None, modes.SOURCE, key,
-                      f"no Triton config takes this problem ({why}); PyTorch computes it, deterministic "
-                      "but NOT batch-invariant")
-    return Choice("triton_gemm", cfg, modes.SOURCE, key, modes.rule_text(problem))
-
-
-def _call_string(problem: Problem) -> str:
+def call_key(problem: Problem) -> str:
+    """A decision's key when no table entry decided: the shape key and the M asked for."""
     return f"{ShapeKey.from_problem(problem).to_string()} at M={problem.m}"
 
 
@@ -199,7 +157,7 @@ def choose(problem: Problem, device_index: int) -> Choice:
     table = table_for_device(device_index)
     hit = table.find(ShapeKey.from_problem(problem), problem.m)
     if hit is None:
-        _log.debug("hybridgemm: no table entry for %s", _call_string(problem))
+        _log.debug("hybridgemm: no table entry for %s", call_key(problem))
         return fallback_rule(problem, "no table entry holds this M")
     key, entry = hit
     lo, hi, worst = key.m_lo, key.m_hi, entry["worst_ratio"]
@@ -231,96 +189,3 @@ def choose(problem: Problem, device_index: int) -> Choice:
         reason += f"; {why}, passed its correctness probe"
     return Choice(entry["backend"], cfg, "table", key.to_string(), reason, lo, hi, worst)
 
-
-# ----------------------------------------------------------------------------- explain
-
-
-def _dims(shape, what: str, example: str) -> tuple[int, ...]:
-    """``shape`` as a tuple of non-negative ints, or ValueError naming ``what``."""
-
-    def bad() -> ValueError:
-        return ValueError(f"{what} must be a sequence of non-negative ints such as {example}, got {shape!r:.80}")
-
-    if isinstance(shape, (str, bytes)):
-        raise bad()
-    try:
-        items = tuple(shape)
-    except TypeError:
-        raise bad() from None
-    out = []
-    for d in items:
-        try:
-            v = None if isinstance(d, bool) else operator.index(d)
-        except TypeError:
-            v = None
-        if v is None or v < 0:
-            raise bad()
-        out.append(v)
-    return tuple(out)
-
-
-_ACCEPTED_DTYPES = ("a torch.dtype, or one of bf16, fp16, fp32, bfloat16, float16, float32, float64 "
-                    "(or another torch dtype's name)")
-
-
-def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, str):
-        name = dtype.strip().removeprefix("torch.")
-        found = NAME_TO_DTYPE.get(name)
-        if found is None:
-            found = vars(torch).get(name)  # a lookup, not getattr: never imports or runs anything
-        if not isinstance(found, torch.dtype):
-            raise ValueError(f"unknown dtype {dtype!r:.40}; expected {_ACCEPTED_DTYPES}")
-        return found
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must be {_ACCEPTED_DTYPES}; got {dtype!r:.60}")
-    return dtype
-
-
-def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: bool = True,
-            activation=None, device: int | None = None) -> str:
-    """Which kernel ``hybridgemm.linear`` runs for these shapes, and why (a table hit with the
-    M range it was validated on and its worst measured ratio to F.linear, or the fallback
-    rule). Works without a GPU (it then says PyTorch runs).
-
-    ``x_shape`` is one or more non-negative ints (``(..., K)``), ``w_shape`` two (``(N, K)``),
-    with the same K; ``dtype`` a ``torch.dtype``, one of ``bf16``/``fp16``/``fp32``, or the name
-    of a torch dtype (``bfloat16``, ``float16``, ``float32``, ``float64``, ...; a ``torch.``
-    prefix is allowed). Anything else raises ValueError naming the argument and what it takes."""
-    dtype = _parse_dtype(dtype)
-    x_dims = _dims(x_shape, "x_shape", "(16, 4096) or (2, 8, 4096)")
-    w_dims = _dims(w_shape, "w_shape", "(6144, 4096)")
-    if not x_dims:
-        raise ValueError("x_shape needs at least one dimension (its last is K), got ()")
-    if len(w_dims) != 2:
-        raise ValueError(f"w_shape must be two ints (N, K), got {w_dims}")
-    act = Activation.parse(activation)
-    bias = bool(bias)
-    m = 1
-    for d in x_dims[:-1]:
-        m *= d
-    n, k = w_dims
-    if x_dims[-1] != k:
-        raise ValueError(f"x_shape {x_dims} has {x_dims[-1]} features, w_shape expects {k}")
-    problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=Epilogue(act, bias), ldx=k, ldw=k, ldo=n,
-                      tf32=uses_tf32(dtype))
-    head = f"linear {DTYPE_NAMES.get(dtype, dtype)} M={m} N={n} K={k} epilogue={problem.epilogue.name}"
-    if m == 0 or n == 0 or k == 0:
-        return f"{head}: empty problem (M, N or K = 0), so PyTorch computes it (no GEMM)"
-    invariant = get_mode() == modes.BATCH_INVARIANT
-    if not torch.cuda.is_available():
-        line = f"{head}: no CUDA device here, so PyTorch (F.linear) computes it on the CPU"
-        if invariant and dtype in DTYPE_NAMES:
-            line += (f"\n  batch_invariant mode: {batch_invariant_choice(problem, None).describe()} on an "
-                     "H100/H200-class GPU; PyTorch on the CPU is not guaranteed batch-invariant")
-        return line
-    if dtype not in DTYPE_NAMES:
-        tail = " (not guaranteed batch-invariant)" if invariant else ""
-        return f"{head}: dtype not taken by any kernel, so PyTorch computes it{tail}"
-    dev = torch.cuda.current_device() if device is None else device
-    with torch.cuda.device(dev):
-        if invariant:
-            choice = batch_invariant_choice(problem, dev)
-            return f"{head}\n  key {choice.key}\n  batch_invariant mode: {choice.describe()}"
-        choice = choose(problem, dev)
-    return f"{head}\n  key {choice.key}\n  runs {choice.describe()}"

@@ -3,7 +3,7 @@ behind ``hybridgemm.linear`` and the attention projection.
 
 Rules 1-3 of fusion/decide.py are applied here (argument checks; CPU tensors and dtypes no
 kernel takes, and empty problems, go to PyTorch); every other call runs the decision that
-module makes (``decide.choose``, or ``decide.batch_invariant_choice`` in batch_invariant
+module makes (``decide.choose``, or ``modes.batch_invariant_choice`` in batch_invariant
 mode). Decisions are cached per (device, problem) and, for calls that need no copy, a
 launcher per call signature (shapes, strides, dtypes, devices, alignment classes, math
 flags); a repeated signature goes straight to its launcher. Both caches are kept per mode, so
@@ -32,7 +32,7 @@ from hybridgemm.kernels.checks import (
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
 from hybridgemm.kernels.problem import DTYPE_NAMES, Problem, uses_tf32
 
-from . import decide, modes
+from . import decide, mode_state, modes
 from .decide import Choice
 from .diagnostics import warn_once
 
@@ -64,7 +64,7 @@ def _mode_caches(mode: str) -> tuple[_Bounded, _Bounded]:
 # is the current mode's launcher cache: the hot path reads it once and the slow path works
 # with that cache's ``.mode``, so a call racing a mode switch stays within one mode's decisions.
 _MODE_CACHES = {m: _mode_caches(m) for m in modes.MODES}
-_launchers = [_MODE_CACHES[decide.get_mode()][1]]
+_launchers = [_MODE_CACHES[mode_state.get_mode()][1]]
 _generation = [0]  # see generation()
 
 
@@ -185,7 +185,7 @@ def _decision(problem: Problem, dev: int, mode: str) -> Choice:
         invariant = mode == modes.BATCH_INVARIANT
         backends.warn_unavailable_once(stacklevel=5)
         with torch.cuda.device(dev):
-            choice = decide.batch_invariant_choice(problem, dev) if invariant else decide.choose(problem, dev)
+            choice = modes.batch_invariant_choice(problem, dev) if invariant else decide.choose(problem, dev)
         if invariant and choice.backend == "torch":
             warn_once(("invariant", problem.n, problem.k, problem.dtype),
                       f"hybridgemm: batch_invariant mode cannot run {choice.key} on Triton; {choice.reason}")

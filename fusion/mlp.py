@@ -25,9 +25,8 @@ from torch import Tensor, nn
 
 from hybridgemm.kernels.epilogue import GLU_ACTIVATIONS
 
-from .decide import get_mode
 from .linear_layer import linear
-from .modes import DEFAULT
+from .mode_state import DEFAULT, get_mode
 
 GATED_NAMES = ("gate_proj", "up_proj")
 FUSED_GATE_UP = "gate_up_proj"

@@ -1,9 +1,9 @@
 """Dispatch modes: what ``hybridgemm.linear`` optimises for.
 
 ``"default"``
-    The fastest kernel per shape: the tuning table, cuBLASLt's heuristic, the size rule
-    (fusion/decide.py). Every call is deterministic, but calls with different numbers of
-    rows M may run different kernels (cuBLASLt picks per M, split-K for decode, other tiles),
+    The fastest kernel per shape: the tuning table's entry for the call's M range, else
+    F.linear (fusion/decide.py). Every call is deterministic, but calls with different numbers
+    of rows M may run different kernels (cuBLASLt picks per M, split-K for decode, other tiles),
     so the same input row can come out different in the last bits in an M = 1 call and
     inside an M = 64 batch.
 
@@ -14,12 +14,14 @@
     with ONE config per (N, K, dtype, epilogue, W layout) that does not depend on M: no
     split-K, one BLOCK_K, one tile shape, one load path (see :func:`fixed_config`). Every
     output tile then runs the same instruction sequence over K, and a row's result depends
-    only on that row of x, W and the bias.
+    only on that row of x, W and the bias. :func:`batch_invariant_choice` is the decision
+    (it replaces rules 4-5 of fusion/decide.py); :func:`run` runs it.
 
-The mode is process-global (one module-level setting shared by every thread): switch it at
-start-up, or around whole phases with :func:`mode`; two threads that switch it concurrently
-see each other's setting. Switching is safe for calls in flight: the dispatcher keeps its
-cached decisions per mode, so a call never runs a decision made in the other mode.
+The mode is process-global (one setting shared by every thread; fusion/mode_state.py holds
+it): switch it at start-up, or around whole phases with ``hybridgemm.mode``; two threads that
+switch it concurrently see each other's setting. Switching is safe for calls in flight: the
+dispatcher keeps its cached decisions per mode, so a call never runs a decision made in the
+other mode.
 
 Limits of the guarantee (batch_invariant mode):
 
@@ -46,12 +48,18 @@ from __future__ import annotations
 
 import dataclasses
 
+from hybridgemm.kernels import backends
 from hybridgemm.kernels.problem import DTYPE_NAMES, MAX_ALIGNMENT, Problem
 
-DEFAULT = "default"
-BATCH_INVARIANT = "batch_invariant"
-MODES = (DEFAULT, BATCH_INVARIANT)
-SOURCE = "batch_invariant"  # Choice.source of the batch-invariant mode's decisions
+from .decide import Choice, call_key
+from .mode_state import BATCH_INVARIANT
+
+# The mode names, defined with the mode state; read here too by fusion/dispatch.py (the cache
+# per mode) and fusion/models/decoder_layer.py.
+from .mode_state import DEFAULT as DEFAULT
+from .mode_state import MODES as MODES
+
+SOURCE = BATCH_INVARIANT  # Choice.source of the batch-invariant mode's decisions
 
 # H200 limits, for decisions made without a device (explain() on a CPU machine, tests).
 # Literals rather than triton_common's constants so importing this module needs no Triton.
@@ -171,6 +179,26 @@ def run(config, x, weight, bias, out, activation=None, tf32: bool = False):
     for r in range(0, m, step):
         triton_gemm.run(config, x[r:r + step], weight, bias, out[r:r + step], activation, tf32=tf32)
     return out
+
+
+def batch_invariant_choice(problem: Problem, device_index: int | None) -> Choice:
+    """The batch-invariant mode's decision: the Triton tiled kernel with the fixed config for
+    (N, K, dtype, epilogue, W layout), never the table or cuBLASLt (which picks per M); PyTorch
+    when no config can take the problem. ``device_index`` None: assume an H100/H200."""
+    key = call_key(problem)
+    try:
+        if device_index is None:
+            limits = HOPPER_LIMITS
+        else:
+            limits = {**backends.device_limits(device_index), "num_sms": backends.num_sms(device_index)}
+        cfg, why = fixed_config(problem, **limits)
+    except ImportError as e:
+        cfg, why = None, f"Triton is not available ({e})"
+    if cfg is None:
+        return Choice("torch", None, SOURCE, key,
+                      f"no Triton config takes this problem ({why}); PyTorch computes it, deterministic "
+                      "but NOT batch-invariant")
+    return Choice("triton_gemm", cfg, SOURCE, key, rule_text(problem))
 
 
 def rule_text(problem: Problem) -> str:

@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                 y_all = dispatch.fused_linear(x, w, b)
                 same_rows = all(torch.equal(dispatch.fused_linear(x[i:i + 1], w, b)[0], y_all[i])
                                 for i in sorted({0, m // 2, m - 1}))
-                config = decide.explain((m, k), (n, k), torch.bfloat16).splitlines()[-1].split("[")[-1]
+                config = hybridgemm.explain((m, k), (n, k), torch.bfloat16).splitlines()[-1].split("[")[-1]
                 config = config.split("]")[0]
             # Two rounds in alternating order, the lower median of each (both orders).
             reps = 10 if m <= 1024 else 2

@@ -260,8 +260,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("host_profile: needs a CUDA GPU (none found here); run it on the GPU machine", file=sys.stderr)
         return 2
-    print(decide.explain((1, MODEL["hidden"]), ((MODEL["heads"] + 2 * MODEL["kv_heads"]) * MODEL["head_dim"],
-                                                MODEL["hidden"])))
+    print(hybridgemm.explain((1, MODEL["hidden"]), ((MODEL["heads"] + 2 * MODEL["kv_heads"]) * MODEL["head_dim"],
+                                                    MODEL["hidden"])))
     for name in args.probes:
         print(f"\n## {name}")
         RUN[name](args)

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 import hybridgemm
-from hybridgemm.decide import explain
 from hybridgemm.dispatch import fused_linear
+from hybridgemm.explain import explain
 from hybridgemm.kernels import cublaslt
 from hybridgemm.kernels import cublaslt as lt
 from hybridgemm.kernels import cublaslt_search as lts

@@ -8,10 +8,10 @@ gelu_tanh and exact gelu) and, for each, every path that takes it:
 
 * ``cublaslt``, ``triton_gemm``, ``triton_splitk``: ``hybridgemm.kernels.backends.get_backend(name).run``
   with the backend's default for the problem (cuBLASLt: ``None``, the heuristic's first
-  algorithm, as the dispatcher's size rule runs it; Triton: ``candidates(problem)[0]``; the
+  algorithm, as a table entry without one runs it; Triton: ``candidates(problem)[0]``; the
   split-K kernel offers candidates only for M <= 64, cuBLASLt has no exact GELU);
-* ``linear``: ``hybridgemm.linear`` (the dispatcher: table entry or size rule), with 3-D input
-  for even M.
+* ``linear``: ``hybridgemm.linear`` (the dispatcher: the table entry for its M, else F.linear),
+  with 3-D input for even M.
 
 ``--calls`` calls in all, round-robin over the shapes (and over each shape's paths), after a
 warm-up of ``--warmup-rounds`` rounds over every (shape, path) that fills the bounded caches
@@ -153,7 +153,7 @@ class Case:
 
 
 def build_problems(shapes, torch, dev):
-    from hybridgemm import decide
+    from hybridgemm import explain
     from hybridgemm.kernels import cublaslt
     from hybridgemm.kernels.backends import get_backend
     from hybridgemm.kernels.epilogue import Activation, Epilogue
@@ -177,7 +177,7 @@ def build_problems(shapes, torch, dev):
             if cands:
                 p.paths.append(Route(name, cands[0]))
         p.paths.append(Route("linear"))
-        p.dispatch = decide.explain(tuple(xl.shape), (s.n, s.k), dt, s.bias, s.act).splitlines()[-1].strip()
+        p.dispatch = explain(tuple(xl.shape), (s.n, s.k), dt, s.bias, s.act).splitlines()[-1].strip()
         probs.append(p)
     return probs
 
@@ -219,10 +219,10 @@ def check_output(p: Case, path: Route, out, torch) -> str | None:
 
 def cache_sizes() -> dict[str, int]:
     """Entries in every bounded cache the call path uses (and Triton's compiled-kernel caches)."""
-    from hybridgemm import decide, dispatch
+    from hybridgemm import dispatch, get_mode
     from hybridgemm.kernels import cublaslt, cublaslt_grad, cublaslt_runtime, triton_common, triton_gemm, triton_splitk
 
-    decisions, launchers = dispatch._MODE_CACHES[decide.get_mode()]
+    decisions, launchers = dispatch._MODE_CACHES[get_mode()]
     sizes = {
         "dispatch decisions": len(decisions), "dispatch launchers": len(launchers),
         "cublaslt._plans": len(cublaslt._plans), "cublaslt._fast": len(cublaslt._fast),

@@ -3,7 +3,8 @@
 Layers, lowest first: kernels/ (hybridgemm.kernels) ← autotune_cache/ ← fusion/ (the
 package root: decide, dispatch, linear_layer, attention, patching, ...) ← perf/ ← the command line
 (hybridgemm.cli, hybridgemm.__main__). A module may import its own layer and those below.
-Inside fusion/, the decision (decide) never imports the code that runs it (dispatch).
+Inside fusion/, the decision (decide, the batch-invariant decision in modes, and explain, which
+reports decisions) never imports the code that runs it (dispatch).
 Read from the source with ``ast``, so every import counts, inside functions too.
 """
 
@@ -144,12 +145,13 @@ def test_no_import_cycles():
     assert not cycles, "\n".join(cycles)
 
 
-def test_decide_never_reaches_dispatch():
+@pytest.mark.parametrize("module", ["hybridgemm.decide", "hybridgemm.modes", "hybridgemm.explain"])
+def test_decide_never_reaches_dispatch(module):
     """The decision half imports nothing that leads to the run half (directly or through others)."""
     graph: dict[str, set[str]] = {}
     for a, b, _, _ in EDGES:
         graph.setdefault(a, set()).add(b)
-    seen, todo = set(), ["hybridgemm.decide"]
+    seen, todo = set(), [module]
     while todo:
         for nxt in graph.get(todo.pop(), ()):
             if nxt not in seen:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from hybridgemm import explain
 from hybridgemm.autotune_cache import signature, tune_table
 from hybridgemm.autotune_cache.keys import M_MAX, ShapeKey, TableError
 from hybridgemm.autotune_cache.presets import get_preset, parse_shape, preset_from_hf_config
@@ -32,7 +33,7 @@ from hybridgemm.autotune_cache.table import (
     shipped_table_paths,
     user_table_path,
 )
-from hybridgemm.decide import explain, set_table_path
+from hybridgemm.decide import set_table_path
 from hybridgemm.kernels import backends
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem, uses_tf32

@@ -35,7 +35,7 @@ from test_table import BAD_FILES, SIG, _writer, entry, filled_table, key, v1_doc
 
 import hybridgemm.autotune_cache.table as T
 import hybridgemm.autotune_cache.table_document as D
-from hybridgemm import decide, diagnostics
+from hybridgemm import decide, diagnostics, explain
 from hybridgemm.autotune_cache import signature
 from hybridgemm.autotune_cache.table import HybridGemmTableWarning, TableKey, TableWriteError, TuningTable, make_entry
 from hybridgemm.kernels import backends, cublaslt
@@ -419,11 +419,11 @@ def test_the_reason_names_the_range_the_points_and_the_worst_ratio(fake_h200, mo
     # explain() prints the same, given a (faked) device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    text = decide.explain((3, 100, K), (N, K), "bf16")
+    text = explain((3, 100, K), (N, K), "bf16")
     assert text.splitlines()[0] == f"linear bf16 M=300 N={N} K={K} epilogue=bias"
     assert "key linear|bf16|bias|N=384|K=512|M=257-512|c" in text
     assert "runs triton_gemm [" in text and "tuned for M 257-512" in text and "worst 0.987x" in text
-    miss_text = decide.explain((513, K), (N, K), "bf16")
+    miss_text = explain((513, K), (N, K), "bf16")
     assert "at M=513" in miss_text and "runs torch (rule: no table entry holds this M; F.linear)" in miss_text
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_table import SIG
 
-from hybridgemm import decide
+from hybridgemm import decide, explain
 from hybridgemm.autotune_cache.table import TableKey, TuningTable, make_entry
 from hybridgemm.cli import main
 
@@ -110,19 +110,19 @@ def test_explain_with_a_table_file(tmp_path, capsys):
 @pytest.mark.parametrize("dtype", ["os", "Tensor", "nn", "__name__", "tf32", "", 3, None, torch.Tensor])
 def test_explain_function_rejects_a_dtype_that_is_not_one(dtype):
     with pytest.raises(ValueError, match="bf16, fp16, fp32, bfloat16, float16, float32, float64"):
-        decide.explain((16, 4096), (6144, 4096), dtype=dtype)
+        explain((16, 4096), (6144, 4096), dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32", "bfloat16", "float16", "float32", "float64",
                                    "torch.bfloat16", torch.float16])
 def test_explain_function_takes_dtypes_and_their_names(dtype):
-    assert "M=16 N=6144 K=4096" in decide.explain((16, 4096), (6144, 4096), dtype=dtype)
+    assert "M=16 N=6144 K=4096" in explain((16, 4096), (6144, 4096), dtype=dtype)
 
 
 def test_explain_function_on_cpu_says_no_cuda():
     if torch.cuda.is_available():
         pytest.skip("checks the CPU explanation")
-    text = decide.explain((16, 4096), (6144, 4096), dtype="bf16")
+    text = explain((16, 4096), (6144, 4096), dtype="bf16")
     assert text.startswith("linear bf16 M=16 N=6144 K=4096 epilogue=bias") and "no CUDA device" in text
 
 
@@ -140,7 +140,7 @@ def test_explain_function_on_cpu_says_no_cuda():
 ])
 def test_explain_function_rejects_bad_shapes(x_shape, w_shape, match):
     with pytest.raises(ValueError, match=match):
-        decide.explain(x_shape, w_shape)
+        explain(x_shape, w_shape)
 
 
 # ----------------------------------------------------------------------------- show

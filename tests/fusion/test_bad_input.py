@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from test_table_faults import FAKE_SIG
 
 import hybridgemm
-from hybridgemm import AttentionProjection, attention_projection, decide
+from hybridgemm import AttentionProjection, attention_projection, decide, explain
 from hybridgemm.autotune_cache.keys import M_MAX
 from hybridgemm.autotune_cache.table import TableKey, TuningTable, make_entry
 from hybridgemm.cli import main as cli_main
@@ -181,7 +181,7 @@ def test_results_through_the_decision_and_the_interpreter_kernels(idx, backend, 
     cfg = _kernel_config(backend, problem.m, problem.k)
     if problem.m == 0 or problem.n == 0 or problem.k == 0:
         # rule 3: no decision, no GEMM (PyTorch's semantics); the kernels still take them
-        assert "empty problem" in decide.explain(tuple(x.shape), tuple(w.shape), x.dtype, b is not None, act_name)
+        assert "empty problem" in explain(tuple(x.shape), tuple(w.shape), x.dtype, b is not None, act_name)
         choice = None
     elif problem.m > M_MAX:  # past the last tuned range: no entry can hold it, F.linear runs
         with pytest.raises(ValueError, match="past the last tuned range"):

@@ -1,7 +1,8 @@
 """Batch-invariant mode (fusion/modes.py): each output row is bit-identical whatever M.
 
 CPU part: the mode API, the fixed-config rule (independent of M, never split-K, one load
-path), and the Triton tiled kernel with that config under the interpreter (fp16/fp32; bf16's
+path), the decision built on it (the device's limits; PyTorch when no config takes the
+problem), and the Triton tiled kernel with that config under the interpreter (fp16/fp32; bf16's
 interpreter dot is wrong, see test_triton_gemm.py): rows of an M = 1 call against the same
 rows inside M = 7, 64 and 130 calls, compared with torch.equal. A sensitivity test shows the
 same comparison fails for a split-K config, so the check can catch what it guards against.
@@ -11,12 +12,17 @@ and odd shapes, misaligned inputs, the attention projections, and the default mo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from test_table_faults import H200_LIMITS
 
 import hybridgemm
 from helpers import check_close_to_reference, make_operands, poisoned
-from hybridgemm import decide, dispatch, modes
+from hybridgemm import decide, dispatch, explain, modes
+from hybridgemm.decide import Choice
+from hybridgemm.kernels import backends
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import Problem
 
@@ -29,9 +35,9 @@ GPU_MS = (1, 7, 64, 1000, 4096)
 @pytest.fixture(autouse=True)
 def _default_mode_around_each_test():
     """Every test starts and ends in the default mode (the mode is process-global)."""
-    decide.set_mode("default")
+    hybridgemm.set_mode("default")
     yield
-    decide.set_mode("default")
+    hybridgemm.set_mode("default")
 
 
 def _problem(m, n, k, dtype, bias=True, act=Activation.NONE, **layout):
@@ -184,11 +190,51 @@ def test_needs_dense_x():
     assert not modes.needs_dense_x(ptr, buf[1:1 + 4 * 76].view(4, 76))
 
 
+# ----------------------------------------------------------------------------- the decision
+
+WIDE = Problem(m=16, n=4096, k=4096, dtype=torch.bfloat16, epilogue=Epilogue(Activation.NONE, True),
+               ldx=4096, ldw=4096, ldo=4096)
+TOO_BIG = dataclasses.replace(WIDE, n=65536, k=65536, ldx=65536, ldw=65536, ldo=65536)
+
+
+def test_batch_invariant_rule_without_a_device_assumes_hopper():
+    choice = modes.batch_invariant_choice(WIDE, None)
+    assert choice == Choice("triton_gemm", modes.fixed_config(WIDE)[0], modes.SOURCE,
+                            "linear|bf16|bias|N=4096|K=4096|c at M=16", modes.rule_text(WIDE))
+
+
+def test_batch_invariant_rule_uses_the_devices_limits(monkeypatch):
+    asked = []
+    monkeypatch.setattr(backends, "device_limits", lambda index: (asked.append(index), dict(H200_LIMITS))[1])
+    monkeypatch.setattr(backends, "num_sms", lambda index: (asked.append(index), 100)[1])
+    few_sms = modes.fixed_config(WIDE, **H200_LIMITS, num_sms=100)[0]
+    assert few_sms != modes.fixed_config(WIDE, **H200_LIMITS, num_sms=132)[0]  # the SM count matters here
+    choice = modes.batch_invariant_choice(WIDE, 2)
+    assert (choice.backend, choice.config, choice.source) == ("triton_gemm", few_sms, modes.SOURCE)
+    assert asked == [2, 2]
+
+
+def test_batch_invariant_rule_falls_back_to_pytorch_and_says_why(monkeypatch):
+    assert modes.batch_invariant_choice(TOO_BIG, None) == Choice(
+        "torch", None, modes.SOURCE, "linear|bf16|bias|N=65536|K=65536|c at M=16",
+        "no Triton config takes this problem (a tensor spans more than 2**31 elements (the kernels use 32-bit "
+        "offsets)); PyTorch computes it, deterministic but NOT batch-invariant")
+
+    def no_triton(problem, **limits):
+        raise ImportError("No module named 'triton'")
+
+    monkeypatch.setattr(modes, "fixed_config", no_triton)
+    choice = modes.batch_invariant_choice(WIDE, None)
+    assert (choice.backend, choice.config) == ("torch", None)
+    assert choice.reason == ("no Triton config takes this problem (Triton is not available (No module named "
+                             "'triton')); PyTorch computes it, deterministic but NOT batch-invariant")
+
+
 def test_explain_says_batch_invariant_and_the_config_is_the_same_for_every_m():
     lines = {}
     with hybridgemm.mode("batch_invariant"):
         for m in (1, 7, 4096):
-            text = decide.explain((m, 4096), (4096, 4096), "bf16", activation="relu")
+            text = explain((m, 4096), (4096, 4096), "bf16", activation="relu")
             assert f"M={m} N=4096 K=4096" in text
             lines[m] = next(line for line in text.splitlines() if "batch_invariant mode:" in line)
     assert len(set(lines.values())) == 1
@@ -197,7 +243,7 @@ def test_explain_says_batch_invariant_and_the_config_is_the_same_for_every_m():
     assert "split_k=1" in line and "same kernel for every M" in line
     if not torch.cuda.is_available():
         assert "not guaranteed batch-invariant" in line
-    assert "batch_invariant" not in decide.explain((1, 4096), (4096, 4096))  # default mode
+    assert "batch_invariant" not in explain((1, 4096), (4096, 4096))  # default mode
 
 
 # ----------------------------------------------------------------------------- the kernel (interpreter or GPU)
@@ -306,7 +352,7 @@ def test_gpu_odd_shape_takes_the_pointer_path_for_every_m():
     with hybridgemm.mode("batch_invariant"):
         outs = _linear_at_each_m(x_all, w, b, "relu", ms=(1, 7, 64, 1000))
         rows = [hybridgemm.linear(x_all[i:i + 1], w, b, "relu") for i in (1, 3, 999)]  # misaligned pointers
-        text = decide.explain((1, k), (n, k), "bf16", activation="relu")
+        text = explain((1, k), (n, k), "bf16", activation="relu")
     _assert_prefix_rows_equal(outs, "N=1000 K=1003")
     for i, row in zip((1, 3, 999), rows):
         assert torch.equal(row[0], outs[1000][i])
@@ -357,12 +403,12 @@ def test_gpu_default_mode_is_unaffected():
     decide.reload_tables()
     x, w, b = make_operands(16, 4096, 4096, torch.bfloat16, "cuda")
     before = hybridgemm.linear(x, w, b)
-    text_before = decide.explain((16, 4096), (4096, 4096))
+    text_before = explain((16, 4096), (4096, 4096))
     with hybridgemm.mode("batch_invariant"):
         invariant = hybridgemm.linear(x, w, b)
     after = hybridgemm.linear(x, w, b)
     assert torch.equal(before, after)
-    assert decide.explain((16, 4096), (4096, 4096)) == text_before and "batch_invariant" not in text_before
+    assert explain((16, 4096), (4096, 4096)) == text_before and "batch_invariant" not in text_before
     dev = torch.cuda.current_device()
     p = Problem.from_tensors(x, w, b, torch.empty_like(before), Epilogue(Activation.NONE, True))
     cached, fresh = dispatch._MODE_CACHES["default"][0][(dev, p)], decide.choose(p, dev)

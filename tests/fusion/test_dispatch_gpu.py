@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import check_close_to_reference, make_operands, range_entry
-from hybridgemm import decide, dispatch
+from hybridgemm import decide, dispatch, explain
 from hybridgemm.autotune_cache import tune_table
 from hybridgemm.autotune_cache.presets import ProjectionShape
 from hybridgemm.autotune_cache.signature import current_signature
@@ -104,7 +104,7 @@ def test_an_entry_is_never_run_outside_its_range(tmp_path):
     assert {m: ran[m] == inside for m in ran} == {1: False, 256: False, 257: True, 300: True, 363: True,
                                                   364: False, 2000: False}, ran
     assert all(ran[m][:2] == ("torch", "rule") for m in (1, 256, 364, 2000)), ran
-    assert "tuned for M 257-363" in decide.explain((300, 512), (384, 512))
+    assert "tuned for M 257-363" in explain((300, 512), (384, 512))
 
 
 @pytest.mark.parametrize("backend, record", [
@@ -131,8 +131,8 @@ def test_dispatch_runs_each_backend(tmp_path, backend, record):
     path = tmp_path / "t.json"
     table.save(path)
     decide.set_table_path(path)
-    assert f"runs {backend}" in decide.explain((m, k), (n, k))
-    assert "(table: tuned for M 9-16" in decide.explain((m, k), (n, k))
+    assert f"runs {backend}" in explain((m, k), (n, k))
+    assert "(table: tuned for M 9-16" in explain((m, k), (n, k))
     for _ in range(2):  # slow path, then the cached launcher
         y = dispatch.fused_linear(x, w, b)
         check_close_to_reference(y, x, w, b, None, backend)
@@ -158,7 +158,7 @@ def test_rejected_entry_warns_once_and_falls_back(tmp_path):
     msgs = [str(c.message) for c in caught if "cannot be used" in str(c.message)]
     assert len(msgs) == 1, msgs
     check_close_to_reference(y, x, w, b, None, "fallback")
-    assert "(rule:" in decide.explain((m, k), (n, k))
+    assert "(rule:" in explain((m, k), (n, k))
 
 
 @pytest.mark.parametrize("act", [None, "relu", "gelu_tanh", "gelu"])
@@ -194,7 +194,7 @@ def test_o_projection_input_with_a_size_one_seq_dim(backend, tmp_path):
     path = tmp_path / "t.json"
     table.save(path)
     decide.set_table_path(path)
-    assert f"runs {backend}" in decide.explain(tuple(x.shape), (n, k))
+    assert f"runs {backend}" in explain(tuple(x.shape), (n, k))
     x2 = x.reshape(b_, k)
     for _ in range(3):  # slow path, then the cached launcher
         y = dispatch.fused_linear(x, w, bias)
@@ -247,7 +247,7 @@ def test_a_triton_config_tuned_under_another_triton_is_probed_then_run(tmp_path,
     said = [str(c.message) for c in caught]
     assert len([s for s in said if "0.0.1" in s]) == 1, said
     check_close_to_reference(y, x, w, b, None, "probed")
-    text = decide.explain((m, k), (n, k))
+    text = explain((m, k), (n, k))
     assert "runs triton_splitk" in text and "passed its correctness probe" in text
 
     # the same entry when the kernel computes something else: the probe fails, F.linear runs

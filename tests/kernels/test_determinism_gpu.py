@@ -212,7 +212,7 @@ def _linear_case(name, lead, n, k, dtype, bias, act, mode: str | None = None) ->
             check_close_to_reference(outs[0].reshape(m, n), x2, w, b, act, name)
 
         with scope():
-            what = hybridgemm.decide.explain(tuple(x.shape), (n, k), dtype, bias, act)
+            what = hybridgemm.explain(tuple(x.shape), (n, k), dtype, bias, act)
         return Prepared(call, check, what)
 
     return Case(name, prepare)

@@ -1,0 +1,110 @@
+"""``explain()``: which kernel ``hybridgemm.linear`` runs for given shapes, and why, as text.
+
+It checks the arguments (a ValueError naming the bad one), builds the Problem of a dense call
+of those shapes, and asks the decision the dispatcher would ask: ``decide.choose`` (rules 4-5
+of fusion/decide.py) or, in batch_invariant mode, ``modes.batch_invariant_choice``. It never
+reaches fusion/dispatch.py and needs no GPU (without one it says PyTorch computes the call).
+``hybridgemm.explain`` is this function.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from hybridgemm.kernels.epilogue import Activation, Epilogue
+from hybridgemm.kernels.problem import DTYPE_NAMES, NAME_TO_DTYPE, Problem, uses_tf32
+
+from . import decide, mode_state, modes
+
+
+def _dims(shape, what: str, example: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints, or ValueError naming ``what``."""
+
+    def bad() -> ValueError:
+        return ValueError(f"{what} must be a sequence of non-negative ints such as {example}, got {shape!r:.80}")
+
+    if isinstance(shape, (str, bytes)):
+        raise bad()
+    try:
+        items = tuple(shape)
+    except TypeError:
+        raise bad() from None
+    out = []
+    for d in items:
+        try:
+            v = None if isinstance(d, bool) else operator.index(d)
+        except TypeError:
+            v = None
+        if v is None or v < 0:
+            raise bad()
+        out.append(v)
+    return tuple(out)
+
+
+_ACCEPTED_DTYPES = ("a torch.dtype, or one of bf16, fp16, fp32, bfloat16, float16, float32, float64 "
+                    "(or another torch dtype's name)")
+
+
+def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, str):
+        name = dtype.strip().removeprefix("torch.")
+        found = NAME_TO_DTYPE.get(name)
+        if found is None:
+            found = vars(torch).get(name)  # a lookup, not getattr: never imports or runs anything
+        if not isinstance(found, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r:.40}; expected {_ACCEPTED_DTYPES}")
+        return found
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be {_ACCEPTED_DTYPES}; got {dtype!r:.60}")
+    return dtype
+
+
+def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: bool = True,
+            activation=None, device: int | None = None) -> str:
+    """Which kernel ``hybridgemm.linear`` runs for these shapes, and why (a table hit with the
+    M range it was validated on and its worst measured ratio to F.linear, or the fallback
+    rule). Works without a GPU (it then says PyTorch runs).
+
+    ``x_shape`` is one or more non-negative ints (``(..., K)``), ``w_shape`` two (``(N, K)``),
+    with the same K; ``dtype`` a ``torch.dtype``, one of ``bf16``/``fp16``/``fp32``, or the name
+    of a torch dtype (``bfloat16``, ``float16``, ``float32``, ``float64``, ...; a ``torch.``
+    prefix is allowed). Anything else raises ValueError naming the argument and what it takes."""
+    dtype = _parse_dtype(dtype)
+    x_dims = _dims(x_shape, "x_shape", "(16, 4096) or (2, 8, 4096)")
+    w_dims = _dims(w_shape, "w_shape", "(6144, 4096)")
+    if not x_dims:
+        raise ValueError("x_shape needs at least one dimension (its last is K), got ()")
+    if len(w_dims) != 2:
+        raise ValueError(f"w_shape must be two ints (N, K), got {w_dims}")
+    act = Activation.parse(activation)
+    bias = bool(bias)
+    m = 1
+    for d in x_dims[:-1]:
+        m *= d
+    n, k = w_dims
+    if x_dims[-1] != k:
+        raise ValueError(f"x_shape {x_dims} has {x_dims[-1]} features, w_shape expects {k}")
+    problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=Epilogue(act, bias), ldx=k, ldw=k, ldo=n,
+                      tf32=uses_tf32(dtype))
+    head = f"linear {DTYPE_NAMES.get(dtype, dtype)} M={m} N={n} K={k} epilogue={problem.epilogue.name}"
+    if m == 0 or n == 0 or k == 0:
+        return f"{head}: empty problem (M, N or K = 0), so PyTorch computes it (no GEMM)"
+    invariant = mode_state.get_mode() == mode_state.BATCH_INVARIANT
+    if not torch.cuda.is_available():
+        line = f"{head}: no CUDA device here, so PyTorch (F.linear) computes it on the CPU"
+        if invariant and dtype in DTYPE_NAMES:
+            line += (f"\n  batch_invariant mode: {modes.batch_invariant_choice(problem, None).describe()} on an "
+                     "H100/H200-class GPU; PyTorch on the CPU is not guaranteed batch-invariant")
+        return line
+    if dtype not in DTYPE_NAMES:
+        tail = " (not guaranteed batch-invariant)" if invariant else ""
+        return f"{head}: dtype not taken by any kernel, so PyTorch computes it{tail}"
+    dev = torch.cuda.current_device() if device is None else device
+    with torch.cuda.device(dev):
+        if invariant:
+            choice = modes.batch_invariant_choice(problem, dev)
+            return f"{head}\n  key {choice.key}\n  batch_invariant mode: {choice.describe()}"
+        choice = decide.choose(problem, dev)
+    return f"{head}\n  key {choice.key}\n  runs {choice.describe()}"
