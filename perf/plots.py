@@ -1,20 +1,25 @@
-"""Figures drawn from benchmark CSVs only (perf/csvio.py's long form): no GPU, no re-measuring.
+"""Figures drawn from benchmark CSVs only: no GPU, no re-measuring.
 
-    make_all_plots(["perf/results/h200/bench.csv", "perf/results/h200/attention_h200.csv"], "out/")
+    make_all_plots(figure_sources("perf/results/h200"), "out/")
+
+From the long-form CSVs (perf/csvio.py: bench, attention benchmark):
 
 1. ``tflops_vs_m.png``: TFLOP/s vs M per projection shape, one line per provider (method
    ``gpu``), log-x, with two ceilings: HBM read bandwidth x arithmetic intensity (what bounds
    small M: the weights must be read once) and the measured GEMM peak.
-2. ``dispatch_speedup.png``: speedup of ``dispatch`` over F.linear, heatmap shape x M.
+2. ``dispatch_speedup.png``: speedup of ``dispatch`` over F.linear, heatmap (shape, epilogue)
+   x M; each cell divides two rows equal in GPU, dtype, shape, N, K, epilogue and M.
 3. ``attention_path.png``: the attention-layer projection path (perf/bench_attention.py's
    rows: providers ``stock``, ``naive_fused``, ``hybridgemm``), decode and prefill bars.
    Skipped with a note when no CSV holds such rows.
 4. ``host_time.png``: host time per eager call per provider (method ``eager``), with
    F.linear's GPU time for reference: where a provider's line sits above it, the host is the
    bottleneck.
-5. ``e2e.png`` for an end-to-end CSV (perf/bench_e2e.py) among the inputs.
-The M-sweep, end-to-end, MLP and tensor-parallel figures, each drawn from its own benchmark's
-CSV, are in perf/plots_models.py; what all figures share is in perf/plot_style.py.
+5. ``m_sweep.png``, ``mlp.png``, ``e2e.png``, ``tp.png`` for an M-sweep (perf/bench_msweep.py),
+   MLP (perf/bench_mlp.py), end-to-end (perf/bench_e2e.py) or tensor-parallel
+   (perf/bench_tp.py) CSV among the inputs, each drawn from its own CSV by perf/plots_models.py.
+What all figures share is in perf/plot_style.py. :func:`figure_sources` names the CSVs of a
+results folder the READMEs' figures come from (the main job redraws them).
 Training rows (method ``fwd_bwd_events``: CUDA events around eager steps, which at small M
 measure the host as much as the GPU) are tabulated by ``hybridgemm bench``, not drawn.
 Several GPUs or dtypes in the CSVs give one file per (GPU, dtype), suffixed.
@@ -24,7 +29,6 @@ from __future__ import annotations
 
 import os
 import re
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,15 +38,28 @@ from hybridgemm.perf.csvio import KEY_COLUMNS, read_rows
 from hybridgemm.perf.plot_style import (
     DTYPE_SHORT,
     ITEMSIZE,
+    MARKERS,
     figure,
     legend,
     log_y,
     m_axis,
     save,
+    series_styles,
     to_float,
     to_int,
 )
-from hybridgemm.perf.plots_models import has_times, is_e2e_csv, is_tp_csv, plot_e2e, plot_tp
+from hybridgemm.perf.plots_models import (
+    csv_header,
+    has_times,
+    is_e2e_csv,
+    is_m_sweep_csv,
+    is_mlp_csv,
+    is_tp_csv,
+    plot_e2e,
+    plot_m_sweep,
+    plot_mlp,
+    plot_tp,
+)
 from hybridgemm.perf.timing import HBM_TBPS
 
 PEAK_TFLOPS = {"bf16": 790.0, "fp16": 790.0}  # best measured dense GEMMs on the H200
@@ -99,12 +116,16 @@ def _path(out_dir: Path, stem: str, group: tuple, n_groups: int) -> Path:
     return out_dir / (f"{stem}.png" if n_groups == 1 else f"{stem}_{_slug(group[0])}_{group[1]}.png")
 
 
-def _style(provider: str) -> dict:
-    if provider == "flinear":
-        return dict(color="black", lw=2.4, marker="o", zorder=5)
-    # crc32, not hash(): a provider keeps its colour from one run (process) to the next
-    idx = PROVIDER_ORDER.index(provider) if provider in PROVIDER_ORDER else zlib.crc32(provider.encode()) % 10
-    return dict(color=f"C{idx % 10}", lw=1.5, marker="os^vDP*X"[idx % 8], ms=4)
+# Fixed styles of the known providers: the same in every figure; any other provider takes a
+# colour and marker none of these (nor another provider of its figure) has.
+PROVIDER_STYLES = {"flinear": dict(color="black", marker="o", lw=2.4, zorder=5),
+                   **{p: dict(color=f"C{i}", marker=MARKERS[i]) for i, p in enumerate(PROVIDER_ORDER) if i}}
+
+
+def _styles(rows) -> dict[str, dict]:
+    """One style per provider of ``rows`` (a whole figure's: its panels share the legend)."""
+    styles = series_styles(_providers(rows), PROVIDER_STYLES)
+    return {p: {"lw": 1.5, "ms": 4, **st} for p, st in styles.items()}
 
 
 def _providers(rows) -> list[str]:
@@ -112,17 +133,23 @@ def _providers(rows) -> list[str]:
     return [p for p in PROVIDER_ORDER if p in names] + sorted(names - set(PROVIDER_ORDER))
 
 
+def _panel_key(r: dict) -> tuple:
+    """What a time depends on besides M, the provider and the method (the figure's GPU and
+    dtype are fixed): rows are compared only where all of it is equal."""
+    return r["shape"], r["N"], r["K"], r.get("epilogue", "")
+
+
 def _panels(rows) -> dict[tuple, list[dict]]:
     out: dict[tuple, list[dict]] = {}
     for r in rows:
-        out.setdefault((r["shape"], r["N"], r["K"], r.get("epilogue", "")), []).append(r)
+        out.setdefault(_panel_key(r), []).append(r)
     return out
 
 
-def _lines(ax, rows, value: Callable[[dict], float]) -> None:
+def _lines(ax, rows, value: Callable[[dict], float], styles: dict[str, dict]) -> None:
     for prov in _providers(rows):
         pts = sorted((r["M"], value(r)) for r in rows if r["provider"] == prov)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=LABELS.get(prov, prov), **_style(prov))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=LABELS.get(prov, prov), **styles[prov])
 
 
 def plot_tflops(rows, path: Path) -> Path:
@@ -130,9 +157,10 @@ def plot_tflops(rows, path: Path) -> Path:
     fig, body, footer, axes = figure(len(panels))
     dtype = rows[0].get("dtype", "")
     e = ITEMSIZE.get(dtype, 2)
+    styles = _styles(rows)
     for ax, ((shape, n, k, epi), prs) in zip(axes, panels.items()):
         ms = sorted({r["M"] for r in prs})
-        _lines(ax, prs, lambda r: 2 * r["M"] * r["N"] * r["K"] / r["median_us"] / 1e6)
+        _lines(ax, prs, lambda r: 2 * r["M"] * r["N"] * r["K"] / r["median_us"] / 1e6, styles)
         mm = np.geomspace(ms[0], ms[-1], 64)
         bias = n if epi.startswith("bias") else 0
         # bytes a GEMM must move at least: read x, W, bias once, write y once
@@ -153,31 +181,44 @@ def plot_tflops(rows, path: Path) -> Path:
     return save(fig, footer, path, rows)
 
 
-def _heatmap(rows, path: Path, provider: str, baseline: str, title: str, what: str) -> Path | None:
-    from matplotlib.colors import TwoSlopeNorm
-
-    t = {(r["shape"], r["M"], r["provider"]): r["median_us"] for r in rows}
-    shapes = list(dict.fromkeys(r["shape"] for r in rows if r["provider"] == provider))
-    ms = sorted({r["M"] for r in rows if r["provider"] == provider})
-    if not shapes:
-        return None
-    val = np.full((len(shapes), len(ms)), np.nan)
-    for i, s in enumerate(shapes):
+def speedup_grid(rows, provider: str, baseline: str) -> tuple[list[str], list[int], np.ndarray]:
+    """``baseline`` time / ``provider`` time for every (shape, epilogue) that ``provider`` has
+    rows for (the row labels: the shape, with ``[epilogue]`` when there are several) and every
+    M it has (the columns). A cell divides two rows equal in shape, N, K, epilogue and M
+    (:func:`_panel_key`; the caller fixes GPU, dtype and method), NaN where one is missing."""
+    t = {(*_panel_key(r), r["M"], r["provider"]): r["median_us"] for r in rows
+         if r.get("provider") in (provider, baseline)}
+    panels = list(dict.fromkeys(_panel_key(r) for r in rows if r.get("provider") == provider))
+    ms = sorted({r["M"] for r in rows if r.get("provider") == provider})
+    val = np.full((len(panels), len(ms)), np.nan)
+    for i, panel in enumerate(panels):
         for j, m in enumerate(ms):
-            a, b = t.get((s, m, baseline)), t.get((s, m, provider))
+            a, b = t.get((*panel, m, baseline)), t.get((*panel, m, provider))
             if a and b:
                 val[i, j] = a / b
-    if np.isnan(val).all():
+    several = len({p[3] for p in panels}) > 1
+    return [f"{p[0]} [{p[3]}]" if several else p[0] for p in panels], ms, val
+
+
+def _heatmap(rows, path: Path, provider: str, baseline: str, title: str, what: str) -> Path | None:
+    """:func:`speedup_grid` as a heatmap; None when it has no cell."""
+    from matplotlib.colors import TwoSlopeNorm
+
+    labels, ms, val = speedup_grid(rows, provider, baseline)
+    if not labels or np.isnan(val).all():
         return None
-    fig, body, footer, (ax,) = figure(1, 1.1 * len(ms) + 4.5, 0.55 * len(shapes) + 1.6, foot=0.3)
+    epilogues = {r.get("epilogue", "") for r in rows if r.get("provider") == provider}
+    if len(epilogues) == 1:
+        title += f", epilogue {next(iter(epilogues))}"
+    fig, body, footer, (ax,) = figure(1, 1.1 * len(ms) + 4.5, 0.55 * len(labels) + 1.6)
     lo, hi = np.nanmin(val), np.nanmax(val)
     norm = TwoSlopeNorm(vcenter=1.0, vmin=min(lo, 0.95), vmax=max(hi, 1.05))  # white = parity
     im = ax.imshow(np.ma.masked_invalid(val), cmap="RdYlGn", norm=norm, aspect="auto")
-    for i in range(len(shapes)):
+    for i in range(len(labels)):
         for j in range(len(ms)):
             ax.text(j, i, "-" if np.isnan(val[i, j]) else f"{val[i, j]:.2f}x", ha="center", va="center", fontsize=9)
     ax.set_xticks(range(len(ms)), [str(m) for m in ms])
-    ax.set_yticks(range(len(shapes)), shapes)
+    ax.set_yticks(range(len(labels)), labels)
     ax.set_xlabel("M (rows of x: tokens)")
     body.colorbar(im, ax=ax, label=f"{what} (> 1: faster)")
     ax.set_title(title, fontsize=10)
@@ -221,11 +262,13 @@ def plot_attention(rows, path: Path) -> Path | None:
 def plot_host_time(rows, gpu_rows, path: Path) -> Path:
     panels = _panels(rows)
     fig, body, footer, axes = figure(len(panels))
-    gpu_fl = {(r["shape"], r["M"]): r["median_us"] for r in gpu_rows if r["provider"] == "flinear"}
-    for ax, ((shape, n, k, epi), prs) in zip(axes, panels.items()):
+    gpu_fl = {(*_panel_key(r), r["M"]): r["median_us"] for r in gpu_rows if r["provider"] == "flinear"}
+    styles = _styles(rows)
+    for ax, (panel, prs) in zip(axes, panels.items()):
+        shape, n, k, epi = panel
         ms = sorted({r["M"] for r in prs})
-        _lines(ax, prs, lambda r: r["median_us"])
-        ref = [(m, gpu_fl[(shape, m)]) for m in ms if (shape, m) in gpu_fl]
+        _lines(ax, prs, lambda r: r["median_us"], styles)
+        ref = [(m, gpu_fl[(*panel, m)]) for m in ms if (*panel, m) in gpu_fl]
         if ref:
             ax.plot([p[0] for p in ref], [p[1] for p in ref], ls=":", color="0.5", lw=1.5,
                     label="F.linear GPU time (for reference)")
@@ -238,21 +281,55 @@ def plot_host_time(rows, gpu_rows, path: Path) -> Path:
     return save(fig, footer, path, rows)
 
 
+# CSVs that each give a figure of their own: (recogniser, plotter, the figure's name when one
+# CSV of the kind is given; with several, each is named after its CSV).
+OWN_FIGURES = ((is_m_sweep_csv, plot_m_sweep, "m_sweep.png"), (is_mlp_csv, plot_mlp, "mlp.png"),
+               (is_e2e_csv, plot_e2e, "e2e.png"), (is_tp_csv, plot_tp, "tp.png"))
+
+
+# The CSVs of a results folder (``perf/results/<gpu>/<source>_<gpu>.csv``) that the figures
+# embedded in README.md and perf/results/<gpu>/README.md are drawn from.
+FIGURE_SOURCES = ("bench", "attention", "m_sweep", "mlp", "e2e")
+
+
+def figure_sources(results_dir) -> list[Path]:
+    """The CSVs of ``results_dir`` that the READMEs' figures are drawn from, those present."""
+    d = Path(results_dir)
+    return [d / f"{s}_{d.name}.csv" for s in FIGURE_SOURCES if (d / f"{s}_{d.name}.csv").is_file()]
+
+
+def is_long_form_csv(path) -> bool:
+    """Whether the CSV at ``path`` holds perf/csvio.py's long-form rows (provider, method, time)."""
+    return {"provider", "method", "median_us"} <= csv_header(path)
+
+
 def make_all_plots(csv_paths, out_dir, log: Callable[[str], None] = print) -> list[Path]:
     """Draw every figure the CSVs have data for into ``out_dir``; return the files written.
-    A figure without data is skipped with a note through ``log``. An end-to-end CSV
-    (perf/bench_e2e.py) gives its own figure (:func:`plot_e2e`), a tensor-parallel one
-    (perf/bench_tp.py) its own (:func:`plot_tp`); one with no timed row (error modes only)
-    none."""
+    An M-sweep, MLP, end-to-end or tensor-parallel CSV gives its own figure (:data:`OWN_FIGURES`;
+    one with no timed row, none); the long-form CSVs together give the kernel figures. A figure
+    without data, and a CSV no figure reads, are skipped with a note through ``log``.
+    Raises FileNotFoundError naming a missing file."""
     out_dir = Path(out_dir)
-    e2e = [p for p in csv_paths if os.path.isfile(p) and is_e2e_csv(p)]
-    tp = [p for p in csv_paths if os.path.isfile(p) and is_tp_csv(p)]
-    csv_paths = [p for p in csv_paths if p not in e2e and p not in tp]
-    for p in [p for p in e2e + tp if not has_times(p)]:
-        log(f"{p}: no timed rows (error modes only): no figure")
-    e2e, tp = [p for p in e2e if has_times(p)], [p for p in tp if has_times(p)]
-    written = [plot_e2e(p, out_dir, "e2e.png" if len(e2e) == 1 else f"{Path(p).stem}.png") for p in e2e]
-    written += [plot_tp(p, out_dir, "tp.png" if len(tp) == 1 else f"{Path(p).stem}.png") for p in tp]
+    for p in csv_paths:
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"no such CSV file: {p}")
+    written: list[Path] = []
+    rest = list(csv_paths)
+    for recognise, plot, name in OWN_FIGURES:
+        mine = [p for p in rest if recognise(p)]
+        rest = [p for p in rest if p not in mine]
+        if plot in (plot_e2e, plot_tp):  # a run of error modes only has nothing to draw
+            for p in [p for p in mine if not has_times(p)]:
+                log(f"{p}: no timed rows (error modes only): no figure")
+            mine = [p for p in mine if has_times(p)]
+        for p in mine:
+            try:
+                written.append(plot(p, out_dir, name if len(mine) == 1 else f"{Path(p).stem}.png"))
+            except ValueError as e:  # recognised by its header, but no row to draw
+                log(f"{p}: no figure ({e})")
+    for p in [p for p in rest if not is_long_form_csv(p)]:
+        log(f"{p}: no figure reads this CSV: skipped")
+    csv_paths = [p for p in rest if is_long_form_csv(p)]
     if not csv_paths:
         return written
     rows = load_rows(csv_paths)

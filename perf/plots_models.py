@@ -16,11 +16,13 @@ import numpy as np
 from hybridgemm.perf.csvio import read_rows
 from hybridgemm.perf.plot_style import (
     as_bool,
+    distinct,
     figure,
     legend,
     log_y,
     m_axis,
     save,
+    series_styles,
     shape_label,
     to_float,
     to_int,
@@ -30,22 +32,11 @@ from hybridgemm.perf.timing import HBM_TBPS
 BELOW = 0.97  # an M-sweep row under this speedup is counted (and drawn under the dashed line)
 
 
-M_SWEEP_MARKERS = "os^vDP*Xph<>d8H"
-
-
-def _m_sweep_colours(n: int) -> list:
-    """``n`` colours, all distinct up to 27 series (tab10, then Dark2 and Set1), then repeating
-    (the markers keep later series apart)."""
-    from matplotlib import colormaps
-
-    palette = [*colormaps["tab10"].colors, *colormaps["Dark2"].colors, *colormaps["Set1"].colors]
-    return [palette[i % len(palette)] for i in range(n)]
-
-
-def plot_m_sweep(csv_path, out_dir) -> Path:
-    """``m_sweep.png`` in ``out_dir`` from perf/bench_msweep.py's CSV: speedup of the dispatched
-    call over F.linear (F.linear time / dispatched time) against M on a log2 axis, one line per
-    shape ("N x K (+bias) — models"), a dashed line at the 0.97x mark and a light one at parity.
+def plot_m_sweep(csv_path, out_dir, name: str = "m_sweep.png") -> Path:
+    """``name`` (default ``m_sweep.png``) in ``out_dir`` from perf/bench_msweep.py's CSV: speedup
+    of the dispatched call over F.linear (F.linear time / dispatched time) against M on a log2
+    axis, one line per shape ("N x K (+bias) — models"), a dashed line at the 0.97x mark and a
+    light one at parity; the footer names the dates and commits of the rows.
     Raises FileNotFoundError for a missing file, ValueError when no row holds M and a speedup."""
 
     if not os.path.isfile(csv_path):
@@ -63,13 +54,12 @@ def plot_m_sweep(csv_path, out_dir) -> Path:
     if not series:
         raise ValueError(f"{csv_path}: no rows with an M and a speedup (not an M-sweep CSV?)")
     dtypes = sorted({key[3] for key in series})
-    n_legend = len(series) + 1
-    fig, body, footer, (ax,) = figure(1, panel_w=11.0, panel_h=6.0, foot=0.45 + 0.2 * math.ceil(n_legend / 3))
-    for (key, pts), colour, marker in zip(series.items(), _m_sweep_colours(len(series)),
-                                          (M_SWEEP_MARKERS[i % len(M_SWEEP_MARKERS)] for i in range(len(series)))):
+    fig, body, footer, (ax,) = figure(1, panel_w=11.0, panel_h=6.0)
+    styles = series_styles(series)
+    for key, pts in series.items():
         pts.sort()
         label = shape_label(*key[:3], models[key]) + (f" [{key[3]}]" if len(dtypes) > 1 else "")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colour, marker=marker, ms=3.5, lw=1.2, label=label)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], ms=3.5, lw=1.2, label=label, **styles[key])
     ax.axhline(1.0, color="0.6", lw=0.8, zorder=0)
     ax.axhline(BELOW, ls="--", color="crimson", lw=1.3, label=f"{BELOW}x F.linear")
     sps = [p[1] for pts in series.values() for p in pts]
@@ -77,28 +67,18 @@ def plot_m_sweep(csv_path, out_dir) -> Path:
     m_axis(ax, [2**i for i in range(max(0, math.ceil(math.log2(top_m))) + 1)])
     ax.set_ylim(min(0.9, min(sps) - 0.02), max(1.1, max(sps) + 0.02))
     ax.set_ylabel("speedup: F.linear time / dispatched time (> 1: faster)")
-    handles: dict = {}
-    for h, lab in zip(*ax.get_legend_handles_labels()):
-        handles.setdefault(lab, h)
-    footer.legend(list(handles.values()), list(handles), loc="upper center", ncol=3, fontsize=8, frameon=False)
+    legend(footer, [ax], ncol=3)
     stem = Path(csv_path).stem
     gpu = stem[len("m_sweep_"):] if stem.startswith("m_sweep_") else ""
     body.suptitle(f"hybridgemm.dispatch.fused_linear vs F.linear across M, {'/'.join(dtypes)}"
                   + (f", {gpu.upper() if gpu == 'h200' else gpu}" if gpu else "")
                   + "\nGPU time per call: CUDA-graph replay, L2-cold rotating operands, "
                     "median of per-round ratios to F.linear")
-
-    def vals(col):
-        return ", ".join(sorted({str(r.get(col) or "") for r in rows} - {""})) or "?"
-
     n_ms = len({p[0] for pts in series.values() for p in pts})
-    footer.text(0.5, 0.04, f"{len(series)} shapes x {n_ms} M values (log-spaced and log-uniform random) | "
-                f"placements {vals('placements')} x replays {vals('replays')} | {vals('date')} | "
-                f"commit {vals('commit')}", ha="center", va="bottom", fontsize=7, color="0.3")
-    path = Path(out_dir) / "m_sweep.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    return path
+    text = (f"{len(series)} shapes x {n_ms} M values (log-spaced and log-uniform random) | "
+            f"placements {distinct(rows, 'placements')} x replays {distinct(rows, 'replays')} | "
+            f"{distinct(rows, 'date')} | commit {distinct(rows, 'commit')}")
+    return save(fig, footer, Path(out_dir) / name, rows, text)
 
 
 E2E_DECODE_MODES = ("eager_generate", "eager_static", "compiled_static")
@@ -107,22 +87,33 @@ E2E_DECODE_MODES = ("eager_generate", "eager_static", "compiled_static")
 E2E_VARIANTS = (("stock", "0.25"), ("hybridgemm", "C3"))
 
 
-def _header(path) -> set[str]:
-    with open(path, newline="") as f:
-        return {c.strip() for c in f.readline().split(",")}
+def csv_header(path) -> set[str]:
+    """The column names in the first line of the CSV at ``path``."""
+    with open(path, newline="", errors="replace") as f:
+        return {c.strip().strip('"') for c in f.readline().split(",")}
+
+
+def is_m_sweep_csv(path) -> bool:
+    """Whether the CSV at ``path`` holds perf/bench_msweep.py's rows (m, speedup, dispatched_us)."""
+    return {"m", "n", "k", "speedup", "dispatched_us"} <= csv_header(path)
+
+
+def is_mlp_csv(path) -> bool:
+    """Whether the CSV at ``path`` holds perf/bench_mlp.py's rows (model, op, variant, us)."""
+    return {"model", "op", "m", "variant", "us", "speedup"} <= csv_header(path)
 
 
 def is_e2e_csv(path) -> bool:
     """Whether the CSV at ``path`` holds perf/bench_e2e.py's rows (its header has mode, variant
     and ms_per_token; perf/e2e_profile.py's kernel rows have the first two only; perf/bench_tp.py's
     rows have a tp column besides)."""
-    header = _header(path)
+    header = csv_header(path)
     return {"mode", "variant", "ms_per_token"} <= header and "tp" not in header
 
 
 def is_tp_csv(path) -> bool:
     """Whether the CSV at ``path`` holds perf/bench_tp.py's rows (mode, variant, ms_per_token, tp)."""
-    return {"mode", "variant", "ms_per_token", "tp"} <= _header(path)
+    return {"mode", "variant", "ms_per_token", "tp"} <= csv_header(path)
 
 
 def has_times(path) -> bool:
@@ -195,6 +186,7 @@ def plot_e2e(csv_path, out_dir, name: str = "e2e.png") -> Path:
     return save(fig, footer, Path(out_dir) / name, rows)
 
 
+# Fixed styles of bench_mlp's variants (any other variant takes one of its own: series_styles).
 MLP_STYLES = {"stock": dict(color="black", lw=2.2, marker="o"), "hybridgemm": dict(color="C3", marker="s"),
               "halves": dict(color="C0", marker="^"), "gemm_act": dict(color="C1", marker="v"),
               "triton_glu": dict(color="C2", marker="D")}
@@ -214,10 +206,13 @@ def plot_mlp(csv_path, out_dir, name: str = "mlp.png") -> Path:
     for r in rows:
         panels.setdefault((r["model"], r["op"], r["n"], r["k"]), []).append(r)
     fig, body, footer, axes = figure(len(panels), panel_w=5.0, panel_h=3.6)
+    variants = [v for v in MLP_STYLES if any(r["variant"] == v for r in rows)]
+    variants += sorted({r["variant"] for r in rows} - set(variants))
+    styles = series_styles(variants, MLP_STYLES)
     for ax, ((model, op, n, k), prows) in zip(axes, panels.items()):
-        for variant in [v for v in MLP_STYLES if any(r["variant"] == v for r in prows)]:
+        for variant in [v for v in variants if any(r["variant"] == v for r in prows)]:
             pts = sorted((to_int(r["m"]), to_float(r["speedup"])) for r in prows if r["variant"] == variant)
-            style = {"ms": 4, "lw": 1.4, **MLP_STYLES[variant]}
+            style = {"ms": 4, "lw": 1.4, **styles[variant]}
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=variant, **style)
         ax.axhline(1.0, color="0.6", lw=0.8, zorder=0)
         m_axis(ax, sorted({to_int(r["m"]) for r in prows}))
