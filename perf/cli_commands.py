@@ -121,18 +121,23 @@ def cmd_bench(args) -> int:
     if any(m < 1 for m in args.m):
         _err(f"hybridgemm bench: --m values must be ≥ 1, got {args.m}")
         return 2
-
-    if not torch.cuda.is_available():
-        _err("hybridgemm bench: needs a CUDA GPU, and this machine has none (it measures GPU and host time "
-             "of every provider). `hybridgemm plot` works anywhere, from CSVs measured elsewhere.")
-        return 2
-
+    # Names, shapes and paths first: a mistake in them is reported on any machine, GPU or not.
     args.model = args.model or ([] if args.shape else ["llama3-8b"])
     try:
         shapes = shapes_for(args.model, args.shape or [], args.bias)
     except ValueError as e:
         _err(f"hybridgemm bench: {e}")
         return 2
+    problem = _paths_problem(args.out, args.plot)
+    if problem:
+        _err(f"hybridgemm bench: {problem}")
+        return 2
+
+    if not torch.cuda.is_available():
+        _err("hybridgemm bench: needs a CUDA GPU, and this machine has none (it measures GPU and host time "
+             "of every provider). `hybridgemm plot` works anywhere, from CSVs measured elsewhere.")
+        return 2
+
     res = run_bench(shapes, args.m, args.providers, args.dtype, args.out, args.activation, args.training,
                     progress=not args.no_progress, command=_command_line(args))
     print_summary(res)
@@ -144,6 +149,17 @@ def cmd_bench(args) -> int:
     if args.plot:
         rc = max(rc, cmd_plot(argparse.Namespace(csv=[args.out], out=args.plot)))
     return rc
+
+
+def _paths_problem(out: str, plot: str | None) -> str:
+    """Why ``--out`` cannot be a CSV file or ``--plot`` a folder ("" when both can)."""
+    if os.path.isdir(out):
+        return f"--out {out}: is a directory; give the CSV's file name (e.g. {os.path.join(out, DEFAULT_OUT)})"
+    if os.path.exists(out) and not os.path.isfile(out):
+        return f"--out {out}: not a regular file"
+    if plot and os.path.exists(plot) and not os.path.isdir(plot):
+        return f"--plot {plot}: not a directory"
+    return ""
 
 
 def cmd_m_sweep(args) -> int:

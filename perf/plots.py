@@ -287,6 +287,11 @@ OWN_FIGURES = ((is_m_sweep_csv, plot_m_sweep, "m_sweep.png"), (is_mlp_csv, plot_
                (is_e2e_csv, plot_e2e, "e2e.png"), (is_tp_csv, plot_tp, "tp.png"))
 
 
+# The committed measurements, one folder per GPU (perf/results/<gpu>/: in the source tree, not
+# in an installed wheel).
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
 # The CSVs of a results folder (``perf/results/<gpu>/<source>_<gpu>.csv``) that the figures
 # embedded in README.md and perf/results/<gpu>/README.md are drawn from.
 FIGURE_SOURCES = ("bench", "attention", "m_sweep", "mlp", "e2e")

@@ -219,11 +219,35 @@ def test_explain_device_the_heuristic_flinear_and_a_miss(capsys, monkeypatch):
         "  runs cublaslt [heuristic at the exact M] (table: tuned for M 33-64")
     out = device_explain(capsys, "--x", "100,4096", "--w", "6144,4096", "--device", "h200")
     assert out[2].startswith("  runs torch (table: tuned for M 65-128") and out[2].endswith("; runs F.linear)")
-    for argv in (["--x", "200,4096", "--w", "6144,4096"], ["--x", "20000,4096", "--w", "6144,4096"],
-                 ["--x", "16,4096", "--w", "6144,4096", "--no-bias"], ["--x", "16,4096", "--w", "6144,4096",
-                                                                        "--dtype", "fp16"]):
-        out = device_explain(capsys, *argv, "--device", "h200")
-        assert out[2] == "  runs torch (rule: no table entry holds this M; F.linear)", argv
+    misses = {  # what the table lacks, and what it holds instead
+        ("--x", "200,4096"): "no entry of this shape holds M=200 (its ranges: 9-16, 17-32, 33-64, 65-128)",
+        ("--x", "20000,4096"): "M=20000 is past the table's ranges (M 1-16384)",
+        ("--x", "16,4096", "--no-bias"): "the table has no entry for N=6144 K=4096 with bf16 and epilogue none; "
+                                         "it holds bf16 epilogue bias",
+        ("--x", "16,4096", "--dtype", "fp16"): "the table has no entry for N=6144 K=4096 with fp16 and epilogue "
+                                               "bias; it holds bf16 epilogue bias",
+        ("--x", "16,4096", "--activation", "relu"): "the table has no entry for N=6144 K=4096 with bf16 and "
+                                                    "epilogue bias+relu; it holds bf16 epilogue bias",
+    }
+    for argv, why in misses.items():
+        out = device_explain(capsys, *argv, "--w", "6144,4096", "--device", "h200")
+        assert out[2] == f"  runs torch (rule: {why}; F.linear)", argv
+    out = device_explain(capsys, "--x", "16,1024", "--w", "512,1024", "--device", "h200")
+    assert out[2] == ("  runs torch (rule: the table has no entry for N=512 K=1024 with bf16 and epilogue bias, nor "
+                      "any for this N, K (`hybridgemm autotune --shape 512,1024` on that GPU tunes it); F.linear)")
+
+
+def test_explain_device_names_the_epilogue_the_shipped_table_holds(capsys, monkeypatch):
+    """The README's example (6144 x 4096 with the default bias) on the real shipped table:
+    llama3-8b's QKV has no bias, and the answer says so and names the flag that asks for it."""
+    monkeypatch.undo()
+    monkeypatch.setenv("HYBRIDGEMM_CACHE_DIR", "/nonexistent-hybridgemm-cache")
+    no_cuda_allowed(monkeypatch)
+    out = device_explain(capsys, "--x", "16,4096", "--w", "6144,4096", "--device", "h200")
+    assert out[2] == ("  runs torch (rule: the table has no entry for N=6144 K=4096 with bf16 and epilogue bias; it "
+                      "holds bf16 epilogue none (--no-bias); F.linear)")
+    out = device_explain(capsys, "--x", "16,4096", "--w", "6144,4096", "--no-bias", "--device", "h200")
+    assert out[1] == "  key linear|bf16|none|N=6144|K=4096|M=9-16|c" and out[2].startswith("  runs triton_splitk")
 
 
 def test_explain_device_from_the_real_shipped_table(capsys, monkeypatch):
