@@ -109,11 +109,14 @@ LOCK_TIMEOUT_S = 120.0
 
 
 class TableWriteError(OSError):
-    """A table could not be written; ``.filename`` is the table's path."""
+    """A table could not be written; ``.filename`` is the table's path. ``advice`` says what
+    to do about it; by default, where to write instead (the cause is usually a directory this
+    process cannot write)."""
 
-    def __init__(self, path: os.PathLike | str, reason: object):
-        self.message = (f"cannot write tuning table {os.fspath(path)}: {reason} "
-                        f"(set {CACHE_DIR_ENV} to a writable directory, or pass another path)")
+    def __init__(self, path: os.PathLike | str, reason: object, advice: str | None = None):
+        if advice is None:
+            advice = f"set {CACHE_DIR_ENV} to a writable directory, or pass another path"
+        self.message = f"cannot write tuning table {os.fspath(path)}: {reason} ({advice})"
         # Keep the cause's errno so callers can still tell EACCES from EROFS from ENOSPC.
         super().__init__(getattr(reason, "errno", None), self.message, os.fspath(path))
 
@@ -417,8 +420,12 @@ class TuningTable:
                 text = dump_document(self.signature, merged)
                 _atomic_write(path, text)
         except Timeout:
-            msg = f"lock {path}.lock not acquired within {LOCK_TIMEOUT_S:.0f} s"
-            raise TableWriteError(path, msg) from None
+            # Another location would not help: the directory is writable, a writer is busy.
+            lock = f"{path}.lock"
+            raise TableWriteError(path, f"lock {lock} not acquired within {LOCK_TIMEOUT_S:.0f} s",
+                                  "another process holds it, such as another `hybridgemm autotune` saving to this "
+                                  f"table: retry when it has finished, or remove {lock} if no such process "
+                                  "is running") from None
         except TableWriteError:
             raise
         except OSError as e:

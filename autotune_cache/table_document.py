@@ -374,8 +374,10 @@ def _atomic_write(path: Path, text: str) -> None:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
             f.write(text)
             f.flush()
+            # mkstemp makes 0600; a table is not a secret. Through the descriptor: the name
+            # could meanwhile point elsewhere (a symlink put there), whose target chmod would change.
+            os.fchmod(f.fileno(), 0o644)
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a table is not a secret
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -4,6 +4,8 @@ import os
 import pickle
 import random
 import re
+import stat
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -778,6 +780,28 @@ def test_read_only_directory(tmp_path):
             filled_table().save(ro / "table.json")
     finally:
         ro.chmod(0o755)
+
+
+def test_the_temp_files_mode_is_set_through_its_descriptor_not_its_name(tmp_path, monkeypatch):
+    """The temp file is made 0644 through its open descriptor. Its name is no proof of what
+    it names: here a symlink to another file replaces it just after it is created (as another
+    process sharing the directory could), and the mode change must not reach the link's target."""
+    victim, moved = tmp_path / "private", tmp_path / "moved.tmp"
+    victim.write_text("not the table")
+    victim.chmod(0o600)
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp_then_swap(*args, **kwargs):
+        fd, name = real_mkstemp(*args, **kwargs)
+        os.rename(name, moved)
+        os.symlink(victim, name)
+        return fd, name
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp_then_swap)
+    table = filled_table()
+    table.save(tmp_path / "t.json")
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600 and victim.read_text() == "not the table"
+    assert stat.S_IMODE(moved.stat().st_mode) == 0o644 and moved.read_text() == table.dumps()
 
 
 def writer_range(worker, i, count):
