@@ -12,6 +12,7 @@ import importlib
 from hybridgemm.attention import AttentionProjection, HybridMultiheadAttention, attention_projection
 from hybridgemm.decide import reload_tables, set_table_path
 from hybridgemm.explain import explain  # the function; the module is sys.modules['hybridgemm.explain']
+from hybridgemm.kernels.checks import LinearArgumentError
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.version import __version__
 from hybridgemm.linear_layer import HybridLinear, linear
@@ -34,7 +35,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "Activation", "AttentionProjection", "Epilogue", "HybridLinear", "HybridMultiheadAttention",
+    "Activation", "AttentionProjection", "Epilogue", "HybridLinear", "HybridMultiheadAttention", "LinearArgumentError",
     "ParallelReport", "PatchReport", "__version__", "attention_projection", "explain", "gated_linear", "get_mode",
     "load_full_state_dict", "linear", "mode", "parallelize", "patch", "reload_tables", "set_mode",
     "set_table_path", "unpatch",

@@ -23,8 +23,9 @@ from hybridgemm.kernels import backends, cublaslt
 from hybridgemm.kernels.checks import (
     call_signature,
     check_gpu_kernel_args,
-    check_linear_args,
     contiguous_bias,
+    kernel_form,
+    linear_operands,
     row_major,
     rows_2d,
     rows_are_flat,
@@ -37,11 +38,25 @@ from .decide import Choice
 from .diagnostics import warn_once
 
 CACHE_SIZE = 1024
+WHO = "hybridgemm.linear"  # the name errors give: hybridgemm.linear is what callers call
 
 
 def torch_linear(x, weight, bias, activation: Activation) -> torch.Tensor:
     """The reference path: F.linear then the activation (CPU tensors, unsupported dtypes)."""
     return apply_activation(F.linear(x, weight, bias), activation)
+
+
+def other_form(x, weight, bias, activation: Activation, run) -> torch.Tensor:
+    """A call in one of F.linear's forms other than the kernels' (weight (N, K), bias (N,) or
+    None): checked and brought to that form (kernels/checks.py ``linear_operands``), computed
+    by ``run(x, weight, bias)``, and the result shaped as F.linear's; or, where only F.linear's
+    own broadcasting says what the call means, F.linear then the activation."""
+    operands = linear_operands(x, weight, bias, WHO)
+    if operands is None:
+        return torch_linear(x, weight, bias, activation)
+    x, weight, bias, squeeze = operands
+    y = run(x, weight, bias)
+    return y.squeeze(-1) if squeeze else y
 
 
 class _Bounded(OrderedDict):
@@ -151,9 +166,10 @@ def _launcher(choice: Choice, x, w, b, act, tf32, raw=None):
 
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  activation=None) -> torch.Tensor:
-    """``act(x @ weight.T + bias)`` for any leading dims of ``x``, on the chosen backend."""
+    """``act(x @ weight.T + bias)`` for any leading dims of ``x``, on the chosen backend, with
+    F.linear's argument forms and errors (see ``hybridgemm.linear``)."""
     if x.device.type != "cuda" or x.dtype not in DTYPE_NAMES:
-        check_linear_args(x, weight, bias, "hybridgemm.linear")
+        linear_operands(x, weight, bias, WHO)  # F.linear's rules, hybridgemm's messages; F.linear takes the rest
         return torch_linear(x, weight, bias, Activation.parse(activation))
     key, xp, wp = call_signature(x, weight, bias, activation)
     fast = _launchers[0]
@@ -209,10 +225,12 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str):
     """A call whose signature has no cached launcher: checks, the (cached) decision, the run.
     Returns ``(y, raw)`` as :func:`fused_linear_and_launch` does; caches a launcher under
     ``fast_key`` (None: none) where the call needed no copy."""
+    act = Activation.parse(activation)
+    if not kernel_form(weight, bias):  # never cached under fast_key: its views are made per call
+        return other_form(x, weight, bias, act, lambda x, w, b: _fused_linear_slow(x, w, b, act, None, mode)[0]), None
     choices, fast = _MODE_CACHES[mode]
     invariant = mode == modes.BATCH_INVARIANT
-    check_gpu_kernel_args(x, weight, bias, "hybridgemm.linear")
-    act = Activation.parse(activation)
+    check_gpu_kernel_args(x, weight, bias, WHO)
     lead = x.shape[:-1]
     n, k = weight.shape
     x2 = row_major(rows_2d(x))

@@ -11,11 +11,17 @@ decode step cannot afford, while ``torch.compile`` and autograd need the op):
   the ``hybridgemm::linear_fwd`` / ``linear_act_fwd`` custom ops (fusion/ops.py), whose
   autograd runs the backward GEMMs of fusion/backward.py.
 
-Semantics are those of ``F.linear`` followed by the activation: ``x`` (..., K), ``weight``
-(N, K), ``bias`` (N,) or None, one dtype and one device; the result is (..., N) in the
-input dtype. Under ``torch.autocast`` the operands are cast to the autocast dtype first,
-as autocast does for ``F.linear``. CPU tensors and dtypes no kernel takes (float64, ...)
-are computed by PyTorch inside the dispatcher.
+Semantics are those of ``F.linear`` followed by the activation: the arguments ``input``,
+``weight``, ``bias`` (positional or by keyword), ``input`` (..., K), ``weight`` (N, K),
+``bias`` (N,) or None, one dtype and one device; the result is (..., N) in the input dtype.
+F.linear's other forms are taken as it takes them: a 1-D weight (K,) gives (...); a bias of
+one value ((), (1,), (1, 1)) or of shape (1, N) is that (N,) vector; any other bias shape, or
+a bias with a 1-D weight, is F.linear's own broadcasting, which F.linear then computes. What
+F.linear refuses raises :class:`~hybridgemm.LinearArgumentError`, a RuntimeError as
+F.linear's errors are (a TypeError for a non-tensor argument, as there), naming the argument.
+Under ``torch.autocast`` the operands are cast to the autocast dtype first, as autocast does
+for ``F.linear``. CPU tensors and dtypes no kernel takes (float64, ...) are computed by
+PyTorch inside the dispatcher.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from hybridgemm import dispatch
-from hybridgemm.kernels.checks import check_linear_args
+from hybridgemm.dispatch import WHO
+from hybridgemm.kernels.checks import kernel_form, linear_operands
 from hybridgemm.kernels.epilogue import Activation, apply_activation
 
 from . import (
@@ -49,26 +56,38 @@ def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return t.to(dtype)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation=None) -> Tensor:
-    """``act(x @ weight.T + bias)`` for any leading dims of ``x``.
+def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None, activation=None) -> Tensor:
+    """``act(input @ weight.T + bias)`` for any leading dims of ``input``: ``F.linear``'s
+    arguments, forms and errors (see the module docstring), then the activation.
 
     ``activation``: None, ``"relu"``, ``"gelu_tanh"`` (tanh approximation) or ``"gelu"``
-    (exact erf form), or an :class:`~hybridgemm.Activation`. Differentiable in ``x``,
+    (exact erf form), or an :class:`~hybridgemm.Activation`. Differentiable in ``input``,
     ``weight`` and ``bias``; traceable by ``torch.compile(fullgraph=True)``.
     """
-    act = Activation.parse(activation)
+    x = input
+    try:
+        act = Activation.parse(activation)
+    except ValueError:
+        if isinstance(activation, Tensor):  # F.linear takes three arguments; a fourth tensor is a slip
+            raise TypeError(f"{WHO}: activation must be None, a str or an Activation, got a Tensor "
+                            "(the arguments are input, weight, bias, activation)") from None
+        raise
     if not isinstance(x, Tensor) or not isinstance(weight, Tensor) or (
             bias is not None and not isinstance(bias, Tensor)):
-        check_linear_args(x, weight, bias, "hybridgemm.linear")  # raises a TypeError naming the argument
+        linear_operands(x, weight, bias, WHO)  # raises a TypeError naming the argument
     ac = _autocast_dtype(x)
     if ac is not None:
         x, weight, bias = _cast(x, ac), _cast(weight, ac), _cast(bias, ac)
     wants_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    if not wants_grad and (not torch.compiler.is_compiling() and type(x) in _PLAIN and type(weight) in _PLAIN
+                           and (bias is None or type(bias) in _PLAIN)):
+        return dispatch.fused_linear(x, weight, bias, act)  # takes F.linear's every form itself
+    if not kernel_form(weight, bias):
+        # The ops and the autograd below take weight (N, K) and bias (N,): other forms become
+        # views of that form here, so that autograd's gradients keep the caller's shapes.
+        return dispatch.other_form(x, weight, bias, act, lambda x, weight, bias: linear(x, weight, bias, act))
     if not wants_grad:
-        if (not torch.compiler.is_compiling() and type(x) in _PLAIN and type(weight) in _PLAIN
-                and (bias is None or type(bias) in _PLAIN)):
-            return dispatch.fused_linear(x, weight, bias, act)
         return torch.ops.hybridgemm.linear_fwd(x, weight, bias, act.value)
     if (not torch.compiler.is_compiling() and type(x) in _PLAIN and type(weight) in _PLAIN
             and (bias is None or type(bias) in _PLAIN)):

@@ -13,33 +13,103 @@ import torch
 from .problem import DTYPE_NAMES
 
 
-def check_linear_args(x, weight, bias, who: str = "linear") -> None:
-    """The rules of ``F.linear``: x (..., K), weight (N, K), bias (N,) or None; one dtype,
-    one device."""
+class LinearArgumentError(RuntimeError):
+    """Arguments that ``F.linear``'s rules refuse: a shape, dtype or device. A RuntimeError,
+    as ``F.linear``'s own errors for these are, so code that catches those catches this; the
+    message names the argument and what was expected. (An argument that is not a tensor is a
+    TypeError, again as in ``F.linear``.)"""
+
+
+def _check_operands(x, weight, bias, who: str, vector_weight: bool) -> None:
+    """What every form of a linear call needs: tensors; x at least 1-D and weight 2-D (or 1-D
+    where ``vector_weight``), with as many input features; one dtype, one device. The bias's
+    shape is the caller's to check."""
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"{who}: bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if weight.dim() != 2:
-        raise ValueError(f"{who}: weight must be 2-D (out_features, in_features), "
-                         f"got shape {tuple(weight.shape)}")
     if x.dim() < 1:
-        raise ValueError(f"{who}: x must have at least 1 dimension (..., in_features), got a scalar")
-    n, k = weight.shape
+        raise LinearArgumentError(f"{who}: x must have at least 1 dimension (..., in_features), got a scalar")
+    if weight.dim() != 2 and not (vector_weight and weight.dim() == 1):
+        either = " or 1-D (in_features,)" if vector_weight else ""
+        raise LinearArgumentError(f"{who}: weight must be 2-D (out_features, in_features){either}, "
+                                  f"got shape {tuple(weight.shape)}")
+    k = weight.shape[-1]
     if x.shape[-1] != k:
-        raise ValueError(f"{who}: x has {x.shape[-1]} input features (shape {tuple(x.shape)}) but "
-                         f"weight expects {k} (shape {tuple(weight.shape)})")
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
-        raise ValueError(f"{who}: bias must have shape ({n},) to match weight's {n} out_features, "
-                         f"got {tuple(bias.shape)}")
+        raise LinearArgumentError(f"{who}: x has {x.shape[-1]} input features (shape {tuple(x.shape)}) but "
+                                  f"weight expects {k} (shape {tuple(weight.shape)})")
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
         got = f"x={x.dtype}, weight={weight.dtype}" + (f", bias={bias.dtype}" if bias is not None else "")
-        raise TypeError(f"{who}: x, weight and bias must share one dtype, got {got}")
+        raise LinearArgumentError(f"{who}: x, weight and bias must share one dtype, got {got}")
     devices = {x.device, weight.device} | ({bias.device} if bias is not None else set())
     if len(devices) > 1:
         got = f"x={x.device}, weight={weight.device}" + (f", bias={bias.device}" if bias is not None else "")
-        raise ValueError(f"{who}: x, weight and bias must be on one device, got {got}")
+        raise LinearArgumentError(f"{who}: x, weight and bias must be on one device, got {got}")
+
+
+def _bias_length_error(who: str, n: int, bias) -> LinearArgumentError:
+    return LinearArgumentError(f"{who}: bias must have shape ({n},) to match weight's {n} out_features, "
+                               f"got {tuple(bias.shape)}")
+
+
+def check_linear_args(x, weight, bias, who: str = "linear") -> None:
+    """The operands a kernel takes, under ``F.linear``'s rules: x (..., K), weight (N, K), bias
+    (N,) or None; one dtype, one device. (:func:`linear_operands` brings ``F.linear``'s other
+    forms to this one.)"""
+    _check_operands(x, weight, bias, who, vector_weight=False)
+    n = weight.shape[0]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
+        raise _bias_length_error(who, n, bias)
+
+
+def kernel_form(weight, bias) -> bool:
+    """Is a call in the form every kernel takes, weight (N, K) and bias (N,) or None? Shapes
+    only (:func:`check_linear_args` checks the rest); tensors assumed."""
+    return weight.dim() == 2 and (bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0]))
+
+
+def linear_operands(x, weight, bias, who: str):
+    """``F.linear(input, weight, bias)``'s arguments in the form the kernels take, checked:
+    ``(x, weight (N, K), bias (N,) or None, squeeze)``, whose product (..., N) is the call's
+    result, with its last dim dropped where ``squeeze`` (a 1-D weight (K,): F.linear's result
+    is then (...)). The views keep autograd's path to the caller's tensors.
+
+    A bias that holds one value per output feature in a shape F.linear broadcasts over the
+    input the same way whatever its layout ((), (1,), and with an input of 2+ dims (1, 1) and
+    (1, N)) becomes that (N,) vector. None where only F.linear's own broadcasting says what
+    the call means (another bias shape; any bias with a 1-D weight, or a 2-D+ bias with a 1-D
+    input, where F.linear's answer depends on the input's dims and layout): the caller runs
+    F.linear itself. Raises :class:`LinearArgumentError` (TypeError for a non-tensor) on
+    what F.linear refuses whatever the layout: a scalar input, a weight of 0 or 3+ dims, a
+    feature count mismatch, mixed dtypes or devices, a 1-D bias that is neither (N,) nor (1,),
+    with a 2-D weight a bias that does not broadcast to the result's shape (..., N)."""
+    _check_operands(x, weight, bias, who, vector_weight=True)
+    squeeze = weight.dim() == 1
+    if squeeze:
+        if bias is not None:
+            return None
+        weight = weight.unsqueeze(0)
+    if bias is None:
+        return x, weight, None, squeeze
+    n = weight.shape[0]
+    if bias.dim() == 1 and bias.shape[0] == n:
+        return x, weight, bias, squeeze
+    if bias.dim() <= 1 and bias.numel() == 1:
+        return x, weight, bias.reshape(()).expand(n), squeeze  # one value for every feature
+    if bias.dim() == 1:
+        raise _bias_length_error(who, n, bias)
+    if x.dim() == 1:
+        return None  # F.linear's rules for a 2-D bias with a 1-D input have exceptions: (1, N) yes, (1, 1) no
+    if bias.shape == (1, 1):
+        return x, weight, bias.reshape(()).expand(n), squeeze
+    if bias.shape == (1, n):
+        return x, weight, bias.reshape(n), squeeze
+    out = (*x.shape[:-1], n)
+    if bias.dim() > len(out) or any(b not in (1, o) for b, o in zip(reversed(bias.shape), reversed(out))):
+        raise LinearArgumentError(f"{who}: bias of shape {tuple(bias.shape)} does not broadcast to the output's "
+                                  f"shape {out} (a bias is ({n},), one value, or a shape that broadcasts so)")
+    return None
 
 
 def check_gpu_kernel_args(x, weight, bias, who: str) -> None:

@@ -145,13 +145,14 @@ def test_errors():
         attention_projection(x, torch.randn(63, 64), None, 7, 7)
     with pytest.raises(ValueError, match=r"expected \(num_heads \+ 2 \* num_kv_heads\) \* head_dim"):
         attention_projection(x, w, b, 8, 4)
-    with pytest.raises(ValueError, match="input features"):
+    # the projection's GEMM under F.linear's rules: their error, a RuntimeError as F.linear's
+    with pytest.raises(hybridgemm.LinearArgumentError, match="input features"):
         attention_projection(x, torch.randn(96, 60), None, 8, 2, head_dim=8)
-    with pytest.raises(ValueError, match="bias must have shape"):
+    with pytest.raises(hybridgemm.LinearArgumentError, match="bias must have shape"):
         attention_projection(x, w, torch.randn(95), 8, 2)
-    with pytest.raises(TypeError, match="one dtype"):
+    with pytest.raises(hybridgemm.LinearArgumentError, match="one dtype"):
         attention_projection(x, w.double(), b, 8, 2)
-    with pytest.raises(ValueError, match="one device"):
+    with pytest.raises(hybridgemm.LinearArgumentError, match="one device"):
         attention_projection(x, w.to("meta"), None, 8, 2)
     with pytest.raises(ValueError, match="seq, hidden"):
         attention_projection(torch.randn(64), w, b, 8, 2)

@@ -29,6 +29,7 @@ from hybridgemm.kernels.triton_splitk import MAX_M as SPLITK_MAX_M
 from hybridgemm.kernels.triton_splitk import TritonSplitKConfig
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+LinearArgumentError = hybridgemm.LinearArgumentError  # F.linear's rules broken: a RuntimeError, as F.linear's
 fake_h200 = test_table_faults.fake_h200  # the fixture: the decision path as on an H200
 
 
@@ -42,20 +43,20 @@ def _lin(x, w, b=None, act=None):
 
 # (id, builder(dev) -> (callable, reference or None), expected exception or None, message regex)
 ERRORS = [
-    ("dtype_mix", lambda d: _lin(_t(2, 3, dev=d), _t(4, 3, dev=d, dtype=torch.float16)), TypeError, "one dtype"),
+    # F.linear's argument rules (tests/fusion/test_dropin.py holds the forms it accepts): a
+    # LinearArgumentError is the RuntimeError F.linear raises
+    ("dtype_mix", lambda d: _lin(_t(2, 3, dev=d), _t(4, 3, dev=d, dtype=torch.float16)), LinearArgumentError,
+     "one dtype"),
     ("bias_dtype", lambda d: _lin(_t(2, 3, dev=d), _t(4, 3, dev=d), _t(4, dev=d, dtype=torch.float64)),
-     TypeError, "bias=torch.float64"),
-    ("weight_1d", lambda d: _lin(_t(2, 3, dev=d), _t(3, dev=d)), ValueError, "weight must be 2-D"),
-    ("weight_3d", lambda d: _lin(_t(2, 3, dev=d), _t(4, 3, 1, dev=d)), ValueError, "weight must be 2-D"),
-    ("x_scalar", lambda d: _lin(torch.tensor(1.0, device=d), _t(4, 1, dev=d)), ValueError, "scalar"),
-    ("k_mismatch", lambda d: _lin(_t(2, 5, dev=d), _t(4, 3, dev=d)), ValueError, "input features"),
-    ("bias_len", lambda d: _lin(_t(2, 3, dev=d), _t(4, 3, dev=d), _t(5, dev=d)), ValueError,
+     LinearArgumentError, "bias=torch.float64"),
+    ("weight_3d", lambda d: _lin(_t(2, 3, dev=d), _t(4, 3, 1, dev=d)), LinearArgumentError, "weight must be 2-D"),
+    ("x_scalar", lambda d: _lin(torch.tensor(1.0, device=d), _t(4, 1, dev=d)), LinearArgumentError, "scalar"),
+    ("k_mismatch", lambda d: _lin(_t(2, 5, dev=d), _t(4, 3, dev=d)), LinearArgumentError, "input features"),
+    ("bias_len", lambda d: _lin(_t(2, 3, dev=d), _t(4, 3, dev=d), _t(5, dev=d)), LinearArgumentError,
      r"bias must have shape \(4,\)"),
-    ("bias_2d", lambda d: _lin(_t(2, 3, dev=d), _t(4, 3, dev=d), _t(1, 4, dev=d)), ValueError, "bias must have shape"),
-    # (N, 1): its first dim matches N, so only the dimension check refuses it (else it would
-    # broadcast per row, not per column, without a word)
-    ("bias_column", lambda d: _lin(_t(2, 3, dev=d), _t(4, 3, dev=d), _t(4, 1, dev=d)), ValueError,
-     r"bias must have shape \(4,\)"),
+    # (N, 1) with M != N: F.linear refuses it (it would broadcast per row, not per column)
+    ("bias_column", lambda d: _lin(_t(2, 3, dev=d), _t(4, 3, dev=d), _t(4, 1, dev=d)), LinearArgumentError,
+     r"bias of shape \(4, 1\) does not broadcast to the output's shape \(2, 4\)"),
     ("x_list", lambda d: _lin([[1.0, 2.0]], _t(4, 2, dev=d)), TypeError, "x must be a torch.Tensor"),
     ("w_list", lambda d: _lin(_t(2, 2, dev=d), [[1.0, 2.0]]), TypeError, "weight must be a torch.Tensor"),
     ("bias_float", lambda d: _lin(_t(2, 2, dev=d), _t(3, 2, dev=d), 1.5), TypeError, "bias must be"),
@@ -72,7 +73,7 @@ ERRORS = [
     ("attn_x_1d", lambda d: lambda: attention_projection(_t(8, dev=d), _t(24, 8, dev=d), None, 2, 2),
      ValueError, "seq, hidden"),
     ("attn_dtype", lambda d: lambda: attention_projection(_t(1, 2, 8, dev=d), _t(24, 8, dev=d, dtype=torch.float64),
-                                                          None, 2, 2), TypeError, "one dtype"),
+                                                          None, 2, 2), LinearArgumentError, "one dtype"),
     ("module_heads", lambda d: lambda: AttentionProjection(10, 3, 3, device=d), ValueError, "not divisible"),
     ("module_out_shape", lambda d: lambda: AttentionProjection(8, 2, 2, device=d).forward_out(_t(1, 3, 2, 4, dev=d)),
      ValueError, "expected"),
@@ -249,7 +250,8 @@ def test_cli_errors_are_messages_not_tracebacks(capsys, tmp_path, monkeypatch):
 @pytest.mark.gpu
 def test_mixed_devices_are_refused():
     x, w = torch.randn(2, 3, device="cuda"), torch.randn(4, 3)
-    with pytest.raises(ValueError, match="one device"):
-        hybridgemm.linear(x, w)
-    with pytest.raises(ValueError, match="one device"):
-        hybridgemm.linear(x, w.cuda(), torch.randn(4))
+    for args in ((x, w), (x, w.cuda(), torch.randn(4)), (x, w.cuda(), torch.randn(1, 4))):
+        with pytest.raises(RuntimeError):  # F.linear's error type for mixed devices
+            F.linear(*args)
+        with pytest.raises(LinearArgumentError, match="one device"):
+            hybridgemm.linear(*args)

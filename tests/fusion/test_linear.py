@@ -255,23 +255,28 @@ def test_autocast_cpu_casts_like_f_linear():
 # --------------------------------------------------------------------------------- errors
 
 def test_errors_are_clear():
+    # F.linear's rules: a LinearArgumentError, the RuntimeError F.linear raises (a TypeError for
+    # a non-tensor, as there), with a message that names the problem
     x, w, b = make_operands(3, 4, 5, torch.float32, "cpu")
-    with pytest.raises(TypeError, match="one dtype"):
+    with pytest.raises(hybridgemm.LinearArgumentError, match="one dtype"):
         hybridgemm.linear(x, w.double(), b)
-    with pytest.raises(TypeError, match="one dtype"):
+    with pytest.raises(hybridgemm.LinearArgumentError, match="one dtype"):
         hybridgemm.linear(x, w, b.half())
-    with pytest.raises(ValueError, match="one device"):
+    with pytest.raises(hybridgemm.LinearArgumentError, match="one device"):
         hybridgemm.linear(x, w.to("meta"), b)
-    with pytest.raises(ValueError, match="input features"):
+    with pytest.raises(hybridgemm.LinearArgumentError, match="input features"):
         hybridgemm.linear(x, torch.randn(4, 6), b)
-    with pytest.raises(ValueError, match="bias must have shape"):
+    with pytest.raises(hybridgemm.LinearArgumentError, match="bias must have shape"):
         hybridgemm.linear(x, w, torch.randn(3))
     with pytest.raises(ValueError, match="unknown activation"):
         hybridgemm.linear(x, w, b, "swish")
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         hybridgemm.linear([[1.0]], w, b)
-    with pytest.raises(ValueError, match="input features"):  # also through the op (grad wanted)
-        hybridgemm.linear(x, torch.randn(4, 6, requires_grad=True), b)
+    for grad in ((True, False, False), (False, True, False), (False, False, True)):  # also through autograd
+        xg, wg, bg = (t.clone().requires_grad_(g) for t, g in zip((x, torch.randn(5, 6), b), grad))
+        with pytest.raises(hybridgemm.LinearArgumentError, match="input features"):
+            hybridgemm.linear(xg, wg, bg)
+    assert issubclass(hybridgemm.LinearArgumentError, RuntimeError)
 
 
 # ---------------------------------------------------------------------------- HybridLinear

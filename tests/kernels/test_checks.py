@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hybridgemm.kernels.checks import (
+    LinearArgumentError,
     call_signature,
     check_gpu_kernel_args,
     check_linear_args,
@@ -66,12 +67,15 @@ def test_contiguous_bias_realigns():
 
 
 @pytest.mark.parametrize("args, exc, match", [
-    ((torch.randn(3, 4), torch.randn(5, 4, 1), None), ValueError, "weight must be 2-D"),
-    ((torch.randn(3, 4), torch.randn(5, 3), None), ValueError, "input features"),
-    ((torch.randn(3, 4), torch.randn(5, 4), torch.randn(4)), ValueError, r"bias must have shape \(5,\)"),
-    ((torch.randn(3, 4), torch.randn(5, 4).half(), None), TypeError, "one dtype"),
-    ((torch.randn(3, 4), torch.randn(5, 4), torch.randn(5).double()), TypeError, "bias=torch.float64"),
-    ((torch.tensor(1.0), torch.randn(5, 4), None), ValueError, "scalar"),
+    ((torch.randn(3, 4), torch.randn(5, 4, 1), None), LinearArgumentError, "weight must be 2-D"),
+    # a kernel takes no 1-D weight (hybridgemm.linear brings F.linear's (K,) to (1, K) first)
+    ((torch.randn(3, 4), torch.randn(4), None), LinearArgumentError, r"2-D \(out_features, in_features\), got"),
+    ((torch.randn(3, 4), torch.randn(5, 3), None), LinearArgumentError, "input features"),
+    ((torch.randn(3, 4), torch.randn(5, 4), torch.randn(4)), LinearArgumentError, r"bias must have shape \(5,\)"),
+    ((torch.randn(3, 4), torch.randn(5, 4), torch.randn(1, 5)), LinearArgumentError, r"bias must have shape \(5,\)"),
+    ((torch.randn(3, 4), torch.randn(5, 4).half(), None), LinearArgumentError, "one dtype"),
+    ((torch.randn(3, 4), torch.randn(5, 4), torch.randn(5).double()), LinearArgumentError, "bias=torch.float64"),
+    ((torch.tensor(1.0), torch.randn(5, 4), None), LinearArgumentError, "scalar"),
     (([1, 2], torch.randn(5, 4), None), TypeError, "x must be a torch.Tensor"),
     ((torch.randn(3, 4), torch.randn(5, 4), 3.0), TypeError, "bias must be"),
 ])
@@ -157,15 +161,15 @@ def test_call_signature_keys_the_weight_and_bias_alignment():
     ((torch.randn(3, 4), torch.randn(5, 4), 1.5), {}, TypeError,
      "linear: bias must be a torch.Tensor or None, got float"),
     (([1.0], torch.randn(5, 4), None), {"who": "op"}, TypeError, "op: x must be a torch.Tensor, got list"),
-    ((torch.randn(2, 3, 5), torch.randn(6, 4), None), {}, ValueError,
+    ((torch.randn(2, 3, 5), torch.randn(6, 4), None), {}, LinearArgumentError,
      "linear: x has 5 input features (shape (2, 3, 5)) but weight expects 4 (shape (6, 4))"),
-    ((torch.randn(3, 4), torch.randn(5, 4).half(), None), {}, TypeError,
+    ((torch.randn(3, 4), torch.randn(5, 4).half(), None), {}, LinearArgumentError,
      "linear: x, weight and bias must share one dtype, got x=torch.float32, weight=torch.float16"),
-    ((torch.randn(3, 4), torch.randn(5, 4, device="meta"), None), {}, ValueError,
+    ((torch.randn(3, 4), torch.randn(5, 4, device="meta"), None), {}, LinearArgumentError,
      "linear: x, weight and bias must be on one device, got x=cpu, weight=meta"),
-    ((torch.randn(3, 4), torch.randn(5, 4), torch.randn(5, device="meta")), {}, ValueError,
+    ((torch.randn(3, 4), torch.randn(5, 4), torch.randn(5, device="meta")), {}, LinearArgumentError,
      "linear: x, weight and bias must be on one device, got x=cpu, weight=cpu, bias=meta"),
-    ((torch.randn(3, 4), torch.randn(5, 4, device="meta"), torch.randn(5)), {"who": "k"}, ValueError,
+    ((torch.randn(3, 4), torch.randn(5, 4, device="meta"), torch.randn(5)), {"who": "k"}, LinearArgumentError,
      "k: x, weight and bias must be on one device, got x=cpu, weight=meta, bias=cpu"),
 ])
 def test_check_linear_args_full_messages(args, kwargs, exc, message):
@@ -175,7 +179,7 @@ def test_check_linear_args_full_messages(args, kwargs, exc, message):
 
 
 def test_gpu_kernel_args_apply_the_linear_rules_first():
-    with pytest.raises(ValueError) as info:  # F.linear's rules before the device: the bias is named
+    with pytest.raises(LinearArgumentError) as info:  # F.linear's rules before the device: the bias is named
         check_gpu_kernel_args(torch.randn(3, 4), torch.randn(5, 4), torch.randn(4), "kern")
     assert str(info.value) == "kern: bias must have shape (5,) to match weight's 5 out_features, got (4,)"
     with pytest.raises(ValueError) as info:

@@ -20,6 +20,7 @@ lts = pytest.importorskip("hybridgemm.kernels.cublaslt_search")
 if torch.cuda.is_available() and not lt.is_available():
     pytest.skip("nvmath-python / cuBLASLt not loadable here", allow_module_level=True)
 
+from hybridgemm.kernels.checks import LinearArgumentError  # noqa: E402
 from hybridgemm.kernels.epilogue import Activation, Epilogue  # noqa: E402
 from hybridgemm.kernels.problem import Problem  # noqa: E402
 
@@ -95,13 +96,13 @@ def test_tf32_follows_torch_setting():
 
 def test_bad_input_errors():
     x, w, b = make_operands(4, 8, 16, torch.float16, "cuda")
-    with pytest.raises(TypeError, match="dtype"):
+    with pytest.raises(LinearArgumentError, match="dtype"):
         lt.linear(x.float(), w, b)
-    with pytest.raises(ValueError, match="device"):
+    with pytest.raises(LinearArgumentError, match="device"):
         lt.linear(x, w, b.cpu())
-    with pytest.raises(ValueError, match="input features"):
+    with pytest.raises(LinearArgumentError, match="input features"):
         lt.linear(x[:, :7], w, b)
-    with pytest.raises(ValueError, match="bias must have shape"):
+    with pytest.raises(LinearArgumentError, match="bias must have shape"):
         lt.linear(x, w, b[:5])
     with pytest.raises(ValueError, match="exact GELU"):
         lt.linear(x, w, b, "gelu")

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from helpers import poisoned
 from hybridgemm.kernels import triton_common as tc
 from hybridgemm.kernels import triton_glu as tglu
+from hybridgemm.kernels.checks import LinearArgumentError
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -225,11 +226,11 @@ BAD = [
     ("act", lambda x, w, b, d: tglu.glu(x, w, b, "relu"), ValueError, "unknown act 'relu'"),
     ("act-none", lambda x, w, b, d: tglu.glu(x, w, b, None), ValueError, "unknown act"),
     ("x-type", lambda x, w, b, d: tglu.glu(x.tolist(), w, b), TypeError, "x must be a torch.Tensor"),
-    ("w-1d", lambda x, w, b, d: tglu.glu(x, w[0], b), ValueError, "weight must be 2-D"),
+    ("w-1d", lambda x, w, b, d: tglu.glu(x, w[0], b), LinearArgumentError, "weight must be 2-D"),
     ("w-odd", lambda x, w, b, d: tglu.glu(x, w[:-1], b[:-1]), ValueError, "even number of rows"),
-    ("k", lambda x, w, b, d: tglu.glu(x[:, :-1], w, b), ValueError, "input features"),
-    ("b-shape", lambda x, w, b, d: tglu.glu(x, w, b[:DIM_I]), ValueError, r"bias must have shape \(80,\)"),
-    ("b-dtype", lambda x, w, b, d: tglu.glu(x, w, b.float()), TypeError, "share one dtype"),
+    ("k", lambda x, w, b, d: tglu.glu(x[:, :-1], w, b), LinearArgumentError, "input features"),
+    ("b-shape", lambda x, w, b, d: tglu.glu(x, w, b[:DIM_I]), LinearArgumentError, r"bias must have shape \(80,\)"),
+    ("b-dtype", lambda x, w, b, d: tglu.glu(x, w, b.float()), LinearArgumentError, "share one dtype"),
     ("dtype", lambda x, w, b, d: tglu.glu(x.double(), w.double(), b.double()), TypeError, "unsupported dtype"),
     ("config-type", lambda x, w, b, d: tglu.glu(x, w, b, config=(16, 16, 32, 4, 2)), TypeError,
      "config must be a TritonGluConfig"),
