@@ -14,12 +14,11 @@ launches of their own (fusion/eager_fast.py).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 import torch.nn.functional as F
 
 from hybridgemm.kernels import backends, cublaslt
+from hybridgemm.kernels.bounded_cache import BoundedCache
 from hybridgemm.kernels.checks import (
     call_signature,
     check_gpu_kernel_args,
@@ -59,13 +58,11 @@ def other_form(x, weight, bias, activation: Activation, run) -> torch.Tensor:
     return y.squeeze(-1) if squeeze else y
 
 
-class _Bounded(OrderedDict):
+class _Bounded(BoundedCache):
     mode = modes.DEFAULT  # the dispatch mode whose decisions this cache holds
 
-    def put(self, key, value):
-        self[key] = value
-        while len(self) > CACHE_SIZE:
-            self.popitem(last=False)
+    def __init__(self):
+        super().__init__(CACHE_SIZE)
 
 
 def _mode_caches(mode: str) -> tuple[_Bounded, _Bounded]:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from hybridgemm import dispatch
+from hybridgemm.kernels.bounded_cache import BoundedCache
 from hybridgemm.kernels.checks import flag_getter, operand_key
 
 from . import backward
@@ -72,14 +73,12 @@ def signature(x: Tensor, w: Tensor, b: Tensor | None) -> tuple[tuple, int]:
     return (key, _GENERATION[0], None if flag is None else flag()), xp
 
 
-class LaunchCache(dict):
+class LaunchCache(BoundedCache):
     """key -> (raw launch, weight pointer, bias pointer, output layout); the oldest entry goes
     first past :data:`MAX_ENTRIES` (stale generations simply stop matching)."""
 
-    def put(self, key, value) -> None:
-        if len(self) >= MAX_ENTRIES:
-            del self[next(iter(self))]
-        self[key] = value
+    def __init__(self):
+        super().__init__(MAX_ENTRIES)
 
 
 def pointers(w: Tensor, b: Tensor | None) -> tuple[int, int]:

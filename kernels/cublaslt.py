@@ -16,8 +16,9 @@ Compute: fp32 accumulation for fp16/bf16; fp32 inputs use true fp32 (``COMPUTE_3
 
 Per exact operand signature (shapes, strides, pointer alignment classes, epilogue, dtype,
 math mode) a :class:`~.cublaslt_plan.Plan` holds the descriptors and the algorithm; plans live
-in a bounded LRU cache. One 32 MiB workspace per (device, stream), like PyTorch's own cuBLAS
-workspaces, kept for the life of the process (kernels/cublaslt_runtime.py).
+in a bounded LRU cache, and every launch goes through :meth:`Plan.call`. One 32 MiB workspace
+per (device, stream), like PyTorch's own cuBLAS workspaces, kept for the life of the process
+(kernels/cublaslt_runtime.py).
 The call path does no host synchronisation and allocates only the output, through torch.
 
 Determinism: cuBLASLt runs a fixed algorithm the same way every time (split-K reductions,
@@ -28,10 +29,10 @@ the same algorithm and problem give bit-identical results across calls and proce
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 
 import torch
 
+from .bounded_cache import BoundedCache
 from .checks import (
     call_signature,
     check_gpu_kernel_args,
@@ -44,7 +45,7 @@ from .checks import (
     rows_are_flat,
 )
 from .cublaslt_algos import CublasLtAlgo, InvalidAlgorithm, read_algo_fields
-from .cublaslt_plan import GemmSpec, Plan, PlanCache
+from .cublaslt_plan import GemmSpec, Plan
 from .cublaslt_runtime import (
     CUDA_DTYPE,
     OP_N,
@@ -54,8 +55,6 @@ from .cublaslt_runtime import (
     CublasLtUnsupported,
     bindings,
     cublaslt_version,
-    current_device,
-    current_stream,
     reduced_reduction_allowed,
     tf32_allowed,
 )
@@ -143,7 +142,8 @@ def _describe(p: Problem) -> str:
             f"ld(x,w,out)=({p.ldx},{p.ldw},{p.ldo}) align(x,w,out)=({p.align_x},{p.align_w},{p.align_out})")
 
 
-_plans = PlanCache(PLAN_CACHE_SIZE)
+# Least recently used plans go first: a plan is rebuilt with a heuristic query.
+_plans = BoundedCache(PLAN_CACHE_SIZE, lru=True)
 
 
 def clear_caches() -> None:
@@ -171,7 +171,7 @@ def run(config: CublasLtAlgo | None, x: torch.Tensor, weight: torch.Tensor,
         problem = Problem.from_tensors(x, weight, bias, out, Epilogue(act, bias is not None), tf32_allowed())
         plan = forward_plan(problem, x.device.index, reduced_reduction_allowed(x.dtype)).use(config)
         _plans.put(key, plan)
-    plan.call(wp, xp, out.data_ptr(), bias.data_ptr() if bias is not None else 0)
+    plan.call(wp, xp, out.data_ptr(), bias.data_ptr() if bias is not None else 0)  # A = W, B = x, D = out
     return out
 
 
@@ -195,14 +195,10 @@ def bind(config: CublasLtAlgo | None, x: torch.Tensor, weight: torch.Tensor, bia
     plan = _plans.get(_plan_key(config, x, x.data_ptr(), weight, weight.data_ptr(), bias, out, act))
     if plan is None:
         return None
-    dev, plan_launch, plan_call = x.device.index, plan.launch, plan.call
-    get_device, stream_of = current_device, current_stream
+    call = plan.call
 
     def launch(xp, wp, bp, op):  # A = W, B = x, D = out (see forward_plan)
-        if get_device() == dev:  # the common case, inlined: every µs here is host overhead
-            plan_launch(wp, xp, op, bp, stream_of(dev))
-        else:
-            plan_call(wp, xp, op, bp)
+        call(wp, xp, op, bp)
 
     return launch
 
@@ -210,8 +206,8 @@ def bind(config: CublasLtAlgo | None, x: torch.Tensor, weight: torch.Tensor, bia
 # Fast path: a launcher per call signature (shapes, strides, dtypes, devices, pointer
 # residues, activation, math flags; see checks.call_signature) so that a repeated call
 # costs one dict lookup, the output allocation and the launch. Bounded.
-_fast: OrderedDict = OrderedDict()
 _FAST_CACHE_SIZE = 1024
+_fast = BoundedCache(_FAST_CACHE_SIZE)
 
 
 def launcher_for(x, weight, bias, act: Activation, algo: CublasLtAlgo | None = None):
@@ -226,7 +222,7 @@ def launcher_for(x, weight, bias, act: Activation, algo: CublasLtAlgo | None = N
         return None
     if bias is not None and (bias.stride(0) != 1 or bias.data_ptr() % 16):
         return None
-    dev, dtype = x.device.index, x.dtype
+    dtype = x.dtype
     xp, wp = x.data_ptr(), weight.data_ptr()
     key = _plan_key(algo, x, xp, weight, wp, bias, None, act)
     plan = _plans.get(key)
@@ -236,19 +232,14 @@ def launcher_for(x, weight, bias, act: Activation, algo: CublasLtAlgo | None = N
         problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=Epilogue(act, bias is not None), ldx=ldx,
                           ldw=ldw, ldo=n, align_x=pointer_alignment(xp), align_w=pointer_alignment(wp),
                           tf32=dtype == torch.float32 and tf32_allowed())
-        plan = forward_plan(problem, dev, reduced_reduction_allowed(dtype)).use(algo)
+        plan = forward_plan(problem, x.device.index, reduced_reduction_allowed(dtype)).use(algo)
         _plans.put(key, plan)
     out_shape = (*x.shape[:-1], n)
-    plan_launch, plan_call = plan.launch, plan.call
-    get_device, stream_of = current_device, current_stream
+    call = plan.call
 
     def launch(x, weight, bias, xp, wp):
         y = x.new_empty(out_shape)  # ~1.3 µs cheaper than torch.empty(dtype=, device=) (host breakdown)
-        bp = bias.data_ptr() if bias is not None else 0
-        if get_device() == dev:  # the common case, inlined: every µs here is host overhead
-            plan_launch(wp, xp, y.data_ptr(), bp, stream_of(dev))
-        else:
-            plan_call(wp, xp, y.data_ptr(), bp)
+        call(wp, xp, y.data_ptr(), bias.data_ptr() if bias is not None else 0)  # A = W, B = x, D = y
         return y
 
     return launch
@@ -276,9 +267,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = _linear_checked(x, weight, bias, activation, algo, None)
     fn = launcher_for(x, weight, bias, Activation.parse(activation), algo)
     if fn is not None:
-        _fast[key] = fn
-        while len(_fast) > _FAST_CACHE_SIZE:
-            _fast.popitem(last=False)
+        _fast.put(key, fn)
     return y
 
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from .bounded_cache import BoundedCache
 from .checks import operand_key, row_major
-from .cublaslt_plan import GemmSpec, Plan, PlanCache
+from .cublaslt_plan import GemmSpec, Plan
 from .cublaslt_runtime import OP_N, OP_T, WORKSPACE_BYTES, tf32_allowed
 from .problem import MAX_ALIGNMENT, pointer_alignment
 
@@ -30,7 +31,7 @@ GRAD_PLAN_CACHE_SIZE = 256
 
 # Plans by (GEMM, tf32, [epilogue], operand_key of the two inputs): the output is always a fresh
 # row-major tensor (256-byte aligned, as torch allocates), so the inputs say everything.
-_plans = PlanCache(GRAD_PLAN_CACHE_SIZE)
+_plans = BoundedCache(GRAD_PLAN_CACHE_SIZE, lru=True)
 
 
 def _new_plan(key, spec: GemmSpec, device_index: int, what: str) -> Plan:

@@ -1,5 +1,6 @@
 """One cuBLASLt GEMM as descriptors plus the algorithm that runs it: the plan type of the forward
-(kernels/cublaslt.py) and the backward (kernels/cublaslt_grad.py), and their bounded cache.
+(kernels/cublaslt.py) and the backward (kernels/cublaslt_grad.py), and :meth:`Plan.call`, the
+one launch every cuBLASLt GEMM here goes through.
 
 A plan is ``D = op(A) @ op(B)`` in cuBLASLt's column-major terms (C = D, alpha 1, beta 0) with
 an epilogue, described by a :class:`GemmSpec`: which operands are transposed, each matrix's
@@ -11,7 +12,6 @@ module that builds the spec says what A, B and D are.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
@@ -165,15 +165,25 @@ class Plan:
         return self
 
     # -- the call ------------------------------------------------------------------------
-    def launch(self, a_ptr: int, b_ptr: int, d_ptr: int, bias_ptr: int, stream: int) -> None:
-        """``D = epilogue(op(A) @ op(B))`` on ``stream``, which must belong to the current device
-        (this plan's). ``bias_ptr``: the epilogue's bias (or bias gradient) vector, 0 if none."""
+    def call(self, a_ptr: int, b_ptr: int, d_ptr: int, bias_ptr: int = 0) -> None:
+        """``D = epilogue(op(A) @ op(B))`` on the current stream of the plan's device; ``bias_ptr``:
+        the epilogue's bias (or bias gradient) vector, 0 if none. The one launch of every
+        cuBLASLt GEMM here: the forward's (``run``, its bound raw launch, its fast launchers)
+        and the backward's. cuBLASLt launches into the current CUDA context, so the device is
+        entered first when it is not current (the context manager costs host time, so only
+        then)."""
+        dev = self.device_index
+        if current_device() != dev:
+            with torch.cuda.device(dev):
+                self.call(a_ptr, b_ptr, d_ptr, bias_ptr)
+            return
+        stream = current_stream(dev)
         scratch = None
         if per_call():  # a compiled region: a workspace for this call only (kernels/process_memory.py)
-            scratch = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", self.device_index))
+            scratch = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", dev))
             ws = scratch.data_ptr()
         else:
-            ws = workspace_ptrs.get((self.device_index, stream)) or workspace_ptr(self.device_index, stream)
+            ws = workspace_ptrs.get((dev, stream)) or workspace_ptr(dev, stream)
         # The bias pointer is a descriptor attribute: set it only when it changes (weights
         # rarely move), under a lock so two threads sharing a plan cannot interleave.
         with self._call_lock:
@@ -184,17 +194,6 @@ class Plan:
             self._matmul(self.handle, self.desc, self.alpha_ptr, a_ptr, self.adesc, b_ptr, self.bdesc,
                          self.beta_ptr, d_ptr, self.ddesc, d_ptr, self.ddesc, self.algo_ptr, ws,
                          WORKSPACE_BYTES, stream)
-
-    def call(self, a_ptr: int, b_ptr: int, d_ptr: int, bias_ptr: int = 0) -> None:
-        """:meth:`launch` on the current stream of the plan's device. cuBLASLt launches into the
-        current CUDA context, so the device is entered first when it is not current (the
-        context manager costs host time, so only then)."""
-        dev = self.device_index
-        if current_device() == dev:
-            self.launch(a_ptr, b_ptr, d_ptr, bias_ptr, current_stream(dev))
-        else:
-            with torch.cuda.device(dev):
-                self.launch(a_ptr, b_ptr, d_ptr, bias_ptr, current_stream(dev))
 
     def destroy(self) -> None:
         if self._destroyed:
@@ -211,37 +210,3 @@ class Plan:
 
     def __del__(self):
         self.destroy()
-
-
-class PlanCache:
-    """Bounded LRU of plans, thread-safe: lookups take no lock, insertions do."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._d: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key):
-        plan = self._d.get(key)
-        if plan is not None:
-            try:
-                self._d.move_to_end(key)
-            except KeyError:  # another thread's put() evicted it in between: still a valid plan
-                pass
-        return plan
-
-    def put(self, key, plan: Plan) -> None:
-        with self._lock:
-            self._d[key] = plan
-            self._d.move_to_end(key)
-            while len(self._d) > self.capacity:
-                # No explicit destroy: a launcher may still hold the plan; its descriptors are
-                # freed by Plan.__del__ once nothing refers to it.
-                self._d.popitem(last=False)
-
-    def __len__(self):
-        return len(self._d)
-
-    def clear(self):
-        with self._lock:
-            self._d.clear()

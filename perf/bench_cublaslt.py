@@ -139,7 +139,7 @@ def host_breakdown(n=256, k=256, dtype=torch.bfloat16, calls=2000) -> dict[str, 
     out = torch.empty(1, n, device="cuda", dtype=dtype)
     lt.clear_caches()
     lt.linear(x, w, b)
-    plan = next(iter(lt._plans._d.values()))
+    plan = next(iter(lt._plans.values()))
     L = cublaslt_runtime.bindings()
     h, d, a, bd, dd = plan.handle, plan.desc, plan.adesc, plan.bdesc, plan.ddesc
     alpha, beta, algo = plan.alpha_ptr, plan.beta_ptr, plan.algo_ptr

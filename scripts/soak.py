@@ -257,8 +257,8 @@ def bound_values() -> dict[str, int]:
     from hybridgemm.kernels import cublaslt, cublaslt_grad, triton_gemm, triton_splitk
 
     return {"dispatch decisions": dispatch.CACHE_SIZE, "dispatch launchers": dispatch.CACHE_SIZE,
-            "cublaslt._plans": cublaslt._plans.capacity, "cublaslt._fast": cublaslt._FAST_CACHE_SIZE,
-            "cublaslt_grad._plans": cublaslt_grad._plans.capacity, "triton_gemm._PLANS": triton_gemm._PLANS.capacity,
+            "cublaslt._plans": cublaslt._plans.max_size, "cublaslt._fast": cublaslt._fast.max_size,
+            "cublaslt_grad._plans": cublaslt_grad._plans.max_size, "triton_gemm._PLANS": triton_gemm._PLANS.capacity,
             "triton_splitk._PLANS": triton_splitk._PLANS.capacity}
 
 

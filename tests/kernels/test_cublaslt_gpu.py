@@ -217,7 +217,7 @@ def test_cuda_graph_capture_replays():
 
 def test_plan_cache_is_bounded():
     lt.clear_caches()
-    cap = lt._plans.capacity
+    cap = lt._plans.max_size
     w = torch.randn(64, 32, device="cuda", dtype=torch.float16)
     for m in range(1, cap + 40):
         lt.linear(torch.randn(m, 32, device="cuda", dtype=torch.float16), w)
