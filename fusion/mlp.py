@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from hybridgemm.kernels.epilogue import GLU_ACTIVATIONS
+from hybridgemm.kernels.lazy import triton_module
 
 from .linear_layer import linear
 from .mode_state import DEFAULT, get_mode
@@ -63,10 +64,7 @@ _PLAIN = (Tensor, nn.Parameter)
 
 
 def _triton_glu():
-    # Imported on first use: importing hybridgemm needs no Triton (tests/test_layers.py).
-    from hybridgemm.kernels import triton_glu
-
-    return triton_glu
+    return triton_module("triton_glu")  # on first use: importing hybridgemm needs no Triton
 
 
 def _auto_picks_triton(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 
 from hybridgemm.kernels import backends
+from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.kernels.problem import DTYPE_NAMES, MAX_ALIGNMENT, Problem
 
 from .decide import Choice, call_key
@@ -62,7 +63,7 @@ from .mode_state import MODES as MODES
 SOURCE = BATCH_INVARIANT  # Choice.source of the batch-invariant mode's decisions
 
 # H200 limits, for decisions made without a device (explain() on a CPU machine, tests).
-# Literals rather than triton_common's constants so importing this module needs no Triton.
+# Literals rather than triton_config's constants so importing this module needs no Triton.
 HOPPER_LIMITS = {"smem_limit": 232448, "capability": (9, 0), "num_sms": 132}
 
 # The wide 128 x 256 tile (fp16/bf16) is used from N = 4096 on, and only if a REF_M-row call
@@ -131,11 +132,10 @@ def fixed_config(problem: Problem, *, smem_limit: int = HOPPER_LIMITS["smem_limi
     pointer path, for every M alike. Raises ImportError without Triton.
     """
     # Triton is imported on first use: importing hybridgemm must work where Triton is absent.
-    from hybridgemm.kernels.triton_common import problem_limits
-    from hybridgemm.kernels.triton_gemm import TritonGemmConfig
+    TritonGemmConfig = triton_module("triton_gemm").TritonGemmConfig
 
     canon = canonical_problem(problem)
-    reason = problem_limits(canon)
+    reason = triton_module("triton_config").problem_limits(canon)
     if reason:
         return None, reason
     why = "no tile fits the device"
@@ -170,7 +170,7 @@ def run(config, x, weight, bias, out, activation=None, tf32: bool = False):
     """``triton_gemm.run`` with the fixed config; a call too tall for 32-bit offsets runs in
     row chunks, which changes nothing for any row (a row's arithmetic does not depend on the
     rows around it)."""
-    from hybridgemm.kernels import triton_gemm  # on first use, as in fixed_config
+    triton_gemm = triton_module("triton_gemm")  # on first use, as in fixed_config
 
     m = x.shape[0]
     step = _chunk_rows(x, out)

@@ -23,21 +23,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from hybridgemm.kernels.lazy import triton_module
+
 RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PLAIN = (Tensor, nn.Parameter)
 
 
-_KERNEL = []  # the kernels.triton_rmsnorm module, once imported
-
-
 def _triton_rmsnorm():
-    # Imported on first use: importing hybridgemm needs no Triton (tests/test_layers.py).
-    if not _KERNEL:
-        from hybridgemm.kernels import triton_rmsnorm
-
-        _KERNEL.append(triton_rmsnorm)
-    return _KERNEL[0]
+    return triton_module("triton_rmsnorm")  # on first use: importing hybridgemm needs no Triton
 
 
 def is_rms_norm(mod: nn.Module) -> bool:

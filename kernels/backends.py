@@ -29,6 +29,7 @@ import torch
 
 from hybridgemm.kernels import cublaslt as lt
 from hybridgemm.kernels import cublaslt_search as lts
+from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.kernels.problem import Problem
 
 
@@ -51,10 +52,7 @@ class Backend:
 
 @functools.cache
 def device_limits(device_index: int) -> dict:
-    # Triton is imported on first use: importing hybridgemm must work where Triton is absent.
-    from .triton_common import device_facts
-
-    facts = device_facts(torch.device("cuda", device_index))
+    facts = triton_module("triton_launch").device_facts(torch.device("cuda", device_index))
     return {"smem_limit": facts.smem_per_block, "capability": tuple(facts.capability)}
 
 
@@ -91,8 +89,9 @@ def _cublaslt() -> Backend:
     return Backend("cublaslt", lambda: lt.is_available(), candidates, from_record, run, lambda c: c.describe(), bind)
 
 
-def _triton(module_name: str) -> Backend:
-    mod = importlib.import_module(f"hybridgemm.kernels.{module_name}")
+def _triton(mod) -> Backend:
+    """The backend of a Triton GEMM module (triton_gemm or triton_splitk)."""
+    module_name = mod.KIND
     cfg_cls = mod.TritonGemmConfig if module_name == "triton_gemm" else mod.TritonSplitKConfig
 
     def available() -> bool:
@@ -130,8 +129,10 @@ def _triton(module_name: str) -> Backend:
 
 
 PREFERENCE = ("cublaslt", "triton_splitk", "triton_gemm")
-_FACTORIES = {"cublaslt": _cublaslt, "triton_gemm": lambda: _triton("triton_gemm"),
-              "triton_splitk": lambda: _triton("triton_splitk")}
+# The Triton modules are imported when their backend is first asked for: importing hybridgemm
+# must work where Triton is absent.
+_FACTORIES = {"cublaslt": _cublaslt, "triton_gemm": lambda: _triton(triton_module("triton_gemm")),
+              "triton_splitk": lambda: _triton(triton_module("triton_splitk"))}
 
 
 @functools.cache

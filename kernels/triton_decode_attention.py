@@ -14,7 +14,8 @@ a few microseconds, and each kernel boundary costs about one more on the H200.
   positions that it masks entirely is skipped, so a long static cache costs only the
   positions filled so far;
 - spans of one pair are merged by the last of their programs to finish (an arrival
-  counter), in span order: the result does not depend on which finished last, bit for bit;
+  counter: ``triton_scratch.tl_last_arrival``), in span order: the result does not depend on
+  which finished last, bit for bit;
 - with ``base``, one program adds ``step`` to it (transformers' ``cumulative_length += S``,
   which the Q/K/V kernel before it has already read).
 
@@ -30,8 +31,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .bounded_cache import BoundedCache
 from .process_memory import per_call
-from .triton_common import INT32_LIMIT, Launcher, device_facts, pdl_enabled, split_scratch
+from .triton_config import INT32_LIMIT
+from .triton_launch import Launcher, device_facts, pdl_enabled
+from .triton_scratch import split_scratch, tl_last_arrival
 
 _LOG2E = 1.4426950408889634
 _BLOCK_T = 64  # cache positions per step of a program's loop
@@ -95,9 +99,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ws_ptr, cnt_ptr,
         tl.store(here + rows[:, None] * HD + cols[None, :], acc, mask=row_ok[:, None])
         tl.store(here + REP * HD + rows, m_i, mask=row_ok)
         tl.store(here + REP * HD + REP + rows, l_i, mask=row_ok)
-        tl.debug_barrier()  # the whole program's stores before thread 0's release increment
-        arrived = tl.atomic_add(cnt_ptr + pid_g, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
+        if tl_last_arrival(cnt_ptr + pid_g, SPLITS):
             m_all = tl.full((RP,), float("-inf"), tl.float32)
             for s_ in range(SPLITS):
                 m_s = tl.load(pair_ws + s_ * part + REP * HD + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
@@ -114,7 +116,6 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ws_ptr, cnt_ptr,
                                           other=0.0, cache_modifier=".cg")
             l_all = tl.where(l_all > 0, l_all, 1.0)  # no position admitted (or a padding row): o is 0
             tl.store(o_ptrs, (o / l_all[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
-            tl.atomic_xchg(cnt_ptr + pid_g, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -151,7 +152,7 @@ def why_not(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     return None
 
 
-_LAUNCHERS: dict[tuple, Launcher] = {}
+_LAUNCHERS = BoundedCache(1024)  # launchers per shape, strides and alignment (varying batch and cache sizes)
 
 
 def _splits(pairs: int, length: int, num_sms: int) -> int:
@@ -201,9 +202,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                     SPLITS=splits, INC=base is not None and step != 0, PREC=prec, PDL=pdl, num_warps=4, num_stages=2)
         if pdl:
             meta["launch_pdl"] = True
-        launch = _LAUNCHERS[key] = Launcher(_decode_attention_kernel, (b * kv_heads, splits), meta)
+        launch = _LAUNCHERS.put(key, Launcher(_decode_attention_kernel, (b * kv_heads, splits), meta))
     if splits > 1:
-        # the caller's counters only in compiled regions, as split-K's (triton_common.plan_scratch)
+        # the caller's counters only in compiled regions, as split-K's (triton_scratch.plan_scratch)
         own = counters is not None and per_call()
         ws, cnt = split_scratch(q.device, b * kv_heads * splits * (rep * hd + 2 * rep), 0 if own else b * kv_heads)
         if own:

@@ -18,7 +18,7 @@ One kernel, specialised by constexprs:
   N = 1024, at M = 1024: 64 tiles of 128 x 128 for 132 SMs), K is split too. Each program
   writes its fp32 partial tile to a workspace and bumps the tile's arrival counter; the last
   one adds the partials in split order 0..S-1 and runs the epilogue (``tl_split_fixup`` in
-  triton_common: deterministic, counters only signal, one launch).
+  triton_scratch: deterministic, counters only signal, one launch).
 
 Why host-side descriptors (``triton.tools.tensor_descriptor.TensorDescriptor``) rather than
 ``tl.make_tensor_descriptor``: device-side descriptors need ``triton.set_allocator``, a
@@ -40,27 +40,22 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .epilogue import Activation
 from .problem import Problem
-from .triton_common import (
+from .triton_config import (
     HOPPER_NUM_SMS,
     HOPPER_SMEM_PER_BLOCK,
     INT32_LIMIT,
-    Launcher,
-    PlanCache,
-    TritonPlan,
     check_pow2,
     check_range,
     config_from_record,
     config_to_record,
-    plan_meta,
-    plan_problem,
-    plan_scratch,
     problem_limits,
-    split_extent,
-    tl_activation,
-    tl_split_fixup,
     tma_reason,
     tma_row_stride,
 )
+from .triton_epilogue import tl_activation
+from .triton_launch import Launcher
+from .triton_plan import PlanCache, TritonPlan, plan_meta, plan_problem, split_extent
+from .triton_scratch import plan_scratch, tl_split_fixup
 
 KIND = "triton_gemm"
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread beyond which the kernel spills

@@ -21,7 +21,7 @@ rows fill the MMA's wide side (wgmma on Hopper) and the few x rows its narrow si
 orientation as triton_splitk). Larger M uses 64/128-row tiles in the usual orientation, in
 grouped order (GROUP_M tile-rows walked column by column) so concurrent programs share W
 tiles in L2. On Hopper the kernel is launched with programmatic dependent launch, like
-triton_splitk (``triton_common.pdl_enabled``).
+triton_splitk (``triton_launch.pdl_enabled``).
 
 Deterministic: no atomics, no split of K; every output element is one program's fixed-order
 sum. Nothing touches a GPU at import time.
@@ -37,11 +37,23 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import triton_common as tc
 from .checks import check_linear_args, contiguous_bias, row_major, rows_2d
 from .epilogue import GLU_ACTIVATIONS, Activation, Epilogue
 from .problem import DTYPE_NAMES, Problem, dtype_name
-from .triton_common import tl_activation
+from .triton_config import (
+    HOPPER_NUM_SMS,
+    HOPPER_SMEM_PER_BLOCK,
+    check_pow2,
+    check_range,
+    config_from_record,
+    config_to_record,
+    dot_precision,
+    next_pow2,
+    problem_limits,
+)
+from .triton_epilogue import ACT_CODE, tl_activation, tl_diagonal, tl_norm_tile_mma, tl_rstd
+from .triton_launch import Launcher, device_facts, interpreting, pdl_enabled
+from .triton_plan import PlanCache, TritonPlan, check_fusion, plan_meta
 
 __all__ = ["ACTIVATIONS", "KIND", "TritonGluConfig", "candidates", "default_config", "glu", "run"]
 
@@ -51,10 +63,10 @@ MAX_CANDIDATES = 12
 GROUP_M = 8  # tile-rows per group in the grouped program order (large M)
 SWAP_MAX_BM = 32  # block_m up to this: swapped dots (W rows on the MMA's wide side)
 
-# Gate activation -> the constexpr code the kernel branches on: triton_common's codes for the
+# Gate activation -> the constexpr code the kernel branches on: triton_epilogue's codes for the
 # two GELUs, one more for SiLU (which tl_activation does not have).
-SILU_CODE = max(tc.ACT_CODE.values()) + 1
-ACTIVATIONS = {"silu": SILU_CODE, "gelu_tanh": tc.ACT_CODE[Activation.GELU_TANH], "gelu": tc.ACT_CODE[Activation.GELU]}
+SILU_CODE = max(ACT_CODE.values()) + 1
+ACTIVATIONS = {"silu": SILU_CODE, "gelu_tanh": ACT_CODE[Activation.GELU_TANH], "gelu": ACT_CODE[Activation.GELU]}
 _SILU = tl.constexpr(SILU_CODE)  # what the kernel compares against (jit code reads only constexpr globals)
 
 
@@ -67,11 +79,11 @@ class TritonGluConfig:
     num_stages: int
 
     def __post_init__(self):
-        tc.check_pow2("block_m", self.block_m, 16, 128)
-        tc.check_pow2("block_n", self.block_n, 16, 256)
-        tc.check_pow2("block_k", self.block_k, 16, 512)
-        tc.check_pow2("num_warps", self.num_warps, 1, 16)
-        tc.check_range("num_stages", self.num_stages, 1, 8)
+        check_pow2("block_m", self.block_m, 16, 128)
+        check_pow2("block_n", self.block_n, 16, 256)
+        check_pow2("block_k", self.block_k, 16, 512)
+        check_pow2("num_warps", self.num_warps, 1, 16)
+        check_range("num_stages", self.num_stages, 1, 8)
 
     def smem_bytes(self, itemsize: int) -> int:
         """x tile and both W tiles per pipeline stage, plus the fp32 output tile staged for the store."""
@@ -79,10 +91,10 @@ class TritonGluConfig:
         return pipeline + self.block_m * self.block_n * 4
 
     def supports(self, m: int, i: int, k: int, dtype: torch.dtype, *,
-                 smem_limit: int = tc.HOPPER_SMEM_PER_BLOCK) -> tuple[bool, str]:
+                 smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> tuple[bool, str]:
         """Can this config run x (m, k) against a stacked (2i, k) weight, contiguous operands, on
         a device with ``smem_limit`` bytes of shared memory per block? (ok, reason)."""
-        reason = tc.problem_limits(_problem(m, i, k, dtype, False, k, k, i))
+        reason = problem_limits(_problem(m, i, k, dtype, False, k, k, i))
         if reason:
             return False, reason
         smem = self.smem_bytes(dtype.itemsize)
@@ -94,15 +106,15 @@ class TritonGluConfig:
         return True, ""
 
     def to_record(self) -> dict:
-        return tc.config_to_record(self, KIND)
+        return config_to_record(self, KIND)
 
     @classmethod
     def from_record(cls, record: dict) -> TritonGluConfig:
-        return tc.config_from_record(cls, KIND, record)
+        return config_from_record(cls, KIND, record)
 
 
 def _problem(m, i, k, dtype, has_bias, ldx, ldw, ldo, tf32=False) -> Problem:
-    """The stacked GEMM x @ w.T (N = 2I) as a Problem, for triton_common's limit and precision rules."""
+    """The stacked GEMM x @ w.T (N = 2I) as a Problem, for triton_config's limit and precision rules."""
     return Problem(m, 2 * i, k, dtype, Epilogue(Activation.NONE, has_bias), ldx, ldw, ldo, tf32=tf32)
 
 
@@ -137,14 +149,14 @@ _LARGE_M = (
 
 
 def candidates(m: int, i: int, k: int, dtype: torch.dtype, *,
-               smem_limit: int = tc.HOPPER_SMEM_PER_BLOCK) -> list[TritonGluConfig]:
+               smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> list[TritonGluConfig]:
     """Configs worth timing for x (m, k) against a stacked (2i, k) weight (≤ 12, all supported),
     most promising first. Empty for an unsupported dtype."""
     if dtype not in DTYPE_NAMES:
         return []
     e = dtype.itemsize
     if m <= 64:
-        bm = max(16, tc.next_pow2(m))
+        bm = max(16, next_pow2(m))
         shapes = [(bm, bn, k_bytes, w, s) for bn, k_bytes, w, s in (_DECODE if m <= 16 else _SMALL_M)]
     else:
         shapes = list(_LARGE_M)
@@ -157,8 +169,8 @@ def candidates(m: int, i: int, k: int, dtype: torch.dtype, *,
 
 
 @functools.lru_cache(maxsize=1024)
-def default_config(m: int, i: int, k: int, dtype: torch.dtype, *, num_sms: int = tc.HOPPER_NUM_SMS,
-                   smem_limit: int = tc.HOPPER_SMEM_PER_BLOCK) -> TritonGluConfig:
+def default_config(m: int, i: int, k: int, dtype: torch.dtype, *, num_sms: int = HOPPER_NUM_SMS,
+                   smem_limit: int = HOPPER_SMEM_PER_BLOCK) -> TritonGluConfig:
     """A pick without timing: the first candidate that gives every SM a program, else the
     candidate with the most programs (a small I)."""
     found = candidates(m, i, k, dtype, smem_limit=smem_limit)
@@ -176,7 +188,7 @@ def default_config(m: int, i: int, k: int, dtype: torch.dtype, *, num_sms: int =
 
 @triton.jit
 def _gate_act(z, ACT: tl.constexpr):
-    """The gate's activation on fp32 values: SiLU here, the GELUs from triton_common."""
+    """The gate's activation on fp32 values: SiLU here, the GELUs from triton_epilogue."""
     if ACT == _SILU:  # z * sigmoid(z); very negative z gives -0 (z / inf), not nan
         z = z / (1.0 + tl.exp(-z))
     else:
@@ -213,9 +225,9 @@ def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, M, N, K, ldx, ldw, ldo, in
                 SWAP: tl.constexpr, NORM: tl.constexpr, NORM_PREC: tl.constexpr, PDL: tl.constexpr):
     # N = I, the output width: gate rows of w are 0..N-1, up rows N..2N-1.
     # NORM: x is RMS-normalised (norm weight nw, eps): the dots take x * nw and the rows of the
-    # accumulators are scaled by 1/rms after the loop (triton_common.tl_norm_tile_mma).
+    # accumulators are scaled by 1/rms after the loop (triton_epilogue.tl_norm_tile_mma).
     # One program per BM x BN tile of out, in grouped order (a no-op when M fits one tile-row).
-    # PDL: nothing is read or written before the wait (triton_common.pdl_enabled).
+    # PDL: nothing is read or written before the wait (triton_launch.pdl_enabled).
     if PDL:
         gdc_wait()
     num_n = tl.cdiv(N, BN)
@@ -243,14 +255,14 @@ def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, M, N, K, ldx, ldw, ldo, in
             wg = tl.load(wg_ptrs, eviction_policy="evict_first")
             wu = tl.load(wu_ptrs, eviction_policy="evict_first")
             if NORM:
-                xt, sq = tc.tl_norm_tile_mma(xt, tl.load(nw_ptr + k + offs_k), sq, NORM_PREC)
+                xt, sq = tl_norm_tile_mma(xt, tl.load(nw_ptr + k + offs_k), sq, NORM_PREC)
         else:
             k_ok = offs_k < K - k
             xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_last")
             wg = tl.load(wg_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             wu = tl.load(wu_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             if NORM:
-                xt, sq = tc.tl_norm_tile_mma(xt, tl.load(nw_ptr + k + offs_k, mask=k_ok, other=0.0), sq, NORM_PREC)
+                xt, sq = tl_norm_tile_mma(xt, tl.load(nw_ptr + k + offs_k, mask=k_ok, other=0.0), sq, NORM_PREC)
         acc_g = _mma(wg, xt, acc_g, PREC, SWAP)
         acc_u = _mma(wu, xt, acc_u, PREC, SWAP)
         x_ptrs += BK
@@ -261,7 +273,7 @@ def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, M, N, K, ldx, ldw, ldo, in
     grid_m, grid_n = _tile_grid(offs_m, offs_n, SWAP)
     in_n = grid_n < N
     if NORM:  # 1/rms per row of x, in the accumulators' orientation
-        rstd = tc.tl_rstd(tc.tl_diagonal(sq, BM), inv_k, eps)
+        rstd = tl_rstd(tl_diagonal(sq, BM), inv_k, eps)
         if SWAP:
             rstd = rstd[None, :]
         else:
@@ -278,36 +290,36 @@ def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, M, N, K, ldx, ldw, ldo, in
 # ----------------------------------------------------------------------------- launcher
 
 
-def _make_plan(key, x, w, b, out, _act, tf32) -> tc.TritonPlan:
+def _make_plan(key, x, w, b, out, _act, tf32) -> TritonPlan:
     """A launch plan; ``key`` is (config, gate activation name, norm: None or (eps, weight
     16-byte aligned)), the PlanCache's config slot."""
     config, act, norm = key
     m, k = x.shape
     i = out.shape[1]
     if m == 0 or i == 0:
-        return tc.TritonPlan(x.device, empty=True)
+        return TritonPlan(x.device, empty=True)
     ldx = x.stride(0) if m > 1 else k
     ldw = w.stride(0)
     ldo = out.stride(0) if m > 1 else i
     problem = _problem(m, i, k, x.dtype, b is not None, ldx, ldw, ldo, tf32 and x.dtype == torch.float32)
-    facts = tc.device_facts(x.device)
-    reason = tc.problem_limits(problem)
+    facts = device_facts(x.device)
+    reason = problem_limits(problem)
     if not reason:
         reason = config.supports(m, i, k, x.dtype, smem_limit=facts.smem_per_block)[1]
     if reason:
         raise ValueError(f"{config} cannot run glu with m={m}, i={i}, k={k}, {x.dtype}: {reason}")
-    pdl = tc.pdl_enabled(facts.capability)
-    meta = dict(tc.plan_meta(config, problem, Activation.NONE, b is not None), ACT=ACTIVATIONS[act],
+    pdl = pdl_enabled(facts.capability)
+    meta = dict(plan_meta(config, problem, Activation.NONE, b is not None), ACT=ACTIVATIONS[act],
                 GROUP_M=GROUP_M, SWAP=config.block_m <= SWAP_MAX_BM, NORM=norm is not None,
-                NORM_PREC="ieee" if x.dtype == torch.float32 else tc.dot_precision(problem), PDL=pdl,
+                NORM_PREC="ieee" if x.dtype == torch.float32 else dot_precision(problem), PDL=pdl,
                 **(dict(launch_pdl=True) if pdl else {}))
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(i, config.block_n),)
     inv_k, eps = 1.0 / max(k, 1), 0.0 if norm is None else norm[0]  # fp32(1/K), as triton_rmsnorm's mean
-    return tc.TritonPlan(x.device, tc.Launcher(_glu_kernel, grid, meta), scalars=(m, i, k, ldx, ldw, ldo, inv_k, eps))
+    return TritonPlan(x.device, Launcher(_glu_kernel, grid, meta), scalars=(m, i, k, ldx, ldw, ldo, inv_k, eps))
 
 
 # Plans per ((config, act), tf32, operand layout): a repeated call looks up the key and launches.
-_PLANS = tc.PlanCache(_make_plan)
+_PLANS = PlanCache(_make_plan)
 _allow_tf32 = torch._C._get_cublas_allow_tf32
 
 
@@ -354,7 +366,7 @@ def glu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: st
     if rows % 2:
         raise ValueError(f"glu: w must stack gate and up weights, an even number of rows, got {tuple(w.shape)}")
     dtype_name(x.dtype)  # TypeError for anything but fp16/bf16/fp32
-    if x.device.type != "cuda" and not tc.interpreting():
+    if x.device.type != "cuda" and not interpreting():
         raise ValueError(f"glu: needs CUDA tensors, got {x.device}")
     if config is not None and not isinstance(config, TritonGluConfig):
         raise TypeError(f"glu: config must be a TritonGluConfig or None, got {type(config).__name__}")
@@ -379,9 +391,9 @@ def glu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: st
     x2 = row_major(rows_2d(x))
     out2 = out.view(-1, i)
     if norm is not None:
-        tc.check_fusion(x2, out2, norm, None, "glu")
+        check_fusion(x2, out2, norm, None, "glu")
     if config is None:
-        facts = tc.device_facts(x.device)
+        facts = device_facts(x.device)
         config = default_config(x2.shape[0], i, k, x.dtype, num_sms=facts.num_sms, smem_limit=facts.smem_per_block)
     run(config, x2, row_major(w), contiguous_bias(b), out2, act, norm=norm)
     return out

@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .triton_common import Launcher, device_facts, interpreting, pdl_enabled
+from .bounded_cache import BoundedCache
+from .triton_launch import Launcher, device_facts, interpreting, pdl_enabled
 
 __all__ = ["CHUNK_BYTES", "DTYPES", "FLAG_BYTES", "MAX_PROGRAMS", "MAX_WORLD", "buffer_bytes", "flag_view",
            "group_why_not", "push_sum", "why_not"]
@@ -153,7 +154,7 @@ def why_not(y: torch.Tensor, out: torch.Tensor, world: int, capacity: int,
     return None
 
 
-_LAUNCHERS: dict[tuple, Launcher] = {}
+_LAUNCHERS = BoundedCache(1024)  # launchers per size, rank, group and alignment
 
 
 def push_sum(y: torch.Tensor, out: torch.Tensor, table: torch.Tensor, epochs: torch.Tensor, rank: int,
@@ -190,6 +191,6 @@ def push_sum(y: torch.Tensor, out: torch.Tensor, table: torch.Tensor, epochs: to
                     FLAG_BYTES=FLAG_BYTES, HAS_RES=residual is not None, PDL=pdl, num_warps=4)
         if pdl:
             meta["launch_pdl"] = True
-        launch = _LAUNCHERS[key] = Launcher(_push_sum_kernel, (programs,), meta)
+        launch = _LAUNCHERS.put(key, Launcher(_push_sum_kernel, (programs,), meta))
     launch(y, out, res, table, epochs, n)
     return out

@@ -27,14 +27,17 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_common as tc
+from .bounded_cache import BoundedCache
 from .problem import DTYPE_NAMES
+from .triton_config import next_pow2
+from .triton_launch import Launcher, interpreting
+from .triton_plan import TritonPlan
 
 __all__ = ["PLAN_CACHE_SIZE", "rms_norm", "run"]
 
 SINGLE_PASS_MAX = 16384  # widest row kept in registers (16 warps: 32 fp32 values per thread)
 CHUNK = 4096  # elements per step of the two-pass loop over wider rows
-PLAN_CACHE_SIZE = 1024  # plans kept; cleared when full (varying M in a server makes new keys)
+PLAN_CACHE_SIZE = 1024  # plans kept, oldest evicted first (varying M in a server makes new keys)
 
 
 @triton.jit
@@ -71,21 +74,21 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, ldx, inv_h, eps, BLOCK: tl.conste
         _scale_store(xf, rstd, x_row, w_ptr, out_row, cols, mask)
 
 
-def _make_plan(m: int, h: int, ldx: int, device: torch.device) -> tc.TritonPlan:
+def _make_plan(m: int, h: int, ldx: int, device: torch.device) -> TritonPlan:
     if m == 0 or h == 0:
-        return tc.TritonPlan(device, empty=True)
+        return TritonPlan(device, empty=True)
     chunked = h > SINGLE_PASS_MAX
-    block = CHUNK if chunked else tc.next_pow2(h)
+    block = CHUNK if chunked else next_pow2(h)
     warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
     meta = dict(BLOCK=block, CHUNKED=chunked, num_warps=warps)
     # 1 / H as an fp32 argument: torch's CUDA mean multiplies the sum by fp32(1/N)
-    return tc.TritonPlan(device, tc.Launcher(_rms_norm_kernel, (m,), meta), scalars=(h, ldx, 1.0 / h))
+    return TritonPlan(device, Launcher(_rms_norm_kernel, (m,), meta), scalars=(h, ldx, 1.0 / h))
 
 
 # Plans by everything the compiled kernel is specialised on: (M, H, ldx, the three dtypes,
-# device index, 16-byte alignment of each pointer). tc.PlanCache keys GEMM operands (config,
-# bias, activation, tf32), so this kernel keeps its own bounded dict.
-_PLANS: dict[tuple, tc.TritonPlan] = {}
+# device index, 16-byte alignment of each pointer). triton_plan.PlanCache keys GEMM operands
+# (config, bias, activation, tf32), so this kernel builds its own keys.
+_PLANS = BoundedCache(PLAN_CACHE_SIZE)
 
 
 def run(x2d: torch.Tensor, weight: torch.Tensor, out2d: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,9 +101,7 @@ def run(x2d: torch.Tensor, weight: torch.Tensor, out2d: torch.Tensor, eps: float
            not x2d.data_ptr() & 15, not weight.data_ptr() & 15, not out2d.data_ptr() & 15)
     plan = _PLANS.get(key)
     if plan is None:
-        if len(_PLANS) >= PLAN_CACHE_SIZE:
-            _PLANS.clear()
-        plan = _PLANS[key] = _make_plan(m, h, ldx, x2d.device)
+        plan = _PLANS.put(key, _make_plan(m, h, ldx, x2d.device))
     if not plan.empty:
         # float(): an int eps would be specialised by Triton (1 becomes a constant), unlike the
         # fp32 argument the cached launch was compiled for.
@@ -132,7 +133,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
     _check_dtype("weight", weight.dtype)
     if weight.device != x.device:
         raise ValueError(f"rms_norm: weight is on {weight.device} but x is on {x.device}")
-    if x.device.type != "cuda" and not (x.device.type == "cpu" and tc.interpreting()):
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and interpreting()):
         raise ValueError(f"rms_norm: x must be a CUDA tensor (or a CPU one under TRITON_INTERPRET=1), "
                          f"got one on {x.device}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):

@@ -11,7 +11,7 @@ to a workspace ``[SPLIT_K, M, N]``. A second small kernel adds the splits **in i
 (bit-identical results for a fixed config, no atomics), then bias, activation and the cast.
 With ``split_k == 1`` the first kernel applies the epilogue itself (one launch, no workspace).
 With ``fused_reduce`` the second launch goes away: each split program writes its partial, bumps
-a per-output-tile arrival counter (signalling only, see ``triton_common.tl_split_fixup``), and
+a per-output-tile arrival counter (signalling only, see ``triton_scratch.tl_split_fixup``), and
 the program that arrives last adds the partials in split order 0..S-1 and runs the epilogue.
 Same sums in the same order as the two-launch path, so the same bits.
 
@@ -22,7 +22,7 @@ pipelined through shared memory with ``num_stages`` buffers. W is read once per 
 loads are marked ``evict_first``; x is re-read by every program (``evict_last``).
 
 Workspace and counters: from torch's caching allocator, kept per (device, stream) and reused,
-never freed (``triton_common``: graph-capture caveats). ``clear_workspaces`` is for tests and
+never freed (``triton_scratch``: graph-capture caveats). ``clear_workspaces`` is for tests and
 must not be called while graphs captured with split-K calls exist.
 """
 
@@ -37,38 +37,31 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .epilogue import Activation
 from .problem import DECODE_MAX_M, Problem
-from .triton_common import (
-    ACT_CODE,
+from .triton_config import (
     HOPPER_NUM_SMS,
     HOPPER_SMEM_PER_BLOCK,
     INT32_LIMIT,
-    Launcher,
+    check_pow2,
+    check_range,
+    config_from_record,
+    config_to_record,
+    next_pow2,
+    problem_limits,
+)
+from .triton_epilogue import ACT_CODE, tl_activation, tl_add_residual, tl_norm_tile_sq, tl_rstd
+from .triton_launch import Launcher, pdl_enabled
+from .triton_plan import (
     PlanCache,
     TritonPlan,
     check_fusion,
     check_operands,
-    check_pow2,
-    check_range,
-    clear_workspaces,
-    config_from_record,
-    config_to_record,
-    next_pow2,
     parse_activation,
-    pdl_enabled,
     plan_meta,
     plan_problem,
-    plan_scratch,
-    problem_limits,
     split_extent,
-    split_scratch,
-    tl_activation,
-    tl_add_residual,
-    tl_norm_tile_sq,
-    tl_rstd,
-    tl_split_fixup,
-    workspace_bytes,
 )
 from .triton_rope import RopeLayout, RotaryCache, rope_layout, tl_rope_columns, tl_rope_epilogue
+from .triton_scratch import clear_workspaces, plan_scratch, split_scratch, tl_split_fixup, workspace_bytes
 
 __all__ = [
     "KIND", "MAX_M", "Fusion", "TritonSplitKConfig", "candidates", "clear_workspaces", "default_config",
@@ -229,7 +222,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
     # NORM: x is RMS-normalised (norm weight nw, eps): the dot takes x * nw, each program sums
     # the squares of its slice of x, and whoever runs the epilogue scales the rows by 1/rms of
-    # the summed squares (triton_common.tl_norm_tile_sq). Split programs leave their sums after
+    # the summed squares (triton_epilogue.tl_norm_tile_sq). Split programs leave their sums after
     # the partials in the workspace: [S, M] for the reduce kernel (MODE 1), [tiles, S, BM]
     # for the tile's last program (MODE 2). RESIDUAL: the epilogue adds res (ldr) to the
     # rounded result. ROPE: the rotary embedding of the q/k heads (tiles of paired columns) and,

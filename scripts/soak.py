@@ -36,12 +36,12 @@ Caches it relies on being bounded (sizes in the summary):
   cublaslt._plans                            LRU, PLAN_CACHE_SIZE = 512 plans
   cublaslt._fast                             FIFO, _FAST_CACHE_SIZE = 1024 launchers
   cublaslt_grad._plans                       LRU, GRAD_PLAN_CACHE_SIZE = 256 plans (backward; not used here)
-  triton_gemm._PLANS, triton_splitk._PLANS   cleared when full, triton_common.PLAN_CACHE_SIZE = 4096 each
+  triton_gemm._PLANS, triton_splitk._PLANS   FIFO, triton_plan.PLAN_CACHE_SIZE = 4096 each
   Triton's JITFunction.device_caches         unbounded dict per kernel, one entry per
                                              specialisation (constexprs, dtypes, 16-byte
                                              divisibility of ints/pointers): grows only with
                                              new configs/shapes classes, never per call
-  triton_common workspaces / counters        one per (device, stream, power-of-two size)
+  triton_scratch workspaces / counters       one per (device, stream, power-of-two size)
   cublaslt workspaces                        one 32 MiB buffer per (device, stream)
 """
 
@@ -220,7 +220,7 @@ def check_output(p: Case, path: Route, out, torch) -> str | None:
 def cache_sizes() -> dict[str, int]:
     """Entries in every bounded cache the call path uses (and Triton's compiled-kernel caches)."""
     from hybridgemm import dispatch, get_mode
-    from hybridgemm.kernels import cublaslt, cublaslt_grad, cublaslt_runtime, triton_common, triton_gemm, triton_splitk
+    from hybridgemm.kernels import cublaslt, cublaslt_grad, cublaslt_runtime, triton_gemm, triton_scratch, triton_splitk
 
     decisions, launchers = dispatch._MODE_CACHES[get_mode()]
     sizes = {
@@ -229,9 +229,9 @@ def cache_sizes() -> dict[str, int]:
         "cublaslt_runtime.workspaces": len(cublaslt_runtime.workspaces),
         "cublaslt_grad._plans": len(cublaslt_grad._plans),
         "triton_gemm._PLANS": len(triton_gemm._PLANS), "triton_splitk._PLANS": len(triton_splitk._PLANS),
-        "triton_common._WORKSPACES": len(triton_common._WORKSPACES),
-        "triton_common._COUNTERS": len(triton_common._COUNTERS),
-        "triton_common._RETIRED": len(triton_common._RETIRED),
+        "triton_scratch._WORKSPACES": len(triton_scratch._WORKSPACES),
+        "triton_scratch._COUNTERS": len(triton_scratch._COUNTERS),
+        "triton_scratch._RETIRED": len(triton_scratch._RETIRED),
     }
     for name, fn in (("triton_gemm._gemm_kernel", triton_gemm._gemm_kernel),
                      ("triton_splitk._splitk_kernel", triton_splitk._splitk_kernel),
@@ -247,8 +247,8 @@ CACHE_BOUNDS = {
     "dispatch decisions": "FIFO, dispatch.CACHE_SIZE", "dispatch launchers": "FIFO, dispatch.CACHE_SIZE",
     "cublaslt._plans": "LRU, cublaslt.PLAN_CACHE_SIZE", "cublaslt._fast": "FIFO, cublaslt._FAST_CACHE_SIZE",
     "cublaslt_grad._plans": "LRU, cublaslt_grad.GRAD_PLAN_CACHE_SIZE",
-    "triton_gemm._PLANS": "cleared when full, triton_common.PLAN_CACHE_SIZE",
-    "triton_splitk._PLANS": "cleared when full, triton_common.PLAN_CACHE_SIZE",
+    "triton_gemm._PLANS": "FIFO, triton_plan.PLAN_CACHE_SIZE",
+    "triton_splitk._PLANS": "FIFO, triton_plan.PLAN_CACHE_SIZE",
 }
 
 
@@ -258,8 +258,8 @@ def bound_values() -> dict[str, int]:
 
     return {"dispatch decisions": dispatch.CACHE_SIZE, "dispatch launchers": dispatch.CACHE_SIZE,
             "cublaslt._plans": cublaslt._plans.max_size, "cublaslt._fast": cublaslt._fast.max_size,
-            "cublaslt_grad._plans": cublaslt_grad._plans.max_size, "triton_gemm._PLANS": triton_gemm._PLANS.capacity,
-            "triton_splitk._PLANS": triton_splitk._PLANS.capacity}
+            "cublaslt_grad._plans": cublaslt_grad._plans.max_size, "triton_gemm._PLANS": triton_gemm._PLANS.max_size,
+            "triton_splitk._PLANS": triton_splitk._PLANS.max_size}
 
 
 def fmt_mib(nbytes: float) -> str:

@@ -82,7 +82,7 @@ def poisoned(shape, dtype, device) -> torch.Tensor:
 
 def assert_counters_zero():
     """Single-pass split-K leaves every arrival counter at 0 (the next call relies on it)."""
-    from hybridgemm.kernels.triton_common import counters_snapshot
+    from hybridgemm.kernels.triton_scratch import counters_snapshot
 
     for buf in counters_snapshot():
         assert not buf.any(), "split-K arrival counters were not reset"

@@ -25,12 +25,15 @@ SUBPACKAGES = {"hybridgemm.models": "models", "hybridgemm.parallel": "parallel"}
 API = "hybridgemm"
 CLI = "hybridgemm.cli"
 RANK = {"kernels": 0, "autotune_cache": 1, "fusion": 2, "models": 3, "parallel": 4, "api": 5, "perf": 6, "cli": 7}
-# Imports of project modules inside functions, each for a reason: Triton is imported on first
-# use so that `import hybridgemm` works where Triton is absent (the CPU path needs none).
+# Project modules loaded on first use, each for a reason: Triton is imported on first use so
+# that `import hybridgemm` works where Triton is absent (the CPU path needs none). A load is an
+# import inside a function or a call of kernels.lazy.triton_module("<module>") anywhere.
 LAZY_ALLOWED = {
-    ("hybridgemm.modes", "hybridgemm.kernels.triton_common"),
+    ("hybridgemm.modes", "hybridgemm.kernels.triton_config"),
     ("hybridgemm.modes", "hybridgemm.kernels.triton_gemm"),
-    ("hybridgemm.kernels.backends", "hybridgemm.kernels.triton_common"),
+    ("hybridgemm.kernels.backends", "hybridgemm.kernels.triton_launch"),
+    ("hybridgemm.kernels.backends", "hybridgemm.kernels.triton_gemm"),
+    ("hybridgemm.kernels.backends", "hybridgemm.kernels.triton_splitk"),
     ("hybridgemm.mlp", "hybridgemm.kernels.triton_glu"),
     ("hybridgemm.models.decoder_layer", "hybridgemm.kernels.triton_glu"),
     ("hybridgemm.models.decode_step", "hybridgemm.kernels.triton_rope"),
@@ -92,17 +95,43 @@ def _resolve(mod: str, node) -> list[str]:
     return found
 
 
+LOADER = "triton_module"  # kernels/lazy.py: triton_module("triton_glu") imports hybridgemm.kernels.triton_glu
+BAD_LOADS: list[str] = []  # loader calls whose module the graph cannot tell
+
+
+def _loaded_module(node) -> str | None:
+    """The module a ``triton_module("<name>")`` call loads (None for any other node); a call
+    without one string literal naming a kernels module goes to BAD_LOADS."""
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func
+    if (func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None) != LOADER:
+        return None
+    arg = node.args[0] if len(node.args) == 1 and not node.keywords else None
+    target = f"hybridgemm.kernels.{arg.value}" if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else ""
+    return target if target in MODULES else ""
+
+
 def _edges() -> list[tuple[str, str, bool, int]]:
-    """(importer, imported, inside a function?, line) for every project import."""
+    """(importer, imported, loaded on first use?, line) for every project import and every
+    loader call (each counts as an import on first use where it sits in a function)."""
     edges = []
     for mod, path in MODULES.items():
         tree = ast.parse(path.read_text())
         top = {id(n) for n in tree.body}
+        in_functions = {id(inner) for fn in ast.walk(tree)
+                        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                        for inner in ast.walk(fn) if inner is not fn}
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 for target in _resolve(mod, node):
                     if target != mod:
                         edges.append((mod, target, id(node) not in top, node.lineno))
+            elif (target := _loaded_module(node)) is not None:
+                if target:
+                    edges.append((mod, target, id(node) in in_functions, node.lineno))
+                else:
+                    BAD_LOADS.append(f"{mod}:{node.lineno}: {ast.unparse(node)}")
     return edges
 
 
@@ -163,6 +192,17 @@ def test_decide_never_reaches_dispatch(module):
 def test_project_imports_inside_functions_are_only_the_listed_lazy_ones():
     lazy = {(a, b) for a, b, inside, _ in EDGES if inside}
     assert lazy == LAZY_ALLOWED, f"unlisted: {sorted(lazy - LAZY_ALLOWED)}; gone: {sorted(LAZY_ALLOWED - lazy)}"
+
+
+def test_lazy_loads_name_their_module():
+    """Every triton_module call names a Triton kernel module with a string literal (so the graph
+    sees it), and the loader's list of such modules is every kernels/triton_*.py."""
+    from hybridgemm.kernels.lazy import TRITON_MODULES
+
+    assert not BAD_LOADS, "\n".join(BAD_LOADS)
+    assert TRITON_MODULES == {p.stem for p in (ROOT / "kernels").glob("triton_*.py")}
+    loads = {b for a, b, inside, _ in EDGES if inside and a != "hybridgemm.kernels.lazy"}
+    assert {f"hybridgemm.kernels.{name}" for name in ("triton_glu", "triton_rmsnorm", "triton_gemm")} <= loads
 
 
 @pytest.mark.parametrize("module", ["hybridgemm", "hybridgemm.cli", "hybridgemm.perf.bench_msweep"])

@@ -171,9 +171,9 @@ def test_training_gradients_of_the_fused_gate_up():
 
 
 def _needs_interpreter():
-    from hybridgemm.kernels import triton_common
+    from hybridgemm.kernels import triton_launch
 
-    if not triton_common.interpreting():
+    if not triton_launch.interpreting():
         pytest.skip("the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import hybridgemm
 from hybridgemm import norm as hnorm
-from hybridgemm.kernels import triton_common as tc
+from hybridgemm.kernels.triton_launch import interpreting
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
@@ -84,7 +84,7 @@ def test_gradients_match_stock():
 @pytest.fixture
 def cpu_fast_path(monkeypatch):
     """CPU tensors take the kernel path (Triton's interpreter runs it)."""
-    if not tc.interpreting():
+    if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 to run the Triton kernel on the CPU")
     calls = []
     real = hnorm._fast_path  # False for every CPU tensor; _eligible is the rest of its rule

@@ -103,7 +103,7 @@ def random_sequences(world: str, pdl: str) -> None:
     """200 calls of random sizes and dtypes, a residual in about half, back to back, with
     random delays on random ranks' streams between calls, so that ranks run ahead and behind
     each other. ``pdl`` "1" launches with programmatic dependent launch where the GPU has it
-    (Hopper and later: triton_common.pdl_enabled), "0" without."""
+    (Hopper and later: triton_launch.pdl_enabled), "0" without."""
     saved = os.environ.get("HYBRIDGEMM_PDL")
     os.environ["HYBRIDGEMM_PDL"] = pdl  # read when a launch is planned
     try:

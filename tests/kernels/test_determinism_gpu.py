@@ -65,7 +65,7 @@ class Unsupported(Exception):
 def _poison_workspaces() -> None:
     """NaN into every cached Triton split-K workspace (partials must be written before read).
     The arrival counters are left alone: zero between calls is their contract."""
-    from hybridgemm.kernels.triton_common import _WORKSPACES
+    from hybridgemm.kernels.triton_scratch import _WORKSPACES
 
     for buf in _WORKSPACES.values():
         buf.fill_(float("nan"))

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from hybridgemm.kernels import triton_common
+from hybridgemm.kernels import triton_scratch
 from hybridgemm.kernels.process_memory import per_call, per_call_scratch
 
 
@@ -35,14 +35,14 @@ def test_exception_leaves_the_block():
 
 def test_split_scratch_cached_outside_fresh_inside():
     cpu = torch.device("cpu")
-    triton_common.clear_workspaces()
-    ws1, cnt1 = triton_common.split_scratch(cpu, 1000, 64)
-    ws2, cnt2 = triton_common.split_scratch(cpu, 1000, 64)
+    triton_scratch.clear_workspaces()
+    ws1, cnt1 = triton_scratch.split_scratch(cpu, 1000, 64)
+    ws2, cnt2 = triton_scratch.split_scratch(cpu, 1000, 64)
     assert ws1 is ws2 and cnt1 is cnt2  # process buffers, reused
-    held = triton_common.workspace_bytes()
+    held = triton_scratch.workspace_bytes()
     with per_call_scratch():
-        ws3, cnt3 = triton_common.split_scratch(cpu, 1000, 64)
-        ws4, cnt4 = triton_common.split_scratch(cpu, 1000, 0)
+        ws3, cnt3 = triton_scratch.split_scratch(cpu, 1000, 64)
+        ws4, cnt4 = triton_scratch.split_scratch(cpu, 1000, 0)
     assert ws3.numel() >= 1000 and ws3 is not ws1 and cnt3 is not cnt1 and not cnt3.any() and cnt4 is None
-    assert triton_common.workspace_bytes() == held  # nothing new cached
-    triton_common.clear_workspaces()
+    assert triton_scratch.workspace_bytes() == held  # nothing new cached
+    triton_scratch.clear_workspaces()

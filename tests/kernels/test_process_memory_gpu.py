@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import assert_counters_zero, make_operands
-from hybridgemm.kernels import cublaslt_runtime, triton_common
+from hybridgemm.kernels import cublaslt_runtime, triton_scratch
 from hybridgemm.kernels import triton_splitk as ts
 from hybridgemm.kernels.epilogue import Activation
 from hybridgemm.kernels.process_memory import per_call_scratch
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _cached() -> set:
-    return ({id(t) for t in triton_common._WORKSPACES.values()} | {id(t) for t, _ in triton_common._COUNTERS.values()}
+    return ({id(t) for t in triton_scratch._WORKSPACES.values()} | {id(t) for t, _ in triton_scratch._COUNTERS.values()}
             | {id(t) for t in cublaslt_runtime.workspaces.values()})
 
 

@@ -16,7 +16,7 @@ import torch
 
 from helpers import rank_order_sum
 from hybridgemm.kernels import triton_push_sum as ps
-from hybridgemm.kernels.triton_common import interpreting
+from hybridgemm.kernels.triton_launch import interpreting
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU tensors need the Triton interpreter; on a GPU "
                                 "machine tests/test_push_sum_gpu.py runs the kernel")

@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridgemm.kernels import triton_common as tc
 from hybridgemm.kernels import triton_decode_attention as tda
 from hybridgemm.kernels.process_memory import per_call_scratch
+from hybridgemm.kernels.triton_config import HOPPER_SMEM_PER_BLOCK
+from hybridgemm.kernels.triton_launch import DeviceFacts
+from hybridgemm.kernels.triton_scratch import counters_snapshot
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -20,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 def sms(request, monkeypatch):
     """The SM count the span count is sized for: 1 gives one span per (sequence, KV head),
     64 several (merged by the last program)."""
-    facts = tc.DeviceFacts(num_sms=request.param, capability=(9, 0), smem_per_block=tc.HOPPER_SMEM_PER_BLOCK)
+    facts = DeviceFacts(num_sms=request.param, capability=(9, 0), smem_per_block=HOPPER_SMEM_PER_BLOCK)
     monkeypatch.setattr(tda, "device_facts", lambda device: facts)
     return request.param
 
@@ -88,14 +90,14 @@ def test_the_cache_length_is_updated_once_per_call(sms):
     for _ in range(3):
         tda.decode_attention(q, keys, values, None, 1.0, out, base=base, step=2)
     assert int(base) == 41 + 3 * 2
-    assert all(not c.any() for c in tc.counters_snapshot())  # every arrival counter is left zero
+    assert all(not c.any() for c in counters_snapshot())  # every arrival counter is left zero
 
 
 def test_results_do_not_depend_on_the_span_count(monkeypatch):
     q, keys, values = _operands(1, 8, 2, 32, 700, torch.float32)
     outs = []
     for n in (1, 3, 64):
-        facts = tc.DeviceFacts(num_sms=n, capability=(9, 0), smem_per_block=tc.HOPPER_SMEM_PER_BLOCK)
+        facts = DeviceFacts(num_sms=n, capability=(9, 0), smem_per_block=HOPPER_SMEM_PER_BLOCK)
         monkeypatch.setattr(tda, "device_facts", lambda device, f=facts: f)
         outs.append(tda.decode_attention(q, keys, values, None, 0.1, torch.empty(1, 256)))
     ref = _reference(q, keys, values, None, 0.1)
@@ -114,7 +116,7 @@ def test_a_row_with_no_position_admitted_is_zero_as_in_sdpa(sms):
 
 def test_spans_past_the_cache_end_merge_as_empty(monkeypatch):
     # 15 SMs for one sequence and 2 KV heads: 15 spans of 128 positions over 1000, the last ones empty
-    facts = tc.DeviceFacts(num_sms=15, capability=(9, 0), smem_per_block=tc.HOPPER_SMEM_PER_BLOCK)
+    facts = DeviceFacts(num_sms=15, capability=(9, 0), smem_per_block=HOPPER_SMEM_PER_BLOCK)
     monkeypatch.setattr(tda, "device_facts", lambda device: facts)
     q, keys, values = _operands(1, 4, 2, 16, 1000, torch.float32)
     out = tda.decode_attention(q, keys, values, None, 0.5, torch.empty(1, 64))
@@ -141,7 +143,7 @@ def test_masks_of_other_strides(sms, layout):
 
 
 def test_caller_counters_are_used_in_compiled_regions_and_left_zero(monkeypatch):
-    facts = tc.DeviceFacts(num_sms=64, capability=(9, 0), smem_per_block=tc.HOPPER_SMEM_PER_BLOCK)
+    facts = DeviceFacts(num_sms=64, capability=(9, 0), smem_per_block=HOPPER_SMEM_PER_BLOCK)
     monkeypatch.setattr(tda, "device_facts", lambda device: facts)
     asked, real = [], tda.split_scratch
     monkeypatch.setattr(tda, "split_scratch", lambda dev, ws, cnt: asked.append(cnt) or real(dev, ws, cnt))

@@ -20,7 +20,7 @@ from helpers import make_operands as operands
 from hybridgemm.kernels import triton_gemm as tg
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation, reference_linear
 from hybridgemm.kernels.problem import Problem
-from hybridgemm.kernels.triton_common import dot_precision
+from hybridgemm.kernels.triton_config import dot_precision
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from helpers import poisoned
-from hybridgemm.kernels import triton_common as tc
 from hybridgemm.kernels import triton_glu as tglu
 from hybridgemm.kernels.checks import LinearArgumentError
+from hybridgemm.kernels.triton_config import HOPPER_NUM_SMS
+from hybridgemm.kernels.triton_launch import DeviceFacts
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -176,8 +177,8 @@ def test_swapped_dots_for_narrow_row_tiles(device):
 
 def test_default_config_fits_the_device(device, monkeypatch):
     """Without a config, glu picks one for the device's shared memory, not Hopper's."""
-    small = tc.DeviceFacts(num_sms=46, capability=(8, 6), smem_per_block=64 * 1024)
-    monkeypatch.setattr(tc, "device_facts", lambda dev: small)
+    small = DeviceFacts(num_sms=46, capability=(8, 6), smem_per_block=64 * 1024)
+    monkeypatch.setattr(tglu, "device_facts", lambda dev: small)
     tglu._PLANS.clear()
     x, w, b = operands((2,), DIM_I, 1024, torch.float16, device)
     glu_checked(x, w, b, "silu")
@@ -254,7 +255,7 @@ def test_bad_input(call, exc, match, device):
 
 def test_needs_cuda_outside_the_interpreter(monkeypatch):
     x, w, b = operands((3,), DIM_I, DIM_K, torch.float16, "cpu")
-    monkeypatch.setattr(tc, "interpreting", lambda: False)
+    monkeypatch.setattr(tglu, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         tglu.glu(x, w, b)
 
@@ -300,7 +301,7 @@ def test_candidates(m, dtype):
         assert all(c.block_m in (64, 128) for c in found)
     default = tglu.default_config(m, i, k, dtype)
     assert default in found
-    assert -(-m // default.block_m) * -(-i // default.block_n) >= tc.HOPPER_NUM_SMS
+    assert -(-m // default.block_m) * -(-i // default.block_n) >= HOPPER_NUM_SMS
 
 
 def test_default_config_for_small_i_and_limits():

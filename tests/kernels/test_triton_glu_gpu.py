@@ -144,10 +144,10 @@ def test_pdl_chain_reads_its_producer():
     between writing what the next grid reads) is where an early read would show. Eager and
     graph-replayed, against the same chain in fp32 with the same bf16 roundings; a grid that
     read stale or half-written input would be off by O(1) in relative error."""
-    from hybridgemm.kernels import triton_common as tc
+    from hybridgemm.kernels import triton_launch
 
-    facts = tc.device_facts(torch.device("cuda"))
-    assert tc.pdl_enabled(facts.capability) == (facts.capability >= (9, 0))
+    facts = triton_launch.device_facts(torch.device("cuda"))
+    assert triton_launch.pdl_enabled(facts.capability) == (facts.capability >= (9, 0))
     torch.manual_seed(0)
     width, depth = 384, 6  # I = K: each output feeds the next call
     # 0.5 / sqrt(K) weights keep the gated product's RMS near 1 over the chain (it is quadratic

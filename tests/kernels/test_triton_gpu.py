@@ -16,7 +16,7 @@ from hybridgemm.kernels import triton_gemm as tg
 from hybridgemm.kernels import triton_splitk as ts
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation, reference_linear
 from hybridgemm.kernels.problem import Problem
-from hybridgemm.kernels.triton_common import device_facts
+from hybridgemm.kernels.triton_launch import device_facts
 
 pytestmark = pytest.mark.gpu
 
@@ -172,7 +172,7 @@ TWO_PASS = ts.TritonSplitKConfig(16, 32, 256, 4, 4, 4)
 
 
 def _counters_zero():
-    from hybridgemm.kernels.triton_common import counters_snapshot
+    from hybridgemm.kernels.triton_scratch import counters_snapshot
 
     torch.cuda.synchronize()
     return all(not buf.any() for buf in counters_snapshot())

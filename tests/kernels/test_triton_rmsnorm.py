@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from helpers import poisoned
-from hybridgemm.kernels import triton_common as tc
 from hybridgemm.kernels import triton_rmsnorm as trms
+from hybridgemm.kernels.bounded_cache import BoundedCache
+from hybridgemm.kernels.triton_launch import Launcher
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -205,7 +206,7 @@ def test_eps_values(eps, device):
 
 @pytest.mark.parametrize("lead", [(0,), (2, 0)], ids=str)
 def test_no_rows_launches_nothing(lead, device, monkeypatch):
-    monkeypatch.setattr(tc.Launcher, "__call__", lambda *a: pytest.fail("launched on an empty input"))
+    monkeypatch.setattr(Launcher, "__call__", lambda *a: pytest.fail("launched on an empty input"))
     x, w = operands(lead, 96, torch.float16, device)
     out = trms.rms_norm(x, w, EPS)
     assert out.shape == (*lead, 96) and out.dtype == torch.float16
@@ -257,7 +258,7 @@ def test_bad_input(call, exc, match, device):
 
 def test_needs_cuda_outside_the_interpreter(monkeypatch):
     x, w = operands((3,), 96, torch.float16, "cpu")
-    monkeypatch.setattr(tc, "interpreting", lambda: False)
+    monkeypatch.setattr(trms, "interpreting", lambda: False)
     with pytest.raises(ValueError, match="x must be a CUDA tensor"):
         trms.rms_norm(x, w, EPS)
 
@@ -272,7 +273,7 @@ def test_rejects_meta_tensors():
 
 
 def test_plan_reused_per_signature(device, monkeypatch):
-    monkeypatch.setattr(trms, "_PLANS", {})
+    monkeypatch.setattr(trms, "_PLANS", BoundedCache(trms.PLAN_CACHE_SIZE))
     x, w = operands((3,), 96, torch.float16, device)
     trms.rms_norm(x, w, EPS)
     (plan,) = trms._PLANS.values()
@@ -285,8 +286,7 @@ def test_plan_reused_per_signature(device, monkeypatch):
 
 
 def test_plan_cache_is_bounded(device, monkeypatch):
-    monkeypatch.setattr(trms, "_PLANS", {})
-    monkeypatch.setattr(trms, "PLAN_CACHE_SIZE", 3)
+    monkeypatch.setattr(trms, "_PLANS", BoundedCache(3))
     w = operands((1,), 7, torch.float32, device)[1]
     for m in range(1, 9):
         norm_checked(operands((m,), 7, torch.float32, device)[0], w)

@@ -15,11 +15,12 @@ from hypothesis import strategies as st
 
 from helpers import assert_counters_zero, rel_err
 from helpers import make_operands as operands
-from hybridgemm.kernels import triton_common as tc
+from hybridgemm.kernels import triton_launch
 from hybridgemm.kernels import triton_splitk as ts
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation, reference_linear
 from hybridgemm.kernels.problem import Problem
-from hybridgemm.kernels.triton_common import HOPPER_NUM_SMS
+from hybridgemm.kernels.triton_config import HOPPER_NUM_SMS
+from hybridgemm.kernels.triton_scratch import counters_snapshot
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -134,7 +135,7 @@ def test_counters_survive_clear(device):
     x, w, b = operands(2, 40, 64, torch.float32, device)
     check(FUSED2, x, w, b, Activation.NONE)
     ts.clear_workspaces()
-    assert tc.counters_snapshot() == [] and ts.workspace_bytes() == 0
+    assert counters_snapshot() == [] and ts.workspace_bytes() == 0
     check(FUSED2, x, w, b, Activation.NONE)  # fresh zeroed counters
     assert_counters_zero()
 
@@ -311,24 +312,24 @@ def test_launcher_fast_path(monkeypatch):
             return launch
 
     meta = dict(D=2, C=1, num_warps=4)
-    slow = tc.Launcher(FakeFn(), (3, 2), meta)
+    slow = triton_launch.Launcher(FakeFn(), (3, 2), meta)
     slow(10, 20)
     slow(11, 21)
     assert [c[0] for c in calls] == ["jit", "jit"]  # interpreting: never the fast path
     calls.clear()
-    monkeypatch.setattr(tc, "interpreting", lambda: False)
-    fast = tc.Launcher(FakeFn(), (3, 2), meta)
+    monkeypatch.setattr(triton_launch, "interpreting", lambda: False)
+    fast = triton_launch.Launcher(FakeFn(), (3, 2), meta)
     fast(10, 20)
     fast(11, 21)
     assert calls == [("jit", (3, 2), (10, 20), meta), ("fast", (3, 2, 1), (11, 21, 1, 2))]
     calls.clear()
-    one_dim = tc.Launcher(FakeFn(), (5,), meta)  # CompiledKernel's runner indexes 3 grid dims
+    one_dim = triton_launch.Launcher(FakeFn(), (5,), meta)  # CompiledKernel's runner indexes 3 grid dims
     one_dim(1, 2)
     one_dim(1, 2)
     assert calls[1] == ("fast", (5, 1, 1), (1, 2, 1, 2))
     calls.clear()
     monkeypatch.setenv("HYBRIDGEMM_TRITON_SLOW_LAUNCH", "1")
-    opted_out = tc.Launcher(FakeFn(), (3, 2), meta)
+    opted_out = triton_launch.Launcher(FakeFn(), (3, 2), meta)
     opted_out(1, 2)
     opted_out(1, 2)
     assert [c[0] for c in calls] == ["jit", "jit"]
