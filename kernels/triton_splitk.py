@@ -212,12 +212,13 @@ def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits)
 
 @triton.jit
 def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res_ptr, cos_ptr, sin_ptr, kc_ptr,
-                   vc_ptr, base_ptr, M, N, K, ldx, ldw, ldo, ldr, k_per_split, inv_k, eps, seq, cs_b, cs_s, kc_b,
+                   vc_ptr, base_ptr, M, N, K, ldx, ldw, ldo, k_per_split, inv_k, eps, ldr, seq, cs_b, cs_s, kc_b,
                    kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len, rope_tiles,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    PREC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                    ROPE: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr):
+    # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
     # NORM: x is RMS-normalised (norm weight nw, eps): the dot takes x * nw, each program sums
@@ -352,8 +353,41 @@ class Fusion:
 
 
 _NO_FUSION = Fusion()
-# The kernel's rotary arguments when it has none (integers fixed, so one specialisation).
-_NO_ROPE_SCALARS = (1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+# ----------------------------------------------------------------------------- launch arguments
+#
+# _splitk_kernel takes its arguments in groups, all the pointers first, then the integers in
+# the same group order:
+#
+#   group      pointers (per call)               integers (per plan: TritonPlan.scalars)
+#   GEMM       x, w, bias, out                   M, N, K, ldx, ldw, ldo
+#   split      ws (workspace), cnt (counters)    k_per_split
+#   NORM       nw (the norm weight)              inv_k, eps
+#   RESIDUAL   res                               ldr
+#   ROPE       cos, sin, keys, values, base      seq, cos/sin strides, keys/values strides,
+#                                                q_cols, v_start, cache_len, rope_tiles
+#
+# A pointer the call does not use (no bias, no split, a fusion not asked for) gets a stand-in,
+# ``out`` (the workspace for the counters of a two-launch split): the constexprs (HAS_BIAS,
+# MODE, NORM, RESIDUAL, ROPE, KV) keep the kernel from touching it.
+
+_NO_ROPE_SCALARS = (1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # ROPE's integers without it: one specialisation
+
+
+def _fusion_pointers(unused, norm: tuple | None = None, residual=None, rope: RotaryCache | None = None) -> tuple:
+    """The pointers of the NORM, RESIDUAL and ROPE groups for a call's ``norm=(weight, eps)``,
+    ``residual`` and ``rope`` (``unused`` standing in for each one it does not fuse)."""
+    if rope is None:
+        rope_ptrs = (unused,) * 5
+    elif rope.keys is None:  # the rotary embedding only: no cache to write
+        rope_ptrs = (rope.cos, rope.sin, unused, unused, unused)
+    else:
+        rope_ptrs = (rope.cos, rope.sin, rope.keys, rope.values, rope.base)
+    return (unused if norm is None else norm[0], unused if residual is None else residual, *rope_ptrs)
+
+
+_FUSION_POINTERS = len(_fusion_pointers(None))  # what a call without fusions passes ``unused`` for
 
 
 def fusion_of(norm: tuple | None, residual: torch.Tensor | None, rope: RopeLayout | None = None) -> Fusion:
@@ -378,12 +412,16 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     pdl = pdl_enabled(facts.capability)
     launch_opts = dict(launch_pdl=True) if pdl else {}
     norm, residual = fusion.norm_eps is not None, fusion.residual_ld is not None
-    ldr = fusion.residual_ld if residual else problem.ldo
     rope = fusion.rope
     meta = dict(plan_meta(config, problem, act, bias is not None), MODE=mode, NORM=norm,
                 RESIDUAL=residual and mode != 1, ROPE=rope is not None, KV=rope is not None and rope.kv,
                 HD=rope.head_dim if rope is not None else 2, PDL=pdl, **launch_opts)
-    inv_k, eps = 1.0 / max(k, 1), fusion.norm_eps or 0.0  # fp32(1/K), as triton_rmsnorm computes the mean
+    # the integer groups (see "launch arguments")
+    gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)
+    split_ints = (split_extent(k, config.block_k, split),)
+    norm_ints = (1.0 / max(k, 1), fusion.norm_eps or 0.0)  # inv_k: fp32(1/K), as triton_rmsnorm computes the mean
+    residual_ints = (fusion.residual_ld if residual else problem.ldo,)
+    rope_ints = _NO_ROPE_SCALARS if rope is None else rope.scalars(config.block_n)
     reduce = None
     if mode == 1:
         block = min(1024, next_pow2(n))
@@ -394,11 +432,10 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     ss_numel = (split * m if mode == 1 else grid[0] * grid[2] * split * config.block_m) if norm and split > 1 else 0
     return TritonPlan(
         x.device, Launcher(_splitk_kernel, grid, meta),
-        scalars=(m, n, k, problem.ldx, problem.ldw, problem.ldo, ldr, split_extent(k, config.block_k, split),
-                 inv_k, eps, *(_NO_ROPE_SCALARS if rope is None else rope.scalars(config.block_n))),
+        scalars=gemm_ints + split_ints + norm_ints + residual_ints + rope_ints,
         ws_numel=split * m * n + ss_numel if split > 1 else 0,
         counters=grid[0] * grid[2] if mode == 2 else 0,
-        reduce=reduce, reduce_scalars=(m, n, problem.ldo, ldr, split, inv_k, eps),
+        reduce=reduce, reduce_scalars=(m, n, problem.ldo, *residual_ints, split, *norm_ints),
     )
 
 
@@ -448,22 +485,14 @@ def run(
     plan = _PLANS.plan((config, fusion_of(norm, residual, layout)), x, weight, bias, out, activation, tf32)
     if plan.empty:
         return out
-    b = out if bias is None else bias  # placeholder pointer when HAS_BIAS is False
-    nw = out if norm is None else norm[0]
-    res = out if residual is None else residual
     if counters is not None and (counters.dtype != torch.int32 or counters.device != out.device
                                  or not counters.is_contiguous()):
         raise ValueError("triton_splitk: counters must be a contiguous int32 tensor on the output's device")
+    b = out if bias is None else bias  # the stand-in pointers: see "launch arguments"
     ws, cnt = plan_scratch(plan, out, counters)
-    if rope is None:
-        rope_ptrs = (out,) * 5
-    elif rope.keys is None:
-        rope_ptrs = (rope.cos, rope.sin, out, out, out)
-    else:
-        rope_ptrs = (rope.cos, rope.sin, rope.keys, rope.values, rope.base)
-    plan.launch(x, weight, b, out, ws, cnt, nw, res, *rope_ptrs, *plan.scalars)
+    plan.launch(x, weight, b, out, ws, cnt, *_fusion_pointers(out, norm, residual, rope), *plan.scalars)
     if plan.reduce is not None:
-        plan.reduce(ws, b, out, res, *plan.reduce_scalars)
+        plan.reduce(ws, b, out, out if residual is None else residual, *plan.reduce_scalars)
     return out
 
 
@@ -481,10 +510,11 @@ def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias
     reduce = plan.reduce.raw() if plan.reduce is not None else None
     if main is None or (plan.reduce is not None and reduce is None):
         return None
-    dev, scalars = x.device.index, plan.scalars
+    dev, scalars, unfused = x.device.index, plan.scalars, _FUSION_POINTERS
+    # the GEMM's and the split's pointers, then op for the fusions' (see "launch arguments")
     if not plan.ws_numel:
         def launch(xp, wp, bp, op):
-            main(dev, xp, wp, bp or op, op, op, op, op, op, op, op, op, op, op, *scalars)
+            main(dev, xp, wp, bp or op, op, op, op, *(op,) * unfused, *scalars)
         return launch
 
     device, ws_numel, counters, reduce_scalars = plan.device, plan.ws_numel, plan.counters, plan.reduce_scalars
@@ -493,7 +523,7 @@ def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias
         ws, cnt = split_scratch(device, ws_numel, counters)  # of dev's current stream, as main launches on
         wsp = ws.data_ptr()
         cntp = wsp if cnt is None else cnt.data_ptr()
-        main(dev, xp, wp, bp or op, op, wsp, cntp, op, op, op, op, op, op, op, *scalars)
+        main(dev, xp, wp, bp or op, op, wsp, cntp, *(op,) * unfused, *scalars)
         if reduce is not None:
             reduce(dev, wsp, bp or op, op, op, *reduce_scalars)
 
