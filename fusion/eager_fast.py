@@ -23,16 +23,16 @@ from the key, so a weight replaced or moved is a miss, never a stale read. Anyth
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from hybridgemm import dispatch
 from hybridgemm.kernels.bounded_cache import BoundedCache
+from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES as _PLAIN
 from hybridgemm.kernels.checks import flag_getter, operand_key
 
 from . import backward
 
 _C = torch._C
-_PLAIN = (Tensor, nn.Parameter)
 MAX_ENTRIES = 8  # per module: a few batch sizes / sequence lengths in a serving loop
 
 
@@ -60,9 +60,6 @@ def eager_training(x, w: Tensor, b: Tensor | None) -> bool:
             and x.dtype == w.dtype and (b is None or b.dtype == x.dtype))
 
 
-_GENERATION = dispatch._generation  # a one-element list: read without a call
-
-
 def signature(x: Tensor, w: Tensor, b: Tensor | None) -> tuple[tuple, int]:
     """``(key, x data pointer)``; see the module docstring for what the key covers. The weight
     and bias are keyed by their data pointers (``by_pointer``): the cached launch takes them
@@ -70,7 +67,7 @@ def signature(x: Tensor, w: Tensor, b: Tensor | None) -> tuple[tuple, int]:
     xp = x.data_ptr()
     key = operand_key(x, xp, w, w.data_ptr(), b, None, 255, True)
     flag = flag_getter(key[2])  # x's dtype, already read
-    return (key, _GENERATION[0], None if flag is None else flag()), xp
+    return (key, dispatch.generation(), None if flag is None else flag()), xp
 
 
 class LaunchCache(BoundedCache):

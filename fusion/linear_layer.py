@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from hybridgemm import dispatch
 from hybridgemm.dispatch import WHO
+from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES as _PLAIN
 from hybridgemm.kernels.checks import kernel_form, linear_operands
 from hybridgemm.kernels.epilogue import Activation, apply_activation
 
@@ -39,7 +40,6 @@ from . import (
     ops,  # noqa: F401  (registers the hybridgemm:: custom ops)
 )
 
-_PLAIN = (torch.Tensor, nn.Parameter)
 _AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # autocast leaves fp64 alone
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES as _PLAIN
 from hybridgemm.kernels.epilogue import GLU_ACTIVATIONS
 from hybridgemm.kernels.lazy import triton_module
 
@@ -60,7 +61,6 @@ def activation_name(act) -> str | None:
 # at M = 64, but 0.68x at M = 333 (perf/results/h200/mlp_h200.csv).
 TRITON_GLU_MAX_M = 64
 KERNELS = ("auto", "halves", "gemm", "triton")
-_PLAIN = (Tensor, nn.Parameter)
 
 
 def _triton_glu():

@@ -23,11 +23,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES as _PLAIN
 from hybridgemm.kernels.lazy import triton_module
 
 RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_PLAIN = (Tensor, nn.Parameter)
 
 
 def _triton_rmsnorm():

@@ -12,6 +12,11 @@ import torch
 
 from .problem import DTYPE_NAMES
 
+# The tensor types the eager fast paths take as they are (``type(t) in PLAIN_TENSOR_TYPES``, an
+# exact type test): anything else, a subclass such as a FakeTensor or DTensor, goes through
+# the general path, whose torch ops dispatch on it.
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
 
 class LinearArgumentError(RuntimeError):
     """Arguments that ``F.linear``'s rules refuse: a shape, dtype or device. A RuntimeError,
