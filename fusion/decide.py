@@ -17,6 +17,9 @@ Rules, in order:
 Rules 1-3 are applied by the caller (fusion/dispatch.py) before it asks for a decision;
 :func:`choose` is rules 4-5. Misses are logged once per key at debug level.
 
+Gate/up of a gated MLP (the stacked gate and up weights) has no table entries: one rule,
+:func:`choose_gated`, picks the Triton gated kernel or two GEMMs through rules 1-5.
+
 Tables: loaded lazily per device (:func:`table_for_device`: explicit path > user table >
 shipped tables matching the device). ``HYBRIDGEMM_TABLE`` or :func:`set_table_path` names an
 explicit table; :func:`reload_tables` re-reads them. Decisions already cached elsewhere stop
@@ -49,14 +52,6 @@ from hybridgemm.kernels.problem import Problem
 
 from . import mode_state
 from .diagnostics import warn_once
-
-# isort: split
-# names fusion/models imports from here until it imports them from their homes: get_mode
-# (fusion/mode_state.py), uses_tf32 (kernels/problem.py), warn_once (fusion/diagnostics.py,
-# imported above for this module's own warnings)
-from hybridgemm.kernels.problem import uses_tf32 as uses_tf32
-
-from .mode_state import get_mode as get_mode
 
 _log = logging.getLogger(__name__)
 
@@ -189,3 +184,33 @@ def choose(problem: Problem, device_index: int) -> Choice:
         reason += f"; {why}, passed its correctness probe"
     return Choice(entry["backend"], cfg, "table", key.to_string(), reason, lo, hi, worst)
 
+
+# ------------------------------------------------------------------------- the gated rule
+
+# Rows of x up to which gate/up without a norm prologue runs the Triton gated kernel (the
+# product in its epilogue, kernels/triton_glu.py) rather than two GEMMs and a separate product.
+# Measured on the H200 at Llama-3-8B's gate/up (I = 14336, K = 4096, bf16), the stock module's
+# GPU time / the kernel's: 1.15x at M = 1 and 1.12x at M = 8 (perf/results/h200/sweep_triton_glu.csv),
+# 1.19x at M = 64, but 0.68x at M = 333 (perf/results/h200/mlp_h200.csv).
+TRITON_GLU_MAX_M = 64
+_GLU_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def choose_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: bool) -> Choice:
+    """Gate/up of a gated MLP over the stacked weight (2I, K). The table holds no gated entries,
+    so one rule decides: with an RMSNorm prologue (``norm``: the fused decode step, which has
+    checked its own conditions: CUDA inference at decode rows) the gated kernel; without, the
+    gated kernel for inference on CUDA fp16/bf16 at M ≤ :data:`TRITON_GLU_MAX_M` in the default
+    mode with unit-stride weight rows; otherwise ``torch``: two GEMMs through the dispatcher and
+    the product in x's dtype (``hybridgemm.gated_linear``'s halves)."""
+    key = f"glu|N={weight.shape[0] // 2}|K={weight.shape[-1]}"
+    if norm:
+        return Choice("triton_glu", None, "rule", key, "the decode step's gated kernel with the norm prologue")
+    m = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+    if (x.is_cuda and x.dtype in _GLU_DTYPES and weight.dtype == x.dtype and not grad
+            and isinstance(m, int) and 1 <= m <= TRITON_GLU_MAX_M and weight.stride(-1) == 1
+            and mode_state.get_mode() == mode_state.DEFAULT and (bias is None or bias.dtype == x.dtype)):
+        return Choice("triton_glu", None, "rule", key, f"inference at M={m} <= {TRITON_GLU_MAX_M}")
+    return Choice("torch", None, "rule", key, "two GEMMs through the dispatcher, the product apart")

@@ -30,6 +30,7 @@ from hybridgemm.kernels.checks import (
     rows_are_flat,
 )
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
+from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.kernels.problem import DTYPE_NAMES, Problem, uses_tf32
 
 from . import decide, mode_state, modes
@@ -59,7 +60,7 @@ def other_form(x, weight, bias, activation: Activation, run) -> torch.Tensor:
 
 
 class _Bounded(BoundedCache):
-    mode = modes.DEFAULT  # the dispatch mode whose decisions this cache holds
+    mode = mode_state.DEFAULT  # the dispatch mode whose decisions this cache holds
 
     def __init__(self):
         super().__init__(CACHE_SIZE)
@@ -75,7 +76,7 @@ def _mode_caches(mode: str) -> tuple[_Bounded, _Bounded]:
 # Per mode: (decisions per (device, problem), launchers per call signature). ``_launchers[0]``
 # is the current mode's launcher cache: the hot path reads it once and the slow path works
 # with that cache's ``.mode``, so a call racing a mode switch stays within one mode's decisions.
-_MODE_CACHES = {m: _mode_caches(m) for m in modes.MODES}
+_MODE_CACHES = {m: _mode_caches(m) for m in mode_state.MODES}
 _launchers = [_MODE_CACHES[mode_state.get_mode()][1]]
 _generation = [0]  # see generation()
 
@@ -211,7 +212,7 @@ def decision_for(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """What the current mode runs for ``out = x2 @ weight.T + bias`` (x2 (M, K) and ``weight``
     row-major, ``out`` (M, N) contiguous, CUDA, a kernel dtype, no activation): the decision
     :func:`fused_linear` takes for these operands, for callers that fuse more around the same
-    GEMM (fusion/models/decoder_layer.py)."""
+    GEMM (:func:`fused_splitk`)."""
     problem = Problem.from_tensors(x2, weight, bias, out, Epilogue(Activation.NONE, bias is not None),
                                    uses_tf32(x2.dtype))
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
@@ -262,3 +263,60 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str):
         if launcher is not None and fast_key is not None:
             fast.put(fast_key, launcher)
     return out.reshape(*lead, n), raw
+
+
+# ------------------------------------------------------------- GEMMs with fusions around them
+# The decode step's GEMMs (fusion/models/decode_step.py) carry work around the GEMM: an RMSNorm
+# prologue, a residual add, the rotary embedding and the KV-cache write. They are decided here
+# like any other call (the table's decision for the bare GEMM; the gated rule for gate/up) and
+# launched here; where the decision is a kernel that cannot carry the fusion, these return None
+# and the caller computes the same thing unfused.
+
+_SPLITK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FUSION_NAMES = {"norm": "norm", "residual": "residual", "rope": "rotary/KV-cache"}
+
+
+def splitk_config(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor):
+    """The Triton split-K config the current mode runs for ``out = x2 @ weight.T + bias``, or
+    None where it runs another backend (or PyTorch computes it: CPU tensors, other dtypes)."""
+    if not x2.is_cuda or x2.dtype not in _SPLITK_DTYPES or weight.dtype != x2.dtype:
+        return None
+    choice = decision_for(x2, weight, bias, out)
+    return choice.config if choice.backend == "triton_splitk" and choice.config is not None else None
+
+
+def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 counters: torch.Tensor | None = None, **fusion) -> torch.Tensor | None:
+    """``linear(x, weight, bias)`` with ``fusion`` (split-K's ``norm=(g, eps)``, ``residual=``,
+    ``rope=``) in one launch, where the decision for the bare GEMM is Triton split-K; None where
+    it is not, or where the kernel refuses the fusion (warned once per shape, as a refused
+    table entry is): the caller then computes it unfused. ``counters``: zeroed int32 arrival
+    counters for the fused reduction, used by one launch at a time."""
+    n = weight.shape[0]
+    x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
+    out = x.new_empty((x2.shape[0], n))
+    config = splitk_config(x2, w2, b2, out)
+    if config is None:
+        return None
+    if "residual" in fusion:
+        fusion["residual"] = row_major(rows_2d(fusion["residual"]))
+    try:
+        backends.get_backend("triton_splitk").run(config, x2, w2, b2, out, None, uses_tf32(x.dtype),
+                                                  counters=counters, **fusion)
+    except ValueError as e:
+        warn_once(("fused_splitk", tuple(weight.shape), x.dtype, tuple(fusion)),
+                  f"hybridgemm: split-K could not run the {'/'.join(_FUSION_NAMES[f] for f in fusion)} fusion "
+                  f"for a {tuple(weight.shape)} weight ({e}); that part runs unfused")
+        return None
+    return out.view(*x.shape[:-1], n)
+
+
+def gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
+          norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | None:
+    """``act(x' @ Wg.T + bg) * (x' @ Wu.T + bu)`` over the stacked ``weight`` = cat([Wg, Wu]),
+    x' = ``rmsnorm(x)`` with ``norm=(g, eps)`` else x, in one launch of the gated kernel where
+    :func:`decide.choose_gated` picks it; None where it does not (the caller composes it)."""
+    choice = decide.choose_gated(x, weight, bias, norm is not None)
+    if choice.backend != "triton_glu":
+        return None
+    return triton_module("triton_glu").glu(x, weight, bias, activation, norm=norm)

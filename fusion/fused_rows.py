@@ -99,12 +99,6 @@ class FusedLinears(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         return linear(x, self.weight, self.bias).split_with_sizes(self.sizes, dim=-1)
 
-    def seed(self, x: Tensor, y: Tensor) -> None:
-        """Take ``y`` as this module's output for ``x``, computed by the caller (a decoder layer
-        that runs the GEMM with its RMSNorm fused, fusion/models/decoder_layer.py): the slices' next
-        calls with ``x`` get their parts of ``y`` without a GEMM."""
-        self._rec = (x, _version(x), list(y.split_with_sizes(self.sizes, dim=-1)))
-
     def part(self, x: Tensor, idx: int) -> Tensor:
         rec = self._rec  # read once: the checks and the part come from the same record
         if rec is not None and rec[0] is x and rec[2][idx] is not None and _same_version(rec[1], x):

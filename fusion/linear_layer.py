@@ -167,7 +167,7 @@ class PartialSumLinear(nn.Module):
     parallelism's row-parallel layer (:class:`hybridgemm.parallel.RowParallelLinear`), whose
     input features are split over the ranks. ``forward(x)`` is
     ``sum_parts(linear(x, weight, bias if adds_bias else None))``: exactly one part adds the
-    bias. A fused decoder layer (fusion/models/decoder_layer.py) computes the local part itself, with
+    bias. The fused decode step (fusion/models/decode_step.py) computes the local part itself, with
     the residual added where the bias is, and calls :meth:`sum_parts`; or, with
     ``sums_residual``, without the residual, and calls :meth:`sum_parts_residual`."""
 

@@ -27,8 +27,8 @@ from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES as _PLAIN
 from hybridgemm.kernels.epilogue import GLU_ACTIVATIONS
 from hybridgemm.kernels.lazy import triton_module
 
+from .decide import choose_gated
 from .linear_layer import linear
-from .mode_state import DEFAULT, get_mode
 
 GATED_NAMES = ("gate_proj", "up_proj")
 FUSED_GATE_UP = "gate_up_proj"
@@ -54,31 +54,11 @@ def activation_name(act) -> str | None:
     return None
 
 
-# Rows of x up to which gated_linear's "auto" runs the Triton kernel with the product in its
-# epilogue (kernels/triton_glu.py) rather than one GEMM and a separate product. Measured on the
-# H200 at Llama-3-8B's gate/up (I = 14336, K = 4096, bf16), stock module's GPU time / the
-# kernel's: 1.15x at M = 1 and 1.12x at M = 8 (perf/results/h200/sweep_triton_glu.csv), 1.19x
-# at M = 64, but 0.68x at M = 333 (perf/results/h200/mlp_h200.csv).
-TRITON_GLU_MAX_M = 64
 KERNELS = ("auto", "halves", "gemm", "triton")
 
 
 def _triton_glu():
     return triton_module("triton_glu")  # on first use: importing hybridgemm needs no Triton
-
-
-def _auto_picks_triton(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Inference on CUDA fp16/bf16 at decode sizes, default dispatch mode, weight rows
-    unit-stride (the kernel would otherwise copy the weight)."""
-    if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype):
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
-        return False
-    m = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
-    if not isinstance(m, int) or not 1 <= m <= TRITON_GLU_MAX_M:
-        return False
-    return weight.stride(-1) == 1 and get_mode() == DEFAULT and (bias is None or bias.dtype == x.dtype)
 
 
 @torch.library.custom_op("hybridgemm::gated_fwd", mutates_args=())
@@ -102,11 +82,12 @@ def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activati
     :func:`hybridgemm.linear` (dispatcher, autograd, torch.compile), then the activation and the
     product in x's dtype, as the stock modules compute them. ``"gemm"``: the same with one GEMM
     over the stacked weight. ``"triton"``: kernels/triton_glu.py, the product in the GEMM's
-    epilogue (fp32 until the one rounding; CUDA, no autograd). ``"auto"``: the Triton kernel for
-    inference at M ≤ :data:`TRITON_GLU_MAX_M` rows on CUDA fp16/bf16 in the default dispatch
-    mode, else the halves. (On the H200 at Llama-3-8B's sizes, M = 333 and 2048, one GEMM over
-    the stacked weight ran at 0.87-0.88x of the stock pair; the halves at 1.00-1.01x. Neither
-    shape has a table entry, so both ran F.linear's kernels.)
+    epilogue (fp32 until the one rounding; CUDA, no autograd). ``"auto"``: the Triton kernel
+    where the dispatcher's gated rule picks it (:func:`hybridgemm.decide.choose_gated`: CUDA fp16/bf16
+    inference at M ≤ 64 in the default dispatch mode), else the halves. (On the H200 at
+    Llama-3-8B's sizes, M = 333 and 2048, one GEMM over the stacked weight ran at 0.87-0.88x of
+    the stock pair; the halves at 1.00-1.01x. Neither shape has a table entry, so both ran
+    F.linear's kernels.)
     """
     fn = GLU_FUNCTIONS.get(activation)
     if fn is None:
@@ -118,7 +99,8 @@ def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activati
         shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
         raise ValueError("hybridgemm.gated_linear: weight must be 2-D (2I, K), the gate rows stacked over the up "
                          f"rows, got {shape}")
-    if kernel == "triton" or (kernel == "auto" and isinstance(x, Tensor) and _auto_picks_triton(x, weight, bias)):
+    if kernel == "triton" or (kernel == "auto" and isinstance(x, Tensor)
+                              and choose_gated(x, weight, bias, norm=False).backend == "triton_glu"):
         if torch.compiler.is_compiling() or not (type(x) in _PLAIN and type(weight) in _PLAIN):
             return torch.ops.hybridgemm.gated_fwd(x, weight, bias, activation)
         return _triton_glu().glu(x, weight, bias, activation)

@@ -55,11 +55,6 @@ from hybridgemm.kernels.problem import DTYPE_NAMES, MAX_ALIGNMENT, Problem
 from .decide import Choice, call_key
 from .mode_state import BATCH_INVARIANT
 
-# The mode names, defined with the mode state; read here too by fusion/dispatch.py (the cache
-# per mode) and fusion/models/decoder_layer.py.
-from .mode_state import DEFAULT as DEFAULT
-from .mode_state import MODES as MODES
-
 SOURCE = BATCH_INVARIANT  # Choice.source of the batch-invariant mode's decisions
 
 # H200 limits, for decisions made without a device (explain() on a CPU machine, tests).

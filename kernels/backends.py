@@ -113,8 +113,9 @@ def _triton(mod) -> Backend:
             raise ConfigRejected(why)
         return cfg
 
-    def run(config, x, w, b, out, act, tf32=False):
-        return mod.run(config, x, w, b, out, act, tf32=tf32)
+    def run(config, x, w, b, out, act, tf32=False, **fusion):
+        # fusion: split-K's norm=/residual=/rope=/counters= (the decode step's fused GEMMs)
+        return mod.run(config, x, w, b, out, act, tf32=tf32, **fusion)
 
     def describe(cfg) -> str:
         rec = cfg.to_record()

@@ -35,10 +35,9 @@ LAZY_ALLOWED = {
     ("hybridgemm.kernels.backends", "hybridgemm.kernels.triton_gemm"),
     ("hybridgemm.kernels.backends", "hybridgemm.kernels.triton_splitk"),
     ("hybridgemm.mlp", "hybridgemm.kernels.triton_glu"),
-    ("hybridgemm.models.decoder_layer", "hybridgemm.kernels.triton_glu"),
-    ("hybridgemm.models.decode_step", "hybridgemm.kernels.triton_rope"),
-    ("hybridgemm.models.decode_step", "hybridgemm.kernels.triton_splitk"),
-    ("hybridgemm.models.decode_step", "hybridgemm.kernels.triton_decode_attention"),
+    ("hybridgemm.dispatch", "hybridgemm.kernels.triton_glu"),
+    ("hybridgemm.models.decode_checks", "hybridgemm.kernels.triton_rope"),
+    ("hybridgemm.models.decode_checks", "hybridgemm.kernels.triton_decode_attention"),
     ("hybridgemm.norm", "hybridgemm.kernels.triton_rmsnorm"),
 }
 

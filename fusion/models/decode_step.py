@@ -1,209 +1,158 @@
-"""The attention half of a fused decoder layer at decode sizes with a static KV cache: one
-GEMM launch computes Q/K/V from the un-normalised hidden state, rotates q and k, and writes k
-and v into the cache (``triton_splitk.run(norm=, rope=)``, see kernels/triton_rope.py); for one
-token per sequence, one more launch computes the attention over the cache and updates its
-length (kernels/triton_decode_attention.py); then O with the residual in its epilogue.
+"""The fused decode step of a decoder layer: :func:`layer_step` over five fused pieces.
 
-A stock Llama attention runs, per layer and token: the QKV GEMM, the rotary embedding, two
-``index_copy_`` into the cache, the cache's length update, GQA's expanded copies of the cached
-keys and values, the mask conversion, the attention and O; under torch.compile that is six
-to nine kernels between the two GEMMs. Here it is one. Where the attention kernel does not
-apply (several tokens per sequence, a mask that is not boolean, another registered SDPA
-function, a device without the kernels) the model's attention function runs on the cache as
-before, or SDPA on packed GQA rows (:func:`attention_step`).
+A stock pre-norm layer runs, per token::
 
-Taken (:func:`kv_slot`) only where the result is the stock one: transformers'
-``StaticLayer`` (exact class, initialised, whose ``update`` is the one checked below) in a
-cache whose ``update`` is the base class's and that does not offload; the attention's source
-is the checked Llama/Qwen2/Mistral forward (:func:`why_not_fuse_attention`: no q/k norm, the
-standard ``apply_rotary_pos_emb``), ``sdpa`` attention, no sliding window, no dropout, no
-hooks on the modules it skips, a ``[B, S, D]`` hidden state and ``position_embeddings``.
-Elsewhere the layer runs its attention module as before (fusion/models/decoder_layer.py).
+    h = x + o_proj(attn(qkv(rmsnorm1(x))))        # norm kernel, QKV GEMM, rotary, cache write, attention, O, add
+    y = h + down(glu(gate_up(rmsnorm2(h))))       # norm kernel, gate/up GEMM, product, down GEMM, add
+
+Here the same step is five launches where the decisions allow:
+
+* :func:`norm_linear`: the QKV GEMM normalising x as it loads it (Triton split-K with an
+  RMSNorm prologue: ``rstd * ((x * g) @ W.T)``, the squares summed from the tiles it loads);
+* :func:`norm_rope_qkv`: the same, with a static KV cache, also rotating q and k and writing k
+  and v into the cache in its epilogue (kernels/triton_rope.py);
+* :func:`attend`: one token per sequence over a static cache in one launch (GQA without the
+  expanded copies, the boolean mask read as it is, the cache length updated);
+* :func:`linear_residual`: O and down with the residual added in the epilogue;
+* :func:`gated_norm`: gate/up normalising h on load, the GLU product in the epilogue.
+
+Every GEMM is decided and launched by the dispatcher (``dispatch.fused_splitk`` for the
+split-K fusions, ``dispatch.gated`` for gate/up). Where a decision is a kernel that cannot
+carry the fusion (the table runs cuBLASLt for that shape, a launch is refused), the piece
+computes the same thing unfused: the norm apart, the GEMM as the table says, the add after.
+Each piece is a custom op under torch.compile (:func:`_compiled`).
+
+Where the attention runs (:func:`attention`): with a static cache that
+``decode_checks.kv_slot`` accepts, :func:`norm_rope_qkv` then :func:`attend` (or SDPA for
+several tokens); with any other cache, the attention module's computation written out here
+from its :class:`~hybridgemm.models.decode_checks.AttentionForm` (the q/k/v head views, the
+q/k norms where the module has them, the module's own rotary function, ``cache.update``, the
+registered attention function), fed the normalised Q/K/V of :func:`norm_linear`. No value
+travels between the pieces on module attributes: each returns what the next one takes.
+
+Numerics: the residual is added to the GEMM result after its rounding, as the stock add does;
+a fused norm rounds ``x * g`` once where the stock module rounds ``x * rstd`` and then the
+product with g, so results agree with the stock layer's to the inputs' rounding, not bit for
+bit. Inference only (no autograd).
+
+Tensor parallel (``hybridgemm.parallelize``): O and down are row-parallel
+(:class:`~hybridgemm.linear_layer.PartialSumLinear`); :func:`project_add` puts the residual
+where the bias is (one rank's GEMM) or into the sum (``sums_residual``), so the sum holds the
+residual and the bias once each and no separate add runs.
 """
 
 from __future__ import annotations
-
-import inspect
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridgemm import dispatch
-from hybridgemm.decide import uses_tf32, warn_once
-from hybridgemm.kernels.checks import contiguous_bias, row_major, rows_2d
+from hybridgemm.diagnostics import warn_once
 from hybridgemm.kernels.process_memory import per_call_scratch
+from hybridgemm.linear_layer import PartialSumLinear
+from hybridgemm.mlp import FUSED_GATE_UP, gated_linear
 from hybridgemm.norm import rms_norm
 
-# The statements of the attention forward that the fused step reproduces (whitespace removed).
-_ATTENTION_STATEMENTS = (
-    "query_states=self.q_proj(hidden_states).view(hidden_shape).transpose(1,2)",
-    "key_states=self.k_proj(hidden_states).view(hidden_shape).transpose(1,2)",
-    "value_states=self.v_proj(hidden_states).view(hidden_shape).transpose(1,2)",
-    "cos,sin=position_embeddings",
-    "query_states,key_states=apply_rotary_pos_emb(query_states,key_states,cos,sin)",
-    ".update(key_states,value_states,self.layer_idx",
-    "attn_output=attn_output.reshape(*input_shape,-1).contiguous()",
-    "attn_output=self.o_proj(attn_output)",
-)
-_ROTARY_STATEMENTS = ("q_embed=(q*cos)+(rotate_half(q)*sin)", "k_embed=(k*cos)+(rotate_half(k)*sin)")
-_ROTATE_HALF_STATEMENTS = ("x1=x[...,:x.shape[-1]//2]", "x2=x[...,x.shape[-1]//2:]", "returntorch.cat((-x2,x1),dim=-1)")
-_STATIC_UPDATE_STATEMENTS = (
-    "kv_length=key_states.shape[-2]",
-    "cache_position=torch.arange(kv_length,device=self.device)+self.cumulative_length",
-    "self.cumulative_length.add_(kv_length)",
-    "self.keys.index_copy_(2,cache_position,key_states)",
-    "self.values.index_copy_(2,cache_position,value_states)",
-    "returnself.keys,self.values",
-)
-_CACHE_UPDATE_STATEMENTS = ("self.layers[layer_idx].update(key_states,value_states",)
-QKV_NAME = "qkv_proj"  # the fused Q/K/V module of a patched attention
+from . import decode_checks as checks
+
+QKV_NAME = checks.QKV_NAME
 # Keyword arguments of the attention forward that the stock one does not pass on to the
-# attention function.
+# attention function (or to cache.update).
 _CONSUMED = ("hidden_states", "position_embeddings", "attention_mask", "cache", "past_key_values", "cache_position")
 
 
-def source_text(fn) -> str | None:
-    """``fn``'s source with all whitespace removed (None where it has none): what the
-    statement checks of the layer and attention forwards compare against."""
-    try:
-        return "".join(inspect.getsource(fn).split())
-    except (OSError, TypeError):
-        return None
+def _compiled(op, eager, *args):
+    """Under torch.compile the custom op (opaque to Inductor, one node), else the eager body."""
+    return op(*args) if torch.compiler.is_compiling() else eager(*args)
 
 
-def _has_all(fn, statements) -> bool:
-    src = source_text(fn)
-    return src is not None and all(s in src for s in statements)
+# ----------------------------------------------------------------------------- the pieces
+
+def _norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                 counters: Tensor | None = None) -> Tensor:
+    y = dispatch.fused_splitk(x, weight, bias, counters, norm=(norm_weight, float(eps)))
+    return dispatch.fused_linear(rms_norm(x, norm_weight, eps), weight, bias) if y is None else y
 
 
-# transformers' Cache.update and StaticLayer.update are the checked ones (None: not checked
-# yet), and the transformers objects a call reads, looked up once when a layer is patched
-# (never per call).
-_STATIC_CACHE_OK: bool | None = None
-_CACHE_CLS = _STATIC_LAYER_CLS = _ATTENTION_FUNCTIONS = _STOCK_SDPA = None
+def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
+                     counters: Tensor | None = None) -> Tensor:
+    fusion = {} if residual is None else {"residual": residual}
+    y = dispatch.fused_splitk(x, weight, bias, counters, **fusion)
+    if y is not None:
+        return y
+    y = dispatch.fused_linear(x, weight, bias)
+    return y if residual is None else residual + y
 
 
-def _check_static_cache() -> bool:
-    global _STATIC_CACHE_OK, _CACHE_CLS, _STATIC_LAYER_CLS, _ATTENTION_FUNCTIONS, _STOCK_SDPA
-    if _STATIC_CACHE_OK is None:
-        try:
-            from transformers.cache_utils import Cache, StaticLayer
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        except ImportError:
-            _STATIC_CACHE_OK = False
-            return False
-        _CACHE_CLS, _STATIC_LAYER_CLS = Cache, StaticLayer
-        _ATTENTION_FUNCTIONS, _STOCK_SDPA = ALL_ATTENTION_FUNCTIONS, sdpa_attention_forward
-        _STATIC_CACHE_OK = _has_all(Cache.update, _CACHE_UPDATE_STATEMENTS) \
-            and _has_all(StaticLayer.update, _STATIC_UPDATE_STATEMENTS)
-    return _STATIC_CACHE_OK
+def _gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                activation: str) -> Tensor:
+    y = dispatch.gated(x, weight, bias, activation, norm=(norm_weight, float(eps)))
+    return gated_linear(rms_norm(x, norm_weight, eps), weight, bias, activation) if y is None else y
 
 
-def why_not_fuse_attention(attn: nn.Module) -> str | None:
-    """Why the attention module ``attn`` cannot run as the fused step (None: it can); raises
-    nothing. Read once when a layer is patched (source inspection), not per call."""
-    cls = type(attn)
-    if not _check_static_cache():
-        return "this transformers version's StaticCache update is not the one checked"
-    if not _has_all(cls.forward, _ATTENTION_STATEMENTS):
-        return f"{cls.__name__}.forward is not the attention this transformers version was checked against"
-    module = inspect.getmodule(cls)
-    rope, rotate = getattr(module, "apply_rotary_pos_emb", None), getattr(module, "rotate_half", None)
-    if rope is None or rotate is None or not _has_all(rope, _ROTARY_STATEMENTS) \
-            or not _has_all(rotate, _ROTATE_HALF_STATEMENTS):
-        return "its rotary embedding is not the standard rotate_half one"
-    if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
-        return "it has no integer head_dim and layer_idx"
-    return None
+# ``counters`` (the layer's arrival counters, decoder_layer.COUNTERS) are scratch the kernels
+# leave as they found them (all zero), so the ops do not declare them mutated.
+@torch.library.custom_op("hybridgemm::norm_linear_fwd", mutates_args=())
+def norm_linear_fwd(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                    counters: Tensor | None = None) -> Tensor:
+    with per_call_scratch():  # no scratch cached from inside a compiled region (CUDA graph trees)
+        return _norm_linear(x, norm_weight, eps, weight, bias, counters).contiguous()
 
 
-def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
-    """``(cache layer, cos, sin, first)`` when this call can take the fused attention step, else
-    None; ``first``: the layer is the cache's first.
-    Only for an attention :func:`why_not_fuse_attention` accepted when it was patched."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    pe = kwargs.get("position_embeddings")
-    if cache is None or pe is None or x.dim() != 3 or attn.training or attn.config._attn_implementation != "sdpa" \
-            or getattr(attn, "sliding_window", None) is not None:
-        return None
-    layers = getattr(cache, "layers", None)
-    if not _STATIC_CACHE_OK or not isinstance(layers, list) or attn.layer_idx >= len(layers):
-        return None
-    layer = layers[attn.layer_idx]
-    if type(layer) is not _STATIC_LAYER_CLS or not layer.is_initialized or getattr(cache, "offloading", False) \
-            or type(cache).update is not _CACHE_CLS.update:
-        return None
-    keys, values, base = layer.keys, layer.values, layer.cumulative_length
-    b, hd = x.shape[0], attn.head_dim
-    # Head counts from the fused weight and the cache, which hold this process's heads (all of
-    # them, or a tensor-parallel rank's share, where the config still gives the whole model's).
-    rows, kv_heads = attn._modules[QKV_NAME].weight.shape[0], keys.shape[1]
-    groups = getattr(attn, "num_key_value_groups", None)
-    if not isinstance(groups, int) or groups < 1 or rows != (groups + 2) * kv_heads * hd:
-        return None  # a cache (or fused weight) of other head counts: the attention module says what is wrong
-    if keys.dtype != x.dtype or values.dtype != x.dtype or keys.shape[0] != b or keys.shape[-1] != hd \
-            or values.shape != keys.shape or not keys.is_contiguous() or not values.is_contiguous():
-        return None
-    if not isinstance(base, Tensor) or base.dtype != torch.int64 or base.numel() != 1 or base.device != x.device:
-        return None
-    cos, sin = pe
-    if cos.dim() != 3 or cos.shape[-1] != hd or cos.shape[1] != x.shape[1] or cos.dtype != x.dtype \
-            or cos.shape != sin.shape:
-        return None
-    if any(hooked(attn._modules.get(n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or hooked(attn):
-        return None
-    return layer, cos, sin, layer is layers[0]
+@norm_linear_fwd.register_fake
+def _norm_linear_fake(x, norm_weight, eps, weight, bias, counters=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def hooked(mod: nn.Module | None) -> bool:
-    """Has ``mod`` forward hooks or a replaced forward (a fused path that skips it must not run)?"""
-    return mod is not None and bool(mod._forward_hooks or mod._forward_pre_hooks or "forward" in mod.__dict__)
+@torch.library.custom_op("hybridgemm::linear_residual_fwd", mutates_args=())
+def linear_residual_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
+                        counters: Tensor | None = None) -> Tensor:
+    with per_call_scratch():
+        return _linear_residual(x, weight, bias, residual, counters).contiguous()
 
 
-# ------------------------------------------------------------------- the fused Q/K/V + cache
-
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def splitk_config(x2: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor):
-    """The split-K config the table runs for this GEMM, or None when it runs another backend
-    (or PyTorch computes it: CPU tensors, other dtypes)."""
-    if not x2.is_cuda or x2.dtype not in _KERNEL_DTYPES or weight.dtype != x2.dtype:
-        return None
-    choice = dispatch.decision_for(x2, weight, bias, out)
-    return choice.config if choice.backend == "triton_splitk" and choice.config is not None else None
+@linear_residual_fwd.register_fake
+def _linear_residual_fake(x, weight, bias, residual, counters=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-_FUSION_NAMES = {"norm": "norm", "residual": "residual", "rope": "rotary/KV-cache"}
+@torch.library.custom_op("hybridgemm::gated_norm_fwd", mutates_args=())
+def gated_norm_fwd(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                   activation: str) -> Tensor:
+    return _gated_norm(x, norm_weight, eps, weight, bias, activation)
 
 
-def fused_splitk(x: Tensor, weight: Tensor, bias: Tensor | None, counters: Tensor | None = None,
-                 **fusion) -> Tensor | None:
-    """The GEMM with ``fusion`` (``triton_splitk.run``'s ``norm=``, ``residual=``, ``rope=``) in
-    one split-K launch, where the table runs split-K for it; None where it does not, or where
-    the launch is refused (a ValueError, warned once per shape, as the dispatcher warns and
-    falls back): the caller then computes it unfused."""
-    from hybridgemm.kernels import triton_splitk
+@gated_norm_fwd.register_fake
+def _gated_norm_fake(x, norm_weight, eps, weight, bias, activation):
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
-    n = weight.shape[0]
-    x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
-    out = x.new_empty((x2.shape[0], n))
-    config = splitk_config(x2, w2, b2, out)
-    if config is None:
-        return None
-    if "residual" in fusion:
-        fusion["residual"] = row_major(rows_2d(fusion["residual"]))
-    try:
-        triton_splitk.run(config, x2, w2, b2, out, None, tf32=uses_tf32(x.dtype), counters=counters, **fusion)
-    except ValueError as e:
-        warn_once(("decoder_layer", tuple(weight.shape), x.dtype, tuple(fusion)),
-                  f"hybridgemm: split-K could not run the {'/'.join(_FUSION_NAMES[f] for f in fusion)} fusion for a "
-                  f"{tuple(weight.shape)} weight ({e}); that layer part runs unfused")
-        return None
-    return out.view(*x.shape[:-1], n)
 
+def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                counters: Tensor | None = None) -> Tensor:
+    """``linear(rmsnorm(x), weight, bias)`` with Llama's RMSNorm (weight ``norm_weight``), one
+    launch where the table runs Triton split-K. ``counters``: zeroed int32 arrival counters for
+    split-K's fused reduction, used by one launch at a time."""
+    return _compiled(torch.ops.hybridgemm.norm_linear_fwd, _norm_linear, x, norm_weight, float(eps), weight, bias,
+                     counters)
+
+
+def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
+                    counters: Tensor | None = None) -> Tensor:
+    """``residual + linear(x, weight, bias)`` (``linear(x, weight, bias)`` for a None
+    residual), one launch where the table runs Triton split-K."""
+    return _compiled(torch.ops.hybridgemm.linear_residual_fwd, _linear_residual, x, weight, bias, residual, counters)
+
+
+def gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+               activation: str) -> Tensor:
+    """``gated_linear(rmsnorm(x), weight, bias, activation)``, one launch of the gated kernel
+    where the dispatcher's gated rule picks it."""
+    return _compiled(torch.ops.hybridgemm.gated_norm_fwd, _gated_norm, x, norm_weight, float(eps), weight, bias,
+                     activation)
+
+
+# ------------------------------------------------------------------ Q/K/V with rotary + cache
 
 def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Hugging Face's rotary embedding of ``t`` [B, S, heads, hd], cos/sin [B or 1, S, hd]."""
@@ -212,7 +161,7 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return t * c + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * s
 
 
-def _unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads) -> Tensor:
+def _rope_qkv_unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads) -> Tensor:
     """The stock computation: norm, GEMM, rotary in x's dtype, ``index_copy_`` into the cache."""
     b, s = x.shape[:2]
     hd = keys.shape[-1]
@@ -228,22 +177,18 @@ def _unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, he
 
 def _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
               counters=None) -> Tensor:
-    from hybridgemm.kernels.triton_rope import RotaryCache
-
-    rc = RotaryCache(cos.contiguous() if cos.stride(-1) != 1 else cos, sin.contiguous() if sin.stride(-1) != 1
-                     else sin, heads, kv_heads, keys.shape[-1], keys, values, base)
-    y = fused_splitk(x, weight, bias, counters, norm=(norm_weight, float(eps)), rope=rc)
+    rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base)
+    y = dispatch.fused_splitk(x, weight, bias, counters, norm=(norm_weight, float(eps)), rope=rc)
     if y is None:
-        return _unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads)
+        return _rope_qkv_unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads)
     return y
 
 
-# counters: scratch left as found (all zero), not declared mutated (decoder_layer.COUNTERS)
 @torch.library.custom_op("hybridgemm::norm_rope_qkv_fwd", mutates_args=("keys", "values"))
 def norm_rope_qkv_fwd(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None, cos: Tensor,
                       sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int, kv_heads: int,
                       counters: Tensor | None = None) -> Tensor:
-    with per_call_scratch():  # no scratch cached from inside a compiled region (CUDA graph trees)
+    with per_call_scratch():
         return _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
                          counters).contiguous()
 
@@ -260,26 +205,12 @@ def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bi
     """Q/K/V of ``rmsnorm(x)`` (x [B, S, D]) with q and k rotated, k and v written into
     ``keys``/``values`` [B, kv_heads, L, hd] at positions ``base + s``; returns [B, S, N].
     One split-K launch where the table runs split-K with a config that fits (tiles within a
-    head, no two-launch reduction), the stock sequence of operations otherwise. Inference only.
-    ``counters``: zeroed int32 arrival counters for split-K's fused reduction (``triton_splitk.run``)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.hybridgemm.norm_rope_qkv_fwd(x, norm_weight, float(eps), weight, bias, cos, sin, keys, values,
-                                                      base, heads, kv_heads, counters)
-    return _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads, counters)
+    head, no two-launch reduction), the stock sequence of operations otherwise."""
+    return _compiled(torch.ops.hybridgemm.norm_rope_qkv_fwd, _rope_qkv, x, norm_weight, float(eps), weight, bias,
+                     cos, sin, keys, values, base, heads, kv_heads, counters)
 
 
-def _kernel_device(x: Tensor) -> bool:
-    """Does the decode-attention kernel run on x's device? (CUDA; the CPU tests widen it to the
-    interpreter.)"""
-    return x.is_cuda
-
-
-def _attention_kernel():
-    # Imported on first use: importing hybridgemm needs no Triton (tests/test_layers.py).
-    from hybridgemm.kernels import triton_decode_attention
-
-    return triton_decode_attention
-
+# ------------------------------------------------------------------------- decode attention
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor, step: int,
             counters: Tensor | None) -> Tensor:
@@ -287,8 +218,8 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale:
 
     out = q.new_empty(q.shape)
     try:
-        return _attention_kernel().decode_attention(q, keys, values, mask, scale, out, base=base, step=step,
-                                                    counters=counters)
+        return checks.attention_kernel().decode_attention(q, keys, values, mask, scale, out, base=base, step=step,
+                                                          counters=counters)
     except (ValueError, TritonError) as e:  # refused or not compiled: nothing was launched
         warn_once(("decode_attention", tuple(keys.shape), q.shape[1], q.dtype),
                   f"hybridgemm: the decode attention kernel could not run for a cache of {tuple(keys.shape)} ({e}); "
@@ -316,15 +247,19 @@ def _decode_attention_fake(q, keys, values, mask, scale, base, step, counters=No
     return q.new_empty(q.shape)
 
 
-def _kernel_takes(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, counters: Tensor | None) -> bool:
-    return _kernel_device(q) and _attention_kernel().why_not(q, keys, values, mask) is None \
-        and (counters is None or counters.numel() >= keys.shape[0] * keys.shape[1])
+def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor, step: int,
+           counters: Tensor | None = None) -> Tensor:
+    """One query token per sequence (q [B, heads * hd]) over the static cache ``keys``/``values``
+    [B, kv_heads, L, hd] in one launch, adding ``step`` to the cache length ``base``; PyTorch's
+    SDPA (one warning) where the kernel refuses the operands."""
+    return _compiled(torch.ops.hybridgemm.decode_attention_fwd, _attend, q, keys, values, mask, float(scale), base,
+                     step, counters)
 
 
-def attention_step(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Module, kwargs: dict,
-                   counters: Tensor | None = None) -> Tensor:
-    """The attention sublayer's output before O, for a call :func:`kv_slot` accepted (``slot``):
-    ``[B, S, heads * hd]``."""
+def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Module, kwargs: dict,
+                      counters: Tensor | None) -> Tensor:
+    """The attention sublayer's output before O with a static cache (``slot`` from
+    ``decode_checks.kv_slot``): ``[B, S, heads * hd]``."""
     layer, cos, sin, first = slot
     b, s = x.shape[:2]
     hd = attn.head_dim
@@ -335,21 +270,16 @@ def attention_step(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Mo
     y = norm_rope_qkv(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, cos, sin, keys, values,
                       base, heads, kv_heads, counters)
     mask = kwargs.get("attention_mask")
-    sdpa = _ATTENTION_FUNCTIONS["sdpa"]  # a user may have registered another one
-    if s == 1 and sdpa is _STOCK_SDPA:
+    sdpa = checks.registered_sdpa()  # a user may have registered another one
+    if s == 1 and sdpa is checks.stock_sdpa():
         q = y.view(b, -1)[:, : heads * hd]
-        if _kernel_takes(q, keys, values, mask, counters):
+        if checks.kernel_takes(q, keys, values, mask, counters):
             # One launch: GQA without the expanded copy, the boolean mask read as it is, and the
             # cache-length update (what StaticLayer.update does after computing the positions),
             # except the first layer's: the model derives the step's positions and mask from
             # that one (Cache.get_seq_length), and Inductor may recompute a mask after this
             # kernel, so it stays a separate in-graph add whose ordering the compiler tracks.
-            inc = 0 if first else s
-            if torch.compiler.is_compiling():
-                out = torch.ops.hybridgemm.decode_attention_fwd(q, keys, values, mask, float(attn.scaling), base, inc,
-                                                                counters)
-            else:
-                out = _attend(q, keys, values, mask, float(attn.scaling), base, inc, counters)
+            out = attend(q, keys, values, mask, float(attn.scaling), base, 0 if first else s, counters)
             if first:
                 base.add_(s)
             return out.view(b, 1, heads * hd)
@@ -357,7 +287,7 @@ def attention_step(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Mo
     rep = heads // kv_heads
     shared_mask = mask is None or (mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
                                    and mask.shape[-1] == keys.shape[2])
-    if s == 1 and b > 1 and rep > 1 and heads == rep * kv_heads and shared_mask and sdpa is _STOCK_SDPA:
+    if s == 1 and b > 1 and rep > 1 and heads == rep * kv_heads and shared_mask and sdpa is checks.stock_sdpa():
         # One query per sequence: the rep query heads that share a KV head become rep query rows
         # of that head (one row of the mask serves them all), so SDPA reads the cache as it is
         # instead of the rep-fold expanded copy that GQA otherwise makes of it. At batch 1 the
@@ -372,5 +302,78 @@ def attention_step(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Mo
     return out.reshape(b, s, -1).contiguous()
 
 
-__all__ = ["QKV_NAME", "attention_step", "fused_splitk", "hooked", "kv_slot", "norm_rope_qkv", "source_text",
-           "splitk_config", "why_not_fuse_attention"]
+def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Module, kwargs: dict,
+                         counters: Tensor | None) -> Tensor:
+    """The attention sublayer's output before O with any cache (or none), as the module's own
+    forward computes it (``decode_checks.AttentionForm``), from the normalised Q/K/V of one
+    :func:`norm_linear` launch: ``[B, S, heads * hd]``."""
+    form = checks.attention_form(type(attn))
+    input_shape = x.shape[:-1]
+    hidden_shape = (*input_shape, -1, attn.head_dim)
+    y = norm_linear(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, counters)
+    q, k, v = (t.view(hidden_shape) for t in y.split(qkv.sizes, dim=-1))
+    if form.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    cos, sin = kwargs["position_embeddings"]
+    q, k = form.rotary(q, k, cos, sin)
+    rest = {n: a for n, a in kwargs.items() if n not in _CONSUMED}
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None:
+        if form.update_takes_cache_kwargs:
+            cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
+            k, v = cache.update(k, v, attn.layer_idx, cache_kwargs)
+        else:
+            k, v = cache.update(k, v, attn.layer_idx, kwargs=rest)
+    interface = form.attention_function(attn.config._attn_implementation)
+    window = form.sliding_window(attn)
+    if window is not checks.NO_WINDOW:
+        rest["sliding_window"] = window
+    out, _ = interface(attn, q, k, v, kwargs.get("attention_mask"),
+                       dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling, **rest)
+    return out.reshape(*input_shape, -1).contiguous()
+
+
+def attention(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None) -> Tensor:
+    """The attention sublayer of ``layer`` before O, for the normalised ``x``: the static-cache
+    step where ``layer`` takes it and the call's cache allows, else the module's computation."""
+    attn, norm = layer.self_attn, layer.input_layernorm
+    qkv = attn._modules[QKV_NAME]
+    slot = checks.kv_slot(attn, x, kwargs) if checks.takes_static_step(layer) else None
+    if slot is not None:
+        return _static_attention(attn, slot, x, norm, qkv, kwargs, counters)
+    return _any_cache_attention(attn, x, norm, qkv, kwargs, counters)
+
+
+# ------------------------------------------------------------------------------ the residuals
+
+def project_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor | None) -> Tensor:
+    """``residual + proj(x)`` for the layer's O or down projection. A row-parallel projection
+    (:class:`PartialSumLinear`) whose sum adds the residual (``sums_residual``) gets it there:
+    every rank's GEMM adds nothing but the one rank's bias. Otherwise the residual goes into
+    the epilogue of the one rank's GEMM that adds the bias and the other ranks' GEMMs add
+    nothing. Either way the sum over the ranks holds the residual and the bias once each, and
+    no separate add runs. Every rank must take the same path (the decoder layer's conditions
+    are the same on every rank, as the collectives already require)."""
+    if isinstance(proj, PartialSumLinear):
+        if proj.sums_residual:
+            part = linear_residual(x, proj.weight, proj.bias if proj.adds_bias else None, None, counters)
+            return proj.sum_parts_residual(part, residual)
+        if proj.adds_bias:
+            return proj.sum_parts(linear_residual(x, proj.weight, proj.bias, residual, counters))
+        return proj.sum_parts(linear_residual(x, proj.weight, None, None, counters))
+    return linear_residual(x, proj.weight, proj.bias, residual, counters)
+
+
+def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None = None) -> Tensor:
+    """The whole decoder layer for a call ``decode_checks.takes_fused_path`` accepted:
+    ``h = x + O(attention(norm1(x)))``, ``y = h + down(glu(gate_up(norm2(h))))``."""
+    h = project_add(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), x, counters)
+    mlp, norm = layer.mlp, layer.post_attention_layernorm
+    gate_up = mlp._modules[FUSED_GATE_UP]
+    inter = gated_norm(h, norm.weight, norm.variance_epsilon, gate_up.weight, gate_up.bias, mlp.glu_activation)
+    return project_add(mlp.down_proj, inter, h, counters)
+
+
+__all__ = ["QKV_NAME", "attend", "attention", "gated_norm", "layer_step", "linear_residual", "norm_linear",
+           "norm_rope_qkv", "project_add"]

@@ -92,16 +92,8 @@ from hybridgemm.mlp import (
 )
 from hybridgemm.norm import HybridRMSNorm, is_rms_norm
 
-from .decode_step import why_not_fuse_attention
-from .decoder_layer import (
-    ATTENTION_STEP,
-    COUNTER_SLOTS,
-    COUNTERS,
-    NOT_A_LAYER,
-    ResidualLinear,
-    fused_class,
-    why_not_fuse_layer,
-)
+from .decode_checks import NOT_A_LAYER, STATIC_STEP, why_not_fuse_attention
+from .decoder_layer import COUNTERS, fused_class, new_counters, why_not_fuse_layer
 
 _QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 _OUT_NAMES = ("o_proj", "out_proj")
@@ -338,22 +330,16 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
 
 
 def _fuse_layer(layer: nn.Module) -> str | None:
-    """Give a recognised decoder layer its fused forward and a patched (not row-parallel) O
-    projection the residual epilogue (classes swapped in place, recorded for unpatch); mark it
-    for the fused attention step where its attention allows (else return why not)."""
-    o_proj = layer.self_attn.o_proj
-    if type(o_proj) is HybridLinear:  # a row-parallel O gets the residual from the layer (decoder_layer._project_add)
-        record(o_proj, ("class", next(_SEQ), type(o_proj)))
-        o_proj.__class__ = ResidualLinear
+    """Give a recognised decoder layer its fused forward and its arrival counters (class
+    swapped in place, recorded for unpatch); mark it for the static-cache step where its
+    attention allows (else return why not)."""
     record(layer, ("class", next(_SEQ), type(layer)))
     layer.__class__ = fused_class(type(layer))
-    param = next(layer.parameters())
-    layer.register_buffer(COUNTERS, torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=param.device),
-                          persistent=False)
+    layer.register_buffer(COUNTERS, new_counters(next(layer.parameters()).device), persistent=False)
     record(layer, ("buffer", next(_SEQ), COUNTERS))
     why_not = why_not_fuse_attention(layer.self_attn)
     if why_not is None:
-        _set_attr(layer, ATTENTION_STEP, True)
+        _set_attr(layer, STATIC_STEP, True)
     return why_not
 
 

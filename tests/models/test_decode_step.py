@@ -15,9 +15,11 @@ import pytest
 import torch
 
 import hybridgemm
+from hybridgemm import dispatch
 from hybridgemm.kernels import triton_splitk
 from hybridgemm.kernels.triton_rope import RotaryCache
-from hybridgemm.models import decode_step as da
+from hybridgemm.models import decode_checks as checks
+from hybridgemm.models import decode_step
 from hybridgemm.models import decoder_layer as dl
 from hybridgemm.perf import e2e_models as hf
 
@@ -158,7 +160,7 @@ def _patched(stock):
     StaticCache is not the source the step was checked against (it then runs the module)."""
     model = copy.deepcopy(stock)
     hybridgemm.patch(model)
-    why = da.why_not_fuse_attention(model.model.layers[0].self_attn)
+    why = checks.why_not_fuse_attention(model.model.layers[0].self_attn)
     if why is not None:
         pytest.skip(f"no fused attention step with transformers {transformers.__version__}: {why}")
     return model
@@ -169,9 +171,8 @@ def kernels_on_cpu(monkeypatch):
     """The fused path on CPU tensors (interpreter) with ``state["config"]``; records the
     split-K calls that carry a rope."""
     state = {"config": FUSED_REDUCE, "rope": 0, "counters": 0}
-    monkeypatch.setattr(dl, "_on_kernel_device", lambda x: True)
-    monkeypatch.setattr(da, "_kernel_device", lambda x: True)
-    monkeypatch.setattr(da, "splitk_config", lambda x2, w, b, out: state["config"])
+    monkeypatch.setattr(checks, "on_kernel_device", lambda x: True)
+    monkeypatch.setattr(dispatch, "splitk_config", lambda x2, w, b, out: state["config"])
     real_run = triton_splitk.run
 
     def run(cfg, *a, rope=None, counters=None, **kw):
@@ -215,12 +216,12 @@ def test_static_cache_decode_matches_the_stock_model(kind, extra, config, kernel
     kernels_on_cpu["config"] = config
     stock = _tiny(kind, **extra)
     model = _patched(stock)
-    assert all(layer.__dict__.get(dl.ATTENTION_STEP) for layer in model.model.layers)
+    assert all(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
     _compare(model, stock, steps=3)
     assert kernels_on_cpu["rope"] == 3 * 2  # every decode step of both layers (the prefill initialises the cache)
-    # QKV, O and down of every fused call used the layer's own arrival counters (but the
-    # prefill's O, which the attention module calls), and left them zero
-    assert kernels_on_cpu["counters"] == (3 + 1) * 2 * 3 - 2
+    # QKV, O and down of every fused call (the prefill's too) used the layer's own arrival
+    # counters, and left them zero
+    assert kernels_on_cpu["counters"] == (3 + 1) * 2 * 3
     for layer in model.model.layers:
         counters = layer._buffers[dl.COUNTERS]
         assert counters.dtype == torch.int32 and not counters.any()
@@ -240,12 +241,12 @@ def test_where_the_step_cannot_fuse_the_results_are_still_stock(why, kernels_on_
     if why == "hook":
         model.model.layers[0].self_attn.register_forward_pre_hook(lambda mod, args, kwargs: None, with_kwargs=True)
     if why == "qwen3":  # q/k norms before the rotary: the attention is not the checked one
-        assert da.why_not_fuse_attention(model.model.layers[0].self_attn) is not None
-        assert not any(layer.__dict__.get(dl.ATTENTION_STEP) for layer in model.model.layers)
+        assert checks.why_not_fuse_attention(model.model.layers[0].self_attn) is not None
+        assert not any(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         _compare(model, stock, steps=2)
-    # two-launch: tried, refused, unfused; hook: only the hooked layer 0 runs its attention module
+    # two-launch: tried, refused, unfused; hook: the hooked layer 0 runs its stock forward
     assert kernels_on_cpu["rope"] == {"two-launch": 4, "hook": 2}.get(why, 0)
     if why == "two-launch":
         assert sum("rotary/KV-cache fusion" in str(w.message) for w in seen) == 1
@@ -260,7 +261,7 @@ def test_one_token_attention_is_one_kernel_launch(batch, kernels_on_cpu, monkeyp
     launches, real = [], tda.decode_attention
     monkeypatch.setattr(tda, "decode_attention", lambda q, k, *a, **kw: launches.append(
         (tuple(q.shape), kw["step"], kw["counters"] is not None)) or real(q, k, *a, **kw))
-    monkeypatch.setattr(da, "F", None)  # no SDPA call at all
+    monkeypatch.setattr(decode_step, "F", None)  # no SDPA call at all
     _compare(model, stock, steps=2, batch=batch)
     assert kernels_on_cpu["rope"] == 2 * 2
     # 4 query heads of 32 over 2 KV heads; each layer's call adds 1 to its cache length but the
@@ -272,9 +273,9 @@ def test_one_token_attention_is_one_kernel_launch(batch, kernels_on_cpu, monkeyp
 def test_without_the_kernel_gqa_query_rows_are_packed_from_batch_2(batch, kernels_on_cpu, monkeypatch):
     stock = _tiny("llama")
     model = _patched(stock)
-    monkeypatch.setattr(da, "_kernel_device", lambda x: False)
+    monkeypatch.setattr(checks, "kernel_takes", lambda *a: False)
     shapes, real = [], torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(da, "F", types.SimpleNamespace(
+    monkeypatch.setattr(decode_step, "F", types.SimpleNamespace(
         scaled_dot_product_attention=lambda q, *a, **kw: shapes.append(tuple(q.shape)) or real(q, *a, **kw)))
     _compare(model, stock, steps=2, batch=batch)
     assert kernels_on_cpu["rope"] == 2 * 2
@@ -285,10 +286,10 @@ def test_without_the_kernel_gqa_query_rows_are_packed_from_batch_2(batch, kernel
 def test_unpatch_removes_the_attention_step():
     model = _tiny("llama", layers=1)
     hybridgemm.patch(model)
-    assert model.model.layers[0].__dict__.get(dl.ATTENTION_STEP)
+    assert model.model.layers[0].__dict__.get(checks.STATIC_STEP)
     assert dl.COUNTERS in model.model.layers[0]._buffers
     hybridgemm.unpatch(model)
-    assert dl.ATTENTION_STEP not in model.model.layers[0].__dict__
+    assert checks.STATIC_STEP not in model.model.layers[0].__dict__
     assert dl.COUNTERS not in model.model.layers[0]._buffers
 
 
@@ -350,9 +351,9 @@ def test_a_cache_of_other_head_counts_runs_the_attention_module(kernels_on_cpu):
         cos = torch.ones(2, 1, 32)
         kw = {"cache": cache, "position_embeddings": (cos, cos)}
         attn = model.model.layers[0].self_attn
-        assert da.kv_slot(attn, x, kw) is not None
+        assert checks.kv_slot(attn, x, kw) is not None
         layer.keys, layer.values = layer.keys[:, :1].clone(), layer.values[:, :1].clone()
-        assert da.kv_slot(attn, x, kw) is None
+        assert checks.kv_slot(attn, x, kw) is None
 
 
 def test_counters_are_zeroed_when_the_layer_is_materialised():
@@ -364,6 +365,29 @@ def test_counters_are_zeroed_when_the_layer_is_materialised():
     model.model.layers[0]._buffers[dl.COUNTERS].fill_(3)
     model.to(torch.float32)
     assert not model.model.layers[0]._buffers[dl.COUNTERS].any()
+
+
+def test_a_layer_built_on_meta_and_loaded_with_assign_moves_as_the_stock_layer_does():
+    stock = _tiny("llama", layers=1)
+    built = []
+    for patch in (False, True):
+        with torch.device("meta"):
+            model = _tiny("llama", layers=1)
+        if patch:
+            hybridgemm.patch(model)
+        model.load_state_dict(stock.state_dict(), assign=True)  # leaves non-persistent buffers on meta
+        built.append(model.model.layers[0])
+    built[0].to("cpu")
+    layer = built[1]
+    assert layer._buffers[dl.COUNTERS].is_meta
+    layer.to("cpu")  # the counters are made anew beside the parameters: a meta tensor has no values
+    counters = layer._buffers[dl.COUNTERS]
+    assert counters.device.type == "cpu" and counters.dtype == torch.int32
+    assert counters.numel() == dl.COUNTER_SLOTS and not counters.any()
+    x = torch.randn(1, 3, 64)
+    pe = stock.model.rotary_emb(x, torch.arange(3)[None])
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, position_embeddings=pe), built[0](x, position_embeddings=pe))
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])

@@ -15,11 +15,13 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 import hybridgemm
+from hybridgemm import dispatch
 from hybridgemm.kernels import triton_glu, triton_splitk
-from hybridgemm.models import decode_step as da
+from hybridgemm.linear_layer import HybridLinear
+from hybridgemm.models import decode_checks as checks
+from hybridgemm.models import decode_step
 from hybridgemm.models import decoder_layer as dl
 
 transformers = pytest.importorskip("transformers")
@@ -42,8 +44,8 @@ def _tiny(kind: str, layers: int = 2):
 def kernels_on_cpu(monkeypatch):
     """The fused path on CPU tensors (interpreter); counts the fused kernel calls."""
     calls = []
-    monkeypatch.setattr(dl, "_on_kernel_device", lambda x: True)
-    monkeypatch.setattr(da, "splitk_config", lambda x2, w, b, out: SPLITK)
+    monkeypatch.setattr(checks, "on_kernel_device", lambda x: True)
+    monkeypatch.setattr(dispatch, "splitk_config", lambda x2, w, b, out: SPLITK)
     real_run, real_glu = triton_splitk.run, triton_glu.glu
 
     def run(cfg, *a, norm=None, residual=None, **kw):
@@ -67,14 +69,15 @@ def test_fused_layers_match_the_stock_model(kind, kernels_on_cpu):
     assert report.fused_layers == ["model.layers.0", "model.layers.1"]
     layer = model.model.layers[0]
     assert isinstance(layer, type(stock.model.layers[0])) and isinstance(layer, dl.HybridDecoderLayer)
-    assert type(layer.self_attn.o_proj) is dl.ResidualLinear
+    assert type(layer.self_attn.o_proj) is HybridLinear
     ids = torch.randint(0, VOCAB, (2, 5))  # 10 rows: the decode path (<= 16)
+    state = _module_state(model)
     with torch.no_grad():
         ref, out = stock(ids).logits, model(ids).logits
     # per layer: QKV with the norm, O with the residual, gate/up with the norm, down with the residual
     assert kernels_on_cpu == ["norm", "residual", "glu+norm", "residual"] * 2
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    assert layer.self_attn.o_proj.residual is None and layer.self_attn.qkv_proj._rec is None
+    assert _module_state(model) == state  # the step passes nothing between its pieces on modules
     with torch.no_grad():
         tokens = model.generate(ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
         ref_tokens = stock.generate(ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -85,10 +88,10 @@ def test_a_gemm_the_table_gives_another_backend_runs_the_norm_and_add_apart(kern
     stock = _tiny("llama")
     model = copy.deepcopy(stock)
     hybridgemm.patch(model)
-    monkeypatch.setattr(da, "splitk_config", lambda *a: None)
+    monkeypatch.setattr(dispatch, "splitk_config", lambda *a: None)
     norms = []
-    real = dl.rms_norm
-    monkeypatch.setattr(dl, "rms_norm", lambda x, w, eps: norms.append(x.shape) or real(x, w, eps))
+    real = decode_step.rms_norm
+    monkeypatch.setattr(decode_step, "rms_norm", lambda x, w, eps: norms.append(x.shape) or real(x, w, eps))
     ids = torch.randint(0, VOCAB, (1, 7))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-4)
@@ -105,7 +108,7 @@ def test_outside_decode_inference_the_stock_forward_runs(why, kernels_on_cpu, mo
         for layer in model.model.layers:
             layer.self_attn.requires_grad_(False)
     if why == "cpu":
-        monkeypatch.setattr(dl, "_on_kernel_device", lambda x: x.is_cuda)
+        monkeypatch.setattr(checks, "on_kernel_device", lambda x: x.is_cuda)
     if why == "fp16":  # fp16's range could not hold x * g (see decoder_layer's docstring)
         model.half()
         stock = copy.deepcopy(stock).half()
@@ -136,7 +139,7 @@ def test_unpatch_restores_the_stock_classes_and_state():
     assert {n: type(m) for n, m in model.named_modules()} == classes
     after = model.state_dict()
     assert all(torch.equal(after[k], before[k]) for k in before)
-    assert not any(isinstance(m, (dl.HybridDecoderLayer, dl.ResidualLinear)) for m in model.modules())
+    assert not any(isinstance(m, dl.HybridDecoderLayer) for m in model.modules())
 
 
 def test_what_is_not_fused_and_why(monkeypatch):
@@ -151,7 +154,8 @@ def test_what_is_not_fused_and_why(monkeypatch):
         in report.skipped
     hybridgemm.unpatch(model)
 
-    monkeypatch.setattr(dl, "_LAYER_STATEMENTS", dl._LAYER_STATEMENTS + ("hidden_states=self.extra(hidden_states)",))
+    monkeypatch.setattr(checks, "_LAYER_STATEMENTS",
+                        checks._LAYER_STATEMENTS + ("hidden_states=self.extra(hidden_states)",))
     report = hybridgemm.patch(model)
     assert report.fused_layers == [] and any("is not the pre-norm layer" in why for _, why in report.skipped)
     hybridgemm.unpatch(model)
@@ -162,54 +166,46 @@ def test_what_is_not_fused_and_why(monkeypatch):
     assert report.fused_layers == [] and not any("decoder layer" in why for _, why in report.skipped)
 
 
-def test_residual_linear_is_plain_without_a_residual():
-    lin = nn.Linear(12, 8)
-    ref = lin(torch.randn(3, 12))
-    lin.__class__ = dl.ResidualLinear
-    x = torch.randn(3, 12)
+def _module_state(model) -> dict:
+    """Every module's instance attributes and buffers, by identity: what a forward could leave behind."""
+    return {name: ({k: id(v) for k, v in vars(m).items() if not k.startswith("_") or k == "_rec"},
+                   {k: id(v) for k, v in m._buffers.items()}) for name, m in model.named_modules()}
+
+
+@pytest.mark.parametrize("part", ["q_proj", "o_proj", "self_attn", "q_norm"])
+def test_a_hook_on_a_part_the_step_skips_keeps_that_layer_stock(part, kernels_on_cpu):
+    kind = "qwen3" if part == "q_norm" else "llama"
+    stock = _tiny(kind)
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    seen = []
+    for m in (stock, model):  # the same hook on both: it doubles its module's output
+        attn = m.model.layers[0].self_attn
+        mod = attn if part == "self_attn" else getattr(attn, part)
+        if part == "self_attn":
+            mod.register_forward_hook(lambda mod, args, out: (out[0] * 2, *out[1:]))
+        else:
+            mod.register_forward_hook(lambda mod, args, out: seen.append(part) or out * 2)
+    ids = torch.randint(0, VOCAB, (1, 4))
     with torch.no_grad():
-        torch.testing.assert_close(lin(x), nn.functional.linear(x, lin.weight, lin.bias))
-        r = lin.residual = torch.randn(3, 8)
-        torch.testing.assert_close(lin(x), r + nn.functional.linear(x, lin.weight, lin.bias))
-    assert ref.shape == (3, 8)
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-4)
+    # layer 0 ran its stock forward (its hook ran in both models), layer 1 the fused step
+    assert kernels_on_cpu == ["norm", "residual", "glu+norm", "residual"]
+    assert part == "self_attn" or seen == [part, part]
 
 
-def test_an_exception_in_the_attention_leaves_no_state(kernels_on_cpu, monkeypatch):
+def test_an_exception_inside_the_step_leaves_no_state(kernels_on_cpu, monkeypatch):
     model = _tiny("llama", layers=1)
     hybridgemm.patch(model)
-    attn = model.model.layers[0].self_attn
+    state = _module_state(model)
 
     def boom(*a, **kw):
         raise ValueError("attention failed")
 
-    monkeypatch.setattr(type(attn), "forward", boom)
+    monkeypatch.setattr(checks.AttentionForm, "attention_function", lambda self, impl: boom)
     with torch.no_grad(), pytest.raises(ValueError, match="attention failed"):
         model(torch.randint(0, VOCAB, (1, 3)))
-    assert attn.o_proj.residual is None and attn.qkv_proj._rec is None
-
-
-def test_an_attention_that_skips_the_seeded_qkv_is_an_error(kernels_on_cpu):
-    model = _tiny("llama", layers=1)
-    hybridgemm.patch(model)
-    attn = model.model.layers[0].self_attn
-    attn.q_proj.register_forward_pre_hook(lambda mod, args: (args[0] * 1,))  # another tensor: no seeded part
-    with torch.no_grad(), pytest.raises(RuntimeError, match="did not take the normalised Q/K/V"):
-        model(torch.randint(0, VOCAB, (1, 3)))
-    assert attn.o_proj.residual is None and attn.qkv_proj._rec is None
-
-
-def test_a_stale_or_misshapen_residual_is_not_added_twice():
-    lin = nn.Linear(12, 8)
-    lin.__class__ = dl.ResidualLinear
-    x = torch.randn(3, 12)
-    with torch.no_grad():
-        lin.residual = torch.randn(3, 8)
-        lin(x)
-        assert lin.residual is None  # taken by the one call
-        torch.testing.assert_close(lin(x), nn.functional.linear(x, lin.weight, lin.bias))
-        lin.residual = torch.randn(1, 8)
-        with pytest.raises(RuntimeError, match="does not fit"):
-            lin(x)
+    assert _module_state(model) == state
 
 
 def test_torch_compile_traces_the_fused_layer(kernels_on_cpu):
@@ -223,7 +219,6 @@ def test_torch_compile_traces_the_fused_layer(kernels_on_cpu):
     torch._dynamo.reset()
     assert kernels_on_cpu == ["norm", "residual", "glu+norm", "residual"] * 2
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    assert model.model.layers[0].self_attn.o_proj.residual is None
 
 
 def test_a_patched_model_pickles(tmp_path):

@@ -1,0 +1,356 @@
+"""When a decoder layer runs the fused decode step (fusion/models/decode_step.py), and what
+the step reads of the model: decided once when a layer is patched (source and structure
+checks) and per call (device, dtype, rows, grad, hooks, the cache).
+
+Patch time (:func:`why_not_fuse_layer`, :func:`why_not_fuse_attention`): the layer's forward
+must be the pre-norm layer the step computes (its statements checked in its source), its
+attention forward one of the forms :class:`AttentionForm` describes, and its parts fused by
+``patch`` (Q/K/V and gate/up into one GEMM each, HybridRMSNorm norms, patched or row-parallel
+O and down). The static-cache step (rotary and the cache write in the QKV epilogue, the
+attention kernel) also needs transformers' ``StaticLayer`` and ``Cache.update`` as checked,
+the standard ``rotate_half`` rotary, and no q/k norms.
+
+Per call (:func:`takes_fused_path`, :func:`kv_slot`): CUDA (:func:`on_kernel_device`), bf16
+or fp32 with every weight in x's dtype, at most :data:`DECODE_ROWS` rows, no gradient wanted,
+no autocast, the default dispatch mode, and no hooks on the modules the step does not call
+(norms, attention, its projections, the MLP, down). Elsewhere the stock forward runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules import module as _torch_module
+
+from hybridgemm.fused_rows import FusedLinears
+from hybridgemm.kernels.lazy import triton_module
+from hybridgemm.linear_layer import HybridLinear, PartialSumLinear
+from hybridgemm.mlp import FUSED_GATE_UP, HybridGatedMLP
+from hybridgemm.mode_state import DEFAULT, get_mode
+from hybridgemm.norm import HybridRMSNorm
+
+DECODE_ROWS = 16  # rows up to which the fused path runs (the gated kernel's decode configs)
+QKV_NAME = "qkv_proj"  # the fused Q/K/V module of a patched attention
+NOT_A_LAYER = "not a decoder layer"
+# Instance attribute set when a layer is patched: its attention can take the static-cache step.
+STATIC_STEP = "_hybridgemm_attention_step"
+NO_WINDOW = object()  # AttentionForm.sliding_window: the stock forward passes none
+_LAYER_DTYPES = (torch.bfloat16, torch.float32)
+_PLAIN = (Tensor, nn.Parameter)
+
+# The statements of the pre-norm layer forward the step reproduces (whitespace removed).
+_LAYER_STATEMENTS = ("residual=hidden_states", "hidden_states=self.input_layernorm(hidden_states)",
+                     "hidden_states=residual+hidden_states",
+                     "hidden_states=self.post_attention_layernorm(hidden_states)",
+                     "hidden_states=self.mlp(hidden_states)", "returnhidden_states")
+# The attention forwards the step reproduces: these statements, with the q/k views plain or
+# through the module's q_norm/k_norm (Qwen3).
+_ATTENTION_STATEMENTS = (
+    "value_states=self.v_proj(hidden_states).view(hidden_shape).transpose(1,2)",
+    "cos,sin=position_embeddings",
+    "query_states,key_states=apply_rotary_pos_emb(query_states,key_states,cos,sin)",
+    ".update(key_states,value_states,self.layer_idx",
+    "dropout=0.0ifnotself.trainingelseself.attention_dropout",
+    "scaling=self.scaling",
+    "attn_output=attn_output.reshape(*input_shape,-1).contiguous()",
+    "attn_output=self.o_proj(attn_output)",
+    "returnattn_output,attn_weights",
+)
+_PLAIN_QK = ("query_states=self.q_proj(hidden_states).view(hidden_shape).transpose(1,2)",
+             "key_states=self.k_proj(hidden_states).view(hidden_shape).transpose(1,2)")
+_NORMED_QK = ("query_states=self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1,2)",
+              "key_states=self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1,2)")
+_ROTARY_STATEMENTS = ("q_embed=(q*cos)+(rotate_half(q)*sin)", "k_embed=(k*cos)+(rotate_half(k)*sin)")
+_ROTATE_HALF_STATEMENTS = ("x1=x[...,:x.shape[-1]//2]", "x2=x[...,x.shape[-1]//2:]", "returntorch.cat((-x2,x1),dim=-1)")
+_STATIC_UPDATE_STATEMENTS = (
+    "kv_length=key_states.shape[-2]",
+    "cache_position=torch.arange(kv_length,device=self.device)+self.cumulative_length",
+    "self.cumulative_length.add_(kv_length)",
+    "self.keys.index_copy_(2,cache_position,key_states)",
+    "self.values.index_copy_(2,cache_position,value_states)",
+    "returnself.keys,self.values",
+)
+_CACHE_UPDATE_STATEMENTS = ("self.layers[layer_idx].update(key_states,value_states",)
+
+
+def source_text(fn) -> str | None:
+    """``fn``'s source with all whitespace removed (None where it has none)."""
+    try:
+        return "".join(inspect.getsource(fn).split())
+    except (OSError, TypeError):
+        return None
+
+
+def _has_all(fn, statements) -> bool:
+    src = source_text(fn)
+    return src is not None and all(s in src for s in statements)
+
+
+def on_kernel_device(x: Tensor) -> bool:
+    """Do the fused kernels run on x's device? (CUDA; the CPU tests widen it to the interpreter.)"""
+    return x.is_cuda
+
+
+def hooked(mod: nn.Module | None) -> bool:
+    """Has ``mod`` forward hooks or a replaced forward (a fused path that skips it must not run)?"""
+    return mod is not None and bool(mod._forward_hooks or mod._forward_pre_hooks or "forward" in mod.__dict__)
+
+
+# --------------------------------------------------------------------- transformers' objects
+
+class _Transformers:
+    """transformers' objects a call reads, looked up once (never per call); ``static_ok``:
+    ``Cache.update`` and ``StaticLayer.update`` are the checked ones."""
+
+    loaded = False
+    static_ok = False
+    cache_cls = static_layer_cls = attention_functions = stock_sdpa = None
+    update_takes_cache_kwargs = False
+
+    @classmethod
+    def load(cls) -> bool:
+        if not cls.loaded:
+            cls.loaded = True
+            try:
+                from transformers.cache_utils import Cache, StaticLayer
+                from transformers.integrations.sdpa_attention import sdpa_attention_forward
+                from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+            except ImportError:
+                return False
+            cls.cache_cls, cls.static_layer_cls = Cache, StaticLayer
+            cls.attention_functions, cls.stock_sdpa = ALL_ATTENTION_FUNCTIONS, sdpa_attention_forward
+            # Older releases pass the rotary cos/sin and cache_position to update() as a dict
+            cls.update_takes_cache_kwargs = "cache_kwargs" in inspect.signature(Cache.update).parameters
+            cls.static_ok = _has_all(Cache.update, _CACHE_UPDATE_STATEMENTS) \
+                and _has_all(StaticLayer.update, _STATIC_UPDATE_STATEMENTS)
+        return cls.attention_functions is not None
+
+
+def registered_sdpa():
+    return _Transformers.attention_functions["sdpa"]
+
+
+def stock_sdpa():
+    return _Transformers.stock_sdpa
+
+
+# ------------------------------------------------------------------------- attention forms
+
+@dataclass(frozen=True)
+class AttentionForm:
+    """What an attention class computes, read once from its module (the step then computes the
+    same): the q/k norms applied to the head views, its module's rotary and eager attention
+    functions, how its release calls ``cache.update``, where its sliding window comes from."""
+
+    qk_norm: bool
+    rotary: Callable
+    eager: Callable
+    update_takes_cache_kwargs: bool
+    window_from: str | None  # "module" (attn.sliding_window), "config" (attn.config.sliding_window), None
+
+    def attention_function(self, implementation: str):
+        return self.eager if implementation == "eager" else _Transformers.attention_functions[implementation]
+
+    def sliding_window(self, attn: nn.Module):
+        if self.window_from == "module":
+            return attn.sliding_window
+        if self.window_from == "config":
+            return getattr(attn.config, "sliding_window", None)
+        return NO_WINDOW
+
+
+_FORMS: dict[type, AttentionForm | str] = {}
+
+
+def _read_form(cls: type) -> AttentionForm | str:
+    if not _Transformers.load():
+        return "transformers' attention functions cannot be imported"
+    src = source_text(cls.forward)
+    if src is None or not all(s in src for s in _ATTENTION_STATEMENTS):
+        return f"{cls.__name__}.forward is not an attention this step computes"
+    plain, normed = all(s in src for s in _PLAIN_QK), all(s in src for s in _NORMED_QK)
+    if plain == normed:
+        return f"{cls.__name__}.forward projects q and k in a form this step does not compute"
+    module = inspect.getmodule(cls)
+    rotary, eager = getattr(module, "apply_rotary_pos_emb", None), getattr(module, "eager_attention_forward", None)
+    if not callable(rotary) or not callable(eager):
+        return f"{cls.__name__}'s module has no apply_rotary_pos_emb and eager_attention_forward"
+    window = "module" if "sliding_window=self.sliding_window" in src else \
+        "config" if 'sliding_window=getattr(self.config,"sliding_window",None)' in src else None
+    if window is None and "sliding_window=" in src:
+        return f"{cls.__name__}.forward passes a sliding window from a place this step does not read"
+    return AttentionForm(normed, rotary, eager, _Transformers.update_takes_cache_kwargs, window)
+
+
+def attention_form(cls: type) -> AttentionForm:
+    """The form of attention class ``cls`` (read once per class); the layer was patched only
+    where :func:`why_not_attention_form` found one."""
+    form = _FORMS.get(cls)
+    if form is None:
+        form = _FORMS[cls] = _read_form(cls)
+    if isinstance(form, str):
+        raise RuntimeError(f"hybridgemm: the fused decode step cannot compute this attention: {form}")
+    return form
+
+
+def why_not_attention_form(cls: type) -> str | None:
+    form = _FORMS.get(cls)
+    if form is None:
+        form = _FORMS[cls] = _read_form(cls)
+    return form if isinstance(form, str) else None
+
+
+def why_not_fuse_attention(attn: nn.Module) -> str | None:
+    """Why ``attn`` cannot take the static-cache step (None: it can); raises nothing. Read once
+    when a layer is patched (source inspection), not per call."""
+    cls = type(attn)
+    _Transformers.load()
+    if not _Transformers.static_ok:
+        return "this transformers version's StaticCache update is not the one checked"
+    why = why_not_attention_form(cls)
+    if why is not None:
+        return why
+    if attention_form(cls).qk_norm:
+        return f"{cls.__name__} normalises q and k per head (the rotary epilogue does not)"
+    module = inspect.getmodule(cls)
+    rope, rotate = getattr(module, "apply_rotary_pos_emb", None), getattr(module, "rotate_half", None)
+    if rope is None or rotate is None or not _has_all(rope, _ROTARY_STATEMENTS) \
+            or not _has_all(rotate, _ROTATE_HALF_STATEMENTS):
+        return "its rotary embedding is not the standard rotate_half one"
+    if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
+        return "it has no integer head_dim and layer_idx"
+    return None
+
+
+# ------------------------------------------------------------------------------- per call
+
+def takes_static_step(layer: nn.Module) -> bool:
+    return bool(layer.__dict__.get(STATIC_STEP))
+
+
+def rotary_cache(cos: Tensor, sin: Tensor, heads: int, kv_heads: int, keys: Tensor, values: Tensor, base: Tensor):
+    """The rotary/cache operand of split-K's ``rope=`` fusion."""
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    return triton_module("triton_rope").RotaryCache(cos, sin, heads, kv_heads, keys.shape[-1], keys, values, base)
+
+
+def attention_kernel():
+    return triton_module("triton_decode_attention")  # on first use: importing hybridgemm needs no Triton
+
+
+def kernel_takes(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, counters: Tensor | None) -> bool:
+    """Does the decode-attention kernel take these operands?"""
+    return on_kernel_device(q) and attention_kernel().why_not(q, keys, values, mask) is None \
+        and (counters is None or counters.numel() >= keys.shape[0] * keys.shape[1])
+
+
+def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
+    """``(cache layer, cos, sin, first)`` when this call can take the static-cache step, else
+    None; ``first``: the layer is the cache's first. Only for an attention
+    :func:`why_not_fuse_attention` accepted when it was patched."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    pe = kwargs.get("position_embeddings")
+    if cache is None or pe is None or x.dim() != 3 or attn.training or attn.config._attn_implementation != "sdpa" \
+            or getattr(attn, "sliding_window", None) is not None:
+        return None
+    layers = getattr(cache, "layers", None)
+    if not _Transformers.static_ok or not isinstance(layers, list) or attn.layer_idx >= len(layers):
+        return None
+    layer = layers[attn.layer_idx]
+    if type(layer) is not _Transformers.static_layer_cls or not layer.is_initialized \
+            or getattr(cache, "offloading", False) or type(cache).update is not _Transformers.cache_cls.update:
+        return None
+    keys, values, base = layer.keys, layer.values, layer.cumulative_length
+    b, hd = x.shape[0], attn.head_dim
+    # Head counts from the fused weight and the cache, which hold this process's heads (all of
+    # them, or a tensor-parallel rank's share, where the config still gives the whole model's).
+    rows, kv_heads = attn._modules[QKV_NAME].weight.shape[0], keys.shape[1]
+    groups = getattr(attn, "num_key_value_groups", None)
+    if not isinstance(groups, int) or groups < 1 or rows != (groups + 2) * kv_heads * hd:
+        return None  # a cache (or fused weight) of other head counts: the module's computation says what is wrong
+    if keys.dtype != x.dtype or values.dtype != x.dtype or keys.shape[0] != b or keys.shape[-1] != hd \
+            or values.shape != keys.shape or not keys.is_contiguous() or not values.is_contiguous():
+        return None
+    if not isinstance(base, Tensor) or base.dtype != torch.int64 or base.numel() != 1 or base.device != x.device:
+        return None
+    cos, sin = pe
+    if cos.dim() != 3 or cos.shape[-1] != hd or cos.shape[1] != x.shape[1] or cos.dtype != x.dtype \
+            or cos.shape != sin.shape:
+        return None
+    return layer, cos, sin, layer is layers[0]
+
+
+def _fused_parts(layer: nn.Module) -> list[nn.Module]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [layer.input_layernorm, layer.post_attention_layernorm, attn._modules[QKV_NAME], attn.o_proj,
+            mlp._modules[FUSED_GATE_UP], mlp.down_proj]
+
+
+def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
+    """The modules whose forward the step does not call (their hooks would not run)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [layer.input_layernorm, layer.post_attention_layernorm, attn, mlp, mlp.down_proj,
+            *(attn._modules.get(n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"))]
+
+
+def takes_fused_path(layer: nn.Module, x) -> bool:
+    """Does this call of a fused layer run the decode step (else the stock forward)?"""
+    if not torch.compiler.is_compiling() and type(x) not in _PLAIN:
+        return False
+    if x.dtype not in _LAYER_DTYPES or x.dim() < 2 or not on_kernel_device(x):
+        return False
+    k = x.shape[-1]
+    if not k or x.numel() // k > DECODE_ROWS:
+        return False
+    if torch.is_autocast_enabled(x.device.type) or get_mode() != DEFAULT:
+        return False
+    params = [t for m in _fused_parts(layer) for t in (m.weight, getattr(m, "bias", None)) if t is not None]
+    if any(t.dtype != x.dtype for t in params):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params)):
+        return False
+    return not (any(hooked(m) for m in _skipped_modules(layer))
+                or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
+
+
+def _fusable_projection(proj) -> bool:
+    """An O or down projection the step computes: patched, or row-parallel."""
+    return type(proj) is HybridLinear or isinstance(proj, PartialSumLinear)
+
+
+def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
+    """Why the decoder layer ``mod`` cannot be fused (None: it can); raises nothing. A module
+    whose class is not in ``layer_classes`` gives :data:`NOT_A_LAYER`."""
+    t = type(mod)
+    if t.__name__ not in layer_classes or not t.__module__.startswith("transformers"):
+        return NOT_A_LAYER
+    attn, mlp = mod._modules.get("self_attn"), mod._modules.get("mlp")
+    norms = [mod._modules.get(n) for n in ("input_layernorm", "post_attention_layernorm")]
+    if attn is None or not isinstance(attn._modules.get(QKV_NAME), FusedLinears):
+        return "its Q/K/V are not fused into one GEMM"
+    if not _fusable_projection(attn._modules.get("o_proj")):
+        return f"its o_proj is a {type(attn._modules.get('o_proj')).__name__}, not a patched or row-parallel nn.Linear"
+    if type(mlp) is not HybridGatedMLP or not isinstance(mlp._modules.get(FUSED_GATE_UP), FusedLinears):
+        return "its MLP's gate/up are not fused into one GEMM"
+    if not _fusable_projection(mlp._modules.get("down_proj")):
+        return (f"its down_proj is a {type(mlp._modules.get('down_proj')).__name__}, not a patched or row-parallel "
+                "nn.Linear")
+    if not all(type(n) is HybridRMSNorm for n in norms):
+        return "its norms are not Llama-style RMSNorms"
+    layer_src = source_text(t.forward)
+    if layer_src is None or not all(s in layer_src for s in _LAYER_STATEMENTS) \
+            or layer_src.count("hidden_states=residual+hidden_states") != 2:
+        return f"{t.__name__}.forward is not the pre-norm layer this transformers version was checked against"
+    if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
+        return f"its {type(attn).__name__} has no integer head_dim and layer_idx"
+    return why_not_attention_form(type(attn))
+
+
+__all__ = ["DECODE_ROWS", "NOT_A_LAYER", "QKV_NAME", "STATIC_STEP", "AttentionForm", "attention_form", "hooked",
+           "kv_slot", "on_kernel_device", "source_text", "takes_fused_path", "why_not_fuse_attention",
+           "why_not_fuse_layer"]
