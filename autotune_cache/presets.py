@@ -11,10 +11,8 @@ is the number of output features and ``k`` the number of input features. Per mod
 ``bias`` follows the model: BERT and GPT-2 have biases everywhere; Llama 3 and Mistral
 have none; Qwen2.5 has q/k/v biases but no output-projection bias.
 
-Under tensor parallelism (``hybridgemm.parallel``) each of ``tp`` ranks runs smaller GEMMs:
-:meth:`ModelPreset.tp_projections` lists one rank's shapes, and the ``tp_*`` functions below
-are the split rules themselves, shared by the tuner's shape derivation and by the code that
-shards a model, so the two cannot disagree.
+Under tensor parallelism each rank runs smaller GEMMs: ``hybridgemm.parallel.sharding``
+derives one rank's shapes from a preset with the same split rules that shard a model.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import json
 import os
 import re
 import stat
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -68,88 +66,6 @@ class ModelPreset:
                 return p
         names = ", ".join(p.name for p in self.projections)
         raise ValueError(f"{self.name} has no projection {name!r}; it has {names}")
-
-    def tp_projections(self, tp: int) -> tuple[ProjectionShape, ...]:
-        """The GEMM shapes one of ``tp`` ranks runs after ``hybridgemm.parallel.parallelize``.
-
-        Attention: ``q``, ``kv``, ``qkv`` with the rank's heads (:func:`tp_local_heads`) and the
-        row-parallel ``o`` (input width: the rank's heads). Only rank 0 adds a row-parallel
-        layer's bias, so with a bias and ``tp > 1`` the other ranks' bias-less GEMM is listed
-        too (``o_nobias``). Where the preset knows them: the MLP's gate and up projections, one
-        shape ``gate_up`` (n = intermediate / tp: ``hybridgemm.gated_linear`` runs them as two
-        dispatched GEMMs of that shape above M = 64, and its Triton gated kernel, which the
-        table does not choose, below), the row-parallel ``down`` (k = intermediate /
-        tp; ``down_nobias`` as for o), and the vocab-parallel ``lm_head`` (n = the rank's rows,
-        :func:`tp_vocab_rows`; the whole vocabulary when the head is tied to the embedding,
-        which stays replicated). ``tp=1`` gives the unsharded shapes of all of them.
-        ``ValueError`` naming the preset when the model cannot be split ``tp`` ways.
-        """
-        try:
-            heads, kv_heads = tp_local_heads(self.heads, self.kv_heads, tp)
-            shapes = list(replace(self, heads=heads, kv_heads=kv_heads).projections)
-            if tp > 1 and self.o_bias:
-                shapes.append(ProjectionShape("o_nobias", self.hidden, heads * self.head_dim, False))
-            if self.intermediate is not None:
-                width = tp_split(self.intermediate, tp, "intermediate size")
-                shapes += [ProjectionShape("gate_up", width, self.hidden, self.mlp_bias),
-                           ProjectionShape("down", self.hidden, width, self.mlp_bias)]
-                if tp > 1 and self.mlp_bias:
-                    shapes.append(ProjectionShape("down_nobias", self.hidden, width, False))
-            if self.vocab is not None:
-                rows = self.vocab if self.tied_lm_head else tp_vocab_rows(self.vocab, tp)
-                shapes.append(ProjectionShape("lm_head", rows, self.hidden, False))
-        except ValueError as e:
-            raise ValueError(f"{self.name}: {e}") from None
-        return tuple(shapes)
-
-
-# --- tensor-parallel split rules ---------------------------------------------------------
-
-def _check_tp(tp: object) -> int:
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"the tensor-parallel degree must be a positive integer, got {_show(tp)}")
-    return tp
-
-
-def tp_local_heads(heads: int, kv_heads: int, tp: int) -> tuple[int, int]:
-    """(query heads, key/value heads) that each of ``tp`` ranks holds.
-
-    Every rank takes ``heads / tp`` consecutive query heads, so ``tp`` must divide ``heads``,
-    and the KV heads those query heads read: ``kv_heads / tp`` whole GQA groups when ``tp``
-    divides ``kv_heads``; when ``kv_heads`` divides ``tp`` instead, a rank's query heads all
-    fall in one group and it holds that group's single KV head (a copy of it sits on
-    ``tp / kv_heads`` ranks). Any other ``kv_heads`` would leave some rank's query heads
-    spread over part of a group: ``ValueError``.
-    """
-    _check_tp(tp)
-    if heads % tp:
-        raise ValueError(f"tp={tp} does not divide the {heads} attention heads")
-    if kv_heads % tp == 0:
-        return heads // tp, kv_heads // tp
-    if tp % kv_heads == 0:
-        return heads // tp, 1
-    raise ValueError(f"tp={tp} does not fit the {kv_heads} key/value heads: tp must divide them (whole GQA "
-                     "groups per rank) or be a multiple of them (each rank keeps a copy of one KV head)")
-
-
-def tp_split(size: int, tp: int, what: str) -> int:
-    """``size / tp``, the even share of each rank; ``ValueError`` naming ``what`` otherwise."""
-    _check_tp(tp)
-    if size % tp:
-        raise ValueError(f"tp={tp} does not divide the {what} {size}")
-    return size // tp
-
-
-def tp_vocab_rows(vocab: int, tp: int) -> int:
-    """Rows of the LM head each rank holds: ``ceil(vocab / tp)``. A vocabulary ``tp`` does not
-    divide is not an error: the last rank holds fewer rows and its logits are padded to this
-    width for the gather, then cut off. ``ValueError`` when a rank would hold none."""
-    _check_tp(tp)
-    rows = -(-vocab // tp)
-    if rows * (tp - 1) >= vocab:
-        raise ValueError(f"a vocabulary of {vocab} is too small to split over tp={tp} ranks "
-                         f"({rows} rows each would leave the last rank none)")
-    return rows
 
 
 # Figures from each model's published config.json (hidden_size, num_attention_heads,

@@ -40,6 +40,7 @@ from hybridgemm.kernels import backends
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem, uses_tf32
 from hybridgemm.kernels.version import __version__
+from hybridgemm.parallel.sharding import rank_projections
 from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser, cmd_plot
 from hybridgemm.perf.demo import DEMO_MAX_ELEMENTS, run_demo
 from hybridgemm.perf.plots import RESULTS_DIR, figure_sources
@@ -120,10 +121,10 @@ def _table_path(arg: str | None) -> Path:
 
 def _preset_shapes(preset, tp: int | None, mlp: bool = False) -> list:
     """A preset's attention projection shapes; with ``mlp`` also its MLP and LM-head shapes
-    (``ModelPreset.tp_projections(1)``); one rank's under ``--tp`` (all of them)."""
+    (``rank_projections(preset, 1)``); one rank's under ``--tp`` (all of them)."""
     if tp is None and mlp:
         tp = 1
-    return list(preset.projections if tp is None else preset.tp_projections(tp))
+    return list(preset.projections if tp is None else rank_projections(preset, tp))
 
 
 def _cmd_autotune(args) -> int:
@@ -477,9 +478,9 @@ def _preset_shape_sets() -> dict[str, dict[str, set[tuple[int, int]]]]:
     sets = {}
     for name, preset in PRESETS.items():
         attention = {(p.n, p.k) for p in preset.projections}
-        mlp = {(p.n, p.k) for p in preset.tp_projections(1)} - attention
+        mlp = {(p.n, p.k) for p in rank_projections(preset, 1)} - attention
         try:
-            tp2 = {(p.n, p.k) for p in preset.tp_projections(2)}
+            tp2 = {(p.n, p.k) for p in rank_projections(preset, 2)}
         except ValueError:  # a model that does not split two ways
             tp2 = set()
         sets[name] = {"attention": attention, "mlp": mlp, "tp2": tp2}

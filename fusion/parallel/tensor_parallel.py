@@ -9,7 +9,7 @@ imported here), with ``tp`` ranks and this process's rank ``r`` in the group:
 
 * attention (a module with exact ``nn.Linear`` children ``q_proj/k_proj/v_proj/o_proj``),
   column-parallel then row-parallel: rank ``r`` keeps query heads ``r*H/tp .. (r+1)*H/tp``
-  and the KV heads they read (:func:`~hybridgemm.autotune_cache.presets.tp_local_heads`:
+  and the KV heads they read (:func:`~hybridgemm.parallel.sharding.tp_local_heads`:
   whole GQA groups when ``tp`` divides the KV heads, else a copy of its group's one KV head).
   q/k/v keep those rows (weights and biases) and stay plain ``nn.Linear``, so
   ``hybridgemm.patch`` fuses them into one GEMM as usual. ``o_proj`` keeps the input
@@ -81,7 +81,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hybridgemm.autotune_cache.presets import tp_local_heads, tp_split, tp_vocab_rows
 from hybridgemm.linear_layer import PartialSumLinear, linear
 from hybridgemm.models.patching import PatchReport, _check_module
 from hybridgemm.models.patching import patch as _patch
@@ -96,6 +95,7 @@ from .collectives import (
     tp_sum,
     tp_sum_residual,
 )
+from .sharding import tp_local_heads, tp_split, tp_vocab_rows
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
