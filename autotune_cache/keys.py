@@ -78,8 +78,9 @@ def validation_points(lo: int, hi: int, count: int = 12) -> list[int]:
     """The further M a pinned winner is checked at beyond :func:`sample_points`: every M of a
     range up to ``2 * count`` wide, else ``count`` log-spaced M strictly inside it. F.linear
     asks cuBLAS's heuristic for each exact M and its kernel changes at M values no formula
-    predicts (on the H200 it ran 4096 x 4096 at 11.4 µs for M = 25-30 but 14 µs at M = 32), so
-    a config is only kept where it was measured at least as fast at all of these."""
+    predicts (on the H200 it ran 4096 x 4096 at 11.3 µs for M = 25-30 but 13.8 µs at M = 32;
+    perf/results/h200/m_sweep_h200.csv), so a config is only kept where it was measured at least
+    as fast at all of these."""
     sampled = set(sample_points(lo, hi))
     if hi - lo + 1 <= 2 * count:
         return [m for m in range(lo, hi + 1) if m not in sampled]

@@ -61,7 +61,7 @@ def tune(keys: Iterable[TableKey], table: TuningTable, path, *, force: bool = Fa
     candidates are compiled first on ``jobs`` worker processes (default: half the CPUs, at
     most 8; 1 compiles lazily in this process). ``exhaustive``: also time up to that many
     cuBLASLt algorithms from the exhaustive enumeration. ``split_depth``: how many times a
-    range may be halved (rule step 5)."""
+    range may be halved (step 6 of the rule in :mod:`.tuner`)."""
     backends = available_backends() if backends is None else backends
     backends = with_exhaustive(backends, exhaustive)
     keys = list(keys)

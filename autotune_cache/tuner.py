@@ -18,8 +18,8 @@ Selection rule (written down so a re-run reproduces the table):
      ``FINALIST_WINDOW`` of the best, at least 3 and at most 6) are timed again at every
      point on ``PLACEMENTS`` placements (fresh operand copies, outputs moved; see
      :func:`placement_samples`), ``PLACEMENT_REPLAYS`` rounds each, and scored again.
-     Measured on the H200: llama3-8b's 45 ranges take 87 s with a cold Triton cache
-     (perf/results/h200/README.md).
+     Measured on the H200: llama3-8b's 45 ranges took 74.5 s with a cold Triton cache, 19.5 s
+     of it compiling 565 kernels on 8 processes (perf/results/h200/logs/autotune_presets.txt).
   4. F.linear itself is a candidate with ratio 1 everywhere. A kernel is eligible only when
      its score beats F.linear by more than ``ELIGIBLE_MARGIN`` (3%); among the eligible, those
      within ``KERNEL_TIE`` (3%) of the best are ties and the fixed preference order decides:
@@ -39,8 +39,8 @@ Selection rule (written down so a re-run reproduces the table):
      ``split_depth`` times) and each half tuned anew; halves that chose the same kernel are
      joined again.
 Why ranges timed at several M: a config timed at one M and used for a whole range can be far
-slower elsewhere in it (on the H200 a tile sized for 512 rows ran 264-row llama3-8b qkv calls
-at 0.54x F.linear's speed), while F.linear asks cuBLAS's heuristic for each exact M. Why
+slower elsewhere in it, while F.linear asks cuBLAS's heuristic for each exact M and its kernel
+changes at M values no formula predicts (:func:`keys.validation_points`). Why
 placements: the same kernel timed on operands at other addresses differs by 1-3% at decode
 sizes, steady within a run.
 Triton candidates are compiled first on worker processes (precompile.py); tuning many

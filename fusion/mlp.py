@@ -85,9 +85,9 @@ def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activati
     epilogue (fp32 until the one rounding; CUDA, no autograd). ``"auto"``: the Triton kernel
     where the dispatcher's gated rule picks it (:func:`hybridgemm.decide.choose_gated`: CUDA fp16/bf16
     inference at M ≤ 64 in the default dispatch mode), else the halves. (On the H200 at
-    Llama-3-8B's sizes, M = 333 and 2048, one GEMM over the stacked weight ran at 0.87-0.88x of
-    the stock pair; the halves at 1.00-1.01x. Neither shape has a table entry, so both ran
-    F.linear's kernels.)
+    Llama-3-8B's sizes, M = 333 and 2048, with F.linear's kernels under both, one GEMM over the
+    stacked weight ran at 0.87-0.88x of the stock pair and the halves at 1.00-1.01x;
+    perf/results/h200/mlp_h200.csv.)
     """
     fn = GLU_FUNCTIONS.get(activation)
     if fn is None:

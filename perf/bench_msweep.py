@@ -70,8 +70,9 @@ POINTS, RANDOM, M_MAX = 64, 64, 16384
 QUICK_POINTS, QUICK_RANDOM = 16, 8
 PLACEMENTS, REPLAYS = 2, 3
 # A row under RETIME_BELOW is timed again on RETIME_PLACEMENTS more placements (fresh operands)
-# and decided on all its rounds pooled: the same kernel reads up to ~3% apart on two sets of
-# operand addresses at these sizes (F.linear against itself read 0.966-1.015x over 909 rows).
+# and decided on all its rounds pooled: the same kernel reads up to ~2% apart on two sets of
+# operand addresses at these sizes (F.linear against itself read 0.978-1.008x over the 943 such
+# rows of perf/results/h200/m_sweep_h200.csv).
 RETIME_BELOW, RETIME_PLACEMENTS = 0.985, 4
 QUICK_PLACEMENTS, QUICK_REPLAYS = 1, 3
 CSV_STEM, SUMMARY_FILE = "m_sweep", "m_sweep_summary.txt"
