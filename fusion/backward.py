@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from hybridgemm.kernels import cublaslt, cublaslt_grad
+from hybridgemm.kernels.checks import rows_2d
 from hybridgemm.kernels.epilogue import Activation
 from hybridgemm.kernels.problem import DTYPE_NAMES
 
@@ -48,8 +49,7 @@ def backward_gemms(grad_out: Tensor, x: Tensor | None, weight: Tensor | None, pr
     ``linear_backward`` passes the cuBLASLt ones)."""
     need_x, need_w, need_b = (bool(v) for v in needs_input_grad)
     dz = _activation_grad(grad_out, pre_activation, Activation.parse(activation))
-    n = dz.shape[-1]
-    dz2 = dz.reshape(-1, n)
+    dz2 = rows_2d(dz)  # (M, N), also where N or K is 0 (reshape(-1, N) cannot infer M there)
     dx = dw = db = None
     if need_x:
         if weight is None:
@@ -58,7 +58,7 @@ def backward_gemms(grad_out: Tensor, x: Tensor | None, weight: Tensor | None, pr
     if need_w:
         if x is None:
             raise ValueError("linear_backward: dW needs x, got None")
-        dw, db = grad_weight(dz2, x.reshape(-1, x.shape[-1]), need_b)
+        dw, db = grad_weight(dz2, rows_2d(x), need_b)
     elif need_b:
         db = dz2.sum(0)
     return dx, dw, db
