@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from helpers import llama_variants
+from hybridgemm import dispatch
 from hybridgemm.kernels import triton_splitk
 from hybridgemm.kernels.triton_rope import RotaryCache
-from hybridgemm.models import decode_step as da
 from hybridgemm.perf import e2e_models as hf
 
 pytestmark = pytest.mark.gpu
@@ -46,7 +46,7 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
     emb = torch.cat([pos[..., None] * inv] * 2, -1)
     cos, sin = emb.cos().bfloat16().expand(m, 1, hd), emb.sin().bfloat16().expand(m, 1, hd)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    config = da.splitk_config(x, w, None, out)
+    config = dispatch.splitk_config(x, w, None, out)
     if config is None or config.block_n > hd or (config.split_k > 1 and not config.fused_reduce):
         config = SPLITK  # the table picks another kernel for this M: check the kernel with a fitting config
     results = []
@@ -91,7 +91,7 @@ def models(monkeypatch):
         calls["rope"] += rope is not None
         return real(cfg, *a, rope=rope, **kw)
 
-    monkeypatch.setattr(da, "splitk_config", lambda *a: SPLITK)
+    monkeypatch.setattr(dispatch, "splitk_config", lambda *a: SPLITK)
     monkeypatch.setattr(triton_splitk, "run", run)
     return ref, stock, patched, calls
 

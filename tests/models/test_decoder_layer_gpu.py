@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from helpers import llama_variants
+from hybridgemm import dispatch
 from hybridgemm.kernels import triton_splitk
-from hybridgemm.models import decode_step as da
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -34,7 +34,7 @@ def models(monkeypatch):
         calls.append("norm" if norm is not None else "residual" if residual is not None else "plain")
         return real(cfg, *a, norm=norm, residual=residual, **kw)
 
-    monkeypatch.setattr(da, "splitk_config", lambda *a: SPLITK)
+    monkeypatch.setattr(dispatch, "splitk_config", lambda *a: SPLITK)
     monkeypatch.setattr(triton_splitk, "run", run)
     return ref, stock, patched, calls
 
