@@ -30,9 +30,9 @@ imported here), with ``tp`` ranks and this process's rank ``r`` in the group:
 
 A row-parallel layer adds its bias on rank 0 only, in the GEMM's epilogue (the other ranks
 pass ``bias=None``), so the sum over ranks holds it exactly once. In a decoder layer that
-``hybridgemm.patch`` fuses, the residual of its down projection (and of its O projection, in
-the static-cache attention step) is added once too, by one of two means
-(fusion/models/decoder_layer.py; :attr:`RowParallelLinear.sums_residual`):
+``hybridgemm.patch`` fuses, the residual of its O and down projections is added once too, by
+one of two means (``project_add`` in fusion/models/decode_step.py;
+:attr:`RowParallelLinear.sums_residual`):
 
 * with torch's one-shot kernel (``one_shot_kernel="torch"``, the default) rank 0's GEMM adds
   it in the same epilogue as the bias, and the sum adds nothing: no extra kernel, but rank
