@@ -29,22 +29,25 @@ targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(keys table checks rules)
 
 # The CPU tests that exercise these files (GPU tests are skipped without a GPU anyway).
-TEST_FILES=(tests/test_keys.py tests/test_table.py tests/test_table_exact.py tests/test_table_faults.py
-            tests/test_table_hostile.py tests/test_checks.py tests/test_decide.py tests/test_bad_input.py
-            tests/test_tuner_cpu.py tests/test_cli_dispatch.py tests/test_cli_strict.py tests/test_cli_device.py
-            tests/test_batch_invariant.py tests/test_presets.py tests/test_upgrade.py tests/test_upgrade_decisions.py)
+TEST_FILES=(tests/autotune_cache/test_keys.py tests/autotune_cache/test_table.py
+            tests/autotune_cache/test_table_exact.py tests/autotune_cache/test_table_faults.py
+            tests/autotune_cache/test_table_hostile.py tests/kernels/test_checks.py tests/fusion/test_decide.py
+            tests/fusion/test_bad_input.py tests/autotune_cache/test_tuner_cpu.py tests/cli/test_cli_dispatch.py
+            tests/cli/test_cli_strict.py tests/cli/test_cli_device.py tests/fusion/test_batch_invariant.py
+            tests/autotune_cache/test_presets.py tests/autotune_cache/test_upgrade.py
+            tests/autotune_cache/test_upgrade_decisions.py)
 # Left out: stress tests (seconds each: concurrent writer processes, a 16 MiB table, 16 384
 # entries, the last with a 2 s limit that mutmut's per-call overhead exceeds), each of which
 # would run for every mutant of the save/parse path; `python -m hybridgemm --help` (a
 # subprocess that reaches none of these files); and the check that the table modules' source
 # imports no pickle and calls no eval (which no mutant changes). Every mutant these could kill
 # must then be killed by a faster test, so the score is a lower bound.
-DESELECT=(tests/test_table.py::test_concurrent_writers_lose_no_entries
-          tests/test_table_faults.py::test_readers_during_eight_concurrent_tuners_see_whole_tables
-          "tests/test_table_hostile.py::test_hostile_table[valid-table-just-under-the-cap]"
-          "tests/test_table_hostile.py::test_hostile_table[16384-one-M-entries-of-one-shape]"
-          tests/test_cli_dispatch.py::test_python_dash_m_entry_point
-          tests/test_table_faults.py::test_a_table_never_executes_code)
+DESELECT=(tests/autotune_cache/test_table.py::test_concurrent_writers_lose_no_entries
+          tests/autotune_cache/test_table_faults.py::test_readers_during_eight_concurrent_tuners_see_whole_tables
+          "tests/autotune_cache/test_table_hostile.py::test_hostile_table[valid-table-just-under-the-cap]"
+          "tests/autotune_cache/test_table_hostile.py::test_hostile_table[16384-one-M-entries-of-one-shape]"
+          tests/cli/test_cli_dispatch.py::test_python_dash_m_entry_point
+          tests/autotune_cache/test_table_faults.py::test_a_table_never_executes_code)
 
 files=() globs=()
 for t in "${targets[@]}"; do
