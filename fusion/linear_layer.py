@@ -2,14 +2,16 @@
 ``F.linear`` with the bias and activation fused, and
 :class:`HybridLinear`, an ``nn.Linear`` that calls it.
 
-Routing (why three routes: a custom op costs ~10-25 µs of host time per call, which a
-decode step cannot afford, while ``torch.compile`` and autograd need the op):
+Routing (a custom op costs ~10-25 µs of host time per call, which a decode step cannot
+afford, while ``torch.compile`` needs the op):
 
 * eager, no gradient wanted (inference, ``torch.no_grad``), plain tensors:
   ``hybridgemm.dispatch.fused_linear`` directly, the cheapest call there is;
-* gradient wanted, or under ``torch.compile``, or tensor subclasses (fake tensors, ...):
-  the ``hybridgemm::linear_fwd`` / ``linear_act_fwd`` custom ops (fusion/ops.py), whose
-  autograd runs the backward GEMMs of fusion/backward.py.
+* eager with a gradient wanted, plain tensors: :class:`_EagerLinear`, a plain
+  ``autograd.Function`` with the same forward and the backward GEMMs of fusion/backward.py;
+* under ``torch.compile``, or tensor subclasses (fake tensors, ...): the
+  ``hybridgemm::linear_fwd`` / ``linear_act_fwd`` custom ops (fusion/ops.py), whose autograd
+  runs the same backward.
 
 Semantics are those of ``F.linear`` followed by the activation: the arguments ``input``,
 ``weight``, ``bias`` (positional or by keyword), ``input`` (..., K), ``weight`` (N, K),

@@ -291,8 +291,7 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
         # One query per sequence: the rep query heads that share a KV head become rep query rows
         # of that head (one row of the mask serves them all), so SDPA reads the cache as it is
         # instead of the rep-fold expanded copy that GQA otherwise makes of it. At batch 1 the
-        # expanded copy is small and cuDNN's kernel for the one-row queries measured faster
-        # (H200: docs/DESIGN.md, "The attention step"), so batch 1 keeps the model's own SDPA call.
+        # expanded copy is small, so batch 1 keeps the model's own SDPA call.
         q = y[..., : heads * hd].reshape(b, kv_heads, rep, hd)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
         return out.reshape(b, 1, heads * hd)
