@@ -73,8 +73,8 @@ def test_tune_end_to_end_and_reload(tmp_path):
     _, again = _tiny_tune(path)
     assert all(r.skipped for r in again)
     # the same choices in a fresh process reading the table
-    code = ("import sys, hybridgemm.decide as d; d.set_table_path(sys.argv[1]);"
-            "print('\\n'.join(d.explain((m, 512), (384, 512)) for m in (1, 64, 300, 2000)))")
+    code = ("import sys, hybridgemm as h; h.set_table_path(sys.argv[1]);"
+            "print('\\n'.join(h.explain((m, 512), (384, 512)) for m in (1, 64, 300, 2000)))")
     outs = [subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True,
                            env=dict(os.environ)).stdout for _ in range(2)]
     assert outs[0] == outs[1]

@@ -201,7 +201,7 @@ def test_attention_fast_path_bad_input_still_raises():
         mod.forward_qkv(torch.randn(1, 1, 256, device=DEV, dtype=torch.bfloat16))
         with pytest.raises((ValueError, RuntimeError)):
             mod.forward_qkv(torch.randn(1, 1, 200, device=DEV, dtype=torch.bfloat16))
-        with pytest.raises(TypeError):
+        with pytest.raises(hybridgemm.LinearArgumentError, match="dtype"):  # a RuntimeError, as F.linear's
             mod.forward_qkv(torch.randn(1, 1, 256, device=DEV, dtype=torch.float16))
 
 
