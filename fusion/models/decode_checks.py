@@ -18,7 +18,10 @@ no autocast, the default dispatch mode, and no hooks on the modules the step doe
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,28 +45,64 @@ NO_WINDOW = object()  # AttentionForm.sliding_window: the stock forward passes n
 _LAYER_DTYPES = (torch.bfloat16, torch.float32)
 _PLAIN = (Tensor, nn.Parameter)
 
-# The statements of the pre-norm layer forward the step reproduces (whitespace removed).
-_LAYER_STATEMENTS = ("residual=hidden_states", "hidden_states=self.input_layernorm(hidden_states)",
-                     "hidden_states=residual+hidden_states",
-                     "hidden_states=self.post_attention_layernorm(hidden_states)",
-                     "hidden_states=self.mlp(hidden_states)", "returnhidden_states")
-# The attention forwards the step reproduces: these statements, with the q/k views plain or
-# through the module's q_norm/k_norm (Qwen3).
-_ATTENTION_STATEMENTS = (
+# The forwards the step computes, statement by statement (each top-level statement of the
+# body, unparsed, whitespace removed; a tuple: one of these forms): transformers 5.3-5.24's
+# Llama, Qwen2, Qwen3 and Mistral decoder layers and attentions. A forward with any other or
+# any further statement is not fused (a subclass's extra line would otherwise be skipped).
+_ATTENTION_CALL = ("hidden_states,_=self.self_attn(hidden_states=hidden_states,attention_mask=attention_mask,"
+                   "position_ids=")
+_LAYER_BODY = (
+    "residual=hidden_states",
+    "hidden_states=self.input_layernorm(hidden_states)",
+    (_ATTENTION_CALL + "position_ids,cache=cache,use_cache=use_cache,position_embeddings=position_embeddings,**kwargs)",
+     _ATTENTION_CALL + "position_ids,past_key_values=past_key_values,use_cache=use_cache,cache_position=cache_position,"
+     "position_embeddings=position_embeddings,**kwargs)",
+     _ATTENTION_CALL + "position_ids,past_key_values=past_key_values,use_cache=use_cache,"
+     "position_embeddings=position_embeddings,**kwargs)"),
+    "hidden_states=residual+hidden_states",
+    "residual=hidden_states",
+    "hidden_states=self.post_attention_layernorm(hidden_states)",
+    "hidden_states=self.mlp(hidden_states)",
+    "hidden_states=residual+hidden_states",
+    "returnhidden_states",
+)
+_PLAIN_Q = "query_states=self.q_proj(hidden_states).view(hidden_shape).transpose(1,2)"
+_PLAIN_K = "key_states=self.k_proj(hidden_states).view(hidden_shape).transpose(1,2)"
+_NORMED_Q = "query_states=self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1,2)"
+_NORMED_K = "key_states=self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1,2)"
+# cache.update's calling convention, by the form of the statement that calls it
+UPDATE_FORMS = {
+    "ifcacheisnotNone:key_states,value_states=cache.update(key_states,value_states,self.layer_idx,kwargs=kwargs)":
+        "kwargs",
+    "ifpast_key_valuesisnotNone:cache_kwargs={'sin':sin,'cos':cos,'cache_position':cache_position}key_states,"
+    "value_states=past_key_values.update(key_states,value_states,self.layer_idx,cache_kwargs)": "cache_kwargs",
+    "ifpast_key_valuesisnotNone:key_states,value_states=past_key_values.update(key_states,value_states,self.layer_idx)":
+        "none",
+}
+_INTERFACE_CALL = ("attn_output,attn_weights=attention_interface(self,query_states,key_states,value_states,"
+                   "attention_mask,dropout=0.0ifnotself.trainingelseself.attention_dropout,scaling=self.scaling,")
+# the sliding window the attention function is given, by the form of the call
+WINDOW_FORMS = {
+    _INTERFACE_CALL + "**kwargs)": None,
+    _INTERFACE_CALL + "sliding_window=getattr(self.config,'sliding_window',None),**kwargs)": "config",
+    _INTERFACE_CALL + "sliding_window=self.sliding_window,**kwargs)": "module",
+}
+_ATTENTION_BODY = (
+    "input_shape=hidden_states.shape[:-1]",
+    "hidden_shape=(*input_shape,-1,self.head_dim)",
+    (_PLAIN_Q, _NORMED_Q),
+    (_PLAIN_K, _NORMED_K),
     "value_states=self.v_proj(hidden_states).view(hidden_shape).transpose(1,2)",
     "cos,sin=position_embeddings",
     "query_states,key_states=apply_rotary_pos_emb(query_states,key_states,cos,sin)",
-    ".update(key_states,value_states,self.layer_idx",
-    "dropout=0.0ifnotself.trainingelseself.attention_dropout",
-    "scaling=self.scaling",
+    tuple(UPDATE_FORMS),
+    "attention_interface:Callable=ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,"
+    "eager_attention_forward)",
+    tuple(WINDOW_FORMS),
     "attn_output=attn_output.reshape(*input_shape,-1).contiguous()",
     "attn_output=self.o_proj(attn_output)",
-    "returnattn_output,attn_weights",
+    "return(attn_output,attn_weights)",
 )
-_PLAIN_QK = ("query_states=self.q_proj(hidden_states).view(hidden_shape).transpose(1,2)",
-             "key_states=self.k_proj(hidden_states).view(hidden_shape).transpose(1,2)")
-_NORMED_QK = ("query_states=self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1,2)",
-              "key_states=self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1,2)")
 _ROTARY_STATEMENTS = ("q_embed=(q*cos)+(rotate_half(q)*sin)", "k_embed=(k*cos)+(rotate_half(k)*sin)")
 _ROTATE_HALF_STATEMENTS = ("x1=x[...,:x.shape[-1]//2]", "x2=x[...,x.shape[-1]//2:]", "returntorch.cat((-x2,x1),dim=-1)")
 _STATIC_UPDATE_STATEMENTS = (
@@ -85,6 +124,27 @@ def source_text(fn) -> str | None:
         return None
 
 
+def body_statements(fn) -> list[str] | None:
+    """The top-level statements of ``fn``'s body (its docstring left out), each unparsed with
+    all whitespace removed; None where it has no source."""
+    try:
+        node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return ["".join(ast.unparse(s).split()) for s in body]
+
+
+def _matches(statements: list[str] | None, forms: tuple) -> bool:
+    """Is ``statements`` exactly ``forms``, statement by statement (a tuple: one of its forms)?"""
+    return statements is not None and len(statements) == len(forms) and all(
+        s in f if isinstance(f, tuple) else s == f for s, f in zip(statements, forms))
+
+
 def _has_all(fn, statements) -> bool:
     src = source_text(fn)
     return src is not None and all(s in src for s in statements)
@@ -96,38 +156,67 @@ def on_kernel_device(x: Tensor) -> bool:
 
 
 def hooked(mod: nn.Module | None) -> bool:
-    """Has ``mod`` forward hooks or a replaced forward (a fused path that skips it must not run)?"""
-    return mod is not None and bool(mod._forward_hooks or mod._forward_pre_hooks or "forward" in mod.__dict__)
+    """Has ``mod`` forward hooks or a replaced forward (a fused path that skips it must not run)?
+    transformers' output-capturing hook (which a model installs on its attention modules the
+    first time it is asked for attentions or hidden states) counts only while a call is
+    capturing attentions: otherwise it records nothing."""
+    if mod is None:
+        return False
+    if mod._forward_pre_hooks or "forward" in mod.__dict__:
+        return True
+    return any(not _idle_capture(hook) for hook in mod._forward_hooks.values())
+
+
+def _idle_capture(hook) -> bool:
+    if getattr(hook, "__name__", None) != "output_capturing_hook" \
+            or getattr(hook, "__module__", None) != "transformers.utils.output_capturing":
+        return False
+    collector = _Transformers.collector
+    if collector is None:
+        return False
+    collected = collector.get()
+    return collected is None or "attentions" not in collected
 
 
 # --------------------------------------------------------------------- transformers' objects
 
 class _Transformers:
-    """transformers' objects a call reads, looked up once (never per call); ``static_ok``:
-    ``Cache.update`` and ``StaticLayer.update`` are the checked ones."""
+    """transformers' objects a call reads, looked up once (never per call), under a lock and
+    published last, so a concurrent first call never sees half of them; ``static_ok``:
+    ``Cache.update`` and ``StaticLayer.update`` are the checked ones; ``collector``: the
+    context variable of transformers' output-capturing hooks (None where it has none)."""
 
+    lock = threading.Lock()
     loaded = False
     static_ok = False
-    cache_cls = static_layer_cls = attention_functions = stock_sdpa = None
-    update_takes_cache_kwargs = False
+    cache_cls = static_layer_cls = attention_functions = stock_sdpa = collector = None
 
     @classmethod
     def load(cls) -> bool:
         if not cls.loaded:
-            cls.loaded = True
-            try:
-                from transformers.cache_utils import Cache, StaticLayer
-                from transformers.integrations.sdpa_attention import sdpa_attention_forward
-                from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-            except ImportError:
-                return False
-            cls.cache_cls, cls.static_layer_cls = Cache, StaticLayer
-            cls.attention_functions, cls.stock_sdpa = ALL_ATTENTION_FUNCTIONS, sdpa_attention_forward
-            # Older releases pass the rotary cos/sin and cache_position to update() as a dict
-            cls.update_takes_cache_kwargs = "cache_kwargs" in inspect.signature(Cache.update).parameters
-            cls.static_ok = _has_all(Cache.update, _CACHE_UPDATE_STATEMENTS) \
-                and _has_all(StaticLayer.update, _STATIC_UPDATE_STATEMENTS)
+            with cls.lock:
+                if not cls.loaded:
+                    cls._import()
+                    cls.loaded = True
         return cls.attention_functions is not None
+
+    @classmethod
+    def _import(cls) -> None:
+        try:
+            from transformers.cache_utils import Cache, StaticLayer
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        except ImportError:
+            return
+        try:
+            from transformers.utils.output_capturing import _active_collector as collector
+        except ImportError:
+            collector = None
+        cls.cache_cls, cls.static_layer_cls, cls.collector = Cache, StaticLayer, collector
+        cls.static_ok = _has_all(Cache.update, _CACHE_UPDATE_STATEMENTS) \
+            and _has_all(StaticLayer.update, _STATIC_UPDATE_STATEMENTS)
+        cls.stock_sdpa = sdpa_attention_forward
+        cls.attention_functions = ALL_ATTENTION_FUNCTIONS
 
 
 def registered_sdpa():
@@ -142,18 +231,20 @@ def stock_sdpa():
 
 @dataclass(frozen=True)
 class AttentionForm:
-    """What an attention class computes, read once from its module (the step then computes the
-    same): the q/k norms applied to the head views, its module's rotary and eager attention
-    functions, how its release calls ``cache.update``, where its sliding window comes from."""
+    """What an attention class's forward computes, read once from it (the step then computes
+    the same): q/k norms on the head views or none, the rotary, eager and attention-function
+    registry its forward's module uses, how it calls ``cache.update`` (:data:`UPDATE_FORMS`)
+    and where its sliding window comes from (:data:`WINDOW_FORMS`)."""
 
     qk_norm: bool
     rotary: Callable
     eager: Callable
-    update_takes_cache_kwargs: bool
+    functions: object  # the forward's ALL_ATTENTION_FUNCTIONS
+    update: str  # "kwargs", "cache_kwargs" or "none"
     window_from: str | None  # "module" (attn.sliding_window), "config" (attn.config.sliding_window), None
 
     def attention_function(self, implementation: str):
-        return self.eager if implementation == "eager" else _Transformers.attention_functions[implementation]
+        return self.functions.get_interface(implementation, self.eager)
 
     def sliding_window(self, attn: nn.Module):
         if self.window_from == "module":
@@ -167,23 +258,18 @@ _FORMS: dict[type, AttentionForm | str] = {}
 
 
 def _read_form(cls: type) -> AttentionForm | str:
-    if not _Transformers.load():
-        return "transformers' attention functions cannot be imported"
-    src = source_text(cls.forward)
-    if src is None or not all(s in src for s in _ATTENTION_STATEMENTS):
+    forward = cls.forward
+    statements = body_statements(forward)
+    if not _matches(statements, _ATTENTION_BODY):
         return f"{cls.__name__}.forward is not an attention this step computes"
-    plain, normed = all(s in src for s in _PLAIN_QK), all(s in src for s in _NORMED_QK)
-    if plain == normed:
-        return f"{cls.__name__}.forward projects q and k in a form this step does not compute"
-    module = inspect.getmodule(cls)
-    rotary, eager = getattr(module, "apply_rotary_pos_emb", None), getattr(module, "eager_attention_forward", None)
-    if not callable(rotary) or not callable(eager):
-        return f"{cls.__name__}'s module has no apply_rotary_pos_emb and eager_attention_forward"
-    window = "module" if "sliding_window=self.sliding_window" in src else \
-        "config" if 'sliding_window=getattr(self.config,"sliding_window",None)' in src else None
-    if window is None and "sliding_window=" in src:
-        return f"{cls.__name__}.forward passes a sliding window from a place this step does not read"
-    return AttentionForm(normed, rotary, eager, _Transformers.update_takes_cache_kwargs, window)
+    names = getattr(inspect.unwrap(forward), "__globals__", {})
+    rotary, eager = names.get("apply_rotary_pos_emb"), names.get("eager_attention_forward")
+    functions = names.get("ALL_ATTENTION_FUNCTIONS")
+    if not callable(rotary) or not callable(eager) or not callable(getattr(functions, "get_interface", None)):
+        return f"{cls.__name__}.forward's module has no apply_rotary_pos_emb, eager_attention_forward and " \
+               "ALL_ATTENTION_FUNCTIONS.get_interface"
+    return AttentionForm(statements[2] == _NORMED_Q, rotary, eager, functions, UPDATE_FORMS[statements[7]],
+                         WINDOW_FORMS[statements[9]])
 
 
 def attention_form(cls: type) -> AttentionForm:
@@ -198,6 +284,9 @@ def attention_form(cls: type) -> AttentionForm:
 
 
 def why_not_attention_form(cls: type) -> str | None:
+    """Why the step cannot compute attention class ``cls`` (None: it can); reads transformers'
+    objects (:class:`_Transformers`) and the class's form once."""
+    _Transformers.load()
     form = _FORMS.get(cls)
     if form is None:
         form = _FORMS[cls] = _read_form(cls)
@@ -216,8 +305,8 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
         return why
     if attention_form(cls).qk_norm:
         return f"{cls.__name__} normalises q and k per head (the rotary epilogue does not)"
-    module = inspect.getmodule(cls)
-    rope, rotate = getattr(module, "apply_rotary_pos_emb", None), getattr(module, "rotate_half", None)
+    rope = attention_form(cls).rotary
+    rotate = getattr(inspect.unwrap(rope), "__globals__", {}).get("rotate_half")
     if rope is None or rotate is None or not _has_all(rope, _ROTARY_STATEMENTS) \
             or not _has_all(rotate, _ROTATE_HALF_STATEMENTS):
         return "its rotary embedding is not the standard rotate_half one"
@@ -342,10 +431,8 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
                 "nn.Linear")
     if not all(type(n) is HybridRMSNorm for n in norms):
         return "its norms are not Llama-style RMSNorms"
-    layer_src = source_text(t.forward)
-    if layer_src is None or not all(s in layer_src for s in _LAYER_STATEMENTS) \
-            or layer_src.count("hidden_states=residual+hidden_states") != 2:
-        return f"{t.__name__}.forward is not the pre-norm layer this transformers version was checked against"
+    if not _matches(body_statements(t.forward), _LAYER_BODY):
+        return f"{t.__name__}.forward is not the pre-norm layer this step computes"
     if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
         return f"its {type(attn).__name__} has no integer head_dim and layer_idx"
     return why_not_attention_form(type(attn))

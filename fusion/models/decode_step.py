@@ -318,12 +318,14 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
     q, k = form.rotary(q, k, cos, sin)
     rest = {n: a for n, a in kwargs.items() if n not in _CONSUMED}
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if cache is not None:
-        if form.update_takes_cache_kwargs:
+    if cache is not None:  # as the module's forward calls it (decode_checks.UPDATE_FORMS)
+        if form.update == "kwargs":
+            k, v = cache.update(k, v, attn.layer_idx, kwargs=rest)
+        elif form.update == "cache_kwargs":
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
             k, v = cache.update(k, v, attn.layer_idx, cache_kwargs)
         else:
-            k, v = cache.update(k, v, attn.layer_idx, kwargs=rest)
+            k, v = cache.update(k, v, attn.layer_idx)
     interface = form.attention_function(attn.config._attn_implementation)
     window = form.sliding_window(attn)
     if window is not checks.NO_WINDOW:

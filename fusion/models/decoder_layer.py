@@ -61,6 +61,12 @@ class HybridDecoderLayer(nn.Module):
                 counters.zero_()
         return out
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        # Unpickled (in a new process, say): what the step reads of transformers is read now,
+        # not inside the first call, which may be a compiled region's trace.
+        decode_checks.why_not_attention_form(type(self.self_attn))
+
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         if args or not decode_checks.takes_fused_path(self, hidden_states):
             return super().forward(hidden_states, *args, **kwargs)

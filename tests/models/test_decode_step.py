@@ -30,6 +30,12 @@ VOCAB = 97
 ONE_PASS = triton_splitk.TritonSplitKConfig(16, 16, 32, split_k=1, num_warps=4, num_stages=2)
 FUSED_REDUCE = triton_splitk.TritonSplitKConfig(16, 16, 32, split_k=2, num_warps=4, num_stages=2, fused_reduce=True)
 TWO_LAUNCH = triton_splitk.TritonSplitKConfig(16, 16, 32, split_k=2, num_warps=4, num_stages=2)
+# The model tests' configs: tiles one head (32 columns) wide, half the interpreter's programs of
+# 16-wide tiles. The kernel tests above run tiles narrower than a head too.
+MODEL_ONE_PASS = triton_splitk.TritonSplitKConfig(16, 32, 32, split_k=1, num_warps=4, num_stages=2)
+MODEL_FUSED_REDUCE = triton_splitk.TritonSplitKConfig(16, 32, 32, split_k=2, num_warps=4, num_stages=2,
+                                                      fused_reduce=True)
+MODEL_TWO_LAUNCH = triton_splitk.TritonSplitKConfig(16, 32, 32, split_k=2, num_warps=4, num_stages=2)
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -170,7 +176,7 @@ def _patched(stock):
 def kernels_on_cpu(monkeypatch):
     """The fused path on CPU tensors (interpreter) with ``state["config"]``; records the
     split-K calls that carry a rope."""
-    state = {"config": FUSED_REDUCE, "rope": 0, "counters": 0}
+    state = {"config": MODEL_FUSED_REDUCE, "rope": 0, "counters": 0}
     monkeypatch.setattr(checks, "on_kernel_device", lambda x: True)
     monkeypatch.setattr(dispatch, "splitk_config", lambda x2, w, b, out: state["config"])
     real_run = triton_splitk.run
@@ -210,18 +216,22 @@ def _compare(model, stock, steps=3, batch=2):
         assert int(got.cumulative_length) == int(want.cumulative_length)
 
 
-@pytest.mark.parametrize("config", [ONE_PASS, FUSED_REDUCE], ids=["one-pass", "fused-reduce"])
-@pytest.mark.parametrize("kind,extra", [("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": None})])
+# Every model kind once, and each config: the config only changes the kernel, which
+# test_rope_epilogue_matches_fp64 runs with both configs on every bias and norm case.
+@pytest.mark.parametrize("kind,extra,config", [
+    ("llama", {}, MODEL_FUSED_REDUCE), ("qwen2", {}, MODEL_ONE_PASS),
+    ("mistral", {"sliding_window": None}, MODEL_FUSED_REDUCE),
+], ids=["llama-fused-reduce", "qwen2-one-pass", "mistral-fused-reduce"])
 def test_static_cache_decode_matches_the_stock_model(kind, extra, config, kernels_on_cpu):
     kernels_on_cpu["config"] = config
     stock = _tiny(kind, **extra)
     model = _patched(stock)
     assert all(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
-    _compare(model, stock, steps=3)
-    assert kernels_on_cpu["rope"] == 3 * 2  # every decode step of both layers (the prefill initialises the cache)
+    _compare(model, stock, steps=2)  # the second step reads the cache entries the first one wrote
+    assert kernels_on_cpu["rope"] == 2 * 2  # every decode step of both layers (the prefill initialises the cache)
     # QKV, O and down of every fused call (the prefill's too) used the layer's own arrival
     # counters, and left them zero
-    assert kernels_on_cpu["counters"] == (3 + 1) * 2 * 3
+    assert kernels_on_cpu["counters"] == (2 + 1) * 2 * 3
     for layer in model.model.layers:
         counters = layer._buffers[dl.COUNTERS]
         assert counters.dtype == torch.int32 and not counters.any()
@@ -230,12 +240,14 @@ def test_static_cache_decode_matches_the_stock_model(kind, extra, config, kernel
 
 @pytest.mark.parametrize("why", ["two-launch", "not-split-k", "hook", "sliding-window", "qwen3"])
 def test_where_the_step_cannot_fuse_the_results_are_still_stock(why, kernels_on_cpu, monkeypatch):
-    kind, extra = ("qwen3", {}) if why == "qwen3" else ("mistral", {}) if why == "sliding-window" else ("llama", {})
+    # qwen3 with the others' head_dim (its config's default, 128, makes every projection 4x wider)
+    kind, extra = (("qwen3", {"head_dim": 32}) if why == "qwen3" else ("mistral", {}) if why == "sliding-window"
+                   else ("llama", {}))
     stock = _tiny(kind, **extra)
     model = copy.deepcopy(stock)
     hybridgemm.patch(model)
     if why == "two-launch":
-        kernels_on_cpu["config"] = TWO_LAUNCH
+        kernels_on_cpu["config"] = MODEL_TWO_LAUNCH
     if why == "not-split-k":
         kernels_on_cpu["config"] = None
     if why == "hook":
@@ -252,7 +264,7 @@ def test_where_the_step_cannot_fuse_the_results_are_still_stock(why, kernels_on_
         assert sum("rotary/KV-cache fusion" in str(w.message) for w in seen) == 1
 
 
-@pytest.mark.parametrize("batch", [1, 2, 3])
+@pytest.mark.parametrize("batch", [1, 3])
 def test_one_token_attention_is_one_kernel_launch(batch, kernels_on_cpu, monkeypatch):
     from hybridgemm.kernels import triton_decode_attention as tda
 
@@ -269,7 +281,7 @@ def test_one_token_attention_is_one_kernel_launch(batch, kernels_on_cpu, monkeyp
     assert launches == [((batch, 4 * 32), 0, True), ((batch, 4 * 32), 1, True)] * 2
 
 
-@pytest.mark.parametrize("batch", [1, 2, 3])
+@pytest.mark.parametrize("batch", [1, 3])
 def test_without_the_kernel_gqa_query_rows_are_packed_from_batch_2(batch, kernels_on_cpu, monkeypatch):
     stock = _tiny("llama")
     model = _patched(stock)
@@ -384,13 +396,15 @@ def test_a_layer_built_on_meta_and_loaded_with_assign_moves_as_the_stock_layer_d
     counters = layer._buffers[dl.COUNTERS]
     assert counters.device.type == "cpu" and counters.dtype == torch.int32
     assert counters.numel() == dl.COUNTER_SLOTS and not counters.any()
-    x = torch.randn(1, 3, 64)
+    x = torch.randn(1, 3, stock.config.hidden_size)
     pe = stock.model.rotary_emb(x, torch.arange(3)[None])
     with torch.no_grad():
         torch.testing.assert_close(layer(x, position_embeddings=pe), built[0](x, position_embeddings=pe))
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+# (the eager backend runs the graph Dynamo captured as captured; aot_eager runs the same capture
+# functionalised)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_dynamo_traces_a_decode_step_in_one_graph(backend, kernels_on_cpu, monkeypatch):
     # inductor: the cache-length updates of the attention kernels are ordered against the
     # positions and mask the model derives from the first layer's length, which Inductor
@@ -432,5 +446,5 @@ def test_an_attention_kernel_that_cannot_run_falls_back_to_sdpa_once_warned(kern
     model = _patched(stock)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        _compare(model, stock, steps=3)  # logits, caches and lengths as stock's
+        _compare(model, stock, steps=2)  # logits, caches and lengths as stock's
     assert sum("decode attention kernel could not run" in str(w.message) for w in seen) == 1

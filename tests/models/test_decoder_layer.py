@@ -8,9 +8,11 @@ the fallbacks, and unpatch. The real models run on the GPU (tests/test_models_gp
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import subprocess
 import sys
+import textwrap
 import warnings
 
 import pytest
@@ -34,6 +36,8 @@ SPLITK = triton_splitk.TritonSplitKConfig(16, 32, 32, split_k=2, num_warps=4, nu
 def _tiny(kind: str, layers: int = 2):
     kw = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=layers, vocab_size=VOCAB, max_position_embeddings=64)
+    if kind == "qwen3":
+        kw["head_dim"] = 16  # hidden / heads, as the others (its config's default, 128, makes q/k/v 8x wider)
     config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
               "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[kind](**kw)
     torch.manual_seed(0)
@@ -154,8 +158,7 @@ def test_what_is_not_fused_and_why(monkeypatch):
         in report.skipped
     hybridgemm.unpatch(model)
 
-    monkeypatch.setattr(checks, "_LAYER_STATEMENTS",
-                        checks._LAYER_STATEMENTS + ("hidden_states=self.extra(hidden_states)",))
+    monkeypatch.setattr(checks, "_LAYER_BODY", checks._LAYER_BODY + ("hidden_states=self.extra(hidden_states)",))
     report = hybridgemm.patch(model)
     assert report.fused_layers == [] and any("is not the pre-norm layer" in why for _, why in report.skipped)
     hybridgemm.unpatch(model)
@@ -192,6 +195,66 @@ def test_a_hook_on_a_part_the_step_skips_keeps_that_layer_stock(part, kernels_on
     # layer 0 ran its stock forward (its hook ran in both models), layer 1 the fused step
     assert kernels_on_cpu == ["norm", "residual", "glu+norm", "residual"]
     assert part == "self_attn" or seen == [part, part]
+
+
+def test_an_attention_forward_with_a_statement_more_is_not_fused(kernels_on_cpu):
+    """The step computes the forwards it knows statement by statement: a subclass whose forward
+    does one thing more keeps its layer on the stock forward (the extra line is honoured)."""
+    import types
+
+    cls = transformers.models.llama.modeling_llama.LlamaAttention
+    src = inspect.getsource(cls.forward).replace("        cos, sin = position_embeddings\n",
+                                                  "        cos, sin = position_embeddings\n"
+                                                  "        query_states = query_states * 3.0\n")
+    assert "* 3.0" in src
+    names = dict(vars(transformers.models.llama.modeling_llama))
+    exec(compile(textwrap.dedent(src).replace("@deprecate_kwarg", "# "), "<variant>", "exec"), names)
+    variant = types.new_class("ScaledLlamaAttention", (cls,), exec_body=lambda ns: ns.update(forward=names["forward"]))
+    stock = _tiny("llama")
+    for layer in stock.model.layers:
+        layer.self_attn.__class__ = variant
+    model = copy.deepcopy(stock)
+    report = hybridgemm.patch(model)
+    assert report.fused_layers == []
+    assert any("not an attention this step computes" in why for _, why in report.skipped), report.skipped
+    ids = torch.randint(0, VOCAB, (1, 4))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
+    assert kernels_on_cpu == []
+
+
+def test_transformers_idle_capture_hooks_keep_the_step(kernels_on_cpu):
+    """A call asking for hidden states installs transformers' output-capturing hooks on the
+    attention modules for good: idle, they keep the fused step; capturing attentions, the
+    layers run their stock forward and return the attention weights."""
+    stock = _tiny("llama")
+    stock.config._attn_implementation = "eager"
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    ids = torch.randint(0, VOCAB, (1, 4))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+        ref = stock(ids, output_hidden_states=True)
+        torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-4)
+        kernels_on_cpu.clear()
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-4)
+        assert kernels_on_cpu == ["norm", "residual", "glu+norm", "residual"] * 2
+        kernels_on_cpu.clear()
+        out, ref = model(ids, output_attentions=True), stock(ids, output_attentions=True)
+    assert kernels_on_cpu == [] and len(out.attentions) == 2
+    for a, b in zip(out.attentions, ref.attentions):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_an_unpickled_layer_reads_its_attention_form_when_loaded(tmp_path):
+    model = _tiny("qwen3", layers=1)
+    hybridgemm.patch(model)
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    attention = type(model.model.layers[0].self_attn)
+    checks._FORMS.pop(attention)
+    torch.load(path, weights_only=False)
+    assert isinstance(checks._FORMS.get(attention), checks.AttentionForm)
 
 
 def test_an_exception_inside_the_step_leaves_no_state(kernels_on_cpu, monkeypatch):

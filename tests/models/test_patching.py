@@ -13,7 +13,6 @@ from torch import nn
 import hybridgemm
 from hybridgemm import HybridLinear, HybridMultiheadAttention, dispatch
 from hybridgemm.mlp import HybridGatedMLP
-from hybridgemm.models.decoder_layer import ResidualLinear
 from hybridgemm.models.patching import FusedQKV, HybridConv1D, QKVSlice
 from hybridgemm.norm import HybridRMSNorm
 
@@ -68,7 +67,7 @@ def test_hf_causal_lm_logits_and_greedy_decode(kind, attn, monkeypatch):
     assert all(type(m) is HybridRMSNorm for m in (model.model.norm, model.model.layers[1].input_layernorm))
     attn0, mlp0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert isinstance(attn0.q_proj, QKVSlice) and isinstance(attn0.qkv_proj, FusedQKV)
-    assert type(attn0.o_proj) is ResidualLinear and type(model.lm_head) is HybridLinear
+    assert type(attn0.o_proj) is HybridLinear and type(model.lm_head) is HybridLinear
     assert type(mlp0) is HybridGatedMLP and mlp0.glu_activation == "silu"
     assert isinstance(mlp0.gate_up_proj, FusedQKV) and type(mlp0.down_proj) is HybridLinear
 
