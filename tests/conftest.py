@@ -49,3 +49,50 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.fixture
+def fake_h200(monkeypatch, tmp_path):
+    """The dispatcher's decision path as on an H200 with Triton (and without cuBLASLt, which
+    needs a real device), reading tables from ``tmp_path`` only (tests/fake_device.py)."""
+    import dataclasses
+
+    from fake_device import FAKE_SIG, H200_LIMITS
+
+    from hybridgemm import decide, diagnostics
+    from hybridgemm.autotune_cache import signature
+    from hybridgemm.kernels import backends, cublaslt
+
+    monkeypatch.setenv("HYBRIDGEMM_CACHE_DIR", str(tmp_path / "user-cache"))
+    monkeypatch.delenv("HYBRIDGEMM_TABLE", raising=False)
+    monkeypatch.setattr(signature, "current_signature", lambda device_index=None: dict(FAKE_SIG))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(backends, "device_limits", lambda index: dict(H200_LIMITS))
+    monkeypatch.setattr(backends, "num_sms", lambda index: 132)
+    monkeypatch.setattr(cublaslt, "is_available", lambda: False)  # also on a GPU machine (alltests)
+    real = backends.get_backend
+
+    def get_backend(name):
+        be = real(name)
+        return dataclasses.replace(be, available=lambda: name != "cublaslt")
+
+    monkeypatch.setattr(backends, "get_backend", get_backend)
+    monkeypatch.setattr(diagnostics, "_warned", set())  # the dispatcher warns once per key per process
+    decide.set_table_path(None)
+    yield tmp_path
+    decide.set_table_path(None)
+
+
+@pytest.fixture
+def fake_h200_lt(fake_h200, monkeypatch):
+    """``fake_h200`` with cuBLASLt available and taking every problem (nothing is launched:
+    its heuristic is only named in the decision)."""
+    import dataclasses
+
+    from hybridgemm.kernels import backends, cublaslt
+
+    monkeypatch.setattr(cublaslt, "is_available", lambda: True)
+    monkeypatch.setattr(cublaslt, "supports", lambda problem: (True, ""))
+    faked = backends.get_backend
+    monkeypatch.setattr(backends, "get_backend", lambda name: dataclasses.replace(faked(name), available=lambda: True))
+    return fake_h200

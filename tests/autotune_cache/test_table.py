@@ -1,16 +1,30 @@
 import json
 import multiprocessing
 import os
-import pickle
-import random
 import re
 import stat
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from tuning_tables import (
+    BAD_FILES,
+    HUGE,
+    SIG,
+    V1_ENTRIES,
+    V1_PREFIX,
+    V1_SIG,
+    entry,
+    entry_for,
+    filled_table,
+    key,
+    v1_doc,
+    v1_entry,
+    valid_text,
+)
 
 from hybridgemm.autotune_cache import table as T
 from hybridgemm.autotune_cache.keys import M_MAX, ShapeKey, octave, sample_points, split_range
@@ -36,43 +50,11 @@ from hybridgemm.autotune_cache.table import (
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import Problem
 
-# The running device's signature (schema 2, what current_signature() reports today).
-SIG = {
-    "schema": 2, "kernel_abi": KERNEL_ABI, "gpu_name": "NVIDIA H200",
-    "compute_capability": "9.0", "sm_count": 132, "cublaslt_version": 130100,
-    "triton_version": "3.6.0", "torch_version": "2.11.0+cu130", "package_version": "0.1.0",
-}
-V1_SIG = {**SIG, "schema": 1}  # the same device, as a schema-1 table recorded it
 H100 = {**SIG, "gpu_name": "NVIDIA H100 80GB HBM3", "sm_count": 132}
 SHAPE = ShapeKey("linear", "bf16", "bias", 6144, 4096, "c")
 
 
-def key(lo=257, hi=512, n=6144, k=4096, epi="bias", layout="c", dtype="bf16"):
-    return TableKey("linear", dtype, epi, n, k, lo, hi, layout)
-
-
 KEY = key()  # linear|bf16|bias|N=6144|K=4096|M=257-512|c
-
-
-def points(lo, hi):
-    """The M values an entry for [lo, hi] was 'timed' at here: both edges."""
-    return [lo] if lo == hi else [lo, hi]
-
-
-def entry(us=10.0, backend="triton_splitk", *, lo=257, hi=512, ratios=None, **config):
-    """A valid entry for the range [lo, hi] (by default KEY's)."""
-    pts = points(lo, hi)
-    ratios = ratios or [1.25, 1.5][: len(pts)]
-    cands = [{"backend": backend, "config": config or {"split": 4}, "median_us": us,
-              "spread_us": 0.1, "worst_ratio": min(ratios)},
-             {"backend": "cublaslt", "config": {"algo": [1, 2, 3]}, "median_us": us * 1.2,
-              "spread_us": 0.2}]
-    return make_entry(backend, config or {"split": 4}, m_points=pts, ratios=ratios, median_us=us,
-                      spread_us=0.1, candidates=cands, flinear_us=us * 1.5, tuned_at="2026-11-29")
-
-
-def entry_for(k, us=10.0, **kw):
-    return entry(us, lo=k.m_lo, hi=k.m_hi, **kw)
 
 
 def table_warnings(records):
@@ -229,9 +211,6 @@ def test_entry_is_canonicalised():
     assert T.normalize_entry(e, KEY) == e  # canonical form is a fixed point, and spans KEY's range
 
 
-HUGE = 10**400  # a valid JSON number that float() cannot hold
-
-
 @pytest.mark.parametrize("mutate, match", [
     (lambda e: e.update(median_us="fast"), "median_us"),
     (lambda e: e.update(median_us=True), "median_us"),
@@ -289,13 +268,6 @@ def test_m_points_must_span_the_key_range(pts):
 
 
 # ---------------------------------------------------------------- serialisation
-
-
-def filled_table(keys=None):
-    t = TuningTable(SIG)
-    for i, k in enumerate(keys or [key(1, 1), key(9, 16), key(2049, 4096, n=1024), key(epi="none")]):
-        t.set(k, entry_for(k, us=5.0 + i * 3.333333))
-    return t
 
 
 def test_round_trip_and_byte_identical_resave(tmp_path):
@@ -423,42 +395,6 @@ def test_update_drops_overlapped_entries_and_keeps_the_rest():
 # ---------------------------------------------------------------- bad files
 
 
-def valid_text():
-    return filled_table().dumps()
-
-
-def _doc(**changes):
-    d = json.loads(valid_text())
-    d.update(changes)
-    return json.dumps(d).encode()
-
-
-def _nan_text():
-    text = valid_text()
-    assert '"median_us": 5.0' in text
-    return text.replace('"median_us": 5.0', '"median_us": NaN').encode()
-
-
-BAD_FILES = {
-    "truncated": lambda: valid_text()[: len(valid_text()) // 2].encode(),
-    "empty": lambda: b"",
-    "random-bytes": lambda: random.Random(0).randbytes(4096),
-    "pickle": lambda: pickle.dumps({"schema": 2}),
-    "top-level-list": lambda: b"[1, 2]",
-    "old-schema": lambda: _doc(schema=0),
-    "future-schema": lambda: _doc(schema=3),
-    "schema-as-string": lambda: _doc(schema="2"),
-    "schema-as-float": lambda: _doc(schema=2.0),
-    "schema-huge": lambda: _doc(schema=HUGE),
-    "entries-as-list": lambda: _doc(entries=[]),
-    "signature-wrong-type": lambda: _doc(signature={**SIG, "sm_count": "132"}),
-    "signature-missing-field": lambda: _doc(signature={"gpu_name": "x"}),
-    "extra-top-level-field": lambda: _doc(code="import os"),
-    "nan-constant": _nan_text,
-    "deep-nesting": lambda: b"[" * 100000,
-}
-
-
 @pytest.mark.parametrize("case", sorted(BAD_FILES))
 def test_bad_file_gives_empty_table_and_warns_once(tmp_path, case):
     path = tmp_path / f"{case}.json"
@@ -583,30 +519,6 @@ def test_directory_instead_of_file_warns(tmp_path):
 
 
 # ---------------------------------------------------------------- schema 1
-
-
-def v1_entry(median_us, flinear_us="absent", backend="triton_splitk", config=None):
-    e = {"backend": backend, "config": config or {"split": 4}, "median_us": median_us, "spread_us": 0.1,
-         "candidates": [{"backend": backend, "config": config or {"split": 4}, "median_us": median_us,
-                         "spread_us": 0.1}], "tuned_at": "2025-06-01"}
-    if flinear_us != "absent":
-        e["flinear_us"] = flinear_us
-    return e
-
-
-def v1_doc(entries, sig=V1_SIG) -> bytes:
-    return json.dumps({"schema": 1, "signature": sig, "entries": entries}, indent=1).encode()
-
-
-V1_PREFIX = "linear|bf16|bias|N=6144|K=4096|"
-V1_ENTRIES = {
-    V1_PREFIX + "M=16|c": v1_entry(10.0, 12.0),  # 1.2x F.linear: kept, for M = 16 only
-    V1_PREFIX + "M=64|c": v1_entry(20.0, 19.4),  # 0.97x: the threshold itself, kept
-    V1_PREFIX + "M=256|c": v1_entry(10.0, 9.6),  # 0.96x: slower than F.linear, dropped
-    V1_PREFIX + "M=1024|c": v1_entry(10.0),  # no ratio recorded: dropped
-    V1_PREFIX + "M=4096|c": v1_entry(10.0, None),  # null: the same
-    V1_PREFIX + "M=8192|c": v1_entry(0.0, 5.0),  # a zero time is no evidence: dropped
-}
 
 
 def test_schema_1_document_is_migrated_to_one_m_ranges():
@@ -824,7 +736,10 @@ def _writer(path, sig, worker, count, barrier):
         table.save(path)
 
 
-def test_concurrent_writers_lose_no_entries(tmp_path):
+def test_concurrent_writers_lose_no_entries_and_readers_see_whole_tables(tmp_path):
+    """Eight processes save into one table while this process keeps reading it strictly: every
+    read is a complete, valid document (atomic replace), the number of entries never goes down
+    (each save merges under the lock), and every writer's entries survive, each where it wrote it."""
     path, workers, count = tmp_path / "shared.json", 8, 4
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(workers)
@@ -832,9 +747,14 @@ def test_concurrent_writers_lose_no_entries(tmp_path):
              for w in range(workers)]
     for p in procs:
         p.start()
+    seen, deadline = [], time.monotonic() + 600  # a hang guard: the writers take seconds
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        seen.append(len(TuningTable.load(path, SIG, strict=True)))  # TableError on a torn or partial file
+        time.sleep(0.002)  # leave the (few) CPUs to the writers
     for p in procs:
-        p.join(timeout=120)
+        p.join(timeout=60)
     assert [p.exitcode for p in procs] == [0] * workers
+    assert seen and seen == sorted(seen), f"an entry disappeared between two reads: {seen}"
     final = TuningTable.load(path, SIG, strict=True)
     assert len(final) == workers * count
     assert {(k.m_lo, k.m_hi, e["config"]["w"], e["config"]["i"]) for k, e in final.entries.items()} == {

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
-from test_table import SIG, V1_ENTRIES, entry, key, v1_doc, v1_entry
+from tuning_tables import SIG, V1_ENTRIES, entry, key, v1_doc, v1_entry
 
 import hybridgemm.autotune_cache.table as T
 import hybridgemm.autotune_cache.table_document as D

@@ -7,9 +7,8 @@ with a faulty explicit or user table keeps working — it falls back to the fall
 (F.linear itself, never a pinned config) with exactly one warning — and
 uses good entries next to bad ones; table entries whose config no longer validates; an entry
 used for exactly the M range it was validated on and nowhere else; a schema-1 table read
-through the call path; a missing or read-only cache directory; readers during eight
-concurrent tuners (never a torn file, never an entry lost); and that a table can never
-execute code.
+through the call path; a missing or read-only cache directory; and that a table can never
+execute code. (Readers during eight concurrent tuners: test_table.py.)
 
 No GPU is needed: the device signature, the device limits and the Triton backends'
 availability are faked as on an H200 (``fake_h200``); nothing is launched.
@@ -22,80 +21,24 @@ import contextlib
 import dataclasses
 import errno
 import json
-import multiprocessing
 import os
 import pickle
-import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from test_table import BAD_FILES, SIG, _writer, entry, filled_table, key, v1_doc, v1_entry
+from fake_device import FAKE_SIG, GEMM_RECORD, KEY, PROBLEM, SPLITK_RECORD, K, M, N, save_table, tuned
+from tuning_tables import BAD_FILES, entry, filled_table, key, v1_doc, v1_entry
 
 import hybridgemm.autotune_cache.table as T
 import hybridgemm.autotune_cache.table_document as D
-from hybridgemm import decide, diagnostics, explain
+from hybridgemm import decide, explain
 from hybridgemm.autotune_cache import signature
-from hybridgemm.autotune_cache.table import HybridGemmTableWarning, TableKey, TableWriteError, TuningTable, make_entry
-from hybridgemm.kernels import backends, cublaslt
-from hybridgemm.kernels.epilogue import Activation, Epilogue
-from hybridgemm.kernels.problem import Problem
+from hybridgemm.autotune_cache.table import HybridGemmTableWarning, TableWriteError, TuningTable
+from hybridgemm.kernels import cublaslt
 
-# A device no shipped table matches (so only the tables a test writes are in play).
-FAKE_SIG = {**SIG, "gpu_name": "hybridgemm test GPU"}
-H200_LIMITS = {"smem_limit": 232448, "capability": (9, 0)}
-M, N, K = 16, 384, 512
-PROBLEM = Problem(m=M, n=N, k=K, dtype=torch.bfloat16, epilogue=Epilogue(Activation.NONE, True), ldx=K, ldw=K, ldo=N)
-KEY = TableKey.from_problem(PROBLEM)  # linear|bf16|bias|N=384|K=512|M=9-16|c
 R257 = KEY.with_range(257, 512)  # linear|bf16|bias|N=384|K=512|M=257-512|c
-
-SPLITK_RECORD = {"kind": "triton_splitk", "block_m": 16, "block_n": 64, "block_k": 128, "split_k": 4,
-                 "num_warps": 4, "num_stages": 3}
-GEMM_RECORD = {"kind": "triton_gemm", "block_m": 64, "block_n": 128, "block_k": 64, "group_m": 8, "num_warps": 4,
-               "num_stages": 3, "persistent": True, "use_tma": True, "epilogue_subtile": False}
-
-
-@pytest.fixture
-def fake_h200(monkeypatch, tmp_path):
-    """The dispatcher's decision path as on an H200 with Triton (and without cuBLASLt, which
-    needs a real device), reading tables from ``tmp_path`` only."""
-    monkeypatch.setenv("HYBRIDGEMM_CACHE_DIR", str(tmp_path / "user-cache"))
-    monkeypatch.delenv("HYBRIDGEMM_TABLE", raising=False)
-    monkeypatch.setattr(signature, "current_signature", lambda device_index=None: dict(FAKE_SIG))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(backends, "device_limits", lambda index: dict(H200_LIMITS))
-    monkeypatch.setattr(backends, "num_sms", lambda index: 132)
-    monkeypatch.setattr(cublaslt, "is_available", lambda: False)  # also on a GPU machine (alltests)
-    real = backends.get_backend
-
-    def get_backend(name):
-        be = real(name)
-        return dataclasses.replace(be, available=lambda: name != "cublaslt")
-
-    monkeypatch.setattr(backends, "get_backend", get_backend)
-    monkeypatch.setattr(diagnostics, "_warned", set())  # the dispatcher warns once per key per process
-    decide.set_table_path(None)
-    yield tmp_path
-    decide.set_table_path(None)
-
-
-@pytest.fixture
-def fake_h200_lt(fake_h200, monkeypatch):
-    """``fake_h200`` with cuBLASLt available and taking every problem (nothing is launched:
-    its heuristic is only named in the decision)."""
-    monkeypatch.setattr(cublaslt, "is_available", lambda: True)
-    monkeypatch.setattr(cublaslt, "supports", lambda problem: (True, ""))
-    faked = backends.get_backend
-    monkeypatch.setattr(backends, "get_backend", lambda name: dataclasses.replace(faked(name), available=lambda: True))
-    return fake_h200
-
-
-def tuned(backend, record, k=KEY, us=9.0, m_points=None, ratios=None):
-    """A valid entry for ``k``'s range (timed at both edges unless ``m_points`` is given)."""
-    pts = m_points or ([k.m_lo] if k.m_lo == k.m_hi else [k.m_lo, k.m_hi])
-    return make_entry(backend, record, m_points=pts, ratios=ratios or [1.1] * len(pts), median_us=us,
-                      spread_us=0.1)
 
 
 def choose_at(m):
@@ -105,14 +48,6 @@ def choose_at(m):
 def miss(m, why="no table entry holds this M"):
     """The fallback rule's decision at M = ``m``, F.linear (hand-written, not asked of the dispatcher)."""
     return decide.Choice("torch", None, "rule", f"linear|bf16|bias|N={N}|K={K}|c at M={m}", f"{why}; F.linear")
-
-
-def _table(path, entries, sig=FAKE_SIG):
-    t = TuningTable(sig)
-    for k, e in entries.items():
-        t.set(k, e)
-    t.save(path)
-    return path
 
 
 def _choose_three_times(path=None):
@@ -143,7 +78,7 @@ def _rejection_warnings(rec):
 def test_a_good_table_is_used(fake_h200):
     """The control for everything below: with a valid table the entry runs (so a fallback in
     the other tests is the fault's doing, not the harness's)."""
-    path = _table(fake_h200 / "good.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)})
+    path = save_table(fake_h200 / "good.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)})
     choices, rec = _choose_three_times(path)
     assert not [str(w.message) for w in rec]
     for c in choices:
@@ -159,8 +94,8 @@ def test_a_good_table_is_used(fake_h200):
 def test_bad_explicit_table_falls_back_with_one_warning(fake_h200, case):
     path = fake_h200 / f"{case}.json"
     if case == "another-gpu":  # valid, but tuned on an H100: its entry must not be used
-        _table(path, {KEY: tuned("triton_gemm", GEMM_RECORD, us=1.0)},
-               sig={**FAKE_SIG, "gpu_name": "NVIDIA H100 80GB HBM3"})
+        save_table(path, {KEY: tuned("triton_gemm", GEMM_RECORD, us=1.0)},
+                   sig={**FAKE_SIG, "gpu_name": "NVIDIA H100 80GB HBM3"})
     else:
         path.write_bytes(BAD_FILES[case]())
     choices, rec = _choose_three_times(path)
@@ -175,7 +110,7 @@ def test_bad_user_table_falls_back_with_one_warning(fake_h200, case):
     user = fake_h200 / "user-cache" / "table.json"
     user.parent.mkdir(parents=True)
     if case == "another-gpu":
-        _table(user, {KEY: tuned("triton_gemm", GEMM_RECORD, us=1.0)}, sig={**FAKE_SIG, "sm_count": 114})
+        save_table(user, {KEY: tuned("triton_gemm", GEMM_RECORD, us=1.0)}, sig={**FAKE_SIG, "sm_count": 114})
     else:
         user.write_bytes(BAD_FILES[case]())
     choices, rec = _choose_three_times()
@@ -187,7 +122,7 @@ def test_bad_user_table_falls_back_with_one_warning(fake_h200, case):
 def test_bad_entries_are_dropped_and_good_ones_still_used(fake_h200):
     """Valid JSON, wrong types in some entries: those are dropped (one warning for the file);
     the good entry next to them is still a table hit."""
-    path = _table(fake_h200 / "partly-bad.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)})
+    path = save_table(fake_h200 / "partly-bad.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)})
     doc = json.loads(path.read_text())
     good = doc["entries"][KEY.to_string()]
     one = {**good, "m_points": [1], "ratios": [1.1]}
@@ -227,7 +162,7 @@ STALE = {
 @pytest.mark.parametrize("case", sorted(STALE))
 def test_entry_whose_config_no_longer_validates(fake_h200, case):
     backend, record = STALE[case]
-    path = _table(fake_h200 / "stale.json", {KEY: tuned(backend, record, us=1.0)})
+    path = save_table(fake_h200 / "stale.json", {KEY: tuned(backend, record, us=1.0)})
     choices, rec = _choose_three_times(path)
     assert choices == [miss(M, "table entry rejected")] * 3, [c.describe() for c in choices]
     msgs = _rejection_warnings(rec)
@@ -250,7 +185,7 @@ def test_missing_cache_dir_is_silent_and_not_created(fake_h200, monkeypatch):
 
 def test_read_only_cache_dir_is_read_and_a_save_there_fails_cleanly(fake_h200, monkeypatch):
     cache = fake_h200 / "user-cache"
-    user = _table(cache / "table.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)})
+    user = save_table(cache / "table.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)})
     before = user.read_bytes()
     user.chmod(0o444)
     cache.chmod(0o555)
@@ -281,35 +216,6 @@ def test_read_only_cache_dir_is_read_and_a_save_there_fails_cleanly(fake_h200, m
     finally:
         cache.chmod(0o755)
         user.chmod(0o644)
-
-
-# ----------------------------------------------------------------------------- concurrent tuners
-
-
-def test_readers_during_eight_concurrent_tuners_see_whole_tables(tmp_path, monkeypatch):
-    """Eight processes save into one table (tests/test_table.py's writer) while this process
-    keeps reading it strictly: every read is a complete, valid document (atomic replace), the
-    number of entries never goes down (each save merges under the lock), and all 32 survive."""
-    monkeypatch.setenv("HYBRIDGEMM_CACHE_DIR", str(tmp_path / "user-cache"))
-    path, workers, count = tmp_path / "shared.json", 8, 4
-    ctx = multiprocessing.get_context("spawn")
-    barrier = ctx.Barrier(workers)
-    procs = [ctx.Process(target=_writer, args=(str(path), SIG, w, count, barrier)) for w in range(workers)]
-    for p in procs:
-        p.start()
-    seen, reads, deadline = [], 0, time.time() + 180
-    while any(p.is_alive() for p in procs) and time.time() < deadline:
-        t = TuningTable.load(path, SIG, strict=True)  # raises TableError on a torn or partial file
-        seen.append(len(t))
-        reads += 1
-        time.sleep(0.002)  # leave the (few) CPUs to the writers
-    for p in procs:
-        p.join(timeout=60)
-    assert [p.exitcode for p in procs] == [0] * workers
-    final = TuningTable.load(path, SIG, strict=True)
-    assert len(final) == workers * count
-    assert seen == sorted(seen), f"an entry disappeared between two reads: {seen}"
-    assert reads > 0
 
 
 # ----------------------------------------------------------------------------- no code runs
@@ -372,7 +278,7 @@ def test_an_entry_is_used_only_inside_its_range(fake_h200):
     """Rule 4 uses the entry whose range holds M, at both edges; one M outside (either side)
     goes to the fallback rule: nothing is borrowed from a neighbouring range, so a decode
     (split-K) entry never runs a prefill call nor a prefill entry a decode call."""
-    path = _table(fake_h200 / "ranges.json", {
+    path = save_table(fake_h200 / "ranges.json", {
         KEY: tuned("triton_splitk", SPLITK_RECORD),  # 9-16
         R257: tuned("triton_gemm", GEMM_RECORD, R257, us=90.0, m_points=[257, 363, 512], ratios=[1.2, 1.05, 1.3]),
     })
@@ -392,7 +298,7 @@ def test_an_entry_is_used_only_inside_its_range(fake_h200):
 
 def test_a_halved_range_sends_each_half_to_its_own_entry(fake_h200):
     low, high = KEY.with_range(257, 363), KEY.with_range(364, 512)
-    path = _table(fake_h200 / "halves.json", {
+    path = save_table(fake_h200 / "halves.json", {
         low: tuned("triton_gemm", GEMM_RECORD, low, ratios=[1.2, 1.15]),
         high: tuned("torch", {}, high, ratios=[1.0, 1.0]),  # F.linear itself won the upper half
     })
@@ -409,7 +315,7 @@ def test_a_halved_range_sends_each_half_to_its_own_entry(fake_h200):
 
 
 def test_the_reason_names_the_range_the_points_and_the_worst_ratio(fake_h200, monkeypatch):
-    path = _table(fake_h200 / "reason.json", {
+    path = save_table(fake_h200 / "reason.json", {
         R257: tuned("triton_gemm", GEMM_RECORD, R257, m_points=[257, 363, 512], ratios=[1.25, 0.987, 1.1])})
     decide.set_table_path(path)
     c = choose_at(300)
@@ -442,7 +348,7 @@ def test_a_miss_runs_f_linear_even_where_cublaslt_is_available(fake_h200_lt):
 def test_a_cublaslt_heuristic_entry(fake_h200_lt, monkeypatch):
     """A cuBLASLt entry with config {} is its heuristic at the call's exact M (config None);
     where cuBLASLt cannot take the problem, it is rejected with one warning, not run."""
-    path = _table(fake_h200_lt / "heuristic.json", {KEY: tuned("cublaslt", {}, ratios=[1.02, 1.01])})
+    path = save_table(fake_h200_lt / "heuristic.json", {KEY: tuned("cublaslt", {}, ratios=[1.02, 1.01])})
     choices, rec = _choose_three_times(path)
     assert not [str(w.message) for w in rec]
     assert choices == [decide.Choice(
@@ -459,7 +365,7 @@ def test_a_cublaslt_heuristic_entry(fake_h200_lt, monkeypatch):
 
 def test_a_stale_entry_falls_back_to_f_linear_with_cublaslt_present(fake_h200_lt):
     backend, record = STALE["too-much-shared-memory"]
-    path = _table(fake_h200_lt / "stale.json", {KEY: tuned(backend, record)})
+    path = save_table(fake_h200_lt / "stale.json", {KEY: tuned(backend, record)})
     choices, rec = _choose_three_times(path)
     assert choices == [miss(M, "table entry rejected")] * 3
     assert len(_rejection_warnings(rec)) == 1

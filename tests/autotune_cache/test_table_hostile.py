@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from test_table import SIG
+from tuning_tables import SIG
 
 import hybridgemm.autotune_cache.table as T
 import hybridgemm.autotune_cache.table_document as D

@@ -107,7 +107,7 @@ def test_precompile_with_one_job_does_nothing():
 def test_tune_fails_before_timing_when_the_table_cannot_be_written(tmp_path):
     """An unwritable table path is reported before any candidate is compiled or timed (the
     tuner would otherwise lose up to 16 tuned keys before its first save)."""
-    from test_table import SIG
+    from tuning_tables import SIG
 
     from hybridgemm.autotune_cache.table import TableWriteError, TuningTable
 
@@ -271,7 +271,7 @@ def test_a_range_one_config_cannot_serve_is_halved_and_each_half_tuned(monkeypat
 
 
 def test_covered_needs_every_m_of_the_range():
-    from test_table import SIG
+    from tuning_tables import SIG
 
     from hybridgemm.autotune_cache.table import TuningTable, make_entry
 
@@ -379,7 +379,7 @@ def test_a_range_that_runs_out_of_gpu_memory_is_reported_and_the_rest_tuned(tmp_
     (F.linear serves it) and a log line saying why; the ranges after it are still tuned and the
     table is saved."""
     import torch
-    from test_table import SIG
+    from tuning_tables import SIG
 
     from hybridgemm.autotune_cache.table import TuningTable
 

@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from test_table import SIG
+from tuning_tables import SIG
 
 import hybridgemm.autotune_cache.table as T
 import hybridgemm.autotune_cache.table_document as D

@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from test_table_faults import FAKE_SIG, KEY, PROBLEM, SPLITK_RECORD, _table, fake_h200, fake_h200_lt, tuned  # noqa: F401  (fixtures, used by name)
+from fake_device import FAKE_SIG, KEY, PROBLEM, SPLITK_RECORD, save_table, tuned
 
 from hybridgemm import decide
 from hybridgemm.autotune_cache import probe
@@ -30,19 +30,19 @@ def _choose(path):
 @pytest.mark.usefixtures("fake_h200_lt")
 def test_a_pinned_cublaslt_algorithm_of_another_cublaslt_runs_f_linear(tmp_path):
     old = {**FAKE_SIG, "cublaslt_version": OLD_LT}
-    choice, said = _choose(_table(tmp_path / "old-lt.json", {KEY: tuned("cublaslt", PINNED)}, sig=old))
+    choice, said = _choose(save_table(tmp_path / "old-lt.json", {KEY: tuned("cublaslt", PINNED)}, sig=old))
     assert (choice.backend, choice.source) == ("torch", "rule")
     assert KEY.to_string() in choice.reason and str(OLD_LT) in choice.reason
     assert not [s for s in said if "cannot be used" in s]  # no per-key rejection: the table's warning says it
     # the control: the same table's heuristic entry ({}: asked at the exact M) still runs cuBLASLt
-    choice, _ = _choose(_table(tmp_path / "old-lt-heur.json", {KEY: tuned("cublaslt", {})}, sig=old))
+    choice, _ = _choose(save_table(tmp_path / "old-lt-heur.json", {KEY: tuned("cublaslt", {})}, sig=old))
     assert (choice.backend, choice.source, choice.config) == ("cublaslt", "table", None)
 
 
 @pytest.fixture
 def old_triton_table(request, tmp_path):
     request.getfixturevalue("fake_h200")
-    return _table(tmp_path / "old-triton.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)},
+    return save_table(tmp_path / "old-triton.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)},
                   sig={**FAKE_SIG, "triton_version": "3.5.0"})
 
 
@@ -85,7 +85,7 @@ def test_a_probe_that_could_not_run_leaves_the_decision_open(monkeypatch, old_tr
 @pytest.mark.usefixtures("fake_h200")
 def test_a_table_of_this_triton_is_never_probed(monkeypatch, tmp_path):
     asked = _probe_answers(monkeypatch, ProbeResult(False, "must not be asked"))
-    choice, _ = _choose(_table(tmp_path / "same.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)}))
+    choice, _ = _choose(save_table(tmp_path / "same.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)}))
     assert (choice.backend, choice.source) == ("triton_splitk", "table") and asked == []
 
 
@@ -95,10 +95,10 @@ def test_the_package_root_names_the_table_and_reloads_it(tmp_path):
     there decides the next call, and a reload after the file changed is seen."""
     import hybridgemm
 
-    path = _table(tmp_path / "root.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)})
+    path = save_table(tmp_path / "root.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)})
     hybridgemm.set_table_path(path)
     assert decide.choose(PROBLEM, 0).backend == "triton_splitk"
-    _table(path, {KEY: tuned("torch", {})})
+    save_table(path, {KEY: tuned("torch", {})})
     hybridgemm.reload_tables()
     assert (decide.choose(PROBLEM, 0).backend, decide.choose(PROBLEM, 0).source) == ("torch", "table")
     hybridgemm.set_table_path(None)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from test_table import SIG
+from tuning_tables import SIG
 
 import hybridgemm.autotune_cache.table as T
 import hybridgemm.autotune_cache.table_document as D

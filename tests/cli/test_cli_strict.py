@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from test_table import SIG
+from tuning_tables import SIG
 
 from hybridgemm import decide, explain
 from hybridgemm.autotune_cache.table import TableKey, TuningTable, make_entry

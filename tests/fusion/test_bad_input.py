@@ -11,10 +11,9 @@ interpreter), against a float64 reference.
 from __future__ import annotations
 
 import pytest
-import test_table_faults
 import torch
 import torch.nn.functional as F
-from test_table_faults import FAKE_SIG
+from fake_device import FAKE_SIG
 
 import hybridgemm
 from hybridgemm import AttentionProjection, attention_projection, decide, explain
@@ -30,7 +29,6 @@ from hybridgemm.kernels.triton_splitk import TritonSplitKConfig
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 LinearArgumentError = hybridgemm.LinearArgumentError  # F.linear's rules broken: a RuntimeError, as F.linear's
-fake_h200 = test_table_faults.fake_h200  # the fixture: the decision path as on an H200
 
 
 def _t(*shape, dev, dtype=torch.float32):

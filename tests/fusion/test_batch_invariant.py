@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_table_faults import H200_LIMITS
+from fake_device import H200_LIMITS
 
 import hybridgemm
 from helpers import check_close_to_reference, make_operands, poisoned

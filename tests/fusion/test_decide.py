@@ -10,38 +10,17 @@ import dataclasses
 import logging
 import warnings
 
-import pytest
-import test_table_faults
 import torch
-from test_table_faults import FAKE_SIG, GEMM_RECORD, KEY, PROBLEM, tuned
+from fake_device import CALL, FAKE_SIG, GEMM_RECORD, KEY, PROBLEM, SPLITK_RECORD, tuned
+from fake_device import save_table as _save
 
 from hybridgemm import decide, mode_state
 from hybridgemm.autotune_cache import signature
-from hybridgemm.autotune_cache.table import TableKey, TuningTable
-
-CALL = "linear|bf16|bias|N=384|K=512|c at M=16"  # PROBLEM's shape key and M
-fake_h200 = test_table_faults.fake_h200  # the fixture: the decision path as on an H200
-
-
-def _save(path, entries, sig=FAKE_SIG):
-    table = TuningTable(sig)
-    for k, e in entries.items():
-        table.set(k, e)
-    table.save(path)
-    return path
+from hybridgemm.autotune_cache.table import TableKey
 
 
 def _runtime_warnings(rec):
     return [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)]
-
-
-@pytest.fixture
-def devices_asked(fake_h200, monkeypatch):
-    """The device indexes tables were loaded for (the signature is asked per device)."""
-    asked = []
-    monkeypatch.setattr(signature, "current_signature", lambda device_index=None: (asked.append(device_index),
-                                                                                   dict(FAKE_SIG))[1])
-    return asked
 
 
 # ---------------------------------------------------------------- choose and the tables it reads
@@ -131,7 +110,7 @@ def test_a_probe_is_asked_about_exactly_the_entry_and_the_calls_device(fake_h200
     from hybridgemm.autotune_cache import probe
     from hybridgemm.autotune_cache.probe import ProbeResult
 
-    decide.set_table_path(_save(fake_h200 / "old.json", {KEY: tuned("triton_splitk", test_table_faults.SPLITK_RECORD)},
+    decide.set_table_path(_save(fake_h200 / "old.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)},
                                 sig={**FAKE_SIG, "triton_version": "3.5.0"}))
     asked = []
 
@@ -158,7 +137,7 @@ def test_each_entry_that_fails_its_probe_warns_once(fake_h200, monkeypatch):
     from hybridgemm.autotune_cache.probe import ProbeResult
 
     other = TableKey.from_problem(dataclasses.replace(PROBLEM, m=300))
-    record = test_table_faults.SPLITK_RECORD
+    record = SPLITK_RECORD
     decide.set_table_path(_save(fake_h200 / "old.json", {KEY: tuned("triton_splitk", record),
                                                          other: tuned("triton_splitk", record, k=other)},
                                 sig={**FAKE_SIG, "triton_version": "3.5.0"}))

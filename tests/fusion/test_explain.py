@@ -8,18 +8,13 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-import test_decide
-import test_table_faults
 import torch
-from test_decide import CALL, _save
-from test_table_faults import GEMM_RECORD, H200_LIMITS, tuned
+from fake_device import CALL, GEMM_RECORD, H200_LIMITS, tuned
+from fake_device import save_table as _save
 
 from hybridgemm import decide, explain, mode_state
 from hybridgemm.autotune_cache.table import TableKey
 from hybridgemm.kernels import backends
-
-fake_h200 = test_table_faults.fake_h200  # the fixture: the decision path as on an H200
-devices_asked = test_decide.devices_asked  # the fixture: the devices tables were loaded for
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ model sharded over two ranks and patched against the unsharded stock model, run-
 bit-identity, and a decode step with its all-reduces and all-gather captured in a CUDA graph.
 
 Two processes, one GPU each (skipped unless two are visible), run every case once; a case that
-fails on one rank stops both (see tests/test_parallel_cpu.py, whose runner this reuses).
+fails on one rank stops both (tests/two_ranks.py, the runner test_parallel_cpu.py uses too).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import inspect
 import pytest
 import torch
 import torch.distributed as dist
-from test_parallel_cpu import assert_ranks_ok, llama_config, randomize, run_on_two_ranks, token_ids
+from two_ranks import assert_ranks_ok, llama_config, randomize, run_on_two_ranks, token_ids
 
 from helpers import FLOORS, rank_order_sum, rel_err
 from hybridgemm.parallel import RowParallelLinear, VocabParallelLinear, parallelize
