@@ -25,8 +25,10 @@ from torch import nn
 from torch.multiprocessing.spawn import ProcessException
 
 SEED = 1234
-RUN_TIMEOUT_S = 180  # the whole two-process run; each collective times out sooner (COLLECTIVE_TIMEOUT)
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)
+# Hang guards, far above a normal run (seconds on a quiet 2-core machine, a few minutes on a busy
+# one): a rank stuck in a collective stops at COLLECTIVE_TIMEOUT, a run that never ends at RUN_TIMEOUT_S.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
+RUN_TIMEOUT_S = 900
 
 
 def llama_config(**kw):
@@ -89,14 +91,14 @@ def _free_port() -> int:
 def run_on_two_ranks(cases: list, backend: str, out_dir, timeout_s: float = RUN_TIMEOUT_S) -> dict[str, list[str]]:
     """Spawn two processes that run ``cases`` on ``backend``; returns {case name: [rank 0's
     result, rank 1's]}, each "ok", "skipped: <reason>" or a traceback. Fails the test if the run
-    takes longer than ``timeout_s``."""
+    has not ended after ``timeout_s`` (a hang)."""
     ctx = mp.start_processes(_worker, args=(_free_port(), str(out_dir), backend, cases), nprocs=2, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:
-                pytest.fail(f"the two-rank run did not finish within {timeout_s} s")
+                pytest.fail(f"the two-rank run did not end within {timeout_s} s: a rank hangs")
     except ProcessException:
         pass  # a rank that died still wrote what it ran (or nothing): reported per case below
     finally:

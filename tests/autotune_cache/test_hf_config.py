@@ -280,7 +280,7 @@ def test_fifo_is_refused_without_blocking(tmp_path, as_dir):
     # In a thread, so a regression shows as a failure rather than a hung test run.
     t = threading.Thread(target=load, daemon=True)
     t.start()
-    t.join(timeout=5)
+    t.join(timeout=120)  # a hang guard: the refusal takes milliseconds
     if t.is_alive():  # unblock the stuck open() by opening the write end, then fail
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
         pytest.fail("preset_from_hf_config blocked on a FIFO")

@@ -1,14 +1,15 @@
 """Hostile tuning tables: files no tuner wrote, read through both entry points.
 
 Every case of the corpus is loaded through ``TuningTable.load(path, SIG)`` and through
-``load_tables(SIG, explicit_path=path)``, each on a fresh path, twice (the second load must
-not warn again), in a worker thread that must finish within ``HANG_S`` (a blocking read
-fails the test instead of hanging the run). Each load must take at most ``LIMIT_S``,
-return a ``TuningTable`` holding exactly the entries expected (none, or the valid ones),
-and raise at most one ``HybridGemmTableWarning`` naming the path; ``strict=True`` must
-raise ``TableError`` (never another type) for every case that is not a valid table.
+``load_tables(SIG, explicit_path=path)``, each on a fresh path (a file that is not a valid
+table twice: the second load must not warn again), in a worker thread that must finish within
+``HANG_S`` (a blocking read fails the test instead of hanging the run). Each load must return
+a ``TuningTable`` holding exactly the entries expected (none, or the valid ones), and raise at
+most one ``HybridGemmTableWarning`` naming the path; ``strict=True`` must raise
+``TableError`` (never another type) for every case that is not a valid table.
 
-Also here: truncation of a small valid table at every byte offset, unreadable files (real
+Also here: the CPU time of a load grows linearly with the table (many shapes, or many entries
+of one shape), truncation of a small valid table at every byte offset, unreadable files (real
 permissions, and ``os.open`` failing, so the branch runs as root too), a file swapped
 between ``stat`` and ``open``, the read bound, saving over hostile files, each file read once
 per ``load_tables``, and the removal of stale temp files by ``save``.
@@ -44,11 +45,9 @@ from hybridgemm.autotune_cache.table import (
     make_entry,
 )
 
-# Each load of each case. The largest table allowed loads in ~1 s on a quiet 2-core CI machine and
-# took 2.3 s on a busy one; work that grows faster than the file (a quadratic parse, a retry loop)
-# takes minutes at that size, far past this bound.
-LIMIT_S = 6.0
-HANG_S = 20.0  # a load still running after this is blocked: the test fails
+# A hang guard: the largest table allowed loads in ~1 s on a quiet 2-core machine (a few seconds
+# on a busy one); a load still running after this is blocked (a FIFO, /dev/zero): the test fails.
+HANG_S = 300.0
 GOOD = TableKey("linear", "bf16", "bias", 6144, 4096, 257, 512, "c")  # the valid entry next to bad ones
 BAD = "linear|bf16|bias|N=2|K=1|M=257-512|c"  # another shape: a bad entry here overlaps nothing
 DIGITS = "9" * 5000  # more digits than Python's int/str conversion limit (4300) by default
@@ -90,8 +89,8 @@ def table_warnings(records):
 
 
 def bounded(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` in a worker thread: (result, exception, seconds). Fails the test
-    if it is still running after HANG_S (the thread is left blocked, a daemon)."""
+    """``fn(*args, **kwargs)`` in a worker thread: (result, exception). Fails the test if it is
+    still running after HANG_S (the thread is left blocked, a daemon)."""
     box: dict = {}
 
     def run():
@@ -101,13 +100,11 @@ def bounded(fn, *args, **kwargs):
             box["error"] = e
 
     worker = threading.Thread(target=run, daemon=True)
-    start = time.perf_counter()
     worker.start()
     worker.join(HANG_S)
-    seconds = time.perf_counter() - start
     if worker.is_alive():
         pytest.fail(f"{getattr(fn, '__name__', fn)} still running after {HANG_S} s: it blocked")
-    return box.get("value"), box.get("error"), seconds
+    return box.get("value"), box.get("error")
 
 
 def release(path: Path) -> None:
@@ -136,10 +133,9 @@ def check(tmp_path: Path, name: str, make, kept=frozenset(), valid=False) -> Non
         try:
             with warnings.catch_warnings(record=True) as rec:
                 warnings.simplefilter("always")
-                for attempt in range(2):
-                    table, error, seconds = bounded(load, path)
+                for attempt in range(1 if valid else 2):  # the second load of a bad file must not warn again
+                    table, error = bounded(load, path)
                     assert error is None, f"{how} raised {error!r}"
-                    assert seconds <= LIMIT_S, f"{how} took {seconds:.2f} s"
                     assert isinstance(table, TuningTable) and table.signature == SIG
                     assert set(table.entries) == set(kept), (how, attempt, sorted(map(str, table.entries))[:4])
             msgs = table_warnings(rec)
@@ -148,8 +144,7 @@ def check(tmp_path: Path, name: str, make, kept=frozenset(), valid=False) -> Non
             assert all(str(path) in m for m in msgs), msgs
             assert not any("\x1b" in m for m in msgs), "a warning must not carry raw terminal escapes"
             if how == "load":
-                table, error, seconds = bounded(TuningTable.load, path, SIG, strict=True)
-                assert seconds <= LIMIT_S
+                table, error = bounded(TuningTable.load, path, SIG, strict=True)
                 if valid:
                     assert error is None and set(table.entries) == set(kept)
                 else:
@@ -188,19 +183,24 @@ def _over_cap(path):
         f.truncate(MAX_TABLE_BYTES + 1)
 
 
+def _many_shapes_text(n: int) -> bytes:
+    """A canonical valid table of ``n`` entries, each its own shape."""
+    e = good_entry()
+    return T.dump_document(SIG, {TableKey("linear", "bf16", "bias", 100000 + i, 4096, 257, 512, "c"): e
+                                 for i in range(n)}).encode()
+
+
+def _entries_under_the_cap() -> int:
+    """How many entries ``_many_shapes_text`` fits in MAX_TABLE_BYTES - 1 bytes."""
+    base, one = len(_many_shapes_text(0)), len(_many_shapes_text(2)) - len(_many_shapes_text(1))
+    return (MAX_TABLE_BYTES - 1 - base) // one
+
+
 @functools.cache
 def _near_cap_text() -> bytes:
     """A canonical valid table of MAX_TABLE_BYTES - 1 bytes: as many entries as fit (each its own
     shape), padded with trailing whitespace."""
-    e = good_entry()
-
-    def text(n):
-        return T.dump_document(SIG, {TableKey("linear", "bf16", "bias", 100000 + i, 4096, 257, 512, "c"): e
-                                     for i in range(n)}).encode()
-
-    base, one = len(text(0)), len(text(2)) - len(text(1))
-    n = (MAX_TABLE_BYTES - 1 - base) // one
-    data = text(n)
+    data = _many_shapes_text(_entries_under_the_cap())
     assert len(data) <= MAX_TABLE_BYTES - 1
     data = data[:-1] + b" " * (MAX_TABLE_BYTES - 1 - len(data)) + b"\n"
     assert len(data) == MAX_TABLE_BYTES - 1
@@ -215,12 +215,11 @@ def _near_cap_keys():
     return {TableKey.from_string(k) for k in json.loads(_near_cap_text())["entries"]}
 
 
-def _one_m_entries_one_shape() -> str:
-    """16384 valid one-M entries of a single shape (every M): the overlap check must not be
-    quadratic in the entries of one shape."""
+def _one_m_entries_one_shape(count: int = 16384) -> str:
+    """``count`` valid one-M entries of a single shape (M = 1 to ``count``; 16384: every M)."""
     e = {"backend": "torch", "config": {}, "m_points": [1], "ratios": [1.0], "worst_ratio": 1.0, "median_us": 1.0,
          "spread_us": 0.0, "candidates": [], "tuned_at": "2026-11-29"}
-    entries = {f"linear|bf16|bias|N=8|K=8|M={m}-{m}|c": {**e, "m_points": [m]} for m in range(1, 16385)}
+    entries = {f"linear|bf16|bias|N=8|K=8|M={m}-{m}|c": {**e, "m_points": [m]} for m in range(1, count + 1)}
     return json.dumps({"schema": 2, "signature": SIG, "entries": entries}, separators=(",", ":"))
 
 
@@ -403,6 +402,50 @@ def test_wrong_types(tmp_path, case):
     check(tmp_path, case, _write(text), kept)
 
 
+# ----------------------------------------------------------------------------- the work of a load
+
+GROWTH = 8  # the larger table of each pair holds GROWTH times the entries (and bytes) of the smaller
+
+
+def _load_cpu_seconds(path: Path, shipped: Path, entries: int) -> float:
+    """CPU seconds this process spends loading ``path`` through both entry points (each load
+    checked to hold all ``entries``): CPU time, not wall-clock, so that other processes on the
+    machine do not count, the least of three tries."""
+    tries = []
+    for _ in range(3):
+        start = time.process_time()
+        assert len(TuningTable.load(path, SIG, strict=True)) == entries
+        assert len(load_tables(SIG, explicit_path=path, shipped_dir=shipped)) == entries
+        tries.append(time.process_time() - start)
+    return min(tries)
+
+
+@pytest.mark.parametrize("layout", ["entries-of-many-shapes", "one-M-entries-of-one-shape"])
+def test_load_work_grows_linearly_with_the_table(tmp_path, layout):
+    """A table GROWTH times larger costs about GROWTH times the CPU time to load (7-11x measured
+    on a 2-core machine, busy or not); work that grows faster than the file (a quadratic parse, an
+    overlap check comparing every pair of one shape's entries, a merge that rescans the table per
+    entry) costs up to GROWTH**2 times as much. The bound, 3 * GROWTH, sits between the two. Many
+    shapes: a quarter of the largest table allowed and a thirty-second; one shape: every M (16384
+    one-M entries) and an eighth of them."""
+    if layout == "entries-of-many-shapes":
+        big = _entries_under_the_cap() // 4
+        make = _many_shapes_text
+    else:
+        big = 16384
+        make = _one_m_entries_one_shape
+    shipped = tmp_path / "no-shipped-tables"
+    shipped.mkdir()
+    seconds = {}
+    for n in (big // GROWTH, big):
+        path = tmp_path / f"{n}.json"
+        data = make(n)
+        path.write_bytes(data.encode() if isinstance(data, str) else data)
+        seconds[n] = _load_cpu_seconds(path, shipped, n)
+    ratio = seconds[big] / seconds[big // GROWTH]
+    assert ratio < 3 * GROWTH, f"{GROWTH}x the entries took {ratio:.1f}x the CPU time to load: {seconds}"
+
+
 def test_every_bad_entry_at_once_is_one_warning(tmp_path):
     """All the entry-level wrong types in one document: the good entry is kept, one warning
     for the file counts them."""
@@ -454,7 +497,6 @@ def test_truncation_at_every_byte_offset(tmp_path):
     full = set(t.entries)
     shipped = tmp_path / "no-shipped"
     shipped.mkdir()
-    start = time.perf_counter()
     for i in range(len(data) + 1):
         prefix = data[:i]
         whole = prefix.strip() == data.strip()
@@ -476,7 +518,6 @@ def test_truncation_at_every_byte_offset(tmp_path):
             assert not whole, i
         else:
             assert whole and set(strict.entries) == full, i
-    assert time.perf_counter() - start < 60
 
 
 # ----------------------------------------------------------------------------- how files are read
@@ -550,12 +591,12 @@ def test_the_file_is_opened_non_blocking_and_checked_again_after_open(tmp_path, 
     try:
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
-            table, error, seconds = bounded(TuningTable.load, fifo, SIG)
-        assert error is None and len(table) == 0 and seconds <= LIMIT_S
+            table, error = bounded(TuningTable.load, fifo, SIG)
+        assert error is None and len(table) == 0
         msgs = table_warnings(rec)
         assert len(msgs) == 1 and "FIFO" in msgs[0], msgs
         assert opened and all(f & os.O_NONBLOCK and f & os.O_CLOEXEC for f in opened)
-        _, error, _ = bounded(TuningTable.load, fifo, SIG, strict=True)
+        _, error = bounded(TuningTable.load, fifo, SIG, strict=True)
         assert isinstance(error, TableError) and "FIFO" in str(error)
     finally:
         release(fifo)
@@ -589,18 +630,18 @@ def test_at_most_cap_plus_one_bytes_are_read(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kind", ["fifo", "symlink-to-dev-zero", "directory"])
 def test_saving_over_a_special_file_fails_cleanly(tmp_path, kind):
     """A table path that is not a regular file is not read and not replaced: the save raises
-    TableWriteError, promptly, and leaves it as it was."""
+    TableWriteError (without blocking), and leaves it as it was."""
     path = tmp_path / "table.json"
     {"fifo": _fifo, "symlink-to-dev-zero": _dev_zero, "directory": _directory}[kind](path)
     before = os.lstat(path).st_mode
     t = TuningTable(SIG)
     t.set(GOOD, good_entry())
     try:
-        _, error, seconds = bounded(t.save, path)
+        _, error = bounded(t.save, path)
     finally:
         release(path)
     assert isinstance(error, TableWriteError) and "not a regular file" in str(error), repr(error)
-    assert seconds <= LIMIT_S and os.lstat(path).st_mode == before
+    assert os.lstat(path).st_mode == before
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
@@ -644,8 +685,8 @@ def test_load_tables_reads_each_file_once_and_warns_once(tmp_path, monkeypatch):
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter("always")
             for call in range(1, 4):
-                merged, error, seconds = bounded(load_tables, SIG, explicit, shipped_dir=shipped)
-                assert error is None and seconds <= LIMIT_S
+                merged, error = bounded(load_tables, SIG, explicit, shipped_dir=shipped)
+                assert error is None
                 assert set(merged.entries) == {GOOD}
                 assert set(reads.values()) == {call}, reads  # every file once per call
         msgs = table_warnings(rec)
