@@ -4,7 +4,8 @@
 #   bash scripts/gpu-check.sh [STAGE ...]      (default: install tests bench)
 #
 # Stages: install   pip-install the carried wheels (.whl/) and this package, offline
-#         tests     pytest -m gpu (all GPU tests; -n 8 when pytest-xdist is installed)
+#         tests     pytest -m gpu (all GPU tests; -n 8 when pytest-xdist is installed: the tests
+#                   marked gpu_alone then run while no other test does, tests/device_lock.py)
 #         alltests  the whole suite on the GPU (CPU tests too, Triton compiled for real)
 #         bench     the backend benchmarks (cuBLASLt, Triton)
 #         quick     the backend benchmarks, small subset
@@ -63,7 +64,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       'gpu', torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/summary.txt"
       ;;
     tests)
-      # pytest-xdist where installed: 8 workers take the GPU suite from ~330 s to ~70 s on the H200
+      # pytest-xdist where installed: 8 workers take the GPU suite from ~330 s to ~70 s on the H200;
+      # every test holds the GPU through tests/device_lock.py (gpu_alone tests exclusively)
       par=(); $PY -c "import xdist" 2>/dev/null && par=(-n 8)
       log "pytest -m gpu ${par[*]}"
       $PY -m pytest -m gpu "${par[@]}" -q -rfE tests >"$OUT/pytest_gpu.txt" 2>&1; rc=$?

@@ -1,6 +1,8 @@
 import os
 import random
+import tempfile
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -23,6 +25,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Where there is a GPU, each test holds it (setup, call and teardown) through a lock that
+    every pytest process of this user on the machine shares (tests/device_lock.py): a
+    ``gpu_alone`` test exclusively, so that no other test's kernels run beside it (under
+    pytest-xdist's ``-n`` too), every other test shared."""
+    if not cuda_available():
+        return (yield)
+    from device_lock import DeviceLock, private_directory
+
+    lock = DeviceLock(private_directory(Path(tempfile.gettempdir()) / f"hybridgemm-gpu-tests-{os.getuid()}"))
+    with lock.hold(exclusive=item.get_closest_marker("gpu_alone") is not None):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)

@@ -24,10 +24,11 @@ import push_loopback  # noqa: E402 (the scenario names)
 TIMEOUT_S = 300  # every scenario, compilation included, takes well under a minute; a hang ends here
 
 
+@pytest.mark.gpu_alone
 def test_every_loopback_scenario():
-    """Every scenario of tests/push_loopback.py, in one process: one test, so that pytest-xdist
-    never runs two of these processes at once (their ranks' kernels wait for each other, and
-    on a shared GPU another such process only takes turns with them)."""
+    """Every scenario of tests/push_loopback.py, in one process, with the GPU to itself
+    (``gpu_alone``: under pytest-xdist no other test runs meanwhile): its ranks' kernels wait for
+    each other, and on a GPU shared with other work they only take turns with it."""
     env = {**os.environ, "CUDA_MODULE_LOADING": "EAGER", "PYTHONUNBUFFERED": "1"}
     try:
         done = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True,

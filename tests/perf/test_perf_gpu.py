@@ -71,6 +71,7 @@ def test_best_of_providers_pick_a_correct_candidate(tmp_path):
     assert float(rows["triton_best"]["rel_err"]) <= float(rows["triton_best"]["err_bound"])
 
 
+@pytest.mark.gpu_alone  # timed: other kernels beside it would share the HBM bandwidth and the L2
 def test_rotating_timing_reads_weights_cold():
     """gpu_time_rotating: enough copies to exceed the L2 several times, and every call reads
     its weights from HBM: no faster than the bytes at the H200's 4.8 TB/s peak (a 32 MiB
