@@ -9,6 +9,8 @@
 #   bash scripts/ci-stacks.sh [--discard] [oldest] [newest] [-- PYTEST_ARGS]   (no names: both)
 #   --discard: delete each stack's venv once its tests have run, so that at most one stack is on
 #              disk at a time (CI machines have a few GB to spare, not 14)
+# Each stack's tests run in parallel (pytest-xdist, from the test extra): HYBRIDGEMM_TEST_JOBS
+# workers, by default one per core.
 # Runs every stack asked for, then exits non-zero if any stack failed to install or to pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,7 +71,8 @@ for name in "${names[@]}"; do
   echo "== stack $name: $("$venv/bin/python" -c 'import numpy, torch, triton
 print(f"torch {torch.__version__}, triton {triton.__version__}, numpy {numpy.__version__}")')"
   # No GPU is used even where one exists: the gpu tests skip, kernels run in the interpreter.
-  CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+  CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+    -n "${HYBRIDGEMM_TEST_JOBS:-auto}" "$@"
   rc=$?
   if [ $rc -ne 0 ]; then
     echo "ci-stacks: $name: pytest exited $rc" >&2
