@@ -12,6 +12,7 @@ import torch
 
 from hybridgemm.autotune_cache.presets import preset_from_hf_config
 from hybridgemm.cli import main
+from hybridgemm.parallel.sharding import rank_projections
 
 # Trimmed from the models' published config.json files (the fields that matter, plus a few
 # that must be ignored).
@@ -357,7 +358,7 @@ def test_bad_whole_model_figures(tmp_path, field, value, needle):
 def test_qwen25_7b_over_two_ranks(tmp_path):
     p = preset_from_hf_config(write(tmp_path, QWEN25_7B))
     # 14 query heads and 2 KV heads of 128 per rank, q/k/v biased; MLP 18944 / 2 = 9472.
-    assert {s.name: (s.n, s.k, s.bias) for s in p.tp_projections(2)} == {
+    assert {s.name: (s.n, s.k, s.bias) for s in rank_projections(p, 2)} == {
         "q": (1792, 3584, True), "kv": (256, 3584, True), "qkv": (2304, 3584, True),
         "o": (3584, 1792, False), "gate_up": (9472, 3584, False), "down": (3584, 9472, False),
         "lm_head": (76032, 3584, False),

@@ -297,10 +297,19 @@ def test_the_bitwise_check_catches_a_split_k_config(device):
 
 
 def test_row_chunks_past_32_bit_offsets_change_no_row(device, monkeypatch):
-    x, w, b = make_operands(40, 48, 72, torch.float16, device)
+    # Chunks of whole row tiles (as if block_m rows hit 2**31), the last one partial: each row
+    # keeps its place in its tile, so any difference is the chunking's (the interpreter's
+    # numpy dot is not bitwise the same for a row at another place in its tile).
+    n, k = 48, 72
+    x, w, b = make_operands(1, n, k, torch.float16, device)
+    cfg, _ = modes.fixed_config(Problem.from_tensors(x, w, b, torch.empty(0, n, dtype=x.dtype),
+                                                     Epilogue(Activation.RELU, True)))
+    x, w, b = make_operands(2 * cfg.block_m + 24, n, k, torch.float16, device)
     whole = _run_fixed(x, w, b, Activation.RELU)
-    monkeypatch.setattr(modes, "_chunk_rows", lambda x, out: 16)  # as if 16 rows hit 2**31
+    chunks = []
+    monkeypatch.setattr(modes, "_chunk_rows", lambda x, out: chunks.append(x.shape[0]) or cfg.block_m)
     assert torch.equal(_run_fixed(x, w, b, Activation.RELU), whole)
+    assert chunks == [x.shape[0]]  # the chunked path ran (three launches)
 
 
 # ----------------------------------------------------------------------------- GPU, through the dispatcher

@@ -190,13 +190,13 @@ def case_tied_lm_head_stays_whole(rank, group):
 
 def _fused_kernels_on_cpu(calls: list):
     """The fused decoder-layer path on CPU tensors (Triton interpreter), as tests/
-    test_decode_attention.py widens it; records each split-K launch's fusion. Returns an undo."""
+    tests/models/test_decode_step.py widens it; records each split-K launch's fusion. Returns an undo."""
+    from hybridgemm import dispatch
     from hybridgemm.kernels import triton_splitk
-    from hybridgemm.models import decode_step as da
-    from hybridgemm.models import decoder_layer as dl
+    from hybridgemm.models import decode_checks
 
     config = triton_splitk.TritonSplitKConfig(16, 16, 32, split_k=2, num_warps=4, num_stages=2, fused_reduce=True)
-    saved = [(dl, "_on_kernel_device"), (da, "_kernel_device"), (da, "splitk_config"), (triton_splitk, "run")]
+    saved = [(decode_checks, "on_kernel_device"), (dispatch, "splitk_config"), (triton_splitk, "run")]
     saved = [(mod, name, getattr(mod, name)) for mod, name in saved]
     real_run = triton_splitk.run
 
@@ -205,8 +205,8 @@ def _fused_kernels_on_cpu(calls: list):
                      "residual" if residual is not None else "plain")
         return real_run(cfg, *a, norm=norm, residual=residual, rope=rope, **kw)
 
-    dl._on_kernel_device = da._kernel_device = lambda x: True
-    da.splitk_config = lambda x2, w, b, out: config
+    decode_checks.on_kernel_device = lambda x: True
+    dispatch.splitk_config = lambda x2, w, b, out: config
     triton_splitk.run = run
 
     def undo():
@@ -255,18 +255,17 @@ def case_fused_decoder_layers_over_ranks(rank, group):
         try:
             ids = token_ids(config.vocab_size, (2, 5))  # 10 rows: the fused path (no cache: the module's attention)
             assert_same(logits(model, ids), logits(ref, ids), f"fused logits {what}")
-            # per layer: QKV with the norm; down with the residual on rank 0 (torch's kernel),
-            # else plain (O runs in the attention module, as the row-parallel layer's own
-            # forward, then the add)
+            # per layer: QKV with the norm; O and down with the residual on rank 0 (torch's
+            # kernel), else plain (the push kernel's sum adds it)
             part = "residual" if rank == 0 and kernel == "torch" else "plain"
-            assert calls == ["norm", part] * 2, calls
+            assert calls == ["norm", part, part] * 2, calls
             calls.clear()
             if kv_heads == 2:  # compiled: the fused ops (a down with no residual) and the sums traced
                 compiled = torch.compile(model, backend="aot_eager")
                 with torch.no_grad():
                     assert_same(compiled(input_ids=ids, use_cache=False).logits, logits(ref, ids),
                                 f"compiled fused {what}")
-                assert calls == ["norm", part] * 2, calls
+                assert calls == ["norm", part, part] * 2, calls
                 calls.clear()
                 torch._dynamo.reset()
             with torch.no_grad():
@@ -275,8 +274,8 @@ def case_fused_decoder_layers_over_ranks(rank, group):
             for step, (g, w) in enumerate(zip(got, want)):
                 assert_same(g, w, f"static-cache decode step {step} {what}")
             # the 6-row prefill as above; then each step of each layer: QKV with the rotary and
-            # cache write, O and down both through the layer
-            assert calls == ["norm", part] * 2 + ["rope", part, part] * 2 * 2, calls
+            # cache write, O and down
+            assert calls == ["norm", part, part] * 2 + ["rope", part, part] * 2 * 2, calls
         finally:
             undo()
 

@@ -342,13 +342,14 @@ def case_fused_decode_push_sums_the_residual(rank, group):
 
 
 def _fused_decode(rank, group, kernel):
+    from hybridgemm import dispatch
     from hybridgemm.kernels import triton_splitk
-    from hybridgemm.models import decode_step as da
+    from hybridgemm.models import decode_checks
     from hybridgemm.models import decoder_layer as dl
 
     sharded, stock, fp32 = _models(rank, kernel)
     layer = sharded.model.layers[0]
-    assert isinstance(layer, dl.HybridDecoderLayer) and layer.__dict__.get(dl.ATTENTION_STEP), type(layer)
+    assert isinstance(layer, dl.HybridDecoderLayer) and decode_checks.takes_static_step(layer), type(layer)
     prompt = token_ids(CONFIG["vocab_size"], (2, 16)).cuda(rank)
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -360,18 +361,18 @@ def _fused_decode(rank, group, kernel):
 
     config = triton_splitk.TritonSplitKConfig(16, 64, 64, split_k=2, num_warps=4, num_stages=3, fused_reduce=True)
     launches, streams = [], []
-    real_config, real_run = da.splitk_config, triton_splitk.run
+    real_config, real_run = dispatch.splitk_config, triton_splitk.run
 
     def run(cfg, *a, residual=None, rope=None, **kw):
         launches.append("rope" if rope is not None else "residual" if residual is not None else "other")
         return real_run(cfg, *a, residual=residual, rope=rope, **kw)
 
-    da.splitk_config, triton_splitk.run = (lambda *a: config), run
+    dispatch.splitk_config, triton_splitk.run = (lambda *a: config), run
     hook = sharded.model.norm.register_forward_pre_hook(lambda mod, args: streams.append(args[0].detach().clone()))
     try:
         ours, again = _teacher_forced_decode(sharded, prompt, 8), _teacher_forced_decode(sharded, prompt, 8)
     finally:
-        da.splitk_config, triton_splitk.run = real_config, real_run
+        dispatch.splitk_config, triton_splitk.run = real_config, real_run
         hook.remove()
     steps = 2 * 8  # two decodes of 8 steps, 2 layers each: one rotary QKV, O and down per layer
     assert launches.count("rope") == steps * 2, launches
