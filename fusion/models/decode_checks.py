@@ -312,6 +312,17 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
         return "its rotary embedding is not the standard rotate_half one"
     if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
         return "it has no integer head_dim and layer_idx"
+    return why_not_load_kernels()
+
+
+def why_not_load_kernels() -> str | None:
+    """Load the kernel modules the static-cache step reads outside its custom ops (None: loaded):
+    a compiled decode step's trace cannot import a module (Dynamo does not trace
+    ``importlib.import_module``), so this runs when a layer is patched or unpickled."""
+    try:
+        attention_kernel()
+    except ImportError as e:
+        return f"the decode attention kernel cannot be imported ({e})"
     return None
 
 

@@ -415,6 +415,10 @@ def test_dynamo_traces_a_decode_step_in_one_graph(backend, kernels_on_cpu, monke
 
     launches, real = [], tda.decode_attention
     monkeypatch.setattr(tda, "decode_attention", lambda *a, **kw: launches.append(kw["step"]) or real(*a, **kw))
+    # a process where the attention kernel's module was never loaded: patch loads it (the trace cannot)
+    from hybridgemm.kernels import lazy
+
+    monkeypatch.delitem(lazy._loaded, "triton_decode_attention", raising=False)
     stock = _tiny("llama")
     model = _patched(stock)
     api = hf.forward_api(model)
