@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from hybridgemm.autotune_cache.measure import gpu_time_rotating, rotation_copies
 from hybridgemm.kernels import triton_glu as tglu
+from hybridgemm.kernels.triton_config import next_pow2
 from hybridgemm.perf.bench_msweep import git_commit
 from hybridgemm.perf.csvio import environment_columns, write_csv
 
@@ -34,7 +35,7 @@ MAX_REL_ERROR = 2e-2  # of the reference's largest magnitude: bf16 output roundi
 
 
 def configs(m: int, i: int, k: int) -> list[tglu.TritonGluConfig]:
-    bm = max(16, tglu.tc.next_pow2(m))
+    bm = max(16, next_pow2(m))
     found = [tglu.TritonGluConfig(bm, bn, kb // 2, w, s) for bn, kb, w, s in GRID]
     default = tglu.default_config(m, i, k, torch.bfloat16)
     return [c for c in dict.fromkeys([*found, default]) if c.supports(m, i, k, torch.bfloat16)[0]]
