@@ -28,7 +28,7 @@
 #                   give it a device call of its own; SAN_TOOLS picks tools (default: all three)
 #         soak      scripts/soak.py: SOAK_CALLS (default 100000) calls over 50 shapes, every
 #                   backend + the dispatcher; memory and RSS must stay flat ($OUT/soak_*)
-#         determinism  tests/test_determinism_gpu.py in two fresh pytest processes; their
+#         determinism  tests/kernels/test_determinism_gpu.py in two fresh pytest processes; their
 #                   output hashes must be identical ($OUT/determinism*)
 #         pack      tar every CSV, PNG and table under $OUT into $OUT/results.tar.gz
 #         <other>   run as a shell command (e.g. "python3 -m hybridgemm.perf.host_profile calls" or
@@ -156,7 +156,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       # Focused subsets: the sanitizer slows kernels 10-100x (racecheck more) and every test
       # process start; pytest runs in ONE process (no -n). Odd shapes, misaligned and strided
       # operands, both GEMM load paths (TMA, pointer), split-K (two-pass, fused, tiled), the
-      # dispatcher's size rule, the backward GEMMs and the bad-input catalogue's GPU results.
+      # dispatcher's F.linear fallback, the backward GEMMs and the bad-input catalogue's GPU results.
       mem_k='(test_matches_reference and (3x257x130 or 1000x37x45) and not float32) or test_layouts
         or test_non_contiguous_operands or (test_grads_match_reference and torch.bfloat16)
         or test_untuned_shapes_follow_the_rule or (test_results_match_f_linear and cuda)
@@ -167,8 +167,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
         or (test_gemm_no_bias and torch.float16) or test_misaligned_operands
         or (test_splitk_fused_matches_two_pass and torch.bfloat16 and (1- or 37-))
         or (test_splitk_dtypes_activations and 16-gelu-torch.bfloat16)'
-      mem_files=(tests/test_cublaslt_gpu.py tests/test_cublaslt_grad_gpu.py tests/test_triton_gpu.py
-                 tests/test_dispatch_gpu.py tests/test_bad_input.py)
+      mem_files=(tests/kernels/test_cublaslt_gpu.py tests/kernels/test_cublaslt_grad_gpu.py tests/kernels/test_triton_gpu.py
+                 tests/fusion/test_dispatch_gpu.py tests/fusion/test_bad_input.py)
       for tool in ${SAN_TOOLS:-memcheck racecheck synccheck}; do
         f="$OUT/sanitizer_$tool.txt"
         extra_env=(); san_args=()
@@ -184,8 +184,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
           # Excluding them (--kernel-name-exclude kns=nvjet) made the sanitizer fail with an
           # internal error on the first uninstrumented cuBLAS launch, so they stay
           # instrumented and the verdict below counts only hazards in other kernels.
-          racecheck) limit=${SAN_TIMEOUT_RACECHECK:-150}; k=$tri_k; files=(tests/test_triton_gpu.py) ;;
-          synccheck) limit=${SAN_TIMEOUT_SYNCCHECK:-90}; k=$tri_k; files=(tests/test_triton_gpu.py) ;;
+          racecheck) limit=${SAN_TIMEOUT_RACECHECK:-150}; k=$tri_k; files=(tests/kernels/test_triton_gpu.py) ;;
+          synccheck) limit=${SAN_TIMEOUT_SYNCCHECK:-90}; k=$tri_k; files=(tests/kernels/test_triton_gpu.py) ;;
         esac
         k=$(echo "$k" | tr -s ' \n' ' ')
         log "compute-sanitizer --tool $tool (at most ${limit} s): ${files[*]}"
@@ -233,12 +233,12 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       [ $rc -eq 0 ] || status=$rc
       ;;
     determinism)
-      log "determinism: tests/test_determinism_gpu.py in two fresh processes"
+      log "determinism: tests/kernels/test_determinism_gpu.py in two fresh processes"
       : >"$OUT/determinism.txt"
       for run in 1 2; do
         rm -f "$OUT/determinism_hashes_$run.json"
         HYBRIDGEMM_DETERMINISM_HASHES="$OUT/determinism_hashes_$run.json" $PY -m pytest -p no:cacheprovider \
-          -q -rfEs -m gpu tests/test_determinism_gpu.py >>"$OUT/determinism.txt" 2>&1; rc=$?
+          -q -rfEs -m gpu tests/kernels/test_determinism_gpu.py >>"$OUT/determinism.txt" 2>&1; rc=$?
         tail -n 1 "$OUT/determinism.txt" | sed "s/^/  run $run: /" | tee -a "$OUT/summary.txt"
         [ $rc -eq 0 ] || status=$rc
       done
