@@ -1,5 +1,5 @@
 """Table keys, M ranges and layout classes (autotune_cache/keys.py): the exact boundaries and
-the messages, pure CPU. The basic round trips are in tests/test_table.py."""
+the messages, pure CPU. The basic round trips are in tests/autotune_cache/test_table.py."""
 
 import math
 import random

@@ -842,7 +842,7 @@ def test_signature_rules():
     assert signature_matches(SIG, dict(SIG)) == (True, "")
     # Informational fields may differ: a patch release or a torch upgrade keeps the table.
     assert signature_matches(SIG, {**SIG, "torch_version": "2.12", "package_version": "0.1.1"})[0]
-    # Library versions are judged entry by entry (tests/test_upgrade.py), never for the whole table.
+    # Library versions are judged entry by entry (tests/autotune_cache/test_upgrade.py), never for the whole table.
     assert signature_matches(SIG, {**SIG, "cublaslt_version": None, "triton_version": "3.7.0"})[0]
     for field, value in [("gpu_name", "NVIDIA H100"), ("compute_capability", "9.1"),
                          ("sm_count", 114), ("kernel_abi", KERNEL_ABI + 1),

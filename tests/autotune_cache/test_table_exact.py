@@ -1,8 +1,8 @@
 """The tuning table's exact rules (autotune_cache/table.py), pure CPU: the message of every
 rejection (a warning names the file and this reason, so it must say what is wrong), the edge
 values of every limit, the flags and names of the files a load opens and a save writes, and
-which warnings a load or a save gives. tests/test_table.py covers the API, and
-tests/test_table_hostile.py the hostile-file corpus.
+which warnings a load or a save gives. tests/autotune_cache/test_table.py covers the API, and
+tests/autotune_cache/test_table_hostile.py the hostile-file corpus.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Table faults seen from the call path, on the CPU.
 
-tests/test_table.py checks ``TuningTable.load``/``save`` against the fault catalogue (truncated
+tests/autotune_cache/test_table.py checks ``TuningTable.load``/``save`` against the fault catalogue (truncated
 file, random bytes, wrong types, wrong schema, another GPU's table, concurrent writers). This
 file checks what a *call* sees: the dispatcher's decision (``decide.choose``, rules 4-5)
 with a faulty explicit or user table keeps working — it falls back to the fallback rule

@@ -1,6 +1,6 @@
 """CPU tests of the eager fast path's bookkeeping (fusion/eager_fast.py): when a call may take a
 cached launch, what its key covers, and the cache's bound. The launches themselves need a GPU
-(tests/test_eager_fast_gpu.py)."""
+(tests/fusion/test_eager_fast_gpu.py)."""
 
 from __future__ import annotations
 

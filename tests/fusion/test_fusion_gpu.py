@@ -1,7 +1,7 @@
 """GPU tests of the user-facing layer: linear (forward + backward), attention_projection,
 patched transformers models, CUDA-graph capture of a decode step, torch.compile (inductor).
 
-Run on the GPU machine: ``pytest -m gpu tests/test_fusion_gpu.py``. Errors are bounded
+Run on the GPU machine: ``pytest -m gpu tests/fusion/test_fusion_gpu.py``. Errors are bounded
 relative to PyTorch's own error on the same inputs (tests/helpers.py), never by a fixed
 loose tolerance.
 """

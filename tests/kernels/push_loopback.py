@@ -3,7 +3,7 @@ process: every rank's buffer is a tensor on the same GPU and each rank's kernels
 stream of their own, concurrently with the others', so the waits, the release/acquire
 ordering and the reuse of slots under skew are real; only the link between GPUs is not.
 
-Run by tests/test_push_sum_gpu.py, every scenario in one process (``python push_loopback.py``,
+Run by tests/kernels/test_push_sum_gpu.py, every scenario in one process (``python push_loopback.py``,
 one JSON line per scenario as it ends), with ``CUDA_MODULE_LOADING=EAGER`` and under a
 timeout: one rank's kernel spins until the other rank's kernel of the same call runs, on the
 same GPU, so every kernel the scenario launches is compiled and loaded before any two run

@@ -6,7 +6,7 @@ have pushed into its buffer (``_seed``, from the documented layout), then runs t
 order; a rank's own pushes into the later ranks' buffers are real. What this checks: the
 layout, the parity of consecutive calls, the counters, the flags, the rank-order fp32 sum and
 its rounding, the masks of a last partial chunk. Concurrency (the waits, the release/acquire
-ordering, slots reused under skew) needs the GPU: tests/test_push_sum_gpu.py.
+ordering, slots reused under skew) needs the GPU: tests/kernels/test_push_sum_gpu.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hybridgemm.kernels import triton_push_sum as ps
 from hybridgemm.kernels.triton_launch import interpreting
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU tensors need the Triton interpreter; on a GPU "
-                                "machine tests/test_push_sum_gpu.py runs the kernel")
+                                "machine tests/kernels/test_push_sum_gpu.py runs the kernel")
 
 
 class Group:

@@ -1,7 +1,7 @@
 """The push one-shot sum (kernels/triton_push_sum.py) on one GPU, its ranks simulated in one
 process on concurrent streams (tests/push_loopback.py says how, and why its scenarios run in a
 process of their own under a timeout). The two-GPU path through symmetric memory:
-tests/test_parallel_gpu.py.
+tests/parallel/test_parallel_gpu.py.
 """
 
 from __future__ import annotations

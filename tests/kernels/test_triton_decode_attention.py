@@ -1,7 +1,7 @@
 """The one-token decode attention kernel (kernels/triton_decode_attention.py) under the Triton
 interpreter, against fp64 SDPA with the GQA heads expanded: shapes, masks, spans merged by the
 last program, the cache-length update, counters, bad input. GPU runs:
-tests/test_decode_attention_gpu.py."""
+tests/models/test_decode_step_gpu.py."""
 
 from __future__ import annotations
 

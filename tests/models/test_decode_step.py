@@ -2,7 +2,7 @@
 embedding and the static KV-cache write in the QKV split-K epilogue, against an fp64
 reference (kernel) and against the stock model decoding with its own StaticCache (tiny
 random-weight models; kernels under the Triton interpreter, the device check widened to the
-CPU). GPU runs: tests/test_decode_attention_gpu.py."""
+CPU). GPU runs: tests/models/test_decode_step_gpu.py."""
 
 from __future__ import annotations
 

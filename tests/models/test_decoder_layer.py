@@ -1,7 +1,7 @@
 """Decoder-layer fusion (fusion/models/decoder_layer.py) on tiny random-weight transformers models:
 which layers ``patch`` fuses and why not, the fused forward against the stock model (its
 kernels run under the Triton interpreter here, with the device check widened to the CPU),
-the fallbacks, and unpatch. The real models run on the GPU (tests/test_models_gpu.py and
+the fallbacks, and unpatch. The real models run on the GPU (tests/models/test_models_gpu.py and
 ``hybridgemm bench --e2e``).
 """
 

@@ -1,5 +1,5 @@
 """The perf harness end to end on a GPU: a tiny sweep writes a CSV of finite, positive times
-and the figures are drawn from it. Run on the GPU machine: ``pytest -m gpu tests/test_perf_gpu.py``."""
+and the figures are drawn from it. Run on the GPU machine: ``pytest -m gpu tests/perf/test_perf_gpu.py``."""
 
 from __future__ import annotations
 
