@@ -8,7 +8,7 @@ of ``dispatch.fused_linear`` in each mode and of ``F.linear``, each result first
 against an fp32 reference, and the batch-invariant rows checked bitwise against an M = 1 call.
 Writes ``DIR/modes_<gpu>.csv`` (long form, upserted, perf/csvio.py) and prints, per shape, the
 speed of batch_invariant relative to default (``default µs / batch_invariant µs``) and the
-worst at M ≥ 1024 against the target of ≥ 0.8x. ``--quick``: M = 1, 1024, 4096, fewer replays.
+worst at M ≥ 1024. ``--quick``: M = 1, 1024, 4096, fewer replays.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from hybridgemm.perf.timing import gpu_time
 SHAPES = (("llama3-8b", ("q", "kv", "qkv", "o")), ("llama3-70b", ("qkv", "o")))
 MS = (1, 16, 1024, 4096, 16384)
 QUICK_MS = (1, 1024, 4096)
-TARGET = 0.8  # batch_invariant at ≥ 0.8x the default mode's speed at M ≥ 1024
 LARGE_M = 1024
 PROVIDERS = ("batch_invariant", "default", "flinear")
 
@@ -160,8 +159,7 @@ def main(argv=None) -> int:
     print()
     print("\n".join(lines))
     if worst is not None:
-        verdict = "meets" if worst[0] >= TARGET else "misses"
-        print(f"worst at M >= {LARGE_M}: {worst[0]:.3f}x of default speed ({worst[1]}); target >= {TARGET}x: {verdict}")
+        print(f"worst at M >= {LARGE_M}: {worst[0]:.3f}x of default speed ({worst[1]})")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"modes_{gpu_slug(torch.cuda.get_device_name())}.csv")
     write_rows(path, rows)
