@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _torch_module
 
 from hybridgemm.fused_rows import FusedLinears
+from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES as _PLAIN
 from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.linear_layer import HybridLinear, PartialSumLinear
 from hybridgemm.mlp import FUSED_GATE_UP, HybridGatedMLP
@@ -43,7 +44,6 @@ NOT_A_LAYER = "not a decoder layer"
 STATIC_STEP = "_hybridgemm_attention_step"
 NO_WINDOW = object()  # AttentionForm.sliding_window: the stock forward passes none
 _LAYER_DTYPES = (torch.bfloat16, torch.float32)
-_PLAIN = (Tensor, nn.Parameter)
 
 # The forwards the step computes, statement by statement (each top-level statement of the
 # body, unparsed, whitespace removed; a tuple: one of these forms): transformers 5.3-5.24's
