@@ -2,7 +2,9 @@
 classes.
 
 **Key.** ``op|dtype|epilogue|N=..|K=..|M=lo-hi|layout``, e.g.
-``linear|bf16|bias|N=6144|K=4096|M=9-16|c``. ``dtype`` is ``bf16``, ``fp16``, ``fp32``, or
+``linear|bf16|bias|N=6144|K=4096|M=9-16|c``. ``op`` carries the weight format (:func:`op_for`):
+``linear`` for a weight of x's dtype, ``linear_e4m3_channel`` / ``linear_e4m3_block128`` for an
+FP8 weight (kernels/fp8.py). ``dtype`` (x's and the output's) is ``bf16``, ``fp16``, ``fp32``, or
 ``tf32`` (fp32 inputs with TF32 allowed: a different race from exact fp32). ``epilogue`` is
 ``Epilogue.name``. ``M=lo-hi`` is the range of M the entry serves, and was validated on.
 
@@ -98,13 +100,19 @@ def split_range(lo: int, hi: int) -> tuple[tuple[int, int], tuple[int, int]] | N
     return (lo, mid), (mid + 1, hi)
 
 
+def op_for(op: str, weight_format: str) -> str:
+    """The key's op for a weight format: ``linear`` for a weight of x's dtype, ``linear_<format>``
+    (e.g. ``linear_e4m3_channel``) for an FP8 weight, so FP8 entries never serve bf16 calls."""
+    return f"{op}_{weight_format}" if weight_format else op
+
+
 def layout_class(problem: Any) -> str:
     """The layout/alignment class of a :class:`~hybridgemm.kernels.problem.Problem`
     (module docstring)."""
     e = problem.dtype.itemsize
     a = 16
     for v in (problem.align_x, problem.align_w, problem.align_out, problem.align_bias,
-              problem.ldx * e, problem.ldw * e, problem.ldo * e):
+              problem.ldx * e, problem.ldw * problem.w_itemsize, problem.ldo * e):
         a = min(a, v & -v) if v > 0 else a
     dense = problem.ldx == problem.k and problem.ldw == problem.k and problem.ldo == problem.n
     if dense:
@@ -131,7 +139,8 @@ class ShapeKey:
         dtype = DTYPE_NAMES[problem.dtype]
         if dtype == "fp32" and problem.tf32:
             dtype = "tf32"
-        return cls(op, dtype, problem.epilogue.name, problem.n, problem.k, layout_class(problem))
+        return cls(op_for(op, problem.weight_format), dtype, problem.epilogue.name, problem.n, problem.k,
+                   layout_class(problem))
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,10 @@ import importlib
 from hybridgemm.attention import AttentionProjection, HybridMultiheadAttention, attention_projection
 from hybridgemm.decide import reload_tables, set_table_path
 from hybridgemm.explain import explain  # the function; the module is sys.modules['hybridgemm.explain']
+from hybridgemm.fp8_linear import FP8Linear
 from hybridgemm.kernels.checks import LinearArgumentError
 from hybridgemm.kernels.epilogue import Activation, Epilogue
+from hybridgemm.kernels.fp8 import FP8FormatError, FP8Weight, quantize_fp8
 from hybridgemm.kernels.version import __version__
 from hybridgemm.linear_layer import HybridLinear, linear
 from hybridgemm.mlp import gated_linear
@@ -35,8 +37,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "Activation", "AttentionProjection", "Epilogue", "HybridLinear", "HybridMultiheadAttention", "LinearArgumentError",
-    "ParallelReport", "PatchReport", "__version__", "attention_projection", "explain", "gated_linear", "get_mode",
-    "load_full_state_dict", "linear", "mode", "parallelize", "patch", "reload_tables", "set_mode",
-    "set_table_path", "unpatch",
+    "Activation", "AttentionProjection", "Epilogue", "FP8FormatError", "FP8Linear", "FP8Weight", "HybridLinear",
+    "HybridMultiheadAttention", "LinearArgumentError", "ParallelReport", "PatchReport", "__version__",
+    "attention_projection", "explain", "gated_linear", "get_mode", "linear", "load_full_state_dict", "mode",
+    "parallelize", "patch", "quantize_fp8", "reload_tables", "set_mode", "set_table_path", "unpatch",
 ]

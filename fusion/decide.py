@@ -48,7 +48,8 @@ from hybridgemm.autotune_cache.keys import ShapeKey
 from hybridgemm.autotune_cache.table import TuningTable, load_tables
 from hybridgemm.kernels import backends
 from hybridgemm.kernels.backends import ConfigRejected
-from hybridgemm.kernels.problem import Problem
+from hybridgemm.kernels.lazy import triton_module
+from hybridgemm.kernels.problem import DECODE_MAX_M, Problem
 
 from . import mode_state
 from .diagnostics import warn_once
@@ -183,6 +184,34 @@ def choose(problem: Problem, device_index: int) -> Choice:
             return dataclasses.replace(choice, provisional=not verdict.cached)
         reason += f"; {why}, passed its correctness probe"
     return Choice(entry["backend"], cfg, "table", key.to_string(), reason, lo, hi, worst)
+
+
+# ----------------------------------------------------------------------------- FP8 weights
+
+
+def choose_fp8(problem: Problem, device_index: int) -> Choice:
+    """Rules 4-5 for an FP8 weight (``problem.weight_format`` set; the caller has checked that
+    the device runs FP8 kernels). Rule 4 as for any call, on the format's own key
+    (``linear_e4m3_channel|...``). Rule 5: at decode rows (M ≤ DECODE_MAX_M) the Triton split-K
+    kernel streaming the e4m3 bytes (default config), which reads half the weight bytes of the
+    bf16 GEMM and none of a dequantized copy; past them ``torch``: the weight dequantized to
+    x's dtype, then that dtype's decision."""
+    choice = choose(problem, device_index)
+    if choice.source == "table" or choice.backend != "torch":
+        return choice
+    if problem.m <= DECODE_MAX_M:
+        limits = backends.device_limits(device_index)
+        try:
+            config = triton_module("triton_splitk").default_config(
+                problem, num_sms=backends.num_sms(device_index), **limits)
+        except ValueError as e:
+            return dataclasses.replace(choice, reason=f"{choice.reason} (split-K cannot run it: {e}); "
+                                       "dequantize, then that dtype's decision")
+        return Choice("triton_splitk", config, "rule", choice.key,
+                      f"no table entry for this FP8 weight; M={problem.m} <= {DECODE_MAX_M}: the split-K kernel "
+                      "streaming e4m3 (default config)")
+    return dataclasses.replace(choice, reason=f"no table entry for this FP8 weight at M={problem.m}; "
+                               "dequantize, then that dtype's decision")
 
 
 # ------------------------------------------------------------------------- the gated rule

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridgemm.kernels import backends, cublaslt
+from hybridgemm.kernels import backends, cublaslt, fp8
 from hybridgemm.kernels.bounded_cache import BoundedCache
 from hybridgemm.kernels.checks import (
     call_signature,
@@ -199,7 +199,11 @@ def _decision(problem: Problem, dev: int, mode: str) -> Choice:
         invariant = mode == modes.BATCH_INVARIANT
         backends.warn_unavailable_once(stacklevel=5)
         with torch.cuda.device(dev):
-            choice = modes.batch_invariant_choice(problem, dev) if invariant else decide.choose(problem, dev)
+            if problem.weight_format:  # FP8: the batch-invariant mode runs the dequantized weight's path
+                choice = decide.fallback_rule(problem, "batch_invariant mode: dequantize, then the invariant "
+                                              "path") if invariant else decide.choose_fp8(problem, dev)
+            else:
+                choice = modes.batch_invariant_choice(problem, dev) if invariant else decide.choose(problem, dev)
         if invariant and choice.backend == "torch":
             warn_once(("invariant", problem.n, problem.k, problem.dtype),
                       f"hybridgemm: batch_invariant mode cannot run {choice.key} on Triton; {choice.reason}")
@@ -208,13 +212,14 @@ def _decision(problem: Problem, dev: int, mode: str) -> Choice:
     return choice
 
 
-def decision_for(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> Choice:
-    """What the current mode runs for ``out = x2 @ weight.T + bias`` (x2 (M, K) and ``weight``
-    row-major, ``out`` (M, N) contiguous, CUDA, a kernel dtype, no activation): the decision
+def decision_for(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                 activation=None, weight_format: str = "") -> Choice:
+    """What the current mode runs for ``out = act(x2 @ weight.T + bias)`` (x2 (M, K) and
+    ``weight`` row-major, ``out`` (M, N) contiguous, CUDA, a kernel dtype): the decision
     :func:`fused_linear` takes for these operands, for callers that fuse more around the same
-    GEMM (:func:`fused_splitk`)."""
-    problem = Problem.from_tensors(x2, weight, bias, out, Epilogue(Activation.NONE, bias is not None),
-                                   uses_tf32(x2.dtype))
+    GEMM (:func:`fused_splitk`) and for FP8 weights (``weight_format``, fusion/fp8_linear.py)."""
+    problem = Problem.from_tensors(x2, weight, bias, out, Epilogue(Activation.parse(activation), bias is not None),
+                                   uses_tf32(x2.dtype), weight_format)
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     return _decision(problem, dev, _launchers[0].mode)
 
@@ -273,31 +278,38 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str):
 # and the caller computes the same thing unfused.
 
 _SPLITK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_FUSION_NAMES = {"norm": "norm", "residual": "residual", "rope": "rotary/KV-cache"}
+_FUSION_NAMES = {"norm": "norm", "residual": "residual", "rope": "rotary/KV-cache", "weight_scale": "FP8 weight"}
 
 
-def splitk_config(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor):
+def splitk_config(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                  weight_format: str = ""):
     """The Triton split-K config the current mode runs for ``out = x2 @ weight.T + bias``, or
-    None where it runs another backend (or PyTorch computes it: CPU tensors, other dtypes)."""
-    if not x2.is_cuda or x2.dtype not in _SPLITK_DTYPES or weight.dtype != x2.dtype:
+    None where it runs another backend (or PyTorch computes it: CPU tensors, other dtypes).
+    ``weight_format``: ``weight`` is FP8 in that format (kernels/fp8.py)."""
+    if not x2.is_cuda or x2.dtype not in _SPLITK_DTYPES or (weight.dtype != x2.dtype and not weight_format):
         return None
-    choice = decision_for(x2, weight, bias, out)
+    choice = decision_for(x2, weight, bias, out, weight_format=weight_format)
     return choice.config if choice.backend == "triton_splitk" and choice.config is not None else None
 
 
 def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 counters: torch.Tensor | None = None, **fusion) -> torch.Tensor | None:
+                 counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+                 **fusion) -> torch.Tensor | None:
     """``linear(x, weight, bias)`` with ``fusion`` (split-K's ``norm=(g, eps)``, ``residual=``,
     ``rope=``) in one launch, where the decision for the bare GEMM is Triton split-K; None where
     it is not, or where the kernel refuses the fusion (warned once per shape, as a refused
     table entry is): the caller then computes it unfused. ``counters``: zeroed int32 arrival
-    counters for the fused reduction, used by one launch at a time."""
+    counters for the fused reduction, used by one launch at a time. ``weight_scale``: ``weight``
+    is e4m3 with these scales (kernels/fp8.py scale_vector's layout)."""
     n = weight.shape[0]
     x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
     out = x.new_empty((x2.shape[0], n))
-    config = splitk_config(x2, w2, b2, out)
+    weight_format = "" if weight_scale is None else fp8.FORMAT_OF[fp8.granularity_of(weight, weight_scale)]
+    config = splitk_config(x2, w2, b2, out, weight_format)
     if config is None:
         return None
+    if weight_scale is not None:
+        fusion["weight_scale"] = weight_scale
     if "residual" in fusion:
         fusion["residual"] = row_major(rows_2d(fusion["residual"]))
     try:

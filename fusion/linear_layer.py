@@ -36,9 +36,11 @@ from hybridgemm.dispatch import WHO
 from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES as _PLAIN
 from hybridgemm.kernels.checks import kernel_form, linear_operands
 from hybridgemm.kernels.epilogue import Activation, apply_activation
+from hybridgemm.kernels.fp8 import FP8Weight
 
 from . import (
     backward,
+    fp8_linear,
     ops,  # noqa: F401  (registers the hybridgemm:: custom ops)
 )
 
@@ -65,8 +67,14 @@ def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None, activation
     ``activation``: None, ``"relu"``, ``"gelu_tanh"`` (tanh approximation) or ``"gelu"``
     (exact erf form), or an :class:`~hybridgemm.Activation`. Differentiable in ``input``,
     ``weight`` and ``bias``; traceable by ``torch.compile(fullgraph=True)``.
+
+    ``weight`` may be an :class:`~hybridgemm.kernels.fp8.FP8Weight` (``hybridgemm.quantize_fp8``):
+    x and bias then have its dtype (bf16/fp16), and gradients reach x and bias only
+    (fusion/fp8_linear.py).
     """
     x = input
+    if isinstance(weight, FP8Weight):
+        return fp8_linear.linear_fp8(x, weight.data, weight.scale, bias, activation)
     try:
         act = Activation.parse(activation)
     except ValueError:

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES as _PLAIN
 from hybridgemm.kernels.epilogue import GLU_ACTIVATIONS
+from hybridgemm.kernels.fp8 import FP8Weight
 from hybridgemm.kernels.lazy import triton_module
 
 from .decide import choose_gated
@@ -95,6 +96,11 @@ def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activati
                          f"got {activation!r}")
     if kernel not in KERNELS:
         raise ValueError(f"hybridgemm.gated_linear: kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    if isinstance(weight, FP8Weight):  # one GEMM over the stacked e4m3 rows, the product apart
+        if weight.shape[0] % 2:
+            raise ValueError(f"hybridgemm.gated_linear: weight must have 2I rows, got {tuple(weight.shape)}")
+        gate, up = linear(x, weight, bias).chunk(2, dim=-1)
+        return fn(gate) * up
     if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] % 2:
         shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
         raise ValueError("hybridgemm.gated_linear: weight must be 2-D (2I, K), the gate rows stacked over the up "
@@ -120,6 +126,9 @@ class HybridGatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         fused = self._modules[FUSED_GATE_UP]
+        if "weight_scale" in fused._buffers:  # an FP8 gate/up (fusion/fp8_modules.py): one GEMM, the product apart
+            gate, up = fused(x)
+            return self.down_proj(GLU_FUNCTIONS[self.glu_activation](gate) * up)
         return self.down_proj(gated_linear(x, fused.weight, fused.bias, self.glu_activation))
 
 

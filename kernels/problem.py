@@ -61,10 +61,18 @@ class Problem:
     align_out: int = MAX_ALIGNMENT
     align_bias: int = MAX_ALIGNMENT
     tf32: bool = False  # fp32 inputs only: may the kernel use TF32 tensor cores?
+    # "" (W has x's dtype) or an FP8 weight format (kernels/fp8.py FORMAT_OF): W is e4m3 with
+    # per-channel or 128x128-block scales, x and out are ``dtype``.
+    weight_format: str = ""
 
     @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def w_itemsize(self) -> int:
+        """Bytes per element of W: 1 for an FP8 weight format, else x's."""
+        return 1 if self.weight_format else self.itemsize
 
     @property
     def flops(self) -> int:
@@ -74,7 +82,7 @@ class Problem:
     def min_bytes(self) -> int:
         """Fewest bytes a kernel must move: read x, W and bias once, write out once."""
         e = self.itemsize
-        return e * (self.m * self.k + self.n * self.k + self.m * self.n + self.n * self.epilogue.bias)
+        return e * (self.m * self.k + self.m * self.n + self.n * self.epilogue.bias) + self.w_itemsize * self.n * self.k
 
     @classmethod
     def from_tensors(
@@ -85,8 +93,10 @@ class Problem:
         out: torch.Tensor,
         epilogue: Epilogue,
         tf32: bool = False,
+        weight_format: str = "",
     ) -> Problem:
-        """Describe 2-D ``x`` (M, K), ``weight`` (N, K), ``out`` (M, N) with unit column stride."""
+        """Describe 2-D ``x`` (M, K), ``weight`` (N, K), ``out`` (M, N) with unit column stride
+        (``weight_format``: see the field)."""
         m, k = x.shape
         n = weight.shape[0]
         return cls(
@@ -99,4 +109,5 @@ class Problem:
             align_out=pointer_alignment(out.data_ptr()),
             align_bias=pointer_alignment(bias.data_ptr()) if bias is not None else MAX_ALIGNMENT,
             tf32=tf32 and x.dtype == torch.float32,
+            weight_format=weight_format,
         )

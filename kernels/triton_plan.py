@@ -62,12 +62,13 @@ class PlanCache(BoundedCache):
         return plan
 
 
-def plan_problem(config, x, weight, bias, out, act: Activation, tf32: bool):
+def plan_problem(config, x, weight, bias, out, act: Activation, tf32: bool, weight_format: str = ""):
     """What building any plan starts with: the operand checks (clear errors), the Problem, and
     ``config.supports`` on x's device. ``(problem, device facts)``, or None for an empty output
-    (M or N is 0). Raises ValueError when the config cannot run the problem there."""
-    check_operands(x, weight, bias, out)
-    problem = Problem.from_tensors(x, weight, bias, out, Epilogue(act, bias is not None), tf32)
+    (M or N is 0). Raises ValueError when the config cannot run the problem there.
+    ``weight_format``: W is FP8 in that format (kernels/fp8.py), x and out bf16/fp16."""
+    check_operands(x, weight, bias, out, weight_format)
+    problem = Problem.from_tensors(x, weight, bias, out, Epilogue(act, bias is not None), tf32, weight_format)
     if problem.m == 0 or problem.n == 0:
         return None
     facts = device_facts(x.device)
@@ -93,8 +94,9 @@ def split_extent(k: int, block_k: int, split: int) -> int:
 # ----------------------------------------------------------------------------- operands
 
 
-def check_operands(x, weight, bias, out) -> None:
-    """Clear TypeError/ValueError for anything the kernels cannot take. Run once per plan."""
+def check_operands(x, weight, bias, out, weight_format: str = "") -> None:
+    """Clear TypeError/ValueError for anything the kernels cannot take. Run once per plan.
+    With a ``weight_format`` W is e4m3 and x bf16/fp16; otherwise all share x's dtype."""
     named = {"x": x, "weight": weight, "out": out} | ({} if bias is None else {"bias": bias})
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
@@ -113,8 +115,14 @@ def check_operands(x, weight, bias, out) -> None:
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or (n > 1 and bias.stride(0) != 1)):
         raise ValueError(f"bias must be a contiguous vector of {n} elements, got {tuple(bias.shape)}")
     dtype_name(x.dtype)  # TypeError for anything but fp16/bf16/fp32
+    if weight_format:
+        if weight.dtype != torch.float8_e4m3fn or x.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"an FP8 weight ({weight_format}) needs e4m3fn W and bf16/fp16 x, got W {weight.dtype}, "
+                            f"x {x.dtype}")
+    elif weight.dtype == torch.float8_e4m3fn:
+        raise TypeError("an e4m3fn weight needs its scales (kernels/fp8.py FP8Weight)")
     for name, t in named.items():
-        if t.dtype != x.dtype:
+        if t.dtype != x.dtype and not (name == "weight" and weight_format):
             raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}; all must match")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")

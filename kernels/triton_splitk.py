@@ -35,7 +35,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from . import fp8
 from .epilogue import Activation
+from .fp8 import FORMAT_OF
 from .problem import DECODE_MAX_M, Problem
 from .triton_config import (
     HOPPER_NUM_SMS,
@@ -72,6 +74,7 @@ KIND = "triton_splitk"
 MAX_M = DECODE_MAX_M  # candidates() offers split-K up to this M; past it the tiled GEMM wins
 MAX_ACC_REGS = 128
 MAX_CANDIDATES = 16
+_WSCALE = {"": 0, FORMAT_OF["channel"]: 1, FORMAT_OF["block128"]: 2}  # the kernel's WSCALE per weight format
 
 
 @dataclass(frozen=True)
@@ -101,9 +104,11 @@ class TritonSplitKConfig:
     def from_record(cls, record: dict) -> TritonSplitKConfig:
         return config_from_record(cls, KIND, record)
 
-    def smem_bytes(self, itemsize: int) -> int:
-        """W and x tiles per pipeline stage, plus the fp32 accumulator staged for the store."""
-        pipeline = self.num_stages * (self.block_n + self.block_m) * self.block_k * itemsize
+    def smem_bytes(self, itemsize: int, w_itemsize: int | None = None) -> int:
+        """W and x tiles per pipeline stage, plus the fp32 accumulator staged for the store
+        (``w_itemsize``: W's bytes per element where they differ from x's, an FP8 weight)."""
+        w_itemsize = itemsize if w_itemsize is None else w_itemsize
+        pipeline = self.num_stages * (self.block_n * w_itemsize + self.block_m * itemsize) * self.block_k
         return pipeline + self.block_n * self.block_m * 4
 
     def supports(
@@ -114,12 +119,16 @@ class TritonSplitKConfig:
         reason = problem_limits(problem)
         if reason:
             return False, reason
+        if problem.weight_format not in _WSCALE:
+            return False, f"no split-K kernel for weight format {problem.weight_format!r}"
+        if problem.weight_format == FORMAT_OF["block128"] and self.block_k > fp8.BLOCK:
+            return False, f"block_k={self.block_k} spans more than one {fp8.BLOCK}-column block of scales"
         k_blocks = triton.cdiv(problem.k, self.block_k)
         if self.split_k > 1 and self.split_k > k_blocks:
             return False, f"split_k={self.split_k} exceeds the {k_blocks} blocks of K"
         if self.split_k * problem.m * problem.n > INT32_LIMIT:
             return False, "workspace spans more than 2**31 elements"
-        smem = self.smem_bytes(problem.itemsize)
+        smem = self.smem_bytes(problem.itemsize, problem.w_itemsize)
         if smem > smem_limit:
             return False, f"needs ~{smem} bytes of shared memory, over the {smem_limit} limit"
         regs = self.block_m * self.block_n // (32 * self.num_warps)
@@ -166,6 +175,13 @@ def _split_for(waves: float, tiles: int, k_blocks: int, num_sms: int) -> int:
     return max(1, min(max(1, k_blocks // 2), round(waves * num_sms / max(1, tiles))))
 
 
+def _block_k(problem: Problem, k_bytes: int) -> int:
+    """Elements of K per stage for ``k_bytes`` of W per row (at most one 128-column block of
+    scales for a block-scaled FP8 weight)."""
+    cap = fp8.BLOCK if problem.weight_format == FORMAT_OF["block128"] else 512
+    return min(cap, max(16, k_bytes // problem.w_itemsize))
+
+
 def _block_m(problem: Problem) -> int:
     return min(64, max(16, next_pow2(problem.m)))
 
@@ -180,7 +196,7 @@ def candidates(
     bm = _block_m(problem)
     found: list[TritonSplitKConfig] = []
     for bn, k_bytes, warps, stages, waves, fused in _PLAN:
-        bk = min(512, max(16, k_bytes // problem.itemsize))
+        bk = _block_k(problem, k_bytes)
         tiles = triton.cdiv(problem.n, bn) * triton.cdiv(problem.m, bm)
         if waves == 0 and tiles < num_sms // 4:
             continue  # no split with this few programs cannot keep HBM busy
@@ -197,7 +213,7 @@ def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits)
     two-launch reduction."""
     bm = _block_m(problem)
     bn, k_bytes, warps, stages = _DEFAULT_SHAPE
-    bk = max(16, k_bytes // problem.itemsize)
+    bk = _block_k(problem, k_bytes)
     tiles = triton.cdiv(problem.n, bn) * triton.cdiv(problem.m, bm)
     split = _split_for(2, tiles, triton.cdiv(problem.k, bk), num_sms)
     cfg = TritonSplitKConfig(bm, bn, bk, split, warps, stages)
@@ -212,12 +228,13 @@ def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits)
 
 @triton.jit
 def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res_ptr, cos_ptr, sin_ptr, kc_ptr,
-                   vc_ptr, base_ptr, M, N, K, ldx, ldw, ldo, k_per_split, inv_k, eps, ldr, seq, cs_b, cs_s, kc_b,
-                   kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len, rope_tiles,
+                   vc_ptr, base_ptr, sc_ptr, M, N, K, ldx, ldw, ldo, k_per_split, inv_k, eps, ldr, seq, cs_b, cs_s,
+                   kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len, rope_tiles, lds,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    PREC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                   ROPE: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr):
+                   ROPE: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr,
+                   WSCALE: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -228,6 +245,10 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # for the tile's last program (MODE 2). RESIDUAL: the epilogue adds res (ldr) to the
     # rounded result. ROPE: the rotary embedding of the q/k heads (tiles of paired columns) and,
     # with KV, the k/v heads stored into a static cache (triton_rope).
+    # WSCALE: W is e4m3 (kernels/fp8.py), converted to x's dtype in registers (exact: every e4m3
+    # value is a bf16/fp16 value) and scaled in fp32: 1 per output row (sc[N]) once after the
+    # loop; 2 per 128x128 block (sc[N/128, lds]) per K tile, which lies inside one block (BK
+    # divides 128 and each split starts on a block edge), so acc += (W8 @ x.T) * s[row block].
     # PDL (programmatic dependent launch): this grid may start while the previous kernel on
     # the stream finishes; nothing is read or written before the wait, which returns once that
     # kernel has completed and its writes are visible (see pdl_enabled()).
@@ -265,9 +286,17 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                         eviction_policy="evict_last")
             if NORM:
                 x, sq = tl_norm_tile_sq(x, tl.load(nw_ptr + k + offs_k, mask=k_ok, other=0.0), sq)
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
+        if WSCALE == 0:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
+        elif WSCALE == 1:
+            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PREC)
+        else:
+            s = tl.load(sc_ptr + (rows_n // 128) * lds + k // 128)
+            acc += tl.dot(w.to(x.dtype), tl.trans(x), input_precision=PREC) * s[:, None]
         w_ptrs += BK
         x_ptrs += BK
+    if WSCALE == 1:  # before the partial is stored: the splits then add scaled partials
+        acc = acc * tl.load(sc_ptr + rows_n)[:, None]
     if PDL:
         gdc_launch_dependents()  # only the epilogue is left: let the next grid get ready
     mask = n_ok[:, None] & m_ok[None, :]
@@ -367,24 +396,28 @@ _NO_FUSION = Fusion()
 #   RESIDUAL   res                               ldr
 #   ROPE       cos, sin, keys, values, base      seq, cos/sin strides, keys/values strides,
 #                                                q_cols, v_start, cache_len, rope_tiles
+#   FP8        sc (W's scales)                   lds (block scales' row stride)
 #
 # A pointer the call does not use (no bias, no split, a fusion not asked for) gets a stand-in,
 # ``out`` (the workspace for the counters of a two-launch split): the constexprs (HAS_BIAS,
-# MODE, NORM, RESIDUAL, ROPE, KV) keep the kernel from touching it.
+# MODE, NORM, RESIDUAL, ROPE, KV, WSCALE) keep the kernel from touching it.
 
 _NO_ROPE_SCALARS = (1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # ROPE's integers without it: one specialisation
 
 
-def _fusion_pointers(unused, norm: tuple | None = None, residual=None, rope: RotaryCache | None = None) -> tuple:
-    """The pointers of the NORM, RESIDUAL and ROPE groups for a call's ``norm=(weight, eps)``,
-    ``residual`` and ``rope`` (``unused`` standing in for each one it does not fuse)."""
+def _fusion_pointers(unused, norm: tuple | None = None, residual=None, rope: RotaryCache | None = None,
+                     weight_scale=None) -> tuple:
+    """The pointers of the NORM, RESIDUAL, ROPE and FP8 groups for a call's ``norm=(weight, eps)``,
+    ``residual``, ``rope`` and ``weight_scale`` (``unused`` standing in for each one it does not
+    take)."""
     if rope is None:
         rope_ptrs = (unused,) * 5
     elif rope.keys is None:  # the rotary embedding only: no cache to write
         rope_ptrs = (rope.cos, rope.sin, unused, unused, unused)
     else:
         rope_ptrs = (rope.cos, rope.sin, rope.keys, rope.values, rope.base)
-    return (unused if norm is None else norm[0], unused if residual is None else residual, *rope_ptrs)
+    return (unused if norm is None else norm[0], unused if residual is None else residual, *rope_ptrs,
+            unused if weight_scale is None else weight_scale)
 
 
 _FUSION_POINTERS = len(_fusion_pointers(None))  # what a call without fusions passes ``unused`` for
@@ -401,8 +434,8 @@ def fusion_of(norm: tuple | None, residual: torch.Tensor | None, rope: RopeLayou
 
 
 def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
-    config, fusion = key
-    found = plan_problem(config, x, weight, bias, out, act, tf32)
+    config, fusion, weight_format = key
+    found = plan_problem(config, x, weight, bias, out, act, tf32, weight_format)
     if found is None:
         return TritonPlan(x.device, empty=True)
     problem, facts = found
@@ -415,10 +448,12 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     rope = fusion.rope
     meta = dict(plan_meta(config, problem, act, bias is not None), MODE=mode, NORM=norm,
                 RESIDUAL=residual and mode != 1, ROPE=rope is not None, KV=rope is not None and rope.kv,
-                HD=rope.head_dim if rope is not None else 2, PDL=pdl, **launch_opts)
+                HD=rope.head_dim if rope is not None else 2, PDL=pdl, WSCALE=_WSCALE[weight_format],
+                **launch_opts)
     # the integer groups (see "launch arguments")
     gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)
-    split_ints = (split_extent(k, config.block_k, split),)
+    blocks = weight_format == FORMAT_OF["block128"]  # each split starts on a 128-column scale block
+    split_ints = (split_extent(k, max(config.block_k, fp8.BLOCK) if blocks else config.block_k, split),)
     norm_ints = (1.0 / max(k, 1), fusion.norm_eps or 0.0)  # inv_k: fp32(1/K), as triton_rmsnorm computes the mean
     residual_ints = (fusion.residual_ld if residual else problem.ldo,)
     rope_ints = _NO_ROPE_SCALARS if rope is None else rope.scalars(config.block_n)
@@ -432,7 +467,7 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     ss_numel = (split * m if mode == 1 else grid[0] * grid[2] * split * config.block_m) if norm and split > 1 else 0
     return TritonPlan(
         x.device, Launcher(_splitk_kernel, grid, meta),
-        scalars=gemm_ints + split_ints + norm_ints + residual_ints + rope_ints,
+        scalars=gemm_ints + split_ints + norm_ints + residual_ints + rope_ints + (triton.cdiv(k, fp8.BLOCK),),
         ws_numel=split * m * n + ss_numel if split > 1 else 0,
         counters=grid[0] * grid[2] if mode == 2 else 0,
         reduce=reduce, reduce_scalars=(m, n, problem.ldo, *residual_ints, split, *norm_ints),
@@ -457,6 +492,7 @@ def run(
     residual: torch.Tensor | None = None,
     rope: RotaryCache | None = None,
     counters: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[:] = act(rmsnorm(x) @ weight.T + bias) + residual`` with ``config``; returns ``out``.
 
@@ -468,21 +504,25 @@ def run(
     a residual or the two-launch reduction). Any may be None (plain GEMM). ``counters``: a
     zeroed int32 tensor on x's device for the fused reduction's arrival counters in compiled
     regions (left zero; not to be shared with a launch running at the same time), instead of
-    a zero-filled one per call; eager calls use their stream's.
+    a zero-filled one per call; eager calls use their stream's. ``weight_scale``: ``weight`` is
+    e4m3 and these are its fp32 scales, (N,) per channel or (N/128, K/128) per block, contiguous
+    (kernels/fp8.py; x and out bf16/fp16).
     Deterministic for a fixed config. ``tf32`` (fp32 inputs) allows TF32 tensor cores.
     Raises ValueError/TypeError naming the problem when operands or config do not fit.
     """
     if norm is not None or residual is not None:
         check_fusion(x, out, norm, residual, "triton_splitk")
     layout = None
+    weight_format = "" if weight_scale is None else _scale_format(weight, weight_scale)
     if rope is not None:
-        check_operands(x, weight, bias, out)
+        check_operands(x, weight, bias, out, weight_format)
         layout = rope_layout(rope, x, out, config.block_n, "triton_splitk")
         if residual is not None or parse_activation(activation) != Activation.NONE:
             raise ValueError("triton_splitk: rope takes no residual and no activation")
         if config.split_k > 1 and not config.fused_reduce:
             raise ValueError("triton_splitk: rope needs split_k == 1 or the fused reduction (fused_reduce=True)")
-    plan = _PLANS.plan((config, fusion_of(norm, residual, layout)), x, weight, bias, out, activation, tf32)
+    plan = _PLANS.plan((config, fusion_of(norm, residual, layout), weight_format), x, weight, bias, out, activation,
+                       tf32)
     if plan.empty:
         return out
     if counters is not None and (counters.dtype != torch.int32 or counters.device != out.device
@@ -490,10 +530,22 @@ def run(
         raise ValueError("triton_splitk: counters must be a contiguous int32 tensor on the output's device")
     b = out if bias is None else bias  # the stand-in pointers: see "launch arguments"
     ws, cnt = plan_scratch(plan, out, counters)
-    plan.launch(x, weight, b, out, ws, cnt, *_fusion_pointers(out, norm, residual, rope), *plan.scalars)
+    plan.launch(x, weight, b, out, ws, cnt, *_fusion_pointers(out, norm, residual, rope, weight_scale), *plan.scalars)
     if plan.reduce is not None:
         plan.reduce(ws, b, out, out if residual is None else residual, *plan.reduce_scalars)
     return out
+
+
+def _scale_format(weight: torch.Tensor, weight_scale: torch.Tensor) -> str:
+    """The weight format ``weight_scale`` states for ``weight`` (FP8FormatError if none), the
+    scales contiguous as the kernel reads them."""
+    if not isinstance(weight_scale, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError("triton_splitk: weight and weight_scale must be tensors")
+    granularity = fp8.granularity_of(weight, weight_scale)
+    if weight_scale.dim() != (1 if granularity == "channel" else 2) or not weight_scale.is_contiguous():
+        raise ValueError("triton_splitk: weight_scale must be contiguous, (N,) per channel or (N/128, K/128) "
+                         "per block (kernels/fp8.py scale_vector)")
+    return FORMAT_OF[granularity]
 
 
 def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -503,7 +555,7 @@ def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias
     (``bp`` 0 without a bias), with no checks and no Triton Python per call. None until
     :func:`run` has launched this signature once, or where Triton offers no raw launch
     (interpreter)."""
-    plan = _PLANS.plan((config, _NO_FUSION), x, weight, bias, out, activation, tf32, build=False)
+    plan = _PLANS.plan((config, _NO_FUSION, ""), x, weight, bias, out, activation, tf32, build=False)
     if plan is None or plan.empty:
         return None
     main = plan.launch.raw()

@@ -11,7 +11,8 @@ attention kernel) also needs transformers' ``StaticLayer`` and ``Cache.update`` 
 the standard ``rotate_half`` rotary, and no q/k norms.
 
 Per call (:func:`takes_fused_path`, :func:`kv_slot`): CUDA (:func:`on_kernel_device`), bf16
-or fp32 with every weight in x's dtype, at most :data:`DECODE_ROWS` rows, no gradient wanted,
+or fp32 with every weight in x's dtype (or e4m3 with bf16 x: fusion/fp8_modules.py), at most
+:data:`DECODE_ROWS` rows, no gradient wanted,
 no autocast, the default dispatch mode, and no hooks on the modules the step does not call
 (norms, attention, its projections, the MLP, down). Elsewhere the stock forward runs.
 """
@@ -29,8 +30,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _torch_module
 
+from hybridgemm.fp8_modules import FP8HybridLinear
 from hybridgemm.fused_rows import FusedLinears
 from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES as _PLAIN
+from hybridgemm.kernels.fp8 import E4M3
 from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.linear_layer import HybridLinear, PartialSumLinear
 from hybridgemm.mlp import FUSED_GATE_UP, HybridGatedMLP
@@ -44,6 +47,7 @@ NOT_A_LAYER = "not a decoder layer"
 STATIC_STEP = "_hybridgemm_attention_step"
 NO_WINDOW = object()  # AttentionForm.sliding_window: the stock forward passes none
 _LAYER_DTYPES = (torch.bfloat16, torch.float32)
+_FP8_ACTIVATIONS = (torch.bfloat16,)  # x of an FP8-weight layer (fusion/fp8_modules.py)
 
 # The forwards the step computes, statement by statement (each top-level statement of the
 # body, unparsed, whitespace removed; a tuple: one of these forms): transformers 5.3-5.24's
@@ -410,7 +414,7 @@ def takes_fused_path(layer: nn.Module, x) -> bool:
     if torch.is_autocast_enabled(x.device.type) or get_mode() != DEFAULT:
         return False
     params = [t for m in _fused_parts(layer) for t in (m.weight, getattr(m, "bias", None)) if t is not None]
-    if any(t.dtype != x.dtype for t in params):
+    if any(t.dtype != x.dtype and not (t.dtype == E4M3 and x.dtype in _FP8_ACTIVATIONS) for t in params):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params)):
         return False
@@ -420,7 +424,7 @@ def takes_fused_path(layer: nn.Module, x) -> bool:
 
 def _fusable_projection(proj) -> bool:
     """An O or down projection the step computes: patched, or row-parallel."""
-    return type(proj) is HybridLinear or isinstance(proj, PartialSumLinear)
+    return type(proj) in (HybridLinear, FP8HybridLinear) or isinstance(proj, PartialSumLinear)
 
 
 def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:

@@ -49,9 +49,11 @@ from torch import Tensor, nn
 
 from hybridgemm import dispatch
 from hybridgemm.diagnostics import warn_once
+from hybridgemm.fp8_linear import fp8_linear
+from hybridgemm.fp8_modules import weight_scale_of
 from hybridgemm.kernels.process_memory import per_call_scratch
 from hybridgemm.linear_layer import PartialSumLinear
-from hybridgemm.mlp import FUSED_GATE_UP, gated_linear
+from hybridgemm.mlp import FUSED_GATE_UP, GLU_FUNCTIONS, gated_linear
 from hybridgemm.norm import rms_norm
 
 from . import decode_checks as checks
@@ -69,24 +71,32 @@ def _compiled(op, eager, *args):
 
 # ----------------------------------------------------------------------------- the pieces
 
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None) -> Tensor:
+    """The unfused GEMM of a piece: the dispatcher's, or the FP8 call for an e4m3 ``weight``."""
+    return dispatch.fused_linear(x, weight, bias) if scale is None else fp8_linear(x, weight, scale, bias)
+
+
 def _norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
-                 counters: Tensor | None = None) -> Tensor:
-    y = dispatch.fused_splitk(x, weight, bias, counters, norm=(norm_weight, float(eps)))
-    return dispatch.fused_linear(rms_norm(x, norm_weight, eps), weight, bias) if y is None else y
+                 counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+    y = dispatch.fused_splitk(x, weight, bias, counters, scale, norm=(norm_weight, float(eps)))
+    return _linear(rms_norm(x, norm_weight, eps), weight, bias, scale) if y is None else y
 
 
 def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
-                     counters: Tensor | None = None) -> Tensor:
+                     counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     fusion = {} if residual is None else {"residual": residual}
-    y = dispatch.fused_splitk(x, weight, bias, counters, **fusion)
+    y = dispatch.fused_splitk(x, weight, bias, counters, scale, **fusion)
     if y is not None:
         return y
-    y = dispatch.fused_linear(x, weight, bias)
+    y = _linear(x, weight, bias, scale)
     return y if residual is None else residual + y
 
 
 def _gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
-                activation: str) -> Tensor:
+                activation: str, scale: Tensor | None = None) -> Tensor:
+    if scale is not None:  # FP8: gate/up as one split-K launch with the norm prologue, the product apart
+        gate, up = _norm_linear(x, norm_weight, eps, weight, bias, None, scale).chunk(2, dim=-1)
+        return GLU_FUNCTIONS[activation](gate) * up
     y = dispatch.gated(x, weight, bias, activation, norm=(norm_weight, float(eps)))
     return gated_linear(rms_norm(x, norm_weight, eps), weight, bias, activation) if y is None else y
 
@@ -95,61 +105,65 @@ def _gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias
 # leave as they found them (all zero), so the ops do not declare them mutated.
 @torch.library.custom_op("hybridgemm::norm_linear_fwd", mutates_args=())
 def norm_linear_fwd(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
-                    counters: Tensor | None = None) -> Tensor:
+                    counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     with per_call_scratch():  # no scratch cached from inside a compiled region (CUDA graph trees)
-        return _norm_linear(x, norm_weight, eps, weight, bias, counters).contiguous()
+        return _norm_linear(x, norm_weight, eps, weight, bias, counters, scale).contiguous()
 
 
 @norm_linear_fwd.register_fake
-def _norm_linear_fake(x, norm_weight, eps, weight, bias, counters=None):
+def _norm_linear_fake(x, norm_weight, eps, weight, bias, counters=None, scale=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.custom_op("hybridgemm::linear_residual_fwd", mutates_args=())
 def linear_residual_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
-                        counters: Tensor | None = None) -> Tensor:
+                        counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     with per_call_scratch():
-        return _linear_residual(x, weight, bias, residual, counters).contiguous()
+        return _linear_residual(x, weight, bias, residual, counters, scale).contiguous()
 
 
 @linear_residual_fwd.register_fake
-def _linear_residual_fake(x, weight, bias, residual, counters=None):
+def _linear_residual_fake(x, weight, bias, residual, counters=None, scale=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.custom_op("hybridgemm::gated_norm_fwd", mutates_args=())
 def gated_norm_fwd(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
-                   activation: str) -> Tensor:
-    return _gated_norm(x, norm_weight, eps, weight, bias, activation)
+                   activation: str, scale: Tensor | None = None) -> Tensor:
+    with per_call_scratch():
+        return _gated_norm(x, norm_weight, eps, weight, bias, activation, scale)
 
 
 @gated_norm_fwd.register_fake
-def _gated_norm_fake(x, norm_weight, eps, weight, bias, activation):
+def _gated_norm_fake(x, norm_weight, eps, weight, bias, activation, scale=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
 
 def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
-                counters: Tensor | None = None) -> Tensor:
+                counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     """``linear(rmsnorm(x), weight, bias)`` with Llama's RMSNorm (weight ``norm_weight``), one
     launch where the table runs Triton split-K. ``counters``: zeroed int32 arrival counters for
-    split-K's fused reduction, used by one launch at a time."""
+    split-K's fused reduction, used by one launch at a time. ``scale``: ``weight`` is e4m3 with
+    these scales (fusion/fp8_modules.py ``weight_scale_of``), as in every piece here."""
     return _compiled(torch.ops.hybridgemm.norm_linear_fwd, _norm_linear, x, norm_weight, float(eps), weight, bias,
-                     counters)
+                     counters, scale)
 
 
 def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
-                    counters: Tensor | None = None) -> Tensor:
+                    counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     """``residual + linear(x, weight, bias)`` (``linear(x, weight, bias)`` for a None
     residual), one launch where the table runs Triton split-K."""
-    return _compiled(torch.ops.hybridgemm.linear_residual_fwd, _linear_residual, x, weight, bias, residual, counters)
+    return _compiled(torch.ops.hybridgemm.linear_residual_fwd, _linear_residual, x, weight, bias, residual, counters,
+                     scale)
 
 
 def gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
-               activation: str) -> Tensor:
+               activation: str, scale: Tensor | None = None) -> Tensor:
     """``gated_linear(rmsnorm(x), weight, bias, activation)``, one launch of the gated kernel
-    where the dispatcher's gated rule picks it."""
+    where the dispatcher's gated rule picks it (an FP8 weight: the split-K launch with the norm
+    prologue, then the product)."""
     return _compiled(torch.ops.hybridgemm.gated_norm_fwd, _gated_norm, x, norm_weight, float(eps), weight, bias,
-                     activation)
+                     activation, scale)
 
 
 # ------------------------------------------------------------------ Q/K/V with rotary + cache
@@ -161,11 +175,12 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return t * c + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * s
 
 
-def _rope_qkv_unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads) -> Tensor:
+def _rope_qkv_unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
+                      scale=None) -> Tensor:
     """The stock computation: norm, GEMM, rotary in x's dtype, ``index_copy_`` into the cache."""
     b, s = x.shape[:2]
     hd = keys.shape[-1]
-    y = dispatch.fused_linear(rms_norm(x, norm_weight, eps), weight, bias)
+    y = _linear(rms_norm(x, norm_weight, eps), weight, bias, scale)
     q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
     q = _rotate(q.reshape(b, s, heads, hd), cos, sin)
     k = _rotate(k.reshape(b, s, kv_heads, hd), cos, sin)
@@ -176,38 +191,39 @@ def _rope_qkv_unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values,
 
 
 def _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-              counters=None) -> Tensor:
+              counters=None, scale=None) -> Tensor:
     rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base)
-    y = dispatch.fused_splitk(x, weight, bias, counters, norm=(norm_weight, float(eps)), rope=rc)
+    y = dispatch.fused_splitk(x, weight, bias, counters, scale, norm=(norm_weight, float(eps)), rope=rc)
     if y is None:
-        return _rope_qkv_unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads)
+        return _rope_qkv_unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
+                                 scale)
     return y
 
 
 @torch.library.custom_op("hybridgemm::norm_rope_qkv_fwd", mutates_args=("keys", "values"))
 def norm_rope_qkv_fwd(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None, cos: Tensor,
                       sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int, kv_heads: int,
-                      counters: Tensor | None = None) -> Tensor:
+                      counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     with per_call_scratch():
         return _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-                         counters).contiguous()
+                         counters, scale).contiguous()
 
 
 @norm_rope_qkv_fwd.register_fake
 def _norm_rope_qkv_fake(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-                        counters=None):
+                        counters=None, scale=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None, cos: Tensor,
                   sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int, kv_heads: int,
-                  counters: Tensor | None = None) -> Tensor:
+                  counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     """Q/K/V of ``rmsnorm(x)`` (x [B, S, D]) with q and k rotated, k and v written into
     ``keys``/``values`` [B, kv_heads, L, hd] at positions ``base + s``; returns [B, S, N].
     One split-K launch where the table runs split-K with a config that fits (tiles within a
     head, no two-launch reduction), the stock sequence of operations otherwise."""
     return _compiled(torch.ops.hybridgemm.norm_rope_qkv_fwd, _rope_qkv, x, norm_weight, float(eps), weight, bias,
-                     cos, sin, keys, values, base, heads, kv_heads, counters)
+                     cos, sin, keys, values, base, heads, kv_heads, counters, scale)
 
 
 # ------------------------------------------------------------------------- decode attention
@@ -268,7 +284,7 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
     heads = qkv.weight.shape[0] // hd - 2 * kv_heads
     base = layer.cumulative_length
     y = norm_rope_qkv(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, cos, sin, keys, values,
-                      base, heads, kv_heads, counters)
+                      base, heads, kv_heads, counters, weight_scale_of(qkv))
     mask = kwargs.get("attention_mask")
     sdpa = checks.registered_sdpa()  # a user may have registered another one
     if s == 1 and sdpa is checks.stock_sdpa():
@@ -309,7 +325,7 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
     form = checks.attention_form(type(attn))
     input_shape = x.shape[:-1]
     hidden_shape = (*input_shape, -1, attn.head_dim)
-    y = norm_linear(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, counters)
+    y = norm_linear(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
     q, k, v = (t.view(hidden_shape) for t in y.split(qkv.sizes, dim=-1))
     if form.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
@@ -356,6 +372,7 @@ def project_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor |
     nothing. Either way the sum over the ranks holds the residual and the bias once each, and
     no separate add runs. Every rank must take the same path (the decoder layer's conditions
     are the same on every rank, as the collectives already require)."""
+    scale = weight_scale_of(proj)
     if isinstance(proj, PartialSumLinear):
         if proj.sums_residual:
             part = linear_residual(x, proj.weight, proj.bias if proj.adds_bias else None, None, counters)
@@ -363,7 +380,7 @@ def project_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor |
         if proj.adds_bias:
             return proj.sum_parts(linear_residual(x, proj.weight, proj.bias, residual, counters))
         return proj.sum_parts(linear_residual(x, proj.weight, None, None, counters))
-    return linear_residual(x, proj.weight, proj.bias, residual, counters)
+    return linear_residual(x, proj.weight, proj.bias, residual, counters, scale)
 
 
 def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None = None) -> Tensor:
@@ -372,7 +389,8 @@ def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | Non
     h = project_add(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), x, counters)
     mlp, norm = layer.mlp, layer.post_attention_layernorm
     gate_up = mlp._modules[FUSED_GATE_UP]
-    inter = gated_norm(h, norm.weight, norm.variance_epsilon, gate_up.weight, gate_up.bias, mlp.glu_activation)
+    inter = gated_norm(h, norm.weight, norm.variance_epsilon, gate_up.weight, gate_up.bias, mlp.glu_activation,
+                       weight_scale_of(gate_up))
     return project_add(mlp.down_proj, inter, h, counters)
 
 

@@ -75,9 +75,11 @@ import torch
 from torch import Tensor, nn
 
 from hybridgemm.attention import HybridMultiheadAttention
+from hybridgemm.fp8_modules import is_fp8, quantize_patched
 from hybridgemm.fused_rows import SEQ as _SEQ
 from hybridgemm.fused_rows import UNDO_ATTR as _UNDO_ATTR
 from hybridgemm.fused_rows import FusedLinears, FusedSlice, fuse, qual, record, records, unfuse, why_not_fuse
+from hybridgemm.kernels.fp8 import GRANULARITIES
 from hybridgemm.linear_layer import HybridLinear, linear
 from hybridgemm.mlp import (
     FUSED_GATE_UP,
@@ -94,6 +96,8 @@ from hybridgemm.norm import HybridRMSNorm, is_rms_norm
 
 from .decode_checks import NOT_A_LAYER, STATIC_STEP, why_not_fuse_attention
 from .decoder_layer import COUNTERS, fused_class, new_counters, why_not_fuse_layer
+from .fp8_checkpoints import adopt as adopt_fp8_checkpoint
+from .fp8_checkpoints import prepare as prepare_fp8_checkpoint
 
 _QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 _OUT_NAMES = ("o_proj", "out_proj")
@@ -116,6 +120,7 @@ class PatchReport:
     fused_mlp: list[str] = field(default_factory=list)
     fused_layers: list[str] = field(default_factory=list)
     fused_attention: list[str] = field(default_factory=list)  # layers whose attention runs the fused step
+    fp8: list[str] = field(default_factory=list)  # projections whose weights were quantized (weights="fp8")
     skipped: list[tuple[str, str]] = field(default_factory=list)
     already_patched: list[str] = field(default_factory=list)
 
@@ -210,7 +215,8 @@ def _record_name(name: str, rec: tuple) -> str:
 
 
 def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, attention: bool = True,
-          mlp: bool = True, lm_head: bool = True, norm: bool = True, layers: bool = True) -> PatchReport:
+          mlp: bool = True, lm_head: bool = True, norm: bool = True, layers: bool = True,
+          weights: str = "same", granularity: str = "channel", quantize_lm_head: bool = False) -> PatchReport:
     """Patch ``model`` in place (see the module docstring); returns a :class:`PatchReport`.
 
     ``attention``, ``mlp``, ``lm_head``, ``norm``: which parts to patch (the attention
@@ -218,13 +224,22 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
     fusion/norm.py). ``layers``: fuse the norms and residual adds of decoder layers whose
     parts are all patched (fusion/models/decoder_layer.py). ``fuse_qkv=False`` swaps each q/k/v linear
     on its own (state-dict keys unchanged).
+    ``weights="fp8"``: the patched projections' weights are quantized to e4m3 (``granularity``
+    ``"channel"`` or ``"block128"``; the LM head too with ``quantize_lm_head``) and run through
+    the FP8 kernels (fusion/fp8_modules.py); the bf16 weights are not kept, so such a model
+    cannot be unpatched (reload it). ``report.fp8`` lists the quantized modules.
     Nothing to patch: a warning and an empty report, or ``ValueError`` with ``strict=True``.
     What an earlier patch changed is left as it is (``report.already_patched``); only what
     is new gets patched. :func:`unpatch` of ``model`` or of any module above it undoes it all.
     ``TypeError`` for anything but an eager ``nn.Module`` (TorchScript modules included).
     """
     _check_module(model, "hybridgemm.patch")
+    if weights not in ("same", "fp8"):
+        raise ValueError(f"hybridgemm.patch: weights must be 'same' or 'fp8', got {weights!r}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"hybridgemm.patch: granularity must be one of {GRANULARITIES}, got {granularity!r}")
     report = PatchReport()
+    fp8_checkpoint = prepare_fp8_checkpoint(model, report)  # an FP8 checkpoint's linears: plain while patching
     done: set[str] = set()  # module names handled as part of a parent
     modules = dict(model.named_modules())
 
@@ -309,6 +324,9 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
         if out is not None and out_name not in done:
             swap(out_name, out, HybridLinear)
 
+    report.fp8.extend(adopt_fp8_checkpoint(model, fp8_checkpoint, report))
+    if weights == "fp8":
+        report.fp8.extend(quantize_patched(dict(model.named_modules()), granularity, quantize_lm_head))
     if layers:
         for name, mod in modules.items():
             why_not = why_not_fuse_layer(mod) if name not in done and not records(mod) else NOT_A_LAYER
@@ -435,8 +453,14 @@ def unpatch(model: nn.Module) -> list[str]:
     module ``patch`` was called on); returns the names (relative to ``model``) of the
     restored modules, most recently patched first, empty if nothing was patched. Restored
     modules are the original objects; their parameters hold the current (possibly trained,
-    moved or cast) values. ``TypeError`` for anything but an eager ``nn.Module``."""
+    moved or cast) values. ``TypeError`` for anything but an eager ``nn.Module``; ``ValueError``
+    (nothing changed) for a model whose weights ``patch(weights="fp8")`` quantized."""
     _check_module(model, "hybridgemm.unpatch")
+    quantized = [name for name, mod in model.named_modules() if is_fp8(mod)]
+    if quantized:
+        raise ValueError(f"hybridgemm.unpatch: {len(quantized)} modules hold FP8 weights quantized by "
+                         f"patch(weights='fp8') (e.g. {quantized[0] or '(root)'}); their bf16 weights are gone: "
+                         "reload the model instead")
     found = []
     for name, mod in model.named_modules():
         for rec in mod.__dict__.pop(_UNDO_ATTR, None) or ():

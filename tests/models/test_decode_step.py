@@ -178,7 +178,7 @@ def kernels_on_cpu(monkeypatch):
     split-K calls that carry a rope."""
     state = {"config": MODEL_FUSED_REDUCE, "rope": 0, "counters": 0}
     monkeypatch.setattr(checks, "on_kernel_device", lambda x: True)
-    monkeypatch.setattr(dispatch, "splitk_config", lambda x2, w, b, out: state["config"])
+    monkeypatch.setattr(dispatch, "splitk_config", lambda x2, w, b, out, weight_format="": state["config"])
     real_run = triton_splitk.run
 
     def run(cfg, *a, rope=None, counters=None, **kw):

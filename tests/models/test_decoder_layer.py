@@ -49,7 +49,7 @@ def kernels_on_cpu(monkeypatch):
     """The fused path on CPU tensors (interpreter); counts the fused kernel calls."""
     calls = []
     monkeypatch.setattr(checks, "on_kernel_device", lambda x: True)
-    monkeypatch.setattr(dispatch, "splitk_config", lambda x2, w, b, out: SPLITK)
+    monkeypatch.setattr(dispatch, "splitk_config", lambda x2, w, b, out, weight_format="": SPLITK)
     real_run, real_glu = triton_splitk.run, triton_glu.glu
 
     def run(cfg, *a, norm=None, residual=None, **kw):

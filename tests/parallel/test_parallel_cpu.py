@@ -206,7 +206,7 @@ def _fused_kernels_on_cpu(calls: list):
         return real_run(cfg, *a, norm=norm, residual=residual, rope=rope, **kw)
 
     decode_checks.on_kernel_device = lambda x: True
-    dispatch.splitk_config = lambda x2, w, b, out: config
+    dispatch.splitk_config = lambda x2, w, b, out, weight_format="": config
     triton_splitk.run = run
 
     def undo():

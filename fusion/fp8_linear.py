@@ -1,0 +1,193 @@
+"""FP8 weights in the linear call: :func:`fp8_linear`, its custom op, and :class:`FP8Linear`.
+
+``y = act(x @ dequantize(W8, scale).T + b)`` with W8 e4m3 and fp32 scales (kernels/fp8.py),
+x, b and y bf16/fp16. The decision is the dispatcher's (``dispatch.decision_for`` with the
+weight format, so the format is part of the table key; ``decide.choose_fp8``):
+
+* ``triton_splitk``: the split-K kernel reads the e4m3 bytes, converts them in registers and
+  applies the scales in fp32 (per row after the K loop, per 128x128 block per K tile), bias
+  and activation in its epilogue;
+* ``torch``: the weight dequantized to x's dtype (``kernels.fp8.dequantize``, one rounding),
+  then the dispatcher's decision for that dtype: what any other path would compute.
+
+CPU tensors, x of another dtype, and CUDA devices without FP8 (compute capability < 8.9,
+warned once) take the dequantized path. Gradients flow to x only: an FP8 weight is frozen
+(``dx = grad @ dequantize(W8)``), as it is in every FP8 checkpoint runtime.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from hybridgemm import dispatch
+from hybridgemm.kernels import backends, fp8
+from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES, LinearArgumentError, contiguous_bias, row_major, rows_2d
+from hybridgemm.kernels.epilogue import Activation, apply_activation
+from hybridgemm.kernels.process_memory import per_call_scratch
+
+from .diagnostics import warn_once
+
+WHO = "hybridgemm.linear"
+FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversion in registers (Triton's fp8e4nv): Ada and Hopper on
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_fp8_args(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None) -> str:
+    """F.linear's rules for an FP8 weight, with hybridgemm's messages: x (..., K) and bias (N,)
+    one floating dtype, every tensor on one device. Returns the granularity."""
+    if not isinstance(x, Tensor) or (bias is not None and not isinstance(bias, Tensor)):
+        raise TypeError(f"{WHO}: input and bias must be tensors (bias may be None)")
+    granularity = fp8.granularity_of(data, scale)
+    n, k = data.shape
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise LinearArgumentError(f"{WHO}: x has shape {tuple(x.shape)} but the FP8 weight expects {k} input "
+                                  f"features (weight {tuple(data.shape)})")
+    if not x.is_floating_point() or x.dtype in (fp8.E4M3, torch.float8_e5m2):
+        raise LinearArgumentError(f"{WHO}: x must be a floating-point tensor of bf16/fp16/fp32, got {x.dtype}")
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != n:
+            raise LinearArgumentError(f"{WHO}: bias must have shape ({n},), got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype:
+            raise LinearArgumentError(f"{WHO}: bias has dtype {bias.dtype} but x has {x.dtype}")
+    devices = {x.device, data.device} | ({bias.device} if bias is not None else set())
+    if len(devices) > 1:
+        raise LinearArgumentError(f"{WHO}: x, the FP8 weight and bias must be on one device, got "
+                                  f"{', '.join(sorted(str(d) for d in devices))}")
+    return granularity
+
+
+def _runs_fp8_kernels(x: Tensor) -> bool:
+    if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
+        return False
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    capability = backends.device_limits(dev)["capability"]
+    if capability < FP8_MIN_CAPABILITY:
+        warn_once(("fp8-capability", dev), f"hybridgemm: device {dev} (compute capability {capability}) has no FP8 "
+                  "conversion; FP8 weights are dequantized per call and run as bf16/fp16 GEMMs")
+        return False
+    return True
+
+
+def fp8_linear(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = None, activation=None) -> Tensor:
+    """``act(x @ dequantize(data, scale).T + bias)`` for any leading dims of x (see the module
+    docstring); ``scale`` in either granularity's shape (kernels/fp8.py)."""
+    act = Activation.parse(activation)
+    granularity = check_fp8_args(x, data, scale, bias)
+    scale = fp8.scale_vector(scale, granularity)
+    n, k = data.shape
+    x2 = rows_2d(x)
+    m = x2.shape[0]
+    if m == 0 or n == 0 or k == 0 or not _runs_fp8_kernels(x):
+        return dispatch.torch_linear(x, fp8.dequantize(data, scale, x.dtype), bias, act)
+    x2, w2, b2 = row_major(x2), row_major(data), contiguous_bias(bias)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    choice = dispatch.decision_for(x2, w2, b2, out, act, fp8.FORMAT_OF[granularity])
+    if choice.backend == "triton_splitk":
+        backends.get_backend("triton_splitk").run(choice.config, x2, w2, b2, out, act, False, weight_scale=scale)
+        return out.view(*x.shape[:-1], n)
+    return dispatch.fused_linear(x, fp8.dequantize(data, scale, x.dtype), bias, act)
+
+
+# ------------------------------------------------------------------------------ custom op
+
+@torch.library.custom_op("hybridgemm::fp8_linear_fwd", mutates_args=())
+def fp8_linear_fwd(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    with per_call_scratch():  # no scratch cached from inside a compiled region (CUDA graph trees)
+        return fp8_linear(x, data, scale, bias, activation).contiguous()
+
+
+@fp8_linear_fwd.register_fake
+def _fp8_linear_fwd_fake(x, data, scale, bias, activation):
+    check_fp8_args(x, data, scale, bias)
+    Activation.parse(activation)
+    return x.new_empty((*x.shape[:-1], data.shape[0]))
+
+
+def _setup(ctx, inputs, output):
+    x, data, scale, bias, activation = inputs
+    ctx.activation = activation
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(data, scale, x if activation != Activation.NONE.value else None)
+
+
+def _backward(ctx, grad):
+    data, scale, x = ctx.saved_tensors
+    if ctx.activation != Activation.NONE.value:  # through the activation: its derivative at z (recomputed)
+        with torch.enable_grad():
+            z = fp8_linear(x.detach(), data, scale, None, None).requires_grad_()
+            (grad,) = torch.autograd.grad(apply_activation(z, Activation(ctx.activation)), z, grad)
+    dx = grad @ fp8.dequantize(data, scale, grad.dtype) if ctx.needs_input_grad[0] else None
+    db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[3] and ctx.has_bias else None
+    return dx, None, None, db, None
+
+
+fp8_linear_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def linear_fp8(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = None, activation=None) -> Tensor:
+    """:func:`hybridgemm.linear` with an FP8 weight's tensors: the eager call directly where no
+    gradient is wanted, else (and under torch.compile) the custom op."""
+    act = Activation.parse(activation)
+    wants_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    if not wants_grad and not torch.compiler.is_compiling() and type(x) in PLAIN_TENSOR_TYPES:
+        return fp8_linear(x, data, scale, bias, act)
+    return torch.ops.hybridgemm.fp8_linear_fwd(x, data, scale, bias, act.value)
+
+
+# ------------------------------------------------------------------------------- module
+
+class FP8Linear(nn.Module):
+    """A linear layer with an FP8 weight: ``weight`` (e4m3, frozen) and its fp32 scales, kept
+    in the shape and under the name the source format uses (``weight_scale`` (N, 1) or (N,) per
+    channel as compressed-tensors writes it, ``weight_scale_inv`` (N/128, K/128) per block as
+    transformers' fine-grained FP8 writes it), so ``state_dict()`` round-trips in that format.
+    ``bias`` and the output are ``dtype`` (bf16/fp16). Made from an
+    :class:`~hybridgemm.kernels.fp8.FP8Weight` (:meth:`from_fp8`), a bf16 ``nn.Linear``
+    (:meth:`from_linear`), or a checkpoint's tensors (the constructor, which checks them)."""
+
+    def __init__(self, data: Tensor, scale: Tensor, bias: Tensor | None = None, *, dtype=torch.bfloat16,
+                 activation=None, scale_name: str = "weight_scale", check: bool = True):
+        super().__init__()
+        if scale_name not in ("weight_scale", "weight_scale_inv"):
+            raise ValueError(f"scale_name must be 'weight_scale' or 'weight_scale_inv', got {scale_name!r}")
+        checked = fp8.FP8Weight.from_tensors(data, scale, dtype, check=check)  # FP8FormatError if they do not fit
+        self.out_features, self.in_features = data.shape
+        self.granularity = checked.granularity
+        self.dtype = dtype
+        self.scale_name = scale_name
+        self.weight = nn.Parameter(checked.data, requires_grad=False)
+        self.register_buffer(scale_name, scale if scale.is_contiguous() else scale.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        act = Activation.parse(activation)
+        self.activation = None if act is Activation.NONE else act.value
+
+    @classmethod
+    def from_fp8(cls, weight: fp8.FP8Weight, bias: Tensor | None = None, activation=None) -> FP8Linear:
+        return cls(weight.data, weight.scale, bias, dtype=weight.dtype, activation=activation, check=False)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, granularity: str = "channel", activation=None) -> FP8Linear:
+        """``lin``'s weight quantized (:func:`kernels.fp8.quantize_fp8`), its bias kept."""
+        return cls.from_fp8(fp8.quantize_fp8(lin.weight.detach(), granularity), lin.bias, activation)
+
+    @property
+    def weight_scale_tensor(self) -> Tensor:
+        """The scales as the kernels read them ((N,) or (N/128, K/128); a view, no copy)."""
+        scale = getattr(self, self.scale_name)
+        return scale.reshape(-1) if self.granularity == "channel" else scale
+
+    @property
+    def fp8_weight(self) -> fp8.FP8Weight:
+        return fp8.FP8Weight(self.weight, self.weight_scale_tensor, self.granularity, self.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear_fp8(x, self.weight, self.weight_scale_tensor, self.bias, self.activation)
+
+    def extra_repr(self) -> str:
+        act = f", activation={self.activation}" if self.activation else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"fp8={self.granularity}{act}")
+
+
+__all__ = ["FP8Linear", "check_fp8_args", "fp8_linear", "fp8_linear_fwd", "linear_fp8"]

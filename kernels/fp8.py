@@ -1,0 +1,190 @@
+"""FP8 weights: e4m3 data with fp32 scales, in the two layouts FP8 checkpoints use.
+
+``w ≈ data.float() * scale`` (the scale multiplies to dequantize) with
+
+- ``channel``: one scale per output row, ``scale`` of shape (N,) (compressed-tensors'
+  ``float-quantized`` per-channel weights store it as (N, 1); both are accepted);
+- ``block128``: one scale per 128 x 128 block of W, ``scale`` of shape
+  (ceil(N / 128), ceil(K / 128)) (transformers' ``FineGrainedFP8Config``, whose checkpoints
+  call it ``weight_scale_inv``).
+
+:class:`FP8Weight` is what :func:`quantize_fp8` returns and what ``hybridgemm.linear`` and the
+patched modules take in place of a bf16/fp16 weight. Its checks run once, when it is made
+(scale shape against granularity, scale dtype, finite positive scales), never per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # the largest finite e4m3fn value
+BLOCK = 128  # the block granularity's tile edge, in both N and K
+GRANULARITIES = ("channel", "block128")
+# The weight formats a Problem and a table key name (kernels/problem.py, autotune_cache/keys.py).
+FORMAT_OF = {"channel": "e4m3_channel", "block128": "e4m3_block128"}
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+_MIN_AMAX = 1e-12  # an all-zero row or block gets a tiny positive scale, so dequantize gives zeros
+
+
+class FP8FormatError(ValueError):
+    """FP8 data or scales that do not make a weight of the stated granularity."""
+
+
+def granularity_of(data: torch.Tensor, scale: torch.Tensor) -> str:
+    """The granularity that ``scale``'s shape states for ``data`` (N, K): (N,) or (N, 1) is
+    ``channel``, (ceil(N/128), ceil(K/128)) is ``block128``. FP8FormatError otherwise, and for
+    data that is not 2-D e4m3fn or scales that are not fp32 on data's device (shapes and dtypes
+    only: no device work)."""
+    if not isinstance(data, torch.Tensor) or not isinstance(scale, torch.Tensor):
+        raise TypeError(f"FP8 data and scale must be tensors, got {type(data).__name__}, {type(scale).__name__}")
+    if data.dtype != E4M3:
+        raise FP8FormatError(f"FP8 weight data must be {E4M3} (e4m3fn), got {data.dtype}")
+    if data.dim() != 2:
+        raise FP8FormatError(f"FP8 weight data must be 2-D (out_features, in_features), got {tuple(data.shape)}")
+    if scale.dtype != torch.float32:
+        raise FP8FormatError(f"FP8 weight scales must be float32, got {scale.dtype}")
+    if scale.device != data.device:
+        raise FP8FormatError(f"FP8 weight scales are on {scale.device} but the data is on {data.device}")
+    n, k = data.shape
+    shape = tuple(scale.shape)
+    if shape in ((n,), (n, 1)):
+        # (N, 1) with N = ceil(N/128) and K <= 128 would also read as block128: one 128-row block
+        # of N = 1 rows; channel is the same numbers there.
+        return "channel"
+    blocks = (-(-n // BLOCK), -(-k // BLOCK))
+    if shape == blocks:
+        return "block128"
+    raise FP8FormatError(f"FP8 weight scale of shape {shape} fits neither granularity of a ({n}, {k}) weight: "
+                         f"channel wants ({n},) or ({n}, 1), block128 wants {blocks}")
+
+
+def check_scales(scale: torch.Tensor) -> None:
+    """FP8FormatError unless every scale is finite and > 0 (a NaN, Inf, zero or negative scale
+    would turn a whole row or block into garbage without an error). Reads the scales: one
+    device sync, so it runs when a weight is made or loaded, not per call."""
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if bool(bad.any()):
+        count = int(bad.sum())
+        first = scale.flatten()[bad.flatten()][0].item()
+        raise FP8FormatError(f"FP8 weight scales must be finite and > 0: {count} of {scale.numel()} are not "
+                             f"(e.g. {first!r})")
+
+
+def scale_vector(scale: torch.Tensor, granularity: str) -> torch.Tensor:
+    """The scale as the kernels read it: (N,) contiguous for ``channel``, (N/128, K/128)
+    row-major for ``block128``."""
+    if granularity == "channel":
+        return scale.reshape(-1).contiguous()
+    return scale.reshape(scale.shape[0], -1).contiguous()
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``data * scale`` in fp32, rounded once to ``dtype``: the reference every FP8 kernel is
+    checked against, and the fallback path's weight."""
+    granularity = granularity_of(data, scale)
+    w = data.to(torch.float32)
+    if granularity == "channel":
+        w = w * scale.reshape(-1, 1)
+    else:
+        n, k = data.shape
+        w = w * scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+    return w.to(dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class FP8Weight:
+    """An e4m3 weight (N, K) with its fp32 scales; ``dtype`` is the activations' and the
+    output's dtype (bf16 or fp16). Made by :func:`quantize_fp8` or from a checkpoint's tensors
+    (:meth:`from_tensors`); checked once, when made."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    granularity: str
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self):
+        if self.granularity not in GRANULARITIES:
+            raise FP8FormatError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        stated = granularity_of(self.data, self.scale)
+        n, k = self.data.shape
+        both = n == 1 and k <= BLOCK and tuple(self.scale.shape) == (1, 1)  # one row, one block: either reading
+        if stated != self.granularity and not both:
+            raise FP8FormatError(f"a scale of shape {tuple(self.scale.shape)} is {stated} granularity, "
+                                 f"not {self.granularity}")
+        if self.dtype not in OUT_DTYPES:
+            raise FP8FormatError(f"an FP8 weight computes in bfloat16 or float16, got {self.dtype}")
+        if self.data.stride(-1) != 1:
+            object.__setattr__(self, "data", self.data.contiguous())
+        object.__setattr__(self, "scale", scale_vector(self.scale, self.granularity))
+
+    @classmethod
+    def from_tensors(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                     check: bool = True) -> FP8Weight:
+        """A checkpoint's e4m3 ``data`` and ``scale`` (granularity read from the scale's shape);
+        ``check`` also verifies that every scale is finite and positive (one device sync)."""
+        weight = cls(data, scale, granularity_of(data, scale), dtype)
+        if check:
+            check_scales(weight.scale)
+        return weight
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def weight_format(self) -> str:
+        return FORMAT_OF[self.granularity]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + 4 * self.scale.numel()
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize(self.data, self.scale, dtype or self.dtype)
+
+    def __repr__(self) -> str:
+        return (f"FP8Weight(shape={tuple(self.shape)}, granularity={self.granularity!r}, dtype={self.dtype}, "
+                f"device={self.device})")
+
+
+def quantize_fp8(weight: torch.Tensor, granularity: str = "channel") -> FP8Weight:
+    """``weight`` (N, K), bf16/fp16/fp32, as an :class:`FP8Weight`: per output row
+    (``channel``) or per 128 x 128 block (``block128``), scale = amax / 448 so the largest
+    magnitude maps to e4m3's largest finite value, data = round-to-nearest(w / scale).
+    The result computes in the weight's dtype (fp32 weights: bf16)."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"quantize_fp8 takes a tensor, got {type(weight).__name__}")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"quantize_fp8 takes a 2-D bf16/fp16/fp32 weight, got {tuple(weight.shape)} {weight.dtype}")
+    if not bool(torch.isfinite(weight).all()):
+        raise ValueError("quantize_fp8: the weight holds NaN or Inf")
+    w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    if granularity == "channel":
+        scale = w.abs().amax(dim=1).clamp_min(_MIN_AMAX) / E4M3_MAX
+        data = (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    else:
+        nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+        padded = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
+        padded[:n, :k] = w
+        blocks = padded.view(nb, BLOCK, kb, BLOCK)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp_min(_MIN_AMAX) / E4M3_MAX
+        data = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+        data = data.view(nb * BLOCK, kb * BLOCK)[:n, :k].to(E4M3).contiguous()
+    dtype = weight.dtype if weight.dtype in OUT_DTYPES else torch.bfloat16
+    return FP8Weight(data, scale, granularity, dtype)
+
+
+__all__ = [
+    "BLOCK", "E4M3", "E4M3_MAX", "FORMAT_OF", "FP8FormatError", "FP8Weight", "GRANULARITIES", "check_scales",
+    "dequantize", "granularity_of", "quantize_fp8", "scale_vector",
+]
