@@ -1,0 +1,196 @@
+"""Activations quantized to e4m3 on the fly, in one Triton launch: the FP8 prefill path's first
+step (kernels/cublaslt_fp8.py multiplies the result with an e4m3 weight).
+
+For x (M, K) bf16/fp16 (any row stride ≥ K, unit column stride), with ``x ≈ x8.float() * scale``:
+
+- ``token``: one scale per row, ``scale[m] = max(amax(|x[m, :]|), MIN_AMAX) / 448``;
+- ``block128``: one scale per 1 x 128 block of a row, ``scale[m, b] = max(amax(|x[m, 128b :
+  128b + 128]|), MIN_AMAX) / 448`` (the activation side of DeepSeek-style 128 x 128 block
+  weights, as transformers' FineGrainedFP8 quantizes it);
+
+then ``x8 = e4m3(clamp(x / scale, -448, 448))``, rounded to nearest even. The formula is
+kernels/fp8.py's weight quantization (same MIN_AMAX, same order of operations), so a row
+quantized here and the same row quantized by ``quantize_fp8(..., "channel")`` are identical.
+The divisions are IEEE round-to-nearest (``div_rn``), as torch's are, and the e4m3 bytes are
+encoded in the kernel, so the bytes and scales equal a torch reference computed in fp32. A NaN
+or Inf in a row gives NaN bytes (and the GEMM a NaN output row, as F.linear would).
+
+Scale layouts (what cuBLASLt reads, cuBLAS docs §3.1.4.5.1 "Scaling factors layouts"): per
+token a contiguous (M,) vector; per block the (M, ceil(K/128)) scales are stored M-major (the
+M entries of one K-block are contiguous), and :func:`quantize_activations` returns them as an
+(M, L) view with strides (1, M). ``rows`` > M (see :func:`quantize_for_gemm`) appends rows
+that quantize as zeros, for a GEMM whose M must be padded.
+
+Nothing touches a GPU at import time. Runs under ``TRITON_INTERPRET=1`` on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .bounded_cache import BoundedCache
+from .fp8 import _MIN_AMAX as MIN_AMAX  # one floor for weights and activations
+from .fp8 import BLOCK, E4M3, E4M3_MAX
+from .triton_config import next_pow2
+from .triton_launch import Launcher, interpreting
+
+GROUPS = ("token", "block128")
+IN_DTYPES = (torch.bfloat16, torch.float16)
+ONE_PASS_MAX = 8192  # widest row a per-token program keeps in registers (8 warps: 32 fp32 per thread)
+CHUNK = 4096  # elements per step of the two-pass loop over wider rows
+BLOCKS_PER_PROGRAM = 8  # 128-element blocks per program of the block kernel
+PLAN_CACHE_SIZE = 1024
+# the constants as the kernels see them (a @triton.jit function reads globals only as constexprs)
+_FLOOR = tl.constexpr(MIN_AMAX)
+_FP8_MAX = tl.constexpr(E4M3_MAX)
+_MIN_NORMAL = tl.constexpr(2.0**-6)  # e4m3's smallest normal; below it the grid step is 2**-9
+_SUB_MAGIC = tl.constexpr(1.5 * 2.0**14)
+
+
+@triton.jit
+def _scale_of(amax):
+    # amax floored then divided by 448, IEEE-rounded like torch's fp32 division
+    return tl.math.div_rn(tl.maximum(amax, _FLOOR), _FP8_MAX)
+
+
+@triton.jit
+def _e4m3_bits(xf, scale):
+    """The e4m3fn byte of x / scale, clamped to ±448, rounded to nearest even, as uint8.
+
+    Encoded here rather than cast: the hardware's cvt rounds right, but Triton's interpreter (where
+    the CPU tests run) carries a rounded-up mantissa into the wrong binade (127.9 becomes 64) and
+    turns NaN into 384; this code gives the same bytes on both."""
+    q = tl.math.div_rn(xf, scale)
+    # NaN stays NaN (a NaN or Inf in x makes a NaN byte, and the GEMM's row NaN, as F.linear's)
+    q = tl.minimum(tl.maximum(q, -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
+    bits = q.to(tl.int32, bitcast=True)
+    a = tl.abs(q)
+    # Normal range (|q| >= 2**-6): keep 3 mantissa bits, nearest even (the carry may step the
+    # exponent), then (fp32 exponent << 3 | mantissa) re-biased from 127 to e4m3's 7.
+    normal = (((bits & 0x7FFFFFFF) + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormal range: a multiple of 2**-9, by adding and removing 1.5 * 2**14 (fp32 ulp 2**-9
+    # there); the byte is that multiple (8 would be 2**-6, whose normal byte is also 8).
+    sub = (((a + _SUB_MAGIC) - _SUB_MAGIC) * 512.0).to(tl.int32)
+    code = tl.where(q != q, 0x7F, tl.where(a < _MIN_NORMAL, sub, normal))
+    return (code | ((bits >> 24) & 0x80)).to(tl.uint8)  # the sign bit: -0 stays -0, as in torch
+
+
+@triton.jit
+def _quantize_token_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+    # One program per row; rows >= M (GEMM padding) read nothing and store zeros.
+    row = tl.program_id(0).to(tl.int64)
+    live = row < M
+    x_row = x_ptr + row * ldx
+    q_row = q_ptr + row * K
+    cols = tl.arange(0, BLOCK_K)
+    if ONE_PASS:
+        mask = cols < K
+        xf = tl.load(x_row + cols, mask=mask & live, other=0.0).to(tl.float32)
+        scale = _scale_of(tl.max(tl.abs(xf), axis=0))
+        tl.store(q_row + cols, _e4m3_bits(xf, scale), mask=mask)
+    else:  # the row's amax first, then a second read (from L2) to quantize
+        acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            mask = start + cols < K
+            acc = tl.maximum(acc, tl.abs(tl.load(x_row + start + cols, mask=mask & live, other=0.0).to(tl.float32)))
+        scale = _scale_of(tl.max(acc, axis=0))
+        for start in range(0, K, BLOCK_K):
+            mask = start + cols < K
+            xf = tl.load(x_row + start + cols, mask=mask & live, other=0.0).to(tl.float32)
+            tl.store(q_row + start + cols, _e4m3_bits(xf, scale), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _quantize_block_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, ld_s, BLOCKS: tl.constexpr, GROUP: tl.constexpr):
+    # Program (row, j) quantizes blocks [j * BLOCKS, (j + 1) * BLOCKS) of one row; the scale of
+    # block b of row m goes to s_ptr[b * ld_s + m] (M-major, as cuBLASLt's VEC128_32F reads it).
+    row = tl.program_id(0).to(tl.int64)
+    blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    cols = blocks[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = cols < K
+    xf = tl.load(x_ptr + row * ldx + cols, mask=mask & (row < M), other=0.0).to(tl.float32)
+    scale = _scale_of(tl.max(tl.abs(xf), axis=1))
+    tl.store(q_ptr + row * K + cols, _e4m3_bits(xf, scale[:, None]), mask=mask)
+    tl.store(s_ptr + blocks * ld_s + row, scale, mask=blocks * GROUP < K)
+
+
+def _launcher(group: str, rows: int, m: int, k: int, ldx: int, device: torch.device) -> Launcher:
+    if group == "token":
+        one_pass = k <= ONE_PASS_MAX
+        block = next_pow2(k) if one_pass else CHUNK
+        warps = 4 if block <= 1024 else 8
+        return Launcher(_quantize_token_kernel, (rows,), dict(BLOCK_K=block, ONE_PASS=one_pass, num_warps=warps))
+    blocks = min(BLOCKS_PER_PROGRAM, next_pow2(triton.cdiv(k, BLOCK)))
+    grid = (rows, triton.cdiv(triton.cdiv(k, BLOCK), blocks))
+    return Launcher(_quantize_block_kernel, grid, dict(BLOCKS=blocks, GROUP=BLOCK, num_warps=4))
+
+
+# Launchers by everything the compiled kernel is specialised on: group, the integer arguments
+# (rows, M, K, ldx) and x's dtype, device and 16-byte alignment (x8 and the scales are fresh
+# allocations, always aligned).
+_LAUNCHERS = BoundedCache(PLAN_CACHE_SIZE)
+
+
+def check_activations(x, group: str, who: str = "quantize_activations") -> None:
+    """TypeError/ValueError naming the problem unless ``x`` is a 2-D bf16/fp16 tensor with unit
+    column stride and K ≥ 1, on CUDA (or the CPU under TRITON_INTERPRET=1), and ``group`` one
+    of :data:`GROUPS`."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{who}: x must be a torch.Tensor, got {type(x).__name__}")
+    if group not in GROUPS:
+        raise ValueError(f"{who}: group must be one of {GROUPS}, got {group!r}")
+    if x.dtype not in IN_DTYPES:
+        raise TypeError(f"{who}: x must be bfloat16 or float16, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{who}: x must be 2-D (M, K), got shape {tuple(x.shape)}")
+    if x.shape[1] == 0:
+        raise ValueError(f"{who}: x has no features (K = 0): nothing to scale")
+    if x.device.type != "cuda" and not (x.device.type == "cpu" and interpreting()):
+        raise ValueError(f"{who}: x must be a CUDA tensor (or a CPU one under TRITON_INTERPRET=1), got {x.device}")
+
+
+def quantize_for_gemm(x: torch.Tensor, group: str, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x8 (rows, K) contiguous, scales)``: x (M, K) quantized (checked: :func:`check_activations`),
+    ``rows`` ≥ M rows (default M; rows past M are zeros). Scales: ``token`` a (rows,) vector,
+    ``block128`` an (L, rows) row-major buffer, L = ceil(K / 128) (M-major, cuBLASLt's layout)."""
+    check_activations(x, group)
+    m, k = x.shape
+    rows = m if rows is None else rows
+    if rows < m:
+        raise ValueError(f"quantize_for_gemm: rows ({rows}) must be at least x's {m} rows")
+    if (k > 1 and x.stride(1) != 1) or (m > 1 and x.stride(0) < k):
+        x = x.contiguous()  # a column-strided or overlapping view: one copy into the kernel's layout
+    ldx = x.stride(0) if m > 1 else k
+    x8 = torch.empty((rows, k), dtype=E4M3, device=x.device)  # written as bytes (_e4m3_bits)
+    if group == "token":
+        scale = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    else:
+        scale = torch.empty((triton.cdiv(k, BLOCK), rows), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return x8, scale
+    key = (group, rows, m, k, ldx, x.dtype, x.get_device(), not x.data_ptr() & 15)
+    launch = _LAUNCHERS.get(key)
+    if launch is None:
+        launch = _LAUNCHERS.put(key, _launcher(group, rows, m, k, ldx, x.device))
+    args = (x, x8.view(torch.uint8), scale, m, k, ldx) + ((rows,) if group == "block128" else ())
+    if x.is_cuda and x.get_device() != torch.cuda.current_device():
+        with torch.cuda.device(x.device):  # the launch goes to the current device's stream
+            launch(*args)
+    else:
+        launch(*args)
+    return x8, scale
+
+
+def quantize_activations(x: torch.Tensor, group: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x8, scale)`` with ``x ≈ x8.float() * scale``: x (M, K) bf16/fp16 quantized to e4m3
+    per token (scale (M,)) or per 1 x 128 block (scale (M, ceil(K/128)), M-major: strides
+    (1, M)). See the module docstring for the formula. TypeError/ValueError for bad input."""
+    x8, scale = quantize_for_gemm(x, group)
+    return x8, scale if group == "token" else scale.t()
+
+
+__all__ = ["GROUPS", "MIN_AMAX", "check_activations", "quantize_activations", "quantize_for_gemm"]
