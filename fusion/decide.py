@@ -200,18 +200,27 @@ def choose_fp8(problem: Problem, device_index: int) -> Choice:
     if choice.source == "table" or choice.backend != "torch":
         return choice
     if problem.m <= DECODE_MAX_M:
-        limits = backends.device_limits(device_index)
-        try:
-            config = triton_module("triton_splitk").default_config(
-                problem, num_sms=backends.num_sms(device_index), **limits)
-        except ValueError as e:
-            return dataclasses.replace(choice, reason=f"{choice.reason} (split-K cannot run it: {e}); "
-                                       "dequantize, then that dtype's decision")
-        return Choice("triton_splitk", config, "rule", choice.key,
-                      f"no table entry for this FP8 weight; M={problem.m} <= {DECODE_MAX_M}: the split-K kernel "
-                      "streaming e4m3 (default config)")
+        config = _fp8_decode_config(problem, device_index)
+        if config is not None:
+            return Choice("triton_splitk", config, "rule", choice.key,
+                          f"no table entry for this FP8 weight; M={problem.m} <= {DECODE_MAX_M}: the split-K kernel "
+                          "streaming e4m3 (default config, one-launch reduction)")
     return dataclasses.replace(choice, reason=f"no table entry for this FP8 weight at M={problem.m}; "
                                "dequantize, then that dtype's decision")
+
+
+def _fp8_decode_config(problem: Problem, device_index: int):
+    """The split-K config rule 5 runs for an FP8 weight at decode rows: the default config
+    (kernels/triton_splitk.py ``default_config``: 64-row tiles, 256 e4m3 bytes of K per stage,
+    about two waves) with the one-launch reduction, which the decode step's rotary/KV-cache
+    epilogue needs; None where split-K cannot run the problem."""
+    splitk = triton_module("triton_splitk")
+    try:
+        cfg = splitk.default_config(problem, num_sms=backends.num_sms(device_index),
+                                    **backends.device_limits(device_index))
+    except ValueError:
+        return None
+    return dataclasses.replace(cfg, fused_reduce=cfg.split_k > 1)
 
 
 # ------------------------------------------------------------------------- the gated rule
