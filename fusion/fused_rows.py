@@ -20,7 +20,11 @@ keeps the stock keys: each slice writes its rows under its stock name and the fu
 writes nothing; a load-state-dict pre-hook on the parent concatenates the stock entries into
 the fused ones before torch loads them. Hooks rather than parameters that are views of the
 fused weight: a view of a parameter is not a leaf, so gradients and optimizer state must live
-on the one fused parameter that the GEMM reads.
+on the one fused parameter that the GEMM reads. Which fused tensors are saved and loaded that
+way, and how a part is stored, is the fused module's to say (:attr:`FusedLinears.STOCK_TENSORS`,
+:meth:`~FusedLinears.stock_part`, :meth:`~FusedLinears.from_stock`): an FP8 fused weight
+(fusion/fp8_modules.py) adds its scales, each part's in its checkpoint's layout. A slice may
+hold tensors of its own (an FP8 checkpoint's activation scales), saved and loaded as usual.
 """
 
 from __future__ import annotations
@@ -31,10 +35,15 @@ import itertools
 import torch
 from torch import Tensor, nn
 
+from hybridgemm.kernels.fp8 import BLOCK
+
 from .linear_layer import linear
 
 UNDO_ATTR = "_hybridgemm_undo"
 SEQ = itertools.count()  # orders undo records across modules and patch calls
+# Instance attribute of an nn.Linear that holds an FP8 checkpoint's weight while patch() runs
+# (fusion/models/fp8_checkpoints.py): its scales' granularity decides whether it can be fused.
+FP8_SOURCE = "_hybridgemm_fp8_source"
 
 
 def qual(parent: str, child: str) -> str:
@@ -53,6 +62,9 @@ def record(mod: nn.Module, rec: tuple) -> None:
 class FusedLinears(nn.Module):
     """One weight for several projections of the same input (rows stacked in ``names``
     order) and the one-GEMM cache that their :class:`FusedSlice` modules share."""
+
+    # The fused tensors that checkpoints hold per part, under the parts' stock names.
+    STOCK_TENSORS: tuple[str, ...] = ("weight", "bias")
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, sizes: tuple[int, ...],
                  originals: tuple[nn.Linear, ...] = (), names: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")):
@@ -99,6 +111,38 @@ class FusedLinears(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         return linear(x, self.weight, self.bias).split_with_sizes(self.sizes, dim=-1)
 
+    # ----------------------------------------------------- checkpoints, part by part
+    def part_rows(self, attr: str, t: Tensor) -> tuple[Tensor, ...]:
+        """The fused tensor ``t`` (the fused ``attr``) split into the parts' rows (views)."""
+        return t.split(self.sizes)
+
+    def stock_name(self, attr: str, idx: int) -> str:
+        """The name part ``idx`` stores ``attr`` under in a checkpoint."""
+        return attr
+
+    def stock_part(self, attr: str, idx: int) -> Tensor | None:
+        """Part ``idx`` of the fused ``attr`` as its checkpoint stores it (a view of the rows
+        where the layouts agree, as a stock state dict aliases its parameters)."""
+        t = getattr(self, attr)
+        return None if t is None else self.part_rows(attr, t)[idx]
+
+    def from_stock(self, attr: str, idx: int, t: Tensor) -> Tensor:
+        """A checkpoint's part ``idx`` of ``attr`` (checked by :meth:`stock_error`) in the fused
+        layout, to be concatenated with the other parts."""
+        return t
+
+    def stock_error(self, attr: str, idx: int, key: str, t) -> str | None:
+        """Why the checkpoint's ``t`` cannot be part ``idx`` of ``attr`` (None: it can), in
+        the words torch uses for a stock module."""
+        if not isinstance(t, Tensor):
+            return f'While copying the parameter named "{key}", expected torch.Tensor from checkpoint but received ' \
+                   f"{type(t)}"
+        want = self.stock_part(attr, idx).shape
+        if t.shape != want:
+            return (f"size mismatch for {key}: copying a param with shape {t.shape} from checkpoint, the shape in "
+                    f"current model is {want}.")
+        return None
+
     def part(self, x: Tensor, idx: int) -> Tensor:
         rec = self._rec  # read once: the checks and the part come from the same record
         if rec is not None and rec[0] is x and rec[2][idx] is not None and _same_version(rec[1], x):
@@ -142,16 +186,28 @@ class FusedSlice(nn.Module):
         return self._rows(self.fused.bias)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        for name in ("weight", "bias"):
-            t = self._rows(getattr(self.fused, name))
+        fused, own = self.fused, {}
+        for attr in fused.STOCK_TENSORS:
+            t = fused.stock_part(attr, self.idx)
             if t is not None:
-                destination[prefix + name] = t if keep_vars else t.detach()
+                own[fused.stock_name(attr, self.idx)] = t if keep_vars else t.detach()
+        super()._save_to_state_dict(own, "", keep_vars)  # tensors of the slice's own (none for a stock linear)
+        save_in_order(destination, prefix, own, self.__dict__.get("key_order"))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fused.part(x, self.idx)
 
     def extra_repr(self) -> str:
         return f"{self.fused.names[self.idx]} of a fused projection, out_features={self.out_features}"
+
+
+def save_in_order(destination, prefix: str, tensors: dict, order) -> None:
+    """Write ``tensors`` (local name -> tensor) into ``destination`` under ``prefix``, in the
+    order of the names in ``order`` (a replaced module's state-dict order; None: as they
+    are), names not in it last."""
+    order = tuple(order or ())
+    for name in sorted(tensors, key=lambda n: order.index(n) if n in order else len(order)):
+        destination[prefix + name] = tensors[name]
 
 
 def _repoint(lin: nn.Linear, name: str, t: Tensor) -> None:
@@ -177,40 +233,38 @@ def _same_version(v: int, x: Tensor) -> bool:
 def load_stock_parts(fused_name: str, module: nn.Module, state_dict, prefix, local_metadata, strict, missing_keys,
                      unexpected_keys, error_msgs) -> None:
     """Load-state-dict pre-hook (bound to ``fused_name``) of a module whose linears are fused:
-    replaces the stock ``<name>.weight`` entries (and biases) of ``state_dict`` by one
-    ``<fused_name>.weight`` (``.bias``) that torch then loads into the fused parameter. A part
-    that is absent is reported missing and keeps its current value; a part of the wrong shape
-    is reported as torch reports one, under its stock name."""
+    replaces the stock ``<name>.weight`` entries (biases, and the scales of an FP8 weight:
+    :attr:`FusedLinears.STOCK_TENSORS`) of ``state_dict`` by one ``<fused_name>.weight``
+    (``.bias``, ...) that torch then loads into the fused module. A part that is absent is
+    reported missing and keeps its current value; a part that does not fit (shape, or the
+    fused module's own checks) is reported as torch reports one, under its stock name."""
     fused = module._modules.get(fused_name)
     if not isinstance(fused, FusedLinears):
         return
-    for attr in ("weight", "bias"):
+    for attr in fused.STOCK_TENSORS:
         current = getattr(fused, attr)
         if current is None:
             continue  # stock bias keys stay: the slices report them unexpected, as a bias-less Linear would
-        keys = [f"{prefix}{n}.{attr}" for n in fused.names]
+        keys = [f"{prefix}{n}.{fused.stock_name(attr, i)}" for i, n in enumerate(fused.names)]
         present = [k in state_dict for k in keys]
         if not any(present):
             if strict and f"{prefix}{fused_name}.{attr}" not in state_dict:
                 missing_keys.extend(keys)
             continue
         parts, ok = [], True
-        for key, here, cur in zip(keys, present, current.detach().split(fused.sizes)):
+        for i, (key, here, cur) in enumerate(zip(keys, present, fused.part_rows(attr, current.detach()))):
             if not here:
                 if strict:
                     missing_keys.append(key)
                 parts.append(cur)
                 continue
             t = state_dict.pop(key)
-            if not isinstance(t, Tensor):
-                error_msgs.append(f'While copying the parameter named "{key}", expected torch.Tensor from checkpoint '
-                                  f"but received {type(t)}")
+            why = fused.stock_error(attr, i, key, t)
+            if why is not None:
+                error_msgs.append(why)
                 ok = False
-            elif t.shape != cur.shape:
-                error_msgs.append(f"size mismatch for {key}: copying a param with shape {t.shape} from checkpoint, "
-                                  f"the shape in current model is {cur.shape}.")
-                ok = False
-            parts.append(t)
+                continue
+            parts.append(fused.from_stock(attr, i, t))
         if ok:
             device = next(t.device for t, here in zip(parts, present) if here)
             state_dict[f"{prefix}{fused_name}.{attr}"] = torch.cat([t.to(device) for t in parts])
@@ -242,6 +296,22 @@ def why_not_fuse(name: str, mod: nn.Module, names, lins: list[nn.Linear], owners
         return "mixed requires_grad"
     if len({lin.bias is None for lin in lins}) > 1:
         return f"some of {what} have a bias and some not"
+    return _why_not_fuse_fp8(lins, what)
+
+
+def _why_not_fuse_fp8(lins: list[nn.Linear], what: str) -> str | None:
+    """An FP8 checkpoint's linears fuse when their scales are of one granularity and, per
+    128 x 128 block, every part holds whole blocks of rows (a block then lies in one part)."""
+    sources = [lin.__dict__.get(FP8_SOURCE) for lin in lins]
+    if all(src is None for src in sources):
+        return None
+    if any(src is None for src in sources):
+        return f"some of {what} are FP8 and some not"
+    kinds = [src.granularity for src in sources]
+    if len(set(kinds)) > 1:
+        return f"their FP8 scales are of different granularities ({', '.join(kinds)})"
+    if kinds[0] == "block128" and any(lin.out_features % BLOCK for lin in lins):
+        return f"their FP8 scales are per {BLOCK}x{BLOCK} block and not every part holds whole blocks of rows"
     return None
 
 

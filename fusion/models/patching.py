@@ -228,6 +228,11 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
     ``"channel"`` or ``"block128"``; the LM head too with ``quantize_lm_head``) and run through
     the FP8 kernels (fusion/fp8_modules.py); the bf16 weights are not kept, so such a model
     cannot be unpatched (reload it). ``report.fp8`` lists the quantized modules.
+    A model loaded from an FP8 checkpoint (compressed-tensors ``float-quantized``, transformers'
+    fine-grained FP8) keeps its e4m3 weights and scales as they are, whatever ``weights`` says:
+    its projections become the same FP8 modules (listed in ``report.fp8``; fused where their
+    scales allow) and its state dict stays in the checkpoint's format
+    (fusion/models/fp8_checkpoints.py); malformed scales raise ``FP8FormatError``.
     Nothing to patch: a warning and an empty report, or ``ValueError`` with ``strict=True``.
     What an earlier patch changed is left as it is (``report.already_patched``); only what
     is new gets patched. :func:`unpatch` of ``model`` or of any module above it undoes it all.
@@ -454,13 +459,14 @@ def unpatch(model: nn.Module) -> list[str]:
     restored modules, most recently patched first, empty if nothing was patched. Restored
     modules are the original objects; their parameters hold the current (possibly trained,
     moved or cast) values. ``TypeError`` for anything but an eager ``nn.Module``; ``ValueError``
-    (nothing changed) for a model whose weights ``patch(weights="fp8")`` quantized."""
+    (nothing changed) for a model whose weights ``patch(weights="fp8")`` quantized or that
+    ``patch`` took from an FP8 checkpoint."""
     _check_module(model, "hybridgemm.unpatch")
     quantized = [name for name, mod in model.named_modules() if is_fp8(mod)]
     if quantized:
-        raise ValueError(f"hybridgemm.unpatch: {len(quantized)} modules hold FP8 weights quantized by "
-                         f"patch(weights='fp8') (e.g. {quantized[0] or '(root)'}); their bf16 weights are gone: "
-                         "reload the model instead")
+        raise ValueError(f"hybridgemm.unpatch: {len(quantized)} modules hold FP8 weights, quantized by "
+                         f"patch(weights='fp8') or taken from an FP8 checkpoint (e.g. {quantized[0] or '(root)'}); "
+                         "they cannot be unpatched: reload the model instead")
     found = []
     for name, mod in model.named_modules():
         for rec in mod.__dict__.pop(_UNDO_ATTR, None) or ():
