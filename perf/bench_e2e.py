@@ -2,6 +2,7 @@
 
     hybridgemm bench --e2e --model qwen2.5-7b|llama3-8b [--layers N] [--batch 1 8] [--prefill 2048]
                      [--tokens 64] [--modes ...] [--rounds 3] [--out CSV] [--plot DIR]
+                     [--weights fp8 [--granularity channel|block128] [--quantize-lm-head] [--no-peers]]
     python -m hybridgemm.perf.bench_e2e  (the same options)
 
 The model is Qwen2ForCausalLM or LlamaForCausalLM built from a config of the real model's sizes
@@ -41,13 +42,38 @@ rounds, ``spread_ms`` = max - min. After all timings the patched model is unpatc
 state dict compared bit for bit with the stock one. Peak memory: the bf16 model and its fp32
 copy during the error modes (~45 GB for Qwen2.5-7B at full depth), then two bf16 copies.
 
-Rows (one CSV, upserted on gpu, model, layers, mode, batch, variant, so runs of several models
-or of single modes share a file): ``ms_per_token`` (ms per decode step, each step one new token
-for every sequence of the batch; for prefill, ms per prefill), ``tokens_per_s``,
+FP8 weights (``--weights fp8``): the patched variant (``hybridgemm_e4m3_channel`` or
+``hybridgemm_e4m3_block128``) is ``patch(model, weights="fp8", granularity=...,
+quantize_lm_head=...)`` of the second copy, beside the stock bf16 model; where torchao is
+installed (``pip install 'hybridgemm[bench]'``) two peers run beside them,
+``torchao_float8_weight_only`` and ``torchao_int8_weight_only`` (perf/e2e_weights.py: torchao's
+weight-only configs on fresh bf16 copies, the same projections quantized; ``--no-peers`` leaves
+them out; without torchao the log says so once and there are no peer rows). Every variant
+runs every mode, the compiled ones under the same torch.compile options. The FP8 model cannot
+be unpatched (its bf16 weights are gone), so there is no unpatch check. The error modes
+compare each variant with two fp32 references: the bf16 model's (``logits_rel_err_vs_bf16``:
+what quantizing costs too) and one built from the dequantized FP8 weights
+(``logits_rel_err`` of the FP8 rows: what the FP8 kernels add), and add the row
+``dequant_bf16``: the stock model with the dequantized weights in bf16, unpatched (dequantize
+-> bf16 F.linear), against the same two; ``error_ratio`` of the FP8 row = its error / that
+row's (in a bf16 run: hybridgemm's / stock's). The peers' rows have the bf16 reference's only.
+Peak memory of an FP8 run: the stock model, the FP8 one and an fp32 copy during the error modes
+(~60 GB for Llama-3-8B), then the bf16 dequantized copy in place of the fp32 one.
+
+Rows (one CSV, upserted on gpu, model, layers, mode, batch, variant, run_weights, so runs of
+several models or of single modes share a file; ``run_weights`` is empty in a bf16 run's rows
+and names the FP8 format in every row of an FP8 run, whose default file is e2e_fp8_<gpu>.csv):
+``ms_per_token`` (ms per decode step, each step one new token for every sequence of the
+batch; for prefill, ms per prefill), ``tokens_per_s``,
 ``hbm_floor_ms`` = bytes of the weights a decode step reads (every parameter except the input
 embedding table, of which a step reads a row per token; the LM head included) / the H200's
 measured HBM bandwidth (perf/timing.HBM_TBPS), ``fraction_of_floor`` = floor / ms_per_token
-(decode only: prefill is compute-bound), ``speedup`` = stock / variant, ``logits_rel_err``,
+(decode only: prefill is compute-bound), both of the stock bf16 model's bytes (``weight_bytes``);
+``weights`` (the variant's format: bf16, e4m3_channel, e4m3_block128, int8_channel),
+``variant_bytes`` (its model's bytes counted the same way: e4m3 projections and their fp32
+scales, the bf16 rest), ``variant_floor_ms`` and ``fraction_of_variant_floor`` (of those
+bytes), ``speedup`` = stock / variant, ``logits_rel_err``, ``logits_rel_err_vs_bf16``,
+``error_ratio``,
 ``tokens`` (new tokens per timed run: ``--tokens``, or the prefill length), ``prompt_len``,
 ``rounds``, ``samples`` (timings behind the median: one a round, :data:`PREFILL_PER_ROUND` for
 prefill), ``status`` (ok | error, the exception in ``note``; ``note`` also says when
@@ -76,14 +102,22 @@ import torch
 import hybridgemm
 from hybridgemm.perf import csvio
 from hybridgemm.perf import e2e_models as hf
+from hybridgemm.perf import e2e_weights as ew
 from hybridgemm.perf.bench_msweep import git_commit, gpu_label
 from hybridgemm.perf.plots_models import plot_e2e
 from hybridgemm.perf.timing import HBM_TBPS, elapsed_ms
+from hybridgemm.perf.weight_formats import (
+    add_weight_options,
+    resolve_weight_options,
+    weight_format,
+    weight_options_problem,
+)
 
 MODES = ("eager_generate", "eager_static", "compiled_static", "prefill", "logits_error", "decode_error")
 DECODE_MODES = MODES[:3]
 ERROR_MODES = MODES[4:]  # logits against an fp32 copy of the model; no timing
-VARIANTS = ("stock", "hybridgemm")
+VARIANTS = ("stock", "hybridgemm")  # a bf16 run's; an FP8 run's: see variants()
+DEQUANT = "dequant_bf16"  # FP8 runs' error modes: the stock model with the dequantized FP8 weights, bf16, unpatched
 BATCHES, PREFILL, TOKENS, ROUNDS = (1, 8), 2048, 64, 3
 PROMPT_LEN = 32  # context before the timed decode steps
 WARMUP = 3  # decode steps before timing: compilation, then CUDA-graph warm-up and recording
@@ -94,15 +128,20 @@ DECODE_SHAPE, DECODE_PROMPT = (2, 64), 32
 SEED = 0
 COMPILE = {"mode": "reduce-overhead", "fullgraph": True}
 KEY = ("gpu", "model", "layers", "mode", "batch", "variant")
-COLUMNS = (*KEY, "status", "ms_per_token", "spread_ms", "tokens_per_s", "hbm_floor_ms", "fraction_of_floor",
-           "speedup", "logits_rel_err", "tokens", "prompt_len", "rounds", "samples", "weight_bytes", "note", "date",
-           "commit", "torch", "triton", "transformers", "cublaslt", "nvmath", "hybridgemm", "host", "command")
+ROW_KEY = (*KEY, "run_weights")  # an FP8 run's rows apart from a bf16 run's (bench_tp keeps KEY)
+COLUMNS = (*KEY, "run_weights", "status", "weights", "ms_per_token", "spread_ms", "tokens_per_s", "hbm_floor_ms",
+           "fraction_of_floor", "variant_floor_ms", "fraction_of_variant_floor", "speedup", "logits_rel_err",
+           "logits_rel_err_vs_bf16", "error_ratio", "tokens", "prompt_len", "rounds", "samples", "weight_bytes",
+           "variant_bytes", "note", "date", "commit", "torch", "triton", "transformers", "torchao", "cublaslt",
+           "nvmath", "hybridgemm", "host", "command")
 
 
 @dataclass
 class Run:
     """One benchmark run's settings. ``compile_options``: torch.compile's arguments for
-    ``compiled_static`` (on the CPU, tests trace with ``backend="eager"``)."""
+    ``compiled_static`` (on the CPU, tests trace with ``backend="eager"``). ``granularity``:
+    None for a bf16 run, else the FP8 run's scales (channel or block128), with
+    ``quantize_lm_head`` and ``peers`` (the torchao peers, where torchao is installed)."""
 
     name: str
     config: object  # a transformers config
@@ -116,6 +155,19 @@ class Run:
     compile_options: dict = field(default_factory=lambda: dict(COMPILE))
     extra: dict = field(default_factory=dict)  # columns of every row (environment, command)
     log: Callable[[str], None] = lambda line: None
+    granularity: str | None = None
+    quantize_lm_head: bool = False
+    peers: bool = True
+
+    @property
+    def run_weights(self) -> str:
+        """Every row's ``run_weights``: "" in a bf16 run, else the FP8 format."""
+        return "" if self.granularity is None else weight_format(self.granularity)
+
+    @property
+    def patched_variant(self) -> str:
+        """The patched model's variant name: ``hybridgemm``, or ``hybridgemm_<FP8 format>``."""
+        return "hybridgemm" if self.granularity is None else f"hybridgemm_{weight_format(self.granularity)}"
 
 
 @dataclass
@@ -298,14 +350,19 @@ def time_mode(run: Run, mode: str, batch: int, models: dict) -> tuple[dict, dict
 
 
 def mode_rows(run: Run, mode: str, batch: int, results: dict, weight_bytes: int,
-              notes: dict | None = None) -> list[dict]:
-    """One row per variant from :func:`time_mode`'s results and notes."""
+              notes: dict | None = None, variant_bytes: dict | None = None,
+              formats: dict | None = None) -> list[dict]:
+    """One row per variant from :func:`time_mode`'s results and notes. ``weight_bytes``: the
+    stock model's (``hbm_floor_ms``); ``variant_bytes``, ``formats``: each variant's bytes
+    (``variant_floor_ms``; default ``weight_bytes``) and weight format (default bf16)."""
     floor = hbm_floor_ms(weight_bytes)
     ok = {v: statistics.median(s) for v, s in results.items() if isinstance(s, list) and s}
     rows = []
     for v, res in results.items():
+        own_bytes = (variant_bytes or {}).get(v, weight_bytes)
         row = {**run.extra, "model": run.name, "layers": run.config.num_hidden_layers, "mode": mode, "batch": batch,
-               "variant": v, "weight_bytes": weight_bytes, "rounds": run.rounds,
+               "variant": v, "run_weights": run.run_weights, "weights": (formats or {}).get(v, "bf16"),
+               "weight_bytes": weight_bytes, "variant_bytes": own_bytes, "rounds": run.rounds,
                "tokens": run.prefill if mode == "prefill" else run.tokens,
                "prompt_len": run.prefill if mode == "prefill" else PROMPT_LEN}
         if v not in ok:
@@ -319,7 +376,9 @@ def mode_rows(run: Run, mode: str, batch: int, results: dict, weight_bytes: int,
                        tokens_per_s=per_run * 1e3 / ms if ms > 0 else math.nan,
                        speedup=ok["stock"] / ms if "stock" in ok and ms > 0 else None)
             if mode in DECODE_MODES:
-                row.update(hbm_floor_ms=floor, fraction_of_floor=floor / ms if ms > 0 else math.nan)
+                own = hbm_floor_ms(own_bytes)
+                row.update(hbm_floor_ms=floor, fraction_of_floor=floor / ms if ms > 0 else math.nan,
+                           variant_floor_ms=own, fraction_of_variant_floor=own / ms if ms > 0 else math.nan)
         rows.append(row)
     return rows
 
@@ -341,29 +400,52 @@ def rel_error(logits: torch.Tensor, ref: torch.Tensor) -> float:
     return ((logits - ref).norm() / ref.norm()).item()
 
 
-def logits_rows(run: Run, mode: str, stock, patched, ref: torch.Tensor | BaseException, ids) -> list[dict]:
-    """Error-mode ``mode`` rows: each variant's relative error against the fp32 logits ``ref``."""
-    rows = []
+@dataclass
+class ErrorModels:
+    """What an error mode compares (:func:`logits_rows`): ``models`` (variant: model, or the
+    exception that kept it from being built), ``own`` (variant: the key of the fp32 reference
+    of its own weights: ``bf16``, or ``dequantized`` for an FP8 variant; a variant without one
+    is compared with the bf16 model's only), ``formats`` (variant: weights column) and
+    ``compared`` ((variant, baseline): the first's row gets ``error_ratio``, its own-weights
+    error / the baseline's)."""
+
+    models: dict
+    own: dict[str, str]
+    formats: dict[str, str]
+    compared: tuple[str, str]
+
+
+def logits_rows(run: Run, mode: str, ids, cmp: ErrorModels, refs: dict[str, torch.Tensor | BaseException]
+                ) -> list[dict]:
+    """Error-mode ``mode`` rows, one per variant of ``cmp``: the relative error of its logits
+    against ``refs[cmp.own[variant]]`` (``logits_rel_err``) and ``refs["bf16"]`` (the bf16
+    model's fp32 logits: ``logits_rel_err_vs_bf16``)."""
+    rows = {}
     base = {**run.extra, "model": run.name, "layers": run.config.num_hidden_layers, "mode": mode,
-            "batch": ids.shape[0], "prompt_len": ids.shape[1] if mode == "logits_error" else DECODE_PROMPT,
+            "run_weights": run.run_weights, "batch": ids.shape[0],
+            "prompt_len": ids.shape[1] if mode == "logits_error" else DECODE_PROMPT,
             "tokens": ids.shape[1] - (DECODE_PROMPT if mode == "decode_error" else 0)}
-    errs = {}
-    for v, model in (("stock", stock), ("hybridgemm", patched)):
-        row = {**base, "variant": v}
+    for v, model in cmp.models.items():
+        row = rows[v] = {**base, "variant": v, "weights": cmp.formats.get(v, "bf16")}
         try:
-            if isinstance(ref, BaseException):
-                raise ref
-            if isinstance(model, BaseException):
-                raise model
+            wanted = {"logits_rel_err_vs_bf16": refs["bf16"]}
+            if v in cmp.own:
+                wanted["logits_rel_err"] = refs[cmp.own[v]]
+            for ref in (*wanted.values(), model):
+                if isinstance(ref, BaseException):
+                    raise ref
             with torch.no_grad():
-                errs[v] = rel_error(error_logits(mode, model, ids), ref)
-            row.update(status="ok", logits_rel_err=errs[v])
+                logits = error_logits(mode, model, ids)
+            row.update(status="ok", **{col: rel_error(logits, ref) for col, ref in wanted.items()})
         except Exception as e:  # noqa: BLE001
             row.update(status="error", note=f"{type(e).__name__}: {e}"[:600])
-        rows.append(row)
-    if len(errs) == 2 and errs["stock"] > 0:
-        rows[1]["note"] = f"{errs['hybridgemm'] / errs['stock']:.3f}x stock bf16's error"
-    return rows
+    v, baseline = cmp.compared
+    if v in rows and baseline in rows:
+        err, base_err = rows[v].get("logits_rel_err"), rows[baseline].get("logits_rel_err")
+        if err is not None and base_err:
+            what = "stock bf16's error" if baseline == "stock" else f"{baseline}'s error (dequantize -> bf16 F.linear)"
+            rows[v].update(error_ratio=err / base_err, note=f"{err / base_err:.3f}x {what}")
+    return list(rows.values())
 
 
 def fp32_error_logits(run: Run, build: Callable[[], torch.nn.Module], jobs: dict[str, torch.Tensor]
@@ -399,6 +481,58 @@ def fp32_logits(run: Run, stock, jobs: dict[str, torch.Tensor]) -> dict[str, tor
     return fp32_error_logits(run, copy, jobs)
 
 
+def _patched(run: Run, stock) -> tuple[torch.nn.Module | BaseException, list[str]]:
+    """A copy of ``stock`` patched as ``run`` asks (FP8 weights with a granularity), and the
+    names of the modules ``patch`` quantized; or the exception that stopped it."""
+    try:
+        patched = hf.build_model(run.config, run.dtype, run.device)
+        patched.load_state_dict(stock.state_dict())
+        fp8 = {} if run.granularity is None else dict(weights="fp8", granularity=run.granularity,
+                                                       quantize_lm_head=run.quantize_lm_head)
+        report = hybridgemm.patch(patched, strict=True, **fp8)
+        run.log(report.summary() + (f"; {len(report.fp8)} projections quantized ({run.granularity})" if fp8 else ""))
+        return patched, list(report.fp8)
+    except Exception as e:  # noqa: BLE001 (the stock rows are still measured)
+        run.log(f"patch failed: {type(e).__name__}: {e}")
+        return e.with_traceback(None), []
+
+
+def error_rows(run: Run, jobs: dict, bf16_refs: dict, stock, patched, names: list[str], peers: dict) -> list[dict]:
+    """The rows of the error modes in ``jobs`` (mode: ids) for the stock, patched and peer
+    models, ``bf16_refs`` (mode: the fp32 logits of the stock model, :func:`fp32_logits`); an
+    FP8 run adds the dequantized fp32 reference and the dequantized bf16 model (built here and
+    freed before returning)."""
+    hyb = run.patched_variant
+    refs = {"bf16": bf16_refs}
+    models = {"stock": stock, hyb: patched, **peers}
+    own = {"stock": "bf16", hyb: "bf16"}
+    formats = {hyb: weight_format(run.granularity), **{v: ew.PEERS[v][1] for v in peers}}
+    compared = (hyb, "stock")
+    if run.granularity is not None:
+        def build(dtype):
+            if isinstance(patched, BaseException):
+                raise patched
+            return ew.dequantized_model(run.config, stock, patched, names, dtype, run.device)
+
+        refs["dequantized"] = fp32_error_logits(run, lambda: build(torch.float32), jobs)
+        try:
+            models[DEQUANT] = build(run.dtype)
+        except Exception as e:  # noqa: BLE001
+            models[DEQUANT] = e.with_traceback(None)
+        own.update({hyb: "dequantized", DEQUANT: "dequantized"})
+        compared = (hyb, DEQUANT)
+    rows = []
+    try:
+        for mode, ids in jobs.items():
+            run.log(f"{mode} ...")
+            rows += logits_rows(run, mode, ids, ErrorModels(models, own, formats, compared),
+                                {k: r[mode] for k, r in refs.items()})
+    finally:
+        models.pop(DEQUANT, None)
+        _free(run.device)
+    return rows
+
+
 def run_e2e(run: Run, on_rows: Callable[[list[dict]], None] | None = None) -> Result:
     """Every mode of ``run`` (see the module docstring); ``on_rows(rows so far)`` after each."""
     res = Result()
@@ -414,29 +548,29 @@ def run_e2e(run: Run, on_rows: Callable[[list[dict]], None] | None = None) -> Re
     run.log(f"{run.name}, {run.config.num_hidden_layers} layers: {weight_bytes / 1e9:.2f} GB read per decode step, "
             f"HBM floor {hbm_floor_ms(weight_bytes):.3f} ms at {HBM_TBPS} TB/s")
     jobs = {m: error_ids(m, run.config.vocab_size, run.device) for m in run.modes if m in ERROR_MODES}
-    refs = fp32_logits(run, stock, jobs) if jobs else {}
-    try:
-        patched = hf.build_model(run.config, run.dtype, run.device)
-        patched.load_state_dict(stock.state_dict())
-        run.log(hybridgemm.patch(patched, strict=True).summary())
-    except Exception as e:  # noqa: BLE001 (the stock rows are still measured)
-        patched = e.with_traceback(None)
-        run.log(f"patch failed: {type(e).__name__}: {e}")
-    models = {"stock": stock, "hybridgemm": patched}
-    for mode, ids in jobs.items():
-        run.log(f"{mode} ...")
-        add(logits_rows(run, mode, stock, patched, refs.pop(mode), ids))
-        _free(run.device)
+    bf16_refs = fp32_logits(run, stock, jobs) if jobs else {}  # its fp32 copy beside the stock model only
+    patched, names = _patched(run, stock)
+    peers = ew.peer_models(run.config, stock, run.quantize_lm_head, run.device, run.log) \
+        if run.granularity is not None and run.peers else {}
+    models = {"stock": stock, run.patched_variant: patched, **peers}
+    formats = {v: ew.PEERS[v][1] if v in ew.PEERS else weight_format(run.granularity) for v in models if v != "stock"}
+    variant_bytes = {v: hf.decode_weight_bytes(m) for v, m in models.items() if not isinstance(m, BaseException)}
+    for v, nbytes in variant_bytes.items():
+        if v != "stock":
+            run.log(f"{v}: {nbytes / 1e9:.2f} GB read per decode step, HBM floor {hbm_floor_ms(nbytes):.3f} ms")
+    if jobs:
+        add(error_rows(run, jobs, bf16_refs, stock, patched, names, peers))
+        bf16_refs = None
     tasks = [(m, b) for m in run.modes if m in DECODE_MODES for b in run.batches]
     tasks += [("prefill", 1)] if "prefill" in run.modes else []
     with torch.no_grad():
         for i, (mode, batch) in enumerate(tasks, 1):
             run.log(f"[{i}/{len(tasks)}] {mode} batch {batch} ...")
             results, notes = time_mode(run, mode, batch, models)
-            rows = mode_rows(run, mode, batch, results, weight_bytes, notes)
+            rows = mode_rows(run, mode, batch, results, weight_bytes, notes, variant_bytes, formats)
             run.log(f"[{i}/{len(tasks)}] {mode} batch {batch}: " + _brief(rows))
             add(rows)
-    if not isinstance(patched, BaseException):
+    if run.granularity is None and not isinstance(patched, BaseException):
         hybridgemm.unpatch(patched)
         a, b = stock.state_dict(), patched.state_dict()
         res.unpatch_exact = list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -450,18 +584,20 @@ def _brief(rows: list[dict]) -> str:
         if r["status"] != "ok":
             parts.append(f"{r['variant']} ERROR {r.get('note', '')[:160]}")
             continue
-        floor = f" ({r['fraction_of_floor']:.0%} of floor)" if r.get("fraction_of_floor") else ""
+        floor = f" ({r['fraction_of_floor']:.0%} of floor" if r.get("fraction_of_floor") else ""
+        if floor and r.get("variant_bytes") != r.get("weight_bytes"):
+            floor += f", {r['fraction_of_variant_floor']:.0%} of its own"
         sp = f", {r['speedup']:.3f}x" if r["variant"] != "stock" and r.get("speedup") else ""
-        parts.append(f"{r['variant']} {r['ms_per_token']:.3f} ms{floor}{sp}")
+        parts.append(f"{r['variant']} {r['ms_per_token']:.3f} ms{floor}{')' if floor else ''}{sp}")
     return "; ".join(parts)
 
 
 # ----------------------------------------------------------------------------- files, summary
 
 
-def upsert(path, rows: list[dict], columns: tuple[str, ...] = COLUMNS, key: tuple[str, ...] = KEY) -> None:
+def upsert(path, rows: list[dict], columns: tuple[str, ...] = COLUMNS, key: tuple[str, ...] = ROW_KEY) -> None:
     """Write ``rows`` into the CSV at ``path`` (``columns``, default :data:`COLUMNS`), replacing
-    earlier rows of the same ``key`` (default :data:`KEY`) and keeping the others."""
+    earlier rows of the same ``key`` (default :data:`ROW_KEY`) and keeping the others."""
     merged = {tuple(str(r.get(c, "")) for c in key): r for r in csvio.read_rows(str(path))}
     for r in rows:
         merged[tuple(str(r.get(c, "")) for c in key)] = r
@@ -469,35 +605,37 @@ def upsert(path, rows: list[dict], columns: tuple[str, ...] = COLUMNS, key: tupl
 
 
 def print_summary(res: Result, console=None) -> None:
-    """Per (mode, batch): both variants' ms, the speedup and the fractions of the HBM floor;
-    then the logits errors."""
+    """Per (mode, batch), each variant's ms, its speedup over stock and its fractions of the HBM
+    floor of the stock bf16 model's bytes and of its own; then the logits errors."""
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console(width=None if sys.stdout.isatty() else 160)
-    by = {(r["mode"], r["batch"], r["variant"]): r for r in res.rows}
-    tab = Table(title="end to end: ms per decode step (prefill: ms per prefill); speedup = stock / hybridgemm")
-    for col in ("mode", "batch", "stock ms", "hybridgemm ms", "speedup", "stock / floor", "hybridgemm / floor"):
-        tab.add_column(col, justify="left" if col == "mode" else "right")
+    tab = Table(title="end to end: ms per decode step (prefill: ms per prefill); speedup = stock / variant; "
+                      "floors: the stock bf16 model's bytes and the variant's own")
+    for col in ("mode", "batch", "variant", "weights", "ms", "speedup", "of bf16 floor", "of own floor"):
+        tab.add_column(col, justify="left" if col in ("mode", "variant", "weights") else "right")
 
     def num(r, col, fmt):
-        if r is None:
-            return "-"
         if r["status"] != "ok":
             return "error"
         v = r.get(col)
         return format(v, fmt) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
 
-    for mode, batch in dict.fromkeys((r["mode"], r["batch"]) for r in res.rows if r["mode"] not in ERROR_MODES):
-        s, h = by.get((mode, batch, "stock")), by.get((mode, batch, "hybridgemm"))
-        tab.add_row(mode, str(batch), num(s, "ms_per_token", ".3f"), num(h, "ms_per_token", ".3f"),
-                    num(h, "speedup", ".3f"), num(s, "fraction_of_floor", ".1%"), num(h, "fraction_of_floor", ".1%"))
+    for r in res.rows:
+        if r["mode"] not in ERROR_MODES:
+            tab.add_row(r["mode"], str(r["batch"]), r["variant"], r.get("weights", "bf16"),
+                        num(r, "ms_per_token", ".3f"), num(r, "speedup", ".3f") if r["variant"] != "stock" else "",
+                        num(r, "fraction_of_floor", ".1%"), num(r, "fraction_of_variant_floor", ".1%"))
     if tab.row_count:
         console.print(tab)
     for r in res.rows:
         if r["mode"] in ERROR_MODES:
             what = "logits" if r["mode"] == "logits_error" else "decode-step logits"
-            console.print(f"{what} error vs fp32, {r['variant']}: {num(r, 'logits_rel_err', '.3e')}"
+            vs_bf16 = ""
+            if r.get("weights", "bf16") != "bf16" or r["variant"] == DEQUANT:
+                vs_bf16 = f"; vs the bf16 model's fp32: {num(r, 'logits_rel_err_vs_bf16', '.3e')}"
+            console.print(f"{what} error vs fp32, {r['variant']}: {num(r, 'logits_rel_err', '.3e')}{vs_bf16}"
                           + (f" ({r['note']})" if r.get("note") else ""), markup=False, highlight=False)
 
 
@@ -543,14 +681,46 @@ def add_e2e_options(ap: argparse.ArgumentParser, default_modes: tuple[str, ...] 
     ap.add_argument("--rounds", type=positive_int, help=f"timed rounds per variant (default {ROUNDS})")
 
 
+FP8_FLAGS = ("quantize_lm_head", "no_peers")  # options of FP8 runs only (besides --granularity)
+WEIGHTS_HELP = ("the patched model's projections quantized to e4m3 (patch(weights='fp8')), beside the stock bf16 "
+                "model and the torchao peers")
+
+
+def add_fp8_options(ap: argparse.ArgumentParser) -> None:
+    """The options of an FP8 run besides ``--weights`` and ``--granularity`` (perf/weight_formats.py);
+    default None, so that :func:`fp8_options_problem` tells a given one."""
+    ap.add_argument("--quantize-lm-head", action="store_true", default=None,
+                    help="FP8 runs: quantize the LM head too (patch(quantize_lm_head=True); the peers' too)")
+    ap.add_argument("--no-peers", action="store_true", default=None,
+                    help="FP8 runs: no torchao peer rows (they run where torchao is installed)")
+
+
+def fp8_options_problem(args: argparse.Namespace) -> str:
+    """Why the weight options of ``args`` do not go together ("" when they do)."""
+    problem = weight_options_problem(args.weights, args.granularity)
+    given = [f"--{name.replace('_', '-')}" for name in FP8_FLAGS if getattr(args, name, None)]
+    if not problem and given and args.weights != "fp8":
+        problem = f"{', '.join(given)}: only with --weights fp8"
+    return problem
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m hybridgemm.perf.bench_e2e", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, type=model_name, help=f"one of {', '.join(hf.model_names())}")
     add_e2e_options(ap)
-    ap.add_argument("--out", help="CSV to upsert rows into, or a folder for e2e_<gpu>.csv (default: e2e_<gpu>.csv)")
+    add_weight_options(ap, WEIGHTS_HELP)
+    add_fp8_options(ap)
+    ap.add_argument("--out", help="CSV to upsert rows into, or a folder for e2e_<gpu>.csv (FP8 runs: "
+                    "e2e_fp8_<gpu>.csv) (default: that file here)")
     ap.add_argument("--plot", metavar="DIR", help="draw e2e.png from the CSV into DIR afterwards")
     ap.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    problem = fp8_options_problem(args)
+    if problem:
+        ap.error(problem)
+    resolve_weight_options(args)
+    args.quantize_lm_head, args.no_peers = bool(args.quantize_lm_head), bool(args.no_peers)
+    return args
 
 
 def command_line(args) -> str:
@@ -558,6 +728,9 @@ def command_line(args) -> str:
     parts = ["hybridgemm", "bench", "--e2e", "--model", args.model, "--layers", str(args.layers),
              "--batch", *map(str, args.batch), "--prefill", str(args.prefill), "--tokens", str(args.tokens),
              "--modes", *args.modes, "--rounds", str(args.rounds)]
+    if args.weights == "fp8":
+        parts += ["--weights", "fp8", "--granularity", args.granularity]
+        parts += [f"--{name.replace('_', '-')}" for name in FP8_FLAGS if getattr(args, name)]
     return shlex.join(parts)
 
 
@@ -578,11 +751,15 @@ def main(argv=None) -> int:
     args.prefill, args.tokens = args.prefill or PREFILL, args.tokens or TOKENS
     args.modes, args.rounds = tuple(dict.fromkeys(args.modes or MODES)), args.rounds or ROUNDS
     gpu = torch.cuda.get_device_name()
-    out = args.out or f"e2e_{gpu_label(gpu)}.csv"
+    # an FP8 run's stock rows have the bf16 run's keys: a file of their own keeps each run's pairs together
+    name = f"{'e2e' if args.weights == 'bf16' else 'e2e_fp8'}_{gpu_label(gpu)}.csv"
+    out = args.out or name
     if os.path.isdir(out) or out.endswith(("/", os.sep)):
-        out = os.path.join(out, f"e2e_{gpu_label(gpu)}.csv")
+        out = os.path.join(out, name)
     extra = {**csvio.environment_columns(command_line(args)), "transformers": transformers.__version__,
              "date": datetime.date.today().isoformat(), "commit": git_commit()}
+    if args.weights == "fp8" and not args.no_peers:
+        extra["torchao"] = ew.torchao_version() or ""
     start = time.perf_counter()
 
     def log(line: str) -> None:
@@ -590,7 +767,8 @@ def main(argv=None) -> int:
             print(f"[{time.perf_counter() - start:7.1f}s] {line}", file=sys.stderr, flush=True)
 
     run = Run(args.model, config, torch.device("cuda"), args.batch, args.tokens, args.prefill, args.rounds,
-              args.modes, extra=extra, log=log)
+              args.modes, extra=extra, log=log, granularity=args.granularity, quantize_lm_head=args.quantize_lm_head,
+              peers=not args.no_peers)
     log(f"{command_line(args)} on {gpu}, torch {torch.__version__}, transformers {transformers.__version__}")
     res = run_e2e(run, on_rows=lambda rows: upsert(out, rows))
     print_summary(res)

@@ -2,7 +2,9 @@
 
     python -m hybridgemm.perf.bench_msweep --out DIR [--model NAME ...] [--points 64] [--random 64]
                                            [--seed 0] [--m-max 16384] [--dtype bf16] [--quick]
+                                           [--weights fp8 [--granularity channel|block128]]
     hybridgemm bench --m-sweep [--model NAME ...] [--dtype bf16] [--out DIR/any.csv]
+                     [--weights fp8 [--granularity channel|block128]]
 
 What it shows: whether ``hybridgemm.dispatch.fused_linear(x, w, b)`` is slower than
 ``F.linear(x, w, b)`` at any M. Table entries serve M ranges and were timed at a few M of
@@ -27,6 +29,15 @@ method but other operands.
 - Correctness: once per shape (at the swept M closest to 333), the dispatched result against
   an fp32 reference: relative Frobenius error ≤ 2 x F.linear's own + one rounding unit of the
   dtype; a failure is marked in the row's ``check`` column and makes the exit code 1.
+- FP8 columns (``--weights fp8``, bf16/fp16 only): the same points also time
+  ``hybridgemm.linear(x, fp8_weight, b)`` on the weight quantized per ``--granularity``
+  (kernels/fp8.quantize_fp8), beside F.linear on the bf16 weight in the same rounds (a timing of
+  its own, placements as above except that the FP8 copies are one set for all of them):
+  ``fp8_us``, ``fp8_speedup`` = F.linear (bf16) / FP8 call, ``fp8_backend`` (the dispatcher's
+  choice), ``fp8_read_us`` = the read ceiling of the FP8 bytes (N*K + the fp32 scales), timed
+  once per shape (perf/read_ceiling.py), and ``fp8_of_read`` = fp8_read_us / fp8_us.
+  ``fp8_check``: at the check's M, the FP8 call against x @ the dequantized weight in fp32,
+  bounded by 2 x the error of F.linear on the weight dequantized to x's dtype + one rounding unit.
 
 Writes into ``--out``: ``m_sweep_<gpu>.csv`` (one row per (shape, M), rewritten whole after
 every shape: one file holds one run), ``m_sweep_summary.txt`` (what :func:`summary_lines`
@@ -51,19 +62,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import hybridgemm
 from hybridgemm import decide, dispatch
-from hybridgemm.autotune_cache.measure import operands_for, placement_samples
+from hybridgemm.autotune_cache.measure import gpu_time_rotating, operands_for, placement_samples, rotation_copies
 from hybridgemm.autotune_cache.presets import PRESETS, get_preset, preset_names
 from hybridgemm.autotune_cache.tune_table import Progress
 from hybridgemm.kernels.epilogue import Activation, Epilogue
+from hybridgemm.kernels.fp8 import FORMAT_OF, FP8Weight
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
 from hybridgemm.perf import csvio
 from hybridgemm.perf.plot_style import as_bool, shape_label  # noqa: F401 (as_bool used by callers too)
 from hybridgemm.perf.plots_models import BELOW, plot_m_sweep  # noqa: F401 (BELOW used by callers too)
+from hybridgemm.perf.read_ceiling import fp8_bytes, fp8_in_one_buffer, read_calls
+from hybridgemm.perf.weight_formats import add_weight_options, resolve_weight_options, weight_options_problem
 
 COLUMNS = ("models", "projection", "n", "k", "bias", "dtype", "m", "sample", "dispatched_us", "flinear_us", "speedup",
            "backend", "source", "range", "validated_worst", "placements", "replays", "retimed", "date", "commit",
-           "check")
+           "check", "fp8_weights", "fp8_us", "fp8_speedup", "fp8_backend", "fp8_read_us", "fp8_of_read", "fp8_check")
 SMALL_M = 16  # the decode regime's geomean is reported apart: there the dispatcher differs most from F.linear
 CHECK_M = 333  # the correctness check runs at the swept M closest to this (partial tiles at every tile size)
 POINTS, RANDOM, M_MAX = 64, 64, 16384
@@ -214,6 +229,31 @@ def summary_lines(s: dict) -> list[str]:
     return lines
 
 
+def fp8_summary_lines(rows: Iterable[dict]) -> list[str]:
+    """The FP8 columns' numbers (none without them): per FP8 format, the geomean speedup of the
+    FP8 call over F.linear on the bf16 weight, overall and at M ≤ SMALL_M, and its fraction of
+    the FP8 bytes' read ceiling at M ≤ SMALL_M (lowest, geomean, per shape's lowest)."""
+    pts: dict[str, list[tuple]] = {}
+    for r in rows:
+        sp, of_read, m = _num(r.get("fp8_speedup")), _num(r.get("fp8_of_read")), _num(r.get("m"))
+        if r.get("fp8_weights") and math.isfinite(sp) and sp > 0 and math.isfinite(m):
+            label = shape_label(int(_num(r.get("n"))), int(_num(r.get("k"))), as_bool(r.get("bias")),
+                                str(r.get("models", "")))
+            pts.setdefault(str(r["fp8_weights"]), []).append((label, int(m), sp, of_read))
+    lines = []
+    for fmt, mine in pts.items():
+        small = [p for p in mine if p[1] <= SMALL_M]
+        lines.append(f"FP8 weights ({fmt}): hybridgemm.linear on the e4m3 weight vs F.linear on the bf16 weight: "
+                     f"geomean {geomean([p[2] for p in mine]):.3f}x over {len(mine)} rows; "
+                     f"{geomean([p[2] for p in small]):.3f}x over the {len(small)} rows with M ≤ {SMALL_M}")
+        reads = [p for p in small if math.isfinite(p[3]) and p[3] > 0]
+        if reads:
+            low = min(reads, key=lambda p: p[3])
+            lines.append(f"  of the FP8 bytes' read ceiling at M ≤ {SMALL_M}: geomean "
+                         f"{geomean([p[3] for p in reads]):.1%}, lowest {low[3]:.1%} at M={low[1]} ({low[0]})")
+    return lines
+
+
 # ----------------------------------------------------------------------------- files
 
 
@@ -258,14 +298,15 @@ def problem_for_m(m: int, n: int, k: int, bias: bool, dtype: str = "bf16"):
     return Problem(m=m, n=n, k=k, dtype=dt, epilogue=Epilogue(Activation.NONE, bias), ldx=k, ldw=k, ldo=n, tf32=tf32)
 
 
-def check_dispatched(x, w, b, dtype: str) -> tuple[bool, float, float]:
-    """``(ok, rel_err, bound)``: the dispatched result's relative Frobenius error against an
-    fp32 reference, bounded by 2 x F.linear's own error + one rounding unit of ``dtype``."""
+def _check(x, w_ref, b, baseline, result, dtype: str) -> tuple[bool, float, float]:
+    """``(ok, rel_err, bound)``: ``result``'s relative Frobenius error against
+    ``x @ w_ref.T + b`` in fp32 (TF32 off), bounded by 2 x ``baseline``'s error + one rounding
+    unit of ``dtype``."""
 
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        ref = F.linear(x.float(), w.float(), b.float() if b is not None else None)
+        ref = F.linear(x.float(), w_ref.float(), b.float() if b is not None else None)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     norm = ref.norm().item() or 1.0
@@ -273,9 +314,27 @@ def check_dispatched(x, w, b, dtype: str) -> tuple[bool, float, float]:
     def err(y) -> float:
         return (y.float() - ref).norm().item() / norm
 
-    bound = 2 * err(F.linear(x, w, b)) + ROUNDING_UNIT[dtype]
-    e = err(dispatch.fused_linear(x, w, b))
+    bound = 2 * err(baseline) + ROUNDING_UNIT[dtype]
+    e = err(result)
     return e <= bound, e, bound
+
+
+def check_dispatched(x, w, b, dtype: str) -> tuple[bool, float, float]:
+    """``(ok, rel_err, bound)``: the dispatched result's relative Frobenius error against an
+    fp32 reference, bounded by 2 x F.linear's own error + one rounding unit of ``dtype``."""
+    return _check(x, w, b, F.linear(x, w, b), dispatch.fused_linear(x, w, b), dtype)
+
+
+def check_fp8(x, weight: FP8Weight, b, dtype: str) -> tuple[bool, float, float]:
+    """``(ok, rel_err, bound)`` of ``hybridgemm.linear(x, weight, b)`` against x @ the weight
+    dequantized in fp32, bounded by 2 x the error of F.linear on the weight dequantized to x's
+    dtype (what the FP8 path computes where it runs no FP8 kernel) + one rounding unit."""
+    return _check(x, weight.dequantize(torch.float32), b, F.linear(x, weight.dequantize(x.dtype), b),
+                  hybridgemm.linear(x, weight, b), dtype)
+
+
+def _verdict(ok: bool, e: float, bound: float) -> str:
+    return f"{'ok' if ok else 'FAILED'} (rel err {e:.2e} {'<=' if ok else '>'} {bound:.2e})"
 
 
 def _choice_columns(problem) -> dict:
@@ -295,8 +354,7 @@ def _time_pair(p, dtype: str, placements: int, replays: int, check: bool) -> tup
     x, w, b, out, xs, ws = operands_for(p)
     verdict = ""
     if check:
-        ok, e, bound = check_dispatched(x, w, b, dtype)
-        verdict = f"{'ok' if ok else 'FAILED'} (rel err {e:.2e} {'<=' if ok else '>'} {bound:.2e})"
+        verdict = _verdict(*check_dispatched(x, w, b, dtype))
     calls = [lambda i: F.linear(xs[i], ws[i], b),
              lambda i: dispatch.fused_linear(xs[i], ws[i], b)]  # allocates its own output, as a caller's call does
     samples = placement_samples(calls, x, w, xs, ws, [out], placements=placements, replays=replays)
@@ -304,14 +362,51 @@ def _time_pair(p, dtype: str, placements: int, replays: int, check: bool) -> tup
     return samples.ref_us, samples.ratios[1], verdict, nbytes
 
 
+def _time_fp8(p, dtype: str, granularity: str, placements: int, replays: int, check: bool
+              ) -> tuple[list, list, str, str]:
+    """``(F.linear µs per round, FP8 call / F.linear ratio per round, check text, the
+    dispatcher's backend for the FP8 weight)`` for problem ``p``: F.linear on rotating bf16
+    copies of W and ``hybridgemm.linear`` on an FP8 quantization of each copy, timed together;
+    the operands are released when this returns."""
+
+    x, w, b, out, xs, ws = operands_for(p)
+    fp8s = [fp8_in_one_buffer(wi, granularity)[0] for wi in ws]
+    verdict = _verdict(*check_fp8(x, fp8s[0], b, dtype)) if check else ""
+    choice = dispatch.decision_for(x, fp8s[0].data, b, out, None, fp8s[0].weight_format)
+    calls = [lambda i: F.linear(xs[i], ws[i], b), lambda i: hybridgemm.linear(xs[i], fp8s[i], b)]
+    samples = placement_samples(calls, x, w, xs, ws, [out], placements=placements, replays=replays)
+    return samples.ref_us, samples.ratios[1], verdict, choice.backend
+
+
+def fp8_read_us(shape: SweepShape, granularity: str, dtype: str = "bf16") -> float:
+    """The read ceiling of ``shape``'s FP8 weight (µs): the fastest grid of perf/read_ceiling's
+    reading kernel over rotating copies of its bytes (e4m3 data and fp32 scales in one buffer)."""
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    copies = rotation_copies(fp8_bytes(shape.n, shape.k, granularity), device)
+    bufs = [fp8_in_one_buffer(torch.randn(shape.n, shape.k, device=device).to(NAME_TO_DTYPE[dtype]), granularity)[1]
+            for _ in range(copies)]
+    return min(t.median_us for t in gpu_time_rotating(read_calls(bufs, device), copies, device))
+
+
+def fp8_columns(ref_us: list, ratios: list, verdict: str, backend: str, granularity: str, read_us: float) -> dict:
+    """The FP8 columns of a row from :func:`_time_fp8`'s timing and the shape's read ceiling."""
+    flinear_us, ratio = statistics.median(ref_us), statistics.median(ratios)
+    fp8_us = ratio * flinear_us
+    return {"fp8_weights": FORMAT_OF[granularity], "fp8_us": fp8_us, "fp8_speedup": 1.0 / ratio,
+            "fp8_backend": backend, "fp8_read_us": read_us, "fp8_of_read": read_us / fp8_us, "fp8_check": verdict}
+
+
 def measure_point(shape: SweepShape, m: int, sample: str, dtype: str = "bf16", placements: int = PLACEMENTS,
-                  replays: int = REPLAYS, check: bool = False, extra: dict | None = None) -> dict:
+                  replays: int = REPLAYS, check: bool = False, extra: dict | None = None,
+                  fp8: str | None = None, read_us: float = math.nan) -> dict:
     """One row: F.linear and the dispatched call at ``m`` rows, timed together by
     measure.placement_samples (calls[0] F.linear, the reference of every round's ratio); a row
     under RETIME_BELOW is timed again on RETIME_PLACEMENTS more placements and its rounds
     pooled (``retimed``). With ``check``, the dispatched result is first checked
     (:func:`check_dispatched`) and the row's ``check`` column says how it went ("ok ..." or
-    "FAILED ..."). ``extra``: more columns."""
+    "FAILED ..."). ``extra``: more columns. ``fp8``: a granularity, whose FP8 call is timed
+    too (:func:`_time_fp8`; the FP8 columns, ``read_us`` the shape's FP8 read ceiling)."""
 
     p = problem_for_m(m, shape.n, shape.k, shape.bias, dtype)
     ref_us, ratios, verdict, nbytes = _time_pair(p, dtype, placements, replays, check)
@@ -326,7 +421,8 @@ def measure_point(shape: SweepShape, m: int, sample: str, dtype: str = "bf16", p
             "n": shape.n, "k": shape.k, "bias": shape.bias, "dtype": dtype, "m": m, "sample": sample,
             "dispatched_us": ratio * flinear_us, "flinear_us": flinear_us, "speedup": 1.0 / ratio,
             **_choice_columns(p), "placements": placements + (RETIME_PLACEMENTS if retimed else 0),
-            "replays": replays, "retimed": retimed, "check": verdict}
+            "replays": replays, "retimed": retimed, "check": verdict,
+            **(fp8_columns(*_time_fp8(p, dtype, fp8, placements, replays, check), fp8, read_us) if fp8 else {})}
 
 
 @dataclass
@@ -338,24 +434,31 @@ class SweepResult:
 def run_sweep(shapes: list[SweepShape], ms: list[tuple[int, str]], dtype: str = "bf16",
               placements: int = PLACEMENTS, replays: int = REPLAYS, progress: bool = True,
               log: Callable[[str], None] = print, extra: dict | None = None,
-              on_shape: Callable[[list[dict]], None] | None = None) -> SweepResult:
+              on_shape: Callable[[list[dict]], None] | None = None, fp8: str | None = None) -> SweepResult:
     """:func:`measure_point` for every shape x ``(m, sample)``, the correctness check at the M
-    closest to CHECK_M; ``on_shape(rows so far)`` after each shape (to save them)."""
+    closest to CHECK_M; ``on_shape(rows so far)`` after each shape (to save them). ``fp8``: a
+    granularity whose FP8 call every point times too, its read ceiling timed once per shape."""
 
     res = SweepResult()
     check_m = min((m for m, _ in ms), key=lambda m: (abs(math.log(m / CHECK_M)), m), default=None)
     with Progress(progress, len(shapes) * len(ms), "m-sweep") as advance:
         for shape in shapes:
+            read_us = fp8_read_us(shape, fp8, dtype) if fp8 else math.nan
             for m, sample in ms:
-                row = measure_point(shape, m, sample, dtype, placements, replays, check=m == check_m, extra=extra)
+                row = measure_point(shape, m, sample, dtype, placements, replays, check=m == check_m, extra=extra,
+                                    fp8=fp8, read_us=read_us)
                 res.rows.append(row)
-                if row["check"].startswith("FAILED"):
-                    res.failed.append(f"{shape.label} M={m}: {row['check']}")
+                for col in ("check", "fp8_check"):
+                    if row.get(col, "").startswith("FAILED"):
+                        res.failed.append(f"{shape.label} M={m}{' fp8' if col == 'fp8_check' else ''}: {row[col]}")
                 where = f"{row['backend']} ({row['source']}{', M ' + row['range'] if row['range'] else ''})"
                 flag = "  BELOW" if row["speedup"] < BELOW else ""
                 log(f"{shape.label:44s} M={m:<6d} {sample:6s} F.linear {row['flinear_us']:9.2f} µs  dispatched "
                     f"{row['dispatched_us']:9.2f} µs  {row['speedup']:6.3f}x  {where}{flag}"
-                    + (f"  check {row['check']}" if row["check"] else ""))
+                    + (f"  check {row['check']}" if row["check"] else "")
+                    + (f"  | {row['fp8_weights']} {row['fp8_us']:9.2f} µs {row['fp8_speedup']:6.3f}x, "
+                       f"{row['fp8_of_read']:.1%} of its read ceiling ({row['fp8_backend']})"
+                       + (f"  check {row['fp8_check']}" if row["fp8_check"] else "") if fp8 else ""))
                 advance(f"{shape.n}x{shape.k} M={m}")
             if on_shape is not None:
                 on_shape(res.rows)
@@ -385,7 +488,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--table", help="tuning table for the dispatcher (default: the usual lookup)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-plot", action="store_true", help="write the CSV and summary only")
+    add_weight_options(ap, "every point also times hybridgemm.linear on the weight quantized to e4m3 (the "
+                       "fp8_* columns)")
     args = ap.parse_args(argv)
+    problem = weight_options_problem(args.weights, args.granularity, args.dtype)
+    if problem:
+        ap.error(problem)
+    resolve_weight_options(args)
     q = args.quick
     args.points = (QUICK_POINTS if q else POINTS) if args.points is None else args.points
     args.random = (QUICK_RANDOM if q else RANDOM) if args.random is None else args.random
@@ -420,13 +529,14 @@ def main(argv=None) -> int:
     print(f"M sweep on {torch.cuda.get_device_name()}, {args.dtype}: {len(shapes)} shapes x {len(ms)} M values "
           f"({n_log} of {args.points} log-spaced remain after rounding; {len(ms) - n_log} of {args.random} random "
           f"with seed {args.seed} not already there), M in [1, {args.m_max}]; {args.placements} placement(s) x "
-          f"{args.replays} replays", flush=True)
+          f"{args.replays} replays" + (f"; FP8 weights ({args.granularity}) too" if args.granularity else ""),
+          flush=True)
     path = csv_path(args.out, torch.cuda.get_device_name())
     extra = {"date": datetime.date.today().isoformat(), "commit": git_commit()}
     res = run_sweep(shapes, ms, args.dtype, args.placements, args.replays, progress=not args.no_progress,
-                    extra=extra, on_shape=lambda rows: write_csv(path, rows))
+                    extra=extra, on_shape=lambda rows: write_csv(path, rows), fp8=args.granularity)
     write_csv(path, res.rows)
-    lines = summary_lines(summarize(res.rows))
+    lines = summary_lines(summarize(res.rows)) + fp8_summary_lines(res.rows)
     print("\n" + "\n".join(lines))
     (Path(args.out) / SUMMARY_FILE).write_text("\n".join(lines) + "\n")
     print(f"wrote {path} ({len(res.rows)} rows) and {Path(args.out) / SUMMARY_FILE}")

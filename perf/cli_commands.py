@@ -3,8 +3,10 @@
     hybridgemm bench --model llama3-8b [--m 1 16 ...] [--providers ...] [--dtype bf16] [--out results.csv]
                      [--training] [--plot DIR] [--list-providers]
     hybridgemm bench --m-sweep [--model NAME ...] [--dtype bf16] [--out DIR/any.csv]
+                     [--weights fp8 [--granularity channel|block128]]
     hybridgemm bench --e2e --model qwen2.5-7b|llama3-8b [--layers N] [--batch 1 8] [--prefill 2048]
                      [--tokens T] [--modes ...] [--rounds R] [--out CSV] [--plot DIR]
+                     [--weights fp8 [--granularity channel|block128] [--quantize-lm-head] [--no-peers]]
     hybridgemm plot results.csv [more.csv ...] [--out DIR]
 
 Each handler returns an exit code: 0 done, 1 ran but something is missing (no figure, a
@@ -29,6 +31,7 @@ from hybridgemm.perf.bench_msweep import main as m_sweep_main
 from hybridgemm.perf.e2e_models import model_names
 from hybridgemm.perf.plots import make_all_plots
 from hybridgemm.perf.providers import PROVIDERS
+from hybridgemm.perf.weight_formats import add_weight_options, weight_options_problem
 
 DEFAULT_OUT = "bench_results.csv"
 
@@ -61,6 +64,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "llama3-8b, random weights), stock vs patched, in HF generate, eager and compiled static-cache "
                         "decode, prefill, and logits against fp32; upserts rows into --out (default e2e_<gpu>.csv)")
     bench_e2e.add_e2e_options(p)
+    add_weight_options(p, "with --e2e, " + bench_e2e.WEIGHTS_HELP + "; with --m-sweep, every point also times "
+                       "hybridgemm.linear on the weight quantized to e4m3")
+    bench_e2e.add_fp8_options(p)
     p.set_defaults(fn=cmd_bench)
     return p
 
@@ -107,12 +113,16 @@ def cmd_bench(args) -> int:
         return 0
     if getattr(args, "e2e", False):
         return cmd_e2e(args)
-    given = [f"--{name}" for name in E2E_ONLY if getattr(args, name, None) is not None]
+    given = [f"--{name.replace('_', '-')}" for name in E2E_ONLY if getattr(args, name, None) is not None]
     if given:
         _err(f"hybridgemm bench: {', '.join(given)}: only with --e2e")
         return 2
     if getattr(args, "m_sweep", False):
         return cmd_m_sweep(args)
+    given = [f"--{name}" for name in WEIGHT_OPTIONS if getattr(args, name, None) is not None]
+    if given:
+        _err(f"hybridgemm bench: {', '.join(given)}: only with --e2e or --m-sweep")
+        return 2
     try:
         P.select(args.providers)
     except ValueError as e:
@@ -173,8 +183,11 @@ def cmd_m_sweep(args) -> int:
         return 2
     try:
         models = [get_preset(m).name for m in args.model or []]
+        problem = weight_options_problem(args.weights, args.granularity, args.dtype)
     except ValueError as e:
-        _err(f"hybridgemm bench --m-sweep: {e}")
+        problem = str(e)
+    if problem:
+        _err(f"hybridgemm bench --m-sweep: {problem}")
         return 2
 
     if not torch.cuda.is_available():
@@ -184,10 +197,13 @@ def cmd_m_sweep(args) -> int:
 
     out_dir = args.out if os.path.isdir(args.out) or args.out.endswith(("/", os.sep)) else os.path.dirname(args.out)
     argv = ["--out", out_dir or ".", "--dtype", args.dtype, *(a for m in models for a in ("--model", m))]
+    for name in WEIGHT_OPTIONS:
+        argv += [f"--{name}", getattr(args, name)] if getattr(args, name) is not None else []
     return m_sweep_main(argv + (["--no-progress"] if args.no_progress else []))
 
 
-E2E_ONLY = ("layers", "batch", "prefill", "tokens", "modes", "rounds")
+E2E_ONLY = ("layers", "batch", "prefill", "tokens", "modes", "rounds", *bench_e2e.FP8_FLAGS)
+WEIGHT_OPTIONS = ("weights", "granularity")  # --e2e and --m-sweep
 
 
 def cmd_e2e(args) -> int:
@@ -203,8 +219,11 @@ def cmd_e2e(args) -> int:
         return 2
     try:
         model = bench_e2e.model_name(args.model[0])
+        problem = bench_e2e.fp8_options_problem(args)
     except argparse.ArgumentTypeError as e:
-        _err(f"hybridgemm bench --e2e: {e}")
+        model, problem = "", str(e)
+    if problem:
+        _err(f"hybridgemm bench --e2e: {problem}")
         return 2
 
     if not torch.cuda.is_available():
@@ -212,9 +231,11 @@ def cmd_e2e(args) -> int:
         return 2
 
     argv = ["--model", model]
-    for name in E2E_ONLY:
+    for name in (*E2E_ONLY, *WEIGHT_OPTIONS):
         value = getattr(args, name, None)
-        if value is not None:
+        if value is True:  # a flag
+            argv.append(f"--{name.replace('_', '-')}")
+        elif value is not None:
             argv += [f"--{name}", *map(str, value if isinstance(value, (list, tuple)) else [value])]
     argv += ["--out", args.out] if args.out != DEFAULT_OUT else []
     argv += ["--plot", args.plot] if args.plot else []

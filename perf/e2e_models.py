@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hybridgemm.autotune_cache.presets import get_preset
+from hybridgemm.fp8_modules import SCALE_NAMES
 
 
 @dataclass(frozen=True)
@@ -105,15 +106,28 @@ def build_model(config, dtype: torch.dtype, device) -> nn.Module:
     return model.eval()
 
 
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes ``t`` holds: a tensor subclass that flattens into inner tensors (torchao's
+    quantized weights: data, scales, zero points) counts theirs, whatever dtype it reports."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None:
+        names, _ = flatten()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
 def decode_weight_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters one decode step reads: every parameter once (shared ones once),
-    except the input embedding table, of which a step reads one row per token, unless the LM
-    head is tied to it (then the head streams all of it)."""
+    """Bytes of the weights one decode step reads: every parameter once (shared ones once),
+    and the FP8 scales of weights ``patch(weights="fp8")`` quantized (their buffers,
+    fusion/fp8_modules.SCALE_NAMES), except the input embedding table, of which a step reads
+    one row per token, unless the LM head is tied to it (then the head streams all of it)."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     skip = set()
     if emb is not None and not (head is not None and head.weight is emb.weight):
         skip.add(id(emb.weight))
-    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+    tensors = {id(p): p for p in model.parameters() if id(p) not in skip}
+    tensors.update({id(b): b for name, b in model.named_buffers() if name.rpartition(".")[2] in SCALE_NAMES})
+    return sum(tensor_bytes(t) for t in tensors.values())
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ pytest.importorskip("transformers")
 EAGER_MODES = [m for m in E.MODES if m != "compiled_static"]
 
 
-def _run(tmp_path, modes):
+def _run(tmp_path, modes, *more):
     out = tmp_path / "e2e.csv"
     rc = E.main(["--model", "llama3-8b", "--layers", "2", "--tokens", "4", "--batch", "1", "--prefill", "64",
-                 "--modes", *modes, "--out", str(out), "--plot", str(tmp_path), "--no-progress"])
+                 "--modes", *modes, "--out", str(out), "--plot", str(tmp_path), "--no-progress", *more])
     return rc, {(r["mode"], r["variant"]): r for r in read_rows(str(out))}
 
 
@@ -50,3 +50,28 @@ def test_two_layer_llama_compiled_reduce_overhead_both_variants(tmp_path):
     assert by[("compiled_static", "stock")]["status"] == "ok"
     assert by[("compiled_static", "hybridgemm")]["status"] == "ok", by[("compiled_static", "hybridgemm")]["note"]
     assert rc == 0
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block128"])
+def test_two_layer_llama_fp8_weights(tmp_path, granularity):
+    """An FP8 run without peers: every mode ok for both variants, the FP8 model one byte per
+    projection weight lighter (less the scales; the LM head stays bf16), and its logits no further
+    from the fp32 model of the dequantized weights than twice what dequantize -> bf16 F.linear gets."""
+    hyb = f"hybridgemm_e4m3_{granularity}"
+    modes = ["eager_static", "compiled_static", "logits_error", "decode_error"]
+    rc, by = _run(tmp_path, modes, "--weights", "fp8", "--granularity", granularity, "--no-peers")
+    bad = {k: r["note"] for k, r in by.items() if r["status"] != "ok"}
+    assert not bad and rc == 0, bad
+    for mode in ("eager_static", "compiled_static"):
+        r = by[(mode, hyb)]
+        assert r["weights"] == f"e4m3_{granularity}"
+        projection_weights = 2 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096)  # two Llama-3-8B layers
+        saved = int(r["weight_bytes"]) - int(r["variant_bytes"])
+        assert 0.99 * projection_weights < saved < projection_weights, (saved, projection_weights)
+        assert float(r["fraction_of_variant_floor"]) == pytest.approx(
+            float(r["fraction_of_floor"]) * int(r["variant_bytes"]) / int(r["weight_bytes"]), rel=1e-6)
+    for mode in E.ERROR_MODES:
+        r, deq = by[(mode, hyb)], by[(mode, E.DEQUANT)]
+        assert 0 < float(r["logits_rel_err"]) < float(r["logits_rel_err_vs_bf16"]), r
+        assert float(r["error_ratio"]) == pytest.approx(float(r["logits_rel_err"]) / float(deq["logits_rel_err"]))
+        assert float(r["error_ratio"]) < 2.0, (mode, r["error_ratio"])

@@ -165,7 +165,7 @@ def test_run_sweep_bookkeeping_with_a_fake_measurement(monkeypatch):
     rows are handed to on_shape after each shape."""
     calls = []
 
-    def fake(shape, m, sample, dtype, placements, replays, check=False, extra=None):
+    def fake(shape, m, sample, dtype, placements, replays, check=False, extra=None, fp8=None, read_us=math.nan):
         calls.append((shape.n, m, check))
         bad = check and shape.n == 512
         return {**(extra or {}), "n": shape.n, "m": m, "sample": sample, "speedup": 1.0, "flinear_us": 2.0,
@@ -271,3 +271,102 @@ def test_a_row_under_the_retime_bar_is_timed_again_and_pooled(monkeypatch):
     monkeypatch.setattr(MS, "_time_pair", lambda *a: (calls.append(a[2]), ([10.0] * 3, [1 / 1.1] * 3, "", 0))[1])
     row = MS.measure_point(shape, 300, "log", placements=2, replays=3)
     assert calls == [2] and row["retimed"] is False and row["speedup"] == pytest.approx(1.1)
+
+
+# ----------------------------------------------------------------------------- FP8 columns
+
+
+def test_fp8_options(tmp_path, capsys):
+    a = MS.parse_args(["--out", str(tmp_path)])
+    assert (a.weights, a.granularity) == ("bf16", None)
+    a = MS.parse_args(["--out", str(tmp_path), "--weights", "fp8"])
+    assert (a.weights, a.granularity) == ("fp8", "channel")
+    a = MS.parse_args(["--out", str(tmp_path), "--weights", "fp8", "--granularity", "block128", "--dtype", "fp16"])
+    assert (a.weights, a.granularity, a.dtype) == ("fp8", "block128", "fp16")
+    for bad, words in ((["--granularity", "block128"], "--granularity: only with --weights fp8"),
+                       (["--weights", "fp8", "--dtype", "fp32"], "computes in bf16 or fp16, not fp32")):
+        with pytest.raises(SystemExit):
+            MS.parse_args(["--out", str(tmp_path), *bad])
+        assert words in capsys.readouterr().err
+
+
+def test_bench_m_sweep_passes_the_fp8_options_on(monkeypatch, capsys, tmp_path):
+    from hybridgemm.perf import cli_commands
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli_commands, "m_sweep_main", lambda argv: seen.append(argv) or 0)
+    assert bench_cli("bench", "--m-sweep", "--model", "llama3-8b", "--out", str(tmp_path) + "/",
+                     "--weights", "fp8", "--granularity", "block128") == 0
+    assert seen[-1] == ["--out", str(tmp_path) + "/", "--dtype", "bf16", "--model", "llama3-8b", "--weights", "fp8",
+                        "--granularity", "block128"]
+    for argv, words in ((["--granularity", "channel"], "--granularity: only with --weights fp8"),
+                        (["--weights", "fp8", "--dtype", "fp32"],
+                         "--weights fp8: an FP8 weight computes in bf16 or fp16")):
+        assert bench_cli("bench", "--m-sweep", *argv) == 2
+        err = capsys.readouterr().err
+        assert f"hybridgemm bench --m-sweep: {words}" in err and len(err.strip().splitlines()) == 1
+    assert len(seen) == 1
+
+
+def test_fp8_columns_from_the_rounds():
+    # FP8 call at 0.5, 0.4, 0.6 of F.linear's time in three rounds of 10, 12, 11 µs
+    cols = MS.fp8_columns([10.0, 12.0, 11.0], [0.5, 0.4, 0.6], "ok (rel err ...)", "triton_splitk", "block128", 4.4)
+    assert cols["fp8_weights"] == "e4m3_block128" and cols["fp8_backend"] == "triton_splitk"
+    assert cols["fp8_us"] == pytest.approx(0.5 * 11.0) and cols["fp8_speedup"] == pytest.approx(2.0)
+    assert cols["fp8_read_us"] == 4.4 and cols["fp8_of_read"] == pytest.approx(4.4 / 5.5)
+
+
+def test_measure_point_times_the_fp8_call_only_when_asked(monkeypatch):
+    fp8_calls = []
+    monkeypatch.setattr(MS, "_time_pair", lambda *a: ([10.0] * 3, [1 / 1.1] * 3, "", 0))
+    monkeypatch.setattr(MS, "_choice_columns", lambda p: {"backend": "torch", "source": "rule", "range": "",
+                                                          "validated_worst": ""})
+
+    def fake_fp8(p, dtype, granularity, placements, replays, check):
+        fp8_calls.append((p.m, p.n, p.k, dtype, granularity, placements, check))
+        return [10.0] * 3, [0.5] * 3, "ok (rel err 1e-03 <= 3e-03)" if check else "", "triton_splitk"
+
+    monkeypatch.setattr(MS, "_time_fp8", fake_fp8)
+    shape = MS.SweepShape(1024, 4096, False, ("llama3-8b",), ("kv",))
+    row = MS.measure_point(shape, 7, "log", placements=2, replays=3)
+    assert not fp8_calls and "fp8_us" not in row
+    row = MS.measure_point(shape, 7, "log", placements=2, replays=3, check=True, fp8="channel", read_us=4.0)
+    assert fp8_calls == [(7, 1024, 4096, "bf16", "channel", 2, True)]
+    assert row["speedup"] == pytest.approx(1.1) and row["fp8_speedup"] == pytest.approx(2.0)
+    assert row["fp8_us"] == pytest.approx(5.0) and row["fp8_of_read"] == pytest.approx(0.8)
+    assert row["fp8_check"].startswith("ok") and row["fp8_weights"] == "e4m3_channel"
+    assert set(row) <= set(MS.COLUMNS)
+
+
+def test_run_sweep_times_the_read_ceiling_once_per_shape_and_collects_fp8_failures(monkeypatch):
+    reads, lines = [], []
+    monkeypatch.setattr(MS, "fp8_read_us", lambda shape, g, dtype: reads.append((shape.n, g, dtype)) or 3.0)
+
+    def fake(shape, m, sample, dtype, placements, replays, check=False, extra=None, fp8=None, read_us=math.nan):
+        assert read_us == 3.0
+        return {"n": shape.n, "m": m, "sample": sample, "speedup": 1.0, "flinear_us": 2.0, "dispatched_us": 2.0,
+                "backend": "cublaslt", "source": "table", "range": "", "check": "",
+                **MS.fp8_columns([2.0], [1.5], "FAILED (rel err 1e-01 > 3e-03)" if check else "", "triton_splitk",
+                                 fp8, read_us)}
+
+    monkeypatch.setattr(MS, "measure_point", fake)
+    shapes = [MS.SweepShape(1024, 4096, False, ("m",), ("kv",)), MS.SweepShape(512, 3584, True, ("q",), ("kv",))]
+    res = MS.run_sweep(shapes, [(1, "log"), (300, "random"), (4000, "log")], progress=False, log=lines.append,
+                       fp8="channel")
+    assert reads == [(1024, "channel", "bf16"), (512, "channel", "bf16")]
+    assert len(res.rows) == 6 and len(res.failed) == 2 and all("M=300 fp8: FAILED" in f for f in res.failed)
+    assert "e4m3_channel" in lines[0] and "of its read ceiling" in lines[0]
+
+
+def test_fp8_summary_hand_computed():
+    base = dict(models="llama3-8b", n=1024, k=4096, bias=False, fp8_weights="e4m3_channel")
+    rows = [dict(base, m=1, fp8_speedup=2.0, fp8_of_read=0.8), dict(base, m=16, fp8_speedup=0.5, fp8_of_read=0.5),
+            dict(base, m=300, fp8_speedup=4.0, fp8_of_read=0.1),
+            dict(base, m=2, fp8_speedup="", fp8_of_read=""),  # not measured
+            dict(base, m=1, speedup=1.2)]  # a row without FP8 columns
+    text = "\n".join(MS.fp8_summary_lines(rows))
+    # all three: 2 * 0.5 * 4 = 4 -> 4^(1/3); M <= 16: 2 * 0.5 = 1 -> 1.000x; of read 0.8 * 0.5 = 0.4 -> 63.2%
+    assert f"geomean {4 ** (1 / 3):.3f}x over 3 rows; 1.000x over the 2 rows with M ≤ 16" in text
+    assert f"geomean {0.4 ** 0.5:.1%}, lowest 50.0% at M=16 (1024 x 4096 — llama3-8b)" in text
+    assert MS.fp8_summary_lines([dict(base, m=1, speedup=1.0, fp8_weights="")]) == []

@@ -1,0 +1,107 @@
+"""The read ceiling of a weight: how fast a kernel that only reads the weight's bytes streams
+them from HBM at that size, the reference a decode GEMM (a GEMV in all but name) is measured
+against (perf/bench_layer_fusion.py, perf/bench_msweep.py).
+
+The reading kernel sums a contiguous buffer in fp32 and stores one number per program; it is
+launched on a few grids (:data:`READ_PROGRAMS_PER_SM` programs per SM) and the fastest is the
+ceiling. An FP8 weight is read as the bytes it is: e4m3 data and fp32 scales, which
+:func:`fp8_in_one_buffer` lays out back to back in one allocation so that the reading kernel
+and the FP8 GEMM read the very same N*K + 4 * (number of scales) bytes.
+
+Triton is imported on first use: perf/bench_msweep.py imports this module, and
+``import hybridgemm.perf.bench_msweep`` must work where Triton is absent (tests/test_layers.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from hybridgemm.kernels.fp8 import BLOCK, FP8Weight, quantize_fp8
+
+READ_PROGRAMS_PER_SM = (2, 4, 8, 16)  # grids of the read-only kernel; the fastest is the ceiling
+READ_BLOCK = 4096  # elements per program per loop step
+_ALIGN = 16  # bytes: the scales start right after the e4m3 data, at a 16-byte boundary
+
+
+@functools.cache
+def _read_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_kernel(w_ptr, sink_ptr, per_prog, total, BLOCK: tl.constexpr):
+        """Sum a contiguous slice of the buffer: HBM read traffic and nothing else."""
+        start = tl.program_id(0).to(tl.int64) * per_prog
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for i in range(0, per_prog, BLOCK):
+            offs = start + i + tl.arange(0, BLOCK)
+            acc += tl.load(w_ptr + offs, mask=offs < total, other=0, eviction_policy="evict_first").to(tl.float32)
+        tl.store(sink_ptr + tl.program_id(0), tl.sum(acc))
+
+    return read_kernel
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def read_view(buf: torch.Tensor) -> torch.Tensor:
+    """``buf`` as the kernel reads it: a float or int tensor as it is (flattened); a byte buffer
+    as int32 where its length allows (4 bytes a load, as wide as a bf16 pair), else as bytes."""
+    flat = buf.reshape(-1)
+    if flat.element_size() == 1:
+        flat = flat.view(torch.uint8)
+        if flat.numel() % 4 == 0:
+            flat = flat.view(torch.int32)
+    return flat
+
+
+def read_calls(buffers: list[torch.Tensor], device) -> list[Callable[[int], torch.Tensor]]:
+    """One read-only call per grid of :data:`READ_PROGRAMS_PER_SM`, each ``call(j)`` reading
+    every byte of ``buffers[j]`` (the rotating copies of gpu_time_rotating) and returning its
+    programs' sums (their total is the buffer's sum: every element was read once)."""
+    views = [read_view(b) for b in buffers]
+    total = views[0].numel()
+    if any(v.numel() != total or v.dtype != views[0].dtype for v in views):
+        raise ValueError("read_calls: every buffer must hold the same number of elements of one dtype")
+    kernel = _read_kernel()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    calls = []
+    for per_sm in READ_PROGRAMS_PER_SM:
+        progs = sms * per_sm
+        per = _cdiv(_cdiv(total, progs), READ_BLOCK) * READ_BLOCK  # elements per program, whole blocks
+        sink = torch.empty(progs, device=views[0].device)
+
+        def call(j: int, per=per, progs=progs, sink=sink) -> torch.Tensor:
+            kernel[(progs,)](views[j], sink, per, total, BLOCK=READ_BLOCK, num_warps=8)
+            return sink
+
+        calls.append(call)
+    return calls
+
+
+def fp8_bytes(n: int, k: int, granularity: str) -> int:
+    """Bytes of an (N, K) FP8 weight: N*K e4m3 bytes and 4 bytes per fp32 scale (one per row,
+    or one per 128 x 128 block)."""
+    scales = n if granularity == "channel" else _cdiv(n, BLOCK) * _cdiv(k, BLOCK)
+    return n * k + 4 * scales
+
+
+def fp8_in_one_buffer(weight: torch.Tensor, granularity: str) -> tuple[FP8Weight, torch.Tensor]:
+    """``quantize_fp8(weight, granularity)`` with its e4m3 data and its scales back to back in
+    one byte buffer: ``(the FP8Weight, the buffer)``, the second what :func:`read_calls` reads
+    (exactly :func:`fp8_bytes` bytes). N*K must be a multiple of 16 (the scales' alignment;
+    every model projection's is); ValueError otherwise."""
+    n, k = weight.shape
+    if (n * k) % _ALIGN:
+        raise ValueError(f"fp8_in_one_buffer: N*K = {n * k} is not a multiple of {_ALIGN}")
+    q = quantize_fp8(weight, granularity)
+    buf = torch.empty(fp8_bytes(n, k, granularity), dtype=torch.uint8, device=weight.device)
+    data = buf[:n * k].view(q.data.dtype).view(n, k)
+    scale = buf[n * k:].view(torch.float32).view(q.scale.shape)
+    data.copy_(q.data)
+    scale.copy_(q.scale)
+    return FP8Weight(data, scale, granularity, q.dtype), buf
