@@ -14,6 +14,7 @@ import operator
 import torch
 
 from hybridgemm.kernels.epilogue import Activation, Epilogue
+from hybridgemm.kernels.fp8 import FORMAT_OF
 from hybridgemm.kernels.problem import DTYPE_NAMES, NAME_TO_DTYPE, Problem, uses_tf32
 
 from . import decide, mode_state, modes
@@ -62,7 +63,7 @@ def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: bool = True,
-            activation=None, device: int | None = None) -> str:
+            activation=None, device: int | None = None, weights: str = "same", granularity: str = "channel") -> str:
     """Which kernel ``hybridgemm.linear`` runs for these shapes, and why (a table hit with the
     M range it was validated on and its worst measured ratio to F.linear, or the fallback
     rule). Works without a GPU (it then says PyTorch runs).
@@ -70,8 +71,18 @@ def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: b
     ``x_shape`` is one or more non-negative ints (``(..., K)``), ``w_shape`` two (``(N, K)``),
     with the same K; ``dtype`` a ``torch.dtype``, one of ``bf16``/``fp16``/``fp32``, or the name
     of a torch dtype (``bfloat16``, ``float16``, ``float32``, ``float64``, ...; a ``torch.``
-    prefix is allowed). Anything else raises ValueError naming the argument and what it takes."""
+    prefix is allowed). ``weights="fp8"``: the weight is FP8 of ``granularity`` (``channel`` or
+    ``block128``; ``hybridgemm.quantize_fp8``), x and the output ``dtype`` (bf16/fp16), and the
+    decision is the FP8 one (its own table key). Anything else raises ValueError naming the
+    argument and what it takes."""
     dtype = _parse_dtype(dtype)
+    if weights not in ("same", "fp8"):
+        raise ValueError(f"weights must be 'same' or 'fp8', got {weights!r:.40}")
+    if weights == "fp8" and granularity not in FORMAT_OF:
+        raise ValueError(f"granularity must be one of {', '.join(FORMAT_OF)}, got {granularity!r:.40}")
+    if weights == "fp8" and dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"an FP8 weight computes in bf16 or fp16, got dtype {dtype}")
+    weight_format = FORMAT_OF[granularity] if weights == "fp8" else ""
     x_dims = _dims(x_shape, "x_shape", "(16, 4096) or (2, 8, 4096)")
     w_dims = _dims(w_shape, "w_shape", "(6144, 4096)")
     if not x_dims:
@@ -87,12 +98,16 @@ def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: b
     if x_dims[-1] != k:
         raise ValueError(f"x_shape {x_dims} has {x_dims[-1]} features, w_shape expects {k}")
     problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=Epilogue(act, bias), ldx=k, ldw=k, ldo=n,
-                      tf32=uses_tf32(dtype))
+                      tf32=uses_tf32(dtype), weight_format=weight_format)
     head = f"linear {DTYPE_NAMES.get(dtype, dtype)} M={m} N={n} K={k} epilogue={problem.epilogue.name}"
+    if weight_format:
+        head += f" weight={weight_format}"
     if m == 0 or n == 0 or k == 0:
         return f"{head}: empty problem (M, N or K = 0), so PyTorch computes it (no GEMM)"
     invariant = mode_state.get_mode() == mode_state.BATCH_INVARIANT
     if not torch.cuda.is_available():
+        if weight_format:
+            return f"{head}: no CUDA device here, so the weight is dequantized and PyTorch (F.linear) computes it"
         line = f"{head}: no CUDA device here, so PyTorch (F.linear) computes it on the CPU"
         if invariant and dtype in DTYPE_NAMES:
             line += (f"\n  batch_invariant mode: {modes.batch_invariant_choice(problem, None).describe()} on an "
@@ -102,6 +117,14 @@ def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: b
         tail = " (not guaranteed batch-invariant)" if invariant else ""
         return f"{head}: dtype not taken by any kernel, so PyTorch computes it{tail}"
     dev = torch.cuda.current_device() if device is None else device
+    if weight_format:
+        if torch.cuda.get_device_capability(dev) < (8, 9):
+            return f"{head}\n  device {dev} has no FP8 conversion: the weight is dequantized per call, then {dtype}"
+        if invariant:
+            return f"{head}\n  batch_invariant mode: the weight is dequantized, then the batch-invariant {dtype} path"
+        with torch.cuda.device(dev):
+            choice = decide.choose_fp8(problem, dev)
+        return f"{head}\n  key {choice.key}\n  runs {choice.describe()}"
     with torch.cuda.device(dev):
         if invariant:
             choice = modes.batch_invariant_choice(problem, dev)

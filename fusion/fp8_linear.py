@@ -108,14 +108,15 @@ def _setup(ctx, inputs, output):
     x, data, scale, bias, activation = inputs
     ctx.activation = activation
     ctx.has_bias = bias is not None
-    ctx.save_for_backward(data, scale, x if activation != Activation.NONE.value else None)
+    keep = activation != Activation.NONE.value  # the activation's derivative needs z = x @ W.T + b
+    ctx.save_for_backward(data, scale, x if keep else None, bias if keep else None)
 
 
 def _backward(ctx, grad):
-    data, scale, x = ctx.saved_tensors
+    data, scale, x, bias = ctx.saved_tensors
     if ctx.activation != Activation.NONE.value:  # through the activation: its derivative at z (recomputed)
         with torch.enable_grad():
-            z = fp8_linear(x.detach(), data, scale, None, None).requires_grad_()
+            z = fp8_linear(x.detach(), data, scale, None if bias is None else bias.detach(), None).requires_grad_()
             (grad,) = torch.autograd.grad(apply_activation(z, Activation(ctx.activation)), z, grad)
     dx = grad @ fp8.dequantize(data, scale, grad.dtype) if ctx.needs_input_grad[0] else None
     db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[3] and ctx.has_bias else None
@@ -128,6 +129,9 @@ fp8_linear_fwd.register_autograd(_backward, setup_context=_setup)
 def linear_fp8(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = None, activation=None) -> Tensor:
     """:func:`hybridgemm.linear` with an FP8 weight's tensors: the eager call directly where no
     gradient is wanted, else (and under torch.compile) the custom op."""
+    if not isinstance(x, Tensor) or (bias is not None and not isinstance(bias, Tensor)):
+        raise TypeError(f"{WHO}: input and bias must be tensors (bias may be None), got {type(x).__name__}, "
+                        f"{type(bias).__name__}")
     act = Activation.parse(activation)
     wants_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
     if not wants_grad and not torch.compiler.is_compiling() and type(x) in PLAIN_TENSOR_TYPES:
@@ -136,6 +140,29 @@ def linear_fp8(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = Non
 
 
 # ------------------------------------------------------------------------------- module
+
+_SCALE_NAMES = ("weight_scale", "weight_scale_inv")
+
+
+def keep_fp8_dtypes(module: nn.Module, fn):
+    """``fn`` of ``Module._apply`` for a module with an FP8 weight: ``model.half()``,
+    ``.to(torch.bfloat16)`` and the like would cast the e4m3 weight and its fp32 scales as torch
+    casts any floating tensor (turning the weight into its unscaled e4m3 values and rounding the
+    scales); those two only move to the device ``fn`` sends a tensor to. Everything else
+    (the bias) is ``fn``'s as usual."""
+    kept = {id(t) for t in (module._parameters.get("weight"), *(module._buffers.get(n) for n in _SCALE_NAMES))
+            if t is not None and (t.dtype == fp8.E4M3 or t.dtype == torch.float32)}
+
+    def apply(t):
+        if id(t) not in kept:
+            return fn(t)
+        device = fn(t.new_empty(0)).device  # where fn sends a tensor (its dtype is not taken)
+        if device == t.device:
+            return t
+        return torch.empty_like(t, device=device) if t.is_meta else t.to(device=device)
+
+    return apply
+
 
 class FP8Linear(nn.Module):
     """A linear layer with an FP8 weight: ``weight`` (e4m3, frozen) and its fp32 scales, kept
@@ -180,6 +207,9 @@ class FP8Linear(nn.Module):
     @property
     def fp8_weight(self) -> fp8.FP8Weight:
         return fp8.FP8Weight(self.weight, self.weight_scale_tensor, self.granularity, self.dtype)
+
+    def _apply(self, fn, *args, **kwargs):
+        return super()._apply(keep_fp8_dtypes(self, fn), *args, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
         return linear_fp8(x, self.weight, self.weight_scale_tensor, self.bias, self.activation)

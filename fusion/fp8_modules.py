@@ -32,7 +32,7 @@ from hybridgemm.fused_rows import FusedLinears, save_in_order
 from hybridgemm.kernels import fp8
 from hybridgemm.linear_layer import HybridLinear
 
-from .fp8_linear import linear_fp8
+from .fp8_linear import keep_fp8_dtypes, linear_fp8
 
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")
 KERNEL_SCALE = "weight_scale"  # the buffer that holds the scales in the kernels' layout
@@ -47,7 +47,9 @@ def weight_scale_of(module: nn.Module) -> Tensor | None:
         scale = buffers.get("weight_scale_inv")
         if scale is None:
             return None
-    return scale.reshape(-1) if scale.dim() == 2 and scale.shape[1] == 1 else scale
+    # (N, 1) is per channel; (N/128, 1) with N > 128 is per block over a K of at most 128
+    per_channel_column = scale.dim() == 2 and scale.shape[1] == 1 and scale.shape[0] == module.weight.shape[0]
+    return scale.reshape(-1) if per_channel_column else scale
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,9 @@ class FP8HybridLinear(HybridLinear):
 
     fp8_dtype = torch.bfloat16
 
+    def _apply(self, fn, *args, **kwargs):
+        return super()._apply(keep_fp8_dtypes(self, fn), *args, **kwargs)
+
     def forward(self, x: Tensor) -> Tensor:
         return linear_fp8(x, self.weight, weight_scale_of(self), self.bias, self.activation)
 
@@ -187,6 +192,9 @@ class FP8FusedLinears(FusedLinears):
 
     fp8_dtype = torch.bfloat16
     STOCK_TENSORS = ("weight", "bias", KERNEL_SCALE)
+
+    def _apply(self, fn, *args, **kwargs):
+        return super()._apply(keep_fp8_dtypes(self, fn), *args, **kwargs)
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         return linear_fp8(x, self.weight, weight_scale_of(self), self.bias).split_with_sizes(self.sizes, dim=-1)
