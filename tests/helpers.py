@@ -147,3 +147,51 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     patched = copy.deepcopy(stock)
     assert hybridgemm.patch(patched).fused_layers == ["model.layers.0", "model.layers.1"]
     return ref, stock, patched
+
+
+def static_decode(model, tokens, compiled: bool, vocab: int, prompt: int = 5, cache_len: int = 32):
+    """Logits (fp32) of each fed token (``tokens``: [B, 1] each) after a ``prompt``-token random
+    prompt, over a fresh StaticCache on CUDA; compiled with ``reduce-overhead`` and fullgraph
+    where ``compiled``. Returns ``(logits [steps, B, vocab], cache)``."""
+    from hybridgemm.perf import e2e_models as hf
+
+    api = hf.forward_api(model)
+    cache = hf.static_cache(model, tokens[0].shape[0], cache_len)
+    ids = torch.randint(0, vocab, (tokens[0].shape[0], prompt), generator=torch.Generator().manual_seed(5)).cuda()
+    hf.cached_forward(model, api, ids, cache, torch.arange(prompt, device="cuda"))
+
+    def step(tok, pos):
+        return hf.cached_forward(model, api, tok, cache, pos)[:, -1].float()
+
+    fn = torch.compile(step, mode="reduce-overhead", fullgraph=True) if compiled else step
+    out = []
+    pos = torch.tensor([prompt], device="cuda")
+    for tok in tokens:
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        out.append(fn(tok, pos).clone())
+        pos.add_(1)
+    return torch.stack(out), cache
+
+
+def dequantized_copy(stock, patched):
+    """``stock`` (deep-copied) with each projection's weight replaced by ``patched``'s FP8 weight
+    dequantized in fp32 (fused Q/K/V and gate/up split back into their linears): the model that
+    ``patched`` approximates, for FP8 error references."""
+    import copy
+
+    from hybridgemm.fp8_modules import FP8FusedLinears, FP8HybridLinear, weight_scale_of
+    from hybridgemm.kernels import fp8
+
+    ref = copy.deepcopy(stock)
+    for name, mod in patched.named_modules():
+        if isinstance(mod, (FP8FusedLinears, FP8HybridLinear)):
+            w = fp8.dequantize(mod.weight, weight_scale_of(mod), torch.float32)
+            parent = ref.get_submodule(name.rpartition(".")[0])
+            if isinstance(mod, FP8FusedLinears):
+                for part, rows in zip(mod.names, w.split(mod.sizes)):
+                    getattr(parent, part).weight.data.copy_(rows.to(getattr(parent, part).weight.dtype))
+            else:
+                target = ref.get_submodule(name).weight
+                target.data.copy_(w.to(target.dtype))
+    return ref

@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import hybridgemm
+from helpers import dequantized_copy, static_decode
 from hybridgemm import dispatch
-from hybridgemm.fp8_modules import FP8FusedLinears, FP8HybridLinear, weight_scale_of
-from hybridgemm.kernels import fp8, triton_splitk
-from hybridgemm.perf import e2e_models as hf
+from hybridgemm.kernels import triton_splitk
 
 pytestmark = pytest.mark.gpu
 VOCAB = 512
@@ -97,40 +96,13 @@ def _models(granularity):
     report = hybridgemm.patch(patched, weights="fp8", granularity=granularity)
     assert report.fused_layers == ["model.layers.0", "model.layers.1"] and len(report.fp8) == 8
     # the same model with the dequantized weights: fp32 (the reference) and bf16 (dequantize -> F.linear)
-    ref = copy.deepcopy(base).to("cuda")
-    modules = dict(patched.named_modules())
-    for name, mod in modules.items():
-        if isinstance(mod, (FP8FusedLinears, FP8HybridLinear)):
-            w = fp8.dequantize(mod.weight, weight_scale_of(mod), torch.float32)
-            parent = ref.get_submodule(name.rpartition(".")[0])
-            if isinstance(mod, FP8FusedLinears):
-                for part, rows in zip(mod.names, w.split(mod.sizes)):
-                    getattr(parent, part).weight.data.copy_(rows)
-            else:
-                ref.get_submodule(name).weight.data.copy_(w)
+    ref = dequantized_copy(base.to("cuda"), patched)
     deq = copy.deepcopy(ref).to(torch.bfloat16)
     return ref, deq, patched
 
 
 def _decode(model, tokens, compiled: bool):
-    api = hf.forward_api(model)
-    batch = tokens[0].shape[0]
-    cache = hf.static_cache(model, batch, 32)
-    prompt = torch.randint(0, VOCAB, (batch, 5), generator=torch.Generator().manual_seed(5)).cuda()
-    hf.cached_forward(model, api, prompt, cache, torch.arange(5, device="cuda"))
-
-    def step(tok, pos):
-        return hf.cached_forward(model, api, tok, cache, pos)[:, -1].float()
-
-    fn = torch.compile(step, mode="reduce-overhead", fullgraph=True) if compiled else step
-    out = []
-    pos = torch.tensor([5], device="cuda")
-    for tok in tokens:
-        if compiled:
-            torch.compiler.cudagraph_mark_step_begin()
-        out.append(fn(tok, pos).clone())
-        pos.add_(1)
-    return torch.stack(out)
+    return static_decode(model, tokens, compiled, VOCAB)[0]
 
 
 @pytest.mark.parametrize("granularity", ["channel", "block128"])

@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import llama_variants
+from helpers import llama_variants, static_decode
 from hybridgemm import dispatch
 from hybridgemm.kernels import triton_splitk
 from hybridgemm.kernels.triton_rope import RotaryCache
-from hybridgemm.perf import e2e_models as hf
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -98,24 +97,7 @@ def models(monkeypatch):
 
 def _decode(model, tokens, compiled: bool):
     """Logits of each fed token after a 5-token prompt, over a fresh StaticCache."""
-    api = hf.forward_api(model)
-    batch = tokens[0].shape[0]
-    cache = hf.static_cache(model, batch, 32)
-    prompt = torch.randint(0, VOCAB, (batch, 5), generator=torch.Generator().manual_seed(5)).cuda()
-    hf.cached_forward(model, api, prompt, cache, torch.arange(5, device="cuda"))
-
-    def step(tok, pos):
-        return hf.cached_forward(model, api, tok, cache, pos)[:, -1].float()
-
-    fn = torch.compile(step, mode="reduce-overhead", fullgraph=True) if compiled else step
-    out = []
-    pos = torch.tensor([5], device="cuda")
-    for tok in tokens:
-        if compiled:
-            torch.compiler.cudagraph_mark_step_begin()
-        out.append(fn(tok, pos).clone())
-        pos.add_(1)
-    return torch.stack(out), cache
+    return static_decode(model, tokens, compiled, VOCAB)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

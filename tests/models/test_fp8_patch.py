@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import hybridgemm
-from hybridgemm.fp8_modules import FP8FusedLinears, FP8HybridLinear, weight_scale_of
-from hybridgemm.kernels import fp8
+from helpers import dequantized_copy
+from hybridgemm.fp8_modules import weight_scale_of
 from hybridgemm.models import decode_checks
 
 transformers = pytest.importorskip("transformers")
@@ -23,21 +23,6 @@ def _tiny(seed=0):
                                       tie_word_embeddings=False)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).eval()
-
-
-def _dequantized(stock, patched):
-    """``stock`` with every projection's weight replaced by the patched model's dequantized one."""
-    ref = copy.deepcopy(stock)
-    for name, mod in patched.named_modules():
-        if isinstance(mod, (FP8FusedLinears, FP8HybridLinear)):
-            w = fp8.dequantize(mod.weight, weight_scale_of(mod), torch.float32)
-            parent = ref.get_submodule(name.rpartition(".")[0])
-            if isinstance(mod, FP8FusedLinears):
-                for part, rows in zip(mod.names, w.split(mod.sizes)):
-                    getattr(parent, part).weight.data.copy_(rows)
-            else:
-                ref.get_submodule(name).weight.data.copy_(w)
-    return ref
 
 
 @pytest.mark.parametrize("granularity", ["channel", "block128"])
@@ -55,7 +40,7 @@ def test_patched_fp8_model_computes_with_the_dequantized_weights(granularity):
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got = patched(ids).logits
-        want = _dequantized(stock, patched)(ids).logits
+        want = dequantized_copy(stock, patched)(ids).logits
         exact = stock(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert (got - exact).abs().max() > 1e-3  # the weights really are quantized
