@@ -20,6 +20,12 @@ MMA's M side (so Hopper can use wgmma) and the handful of x rows, padded to 16, 
 W tiles are loaded whole (``BLOCK_K`` contiguous elements per row, 16-byte vectors) and
 pipelined through shared memory with ``num_stages`` buffers. W is read once per call, so its
 loads are marked ``evict_first``; x is re-read by every program (``evict_last``).
+With ``fma`` (M ≤ 4) the dot is instead fp32 products on CUDA cores summed over each K tile,
+with as few x rows per program as the call has (``block_m`` from 1): W never takes the MMA
+operand layout, which an e4m3 weight must otherwise be converted into.
+
+An FP8 weight (``weight_scale=``, kernels/fp8.py) is loaded as e4m3 bytes, converted to x's
+dtype in registers and scaled in fp32 (see the kernel's WSCALE).
 
 Workspace and counters: from torch's caching allocator, kept per (device, stream) and reused,
 never freed (``triton_scratch``: graph-capture caveats). ``clear_workspaces`` is for tests and
@@ -74,6 +80,8 @@ KIND = "triton_splitk"
 MAX_M = DECODE_MAX_M  # candidates() offers split-K up to this M; past it the tiled GEMM wins
 MAX_ACC_REGS = 128
 MAX_CANDIDATES = 16
+FMA_MAX_M = 4  # candidates() offers the CUDA-core products (TritonSplitKConfig.fma) up to this M
+MAX_FMA_REGS = 128
 _WSCALE = {"": 0, FORMAT_OF["channel"]: 1, FORMAT_OF["block128"]: 2}  # the kernel's WSCALE per weight format
 
 
@@ -86,9 +94,13 @@ class TritonSplitKConfig:
     num_warps: int
     num_stages: int
     fused_reduce: bool = False  # split_k > 1: reduce in the same launch (arrival counters)
+    # The products on CUDA cores (fp32 multiply, sum over each K tile) instead of a tensor-core
+    # dot: no MMA operand layout for W (nor the e4m3 -> bf16 conversion into it), rows of x
+    # as few as the call has (block_m from 1). For M <= FMA_MAX_M.
+    fma: bool = False
 
     def __post_init__(self):
-        check_pow2("block_m", self.block_m, 16, 128)
+        check_pow2("block_m", self.block_m, 1 if self.fma else 16, 128)
         check_pow2("block_n", self.block_n, 16, 256)
         check_pow2("block_k", self.block_k, 16, 512)
         check_range("split_k", self.split_k, 1, 64)
@@ -98,7 +110,10 @@ class TritonSplitKConfig:
             raise ValueError("fused_reduce needs split_k > 1 (split_k == 1 has nothing to reduce)")
 
     def to_record(self) -> dict:
-        return config_to_record(self, KIND)
+        record = config_to_record(self, KIND)
+        if not self.fma:
+            del record["fma"]  # the records of tensor-core configs read as they did before the field
+        return record
 
     @classmethod
     def from_record(cls, record: dict) -> TritonSplitKConfig:
@@ -134,6 +149,10 @@ class TritonSplitKConfig:
         regs = self.block_m * self.block_n // (32 * self.num_warps)
         if regs > MAX_ACC_REGS:
             return False, f"accumulator needs {regs} registers per thread (> {MAX_ACC_REGS})"
+        if self.fma:
+            products = self.block_m * self.block_n * self.block_k // (32 * self.num_warps)
+            if products > MAX_FMA_REGS:
+                return False, f"the fp32 products of a K tile need {products} registers per thread (> {MAX_FMA_REGS})"
         return True, ""
 
 
@@ -166,6 +185,17 @@ _PLAN = (
     (16, 512, 1, 6, 4, True),
     (32, 512, 4, 4, 4, True),
     (64, 256, 4, 4, 4, False),
+)
+
+
+# The CUDA-core (fma) configs candidates() adds at M <= FMA_MAX_M, in _PLAN's terms; block_m is
+# M's power of two. Fewer bytes of K per stage than the dot configs: the fp32 products of a tile
+# live in registers.
+_FMA_PLAN = (
+    (64, 256, 4, 4, 1, True),
+    (32, 512, 4, 4, 2, True),
+    (128, 256, 8, 4, 1, True),
+    (64, 128, 4, 6, 2, True),
 )
 
 
@@ -205,7 +235,18 @@ def candidates(
         ok, _ = cfg.supports(problem, smem_limit=smem_limit, capability=capability)
         if ok and cfg not in found:
             found.append(cfg)
-    return found[:MAX_CANDIDATES]
+    found = found[:MAX_CANDIDATES]
+    if problem.m <= FMA_MAX_M:
+        bm = next_pow2(problem.m)
+        for bn, k_bytes, warps, stages, waves, fused in _FMA_PLAN:
+            bk = _block_k(problem, k_bytes)
+            tiles = triton.cdiv(problem.n, bn) * triton.cdiv(problem.m, bm)
+            split = _split_for(waves, tiles, triton.cdiv(problem.k, bk), num_sms)
+            cfg = TritonSplitKConfig(bm, bn, bk, split, warps, stages, fused and split > 1, fma=True)
+            ok, _ = cfg.supports(problem, smem_limit=smem_limit, capability=capability)
+            if ok and cfg not in found:
+                found.append(cfg)
+    return found
 
 
 def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits):
@@ -234,7 +275,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    PREC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                    ROPE: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr,
-                   WSCALE: tl.constexpr):
+                   WSCALE: tl.constexpr, FMA: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -286,7 +327,12 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                         eviction_policy="evict_last")
             if NORM:
                 x, sq = tl_norm_tile_sq(x, tl.load(nw_ptr + k + offs_k, mask=k_ok, other=0.0), sq)
-        if WSCALE == 0:
+        if FMA:  # fp32 products on CUDA cores, summed over the tile's K: [BN, BM]
+            part = tl.sum(w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :], axis=2)
+            if WSCALE == 2:
+                part = part * tl.load(sc_ptr + (rows_n // 128) * lds + k // 128)[:, None]
+            acc += part
+        elif WSCALE == 0:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
         elif WSCALE == 1:
             acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PREC)
@@ -448,7 +494,7 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     rope = fusion.rope
     meta = dict(plan_meta(config, problem, act, bias is not None), MODE=mode, NORM=norm,
                 RESIDUAL=residual and mode != 1, ROPE=rope is not None, KV=rope is not None and rope.kv,
-                HD=rope.head_dim if rope is not None else 2, PDL=pdl, WSCALE=_WSCALE[weight_format],
+                HD=rope.head_dim if rope is not None else 2, PDL=pdl, WSCALE=_WSCALE[weight_format], FMA=config.fma,
                 **launch_opts)
     # the integer groups (see "launch arguments")
     gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)

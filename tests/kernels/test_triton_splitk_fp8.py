@@ -114,3 +114,57 @@ def test_scales_that_do_not_fit_the_weight_are_refused():
         sk.run(CONFIGS["one-pass"], x, q.data, b, out, None)
     with pytest.raises(TypeError, match="bf16/fp16 x"):
         sk.run(CONFIGS["one-pass"], x.float(), q.data, b.float(), out.float(), None, weight_scale=q.scale)
+
+
+FMA_CONFIGS = {
+    "fma-m1-one-pass": sk.TritonSplitKConfig(1, 32, 64, 1, 4, 2, fma=True),
+    "fma-m2-fused-reduce": sk.TritonSplitKConfig(2, 64, 32, 3, 4, 2, fused_reduce=True, fma=True),
+    "fma-m4-two-launch": sk.TritonSplitKConfig(4, 16, 128, 2, 4, 2, fma=True),
+}
+
+
+@pytest.mark.parametrize("weights", ["channel", "block128", "fp16"])
+@pytest.mark.parametrize("cfg", list(FMA_CONFIGS), ids=list(FMA_CONFIGS))
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_cuda_core_products_match_fp64(weights, cfg, m):
+    """The fma configs (products on CUDA cores, block_m from 1): every weight format, M above
+    block_m too (several row tiles)."""
+    config = FMA_CONFIGS[cfg]
+    if weights == "fp16":
+        g = torch.Generator().manual_seed(m)
+        w = (torch.randn(130, 300, generator=g) * 0.3).half()
+        x, b = torch.randn(m, 300, generator=g).half(), torch.randn(130, generator=g).half()
+        out = torch.full((m, 130), float("nan"), dtype=torch.float16)
+        sk.run(config, x, w, b, out, "relu")
+        ref = torch.relu(x.double() @ w.double().T + b.double())
+    else:
+        q, x, b = _operands(m, 130, 300, weights, m)
+        out = _run(config, q, x, b)
+        ref = x.double() @ q.dequantize(torch.float32).double().T + b.double()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-3, atol=2e-3)
+
+
+def test_cuda_core_products_with_norm_and_residual():
+    q, x, b = _operands(3, 96, 160, "block128", 4)
+    g = torch.rand(160).half() + 0.5
+    res = torch.randn(3, 96).half()
+    out = _run(FMA_CONFIGS["fma-m4-two-launch"], q, x, b, norm=(g, 1e-5), residual=res)
+    xd = x.double()
+    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
+    ref = (rstd * ((x * g).double() @ q.dequantize(torch.float32).double().T) + b.double()).half().double()
+    torch.testing.assert_close(out.double(), ref + res.double(), rtol=2e-3, atol=4e-3)
+
+
+def test_fma_configs_are_offered_at_small_m_only_and_keep_their_records():
+    small = Problem(m=2, n=4096, k=4096, dtype=torch.bfloat16, epilogue=Epilogue(), ldx=4096, ldw=4096, ldo=4096,
+                    weight_format=FORMAT_OF["channel"])
+    fma = [c for c in sk.candidates(small) if c.fma]
+    assert fma and all(c.block_m == 2 for c in fma)
+    assert not any(c.fma for c in sk.candidates(Problem(**{**small.__dict__, "m": 5})))
+    cfg = fma[0]
+    assert sk.TritonSplitKConfig.from_record(cfg.to_record()) == cfg and cfg.to_record()["fma"] is True
+    assert "fma" not in sk.TritonSplitKConfig(16, 64, 64, 1, 4, 2).to_record()
+    with pytest.raises(ValueError, match="block_m=2"):
+        sk.TritonSplitKConfig(2, 64, 64, 1, 4, 2)  # block_m below 16 is for the CUDA-core products only
+    ok, why = sk.TritonSplitKConfig(4, 128, 512, 1, 4, 2, fma=True).supports(small)
+    assert not ok and "fp32 products" in why
