@@ -80,7 +80,7 @@ KIND = "triton_splitk"
 MAX_M = DECODE_MAX_M  # candidates() offers split-K up to this M; past it the tiled GEMM wins
 MAX_ACC_REGS = 128
 MAX_CANDIDATES = 16
-FMA_MAX_M = 4  # candidates() offers the CUDA-core products (TritonSplitKConfig.fma) up to this M
+FMA_MAX_M = 4  # candidates() offers the CUDA-core products (TritonSplitKConfig.fma) for FP8 weights up to this M
 MAX_FMA_REGS = 128
 _WSCALE = {"": 0, FORMAT_OF["channel"]: 1, FORMAT_OF["block128"]: 2}  # the kernel's WSCALE per weight format
 
@@ -188,7 +188,7 @@ _PLAN = (
 )
 
 
-# The CUDA-core (fma) configs candidates() adds at M <= FMA_MAX_M, in _PLAN's terms; block_m is
+# The CUDA-core (fma) configs candidates() offers for an FP8 weight at M <= FMA_MAX_M, in _PLAN's terms; block_m is
 # M's power of two. Fewer bytes of K per stage than the dot configs: the fp32 products of a tile
 # live in registers.
 _FMA_PLAN = (
@@ -235,18 +235,20 @@ def candidates(
         ok, _ = cfg.supports(problem, smem_limit=smem_limit, capability=capability)
         if ok and cfg not in found:
             found.append(cfg)
-    found = found[:MAX_CANDIDATES]
-    if problem.m <= FMA_MAX_M:
-        bm = next_pow2(problem.m)
-        for bn, k_bytes, warps, stages, waves, fused in _FMA_PLAN:
-            bk = _block_k(problem, k_bytes)
-            tiles = triton.cdiv(problem.n, bn) * triton.cdiv(problem.m, bm)
-            split = _split_for(waves, tiles, triton.cdiv(problem.k, bk), num_sms)
-            cfg = TritonSplitKConfig(bm, bn, bk, split, warps, stages, fused and split > 1, fma=True)
-            ok, _ = cfg.supports(problem, smem_limit=smem_limit, capability=capability)
-            if ok and cfg not in found:
-                found.append(cfg)
-    return found
+    if not (problem.weight_format and problem.m <= FMA_MAX_M):
+        return found[:MAX_CANDIDATES]
+    # an FP8 weight at M <= FMA_MAX_M: the CUDA-core products too, in place of the last dot configs
+    fma: list[TritonSplitKConfig] = []
+    bm = next_pow2(problem.m)
+    for bn, k_bytes, warps, stages, waves, fused in _FMA_PLAN:
+        bk = _block_k(problem, k_bytes)
+        tiles = triton.cdiv(problem.n, bn) * triton.cdiv(problem.m, bm)
+        split = _split_for(waves, tiles, triton.cdiv(problem.k, bk), num_sms)
+        cfg = TritonSplitKConfig(bm, bn, bk, split, warps, stages, fused and split > 1, fma=True)
+        ok, _ = cfg.supports(problem, smem_limit=smem_limit, capability=capability)
+        if ok and cfg not in fma:
+            fma.append(cfg)
+    return found[:MAX_CANDIDATES - len(fma)] + fma
 
 
 def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits):

@@ -155,12 +155,14 @@ def test_cuda_core_products_with_norm_and_residual():
     torch.testing.assert_close(out.double(), ref + res.double(), rtol=2e-3, atol=4e-3)
 
 
-def test_fma_configs_are_offered_at_small_m_only_and_keep_their_records():
+def test_fma_configs_are_offered_for_fp8_weights_at_small_m_only_and_keep_their_records():
     small = Problem(m=2, n=4096, k=4096, dtype=torch.bfloat16, epilogue=Epilogue(), ldx=4096, ldw=4096, ldo=4096,
                     weight_format=FORMAT_OF["channel"])
     fma = [c for c in sk.candidates(small) if c.fma]
     assert fma and all(c.block_m == 2 for c in fma)
     assert not any(c.fma for c in sk.candidates(Problem(**{**small.__dict__, "m": 5})))
+    assert not any(c.fma for c in sk.candidates(Problem(**{**small.__dict__, "weight_format": ""})))
+    assert len(sk.candidates(small)) <= sk.MAX_CANDIDATES
     cfg = fma[0]
     assert sk.TritonSplitKConfig.from_record(cfg.to_record()) == cfg and cfg.to_record()["fma"] is True
     assert "fma" not in sk.TritonSplitKConfig(16, 64, 64, 1, 4, 2).to_record()
