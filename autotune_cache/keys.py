@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridgemm.kernels.epilogue import ALL_EPILOGUES
+from hybridgemm.kernels.fp8 import FORMAT_OF
 from hybridgemm.kernels.problem import DTYPE_NAMES
 
 SCHEMA_VERSION = 2  # the table document format (autotune_cache/table_document.py)
@@ -104,6 +105,12 @@ def op_for(op: str, weight_format: str) -> str:
     """The key's op for a weight format: ``linear`` for a weight of x's dtype, ``linear_<format>``
     (e.g. ``linear_e4m3_channel``) for an FP8 weight, so FP8 entries never serve bf16 calls."""
     return f"{op}_{weight_format}" if weight_format else op
+
+
+def weight_format_of(op: str) -> str:
+    """The weight format a key's op names (:func:`op_for`'s inverse): an FP8 format for
+    ``linear_e4m3_channel`` / ``linear_e4m3_block128``, ``""`` for ``linear``."""
+    return next((fmt for fmt in FORMAT_OF.values() if op.endswith(f"_{fmt}")), "")
 
 
 def layout_class(problem: Any) -> str:

@@ -5,7 +5,9 @@ problems and operands it measures on. The benchmarks (perf/) time with the same 
 Rotating copies: each call reads its own copy of x and W, cycling through enough copies (3x
 the L2 size) that every call finds them cold in HBM, as a layer's weights are in a decode
 step, with nothing subtracted (an L2 flush before each call would make a ~10 µs kernel the
-difference of two ~1.4 ms replays). Placements: the same kernel timed on operands at other
+difference of two ~1.4 ms replays). For an FP8 key (op ``linear_e4m3_*``) W is an
+:class:`~hybridgemm.kernels.fp8.FP8Weight`: each copy holds its e4m3 data and its scales, and
+the copies are counted by those bytes. Placements: the same kernel timed on operands at other
 addresses, or with its output elsewhere, reads 1-3% apart at decode sizes, steady within a
 run; :func:`placement_samples` times on several.
 
@@ -17,15 +19,17 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import median
 
 import torch
 
+from hybridgemm.kernels.cublaslt_fp8 import GRANULARITY_OF_FORMAT
 from hybridgemm.kernels.epilogue import Epilogue
+from hybridgemm.kernels.fp8 import FP8Weight, quantize_fp8
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
 
-from .keys import TableKey
+from .keys import TableKey, weight_format_of
 
 PLACEMENTS = 3
 PLACEMENT_REPLAYS = 4
@@ -93,11 +97,19 @@ def rotation_copies(weight_bytes: int, device: torch.device | str = "cuda", l2_m
     return int(min(most, max(2, math.ceil(l2_multiple * l2 / max(weight_bytes, 1)) + 1)))
 
 
-def rotation_lists(x: torch.Tensor, w: torch.Tensor) -> tuple[list, list]:
+def clone_operand(t):
+    """A copy of x or W at new addresses: an FP8 weight's e4m3 data and its scales both."""
+    if isinstance(t, FP8Weight):
+        return replace(t, data=t.data.clone(), scale=t.scale.clone())
+    return t.clone()
+
+
+def rotation_lists(x: torch.Tensor, w) -> tuple[list, list]:
     """``(xs, ws)``: x and W themselves first, then clones, :func:`rotation_copies` of each
-    (for :func:`gpu_time_rotating`'s ``call(i)``)."""
-    copies = rotation_copies((x.numel() + w.numel()) * x.element_size(), x.device)
-    return [x] + [x.clone() for _ in range(copies - 1)], [w] + [w.clone() for _ in range(copies - 1)]
+    (for :func:`gpu_time_rotating`'s ``call(i)``), counted by the bytes x and W hold (an FP8
+    weight's e4m3 data and scales)."""
+    copies = rotation_copies(x.nbytes + w.nbytes, x.device)
+    return [x] + [x.clone() for _ in range(copies - 1)], [w] + [clone_operand(w) for _ in range(copies - 1)]
 
 
 def gpu_time_rotating(
@@ -151,19 +163,38 @@ def gpu_time_rotating(
 
 
 def problem_for(key: TableKey, m: int | None = None) -> Problem:
-    """The dense, aligned problem of ``key`` at ``m`` (default: the range's top edge)."""
+    """The dense, aligned problem of ``key`` at ``m`` (default: the range's top edge), with the
+    weight format its op names."""
     dtype = torch.float32 if key.dtype == "tf32" else NAME_TO_DTYPE[key.dtype]
     return Problem(m=key.m_hi if m is None else m, n=key.n, k=key.k, dtype=dtype,
                    epilogue=Epilogue.from_name(key.epilogue), ldx=key.k, ldw=key.k, ldo=key.n,
-                   tf32=key.dtype == "tf32")
+                   tf32=key.dtype == "tf32", weight_format=weight_format_of(key.op))
 
 
-def random_operands(p: Problem):
-    """Random x, w, b (None without a bias) and an empty out for ``p``, on the GPU."""
-    x = torch.randn(p.m, p.k, device="cuda").to(p.dtype)
-    w = (torch.randn(p.n, p.k, device="cuda") / p.k**0.5).to(p.dtype)
-    b = torch.randn(p.n, device="cuda").to(p.dtype) if p.epilogue.bias else None
-    return x, w, b, torch.empty(p.m, p.n, device="cuda", dtype=p.dtype)
+def random_operands(p: Problem, device: torch.device | str = "cuda"):
+    """Random x, w, b (None without a bias) and an empty out for ``p``, on ``device``; for an
+    FP8 weight format w is that random weight quantized (an FP8Weight computing in x's dtype)."""
+    x = torch.randn(p.m, p.k, device=device).to(p.dtype)
+    w = (torch.randn(p.n, p.k, device=device) / p.k**0.5).to(p.dtype)
+    if p.weight_format:
+        w = quantize_fp8(w, GRANULARITY_OF_FORMAT[p.weight_format])
+    b = torch.randn(p.n, device=device).to(p.dtype) if p.epilogue.bias else None
+    return x, w, b, torch.empty(p.m, p.n, device=device, dtype=p.dtype)
+
+
+def dense_weight(w, dtype: torch.dtype) -> torch.Tensor:
+    """W as F.linear takes it in ``dtype``: an FP8 weight dequantized (what the FP8 call's
+    fallback runs before its GEMM), any other W cast (no copy where it has ``dtype``)."""
+    return w.dequantize(dtype) if isinstance(w, FP8Weight) else w.to(dtype)
+
+
+def run_config(backend, config, p: Problem, x: torch.Tensor, w, b, out: torch.Tensor):
+    """``backend.run`` of ``config`` on one set of ``p``'s operands; an FP8 weight goes in as its
+    e4m3 data with its scales as ``weight_scale``."""
+    act = p.epilogue.activation
+    if isinstance(w, FP8Weight):
+        return backend.run(config, x, w.data, b, out, act, p.tf32, weight_scale=w.scale)
+    return backend.run(config, x, w, b, out, act, p.tf32)
 
 
 def operands_for(p: Problem):
@@ -215,7 +246,7 @@ def placement_samples(calls, x, w, xs: list, ws: list, outs: list, placements: i
             if p:
                 held.append((list(xs), list(ws), list(outs)))
                 xs[:] = [x.clone() for _ in xs]
-                ws[:] = [w.clone() for _ in ws]
+                ws[:] = [clone_operand(w) for _ in ws]
                 outs[:] = [torch.empty_like(o) for o in outs]
             timed = gpu_time_rotating(calls, len(ws), replays=replays, rounds=rounds, skew_bytes=placement_skew(p))
             for s, t in zip(per_placement, timed):

@@ -26,7 +26,7 @@ import torch
 from hybridgemm.kernels.backends import get_backend
 
 from .keys import TableKey, sample_points
-from .measure import problem_for, random_operands
+from .measure import problem_for, random_operands, run_config
 
 TRITON_BACKENDS = ("triton_splitk", "triton_gemm")
 
@@ -78,7 +78,7 @@ def _compile_one(task: tuple[str, str, dict, int]) -> tuple[bool, str]:
         old = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = p.tf32
         try:
-            be.run(cfg, x, w, b, out, p.epilogue.activation, p.tf32)
+            run_config(be, cfg, p, x, w, b, out)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = old
         torch.cuda.synchronize()

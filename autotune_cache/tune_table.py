@@ -21,8 +21,8 @@ from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
 
 from . import tuner
-from .keys import OCTAVE_TOPS, TableKey, octave
-from .measure import gpu_time_rotating, problem_for
+from .keys import OCTAVE_TOPS, TableKey, octave, weight_format_of
+from .measure import gpu_time_rotating, problem_for, run_config
 from .precompile import compile_tasks, default_jobs, precompile
 from .signature import USE
 from .table import TuningTable
@@ -62,9 +62,10 @@ def tune(keys: Iterable[TableKey], table: TuningTable, path, *, force: bool = Fa
     most 8; 1 compiles lazily in this process). ``exhaustive``: also time up to that many
     cuBLASLt algorithms from the exhaustive enumeration. ``split_depth``: how many times a
     range may be halved (step 6 of the rule in :mod:`.tuner`)."""
-    backends = available_backends() if backends is None else backends
-    backends = with_exhaustive(backends, exhaustive)
     keys = list(keys)
+    if backends is None:  # the FP8-only backends where some key is of an FP8 weight
+        backends = available_backends(fp8=any(weight_format_of(k.op) for k in keys))
+    backends = with_exhaustive(backends, exhaustive)
     results: list[tuner.KeyResult] = []
     todo = [k for k in keys if force or not covered(table, k)]
     for k in keys:
@@ -155,12 +156,15 @@ class Progress:
 
 
 def keys_for(shapes, ms: Iterable[int] | None = None, dtypes=("bf16",), epilogues=None,
-             op: str = "linear") -> list[TableKey]:
+             op: str = "linear", weight_format: str = "") -> list[TableKey]:
     """Table keys for (N, K, bias) shapes x the default-grid ranges holding ``ms`` (default:
     every range, 1 to 16384) x dtypes, for dense, aligned operands (the layout class follows
     from the shape, e.g. an odd K is not 16-byte aligned). The epilogue follows each shape's
-    bias unless ``epilogues`` (names) is given."""
+    bias unless ``epilogues`` (names) is given. ``weight_format``: an FP8 format
+    (kernels/fp8.py FORMAT_OF) gives that format's keys (op ``linear_e4m3_channel``, ...)."""
     ranges = sorted({octave(m) for m in (OCTAVE_TOPS if ms is None else ms)} - {None})
+    if weight_format and not set(dtypes) <= {"bf16", "fp16"}:
+        raise ValueError(f"an FP8 weight ({weight_format}) computes in bf16 or fp16, not {', '.join(dtypes)}")
     keys = []
     for shape in shapes:
         epis = [Epilogue.from_name(e) for e in epilogues] if epilogues else [Epilogue(Activation.NONE, shape.bias)]
@@ -169,7 +173,7 @@ def keys_for(shapes, ms: Iterable[int] | None = None, dtypes=("bf16",), epilogue
             for epi in epis:
                 for lo, hi in ranges:
                     p = Problem(m=hi, n=shape.n, k=shape.k, dtype=dtype, epilogue=epi, ldx=shape.k, ldw=shape.k,
-                                ldo=shape.n, tf32=dt == "tf32")
+                                ldo=shape.n, tf32=dt == "tf32", weight_format=weight_format)
                     keys.append(TableKey.from_problem(p, op=op).with_range(lo, hi))
     return keys
 
@@ -193,8 +197,8 @@ def check_table(table: TuningTable, keys: Iterable[TableKey] | None = None, log=
                 else:
                     be = get_backend(entry["backend"])
                     cfg = be.config_from_record(entry["config"], pt.problem)
-                    fn = (lambda i, be=be, cfg=cfg, pt=pt: be.run(cfg, pt.xs[i], pt.ws[i], pt.b, pt.outs[0],
-                                                                  pt.problem.epilogue.activation, pt.problem.tf32))
+                    fn = (lambda i, be=be, cfg=cfg, pt=pt: run_config(be, cfg, pt.problem, pt.xs[i], pt.ws[i], pt.b,
+                                                                      pt.outs[0]))
                 rounds: list = []
                 gpu_time_rotating([pt.baseline, fn], len(pt.ws), replays=9, rounds=rounds)
                 ratios.append(tuner.ratios_of(rounds, 1))

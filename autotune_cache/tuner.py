@@ -38,6 +38,12 @@ Selection rule (written down so a re-run reproduces the table):
      (``keys.split_range``, while at least ``keys.MIN_SPLIT_WIDTH`` wide, up to
      ``split_depth`` times) and each half tuned anew; halves that chose the same kernel are
      joined again.
+FP8 keys (op ``linear_e4m3_channel`` / ``linear_e4m3_block128``): W is a random weight
+quantized (kernels/fp8.py), and "F.linear" above is what an FP8 call without a usable entry
+falls back to past the decode rows: the weight dequantized to x's dtype inside each timed call,
+then F.linear, so ratios and the never-slower rule are against that fallback. The reference is
+the fp32 product with the weight dequantized in fp32; the candidates are those of the backends
+that read an FP8 weight (kernels/backends.py ``FP8_BACKENDS``).
 Why ranges timed at several M: a config timed at one M and used for a whole range can be far
 slower elsewhere in it, while F.linear asks cuBLAS's heuristic for each exact M and its kernel
 changes at M values no formula predicts (:func:`keys.validation_points`). Why
@@ -63,7 +69,16 @@ from hybridgemm.kernels.epilogue import apply_activation
 from hybridgemm.kernels.problem import Problem
 
 from .keys import TableKey, sample_points, split_range, validation_points
-from .measure import PLACEMENT_REPLAYS, PLACEMENTS, gpu_time_rotating, operands_for, placement_samples, problem_for
+from .measure import (
+    PLACEMENT_REPLAYS,
+    PLACEMENTS,
+    dense_weight,
+    gpu_time_rotating,
+    operands_for,
+    placement_samples,
+    problem_for,
+    run_config,
+)
 from .table import make_entry
 
 ELIGIBLE_MARGIN = 0.03
@@ -170,6 +185,9 @@ class _Point:
 
 
 def setup_point(key: TableKey, m: int) -> _Point:
+    """``key``'s problem at ``m`` with its operands, the fp32 reference and the baseline: F.linear,
+    or for an FP8 key what its fallback runs, the weight dequantized to x's dtype inside each
+    call, then F.linear (the reference: the fp32 product with the weight dequantized in fp32)."""
     p = problem_for(key, m)
     act = p.epilogue.activation
     x, w, b, out, xs, ws = operands_for(p)
@@ -177,7 +195,8 @@ def setup_point(key: TableKey, m: int) -> _Point:
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        ref = apply_activation(F.linear(x.float(), w.float(), b.float() if b is not None else None), act)
+        ref = apply_activation(F.linear(x.float(), dense_weight(w, torch.float32),
+                                        b.float() if b is not None else None), act)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     ref_norm = ref.norm().item() or 1.0
@@ -186,7 +205,7 @@ def setup_point(key: TableKey, m: int) -> _Point:
         return (y.float() - ref).norm().item() / ref_norm
 
     def baseline(i=0):
-        return apply_activation(F.linear(xs[i], ws[i], b), act)
+        return apply_activation(F.linear(xs[i], dense_weight(ws[i], p.dtype), b), act)
 
     bound = max(2 * err(baseline()), ERR_FLOOR[p.dtype])
     return _Point(m, p, x, w, b, xs, ws, outs, baseline, err, bound)
@@ -246,9 +265,8 @@ def _bind_candidates(backends, cands: list[Candidate], points: list[_Point], rej
                 cfg = be.config_from_record(c.record, pt.problem)
                 if not c.describe:
                     c.describe = "heuristic at the exact M" if cfg is None else be.describe(cfg)
-                act, tf32 = pt.problem.epilogue.activation, pt.problem.tf32
-                fn = (lambda i=0, be=be, cfg=cfg, pt=pt, act=act, tf32=tf32:
-                      be.run(cfg, pt.xs[i], pt.ws[i], pt.b, pt.outs[0], act, tf32))
+                fn = (lambda i=0, be=be, cfg=cfg, pt=pt:
+                      run_config(be, cfg, pt.problem, pt.xs[i], pt.ws[i], pt.b, pt.outs[0]))
                 pt.outs[0].fill_(float("nan"))
                 fn()
                 e = pt.err(pt.outs[0])
@@ -354,10 +372,9 @@ def validate(key: TableKey, res: KeyResult, winner: Candidate, backends) -> bool
             pt = setup_point(key, m)
             torch.backends.cuda.matmul.allow_tf32 = pt.problem.tf32
             cfg = be.config_from_record(winner.record, pt.problem)
-            act, tf32 = pt.problem.epilogue.activation, pt.problem.tf32
 
-            def fn(i=0, cfg=cfg, pt=pt, act=act, tf32=tf32):
-                return be.run(cfg, pt.xs[i], pt.ws[i], pt.b, pt.outs[0], act, tf32)
+            def fn(i=0, cfg=cfg, pt=pt):
+                return run_config(be, cfg, pt.problem, pt.xs[i], pt.ws[i], pt.b, pt.outs[0])
 
             pt.outs[0].fill_(float("nan"))
             fn()

@@ -8,6 +8,12 @@ noise (written down so re-tuning reproduces the table): cuBLASLt first (the libr
 itself uses), then the Triton split-K and tiled kernels. A cuBLASLt config of ``None``
 (record ``{}``) is its heuristic, asked at each call's exact M.
 
+FP8 weights (``problem.weight_format`` set, kernels/fp8.py): only the backends of
+``FP8_BACKENDS`` read them (``run(..., weight_scale=scales)`` with the e4m3 data as ``w``); the
+others offer no candidates for such a problem and reject its records. ``cublaslt_fp8``
+(kernels/cublaslt_fp8.py) serves FP8 weights only, with one config, its heuristic (record ``{}``,
+config ``None``).
+
 A backend that cannot run here is skipped by :func:`available_backends`;
 :func:`unavailable_backends` says why, with the fix (nvmath-python missing or broken,
 Triton missing or too old, no CUDA device, ...), and :func:`warn_unavailable_once` says it
@@ -28,6 +34,7 @@ from typing import Any
 import torch
 
 from hybridgemm.kernels import cublaslt as lt
+from hybridgemm.kernels import cublaslt_fp8 as lt8
 from hybridgemm.kernels import cublaslt_search as lts
 from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.kernels.problem import Problem
@@ -61,14 +68,26 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _format_refusal(name: str, problem: Problem) -> str:
+    """Why backend ``name`` cannot take ``problem``'s weight ("" where it can): an FP8 weight
+    is read by the backends of ``FP8_BACKENDS`` only."""
+    if problem.weight_format and name not in FP8_BACKENDS:
+        return f"{name} takes a weight of x's dtype, not {problem.weight_format}"
+    return ""
+
+
 def _cublaslt() -> Backend:
+    def supports(problem: Problem) -> tuple[bool, str]:
+        why = _format_refusal("cublaslt", problem)
+        return (False, why) if why else lt.supports(problem)
+
     def candidates(problem: Problem, heuristic_count: int = 8, exhaustive_limit: int = 0):
-        if not lt.supports(problem)[0]:
+        if not supports(problem)[0]:
             return []
         return lts.candidates(problem, torch.cuda.current_device(), heuristic_count, exhaustive_limit)
 
     def from_record(record: dict, problem: Problem):
-        ok, why = lt.supports(problem)
+        ok, why = supports(problem)
         if not ok:
             raise ConfigRejected(why)
         if not record:  # {}: the heuristic, asked at each call's exact M (what F.linear runs)
@@ -98,12 +117,17 @@ def _triton(mod) -> Backend:
         return torch.cuda.is_available()
 
     def candidates(problem: Problem):
+        if _format_refusal(module_name, problem):
+            return []
         limits = device_limits(torch.cuda.current_device())
         if module_name == "triton_splitk":
             limits = {**limits, "num_sms": num_sms(torch.cuda.current_device())}
         return mod.candidates(problem, **limits)
 
     def from_record(record: dict, problem: Problem):
+        why = _format_refusal(module_name, problem)
+        if why:
+            raise ConfigRejected(why)
         try:
             cfg = cfg_cls.from_record(record)
         except (ValueError, TypeError, KeyError) as e:
@@ -129,11 +153,49 @@ def _triton(mod) -> Backend:
     return Backend(module_name, available, candidates, from_record, run, describe, bind)
 
 
+class _Heuristic:
+    """The one candidate of a backend that pins no algorithm: its heuristic, asked at each
+    call's exact M (record ``{}``, restored as config ``None``)."""
+
+    def to_record(self) -> dict:
+        return {}
+
+
+def _cublaslt_fp8() -> Backend:
+    """cuBLASLt's FP8 GEMM for an FP8 weight (x quantized to e4m3 on the way in)."""
+
+    def candidates(problem: Problem):
+        return [_Heuristic()] if lt8.supports(problem)[0] else []
+
+    def from_record(record: dict, problem: Problem):
+        ok, why = lt8.supports(problem)
+        if not ok:
+            raise ConfigRejected(why)
+        if record:
+            raise ConfigRejected(f"cublaslt_fp8 pins no algorithm (record {{}}), got fields {sorted(record)}")
+        return None
+
+    def run(config, x, w, b, out, act, tf32=False, weight_scale=None):
+        if weight_scale is None:
+            raise ValueError("cublaslt_fp8 runs an e4m3 weight: weight_scale (its fp32 scales) is required")
+        return lt8.run(x, w, weight_scale, b, out, act)
+
+    return Backend("cublaslt_fp8", lambda: lt8.is_available(), candidates, from_record, run,
+                   lambda c: "heuristic at the exact M")
+
+
 PREFERENCE = ("cublaslt", "triton_splitk", "triton_gemm")
+# The backends that read an FP8 weight. cublaslt_fp8 serves nothing else, so it stays out of
+# PREFERENCE (the backends `hybridgemm show` lists and warn_unavailable_once checks for every
+# process) and comes after them in the tuner's order (:func:`available_backends` with ``fp8``):
+# among FP8 candidates within noise, split-K, which reads the weight as stored, where cuBLASLt's
+# FP8 GEMM first quantizes x in a launch of its own.
+FP8_BACKENDS = ("triton_splitk", "cublaslt_fp8")
+FP8_ONLY = ("cublaslt_fp8",)
 # The Triton modules are imported when their backend is first asked for: importing hybridgemm
 # must work where Triton is absent.
 _FACTORIES = {"cublaslt": _cublaslt, "triton_gemm": lambda: _triton(triton_module("triton_gemm")),
-              "triton_splitk": lambda: _triton(triton_module("triton_splitk"))}
+              "triton_splitk": lambda: _triton(triton_module("triton_splitk")), "cublaslt_fp8": _cublaslt_fp8}
 
 
 @functools.cache
@@ -141,13 +203,14 @@ def get_backend(name: str) -> Backend:
     try:
         return _FACTORIES[name]()
     except KeyError:
-        raise ValueError(f"unknown backend {name!r}; known: {', '.join(PREFERENCE)}") from None
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(_FACTORIES)}") from None
 
 
-def available_backends() -> list[Backend]:
-    """The backends that can run here, in preference order (import errors skip a backend)."""
+def available_backends(fp8: bool = False) -> list[Backend]:
+    """The backends that can run here, in preference order (import errors skip a backend);
+    with ``fp8`` also those only FP8 weights use (``FP8_ONLY``), last."""
     out = []
-    for name in PREFERENCE:
+    for name in PREFERENCE + (FP8_ONLY if fp8 else ()):
         try:
             be = get_backend(name)
         except ImportError:

@@ -1,7 +1,7 @@
 """The `hybridgemm` command (also `python -m hybridgemm`).
 
     hybridgemm autotune --model llama3-8b|--hf-config PATH [--tp N] [--m 1 16 ...] [--dtype bf16] [--out PATH]
-                        [--force|--check]
+                        [--weights fp8 [--granularity channel|block128]] [--force|--check]
     hybridgemm show [PATH]
     hybridgemm explain --x 16,4096 --w 6144,4096 [--dtype bf16] [--no-bias] [--activation relu]
                        [--table PATH | --device h200]
@@ -38,12 +38,14 @@ from hybridgemm.autotune_cache.table import (
 from hybridgemm.decide import set_table_path
 from hybridgemm.kernels import backends
 from hybridgemm.kernels.epilogue import Activation, Epilogue
+from hybridgemm.kernels.fp8 import FORMAT_OF
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem, uses_tf32
 from hybridgemm.kernels.version import __version__
 from hybridgemm.parallel.sharding import rank_projections
 from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser, cmd_plot
 from hybridgemm.perf.demo import DEMO_MAX_ELEMENTS, run_demo
 from hybridgemm.perf.plots import RESULTS_DIR, figure_sources
+from hybridgemm.perf.weight_formats import add_weight_options, resolve_weight_options, weight_options_problem
 
 _DIM_RE = re.compile(r"[0-9]{1,19}")
 _DIM_MAX = 2**63 - 1  # a tensor dimension is an int64
@@ -168,7 +170,9 @@ def _cmd_autotune(args) -> int:
         if (s.n, s.k, s.bias) not in seen:
             seen.add((s.n, s.k, s.bias))
             unique.append(s)
-    keys = tune_table.keys_for(unique, args.m, args.dtype, args.epilogue)
+    resolve_weight_options(args)
+    weight_format = FORMAT_OF[args.granularity] if args.granularity else ""
+    keys = tune_table.keys_for(unique, args.m, args.dtype, args.epilogue, weight_format=weight_format)
     path = _table_path(args.out)
     table = TuningTable.load(path, signature=signature.current_signature())
     if args.check:
@@ -179,7 +183,8 @@ def _cmd_autotune(args) -> int:
         return 1 if drifted else 0
     ranges = len({(k.m_lo, k.m_hi) for k in keys})
     todo = sum(1 for k in keys if args.force or not tune_table.covered(table, k))
-    print(f"tuning {len(keys)} M ranges ({len(unique)} shapes x {ranges} ranges x {len(args.dtype)} dtypes; "
+    weights = f" with {weight_format} weights" if weight_format else ""
+    print(f"tuning {len(keys)} M ranges{weights} ({len(unique)} shapes x {ranges} ranges x {len(args.dtype)} dtypes; "
           f"{len(keys) - todo} already covered) into {path}")
     results = tune_table.tune(keys, table, path, force=args.force, progress=not args.no_progress, jobs=args.jobs,
                               exhaustive=args.exhaustive, split_depth=args.split_depth)
@@ -199,6 +204,10 @@ def _autotune_option_problem(args) -> str:
         return f"--jobs takes the number of compiling processes (1 or more), got {args.jobs}"
     if args.exhaustive < 0:
         return f"--exhaustive takes how many extra cuBLASLt algorithms to time (0 or more), got {args.exhaustive}"
+    for dtype in args.dtype:
+        problem = weight_options_problem(args.weights, args.granularity, dtype)
+        if problem:
+            return problem
     for name in args.epilogue or []:
         try:
             Epilogue.from_name(name)
@@ -590,6 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "1 to 16384: 1, 2, 3-4, 5-8, ..., 8193-16384)")
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32", "tf32"])
     p.add_argument("--epilogue", nargs="+", help="epilogue names (default: bias if the shape has one, else none)")
+    add_weight_options(p, "tune the shapes with an FP8 weight, its own table keys (op linear_e4m3_<granularity>), "
+                          "against the weight dequantized per call, then F.linear")
     p.add_argument("--out", help="table path (default: the user table; see README)")
     p.add_argument("--force", action="store_true", help="re-tune keys already in the table")
     p.add_argument("--check", action="store_true", help="re-time the table's winners and report drift")

@@ -79,6 +79,10 @@ CASES = [  # (argv, text the line must hold: the bad value)
     (["autotune", "--model", "llama3-8b", "--split-depth", "-1"], "got -1"),
     (["autotune", "--model", "llama3-8b", "--dtype", "int8"], "'int8'"),
     (["autotune", "--model", "bogus"], "'bogus'"),
+    (["autotune", "--model", "llama3-8b", "--weights", "fp4"], "'fp4'"),
+    (["autotune", "--model", "llama3-8b", "--weights", "fp8", "--granularity", "block64"], "'block64'"),
+    (["autotune", "--model", "llama3-8b", "--granularity", "block128"], "--granularity: only with --weights fp8"),
+    (["autotune", "--model", "llama3-8b", "--weights", "fp8", "--dtype", "bf16", "fp32"], "not fp32"),
     (["explain", "--x", "16,4096", "--w", "6144"], "'6144'"),
     (["explain", "--x", "16,4000", "--w", "6144,4096"], "4000"),
     (["explain", *EXPLAIN[1:], "--dtype", "fp8"], "'fp8'"),
@@ -115,6 +119,8 @@ def test_good_options_still_reach_the_gpu_check(tmp_path, capsys):
     argv = ["autotune", "--model", "llama3-8b", "--jobs", "1", "--exhaustive", "0", "--epilogue", "none",
             "bias+gelu_tanh", "--out", str(tmp_path / "new" / "t.json")]
     rc, _, err = _run(argv, capsys)
+    assert rc == 2 and "needs a CUDA GPU" in _one_line(err)
+    rc, _, err = _run(["autotune", "--model", "llama3-8b", "--weights", "fp8", "--granularity", "block128"], capsys)
     assert rc == 2 and "needs a CUDA GPU" in _one_line(err)
     rc, _, err = _run(["bench", "--model", "qwen2.5-7b", "--out", str(tmp_path / "b.csv")], capsys)
     assert rc == 2 and "needs a CUDA GPU" in _one_line(err)
