@@ -7,6 +7,8 @@ weight format, so the format is part of the table key; ``decide.choose_fp8``):
 * ``triton_splitk``: the split-K kernel reads the e4m3 bytes, converts them in registers and
   applies the scales in fp32 (per row after the K loop, per 128x128 block per K tile), bias
   and activation in its epilogue;
+* ``cublaslt_fp8`` (a table entry only): x quantized to e4m3 per token, cuBLASLt's FP8 GEMM
+  with the scales in its scale modes (kernels/cublaslt_fp8.py);
 * ``torch``: the weight dequantized to x's dtype (``kernels.fp8.dequantize``, one rounding),
   then the dispatcher's decision for that dtype: what any other path would compute.
 
@@ -83,8 +85,8 @@ def fp8_linear(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = Non
     x2, w2, b2 = row_major(x2), row_major(data), contiguous_bias(bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     choice = dispatch.decision_for(x2, w2, b2, out, act, fp8.FORMAT_OF[granularity])
-    if choice.backend == "triton_splitk":
-        backends.get_backend("triton_splitk").run(choice.config, x2, w2, b2, out, act, False, weight_scale=scale)
+    if choice.backend in backends.FP8_BACKENDS:  # split-K, or a table's cuBLASLt FP8 entry
+        backends.get_backend(choice.backend).run(choice.config, x2, w2, b2, out, act, False, weight_scale=scale)
         return out.view(*x.shape[:-1], n)
     return dispatch.fused_linear(x, fp8.dequantize(data, scale, x.dtype), bias, act)
 
