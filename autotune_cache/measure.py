@@ -24,9 +24,8 @@ from statistics import median
 
 import torch
 
-from hybridgemm.kernels.cublaslt_fp8 import GRANULARITY_OF_FORMAT
 from hybridgemm.kernels.epilogue import Epilogue
-from hybridgemm.kernels.fp8 import FP8Weight, quantize_fp8
+from hybridgemm.kernels.fp8 import GRANULARITY_OF_FORMAT, FP8Weight, quantize_fp8
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
 
 from .keys import TableKey, weight_format_of

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridgemm.kernels.epilogue import apply_activation
+from hybridgemm.kernels.fp8 import GRANULARITY_OF_FORMAT, quantize_fp8
 from hybridgemm.kernels.problem import MAX_ALIGNMENT, Problem
 
 from .keys import TableKey
@@ -92,15 +93,22 @@ def probe_config(backend: Any, config: Any, problem: Problem, device: torch.devi
     try:
         with torch.no_grad():
             x, w, b, out = operands(problem, device)
+            run_w, w_ref, w_base, scale = w, w.float(), w, None
+            if problem.weight_format:  # an FP8 entry: the FP8 kernel on e4m3 data, against its dequantized weight
+                q = quantize_fp8(w.contiguous(), GRANULARITY_OF_FORMAT[problem.weight_format])
+                run_w, w_ref, w_base, scale = q.data, q.dequantize(torch.float32), q.dequantize(problem.dtype), q.scale
             torch.backends.cuda.matmul.allow_tf32 = False
-            ref = apply_activation(F.linear(x.float(), w.float(), b.float() if b is not None else None), act)
+            ref = apply_activation(F.linear(x.float(), w_ref, b.float() if b is not None else None), act)
             torch.backends.cuda.matmul.allow_tf32 = problem.tf32
-            baseline = apply_activation(F.linear(x, w, b), act)
+            baseline = apply_activation(F.linear(x, w_base, b), act)
             torch.backends.cuda.matmul.allow_tf32 = old_tf32
             norm = ref.norm().item() or 1.0
             bound = max(2 * (baseline.float() - ref).norm().item() / norm, ERR_FLOOR[problem.dtype])
             del baseline
-            backend.run(config, x, w, b, out, act, problem.tf32)
+            if scale is None:
+                backend.run(config, x, run_w, b, out, act, problem.tf32)
+            else:
+                backend.run(config, x, run_w, b, out, act, problem.tf32, weight_scale=scale)
             err = (out.float() - ref).norm().item() / norm
     except torch.cuda.OutOfMemoryError:
         return ProbeResult(False, "not probed: out of GPU memory for the probe's operands", cached=False)

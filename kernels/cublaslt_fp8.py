@@ -66,7 +66,7 @@ from .cublaslt_runtime import (
     set_attr,
 )
 from .epilogue import Activation, apply_activation
-from .fp8 import FORMAT_OF, OUT_DTYPES, granularity_of
+from .fp8 import FORMAT_OF, GRANULARITY_OF_FORMAT, OUT_DTYPES, granularity_of
 from .problem import dtype_name, pointer_alignment
 
 CUDA_R_8F_E4M3 = 28  # cudaDataType_t of A and B (nvmath.CudaDataType.CUDA_R_8F_E4M3)
@@ -75,7 +75,6 @@ HOPPER = 9  # compute capability major these scale modes run on
 # granularity -> (A = weight, B = activations) MatmulMatrixScale names, and how x is grouped
 SCALE_MODES = {"channel": ("OUTER_VEC_32F", "OUTER_VEC_32F"), "block128": ("BLK128x128_32F", "VEC128_32F")}
 ACTIVATION_GROUP = {"channel": "token", "block128": "block128"}
-GRANULARITY_OF_FORMAT = {fmt: g for g, fmt in FORMAT_OF.items()}
 PLAN_CACHE_SIZE = 256
 
 

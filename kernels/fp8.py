@@ -25,6 +25,7 @@ BLOCK = 128  # the block granularity's tile edge, in both N and K
 GRANULARITIES = ("channel", "block128")
 # The weight formats a Problem and a table key name (kernels/problem.py, autotune_cache/keys.py).
 FORMAT_OF = {"channel": "e4m3_channel", "block128": "e4m3_block128"}
+GRANULARITY_OF_FORMAT = {fmt: g for g, fmt in FORMAT_OF.items()}
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 _MIN_AMAX = 1e-12  # an all-zero row or block gets a tiny positive scale, so dequantize gives zeros
 
@@ -185,6 +186,6 @@ def quantize_fp8(weight: torch.Tensor, granularity: str = "channel") -> FP8Weigh
 
 
 __all__ = [
-    "BLOCK", "E4M3", "E4M3_MAX", "FORMAT_OF", "FP8FormatError", "FP8Weight", "GRANULARITIES", "check_scales",
-    "dequantize", "granularity_of", "quantize_fp8", "scale_vector",
+    "BLOCK", "E4M3", "E4M3_MAX", "FORMAT_OF", "FP8FormatError", "FP8Weight", "GRANULARITIES", "GRANULARITY_OF_FORMAT",
+    "check_scales", "dequantize", "granularity_of", "quantize_fp8", "scale_vector",
 ]

@@ -326,6 +326,28 @@ def test_probe_runs_a_real_triton_config():
     assert probe.probe_config(backends.get_backend("triton_splitk"), cfg, p, device)
 
 
+@pytest.mark.parametrize("weight_format", ["e4m3_channel", "e4m3_block128"])
+def test_probe_of_an_fp8_entry_runs_the_fp8_kernel_against_the_dequantized_weight(weight_format):
+    """An FP8 entry tuned under another Triton is probed on e4m3 data with its scales: the real
+    kernel passes; a kernel that ignores the scales (the bf16 path's arguments) fails."""
+    from hybridgemm.kernels import triton_splitk as ts
+
+    cfg = ts.TritonSplitKConfig(block_m=16, block_n=16, block_k=64, split_k=2, num_warps=4, num_stages=2)
+    p = Problem(m=3, n=160, k=200, dtype=torch.float16, epilogue=Epilogue(Activation.NONE, True), ldx=200,
+                ldw=200, ldo=160, weight_format=weight_format)
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    real = backends.get_backend("triton_splitk")
+    assert probe.probe_config(real, cfg, p, device)
+    seen = []
+
+    def unscaled(config, x, w, b, out, act, tf32=False, weight_scale=None):
+        seen.append(weight_scale is not None)
+        return real.run(config, x, w, b, out, act, tf32, weight_scale=torch.ones_like(weight_scale))
+
+    result = probe.probe_config(fake_backend(unscaled), cfg, p, device)
+    assert seen == [True] and not result and "relative error" in result.reason
+
+
 # ----------------------------------------------------------------------------- unavailable backends
 
 
