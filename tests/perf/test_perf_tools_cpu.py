@@ -20,6 +20,33 @@ def test_sweep_configs_arguments():
     assert (a.shape, a.out) == ([(1024, 4096)], "d")
 
 
+def test_sweep_configs_fp8_grid(monkeypatch):
+    """FP8: the e4m3 problem, the CUDA-core configs at M <= 4 only, block_k <= 128 for block
+    scales; every grid config runs correctly (interpreter, fp16 stands in for bf16)."""
+    from hybridgemm.kernels import triton_splitk as ts
+    from hybridgemm.kernels.backends import get_backend
+
+    a = sweep_configs.parse_args(["--backend", "triton_splitk", "--shape", "4096,4096", "--m", "1", "--weights", "fp8",
+                                  "--granularity", "block128"])
+    assert a.weight_format == "e4m3_block128"
+    small = sweep_configs.grid("triton_splitk", sweep_configs.problem(2, 4096, 4096, a.weight_format))
+    assert any(c.fma and c.block_m == 2 for c in small) and all(c.block_k <= 128 for c in small)
+    rows8 = sweep_configs.grid("triton_splitk", sweep_configs.problem(8, 4096, 4096, "e4m3_channel"))
+    assert rows8 and not any(c.fma for c in rows8)
+    assert not any(c.fma for c in sweep_configs.grid("triton_splitk", sweep_configs.problem(2, 4096, 4096)))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import dataclasses
+
+    import torch
+
+    from hybridgemm.autotune_cache.measure import random_operands
+
+    p = dataclasses.replace(sweep_configs.problem(3, 96, 256, "e4m3_channel"), dtype=torch.float16)
+    x, w, b, out = random_operands(p, "cpu")
+    cfgs = [ts.TritonSplitKConfig(4, 32, 64, 2, 4, 2, True, True), ts.TritonSplitKConfig(16, 32, 128, 1, 4, 2)]
+    assert sweep_configs.correct_configs(get_backend("triton_splitk"), cfgs, p, x, w, b, out) == cfgs
+
+
 @pytest.mark.parametrize("argv", [
     ["--backend", "cublaslt", "--shape", "1024,4096", "--m", "1"],  # not a Triton backend
     ["--backend", "triton_gemm", "--shape", "1024", "--m", "1"],  # one number, not N,K
@@ -27,6 +54,9 @@ def test_sweep_configs_arguments():
     ["--backend", "triton_gemm", "--shape", "a,b", "--m", "1"],
     ["--backend", "triton_gemm", "--shape", "1024,4096", "--m", "0"],
     ["--backend", "triton_gemm", "--shape", "1024,4096"],  # --m is required
+    ["--backend", "triton_gemm", "--shape", "1024,4096", "--m", "1", "--weights", "fp8"],  # split-K only
+    ["--backend", "triton_splitk", "--shape", "1024,4096", "--m", "1", "--weights", "fp4"],
+    ["--backend", "triton_splitk", "--shape", "1024,4096", "--m", "1", "--weights", "fp8", "--granularity", "b64"],
 ])
 def test_sweep_configs_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as e:
