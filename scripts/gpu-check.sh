@@ -12,6 +12,8 @@
 #         tune      autotune TUNE_MODELS (default llama3-8b; every M range) into $OUT/h200.json, then
 #                   llama3-8b again with --force (TUNE_RUNS - 1 times, default once) and each rerun's
 #                   choices compared with the first ($OUT/tune_compare.txt)
+#         fp8       FP8 weights: GPU tests, the split-K sweep on e4m3 (FP8_GRANULARITY), the prefill bench,
+#                   scripts/fp8_decode_probe.py; FP8 tables: TUNE_ARGS="--weights fp8" with the tune stage
 #         msweep    perf/bench_msweep.py: dispatched vs F.linear at 128 M per preset shape
 #                   (table: $TABLE or $OUT/h200.json; MSWEEP_ARGS passed on)
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
@@ -86,11 +88,12 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       done
       ;;
     tune)
-      # TUNE_MODELS (default llama3-8b) into $OUT/h200.json, timed; then TUNE_RUNS - 1 (default 1)
+      # TUNE_MODELS (default llama3-8b; TUNE_ARGS passed on) into $OUT/h200.json, timed; then TUNE_RUNS - 1 (default 1)
       # more runs of llama3-8b alone with --force into h200_rerun*.json, each compared with the first
       models=(${TUNE_MODELS:-llama3-8b}); margs=(); for mdl in "${models[@]}"; do margs+=(--model "$mdl"); done
       log "autotune ${models[*]} -> $OUT/h200.json"
-      /usr/bin/time -f "autotune ${models[*]} wall %e s" $PY -m hybridgemm autotune "${margs[@]}" \
+      # shellcheck disable=SC2086
+      /usr/bin/time -f "autotune ${models[*]} wall %e s" $PY -m hybridgemm autotune "${margs[@]}" ${TUNE_ARGS:-} \
         --out "$OUT/h200.json" --no-progress >"$OUT/autotune_h200.txt" 2>&1 || status=1
       grep -E "wall|tuned |compiled" "$OUT/autotune_h200.txt" | tee -a "$OUT/summary.txt"
       : >"$OUT/tune_compare.txt"
@@ -102,6 +105,26 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
         $PY -m hybridgemm.perf.compare_tables "$OUT/h200.json" "$OUT/h200_rerun$r.json" >>"$OUT/tune_compare.txt" 2>&1
       done
       tail -n 40 "$OUT/tune_compare.txt" | tee -a "$OUT/summary.txt"
+      ;;
+    fp8)
+      # FP8 weights: their GPU tests, the split-K sweep on e4m3 at the llama3-8b projections
+      # (FP8_GRANULARITY, default channel), the prefill GEMM bench, the decode probe
+      g=${FP8_GRANULARITY:-channel}
+      log "fp8 GPU tests"
+      $PY -m pytest -m gpu -q -p no:cacheprovider -rfE tests/fusion/test_fp8_gpu.py tests/kernels/test_cublaslt_fp8_gpu.py \
+        tests/perf/test_fp8_bench_gpu.py >"$OUT/pytest_fp8_gpu.txt" 2>&1 || status=1
+      tail -n 3 "$OUT/pytest_fp8_gpu.txt" | tee -a "$OUT/summary.txt"
+      log "sweep_configs split-K fp8 ($g)"
+      $PY -m hybridgemm.perf.sweep_configs --backend triton_splitk --weights fp8 --granularity "$g" \
+        --shape 6144,4096 4096,4096 28672,4096 4096,14336 --m 1 8 --out "$OUT" >"$OUT/sweep_fp8.txt" 2>&1 || status=1
+      grep -E "^N=|^ +[0-9]" "$OUT/sweep_fp8.txt" | awk '/^N=/{n=0} {if (n++ < 4) print}' | tee -a "$OUT/summary.txt"
+      log "bench_fp8_prefill"
+      $PY -m hybridgemm.perf.bench_fp8_prefill --out "$OUT/fp8_prefill_h200.csv" >"$OUT/bench_fp8_prefill.txt" 2>&1 \
+        || status=1
+      tail -n 12 "$OUT/bench_fp8_prefill.txt" | tee -a "$OUT/summary.txt"
+      log "fp8 decode probe"
+      $PY scripts/fp8_decode_probe.py llama3-8b 32 1,8 "$g" >"$OUT/fp8_decode_probe.txt" 2>&1 || status=1
+      grep -E "^(compiled|eager|GEMM|bf16 bytes)" "$OUT/fp8_decode_probe.txt" | tee -a "$OUT/summary.txt"
       ;;
     msweep)
       log "bench_msweep (table ${TABLE:-$OUT/h200.json})"
