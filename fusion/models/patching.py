@@ -98,6 +98,7 @@ from .decode_checks import NOT_A_LAYER, STATIC_STEP, why_not_fuse_attention
 from .decoder_layer import COUNTERS, fused_class, new_counters, why_not_fuse_layer
 from .fp8_checkpoints import adopt as adopt_fp8_checkpoint
 from .fp8_checkpoints import prepare as prepare_fp8_checkpoint
+from .unpatched import unpatched
 
 _QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 _OUT_NAMES = ("o_proj", "out_proj")
@@ -111,9 +112,20 @@ QKVSlice = FusedSlice
 @dataclass
 class PatchReport:
     """What :func:`patch` did: ``patched`` lists every module name it changed (an attention
-    module whose Q/K/V were fused is listed once, also in ``fused_qkv``); ``skipped`` holds
-    ``(name, reason)`` for attention-like modules it left alone or did not fuse;
-    ``already_patched`` lists what an earlier :func:`patch` had changed (left as it is)."""
+    module whose Q/K/V were fused is listed once, also in ``fused_qkv``); ``already_patched``
+    lists what an earlier :func:`patch` had changed (left as it is).
+
+    ``skipped`` holds ``(name, reason)`` for every module left as it was, or not fused, that a
+    user would expect to be sped up: the modules the patching rules found but could not patch
+    or fuse (projections that are not plain ``nn.Linear``, ties, activations without an
+    epilogue, TorchScript, decoder layers or attention steps of a supported family that could
+    not be fused), then, in each decoder layer (a module holding a causal attention), the layer
+    where it does not run the fused decode step, its attention, MLP and mixture-of-experts
+    modules whose projections were not patched, its norms that are not Llama-style RMSNorms
+    hybridgemm recognises, and any other linear left alone; and an ``lm_head`` left alone
+    (fusion/models/unpatched.py gives the rules). Parts switched off by ``patch``'s arguments,
+    and embeddings, rotary embeddings, dropout and activations, are not listed.
+    ``patch(strict=True)`` raises where this list is not empty."""
 
     patched: list[str] = field(default_factory=list)
     fused_qkv: list[str] = field(default_factory=list)
@@ -127,9 +139,13 @@ class PatchReport:
     def __bool__(self) -> bool:
         return bool(self.patched)
 
+    def skipped_lines(self) -> list[str]:
+        """``name: reason`` for each entry of ``skipped``."""
+        return [f"{n or '(root)'}: {r}" for n, r in self.skipped]
+
     def summary(self) -> str:
         if not self.patched:
-            why = [f"{n or '(root)'}: {r}" for n, r in self.skipped]
+            why = self.skipped_lines()
             if self.already_patched:
                 shown = ", ".join(self.already_patched[:4]) + (", ..." if len(self.already_patched) > 4 else "")
                 why.append(f"{len(self.already_patched)} modules already patched by an earlier hybridgemm.patch "
@@ -234,6 +250,9 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
     scales allow) and its state dict stays in the checkpoint's format
     (fusion/models/fp8_checkpoints.py); malformed scales raise ``FP8FormatError``.
     Nothing to patch: a warning and an empty report, or ``ValueError`` with ``strict=True``.
+    ``strict=True`` also raises ``ValueError`` naming every entry of ``report.skipped`` when
+    anything was left unpatched or unfused (:class:`PatchReport` says what is listed); as with
+    ``load_state_dict(strict=True)``, what could be patched stays patched.
     What an earlier patch changed is left as it is (``report.already_patched``); only what
     is new gets patched. :func:`unpatch` of ``model`` or of any module above it undoes it all.
     ``TypeError`` for anything but an eager ``nn.Module`` (TorchScript modules included).
@@ -345,10 +364,16 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
                     report.skipped.append((name, f"attention step not fused: {why_not_attention}"))
             elif why_not != NOT_A_LAYER:
                 report.skipped.append((name, f"decoder layer not fused: {why_not}"))
+    report.skipped.extend(unpatched(model, report.skipped, attention=attention, mlp=mlp, norm=norm,
+                                    lm_head=lm_head, layers=layers))
     if not report.patched:
         if strict:
             raise ValueError(report.summary())
         warnings.warn(report.summary(), stacklevel=2)
+    elif strict and report.skipped:
+        raise ValueError(f"{report.summary()}; strict=True: {len(report.skipped)} modules left unpatched or "
+                         f"unfused: {'; '.join(report.skipped_lines())} (the rest stays patched: "
+                         "hybridgemm.unpatch undoes it)")
     return report
 
 

@@ -1,0 +1,291 @@
+"""``PatchReport.skipped`` names every module ``hybridgemm.patch`` leaves unpatched or unfused
+that a user would expect it to speed up (fusion/models/unpatched.py), with the reason, for the
+popular decoder families built from tiny transformers configs; ``strict=True`` raises on any.
+Most models are built on the meta device: the report reads only the modules' structure."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import hybridgemm
+from hybridgemm.models.unpatched import is_decoder_layer
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+CONFIGS = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "mistral": ("MistralConfig", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "gemma": ("GemmaConfig", {"head_dim": 16}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16}),
+    "granite": ("GraniteConfig", {}),
+    "olmo2": ("Olmo2Config", {}),
+    "stablelm": ("StableLmConfig", {}),
+    "cohere": ("CohereConfig", {}),
+    "phi3": ("Phi3Config", {}),
+    "gpt_neox": ("GPTNeoXConfig", {}),
+    "falcon": ("FalconConfig", {}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "head_dim": 16}),
+}
+
+SUPPORTED = "LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer"
+RMS_NORMS = "(LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm)"
+
+
+def _layer(cls: str) -> str:
+    return f"decoder layer not fused: its family ({cls}) is not supported by the fused decode step (it supports " \
+           f"{SUPPORTED})"
+
+
+def _norm(cls: str) -> str:
+    return f"norm not patched: {cls} is not a Llama-style RMSNorm class hybridgemm recognises {RMS_NORMS}"
+
+
+def _moe(cls: str) -> str:
+    return f"mixture-of-experts layer ({cls}): mixture-of-experts layers are not patched (their router and " \
+           "experts run as the stock module computes them)"
+
+
+ATTENTION = "; hybridgemm fuses separate plain nn.Linear q_proj/k_proj/v_proj (or query/key/value) children, and " \
+            "GPT-2's Conv1D c_attn"
+MLP = "; hybridgemm patches gated MLPs (plain nn.Linear gate_proj, up_proj and down_proj with a SiLU or GELU " \
+      "act_fn), GPT-2's Conv1D c_fc/c_proj and BERT's intermediate.dense"
+L = "model.layers.0"
+
+# Every entry patch() reports for the one decoder layer of each family, in report order.
+EXPECTED = {
+    "llama": [], "qwen2": [], "mistral": [],
+    "qwen3": [(L, "attention step not fused: Qwen3Attention normalises q and k per head (the rotary epilogue "
+                  "does not)")],
+    "gemma": [(L, _layer("GemmaDecoderLayer")), (f"{L}.input_layernorm", _norm("GemmaRMSNorm")),
+              (f"{L}.post_attention_layernorm", _norm("GemmaRMSNorm"))],
+    "gemma2": [(L, _layer("Gemma2DecoderLayer"))] + [(f"{L}.{n}", _norm("Gemma2RMSNorm")) for n in (
+        "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")],
+    "granite": [(L, _layer("GraniteDecoderLayer")), (f"{L}.input_layernorm", _norm("GraniteRMSNorm")),
+                (f"{L}.post_attention_layernorm", _norm("GraniteRMSNorm"))],
+    "olmo2": [(L, _layer("Olmo2DecoderLayer"))] + [(f"{L}.{n}", _norm("Olmo2RMSNorm")) for n in (
+        "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm", "post_feedforward_layernorm")],
+    "stablelm": [(L, _layer("StableLmDecoderLayer")), (f"{L}.input_layernorm", _norm("LayerNorm")),
+                 (f"{L}.post_attention_layernorm", _norm("LayerNorm"))],
+    "cohere": [(L, _layer("CohereDecoderLayer")), (f"{L}.input_layernorm", _norm("CohereLayerNorm"))],
+    "phi3": [(L, _layer("Phi3DecoderLayer")),
+             (f"{L}.self_attn", "attention not patched: Phi3Attention holds o_proj (Linear), qkv_proj (Linear)"
+                                + ATTENTION),
+             (f"{L}.mlp", "MLP not patched: Phi3MLP holds gate_up_proj (Linear), down_proj (Linear)" + MLP),
+             (f"{L}.input_layernorm", _norm("Phi3RMSNorm")), (f"{L}.post_attention_layernorm", _norm("Phi3RMSNorm"))],
+    "gpt_neox": [("gpt_neox.layers.0", _layer("GPTNeoXLayer")),
+                 ("gpt_neox.layers.0.attention", "attention not patched: GPTNeoXAttention holds query_key_value "
+                                                 "(Linear), dense (Linear)" + ATTENTION),
+                 ("gpt_neox.layers.0.mlp", "MLP not patched: GPTNeoXMLP holds dense_h_to_4h (Linear), dense_4h_to_h "
+                                           "(Linear)" + MLP),
+                 ("gpt_neox.layers.0.input_layernorm", _norm("LayerNorm")),
+                 ("gpt_neox.layers.0.post_attention_layernorm", _norm("LayerNorm"))],
+    "falcon": [("transformer.h.0", _layer("FalconDecoderLayer")),
+               ("transformer.h.0.self_attention", "attention not patched: FalconAttention holds query_key_value "
+                                                  "(FalconLinear), dense (FalconLinear)" + ATTENTION),
+               ("transformer.h.0.mlp", "MLP not patched: FalconMLP holds dense_h_to_4h (FalconLinear), dense_4h_to_h "
+                                       "(FalconLinear)" + MLP),
+               ("transformer.h.0.input_layernorm", _norm("LayerNorm"))],
+    "mixtral": [(L, _layer("MixtralDecoderLayer")), (f"{L}.mlp", _moe("MixtralSparseMoeBlock")),
+                (f"{L}.input_layernorm", _norm("MixtralRMSNorm")),
+                (f"{L}.post_attention_layernorm", _norm("MixtralRMSNorm"))],
+    "qwen3_moe": [(L, _layer("Qwen3MoeDecoderLayer")), (f"{L}.mlp", _moe("Qwen3MoeSparseMoeBlock"))] + [
+        (f"{L}.{n}", _norm("Qwen3MoeRMSNorm")) for n in (
+            "self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm")],
+}
+
+
+def build(kind: str, device: str = "meta", layers: int = 1) -> nn.Module:
+    """A tiny causal LM of ``kind`` (random weights on the CPU; none on the meta device)."""
+    name, extra = CONFIGS[kind]
+    config = getattr(transformers, name)(**{**COMMON, "num_hidden_layers": layers, **extra})
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return model.eval()
+
+
+def _patch(model: nn.Module, **kw) -> hybridgemm.PatchReport:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # anything patched in every family: no "nothing patched" warning
+        return hybridgemm.patch(model, **kw)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_every_module_left_unfused_is_reported_with_its_reason(kind):
+    report = _patch(build(kind))
+    assert report.skipped == EXPECTED[kind], "\n".join(report.skipped_lines())
+    assert report.patched  # each family gets something (the LM head at least)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_strict_raises_naming_every_skipped_module_and_passes_without_any(kind):
+    model = build(kind)
+    if not EXPECTED[kind]:
+        report = hybridgemm.patch(model, strict=True)
+        assert report.skipped == [] and len(report.fused_layers) == 1
+        return
+    with pytest.raises(ValueError, match="strict=True") as info:
+        hybridgemm.patch(model, strict=True)
+    message = str(info.value)
+    assert f"{len(EXPECTED[kind])} modules left unpatched or unfused" in message
+    assert all(f"{name}: {why}" in message for name, why in EXPECTED[kind]), message
+    assert "hybridgemm.patch: patched" in message  # what was patched stays patched, as the summary says
+
+
+def test_every_layer_is_reported_and_later_layers_alike():
+    report = _patch(build("phi3", layers=3))
+    names = [n for n, _ in report.skipped]
+    assert names == [f"model.layers.{i}{part}" for i in range(3) for part in (
+        "", ".self_attn", ".mlp", ".input_layernorm", ".post_attention_layernorm")]
+    assert all("embed" not in n and "rotary" not in n and "dropout" not in n for n in names)
+
+
+@pytest.mark.parametrize("kind", ["phi3", "mixtral"])
+def test_a_model_left_alone_still_computes_what_it_did(kind):
+    """What the report lists is indeed left as it was: the patched model's logits on the CPU are
+    the stock model's (fp32, fresh random weights and tokens)."""
+    torch.manual_seed(0)
+    stock = build(kind, "cpu", layers=2)
+    model = copy.deepcopy(stock)
+    report = _patch(model)
+    listed = dict(report.skipped)
+    stock_modules = dict(stock.named_modules())
+    for name in listed:
+        if name.endswith(("self_attn", "mlp")):
+            assert type(model.get_submodule(name)) is type(stock_modules[name])
+            assert all(type(c) is type(stock_modules[name].get_submodule(n))
+                       for n, c in model.get_submodule(name).named_children())
+    ids = torch.randint(0, VOCAB, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_parts_switched_off_are_not_reported():
+    """attention=False, mlp=False, norm=False, layers=False: what the caller left out is no
+    skip; the other parts still are."""
+    report = _patch(build("phi3"), attention=False, layers=False)
+    assert [n for n, _ in report.skipped] == [f"{L}.mlp", f"{L}.input_layernorm", f"{L}.post_attention_layernorm"]
+    report = _patch(build("mixtral"), mlp=False, norm=False)
+    assert [n for n, _ in report.skipped] == [L]
+    report = _patch(build("llama"), attention=False, mlp=False, norm=False, layers=False)
+    assert report.skipped == [] and report.patched == ["lm_head"]
+
+
+def test_unrecognised_linears_and_lm_head_are_reported():
+    class LoraLinear(nn.Linear):
+        pass
+
+    def lora(lin: nn.Linear) -> LoraLinear:
+        new = LoraLinear(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
+        return new
+
+    model = build("llama")
+    attn = model.model.layers[0].self_attn
+    attn.o_proj = lora(attn.o_proj)  # Q/K/V still fuse; O is left alone
+    model.lm_head = lora(model.lm_head)
+    model.model.layers[0].extra_proj = nn.Linear(64, 64, device="meta")  # a linear of no recognised part
+    report = _patch(model)
+    reasons = dict(report.skipped)
+    assert report.fused_qkv == [f"{L}.self_attn"]
+    assert reasons[f"{L}.self_attn.o_proj"] == "linear not patched: LoraLinear is not a plain nn.Linear"
+    assert reasons[f"{L}.extra_proj"] == "linear not patched: not part of an attention or MLP hybridgemm recognises"
+    assert reasons["lm_head"] == "LM head not patched: LoraLinear is not a plain nn.Linear"
+    # the layer keeps its own reason (its O projection), no second entry
+    assert reasons[L] == "decoder layer not fused: its o_proj is a LoraLinear, not a patched or row-parallel nn.Linear"
+    assert [n for n, _ in report.skipped].count(L) == 1
+
+
+def test_a_module_patch_listed_itself_is_not_listed_again():
+    """An attention whose q/k/v are LoRA linears is reported once, by the patching rules (not
+    again by the attention rule, nor its linears one by one)."""
+    class LoraLinear(nn.Linear):
+        pass
+
+    model = build("mistral")
+    attn = model.model.layers[0].self_attn
+    for n in ("q_proj", "k_proj", "v_proj"):
+        old = getattr(attn, n)
+        setattr(attn, n, LoraLinear(old.in_features, old.out_features, bias=False, device="meta"))
+    report = _patch(model)
+    names = [n for n, _ in report.skipped]
+    assert names == [f"{L}.self_attn", L], report.skipped_lines()
+    assert "not plain nn.Linear" in report.skipped[0][1] and "Q/K/V are not fused" in report.skipped[1][1]
+
+
+def test_encoders_and_plain_modules_have_no_decoder_layers():
+    bert = transformers.BertModel(transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                                                          num_attention_heads=2, intermediate_size=48))
+    assert not any(is_decoder_layer(m) for m in bert.modules())
+    assert _patch(bert).skipped == []
+    encoder = nn.TransformerEncoderLayer(32, 4, dim_feedforward=48, batch_first=True)
+    assert _patch(encoder).skipped == []
+
+
+def test_patching_twice_reports_nothing_new():
+    model = build("gemma")
+    first = _patch(model)
+    with pytest.warns(UserWarning, match="nothing patched"):
+        again = hybridgemm.patch(model)
+    assert again.skipped == first.skipped  # what is left alone is still left alone, the same entries
+    assert sorted(again.already_patched) == sorted(first.patched)
+
+
+class _Attention(nn.Module):
+    is_causal = True
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d) for _ in range(4))
+
+
+class _GatedExpert(nn.Module):
+    def __init__(self, d: int, names=("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        for n in names:
+            self.add_module(n, nn.Linear(d, d, bias=False))
+        self.act_fn = nn.SiLU()
+
+
+class _MoE(nn.Module):
+    def __init__(self, d: int, names):
+        super().__init__()
+        self.gate = nn.Linear(d, 4, bias=False)
+        self.experts = nn.ModuleList(_GatedExpert(d, names) for _ in range(4))
+
+
+class _Layer(nn.Module):
+    def __init__(self, d: int, names):
+        super().__init__()
+        self.self_attn = _Attention(d)
+        self.block_sparse_moe = _MoE(d, names)
+        self.ln = nn.LayerNorm(d)
+
+
+@pytest.mark.parametrize("names", [("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")])
+def test_a_list_of_experts_counts_as_patched_where_every_expert_is(names):
+    """An older mixture-of-experts layout (``block_sparse_moe`` holding a router and a list of
+    expert MLPs): experts that are gated MLPs get patched one by one, and the block is not
+    listed, only its router; experts of another layout leave the block listed."""
+    model = nn.ModuleList([_Layer(32, names)])
+    report = _patch(model)
+    reasons = dict(report.skipped)
+    assert reasons["0"] == _layer("_Layer") and reasons["0.ln"] == _norm("LayerNorm")
+    if names[0] == "gate_proj":
+        assert len(report.fused_mlp) == 4 and "0.block_sparse_moe" not in reasons
+        assert reasons["0.block_sparse_moe.gate"] == \
+            "linear not patched: not part of an attention or MLP hybridgemm recognises"
+        assert len(report.skipped) == 3
+    else:
+        assert report.fused_mlp == [] and reasons["0.block_sparse_moe"] == _moe("_MoE")
+        assert len(report.skipped) == 3  # nothing inside the listed block again
