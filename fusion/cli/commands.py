@@ -8,6 +8,7 @@
     hybridgemm bench --model llama3-8b [--m ...] [--providers ...] [--out results.csv] [--training] [--plot DIR]
     hybridgemm bench --m-sweep ... | --e2e --model qwen2.5-7b|llama3-8b ...   (perf/cli_commands.py)
     hybridgemm plot results.csv [more.csv ...] [--out DIR]
+    hybridgemm patch --dry-run --hf-config PATH [--strict]   (fusion/cli/patch_command.py)
     hybridgemm demo [--m 16 --n 6144 --k 4096] | main [--model llama3-8b]
 
 A bad argument is one line on stderr and exit code 2, never a traceback.
@@ -35,6 +36,7 @@ from hybridgemm.autotune_cache.table import (
     shipped_table_paths,
     user_table_path,
 )
+from hybridgemm.cli.patch_command import add_patch_parser
 from hybridgemm.decide import set_table_path
 from hybridgemm.kernels import backends
 from hybridgemm.kernels.epilogue import Activation, Epilogue
@@ -642,6 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_plot_parser(sub)
+    add_patch_parser(sub)
     return ap
 
 
