@@ -151,11 +151,12 @@ def _show(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _show_path(path: str) -> str:
+def show_path(path: str) -> str:
+    """``path`` as an error message shows it (its repr where it holds unprintable characters)."""
     return path if path.isprintable() else repr(path)
 
 
-def _read_hf_config(path: str | os.PathLike) -> tuple[str, object]:
+def read_hf_config(path: str | os.PathLike) -> tuple[str, object]:
     """Return (the config file's path, its parsed JSON); every failure is a one-line ValueError."""
     try:
         raw = os.fspath(path)
@@ -163,7 +164,7 @@ def _read_hf_config(path: str | os.PathLike) -> tuple[str, object]:
         raise ValueError(f"Hugging Face config path must be a str or path, got {_show(path)}") from None
     if isinstance(raw, bytes):
         raw = os.fsdecode(raw)
-    shown = _show_path(raw)
+    shown = show_path(raw)
     if not raw:
         raise ValueError("Hugging Face config path is empty")
     in_dir = False
@@ -171,7 +172,7 @@ def _read_hf_config(path: str | os.PathLike) -> tuple[str, object]:
         st = os.stat(raw)
         if stat.S_ISDIR(st.st_mode):
             in_dir, raw = True, os.path.join(raw, "config.json")
-            shown = _show_path(raw)
+            shown = show_path(raw)
             st = os.stat(raw)
     except FileNotFoundError:
         missing = "no config.json in this directory" if in_dir else "no such file"
@@ -250,8 +251,8 @@ def preset_from_hf_config(path: str | os.PathLike) -> ModelPreset:
     Every problem (unreadable file, bad JSON, missing or invalid field) raises a one-line
     ``ValueError`` that names the file and the field.
     """
-    file, top = _read_hf_config(path)
-    shown = _show_path(file)
+    file, top = read_hf_config(path)
+    shown = show_path(file)
     if not isinstance(top, dict):
         raise ValueError(f"{shown}: expected a JSON object at the top level, got {type(top).__name__}")
     cfg, prefix = top, ""

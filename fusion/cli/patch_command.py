@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from hybridgemm.autotune_cache.presets import _read_hf_config, _show_path
+from hybridgemm.autotune_cache.presets import read_hf_config, show_path
 from hybridgemm.models.patching import PatchReport, patch
 
 
@@ -64,7 +64,7 @@ def build_on_meta(path: str) -> tuple[str, torch.nn.Module]:
     causal LM where transformers has one for the config's ``model_type``, else its base model.
     One-line ``ValueError`` for a bad path or config, an unknown ``model_type``, or a config
     transformers cannot build."""
-    file, raw = _read_hf_config(path)
+    file, raw = read_hf_config(path)
     if not isinstance(raw, dict):
         raise ValueError(f"{file}: expected a JSON object at the top level, got {type(raw).__name__}")
     try:
@@ -113,7 +113,7 @@ def dry_run(path: str) -> tuple[str, torch.nn.Module, PatchReport]:
 
 def cmd_patch(args) -> int:
     file, model, report = dry_run(args.hf_config)
-    print(f"{_show_path(file)}: {type(model).__name__}, built on the meta device (no weights)")
+    print(f"{show_path(file)}: {type(model).__name__}, built on the meta device (no weights)")
     print(report.summary())
     if report.skipped:
         print(f"skipped ({len(report.skipped)}):")
