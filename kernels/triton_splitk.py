@@ -112,7 +112,7 @@ class TritonSplitKConfig:
     def to_record(self) -> dict:
         record = config_to_record(self, KIND)
         if not self.fma:
-            del record["fma"]  # the records of tensor-core configs read as they did before the field
+            del record["fma"]  # tensor-core configs keep the record keys tables already hold
         return record
 
     @classmethod
