@@ -82,10 +82,11 @@ def _e4m3_bits(xf, scale):
 def _quantize_token_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
     # One program per row; rows >= M (GEMM padding) read nothing and store zeros.
     row = tl.program_id(0).to(tl.int64)
-    live = row < M
     x_row = x_ptr + row * ldx
     q_row = q_ptr + row * K
     cols = tl.arange(0, BLOCK_K)
+    # a boolean tensor: a scalar mask term widens the mask to int32 in some Triton versions
+    live = (tl.zeros_like(cols) + row) < M
     if ONE_PASS:
         mask = cols < K
         xf = tl.load(x_row + cols, mask=mask & live, other=0.0).to(tl.float32)
@@ -112,7 +113,8 @@ def _quantize_block_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, ld_s, BLOCKS: tl.cons
     blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     cols = blocks[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = cols < K
-    xf = tl.load(x_ptr + row * ldx + cols, mask=mask & (row < M), other=0.0).to(tl.float32)
+    live = (tl.zeros_like(cols) + row) < M  # a boolean tensor, as in _quantize_token_kernel
+    xf = tl.load(x_ptr + row * ldx + cols, mask=mask & live, other=0.0).to(tl.float32)
     scale = _scale_of(tl.max(tl.abs(xf), axis=1))
     tl.store(q_ptr + row * K + cols, _e4m3_bits(xf, scale[:, None]), mask=mask)
     tl.store(s_ptr + blocks * ld_s + row, scale, mask=blocks * GROUP < K)
