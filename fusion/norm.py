@@ -26,7 +26,11 @@ from torch import Tensor, nn
 from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES as _PLAIN
 from hybridgemm.kernels.lazy import triton_module
 
-RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+# transformers' RMSNorm classes whose forward is Llama's formula (x in fp32, times rsqrt(mean(x^2)
+# + eps), rounded to x's dtype, then times the weight); tests/fusion/test_norm.py checks each one
+# against reference_rms_norm bit for bit with the installed transformers.
+RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "MixtralRMSNorm",
+                    "Phi3RMSNorm", "GraniteRMSNorm", "GraniteMoeRMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -130,8 +130,8 @@ def _mlp_reason(mlp: nn.Module) -> str:
 
 
 def _norm_reason(norm: nn.Module) -> str:
-    return (f"norm not patched: {type(norm).__name__} is not a Llama-style RMSNorm class hybridgemm recognises "
-            f"({', '.join(RMS_NORM_CLASSES)})")
+    return (f"norm not patched: {type(norm).__name__} is not one of the {len(RMS_NORM_CLASSES)} Llama-formula "
+            "RMSNorm classes hybridgemm recognises (hybridgemm.norm.RMS_NORM_CLASSES)")
 
 
 def _linear_reason(lin: nn.Module) -> str:

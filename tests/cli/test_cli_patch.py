@@ -54,7 +54,7 @@ def test_dry_run_lists_every_skipped_module(tmp_path, capsys):
     assert [name for name, _ in listed] == [f"gpt_neox.layers.{i}{part}" for i in range(2) for part in (
         "", ".attention", ".mlp", ".input_layernorm", ".post_attention_layernorm")]
     assert "GPTNeoXLayer" in listed[0][1] and "query_key_value (Linear)" in listed[1][1]
-    assert "LayerNorm is not a Llama-style RMSNorm" in listed[3][1]
+    assert "LayerNorm is not one of the" in listed[3][1] and "RMS_NORM_CLASSES" in listed[3][1]
     rc, strict_out, _ = _run(["patch", "--dry-run", "--hf-config", str(path), "--strict"], capsys)
     assert rc == 1 and strict_out == out  # the same report; --strict makes the skips the exit code
 

@@ -44,6 +44,27 @@ def test_transformers_rms_norms_are_recognised(cls):
     assert hnorm.is_rms_norm(cls(8))
 
 
+_FAMILY_OF = {"Llama": "llama", "Qwen2": "qwen2", "Qwen3": "qwen3", "Mistral": "mistral", "Mixtral": "mixtral",
+              "Phi3": "phi3", "Granite": "granite", "GraniteMoe": "granitemoe", "Qwen2Moe": "qwen2_moe",
+              "Qwen3Moe": "qwen3_moe"}
+
+
+@pytest.mark.parametrize("name", hnorm.RMS_NORM_CLASSES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_recognised_class_computes_the_reference_formula(name, dtype):
+    """Each class in RMS_NORM_CLASSES, as the installed transformers defines it, computes
+    reference_rms_norm bit for bit (what the kernel path and the decode step compute from)."""
+    import importlib
+
+    family = _FAMILY_OF[name.removesuffix("RMSNorm")]
+    cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+    stock = stock_norm(cls, dtype=dtype)
+    assert hnorm.is_rms_norm(stock)
+    x = (torch.randn(4, 7, 96, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(stock(x), hnorm.reference_rms_norm(x, stock.weight, stock.variance_epsilon))
+
+
 def test_other_norms_are_left_alone():
     class LlamaRMSNorm(nn.Module):  # the right name, defined outside transformers: formula unknown
         def __init__(self):
@@ -55,6 +76,8 @@ def test_other_norms_are_left_alone():
     assert not hnorm.is_rms_norm(nn.LayerNorm(8))
     gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
     assert not hnorm.is_rms_norm(gemma.GemmaRMSNorm(8))  # scales by 1 + weight
+    olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
+    assert not hnorm.is_rms_norm(olmo2.Olmo2RMSNorm(8))  # multiplies by the weight before rounding
     odd = LlamaRMSNorm.__new__(LlamaRMSNorm)
     nn.Module.__init__(odd)
     odd.weight = nn.Parameter(torch.ones(2, 4))  # not a 1-D weight

@@ -14,6 +14,7 @@ from torch import nn
 
 import hybridgemm
 from hybridgemm.models.unpatched import is_decoder_layer
+from hybridgemm.norm import RMS_NORM_CLASSES
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,7 +41,6 @@ CONFIGS = {
 }
 
 SUPPORTED = "LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer"
-RMS_NORMS = "(LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, MistralRMSNorm)"
 
 
 def _layer(cls: str) -> str:
@@ -49,7 +49,8 @@ def _layer(cls: str) -> str:
 
 
 def _norm(cls: str) -> str:
-    return f"norm not patched: {cls} is not a Llama-style RMSNorm class hybridgemm recognises {RMS_NORMS}"
+    return (f"norm not patched: {cls} is not one of the {len(RMS_NORM_CLASSES)} Llama-formula RMSNorm classes "
+            "hybridgemm recognises (hybridgemm.norm.RMS_NORM_CLASSES)")
 
 
 def _moe(cls: str) -> str:
@@ -72,8 +73,7 @@ EXPECTED = {
               (f"{L}.post_attention_layernorm", _norm("GemmaRMSNorm"))],
     "gemma2": [(L, _layer("Gemma2DecoderLayer"))] + [(f"{L}.{n}", _norm("Gemma2RMSNorm")) for n in (
         "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")],
-    "granite": [(L, _layer("GraniteDecoderLayer")), (f"{L}.input_layernorm", _norm("GraniteRMSNorm")),
-                (f"{L}.post_attention_layernorm", _norm("GraniteRMSNorm"))],
+    "granite": [(L, _layer("GraniteDecoderLayer"))],
     "olmo2": [(L, _layer("Olmo2DecoderLayer"))] + [(f"{L}.{n}", _norm("Olmo2RMSNorm")) for n in (
         "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm", "post_feedforward_layernorm")],
     "stablelm": [(L, _layer("StableLmDecoderLayer")), (f"{L}.input_layernorm", _norm("LayerNorm")),
@@ -82,8 +82,7 @@ EXPECTED = {
     "phi3": [(L, _layer("Phi3DecoderLayer")),
              (f"{L}.self_attn", "attention not patched: Phi3Attention holds o_proj (Linear), qkv_proj (Linear)"
                                 + ATTENTION),
-             (f"{L}.mlp", "MLP not patched: Phi3MLP holds gate_up_proj (Linear), down_proj (Linear)" + MLP),
-             (f"{L}.input_layernorm", _norm("Phi3RMSNorm")), (f"{L}.post_attention_layernorm", _norm("Phi3RMSNorm"))],
+             (f"{L}.mlp", "MLP not patched: Phi3MLP holds gate_up_proj (Linear), down_proj (Linear)" + MLP)],
     "gpt_neox": [("gpt_neox.layers.0", _layer("GPTNeoXLayer")),
                  ("gpt_neox.layers.0.attention", "attention not patched: GPTNeoXAttention holds query_key_value "
                                                  "(Linear), dense (Linear)" + ATTENTION),
@@ -97,12 +96,8 @@ EXPECTED = {
                ("transformer.h.0.mlp", "MLP not patched: FalconMLP holds dense_h_to_4h (FalconLinear), dense_4h_to_h "
                                        "(FalconLinear)" + MLP),
                ("transformer.h.0.input_layernorm", _norm("LayerNorm"))],
-    "mixtral": [(L, _layer("MixtralDecoderLayer")), (f"{L}.mlp", _moe("MixtralSparseMoeBlock")),
-                (f"{L}.input_layernorm", _norm("MixtralRMSNorm")),
-                (f"{L}.post_attention_layernorm", _norm("MixtralRMSNorm"))],
-    "qwen3_moe": [(L, _layer("Qwen3MoeDecoderLayer")), (f"{L}.mlp", _moe("Qwen3MoeSparseMoeBlock"))] + [
-        (f"{L}.{n}", _norm("Qwen3MoeRMSNorm")) for n in (
-            "self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm")],
+    "mixtral": [(L, _layer("MixtralDecoderLayer")), (f"{L}.mlp", _moe("MixtralSparseMoeBlock"))],
+    "qwen3_moe": [(L, _layer("Qwen3MoeDecoderLayer")), (f"{L}.mlp", _moe("Qwen3MoeSparseMoeBlock"))],
 }
 
 
@@ -146,8 +141,7 @@ def test_strict_raises_naming_every_skipped_module_and_passes_without_any(kind):
 def test_every_layer_is_reported_and_later_layers_alike():
     report = _patch(build("phi3", layers=3))
     names = [n for n, _ in report.skipped]
-    assert names == [f"model.layers.{i}{part}" for i in range(3) for part in (
-        "", ".self_attn", ".mlp", ".input_layernorm", ".post_attention_layernorm")]
+    assert names == [f"model.layers.{i}{part}" for i in range(3) for part in ("", ".self_attn", ".mlp")]
     assert all("embed" not in n and "rotary" not in n and "dropout" not in n for n in names)
 
 
@@ -175,7 +169,9 @@ def test_parts_switched_off_are_not_reported():
     """attention=False, mlp=False, norm=False, layers=False: what the caller left out is no
     skip; the other parts still are."""
     report = _patch(build("phi3"), attention=False, layers=False)
-    assert [n for n, _ in report.skipped] == [f"{L}.mlp", f"{L}.input_layernorm", f"{L}.post_attention_layernorm"]
+    assert [n for n, _ in report.skipped] == [f"{L}.mlp"]
+    report = _patch(build("gemma"), attention=False, layers=False)
+    assert [n for n, _ in report.skipped] == [f"{L}.input_layernorm", f"{L}.post_attention_layernorm"]
     report = _patch(build("mixtral"), mlp=False, norm=False)
     assert [n for n, _ in report.skipped] == [L]
     report = _patch(build("llama"), attention=False, mlp=False, norm=False, layers=False)
