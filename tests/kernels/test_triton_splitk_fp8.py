@@ -79,20 +79,6 @@ def test_every_scale_is_read_where_it_applies(granularity):
         torch.testing.assert_close(out.double(), x.double() @ w.T, rtol=1e-3, atol=2e-3)
 
 
-def test_norm_prologue_and_residual_epilogue_with_an_fp8_weight():
-    q, x, b = _operands(5, 96, 160, "channel", 3)
-    g = torch.rand(160).half() + 0.5
-    res = torch.randn(5, 96).half()
-    out = _run(CONFIGS["fused-reduce"], q, x, b, norm=(g, 1e-5), residual=res)
-    # the kernel's order (triton_splitk NORM): (x * g) rounded once to x's dtype, the GEMM, then
-    # the rows scaled by 1/rms(x)
-    xd = x.double()
-    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
-    xg = (x * g).double()
-    ref = (rstd * (xg @ q.dequantize(torch.float32).double().T) + b.double()).half().double() + res.double()
-    torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=4e-3)
-
-
 def test_block_weights_keep_each_k_tile_inside_one_scale_block():
     problem = Problem(m=1, n=256, k=512, dtype=torch.float16, epilogue=Epilogue(), ldx=512, ldw=512, ldo=256,
                       weight_format=FORMAT_OF["block128"])
@@ -144,11 +130,17 @@ def test_cuda_core_products_match_fp64(weights, cfg, m):
     torch.testing.assert_close(out.double(), ref, rtol=1e-3, atol=2e-3)
 
 
-def test_cuda_core_products_with_norm_and_residual():
-    q, x, b = _operands(3, 96, 160, "block128", 4)
+@pytest.mark.parametrize("cfg,m,granularity,seed", [
+    (CONFIGS["fused-reduce"], 5, "channel", 3),
+    (FMA_CONFIGS["fma-m4-two-launch"], 3, "block128", 4),  # the CUDA-core products
+], ids=["fused-reduce", "fma-m4-two-launch"])
+def test_norm_prologue_and_residual_epilogue_with_an_fp8_weight(cfg, m, granularity, seed):
+    q, x, b = _operands(m, 96, 160, granularity, seed)
     g = torch.rand(160).half() + 0.5
-    res = torch.randn(3, 96).half()
-    out = _run(FMA_CONFIGS["fma-m4-two-launch"], q, x, b, norm=(g, 1e-5), residual=res)
+    res = torch.randn(m, 96).half()
+    out = _run(cfg, q, x, b, norm=(g, 1e-5), residual=res)
+    # the kernel's order (triton_splitk NORM): (x * g) rounded once to x's dtype, the GEMM, then
+    # the rows scaled by 1/rms(x)
     xd = x.double()
     rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
     ref = (rstd * ((x * g).double() @ q.dequantize(torch.float32).double().T) + b.double()).half().double()
