@@ -143,7 +143,7 @@ def linear_fp8(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = Non
 
 # ------------------------------------------------------------------------------- module
 
-_SCALE_NAMES = ("weight_scale", "weight_scale_inv")
+SCALE_NAMES = ("weight_scale", "weight_scale_inv")  # what FP8 checkpoints call the scales
 
 
 def keep_fp8_dtypes(module: nn.Module, fn):
@@ -152,7 +152,7 @@ def keep_fp8_dtypes(module: nn.Module, fn):
     casts any floating tensor (turning the weight into its unscaled e4m3 values and rounding the
     scales); those two only move to the device ``fn`` sends a tensor to. Everything else
     (the bias) is ``fn``'s as usual."""
-    kept = {id(t) for t in (module._parameters.get("weight"), *(module._buffers.get(n) for n in _SCALE_NAMES))
+    kept = {id(t) for t in (module._parameters.get("weight"), *(module._buffers.get(n) for n in SCALE_NAMES))
             if t is not None and (t.dtype == fp8.E4M3 or t.dtype == torch.float32)}
 
     def apply(t):
@@ -178,7 +178,7 @@ class FP8Linear(nn.Module):
     def __init__(self, data: Tensor, scale: Tensor, bias: Tensor | None = None, *, dtype=torch.bfloat16,
                  activation=None, scale_name: str = "weight_scale", check: bool = True):
         super().__init__()
-        if scale_name not in ("weight_scale", "weight_scale_inv"):
+        if scale_name not in SCALE_NAMES:
             raise ValueError(f"scale_name must be 'weight_scale' or 'weight_scale_inv', got {scale_name!r}")
         checked = fp8.FP8Weight.from_tensors(data, scale, dtype, check=check)  # FP8FormatError if they do not fit
         self.out_features, self.in_features = data.shape

@@ -32,9 +32,8 @@ from hybridgemm.fused_rows import FusedLinears, save_in_order
 from hybridgemm.kernels import fp8
 from hybridgemm.linear_layer import HybridLinear
 
-from .fp8_linear import keep_fp8_dtypes, linear_fp8
+from .fp8_linear import SCALE_NAMES, keep_fp8_dtypes, linear_fp8
 
-SCALE_NAMES = ("weight_scale", "weight_scale_inv")
 KERNEL_SCALE = "weight_scale"  # the buffer that holds the scales in the kernels' layout
 
 
