@@ -101,10 +101,17 @@ class ScaleFormat:
 
 def data_error(key: str, t) -> str | None:
     """Why the checkpoint's ``t`` cannot be an FP8 weight's data (None: it can): anything but
-    e4m3 would be converted by the copy into e4m3 values without scales."""
+    e4m3 would be converted by the copy into e4m3 values without scales; NaN values
+    (fp8.check_data) would be read as finite ones. Data on the meta device cannot be read and
+    passes."""
     if isinstance(t, Tensor) and t.dtype != fp8.E4M3:
         return (f"{key}: an FP8 weight loads e4m3 ({fp8.E4M3}) data, the checkpoint holds {t.dtype} (load it into "
                 "the model before patching it with weights='fp8', or quantize it first)")
+    if isinstance(t, Tensor) and t.device.type != "meta":
+        try:
+            fp8.check_data(t)
+        except fp8.FP8FormatError as e:
+            return f"{key}: {e}"
     return None
 
 

@@ -10,7 +10,8 @@
 
 :class:`FP8Weight` is what :func:`quantize_fp8` returns and what ``hybridgemm.linear`` and the
 patched modules take in place of a bf16/fp16 weight. Its checks run once, when it is made
-(scale shape against granularity, scale dtype, finite positive scales), never per call.
+(scale shape against granularity, scale dtype, finite positive scales, no NaN data), never per
+call.
 """
 
 from __future__ import annotations
@@ -74,6 +75,17 @@ def check_scales(scale: torch.Tensor) -> None:
                              f"(e.g. {first!r})")
 
 
+def check_data(data: torch.Tensor) -> None:
+    """FP8FormatError if ``data`` (e4m3) holds a NaN code (0x7f or 0xff): quantization never
+    writes one, the kernels' integer conversion (kernels/triton_e4m3.py) would read it as -/+480,
+    and a NaN weight is a broken checkpoint either way. Reads the data: one pass and one device
+    sync, so it runs when a weight is loaded, not per call."""
+    nan = (data.view(torch.uint8) & 0x7F) == 0x7F
+    if bool(nan.any()):
+        raise FP8FormatError(f"FP8 weight data holds {int(nan.sum())} NaN values (e4m3 codes 0x7f / 0xff) in "
+                             f"{data.numel()}")
+
+
 def scale_vector(scale: torch.Tensor, granularity: str) -> torch.Tensor:
     """The scale as the kernels read it: (N,) contiguous for ``channel``, (N/128, K/128)
     row-major for ``block128``."""
@@ -125,10 +137,12 @@ class FP8Weight:
     def from_tensors(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
                      check: bool = True) -> FP8Weight:
         """A checkpoint's e4m3 ``data`` and ``scale`` (granularity read from the scale's shape);
-        ``check`` also verifies that every scale is finite and positive (one device sync)."""
+        ``check`` also verifies that every scale is finite and positive and that no value is
+        NaN (a pass over the data and a device sync)."""
         weight = cls(data, scale, granularity_of(data, scale), dtype)
         if check:
             check_scales(weight.scale)
+            check_data(weight.data)
         return weight
 
     @property
@@ -187,5 +201,5 @@ def quantize_fp8(weight: torch.Tensor, granularity: str = "channel") -> FP8Weigh
 
 __all__ = [
     "BLOCK", "E4M3", "E4M3_MAX", "FORMAT_OF", "FP8FormatError", "FP8Weight", "GRANULARITIES", "GRANULARITY_OF_FORMAT",
-    "check_scales", "dequantize", "granularity_of", "quantize_fp8", "scale_vector",
+    "check_data", "check_scales", "dequantize", "granularity_of", "quantize_fp8", "scale_vector",
 ]

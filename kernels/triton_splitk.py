@@ -20,12 +20,11 @@ MMA's M side (so Hopper can use wgmma) and the handful of x rows, padded to 16, 
 W tiles are loaded whole (``BLOCK_K`` contiguous elements per row, 16-byte vectors) and
 pipelined through shared memory with ``num_stages`` buffers. W is read once per call, so its
 loads are marked ``evict_first``; x is re-read by every program (``evict_last``).
-With ``fma`` (M ≤ 4) the dot is instead fp32 products on CUDA cores summed over each K tile,
-with as few x rows per program as the call has (``block_m`` from 1): W never takes the MMA
-operand layout, which an e4m3 weight must otherwise be converted into.
-
 An FP8 weight (``weight_scale=``, kernels/fp8.py) is loaded as e4m3 bytes, converted to x's
-dtype in registers and scaled in fp32 (see the kernel's WSCALE).
+dtype in registers (by integer ops for bf16, kernels/triton_e4m3.py) and scaled in fp32 (see the
+kernel's WSCALE). Its configs take x tiles of M's power of two from 1 row (``block_m``; Triton
+pads the MMA's x side to 8): at M = 1 a 16-row tile would stage and multiply 15 rows of zeros,
+and the W tile would be converted once per 8-row half of it.
 
 Workspace and counters: from torch's caching allocator, kept per (device, stream) and reused,
 never freed (``triton_scratch``: graph-capture caveats). ``clear_workspaces`` is for tests and
@@ -56,6 +55,7 @@ from .triton_config import (
     next_pow2,
     problem_limits,
 )
+from .triton_e4m3 import integer_conversion, tl_weight_values
 from .triton_epilogue import ACT_CODE, tl_activation, tl_add_residual, tl_norm_tile_sq, tl_rstd
 from .triton_launch import Launcher, pdl_enabled
 from .triton_plan import (
@@ -80,8 +80,6 @@ KIND = "triton_splitk"
 MAX_M = DECODE_MAX_M  # candidates() offers split-K up to this M; past it the tiled GEMM wins
 MAX_ACC_REGS = 128
 MAX_CANDIDATES = 16
-FMA_MAX_M = 4  # candidates() offers the CUDA-core products (TritonSplitKConfig.fma) for FP8 weights up to this M
-MAX_FMA_REGS = 128
 _WSCALE = {"": 0, FORMAT_OF["channel"]: 1, FORMAT_OF["block128"]: 2}  # the kernel's WSCALE per weight format
 
 
@@ -94,13 +92,9 @@ class TritonSplitKConfig:
     num_warps: int
     num_stages: int
     fused_reduce: bool = False  # split_k > 1: reduce in the same launch (arrival counters)
-    # The products on CUDA cores (fp32 multiply, sum over each K tile) instead of a tensor-core
-    # dot: no MMA operand layout for W (nor the e4m3 -> bf16 conversion into it), rows of x
-    # as few as the call has (block_m from 1). For M <= FMA_MAX_M.
-    fma: bool = False
 
     def __post_init__(self):
-        check_pow2("block_m", self.block_m, 1 if self.fma else 16, 128)
+        check_pow2("block_m", self.block_m, 1, 128)
         check_pow2("block_n", self.block_n, 16, 256)
         check_pow2("block_k", self.block_k, 16, 512)
         check_range("split_k", self.split_k, 1, 64)
@@ -110,10 +104,7 @@ class TritonSplitKConfig:
             raise ValueError("fused_reduce needs split_k > 1 (split_k == 1 has nothing to reduce)")
 
     def to_record(self) -> dict:
-        record = config_to_record(self, KIND)
-        if not self.fma:
-            del record["fma"]  # tensor-core configs keep the record keys tables already hold
-        return record
+        return config_to_record(self, KIND)
 
     @classmethod
     def from_record(cls, record: dict) -> TritonSplitKConfig:
@@ -149,15 +140,11 @@ class TritonSplitKConfig:
         regs = self.block_m * self.block_n // (32 * self.num_warps)
         if regs > MAX_ACC_REGS:
             return False, f"accumulator needs {regs} registers per thread (> {MAX_ACC_REGS})"
-        if self.fma:
-            products = self.block_m * self.block_n * self.block_k // (32 * self.num_warps)
-            if products > MAX_FMA_REGS:
-                return False, f"the fp32 products of a K tile need {products} registers per thread (> {MAX_FMA_REGS})"
         return True, ""
 
 
 # The default config's shape: (block_n, bytes of K per row per stage, num_warps, num_stages).
-_DEFAULT_SHAPE = (64, 256, 4, 4)
+_DEFAULT_SHAPE = (64, 256, 4, 4)  # bf16/fp16 weights
 
 # What candidates() offers, most promising first: (block_n, bytes of K per row per stage,
 # num_warps, num_stages, waves of programs to aim for, single-pass reduction). W bytes in flight
@@ -188,14 +175,27 @@ _PLAN = (
 )
 
 
-# The CUDA-core (fma) configs candidates() offers for an FP8 weight at M <= FMA_MAX_M, in _PLAN's terms; block_m is
-# M's power of two. Fewer bytes of K per stage than the dot configs: the fp32 products of a tile
-# live in registers.
-_FMA_PLAN = (
+# What candidates() offers for an FP8 weight, in _PLAN's terms (e4m3 bytes of K per stage). From
+# scripts/fp8_kernel_probe.py on the H200 (2026-12-02, x tiles of 1 and 8 rows): 64-row tiles
+# with 256 bytes and ~2 waves (the default) within 0-12% of the fastest at every llama3-8b
+# projection; narrow tiles with one warp per 16 rows and no split lead at 8b qkv and gate/up.
+_FP8_PLAN = (
+    (64, 256, 4, 3, 2, True),     # the default: 8b o and down (M = 1, 8), 8b qkv M = 8
+    (32, 256, 2, 3, 1, True),     # 8b gate/up M = 1 (split 1 there)
+    (16, 512, 1, 4, 1, True),     # 8b qkv M = 1
+    (128, 256, 8, 3, 1, True),    # 8b gate/up M = 8
+    (128, 512, 8, 3, 2, True),    # 8b down M = 1
+    (64, 512, 4, 4, 2, True),     # 8b o M = 8
+    (32, 512, 2, 3, 1, True),     # 8b qkv M = 8
     (64, 256, 4, 4, 1, True),
-    (32, 512, 4, 4, 2, True),
-    (128, 256, 8, 4, 1, True),
-    (64, 128, 4, 6, 2, True),
+    (16, 512, 1, 3, 1, True),
+    (64, 256, 2, 3, 1, True),
+    (32, 256, 1, 3, 1, True),
+    (128, 256, 4, 3, 1, True),
+    (64, 256, 4, 3, 4, True),
+    (32, 256, 2, 4, 2, True),
+    (64, 512, 4, 3, 2, False),
+    (16, 256, 1, 3, 2, True),
 )
 
 
@@ -213,7 +213,9 @@ def _block_k(problem: Problem, k_bytes: int) -> int:
 
 
 def _block_m(problem: Problem) -> int:
-    return min(64, max(16, next_pow2(problem.m)))
+    """Rows of x per program: M's power of two, from 16 for a bf16/fp16 weight and from 1 for
+    an FP8 one (see the module docstring)."""
+    return min(64, max(1 if problem.weight_format else 16, next_pow2(problem.m)))
 
 
 def candidates(
@@ -225,7 +227,7 @@ def candidates(
         return []
     bm = _block_m(problem)
     found: list[TritonSplitKConfig] = []
-    for bn, k_bytes, warps, stages, waves, fused in _PLAN:
+    for bn, k_bytes, warps, stages, waves, fused in _FP8_PLAN if problem.weight_format else _PLAN:
         bk = _block_k(problem, k_bytes)
         tiles = triton.cdiv(problem.n, bn) * triton.cdiv(problem.m, bm)
         if waves == 0 and tiles < num_sms // 4:
@@ -235,27 +237,13 @@ def candidates(
         ok, _ = cfg.supports(problem, smem_limit=smem_limit, capability=capability)
         if ok and cfg not in found:
             found.append(cfg)
-    if not (problem.weight_format and problem.m <= FMA_MAX_M):
-        return found[:MAX_CANDIDATES]
-    # an FP8 weight at M <= FMA_MAX_M: the CUDA-core products too, in place of the last dot configs
-    fma: list[TritonSplitKConfig] = []
-    bm = next_pow2(problem.m)
-    for bn, k_bytes, warps, stages, waves, fused in _FMA_PLAN:
-        bk = _block_k(problem, k_bytes)
-        tiles = triton.cdiv(problem.n, bn) * triton.cdiv(problem.m, bm)
-        split = _split_for(waves, tiles, triton.cdiv(problem.k, bk), num_sms)
-        cfg = TritonSplitKConfig(bm, bn, bk, split, warps, stages, fused and split > 1, fma=True)
-        ok, _ = cfg.supports(problem, smem_limit=smem_limit, capability=capability)
-        if ok and cfg not in fma:
-            fma.append(cfg)
-    return found[:MAX_CANDIDATES - len(fma)] + fma
-
+    return found[:MAX_CANDIDATES]
 
 def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits):
     """A sensible pick without timing: 64-row W tiles, 256 bytes of K per stage, ~2 waves,
-    two-launch reduction."""
+    two-launch reduction (for an FP8 weight: the first of _FP8_PLAN's shapes)."""
     bm = _block_m(problem)
-    bn, k_bytes, warps, stages = _DEFAULT_SHAPE
+    bn, k_bytes, warps, stages = _FP8_PLAN[0][:4] if problem.weight_format else _DEFAULT_SHAPE
     bk = _block_k(problem, k_bytes)
     tiles = triton.cdiv(problem.n, bn) * triton.cdiv(problem.m, bm)
     split = _split_for(2, tiles, triton.cdiv(problem.k, bk), num_sms)
@@ -277,7 +265,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    PREC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                    ROPE: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr,
-                   WSCALE: tl.constexpr, FMA: tl.constexpr):
+                   WSCALE: tl.constexpr, WINT: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -292,6 +280,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # value is a bf16/fp16 value) and scaled in fp32: 1 per output row (sc[N]) once after the
     # loop; 2 per 128x128 block (sc[N/128, lds]) per K tile, which lies inside one block (BK
     # divides 128 and each split starts on a block edge), so acc += (W8 @ x.T) * s[row block].
+    # WINT: the e4m3 -> bf16 conversion by integer ops (triton_e4m3), else Triton's cast.
     # PDL (programmatic dependent launch): this grid may start while the previous kernel on
     # the stream finishes; nothing is read or written before the wait, which returns once that
     # kernel has completed and its writes are visible (see pdl_enabled()).
@@ -329,18 +318,13 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                         eviction_policy="evict_last")
             if NORM:
                 x, sq = tl_norm_tile_sq(x, tl.load(nw_ptr + k + offs_k, mask=k_ok, other=0.0), sq)
-        if FMA:  # fp32 products on CUDA cores, summed over the tile's K: [BN, BM]
-            part = tl.sum(w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :], axis=2)
-            if WSCALE == 2:
-                part = part * tl.load(sc_ptr + (rows_n // 128) * lds + k // 128)[:, None]
-            acc += part
-        elif WSCALE == 0:
+        if WSCALE == 0:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
         elif WSCALE == 1:
-            acc = tl.dot(w.to(x.dtype), tl.trans(x), acc, input_precision=PREC)
+            acc = tl.dot(tl_weight_values(w, x.dtype, WINT), tl.trans(x), acc, input_precision=PREC)
         else:
             s = tl.load(sc_ptr + (rows_n // 128) * lds + k // 128)
-            acc += tl.dot(w.to(x.dtype), tl.trans(x), input_precision=PREC) * s[:, None]
+            acc += tl.dot(tl_weight_values(w, x.dtype, WINT), tl.trans(x), input_precision=PREC) * s[:, None]
         w_ptrs += BK
         x_ptrs += BK
     if WSCALE == 1:  # before the partial is stored: the splits then add scaled partials
@@ -496,7 +480,8 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     rope = fusion.rope
     meta = dict(plan_meta(config, problem, act, bias is not None), MODE=mode, NORM=norm,
                 RESIDUAL=residual and mode != 1, ROPE=rope is not None, KV=rope is not None and rope.kv,
-                HD=rope.head_dim if rope is not None else 2, PDL=pdl, WSCALE=_WSCALE[weight_format], FMA=config.fma,
+                HD=rope.head_dim if rope is not None else 2, PDL=pdl, WSCALE=_WSCALE[weight_format],
+                WINT=bool(weight_format) and integer_conversion(x.dtype),
                 **launch_opts)
     # the integer groups (see "launch arguments")
     gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)

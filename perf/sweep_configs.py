@@ -10,10 +10,10 @@ Kernels are compiled first on worker processes (autotune_cache/precompile.py), t
 with the tuner's method (autotune_cache/measure.gpu_time_rotating: cold operands by rotation,
 graphs replayed in interleaved rounds), in chunks of 8 beside F.linear. Every config is
 checked against an fp32 reference before it is timed. With ``--weights fp8`` (split-K only)
-the weight is e4m3 (``--granularity``), the grid adds the CUDA-core configs (``fma``) at
-M <= 4, the reference is the fp32 product with the dequantized weight, and the baseline is what
-the FP8 fallback runs (dequantize, then F.linear); GB/s then count the e4m3 bytes. Prints the 15 fastest per (shape, M)
-with GB/s and TFLOP/s and writes DIR/sweep_<backend>.csv when --out is given.
+the weight is e4m3 (``--granularity``), x tiles start at 1 row (M's power of two), the
+reference is the fp32 product with the dequantized weight, and the baseline is what the FP8
+fallback runs (dequantize, then F.linear); GB/s then count the e4m3 bytes. Prints the 15
+fastest per (shape, M) with GB/s and TFLOP/s and writes DIR/sweep_<backend>.csv when --out is given.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ TILE_GRID = dict(tile=[(64, 128, 64), (64, 128, 128), (128, 64, 64), (128, 64, 1
                        (128, 256, 64)],
                  stages=[3, 4, 5], warps=[4, 8], persistent=[False, True], split=[1, 2, 3, 4])
 SPLITK_GRID = dict(block_n=[32, 64, 128], block_k=[128, 256, 512], split=[1, 2, 4, 7, 8, 14, 16],
-                   warps=[4, 8], stages=[3, 4], fused=[False, True], fma=[False])
-FP8_SPLITK_GRID = dict(SPLITK_GRID, block_k=[64, 128, 256, 512], fma=[False, True])
+                   warps=[4, 8], stages=[3, 4], fused=[False, True])
+FP8_SPLITK_GRID = dict(SPLITK_GRID, block_n=[16, 32, 64, 128], block_k=[128, 256, 512], warps=[1, 2, 4, 8])
 CHUNK = 8  # configs timed together beside F.linear
 SHOWN = 15  # fastest configs printed per (shape, M)
 
@@ -72,13 +72,13 @@ def grid(backend: str, p: Problem) -> list:
     else:
         g = FP8_SPLITK_GRID if p.weight_format else SPLITK_GRID
         pow2 = 1 << max(0, p.m - 1).bit_length()
-        for bn, bk, split, w, st, fused, fma in itertools.product(g["block_n"], g["block_k"], g["split"], g["warps"],
-                                                                  g["stages"], g["fused"], g["fma"]):
-            if (fused and split == 1) or (fma and p.m > ts.FMA_MAX_M):
+        bm = min(64, max(1 if p.weight_format else 16, pow2))
+        for bn, bk, split, w, st, fused in itertools.product(g["block_n"], g["block_k"], g["split"], g["warps"],
+                                                             g["stages"], g["fused"]):
+            if fused and split == 1:
                 continue
-            bm = pow2 if fma else min(64, max(16, pow2))
             try:
-                cfg = ts.TritonSplitKConfig(bm, bn, bk, split, w, st, fused, fma)
+                cfg = ts.TritonSplitKConfig(bm, bn, bk, split, w, st, fused)
             except ValueError:
                 continue
             if cfg.supports(p)[0]:

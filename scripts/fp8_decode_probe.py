@@ -7,7 +7,7 @@ per CUDA graph).
     python3 scripts/fp8_decode_probe.py [MODEL] [LAYERS] [BATCHES] [GRANULARITY]
     e.g. python3 scripts/fp8_decode_probe.py llama3-8b 32 1,8 channel
 
-``PROBE_MODES=compiled`` times the compiled rows of the first batch only; ``PROBE_GEMMS=N``
+``PROBE_MODES=compiled`` times the compiled rows only; ``PROBE_GEMMS=N``
 the first N GEMM shapes. The full benchmark is ``hybridgemm bench --e2e --weights fp8``.
 """
 
@@ -67,7 +67,7 @@ def decode_rows(name: str, layers: int, batches: list[int], granularity: str) ->
         ids = torch.randint(0, run.config.vocab_size, (1, 64), device=dev)
         a, b = stock(ids).logits.float(), fp8_model(ids).logits.float()
         print("prefill logits rel diff fp8 vs bf16", float((a - b).norm() / a.norm()))
-        for batch in batches[:1] if compiled_only else batches:
+        for batch in batches:
             for mode in ("compiled_static",) if compiled_only else ("compiled_static", "eager_static"):
                 res, notes = be.time_mode(run, mode, batch, {"stock": stock, "fp8": fp8_model})
                 s, f = (min(v) if isinstance(v, list) else v for v in (res["stock"], res["fp8"]))

@@ -52,6 +52,7 @@ from hybridgemm.fp8_modules import (
     FP8FusedLinears,
     FP8HybridLinear,
     ScaleFormat,
+    data_error,
     is_fp8,
     scales_error,
 )
@@ -168,7 +169,8 @@ def find_source(name: str, mod: nn.Module) -> FP8Source | str | None:
     if isinstance(fmt, str):
         return fmt
     kernel = fmt.to_kernel(scale)
-    why = scales_error(f"hybridgemm.patch: {qual(name, scale_name)}", kernel)
+    why = (scales_error(f"hybridgemm.patch: {qual(name, scale_name)}", kernel)
+           or data_error(f"hybridgemm.patch: {qual(name, 'weight')}", weight.detach()))
     if why is not None:
         raise fp8.FP8FormatError(why)
     fp8.granularity_of(weight, kernel)  # the device and layout the kernels need

@@ -100,6 +100,19 @@ def test_scales_that_are_not_finite_and_positive_are_refused(value):
         FP8Weight.from_tensors(torch.zeros(6, 8, dtype=torch.float8_e4m3fn), scale)
 
 
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_nan_data_is_refused(code):
+    """e4m3fn's NaN codes: the kernels' integer conversion would read them as -/+480."""
+    data = torch.zeros(6, 8, dtype=torch.uint8)
+    data[2, 5] = code
+    data[3, 1] = 0x7E  # 448, the largest finite value, and 0xFE (-448) are fine
+    data[3, 2] = 0xFE
+    with pytest.raises(FP8FormatError, match="1 NaN values"):
+        FP8Weight.from_tensors(data.view(torch.float8_e4m3fn), torch.ones(6))
+    data[2, 5] = 0
+    assert FP8Weight.from_tensors(data.view(torch.float8_e4m3fn), torch.ones(6)).shape == (6, 8)
+
+
 def test_quantize_refuses_bad_weights():
     with pytest.raises(ValueError, match="NaN or Inf"):
         quantize_fp8(torch.tensor([[1.0, float("nan")]]))

@@ -200,7 +200,7 @@ def test_record_round_trip(cfg):
         ({"split_k": 0}, "split_k"),
         ({"split_k": 2.0}, "must be int"),
         ({"block_n": 24}, "power of two"),
-        ({"block_m": 8}, "power of two"),
+        ({"block_m": 12}, "power of two"),
         ({"num_stages": True}, "must be int"),
         ({"persistent": False}, "unexpected keys"),
     ],

@@ -102,20 +102,19 @@ def test_scales_that_do_not_fit_the_weight_are_refused():
         sk.run(CONFIGS["one-pass"], x.float(), q.data, b.float(), out.float(), None, weight_scale=q.scale)
 
 
-FMA_CONFIGS = {
-    "fma-m1-one-pass": sk.TritonSplitKConfig(1, 32, 64, 1, 4, 2, fma=True),
-    "fma-m2-fused-reduce": sk.TritonSplitKConfig(2, 64, 32, 3, 4, 2, fused_reduce=True, fma=True),
-    "fma-m4-two-launch": sk.TritonSplitKConfig(4, 16, 128, 2, 4, 2, fma=True),
+SMALL_X_TILES = {  # x tiles below the MMA's 16 rows (Triton pads them): FP8 decode's configs
+    "x1-one-pass": sk.TritonSplitKConfig(1, 32, 64, 1, 2, 2),
+    "x2-fused-reduce": sk.TritonSplitKConfig(2, 64, 32, 3, 4, 2, fused_reduce=True),
+    "x8-two-launch": sk.TritonSplitKConfig(8, 16, 128, 2, 1, 3),
 }
 
 
 @pytest.mark.parametrize("weights", ["channel", "block128", "fp16"])
-@pytest.mark.parametrize("cfg", list(FMA_CONFIGS), ids=list(FMA_CONFIGS))
+@pytest.mark.parametrize("cfg", list(SMALL_X_TILES), ids=list(SMALL_X_TILES))
 @pytest.mark.parametrize("m", [1, 3, 17])
-def test_cuda_core_products_match_fp64(weights, cfg, m):
-    """The fma configs (products on CUDA cores, block_m from 1): every weight format, M above
-    block_m too (several row tiles)."""
-    config = FMA_CONFIGS[cfg]
+def test_x_tiles_of_fewer_than_16_rows_match_fp64(weights, cfg, m):
+    """block_m from 1: every weight format, M above block_m too (several row tiles)."""
+    config = SMALL_X_TILES[cfg]
     if weights == "fp16":
         g = torch.Generator().manual_seed(m)
         w = (torch.randn(130, 300, generator=g) * 0.3).half()
@@ -132,8 +131,8 @@ def test_cuda_core_products_match_fp64(weights, cfg, m):
 
 @pytest.mark.parametrize("cfg,m,granularity,seed", [
     (CONFIGS["fused-reduce"], 5, "channel", 3),
-    (FMA_CONFIGS["fma-m4-two-launch"], 3, "block128", 4),  # the CUDA-core products
-], ids=["fused-reduce", "fma-m4-two-launch"])
+    (sk.TritonSplitKConfig(4, 16, 128, 2, 1, 2), 3, "block128", 4),  # a 4-row x tile, two launches
+], ids=["fused-reduce", "x4-two-launch"])
 def test_norm_prologue_and_residual_epilogue_with_an_fp8_weight(cfg, m, granularity, seed):
     q, x, b = _operands(m, 96, 160, granularity, seed)
     g = torch.rand(160).half() + 0.5
@@ -147,18 +146,14 @@ def test_norm_prologue_and_residual_epilogue_with_an_fp8_weight(cfg, m, granular
     torch.testing.assert_close(out.double(), ref + res.double(), rtol=2e-3, atol=4e-3)
 
 
-def test_fma_configs_are_offered_for_fp8_weights_at_small_m_only_and_keep_their_records():
-    small = Problem(m=2, n=4096, k=4096, dtype=torch.bfloat16, epilogue=Epilogue(), ldx=4096, ldw=4096, ldo=4096,
-                    weight_format=FORMAT_OF["channel"])
-    fma = [c for c in sk.candidates(small) if c.fma]
-    assert fma and all(c.block_m == 2 for c in fma)
-    assert not any(c.fma for c in sk.candidates(Problem(**{**small.__dict__, "m": 5})))
-    assert not any(c.fma for c in sk.candidates(Problem(**{**small.__dict__, "weight_format": ""})))
-    assert len(sk.candidates(small)) <= sk.MAX_CANDIDATES
-    cfg = fma[0]
-    assert sk.TritonSplitKConfig.from_record(cfg.to_record()) == cfg and cfg.to_record()["fma"] is True
-    assert "fma" not in sk.TritonSplitKConfig(16, 64, 64, 1, 4, 2).to_record()
-    with pytest.raises(ValueError, match="block_m=2"):
-        sk.TritonSplitKConfig(2, 64, 64, 1, 4, 2)  # block_m below 16 is for the CUDA-core products only
-    ok, why = sk.TritonSplitKConfig(4, 128, 512, 1, 4, 2, fma=True).supports(small)
-    assert not ok and "fp32 products" in why
+def test_fp8_candidates_take_x_tiles_of_m_and_bf16_ones_keep_16_rows():
+    fp8 = Problem(m=2, n=4096, k=4096, dtype=torch.bfloat16, epilogue=Epilogue(), ldx=4096, ldw=4096, ldo=4096,
+                  weight_format=FORMAT_OF["channel"])
+    assert {c.block_m for c in sk.candidates(fp8)} == {2} and sk.default_config(fp8).block_m == 2
+    assert {c.block_m for c in sk.candidates(Problem(**{**fp8.__dict__, "m": 1}))} == {1}
+    assert {c.block_m for c in sk.candidates(Problem(**{**fp8.__dict__, "m": 24}))} == {32}
+    bf16 = Problem(**{**fp8.__dict__, "weight_format": ""})
+    assert {c.block_m for c in sk.candidates(bf16)} == {16} and sk.default_config(bf16).block_m == 16
+    assert 0 < len(sk.candidates(fp8)) <= sk.MAX_CANDIDATES
+    cfg = sk.candidates(fp8)[0]
+    assert sk.TritonSplitKConfig.from_record(cfg.to_record()) == cfg

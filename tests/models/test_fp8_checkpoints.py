@@ -287,6 +287,22 @@ def test_nan_scales_raise_at_patch_time_and_change_nothing(fmt, checkpoints, loa
     assert all(torch.equal(_bytes(v), before[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("fmt", ["ct_channel_static", "tf_block_dynamic"])
+def test_nan_weights_raise_at_patch_time_and_change_nothing(fmt, checkpoints, load, tmp_path):
+    key = "model.layers.0.self_attn.k_proj.weight"
+
+    def poison(t):
+        t = t.clone()
+        t.view(torch.uint8).view(-1)[3] = 0xFF  # e4m3fn NaN
+        return t
+
+    model = load(_with(checkpoints(fmt), tmp_path, key, poison))
+    before = {k: _bytes(v).clone() for k, v in model.state_dict().items()}
+    with pytest.raises(FP8FormatError, match=rf"hybridgemm.patch: {key}: .*1 NaN values"):
+        hybridgemm.patch(model)
+    assert all(torch.equal(_bytes(v), before[k]) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize("fmt", ["ct_channel_dynamic", "tf_block_dynamic"])
 def test_misshapen_scales_raise_a_clear_error(fmt, checkpoints, load, tmp_path):
     name = "weight_scale" if fmt in CT_SCHEMES else "weight_scale_inv"

@@ -110,6 +110,11 @@ def test_bad_fp8_entries_are_reported_under_stock_names():
     with pytest.raises(RuntimeError, match=rf"{q}.weight: an FP8 weight loads e4m3"):
         model.load_state_dict(bad)
     bad = dict(sd)
+    bad[f"{q}.weight"] = sd[f"{q}.weight"].clone()
+    bad[f"{q}.weight"].view(torch.uint8)[2, 7] = 0x7F  # e4m3fn NaN
+    with pytest.raises(RuntimeError, match=rf"{q}.weight: FP8 weight data holds 1 NaN values"):
+        model.load_state_dict(bad)
+    bad = dict(sd)
     bad[f"{q}.weight_scale"] = sd[f"{q}.weight_scale"][:-1]
     with pytest.raises(RuntimeError, match=rf"size mismatch for {q}.weight_scale"):
         model.load_state_dict(bad)

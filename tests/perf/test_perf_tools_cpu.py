@@ -21,8 +21,8 @@ def test_sweep_configs_arguments():
 
 
 def test_sweep_configs_fp8_grid(monkeypatch):
-    """FP8: the e4m3 problem, the CUDA-core configs at M <= 4 only, block_k <= 128 for block
-    scales; every grid config runs correctly (interpreter, fp16 stands in for bf16)."""
+    """FP8: the e4m3 problem, x tiles of M's power of two from 1 row (bf16: from 16), block_k <=
+    128 for block scales; grid configs run correctly (interpreter, fp16 stands in for bf16)."""
     from hybridgemm.kernels import triton_splitk as ts
     from hybridgemm.kernels.backends import get_backend
 
@@ -30,10 +30,10 @@ def test_sweep_configs_fp8_grid(monkeypatch):
                                   "--granularity", "block128"])
     assert a.weight_format == "e4m3_block128"
     small = sweep_configs.grid("triton_splitk", sweep_configs.problem(2, 4096, 4096, a.weight_format))
-    assert any(c.fma and c.block_m == 2 for c in small) and all(c.block_k <= 128 for c in small)
+    assert small and {c.block_m for c in small} == {2} and all(c.block_k <= 128 for c in small)
     rows8 = sweep_configs.grid("triton_splitk", sweep_configs.problem(8, 4096, 4096, "e4m3_channel"))
-    assert rows8 and not any(c.fma for c in rows8)
-    assert not any(c.fma for c in sweep_configs.grid("triton_splitk", sweep_configs.problem(2, 4096, 4096)))
+    assert rows8 and {c.block_m for c in rows8} == {8} and max(c.block_k for c in rows8) == 512
+    assert {c.block_m for c in sweep_configs.grid("triton_splitk", sweep_configs.problem(2, 4096, 4096))} == {16}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import dataclasses
 
@@ -43,7 +43,7 @@ def test_sweep_configs_fp8_grid(monkeypatch):
 
     p = dataclasses.replace(sweep_configs.problem(3, 96, 256, "e4m3_channel"), dtype=torch.float16)
     x, w, b, out = random_operands(p, "cpu")
-    cfgs = [ts.TritonSplitKConfig(4, 32, 64, 2, 4, 2, True, True), ts.TritonSplitKConfig(16, 32, 128, 1, 4, 2)]
+    cfgs = [ts.TritonSplitKConfig(4, 32, 64, 2, 2, 2, True), ts.TritonSplitKConfig(16, 32, 128, 1, 4, 2)]
     assert sweep_configs.correct_configs(get_backend("triton_splitk"), cfgs, p, x, w, b, out) == cfgs
 
 
