@@ -11,6 +11,12 @@ same. The epilogue then has both members of every pair in its fp32 tile and rota
 registers (:func:`tl_rotate_half_rows`), before the one rounding to the output dtype. The v
 tiles keep contiguous columns and are not rotated.
 
+With q/k norms (Qwen3's ``q_norm``/``k_norm``: an RMSNorm over each head's ``head_dim``
+columns, before the rotary), a q/k tile holds one whole head (``block_n == head_dim``): the
+epilogue rounds the projection to the output dtype, normalises each token's head in fp32,
+rounds, multiplies by the norm weight and rounds again, the roundings stock's bf16 modules
+make, then rotates.
+
 With a cache, the k and v columns are also stored into a static KV cache
 (``keys``/``values`` ``[B, kv_heads, L, head_dim]``) at position ``base + s`` for token s of
 each sequence, ``base`` a device scalar (transformers' ``StaticLayer.cumulative_length``),
@@ -27,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from .triton_epilogue import tl_rstd
 
 _INT64 = torch.int64
 
@@ -46,6 +54,9 @@ class RotaryCache:
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     base: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [head_dim] RMSNorm weights of the q and k heads (both or neither)
+    k_norm: torch.Tensor | None = None
+    qk_eps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -62,14 +73,16 @@ class RopeLayout:
     k_strides: tuple[int, int, int] = (0, 0, 0)
     v_strides: tuple[int, int, int] = (0, 0, 0)
     cache_len: int = 0
-    aligned: tuple[bool, ...] = ()  # 16-byte alignment of cos, sin (and keys, values), each
+    aligned: tuple[bool, ...] = ()  # 16-byte alignment of cos, sin (and keys, values; q_norm, k_norm), each
+    qk_norm: bool = False
+    qk_eps: float = 0.0
 
     def scalars(self, block_n: int) -> tuple:
-        """The kernel's rotary integer arguments, in signature order."""
+        """The kernel's rotary arguments (integers, then the q/k norms' eps), in signature order."""
         q_cols = self.heads * self.head_dim
         return (self.seq, *self.cos_strides, *self.k_strides, *self.v_strides, q_cols,
                 q_cols + self.kv_heads * self.head_dim, self.cache_len,
-                (self.heads + self.kv_heads) * self.head_dim // block_n)
+                (self.heads + self.kv_heads) * self.head_dim // block_n, self.qk_eps)
 
 
 def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: int, who: str) -> RopeLayout:
@@ -87,6 +100,7 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
     if block_n > hd or hd % block_n:
         raise ValueError(f"{who}: rope needs tiles within one head: block_n={block_n} does not divide "
                          f"head_dim={hd}")
+    norms = _qk_norms(rc, x, block_n, who)
     m = x.shape[0]
     cos, sin = rc.cos, rc.sin
     for name, t in (("cos", cos), ("sin", sin)):
@@ -102,10 +116,11 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
         raise ValueError(f"{who}: rope cos {tuple(cos.shape)} does not fit x's {m} rows as [B, S] tokens")
     cos_strides = (0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(1))
     ptrs = [cos, sin]
+    qk = dict(qk_norm=bool(norms), qk_eps=float(rc.qk_eps) if norms else 0.0)
     if rc.keys is None:
         if rc.values is not None or rc.base is not None:
             raise ValueError(f"{who}: rope: values and base need keys")
-        return RopeLayout(hd, h, hkv, seq, cos_strides, False, aligned=_aligned(ptrs))
+        return RopeLayout(hd, h, hkv, seq, cos_strides, False, aligned=_aligned(ptrs + norms), **qk)
     keys, values, base = rc.keys, rc.values, rc.base
     for name, t in (("keys", keys), ("values", values)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != batch or t.shape[1] != hkv \
@@ -119,7 +134,26 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
         raise ValueError(f"{who}: rope base must be one int64 element on x's device")
     ptrs += [keys, values]
     return RopeLayout(hd, h, hkv, seq, cos_strides, True, tuple(keys.stride()[:3]), tuple(values.stride()[:3]),
-                      keys.shape[2], _aligned(ptrs))
+                      keys.shape[2], _aligned(ptrs + norms), **qk)
+
+
+def _qk_norms(rc: RotaryCache, x: torch.Tensor, block_n: int, who: str) -> list[torch.Tensor]:
+    """``[q_norm, k_norm]`` checked (empty without them): both or neither, [head_dim] contiguous
+    in x's dtype and device, a finite positive eps, and tiles of one whole head."""
+    if rc.q_norm is None and rc.k_norm is None:
+        return []
+    hd = rc.head_dim
+    for name, t in (("q_norm", rc.q_norm), ("k_norm", rc.k_norm)):
+        if not isinstance(t, torch.Tensor) or t.shape != (hd,) or not t.is_contiguous():
+            raise ValueError(f"{who}: rope {name} must be a contiguous [{hd}] tensor (q_norm and k_norm go together)")
+        if t.dtype != x.dtype or t.device != x.device:
+            raise TypeError(f"{who}: rope {name} must have x's dtype and device ({x.dtype}, {x.device})")
+    if not isinstance(rc.qk_eps, (int, float)) or not 0 <= rc.qk_eps < float("inf"):
+        raise ValueError(f"{who}: rope qk_eps must be a finite number >= 0, got {rc.qk_eps!r}")
+    if block_n != hd:
+        raise ValueError(f"{who}: rope with q/k norms needs tiles of one whole head: block_n={block_n}, "
+                         f"head_dim={hd}")
+    return [rc.q_norm, rc.k_norm]
 
 
 def _aligned(tensors) -> tuple[bool, ...]:
@@ -148,17 +182,25 @@ def tl_rotate_half_rows(acc, BN: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr, vc_ptr, base_ptr, seq, cs_b, cs_s,
-                     kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len, rope_tiles,
-                     KV: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, HD: tl.constexpr):
+def tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr, vc_ptr, base_ptr, qn_ptr, kn_ptr,
+                     seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len, rope_tiles,
+                     qk_eps, KV: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, HD: tl.constexpr,
+                     QK_NORM: tl.constexpr):
     """Rotate a q/k tile's fp32 accumulator [BN, BM] (columns from :func:`tl_rope_columns`,
-    tokens ``offs_m``) and, with ``KV``, store a k or v tile into the cache. Returns the tile,
-    NaN in the rows of tokens whose cache position is outside ``[0, cache_len)``."""
+    tokens ``offs_m``) after its q/k norm (``QK_NORM``: ``BN == HD``, one head per tile) and,
+    with ``KV``, store a k or v tile into the cache. Returns the tile, NaN in the rows of tokens
+    whose cache position is outside ``[0, cache_len)``."""
     b = (offs_m // seq).to(tl.int64)
     s = offs_m % seq
     if pid_n < rope_tiles:
         tok = b * cs_b + s * cs_s
         c = offs_n % HD
+        if QK_NORM:  # stock: proj (rounded) -> fp32 rms over the head -> rounded -> * weight (rounded)
+            dt = kc_ptr.dtype.element_ty
+            y = acc.to(dt).to(tl.float32)
+            rstd = tl_rstd(tl.sum(y * y, axis=0), 1.0 / HD, qk_eps)
+            g = tl.load(tl.where(pid_n * BN < q_cols, qn_ptr, kn_ptr) + c).to(tl.float32)
+            acc = ((y * rstd[None, :]).to(dt).to(tl.float32) * g[:, None]).to(dt).to(tl.float32)
         cs = tok[None, :] + c[:, None]
         cos = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)

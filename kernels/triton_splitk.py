@@ -33,6 +33,8 @@ must not be called while graphs captured with split-K calls exist.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -259,13 +261,14 @@ def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits)
 
 @triton.jit
 def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res_ptr, cos_ptr, sin_ptr, kc_ptr,
-                   vc_ptr, base_ptr, sc_ptr, M, N, K, ldx, ldw, ldo, k_per_split, inv_k, eps, ldr, seq, cs_b, cs_s,
-                   kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len, rope_tiles, lds,
+                   vc_ptr, base_ptr, qn_ptr, kn_ptr, sc_ptr, M, N, K, ldx, ldw, ldo, k_per_split, inv_k, eps, ldr,
+                   seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len, rope_tiles,
+                   qk_eps, lds,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    PREC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                    ROPE: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr,
-                   WSCALE: tl.constexpr, WINT: tl.constexpr):
+                   QK_NORM: tl.constexpr, WSCALE: tl.constexpr, WINT: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -274,8 +277,9 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # the summed squares (triton_epilogue.tl_norm_tile_sq). Split programs leave their sums after
     # the partials in the workspace: [S, M] for the reduce kernel (MODE 1), [tiles, S, BM]
     # for the tile's last program (MODE 2). RESIDUAL: the epilogue adds res (ldr) to the
-    # rounded result. ROPE: the rotary embedding of the q/k heads (tiles of paired columns) and,
-    # with KV, the k/v heads stored into a static cache (triton_rope).
+    # rounded result. ROPE: the rotary embedding of the q/k heads (tiles of paired columns),
+    # after their RMSNorms with QK_NORM, and, with KV, the k/v heads stored into a static cache
+    # (triton_rope).
     # WSCALE: W is e4m3 (kernels/fp8.py), converted to x's dtype in registers (exact: every e4m3
     # value is a bf16/fp16 value) and scaled in fp32: 1 per output row (sc[N]) once after the
     # loop; 2 per 128x128 block (sc[N/128, lds]) per K tile, which lies inside one block (BK
@@ -361,8 +365,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
             acc = tl_activation(acc, ACT)
             if ROPE:
                 acc = tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr, vc_ptr, base_ptr,
-                                       seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start,
-                                       cache_len, rope_tiles, KV, BN, BM, HD)
+                                       qn_ptr, kn_ptr, seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols,
+                                       v_start, cache_len, rope_tiles, qk_eps, KV, BN, BM, HD, QK_NORM)
             if RESIDUAL:
                 acc = tl_add_residual(acc, res_ptr + offs_m[None, :] * ldr + offs_n[:, None], mask,
                                       out_ptr.dtype.element_ty)
@@ -426,15 +430,15 @@ _NO_FUSION = Fusion()
 #   split      ws (workspace), cnt (counters)    k_per_split
 #   NORM       nw (the norm weight)              inv_k, eps
 #   RESIDUAL   res                               ldr
-#   ROPE       cos, sin, keys, values, base      seq, cos/sin strides, keys/values strides,
-#                                                q_cols, v_start, cache_len, rope_tiles
+#   ROPE       cos, sin, keys, values, base,     seq, cos/sin strides, keys/values strides,
+#              q_norm, k_norm                    q_cols, v_start, cache_len, rope_tiles, qk_eps
 #   FP8        sc (W's scales)                   lds (block scales' row stride)
 #
 # A pointer the call does not use (no bias, no split, a fusion not asked for) gets a stand-in,
 # ``out`` (the workspace for the counters of a two-launch split): the constexprs (HAS_BIAS,
-# MODE, NORM, RESIDUAL, ROPE, KV, WSCALE) keep the kernel from touching it.
+# MODE, NORM, RESIDUAL, ROPE, KV, QK_NORM, WSCALE) keep the kernel from touching it.
 
-_NO_ROPE_SCALARS = (1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)  # ROPE's integers without it: one specialisation
+_NO_ROPE_SCALARS = (1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0)  # ROPE's scalars without it: one specialisation
 
 
 def _fusion_pointers(unused, norm: tuple | None = None, residual=None, rope: RotaryCache | None = None,
@@ -443,11 +447,11 @@ def _fusion_pointers(unused, norm: tuple | None = None, residual=None, rope: Rot
     ``residual``, ``rope`` and ``weight_scale`` (``unused`` standing in for each one it does not
     take)."""
     if rope is None:
-        rope_ptrs = (unused,) * 5
-    elif rope.keys is None:  # the rotary embedding only: no cache to write
-        rope_ptrs = (rope.cos, rope.sin, unused, unused, unused)
+        rope_ptrs = (unused,) * 7
     else:
-        rope_ptrs = (rope.cos, rope.sin, rope.keys, rope.values, rope.base)
+        cache = (unused,) * 3 if rope.keys is None else (rope.keys, rope.values, rope.base)  # rotary only: no cache
+        norms = (unused,) * 2 if rope.q_norm is None else (rope.q_norm, rope.k_norm)
+        rope_ptrs = (rope.cos, rope.sin, *cache, *norms)
     return (unused if norm is None else norm[0], unused if residual is None else residual, *rope_ptrs,
             unused if weight_scale is None else weight_scale)
 
@@ -480,7 +484,8 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     rope = fusion.rope
     meta = dict(plan_meta(config, problem, act, bias is not None), MODE=mode, NORM=norm,
                 RESIDUAL=residual and mode != 1, ROPE=rope is not None, KV=rope is not None and rope.kv,
-                HD=rope.head_dim if rope is not None else 2, PDL=pdl, WSCALE=_WSCALE[weight_format],
+                HD=rope.head_dim if rope is not None else 2, QK_NORM=rope is not None and rope.qk_norm, PDL=pdl,
+                WSCALE=_WSCALE[weight_format],
                 WINT=bool(weight_format) and integer_conversion(x.dtype),
                 **launch_opts)
     # the integer groups (see "launch arguments")
@@ -534,7 +539,9 @@ def run(
     output dtype, as ``residual + linear(...)`` adds it. ``rope``: x @ W.T is a Q/K/V
     projection whose q and k heads get the rotary embedding, and whose k and v heads are also
     written to a static KV cache when it holds one (``triton_rope``; not with an activation,
-    a residual or the two-launch reduction). Any may be None (plain GEMM). ``counters``: a
+    a residual or the two-launch reduction; with q/k norms in ``rope``, tiles of one whole
+    head: a config of other ``block_n`` runs with ``block_n = head_dim``, see
+    ``_whole_head_config``). Any may be None (plain GEMM). ``counters``: a
     zeroed int32 tensor on x's device for the fused reduction's arrival counters in compiled
     regions (left zero; not to be shared with a launch running at the same time), instead of
     a zero-filled one per call; eager calls use their stream's. ``weight_scale``: ``weight`` is
@@ -549,6 +556,8 @@ def run(
     weight_format = "" if weight_scale is None else _scale_format(weight, weight_scale)
     if rope is not None:
         check_operands(x, weight, bias, out, weight_format)
+        if getattr(rope, "q_norm", None) is not None and config.block_n != rope.head_dim:
+            config = _whole_head_config(config, rope.head_dim, x.element_size(), weight.element_size())
         layout = rope_layout(rope, x, out, config.block_n, "triton_splitk")
         if residual is not None or parse_activation(activation) != Activation.NONE:
             raise ValueError("triton_splitk: rope takes no residual and no activation")
@@ -567,6 +576,21 @@ def run(
     if plan.reduce is not None:
         plan.reduce(ws, b, out, out if residual is None else residual, *plan.reduce_scalars)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _whole_head_config(config: TritonSplitKConfig, head_dim: int, itemsize: int, w_itemsize: int) -> TritonSplitKConfig:
+    """``config`` with tiles of one whole head (``block_n = head_dim``), as the q/k norms of the
+    rotary epilogue need; warps doubled while the accumulator would take more than
+    MAX_ACC_REGS registers a thread, then stages and K tiles cut while the stages would not
+    fit in shared memory (what is left, ``supports`` reports)."""
+    c = dataclasses.replace(config, block_n=head_dim)
+    while c.block_m * c.block_n // (32 * c.num_warps) > MAX_ACC_REGS and c.num_warps < 16:
+        c = dataclasses.replace(c, num_warps=c.num_warps * 2)
+    while c.smem_bytes(itemsize, w_itemsize) > HOPPER_SMEM_PER_BLOCK and (c.num_stages > 2 or c.block_k > 32):
+        c = dataclasses.replace(c, num_stages=c.num_stages - 1) if c.num_stages > 2 else \
+            dataclasses.replace(c, block_k=c.block_k // 2)
+    return c
 
 
 def _scale_format(weight: torch.Tensor, weight_scale: torch.Tensor) -> str:

@@ -8,7 +8,8 @@ attention forward one of the forms :class:`AttentionForm` describes, and its par
 ``patch`` (Q/K/V and gate/up into one GEMM each, HybridRMSNorm norms, patched or row-parallel
 O and down). The static-cache step (rotary and the cache write in the QKV epilogue, the
 attention kernel) also needs transformers' ``StaticLayer`` and ``Cache.update`` as checked,
-the standard ``rotate_half`` rotary, and no q/k norms.
+the standard ``rotate_half`` rotary, and q/k norms (if any) that are patched RMSNorms over
+``head_dim``.
 
 Per call (:func:`takes_fused_path`, :func:`kv_slot`): CUDA (:func:`on_kernel_device`), bf16
 or fp32 with every weight in x's dtype (or e4m3 with bf16 x: fusion/fp8_modules.py), at most
@@ -308,7 +309,9 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
     if why is not None:
         return why
     if attention_form(cls).qk_norm:
-        return f"{cls.__name__} normalises q and k per head (the rotary epilogue does not)"
+        why = why_not_qk_norms(attn)
+        if why is not None:
+            return why
     rope = attention_form(cls).rotary
     rotate = getattr(inspect.unwrap(rope), "__globals__", {}).get("rotate_half")
     if rope is None or rotate is None or not _has_all(rope, _ROTARY_STATEMENTS) \
@@ -317,6 +320,19 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
     if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
         return "it has no integer head_dim and layer_idx"
     return why_not_load_kernels()
+
+
+def why_not_qk_norms(attn: nn.Module) -> str | None:
+    """Why the rotary epilogue cannot apply ``attn``'s q/k norms (None: it can): each must be a
+    patched RMSNorm (the Llama formula: fusion/norm.py) over ``head_dim`` with a weight."""
+    hd = getattr(attn, "head_dim", None)
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attn, name, None)
+        weight = getattr(norm, "weight", None)
+        if not isinstance(norm, HybridRMSNorm) or not isinstance(weight, Tensor) or tuple(weight.shape) != (hd,):
+            return f"its {name} is not an RMSNorm over head_dim with a weight that hybridgemm patched " \
+                   f"({type(norm).__name__})"
+    return None
 
 
 def why_not_load_kernels() -> str | None:
@@ -336,11 +352,13 @@ def takes_static_step(layer: nn.Module) -> bool:
     return bool(layer.__dict__.get(STATIC_STEP))
 
 
-def rotary_cache(cos: Tensor, sin: Tensor, heads: int, kv_heads: int, keys: Tensor, values: Tensor, base: Tensor):
-    """The rotary/cache operand of split-K's ``rope=`` fusion."""
+def rotary_cache(cos: Tensor, sin: Tensor, heads: int, kv_heads: int, keys: Tensor, values: Tensor, base: Tensor,
+                 q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0):
+    """The rotary/cache operand of split-K's ``rope=`` fusion (with the q/k norms' weights)."""
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    return triton_module("triton_rope").RotaryCache(cos, sin, heads, kv_heads, keys.shape[-1], keys, values, base)
+    return triton_module("triton_rope").RotaryCache(cos, sin, heads, kv_heads, keys.shape[-1], keys, values, base,
+                                                    q_norm, k_norm, qk_eps)
 
 
 def attention_kernel():

@@ -176,14 +176,17 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _rope_qkv_unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-                      scale=None) -> Tensor:
-    """The stock computation: norm, GEMM, rotary in x's dtype, ``index_copy_`` into the cache."""
+                      scale=None, q_norm=None, k_norm=None, qk_eps=0.0) -> Tensor:
+    """The stock computation: norm, GEMM, q/k norms, rotary in x's dtype, ``index_copy_`` into
+    the cache."""
     b, s = x.shape[:2]
     hd = keys.shape[-1]
     y = _linear(rms_norm(x, norm_weight, eps), weight, bias, scale)
     q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
-    q = _rotate(q.reshape(b, s, heads, hd), cos, sin)
-    k = _rotate(k.reshape(b, s, kv_heads, hd), cos, sin)
+    q, k = q.reshape(b, s, heads, hd), k.reshape(b, s, kv_heads, hd)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, qk_eps), rms_norm(k, k_norm, qk_eps)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     pos = torch.arange(s, device=x.device) + base.view(())
     keys.index_copy_(2, pos, k.transpose(1, 2))
     values.index_copy_(2, pos, v.reshape(b, s, kv_heads, hd).transpose(1, 2))
@@ -191,39 +194,43 @@ def _rope_qkv_unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values,
 
 
 def _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-              counters=None, scale=None) -> Tensor:
-    rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base)
+              counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0) -> Tensor:
+    rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base, q_norm, k_norm, float(qk_eps))
     y = dispatch.fused_splitk(x, weight, bias, counters, scale, norm=(norm_weight, float(eps)), rope=rc)
     if y is None:
         return _rope_qkv_unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-                                 scale)
+                                 scale, q_norm, k_norm, qk_eps)
     return y
 
 
 @torch.library.custom_op("hybridgemm::norm_rope_qkv_fwd", mutates_args=("keys", "values"))
 def norm_rope_qkv_fwd(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None, cos: Tensor,
                       sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int, kv_heads: int,
-                      counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+                      counters: Tensor | None = None, scale: Tensor | None = None, q_norm: Tensor | None = None,
+                      k_norm: Tensor | None = None, qk_eps: float = 0.0) -> Tensor:
     with per_call_scratch():
         return _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-                         counters, scale).contiguous()
+                         counters, scale, q_norm, k_norm, qk_eps).contiguous()
 
 
 @norm_rope_qkv_fwd.register_fake
 def _norm_rope_qkv_fake(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-                        counters=None, scale=None):
+                        counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None, cos: Tensor,
                   sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int, kv_heads: int,
-                  counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-    """Q/K/V of ``rmsnorm(x)`` (x [B, S, D]) with q and k rotated, k and v written into
-    ``keys``/``values`` [B, kv_heads, L, hd] at positions ``base + s``; returns [B, S, N].
-    One split-K launch where the table runs split-K with a config that fits (tiles within a
-    head, no two-launch reduction), the stock sequence of operations otherwise."""
+                  counters: Tensor | None = None, scale: Tensor | None = None, q_norm: Tensor | None = None,
+                  k_norm: Tensor | None = None, qk_eps: float = 0.0) -> Tensor:
+    """Q/K/V of ``rmsnorm(x)`` (x [B, S, D]) with q and k normalised per head (``q_norm`` and
+    ``k_norm``: their RMSNorm weights [hd], eps ``qk_eps``; none without them) and rotated, k
+    and v written into ``keys``/``values`` [B, kv_heads, L, hd] at positions ``base + s``;
+    returns [B, S, N]. One split-K launch where the table runs split-K with a config that fits
+    (tiles within a head, of one whole head with q/k norms; no two-launch reduction), the stock
+    sequence of operations otherwise."""
     return _compiled(torch.ops.hybridgemm.norm_rope_qkv_fwd, _rope_qkv, x, norm_weight, float(eps), weight, bias,
-                     cos, sin, keys, values, base, heads, kv_heads, counters, scale)
+                     cos, sin, keys, values, base, heads, kv_heads, counters, scale, q_norm, k_norm, float(qk_eps))
 
 
 # ------------------------------------------------------------------------- decode attention
@@ -283,8 +290,11 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
     kv_heads = keys.shape[1]
     heads = qkv.weight.shape[0] // hd - 2 * kv_heads
     base = layer.cumulative_length
+    qk = {}
+    if checks.attention_form(type(attn)).qk_norm:  # patched RMSNorms over head_dim (decode_checks.why_not_qk_norms)
+        qk = dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight, qk_eps=float(attn.q_norm.variance_epsilon))
     y = norm_rope_qkv(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, cos, sin, keys, values,
-                      base, heads, kv_heads, counters, weight_scale_of(qkv))
+                      base, heads, kv_heads, counters, weight_scale_of(qkv), **qk)
     mask = kwargs.get("attention_mask")
     sdpa = checks.registered_sdpa()  # a user may have registered another one
     if s == 1 and sdpa is checks.stock_sdpa():

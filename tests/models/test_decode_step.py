@@ -7,12 +7,14 @@ CPU). GPU runs: tests/models/test_decode_step_gpu.py."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import shutil
 import types
 import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import hybridgemm
 from hybridgemm import dispatch
@@ -57,17 +59,25 @@ def _cos_sin(positions, hd, dtype, batch=1):
         sin.expand(batch, *sin.shape[1:]) if batch > 1 and sin.shape[0] == 1 else sin
 
 
-def _reference(x, w, b, g, eps, cos, sin, heads, kv_heads, hd, batch, seq):
-    """fp64: rmsnorm(x) @ W.T + b, rotary on q and k, split into heads."""
+def _rms(t, g, eps):
+    return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+
+
+def _reference(x, w, b, g, eps, cos, sin, heads, kv_heads, hd, batch, seq, qk_norms=None):
+    """fp64: rmsnorm(x) @ W.T + b, q/k norms per head (``qk_norms``: (q_norm, k_norm, eps)),
+    rotary on q and k, split into heads."""
     xd = x.double()
     if g is not None:
-        xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+        xd = _rms(xd, g, eps)
     y = xd @ w.double().T + (0 if b is None else b.double())
     y = y.view(batch, seq, -1)
     q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    q, k = q.reshape(batch, seq, heads, hd), k.reshape(batch, seq, kv_heads, hd)
+    if qk_norms is not None:
+        q, k = _rms(q, qk_norms[0], qk_norms[2]), _rms(k, qk_norms[1], qk_norms[2])
     c, s = cos.double()[:, :, None], sin.double()[:, :, None]
-    q = q.reshape(batch, seq, heads, hd) * c + _rotate_half(q.reshape(batch, seq, heads, hd)) * s
-    k = k.reshape(batch, seq, kv_heads, hd) * c + _rotate_half(k.reshape(batch, seq, kv_heads, hd)) * s
+    q = q * c + _rotate_half(q) * s
+    k = k * c + _rotate_half(k) * s
     return q, k, v.reshape(batch, seq, kv_heads, hd)
 
 
@@ -108,6 +118,41 @@ def test_rope_epilogue_matches_fp64(config, batch, seq, heads, kv_heads, hd, k_d
         assert (cache[:, :, untouched] == poison).all()  # nothing else written (nor past the end)
 
 
+@pytest.mark.parametrize("config", [MODEL_ONE_PASS, MODEL_FUSED_REDUCE, SMALL_X_FUSED_REDUCE],
+                         ids=["one-pass", "fused-reduce", "small-x-fused-reduce"])
+@pytest.mark.parametrize("batch,seq,heads,kv_heads,hd,bias,cache", [
+    (1, 1, 4, 2, 32, False, True),     # one token, GQA
+    (3, 1, 2, 2, 16, True, True),      # three sequences, a bias before the norms
+    (2, 2, 2, 1, 32, False, False),    # rotary only
+])
+def test_qk_norms_in_the_rope_epilogue_match_fp64(config, batch, seq, heads, kv_heads, hd, bias, cache):
+    """Qwen3's q/k norms: each q and k head RMS-normalised (its own weight) before the rotary,
+    in tiles of one whole head (configs of 16- or 32-row tiles run with block_n = head_dim)."""
+    torch.manual_seed(batch + 10 * hd)
+    dt, k_dim, base, cache_len = torch.float32, 72, 2, 8
+    m, n = batch * seq, (heads + 2 * kv_heads) * hd
+    x = torch.randn(m, k_dim, dtype=dt)
+    w = torch.randn(n, k_dim, dtype=dt) / k_dim ** 0.5
+    w[: heads * hd] *= 3  # q heads far from unit rms: the norm must matter
+    b = torch.randn(n, dtype=dt) if bias else None
+    qn, kn = torch.rand(hd, dtype=dt) + 0.5, torch.rand(hd, dtype=dt) + 0.5
+    pos = torch.arange(seq) + base
+    cos, sin = _cos_sin(pos[None], hd, dt, batch)
+    keys = torch.full((batch, kv_heads, cache_len, hd), 123.0, dtype=dt) if cache else None
+    values = torch.full_like(keys, -321.0) if cache else None
+    out = torch.full((m, n), float("nan"), dtype=dt)
+    rc = RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base) if cache else None,
+                     q_norm=qn, k_norm=kn, qk_eps=1e-6)
+    triton_splitk.run(config, x, w, b, out, None, rope=rc)
+    q, k, v = _reference(x, w, b, None, 0.0, cos, sin, heads, kv_heads, hd, batch, seq, (qn, kn, 1e-6))
+    ref = torch.cat([q.reshape(m, -1), k.reshape(m, -1), v.reshape(m, -1)], dim=-1)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    if cache:
+        for s in range(seq):
+            torch.testing.assert_close(keys[:, :, base + s].double(), k[:, s], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(values[:, :, base + s].double(), v[:, s], rtol=1e-4, atol=1e-4)
+
+
 def test_rope_without_a_cache_only_rotates():
     torch.manual_seed(1)
     heads, kv_heads, hd, k_dim = 2, 1, 16, 32
@@ -145,6 +190,12 @@ def _args(**over):
                                    a["rc"].base)), "keys must be"),
     (lambda a: dict(rc=RotaryCache(a["rc"].cos, a["rc"].sin, 2, 1, 15)), "even head_dim"),
     (lambda a: dict(rc="cos"), "must be a RotaryCache"),
+    (lambda a: dict(rc=dataclasses.replace(a["rc"], q_norm=torch.ones(16))), "q_norm and k_norm go together"),
+    (lambda a: dict(rc=dataclasses.replace(a["rc"], q_norm=torch.ones(16), k_norm=torch.ones(8))), "k_norm must be"),
+    (lambda a: dict(rc=dataclasses.replace(a["rc"], q_norm=torch.ones(16), k_norm=torch.ones(16).double())),
+     "x's dtype"),
+    (lambda a: dict(rc=dataclasses.replace(a["rc"], q_norm=torch.ones(16), k_norm=torch.ones(16), qk_eps=-1.0)),
+     "qk_eps must be"),
 ])
 def test_bad_rope_arguments_are_clear_errors(change, match):
     a = _args()
@@ -225,7 +276,9 @@ def _compare(model, stock, steps=3, batch=2):
 @pytest.mark.parametrize("kind,extra,config", [
     ("llama", {}, MODEL_FUSED_REDUCE), ("qwen2", {}, MODEL_ONE_PASS),
     ("mistral", {"sliding_window": None}, MODEL_FUSED_REDUCE),
-], ids=["llama-fused-reduce", "qwen2-one-pass", "mistral-fused-reduce"])
+    # q/k norms in the rotary epilogue; head_dim 64: the 32-row tiles run one head wide
+    ("qwen3", {"head_dim": 64}, MODEL_FUSED_REDUCE),
+], ids=["llama-fused-reduce", "qwen2-one-pass", "mistral-fused-reduce", "qwen3-fused-reduce"])
 def test_static_cache_decode_matches_the_stock_model(kind, extra, config, kernels_on_cpu):
     kernels_on_cpu["config"] = config
     stock = _tiny(kind, **extra)
@@ -244,7 +297,8 @@ def test_static_cache_decode_matches_the_stock_model(kind, extra, config, kernel
 
 @pytest.mark.parametrize("why", ["two-launch", "not-split-k", "hook", "sliding-window", "qwen3"])
 def test_where_the_step_cannot_fuse_the_results_are_still_stock(why, kernels_on_cpu, monkeypatch):
-    # qwen3 with the others' head_dim (its config's default, 128, makes every projection 4x wider)
+    # qwen3 with the others' head_dim (its config's default, 128, makes every projection 4x wider),
+    # its q_norm replaced
     kind, extra = (("qwen3", {"head_dim": 32}) if why == "qwen3" else ("mistral", {}) if why == "sliding-window"
                    else ("llama", {}))
     stock = _tiny(kind, **extra)
@@ -256,8 +310,12 @@ def test_where_the_step_cannot_fuse_the_results_are_still_stock(why, kernels_on_
         kernels_on_cpu["config"] = None
     if why == "hook":
         model.model.layers[0].self_attn.register_forward_pre_hook(lambda mod, args, kwargs: None, with_kwargs=True)
-    if why == "qwen3":  # q/k norms before the rotary: the attention is not the checked one
-        assert checks.why_not_fuse_attention(model.model.layers[0].self_attn) is not None
+    if why == "qwen3":  # q/k norms the rotary epilogue cannot compute: modules patch does not know
+        for layer in stock.model.layers:
+            layer.self_attn.q_norm = nn.Identity()
+        model = copy.deepcopy(stock)
+        hybridgemm.patch(model)
+        assert "q_norm is not an RMSNorm" in checks.why_not_fuse_attention(model.model.layers[0].self_attn)
         assert not any(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

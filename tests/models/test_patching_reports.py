@@ -66,9 +66,7 @@ L = "model.layers.0"
 
 # Every entry patch() reports for the one decoder layer of each family, in report order.
 EXPECTED = {
-    "llama": [], "qwen2": [], "mistral": [],
-    "qwen3": [(L, "attention step not fused: Qwen3Attention normalises q and k per head (the rotary epilogue "
-                  "does not)")],
+    "llama": [], "qwen2": [], "mistral": [], "qwen3": [],
     "gemma": [(L, _layer("GemmaDecoderLayer")), (f"{L}.input_layernorm", _norm("GemmaRMSNorm")),
               (f"{L}.post_attention_layernorm", _norm("GemmaRMSNorm"))],
     "gemma2": [(L, _layer("Gemma2DecoderLayer"))] + [(f"{L}.{n}", _norm("Gemma2RMSNorm")) for n in (
