@@ -85,6 +85,8 @@ PRESETS: dict[str, ModelPreset] = {
                     intermediate=18944, vocab=152064, layers=28),
         ModelPreset("mistral-7b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False,
                     intermediate=14336, vocab=32000, layers=32),
+        ModelPreset("qwen3-8b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False,
+                    intermediate=12288, vocab=151936, layers=36),
     )
 }
 

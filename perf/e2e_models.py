@@ -32,7 +32,7 @@ from hybridgemm.fp8_modules import SCALE_NAMES
 
 @dataclass(frozen=True)
 class ModelSizes:
-    family: str  # "llama" (LlamaForCausalLM) or "qwen2" (Qwen2ForCausalLM)
+    family: str  # "llama", "qwen2" or "qwen3" (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
     intermediate: int  # MLP width (gate, up: hidden -> intermediate; down: back)
     layers: int
     vocab: int
@@ -45,6 +45,7 @@ SIZES: dict[str, ModelSizes] = {
     "qwen2.5-7b": ModelSizes("qwen2", 18944, 28, 152064, 1e6, 1e-6, 32768),
     "llama3-8b": ModelSizes("llama", 14336, 32, 128256, 5e5, 1e-5, 8192),
     "llama3-70b": ModelSizes("llama", 28672, 80, 128256, 5e5, 1e-5, 8192),  # ~141 GB in bf16: tensor parallel only
+    "qwen3-8b": ModelSizes("qwen3", 12288, 36, 151936, 1e6, 1e-6, 40960),  # q/k norms per head
 }
 
 
@@ -76,6 +77,9 @@ def hf_config(name: str, layers: int | None = None):
               rope_theta=sizes.rope_theta, tie_word_embeddings=False)
     if sizes.family == "qwen2":
         return transformers.Qwen2Config(**kw, use_sliding_window=False)
+    if sizes.family == "qwen3":
+        return transformers.Qwen3Config(**kw, head_dim=preset.head_dim, attention_bias=preset.qkv_bias,
+                                        use_sliding_window=False)
     return transformers.LlamaConfig(**kw, attention_bias=preset.qkv_bias, mlp_bias=False)
 
 
