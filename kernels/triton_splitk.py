@@ -310,7 +310,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     k1 = tl.minimum(k0 + k_per_split, K)
     if PDL:
         if PREFETCH:
-            _prefetch_l2(w_ptr + rows_n * ldw + k0, (k1 - k0) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
+            nbytes = tl.maximum(k1 - k0, 0) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            _prefetch_l2(w_ptr + rows_n * ldw + k0, nbytes)
         gdc_wait()
     w_ptrs = w_ptr + rows_n[:, None] * ldw + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * ldx + (k0 + offs_k)[None, :]
