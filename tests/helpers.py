@@ -128,20 +128,23 @@ def run_like_the_dispatcher(backend: str, config, x, weight, bias, activation=No
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, device: str = "cuda"):
-    """A small 2-layer Llama (8 heads, 2 KV heads, random weights, seed 0) three ways: fp32 (the
-    reference), bf16 stock, and bf16 patched by hybridgemm with both decoder layers fused."""
+def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, device: str = "cuda",
+                   kind: str = "llama"):
+    """A small 2-layer Llama (``kind="qwen3"``: Qwen3, with its q/k norms) of 8 heads and 2 KV
+    heads, random weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16
+    patched by hybridgemm with both decoder layers fused."""
     import copy
 
     import transformers
 
     import hybridgemm
 
-    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size,
-                                      intermediate_size=intermediate_size, num_hidden_layers=2, num_attention_heads=8,
-                                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[kind]
+    config = cls(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                 num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                 tie_word_embeddings=False, head_dim=hidden_size // 8)
     torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(config).eval()
+    base = transformers.AutoModelForCausalLM.from_config(config).eval()
     ref = copy.deepcopy(base).to(device)
     stock = copy.deepcopy(base).to(device, torch.bfloat16)
     patched = copy.deepcopy(stock)
