@@ -83,8 +83,8 @@ MAX_M = DECODE_MAX_M  # candidates() offers split-K up to this M; past it the ti
 MAX_ACC_REGS = 128
 MAX_CANDIDATES = 16
 # Whether a PDL launch first prefetches its W rows into L2 (the kernel's PREFETCH); read when a
-# plan is built.
-PREFETCH_W = True
+# plan is built. Off until timed on a GPU (scripts/fp8_decode_probe.py, PROBE_AB=prefetch).
+PREFETCH_W = False
 _WSCALE = {"": 0, FORMAT_OF["channel"]: 1, FORMAT_OF["block128"]: 2}  # the kernel's WSCALE per weight format
 
 
