@@ -82,9 +82,6 @@ KIND = "triton_splitk"
 MAX_M = DECODE_MAX_M  # candidates() offers split-K up to this M; past it the tiled GEMM wins
 MAX_ACC_REGS = 128
 MAX_CANDIDATES = 16
-# Whether a PDL launch first prefetches its W rows into L2 (the kernel's PREFETCH); read when a
-# plan is built. Off until timed on a GPU (scripts/fp8_decode_probe.py, PROBE_AB=prefetch).
-PREFETCH_W = False
 _WSCALE = {"": 0, FORMAT_OF["channel"]: 1, FORMAT_OF["block128"]: 2}  # the kernel's WSCALE per weight format
 
 
@@ -271,7 +268,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    PREC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                    ROPE: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr,
-                   QK_NORM: tl.constexpr, WSCALE: tl.constexpr, WINT: tl.constexpr, PREFETCH: tl.constexpr):
+                   QK_NORM: tl.constexpr, WSCALE: tl.constexpr, WINT: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -290,9 +287,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # WINT: the e4m3 -> bf16 conversion by integer ops (triton_e4m3), else Triton's cast.
     # PDL (programmatic dependent launch): this grid may start while the previous kernel on
     # the stream finishes; nothing is read or written before the wait, which returns once that
-    # kernel has completed and its writes are visible (see pdl_enabled()), except W: no kernel
-    # writes a weight, so with PREFETCH each program first asks for its W rows to be brought
-    # into L2 (bulk prefetch, a hint), and the stream of W starts during the previous kernel's tail.
+    # kernel has completed and its writes are visible (see pdl_enabled()).
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -309,9 +304,6 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     k0 = pid_s * k_per_split
     k1 = tl.minimum(k0 + k_per_split, K)
     if PDL:
-        if PREFETCH:
-            nbytes = tl.maximum(k1 - k0, 0) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-            _prefetch_l2(w_ptr + rows_n * ldw + k0, nbytes)
         gdc_wait()
     w_ptrs = w_ptr + rows_n[:, None] * ldw + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * ldx + (k0 + offs_k)[None, :]
@@ -380,14 +372,6 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                                       out_ptr.dtype.element_ty)
             ptrs = out_ptr + offs_m[None, :] * ldo + offs_n[:, None]
             tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _prefetch_l2(ptrs, nbytes):
-    """Ask for ``nbytes`` from each of ``ptrs`` (16-byte aligned, a multiple of 16 bytes) to be
-    brought into L2 (``cp.async.bulk.prefetch``: a hint, nothing is waited for)."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                              [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -500,15 +484,11 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     rope = fusion.rope
     blocks = weight_format == FORMAT_OF["block128"]  # each split starts on a 128-column scale block
     extent = split_extent(k, max(config.block_k, fp8.BLOCK) if blocks else config.block_k, split)
-    wb = problem.w_itemsize
-    # the bulk prefetch wants 16-byte aligned rows and extents
-    prefetch = PREFETCH_W and pdl and problem.align_w % 16 == 0 and not (problem.ldw * wb % 16 or extent * wb % 16
-                                                                          or k * wb % 16)
     meta = dict(plan_meta(config, problem, act, bias is not None), MODE=mode, NORM=norm,
                 RESIDUAL=residual and mode != 1, ROPE=rope is not None, KV=rope is not None and rope.kv,
                 HD=rope.head_dim if rope is not None else 2, QK_NORM=rope is not None and rope.qk_norm, PDL=pdl,
                 WSCALE=_WSCALE[weight_format],
-                WINT=bool(weight_format) and integer_conversion(x.dtype), PREFETCH=prefetch,
+                WINT=bool(weight_format) and integer_conversion(x.dtype),
                 **launch_opts)
     # the integer groups (see "launch arguments")
     gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)

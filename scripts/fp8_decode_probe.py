@@ -7,8 +7,7 @@ per CUDA graph).
     python3 scripts/fp8_decode_probe.py [MODEL] [LAYERS] [BATCHES] [GRANULARITY]
     e.g. python3 scripts/fp8_decode_probe.py llama3-8b 32 1,8 channel
 
-``PROBE_MODES=compiled`` times the compiled rows only; ``PROBE_AB=prefetch`` times them with
-the split-K kernels' W prefetch (triton_splitk.PREFETCH_W) on, then off; ``PROBE_GEMMS=N``
+``PROBE_MODES=compiled`` times the compiled rows only; ``PROBE_GEMMS=N``
 the first N GEMM shapes. The full benchmark is ``hybridgemm bench --e2e --weights fp8``.
 """
 
@@ -20,7 +19,6 @@ import sys
 import torch
 
 import hybridgemm
-from hybridgemm.kernels import triton_splitk
 from hybridgemm.perf import bench_e2e as be
 from hybridgemm.perf import e2e_models as hf
 
@@ -69,20 +67,13 @@ def decode_rows(name: str, layers: int, batches: list[int], granularity: str) ->
         ids = torch.randint(0, run.config.vocab_size, (1, 64), device=dev)
         a, b = stock(ids).logits.float(), fp8_model(ids).logits.float()
         print("prefill logits rel diff fp8 vs bf16", float((a - b).norm() / a.norm()))
-        settings = (True, False) if os.environ.get("PROBE_AB") == "prefetch" else (None,)
-        for prefetch in settings:
-            if prefetch is not None:  # the W prefetch of PDL launches on, then off (plans rebuilt)
-                triton_splitk.PREFETCH_W = prefetch
-                triton_splitk._PLANS.clear()
-                torch._dynamo.reset()
-            label = "" if prefetch is None else f" prefetch={prefetch}"
-            for batch in batches:
-                for mode in ("compiled_static",) if compiled_only else ("compiled_static", "eager_static"):
-                    res, notes = be.time_mode(run, mode, batch, {"stock": stock, "fp8": fp8_model})
-                    s, f = (min(v) if isinstance(v, list) else v for v in (res["stock"], res["fp8"]))
-                    ok = isinstance(s, float) and isinstance(f, float)
-                    print(f"{mode} B={batch}{label}: stock {s!r} ms, fp8 {f!r} ms, ratio {s / f if ok else '-'}, "
-                          f"fp8 floor frac {be.hbm_floor_ms(fp8_bytes) / f if ok else '-'}", notes)
+        for batch in batches:
+            for mode in ("compiled_static",) if compiled_only else ("compiled_static", "eager_static"):
+                res, notes = be.time_mode(run, mode, batch, {"stock": stock, "fp8": fp8_model})
+                s, f = (min(v) if isinstance(v, list) else v for v in (res["stock"], res["fp8"]))
+                ok = isinstance(s, float) and isinstance(f, float)
+                print(f"{mode} B={batch}: stock {s!r} ms, fp8 {f!r} ms, ratio {s / f if ok else '-'}, "
+                      f"fp8 floor frac {be.hbm_floor_ms(fp8_bytes) / f if ok else '-'}", notes)
 
 
 def gemm_rows(count: int) -> None:
