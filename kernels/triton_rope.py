@@ -199,7 +199,7 @@ def tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr,
             dt = kc_ptr.dtype.element_ty
             y = acc.to(dt).to(tl.float32)
             rstd = tl_rstd(tl.sum(y * y, axis=0), 1.0 / HD, qk_eps)
-            g = tl.load(tl.where(pid_n * BN < q_cols, qn_ptr, kn_ptr) + c).to(tl.float32)
+            g = tl.where(pid_n * BN < q_cols, tl.load(qn_ptr + c), tl.load(kn_ptr + c)).to(tl.float32)
             acc = ((y * rstd[None, :]).to(dt).to(tl.float32) * g[:, None]).to(dt).to(tl.float32)
         cs = tok[None, :] + c[:, None]
         cos = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
