@@ -78,7 +78,11 @@ def tl_rstd(ss, inv_k, eps):
 
 
 @triton.jit
-def tl_add_residual(acc, res_ptrs, mask, out_dtype: tl.constexpr):
+def tl_add_residual(acc, res_ptrs, mask, out_dtype: tl.constexpr, res_scale, SCALED: tl.constexpr):
     """``residual + y`` as the decoder layer's add computes it: y rounded to the output dtype
-    first, the sum in fp32, rounded by the caller's store."""
-    return acc.to(out_dtype).to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+    first (with ``SCALED``: then times ``res_scale``, rounded again, as Granite's
+    ``hidden_states * residual_multiplier``), the sum in fp32, rounded by the caller's store."""
+    y = acc.to(out_dtype).to(tl.float32)
+    if SCALED:
+        y = (y * res_scale).to(out_dtype).to(tl.float32)
+    return y + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -262,13 +263,14 @@ def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits)
 @triton.jit
 def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res_ptr, cos_ptr, sin_ptr, kc_ptr,
                    vc_ptr, base_ptr, qn_ptr, kn_ptr, sc_ptr, M, N, K, ldx, ldw, ldo, k_per_split, inv_k, eps, ldr,
-                   seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len, rope_tiles,
-                   qk_eps, lds,
+                   res_scale, seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len,
+                   rope_tiles, qk_eps, lds,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    PREC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                    ROPE: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr,
-                   QK_NORM: tl.constexpr, WSCALE: tl.constexpr, WINT: tl.constexpr):
+                   QK_NORM: tl.constexpr, RES_SCALED: tl.constexpr, WSCALE: tl.constexpr,
+                   WINT: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -277,9 +279,9 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # the summed squares (triton_epilogue.tl_norm_tile_sq). Split programs leave their sums after
     # the partials in the workspace: [S, M] for the reduce kernel (MODE 1), [tiles, S, BM]
     # for the tile's last program (MODE 2). RESIDUAL: the epilogue adds res (ldr) to the
-    # rounded result. ROPE: the rotary embedding of the q/k heads (tiles of paired columns),
-    # after their RMSNorms with QK_NORM, and, with KV, the k/v heads stored into a static cache
-    # (triton_rope).
+    # rounded result (RES_SCALED: times res_scale first). ROPE: the rotary embedding of the q/k
+    # heads (tiles of paired columns), after their RMSNorms with QK_NORM, and, with KV, the k/v
+    # heads stored into a static cache (triton_rope).
     # WSCALE: W is e4m3 (kernels/fp8.py), converted to x's dtype in registers (exact: every e4m3
     # value is a bf16/fp16 value) and scaled in fp32: 1 per output row (sc[N]) once after the
     # loop; 2 per 128x128 block (sc[N/128, lds]) per K tile, which lies inside one block (BK
@@ -369,15 +371,15 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                                        v_start, cache_len, rope_tiles, qk_eps, KV, BN, BM, HD, QK_NORM)
             if RESIDUAL:
                 acc = tl_add_residual(acc, res_ptr + offs_m[None, :] * ldr + offs_n[:, None], mask,
-                                      out_ptr.dtype.element_ty)
+                                      out_ptr.dtype.element_ty, res_scale, RES_SCALED)
             ptrs = out_ptr + offs_m[None, :] * ldo + offs_n[:, None]
             tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, res_ptr, M, N, ldo, ldr, split_k, inv_k, eps,
+def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, res_ptr, M, N, ldo, ldr, res_scale, split_k, inv_k, eps,
                    BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
-                   RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+                   RESIDUAL: tl.constexpr, RES_SCALED: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
     m = tl.program_id(1)
@@ -396,7 +398,7 @@ def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, res_ptr, M, N, ldo, ldr, split_k, 
         acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     acc = tl_activation(acc, ACT)
     if RESIDUAL:
-        acc = tl_add_residual(acc, res_ptr + m * ldr + offs, ok, out_ptr.dtype.element_ty)
+        acc = tl_add_residual(acc, res_ptr + m * ldr + offs, ok, out_ptr.dtype.element_ty, res_scale, RES_SCALED)
     tl.store(out_ptr + m * ldo + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -415,6 +417,7 @@ class Fusion:
     residual_ld: int | None = None
     residual_aligned: bool = True
     rope: RopeLayout | None = None
+    residual_scale: float | None = None  # the residual adds y * residual_scale (Granite's residual_multiplier)
 
 
 _NO_FUSION = Fusion()
@@ -429,7 +432,7 @@ _NO_FUSION = Fusion()
 #   GEMM       x, w, bias, out                   M, N, K, ldx, ldw, ldo
 #   split      ws (workspace), cnt (counters)    k_per_split
 #   NORM       nw (the norm weight)              inv_k, eps
-#   RESIDUAL   res                               ldr
+#   RESIDUAL   res                               ldr, res_scale
 #   ROPE       cos, sin, keys, values, base,     seq, cos/sin strides, keys/values strides,
 #              q_norm, k_norm                    q_cols, v_start, cache_len, rope_tiles, qk_eps
 #   FP8        sc (W's scales)                   lds (block scales' row stride)
@@ -459,14 +462,16 @@ def _fusion_pointers(unused, norm: tuple | None = None, residual=None, rope: Rot
 _FUSION_POINTERS = len(_fusion_pointers(None))  # what a call without fusions passes ``unused`` for
 
 
-def fusion_of(norm: tuple | None, residual: torch.Tensor | None, rope: RopeLayout | None = None) -> Fusion:
-    """The :class:`Fusion` of a call's ``norm=(weight, eps)`` and ``residual`` arguments and its
-    checked rotary layout."""
+def fusion_of(norm: tuple | None, residual: torch.Tensor | None, rope: RopeLayout | None = None,
+              residual_scale: float | None = None) -> Fusion:
+    """The :class:`Fusion` of a call's ``norm=(weight, eps)``, ``residual`` and
+    ``residual_scale`` arguments and its checked rotary layout."""
     if norm is None and residual is None and rope is None:
         return _NO_FUSION
     return Fusion(None if norm is None else float(norm[1]), norm is None or norm[0].data_ptr() % 16 == 0,
                   None if residual is None else (residual.stride(0) if residual.shape[0] > 1 else residual.shape[1]),
-                  residual is None or residual.data_ptr() % 16 == 0, rope)
+                  residual is None or residual.data_ptr() % 16 == 0, rope,
+                  None if residual_scale is None else float(residual_scale))
 
 
 def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
@@ -486,7 +491,8 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     extent = split_extent(k, max(config.block_k, fp8.BLOCK) if blocks else config.block_k, split)
     meta = dict(plan_meta(config, problem, act, bias is not None), MODE=mode, NORM=norm,
                 RESIDUAL=residual and mode != 1, ROPE=rope is not None, KV=rope is not None and rope.kv,
-                HD=rope.head_dim if rope is not None else 2, QK_NORM=rope is not None and rope.qk_norm, PDL=pdl,
+                HD=rope.head_dim if rope is not None else 2, QK_NORM=rope is not None and rope.qk_norm,
+                RES_SCALED=fusion.residual_scale is not None, PDL=pdl,
                 WSCALE=_WSCALE[weight_format],
                 WINT=bool(weight_format) and integer_conversion(x.dtype),
                 **launch_opts)
@@ -494,14 +500,16 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)
     split_ints = (extent,)
     norm_ints = (1.0 / max(k, 1), fusion.norm_eps or 0.0)  # inv_k: fp32(1/K), as triton_rmsnorm computes the mean
-    residual_ints = (fusion.residual_ld if residual else problem.ldo,)
+    residual_ints = (fusion.residual_ld if residual else problem.ldo,
+                     1.0 if fusion.residual_scale is None else fusion.residual_scale)
     rope_ints = _NO_ROPE_SCALARS if rope is None else rope.scalars(config.block_n)
     reduce = None
     if mode == 1:
         block = min(1024, next_pow2(n))
         reduce = Launcher(_reduce_kernel, (triton.cdiv(n, block), m),
                           dict(BLOCK=block, HAS_BIAS=bias is not None, ACT=ACT_CODE[act], NORM=norm,
-                               RESIDUAL=residual, PDL=pdl, num_warps=4, **launch_opts))
+                               RESIDUAL=residual, RES_SCALED=fusion.residual_scale is not None, PDL=pdl,
+                               num_warps=4, **launch_opts))
     # the norm's sums of squares after the partials: [S, M] (MODE 1) or [tiles, S, BM] (MODE 2)
     ss_numel = (split * m if mode == 1 else grid[0] * grid[2] * split * config.block_m) if norm and split > 1 else 0
     return TritonPlan(
@@ -532,12 +540,14 @@ def run(
     rope: RotaryCache | None = None,
     counters: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
+    residual_scale: float | None = None,
 ) -> torch.Tensor:
     """``out[:] = act(rmsnorm(x) @ weight.T + bias) + residual`` with ``config``; returns ``out``.
 
     ``norm=(g, eps)``: x is first normalised as Hugging Face's Llama-style RMSNorm does it
     (``g`` x's dtype, K elements); ``residual`` (like ``out``): added after the rounding to the
-    output dtype, as ``residual + linear(...)`` adds it. ``rope``: x @ W.T is a Q/K/V
+    output dtype, as ``residual + linear(...)`` adds it (``residual_scale``: ``residual +
+    linear(...) * residual_scale``, each product rounded as Granite's layers compute it). ``rope``: x @ W.T is a Q/K/V
     projection whose q and k heads get the rotary embedding, and whose k and v heads are also
     written to a static KV cache when it holds one (``triton_rope``; not with an activation,
     a residual or the two-launch reduction; with q/k norms in ``rope``, tiles of one whole
@@ -553,6 +563,9 @@ def run(
     """
     if norm is not None or residual is not None:
         check_fusion(x, out, norm, residual, "triton_splitk")
+    if residual_scale is not None and (residual is None or not isinstance(residual_scale, (int, float))
+                                       or isinstance(residual_scale, bool) or not math.isfinite(residual_scale)):
+        raise ValueError("triton_splitk: residual_scale must be a finite number and comes with a residual")
     layout = None
     weight_format = "" if weight_scale is None else _scale_format(weight, weight_scale)
     if rope is not None:
@@ -564,8 +577,8 @@ def run(
             raise ValueError("triton_splitk: rope takes no residual and no activation")
         if config.split_k > 1 and not config.fused_reduce:
             raise ValueError("triton_splitk: rope needs split_k == 1 or the fused reduction (fused_reduce=True)")
-    plan = _PLANS.plan((config, fusion_of(norm, residual, layout), weight_format), x, weight, bias, out, activation,
-                       tf32)
+    plan = _PLANS.plan((config, fusion_of(norm, residual, layout, residual_scale), weight_format), x, weight, bias,
+                       out, activation, tf32)
     if plan.empty:
         return out
     if counters is not None and (counters.dtype != torch.int32 or counters.device != out.device

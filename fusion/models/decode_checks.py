@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import textwrap
 import threading
 from collections.abc import Callable
@@ -71,6 +72,9 @@ _LAYER_BODY = (
     "hidden_states=residual+hidden_states",
     "returnhidden_states",
 )
+# Granite's layer: the same, each sublayer's output times residual_multiplier before the add
+_SCALED_ADD = "hidden_states=residual+hidden_states*self.residual_multiplier"
+_SCALED_LAYER_BODY = tuple(_SCALED_ADD if s == "hidden_states=residual+hidden_states" else s for s in _LAYER_BODY)
 _PLAIN_Q = "query_states=self.q_proj(hidden_states).view(hidden_shape).transpose(1,2)"
 _PLAIN_K = "key_states=self.k_proj(hidden_states).view(hidden_shape).transpose(1,2)"
 _NORMED_Q = "query_states=self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1,2)"
@@ -445,6 +449,22 @@ def _fusable_projection(proj) -> bool:
     return type(proj) in (HybridLinear, FP8HybridLinear) or isinstance(proj, PartialSumLinear)
 
 
+def residual_multiplier(layer: nn.Module) -> float | None:
+    """The factor a fused layer's sublayer outputs take before their residual adds: Granite's
+    ``residual_multiplier`` where the layer's forward is the scaled form (checked when patched,
+    :func:`why_not_fuse_layer`), else None. Read once per class (source), per call (the value)."""
+    cls = type(layer)
+    scaled = _SCALED_FORMS.get(cls)
+    if scaled is None:  # the transformers class's forward (a fused class mixes hybridgemm's in before it)
+        stock = next((c.forward for c in cls.__mro__ if "forward" in c.__dict__
+                      and c.__module__.startswith("transformers")), None)
+        scaled = _SCALED_FORMS[cls] = stock is not None and _matches(body_statements(stock), _SCALED_LAYER_BODY)
+    return float(layer.residual_multiplier) if scaled else None
+
+
+_SCALED_FORMS: dict[type, bool] = {}
+
+
 def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
     """Why the decoder layer ``mod`` cannot be fused (None: it can); raises nothing. A module
     whose class is not in ``layer_classes`` gives :data:`NOT_A_LAYER`."""
@@ -464,8 +484,16 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
                 "nn.Linear")
     if not all(type(n) is HybridRMSNorm for n in norms):
         return "its norms are not Llama-style RMSNorms"
-    if not _matches(body_statements(t.forward), _LAYER_BODY):
+    statements = body_statements(t.forward)
+    scaled = _matches(statements, _SCALED_LAYER_BODY)
+    if not scaled and not _matches(statements, _LAYER_BODY):
         return f"{t.__name__}.forward is not the pre-norm layer this step computes"
+    if scaled:
+        m = getattr(mod, "residual_multiplier", None)
+        if not isinstance(m, (int, float)) or isinstance(m, bool) or not math.isfinite(m):
+            return f"its residual_multiplier is {m!r}, not a finite number"
+        if any(isinstance(p, PartialSumLinear) for p in (attn._modules.get("o_proj"), mlp._modules.get("down_proj"))):
+            return "its residual_multiplier scales the output of a row-parallel projection (not fused)"
     if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
         return f"its {type(attn).__name__} has no integer head_dim and layer_idx"
     return why_not_attention_form(type(attn))

@@ -83,13 +83,18 @@ def _norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bia
 
 
 def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
-                     counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+                     counters: Tensor | None = None, scale: Tensor | None = None,
+                     residual_scale: float | None = None) -> Tensor:
     fusion = {} if residual is None else {"residual": residual}
+    if residual is not None and residual_scale is not None:
+        fusion["residual_scale"] = float(residual_scale)
     y = dispatch.fused_splitk(x, weight, bias, counters, scale, **fusion)
     if y is not None:
         return y
     y = _linear(x, weight, bias, scale)
-    return y if residual is None else residual + y
+    if residual is None:
+        return y
+    return residual + (y if residual_scale is None else y * residual_scale)
 
 
 def _gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
@@ -117,13 +122,14 @@ def _norm_linear_fake(x, norm_weight, eps, weight, bias, counters=None, scale=No
 
 @torch.library.custom_op("hybridgemm::linear_residual_fwd", mutates_args=())
 def linear_residual_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
-                        counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+                        counters: Tensor | None = None, scale: Tensor | None = None,
+                        residual_scale: float | None = None) -> Tensor:
     with per_call_scratch():
-        return _linear_residual(x, weight, bias, residual, counters, scale).contiguous()
+        return _linear_residual(x, weight, bias, residual, counters, scale, residual_scale).contiguous()
 
 
 @linear_residual_fwd.register_fake
-def _linear_residual_fake(x, weight, bias, residual, counters=None, scale=None):
+def _linear_residual_fake(x, weight, bias, residual, counters=None, scale=None, residual_scale=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -150,11 +156,13 @@ def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias
 
 
 def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
-                    counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-    """``residual + linear(x, weight, bias)`` (``linear(x, weight, bias)`` for a None
-    residual), one launch where the table runs Triton split-K."""
+                    counters: Tensor | None = None, scale: Tensor | None = None,
+                    residual_scale: float | None = None) -> Tensor:
+    """``residual + linear(x, weight, bias)`` (times ``residual_scale`` before the add, as
+    Granite's layers scale it; ``linear(x, weight, bias)`` for a None residual), one launch where
+    the table runs Triton split-K."""
     return _compiled(torch.ops.hybridgemm.linear_residual_fwd, _linear_residual, x, weight, bias, residual, counters,
-                     scale)
+                     scale, None if residual_scale is None else float(residual_scale))
 
 
 def gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
@@ -374,14 +382,17 @@ def attention(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None
 
 # ------------------------------------------------------------------------------ the residuals
 
-def project_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor | None) -> Tensor:
+def project_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor | None,
+                residual_scale: float | None = None) -> Tensor:
     """``residual + proj(x)`` for the layer's O or down projection. A row-parallel projection
     (:class:`PartialSumLinear`) whose sum adds the residual (``sums_residual``) gets it there:
     every rank's GEMM adds nothing but the one rank's bias. Otherwise the residual goes into
     the epilogue of the one rank's GEMM that adds the bias and the other ranks' GEMMs add
     nothing. Either way the sum over the ranks holds the residual and the bias once each, and
     no separate add runs. Every rank must take the same path (the decoder layer's conditions
-    are the same on every rank, as the collectives already require)."""
+    are the same on every rank, as the collectives already require). ``residual_scale``: the
+    layer scales the projection before the add (Granite; never with a row-parallel one:
+    decode_checks.why_not_fuse_layer)."""
     scale = weight_scale_of(proj)
     if isinstance(proj, PartialSumLinear):
         if proj.sums_residual:
@@ -390,18 +401,20 @@ def project_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor |
         if proj.adds_bias:
             return proj.sum_parts(linear_residual(x, proj.weight, proj.bias, residual, counters))
         return proj.sum_parts(linear_residual(x, proj.weight, None, None, counters))
-    return linear_residual(x, proj.weight, proj.bias, residual, counters, scale)
+    return linear_residual(x, proj.weight, proj.bias, residual, counters, scale, residual_scale)
 
 
 def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None = None) -> Tensor:
     """The whole decoder layer for a call ``decode_checks.takes_fused_path`` accepted:
-    ``h = x + O(attention(norm1(x)))``, ``y = h + down(glu(gate_up(norm2(h))))``."""
-    h = project_add(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), x, counters)
+    ``h = x + O(attention(norm1(x)))``, ``y = h + down(glu(gate_up(norm2(h))))`` (Granite:
+    ``O(...)`` and ``down(...)`` times the layer's ``residual_multiplier``)."""
+    m = checks.residual_multiplier(layer)
+    h = project_add(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), x, counters, m)
     mlp, norm = layer.mlp, layer.post_attention_layernorm
     gate_up = mlp._modules[FUSED_GATE_UP]
     inter = gated_norm(h, norm.weight, norm.variance_epsilon, gate_up.weight, gate_up.bias, mlp.glu_activation,
                        weight_scale_of(gate_up))
-    return project_add(mlp.down_proj, inter, h, counters)
+    return project_add(mlp.down_proj, inter, h, counters, m)
 
 
 __all__ = ["QKV_NAME", "attend", "attention", "gated_norm", "layer_step", "linear_residual", "norm_linear",

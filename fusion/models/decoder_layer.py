@@ -4,8 +4,9 @@ step (fusion/models/decode_step.py) where a call allows it (fusion/models/decode
 the class's own forward everywhere else (prefill, training, fp16, CPU, hooks). Part of
 :func:`hybridgemm.patch` (``layers=True``).
 
-Recognised: transformers' ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``Qwen3DecoderLayer``
-and ``MistralDecoderLayer`` whose forwards are the ones the step computes (checked in their
+Recognised: transformers' ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``Qwen3DecoderLayer``,
+``MistralDecoderLayer`` and ``GraniteDecoderLayer`` (its ``residual_multiplier`` in the O and
+down epilogues) whose forwards are the ones the step computes (checked in their
 source when patched, so a release that changes them is left alone, with the reason in the
 report), with the parts :func:`hybridgemm.patch` fused: Q/K/V, gate/up, HybridRMSNorm norms.
 """
@@ -22,7 +23,7 @@ from . import decode_checks, decode_step
 # Recognised layer classes and the transformers module of each (to rebuild the fused class
 # when a pickled model is loaded in a new process).
 LAYER_MODULES = {"LlamaDecoderLayer": "llama", "Qwen2DecoderLayer": "qwen2", "Qwen3DecoderLayer": "qwen3",
-                 "MistralDecoderLayer": "mistral"}
+                 "MistralDecoderLayer": "mistral", "GraniteDecoderLayer": "granite"}
 LAYER_CLASSES = tuple(LAYER_MODULES)
 # A fused layer's int32 buffer (not in the state dict) of split-K arrival counters for its
 # GEMMs, which run one after another and leave it zero: a compiled decode step then needs no

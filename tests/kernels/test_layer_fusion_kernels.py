@@ -74,6 +74,27 @@ def test_splitk_fusions_match_the_exact_formula(cfg, dtype, m, parts):
     assert_counters_zero()
 
 
+@pytest.mark.parametrize("cfg", SPLITK, ids=_ids)
+@pytest.mark.parametrize("m", [1, 17])
+def test_splitk_scaled_residual_rounds_as_granite_does(cfg, m):
+    """``residual + y * residual_scale`` (Granite's residual_multiplier): y rounded to the output
+    dtype, times the scale and rounded again, then the sum, as the stock layer computes it in
+    fp16."""
+    x, w, b, g, r = _operands(m, N, K, torch.float16, bias=True)
+    out = poisoned((m, N), torch.float16, "cpu")
+    ts.run(cfg, x, w, b, out, None, norm=(g, EPS), residual=r, residual_scale=0.22)
+    y = (_exact_norm(x, g) @ w.double().T + b.double()).to(torch.float16)
+    want = (r.float() + (y.float() * 0.22).half().float()).half()
+    # the GEMM's fp32 sum may round y to a neighbouring fp16 value: at most a few ulps apart
+    torch.testing.assert_close(out.float(), want.float(), rtol=4e-3, atol=4e-3)
+    plain = ts.run(cfg, x, w, b, poisoned((m, N), torch.float16, "cpu"), None, norm=(g, EPS), residual=r)
+    assert rel_err(out - r, 0.22 * (plain - r).double()) < 2e-2  # the scale applies to y, not to the residual
+    with pytest.raises(ValueError, match="residual_scale must be a finite number and comes with a residual"):
+        ts.run(cfg, x, w, b, torch.empty(m, N, dtype=torch.float16), None, residual_scale=0.5)
+    with pytest.raises(ValueError, match="residual_scale must be a finite number"):
+        ts.run(cfg, x, w, b, torch.empty(m, N, dtype=torch.float16), None, residual=r, residual_scale=float("nan"))
+
+
 def test_splitk_norm_is_deterministic_and_plain_calls_are_unchanged():
     x, w, b, g, r = _operands(5, N, K, torch.float32, bias=True)
     outs = [ts.run(FUSED3, x, w, b, torch.empty(5, N), None, norm=(g, EPS), residual=r) for _ in range(2)]

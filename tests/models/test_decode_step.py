@@ -211,7 +211,8 @@ def _tiny(kind: str, layers: int = 2, **extra):
     kw = dict(hidden_size=128, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=layers, vocab_size=VOCAB, max_position_embeddings=64, **extra)
     config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-              "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[kind](**kw)
+              "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
+              "granite": transformers.GraniteConfig}[kind](**kw)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
 
@@ -278,7 +279,10 @@ def _compare(model, stock, steps=3, batch=2):
     ("mistral", {"sliding_window": None}, MODEL_FUSED_REDUCE),
     # q/k norms in the rotary epilogue; head_dim 64: the 32-row tiles run one head wide
     ("qwen3", {"head_dim": 64}, MODEL_FUSED_REDUCE),
-], ids=["llama-fused-reduce", "qwen2-one-pass", "mistral-fused-reduce", "qwen3-fused-reduce"])
+    # residual_multiplier in the O and down epilogues (the other multipliers are outside the layers)
+    ("granite", {"residual_multiplier": 0.22, "attention_multiplier": 0.05, "embedding_multiplier": 12.0,
+                 "logits_scaling": 8.0}, MODEL_ONE_PASS),
+], ids=["llama-fused-reduce", "qwen2-one-pass", "mistral-fused-reduce", "qwen3-fused-reduce", "granite-one-pass"])
 def test_static_cache_decode_matches_the_stock_model(kind, extra, config, kernels_on_cpu):
     kernels_on_cpu["config"] = config
     stock = _tiny(kind, **extra)

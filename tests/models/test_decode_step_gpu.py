@@ -80,9 +80,10 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
     assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))  # bit-identical run to run
 
 
-@pytest.fixture(params=["llama", "qwen3"])
+@pytest.fixture(params=["llama", "qwen3", "granite"])
 def models(monkeypatch, request):
-    """llama and qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide)."""
+    """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide) and granite
+    (residual_multiplier in the O and down epilogues)."""
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=request.param)
     calls = {"rope": 0}
     real = triton_splitk.run

@@ -40,7 +40,7 @@ CONFIGS = {
                                      "head_dim": 16}),
 }
 
-SUPPORTED = "LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer"
+SUPPORTED = "LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer, GraniteDecoderLayer"
 
 
 def _layer(cls: str) -> str:
@@ -71,7 +71,7 @@ EXPECTED = {
               (f"{L}.post_attention_layernorm", _norm("GemmaRMSNorm"))],
     "gemma2": [(L, _layer("Gemma2DecoderLayer"))] + [(f"{L}.{n}", _norm("Gemma2RMSNorm")) for n in (
         "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")],
-    "granite": [(L, _layer("GraniteDecoderLayer"))],
+    "granite": [],
     "olmo2": [(L, _layer("Olmo2DecoderLayer"))] + [(f"{L}.{n}", _norm("Olmo2RMSNorm")) for n in (
         "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm", "post_feedforward_layernorm")],
     "stablelm": [(L, _layer("StableLmDecoderLayer")), (f"{L}.input_layernorm", _norm("LayerNorm")),
