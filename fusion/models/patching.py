@@ -94,7 +94,7 @@ from hybridgemm.mlp import (
 )
 from hybridgemm.norm import HybridRMSNorm, is_rms_norm
 
-from .decode_checks import NOT_A_LAYER, STATIC_STEP, why_not_fuse_attention
+from .decode_checks import NOT_A_LAYER, STATIC_STEP, residual_multiplier, why_not_fuse_attention
 from .decoder_layer import COUNTERS, fused_class, new_counters, why_not_fuse_layer
 from .fp8_checkpoints import adopt as adopt_fp8_checkpoint
 from .fp8_checkpoints import prepare as prepare_fp8_checkpoint
@@ -385,6 +385,7 @@ def _fuse_layer(layer: nn.Module) -> str | None:
     layer.__class__ = fused_class(type(layer))
     layer.register_buffer(COUNTERS, new_counters(next(layer.parameters()).device), persistent=False)
     record(layer, ("buffer", next(_SEQ), COUNTERS))
+    residual_multiplier(layer)  # its layer form is read now, not inside a compiled step's trace
     why_not = why_not_fuse_attention(layer.self_attn)
     if why_not is None:
         _set_attr(layer, STATIC_STEP, True)

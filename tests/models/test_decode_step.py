@@ -470,8 +470,8 @@ def test_a_layer_built_on_meta_and_loaded_with_assign_moves_as_the_stock_layer_d
 
 # (the eager backend runs the graph Dynamo captured as captured; aot_eager runs the same capture
 # functionalised)
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_dynamo_traces_a_decode_step_in_one_graph(backend, kernels_on_cpu, monkeypatch):
+@pytest.mark.parametrize("backend,kind", [("aot_eager", "llama"), ("inductor", "llama"), ("aot_eager", "granite")])
+def test_dynamo_traces_a_decode_step_in_one_graph(backend, kind, kernels_on_cpu, monkeypatch):
     # inductor: the cache-length updates of the attention kernels are ordered against the
     # positions and mask the model derives from the first layer's length, which Inductor
     # may recompute per layer
@@ -485,7 +485,7 @@ def test_dynamo_traces_a_decode_step_in_one_graph(backend, kernels_on_cpu, monke
     from hybridgemm.kernels import lazy
 
     monkeypatch.delitem(lazy._loaded, "triton_decode_attention", raising=False)
-    stock = _tiny("llama")
+    stock = _tiny(kind, **({"residual_multiplier": 0.22} if kind == "granite" else {}))
     model = _patched(stock)
     api = hf.forward_api(model)
     with torch.no_grad():
