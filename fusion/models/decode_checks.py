@@ -47,6 +47,8 @@ QKV_NAME = "qkv_proj"  # the fused Q/K/V module of a patched attention
 NOT_A_LAYER = "not a decoder layer"
 # Instance attribute set when a layer is patched: its attention can take the static-cache step.
 STATIC_STEP = "_hybridgemm_attention_step"
+# Instance attribute set when a layer is patched: its forward scales the sublayer outputs (Granite).
+SCALED_RESIDUALS = "_hybridgemm_scaled_residuals"
 NO_WINDOW = object()  # AttentionForm.sliding_window: the stock forward passes none
 _LAYER_DTYPES = (torch.bfloat16, torch.float32)
 _FP8_ACTIVATIONS = (torch.bfloat16,)  # x of an FP8-weight layer (fusion/fp8_modules.py)
@@ -449,20 +451,16 @@ def _fusable_projection(proj) -> bool:
     return type(proj) in (HybridLinear, FP8HybridLinear) or isinstance(proj, PartialSumLinear)
 
 
+def scales_residuals(cls: type) -> bool:
+    """Is ``cls.forward`` Granite's form of the layer (each sublayer's output times
+    ``residual_multiplier`` before its add)? Read from the source when a layer is patched."""
+    return _matches(body_statements(cls.forward), _SCALED_LAYER_BODY)
+
+
 def residual_multiplier(layer: nn.Module) -> float | None:
-    """The factor a fused layer's sublayer outputs take before their residual adds: Granite's
-    ``residual_multiplier`` where the layer's forward is the scaled form (checked when patched,
-    :func:`why_not_fuse_layer`), else None. Read once per class (source), per call (the value)."""
-    cls = type(layer)
-    scaled = _SCALED_FORMS.get(cls)
-    if scaled is None:  # the transformers class's forward (a fused class mixes hybridgemm's in before it)
-        stock = next((c.forward for c in cls.__mro__ if "forward" in c.__dict__
-                      and c.__module__.startswith("transformers")), None)
-        scaled = _SCALED_FORMS[cls] = stock is not None and _matches(body_statements(stock), _SCALED_LAYER_BODY)
-    return float(layer.residual_multiplier) if scaled else None
-
-
-_SCALED_FORMS: dict[type, bool] = {}
+    """The factor a fused layer's sublayer outputs take before their residual adds: its
+    ``residual_multiplier`` where patch marked it (:data:`SCALED_RESIDUALS`), else None."""
+    return float(layer.residual_multiplier) if layer.__dict__.get(SCALED_RESIDUALS) else None
 
 
 def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
@@ -484,9 +482,8 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
                 "nn.Linear")
     if not all(type(n) is HybridRMSNorm for n in norms):
         return "its norms are not Llama-style RMSNorms"
-    statements = body_statements(t.forward)
-    scaled = _matches(statements, _SCALED_LAYER_BODY)
-    if not scaled and not _matches(statements, _LAYER_BODY):
+    scaled = scales_residuals(t)
+    if not scaled and not _matches(body_statements(t.forward), _LAYER_BODY):
         return f"{t.__name__}.forward is not the pre-norm layer this step computes"
     if scaled:
         m = getattr(mod, "residual_multiplier", None)

@@ -67,7 +67,6 @@ class HybridDecoderLayer(nn.Module):
         # Unpickled (in a new process, say): what the step reads of transformers is read now,
         # not inside the first call, which may be a compiled region's trace.
         decode_checks.why_not_attention_form(type(self.self_attn))
-        decode_checks.residual_multiplier(self)
         if decode_checks.takes_static_step(self):
             decode_checks.why_not_load_kernels()
 

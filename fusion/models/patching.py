@@ -94,7 +94,7 @@ from hybridgemm.mlp import (
 )
 from hybridgemm.norm import HybridRMSNorm, is_rms_norm
 
-from .decode_checks import NOT_A_LAYER, STATIC_STEP, residual_multiplier, why_not_fuse_attention
+from .decode_checks import NOT_A_LAYER, SCALED_RESIDUALS, STATIC_STEP, scales_residuals, why_not_fuse_attention
 from .decoder_layer import COUNTERS, fused_class, new_counters, why_not_fuse_layer
 from .fp8_checkpoints import adopt as adopt_fp8_checkpoint
 from .fp8_checkpoints import prepare as prepare_fp8_checkpoint
@@ -381,11 +381,13 @@ def _fuse_layer(layer: nn.Module) -> str | None:
     """Give a recognised decoder layer its fused forward and its arrival counters (class
     swapped in place, recorded for unpatch); mark it for the static-cache step where its
     attention allows (else return why not)."""
+    scaled = scales_residuals(type(layer))
     record(layer, ("class", next(_SEQ), type(layer)))
     layer.__class__ = fused_class(type(layer))
     layer.register_buffer(COUNTERS, new_counters(next(layer.parameters()).device), persistent=False)
     record(layer, ("buffer", next(_SEQ), COUNTERS))
-    residual_multiplier(layer)  # its layer form is read now, not inside a compiled step's trace
+    if scaled:
+        _set_attr(layer, SCALED_RESIDUALS, True)
     why_not = why_not_fuse_attention(layer.self_attn)
     if why_not is None:
         _set_attr(layer, STATIC_STEP, True)
