@@ -16,15 +16,21 @@ counters).
 
 Parameters and checkpoints: the fused weight and bias are new parameters (the replaced
 linears' parameters are re-pointed at their rows, so memory is not doubled). The state dict
-keeps the stock keys: each slice writes its rows under its stock name and the fused module
+keeps the stock keys: each slice writes a copy of its rows under its stock name (a tensor of
+its own, as safetensors' ``save_model`` requires; a state dict thus holds the fused tensors
+twice while it lives; ``keep_vars=True`` gives the rows themselves) and the fused module
 writes nothing; a load-state-dict pre-hook on the parent concatenates the stock entries into
 the fused ones before torch loads them. Hooks rather than parameters that are views of the
 fused weight: a view of a parameter is not a leaf, so gradients and optimizer state must live
-on the one fused parameter that the GEMM reads. Which fused tensors are saved and loaded that
-way, and how a part is stored, is the fused module's to say (:attr:`FusedLinears.STOCK_TENSORS`,
-:meth:`~FusedLinears.stock_part`, :meth:`~FusedLinears.from_stock`): an FP8 fused weight
-(fusion/fp8_modules.py) adds its scales, each part's in its checkpoint's layout. A slice may
-hold tensors of its own (an FP8 checkpoint's activation scales), saved and loaded as usual.
+on the one fused parameter that the GEMM reads. Code that reaches a part's ``weight`` by its
+stock name gets its rows (:class:`FusedRows`); assigning a part's ``weight`` or ``bias`` (as
+transformers' loader does for a model patched before its weights arrive) copies into them.
+PEFT's LoRA layers wrap a slice like any ``nn.Linear``: the base GEMM stays the fused one.
+Which fused tensors are saved and loaded that way, and how a part is stored, is the fused
+module's to say (:attr:`FusedLinears.STOCK_TENSORS`, :meth:`~FusedLinears.stock_part`,
+:meth:`~FusedLinears.from_stock`): an FP8 fused weight (fusion/fp8_modules.py) adds its
+scales, each part's in its checkpoint's layout. A slice may hold tensors of its own (an FP8
+checkpoint's activation scales), saved and loaded as usual.
 """
 
 from __future__ import annotations
@@ -143,6 +149,33 @@ class FusedLinears(nn.Module):
                     f"current model is {want}.")
         return None
 
+    def set_part(self, attr: str, idx: int, value: Tensor) -> None:
+        """``<part>.<stock name> = value``, as transformers' loader sets each weight of a model
+        patched before its weights arrive: ``value`` is checked as a checkpoint's part would be
+        and copied into the part's rows. A fused tensor of another device or dtype (one still
+        on the meta device, above all) is first made anew on ``value``'s, the other parts'
+        rows converted (zeros where they are still meta), as assigning a new tensor would
+        move a stock linear's."""
+        key = f"{self.names[idx]}.{self.stock_name(attr, idx)}"
+        current = getattr(self, attr)
+        if current is None:
+            raise ValueError(f"hybridgemm: cannot set {key}: the fused {'/'.join(self.names)} have no {attr}")
+        why = self.stock_error(attr, idx, key, value)
+        if why is not None:
+            raise ValueError(f"hybridgemm: {why}")
+        part = self.from_stock(attr, idx, value.detach())
+        if (current.device, current.dtype) != (part.device, part.dtype) and not part.is_meta:
+            made = torch.zeros(current.shape, dtype=part.dtype, device=part.device)
+            if not current.is_meta:
+                made.copy_(current.detach())
+            if attr in self._parameters:
+                self._parameters[attr] = nn.Parameter(made, requires_grad=current.requires_grad)
+            else:
+                self._buffers[attr] = made
+        with torch.no_grad():
+            self.part_rows(attr, getattr(self, attr).detach())[idx].copy_(part)
+        self.alias_originals()
+
     def part(self, x: Tensor, idx: int) -> Tensor:
         rec = self._rec  # read once: the checks and the part come from the same record
         if rec is not None and rec[0] is x and rec[2][idx] is not None and _same_version(rec[1], x):
@@ -159,23 +192,93 @@ class FusedLinears(nn.Module):
         return f"in_features={self.weight.shape[1]}, sizes={self.sizes}, bias={self.bias is not None}"
 
 
-class FusedSlice(nn.Module):
+class FusedRows(Tensor):
+    """A part's rows of a fused parameter, as its slice's ``weight``/``bias`` hands them out: a
+    view (differentiable; in-place writes land in the fused storage) that passes for a
+    parameter (``isinstance(t, nn.Parameter)``, so ``get_parameter("...q_proj.weight")``
+    finds it). ``t.data = new`` copies into the rows, as assigning a stock parameter's data
+    replaces its values (PEFT's safe merge does so). ``requires_grad`` is the fused
+    parameter's, for all its parts at once: changing it through one part raises, naming
+    what to do instead. Operations on it give plain tensors."""
+
+    _is_param = True  # read by nn.Parameter's isinstance check
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def data(self) -> Tensor:
+        return torch._C.TensorBase.data.__get__(self).as_subclass(Tensor)
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        if not isinstance(value, Tensor) or value.shape != self.shape:
+            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(f"hybridgemm: {self._name()} takes data of shape {tuple(self.shape)} (its rows of a fused "
+                             f"parameter), got {got}")
+        with torch.no_grad():
+            self.data.copy_(value)
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch._C.TensorBase.requires_grad.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self.requires_grad_(value)
+
+    def requires_grad_(self, requires_grad: bool = True) -> FusedRows:
+        fused, _ = self.part_of
+        if bool(requires_grad) != fused.weight.requires_grad:
+            raise ValueError(
+                f"hybridgemm: {self._name()} is rows of one parameter fused from {'/'.join(fused.names)} "
+                f"(named_parameters() lists it): set requires_grad on that parameter (all of its parts), or "
+                "patch the model with fuse_qkv=False (Q/K/V) or mlp=False (gate/up) to keep separate parameters")
+        return self
+
+    def _name(self) -> str:
+        fused, idx = self.part_of
+        return f"{fused.names[idx]}.{'weight' if self.dim() == 2 else 'bias'}"
+
+
+class FusedSlice(nn.Linear):
     """Stands where one of the fused linears stood; holds no parameters of its own.
     ``weight``/``bias`` are views of the fused parameters' rows (differentiable, and writes
-    through them land in the fused storage), for code that inspects or reads them."""
+    through them land in the fused storage), for code that inspects or reads them; assigning
+    them copies into those rows (:meth:`FusedLinears.set_part`). An ``nn.Linear`` to code that
+    looks for one (PEFT wraps it in a LoRA layer whose base GEMM stays the fused one; an
+    initializer writes into its rows), though it never holds the parameters
+    ``nn.Linear.__init__`` makes."""
 
     def __init__(self, fused: FusedLinears, idx: int):
-        super().__init__()
+        nn.Module.__init__(self)
         object.__setattr__(self, "fused", fused)  # not a submodule: no duplicate state-dict keys
         self.idx = idx
         self.out_features = fused.sizes[idx]
         self.in_features = fused.weight.shape[1]
 
+    def __setattr__(self, name: str, value) -> None:
+        fused = self.__dict__.get("fused")
+        attr = _stock_attr(fused, self.__dict__.get("idx"), name) if fused is not None else None
+        if attr is None:
+            super().__setattr__(name, value)
+        elif value is None:
+            raise ValueError(f"hybridgemm: cannot remove {name} of {fused.names[self.idx]}, one part of a fused "
+                             f"projection ({'/'.join(fused.names)}); hybridgemm.unpatch restores separate linears")
+        elif isinstance(value, Tensor):
+            fused.set_part(attr, self.idx, value)
+            if getattr(value, "_is_hf_initialized", False):
+                # transformers' loader marks what it loaded; its initializer then leaves this module alone
+                self.__dict__["_is_hf_initialized"] = True
+        else:
+            raise TypeError(f"hybridgemm: cannot assign {type(value).__name__} as {fused.names[self.idx]}.{name} "
+                            "(torch.Tensor expected)")
+
     def _rows(self, t: Tensor | None) -> Tensor | None:
         if t is None:
             return None
         start = sum(self.fused.sizes[: self.idx])
-        return t[start:start + self.out_features]
+        rows = t[start:start + self.out_features].as_subclass(FusedRows)
+        rows.part_of = (self.fused, self.idx)
+        return rows
 
     @property
     def weight(self) -> Tensor:
@@ -190,7 +293,9 @@ class FusedSlice(nn.Module):
         for attr in fused.STOCK_TENSORS:
             t = fused.stock_part(attr, self.idx)
             if t is not None:
-                own[fused.stock_name(attr, self.idx)] = t if keep_vars else t.detach()
+                # keep_vars: the rows' differentiable view; else a copy of its own, as safetensors'
+                # save_model/load_model refuse a state-dict tensor that covers part of its storage
+                own[fused.stock_name(attr, self.idx)] = t if keep_vars else t.detach().clone()
         super()._save_to_state_dict(own, "", keep_vars)  # tensors of the slice's own (none for a stock linear)
         save_in_order(destination, prefix, own, self.__dict__.get("key_order"))
 
@@ -199,6 +304,13 @@ class FusedSlice(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.fused.names[self.idx]} of a fused projection, out_features={self.out_features}"
+
+
+def _stock_attr(fused: FusedLinears, idx, name: str) -> str | None:
+    """The fused tensor that a slice's attribute ``name`` is a part of (None: no such part)."""
+    if idx is None:
+        return None
+    return next((a for a in fused.STOCK_TENSORS if fused.stock_name(a, idx) == name), None)
 
 
 def save_in_order(destination, prefix: str, tensors: dict, order) -> None:
@@ -319,9 +431,31 @@ def _get(m: nn.Module, name: str):
     return m._modules.get(name)
 
 
+def adapter_base(mod: nn.Module | None) -> nn.Module | None:
+    """The module an adapter layer wraps (PEFT's LoRA layers hold it as ``base_layer`` and run
+    it, adding their own term), or None for anything else."""
+    base = mod._modules.get("base_layer") if isinstance(mod, nn.Module) else None
+    return base if base is not None and callable(getattr(mod, "get_base_layer", None)) else None
+
+
+def stock_slot(parent: nn.Module, name: str) -> tuple[str, nn.Module | None]:
+    """Where ``parent``'s linear ``name`` lives: (``name``, the module), or for one that an
+    adapter layer wraps, (``name.base_layer``, the wrapped linear): patching that base keeps
+    the adapter running on top of it."""
+    mod = _get(parent, name)
+    base = adapter_base(mod)
+    return (f"{name}.base_layer", base) if base is not None else (name, mod)
+
+
+def _set_child(parent: nn.Module, path: str, child: nn.Module) -> None:
+    owner_path, _, attr = path.rpartition(".")
+    setattr(parent.get_submodule(owner_path) if owner_path else parent, attr, child)
+
+
 def fuse(mod: nn.Module, names, lins: list[nn.Linear], fused_name: str) -> FusedLinears:
-    """Replace ``mod``'s linears ``names`` by slices of one :class:`FusedLinears` registered
-    as ``fused_name``; recorded on ``mod`` for :func:`unfuse`."""
+    """Replace ``mod``'s linears ``names`` (paths below ``mod``: ``q_proj``, or
+    ``q_proj.base_layer`` under an adapter, :func:`stock_slot`) by slices of one
+    :class:`FusedLinears` registered as ``fused_name``; recorded on ``mod`` for :func:`unfuse`."""
     sizes = tuple(lin.out_features for lin in lins)
     rg = lins[0].weight.requires_grad
     with torch.no_grad():
@@ -331,7 +465,7 @@ def fuse(mod: nn.Module, names, lins: list[nn.Linear], fused_name: str) -> Fused
     fused = FusedLinears(w, b, sizes, tuple(lins), tuple(names))
     mod.add_module(fused_name, fused)
     for i, n in enumerate(names):
-        setattr(mod, n, FusedSlice(fused, i))
+        _set_child(mod, n, FusedSlice(fused, i))
     hook = mod.register_load_state_dict_pre_hook(functools.partial(load_stock_parts, fused_name))
     record(mod, ("fused", next(SEQ), tuple(names), tuple(lins), hook, fused_name))
     return fused
@@ -352,6 +486,6 @@ def unfuse(mod: nn.Module, rec: tuple) -> None:
             if bi is not None:
                 lin.bias.data = bi.clone()
             lin.weight.requires_grad_(fused.weight.requires_grad)
-            setattr(mod, n, lin)
+            _set_child(mod, n, lin)
     fused._rec = None
     object.__setattr__(fused, "_originals", ())

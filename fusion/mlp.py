@@ -29,6 +29,7 @@ from hybridgemm.kernels.fp8 import FP8Weight
 from hybridgemm.kernels.lazy import triton_module
 
 from .decide import choose_gated
+from .fused_rows import FusedSlice, stock_slot
 from .linear_layer import linear
 
 GATED_NAMES = ("gate_proj", "up_proj")
@@ -126,6 +127,11 @@ class HybridGatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         fused = self._modules[FUSED_GATE_UP]
+        gate, up = (self._modules[n] for n in GATED_NAMES)
+        if not (type(gate) is type(up) is FusedSlice):
+            # gate_proj/up_proj wrapped since patching (a LoRA adapter, say): call them, so what
+            # wraps them runs; their bases still share the one gate/up GEMM (fusion/fused_rows.py)
+            return self.down_proj(GLU_FUNCTIONS[self.glu_activation](gate(x)) * up(x))
         if "weight_scale" in fused._buffers:  # an FP8 gate/up (fusion/fp8_modules.py): one GEMM, the product apart
             gate, up = fused(x)
             return self.down_proj(GLU_FUNCTIONS[self.glu_activation](gate) * up)
@@ -148,8 +154,9 @@ class HybridConvMLP(nn.Module):
 
 def gated_parts(mod: nn.Module) -> tuple[list, str | None, str | None]:
     """(``[gate_proj, up_proj]``, activation, reason not to patch) for a gated MLP; ``([], None,
-    None)`` when ``mod`` is not one."""
-    lins = [mod._modules.get(n) for n in GATED_NAMES]
+    None)`` when ``mod`` is not one. Of a linear an adapter wraps, the wrapped one
+    (fusion/fused_rows.py, ``stock_slot``)."""
+    lins = [stock_slot(mod, n)[1] for n in GATED_NAMES]
     if any(lin is None for lin in lins) or mod._modules.get("down_proj") is None:
         return [], None, None
     if not all(type(lin) is nn.Linear for lin in lins):

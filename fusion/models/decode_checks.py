@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _torch_module
 
 from hybridgemm.fp8_modules import FP8HybridLinear
-from hybridgemm.fused_rows import FusedLinears
+from hybridgemm.fused_rows import FusedLinears, FusedSlice, adapter_base
 from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES as _PLAIN
 from hybridgemm.kernels.fp8 import E4M3
 from hybridgemm.kernels.lazy import triton_module
@@ -419,6 +419,15 @@ def _fused_parts(layer: nn.Module) -> list[nn.Module]:
             mlp._modules[FUSED_GATE_UP], mlp.down_proj]
 
 
+def _parts_in_place(layer: nn.Module) -> bool:
+    """Are the modules the step stands for still the ones patch made (none wrapped or replaced
+    since, by a LoRA adapter for one)?"""
+    attn, mlp = layer.self_attn._modules, layer.mlp._modules
+    return (all(type(attn.get(n)) is FusedSlice for n in ("q_proj", "k_proj", "v_proj"))
+            and all(type(mlp.get(n)) is FusedSlice for n in ("gate_proj", "up_proj"))
+            and _fusable_projection(attn.get("o_proj")) and _fusable_projection(mlp.get("down_proj")))
+
+
 def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
     """The modules whose forward the step does not call (their hooks would not run)."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -435,7 +444,7 @@ def takes_fused_path(layer: nn.Module, x) -> bool:
     k = x.shape[-1]
     if not k or x.numel() // k > DECODE_ROWS:
         return False
-    if torch.is_autocast_enabled(x.device.type) or get_mode() != DEFAULT:
+    if torch.is_autocast_enabled(x.device.type) or get_mode() != DEFAULT or not _parts_in_place(layer):
         return False
     params = [t for m in _fused_parts(layer) for t in (m.weight, getattr(m, "bias", None)) if t is not None]
     if any(t.dtype != x.dtype and not (t.dtype == E4M3 and x.dtype in _FP8_ACTIVATIONS) for t in params):
@@ -473,6 +482,12 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
     norms = [mod._modules.get(n) for n in ("input_layernorm", "post_attention_layernorm")]
     if attn is None or not isinstance(attn._modules.get(QKV_NAME), FusedLinears):
         return "its Q/K/V are not fused into one GEMM"
+    for owner, child in ((attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"), (mlp, "gate_proj"),
+                         (mlp, "up_proj"), (mlp, "down_proj")):
+        wrapper = owner._modules.get(child)
+        if adapter_base(wrapper) is not None:
+            return (f"its {child} carries an adapter ({type(wrapper).__module__}.{type(wrapper).__qualname__}), "
+                    "which the layer's own forward runs")
     if not _fusable_projection(attn._modules.get("o_proj")):
         return f"its o_proj is a {type(attn._modules.get('o_proj')).__name__}, not a patched or row-parallel nn.Linear"
     if type(mlp) is not HybridGatedMLP or not isinstance(mlp._modules.get(FUSED_GATE_UP), FusedLinears):

@@ -38,9 +38,9 @@ storage of their own.
 
 Checkpoints. A patched model's ``state_dict()`` has the stock keys, in the stock order, with
 the stock values, so ``save_pretrained``/``torch.save`` write a stock checkpoint and a stock
-checkpoint loads into a patched model. Saving: each :class:`QKVSlice` writes its rows of the
-fused parameters under its stock name (``q_proj.weight``, ...; views, not copies, as a stock
-state dict aliases the parameters) and :class:`FusedQKV` writes nothing. Loading: a
+checkpoint loads into a patched model. Saving: each :class:`QKVSlice` writes a copy of its rows
+of the fused parameters under its stock name (``q_proj.weight``, ...; a tensor of its own, as
+safetensors' ``save_model`` requires) and :class:`FusedQKV` writes nothing. Loading: a
 load-state-dict pre-hook on the attention module concatenates the stock q/k/v entries into
 ``qkv_proj.weight``/``.bias`` before torch loads the fused module, so ``strict``,
 ``assign=True`` and missing/unexpected/size-mismatch reports (under the stock names) behave
@@ -49,6 +49,14 @@ hooks rather than parameters that are views of the fused weight: a view of a par
 not a leaf, so gradients and optimizer state must live on the one fused parameter that the
 GEMM reads. :class:`HybridConv1D`'s state dict holds a contiguous copy of its weight (the
 parameter is stored transposed while patched; safetensors refuses non-contiguous tensors).
+
+Adapters and names. A linear that an adapter layer wraps (PEFT's LoRA: ``q_proj.base_layer``)
+is patched under it, fused with its siblings, and the adapter runs on top; adapters attached
+after patching wrap the slices the same way (fusion/fused_rows.py). A decoder layer with an
+adapter keeps its own forward (the report says so). ``q_proj.weight`` of a fused model is
+its rows of the fused parameter (``get_parameter`` finds them; ``requires_grad`` is set on
+the fused parameter as a whole). A ``resize_token_embeddings`` of transformers' models
+patches the new LM head too (fusion/models/embeddings.py).
 
 Tied weights. Fusing copies Q, K and V into one new parameter, which would untie weights
 that are shared. So Q/K/V are not fused (each linear is swapped on its own, which keeps
@@ -78,7 +86,17 @@ from hybridgemm.attention import HybridMultiheadAttention
 from hybridgemm.fp8_modules import is_fp8, quantize_patched
 from hybridgemm.fused_rows import SEQ as _SEQ
 from hybridgemm.fused_rows import UNDO_ATTR as _UNDO_ATTR
-from hybridgemm.fused_rows import FusedLinears, FusedSlice, fuse, qual, record, records, unfuse, why_not_fuse
+from hybridgemm.fused_rows import (
+    FusedLinears,
+    FusedSlice,
+    fuse,
+    qual,
+    record,
+    records,
+    stock_slot,
+    unfuse,
+    why_not_fuse,
+)
 from hybridgemm.kernels.fp8 import GRANULARITIES
 from hybridgemm.linear_layer import HybridLinear, linear
 from hybridgemm.mlp import (
@@ -96,6 +114,7 @@ from hybridgemm.norm import HybridRMSNorm, is_rms_norm
 
 from .decode_checks import NOT_A_LAYER, SCALED_RESIDUALS, STATIC_STEP, scales_residuals, why_not_fuse_attention
 from .decoder_layer import COUNTERS, fused_class, new_counters, why_not_fuse_layer
+from .embeddings import RESIZE, ResizeKeepingHead, output_embeddings, resizes_embeddings
 from .fp8_checkpoints import adopt as adopt_fp8_checkpoint
 from .fp8_checkpoints import prepare as prepare_fp8_checkpoint
 from .unpatched import unpatched
@@ -326,28 +345,32 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
         names = next((t for t in _QKV_NAMES if all(_get(mod, n) is not None for n in t)), None)
         if names is None:
             continue
-        lins = [_get(mod, n) for n in names]
+        paths, lins = zip(*(stock_slot(mod, n) for n in names))  # the linears, or what adapters wrap
         if all(records(lin) for lin in lins):
             continue  # swapped one by one by an earlier patch (listed in already_patched)
         if not all(type(lin) is nn.Linear for lin in lins):
             kinds = ", ".join(type(lin).__name__ for lin in lins)
             report.skipped.append((name, f"{'/'.join(names)} are {kinds}, not plain nn.Linear"))
             continue
-        why_not = _why_not_fuse(name, mod, names, lins, owners) if fuse_qkv else "fuse_qkv=False"
+        why_not = _why_not_fuse(name, mod, paths, list(lins), owners) if fuse_qkv else "fuse_qkv=False"
         if why_not is None:
-            fuse(mod, names, lins, _FUSED_NAME)
+            fuse(mod, paths, list(lins), _FUSED_NAME)
             report.patched.append(name or "(root)")
             report.fused_qkv.append(name or "(root)")
         else:
             if fuse_qkv:
                 report.skipped.append((name, f"q/k/v not fused: {why_not}; swapped one by one"))
-            for n, lin in zip(names, lins):
+            for n, lin in zip(paths, lins):
                 swap(qual(name, n), lin, HybridLinear)
-        done.update(qual(name, n) for n in names)
+        done.update(qual(name, n) for n in (*names, *paths))
         out_name, out = _output_projection(name, mod, modules)
         if out is not None and out_name not in done:
             swap(out_name, out, HybridLinear)
 
+    if lm_head:
+        for mod in modules.values():
+            if resizes_embeddings(mod) and type(output_embeddings(mod)) is HybridLinear:
+                _set_attr(mod, RESIZE, ResizeKeepingHead(mod))
     report.fp8.extend(adopt_fp8_checkpoint(model, fp8_checkpoint, report))
     if weights == "fp8":
         report.fp8.extend(quantize_patched(dict(model.named_modules()), granularity, quantize_lm_head))
@@ -408,20 +431,21 @@ def _patch_mlp(name: str, mod: nn.Module, modules: dict, owners: dict, report: P
         report.skipped.append((name, why))
         return True
     if lins:
-        down = _get(mod, "down_proj")
-        why_not = why_not_fuse(name, mod, GATED_NAMES, lins, owners, FUSED_GATE_UP, "gate/up")
+        paths = tuple(stock_slot(mod, n)[0] for n in GATED_NAMES)
+        down_path, down = stock_slot(mod, "down_proj")
+        why_not = why_not_fuse(name, mod, paths, lins, owners, FUSED_GATE_UP, "gate/up")
         if why_not is not None:  # still through hybridgemm, one GEMM each, the module's own forward
             report.skipped.append((name, f"gate/up not fused: {why_not}; swapped one by one"))
-            for n, lin in zip(GATED_NAMES, lins):
+            for n, lin in zip(paths, lins):
                 swap(qual(name, n), lin, HybridLinear)
         else:
             swap(name, mod, HybridGatedMLP)  # before fuse: swap() leaves modules holding records alone
-            fuse(mod, GATED_NAMES, lins, FUSED_GATE_UP)
+            fuse(mod, paths, lins, FUSED_GATE_UP)
             _set_attr(mod, "glu_activation", act)
             report.fused_mlp.append(name or "(root)")
         if type(down) is nn.Linear:
-            swap(qual(name, "down_proj"), down, HybridLinear)
-        done.update(qual(name, n) for n in (*GATED_NAMES, "down_proj"))
+            swap(qual(name, down_path), down, HybridLinear)
+        done.update(qual(name, n) for n in (*GATED_NAMES, *paths, "down_proj", down_path))
         return True
     act, why = conv_mlp_act(mod, _is_conv1d)
     if why is not None:  # a GPT-2-style MLP that cannot be fused: left alone, with the reason
@@ -462,9 +486,9 @@ def _swap_conv1d(name: str, mod: nn.Module, child: str, act: str | None, report:
 
 def _output_projection(name: str, mod: nn.Module, modules: dict):
     for n in _OUT_NAMES:
-        out = _get(mod, n)
+        path, out = stock_slot(mod, n)
         if type(out) is nn.Linear:
-            return (f"{name}.{n}" if name else n), out
+            return qual(name, path), out
     # BERT/ViT: q/k/v live in `<attn>.self` (or `.attention`), the output in `<attn>.output.dense`
     if name:
         parent_name = name.rpartition(".")[0]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridgemm.fused_rows import qual
+from hybridgemm.fused_rows import adapter_base, qual
 from hybridgemm.norm import RMS_NORM_CLASSES
 
 from .decoder_layer import LAYER_CLASSES
@@ -184,9 +184,12 @@ def unpatched(model: nn.Module, skipped: list[tuple[str, str]], *, attention: bo
                 found.append((name, reason))
             if left or not switches[switch]:
                 covers.append(name)
+        # an adapter's own modules (LoRA's A and B) run as the adapter defines: not the model's projections
+        adapter_parts = tuple(qual(qual(lname, sub), c) + "." for sub, m in layer.named_modules()
+                              if adapter_base(m) is not None for c in m._modules if c != "base_layer")
         for sub, mod in layer.named_modules():
             name = qual(lname, sub)
-            if not sub or is_patched(mod) or listed(name):
+            if not sub or is_patched(mod) or listed(name) or (name + ".").startswith(adapter_parts):
                 continue
             if _is_norm(mod):
                 if norm:

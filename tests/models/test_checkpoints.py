@@ -96,9 +96,12 @@ def test_state_dict_has_stock_keys_and_values(kind):
     sd = patched.state_dict()
     for name, parent in patched.named_modules():
         fused = parent._modules.get("qkv_proj")
-        if isinstance(fused, FusedQKV):  # q/k/v entries are views of the fused weight, as stock ones alias theirs
+        if isinstance(fused, FusedQKV):  # q/k/v entries: copies of the rows, each covering its own storage
             storage = fused.weight.untyped_storage().data_ptr()
-            assert all(sd[f"{name}.{n}.weight"].untyped_storage().data_ptr() == storage for n in fused.names)
+            for n in fused.names:
+                t = sd[f"{name}.{n}.weight"]
+                assert t.untyped_storage().data_ptr() != storage
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
     assert not any("qkv_proj" in k for k in sd)
 
 
