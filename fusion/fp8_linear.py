@@ -9,8 +9,9 @@ weight format, so the format is part of the table key; ``decide.choose_fp8``):
   and activation in its epilogue;
 * ``cublaslt_fp8`` (a table entry only): x quantized to e4m3 per token, cuBLASLt's FP8 GEMM
   with the scales in its scale modes (kernels/cublaslt_fp8.py);
-* ``torch``: the weight dequantized to x's dtype (``kernels.fp8.dequantize``, one rounding),
-  then the dispatcher's decision for that dtype: what any other path would compute.
+* ``torch``: the weight dequantized to x's dtype in one pass (kernels/triton_dequant.py, the
+  values of ``kernels.fp8.dequantize``: one rounding), then the dispatcher's decision for that
+  dtype: what any other path would compute.
 
 CPU tensors, x of another dtype, and CUDA devices without FP8 (compute capability < 8.9,
 warned once) take the dequantized path. Gradients flow to x only: an FP8 weight is frozen
@@ -26,6 +27,7 @@ from hybridgemm import dispatch
 from hybridgemm.kernels import backends, fp8
 from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES, LinearArgumentError, contiguous_bias, row_major, rows_2d
 from hybridgemm.kernels.epilogue import Activation, apply_activation
+from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.kernels.process_memory import per_call_scratch
 
 from .diagnostics import warn_once
@@ -88,7 +90,9 @@ def fp8_linear(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = Non
     if choice.backend in backends.FP8_BACKENDS:  # split-K, or a table's cuBLASLt FP8 entry
         backends.get_backend(choice.backend).run(choice.config, x2, w2, b2, out, act, False, weight_scale=scale)
         return out.view(*x.shape[:-1], n)
-    return dispatch.fused_linear(x, fp8.dequantize(data, scale, x.dtype), bias, act)
+    # past the FP8 kernels' rows: a bf16/fp16 GEMM over the weight dequantized in one pass
+    return dispatch.fused_linear(x, triton_module("triton_dequant").dequantize(w2, scale, granularity, x.dtype),
+                                 bias, act)
 
 
 # ------------------------------------------------------------------------------ custom op

@@ -9,6 +9,9 @@ block (kernels/fp8.py):
   runs; the baseline of ``speedup_vs_flinear``);
 - ``dequant_flinear_<granularity>``: dequantize the e4m3 weight, then ``F.linear`` (the fallback
   where the FP8 path cannot run), per call;
+- ``hybridgemm_<granularity>``: ``hybridgemm.linear(x, w8)``, the path a patched model takes (the
+  table's decision at this M; without an FP8 entry, the weight dequantized in one pass,
+  kernels/triton_dequant.py, then the bf16/fp16 GEMM);
 - ``fp8_cublaslt_<granularity>``: kernels/cublaslt_fp8.run, quantizing x included.
 
 Each provider's result is checked against an fp32 reference (x times the dequantized weight)
@@ -25,6 +28,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+import hybridgemm
 from hybridgemm.kernels import cublaslt_fp8
 from hybridgemm.kernels.fp8 import dequantize, quantize_fp8
 from hybridgemm.kernels.problem import NAME_TO_DTYPE
@@ -60,6 +64,9 @@ def bench_shape(name: str, n: int, k: int, m: int, dtype: torch.dtype, env: dict
             providers["flinear"] = (lambda w16=w16: F.linear(x, w16), "flinear", F.linear(x.float(), w16.float()), "")
         providers[f"dequant_flinear_{g}"] = (
             lambda wq=wq: F.linear(x, dequantize(wq.data, wq.scale, dtype)), "dequant", ref, "")
+        wq16 = quantize_fp8(w.to(dtype), g)  # computing in dtype, as a model's weight would
+        providers[f"hybridgemm_{g}"] = (lambda wq16=wq16: hybridgemm.linear(x, wq16), "dequant",
+                                        F.linear(x.float(), dequantize(wq16.data, wq16.scale, torch.float32)), "")
         ok, why = cublaslt_fp8.check(n, k, dtype, g)
         call = None
         if ok:

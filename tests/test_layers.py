@@ -40,6 +40,7 @@ LAZY_ALLOWED = {
     ("hybridgemm.models.decode_checks", "hybridgemm.kernels.triton_rope"),
     ("hybridgemm.models.decode_checks", "hybridgemm.kernels.triton_decode_attention"),
     ("hybridgemm.norm", "hybridgemm.kernels.triton_rmsnorm"),
+    ("hybridgemm.fp8_linear", "hybridgemm.kernels.triton_dequant"),  # the one-pass dequantization past the FP8 rows
     ("hybridgemm.kernels.cublaslt_fp8", "hybridgemm.kernels.fp8_quant"),
 }
 

@@ -127,3 +127,30 @@ def test_fp8_patched_llama_decodes_as_close_to_fp32_as_dequantized_bf16(granular
     assert calls["fp8"] >= 4 * 2  # QKV, O, gate/up and down of both layers ran the FP8 split-K kernel
     assert _rel(got, want) <= 1.5 * _rel(base, want) + 1e-3, (_rel(got, want), _rel(base, want))
     assert torch.equal(got, again)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("granularity", ["channel", "block128"])
+@pytest.mark.parametrize("n,k", [(1, 16), (257, 300), (6144, 4096)])
+def test_one_pass_dequantize_equals_the_reference_bit_for_bit(dtype, granularity, n, k):
+    """kernels/triton_dequant.py (bf16: the integer e4m3 conversion) against kernels/fp8.py
+    ``dequantize``: every finite e4m3 code appears, scales of several magnitudes, output poisoned."""
+    from hybridgemm.kernels import fp8
+    from hybridgemm.kernels.lazy import triton_module
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    codes = torch.randint(0, 256, (n, k), device="cuda", generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN codes (refused when a weight is made)
+    codes.view(-1)[: min(n * k, 254)] = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F],
+                                                     device="cuda", dtype=torch.uint8)[: min(n * k, 254)]
+    data = codes.view(fp8.E4M3)
+    shape = (n,) if granularity == "channel" else (-(-n // 128), -(-k // 128))
+    scale = torch.rand(shape, device="cuda", generator=g) * 10.0 ** torch.randint(-4, 2, shape, device="cuda",
+                                                                                    generator=g)
+    real_empty = torch.empty
+    try:
+        torch.empty = lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan"))
+        got = triton_module("triton_dequant").dequantize(data, scale, granularity, dtype)
+    finally:
+        torch.empty = real_empty
+    assert torch.equal(got, fp8.dequantize(data, scale, dtype))

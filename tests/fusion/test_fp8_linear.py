@@ -172,3 +172,44 @@ def test_explain_names_the_format_and_refuses_bad_values():
         hybridgemm.explain((1, 4096), (6144, 4096), weights="fp8", granularity="tensor")
     with pytest.raises(ValueError, match="bf16 or fp16"):
         hybridgemm.explain((1, 4096), (6144, 4096), dtype="fp32", weights="fp8")
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block128"])
+@pytest.mark.parametrize("shape", [(1, 16), (3, 130), (200, 260), (257, 384)])
+def test_one_pass_dequantize_equals_the_reference_bit_for_bit(monkeypatch, granularity, shape):
+    """kernels/triton_dequant.py in the interpreter (fp16: the interpreter's bf16 is not
+    trusted) against kernels/fp8.py ``dequantize``, every value, odd shapes, poisoned output."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from hybridgemm.kernels import fp8
+    from hybridgemm.kernels.lazy import triton_module
+
+    q = _weight(*shape, granularity)
+    scale = fp8.scale_vector(q.scale, granularity)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    got = triton_module("triton_dequant").dequantize(q.data, scale, granularity, torch.float16)
+    monkeypatch.setattr(torch, "empty", real_empty)
+    want = fp8.dequantize(q.data, q.scale, torch.float16)
+    assert got.dtype == torch.float16 and torch.equal(got, want)
+
+
+def test_past_the_fp8_kernels_rows_the_gemm_reads_the_one_pass_dequantized_weight(monkeypatch):
+    """The fallback decision on the GPU branch: a bf16/fp16 GEMM over the weight the one-pass
+    kernel made (counted), the result as F.linear over the reference dequantization."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from hybridgemm.kernels.lazy import triton_module
+
+    module = triton_module("triton_dequant")
+    calls = []
+    real = module.dequantize
+    monkeypatch.setattr(module, "dequantize", lambda *a: calls.append(a[2]) or real(*a))
+    monkeypatch.setattr(fp8_linear, "_runs_fp8_kernels", lambda x: True)
+    monkeypatch.setattr(dispatch, "decision_for",
+                        lambda *a, **k: decide.Choice("torch", None, "rule", "k", "test"))
+    monkeypatch.setattr(dispatch, "fused_linear", lambda x, w, b, act: F.linear(x, w, b))
+    for granularity in ("channel", "block128"):
+        q = _weight(70, 200, granularity)
+        x = torch.randn(2, 5, 200).half()
+        got = hybridgemm.linear(x, q)
+        assert torch.equal(got, F.linear(x, q.dequantize(torch.float16)))
+    assert calls == ["channel", "block128"]
