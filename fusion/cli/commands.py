@@ -28,7 +28,7 @@ import torch
 from hybridgemm import explain
 from hybridgemm.autotune_cache import signature, tune_table
 from hybridgemm.autotune_cache.keys import M_MAX, ShapeKey, TableError
-from hybridgemm.autotune_cache.presets import PRESETS, get_preset, parse_shape, preset_from_hf_config
+from hybridgemm.autotune_cache.presets import PRESETS, get_preset, parse_shape, preset_from_hf_config, show_path
 from hybridgemm.autotune_cache.table import (
     TuningTable,
     shipped_devices,
@@ -36,13 +36,14 @@ from hybridgemm.autotune_cache.table import (
     shipped_table_paths,
     user_table_path,
 )
-from hybridgemm.cli.patch_command import add_patch_parser
+from hybridgemm.cli.patch_command import add_patch_parser, dry_run
 from hybridgemm.decide import set_table_path
 from hybridgemm.kernels import backends
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.fp8 import FORMAT_OF
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem, uses_tf32
 from hybridgemm.kernels.version import __version__
+from hybridgemm.models.gemm_shapes import patched_gemms
 from hybridgemm.parallel.sharding import rank_projections
 from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser, cmd_plot
 from hybridgemm.perf.demo import DEMO_MAX_ELEMENTS, run_demo
@@ -131,6 +132,31 @@ def _preset_shapes(preset, tp: int | None, mlp: bool = False) -> list:
     return list(preset.projections if tp is None else rank_projections(preset, tp))
 
 
+def _hf_config_shapes(path: str, tp: int | None, mlp: bool) -> list:
+    """``--hf-config PATH``'s shapes: under ``--tp``, one rank's from the config's fields; else
+    the GEMMs :func:`hybridgemm.patch` runs on the model the config builds (transformers, on
+    the meta device; fusion/models/gemm_shapes.py): attention's, and with ``mlp`` the MLP's
+    and the LM head's. Where transformers cannot build it, the shapes the config's fields give
+    (said on stderr). ``ValueError`` when the patched model runs none of the asked GEMMs."""
+    if tp is not None:
+        return _preset_shapes(preset_from_hf_config(path), tp, mlp)
+    preset_from_hf_config(path, bias_required=False)  # malformed fields: their one-line error, whatever builds
+    try:
+        _, model, _ = dry_run(path)
+    except ValueError as e:
+        preset = preset_from_hf_config(path)  # its own error where the fields do not do either
+        print(f"hybridgemm autotune: {e}; tuning the shapes the config's fields give", file=sys.stderr)
+        return _preset_shapes(preset, None, mlp)
+    attention, rest = patched_gemms(model)
+    shapes = attention + (rest if mlp else [])
+    if not shapes:
+        raise ValueError(f"{show_path(path)}: hybridgemm.patch runs no dispatched GEMM "
+                         f"{'' if mlp else 'in the attention '}of the {type(model).__name__} it configures "
+                         f"(`hybridgemm patch --dry-run --hf-config {path}` says why"
+                         f"{'' if mlp else '; --mlp adds the MLP and LM head'})")
+    return shapes
+
+
 def _cmd_autotune(args) -> int:
     # Shapes first: a bad --model, --hf-config, --shape or --tp is reported on any machine, GPU or not.
     if args.tp is not None and args.tp < 1:
@@ -147,7 +173,7 @@ def _cmd_autotune(args) -> int:
         shapes += _preset_shapes(get_preset(name), args.tp, args.mlp)
     for path in args.hf_config or []:
         try:
-            shapes += _preset_shapes(preset_from_hf_config(path), args.tp, args.mlp)
+            shapes += _hf_config_shapes(path, args.tp, args.mlp)
         except ValueError as e:
             print(f"hybridgemm autotune: {e}", file=sys.stderr)
             return 2
@@ -391,9 +417,12 @@ def _explain_for_device(args) -> int:
         raise ValueError(f"x_shape {tuple(args.x)} has {k} features, w_shape expects {wk}")
     m = math.prod(lead)
     epilogue = Epilogue(Activation.parse(args.activation), not args.no_bias)
-    problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=epilogue, ldx=k, ldw=k, ldo=n, tf32=uses_tf32(dtype))
+    fmt = FORMAT_OF[args.granularity or "channel"] if args.weights == "fp8" else ""
+    problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=epilogue, ldx=k, ldw=k, ldo=n, tf32=uses_tf32(dtype),
+                      weight_format=fmt)
     sig = table.signature
-    print(f"linear {args.dtype} M={m} N={n} K={k} epilogue={epilogue.name}, on an "
+    weight = f" {fmt} weight" if fmt else ""
+    print(f"linear {args.dtype}{weight} M={m} N={n} K={k} epilogue={epilogue.name}, on an "
           f"{_printable(sig.get('gpu_name'))} ({_printable(sig.get('sm_count'))} SMs) with cuBLASLt "
           f"{_printable(sig.get('cublaslt_version'))} and Triton {_printable(sig.get('triton_version'))} "
           f"(shipped table {path.name})")
@@ -405,8 +434,9 @@ def _explain_for_device(args) -> int:
         return 0
     key, entry = hit
     points = ",".join(str(p) for p in entry["m_points"])
+    baseline = "the dequantize-then-F.linear fallback's" if fmt else "F.linear's"
     reason = (f"tuned for M {key.m_lo}-{key.m_hi}, timed at M={points}: worst {entry['worst_ratio']:.3f}x "
-              "F.linear's speed there")
+              f"{baseline} speed there")
     backend = entry["backend"]
     print(f"  key {key.to_string()}")
     if backend == "torch":
@@ -455,6 +485,10 @@ def _cmd_explain(args) -> int:
     :func:`explain` (K must match); ``--device`` must be a GPU model a shipped table is for.
     The explicit table (``--table``, else ``$HYBRIDGEMM_TABLE``) must load as ``show`` loads
     it: if not, the line ``show`` prints for it, and exit code 2."""
+    problem = weight_options_problem(args.weights, args.granularity, args.dtype)
+    if problem:
+        print(f"hybridgemm explain: error: {problem}", file=sys.stderr)
+        return 2
     if args.device is not None:
         return _explain_for_device(args)
     env, env_where = _env_table()
@@ -466,7 +500,9 @@ def _cmd_explain(args) -> int:
             return 2
     if args.table is not None:
         set_table_path(args.table)
-    print(explain(args.x, args.w, args.dtype, bias=not args.no_bias, activation=args.activation))
+    weights = "fp8" if args.weights == "fp8" else "same"
+    print(explain(args.x, args.w, args.dtype, bias=not args.no_bias, activation=args.activation, weights=weights,
+                  granularity=args.granularity or "channel"))
     _print_backends()
     return 0
 
@@ -588,8 +624,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", help="model preset (repeatable): bert-base, gpt2, llama3-8b, ...")
     p.add_argument("--shape", action="append", help="explicit N,K projection shape (repeatable)")
     p.add_argument("--hf-config", action="append", metavar="PATH",
-                   help="a Hugging Face config.json, or a local model directory holding one: tune its "
-                   "q, k/v, qkv and o projections (repeatable; read locally, no transformers needed)")
+                   help="a Hugging Face config.json, or a local model directory holding one: tune the "
+                   "attention GEMMs hybridgemm.patch runs on the model it configures (built by transformers "
+                   "on the meta device, nothing fetched; without transformers, or under --tp, the q, k/v, qkv "
+                   "and o shapes its fields give); repeatable")
     p.add_argument("--mlp", action="store_true",
                    help="also tune the MLP's gate/up and down and the LM head of --model / --hf-config, the "
                    "GEMMs hybridgemm.patch runs through the dispatcher (where the model's sizes are known)")
@@ -625,6 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--no-bias", action="store_true")
     p.add_argument("--activation", choices=["relu", "gelu_tanh", "gelu"])
+    add_weight_options(p, "the weight is FP8 (hybridgemm.quantize_fp8), its own table key")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--table", help="explicit table path (over the user and shipped tables)")
     where.add_argument("--device", metavar="GPU", help="answer for a GPU of this model from its shipped table "

@@ -394,11 +394,10 @@ def test_cli_tp_tunes_one_ranks_shapes(tmp_path, monkeypatch):
 
 
 def test_cli_mlp_adds_the_mlp_and_lm_head_shapes(tmp_path, monkeypatch, capsys):
-    shapes = _tuned_shapes(monkeypatch, ["--hf-config", str(write(tmp_path, LLAMA3_8B)), "--mlp"])
+    shapes = _tuned_shapes(monkeypatch, ["--model", "llama3-8b", "--mlp"])
     assert shapes == [("q", 4096, 4096, False), ("kv", 1024, 4096, False), ("qkv", 6144, 4096, False),
                       ("gate_up", 14336, 4096, False), ("down", 4096, 14336, False),
                       ("lm_head", 128256, 4096, False)]  # o is q's shape: tuned once
-    assert _tuned_shapes(monkeypatch, ["--model", "llama3-8b", "--mlp"]) == shapes
     assert _tuned_shapes(monkeypatch, ["--model", "llama3-8b", "--mlp", "--tp", "2"]) == _tuned_shapes(
         monkeypatch, ["--model", "llama3-8b", "--tp", "2"])
     # a preset without the MLP's sizes (BERT's MLP is not gate/up/down): attention only
@@ -416,3 +415,60 @@ def test_cli_hf_config_tp_that_does_not_split(tmp_path, capsys, tp, needle):
     err = capsys.readouterr().err
     assert err.startswith("hybridgemm autotune: ") and needle in err
     assert len(err.strip().splitlines()) == 1 and "needs a CUDA GPU" not in err
+
+
+# --- --hf-config without --tp: the GEMMs hybridgemm.patch runs on the model the config builds ------
+
+pytest_transformers = pytest.importorskip  # (transformers is a test dependency; the reader above needs none)
+
+
+@pytest.mark.parametrize("cfg, attention, rest", [
+    (LLAMA3_8B, [("qkv", 6144, 4096, False), ("o", 4096, 4096, False)],
+     [("gate_up", 14336, 4096, False), ("down", 4096, 14336, False), ("lm_head", 128256, 4096, False)]),
+    (QWEN25_7B, [("qkv", 4608, 3584, True), ("o", 3584, 3584, False)],
+     [("gate_up", 18944, 3584, False), ("down", 3584, 18944, False), ("lm_head", 152064, 3584, False)]),
+    (GPT2, [("qkv", 2304, 768, True), ("o", 768, 768, True)],
+     [("up", 3072, 768, True), ("down", 768, 3072, True), ("lm_head", 50257, 768, False)]),
+], ids=["llama3-8b", "qwen2.5-7b", "gpt2"])
+def test_cli_hf_config_tunes_the_gemms_the_patched_model_runs(tmp_path, monkeypatch, cfg, attention, rest):
+    pytest_transformers("transformers")
+    path = str(write(tmp_path, cfg))
+    assert _tuned_shapes(monkeypatch, ["--hf-config", path]) == attention  # the fused QKV, not q and k/v apart
+    assert _tuned_shapes(monkeypatch, ["--hf-config", path, "--mlp"]) == attention + rest
+
+
+def test_cli_hf_config_follows_what_patch_fuses(tmp_path, monkeypatch):
+    """A config whose model patch fuses differently gives other shapes: Qwen3 (a head_dim of its
+    own), and a model whose MLP gate/up patch cannot fuse (a shared weight is not in a config, so
+    an activation patch does not fuse: its gate and up run as two dispatched GEMMs of one shape)."""
+    pytest_transformers("transformers")
+    qwen3 = {**LLAMA3_8B, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 64,
+             "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 6144}
+    got = _tuned_shapes(monkeypatch, ["--hf-config", str(write(tmp_path, qwen3)), "--mlp"])
+    assert got == [("qkv", 1536, 4096, False), ("o", 4096, 1024, False), ("gate_up", 6144, 4096, False),
+                   ("down", 4096, 6144, False), ("lm_head", 128256, 4096, False)]
+    relu = {**LLAMA3_8B, "hidden_act": "relu"}  # patch fuses only SiLU/GELU gated MLPs: this one is left alone
+    got = _tuned_shapes(monkeypatch, ["--hf-config", str(write(tmp_path, relu)), "--mlp"])
+    assert got == [("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("lm_head", 128256, 4096, False)]
+
+
+def test_cli_hf_config_of_a_model_patch_leaves_alone(tmp_path, monkeypatch, capsys):
+    pytest_transformers("transformers")
+    phi3 = {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "hidden_size": 256,
+            "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2,
+            "vocab_size": 32064, "tie_word_embeddings": False}
+    path = str(write(tmp_path, phi3))
+    monkeypatch.setattr("hybridgemm.cli.commands._need_gpu", lambda what: True)
+    assert main(["autotune", "--hf-config", path]) == 2
+    err = capsys.readouterr().err
+    assert "runs no dispatched GEMM in the attention of the Phi3ForCausalLM" in err and "--mlp adds" in err
+    assert _tuned_shapes(monkeypatch, ["--hf-config", path, "--mlp"]) == [("lm_head", 32064, 256, False)]
+
+
+def test_cli_hf_config_transformers_cannot_build_falls_back_to_the_fields(tmp_path, monkeypatch, capsys):
+    """A model_type transformers does not know: the shapes the config's fields give, said on stderr."""
+    cfg = {**LLAMA3_8B, "model_type": "not-a-transformers-model"}
+    got = _tuned_shapes(monkeypatch, ["--hf-config", str(write(tmp_path, cfg))])
+    assert got == [("q", 4096, 4096, False), ("kv", 1024, 4096, False), ("qkv", 6144, 4096, False)]
+    err = capsys.readouterr().err
+    assert "is not one transformers" in err and "tuning the shapes the config's fields give" in err

@@ -258,8 +258,12 @@ def test_explain_device_from_the_real_shipped_table(capsys, monkeypatch):
     path = T.shipped_table_for_device("h200")
     assert path is not None and path.parent == L.shipped_table_dir()
     table = TuningTable.load(path, strict=True)
-    for k, e in sorted(table.entries.items(), key=lambda item: item[0].to_string())[::17]:
+    entries = sorted(table.entries.items(), key=lambda item: item[0].to_string())
+    assert any(k.op == "linear_e4m3_channel" for k, _ in entries[::17])
+    for k, e in entries[::17]:
         argv = ["--x", f"{k.m_hi},{k.k}", "--w", f"{k.n},{k.k}"] + ([] if k.epilogue == "bias" else ["--no-bias"])
+        if k.op != "linear":  # an FP8 weight's key (op linear_e4m3_<granularity>)
+            argv += ["--weights", "fp8", "--granularity", k.op.rpartition("_")[2]]
         out = device_explain(capsys, *argv, "--device", "h200")
         assert out[1] == f"  key {k.to_string()}"
         assert out[2].startswith(f"  runs {e['backend']}") and f"worst {e['worst_ratio']:.3f}x" in out[2]

@@ -1,0 +1,68 @@
+"""The GEMM shapes a patched model runs, read from the modules :func:`hybridgemm.patch` put in
+place (what ``hybridgemm autotune --hf-config`` tunes: the model built from the config on the
+meta device and patched, fusion/cli/patch_command.py): a fused Q/K/V or gate/up weight, each
+dispatched linear (:class:`~hybridgemm.HybridLinear`, FP8 included) and GPT-2's Conv1D
+stand-ins. Modules patch left alone run no dispatched GEMM and give no shape.
+
+Names follow the presets' (autotune_cache/presets.py): ``qkv`` (a fused Q/K/V), ``o``,
+``gate_up`` (one part's shape: the gated product runs two GEMMs of it past the gated
+kernel's rows, fusion/mlp.py), ``down``, ``lm_head``; other linears by their attribute name.
+A shape belongs to attention when its module sits under a module named like an attention
+block (``self_attn``, ``attn``, ``attention``, ...), else to the MLP and LM head group.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hybridgemm.autotune_cache.presets import ProjectionShape
+from hybridgemm.fused_rows import FusedLinears
+from hybridgemm.linear_layer import HybridLinear
+from hybridgemm.mlp import FUSED_GATE_UP
+
+from .patching import HybridConv1D
+
+ATTENTION_BLOCKS = frozenset({"self_attn", "attn", "attention", "self_attention", "cross_attn", "encoder_attn"})
+_ROLES = {"o_proj": "o", "out_proj": "o", "dense": "o", "c_proj": "o", "c_attn": "qkv", "down_proj": "down",
+          "lm_head": "lm_head", "c_fc": "up"}
+_ORDER = ("qkv", "o", "gate_up", "up", "down", "lm_head")
+
+
+def _role(name: str, attention: bool) -> str:
+    attr = name.rpartition(".")[2]
+    if attr == "c_proj" and not attention:
+        return "down"
+    if attr == "dense" and not attention:
+        return "down" if name.endswith("output.dense") else "up"
+    return _ROLES.get(attr, attr)
+
+
+def patched_gemms(model: nn.Module) -> tuple[list[ProjectionShape], list[ProjectionShape]]:
+    """(attention shapes, MLP and LM head shapes) of the dispatched GEMMs of the patched
+    ``model``, each (N, K, bias) once, in module order (a shape of both groups counts as
+    attention's)."""
+    groups: tuple[list, list] = ([], [])
+    seen: set[tuple[int, int, bool]] = set()
+    for name, mod in model.named_modules():
+        attention = not ATTENTION_BLOCKS.isdisjoint(name.split(".")[:-1])
+        if isinstance(mod, FusedLinears):
+            k, bias = mod.weight.shape[1], mod.bias is not None
+            gate_up = name.rpartition(".")[2] == FUSED_GATE_UP
+            shape = ProjectionShape("gate_up", mod.sizes[0], k, bias) if gate_up \
+                else ProjectionShape("qkv", sum(mod.sizes), k, bias)
+        elif isinstance(mod, HybridLinear):
+            shape = ProjectionShape(_role(name, attention), mod.out_features, mod.in_features, mod.bias is not None)
+        elif isinstance(mod, HybridConv1D):
+            shape = ProjectionShape(_role(name, attention), mod.nf, mod.nx, mod.bias is not None)
+        else:
+            continue
+        key = (shape.n, shape.k, shape.bias)
+        if key not in seen:
+            seen.add(key)
+            groups[0 if attention else 1].append(shape)
+    for group in groups:  # the presets' order; a stable sort keeps module order among the rest
+        group.sort(key=lambda p: _ORDER.index(p.name) if p.name in _ORDER else len(_ORDER))
+    return groups
+
+
+__all__ = ["ATTENTION_BLOCKS", "patched_gemms"]
