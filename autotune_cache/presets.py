@@ -234,7 +234,7 @@ def _safe_name(text: object) -> str:
     return name.strip("-._")[:64].strip("-._")
 
 
-def preset_from_hf_config(path: str | os.PathLike, bias_required: bool = True) -> ModelPreset:
+def preset_from_hf_config(path: str | os.PathLike) -> ModelPreset:
     """Attention projection shapes of any model, from its Hugging Face ``config.json``.
 
     ``path`` is a ``config.json`` file or a local model directory holding one; the file is
@@ -251,9 +251,7 @@ def preset_from_hf_config(path: str | os.PathLike, bias_required: bool = True) -
     name of the file's directory, lowercased to ``[a-z0-9._-]``.
 
     Every problem (unreadable file, bad JSON, missing or invalid field) raises a one-line
-    ``ValueError`` that names the file and the field. ``bias_required=False``: an attention
-    bias the fields do not give reads as none (for a caller that checks the fields here and
-    reads the bias from the model itself).
+    ``ValueError`` that names the file and the field.
     """
     file, top = read_hf_config(path)
     shown = show_path(file)
@@ -332,8 +330,6 @@ def preset_from_hf_config(path: str | os.PathLike, bias_required: bool = True) -
         qkv_bias, o_bias = default
     elif qkv_only is not None:
         qkv_bias, o_bias = qkv_only, False  # a q/k/v-only switch: the output projection has none
-    elif not bias_required:
-        qkv_bias, o_bias = False, False
     else:
         raise ValueError(f"{shown}: {prefix}attention_bias: missing, and model_type {_show(model_type)} is not "
                          "one whose attention bias is known; add \"attention_bias\": true or false")

@@ -9,7 +9,10 @@ Found by module structure, never by model name (``transformers`` is never import
   module's class becomes :class:`HybridGatedMLP`, whose forward is
   ``down_proj(gated_linear(x, gate_up_proj.weight, gate_up_proj.bias, act))``;
   ``down_proj`` (if a plain ``nn.Linear``) becomes a :class:`~hybridgemm.HybridLinear`.
-* **Bias + GELU MLPs** through the fused bias + activation epilogues: GPT-2's ``c_fc``/``c_proj``
+* **Gated MLPs whose gate and up are one linear already** (Phi-3's ``gate_up_proj``):
+  :class:`HybridPrefusedGatedMLP`, the same gated product over that weight as it is.
+* **Bias + GELU MLPs** through the fused bias + activation epilogues (GPT-NeoX's and Falcon's
+  ``dense_h_to_4h``/``dense_4h_to_h`` too, :class:`HybridTwoLayerMLP`): GPT-2's ``c_fc``/``c_proj``
   (transformers' ``Conv1D``) with ``act``; BERT's ``intermediate.dense`` with
   ``intermediate_act_fn`` and its sibling ``output.dense``. The activation moves into the first
   GEMM's epilogue and the module's class becomes one whose forward does not apply it again.
@@ -30,7 +33,7 @@ from hybridgemm.kernels.lazy import triton_module
 
 from .decide import choose_gated
 from .fused_rows import FusedSlice, stock_slot
-from .linear_layer import linear
+from .linear_layer import HybridLinear, linear
 
 GATED_NAMES = ("gate_proj", "up_proj")
 FUSED_GATE_UP = "gate_up_proj"
@@ -138,6 +141,75 @@ class HybridGatedMLP(nn.Module):
         return self.down_proj(gated_linear(x, fused.weight, fused.bias, self.glu_activation))
 
 
+class HybridPrefusedGatedMLP(nn.Module):
+    """Stands in for a gated MLP whose model stacks gate and up in one linear already (Phi-3's
+    ``gate_up_proj``, rows ``[gate; up]``, ``activation_fn``): the gated product by
+    :func:`gated_linear` over that weight as it is, then ``down_proj``. ``gate_up_proj`` is a
+    :class:`~hybridgemm.HybridLinear` (what runs it when something wraps or hooks it)."""
+
+    glu_activation = "silu"
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = self._modules[FUSED_GATE_UP]
+        if type(gate_up) is not HybridLinear or _hooked(gate_up):
+            # wrapped, replaced or hooked since patching: the module's own computation, calling it
+            gate, up = gate_up(x).chunk(2, dim=-1)
+            return self.down_proj(up * self.activation_fn(gate))
+        return self.down_proj(gated_linear(x, gate_up.weight, gate_up.bias, self.glu_activation))
+
+
+class HybridTwoLayerMLP(nn.Module):
+    """Stands in for GPT-NeoX's and Falcon's MLP (``dense_h_to_4h``, ``act``, ``dense_4h_to_h``):
+    ``dense_h_to_4h`` carries the activation in its epilogue."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dense_4h_to_h(self.dense_h_to_4h(x))
+
+
+def _hooked(mod: nn.Module) -> bool:
+    return bool(mod._forward_hooks or mod._forward_pre_hooks) or "forward" in mod.__dict__
+
+
+def plain_linear(mod) -> bool:
+    """An ``nn.Linear``, or a subclass of transformers' that computes what it computes (Falcon's
+    ``FalconLinear``: ``x @ W.T + b``)."""
+    t = type(mod)
+    return t is nn.Linear or (t.__name__ == "FalconLinear" and t.__module__.startswith("transformers")
+                              and t.__bases__ == (nn.Linear,))
+
+
+def prefused_gated_parts(mod: nn.Module) -> tuple[nn.Module | None, str | None, str | None]:
+    """(``gate_up_proj``, activation, reason not to patch) for an MLP whose gate and up are one
+    linear already (Phi-3); ``(None, None, None)`` when ``mod`` is not one."""
+    gate_up, down = mod._modules.get(FUSED_GATE_UP), mod._modules.get("down_proj")
+    act_fn = getattr(mod, "activation_fn", None)
+    if gate_up is None or down is None or not isinstance(act_fn, nn.Module) or "gate_proj" in mod._modules:
+        return None, None, None
+    if type(gate_up) is not nn.Linear:
+        return None, None, f"gate_up_proj is {type(gate_up).__name__}, not a plain nn.Linear"
+    act = activation_name(act_fn)
+    if act not in GLU_FUNCTIONS:
+        return None, None, f"gated MLP with activation_fn {type(act_fn).__name__}: only SiLU and GELU are fused"
+    if gate_up.out_features % 2:
+        return None, None, f"gate_up_proj has an odd number of rows ({gate_up.out_features})"
+    return gate_up, act, None
+
+
+def two_layer_act(mod: nn.Module) -> tuple[str | None, str | None]:
+    """(activation, reason not to) for a GPT-NeoX/Falcon-style MLP (``dense_h_to_4h``, ``act``,
+    ``dense_4h_to_h``); (None, None) for anything else."""
+    up, down, act = (mod._modules.get("dense_h_to_4h"), mod._modules.get("dense_4h_to_h"),
+                     getattr(mod, "act", None))
+    if up is None or down is None or not isinstance(act, nn.Module):
+        return None, None
+    if not (plain_linear(up) and plain_linear(down)):
+        return None, f"dense_h_to_4h/dense_4h_to_h are {type(up).__name__}, {type(down).__name__}, not plain linears"
+    name = activation_name(act)
+    if name not in ("gelu", "gelu_tanh", "relu"):
+        return None, f"act {type(act).__name__} has no fused epilogue"
+    return name, None
+
+
 class HybridIntermediate(nn.Module):
     """Stands in for BERT's intermediate module: ``dense`` carries the activation in its epilogue."""
 
@@ -199,9 +271,13 @@ def conv_mlp_act(mod: nn.Module, is_conv1d) -> tuple[str | None, str | None]:
     return act, None
 
 
+LM_HEAD_NAMES = ("lm_head", "embed_out")  # embed_out: GPT-NeoX's
+
+
 def is_lm_head(name: str, mod: nn.Module) -> bool:
-    return name.rpartition(".")[2] == "lm_head" and type(mod) is nn.Linear
+    return name.rpartition(".")[2] in LM_HEAD_NAMES and type(mod) is nn.Linear
 
 
-__all__ = ["GLU_FUNCTIONS", "HybridConvMLP", "HybridGatedMLP", "HybridIntermediate", "activation_name",
-           "gated_linear"]
+__all__ = ["GLU_FUNCTIONS", "HybridConvMLP", "HybridGatedMLP", "HybridIntermediate", "HybridPrefusedGatedMLP",
+           "HybridTwoLayerMLP", "activation_name", "gated_linear", "plain_linear", "prefused_gated_parts",
+           "two_layer_act"]

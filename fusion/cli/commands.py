@@ -140,13 +140,18 @@ def _hf_config_shapes(path: str, tp: int | None, mlp: bool) -> list:
     (said on stderr). ``ValueError`` when the patched model runs none of the asked GEMMs."""
     if tp is not None:
         return _preset_shapes(preset_from_hf_config(path), tp, mlp)
-    preset_from_hf_config(path, bias_required=False)  # malformed fields: their one-line error, whatever builds
     try:
         _, model, _ = dry_run(path)
     except ValueError as e:
         preset = preset_from_hf_config(path)  # its own error where the fields do not do either
         print(f"hybridgemm autotune: {e}; tuning the shapes the config's fields give", file=sys.stderr)
         return _preset_shapes(preset, None, mlp)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 and heads % kv_heads:
+        # transformers builds such a model; it fails on its first forward
+        raise ValueError(f"{show_path(path)}: num_key_value_heads: {heads} attention heads are not a multiple of "
+                         f"{kv_heads} key/value heads")
     attention, rest = patched_gemms(model)
     shapes = attention + (rest if mlp else [])
     if not shapes:

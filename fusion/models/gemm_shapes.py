@@ -23,8 +23,9 @@ from hybridgemm.mlp import FUSED_GATE_UP
 from .patching import HybridConv1D
 
 ATTENTION_BLOCKS = frozenset({"self_attn", "attn", "attention", "self_attention", "cross_attn", "encoder_attn"})
-_ROLES = {"o_proj": "o", "out_proj": "o", "dense": "o", "c_proj": "o", "c_attn": "qkv", "down_proj": "down",
-          "lm_head": "lm_head", "c_fc": "up"}
+_ROLES = {"o_proj": "o", "out_proj": "o", "dense": "o", "c_proj": "o", "c_attn": "qkv", "qkv_proj": "qkv",
+          "query_key_value": "qkv", "Wqkv": "qkv", "down_proj": "down", "lm_head": "lm_head", "embed_out": "lm_head",
+          "c_fc": "up", "dense_h_to_4h": "up", "dense_4h_to_h": "down"}
 _ORDER = ("qkv", "o", "gate_up", "up", "down", "lm_head")
 
 
@@ -50,6 +51,9 @@ def patched_gemms(model: nn.Module) -> tuple[list[ProjectionShape], list[Project
             gate_up = name.rpartition(".")[2] == FUSED_GATE_UP
             shape = ProjectionShape("gate_up", mod.sizes[0], k, bias) if gate_up \
                 else ProjectionShape("qkv", sum(mod.sizes), k, bias)
+        elif isinstance(mod, HybridLinear) and name.rpartition(".")[2] == FUSED_GATE_UP:
+            # a model's own stacked gate/up (Phi-3): the gated product runs GEMMs of one half's shape
+            shape = ProjectionShape("gate_up", mod.out_features // 2, mod.in_features, mod.bias is not None)
         elif isinstance(mod, HybridLinear):
             shape = ProjectionShape(_role(name, attention), mod.out_features, mod.in_features, mod.bias is not None)
         elif isinstance(mod, HybridConv1D):

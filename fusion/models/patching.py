@@ -9,6 +9,9 @@ same layout is covered; ``transformers`` is never imported here):
   Mistral, ...) or ``query/key/value`` (BERT, ViT, ...): Q, K and V are *fused* into one
   GEMM (``qkv_proj``); the output projection (``o_proj``/``out_proj`` child, or BERT/ViT's
   sibling ``output.dense``) becomes a :class:`~hybridgemm.HybridLinear`.
+* a module whose Q/K/V are one linear already (``qkv_proj``, ``query_key_value``, ``Wqkv``:
+  Phi-3, GPT-NeoX, Falcon) with an output linear (``o_proj``, ``dense``, ``out_proj``): both
+  become :class:`~hybridgemm.HybridLinear` as they are (their row layout is the model's).
 * GPT-2 style ``c_attn``/``c_proj`` (transformers' ``Conv1D``, ``x @ W + b`` with W stored
   (in, out)): each becomes a :class:`HybridConv1D`. ``c_attn`` is already one fused QKV GEMM.
 * ``nn.MultiheadAttention``: becomes :class:`~hybridgemm.attention.HybridMultiheadAttention`.
@@ -105,10 +108,15 @@ from hybridgemm.mlp import (
     HybridConvMLP,
     HybridGatedMLP,
     HybridIntermediate,
+    HybridPrefusedGatedMLP,
+    HybridTwoLayerMLP,
     conv_mlp_act,
     gated_parts,
     intermediate_act,
     is_lm_head,
+    plain_linear,
+    prefused_gated_parts,
+    two_layer_act,
 )
 from hybridgemm.norm import HybridRMSNorm, is_rms_norm
 
@@ -122,6 +130,7 @@ from .unpatched import unpatched
 _QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 _OUT_NAMES = ("o_proj", "out_proj")
 _FUSED_NAME = "qkv_proj"
+_PREFUSED_QKV = ("qkv_proj", "query_key_value", "Wqkv")
 
 # The fused Q/K/V module and the modules standing where q_proj/k_proj/v_proj stood.
 FusedQKV = FusedLinears
@@ -344,6 +353,10 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
             continue
         names = next((t for t in _QKV_NAMES if all(_get(mod, n) is not None for n in t)), None)
         if names is None:
+            prefused = _prefused_attention(mod)
+            for child in prefused:  # Phi-3, GPT-NeoX, Falcon: Q/K/V one linear already, each swapped
+                swap(qual(name, child), _get(mod, child), HybridLinear)
+            done.update(qual(name, child) for child in prefused)
             continue
         paths, lins = zip(*(stock_slot(mod, n) for n in names))  # the linears, or what adapters wrap
         if all(records(lin) for lin in lins):
@@ -447,6 +460,31 @@ def _patch_mlp(name: str, mod: nn.Module, modules: dict, owners: dict, report: P
             swap(qual(name, down_path), down, HybridLinear)
         done.update(qual(name, n) for n in (*GATED_NAMES, *paths, "down_proj", down_path))
         return True
+    gate_up, act, why = prefused_gated_parts(mod)
+    if why is not None:
+        report.skipped.append((name, why))
+        return True
+    if gate_up is not None:  # Phi-3: gate and up stacked in one linear already
+        swap(name, mod, HybridPrefusedGatedMLP)
+        swap(qual(name, FUSED_GATE_UP), gate_up, HybridLinear)
+        _set_attr(mod, "glu_activation", act)
+        report.fused_mlp.append(name or "(root)")
+        down_path, down = stock_slot(mod, "down_proj")
+        if type(down) is nn.Linear:
+            swap(qual(name, down_path), down, HybridLinear)
+        done.update(qual(name, n) for n in (FUSED_GATE_UP, "down_proj", down_path))
+        return True
+    act, why = two_layer_act(mod)
+    if why is not None:
+        report.skipped.append((name, why))
+        return True
+    if act is not None:  # GPT-NeoX, Falcon: the activation in the first GEMM's epilogue
+        up, down = _get(mod, "dense_h_to_4h"), _get(mod, "dense_4h_to_h")
+        swap(qual(name, "dense_h_to_4h"), up, HybridLinear)
+        _set_attr(up, "activation", act)
+        swap(qual(name, "dense_4h_to_h"), down, HybridLinear)
+        swap(name, mod, HybridTwoLayerMLP)
+        return True
     act, why = conv_mlp_act(mod, _is_conv1d)
     if why is not None:  # a GPT-2-style MLP that cannot be fused: left alone, with the reason
         report.skipped.append((name, why))
@@ -497,6 +535,15 @@ def _output_projection(name: str, mod: nn.Module, modules: dict):
         if type(dense) is nn.Linear:
             return (f"{parent_name}.output.dense" if parent_name else "output.dense"), dense
     return None, None
+
+
+def _prefused_attention(mod: nn.Module) -> tuple[str, ...]:
+    """The children of an attention module whose Q/K/V are one linear already (``qkv_proj``,
+    ``query_key_value``, ``Wqkv``) with its output linear (``o_proj``, ``dense``, ``out_proj``):
+    their names, or () for any other module."""
+    qkv = next((n for n in _PREFUSED_QKV if plain_linear(_get(mod, n))), None)
+    out = next((n for n in _OUT_NAMES + ("dense",) if plain_linear(_get(mod, n))), None)
+    return (qkv, out) if qkv is not None and out is not None else ()
 
 
 def _why_not_fuse(name: str, mod: nn.Module, names, lins: list[nn.Linear], owners: dict) -> str | None:

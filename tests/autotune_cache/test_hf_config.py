@@ -453,16 +453,16 @@ def test_cli_hf_config_follows_what_patch_fuses(tmp_path, monkeypatch):
 
 
 def test_cli_hf_config_of_a_model_patch_leaves_alone(tmp_path, monkeypatch, capsys):
-    pytest_transformers("transformers")
-    phi3 = {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "hidden_size": 256,
-            "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2,
-            "vocab_size": 32064, "tie_word_embeddings": False}
-    path = str(write(tmp_path, phi3))
+    """Mamba: no attention, its mixer's linears left alone; only the LM head is dispatched."""
+    transformers = pytest_transformers("transformers")
+    cfg = transformers.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=1000, state_size=16).to_dict()
+    path = str(write(tmp_path, cfg))
     monkeypatch.setattr("hybridgemm.cli.commands._need_gpu", lambda what: True)
     assert main(["autotune", "--hf-config", path]) == 2
     err = capsys.readouterr().err
-    assert "runs no dispatched GEMM in the attention of the Phi3ForCausalLM" in err and "--mlp adds" in err
-    assert _tuned_shapes(monkeypatch, ["--hf-config", path, "--mlp"]) == [("lm_head", 32064, 256, False)]
+    assert "runs no dispatched GEMM in the attention of the MambaForCausalLM" in err and "--mlp adds" in err
+    assert len(err.strip().splitlines()) == 1
+    assert _tuned_shapes(monkeypatch, ["--hf-config", path, "--mlp"]) == [("lm_head", 1000, 64, False)]
 
 
 def test_cli_hf_config_transformers_cannot_build_falls_back_to_the_fields(tmp_path, monkeypatch, capsys):
