@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The CPU suite (Triton interpreter, no GPU) on the ends of the range pyproject.toml declares:
-#   oldest: torch 2.10.0, triton 3.6.0, numpy 2.2.6
-#   newest: torch 2.15.0, triton 3.9.0, numpy 2.4.6
+#   oldest: torch 2.10.0, triton 3.6.0, numpy 2.2.6, transformers 5.8.1
+#   newest: torch 2.15.0, triton 3.9.0, numpy 2.4.6, transformers 5.24.0
+# (the model tests, tests/models, assert per family that the fused decode step is taken and
+# matches stock: on both transformers releases)
 # Each stack gets its own venv, .venv/stacks/NAME (git-ignored with .venv/), installed once and
 # re-checked when pyproject.toml or this file changes. PyPI has no CPU build of these torch
 # releases, so their CUDA builds are installed (~6-7 GB each) and run on the CPU. Installs bypass
@@ -30,8 +32,8 @@ done
 
 pins() {
   case "$1" in
-    oldest) echo "torch==2.10.0 triton==3.6.0 numpy==2.2.6" ;;
-    newest) echo "torch==2.15.0 triton==3.9.0 numpy==2.4.6" ;;
+    oldest) echo "torch==2.10.0 triton==3.6.0 numpy==2.2.6 transformers==5.8.1" ;;
+    newest) echo "torch==2.15.0 triton==3.9.0 numpy==2.4.6 transformers==5.24.0" ;;
     *) return 1 ;;
   esac
 }
@@ -68,8 +70,9 @@ for name in "${names[@]}"; do
     [ $discard = 1 ] && rm -rf "$venv"
     continue
   fi
-  echo "== stack $name: $("$venv/bin/python" -c 'import numpy, torch, triton
-print(f"torch {torch.__version__}, triton {triton.__version__}, numpy {numpy.__version__}")')"
+  echo "== stack $name: $("$venv/bin/python" -c 'import numpy, torch, transformers, triton
+print(f"torch {torch.__version__}, triton {triton.__version__}, numpy {numpy.__version__}, "
+      f"transformers {transformers.__version__}")')"
   # No GPU is used even where one exists: the gpu tests skip, kernels run in the interpreter.
   CUDA_VISIBLE_DEVICES="" TRITON_INTERPRET=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider \
     -n "${HYBRIDGEMM_TEST_JOBS:-auto}" "$@"

@@ -307,18 +307,23 @@ def test_nan_weights_raise_at_patch_time_and_change_nothing(fmt, checkpoints, lo
 def test_misshapen_scales_raise_a_clear_error(fmt, checkpoints, load, tmp_path):
     name = "weight_scale" if fmt in CT_SCHEMES else "weight_scale_inv"
     key = f"{LAYER}.self_attn.k_proj.{name}"
-    # transformers refuses such a file itself ...
-    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
-        load(_with(checkpoints(fmt), tmp_path, key, lambda t: t[:1, :1]))
-    # ... a module holding one (a state built another way) is refused by patch
+    stated = "channel" if fmt in CT_SCHEMES else "block"
+    message = (rf"{key} has shape \(1, 1\), which does not fit its \(128, 256\) e4m3 weight \(its quantization "
+               rf"states {stated}\): per channel \(128, 1\).*per 128x128 block \(1, 2\)")
+    # transformers (5.2x) refuses such a file itself; releases that load it leave it to patch
+    try:
+        loaded = load(_with(checkpoints(fmt), tmp_path, key, lambda t: t[:1, :1]))
+    except RuntimeError as e:
+        assert "ignore_mismatched_sizes" in str(e)
+    else:
+        with pytest.raises(FP8FormatError, match=message):
+            hybridgemm.patch(loaded)
+    # a module holding one (a state built another way) is refused by patch
     model = load(checkpoints(fmt))
     classes = {n: type(m) for n, m in model.named_modules()}
     k_proj = model.model.layers[0].self_attn.k_proj
     setattr(k_proj, name, nn.Parameter(getattr(k_proj, name).detach()[:1, :1].clone(), requires_grad=False))
-    stated = "channel" if fmt in CT_SCHEMES else "block"
-    with pytest.raises(FP8FormatError, match=rf"{key} has shape \(1, 1\), which does not fit its \(128, 256\) e4m3 "
-                                             rf"weight \(its quantization states {stated}\): per channel \(128, 1\)"
-                                             r".*per 128x128 block \(1, 2\)"):
+    with pytest.raises(FP8FormatError, match=message):
         hybridgemm.patch(model)
     assert {n: type(m) for n, m in model.named_modules()} == classes  # nothing was changed
 
@@ -362,7 +367,10 @@ def test_other_fp8_linear_modules(kind):
     n, k = 96, 80
     w = torch.randn(n, k)
     if kind == "compressed_tensors_fp8_linear":
-        from transformers.integrations.compressed_tensors import CompressedTensorsFP8Linear
+        try:
+            from transformers.integrations.compressed_tensors import CompressedTensorsFP8Linear
+        except ImportError:
+            pytest.skip("this transformers has no CompressedTensorsFP8Linear (transformers 5.14 and later have)")
 
         lin = CompressedTensorsFP8Linear(k, n, has_bias=True)
         scale = w.abs().amax(1) / 448
