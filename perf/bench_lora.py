@@ -36,6 +36,8 @@ from hybridgemm.perf.bench_msweep import git_commit, gpu_label
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 KEY = ("gpu", "model", "layers", "rank", "mode", "batch", "variant")
+COLUMNS = (*KEY, "status", "ms_per_token", "speedup", "prefill_err", "decode_err", "error_ratio", "note", "peft",
+           "torch", "triton", "cublaslt", "nvmath", "hybridgemm", "host", "date", "commit", "command")
 B_SCALE = 0.02  # LoRA B's random values times this: the adapter's term a few percent of the output
 
 
@@ -149,10 +151,7 @@ def main(argv=None) -> int:
                 print(f"{mode} B={batch} {v}: {row['ms_per_token'] or row['status']} ms/token, "
                       f"speedup {row['speedup'] or '-'}")
     out = args.out or f"lora_{gpu_label(gpu)}.csv"
-    old = [r for r in csvio.read_rows(out) if tuple(str(r.get(c, "")) for c in KEY)
-           not in {tuple(str(n.get(c, "")) for c in KEY) for n in rows}]
-    cols = list(dict.fromkeys(c for r in old + rows for c in r))
-    csvio.write_csv(out, cols, old + rows)
+    be.upsert(out, rows, COLUMNS, KEY)
     print(f"wrote {len(rows)} rows to {os.path.abspath(out)}")
     return 0
 
