@@ -16,6 +16,11 @@ or fp32 with every weight in x's dtype (or e4m3 with bf16 x: fusion/fp8_modules.
 :data:`DECODE_ROWS` rows, no gradient wanted,
 no autocast, the default dispatch mode, and no hooks on the modules the step does not call
 (norms, attention, its projections, the MLP, down). Elsewhere the stock forward runs.
+
+PEFT LoRA layers over the fused parts (the slices of Q/K/V and gate/up, O and down) keep the
+step: it adds their terms itself (fusion/models/adapter_terms.py) where a call allows
+(:func:`adapter_terms.computable`, no gradient wanted for the adapters); any other wrapper, or
+a LoRA form the step does not compute, gives the layer's own forward for that call.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from hybridgemm.linear_layer import HybridLinear, PartialSumLinear
 from hybridgemm.mlp import FUSED_GATE_UP, HybridGatedMLP
 from hybridgemm.mode_state import DEFAULT, get_mode
 from hybridgemm.norm import HybridRMSNorm
+
+from . import adapter_terms
 
 DECODE_ROWS = 16  # rows up to which the fused path runs (the gated kernel's decode configs)
 QKV_NAME = "qkv_proj"  # the fused Q/K/V module of a patched attention
@@ -413,26 +420,62 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     return layer, cos, sin, layer is layers[0]
 
 
+_ATTENTION_SLOTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP_SLOTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def projection_base(mod: nn.Module | None) -> nn.Module | None:
+    """The linear the step computes for a projection slot: what a LoRA layer wraps, else itself."""
+    return adapter_base(mod) if adapter_terms.is_lora_linear(mod) else mod
+
+
 def _fused_parts(layer: nn.Module) -> list[nn.Module]:
     attn, mlp = layer.self_attn, layer.mlp
-    return [layer.input_layernorm, layer.post_attention_layernorm, attn._modules[QKV_NAME], attn.o_proj,
-            mlp._modules[FUSED_GATE_UP], mlp.down_proj]
+    return [layer.input_layernorm, layer.post_attention_layernorm, attn._modules[QKV_NAME],
+            projection_base(attn.o_proj), mlp._modules[FUSED_GATE_UP], projection_base(mlp.down_proj)]
+
+
+def _adapters(layer: nn.Module) -> list[nn.Module]:
+    """The LoRA layers over the layer's projections."""
+    slots = [layer.self_attn._modules.get(n) for n in _ATTENTION_SLOTS]
+    slots += [layer.mlp._modules.get(n) for n in _MLP_SLOTS]
+    return [m for m in slots if adapter_terms.is_lora_linear(m)]
+
+
+def _in_place(mod: nn.Module | None, made: Callable[[nn.Module | None], bool]) -> bool:
+    """``mod`` is what patch made (``made``), or a LoRA layer over one whose terms the step
+    adds in this call."""
+    if made(mod):
+        return True
+    return adapter_terms.is_lora_linear(mod) and made(adapter_base(mod)) and adapter_terms.computable(mod)
+
+
+def _slice(mod) -> bool:
+    return type(mod) is FusedSlice
+
+
+def _own_projection(mod) -> bool:
+    return type(mod) in (HybridLinear, FP8HybridLinear)
 
 
 def _parts_in_place(layer: nn.Module) -> bool:
-    """Are the modules the step stands for still the ones patch made (none wrapped or replaced
-    since, by a LoRA adapter for one)?"""
+    """Are the modules the step stands for still the ones patch made, or LoRA layers over them
+    whose terms the step adds (none wrapped or replaced otherwise since)? A LoRA layer over a
+    row-parallel O or down is not computed here."""
     attn, mlp = layer.self_attn._modules, layer.mlp._modules
-    return (all(type(attn.get(n)) is FusedSlice for n in ("q_proj", "k_proj", "v_proj"))
-            and all(type(mlp.get(n)) is FusedSlice for n in ("gate_proj", "up_proj"))
-            and _fusable_projection(attn.get("o_proj")) and _fusable_projection(mlp.get("down_proj")))
+    o, down = attn.get("o_proj"), mlp.get("down_proj")
+    return (all(_in_place(attn.get(n), _slice) for n in ("q_proj", "k_proj", "v_proj"))
+            and all(_in_place(mlp.get(n), _slice) for n in ("gate_proj", "up_proj"))
+            and (_fusable_projection(o) or _in_place(o, _own_projection))
+            and (_fusable_projection(down) or _in_place(down, _own_projection)))
 
 
 def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
     """The modules whose forward the step does not call (their hooks would not run)."""
     attn, mlp = layer.self_attn, layer.mlp
-    return [layer.input_layernorm, layer.post_attention_layernorm, attn, mlp, mlp.down_proj,
-            *(attn._modules.get(n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"))]
+    return [layer.input_layernorm, layer.post_attention_layernorm, attn, mlp,
+            *(attn._modules.get(n) for n in (*_ATTENTION_SLOTS, "q_norm", "k_norm")),
+            *(mlp._modules.get(n) for n in _MLP_SLOTS)]
 
 
 def takes_fused_path(layer: nn.Module, x) -> bool:
@@ -449,7 +492,8 @@ def takes_fused_path(layer: nn.Module, x) -> bool:
     params = [t for m in _fused_parts(layer) for t in (m.weight, getattr(m, "bias", None)) if t is not None]
     if any(t.dtype != x.dtype and not (t.dtype == E4M3 and x.dtype in _FP8_ACTIVATIONS) for t in params):
         return False
-    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params)):
+    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params) or any(
+            p.requires_grad for m in _adapters(layer) for p in adapter_terms.lora_parameters(m))):
         return False
     return not (any(hooked(m) for m in _skipped_modules(layer))
                 or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
@@ -485,16 +529,16 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
     for owner, child in ((attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"), (mlp, "gate_proj"),
                          (mlp, "up_proj"), (mlp, "down_proj")):
         wrapper = owner._modules.get(child)
-        if adapter_base(wrapper) is not None:
+        if adapter_base(wrapper) is not None and not adapter_terms.is_lora_linear(wrapper):
             return (f"its {child} carries an adapter ({type(wrapper).__module__}.{type(wrapper).__qualname__}), "
                     "which the layer's own forward runs")
-    if not _fusable_projection(attn._modules.get("o_proj")):
-        return f"its o_proj is a {type(attn._modules.get('o_proj')).__name__}, not a patched or row-parallel nn.Linear"
+    o_proj, down_proj = projection_base(attn._modules.get("o_proj")), projection_base(mlp._modules.get("down_proj"))
+    if not _fusable_projection(o_proj):
+        return f"its o_proj is a {type(o_proj).__name__}, not a patched or row-parallel nn.Linear"
     if type(mlp) is not HybridGatedMLP or not isinstance(mlp._modules.get(FUSED_GATE_UP), FusedLinears):
         return "its MLP's gate/up are not fused into one GEMM"
-    if not _fusable_projection(mlp._modules.get("down_proj")):
-        return (f"its down_proj is a {type(mlp._modules.get('down_proj')).__name__}, not a patched or row-parallel "
-                "nn.Linear")
+    if not _fusable_projection(down_proj):
+        return f"its down_proj is a {type(down_proj).__name__}, not a patched or row-parallel nn.Linear"
     if not all(type(n) is HybridRMSNorm for n in norms):
         return "its norms are not Llama-style RMSNorms"
     scaled = scales_residuals(t)
@@ -504,7 +548,7 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
         m = getattr(mod, "residual_multiplier", None)
         if not isinstance(m, (int, float)) or isinstance(m, bool) or not math.isfinite(m):
             return f"its residual_multiplier is {m!r}, not a finite number"
-        if any(isinstance(p, PartialSumLinear) for p in (attn._modules.get("o_proj"), mlp._modules.get("down_proj"))):
+        if any(isinstance(p, PartialSumLinear) for p in (o_proj, down_proj)):
             return "its residual_multiplier scales the output of a row-parallel projection (not fused)"
     if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
         return f"its {type(attn).__name__} has no integer head_dim and layer_idx"
@@ -512,5 +556,5 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
 
 
 __all__ = ["DECODE_ROWS", "NOT_A_LAYER", "QKV_NAME", "STATIC_STEP", "AttentionForm", "attention_form", "hooked",
-           "kv_slot", "on_kernel_device", "source_text", "takes_fused_path", "why_not_fuse_attention",
-           "why_not_fuse_layer"]
+           "kv_slot", "on_kernel_device", "projection_base", "source_text", "takes_fused_path",
+           "why_not_fuse_attention", "why_not_fuse_layer"]

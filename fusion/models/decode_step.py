@@ -35,6 +35,11 @@ a fused norm rounds ``x * g`` once where the stock module rounds ``x * rstd`` an
 product with g, so results agree with the stock layer's to the inputs' rounding, not bit for
 bit. Inference only (no autograd).
 
+LoRA (PEFT) layers over the projections: their terms are added to the fused GEMM's slices
+before what follows the GEMM (the q/k norms, rotary and cache write of Q/K/V; the GLU product
+of gate/up; the residual of O and down), as PEFT adds them to its base layer's output
+(fusion/models/adapter_terms.py); a fused epilogue that would come before them runs apart.
+
 Tensor parallel (``hybridgemm.parallelize``): O and down are row-parallel
 (:class:`~hybridgemm.linear_layer.PartialSumLinear`); :func:`project_add` puts the residual
 where the bias is (one rank's GEMM) or into the sum (``sums_residual``), so the sum holds the
@@ -56,6 +61,7 @@ from hybridgemm.linear_layer import PartialSumLinear
 from hybridgemm.mlp import FUSED_GATE_UP, GLU_FUNCTIONS, gated_linear
 from hybridgemm.norm import rms_norm
 
+from . import adapter_terms
 from . import decode_checks as checks
 
 QKV_NAME = checks.QKV_NAME
@@ -185,17 +191,22 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def _rope_qkv_unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
                       scale=None, q_norm=None, k_norm=None, qk_eps=0.0) -> Tensor:
-    """The stock computation: norm, GEMM, q/k norms, rotary in x's dtype, ``index_copy_`` into
-    the cache."""
-    b, s = x.shape[:2]
-    hd = keys.shape[-1]
+    """The stock computation: norm, GEMM, then :func:`_rotate_store`."""
     y = _linear(rms_norm(x, norm_weight, eps), weight, bias, scale)
+    return _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm, k_norm, qk_eps)
+
+
+def _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None, k_norm=None, qk_eps=0.0) -> Tensor:
+    """From the Q/K/V projection ``y`` [B, S, N], as the stock attention computes it: the q/k
+    norms, rotary in y's dtype, ``index_copy_`` of k and v into the cache."""
+    b, s = y.shape[:2]
+    hd = keys.shape[-1]
     q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
     q, k = q.reshape(b, s, heads, hd), k.reshape(b, s, kv_heads, hd)
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, qk_eps), rms_norm(k, k_norm, qk_eps)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    pos = torch.arange(s, device=x.device) + base.view(())
+    pos = torch.arange(s, device=y.device) + base.view(())
     keys.index_copy_(2, pos, k.transpose(1, 2))
     values.index_copy_(2, pos, v.reshape(b, s, kv_heads, hd).transpose(1, 2))
     return torch.cat([q.reshape(b, s, -1), k.reshape(b, s, -1), v], dim=-1)
@@ -301,8 +312,16 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
     qk = {}
     if checks.attention_form(type(attn)).qk_norm:  # patched RMSNorms over head_dim (decode_checks.why_not_qk_norms)
         qk = dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight, qk_eps=float(attn.q_norm.variance_epsilon))
-    y = norm_rope_qkv(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, cos, sin, keys, values,
-                      base, heads, kv_heads, counters, weight_scale_of(qkv), **qk)
+    slots = _slots(attn, qkv)
+    if any(adapter_terms.adds_terms(m) for m in slots):
+        # LoRA terms go in before the q/k norms and rotary: the GEMM with its norm, the terms,
+        # then the stock rotary and cache write (fused by Inductor under torch.compile)
+        y = _qkv_with_adapters(x, norm, qkv, slots, counters)
+        y = _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, qk.get("q_norm"), qk.get("k_norm"),
+                          qk.get("qk_eps", 0.0))
+    else:
+        y = norm_rope_qkv(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, cos, sin, keys, values,
+                          base, heads, kv_heads, counters, weight_scale_of(qkv), **qk)
     mask = kwargs.get("attention_mask")
     sdpa = checks.registered_sdpa()  # a user may have registered another one
     if s == 1 and sdpa is checks.stock_sdpa():
@@ -343,7 +362,7 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
     form = checks.attention_form(type(attn))
     input_shape = x.shape[:-1]
     hidden_shape = (*input_shape, -1, attn.head_dim)
-    y = norm_linear(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
+    y = _qkv_with_adapters(x, norm, qkv, _slots(attn, qkv), counters)
     q, k, v = (t.view(hidden_shape) for t in y.split(qkv.sizes, dim=-1))
     if form.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
@@ -367,6 +386,21 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
     out, _ = interface(attn, q, k, v, kwargs.get("attention_mask"),
                        dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling, **rest)
     return out.reshape(*input_shape, -1).contiguous()
+
+
+def _slots(owner: nn.Module, fused: nn.Module) -> list[nn.Module]:
+    """The modules in the slots of a fused GEMM's parts (a slice, or the LoRA layer over it)."""
+    return [owner._modules[name.split(".")[0]] for name in fused.names]
+
+
+def _qkv_with_adapters(x: Tensor, norm: nn.Module, qkv: nn.Module, slots: list[nn.Module],
+                       counters: Tensor | None) -> Tensor:
+    """The Q/K/V projection of ``rmsnorm(x)`` in one launch, plus the terms of the LoRA layers
+    in ``slots`` (which take the normalised x, as in the stock attention)."""
+    y = norm_linear(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
+    if not any(adapter_terms.adds_terms(m) for m in slots):
+        return y
+    return adapter_terms.add_slice_terms(slots, rms_norm(x, norm.weight, norm.variance_epsilon), y, qkv.sizes)
 
 
 def attention(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None) -> Tensor:
@@ -404,17 +438,41 @@ def project_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor |
     return linear_residual(x, proj.weight, proj.bias, residual, counters, scale, residual_scale)
 
 
+def _slot_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor | None,
+              residual_scale: float | None) -> Tensor:
+    """:func:`project_add` for the module in an O or down slot. A LoRA layer there that adds
+    terms in this call: its base's GEMM, its terms added to the rounded result (as PEFT does),
+    then the residual."""
+    if not adapter_terms.adds_terms(proj):
+        return project_add(checks.projection_base(proj), x, residual, counters, residual_scale)
+    base = proj.base_layer
+    y = adapter_terms.add_terms(proj, x, linear_residual(x, base.weight, base.bias, None, counters,
+                                                         weight_scale_of(base)))
+    return residual + (y if residual_scale is None else y * residual_scale)
+
+
+def _mlp_inner(mlp: nn.Module, norm: nn.Module, h: Tensor) -> Tensor:
+    """``glu(gate_up(norm2(h)))``: one gated launch, or with LoRA terms on gate or up the GEMM
+    with its norm, the terms (on the normalised h), then the product."""
+    gate_up = mlp._modules[FUSED_GATE_UP]
+    slots = _slots(mlp, gate_up)
+    if not any(adapter_terms.adds_terms(m) for m in slots):
+        return gated_norm(h, norm.weight, norm.variance_epsilon, gate_up.weight, gate_up.bias, mlp.glu_activation,
+                          weight_scale_of(gate_up))
+    y = norm_linear(h, norm.weight, norm.variance_epsilon, gate_up.weight, gate_up.bias, None, weight_scale_of(gate_up))
+    y = adapter_terms.add_slice_terms(slots, rms_norm(h, norm.weight, norm.variance_epsilon), y, gate_up.sizes)
+    gate, up = y.split(list(gate_up.sizes), dim=-1)
+    return GLU_FUNCTIONS[mlp.glu_activation](gate) * up
+
+
 def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None = None) -> Tensor:
     """The whole decoder layer for a call ``decode_checks.takes_fused_path`` accepted:
     ``h = x + O(attention(norm1(x)))``, ``y = h + down(glu(gate_up(norm2(h))))`` (Granite:
-    ``O(...)`` and ``down(...)`` times the layer's ``residual_multiplier``)."""
+    ``O(...)`` and ``down(...)`` times the layer's ``residual_multiplier``), with the terms of
+    the LoRA layers over its projections (fusion/models/adapter_terms.py)."""
     m = checks.residual_multiplier(layer)
-    h = project_add(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), x, counters, m)
-    mlp, norm = layer.mlp, layer.post_attention_layernorm
-    gate_up = mlp._modules[FUSED_GATE_UP]
-    inter = gated_norm(h, norm.weight, norm.variance_epsilon, gate_up.weight, gate_up.bias, mlp.glu_activation,
-                       weight_scale_of(gate_up))
-    return project_add(mlp.down_proj, inter, h, counters, m)
+    h = _slot_add(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), x, counters, m)
+    return _slot_add(layer.mlp.down_proj, _mlp_inner(layer.mlp, layer.post_attention_layernorm, h), h, counters, m)
 
 
 __all__ = ["QKV_NAME", "attend", "attention", "gated_norm", "layer_step", "linear_residual", "norm_linear",

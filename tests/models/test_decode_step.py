@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 import hybridgemm
-from hybridgemm import dispatch
 from hybridgemm.kernels import triton_splitk
 from hybridgemm.kernels.triton_rope import RotaryCache
 from hybridgemm.models import decode_checks as checks
@@ -226,24 +225,6 @@ def _patched(stock):
     if why is not None:
         pytest.skip(f"no fused attention step with transformers {transformers.__version__}: {why}")
     return model
-
-
-@pytest.fixture
-def kernels_on_cpu(monkeypatch):
-    """The fused path on CPU tensors (interpreter) with ``state["config"]``; records the
-    split-K calls that carry a rope."""
-    state = {"config": MODEL_FUSED_REDUCE, "rope": 0, "counters": 0}
-    monkeypatch.setattr(checks, "on_kernel_device", lambda x: True)
-    monkeypatch.setattr(dispatch, "splitk_config", lambda x2, w, b, out, weight_format="": state["config"])
-    real_run = triton_splitk.run
-
-    def run(cfg, *a, rope=None, counters=None, **kw):
-        state["rope"] += rope is not None
-        state["counters"] += counters is not None
-        return real_run(cfg, *a, rope=rope, counters=counters, **kw)
-
-    monkeypatch.setattr(triton_splitk, "run", run)
-    return state
 
 
 def _decode(model, steps: int, batch: int = 2, prompt: int = 3, tokens=None):

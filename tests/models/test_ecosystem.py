@@ -155,11 +155,11 @@ def test_patch_of_a_model_with_adapters_fuses_under_them(gemms):
     attn = _attn(patched)
     assert type(attn.q_proj.base_layer) is FusedSlice and isinstance(attn.qkv_proj, FusedLinears)
     assert type(attn.o_proj.base_layer) is HybridLinear
-    # the layer keeps its own forward (it calls the adapters), said so in the report; LoRA's own
-    # A/B linears are the adapter's, not listed
-    assert report.fused_layers == []
-    assert all("carries an adapter" in why for _, why in report.skipped), report.skipped
+    # the layers take the fused decode step (it adds the LoRA terms itself); LoRA's own A/B
+    # linears are the adapter's, not listed as unpatched
+    assert len(report.fused_layers) == 2
     assert not any("lora_" in name for name, _ in report.skipped)
+    assert not any("adapter" in why for _, why in report.skipped), report.skipped
     ids = _ids()
     assert torch.allclose(_logits(patched, ids), _logits(stock, ids), rtol=1e-5, atol=1e-5)
     assert gemms["n"] == 2 * 2
@@ -175,7 +175,7 @@ def test_patch_of_a_model_with_adapters_fuses_under_them(gemms):
     assert type(_attn(patched).q_proj.base_layer) is torch.nn.Linear
 
 
-def test_lora_on_a_patched_model_takes_the_layer_forward_not_the_fused_step(monkeypatch):
+def test_an_adapter_the_step_does_not_compute_gives_the_layer_forward(monkeypatch):
     from hybridgemm.models import decode_checks
 
     patched = copy.deepcopy(_stock())
@@ -185,6 +185,8 @@ def test_lora_on_a_patched_model_takes_the_layer_forward_not_the_fused_step(monk
     x = torch.randn(1, 1, 64)
     assert decode_checks._parts_in_place(layer)
     _lora(patched, ["v_proj"])
+    assert decode_checks._parts_in_place(layer)  # plain LoRA: the step adds its terms (test_lora_decode_step.py)
+    layer.self_attn.v_proj.lora_variant["default"] = object()  # a LoRA variant (DoRA, ...): not computed
     assert not decode_checks._parts_in_place(layer)
     assert not decode_checks.takes_fused_path(layer, x)
 

@@ -1,7 +1,8 @@
 """LoRA on a patched model on the GPU (``pytest -m gpu``): a small bf16 Llama with PEFT
 adapters on all seven projections, attached after ``patch`` and patched after attaching,
-decoding over a StaticCache (eager, and compiled with ``reduce-overhead``, fullgraph) as
-close to the fp32 PEFT model as stock bf16 PEFT is, bit-identical run to run.
+decoding over a StaticCache (eager, and compiled with ``reduce-overhead``, fullgraph) in the
+fused decode step with the adapters' terms added, as close to the fp32 PEFT model as stock bf16
+PEFT is, bit-identical run to run.
 """
 
 from __future__ import annotations
@@ -52,14 +53,22 @@ def lora_models():
 
 @pytest.mark.parametrize("order", ["patch-then-lora", "lora-then-patch"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_lora_decode_matches_fp32_as_stock_peft_does(lora_models, order, compiled):
+def test_lora_decode_matches_fp32_as_stock_peft_does(lora_models, order, compiled, monkeypatch):
+    from hybridgemm.models import decode_step
+
     ref, stock, variants = lora_models
     patched = variants[order]
     tokens = [torch.randint(0, VOCAB, (2, 1), generator=torch.Generator().manual_seed(i)).cuda() for i in range(5)]
+    steps, real = [], decode_step.layer_step
+    monkeypatch.setattr(decode_step, "layer_step", lambda *a, **kw: steps.append(1) or real(*a, **kw))
     with torch.no_grad():
         want, _ = static_decode(ref, tokens, False, VOCAB)
         base, _ = static_decode(stock, tokens, False, VOCAB)
+        assert not steps
         got, _ = static_decode(patched, tokens, compiled, VOCAB)
+        # the fused step with the adapters' terms: every layer, the 5-token prefill (10 rows) and
+        # each eager step; compiled, at least once per layer as it is traced
+        assert len(steps) == 2 * (1 + len(tokens)) if not compiled else len(steps) >= 2 * 2, len(steps)
         again, _ = static_decode(patched, tokens, compiled, VOCAB)
         with patched.disable_adapter():
             bare, _ = static_decode(patched, tokens, False, VOCAB)
