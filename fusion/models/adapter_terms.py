@@ -57,6 +57,24 @@ def adds_terms(mod: nn.Module | None) -> bool:
     return is_lora_linear(mod) and not mod.disable_adapters and not mod.merged and bool(_active(mod))
 
 
+# Under torch.compile, "reduce" writes each adapter's two low-rank products as multiply-and-sum
+# expressions, which Inductor generates as reductions fused with what reads them (the products
+# of one fused projection's slices share their input), where "mm" leaves two GEMM launches
+# per adapter. Eager calls always take the modules' own GEMMs.
+COMPILED_FORM = "reduce"
+
+
+def _low_rank(mod: nn.Module, name: str, x: Tensor) -> Tensor:
+    lora_a, lora_b = mod.lora_A[name], mod.lora_B[name]
+    x = mod.lora_dropout[name](x)
+    if COMPILED_FORM != "reduce" or not torch.compiler.is_compiling() \
+            or not (type(lora_a) is type(lora_b) is nn.Linear) or lora_a.bias is not None:
+        return lora_b(lora_a(x))
+    xa = (x.unsqueeze(-2) * lora_a.weight).sum(-1)  # [..., r]
+    t = (xa.unsqueeze(-2) * lora_b.weight).sum(-1)  # [..., N]
+    return t if lora_b.bias is None else t + lora_b.bias
+
+
 def add_terms(mod: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     """``y`` (the base's output for the layer input ``x``) with the LoRA layer ``mod``'s active
     adapter terms added as PEFT adds them; for a call where :func:`computable` holds."""
@@ -65,7 +83,7 @@ def add_terms(mod: nn.Module, x: Tensor, y: Tensor) -> Tensor:
         lora_a = mod.lora_A[name]
         if getattr(mod, "cast_input_dtype_enabled", True):
             x = x.to(lora_a.weight.dtype)
-        y = y + mod.lora_B[name](lora_a(mod.lora_dropout[name](x))) * mod.scaling[name]
+        y = y + _low_rank(mod, name, x) * mod.scaling[name]
     return y.to(dtype)
 
 
