@@ -7,7 +7,7 @@ one process, on one CUDA GPU; a preset's model (perf/e2e_models.py) with random 
 
 Both models get one adapter of rank ``--rank`` on all seven projections (q, k, v, o, gate,
 up, down), the same random values in both (B random too, scaled so the adapter moves the
-logits without swamping them). Decode is the harness's (perf/bench_e2e.py ``time_mode``):
+logits without swamping them). Decode is the harness's (perf/bench_e2e.py ``time_mode``, under ``torch.no_grad()``):
 greedy over a static cache, ``compiled_static`` (``torch.compile`` reduce-overhead, CUDA
 events over ``--tokens`` steps, pipelined) and ``eager_static`` (wall clock, a host sync at
 the end of each round). Error: the logits of a 64-token prefill and of 8 eager static-cache
@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     rows = []
     for mode in args.modes:
         for batch in args.batch:
-            res, notes = be.time_mode(run, mode, batch, models)
+            with torch.no_grad():  # inference, as generate() runs it (no autograd graph for the adapters)
+                res, notes = be.time_mode(run, mode, batch, models)
             best = {v: min(r) if isinstance(r, list) and r else None for v, r in res.items()}
             for v, ms in best.items():
                 row = {"model": args.model, "layers": layers, "rank": args.rank, "mode": mode, "batch": batch,

@@ -29,7 +29,8 @@ models = {"stock_peft": with_adapter(stock, 16), "hybridgemm_peft": with_adapter
 for batch in batches:
     for form in ("mm", "reduce"):
         adapter_terms.COMPILED_FORM = form
-        res, _ = be.time_mode(run, "compiled_static", batch, models)
+        with torch.no_grad():
+            res, _ = be.time_mode(run, "compiled_static", batch, models)
         best = {v: (min(r) if isinstance(r, list) and r else r) for v, r in res.items()}
         print(f"layers {layers} B={batch} form={form}: " + ", ".join(
             f"{v} {b:.4f} ms" if isinstance(b, float) else f"{v} {b!r}" for v, b in best.items())
