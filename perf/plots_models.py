@@ -85,6 +85,7 @@ E2E_DECODE_MODES = ("eager_generate", "eager_static", "compiled_static")
 
 
 E2E_VARIANTS = (("stock", "0.25"), ("hybridgemm", "C3"))
+LORA_VARIANTS = (("stock_peft", "0.25"), ("hybridgemm_peft", "C3"))  # perf/bench_lora.py's rows
 
 
 def csv_header(path) -> set[str]:
@@ -121,21 +122,23 @@ def has_times(path) -> bool:
     return any(r.get("status") == "ok" and to_float(r.get("ms_per_token")) > 0 for r in read_rows(str(path)))
 
 
-def _e2e_bars(ax, groups: list[tuple], rows: dict, labels: list[str]) -> None:
-    """Stock and hybridgemm bars per group (``rows[(group, variant)]``: ms), the speedup over
-    stock written above each hybridgemm bar."""
+def _e2e_bars(ax, groups: list[tuple], rows: dict, labels: list[str], variants=E2E_VARIANTS) -> None:
+    """Baseline and hybridgemm bars per group (``rows[(group, variant)]``: ms; ``variants``:
+    the baseline's name and colour first), the speedup over the baseline written above each
+    hybridgemm bar."""
     x = np.arange(len(groups))
     width = 0.38
-    for i, (variant, colour) in enumerate(E2E_VARIANTS):
+    baseline = variants[0][0]
+    for i, (variant, colour) in enumerate(variants):
         ys = [rows.get((g, variant), np.nan) for g in groups]
         pos = x + (i - 0.5) * width
         ax.bar(pos, ys, width, label=variant, color=colour)
         for xp, g, y in zip(pos, groups, ys):
-            stock = rows.get((g, "stock"))
-            if variant != "stock" and stock and y == y:
+            stock = rows.get((g, baseline))
+            if variant != baseline and stock and y == y:
                 ax.annotate(f"{stock / y:.2f}x", (xp, y), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
                             textcoords="offset points")
-            elif variant != "stock" and stock:  # no time: the row failed (its note in the CSV says why)
+            elif variant != baseline and stock:  # no time: the row failed (its note in the CSV says why)
                 ax.annotate("no result\n(see CSV)", (xp, stock), ha="center", va="top", fontsize=7, color=colour)
     ax.set_xticks(x, labels)
     ax.grid(True, axis="y", alpha=0.3)
@@ -146,7 +149,9 @@ def plot_e2e(csv_path, out_dir, name: str = "e2e.png") -> Path:
     model, layers), ms per decode step for each decode mode and batch (stock and hybridgemm
     bars, log scale, the HBM floor of the weights as a dashed line), and ms per prefill beside
     it. Rows whose status is not ok have no bar; a hybridgemm bar missing beside a stock one is
-    marked. Raises FileNotFoundError for a missing file, ValueError when no row holds a time."""
+    marked. perf/bench_lora.py's CSV (variants stock_peft and hybridgemm_peft) draws the same
+    way, stock PEFT as the baseline. Raises FileNotFoundError for a missing file, ValueError when
+    no row holds a time."""
 
     if not os.path.isfile(csv_path):
         raise FileNotFoundError(f"no such CSV file: {csv_path}")
@@ -161,13 +166,15 @@ def plot_e2e(csv_path, out_dir, name: str = "e2e.png") -> Path:
         panels.append((key, "decode", [r for r in mine if r.get("mode") in E2E_DECODE_MODES]))
         panels.append((key, "prefill", [r for r in mine if r.get("mode") == "prefill"]))
     panels = [p for p in panels if p[2]]
+    lora = any(r.get("variant") == LORA_VARIANTS[0][0] for r in rows)
+    variants = LORA_VARIANTS if lora else E2E_VARIANTS
     fig, body, footer, axes = figure(len(panels), panel_w=6.5, panel_h=4.2, ncols=2)
     for ax, ((gpu, model, layers), kind, prs) in zip(axes, panels):
         ms = {((r["mode"], to_int(r["batch"])), r["variant"]): to_float(r["ms_per_token"]) for r in prs}
         order = {m: i for i, m in enumerate(E2E_DECODE_MODES)}
         groups = sorted({g for g, _ in ms}, key=lambda g: (order.get(g[0], 9), g[1]))
         if kind == "decode":
-            _e2e_bars(ax, groups, ms, [f"{m.replace('_', chr(10))}\nB={b}" for m, b in groups])
+            _e2e_bars(ax, groups, ms, [f"{m.replace('_', chr(10))}\nB={b}" for m, b in groups], variants)
             floors = {to_float(r.get("hbm_floor_ms")) for r in prs} - {math.nan}
             floors = {f for f in floors if f > 0}
             if floors:
@@ -177,12 +184,13 @@ def plot_e2e(csv_path, out_dir, name: str = "e2e.png") -> Path:
             ax.set_ylabel("ms per decode step (lower is better)")
             ax.set_title(f"{model}, {layers} layers: decode" + (f" ({gpu})" if gpu else ""), fontsize=10)
         else:
-            _e2e_bars(ax, groups, ms, [f"B={b}, {prs[0].get('tokens', '?')} tokens" for _, b in groups])
+            _e2e_bars(ax, groups, ms, [f"B={b}, {prs[0].get('tokens', '?')} tokens" for _, b in groups], variants)
             ax.set_xlim(-1.5, len(groups) + 0.5)  # one group: keep its bars as narrow as the decode ones
             ax.set_ylabel("ms per prefill (lower is better)")
             ax.set_title(f"{model}, {layers} layers: prefill" + (f" ({gpu})" if gpu else ""), fontsize=10)
     legend(footer, axes)
-    body.suptitle("End to end: stock vs hybridgemm.patch, same weights, one process (labels: speedup over stock)")
+    body.suptitle("One LoRA adapter (PEFT): stock vs patched,\nsame weights and adapter (labels: speedup)" if lora else
+                  "End to end: stock vs hybridgemm.patch, same weights, one process (labels: speedup over stock)")
     return save(fig, footer, Path(out_dir) / name, rows)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hybridgemm.perf import plot_style, plots, plots_models
-from hybridgemm.perf.csvio import read_rows, write_rows
+from hybridgemm.perf.csvio import read_rows, write_csv, write_rows
 from hybridgemm.perf.plots import figure_sources, load_rows, make_all_plots, speedup_grid
 
 pytest.importorskip("matplotlib")
@@ -198,3 +198,23 @@ def test_the_committed_sources_draw_every_figure_the_readmes_embed(tmp_path):
     written = {p.name for p in make_all_plots([str(p) for p in figure_sources(H200)], tmp_path, log=lambda s: None)}
     assert embedded <= written
     assert all((H200 / "plots" / name).is_file() for name in embedded)  # and each is committed
+
+
+def test_a_lora_csv_draws_against_stock_peft(tmp_path, monkeypatch):
+    """perf/bench_lora.py's rows: stock PEFT is the baseline each patched bar's label divides."""
+    rows = [dict(gpu="NVIDIA H200", model="llama3-8b", layers=32, rank=16, mode=mode, batch=b, variant=v,
+                 status="ok", ms_per_token=ms)
+            for mode, b, v, ms in (("compiled_static", 1, "stock_peft", 6.6), ("compiled_static", 1, "hybridgemm_peft",
+                                                                               5.0),
+                                   ("eager_static", 8, "stock_peft", 50.0), ("eager_static", 8, "hybridgemm_peft",
+                                                                             62.5))]
+    path = tmp_path / "lora.csv"
+    write_csv(str(path), list(rows[0]), rows)
+    drawn = {}
+    real = plots_models.save
+    monkeypatch.setattr(plots_models, "save", lambda fig, *a: drawn.setdefault("fig", fig) and real(fig, *a))
+    png = plots_models.plot_e2e(path, tmp_path, "lora.png")
+    assert png.is_file()
+    texts = {t.get_text() for ax in drawn["fig"].axes for t in ax.texts}
+    assert {"1.32x", "0.80x"} <= texts
+    assert {c.get_label() for ax in drawn["fig"].axes for c in ax.containers} == {"stock_peft", "hybridgemm_peft"}
