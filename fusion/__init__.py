@@ -11,6 +11,7 @@ import importlib
 
 from hybridgemm.attention import AttentionProjection, HybridMultiheadAttention, attention_projection
 from hybridgemm.decide import reload_tables, set_table_path
+from hybridgemm.experts import moe, route
 from hybridgemm.explain import explain  # the function; the module is sys.modules['hybridgemm.explain']
 from hybridgemm.fp8_linear import FP8Linear
 from hybridgemm.kernels.checks import LinearArgumentError
@@ -40,5 +41,5 @@ __all__ = [
     "Activation", "AttentionProjection", "Epilogue", "FP8FormatError", "FP8Linear", "FP8Weight", "HybridLinear",
     "HybridMultiheadAttention", "LinearArgumentError", "ParallelReport", "PatchReport", "__version__",
     "attention_projection", "explain", "gated_linear", "get_mode", "linear", "load_full_state_dict", "mode",
-    "parallelize", "patch", "quantize_fp8", "reload_tables", "set_mode", "set_table_path", "unpatch",
+    "moe", "parallelize", "patch", "quantize_fp8", "reload_tables", "route", "set_mode", "set_table_path", "unpatch",
 ]

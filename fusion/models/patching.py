@@ -86,6 +86,7 @@ import torch
 from torch import Tensor, nn
 
 from hybridgemm.attention import HybridMultiheadAttention
+from hybridgemm.experts import HybridExperts, why_not_experts
 from hybridgemm.fp8_modules import is_fp8, quantize_patched
 from hybridgemm.fused_rows import SEQ as _SEQ
 from hybridgemm.fused_rows import UNDO_ATTR as _UNDO_ATTR
@@ -335,6 +336,15 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
             continue
         if mlp and _patch_mlp(name, mod, modules, owners, report, swap, done):
             continue
+        if mlp:  # a mixture-of-experts block's stacked experts (fusion/experts.py)
+            act, why = why_not_experts(mod)
+            if why is not None:
+                report.skipped.append((name, why))
+            if act is not None:
+                swap(name, mod, HybridExperts)
+                _set_attr(mod, "glu_activation", act)
+            if act is not None or why is not None:
+                continue
         if lm_head and is_lm_head(name, mod):
             swap(name, mod, HybridLinear)
             continue

@@ -161,3 +161,15 @@ def test_eager_rounds_warm_up_then_alternate(monkeypatch):
     res = timing.eager_time_interleaved(fns, calls=2, rounds=3, warmup=1)
     assert log == ["a", "b"] + ["a", "a", "b", "b"] * 3
     assert set(res) == {"a", "b"} and all(t.replays == 3 and t.median_us >= 0 for t in res.values())
+
+
+def test_bench_moe_refuses_bad_arguments_and_needs_a_gpu(capsys):
+    from hybridgemm.perf import bench_moe
+
+    with pytest.raises(SystemExit):
+        bench_moe.main(["--tokens", "0", "--out", "x.csv"])
+    with pytest.raises(SystemExit):
+        bench_moe.main(["--shapes", "gpt2", "--out", "x.csv"])
+    if not torch.cuda.is_available():
+        assert bench_moe.main(["--out", "x.csv"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -1,0 +1,175 @@
+"""Mixture-of-experts blocks: :func:`moe`, the routed experts of a block in two grouped GEMM
+launches (kernels/triton_moe.py), and :func:`route`, the softmax/top-k routing of Mixtral- and
+Qwen-MoE-style routers.
+
+``moe(x, routing, w_gate_up, w_down)`` computes what transformers' experts modules compute
+(``MixtralExperts``, ``Qwen3MoeExperts``: weights stacked per expert, ``w_gate_up`` [E, 2I, H]
+with the gate rows first, ``w_down`` [E, H, I]) for the routing ``(topk_ids, topk_weights)``
+or for router logits: per (token, expert) pair ``act(x Wg^T) * (x Wu^T)`` then ``W_d`` times
+the routing weight, summed over the token's experts in slot order in fp32 and rounded to x's
+dtype once (transformers' grouped_mm form). On CUDA the two GEMMs are the Triton kernels,
+bit-identical run to run; elsewhere a loop over the experts that hold pairs computes the same.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hybridgemm.kernels.lazy import triton_module
+from hybridgemm.mlp import GLU_FUNCTIONS, activation_name
+
+
+def route(router_logits: Tensor, top_k: int, renormalize: bool = True) -> tuple[Tensor, Tensor]:
+    """``(topk_ids [T, k] int64, topk_weights [T, k] fp32)``: softmax over the experts in fp32,
+    the ``top_k`` largest (``torch.topk``, so ties resolve as transformers' routers resolve
+    them), renormalised to sum to one where ``renormalize`` (Mixtral, Qwen3-MoE)."""
+    if router_logits.dim() != 2:
+        raise ValueError(f"route: router_logits must be [tokens, experts], got {tuple(router_logits.shape)}")
+    if not 1 <= top_k <= router_logits.shape[1]:
+        raise ValueError(f"route: top_k {top_k} is not in 1..{router_logits.shape[1]} (the experts)")
+    probs = F.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+def use_kernels(x: Tensor) -> bool:
+    """Do the Triton kernels run for x (CUDA; the CPU tests widen it to the interpreter)?"""
+    return x.is_cuda
+
+
+def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str = "silu", *, top_k: int | None = None,
+        renormalize: bool = True, config=None) -> Tensor:
+    """The routed experts' output for ``x`` [T, H]: ``routing`` is ``(topk_ids, topk_weights)``
+    ([T, k] each) or router logits [T, E] with ``top_k`` (and ``renormalize``, :func:`route`).
+    ``config``: a kernels/triton_moe.py ``TritonMoeConfig`` (default: its ``default_config``)."""
+    if isinstance(routing, Tensor):
+        if top_k is None:
+            raise ValueError("moe: router logits need top_k")
+        topk_ids, topk_weights = route(routing, top_k, renormalize)
+    else:
+        topk_ids, topk_weights = routing
+    _check(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
+    if not x.shape[0]:
+        return x.new_zeros(x.shape)
+    if not use_kernels(x):
+        return experts_loop(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
+    tm = triton_module("triton_moe")
+    t, k = topk_ids.shape
+    e, two_i, h = w_gate_up.shape
+    cfg_up = config or tm.default_config(t, two_i // 2, h)
+    cfg_down = config or _down_config(tm, t, h, two_i, cfg_up)
+    layout = tm.align(topk_ids, e, cfg_up.block_m)
+    inter = tm.run_gate_up(cfg_up, x.contiguous(), w_gate_up, layout, k, activation)
+    out = tm.run_down(cfg_down, inter, w_down, layout, topk_weights.float())
+    return out.view(t, k, h).sum(dim=1).to(x.dtype)
+
+
+def _down_config(tm, tokens: int, h: int, two_i: int, up):
+    d = tm.default_config(tokens, h, two_i // 2)
+    return tm.TritonMoeConfig(up.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages)
+
+
+def experts_loop(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
+                 activation: str) -> Tensor:
+    """:func:`moe`'s computation in PyTorch (differentiable): each expert that holds pairs, in
+    expert order; the per-pair results summed over the slots in fp32."""
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    out = torch.zeros((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
+    for e in torch.unique(flat).tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        gate, up = F.linear(x[pairs // k], w_gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(GLU_FUNCTIONS[activation](gate) * up, w_down[e])
+        out[pairs] = y.float() * topk_weights.reshape(-1)[pairs, None].float()
+    return out.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+
+def _check(x, topk_ids, topk_weights, w_gate_up, w_down, activation) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"moe: x must be [tokens, hidden], got {tuple(x.shape)}")
+    if w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError(f"moe: w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} must be stacked "
+                         "per expert ([E, 2I, H] and [E, H, I])")
+    e, two_i, h = w_gate_up.shape
+    if x.shape[1] != h or w_down.shape != (e, h, two_i // 2) or two_i % 2:
+        raise ValueError(f"moe: x {tuple(x.shape)}, w_gate_up {tuple(w_gate_up.shape)} and w_down "
+                         f"{tuple(w_down.shape)} do not fit ([T, H], [E, 2I, H], [E, H, I])")
+    if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"moe: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must "
+                         f"both be [{x.shape[0]}, k]")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise ValueError(f"moe: topk_ids must be integers, got {topk_ids.dtype}")
+    # (checked where it costs no device sync; on CUDA an id past the experts fails the layout's
+    # indexing with a device-side assertion)
+    if not topk_ids.is_cuda and topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= e):
+        raise ValueError(f"moe: topk_ids must lie in 0..{e - 1} (the experts)")
+    if activation not in GLU_FUNCTIONS:
+        raise ValueError(f"moe: activation {activation!r} is not one of {sorted(GLU_FUNCTIONS)}")
+    if not (x.dtype == w_gate_up.dtype == w_down.dtype):
+        raise ValueError(f"moe: x ({x.dtype}) and the expert weights ({w_gate_up.dtype}, {w_down.dtype}) differ in "
+                         "dtype")
+
+
+
+
+# ----------------------------------------------------------------------------- patched modules
+
+@torch.library.custom_op("hybridgemm::moe_fwd", mutates_args=())
+def moe_fwd(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
+            activation: str) -> Tensor:
+    return moe(x, (topk_ids, topk_weights), w_gate_up, w_down, activation)
+
+
+@moe_fwd.register_fake
+def _moe_fwd_fake(x, topk_ids, topk_weights, w_gate_up, w_down, activation):
+    return x.new_empty(x.shape)
+
+
+def why_not_experts(mod) -> tuple[str | None, str | None]:
+    """(activation, None) for a transformers experts module :class:`HybridExperts` computes
+    (weights stacked as ``gate_up_proj`` [E, 2I, H], gate rows first, and ``down_proj``
+    [E, H, I], no biases, the default gate, a GLU activation), (None, reason) for another
+    transformers experts module, (None, None) for anything else."""
+    t = type(mod)
+    if not t.__module__.startswith("transformers") or not hasattr(mod, "has_gate") \
+            or "gate_up_proj" not in mod._parameters:
+        return None, None
+    gu, down = mod._parameters.get("gate_up_proj"), mod._parameters.get("down_proj")
+    if getattr(mod, "has_bias", True) or not getattr(mod, "has_gate", False) or getattr(mod, "is_transposed", True) \
+            or not getattr(mod, "is_concatenated", False) or getattr(mod, "has_post_expert_norm", True):
+        return None, f"{t.__name__}: experts with biases, transposed or interleaved weights or a post-norm"
+    if getattr(t._apply_gate, "__name__", "") != "_default_apply_gate":
+        return None, f"{t.__name__}: its own gate function"
+    if gu is None or down is None or gu.dim() != 3 or down.dim() != 3 or gu.shape[1] % 2 \
+            or down.shape != (gu.shape[0], gu.shape[2], gu.shape[1] // 2) or len(mod._parameters) != 2:
+        return None, f"{t.__name__}: weights not stacked as [E, 2I, H] and [E, H, I]"
+    act = activation_name(getattr(mod, "act_fn", None))
+    if act not in GLU_FUNCTIONS:
+        return None, f"{t.__name__}: activation {type(getattr(mod, 'act_fn', None)).__name__} has no GLU epilogue"
+    return act, None
+
+
+class HybridExperts(torch.nn.Module):
+    """Stands in for a transformers experts module (its class is swapped in place; its
+    parameters stay): the routed experts by :func:`moe` (one custom op under torch.compile),
+    in PyTorch where autograd needs them or off CUDA."""
+
+    glu_activation = "silu"
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        gu, down = self.gate_up_proj, self.down_proj
+        wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or gu.requires_grad
+                                                  or down.requires_grad or top_k_weights.requires_grad)
+        if wants_grad or not use_kernels(hidden_states) or hidden_states.dtype != gu.dtype:
+            return experts_loop(hidden_states, top_k_index, top_k_weights, gu, down, self.glu_activation)
+        if torch.compiler.is_compiling():
+            return torch.ops.hybridgemm.moe_fwd(hidden_states, top_k_index, top_k_weights, gu, down,
+                                                self.glu_activation)
+        return moe(hidden_states, (top_k_index, top_k_weights), gu, down, self.glu_activation)
+
+
+__all__ = ["HybridExperts", "experts_loop", "moe", "route", "why_not_experts"]

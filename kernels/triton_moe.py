@@ -1,0 +1,194 @@
+"""Mixture-of-experts GEMMs: every (token, expert) pair of a routing in two grouped launches.
+
+Routing gives each of T tokens ``top_k`` experts (``topk_ids`` [T, k]) and weights. The
+S = T * k pairs (pair ``p`` is token ``p // k``, slot ``p % k``) are sorted by expert, stably
+(ties in pair order), and laid out in blocks of ``block_m`` rows, each block one expert's
+(:func:`align`; padding rows hold S). Then, with the experts' weights stacked as transformers
+stores them (``w_gate_up`` [E, 2I, H], gate rows first; ``w_down`` [E, H, I]):
+
+* :func:`run_gate_up`: ``inter[r] = act(x[token(r)] @ Wg[e].T) * (x[token(r)] @ Wu[e].T)`` for
+  each laid-out row ``r`` of expert ``e``, x's rows read where they are (no gathered copy),
+  gate and up in two fp32 accumulators of one program, rounded to x's dtype as the stock
+  module rounds them (the GEMM's output, the activation, the product);
+* :func:`run_down`: ``out[p] = (inter[r] @ Wd[e].T) * weight[p]``, the GEMM rounded to x's
+  dtype, the product with the routing weight in fp32, stored at the pair's own row ``p`` of an
+  fp32 [S, H] result, which the caller sums over the k slots in slot order.
+
+Every output element is one program's fixed-order sum (no atomics, no split of K), and the
+layout depends only on ``topk_ids``: results are bit-identical run to run. Programs whose
+block is padding past the last expert's rows return at once. Nothing touches a GPU at import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_glu import ACTIVATIONS, _gate_act
+
+
+@dataclass(frozen=True)
+class TritonMoeConfig:
+    block_m: int  # laid-out rows per program (the layout's block: one expert per block)
+    block_n: int  # output columns per program
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_config(tokens: int, n: int, k: int) -> TritonMoeConfig:
+    """A config for ``tokens`` routed tokens and an [n, k] expert weight: 16-row blocks up to
+    64 tokens (decode: most experts get a row or two), 64 beyond."""
+    bm = 16 if tokens <= 64 else 64
+    return TritonMoeConfig(bm, 64 if n >= 64 else 32, 64 if k >= 64 else 32, 4, 3 if bm > 16 else 2)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Pairs laid out by expert in blocks (:func:`align`): ``rows`` [R] pair ids (S for
+    padding), ``block_expert`` [R / block_m] the expert of each block (E past the last)."""
+
+    rows: torch.Tensor
+    block_expert: torch.Tensor
+    pairs: int
+    block_m: int
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Layout:
+    """The block layout of the pairs of ``topk_ids`` [T, k] (int, values in [0, E)), on its
+    device, of a size that depends only on T, k, E and ``block_m`` (CUDA-graph friendly)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    s = flat.numel()
+    dev = flat.device
+    order = torch.argsort(flat, stable=True)  # pair ids by expert, ties in pair order
+    expert_of = flat[order]
+    # each expert's first position in `order` and its count, by search (no bincount: its size
+    # would depend on the values, a host sync)
+    bounds = torch.searchsorted(expert_of, torch.arange(num_experts + 1, device=dev))
+    first = bounds[:-1]
+    counts = bounds[1:] - first
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    dest = (padded_end - padded)[expert_of] + torch.arange(s, device=dev) - first[expert_of]
+    # at most min(E, S) experts hold pairs, each padded by fewer than block_m rows
+    cap = -(-(s + min(num_experts, s) * (block_m - 1)) // block_m) * block_m
+    rows = torch.full((cap,), s, dtype=torch.int32, device=dev)
+    rows[dest] = order.to(torch.int32)
+    starts = torch.arange(0, cap, block_m, device=dev)
+    block_expert = torch.searchsorted(padded_end, starts, right=True).to(torch.int32)
+    return Layout(rows, block_expert, s, block_m)
+
+
+@triton.jit
+def _moe_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, expert_ptr, rw_ptr, S, N, K, top_k, ldx, lde, ldw, ldo, n_gate,
+                num_experts, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GLU: tl.constexpr,
+                ACT: tl.constexpr, PREC: tl.constexpr):
+    # GLU: x rows are tokens (row r reads x[rows[r] // top_k]); two accumulators over W rows n
+    # and n_gate + n; out row r. Else: x rows are the laid-out rows; out row rows[r], times the
+    # routing weight rw[rows[r]], in fp32.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    offs_r = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(rows_ptr + offs_r)
+    valid = pair < S
+    if GLU:
+        x_rows = tl.where(valid, pair // top_k, 0)
+    else:
+        x_rows = offs_r
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BK)
+    w_base = w_ptr + expert.to(tl.int64) * lde
+    rows_n = tl.where(n_ok, offs_n, 0)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + offs_k) < K
+        xt = tl.load(x_ptr + x_rows[:, None].to(tl.int64) * ldx + (k0 + offs_k)[None, :],
+                     mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + rows_n[:, None] * ldw + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0)
+        acc = tl.dot(xt, tl.trans(w), acc, input_precision=PREC)
+        if GLU:
+            wu = tl.load(w_base + (n_gate + rows_n)[:, None] * ldw + (k0 + offs_k)[None, :], mask=k_ok[None, :],
+                         other=0.0)
+            acc_up = tl.dot(xt, tl.trans(wu), acc_up, input_precision=PREC)
+    dt = out_ptr.dtype.element_ty
+    if GLU:
+        gate = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(x_ptr.dtype.element_ty).to(tl.float32)
+        act = _gate_act(gate, ACT).to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = act * up
+        out_rows = offs_r
+        mask = n_ok[None, :] & (offs_r[:, None] >= 0)
+    else:
+        routing = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
+        y = acc.to(x_ptr.dtype.element_ty).to(tl.float32) * routing[:, None]
+        out_rows = tl.where(valid, pair, 0)
+        mask = n_ok[None, :] & valid[:, None]
+    tl.store(out_ptr + out_rows[:, None].to(tl.int64) * ldo + offs_n[None, :], y.to(dt), mask=mask)
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "tf32" if x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def run_gate_up(config: TritonMoeConfig, x: torch.Tensor, w_gate_up: torch.Tensor, layout: Layout, top_k: int,
+                activation: str = "silu") -> torch.Tensor:
+    """``inter`` [R, I] in x's dtype for the laid-out rows (padding rows hold zeros' product)."""
+    _check(config, layout, x, w_gate_up)
+    e, two_i, k = w_gate_up.shape
+    if two_i % 2:
+        raise ValueError(f"moe: w_gate_up has {two_i} rows per expert, not gate and up halves")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moe: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+    i = two_i // 2
+    out = torch.empty((layout.rows.numel(), i), dtype=x.dtype, device=x.device)
+    grid = (layout.block_expert.numel(), triton.cdiv(i, config.block_n))
+    _moe_kernel[grid](x, w_gate_up, out, layout.rows, layout.block_expert, out, layout.pairs, i, k, top_k,
+                      x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), out.stride(0), i, e,
+                      BM=config.block_m, BN=config.block_n, BK=config.block_k, GLU=True,
+                      ACT=ACTIVATIONS[activation], PREC=_precision(x), num_warps=config.num_warps,
+                      num_stages=config.num_stages)
+    return out
+
+
+def run_down(config: TritonMoeConfig, inter: torch.Tensor, w_down: torch.Tensor, layout: Layout,
+             routing_weights: torch.Tensor) -> torch.Tensor:
+    """``out`` [S, H] fp32: each pair's down projection times its routing weight, at its row."""
+    _check(config, layout, inter, w_down)
+    e, h, i = w_down.shape
+    if inter.shape != (layout.rows.numel(), i):
+        raise ValueError(f"moe: inter is {tuple(inter.shape)}, expected {(layout.rows.numel(), i)}")
+    rw = routing_weights.reshape(-1)
+    if rw.numel() != layout.pairs:
+        raise ValueError(f"moe: {rw.numel()} routing weights for {layout.pairs} pairs")
+    out = torch.empty((layout.pairs, h), dtype=torch.float32, device=inter.device)
+    grid = (layout.block_expert.numel(), triton.cdiv(h, config.block_n))
+    _moe_kernel[grid](inter, w_down, out, layout.rows, layout.block_expert, rw.contiguous(), layout.pairs, h, i, 1,
+                      inter.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), 0, e,
+                      BM=config.block_m, BN=config.block_n, BK=config.block_k, GLU=False, ACT=0,
+                      PREC=_precision(inter), num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def _check(config: TritonMoeConfig, layout: Layout, x: torch.Tensor, w: torch.Tensor) -> None:
+    if config.block_m != layout.block_m:
+        raise ValueError(f"moe: config block_m {config.block_m} but the layout's blocks are {layout.block_m} rows")
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"moe: x {tuple(x.shape)} and stacked expert weights {tuple(w.shape)} do not fit "
+                         "([rows, K] and [E, N, K])")
+    if x.dtype != w.dtype:
+        raise ValueError(f"moe: x is {x.dtype} but the expert weights are {w.dtype}")
+    if x.stride(1) != 1 or w.stride(2) != 1 or w.stride(1) != w.shape[2]:
+        raise ValueError("moe: x and the expert weights must be row-major (unit stride along K)")
+    if x.device != w.device:
+        raise ValueError(f"moe: x is on {x.device} but the expert weights are on {w.device}")
+
+
+__all__ = ["Layout", "TritonMoeConfig", "align", "default_config", "run_down", "run_gate_up"]

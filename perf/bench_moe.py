@@ -1,0 +1,121 @@
+"""One mixture-of-experts block's routed experts on one CUDA GPU: transformers' experts module
+(its eager loop and its ``grouped_mm`` implementation) beside ``hybridgemm.moe``, same weights
+and routing, GPU time by CUDA events around each eager call (L2 flushed before each, rounds
+interleaved; perf/timing.events_time_interleaved).
+
+    python3 -m hybridgemm.perf.bench_moe [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 8 2048]
+        [--rounds 7] --out perf/results/h200/moe_h200.csv
+
+Shapes (hidden H, experts E of intermediate size I, top-k): ``qwen3-30b-a3b`` (2048, 128 of
+768, 8) and ``mixtral-8x7b`` (4096, 8 of 14336, 2); bf16 weights N(0, 0.02), the router's
+logits random. Each row: ``median_us``, ``floor_us`` (the bytes of the experts the routing
+actually hits, at perf/timing.HBM_TBPS), ``fraction_of_floor`` (floor / time), ``speedup``
+over transformers' eager loop, ``rel_err`` against the fp32 result of the same block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from hybridgemm import experts
+
+from .csvio import environment_columns, write_rows
+from .timing import HBM_TBPS, events_time_interleaved
+
+# name: (hidden, experts, intermediate, top_k), from the models' published configs
+SHAPES = {"qwen3-30b-a3b": (2048, 128, 768, 8), "mixtral-8x7b": (4096, 8, 14336, 2)}
+
+
+def _experts_module(h: int, e: int, i: int, k: int, implementation: str):
+    import transformers
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    cfg = transformers.MixtralConfig(hidden_size=h, intermediate_size=i, num_local_experts=e, num_experts_per_tok=k)
+    cfg._experts_implementation = implementation
+    return MixtralExperts(cfg)
+
+
+def bench_shape(name: str, tokens: int, env: dict, rounds: int) -> list[dict]:
+    h, e, i, k = SHAPES[name]
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    mod = _experts_module(h, e, i, k, "eager").to(dev, torch.bfloat16)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.normal_(0, 0.02)
+    x = torch.randn(tokens, h, device=dev, dtype=torch.bfloat16)
+    ids, weights = experts.route(torch.randn(tokens, e, device=dev), k)
+    grouped = _experts_module(h, e, i, k, "grouped_mm").to(dev, torch.bfloat16)
+    grouped.load_state_dict(mod.state_dict())
+    providers = {
+        "transformers_eager": lambda: mod(x, ids, weights),
+        "transformers_grouped_mm": lambda: grouped(x, ids, weights),
+        "hybridgemm": lambda: experts.moe(x, (ids, weights), mod.gate_up_proj, mod.down_proj),
+    }
+    with torch.no_grad():
+        ref = experts.experts_loop(x.float(), ids, weights, mod.gate_up_proj.float(), mod.down_proj.float(), "silu")
+        errs = {}
+        for prov, fn in providers.items():
+            try:
+                out = fn()
+                errs[prov] = float((out.float() - ref).norm() / ref.norm())
+            except Exception as exc:  # noqa: BLE001 (recorded in the row; the run goes on)
+                errs[prov] = exc
+        timed = {p: fn for p, fn in providers.items() if not isinstance(errs[p], BaseException)}
+        times = events_time_interleaved(timed, rounds=rounds) if timed else {}
+    hit = int(torch.unique(ids).numel())
+    floor_us = hit * 3 * h * i * 2 / (HBM_TBPS * 1e12) * 1e6
+    base = dict(env, shape=name, hidden=h, experts=e, intermediate=i, top_k=k, tokens=tokens, experts_hit=hit,
+                floor_us=round(floor_us, 2), dtype="bf16", method="events")
+    eager = times.get("transformers_eager")
+    rows = []
+    for prov in providers:
+        row = dict(base, provider=prov)
+        if isinstance(errs[prov], BaseException):
+            row.update(status="error", note=f"{type(errs[prov]).__name__}: {errs[prov]}"[:300])
+        else:
+            t = times[prov]
+            row.update(status="ok", rel_err=f"{errs[prov]:.2e}", median_us=round(t.median_us, 2),
+                       spread_us=round(t.spread_us, 2), fraction_of_floor=round(floor_us / t.median_us, 3))
+            if eager is not None:
+                row["speedup"] = round(eager.median_us / t.median_us, 3)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m hybridgemm.perf.bench_moe", description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 2048])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", required=True, help="CSV to upsert the rows into")
+    args = ap.parse_args(argv)
+    if min(args.tokens) < 1 or args.rounds < 1:
+        ap.error("--tokens and --rounds take positive integers")
+    if not torch.cuda.is_available():
+        print("bench_moe: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("bench_moe: needs transformers (pip install transformers)", file=sys.stderr)
+        return 2
+    env = environment_columns("python3 -m hybridgemm.perf.bench_moe " + " ".join(argv or sys.argv[1:]))
+    rows = []
+    for name in args.shapes:
+        for tokens in args.tokens:
+            got = bench_shape(name, tokens, env, args.rounds)
+            rows += got
+            for r in got:
+                print(f"{r['shape']:>14} T={tokens:>5} {r['provider']:>24} {r['status']:>5} "
+                      f"{r.get('median_us', '-'):>10} us  floor {r['floor_us']} us  "
+                      f"{r.get('speedup', '')}x eager  rel err {r.get('rel_err', r.get('note', ''))}", flush=True)
+    write_rows(args.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Mixture-of-experts (kernels/triton_moe.py, fusion/experts.py) on the CPU: the pair layout, the
+two grouped kernels under the Triton interpreter against an fp64 reference (fp32 and fp16, odd
+shapes, empty experts, one expert taking every pair, M = 1, 3, 17, 333), routing against
+transformers' Mixtral router (ties included), the kernel path against the expert loop and
+against transformers' own experts module, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridgemm import experts as moe_mod
+from hybridgemm.kernels import triton_moe as tm
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
+def _weights(e, i, h, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w_gu = (torch.randn(e, 2 * i, h, generator=g) / h ** 0.5).to(dtype)
+    w_d = (torch.randn(e, h, i, generator=g) / i ** 0.5).to(dtype)
+    return w_gu, w_d
+
+
+def _routing(t, e, k, seed=1, experts=None):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(t, e, generator=g)
+    if experts is not None:  # only these experts ever chosen
+        mask = torch.full((e,), -1e4)
+        mask[experts] = 0
+        logits = logits + mask
+    return moe_mod.route(logits, k)
+
+
+def _reference(x, ids, weights, w_gu, w_d, act="silu"):
+    """fp64: per pair act(x Wg^T) * (x Wu^T), then W_d, times the weight, summed over slots."""
+    t, k = ids.shape
+    xd, gu, d = x.double(), w_gu.double(), w_d.double()
+    out = torch.zeros(t, x.shape[1], dtype=torch.float64)
+    i = w_gu.shape[1] // 2
+    fn = {"silu": F.silu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh")}[act]
+    for tok in range(t):
+        for s in range(k):
+            e = int(ids[tok, s])
+            h = xd[tok] @ gu[e].T
+            out[tok] += (fn(h[:i]) * h[i:]) @ d[e].T * float(weights[tok, s])
+    return out
+
+
+def test_the_layout_puts_each_expert_in_whole_blocks_in_pair_order():
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2]])  # pairs 0..5 -> experts 2,0,2,3,0,2; expert 1 empty
+    lay = tm.align(ids, 4, 4)
+    rows, s = lay.rows.tolist(), lay.pairs
+    assert s == 6 and len(rows) % 4 == 0
+    blocks = [rows[b:b + 4] for b in range(0, len(rows), 4)]
+    experts = lay.block_expert.tolist()
+    got = {}
+    for block, e in zip(blocks, experts):
+        if e < 4:
+            got.setdefault(e, []).extend(p for p in block if p < s)
+        else:
+            assert all(p == s for p in block)  # padding past the last expert
+    assert got == {0: [1, 4], 2: [0, 2, 5], 3: [3]}
+    assert len(rows) == -(-(s + min(4, s) * 3) // 4) * 4  # S plus at most block_m - 1 padding per expert
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("t,e,k,i,h,experts", [
+    (1, 8, 2, 48, 40, None),      # decode: one token; N and K not multiples of the blocks
+    (3, 6, 2, 40, 72, None),
+    (17, 4, 3, 32, 64, [1, 3]),   # experts 0 and 2 receive nothing
+    (333, 5, 1, 24, 48, [4]),     # one expert takes every pair
+])
+def test_the_kernels_match_fp64(dtype, tol, t, e, k, i, h, experts):
+    w_gu, w_d = _weights(e, i, h, dtype)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(2)).to(dtype)
+    ids, weights = _routing(t, e, k, experts=experts)
+    cfg = tm.TritonMoeConfig(16, 32, 32)
+    lay = tm.align(ids, e, cfg.block_m)
+    inter = tm.run_gate_up(cfg, x, w_gu, lay, k)
+    out = tm.run_down(cfg, inter, w_d, lay, weights)
+    got = out.view(t, k, h).sum(1)
+    ref = _reference(x, ids, weights, w_gu, w_d)
+    scale = ref.abs().max()
+    assert torch.isfinite(got).all()
+    assert (got.double() - ref).abs().max() <= tol * scale, float((got.double() - ref).abs().max() / scale)
+
+
+def test_moe_on_the_kernel_path_equals_the_expert_loop(monkeypatch):
+    t, e, k, i, h = 17, 6, 2, 40, 56
+    w_gu, w_d = _weights(e, i, h, torch.float32)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(4))
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(5))
+    loop = moe_mod.moe(x, logits, w_gu, w_d, top_k=k)
+    monkeypatch.setattr(moe_mod, "use_kernels", lambda x: True)
+    out = torch.full_like(x, float("nan"))
+    out.copy_(moe_mod.moe(x, logits, w_gu, w_d, top_k=k))
+    torch.testing.assert_close(out, loop, rtol=1e-5, atol=1e-5)
+    again = moe_mod.moe(x, logits, w_gu, w_d, top_k=k)
+    assert torch.equal(again, out)  # fixed order of every sum
+    ids, weights = moe_mod.route(logits, k)
+    ref = _reference(x, ids, weights, w_gu, w_d)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_route_matches_mixtrals_router_ties_included():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    cfg = transformers.MixtralConfig(hidden_size=16, num_local_experts=6, num_experts_per_tok=2)
+    router = MixtralTopKRouter(cfg)
+    torch.nn.init.normal_(router.weight)
+    x = torch.randn(9, 16, generator=torch.Generator().manual_seed(6))
+    x[3] = 0  # every logit equal: a tie over all experts
+    with torch.no_grad():
+        logits, scores, idx = router(x)
+        ids, weights = moe_mod.route(logits, 2)
+    assert torch.equal(ids, idx) and torch.equal(weights, scores)
+    assert ids[3].tolist() == idx[3].tolist()
+
+
+def test_moe_equals_transformers_mixtral_experts(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=24, num_local_experts=4,
+                                     num_experts_per_tok=2)
+    torch.manual_seed(0)
+    block = MixtralSparseMoeBlock(cfg).eval()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(1, 5, 32)
+    monkeypatch.setattr(moe_mod, "use_kernels", lambda x: True)
+    with torch.no_grad():
+        want = block(x).view(5, 32)
+        logits = F.linear(x.view(5, 32), block.gate.weight)
+        got = moe_mod.moe(x.view(5, 32), logits, block.experts.gate_up_proj, block.experts.down_proj, top_k=2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_no_tokens_gives_an_empty_result():
+    w_gu, w_d = _weights(3, 8, 16, torch.float32)
+    ids = torch.zeros(0, 2, dtype=torch.int64)
+    out = moe_mod.moe(torch.zeros(0, 16), (ids, torch.zeros(0, 2)), w_gu, w_d)
+    assert out.shape == (0, 16)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(ids=torch.tensor([[0, 3]])), "must lie in 0..2"),
+    (dict(ids=torch.tensor([[0.0, 1.0]])), "must be integers"),
+    (dict(weights=torch.ones(1, 3)), "must both be"),
+    (dict(x=torch.zeros(1, 15)), "do not fit"),
+    (dict(w_d=torch.zeros(3, 16, 7)), "do not fit"),
+    (dict(activation="tanh"), "activation"),
+    (dict(x=torch.zeros(1, 16, dtype=torch.float16)), "differ in dtype"),
+    (dict(logits_without_k=True), "need top_k"),
+])
+def test_bad_arguments_are_clear_errors(change, match):
+    w_gu, w_d = _weights(3, 8, 16, torch.float32)
+    args = dict(x=torch.zeros(1, 16), ids=torch.tensor([[0, 1]]), weights=torch.ones(1, 2), w_gu=w_gu, w_d=w_d,
+                activation="silu")
+    args.update(change)
+    routing = torch.zeros(1, 3) if args.pop("logits_without_k", False) else (args["ids"], args["weights"])
+    with pytest.raises(ValueError, match=match):
+        moe_mod.moe(args["x"], routing, args["w_gu"], args["w_d"], args["activation"])
+
+
+def test_a_layout_of_another_block_size_is_refused():
+    w_gu, w_d = _weights(3, 8, 16, torch.float32)
+    lay = tm.align(torch.tensor([[0, 1]]), 3, 16)
+    with pytest.raises(ValueError, match="block_m"):
+        tm.run_gate_up(tm.TritonMoeConfig(32, 32, 32), torch.zeros(1, 16), w_gu, lay, 2)
+
+
+def test_the_layout_has_no_value_dependent_size():
+    """Dynamo traces it as one graph (no bincount or nonzero, whose sizes need a host sync: a
+    CUDA graph could not hold it)."""
+    def layout(ids):
+        lay = tm.align(ids, 5, 4)
+        return lay.rows, lay.block_expert
+
+    ids = torch.tensor([[4, 0], [4, 4], [1, 0]])
+    traced = torch.compile(layout, fullgraph=True, backend="aot_eager")
+    for a, b in zip(traced(ids), layout(ids)):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()

@@ -1,0 +1,108 @@
+"""``patch`` of mixture-of-experts models (CPU): the stacked experts of tiny Mixtral, Qwen2-MoE
+and Qwen3-MoE become :class:`~hybridgemm.experts.HybridExperts`, whose logits equal stock's on
+the grouped kernels (Triton interpreter, the device check widened to the CPU) and on the
+PyTorch loop (autograd, CPU); the state dict stays stock's, ``unpatch`` restores the class,
+gradients of a training step equal stock's, and Dynamo traces the kernel path as one graph."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hybridgemm
+from hybridgemm import experts
+from hybridgemm.experts import HybridExperts
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+VOCAB = 97
+
+
+def _tiny(kind: str):
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64)
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **common)
+    elif kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=40, num_experts=6, num_experts_per_tok=3,
+                                          intermediate_size=80, head_dim=16, **common)
+    else:
+        cfg = transformers.Qwen2MoeConfig(moe_intermediate_size=40, num_experts=6, num_experts_per_tok=2,
+                                          shared_expert_intermediate_size=56, intermediate_size=80, **common)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # experts initialised at random, large enough to matter
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+def _experts_modules(model):
+    return [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+
+
+def _ids():
+    return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("kernels", [False, True], ids=["loop", "kernels"])
+def test_patched_moe_models_give_stock_logits(kind, kernels, monkeypatch):
+    stock = _tiny(kind)
+    model = copy.deepcopy(stock)
+    report = hybridgemm.patch(model)
+    mods = _experts_modules(model)
+    assert len(mods) == 2 and all(type(m) is HybridExperts for m in mods)
+    assert not any("experts" in name for name, _ in report.skipped), report.skipped
+    calls = []
+    if kernels:
+        monkeypatch.setattr(experts, "use_kernels", lambda x: True)
+        real = experts.moe
+        monkeypatch.setattr(experts, "moe", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.no_grad():
+        want, got = stock(_ids()).logits, model(_ids()).logits
+    assert len(calls) == (2 if kernels else 0)  # both layers' experts through the grouped kernels
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    sd, ref = model.state_dict(), stock.state_dict()
+    assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
+    hybridgemm.unpatch(model)
+    assert all(type(m) is type(r) for m, r in zip(_experts_modules(model), _experts_modules(stock)))
+
+
+def test_a_training_step_gives_stock_gradients():
+    stock = _tiny("mixtral")
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    grads = []
+    for m in (stock, model):
+        m.train()
+        m(_ids(), labels=_ids()).loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if "experts" in n})
+    assert set(grads[0]) == set(grads[1]) and len(grads[0]) == 4
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-4, atol=1e-6)
+
+
+def test_dynamo_traces_the_kernel_path_in_one_graph(monkeypatch):
+    stock = _tiny("mixtral")
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    monkeypatch.setattr(experts, "use_kernels", lambda x: True)
+    fn = torch.compile(lambda ids: model(ids).logits, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        got, want = fn(_ids()), stock(_ids()).logits
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_experts_of_another_form_are_reported():
+    model = _tiny("mixtral")
+    mod = _experts_modules(model)[0]
+    mod.has_bias = True
+    report = hybridgemm.patch(model)
+    assert type(mod) is not HybridExperts
+    assert any(name.endswith("layers.0.mlp.experts") and "biases" in why for name, why in report.skipped)
