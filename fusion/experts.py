@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridgemm.diagnostics import warn_once
 from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.mlp import GLU_FUNCTIONS, activation_name
 
@@ -169,7 +170,14 @@ class HybridExperts(torch.nn.Module):
         if torch.compiler.is_compiling():
             return torch.ops.hybridgemm.moe_fwd(hidden_states, top_k_index, top_k_weights, gu, down,
                                                 self.glu_activation)
-        return moe(hidden_states, (top_k_index, top_k_weights), gu, down, self.glu_activation)
+        from triton.errors import TritonError
+
+        try:
+            return moe(hidden_states, (top_k_index, top_k_weights), gu, down, self.glu_activation)
+        except TritonError as e:  # not compiled for this GPU: nothing was launched
+            warn_once(("moe", tuple(gu.shape), gu.dtype), f"hybridgemm: the grouped MoE kernels could not run for "
+                      f"experts of {tuple(gu.shape)} ({e}); these experts run in PyTorch")
+        return experts_loop(hidden_states, top_k_index, top_k_weights, gu, down, self.glu_activation)
 
 
 __all__ = ["HybridExperts", "experts_loop", "moe", "route", "why_not_experts"]
