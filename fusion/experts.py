@@ -61,17 +61,16 @@ def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str =
     tm = triton_module("triton_moe")
     t, k = topk_ids.shape
     e, two_i, h = w_gate_up.shape
-    cfg_up = config or tm.default_config(t, two_i // 2, h)
-    cfg_down = config or _down_config(tm, t, h, two_i, cfg_up)
+    cfg_up = config or tm.default_config(t * k, e, two_i // 2, h)
+    if config is None:
+        d = tm.default_config(t * k, e, h, two_i // 2)
+        cfg_down = tm.TritonMoeConfig(cfg_up.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages)
+    else:
+        cfg_down = config
     layout = tm.align(topk_ids, e, cfg_up.block_m)
     inter = tm.run_gate_up(cfg_up, x.contiguous(), w_gate_up, layout, k, activation)
-    out = tm.run_down(cfg_down, inter, w_down, layout, topk_weights.float())
+    out = tm.run_down(cfg_down, inter, w_down, layout, topk_weights)
     return out.view(t, k, h).sum(dim=1).to(x.dtype)
-
-
-def _down_config(tm, tokens: int, h: int, two_i: int, up):
-    d = tm.default_config(tokens, h, two_i // 2)
-    return tm.TritonMoeConfig(up.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages)
 
 
 def experts_loop(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
@@ -85,7 +84,7 @@ def experts_loop(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: T
         pairs = (flat == e).nonzero().squeeze(1)
         gate, up = F.linear(x[pairs // k], w_gate_up[e]).chunk(2, dim=-1)
         y = F.linear(GLU_FUNCTIONS[activation](gate) * up, w_down[e])
-        out[pairs] = y.float() * topk_weights.reshape(-1)[pairs, None].float()
+        out[pairs] = (y * topk_weights.reshape(-1)[pairs, None]).float()  # in their promoted dtype, as transformers
     return out.view(t, k, -1).sum(dim=1).to(x.dtype)
 
 
@@ -140,6 +139,8 @@ def why_not_experts(mod) -> tuple[str | None, str | None]:
             or "gate_up_proj" not in mod._parameters:
         return None, None
     gu, down = mod._parameters.get("gate_up_proj"), mod._parameters.get("down_proj")
+    if getattr(mod, "_is_expert_parallel", False):
+        return None, f"{t.__name__}: experts sharded over ranks (expert parallelism)"
     if getattr(mod, "has_bias", True) or not getattr(mod, "has_gate", False) or getattr(mod, "is_transposed", True) \
             or not getattr(mod, "is_concatenated", False) or getattr(mod, "has_post_expert_norm", True):
         return None, f"{t.__name__}: experts with biases, transposed or interleaved weights or a post-norm"
@@ -163,9 +164,14 @@ class HybridExperts(torch.nn.Module):
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         gu, down = self.gate_up_proj, self.down_proj
+        if getattr(self, "_is_expert_parallel", False):
+            raise RuntimeError(f"hybridgemm: {type(self).__name__} was patched, then sharded over ranks (expert "
+                               "parallelism), which its kernels do not run; unpatch it (hybridgemm.unpatch) first")
         wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or gu.requires_grad
                                                   or down.requires_grad or top_k_weights.requires_grad)
-        if wants_grad or not use_kernels(hidden_states) or hidden_states.dtype != gu.dtype:
+        kernels_take = (use_kernels(hidden_states) and hidden_states.dtype == gu.dtype == down.dtype
+                        and gu.is_contiguous() and down.is_contiguous())
+        if wants_grad or not kernels_take:
             return experts_loop(hidden_states, top_k_index, top_k_weights, gu, down, self.glu_activation)
         if torch.compiler.is_compiling():
             return torch.ops.hybridgemm.moe_fwd(hidden_states, top_k_index, top_k_weights, gu, down,

@@ -39,10 +39,12 @@ class TritonMoeConfig:
     num_stages: int = 2
 
 
-def default_config(tokens: int, n: int, k: int) -> TritonMoeConfig:
-    """A config for ``tokens`` routed tokens and an [n, k] expert weight: 16-row blocks up to
-    64 tokens (decode: most experts get a row or two), 64 beyond."""
-    bm = 16 if tokens <= 64 else 64
+def default_config(pairs: int, experts: int, n: int, k: int) -> TritonMoeConfig:
+    """A config for ``pairs`` (token, expert) pairs over ``experts`` experts and an [n, k]
+    expert weight: blocks of 16, 32 or 64 rows by the rows an expert gets on average (each
+    expert's rows are padded to whole blocks: decode gives most experts a row or two)."""
+    per_expert = -(-pairs // max(experts, 1))
+    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     return TritonMoeConfig(bm, 64 if n >= 64 else 32, 64 if k >= 64 else 32, 4, 3 if bm > 16 else 2)
 
 
@@ -85,10 +87,11 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Layout:
 @triton.jit
 def _moe_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, expert_ptr, rw_ptr, S, N, K, top_k, ldx, lde, ldw, ldo, n_gate,
                 num_experts, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GLU: tl.constexpr,
-                ACT: tl.constexpr, PREC: tl.constexpr):
+                ACT: tl.constexpr, PREC: tl.constexpr, ROUND_PRODUCT: tl.constexpr):
     # GLU: x rows are tokens (row r reads x[rows[r] // top_k]); two accumulators over W rows n
     # and n_gate + n; out row r. Else: x rows are the laid-out rows; out row rows[r], times the
-    # routing weight rw[rows[r]], in fp32.
+    # routing weight rw[rows[r]], in fp32 (ROUND_PRODUCT: the product rounded to x's dtype, as
+    # transformers computes it for routing weights in x's dtype).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ptr + pid_m)
@@ -129,6 +132,8 @@ def _moe_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, expert_ptr, rw_ptr, S, N, K, to
     else:
         routing = tl.load(rw_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
         y = acc.to(x_ptr.dtype.element_ty).to(tl.float32) * routing[:, None]
+        if ROUND_PRODUCT:
+            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
         out_rows = tl.where(valid, pair, 0)
         mask = n_ok[None, :] & valid[:, None]
     tl.store(out_ptr + out_rows[:, None].to(tl.int64) * ldo + offs_n[None, :], y.to(dt), mask=mask)
@@ -153,19 +158,22 @@ def run_gate_up(config: TritonMoeConfig, x: torch.Tensor, w_gate_up: torch.Tenso
     _moe_kernel[grid](x, w_gate_up, out, layout.rows, layout.block_expert, out, layout.pairs, i, k, top_k,
                       x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), out.stride(0), i, e,
                       BM=config.block_m, BN=config.block_n, BK=config.block_k, GLU=True,
-                      ACT=ACTIVATIONS[activation], PREC=_precision(x), num_warps=config.num_warps,
+                      ACT=ACTIVATIONS[activation], PREC=_precision(x), ROUND_PRODUCT=False, num_warps=config.num_warps,
                       num_stages=config.num_stages)
     return out
 
 
 def run_down(config: TritonMoeConfig, inter: torch.Tensor, w_down: torch.Tensor, layout: Layout,
              routing_weights: torch.Tensor) -> torch.Tensor:
-    """``out`` [S, H] fp32: each pair's down projection times its routing weight, at its row."""
+    """``out`` [S, H] fp32: each pair's down projection (rounded to inter's dtype) times its
+    routing weight, at its row; the product is rounded to inter's dtype where the weights' and
+    inter's dtypes promote to a 16-bit one (transformers' ``proj_out * weights``)."""
     _check(config, layout, inter, w_down)
     e, h, i = w_down.shape
     if inter.shape != (layout.rows.numel(), i):
         raise ValueError(f"moe: inter is {tuple(inter.shape)}, expected {(layout.rows.numel(), i)}")
     rw = routing_weights.reshape(-1)
+    round_product = torch.promote_types(inter.dtype, rw.dtype) != torch.float32
     if rw.numel() != layout.pairs:
         raise ValueError(f"moe: {rw.numel()} routing weights for {layout.pairs} pairs")
     out = torch.empty((layout.pairs, h), dtype=torch.float32, device=inter.device)
@@ -173,7 +181,8 @@ def run_down(config: TritonMoeConfig, inter: torch.Tensor, w_down: torch.Tensor,
     _moe_kernel[grid](inter, w_down, out, layout.rows, layout.block_expert, rw.contiguous(), layout.pairs, h, i, 1,
                       inter.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), 0, e,
                       BM=config.block_m, BN=config.block_n, BK=config.block_k, GLU=False, ACT=0,
-                      PREC=_precision(inter), num_warps=config.num_warps, num_stages=config.num_stages)
+                      PREC=_precision(inter), ROUND_PRODUCT=round_product, num_warps=config.num_warps,
+                      num_stages=config.num_stages)
     return out
 
 

@@ -471,11 +471,14 @@ def _parts_in_place(layer: nn.Module) -> bool:
 
 
 def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
-    """The modules whose forward the step does not call (their hooks would not run)."""
+    """The modules whose forward the step does not call (their hooks would not run): with a
+    LoRA layer in a slot, also the linear it wraps and its adapters' own modules."""
     attn, mlp = layer.self_attn, layer.mlp
-    return [layer.input_layernorm, layer.post_attention_layernorm, attn, mlp,
-            *(attn._modules.get(n) for n in (*_ATTENTION_SLOTS, "q_norm", "k_norm")),
-            *(mlp._modules.get(n) for n in _MLP_SLOTS)]
+    slots = [*(attn._modules.get(n) for n in _ATTENTION_SLOTS), *(mlp._modules.get(n) for n in _MLP_SLOTS)]
+    wrapped = [m for s in slots if adapter_terms.is_lora_linear(s)
+               for m in (adapter_base(s), *s.lora_A.values(), *s.lora_B.values(), *s.lora_dropout.values())]
+    return [layer.input_layernorm, layer.post_attention_layernorm, attn, mlp, *slots, *wrapped,
+            *(attn._modules.get(n) for n in ("q_norm", "k_norm"))]
 
 
 def takes_fused_path(layer: nn.Module, x) -> bool:
@@ -532,6 +535,8 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
         if adapter_base(wrapper) is not None and not adapter_terms.is_lora_linear(wrapper):
             return (f"its {child} carries an adapter ({type(wrapper).__module__}.{type(wrapper).__qualname__}), "
                     "which the layer's own forward runs")
+        if adapter_terms.is_lora_linear(wrapper) and isinstance(adapter_base(wrapper), PartialSumLinear):
+            return f"its {child} carries a LoRA adapter over a row-parallel projection, which the layer's forward runs"
     o_proj, down_proj = projection_base(attn._modules.get("o_proj")), projection_base(mlp._modules.get("down_proj"))
     if not _fusable_projection(o_proj):
         return f"its o_proj is a {type(o_proj).__name__}, not a patched or row-parallel nn.Linear"

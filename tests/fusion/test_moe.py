@@ -199,9 +199,10 @@ names = ["x_ptr", "w_ptr", "out_ptr", "rows_ptr", "expert_ptr", "rw_ptr", "S", "
 for glu in (True, False):
     types = ["*bf16", "*bf16", "*bf16" if glu else "*fp32", "*i32", "*i32", "*bf16" if glu else "*fp32"]
     sig = {**dict(zip(names, types + ["i32"] * 10)),
-           **dict.fromkeys(["BM", "BN", "BK", "GLU", "ACT", "PREC"], "constexpr")}
+           **dict.fromkeys(["BM", "BN", "BK", "GLU", "ACT", "PREC", "ROUND_PRODUCT"], "constexpr")}
     for bm in (16, 64):
-        consts = {"BM": bm, "BN": 64, "BK": 64, "GLU": glu, "ACT": ACTIVATIONS["silu"], "PREC": "tf32"}
+        consts = {"BM": bm, "BN": 64, "BK": 64, "GLU": glu, "ACT": ACTIVATIONS["silu"], "PREC": "tf32",
+                  "ROUND_PRODUCT": not glu}
         try:  # the offline-compile API (not the kernel) is what raises these
             src = ASTSource(fn=tm._moe_kernel, signature=sig, constexprs=consts)
             c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
@@ -226,3 +227,20 @@ def test_the_kernels_compile_for_hopper():
     if done.returncode and "API:" in done.stderr:
         pytest.skip(f"this Triton's offline-compile API differs: {done.stderr.strip()[-200:]}")
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("weights_dtype,rounded", [(torch.float16, True), (torch.float32, False)])
+def test_the_routing_product_is_rounded_where_transformers_rounds_it(weights_dtype, rounded):
+    """fp16 x: routing weights in fp16 (Qwen-MoE's routers cast them to x's dtype) give each
+    pair's weighted row in fp16, as ``proj_out * weights`` does; fp32 weights (Mixtral) keep it
+    in fp32."""
+    e, i, h, t, k = 4, 32, 48, 9, 2
+    w_gu, w_d = _weights(e, i, h, torch.float16)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(8)).half()
+    ids, weights = _routing(t, e, k)
+    weights = (weights * 0.7).to(weights_dtype)  # values whose products are not all fp16 numbers
+    cfg = tm.TritonMoeConfig(16, 32, 32)
+    lay = tm.align(ids, e, cfg.block_m)
+    out = tm.run_down(cfg, tm.run_gate_up(cfg, x, w_gu, lay, k), w_d, lay, weights)
+    representable = torch.equal(out, out.half().float())
+    assert representable == rounded

@@ -146,8 +146,16 @@ def test_a_foreign_wrapper_runs_the_layer_forward(kernels_on_cpu, steps):
     assert not checks._parts_in_place(model.model.layers[0])
     attn.v_proj = v
     assert checks._parts_in_place(model.model.layers[0])
-    attn.q_proj.register_forward_pre_hook(lambda mod, args: None)  # PEFT's per-request adapter names hook so
-    assert not checks.takes_fused_path(model.model.layers[0], torch.randn(1, 1, 128))
+    layer, x = model.model.layers[0], torch.randn(1, 1, 128)
+    with torch.no_grad():
+        assert checks.takes_fused_path(layer, x)
+        # hooks on what the step does not call: the LoRA layer (PEFT's per-request adapter names
+        # hook so), the slice it wraps, an adapter's own linear
+        for mod in (attn.q_proj, attn.q_proj.base_layer, attn.q_proj.lora_A["default"]):
+            handle = mod.register_forward_pre_hook(lambda mod, args: None)
+            assert not checks.takes_fused_path(layer, x)
+            handle.remove()
+        assert checks.takes_fused_path(layer, x)
 
 
 def test_dynamo_traces_a_decode_step_with_adapters_in_one_graph(kernels_on_cpu, steps):

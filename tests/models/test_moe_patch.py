@@ -106,3 +106,12 @@ def test_experts_of_another_form_are_reported():
     report = hybridgemm.patch(model)
     assert type(mod) is not HybridExperts
     assert any(name.endswith("layers.0.mlp.experts") and "biases" in why for name, why in report.skipped)
+
+
+def test_experts_sharded_over_ranks_are_reported_not_patched():
+    model = _tiny("mixtral")
+    mod = _experts_modules(model)[0]
+    mod._is_expert_parallel = True  # transformers' expert parallelism: ids of other ranks' experts
+    report = hybridgemm.patch(model)
+    assert type(mod) is not HybridExperts
+    assert any(name.endswith("layers.0.mlp.experts") and "expert parallelism" in why for name, why in report.skipped)
