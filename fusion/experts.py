@@ -139,7 +139,7 @@ def why_not_experts(mod) -> tuple[str | None, str | None]:
             or "gate_up_proj" not in mod._parameters:
         return None, None
     gu, down = mod._parameters.get("gate_up_proj"), mod._parameters.get("down_proj")
-    # (transformers releases before 5.9 set no has_post_expert_norm and _is_expert_parallel: none)
+    # (transformers 5.8 sets neither has_post_expert_norm nor _is_expert_parallel: none of either)
     if getattr(mod, "_is_expert_parallel", False):
         return None, f"{t.__name__}: experts sharded over ranks (expert parallelism)"
     if getattr(mod, "has_bias", True) or not getattr(mod, "has_gate", False) or getattr(mod, "is_transposed", True) \
