@@ -22,8 +22,12 @@ same layout is covered; ``transformers`` is never imported here):
   object and parameters, so a head tied to the embedding stays tied).
 * transformers' Llama-style RMSNorm modules: one Triton launch in eager inference
   (fusion/norm.py; recognised by class, since the formula is not visible in the structure).
-* transformers' Llama, Qwen2, Qwen3 and Mistral decoder layers whose parts were all patched:
-  at decode sizes their RMSNorms and residual adds run inside the GEMMs (fusion/models/decoder_layer.py).
+* transformers' Llama, Qwen2, Qwen3, Mistral and Granite decoder layers whose parts were all
+  patched: at decode sizes their RMSNorms and residual adds run inside the GEMMs
+  (fusion/models/decoder_layer.py).
+* transformers' stacked mixture-of-experts modules (Mixtral, Qwen2-MoE, Qwen3-MoE: weights
+  ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]): the routed experts in two grouped
+  launches (fusion/experts.py); their router runs as the model computes it.
 
 How several linears are fused without re-implementing any forward (:class:`QKVSlice` modules
 standing where the linears stood, backed by one :class:`FusedQKV`; one GEMM per input, each
@@ -55,8 +59,10 @@ parameter is stored transposed while patched; safetensors refuses non-contiguous
 
 Adapters and names. A linear that an adapter layer wraps (PEFT's LoRA: ``q_proj.base_layer``)
 is patched under it, fused with its siblings, and the adapter runs on top; adapters attached
-after patching wrap the slices the same way (fusion/fused_rows.py). A decoder layer with an
-adapter keeps its own forward (the report says so). ``q_proj.weight`` of a fused model is
+after patching wrap the slices the same way (fusion/fused_rows.py). A fused decoder layer
+adds the terms of PEFT LoRA layers over its projections inside its decode step
+(fusion/models/adapter_terms.py); with any other adapter it keeps its own forward (the report
+says so). ``q_proj.weight`` of a fused model is
 its rows of the fused parameter (``get_parameter`` finds them; ``requires_grad`` is set on
 the fused parameter as a whole). A ``resize_token_embeddings`` of transformers' models
 patches the new LM head too (fusion/models/embeddings.py).
