@@ -52,22 +52,27 @@ def test_moe_bf16_error_matches_the_experts_module(cuda, tokens, e, k, i, h):
     assert torch.equal(out, again)
 
 
-def test_a_patched_mixtral_in_a_cuda_graph_and_compiled(cuda):
-    cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=256, intermediate_size=352, num_hidden_layers=2,
+def test_a_patched_mixtral_block_in_a_cuda_graph_and_compiled(cuda):
+    """The patched sparse block (router, then the grouped kernels): a captured CUDA graph
+    replays the eager result bit for bit; torch.compile (fullgraph) matches it."""
+    cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=256, intermediate_size=352, num_hidden_layers=1,
                                      num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
                                      num_experts_per_tok=2, max_position_embeddings=64)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(cuda, torch.bfloat16).eval()
     hybridgemm.patch(model)
-    ids = torch.randint(0, 256, (2, 5), device=cuda)
+    block = model.model.layers[0].mlp
+    assert type(block.experts) is experts.HybridExperts
+    h = torch.randn(2, 5, 256, device=cuda, dtype=torch.bfloat16)
     with torch.no_grad():
-        eager = model(ids).logits
+        eager = block(h)
         graph = torch.cuda.CUDAGraph()
-        model(ids)  # warm-up outside the capture (Triton compiles)
         with torch.cuda.graph(graph):
-            captured = model(ids).logits
+            captured = block(h)
         graph.replay()
-        compiled = torch.compile(lambda t: model(t).logits, fullgraph=True)(ids)
+        compiled = torch.compile(block, fullgraph=True)(h)
+        logits = model(torch.randint(0, 256, (2, 5), device=cuda)).logits
     torch._dynamo.reset()
     assert torch.equal(captured, eager)
     torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+    assert torch.isfinite(logits).all()
