@@ -362,7 +362,11 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
     form = checks.attention_form(type(attn))
     input_shape = x.shape[:-1]
     hidden_shape = (*input_shape, -1, attn.head_dim)
-    y = _qkv_with_adapters(x, norm, qkv, _slots(attn, qkv), counters)
+    slots = _slots(attn, qkv)
+    if any(adapter_terms.adds_terms(m) for m in slots):
+        y = _qkv_with_adapters(x, norm, qkv, slots, counters)
+    else:
+        y = norm_linear(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
     q, k, v = (t.view(hidden_shape) for t in y.split(qkv.sizes, dim=-1))
     if form.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
@@ -396,10 +400,9 @@ def _slots(owner: nn.Module, fused: nn.Module) -> list[nn.Module]:
 def _qkv_with_adapters(x: Tensor, norm: nn.Module, qkv: nn.Module, slots: list[nn.Module],
                        counters: Tensor | None) -> Tensor:
     """The Q/K/V projection of ``rmsnorm(x)`` in one launch, plus the terms of the LoRA layers
-    in ``slots`` (which take the normalised x, as in the stock attention)."""
+    in ``slots`` (which take the normalised x, as in the stock attention); for a call where
+    some of them add terms."""
     y = norm_linear(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
-    if not any(adapter_terms.adds_terms(m) for m in slots):
-        return y
     return adapter_terms.add_slice_terms(slots, rms_norm(x, norm.weight, norm.variance_epsilon), y, qkv.sizes)
 
 
