@@ -46,7 +46,9 @@ def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str =
         renormalize: bool = True, config=None) -> Tensor:
     """The routed experts' output for ``x`` [T, H]: ``routing`` is ``(topk_ids, topk_weights)``
     ([T, k] each) or router logits [T, E] with ``top_k`` (and ``renormalize``, :func:`route`).
-    ``config``: a kernels/triton_moe.py ``TritonMoeConfig`` (default: its ``default_config``)."""
+    ``config``: a kernels/triton_moe.py ``TritonMoeConfig`` for both launches, or a (gate/up,
+    down) pair (default: its ``default_config``); ``block_m`` 1 runs the pair-major kernels
+    (no layout; decode), larger blocks the grouped ones."""
     if isinstance(routing, Tensor):
         if top_k is None:
             raise ValueError("moe: router logits need top_k")
@@ -61,16 +63,29 @@ def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str =
     tm = triton_module("triton_moe")
     t, k = topk_ids.shape
     e, two_i, h = w_gate_up.shape
-    cfg_up = config or tm.default_config(t * k, e, two_i // 2, h)
-    if config is None:
-        d = tm.default_config(t * k, e, h, two_i // 2)
-        cfg_down = tm.TritonMoeConfig(cfg_up.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages)
-    else:
-        cfg_down = config
+    cfg_up, cfg_down = _configs(tm, config, t * k, e, two_i // 2, h)
+    if cfg_up.block_m == 1:
+        return tm.run_pairs(cfg_up, x.contiguous(), w_gate_up, w_down, topk_ids, topk_weights, activation, cfg_down)
     layout = tm.align(topk_ids, e, cfg_up.block_m)
     inter = tm.run_gate_up(cfg_up, x.contiguous(), w_gate_up, layout, k, activation)
     out = tm.run_down(cfg_down, inter, w_down, layout, topk_weights)
     return out.view(t, k, h).sum(dim=1).to(x.dtype)
+
+
+def _configs(tm, config, pairs: int, e: int, i: int, h: int):
+    """(gate/up config, down config): ``config`` as given (one for both, or a pair), else each
+    launch's default for its weight, down taking gate/up's ``block_m`` (they share the layout)."""
+    if isinstance(config, tuple):
+        up, down = config
+    elif config is not None:
+        up = down = config
+    else:
+        up = tm.default_config(pairs, e, i, h)
+        d = tm.default_config(pairs, e, h, i)
+        down = tm.TritonMoeConfig(up.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages)
+    if up.block_m != down.block_m:
+        raise ValueError(f"moe: the gate/up and down configs differ in block_m ({up.block_m}, {down.block_m})")
+    return up, down
 
 
 def experts_loop(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,

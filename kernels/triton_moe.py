@@ -14,6 +14,10 @@ stores them (``w_gate_up`` [E, 2I, H], gate rows first; ``w_down`` [E, H, I]):
   dtype, the product with the routing weight in fp32, stored at the pair's own row ``p`` of an
   fp32 [S, H] result, which the caller sums over the k slots in slot order.
 
+For a few pairs (decode), :func:`run_pairs` skips the layout: one launch per pair's gate/up and
+one per token's down projections, summed over its slots in the program (configs of
+``block_m`` 1).
+
 Every output element is one program's fixed-order sum (no atomics, no split of K), and the
 layout depends only on ``topk_ids``: results are bit-identical run to run. Programs whose
 block is padding past the last expert's rows return at once. Nothing touches a GPU at import.
@@ -32,17 +36,25 @@ from .triton_glu import ACTIVATIONS, _gate_act
 
 @dataclass(frozen=True)
 class TritonMoeConfig:
-    block_m: int  # laid-out rows per program (the layout's block: one expert per block)
+    block_m: int  # laid-out rows per program (the layout's block: one expert per block); 1: pair-major
     block_n: int  # output columns per program
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
 
 
+# at most this many pairs run pair-major by default (decode: weight rows stream once per pair,
+# and the layout's launches cost more than the few weights two pairs of one expert share)
+PAIR_MAJOR_MAX_PAIRS = 16
+
+
 def default_config(pairs: int, experts: int, n: int, k: int) -> TritonMoeConfig:
     """A config for ``pairs`` (token, expert) pairs over ``experts`` experts and an [n, k]
-    expert weight: blocks of 16, 32 or 64 rows by the rows an expert gets on average (each
-    expert's rows are padded to whole blocks: decode gives most experts a row or two)."""
+    expert weight: pair-major (``block_m`` 1, no layout) up to ``PAIR_MAJOR_MAX_PAIRS`` pairs,
+    else blocks of 16, 32 or 64 rows by the rows an expert gets on average (each expert's rows
+    are padded to whole blocks: decode gives most experts a row or two)."""
+    if pairs <= PAIR_MAJOR_MAX_PAIRS:
+        return TritonMoeConfig(1, 32 if n >= 32 else 16, 128 if k >= 128 else 32, 4, 3)
     per_expert = -(-pairs // max(experts, 1))
     bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
     return TritonMoeConfig(bm, 64 if n >= 64 else 32, 64 if k >= 64 else 32, 4, 3 if bm > 16 else 2)
@@ -139,6 +151,110 @@ def _moe_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, expert_ptr, rw_ptr, S, N, K, to
     tl.store(out_ptr + out_rows[:, None].to(tl.int64) * ldo + offs_n[None, :], y.to(dt), mask=mask)
 
 
+# ----------------------------------------------------------------------------- pair-major (decode)
+# One program per (pair, column block) for gate/up and per (token, column block) for down, no
+# layout: each pair streams its expert's weight rows once, dot products on the CUDA cores (a
+# [BN, BK] fp32 partial sum per program, reduced along K once at the end, so the order of every
+# sum is fixed by the config). Down sums the token's k slots in slot order in the program.
+
+@triton.jit
+def _moe_pair_glu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, ldw, ldo, n_gate,
+                         BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr):
+    p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + p).to(tl.int64)
+    x_row = x_ptr + (p // top_k).to(tl.int64) * ldx
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    rows_n = tl.where(n_ok, offs_n, 0)
+    offs_k = tl.arange(0, BK)
+    w_gate = w_ptr + expert * lde + rows_n[:, None] * ldw
+    w_up = w_gate + n_gate * ldw
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    acc_up = tl.zeros((BN, BK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + offs_k) < K
+        xv = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(w_gate + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32) * xv
+        acc_up += tl.load(w_up + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32) * xv
+    dt = x_ptr.dtype.element_ty
+    gate = tl.sum(acc, axis=1).to(dt).to(tl.float32)
+    up = tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
+    act = _gate_act(gate, ACT).to(dt).to(tl.float32)
+    tl.store(out_ptr + p.to(tl.int64) * ldo + offs_n, (act * up).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _moe_pair_down_kernel(inter_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ldi, lde, ldw, ldo,
+                          TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROUND_PRODUCT: tl.constexpr):
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    rows_n = tl.where(n_ok, offs_n, 0)
+    offs_k = tl.arange(0, BK)
+    dt = inter_ptr.dtype.element_ty
+    total = tl.zeros((BN,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):  # slot order: the sum's order
+        p = t * TOP_K + slot
+        expert = tl.load(ids_ptr + p).to(tl.int64)
+        w_rows = w_ptr + expert * lde + rows_n[:, None] * ldw
+        i_row = inter_ptr + p.to(tl.int64) * ldi
+        acc = tl.zeros((BN, BK), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k_ok = (k0 + offs_k) < K
+            iv = tl.load(i_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(w_rows + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32) * iv
+        y = tl.sum(acc, axis=1).to(dt).to(tl.float32) * tl.load(rw_ptr + p).to(tl.float32)
+        if ROUND_PRODUCT:
+            y = y.to(dt).to(tl.float32)
+        total += y
+    tl.store(out_ptr + t.to(tl.int64) * ldo + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def run_pairs(config: TritonMoeConfig, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              topk_ids: torch.Tensor, routing_weights: torch.Tensor, activation: str = "silu",
+              down_config: TritonMoeConfig | None = None) -> torch.Tensor:
+    """The routed experts' output [T, H] in x's dtype, pair-major (configs of ``block_m`` 1):
+    :func:`pairs_gate_up` then :func:`pairs_down`."""
+    inter = pairs_gate_up(config, x, w_gate_up, topk_ids, activation)
+    return pairs_down(down_config or config, inter, w_down, topk_ids, routing_weights)
+
+
+def pairs_gate_up(config: TritonMoeConfig, x: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor,
+                  activation: str = "silu") -> torch.Tensor:
+    """``inter`` [T * k, I] in x's dtype, row ``p`` for pair ``p``: one launch for every pair."""
+    _check_pairs(config, x, w_gate_up, topk_ids)
+    e, two_i, k = w_gate_up.shape
+    _check_activation(two_i, activation)
+    i = two_i // 2
+    t, top_k = topk_ids.shape
+    inter = torch.empty((t * top_k, i), dtype=x.dtype, device=x.device)
+    _moe_pair_glu_kernel[(t * top_k, triton.cdiv(i, config.block_n))](
+        x, w_gate_up, topk_ids.contiguous(), inter, i, k, top_k, x.stride(0), w_gate_up.stride(0),
+        w_gate_up.stride(1), inter.stride(0), i, BN=config.block_n, BK=config.block_k, ACT=ACTIVATIONS[activation],
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return inter
+
+
+def pairs_down(config: TritonMoeConfig, inter: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+               routing_weights: torch.Tensor) -> torch.Tensor:
+    """[T, H] in inter's dtype: every token's down projections, each times its routing weight as
+    :func:`run_down` makes it, summed over its slots in slot order in fp32 in one program."""
+    _check_pairs(config, inter, w_down, topk_ids)
+    t, top_k = topk_ids.shape
+    rw = routing_weights.reshape(-1).contiguous()
+    if inter.shape[0] != t * top_k or rw.numel() != t * top_k:
+        raise ValueError(f"moe: {inter.shape[0]} rows of inter and {rw.numel()} routing weights for "
+                         f"{t * top_k} pairs")
+    h = w_down.shape[1]
+    out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
+    _moe_pair_down_kernel[(t, triton.cdiv(h, config.block_n))](
+        inter, w_down, topk_ids.contiguous(), rw, out, h, w_down.shape[2], inter.stride(0), w_down.stride(0),
+        w_down.stride(1), out.stride(0), TOP_K=top_k, BN=config.block_n, BK=config.block_k,
+        ROUND_PRODUCT=_rounds_product(inter, rw), num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
 def _precision(x: torch.Tensor) -> str:
     return "tf32" if x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
@@ -148,10 +264,7 @@ def run_gate_up(config: TritonMoeConfig, x: torch.Tensor, w_gate_up: torch.Tenso
     """``inter`` [R, I] in x's dtype for the laid-out rows (padding rows hold zeros' product)."""
     _check(config, layout, x, w_gate_up)
     e, two_i, k = w_gate_up.shape
-    if two_i % 2:
-        raise ValueError(f"moe: w_gate_up has {two_i} rows per expert, not gate and up halves")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"moe: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+    _check_activation(two_i, activation)
     i = two_i // 2
     out = torch.empty((layout.rows.numel(), i), dtype=x.dtype, device=x.device)
     grid = (layout.block_expert.numel(), triton.cdiv(i, config.block_n))
@@ -173,7 +286,7 @@ def run_down(config: TritonMoeConfig, inter: torch.Tensor, w_down: torch.Tensor,
     if inter.shape != (layout.rows.numel(), i):
         raise ValueError(f"moe: inter is {tuple(inter.shape)}, expected {(layout.rows.numel(), i)}")
     rw = routing_weights.reshape(-1)
-    round_product = torch.promote_types(inter.dtype, rw.dtype) != torch.float32
+    round_product = _rounds_product(inter, rw)
     if rw.numel() != layout.pairs:
         raise ValueError(f"moe: {rw.numel()} routing weights for {layout.pairs} pairs")
     out = torch.empty((layout.pairs, h), dtype=torch.float32, device=inter.device)
@@ -186,9 +299,32 @@ def run_down(config: TritonMoeConfig, inter: torch.Tensor, w_down: torch.Tensor,
     return out
 
 
+def _rounds_product(x: torch.Tensor, routing_weights: torch.Tensor) -> bool:
+    return torch.promote_types(x.dtype, routing_weights.dtype) != torch.float32
+
+
+def _check_activation(two_i: int, activation: str) -> None:
+    if two_i % 2:
+        raise ValueError(f"moe: w_gate_up has {two_i} rows per expert, not gate and up halves")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"moe: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+
+
+def _check_pairs(config: TritonMoeConfig, x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    if config.block_m != 1:
+        raise ValueError(f"moe: the pair-major kernels take configs of block_m 1, not {config.block_m}")
+    _check_weights(x, w)
+    if topk_ids.dim() != 2:
+        raise ValueError(f"moe: topk_ids must be [tokens, k], got {tuple(topk_ids.shape)}")
+
+
 def _check(config: TritonMoeConfig, layout: Layout, x: torch.Tensor, w: torch.Tensor) -> None:
     if config.block_m != layout.block_m:
         raise ValueError(f"moe: config block_m {config.block_m} but the layout's blocks are {layout.block_m} rows")
+    _check_weights(x, w)
+
+
+def _check_weights(x: torch.Tensor, w: torch.Tensor) -> None:
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
         raise ValueError(f"moe: x {tuple(x.shape)} and stacked expert weights {tuple(w.shape)} do not fit "
                          "([rows, K] and [E, N, K])")
@@ -200,4 +336,5 @@ def _check(config: TritonMoeConfig, layout: Layout, x: torch.Tensor, w: torch.Te
         raise ValueError(f"moe: x is on {x.device} but the expert weights are on {w.device}")
 
 
-__all__ = ["Layout", "TritonMoeConfig", "align", "default_config", "run_down", "run_gate_up"]
+__all__ = ["PAIR_MAJOR_MAX_PAIRS", "Layout", "TritonMoeConfig", "align", "default_config", "pairs_down",
+           "pairs_gate_up", "run_down", "run_gate_up", "run_pairs"]

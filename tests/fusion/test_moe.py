@@ -209,6 +209,17 @@ for glu in (True, False):
         except (TypeError, KeyError, AttributeError) as e:
             raise SystemExit(f"API: {type(e).__name__}: {e}")
         assert c.asm["cubin"]
+pair_kernels = [
+    (tm._moe_pair_glu_kernel, ["*bf16", "*bf16", "*i64", "*bf16"] + ["i32"] * 8, {"ACT": ACTIVATIONS["silu"]}),
+    (tm._moe_pair_down_kernel, ["*bf16", "*bf16", "*i64", "*fp32", "*bf16"] + ["i32"] * 6,
+     {"TOP_K": 8, "ROUND_PRODUCT": False}),
+]
+for fn, types, extra in pair_kernels:
+    consts = {"BN": 32, "BK": 128, **extra}
+    sig = {**dict(zip(fn.arg_names, types)), **dict.fromkeys(consts, "constexpr")}
+    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 3})
+    assert c.asm["cubin"]
 print("compiled")
 """
 
@@ -244,3 +255,50 @@ def test_the_routing_product_is_rounded_where_transformers_rounds_it(weights_dty
     out = tm.run_down(cfg, tm.run_gate_up(cfg, x, w_gu, lay, k), w_d, lay, weights)
     representable = torch.equal(out, out.half().float())
     assert representable == rounded
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("t,e,k,i,h,bn,bk", [
+    (1, 8, 2, 48, 40, 32, 32),    # N and K not multiples of the blocks
+    (3, 6, 3, 40, 72, 16, 64),    # K shorter than one block
+    (17, 4, 2, 33, 65, 16, 32),
+])
+def test_the_pair_major_kernels_match_fp64(dtype, tol, t, e, k, i, h, bn, bk):
+    w_gu, w_d = _weights(e, i, h, dtype)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(2)).to(dtype)
+    ids, weights = _routing(t, e, k)
+    cfg = tm.TritonMoeConfig(1, bn, bk)
+    got = torch.full((t, h), float("nan"), dtype=dtype)
+    got.copy_(tm.run_pairs(cfg, x, w_gu, w_d, ids, weights))
+    ref = _reference(x, ids, weights, w_gu, w_d)
+    scale = ref.abs().max()
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    assert (got.double() - ref).abs().max() <= tol * scale, float((got.double() - ref).abs().max() / scale)
+    # the grouped kernels give the same result to the pair-major one's rounding
+    lay = tm.align(ids, e, 16)
+    grouped = tm.run_down(tm.TritonMoeConfig(16, 32, 32), tm.run_gate_up(tm.TritonMoeConfig(16, 32, 32), x, w_gu,
+                                                                          lay, k), w_d, lay, weights)
+    torch.testing.assert_close(got, grouped.view(t, k, h).sum(1).to(dtype), rtol=tol, atol=tol * float(scale))
+
+
+def test_moe_takes_the_pair_major_path_for_few_pairs(monkeypatch):
+    """Default configs: pair-major for decode-sized routings, grouped above; the two agree."""
+    monkeypatch.setattr(moe_mod, "use_kernels", lambda x: True)
+    e, i, h, k = 6, 40, 56, 2
+    w_gu, w_d = _weights(e, i, h, torch.float32)
+    assert tm.default_config(tm.PAIR_MAJOR_MAX_PAIRS, e, i, h).block_m == 1
+    assert tm.default_config(tm.PAIR_MAJOR_MAX_PAIRS + 1, e, i, h).block_m > 1
+    calls = []
+    run_pairs = tm.run_pairs
+    monkeypatch.setattr(tm, "run_pairs", lambda *a, **kw: calls.append(1) or run_pairs(*a, **kw))
+    x = torch.randn(3, h, generator=torch.Generator().manual_seed(9))
+    ids, weights = _routing(3, e, k)
+    pair = moe_mod.moe(x, (ids, weights), w_gu, w_d)
+    assert calls == [1]
+    grouped = moe_mod.moe(x, (ids, weights), w_gu, w_d, config=tm.TritonMoeConfig(16, 32, 32))
+    torch.testing.assert_close(pair, grouped, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pair.double(), _reference(x, ids, weights, w_gu, w_d), rtol=1e-4, atol=1e-4)
+    assert torch.equal(pair, moe_mod.moe(x, (ids, weights), w_gu, w_d))
+    with pytest.raises(ValueError, match="block_m"):
+        moe_mod.moe(x, (ids, weights), w_gu, w_d, config=(tm.TritonMoeConfig(1, 32, 32),
+                                                          tm.TritonMoeConfig(16, 32, 32)))
