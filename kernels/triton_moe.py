@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .triton_glu import ACTIVATIONS, _gate_act
+from .triton_launch import interpreting
 
 
 @dataclass(frozen=True)
@@ -43,21 +44,29 @@ class TritonMoeConfig:
     num_stages: int = 2
 
 
-# at most this many pairs run pair-major by default (decode: weight rows stream once per pair,
-# and the layout's launches cost more than the few weights two pairs of one expert share)
-PAIR_MAJOR_MAX_PAIRS = 16
+
+
+def pair_major(pairs: int, experts: int) -> bool:
+    """Do ``pairs`` pairs over ``experts`` experts run pair-major by default? Where pairs are at
+    most half the experts (decode: few experts take two pairs, and a pair-major launch streams
+    an expert's weights once per pair, but needs no layout's launches) and at most 64."""
+    return pairs <= 64 and 2 * pairs <= experts
 
 
 def default_config(pairs: int, experts: int, n: int, k: int) -> TritonMoeConfig:
     """A config for ``pairs`` (token, expert) pairs over ``experts`` experts and an [n, k]
-    expert weight: pair-major (``block_m`` 1, no layout) up to ``PAIR_MAJOR_MAX_PAIRS`` pairs,
-    else blocks of 16, 32 or 64 rows by the rows an expert gets on average (each expert's rows
-    are padded to whole blocks: decode gives most experts a row or two)."""
-    if pairs <= PAIR_MAJOR_MAX_PAIRS:
-        return TritonMoeConfig(1, 32 if n >= 32 else 16, 128 if k >= 128 else 32, 4, 3)
+    expert weight: pair-major (``block_m`` 1, no layout) where :func:`pair_major`, else blocks
+    of 16, 64 or 128 rows by the rows an expert gets on average (each expert's rows are padded
+    to whole blocks). Figures from scripts/moe_config_probe.py on the H200."""
+    if pair_major(pairs, experts):
+        # few programs: narrow column blocks, so that every SM streams
+        return TritonMoeConfig(1, 8 if pairs * n < 512 * 32 else 32, 128, 8, 4)
     per_expert = -(-pairs // max(experts, 1))
-    bm = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    return TritonMoeConfig(bm, 64 if n >= 64 else 32, 64 if k >= 64 else 32, 4, 3 if bm > 16 else 2)
+    if per_expert <= 16:
+        return TritonMoeConfig(16, 64, 128, 4, 3)
+    if per_expert <= 96:
+        return TritonMoeConfig(64, 128, 64, 4, 4)
+    return TritonMoeConfig(128, 128, 64, 8, 3)
 
 
 @dataclass(frozen=True)
@@ -73,7 +82,26 @@ class Layout:
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Layout:
     """The block layout of the pairs of ``topk_ids`` [T, k] (int, values in [0, E)), on its
-    device, of a size that depends only on T, k, E and ``block_m`` (CUDA-graph friendly)."""
+    device, of a size that depends only on T, k, E and ``block_m`` (CUDA-graph friendly).
+    On CUDA (and under the interpreter) two Triton launches, :func:`align_torch` elsewhere."""
+    if not (topk_ids.is_cuda or interpreting()):
+        return align_torch(topk_ids, num_experts, block_m)
+    flat = topk_ids.reshape(-1).contiguous()
+    s = flat.numel()
+    chunks = triton.cdiv(s, ALIGN_CHUNK)
+    ep = triton.next_power_of_2(num_experts)
+    counts = torch.empty((chunks, ep), dtype=torch.int32, device=flat.device)
+    _moe_count_kernel[(chunks,)](flat, counts, s, EP=ep, CHUNK=ALIGN_CHUNK)
+    cap = _layout_rows(s, num_experts, block_m)
+    rows = torch.full((cap,), s, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty((cap // block_m,), dtype=torch.int32, device=flat.device)
+    _moe_place_kernel[(chunks,)](flat, counts, rows, block_expert, s, num_experts, chunks, cap // block_m, block_m,
+                                 EP=ep, CHUNK=ALIGN_CHUNK, CT=32, BT=64, num_warps=8)
+    return Layout(rows, block_expert, s, block_m)
+
+
+def align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Layout:
+    """:func:`align` in PyTorch ops (the reference the Triton launches are tested against)."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     s = flat.numel()
     dev = flat.device
@@ -87,13 +115,66 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Layout:
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     dest = (padded_end - padded)[expert_of] + torch.arange(s, device=dev) - first[expert_of]
-    # at most min(E, S) experts hold pairs, each padded by fewer than block_m rows
-    cap = -(-(s + min(num_experts, s) * (block_m - 1)) // block_m) * block_m
+    cap = _layout_rows(s, num_experts, block_m)
     rows = torch.full((cap,), s, dtype=torch.int32, device=dev)
     rows[dest] = order.to(torch.int32)
     starts = torch.arange(0, cap, block_m, device=dev)
     block_expert = torch.searchsorted(padded_end, starts, right=True).to(torch.int32)
     return Layout(rows, block_expert, s, block_m)
+
+
+def _layout_rows(pairs: int, num_experts: int, block_m: int) -> int:
+    # at most min(E, S) experts hold pairs, each padded by fewer than block_m rows
+    return -(-(pairs + min(num_experts, pairs) * (block_m - 1)) // block_m) * block_m
+
+
+# pairs per program of the layout's launches
+ALIGN_CHUNK = 128
+
+
+@triton.jit
+def _moe_count_kernel(ids_ptr, counts_ptr, S, EP: tl.constexpr, CHUNK: tl.constexpr):
+    # counts[c, e]: the pairs of chunk c routed to expert e
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < S
+    ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+    hist = tl.histogram(ids, EP)
+    experts = tl.arange(0, EP)
+    hist -= tl.where(experts == 0, CHUNK - tl.sum(ok.to(tl.int32), axis=0), 0)  # the masked lanes counted as 0
+    tl.store(counts_ptr + c * EP + experts, hist)
+
+
+@triton.jit
+def _moe_place_kernel(ids_ptr, counts_ptr, rows_ptr, block_expert_ptr, S, E, C, NB, BLOCK_M, EP: tl.constexpr,
+                      CHUNK: tl.constexpr, CT: tl.constexpr, BT: tl.constexpr):
+    # chunk c's pairs to their rows: expert e's rows start at its padded offset, then the
+    # pairs of e in earlier chunks, then those earlier in this chunk (a stable order)
+    c = tl.program_id(0)
+    experts = tl.arange(0, EP)
+    total = tl.zeros((EP,), dtype=tl.int32)
+    before = tl.zeros((EP,), dtype=tl.int32)
+    for c0 in range(0, C, CT):
+        cr = c0 + tl.arange(0, CT)
+        cnt = tl.load(counts_ptr + cr[:, None] * EP + experts[None, :], mask=(cr < C)[:, None], other=0)
+        total += tl.sum(cnt, axis=0)
+        before += tl.sum(tl.where((cr < c)[:, None], cnt, 0), axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    start = padded_end - padded + before
+    i = tl.arange(0, CHUNK)
+    offs = c * CHUNK + i
+    ok = offs < S
+    ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+    rank = tl.sum(((ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+    dest = tl.sum(tl.where(ids[:, None] == experts[None, :], start[None, :], 0), axis=1) + rank
+    tl.store(rows_ptr + dest, offs, mask=ok)
+    # each block's expert: the experts whose padded rows end at or before the block's first row
+    ends = tl.where(experts < E, padded_end, 2147483647)
+    for b0 in range(c * BT, NB, C * BT):
+        b = b0 + tl.arange(0, BT)
+        expert_of = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, expert_of, mask=b < NB)
 
 
 @triton.jit
@@ -153,9 +234,9 @@ def _moe_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, expert_ptr, rw_ptr, S, N, K, to
 
 # ----------------------------------------------------------------------------- pair-major (decode)
 # One program per (pair, column block) for gate/up and per (token, column block) for down, no
-# layout: each pair streams its expert's weight rows once, dot products on the CUDA cores (a
-# [BN, BK] fp32 partial sum per program, reduced along K once at the end, so the order of every
-# sum is fixed by the config). Down sums the token's k slots in slot order in the program.
+# layout: each pair streams its expert's weight rows once, dot products on the CUDA cores (an
+# fp32 partial-sum tile per program, reduced along K once at the end, so the order of every
+# sum is fixed by the config). Down also sums the token's k slots, in the program.
 
 @triton.jit
 def _moe_pair_glu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, ldw, ldo, n_gate,
@@ -186,29 +267,34 @@ def _moe_pair_glu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, 
 
 @triton.jit
 def _moe_pair_down_kernel(inter_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ldi, lde, ldw, ldo,
-                          TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROUND_PRODUCT: tl.constexpr):
+                          TOP_K: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          ROUND_PRODUCT: tl.constexpr):
+    # all of a token's slots in one [KP, BN, BK] tile (KP: TOP_K to a power of two), so each
+    # step of the K loop streams every slot's weight rows at once
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
+    slots = tl.arange(0, KP)
+    s_ok = slots < TOP_K
+    p = t * TOP_K + slots
+    experts = tl.load(ids_ptr + p, mask=s_ok, other=0).to(tl.int64)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     rows_n = tl.where(n_ok, offs_n, 0)
     offs_k = tl.arange(0, BK)
+    w_rows = w_ptr + experts[:, None, None] * lde + rows_n[None, :, None] * ldw
+    i_rows = inter_ptr + p.to(tl.int64)[:, None] * ldi
     dt = inter_ptr.dtype.element_ty
-    total = tl.zeros((BN,), dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):  # slot order: the sum's order
-        p = t * TOP_K + slot
-        expert = tl.load(ids_ptr + p).to(tl.int64)
-        w_rows = w_ptr + expert * lde + rows_n[:, None] * ldw
-        i_row = inter_ptr + p.to(tl.int64) * ldi
-        acc = tl.zeros((BN, BK), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            k_ok = (k0 + offs_k) < K
-            iv = tl.load(i_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            acc += tl.load(w_rows + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32) * iv
-        y = tl.sum(acc, axis=1).to(dt).to(tl.float32) * tl.load(rw_ptr + p).to(tl.float32)
-        if ROUND_PRODUCT:
-            y = y.to(dt).to(tl.float32)
-        total += y
+    acc = tl.zeros((KP, BN, BK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + offs_k) < K
+        iv = tl.load(i_rows + (k0 + offs_k)[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + (k0 + offs_k)[None, None, :], mask=s_ok[:, None, None] & k_ok[None, None, :], other=0.0)
+        acc += w.to(tl.float32) * iv.to(tl.float32)[:, None, :]
+    routing = tl.load(rw_ptr + p, mask=s_ok, other=0.0).to(tl.float32)
+    y = tl.sum(acc, axis=2).to(dt).to(tl.float32) * routing[:, None]
+    if ROUND_PRODUCT:
+        y = y.to(dt).to(tl.float32)
+    total = tl.sum(y, axis=0)  # padded slots add zeros
     tl.store(out_ptr + t.to(tl.int64) * ldo + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -240,7 +326,7 @@ def pairs_gate_up(config: TritonMoeConfig, x: torch.Tensor, w_gate_up: torch.Ten
 def pairs_down(config: TritonMoeConfig, inter: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
                routing_weights: torch.Tensor) -> torch.Tensor:
     """[T, H] in inter's dtype: every token's down projections, each times its routing weight as
-    :func:`run_down` makes it, summed over its slots in slot order in fp32 in one program."""
+    :func:`run_down` makes it, summed over its slots in fp32 in one program (a fixed order)."""
     _check_pairs(config, inter, w_down, topk_ids)
     t, top_k = topk_ids.shape
     rw = routing_weights.reshape(-1).contiguous()
@@ -251,8 +337,9 @@ def pairs_down(config: TritonMoeConfig, inter: torch.Tensor, w_down: torch.Tenso
     out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
     _moe_pair_down_kernel[(t, triton.cdiv(h, config.block_n))](
         inter, w_down, topk_ids.contiguous(), rw, out, h, w_down.shape[2], inter.stride(0), w_down.stride(0),
-        w_down.stride(1), out.stride(0), TOP_K=top_k, BN=config.block_n, BK=config.block_k,
-        ROUND_PRODUCT=_rounds_product(inter, rw), num_warps=config.num_warps, num_stages=config.num_stages)
+        w_down.stride(1), out.stride(0), TOP_K=top_k, KP=triton.next_power_of_2(top_k), BN=config.block_n,
+        BK=config.block_k, ROUND_PRODUCT=_rounds_product(inter, rw), num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return out
 
 def _precision(x: torch.Tensor) -> str:
@@ -336,5 +423,5 @@ def _check_weights(x: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError(f"moe: x is on {x.device} but the expert weights are on {w.device}")
 
 
-__all__ = ["PAIR_MAJOR_MAX_PAIRS", "Layout", "TritonMoeConfig", "align", "default_config", "pairs_down",
-           "pairs_gate_up", "run_down", "run_gate_up", "run_pairs"]
+__all__ = ["ALIGN_CHUNK", "Layout", "TritonMoeConfig", "align", "align_torch", "default_config", "pair_major",
+           "pairs_down", "pairs_gate_up", "run_down", "run_gate_up", "run_pairs"]

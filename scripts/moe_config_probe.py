@@ -24,13 +24,18 @@ from hybridgemm.kernels import triton_moe as tm
 from hybridgemm.perf.bench_moe import SHAPES
 from hybridgemm.perf.timing import HBM_TBPS, gpu_time
 
-PAIR_GRID = [tm.TritonMoeConfig(1, bn, bk, w, s) for bn, bk, w, s in
-             itertools.product((8, 16, 32), (128, 256), (4, 8), (2, 4))] + [tm.TritonMoeConfig(1, 64, 64, 4, 3)]
-GROUPED_GRID = [tm.TritonMoeConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in [
-    (16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (16, 64, 128, 4, 3), (32, 64, 64, 4, 3), (32, 128, 64, 4, 3),
-    (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3),
-    (128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3), (128, 128, 32, 4, 4), (64, 128, 128, 8, 3),
-    (128, 64, 64, 4, 4)]]
+PAIR_UP_GRID = [tm.TritonMoeConfig(1, bn, bk, w, s) for bn, bk, w, s in [
+    (8, 128, 8, 2), (8, 128, 8, 4), (16, 128, 8, 4), (32, 128, 8, 4), (32, 128, 8, 2), (16, 256, 8, 4),
+    (64, 128, 8, 4), (8, 256, 4, 4)]]
+PAIR_DOWN_GRID = [tm.TritonMoeConfig(1, bn, bk, w, s) for bn, bk, w, s in
+                  itertools.product((4, 8, 16, 32), (64, 128, 256), (4, 8), (2, 4))]
+# (block_m, block_n, block_k, warps, stages); the large tiles for prefill only
+SMALL_GROUPED = [(16, 64, 64, 4, 3), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3), (32, 64, 128, 4, 3),
+                 (64, 64, 64, 4, 3), (64, 128, 64, 4, 4), (64, 64, 128, 4, 3)]
+LARGE_GROUPED = [(64, 128, 64, 8, 3), (64, 256, 64, 8, 3), (64, 128, 128, 8, 3), (64, 128, 64, 4, 4),
+                 (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 2),
+                 (128, 64, 64, 4, 4), (128, 64, 128, 8, 3), (256, 128, 64, 8, 3), (128, 256, 32, 8, 4),
+                 (64, 256, 32, 8, 4)]
 
 
 def _time(fn, *args) -> float:
@@ -60,17 +65,19 @@ def probe(name: str, tokens: int, writer) -> None:
         if us == us and (launch not in best or us < best[launch][1]):
             best[launch] = (cfg, us, floor)
 
-    if tokens * k <= 256:
-        for cfg in PAIR_GRID:
+    if tokens * k <= 128:
+        for cfg in PAIR_UP_GRID:
             row("pairs_gate_up", cfg, _time(tm.pairs_gate_up, cfg, x, w_gu, ids), floor_up)
-        inter = tm.pairs_gate_up(PAIR_GRID[0], x, w_gu, ids)
-        for cfg in PAIR_GRID:
+        inter = tm.pairs_gate_up(PAIR_UP_GRID[0], x, w_gu, ids)
+        for cfg in PAIR_DOWN_GRID:
             row("pairs_down", cfg, _time(tm.pairs_down, cfg, inter, w_d, ids, weights), floor_down)
-    for bm in sorted({c.block_m for c in GROUPED_GRID}):
+    grid = [tm.TritonMoeConfig(*c) for c in (SMALL_GROUPED if tokens <= 64 else LARGE_GROUPED)]
+    for bm in sorted({c.block_m for c in grid}):
         lay = tm.align(ids, e, bm)
         row("align", tm.TritonMoeConfig(bm, 0, 0), _time(tm.align, ids, e, bm), 0.0)
+        row("align_torch", tm.TritonMoeConfig(bm, 0, 0), _time(tm.align_torch, ids, e, bm), 0.0)
         inter = tm.run_gate_up(tm.TritonMoeConfig(bm, 64, 64), x, w_gu, lay, k)
-        for cfg in (c for c in GROUPED_GRID if c.block_m == bm):
+        for cfg in (c for c in grid if c.block_m == bm):
             row("grouped_gate_up", cfg, _time(tm.run_gate_up, cfg, x, w_gu, lay, k), floor_up)
             row("grouped_down", cfg, _time(tm.run_down, cfg, inter, w_d, lay, weights), floor_down)
     row("moe_default", tm.TritonMoeConfig(0, 0, 0), _time(experts.moe, x, (ids, weights), w_gu, w_d),

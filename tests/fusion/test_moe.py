@@ -48,6 +48,17 @@ def _reference(x, ids, weights, w_gu, w_d, act="silu"):
     return out
 
 
+@pytest.mark.parametrize("t,k,e,block_m,experts", [
+    (1, 2, 8, 16, None), (3, 2, 6, 4, None), (100, 3, 5, 16, [0, 4]),  # chunks of 128 pairs: 3 of them
+    (333, 8, 128, 64, None), (257, 1, 3, 32, [2]),  # one expert takes every pair
+])
+def test_the_triton_layout_equals_the_pytorch_one(t, k, e, block_m, experts):
+    ids, _ = _routing(t, e, k, experts=experts)
+    got, ref = tm.align(ids, e, block_m), tm.align_torch(ids, e, block_m)
+    assert torch.equal(got.rows, ref.rows) and torch.equal(got.block_expert, ref.block_expert)
+    assert got.rows.dtype == got.block_expert.dtype == torch.int32
+
+
 def test_the_layout_puts_each_expert_in_whole_blocks_in_pair_order():
     ids = torch.tensor([[2, 0], [2, 3], [0, 2]])  # pairs 0..5 -> experts 2,0,2,3,0,2; expert 1 empty
     lay = tm.align(ids, 4, 4)
@@ -174,10 +185,10 @@ def test_a_layout_of_another_block_size_is_refused():
 
 
 def test_the_layout_has_no_value_dependent_size():
-    """Dynamo traces it as one graph (no bincount or nonzero, whose sizes need a host sync: a
-    CUDA graph could not hold it)."""
+    """Dynamo traces the PyTorch form as one graph (no bincount or nonzero, whose sizes need a
+    host sync: a CUDA graph could not hold it)."""
     def layout(ids):
-        lay = tm.align(ids, 5, 4)
+        lay = tm.align_torch(ids, 5, 4)
         return lay.rows, lay.block_expert
 
     ids = torch.tensor([[4, 0], [4, 4], [1, 0]])
@@ -212,10 +223,13 @@ for glu in (True, False):
 pair_kernels = [
     (tm._moe_pair_glu_kernel, ["*bf16", "*bf16", "*i64", "*bf16"] + ["i32"] * 8, {"ACT": ACTIVATIONS["silu"]}),
     (tm._moe_pair_down_kernel, ["*bf16", "*bf16", "*i64", "*fp32", "*bf16"] + ["i32"] * 6,
-     {"TOP_K": 8, "ROUND_PRODUCT": False}),
+     {"TOP_K": 6, "KP": 8, "ROUND_PRODUCT": False}),
+    (tm._moe_count_kernel, ["*i64", "*i32", "i32"], {"EP": 128, "CHUNK": tm.ALIGN_CHUNK}),
+    (tm._moe_place_kernel, ["*i64", "*i32", "*i32", "*i32"] + ["i32"] * 5,
+     {"EP": 128, "CHUNK": tm.ALIGN_CHUNK, "CT": 32, "BT": 64}),
 ]
 for fn, types, extra in pair_kernels:
-    consts = {"BN": 32, "BK": 128, **extra}
+    consts = {"BN": 32, "BK": 128, **extra} if "ACT" in extra or "TOP_K" in extra else extra
     sig = {**dict(zip(fn.arg_names, types)), **dict.fromkeys(consts, "constexpr")}
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4, "num_stages": 3})
@@ -260,7 +274,8 @@ def test_the_routing_product_is_rounded_where_transformers_rounds_it(weights_dty
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("t,e,k,i,h,bn,bk", [
     (1, 8, 2, 48, 40, 32, 32),    # N and K not multiples of the blocks
-    (3, 6, 3, 40, 72, 16, 64),    # K shorter than one block
+    (3, 6, 3, 40, 72, 16, 64),    # K shorter than one block; 3 slots padded to 4
+    (2, 9, 5, 24, 40, 8, 32),
     (17, 4, 2, 33, 65, 16, 32),
 ])
 def test_the_pair_major_kernels_match_fp64(dtype, tol, t, e, k, i, h, bn, bk):
@@ -284,10 +299,11 @@ def test_the_pair_major_kernels_match_fp64(dtype, tol, t, e, k, i, h, bn, bk):
 def test_moe_takes_the_pair_major_path_for_few_pairs(monkeypatch):
     """Default configs: pair-major for decode-sized routings, grouped above; the two agree."""
     monkeypatch.setattr(moe_mod, "use_kernels", lambda x: True)
-    e, i, h, k = 6, 40, 56, 2
+    e, i, h, k = 16, 40, 56, 2
     w_gu, w_d = _weights(e, i, h, torch.float32)
-    assert tm.default_config(tm.PAIR_MAJOR_MAX_PAIRS, e, i, h).block_m == 1
-    assert tm.default_config(tm.PAIR_MAJOR_MAX_PAIRS + 1, e, i, h).block_m > 1
+    assert tm.default_config(8, e, i, h).block_m == 1  # pairs at most half the experts
+    assert tm.default_config(9, e, i, h).block_m > 1
+    assert tm.default_config(64, 128, i, h).block_m == 1 and tm.default_config(65, 256, i, h).block_m > 1
     calls = []
     run_pairs = tm.run_pairs
     monkeypatch.setattr(tm, "run_pairs", lambda *a, **kw: calls.append(1) or run_pairs(*a, **kw))
