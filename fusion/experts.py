@@ -47,7 +47,7 @@ def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str =
     """The routed experts' output for ``x`` [T, H]: ``routing`` is ``(topk_ids, topk_weights)``
     ([T, k] each) or router logits [T, E] with ``top_k`` (and ``renormalize``, :func:`route`).
     ``config``: a kernels/triton_moe.py ``TritonMoeConfig`` for both launches, or a (gate/up,
-    down) pair (default: its ``default_config``); ``block_m`` 1 runs the pair-major kernels
+    down) pair (default: its ``default_configs``); ``block_m`` 1 runs the pair-major kernels
     (no layout; decode), larger blocks the grouped ones."""
     if isinstance(routing, Tensor):
         if top_k is None:
@@ -63,26 +63,23 @@ def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str =
     tm = triton_module("triton_moe")
     t, k = topk_ids.shape
     e, two_i, h = w_gate_up.shape
-    cfg_up, cfg_down = _configs(tm, config, t * k, e, two_i // 2, h)
+    cfg_up, cfg_down = _configs(tm, config, t * k, e)
     if cfg_up.block_m == 1:
         return tm.run_pairs(cfg_up, x.contiguous(), w_gate_up, w_down, topk_ids, topk_weights, activation, cfg_down)
     layout = tm.align(topk_ids, e, cfg_up.block_m)
     inter = tm.run_gate_up(cfg_up, x.contiguous(), w_gate_up, layout, k, activation)
-    out = tm.run_down(cfg_down, inter, w_down, layout, topk_weights)
-    return out.view(t, k, h).sum(dim=1).to(x.dtype)
+    return tm.sum_slots(tm.run_down(cfg_down, inter, w_down, layout, topk_weights), k, x.dtype)
 
 
-def _configs(tm, config, pairs: int, e: int, i: int, h: int):
-    """(gate/up config, down config): ``config`` as given (one for both, or a pair), else each
-    launch's default for its weight, down taking gate/up's ``block_m`` (they share the layout)."""
+def _configs(tm, config, pairs: int, e: int):
+    """(gate/up config, down config): ``config`` as given (one for both, or a pair), else the
+    defaults for the routing's size (they share ``block_m``: the layout)."""
     if isinstance(config, tuple):
         up, down = config
     elif config is not None:
         up = down = config
     else:
-        up = tm.default_config(pairs, e, i, h)
-        d = tm.default_config(pairs, e, h, i)
-        down = tm.TritonMoeConfig(up.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages)
+        up, down = tm.default_configs(pairs, e)
     if up.block_m != down.block_m:
         raise ValueError(f"moe: the gate/up and down configs differ in block_m ({up.block_m}, {down.block_m})")
     return up, down

@@ -12,7 +12,7 @@ stores them (``w_gate_up`` [E, 2I, H], gate rows first; ``w_down`` [E, H, I]):
   module rounds them (the GEMM's output, the activation, the product);
 * :func:`run_down`: ``out[p] = (inter[r] @ Wd[e].T) * weight[p]``, the GEMM rounded to x's
   dtype, the product with the routing weight in fp32, stored at the pair's own row ``p`` of an
-  fp32 [S, H] result, which the caller sums over the k slots in slot order.
+  fp32 [S, H] result, which :func:`sum_slots` sums over the k slots in slot order.
 
 For a few pairs (decode), :func:`run_pairs` skips the layout: one launch per pair's gate/up and
 one per token's down projections, summed over its slots in the program (configs of
@@ -53,20 +53,24 @@ def pair_major(pairs: int, experts: int) -> bool:
     return pairs <= 64 and 2 * pairs <= experts
 
 
-def default_config(pairs: int, experts: int, n: int, k: int) -> TritonMoeConfig:
-    """A config for ``pairs`` (token, expert) pairs over ``experts`` experts and an [n, k]
-    expert weight: pair-major (``block_m`` 1, no layout) where :func:`pair_major`, else blocks
-    of 16, 64 or 128 rows by the rows an expert gets on average (each expert's rows are padded
-    to whole blocks). Figures from scripts/moe_config_probe.py on the H200."""
+def default_configs(pairs: int, experts: int) -> tuple[TritonMoeConfig, TritonMoeConfig]:
+    """(gate/up, down) configs for ``pairs`` (token, expert) pairs over ``experts`` experts:
+    pair-major (``block_m`` 1, no layout) where :func:`pair_major`, else one block size for both
+    (they share the layout) by the rows an expert gets on average, each expert's rows padded
+    to whole blocks. The fastest or within 5% of it for the Qwen3-30B-A3B and Mixtral-8x7B
+    experts at 1, 8, 64 and 2048 tokens (scripts/moe_config_probe.py on the H200)."""
     if pair_major(pairs, experts):
-        # few programs: narrow column blocks, so that every SM streams
-        return TritonMoeConfig(1, 8 if pairs * n < 512 * 32 else 32, 128, 8, 4)
+        return TritonMoeConfig(1, 8, 128, 8, 4), TritonMoeConfig(1, 8, 256, 4, 4)
     per_expert = -(-pairs // max(experts, 1))
-    if per_expert <= 16:
-        return TritonMoeConfig(16, 64, 128, 4, 3)
-    if per_expert <= 96:
-        return TritonMoeConfig(64, 128, 64, 4, 4)
-    return TritonMoeConfig(128, 128, 64, 8, 3)
+    if per_expert <= 8:
+        both = TritonMoeConfig(16, 64, 128, 4, 3)
+    elif per_expert <= 48:
+        both = TritonMoeConfig(32, 64, 128, 4, 3)
+    elif per_expert <= 96:
+        both = TritonMoeConfig(64, 128, 64, 4, 4)
+    else:
+        return TritonMoeConfig(128, 128, 64, 8, 4), TritonMoeConfig(128, 256, 64, 8, 3)
+    return both, both
 
 
 @dataclass(frozen=True)
@@ -342,6 +346,30 @@ def pairs_down(config: TritonMoeConfig, inter: torch.Tensor, w_down: torch.Tenso
         num_stages=config.num_stages)
     return out
 
+
+@triton.jit
+def _moe_sum_slots_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, BH: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BH + tl.arange(0, BH)
+    ok = offs < H
+    total = tl.zeros((BH,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):  # slot order
+        total += tl.load(src_ptr + (t * TOP_K + slot).to(tl.int64) * H + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * H + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def sum_slots(per_pair: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] in ``dtype``: :func:`run_down`'s fp32 [T * k, H] rows summed over each token's k
+    slots in slot order in fp32, rounded once (one launch: PyTorch's sum and cast are two)."""
+    s, h = per_pair.shape
+    if per_pair.dtype != torch.float32 or not per_pair.is_contiguous() or s % top_k:
+        raise ValueError(f"moe: sum_slots takes contiguous fp32 [T * {top_k}, H] rows, got "
+                         f"{per_pair.dtype} {tuple(per_pair.shape)}")
+    out = torch.empty((s // top_k, h), dtype=dtype, device=per_pair.device)
+    if out.numel():
+        _moe_sum_slots_kernel[(s // top_k, triton.cdiv(h, 1024))](per_pair, out, h, TOP_K=top_k, BH=1024)
+    return out
+
 def _precision(x: torch.Tensor) -> str:
     return "tf32" if x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
@@ -423,5 +451,6 @@ def _check_weights(x: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError(f"moe: x is on {x.device} but the expert weights are on {w.device}")
 
 
-__all__ = ["ALIGN_CHUNK", "Layout", "TritonMoeConfig", "align", "align_torch", "default_config", "pair_major",
-           "pairs_down", "pairs_gate_up", "run_down", "run_gate_up", "run_pairs"]
+__all__ = ["ALIGN_CHUNK", "Layout", "TritonMoeConfig", "align", "align_torch", "default_configs", "pair_major",
+           "pairs_down", "pairs_gate_up", "run_down", "run_gate_up", "run_pairs",
+           "sum_slots"]

@@ -59,6 +59,19 @@ def test_the_triton_layout_equals_the_pytorch_one(t, k, e, block_m, experts):
     assert got.rows.dtype == got.block_expert.dtype == torch.int32
 
 
+@pytest.mark.parametrize("t,k,h", [(1, 2, 40), (3, 8, 1030), (17, 3, 7)])
+def test_sum_slots_adds_each_tokens_slots_in_slot_order(t, k, h):
+    rows = torch.randn(t * k, h, generator=torch.Generator().manual_seed(3)) * 100
+    got = torch.full((t, h), float("nan"), dtype=torch.float16)
+    got.copy_(tm.sum_slots(rows, k, torch.float16))
+    ref = rows.view(t, k, h)[:, 0].clone()
+    for s in range(1, k):  # fp32, slot after slot
+        ref += rows.view(t, k, h)[:, s]
+    assert torch.equal(got, ref.half())
+    with pytest.raises(ValueError, match="fp32"):
+        tm.sum_slots(rows.half(), k, torch.float16)
+
+
 def test_the_layout_puts_each_expert_in_whole_blocks_in_pair_order():
     ids = torch.tensor([[2, 0], [2, 3], [0, 2]])  # pairs 0..5 -> experts 2,0,2,3,0,2; expert 1 empty
     lay = tm.align(ids, 4, 4)
@@ -225,11 +238,12 @@ pair_kernels = [
     (tm._moe_pair_down_kernel, ["*bf16", "*bf16", "*i64", "*fp32", "*bf16"] + ["i32"] * 6,
      {"TOP_K": 6, "KP": 8, "ROUND_PRODUCT": False}),
     (tm._moe_count_kernel, ["*i64", "*i32", "i32"], {"EP": 128, "CHUNK": tm.ALIGN_CHUNK}),
+    (tm._moe_sum_slots_kernel, ["*fp32", "*bf16", "i32"], {"TOP_K": 8, "BH": 1024}),
     (tm._moe_place_kernel, ["*i64", "*i32", "*i32", "*i32"] + ["i32"] * 5,
      {"EP": 128, "CHUNK": tm.ALIGN_CHUNK, "CT": 32, "BT": 64}),
 ]
 for fn, types, extra in pair_kernels:
-    consts = {"BN": 32, "BK": 128, **extra} if "ACT" in extra or "TOP_K" in extra else extra
+    consts = {"BN": 32, "BK": 128, **extra} if "ACT" in extra or "KP" in extra else extra
     sig = {**dict(zip(fn.arg_names, types)), **dict.fromkeys(consts, "constexpr")}
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4, "num_stages": 3})
@@ -301,9 +315,10 @@ def test_moe_takes_the_pair_major_path_for_few_pairs(monkeypatch):
     monkeypatch.setattr(moe_mod, "use_kernels", lambda x: True)
     e, i, h, k = 16, 40, 56, 2
     w_gu, w_d = _weights(e, i, h, torch.float32)
-    assert tm.default_config(8, e, i, h).block_m == 1  # pairs at most half the experts
-    assert tm.default_config(9, e, i, h).block_m > 1
-    assert tm.default_config(64, 128, i, h).block_m == 1 and tm.default_config(65, 256, i, h).block_m > 1
+    assert {c.block_m for c in tm.default_configs(8, e)} == {1}  # pairs at most half the experts
+    assert len({c.block_m for c in tm.default_configs(9, e)}) == 1 and tm.default_configs(9, e)[0].block_m > 1
+    assert tm.default_configs(64, 128)[0].block_m == 1 and tm.default_configs(65, 256)[0].block_m > 1
+    assert {c.block_m for c in tm.default_configs(4096, 8)} == {128}
     calls = []
     run_pairs = tm.run_pairs
     monkeypatch.setattr(tm, "run_pairs", lambda *a, **kw: calls.append(1) or run_pairs(*a, **kw))
