@@ -54,10 +54,12 @@ from hybridgemm.perf.plots_models import (
     is_e2e_csv,
     is_m_sweep_csv,
     is_mlp_csv,
+    is_moe_csv,
     is_tp_csv,
     plot_e2e,
     plot_m_sweep,
     plot_mlp,
+    plot_moe,
     plot_tp,
 )
 from hybridgemm.perf.timing import HBM_TBPS
@@ -284,7 +286,7 @@ def plot_host_time(rows, gpu_rows, path: Path) -> Path:
 # CSVs that each give a figure of their own: (recogniser, plotter, the figure's name when one
 # CSV of the kind is given; with several, each is named after its CSV).
 OWN_FIGURES = ((is_m_sweep_csv, plot_m_sweep, "m_sweep.png"), (is_mlp_csv, plot_mlp, "mlp.png"),
-               (is_e2e_csv, plot_e2e, "e2e.png"), (is_tp_csv, plot_tp, "tp.png"))
+               (is_e2e_csv, plot_e2e, "e2e.png"), (is_tp_csv, plot_tp, "tp.png"), (is_moe_csv, plot_moe, "moe.png"))
 
 
 # The committed measurements, one folder per GPU (perf/results/<gpu>/: in the source tree, not
@@ -310,7 +312,7 @@ def is_long_form_csv(path) -> bool:
 
 def make_all_plots(csv_paths, out_dir, log: Callable[[str], None] = print) -> list[Path]:
     """Draw every figure the CSVs have data for into ``out_dir``; return the files written.
-    An M-sweep, MLP, end-to-end or tensor-parallel CSV gives its own figure (:data:`OWN_FIGURES`;
+    An M-sweep, MLP, end-to-end, tensor-parallel or MoE CSV gives its own figure (:data:`OWN_FIGURES`;
     one with no timed row, none); the long-form CSVs together give the kernel figures. A figure
     without data, and a CSV no figure reads, are skipped with a note through ``log``.
     Raises FileNotFoundError naming a missing file."""

@@ -1,6 +1,7 @@
 """Figures of whole models and single-op sweeps, each from its own benchmark's CSV: the M sweep
 of the dispatcher (perf/bench_msweep.py), end to end stock vs patched (perf/bench_e2e.py), the
-MLP GEMMs and the LM head (perf/bench_mlp.py) and tensor parallelism (perf/bench_tp.py).
+MLP GEMMs and the LM head (perf/bench_mlp.py), tensor parallelism (perf/bench_tp.py) and the
+routed experts of a mixture-of-experts block (perf/bench_moe.py).
 No GPU, no re-measuring.
 """
 
@@ -317,3 +318,50 @@ def _tp_of(variant: str) -> str:
     """The tensor-parallel degree in a bench_tp variant's name (``tp2_stock`` -> ``"2"``)."""
     m = re.match(r"tp(\d+)_", variant)
     return m.group(1) if m else "?"
+
+
+MOE_STYLES = {"transformers_eager": {"color": "0.6", "marker": "v"},
+              "transformers_grouped_mm": {"color": "0.25", "marker": "s"}, "hybridgemm": {"color": "C3", "marker": "o"}}
+
+
+def is_moe_csv(path) -> bool:
+    """Whether the CSV at ``path`` holds perf/bench_moe.py's rows (experts_hit, top_k, floor_us)."""
+    return {"experts_hit", "top_k", "floor_us"} <= csv_header(path)
+
+
+def plot_moe(csv_path, out_dir, name: str = "moe.png") -> Path:
+    """``name`` in ``out_dir`` from perf/bench_moe.py's CSV: per shape, each provider's GPU time
+    against the tokens, CUDA-graph replay solid and eager events dashed, and the HBM floor of
+    the experts hit. Raises FileNotFoundError for a missing file, ValueError when no row holds
+    a time."""
+    if not os.path.isfile(csv_path):
+        raise FileNotFoundError(f"no such CSV file: {csv_path}")
+    rows = [r for r in read_rows(str(csv_path)) if r.get("status") == "ok" and to_float(r.get("median_us")) > 0]
+    if not rows:
+        raise ValueError(f"{csv_path}: no rows with a time (not a bench_moe CSV?)")
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, body, footer, axes = figure(len(shapes), panel_w=5.5, panel_h=3.8)
+    providers = [p for p in MOE_STYLES if any(r["provider"] == p for r in rows)]
+    styles = series_styles(providers + sorted({r["provider"] for r in rows} - set(providers)), MOE_STYLES)
+    for ax, shape in zip(axes, shapes):
+        srows = [r for r in rows if r["shape"] == shape]
+        for prov in dict.fromkeys(r["provider"] for r in srows):
+            for method, ls in (("graph", "-"), ("events", "--")):
+                pts = sorted((to_int(r["M"]), to_float(r["median_us"])) for r in srows
+                             if r["provider"] == prov and r["method"] == method)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, ms=4, lw=1.4,
+                            label=f"{prov} ({'CUDA graph' if method == 'graph' else 'eager, events'})",
+                            **styles[prov])
+        floor = sorted({(to_int(r["M"]), to_float(r["floor_us"])) for r in srows})
+        ax.plot([p[0] for p in floor], [p[1] for p in floor], color="k", lw=0.8, ls=":",
+                label="HBM floor (experts hit)")
+        m_axis(ax, sorted({to_int(r["M"]) for r in srows}))
+        log_y(ax)
+        r0 = srows[0]
+        ax.set_title(f"{shape}: H={r0['hidden']}, {r0['experts']} experts of {r0['intermediate']}, top-{r0['top_k']}",
+                     fontsize=9)
+        ax.set_ylabel("µs per MoE block (routed experts)")
+    legend(footer, axes, ncol=3)
+    body.suptitle("Mixture-of-experts block, bf16: transformers vs hybridgemm.moe (same weights and routing)")
+    return save(fig, footer, Path(out_dir) / name, rows)

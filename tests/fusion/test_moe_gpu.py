@@ -52,7 +52,8 @@ def test_moe_bf16_error_matches_the_experts_module(cuda, tokens, e, k, i, h):
     assert torch.equal(out, again)
 
 
-def test_a_patched_mixtral_block_in_a_cuda_graph_and_compiled(cuda):
+@pytest.mark.parametrize("shape", [(2, 5), (1, 1)], ids=["grouped", "pair-major"])
+def test_a_patched_mixtral_block_in_a_cuda_graph_and_compiled(cuda, shape):
     """The patched sparse block (router, then the grouped kernels): a captured CUDA graph
     replays the eager result bit for bit; torch.compile (fullgraph) matches it."""
     cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=256, intermediate_size=352, num_hidden_layers=1,
@@ -63,7 +64,7 @@ def test_a_patched_mixtral_block_in_a_cuda_graph_and_compiled(cuda):
     hybridgemm.patch(model)
     block = model.model.layers[0].mlp
     assert type(block.experts) is experts.HybridExperts
-    h = torch.randn(2, 5, 256, device=cuda, dtype=torch.bfloat16)
+    h = torch.randn(*shape, 256, device=cuda, dtype=torch.bfloat16)
     with torch.no_grad():
         eager = block(h)
         graph = torch.cuda.CUDAGraph()
@@ -71,8 +72,47 @@ def test_a_patched_mixtral_block_in_a_cuda_graph_and_compiled(cuda):
             captured = block(h)
         graph.replay()
         compiled = torch.compile(block, fullgraph=True)(h)
-        logits = model(torch.randint(0, 256, (2, 5), device=cuda)).logits
+        logits = model(torch.randint(0, 256, shape, device=cuda)).logits
     torch._dynamo.reset()
     assert torch.equal(captured, eager)
     torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("t,k,e,block_m", [(2048, 8, 128, 128), (4096, 2, 8, 128), (64, 8, 128, 16), (3, 2, 8, 16)])
+def test_the_triton_layout_equals_the_pytorch_one_on_the_gpu(cuda, t, k, e, block_m):
+    from hybridgemm.kernels import triton_moe as tm
+
+    torch.manual_seed(t)
+    ids, _ = experts.route(torch.randn(t, e, device=cuda), k)
+    got, ref = tm.align(ids, e, block_m), tm.align_torch(ids, e, block_m)
+    assert torch.equal(got.rows, ref.rows) and torch.equal(got.block_expert, ref.block_expert)
+
+
+_HASH_MOE = """
+import hashlib, torch
+from hybridgemm import experts
+out = []
+for t, e, k, i, h in [(1, 128, 8, 768, 2048), (8, 128, 8, 768, 2048), (333, 8, 2, 1408, 1024)]:
+    g = torch.Generator(device="cuda").manual_seed(t)
+    w_gu = (torch.randn(e, 2 * i, h, device="cuda", generator=g) * 0.02).bfloat16()
+    w_d = (torch.randn(e, h, i, device="cuda", generator=g) * 0.02).bfloat16()
+    x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+    logits = torch.randn(t, e, device="cuda", generator=g)
+    out.append(experts.moe(x, logits, w_gu, w_d, top_k=k).view(torch.int16).cpu().numpy().tobytes())
+print(hashlib.sha256(b"".join(out)).hexdigest())
+"""
+
+
+def test_results_are_identical_across_processes(cuda):
+    """Decode (pair-major) and prefill (grouped) routings: the same bits in two fresh processes."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    runs = [subprocess.run([sys.executable, "-c", _HASH_MOE], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert runs[0].stdout.strip() == runs[1].stdout.strip() and len(runs[0].stdout.strip()) == 64

@@ -1,0 +1,51 @@
+"""perf/bench_moe.py and its figure without a GPU: the figure from a CSV of its rows (one per
+shape, provider, method and token count; recognised by make_all_plots), its errors, the CLI's
+refusals."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from hybridgemm.perf import bench_moe, plots
+from hybridgemm.perf.csvio import write_rows
+from hybridgemm.perf.plots_models import is_moe_csv, plot_moe
+
+
+def _rows():
+    return [dict(gpu="G", shape=shape, hidden=h, experts=e, intermediate=i, top_k=k, M=m, experts_hit=min(e, m * k),
+                 floor_us=10.0 * m, dtype="bf16", provider=p, method=method, status="ok", median_us=us * m)
+            for shape, h, e, i, k in [("qwen3-30b-a3b", 2048, 128, 768, 8), ("mixtral-8x7b", 4096, 8, 14336, 2)]
+            for m in (1, 8, 2048) for method in ("graph", "events")
+            for p, us in [("transformers_grouped_mm", 50.0), ("hybridgemm", 20.0)]]
+
+
+def test_plot_moe_draws_each_shape_and_make_all_plots_finds_it(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "moe_x.csv"
+    write_rows(str(path), _rows())
+    assert is_moe_csv(path)
+    with open(path) as f:
+        assert len(list(csv.DictReader(f))) == len(_rows())  # M is part of each row's key
+    out = plots.make_all_plots([path], tmp_path / "plots", log=lambda s: None)
+    assert [p.name for p in out] == ["moe.png"] and out[0].stat().st_size > 10_000
+
+
+def test_plot_moe_errors(tmp_path):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(FileNotFoundError):
+        plot_moe(tmp_path / "missing.csv", tmp_path)
+    path = tmp_path / "failed.csv"
+    write_rows(str(path), [dict(_rows()[0], status="error", median_us="")])
+    with pytest.raises(ValueError, match="no rows with a time"):
+        plot_moe(path, tmp_path)
+
+
+def test_cli_without_a_gpu_and_bad_tokens(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench_moe.torch.cuda, "is_available", lambda: False)
+    assert bench_moe.main(["--out", str(tmp_path / "x.csv")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench_moe.main(["--tokens", "0", "--out", str(tmp_path / "x.csv")])
+    assert e.value.code == 2 and "positive" in capsys.readouterr().err
