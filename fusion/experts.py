@@ -13,13 +13,21 @@ bit-identical run to run; elsewhere a loop over the experts that hold pairs comp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridgemm.autotune_cache import tune_moe
 from hybridgemm.diagnostics import warn_once
+from hybridgemm.kernels.grouped_mm_moe import available as grouped_mm_available
+from hybridgemm.kernels.grouped_mm_moe import grouped_mm_moe
 from hybridgemm.kernels.lazy import triton_module
+from hybridgemm.kernels.problem import DTYPE_NAMES
 from hybridgemm.mlp import GLU_FUNCTIONS, activation_name
+
+from . import decide
 
 
 def route(router_logits: Tensor, top_k: int, renormalize: bool = True) -> tuple[Tensor, Tensor]:
@@ -47,8 +55,8 @@ def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str =
     """The routed experts' output for ``x`` [T, H]: ``routing`` is ``(topk_ids, topk_weights)``
     ([T, k] each) or router logits [T, E] with ``top_k`` (and ``renormalize``, :func:`route`).
     ``config``: a kernels/triton_moe.py ``TritonMoeConfig`` for both launches, or a (gate/up,
-    down) pair (default: its ``default_configs``); ``block_m`` 1 runs the pair-major kernels
-    (no layout; decode), larger blocks the grouped ones."""
+    down) pair (default: :func:`decision_for`, the tuning table's choice); ``block_m`` 1 runs
+    the pair-major kernels (no layout; decode), larger blocks the grouped ones."""
     if isinstance(routing, Tensor):
         if top_k is None:
             raise ValueError("moe: router logits need top_k")
@@ -60,29 +68,91 @@ def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str =
         return x.new_zeros(x.shape)
     if not use_kernels(x):
         return experts_loop(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
-    tm = triton_module("triton_moe")
-    t, k = topk_ids.shape
-    e, two_i, h = w_gate_up.shape
-    cfg_up, cfg_down = _configs(tm, config, t * k, e)
-    if cfg_up.block_m == 1:
-        return tm.run_pairs(cfg_up, x.contiguous(), w_gate_up, w_down, topk_ids, topk_weights, activation, cfg_down)
-    layout = tm.align(topk_ids, e, cfg_up.block_m)
-    inter = tm.run_gate_up(cfg_up, x.contiguous(), w_gate_up, layout, k, activation)
-    return tm.sum_slots(tm.run_down(cfg_down, inter, w_down, layout, topk_weights), k, x.dtype)
-
-
-def _configs(tm, config, pairs: int, e: int):
-    """(gate/up config, down config): ``config`` as given (one for both, or a pair), else the
-    defaults for the routing's size (they share ``block_m``: the layout)."""
-    if isinstance(config, tuple):
-        up, down = config
-    elif config is not None:
-        up = down = config
+    if config is None:
+        decision = decision_for(x, topk_ids.shape[1], w_gate_up, activation)
+        if decision.backend == "torch":
+            return grouped_mm_moe(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
+        up, down = decision.configs
     else:
-        up, down = tm.default_configs(pairs, e)
-    if up.block_m != down.block_m:
-        raise ValueError(f"moe: the gate/up and down configs differ in block_m ({up.block_m}, {down.block_m})")
-    return up, down
+        up, down = config if isinstance(config, tuple) else (config, config)
+    return triton_module("triton_moe").forward(x.contiguous(), topk_ids, topk_weights, w_gate_up, w_down, activation,
+                                               up, down)
+
+
+@dataclass(frozen=True)
+class MoeDecision:
+    backend: str  # "triton_moe" or "torch" (kernels/grouped_mm_moe.py)
+    configs: tuple | None  # (gate/up, down) TritonMoeConfigs for triton_moe
+    why: str
+
+
+# decisions per (device, experts, top_k, activation, dtype, I, H, tokens); cleared when the
+# tables are reloaded
+_decisions: dict[tuple, MoeDecision] = {}
+decide.on_change(lambda mode, reloaded: _decisions.clear() if reloaded else None)
+
+
+def decision_for(x: Tensor, top_k: int, w_gate_up: Tensor, activation: str) -> MoeDecision:
+    """What runs the routed experts of ``x`` [T, H] on CUDA: the tuning table's entry for the
+    shape whose M range holds T (autotune_cache/tune_moe.py: the Triton kernels with its configs,
+    or the grouped baseline where that was the faster), else the kernels' default configs."""
+    e, two_i, h = w_gate_up.shape
+    t = x.shape[0]
+    if not x.is_cuda:  # the interpreter (tests): no device, no table
+        return MoeDecision(tune_moe.BACKEND, triton_module("triton_moe").default_configs(t * top_k, e),
+                           f"{x.device}: no tuning table; the default configs")
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    memo = (index, e, top_k, activation, x.dtype, two_i // 2, h, t)
+    got = _decisions.get(memo)
+    if got is None:
+        got = _decide(index, e, top_k, activation, x.dtype, two_i // 2, h, t)
+        if len(_decisions) > 4096:
+            _decisions.clear()
+        _decisions[memo] = got
+    return got
+
+
+def _decide(index, e, top_k, activation, dtype, i, h, t) -> MoeDecision:
+    tm = triton_module("triton_moe")
+    defaults = tm.default_configs(t * top_k, e)
+    if dtype not in DTYPE_NAMES:
+        return MoeDecision(tune_moe.BACKEND, defaults, f"{dtype}: no table key; default configs")
+    shape = tune_moe.moe_key(e, top_k, activation, dtype, i, h, 1, 1).shape
+    found = decide.table_for_device(index).find(shape, t)
+    if found is None:
+        return MoeDecision(tune_moe.BACKEND, defaults, f"no table entry holds {shape.to_string()} at M={t}; the "
+                           f"default configs {defaults}")
+    key, entry = found
+    tail = f"table entry {key.to_string()} (worst {entry['worst_ratio']:.3f}x the grouped baseline)"
+    if entry["backend"] == "torch":
+        if grouped_mm_available():
+            return MoeDecision("torch", None, f"{tail}: the grouped baseline (torch._grouped_mm)")
+        return MoeDecision(tune_moe.BACKEND, defaults, f"{tail} names the grouped baseline, which this torch "
+                           "lacks; the default configs")
+    try:
+        configs = tune_moe.configs_of(entry["config"])
+    except ValueError as exc:
+        warn_once(("moe-entry", key), f"hybridgemm: {key.to_string()}: {exc}; the MoE kernels' default configs run")
+        return MoeDecision(tune_moe.BACKEND, defaults, f"{tail} has a bad config ({exc}); the default configs")
+    return MoeDecision(tune_moe.BACKEND, configs, f"{tail}: triton_moe {configs}")
+
+
+def explain_moe(tokens: int, w_gate_up_shape, top_k: int, dtype: torch.dtype = torch.bfloat16,
+                activation: str = "silu", device: int | None = None) -> str:
+    """What :func:`moe` runs for ``tokens`` tokens, experts stacked as ``w_gate_up_shape``
+    ([E, 2I, H]) and ``top_k`` experts per token, and why (a table entry, the defaults, or the
+    PyTorch loop without a GPU)."""
+    e, two_i, h = (int(d) for d in w_gate_up_shape)
+    if tokens < 0 or not 1 <= top_k <= e or two_i % 2 or min(e, two_i, h) < 1:
+        raise ValueError(f"explain_moe: {tokens} tokens, experts {tuple(w_gate_up_shape)} ([E, 2I, H]) and top_k "
+                         f"{top_k} do not fit")
+    if activation not in GLU_FUNCTIONS:
+        raise ValueError(f"explain_moe: activation {activation!r} is not one of {sorted(GLU_FUNCTIONS)}")
+    if not torch.cuda.is_available():
+        return "no CUDA device: the experts run as a PyTorch loop (experts_loop)"
+    index = torch.cuda.current_device() if device is None else device
+    x = torch.empty((tokens, h), dtype=dtype, device="meta")
+    return _decide(index, e, top_k, activation, x.dtype, two_i // 2, h, tokens).why
 
 
 def experts_loop(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
@@ -199,4 +269,5 @@ class HybridExperts(torch.nn.Module):
         return experts_loop(hidden_states, top_k_index, top_k_weights, gu, down, self.glu_activation)
 
 
-__all__ = ["HybridExperts", "experts_loop", "moe", "route", "why_not_experts"]
+__all__ = ["HybridExperts", "MoeDecision", "decision_for", "experts_loop", "explain_moe", "moe", "route",
+           "why_not_experts"]

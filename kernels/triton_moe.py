@@ -370,6 +370,20 @@ def sum_slots(per_pair: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.T
         _moe_sum_slots_kernel[(s // top_k, triton.cdiv(h, 1024))](per_pair, out, h, TOP_K=top_k, BH=1024)
     return out
 
+def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+            w_down: torch.Tensor, activation: str, up: TritonMoeConfig, down: TritonMoeConfig) -> torch.Tensor:
+    """The routed experts' output [T, H] in x's dtype with configs ``up`` and ``down`` (one
+    ``block_m``): :func:`run_pairs` for ``block_m`` 1, else :func:`align`, :func:`run_gate_up`,
+    :func:`run_down` and :func:`sum_slots`."""
+    if up.block_m != down.block_m:
+        raise ValueError(f"moe: the gate/up and down configs differ in block_m ({up.block_m}, {down.block_m})")
+    if up.block_m == 1:
+        return run_pairs(up, x, w_gate_up, w_down, topk_ids, topk_weights, activation, down)
+    k = topk_ids.shape[1]
+    layout = align(topk_ids, w_gate_up.shape[0], up.block_m)
+    inter = run_gate_up(up, x, w_gate_up, layout, k, activation)
+    return sum_slots(run_down(down, inter, w_down, layout, topk_weights), k, x.dtype)
+
 def _precision(x: torch.Tensor) -> str:
     return "tf32" if x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
@@ -451,6 +465,5 @@ def _check_weights(x: torch.Tensor, w: torch.Tensor) -> None:
         raise ValueError(f"moe: x is on {x.device} but the expert weights are on {w.device}")
 
 
-__all__ = ["ALIGN_CHUNK", "Layout", "TritonMoeConfig", "align", "align_torch", "default_configs", "pair_major",
-           "pairs_down", "pairs_gate_up", "run_down", "run_gate_up", "run_pairs",
-           "sum_slots"]
+__all__ = ["ALIGN_CHUNK", "Layout", "TritonMoeConfig", "align", "align_torch", "default_configs", "forward",
+           "pair_major", "pairs_down", "pairs_gate_up", "run_down", "run_gate_up", "run_pairs", "sum_slots"]

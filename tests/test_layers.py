@@ -37,6 +37,7 @@ LAZY_ALLOWED = {
     ("hybridgemm.mlp", "hybridgemm.kernels.triton_glu"),
     ("hybridgemm.dispatch", "hybridgemm.kernels.triton_glu"),
     ("hybridgemm.experts", "hybridgemm.kernels.triton_moe"),
+    ("hybridgemm.autotune_cache.tune_moe", "hybridgemm.kernels.triton_moe"),
     ("hybridgemm.decide", "hybridgemm.kernels.triton_splitk"),  # choose_fp8: the split-K default config
     ("hybridgemm.models.decode_checks", "hybridgemm.kernels.triton_rope"),
     ("hybridgemm.models.decode_checks", "hybridgemm.kernels.triton_decode_attention"),

@@ -116,3 +116,37 @@ def test_results_are_identical_across_processes(cuda):
     for r in runs:
         assert r.returncode == 0, r.stderr[-2000:]
     assert runs[0].stdout.strip() == runs[1].stdout.strip() and len(runs[0].stdout.strip()) == 64
+
+
+def test_the_moe_tuner_fills_entries_that_moe_then_runs(cuda, monkeypatch):
+    """tune_moe for a small shape up to M=8: one entry per octave range, each spanning its
+    range, the winner's ratios measured against the grouped baseline; moe() then runs what
+    the table says, and its results equal the baseline's computation as closely as stock's."""
+    from hybridgemm.autotune_cache import tune_moe
+    from hybridgemm.autotune_cache.table import TuningTable
+    from hybridgemm.kernels.grouped_mm_moe import grouped_mm_moe
+
+    entries = tune_moe.tune_moe(16, 2, 256, 512, m_max=8)
+    assert [(k.m_lo, k.m_hi) for k in entries] == [(1, 1), (2, 2), (3, 4), (5, 8)]
+    table = TuningTable(None)
+    for key, entry in entries.items():
+        assert entry["m_points"][0] == key.m_lo and entry["m_points"][-1] == key.m_hi
+        assert entry["backend"] in ("torch", "triton_moe") and entry["worst_ratio"] > 0
+        table.set(key, entry)
+    monkeypatch.setattr(experts.decide, "table_for_device", lambda index: table)
+    experts._decisions.clear()
+    try:
+        torch.manual_seed(1)
+        w_gu = (torch.randn(16, 512, 512, device=cuda) * 0.05).bfloat16()
+        w_d = (torch.randn(16, 512, 256, device=cuda) * 0.05).bfloat16()
+        for t in (1, 3, 7):
+            x = torch.randn(t, 512, device=cuda).bfloat16()
+            ids, rw = experts.route(torch.randn(t, 16, device=cuda), 2)
+            d = experts.decision_for(x, 2, w_gu, "silu")
+            assert "table entry" in d.why
+            got = experts.moe(x, (ids, rw), w_gu, w_d)
+            ref = experts.experts_loop(x.float(), ids, rw, w_gu.float(), w_d.float(), "silu")
+            base = grouped_mm_moe(x, ids, rw, w_gu, w_d)
+            assert _rel(got, ref) <= 1.1 * _rel(base, ref) + 1e-3
+    finally:
+        experts._decisions.clear()

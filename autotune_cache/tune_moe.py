@@ -1,0 +1,193 @@
+"""The mixture-of-experts kernels (kernels/triton_moe.py) in the tuning table: their keys and
+entries, and the tuner that fills them.
+
+**Key.** ``moe_<activation>_e<experts>_k<top_k>|<dtype>|none|N=<I>|K=<H>|M=lo-hi|c``: the
+experts' GLU activation, count and top-k in the op, the expert width I as N and the hidden
+size H as K, M the tokens of the call. **Entry.** backend ``triton_moe`` with ``config``
+``{"up": [block_m, block_n, block_k, num_warps, num_stages], "down": [...]}`` (one block_m:
+gate/up and down share the layout), or backend ``torch``: the unfused grouped baseline
+(kernels/grouped_mm_moe.py, transformers' ``grouped_mm`` computation) runs. ``ratios``: the
+baseline's time over the winner's at each point; ``flinear_us``: the baseline's at the top.
+
+**Tuning** (:func:`tune_moe`), per M range (octaves up to ``MOE_M_MAX``): a routing of random
+logits (softmax top-k, seeded by M) at each of the range's sample points; every candidate
+(:func:`candidates`) screened at the top point, the best ones timed again at every point in
+interleaved rounds beside the baseline, on rotating copies of the expert weights (CUDA graphs,
+autotune_cache/measure.py); the winner by autotune_cache/tuner.py's rule: a candidate must beat
+the baseline by more than 3% at its worst point, else the baseline stays. Nothing runs at
+import; tuning needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+
+from hybridgemm.kernels.grouped_mm_moe import grouped_mm_moe
+from hybridgemm.kernels.lazy import triton_module
+from hybridgemm.kernels.problem import DTYPE_NAMES
+
+from . import tuner
+from .keys import TableKey, octave, sample_points
+from .measure import gpu_time_rotating, rotation_copies
+from .table_entries import make_entry
+
+BACKEND = "triton_moe"
+MOE_M_MAX = 4096
+_OP_RE = re.compile(r"^moe_([a-z_]+)_e([1-9][0-9]{0,4})_k([1-9][0-9]{0,2})$")
+_RECORD_LIMITS = {"block_m": (1, 256), "block_n": (4, 512), "block_k": (16, 512), "num_warps": (1, 16),
+                  "num_stages": (1, 8)}
+SCREEN_REPLAYS, FINAL_REPLAYS = 3, 7
+MOST_WEIGHT_COPY_BYTES = 16 << 30  # rotating copies of the expert weights, at most this much
+
+
+def moe_op(experts: int, top_k: int, activation: str) -> str:
+    return f"moe_{activation}_e{experts}_k{top_k}"
+
+
+def parse_moe_op(op: str) -> tuple[str, int, int] | None:
+    """``(activation, experts, top_k)`` of a MoE op name, ``None`` for any other op."""
+    m = _OP_RE.match(op)
+    return (m.group(1), int(m.group(2)), int(m.group(3))) if m else None
+
+
+def moe_key(experts: int, top_k: int, activation: str, dtype: torch.dtype, intermediate: int, hidden: int,
+            lo: int, hi: int) -> TableKey:
+    return TableKey(moe_op(experts, top_k, activation), DTYPE_NAMES[dtype], "none", intermediate, hidden, lo, hi)
+
+
+def record_of(up, down) -> dict:
+    return {name: [c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages] for name, c in (("up", up),
+                                                                                            ("down", down))}
+
+
+def configs_of(record) -> tuple:
+    """``(up, down)`` TritonMoeConfigs of an entry's config; ValueError naming what is wrong."""
+    tm = triton_module("triton_moe")
+    if not isinstance(record, dict) or set(record) != {"up", "down"}:
+        raise ValueError(f"a {BACKEND} config is {{'up': [...], 'down': [...]}}, got {record!r:.80}")
+    out = []
+    for name in ("up", "down"):
+        values = record[name]
+        if not isinstance(values, list) or len(values) != len(_RECORD_LIMITS):
+            raise ValueError(f"{name}: expected {len(_RECORD_LIMITS)} integers {list(_RECORD_LIMITS)}")
+        for field, v in zip(_RECORD_LIMITS, values):
+            lo, hi = _RECORD_LIMITS[field]
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"{name}.{field} must be an integer in {lo}..{hi}, got {v!r}")
+            if field != "num_stages" and v & (v - 1):
+                raise ValueError(f"{name}.{field} must be a power of two, got {v}")
+        out.append(tm.TritonMoeConfig(*values))
+    if out[0].block_m != out[1].block_m:
+        raise ValueError(f"up and down differ in block_m ({out[0].block_m}, {out[1].block_m}): they share the layout")
+    return tuple(out)
+
+
+_PAIR_UP = [(8, 128, 8, 4), (32, 128, 8, 4), (8, 128, 8, 2)]
+_PAIR_DOWN = [(8, 256, 4, 4), (4, 256, 4, 2), (16, 128, 4, 2)]
+# (block_n, block_k, warps, stages) per block_m; the gate/up launch holds two weight tiles, so its
+# widest tiles are left out where shared memory would not hold them
+_GROUPED = {16: [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3)],
+            32: [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3)],
+            64: [(128, 64, 4, 4), (64, 64, 4, 3), (128, 64, 8, 3), (256, 64, 8, 3)],
+            128: [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 4), (256, 64, 8, 3)]}
+
+
+def candidates(pairs: int, experts: int) -> list[tuple]:
+    """(up, down) config pairs for ``pairs`` pairs over ``experts`` experts: pair-major ones up to
+    128 pairs; grouped ones of every block size up to twice the rows an expert gets on average."""
+    tm = triton_module("triton_moe")
+    out = []
+    if pairs <= 128:
+        out += [(tm.TritonMoeConfig(1, *u), tm.TritonMoeConfig(1, *d)) for u in _PAIR_UP for d in _PAIR_DOWN]
+    per_expert = -(-pairs // max(experts, 1))
+    for bm, tiles in _GROUPED.items():
+        if bm > max(16, 2 * per_expert):
+            continue
+        ups = [t for t in tiles if t[0] < 256 or bm < 128]
+        out += [(tm.TritonMoeConfig(bm, *u), tm.TritonMoeConfig(bm, *d)) for u in ups for d in tiles]
+    return out
+
+
+def _routing(m: int, experts: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(m)
+    probs = torch.softmax(torch.randn(m, experts, device=device, generator=g), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return ids, weights / weights.sum(dim=-1, keepdim=True)
+
+
+def tune_moe(experts: int, top_k: int, intermediate: int, hidden: int, activation: str = "silu",
+             dtype: torch.dtype = torch.bfloat16, m_max: int = MOE_M_MAX,
+             log: Callable[[str], None] = lambda s: None) -> dict[TableKey, dict]:
+    """Entries for every octave range up to ``m_max`` of one MoE shape (module docstring)."""
+    tm = triton_module("triton_moe")
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    w_gu = (torch.randn(experts, 2 * intermediate, hidden, device=dev, generator=g) * 0.02).to(dtype)
+    w_d = (torch.randn(experts, hidden, intermediate, device=dev, generator=g) * 0.02).to(dtype)
+    per_expert_bytes = 3 * intermediate * hidden * w_gu.element_size()
+    copies = max(2, min(rotation_copies(min(experts, top_k) * per_expert_bytes, dev),
+                        MOST_WEIGHT_COPY_BYTES // (experts * per_expert_bytes)))
+    weights = [(w_gu, w_d)] + [(w_gu.clone(), w_d.clone()) for _ in range(copies - 1)]
+    entries = {}
+    top, lo = min(m_max, MOE_M_MAX), 1
+    while lo <= top:
+        lo, hi = octave(lo)
+        key = moe_key(experts, top_k, activation, dtype, intermediate, hidden, lo, hi)
+        points = sample_points(lo, hi)
+        inputs = {}
+        for m in points:
+            x = torch.randn(m, hidden, device=dev, generator=g).to(dtype)
+            inputs[m] = (x, *_routing(m, experts, top_k, dev))
+
+        def baseline(m, inputs=inputs):
+            x, ids, rw = inputs[m]
+            return lambda i: grouped_mm_moe(x, ids, rw, *weights[i], activation)
+
+        def ours(m, up, down, inputs=inputs):
+            x, ids, rw = inputs[m]
+            return lambda i: tm.forward(x, ids, rw, *weights[i], activation, up, down)
+
+        cands = candidates(hi * top_k, experts)
+        screen = []
+        for up, down in cands:
+            try:
+                t = gpu_time_rotating([ours(hi, up, down)], copies, replays=SCREEN_REPLAYS)[0]
+                screen.append((t.median_us, up, down))
+            except Exception as exc:  # noqa: BLE001 (a config that does not compile or fit: not a candidate)
+                log(f"{key.to_string()}: {up} / {down} left out ({type(exc).__name__}: {str(exc)[:100]})")
+        screen.sort(key=lambda r: r[0])
+        finalists = screen[:tuner.finalist_count([screen[0][0] / r[0] for r in screen])]
+        per_point = {m: [] for m in points}
+        for m in points:
+            rounds: list = []
+            gpu_time_rotating([baseline(m)] + [ours(m, u, d) for _, u, d in finalists], copies,
+                              replays=FINAL_REPLAYS, rounds=rounds)
+            per_point[m] = ([tuner.ratios_of(rounds, j + 1) for j in range(len(finalists))],
+                            [sorted(r[j] for r in rounds)[len(rounds) // 2] for j in range(len(finalists) + 1)])
+        scores = [min(per_point[m][0][j] for m in points) for j in range(len(finalists))]
+        rows = [(1.0, tuner.TORCH_RANK)] + [(s, (0, j)) for j, s in enumerate(scores)]
+        won = tuner.pick_winner(rows)
+        base_us = per_point[hi][1][0]
+        cand_rows = [{"backend": BACKEND, "config": record_of(u, d), "median_us": per_point[hi][1][j + 1],
+                      "spread_us": 0.0, "worst_ratio": s} for j, ((_, u, d), s) in enumerate(zip(finalists, scores))]
+        if won == 0:
+            entry = make_entry("torch", {}, m_points=points, ratios=[1.0] * len(points), median_us=base_us,
+                               spread_us=0.0, candidates=cand_rows, flinear_us=base_us)
+        else:
+            j = won - 1
+            _, up, down = finalists[j]
+            entry = make_entry(BACKEND, record_of(up, down), m_points=points,
+                               ratios=[per_point[m][0][j] for m in points], median_us=per_point[hi][1][won],
+                               spread_us=0.0, candidates=cand_rows, flinear_us=base_us)
+        entries[key] = entry
+        log(f"{key.to_string()}: {entry['backend']} {entry['config']} worst {entry['worst_ratio']:.3f}x the "
+            f"grouped baseline ({entry['median_us']:.1f} vs {base_us:.1f} µs at M={hi})")
+        lo = hi + 1
+    return entries
+
+
+__all__ = ["BACKEND", "MOE_M_MAX", "candidates", "configs_of", "moe_key", "moe_op", "parse_moe_op", "record_of",
+           "tune_moe"]
