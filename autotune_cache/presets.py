@@ -41,13 +41,33 @@ class ModelPreset:
     head_dim: int
     qkv_bias: bool
     o_bias: bool
-    # Beyond attention (None where unknown): the MLP width (gate/up: hidden -> intermediate,
-    # down: back), the vocabulary (LM head rows), the decoder layer count.
+    # Beyond attention (None where unknown): the dense MLP's width (gate/up: hidden ->
+    # intermediate, down: back; None for a mixture of experts, below), the vocabulary (LM head
+    # rows), the decoder layer count.
     intermediate: int | None = None
     vocab: int | None = None
     layers: int | None = None
     mlp_bias: bool = False
     tied_lm_head: bool = False  # the LM head shares the input embedding's weight
+    # Mixture of experts (0 experts: a dense model): every decoder layer's MLP is ``experts``
+    # gated MLPs of width ``expert_intermediate``, ``experts_per_token`` of them run per token.
+    # Their weights are stacked per expert (transformers' MixtralExperts, Qwen3MoeExperts) and
+    # run in hybridgemm's grouped MoE kernels (fusion/experts.py), not as dispatched GEMMs the
+    # table tunes, so such a preset has no ``intermediate``: no dense MLP shape is its.
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int | None = None
+
+    def __post_init__(self):
+        if self.experts and not (0 < self.experts_per_token <= self.experts and self.expert_intermediate
+                                 and self.intermediate is None):
+            raise ValueError(f"{self.name}: a mixture-of-experts preset needs 1..{self.experts} experts per token, "
+                             "an expert width and no dense MLP width (intermediate=None)")
+
+    @property
+    def moe(self) -> bool:
+        """Is every decoder layer's MLP a mixture of experts?"""
+        return self.experts > 0
 
     @property
     def projections(self) -> tuple[ProjectionShape, ...]:
@@ -70,8 +90,11 @@ class ModelPreset:
 
 # Figures from each model's published config.json (hidden_size, num_attention_heads,
 # num_key_value_heads, head_dim, attention bias; for the gated-MLP decoders also
-# intermediate_size, vocab_size, num_hidden_layers; Mistral's are v0.1's). BERT and GPT-2
+# intermediate_size, vocab_size, num_hidden_layers; Mistral's and Mixtral's are v0.1's; the
+# mixture-of-experts models' expert counts and width: num_experts or num_local_experts,
+# num_experts_per_tok, moe_intermediate_size or Mixtral's intermediate_size). BERT and GPT-2
 # leave the MLP out: theirs is not the gate/up/down layout that tensor parallelism splits.
+# Qwen3-30B-A3B's attention is wider than its hidden size (32 heads of 128 over 2048).
 PRESETS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
@@ -87,6 +110,10 @@ PRESETS: dict[str, ModelPreset] = {
                     intermediate=14336, vocab=32000, layers=32),
         ModelPreset("qwen3-8b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False,
                     intermediate=12288, vocab=151936, layers=36),
+        ModelPreset("qwen3-30b-a3b", 2048, 32, 4, 128, qkv_bias=False, o_bias=False, vocab=151936, layers=48,
+                    experts=128, experts_per_token=8, expert_intermediate=768),
+        ModelPreset("mixtral-8x7b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False, vocab=32000, layers=32,
+                    experts=8, experts_per_token=2, expert_intermediate=14336),
     )
 }
 

@@ -1,14 +1,15 @@
 """End to end: a whole decoder model, stock beside ``hybridgemm.patch``, as users run it.
 
-    hybridgemm bench --e2e --model qwen2.5-7b|llama3-8b [--layers N] [--batch 1 8] [--prefill 2048]
+    hybridgemm bench --e2e --model NAME [--layers N] [--batch 1 8] [--prefill 2048]
                      [--tokens 64] [--modes ...] [--rounds 3] [--out CSV] [--plot DIR]
                      [--weights fp8 [--granularity channel|block128] [--quantize-lm-head] [--no-peers]]
     python -m hybridgemm.perf.bench_e2e  (the same options)
 
-The model is Qwen2ForCausalLM or LlamaForCausalLM built from a config of the real model's sizes
-(perf/e2e_models.py; ``--layers`` shortens it) with random weights, bf16, on one CUDA GPU, in
-one process. Modes, each at every ``--batch`` (prefill at batch 1), after a prompt of
-:data:`PROMPT_LEN` random tokens:
+The model (NAME: qwen2.5-7b, llama3-8b, llama3-70b, qwen3-8b, and the mixtures of experts
+qwen3-30b-a3b and mixtral-8x7b) is the transformers causal LM of its family built from a config
+of the real model's sizes (perf/e2e_models.py; ``--layers`` shortens it) with random weights,
+bf16, on one CUDA GPU, in one process. Modes, each at every ``--batch`` (prefill at batch 1),
+after a prompt of :data:`PROMPT_LEN` random tokens:
 
 - ``eager_generate``: HF ``generate`` (greedy, default dynamic cache); ms/token = the host time
   from the first new token to the last, as each reaches generate's streamer, / (tokens - 1),
@@ -33,7 +34,10 @@ one process. Modes, each at every ``--batch`` (prefill at batch 1), after a prom
   and the prompt take the unfused one).
 
 Stock and patched: two instances of the model with the same weights (the second built, loaded
-with the first's state dict, then patched in place). Keeping both is what lets the variants
+with the first's state dict, then patched in place, as strictly as ``patch(strict=True)``: a
+module the report lists fails the variant, but for the decoder layers and routers of a
+mixture of experts, which ``patch`` leaves as they are beside the experts it patches; the log
+says so). Keeping both is what lets the variants
 alternate: each mode runs ``--rounds`` rounds and in each round both variants are timed, their
 order swapped every round (ABBA...), so clock and thermal drift fall on both alike, and the
 compiled step functions of both stay valid between rounds (patching one model back and forth
@@ -69,6 +73,10 @@ batch; for prefill, ms per prefill), ``tokens_per_s``,
 embedding table, of which a step reads a row per token; the LM head included) / the H200's
 measured HBM bandwidth (perf/timing.HBM_TBPS), ``fraction_of_floor`` = floor / ms_per_token
 (decode only: prefill is compute-bound), both of the stock bf16 model's bytes (``weight_bytes``);
+of a mixture of experts a step reads only the experts its tokens are routed to: the bytes count,
+per layer, the expected number of distinct experts B tokens reach when each picks k of E at
+random (uniform routing), E * (1 - (1 - k/E)^B) (B: the batch; prefill rows: the prompt's
+tokens), which ``floor_assumes`` states (empty for a dense model: every weight read once);
 ``weights`` (the variant's format: bf16, e4m3_channel, e4m3_block128, int8_channel),
 ``variant_bytes`` (its model's bytes counted the same way: e4m3 projections and their fp32
 scales, the bf16 rest), ``variant_floor_ms`` and ``fraction_of_variant_floor`` (of those
@@ -100,6 +108,7 @@ from dataclasses import dataclass, field
 import torch
 
 import hybridgemm
+from hybridgemm.experts import HybridExperts
 from hybridgemm.perf import csvio
 from hybridgemm.perf import e2e_models as hf
 from hybridgemm.perf import e2e_weights as ew
@@ -132,8 +141,8 @@ ROW_KEY = (*KEY, "run_weights")  # an FP8 run's rows apart from a bf16 run's (be
 COLUMNS = (*KEY, "run_weights", "status", "weights", "ms_per_token", "spread_ms", "tokens_per_s", "hbm_floor_ms",
            "fraction_of_floor", "variant_floor_ms", "fraction_of_variant_floor", "speedup", "logits_rel_err",
            "logits_rel_err_vs_bf16", "error_ratio", "tokens", "prompt_len", "rounds", "samples", "weight_bytes",
-           "variant_bytes", "note", "date", "commit", "torch", "triton", "transformers", "torchao", "cublaslt",
-           "nvmath", "hybridgemm", "host", "command")
+           "variant_bytes", "floor_assumes", "note", "date", "commit", "torch", "triton", "transformers", "torchao",
+           "cublaslt", "nvmath", "hybridgemm", "host", "command")
 
 
 @dataclass
@@ -351,10 +360,11 @@ def time_mode(run: Run, mode: str, batch: int, models: dict) -> tuple[dict, dict
 
 def mode_rows(run: Run, mode: str, batch: int, results: dict, weight_bytes: int,
               notes: dict | None = None, variant_bytes: dict | None = None,
-              formats: dict | None = None) -> list[dict]:
+              formats: dict | None = None, floor_assumes: str = "") -> list[dict]:
     """One row per variant from :func:`time_mode`'s results and notes. ``weight_bytes``: the
     stock model's (``hbm_floor_ms``); ``variant_bytes``, ``formats``: each variant's bytes
-    (``variant_floor_ms``; default ``weight_bytes``) and weight format (default bf16)."""
+    (``variant_floor_ms``; default ``weight_bytes``) and weight format (default bf16);
+    ``floor_assumes``: what those bytes assume of the routing (a mixture of experts), if anything."""
     floor = hbm_floor_ms(weight_bytes)
     ok = {v: statistics.median(s) for v, s in results.items() if isinstance(s, list) and s}
     rows = []
@@ -363,6 +373,7 @@ def mode_rows(run: Run, mode: str, batch: int, results: dict, weight_bytes: int,
         row = {**run.extra, "model": run.name, "layers": run.config.num_hidden_layers, "mode": mode, "batch": batch,
                "variant": v, "run_weights": run.run_weights, "weights": (formats or {}).get(v, "bf16"),
                "weight_bytes": weight_bytes, "variant_bytes": own_bytes, "rounds": run.rounds,
+               **({"floor_assumes": floor_assumes} if floor_assumes else {}),
                "tokens": run.prefill if mode == "prefill" else run.tokens,
                "prompt_len": run.prefill if mode == "prefill" else PROMPT_LEN}
         if v not in ok:
@@ -481,16 +492,55 @@ def fp32_logits(run: Run, stock, jobs: dict[str, torch.Tensor]) -> dict[str, tor
     return fp32_error_logits(run, copy, jobs)
 
 
+def moe_skips(model, skipped: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The entries of ``skipped`` (a patch report's) that a mixture-of-experts model leaves as
+    it is by design, beside experts that ``patch`` did patch (found by structure): a decoder
+    layer holding such a block (the fused decode step computes layers with a dense gated MLP
+    only; the layer runs its own forward over the patched parts) and the block's router (a
+    linear of one row per expert, run as the model computes it)."""
+    modules = dict(model.named_modules())
+
+    def patched_experts(block) -> int | None:
+        experts = block._modules.get("experts") if block is not None else None
+        return hf.stacked_experts(experts) if isinstance(experts, HybridExperts) else None
+
+    out = []
+    for name, why in skipped:
+        mod = modules.get(name)
+        if mod is None:
+            continue
+        if any(patched_experts(child) for child in mod.children()):
+            out.append((name, why))
+            continue
+        experts = patched_experts(modules.get(name.rpartition(".")[0]))
+        weight = mod._parameters.get("weight")
+        if experts and weight is not None and weight.dim() == 2 and weight.shape[0] == experts:
+            out.append((name, why))
+    return out
+
+
 def _patched(run: Run, stock) -> tuple[torch.nn.Module | BaseException, list[str]]:
     """A copy of ``stock`` patched as ``run`` asks (FP8 weights with a granularity), and the
-    names of the modules ``patch`` quantized; or the exception that stopped it."""
+    names of the modules ``patch`` quantized; or the exception that stopped it. As strict as
+    ``patch(strict=True)`` (every module patch reports it left alone fails the variant) but
+    for what a mixture-of-experts model leaves by design (:func:`moe_skips`), which the log
+    lists."""
     try:
         patched = hf.build_model(run.config, run.dtype, run.device)
         patched.load_state_dict(stock.state_dict())
         fp8 = {} if run.granularity is None else dict(weights="fp8", granularity=run.granularity,
                                                        quantize_lm_head=run.quantize_lm_head)
-        report = hybridgemm.patch(patched, strict=True, **fp8)
+        report = hybridgemm.patch(patched, **fp8)
+        by_design = moe_skips(patched, report.skipped)
+        left = [s for s in report.skipped if s not in by_design]
+        if not report.patched or left:
+            raise ValueError(f"{report.summary()}; {len(left)} modules left unpatched or unfused: "
+                             + "; ".join(f"{n or '(root)'}: {r}" for n, r in left))
         run.log(report.summary() + (f"; {len(report.fp8)} projections quantized ({run.granularity})" if fp8 else ""))
+        if by_design:
+            reasons = dict.fromkeys(r for _, r in by_design)
+            run.log(f"mixture of experts, the experts patched: {len(by_design)} decoder layers and routers left as "
+                    f"the model has them ({'; '.join(reasons)})")
         return patched, list(report.fp8)
     except Exception as e:  # noqa: BLE001 (the stock rows are still measured)
         run.log(f"patch failed: {type(e).__name__}: {e}")
@@ -533,6 +583,13 @@ def error_rows(run: Run, jobs: dict, bf16_refs: dict, stock, patched, names: lis
     return rows
 
 
+def step_bytes(run: Run, model, tokens: int) -> int:
+    """Bytes of ``model``'s weights one forward of ``tokens`` tokens reads (a decode step of
+    batch ``tokens``): every weight, but of a mixture of experts only the experts uniform
+    routing is expected to reach (:func:`hf.uniform_experts_read`)."""
+    return hf.decode_weight_bytes(model, hf.uniform_experts_read(run.config, tokens))
+
+
 def run_e2e(run: Run, on_rows: Callable[[list[dict]], None] | None = None) -> Result:
     """Every mode of ``run`` (see the module docstring); ``on_rows(rows so far)`` after each."""
     res = Result()
@@ -544,9 +601,17 @@ def run_e2e(run: Run, on_rows: Callable[[list[dict]], None] | None = None) -> Re
 
     torch.manual_seed(SEED)
     stock = hf.build_model(run.config, run.dtype, run.device)
-    weight_bytes = hf.decode_weight_bytes(stock)
-    run.log(f"{run.name}, {run.config.num_hidden_layers} layers: {weight_bytes / 1e9:.2f} GB read per decode step, "
-            f"HBM floor {hbm_floor_ms(weight_bytes):.3f} ms at {HBM_TBPS} TB/s")
+    weight_bytes = step_bytes(run, stock, 1)
+    if not hf.floor_assumption(run.config, 1):
+        run.log(f"{run.name}, {run.config.num_hidden_layers} layers: {weight_bytes / 1e9:.2f} GB read per decode "
+                f"step, HBM floor {hbm_floor_ms(weight_bytes):.3f} ms at {HBM_TBPS} TB/s")
+    else:
+        run.log(f"{run.name}, {run.config.num_hidden_layers} layers: {hf.decode_weight_bytes(stock) / 1e9:.2f} GB "
+                "of weights, every expert included")
+        for b in run.batches:
+            nbytes = step_bytes(run, stock, b)
+            run.log(f"batch {b}: {nbytes / 1e9:.2f} GB read per decode step, HBM floor {hbm_floor_ms(nbytes):.3f} ms "
+                    f"at {HBM_TBPS} TB/s ({hf.floor_assumption(run.config, b)})")
     jobs = {m: error_ids(m, run.config.vocab_size, run.device) for m in run.modes if m in ERROR_MODES}
     bf16_refs = fp32_logits(run, stock, jobs) if jobs else {}  # its fp32 copy beside the stock model only
     patched, names = _patched(run, stock)
@@ -554,10 +619,11 @@ def run_e2e(run: Run, on_rows: Callable[[list[dict]], None] | None = None) -> Re
         if run.granularity is not None and run.peers else {}
     models = {"stock": stock, run.patched_variant: patched, **peers}
     formats = {v: ew.PEERS[v][1] if v in ew.PEERS else weight_format(run.granularity) for v in models if v != "stock"}
-    variant_bytes = {v: hf.decode_weight_bytes(m) for v, m in models.items() if not isinstance(m, BaseException)}
+    variant_bytes = {v: step_bytes(run, m, 1) for v, m in models.items() if not isinstance(m, BaseException)}
+    at_one = " at batch 1" if hf.floor_assumption(run.config, 1) else ""
     for v, nbytes in variant_bytes.items():
         if v != "stock":
-            run.log(f"{v}: {nbytes / 1e9:.2f} GB read per decode step, HBM floor {hbm_floor_ms(nbytes):.3f} ms")
+            run.log(f"{v}: {nbytes / 1e9:.2f} GB read per decode step{at_one}, HBM floor {hbm_floor_ms(nbytes):.3f} ms")
     if jobs:
         add(error_rows(run, jobs, bf16_refs, stock, patched, names, peers))
         bf16_refs = None
@@ -567,7 +633,10 @@ def run_e2e(run: Run, on_rows: Callable[[list[dict]], None] | None = None) -> Re
         for i, (mode, batch) in enumerate(tasks, 1):
             run.log(f"[{i}/{len(tasks)}] {mode} batch {batch} ...")
             results, notes = time_mode(run, mode, batch, models)
-            rows = mode_rows(run, mode, batch, results, weight_bytes, notes, variant_bytes, formats)
+            routed = run.prefill if mode == "prefill" else batch  # the tokens one forward routes
+            own = {v: step_bytes(run, m, routed) for v, m in models.items() if not isinstance(m, BaseException)}
+            rows = mode_rows(run, mode, batch, results, own["stock"], notes, own, formats,
+                             hf.floor_assumption(run.config, routed))
             run.log(f"[{i}/{len(tasks)}] {mode} batch {batch}: " + _brief(rows))
             add(rows)
     if run.granularity is None and not isinstance(patched, BaseException):

@@ -36,7 +36,7 @@ from hybridgemm.autotune_cache.measure import gpu_time_rotating, rotation_copies
 from hybridgemm.kernels import fp8, triton_glu, triton_splitk
 from hybridgemm.perf.bench_msweep import git_commit
 from hybridgemm.perf.csvio import environment_columns, write_csv
-from hybridgemm.perf.e2e_models import hf_config
+from hybridgemm.perf.e2e_models import hf_config, is_moe
 from hybridgemm.perf.read_ceiling import fp8_bytes, fp8_in_one_buffer, read_calls
 
 COLUMNS = ("gpu", "model", "gemm", "fused", "weights", "m", "n", "k", "config", "plain_us", "fused_us", "cost_us",
@@ -148,8 +148,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--m takes decode sizes, 1..16 rows (the fused path's range)")
     try:
         args.configs = {name: hf_config(name) for name in args.model}
+        moe = [name for name in args.model if is_moe(name)]
     except (KeyError, ValueError) as e:
         p.error(str(e))
+    if moe:
+        p.error(f"{', '.join(moe)}: a mixture of experts has no dense gate/up and down GEMMs to time")
     args.granularity = [] if args.no_fp8 else list(dict.fromkeys(args.granularity))
     return args
 

@@ -81,7 +81,7 @@ def errors(models: dict, ref, vocab: int, device) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python3 -m hybridgemm.perf.bench_lora", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="llama3-8b", choices=hf.model_names())
+    ap.add_argument("--model", default="llama3-8b", choices=hf.dense_model_names())  # adapters on gate/up/down
     ap.add_argument("--layers", type=int, default=None, help="the preset's depth unless given")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rank", type=int, default=16)

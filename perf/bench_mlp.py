@@ -93,6 +93,9 @@ def main(argv=None) -> int:
         return 2
     if any(m < 1 for m in args.m):
         ap.error("--m values must be at least 1")
+    moe = [m for m in args.models if get_preset(m).moe]
+    if moe:
+        ap.error(f"{', '.join(moe)}: a mixture of experts has no dense MLP shapes to time")
     env = environment_columns("python -m hybridgemm.perf.bench_mlp " + " ".join(argv or sys.argv[1:]))
     env["date"] = datetime.date.today().isoformat()
     env["commit"] = git_commit()

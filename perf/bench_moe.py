@@ -11,9 +11,10 @@ cannot be captured and gets a ``skipped`` row).
 
 Shapes (hidden H, experts E of intermediate size I, top-k): ``qwen3-30b-a3b`` (2048, 128 of
 768, 8) and ``mixtral-8x7b`` (4096, 8 of 14336, 2); bf16 weights N(0, 0.02), the router's
-logits random. Each row (``M``: the tokens): ``median_us``, ``floor_us`` (the bytes of the experts the routing
-actually hits, at perf/timing.HBM_TBPS), ``fraction_of_floor`` (floor / time), ``speedup``
-over transformers' default implementation (``grouped_mm``) timed the same way, ``rel_err`` against the fp32 result of the same block.
+logits random. Each row (``M``: the tokens): ``median_us``, ``floor_us`` (the bytes of the
+experts the routing actually hits, at perf/timing.HBM_TBPS), ``fraction_of_floor`` (floor /
+time), ``speedup`` over transformers' default implementation (``grouped_mm``) timed the same
+way, ``rel_err`` against the fp32 result of the same block.
 """
 
 from __future__ import annotations

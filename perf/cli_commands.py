@@ -4,7 +4,7 @@
                      [--training] [--plot DIR] [--list-providers]
     hybridgemm bench --m-sweep [--model NAME ...] [--dtype bf16] [--out DIR/any.csv]
                      [--weights fp8 [--granularity channel|block128]]
-    hybridgemm bench --e2e --model qwen2.5-7b|llama3-8b [--layers N] [--batch 1 8] [--prefill 2048]
+    hybridgemm bench --e2e --model NAME [--layers N] [--batch 1 8] [--prefill 2048]
                      [--tokens T] [--modes ...] [--rounds R] [--out CSV] [--plot DIR]
                      [--weights fp8 [--granularity channel|block128] [--quantize-lm-head] [--no-peers]]
     hybridgemm plot results.csv [more.csv ...] [--out DIR]
@@ -60,9 +60,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "from 1 to 16384 per projection shape of --model (default: every preset); writes "
                         "m_sweep_<gpu>.csv, m_sweep_summary.txt and m_sweep.png into --out's directory")
     p.add_argument("--e2e", action="store_true",
-                   help="instead: the end-to-end run (perf/bench_e2e.py): one whole model (--model qwen2.5-7b or "
-                        "llama3-8b, random weights), stock vs patched, in HF generate, eager and compiled static-cache "
-                        "decode, prefill, and logits against fp32; upserts rows into --out (default e2e_<gpu>.csv)")
+                   help="instead: the end-to-end run (perf/bench_e2e.py): one whole model (--model "
+                        f"{', '.join(model_names())}; random weights), stock vs patched, in HF generate, eager and "
+                        "compiled static-cache decode, prefill, and logits against fp32; upserts rows into --out "
+                        "(default e2e_<gpu>.csv)")
     bench_e2e.add_e2e_options(p)
     add_weight_options(p, "with --e2e, " + bench_e2e.WEIGHTS_HELP + "; with --m-sweep, every point also times "
                        "hybridgemm.linear on the weight quantized to e4m3")

@@ -2,10 +2,11 @@
 config with random weights (nothing is downloaded), and the calls whose spelling differs
 across transformers versions.
 
-Sizes: hidden size, heads, KV heads, head dim and attention biases come from
-autotune_cache/presets.py; :data:`SIZES` adds what a whole model needs beyond its attention
-projections (MLP width, layer count, vocabulary, RoPE base), from each model's published
-``config.json``.
+Sizes: hidden size, heads, KV heads, head dim, attention biases and, for a mixture of
+experts, the expert count, experts per token and expert width come from
+autotune_cache/presets.py; :data:`SIZES` adds what a whole model needs beyond those (family,
+dense MLP width, layer count, vocabulary, RoPE base), from each model's published
+``config.json``, and :data:`FAMILIES` how each family's transformers config spells them.
 
 Version differences are looked up from signatures, not version numbers, so that one code path
 serves transformers 4.4x and 5.x: the cache keyword of ``forward`` (``past_key_values``, or
@@ -21,6 +22,7 @@ from __future__ import annotations
 import copy
 import inspect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +34,8 @@ from hybridgemm.fp8_modules import SCALE_NAMES
 
 @dataclass(frozen=True)
 class ModelSizes:
-    family: str  # "llama", "qwen2" or "qwen3" (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
-    intermediate: int  # MLP width (gate, up: hidden -> intermediate; down: back)
+    family: str  # a key of FAMILIES
+    intermediate: int | None  # the dense MLP's width (gate, up: hidden -> intermediate; down: back); see SIZES
     layers: int
     vocab: int
     rope_theta: float
@@ -41,16 +43,62 @@ class ModelSizes:
     max_positions: int
 
 
+@dataclass(frozen=True)
+class Family:
+    """How a family's transformers config is filled from a preset and :class:`ModelSizes`."""
+
+    config: str  # the transformers config class
+    head_dim: bool  # its model reads config.head_dim (else heads x head_dim must be the hidden size)
+    qkv_bias: bool | None  # the q/k/v bias its attention hard-codes; None: set from the preset (attention_bias)
+    # Mixture of experts: its config's fields for the expert count, experts per token and expert width
+    experts: tuple[str, str, str] | None = None
+    fixed: tuple[tuple[str, object], ...] = ()  # fields set alike for every model of the family here
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaConfig", head_dim=True, qkv_bias=None, fixed=(("mlp_bias", False),)),
+    "qwen2": Family("Qwen2Config", head_dim=False, qkv_bias=True, fixed=(("use_sliding_window", False),)),
+    "qwen3": Family("Qwen3Config", head_dim=True, qkv_bias=None, fixed=(("use_sliding_window", False),)),
+    # Qwen3MoeConfig's signature has no head_dim, but its attention reads config.head_dim when set.
+    # Every layer sparse (no dense mlp_only_layers), top-k weights renormalised: Qwen3-MoE's published configs.
+    "qwen3_moe": Family("Qwen3MoeConfig", head_dim=True, qkv_bias=None,
+                        experts=("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+                        fixed=(("use_sliding_window", False), ("norm_topk_prob", True), ("decoder_sparse_step", 1),
+                               ("mlp_only_layers", []))),
+    # Mixtral v0.1: full attention (sliding_window null); intermediate_size is each expert's width.
+    "mixtral": Family("MixtralConfig", head_dim=True, qkv_bias=False,
+                      experts=("num_local_experts", "num_experts_per_tok", "intermediate_size"),
+                      fixed=(("sliding_window", None),)),
+}
+
+# intermediate: a dense model's MLP width; for Qwen3-30B-A3B config.json's intermediate_size,
+# the width of the dense MLP of the layers listed in mlp_only_layers (none: every layer runs
+# the experts); Mixtral has no dense MLP (its intermediate_size is the experts' width, from the
+# preset). Bytes of the whole model in bf16: Qwen3-30B-A3B ~60 GB, Mixtral-8x7B ~93 GB, so
+# bench_e2e (two bf16 copies, and an fp32 one in the error modes) runs them with --layers.
 SIZES: dict[str, ModelSizes] = {
     "qwen2.5-7b": ModelSizes("qwen2", 18944, 28, 152064, 1e6, 1e-6, 32768),
     "llama3-8b": ModelSizes("llama", 14336, 32, 128256, 5e5, 1e-5, 8192),
     "llama3-70b": ModelSizes("llama", 28672, 80, 128256, 5e5, 1e-5, 8192),  # ~141 GB in bf16: tensor parallel only
     "qwen3-8b": ModelSizes("qwen3", 12288, 36, 151936, 1e6, 1e-6, 40960),  # q/k norms per head
+    "qwen3-30b-a3b": ModelSizes("qwen3_moe", 6144, 48, 151936, 1e6, 1e-6, 40960),  # q/k norms; 128 experts, 8 a token
+    "mixtral-8x7b": ModelSizes("mixtral", None, 32, 32000, 1e6, 1e-5, 32768),  # 8 experts, 2 a token
 }
 
 
 def model_names() -> list[str]:
     return list(SIZES)
+
+
+def is_moe(name: str) -> bool:
+    """Is model ``name``'s MLP a mixture of experts?"""
+    return get_preset(canonical_name(name)).moe
+
+
+def dense_model_names() -> list[str]:
+    """The models whose decoder layers have a dense gated MLP (the benchmarks that time or
+    shard gate/up/down take only these)."""
+    return [name for name in SIZES if not is_moe(name)]
 
 
 def canonical_name(name: str) -> str:
@@ -64,23 +112,37 @@ def canonical_name(name: str) -> str:
 
 def hf_config(name: str, layers: int | None = None):
     """The transformers config of model ``name`` (see :data:`SIZES`), ``layers`` decoder
-    layers (default: the model's own count). Untied LM head; q/k/v biases as the preset has
-    them (Qwen2 hard-codes them; Llama's ``attention_bias`` is set from the preset)."""
+    layers (default: the model's own count), filled as its family's :class:`Family` says.
+    Untied LM head; q/k/v biases as the preset has them (set through ``attention_bias``, or
+    checked against what the family's attention hard-codes); ``head_dim`` set where the family's
+    model reads it (a hidden size other than heads x head_dim needs that); the experts of a
+    mixture-of-experts preset."""
     import transformers
 
-    preset, sizes = get_preset(canonical_name(name)), SIZES[canonical_name(name)]
-    if preset.hidden != preset.heads * preset.head_dim:
-        raise ValueError(f"{name}: hidden {preset.hidden} != heads x head_dim; the config would need head_dim")
+    key = canonical_name(name)
+    preset, sizes = get_preset(key), SIZES[key]
+    family = FAMILIES[sizes.family]
+    if not family.head_dim and preset.hidden != preset.heads * preset.head_dim:
+        raise ValueError(f"{name}: hidden {preset.hidden} != heads x head_dim, and {family.config} has no head_dim")
+    if family.qkv_bias is not None and family.qkv_bias != preset.qkv_bias:
+        raise ValueError(f"{name}: {family.config}'s attention has q/k/v biases {family.qkv_bias}, the preset "
+                         f"{preset.qkv_bias}")
+    if (family.experts is not None) != preset.moe or (family.experts is None and sizes.intermediate is None):
+        raise ValueError(f"{name}: {family.config} and the preset disagree on whether the model is a mixture of "
+                         "experts (a dense model needs its MLP width)")
     kw = dict(hidden_size=preset.hidden, num_attention_heads=preset.heads, num_key_value_heads=preset.kv_heads,
-              intermediate_size=sizes.intermediate, num_hidden_layers=layers or sizes.layers,
-              vocab_size=sizes.vocab, max_position_embeddings=sizes.max_positions, rms_norm_eps=sizes.rms_eps,
-              rope_theta=sizes.rope_theta, tie_word_embeddings=False)
-    if sizes.family == "qwen2":
-        return transformers.Qwen2Config(**kw, use_sliding_window=False)
-    if sizes.family == "qwen3":
-        return transformers.Qwen3Config(**kw, head_dim=preset.head_dim, attention_bias=preset.qkv_bias,
-                                        use_sliding_window=False)
-    return transformers.LlamaConfig(**kw, attention_bias=preset.qkv_bias, mlp_bias=False)
+              num_hidden_layers=layers or sizes.layers, vocab_size=sizes.vocab,
+              max_position_embeddings=sizes.max_positions, rms_norm_eps=sizes.rms_eps, rope_theta=sizes.rope_theta,
+              tie_word_embeddings=False, **copy.deepcopy(dict(family.fixed)))
+    if sizes.intermediate is not None:
+        kw["intermediate_size"] = sizes.intermediate
+    if family.head_dim:
+        kw["head_dim"] = preset.head_dim
+    if family.qkv_bias is None:
+        kw["attention_bias"] = preset.qkv_bias
+    if family.experts is not None:
+        kw.update(zip(family.experts, (preset.experts, preset.experts_per_token, preset.expert_intermediate)))
+    return getattr(transformers, family.config)(**kw)
 
 
 def rope_theta(config) -> float | None:
@@ -120,18 +182,89 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def decode_weight_bytes(model: nn.Module) -> int:
+# What a decode step reads of each stacked-experts module (:func:`decode_weight_bytes`): a
+# count of experts for every such module, or a function of (module name, its expert count).
+ExpertsRead = float | Callable[[str, int], float] | None
+
+
+def stacked_experts(mod: nn.Module) -> int | None:
+    """The expert count of a stacked-experts module (transformers' ``MixtralExperts``,
+    ``Qwen3MoeExperts``, and hybridgemm's patched class of them: 3-D parameters ``gate_up_proj``
+    and ``down_proj`` with one leading size, the experts); None for any other module."""
+    up, down = mod._parameters.get("gate_up_proj"), mod._parameters.get("down_proj")
+    if up is None or down is None or up.dim() != 3 or down.dim() != 3 or up.shape[0] != down.shape[0]:
+        return None
+    return up.shape[0]
+
+
+def decode_weight_bytes(model: nn.Module, experts_read: ExpertsRead = None) -> int:
     """Bytes of the weights one decode step reads: every parameter once (shared ones once),
     and the FP8 scales of weights ``patch(weights="fp8")`` quantized (their buffers,
     fusion/fp8_modules.SCALE_NAMES), except the input embedding table, of which a step reads
-    one row per token, unless the LM head is tied to it (then the head streams all of it)."""
+    one row per token, unless the LM head is tied to it (then the head streams all of it).
+
+    Of a stacked-experts module (:func:`stacked_experts`, E experts) a step reads only the
+    experts its tokens are routed to, which depends on the routing: ``experts_read`` says how
+    many, as a number for every such module or a function of (the module's name, E); the
+    parameters of the module whose leading size is E count that many E-ths (at most all of
+    them). None: every expert, the bytes of a step that reaches them all. A fractional count
+    (an expectation) gives the nearest whole number of bytes."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     skip = set()
     if emb is not None and not (head is not None and head.weight is emb.weight):
         skip.add(id(emb.weight))
+    share: dict[int, float] = {}  # id of a per-expert parameter: the fraction of it a step reads
+    if experts_read is not None:
+        for name, mod in model.named_modules():
+            experts = stacked_experts(mod)
+            if experts is None:
+                continue
+            read = experts_read(name, experts) if callable(experts_read) else experts_read
+            if not read >= 0:  # NaN too
+                raise ValueError(f"decode_weight_bytes: {read} experts read of {name}")
+            for p in mod.parameters(recurse=False):
+                if p.dim() >= 1 and p.shape[0] == experts:
+                    share[id(p)] = min(read, experts) / experts
     tensors = {id(p): p for p in model.parameters() if id(p) not in skip}
     tensors.update({id(b): b for name, b in model.named_buffers() if name.rpartition(".")[2] in SCALE_NAMES})
-    return sum(tensor_bytes(t) for t in tensors.values())
+    return round(sum(tensor_bytes(t) * share.get(key, 1.0) for key, t in tensors.items()))
+
+
+def experts_per_token(config) -> int | None:
+    """How many experts each token is routed to (``num_experts_per_tok``) in a
+    mixture-of-experts config; None for a dense one."""
+    k = getattr(config, "num_experts_per_tok", None)
+    return k if isinstance(k, int) and not isinstance(k, bool) and k > 0 else None
+
+
+def expected_experts(experts: int, per_token: int, tokens: int) -> float:
+    """Expected number of distinct experts ``tokens`` tokens reach when each is routed to
+    ``per_token`` of ``experts`` at random, uniformly and independently: an expert is missed by
+    one token with probability 1 - k/E, by all of them with (1 - k/E)^B, so E * (1 - (1 - k/E)^B)
+    (k at B = 1, towards E as B grows)."""
+    if not 0 < per_token <= experts or tokens < 0:
+        raise ValueError(f"expected_experts: {per_token} of {experts} experts for {tokens} tokens")
+    return experts * (1 - (1 - per_token / experts) ** tokens)
+
+
+def uniform_experts_read(config, tokens: int) -> ExpertsRead:
+    """``experts_read`` of :func:`decode_weight_bytes` for a forward of ``tokens`` tokens under
+    uniform routing (:func:`expected_experts`, per stacked-experts module); None (every weight
+    read) for a dense ``config``."""
+    k = experts_per_token(config)
+    return None if k is None else (lambda name, experts: expected_experts(experts, k, tokens))
+
+
+def floor_assumption(config, tokens: int) -> str:
+    """What the bytes of :func:`uniform_experts_read` assume, for a log or a CSV cell: "" for a
+    dense ``config`` (every weight read once), else the expected experts a layer reads."""
+    k = experts_per_token(config)
+    experts = next((e for e in (getattr(config, n, None) for n in ("num_local_experts", "num_experts"))
+                    if isinstance(e, int) and not isinstance(e, bool) and e > 0), None)
+    if k is None or experts is None:
+        return ""
+    return (f"uniform routing: {expected_experts(experts, k, tokens):.2f} of {experts} experts per layer read "
+            f"for {tokens} tokens, E*(1-(1-k/E)^B) with k={k}")
 
 
 @dataclass(frozen=True)

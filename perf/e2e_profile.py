@@ -34,7 +34,7 @@ import torch
 import hybridgemm
 from hybridgemm.perf import csvio
 from hybridgemm.perf import e2e_models as hf
-from hybridgemm.perf.bench_e2e import WARMUP, Run, decoder, hbm_floor_ms, positive_int
+from hybridgemm.perf.bench_e2e import WARMUP, Run, decoder, hbm_floor_ms, positive_int, step_bytes
 from hybridgemm.perf.bench_msweep import git_commit
 
 MODES = ("compiled_static", "eager_static")
@@ -151,7 +151,6 @@ def main(argv=None) -> int:
     stock = hf.build_model(config, torch.bfloat16, "cuda")
     patched = copy.deepcopy(stock)
     print(hybridgemm.patch(patched).summary())
-    floor = hbm_floor_ms(hf.decode_weight_bytes(stock))
     run = Run(args.model, config, torch.device("cuda"), tokens=args.steps, rounds=1)
     command = "python -m hybridgemm.perf.e2e_profile " + " ".join(sys.argv[1:] if argv is None else argv)
     extra = {"date": datetime.date.today().isoformat(), "commit": git_commit(), "command": command}
@@ -165,7 +164,7 @@ def main(argv=None) -> int:
                     times = profile_variant(run, model, mode, batch, args.steps)
                     rows += rows_for(args, mode, batch, variant, times, args.steps)
                 print(f"\n## {args.model}, {args.layers} layers, {mode}, batch {batch}")
-                print(summary(rows, floor, args.layers))
+                print(summary(rows, hbm_floor_ms(step_bytes(run, stock, batch)), args.layers))
                 for v in ("stock", "hybridgemm"):
                     top = [r for r in rows if r["variant"] == v][:12]
                     print(f"-- {v}: top kernels (µs/token, calls/token, group)")

@@ -61,7 +61,9 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
 
 
 def model_names() -> list[str]:
-    return [*hf.model_names(), "tiny"]
+    """The dense models (torch's plan and ``parallelize`` split gate/up/down; a mixture of
+    experts' experts would stay whole on every rank), and ``tiny``."""
+    return [*hf.dense_model_names(), "tiny"]
 
 
 def model_config(name: str, layers: int | None = None):

@@ -175,7 +175,12 @@ def _cmd_autotune(args) -> int:
             return 2
     shapes = []
     for name in args.model or []:
-        shapes += _preset_shapes(get_preset(name), args.tp, args.mlp)
+        preset = get_preset(name)
+        if preset.moe and (args.mlp or args.tp is not None):
+            print(f"hybridgemm autotune: {preset.name} is a mixture of experts ({preset.experts} experts, "
+                  f"{preset.experts_per_token} per token) whose experts run in the grouped MoE kernels, not as "
+                  "dispatched GEMMs: no MLP shapes are tuned for it, only its LM head's", file=sys.stderr)
+        shapes += _preset_shapes(preset, args.tp, args.mlp)
     for path in args.hf_config or []:
         try:
             shapes += _hf_config_shapes(path, args.tp, args.mlp)
@@ -635,7 +640,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "and o shapes its fields give); repeatable")
     p.add_argument("--mlp", action="store_true",
                    help="also tune the MLP's gate/up and down and the LM head of --model / --hf-config, the "
-                   "GEMMs hybridgemm.patch runs through the dispatcher (where the model's sizes are known)")
+                   "GEMMs hybridgemm.patch runs through the dispatcher (where the model's sizes are known; a "
+                   "mixture-of-experts model's experts are not such GEMMs: its LM head only)")
     p.add_argument("--tp", type=int, metavar="N",
                    help="tensor-parallel degree: tune the shapes each of N ranks runs after "
                    "hybridgemm.parallel.parallelize (q/kv/qkv/o with the rank's heads; the MLP's gate/up and "

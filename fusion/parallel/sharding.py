@@ -72,7 +72,9 @@ def rank_projections(preset: ModelPreset, tp: int) -> tuple[ProjectionShape, ...
     table does not choose, below), the row-parallel ``down`` (k = intermediate / tp;
     ``down_nobias`` as for o), and the vocab-parallel ``lm_head`` (n = the rank's rows,
     :func:`tp_vocab_rows`; the whole vocabulary when the head is tied to the embedding,
-    which stays replicated). ``tp=1`` gives the unsharded shapes of all of them.
+    which stays replicated). A mixture-of-experts preset has no dense MLP (``intermediate`` is
+    None): its experts run in the grouped MoE kernels, not as dispatched GEMMs, and
+    ``parallelize`` leaves them whole. ``tp=1`` gives the unsharded shapes of all of them.
     ``ValueError`` naming the preset when the model cannot be split ``tp`` ways.
     """
     try:

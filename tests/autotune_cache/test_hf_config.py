@@ -472,3 +472,41 @@ def test_cli_hf_config_transformers_cannot_build_falls_back_to_the_fields(tmp_pa
     assert got == [("q", 4096, 4096, False), ("kv", 1024, 4096, False), ("qkv", 6144, 4096, False)]
     err = capsys.readouterr().err
     assert "is not one transformers" in err and "tuning the shapes the config's fields give" in err
+
+
+# --- mixtures of experts -------------------------------------------------------------------------
+
+QWEN3_30B_A3B = {  # trimmed from the published config.json; 2 layers instead of 48 (shapes do not depend on it)
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "decoder_sparse_step": 1, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 2,
+    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "vocab_size": 151936,
+}
+MIXTRAL_8X7B = {  # v0.1, 2 layers instead of 32
+    "architectures": ["MixtralForCausalLM"], "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+    "num_hidden_layers": 2, "num_key_value_heads": 8, "num_local_experts": 8, "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False, "vocab_size": 32000,
+}
+
+
+@pytest.mark.parametrize("name, cfg", [("qwen3-30b-a3b", QWEN3_30B_A3B), ("mixtral-8x7b", MIXTRAL_8X7B)])
+def test_cli_moe_preset_tunes_what_the_patched_model_runs(tmp_path, monkeypatch, capsys, name, cfg):
+    """A mixture-of-experts preset: its attention shapes; with --mlp (or --tp) only the LM head
+    beyond them, with a note on stderr (the experts run in the grouped kernels, not the table's
+    GEMMs). The model its published config builds, patched, runs those very GEMMs."""
+    attention = _tuned_shapes(monkeypatch, ["--model", name])
+    assert capsys.readouterr().err == ""
+    mlp = _tuned_shapes(monkeypatch, ["--model", name, "--mlp"])
+    err = capsys.readouterr().err
+    assert mlp == attention + [("lm_head", cfg["vocab_size"], cfg["hidden_size"], False)]
+    assert err.startswith(f"hybridgemm autotune: {name} is a mixture of experts") and "only its LM head" in err
+    assert len(err.strip().splitlines()) == 1
+    _tuned_shapes(monkeypatch, ["--model", name, "--tp", "2"])
+    assert f"{name} is a mixture of experts" in capsys.readouterr().err
+    pytest_transformers("transformers")
+    built = _tuned_shapes(monkeypatch, ["--hf-config", str(write(tmp_path, cfg)), "--mlp"])
+    assert [role for role, *_ in built] == ["qkv", "o", "lm_head"]  # the experts and routers run no table GEMM
+    assert {tuple(s[1:]) for s in built} <= {tuple(s[1:]) for s in mlp}  # the preset's (o may be q's shape)

@@ -81,3 +81,42 @@ def test_llama3_70b_has_its_whole_model_figures():
     p = get_preset("llama3-70b")
     assert (p.hidden, p.heads, p.kv_heads, p.head_dim) == (8192, 64, 8, 128)
     assert (p.intermediate, p.vocab, p.layers, p.tied_lm_head) == (28672, 128256, 80, False)
+
+
+# --- mixtures of experts ---------------------------------------------------------------------
+
+def test_qwen3_30b_a3b_attention_is_wider_than_its_hidden_size():
+    # Qwen3-30B-A3B config: hidden 2048, 32 heads and 4 KV heads of 128 -> q 4096, kv 512, qkv 5120
+    assert shapes("qwen3-30b-a3b") == {
+        "q": (4096, 2048, False), "kv": (512, 2048, False),
+        "qkv": (5120, 2048, False), "o": (2048, 4096, False),
+    }
+    assert shapes("mixtral-8x7b") == shapes("llama3-8b")  # Mixtral's attention is Mistral's
+
+
+@pytest.mark.parametrize("name, figures", [
+    ("qwen3-30b-a3b", (128, 8, 768, 151936, 48)),
+    ("mixtral-8x7b", (8, 2, 14336, 32000, 32)),
+])
+def test_moe_presets_have_experts_and_no_dense_mlp(name, figures):
+    from hybridgemm.parallel.sharding import rank_projections
+
+    p = get_preset(name)
+    assert p.moe and (p.experts, p.experts_per_token, p.expert_intermediate, p.vocab, p.layers) == figures
+    assert p.intermediate is None and not p.tied_lm_head
+    # the experts are no dispatched GEMM: past attention, only the LM head is tuned or sharded
+    assert [s.name for s in rank_projections(p, 1)] == ["q", "kv", "qkv", "o", "lm_head"]
+    assert [s.name for s in rank_projections(p, 2)] == ["q", "kv", "qkv", "o", "lm_head"]
+    assert not get_preset("llama3-8b").moe
+
+
+def test_a_moe_preset_needs_consistent_expert_fields():
+    from hybridgemm.autotune_cache.presets import ModelPreset
+
+    base = dict(name="m", hidden=64, heads=4, kv_heads=2, head_dim=16, qkv_bias=False, o_bias=False)
+    for bad in (dict(experts=8, experts_per_token=9, expert_intermediate=32),
+                dict(experts=8, experts_per_token=2),
+                dict(experts=8, experts_per_token=2, expert_intermediate=32, intermediate=128)):
+        with pytest.raises(ValueError, match="mixture-of-experts preset"):
+            ModelPreset(**base, **bad)
+    assert ModelPreset(**base, experts=8, experts_per_token=2, expert_intermediate=32).moe

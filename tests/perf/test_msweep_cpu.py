@@ -87,10 +87,17 @@ def test_shapes_shared_by_presets_are_one_row_set_with_every_name():
     assert shapes[0].label == "4096 x 4096 — llama3-8b, mistral-7b"
 
 
+def by_key_models(shapes, key) -> tuple[str, ...]:
+    return next(s.models for s in shapes if (s.n, s.k, s.bias) == key)
+
+
 def test_all_presets_deduplicated_bias_kept_apart():
     shapes = MS.sweep_shapes()
     keys = [(s.n, s.k, s.bias) for s in shapes]
-    assert len(keys) == len(set(keys)) == 12
+    assert len(keys) == len(set(keys)) == 16
+    # qwen3-30b-a3b's attention (32 heads of 128 over 2048) is a shape set of its own; mixtral's is llama3-8b's
+    assert by_key_models(shapes, (5120, 2048, False)) == ("qwen3-30b-a3b",)
+    assert by_key_models(shapes, (6144, 4096, False)) == ("llama3-8b", "mistral-7b", "qwen3-8b", "mixtral-8x7b")
     by_key = {(s.n, s.k, s.bias): s for s in shapes}
     assert by_key[(768, 768, True)].models == ("bert-base", "gpt2")
     assert by_key[(768, 768, True)].projections == ("q", "kv", "o")
