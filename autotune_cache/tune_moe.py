@@ -118,11 +118,43 @@ def _routing(m: int, experts: int, top_k: int, device) -> tuple[torch.Tensor, to
     return ids, weights / weights.sum(dim=-1, keepdim=True)
 
 
+def moe_keys(experts: int, top_k: int, intermediate: int, hidden: int, activation: str = "silu",
+             dtype: torch.dtype = torch.bfloat16, m_max: int = MOE_M_MAX) -> list[TableKey]:
+    """The octave ranges up to ``m_max`` (at most ``MOE_M_MAX``) of one MoE shape."""
+    keys, lo = [], 1
+    while lo <= min(m_max, MOE_M_MAX):
+        lo, hi = octave(lo)
+        keys.append(moe_key(experts, top_k, activation, dtype, intermediate, hidden, lo, hi))
+        lo = hi + 1
+    return keys
+
+
+def tune_into(table, path, experts: int, top_k: int, intermediate: int, hidden: int, activation: str = "silu",
+              dtype: torch.dtype = torch.bfloat16, m_max: int = MOE_M_MAX, force: bool = False,
+              log: Callable[[str], None] = print) -> int:
+    """Tune the ranges of one MoE shape that ``table`` does not hold (all with ``force``) into
+    it, saving it to ``path`` after each range (an interrupted run keeps what it tuned); a range
+    that runs out of GPU memory keeps no entry (the default configs serve it). Returns the
+    ranges tuned."""
+    keys = [k for k in moe_keys(experts, top_k, intermediate, hidden, activation, dtype, m_max)
+            if force or table.lookup(k) is None]
+    if keys:
+        table.save(path)  # an unwritable path fails now, not after the first range
+    done = 0
+    for key, entry in tune_moe(experts, top_k, intermediate, hidden, activation, dtype, keys, log):
+        if entry is not None:
+            table.set(key, entry)
+            table.save(path)
+            done += 1
+    return done
+
+
 def tune_moe(experts: int, top_k: int, intermediate: int, hidden: int, activation: str = "silu",
-             dtype: torch.dtype = torch.bfloat16, m_max: int = MOE_M_MAX,
-             log: Callable[[str], None] = lambda s: None) -> dict[TableKey, dict]:
-    """Entries for every octave range up to ``m_max`` of one MoE shape (module docstring)."""
-    tm = triton_module("triton_moe")
+             dtype: torch.dtype = torch.bfloat16, keys: list[TableKey] | None = None,
+             log: Callable[[str], None] = lambda s: None):
+    """``(key, entry)`` for each of ``keys`` (default: :func:`moe_keys`) of one MoE shape, as
+    each range is tuned (module docstring); ``entry`` None where the GPU ran out of memory."""
+    keys = moe_keys(experts, top_k, intermediate, hidden, activation, dtype) if keys is None else keys
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     w_gu = (torch.randn(experts, 2 * intermediate, hidden, device=dev, generator=g) * 0.02).to(dtype)
@@ -131,63 +163,69 @@ def tune_moe(experts: int, top_k: int, intermediate: int, hidden: int, activatio
     copies = max(2, min(rotation_copies(min(experts, top_k) * per_expert_bytes, dev),
                         MOST_WEIGHT_COPY_BYTES // (experts * per_expert_bytes)))
     weights = [(w_gu, w_d)] + [(w_gu.clone(), w_d.clone()) for _ in range(copies - 1)]
-    entries = {}
-    top, lo = min(m_max, MOE_M_MAX), 1
-    while lo <= top:
-        lo, hi = octave(lo)
-        key = moe_key(experts, top_k, activation, dtype, intermediate, hidden, lo, hi)
-        points = sample_points(lo, hi)
-        inputs = {}
-        for m in points:
-            x = torch.randn(m, hidden, device=dev, generator=g).to(dtype)
-            inputs[m] = (x, *_routing(m, experts, top_k, dev))
-
-        def baseline(m, inputs=inputs):
-            x, ids, rw = inputs[m]
-            return lambda i: grouped_mm_moe(x, ids, rw, *weights[i], activation)
-
-        def ours(m, up, down, inputs=inputs):
-            x, ids, rw = inputs[m]
-            return lambda i: tm.forward(x, ids, rw, *weights[i], activation, up, down)
-
-        cands = candidates(hi * top_k, experts)
-        screen = []
-        for up, down in cands:
-            try:
-                t = gpu_time_rotating([ours(hi, up, down)], copies, replays=SCREEN_REPLAYS)[0]
-                screen.append((t.median_us, up, down))
-            except Exception as exc:  # noqa: BLE001 (a config that does not compile or fit: not a candidate)
-                log(f"{key.to_string()}: {up} / {down} left out ({type(exc).__name__}: {str(exc)[:100]})")
-        screen.sort(key=lambda r: r[0])
-        finalists = screen[:tuner.finalist_count([screen[0][0] / r[0] for r in screen])]
-        per_point = {m: [] for m in points}
-        for m in points:
-            rounds: list = []
-            gpu_time_rotating([baseline(m)] + [ours(m, u, d) for _, u, d in finalists], copies,
-                              replays=FINAL_REPLAYS, rounds=rounds)
-            per_point[m] = ([tuner.ratios_of(rounds, j + 1) for j in range(len(finalists))],
-                            [sorted(r[j] for r in rounds)[len(rounds) // 2] for j in range(len(finalists) + 1)])
-        scores = [min(per_point[m][0][j] for m in points) for j in range(len(finalists))]
-        rows = [(1.0, tuner.TORCH_RANK)] + [(s, (0, j)) for j, s in enumerate(scores)]
-        won = tuner.pick_winner(rows)
-        base_us = per_point[hi][1][0]
-        cand_rows = [{"backend": BACKEND, "config": record_of(u, d), "median_us": per_point[hi][1][j + 1],
-                      "spread_us": 0.0, "worst_ratio": s} for j, ((_, u, d), s) in enumerate(zip(finalists, scores))]
-        if won == 0:
-            entry = make_entry("torch", {}, m_points=points, ratios=[1.0] * len(points), median_us=base_us,
-                               spread_us=0.0, candidates=cand_rows, flinear_us=base_us)
-        else:
-            j = won - 1
-            _, up, down = finalists[j]
-            entry = make_entry(BACKEND, record_of(up, down), m_points=points,
-                               ratios=[per_point[m][0][j] for m in points], median_us=per_point[hi][1][won],
-                               spread_us=0.0, candidates=cand_rows, flinear_us=base_us)
-        entries[key] = entry
-        log(f"{key.to_string()}: {entry['backend']} {entry['config']} worst {entry['worst_ratio']:.3f}x the "
-            f"grouped baseline ({entry['median_us']:.1f} vs {base_us:.1f} µs at M={hi})")
-        lo = hi + 1
-    return entries
+    for key in keys:
+        try:
+            entry = _tune_range(key, experts, top_k, hidden, activation, dtype, weights, copies, g, log)
+        except torch.OutOfMemoryError as exc:
+            log(f"{key.to_string()}: out of GPU memory ({str(exc).splitlines()[0] if str(exc) else ''}); no entry")
+            entry = None
+        yield key, entry
 
 
-__all__ = ["BACKEND", "MOE_M_MAX", "candidates", "configs_of", "moe_key", "moe_op", "parse_moe_op", "record_of",
-           "tune_moe"]
+def _tune_range(key, experts, top_k, hidden, activation, dtype, weights, copies, g, log) -> dict:
+    tm = triton_module("triton_moe")
+    dev = weights[0][0].device
+    lo, hi = key.m_lo, key.m_hi
+    points = sample_points(lo, hi)
+    inputs = {}
+    for m in points:
+        x = torch.randn(m, hidden, device=dev, generator=g).to(dtype)
+        inputs[m] = (x, *_routing(m, experts, top_k, dev))
+
+    def baseline(m, inputs=inputs):
+        x, ids, rw = inputs[m]
+        return lambda i: grouped_mm_moe(x, ids, rw, *weights[i], activation)
+
+    def ours(m, up, down, inputs=inputs):
+        x, ids, rw = inputs[m]
+        return lambda i: tm.forward(x, ids, rw, *weights[i], activation, up, down)
+
+    cands = candidates(hi * top_k, experts)
+    screen = []
+    for up, down in cands:
+        try:
+            t = gpu_time_rotating([ours(hi, up, down)], copies, replays=SCREEN_REPLAYS)[0]
+            screen.append((t.median_us, up, down))
+        except Exception as exc:  # noqa: BLE001 (a config that does not compile or fit: not a candidate)
+            log(f"{key.to_string()}: {up} / {down} left out ({type(exc).__name__}: {str(exc)[:100]})")
+    screen.sort(key=lambda r: r[0])
+    finalists = screen[:tuner.finalist_count([screen[0][0] / r[0] for r in screen])] if screen else []
+    per_point = {m: [] for m in points}
+    for m in points:
+        rounds: list = []
+        gpu_time_rotating([baseline(m)] + [ours(m, u, d) for _, u, d in finalists], copies,
+                          replays=FINAL_REPLAYS, rounds=rounds)
+        per_point[m] = ([tuner.ratios_of(rounds, j + 1) for j in range(len(finalists))],
+                        [sorted(r[j] for r in rounds)[len(rounds) // 2] for j in range(len(finalists) + 1)])
+    scores = [min(per_point[m][0][j] for m in points) for j in range(len(finalists))]
+    rows = [(1.0, tuner.TORCH_RANK)] + [(s, (0, j)) for j, s in enumerate(scores)]
+    won = tuner.pick_winner(rows)
+    base_us = per_point[hi][1][0]
+    cand_rows = [{"backend": BACKEND, "config": record_of(u, d), "median_us": per_point[hi][1][j + 1],
+                  "spread_us": 0.0, "worst_ratio": s} for j, ((_, u, d), s) in enumerate(zip(finalists, scores))]
+    if won == 0:
+        entry = make_entry("torch", {}, m_points=points, ratios=[1.0] * len(points), median_us=base_us,
+                           spread_us=0.0, candidates=cand_rows, flinear_us=base_us)
+    else:
+        j = won - 1
+        _, up, down = finalists[j]
+        entry = make_entry(BACKEND, record_of(up, down), m_points=points,
+                           ratios=[per_point[m][0][j] for m in points], median_us=per_point[hi][1][won],
+                           spread_us=0.0, candidates=cand_rows, flinear_us=base_us)
+    log(f"{key.to_string()}: {entry['backend']} {entry['config']} worst {entry['worst_ratio']:.3f}x the "
+        f"grouped baseline ({entry['median_us']:.1f} vs {base_us:.1f} µs at M={hi})")
+    return entry
+
+
+__all__ = ["BACKEND", "MOE_M_MAX", "candidates", "configs_of", "moe_key", "moe_keys", "moe_op", "parse_moe_op",
+           "record_of", "tune_into", "tune_moe"]

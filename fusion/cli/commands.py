@@ -21,12 +21,13 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from hybridgemm import explain
-from hybridgemm.autotune_cache import signature, tune_table
+from hybridgemm.autotune_cache import signature, tune_moe, tune_table
 from hybridgemm.autotune_cache.keys import M_MAX, ShapeKey, TableError
 from hybridgemm.autotune_cache.presets import PRESETS, get_preset, parse_shape, preset_from_hf_config, show_path
 from hybridgemm.autotune_cache.table import (
@@ -188,8 +189,19 @@ def _cmd_autotune(args) -> int:
             print(f"hybridgemm autotune: {e}", file=sys.stderr)
             return 2
     shapes += [parse_shape(s) for s in args.shape or []]
-    if not shapes:
-        print("hybridgemm autotune: give --model NAME, --hf-config PATH or --shape N,K", file=sys.stderr)
+    moe_presets = [get_preset(name) for name in args.moe or []]
+    dense = [p.name for p in moe_presets if not p.moe]
+    if dense:
+        print(f"hybridgemm autotune: --moe takes mixture-of-experts presets "
+              f"({', '.join(n for n, p in PRESETS.items() if p.moe)}); "
+              f"{', '.join(dense)} has no experts", file=sys.stderr)
+        return 2
+    if not shapes and not moe_presets:
+        print("hybridgemm autotune: give --model NAME, --hf-config PATH, --shape N,K or --moe NAME", file=sys.stderr)
+        return 2
+    if moe_presets and (args.check or args.granularity or args.m):
+        print("hybridgemm autotune: --moe tunes every M range of the experts in bf16 (no --check, --m or FP8 "
+              "weights)", file=sys.stderr)
         return 2
 
     bad = [m for m in args.m or [] if not 1 <= m <= M_MAX]
@@ -203,6 +215,10 @@ def _cmd_autotune(args) -> int:
     if not _need_gpu("autotune"):
         return 2
 
+    if moe_presets:
+        rc = _tune_moe_presets(moe_presets, args)
+        if rc or not shapes:
+            return rc
     seen, unique = set(), []
     for s in shapes:  # presets share shapes (e.g. q and o): tune each (N, K, bias) once
         if (s.n, s.k, s.bias) not in seen:
@@ -228,6 +244,20 @@ def _cmd_autotune(args) -> int:
                               exhaustive=args.exhaustive, split_depth=args.split_depth)
     _print_summary(results)
     return 0 if all(r.skipped or r.winner for r in results) else 1
+
+
+def _tune_moe_presets(presets, args) -> int:
+    """The grouped MoE kernels' entries of each preset's experts (autotune_cache/tune_moe.py)."""
+    path = _table_path(args.out)
+    table = TuningTable.load(path, signature=signature.current_signature())
+    for p in presets:
+        print(f"tuning the {p.name} experts ({p.experts} of {p.expert_intermediate} x {p.hidden}, top-"
+              f"{p.experts_per_token}) at M 1..{tune_moe.MOE_M_MAX} into {path}")
+        t0 = time.time()
+        done = tune_moe.tune_into(table, path, p.experts, p.experts_per_token, p.expert_intermediate, p.hidden,
+                                  force=args.force, log=print)
+        print(f"tuned {done} ranges of {p.name}'s experts in {time.time() - t0:.1f} s")
+    return 0
 
 
 EPILOGUE_EXAMPLES = "none, bias, relu, bias+relu, gelu_tanh, bias+gelu_tanh, gelu, bias+gelu"
@@ -633,6 +663,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("autotune", help="time every backend's candidates per shape and M range; fill the table")
     p.add_argument("--model", action="append", help="model preset (repeatable): bert-base, gpt2, llama3-8b, ...")
     p.add_argument("--shape", action="append", help="explicit N,K projection shape (repeatable)")
+    p.add_argument("--moe", action="append", metavar="NAME",
+                   help="a mixture-of-experts preset (repeatable): tune the grouped MoE kernels' configs for its "
+                   "experts at every M range against the grouped torch._grouped_mm baseline")
     p.add_argument("--hf-config", action="append", metavar="PATH",
                    help="a Hugging Face config.json, or a local model directory holding one: tune the "
                    "attention GEMMs hybridgemm.patch runs on the model it configures (built by transformers "

@@ -66,8 +66,9 @@ class _FakeCudaX:
 
 
 def _entry(backend, config, lo=5, hi=8):
-    return make_entry(backend, config, m_points=[lo, hi], ratios=[3.0, 2.5], median_us=10.0, spread_us=0.1,
-                      flinear_us=28.0)
+    points = sorted({lo, hi})
+    return make_entry(backend, config, m_points=points, ratios=[3.0, 2.5][:len(points)], median_us=10.0,
+                      spread_us=0.1, flinear_us=28.0)
 
 
 def test_decisions_follow_the_table(moe_table, monkeypatch):
@@ -124,3 +125,34 @@ def test_explain_moe_without_a_gpu_and_bad_arguments(monkeypatch):
         experts.explain_moe(1, (8, 1535, 2048), 2)
     with pytest.raises(ValueError, match="activation"):
         experts.explain_moe(1, (8, 1536, 2048), 2, activation="tanh")
+
+
+def test_tune_into_saves_each_range_and_skips_what_the_table_holds(tmp_path, monkeypatch):
+    """Each tuned range is in the file as soon as it is tuned; a second run without --force
+    tunes nothing; a range out of GPU memory keeps no entry."""
+    path = tmp_path / "t.json"
+    seen = []
+
+    def fake_tune(experts_, top_k, i, h, activation, dtype, keys, log):
+        for key in keys:
+            seen.append(key)
+            if key.m_lo == 3:
+                yield key, None  # out of memory
+                continue
+            on_disk = TuningTable.load(path, signature=dict(SIG)) if path.exists() else None
+            assert on_disk is not None and all(k in on_disk for k in seen[:-1] if k.m_lo != 3)
+            yield key, _entry("triton_moe", tune_moe.record_of(*tm.default_configs(key.m_hi * top_k, experts_)),
+                              key.m_lo, key.m_hi)
+
+    from tuning_tables import SIG
+
+    monkeypatch.setattr(tune_moe, "tune_moe", fake_tune)
+    table = TuningTable(dict(SIG))
+    done = tune_moe.tune_into(table, path, 8, 2, 64, 32, m_max=8, log=lambda s: None)
+    keys = tune_moe.moe_keys(8, 2, 64, 32, m_max=8)
+    assert done == 3 and [(k.m_lo, k.m_hi) for k in keys] == [(1, 1), (2, 2), (3, 4), (5, 8)]
+    saved = TuningTable.load(path, signature=dict(SIG))
+    assert [k for k in keys if k in saved] == [keys[0], keys[1], keys[3]]
+    seen.clear()
+    assert tune_moe.tune_into(saved, path, 8, 2, 64, 32, m_max=8, log=lambda s: None) == 0
+    assert seen == [keys[2]]  # only the range without an entry

@@ -83,6 +83,9 @@ CASES = [  # (argv, text the line must hold: the bad value)
     (["autotune", "--model", "llama3-8b", "--weights", "fp8", "--granularity", "block64"], "'block64'"),
     (["autotune", "--model", "llama3-8b", "--granularity", "block128"], "--granularity: only with --weights fp8"),
     (["autotune", "--model", "llama3-8b", "--weights", "fp8", "--dtype", "bf16", "fp32"], "not fp32"),
+    (["autotune", "--moe", "llama3-8b"], "llama3-8b has no experts"),
+    (["autotune", "--moe", "qwen3-30b-a3b", "--m", "4"], "--moe tunes every M range"),
+    (["autotune", "--moe", "bogus"], "'bogus'"),
     (["explain", "--x", "16,4096", "--w", "6144"], "'6144'"),
     (["explain", "--x", "16,4000", "--w", "6144,4096"], "4000"),
     (["explain", *EXPLAIN[1:], "--dtype", "fp8"], "'fp8'"),
@@ -123,6 +126,8 @@ def test_good_options_still_reach_the_gpu_check(tmp_path, capsys):
     rc, _, err = _run(["autotune", "--model", "llama3-8b", "--weights", "fp8", "--granularity", "block128"], capsys)
     assert rc == 2 and "needs a CUDA GPU" in _one_line(err)
     rc, _, err = _run(["bench", "--model", "qwen2.5-7b", "--out", str(tmp_path / "b.csv")], capsys)
+    assert rc == 2 and "needs a CUDA GPU" in _one_line(err)
+    rc, _, err = _run(["autotune", "--moe", "qwen3-30b-a3b", "--moe", "mixtral-8x7b"], capsys)
     assert rc == 2 and "needs a CUDA GPU" in _one_line(err)
 
 

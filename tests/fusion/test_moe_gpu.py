@@ -126,7 +126,7 @@ def test_the_moe_tuner_fills_entries_that_moe_then_runs(cuda, monkeypatch):
     from hybridgemm.autotune_cache.table import TuningTable
     from hybridgemm.kernels.grouped_mm_moe import grouped_mm_moe
 
-    entries = tune_moe.tune_moe(16, 2, 256, 512, m_max=8)
+    entries = dict(tune_moe.tune_moe(16, 2, 256, 512, keys=tune_moe.moe_keys(16, 2, 256, 512, m_max=8)))
     assert [(k.m_lo, k.m_hi) for k in entries] == [(1, 1), (2, 2), (3, 4), (5, 8)]
     table = TuningTable(None)
     for key, entry in entries.items():
