@@ -494,10 +494,8 @@ def fp32_logits(run: Run, stock, jobs: dict[str, torch.Tensor]) -> dict[str, tor
 
 def moe_skips(model, skipped: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """The entries of ``skipped`` (a patch report's) that a mixture-of-experts model leaves as
-    it is by design, beside experts that ``patch`` did patch (found by structure): a decoder
-    layer holding such a block (the fused decode step computes layers with a dense gated MLP
-    only; the layer runs its own forward over the patched parts) and the block's router (a
-    linear of one row per expert, run as the model computes it)."""
+    it is by design, beside experts that ``patch`` did patch (found by structure): the block's
+    router (a linear of one row per expert, run as the model computes it)."""
     modules = dict(model.named_modules())
 
     def patched_experts(block) -> int | None:
@@ -508,9 +506,6 @@ def moe_skips(model, skipped: list[tuple[str, str]]) -> list[tuple[str, str]]:
     for name, why in skipped:
         mod = modules.get(name)
         if mod is None:
-            continue
-        if any(patched_experts(child) for child in mod.children()):
-            out.append((name, why))
             continue
         experts = patched_experts(modules.get(name.rpartition(".")[0]))
         weight = mod._parameters.get("weight")
@@ -539,8 +534,8 @@ def _patched(run: Run, stock) -> tuple[torch.nn.Module | BaseException, list[str
         run.log(report.summary() + (f"; {len(report.fp8)} projections quantized ({run.granularity})" if fp8 else ""))
         if by_design:
             reasons = dict.fromkeys(r for _, r in by_design)
-            run.log(f"mixture of experts, the experts patched: {len(by_design)} decoder layers and routers left as "
-                    f"the model has them ({'; '.join(reasons)})")
+            run.log(f"mixture of experts, the experts patched: {len(by_design)} routers left as the model has them "
+                    f"({'; '.join(reasons)})")
         return patched, list(report.fp8)
     except Exception as e:  # noqa: BLE001 (the stock rows are still measured)
         run.log(f"patch failed: {type(e).__name__}: {e}")

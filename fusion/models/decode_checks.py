@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _torch_module
 
+from hybridgemm.experts import HybridExperts
 from hybridgemm.fp8_modules import FP8HybridLinear
 from hybridgemm.fused_rows import FusedLinears, FusedSlice, adapter_base
 from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES as _PLAIN
@@ -62,7 +63,7 @@ _FP8_ACTIVATIONS = (torch.bfloat16,)  # x of an FP8-weight layer (fusion/fp8_mod
 
 # The forwards the step computes, statement by statement (each top-level statement of the
 # body, unparsed, whitespace removed; a tuple: one of these forms): transformers 5.3-5.24's
-# Llama, Qwen2, Qwen3 and Mistral decoder layers and attentions. A forward with any other or
+# Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE and Mixtral decoder layers and attentions. A forward with any other or
 # any further statement is not fused (a subclass's extra line would otherwise be skipped).
 _ATTENTION_CALL = ("hidden_states,_=self.self_attn(hidden_states=hidden_states,attention_mask=attention_mask,"
                    "position_ids=")
@@ -73,7 +74,10 @@ _LAYER_BODY = (
      _ATTENTION_CALL + "position_ids,past_key_values=past_key_values,use_cache=use_cache,cache_position=cache_position,"
      "position_embeddings=position_embeddings,**kwargs)",
      _ATTENTION_CALL + "position_ids,past_key_values=past_key_values,use_cache=use_cache,"
-     "position_embeddings=position_embeddings,**kwargs)"),
+     "position_embeddings=position_embeddings,**kwargs)",
+     # Mixtral's: the same arguments in another order, no use_cache (its attention takes none)
+     "hidden_states,_=self.self_attn(hidden_states=hidden_states,position_embeddings=position_embeddings,"
+     "attention_mask=attention_mask,position_ids=position_ids,cache=cache,**kwargs)"),
     "hidden_states=residual+hidden_states",
     "residual=hidden_states",
     "hidden_states=self.post_attention_layernorm(hidden_states)",
@@ -424,6 +428,17 @@ _ATTENTION_SLOTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_SLOTS = ("gate_proj", "up_proj", "down_proj")
 
 
+# transformers' sparse MoE blocks whose forward is router, then experts, one tensor out (no
+# shared expert): the step calls the block itself after the post-attention norm
+MOE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock")
+
+
+def moe_block(mlp: nn.Module | None) -> bool:
+    """Is ``mlp`` a sparse MoE block whose experts patch swapped for :class:`HybridExperts`?"""
+    return (type(mlp).__name__ in MOE_BLOCKS and type(mlp).__module__.startswith("transformers")
+            and type(mlp._modules.get("experts")) is HybridExperts)
+
+
 def projection_base(mod: nn.Module | None) -> nn.Module | None:
     """The linear the step computes for a projection slot: what a LoRA layer wraps, else itself."""
     return adapter_base(mod) if adapter_terms.is_lora_linear(mod) else mod
@@ -431,14 +446,16 @@ def projection_base(mod: nn.Module | None) -> nn.Module | None:
 
 def _fused_parts(layer: nn.Module) -> list[nn.Module]:
     attn, mlp = layer.self_attn, layer.mlp
-    return [layer.input_layernorm, layer.post_attention_layernorm, attn._modules[QKV_NAME],
-            projection_base(attn.o_proj), mlp._modules[FUSED_GATE_UP], projection_base(mlp.down_proj)]
+    parts = [layer.input_layernorm, attn._modules[QKV_NAME], projection_base(attn.o_proj)]
+    if moe_block(mlp):  # the block and its norm run as modules
+        return parts
+    return [*parts, layer.post_attention_layernorm, mlp._modules[FUSED_GATE_UP], projection_base(mlp.down_proj)]
 
 
 def _adapters(layer: nn.Module) -> list[nn.Module]:
     """The LoRA layers over the layer's projections."""
     slots = [layer.self_attn._modules.get(n) for n in _ATTENTION_SLOTS]
-    slots += [layer.mlp._modules.get(n) for n in _MLP_SLOTS]
+    slots += [layer.mlp._modules.get(n) for n in _MLP_SLOTS]  # (None in a MoE block)
     return [m for m in slots if adapter_terms.is_lora_linear(m)]
 
 
@@ -464,9 +481,11 @@ def _parts_in_place(layer: nn.Module) -> bool:
     row-parallel O or down is not computed here."""
     attn, mlp = layer.self_attn._modules, layer.mlp._modules
     o, down = attn.get("o_proj"), mlp.get("down_proj")
-    return (all(_in_place(attn.get(n), _slice) for n in ("q_proj", "k_proj", "v_proj"))
-            and all(_in_place(mlp.get(n), _slice) for n in ("gate_proj", "up_proj"))
-            and (_fusable_projection(o) or _in_place(o, _own_projection))
+    attention = (all(_in_place(attn.get(n), _slice) for n in ("q_proj", "k_proj", "v_proj"))
+                 and (_fusable_projection(o) or _in_place(o, _own_projection)))
+    if moe_block(layer.mlp) and type(layer.post_attention_layernorm) is HybridRMSNorm:
+        return attention
+    return (attention and all(_in_place(mlp.get(n), _slice) for n in ("gate_proj", "up_proj"))
             and (_fusable_projection(down) or _in_place(down, _own_projection)))
 
 
@@ -477,8 +496,10 @@ def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
     slots = [*(attn._modules.get(n) for n in _ATTENTION_SLOTS), *(mlp._modules.get(n) for n in _MLP_SLOTS)]
     wrapped = [m for s in slots if adapter_terms.is_lora_linear(s)
                for m in (adapter_base(s), *s.lora_A.values(), *s.lora_B.values(), *s.lora_dropout.values())]
-    return [layer.input_layernorm, layer.post_attention_layernorm, attn, mlp, *slots, *wrapped,
-            *(attn._modules.get(n) for n in ("q_norm", "k_norm"))]
+    attention = [layer.input_layernorm, attn, *slots, *wrapped, *(attn._modules.get(n) for n in ("q_norm", "k_norm"))]
+    if moe_block(mlp):  # the step calls the MoE block and its norm as modules: their hooks run
+        return attention
+    return [*attention, layer.post_attention_layernorm, mlp]
 
 
 def takes_fused_path(layer: nn.Module, x) -> bool:
@@ -540,9 +561,11 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
     o_proj, down_proj = projection_base(attn._modules.get("o_proj")), projection_base(mlp._modules.get("down_proj"))
     if not _fusable_projection(o_proj):
         return f"its o_proj is a {type(o_proj).__name__}, not a patched or row-parallel nn.Linear"
-    if type(mlp) is not HybridGatedMLP or not isinstance(mlp._modules.get(FUSED_GATE_UP), FusedLinears):
-        return "its MLP's gate/up are not fused into one GEMM"
-    if not _fusable_projection(down_proj):
+    moe = moe_block(mlp)
+    if not moe and (type(mlp) is not HybridGatedMLP or not isinstance(mlp._modules.get(FUSED_GATE_UP), FusedLinears)):
+        return ("its MoE block's experts are not the patched grouped kernels" if type(mlp).__name__ in MOE_BLOCKS
+                else "its MLP's gate/up are not fused into one GEMM")
+    if not moe and not _fusable_projection(down_proj):
         return f"its down_proj is a {type(down_proj).__name__}, not a patched or row-parallel nn.Linear"
     if not all(type(n) is HybridRMSNorm for n in norms):
         return "its norms are not Llama-style RMSNorms"
@@ -560,6 +583,6 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
     return why_not_attention_form(type(attn))
 
 
-__all__ = ["DECODE_ROWS", "NOT_A_LAYER", "QKV_NAME", "STATIC_STEP", "AttentionForm", "attention_form", "hooked",
-           "kv_slot", "on_kernel_device", "projection_base", "source_text", "takes_fused_path",
+__all__ = ["DECODE_ROWS", "MOE_BLOCKS", "NOT_A_LAYER", "QKV_NAME", "STATIC_STEP", "AttentionForm", "attention_form",
+           "hooked", "kv_slot", "moe_block", "on_kernel_device", "projection_base", "source_text", "takes_fused_path",
            "why_not_fuse_attention", "why_not_fuse_layer"]

@@ -472,9 +472,13 @@ def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | Non
     """The whole decoder layer for a call ``decode_checks.takes_fused_path`` accepted:
     ``h = x + O(attention(norm1(x)))``, ``y = h + down(glu(gate_up(norm2(h))))`` (Granite:
     ``O(...)`` and ``down(...)`` times the layer's ``residual_multiplier``), with the terms of
-    the LoRA layers over its projections (fusion/models/adapter_terms.py)."""
+    the LoRA layers over its projections (fusion/models/adapter_terms.py). A mixture-of-experts
+    layer: ``y = h + moe_block(norm2(h))``, the block (its router, the grouped expert kernels)
+    and the norm called as the modules they are."""
     m = checks.residual_multiplier(layer)
     h = _slot_add(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), x, counters, m)
+    if checks.moe_block(layer.mlp):
+        return h + layer.mlp(layer.post_attention_layernorm(h))
     return _slot_add(layer.mlp.down_proj, _mlp_inner(layer.mlp, layer.post_attention_layernorm, h), h, counters, m)
 
 

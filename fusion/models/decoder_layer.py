@@ -5,10 +5,12 @@ the class's own forward everywhere else (prefill, training, fp16, CPU, hooks). P
 :func:`hybridgemm.patch` (``layers=True``).
 
 Recognised: transformers' ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``Qwen3DecoderLayer``,
-``MistralDecoderLayer`` and ``GraniteDecoderLayer`` (its ``residual_multiplier`` in the O and
-down epilogues) whose forwards are the ones the step computes (checked in their
-source when patched, so a release that changes them is left alone, with the reason in the
-report), with the parts :func:`hybridgemm.patch` fused: Q/K/V, gate/up, HybridRMSNorm norms.
+``MistralDecoderLayer``, ``GraniteDecoderLayer`` (its ``residual_multiplier`` in the O and
+down epilogues) and the mixture-of-experts ``Qwen3MoeDecoderLayer`` and ``MixtralDecoderLayer``
+(their sparse block called as a module, its experts the grouped kernels) whose forwards are the
+ones the step computes (checked in their source when patched, so a release that changes them
+is left alone, with the reason in the report), with the parts :func:`hybridgemm.patch` fused:
+Q/K/V, gate/up (or the experts), HybridRMSNorm norms.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from . import decode_checks, decode_step
 # Recognised layer classes and the transformers module of each (to rebuild the fused class
 # when a pickled model is loaded in a new process).
 LAYER_MODULES = {"LlamaDecoderLayer": "llama", "Qwen2DecoderLayer": "qwen2", "Qwen3DecoderLayer": "qwen3",
-                 "MistralDecoderLayer": "mistral", "GraniteDecoderLayer": "granite"}
+                 "MistralDecoderLayer": "mistral", "GraniteDecoderLayer": "granite",
+                 "Qwen3MoeDecoderLayer": "qwen3_moe", "MixtralDecoderLayer": "mixtral"}
 LAYER_CLASSES = tuple(LAYER_MODULES)
 # A fused layer's int32 buffer (not in the state dict) of split-K arrival counters for its
 # GEMMs, which run one after another and leave it zero: a compiled decode step then needs no

@@ -40,7 +40,8 @@ CONFIGS = {
                                      "head_dim": 16}),
 }
 
-SUPPORTED = "LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer, GraniteDecoderLayer"
+SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer, GraniteDecoderLayer, "
+             "Qwen3MoeDecoderLayer, MixtralDecoderLayer")
 
 
 def _layer(cls: str) -> str:
@@ -85,11 +86,10 @@ EXPECTED = {
                  ("gpt_neox.layers.0.post_attention_layernorm", _norm("LayerNorm"))],
     "falcon": [("transformer.h.0", _layer("FalconDecoderLayer")),
                ("transformer.h.0.input_layernorm", _norm("LayerNorm"))],
-    # the stacked experts run the grouped kernels (fusion/experts.py); the router is left
-    "mixtral": [(L, _layer("MixtralDecoderLayer")),
-                (f"{L}.mlp.gate", "linear not patched: MixtralTopKRouter is not a plain nn.Linear")],
-    "qwen3_moe": [(L, _layer("Qwen3MoeDecoderLayer")),
-                  (f"{L}.mlp.gate", "linear not patched: Qwen3MoeTopKRouter is not a plain nn.Linear")],
+    # the stacked experts run the grouped kernels (fusion/experts.py) inside the fused decode
+    # step; the router is left
+    "mixtral": [(f"{L}.mlp.gate", "linear not patched: MixtralTopKRouter is not a plain nn.Linear")],
+    "qwen3_moe": [(f"{L}.mlp.gate", "linear not patched: Qwen3MoeTopKRouter is not a plain nn.Linear")],
 }
 
 

@@ -1,0 +1,86 @@
+"""The fused decode step of mixture-of-experts decoder layers (CPU, Triton interpreter): tiny
+Qwen3-MoE and Mixtral models, patched, take the step in every layer (QKV with norm, rotary and
+cache write in one GEMM, the attention, O with the residual; then the sparse block, its
+experts the grouped kernels, called after the post-attention norm), and their static-cache
+decode gives stock's logits and cache; a hook on the MoE block still runs; experts that are
+not the patched kernels keep the layer's own forward, with the reason in the report."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hybridgemm
+from hybridgemm import experts
+from hybridgemm.experts import HybridExperts
+from hybridgemm.models import decode_checks as checks
+from hybridgemm.perf import e2e_models as hf
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+VOCAB = 97
+
+
+def _tiny(kind: str):
+    common = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, **common)
+    else:
+        cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=40, num_experts=8, num_experts_per_tok=2,
+                                          intermediate_size=80, head_dim=32, **common)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+def _decode(model, steps: int, tokens=None, batch: int = 2, prompt: int = 3):
+    api = hf.forward_api(model)
+    cache = hf.static_cache(model, batch, 16)
+    ids = torch.randint(0, VOCAB, (batch, prompt), generator=torch.Generator().manual_seed(3))
+    logits = [hf.cached_forward(model, api, ids, cache, torch.arange(prompt))[:, -1]]
+    fed = []
+    for i in range(steps):
+        tok = logits[-1].argmax(-1, keepdim=True) if tokens is None else tokens[i]
+        fed.append(tok)
+        logits.append(hf.cached_forward(model, api, tok, cache, torch.tensor([prompt + i]))[:, -1])
+    return logits, fed, cache
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_moe_layers_take_the_step_and_decode_as_stock(kind, kernels_on_cpu, monkeypatch):
+    monkeypatch.setattr(experts, "use_kernels", lambda x: True)
+    stock = _tiny(kind)
+    model = copy.deepcopy(stock)
+    report = hybridgemm.patch(model)
+    if checks.why_not_fuse_attention(model.model.layers[0].self_attn) is not None:
+        pytest.skip(f"no fused attention step with transformers {transformers.__version__}")
+    assert report.fused_layers == ["model.layers.0", "model.layers.1"] == report.fused_attention
+    assert all(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
+    assert [n for n, _ in report.skipped] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]  # routers
+    calls = []
+    model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: calls.append(out.shape))
+    with torch.no_grad():
+        ref, fed, ref_cache = _decode(stock, 2)
+        out, _, cache = _decode(model, 2, tokens=fed)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for got, want in zip(cache.layers, ref_cache.layers):
+        torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-4)
+    assert kernels_on_cpu["rope"] == 2 * 2  # both decode steps of both layers ran the fused QKV
+    assert len(calls) == 3  # the block's forward (and its hooks) ran in the prefill and both steps
+
+
+def test_experts_left_unpatched_keep_the_layers_own_forward():
+    model = _tiny("qwen3_moe")
+    report = hybridgemm.patch(model, mlp=False)
+    assert not report.fused_layers
+    assert any("experts are not the patched grouped kernels" in why for _, why in report.skipped), report.skipped
+    assert not any(type(m) is HybridExperts for m in model.modules())
