@@ -131,8 +131,10 @@ def run_like_the_dispatcher(backend: str, config, x, weight, bias, activation=No
 def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, device: str = "cuda",
                    kind: str = "llama"):
     """A small 2-layer Llama (``kind="qwen3"``: Qwen3, with its q/k norms; ``"granite"``: Granite,
-    with its multipliers) of 8 heads and 2 KV heads, random weights, seed 0, three ways: fp32
-    (the reference), bf16 stock, and bf16 patched by hybridgemm with both decoder layers fused."""
+    with its multipliers; ``"qwen3_moe"``/``"mixtral"``: those mixtures of 8 experts, 2 per
+    token, of a quarter of ``intermediate_size`` / of it) of 8 heads and 2 KV heads, random
+    weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16 patched by
+    hybridgemm with both decoder layers fused."""
     import copy
 
     import transformers
@@ -140,9 +142,12 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     import hybridgemm
 
     cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
-           "granite": transformers.GraniteConfig}[kind]
-    extra = dict(residual_multiplier=0.22, attention_multiplier=0.05, embedding_multiplier=12.0,
-                 logits_scaling=8.0) if kind == "granite" else {}
+           "granite": transformers.GraniteConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+           "mixtral": transformers.MixtralConfig}[kind]
+    extra = {"granite": dict(residual_multiplier=0.22, attention_multiplier=0.05, embedding_multiplier=12.0,
+                             logits_scaling=8.0),
+             "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4),
+             "mixtral": dict(num_local_experts=8, num_experts_per_tok=2)}.get(kind, {})
     config = cls(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
                  tie_word_embeddings=False, head_dim=hidden_size // 8, **extra)
