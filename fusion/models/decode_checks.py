@@ -77,7 +77,9 @@ _LAYER_BODY = (
      "position_embeddings=position_embeddings,**kwargs)",
      # Mixtral's: the same arguments in another order, no use_cache (its attention takes none)
      "hidden_states,_=self.self_attn(hidden_states=hidden_states,position_embeddings=position_embeddings,"
-     "attention_mask=attention_mask,position_ids=position_ids,cache=cache,**kwargs)"),
+     "attention_mask=attention_mask,position_ids=position_ids,cache=cache,**kwargs)",
+     "hidden_states,_=self.self_attn(hidden_states=hidden_states,position_embeddings=position_embeddings,"
+     "attention_mask=attention_mask,position_ids=position_ids,past_key_values=past_key_values,**kwargs)"),
     "hidden_states=residual+hidden_states",
     "residual=hidden_states",
     "hidden_states=self.post_attention_layernorm(hidden_states)",
