@@ -11,7 +11,7 @@ import importlib
 
 from hybridgemm.attention import AttentionProjection, HybridMultiheadAttention, attention_projection
 from hybridgemm.decide import reload_tables, set_table_path
-from hybridgemm.experts import moe, route
+from hybridgemm.experts import explain_moe, moe, route
 from hybridgemm.explain import explain  # the function; the module is sys.modules['hybridgemm.explain']
 from hybridgemm.fp8_linear import FP8Linear
 from hybridgemm.kernels.checks import LinearArgumentError
@@ -40,6 +40,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "Activation", "AttentionProjection", "Epilogue", "FP8FormatError", "FP8Linear", "FP8Weight", "HybridLinear",
     "HybridMultiheadAttention", "LinearArgumentError", "ParallelReport", "PatchReport", "__version__",
-    "attention_projection", "explain", "gated_linear", "get_mode", "linear", "load_full_state_dict", "mode",
-    "moe", "parallelize", "patch", "quantize_fp8", "reload_tables", "route", "set_mode", "set_table_path", "unpatch",
+    "attention_projection", "explain", "explain_moe", "gated_linear", "get_mode", "linear", "load_full_state_dict",
+    "mode", "moe", "parallelize", "patch", "quantize_fp8", "reload_tables", "route", "set_mode", "set_table_path",
+    "unpatch",
 ]

@@ -320,8 +320,12 @@ def _tp_of(variant: str) -> str:
     return m.group(1) if m else "?"
 
 
-MOE_STYLES = {"transformers_eager": {"color": "0.6", "marker": "v"},
-              "transformers_grouped_mm": {"color": "0.25", "marker": "s"}, "hybridgemm": {"color": "C3", "marker": "o"}}
+MOE_STYLES = {"transformers_grouped_mm (CUDA graph)": {"color": "0.25", "marker": "s"},
+              "transformers_grouped_mm (eager, events)": {"color": "0.55", "marker": "D"},
+              "transformers_eager (eager, events)": {"color": "0.75", "marker": "v"},
+              "hybridgemm (CUDA graph)": {"color": "C3", "marker": "o"},
+              "hybridgemm (eager, events)": {"color": "C1", "marker": "^"}}
+_MOE_METHODS = {"graph": "CUDA graph", "events": "eager, events"}  # bench_moe's methods, as labelled
 
 
 def is_moe_csv(path) -> bool:
@@ -341,18 +345,18 @@ def plot_moe(csv_path, out_dir, name: str = "moe.png") -> Path:
         raise ValueError(f"{csv_path}: no rows with a time (not a bench_moe CSV?)")
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, body, footer, axes = figure(len(shapes), panel_w=5.5, panel_h=3.8)
-    providers = [p for p in MOE_STYLES if any(r["provider"] == p for r in rows)]
-    styles = series_styles(providers + sorted({r["provider"] for r in rows} - set(providers)), MOE_STYLES)
+
+    def series(r) -> str:
+        return f"{r['provider']} ({_MOE_METHODS.get(r['method'], r['method'])})"
+
+    labels = list(dict.fromkeys(series(r) for r in rows))
+    styles = series_styles([s for s in MOE_STYLES if s in labels] + sorted(set(labels) - set(MOE_STYLES)), MOE_STYLES)
     for ax, shape in zip(axes, shapes):
         srows = [r for r in rows if r["shape"] == shape]
-        for prov in dict.fromkeys(r["provider"] for r in srows):
-            for method, ls in (("graph", "-"), ("events", "--")):
-                pts = sorted((to_int(r["M"]), to_float(r["median_us"])) for r in srows
-                             if r["provider"] == prov and r["method"] == method)
-                if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, ms=4, lw=1.4,
-                            label=f"{prov} ({'CUDA graph' if method == 'graph' else 'eager, events'})",
-                            **styles[prov])
+        for label in dict.fromkeys(series(r) for r in srows):
+            pts = sorted((to_int(r["M"]), to_float(r["median_us"])) for r in srows if series(r) == label)
+            ls = "--" if label.endswith(f"({_MOE_METHODS['events']})") else "-"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, ms=4, lw=1.4, label=label, **styles[label])
         floor = sorted({(to_int(r["M"]), to_float(r["floor_us"])) for r in srows})
         ax.plot([p[0] for p in floor], [p[1] for p in floor], color="k", lw=0.8, ls=":",
                 label="HBM floor (experts hit)")

@@ -206,3 +206,21 @@ def dequantized_copy(stock, patched):
                 target = ref.get_submodule(name).weight
                 target.data.copy_(w.to(target.dtype))
     return ref
+
+
+def greedy_static_decode(model, steps: int, vocab: int, tokens=None, batch: int = 2, prompt: int = 3):
+    """Greedy decode over a StaticCache on the model's device (the CPU tests'): ``(logits per
+    step, tokens fed, cache)``; ``tokens``: feed these instead of the argmax (to replay another
+    model's choices)."""
+    from hybridgemm.perf import e2e_models as hf
+
+    api = hf.forward_api(model)
+    cache = hf.static_cache(model, batch, 16)
+    ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(3))
+    logits = [hf.cached_forward(model, api, ids, cache, torch.arange(prompt))[:, -1]]
+    fed = []
+    for i in range(steps):
+        tok = logits[-1].argmax(-1, keepdim=True) if tokens is None else tokens[i]
+        fed.append(tok)
+        logits.append(hf.cached_forward(model, api, tok, cache, torch.tensor([prompt + i]))[:, -1])
+    return logits, fed, cache

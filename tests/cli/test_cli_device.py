@@ -258,7 +258,9 @@ def test_explain_device_from_the_real_shipped_table(capsys, monkeypatch):
     path = T.shipped_table_for_device("h200")
     assert path is not None and path.parent == L.shipped_table_dir()
     table = TuningTable.load(path, strict=True)
-    entries = sorted(table.entries.items(), key=lambda item: item[0].to_string())
+    # (the MoE kernels' entries are not linear calls: explain_moe answers for them)
+    entries = sorted(((k, e) for k, e in table.entries.items() if not k.op.startswith("moe_")),
+                     key=lambda item: item[0].to_string())
     assert any(k.op == "linear_e4m3_channel" for k, _ in entries[::17])
     for k, e in entries[::17]:
         argv = ["--x", f"{k.m_hi},{k.k}", "--w", f"{k.n},{k.k}"] + ([] if k.epilogue == "bias" else ["--no-bias"])

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import hybridgemm
+from helpers import greedy_static_decode
 from hybridgemm.kernels import triton_splitk
 from hybridgemm.kernels.triton_rope import RotaryCache
 from hybridgemm.models import decode_checks as checks
@@ -229,16 +230,7 @@ def _patched(stock):
 
 def _decode(model, steps: int, batch: int = 2, prompt: int = 3, tokens=None):
     """Greedy decode over a StaticCache: (logits per step, tokens fed, cache)."""
-    api = hf.forward_api(model)
-    cache = hf.static_cache(model, batch, 16)
-    ids = torch.randint(0, VOCAB, (batch, prompt), generator=torch.Generator().manual_seed(3))
-    logits = [hf.cached_forward(model, api, ids, cache, torch.arange(prompt))[:, -1]]
-    fed = []
-    for i in range(steps):
-        tok = logits[-1].argmax(-1, keepdim=True) if tokens is None else tokens[i]
-        fed.append(tok)
-        logits.append(hf.cached_forward(model, api, tok, cache, torch.tensor([prompt + i]))[:, -1])
-    return logits, fed, cache
+    return greedy_static_decode(model, steps, VOCAB, tokens, batch, prompt)
 
 
 def _compare(model, stock, steps=3, batch=2):

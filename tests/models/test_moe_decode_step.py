@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import hybridgemm
+from helpers import greedy_static_decode
 from hybridgemm import experts
 from hybridgemm.experts import HybridExperts
 from hybridgemm.models import decode_checks as checks
-from hybridgemm.perf import e2e_models as hf
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -41,19 +41,6 @@ def _tiny(kind: str):
     return model
 
 
-def _decode(model, steps: int, tokens=None, batch: int = 2, prompt: int = 3):
-    api = hf.forward_api(model)
-    cache = hf.static_cache(model, batch, 16)
-    ids = torch.randint(0, VOCAB, (batch, prompt), generator=torch.Generator().manual_seed(3))
-    logits = [hf.cached_forward(model, api, ids, cache, torch.arange(prompt))[:, -1]]
-    fed = []
-    for i in range(steps):
-        tok = logits[-1].argmax(-1, keepdim=True) if tokens is None else tokens[i]
-        fed.append(tok)
-        logits.append(hf.cached_forward(model, api, tok, cache, torch.tensor([prompt + i]))[:, -1])
-    return logits, fed, cache
-
-
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_moe_layers_take_the_step_and_decode_as_stock(kind, kernels_on_cpu, monkeypatch):
     monkeypatch.setattr(experts, "use_kernels", lambda x: True)
@@ -68,8 +55,8 @@ def test_moe_layers_take_the_step_and_decode_as_stock(kind, kernels_on_cpu, monk
     calls = []
     model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: calls.append(out.shape))
     with torch.no_grad():
-        ref, fed, ref_cache = _decode(stock, 2)
-        out, _, cache = _decode(model, 2, tokens=fed)
+        ref, fed, ref_cache = greedy_static_decode(stock, 2, VOCAB)
+        out, _, cache = greedy_static_decode(model, 2, VOCAB, tokens=fed)
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     for got, want in zip(cache.layers, ref_cache.layers):
