@@ -143,16 +143,17 @@ def explain_moe(tokens: int, w_gate_up_shape, top_k: int, dtype: torch.dtype = t
     ([E, 2I, H]) and ``top_k`` experts per token, and why (a table entry, the defaults, or the
     PyTorch loop without a GPU)."""
     e, two_i, h = (int(d) for d in w_gate_up_shape)
-    if tokens < 0 or not 1 <= top_k <= e or two_i % 2 or min(e, two_i, h) < 1:
+    if tokens < 1 or not 1 <= top_k <= e or two_i % 2 or min(e, two_i, h) < 1:
         raise ValueError(f"explain_moe: {tokens} tokens, experts {tuple(w_gate_up_shape)} ([E, 2I, H]) and top_k "
                          f"{top_k} do not fit")
     if activation not in GLU_FUNCTIONS:
         raise ValueError(f"explain_moe: activation {activation!r} is not one of {sorted(GLU_FUNCTIONS)}")
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"explain_moe: dtype must be a torch.dtype, got {dtype!r:.40}")
     if not torch.cuda.is_available():
         return "no CUDA device: the experts run as a PyTorch loop (experts_loop)"
     index = torch.cuda.current_device() if device is None else device
-    x = torch.empty((tokens, h), dtype=dtype, device="meta")
-    return _decide(index, e, top_k, activation, x.dtype, two_i // 2, h, tokens).why
+    return _decide(index, e, top_k, activation, dtype, two_i // 2, h, tokens).why
 
 
 def experts_loop(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,

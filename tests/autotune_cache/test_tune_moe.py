@@ -71,6 +71,17 @@ def _entry(backend, config, lo=5, hi=8):
                       spread_us=0.1, flinear_us=28.0)
 
 
+def test_explain_moe_names_the_entry_it_would_run(moe_table, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    up = tm.TritonMoeConfig(1, 8, 128, 8, 4)
+    moe_table.set(tune_moe.moe_key(16, 2, "silu", torch.bfloat16, 96, 64, 1, 1),
+                  _entry("triton_moe", tune_moe.record_of(up, up), 1, 1))
+    said = experts.explain_moe(1, (16, 192, 64), 2)
+    assert "M=1-1" in said and "triton_moe" in said
+    assert "no table entry" in experts.explain_moe(3, (16, 192, 64), 2)
+
+
 def test_decisions_follow_the_table(moe_table, monkeypatch):
     w = torch.empty(16, 2 * 96, 64)
     up, down = tm.TritonMoeConfig(16, 64, 128, 4, 3), tm.TritonMoeConfig(16, 128, 64, 4, 3)
@@ -125,6 +136,10 @@ def test_explain_moe_without_a_gpu_and_bad_arguments(monkeypatch):
         experts.explain_moe(1, (8, 1535, 2048), 2)
     with pytest.raises(ValueError, match="activation"):
         experts.explain_moe(1, (8, 1536, 2048), 2, activation="tanh")
+    with pytest.raises(ValueError, match="do not fit"):
+        experts.explain_moe(0, (8, 1536, 2048), 2)
+    with pytest.raises(ValueError, match="torch.dtype"):
+        experts.explain_moe(1, (8, 1536, 2048), 2, dtype="bf16")
 
 
 def test_tune_into_saves_each_range_and_skips_what_the_table_holds(tmp_path, monkeypatch):
