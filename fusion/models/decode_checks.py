@@ -63,8 +63,9 @@ _FP8_ACTIVATIONS = (torch.bfloat16,)  # x of an FP8-weight layer (fusion/fp8_mod
 
 # The forwards the step computes, statement by statement (each top-level statement of the
 # body, unparsed, whitespace removed; a tuple: one of these forms): transformers 5.3-5.24's
-# Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE and Mixtral decoder layers and attentions. A forward with any other or
-# any further statement is not fused (a subclass's extra line would otherwise be skipped).
+# Llama, Qwen2, Qwen3, Mistral, Qwen2-MoE, Qwen3-MoE and Mixtral decoder layers and attentions.
+# A forward with any other or any further statement is not fused (a subclass's extra line would
+# otherwise be skipped).
 _ATTENTION_CALL = ("hidden_states,_=self.self_attn(hidden_states=hidden_states,attention_mask=attention_mask,"
                    "position_ids=")
 _LAYER_BODY = (
@@ -430,9 +431,10 @@ _ATTENTION_SLOTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_SLOTS = ("gate_proj", "up_proj", "down_proj")
 
 
-# transformers' sparse MoE blocks whose forward is router, then experts, one tensor out (no
-# shared expert): the step calls the block itself after the post-attention norm
-MOE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock")
+# transformers' sparse MoE blocks whose forward is router, then experts (Qwen2-MoE's also its
+# gated shared expert), one tensor out: the step calls the block itself after the
+# post-attention norm
+MOE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
 
 
 def moe_block(mlp: nn.Module | None) -> bool:

@@ -6,7 +6,8 @@ the class's own forward everywhere else (prefill, training, fp16, CPU, hooks). P
 
 Recognised: transformers' ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``Qwen3DecoderLayer``,
 ``MistralDecoderLayer``, ``GraniteDecoderLayer`` (its ``residual_multiplier`` in the O and
-down epilogues) and the mixture-of-experts ``Qwen3MoeDecoderLayer`` and ``MixtralDecoderLayer``
+down epilogues) and the mixture-of-experts ``Qwen3MoeDecoderLayer``, ``MixtralDecoderLayer`` and
+``Qwen2MoeDecoderLayer``
 (their sparse block called as a module, its experts the grouped kernels) whose forwards are the
 ones the step computes (checked in their source when patched, so a release that changes them
 is left alone, with the reason in the report), with the parts :func:`hybridgemm.patch` fused:
@@ -26,7 +27,8 @@ from . import decode_checks, decode_step
 # when a pickled model is loaded in a new process).
 LAYER_MODULES = {"LlamaDecoderLayer": "llama", "Qwen2DecoderLayer": "qwen2", "Qwen3DecoderLayer": "qwen3",
                  "MistralDecoderLayer": "mistral", "GraniteDecoderLayer": "granite",
-                 "Qwen3MoeDecoderLayer": "qwen3_moe", "MixtralDecoderLayer": "mixtral"}
+                 "Qwen3MoeDecoderLayer": "qwen3_moe", "MixtralDecoderLayer": "mixtral",
+                 "Qwen2MoeDecoderLayer": "qwen2_moe"}
 LAYER_CLASSES = tuple(LAYER_MODULES)
 # A fused layer's int32 buffer (not in the state dict) of split-K arrival counters for its
 # GEMMs, which run one after another and leave it zero: a compiled decode step then needs no

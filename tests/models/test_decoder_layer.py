@@ -170,7 +170,8 @@ def test_what_is_not_fused_and_why(monkeypatch):
     assert report.fused_layers == [] and [(n, why) for n, why in report.skipped if "decoder layer" in why] == [
         ("transformer.h.0", "decoder layer not fused: its family (GPT2Block) is not supported by the fused decode "
                             "step (it supports LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, "
-                            "MistralDecoderLayer, GraniteDecoderLayer, Qwen3MoeDecoderLayer, MixtralDecoderLayer)")]
+                            "MistralDecoderLayer, GraniteDecoderLayer, Qwen3MoeDecoderLayer, MixtralDecoderLayer, "
+                            "Qwen2MoeDecoderLayer)")]
 
 
 def _module_state(model) -> dict:

@@ -1,7 +1,8 @@
 """The fused decode step of mixture-of-experts decoder layers (CPU, Triton interpreter): tiny
-Qwen3-MoE and Mixtral models, patched, take the step in every layer (QKV with norm, rotary and
-cache write in one GEMM, the attention, O with the residual; then the sparse block, its
-experts the grouped kernels, called after the post-attention norm), and their static-cache
+Qwen3-MoE, Mixtral and Qwen2-MoE (with its shared expert) models, patched, take the step in
+every layer (QKV with norm, rotary and cache write in one GEMM, the attention, O with the
+residual; then the sparse block, its experts the grouped kernels, called after the
+post-attention norm), and their static-cache
 decode gives stock's logits and cache; a hook on the MoE block still runs; experts that are
 not the patched kernels keep the layer's own forward, with the reason in the report."""
 
@@ -29,6 +30,9 @@ def _tiny(kind: str):
                   num_key_value_heads=2, max_position_embeddings=64)
     if kind == "mixtral":
         cfg = transformers.MixtralConfig(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, **common)
+    elif kind == "qwen2_moe":  # a gated shared expert beside the routed ones
+        cfg = transformers.Qwen2MoeConfig(moe_intermediate_size=40, num_experts=8, num_experts_per_tok=2,
+                                          shared_expert_intermediate_size=56, intermediate_size=80, **common)
     else:
         cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=40, num_experts=8, num_experts_per_tok=2,
                                           intermediate_size=80, head_dim=32, **common)
@@ -41,7 +45,7 @@ def _tiny(kind: str):
     return model
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_moe_layers_take_the_step_and_decode_as_stock(kind, kernels_on_cpu, monkeypatch):
     monkeypatch.setattr(experts, "use_kernels", lambda x: True)
     stock = _tiny(kind)
@@ -51,7 +55,9 @@ def test_moe_layers_take_the_step_and_decode_as_stock(kind, kernels_on_cpu, monk
         pytest.skip(f"no fused attention step with transformers {transformers.__version__}")
     assert report.fused_layers == ["model.layers.0", "model.layers.1"] == report.fused_attention
     assert all(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
-    assert [n for n, _ in report.skipped] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]  # routers
+    # the routers (and Qwen2-MoE's one-output shared-expert gates) run as the model computes them
+    left = ["mlp.gate", "mlp.shared_expert_gate"] if kind == "qwen2_moe" else ["mlp.gate"]
+    assert [n for n, _ in report.skipped] == [f"model.layers.{i}.{m}" for i in range(2) for m in left]
     calls = []
     model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: calls.append(out.shape))
     with torch.no_grad():

@@ -41,7 +41,7 @@ CONFIGS = {
 }
 
 SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer, GraniteDecoderLayer, "
-             "Qwen3MoeDecoderLayer, MixtralDecoderLayer")
+             "Qwen3MoeDecoderLayer, MixtralDecoderLayer, Qwen2MoeDecoderLayer")
 
 
 def _layer(cls: str) -> str:
