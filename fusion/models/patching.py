@@ -24,10 +24,12 @@ same layout is covered; ``transformers`` is never imported here):
   (fusion/norm.py; recognised by class, since the formula is not visible in the structure).
 * transformers' Llama, Qwen2, Qwen3, Mistral and Granite decoder layers whose parts were all
   patched: at decode sizes their RMSNorms and residual adds run inside the GEMMs
-  (fusion/models/decoder_layer.py).
+  (fusion/models/decoder_layer.py); Qwen2-MoE, Qwen3-MoE and Mixtral layers the same for their
+  attention, then their sparse block as it is.
 * transformers' stacked mixture-of-experts modules (Mixtral, Qwen2-MoE, Qwen3-MoE: weights
-  ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]): the routed experts in two grouped
-  launches (fusion/experts.py); their router runs as the model computes it.
+  ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]): the routed experts in the MoE
+  kernels (fusion/experts.py, the tuning table's configs); their router runs as the model
+  computes it.
 
 How several linears are fused without re-implementing any forward (:class:`QKVSlice` modules
 standing where the linears stood, backed by one :class:`FusedQKV`; one GEMM per input, each
