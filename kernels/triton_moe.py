@@ -1,4 +1,4 @@
-"""Mixture-of-experts GEMMs: every (token, expert) pair of a routing in two grouped launches.
+"""Mixture-of-experts GEMMs: every (token, expert) pair of a routing, grouped by expert or pair-major.
 
 Routing gives each of T tokens ``top_k`` experts (``topk_ids`` [T, k]) and weights. The
 S = T * k pairs (pair ``p`` is token ``p // k``, slot ``p % k``) are sorted by expert, stably
