@@ -157,6 +157,11 @@ _HF_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 _HF_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
 _HF_HEAD_DIM = ("head_dim", "d_kv")
 _HF_INTERMEDIATE = ("intermediate_size",)
+# a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the experts, per token, and their width
+# (Mixtral's experts are intermediate_size wide)
+_HF_EXPERTS = ("num_experts", "num_local_experts")
+_HF_EXPERTS_PER_TOKEN = ("num_experts_per_tok",)
+_HF_EXPERT_WIDTH = ("moe_intermediate_size",)
 _HF_VOCAB = ("vocab_size",)
 _HF_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
 # A field that switches every attention bias (q, k, v and o) on or off.
@@ -273,7 +278,10 @@ def preset_from_hf_config(path: str | os.PathLike) -> ModelPreset:
     ``attention_bias``/``bias``/``qkv_bias`` field, else from the ``model_type``. Optional, for
     the tensor-parallel shapes (:meth:`ModelPreset.tp_projections`): ``intermediate_size``,
     ``vocab_size``, ``num_hidden_layers``/``n_layer``/``num_layers``, ``mlp_bias`` (absent:
-    false) and ``tie_word_embeddings`` (absent: an untied LM head). The preset's
+    false) and ``tie_word_embeddings`` (absent: an untied LM head). A mixture of experts
+    (``num_experts``/``num_local_experts``, with ``num_experts_per_tok`` and
+    ``moe_intermediate_size``, else ``intermediate_size``, as the experts' width) has no dense
+    MLP width: its experts run in the MoE kernels. The preset's
     ``name`` is the last component of ``_name_or_path``, else the ``model_type``, else the
     name of the file's directory, lowercased to ``[a-z0-9._-]``.
 
@@ -364,6 +372,18 @@ def preset_from_hf_config(path: str | os.PathLike) -> ModelPreset:
         qkv_bias = qkv_only
 
     intermediate = positive_int(_HF_INTERMEDIATE, "MLP width", required=False)
+    experts = positive_int(_HF_EXPERTS, "experts per MoE layer", required=False) or 0
+    moe = {}
+    if experts:  # the MLPs are experts, run by the MoE kernels: no dense MLP shape is the model's
+        moe = dict(experts=experts, experts_per_token=positive_int(_HF_EXPERTS_PER_TOKEN, "experts per token"),
+                   expert_intermediate=positive_int(_HF_EXPERT_WIDTH, "expert width", required=False) or intermediate)
+        if moe["experts_per_token"] > experts:
+            raise ValueError(f"{shown}: {prefix}num_experts_per_tok: {moe['experts_per_token']} is more than the "
+                             f"{experts} experts")
+        if moe["expert_intermediate"] is None:
+            raise ValueError(f"{shown}: {prefix}moe_intermediate_size: missing (the experts' width; also looked for "
+                             f"{prefix}intermediate_size)")
+        intermediate = None
     vocab = positive_int(_HF_VOCAB, "vocabulary size", required=False)
     layers = positive_int(_HF_LAYERS, "decoder layers", required=False)
     mlp_bias = bool(flag("mlp_bias"))
@@ -378,4 +398,4 @@ def preset_from_hf_config(path: str | os.PathLike) -> ModelPreset:
                  if n), "hf-config")
     return ModelPreset(name, hidden, heads, kv_heads, head_dim, qkv_bias=qkv_bias, o_bias=o_bias,
                        intermediate=intermediate, vocab=vocab, layers=layers, mlp_bias=mlp_bias,
-                       tied_lm_head=bool(tied))
+                       tied_lm_head=bool(tied), **moe)

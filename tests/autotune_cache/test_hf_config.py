@@ -510,3 +510,39 @@ def test_cli_moe_preset_tunes_what_the_patched_model_runs(tmp_path, monkeypatch,
     built = _tuned_shapes(monkeypatch, ["--hf-config", str(write(tmp_path, cfg)), "--mlp"])
     assert [role for role, *_ in built] == ["qkv", "o", "lm_head"]  # the experts and routers run no table GEMM
     assert {tuple(s[1:]) for s in built} <= {tuple(s[1:]) for s in mlp}  # the preset's (o may be q's shape)
+
+
+QWEN3_30B_A3B = {  # published config.json fields that matter here
+    "model_type": "qwen3_moe", "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "attention_bias": False, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
+MIXTRAL_8X7B = {
+    "model_type": "mixtral", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "vocab_size": 32000, "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize("cfg,want", [(QWEN3_30B_A3B, (128, 8, 768)), (MIXTRAL_8X7B, (8, 2, 14336))],
+                         ids=["qwen3-moe", "mixtral"])
+def test_a_mixture_of_experts_has_experts_and_no_dense_mlp(tmp_path, cfg, want):
+    """Its experts (width moe_intermediate_size, else Mixtral's intermediate_size) run in the
+    MoE kernels: the tensor-parallel shapes hold no dense gate/up or down."""
+    from hybridgemm.parallel.sharding import rank_projections
+
+    p = preset_from_hf_config(write(tmp_path, cfg))
+    assert p.moe and (p.experts, p.experts_per_token, p.expert_intermediate) == want and p.intermediate is None
+    names = {s.name for s in rank_projections(p, 2)}
+    assert not {"gate_up", "down", "down_nobias"} & names and "lm_head" in names
+
+
+def test_bad_expert_fields_are_named(tmp_path):
+    with pytest.raises(ValueError, match="num_experts_per_tok: missing"):
+        preset_from_hf_config(write(tmp_path, {**QWEN3_30B_A3B, "num_experts_per_tok": None}))
+    with pytest.raises(ValueError, match="num_experts_per_tok: 200 is more than the 128 experts"):
+        preset_from_hf_config(write(tmp_path, {**QWEN3_30B_A3B, "num_experts_per_tok": 200}))
+    with pytest.raises(ValueError, match="moe_intermediate_size: missing"):
+        preset_from_hf_config(write(tmp_path, {k: v for k, v in QWEN3_30B_A3B.items()
+                                               if k not in ("moe_intermediate_size", "intermediate_size")}))
