@@ -175,18 +175,18 @@ def tune_moe(experts: int, top_k: int, intermediate: int, hidden: int, activatio
 def _tune_range(key, experts, top_k, hidden, activation, dtype, weights, copies, g, log) -> dict:
     tm = triton_module("triton_moe")
     dev = weights[0][0].device
-    lo, hi = key.m_lo, key.m_hi
-    points = sample_points(lo, hi)
+    hi = key.m_hi
+    points = sample_points(key.m_lo, hi)
     inputs = {}
     for m in points:
         x = torch.randn(m, hidden, device=dev, generator=g).to(dtype)
         inputs[m] = (x, *_routing(m, experts, top_k, dev))
 
-    def baseline(m, inputs=inputs):
+    def baseline(m):
         x, ids, rw = inputs[m]
         return lambda i: grouped_mm_moe(x, ids, rw, *weights[i], activation)
 
-    def ours(m, up, down, inputs=inputs):
+    def ours(m, up, down):
         x, ids, rw = inputs[m]
         return lambda i: tm.forward(x, ids, rw, *weights[i], activation, up, down)
 

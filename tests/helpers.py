@@ -224,3 +224,30 @@ def greedy_static_decode(model, steps: int, vocab: int, tokens=None, batch: int 
         fed.append(tok)
         logits.append(hf.cached_forward(model, api, tok, cache, torch.tensor([prompt + i]))[:, -1])
     return logits, fed, cache
+
+
+def tiny_moe_lm(kind: str, vocab: int, hidden: int, experts: int, top_k: int, head_dim: int | None = None,
+                **load):
+    """A 2-layer causal LM of transformers' ``kind`` ("mixtral", "qwen3_moe" or "qwen2_moe", the
+    last with a shared expert) of 4 heads and 2 KV heads, seed 0, its experts N(0, 0.1) (large
+    enough to matter in the logits); ``load``: from_config's keywords (attn_implementation)."""
+    import transformers
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=48, num_local_experts=experts, num_experts_per_tok=top_k,
+                                         **common)
+    elif kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=40, num_experts=experts, num_experts_per_tok=top_k,
+                                          intermediate_size=80, head_dim=head_dim or hidden // 4, **common)
+    else:
+        cfg = transformers.Qwen2MoeConfig(moe_intermediate_size=40, num_experts=experts, num_experts_per_tok=top_k,
+                                          shared_expert_intermediate_size=56, intermediate_size=80, **common)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, **load).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                p.normal_(0, 0.1)
+    return model

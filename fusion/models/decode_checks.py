@@ -487,8 +487,8 @@ def _parts_in_place(layer: nn.Module) -> bool:
     o, down = attn.get("o_proj"), mlp.get("down_proj")
     attention = (all(_in_place(attn.get(n), _slice) for n in ("q_proj", "k_proj", "v_proj"))
                  and (_fusable_projection(o) or _in_place(o, _own_projection)))
-    if moe_block(layer.mlp) and type(layer.post_attention_layernorm) is HybridRMSNorm:
-        return attention
+    if moe_block(layer.mlp):
+        return attention and type(layer.post_attention_layernorm) is HybridRMSNorm
     return (attention and all(_in_place(mlp.get(n), _slice) for n in ("gate_proj", "up_proj"))
             and (_fusable_projection(down) or _in_place(down, _own_projection)))
 

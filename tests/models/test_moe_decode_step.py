@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hybridgemm
-from helpers import greedy_static_decode
+from helpers import greedy_static_decode, tiny_moe_lm
 from hybridgemm import experts
 from hybridgemm.experts import HybridExperts
 from hybridgemm.models import decode_checks as checks
@@ -25,24 +25,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 VOCAB = 97
 
 
-def _tiny(kind: str):
-    common = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64)
-    if kind == "mixtral":
-        cfg = transformers.MixtralConfig(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, **common)
-    elif kind == "qwen2_moe":  # a gated shared expert beside the routed ones
-        cfg = transformers.Qwen2MoeConfig(moe_intermediate_size=40, num_experts=8, num_experts_per_tok=2,
-                                          shared_expert_intermediate_size=56, intermediate_size=80, **common)
-    else:
-        cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=40, num_experts=8, num_experts_per_tok=2,
-                                          intermediate_size=80, head_dim=32, **common)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "experts" in name:
-                p.normal_(0, 0.1)
-    return model
+def _tiny(kind: str):  # (Qwen2-MoE's with a gated shared expert beside the routed ones)
+    return tiny_moe_lm(kind, VOCAB, 128, 8, 2, head_dim=32, attn_implementation="sdpa")
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])

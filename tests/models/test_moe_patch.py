@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hybridgemm
+from helpers import tiny_moe_lm
 from hybridgemm import experts
 from hybridgemm.experts import HybridExperts
 
@@ -22,23 +23,8 @@ VOCAB = 97
 
 
 def _tiny(kind: str):
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=64)
-    if kind == "mixtral":
-        cfg = transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **common)
-    elif kind == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=40, num_experts=6, num_experts_per_tok=3,
-                                          intermediate_size=80, head_dim=16, **common)
-    else:
-        cfg = transformers.Qwen2MoeConfig(moe_intermediate_size=40, num_experts=6, num_experts_per_tok=2,
-                                          shared_expert_intermediate_size=56, intermediate_size=80, **common)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # experts initialised at random, large enough to matter
-        for name, p in model.named_parameters():
-            if "experts" in name:
-                p.normal_(0, 0.1)
-    return model
+    experts, top_k = {"mixtral": (4, 2), "qwen3_moe": (6, 3), "qwen2_moe": (6, 2)}[kind]
+    return tiny_moe_lm(kind, VOCAB, 64, experts, top_k, head_dim=16)
 
 
 def _experts_modules(model):
