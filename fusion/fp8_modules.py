@@ -197,10 +197,13 @@ class FP8FusedLinears(FusedLinears):
     that way)."""
 
     fp8_dtype = torch.bfloat16
-    STOCK_TENSORS = ("weight", "bias", KERNEL_SCALE)
+    STOCK_TENSORS = (KERNEL_SCALE,)
 
     def _apply(self, fn, *args, **kwargs):
         return super()._apply(keep_fp8_dtypes(self, fn), *args, **kwargs)
+
+    def part_apply(self, piece: nn.Module, fn):
+        return keep_fp8_dtypes(piece, fn)  # the parts' e4m3 only move
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         return linear_fp8(x, self.weight, weight_scale_of(self), self.bias).split_with_sizes(self.sizes, dim=-1)
@@ -239,6 +242,14 @@ class FP8FusedLinears(FusedLinears):
                                       error_msgs)
 
 
+def freeze_parts(fused: FusedLinears, attrs=FusedLinears.PART_TENSORS) -> None:
+    """``requires_grad=False`` on the parts' parameters ``attrs`` of ``fused``."""
+    for attr in attrs:
+        if fused.stacked(attr) is not None:
+            for p in fused.parts(attr):
+                p.requires_grad_(False)
+
+
 def kernel_part_formats(fused: FusedLinears, scale: Tensor, granularity: str) -> tuple[ScaleFormat, ...]:
     """Each part of a fused weight quantized to ``scale`` stores its rows of it as they are."""
     rows = FP8FusedLinears.part_rows(fused, KERNEL_SCALE, scale)
@@ -255,10 +266,13 @@ def quantize_patched(modules: dict[str, nn.Module], granularity: str, lm_head: b
     for name, mod in modules.items():
         if type(mod) is FusedLinears:
             gran = granularity if all(s % fp8.BLOCK == 0 for s in mod.sizes) else "channel"
-            _quantize_into(mod, gran)
+            q = fp8.quantize_fp8(mod.stacked("weight").detach(), gran)
+            mod.set_stacked("weight", q.data, requires_grad=False)  # the parts now view the e4m3 rows
+            mod.register_buffer(KERNEL_SCALE, q.scale)
+            mod.fp8_dtype = q.dtype
+            freeze_parts(mod, ("bias",))
             mod.part_formats = kernel_part_formats(mod, mod.weight_scale, gran)
             mod.__class__ = FP8FusedLinears
-            mod.alias_originals()  # the replaced linears now view the e4m3 rows (no bf16 copy is kept)
             done.append(name)
         elif type(mod) is HybridLinear and (lm_head or name.rpartition(".")[2] != "lm_head"):
             _quantize_into(mod, granularity)
@@ -272,4 +286,4 @@ def is_fp8(module: nn.Module) -> bool:
 
 
 __all__ = ["FP8FusedLinears", "FP8HybridLinear", "KERNEL_SCALE", "SCALE_NAMES", "ScaleFormat", "format_of",
-           "is_fp8", "kernel_part_formats", "quantize_patched", "weight_scale_of"]
+           "freeze_parts", "is_fp8", "kernel_part_formats", "quantize_patched", "weight_scale_of"]

@@ -14,20 +14,34 @@ stay correct (a part only ever comes from the record of the same input) but may 
 GEMM; under ``torch.compile`` only the identity check applies (Dynamo cannot read version
 counters).
 
-Parameters and checkpoints: the fused weight and bias are new parameters (the replaced
-linears' parameters are re-pointed at their rows, so memory is not doubled). The state dict
-keeps the stock keys: each slice writes a copy of its rows under its stock name (a tensor of
-its own, as safetensors' ``save_model`` requires; a state dict thus holds the fused tensors
-twice while it lives; ``keep_vars=True`` gives the rows themselves) and the fused module
-writes nothing; a load-state-dict pre-hook on the parent concatenates the stock entries into
-the fused ones before torch loads them. Hooks rather than parameters that are views of the
-fused weight: a view of a parameter is not a leaf, so gradients and optimizer state must live
-on the one fused parameter that the GEMM reads. Code that reaches a part's ``weight`` by its
-stock name gets its rows (:class:`FusedRows`); assigning a part's ``weight`` or ``bias`` (as
-transformers' loader does for a model patched before its weights arrive) copies into them.
-PEFT's LoRA layers wrap a slice like any ``nn.Linear``: the base GEMM stays the fused one.
-Which fused tensors are saved and loaded that way, and how a part is stored, is the fused
-module's to say (:attr:`FusedLinears.STOCK_TENSORS`, :meth:`~FusedLinears.stock_part`,
+Parameters. Each slice keeps its stock parameters (``q_proj.weight``, ``q_proj.bias``: the
+replaced linear's own parameter objects), and each is a leaf of its own (:class:`FusedPart`:
+its own ``requires_grad``, ``.grad`` and optimizer state) whose storage is its rows of one
+stacked tensor, the fused module's ``stacked_weight`` (``stacked_bias``; a tensor attribute,
+not a parameter or buffer), which the GEMM reads. So ``named_parameters()``,
+``get_parameter``, freezing by name and optimizers built before or after patching see the
+stock parameters, and memory is not doubled. Where autograd needs it, the stacked tensor
+enters the graph through :class:`_StackedParts`, whose backward hands each part its rows of
+the gradient (a frozen part gets none). ``part.data = t`` of the part's own shape, dtype and
+device copies into its rows. Whatever gives a part storage of its own through torch's or
+hybridgemm's API (``model.to()``, a ``.data`` of another dtype or device, ``load_state_dict``
+with ``assign=True``, a new part parameter put in place, as accelerate's loaders do) makes
+the fused module stack the parts anew before its next GEMM (``.to()`` at once; inside a
+compiled graph the check is not traced: there the next eager call restacks). Storage changed
+below that API (``Tensor.set_``, ``torch.utils.swap_tensors`` by hand) is not seen.
+
+Checkpoints. The state dict keeps the stock keys: each slice writes its parameters under
+their stock names as copies of their own (safetensors' ``save_model`` refuses a state-dict
+tensor that covers part of its storage; a state dict thus holds the fused tensors twice
+while it lives; ``keep_vars=True`` gives the parameters themselves) and the fused module
+writes nothing. Loading copies each stock entry into its rows, so ``strict``,
+``assign=True`` and missing/unexpected/size-mismatch reports behave as for the stock module;
+a load-state-dict pre-hook on the parent splits fused-layout entries (``qkv_proj.weight``)
+into the stock ones. Assigning a part's ``weight`` or ``bias`` (as transformers' loader does
+for a model patched before its weights arrive) copies into its rows. PEFT's LoRA layers
+wrap a slice like any ``nn.Linear``: the base GEMM stays the fused one. Fused tensors other
+than the parts' parameters are the fused module's to save and load per part, under the
+parts' stock names (:attr:`FusedLinears.STOCK_TENSORS`, :meth:`~FusedLinears.stock_part`,
 :meth:`~FusedLinears.from_stock`): an FP8 fused weight (fusion/fp8_modules.py) adds its
 scales, each part's in its checkpoint's layout. A slice may hold tensors of its own (an FP8
 checkpoint's activation scales), saved and loaded as usual.
@@ -35,6 +49,7 @@ checkpoint's activation scales), saved and loaded as usual.
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 
@@ -50,6 +65,15 @@ SEQ = itertools.count()  # orders undo records across modules and patch calls
 # Instance attribute of an nn.Linear that holds an FP8 checkpoint's weight while patch() runs
 # (fusion/models/fp8_checkpoints.py): its scales' granularity decides whether it can be fused.
 FP8_SOURCE = "_hybridgemm_fp8_source"
+_DATA = torch._C.TensorBase.data  # a tensor's own .data descriptor (FusedPart overrides the setter)
+# Bumped by whatever may give a part storage outside its rows (a part's .data set, a new part
+# parameter, a slice moved, cast or loaded): a fused module checks its parts' places again
+# only when it changed since its last check, so a GEMM's weight lookup stays a few attribute reads.
+_EPOCH = [0]
+
+
+def _moved() -> None:
+    _EPOCH[0] += 1
 
 
 def qual(parent: str, child: str) -> str:
@@ -65,54 +89,172 @@ def record(mod: nn.Module, rec: tuple) -> None:
     mod.__dict__.setdefault(UNDO_ATTR, []).append(rec)
 
 
+class _StackedParts(torch.autograd.Function):
+    """The stacked tensor as a function of its parts: the forward hands out the stacked tensor
+    (the parts' own storage, no copy); the backward gives each part its rows of the gradient."""
+
+    @staticmethod
+    def forward(ctx, stacked: Tensor, sizes: tuple[int, ...], *parts: Tensor) -> Tensor:
+        ctx.sizes = sizes
+        return stacked.view_as(stacked)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return (None, None, *grad.split(ctx.sizes))
+
+
 class FusedLinears(nn.Module):
-    """One weight for several projections of the same input (rows stacked in ``names``
-    order) and the one-GEMM cache that their :class:`FusedSlice` modules share."""
+    """The one GEMM of several projections of the same input (rows stacked in ``names``
+    order) and the one-GEMM cache that their :class:`FusedSlice` modules share. ``weight`` and
+    ``bias`` are the stacked tensors the GEMM reads (see the module docstring)."""
 
-    # The fused tensors that checkpoints hold per part, under the parts' stock names.
-    STOCK_TENSORS: tuple[str, ...] = ("weight", "bias")
+    # The stacked tensors whose parts are the slices' own parameters.
+    PART_TENSORS: tuple[str, ...] = ("weight", "bias")
+    # Other fused tensors that checkpoints hold per part, under the parts' stock names.
+    STOCK_TENSORS: tuple[str, ...] = ()
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, sizes: tuple[int, ...],
+    def __init__(self, weight: Tensor, bias: Tensor | None, sizes: tuple[int, ...],
                  originals: tuple[nn.Linear, ...] = (), names: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")):
         super().__init__()
-        self.weight = weight
-        self.bias = bias
+        # Plain attributes, not buffers: derived from the parts, they are no model state for
+        # code that saves, moves or materialises buffers (transformers' loader makes every
+        # non-persistent buffer anew); torch.compile treats a module's tensor attributes as
+        # static inputs, as it does its parameters.
+        self.stacked_weight = weight
+        self.stacked_bias = bias
         self.sizes = tuple(sizes)
         self.names = tuple(names)  # the slices' attribute names on the parent module (state-dict keys)
         self._rec = None  # (x, x._version, [parts] with handed-out slots set to None)
         object.__setattr__(self, "_originals", tuple(originals))  # not submodules
-        self.alias_originals()
+        object.__setattr__(self, "slices", ())  # the FusedSlice modules, set by fuse() (not submodules)
+        self._checked = -1  # the _EPOCH value at which every part was last found in its rows
 
-    def alias_originals(self) -> None:
-        """Point the replaced linears' parameters at slices of the fused ones (no second
-        copy of the weights while patched; someone holding an original still sees current
-        values)."""
-        if not self._originals:
+    # ----------------------------------------------------------------- the stacked tensors
+    @property
+    def weight(self) -> Tensor:
+        return self._for_gemm("weight")
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self._for_gemm("bias")
+
+    def _for_gemm(self, attr: str) -> Tensor | None:
+        t = self.stacked(attr)
+        if t is not None and torch.is_grad_enabled():
+            parts = self.parts(attr)
+            if any(p.requires_grad for p in parts):
+                return _StackedParts.apply(t, self.sizes, *parts)
+        return t
+
+    def stacked(self, attr: str) -> Tensor | None:
+        """The stacked ``attr`` (a part tensor: stacked anew first where a part no longer lies
+        in its rows; any other: the buffer itself), without autograd."""
+        if attr not in self.PART_TENSORS:
+            return self._buffers.get(attr)
+        t = self.__dict__["stacked_" + attr]
+        if t is None or torch.compiler.is_compiling() or self._checked == _EPOCH[0]:
+            return t
+        self.check_rows()
+        return self.__dict__["stacked_" + attr]
+
+    def check_rows(self) -> None:
+        """Stack anew every part tensor one of whose parts no longer lies in its rows."""
+        epoch = _EPOCH[0]
+        for attr in self.PART_TENSORS:
+            t = self.__dict__["stacked_" + attr]
+            if t is not None and not self._in_rows(attr, t):
+                self.restack(attr)
+        self._checked = epoch
+
+    def parts(self, attr: str) -> list[Tensor]:
+        """The slices' parameters ``attr`` (the parts of the stacked ``attr``), in row order."""
+        return [s._parameters[attr] for s in self.slices]
+
+    def _in_rows(self, attr: str, t: Tensor) -> bool:
+        if t.is_meta:
+            return all(p.is_meta for p in self.parts(attr))
+        ptr, row = t.data_ptr(), t.stride(0) * t.element_size()
+        for p, n in zip(self.parts(attr), self.sizes):
+            if p.data_ptr() != ptr or p.dtype != t.dtype:
+                return False
+            ptr += n * row
+        return True
+
+    def restack(self, attr: str) -> Tensor:
+        """Stack the parts' current values into a new tensor and give each part its rows of it."""
+        parts = self.parts(attr)
+        if len({(p.device, p.dtype) for p in parts}) > 1:
+            where = ", ".join(f"{n}.{attr}: {p.dtype} on {p.device}" for n, p in zip(self.names, parts))
+            raise RuntimeError(f"hybridgemm: the parts of a fused projection must share one dtype and device to run "
+                               f"as one GEMM ({where}); move or cast the module that holds them as a whole")
+        with torch.no_grad():
+            t = torch.cat([p.detach() for p in parts])
+        self.set_stacked(attr, t)
+        return t
+
+    def set_stacked(self, attr: str, t: Tensor, requires_grad: bool | None = None) -> None:
+        """Make ``t`` the stacked ``attr``: each part's parameter becomes a view of its rows
+        (the same parameter objects where torch allows; ``requires_grad`` as given, else kept)."""
+        if attr not in self.PART_TENSORS:
+            self._buffers[attr] = t
             return
-        ws = self.weight.detach().split(self.sizes)
-        bs = self.bias.detach().split(self.sizes) if self.bias is not None else (None,) * len(self.sizes)
-        for lin, wi, bi in zip(self._originals, ws, bs):
-            _repoint(lin, "weight", wi)
-            if bi is not None:
-                _repoint(lin, "bias", bi)
+        self.__dict__["stacked_" + attr] = t
+        _moved()
+        for idx, rows in enumerate(self.part_rows(attr, t.detach())):
+            piece = self.slices[idx]
+            p = piece._parameters[attr]
+            grad = p.requires_grad if requires_grad is None else requires_grad
+            try:
+                _DATA.__set__(p, rows)
+            except RuntimeError:  # meta -> a real device: torch refuses to re-point; a new parameter takes its place
+                p = nn.Parameter(rows, requires_grad=grad)
+                for key in ("_is_hf_initialized",):
+                    if key in piece._parameters[attr].__dict__:
+                        p.__dict__[key] = piece._parameters[attr].__dict__[key]
+            p.requires_grad_(grad and rows.is_floating_point() and rows.element_size() > 1)
+            self._own(p, idx, attr)
+
+    def _own(self, p: Tensor, idx: int, attr: str) -> None:
+        """``p`` becomes part ``idx`` of ``attr``: a :class:`FusedPart` registered on its slice
+        and on the replaced linear (which keeps it for unpatch)."""
+        if not isinstance(p, FusedPart):
+            p.__class__ = FusedPart
+        p.part_of = (self, idx)
+        self.slices[idx]._parameters[attr] = p
+        if idx < len(self._originals):
+            self._originals[idx]._parameters[attr] = p
+
+    def restack_if_moved(self) -> None:
+        """After a slice's ``_apply``: once every part has the same new dtype/device, stack
+        them there (the old stacked tensor is then released)."""
+        _moved()
+        for attr in self.PART_TENSORS:
+            t = self.__dict__.get("stacked_" + attr)
+            parts = self.parts(attr) if t is not None else ()
+            if t is not None and len({(p.device, p.dtype) for p in parts}) == 1 and not self._in_rows(attr, t):
+                self.restack(attr)
+
+    def part_apply(self, piece: nn.Module, fn):
+        """The ``fn`` of ``Module._apply`` that ``piece`` (one of the slices) applies to its
+        tensors: ``fn`` itself (an FP8 fused module keeps its parts' e4m3)."""
+        return fn
 
     def _apply(self, fn, *args, **kwargs):
-        # model.to()/.half()/.cuda() give the fused parameters new storage; re-point the
-        # originals, or they would keep the old storage (and memory) alive.
+        # The stacked tensors follow their parts (the slices convert those; converting them on
+        # their own would hold a second copy of every weight).
         out = super()._apply(fn, *args, **kwargs)
-        self.alias_originals()
+        self.restack_if_moved()
         return out
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        pass  # the slices save the fused parameters' rows under the stock names
+        pass  # the slices save their parameters and their rows of the other fused tensors
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        # Its own keys are optional: checkpoints carry the stock names, which the parent's
-        # pre-hook (load_stock_parts) turns into these keys, reporting absent ones as missing
-        # under their stock names.
+        # Its own keys (STOCK_TENSORS) are optional: checkpoints carry the stock names, which the
+        # parent's pre-hook (load_stock_parts) turns into these keys, reporting absent ones as
+        # missing under their stock names.
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, [], unexpected_keys, error_msgs)
-        self.alias_originals()  # assign=True or swapped tensors give the parameters new storage
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         return linear(x, self.weight, self.bias).split_with_sizes(self.sizes, dim=-1)
@@ -129,7 +271,7 @@ class FusedLinears(nn.Module):
     def stock_part(self, attr: str, idx: int) -> Tensor | None:
         """Part ``idx`` of the fused ``attr`` as its checkpoint stores it (a view of the rows
         where the layouts agree, as a stock state dict aliases its parameters)."""
-        t = getattr(self, attr)
+        t = self.stacked(attr)
         return None if t is None else self.part_rows(attr, t)[idx]
 
     def from_stock(self, attr: str, idx: int, t: Tensor) -> Tensor:
@@ -157,7 +299,7 @@ class FusedLinears(nn.Module):
         rows converted (zeros where they are still meta), as assigning a new tensor would
         move a stock linear's."""
         key = f"{self.names[idx]}.{self.stock_name(attr, idx)}"
-        current = getattr(self, attr)
+        current = self.stacked(attr)
         if current is None:
             raise ValueError(f"hybridgemm: cannot set {key}: the fused {'/'.join(self.names)} have no {attr}")
         why = self.stock_error(attr, idx, key, value)
@@ -168,13 +310,9 @@ class FusedLinears(nn.Module):
             made = torch.zeros(current.shape, dtype=part.dtype, device=part.device)
             if not current.is_meta:
                 made.copy_(current.detach())
-            if attr in self._parameters:
-                self._parameters[attr] = nn.Parameter(made, requires_grad=current.requires_grad)
-            else:
-                self._buffers[attr] = made
+            self.set_stacked(attr, made)
         with torch.no_grad():
-            self.part_rows(attr, getattr(self, attr).detach())[idx].copy_(part)
-        self.alias_originals()
+            self.part_rows(attr, self.stacked(attr).detach())[idx].copy_(part)
 
     def part(self, x: Tensor, idx: int) -> Tensor:
         rec = self._rec  # read once: the checks and the part come from the same record
@@ -189,71 +327,80 @@ class FusedLinears(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.weight.shape[1]}, sizes={self.sizes}, bias={self.bias is not None}"
+        return f"in_features={self.stacked_weight.shape[1]}, sizes={self.sizes}, bias={self.stacked_bias is not None}"
 
 
-class FusedRows(Tensor):
-    """A part's rows of a fused parameter, as its slice's ``weight``/``bias`` hands them out: a
-    view (differentiable; in-place writes land in the fused storage) that passes for a
-    parameter (``isinstance(t, nn.Parameter)``, so ``get_parameter("...q_proj.weight")``
-    finds it). ``t.data = new`` copies into the rows, as assigning a stock parameter's data
-    replaces its values (PEFT's safe merge does so). ``requires_grad`` is the fused
-    parameter's, for all its parts at once: changing it through one part raises, naming
-    what to do instead. Operations on it give plain tensors."""
+def _rebuild_part(data: Tensor, requires_grad: bool, state: dict) -> FusedPart:
+    p = FusedPart(data, requires_grad)
+    p.__dict__.update(state)
+    return p
 
-    _is_param = True  # read by nn.Parameter's isinstance check
-    __torch_function__ = torch._C._disabled_torch_function_impl
+
+class FusedPart(nn.Parameter):
+    """One part's parameter of a fused projection (``q_proj.weight``, ...): a leaf of its own
+    whose storage is its rows of the stacked tensor (see the module docstring).
+    ``part.data = t`` of its own shape, dtype and device copies ``t`` into the rows, as PEFT's
+    safe merge and other code that replaces a parameter's values expect; of another shape it
+    raises (the fused GEMM's rows are fixed); of another dtype or device it gives the part
+    storage of its own until the fused module stacks the parts anew."""
+
+    def __new__(cls, data=None, requires_grad=True):
+        _moved()  # a new part object (one put in a slice's place, as accelerate's loaders do)
+        return super().__new__(cls, data, requires_grad)
 
     @property
     def data(self) -> Tensor:
-        return torch._C.TensorBase.data.__get__(self).as_subclass(Tensor)
+        return _DATA.__get__(self)
 
     @data.setter
     def data(self, value: Tensor) -> None:
-        if not isinstance(value, Tensor) or value.shape != self.shape:
+        _moved()
+        current = _DATA.__get__(self)
+        if not isinstance(value, Tensor) or value.shape != current.shape:
             got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise ValueError(f"hybridgemm: {self._name()} takes data of shape {tuple(self.shape)} (its rows of a fused "
-                             f"parameter), got {got}")
-        with torch.no_grad():
-            self.data.copy_(value)
-
-    @property
-    def requires_grad(self) -> bool:
-        return torch._C.TensorBase.requires_grad.__get__(self)
-
-    @requires_grad.setter
-    def requires_grad(self, value: bool) -> None:
-        self.requires_grad_(value)
-
-    def requires_grad_(self, requires_grad: bool = True) -> FusedRows:
-        fused, _ = self.part_of
-        if bool(requires_grad) != fused.weight.requires_grad:
-            raise ValueError(
-                f"hybridgemm: {self._name()} is rows of one parameter fused from {'/'.join(fused.names)} "
-                f"(named_parameters() lists it): set requires_grad on that parameter (all of its parts), or "
-                "patch the model with fuse_qkv=False (Q/K/V) or mlp=False (gate/up) to keep separate parameters")
-        return self
+            raise ValueError(f"hybridgemm: {self._name()} takes data of shape {tuple(current.shape)} (its rows of a "
+                             f"fused projection), got {got}")
+        if (value.dtype, value.device) != (current.dtype, current.device) or current.is_meta:
+            _DATA.__set__(self, value)
+        elif value.data_ptr() != current.data_ptr():
+            with torch.no_grad():
+                current.copy_(value)
 
     def _name(self) -> str:
-        fused, idx = self.part_of
+        fused, idx = self.__dict__.get("part_of", (None, None))
+        if fused is None:
+            return "a fused projection's part"
         return f"{fused.names[idx]}.{'weight' if self.dim() == 2 else 'bias'}"
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        # the tensor's own deepcopy keeps storage shared with the copied stacked tensor (memo by
+        # storage; copy.deepcopy keeps the temporary .data alive, so its id cannot be reused)
+        out = FusedPart(copy.deepcopy(_DATA.__get__(self), memo), self.requires_grad)
+        memo[id(self)] = out
+        out.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return out
+
+    def __reduce_ex__(self, proto):
+        return _rebuild_part, (_DATA.__get__(self), self.requires_grad, dict(self.__dict__))
 
 
 class FusedSlice(nn.Linear):
-    """Stands where one of the fused linears stood; holds no parameters of its own.
-    ``weight``/``bias`` are views of the fused parameters' rows (differentiable, and writes
-    through them land in the fused storage), for code that inspects or reads them; assigning
-    them copies into those rows (:meth:`FusedLinears.set_part`). An ``nn.Linear`` to code that
-    looks for one (PEFT wraps it in a LoRA layer whose base GEMM stays the fused one; an
-    initializer writes into its rows), though it never holds the parameters
-    ``nn.Linear.__init__`` makes."""
+    """Stands where one of the fused linears stood, holding that linear's parameters (parts of
+    the fused module's stacked tensors, see the module docstring); its forward hands out its
+    rows of the one GEMM. Assigning its ``weight``/``bias`` copies into those rows
+    (:meth:`FusedLinears.set_part`). An ``nn.Linear`` to code that looks for one (PEFT wraps it
+    in a LoRA layer whose base GEMM stays the fused one; an initializer writes into its rows)."""
 
-    def __init__(self, fused: FusedLinears, idx: int):
+    def __init__(self, fused: FusedLinears, idx: int, lin: nn.Linear):
         nn.Module.__init__(self)
         object.__setattr__(self, "fused", fused)  # not a submodule: no duplicate state-dict keys
         self.idx = idx
         self.out_features = fused.sizes[idx]
-        self.in_features = fused.weight.shape[1]
+        self.in_features = lin.in_features
+        self._parameters["weight"] = lin._parameters["weight"]
+        self._parameters["bias"] = lin._parameters.get("bias")
 
     def __setattr__(self, name: str, value) -> None:
         fused = self.__dict__.get("fused")
@@ -268,36 +415,49 @@ class FusedSlice(nn.Linear):
             if getattr(value, "_is_hf_initialized", False):
                 # transformers' loader marks what it loaded; its initializer then leaves this module alone
                 self.__dict__["_is_hf_initialized"] = True
+                if attr in fused.PART_TENSORS:
+                    self._parameters[attr]._is_hf_initialized = True
         else:
             raise TypeError(f"hybridgemm: cannot assign {type(value).__name__} as {fused.names[self.idx]}.{name} "
                             "(torch.Tensor expected)")
 
-    def _rows(self, t: Tensor | None) -> Tensor | None:
-        if t is None:
-            return None
-        start = sum(self.fused.sizes[: self.idx])
-        rows = t[start:start + self.out_features].as_subclass(FusedRows)
-        rows.part_of = (self.fused, self.idx)
-        return rows
-
-    @property
-    def weight(self) -> Tensor:
-        return self._rows(self.fused.weight)
-
-    @property
-    def bias(self) -> Tensor | None:
-        return self._rows(self.fused.bias)
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(self.fused.part_apply(self, fn), *args, **kwargs)
+        self.fused.restack_if_moved()
+        return out
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         fused, own = self.fused, {}
+        super()._save_to_state_dict(own, "", keep_vars)  # its parameters (the parts) and tensors of its own
+        for attr in fused.PART_TENSORS:
+            if attr in own and not keep_vars:
+                # a copy of its own: safetensors' save_model/load_model refuse a state-dict tensor
+                # that covers part of its storage
+                own[attr] = own[attr].clone()
         for attr in fused.STOCK_TENSORS:
             t = fused.stock_part(attr, self.idx)
             if t is not None:
-                # keep_vars: the rows' differentiable view; else a copy of its own, as safetensors'
-                # save_model/load_model refuse a state-dict tensor that covers part of its storage
                 own[fused.stock_name(attr, self.idx)] = t if keep_vars else t.detach().clone()
-        super()._save_to_state_dict(own, "", keep_vars)  # tensors of the slice's own (none for a stock linear)
         save_in_order(destination, prefix, own, self.__dict__.get("key_order"))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # The parts are checked as the fused module checks a part (an FP8 part: e4m3 data)
+        # before torch copies them into their rows.
+        refused = []
+        for attr in self.fused.PART_TENSORS:
+            key = prefix + attr
+            if key in state_dict and self._parameters.get(attr) is not None:
+                why = self.fused.stock_error(attr, self.idx, key, state_dict[key])
+                if why is not None:
+                    error_msgs.append(why)
+                    state_dict.pop(key)
+                    refused.append(key)
+        missing = []
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected_keys,
+                                      error_msgs)
+        _moved()  # swapped or assigned tensors: checked before the next GEMM
+        missing_keys.extend(m for m in missing if m not in refused)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fused.part(x, self.idx)
@@ -310,6 +470,8 @@ def _stock_attr(fused: FusedLinears, idx, name: str) -> str | None:
     """The fused tensor that a slice's attribute ``name`` is a part of (None: no such part)."""
     if idx is None:
         return None
+    if name in fused.PART_TENSORS:
+        return name
     return next((a for a in fused.STOCK_TENSORS if fused.stock_name(a, idx) == name), None)
 
 
@@ -320,16 +482,6 @@ def save_in_order(destination, prefix: str, tensors: dict, order) -> None:
     order = tuple(order or ())
     for name in sorted(tensors, key=lambda n: order.index(n) if n in order else len(order)):
         destination[prefix + name] = tensors[name]
-
-
-def _repoint(lin: nn.Linear, name: str, t: Tensor) -> None:
-    """``lin.<name>.data = t``; where torch refuses that (meta -> real device, as after
-    ``load_state_dict(assign=True)`` or ``to_empty``) a new parameter takes the old one's place."""
-    p = lin._parameters[name]
-    try:
-        p.data = t
-    except RuntimeError:
-        lin._parameters[name] = nn.Parameter(t, requires_grad=p.requires_grad)
 
 
 def _version(x: Tensor) -> int:
@@ -344,19 +496,28 @@ def _same_version(v: int, x: Tensor) -> bool:
 
 def load_stock_parts(fused_name: str, module: nn.Module, state_dict, prefix, local_metadata, strict, missing_keys,
                      unexpected_keys, error_msgs) -> None:
-    """Load-state-dict pre-hook (bound to ``fused_name``) of a module whose linears are fused:
-    replaces the stock ``<name>.weight`` entries (biases, and the scales of an FP8 weight:
-    :attr:`FusedLinears.STOCK_TENSORS`) of ``state_dict`` by one ``<fused_name>.weight``
-    (``.bias``, ...) that torch then loads into the fused module. A part that is absent is
-    reported missing and keeps its current value; a part that does not fit (shape, or the
-    fused module's own checks) is reported as torch reports one, under its stock name."""
+    """Load-state-dict pre-hook (bound to ``fused_name``) of a module whose linears are fused.
+    Entries in the fused layout (``<fused_name>.weight``, ``.bias``) are split into the parts'
+    stock entries, which the slices load. The stock entries of the other fused tensors
+    (:attr:`FusedLinears.STOCK_TENSORS`: an FP8 weight's scales) are replaced by one
+    ``<fused_name>.<attr>`` that torch then loads into the fused module. A part that is
+    absent is reported missing and keeps its current value; a part that does not fit (shape,
+    or the fused module's own checks) is reported as torch reports one, under its stock name."""
     fused = module._modules.get(fused_name)
     if not isinstance(fused, FusedLinears):
         return
+    for attr in fused.PART_TENSORS:
+        key = f"{prefix}{fused_name}.{attr}"
+        t = state_dict.get(key)
+        fits = isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] == sum(fused.sizes)
+        if fits and fused.stacked(attr) is not None:
+            del state_dict[key]
+            for name, rows in zip(fused.names, t.split(fused.sizes)):
+                state_dict.setdefault(f"{prefix}{name}.{attr}", rows)
     for attr in fused.STOCK_TENSORS:
-        current = getattr(fused, attr)
+        current = fused.stacked(attr)
         if current is None:
-            continue  # stock bias keys stay: the slices report them unexpected, as a bias-less Linear would
+            continue
         keys = [f"{prefix}{n}.{fused.stock_name(attr, i)}" for i, n in enumerate(fused.names)]
         present = [k in state_dict for k in keys]
         if not any(present):
@@ -404,8 +565,6 @@ def why_not_fuse(name: str, mod: nn.Module, names, lins: list[nn.Linear], owners
     params = [p for lin in lins for p in (lin.weight, lin.bias) if p is not None]
     if len({(p.dtype, p.device) for p in params}) > 1:
         return "different dtypes or devices"
-    if len({p.requires_grad for p in params}) > 1:
-        return "mixed requires_grad"
     if len({lin.bias is None for lin in lins}) > 1:
         return f"some of {what} have a bias and some not"
     return _why_not_fuse_fp8(lins, what)
@@ -455,37 +614,42 @@ def _set_child(parent: nn.Module, path: str, child: nn.Module) -> None:
 def fuse(mod: nn.Module, names, lins: list[nn.Linear], fused_name: str) -> FusedLinears:
     """Replace ``mod``'s linears ``names`` (paths below ``mod``: ``q_proj``, or
     ``q_proj.base_layer`` under an adapter, :func:`stock_slot`) by slices of one
-    :class:`FusedLinears` registered as ``fused_name``; recorded on ``mod`` for :func:`unfuse`."""
+    :class:`FusedLinears` registered as ``fused_name``; recorded on ``mod`` for :func:`unfuse`.
+    The linears' parameter objects become the slices' (views of the stacked rows)."""
     sizes = tuple(lin.out_features for lin in lins)
-    rg = lins[0].weight.requires_grad
     with torch.no_grad():
-        w = nn.Parameter(torch.cat([lin.weight for lin in lins]), requires_grad=rg)
-        b = nn.Parameter(torch.cat([lin.bias for lin in lins]), requires_grad=rg) \
-            if lins[0].bias is not None else None
+        w = torch.cat([lin.weight.detach() for lin in lins])
+        b = torch.cat([lin.bias.detach() for lin in lins]) if lins[0].bias is not None else None
     fused = FusedLinears(w, b, sizes, tuple(lins), tuple(names))
     mod.add_module(fused_name, fused)
-    for i, n in enumerate(names):
-        _set_child(mod, n, FusedSlice(fused, i))
+    object.__setattr__(fused, "slices", tuple(FusedSlice(fused, i, lin) for i, lin in enumerate(lins)))
+    for attr, t in (("weight", w), ("bias", b)):
+        if t is not None:
+            fused.set_stacked(attr, t)
+    for n, piece in zip(names, fused.slices):
+        _set_child(mod, n, piece)
     hook = mod.register_load_state_dict_pre_hook(functools.partial(load_stock_parts, fused_name))
     record(mod, ("fused", next(SEQ), tuple(names), tuple(lins), hook, fused_name))
     return fused
 
 
 def unfuse(mod: nn.Module, rec: tuple) -> None:
-    """Undo :func:`fuse`: the original linears come back holding the current fused values in
-    storage of their own."""
+    """Undo :func:`fuse`: the original linears come back holding their parameters (the same
+    objects, with their current values) in storage of their own."""
     _, _, names, lins, hook, fused_name = rec
     hook.remove()
     fused = mod._modules.pop(fused_name)
-    sizes = fused.sizes
     with torch.no_grad():
-        ws = fused.weight.detach().split(sizes)
-        bs = fused.bias.detach().split(sizes) if fused.bias is not None else (None,) * len(sizes)
-        for n, lin, wi, bi in zip(names, lins, ws, bs):
-            lin.weight.data = wi.clone()
-            if bi is not None:
-                lin.bias.data = bi.clone()
-            lin.weight.requires_grad_(fused.weight.requires_grad)
+        for n, lin, piece in zip(names, lins, fused.slices):
+            for attr in fused.PART_TENSORS:
+                p = piece._parameters.get(attr)
+                if p is None:
+                    continue
+                _DATA.__set__(p, p.detach().clone())
+                p.__class__ = nn.Parameter
+                p.__dict__.pop("part_of", None)
+                lin._parameters[attr] = p
             _set_child(mod, n, lin)
     fused._rec = None
     object.__setattr__(fused, "_originals", ())
+    object.__setattr__(fused, "slices", ())

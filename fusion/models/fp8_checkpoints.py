@@ -53,6 +53,7 @@ from hybridgemm.fp8_modules import (
     FP8HybridLinear,
     ScaleFormat,
     data_error,
+    freeze_parts,
     is_fp8,
     scales_error,
 )
@@ -290,9 +291,7 @@ def _adopt_fused(fused: FusedLinears, slices: list[nn.Module], srcs: list[FP8Sou
     scale rows are stacked the same way, and each slice takes its part's other tensors."""
     with torch.no_grad():
         fused.register_buffer(KERNEL_SCALE, torch.cat([src.kernel_scale for src in srcs]))
-    fused.weight.requires_grad_(False)
-    if fused.bias is not None:
-        fused.bias.requires_grad_(False)
+    freeze_parts(fused)
     fused.part_formats = tuple(src.fmt for src in srcs)
     fused.fp8_dtype = dtype
     fused.__class__ = FP8FusedLinears

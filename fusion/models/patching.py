@@ -38,25 +38,20 @@ read another input), only their linears are swapped.
 
 Parameters. ``HybridLinear``/``HybridMultiheadAttention`` are the *same* module objects
 with their class swapped: parameters, state-dict keys, optimizer state all unchanged.
-Fused Q/K/V (gate/up alike): the fused weight and bias are new parameters; ``named_parameters()`` lists
-``...qkv_proj.weight``/``.bias`` in place of the q/k/v ones, so build the optimizer after
-patching (an optimizer's state dict then fits only a model patched the same way). The
-original ``nn.Linear`` parameters are re-pointed at slices of them, so memory is not
-doubled, and on unpatch they get the current (possibly trained, moved or cast) values in
-storage of their own.
+Fused Q/K/V (gate/up alike): the slices keep the replaced linears' parameter objects, so
+``named_parameters()``, ``get_parameter``, freezing by name and an optimizer built before
+patching see the stock parameters; each became a view of its rows of one stacked tensor
+that the GEMM reads (no second copy of the weights), and on unpatch it gets storage of its
+own with its current (possibly trained, moved or cast) values.
 
 Checkpoints. A patched model's ``state_dict()`` has the stock keys, in the stock order, with
 the stock values, so ``save_pretrained``/``torch.save`` write a stock checkpoint and a stock
-checkpoint loads into a patched model. Saving: each :class:`QKVSlice` writes a copy of its rows
-of the fused parameters under its stock name (``q_proj.weight``, ...; a tensor of its own, as
-safetensors' ``save_model`` requires) and :class:`FusedQKV` writes nothing. Loading: a
-load-state-dict pre-hook on the attention module concatenates the stock q/k/v entries into
-``qkv_proj.weight``/``.bias`` before torch loads the fused module, so ``strict``,
-``assign=True`` and missing/unexpected/size-mismatch reports (under the stock names) behave
-as they do for the stock module; a state dict with ``qkv_proj`` keys loads too. State-dict
-hooks rather than parameters that are views of the fused weight: a view of a parameter is
-not a leaf, so gradients and optimizer state must live on the one fused parameter that the
-GEMM reads. :class:`HybridConv1D`'s state dict holds a contiguous copy of its weight (the
+checkpoint loads into a patched model. Saving: each :class:`QKVSlice` writes copies of its
+parameters (tensors of their own, as safetensors' ``save_model`` requires) and
+:class:`FusedQKV` writes nothing. Loading copies each stock entry into its rows, so
+``strict``, ``assign=True`` and missing/unexpected/size-mismatch reports behave as they do
+for the stock module; a state dict with ``qkv_proj`` keys loads too.
+:class:`HybridConv1D`'s state dict holds a contiguous copy of its weight (the
 parameter is stored transposed while patched; safetensors refuses non-contiguous tensors).
 
 Adapters and names. A linear that an adapter layer wraps (PEFT's LoRA: ``q_proj.base_layer``)
@@ -64,13 +59,11 @@ is patched under it, fused with its siblings, and the adapter runs on top; adapt
 after patching wrap the slices the same way (fusion/fused_rows.py). A fused decoder layer
 adds the terms of PEFT LoRA layers over its projections inside its decode step
 (fusion/models/adapter_terms.py); with any other adapter it keeps its own forward (the report
-says so). ``q_proj.weight`` of a fused model is
-its rows of the fused parameter (``get_parameter`` finds them; ``requires_grad`` is set on
-the fused parameter as a whole). A ``resize_token_embeddings`` of transformers' models
+says so). A ``resize_token_embeddings`` of transformers' models
 patches the new LM head too (fusion/models/embeddings.py).
 
-Tied weights. Fusing copies Q, K and V into one new parameter, which would untie weights
-that are shared. So Q/K/V are not fused (each linear is swapped on its own, which keeps
+Tied weights. Fusing moves Q, K and V into the rows of one stacked tensor, which would
+untie weights that are shared. So Q/K/V are not fused (each linear is swapped on its own, which keeps
 every parameter object, hence every tie; the report says why) when one of the q/k/v linears,
 or one of their parameters, is registered in more than one place under the patched root
 (``k_proj is q_proj``, ``k_proj.weight is q_proj.weight``, a weight shared with another layer).

@@ -129,7 +129,7 @@ def test_outside_decode_inference_the_stock_forward_runs(why, kernels_on_cpu, mo
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     if grad:
         out.sum().backward()
-        assert model.model.layers[0].mlp.gate_up_proj.weight.grad is not None
+        assert model.model.layers[0].mlp.up_proj.weight.grad is not None
 
 
 def test_unpatch_restores_the_stock_classes_and_state():

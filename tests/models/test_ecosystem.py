@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hybridgemm
-from hybridgemm.fused_rows import FusedLinears, FusedRows, FusedSlice
+from hybridgemm.fused_rows import FusedLinears, FusedPart, FusedSlice
 from hybridgemm.linear_layer import HybridLinear
 
 transformers = pytest.importorskip("transformers")
@@ -194,25 +194,127 @@ def test_an_adapter_the_step_does_not_compute_gives_the_layer_forward(monkeypatc
 # ----------------------------------------------------------------------------- names
 
 
-def test_stock_parameter_names_reach_the_fused_rows():
-    model = _stock()
+def test_stock_parameter_names_are_the_parameters():
+    stock = _stock()
+    model = copy.deepcopy(stock)
+    q_before = model.model.layers[0].self_attn.q_proj.weight
     hybridgemm.patch(model)
     attn = model.model.layers[0].self_attn
+    stacked = attn.qkv_proj.stacked("weight")
+    names = [n for n, _ in model.named_parameters()]
+    assert names == [n for n, _ in stock.named_parameters()]  # the stock names, in the stock order
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in stock.parameters())
     k = model.get_parameter("model.layers.0.self_attn.k_proj.weight")
-    assert isinstance(k, torch.nn.Parameter) and isinstance(k, FusedRows)
-    assert k.shape == (32, 64) and k.data_ptr() == attn.qkv_proj.weight[64:96].data_ptr()
+    assert type(k) is FusedPart and k.is_leaf and k.shape == (32, 64)
+    assert k.data_ptr() == stacked[64:96].data_ptr()  # its rows of the one GEMM's weight: no copy
+    assert attn.q_proj.weight is q_before  # the replaced linear's own parameter object
     assert type(k * 2) is torch.Tensor  # operations give plain tensors
     fresh = torch.randn(32, 64)
     k.data = fresh  # as stock code (and PEFT's safe merge) replaces a parameter's values
-    assert torch.equal(attn.qkv_proj.weight[64:96], fresh)
+    assert torch.equal(stacked[64:96], fresh) and k.data_ptr() == stacked[64:96].data_ptr()
     with pytest.raises(ValueError, match="takes data of shape"):
         attn.k_proj.weight.data = torch.randn(3, 64)
-    attn.k_proj.weight.requires_grad_(True)  # what it already is: nothing to change
-    with pytest.raises(ValueError, match="one parameter fused from q_proj/k_proj/v_proj.*fuse_qkv=False"):
-        attn.k_proj.weight.requires_grad_(False)
-    with pytest.raises(ValueError, match="gate_proj/up_proj"):
-        model.model.layers[0].mlp.up_proj.weight.requires_grad = False
-    assert attn.qkv_proj.weight.requires_grad
+
+
+def test_freezing_by_name_trains_only_the_other_parts():
+    stock = _stock()
+    patched = copy.deepcopy(stock)
+    hybridgemm.patch(patched)
+    ids = _ids()
+    steps = []
+    for m in (stock, patched):
+        for n, p in m.named_parameters():
+            p.requires_grad_("q_proj" not in n and "up_proj" not in n)  # freeze by name
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m.train()
+        m(ids, labels=ids).loss.backward()
+        grads = {n: p.grad for n, p in m.named_parameters()}
+        opt.step()
+        steps.append((grads, {n: p.detach().clone() for n, p in m.named_parameters()}))
+    (g_ref, after_ref), (g_got, after_got) = steps
+    assert [n for n, g in g_got.items() if g is None] == [n for n, g in g_ref.items() if g is None]
+    assert any("q_proj" in n for n, g in g_got.items() if g is None)
+    for n, g in g_ref.items():
+        if g is not None:
+            assert torch.allclose(g_got[n], g, rtol=1e-4, atol=1e-6), n
+    for n, w in after_ref.items():
+        assert torch.allclose(after_got[n], w, rtol=1e-5, atol=1e-6), n
+    layer = patched.model.layers[0]
+    q, k = layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight
+    stacked = layer.self_attn.qkv_proj.stacked("weight")
+    assert torch.equal(stacked[:64], stock.model.layers[0].self_attn.q_proj.weight.detach())  # frozen: untouched
+    assert torch.equal(stacked[64:96], k.detach()) and not q.requires_grad and k.requires_grad
+    patched.eval()
+    assert torch.allclose(_logits(patched, ids), _logits(stock, ids), rtol=1e-4, atol=1e-5)  # the GEMM reads them
+
+
+def test_compiled_training_step_with_a_part_frozen_by_name():
+    torch._dynamo.reset()
+    stock = _stock().train()
+    patched = copy.deepcopy(stock)
+    hybridgemm.patch(patched)
+    ids = _ids()
+    for m in (stock, patched):
+        for n, p in m.named_parameters():
+            p.requires_grad_("k_proj" not in n)
+    stock(ids, labels=ids).loss.backward()
+    torch.compile(patched, fullgraph=True, backend="aot_eager")(ids, labels=ids).loss.backward()
+    got = dict(patched.named_parameters())
+    for n, p in stock.named_parameters():
+        assert (p.grad is None) == (got[n].grad is None), n
+        if p.grad is not None:
+            assert torch.allclose(got[n].grad, p.grad, rtol=1e-4, atol=1e-6), n
+    assert got["model.layers.0.self_attn.k_proj.weight"].grad is None
+
+
+def test_an_optimizer_built_before_patch_keeps_training_the_model():
+    stock = _stock()
+    patched = copy.deepcopy(stock)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (stock, patched)]
+    hybridgemm.patch(patched)
+    ids = _ids()
+    for m, opt in zip((stock, patched), opts):
+        m.train()
+        for _ in range(2):
+            opt.zero_grad()
+            m(ids, labels=ids).loss.backward()
+            opt.step()
+    sd_ref, sd_got = stock.state_dict(), patched.state_dict()
+    for n, w in sd_ref.items():
+        assert torch.allclose(sd_got[n], w, rtol=1e-4, atol=1e-5), n
+    assert not torch.equal(sd_got["model.layers.0.self_attn.v_proj.weight"],
+                           _stock().state_dict()["model.layers.0.self_attn.v_proj.weight"])
+
+
+def test_moves_and_copies_keep_the_parts_in_the_stacked_rows():
+    model = _stock()
+    hybridgemm.patch(model)
+    ids = _ids()
+    ref = _logits(model, ids).double()
+    model.double()
+    attn = model.model.layers[1].self_attn
+    stacked = attn.qkv_proj.stacked("weight")
+    assert stacked.dtype == torch.float64 and attn.v_proj.weight.data_ptr() == stacked[96:].data_ptr()
+    twin = copy.deepcopy(model)
+    t_attn = twin.model.layers[1].self_attn
+    assert t_attn.k_proj.weight.data_ptr() == t_attn.qkv_proj.stacked("weight")[64:96].data_ptr()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    l_attn = loaded.model.layers[1].self_attn
+    assert type(l_attn.k_proj.weight) is FusedPart
+    assert l_attn.k_proj.weight.data_ptr() == l_attn.qkv_proj.stacked("weight")[64:96].data_ptr()
+    for m in (model, twin, loaded):
+        assert torch.allclose(_logits(m, ids), ref, rtol=1e-5, atol=1e-6)
+    # a part put in place as accelerate's loaders put one (a new parameter object straight into
+    # the slice's _parameters): stacked anew before the next GEMM
+    from accelerate.utils import set_module_tensor_to_device
+
+    set_module_tensor_to_device(attn.q_proj, "weight", "cpu", value=attn.q_proj.weight.detach() * 2)
+    doubled = attn.qkv_proj.stacked("weight")
+    assert doubled.data_ptr() != stacked.data_ptr() and torch.equal(doubled[:64], attn.q_proj.weight.detach())
+    assert type(attn.q_proj.weight) is FusedPart and torch.equal(doubled[:64], 2 * stacked[:64])
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -285,7 +387,7 @@ def test_a_missing_weight_is_initialised_into_its_rows(tmp_path):
     save_file(sd, path, metadata={"format": "pt"})
     model = PatchedAtConstruction.from_pretrained(tmp_path).eval()
     attn = model.model.layers[0].self_attn
-    v, k = attn.qkv_proj.weight[96:], attn.qkv_proj.weight[64:96]
+    v, k = attn.qkv_proj.stacked("weight")[96:], attn.qkv_proj.stacked("weight")[64:96]
     assert torch.equal(k, stock.model.layers[0].self_attn.k_proj.weight)
     assert float(v.std()) > 0 and not torch.equal(v, stock.model.layers[0].self_attn.v_proj.weight)
 
