@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .triton_glu import ACTIVATIONS, _gate_act
-from .triton_launch import interpreting
+from .triton_launch import device_facts, interpreting, pdl_enabled
 
 
 @dataclass(frozen=True)
@@ -241,10 +242,15 @@ def _moe_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, expert_ptr, rw_ptr, S, N, K, to
 # layout: each pair streams its expert's weight rows once, dot products on the CUDA cores (an
 # fp32 partial-sum tile per program, reduced along K once at the end, so the order of every
 # sum is fixed by the config). Down also sums the token's k slots, in the program.
+# PDL (programmatic dependent launch, triton_launch.pdl_enabled): nothing is read or written
+# before the wait, and once a program's loop is done the next grid may get ready, so the
+# boundary between gate/up and down overlaps the gate/up epilogue.
 
 @triton.jit
 def _moe_pair_glu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, ldw, ldo, n_gate,
-                         BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr):
+                         BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + p).to(tl.int64)
@@ -262,6 +268,8 @@ def _moe_pair_glu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, 
         xv = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         acc += tl.load(w_gate + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32) * xv
         acc_up += tl.load(w_up + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32) * xv
+    if PDL:
+        gdc_launch_dependents()
     dt = x_ptr.dtype.element_ty
     gate = tl.sum(acc, axis=1).to(dt).to(tl.float32)
     up = tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
@@ -272,9 +280,11 @@ def _moe_pair_glu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, 
 @triton.jit
 def _moe_pair_down_kernel(inter_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ldi, lde, ldw, ldo,
                           TOP_K: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          ROUND_PRODUCT: tl.constexpr):
+                          ROUND_PRODUCT: tl.constexpr, PDL: tl.constexpr):
     # all of a token's slots in one [KP, BN, BK] tile (KP: TOP_K to a power of two), so each
     # step of the K loop streams every slot's weight rows at once
+    if PDL:
+        gdc_wait()
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     slots = tl.arange(0, KP)
@@ -294,6 +304,8 @@ def _moe_pair_down_kernel(inter_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ldi,
         iv = tl.load(i_rows + (k0 + offs_k)[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + (k0 + offs_k)[None, None, :], mask=s_ok[:, None, None] & k_ok[None, None, :], other=0.0)
         acc += w.to(tl.float32) * iv.to(tl.float32)[:, None, :]
+    if PDL:
+        gdc_launch_dependents()
     routing = tl.load(rw_ptr + p, mask=s_ok, other=0.0).to(tl.float32)
     y = tl.sum(acc, axis=2).to(dt).to(tl.float32) * routing[:, None]
     if ROUND_PRODUCT:
@@ -323,7 +335,7 @@ def pairs_gate_up(config: TritonMoeConfig, x: torch.Tensor, w_gate_up: torch.Ten
     _moe_pair_glu_kernel[(t * top_k, triton.cdiv(i, config.block_n))](
         x, w_gate_up, topk_ids.contiguous(), inter, i, k, top_k, x.stride(0), w_gate_up.stride(0),
         w_gate_up.stride(1), inter.stride(0), i, BN=config.block_n, BK=config.block_k, ACT=ACTIVATIONS[activation],
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl(x))
     return inter
 
 
@@ -343,8 +355,14 @@ def pairs_down(config: TritonMoeConfig, inter: torch.Tensor, w_down: torch.Tenso
         inter, w_down, topk_ids.contiguous(), rw, out, h, w_down.shape[2], inter.stride(0), w_down.stride(0),
         w_down.stride(1), out.stride(0), TOP_K=top_k, KP=triton.next_power_of_2(top_k), BN=config.block_n,
         BK=config.block_k, ROUND_PRODUCT=_rounds_product(inter, rw), num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        num_stages=config.num_stages, **_pdl(inter))
     return out
+
+
+def _pdl(x: torch.Tensor) -> dict:
+    """The PDL constexpr and launch option of a pair kernel on x's device."""
+    on = x.is_cuda and pdl_enabled(device_facts(x.device).capability)
+    return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
 
 
 @triton.jit
