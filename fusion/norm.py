@@ -9,9 +9,12 @@ rounded to the input dtype before the weight multiplies it.
 
 Recognised by class (the formula is the class's, not something the structure shows): the
 RMSNorm classes of transformers' Llama, Qwen2, Qwen3 and Mistral (one formula, copied per
-model), with a 1-D ``weight`` and a ``variance_epsilon``. Gemma's, which scales by
-``1 + weight``, and any other class are left alone. The module keeps its object, weight and
-state-dict key; only its class is swapped (undone by :func:`hybridgemm.unpatch`).
+model), with a 1-D ``weight`` and a ``variance_epsilon``. Gemma's (:data:`GEMMA_NORM_CLASSES`:
+``x * rsqrt(mean(x²) + eps)`` times ``1 + weight``, all in fp32, rounded once, with ``eps``)
+become :class:`HybridGemmaRMSNorm`, which computes the stock formula in torch ops and hands
+the fused decode step its ``1 + weight`` in fp32 (:func:`norm_operand`); any other class is
+left alone. The module keeps its object, weight and state-dict key; only its class is swapped
+(undone by :func:`hybridgemm.unpatch`).
 
 Anything but eager inference on CUDA (a gradient wanted, ``torch.compile``, which fuses the
 norm itself, autocast, the CPU, tensor subclasses, other dtypes) runs the stock formula in
@@ -31,6 +34,9 @@ from hybridgemm.kernels.lazy import triton_module
 # against reference_rms_norm bit for bit with the installed transformers.
 RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "MixtralRMSNorm",
                     "Phi3RMSNorm", "GraniteRMSNorm", "GraniteMoeRMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm")
+# transformers' RMSNorm classes of Gemma's formula (tests/fusion/test_norm.py checks each one
+# against reference_gemma_rms_norm bit for bit with the installed transformers).
+GEMMA_NORM_CLASSES = ("GemmaRMSNorm",)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -47,6 +53,24 @@ def is_rms_norm(mod: nn.Module) -> bool:
     w = mod._parameters.get("weight")
     eps = mod.__dict__.get("variance_epsilon")
     return w is not None and w.dim() == 1 and isinstance(eps, (int, float)) and not isinstance(eps, bool)
+
+
+def is_gemma_norm(mod: nn.Module) -> bool:
+    """Is ``mod`` one of transformers' RMSNorm classes of :data:`GEMMA_NORM_CLASSES`, with the
+    attributes their forward reads (a 1-D ``weight``, a number ``eps``)?"""
+    t = type(mod)
+    if t.__name__ not in GEMMA_NORM_CLASSES or not t.__module__.startswith("transformers"):
+        return False
+    w = mod._parameters.get("weight")
+    eps = mod.__dict__.get("eps")
+    return w is not None and w.dim() == 1 and isinstance(eps, (int, float)) and not isinstance(eps, bool)
+
+
+def reference_gemma_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Gemma's formula, op for op: normalised and scaled by ``1 + weight`` in fp32, rounded once."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
 
 
 def reference_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -111,4 +135,67 @@ class HybridRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
-__all__ = ["RMS_NORM_CLASSES", "HybridRMSNorm", "is_rms_norm", "reference_rms_norm", "rms_norm"]
+class HybridGemmaRMSNorm(nn.Module):
+    """A recognised Gemma RMSNorm with its class swapped (same ``weight`` and ``eps``): the stock
+    formula in torch ops; the fused decode step folds it into the GEMM that reads its output,
+    taking ``1 + weight`` in fp32 (:meth:`kernel_weight`)."""
+
+    weight: nn.Parameter
+    eps: float
+
+    @property
+    def variance_epsilon(self) -> float:
+        return self.eps
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return reference_gemma_rms_norm(hidden_states, self.weight, self.eps)
+
+    def kernel_weight(self) -> Tensor:
+        """``1 + weight`` in fp32, the factor the fused GEMMs multiply x by (a fused norm
+        prologue computes ``rstd * ((x * g) @ W.T)``). Kept between calls while the weight is
+        unchanged (same storage and version); computed in the graph under ``torch.compile``."""
+        w = self.weight
+        if torch.compiler.is_compiling():
+            return 1.0 + w.detach().float()
+        key = (w.data_ptr(), w._version, w.device, w.dtype)
+        kept = self.__dict__.get("_kernel_weight")
+        if kept is None or kept[0] != key:
+            with torch.no_grad():
+                kept = (key, (1.0 + w.detach().float()).contiguous())
+            self.__dict__["_kernel_weight"] = kept
+        return kept[1]
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, 1 + weight"
+
+
+def prologue_norm(x: Tensor, g: Tensor, eps: float) -> Tensor:
+    """What a fused norm prologue with operand ``g`` computes, in torch ops (the fused GEMMs'
+    fallback): Llama's formula for a ``g`` of x's dtype; for an fp32 ``g`` (a Gemma norm's
+    ``1 + weight``) Gemma's, normalised and scaled in fp32, rounded once."""
+    if g.dtype == x.dtype:
+        return rms_norm(x, g, eps)
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * g).to(x.dtype)
+
+
+def norm_operand(norm: nn.Module) -> tuple[Tensor, float]:
+    """``(g, eps)`` of a patched norm for a fused norm prologue: a Llama-style norm's weight,
+    a Gemma norm's ``1 + weight`` in fp32."""
+    if type(norm) is HybridGemmaRMSNorm:
+        return norm.kernel_weight(), norm.eps
+    return norm.weight, norm.variance_epsilon
+
+
+def apply_norm(norm: nn.Module, x: Tensor) -> Tensor:
+    """A patched norm's output for ``x`` (the module's formula), without its forward hooks."""
+    if type(norm) is HybridGemmaRMSNorm:
+        return reference_gemma_rms_norm(x, norm.weight, norm.eps)
+    return rms_norm(x, norm.weight, norm.variance_epsilon)
+
+
+PATCHED_NORMS = (HybridRMSNorm, HybridGemmaRMSNorm)
+
+__all__ = ["GEMMA_NORM_CLASSES", "PATCHED_NORMS", "RMS_NORM_CLASSES", "HybridGemmaRMSNorm", "HybridRMSNorm",
+           "apply_norm", "is_gemma_norm", "is_rms_norm", "norm_operand", "prologue_norm", "reference_gemma_rms_norm",
+           "reference_rms_norm", "rms_norm"]

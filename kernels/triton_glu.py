@@ -337,7 +337,7 @@ def run(config: TritonGluConfig, x: torch.Tensor, w: torch.Tensor, b: torch.Tens
     """
     if tf32 is None:
         tf32 = x.dtype is torch.float32 and _allow_tf32()
-    norm_key = None if norm is None else (float(norm[1]), norm[0].data_ptr() % 16 == 0)
+    norm_key = None if norm is None else (float(norm[1]), norm[0].data_ptr() % 16 == 0, norm[0].dtype)
     plan = _PLANS.plan((config, act, norm_key), x, w, b, out, None, tf32)
     if plan.empty:
         return out

@@ -148,8 +148,8 @@ def parse_activation(activation) -> Activation:
 
 def check_fusion(x: torch.Tensor, out: torch.Tensor, norm: tuple | None, residual: torch.Tensor | None,
                  who: str) -> None:
-    """ValueError/TypeError unless ``norm`` is None or (a contiguous K-vector of x's dtype on x's
-    device, a finite eps ≥ 0) and ``residual`` is None or an (M, N) tensor like ``out`` with unit
+    """ValueError/TypeError unless ``norm`` is None or (a contiguous K-vector of x's dtype or
+    fp32 on x's device, a finite eps ≥ 0) and ``residual`` is None or an (M, N) tensor like ``out`` with unit
     column stride."""
     if norm is not None:
         if not (isinstance(norm, tuple) and len(norm) == 2):
@@ -157,9 +157,9 @@ def check_fusion(x: torch.Tensor, out: torch.Tensor, norm: tuple | None, residua
         nw, eps = norm
         if not isinstance(nw, torch.Tensor) or nw.dim() != 1 or nw.shape[0] != x.shape[1] or nw.stride(0) != 1:
             raise ValueError(f"{who}: the norm weight must be a contiguous vector of {x.shape[1]} elements (x's K)")
-        if nw.dtype != x.dtype or nw.device != x.device:
-            raise TypeError(f"{who}: the norm weight must have x's dtype and device ({x.dtype}, {x.device}), got "
-                            f"{nw.dtype} on {nw.device}")
+        if nw.dtype not in (x.dtype, torch.float32) or nw.device != x.device:
+            raise TypeError(f"{who}: the norm weight must have x's dtype (or float32) and device ({x.dtype}, "
+                            f"{x.device}), got {nw.dtype} on {nw.device}")
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
             raise ValueError(f"{who}: norm eps must be a finite number ≥ 0, got {eps!r}")
     if residual is not None:

@@ -410,7 +410,9 @@ class Fusion:
     """What a plan fuses around the GEMM, part of its cache key: an RMSNorm of x in the prologue
     (``norm_eps`` not None; the norm weight's 16-byte alignment), a residual added in the
     epilogue (``residual_ld`` not None: its row stride; its 16-byte alignment), the rotary
-    embedding and KV-cache write of a Q/K/V projection (``rope``)."""
+    embedding and KV-cache write of a Q/K/V projection (``rope``). ``norm_fp32``: the norm
+    weight is fp32 (a Gemma norm's ``1 + weight``), not x's dtype (Triton compiles the prologue
+    for its pointer type)."""
 
     norm_eps: float | None = None
     norm_aligned: bool = True
@@ -418,6 +420,7 @@ class Fusion:
     residual_aligned: bool = True
     rope: RopeLayout | None = None
     residual_scale: float | None = None  # the residual adds y * residual_scale (Granite's residual_multiplier)
+    norm_fp32: bool = False
 
 
 _NO_FUSION = Fusion()
@@ -471,7 +474,8 @@ def fusion_of(norm: tuple | None, residual: torch.Tensor | None, rope: RopeLayou
     return Fusion(None if norm is None else float(norm[1]), norm is None or norm[0].data_ptr() % 16 == 0,
                   None if residual is None else (residual.stride(0) if residual.shape[0] > 1 else residual.shape[1]),
                   residual is None or residual.data_ptr() % 16 == 0, rope,
-                  None if residual_scale is None else float(residual_scale))
+                  None if residual_scale is None else float(residual_scale),
+                  norm is not None and norm[0].dtype == torch.float32)
 
 
 def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:

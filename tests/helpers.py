@@ -132,7 +132,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
                    kind: str = "llama"):
     """A small 2-layer Llama (``kind="qwen3"``: Qwen3, with its q/k norms; ``"granite"``: Granite,
     with its multipliers; ``"qwen3_moe"``/``"mixtral"``: those mixtures of 8 experts, 2 per
-    token, of a quarter of ``intermediate_size`` / of it) of 8 heads and 2 KV heads, random
+    token, of a quarter of ``intermediate_size`` / of it; ``"gemma"``: Gemma, its (1 + w) norms
+    drawn from U(-0.5, 0.5), GeGLU) of 8 heads and 2 KV heads, random
     weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16 patched by
     hybridgemm with both decoder layers fused."""
     import copy
@@ -143,7 +144,7 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
 
     cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
            "granite": transformers.GraniteConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
-           "mixtral": transformers.MixtralConfig}[kind]
+           "mixtral": transformers.MixtralConfig, "gemma": transformers.GemmaConfig}[kind]
     extra = {"granite": dict(residual_multiplier=0.22, attention_multiplier=0.05, embedding_multiplier=12.0,
                              logits_scaling=8.0),
              "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4),
@@ -153,6 +154,11 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
                  tie_word_embeddings=False, head_dim=hidden_size // 8, **extra)
     torch.manual_seed(0)
     base = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if kind == "gemma":  # its norms start at weight 0: other factors, so that 1 + w shows
+        with torch.no_grad():
+            for name, p in base.named_parameters():
+                if "norm" in name:
+                    p.uniform_(-0.5, 0.5)
     ref = copy.deepcopy(base).to(device)
     stock = copy.deepcopy(base).to(device, torch.bfloat16)
     patched = copy.deepcopy(stock)

@@ -46,7 +46,7 @@ from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.linear_layer import HybridLinear, PartialSumLinear
 from hybridgemm.mlp import FUSED_GATE_UP, HybridGatedMLP
 from hybridgemm.mode_state import DEFAULT, get_mode
-from hybridgemm.norm import HybridRMSNorm
+from hybridgemm.norm import PATCHED_NORMS, HybridRMSNorm
 
 from . import adapter_terms
 
@@ -488,7 +488,7 @@ def _parts_in_place(layer: nn.Module) -> bool:
     attention = (all(_in_place(attn.get(n), _slice) for n in ("q_proj", "k_proj", "v_proj"))
                  and (_fusable_projection(o) or _in_place(o, _own_projection)))
     if moe_block(layer.mlp):
-        return attention and type(layer.post_attention_layernorm) is HybridRMSNorm
+        return attention and type(layer.post_attention_layernorm) in PATCHED_NORMS
     return (attention and all(_in_place(mlp.get(n), _slice) for n in ("gate_proj", "up_proj"))
             and (_fusable_projection(down) or _in_place(down, _own_projection)))
 
@@ -571,8 +571,8 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
                 else "its MLP's gate/up are not fused into one GEMM")
     if not moe and not _fusable_projection(down_proj):
         return f"its down_proj is a {type(down_proj).__name__}, not a patched or row-parallel nn.Linear"
-    if not all(type(n) is HybridRMSNorm for n in norms):
-        return "its norms are not Llama-style RMSNorms"
+    if not all(type(n) in PATCHED_NORMS for n in norms):
+        return "its norms are not RMSNorms of a formula the step computes (Llama's, Gemma's)"
     scaled = scales_residuals(t)
     if not scaled and not _matches(body_statements(t.forward), _LAYER_BODY):
         return f"{t.__name__}.forward is not the pre-norm layer this step computes"

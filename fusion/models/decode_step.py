@@ -59,7 +59,7 @@ from hybridgemm.fp8_modules import weight_scale_of
 from hybridgemm.kernels.process_memory import per_call_scratch
 from hybridgemm.linear_layer import PartialSumLinear
 from hybridgemm.mlp import FUSED_GATE_UP, GLU_FUNCTIONS, gated_linear
-from hybridgemm.norm import rms_norm
+from hybridgemm.norm import apply_norm, norm_operand, prologue_norm, rms_norm
 
 from . import adapter_terms
 from . import decode_checks as checks
@@ -85,7 +85,7 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None
 def _norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
                  counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     y = dispatch.fused_splitk(x, weight, bias, counters, scale, norm=(norm_weight, float(eps)))
-    return _linear(rms_norm(x, norm_weight, eps), weight, bias, scale) if y is None else y
+    return _linear(prologue_norm(x, norm_weight, eps), weight, bias, scale) if y is None else y
 
 
 def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
@@ -109,7 +109,7 @@ def _gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias
         gate, up = _norm_linear(x, norm_weight, eps, weight, bias, None, scale).chunk(2, dim=-1)
         return GLU_FUNCTIONS[activation](gate) * up
     y = dispatch.gated(x, weight, bias, activation, norm=(norm_weight, float(eps)))
-    return gated_linear(rms_norm(x, norm_weight, eps), weight, bias, activation) if y is None else y
+    return gated_linear(prologue_norm(x, norm_weight, eps), weight, bias, activation) if y is None else y
 
 
 # ``counters`` (the layer's arrival counters, decoder_layer.COUNTERS) are scratch the kernels
@@ -192,7 +192,7 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def _rope_qkv_unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
                       scale=None, q_norm=None, k_norm=None, qk_eps=0.0) -> Tensor:
     """The stock computation: norm, GEMM, then :func:`_rotate_store`."""
-    y = _linear(rms_norm(x, norm_weight, eps), weight, bias, scale)
+    y = _linear(prologue_norm(x, norm_weight, eps), weight, bias, scale)
     return _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm, k_norm, qk_eps)
 
 
@@ -320,7 +320,7 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
         y = _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, qk.get("q_norm"), qk.get("k_norm"),
                           qk.get("qk_eps", 0.0))
     else:
-        y = norm_rope_qkv(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, cos, sin, keys, values,
+        y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,
                           base, heads, kv_heads, counters, weight_scale_of(qkv), **qk)
     mask = kwargs.get("attention_mask")
     sdpa = checks.registered_sdpa()  # a user may have registered another one
@@ -366,7 +366,7 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
     if any(adapter_terms.adds_terms(m) for m in slots):
         y = _qkv_with_adapters(x, norm, qkv, slots, counters)
     else:
-        y = norm_linear(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
+        y = norm_linear(x, *norm_operand(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
     q, k, v = (t.view(hidden_shape) for t in y.split(qkv.sizes, dim=-1))
     if form.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
@@ -402,8 +402,8 @@ def _qkv_with_adapters(x: Tensor, norm: nn.Module, qkv: nn.Module, slots: list[n
     """The Q/K/V projection of ``rmsnorm(x)`` in one launch, plus the terms of the LoRA layers
     in ``slots`` (which take the normalised x, as in the stock attention); for a call where
     some of them add terms."""
-    y = norm_linear(x, norm.weight, norm.variance_epsilon, qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
-    return adapter_terms.add_slice_terms(slots, rms_norm(x, norm.weight, norm.variance_epsilon), y, qkv.sizes)
+    y = norm_linear(x, *norm_operand(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
+    return adapter_terms.add_slice_terms(slots, apply_norm(norm, x), y, qkv.sizes)
 
 
 def attention(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None) -> Tensor:
@@ -460,10 +460,10 @@ def _mlp_inner(mlp: nn.Module, norm: nn.Module, h: Tensor) -> Tensor:
     gate_up = mlp._modules[FUSED_GATE_UP]
     slots = _slots(mlp, gate_up)
     if not any(adapter_terms.adds_terms(m) for m in slots):
-        return gated_norm(h, norm.weight, norm.variance_epsilon, gate_up.weight, gate_up.bias, mlp.glu_activation,
+        return gated_norm(h, *norm_operand(norm), gate_up.weight, gate_up.bias, mlp.glu_activation,
                           weight_scale_of(gate_up))
-    y = norm_linear(h, norm.weight, norm.variance_epsilon, gate_up.weight, gate_up.bias, None, weight_scale_of(gate_up))
-    y = adapter_terms.add_slice_terms(slots, rms_norm(h, norm.weight, norm.variance_epsilon), y, gate_up.sizes)
+    y = norm_linear(h, *norm_operand(norm), gate_up.weight, gate_up.bias, None, weight_scale_of(gate_up))
+    y = adapter_terms.add_slice_terms(slots, apply_norm(norm, h), y, gate_up.sizes)
     gate, up = y.split(list(gate_up.sizes), dim=-1)
     return GLU_FUNCTIONS[mlp.glu_activation](gate) * up
 

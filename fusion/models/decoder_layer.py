@@ -28,7 +28,7 @@ from . import decode_checks, decode_step
 LAYER_MODULES = {"LlamaDecoderLayer": "llama", "Qwen2DecoderLayer": "qwen2", "Qwen3DecoderLayer": "qwen3",
                  "MistralDecoderLayer": "mistral", "GraniteDecoderLayer": "granite",
                  "Qwen3MoeDecoderLayer": "qwen3_moe", "MixtralDecoderLayer": "mixtral",
-                 "Qwen2MoeDecoderLayer": "qwen2_moe"}
+                 "Qwen2MoeDecoderLayer": "qwen2_moe", "GemmaDecoderLayer": "gemma"}
 LAYER_CLASSES = tuple(LAYER_MODULES)
 # A fused layer's int32 buffer (not in the state dict) of split-K arrival counters for its
 # GEMMs, which run one after another and leave it zero: a compiled decode step then needs no

@@ -120,7 +120,7 @@ from hybridgemm.mlp import (
     prefused_gated_parts,
     two_layer_act,
 )
-from hybridgemm.norm import HybridRMSNorm, is_rms_norm
+from hybridgemm.norm import HybridGemmaRMSNorm, HybridRMSNorm, is_gemma_norm, is_rms_norm
 
 from .decode_checks import NOT_A_LAYER, SCALED_RESIDUALS, STATIC_STEP, scales_residuals, why_not_fuse_attention
 from .decoder_layer import COUNTERS, fused_class, new_counters, why_not_fuse_layer
@@ -334,6 +334,9 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
             continue
         if norm and is_rms_norm(mod):
             swap(name, mod, HybridRMSNorm)
+            continue
+        if norm and is_gemma_norm(mod):
+            swap(name, mod, HybridGemmaRMSNorm)
             continue
         if mlp and _patch_mlp(name, mod, modules, owners, report, swap, done):
             continue

@@ -233,10 +233,11 @@ for glu in (True, False):
         except (TypeError, KeyError, AttributeError) as e:
             raise SystemExit(f"API: {type(e).__name__}: {e}")
         assert c.asm["cubin"]
-pair_kernels = [
-    (tm._moe_pair_glu_kernel, ["*bf16", "*bf16", "*i64", "*bf16"] + ["i32"] * 8, {"ACT": ACTIVATIONS["silu"]}),
-    (tm._moe_pair_down_kernel, ["*bf16", "*bf16", "*i64", "*fp32", "*bf16"] + ["i32"] * 6,
-     {"TOP_K": 6, "KP": 8, "ROUND_PRODUCT": False}),
+pair_kernels = [  # the pair kernels with and without programmatic dependent launch
+    *((tm._moe_pair_glu_kernel, ["*bf16", "*bf16", "*i64", "*bf16"] + ["i32"] * 8,
+       {"ACT": ACTIVATIONS["silu"], "PDL": pdl}) for pdl in (False, True)),
+    *((tm._moe_pair_down_kernel, ["*bf16", "*bf16", "*i64", "*fp32", "*bf16"] + ["i32"] * 6,
+       {"TOP_K": 6, "KP": 8, "ROUND_PRODUCT": False, "PDL": pdl}) for pdl in (False, True)),
     (tm._moe_count_kernel, ["*i64", "*i32", "i32"], {"EP": 128, "CHUNK": tm.ALIGN_CHUNK}),
     (tm._moe_sum_slots_kernel, ["*fp32", "*bf16", "i32"], {"TOP_K": 8, "BH": 1024}),
     (tm._moe_place_kernel, ["*i64", "*i32", "*i32", "*i32"] + ["i32"] * 5,

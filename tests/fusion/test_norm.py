@@ -75,7 +75,7 @@ def test_other_norms_are_left_alone():
     assert not hnorm.is_rms_norm(LlamaRMSNorm())
     assert not hnorm.is_rms_norm(nn.LayerNorm(8))
     gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
-    assert not hnorm.is_rms_norm(gemma.GemmaRMSNorm(8))  # scales by 1 + weight
+    assert not hnorm.is_rms_norm(gemma.GemmaRMSNorm(8))  # scales by 1 + weight (HybridGemmaRMSNorm's)
     olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
     assert not hnorm.is_rms_norm(olmo2.Olmo2RMSNorm(8))  # multiplies by the weight before rounding
     odd = LlamaRMSNorm.__new__(LlamaRMSNorm)
@@ -241,3 +241,56 @@ def test_qwen3_per_head_norms_on_fused_qkv_slices(cpu_fast_path):
     assert cpu_fast_path and all(cpu_fast_path)
     assert len(cpu_fast_path) == 2 * 4 + 1  # per layer: input, q, k, post-attention; the final norm
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- Gemma's formula
+
+
+def _patched_gemma(stock):
+    import copy
+
+    m = copy.deepcopy(stock)
+    hybridgemm.patch(nn.Sequential(m), strict=True)
+    return m
+
+
+def _gemma_norm(dtype, seed: int = 2):
+    gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
+    stock = gemma.GemmaRMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        stock.weight.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(seed))
+    return stock.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gemma_norm_is_patched_and_computes_its_formula(dtype):
+    """GemmaRMSNorm (1 + w, in fp32, rounded once) becomes HybridGemmaRMSNorm: the stock module's
+    output bit for bit, and the fused prologue's formula (prologue_norm over the fp32 1 + w that
+    the decode step hands the kernels) is that output too."""
+    stock = _gemma_norm(dtype)
+    assert hnorm.is_gemma_norm(stock) and not hnorm.is_rms_norm(stock)
+    patched = _patched_gemma(stock)
+    assert type(patched) is hnorm.HybridGemmaRMSNorm
+    x = (torch.randn(4, 7, 96, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    with torch.no_grad():
+        want = stock(x)
+        assert torch.equal(patched(x), want)
+        assert torch.equal(hnorm.reference_gemma_rms_norm(x, stock.weight, stock.eps), want)
+        g, eps = hnorm.norm_operand(patched)
+        assert g.dtype == torch.float32 and torch.equal(g, 1.0 + stock.weight.float()) and eps == stock.eps
+        assert torch.equal(hnorm.prologue_norm(x, g, eps), want)
+        assert torch.equal(hnorm.apply_norm(patched, x), want)
+    hybridgemm.unpatch(patched)
+    assert type(patched) is type(stock)
+
+
+def test_gemma_kernel_weight_follows_the_weight():
+    patched = _patched_gemma(_gemma_norm(torch.float32))
+    first = patched.kernel_weight()
+    assert patched.kernel_weight() is first  # kept while the weight is unchanged
+    with torch.no_grad():
+        patched.weight.mul_(-1)  # in place: a new version
+    second = patched.kernel_weight()
+    assert second is not first and torch.equal(second, 1.0 + patched.weight.detach().float())
+    patched.weight.data = torch.zeros(96)  # new storage
+    assert torch.equal(patched.kernel_weight(), torch.ones(96))

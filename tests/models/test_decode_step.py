@@ -212,9 +212,15 @@ def _tiny(kind: str, layers: int = 2, **extra):
               num_hidden_layers=layers, vocab_size=VOCAB, max_position_embeddings=64, **extra)
     config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
               "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
-              "granite": transformers.GraniteConfig}[kind](**kw)
+              "granite": transformers.GraniteConfig, "gemma": transformers.GemmaConfig}[kind](**kw)
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    if kind == "gemma":  # its norms start at weight 0 (a factor of 1): other factors, so 1 + w shows
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(-0.5, 0.5)
+    return model
 
 
 def _patched(stock):
@@ -255,7 +261,11 @@ def _compare(model, stock, steps=3, batch=2):
     # residual_multiplier in the O and down epilogues (the other multipliers are outside the layers)
     ("granite", {"residual_multiplier": 0.22, "attention_multiplier": 0.05, "embedding_multiplier": 12.0,
                  "logits_scaling": 8.0}, MODEL_ONE_PASS),
-], ids=["llama-fused-reduce", "qwen2-one-pass", "mistral-fused-reduce", "qwen3-fused-reduce", "granite-one-pass"])
+    # Gemma: (1 + w) RMSNorms (an fp32 factor in the QKV and gate/up prologues), GeGLU, the
+    # embedding scaled outside the layers
+    ("gemma", {"head_dim": 32}, MODEL_FUSED_REDUCE),
+], ids=["llama-fused-reduce", "qwen2-one-pass", "mistral-fused-reduce", "qwen3-fused-reduce", "granite-one-pass",
+        "gemma-fused-reduce"])
 def test_static_cache_decode_matches_the_stock_model(kind, extra, config, kernels_on_cpu):
     kernels_on_cpu["config"] = config
     stock = _tiny(kind, **extra)

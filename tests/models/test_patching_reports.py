@@ -14,7 +14,7 @@ from torch import nn
 
 import hybridgemm
 from hybridgemm.models.unpatched import is_decoder_layer
-from hybridgemm.norm import RMS_NORM_CLASSES
+from hybridgemm.norm import GEMMA_NORM_CLASSES, RMS_NORM_CLASSES
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,7 +41,7 @@ CONFIGS = {
 }
 
 SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer, GraniteDecoderLayer, "
-             "Qwen3MoeDecoderLayer, MixtralDecoderLayer, Qwen2MoeDecoderLayer")
+             "Qwen3MoeDecoderLayer, MixtralDecoderLayer, Qwen2MoeDecoderLayer, GemmaDecoderLayer")
 
 
 def _layer(cls: str) -> str:
@@ -50,8 +50,8 @@ def _layer(cls: str) -> str:
 
 
 def _norm(cls: str) -> str:
-    return (f"norm not patched: {cls} is not one of the {len(RMS_NORM_CLASSES)} Llama-formula RMSNorm classes "
-            "hybridgemm recognises (hybridgemm.norm.RMS_NORM_CLASSES)")
+    return (f"norm not patched: {cls} is not one of the {len(RMS_NORM_CLASSES) + len(GEMMA_NORM_CLASSES)} RMSNorm "
+            "classes of known formula hybridgemm recognises (hybridgemm.norm.RMS_NORM_CLASSES, GEMMA_NORM_CLASSES)")
 
 
 def _moe(cls: str) -> str:
@@ -68,8 +68,7 @@ L = "model.layers.0"
 # Every entry patch() reports for the one decoder layer of each family, in report order.
 EXPECTED = {
     "llama": [], "qwen2": [], "mistral": [], "qwen3": [],
-    "gemma": [(L, _layer("GemmaDecoderLayer")), (f"{L}.input_layernorm", _norm("GemmaRMSNorm")),
-              (f"{L}.post_attention_layernorm", _norm("GemmaRMSNorm"))],
+    "gemma": [],  # (1 + w) RMSNorms folded into the QKV and gate/up GEMMs, GeGLU in the gated kernel
     "gemma2": [(L, _layer("Gemma2DecoderLayer"))] + [(f"{L}.{n}", _norm("Gemma2RMSNorm")) for n in (
         "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")],
     "granite": [],
@@ -166,8 +165,10 @@ def test_parts_switched_off_are_not_reported():
                                               "gpt_neox.layers.0.post_attention_layernorm"]
     report = _patch(build("gpt_neox"), attention=False, norm=False, layers=False)
     assert report.skipped == [] and "gpt_neox.layers.0.attention.query_key_value" not in report.patched
-    report = _patch(build("gemma"), attention=False, layers=False)
-    assert [n for n, _ in report.skipped] == [f"{L}.input_layernorm", f"{L}.post_attention_layernorm"]
+    report = _patch(build("gemma2"), attention=False, layers=False)
+    assert [n for n, _ in report.skipped] == [f"{L}.{n}" for n in ("input_layernorm", "post_attention_layernorm",
+                                                                   "pre_feedforward_layernorm",
+                                                                   "post_feedforward_layernorm")]
     report = _patch(build("mixtral"), mlp=False, norm=False)
     assert [n for n, _ in report.skipped] == [L]
     report = _patch(build("llama"), attention=False, mlp=False, norm=False, layers=False)
@@ -225,7 +226,7 @@ def test_encoders_and_plain_modules_have_no_decoder_layers():
 
 
 def test_patching_twice_reports_nothing_new():
-    model = build("gemma")
+    model = build("gemma2")
     first = _patch(model)
     with pytest.warns(UserWarning, match="nothing patched"):
         again = hybridgemm.patch(model)
