@@ -59,6 +59,8 @@ FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaConfig", head_dim=True, qkv_bias=None, fixed=(("mlp_bias", False),)),
     "qwen2": Family("Qwen2Config", head_dim=False, qkv_bias=True, fixed=(("use_sliding_window", False),)),
     "qwen3": Family("Qwen3Config", head_dim=True, qkv_bias=None, fixed=(("use_sliding_window", False),)),
+    # Gemma: (1 + w) RMSNorms, GeGLU (tanh GELU), embeddings scaled by sqrt(hidden); head_dim 256
+    "gemma": Family("GemmaConfig", head_dim=True, qkv_bias=None, fixed=(("hidden_activation", "gelu_pytorch_tanh"),)),
     # Qwen3MoeConfig's signature has no head_dim, but its attention reads config.head_dim when set.
     # Every layer sparse (no dense mlp_only_layers), top-k weights renormalised: Qwen3-MoE's published configs.
     "qwen3_moe": Family("Qwen3MoeConfig", head_dim=True, qkv_bias=None,
@@ -81,6 +83,7 @@ SIZES: dict[str, ModelSizes] = {
     "llama3-8b": ModelSizes("llama", 14336, 32, 128256, 5e5, 1e-5, 8192),
     "llama3-70b": ModelSizes("llama", 28672, 80, 128256, 5e5, 1e-5, 8192),  # ~141 GB in bf16: tensor parallel only
     "qwen3-8b": ModelSizes("qwen3", 12288, 36, 151936, 1e6, 1e-6, 40960),  # q/k norms per head
+    "gemma-7b": ModelSizes("gemma", 24576, 28, 256000, 1e4, 1e-6, 8192),  # its LM head tied in the release
     "qwen3-30b-a3b": ModelSizes("qwen3_moe", 6144, 48, 151936, 1e6, 1e-6, 40960),  # q/k norms; 128 experts, 8 a token
     "mixtral-8x7b": ModelSizes("mixtral", None, 32, 32000, 1e6, 1e-5, 32768),  # 8 experts, 2 a token
 }

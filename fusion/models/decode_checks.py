@@ -5,8 +5,8 @@ checks) and per call (device, dtype, rows, grad, hooks, the cache).
 Patch time (:func:`why_not_fuse_layer`, :func:`why_not_fuse_attention`): the layer's forward
 must be the pre-norm layer the step computes (its statements checked in its source), its
 attention forward one of the forms :class:`AttentionForm` describes, and its parts fused by
-``patch`` (Q/K/V and gate/up into one GEMM each, HybridRMSNorm norms, patched or row-parallel
-O and down). The static-cache step (rotary and the cache write in the QKV epilogue, the
+``patch`` (Q/K/V and gate/up into one GEMM each, HybridRMSNorm or HybridGemmaRMSNorm norms,
+patched or row-parallel O and down). The static-cache step (rotary and the cache write in the QKV epilogue, the
 attention kernel) also needs transformers' ``StaticLayer`` and ``Cache.update`` as checked,
 the standard ``rotate_half`` rotary, and q/k norms (if any) that are patched RMSNorms over
 ``head_dim``.
@@ -63,7 +63,7 @@ _FP8_ACTIVATIONS = (torch.bfloat16,)  # x of an FP8-weight layer (fusion/fp8_mod
 
 # The forwards the step computes, statement by statement (each top-level statement of the
 # body, unparsed, whitespace removed; a tuple: one of these forms): transformers 5.3-5.24's
-# Llama, Qwen2, Qwen3, Mistral, Qwen2-MoE, Qwen3-MoE and Mixtral decoder layers and attentions.
+# Llama, Qwen2, Qwen3, Mistral, Gemma, Qwen2-MoE, Qwen3-MoE and Mixtral decoder layers and attentions.
 # A forward with any other or any further statement is not fused (a subclass's extra line would
 # otherwise be skipped).
 _ATTENTION_CALL = ("hidden_states,_=self.self_attn(hidden_states=hidden_states,attention_mask=attention_mask,"

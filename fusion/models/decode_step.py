@@ -153,7 +153,8 @@ def _gated_norm_fake(x, norm_weight, eps, weight, bias, activation, scale=None):
 
 def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
                 counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-    """``linear(rmsnorm(x), weight, bias)`` with Llama's RMSNorm (weight ``norm_weight``), one
+    """``linear(rmsnorm(x), weight, bias)`` with the RMSNorm of factor ``norm_weight`` (Llama's
+    formula for a weight of x's dtype, Gemma's for an fp32 ``1 + w``: norm.prologue_norm), one
     launch where the table runs Triton split-K. ``counters``: zeroed int32 arrival counters for
     split-K's fused reduction, used by one launch at a time. ``scale``: ``weight`` is e4m3 with
     these scales (fusion/fp8_modules.py ``weight_scale_of``), as in every piece here."""

@@ -5,13 +5,14 @@ the class's own forward everywhere else (prefill, training, fp16, CPU, hooks). P
 :func:`hybridgemm.patch` (``layers=True``).
 
 Recognised: transformers' ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``Qwen3DecoderLayer``,
-``MistralDecoderLayer``, ``GraniteDecoderLayer`` (its ``residual_multiplier`` in the O and
-down epilogues) and the mixture-of-experts ``Qwen3MoeDecoderLayer``, ``MixtralDecoderLayer`` and
+``MistralDecoderLayer``, ``GemmaDecoderLayer`` (its (1 + w) RMSNorms' fp32 factor in the QKV
+and gate/up prologues, fusion/norm.py), ``GraniteDecoderLayer`` (its ``residual_multiplier`` in
+the O and down epilogues) and the mixture-of-experts ``Qwen3MoeDecoderLayer``, ``MixtralDecoderLayer`` and
 ``Qwen2MoeDecoderLayer``
 (their sparse block called as a module, its experts the grouped kernels) whose forwards are the
 ones the step computes (checked in their source when patched, so a release that changes them
 is left alone, with the reason in the report), with the parts :func:`hybridgemm.patch` fused:
-Q/K/V, gate/up (or the experts), HybridRMSNorm norms.
+Q/K/V, gate/up (or the experts), HybridRMSNorm or HybridGemmaRMSNorm norms.
 """
 
 from __future__ import annotations

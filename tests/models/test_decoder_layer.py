@@ -94,8 +94,8 @@ def test_a_gemm_the_table_gives_another_backend_runs_the_norm_and_add_apart(kern
     hybridgemm.patch(model)
     monkeypatch.setattr(dispatch, "splitk_config", lambda *a: None)
     norms = []
-    real = decode_step.rms_norm
-    monkeypatch.setattr(decode_step, "rms_norm", lambda x, w, eps: norms.append(x.shape) or real(x, w, eps))
+    real = decode_step.prologue_norm
+    monkeypatch.setattr(decode_step, "prologue_norm", lambda x, w, eps: norms.append(x.shape) or real(x, w, eps))
     ids = torch.randint(0, VOCAB, (1, 7))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-4)
@@ -171,7 +171,7 @@ def test_what_is_not_fused_and_why(monkeypatch):
         ("transformer.h.0", "decoder layer not fused: its family (GPT2Block) is not supported by the fused decode "
                             "step (it supports LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, "
                             "MistralDecoderLayer, GraniteDecoderLayer, Qwen3MoeDecoderLayer, MixtralDecoderLayer, "
-                            "Qwen2MoeDecoderLayer)")]
+                            "Qwen2MoeDecoderLayer, GemmaDecoderLayer)")]
 
 
 def _module_state(model) -> dict:
