@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from hybridgemm.fused_rows import FusedLinears, save_in_order
+from hybridgemm.fused_rows import FusedLinears, refuse, save_in_order
 from hybridgemm.kernels import fp8
 from hybridgemm.linear_layer import HybridLinear
 
@@ -177,11 +177,7 @@ class FP8HybridLinear(HybridLinear):
             else:
                 error_msgs.append(why)
                 refused.add(prefix + KERNEL_SCALE)
-        why = data_error(data_key, state_dict.get(data_key))
-        if why is not None:
-            error_msgs.append(why)
-            state_dict.pop(data_key)
-            refused.add(data_key)
+        refuse(state_dict, data_key, data_error(data_key, state_dict.get(data_key)), error_msgs, refused)
         missing = []
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected_keys,
                                       error_msgs)

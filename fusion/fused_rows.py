@@ -444,15 +444,12 @@ class FusedSlice(nn.Linear):
                               error_msgs):
         # The parts are checked as the fused module checks a part (an FP8 part: e4m3 data)
         # before torch copies them into their rows.
-        refused = []
+        refused = set()
         for attr in self.fused.PART_TENSORS:
             key = prefix + attr
             if key in state_dict and self._parameters.get(attr) is not None:
-                why = self.fused.stock_error(attr, self.idx, key, state_dict[key])
-                if why is not None:
-                    error_msgs.append(why)
-                    state_dict.pop(key)
-                    refused.append(key)
+                refuse(state_dict, key, self.fused.stock_error(attr, self.idx, key, state_dict[key]), error_msgs,
+                       refused)
         missing = []
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected_keys,
                                       error_msgs)
@@ -473,6 +470,15 @@ def _stock_attr(fused: FusedLinears, idx, name: str) -> str | None:
     if name in fused.PART_TENSORS:
         return name
     return next((a for a in fused.STOCK_TENSORS if fused.stock_name(a, idx) == name), None)
+
+
+def refuse(state_dict: dict, key: str, why: str | None, error_msgs: list, refused: set) -> None:
+    """In a ``_load_from_state_dict``: with a reason ``why``, report it and take ``key`` out of
+    ``state_dict`` (torch then neither copies it nor reports it missing: ``refused`` notes it)."""
+    if why is not None:
+        error_msgs.append(why)
+        state_dict.pop(key, None)
+        refused.add(key)
 
 
 def save_in_order(destination, prefix: str, tensors: dict, order) -> None:
