@@ -80,12 +80,12 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
     assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))  # bit-identical run to run
 
 
-@pytest.fixture(params=["llama", "qwen3", "granite", "qwen3_moe", "mixtral", "gemma"])
+@pytest.fixture(params=["llama", "qwen3", "granite", "qwen3_moe", "mixtral", "qwen2_moe", "gemma"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
-    (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe and
-    mixtral (the sparse block after the fused attention) and gemma (its norms' fp32 1 + w in
-    the QKV and gate/up prologues, GeGLU)."""
+    (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
+    and qwen2_moe (with its gated shared expert; the sparse block after the fused attention) and
+    gemma (its norms' fp32 1 + w in the QKV and gate/up prologues, GeGLU)."""
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=request.param)
     calls = {"rope": 0}
     real = triton_splitk.run
