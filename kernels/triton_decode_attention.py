@@ -39,6 +39,7 @@ from .triton_scratch import split_scratch, tl_last_arrival
 
 _LOG2E = 1.4426950408889634
 _BLOCK_T = 64  # cache positions per step of a program's loop
+_BLOCK_T_WIDE = 32  # the same for heads of 256 (Gemma's): the K and V tiles' shared memory halved
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -130,8 +131,8 @@ def why_not(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     if keys.dim() != 4 or values.shape != keys.shape:
         return "keys and values must be [B, kv_heads, L, head_dim] of one shape"
     b, kv_heads, length, hd = keys.shape
-    if hd < 16 or hd & (hd - 1) or hd > 128:
-        return f"head_dim {hd} is not a power of two in [16, 128]"
+    if hd < 16 or hd & (hd - 1) or hd > 256:
+        return f"head_dim {hd} is not a power of two in [16, 256]"
     if q.dim() != 2 or q.shape[0] != b or q.shape[1] % (kv_heads * hd) or q.stride(1) != 1:
         return f"q must be [{b}, heads * {hd}] with unit column stride, heads a multiple of {kv_heads}"
     if out is not None and (out.shape != q.shape or not out.is_contiguous() or out.dtype != q.dtype):
@@ -155,10 +156,14 @@ def why_not(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
 _LAUNCHERS = BoundedCache(1024)  # launchers per shape, strides and alignment (varying batch and cache sizes)
 
 
-def _splits(pairs: int, length: int, num_sms: int) -> int:
+def _block_t(hd: int) -> int:
+    return _BLOCK_T if hd <= 128 else _BLOCK_T_WIDE
+
+
+def _splits(pairs: int, length: int, num_sms: int, block_t: int = _BLOCK_T) -> int:
     """Spans per (sequence, KV head): about two programs per SM in all, at least one block of
     positions each."""
-    return max(1, min(triton.cdiv(length, _BLOCK_T), triton.cdiv(2 * num_sms, pairs)))
+    return max(1, min(triton.cdiv(length, block_t), triton.cdiv(2 * num_sms, pairs)))
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -187,18 +192,19 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                          f"{b * kv_heads} entries")
     rep = q.shape[1] // hd // kv_heads
     facts = device_facts(q.device)
-    splits = _splits(b * kv_heads, length, facts.num_sms)
+    bt = _block_t(hd)
+    splits = _splits(b * kv_heads, length, facts.num_sms, bt)
     pdl = pdl_enabled(facts.capability) and q.is_cuda
     m_sb, m_st = (0, 0) if mask is None else (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(3))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    ints = (length, triton.cdiv(triton.cdiv(length, splits), _BLOCK_T) * _BLOCK_T, step, kv_heads, q.stride(0),
+    ints = (length, triton.cdiv(triton.cdiv(length, splits), bt) * bt, step, kv_heads, q.stride(0),
             *keys.stride()[:3], *values.stride()[:3], m_sb, m_st, out.stride(0))
     ptrs = (q, keys, values, mask, out, base)
     aligned = tuple(None if t is None else t.data_ptr() % 16 == 0 for t in ptrs)
     key = (q.device, q.dtype, b, rep, hd, splits, pdl, ints, aligned)
     launch = _LAUNCHERS.get(key)
     if launch is None:
-        meta = dict(REP=rep, RP=max(16, triton.next_power_of_2(rep)), HD=hd, BT=_BLOCK_T, HAS_MASK=mask is not None,
+        meta = dict(REP=rep, RP=max(16, triton.next_power_of_2(rep)), HD=hd, BT=bt, HAS_MASK=mask is not None,
                     SPLITS=splits, INC=base is not None and step != 0, PREC=prec, PDL=pdl, num_warps=4, num_stages=2)
         if pdl:
             meta["launch_pdl"] = True

@@ -125,10 +125,12 @@ def test_static_cache_decode_matches_fp32_as_stock_does(models, compiled, batch)
 
 
 
-@pytest.mark.parametrize("heads,kv_heads,filled,length", [(32, 8, 100, 2080), (28, 4, 4096, 4096), (32, 8, 1, 64)])
+@pytest.mark.parametrize("heads,kv_heads,hd,filled,length", [
+    (32, 8, 128, 100, 2080), (28, 4, 128, 4096, 4096), (32, 8, 128, 1, 64), (16, 16, 256, 1000, 2048)])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_decode_attention_kernel_in_bf16(heads, kv_heads, filled, length, batch):
-    """Llama-3-8B's (32/8) and Qwen2.5-7B's (28/4) head layouts, a static cache filled to
+def test_decode_attention_kernel_in_bf16(heads, kv_heads, hd, filled, length, batch):
+    """Llama-3-8B's (32/8), Qwen2.5-7B's (28/4) and Gemma-7B's (16/16, heads of 256) head
+    layouts, a static cache filled to
     ``filled`` of ``length``: as close to the fp32 attention as stock bf16 SDPA is, the cache
     length updated once per call, bit-identical over repeated calls and CUDA-graph replays
     (the spans of a pair are merged by whichever program finishes last)."""
@@ -136,7 +138,6 @@ def test_decode_attention_kernel_in_bf16(heads, kv_heads, filled, length, batch)
         pytest.skip("no CUDA")
     from hybridgemm.kernels.triton_decode_attention import decode_attention
 
-    hd = 128
     g = torch.Generator(device="cuda").manual_seed(batch + filled)
     y = torch.randn(batch, (heads + 2 * kv_heads) * hd, device="cuda", generator=g).bfloat16()
     q = y[:, : heads * hd]
