@@ -15,9 +15,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
+    import tempfile
+
+    from filelock import FileLock
+
     out = tmp_path_factory.mktemp("wheel")
-    res = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
-                          "-w", str(out)], capture_output=True, text=True, timeout=300)
+    # setuptools builds in the tree's build/ folder: two pytest-xdist workers building at once
+    # would remove each other's files, so one build at a time
+    with FileLock(Path(tempfile.gettempdir()) / "hybridgemm-wheel-build.lock", timeout=600):
+        res = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                              "-w", str(out)], capture_output=True, text=True, timeout=300)
     if res.returncode != 0 and "No module named pip" in res.stderr:
         pytest.skip("pip is not installed in this interpreter")
     assert res.returncode == 0, res.stderr[-3000:]
