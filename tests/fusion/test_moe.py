@@ -257,16 +257,9 @@ def test_the_kernels_compile_for_hopper():
     """Both launches, decode and prefill block sizes, compiled for sm_90 by Triton's bundled
     ptxas (no GPU needed; in a process without the interpreter): the program the interpreter
     runs is one the GPU compiler takes."""
-    import os
-    import subprocess
-    import sys
+    from helpers import compile_offline
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
-                          timeout=600)
-    if done.returncode and "API:" in done.stderr:
-        pytest.skip(f"this Triton's offline-compile API differs: {done.stderr.strip()[-200:]}")
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
+    compile_offline(_COMPILE_FOR_HOPPER)
 
 
 @pytest.mark.parametrize("weights_dtype,rounded", [(torch.float16, True), (torch.float32, False)])
