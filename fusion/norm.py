@@ -44,26 +44,27 @@ def _triton_rmsnorm():
     return triton_module("triton_rmsnorm")  # on first use: importing hybridgemm needs no Triton
 
 
-def is_rms_norm(mod: nn.Module) -> bool:
-    """Is ``mod`` one of transformers' RMSNorm classes of :data:`RMS_NORM_CLASSES`, with the
-    attributes their forward reads?"""
+def _recognised(mod: nn.Module, classes: tuple[str, ...], eps_attr: str) -> bool:
+    """Is ``mod`` of one of transformers' classes ``classes``, with a 1-D ``weight`` and a number
+    ``eps_attr`` (what their forward reads)?"""
     t = type(mod)
-    if t.__name__ not in RMS_NORM_CLASSES or not t.__module__.startswith("transformers"):
+    if t.__name__ not in classes or not t.__module__.startswith("transformers"):
         return False
     w = mod._parameters.get("weight")
-    eps = mod.__dict__.get("variance_epsilon")
+    eps = mod.__dict__.get(eps_attr)
     return w is not None and w.dim() == 1 and isinstance(eps, (int, float)) and not isinstance(eps, bool)
+
+
+def is_rms_norm(mod: nn.Module) -> bool:
+    """Is ``mod`` one of transformers' RMSNorm classes of :data:`RMS_NORM_CLASSES` (its epsilon
+    ``variance_epsilon``)?"""
+    return _recognised(mod, RMS_NORM_CLASSES, "variance_epsilon")
 
 
 def is_gemma_norm(mod: nn.Module) -> bool:
-    """Is ``mod`` one of transformers' RMSNorm classes of :data:`GEMMA_NORM_CLASSES`, with the
-    attributes their forward reads (a 1-D ``weight``, a number ``eps``)?"""
-    t = type(mod)
-    if t.__name__ not in GEMMA_NORM_CLASSES or not t.__module__.startswith("transformers"):
-        return False
-    w = mod._parameters.get("weight")
-    eps = mod.__dict__.get("eps")
-    return w is not None and w.dim() == 1 and isinstance(eps, (int, float)) and not isinstance(eps, bool)
+    """Is ``mod`` one of transformers' RMSNorm classes of :data:`GEMMA_NORM_CLASSES` (its epsilon
+    ``eps``)?"""
+    return _recognised(mod, GEMMA_NORM_CLASSES, "eps")
 
 
 def reference_gemma_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
