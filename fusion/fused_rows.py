@@ -159,12 +159,11 @@ class FusedLinears(nn.Module):
 
     def check_rows(self) -> None:
         """Stack anew every part tensor one of whose parts no longer lies in its rows."""
-        epoch = _EPOCH[0]
         for attr in self.PART_TENSORS:
             t = self.__dict__["stacked_" + attr]
             if t is not None and not self._in_rows(attr, t):
                 self.restack(attr)
-        self._checked = epoch
+        self._checked = _EPOCH[0]  # after its own restacks' bumps
 
     def parts(self, attr: str) -> list[Tensor]:
         """The slices' parameters ``attr`` (the parts of the stacked ``attr``), in row order."""
