@@ -162,3 +162,28 @@ def test_fusion_arguments_are_checked(bad, err, match):
     if "norm" in bad(x, g, r):
         with pytest.raises(err, match=match):
             tglu.glu(x, torch.cat([w, w]), None, "silu", config=GLU[0], **bad(x, g, r))
+
+
+@pytest.mark.parametrize("m", [1, 17])
+def test_an_fp32_norm_factor_with_fp16_x_is_applied_in_fp32(m):
+    """Gemma's norm hands the prologues its ``1 + w`` in fp32 (fusion/norm.py norm_operand) with
+    16-bit x: both kernels apply it (the GLU one with Gemma's tanh GELU), and a call with an
+    fp16 factor of the same length gets a plan of its own in each kernel (on the GPU a plan
+    fixes the pointer types it was compiled for; the interpreter reads every call's tensors as
+    they are, so here the plan counts show it)."""
+    x, w, b, _, _ = _operands(m, N, K, torch.float16, bias=True)
+    g32 = (1 + 0.5 * torch.randn(K, generator=torch.Generator().manual_seed(m))).float()
+    ref = _exact_norm(x, g32) @ w.double().T + b.double()
+    for cfg in (DIRECT, FUSED3):
+        ts.run(cfg, x, w, b, poisoned((m, N), torch.float16, "cpu"), None, norm=(g32.half(), EPS))
+        plans = len(ts._PLANS)
+        out = ts.run(cfg, x, w, b, poisoned((m, N), torch.float16, "cpu"), None, norm=(g32, EPS))
+        assert len(ts._PLANS) == plans + 1 and rel_err(out, ref) <= 2e-3
+    i = N // 2
+    tglu.glu(x, w, b, "gelu_tanh", config=GLU[0], out=poisoned((m, i), torch.float16, "cpu"), norm=(g32.half(), EPS))
+    plans = len(tglu._PLANS)
+    out = tglu.glu(x, w, b, "gelu_tanh", config=GLU[0], out=poisoned((m, i), torch.float16, "cpu"), norm=(g32, EPS))
+    assert len(tglu._PLANS) == plans + 1
+    z = ref
+    want = F.gelu(z[:, :i], approximate="tanh") * z[:, i:]
+    assert rel_err(out, want) <= 3e-3
