@@ -24,18 +24,22 @@ stock parameters, and memory is not doubled. Where autograd needs it, the stacke
 enters the graph through :class:`_StackedParts`, whose backward hands each part its rows of
 the gradient (a frozen part gets none). ``part.data = t`` of the part's own shape, dtype and
 device copies into its rows. Whatever gives a part storage of its own through torch's or
-hybridgemm's API (``model.to()``, a ``.data`` of another dtype or device, ``load_state_dict``
-with ``assign=True``, a new part parameter put in place, as accelerate's loaders do) makes
-the fused module stack the parts anew before its next GEMM (``.to()`` at once; inside a
-compiled graph the check is not traced: there the next eager call restacks). Storage changed
-below that API (``Tensor.set_``, ``torch.utils.swap_tensors`` by hand) is not seen.
+hybridgemm's API (``model.to()``, a ``.data`` of another dtype or device, a new part
+parameter put in place, as accelerate's loaders and ``register_parameter`` do) makes the fused
+module stack the parts anew before its next GEMM (``.to()`` at once; inside a compiled graph
+the check is not traced: there the next eager call restacks). Tensors that are not parameters
+put in the parts' places for one call (``torch.func.functional_call``) are stacked for that
+call only. An in-place change of a part between a forward and its backward raises, as for a
+stock weight. Storage changed below that API (``Tensor.set_``, ``torch.utils.swap_tensors``
+by hand) is not seen.
 
 Checkpoints. The state dict keeps the stock keys: each slice writes its parameters under
 their stock names as copies of their own (safetensors' ``save_model`` refuses a state-dict
 tensor that covers part of its storage; a state dict thus holds the fused tensors twice
 while it lives; ``keep_vars=True`` gives the parameters themselves) and the fused module
-writes nothing. Loading copies each stock entry into its rows, so ``strict``,
-``assign=True`` and missing/unexpected/size-mismatch reports behave as for the stock module;
+writes nothing. Loading copies each stock entry into its rows (with ``assign=True`` too: the
+parameter objects stay), so ``strict`` and missing/unexpected/size-mismatch reports behave as
+for the stock module;
 a load-state-dict pre-hook on the parent splits fused-layout entries (``qkv_proj.weight``)
 into the stock ones. Assigning a part's ``weight`` or ``bias`` (as transformers' loader does
 for a model patched before its weights arrive) copies into its rows. PEFT's LoRA layers
@@ -96,10 +100,14 @@ class _StackedParts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, stacked: Tensor, sizes: tuple[int, ...], *parts: Tensor) -> Tensor:
         ctx.sizes = sizes
+        # saved for their version counters only: an in-place change of a part between the
+        # forward and the backward (an optimizer step) then raises, as it does for a stock weight
+        ctx.save_for_backward(*parts)
         return stacked.view_as(stacked)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        ctx.saved_tensors  # noqa: B018 (the version check)
         return (None, None, *grad.split(ctx.sizes))
 
 
@@ -128,6 +136,7 @@ class FusedLinears(nn.Module):
         object.__setattr__(self, "_originals", tuple(originals))  # not submodules
         object.__setattr__(self, "slices", ())  # the FusedSlice modules, set by fuse() (not submodules)
         self._checked = -1  # the _EPOCH value at which every part was last found in its rows
+        self._seen_parts: dict[str, tuple] = {}  # the part objects that check found there
 
     # ----------------------------------------------------------------- the stacked tensors
     @property
@@ -139,30 +148,53 @@ class FusedLinears(nn.Module):
         return self._for_gemm("bias")
 
     def _for_gemm(self, attr: str) -> Tensor | None:
-        t = self.stacked(attr)
-        if t is not None and torch.is_grad_enabled():
-            parts = self.parts(attr)
-            if any(p.requires_grad for p in parts):
-                return _StackedParts.apply(t, self.sizes, *parts)
+        t = self.__dict__["stacked_" + attr]
+        if t is None:
+            return None
+        parts = self.parts(attr)
+        if not torch.compiler.is_compiling() and not self._seen(attr, parts):
+            if not all(isinstance(p, nn.Parameter) for p in parts):
+                # tensors put in the slices' places for a call (torch.func.functional_call):
+                # stacked for this call, differentiably; nothing of the module's changes
+                return torch.cat(parts)
+            self.check_rows()
+            t, parts = self.__dict__["stacked_" + attr], self.parts(attr)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
+            return _StackedParts.apply(t, self.sizes, *parts)
         return t
 
+    def _seen(self, attr: str, parts: list[Tensor]) -> bool:
+        """Are ``parts`` the objects of the last check, with nothing moved since (:data:`_EPOCH`)?"""
+        seen = (self.__dict__.get("_seen_parts") or {}).get(attr)
+        return self._checked == _EPOCH[0] and seen is not None and all(p is q for p, q in zip(parts, seen))
+
     def stacked(self, attr: str) -> Tensor | None:
-        """The stacked ``attr`` (a part tensor: stacked anew first where a part no longer lies
-        in its rows; any other: the buffer itself), without autograd."""
+        """The stacked ``attr`` (a part tensor: stacked anew first where a part parameter no
+        longer lies in its rows; any other: the buffer itself), without autograd."""
         if attr not in self.PART_TENSORS:
             return self._buffers.get(attr)
         t = self.__dict__["stacked_" + attr]
-        if t is None or torch.compiler.is_compiling() or self._checked == _EPOCH[0]:
+        if t is None or torch.compiler.is_compiling() or self._seen(attr, self.parts(attr)):
             return t
         self.check_rows()
         return self.__dict__["stacked_" + attr]
 
     def check_rows(self) -> None:
-        """Stack anew every part tensor one of whose parts no longer lies in its rows."""
+        """Stack anew every part tensor one of whose part parameters no longer lies in its rows.
+        Parts that are not parameters (a call's own tensors, torch.func.functional_call) are
+        no state of the module: left as they are."""
+        seen = {}
         for attr in self.PART_TENSORS:
             t = self.__dict__["stacked_" + attr]
-            if t is not None and not self._in_rows(attr, t):
+            if t is None:
+                continue
+            parts = self.parts(attr)
+            if not all(isinstance(p, nn.Parameter) for p in parts):
+                return
+            if not self._in_rows(attr, t):
                 self.restack(attr)
+            seen[attr] = tuple(self.parts(attr))
+        self._seen_parts = seen
         self._checked = _EPOCH[0]  # after its own restacks' bumps
 
     def parts(self, attr: str) -> list[Tensor]:
@@ -490,9 +522,10 @@ def save_in_order(destination, prefix: str, tensors: dict, order) -> None:
 
 
 def _version(x: Tensor) -> int:
-    # Dynamo cannot read version counters (it makes them data-dependent symbols), so under
-    # torch.compile only the identity check applies; eager calls check both.
-    return -1 if torch.compiler.is_compiling() else x._version
+    # Dynamo cannot read version counters (it makes them data-dependent symbols) and inference
+    # tensors have none, so under torch.compile and torch.inference_mode only the identity
+    # check applies; other eager calls check both.
+    return -1 if torch.compiler.is_compiling() or x.is_inference() else x._version
 
 
 def _same_version(v: int, x: Tensor) -> bool:

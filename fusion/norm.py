@@ -154,11 +154,12 @@ class HybridGemmaRMSNorm(nn.Module):
     def kernel_weight(self) -> Tensor:
         """``1 + weight`` in fp32, the factor the fused GEMMs multiply x by (a fused norm
         prologue computes ``rstd * ((x * g) @ W.T)``). Kept between calls while the weight is
-        unchanged (same storage and version); computed in the graph under ``torch.compile``."""
+        unchanged (the same parameter, storage and version); computed in the graph under
+        ``torch.compile``."""
         w = self.weight
         if torch.compiler.is_compiling():
             return 1.0 + w.detach().float()
-        key = (w.data_ptr(), w._version, w.device, w.dtype)
+        key = (id(w), w.data_ptr(), w._version, w.device, w.dtype)
         kept = self.__dict__.get("_kernel_weight")
         if kept is None or kept[0] != key:
             with torch.no_grad():

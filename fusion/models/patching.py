@@ -48,9 +48,10 @@ Checkpoints. A patched model's ``state_dict()`` has the stock keys, in the stock
 the stock values, so ``save_pretrained``/``torch.save`` write a stock checkpoint and a stock
 checkpoint loads into a patched model. Saving: each :class:`QKVSlice` writes copies of its
 parameters (tensors of their own, as safetensors' ``save_model`` requires) and
-:class:`FusedQKV` writes nothing. Loading copies each stock entry into its rows, so
-``strict``, ``assign=True`` and missing/unexpected/size-mismatch reports behave as they do
-for the stock module; a state dict with ``qkv_proj`` keys loads too.
+:class:`FusedQKV` writes nothing. Loading copies each stock entry into its rows (with
+``assign=True`` too: the parameter objects stay), so ``strict`` and missing/unexpected/
+size-mismatch reports behave as they do for the stock module; a state dict with ``qkv_proj``
+keys loads too.
 :class:`HybridConv1D`'s state dict holds a contiguous copy of its weight (the
 parameter is stored transposed while patched; safetensors refuses non-contiguous tensors).
 

@@ -459,3 +459,49 @@ def test_resize_with_an_fp8_head_says_to_resize_first():
     with pytest.raises(ValueError, match="resize the embeddings before patching"):
         model.resize_token_embeddings(VOCAB + 3)
     assert model.lm_head.weight.shape[0] == VOCAB
+
+
+def test_functional_call_runs_the_given_tensors_and_leaves_the_module_as_it_was():
+    from torch.func import functional_call
+
+    stock = _stock()
+    patched = copy.deepcopy(stock)
+    hybridgemm.patch(patched)
+    ids = _ids()
+    before = _logits(patched, ids)
+    g = torch.Generator().manual_seed(7)
+    params = {n: torch.randn(p.shape, generator=g) * 0.05 for n, p in stock.named_parameters()}
+    with torch.no_grad():
+        want = functional_call(stock, params, (ids,)).logits
+        got = functional_call(patched, params, (ids,)).logits
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5) and not torch.allclose(got, before, atol=1e-2)
+    assert torch.equal(_logits(patched, ids), before)  # its own parameters are back, and the GEMM reads them
+    ps = {n: t.clone().requires_grad_() for n, t in params.items()}
+    functional_call(patched, ps, (ids,)).logits.square().mean().backward()
+    ref = {n: t.clone().requires_grad_() for n, t in params.items()}
+    functional_call(stock, ref, (ids,)).logits.square().mean().backward()
+    for n, t in ref.items():
+        assert torch.allclose(ps[n].grad, t.grad, rtol=1e-4, atol=1e-6), n
+    assert torch.equal(_logits(patched, ids), before)
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
+def test_an_in_place_step_between_forward_and_backward_raises_as_for_stock(patched):
+    model = _stock()
+    if patched:
+        hybridgemm.patch(model)
+    model.train()
+    out = model(_ids(), labels=_ids()).loss
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.mul_(2)  # an optimizer step before the backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+def test_inference_mode_gives_stock_logits():
+    stock = _stock()
+    patched = copy.deepcopy(stock)
+    hybridgemm.patch(patched)
+    ids = _ids()
+    with torch.inference_mode():
+        assert torch.allclose(patched(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
