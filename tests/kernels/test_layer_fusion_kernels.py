@@ -187,3 +187,44 @@ def test_an_fp32_norm_factor_with_fp16_x_is_applied_in_fp32(m):
     z = ref
     want = F.gelu(z[:, :i], approximate="tanh") * z[:, i:]
     assert rel_err(out, want) <= 3e-3
+
+
+_COMPILE_FP32_NORM_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hybridgemm.kernels import triton_glu as tg
+from hybridgemm.kernels import triton_splitk as ts
+
+fn = ts._splitk_kernel
+ptr = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+       "cnt_ptr": "*i32", "nw_ptr": "*fp32", "res_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+       "kc_ptr": "*bf16", "vc_ptr": "*bf16", "base_ptr": "*i64", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
+       "sc_ptr": "*fp32"}
+floats = {"inv_k", "eps", "res_scale", "qk_eps"}
+consts = dict(BM=16, BN=64, BK=256, MODE=2, HAS_BIAS=False, ACT=0, PREC="tf32", EVEN_K=True, NORM=True, RESIDUAL=False,
+              ROPE=False, KV=False, HD=2, PDL=True, QK_NORM=False, RES_SCALED=False, WSCALE=0, WINT=False)
+sig = {}
+for n in fn.arg_names:
+    sig[n] = "constexpr" if n in consts else ptr.get(n, "fp32" if n in floats else "i32")
+c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4, "num_stages": 3})
+assert c.asm["cubin"]
+fn = tg._glu_kernel
+ptr = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "nw_ptr": "*fp32"}
+consts = dict(BM=16, BN=64, BK=64, GROUP_M=8, HAS_BIAS=False, ACT=0, PREC="tf32", EVEN_K=True, SWAP=True, NORM=True,
+              NORM_PREC="tf32", PDL=True)
+sig = {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n in ("inv_k", "eps") else "i32") for n in fn.arg_names}
+c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4, "num_stages": 3})
+assert c.asm["cubin"]
+print("compiled")
+"""
+
+
+def test_the_prologues_with_an_fp32_norm_factor_compile_for_hopper():
+    """bf16 x with an fp32 norm factor (Gemma's 1 + w), both kernels, compiled for sm_90 by
+    Triton's bundled ptxas (no GPU needed; in a process without the interpreter)."""
+    from helpers import compile_offline
+
+    compile_offline(_COMPILE_FP32_NORM_FOR_HOPPER)
