@@ -67,11 +67,16 @@ def is_gemma_norm(mod: nn.Module) -> bool:
     return _recognised(mod, GEMMA_NORM_CLASSES, "eps")
 
 
-def reference_gemma_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Gemma's formula, op for op: normalised and scaled by ``1 + weight`` in fp32, rounded once."""
+def _scaled_in_fp32(x: Tensor, g: Tensor, eps: float) -> Tensor:
+    """``x`` normalised and scaled by the fp32 factor ``g`` in fp32, rounded once to x's dtype."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * (1.0 + weight.float())).type_as(x)
+    return (h * g).to(x.dtype)
+
+
+def reference_gemma_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Gemma's formula, op for op: normalised and scaled by ``1 + weight`` in fp32, rounded once."""
+    return _scaled_in_fp32(x, 1.0 + weight.float(), eps)
 
 
 def reference_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -144,10 +149,6 @@ class HybridGemmaRMSNorm(nn.Module):
     weight: nn.Parameter
     eps: float
 
-    @property
-    def variance_epsilon(self) -> float:
-        return self.eps
-
     def forward(self, hidden_states: Tensor) -> Tensor:
         return reference_gemma_rms_norm(hidden_states, self.weight, self.eps)
 
@@ -175,10 +176,7 @@ def prologue_norm(x: Tensor, g: Tensor, eps: float) -> Tensor:
     """What a fused norm prologue with operand ``g`` computes, in torch ops (the fused GEMMs'
     fallback): Llama's formula for a ``g`` of x's dtype; for an fp32 ``g`` (a Gemma norm's
     ``1 + weight``) Gemma's, normalised and scaled in fp32, rounded once."""
-    if g.dtype == x.dtype:
-        return rms_norm(x, g, eps)
-    h = x.float()
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * g).to(x.dtype)
+    return rms_norm(x, g, eps) if g.dtype == x.dtype else _scaled_in_fp32(x, g, eps)
 
 
 def norm_operand(norm: nn.Module) -> tuple[Tensor, float]:
@@ -191,9 +189,7 @@ def norm_operand(norm: nn.Module) -> tuple[Tensor, float]:
 
 def apply_norm(norm: nn.Module, x: Tensor) -> Tensor:
     """A patched norm's output for ``x`` (the module's formula), without its forward hooks."""
-    if type(norm) is HybridGemmaRMSNorm:
-        return reference_gemma_rms_norm(x, norm.weight, norm.eps)
-    return rms_norm(x, norm.weight, norm.variance_epsilon)
+    return prologue_norm(x, *norm_operand(norm))
 
 
 PATCHED_NORMS = (HybridRMSNorm, HybridGemmaRMSNorm)

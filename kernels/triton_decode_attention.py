@@ -160,7 +160,7 @@ def _block_t(hd: int) -> int:
     return _BLOCK_T if hd <= 128 else _BLOCK_T_WIDE
 
 
-def _splits(pairs: int, length: int, num_sms: int, block_t: int = _BLOCK_T) -> int:
+def _splits(pairs: int, length: int, num_sms: int, block_t: int) -> int:
     """Spans per (sequence, KV head): about two programs per SM in all, at least one block of
     positions each."""
     return max(1, min(triton.cdiv(length, block_t), triton.cdiv(2 * num_sms, pairs)))

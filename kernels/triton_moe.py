@@ -25,6 +25,7 @@ block is padding past the last expert's rows return at once. Nothing touches a G
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -361,8 +362,16 @@ def pairs_down(config: TritonMoeConfig, inter: torch.Tensor, w_down: torch.Tenso
 
 def _pdl(x: torch.Tensor) -> dict:
     """The PDL constexpr and launch option of a pair kernel on x's device."""
-    on = x.is_cuda and pdl_enabled(device_facts(x.device).capability)
-    return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
+    return _pdl_options(x.device) if x.is_cuda else _NO_PDL
+
+
+_NO_PDL = {"PDL": False}
+
+
+@functools.cache
+def _pdl_options(device: torch.device) -> dict:
+    # read once per device (as a plan of the other decode kernels reads it once), not per launch
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device_facts(device).capability) else _NO_PDL
 
 
 @triton.jit
