@@ -14,6 +14,8 @@ launches of their own (fusion/eager_fast.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -292,6 +294,17 @@ def splitk_config(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return choice.config if choice.backend == "triton_splitk" and choice.config is not None else None
 
 
+def _tiles_within_heads(config, head_dim: int):
+    """``config`` with tiles narrow enough for the rotary epilogue's heads: the rotary pairs
+    columns within one head, so a tile must not span two (a head of 96, Phi-3's, under a tuned
+    tile of 64 columns: tiles of 32). The other fields are the tuned ones; a head no power-of-two
+    tile of 16 or more divides keeps the config, which the kernel then refuses."""
+    block_n = config.block_n
+    while block_n > 16 and head_dim % block_n:
+        block_n //= 2
+    return dataclasses.replace(config, block_n=block_n) if head_dim % block_n == 0 else config
+
+
 def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
                  **fusion) -> torch.Tensor | None:
@@ -308,6 +321,9 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     config = splitk_config(x2, w2, b2, out, weight_format)
     if config is None:
         return None
+    rope = fusion.get("rope")
+    if rope is not None and rope.head_dim % config.block_n:
+        config = _tiles_within_heads(config, rope.head_dim)
     if weight_scale is not None:
         fusion["weight_scale"] = weight_scale
     if "residual" in fusion:

@@ -9,7 +9,8 @@ rounded to the input dtype before the weight multiplies it.
 
 Recognised by class (the formula is the class's, not something the structure shows): the
 RMSNorm classes of transformers' Llama, Qwen2, Qwen3 and Mistral (one formula, copied per
-model), with a 1-D ``weight`` and a ``variance_epsilon``. Gemma's (:data:`GEMMA_NORM_CLASSES`:
+model), with a 1-D ``weight`` and a ``variance_epsilon``. Gemma's, Gemma 2's and Gemma 3's
+(:data:`GEMMA_NORM_CLASSES`:
 ``x * rsqrt(mean(x²) + eps)`` times ``1 + weight``, all in fp32, rounded once, with ``eps``)
 become :class:`HybridGemmaRMSNorm`, which computes the stock formula in torch ops and hands
 the fused decode step its ``1 + weight`` in fp32 (:func:`norm_operand`); any other class is
@@ -36,7 +37,7 @@ RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSN
                     "Phi3RMSNorm", "GraniteRMSNorm", "GraniteMoeRMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm")
 # transformers' RMSNorm classes of Gemma's formula (tests/fusion/test_norm.py checks each one
 # against reference_gemma_rms_norm bit for bit with the installed transformers).
-GEMMA_NORM_CLASSES = ("GemmaRMSNorm",)
+GEMMA_NORM_CLASSES = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -47,7 +47,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ws_ptr, cnt_ptr, base_ptr,
                              L, span, step, qk_scale, kv_heads, q_sb, k_sb, k_sh, k_st, v_sb, v_sh, v_st,
                              m_sb, m_st, o_sb,
-                             REP: tl.constexpr, RP: tl.constexpr, HD: tl.constexpr, BT: tl.constexpr,
+                             REP: tl.constexpr, RP: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
+                             BT: tl.constexpr,
                              HAS_MASK: tl.constexpr, SPLITS: tl.constexpr, INC: tl.constexpr,
                              PREC: tl.constexpr, PDL: tl.constexpr):
     if PDL:
@@ -60,14 +61,16 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ws_ptr, cnt_ptr,
         if pid_g == 0 and sp == 0:
             tl.store(base_ptr, tl.load(base_ptr) + step)
     rows = tl.arange(0, RP)
-    cols = tl.arange(0, HD)
+    cols = tl.arange(0, HDP)  # HD padded to a power of two (Phi-3's 96: 128); the padding is masked
     row_ok = rows < REP
-    q = tl.load(q_ptr + b * q_sb + (h * REP + rows)[:, None] * HD + cols[None, :], mask=row_ok[:, None], other=0.0)
+    col_ok = cols < HD
+    io_ok = row_ok[:, None] & col_ok[None, :]
+    q = tl.load(q_ptr + b * q_sb + (h * REP + rows)[:, None] * HD + cols[None, :], mask=io_ok, other=0.0)
     k_base = k_ptr + b * k_sb + h * k_sh
     v_base = v_ptr + b * v_sb + h * v_sh
     m_i = tl.full((RP,), float("-inf"), tl.float32)
     l_i = tl.zeros((RP,), tl.float32)
-    acc = tl.zeros((RP, HD), tl.float32)
+    acc = tl.zeros((RP, HDP), tl.float32)
     t0 = sp * span
     t1 = tl.minimum(t0 + span, L)
     for t in range(t0, t1, BT):
@@ -76,13 +79,13 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ws_ptr, cnt_ptr,
         if HAS_MASK:
             ok = ok & (tl.load(m_ptr + b * m_sb + offs_t * m_st, mask=ok, other=0) != 0)
         if tl.max(ok.to(tl.int32), axis=0) > 0:  # a block masked entirely is not read
-            k = tl.load(k_base + offs_t[:, None] * k_st + cols[None, :], mask=ok[:, None], other=0.0)
+            k = tl.load(k_base + offs_t[:, None] * k_st + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.math.exp2(s - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
-            v = tl.load(v_base + offs_t[:, None] * v_st + cols[None, :], mask=ok[:, None], other=0.0)
+            v = tl.load(v_base + offs_t[:, None] * v_st + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
@@ -91,13 +94,13 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ws_ptr, cnt_ptr,
     o_ptrs = o_ptr + b * o_sb + (h * REP + rows)[:, None] * HD + cols[None, :]
     if SPLITS == 1:
         l_i = tl.where(l_i > 0, l_i, 1.0)  # no position admitted (or a padding row): acc is 0
-        tl.store(o_ptrs, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=io_ok)
     else:
         # this span's (acc, m, l) for rows < REP; the pair's last program merges them in span order
         part = REP * HD + 2 * REP
         pair_ws = ws_ptr + pid_g * SPLITS * part
         here = pair_ws + sp * part
-        tl.store(here + rows[:, None] * HD + cols[None, :], acc, mask=row_ok[:, None])
+        tl.store(here + rows[:, None] * HD + cols[None, :], acc, mask=io_ok)
         tl.store(here + REP * HD + rows, m_i, mask=row_ok)
         tl.store(here + REP * HD + REP + rows, l_i, mask=row_ok)
         if tl_last_arrival(cnt_ptr + pid_g, SPLITS):
@@ -107,16 +110,16 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ws_ptr, cnt_ptr,
                 m_all = tl.maximum(m_all, m_s)
             m_all = tl.where(m_all > float("-inf"), m_all, 0.0)  # no span admitted a position: weights 0
             l_all = tl.zeros((RP,), tl.float32)
-            o = tl.zeros((RP, HD), tl.float32)
+            o = tl.zeros((RP, HDP), tl.float32)
             for s_ in range(SPLITS):  # span order: the same sum whoever arrived last
                 src = pair_ws + s_ * part
                 w = tl.math.exp2(tl.load(src + REP * HD + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
                                  - m_all)
                 l_all += w * tl.load(src + REP * HD + REP + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
-                o += w[:, None] * tl.load(src + rows[:, None] * HD + cols[None, :], mask=row_ok[:, None],
+                o += w[:, None] * tl.load(src + rows[:, None] * HD + cols[None, :], mask=io_ok,
                                           other=0.0, cache_modifier=".cg")
             l_all = tl.where(l_all > 0, l_all, 1.0)  # no position admitted (or a padding row): o is 0
-            tl.store(o_ptrs, (o / l_all[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(o_ptrs, (o / l_all[:, None]).to(o_ptr.dtype.element_ty), mask=io_ok)
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -131,8 +134,8 @@ def why_not(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     if keys.dim() != 4 or values.shape != keys.shape:
         return "keys and values must be [B, kv_heads, L, head_dim] of one shape"
     b, kv_heads, length, hd = keys.shape
-    if hd < 16 or hd & (hd - 1) or hd > 256:
-        return f"head_dim {hd} is not a power of two in [16, 256]"
+    if hd < 16 or hd % 16 or hd > 256:
+        return f"head_dim {hd} is not a multiple of 16 in [16, 256]"
     if q.dim() != 2 or q.shape[0] != b or q.shape[1] % (kv_heads * hd) or q.stride(1) != 1:
         return f"q must be [{b}, heads * {hd}] with unit column stride, heads a multiple of {kv_heads}"
     if out is not None and (out.shape != q.shape or not out.is_contiguous() or out.dtype != q.dtype):
@@ -204,8 +207,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     key = (q.device, q.dtype, b, rep, hd, splits, pdl, ints, aligned)
     launch = _LAUNCHERS.get(key)
     if launch is None:
-        meta = dict(REP=rep, RP=max(16, triton.next_power_of_2(rep)), HD=hd, BT=bt, HAS_MASK=mask is not None,
-                    SPLITS=splits, INC=base is not None and step != 0, PREC=prec, PDL=pdl, num_warps=4, num_stages=2)
+        meta = dict(REP=rep, RP=max(16, triton.next_power_of_2(rep)), HD=hd, HDP=triton.next_power_of_2(hd), BT=bt,
+                    HAS_MASK=mask is not None, SPLITS=splits, INC=base is not None and step != 0, PREC=prec, PDL=pdl,
+                    num_warps=4, num_stages=2)
         if pdl:
             meta["launch_pdl"] = True
         launch = _LAUNCHERS.put(key, Launcher(_decode_attention_kernel, (b * kv_heads, splits), meta))

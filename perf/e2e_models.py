@@ -61,6 +61,19 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("Qwen3Config", head_dim=True, qkv_bias=None, fixed=(("use_sliding_window", False),)),
     # Gemma: (1 + w) RMSNorms, GeGLU (tanh GELU), embeddings scaled by sqrt(hidden); head_dim 256
     "gemma": Family("GemmaConfig", head_dim=True, qkv_bias=None, fixed=(("hidden_activation", "gelu_pytorch_tanh"),)),
+    # Granite 3.x: the multipliers of its published configs (embeddings x 12, attention scale 1/128,
+    # sublayer outputs x 0.22 before each residual add, logits / 16)
+    "granite": Family("GraniteConfig", head_dim=False, qkv_bias=None,
+                      fixed=(("embedding_multiplier", 12.0), ("attention_multiplier", 0.0078125),
+                             ("residual_multiplier", 0.22), ("logits_scaling", 16.0), ("mlp_bias", False))),
+    # Gemma 2: Gemma's norms and GeGLU, post-norms, sliding-window layers (every other one), the
+    # attention and final-logit softcaps of its published configs
+    "gemma2": Family("Gemma2Config", head_dim=True, qkv_bias=None,
+                     fixed=(("hidden_activation", "gelu_pytorch_tanh"), ("query_pre_attn_scalar", 256),
+                            ("sliding_window", 4096), ("attn_logit_softcapping", 50.0),
+                            ("final_logit_softcapping", 30.0))),
+    # Phi-3: Q/K/V and gate/up one linear each in the checkpoint; heads of 96 (its hidden size / heads)
+    "phi3": Family("Phi3Config", head_dim=False, qkv_bias=False, fixed=(("pad_token_id", 32000),)),
     # Qwen3MoeConfig's signature has no head_dim, but its attention reads config.head_dim when set.
     # Every layer sparse (no dense mlp_only_layers), top-k weights renormalised: Qwen3-MoE's published configs.
     "qwen3_moe": Family("Qwen3MoeConfig", head_dim=True, qkv_bias=None,
@@ -83,6 +96,9 @@ SIZES: dict[str, ModelSizes] = {
     "llama3-8b": ModelSizes("llama", 14336, 32, 128256, 5e5, 1e-5, 8192),
     "llama3-70b": ModelSizes("llama", 28672, 80, 128256, 5e5, 1e-5, 8192),  # ~141 GB in bf16: tensor parallel only
     "qwen3-8b": ModelSizes("qwen3", 12288, 36, 151936, 1e6, 1e-6, 40960),  # q/k norms per head
+    "granite-8b": ModelSizes("granite", 12800, 40, 49155, 1e7, 1e-5, 131072),  # Granite 3.1 8B; LM head tied
+    "phi3-mini": ModelSizes("phi3", 8192, 32, 32064, 1e4, 1e-5, 4096),  # Phi-3-mini-4k
+    "gemma2-9b": ModelSizes("gemma2", 14336, 42, 256000, 1e4, 1e-6, 8192),  # its LM head tied in the release
     "gemma-7b": ModelSizes("gemma", 24576, 28, 256000, 1e4, 1e-6, 8192),  # its LM head tied in the release
     "qwen3-30b-a3b": ModelSizes("qwen3_moe", 6144, 48, 151936, 1e6, 1e-6, 40960),  # q/k norms; 128 experts, 8 a token
     "mixtral-8x7b": ModelSizes("mixtral", None, 32, 32000, 1e6, 1e-5, 32768),  # 8 experts, 2 a token
@@ -156,18 +172,23 @@ def rope_theta(config) -> float | None:
     return theta
 
 
+# Families transformers runs with its eager attention only (Gemma 2: its attention softcap).
+EAGER_ONLY = {"gemma2": "eager"}
+
+
 def build_model(config, dtype: torch.dtype, device) -> nn.Module:
     """A causal LM of ``config`` with random weights (transformers' own init, from the global
     torch seed), created directly on ``device`` in ``dtype`` (no full-size copy in another
-    dtype or on the host first), SDPA attention, eval mode. RoPE's inverse frequencies stay
-    fp32, as from_pretrained leaves them."""
+    dtype or on the host first), SDPA attention (eager for :data:`EAGER_ONLY`), eval mode.
+    RoPE's inverse frequencies stay fp32, as from_pretrained leaves them."""
     import transformers
 
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+            model = transformers.AutoModelForCausalLM.from_config(
+                copy.deepcopy(config), attn_implementation=EAGER_ONLY.get(config.model_type, "sdpa"))
     finally:
         torch.set_default_dtype(old)
     if any(p.dtype != dtype for p in model.parameters()):  # a version that picks the dtype itself

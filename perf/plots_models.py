@@ -145,13 +145,52 @@ def _e2e_bars(ax, groups: list[tuple], rows: dict, labels: list[str], variants=E
     ax.grid(True, axis="y", alpha=0.3)
 
 
+# The decode modes of the per-model summary panel (one token per step, B = 1), with their colours.
+SUMMARY_MODES = (("compiled_static", "C1"), ("eager_static", "C0"))
+
+
+def _speedups(rows) -> dict[tuple[str, str], float]:
+    """``{(model, mode): stock ms / hybridgemm ms}`` of the :data:`SUMMARY_MODES` at B = 1, for
+    each model measured at its full depth (the largest layer count the CSV has for it)."""
+    depth: dict[str, int] = {}
+    for r in rows:
+        depth[r.get("model", "?")] = max(depth.get(r.get("model", "?"), 0), to_int(r.get("layers")) or 0)
+    ms = {(r.get("model", "?"), r["mode"], r["variant"]): to_float(r["ms_per_token"]) for r in rows
+          if to_int(r.get("batch")) == 1 and r.get("mode") in dict(SUMMARY_MODES)
+          and (to_int(r.get("layers")) or 0) == depth[r.get("model", "?")]}
+    return {(model, mode): ms[(model, mode, "stock")] / t for (model, mode, variant), t in ms.items()
+            if variant == "hybridgemm" and t > 0 and ms.get((model, mode, "stock"))}
+
+
+def _summary_bars(ax, speedups: dict[tuple[str, str], float]) -> None:
+    """One group per model, a bar per decode mode: hybridgemm's speedup over stock at B = 1."""
+    models = list(dict.fromkeys(m for m, _ in speedups))
+    x = np.arange(len(models))
+    width = 0.38
+    for i, (mode, colour) in enumerate(SUMMARY_MODES):
+        ys = [speedups.get((m, mode), np.nan) for m in models]
+        pos = x + (i - 0.5) * width
+        ax.bar(pos, ys, width, label=f"{mode}, B=1", color=colour)
+        for xp, y in zip(pos, ys):
+            if y == y:
+                ax.annotate(f"{y:.2f}x", (xp, y), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+                            textcoords="offset points")
+    ax.axhline(1.0, color="black", lw=1)
+    ax.set_xticks(x, models, fontsize=8)
+    ax.set_ylabel("speedup over stock (higher is better)")
+    ax.set_title("decode at B=1, every model: hybridgemm over stock", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+
+
 def plot_e2e(csv_path, out_dir, name: str = "e2e.png") -> Path:
     """``name`` (default ``e2e.png``) in ``out_dir`` from perf/bench_e2e.py's CSV: per (GPU,
     model, layers), ms per decode step for each decode mode and batch (stock and hybridgemm
     bars, log scale, the HBM floor of the weights as a dashed line), and ms per prefill beside
-    it. Rows whose status is not ok have no bar; a hybridgemm bar missing beside a stock one is
-    marked. perf/bench_lora.py's CSV (variants stock_peft and hybridgemm_peft) draws the same
-    way, stock PEFT as the baseline. Raises FileNotFoundError for a missing file, ValueError when
+    it; with several models, a first panel of hybridgemm's compiled and eager static-cache decode
+    speedup at B = 1 per model (each at the largest layer count the CSV has for it). Rows whose
+    status is not ok have no bar; a hybridgemm bar missing beside a stock one is marked.
+    perf/bench_lora.py's CSV (variants stock_peft and hybridgemm_peft) draws the same way, stock
+    PEFT as the baseline. Raises FileNotFoundError for a missing file, ValueError when
     no row holds a time."""
 
     if not os.path.isfile(csv_path):
@@ -167,10 +206,17 @@ def plot_e2e(csv_path, out_dir, name: str = "e2e.png") -> Path:
         panels.append((key, "decode", [r for r in mine if r.get("mode") in E2E_DECODE_MODES]))
         panels.append((key, "prefill", [r for r in mine if r.get("mode") == "prefill"]))
     panels = [p for p in panels if p[2]]
+    speedups = _speedups(rows)
+    if len({m for m, _ in speedups}) > 1:
+        panels.insert(0, (None, "summary", speedups))
     lora = any(r.get("variant") == LORA_VARIANTS[0][0] for r in rows)
     variants = LORA_VARIANTS if lora else E2E_VARIANTS
     fig, body, footer, axes = figure(len(panels), panel_w=6.5, panel_h=4.2, ncols=2)
-    for ax, ((gpu, model, layers), kind, prs) in zip(axes, panels):
+    for ax, (key, kind, prs) in zip(axes, panels):
+        if kind == "summary":
+            _summary_bars(ax, prs)
+            continue
+        gpu, model, layers = key
         ms = {((r["mode"], to_int(r["batch"])), r["variant"]): to_float(r["ms_per_token"]) for r in prs}
         order = {m: i for i, m in enumerate(E2E_DECODE_MODES)}
         groups = sorted({g for g, _ in ms}, key=lambda g: (order.get(g[0], 9), g[1]))

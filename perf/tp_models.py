@@ -60,10 +60,15 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
             attention_bias=True, mlp_bias=False)
 
 
+# Families whose checkpoint holds Q/K/V (and gate/up) as one linear: the tensor-parallel plan
+# splits separate q/k/v and gate/up projections by heads and rows, not such a stacked one.
+_PREFUSED_FAMILIES = ("phi3",)
+
+
 def model_names() -> list[str]:
     """The dense models (torch's plan and ``parallelize`` split gate/up/down; a mixture of
-    experts' experts would stay whole on every rank), and ``tiny``."""
-    return [*hf.dense_model_names(), "tiny"]
+    experts' experts would stay whole on every rank) with separate q/k/v, and ``tiny``."""
+    return [*(n for n in hf.dense_model_names() if hf.SIZES[n].family not in _PREFUSED_FAMILIES), "tiny"]
 
 
 def model_config(name: str, layers: int | None = None):

@@ -3,9 +3,11 @@ the step reads of the model: decided once when a layer is patched (source and st
 checks) and per call (device, dtype, rows, grad, hooks, the cache).
 
 Patch time (:func:`why_not_fuse_layer`, :func:`why_not_fuse_attention`): the layer's forward
-must be the pre-norm layer the step computes (its statements checked in its source), its
-attention forward one of the forms :class:`AttentionForm` describes, and its parts fused by
-``patch`` (Q/K/V and gate/up into one GEMM each, HybridRMSNorm or HybridGemmaRMSNorm norms,
+must be one the step computes (its statements checked in its source: the pre-norm layer;
+Granite's with scaled residuals, Phi-3's with residual dropouts, Gemma 2/3's post-norm one),
+its attention forward one of the forms :class:`AttentionForm` describes (Q/K/V from three
+projections or, Phi-3's, one), and its parts fused by ``patch`` (Q/K/V and gate/up into one
+GEMM each or the checkpoint's stacked linears, HybridRMSNorm or HybridGemmaRMSNorm norms,
 patched or row-parallel O and down). The static-cache step (rotary and the cache write in the QKV epilogue, the
 attention kernel) also needs transformers' ``StaticLayer`` and ``Cache.update`` as checked,
 the standard ``rotate_half`` rotary, and q/k norms (if any) that are patched RMSNorms over
@@ -44,7 +46,7 @@ from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES as _PLAIN
 from hybridgemm.kernels.fp8 import E4M3
 from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.linear_layer import HybridLinear, PartialSumLinear
-from hybridgemm.mlp import FUSED_GATE_UP, HybridGatedMLP
+from hybridgemm.mlp import FUSED_GATE_UP, HybridGatedMLP, HybridPrefusedGatedMLP
 from hybridgemm.mode_state import DEFAULT, get_mode
 from hybridgemm.norm import PATCHED_NORMS, HybridRMSNorm
 
@@ -91,6 +93,32 @@ _LAYER_BODY = (
 # Granite's layer: the same, each sublayer's output times residual_multiplier before the add
 _SCALED_ADD = "hidden_states=residual+hidden_states*self.residual_multiplier"
 _SCALED_LAYER_BODY = tuple(_SCALED_ADD if s == "hidden_states=residual+hidden_states" else s for s in _LAYER_BODY)
+# Gemma 2's and Gemma 3's layer: each sublayer's output normalised before its residual add
+# (post_attention_layernorm, post_feedforward_layernorm), the MLP's input by
+# pre_feedforward_layernorm
+_POST_NORM_LAYER_BODY = (
+    *_LAYER_BODY[:3],
+    "hidden_states=self.post_attention_layernorm(hidden_states)",
+    "hidden_states=residual+hidden_states",
+    "residual=hidden_states",
+    "hidden_states=self.pre_feedforward_layernorm(hidden_states)",
+    "hidden_states=self.mlp(hidden_states)",
+    "hidden_states=self.post_feedforward_layernorm(hidden_states)",
+    "hidden_states=residual+hidden_states",
+    "returnhidden_states",
+)
+# Instance attribute set when a layer is patched: its forward is the post-norm form above.
+POST_NORMS = "_hybridgemm_post_norms"
+# Phi-3's layer: the same, each sublayer's output through a dropout module before the add
+# (the identity unless the layer trains with p > 0: residual_dropouts, checked per call)
+RESIDUAL_DROPOUTS = ("resid_attn_dropout", "resid_mlp_dropout")
+# (and its attention call names the unused weights self_attn_weights)
+_DROPOUT_LAYER_BODY = (*_LAYER_BODY[:2], tuple(c.replace("hidden_states,_=", "hidden_states,self_attn_weights=", 1)
+                                               for c in _LAYER_BODY[2]), *_LAYER_BODY[3:])
+for _name in RESIDUAL_DROPOUTS:
+    _i = _DROPOUT_LAYER_BODY.index("hidden_states=residual+hidden_states")
+    _DROPOUT_LAYER_BODY = (*_DROPOUT_LAYER_BODY[:_i], f"hidden_states=residual+self.{_name}(hidden_states)",
+                           *_DROPOUT_LAYER_BODY[_i + 1:])
 _PLAIN_Q = "query_states=self.q_proj(hidden_states).view(hidden_shape).transpose(1,2)"
 _PLAIN_K = "key_states=self.k_proj(hidden_states).view(hidden_shape).transpose(1,2)"
 _NORMED_Q = "query_states=self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1,2)"
@@ -107,10 +135,18 @@ UPDATE_FORMS = {
 _INTERFACE_CALL = ("attn_output,attn_weights=attention_interface(self,query_states,key_states,value_states,"
                    "attention_mask,dropout=0.0ifnotself.trainingelseself.attention_dropout,scaling=self.scaling,")
 # the sliding window the attention function is given, by the form of the call
+# Gemma 2's call: its dropout written the other way round, and a softcap (attn_logit_softcapping)
+_SOFTCAP_CALL = ("attn_output,attn_weights=attention_interface(self,query_states,key_states,value_states,"
+                 "attention_mask,dropout=self.attention_dropoutifself.trainingelse0.0,scaling=self.scaling,"
+                 "sliding_window=self.sliding_window,softcap=self.attn_logit_softcapping,**kwargs)")
+# Gemma 3's call: Gemma 2's without the softcap
+_GEMMA_CALL = _SOFTCAP_CALL.replace("softcap=self.attn_logit_softcapping,", "")
 WINDOW_FORMS = {
+    _GEMMA_CALL: "module",
     _INTERFACE_CALL + "**kwargs)": None,
     _INTERFACE_CALL + "sliding_window=getattr(self.config,'sliding_window',None),**kwargs)": "config",
     _INTERFACE_CALL + "sliding_window=self.sliding_window,**kwargs)": "module",
+    _SOFTCAP_CALL: "module",
 }
 _ATTENTION_BODY = (
     "input_shape=hidden_states.shape[:-1]",
@@ -128,7 +164,33 @@ _ATTENTION_BODY = (
     "attn_output=self.o_proj(attn_output)",
     "return(attn_output,attn_weights)",
 )
+# Phi-3's attention: Q/K/V one linear in the checkpoint (qkv_proj), its columns [q | k | v]
+# sliced, then the same as the above from the rotary on
+_QUERY_COLUMNS = "query_pos=self.config.num_attention_heads*self.head_dim"
+_PREFUSED_ATTENTION_BODY = (
+    *_ATTENTION_BODY[:2],
+    f"qkv=self.{QKV_NAME}(hidden_states)",
+    _QUERY_COLUMNS,
+    "query_states=qkv[...,:query_pos]",
+    "key_states=qkv[...,query_pos:query_pos+self.num_key_value_heads*self.head_dim]",
+    "value_states=qkv[...,query_pos+self.num_key_value_heads*self.head_dim:]",
+    "query_states=query_states.view(hidden_shape).transpose(1,2)",
+    "key_states=key_states.view(hidden_shape).transpose(1,2)",
+    "value_states=value_states.view(hidden_shape).transpose(1,2)",
+    *_ATTENTION_BODY[5:],
+)
+# Gemma 3's q/k norms: on the head views after the transpose (the same per-head RMSNorm as
+# _NORMED_Q / _NORMED_K's before it)
+_LATE_QK_NORMS = ("query_states=self.q_norm(query_states)", "key_states=self.k_norm(key_states)")
 _ROTARY_STATEMENTS = ("q_embed=(q*cos)+(rotate_half(q)*sin)", "k_embed=(k*cos)+(rotate_half(k)*sin)")
+# Phi-3's rotary: the first cos.shape[-1] columns of each head rotated, the rest passed through
+# (the whole head where cos spans it, which the static-cache step checks per call: kv_slot)
+# (its body, statement by statement)
+_PARTIAL_ROTARY_BODY = (
+    "cos=cos.unsqueeze(unsqueeze_dim)", "sin=sin.unsqueeze(unsqueeze_dim)", "rotary_dim=cos.shape[-1]",
+    "q_rot,q_pass=(q[...,:rotary_dim],q[...,rotary_dim:])", "k_rot,k_pass=(k[...,:rotary_dim],k[...,rotary_dim:])",
+    "q_embed=torch.cat([q_rot*cos+rotate_half(q_rot)*sin,q_pass],dim=-1)",
+    "k_embed=torch.cat([k_rot*cos+rotate_half(k_rot)*sin,k_pass],dim=-1)", "return(q_embed,k_embed)")
 _ROTATE_HALF_STATEMENTS = ("x1=x[...,:x.shape[-1]//2]", "x2=x[...,x.shape[-1]//2:]", "returntorch.cat((-x2,x1),dim=-1)")
 _STATIC_UPDATE_STATEMENTS = (
     "kv_length=key_states.shape[-2]",
@@ -262,11 +324,13 @@ class AttentionForm:
     and where its sliding window comes from (:data:`WINDOW_FORMS`)."""
 
     qk_norm: bool
+    prefused: bool  # Q/K/V one linear in the checkpoint (Phi-3's qkv_proj), not three that patch fused
     rotary: Callable
     eager: Callable
     functions: object  # the forward's ALL_ATTENTION_FUNCTIONS
     update: str  # "kwargs", "cache_kwargs" or "none"
     window_from: str | None  # "module" (attn.sliding_window), "config" (attn.config.sliding_window), None
+    softcap: bool = False  # the call passes softcap=attn.attn_logit_softcapping (Gemma 2)
 
     def attention_function(self, implementation: str):
         return self.functions.get_interface(implementation, self.eager)
@@ -285,7 +349,13 @@ _FORMS: dict[type, AttentionForm | str] = {}
 def _read_form(cls: type) -> AttentionForm | str:
     forward = cls.forward
     statements = body_statements(forward)
-    if not _matches(statements, _ATTENTION_BODY):
+    prefused = _matches(statements, _PREFUSED_ATTENTION_BODY)
+    if prefused:  # from the rotary on, the statements of _ATTENTION_BODY
+        statements = [*_ATTENTION_BODY[:2], _PLAIN_Q, _PLAIN_K, _ATTENTION_BODY[4], *statements[10:]]
+    elif statements is not None and tuple(statements[5:7]) == _LATE_QK_NORMS \
+            and statements[2:4] == [_PLAIN_Q, _PLAIN_K]:
+        statements = [*statements[:2], _NORMED_Q, _NORMED_K, *statements[4:5], *statements[7:]]
+    elif not _matches(statements, _ATTENTION_BODY):
         return f"{cls.__name__}.forward is not an attention this step computes"
     names = getattr(inspect.unwrap(forward), "__globals__", {})
     rotary, eager = names.get("apply_rotary_pos_emb"), names.get("eager_attention_forward")
@@ -293,8 +363,8 @@ def _read_form(cls: type) -> AttentionForm | str:
     if not callable(rotary) or not callable(eager) or not callable(getattr(functions, "get_interface", None)):
         return f"{cls.__name__}.forward's module has no apply_rotary_pos_emb, eager_attention_forward and " \
                "ALL_ATTENTION_FUNCTIONS.get_interface"
-    return AttentionForm(statements[2] == _NORMED_Q, rotary, eager, functions, UPDATE_FORMS[statements[7]],
-                         WINDOW_FORMS[statements[9]])
+    return AttentionForm(statements[2] == _NORMED_Q, prefused, rotary, eager, functions, UPDATE_FORMS[statements[7]],
+                         WINDOW_FORMS[statements[9]], statements[9] == _SOFTCAP_CALL)
 
 
 def attention_form(cls: type) -> AttentionForm:
@@ -328,14 +398,17 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
     why = why_not_attention_form(cls)
     if why is not None:
         return why
+    if attention_form(cls).softcap and attn.attn_logit_softcapping is not None:
+        return "its attention logits are soft-capped, which the decode attention kernel does not compute (the " \
+               "module's attention function runs over the fused Q/K/V)"
     if attention_form(cls).qk_norm:
         why = why_not_qk_norms(attn)
         if why is not None:
             return why
     rope = attention_form(cls).rotary
     rotate = getattr(inspect.unwrap(rope), "__globals__", {}).get("rotate_half")
-    if rope is None or rotate is None or not _has_all(rope, _ROTARY_STATEMENTS) \
-            or not _has_all(rotate, _ROTATE_HALF_STATEMENTS):
+    if rope is None or rotate is None or not _has_all(rotate, _ROTATE_HALF_STATEMENTS) or not (
+            _has_all(rope, _ROTARY_STATEMENTS) or _matches(body_statements(rope), _PARTIAL_ROTARY_BODY)):
         return "its rotary embedding is not the standard rotate_half one"
     if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
         return "it has no integer head_dim and layer_idx"
@@ -400,6 +473,8 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     if cache is None or pe is None or x.dim() != 3 or attn.training or attn.config._attn_implementation != "sdpa" \
             or getattr(attn, "sliding_window", None) is not None:
         return None
+    if attention_form(type(attn)).softcap and attn.attn_logit_softcapping is not None:
+        return None  # the attention function is given a softcap (which stock SDPA refuses): the module's call
     layers = getattr(cache, "layers", None)
     if not _Transformers.static_ok or not isinstance(layers, list) or attn.layer_idx >= len(layers):
         return None
@@ -453,7 +528,33 @@ def _fused_parts(layer: nn.Module) -> list[nn.Module]:
     parts = [layer.input_layernorm, attn._modules[QKV_NAME], projection_base(attn.o_proj)]
     if moe_block(mlp):  # the block and its norm run as modules
         return parts
-    return [*parts, layer.post_attention_layernorm, mlp._modules[FUSED_GATE_UP], projection_base(mlp.down_proj)]
+    return [*parts, *layer_norms(layer)[1:], mlp._modules[FUSED_GATE_UP], projection_base(mlp.down_proj)]
+
+
+_PLAIN_NORMS = ("input_layernorm", "post_attention_layernorm")
+_POST_NORM_NAMES = (*_PLAIN_NORMS, "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def post_norms(layer: nn.Module) -> bool:
+    """Is ``layer`` of the post-norm form (Gemma 2/3: :data:`_POST_NORM_LAYER_BODY`), as patch
+    marked it (:data:`POST_NORMS`)?"""
+    return bool(layer.__dict__.get(POST_NORMS))
+
+
+def layer_norms(layer: nn.Module) -> list[nn.Module | None]:
+    """The layer's norms, its input norm first: the pre-norm layer's two, a post-norm layer's four."""
+    return [layer._modules.get(n) for n in (_POST_NORM_NAMES if post_norms(layer) else _PLAIN_NORMS)]
+
+
+def mlp_input_norm(layer: nn.Module) -> nn.Module:
+    """The norm of the MLP's input: ``pre_feedforward_layernorm`` in a post-norm layer, else
+    ``post_attention_layernorm``."""
+    return layer.pre_feedforward_layernorm if post_norms(layer) else layer.post_attention_layernorm
+
+
+def normalises_outputs(cls: type) -> bool:
+    """Is ``cls.forward`` the post-norm form (Gemma 2/3)? Read from the source when patched."""
+    return _matches(body_statements(cls.forward), _POST_NORM_LAYER_BODY)
 
 
 def _adapters(layer: nn.Module) -> list[nn.Module]:
@@ -482,15 +583,22 @@ def _own_projection(mod) -> bool:
 def _parts_in_place(layer: nn.Module) -> bool:
     """Are the modules the step stands for still the ones patch made, or LoRA layers over them
     whose terms the step adds (none wrapped or replaced otherwise since)? A LoRA layer over a
-    row-parallel O or down is not computed here."""
+    row-parallel O or down is not computed here; one over a prefused Q/K/V or gate/up (Phi-3's)
+    not at all."""
     attn, mlp = layer.self_attn._modules, layer.mlp._modules
     o, down = attn.get("o_proj"), mlp.get("down_proj")
-    attention = (all(_in_place(attn.get(n), _slice) for n in ("q_proj", "k_proj", "v_proj"))
-                 and (_fusable_projection(o) or _in_place(o, _own_projection)))
+    if isinstance(attn.get(QKV_NAME), FusedLinears):
+        qkv = all(_in_place(attn.get(n), _slice) for n in ("q_proj", "k_proj", "v_proj"))
+    else:
+        qkv = _own_projection(attn.get(QKV_NAME))
+    attention = qkv and (_fusable_projection(o) or _in_place(o, _own_projection))
     if moe_block(layer.mlp):
         return attention and type(layer.post_attention_layernorm) in PATCHED_NORMS
-    return (attention and all(_in_place(mlp.get(n), _slice) for n in ("gate_proj", "up_proj"))
-            and (_fusable_projection(down) or _in_place(down, _own_projection)))
+    if isinstance(mlp.get(FUSED_GATE_UP), FusedLinears):
+        gate_up = all(_in_place(mlp.get(n), _slice) for n in ("gate_proj", "up_proj"))
+    else:
+        gate_up = _own_projection(mlp.get(FUSED_GATE_UP))
+    return attention and gate_up and (_fusable_projection(down) or _in_place(down, _own_projection))
 
 
 def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
@@ -500,10 +608,11 @@ def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
     slots = [*(attn._modules.get(n) for n in _ATTENTION_SLOTS), *(mlp._modules.get(n) for n in _MLP_SLOTS)]
     wrapped = [m for s in slots if adapter_terms.is_lora_linear(s)
                for m in (adapter_base(s), *s.lora_A.values(), *s.lora_B.values(), *s.lora_dropout.values())]
-    attention = [layer.input_layernorm, attn, *slots, *wrapped, *(attn._modules.get(n) for n in ("q_norm", "k_norm"))]
+    attention = [layer.input_layernorm, attn, *slots, *wrapped, *(attn._modules.get(n) for n in ("q_norm", "k_norm")),
+                 attn._modules.get(QKV_NAME), *(layer._modules.get(n) for n in RESIDUAL_DROPOUTS)]
     if moe_block(mlp):  # the step calls the MoE block and its norm as modules: their hooks run
         return attention
-    return [*attention, layer.post_attention_layernorm, mlp]
+    return [*attention, *layer_norms(layer)[1:], mlp, mlp._modules.get(FUSED_GATE_UP)]
 
 
 def takes_fused_path(layer: nn.Module, x) -> bool:
@@ -517,6 +626,8 @@ def takes_fused_path(layer: nn.Module, x) -> bool:
         return False
     if torch.is_autocast_enabled(x.device.type) or get_mode() != DEFAULT or not _parts_in_place(layer):
         return False
+    if layer.training and any(_dropping(layer._modules.get(n)) for n in RESIDUAL_DROPOUTS):
+        return False
     params = [t for m in _fused_parts(layer) for t in (m.weight, getattr(m, "bias", None)) if t is not None]
     if any(t.dtype != x.dtype and not (t.dtype == E4M3 and x.dtype in _FP8_ACTIVATIONS) for t in params):
         return False
@@ -525,6 +636,21 @@ def takes_fused_path(layer: nn.Module, x) -> bool:
         return False
     return not (any(hooked(m) for m in _skipped_modules(layer))
                 or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
+
+
+def _dropping(mod: nn.Module | None) -> bool:
+    """Does residual dropout ``mod`` (an nn.Dropout, checked when patched) drop anything now?"""
+    return mod is not None and mod.training and mod.p > 0
+
+
+def qkv_sizes(attn: nn.Module, qkv: nn.Module) -> tuple[int, int, int]:
+    """The q, k and v column counts of the fused Q/K/V output: the parts patch fused, or for a
+    prefused linear (Phi-3's qkv_proj) the heads its attention slices it into."""
+    sizes = getattr(qkv, "sizes", None)
+    if sizes is not None:
+        return tuple(sizes)
+    kv = attn.num_key_value_heads * attn.head_dim
+    return qkv.weight.shape[0] - 2 * kv, kv, kv
 
 
 def _fusable_projection(proj) -> bool:
@@ -552,7 +678,8 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
         return NOT_A_LAYER
     attn, mlp = mod._modules.get("self_attn"), mod._modules.get("mlp")
     norms = [mod._modules.get(n) for n in ("input_layernorm", "post_attention_layernorm")]
-    if attn is None or not isinstance(attn._modules.get(QKV_NAME), FusedLinears):
+    qkv = attn._modules.get(QKV_NAME) if attn is not None else None
+    if not isinstance(qkv, FusedLinears) and not _own_projection(qkv):
         return "its Q/K/V are not fused into one GEMM"
     for owner, child in ((attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"), (mlp, "gate_proj"),
                          (mlp, "up_proj"), (mlp, "down_proj")):
@@ -566,16 +693,27 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
     if not _fusable_projection(o_proj):
         return f"its o_proj is a {type(o_proj).__name__}, not a patched or row-parallel nn.Linear"
     moe = moe_block(mlp)
-    if not moe and (type(mlp) is not HybridGatedMLP or not isinstance(mlp._modules.get(FUSED_GATE_UP), FusedLinears)):
+    gate_up = mlp._modules.get(FUSED_GATE_UP) if mlp is not None else None
+    if not moe and not ((type(mlp) is HybridGatedMLP and isinstance(gate_up, FusedLinears))
+                        or (type(mlp) is HybridPrefusedGatedMLP and _own_projection(gate_up))):
         return ("its MoE block's experts are not the patched grouped kernels" if type(mlp).__name__ in MOE_BLOCKS
                 else "its MLP's gate/up are not fused into one GEMM")
     if not moe and not _fusable_projection(down_proj):
         return f"its down_proj is a {type(down_proj).__name__}, not a patched or row-parallel nn.Linear"
+    scaled = scales_residuals(t)
+    statements = body_statements(t.forward)
+    dropouts = not scaled and _matches(statements, _DROPOUT_LAYER_BODY)
+    post = not (scaled or dropouts) and _matches(statements, _POST_NORM_LAYER_BODY)
+    if not (scaled or dropouts or post or _matches(statements, _LAYER_BODY)):
+        return f"{t.__name__}.forward is not a decoder layer this step computes"
+    if post:
+        norms = [mod._modules.get(n) for n in _POST_NORM_NAMES]
+        if moe or any(isinstance(p, PartialSumLinear) for p in (o_proj, down_proj)):
+            return "its post-norms follow a mixture of experts or a row-parallel projection (not fused)"
     if not all(type(n) in PATCHED_NORMS for n in norms):
         return "its norms are not RMSNorms of a formula the step computes (Llama's, Gemma's)"
-    scaled = scales_residuals(t)
-    if not scaled and not _matches(body_statements(t.forward), _LAYER_BODY):
-        return f"{t.__name__}.forward is not the pre-norm layer this step computes"
+    if dropouts and not all(type(mod._modules.get(n)) is nn.Dropout for n in RESIDUAL_DROPOUTS):
+        return f"its {' and '.join(RESIDUAL_DROPOUTS)} are not nn.Dropout modules"
     if scaled:
         m = getattr(mod, "residual_multiplier", None)
         if not isinstance(m, (int, float)) or isinstance(m, bool) or not math.isfinite(m):
@@ -584,7 +722,18 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
             return "its residual_multiplier scales the output of a row-parallel projection (not fused)"
     if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
         return f"its {type(attn).__name__} has no integer head_dim and layer_idx"
-    return why_not_attention_form(type(attn))
+    why = why_not_attention_form(type(attn))
+    if why is not None:
+        return why
+    prefused = attention_form(type(attn)).prefused
+    if prefused == isinstance(qkv, FusedLinears):
+        return f"its {QKV_NAME} is not what its attention's forward computes Q/K/V with"
+    if prefused:
+        heads, kv = getattr(attn.config, "num_attention_heads", None), getattr(attn, "num_key_value_heads", None)
+        if not all(isinstance(v, int) and v > 0 for v in (heads, kv)) \
+                or qkv.weight.shape[0] != (heads + 2 * kv) * attn.head_dim:
+            return f"its {QKV_NAME}'s {qkv.weight.shape[0]} rows are not the config's q, k and v heads"
+    return None
 
 
 __all__ = ["DECODE_ROWS", "MOE_BLOCKS", "NOT_A_LAYER", "QKV_NAME", "STATIC_STEP", "AttentionForm", "attention_form",

@@ -368,7 +368,7 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
         y = _qkv_with_adapters(x, norm, qkv, slots, counters)
     else:
         y = norm_linear(x, *norm_operand(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
-    q, k, v = (t.view(hidden_shape) for t in y.split(qkv.sizes, dim=-1))
+    q, k, v = (t.view(hidden_shape) for t in y.split(checks.qkv_sizes(attn, qkv), dim=-1))
     if form.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -388,14 +388,17 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
     window = form.sliding_window(attn)
     if window is not checks.NO_WINDOW:
         rest["sliding_window"] = window
+    if form.softcap:
+        rest["softcap"] = attn.attn_logit_softcapping
     out, _ = interface(attn, q, k, v, kwargs.get("attention_mask"),
                        dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling, **rest)
     return out.reshape(*input_shape, -1).contiguous()
 
 
 def _slots(owner: nn.Module, fused: nn.Module) -> list[nn.Module]:
-    """The modules in the slots of a fused GEMM's parts (a slice, or the LoRA layer over it)."""
-    return [owner._modules[name.split(".")[0]] for name in fused.names]
+    """The modules in the slots of a fused GEMM's parts (a slice, or the LoRA layer over it);
+    none for a linear the checkpoint holds fused (Phi-3's)."""
+    return [owner._modules[name.split(".")[0]] for name in getattr(fused, "names", ())]
 
 
 def _qkv_with_adapters(x: Tensor, norm: nn.Module, qkv: nn.Module, slots: list[nn.Module],
@@ -469,13 +472,34 @@ def _mlp_inner(mlp: nn.Module, norm: nn.Module, h: Tensor) -> Tensor:
     return GLU_FUNCTIONS[mlp.glu_activation](gate) * up
 
 
+def _slot_project(proj: nn.Module, x: Tensor, counters: Tensor | None) -> Tensor:
+    """The O or down projection alone, for a post-norm layer (which normalises it before the
+    add): its GEMM, and a LoRA layer's terms there added to the rounded result (as PEFT does)."""
+    base = checks.projection_base(proj)
+    y = linear_residual(x, base.weight, base.bias, None, counters, weight_scale_of(base))
+    return adapter_terms.add_terms(proj, x, y) if adapter_terms.adds_terms(proj) else y
+
+
+def _post_norm_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None) -> Tensor:
+    """Gemma 2/3's layer: ``h = x + post_attn_norm(O(attention(input_norm(x))))``,
+    ``y = h + post_ff_norm(down(glu(gate_up(pre_ff_norm(h)))))``; the norms of the outputs as
+    the modules compute them (in torch ops, which Inductor fuses with the adds)."""
+    o = _slot_project(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), counters)
+    h = x + apply_norm(layer.post_attention_layernorm, o)
+    down = _slot_project(layer.mlp.down_proj, _mlp_inner(layer.mlp, layer.pre_feedforward_layernorm, h), counters)
+    return h + apply_norm(layer.post_feedforward_layernorm, down)
+
+
 def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None = None) -> Tensor:
     """The whole decoder layer for a call ``decode_checks.takes_fused_path`` accepted:
     ``h = x + O(attention(norm1(x)))``, ``y = h + down(glu(gate_up(norm2(h))))`` (Granite:
-    ``O(...)`` and ``down(...)`` times the layer's ``residual_multiplier``), with the terms of
+    ``O(...)`` and ``down(...)`` times the layer's ``residual_multiplier``; Gemma 2/3: each
+    normalised before its add, :func:`_post_norm_step`), with the terms of
     the LoRA layers over its projections (fusion/models/adapter_terms.py). A mixture-of-experts
     layer: ``y = h + moe_block(norm2(h))``, the block (its router, the grouped expert kernels)
     and the norm called as the modules they are."""
+    if checks.post_norms(layer):
+        return _post_norm_step(layer, x, kwargs, counters)
     m = checks.residual_multiplier(layer)
     h = _slot_add(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), x, counters, m)
     if checks.moe_block(layer.mlp):

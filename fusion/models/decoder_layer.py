@@ -7,8 +7,11 @@ the class's own forward everywhere else (prefill, training, fp16, CPU, hooks). P
 Recognised: transformers' ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``Qwen3DecoderLayer``,
 ``MistralDecoderLayer``, ``GemmaDecoderLayer`` (its (1 + w) RMSNorms' fp32 factor in the QKV
 and gate/up prologues, fusion/norm.py), ``GraniteDecoderLayer`` (its ``residual_multiplier`` in
-the O and down epilogues) and the mixture-of-experts ``Qwen3MoeDecoderLayer``, ``MixtralDecoderLayer`` and
-``Qwen2MoeDecoderLayer``
+the O and down epilogues), ``Phi3DecoderLayer`` (its Q/K/V and gate/up each one linear in the
+checkpoint, run as they are; its residual dropouts the identity in inference),
+``Gemma2DecoderLayer`` and ``Gemma3DecoderLayer`` (each sublayer's output normalised before
+its residual add; their attention the module's function over the fused Q/K/V) and the
+mixture-of-experts ``Qwen3MoeDecoderLayer``, ``MixtralDecoderLayer`` and ``Qwen2MoeDecoderLayer``
 (their sparse block called as a module, its experts the grouped kernels) whose forwards are the
 ones the step computes (checked in their source when patched, so a release that changes them
 is left alone, with the reason in the report), with the parts :func:`hybridgemm.patch` fused:
@@ -29,7 +32,8 @@ from . import decode_checks, decode_step
 LAYER_MODULES = {"LlamaDecoderLayer": "llama", "Qwen2DecoderLayer": "qwen2", "Qwen3DecoderLayer": "qwen3",
                  "MistralDecoderLayer": "mistral", "GraniteDecoderLayer": "granite",
                  "Qwen3MoeDecoderLayer": "qwen3_moe", "MixtralDecoderLayer": "mixtral",
-                 "Qwen2MoeDecoderLayer": "qwen2_moe", "GemmaDecoderLayer": "gemma"}
+                 "Qwen2MoeDecoderLayer": "qwen2_moe", "GemmaDecoderLayer": "gemma", "Phi3DecoderLayer": "phi3",
+                 "Gemma2DecoderLayer": "gemma2", "Gemma3DecoderLayer": "gemma3"}
 LAYER_CLASSES = tuple(LAYER_MODULES)
 # A fused layer's int32 buffer (not in the state dict) of split-K arrival counters for its
 # GEMMs, which run one after another and leave it zero: a compiled decode step then needs no

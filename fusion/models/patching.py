@@ -123,8 +123,16 @@ from hybridgemm.mlp import (
 )
 from hybridgemm.norm import HybridGemmaRMSNorm, HybridRMSNorm, is_gemma_norm, is_rms_norm
 
-from .decode_checks import NOT_A_LAYER, SCALED_RESIDUALS, STATIC_STEP, scales_residuals, why_not_fuse_attention
-from .decoder_layer import COUNTERS, fused_class, new_counters, why_not_fuse_layer
+from .decode_checks import (
+    NOT_A_LAYER,
+    POST_NORMS,
+    SCALED_RESIDUALS,
+    STATIC_STEP,
+    normalises_outputs,
+    scales_residuals,
+    why_not_fuse_attention,
+)
+from .decoder_layer import COUNTERS, HybridDecoderLayer, fused_class, new_counters, why_not_fuse_layer
 from .embeddings import RESIZE, ResizeKeepingHead, output_embeddings, resizes_embeddings
 from .fp8_checkpoints import adopt as adopt_fp8_checkpoint
 from .fp8_checkpoints import prepare as prepare_fp8_checkpoint
@@ -415,6 +423,11 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
                     report.skipped.append((name, f"attention step not fused: {why_not_attention}"))
             elif why_not != NOT_A_LAYER:
                 report.skipped.append((name, f"decoder layer not fused: {why_not}"))
+            elif isinstance(mod, HybridDecoderLayer) and not mod.__dict__.get(STATIC_STEP):
+                # fused by an earlier patch: what its attention step still leaves out, said again
+                why_not_attention = why_not_fuse_attention(mod.self_attn)
+                if why_not_attention is not None:
+                    report.skipped.append((name, f"attention step not fused: {why_not_attention}"))
     report.skipped.extend(unpatched(model, report.skipped, attention=attention, mlp=mlp, norm=norm,
                                     lm_head=lm_head, layers=layers))
     if not report.patched:
@@ -432,13 +445,15 @@ def _fuse_layer(layer: nn.Module) -> str | None:
     """Give a recognised decoder layer its fused forward and its arrival counters (class
     swapped in place, recorded for unpatch); mark it for the static-cache step where its
     attention allows (else return why not)."""
-    scaled = scales_residuals(type(layer))
+    scaled, post_norms = scales_residuals(type(layer)), normalises_outputs(type(layer))
     record(layer, ("class", next(_SEQ), type(layer)))
     layer.__class__ = fused_class(type(layer))
     layer.register_buffer(COUNTERS, new_counters(next(layer.parameters()).device), persistent=False)
     record(layer, ("buffer", next(_SEQ), COUNTERS))
     if scaled:
         _set_attr(layer, SCALED_RESIDUALS, True)
+    if post_norms:
+        _set_attr(layer, POST_NORMS, True)
     why_not = why_not_fuse_attention(layer.self_attn)
     if why_not is None:
         _set_attr(layer, STATIC_STEP, True)

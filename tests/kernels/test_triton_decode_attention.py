@@ -53,7 +53,8 @@ def _tol(dtype):
 @pytest.mark.parametrize("b,heads,kvh,hd,length", [
     (1, 8, 2, 32, 1), (1, 8, 2, 32, 17), (3, 6, 3, 16, 333), (2, 7, 1, 64, 150), (1, 4, 4, 16, 1000),
     (2, 28, 4, 16, 65), (1, 40, 2, 16, 100), (1, 64, 1, 16, 70),
-    (2, 4, 2, 256, 70)])  # heads of 256 (Gemma's): blocks of 32 positions
+    (2, 4, 2, 256, 70),  # heads of 256 (Gemma's): blocks of 32 positions
+    (2, 6, 2, 96, 90), (1, 3, 3, 48, 40)])  # heads of 96 (Phi-3's) and 48: a padded head block, masked
 @pytest.mark.parametrize("mask_kind", ["none", "per-sequence", "shared", "holes"])
 def test_matches_fp64_sdpa(sms, dtype, b, heads, kvh, hd, length, mask_kind):
     q, keys, values = _operands(b, heads, kvh, hd, length, dtype)
@@ -195,8 +196,9 @@ from hybridgemm.kernels import triton_decode_attention as tda
 fn = tda._decode_attention_kernel
 ptrs = ["*bf16", "*bf16", "*bf16", "*i1", "*bf16", "*fp32", "*i32", "*i64"]
 sig = dict(zip(fn.arg_names, ptrs + ["i32"] * 18))
-for hd in (128, 256):
-    consts = dict(REP=1, RP=16, HD=hd, BT=tda._block_t(hd), HAS_MASK=True, SPLITS=4, INC=True, PREC="tf32", PDL=True)
+for hd in (96, 128, 256):
+    consts = dict(REP=1, RP=16, HD=hd, HDP=triton.next_power_of_2(hd), BT=tda._block_t(hd), HAS_MASK=True, SPLITS=4,
+                  INC=True, PREC="tf32", PDL=True)
     src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
     try:
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
@@ -208,9 +210,9 @@ print("compiled")
 """
 
 
-def test_the_kernel_compiles_for_hopper_with_heads_of_128_and_256():
+def test_the_kernel_compiles_for_hopper_with_heads_of_96_128_and_256():
     """Compiled for sm_90 by Triton's bundled ptxas (no GPU needed; in a process without the
-    interpreter), its shared memory within the H100/H200 limit, for heads of 128 and of 256."""
+    interpreter), its shared memory within the H100/H200 limit, for heads of 96, 128 and 256."""
     from helpers import compile_offline
 
     compile_offline(_COMPILE_FOR_HOPPER)

@@ -207,15 +207,17 @@ def test_bad_rope_arguments_are_clear_errors(change, match):
 
 # ----------------------------------------------------------------------------- the model
 
-def _tiny(kind: str, layers: int = 2, **extra):
+def _tiny(kind: str, layers: int = 2, attention: str = "sdpa", **extra):
     kw = dict(hidden_size=128, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=layers, vocab_size=VOCAB, max_position_embeddings=64, **extra)
     config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
               "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
-              "granite": transformers.GraniteConfig, "gemma": transformers.GemmaConfig}[kind](**kw)
+              "granite": transformers.GraniteConfig, "gemma": transformers.GemmaConfig,
+              "phi3": transformers.Phi3Config, "gemma2": transformers.Gemma2Config,
+              "gemma3": transformers.Gemma3TextConfig}[kind](**kw)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    if kind == "gemma":  # its norms start at weight 0 (a factor of 1): other factors, so 1 + w shows
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
+    if kind in ("gemma", "gemma2", "gemma3"):  # norms start at weight 0 (a factor of 1): others, so 1 + w shows
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
@@ -264,8 +266,11 @@ def _compare(model, stock, steps=3, batch=2):
     # Gemma: (1 + w) RMSNorms (an fp32 factor in the QKV and gate/up prologues), GeGLU, the
     # embedding scaled outside the layers
     ("gemma", {"head_dim": 32}, MODEL_FUSED_REDUCE),
+    # Phi-3: its checkpoint's qkv_proj and gate_up_proj run as they are, residual dropouts (p > 0:
+    # the identity in eval), the rotary's partial form spanning the whole head
+    ("phi3", {"resid_pdrop": 0.1, "pad_token_id": 0}, MODEL_ONE_PASS),
 ], ids=["llama-fused-reduce", "qwen2-one-pass", "mistral-fused-reduce", "qwen3-fused-reduce", "granite-one-pass",
-        "gemma-fused-reduce"])
+        "gemma-fused-reduce", "phi3-one-pass"])
 def test_static_cache_decode_matches_the_stock_model(kind, extra, config, kernels_on_cpu):
     kernels_on_cpu["config"] = config
     stock = _tiny(kind, **extra)
@@ -280,6 +285,88 @@ def test_static_cache_decode_matches_the_stock_model(kind, extra, config, kernel
         counters = layer._buffers[dl.COUNTERS]
         assert counters.dtype == torch.int32 and not counters.any()
     assert not any(dl.COUNTERS in k for k in model.state_dict())
+
+
+@pytest.mark.parametrize("kind,attention,extra", [
+    ("gemma2", "eager", {"attn_logit_softcapping": None}), ("gemma2", "eager", {"attn_logit_softcapping": 50.0}),
+    ("gemma3", "sdpa", {})], ids=["gemma2", "gemma2-softcap", "gemma3"])
+def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_on_cpu):
+    """Gemma 2 (eager attention: transformers runs it no other way) and Gemma 3 (its (1 + w)
+    q/k norms on the head views): each sublayer's output normalised before its residual add,
+    the MLP's input by pre_feedforward_layernorm, sliding-window layers beside full ones, Gemma
+    2's attention softcap or none; every layer calls the module's attention function over the
+    fused QKV, with its window and softcap."""
+    stock = _tiny(kind, layers=2, attention=attention, head_dim=32, sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention"], **extra)
+    model = copy.deepcopy(stock)
+    report = hybridgemm.patch(model)
+    assert report.fused_layers == ["model.layers.0", "model.layers.1"]
+    assert all(layer.__dict__.get(checks.POST_NORMS) for layer in model.model.layers)
+    steps = []
+    real = decode_step._post_norm_step
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode_step, "_post_norm_step", lambda *a: steps.append(1) or real(*a))
+        _compare(model, stock, steps=3, batch=2)  # past the window of 4 positions: the sliding layer's mask
+    assert len(steps) == 2 * (1 + 3)  # both layers: the 3-token prompt (6 rows), then each step
+    assert kernels_on_cpu["rope"] == 0
+
+
+def test_heads_no_tuned_tile_divides_take_narrower_tiles_in_the_rotary_epilogue(kernels_on_cpu, monkeypatch):
+    """Phi-3-mini's heads of 96 under a tuned tile 64 columns wide (which would span two heads):
+    the rotary epilogue runs tiles of 32, the tuned config's other fields kept, and the model
+    decodes as stock does; the decode attention kernel takes the padded head."""
+    widths = []
+    real = triton_splitk.run
+
+    def run(cfg, *a, **kw):
+        if kw.get("rope") is not None:
+            widths.append(cfg.block_n)
+        return real(cfg, *a, **kw)
+
+    monkeypatch.setattr(triton_splitk, "run", run)
+    attention = checks.attention_kernel()
+    heads = []
+    real_attention = attention.decode_attention
+
+    def decode_attention(q, keys, *a, **kw):
+        heads.append(keys.shape[-1])
+        return real_attention(q, keys, *a, **kw)
+
+    monkeypatch.setattr(attention, "decode_attention", decode_attention)
+    kernels_on_cpu["config"] = triton_splitk.TritonSplitKConfig(16, 64, 32, split_k=1, num_warps=4, num_stages=2)
+    config = transformers.Phi3Config(hidden_size=192, intermediate_size=96, num_attention_heads=2,
+                                     num_key_value_heads=1, num_hidden_layers=2, vocab_size=VOCAB,
+                                     max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    assert stock.model.layers[0].self_attn.head_dim == 96
+    model = _patched(stock)
+    _compare(model, stock, steps=2)
+    assert widths == [32] * 4  # both layers, both decode steps
+    assert heads == [96] * 4
+
+
+def test_residual_dropout_that_drops_keeps_the_layers_own_forward(kernels_on_cpu, monkeypatch):
+    """Phi-3 training with resid_pdrop > 0 (no gradient wanted): its dropouts drop, so the layers
+    run their own forward (the stock model's masks from the same seed); in eval the step runs."""
+    stock = _tiny("phi3", resid_pdrop=0.5, pad_token_id=0)
+    model = _patched(stock)
+    steps = []
+    real = decode_step.layer_step
+    monkeypatch.setattr(decode_step, "layer_step", lambda *a, **k: steps.append(1) or real(*a, **k))
+    ids = torch.randint(0, VOCAB, (2, 1), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for m in (stock, model):
+            m.train()
+        torch.manual_seed(7)
+        want = stock(ids).logits
+        torch.manual_seed(7)
+        got = model(ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert steps == []
+        model.eval()
+        model(ids)
+    assert steps == [1, 1]
 
 
 @pytest.mark.parametrize("why", ["two-launch", "not-split-k", "hook", "sliding-window", "qwen3"])

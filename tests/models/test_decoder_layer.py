@@ -160,7 +160,8 @@ def test_what_is_not_fused_and_why(monkeypatch):
 
     monkeypatch.setattr(checks, "_LAYER_BODY", checks._LAYER_BODY + ("hidden_states=self.extra(hidden_states)",))
     report = hybridgemm.patch(model)
-    assert report.fused_layers == [] and any("is not the pre-norm layer" in why for _, why in report.skipped)
+    assert report.fused_layers == [] and any("is not a decoder layer this step computes" in why
+                                             for _, why in report.skipped)
     hybridgemm.unpatch(model)
 
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=1, n_head=4,
@@ -171,7 +172,8 @@ def test_what_is_not_fused_and_why(monkeypatch):
         ("transformer.h.0", "decoder layer not fused: its family (GPT2Block) is not supported by the fused decode "
                             "step (it supports LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, "
                             "MistralDecoderLayer, GraniteDecoderLayer, Qwen3MoeDecoderLayer, MixtralDecoderLayer, "
-                            "Qwen2MoeDecoderLayer, GemmaDecoderLayer)")]
+                            "Qwen2MoeDecoderLayer, GemmaDecoderLayer, Phi3DecoderLayer, Gemma2DecoderLayer, "
+                            "Gemma3DecoderLayer)")]
 
 
 def _module_state(model) -> dict:

@@ -94,12 +94,19 @@ def by_key_models(shapes, key) -> tuple[str, ...]:
 def test_all_presets_deduplicated_bias_kept_apart():
     shapes = MS.sweep_shapes()
     keys = [(s.n, s.k, s.bias) for s in shapes]
-    assert len(keys) == len(set(keys)) == 19
+    assert len(keys) == len(set(keys)) == 25
     # gemma-7b's attention (16 heads of 256 over 3072, no GQA): q, k/v and o shapes of its own
     assert by_key_models(shapes, (4096, 3072, False)) == ("gemma-7b",)
     # qwen3-30b-a3b's attention (32 heads of 128 over 2048) is a shape set of its own; mixtral's is llama3-8b's
     assert by_key_models(shapes, (5120, 2048, False)) == ("qwen3-30b-a3b",)
-    assert by_key_models(shapes, (6144, 4096, False)) == ("llama3-8b", "mistral-7b", "qwen3-8b", "mixtral-8x7b")
+    assert by_key_models(shapes, (6144, 4096, False)) == ("llama3-8b", "mistral-7b", "qwen3-8b", "granite-8b",
+                                                          "mixtral-8x7b")
+    # phi3-mini's (32 heads of 96 over 3072, no GQA): q, k/v and o one 3072 x 3072 shape, its Q/K/V 9216 rows
+    assert by_key_models(shapes, (3072, 3072, False)) == ("phi3-mini",)
+    assert by_key_models(shapes, (9216, 3072, False)) == ("phi3-mini",)
+    # gemma2-9b's (16 heads of 256 over 3584, 8 KV heads): four shapes of its own
+    assert [s.models for s in shapes if (s.n, s.k) in ((4096, 3584), (2048, 3584), (8192, 3584), (3584, 4096))] \
+        == [("gemma2-9b",)] * 4
     by_key = {(s.n, s.k, s.bias): s for s in shapes}
     assert by_key[(768, 768, True)].models == ("bert-base", "gpt2")
     assert by_key[(768, 768, True)].projections == ("q", "kv", "o")

@@ -218,3 +218,26 @@ def test_a_lora_csv_draws_against_stock_peft(tmp_path, monkeypatch):
     texts = {t.get_text() for ax in drawn["fig"].axes for t in ax.texts}
     assert {"1.32x", "0.80x"} <= texts
     assert {c.get_label() for ax in drawn["fig"].axes for c in ax.containers} == {"stock_peft", "hybridgemm_peft"}
+
+
+def test_several_models_get_a_speedup_panel_at_their_full_depth(tmp_path, monkeypatch):
+    """An end-to-end CSV of several models: a first panel of hybridgemm's speedup over stock
+    per model in compiled and eager static-cache decode at B = 1, from each model's deepest
+    rows (an 8-layer run of the same model beside its full depth does not count there)."""
+    spec = [("gemma-7b", 28, "compiled_static", 1, 5.8, 5.0), ("gemma-7b", 28, "eager_static", 1, 30.0, 24.0),
+            ("qwen3-8b", 36, "compiled_static", 1, 6.0, 4.8), ("qwen3-8b", 8, "compiled_static", 1, 2.0, 1.0),
+            ("qwen3-8b", 36, "compiled_static", 8, 7.0, 3.5)]
+    rows = [dict(gpu="NVIDIA H200", model=m, layers=n, mode=mode, batch=b, variant=v, status="ok", ms_per_token=ms)
+            for m, n, mode, b, stock, ours in spec for v, ms in (("stock", stock), ("hybridgemm", ours))]
+    assert plots_models._speedups(rows) == pytest.approx({("gemma-7b", "compiled_static"): 5.8 / 5.0,
+                                                          ("gemma-7b", "eager_static"): 30.0 / 24.0,
+                                                          ("qwen3-8b", "compiled_static"): 6.0 / 4.8})
+    path = tmp_path / "e2e_families.csv"
+    write_csv(str(path), list(rows[0]), rows)
+    drawn = {}
+    real = plots_models.save
+    monkeypatch.setattr(plots_models, "save", lambda fig, *a: drawn.setdefault("fig", fig) and real(fig, *a))
+    assert plots_models.plot_e2e(path, tmp_path).is_file()
+    summary = drawn["fig"].axes[0]
+    assert [t.get_text() for t in summary.get_xticklabels()] == ["gemma-7b", "qwen3-8b"]
+    assert {t.get_text() for t in summary.texts} == {"1.16x", "1.25x"}
