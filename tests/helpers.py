@@ -135,7 +135,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     token, of a quarter of ``intermediate_size`` / of it; ``"qwen2_moe"``: Qwen2-MoE, 8 experts of
     a quarter of it and a gated shared expert of half of it; ``"gemma"``: Gemma, its (1 + w) norms
     drawn from U(-0.5, 0.5), GeGLU; ``"gemma2"``: Gemma 2, the same with post-norms, a sliding-window
-    layer and the attention softcap, eager attention; ``"phi3"``: Phi-3, its Q/K/V and gate/up one
+    layer and the attention softcap, eager attention; ``"gemma3"``: Gemma 3, post-norms and (1 + w)
+    q/k norms; ``"phi3"``: Phi-3, its Q/K/V and gate/up one
     linear each in the checkpoint) of 8 heads and 2 KV heads, random
     weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16 patched by
     hybridgemm with both decoder layers fused."""
@@ -149,7 +150,7 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
            "granite": transformers.GraniteConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
            "mixtral": transformers.MixtralConfig, "gemma": transformers.GemmaConfig,
            "qwen2_moe": transformers.Qwen2MoeConfig, "phi3": transformers.Phi3Config,
-           "gemma2": transformers.Gemma2Config}[kind]
+           "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig}[kind]
     extra = {"granite": dict(residual_multiplier=0.22, attention_multiplier=0.05, embedding_multiplier=12.0,
                              logits_scaling=8.0),
              "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4),
@@ -157,13 +158,14 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
                                shared_expert_intermediate_size=intermediate_size // 2),
              "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
              "phi3": dict(pad_token_id=0, resid_pdrop=0.1),
-             "gemma2": dict(sliding_window=4, attn_logit_softcapping=50.0)}.get(kind, {})
+             "gemma2": dict(sliding_window=4, attn_logit_softcapping=50.0),
+             "gemma3": dict(sliding_window=4)}.get(kind, {})
     config = cls(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
                  tie_word_embeddings=False, head_dim=hidden_size // 8, **extra)
     torch.manual_seed(0)
     base = transformers.AutoModelForCausalLM.from_config(config).eval()
-    if kind in ("gemma", "gemma2"):  # its norms start at weight 0: other factors, so that 1 + w shows
+    if kind in ("gemma", "gemma2", "gemma3"):  # its norms start at weight 0: other factors, so that 1 + w shows
         with torch.no_grad():
             for name, p in base.named_parameters():
                 if "norm" in name:
