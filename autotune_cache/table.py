@@ -310,10 +310,12 @@ class TuningTable:
                       key=lambda k: k.m_lo)
 
     # ---- library versions
-    def tuned_triton(self, key: TableKey) -> str | None:
-        """The Triton version the entry at ``key`` was tuned under (Triton entries; else None)."""
+    def tuned_triton(self, key: TableKey, backend: str | None = None) -> str | None:
+        """The Triton version the entry at ``key`` was tuned under (Triton entries; else None).
+        ``backend``: for one of the entry's candidates of that backend instead (timed in the
+        same run as its winner)."""
         entry = self._entries[key]
-        if not is_triton_backend(entry["backend"]):
+        if not is_triton_backend(backend or entry["backend"]):
             return None
         return entry.get("triton_version") or _triton_of(self.signature) or "unknown"
 

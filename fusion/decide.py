@@ -186,6 +186,46 @@ def choose(problem: Problem, device_index: int) -> Choice:
     return Choice(entry["backend"], cfg, "table", key.to_string(), reason, lo, hi, worst)
 
 
+def choose_fusable(problem: Problem, device_index: int) -> Choice:
+    """:func:`choose` for a GEMM that carries work around it (the fused decode step's norm
+    prologue, rotary/KV-cache or residual epilogue), which only Triton split-K can carry: where
+    the table's winner is another backend, the entry's best split-K candidate if the tuner
+    timed it tied with the winner by its own rule (worst ratio within ``KERNEL_TIE``, 3%,
+    autotune_cache/tuner.py) -- the tie broken toward the kernel that also does the work
+    around the GEMM, which the plain GEMM's timing does not count. Anything else: ``choose``'s
+    answer (the caller then composes the fusion around that GEMM)."""
+    from hybridgemm.autotune_cache.tuner import KERNEL_TIE
+
+    choice = choose(problem, device_index)
+    if choice.backend == "triton_splitk" or choice.source != "table":
+        return choice
+    table = table_for_device(device_index)
+    hit = table.find(ShapeKey.from_problem(problem), problem.m)
+    if hit is None:
+        return choice
+    key, entry = hit
+    tied = [c for c in entry.get("candidates", ()) if c.get("backend") == "triton_splitk"
+            and isinstance(c.get("worst_ratio"), (int, float))
+            and c["worst_ratio"] * (1 + KERNEL_TIE) >= entry["worst_ratio"]]
+    if not tied:
+        return choice
+    best = max(tied, key=lambda c: c["worst_ratio"])
+    if table.signature is not None and signature.entry_verdict(
+            "triton_splitk", best["config"], table.tuned_triton(key, "triton_splitk"), table.signature)[0] \
+            != signature.USE:
+        return choice  # tuned under another Triton: not run unchecked
+    try:
+        be = backends.get_backend("triton_splitk")
+        if not be.available():
+            return choice
+        cfg = be.config_from_record(best["config"], problem)
+    except (ConfigRejected, ValueError, ImportError):
+        return choice
+    reason = (f"{choice.reason}; for a fused piece its split-K candidate, tied with the winner "
+              f"({best['worst_ratio']:.3f}x against {entry['worst_ratio']:.3f}x)")
+    return Choice("triton_splitk", cfg, "table", key.to_string(), reason, key.m_lo, key.m_hi, best["worst_ratio"])
+
+
 # ----------------------------------------------------------------------------- FP8 weights
 
 

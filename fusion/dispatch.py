@@ -90,6 +90,7 @@ def _decisions_changed(mode: str, tables_reloaded: bool) -> None:
         for caches in _MODE_CACHES.values():
             for cache in caches:
                 cache.clear()
+        _fusable.clear()
     _launchers[0] = _MODE_CACHES[mode][1]
     _generation[0] += 1
 
@@ -284,14 +285,36 @@ _FUSION_NAMES = {"norm": "norm", "residual": "residual", "rope": "rotary/KV-cach
 
 
 def splitk_config(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                  weight_format: str = ""):
+                  weight_format: str = "", fusing: bool = False):
     """The Triton split-K config the current mode runs for ``out = x2 @ weight.T + bias``, or
     None where it runs another backend (or PyTorch computes it: CPU tensors, other dtypes).
-    ``weight_format``: ``weight`` is FP8 in that format (kernels/fp8.py)."""
+    ``weight_format``: ``weight`` is FP8 in that format (kernels/fp8.py). ``fusing``: the GEMM
+    carries fused work (default mode, bf16/fp16/fp32 weights: ``decide.choose_fusable``)."""
     if not x2.is_cuda or x2.dtype not in _SPLITK_DTYPES or (weight.dtype != x2.dtype and not weight_format):
         return None
     choice = decision_for(x2, weight, bias, out, weight_format=weight_format)
+    if fusing and choice.backend != "triton_splitk" and not weight_format \
+            and _launchers[0].mode == mode_state.DEFAULT:
+        problem = Problem.from_tensors(x2, weight, bias, out, Epilogue(Activation.parse(None), bias is not None),
+                                       uses_tf32(x2.dtype))
+        choice = _fusable_decision(problem, x2)
     return choice.config if choice.backend == "triton_splitk" and choice.config is not None else None
+
+
+_fusable: BoundedCache = BoundedCache(4096)  # (device, problem) -> the fused piece's Choice
+
+
+def _fusable_decision(problem: Problem, x2: torch.Tensor) -> Choice:
+    """``decide.choose_fusable`` for ``problem`` (cached per device and problem like the plain
+    decisions, and dropped with them when the tables are reloaded or the mode switches)."""
+    dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+    found = _fusable.get((dev, problem))
+    if found is None:
+        with torch.cuda.device(dev):
+            found = decide.choose_fusable(problem, dev)
+        if not found.provisional:
+            _fusable.put((dev, problem), found)
+    return found
 
 
 def _tiles_within_heads(config, head_dim: int):
@@ -318,7 +341,7 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
     out = x.new_empty((x2.shape[0], n))
     weight_format = "" if weight_scale is None else fp8.FORMAT_OF[fp8.granularity_of(weight, weight_scale)]
-    config = splitk_config(x2, w2, b2, out, weight_format)
+    config = splitk_config(x2, w2, b2, out, weight_format, fusing=bool(fusion))
     if config is None:
         return None
     rope = fusion.get("rope")

@@ -284,7 +284,7 @@ def plot_host_time(rows, gpu_rows, path: Path) -> Path:
 
 
 # CSVs that each give a figure of their own: (recogniser, plotter, the figure's name when one
-# CSV of the kind is given; with several, each is named after its CSV).
+# CSV of the kind is given; with several, each is named after its CSV: _figure_name).
 OWN_FIGURES = ((is_m_sweep_csv, plot_m_sweep, "m_sweep.png"), (is_mlp_csv, plot_mlp, "mlp.png"),
                (is_e2e_csv, plot_e2e, "e2e.png"), (is_tp_csv, plot_tp, "tp.png"), (is_moe_csv, plot_moe, "moe.png"))
 
@@ -296,7 +296,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 # The CSVs of a results folder (``perf/results/<gpu>/<source>_<gpu>.csv``) that the figures
 # embedded in README.md and perf/results/<gpu>/README.md are drawn from.
-FIGURE_SOURCES = ("bench", "attention", "m_sweep", "mlp", "e2e")
+FIGURE_SOURCES = ("bench", "attention", "m_sweep", "mlp", "e2e", "e2e_families")
 
 
 def figure_sources(results_dir) -> list[Path]:
@@ -308,6 +308,15 @@ def figure_sources(results_dir) -> list[Path]:
 def is_long_form_csv(path) -> bool:
     """Whether the CSV at ``path`` holds perf/csvio.py's long-form rows (provider, method, time)."""
     return {"provider", "method", "median_us"} <= csv_header(path)
+
+
+def _figure_name(csv_path) -> str:
+    """The figure of one of several CSVs of a kind: named after the CSV, less the GPU folder's
+    suffix that a results folder's CSVs carry (perf/results/h200/e2e_families_h200.csv:
+    e2e_families.png)."""
+    p = Path(csv_path)
+    suffix = f"_{p.parent.name}"
+    return f"{p.stem[:-len(suffix)] if p.stem.endswith(suffix) else p.stem}.png"
 
 
 def make_all_plots(csv_paths, out_dir, log: Callable[[str], None] = print) -> list[Path]:
@@ -331,7 +340,7 @@ def make_all_plots(csv_paths, out_dir, log: Callable[[str], None] = print) -> li
             mine = [p for p in mine if has_times(p)]
         for p in mine:
             try:
-                written.append(plot(p, out_dir, name if len(mine) == 1 else f"{Path(p).stem}.png"))
+                written.append(plot(p, out_dir, name if len(mine) == 1 else _figure_name(p)))
             except ValueError as e:  # recognised by its header, but no row to draw
                 log(f"{p}: no figure ({e})")
     for p in [p for p in rest if not is_long_form_csv(p)]:

@@ -148,3 +148,40 @@ def test_each_entry_that_fails_its_probe_warns_once(fake_h200, monkeypatch):
             assert decide.choose(dataclasses.replace(PROBLEM, m=m), 0).backend == "torch"
     failed = [w for w in _runtime_warnings(rec) if "failed its correctness probe" in w]
     assert len(failed) == 2 and KEY.to_string() in failed[0] and other.to_string() in failed[1]
+
+
+# ------------------------------------------------------------------ a GEMM that carries fused work
+
+def _with_candidates(backend, record, worst, candidates):
+    entry = tuned(backend, record, ratios=[worst, worst + 0.05])
+    entry["candidates"] = [dict(backend=b, config=c, median_us=9.5, spread_us=0.1, worst_ratio=w)
+                           for b, c, w in candidates]
+    return entry
+
+
+def test_a_fused_piece_takes_a_split_k_candidate_tied_with_the_winner(fake_h200):
+    """The table's winner is another kernel (or F.linear); its split-K candidate timed within
+    the tuner's 3% tie: a GEMM that carries fused work runs that candidate, a plain one the
+    winner. Outside the tie, or with no split-K candidate, both run the winner."""
+    other = dict(SPLITK_RECORD, split_k=2)
+    for winner, record, worst, cands, want in [
+        ("triton_gemm", GEMM_RECORD, 1.19, [("triton_splitk", SPLITK_RECORD, 1.17), ("triton_splitk", other, 1.16)],
+         SPLITK_RECORD),
+        ("torch", {}, 1.0, [("triton_splitk", other, 0.98)], other),
+        ("triton_gemm", GEMM_RECORD, 1.19, [("triton_splitk", SPLITK_RECORD, 1.10)], None),
+        ("triton_gemm", GEMM_RECORD, 1.19, [("triton_gemm", dict(GEMM_RECORD, group_m=4), 1.19)], None),
+    ]:
+        decide.set_table_path(_save(fake_h200 / "t.json", {KEY: _with_candidates(winner, record, worst, cands)}))
+        plain, fused = decide.choose(PROBLEM, 0), decide.choose_fusable(PROBLEM, 0)
+        assert plain.backend == winner
+        if want is None:
+            assert fused == plain
+        else:
+            assert fused.backend == "triton_splitk" and fused.config.to_record() == {**want, "fused_reduce": False}
+            assert "for a fused piece its split-K candidate, tied with the winner" in fused.reason
+            assert (fused.m_lo, fused.m_hi) == (KEY.m_lo, KEY.m_hi)
+
+
+def test_a_split_k_winner_is_its_own_fused_choice(fake_h200):
+    decide.set_table_path(_save(fake_h200 / "s.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)}))
+    assert decide.choose_fusable(PROBLEM, 0) == decide.choose(PROBLEM, 0)

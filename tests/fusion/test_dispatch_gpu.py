@@ -270,3 +270,30 @@ def test_a_triton_config_tuned_under_another_triton_is_probed_then_run(tmp_path,
     probe.clear_cache()
     assert decision.backend == "torch" and "probe" in decision.reason
     assert len([c for c in caught if "failed its correctness probe" in str(c.message)]) == 1
+
+
+def test_a_fused_piece_runs_the_split_k_candidate_tied_with_a_torch_winner(tmp_path):
+    """A table whose winner at M = 1 is F.linear, with a split-K candidate tied with it: a plain
+    call runs F.linear; a split-K call carrying the norm prologue and the residual runs that
+    candidate (decide.choose_fusable), against an fp32 reference."""
+    m, n, k = 1, 384, 512
+    x, w, _ = make_operands(m, n, k, torch.bfloat16, "cuda")
+    key = TableKey("linear", "bf16", "none", n, k, 1, 1, "c")
+    record = {"kind": "triton_splitk", "block_m": 16, "block_n": 64, "block_k": 128, "split_k": 4, "num_warps": 4,
+              "num_stages": 3}
+    entry = range_entry("torch", {}, 1, 1, ratio=1.0)
+    entry["candidates"] = [dict(backend="triton_splitk", config=record, median_us=10.1, spread_us=0.1,
+                                worst_ratio=0.99)]
+    table = TuningTable(signature=current_signature())
+    table.set(key, entry)
+    table.save(tmp_path / "t.json")
+    decide.set_table_path(tmp_path / "t.json")
+    assert "runs F.linear" in explain((m, k), (n, k))
+    g = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+    r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    y = dispatch.fused_splitk(x, w, None, norm=(g, 1e-6), residual=r)
+    assert y is not None  # split-K ran the fusion (None: the caller would compose it)
+    xf = x.float()
+    ref = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * g.float()) @ w.float().T + r.float()
+    assert (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max()
+    assert dispatch.fused_splitk(x, w, None) is None  # nothing fused: the table's winner, F.linear

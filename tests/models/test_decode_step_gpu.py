@@ -125,7 +125,9 @@ def test_static_cache_decode_matches_fp32_as_stock_does(models, compiled, batch)
     assert _rel(got, want) <= 1.5 * _rel(base, want) + 1e-3, (_rel(got, want), _rel(base, want))
     assert torch.equal(got, again)
     for a, b in zip(cache.layers, stock_cache.layers):
-        assert int(a.cumulative_length) == int(b.cumulative_length) == 11
+        assert type(a) is type(b) and int(a.cumulative_length) == int(b.cumulative_length)
+        if type(b).__name__ == "StaticLayer":  # (a sliding-window layer counts its own way)
+            assert int(b.cumulative_length) == 11
         assert _rel(a.keys, b.keys) < 2e-2 and _rel(a.values, b.values) < 2e-2
 
 

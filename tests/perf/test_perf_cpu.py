@@ -294,4 +294,4 @@ def test_plotting_every_committed_csv_succeeds(tmp_path):
     committed = sorted(Path(__file__).resolve().parents[2].joinpath("perf/results/h200").glob("*.csv"))
     assert any(p.name == "e2e_profile_h200.csv" for p in committed) and any(p.name == "e2e_h200.csv" for p in committed)
     written = make_all_plots([str(p) for p in committed], tmp_path, log=lambda s: None)
-    assert {"e2e_h200.png", "e2e_fp8_h200.png"} <= {p.name for p in written}  # two e2e CSVs: named after each
+    assert {"e2e.png", "e2e_fp8.png"} <= {p.name for p in written}  # two e2e CSVs: named after each
