@@ -46,6 +46,7 @@ import torch
 from hybridgemm.autotune_cache import probe, signature
 from hybridgemm.autotune_cache.keys import ShapeKey
 from hybridgemm.autotune_cache.table import TuningTable, load_tables
+from hybridgemm.autotune_cache.tuner import KERNEL_TIE
 from hybridgemm.kernels import backends
 from hybridgemm.kernels.backends import ConfigRejected
 from hybridgemm.kernels.lazy import triton_module
@@ -194,8 +195,6 @@ def choose_fusable(problem: Problem, device_index: int) -> Choice:
     autotune_cache/tuner.py) -- the tie broken toward the kernel that also does the work
     around the GEMM, which the plain GEMM's timing does not count. Anything else: ``choose``'s
     answer (the caller then composes the fusion around that GEMM)."""
-    from hybridgemm.autotune_cache.tuner import KERNEL_TIE
-
     choice = choose(problem, device_index)
     if choice.backend == "triton_splitk" or choice.source != "table":
         return choice

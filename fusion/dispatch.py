@@ -285,28 +285,29 @@ _FUSION_NAMES = {"norm": "norm", "residual": "residual", "rope": "rotary/KV-cach
 
 
 def splitk_config(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                  weight_format: str = "", fusing: bool = False):
+                  weight_format: str = ""):
     """The Triton split-K config the current mode runs for ``out = x2 @ weight.T + bias``, or
     None where it runs another backend (or PyTorch computes it: CPU tensors, other dtypes).
-    ``weight_format``: ``weight`` is FP8 in that format (kernels/fp8.py). ``fusing``: the GEMM
-    carries fused work (default mode, bf16/fp16/fp32 weights: ``decide.choose_fusable``)."""
+    ``weight_format``: ``weight`` is FP8 in that format (kernels/fp8.py)."""
     if not x2.is_cuda or x2.dtype not in _SPLITK_DTYPES or (weight.dtype != x2.dtype and not weight_format):
         return None
     choice = decision_for(x2, weight, bias, out, weight_format=weight_format)
-    if fusing and choice.backend != "triton_splitk" and not weight_format \
-            and _launchers[0].mode == mode_state.DEFAULT:
-        problem = Problem.from_tensors(x2, weight, bias, out, Epilogue(Activation.parse(None), bias is not None),
-                                       uses_tf32(x2.dtype))
-        choice = _fusable_decision(problem, x2)
     return choice.config if choice.backend == "triton_splitk" and choice.config is not None else None
 
 
 _fusable: BoundedCache = BoundedCache(4096)  # (device, problem) -> the fused piece's Choice
 
 
-def _fusable_decision(problem: Problem, x2: torch.Tensor) -> Choice:
-    """``decide.choose_fusable`` for ``problem`` (cached per device and problem like the plain
-    decisions, and dropped with them when the tables are reloaded or the mode switches)."""
+def fusable_splitk_config(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor):
+    """For a GEMM that carries fused work, where :func:`splitk_config` gives none: the split-K
+    candidate the tuner timed tied with the table's winner (``decide.choose_fusable``; default
+    mode, CUDA, weights of x's dtype), or None. Cached per device and problem, and dropped with
+    the plain decisions when the tables are reloaded."""
+    if not x2.is_cuda or x2.dtype not in _SPLITK_DTYPES or weight.dtype != x2.dtype \
+            or _launchers[0].mode != mode_state.DEFAULT:
+        return None
+    problem = Problem.from_tensors(x2, weight, bias, out, Epilogue(Activation.parse(None), bias is not None),
+                                   uses_tf32(x2.dtype))
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     found = _fusable.get((dev, problem))
     if found is None:
@@ -314,7 +315,7 @@ def _fusable_decision(problem: Problem, x2: torch.Tensor) -> Choice:
             found = decide.choose_fusable(problem, dev)
         if not found.provisional:
             _fusable.put((dev, problem), found)
-    return found
+    return found.config if found.backend == "triton_splitk" and found.config is not None else None
 
 
 def _tiles_within_heads(config, head_dim: int):
@@ -332,8 +333,9 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
                  **fusion) -> torch.Tensor | None:
     """``linear(x, weight, bias)`` with ``fusion`` (split-K's ``norm=(g, eps)``, ``residual=``,
-    ``rope=``) in one launch, where the decision for the bare GEMM is Triton split-K; None where
-    it is not, or where the kernel refuses the fusion (warned once per shape, as a refused
+    ``rope=``) in one launch, where the decision for the bare GEMM is Triton split-K (or, with a
+    fusion, the table holds a split-K candidate tied with its winner: :func:`fusable_splitk_config`);
+    None where it is not, or where the kernel refuses the fusion (warned once per shape, as a refused
     table entry is): the caller then computes it unfused. ``counters``: zeroed int32 arrival
     counters for the fused reduction, used by one launch at a time. ``weight_scale``: ``weight``
     is e4m3 with these scales (kernels/fp8.py scale_vector's layout)."""
@@ -341,7 +343,9 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
     out = x.new_empty((x2.shape[0], n))
     weight_format = "" if weight_scale is None else fp8.FORMAT_OF[fp8.granularity_of(weight, weight_scale)]
-    config = splitk_config(x2, w2, b2, out, weight_format, fusing=bool(fusion))
+    config = splitk_config(x2, w2, b2, out, weight_format)
+    if config is None and fusion and weight_scale is None:
+        config = fusable_splitk_config(x2, w2, b2, out)
     if config is None:
         return None
     rope = fusion.get("rope")
