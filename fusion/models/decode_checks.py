@@ -134,13 +134,13 @@ UPDATE_FORMS = {
 }
 _INTERFACE_CALL = ("attn_output,attn_weights=attention_interface(self,query_states,key_states,value_states,"
                    "attention_mask,dropout=0.0ifnotself.trainingelseself.attention_dropout,scaling=self.scaling,")
-# the sliding window the attention function is given, by the form of the call
 # Gemma 2's call: its dropout written the other way round, and a softcap (attn_logit_softcapping)
 _SOFTCAP_CALL = ("attn_output,attn_weights=attention_interface(self,query_states,key_states,value_states,"
                  "attention_mask,dropout=self.attention_dropoutifself.trainingelse0.0,scaling=self.scaling,"
                  "sliding_window=self.sliding_window,softcap=self.attn_logit_softcapping,**kwargs)")
 # Gemma 3's call: Gemma 2's without the softcap
 _GEMMA_CALL = _SOFTCAP_CALL.replace("softcap=self.attn_logit_softcapping,", "")
+# the sliding window the attention function is given, by the form of the call
 WINDOW_FORMS = {
     _GEMMA_CALL: "module",
     _INTERFACE_CALL + "**kwargs)": None,
@@ -183,9 +183,8 @@ _PREFUSED_ATTENTION_BODY = (
 # _NORMED_Q / _NORMED_K's before it)
 _LATE_QK_NORMS = ("query_states=self.q_norm(query_states)", "key_states=self.k_norm(key_states)")
 _ROTARY_STATEMENTS = ("q_embed=(q*cos)+(rotate_half(q)*sin)", "k_embed=(k*cos)+(rotate_half(k)*sin)")
-# Phi-3's rotary: the first cos.shape[-1] columns of each head rotated, the rest passed through
-# (the whole head where cos spans it, which the static-cache step checks per call: kv_slot)
-# (its body, statement by statement)
+# Phi-3's rotary, statement by statement: the first cos.shape[-1] columns of each head rotated,
+# the rest passed through (the whole head where cos spans it, which kv_slot checks per call)
 _PARTIAL_ROTARY_BODY = (
     "cos=cos.unsqueeze(unsqueeze_dim)", "sin=sin.unsqueeze(unsqueeze_dim)", "rotary_dim=cos.shape[-1]",
     "q_rot,q_pass=(q[...,:rotary_dim],q[...,rotary_dim:])", "k_rot,k_pass=(k[...,:rotary_dim],k[...,rotary_dim:])",
@@ -355,7 +354,7 @@ def _read_form(cls: type) -> AttentionForm | str:
     elif statements is not None and tuple(statements[5:7]) == _LATE_QK_NORMS \
             and statements[2:4] == [_PLAIN_Q, _PLAIN_K]:
         statements = [*statements[:2], _NORMED_Q, _NORMED_K, *statements[4:5], *statements[7:]]
-    elif not _matches(statements, _ATTENTION_BODY):
+    if not _matches(statements, _ATTENTION_BODY):
         return f"{cls.__name__}.forward is not an attention this step computes"
     names = getattr(inspect.unwrap(forward), "__globals__", {})
     rotary, eager = names.get("apply_rotary_pos_emb"), names.get("eager_attention_forward")
@@ -544,12 +543,6 @@ def post_norms(layer: nn.Module) -> bool:
 def layer_norms(layer: nn.Module) -> list[nn.Module | None]:
     """The layer's norms, its input norm first: the pre-norm layer's two, a post-norm layer's four."""
     return [layer._modules.get(n) for n in (_POST_NORM_NAMES if post_norms(layer) else _PLAIN_NORMS)]
-
-
-def mlp_input_norm(layer: nn.Module) -> nn.Module:
-    """The norm of the MLP's input: ``pre_feedforward_layernorm`` in a post-norm layer, else
-    ``post_attention_layernorm``."""
-    return layer.pre_feedforward_layernorm if post_norms(layer) else layer.post_attention_layernorm
 
 
 def normalises_outputs(cls: type) -> bool:

@@ -588,3 +588,17 @@ def test_an_attention_kernel_that_cannot_run_falls_back_to_sdpa_once_warned(kern
         warnings.simplefilter("always")
         _compare(model, stock, steps=2)  # logits, caches and lengths as stock's
     assert sum("decode attention kernel could not run" in str(w.message) for w in seen) == 1
+
+
+def test_gemma3s_late_qk_norm_form_is_read_only_with_every_other_statement_as_checked(monkeypatch):
+    """Gemma 3's attention (q/k norms on the head views) is read as the q/k-normed form; the same
+    statements with one more anywhere are no form the step computes."""
+    from transformers.models.gemma3 import modeling_gemma3 as g
+
+    statements = checks.body_statements(g.Gemma3Attention.forward)
+    form = checks._read_form(g.Gemma3Attention)
+    assert form.qk_norm and not form.prefused and not form.softcap and form.window_from == "module"
+    for at in (3, 8, len(statements) - 1):
+        extra = [*statements[:at], "attn_output=attn_output*2", *statements[at:]]
+        monkeypatch.setattr(checks, "body_statements", lambda fn, extra=extra: extra)
+        assert isinstance(checks._read_form(g.Gemma3Attention), str), at
