@@ -288,7 +288,8 @@ def test_a_fused_piece_runs_the_split_k_candidate_tied_with_a_torch_winner(tmp_p
     table.set(key, entry)
     table.save(tmp_path / "t.json")
     decide.set_table_path(tmp_path / "t.json")
-    assert "runs F.linear" in explain((m, k), (n, k))
+    assert "(table: tuned for M 1-1" in explain((m, k), (n, k), bias=False)
+    assert "runs F.linear" in explain((m, k), (n, k), bias=False)
     g = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
     r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     y = dispatch.fused_splitk(x, w, None, norm=(g, 1e-6), residual=r)
