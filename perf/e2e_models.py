@@ -173,7 +173,7 @@ def rope_theta(config) -> float | None:
 
 
 # Families transformers runs with its eager attention only (Gemma 2: its attention softcap).
-EAGER_ONLY = {"gemma2": "eager"}
+EAGER_ONLY = ("gemma2",)
 
 
 def build_model(config, dtype: torch.dtype, device) -> nn.Module:
@@ -188,7 +188,7 @@ def build_model(config, dtype: torch.dtype, device) -> nn.Module:
     try:
         with torch.device(device):
             model = transformers.AutoModelForCausalLM.from_config(
-                copy.deepcopy(config), attn_implementation=EAGER_ONLY.get(config.model_type, "sdpa"))
+                copy.deepcopy(config), attn_implementation="eager" if config.model_type in EAGER_ONLY else "sdpa")
     finally:
         torch.set_default_dtype(old)
     if any(p.dtype != dtype for p in model.parameters()):  # a version that picks the dtype itself

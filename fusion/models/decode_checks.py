@@ -113,12 +113,11 @@ POST_NORMS = "_hybridgemm_post_norms"
 # (the identity unless the layer trains with p > 0: residual_dropouts, checked per call)
 RESIDUAL_DROPOUTS = ("resid_attn_dropout", "resid_mlp_dropout")
 # (and its attention call names the unused weights self_attn_weights)
-_DROPOUT_LAYER_BODY = (*_LAYER_BODY[:2], tuple(c.replace("hidden_states,_=", "hidden_states,self_attn_weights=", 1)
-                                               for c in _LAYER_BODY[2]), *_LAYER_BODY[3:])
-for _name in RESIDUAL_DROPOUTS:
-    _i = _DROPOUT_LAYER_BODY.index("hidden_states=residual+hidden_states")
-    _DROPOUT_LAYER_BODY = (*_DROPOUT_LAYER_BODY[:_i], f"hidden_states=residual+self.{_name}(hidden_states)",
-                           *_DROPOUT_LAYER_BODY[_i + 1:])
+_DROPOUT_ADDS = iter(f"hidden_states=residual+self.{n}(hidden_states)" for n in RESIDUAL_DROPOUTS)
+_DROPOUT_LAYER_BODY = tuple(
+    next(_DROPOUT_ADDS) if s == "hidden_states=residual+hidden_states"
+    else tuple(c.replace("hidden_states,_=", "hidden_states,self_attn_weights=", 1) for c in s) if isinstance(s, tuple)
+    else s for s in _LAYER_BODY)
 _PLAIN_Q = "query_states=self.q_proj(hidden_states).view(hidden_shape).transpose(1,2)"
 _PLAIN_K = "key_states=self.k_proj(hidden_states).view(hidden_shape).transpose(1,2)"
 _NORMED_Q = "query_states=self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1,2)"
@@ -472,8 +471,6 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     if cache is None or pe is None or x.dim() != 3 or attn.training or attn.config._attn_implementation != "sdpa" \
             or getattr(attn, "sliding_window", None) is not None:
         return None
-    if attention_form(type(attn)).softcap and attn.attn_logit_softcapping is not None:
-        return None  # the attention function is given a softcap (which stock SDPA refuses): the module's call
     layers = getattr(cache, "layers", None)
     if not _Transformers.static_ok or not isinstance(layers, list) or attn.layer_idx >= len(layers):
         return None
