@@ -20,6 +20,10 @@ Rules 1-3 are applied by the caller (fusion/dispatch.py) before it asks for a de
 Gate/up of a gated MLP (the stacked gate and up weights) has no table entries: one rule,
 :func:`choose_gated`, picks the Triton gated kernel or two GEMMs through rules 1-5.
 
+A GEMM of the fused decode step (a norm prologue, the rotary/cache or residual epilogue, which
+only Triton split-K carries) asks :func:`choose_fusable`: the entry's split-K candidate where it
+tied with the winner, and split-K's untuned config where no entry holds the shape at decode rows.
+
 Tables: loaded lazily per device (:func:`table_for_device`: explicit path > user table >
 shipped tables matching the device). ``HYBRIDGEMM_TABLE`` or :func:`set_table_path` names an
 explicit table; :func:`reload_tables` re-reads them. Decisions already cached elsewhere stop
@@ -56,6 +60,11 @@ from . import mode_state
 from .diagnostics import warn_once
 
 _log = logging.getLogger(__name__)
+
+# A fused decode piece whose shape the table does not hold runs split-K's untuned config up to
+# this M (the decode step's rows, fusion/models/decode_checks.DECODE_ROWS) in fp16/bf16.
+FUSED_UNTUNED_MAX_M = 16
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 # Module state: containers are changed in place, so no name is ever rebound and every reader
 # holds the same object.
@@ -193,14 +202,17 @@ def choose_fusable(problem: Problem, device_index: int) -> Choice:
     the table's winner is another backend, the entry's best split-K candidate if the tuner
     timed it tied with the winner by its own rule (worst ratio within ``KERNEL_TIE``, 3%,
     autotune_cache/tuner.py) -- the tie broken toward the kernel that also does the work
-    around the GEMM, which the plain GEMM's timing does not count. Anything else: ``choose``'s
-    answer (the caller then composes the fusion around that GEMM)."""
+    around the GEMM, which the plain GEMM's timing does not count. No entry at this M:
+    :func:`_untuned_fusable`. Anything else: ``choose``'s answer (the caller then composes the
+    fusion around that GEMM)."""
     choice = choose(problem, device_index)
-    if choice.backend == "triton_splitk" or choice.source != "table":
+    if choice.backend == "triton_splitk":
         return choice
     table = table_for_device(device_index)
     hit = table.find(ShapeKey.from_problem(problem), problem.m)
     if hit is None:
+        return _untuned_fusable(problem, device_index, choice)
+    if choice.source != "table":
         return choice
     key, entry = hit
     tied = [c for c in entry.get("candidates", ()) if c.get("backend") == "triton_splitk"
@@ -223,6 +235,31 @@ def choose_fusable(problem: Problem, device_index: int) -> Choice:
     reason = (f"{choice.reason}; for a fused piece its split-K candidate, tied with the winner "
               f"({best['worst_ratio']:.3f}x against {entry['worst_ratio']:.3f}x)")
     return Choice("triton_splitk", cfg, "table", key.to_string(), reason, key.m_lo, key.m_hi, best["worst_ratio"])
+
+
+def _untuned_fusable(problem: Problem, device_index: int, choice: Choice) -> Choice:
+    """A fused piece whose shape no table entry holds at this M: split-K's untuned config
+    (kernels/triton_splitk.py ``untuned_config``, chosen from the shipped table's timings) for
+    a bf16/fp16 weight at decode rows (at most :data:`FUSED_UNTUNED_MAX_M`), else ``choice``.
+    Without it the piece would compose its fusion around F.linear (the plain rule 5), which
+    measured slower than the stock layer end to end (gemma-7b before its entries were tuned:
+    0.88x compiled decode, perf/results/h200/logs/bench_e2e_gemma-7b_untuned_9901807.txt)."""
+    if problem.m > FUSED_UNTUNED_MAX_M or problem.weight_format or problem.dtype not in _HALF_DTYPES:
+        return choice
+    try:
+        be = backends.get_backend("triton_splitk")
+        if not be.available():
+            return choice
+        cfg = triton_module("triton_splitk").untuned_config(problem, num_sms=backends.num_sms(device_index),
+                                                            **backends.device_limits(device_index))
+        if cfg is None:
+            return choice
+        cfg = be.config_from_record(cfg.to_record(), problem)
+    except (ConfigRejected, ValueError, ImportError):
+        return choice
+    return Choice("triton_splitk", cfg, "rule", choice.key,
+                  f"no table entry holds this M; a fused piece at M <= {FUSED_UNTUNED_MAX_M} runs split-K's untuned "
+                  "config")
 
 
 # ----------------------------------------------------------------------------- FP8 weights

@@ -257,6 +257,29 @@ def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits)
     return cfg
 
 
+# A fused decode piece (fusion/models/decode_step.py) on a shape the table does not hold runs
+# this _PLAN shape (decide.choose_fusable): 64-row tiles, 256 bytes of K per stage, 6 stages,
+# about one wave, single-pass reduction (which the rotary/cache epilogue needs). In the shipped
+# H200 table (273 bf16 entries at M <= 16, 2026-12-03) it was among an entry's five timed
+# finalists in 162 (more than any shape with a single-pass reduction), at 1.002-4.6x F.linear
+# (median 1.09x) and a median 0.996x of the entry's best split-K config.
+_UNTUNED_SHAPE = (64, 256, 4, 6, 1, True)
+assert _UNTUNED_SHAPE in _PLAN
+
+
+def untuned_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits) -> TritonSplitKConfig | None:
+    """The config a fused decode piece runs where the table holds no entry for its shape
+    (:data:`_UNTUNED_SHAPE`), or None where that shape does not fit ``problem``."""
+    if problem.m > MAX_M or problem_limits(problem):
+        return None
+    bn, k_bytes, warps, stages, waves, fused = _UNTUNED_SHAPE
+    bk = _block_k(problem, k_bytes)
+    tiles = triton.cdiv(problem.n, bn) * triton.cdiv(problem.m, _block_m(problem))
+    split = _split_for(waves, tiles, triton.cdiv(problem.k, bk), num_sms)
+    cfg = TritonSplitKConfig(_block_m(problem), bn, bk, split, warps, stages, fused and split > 1)
+    return cfg if cfg.supports(problem, **limits)[0] else None
+
+
 # ----------------------------------------------------------------------------- kernels
 
 

@@ -185,3 +185,35 @@ def test_a_fused_piece_takes_a_split_k_candidate_tied_with_the_winner(fake_h200)
 def test_a_split_k_winner_is_its_own_fused_choice(fake_h200):
     decide.set_table_path(_save(fake_h200 / "s.json", {KEY: tuned("triton_splitk", SPLITK_RECORD)}))
     assert decide.choose_fusable(PROBLEM, 0) == decide.choose(PROBLEM, 0)
+
+
+def test_a_fused_piece_on_an_untuned_shape_runs_split_k_untuned_config(fake_h200):
+    """No entry holds the shape: a fused piece at decode rows (fp16/bf16, M <= 16) runs split-K's
+    untuned config, a plain call F.linear; past 16 rows, in fp32, or with an FP8 weight, the
+    fused piece gets the plain decision too."""
+    from hybridgemm.kernels import triton_splitk
+    from hybridgemm.models.decode_checks import DECODE_ROWS
+
+    assert decide.FUSED_UNTUNED_MAX_M == DECODE_ROWS
+    for m, n, k, dtype in [(1, 384, 512, torch.bfloat16), (3, 4096, 14336, torch.float16),
+                           (16, 12288, 3072, torch.bfloat16), (7, 160, 96, torch.bfloat16)]:
+        problem = dataclasses.replace(PROBLEM, m=m, n=n, k=k, dtype=dtype, ldx=k, ldw=k, ldo=n)
+        plain, fused = decide.choose(problem, 0), decide.choose_fusable(problem, 0)
+        assert (plain.backend, plain.source) == ("torch", "rule")
+        assert (fused.backend, fused.source, fused.key) == ("triton_splitk", "rule", plain.key)
+        assert fused.config == triton_splitk.untuned_config(problem, num_sms=132)
+        assert (fused.config.block_n, fused.config.num_stages) == (64, 6)
+        assert fused.config.fused_reduce == (fused.config.split_k > 1)  # the rotary epilogue needs one pass
+        assert fused.config.supports(problem)[0]
+        assert "no table entry holds this M; a fused piece at M <= 16 runs split-K's untuned config" in fused.reason
+    for problem in [dataclasses.replace(PROBLEM, m=17), dataclasses.replace(PROBLEM, m=1, dtype=torch.float32),
+                    dataclasses.replace(PROBLEM, m=1, weight_format="e4m3_channel")]:
+        assert decide.choose_fusable(problem, 0) == decide.choose(problem, 0)
+
+
+def test_a_tuned_f_linear_winner_is_not_overridden_by_the_untuned_rule(fake_h200):
+    """An entry that holds the shape decides, even where its winner is F.linear with no tied
+    split-K candidate: the untuned config is only for shapes the table does not hold."""
+    decide.set_table_path(_save(fake_h200 / "f.json", {KEY: tuned("torch", {}, ratios=[1.0, 1.2])}))
+    assert decide.choose_fusable(PROBLEM, 0) == decide.choose(PROBLEM, 0)
+    assert decide.choose_fusable(PROBLEM, 0).backend == "torch"
