@@ -109,6 +109,7 @@ import torch
 
 import hybridgemm
 from hybridgemm.experts import HybridExperts
+from hybridgemm.models.patching import ATTENTION_NOT_FUSED
 from hybridgemm.perf import csvio
 from hybridgemm.perf import e2e_models as hf
 from hybridgemm.perf import e2e_weights as ew
@@ -514,12 +515,20 @@ def moe_skips(model, skipped: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return out
 
 
+def attention_skips(report) -> list[tuple[str, str]]:
+    """The entries of ``report.skipped`` for decoder layers ``patch`` fused whose attention runs
+    the module's own function over the fused Q/K/V (Gemma 2's softcapped attention): the layer
+    is measured as patched, and the log lists them."""
+    fused = set(report.fused_layers)
+    return [(n, r) for n, r in report.skipped if n in fused and r.startswith(ATTENTION_NOT_FUSED)]
+
+
 def _patched(run: Run, stock) -> tuple[torch.nn.Module | BaseException, list[str]]:
     """A copy of ``stock`` patched as ``run`` asks (FP8 weights with a granularity), and the
     names of the modules ``patch`` quantized; or the exception that stopped it. As strict as
     ``patch(strict=True)`` (every module patch reports it left alone fails the variant) but
-    for what a mixture-of-experts model leaves by design (:func:`moe_skips`), which the log
-    lists."""
+    for what a mixture-of-experts model leaves by design (:func:`moe_skips`) and fused layers
+    whose attention runs the module's function (:func:`attention_skips`), which the log lists."""
     try:
         patched = hf.build_model(run.config, run.dtype, run.device)
         patched.load_state_dict(stock.state_dict())
@@ -527,11 +536,16 @@ def _patched(run: Run, stock) -> tuple[torch.nn.Module | BaseException, list[str
                                                        quantize_lm_head=run.quantize_lm_head)
         report = hybridgemm.patch(patched, **fp8)
         by_design = moe_skips(patched, report.skipped)
-        left = [s for s in report.skipped if s not in by_design]
+        partial = attention_skips(report)
+        left = [s for s in report.skipped if s not in by_design and s not in partial]
         if not report.patched or left:
             raise ValueError(f"{report.summary()}; {len(left)} modules left unpatched or unfused: "
                              + "; ".join(f"{n or '(root)'}: {r}" for n, r in left))
         run.log(report.summary() + (f"; {len(report.fp8)} projections quantized ({run.granularity})" if fp8 else ""))
+        if partial:
+            reasons = dict.fromkeys(r for _, r in partial)
+            run.log(f"{len(partial)} fused decoder layers run their attention module's function over the fused "
+                    f"Q/K/V ({'; '.join(reasons)})")
         if by_design:
             reasons = dict.fromkeys(r for _, r in by_design)
             run.log(f"mixture of experts, the experts patched: {len(by_design)} routers left as the model has them "

@@ -2,7 +2,7 @@
 random-weight HF model, stock beside patched, grouped by what the kernel does.
 
     python -m hybridgemm.perf.e2e_profile --model llama3-8b --layers 8 --batch 1 8 \
-        [--modes compiled_static eager_static] [--steps 16] [--out CSV]
+        [--modes compiled_static eager_static] [--steps 16] [--out CSV] [--by-grid]
 
 Each variant decodes greedily over a static cache exactly as ``hybridgemm bench --e2e`` does
 (perf/bench_e2e.py's decoder, compiled with "reduce-overhead" and fullgraph for
@@ -15,8 +15,10 @@ ops their names list (a kernel fusing rotary with the KV-cache write counts as r
 eager RMSNorm's casts, multiplies and add count as copy and elementwise. The table printed per
 (mode, batch) gives µs per token and per layer of each group for both variants, the step's
 kernel time against its HBM floor (weight bytes / 4.23 TB/s) and, for the GEMMs, the
-fraction of the floor their bytes alone would allow. Kernel time excludes the gaps between
-kernels: the wall time per token of ``bench --e2e`` minus this sum is launch and host time.
+fraction of the floor their bytes alone would allow. ``--by-grid`` keys each kernel by its
+launch grid too, so the shapes one Triton kernel runs (Q/K/V, O, down) get a row each. Kernel
+time excludes the gaps between kernels: the wall time per token of ``bench --e2e`` minus this
+sum is launch and host time.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import json
 import re
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -78,13 +82,21 @@ def group_of(kernel: str) -> str:
     return next((g for g, p in ATEN if p.search(kernel)), "elementwise")
 
 
-def kernel_times(steps, n: int) -> dict[str, tuple[int, float]]:
-    """``{kernel name: (calls, total µs)}`` of the CUDA kernels ``steps(n)`` runs."""
+def kernel_times(steps, n: int, by_grid: bool = False) -> dict[str, tuple[int, float]]:
+    """``{kernel name: (calls, total µs)}`` of the CUDA kernels ``steps(n)`` runs; ``by_grid``:
+    keyed by name and launch grid (``name grid=x,y,z``), which tells apart the shapes one
+    kernel (a Triton GEMM) runs."""
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         steps(n)
         torch.cuda.synchronize()
     out: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    if by_grid:
+        for name, grid, us in _trace_kernels(prof):
+            slot = out[f"{name} grid={','.join(map(str, grid))}"]
+            slot[0] += 1
+            slot[1] += us
+        return {k: (c, us) for k, (c, us) in out.items()}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
             slot = out[ev.name]
@@ -93,11 +105,23 @@ def kernel_times(steps, n: int) -> dict[str, tuple[int, float]]:
     return {k: (c, us) for k, (c, us) in out.items()}
 
 
-def profile_variant(run: Run, model, mode: str, batch: int, steps: int) -> dict[str, tuple[int, float]]:
+def _trace_kernels(prof) -> list[tuple[str, list, float]]:
+    """``(name, grid, µs)`` of each kernel in the profiler's trace (its launch grid is recorded
+    only there)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    return [(e["name"], list(e.get("args", {}).get("grid", ())), float(e["dur"])) for e in events
+            if e.get("cat") == "kernel" and e.get("dur", 0) > 0]
+
+
+def profile_variant(run: Run, model, mode: str, batch: int, steps: int,
+                    by_grid: bool = False) -> dict[str, tuple[int, float]]:
     step = decoder(run, model, batch, compiled=mode == "compiled_static")
     step(WARMUP)  # compilation, CUDA-graph warm-up and recording
     torch.cuda.synchronize()
-    return kernel_times(step, steps)
+    return kernel_times(step, steps, by_grid)
 
 
 def rows_for(args, mode, batch, variant, times, steps) -> list[dict]:
@@ -137,6 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--steps", type=positive_int, default=16, help="decode steps profiled (default 16)")
     ap.add_argument("--out", help="CSV of every kernel's time per token (default: none)")
+    ap.add_argument("--by-grid", action="store_true",
+                    help="one row per kernel and launch grid (tells apart the shapes of one Triton kernel)")
     return ap.parse_args(argv)
 
 
@@ -161,7 +187,7 @@ def main(argv=None) -> int:
                 rows = []
                 for variant, model in (("stock", stock), ("hybridgemm", patched)):
                     torch._dynamo.reset()
-                    times = profile_variant(run, model, mode, batch, args.steps)
+                    times = profile_variant(run, model, mode, batch, args.steps, args.by_grid)
                     rows += rows_for(args, mode, batch, variant, times, args.steps)
                 print(f"\n## {args.model}, {args.layers} layers, {mode}, batch {batch}")
                 print(summary(rows, hbm_floor_ms(step_bytes(run, stock, batch)), args.layers))
@@ -169,8 +195,9 @@ def main(argv=None) -> int:
                     top = [r for r in rows if r["variant"] == v][:12]
                     print(f"-- {v}: top kernels (µs/token, calls/token, group)")
                     for r in top:
+                        name, grid = r["kernel"].rpartition(" ")[::2] if args.by_grid else (r["kernel"], "")
                         print(f"  {r['us_per_token']:9.1f} {r['calls_per_token']:6.1f}  {r['group']:11s} "
-                              f"{r['kernel'][:110]}")
+                              f"{name[:110]} {grid}")
                 all_rows += [{**r, **extra} for r in rows]
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -138,6 +138,9 @@ from .fp8_checkpoints import adopt as adopt_fp8_checkpoint
 from .fp8_checkpoints import prepare as prepare_fp8_checkpoint
 from .unpatched import unpatched
 
+# The report's reason for a fused decoder layer whose attention runs the module's own function
+# (over the fused Q/K/V) instead of the static-cache step, followed by why.
+ATTENTION_NOT_FUSED = "attention step not fused"
 _QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 _OUT_NAMES = ("o_proj", "out_proj")
 _FUSED_NAME = "qkv_proj"
@@ -420,14 +423,14 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
                 if why_not_attention is None:
                     report.fused_attention.append(name or "(root)")
                 else:
-                    report.skipped.append((name, f"attention step not fused: {why_not_attention}"))
+                    report.skipped.append((name, f"{ATTENTION_NOT_FUSED}: {why_not_attention}"))
             elif why_not != NOT_A_LAYER:
                 report.skipped.append((name, f"decoder layer not fused: {why_not}"))
             elif isinstance(mod, HybridDecoderLayer) and not mod.__dict__.get(STATIC_STEP):
                 # fused by an earlier patch: what its attention step still leaves out, said again
                 why_not_attention = why_not_fuse_attention(mod.self_attn)
                 if why_not_attention is not None:
-                    report.skipped.append((name, f"attention step not fused: {why_not_attention}"))
+                    report.skipped.append((name, f"{ATTENTION_NOT_FUSED}: {why_not_attention}"))
     report.skipped.extend(unpatched(model, report.skipped, attention=attention, mlp=mlp, norm=norm,
                                     lm_head=lm_head, layers=layers))
     if not report.patched:
@@ -630,4 +633,4 @@ def unpatch(model: nn.Module) -> list[str]:
     return restored
 
 
-__all__ = ["FusedQKV", "HybridConv1D", "PatchReport", "QKVSlice", "patch", "unpatch"]
+__all__ = ["ATTENTION_NOT_FUSED", "FusedQKV", "HybridConv1D", "PatchReport", "QKVSlice", "patch", "unpatch"]

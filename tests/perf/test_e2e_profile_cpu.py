@@ -60,3 +60,32 @@ def test_needs_cuda(capsys):
         pytest.skip("a GPU is present")
     assert ep.main(["--model", "llama3-8b", "--layers", "1"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_kernel_times_by_grid_keys_each_launch_grid(monkeypatch):
+    """``--by-grid``: the trace's kernel events summed per (name, grid); other events ignored."""
+    import json
+
+    events = [{"cat": "kernel", "name": "_splitk_kernel", "dur": 10.0, "args": {"grid": [144, 1, 1]}},
+              {"cat": "kernel", "name": "_splitk_kernel", "dur": 12.0, "args": {"grid": [144, 1, 1]}},
+              {"cat": "kernel", "name": "_splitk_kernel", "dur": 5.5, "args": {"grid": [48, 3, 1]}},
+              {"cat": "kernel", "name": "idle", "dur": 0},
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "dur": 3.0}]
+
+    class Prof:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def export_chrome_trace(self, path):
+            with open(path, "w") as f:
+                json.dump({"traceEvents": events}, f)
+
+    monkeypatch.setattr(ep.torch.profiler, "profile", lambda **kw: Prof())
+    monkeypatch.setattr(ep.torch.cuda, "synchronize", lambda: None)
+    times = ep.kernel_times(lambda n: None, 2, by_grid=True)
+    assert times == {"_splitk_kernel grid=144,1,1": (2, 22.0), "_splitk_kernel grid=48,3,1": (1, 5.5)}
+    assert ep.group_of("_splitk_kernel grid=48,3,1") == "gemm"
+    assert ep.parse_args(["--model", "llama3-8b", "--by-grid"]).by_grid
