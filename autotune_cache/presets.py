@@ -118,6 +118,8 @@ PRESETS: dict[str, ModelPreset] = {
                     intermediate=24576, vocab=256000, layers=28),
         ModelPreset("gemma2-9b", 3584, 16, 8, 256, qkv_bias=False, o_bias=False,
                     intermediate=14336, vocab=256000, layers=42),
+        ModelPreset("olmo2-7b", 4096, 32, 32, 128, qkv_bias=False, o_bias=False,
+                    intermediate=11008, vocab=100352, layers=32),
         ModelPreset("qwen3-30b-a3b", 2048, 32, 4, 128, qkv_bias=False, o_bias=False, vocab=151936, layers=48,
                     experts=128, experts_per_token=8, expert_intermediate=768),
         ModelPreset("mixtral-8x7b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False, vocab=32000, layers=32,

@@ -13,9 +13,10 @@ model), with a 1-D ``weight`` and a ``variance_epsilon``. Gemma's, Gemma 2's and
 (:data:`GEMMA_NORM_CLASSES`:
 ``x * rsqrt(mean(x²) + eps)`` times ``1 + weight``, all in fp32, rounded once, with ``eps``)
 become :class:`HybridGemmaRMSNorm`, which computes the stock formula in torch ops and hands
-the fused decode step its ``1 + weight`` in fp32 (:func:`norm_operand`); any other class is
-left alone. The module keeps its object, weight and state-dict key; only its class is swapped
-(undone by :func:`hybridgemm.unpatch`).
+the fused decode step its ``1 + weight`` in fp32 (:func:`norm_operand`); OLMo 2's
+(:data:`OLMO2_NORM_CLASSES`: the same with ``weight``, epsilon ``variance_epsilon``) become
+:class:`HybridOlmo2RMSNorm`; any other class is left alone. The module keeps its object,
+weight and state-dict key; only its class is swapped (undone by :func:`hybridgemm.unpatch`).
 
 Anything but eager inference on CUDA (a gradient wanted, ``torch.compile``, which fuses the
 norm itself, autocast, the CPU, tensor subclasses, other dtypes) runs the stock formula in
@@ -38,6 +39,9 @@ RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSN
 # transformers' RMSNorm classes of Gemma's formula (tests/fusion/test_norm.py checks each one
 # against reference_gemma_rms_norm bit for bit with the installed transformers).
 GEMMA_NORM_CLASSES = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+# transformers' RMSNorm classes that scale by the weight in fp32 and round once (OLMo 2's; the
+# same test checks them against the fp32-factor formula)
+OLMO2_NORM_CLASSES = ("Olmo2RMSNorm",)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -66,6 +70,12 @@ def is_gemma_norm(mod: nn.Module) -> bool:
     """Is ``mod`` one of transformers' RMSNorm classes of :data:`GEMMA_NORM_CLASSES` (its epsilon
     ``eps``)?"""
     return _recognised(mod, GEMMA_NORM_CLASSES, "eps")
+
+
+def is_olmo2_norm(mod: nn.Module) -> bool:
+    """Is ``mod`` one of transformers' RMSNorm classes of :data:`OLMO2_NORM_CLASSES` (its epsilon
+    ``variance_epsilon``)?"""
+    return _recognised(mod, OLMO2_NORM_CLASSES, "variance_epsilon")
 
 
 def _scaled_in_fp32(x: Tensor, g: Tensor, eps: float) -> Tensor:
@@ -142,35 +152,60 @@ class HybridRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
-class HybridGemmaRMSNorm(nn.Module):
-    """A recognised Gemma RMSNorm with its class swapped (same ``weight`` and ``eps``): the stock
-    formula in torch ops; the fused decode step folds it into the GEMM that reads its output,
-    taking ``1 + weight`` in fp32 (:meth:`kernel_weight`)."""
+class Fp32FactorRMSNorm(nn.Module):
+    """A recognised RMSNorm that scales the normalised x by an fp32 factor, ``OFFSET + weight``,
+    and rounds once (Gemma's ``1 + w``, OLMo 2's ``w``), with its class swapped (same ``weight``
+    and epsilon attribute): the stock formula in torch ops; the fused decode step folds it into
+    the GEMM that reads its output, taking the factor in fp32 (:meth:`kernel_weight`)."""
 
+    OFFSET: float
     weight: nn.Parameter
-    eps: float
+
+    def norm_eps(self) -> float:
+        raise NotImplementedError
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return reference_gemma_rms_norm(hidden_states, self.weight, self.eps)
+        return _scaled_in_fp32(hidden_states, self.OFFSET + self.weight.float(), self.norm_eps())
 
     def kernel_weight(self) -> Tensor:
-        """``1 + weight`` in fp32, the factor the fused GEMMs multiply x by (a fused norm
+        """``OFFSET + weight`` in fp32, the factor the fused GEMMs multiply x by (a fused norm
         prologue computes ``rstd * ((x * g) @ W.T)``). Kept between calls while the weight is
         unchanged (the same parameter, storage and version); computed in the graph under
         ``torch.compile``."""
         w = self.weight
         if torch.compiler.is_compiling():
-            return 1.0 + w.detach().float()
+            return self.OFFSET + w.detach().float()
         key = (id(w), w.data_ptr(), w._version, w.device, w.dtype)
         kept = self.__dict__.get("_kernel_weight")
         if kept is None or kept[0] != key:
             with torch.no_grad():
-                kept = (key, (1.0 + w.detach().float()).contiguous())
+                kept = (key, (self.OFFSET + w.detach().float()).contiguous())
             self.__dict__["_kernel_weight"] = kept
         return kept[1]
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}, 1 + weight"
+        return f"{tuple(self.weight.shape)}, eps={self.norm_eps()}, {self.OFFSET:g} + weight in fp32"
+
+
+class HybridGemmaRMSNorm(Fp32FactorRMSNorm):
+    """A Gemma RMSNorm (:data:`GEMMA_NORM_CLASSES`): factor ``1 + weight``, epsilon ``eps``."""
+
+    OFFSET = 1.0
+    eps: float
+
+    def norm_eps(self) -> float:
+        return self.eps
+
+
+class HybridOlmo2RMSNorm(Fp32FactorRMSNorm):
+    """An OLMo 2 RMSNorm (:data:`OLMO2_NORM_CLASSES`): factor ``weight`` (in fp32, where
+    Llama's formula rounds before it), epsilon ``variance_epsilon``."""
+
+    OFFSET = 0.0
+    variance_epsilon: float
+
+    def norm_eps(self) -> float:
+        return self.variance_epsilon
 
 
 def prologue_norm(x: Tensor, g: Tensor, eps: float) -> Tensor:
@@ -182,9 +217,9 @@ def prologue_norm(x: Tensor, g: Tensor, eps: float) -> Tensor:
 
 def norm_operand(norm: nn.Module) -> tuple[Tensor, float]:
     """``(g, eps)`` of a patched norm for a fused norm prologue: a Llama-style norm's weight,
-    a Gemma norm's ``1 + weight`` in fp32."""
-    if type(norm) is HybridGemmaRMSNorm:
-        return norm.kernel_weight(), norm.eps
+    a Gemma norm's ``1 + weight`` and an OLMo 2 norm's weight in fp32."""
+    if isinstance(norm, Fp32FactorRMSNorm):
+        return norm.kernel_weight(), norm.norm_eps()
     return norm.weight, norm.variance_epsilon
 
 
@@ -193,8 +228,9 @@ def apply_norm(norm: nn.Module, x: Tensor) -> Tensor:
     return prologue_norm(x, *norm_operand(norm))
 
 
-PATCHED_NORMS = (HybridRMSNorm, HybridGemmaRMSNorm)
+PATCHED_NORMS = (HybridRMSNorm, HybridGemmaRMSNorm, HybridOlmo2RMSNorm)
 
-__all__ = ["GEMMA_NORM_CLASSES", "PATCHED_NORMS", "RMS_NORM_CLASSES", "HybridGemmaRMSNorm", "HybridRMSNorm",
-           "apply_norm", "is_gemma_norm", "is_rms_norm", "norm_operand", "prologue_norm", "reference_gemma_rms_norm",
+__all__ = ["GEMMA_NORM_CLASSES", "OLMO2_NORM_CLASSES", "PATCHED_NORMS", "RMS_NORM_CLASSES", "Fp32FactorRMSNorm",
+           "HybridGemmaRMSNorm", "HybridOlmo2RMSNorm", "HybridRMSNorm", "apply_norm", "is_gemma_norm", "is_olmo2_norm",
+           "is_rms_norm", "norm_operand", "prologue_norm", "reference_gemma_rms_norm",
            "reference_rms_norm", "rms_norm"]

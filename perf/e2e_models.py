@@ -74,6 +74,9 @@ FAMILIES: dict[str, Family] = {
                             ("final_logit_softcapping", 30.0))),
     # Phi-3: Q/K/V and gate/up one linear each in the checkpoint; heads of 96 (its hidden size / heads)
     "phi3": Family("Phi3Config", head_dim=False, qkv_bias=False, fixed=(("pad_token_id", 32000),)),
+    # OLMo 2: no input norms, each sublayer's output normalised before its residual add, q/k
+    # norms over all heads (its RMSNorms scale by the weight in fp32)
+    "olmo2": Family("Olmo2Config", head_dim=False, qkv_bias=None),
     # Qwen3MoeConfig's signature has no head_dim, but its attention reads config.head_dim when set.
     # Every layer sparse (no dense mlp_only_layers), top-k weights renormalised: Qwen3-MoE's published configs.
     "qwen3_moe": Family("Qwen3MoeConfig", head_dim=True, qkv_bias=None,
@@ -100,6 +103,7 @@ SIZES: dict[str, ModelSizes] = {
     "phi3-mini": ModelSizes("phi3", 8192, 32, 32064, 1e4, 1e-5, 4096),  # Phi-3-mini-4k
     "gemma2-9b": ModelSizes("gemma2", 14336, 42, 256000, 1e4, 1e-6, 8192),  # its LM head tied in the release
     "gemma-7b": ModelSizes("gemma", 24576, 28, 256000, 1e4, 1e-6, 8192),  # its LM head tied in the release
+    "olmo2-7b": ModelSizes("olmo2", 11008, 32, 100352, 5e5, 1e-6, 4096),  # OLMo-2-1124-7B
     "qwen3-30b-a3b": ModelSizes("qwen3_moe", 6144, 48, 151936, 1e6, 1e-6, 40960),  # q/k norms; 128 experts, 8 a token
     "mixtral-8x7b": ModelSizes("mixtral", None, 32, 32000, 1e6, 1e-5, 32768),  # 8 experts, 2 a token
 }

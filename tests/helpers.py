@@ -137,7 +137,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     drawn from U(-0.5, 0.5), GeGLU; ``"gemma2"``: Gemma 2, the same with post-norms, a sliding-window
     layer and the attention softcap, eager attention; ``"gemma3"``: Gemma 3, post-norms and (1 + w)
     q/k norms; ``"phi3"``: Phi-3, its Q/K/V and gate/up one
-    linear each in the checkpoint) of 8 heads and 2 KV heads, random
+    linear each in the checkpoint; ``"olmo2"``: OLMo 2, post-norms only, q/k norms over all
+    heads) of 8 heads and 2 KV heads, random
     weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16 patched by
     hybridgemm with both decoder layers fused."""
     import copy
@@ -150,7 +151,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
            "granite": transformers.GraniteConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
            "mixtral": transformers.MixtralConfig, "gemma": transformers.GemmaConfig,
            "qwen2_moe": transformers.Qwen2MoeConfig, "phi3": transformers.Phi3Config,
-           "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig}[kind]
+           "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig,
+           "olmo2": transformers.Olmo2Config}[kind]
     extra = {"granite": dict(residual_multiplier=0.22, attention_multiplier=0.05, embedding_multiplier=12.0,
                              logits_scaling=8.0),
              "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4),

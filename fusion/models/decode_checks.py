@@ -4,10 +4,11 @@ checks) and per call (device, dtype, rows, grad, hooks, the cache).
 
 Patch time (:func:`why_not_fuse_layer`, :func:`why_not_fuse_attention`): the layer's forward
 must be one the step computes (its statements checked in its source: the pre-norm layer;
-Granite's with scaled residuals, Phi-3's with residual dropouts, Gemma 2/3's post-norm one),
+Granite's with scaled residuals, Phi-3's with residual dropouts, Gemma 2/3's post-norm one,
+OLMo 2's post-norm one without input norms),
 its attention forward one of the forms :class:`AttentionForm` describes (Q/K/V from three
 projections or, Phi-3's, one), and its parts fused by ``patch`` (Q/K/V and gate/up into one
-GEMM each or the checkpoint's stacked linears, HybridRMSNorm or HybridGemmaRMSNorm norms,
+GEMM each or the checkpoint's stacked linears, patched RMSNorms (fusion/norm.py PATCHED_NORMS),
 patched or row-parallel O and down). The static-cache step (rotary and the cache write in the QKV epilogue, the
 attention kernel) also needs transformers' ``StaticLayer`` and ``Cache.update`` as checked,
 the standard ``rotate_half`` rotary, and q/k norms (if any) that are patched RMSNorms over
@@ -107,7 +108,12 @@ _POST_NORM_LAYER_BODY = (
     "hidden_states=residual+hidden_states",
     "returnhidden_states",
 )
-# Instance attribute set when a layer is patched: its forward is the post-norm form above.
+# OLMo 2's layer: the post-norm form without input norms (the attention and the MLP read the
+# residual stream as it is)
+_OUTPUT_NORM_LAYER_BODY = tuple(s for s in _POST_NORM_LAYER_BODY
+                                if s not in ("hidden_states=self.input_layernorm(hidden_states)",
+                                             "hidden_states=self.pre_feedforward_layernorm(hidden_states)"))
+# Instance attribute set when a layer is patched: its forward is one of the post-norm forms above.
 POST_NORMS = "_hybridgemm_post_norms"
 # Phi-3's layer: the same, each sublayer's output through a dropout module before the add
 # (the identity unless the layer trains with p > 0: residual_dropouts, checked per call)
@@ -177,6 +183,15 @@ _PREFUSED_ATTENTION_BODY = (
     "key_states=key_states.view(hidden_shape).transpose(1,2)",
     "value_states=value_states.view(hidden_shape).transpose(1,2)",
     *_ATTENTION_BODY[5:],
+)
+# OLMo 2's q/k norms: over all the q (k) columns of the projection, before the head views
+_FULL_QK_NORMS = (
+    "query_states=self.q_norm(self.q_proj(hidden_states))",
+    "key_states=self.k_norm(self.k_proj(hidden_states))",
+    "value_states=self.v_proj(hidden_states)",
+    "query_states=query_states.view(hidden_shape).transpose(1,2)",
+    "key_states=key_states.view(hidden_shape).transpose(1,2)",
+    "value_states=value_states.view(hidden_shape).transpose(1,2)",
 )
 # Gemma 3's q/k norms: on the head views after the transpose (the same per-head RMSNorm as
 # _NORMED_Q / _NORMED_K's before it)
@@ -329,6 +344,7 @@ class AttentionForm:
     update: str  # "kwargs", "cache_kwargs" or "none"
     window_from: str | None  # "module" (attn.sliding_window), "config" (attn.config.sliding_window), None
     softcap: bool = False  # the call passes softcap=attn.attn_logit_softcapping (Gemma 2)
+    full_qk_norm: bool = False  # q_norm/k_norm over all q (k) columns, before the head views (OLMo 2)
 
     def attention_function(self, implementation: str):
         return self.functions.get_interface(implementation, self.eager)
@@ -348,8 +364,11 @@ def _read_form(cls: type) -> AttentionForm | str:
     forward = cls.forward
     statements = body_statements(forward)
     prefused = _matches(statements, _PREFUSED_ATTENTION_BODY)
+    full_qk_norm = statements is not None and tuple(statements[2:8]) == _FULL_QK_NORMS
     if prefused:  # from the rotary on, the statements of _ATTENTION_BODY
         statements = [*_ATTENTION_BODY[:2], _PLAIN_Q, _PLAIN_K, _ATTENTION_BODY[4], *statements[10:]]
+    elif full_qk_norm:  # the same with the norms taken out, as checked above
+        statements = [*statements[:2], _PLAIN_Q, _PLAIN_K, _ATTENTION_BODY[4], *statements[8:]]
     elif statements is not None and tuple(statements[5:7]) == _LATE_QK_NORMS \
             and statements[2:4] == [_PLAIN_Q, _PLAIN_K]:
         statements = [*statements[:2], _NORMED_Q, _NORMED_K, *statements[4:5], *statements[7:]]
@@ -362,7 +381,7 @@ def _read_form(cls: type) -> AttentionForm | str:
         return f"{cls.__name__}.forward's module has no apply_rotary_pos_emb, eager_attention_forward and " \
                "ALL_ATTENTION_FUNCTIONS.get_interface"
     return AttentionForm(statements[2] == _NORMED_Q, prefused, rotary, eager, functions, UPDATE_FORMS[statements[7]],
-                         WINDOW_FORMS[statements[9]], statements[9] == _SOFTCAP_CALL)
+                         WINDOW_FORMS[statements[9]], statements[9] == _SOFTCAP_CALL, full_qk_norm)
 
 
 def attention_form(cls: type) -> AttentionForm:
@@ -399,6 +418,9 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
     if attention_form(cls).softcap and attn.attn_logit_softcapping is not None:
         return "its attention logits are soft-capped, which the decode attention kernel does not compute (the " \
                "module's attention function runs over the fused Q/K/V)"
+    if attention_form(cls).full_qk_norm:
+        return "its q/k norms span all heads, which the rotary epilogue (one head per tile) does not compute (the " \
+               "module's norms and attention function run over the fused Q/K/V)"
     if attention_form(cls).qk_norm:
         why = why_not_qk_norms(attn)
         if why is not None:
@@ -521,10 +543,11 @@ def projection_base(mod: nn.Module | None) -> nn.Module | None:
 
 def _fused_parts(layer: nn.Module) -> list[nn.Module]:
     attn, mlp = layer.self_attn, layer.mlp
-    parts = [layer.input_layernorm, attn._modules[QKV_NAME], projection_base(attn.o_proj)]
+    parts = [*layer_norms(layer)[:1], attn._modules[QKV_NAME], projection_base(attn.o_proj)]
     if moe_block(mlp):  # the block and its norm run as modules
-        return parts
-    return [*parts, *layer_norms(layer)[1:], mlp._modules[FUSED_GATE_UP], projection_base(mlp.down_proj)]
+        return [p for p in parts if p is not None]
+    parts += [*layer_norms(layer)[1:], mlp._modules[FUSED_GATE_UP], projection_base(mlp.down_proj)]
+    return [p for p in parts if p is not None]
 
 
 _PLAIN_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -538,13 +561,16 @@ def post_norms(layer: nn.Module) -> bool:
 
 
 def layer_norms(layer: nn.Module) -> list[nn.Module | None]:
-    """The layer's norms, its input norm first: the pre-norm layer's two, a post-norm layer's four."""
+    """The layer's norms, its input norm first: the pre-norm layer's two, a post-norm layer's four
+    (None for the two an OLMo 2 layer does not have)."""
     return [layer._modules.get(n) for n in (_POST_NORM_NAMES if post_norms(layer) else _PLAIN_NORMS)]
 
 
 def normalises_outputs(cls: type) -> bool:
-    """Is ``cls.forward`` the post-norm form (Gemma 2/3)? Read from the source when patched."""
-    return _matches(body_statements(cls.forward), _POST_NORM_LAYER_BODY)
+    """Is ``cls.forward`` a post-norm form (Gemma 2/3's, OLMo 2's without input norms)? Read from
+    the source when patched."""
+    statements = body_statements(cls.forward)
+    return _matches(statements, _POST_NORM_LAYER_BODY) or _matches(statements, _OUTPUT_NORM_LAYER_BODY)
 
 
 def _adapters(layer: nn.Module) -> list[nn.Module]:
@@ -598,8 +624,9 @@ def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
     slots = [*(attn._modules.get(n) for n in _ATTENTION_SLOTS), *(mlp._modules.get(n) for n in _MLP_SLOTS)]
     wrapped = [m for s in slots if adapter_terms.is_lora_linear(s)
                for m in (adapter_base(s), *s.lora_A.values(), *s.lora_B.values(), *s.lora_dropout.values())]
-    attention = [layer.input_layernorm, attn, *slots, *wrapped, *(attn._modules.get(n) for n in ("q_norm", "k_norm")),
-                 attn._modules.get(QKV_NAME), *(layer._modules.get(n) for n in RESIDUAL_DROPOUTS)]
+    attention = [layer._modules.get("input_layernorm"), attn, *slots, *wrapped,
+                 *(attn._modules.get(n) for n in ("q_norm", "k_norm")), attn._modules.get(QKV_NAME),
+                 *(layer._modules.get(n) for n in RESIDUAL_DROPOUTS)]
     if moe_block(mlp):  # the step calls the MoE block and its norm as modules: their hooks run
         return attention
     return [*attention, *layer_norms(layer)[1:], mlp, mlp._modules.get(FUSED_GATE_UP)]
@@ -693,11 +720,13 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
     scaled = scales_residuals(t)
     statements = body_statements(t.forward)
     dropouts = not scaled and _matches(statements, _DROPOUT_LAYER_BODY)
-    post = not (scaled or dropouts) and _matches(statements, _POST_NORM_LAYER_BODY)
+    output_norms = not (scaled or dropouts) and _matches(statements, _OUTPUT_NORM_LAYER_BODY)
+    post = output_norms or (not (scaled or dropouts) and _matches(statements, _POST_NORM_LAYER_BODY))
     if not (scaled or dropouts or post or _matches(statements, _LAYER_BODY)):
         return f"{t.__name__}.forward is not a decoder layer this step computes"
     if post:
-        norms = [mod._modules.get(n) for n in _POST_NORM_NAMES]
+        names = _POST_NORM_NAMES[1::2] if output_norms else _POST_NORM_NAMES
+        norms = [mod._modules.get(n) for n in names]
         if moe or any(isinstance(p, PartialSumLinear) for p in (o_proj, down_proj)):
             return "its post-norms follow a mixture of experts or a row-parallel projection (not fused)"
     if not all(type(n) in PATCHED_NORMS for n in norms):

@@ -82,10 +82,19 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None
     return dispatch.fused_linear(x, weight, bias) if scale is None else fp8_linear(x, weight, scale, bias)
 
 
-def _norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+def _normed(x: Tensor, norm_weight: Tensor | None, eps: float) -> Tensor:
+    """x as a fused norm prologue leaves it (the piece's unfused form); x itself without a norm."""
+    return x if norm_weight is None else prologue_norm(x, norm_weight, eps)
+
+
+def _norm_fusion(norm_weight: Tensor | None, eps: float) -> dict:
+    return {} if norm_weight is None else {"norm": (norm_weight, float(eps))}
+
+
+def _norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
                  counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-    y = dispatch.fused_splitk(x, weight, bias, counters, scale, norm=(norm_weight, float(eps)))
-    return _linear(prologue_norm(x, norm_weight, eps), weight, bias, scale) if y is None else y
+    y = dispatch.fused_splitk(x, weight, bias, counters, scale, **_norm_fusion(norm_weight, eps))
+    return _linear(_normed(x, norm_weight, eps), weight, bias, scale) if y is None else y
 
 
 def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
@@ -103,19 +112,19 @@ def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: T
     return residual + (y if residual_scale is None else y * residual_scale)
 
 
-def _gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+def _gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
                 activation: str, scale: Tensor | None = None) -> Tensor:
     if scale is not None:  # FP8: gate/up as one split-K launch with the norm prologue, the product apart
         gate, up = _norm_linear(x, norm_weight, eps, weight, bias, None, scale).chunk(2, dim=-1)
         return GLU_FUNCTIONS[activation](gate) * up
-    y = dispatch.gated(x, weight, bias, activation, norm=(norm_weight, float(eps)))
-    return gated_linear(prologue_norm(x, norm_weight, eps), weight, bias, activation) if y is None else y
+    y = dispatch.gated(x, weight, bias, activation, **_norm_fusion(norm_weight, eps))
+    return gated_linear(_normed(x, norm_weight, eps), weight, bias, activation) if y is None else y
 
 
 # ``counters`` (the layer's arrival counters, decoder_layer.COUNTERS) are scratch the kernels
 # leave as they found them (all zero), so the ops do not declare them mutated.
 @torch.library.custom_op("hybridgemm::norm_linear_fwd", mutates_args=())
-def norm_linear_fwd(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+def norm_linear_fwd(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
                     counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     with per_call_scratch():  # no scratch cached from inside a compiled region (CUDA graph trees)
         return _norm_linear(x, norm_weight, eps, weight, bias, counters, scale).contiguous()
@@ -140,7 +149,7 @@ def _linear_residual_fake(x, weight, bias, residual, counters=None, scale=None, 
 
 
 @torch.library.custom_op("hybridgemm::gated_norm_fwd", mutates_args=())
-def gated_norm_fwd(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+def gated_norm_fwd(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
                    activation: str, scale: Tensor | None = None) -> Tensor:
     with per_call_scratch():
         return _gated_norm(x, norm_weight, eps, weight, bias, activation, scale)
@@ -151,12 +160,13 @@ def _gated_norm_fake(x, norm_weight, eps, weight, bias, activation, scale=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
 
-def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+def norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
                 counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     """``linear(rmsnorm(x), weight, bias)`` with the RMSNorm of factor ``norm_weight`` (Llama's
-    formula for a weight of x's dtype, Gemma's for an fp32 ``1 + w``: norm.prologue_norm), one
-    launch where the table runs Triton split-K. ``counters``: zeroed int32 arrival counters for
-    split-K's fused reduction, used by one launch at a time. ``scale``: ``weight`` is e4m3 with
+    formula for a weight of x's dtype, Gemma's for an fp32 ``1 + w``: norm.prologue_norm;
+    ``linear(x, weight, bias)`` for None), one launch where the table runs Triton split-K.
+    ``counters``: zeroed int32 arrival counters for split-K's fused reduction, used by one launch
+    at a time. ``scale``: ``weight`` is e4m3 with
     these scales (fusion/fp8_modules.py ``weight_scale_of``), as in every piece here."""
     return _compiled(torch.ops.hybridgemm.norm_linear_fwd, _norm_linear, x, norm_weight, float(eps), weight, bias,
                      counters, scale)
@@ -172,9 +182,10 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Te
                      scale, None if residual_scale is None else float(residual_scale))
 
 
-def gated_norm(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+def gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
                activation: str, scale: Tensor | None = None) -> Tensor:
-    """``gated_linear(rmsnorm(x), weight, bias, activation)``, one launch of the gated kernel
+    """``gated_linear(rmsnorm(x), weight, bias, activation)`` (x itself for a None
+    ``norm_weight``), one launch of the gated kernel
     where the dispatcher's gated rule picks it (an FP8 weight: the split-K launch with the norm
     prologue, then the product)."""
     return _compiled(torch.ops.hybridgemm.gated_norm_fwd, _gated_norm, x, norm_weight, float(eps), weight, bias,
@@ -367,8 +378,11 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
     if any(adapter_terms.adds_terms(m) for m in slots):
         y = _qkv_with_adapters(x, norm, qkv, slots, counters)
     else:
-        y = norm_linear(x, *norm_operand(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
-    q, k, v = (t.view(hidden_shape) for t in y.split(checks.qkv_sizes(attn, qkv), dim=-1))
+        y = norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
+    q, k, v = y.split(checks.qkv_sizes(attn, qkv), dim=-1)
+    if form.full_qk_norm:  # over all the q (k) columns, before the head views (OLMo 2)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
     if form.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -395,6 +409,15 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
     return out.reshape(*input_shape, -1).contiguous()
 
 
+def _norm_args(norm: nn.Module | None) -> tuple[Tensor | None, float]:
+    """The ``(norm_weight, eps)`` a piece takes for the layer's ``norm`` (none: no prologue)."""
+    return (None, 0.0) if norm is None else norm_operand(norm)
+
+
+def _norm_output(norm: nn.Module | None, x: Tensor) -> Tensor:
+    return x if norm is None else apply_norm(norm, x)
+
+
 def _slots(owner: nn.Module, fused: nn.Module) -> list[nn.Module]:
     """The modules in the slots of a fused GEMM's parts (a slice, or the LoRA layer over it);
     none for a linear the checkpoint holds fused (Phi-3's)."""
@@ -403,17 +426,17 @@ def _slots(owner: nn.Module, fused: nn.Module) -> list[nn.Module]:
 
 def _qkv_with_adapters(x: Tensor, norm: nn.Module, qkv: nn.Module, slots: list[nn.Module],
                        counters: Tensor | None) -> Tensor:
-    """The Q/K/V projection of ``rmsnorm(x)`` in one launch, plus the terms of the LoRA layers
-    in ``slots`` (which take the normalised x, as in the stock attention); for a call where
-    some of them add terms."""
-    y = norm_linear(x, *norm_operand(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
-    return adapter_terms.add_slice_terms(slots, apply_norm(norm, x), y, qkv.sizes)
+    """The Q/K/V projection of ``rmsnorm(x)`` (x without a norm) in one launch, plus the terms
+    of the LoRA layers in ``slots`` (which take the normalised x, as in the stock attention);
+    for a call where some of them add terms."""
+    y = norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
+    return adapter_terms.add_slice_terms(slots, _norm_output(norm, x), y, qkv.sizes)
 
 
 def attention(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None) -> Tensor:
     """The attention sublayer of ``layer`` before O, for the normalised ``x``: the static-cache
     step where ``layer`` takes it and the call's cache allows, else the module's computation."""
-    attn, norm = layer.self_attn, layer.input_layernorm
+    attn, norm = layer.self_attn, layer._modules.get("input_layernorm")  # (OLMo 2's layer has none)
     qkv = attn._modules[QKV_NAME]
     slot = checks.kv_slot(attn, x, kwargs) if checks.takes_static_step(layer) else None
     if slot is not None:
@@ -459,15 +482,15 @@ def _slot_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor | N
 
 
 def _mlp_inner(mlp: nn.Module, norm: nn.Module, h: Tensor) -> Tensor:
-    """``glu(gate_up(norm2(h)))``: one gated launch, or with LoRA terms on gate or up the GEMM
-    with its norm, the terms (on the normalised h), then the product."""
+    """``glu(gate_up(norm2(h)))`` (``norm`` None: of h itself): one gated launch, or with LoRA
+    terms on gate or up the GEMM with its norm, the terms (on the normalised h), then the product."""
     gate_up = mlp._modules[FUSED_GATE_UP]
     slots = _slots(mlp, gate_up)
     if not any(adapter_terms.adds_terms(m) for m in slots):
-        return gated_norm(h, *norm_operand(norm), gate_up.weight, gate_up.bias, mlp.glu_activation,
+        return gated_norm(h, *_norm_args(norm), gate_up.weight, gate_up.bias, mlp.glu_activation,
                           weight_scale_of(gate_up))
-    y = norm_linear(h, *norm_operand(norm), gate_up.weight, gate_up.bias, None, weight_scale_of(gate_up))
-    y = adapter_terms.add_slice_terms(slots, apply_norm(norm, h), y, gate_up.sizes)
+    y = norm_linear(h, *_norm_args(norm), gate_up.weight, gate_up.bias, None, weight_scale_of(gate_up))
+    y = adapter_terms.add_slice_terms(slots, _norm_output(norm, h), y, gate_up.sizes)
     gate, up = y.split(list(gate_up.sizes), dim=-1)
     return GLU_FUNCTIONS[mlp.glu_activation](gate) * up
 
@@ -482,11 +505,13 @@ def _slot_project(proj: nn.Module, x: Tensor, counters: Tensor | None) -> Tensor
 
 def _post_norm_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None) -> Tensor:
     """Gemma 2/3's layer: ``h = x + post_attn_norm(O(attention(input_norm(x))))``,
-    ``y = h + post_ff_norm(down(glu(gate_up(pre_ff_norm(h)))))``; the norms of the outputs as
-    the modules compute them (in torch ops, which Inductor fuses with the adds)."""
+    ``y = h + post_ff_norm(down(glu(gate_up(pre_ff_norm(h)))))`` (OLMo 2's: the same without the
+    input norms); the norms of the outputs as the modules compute them (in torch ops, which
+    Inductor fuses with the adds)."""
     o = _slot_project(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), counters)
     h = x + apply_norm(layer.post_attention_layernorm, o)
-    down = _slot_project(layer.mlp.down_proj, _mlp_inner(layer.mlp, layer.pre_feedforward_layernorm, h), counters)
+    mlp_norm = layer._modules.get("pre_feedforward_layernorm")
+    down = _slot_project(layer.mlp.down_proj, _mlp_inner(layer.mlp, mlp_norm, h), counters)
     return h + apply_norm(layer.post_feedforward_layernorm, down)
 
 

@@ -10,12 +10,14 @@ and gate/up prologues, fusion/norm.py), ``GraniteDecoderLayer`` (its ``residual_
 the O and down epilogues), ``Phi3DecoderLayer`` (its Q/K/V and gate/up each one linear in the
 checkpoint, run as they are; its residual dropouts the identity in inference),
 ``Gemma2DecoderLayer`` and ``Gemma3DecoderLayer`` (each sublayer's output normalised before
-its residual add; their attention the module's function over the fused Q/K/V) and the
+its residual add; their attention the module's function over the fused Q/K/V),
+``Olmo2DecoderLayer`` (the same without input norms; its q/k norms over all heads, run as
+modules on the fused Q/K/V) and the
 mixture-of-experts ``Qwen3MoeDecoderLayer``, ``MixtralDecoderLayer`` and ``Qwen2MoeDecoderLayer``
 (their sparse block called as a module, its experts the grouped kernels) whose forwards are the
 ones the step computes (checked in their source when patched, so a release that changes them
 is left alone, with the reason in the report), with the parts :func:`hybridgemm.patch` fused:
-Q/K/V, gate/up (or the experts), HybridRMSNorm or HybridGemmaRMSNorm norms.
+Q/K/V, gate/up (or the experts), HybridRMSNorm, HybridGemmaRMSNorm or HybridOlmo2RMSNorm norms.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ LAYER_MODULES = {"LlamaDecoderLayer": "llama", "Qwen2DecoderLayer": "qwen2", "Qw
                  "MistralDecoderLayer": "mistral", "GraniteDecoderLayer": "granite",
                  "Qwen3MoeDecoderLayer": "qwen3_moe", "MixtralDecoderLayer": "mixtral",
                  "Qwen2MoeDecoderLayer": "qwen2_moe", "GemmaDecoderLayer": "gemma", "Phi3DecoderLayer": "phi3",
-                 "Gemma2DecoderLayer": "gemma2", "Gemma3DecoderLayer": "gemma3"}
+                 "Gemma2DecoderLayer": "gemma2", "Gemma3DecoderLayer": "gemma3", "Olmo2DecoderLayer": "olmo2"}
 LAYER_CLASSES = tuple(LAYER_MODULES)
 # A fused layer's int32 buffer (not in the state dict) of split-K arrival counters for its
 # GEMMs, which run one after another and leave it zero: a compiled decode step then needs no

@@ -121,7 +121,14 @@ from hybridgemm.mlp import (
     prefused_gated_parts,
     two_layer_act,
 )
-from hybridgemm.norm import HybridGemmaRMSNorm, HybridRMSNorm, is_gemma_norm, is_rms_norm
+from hybridgemm.norm import (
+    HybridGemmaRMSNorm,
+    HybridOlmo2RMSNorm,
+    HybridRMSNorm,
+    is_gemma_norm,
+    is_olmo2_norm,
+    is_rms_norm,
+)
 
 from .decode_checks import (
     NOT_A_LAYER,
@@ -349,6 +356,9 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
             continue
         if norm and is_gemma_norm(mod):
             swap(name, mod, HybridGemmaRMSNorm)
+            continue
+        if norm and is_olmo2_norm(mod):
+            swap(name, mod, HybridOlmo2RMSNorm)
             continue
         if mlp and _patch_mlp(name, mod, modules, owners, report, swap, done):
             continue

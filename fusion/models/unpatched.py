@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from hybridgemm.fused_rows import adapter_base, qual
-from hybridgemm.norm import GEMMA_NORM_CLASSES, RMS_NORM_CLASSES
+from hybridgemm.norm import GEMMA_NORM_CLASSES, OLMO2_NORM_CLASSES, RMS_NORM_CLASSES
 
 from .decoder_layer import LAYER_CLASSES
 
@@ -131,8 +131,8 @@ def _mlp_reason(mlp: nn.Module) -> str:
 
 def _norm_reason(norm: nn.Module) -> str:
     return (f"norm not patched: {type(norm).__name__} is not one of the "
-            f"{len(RMS_NORM_CLASSES) + len(GEMMA_NORM_CLASSES)} RMSNorm classes of known formula hybridgemm "
-            "recognises (hybridgemm.norm.RMS_NORM_CLASSES, GEMMA_NORM_CLASSES)")
+            f"{len(RMS_NORM_CLASSES) + len(GEMMA_NORM_CLASSES) + len(OLMO2_NORM_CLASSES)} RMSNorm classes of known "
+            "formula hybridgemm recognises (hybridgemm.norm.RMS_NORM_CLASSES, GEMMA_NORM_CLASSES, OLMO2_NORM_CLASSES)")
 
 
 def _linear_reason(lin: nn.Module) -> str:

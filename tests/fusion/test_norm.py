@@ -284,6 +284,34 @@ def test_gemma_norm_is_patched_and_computes_its_formula(dtype):
     assert type(patched) is type(stock)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_olmo2_norm_is_patched_and_computes_its_formula(dtype):
+    """Olmo2RMSNorm (weight times the fp32 normalised x, rounded once, where Llama's formula
+    rounds first) becomes HybridOlmo2RMSNorm: the stock output bit for bit, and the prologue's
+    formula over the fp32 weight the decode step hands the kernels is that output too. Llama's
+    formula differs from it in bf16 (the test would not tell the two apart otherwise)."""
+    olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
+    stock = olmo2.Olmo2RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        stock.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(3))
+    stock = stock.to(dtype)
+    assert hnorm.is_olmo2_norm(stock) and not hnorm.is_rms_norm(stock) and not hnorm.is_gemma_norm(stock)
+    patched = _patched_gemma(stock)
+    assert type(patched) is hnorm.HybridOlmo2RMSNorm
+    x = (torch.randn(4, 7, 96, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    with torch.no_grad():
+        want = stock(x)
+        assert torch.equal(patched(x), want)
+        g, eps = hnorm.norm_operand(patched)
+        assert g.dtype == torch.float32 and torch.equal(g, stock.weight.float()) and eps == stock.variance_epsilon
+        assert torch.equal(hnorm.prologue_norm(x, g, eps), want) and torch.equal(hnorm.apply_norm(patched, x), want)
+        if dtype == torch.bfloat16:
+            assert not torch.equal(hnorm.reference_rms_norm(x, stock.weight, eps), want)
+    assert "0 + weight in fp32" in repr(patched)
+    hybridgemm.unpatch(patched)
+    assert type(patched) is type(stock)
+
+
 def test_gemma_kernel_weight_follows_the_weight():
     patched = _patched_gemma(_gemma_norm(torch.float32))
     first = patched.kernel_weight()

@@ -214,14 +214,14 @@ def _tiny(kind: str, layers: int = 2, attention: str = "sdpa", **extra):
               "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
               "granite": transformers.GraniteConfig, "gemma": transformers.GemmaConfig,
               "phi3": transformers.Phi3Config, "gemma2": transformers.Gemma2Config,
-              "gemma3": transformers.Gemma3TextConfig}[kind](**kw)
+              "gemma3": transformers.Gemma3TextConfig, "olmo2": transformers.Olmo2Config}[kind](**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
-    if kind in ("gemma", "gemma2", "gemma3"):  # norms start at weight 0 (a factor of 1): others, so 1 + w shows
+    if kind in ("gemma", "gemma2", "gemma3", "olmo2"):  # norms start at a factor of 1: others, so the factor shows
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
-                    p.uniform_(-0.5, 0.5)
+                    p.uniform_(*((0.5, 1.5) if kind == "olmo2" else (-0.5, 0.5)))
     return model
 
 
@@ -289,17 +289,21 @@ def test_static_cache_decode_matches_the_stock_model(kind, extra, config, kernel
     assert not any(dl.COUNTERS in k for k in model.state_dict())
 
 
+_WINDOWS = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+
+
 @pytest.mark.parametrize("kind,attention,extra", [
-    ("gemma2", "eager", {"attn_logit_softcapping": None}), ("gemma2", "eager", {"attn_logit_softcapping": 50.0}),
-    ("gemma3", "sdpa", {})], ids=["gemma2", "gemma2-softcap", "gemma3"])
+    ("gemma2", "eager", {"attn_logit_softcapping": None, **_WINDOWS}),
+    ("gemma2", "eager", {"attn_logit_softcapping": 50.0, **_WINDOWS}), ("gemma3", "sdpa", _WINDOWS),
+    ("olmo2", "sdpa", {})], ids=["gemma2", "gemma2-softcap", "gemma3", "olmo2"])
 def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_on_cpu):
-    """Gemma 2 (eager attention: transformers runs it no other way) and Gemma 3 (its (1 + w)
-    q/k norms on the head views): each sublayer's output normalised before its residual add,
-    the MLP's input by pre_feedforward_layernorm, sliding-window layers beside full ones, Gemma
-    2's attention softcap or none; every layer calls the module's attention function over the
-    fused QKV, with its window and softcap."""
-    stock = _tiny(kind, layers=2, attention=attention, head_dim=32, sliding_window=4,
-                  layer_types=["sliding_attention", "full_attention"], **extra)
+    """Gemma 2 (eager attention: transformers runs it no other way), Gemma 3 (its (1 + w) q/k
+    norms on the head views) and OLMo 2 (no input norms; q/k norms over all heads, weight in
+    fp32): each sublayer's output normalised before its residual add, the MLP's input by
+    pre_feedforward_layernorm (OLMo 2: the residual stream itself), sliding-window layers beside
+    full ones, Gemma 2's attention softcap or none; every layer calls the module's attention
+    function over the fused QKV, with its window and softcap."""
+    stock = _tiny(kind, layers=2, attention=attention, head_dim=32, **extra)
     model = copy.deepcopy(stock)
     report = hybridgemm.patch(model)
     assert report.fused_layers == ["model.layers.0", "model.layers.1"]

@@ -81,17 +81,18 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
 
 
 @pytest.fixture(params=["llama", "qwen3", "granite", "qwen3_moe", "mixtral", "qwen2_moe", "gemma", "phi3", "gemma2",
-                        "gemma3"])
+                        "gemma3", "olmo2"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
     and qwen2_moe (with its gated shared expert; the sparse block after the fused attention) and
     gemma (its norms' fp32 1 + w in the QKV and gate/up prologues, GeGLU), phi3 (its
     checkpoint's qkv_proj and gate_up_proj as they are), gemma2 (post-norms; its softcapped eager
-    attention over the fused QKV, so no rotary epilogue) and gemma3 (post-norms; its (1 + w) q/k
-    norms and attention the module's, over the fused QKV)."""
+    attention over the fused QKV, so no rotary epilogue), gemma3 (post-norms; its (1 + w) q/k
+    norms and attention the module's, over the fused QKV) and olmo2 (post-norms only; its q/k
+    norms over all heads and its attention the module's, over the fused QKV)."""
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=request.param)
-    calls = {"rope": 0, "static": request.param not in ("gemma2", "gemma3")}
+    calls = {"rope": 0, "static": request.param not in ("gemma2", "gemma3", "olmo2")}
     real = triton_splitk.run
 
     def run(cfg, *a, rope=None, **kw):

@@ -14,7 +14,7 @@ from torch import nn
 
 import hybridgemm
 from hybridgemm.models.unpatched import is_decoder_layer
-from hybridgemm.norm import GEMMA_NORM_CLASSES, RMS_NORM_CLASSES
+from hybridgemm.norm import GEMMA_NORM_CLASSES, OLMO2_NORM_CLASSES, RMS_NORM_CLASSES
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,7 +42,7 @@ CONFIGS = {
 
 SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer, GraniteDecoderLayer, "
              "Qwen3MoeDecoderLayer, MixtralDecoderLayer, Qwen2MoeDecoderLayer, GemmaDecoderLayer, Phi3DecoderLayer, "
-             "Gemma2DecoderLayer, Gemma3DecoderLayer")
+             "Gemma2DecoderLayer, Gemma3DecoderLayer, Olmo2DecoderLayer")
 
 
 def _layer(cls: str) -> str:
@@ -51,8 +51,9 @@ def _layer(cls: str) -> str:
 
 
 def _norm(cls: str) -> str:
-    return (f"norm not patched: {cls} is not one of the {len(RMS_NORM_CLASSES) + len(GEMMA_NORM_CLASSES)} RMSNorm "
-            "classes of known formula hybridgemm recognises (hybridgemm.norm.RMS_NORM_CLASSES, GEMMA_NORM_CLASSES)")
+    count = len(RMS_NORM_CLASSES) + len(GEMMA_NORM_CLASSES) + len(OLMO2_NORM_CLASSES)
+    return (f"norm not patched: {cls} is not one of the {count} RMSNorm classes of known formula hybridgemm "
+            "recognises (hybridgemm.norm.RMS_NORM_CLASSES, GEMMA_NORM_CLASSES, OLMO2_NORM_CLASSES)")
 
 
 def _moe(cls: str) -> str:
@@ -75,8 +76,10 @@ EXPECTED = {
     "gemma2": [(L, "attention step not fused: its attention logits are soft-capped, which the decode attention "
                    "kernel does not compute (the module's attention function runs over the fused Q/K/V)")],
     "granite": [],
-    "olmo2": [(L, _layer("Olmo2DecoderLayer"))] + [(f"{L}.{n}", _norm("Olmo2RMSNorm")) for n in (
-        "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm", "post_feedforward_layernorm")],
+    # its norms (weight in fp32) patched, the post-norms applied to O's and down's outputs; its
+    # q/k norms over all heads run as modules before the module's attention function
+    "olmo2": [(L, "attention step not fused: its q/k norms span all heads, which the rotary epilogue (one head per "
+                  "tile) does not compute (the module's norms and attention function run over the fused Q/K/V)")],
     "stablelm": [(L, _layer("StableLmDecoderLayer")), (f"{L}.input_layernorm", _norm("LayerNorm")),
                  (f"{L}.post_attention_layernorm", _norm("LayerNorm"))],
     "cohere": [(L, _layer("CohereDecoderLayer")), (f"{L}.input_layernorm", _norm("CohereLayerNorm"))],
@@ -168,10 +171,8 @@ def test_parts_switched_off_are_not_reported():
                                               "gpt_neox.layers.0.post_attention_layernorm"]
     report = _patch(build("gpt_neox"), attention=False, norm=False, layers=False)
     assert report.skipped == [] and "gpt_neox.layers.0.attention.query_key_value" not in report.patched
-    report = _patch(build("olmo2"), attention=False, layers=False)
-    # (its q/k norms belong to the attention left out)
-    assert [n for n, _ in report.skipped] == [f"{L}.{n}" for n in ("post_attention_layernorm",
-                                                                   "post_feedforward_layernorm")]
+    report = _patch(build("cohere"), attention=False, layers=False)
+    assert [n for n, _ in report.skipped] == [f"{L}.input_layernorm"]
     report = _patch(build("mixtral"), mlp=False, norm=False)
     assert [n for n, _ in report.skipped] == [L]
     report = _patch(build("llama"), attention=False, mlp=False, norm=False, layers=False)

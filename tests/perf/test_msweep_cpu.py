@@ -94,7 +94,9 @@ def by_key_models(shapes, key) -> tuple[str, ...]:
 def test_all_presets_deduplicated_bias_kept_apart():
     shapes = MS.sweep_shapes()
     keys = [(s.n, s.k, s.bias) for s in shapes]
-    assert len(keys) == len(set(keys)) == 25
+    assert len(keys) == len(set(keys)) == 26
+    # olmo2-7b's (32 heads of 128 over 4096, no GQA): its Q/K/V 12288 rows over 4096 (q, k/v and o are llama's o)
+    assert by_key_models(shapes, (12288, 4096, False)) == ("olmo2-7b",)
     # gemma-7b's attention (16 heads of 256 over 3072, no GQA): q, k/v and o shapes of its own
     assert by_key_models(shapes, (4096, 3072, False)) == ("gemma-7b",)
     # qwen3-30b-a3b's attention (32 heads of 128 over 2048) is a shape set of its own; mixtral's is llama3-8b's
