@@ -38,6 +38,7 @@ from hybridgemm.kernels.problem import DTYPE_NAMES, Problem, uses_tf32
 from . import decide, mode_state, modes
 from .decide import Choice
 from .diagnostics import warn_once
+from .norm import prologue_norm
 
 CACHE_SIZE = 1024
 WHO = "hybridgemm.linear"  # the name errors give: hybridgemm.linear is what callers call
@@ -335,6 +336,8 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """``linear(x, weight, bias)`` with ``fusion`` (split-K's ``norm=(g, eps)``, ``residual=``,
     ``rope=``) in one launch, where the decision for the bare GEMM is Triton split-K (or, with a
     fusion, the table holds a split-K candidate tied with its winner: :func:`fusable_splitk_config`);
+    the norm as a launch of its own before it where its config is not one the prologue fits
+    (``triton_splitk.prologue_fits``; bf16/fp16 weights);
     None where it is not, or where the kernel refuses the fusion (warned once per shape, as a refused
     table entry is): the caller then computes it unfused. ``counters``: zeroed int32 arrival
     counters for the fused reduction, used by one launch at a time. ``weight_scale``: ``weight``
@@ -351,6 +354,15 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     rope = fusion.get("rope")
     if rope is not None and rope.head_dim % config.block_n:
         config = _tiles_within_heads(config, rope.head_dim)
+    norm = fusion.get("norm")
+    if norm is not None and weight_scale is None:
+        splitk = triton_module("triton_splitk")
+        launched = config if rope is None else splitk.rope_config(config, rope, x2, w2)
+        if not splitk.prologue_fits(launched, x2.element_size()):
+            # the prologue would cost about a second GEMM with this config: normalise first, as
+            # the unfused piece does, in a launch of its own
+            x2 = row_major(rows_2d(prologue_norm(x, *norm)))
+            del fusion["norm"]
     if weight_scale is not None:
         fusion["weight_scale"] = weight_scale
     if "residual" in fusion:

@@ -76,7 +76,7 @@ from .triton_scratch import clear_workspaces, plan_scratch, split_scratch, tl_sp
 
 __all__ = [
     "KIND", "MAX_M", "Fusion", "TritonSplitKConfig", "candidates", "clear_workspaces", "default_config",
-    "fusion_of", "pdl_enabled", "run", "workspace_bytes",
+    "fusion_of", "pdl_enabled", "prologue_fits", "rope_config", "run", "untuned_config", "workspace_bytes",
 ]
 
 KIND = "triton_splitk"
@@ -597,8 +597,7 @@ def run(
     weight_format = "" if weight_scale is None else _scale_format(weight, weight_scale)
     if rope is not None:
         check_operands(x, weight, bias, out, weight_format)
-        if getattr(rope, "q_norm", None) is not None and config.block_n != rope.head_dim:
-            config = _whole_head_config(config, rope.head_dim, x.element_size(), weight.element_size())
+        config = rope_config(config, rope, x, weight)
         layout = rope_layout(rope, x, out, config.block_n, "triton_splitk")
         if residual is not None or parse_activation(activation) != Activation.NONE:
             raise ValueError("triton_splitk: rope takes no residual and no activation")
@@ -617,6 +616,32 @@ def run(
     if plan.reduce is not None:
         plan.reduce(ws, b, out, out if residual is None else residual, *plan.reduce_scalars)
     return out
+
+
+def rope_config(config: TritonSplitKConfig, rope: RotaryCache, x: torch.Tensor,
+                weight: torch.Tensor) -> TritonSplitKConfig:
+    """The config :func:`run` launches for ``rope``: ``config``, or with q/k norms in ``rope``
+    its whole-head form (``_whole_head_config``)."""
+    if getattr(rope, "q_norm", None) is not None and config.block_n != rope.head_dim:
+        return _whole_head_config(config, rope.head_dim, x.element_size(), weight.element_size())
+    return config
+
+
+# The RMSNorm prologue (NORM) costs about nothing beside the bare GEMM in one config shape and
+# about as much again as the GEMM in every other one measured: Q/K/V at M = 1 on the H200
+# (scripts/qkv_fusion_probe.py, perf/results/h200/logs/qkv_fusion_probe_c11e645.txt) with 64-row
+# tiles, 512 bytes of K per row per stage, 4 warps and 4 stages +0.6 us on 14.2 (llama3-8b; the
+# tuned entries of llama3-8b and qwen2.5-7b run it, +0.7 and +1.6 us in layer_fusion_h200.csv);
+# with 32- or 64-row tiles of 256 bytes, or 32-row tiles of 512, +17 to +23 us on 14.8-17.9,
+# whether or not the rotary/cache epilogue (+0.5 to +1.7 us) is fused too.
+_CHEAP_PROLOGUE = (64, 512, 4, 4)  # (block_n, bytes of K per row per stage, num_warps, num_stages)
+
+
+def prologue_fits(config: TritonSplitKConfig, itemsize: int) -> bool:
+    """Does the RMSNorm prologue cost about nothing beside the GEMM with ``config`` (x of
+    ``itemsize`` bytes)? Only in :data:`_CHEAP_PROLOGUE`'s shape; elsewhere the caller normalises
+    x in a launch of its own first (fusion/dispatch.py ``fused_splitk``)."""
+    return (config.block_n, config.block_k * itemsize, config.num_warps, config.num_stages) == _CHEAP_PROLOGUE
 
 
 @functools.lru_cache(maxsize=256)

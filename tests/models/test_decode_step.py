@@ -292,6 +292,34 @@ def test_static_cache_decode_matches_the_stock_model(kind, extra, config, kernel
 _WINDOWS = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
 
 
+@pytest.mark.parametrize("kind,extra", [("llama", {}), ("qwen3", {"head_dim": 64}), ("gemma", {"head_dim": 32})],
+                         ids=["llama", "qwen3", "gemma"])
+def test_a_config_the_prologue_does_not_fit_normalises_x_in_a_launch_of_its_own(kind, extra, kernels_on_cpu):
+    """Where ``triton_splitk.prologue_fits`` refuses the config (on the H200 every shape but one,
+    scripts/qkv_fusion_probe.py): the Q/K/V and O/down pieces still run split-K with their
+    rotary/cache and residual epilogues, the norm before them on its own (Llama's formula; Gemma's
+    (1 + w) in fp32; Qwen3's q/k norms still in the epilogue); the decode equals stock's and no
+    split-K launch carries a norm. The gated kernel keeps its own prologue."""
+    kernels_on_cpu["prologue"] = False
+    stock = _tiny(kind, **extra)
+    model = _patched(stock)
+    _compare(model, stock, steps=2)
+    assert kernels_on_cpu["norm"] == 0 and kernels_on_cpu["rope"] == 2 * 2
+    kernels_on_cpu.update(prologue=True, rope=0)
+    _compare(model, stock, steps=2)
+    assert kernels_on_cpu["norm"] == (2 + 1) * 2 and kernels_on_cpu["rope"] == 2 * 2  # Q/K/V of every call
+
+
+def test_the_norm_prologue_fits_one_config_shape():
+    """``prologue_fits``: 64 W rows, 512 bytes of K per row per stage, 4 warps, 4 stages."""
+    cfg = triton_splitk.TritonSplitKConfig(16, 64, 256, split_k=1, num_warps=4, num_stages=4)
+    assert triton_splitk.prologue_fits(cfg, 2) and not triton_splitk.prologue_fits(cfg, 4)
+    assert triton_splitk.prologue_fits(dataclasses.replace(cfg, block_k=128), 4)
+    assert triton_splitk.prologue_fits(dataclasses.replace(cfg, split_k=2, fused_reduce=True), 2)
+    for change in (dict(block_n=32), dict(block_k=128), dict(num_warps=2), dict(num_stages=3)):
+        assert not triton_splitk.prologue_fits(dataclasses.replace(cfg, **change), 2)
+
+
 @pytest.mark.parametrize("kind,attention,extra", [
     ("gemma2", "eager", {"attn_logit_softcapping": None, **_WINDOWS}),
     ("gemma2", "eager", {"attn_logit_softcapping": 50.0, **_WINDOWS}), ("gemma3", "sdpa", _WINDOWS),

@@ -46,10 +46,12 @@ def _tiny(kind: str, layers: int = 2):
 
 @pytest.fixture
 def kernels_on_cpu(monkeypatch):
-    """The fused path on CPU tensors (interpreter); counts the fused kernel calls."""
+    """The fused path on CPU tensors (interpreter), the norm prologue fused whatever the config
+    (conftest.kernels_on_cpu); counts the fused kernel calls."""
     calls = []
     monkeypatch.setattr(checks, "on_kernel_device", lambda x: True)
     monkeypatch.setattr(dispatch, "splitk_config", lambda x2, w, b, out, weight_format="": SPLITK)
+    monkeypatch.setattr(triton_splitk, "prologue_fits", lambda config, itemsize: True)
     real_run, real_glu = triton_splitk.run, triton_glu.glu
 
     def run(cfg, *a, norm=None, residual=None, **kw):
