@@ -38,7 +38,9 @@ LAZY_ALLOWED = {
     ("hybridgemm.dispatch", "hybridgemm.kernels.triton_glu"),
     ("hybridgemm.experts", "hybridgemm.kernels.triton_moe"),
     ("hybridgemm.autotune_cache.tune_moe", "hybridgemm.kernels.triton_moe"),
-    ("hybridgemm.decide", "hybridgemm.kernels.triton_splitk"),  # choose_fp8: the split-K default config
+    # choose_fp8: the split-K default config; choose_fusable: its untuned config
+    ("hybridgemm.decide", "hybridgemm.kernels.triton_splitk"),
+    ("hybridgemm.dispatch", "hybridgemm.kernels.triton_splitk"),  # fused_splitk: does the norm prologue fit
     ("hybridgemm.models.decode_checks", "hybridgemm.kernels.triton_rope"),
     ("hybridgemm.models.decode_checks", "hybridgemm.kernels.triton_decode_attention"),
     ("hybridgemm.norm", "hybridgemm.kernels.triton_rmsnorm"),

@@ -262,52 +262,45 @@ def _gemma_norm(dtype, seed: int = 2):
     return stock.to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_gemma_norm_is_patched_and_computes_its_formula(dtype):
-    """GemmaRMSNorm (1 + w, in fp32, rounded once) becomes HybridGemmaRMSNorm: the stock module's
-    output bit for bit, and the fused prologue's formula (prologue_norm over the fp32 1 + w that
-    the decode step hands the kernels) is that output too."""
-    stock = _gemma_norm(dtype)
-    assert hnorm.is_gemma_norm(stock) and not hnorm.is_rms_norm(stock)
-    patched = _patched_gemma(stock)
-    assert type(patched) is hnorm.HybridGemmaRMSNorm
-    x = (torch.randn(4, 7, 96, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
-    with torch.no_grad():
-        want = stock(x)
-        assert torch.equal(patched(x), want)
-        assert torch.equal(hnorm.reference_gemma_rms_norm(x, stock.weight, stock.eps), want)
-        g, eps = hnorm.norm_operand(patched)
-        assert g.dtype == torch.float32 and torch.equal(g, 1.0 + stock.weight.float()) and eps == stock.eps
-        assert torch.equal(hnorm.prologue_norm(x, g, eps), want)
-        assert torch.equal(hnorm.apply_norm(patched, x), want)
-    hybridgemm.unpatch(patched)
-    assert type(patched) is type(stock)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_olmo2_norm_is_patched_and_computes_its_formula(dtype):
-    """Olmo2RMSNorm (weight times the fp32 normalised x, rounded once, where Llama's formula
-    rounds first) becomes HybridOlmo2RMSNorm: the stock output bit for bit, and the prologue's
-    formula over the fp32 weight the decode step hands the kernels is that output too. Llama's
-    formula differs from it in bf16 (the test would not tell the two apart otherwise)."""
+def _fp32_factor_norm(family: str, dtype):
+    """A stock norm of ``family`` ("gemma": its 1 + w; "olmo2": its w, both in fp32), its patched
+    class, the fp32 factor the decode step should get, and its epsilon."""
+    if family == "gemma":
+        stock = _gemma_norm(dtype)
+        return stock, hnorm.HybridGemmaRMSNorm, 1.0 + stock.weight.float(), stock.eps
     olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
     stock = olmo2.Olmo2RMSNorm(96, eps=1e-6)
     with torch.no_grad():
         stock.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(3))
     stock = stock.to(dtype)
-    assert hnorm.is_olmo2_norm(stock) and not hnorm.is_rms_norm(stock) and not hnorm.is_gemma_norm(stock)
+    return stock, hnorm.HybridOlmo2RMSNorm, stock.weight.float(), stock.variance_epsilon
+
+
+@pytest.mark.parametrize("family", ["gemma", "olmo2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp32_factor_norms_are_patched_and_compute_their_formula(family, dtype):
+    """GemmaRMSNorm (1 + w) and Olmo2RMSNorm (w), each scaling the fp32 normalised x in fp32 and
+    rounding once (Llama's formula rounds first, and differs from both in bf16), become
+    HybridGemmaRMSNorm / HybridOlmo2RMSNorm: the stock module's output bit for bit, and the fused
+    prologue's formula (prologue_norm over the fp32 factor the decode step hands the kernels) is
+    that output too."""
+    stock, cls, factor, eps = _fp32_factor_norm(family, dtype)
+    assert hnorm.is_gemma_norm(stock) == (family == "gemma") and hnorm.is_olmo2_norm(stock) == (family == "olmo2")
+    assert not hnorm.is_rms_norm(stock)
     patched = _patched_gemma(stock)
-    assert type(patched) is hnorm.HybridOlmo2RMSNorm
+    assert type(patched) is cls
     x = (torch.randn(4, 7, 96, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
     with torch.no_grad():
         want = stock(x)
         assert torch.equal(patched(x), want)
-        g, eps = hnorm.norm_operand(patched)
-        assert g.dtype == torch.float32 and torch.equal(g, stock.weight.float()) and eps == stock.variance_epsilon
+        g, got_eps = hnorm.norm_operand(patched)
+        assert g.dtype == torch.float32 and torch.equal(g, factor) and got_eps == eps
         assert torch.equal(hnorm.prologue_norm(x, g, eps), want) and torch.equal(hnorm.apply_norm(patched, x), want)
+        if family == "gemma":
+            assert torch.equal(hnorm.reference_gemma_rms_norm(x, stock.weight, eps), want)
         if dtype == torch.bfloat16:
             assert not torch.equal(hnorm.reference_rms_norm(x, stock.weight, eps), want)
-    assert "0 + weight in fp32" in repr(patched)
+    assert f"{cls.OFFSET:g} + weight in fp32" in repr(patched)
     hybridgemm.unpatch(patched)
     assert type(patched) is type(stock)
 

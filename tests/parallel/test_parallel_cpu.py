@@ -196,7 +196,8 @@ def _fused_kernels_on_cpu(calls: list):
     from hybridgemm.models import decode_checks
 
     config = triton_splitk.TritonSplitKConfig(16, 16, 32, split_k=2, num_warps=4, num_stages=2, fused_reduce=True)
-    saved = [(decode_checks, "on_kernel_device"), (dispatch, "splitk_config"), (triton_splitk, "run")]
+    saved = [(decode_checks, "on_kernel_device"), (dispatch, "splitk_config"), (triton_splitk, "run"),
+             (triton_splitk, "prologue_fits")]
     saved = [(mod, name, getattr(mod, name)) for mod, name in saved]
     real_run = triton_splitk.run
 
@@ -207,6 +208,7 @@ def _fused_kernels_on_cpu(calls: list):
 
     decode_checks.on_kernel_device = lambda x: True
     dispatch.splitk_config = lambda x2, w, b, out, weight_format="": config
+    triton_splitk.prologue_fits = lambda cfg, itemsize: True  # the norm prologue fused, as on the GPU's shape
     triton_splitk.run = run
 
     def undo():
