@@ -336,8 +336,8 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """``linear(x, weight, bias)`` with ``fusion`` (split-K's ``norm=(g, eps)``, ``residual=``,
     ``rope=``) in one launch, where the decision for the bare GEMM is Triton split-K (or, with a
     fusion, the table holds a split-K candidate tied with its winner: :func:`fusable_splitk_config`);
-    the norm as a launch of its own before it where its config is not one the prologue fits
-    (``triton_splitk.prologue_fits``; bf16/fp16 weights);
+    the norm in launches of its own before it where its config is not one the prologue fits
+    (``triton_splitk.prologue_fits``; not for an FP8 weight, whose path keeps the prologue);
     None where it is not, or where the kernel refuses the fusion (warned once per shape, as a refused
     table entry is): the caller then computes it unfused. ``counters``: zeroed int32 arrival
     counters for the fused reduction, used by one launch at a time. ``weight_scale``: ``weight``
