@@ -228,19 +228,28 @@ def candidates(
     """Configs worth timing for decode-sized ``problem`` (≤ 16; none past M = 64)."""
     if problem.m > MAX_M or problem_limits(problem):
         return []
-    bm = _block_m(problem)
     found: list[TritonSplitKConfig] = []
-    for bn, k_bytes, warps, stages, waves, fused in _FP8_PLAN if problem.weight_format else _PLAN:
-        bk = _block_k(problem, k_bytes)
-        tiles = triton.cdiv(problem.n, bn) * triton.cdiv(problem.m, bm)
-        if waves == 0 and tiles < num_sms // 4:
+    for shape in _FP8_PLAN if problem.weight_format else _PLAN:
+        cfg = _plan_config(problem, shape, num_sms)
+        if cfg is None:
             continue  # no split with this few programs cannot keep HBM busy
-        split = _split_for(waves, tiles, triton.cdiv(problem.k, bk), num_sms)
-        cfg = TritonSplitKConfig(bm, bn, bk, split, warps, stages, fused and split > 1)
         ok, _ = cfg.supports(problem, smem_limit=smem_limit, capability=capability)
         if ok and cfg not in found:
             found.append(cfg)
     return found[:MAX_CANDIDATES]
+
+
+def _plan_config(problem: Problem, shape: tuple, num_sms: int) -> TritonSplitKConfig | None:
+    """The config of a plan ``shape`` (block_n, bytes of K per row per stage, num_warps,
+    num_stages, waves, single-pass reduction) for ``problem``; None for a no-split shape (0
+    waves) with under a quarter wave of tiles."""
+    bn, k_bytes, warps, stages, waves, fused = shape
+    bm, bk = _block_m(problem), _block_k(problem, k_bytes)
+    tiles = triton.cdiv(problem.n, bn) * triton.cdiv(problem.m, bm)
+    if waves == 0 and tiles < num_sms // 4:
+        return None
+    split = _split_for(waves, tiles, triton.cdiv(problem.k, bk), num_sms)
+    return TritonSplitKConfig(bm, bn, bk, split, warps, stages, fused and split > 1)
 
 def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits):
     """A sensible pick without timing: 64-row W tiles, 256 bytes of K per stage, ~2 waves,
@@ -272,11 +281,7 @@ def untuned_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits)
     (:data:`_UNTUNED_SHAPE`), or None where that shape does not fit ``problem``."""
     if problem.m > MAX_M or problem_limits(problem):
         return None
-    bn, k_bytes, warps, stages, waves, fused = _UNTUNED_SHAPE
-    bk = _block_k(problem, k_bytes)
-    tiles = triton.cdiv(problem.n, bn) * triton.cdiv(problem.m, _block_m(problem))
-    split = _split_for(waves, tiles, triton.cdiv(problem.k, bk), num_sms)
-    cfg = TritonSplitKConfig(_block_m(problem), bn, bk, split, warps, stages, fused and split > 1)
+    cfg = _plan_config(problem, _UNTUNED_SHAPE, num_sms)
     return cfg if cfg.supports(problem, **limits)[0] else None
 
 

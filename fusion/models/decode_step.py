@@ -414,10 +414,6 @@ def _norm_args(norm: nn.Module | None) -> tuple[Tensor | None, float]:
     return (None, 0.0) if norm is None else norm_operand(norm)
 
 
-def _norm_output(norm: nn.Module | None, x: Tensor) -> Tensor:
-    return x if norm is None else apply_norm(norm, x)
-
-
 def _slots(owner: nn.Module, fused: nn.Module) -> list[nn.Module]:
     """The modules in the slots of a fused GEMM's parts (a slice, or the LoRA layer over it);
     none for a linear the checkpoint holds fused (Phi-3's)."""
@@ -430,7 +426,7 @@ def _qkv_with_adapters(x: Tensor, norm: nn.Module, qkv: nn.Module, slots: list[n
     of the LoRA layers in ``slots`` (which take the normalised x, as in the stock attention);
     for a call where some of them add terms."""
     y = norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
-    return adapter_terms.add_slice_terms(slots, _norm_output(norm, x), y, qkv.sizes)
+    return adapter_terms.add_slice_terms(slots, _normed(x, *_norm_args(norm)), y, qkv.sizes)
 
 
 def attention(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None) -> Tensor:
@@ -490,7 +486,7 @@ def _mlp_inner(mlp: nn.Module, norm: nn.Module, h: Tensor) -> Tensor:
         return gated_norm(h, *_norm_args(norm), gate_up.weight, gate_up.bias, mlp.glu_activation,
                           weight_scale_of(gate_up))
     y = norm_linear(h, *_norm_args(norm), gate_up.weight, gate_up.bias, None, weight_scale_of(gate_up))
-    y = adapter_terms.add_slice_terms(slots, _norm_output(norm, h), y, gate_up.sizes)
+    y = adapter_terms.add_slice_terms(slots, _normed(h, *_norm_args(norm)), y, gate_up.sizes)
     gate, up = y.split(list(gate_up.sizes), dim=-1)
     return GLU_FUNCTIONS[mlp.glu_activation](gate) * up
 
