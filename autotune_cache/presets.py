@@ -57,12 +57,18 @@ class ModelPreset:
     experts: int = 0
     experts_per_token: int = 0
     expert_intermediate: int | None = None
+    # The norm before the MLP, which the fused decode step runs in the gated kernel's prologue
+    # (autotune_cache/tune_glu.py NORM_OPS): "x" (a norm weight of x's dtype, Llama's), "fp32"
+    # (a Gemma norm's 1 + w), None (none: OLMo 2 normalises the MLP's output instead).
+    mlp_norm: str | None = "x"
 
     def __post_init__(self):
         if self.experts and not (0 < self.experts_per_token <= self.experts and self.expert_intermediate
                                  and self.intermediate is None):
             raise ValueError(f"{self.name}: a mixture-of-experts preset needs 1..{self.experts} experts per token, "
                              "an expert width and no dense MLP width (intermediate=None)")
+        if self.mlp_norm not in (None, "x", "fp32"):
+            raise ValueError(f"{self.name}: mlp_norm must be None, 'x' or 'fp32', got {self.mlp_norm!r}")
 
     @property
     def moe(self) -> bool:
@@ -115,11 +121,11 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("phi3-mini", 3072, 32, 32, 96, qkv_bias=False, o_bias=False,
                     intermediate=8192, vocab=32064, layers=32),
         ModelPreset("gemma-7b", 3072, 16, 16, 256, qkv_bias=False, o_bias=False,
-                    intermediate=24576, vocab=256000, layers=28),
+                    intermediate=24576, vocab=256000, layers=28, mlp_norm="fp32"),
         ModelPreset("gemma2-9b", 3584, 16, 8, 256, qkv_bias=False, o_bias=False,
-                    intermediate=14336, vocab=256000, layers=42),
+                    intermediate=14336, vocab=256000, layers=42, mlp_norm="fp32"),
         ModelPreset("olmo2-7b", 4096, 32, 32, 128, qkv_bias=False, o_bias=False,
-                    intermediate=11008, vocab=100352, layers=32),
+                    intermediate=11008, vocab=100352, layers=32, mlp_norm=None),
         ModelPreset("qwen3-30b-a3b", 2048, 32, 4, 128, qkv_bias=False, o_bias=False, vocab=151936, layers=48,
                     experts=128, experts_per_token=8, expert_intermediate=768),
         ModelPreset("mixtral-8x7b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False, vocab=32000, layers=32,
@@ -406,6 +412,8 @@ def preset_from_hf_config(path: str | os.PathLike) -> ModelPreset:
                              _safe_name(cfg.get("model_type")),
                              _safe_name(os.path.basename(os.path.dirname(os.path.abspath(file)))))
                  if n), "hf-config")
+    family = model_type if isinstance(model_type, str) else ""
+    mlp_norm = "fp32" if family.startswith("gemma") else None if family == "olmo2" else "x"  # (see mlp_norm)
     return ModelPreset(name, hidden, heads, kv_heads, head_dim, qkv_bias=qkv_bias, o_bias=o_bias,
                        intermediate=intermediate, vocab=vocab, layers=layers, mlp_bias=mlp_bias,
-                       tied_lm_head=bool(tied), **moe)
+                       tied_lm_head=bool(tied), mlp_norm=mlp_norm, **moe)

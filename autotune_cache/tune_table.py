@@ -20,7 +20,7 @@ from hybridgemm.kernels.backends import available_backends, get_backend
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem
 
-from . import tune_moe, tuner
+from . import tune_glu, tune_moe, tuner
 from .keys import OCTAVE_TOPS, TableKey, octave, weight_format_of
 from .measure import gpu_time_rotating, problem_for, run_config
 from .precompile import compile_tasks, default_jobs, precompile
@@ -184,8 +184,8 @@ def check_table(table: TuningTable, keys: Iterable[TableKey] | None = None, log=
     rows = []
     for key in keys if keys is not None else sorted(table.entries, key=lambda k: k.to_string()):
         entry = table.lookup(key)
-        if entry is None or tune_moe.parse_moe_op(key.op):  # MoE entries: re-tuned by autotune --moe
-            continue
+        if entry is None or tune_moe.parse_moe_op(key.op) or tune_glu.is_glu_op(key.op):
+            continue  # MoE and gated entries: re-tuned by autotune --moe and --mlp
         if key.layout != TableKey.from_problem(problem_for(key)).layout:
             continue  # a strided/misaligned layout: not reproducible from the key alone
         ratios = []

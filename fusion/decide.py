@@ -17,8 +17,9 @@ Rules, in order:
 Rules 1-3 are applied by the caller (fusion/dispatch.py) before it asks for a decision;
 :func:`choose` is rules 4-5. Misses are logged once per key at debug level.
 
-Gate/up of a gated MLP (the stacked gate and up weights) has no table entries: one rule,
-:func:`choose_gated`, picks the Triton gated kernel or two GEMMs through rules 1-5.
+Gate/up of a gated MLP (the stacked gate and up weights): :func:`choose_gated`, the table's
+gated entries at decode rows (autotune_cache/tune_glu.py), else one rule, picks the Triton
+gated kernel and its config or two GEMMs through rules 1-5.
 
 A GEMM of the fused decode step (a norm prologue, the rotary/cache or residual epilogue, which
 only Triton split-K carries) asks :func:`choose_fusable`: the entry's split-K candidate where it
@@ -47,7 +48,7 @@ from typing import Any
 
 import torch
 
-from hybridgemm.autotune_cache import probe, signature
+from hybridgemm.autotune_cache import probe, signature, tune_glu
 from hybridgemm.autotune_cache.keys import ShapeKey
 from hybridgemm.autotune_cache.table import TuningTable, load_tables
 from hybridgemm.autotune_cache.tuner import KERNEL_TIE
@@ -75,7 +76,7 @@ _hooks: list[Callable[[str, bool], None]] = []
 
 @dataclass(frozen=True)
 class Choice:
-    backend: str  # "cublaslt", "triton_gemm", "triton_splitk" or "torch"
+    backend: str  # "cublaslt", "triton_gemm", "triton_splitk" or "torch"; gate/up: "triton_glu" or "torch"
     config: Any  # the backend's restored config (None: cuBLASLt heuristic at the exact M / torch)
     source: str  # "table" or "rule" (or the batch-invariant mode's)
     key: str  # the table key that decided, or the shape and M asked for
@@ -87,7 +88,9 @@ class Choice:
 
     def describe(self) -> str:
         cfg = ""
-        if self.config is not None:
+        if self.config is not None and self.backend == "triton_glu":  # (not a backend of plain calls)
+            cfg = f" [{self.config}]"
+        elif self.config is not None:
             cfg = f" [{backends.get_backend(self.backend).describe(self.config)}]"
         elif self.backend == "cublaslt":
             cfg = " [heuristic at the exact M]"
@@ -123,6 +126,7 @@ def reload_tables() -> None:
     """Forget loaded tables and every cached decision (the next call re-reads the tables)."""
     with mode_state.held() as mode:
         _tables.clear()
+        _gated.clear()
         for hook in _hooks:
             hook(mode, True)
 
@@ -310,21 +314,71 @@ TRITON_GLU_MAX_M = 64
 _GLU_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def choose_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: bool) -> Choice:
-    """Gate/up of a gated MLP over the stacked weight (2I, K). The table holds no gated entries,
-    so one rule decides: with an RMSNorm prologue (``norm``: the fused decode step, which has
-    checked its own conditions: CUDA inference at decode rows) the gated kernel; without, the
-    gated kernel for inference on CUDA fp16/bf16 at M ≤ :data:`TRITON_GLU_MAX_M` in the default
-    mode with unit-stride weight rows; otherwise ``torch``: two GEMMs through the dispatcher and
-    the product in x's dtype (``hybridgemm.gated_linear``'s halves)."""
+def choose_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 norm_weight: torch.Tensor | None = None) -> Choice:
+    """Gate/up of a gated MLP over the stacked weight (2I, K); ``norm_weight``: x is RMS-normalised
+    in the kernel's prologue by this factor (the fused decode step, which has checked its own
+    conditions: CUDA inference at decode rows). Rule 4, at decode rows (M ≤
+    ``tune_glu.GLU_M_MAX``) of fp16/bf16 inference in the default mode: the table's entry for the
+    shape and prologue (autotune_cache/tune_glu.py): the gated kernel with its config, or
+    ``torch`` (with a prologue: the norm apart, then gate/up as decided without one). Otherwise
+    the rules: with a prologue the gated kernel; without, the gated kernel for inference on
+    CUDA fp16/bf16 at M ≤ :data:`TRITON_GLU_MAX_M` in the default mode with unit-stride weight
+    rows; else ``torch``: two GEMMs through the dispatcher and the product in x's dtype
+    (``hybridgemm.gated_linear``'s halves). A rule's kernel runs its default config."""
     key = f"glu|N={weight.shape[0] // 2}|K={weight.shape[-1]}"
-    if norm:
-        return Choice("triton_glu", None, "rule", key, "the decode step's gated kernel with the norm prologue")
     m = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))
-    if (x.is_cuda and x.dtype in _GLU_DTYPES and weight.dtype == x.dtype and not grad
-            and isinstance(m, int) and 1 <= m <= TRITON_GLU_MAX_M and weight.stride(-1) == 1
-            and mode_state.get_mode() == mode_state.DEFAULT and (bias is None or bias.dtype == x.dtype)):
+    kernel_ok = (x.is_cuda and x.dtype in _GLU_DTYPES and weight.dtype == x.dtype and not grad
+                 and isinstance(m, int) and weight.stride(-1) == 1 and mode_state.get_mode() == mode_state.DEFAULT
+                 and (bias is None or bias.dtype == x.dtype))
+    if kernel_ok and 1 <= m <= tune_glu.GLU_M_MAX:
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        tuned = tuned_gated(index, x.dtype, weight.shape[0] // 2, weight.shape[1], bias is not None,
+                            tune_glu.norm_kind(norm_weight, x.dtype), m)
+        if tuned is not None:
+            return tuned
+    if norm_weight is not None:
+        return Choice("triton_glu", None, "rule", key, "the decode step's gated kernel with the norm prologue")
+    if kernel_ok and 1 <= m <= TRITON_GLU_MAX_M:
         return Choice("triton_glu", None, "rule", key, f"inference at M={m} <= {TRITON_GLU_MAX_M}")
     return Choice("torch", None, "rule", key, "two GEMMs through the dispatcher, the product apart")
+
+
+# gated decisions from the table per (device, dtype, I, K, bias, prologue, M); emptied when the
+# tables are reloaded (on_change below)
+_gated: dict[tuple, Choice | None] = {}
+
+
+def tuned_gated(device_index: int, dtype: torch.dtype, intermediate: int, k: int, bias: bool, norm: str | None,
+                m: int) -> Choice | None:
+    """The table's decision for a gated call at decode rows (:func:`choose_gated`; ``norm`` the
+    prologue's kind, tune_glu.norm_kind), None on a miss or a bad entry (which warns once)."""
+    memo = (device_index, dtype, intermediate, k, bias, norm, m)
+    if memo in _gated:
+        return _gated[memo]
+    key = tune_glu.glu_key(norm, dtype, intermediate, k, 1, 1, bias)
+    found = table_for_device(device_index).find(key.shape, m)
+    choice = None
+    if found is not None:
+        hit, entry = found
+        tail = f"table entry {hit.to_string()} (worst {entry['worst_ratio']:.3f}x its baseline)"
+        if entry["backend"] == "torch":
+            how = "the norm apart, then gate/up as decided without it" if norm else "two GEMMs, the product apart"
+            choice = Choice("torch", None, "table", hit.to_string(), f"{tail}: {how}", hit.m_lo, hit.m_hi,
+                            entry["worst_ratio"])
+        elif entry["backend"] != tune_glu.BACKEND:
+            warn_once(("glu-entry", hit), f"hybridgemm: {hit.to_string()}: backend {entry['backend']!r} is not one "
+                      f"of a gated entry's (torch, {tune_glu.BACKEND}); the gated rule decides")
+        else:
+            try:
+                cfg = tune_glu.config_of(entry["config"])
+                choice = Choice("triton_glu", cfg, "table", hit.to_string(), f"{tail}: triton_glu {cfg}", hit.m_lo,
+                                hit.m_hi, entry["worst_ratio"])
+            except ValueError as exc:
+                warn_once(("glu-entry", hit), f"hybridgemm: {hit.to_string()}: {exc}; the gated rule decides")
+    if len(_gated) > 4096:
+        _gated.clear()
+    _gated[memo] = choice
+    return choice

@@ -382,8 +382,9 @@ def gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, acti
           norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | None:
     """``act(x' @ Wg.T + bg) * (x' @ Wu.T + bu)`` over the stacked ``weight`` = cat([Wg, Wu]),
     x' = ``rmsnorm(x)`` with ``norm=(g, eps)`` else x, in one launch of the gated kernel where
-    :func:`decide.choose_gated` picks it; None where it does not (the caller composes it)."""
-    choice = decide.choose_gated(x, weight, bias, norm is not None)
+    :func:`decide.choose_gated` picks it, with its config; None where it does not (the caller
+    composes it: the norm apart, then :func:`hybridgemm.gated_linear`)."""
+    choice = decide.choose_gated(x, weight, bias, None if norm is None else norm[0])
     if choice.backend != "triton_glu":
         return None
-    return triton_module("triton_glu").glu(x, weight, bias, activation, norm=norm)
+    return triton_module("triton_glu").glu(x, weight, bias, activation, norm=norm, config=choice.config)

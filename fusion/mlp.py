@@ -69,7 +69,7 @@ def _triton_glu():
 @torch.library.custom_op("hybridgemm::gated_fwd", mutates_args=())
 def gated_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
     """The Triton gated kernel as an opaque op (torch.compile; inference only, no autograd)."""
-    return _triton_glu().glu(x, weight, bias, activation)
+    return _triton_glu().glu(x, weight, bias, activation, config=choose_gated(x, weight, bias).config)
 
 
 @gated_fwd.register_fake
@@ -88,8 +88,9 @@ def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activati
     product in x's dtype, as the stock modules compute them. ``"gemm"``: the same with one GEMM
     over the stacked weight. ``"triton"``: kernels/triton_glu.py, the product in the GEMM's
     epilogue (fp32 until the one rounding; CUDA, no autograd). ``"auto"``: the Triton kernel
-    where the dispatcher's gated rule picks it (:func:`hybridgemm.decide.choose_gated`: CUDA fp16/bf16
-    inference at M ≤ 64 in the default dispatch mode), else the halves. (On the H200 at
+    where the dispatcher's gated decision picks it (:func:`hybridgemm.decide.choose_gated`: the
+    table's gated entry at decode rows, with its config; else CUDA fp16/bf16 inference at M ≤ 64
+    in the default dispatch mode), else the halves. (On the H200 at
     Llama-3-8B's sizes, M = 333 and 2048, with F.linear's kernels under both, one GEMM over the
     stacked weight ran at 0.87-0.88x of the stock pair and the halves at 1.00-1.01x;
     perf/results/h200/mlp_h200.csv.)
@@ -109,11 +110,11 @@ def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activati
         shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
         raise ValueError("hybridgemm.gated_linear: weight must be 2-D (2I, K), the gate rows stacked over the up "
                          f"rows, got {shape}")
-    if kernel == "triton" or (kernel == "auto" and isinstance(x, Tensor)
-                              and choose_gated(x, weight, bias, norm=False).backend == "triton_glu"):
+    choice = choose_gated(x, weight, bias) if kernel in ("auto", "triton") and isinstance(x, Tensor) else None
+    if kernel == "triton" or (choice is not None and choice.backend == "triton_glu"):
         if torch.compiler.is_compiling() or not (type(x) in _PLAIN and type(weight) in _PLAIN):
             return torch.ops.hybridgemm.gated_fwd(x, weight, bias, activation)
-        return _triton_glu().glu(x, weight, bias, activation)
+        return _triton_glu().glu(x, weight, bias, activation, config=None if choice is None else choice.config)
     if kernel == "gemm":
         gate, up = linear(x, weight, bias).chunk(2, dim=-1)
         return fn(gate) * up

@@ -14,9 +14,10 @@ grad         µs per call of the cuBLASLt backward GEMMs (dx; dW with and withou
 kernels      which CUDA kernels F.linear and the cuBLASLt heuristic run at M=1 (torch.profiler)
 linear-step  eager fwd+bwd of ``hybridgemm.linear`` beside F.linear at ``--m --n --k``: µs per
              step, then torch.profiler tables (CPU and CUDA time)
-hf-layer     a one-layer Llama-3-8B-shaped HF model (perf/e2e_models.py), stock and patched,
-             eager decode of one token at ``--batch`` over a static cache: µs per call of
-             q/k/v, o, the MLP, the LM head and the whole step, then cProfile of the patched step
+hf-layer     a one-layer HF model of preset ``--model`` (default llama3-8b; perf/e2e_models.py),
+             stock and patched, eager decode of one token at ``--batch`` over a static cache:
+             µs per call of q/k/v, o (where the attention has them), the MLP, the LM head and
+             the whole step, then cProfile of the patched step
 
 No PROBE: all of them. Every µs figure is ``perf/timing.eager_time_interleaved`` (the
 callables alternate in rounds of one loop); cProfile and torch.profiler slow what they watch,
@@ -208,13 +209,14 @@ def _endless_steps(model, api, ids, pos, cache):
 
 
 def hf_layer_probe(args) -> None:
-    stock = hf.build_model(hf.hf_config("llama3-8b", layers=1), DTYPE, "cuda")
+    stock = hf.build_model(hf.hf_config(args.model, layers=1), DTYPE, "cuda")
     patched = copy.deepcopy(stock)
     print(hybridgemm.patch(patched).summary())
     batch, hidden = args.batch, stock.config.hidden_size
     x = torch.randn(batch, 1, hidden, device="cuda", dtype=DTYPE)
     heads = stock.config.num_attention_heads
-    attn = torch.randn(batch, 1, heads * (hidden // heads), device="cuda", dtype=DTYPE)
+    head_dim = getattr(stock.config, "head_dim", None) or hidden // heads
+    attn = torch.randn(batch, 1, heads * head_dim, device="cuda", dtype=DTYPE)
     ids = torch.zeros(batch, 1, dtype=torch.long, device="cuda")
     pos = torch.zeros(1, dtype=torch.long, device="cuda")
     fns = {}
@@ -222,8 +224,12 @@ def hf_layer_probe(args) -> None:
         layer, api = model.model.layers[0], hf.forward_api(model)
         step = _endless_steps(model, api, ids, pos, hf.static_cache(model, batch, STEP_CACHE_LEN))
         a = layer.self_attn
-        fns[f"{name} q/k/v"] = lambda a=a: (a.q_proj(x), a.k_proj(x), a.v_proj(x))
-        fns[f"{name} o"] = lambda a=a: a.o_proj(attn)
+        if hasattr(a, "qkv_proj"):  # the patched fused Q/K/V, or a checkpoint's own (Phi-3)
+            fns[f"{name} q/k/v"] = lambda a=a: a.qkv_proj(x)
+        elif all(hasattr(a, p) for p in ("q_proj", "k_proj", "v_proj")):
+            fns[f"{name} q/k/v"] = lambda a=a: (a.q_proj(x), a.k_proj(x), a.v_proj(x))
+        if hasattr(a, "o_proj"):
+            fns[f"{name} o"] = lambda a=a: a.o_proj(attn)
         fns[f"{name} mlp"] = lambda layer=layer: layer.mlp(x)
         fns[f"{name} lm_head"] = lambda model=model: model.lm_head(x)
         fns[f"{name} one-token step"] = step
@@ -245,6 +251,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--n", type=int, default=4096, help="linear-step: output features (default 4096)")
     ap.add_argument("--k", type=int, default=4096, help="linear-step: input features (default 4096)")
     ap.add_argument("--batch", type=int, default=1, help="hf-layer: sequences decoded at once (default 1)")
+    ap.add_argument("--model", default="llama3-8b", choices=hf.dense_model_names(),
+                    help="hf-layer: the preset whose one-layer model is profiled (default llama3-8b)")
     args = ap.parse_args(argv)
     if min(args.m, args.n, args.k, args.batch) < 1:
         ap.error(f"--m, --n, --k and --batch must be positive, got {args.m}, {args.n}, {args.k}, {args.batch}")

@@ -38,6 +38,7 @@ LAZY_ALLOWED = {
     ("hybridgemm.dispatch", "hybridgemm.kernels.triton_glu"),
     ("hybridgemm.experts", "hybridgemm.kernels.triton_moe"),
     ("hybridgemm.autotune_cache.tune_moe", "hybridgemm.kernels.triton_moe"),
+    ("hybridgemm.autotune_cache.tune_glu", "hybridgemm.kernels.triton_glu"),
     # choose_fp8: the split-K default config; choose_fusable: its untuned config
     ("hybridgemm.decide", "hybridgemm.kernels.triton_splitk"),
     ("hybridgemm.dispatch", "hybridgemm.kernels.triton_splitk"),  # fused_splitk: does the norm prologue fit

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from hybridgemm import explain
-from hybridgemm.autotune_cache import signature, tune_moe, tune_table
+from hybridgemm.autotune_cache import signature, tune_glu, tune_moe, tune_table
 from hybridgemm.autotune_cache.keys import M_MAX, ShapeKey, TableError
 from hybridgemm.autotune_cache.presets import PRESETS, get_preset, parse_shape, preset_from_hf_config, show_path
 from hybridgemm.autotune_cache.table import (
@@ -44,7 +44,8 @@ from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.fp8 import FORMAT_OF
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem, uses_tf32
 from hybridgemm.kernels.version import __version__
-from hybridgemm.models.gemm_shapes import patched_gemms
+from hybridgemm.models.gemm_shapes import GatedShape, gated_shapes, patched_gemms
+from hybridgemm.norm import prologue_norm
 from hybridgemm.parallel.sharding import rank_projections
 from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser, cmd_plot
 from hybridgemm.perf.demo import DEMO_MAX_ELEMENTS, run_demo
@@ -133,12 +134,13 @@ def _preset_shapes(preset, tp: int | None, mlp: bool = False) -> list:
     return list(preset.projections if tp is None else rank_projections(preset, tp))
 
 
-def _hf_config_shapes(path: str, tp: int | None, mlp: bool) -> list:
+def _hf_config_shapes(path: str, tp: int | None, mlp: bool, gated: list | None = None) -> list:
     """``--hf-config PATH``'s shapes: under ``--tp``, one rank's from the config's fields; else
     the GEMMs :func:`hybridgemm.patch` runs on the model the config builds (transformers, on
     the meta device; fusion/models/gemm_shapes.py): attention's, and with ``mlp`` the MLP's
-    and the LM head's. Where transformers cannot build it, the shapes the config's fields give
-    (said on stderr). ``ValueError`` when the patched model runs none of the asked GEMMs."""
+    and the LM head's, and its gate/up shapes for the gated kernel appended to ``gated``. Where
+    transformers cannot build it, the shapes the config's fields give (said on stderr).
+    ``ValueError`` when the patched model runs none of the asked GEMMs."""
     if tp is not None:
         return _preset_shapes(preset_from_hf_config(path), tp, mlp)
     try:
@@ -155,6 +157,8 @@ def _hf_config_shapes(path: str, tp: int | None, mlp: bool) -> list:
                          f"{kv_heads} key/value heads")
     attention, rest = patched_gemms(model)
     shapes = attention + (rest if mlp else [])
+    if mlp and gated is not None:
+        gated += [g for g in gated_shapes(model) if not g.bias]
     if not shapes:
         raise ValueError(f"{show_path(path)}: hybridgemm.patch runs no dispatched GEMM "
                          f"{'' if mlp else 'in the attention '}of the {type(model).__name__} it configures "
@@ -174,9 +178,12 @@ def _cmd_autotune(args) -> int:
             print(f"hybridgemm autotune: {flag} applies to --model and --hf-config (a --shape is tuned as given)",
                   file=sys.stderr)
             return 2
-    shapes = []
+    shapes, gated = [], []
     for name in args.model or []:
         preset = get_preset(name)
+        if args.mlp and args.tp in (None, 1) and preset.intermediate and not preset.mlp_bias:
+            gated.append(GatedShape(preset.intermediate, preset.hidden, False,
+                                    tuple(dict.fromkeys((None, preset.mlp_norm)))))
         if preset.moe and (args.mlp or args.tp is not None):
             print(f"hybridgemm autotune: {preset.name} is a mixture of experts ({preset.experts} experts, "
                   f"{preset.experts_per_token} per token) whose experts run in the grouped MoE kernels, not as "
@@ -184,7 +191,7 @@ def _cmd_autotune(args) -> int:
         shapes += _preset_shapes(preset, args.tp, args.mlp)
     for path in args.hf_config or []:
         try:
-            shapes += _hf_config_shapes(path, args.tp, args.mlp)
+            shapes += _hf_config_shapes(path, args.tp, args.mlp, gated)
         except ValueError as e:
             print(f"hybridgemm autotune: {e}", file=sys.stderr)
             return 2
@@ -219,6 +226,8 @@ def _cmd_autotune(args) -> int:
         rc = _tune_moe_presets(moe_presets, args)
         if rc or not shapes:
             return rc
+    if gated and not args.check and not args.granularity:
+        _tune_gated(gated, args)
     seen, unique = set(), []
     for s in shapes:  # presets share shapes (e.g. q and o): tune each (N, K, bias) once
         if (s.n, s.k, s.bias) not in seen:
@@ -258,6 +267,23 @@ def _tune_moe_presets(presets, args) -> int:
                                   force=args.force, log=print)
         print(f"tuned {done} ranges of {p.name}'s experts in {time.time() - t0:.1f} s")
     return 0
+
+
+def _tune_gated(gated, args) -> None:
+    """The gated kernel's entries (autotune_cache/tune_glu.py) of each gate/up shape, at decode
+    rows, for every norm prologue the patched model calls it with, in bf16 and fp16 of --dtype."""
+    path = _table_path(args.out)
+    table = TuningTable.load(path, signature=signature.current_signature())
+    merged: dict[tuple, set] = {}
+    for g in gated:
+        merged.setdefault((g.intermediate, g.k), set()).update(g.norms)
+    for dtype in [NAME_TO_DTYPE[d] for d in args.dtype if d in ("bf16", "fp16")]:
+        for (i, k), norms in merged.items():
+            shown = ", ".join(tune_glu.NORM_OPS[n] for n in sorted(norms, key=lambda n: (n is not None, n or "")))
+            print(f"tuning gate/up {2 * i} x {k} ({shown}) at M 1..{tune_glu.GLU_M_MAX} into {path}")
+            t0 = time.time()
+            done = tune_glu.tune_into(table, path, i, k, norms, dtype, norm_apart=prologue_norm, force=args.force)
+            print(f"tuned {done} gated ranges in {time.time() - t0:.1f} s")
 
 
 EPILOGUE_EXAMPLES = "none, bias, relu, bias+relu, gelu_tanh, bias+gelu_tanh, gelu, bias+gelu"
@@ -674,7 +700,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlp", action="store_true",
                    help="also tune the MLP's gate/up and down and the LM head of --model / --hf-config, the "
                    "GEMMs hybridgemm.patch runs through the dispatcher (where the model's sizes are known; a "
-                   "mixture-of-experts model's experts are not such GEMMs: its LM head only)")
+                   "mixture-of-experts model's experts are not such GEMMs: its LM head only), and the gated "
+                   "kernel's configs for gate/up at decode rows, with and without the norm before it (not under "
+                   "--tp N > 1)")
     p.add_argument("--tp", type=int, metavar="N",
                    help="tensor-parallel degree: tune the shapes each of N ranks runs after "
                    "hybridgemm.parallel.parallelize (q/kv/qkv/o with the rank's heads; the MLP's gate/up and "

@@ -13,13 +13,19 @@ block (``self_attn``, ``attn``, ``attention``, ...), else to the MLP and LM head
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from torch import nn
 
+from hybridgemm.autotune_cache import tune_glu
 from hybridgemm.autotune_cache.presets import ProjectionShape
 from hybridgemm.fused_rows import FusedLinears
 from hybridgemm.linear_layer import HybridLinear
 from hybridgemm.mlp import FUSED_GATE_UP
+from hybridgemm.norm import norm_operand
 
+from . import decode_checks
+from .decoder_layer import HybridDecoderLayer
 from .patching import HybridConv1D
 
 ATTENTION_BLOCKS = frozenset({"self_attn", "attn", "attention", "self_attention", "cross_attn", "encoder_attn"})
@@ -69,4 +75,39 @@ def patched_gemms(model: nn.Module) -> tuple[list[ProjectionShape], list[Project
     return groups
 
 
-__all__ = ["ATTENTION_BLOCKS", "patched_gemms"]
+class GatedShape(NamedTuple):
+    """A gate/up the gated kernel runs: I, K, its bias, and its norm prologues (autotune_cache/
+    tune_glu.py ``NORM_OPS``: None when called as a module, "x" or "fp32" in the fused decode step)."""
+
+    intermediate: int
+    k: int
+    bias: bool
+    norms: tuple
+
+
+def gated_shapes(model: nn.Module) -> list[GatedShape]:
+    """The gate/up GEMMs of the patched ``model`` that the gated kernel runs (fused or a
+    checkpoint's stacked ``gate_up_proj``), each (I, K, bias) once with every norm prologue it
+    is called with: none as a module, and in a fused decoder layer the norm before its MLP
+    (``post_attention_layernorm``, a post-norm layer's ``pre_feedforward_layernorm``; none
+    where the layer has none, OLMo 2)."""
+    found: dict[tuple[int, int, bool], set] = {}
+    prologue: dict[int, str | None] = {}  # id(gate/up module) -> the decode step's prologue
+    for layer in model.modules():
+        if isinstance(layer, HybridDecoderLayer) and not decode_checks.moe_block(layer.mlp):
+            gate_up = layer.mlp._modules.get(FUSED_GATE_UP)
+            norm = decode_checks.layer_norms(layer)[2 if decode_checks.post_norms(layer) else 1]
+            if gate_up is not None:
+                weight = gate_up.weight
+                prologue[id(gate_up)] = None if norm is None else tune_glu.norm_kind(norm_operand(norm)[0],
+                                                                                      weight.dtype)
+    for name, mod in model.named_modules():
+        if name.rpartition(".")[2] != FUSED_GATE_UP or not isinstance(mod, (FusedLinears, HybridLinear)):
+            continue
+        shape = (mod.weight.shape[0] // 2, mod.weight.shape[1], mod.bias is not None)
+        found.setdefault(shape, {None}).add(prologue.get(id(mod)))
+    return [GatedShape(*shape, tuple(sorted(norms, key=lambda n: (n is not None, n or ""))))
+            for shape, norms in found.items()]
+
+
+__all__ = ["ATTENTION_BLOCKS", "GatedShape", "gated_shapes", "patched_gemms"]

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from hybridgemm.autotune_cache.presets import preset_from_hf_config
+from hybridgemm.autotune_cache.presets import get_preset, preset_from_hf_config
 from hybridgemm.cli import main
 from hybridgemm.parallel.sharding import rank_projections
 
@@ -365,9 +365,9 @@ def test_qwen25_7b_over_two_ranks(tmp_path):
     }
 
 
-def _tuned_shapes(monkeypatch, argv):
+def _tuned_shapes(monkeypatch, argv, gated=None):
     """The shapes ``hybridgemm autotune ARGV`` hands the tuner (stopped right there: tuning
-    needs a GPU)."""
+    needs a GPU); the gate/up shapes it hands the gated kernel's tuner go into ``gated``."""
     import hybridgemm.cli.commands as cli
 
     class Stop(Exception):
@@ -378,9 +378,31 @@ def _tuned_shapes(monkeypatch, argv):
 
     monkeypatch.setattr(cli, "_need_gpu", lambda what: True)
     monkeypatch.setattr(cli.tune_table, "keys_for", keys_for)
+    monkeypatch.setattr(cli, "_tune_gated", lambda shapes, args: (gated if gated is not None else []).extend(shapes))
     with pytest.raises(Stop) as info:
         main(["autotune", *argv])
     return info.value.args[0]
+
+
+@pytest.mark.parametrize("name,norms", [("llama3-8b", (None, "x")), ("gemma-7b", (None, "fp32")),
+                                        ("olmo2-7b", (None,))])
+def test_cli_mlp_tunes_the_gated_kernel_with_the_presets_prologue(monkeypatch, name, norms):
+    gated = []
+    _tuned_shapes(monkeypatch, ["--model", name, "--mlp"], gated)
+    preset = get_preset(name)
+    assert [(g.intermediate, g.k, g.bias, g.norms) for g in gated] == [(preset.intermediate, preset.hidden, False,
+                                                                       norms)]
+    gated.clear()
+    _tuned_shapes(monkeypatch, ["--model", name, "--mlp", "--tp", "2"], gated)
+    _tuned_shapes(monkeypatch, ["--model", name], gated)
+    assert gated == []  # a rank's shard, or no --mlp: no gated entries
+
+
+def test_cli_hf_config_tunes_the_gated_shapes_the_patched_model_calls(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    gated = []
+    _tuned_shapes(monkeypatch, ["--hf-config", str(write(tmp_path, LLAMA3_8B)), "--mlp"], gated)
+    assert [(g.intermediate, g.k, g.bias, g.norms) for g in gated] == [(14336, 4096, False, (None, "x"))]
 
 
 def test_cli_tp_tunes_one_ranks_shapes(tmp_path, monkeypatch):
