@@ -17,10 +17,11 @@ candidate of ``triton_glu.candidates`` screened at the top point, the best ones 
 every point in interleaved rounds beside the baseline, on rotating copies of the weight (CUDA
 graphs, autotune_cache/measure.py); the winner by autotune_cache/tuner.py's rule: a candidate
 must beat the baseline by more than 3% at its worst point, else the baseline stays. The
-baseline is what runs without the entry being a kernel: without a prologue the stock pair
-(two F.linear over the gate and up rows, the product in x's dtype); with one, the norm apart
-(``norm_apart``, the caller's formula: the fused decode step's) and then the ``glu`` entry's
-decision, so the ``glu`` range is tuned first. Nothing runs at import; tuning needs a CUDA GPU.
+baseline is what a ``torch`` entry runs: without a prologue the stock pair (two F.linear over
+the gate and up rows, the product in x's dtype; at run time the dispatcher's GEMMs, F.linear
+where the table holds nothing faster); with one, the norm apart (``norm_apart``, the caller's
+formula: the fused decode step's) and then the ``glu`` entry's decision, so the ``glu`` ranges
+are tuned first. Nothing runs at import; tuning needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ def config_of(record):
 
 
 def tune_into(table, path, intermediate: int, k: int, norms=(None, "x"), dtype: torch.dtype = torch.bfloat16,
-              norm_apart: Callable | None = None, force: bool = False, log: Callable[[str], None] = print) -> int:
-    """Tune the ranges of one gate/up shape that ``table`` does not hold (all with ``force``),
+              norm_apart: Callable | None = None, force: bool = False, log: Callable[[str], None] = print,
+              m_values=None) -> int:
+    """Tune the ranges of one gate/up shape that ``table`` does not hold (all with ``force``;
+    only those holding one of ``m_values`` where given),
     for each prologue in ``norms`` (None, "x", "fp32"; a prologue needs ``norm_apart(x, g, eps)``,
     the norm computed apart), into it, saving it to ``path`` after each range (an interrupted run
     keeps what it tuned). The ``glu`` ranges go first: the prologue ranges' baseline reads them.
@@ -87,7 +90,7 @@ def tune_into(table, path, intermediate: int, k: int, norms=(None, "x"), dtype: 
     if any(n is not None for n in norms) and norm_apart is None:
         raise ValueError("tune_into: a norm prologue's baseline needs norm_apart (the norm computed apart)")
     keys = [key for n in norms for key in glu_keys(n, dtype, intermediate, k)
-            if force or table.lookup(key) is None]
+            if (force or table.lookup(key) is None) and (not m_values or any(key.covers(m) for m in m_values))]
     if not keys:
         return 0
     table.save(path)  # an unwritable path fails now, not after the first range

@@ -315,7 +315,7 @@ _GLU_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def choose_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 norm_weight: torch.Tensor | None = None) -> Choice:
+                 norm_weight: torch.Tensor | None = None, tuned: bool = True) -> Choice:
     """Gate/up of a gated MLP over the stacked weight (2I, K); ``norm_weight``: x is RMS-normalised
     in the kernel's prologue by this factor (the fused decode step, which has checked its own
     conditions: CUDA inference at decode rows). Rule 4, at decode rows (M ≤
@@ -325,7 +325,9 @@ def choose_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     the rules: with a prologue the gated kernel; without, the gated kernel for inference on
     CUDA fp16/bf16 at M ≤ :data:`TRITON_GLU_MAX_M` in the default mode with unit-stride weight
     rows; else ``torch``: two GEMMs through the dispatcher and the product in x's dtype
-    (``hybridgemm.gated_linear``'s halves). A rule's kernel runs its default config."""
+    (``hybridgemm.gated_linear``'s halves). A rule's kernel runs its default config.
+    ``tuned=False``: the rules alone (what a torch.compile trace asks: the table is read when
+    the op runs, not baked into the graph)."""
     key = f"glu|N={weight.shape[0] // 2}|K={weight.shape[-1]}"
     m = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
@@ -333,7 +335,7 @@ def choose_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     kernel_ok = (x.is_cuda and x.dtype in _GLU_DTYPES and weight.dtype == x.dtype and not grad
                  and isinstance(m, int) and weight.stride(-1) == 1 and mode_state.get_mode() == mode_state.DEFAULT
                  and (bias is None or bias.dtype == x.dtype))
-    if kernel_ok and 1 <= m <= tune_glu.GLU_M_MAX:
+    if tuned and kernel_ok and 1 <= m <= tune_glu.GLU_M_MAX:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         tuned = tuned_gated(index, x.dtype, weight.shape[0] // 2, weight.shape[1], bias is not None,
                             tune_glu.norm_kind(norm_weight, x.dtype), m)
@@ -346,9 +348,10 @@ def choose_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return Choice("torch", None, "rule", key, "two GEMMs through the dispatcher, the product apart")
 
 
-# gated decisions from the table per (device, dtype, I, K, bias, prologue, M); emptied when the
-# tables are reloaded (on_change below)
+# gated decisions from the table per (device, dtype, I, K, bias, prologue, M) (None: a miss);
+# emptied when the tables are reloaded (reload_tables)
 _gated: dict[tuple, Choice | None] = {}
+_UNDECIDED = object()
 
 
 def tuned_gated(device_index: int, dtype: torch.dtype, intermediate: int, k: int, bias: bool, norm: str | None,
@@ -356,8 +359,9 @@ def tuned_gated(device_index: int, dtype: torch.dtype, intermediate: int, k: int
     """The table's decision for a gated call at decode rows (:func:`choose_gated`; ``norm`` the
     prologue's kind, tune_glu.norm_kind), None on a miss or a bad entry (which warns once)."""
     memo = (device_index, dtype, intermediate, k, bias, norm, m)
-    if memo in _gated:
-        return _gated[memo]
+    known = _gated.get(memo, _UNDECIDED)  # (one read: another thread may empty the cache)
+    if known is not _UNDECIDED:
+        return known
     key = tune_glu.glu_key(norm, dtype, intermediate, k, 1, 1, bias)
     found = table_for_device(device_index).find(key.shape, m)
     choice = None
@@ -374,6 +378,10 @@ def tuned_gated(device_index: int, dtype: torch.dtype, intermediate: int, k: int
         else:
             try:
                 cfg = tune_glu.config_of(entry["config"])
+                ok, why = cfg.supports(m, intermediate, k, dtype,
+                                       smem_limit=backends.device_limits(device_index)["smem_limit"])
+                if not ok:
+                    raise ValueError(f"{cfg} cannot run it: {why}")
                 choice = Choice("triton_glu", cfg, "table", hit.to_string(), f"{tail}: triton_glu {cfg}", hit.m_lo,
                                 hit.m_hi, entry["worst_ratio"])
             except ValueError as exc:

@@ -67,14 +67,28 @@ def _triton_glu():
 
 
 @torch.library.custom_op("hybridgemm::gated_fwd", mutates_args=())
-def gated_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
-    """The Triton gated kernel as an opaque op (torch.compile; inference only, no autograd)."""
-    return _triton_glu().glu(x, weight, bias, activation, config=choose_gated(x, weight, bias).config)
+def gated_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, tuned: bool = True) -> Tensor:
+    """The Triton gated kernel as an opaque op (torch.compile; inference only, no autograd).
+    ``tuned``: decided when it runs (the table's gated entry: its config, or the halves where
+    the entry keeps the stock pair); else the kernel with its default config."""
+    if not tuned:
+        return _triton_glu().glu(x, weight, bias, activation)
+    choice = choose_gated(x, weight, bias)
+    if choice.backend != "triton_glu":
+        return _halves(x, weight, bias, GLU_FUNCTIONS[activation])
+    return _triton_glu().glu(x, weight, bias, activation, config=choice.config)
 
 
 @gated_fwd.register_fake
-def _gated_fwd_fake(x, weight, bias, activation):
+def _gated_fwd_fake(x, weight, bias, activation, tuned=True):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
+def _halves(x: Tensor, weight: Tensor, bias: Tensor | None, fn) -> Tensor:
+    """``fn(x @ Wg.T + bg) * (x @ Wu.T + bu)`` by two dispatched GEMMs over views of the stacked weight."""
+    inter = weight.shape[0] // 2
+    bg, bu = (None, None) if bias is None else (bias[:inter], bias[inter:])
+    return fn(linear(x, weight[:inter], bg)) * linear(x, weight[inter:], bu)
 
 
 def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str = "silu", *,
@@ -110,17 +124,18 @@ def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activati
         shape = tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
         raise ValueError("hybridgemm.gated_linear: weight must be 2-D (2I, K), the gate rows stacked over the up "
                          f"rows, got {shape}")
-    choice = choose_gated(x, weight, bias) if kernel in ("auto", "triton") and isinstance(x, Tensor) else None
+    # Traced by torch.compile: the rules alone; the op reads the table when it runs
+    compiling = torch.compiler.is_compiling()
+    choice = choose_gated(x, weight, bias, tuned=not compiling) if kernel == "auto" and isinstance(x, Tensor) \
+        else None
     if kernel == "triton" or (choice is not None and choice.backend == "triton_glu"):
-        if torch.compiler.is_compiling() or not (type(x) in _PLAIN and type(weight) in _PLAIN):
-            return torch.ops.hybridgemm.gated_fwd(x, weight, bias, activation)
+        if compiling or not (type(x) in _PLAIN and type(weight) in _PLAIN):
+            return torch.ops.hybridgemm.gated_fwd(x, weight, bias, activation, kernel == "auto")
         return _triton_glu().glu(x, weight, bias, activation, config=None if choice is None else choice.config)
     if kernel == "gemm":
         gate, up = linear(x, weight, bias).chunk(2, dim=-1)
         return fn(gate) * up
-    inter = weight.shape[0] // 2
-    bg, bu = (None, None) if bias is None else (bias[:inter], bias[inter:])
-    return fn(linear(x, weight[:inter], bg)) * linear(x, weight[inter:], bu)
+    return _halves(x, weight, bias, fn)
 
 
 class HybridGatedMLP(nn.Module):

@@ -134,6 +134,14 @@ def _preset_shapes(preset, tp: int | None, mlp: bool = False) -> list:
     return list(preset.projections if tp is None else rank_projections(preset, tp))
 
 
+def _preset_gated(preset) -> list:
+    """The preset's gate/up for the gated kernel's entries: none without a dense MLP width or
+    with MLP biases (the tuner times no bias)."""
+    if not preset.intermediate or preset.mlp_bias:
+        return []
+    return [GatedShape(preset.intermediate, preset.hidden, False, tuple(dict.fromkeys((None, preset.mlp_norm))))]
+
+
 def _hf_config_shapes(path: str, tp: int | None, mlp: bool, gated: list | None = None) -> list:
     """``--hf-config PATH``'s shapes: under ``--tp``, one rank's from the config's fields; else
     the GEMMs :func:`hybridgemm.patch` runs on the model the config builds (transformers, on
@@ -148,6 +156,8 @@ def _hf_config_shapes(path: str, tp: int | None, mlp: bool, gated: list | None =
     except ValueError as e:
         preset = preset_from_hf_config(path)  # its own error where the fields do not do either
         print(f"hybridgemm autotune: {e}; tuning the shapes the config's fields give", file=sys.stderr)
+        if mlp and gated is not None:
+            gated += _preset_gated(preset)
         return _preset_shapes(preset, None, mlp)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
@@ -181,9 +191,8 @@ def _cmd_autotune(args) -> int:
     shapes, gated = [], []
     for name in args.model or []:
         preset = get_preset(name)
-        if args.mlp and args.tp in (None, 1) and preset.intermediate and not preset.mlp_bias:
-            gated.append(GatedShape(preset.intermediate, preset.hidden, False,
-                                    tuple(dict.fromkeys((None, preset.mlp_norm)))))
+        if args.mlp and args.tp is None:
+            gated += _preset_gated(preset)
         if preset.moe and (args.mlp or args.tp is not None):
             print(f"hybridgemm autotune: {preset.name} is a mixture of experts ({preset.experts} experts, "
                   f"{preset.experts_per_token} per token) whose experts run in the grouped MoE kernels, not as "
@@ -271,7 +280,8 @@ def _tune_moe_presets(presets, args) -> int:
 
 def _tune_gated(gated, args) -> None:
     """The gated kernel's entries (autotune_cache/tune_glu.py) of each gate/up shape, at decode
-    rows, for every norm prologue the patched model calls it with, in bf16 and fp16 of --dtype."""
+    rows (those holding --m's values where given), for every norm prologue the patched model
+    calls it with, in bf16 and fp16 of --dtype."""
     path = _table_path(args.out)
     table = TuningTable.load(path, signature=signature.current_signature())
     merged: dict[tuple, set] = {}
@@ -282,7 +292,8 @@ def _tune_gated(gated, args) -> None:
             shown = ", ".join(tune_glu.NORM_OPS[n] for n in sorted(norms, key=lambda n: (n is not None, n or "")))
             print(f"tuning gate/up {2 * i} x {k} ({shown}) at M 1..{tune_glu.GLU_M_MAX} into {path}")
             t0 = time.time()
-            done = tune_glu.tune_into(table, path, i, k, norms, dtype, norm_apart=prologue_norm, force=args.force)
+            done = tune_glu.tune_into(table, path, i, k, norms, dtype, norm_apart=prologue_norm, force=args.force,
+                                      m_values=args.m)
             print(f"tuned {done} gated ranges in {time.time() - t0:.1f} s")
 
 
@@ -702,7 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "GEMMs hybridgemm.patch runs through the dispatcher (where the model's sizes are known; a "
                    "mixture-of-experts model's experts are not such GEMMs: its LM head only), and the gated "
                    "kernel's configs for gate/up at decode rows, with and without the norm before it (not under "
-                   "--tp N > 1)")
+                   "--tp)")
     p.add_argument("--tp", type=int, metavar="N",
                    help="tensor-parallel degree: tune the shapes each of N ranks runs after "
                    "hybridgemm.parallel.parallelize (q/kv/qkv/o with the rank's heads; the MLP's gate/up and "

@@ -17,12 +17,11 @@ from typing import NamedTuple
 
 from torch import nn
 
-from hybridgemm.autotune_cache import tune_glu
 from hybridgemm.autotune_cache.presets import ProjectionShape
 from hybridgemm.fused_rows import FusedLinears
 from hybridgemm.linear_layer import HybridLinear
 from hybridgemm.mlp import FUSED_GATE_UP
-from hybridgemm.norm import norm_operand
+from hybridgemm.norm import Fp32FactorRMSNorm
 
 from . import decode_checks
 from .decoder_layer import HybridDecoderLayer
@@ -97,10 +96,9 @@ def gated_shapes(model: nn.Module) -> list[GatedShape]:
         if isinstance(layer, HybridDecoderLayer) and not decode_checks.moe_block(layer.mlp):
             gate_up = layer.mlp._modules.get(FUSED_GATE_UP)
             norm = decode_checks.layer_norms(layer)[2 if decode_checks.post_norms(layer) else 1]
-            if gate_up is not None:
-                weight = gate_up.weight
-                prologue[id(gate_up)] = None if norm is None else tune_glu.norm_kind(norm_operand(norm)[0],
-                                                                                      weight.dtype)
+            if gate_up is not None:  # (by the norm's class: a model built in fp32 has fp32 weights everywhere)
+                prologue[id(gate_up)] = None if norm is None else "fp32" if isinstance(norm, Fp32FactorRMSNorm) \
+                    else "x"
     for name, mod in model.named_modules():
         if name.rpartition(".")[2] != FUSED_GATE_UP or not isinstance(mod, (FusedLinears, HybridLinear)):
             continue

@@ -63,6 +63,7 @@ def test_a_config_record_round_trips_and_bad_ones_are_named():
 def glu_table(monkeypatch):
     table = TuningTable(None)
     monkeypatch.setattr(decide, "table_for_device", lambda index: table)
+    monkeypatch.setattr(decide.backends, "device_limits", lambda index: {"smem_limit": 232448, "capability": (9, 0)})
     decide._gated.clear()
     yield table
     decide._gated.clear()
@@ -101,6 +102,9 @@ def test_reloading_the_tables_forgets_the_gated_decisions(glu_table):
     (576, "triton_glu", {"kind": "triton_glu", "block_m": 16, "block_n": 48, "block_k": 64, "num_warps": 4,
                          "num_stages": 3}, "block_n"),
     (640, "cublaslt", {}, "not one of a gated entry's"),
+    # parses, but its stages need more shared memory than the device has
+    (704, "triton_glu", {"kind": "triton_glu", "block_m": 16, "block_n": 256, "block_k": 512, "num_warps": 4,
+                         "num_stages": 8}, "shared memory"),
 ])
 def test_a_bad_entry_warns_once_and_the_rule_decides(glu_table, k, backend, config, said):
     # (a K of its own per case: warn_once remembers a key for the process)
@@ -110,6 +114,21 @@ def test_a_bad_entry_warns_once_and_the_rule_decides(glu_table, k, backend, conf
         for m in (5, 6, 7):
             assert decide.tuned_gated(0, torch.bfloat16, 96, k, False, "x", m) is None
     assert sum(said in str(c.message) for c in caught) == 1
+
+
+def test_a_trace_asks_the_rules_only(monkeypatch):
+    """choose_gated(tuned=False) (what gated_linear asks under torch.compile) reads no table."""
+    def no_table(index):
+        raise AssertionError("the table was read")
+
+    monkeypatch.setattr(decide, "table_for_device", no_table)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    w = torch.randn(192, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))  # as a CUDA tensor would be asked
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert decide.choose_gated(x, w, None, tuned=False).source == "rule"
+    with pytest.raises(AssertionError, match="table was read"):
+        decide.choose_gated(x, w, None)
 
 
 def test_choose_gated_on_the_cpu_keeps_the_rules():
@@ -127,8 +146,8 @@ def test_tune_into_saves_each_range_plain_first_and_skips_what_the_table_holds(t
         for key in keys:
             seen.append(key)
             if key.op == "glu_rms":  # a prologue range is tuned after every plain range is saved
-                on_disk = TuningTable.load(path, signature=dict(SIG))
-                assert all(plain in on_disk for plain in tune_glu.glu_keys(None, dtype, i, k))
+                on_disk = TuningTable.load(where[0], signature=dict(SIG))
+                assert all(plain in on_disk for plain in seen if plain.op == "glu")
             yield key, _entry("torch", {}, key.m_lo, key.m_hi)
 
     monkeypatch.setattr(tune_glu, "tune_glu", fake_tune)
@@ -136,6 +155,12 @@ def test_tune_into_saves_each_range_plain_first_and_skips_what_the_table_holds(t
     table = TuningTable(dict(SIG))
     with pytest.raises(ValueError, match="norm_apart"):
         tune_glu.tune_into(table, path, 96, 64, ("x",), log=lambda s: None)
+    where = [tmp_path / "m.json"]
+    done = tune_glu.tune_into(TuningTable(dict(SIG)), where[0], 96, 64, ("x", None),
+                              norm_apart=lambda x, g, eps: x, log=lambda s: None, m_values=[3])
+    assert done == 2 and [(key.op, key.m_lo, key.m_hi) for key in seen] == [("glu", 3, 4), ("glu_rms", 3, 4)]
+    seen.clear()
+    where[0] = path
     done = tune_glu.tune_into(table, path, 96, 64, ("x", None), norm_apart=lambda x, g, eps: x, log=lambda s: None)
     assert done == 6 and [key.op for key in seen] == ["glu"] * 3 + ["glu_rms"] * 3
     saved = TuningTable.load(path, signature=dict(SIG))

@@ -72,6 +72,12 @@ def test_the_gated_decision_runs_the_entry(tuned, monkeypatch, m, norm):
         xn = x if nw is None else prologue_norm(x, nw, 1e-6)
         if entry["backend"] == "torch":
             assert got is None and not ran  # the caller composes it: the norm apart, then gate/up
+            if nw is not None:  # the decode step's piece: the norm apart, then gate/up as the glu entry says
+                from hybridgemm.mlp import gated_linear
+                from hybridgemm.models import decode_step
+
+                piece = decode_step._gated_norm(x, nw, 1e-6, w, None, "silu")
+                assert torch.equal(piece, gated_linear(xn, w, None, "silu"))
             return
         assert ran == [tune_glu.config_of(entry["config"])]
         xf = x.float() if nw is None else x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) \
@@ -81,3 +87,31 @@ def test_the_gated_decision_runs_the_entry(tuned, monkeypatch, m, norm):
         assert _rel(got, ref) <= 1.5 * _rel(stock, ref) + 1e-3, (_rel(got, ref), _rel(stock, ref))
     finally:
         decide._gated.clear()
+
+
+def test_compiled_gated_linear_reads_the_table_when_it_runs(tuned, monkeypatch):
+    """gated_linear under torch.compile (fullgraph) at decode rows: the trace asks the rules, the
+    op decides from the table when it runs, so a compiled call equals the eager one bit for bit
+    and follows a table loaded after compiling."""
+    from hybridgemm.mlp import gated_linear
+
+    table, _ = tuned
+    empty = TuningTable(None)
+    current = [empty]
+    monkeypatch.setattr(decide, "table_for_device", lambda index: current[0])
+    decide._gated.clear()
+    try:
+        g = torch.Generator(device="cuda").manual_seed(3)
+        x = torch.randn(3, K, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(2 * WIDTH, K, device="cuda", generator=g) * K ** -0.5).bfloat16()
+        fn = torch.compile(lambda a: gated_linear(a, w, None, "silu"), fullgraph=True)
+        with torch.no_grad():
+            first = fn(x)
+            assert torch.equal(first, gated_linear(x, w, None, "silu"))
+            current[0] = table
+            decide.reload_tables()  # (empties the decisions; the monkeypatched lookup stays)
+            again = fn(x)
+            assert torch.equal(again, gated_linear(x, w, None, "silu"))
+    finally:
+        decide._gated.clear()
+        torch._dynamo.reset()
