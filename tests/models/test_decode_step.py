@@ -18,6 +18,7 @@ from torch import nn
 
 import hybridgemm
 from helpers import greedy_static_decode
+from hybridgemm import dispatch
 from hybridgemm.kernels import triton_splitk
 from hybridgemm.kernels.triton_rope import RotaryCache
 from hybridgemm.models import decode_checks as checks
@@ -297,9 +298,9 @@ _WINDOWS = dict(sliding_window=4, layer_types=["sliding_attention", "full_attent
 def test_a_config_the_prologue_does_not_fit_normalises_x_in_a_launch_of_its_own(kind, extra, kernels_on_cpu):
     """Where ``triton_splitk.prologue_fits`` refuses the config (on the H200 every shape but one,
     scripts/qkv_fusion_probe.py): the Q/K/V and O/down pieces still run split-K with their
-    rotary/cache and residual epilogues, the norm before them on its own (Llama's formula; Gemma's
-    (1 + w) in fp32; Qwen3's q/k norms still in the epilogue); the decode equals stock's and no
-    split-K launch carries a norm. The gated kernel keeps its own prologue."""
+    rotary/cache and residual epilogues, the norm before them on its own (Llama's formula, which
+    Gemma's (1 + w) is in fp32; Qwen3's q/k norms still in the epilogue); the decode equals
+    stock's and no split-K launch carries a norm. The gated kernel keeps its own prologue."""
     kernels_on_cpu["prologue"] = False
     stock = _tiny(kind, **extra)
     model = _patched(stock)
@@ -308,6 +309,28 @@ def test_a_config_the_prologue_does_not_fit_normalises_x_in_a_launch_of_its_own(
     kernels_on_cpu.update(prologue=True, rope=0)
     _compare(model, stock, steps=2)
     assert kernels_on_cpu["norm"] == (2 + 1) * 2 and kernels_on_cpu["rope"] == 2 * 2  # Q/K/V of every call
+
+
+@pytest.mark.parametrize("factor", [torch.float16, torch.float32], ids=["llama-formula", "fp32-factor"])
+def test_only_a_one_launch_norm_is_taken_out_of_the_prologue(factor, kernels_on_cpu):
+    """fp16 x under a config the prologue does not fit: a norm weight of x's dtype (Llama's
+    formula, one launch apart) is computed before the GEMM; an fp32 factor (Gemma's (1 + w) over
+    half-precision x: several torch ops apart) stays in the prologue. Both as close to the fp32
+    computation as the unfused piece's rounding allows."""
+    from hybridgemm.norm import prologue_norm
+
+    kernels_on_cpu.update(prologue=False, config=triton_splitk.TritonSplitKConfig(16, 32, 64, split_k=1, num_warps=4,
+                                                                                    num_stages=2))
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 96, generator=g).half()
+    w = (torch.randn(80, 96, generator=g) / 10).half()
+    nw = (torch.rand(96, generator=g) + 0.5).to(factor)
+    got = dispatch.fused_splitk(x, w, None, norm=(nw, 1e-6))
+    assert kernels_on_cpu["norm"] == (0 if factor == torch.float16 else 1)
+    ref = prologue_norm(x.float(), nw.float(), 1e-6) @ w.float().T
+    unfused = prologue_norm(x, nw, 1e-6).float() @ w.float().T
+    err, base = (got.float() - ref).abs().max(), (unfused - ref).abs().max()
+    assert err <= 2 * base + 2e-3, (err, base)
 
 
 def test_the_norm_prologue_fits_one_config_shape():
