@@ -337,10 +337,10 @@ def choose_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  and (bias is None or bias.dtype == x.dtype))
     if tuned and kernel_ok and 1 <= m <= tune_glu.GLU_M_MAX:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        tuned = tuned_gated(index, x.dtype, weight.shape[0] // 2, weight.shape[1], bias is not None,
-                            tune_glu.norm_kind(norm_weight, x.dtype), m)
-        if tuned is not None:
-            return tuned
+        entry_choice = tuned_gated(index, x.dtype, weight.shape[0] // 2, weight.shape[1], bias is not None,
+                                   tune_glu.norm_kind(norm_weight, x.dtype), m)
+        if entry_choice is not None:
+            return entry_choice
     if norm_weight is not None:
         return Choice("triton_glu", None, "rule", key, "the decode step's gated kernel with the norm prologue")
     if kernel_ok and 1 <= m <= TRITON_GLU_MAX_M:
