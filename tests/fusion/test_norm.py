@@ -305,6 +305,31 @@ def test_fp32_factor_norms_are_patched_and_compute_their_formula(family, dtype):
     assert type(patched) is type(stock)
 
 
+@pytest.mark.parametrize("family", ["gemma", "olmo2"])
+def test_fp32_factor_norms_keep_their_factor_in_inference_and_train_as_stock(family):
+    """Eager inference uses the kept fp32 factor (kernel_weight: no per-call conversion and
+    add), bit for bit the stock output, following an in-place change of the weight; with
+    gradients the factor is computed in the graph: the same gradients as the stock module's."""
+    stock, _, _, _ = _fp32_factor_norm(family, torch.bfloat16)
+    patched = _patched_gemma(stock)
+    x = (torch.randn(3, 96, generator=torch.Generator().manual_seed(4)) * 2).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(patched(x), stock(x)) and "_kernel_weight" in patched.__dict__
+        stock.weight.add_(0.25)  # (the patched module shares nothing with stock: change both)
+        patched.weight.add_(0.25)
+        assert torch.equal(patched(x), stock(x))
+    xs, xp = x.float().requires_grad_(), x.float().requires_grad_()
+    stock.float()(xs).square().sum().backward()
+    with torch.inference_mode():  # a factor kept from inference mode is not what training uses
+        patched.float()(x.float())
+    patched(xp).square().sum().backward()
+    assert torch.equal(xs.grad, xp.grad) and torch.equal(stock.weight.grad, patched.weight.grad)
+    patched.weight.requires_grad_(False)  # frozen (an adapter's training): x's gradient still flows
+    xf = x.float().requires_grad_()
+    patched(xf).square().sum().backward()
+    assert torch.equal(xf.grad, xs.grad)
+
+
 def test_gemma_kernel_weight_follows_the_weight():
     patched = _patched_gemma(_gemma_norm(torch.float32))
     first = patched.kernel_weight()
