@@ -12,11 +12,10 @@ weight-streaming kernel.
 prologue, the two GEMMs through the dispatcher and the product apart; with one, the norm in
 launches of its own, then gate/up as the ``glu`` entry of the shape decides.
 
-**Tuning** (:func:`tune_glu`), per decode M range (octaves up to :data:`GLU_M_MAX`): every
-candidate of ``triton_glu.candidates`` screened at the top point, the best ones timed again at
-every point in interleaved rounds beside the baseline, on rotating copies of the weight (CUDA
-graphs, autotune_cache/measure.py); the winner by autotune_cache/tuner.py's rule: a candidate
-must beat the baseline by more than 3% at its worst point, else the baseline stays. The
+**Tuning** (:func:`tune_glu`), per decode M range (octaves up to :data:`GLU_M_MAX`): the
+candidates of ``triton_glu.candidates`` against the baseline, by
+autotune_cache/baseline_tuner.py (a candidate must beat the baseline by more than 3% at its
+worst point, else the baseline stays). The
 baseline is what a ``torch`` entry runs: without a prologue the stock pair (two F.linear over
 the gate and up rows, the product in x's dtype; at run time the dispatcher's GEMMs, F.linear
 where the table holds nothing faster); with one, the norm apart (``norm_apart``, the caller's
@@ -34,16 +33,14 @@ import torch.nn.functional as F
 from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.kernels.problem import DTYPE_NAMES
 
-from . import tuner
+from . import baseline_tuner
 from .keys import TableKey, octave, sample_points
-from .measure import gpu_time_rotating, rotation_copies
-from .table_entries import make_entry
+from .measure import rotation_copies
 
 BACKEND = "triton_glu"
 GLU_M_MAX = 16  # decode rows: the fused decode step's (fusion/models/decode_checks.DECODE_ROWS)
 # the op per norm prologue: none, a norm weight of x's dtype, an fp32 factor
 NORM_OPS = {None: "glu", "x": "glu_rms", "fp32": "glu_rms32"}
-SCREEN_REPLAYS, FINAL_REPLAYS = 3, 7
 
 
 def norm_kind(norm_weight: torch.Tensor | None, dtype: torch.dtype) -> str | None:
@@ -138,8 +135,8 @@ def _tune_range(key, i, k, dtype, weights, copies, norm_weights, table, norm_apa
     norm = next(n for n, op in NORM_OPS.items() if op == key.op)
     nw = None if norm is None else norm_weights[norm]
     eps = 1e-6
-    points = sample_points(key.m_lo, key.m_hi)
-    xs = {m: torch.randn(m, k, device=weights[0].device, generator=g).to(dtype) for m in points}
+    xs = {m: torch.randn(m, k, device=weights[0].device, generator=g).to(dtype)
+          for m in sample_points(key.m_lo, key.m_hi)}
 
     def baseline(m):
         x = xs[m]
@@ -155,39 +152,8 @@ def _tune_range(key, i, k, dtype, weights, copies, norm_weights, table, norm_apa
         fused = None if nw is None else (nw, eps)
         return lambda c: tg.glu(x, weights[c], None, "silu", config=cfg, norm=fused)
 
-    hi = key.m_hi
-    screen = []
-    for cfg in tg.candidates(hi, i, k, dtype):
-        try:
-            t = gpu_time_rotating([ours(hi, cfg)], copies, replays=SCREEN_REPLAYS)[0]
-            screen.append((t.median_us, cfg))
-        except Exception as exc:  # noqa: BLE001 (a config that does not compile or fit: not a candidate)
-            log(f"{key.to_string()}: {cfg} left out ({type(exc).__name__}: {str(exc)[:100]})")
-    screen.sort(key=lambda r: r[0])
-    finalists = screen[:tuner.finalist_count([screen[0][0] / r[0] for r in screen])] if screen else []
-    ratios, medians = {}, {}
-    for m in points:
-        rounds: list = []
-        gpu_time_rotating([baseline(m)] + [ours(m, c) for _, c in finalists], copies, replays=FINAL_REPLAYS,
-                          rounds=rounds)
-        ratios[m] = [tuner.ratios_of(rounds, j + 1) for j in range(len(finalists))]
-        medians[m] = [sorted(r[j] for r in rounds)[len(rounds) // 2] for j in range(len(finalists) + 1)]
-    scores = [min(ratios[m][j] for m in points) for j in range(len(finalists))]
-    won = tuner.pick_winner([(1.0, tuner.TORCH_RANK)] + [(s, (0, j)) for j, s in enumerate(scores)])
-    base_us = medians[hi][0]
-    cand_rows = [{"backend": BACKEND, "config": c.to_record(), "median_us": medians[hi][j + 1], "spread_us": 0.0,
-                  "worst_ratio": s} for j, ((_, c), s) in enumerate(zip(finalists, scores))]
-    if won == 0:
-        entry = make_entry("torch", {}, m_points=points, ratios=[1.0] * len(points), median_us=base_us,
-                           spread_us=0.0, candidates=cand_rows, flinear_us=base_us)
-    else:
-        j = won - 1
-        entry = make_entry(BACKEND, finalists[j][1].to_record(), m_points=points,
-                           ratios=[ratios[m][j] for m in points], median_us=medians[hi][won], spread_us=0.0,
-                           candidates=cand_rows, flinear_us=base_us)
-    log(f"{key.to_string()}: {entry['backend']} {entry['config']} worst {entry['worst_ratio']:.3f}x the baseline "
-        f"({entry['median_us']:.1f} vs {base_us:.1f} µs at M={hi})")
-    return entry
+    return baseline_tuner.tune_range(key, BACKEND, tg.candidates(key.m_hi, i, k, dtype), baseline, ours, copies,
+                                     lambda cfg: cfg.to_record(), log)
 
 
 __all__ = ["BACKEND", "GLU_M_MAX", "NORM_OPS", "config_of", "glu_key", "glu_keys", "is_glu_op", "norm_kind",

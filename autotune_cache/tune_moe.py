@@ -11,11 +11,10 @@ baseline's time over the winner's at each point; ``flinear_us``: the baseline's 
 
 **Tuning** (:func:`tune_moe`), per M range (octaves up to ``MOE_M_MAX``): a routing of random
 logits (softmax top-k, seeded by M) at each of the range's sample points; every candidate
-(:func:`candidates`) screened at the top point, the best ones timed again at every point in
-interleaved rounds beside the baseline, on rotating copies of the expert weights (CUDA graphs,
-autotune_cache/measure.py); the winner by autotune_cache/tuner.py's rule: a candidate must beat
-the baseline by more than 3% at its worst point, else the baseline stays. Nothing runs at
-import; tuning needs a CUDA GPU.
+(:func:`candidates`) timed against the baseline on rotating copies of the expert weights by
+autotune_cache/baseline_tuner.py (screened at the top point, the best ones again at every
+point; a candidate must beat the baseline by more than 3% at its worst point, else the
+baseline stays). Nothing runs at import; tuning needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -29,17 +28,15 @@ from hybridgemm.kernels.grouped_mm_moe import grouped_mm_moe
 from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.kernels.problem import DTYPE_NAMES
 
-from . import tuner
+from . import baseline_tuner
 from .keys import TableKey, octave, sample_points
-from .measure import gpu_time_rotating, rotation_copies
-from .table_entries import make_entry
+from .measure import rotation_copies
 
 BACKEND = "triton_moe"
 MOE_M_MAX = 4096
 _OP_RE = re.compile(r"^moe_([a-z_]+)_e([1-9][0-9]{0,4})_k([1-9][0-9]{0,2})$")
 _RECORD_LIMITS = {"block_m": (1, 256), "block_n": (4, 512), "block_k": (16, 512), "num_warps": (1, 16),
                   "num_stages": (1, 8)}
-SCREEN_REPLAYS, FINAL_REPLAYS = 3, 7
 MOST_WEIGHT_COPY_BYTES = 16 << 30  # rotating copies of the expert weights, at most this much
 
 
@@ -176,9 +173,8 @@ def _tune_range(key, experts, top_k, hidden, activation, dtype, weights, copies,
     tm = triton_module("triton_moe")
     dev = weights[0][0].device
     hi = key.m_hi
-    points = sample_points(key.m_lo, hi)
     inputs = {}
-    for m in points:
+    for m in sample_points(key.m_lo, hi):
         x = torch.randn(m, hidden, device=dev, generator=g).to(dtype)
         inputs[m] = (x, *_routing(m, experts, top_k, dev))
 
@@ -190,41 +186,9 @@ def _tune_range(key, experts, top_k, hidden, activation, dtype, weights, copies,
         x, ids, rw = inputs[m]
         return lambda i: tm.forward(x, ids, rw, *weights[i], activation, up, down)
 
-    cands = candidates(hi * top_k, experts)
-    screen = []
-    for up, down in cands:
-        try:
-            t = gpu_time_rotating([ours(hi, up, down)], copies, replays=SCREEN_REPLAYS)[0]
-            screen.append((t.median_us, up, down))
-        except Exception as exc:  # noqa: BLE001 (a config that does not compile or fit: not a candidate)
-            log(f"{key.to_string()}: {up} / {down} left out ({type(exc).__name__}: {str(exc)[:100]})")
-    screen.sort(key=lambda r: r[0])
-    finalists = screen[:tuner.finalist_count([screen[0][0] / r[0] for r in screen])] if screen else []
-    per_point = {m: [] for m in points}
-    for m in points:
-        rounds: list = []
-        gpu_time_rotating([baseline(m)] + [ours(m, u, d) for _, u, d in finalists], copies,
-                          replays=FINAL_REPLAYS, rounds=rounds)
-        per_point[m] = ([tuner.ratios_of(rounds, j + 1) for j in range(len(finalists))],
-                        [sorted(r[j] for r in rounds)[len(rounds) // 2] for j in range(len(finalists) + 1)])
-    scores = [min(per_point[m][0][j] for m in points) for j in range(len(finalists))]
-    rows = [(1.0, tuner.TORCH_RANK)] + [(s, (0, j)) for j, s in enumerate(scores)]
-    won = tuner.pick_winner(rows)
-    base_us = per_point[hi][1][0]
-    cand_rows = [{"backend": BACKEND, "config": record_of(u, d), "median_us": per_point[hi][1][j + 1],
-                  "spread_us": 0.0, "worst_ratio": s} for j, ((_, u, d), s) in enumerate(zip(finalists, scores))]
-    if won == 0:
-        entry = make_entry("torch", {}, m_points=points, ratios=[1.0] * len(points), median_us=base_us,
-                           spread_us=0.0, candidates=cand_rows, flinear_us=base_us)
-    else:
-        j = won - 1
-        _, up, down = finalists[j]
-        entry = make_entry(BACKEND, record_of(up, down), m_points=points,
-                           ratios=[per_point[m][0][j] for m in points], median_us=per_point[hi][1][won],
-                           spread_us=0.0, candidates=cand_rows, flinear_us=base_us)
-    log(f"{key.to_string()}: {entry['backend']} {entry['config']} worst {entry['worst_ratio']:.3f}x the "
-        f"grouped baseline ({entry['median_us']:.1f} vs {base_us:.1f} µs at M={hi})")
-    return entry
+    return baseline_tuner.tune_range(key, BACKEND, candidates(hi * top_k, experts), baseline,
+                                     lambda m, cand: ours(m, *cand), copies, lambda cand: record_of(*cand), log,
+                                     "the grouped baseline")
 
 
 __all__ = ["BACKEND", "MOE_M_MAX", "candidates", "configs_of", "moe_key", "moe_keys", "moe_op", "parse_moe_op",
