@@ -336,11 +336,9 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """``linear(x, weight, bias)`` with ``fusion`` (split-K's ``norm=(g, eps)``, ``residual=``,
     ``rope=``) in one launch, where the decision for the bare GEMM is Triton split-K (or, with a
     fusion, the table holds a split-K candidate tied with its winner: :func:`fusable_splitk_config`);
-    the norm in a launch of its own before it where its config is not one the prologue fits
-    (``triton_splitk.prologue_fits``) and the norm is Llama's formula (a norm weight of x's
-    dtype: one launch; an fp32 factor, Gemma's and OLMo 2's, is several torch ops apart, which
-    cost more than the prologue: gemma-7b's compiled decode step on the H200, 5.20 ms fused and
-    5.58 ms apart, perf/results/h200/README.md); not for an FP8 weight, whose path keeps the prologue;
+    the norm in a launch of its own before it (``norm.prologue_norm``: one Triton launch, Llama's
+    formula or Gemma's / OLMo 2's fp32 factor) where its config is not one the prologue fits
+    (``triton_splitk.prologue_fits``); not for an FP8 weight, whose path keeps the prologue;
     None where it is not, or where the kernel refuses the fusion (warned once per shape, as a refused
     table entry is): the caller then computes it unfused. ``counters``: zeroed int32 arrival
     counters for the fused reduction, used by one launch at a time. ``weight_scale``: ``weight``
@@ -358,12 +356,12 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if rope is not None and rope.head_dim % config.block_n:
         config = _tiles_within_heads(config, rope.head_dim)
     norm = fusion.get("norm")
-    if norm is not None and weight_scale is None and norm[0].dtype == x.dtype:
+    if norm is not None and weight_scale is None:
         splitk = triton_module("triton_splitk")
         launched = config if rope is None else splitk.rope_config(config, rope, x2, w2)
         if not splitk.prologue_fits(launched, x2.element_size()):
             # the prologue would cost about a second GEMM with this config: normalise first, as
-            # the unfused piece does, in a launch of its own (norm.rms_norm: one Triton launch)
+            # the unfused piece does, in a launch of its own
             x2 = row_major(rows_2d(prologue_norm(x, *norm)))
             del fusion["norm"]
     if weight_scale is not None:

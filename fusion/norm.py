@@ -12,11 +12,12 @@ RMSNorm classes of transformers' Llama, Qwen2, Qwen3 and Mistral (one formula, c
 model), with a 1-D ``weight`` and a ``variance_epsilon``. Gemma's, Gemma 2's and Gemma 3's
 (:data:`GEMMA_NORM_CLASSES`:
 ``x * rsqrt(mean(x²) + eps)`` times ``1 + weight``, all in fp32, rounded once, with ``eps``)
-become :class:`HybridGemmaRMSNorm`, which computes the stock formula in torch ops and hands
-the fused decode step its ``1 + weight`` in fp32 (:func:`norm_operand`); OLMo 2's
-(:data:`OLMO2_NORM_CLASSES`: the same with ``weight``, epsilon ``variance_epsilon``) become
-:class:`HybridOlmo2RMSNorm`; any other class is left alone. The module keeps its object,
-weight and state-dict key; only its class is swapped (undone by :func:`hybridgemm.unpatch`).
+become :class:`HybridGemmaRMSNorm`, which computes the same formula as one launch (the
+kernel's ``fp32_factor`` form) and hands the fused decode step its ``1 + weight`` in fp32
+(:func:`norm_operand`); OLMo 2's (:data:`OLMO2_NORM_CLASSES`: the same with ``weight``,
+epsilon ``variance_epsilon``) become :class:`HybridOlmo2RMSNorm`; any other class is left
+alone. The module keeps its object, weight and state-dict key; only its class is swapped
+(undone by :func:`hybridgemm.unpatch`).
 
 Anything but eager inference on CUDA (a gradient wanted, ``torch.compile``, which fuses the
 norm itself, autocast, the CPU, tensor subclasses, other dtypes) runs the stock formula in
@@ -79,7 +80,8 @@ def is_olmo2_norm(mod: nn.Module) -> bool:
 
 
 def _scaled_in_fp32(x: Tensor, g: Tensor, eps: float) -> Tensor:
-    """``x`` normalised and scaled by the fp32 factor ``g`` in fp32, rounded once to x's dtype."""
+    """``x`` normalised and scaled by the fp32 factor ``g`` in fp32, rounded once to x's dtype
+    (the stock formula op for op)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (h * g).to(x.dtype)
@@ -125,17 +127,28 @@ def _eligible(x: Tensor, w: Tensor, on_current_device: bool) -> bool:
             and w.dim() == 1 and w.shape[0] == x.shape[-1] and w.device == x.device and w.is_contiguous())
 
 
+def _launch(x: Tensor, w: Tensor, eps: float, fp32_factor: bool) -> Tensor:
+    """The Triton launch of a call :func:`_fast_path` accepted."""
+    h = x.shape[-1]
+    dtype = x.dtype if fp32_factor else torch.promote_types(w.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if out.numel():
+        # a view for the decode and prefill layouts, else a copy (reshape keeps the unit last stride)
+        _triton_rmsnorm().run(x.reshape(-1, h), w, out.view(-1, h), eps, fp32_factor)
+    return out
+
+
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     """The stock formula (:func:`reference_rms_norm`), as one Triton launch where
     :func:`_fast_path` allows it."""
-    if not _fast_path(x, w):
-        return reference_rms_norm(x, w, eps)
-    h = x.shape[-1]
-    out = torch.empty(x.shape, dtype=torch.promote_types(w.dtype, x.dtype), device=x.device)
-    if out.numel():
-        # a view for the decode and prefill layouts, else a copy (reshape keeps the unit last stride)
-        _triton_rmsnorm().run(x.reshape(-1, h), w, out.view(-1, h), eps)
-    return out
+    return _launch(x, w, eps, False) if _fast_path(x, w) else reference_rms_norm(x, w, eps)
+
+
+def fp32_factor_rms_norm(x: Tensor, g: Tensor, eps: float) -> Tensor:
+    """Gemma's / OLMo 2's formula with their fp32 factor ``g`` (``1 + weight``, ``weight``):
+    x normalised and scaled by ``g`` in fp32, rounded once to x's dtype; one Triton launch
+    where :func:`_fast_path` allows it, else the stock ops."""
+    return _launch(x, g, eps, True) if _fast_path(x, g) else _scaled_in_fp32(x, g, eps)
 
 
 class HybridRMSNorm(nn.Module):
@@ -168,10 +181,9 @@ class Fp32FactorRMSNorm(nn.Module):
         if torch.compiler.is_compiling() or torch.is_grad_enabled():
             # in the graph: differentiable, and never a kept tensor (which inference mode may have
             # made) saved for backward
-            factor = self.OFFSET + self.weight.float()
-        else:  # eager inference: the kept factor (the same values), two launches fewer per call
-            factor = self.kernel_weight()
-        return _scaled_in_fp32(hidden_states, factor, self.norm_eps())
+            return _scaled_in_fp32(hidden_states, self.OFFSET + self.weight.float(), self.norm_eps())
+        # eager inference: the kept factor (the same values), one launch on CUDA
+        return fp32_factor_rms_norm(hidden_states, self.kernel_weight(), self.norm_eps())
 
     def kernel_weight(self) -> Tensor:
         """``OFFSET + weight`` in fp32, the factor the fused GEMMs multiply x by (a fused norm
@@ -215,10 +227,10 @@ class HybridOlmo2RMSNorm(Fp32FactorRMSNorm):
 
 
 def prologue_norm(x: Tensor, g: Tensor, eps: float) -> Tensor:
-    """What a fused norm prologue with operand ``g`` computes, in torch ops (the fused GEMMs'
-    fallback): Llama's formula for a ``g`` of x's dtype; for an fp32 ``g`` (a Gemma norm's
-    ``1 + weight``) Gemma's, normalised and scaled in fp32, rounded once."""
-    return rms_norm(x, g, eps) if g.dtype == x.dtype else _scaled_in_fp32(x, g, eps)
+    """What a fused norm prologue with operand ``g`` computes, apart (the fused GEMMs'
+    fallback; one launch on CUDA): Llama's formula for a ``g`` of x's dtype; for an fp32 ``g``
+    (a Gemma norm's ``1 + weight``) Gemma's, normalised and scaled in fp32, rounded once."""
+    return rms_norm(x, g, eps) if g.dtype == x.dtype else fp32_factor_rms_norm(x, g, eps)
 
 
 def norm_operand(norm: nn.Module) -> tuple[Tensor, float]:
@@ -237,6 +249,6 @@ def apply_norm(norm: nn.Module, x: Tensor) -> Tensor:
 PATCHED_NORMS = (HybridRMSNorm, HybridGemmaRMSNorm, HybridOlmo2RMSNorm)
 
 __all__ = ["GEMMA_NORM_CLASSES", "OLMO2_NORM_CLASSES", "PATCHED_NORMS", "RMS_NORM_CLASSES", "Fp32FactorRMSNorm",
-           "HybridGemmaRMSNorm", "HybridOlmo2RMSNorm", "HybridRMSNorm", "apply_norm", "is_gemma_norm", "is_olmo2_norm",
-           "is_rms_norm", "norm_operand", "prologue_norm", "reference_gemma_rms_norm",
-           "reference_rms_norm", "rms_norm"]
+           "HybridGemmaRMSNorm", "HybridOlmo2RMSNorm", "HybridRMSNorm", "apply_norm", "fp32_factor_rms_norm",
+           "is_gemma_norm", "is_olmo2_norm", "is_rms_norm", "norm_operand", "prologue_norm",
+           "reference_gemma_rms_norm", "reference_rms_norm", "rms_norm"]

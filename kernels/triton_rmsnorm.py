@@ -10,6 +10,11 @@ x.dtype)``; for 16-bit operands that is what torch does (the product of two 16-b
 exact in fp32). The mean is the fp32 sum times fp32(1/H), as torch's CUDA mean computes it;
 the order of the sum differs from torch's, so fp32 results can differ in the last bits.
 
+With ``fp32_factor=True``, the formula of Gemma's and OLMo 2's norms (the caller passes their
+factor, ``1 + weight`` or ``weight``, in fp32)::
+
+    out = ((xf * rsqrt(mean(xf * xf, -1) + eps)) * weight.float()).to(x.dtype)   # rounded once
+
 Why: a decode step in eager mode runs HF's RMSNorm as about eight torch ops (to fp32, pow,
 mean, add, rsqrt, mul, to, mul), each a kernel launch and a host dispatch, on a few KB of
 data; the host time is the cost. This is one launch, through a cached plan.
@@ -33,7 +38,7 @@ from .triton_config import next_pow2
 from .triton_launch import Launcher, interpreting
 from .triton_plan import TritonPlan
 
-__all__ = ["PLAN_CACHE_SIZE", "rms_norm", "run"]
+__all__ = ["PLAN_CACHE_SIZE", "out_dtype", "rms_norm", "run"]
 
 SINGLE_PASS_MAX = 16384  # widest row kept in registers (16 warps: 32 fp32 values per thread)
 CHUNK = 4096  # elements per step of the two-pass loop over wider rows
@@ -41,15 +46,18 @@ PLAN_CACHE_SIZE = 1024  # plans kept, oldest evicted first (varying M in a serve
 
 
 @triton.jit
-def _scale_store(xf, rstd, x_row, w_ptr, out_row, cols, mask):
-    # HF rounds the normalised row to x's dtype before the weight multiplies it.
-    y = (xf * rstd).to(x_row.dtype.element_ty).to(tl.float32)
+def _scale_store(xf, rstd, x_row, w_ptr, out_row, cols, mask, ROUND_FIRST: tl.constexpr):
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_row + cols, (w * y).to(out_row.dtype.element_ty), mask=mask)
+    if ROUND_FIRST:  # Llama's: the normalised row rounded to x's dtype before the weight multiplies it
+        y = (xf * rstd).to(x_row.dtype.element_ty).to(tl.float32)
+        tl.store(out_row + cols, (w * y).to(out_row.dtype.element_ty), mask=mask)
+    else:  # Gemma's / OLMo 2's: in fp32 in torch's order, (x * rstd) * w, one rounding at the end
+        tl.store(out_row + cols, ((xf * rstd) * w).to(out_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, ldx, inv_h, eps, BLOCK: tl.constexpr, CHUNKED: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, ldx, inv_h, eps, BLOCK: tl.constexpr, CHUNKED: tl.constexpr,
+                     ROUND_FIRST: tl.constexpr):
     # One program per row. 64-bit row offsets: M * ldx may pass 2**31 elements.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * ldx
@@ -66,42 +74,44 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, ldx, inv_h, eps, BLOCK: tl.conste
         for start in range(0, H, BLOCK):
             mask = start + cols < H
             xf = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-            _scale_store(xf, rstd, x_row, w_ptr + start, out_row + start, cols, mask)
+            _scale_store(xf, rstd, x_row, w_ptr + start, out_row + start, cols, mask, ROUND_FIRST)
     else:  # the row is read once and stays in registers
         mask = cols < H
         xf = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) * inv_h + eps)
-        _scale_store(xf, rstd, x_row, w_ptr, out_row, cols, mask)
+        _scale_store(xf, rstd, x_row, w_ptr, out_row, cols, mask, ROUND_FIRST)
 
 
-def _make_plan(m: int, h: int, ldx: int, device: torch.device) -> TritonPlan:
+def _make_plan(m: int, h: int, ldx: int, device: torch.device, fp32_factor: bool = False) -> TritonPlan:
     if m == 0 or h == 0:
         return TritonPlan(device, empty=True)
     chunked = h > SINGLE_PASS_MAX
     block = CHUNK if chunked else next_pow2(h)
     warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
-    meta = dict(BLOCK=block, CHUNKED=chunked, num_warps=warps)
+    meta = dict(BLOCK=block, CHUNKED=chunked, ROUND_FIRST=not fp32_factor, num_warps=warps)
     # 1 / H as an fp32 argument: torch's CUDA mean multiplies the sum by fp32(1/N)
     return TritonPlan(device, Launcher(_rms_norm_kernel, (m,), meta), scalars=(h, ldx, 1.0 / h))
 
 
 # Plans by everything the compiled kernel is specialised on: (M, H, ldx, the three dtypes,
-# device index, 16-byte alignment of each pointer). triton_plan.PlanCache keys GEMM operands
+# device index, 16-byte alignment of each pointer, the formula). triton_plan.PlanCache keys GEMM operands
 # (config, bias, activation, tf32), so this kernel builds its own keys.
 _PLANS = BoundedCache(PLAN_CACHE_SIZE)
 
 
-def run(x2d: torch.Tensor, weight: torch.Tensor, out2d: torch.Tensor, eps: float) -> torch.Tensor:
-    """``out2d[:] = rms_norm(x2d, weight, eps)``; returns ``out2d``. The backend contract,
-    unchecked: x2d (M, H) with unit column stride (any row stride), weight a contiguous (H,)
-    vector, out2d a contiguous (M, H) of torch's promoted dtype, all on the current device."""
+def run(x2d: torch.Tensor, weight: torch.Tensor, out2d: torch.Tensor, eps: float,
+        fp32_factor: bool = False) -> torch.Tensor:
+    """``out2d[:] = rms_norm(x2d, weight, eps, fp32_factor=fp32_factor)``; returns ``out2d``.
+    The backend contract, unchecked: x2d (M, H) with unit column stride (any row stride), weight
+    a contiguous (H,) vector, out2d a contiguous (M, H) of :func:`out_dtype`, all on the current
+    device."""
     m, h = x2d.shape
     ldx = x2d.stride(0) if m > 1 else h  # a single row's stride is never used: one plan for all
     key = (m, h, ldx, x2d.dtype, weight.dtype, out2d.dtype, x2d.get_device(),
-           not x2d.data_ptr() & 15, not weight.data_ptr() & 15, not out2d.data_ptr() & 15)
+           not x2d.data_ptr() & 15, not weight.data_ptr() & 15, not out2d.data_ptr() & 15, fp32_factor)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS.put(key, _make_plan(m, h, ldx, x2d.device))
+        plan = _PLANS.put(key, _make_plan(m, h, ldx, x2d.device, fp32_factor))
     if not plan.empty:
         # float(): an int eps would be specialised by Triton (1 becomes a constant), unlike the
         # fp32 argument the cached launch was compiled for.
@@ -114,12 +124,19 @@ def _check_dtype(name: str, dtype: torch.dtype) -> None:
         raise TypeError(f"rms_norm: {name} has unsupported dtype {dtype}; expected float16, bfloat16 or float32")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def out_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype, fp32_factor: bool = False) -> torch.dtype:
+    """The output dtype: x's with ``fp32_factor`` (the module rounds once to it), else torch's
+    promotion of (weight, x), as Llama's ``weight * y`` promotes."""
+    return x_dtype if fp32_factor else torch.promote_types(weight_dtype, x_dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None,
+             fp32_factor: bool = False) -> torch.Tensor:
     """HF's RMSNorm of x (..., H) with weight (H,): a tensor of x's shape and dtype
-    ``torch.promote_types(weight.dtype, x.dtype)`` (``out`` when given: contiguous, that shape,
-    dtype and device). x is read in place when its last dim has unit stride and its leading
-    dims flatten to one row stride, else copied. Bad arguments raise TypeError/ValueError
-    naming the argument."""
+    :func:`out_dtype` (``out`` when given: contiguous, that shape, dtype and device); Llama's
+    formula, or with ``fp32_factor`` Gemma's / OLMo 2's (the module docstring's). x is read in
+    place when its last dim has unit stride and its leading dims flatten to one row stride,
+    else copied. Bad arguments raise TypeError/ValueError naming the argument."""
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"rms_norm: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -140,14 +157,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
         raise TypeError(f"rms_norm: eps must be a real number, got {type(eps).__name__}")
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"rms_norm: eps must be finite and non-negative, got {eps!r}")
-    dtype = torch.promote_types(weight.dtype, x.dtype)
+    if not isinstance(fp32_factor, bool):
+        raise TypeError(f"rms_norm: fp32_factor must be a bool, got {type(fp32_factor).__name__}")
+    dtype = out_dtype(x.dtype, weight.dtype, fp32_factor)
     if out is None:
         out = torch.empty(x.shape, dtype=dtype, device=x.device)
     elif not isinstance(out, torch.Tensor):
         raise TypeError(f"rms_norm: out must be a torch.Tensor or None, got {type(out).__name__}")
     elif out.dtype != dtype:
-        raise TypeError(f"rms_norm: out has dtype {out.dtype}, expected {dtype} (torch's promotion of "
-                        f"weight {weight.dtype} and x {x.dtype})")
+        why = "x's, with fp32_factor" if fp32_factor else f"torch's promotion of weight {weight.dtype} and x {x.dtype}"
+        raise TypeError(f"rms_norm: out has dtype {out.dtype}, expected {dtype} ({why})")
     elif out.shape != x.shape or out.device != x.device or not out.is_contiguous():
         raise ValueError(f"rms_norm: out must be a contiguous tensor of shape {tuple(x.shape)} on {x.device}, "
                          f"got {tuple(out.shape)} on {out.device}{'' if out.is_contiguous() else ', not contiguous'}")
@@ -159,7 +178,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
     w = weight if weight.is_contiguous() else weight.contiguous()
     if x.is_cuda and x.get_device() != torch.cuda.current_device():
         with torch.cuda.device(x.device):  # the launch goes to the current device's stream
-            run(x2d, w, out.view(-1, h), eps)
+            run(x2d, w, out.view(-1, h), eps, fp32_factor)
     else:
-        run(x2d, w, out.view(-1, h), eps)
+        run(x2d, w, out.view(-1, h), eps, fp32_factor)
     return out

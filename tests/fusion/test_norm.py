@@ -330,6 +330,30 @@ def test_fp32_factor_norms_keep_their_factor_in_inference_and_train_as_stock(fam
     assert torch.equal(xf.grad, xs.grad)
 
 
+@pytest.mark.parametrize("family", ["gemma", "olmo2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 96), (2, 17, 96), (333, 96)])
+def test_fp32_factor_fast_path_matches_the_stock_module(cpu_fast_path, family, dtype, shape):
+    """Eager inference of a patched Gemma / OLMo 2 norm, and the prologue's formula apart, take
+    the kernel's fp32_factor form: the stock output but for rare rounding-boundary ties (the
+    sum of squares is ordered differently), x's dtype, and in 16 bits unlike Llama's formula."""
+    stock, _, factor, eps = _fp32_factor_norm(family, dtype)
+    patched = _patched_gemma(stock)
+    x = (torch.randn(*shape, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+    with torch.no_grad():
+        want = stock(x)
+        got, apart = patched(x), hnorm.prologue_norm(x, factor, eps)
+    assert cpu_fast_path == [True, True]
+    assert got.dtype == dtype and torch.equal(got, apart)
+    ulps = 8 if dtype == torch.float32 else 2  # fp32: the sum's order shows in the last bits
+    diff = (got.double() - want.double()).abs()
+    assert (diff <= ulps * torch.finfo(dtype).eps * want.double().abs() + 1e-30).all()
+    if dtype != torch.float32:  # (in fp32 the two formulas are one)
+        assert (got != want).float().mean() < 0.02
+        rounded_first = hnorm.reference_rms_norm(x, factor.to(dtype), eps)  # Llama's formula
+        assert (rounded_first != want).float().mean() > 0.05
+
+
 def test_gemma_kernel_weight_follows_the_weight():
     patched = _patched_gemma(_gemma_norm(torch.float32))
     first = patched.kernel_weight()

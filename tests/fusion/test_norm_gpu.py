@@ -1,5 +1,6 @@
 """The patched RMSNorm on a real GPU (``pytest -m gpu``): the Triton launch against the stock
-module in bf16/fp16/fp32 at decode and prefill shapes, the launch really taken, CUDA-graph
+module in bf16/fp16/fp32 at decode and prefill shapes (Llama's formula, and Gemma's / OLMo 2's
+fp32 factor), the launch really taken, CUDA-graph
 replay equal to eager, and torch.compile running the stock formula."""
 
 from __future__ import annotations
@@ -47,6 +48,49 @@ def test_kernel_matches_the_stock_module(dtype, shape, monkeypatch):
         assert (diff <= 4 * ulp * ref.abs()).all()
     else:  # the rounding to 16 bits hides that: mostly bit-identical (the same formula and roundings)
         assert (diff == 0).float().mean() > 0.95
+
+
+def fp32_factor_pair(family, h, dtype):
+    """A stock Gemma (1 + w) or OLMo 2 (w) norm on the GPU and its patched copy."""
+    if family == "gemma":
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as cls
+    else:
+        from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm as cls
+    stock = cls(h, eps=1e-6)
+    with torch.no_grad():
+        stock.weight.copy_(0.5 * torch.randn(h) + (0.0 if family == "gemma" else 1.0))
+    stock = stock.to("cuda", dtype)
+    patched = copy.deepcopy(stock)
+    hybridgemm.patch(nn.Sequential(patched), strict=True)
+    assert isinstance(patched, hnorm.Fp32FactorRMSNorm)
+    return stock, patched
+
+
+@pytest.mark.parametrize("family", ["gemma", "olmo2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1, 3072), (8, 1, 3584), (1, 333, 4096), (3, 17, 5000)])
+def test_fp32_factor_kernel_matches_the_stock_module(family, dtype, shape, monkeypatch):
+    """Gemma's / OLMo 2's formula (scaled by the fp32 factor, rounded once) as one launch:
+    the stock module's output but for the sum order, and unlike Llama's formula in 16 bits."""
+    stock, patched = fp32_factor_pair(family, shape[-1], dtype)
+    launched = []
+    kernel = hnorm._triton_rmsnorm()
+    real = kernel.run
+    monkeypatch.setattr(kernel, "run", lambda *a: launched.append(a[-1]) or real(*a))
+    x = (torch.randn(*shape, device="cuda") * 3).to(dtype)
+    with torch.no_grad():
+        out, ref = patched(x), stock(x)
+        g, eps = hnorm.norm_operand(patched)
+        llama = hnorm.reference_rms_norm(x, g.to(dtype), eps)
+    assert launched == [True]  # one launch, the fp32_factor form
+    assert out.dtype == ref.dtype == dtype and out.shape == ref.shape
+    ulp = torch.finfo(dtype).eps
+    diff = (out.float() - ref.float()).abs()
+    if dtype is torch.float32:
+        assert (diff <= 4 * ulp * ref.abs()).all()
+    else:
+        assert (diff <= ulp * ref.float().abs()).all() and (diff == 0).float().mean() > 0.95
+        assert (llama != ref).float().mean() > 0.05
 
 
 def test_cuda_graph_replay_equals_eager():

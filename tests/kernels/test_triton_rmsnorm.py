@@ -1,6 +1,7 @@
 """Triton RMSNorm (kernels/triton_rmsnorm.py) under the interpreter: HF LlamaRMSNorm's math
-against an fp64 reference and against torch's own ops, shapes and strides, ``out=``, mixed
-dtypes, bad arguments and the plan cache. bf16 is GPU-only (the interpreter's bf16 is wrong).
+and Gemma's / OLMo 2's (``fp32_factor``) against an fp64 reference and against torch's own
+ops, shapes and strides, ``out=``, mixed dtypes, bad arguments and the plan cache. bf16 is
+GPU-only (the interpreter's bf16 is wrong).
 """
 
 from __future__ import annotations
@@ -201,6 +202,99 @@ def test_eps_values(eps, device):
     assert torch.allclose(out, hf_rms_norm(x, w, eps), rtol=1e-6, atol=0)
 
 
+# ----------------------------------------------------------------------------- Gemma's / OLMo 2's formula
+
+
+def scaled_in_fp32(x, g, eps=EPS):
+    """GemmaRMSNorm's / Olmo2RMSNorm's forward in torch ops over their fp32 factor g: x
+    normalised and scaled in fp32, rounded once to x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * g).to(x.dtype)
+
+
+def check_fp32_factor(out, x, g):
+    """out against the fp64 formula (one rounding to x's dtype and the fp32 steps: no rounding
+    of the normalised row to x's dtype in the bound) and against torch's ops (equal but for
+    rare rounding-boundary ties in 16-bit, 8 ulp in fp32)."""
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert torch.isfinite(out).all(), "some output elements were not written"
+    ref = reference(x, g)
+    rtol = unit(x.dtype) + 64 * unit(torch.float32)
+    atol = torch.finfo(x.dtype).smallest_normal * unit(x.dtype)
+    ratio = ((out.double() - ref).abs() / (rtol * ref.abs() + atol)).max().item()
+    assert ratio <= 1, f"error {ratio:.3g} x the bound ({x.dtype}, shape {tuple(x.shape)})"
+    torch_ops = scaled_in_fp32(x, g)
+    if x.dtype == torch.float32:
+        assert torch.allclose(out, torch_ops, rtol=8 * 2 * unit(torch.float32), atol=0)
+    else:
+        assert (out != torch_ops).float().mean().item() < 0.01
+        diff = (out.double() - torch_ops.double()).abs()
+        assert (diff <= 2 * unit(x.dtype) * torch_ops.double().abs() + atol).all()
+    return out
+
+
+# every M with each width, and the chunked two-pass form (H > 16384) at a few rows
+FP32_FACTOR_SHAPES = [(m, h) for m in (1, 3, 17, 333) for h in (1, 96, 3072, 5000)] + [(1, 20000), (3, 20000)]
+
+
+@pytest.mark.parametrize("m, h", FP32_FACTOR_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp32_factor_rows_and_widths(m, h, dtype, device):
+    x, _ = operands((m,), h, dtype, device)
+    g = 1 + 0.5 * torch.randn(h, device=device)  # fp32, as Gemma's 1 + w is handed over
+    out = poisoned(x.shape, dtype, x.device)
+    assert trms.rms_norm(x, g, EPS, out=out, fp32_factor=True) is out
+    check_fp32_factor(out, x, g)
+
+
+def test_fp32_factor_rounds_once(device):
+    """In fp16 the two formulas differ in about a quarter of the outputs: the kernel's
+    fp32_factor form is torch's Gemma formula, and its default is Llama's."""
+    x, _ = operands((17,), 4096, torch.float16, device)
+    g = 1 + 0.5 * torch.randn(4096, device=device)
+    gemma, llama = trms.rms_norm(x, g, EPS, fp32_factor=True), trms.rms_norm(x, g.half(), EPS)
+    assert (gemma != scaled_in_fp32(x, g)).float().mean().item() < 0.01
+    assert (llama != scaled_in_fp32(x, g)).float().mean().item() > 0.1
+    assert (llama != hf_rms_norm(x, g.half())).float().mean().item() < 0.01
+
+
+def test_fp32_factor_with_16_bit_factor_and_strided_rows(device):
+    """A factor of any kernel dtype is read as fp32; rows at a stride are read in place."""
+    wide, _ = operands((6,), 130, torch.float16, device)
+    x = wide[1:5, 3:99]
+    g = (1 + 0.5 * torch.randn(96, device=device)).half()
+    check_fp32_factor(trms.rms_norm(x, g, EPS, fp32_factor=True), x, g.float())
+
+
+def test_fp32_factor_is_part_of_the_plan(device, monkeypatch):
+    monkeypatch.setattr(trms, "_PLANS", BoundedCache(trms.PLAN_CACHE_SIZE))
+    x, _ = operands((3,), 96, torch.float32, device)
+    g = 1 + 0.5 * torch.randn(96, device=device)
+    trms.rms_norm(x, g, EPS)
+    trms.rms_norm(x, g, EPS, fp32_factor=True)
+    assert sorted(p.launch.meta["ROUND_FIRST"] for p in trms._PLANS.values()) == [False, True]
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    ("yes", TypeError, "fp32_factor must be a bool"),
+    (1, TypeError, "fp32_factor must be a bool"),
+])
+def test_fp32_factor_bad_input(bad, exc, match, device):
+    x, w = operands((3,), 96, torch.float16, device)
+    with pytest.raises(exc, match=match):
+        trms.rms_norm(x, w, EPS, fp32_factor=bad)
+
+
+def test_fp32_factor_out_dtype_is_x_dtype(device):
+    x, _ = operands((3,), 96, torch.float16, device)
+    g = torch.ones(96, device=device)
+    assert trms.out_dtype(torch.float16, torch.float32, fp32_factor=True) == torch.float16
+    assert trms.out_dtype(torch.float16, torch.float32) == torch.float32
+    with pytest.raises(TypeError, match="expected torch.float16 \\(x's, with fp32_factor\\)"):
+        trms.rms_norm(x, g, EPS, out=torch.empty(3, 96, device=device), fp32_factor=True)
+
+
 # ----------------------------------------------------------------------------- empty shapes
 
 
@@ -300,5 +394,5 @@ def test_plan_cache_is_bounded(device, monkeypatch):
 def test_plan_launch_shape(h, block, chunked, warps):
     plan = trms._make_plan(5, h, h, torch.device("cpu"))
     assert plan.launch.grid == (5,) and plan.scalars == (h, h, 1.0 / h)
-    assert plan.launch.meta == {"BLOCK": block, "CHUNKED": chunked, "num_warps": warps}
+    assert plan.launch.meta == {"BLOCK": block, "CHUNKED": chunked, "ROUND_FIRST": True, "num_warps": warps}
     assert trms._make_plan(0, h, h, torch.device("cpu")).empty
