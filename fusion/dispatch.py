@@ -332,13 +332,15 @@ def _tiles_within_heads(config, head_dim: int):
 
 def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
-                 **fusion) -> torch.Tensor | None:
+                 keep_prologue: bool = False, **fusion) -> torch.Tensor | None:
     """``linear(x, weight, bias)`` with ``fusion`` (split-K's ``norm=(g, eps)``, ``residual=``,
     ``rope=``) in one launch, where the decision for the bare GEMM is Triton split-K (or, with a
     fusion, the table holds a split-K candidate tied with its winner: :func:`fusable_splitk_config`);
     the norm in a launch of its own before it (``norm.prologue_norm``: one Triton launch, Llama's
     formula or Gemma's / OLMo 2's fp32 factor) where its config is not one the prologue fits
-    (``triton_splitk.prologue_fits``); not for an FP8 weight, whose path keeps the prologue;
+    (``triton_splitk.prologue_fits``); not for an FP8 weight, whose path keeps the prologue, nor
+    with ``keep_prologue`` (eager decode: host-bound, where the launch apart costs host time and
+    the prologue's GPU time hides behind it);
     None where it is not, or where the kernel refuses the fusion (warned once per shape, as a refused
     table entry is): the caller then computes it unfused. ``counters``: zeroed int32 arrival
     counters for the fused reduction, used by one launch at a time. ``weight_scale``: ``weight``
@@ -356,7 +358,7 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if rope is not None and rope.head_dim % config.block_n:
         config = _tiles_within_heads(config, rope.head_dim)
     norm = fusion.get("norm")
-    if norm is not None and weight_scale is None:
+    if norm is not None and weight_scale is None and not keep_prologue:
         splitk = triton_module("triton_splitk")
         launched = config if rope is None else splitk.rope_config(config, rope, x2, w2)
         if not splitk.prologue_fits(launched, x2.element_size()):

@@ -17,7 +17,7 @@ linear-step  eager fwd+bwd of ``hybridgemm.linear`` beside F.linear at ``--m --n
 hf-layer     a one-layer HF model of preset ``--model`` (default llama3-8b; perf/e2e_models.py),
              stock and patched, eager decode of one token at ``--batch`` over a static cache:
              µs per call of q/k/v, o (where the attention has them), the MLP, the LM head and
-             the whole step, then cProfile of the patched step
+             the whole step, then cProfile of the stock and the patched step (by cumulative time)
 
 No PROBE: all of them. Every µs figure is ``perf/timing.eager_time_interleaved`` (the
 callables alternate in rounds of one loop); cProfile and torch.profiler slow what they watch,
@@ -57,9 +57,9 @@ def _print_times(fns: dict, calls: int, unit: str = "µs/call", width: int = 36)
         print(f"{name:{width}s} {t.median_us:9.2f} {unit}")
 
 
-def _cprofile(label: str, fn, calls: int = 300, rows: int = 22) -> None:
+def _cprofile(label: str, fn, calls: int = 300, rows: int = 22, sort: str = "tottime") -> None:
     """cProfile of ``calls`` back-to-back calls of ``fn`` (after 20 unprofiled ones), the
-    ``rows`` functions with the most own time."""
+    ``rows`` functions first by ``sort`` (pstats' key: own time by default)."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
@@ -71,7 +71,7 @@ def _cprofile(label: str, fn, calls: int = 300, rows: int = 22) -> None:
     pr.disable()
     torch.cuda.synchronize()
     print(f"\n### {label}: {(time.perf_counter() - t0) / calls * 1e6:.1f} µs/call under cProfile")
-    pstats.Stats(pr).sort_stats("tottime").print_stats(rows)
+    pstats.Stats(pr).sort_stats(sort).print_stats(rows)
 
 
 def calls_probe(args) -> None:
@@ -235,7 +235,8 @@ def hf_layer_probe(args) -> None:
         fns[f"{name} one-token step"] = step
     with torch.no_grad():
         _print_times(fns, calls=200, width=28)
-        _cprofile("patched one-token step", fns["patched one-token step"], calls=100)
+        for name in ("stock", "patched"):  # by cumulative time: where each step's host time goes, side by side
+            _cprofile(f"{name} one-token step", fns[f"{name} one-token step"], calls=100, rows=45, sort="cumulative")
 
 
 RUN = {"calls": calls_probe, "decode": decode_probe, "train": train_probe, "grad": grad_probe,

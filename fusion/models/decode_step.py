@@ -48,6 +48,8 @@ residual and the bias once each and no separate add runs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -92,8 +94,8 @@ def _norm_fusion(norm_weight: Tensor | None, eps: float) -> dict:
 
 
 def _norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
-                 counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-    y = dispatch.fused_splitk(x, weight, bias, counters, scale, **_norm_fusion(norm_weight, eps))
+                 counters: Tensor | None = None, scale: Tensor | None = None, keep_prologue: bool = False) -> Tensor:
+    y = dispatch.fused_splitk(x, weight, bias, counters, scale, keep_prologue, **_norm_fusion(norm_weight, eps))
     return _linear(_normed(x, norm_weight, eps), weight, bias, scale) if y is None else y
 
 
@@ -160,6 +162,14 @@ def _gated_norm_fake(x, norm_weight, eps, weight, bias, activation, scale=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
 
+# Eager decode is host-bound: a norm apart from split-K's prologue is a launch of host time,
+# and the prologue's extra GPU time hides behind the host's. Under torch.compile (CUDA graphs:
+# GPU time is the step's time) the ops take the norm apart where the prologue costs GPU time.
+# The choice is by mode, never by capture state, so that a graph's warm-up and replays compute
+# the same bits.
+_norm_linear_eager = functools.partial(_norm_linear, keep_prologue=True)
+
+
 def norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
                 counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     """``linear(rmsnorm(x), weight, bias)`` with the RMSNorm of factor ``norm_weight`` (Llama's
@@ -168,8 +178,8 @@ def norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tenso
     ``counters``: zeroed int32 arrival counters for split-K's fused reduction, used by one launch
     at a time. ``scale``: ``weight`` is e4m3 with
     these scales (fusion/fp8_modules.py ``weight_scale_of``), as in every piece here."""
-    return _compiled(torch.ops.hybridgemm.norm_linear_fwd, _norm_linear, x, norm_weight, float(eps), weight, bias,
-                     counters, scale)
+    return _compiled(torch.ops.hybridgemm.norm_linear_fwd, _norm_linear_eager, x, norm_weight, float(eps), weight,
+                     bias, counters, scale)
 
 
 def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
@@ -225,9 +235,10 @@ def _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None,
 
 
 def _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-              counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0) -> Tensor:
+              counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0, keep_prologue=False) -> Tensor:
     rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base, q_norm, k_norm, float(qk_eps))
-    y = dispatch.fused_splitk(x, weight, bias, counters, scale, norm=(norm_weight, float(eps)), rope=rc)
+    y = dispatch.fused_splitk(x, weight, bias, counters, scale, keep_prologue, norm=(norm_weight, float(eps)),
+                              rope=rc)
     if y is None:
         return _rope_qkv_unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
                                  scale, q_norm, k_norm, qk_eps)
@@ -250,6 +261,9 @@ def _norm_rope_qkv_fake(x, norm_weight, eps, weight, bias, cos, sin, keys, value
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+_rope_qkv_eager = functools.partial(_rope_qkv, keep_prologue=True)  # (as _norm_linear_eager)
+
+
 def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None, cos: Tensor,
                   sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int, kv_heads: int,
                   counters: Tensor | None = None, scale: Tensor | None = None, q_norm: Tensor | None = None,
@@ -260,8 +274,9 @@ def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bi
     returns [B, S, N]. One split-K launch where the table runs split-K with a config that fits
     (tiles within a head, of one whole head with q/k norms; no two-launch reduction), the stock
     sequence of operations otherwise."""
-    return _compiled(torch.ops.hybridgemm.norm_rope_qkv_fwd, _rope_qkv, x, norm_weight, float(eps), weight, bias,
-                     cos, sin, keys, values, base, heads, kv_heads, counters, scale, q_norm, k_norm, float(qk_eps))
+    return _compiled(torch.ops.hybridgemm.norm_rope_qkv_fwd, _rope_qkv_eager, x, norm_weight, float(eps), weight,
+                     bias, cos, sin, keys, values, base, heads, kv_heads, counters, scale, q_norm, k_norm,
+                     float(qk_eps))
 
 
 # ------------------------------------------------------------------------- decode attention
