@@ -315,10 +315,11 @@ _GLU_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def choose_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 norm_weight: torch.Tensor | None = None, tuned: bool = True) -> Choice:
+                 norm_weight: torch.Tensor | None = None, tuned: bool = True, *, fp32_factor: bool = False) -> Choice:
     """Gate/up of a gated MLP over the stacked weight (2I, K); ``norm_weight``: x is RMS-normalised
     in the kernel's prologue by this factor (the fused decode step, which has checked its own
-    conditions: CUDA inference at decode rows). Rule 4, at decode rows (M ≤
+    conditions: CUDA inference at decode rows), ``fp32_factor``: by a factor formed from it in
+    fp32 (a Gemma / OLMo 2 norm's weight: the table's fp32-norm entries whatever its dtype). Rule 4, at decode rows (M ≤
     ``tune_glu.GLU_M_MAX``) of fp16/bf16 inference in the default mode: the table's entry for the
     shape and prologue (autotune_cache/tune_glu.py): the gated kernel with its config, or
     ``torch`` (with a prologue: the norm apart, then gate/up as decided without one). Otherwise
@@ -338,7 +339,8 @@ def choose_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if tuned and kernel_ok and 1 <= m <= tune_glu.GLU_M_MAX:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         entry_choice = tuned_gated(index, x.dtype, weight.shape[0] // 2, weight.shape[1], bias is not None,
-                                   tune_glu.norm_kind(norm_weight, x.dtype), m)
+                                   "fp32" if fp32_factor and norm_weight is not None
+                                   else tune_glu.norm_kind(norm_weight, x.dtype), m)
         if entry_choice is not None:
             return entry_choice
     if norm_weight is not None:

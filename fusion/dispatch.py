@@ -38,7 +38,7 @@ from hybridgemm.kernels.problem import DTYPE_NAMES, Problem, uses_tf32
 from . import decide, mode_state, modes
 from .decide import Choice
 from .diagnostics import warn_once
-from .norm import prologue_norm
+from .norm import prologue_factor, prologue_norm
 
 CACHE_SIZE = 1024
 WHO = "hybridgemm.linear"  # the name errors give: hybridgemm.linear is what callers call
@@ -333,8 +333,9 @@ def _tiles_within_heads(config, head_dim: int):
 def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
                  keep_prologue: bool = False, **fusion) -> torch.Tensor | None:
-    """``linear(x, weight, bias)`` with ``fusion`` (split-K's ``norm=(g, eps)``, ``residual=``,
-    ``rope=``) in one launch, where the decision for the bare GEMM is Triton split-K (or, with a
+    """``linear(x, weight, bias)`` with ``fusion`` (split-K's ``norm=(g, eps[, offset])``: a norm
+    operand, norm.norm_operand; ``residual=``, ``rope=``) in one launch, where the decision for
+    the bare GEMM is Triton split-K (or, with a
     fusion, the table holds a split-K candidate tied with its winner: :func:`fusable_splitk_config`);
     the norm in a launch of its own before it (``norm.prologue_norm``: one Triton launch, Llama's
     formula or Gemma's / OLMo 2's fp32 factor) where its config is not one the prologue fits
@@ -358,14 +359,20 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if rope is not None and rope.head_dim % config.block_n:
         config = _tiles_within_heads(config, rope.head_dim)
     norm = fusion.get("norm")
-    if norm is not None and weight_scale is None and not keep_prologue:
-        splitk = triton_module("triton_splitk")
-        launched = config if rope is None else splitk.rope_config(config, rope, x2, w2)
-        if not splitk.prologue_fits(launched, x2.element_size()):
+    if norm is not None:
+        g, eps, offset = (*norm, None)[:3]
+        apart = False
+        if weight_scale is None and not keep_prologue:
+            splitk = triton_module("triton_splitk")
+            launched = config if rope is None else splitk.rope_config(config, rope, x2, w2)
+            apart = not splitk.prologue_fits(launched, x2.element_size())
+        if apart:
             # the prologue would cost about a second GEMM with this config: normalise first, as
             # the unfused piece does, in a launch of its own
-            x2 = row_major(rows_2d(prologue_norm(x, *norm)))
+            x2 = row_major(rows_2d(prologue_norm(x, g, eps, offset)))
             del fusion["norm"]
+        else:
+            fusion["norm"] = (prologue_factor(g, offset), eps)
     if weight_scale is not None:
         fusion["weight_scale"] = weight_scale
     if "residual" in fusion:
@@ -382,12 +389,15 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
-          norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | None:
+          norm: tuple | None = None) -> torch.Tensor | None:
     """``act(x' @ Wg.T + bg) * (x' @ Wu.T + bu)`` over the stacked ``weight`` = cat([Wg, Wu]),
-    x' = ``rmsnorm(x)`` with ``norm=(g, eps)`` else x, in one launch of the gated kernel where
-    :func:`decide.choose_gated` picks it, with its config; None where it does not (the caller
-    composes it: the norm apart, then :func:`hybridgemm.gated_linear`)."""
-    choice = decide.choose_gated(x, weight, bias, None if norm is None else norm[0])
+    x' = ``rmsnorm(x)`` with ``norm=(g, eps[, offset])`` (a norm operand, norm.norm_operand)
+    else x, in one launch of the gated kernel where :func:`decide.choose_gated` picks it, with
+    its config; None where it does not (the caller composes it: the norm apart, then
+    :func:`hybridgemm.gated_linear`)."""
+    g, eps, offset = (*norm, None)[:3] if norm is not None else (None, 0.0, None)
+    choice = decide.choose_gated(x, weight, bias, g, fp32_factor=offset is not None)
     if choice.backend != "triton_glu":
         return None
-    return triton_module("triton_glu").glu(x, weight, bias, activation, norm=norm, config=choice.config)
+    kernel_norm = None if g is None else (prologue_factor(g, offset), eps)
+    return triton_module("triton_glu").glu(x, weight, bias, activation, norm=kernel_norm, config=choice.config)

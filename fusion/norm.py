@@ -127,14 +127,14 @@ def _eligible(x: Tensor, w: Tensor, on_current_device: bool) -> bool:
             and w.dim() == 1 and w.shape[0] == x.shape[-1] and w.device == x.device and w.is_contiguous())
 
 
-def _launch(x: Tensor, w: Tensor, eps: float, fp32_factor: bool) -> Tensor:
+def _launch(x: Tensor, w: Tensor, eps: float, fp32_factor: bool, offset: float = 0.0) -> Tensor:
     """The Triton launch of a call :func:`_fast_path` accepted."""
     h = x.shape[-1]
     dtype = x.dtype if fp32_factor else torch.promote_types(w.dtype, x.dtype)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     if out.numel():
         # a view for the decode and prefill layouts, else a copy (reshape keeps the unit last stride)
-        _triton_rmsnorm().run(x.reshape(-1, h), w, out.view(-1, h), eps, fp32_factor)
+        _triton_rmsnorm().run(x.reshape(-1, h), w, out.view(-1, h), eps, fp32_factor, offset)
     return out
 
 
@@ -144,11 +144,14 @@ def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return _launch(x, w, eps, False) if _fast_path(x, w) else reference_rms_norm(x, w, eps)
 
 
-def fp32_factor_rms_norm(x: Tensor, g: Tensor, eps: float) -> Tensor:
-    """Gemma's / OLMo 2's formula with their fp32 factor ``g`` (``1 + weight``, ``weight``):
-    x normalised and scaled by ``g`` in fp32, rounded once to x's dtype; one Triton launch
-    where :func:`_fast_path` allows it, else the stock ops."""
-    return _launch(x, g, eps, True) if _fast_path(x, g) else _scaled_in_fp32(x, g, eps)
+def fp32_factor_rms_norm(x: Tensor, w: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+    """Gemma's / OLMo 2's formula with the factor ``offset + w`` in fp32 (Gemma: its weight and
+    1, OLMo 2: its weight and 0; or a factor already formed and 0): x normalised and scaled by
+    the factor in fp32, rounded once to x's dtype; one Triton launch, which forms the factor
+    in registers, where :func:`_fast_path` allows it, else the stock ops."""
+    if _fast_path(x, w):
+        return _launch(x, w, eps, True, offset)
+    return _scaled_in_fp32(x, offset + w.float(), eps)
 
 
 class HybridRMSNorm(nn.Module):
@@ -168,8 +171,9 @@ class HybridRMSNorm(nn.Module):
 class Fp32FactorRMSNorm(nn.Module):
     """A recognised RMSNorm that scales the normalised x by an fp32 factor, ``OFFSET + weight``,
     and rounds once (Gemma's ``1 + w``, OLMo 2's ``w``), with its class swapped (same ``weight``
-    and epsilon attribute): the stock formula in torch ops; the fused decode step folds it into
-    the GEMM that reads its output, taking the factor in fp32 (:meth:`kernel_weight`)."""
+    and epsilon attribute): one Triton launch in eager CUDA inference (the factor formed in
+    registers), the stock formula in torch ops elsewhere; the fused decode step takes its
+    operand from :func:`norm_operand`."""
 
     OFFSET: float
     weight: nn.Parameter
@@ -182,14 +186,14 @@ class Fp32FactorRMSNorm(nn.Module):
             # in the graph: differentiable, and never a kept tensor (which inference mode may have
             # made) saved for backward
             return _scaled_in_fp32(hidden_states, self.OFFSET + self.weight.float(), self.norm_eps())
-        # eager inference: the kept factor (the same values), one launch on CUDA
-        return fp32_factor_rms_norm(hidden_states, self.kernel_weight(), self.norm_eps())
+        # eager inference: one launch on CUDA, which adds OFFSET to the weight in registers
+        return fp32_factor_rms_norm(hidden_states, self.weight, self.norm_eps(), self.OFFSET)
 
     def kernel_weight(self) -> Tensor:
-        """``OFFSET + weight`` in fp32, the factor the fused GEMMs multiply x by (a fused norm
-        prologue computes ``rstd * ((x * g) @ W.T)``). Kept between calls while the weight is
-        unchanged (the same parameter, storage and version); computed in the graph under
-        ``torch.compile``."""
+        """``OFFSET + weight`` in fp32, the factor a fused norm prologue multiplies x by (it
+        computes ``rstd * ((x * g) @ W.T)``), for eager calls (:func:`norm_operand`). Kept
+        between calls while the weight is unchanged (the same parameter, storage and version);
+        computed in the graph under ``torch.compile``."""
         w = self.weight
         if torch.compiler.is_compiling():
             return self.OFFSET + w.detach().float()
@@ -226,19 +230,36 @@ class HybridOlmo2RMSNorm(Fp32FactorRMSNorm):
         return self.variance_epsilon
 
 
-def prologue_norm(x: Tensor, g: Tensor, eps: float) -> Tensor:
-    """What a fused norm prologue with operand ``g`` computes, apart (the fused GEMMs'
-    fallback; one launch on CUDA): Llama's formula for a ``g`` of x's dtype; for an fp32 ``g``
-    (a Gemma norm's ``1 + weight``) Gemma's, normalised and scaled in fp32, rounded once."""
+def prologue_norm(x: Tensor, g: Tensor, eps: float, offset: float | None = None) -> Tensor:
+    """The norm of operand ``(g, eps, offset)`` (:func:`norm_operand`) apart, as a fused norm
+    prologue computes it (the fused GEMMs' fallback; one launch on CUDA): with an ``offset``,
+    Gemma's / OLMo 2's formula with factor ``offset + g`` in fp32; without one, Llama's formula
+    for a ``g`` of x's dtype and for an fp32 ``g`` (a factor already formed) Gemma's."""
+    if offset is not None:
+        return fp32_factor_rms_norm(x, g, eps, offset)
     return rms_norm(x, g, eps) if g.dtype == x.dtype else fp32_factor_rms_norm(x, g, eps)
 
 
-def norm_operand(norm: nn.Module) -> tuple[Tensor, float]:
-    """``(g, eps)`` of a patched norm for a fused norm prologue: a Llama-style norm's weight,
-    a Gemma norm's ``1 + weight`` and an OLMo 2 norm's weight in fp32."""
+def prologue_factor(g: Tensor, offset: float | None) -> Tensor:
+    """The tensor a fused norm prologue multiplies x by for operand ``(g, offset)``: ``g``
+    itself (Llama's weight, or an fp32 factor already formed with offset 0), else
+    ``offset + g`` in fp32, formed here (one small launch)."""
+    if offset is None or (offset == 0.0 and g.dtype == torch.float32):
+        return g
+    return offset + g.float()
+
+
+def norm_operand(norm: nn.Module) -> tuple[Tensor, float, float | None]:
+    """``(g, eps, offset)`` of a patched norm for the fused decode step: a Llama-style norm's
+    weight, eps and None. A Gemma or OLMo 2 norm's eager operand is its kept factor
+    (:meth:`Fp32FactorRMSNorm.kernel_weight`) and offset 0; under ``torch.compile`` its weight
+    and ``OFFSET``, so that no graph computes the factor: a norm apart forms it in registers,
+    and only a prologue that needs it in memory forms it (:func:`prologue_factor`)."""
     if isinstance(norm, Fp32FactorRMSNorm):
-        return norm.kernel_weight(), norm.norm_eps()
-    return norm.weight, norm.variance_epsilon
+        if torch.compiler.is_compiling():
+            return norm.weight, norm.norm_eps(), norm.OFFSET
+        return norm.kernel_weight(), norm.norm_eps(), 0.0
+    return norm.weight, norm.variance_epsilon, None
 
 
 def apply_norm(norm: nn.Module, x: Tensor) -> Tensor:
@@ -250,5 +271,5 @@ PATCHED_NORMS = (HybridRMSNorm, HybridGemmaRMSNorm, HybridOlmo2RMSNorm)
 
 __all__ = ["GEMMA_NORM_CLASSES", "OLMO2_NORM_CLASSES", "PATCHED_NORMS", "RMS_NORM_CLASSES", "Fp32FactorRMSNorm",
            "HybridGemmaRMSNorm", "HybridOlmo2RMSNorm", "HybridRMSNorm", "apply_norm", "fp32_factor_rms_norm",
-           "is_gemma_norm", "is_olmo2_norm", "is_rms_norm", "norm_operand", "prologue_norm",
+           "is_gemma_norm", "is_olmo2_norm", "is_rms_norm", "norm_operand", "prologue_factor", "prologue_norm",
            "reference_gemma_rms_norm", "reference_rms_norm", "rms_norm"]

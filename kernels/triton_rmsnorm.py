@@ -10,10 +10,11 @@ x.dtype)``; for 16-bit operands that is what torch does (the product of two 16-b
 exact in fp32). The mean is the fp32 sum times fp32(1/H), as torch's CUDA mean computes it;
 the order of the sum differs from torch's, so fp32 results can differ in the last bits.
 
-With ``fp32_factor=True``, the formula of Gemma's and OLMo 2's norms (the caller passes their
-factor, ``1 + weight`` or ``weight``, in fp32)::
+With ``fp32_factor=True``, the formula of Gemma's and OLMo 2's norms, whose factor is
+``offset + weight`` in fp32 (Gemma: ``offset`` 1, OLMo 2: 0; the sum is formed in registers,
+rounded to fp32 as torch's ``1.0 + weight.float()`` rounds it)::
 
-    out = ((xf * rsqrt(mean(xf * xf, -1) + eps)) * weight.float()).to(x.dtype)   # rounded once
+    out = ((xf * rsqrt(mean(xf * xf, -1) + eps)) * (offset + weight.float())).to(x.dtype)   # rounded once
 
 Why: a decode step in eager mode runs HF's RMSNorm as about eight torch ops (to fp32, pow,
 mean, add, rsqrt, mul, to, mul), each a kernel launch and a host dispatch, on a few KB of
@@ -46,17 +47,17 @@ PLAN_CACHE_SIZE = 1024  # plans kept, oldest evicted first (varying M in a serve
 
 
 @triton.jit
-def _scale_store(xf, rstd, x_row, w_ptr, out_row, cols, mask, ROUND_FIRST: tl.constexpr):
+def _scale_store(xf, rstd, x_row, w_ptr, out_row, cols, mask, offset, ROUND_FIRST: tl.constexpr):
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if ROUND_FIRST:  # Llama's: the normalised row rounded to x's dtype before the weight multiplies it
         y = (xf * rstd).to(x_row.dtype.element_ty).to(tl.float32)
         tl.store(out_row + cols, (w * y).to(out_row.dtype.element_ty), mask=mask)
-    else:  # Gemma's / OLMo 2's: in fp32 in torch's order, (x * rstd) * w, one rounding at the end
-        tl.store(out_row + cols, ((xf * rstd) * w).to(out_row.dtype.element_ty), mask=mask)
+    else:  # Gemma's / OLMo 2's: in fp32 in torch's order, (x * rstd) * (offset + w), one rounding at the end
+        tl.store(out_row + cols, ((xf * rstd) * (offset + w)).to(out_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, ldx, inv_h, eps, BLOCK: tl.constexpr, CHUNKED: tl.constexpr,
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, ldx, inv_h, eps, offset, BLOCK: tl.constexpr, CHUNKED: tl.constexpr,
                      ROUND_FIRST: tl.constexpr):
     # One program per row. 64-bit row offsets: M * ldx may pass 2**31 elements.
     row = tl.program_id(0).to(tl.int64)
@@ -74,12 +75,12 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, ldx, inv_h, eps, BLOCK: tl.conste
         for start in range(0, H, BLOCK):
             mask = start + cols < H
             xf = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-            _scale_store(xf, rstd, x_row, w_ptr + start, out_row + start, cols, mask, ROUND_FIRST)
+            _scale_store(xf, rstd, x_row, w_ptr + start, out_row + start, cols, mask, offset, ROUND_FIRST)
     else:  # the row is read once and stays in registers
         mask = cols < H
         xf = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) * inv_h + eps)
-        _scale_store(xf, rstd, x_row, w_ptr, out_row, cols, mask, ROUND_FIRST)
+        _scale_store(xf, rstd, x_row, w_ptr, out_row, cols, mask, offset, ROUND_FIRST)
 
 
 def _make_plan(m: int, h: int, ldx: int, device: torch.device, fp32_factor: bool = False) -> TritonPlan:
@@ -100,8 +101,8 @@ _PLANS = BoundedCache(PLAN_CACHE_SIZE)
 
 
 def run(x2d: torch.Tensor, weight: torch.Tensor, out2d: torch.Tensor, eps: float,
-        fp32_factor: bool = False) -> torch.Tensor:
-    """``out2d[:] = rms_norm(x2d, weight, eps, fp32_factor=fp32_factor)``; returns ``out2d``.
+        fp32_factor: bool = False, offset: float = 0.0) -> torch.Tensor:
+    """``out2d[:] = rms_norm(x2d, weight, eps, fp32_factor=fp32_factor, offset=offset)``; returns ``out2d``.
     The backend contract, unchecked: x2d (M, H) with unit column stride (any row stride), weight
     a contiguous (H,) vector, out2d a contiguous (M, H) of :func:`out_dtype`, all on the current
     device."""
@@ -115,7 +116,7 @@ def run(x2d: torch.Tensor, weight: torch.Tensor, out2d: torch.Tensor, eps: float
     if not plan.empty:
         # float(): an int eps would be specialised by Triton (1 becomes a constant), unlike the
         # fp32 argument the cached launch was compiled for.
-        plan.launch(x2d, weight, out2d, *plan.scalars, float(eps))
+        plan.launch(x2d, weight, out2d, *plan.scalars, float(eps), float(offset))
     return out2d
 
 
@@ -131,10 +132,11 @@ def out_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype, fp32_factor: bool
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None,
-             fp32_factor: bool = False) -> torch.Tensor:
+             fp32_factor: bool = False, offset: float = 0.0) -> torch.Tensor:
     """HF's RMSNorm of x (..., H) with weight (H,): a tensor of x's shape and dtype
     :func:`out_dtype` (``out`` when given: contiguous, that shape, dtype and device); Llama's
-    formula, or with ``fp32_factor`` Gemma's / OLMo 2's (the module docstring's). x is read in
+    formula, or with ``fp32_factor`` Gemma's / OLMo 2's with factor ``offset + weight`` (the
+    module docstring's; ``offset`` is ignored without it). x is read in
     place when its last dim has unit stride and its leading dims flatten to one row stride,
     else copied. Bad arguments raise TypeError/ValueError naming the argument."""
     for name, t in (("x", x), ("weight", weight)):
@@ -159,6 +161,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
         raise ValueError(f"rms_norm: eps must be finite and non-negative, got {eps!r}")
     if not isinstance(fp32_factor, bool):
         raise TypeError(f"rms_norm: fp32_factor must be a bool, got {type(fp32_factor).__name__}")
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real) or not math.isfinite(offset):
+        raise TypeError(f"rms_norm: offset must be a finite real number, got {offset!r}")
     dtype = out_dtype(x.dtype, weight.dtype, fp32_factor)
     if out is None:
         out = torch.empty(x.shape, dtype=dtype, device=x.device)
@@ -178,7 +182,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
     w = weight if weight.is_contiguous() else weight.contiguous()
     if x.is_cuda and x.get_device() != torch.cuda.current_device():
         with torch.cuda.device(x.device):  # the launch goes to the current device's stream
-            run(x2d, w, out.view(-1, h), eps, fp32_factor)
+            run(x2d, w, out.view(-1, h), eps, fp32_factor, offset)
     else:
-        run(x2d, w, out.view(-1, h), eps, fp32_factor)
+        run(x2d, w, out.view(-1, h), eps, fp32_factor, offset)
     return out

@@ -84,19 +84,22 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None
     return dispatch.fused_linear(x, weight, bias) if scale is None else fp8_linear(x, weight, scale, bias)
 
 
-def _normed(x: Tensor, norm_weight: Tensor | None, eps: float) -> Tensor:
-    """x as a fused norm prologue leaves it (the piece's unfused form); x itself without a norm."""
-    return x if norm_weight is None else prologue_norm(x, norm_weight, eps)
+def _normed(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None = None) -> Tensor:
+    """x as a fused norm prologue leaves it (the piece's unfused form); x itself without a norm.
+    ``(norm_weight, eps, norm_offset)``: a norm operand (norm.norm_operand)."""
+    return x if norm_weight is None else prologue_norm(x, norm_weight, eps, norm_offset)
 
 
-def _norm_fusion(norm_weight: Tensor | None, eps: float) -> dict:
-    return {} if norm_weight is None else {"norm": (norm_weight, float(eps))}
+def _norm_fusion(norm_weight: Tensor | None, eps: float, norm_offset: float | None) -> dict:
+    return {} if norm_weight is None else {"norm": (norm_weight, float(eps), norm_offset)}
 
 
-def _norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
-                 counters: Tensor | None = None, scale: Tensor | None = None, keep_prologue: bool = False) -> Tensor:
-    y = dispatch.fused_splitk(x, weight, bias, counters, scale, keep_prologue, **_norm_fusion(norm_weight, eps))
-    return _linear(_normed(x, norm_weight, eps), weight, bias, scale) if y is None else y
+def _norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
+                 bias: Tensor | None, counters: Tensor | None = None, scale: Tensor | None = None,
+                 keep_prologue: bool = False) -> Tensor:
+    y = dispatch.fused_splitk(x, weight, bias, counters, scale, keep_prologue,
+                              **_norm_fusion(norm_weight, eps, norm_offset))
+    return _linear(_normed(x, norm_weight, eps, norm_offset), weight, bias, scale) if y is None else y
 
 
 def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
@@ -114,26 +117,26 @@ def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: T
     return residual + (y if residual_scale is None else y * residual_scale)
 
 
-def _gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
-                activation: str, scale: Tensor | None = None) -> Tensor:
+def _gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
+                bias: Tensor | None, activation: str, scale: Tensor | None = None) -> Tensor:
     if scale is not None:  # FP8: gate/up as one split-K launch with the norm prologue, the product apart
-        gate, up = _norm_linear(x, norm_weight, eps, weight, bias, None, scale).chunk(2, dim=-1)
+        gate, up = _norm_linear(x, norm_weight, eps, norm_offset, weight, bias, None, scale).chunk(2, dim=-1)
         return GLU_FUNCTIONS[activation](gate) * up
-    y = dispatch.gated(x, weight, bias, activation, **_norm_fusion(norm_weight, eps))
-    return gated_linear(_normed(x, norm_weight, eps), weight, bias, activation) if y is None else y
+    y = dispatch.gated(x, weight, bias, activation, **_norm_fusion(norm_weight, eps, norm_offset))
+    return gated_linear(_normed(x, norm_weight, eps, norm_offset), weight, bias, activation) if y is None else y
 
 
 # ``counters`` (the layer's arrival counters, decoder_layer.COUNTERS) are scratch the kernels
 # leave as they found them (all zero), so the ops do not declare them mutated.
 @torch.library.custom_op("hybridgemm::norm_linear_fwd", mutates_args=())
-def norm_linear_fwd(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
-                    counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+def norm_linear_fwd(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
+                    bias: Tensor | None, counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     with per_call_scratch():  # no scratch cached from inside a compiled region (CUDA graph trees)
-        return _norm_linear(x, norm_weight, eps, weight, bias, counters, scale).contiguous()
+        return _norm_linear(x, norm_weight, eps, norm_offset, weight, bias, counters, scale).contiguous()
 
 
 @norm_linear_fwd.register_fake
-def _norm_linear_fake(x, norm_weight, eps, weight, bias, counters=None, scale=None):
+def _norm_linear_fake(x, norm_weight, eps, norm_offset, weight, bias, counters=None, scale=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -151,14 +154,14 @@ def _linear_residual_fake(x, weight, bias, residual, counters=None, scale=None, 
 
 
 @torch.library.custom_op("hybridgemm::gated_norm_fwd", mutates_args=())
-def gated_norm_fwd(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
-                   activation: str, scale: Tensor | None = None) -> Tensor:
+def gated_norm_fwd(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
+                   bias: Tensor | None, activation: str, scale: Tensor | None = None) -> Tensor:
     with per_call_scratch():
-        return _gated_norm(x, norm_weight, eps, weight, bias, activation, scale)
+        return _gated_norm(x, norm_weight, eps, norm_offset, weight, bias, activation, scale)
 
 
 @gated_norm_fwd.register_fake
-def _gated_norm_fake(x, norm_weight, eps, weight, bias, activation, scale=None):
+def _gated_norm_fake(x, norm_weight, eps, norm_offset, weight, bias, activation, scale=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
 
@@ -170,16 +173,16 @@ def _gated_norm_fake(x, norm_weight, eps, weight, bias, activation, scale=None):
 _norm_linear_eager = functools.partial(_norm_linear, keep_prologue=True)
 
 
-def norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
-                counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-    """``linear(rmsnorm(x), weight, bias)`` with the RMSNorm of factor ``norm_weight`` (Llama's
-    formula for a weight of x's dtype, Gemma's for an fp32 ``1 + w``: norm.prologue_norm;
-    ``linear(x, weight, bias)`` for None), one launch where the table runs Triton split-K.
+def norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
+                bias: Tensor | None, counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+    """``linear(rmsnorm(x), weight, bias)`` with the RMSNorm of operand ``(norm_weight, eps,
+    norm_offset)`` (norm.norm_operand: Llama's formula, or Gemma's / OLMo 2's fp32 factor;
+    ``linear(x, weight, bias)`` for a None ``norm_weight``), one launch where the table runs Triton split-K.
     ``counters``: zeroed int32 arrival counters for split-K's fused reduction, used by one launch
     at a time. ``scale``: ``weight`` is e4m3 with
     these scales (fusion/fp8_modules.py ``weight_scale_of``), as in every piece here."""
-    return _compiled(torch.ops.hybridgemm.norm_linear_fwd, _norm_linear_eager, x, norm_weight, float(eps), weight,
-                     bias, counters, scale)
+    return _compiled(torch.ops.hybridgemm.norm_linear_fwd, _norm_linear_eager, x, norm_weight, float(eps),
+                     norm_offset, weight, bias, counters, scale)
 
 
 def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
@@ -192,14 +195,14 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Te
                      scale, None if residual_scale is None else float(residual_scale))
 
 
-def gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, weight: Tensor, bias: Tensor | None,
-               activation: str, scale: Tensor | None = None) -> Tensor:
-    """``gated_linear(rmsnorm(x), weight, bias, activation)`` (x itself for a None
-    ``norm_weight``), one launch of the gated kernel
+def gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
+               bias: Tensor | None, activation: str, scale: Tensor | None = None) -> Tensor:
+    """``gated_linear(rmsnorm(x), weight, bias, activation)`` (the norm of operand
+    ``(norm_weight, eps, norm_offset)``; x itself for a None ``norm_weight``), one launch of the gated kernel
     where the dispatcher's gated rule picks it (an FP8 weight: the split-K launch with the norm
     prologue, then the product)."""
-    return _compiled(torch.ops.hybridgemm.gated_norm_fwd, _gated_norm, x, norm_weight, float(eps), weight, bias,
-                     activation, scale)
+    return _compiled(torch.ops.hybridgemm.gated_norm_fwd, _gated_norm, x, norm_weight, float(eps), norm_offset,
+                     weight, bias, activation, scale)
 
 
 # ------------------------------------------------------------------ Q/K/V with rotary + cache
@@ -211,10 +214,10 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return t * c + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * s
 
 
-def _rope_qkv_unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
+def _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
                       scale=None, q_norm=None, k_norm=None, qk_eps=0.0) -> Tensor:
     """The stock computation: norm, GEMM, then :func:`_rotate_store`."""
-    y = _linear(prologue_norm(x, norm_weight, eps), weight, bias, scale)
+    y = _linear(prologue_norm(x, norm_weight, eps, norm_offset), weight, bias, scale)
     return _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm, k_norm, qk_eps)
 
 
@@ -234,29 +237,29 @@ def _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None,
     return torch.cat([q.reshape(b, s, -1), k.reshape(b, s, -1), v], dim=-1)
 
 
-def _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
+def _rope_qkv(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
               counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0, keep_prologue=False) -> Tensor:
     rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base, q_norm, k_norm, float(qk_eps))
-    y = dispatch.fused_splitk(x, weight, bias, counters, scale, keep_prologue, norm=(norm_weight, float(eps)),
-                              rope=rc)
+    y = dispatch.fused_splitk(x, weight, bias, counters, scale, keep_prologue,
+                              norm=(norm_weight, float(eps), norm_offset), rope=rc)
     if y is None:
-        return _rope_qkv_unfused(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-                                 scale, q_norm, k_norm, qk_eps)
+        return _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads,
+                                 kv_heads, scale, q_norm, k_norm, qk_eps)
     return y
 
 
 @torch.library.custom_op("hybridgemm::norm_rope_qkv_fwd", mutates_args=("keys", "values"))
-def norm_rope_qkv_fwd(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None, cos: Tensor,
-                      sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int, kv_heads: int,
-                      counters: Tensor | None = None, scale: Tensor | None = None, q_norm: Tensor | None = None,
-                      k_norm: Tensor | None = None, qk_eps: float = 0.0) -> Tensor:
+def norm_rope_qkv_fwd(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: float | None, weight: Tensor,
+                      bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor,
+                      heads: int, kv_heads: int, counters: Tensor | None = None, scale: Tensor | None = None,
+                      q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0) -> Tensor:
     with per_call_scratch():
-        return _rope_qkv(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-                         counters, scale, q_norm, k_norm, qk_eps).contiguous()
+        return _rope_qkv(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads,
+                         kv_heads, counters, scale, q_norm, k_norm, qk_eps).contiguous()
 
 
 @norm_rope_qkv_fwd.register_fake
-def _norm_rope_qkv_fake(x, norm_weight, eps, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
+def _norm_rope_qkv_fake(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
                         counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
@@ -264,19 +267,20 @@ def _norm_rope_qkv_fake(x, norm_weight, eps, weight, bias, cos, sin, keys, value
 _rope_qkv_eager = functools.partial(_rope_qkv, keep_prologue=True)  # (as _norm_linear_eager)
 
 
-def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None, cos: Tensor,
-                  sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int, kv_heads: int,
-                  counters: Tensor | None = None, scale: Tensor | None = None, q_norm: Tensor | None = None,
-                  k_norm: Tensor | None = None, qk_eps: float = 0.0) -> Tensor:
-    """Q/K/V of ``rmsnorm(x)`` (x [B, S, D]) with q and k normalised per head (``q_norm`` and
+def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: float | None, weight: Tensor,
+                  bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
+                  kv_heads: int, counters: Tensor | None = None, scale: Tensor | None = None,
+                  q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0) -> Tensor:
+    """Q/K/V of ``rmsnorm(x)`` (x [B, S, D]; the norm of operand ``(norm_weight, eps,
+    norm_offset)``, norm.norm_operand) with q and k normalised per head (``q_norm`` and
     ``k_norm``: their RMSNorm weights [hd], eps ``qk_eps``; none without them) and rotated, k
     and v written into ``keys``/``values`` [B, kv_heads, L, hd] at positions ``base + s``;
     returns [B, S, N]. One split-K launch where the table runs split-K with a config that fits
     (tiles within a head, of one whole head with q/k norms; no two-launch reduction), the stock
     sequence of operations otherwise."""
-    return _compiled(torch.ops.hybridgemm.norm_rope_qkv_fwd, _rope_qkv_eager, x, norm_weight, float(eps), weight,
-                     bias, cos, sin, keys, values, base, heads, kv_heads, counters, scale, q_norm, k_norm,
-                     float(qk_eps))
+    return _compiled(torch.ops.hybridgemm.norm_rope_qkv_fwd, _rope_qkv_eager, x, norm_weight, float(eps),
+                     norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads, counters, scale, q_norm,
+                     k_norm, float(qk_eps))
 
 
 # ------------------------------------------------------------------------- decode attention
@@ -424,9 +428,10 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
     return out.reshape(*input_shape, -1).contiguous()
 
 
-def _norm_args(norm: nn.Module | None) -> tuple[Tensor | None, float]:
-    """The ``(norm_weight, eps)`` a piece takes for the layer's ``norm`` (none: no prologue)."""
-    return (None, 0.0) if norm is None else norm_operand(norm)
+def _norm_args(norm: nn.Module | None) -> tuple[Tensor | None, float, float | None]:
+    """The norm operand ``(norm_weight, eps, norm_offset)`` a piece takes for the layer's ``norm``
+    (none: no prologue; norm.norm_operand)."""
+    return (None, 0.0, None) if norm is None else norm_operand(norm)
 
 
 def _slots(owner: nn.Module, fused: nn.Module) -> list[nn.Module]:

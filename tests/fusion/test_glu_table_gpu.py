@@ -76,7 +76,7 @@ def test_the_gated_decision_runs_the_entry(tuned, monkeypatch, m, norm):
                 from hybridgemm.mlp import gated_linear
                 from hybridgemm.models import decode_step
 
-                piece = decode_step._gated_norm(x, nw, 1e-6, w, None, "silu")
+                piece = decode_step._gated_norm(x, nw, 1e-6, None, w, None, "silu")
                 assert torch.equal(piece, gated_linear(xn, w, None, "silu"))
             return
         assert ran == [tune_glu.config_of(entry["config"])]

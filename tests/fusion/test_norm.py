@@ -293,8 +293,8 @@ def test_fp32_factor_norms_are_patched_and_compute_their_formula(family, dtype):
     with torch.no_grad():
         want = stock(x)
         assert torch.equal(patched(x), want)
-        g, got_eps = hnorm.norm_operand(patched)
-        assert g.dtype == torch.float32 and torch.equal(g, factor) and got_eps == eps
+        g, got_eps, offset = hnorm.norm_operand(patched)
+        assert g.dtype == torch.float32 and torch.equal(g, factor) and got_eps == eps and offset == 0.0
         assert torch.equal(hnorm.prologue_norm(x, g, eps), want) and torch.equal(hnorm.apply_norm(patched, x), want)
         if family == "gemma":
             assert torch.equal(hnorm.reference_gemma_rms_norm(x, stock.weight, eps), want)
@@ -306,18 +306,20 @@ def test_fp32_factor_norms_are_patched_and_compute_their_formula(family, dtype):
 
 
 @pytest.mark.parametrize("family", ["gemma", "olmo2"])
-def test_fp32_factor_norms_keep_their_factor_in_inference_and_train_as_stock(family):
-    """Eager inference uses the kept fp32 factor (kernel_weight: no per-call conversion and
-    add), bit for bit the stock output, following an in-place change of the weight; with
-    gradients the factor is computed in the graph: the same gradients as the stock module's."""
+def test_fp32_factor_norms_follow_their_weight_in_inference_and_train_as_stock(family):
+    """Eager inference, and the eager operand of the fused step (the kept factor,
+    kernel_weight), are bit for bit the stock output, following an in-place change of the
+    weight; with gradients the factor is computed in the graph: the same gradients as the
+    stock module's."""
     stock, _, _, _ = _fp32_factor_norm(family, torch.bfloat16)
     patched = _patched_gemma(stock)
     x = (torch.randn(3, 96, generator=torch.Generator().manual_seed(4)) * 2).bfloat16()
     with torch.no_grad():
-        assert torch.equal(patched(x), stock(x)) and "_kernel_weight" in patched.__dict__
+        assert torch.equal(patched(x), stock(x)) and torch.equal(hnorm.apply_norm(patched, x), stock(x))
+        assert "_kernel_weight" in patched.__dict__  # apply_norm's eager operand is the kept factor
         stock.weight.add_(0.25)  # (the patched module shares nothing with stock: change both)
         patched.weight.add_(0.25)
-        assert torch.equal(patched(x), stock(x))
+        assert torch.equal(patched(x), stock(x)) and torch.equal(hnorm.apply_norm(patched, x), stock(x))
     xs, xp = x.float().requires_grad_(), x.float().requires_grad_()
     stock.float()(xs).square().sum().backward()
     with torch.inference_mode():  # a factor kept from inference mode is not what training uses
@@ -352,6 +354,32 @@ def test_fp32_factor_fast_path_matches_the_stock_module(cpu_fast_path, family, d
         assert (got != want).float().mean() < 0.02
         rounded_first = hnorm.reference_rms_norm(x, factor.to(dtype), eps)  # Llama's formula
         assert (rounded_first != want).float().mean() > 0.05
+
+
+@pytest.mark.parametrize("family", ["gemma", "olmo2"])
+def test_fp32_factor_operand_eager_and_traced(family, monkeypatch):
+    """norm_operand: eager, the kept factor with offset 0; while compiling, the weight itself
+    and the class's OFFSET, so that a graph forms no factor. Both operands give the same norm
+    apart (prologue_norm) and the same prologue factor (prologue_factor), bit for bit; a
+    Llama-style norm's operand is its weight with no offset."""
+    stock, cls, factor, eps = _fp32_factor_norm(family, torch.bfloat16)
+    patched = _patched_gemma(stock)
+    x = (torch.randn(5, 96, generator=torch.Generator().manual_seed(6)) * 2).bfloat16()
+    eager = hnorm.norm_operand(patched)
+    assert eager[0] is patched.kernel_weight() and eager[1:] == (eps, 0.0)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = hnorm.norm_operand(patched)
+    assert traced[0] is patched.weight and traced[1:] == (eps, cls.OFFSET)
+    monkeypatch.undo()
+    with torch.no_grad():
+        for g, e, offset in (eager, traced):
+            assert torch.equal(hnorm.prologue_norm(x, g, e, offset), stock(x))
+            assert hnorm.prologue_factor(g, offset).dtype == torch.float32
+            assert torch.equal(hnorm.prologue_factor(g, offset), factor)
+    assert hnorm.prologue_factor(eager[0], 0.0) is eager[0]  # nothing formed for a kept factor
+    llama = patched_copy(stock_norm(dtype=torch.bfloat16))
+    assert hnorm.norm_operand(llama) == (llama.weight, EPS, None)
+    assert hnorm.prologue_factor(llama.weight, None) is llama.weight
 
 
 def test_gemma_kernel_weight_follows_the_weight():

@@ -267,6 +267,22 @@ def test_fp32_factor_with_16_bit_factor_and_strided_rows(device):
     check_fp32_factor(trms.rms_norm(x, g, EPS, fp32_factor=True), x, g.float())
 
 
+@pytest.mark.parametrize("offset", [1.0, 0.0, -0.5])
+@pytest.mark.parametrize("wdtype", DTYPES, ids=str)
+def test_fp32_factor_offset_is_added_in_fp32(offset, wdtype, device):
+    """The factor ``offset + weight`` formed in registers (Gemma's 1 + w from its raw weight) is
+    bit for bit the kernel over the factor torch forms (``offset + weight.float()``), and
+    within the bound of the fp64 formula."""
+    x, _ = operands((17,), 300, torch.float16, device)
+    w = (0.5 * torch.randn(300, device=device)).to(wdtype)
+    factor = offset + w.float()
+    out = trms.rms_norm(x, w, EPS, fp32_factor=True, offset=offset)
+    assert torch.equal(out, trms.rms_norm(x, factor, EPS, fp32_factor=True))
+    check_fp32_factor(out, x, factor)
+    if offset:
+        assert not torch.equal(out, trms.rms_norm(x, w, EPS, fp32_factor=True))  # the offset is used
+
+
 def test_fp32_factor_is_part_of_the_plan(device, monkeypatch):
     monkeypatch.setattr(trms, "_PLANS", BoundedCache(trms.PLAN_CACHE_SIZE))
     x, _ = operands((3,), 96, torch.float32, device)
@@ -276,14 +292,18 @@ def test_fp32_factor_is_part_of_the_plan(device, monkeypatch):
     assert sorted(p.launch.meta["ROUND_FIRST"] for p in trms._PLANS.values()) == [False, True]
 
 
-@pytest.mark.parametrize("bad, exc, match", [
-    ("yes", TypeError, "fp32_factor must be a bool"),
-    (1, TypeError, "fp32_factor must be a bool"),
-])
-def test_fp32_factor_bad_input(bad, exc, match, device):
+@pytest.mark.parametrize("kwargs, match", [
+    ({"fp32_factor": "yes"}, "fp32_factor must be a bool"),
+    ({"fp32_factor": 1}, "fp32_factor must be a bool"),
+    ({"fp32_factor": True, "offset": "1"}, "offset must be a finite real number"),
+    ({"fp32_factor": True, "offset": True}, "offset must be a finite real number"),
+    ({"fp32_factor": True, "offset": float("nan")}, "offset must be a finite real number"),
+    ({"fp32_factor": True, "offset": torch.tensor(1.0)}, "offset must be a finite real number"),
+], ids=["str", "int", "offset-str", "offset-bool", "offset-nan", "offset-tensor"])
+def test_fp32_factor_bad_input(kwargs, match, device):
     x, w = operands((3,), 96, torch.float16, device)
-    with pytest.raises(exc, match=match):
-        trms.rms_norm(x, w, EPS, fp32_factor=bad)
+    with pytest.raises(TypeError, match=match):
+        trms.rms_norm(x, w, EPS, **kwargs)
 
 
 def test_fp32_factor_out_dtype_is_x_dtype(device):

@@ -346,6 +346,27 @@ def test_either_norm_formula_is_taken_out_of_the_prologue(factor, kernels_on_cpu
         assert err <= 2 * base + 2e-3, (err, base)
 
 
+@pytest.mark.parametrize("prologue", [False, True], ids=["apart", "prologue"])
+def test_a_traced_fp32_factor_operand_computes_what_the_kept_factor_does(prologue, kernels_on_cpu):
+    """Under torch.compile a Gemma norm's operand is its weight and offset 1 (norm.norm_operand),
+    so that the graph forms no factor: the Q/K/V piece and the gate/up piece give the same bits
+    as with the eager operand (the kept fp32 factor, offset 0), with the norm apart or in the
+    prologue."""
+    kernels_on_cpu.update(prologue=prologue, config=triton_splitk.TritonSplitKConfig(16, 32, 64, split_k=1,
+                                                                                       num_warps=4, num_stages=2))
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 96, generator=g).half()
+    w = (torch.randn(80, 96, generator=g) / 10).half()
+    raw = (torch.rand(96, generator=g) - 0.5).half()  # a Gemma weight: the factor is 1 + w
+    kept = 1.0 + raw.float()
+    traced = decode_step._norm_linear(x, raw, 1e-6, 1.0, w, None)
+    eager = decode_step._norm_linear(x, kept, 1e-6, 0.0, w, None)
+    assert torch.equal(traced, eager) and kernels_on_cpu["norm"] == (2 if prologue else 0)
+    gate_up = (torch.randn(64, 96, generator=g) / 10).half()
+    assert torch.equal(decode_step._gated_norm(x, raw, 1e-6, 1.0, gate_up, None, "gelu_tanh"),
+                       decode_step._gated_norm(x, kept, 1e-6, 0.0, gate_up, None, "gelu_tanh"))
+
+
 def test_the_norm_prologue_fits_one_config_shape():
     """``prologue_fits``: 64 W rows, 512 bytes of K per row per stage, 4 warps, 4 stages."""
     cfg = triton_splitk.TritonSplitKConfig(16, 64, 256, split_k=1, num_warps=4, num_stages=4)
