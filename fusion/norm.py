@@ -13,8 +13,9 @@ model), with a 1-D ``weight`` and a ``variance_epsilon``. Gemma's, Gemma 2's and
 (:data:`GEMMA_NORM_CLASSES`:
 ``x * rsqrt(mean(x²) + eps)`` times ``1 + weight``, all in fp32, rounded once, with ``eps``)
 become :class:`HybridGemmaRMSNorm`, which computes the same formula as one launch (the
-kernel's ``fp32_factor`` form) and hands the fused decode step its ``1 + weight`` in fp32
-(:func:`norm_operand`); OLMo 2's (:data:`OLMO2_NORM_CLASSES`: the same with ``weight``,
+kernel's ``fp32_factor`` form) and hands the fused decode step its operand
+(:func:`norm_operand`: the kept ``1 + weight`` in fp32 in eager calls, the weight and its
+offset under torch.compile); OLMo 2's (:data:`OLMO2_NORM_CLASSES`: the same with ``weight``,
 epsilon ``variance_epsilon``) become :class:`HybridOlmo2RMSNorm`; any other class is left
 alone. The module keeps its object, weight and state-dict key; only its class is swapped
 (undone by :func:`hybridgemm.unpatch`).
