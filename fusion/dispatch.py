@@ -389,14 +389,19 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
-          norm: tuple | None = None) -> torch.Tensor | None:
+          norm: tuple | None = None, keep_prologue: bool = False) -> torch.Tensor | None:
     """``act(x' @ Wg.T + bg) * (x' @ Wu.T + bu)`` over the stacked ``weight`` = cat([Wg, Wu]),
     x' = ``rmsnorm(x)`` with ``norm=(g, eps[, offset])`` (a norm operand, norm.norm_operand)
     else x, in one launch of the gated kernel where :func:`decide.choose_gated` picks it, with
     its config; None where it does not (the caller composes it: the norm apart, then
-    :func:`hybridgemm.gated_linear`)."""
+    :func:`hybridgemm.gated_linear`). With a norm and ``keep_prologue`` (eager decode, as
+    :func:`fused_splitk`'s), where the table's entry takes the norm apart the kernel runs with
+    the norm in its prologue and its rule's config instead: one launch where the entry's
+    choice is two."""
     g, eps, offset = (*norm, None)[:3] if norm is not None else (None, 0.0, None)
     choice = decide.choose_gated(x, weight, bias, g, fp32_factor=offset is not None)
+    if keep_prologue and g is not None and choice.backend != "triton_glu":
+        choice = decide.choose_gated(x, weight, bias, g, tuned=False, fp32_factor=offset is not None)
     if choice.backend != "triton_glu":
         return None
     kernel_norm = None if g is None else (prologue_factor(g, offset), eps)

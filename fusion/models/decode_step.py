@@ -118,11 +118,13 @@ def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: T
 
 
 def _gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
-                bias: Tensor | None, activation: str, scale: Tensor | None = None) -> Tensor:
+                bias: Tensor | None, activation: str, scale: Tensor | None = None,
+                keep_prologue: bool = False) -> Tensor:
     if scale is not None:  # FP8: gate/up as one split-K launch with the norm prologue, the product apart
         gate, up = _norm_linear(x, norm_weight, eps, norm_offset, weight, bias, None, scale).chunk(2, dim=-1)
         return GLU_FUNCTIONS[activation](gate) * up
-    y = dispatch.gated(x, weight, bias, activation, **_norm_fusion(norm_weight, eps, norm_offset))
+    y = dispatch.gated(x, weight, bias, activation, keep_prologue=keep_prologue,
+                       **_norm_fusion(norm_weight, eps, norm_offset))
     return gated_linear(_normed(x, norm_weight, eps, norm_offset), weight, bias, activation) if y is None else y
 
 
@@ -195,14 +197,17 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Te
                      scale, None if residual_scale is None else float(residual_scale))
 
 
+_gated_norm_eager = functools.partial(_gated_norm, keep_prologue=True)  # (as _norm_linear_eager)
+
+
 def gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
                bias: Tensor | None, activation: str, scale: Tensor | None = None) -> Tensor:
     """``gated_linear(rmsnorm(x), weight, bias, activation)`` (the norm of operand
     ``(norm_weight, eps, norm_offset)``; x itself for a None ``norm_weight``), one launch of the gated kernel
     where the dispatcher's gated rule picks it (an FP8 weight: the split-K launch with the norm
     prologue, then the product)."""
-    return _compiled(torch.ops.hybridgemm.gated_norm_fwd, _gated_norm, x, norm_weight, float(eps), norm_offset,
-                     weight, bias, activation, scale)
+    return _compiled(torch.ops.hybridgemm.gated_norm_fwd, _gated_norm_eager, x, norm_weight, float(eps),
+                     norm_offset, weight, bias, activation, scale)
 
 
 # ------------------------------------------------------------------ Q/K/V with rotary + cache

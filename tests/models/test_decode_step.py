@@ -367,6 +367,41 @@ def test_a_traced_fp32_factor_operand_computes_what_the_kept_factor_does(prologu
                        decode_step._gated_norm(x, kept, 1e-6, 0.0, gate_up, None, "gelu_tanh"))
 
 
+@pytest.mark.parametrize("offset", [None, 1.0], ids=["llama-formula", "gemma-weight"])
+def test_eager_gate_up_keeps_the_norm_in_its_prologue_where_the_table_takes_it_apart(offset, kernels_on_cpu,
+                                                                                   monkeypatch):
+    """A gated entry of ``torch`` for a prologue (the norm apart, then gate/up): the compiled op
+    follows it (no norm in the gated launch); eager decode, host-bound, runs the gated kernel
+    with the norm in its prologue and the rule's config instead (one launch). Both as close to
+    the fp32 computation as the unfused piece."""
+    from hybridgemm import decide
+    from hybridgemm.kernels import triton_glu
+    from hybridgemm.norm import prologue_norm
+
+    real_choice, real_glu, launched = decide.choose_gated, triton_glu.glu, []
+
+    def table_says_apart(x, w, b, norm_weight=None, tuned=True, **kw):
+        if tuned and norm_weight is not None:
+            return decide.Choice("torch", None, "table", "glu_rms|test", "the norm apart")
+        return real_choice(x, w, b, norm_weight, tuned, **kw)
+
+    monkeypatch.setattr(decide, "choose_gated", table_says_apart)
+    monkeypatch.setattr(triton_glu, "glu", lambda *a, norm=None, **kw: launched.append(norm is not None)
+                        or real_glu(*a, norm=norm, **kw))
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 96, generator=g).half()
+    w = (torch.randn(64, 96, generator=g) / 10).half()
+    nw = (torch.rand(96, generator=g) - 0.5).half() if offset else (torch.rand(96, generator=g) + 0.5).half()
+    eager = decode_step._gated_norm_eager(x, nw, 1e-6, offset, w, None, "silu")
+    assert launched == [True]
+    compiled_op = decode_step._gated_norm(x, nw, 1e-6, offset, w, None, "silu")
+    assert launched == [True]  # the op: the norm apart, then gate/up as decided without it (on the CPU: torch)
+    xn = prologue_norm(x.float(), nw.float() + (offset or 0.0), 1e-6)
+    ref = torch.nn.functional.silu(xn @ w[:32].float().T) * (xn @ w[32:].float().T)
+    base = (compiled_op.float() - ref).abs().max()
+    assert (eager.float() - ref).abs().max() <= 2 * base + 2e-3
+
+
 def test_the_norm_prologue_fits_one_config_shape():
     """``prologue_fits``: 64 W rows, 512 bytes of K per row per stage, 4 warps, 4 stages."""
     cfg = triton_splitk.TritonSplitKConfig(16, 64, 256, split_k=1, num_warps=4, num_stages=4)
