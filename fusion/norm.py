@@ -194,7 +194,7 @@ class Fp32FactorRMSNorm(nn.Module):
         """``OFFSET + weight`` in fp32, the factor a fused norm prologue multiplies x by (it
         computes ``rstd * ((x * g) @ W.T)``), for eager calls (:func:`norm_operand`). Kept
         between calls while the weight is unchanged (the same parameter, storage and version);
-        computed in the graph under ``torch.compile``."""
+        formed afresh if called while compiling (no kept tensor enters a graph)."""
         w = self.weight
         if torch.compiler.is_compiling():
             return self.OFFSET + w.detach().float()
@@ -244,7 +244,8 @@ def prologue_norm(x: Tensor, g: Tensor, eps: float, offset: float | None = None)
 def prologue_factor(g: Tensor, offset: float | None) -> Tensor:
     """The tensor a fused norm prologue multiplies x by for operand ``(g, offset)``: ``g``
     itself (Llama's weight, or an fp32 factor already formed with offset 0), else
-    ``offset + g`` in fp32, formed here (one small launch)."""
+    ``offset + g`` in fp32, formed here (torch's conversion and add: two small launches for a
+    16-bit weight; the prologue kernels take the factor from memory)."""
     if offset is None or (offset == 0.0 and g.dtype == torch.float32):
         return g
     return offset + g.float()

@@ -527,8 +527,8 @@ def _slot_project(proj: nn.Module, x: Tensor, counters: Tensor | None) -> Tensor
 def _post_norm_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None) -> Tensor:
     """Gemma 2/3's layer: ``h = x + post_attn_norm(O(attention(input_norm(x))))``,
     ``y = h + post_ff_norm(down(glu(gate_up(pre_ff_norm(h)))))`` (OLMo 2's: the same without the
-    input norms); the norms of the outputs as the modules compute them (in torch ops, which
-    Inductor fuses with the adds)."""
+    input norms); the norms of the outputs as the modules compute them (one Triton launch each
+    in eager calls; under torch.compile torch ops, which Inductor fuses with the adds)."""
     o = _slot_project(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), counters)
     h = x + apply_norm(layer.post_attention_layernorm, o)
     mlp_norm = layer._modules.get("pre_feedforward_layernorm")
