@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU suite (Triton interpreter, no GPU) on the ends of the range pyproject.toml declares:
 #   oldest: torch 2.10.0, triton 3.6.0, numpy 2.2.6, transformers 5.8.1
-#   newest: torch 2.15.0, triton 3.9.0, numpy 2.4.6, transformers 5.24.0
+#   newest: torch 2.15.0, triton 3.9.0, numpy 2.4.6, transformers 5.25.0
 # (the model tests, tests/models, assert per family that the fused decode step is taken and
 # matches stock: on both transformers releases)
 # Each stack gets its own venv, .venv/stacks/NAME (git-ignored with .venv/), installed once and
@@ -33,7 +33,7 @@ done
 pins() {
   case "$1" in
     oldest) echo "torch==2.10.0 triton==3.6.0 numpy==2.2.6 transformers==5.8.1" ;;
-    newest) echo "torch==2.15.0 triton==3.9.0 numpy==2.4.6 transformers==5.24.0" ;;
+    newest) echo "torch==2.15.0 triton==3.9.0 numpy==2.4.6 transformers==5.25.0" ;;
     *) return 1 ;;
   esac
 }

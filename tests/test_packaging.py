@@ -57,3 +57,36 @@ def test_version_is_read_from_the_installed_metadata():
 
     declared = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     assert hybridgemm.__version__ == declared
+
+
+def _python_in_the_checkout(code: str, extra_path: Path | None = None) -> subprocess.CompletedProcess:
+    """Runs ``python -c code`` from the checkout's root, which puts the root first on sys.path."""
+    import os
+
+    env = dict(os.environ)
+    if extra_path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(extra_path), env.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_bare_name_kernels_in_a_checkout_is_the_installed_package(tmp_path):
+    # `kernels/` at the checkout's root is hybridgemm.kernels; from the root it is also found as `kernels`,
+    # the name of another distribution. The installed one must win, and hybridgemm's must still load.
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("MARK = 'installed'\n")
+    res = _python_in_the_checkout(
+        "import kernels, hybridgemm.kernels as ours\n"
+        "print(kernels.MARK, kernels.__file__)\n"
+        "print(ours.__file__, ours.Problem.__module__)\n", tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    first, second = res.stdout.splitlines()
+    assert first == f"installed {tmp_path / 'kernels' / '__init__.py'}"
+    assert second == f"{ROOT / 'kernels' / '__init__.py'} hybridgemm.kernels.problem"
+
+
+def test_transformers_imports_from_the_checkouts_root():
+    pytest.importorskip("transformers")
+    res = _python_in_the_checkout("from transformers import LlamaConfig, activations\nprint(LlamaConfig.__name__)")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == "LlamaConfig"

@@ -65,7 +65,7 @@ _LAYER_DTYPES = (torch.bfloat16, torch.float32)
 _FP8_ACTIVATIONS = (torch.bfloat16,)  # x of an FP8-weight layer (fusion/fp8_modules.py)
 
 # The forwards the step computes, statement by statement (each top-level statement of the
-# body, unparsed, whitespace removed; a tuple: one of these forms): transformers 5.3-5.24's
+# body, unparsed, whitespace removed; a tuple: one of these forms): transformers 5.3-5.25's
 # Llama, Qwen2, Qwen3, Mistral, Gemma, Qwen2-MoE, Qwen3-MoE and Mixtral decoder layers and attentions.
 # A forward with any other or any further statement is not fused (a subclass's extra line would
 # otherwise be skipped).
@@ -425,7 +425,9 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
         why = why_not_qk_norms(attn)
         if why is not None:
             return why
-    rope = attention_form(cls).rotary
+    if _rotary_kernelized(attn, attention_form(cls)):
+        return "its rotary embedding is a kernel from the Hugging Face Hub (kernels.kernelize), not the stock function"
+    rope = plain_function(attention_form(cls).rotary)
     rotate = getattr(inspect.unwrap(rope), "__globals__", {}).get("rotate_half")
     if rope is None or rotate is None or not _has_all(rotate, _ROTATE_HALF_STATEMENTS) or not (
             _has_all(rope, _ROTARY_STATEMENTS) or _matches(body_statements(rope), _PARTIAL_ROTARY_BODY)):
@@ -433,6 +435,34 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
     if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
         return "it has no integer head_dim and layer_idx"
     return why_not_load_kernels()
+
+
+def plain_function(fn):
+    """The function behind ``fn``. With Hugging Face's kernels installed (a dependency of transformers >= 5.25),
+    ``@use_kernel_forward_from_hub`` turns a function such as apply_rotary_pos_emb into a module instance whose
+    class's forward calls the function (a closure cell, ``func``); without it, ``fn`` is the function."""
+    if isinstance(fn, nn.Module):
+        return inspect.getclosurevars(type(fn).forward).nonlocals.get("func")
+    return fn
+
+
+def _rotary_wrapper(attn: nn.Module, form: AttentionForm) -> nn.Module | None:
+    # kernels' @use_kernelized_func gives each instance a wrapper of its own, keyed by the layer name
+    name = getattr(form.rotary, "kernel_layer_name", None)
+    return getattr(attn, "_kernel_funcs", {}).get(name) if name is not None else None
+
+
+def module_rotary(attn: nn.Module, form: AttentionForm) -> Callable:
+    """What ``attn``'s forward calls as apply_rotary_pos_emb: the instance's own wrapper where kernels gave it
+    one (the module's forward routes the global's calls to it), else the global."""
+    wrapper = _rotary_wrapper(attn, form)
+    return form.rotary if wrapper is None else wrapper
+
+
+def _rotary_kernelized(attn: nn.Module, form: AttentionForm) -> bool:
+    # kernels.kernelize binds a Hub kernel's forward on the instance's wrapper
+    wrapper = _rotary_wrapper(attn, form)
+    return wrapper is not None and "forward" in vars(wrapper)
 
 
 def why_not_qk_norms(attn: nn.Module) -> str | None:

@@ -411,7 +411,7 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     cos, sin = kwargs["position_embeddings"]
-    q, k = form.rotary(q, k, cos, sin)
+    q, k = checks.module_rotary(attn, form)(q, k, cos, sin)
     rest = {n: a for n, a in kwargs.items() if n not in _CONSUMED}
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is not None:  # as the module's forward calls it (decode_checks.UPDATE_FORMS)

@@ -526,6 +526,35 @@ def test_where_the_step_cannot_fuse_the_results_are_still_stock(why, kernels_on_
         assert sum("rotary/KV-cache fusion" in str(w.message) for w in seen) == 1
 
 
+def test_a_hub_kernel_bound_as_the_rotary_runs_where_the_step_would_not(kernels_on_cpu):
+    """With Hugging Face's kernels installed, each attention routes apply_rotary_pos_emb through a wrapper of its
+    own, whose forward kernels.kernelize replaces with a Hub kernel's. Such an attention is not fused: its layer
+    runs the module's attention over the fused Q/K/V, calling that kernel, as the stock model does."""
+    stock = _tiny("llama")
+    form = checks.attention_form(type(stock.model.layers[0].self_attn))
+    wrappers = [checks.module_rotary(layer.self_attn, form) for layer in stock.model.layers]
+    if wrappers[0] is form.rotary:
+        pytest.skip("this transformers release calls apply_rotary_pos_emb as a plain function (no kernels wrappers)")
+    calls = []
+
+    def hub_rotary(self, q, k, cos, sin, unsqueeze_dim=1):  # the stock rotary with q scaled: a kernel of its own
+        calls.append(1)
+        q, k = checks.plain_function(form.rotary)(q, k, cos, sin, unsqueeze_dim)
+        return q * 1.5, k
+
+    for wrapper in wrappers:  # as kernels.kernelize binds a layer's forward
+        wrapper.forward = types.MethodType(hub_rotary, wrapper)
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    attn = model.model.layers[0].self_attn
+    assert "Hugging Face Hub" in checks.why_not_fuse_attention(attn)
+    assert not any(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
+    _compare(model, stock, steps=2)
+    assert calls and kernels_on_cpu["rope"] == 0
+    del checks.module_rotary(attn, form).forward  # the wrapper back to the stock function
+    assert checks.why_not_fuse_attention(attn) is None
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_one_token_attention_is_one_kernel_launch(batch, kernels_on_cpu, monkeypatch):
     from hybridgemm.kernels import triton_decode_attention as tda
