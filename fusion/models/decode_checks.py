@@ -418,9 +418,6 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
     if attention_form(cls).softcap and attn.attn_logit_softcapping is not None:
         return "its attention logits are soft-capped, which the decode attention kernel does not compute (the " \
                "module's attention function runs over the fused Q/K/V)"
-    if attention_form(cls).full_qk_norm:
-        return "its q/k norms span all heads, which the rotary epilogue (one head per tile) does not compute (the " \
-               "module's norms and attention function run over the fused Q/K/V)"
     if attention_form(cls).qk_norm:
         why = why_not_qk_norms(attn)
         if why is not None:

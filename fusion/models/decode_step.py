@@ -226,12 +226,16 @@ def _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, 
     return _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm, k_norm, qk_eps)
 
 
-def _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None, k_norm=None, qk_eps=0.0) -> Tensor:
+def _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None, k_norm=None, qk_eps=0.0,
+                  full_norms: tuple[nn.Module, nn.Module] | None = None) -> Tensor:
     """From the Q/K/V projection ``y`` [B, S, N], as the stock attention computes it: the q/k
-    norms, rotary in y's dtype, ``index_copy_`` of k and v into the cache."""
+    norms (``full_norms``: modules over all the q (k) columns, before the head views, as OLMo 2's;
+    else RMSNorm weights per head), rotary in y's dtype, ``index_copy_`` of k and v into the cache."""
     b, s = y.shape[:2]
     hd = keys.shape[-1]
     q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    if full_norms is not None:
+        q, k = full_norms[0](q), full_norms[1](k)
     q, k = q.reshape(b, s, heads, hd), k.reshape(b, s, kv_heads, hd)
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, qk_eps), rms_norm(k, k_norm, qk_eps)
@@ -346,15 +350,19 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
     heads = qkv.weight.shape[0] // hd - 2 * kv_heads
     base = layer.cumulative_length
     qk = {}
-    if checks.attention_form(type(attn)).qk_norm:  # patched RMSNorms over head_dim (decode_checks.why_not_qk_norms)
+    form = checks.attention_form(type(attn))
+    if form.qk_norm:  # patched RMSNorms over head_dim (decode_checks.why_not_qk_norms)
         qk = dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight, qk_eps=float(attn.q_norm.variance_epsilon))
     slots = _slots(attn, qkv)
-    if any(adapter_terms.adds_terms(m) for m in slots):
-        # LoRA terms go in before the q/k norms and rotary: the GEMM with its norm, the terms,
-        # then the stock rotary and cache write (fused by Inductor under torch.compile)
-        y = _qkv_with_adapters(x, norm, qkv, slots, counters)
+    adapters = any(adapter_terms.adds_terms(m) for m in slots)
+    if adapters or form.full_qk_norm:
+        # LoRA terms, and q/k norms over all heads (which a tile of one head cannot compute), go in
+        # before the rotary: the GEMM with its norm, the terms, the norms, then the stock rotary and
+        # cache write (fused by Inductor under torch.compile)
+        y = _qkv_with_adapters(x, norm, qkv, slots, counters) if adapters else \
+            norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
         y = _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, qk.get("q_norm"), qk.get("k_norm"),
-                          qk.get("qk_eps", 0.0))
+                          qk.get("qk_eps", 0.0), (attn.q_norm, attn.k_norm) if form.full_qk_norm else None)
     else:
         y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,
                           base, heads, kv_heads, counters, weight_scale_of(qkv), **qk)

@@ -421,20 +421,29 @@ def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_o
     norms on the head views) and OLMo 2 (no input norms; q/k norms over all heads, weight in
     fp32): each sublayer's output normalised before its residual add, the MLP's input by
     pre_feedforward_layernorm (OLMo 2: the residual stream itself), sliding-window layers beside
-    full ones, Gemma 2's attention softcap or none; every layer calls the module's attention
-    function over the fused QKV, with its window and softcap."""
+    full ones, Gemma 2's attention softcap or none. Gemma's layers call the module's attention
+    function over the fused QKV, with its window and softcap; OLMo 2's take the static-cache
+    step: its norms, the rotary and the cache write after the GEMM, the decode attention kernel
+    for each new token."""
+    from hybridgemm.kernels import triton_decode_attention as tda
+
     stock = _tiny(kind, layers=2, attention=attention, head_dim=32, **extra)
     model = copy.deepcopy(stock)
     report = hybridgemm.patch(model)
     assert report.fused_layers == ["model.layers.0", "model.layers.1"]
     assert all(layer.__dict__.get(checks.POST_NORMS) for layer in model.model.layers)
-    steps = []
-    real = decode_step._post_norm_step
+    if kind == "olmo2":
+        assert all(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
+    steps, launches = [], []
+    real, real_attention = decode_step._post_norm_step, tda.decode_attention
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(decode_step, "_post_norm_step", lambda *a: steps.append(1) or real(*a))
+        mp.setattr(tda, "decode_attention", lambda q, *a, **kw: launches.append(tuple(q.shape))
+                   or real_attention(q, *a, **kw))
         _compare(model, stock, steps=3, batch=2)  # past the window of 4 positions: the sliding layer's mask
     assert len(steps) == 2 * (1 + 3)  # both layers: the 3-token prompt (6 rows), then each step
     assert kernels_on_cpu["rope"] == 0
+    assert launches == ([(2, 4 * 32)] * 2 * 3 if kind == "olmo2" else [])  # 4 heads of 32, both layers, 3 steps
 
 
 def test_heads_no_tuned_tile_divides_take_narrower_tiles_in_the_rotary_epilogue(kernels_on_cpu, monkeypatch):

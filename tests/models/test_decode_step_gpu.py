@@ -89,8 +89,8 @@ def models(monkeypatch, request):
     gemma (its norms' fp32 1 + w in the QKV and gate/up prologues, GeGLU), phi3 (its
     checkpoint's qkv_proj and gate_up_proj as they are), gemma2 (post-norms; its softcapped eager
     attention over the fused QKV, so no rotary epilogue), gemma3 (post-norms; its (1 + w) q/k
-    norms and attention the module's, over the fused QKV) and olmo2 (post-norms only; its q/k
-    norms over all heads and its attention the module's, over the fused QKV)."""
+    norms and attention the module's, over the fused QKV) and olmo2 (post-norms only; the static-cache
+    step with its q/k norms over all heads as modules after the fused QKV, so no rotary epilogue)."""
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=request.param)
     calls = {"rope": 0, "static": request.param not in ("gemma2", "gemma3", "olmo2")}
     real = triton_splitk.run

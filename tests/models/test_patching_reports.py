@@ -77,9 +77,8 @@ EXPECTED = {
                    "kernel does not compute (the module's attention function runs over the fused Q/K/V)")],
     "granite": [],
     # its norms (weight in fp32) patched, the post-norms applied to O's and down's outputs; its
-    # q/k norms over all heads run as modules before the module's attention function
-    "olmo2": [(L, "attention step not fused: its q/k norms span all heads, which the rotary epilogue (one head per "
-                  "tile) does not compute (the module's norms and attention function run over the fused Q/K/V)")],
+    # q/k norms over all heads run as modules in the static-cache step, after the Q/K/V GEMM
+    "olmo2": [],
     "stablelm": [(L, _layer("StableLmDecoderLayer")), (f"{L}.input_layernorm", _norm("LayerNorm")),
                  (f"{L}.post_attention_layernorm", _norm("LayerNorm"))],
     "cohere": [(L, _layer("CohereDecoderLayer")), (f"{L}.input_layernorm", _norm("CohereLayerNorm"))],
