@@ -90,3 +90,12 @@ def test_transformers_imports_from_the_checkouts_root():
     res = _python_in_the_checkout("from transformers import LlamaConfig, activations\nprint(LlamaConfig.__name__)")
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.strip() == "LlamaConfig"
+
+
+def test_the_default_venv_pins_the_newest_stacks_transformers():
+    import re
+
+    setup = re.search(r"^TRANSFORMERS=(\S+)", (ROOT / "scripts/setup.sh").read_text(), re.M).group(1)
+    newest = re.search(r'newest\) echo ".*transformers==(\S+)"', (ROOT / "scripts/ci-stacks.sh").read_text()).group(1)
+    assert setup == newest
+    assert f"transformers {setup}) stacks" in " ".join((ROOT / "README.md").read_text().split())
