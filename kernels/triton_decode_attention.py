@@ -22,6 +22,13 @@ a few microseconds, and each kernel boundary costs about one more on the H200.
 Scores and the softmax are fp32 (exp2 with the scale folded in), the probabilities are
 rounded to the cache's dtype for the product with V, as flash-attention kernels do. A query
 row whose mask admits no position gives zeros, as PyTorch's math SDPA does (torch >= 2.5).
+
+Gemma 2's form, which transformers computes in its eager attention function, is taken too:
+logits soft-capped (``softcap * tanh(scores / softcap)``, tanh from exp2) and an additive
+floating mask (transformers' eager mask: 0 where a position is attended, the dtype's minimum
+where not), added after the cap. A position whose mask value is at or below ``MASKED_AT``
+(-1e30) counts as masked, for block skipping and for a row's emptiness, as a boolean mask's
+False does.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from .triton_launch import Launcher, device_facts, pdl_enabled
 from .triton_scratch import split_scratch, tl_last_arrival
 
 _LOG2E = 1.4426950408889634
+MASKED_AT = -1e30  # an additive mask value at or below this hides the position (the dtypes' minima are below it)
 _BLOCK_T = 64  # cache positions per step of a program's loop
 _BLOCK_T_WIDE = 32  # the same for heads of 256 (Gemma's): the K and V tiles' shared memory halved
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -45,12 +53,12 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ws_ptr, cnt_ptr, base_ptr,
-                             L, span, step, qk_scale, kv_heads, q_sb, k_sb, k_sh, k_st, v_sb, v_sh, v_st,
+                             L, span, step, qk_scale, softcap, kv_heads, q_sb, k_sb, k_sh, k_st, v_sb, v_sh, v_st,
                              m_sb, m_st, o_sb,
                              REP: tl.constexpr, RP: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
                              BT: tl.constexpr,
-                             HAS_MASK: tl.constexpr, SPLITS: tl.constexpr, INC: tl.constexpr,
-                             PREC: tl.constexpr, PDL: tl.constexpr):
+                             HAS_MASK: tl.constexpr, ADD_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+                             SPLITS: tl.constexpr, INC: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()  # the Q/K/V kernel before this one has written q and the cache
     pid_g = tl.program_id(0)  # (sequence, KV head)
@@ -77,10 +85,20 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ws_ptr, cnt_ptr,
         offs_t = t + tl.arange(0, BT)
         ok = offs_t < t1
         if HAS_MASK:
-            ok = ok & (tl.load(m_ptr + b * m_sb + offs_t * m_st, mask=ok, other=0) != 0)
+            if ADD_MASK:  # additive (in the scores' units), after the cap
+                bias = tl.load(m_ptr + b * m_sb + offs_t * m_st, mask=ok, other=float("-inf")).to(tl.float32)
+                ok = ok & (bias > -1e30)  # MASKED_AT
+            else:
+                ok = ok & (tl.load(m_ptr + b * m_sb + offs_t * m_st, mask=ok, other=0) != 0)
         if tl.max(ok.to(tl.int32), axis=0) > 0:  # a block masked entirely is not read
             k = tl.load(k_base + offs_t[:, None] * k_st + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            if SOFTCAP or ADD_MASK:  # qk_scale is the plain scale here; log2(e) comes after the cap and the mask
+                if SOFTCAP:  # softcap * tanh(s / softcap), tanh(u) = 1 - 2 / (exp(2u) + 1)
+                    s = softcap * (1.0 - 2.0 / (tl.math.exp2(s * (2.0 * 1.4426950408889634 / softcap)) + 1.0))
+                if ADD_MASK:
+                    s = s + bias[None, :]
+                s = s * 1.4426950408889634
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.math.exp2(s - m_new[:, None])
@@ -146,9 +164,9 @@ def why_not(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
         return "keys and values need unit stride along head_dim"
     if q.shape[1] // hd // kv_heads > 64:
         return "more than 64 query heads per KV head"
-    if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1:3] != (1, 1)
-                             or mask.shape[0] not in (1, b) or mask.shape[3] != length):
-        return f"the mask must be boolean [1 or {b}, 1, 1, {length}]"
+    if mask is not None and (mask.dtype not in (torch.bool, q.dtype, torch.float32) or mask.dim() != 4
+                             or mask.shape[1:3] != (1, 1) or mask.shape[0] not in (1, b) or mask.shape[3] != length):
+        return f"the mask must be boolean or additive (of q's dtype or float32) [1 or {b}, 1, 1, {length}]"
     if length == 0:
         return "the cache is empty"
     if max(_extent(t) for t in (q, keys, values, mask, out) if t is not None) > INT32_LIMIT:
@@ -171,18 +189,21 @@ def _splits(pairs: int, length: int, num_sms: int, block_t: int) -> int:
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                      scale: float, out: torch.Tensor, *, base: torch.Tensor | None = None, step: int = 1,
-                     counters: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[b] = softmax(q[b] k[b].T * scale + mask) v[b]`` for one query per sequence, GQA
+                     counters: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+    """``out[b] = softmax(cap(q[b] k[b].T * scale) + mask) v[b]`` for one query per sequence, GQA
     heads grouped (query head ``j`` reads KV head ``j // (heads / kv_heads)``), as
-    ``F.scaled_dot_product_attention(..., enable_gqa=True)`` with a boolean mask computes it.
+    ``F.scaled_dot_product_attention(..., enable_gqa=True)`` with a boolean mask computes it
+    (``cap``: the identity, or ``softcap * tanh(s / softcap)`` for ``softcap > 0``).
 
     ``q``/``out`` ``[B, heads * head_dim]`` (q's rows may be strided: the q columns of a fused
     Q/K/V output), ``keys``/``values`` ``[B, kv_heads, L, head_dim]``, ``mask`` None (every
-    position) or boolean ``[B or 1, 1, 1, L]``. ``base`` (an int64 device scalar) gets ``step``
-    added. ``counters``: a zeroed int32 buffer of at least B * kv_heads entries for a compiled
-    region, left zero (eager calls use their stream's). Raises ValueError naming the problem.
+    position), boolean or additive ``[B or 1, 1, 1, L]``. ``base`` (an int64 device scalar) gets
+    ``step`` added. ``counters``: a zeroed int32 buffer of at least B * kv_heads entries for a
+    compiled region, left zero (eager calls use their stream's). Raises ValueError naming the problem.
     """
     reason = why_not(q, keys, values, mask, out)
+    if reason is None and not (isinstance(softcap, (int, float)) and 0 <= softcap < float("inf")):
+        reason = f"softcap must be a finite number >= 0 (0: none), got {softcap!r}"
     if reason is None and base is not None and (base.dtype != torch.int64 or base.numel() != 1
                                                  or base.device != q.device):
         reason = f"base must be a one-element int64 tensor on {q.device}"
@@ -204,12 +225,14 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
             *keys.stride()[:3], *values.stride()[:3], m_sb, m_st, out.stride(0))
     ptrs = (q, keys, values, mask, out, base)
     aligned = tuple(None if t is None else t.data_ptr() % 16 == 0 for t in ptrs)
-    key = (q.device, q.dtype, b, rep, hd, splits, pdl, ints, aligned)
+    add_mask = mask is not None and mask.dtype != torch.bool
+    capped = softcap > 0
+    key = (q.device, q.dtype, b, rep, hd, splits, pdl, ints, aligned, None if mask is None else mask.dtype, capped)
     launch = _LAUNCHERS.get(key)
     if launch is None:
         meta = dict(REP=rep, RP=max(16, triton.next_power_of_2(rep)), HD=hd, HDP=triton.next_power_of_2(hd), BT=bt,
-                    HAS_MASK=mask is not None, SPLITS=splits, INC=base is not None and step != 0, PREC=prec, PDL=pdl,
-                    num_warps=4, num_stages=2)
+                    HAS_MASK=mask is not None, ADD_MASK=add_mask, SOFTCAP=capped, SPLITS=splits,
+                    INC=base is not None and step != 0, PREC=prec, PDL=pdl, num_warps=4, num_stages=2)
         if pdl:
             meta["launch_pdl"] = True
         launch = _LAUNCHERS.put(key, Launcher(_decode_attention_kernel, (b * kv_heads, splits), meta))
@@ -221,9 +244,11 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
             cnt = counters
     else:
         ws = cnt = out
+    # the plain scale where the cap or the mask comes between it and log2(e) (the kernel applies it after them)
+    qk_scale = float(scale) if capped or add_mask else float(scale) * _LOG2E
     launch(q, keys, values, out if mask is None else mask, out, ws, cnt, out if base is None else base,
-           length, ints[1], step, float(scale) * _LOG2E, *ints[3:])
+           length, ints[1], step, qk_scale, float(softcap) if capped else 1.0, *ints[3:])
     return out
 
 
-__all__ = ["decode_attention", "why_not"]
+__all__ = ["MASKED_AT", "decode_attention", "why_not"]

@@ -164,7 +164,7 @@ def test_caller_counters_are_used_in_compiled_regions_and_left_zero(monkeypatch)
     (dict(q=torch.zeros(2, 6 * 16)), "heads a multiple of 4"),
     (dict(q=torch.zeros(3, 8 * 16)), r"q must be \[2"),
     (dict(q=torch.zeros(8 * 16, 2).T), "unit column stride"),
-    (dict(mask=torch.zeros(2, 1, 1, 10)), "boolean"),
+    (dict(mask=torch.zeros(2, 1, 1, 10, dtype=torch.float64)), "boolean or additive"),
     (dict(mask=torch.ones(2, 1, 1, 9, dtype=torch.bool)), "boolean"),
     (dict(mask=torch.ones(2, 1, 2, 10, dtype=torch.bool)), "boolean"),
     (dict(out=torch.zeros(2, 8 * 16, dtype=torch.float16)), "out must be"),
@@ -216,3 +216,73 @@ def test_the_kernel_compiles_for_hopper_with_heads_of_96_128_and_256():
     from helpers import compile_offline
 
     compile_offline(_COMPILE_FOR_HOPPER)
+
+
+def _capped_reference(q, keys, values, mask, scale, softcap):
+    """fp64: softcap * tanh(q k^T * scale / softcap) + mask (additive), softmax, times v."""
+    b, kvh, length, hd = keys.shape
+    heads = q.shape[1] // hd
+    rep = heads // kvh
+    qd = q.double().reshape(b, heads, 1, hd)
+    kd, vd = keys.double().repeat_interleave(rep, 1), values.double().repeat_interleave(rep, 1)
+    s = qd @ kd.transpose(2, 3) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if mask is not None:
+        s = s + mask.double()
+    return (torch.softmax(s, dim=-1) @ vd).reshape(b, heads * hd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,heads,kvh,hd,length", [(1, 8, 2, 32, 17), (3, 6, 3, 16, 333), (2, 4, 2, 256, 70),
+                                                   (2, 6, 2, 96, 90)])
+@pytest.mark.parametrize("softcap,mask_kind", [(50.0, "none"), (50.0, "additive"), (0.0, "additive"),
+                                               (2.0, "additive-bias"), (30.0, "boolean")])
+def test_soft_capped_logits_and_additive_masks_match_fp64(sms, dtype, b, heads, kvh, hd, length, softcap, mask_kind):
+    """Gemma 2's attention (transformers' eager form): logits soft-capped, then an additive mask
+    (the dtype's minimum where masked; "additive-bias": finite values too); scores scaled so the
+    cap bends them (2.0: most of them)."""
+    q, keys, values = _operands(b, heads, kvh, hd, length, dtype, seed=4)
+    q = q * 4  # scores of several units: the cap matters
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.rand(b, 1, 1, length, generator=g) < 0.4
+    hidden[..., -1] = False  # the newest position is always attended
+    mask = None
+    if mask_kind == "boolean":
+        mask = ~hidden
+    elif mask_kind.startswith("additive"):
+        mask = torch.zeros(b, 1, 1, length, dtype=dtype).masked_fill(hidden, torch.finfo(dtype).min)
+        if mask_kind == "additive-bias":
+            mask = mask + (torch.rand(b, 1, 1, length, generator=g) * -3).to(dtype).masked_fill(hidden, 0)
+    out = torch.full((b, heads * hd), float("nan"), dtype=dtype)  # poisoned
+    tda.decode_attention(q, keys, values, mask, 0.125, out, softcap=softcap)
+    ref = _capped_reference(q, keys, values, None if mask is None or mask.dtype == torch.bool else mask, 0.125,
+                            softcap)
+    if mask is not None and mask.dtype == torch.bool:
+        ref = _capped_reference(q, keys, values, torch.zeros(mask.shape, dtype=torch.float64).masked_fill(
+            ~mask, float("-inf")), 0.125, softcap)
+    torch.testing.assert_close(out.double(), ref, **_tol(dtype))
+
+
+def test_an_additive_mask_skips_hidden_blocks_it_never_reads(sms):
+    # a static cache of 1000 positions with 5 written, hidden by the dtype's minimum: garbage past them is never read
+    q, keys, values = _operands(2, 8, 2, 32, 1000, torch.float32)
+    mask = torch.zeros(1, 1, 1, 1000).masked_fill(torch.arange(1000) >= 5, torch.finfo(torch.float32).min)
+    keys[:, :, 5:] = float("nan")
+    values[:, :, 5:] = float("inf")
+    out = tda.decode_attention(q, keys, values, mask, 0.2, torch.empty(2, 8 * 32), softcap=20.0)
+    torch.testing.assert_close(out.double(), _capped_reference(q, keys[:, :, :5], values[:, :, :5], None, 0.2, 20.0),
+                               rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("softcap", [-1.0, float("inf"), float("nan"), "50"])
+def test_a_bad_softcap_is_refused(softcap):
+    q, keys, values = _operands(1, 4, 2, 16, 10, torch.float32)
+    with pytest.raises(ValueError, match="softcap"):
+        tda.decode_attention(q, keys, values, None, 1.0, torch.empty(1, 64), softcap=softcap)
+
+
+def test_a_mask_of_another_float_dtype_is_refused():
+    q, keys, values = _operands(1, 4, 2, 16, 10, torch.float16)
+    assert "additive" in tda.why_not(q, keys, values, torch.zeros(1, 1, 1, 10, dtype=torch.bfloat16))
+    assert tda.why_not(q, keys, values, torch.zeros(1, 1, 1, 10, dtype=torch.float32)) is None
