@@ -9,6 +9,11 @@ import os
 import sys
 
 
+def _is_checkout(path: str) -> bool:
+    # a hybridgemm source tree (this one or another): its kernels/ is never the package to load
+    return all(os.path.isdir(os.path.join(path, d, "")) for d in ("kernels", "fusion", "autotune_cache"))
+
+
 def _stand_aside_for_the_installed_kernels() -> bool:
     """Put the installed top-level ``kernels`` package in this module's place; False where there is none.
 
@@ -17,8 +22,7 @@ def _stand_aside_for_the_installed_kernels() -> bool:
     ``kernels``: the name of Hugging Face's kernels distribution, which transformers (>= 5.25 depends
     on it) imports. The import system returns whatever ``sys.modules`` holds once this body has run.
     """
-    checkout = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    elsewhere = [p for p in sys.path if isinstance(p, str) and os.path.realpath(p or os.curdir) != checkout]
+    elsewhere = [p for p in sys.path if isinstance(p, str) and not _is_checkout(p or os.curdir)]
     spec = importlib.machinery.PathFinder.find_spec(__name__, elsewhere)
     if spec is None or spec.origin is None or spec.loader is None:  # none, or a namespace package: a bare folder
         return False

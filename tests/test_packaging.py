@@ -85,6 +85,31 @@ def test_the_bare_name_kernels_in_a_checkout_is_the_installed_package(tmp_path):
     assert second == f"{ROOT / 'kernels' / '__init__.py'} hybridgemm.kernels.problem"
 
 
+@pytest.mark.parametrize("installed", [True, False], ids=["installed", "none-installed"])
+def test_two_checkouts_on_the_path_do_not_load_each_other(tmp_path, installed):
+    # another checkout's root after this one's: neither kernels/ is taken for the installed package
+    import shutil
+
+    other = tmp_path / "other"
+    for folder in ("fusion", "autotune_cache"):
+        (other / folder).mkdir(parents=True)
+    shutil.copytree(ROOT / "kernels", other / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    path = [str(other)]
+    if installed:
+        (tmp_path / "site" / "kernels").mkdir(parents=True)
+        (tmp_path / "site" / "kernels" / "__init__.py").write_text("MARK = 'installed'\n")
+        path.append(str(tmp_path / "site"))
+    import os
+
+    code = "import kernels\nprint(getattr(kernels, 'MARK', kernels.__file__))\n"
+    res = _python_in_the_checkout(code, Path(os.pathsep.join(path)))
+    assert res.returncode == 0, res.stderr[-3000:]  # (no import ping-pong between the two)
+    if installed:
+        assert res.stdout.strip() == "installed"
+    else:  # this checkout's own, or an installed kernels package the interpreter has (transformers >= 5.25's)
+        assert not res.stdout.strip().startswith(str(other)), res.stdout
+
+
 def test_transformers_imports_from_the_checkouts_root():
     pytest.importorskip("transformers")
     res = _python_in_the_checkout("from transformers import LlamaConfig, activations\nprint(LlamaConfig.__name__)")
