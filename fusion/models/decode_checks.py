@@ -143,6 +143,25 @@ _INTERFACE_CALL = ("attn_output,attn_weights=attention_interface(self,query_stat
 _SOFTCAP_CALL = ("attn_output,attn_weights=attention_interface(self,query_states,key_states,value_states,"
                  "attention_mask,dropout=self.attention_dropoutifself.trainingelse0.0,scaling=self.scaling,"
                  "sliding_window=self.sliding_window,softcap=self.attn_logit_softcapping,**kwargs)")
+# transformers' eager attention functions, statement by statement, that the decode attention
+# kernel computes (its logits in fp32): Llama's, and Gemma 2's with its softcap and default scale
+_EAGER_BODY = (
+    "key_states=repeat_kv(key,module.num_key_value_groups)",
+    "value_states=repeat_kv(value,module.num_key_value_groups)",
+    "attn_weights=torch.matmul(query,key_states.transpose(2,3))*scaling",
+    "ifattention_maskisnotNone:attn_weights=attn_weights+attention_mask",
+    "attn_weights=nn.functional.softmax(attn_weights,dim=-1,dtype=torch.float32).to(query.dtype)",
+    "attn_weights=nn.functional.dropout(attn_weights,p=dropout,training=module.training)",
+    "attn_output=torch.matmul(attn_weights,value_states)",
+    "attn_output=attn_output.transpose(1,2).contiguous()",
+    "return(attn_output,attn_weights)",
+)
+_SOFTCAP_EAGER_BODY = (
+    "ifscalingisNone:scaling=module.head_dim**(-0.5)", *_EAGER_BODY[:3],
+    "ifsoftcapisnotNone:attn_weights=attn_weights/softcapattn_weights=torch.tanh(attn_weights)"
+    "attn_weights=attn_weights*softcap",
+    *_EAGER_BODY[3:],
+)
 # Gemma 3's call: Gemma 2's without the softcap
 _GEMMA_CALL = _SOFTCAP_CALL.replace("softcap=self.attn_logit_softcapping,", "")
 # the sliding window the attention function is given, by the form of the call
@@ -345,6 +364,7 @@ class AttentionForm:
     window_from: str | None  # "module" (attn.sliding_window), "config" (attn.config.sliding_window), None
     softcap: bool = False  # the call passes softcap=attn.attn_logit_softcapping (Gemma 2)
     full_qk_norm: bool = False  # q_norm/k_norm over all q (k) columns, before the head views (OLMo 2)
+    kernel_eager: bool = False  # its module's eager function is one the decode attention kernel computes
 
     def attention_function(self, implementation: str):
         return self.functions.get_interface(implementation, self.eager)
@@ -380,8 +400,10 @@ def _read_form(cls: type) -> AttentionForm | str:
     if not callable(rotary) or not callable(eager) or not callable(getattr(functions, "get_interface", None)):
         return f"{cls.__name__}.forward's module has no apply_rotary_pos_emb, eager_attention_forward and " \
                "ALL_ATTENTION_FUNCTIONS.get_interface"
+    softcap = statements[9] == _SOFTCAP_CALL
+    kernel_eager = _matches(body_statements(eager), _SOFTCAP_EAGER_BODY if softcap else _EAGER_BODY)
     return AttentionForm(statements[2] == _NORMED_Q, prefused, rotary, eager, functions, UPDATE_FORMS[statements[7]],
-                         WINDOW_FORMS[statements[9]], statements[9] == _SOFTCAP_CALL, full_qk_norm)
+                         WINDOW_FORMS[statements[9]], softcap, full_qk_norm, kernel_eager)
 
 
 def attention_form(cls: type) -> AttentionForm:
@@ -415,9 +437,10 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
     why = why_not_attention_form(cls)
     if why is not None:
         return why
-    if attention_form(cls).softcap and attn.attn_logit_softcapping is not None:
-        return "its attention logits are soft-capped, which the decode attention kernel does not compute (the " \
-               "module's attention function runs over the fused Q/K/V)"
+    if attention_form(cls).softcap and attn.attn_logit_softcapping is not None \
+            and not attention_form(cls).kernel_eager:
+        return "its attention logits are soft-capped by an eager attention function of a form the decode attention " \
+               "kernel does not compute (the module's attention function runs over the fused Q/K/V)"
     if attention_form(cls).qk_norm:
         why = why_not_qk_norms(attn)
         if why is not None:
@@ -505,6 +528,11 @@ def attention_kernel():
     return triton_module("triton_decode_attention")  # on first use: importing hybridgemm needs no Triton
 
 
+def kernel_computes_eager(interface, form: AttentionForm) -> bool:
+    """Is ``interface`` the module's own eager attention function, of a form the decode attention kernel computes?"""
+    return interface is form.eager and form.kernel_eager
+
+
 def kernel_takes(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, counters: Tensor | None) -> bool:
     """Does the decode-attention kernel take these operands?"""
     return on_kernel_device(q) and attention_kernel().why_not(q, keys, values, mask) is None \
@@ -517,8 +545,10 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     :func:`why_not_fuse_attention` accepted when it was patched."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     pe = kwargs.get("position_embeddings")
-    if cache is None or pe is None or x.dim() != 3 or attn.training or attn.config._attn_implementation != "sdpa" \
-            or getattr(attn, "sliding_window", None) is not None:
+    implementation = attn.config._attn_implementation
+    if cache is None or pe is None or x.dim() != 3 or attn.training \
+            or getattr(attn, "sliding_window", None) is not None \
+            or not (implementation == "sdpa" or implementation == "eager" and attention_form(type(attn)).kernel_eager):
         return None
     layers = getattr(cache, "layers", None)
     if not _Transformers.static_ok or not isinstance(layers, list) or attn.layer_idx >= len(layers):

@@ -295,22 +295,28 @@ def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: float
 # ------------------------------------------------------------------------- decode attention
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor, step: int,
-            counters: Tensor | None) -> Tensor:
+            counters: Tensor | None, softcap: float = 0.0) -> Tensor:
     from triton.errors import TritonError
 
     out = q.new_empty(q.shape)
     try:
         return checks.attention_kernel().decode_attention(q, keys, values, mask, scale, out, base=base, step=step,
-                                                          counters=counters)
+                                                          counters=counters, softcap=softcap)
     except (ValueError, TritonError) as e:  # refused or not compiled: nothing was launched
         warn_once(("decode_attention", tuple(keys.shape), q.shape[1], q.dtype),
                   f"hybridgemm: the decode attention kernel could not run for a cache of {tuple(keys.shape)} ({e}); "
-                  "that layer's attention runs on PyTorch's SDPA")
+                  "that layer's attention runs on PyTorch")
     b, kv_heads, _, hd = keys.shape
     rep = q.shape[1] // hd // kv_heads
     qh = q.reshape(b, kv_heads * rep, 1, hd)
-    out = F.scaled_dot_product_attention(qh, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1),
-                                         attn_mask=mask, scale=scale).reshape(b, -1)
+    keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
+    if softcap:  # SDPA takes no cap: the capped logits, then the mask, softmax (fp32 here)
+        scores = softcap * torch.tanh(qh.float() @ keys.float().transpose(2, 3) * (scale / softcap))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+        out = (torch.softmax(scores, dim=-1).to(q.dtype) @ values).reshape(b, -1)
+    else:
+        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale).reshape(b, -1)
     if step:
         base.add_(step)
     return out
@@ -319,23 +325,24 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale:
 # counters: scratch left as found (all zero), not declared mutated (decoder_layer.COUNTERS)
 @torch.library.custom_op("hybridgemm::decode_attention_fwd", mutates_args=("base",))
 def decode_attention_fwd(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor,
-                         step: int, counters: Tensor | None = None) -> Tensor:
+                         step: int, counters: Tensor | None = None, softcap: float = 0.0) -> Tensor:
     with per_call_scratch():
-        return _attend(q, keys, values, mask, scale, base, step, counters)
+        return _attend(q, keys, values, mask, scale, base, step, counters, softcap)
 
 
 @decode_attention_fwd.register_fake
-def _decode_attention_fake(q, keys, values, mask, scale, base, step, counters=None):
+def _decode_attention_fake(q, keys, values, mask, scale, base, step, counters=None, softcap=0.0):
     return q.new_empty(q.shape)
 
 
 def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor, step: int,
-           counters: Tensor | None = None) -> Tensor:
+           counters: Tensor | None = None, softcap: float = 0.0) -> Tensor:
     """One query token per sequence (q [B, heads * hd]) over the static cache ``keys``/``values``
-    [B, kv_heads, L, hd] in one launch, adding ``step`` to the cache length ``base``; PyTorch's
-    SDPA (one warning) where the kernel refuses the operands."""
+    [B, kv_heads, L, hd] in one launch, adding ``step`` to the cache length ``base``; the logits
+    soft-capped where ``softcap > 0``; the mask boolean or additive. PyTorch (one warning) where
+    the kernel refuses the operands."""
     return _compiled(torch.ops.hybridgemm.decode_attention_fwd, _attend, q, keys, values, mask, float(scale), base,
-                     step, counters)
+                     step, counters, float(softcap))
 
 
 def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Module, kwargs: dict,
@@ -367,8 +374,9 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
         y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,
                           base, heads, kv_heads, counters, weight_scale_of(qkv), **qk)
     mask = kwargs.get("attention_mask")
-    sdpa = checks.registered_sdpa()  # a user may have registered another one
-    if s == 1 and sdpa is checks.stock_sdpa():
+    interface = form.attention_function(attn.config._attn_implementation)  # a user may have registered another
+    sdpa = interface is checks.stock_sdpa()
+    if s == 1 and (sdpa or checks.kernel_computes_eager(interface, form)):
         q = y.view(b, -1)[:, : heads * hd]
         if checks.kernel_takes(q, keys, values, mask, counters):
             # One launch: GQA without the expanded copy, the boolean mask read as it is, and the
@@ -376,7 +384,9 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
             # except the first layer's: the model derives the step's positions and mask from
             # that one (Cache.get_seq_length), and Inductor may recompute a mask after this
             # kernel, so it stays a separate in-graph add whose ordering the compiler tracks.
-            out = attend(q, keys, values, mask, float(attn.scaling), base, 0 if first else s, counters)
+            # (softcap: what the eager function computes; stock's SDPA function takes none)
+            softcap = 0.0 if sdpa or not form.softcap else float(attn.attn_logit_softcapping or 0.0)
+            out = attend(q, keys, values, mask, float(attn.scaling), base, 0 if first else s, counters, softcap)
             if first:
                 base.add_(s)
             return out.view(b, 1, heads * hd)
@@ -384,7 +394,7 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
     rep = heads // kv_heads
     shared_mask = mask is None or (mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
                                    and mask.shape[-1] == keys.shape[2])
-    if s == 1 and b > 1 and rep > 1 and heads == rep * kv_heads and shared_mask and sdpa is checks.stock_sdpa():
+    if s == 1 and b > 1 and rep > 1 and heads == rep * kv_heads and shared_mask and sdpa:
         # One query per sequence: the rep query heads that share a KV head become rep query rows
         # of that head (one row of the mask serves them all), so SDPA reads the cache as it is
         # instead of the rep-fold expanded copy that GQA otherwise makes of it. At batch 1 the
@@ -394,7 +404,8 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
         return out.reshape(b, 1, heads * hd)
     q = y[..., : heads * hd].view(b, s, heads, hd).transpose(1, 2)
     rest = {k: v for k, v in kwargs.items() if k not in _CONSUMED}
-    out, _ = sdpa(attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling, **rest)
+    out, _ = interface(attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling,
+                       **_function_kwargs(attn, form, rest))
     return out.reshape(b, s, -1).contiguous()
 
 
@@ -431,14 +442,20 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
         else:
             k, v = cache.update(k, v, attn.layer_idx)
     interface = form.attention_function(attn.config._attn_implementation)
+    out, _ = interface(attn, q, k, v, kwargs.get("attention_mask"),
+                       dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling,
+                       **_function_kwargs(attn, form, rest))
+    return out.reshape(*input_shape, -1).contiguous()
+
+
+def _function_kwargs(attn: nn.Module, form: checks.AttentionForm, rest: dict) -> dict:
+    """``rest`` with the window and softcap the module's forward gives its attention function."""
     window = form.sliding_window(attn)
     if window is not checks.NO_WINDOW:
         rest["sliding_window"] = window
     if form.softcap:
         rest["softcap"] = attn.attn_logit_softcapping
-    out, _ = interface(attn, q, k, v, kwargs.get("attention_mask"),
-                       dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling, **rest)
-    return out.reshape(*input_shape, -1).contiguous()
+    return rest
 
 
 def _norm_args(norm: nn.Module | None) -> tuple[Tensor | None, float, float | None]:

@@ -414,17 +414,19 @@ def test_the_norm_prologue_fits_one_config_shape():
 
 @pytest.mark.parametrize("kind,attention,extra", [
     ("gemma2", "eager", {"attn_logit_softcapping": None, **_WINDOWS}),
-    ("gemma2", "eager", {"attn_logit_softcapping": 50.0, **_WINDOWS}), ("gemma3", "sdpa", _WINDOWS),
+    # a cap of 0.002 bends the tiny model's logits (small weights: Gemma 2's 50 would leave them as they are)
+    ("gemma2", "eager", {"attn_logit_softcapping": 0.002, **_WINDOWS}), ("gemma3", "sdpa", _WINDOWS),
     ("olmo2", "sdpa", {})], ids=["gemma2", "gemma2-softcap", "gemma3", "olmo2"])
 def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_on_cpu):
     """Gemma 2 (eager attention: transformers runs it no other way), Gemma 3 (its (1 + w) q/k
     norms on the head views) and OLMo 2 (no input norms; q/k norms over all heads, weight in
     fp32): each sublayer's output normalised before its residual add, the MLP's input by
     pre_feedforward_layernorm (OLMo 2: the residual stream itself), sliding-window layers beside
-    full ones, Gemma 2's attention softcap or none. Gemma's layers call the module's attention
-    function over the fused QKV, with its window and softcap; OLMo 2's take the static-cache
-    step: its norms, the rotary and the cache write after the GEMM, the decode attention kernel
-    for each new token."""
+    full ones, Gemma 2's attention softcap or none. Sliding-window layers and Gemma 3's call the
+    module's attention function over the fused QKV, with its window and softcap. Gemma 2's full
+    layer takes the static-cache step with its eager function's softcap and additive mask in the
+    decode attention kernel; OLMo 2's layers take it with their norms, the rotary and the cache
+    write after the GEMM."""
     from hybridgemm.kernels import triton_decode_attention as tda
 
     stock = _tiny(kind, layers=2, attention=attention, head_dim=32, **extra)
@@ -438,12 +440,14 @@ def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_o
     real, real_attention = decode_step._post_norm_step, tda.decode_attention
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(decode_step, "_post_norm_step", lambda *a: steps.append(1) or real(*a))
-        mp.setattr(tda, "decode_attention", lambda q, *a, **kw: launches.append(tuple(q.shape))
+        mp.setattr(tda, "decode_attention", lambda q, *a, **kw: launches.append((tuple(q.shape), kw["softcap"]))
                    or real_attention(q, *a, **kw))
         _compare(model, stock, steps=3, batch=2)  # past the window of 4 positions: the sliding layer's mask
     assert len(steps) == 2 * (1 + 3)  # both layers: the 3-token prompt (6 rows), then each step
-    assert kernels_on_cpu["rope"] == 0
-    assert launches == ([(2, 4 * 32)] * 2 * 3 if kind == "olmo2" else [])  # 4 heads of 32, both layers, 3 steps
+    # the step's layers, each new token (4 heads of 32; the prompt fills the cache through the module)
+    stepped = {"gemma2": 1, "gemma3": 0, "olmo2": 2}[kind]
+    assert kernels_on_cpu["rope"] == (3 * stepped if kind == "gemma2" else 0)  # OLMo 2: its rotary after its norms
+    assert launches == [((2, 4 * 32), extra.get("attn_logit_softcapping") or 0.0)] * 3 * stepped
 
 
 def test_heads_no_tuned_tile_divides_take_narrower_tiles_in_the_rotary_epilogue(kernels_on_cpu, monkeypatch):
@@ -754,6 +758,45 @@ def test_an_attention_kernel_that_cannot_run_falls_back_to_sdpa_once_warned(kern
         warnings.simplefilter("always")
         _compare(model, stock, steps=2)  # logits, caches and lengths as stock's
     assert sum("decode attention kernel could not run" in str(w.message) for w in seen) == 1
+
+
+def test_a_soft_capped_gemma2_layer_falls_back_to_its_eager_form_when_the_kernel_cannot_run(kernels_on_cpu,
+                                                                                             monkeypatch):
+    """The fallback of a refused kernel computes the cap and the additive mask too (SDPA takes no cap)."""
+    from hybridgemm import diagnostics
+    from hybridgemm.kernels import triton_decode_attention as tda
+
+    def refuse(*a, **kw):
+        raise ValueError("refused for the test")
+
+    monkeypatch.setattr(tda, "decode_attention", refuse)
+    monkeypatch.setattr(diagnostics, "_warned", set())  # (another test may have warned for this cache shape)
+    stock = _tiny("gemma2", layers=2, attention="eager", head_dim=32, attn_logit_softcapping=0.002, **_WINDOWS)
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _compare(model, stock, steps=2)
+    assert sum("decode attention kernel could not run" in str(w.message) for w in seen) == 1
+
+
+def test_the_eager_forms_the_kernel_computes_are_read_exactly(monkeypatch):
+    """Llama's and Gemma 2's eager attention functions are forms the decode kernel computes; one
+    statement more (attention sinks, say) is not."""
+    from transformers.models.gemma2 import modeling_gemma2 as g2
+    from transformers.models.llama import modeling_llama as ll
+
+    assert checks._read_form(ll.LlamaAttention).kernel_eager and checks._read_form(g2.Gemma2Attention).kernel_eager
+    real = checks.body_statements
+
+    def with_one_more(fn):
+        statements = real(fn)
+        if fn is ll.eager_attention_forward:
+            statements = [*statements[:-1], "attn_output=attn_output*2", statements[-1]]
+        return statements
+
+    monkeypatch.setattr(checks, "body_statements", with_one_more)
+    assert not checks._read_form(ll.LlamaAttention).kernel_eager
 
 
 def test_gemma3s_late_qk_norm_form_is_read_only_with_every_other_statement_as_checked(monkeypatch):

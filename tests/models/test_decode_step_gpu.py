@@ -87,8 +87,8 @@ def models(monkeypatch, request):
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
     and qwen2_moe (with its gated shared expert; the sparse block after the fused attention) and
     gemma (its norms' fp32 1 + w in the QKV and gate/up prologues, GeGLU), phi3 (its
-    checkpoint's qkv_proj and gate_up_proj as they are), gemma2 (post-norms; its softcapped eager
-    attention over the fused QKV, so no rotary epilogue), gemma3 (post-norms; its (1 + w) q/k
+    checkpoint's qkv_proj and gate_up_proj as they are), gemma2 (post-norms; the static-cache step
+    on its full layers, its softcapped eager attention in the decode kernel), gemma3 (post-norms; its (1 + w) q/k
     norms and attention the module's, over the fused QKV) and olmo2 (post-norms only; the static-cache
     step with its q/k norms over all heads as modules after the fused QKV, so no rotary epilogue)."""
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=request.param)

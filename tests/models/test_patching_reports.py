@@ -72,9 +72,8 @@ EXPECTED = {
     "llama": [], "qwen2": [], "mistral": [], "qwen3": [],
     "gemma": [],  # (1 + w) RMSNorms folded into the QKV and gate/up GEMMs, GeGLU in the gated kernel
     # its four (1 + w) norms, the post-norms applied to O's and down's outputs; the softcapped
-    # attention in the module's attention function
-    "gemma2": [(L, "attention step not fused: its attention logits are soft-capped, which the decode attention "
-                   "kernel does not compute (the module's attention function runs over the fused Q/K/V)")],
+    # attention of its full layers in the decode attention kernel
+    "gemma2": [],
     "granite": [],
     # its norms (weight in fp32) patched, the post-norms applied to O's and down's outputs; its
     # q/k norms over all heads run as modules in the static-cache step, after the Q/K/V GEMM
