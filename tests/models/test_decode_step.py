@@ -760,6 +760,22 @@ def test_an_attention_kernel_that_cannot_run_falls_back_to_sdpa_once_warned(kern
     assert sum("decode attention kernel could not run" in str(w.message) for w in seen) == 1
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_model_on_transformers_eager_attention_takes_the_step_with_its_additive_mask(batch, kernels_on_cpu,
+                                                                                     monkeypatch):
+    """attn_implementation="eager": its function is a form the kernel computes; transformers gives it an
+    additive floating mask, which the kernel reads as it is."""
+    from hybridgemm.kernels import triton_decode_attention as tda
+
+    masks, real = [], tda.decode_attention
+    monkeypatch.setattr(tda, "decode_attention", lambda q, k, v, mask, *a, **kw: masks.append(mask.dtype)
+                        or real(q, k, v, mask, *a, **kw))
+    stock = _tiny("llama", attention="eager")
+    model = _patched(stock)
+    _compare(model, stock, steps=2, batch=batch)
+    assert masks == [torch.float32] * 2 * 2  # both layers, both steps
+
+
 def test_a_soft_capped_gemma2_layer_falls_back_to_its_eager_form_when_the_kernel_cannot_run(kernels_on_cpu,
                                                                                              monkeypatch):
     """The fallback of a refused kernel computes the cap and the additive mask too (SDPA takes no cap)."""
