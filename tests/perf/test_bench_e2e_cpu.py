@@ -300,21 +300,21 @@ def test_token_clock_times_the_gaps_between_new_tokens_only(monkeypatch):
 
 
 def test_a_layer_whose_attention_runs_the_module_function_is_measured_as_patched():
-    """Gemma 2 with its attention softcap: every layer is fused and reports that its attention
+    """Gemma 3 with its (1 + w) q/k norms: every layer is fused and reports that its attention
     runs the module's function (report.skipped); the bench measures that model and logs them.
     Only entries of fused layers count so (anything else still fails the patched variant)."""
-    config = transformers.Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                       num_key_value_heads=2, head_dim=16, vocab_size=200, sliding_window=8,
-                                       attn_logit_softcapping=50.0, max_position_embeddings=1024)
+    config = transformers.Gemma3TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=200,
+                                           sliding_window=8, max_position_embeddings=1024)
     logged = []
-    run = E.Run("tiny-gemma2", config, torch.device("cpu"), batches=(1,), tokens=2, prefill=8, rounds=1,
+    run = E.Run("tiny-gemma3", config, torch.device("cpu"), batches=(1,), tokens=2, prefill=8, rounds=1,
                 extra={"gpu": "cpu", "command": "test"})
     run.log = logged.append
     stock = hf.build_model(config, torch.float32, "cpu")
     patched, _ = E._patched(run, stock)
     assert isinstance(patched, torch.nn.Module)
     line = next(s for s in logged if "fused decoder layers run their attention module's function" in s)
-    assert line.startswith("2 fused decoder layers") and "soft-capped" in line
+    assert line.startswith("2 fused decoder layers") and "q_norm is not an RMSNorm" in line
     report = type("Report", (), {"fused_layers": ["model.layers.0"], "skipped": [
         ("model.layers.0", "attention step not fused: why"), ("model.layers.1", "attention step not fused: why"),
         ("model.layers.0.mlp", "linear not patched: why")]})()
