@@ -194,25 +194,28 @@ from triton.compiler import ASTSource
 from hybridgemm.kernels import triton_decode_attention as tda
 
 fn = tda._decode_attention_kernel
-ptrs = ["*bf16", "*bf16", "*bf16", "*i1", "*bf16", "*fp32", "*i32", "*i64"]
-sig = dict(zip(fn.arg_names, ptrs + ["i32"] * 18))
-for hd in (96, 128, 256):
-    consts = dict(REP=1, RP=16, HD=hd, HDP=triton.next_power_of_2(hd), BT=tda._block_t(hd), HAS_MASK=True, SPLITS=4,
-                  INC=True, PREC="tf32", PDL=True)
-    src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
-    try:
-        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
-    except (TypeError, KeyError, AttributeError) as e:
-        raise SystemExit(f"API: {type(e).__name__}: {e}")
-    assert c.asm["cubin"] and c.metadata.shared <= 227 * 1024, (hd, c.metadata.shared)
-    print(hd, c.metadata.shared)
+scalars = ["i32"] * 3 + ["fp32", "fp32"] + ["i32"] * 11  # L, span, step; qk_scale, softcap; kv_heads and strides
+for mask, capped in (("*i1", False), ("*bf16", True)):  # a boolean mask; Gemma 2's additive mask and softcap
+    ptrs = ["*bf16", "*bf16", "*bf16", mask, "*bf16", "*fp32", "*i32", "*i64"]
+    sig = dict(zip(fn.arg_names, ptrs + scalars))
+    for hd in (96, 128, 256):
+        consts = dict(REP=1, RP=16, HD=hd, HDP=triton.next_power_of_2(hd), BT=tda._block_t(hd), HAS_MASK=True,
+                      ADD_MASK=capped, SOFTCAP=capped, SPLITS=4, INC=True, PREC="tf32", PDL=True)
+        src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+        try:
+            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+        except (TypeError, KeyError, AttributeError) as e:
+            raise SystemExit(f"API: {type(e).__name__}: {e}")
+        assert c.asm["cubin"] and c.metadata.shared <= 227 * 1024, (hd, c.metadata.shared)
+        print(mask, hd, c.metadata.shared)
 print("compiled")
 """
 
 
 def test_the_kernel_compiles_for_hopper_with_heads_of_96_128_and_256():
     """Compiled for sm_90 by Triton's bundled ptxas (no GPU needed; in a process without the
-    interpreter), its shared memory within the H100/H200 limit, for heads of 96, 128 and 256."""
+    interpreter), its shared memory within the H100/H200 limit, for heads of 96, 128 and 256,
+    with a boolean mask and with an additive mask and a softcap."""
     from helpers import compile_offline
 
     compile_offline(_COMPILE_FOR_HOPPER)
