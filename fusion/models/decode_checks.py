@@ -454,6 +454,9 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
         return "its rotary embedding is not the standard rotate_half one"
     if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
         return "it has no integer head_dim and layer_idx"
+    if getattr(attn, "sliding_window", None) is not None:  # (kv_slot refuses it per call too)
+        return "it is a sliding-window layer, whose cache layer transformers rolls once full, which the step does " \
+               "not write (the module's attention function runs over the fused Q/K/V)"
     return why_not_load_kernels()
 
 
