@@ -26,9 +26,9 @@ row whose mask admits no position gives zeros, as PyTorch's math SDPA does (torc
 Gemma 2's form, which transformers computes in its eager attention function, is taken too:
 logits soft-capped (``softcap * tanh(scores / softcap)``, tanh from exp2) and an additive
 floating mask (transformers' eager mask: 0 where a position is attended, the dtype's minimum
-where not), added after the cap. A position whose mask value is at or below ``MASKED_AT``
-(-1e30) counts as masked, for block skipping and for a row's emptiness, as a boolean mask's
-False does.
+where not), added after the cap. A position whose mask value is at or below
+:func:`masked_at` (-1e30; float16's minimum for a float16 mask) counts as masked, for block
+skipping and for a row's emptiness, as a boolean mask's False does.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from .triton_launch import Launcher, device_facts, pdl_enabled
 from .triton_scratch import split_scratch, tl_last_arrival
 
 _LOG2E = 1.4426950408889634
-MASKED_AT = -1e30  # an additive mask value at or below this hides the position (the dtypes' minima are below it)
 _BLOCK_T = 64  # cache positions per step of a program's loop
 _BLOCK_T_WIDE = 32  # the same for heads of 256 (Gemma's): the K and V tiles' shared memory halved
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -53,8 +52,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ws_ptr, cnt_ptr, base_ptr,
-                             L, span, step, qk_scale, softcap, kv_heads, q_sb, k_sb, k_sh, k_st, v_sb, v_sh, v_st,
-                             m_sb, m_st, o_sb,
+                             L, span, step, qk_scale, softcap, hide_at,
+                             kv_heads, q_sb, k_sb, k_sh, k_st, v_sb, v_sh, v_st, m_sb, m_st, o_sb,
                              REP: tl.constexpr, RP: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
                              BT: tl.constexpr,
                              HAS_MASK: tl.constexpr, ADD_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -87,7 +86,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, ws_ptr, cnt_ptr,
         if HAS_MASK:
             if ADD_MASK:  # additive (in the scores' units), after the cap
                 bias = tl.load(m_ptr + b * m_sb + offs_t * m_st, mask=ok, other=float("-inf")).to(tl.float32)
-                ok = ok & (bias > -1e30)  # MASKED_AT
+                ok = ok & (bias > hide_at)
             else:
                 ok = ok & (tl.load(m_ptr + b * m_sb + offs_t * m_st, mask=ok, other=0) != 0)
         if tl.max(ok.to(tl.int32), axis=0) > 0:  # a block masked entirely is not read
@@ -177,6 +176,12 @@ def why_not(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
 _LAUNCHERS = BoundedCache(1024)  # launchers per shape, strides and alignment (varying batch and cache sizes)
 
 
+def masked_at(dtype: torch.dtype) -> float:
+    """The additive mask value at or below which a position counts as masked: -1e30 (bfloat16's and
+    float32's minima are below it), float16's minimum (-65504) for a float16 mask."""
+    return max(-1e30, torch.finfo(dtype).min)
+
+
 def _block_t(hd: int) -> int:
     return _BLOCK_T if hd <= 128 else _BLOCK_T_WIDE
 
@@ -247,8 +252,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     # the plain scale where the cap or the mask comes between it and log2(e) (the kernel applies it after them)
     qk_scale = float(scale) if capped or add_mask else float(scale) * _LOG2E
     launch(q, keys, values, out if mask is None else mask, out, ws, cnt, out if base is None else base,
-           length, ints[1], step, qk_scale, float(softcap) if capped else 1.0, *ints[3:])
+           length, ints[1], step, qk_scale, float(softcap) if capped else 1.0,
+           masked_at(mask.dtype) if add_mask else 0.0, *ints[3:])
     return out
 
 
-__all__ = ["MASKED_AT", "decode_attention", "why_not"]
+__all__ = ["decode_attention", "masked_at", "why_not"]

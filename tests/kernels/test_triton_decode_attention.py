@@ -194,7 +194,7 @@ from triton.compiler import ASTSource
 from hybridgemm.kernels import triton_decode_attention as tda
 
 fn = tda._decode_attention_kernel
-scalars = ["i32"] * 3 + ["fp32", "fp32"] + ["i32"] * 11  # L, span, step; qk_scale, softcap; kv_heads and strides
+scalars = ["i32"] * 3 + ["fp32"] * 3 + ["i32"] * 11  # L, span, step; qk_scale, softcap, hide_at; heads, strides
 for mask, capped in (("*i1", False), ("*bf16", True)):  # a boolean mask; Gemma 2's additive mask and softcap
     ptrs = ["*bf16", "*bf16", "*bf16", mask, "*bf16", "*fp32", "*i32", "*i64"]
     sig = dict(zip(fn.arg_names, ptrs + scalars))
@@ -267,15 +267,16 @@ def test_soft_capped_logits_and_additive_masks_match_fp64(sms, dtype, b, heads, 
     torch.testing.assert_close(out.double(), ref, **_tol(dtype))
 
 
-def test_an_additive_mask_skips_hidden_blocks_it_never_reads(sms):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_an_additive_mask_skips_hidden_blocks_it_never_reads(sms, dtype):
     # a static cache of 1000 positions with 5 written, hidden by the dtype's minimum: garbage past them is never read
-    q, keys, values = _operands(2, 8, 2, 32, 1000, torch.float32)
-    mask = torch.zeros(1, 1, 1, 1000).masked_fill(torch.arange(1000) >= 5, torch.finfo(torch.float32).min)
+    q, keys, values = _operands(2, 8, 2, 32, 1000, dtype)
+    mask = torch.zeros(1, 1, 1, 1000, dtype=dtype).masked_fill(torch.arange(1000) >= 5, torch.finfo(dtype).min)
     keys[:, :, 5:] = float("nan")
     values[:, :, 5:] = float("inf")
-    out = tda.decode_attention(q, keys, values, mask, 0.2, torch.empty(2, 8 * 32), softcap=20.0)
+    out = tda.decode_attention(q, keys, values, mask, 0.2, torch.empty(2, 8 * 32, dtype=dtype), softcap=20.0)
     torch.testing.assert_close(out.double(), _capped_reference(q, keys[:, :, :5], values[:, :, :5], None, 0.2, 20.0),
-                               rtol=0, atol=2e-5)
+                               **_tol(dtype))
 
 
 @pytest.mark.parametrize("softcap", [-1.0, float("inf"), float("nan"), "50"])
