@@ -549,10 +549,13 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     pe = kwargs.get("position_embeddings")
     implementation = attn.config._attn_implementation
+    form = attention_form(type(attn))
     if cache is None or pe is None or x.dim() != 3 or attn.training \
             or getattr(attn, "sliding_window", None) is not None \
-            or not (implementation == "sdpa" or implementation == "eager" and attention_form(type(attn)).kernel_eager):
+            or not (implementation == "sdpa" or implementation == "eager" and form.kernel_eager):
         return None
+    if implementation == "sdpa" and form.softcap and getattr(attn, "attn_logit_softcapping", None) is not None:
+        return None  # stock's SDPA function refuses a softcap: the module's computation says so
     layers = getattr(cache, "layers", None)
     if not _Transformers.static_ok or not isinstance(layers, list) or attn.layer_idx >= len(layers):
         return None
@@ -574,10 +577,16 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     if not isinstance(base, Tensor) or base.dtype != torch.int64 or base.numel() != 1 or base.device != x.device:
         return None
     cos, sin = pe
-    if cos.dim() != 3 or cos.shape[-1] != hd or cos.shape[1] != x.shape[1] or cos.dtype != x.dtype \
-            or cos.shape != sin.shape:
+    # fp32 cos/sin: OLMo 2's rotary embedding, which rotates in fp32 and rounds back; only its step
+    # (the rotary as torch ops after the norms) takes them, the rotary epilogue rotates in x's dtype
+    cos_dtypes = (x.dtype, torch.float32) if form.full_qk_norm else (x.dtype,)
+    if cos.dim() != 3 or cos.shape[-1] != hd or cos.shape[1] != x.shape[1] or cos.dtype not in cos_dtypes \
+            or cos.shape != sin.shape or sin.dtype != cos.dtype:
         return None
-    return layer, cos, sin, layer is layers[0]
+    # ``first``: a layer whose length the model reads for the step's positions and mask: the cache's
+    # first (Cache.get_seq_length) and its first full-attention one (masking_utils, transformers >= 5.25)
+    first_full = next((la for la in layers if type(la) is _Transformers.static_layer_cls), None)
+    return layer, cos, sin, layer is layers[0] or layer is first_full
 
 
 _ATTENTION_SLOTS = ("q_proj", "k_proj", "v_proj", "o_proj")

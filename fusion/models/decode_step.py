@@ -213,10 +213,11 @@ def gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: f
 # ------------------------------------------------------------------ Q/K/V with rotary + cache
 
 def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Hugging Face's rotary embedding of ``t`` [B, S, heads, hd], cos/sin [B or 1, S, hd]."""
+    """Hugging Face's rotary embedding of ``t`` [B, S, heads, hd], cos/sin [B or 1, S, hd], in t's
+    dtype; fp32 cos/sin (OLMo 2's) rotate in fp32, then round to t's dtype, as its rotary does."""
     c, s = cos[:, :, None, :], sin[:, :, None, :]
     half = t.shape[-1] // 2
-    return t * c + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * s
+    return (t * c + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * s).to(t.dtype)
 
 
 def _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
@@ -379,12 +380,12 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
     if s == 1 and (sdpa or checks.kernel_computes_eager(interface, form)):
         q = y.view(b, -1)[:, : heads * hd]
         if checks.kernel_takes(q, keys, values, mask, counters):
-            # One launch: GQA without the expanded copy, the boolean mask read as it is, and the
+            # One launch: GQA without the expanded copy, the mask read as it is, and the
             # cache-length update (what StaticLayer.update does after computing the positions),
-            # except the first layer's: the model derives the step's positions and mask from
-            # that one (Cache.get_seq_length), and Inductor may recompute a mask after this
-            # kernel, so it stays a separate in-graph add whose ordering the compiler tracks.
-            # (softcap: what the eager function computes; stock's SDPA function takes none)
+            # except a ``first`` layer's (kv_slot): the model derives the step's positions and
+            # mask from that one's length, and Inductor may recompute a mask after this kernel,
+            # so it stays a separate in-graph add whose ordering the compiler tracks.
+            # (softcap: what the eager function computes; kv_slot turns a capped SDPA layer away)
             softcap = 0.0 if sdpa or not form.softcap else float(attn.attn_logit_softcapping or 0.0)
             out = attend(q, keys, values, mask, float(attn.scaling), base, 0 if first else s, counters, softcap)
             if first:

@@ -440,14 +440,17 @@ def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_o
     real, real_attention = decode_step._post_norm_step, tda.decode_attention
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(decode_step, "_post_norm_step", lambda *a: steps.append(1) or real(*a))
-        mp.setattr(tda, "decode_attention", lambda q, *a, **kw: launches.append((tuple(q.shape), kw["softcap"]))
-                   or real_attention(q, *a, **kw))
+        mp.setattr(tda, "decode_attention", lambda q, *a, **kw: launches.append(
+            (tuple(q.shape), kw["softcap"], kw["step"])) or real_attention(q, *a, **kw))
         _compare(model, stock, steps=3, batch=2)  # past the window of 4 positions: the sliding layer's mask
     assert len(steps) == 2 * (1 + 3)  # both layers: the 3-token prompt (6 rows), then each step
     # the step's layers, each new token (4 heads of 32; the prompt fills the cache through the module)
     stepped = {"gemma2": 1, "gemma3": 0, "olmo2": 2}[kind]
     assert kernels_on_cpu["rope"] == (3 * stepped if kind == "gemma2" else 0)  # OLMo 2: its rotary after its norms
-    assert launches == [((2, 4 * 32), extra.get("attn_logit_softcapping") or 0.0)] * 3 * stepped
+    # the kernel adds the step to a layer's length but to the first full-attention layer's, which the
+    # model reads for the mask (Gemma 2's layer 1, OLMo 2's layer 0)
+    steps_added = {"gemma2": [0], "gemma3": [], "olmo2": [0, 1]}[kind]
+    assert launches == [((2, 4 * 32), extra.get("attn_logit_softcapping") or 0.0, n) for n in steps_added] * 3
 
 
 def test_heads_no_tuned_tile_divides_take_narrower_tiles_in_the_rotary_epilogue(kernels_on_cpu, monkeypatch):
@@ -774,6 +777,36 @@ def test_a_model_on_transformers_eager_attention_takes_the_step_with_its_additiv
     model = _patched(stock)
     _compare(model, stock, steps=2, batch=batch)
     assert masks == [torch.float32] * 2 * 2  # both layers, both steps
+
+
+def test_olmo2s_fp32_rotary_in_bfloat16_takes_the_step_with_its_roundings():
+    """OLMo 2's rotary embedding gives fp32 cos/sin; its apply_rotary_pos_emb rotates in fp32 and rounds
+    to q's dtype. A bf16 layer takes the step with them (kv_slot), and the step's rotary and cache
+    write (``_rotate_store``) give the stock function's bits."""
+    from transformers.models.olmo2 import modeling_olmo2 as o2
+
+    stock = _tiny("olmo2", head_dim=32).to(torch.bfloat16)
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    with torch.no_grad():
+        cache = hf.static_cache(model, 2, 16)
+        hf.cached_forward(model, hf.forward_api(model), torch.randint(0, VOCAB, (2, 3)), cache, torch.arange(3))
+        x = torch.randn(2, 1, 128, dtype=torch.bfloat16)
+        cos, sin = model.model.rotary_emb(x, torch.tensor([[3], [3]]))
+    assert cos.dtype == torch.float32
+    attn = model.model.layers[1].self_attn
+    slot = checks.kv_slot(attn, x, {"past_key_values": cache, "position_embeddings": (cos, sin)})
+    assert slot is not None and slot[1] is cos and not slot[3]  # layer 1: not a layer the model reads
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(2, 1, (4 + 2 * 2) * 32, generator=g).to(torch.bfloat16)
+    keys, values = torch.zeros(2, 2, 16, 32, dtype=torch.bfloat16), torch.zeros(2, 2, 16, 32, dtype=torch.bfloat16)
+    got = decode_step._rotate_store(y, cos, sin, keys, values, torch.tensor(3), 4, 2)
+    q, k, v = y.split([128, 64, 64], dim=-1)
+    rotary = checks.plain_function(checks.attention_form(o2.Olmo2Attention).rotary)
+    want_q, want_k = rotary(q.view(2, 1, 4, 32).transpose(1, 2), k.view(2, 1, 2, 32).transpose(1, 2), cos, sin)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got[..., :128], want_q.transpose(1, 2).reshape(2, 1, 128))
+    assert torch.equal(keys[:, :, 3], want_k[:, :, 0]) and torch.equal(values[:, :, 3], v.view(2, 2, 32))
 
 
 def test_a_soft_capped_gemma2_layer_falls_back_to_its_eager_form_when_the_kernel_cannot_run(kernels_on_cpu,
