@@ -1,7 +1,8 @@
 """Run-to-run equality of compiled static-cache decode (GPU): for tiny Gemma 2, Gemma 3 and
 Llama models (tests/helpers.py ``llama_variants``, batch 2, six steps), the stock and the patched
 model each decoded three times under ``torch.compile(mode="reduce-overhead", fullgraph=True)``
-(the recompile limit raised: Gemma's sliding-window cache layers recompile every step), the
+(the recompile limit raised: Gemma's sliding-window cache layers recompile as their Python-int
+length turns symbolic and as the window fills; graph trees record one graph per length), the
 stock model twice eagerly; prints which runs are bit-identical.
 
     python3 scripts/compiled_determinism_probe.py

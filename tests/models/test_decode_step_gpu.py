@@ -115,9 +115,10 @@ def test_static_cache_decode_matches_fp32_as_stock_does(models, compiled, batch)
     ref, stock, patched, calls = models
     tokens = [torch.randint(0, VOCAB, (batch, 1), generator=torch.Generator().manual_seed(i)).cuda()
               for i in range(6)]
-    # transformers' sliding-window cache layer (Gemma 2/3) keeps its length as a Python int that
-    # Dynamo specialises on, so each step compiles its own graph: the limit is raised so that the
-    # second run replays compiled graphs too instead of falling back to eager code past it
+    # transformers' sliding-window cache layer (Gemma 2/3) keeps its length as a Python int:
+    # Dynamo recompiles as it turns symbolic and as the window fills, and CUDA graph trees record
+    # one graph per length (the first run warms each up, the second records it); the limit is
+    # raised so that no run falls back to eager code past it
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64):
         want, _ = _decode(ref, tokens, False)
         base, stock_cache = _decode(stock, tokens, False)
