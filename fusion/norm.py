@@ -128,14 +128,17 @@ def _eligible(x: Tensor, w: Tensor, on_current_device: bool) -> bool:
             and w.dim() == 1 and w.shape[0] == x.shape[-1] and w.device == x.device and w.is_contiguous())
 
 
-def _launch(x: Tensor, w: Tensor, eps: float, fp32_factor: bool, offset: float = 0.0) -> Tensor:
-    """The Triton launch of a call :func:`_fast_path` accepted."""
+def _launch(x: Tensor, w: Tensor, eps: float, fp32_factor: bool, offset: float = 0.0,
+            residual: Tensor | None = None) -> Tensor:
+    """The Triton launch of a call :func:`_fast_path` accepted (plus ``residual``: x's shape,
+    the output's dtype, a unit last stride)."""
     h = x.shape[-1]
     dtype = x.dtype if fp32_factor else torch.promote_types(w.dtype, x.dtype)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     if out.numel():
         # a view for the decode and prefill layouts, else a copy (reshape keeps the unit last stride)
-        _triton_rmsnorm().run(x.reshape(-1, h), w, out.view(-1, h), eps, fp32_factor, offset)
+        _triton_rmsnorm().run(x.reshape(-1, h), w, out.view(-1, h), eps, fp32_factor, offset,
+                              None if residual is None else residual.reshape(-1, h))
     return out
 
 
@@ -269,9 +272,23 @@ def apply_norm(norm: nn.Module, x: Tensor) -> Tensor:
     return prologue_norm(x, *norm_operand(norm))
 
 
+def add_norm(residual: Tensor, norm: nn.Module, x: Tensor) -> Tensor:
+    """``residual + norm(x)`` for a patched norm (:func:`apply_norm`'s output, then torch's add):
+    one Triton launch, the norm rounded and then added, where the norm's own launch would run
+    and ``residual`` is a plain tensor of x's shape and the norm's output dtype, else the two
+    steps. (The post-norm layers' residual adds: Gemma 2/3, OLMo 2.)"""
+    g, eps, offset = norm_operand(norm)
+    fp32_factor = offset is not None or g.dtype != x.dtype  # (prologue_norm's choice of formula)
+    if _fast_path(x, g) and type(residual) in _PLAIN and residual.shape == x.shape \
+            and residual.dtype == x.dtype and residual.device == x.device and residual.stride(-1) == 1 \
+            and not (torch.is_grad_enabled() and residual.requires_grad):
+        return _launch(x, g, eps, fp32_factor, offset or 0.0, residual)
+    return residual + prologue_norm(x, g, eps, offset)
+
+
 PATCHED_NORMS = (HybridRMSNorm, HybridGemmaRMSNorm, HybridOlmo2RMSNorm)
 
 __all__ = ["GEMMA_NORM_CLASSES", "OLMO2_NORM_CLASSES", "PATCHED_NORMS", "RMS_NORM_CLASSES", "Fp32FactorRMSNorm",
-           "HybridGemmaRMSNorm", "HybridOlmo2RMSNorm", "HybridRMSNorm", "apply_norm", "fp32_factor_rms_norm",
-           "is_gemma_norm", "is_olmo2_norm", "is_rms_norm", "norm_operand", "prologue_factor", "prologue_norm",
-           "reference_gemma_rms_norm", "reference_rms_norm", "rms_norm"]
+           "HybridGemmaRMSNorm", "HybridOlmo2RMSNorm", "HybridRMSNorm", "add_norm", "apply_norm",
+           "fp32_factor_rms_norm", "is_gemma_norm", "is_olmo2_norm", "is_rms_norm", "norm_operand", "prologue_factor",
+           "prologue_norm", "reference_gemma_rms_norm", "reference_rms_norm", "rms_norm"]

@@ -60,7 +60,7 @@ FUSED_OPS = (
 ATEN = (
     ("norm", re.compile(r"_rms_norm_kernel|MeanOps|rsqrt|pow_tensor_scalar")),  # ours, then the stock ops
     ("activation", re.compile(r"silu|gelu|sigmoid", re.I)),
-    ("rotary", re.compile(r"neg_kernel|CatArray")),
+    ("rotary", re.compile(r"neg_kernel|CatArray|_qk_norm_rope_store_kernel")),  # (ours: q/k norms, rotary, cache)
     ("kv_cache", re.compile(r"index_copy|index_put|scatter")),
     ("copy", re.compile(r"copy_kernel|direct_copy")),
     ("other", re.compile(r"ArgMax|Memset|FillFunctor|indexSelect|reduce_kernel")),

@@ -507,8 +507,9 @@ def why_not_load_kernels() -> str | None:
     ``importlib.import_module``), so this runs when a layer is patched or unpickled."""
     try:
         attention_kernel()
+        qk_rope_kernel()
     except ImportError as e:
-        return f"the decode attention kernel cannot be imported ({e})"
+        return f"the decode attention kernels cannot be imported ({e})"
     return None
 
 
@@ -529,6 +530,10 @@ def rotary_cache(cos: Tensor, sin: Tensor, heads: int, kv_heads: int, keys: Tens
 
 def attention_kernel():
     return triton_module("triton_decode_attention")  # on first use: importing hybridgemm needs no Triton
+
+
+def qk_rope_kernel():
+    return triton_module("triton_qk_rope")  # (as attention_kernel)
 
 
 def kernel_computes_eager(interface, form: AttentionForm) -> bool:

@@ -49,6 +49,7 @@ residual and the bias once each and no separate add runs.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,7 @@ from hybridgemm.fp8_modules import weight_scale_of
 from hybridgemm.kernels.process_memory import per_call_scratch
 from hybridgemm.linear_layer import PartialSumLinear
 from hybridgemm.mlp import FUSED_GATE_UP, GLU_FUNCTIONS, gated_linear
-from hybridgemm.norm import apply_norm, norm_operand, prologue_norm, rms_norm
+from hybridgemm.norm import Fp32FactorRMSNorm, add_norm, norm_operand, prologue_norm, rms_norm
 
 from . import adapter_terms
 from . import decode_checks as checks
@@ -228,9 +229,9 @@ def _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, 
 
 
 def _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None, k_norm=None, qk_eps=0.0,
-                  full_norms: tuple[nn.Module, nn.Module] | None = None) -> Tensor:
+                  full_norms: tuple[Callable, Callable] | None = None) -> Tensor:
     """From the Q/K/V projection ``y`` [B, S, N], as the stock attention computes it: the q/k
-    norms (``full_norms``: modules over all the q (k) columns, before the head views, as OLMo 2's;
+    norms (``full_norms``: the norms over all the q (k) columns, before the head views, as OLMo 2's;
     else RMSNorm weights per head), rotary in y's dtype, ``index_copy_`` of k and v into the cache."""
     b, s = y.shape[:2]
     hd = keys.shape[-1]
@@ -291,6 +292,42 @@ def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: float
     return _compiled(torch.ops.hybridgemm.norm_rope_qkv_fwd, _rope_qkv_eager, x, norm_weight, float(eps),
                      norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads, counters, scale, q_norm,
                      k_norm, float(qk_eps))
+
+
+def _qk_rope_store(y: Tensor, q_g: Tensor, q_eps: float, q_offset: float, k_g: Tensor, k_eps: float, k_offset: float,
+                   cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int) -> Tensor:
+    kernel = checks.qk_rope_kernel()
+    q_op, k_op = (q_g, q_eps, q_offset), (k_g, k_eps, k_offset)
+    if checks.on_kernel_device(y) and kernel.check(y, q_op, k_op, cos, sin, keys, values, base, heads) is None:
+        return kernel.qk_norm_rope_store(y, q_op, k_op, cos, sin, keys, values, base, heads)
+    norms = (functools.partial(prologue_norm, g=q_g, eps=q_eps, offset=q_offset),
+             functools.partial(prologue_norm, g=k_g, eps=k_eps, offset=k_offset))
+    y = _rotate_store(y, cos, sin, keys, values, base, heads, keys.shape[1], full_norms=norms)
+    return y[..., : heads * keys.shape[-1]].contiguous()
+
+
+@torch.library.custom_op("hybridgemm::qk_rope_store_fwd", mutates_args=("keys", "values"))
+def qk_rope_store_fwd(y: Tensor, q_g: Tensor, q_eps: float, q_offset: float, k_g: Tensor, k_eps: float,
+                      k_offset: float, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor,
+                      heads: int) -> Tensor:
+    return _qk_rope_store(y, q_g, q_eps, q_offset, k_g, k_eps, k_offset, cos, sin, keys, values, base, heads)
+
+
+@qk_rope_store_fwd.register_fake
+def _qk_rope_store_fake(y, q_g, q_eps, q_offset, k_g, k_eps, k_offset, cos, sin, keys, values, base, heads):
+    return y.new_empty((*y.shape[:-1], heads * keys.shape[-1]))
+
+
+def qk_rope_store(y: Tensor, q_norm: nn.Module, k_norm: nn.Module, cos: Tensor, sin: Tensor, keys: Tensor,
+                  values: Tensor, base: Tensor, heads: int) -> Tensor:
+    """From the Q/K/V projection ``y`` [B, S, N], OLMo 2's attention up to the cache: q and k
+    normalised over all their columns by the patched fp32-factor norms ``q_norm``/``k_norm``
+    (norm.Fp32FactorRMSNorm), rotated (``cos``/``sin`` of y's dtype or fp32), k and v written
+    into ``keys``/``values`` at ``base + s``; returns the rotated q [B, S, heads * hd]. One launch
+    (kernels/triton_qk_rope.py) where its operand checks pass, the stock sequence of torch ops
+    otherwise."""
+    return _compiled(torch.ops.hybridgemm.qk_rope_store_fwd, _qk_rope_store, y, *norm_operand(q_norm),
+                     *norm_operand(k_norm), cos, sin, keys, values, base, heads)
 
 
 # ------------------------------------------------------------------------- decode attention
@@ -363,22 +400,29 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
         qk = dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight, qk_eps=float(attn.q_norm.variance_epsilon))
     slots = _slots(attn, qkv)
     adapters = any(adapter_terms.adds_terms(m) for m in slots)
-    if adapters or form.full_qk_norm:
-        # LoRA terms, and q/k norms over all heads (which a tile of one head cannot compute), go in
-        # before the rotary: the GEMM with its norm, the terms, the norms, then the stock rotary and
-        # cache write (fused by Inductor under torch.compile)
+    if form.full_qk_norm and not adapters and isinstance(attn.q_norm, Fp32FactorRMSNorm) \
+            and isinstance(attn.k_norm, Fp32FactorRMSNorm):
+        # q/k norms over all heads, which a tile of one head cannot compute: the GEMM, then the
+        # norms, rotary and cache write in one more launch
+        y = norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
+        q = qk_rope_store(y, attn.q_norm, attn.k_norm, cos, sin, keys, values, base, heads)
+    elif adapters or form.full_qk_norm:
+        # LoRA terms go in before the q/k norms and the rotary: the GEMM with its norm, the terms,
+        # the norms, then the stock rotary and cache write (fused by Inductor under torch.compile)
         y = _qkv_with_adapters(x, norm, qkv, slots, counters) if adapters else \
             norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
         y = _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, qk.get("q_norm"), qk.get("k_norm"),
                           qk.get("qk_eps", 0.0), (attn.q_norm, attn.k_norm) if form.full_qk_norm else None)
+        q = y[..., : heads * hd]
     else:
         y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,
                           base, heads, kv_heads, counters, weight_scale_of(qkv), **qk)
+        q = y[..., : heads * hd]
     mask = kwargs.get("attention_mask")
     interface = form.attention_function(attn.config._attn_implementation)  # a user may have registered another
     sdpa = interface is checks.stock_sdpa()
     if s == 1 and (sdpa or checks.kernel_computes_eager(interface, form)):
-        q = y.view(b, -1)[:, : heads * hd]
+        q = q.view(b, -1)
         if checks.kernel_takes(q, keys, values, mask, counters):
             # One launch: GQA without the expanded copy, the mask read as it is, and the
             # cache-length update (what StaticLayer.update does after computing the positions),
@@ -400,10 +444,10 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
         # of that head (one row of the mask serves them all), so SDPA reads the cache as it is
         # instead of the rep-fold expanded copy that GQA otherwise makes of it. At batch 1 the
         # expanded copy is small, so batch 1 keeps the model's own SDPA call.
-        q = y[..., : heads * hd].reshape(b, kv_heads, rep, hd)
+        q = q.reshape(b, kv_heads, rep, hd)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
         return out.reshape(b, 1, heads * hd)
-    q = y[..., : heads * hd].view(b, s, heads, hd).transpose(1, 2)
+    q = q.reshape(b, s, heads, hd).transpose(1, 2)
     rest = {k: v for k, v in kwargs.items() if k not in _CONSUMED}
     out, _ = interface(attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling,
                        **_function_kwargs(attn, form, rest))
@@ -553,13 +597,14 @@ def _slot_project(proj: nn.Module, x: Tensor, counters: Tensor | None) -> Tensor
 def _post_norm_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None) -> Tensor:
     """Gemma 2/3's layer: ``h = x + post_attn_norm(O(attention(input_norm(x))))``,
     ``y = h + post_ff_norm(down(glu(gate_up(pre_ff_norm(h)))))`` (OLMo 2's: the same without the
-    input norms); the norms of the outputs as the modules compute them (one Triton launch each
-    in eager calls; under torch.compile torch ops, which Inductor fuses with the adds)."""
+    input norms); the norms of the outputs as the modules compute them, each with its add one
+    Triton launch in eager calls (norm.add_norm; under torch.compile torch ops, which Inductor
+    fuses)."""
     o = _slot_project(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), counters)
-    h = x + apply_norm(layer.post_attention_layernorm, o)
+    h = add_norm(x, layer.post_attention_layernorm, o)
     mlp_norm = layer._modules.get("pre_feedforward_layernorm")
     down = _slot_project(layer.mlp.down_proj, _mlp_inner(layer.mlp, mlp_norm, h), counters)
-    return h + apply_norm(layer.post_feedforward_layernorm, down)
+    return add_norm(h, layer.post_feedforward_layernorm, down)
 
 
 def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None = None) -> Tensor:

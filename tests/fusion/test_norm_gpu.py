@@ -93,6 +93,30 @@ def test_fp32_factor_kernel_matches_the_stock_module(family, dtype, shape, monke
         assert (llama != ref).float().mean() > 0.05
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma", "olmo2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1, 3584), (3, 17, 5000)])
+def test_add_norm_is_one_launch_of_the_module_output_plus_the_residual(family, dtype, shape, monkeypatch):
+    """``add_norm(residual, norm, x)``, the post-norm layers' add: one launch, bit for bit the
+    patched module's output added to the residual by torch; a residual of another dtype takes
+    the two steps."""
+    stock, patched = pair(shape[-1], dtype) if family == "llama" else fp32_factor_pair(family, shape[-1], dtype)
+    launched = []
+    kernel = hnorm._triton_rmsnorm()
+    real = kernel.run
+    monkeypatch.setattr(kernel, "run", lambda *a: launched.append(a[6] is not None) or real(*a))  # run's residual
+    x = (torch.randn(*shape, device="cuda") * 3).to(dtype)
+    residual = (torch.randn(*shape, device="cuda") * 5).to(dtype)
+    with torch.no_grad():
+        out = hnorm.add_norm(residual, patched, x)
+        assert launched == [True]
+        expected = residual + patched(x)
+        assert torch.equal(out, expected)
+        wider = residual.double()
+        assert torch.equal(hnorm.add_norm(wider, patched, x), wider + patched(x))
+    assert launched == [True, False, False, False]  # the module's own launch, then the two steps'
+
+
 def test_cuda_graph_replay_equals_eager():
     _, patched = pair(4096, torch.bfloat16)
     x = torch.randn(2, 1, 4096, device="cuda", dtype=torch.bfloat16)

@@ -315,6 +315,46 @@ def test_fp32_factor_out_dtype_is_x_dtype(device):
         trms.rms_norm(x, g, EPS, out=torch.empty(3, 96, device=device), fp32_factor=True)
 
 
+# ----------------------------------------------------------------------------- residual + norm
+
+
+@pytest.mark.parametrize("m, h", [(1, 96), (3, 3072), (17, 5000), (2, 20000)], ids=str)
+@pytest.mark.parametrize("fp32_factor", [True, False], ids=["fp32-factor", "llama"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_residual_is_added_to_the_rounded_norm(m, h, fp32_factor, dtype, device):
+    """``residual + norm(x)`` in one launch: bit for bit the kernel's norm, rounded, then torch's
+    add of the two (the post-norm layers' ``residual + post_norm(o)``); rows at a stride, the
+    chunked two-pass form at 20000."""
+    x, w = operands((m,), h, dtype, device)
+    g = 1 + 0.5 * torch.randn(h, device=device) if fp32_factor else w
+    wide = torch.randn(m, h + 8, device=device).to(dtype) * 4
+    residual = wide[:, 3:h + 3]  # a row stride of h + 8
+    normed = trms.rms_norm(x, g, EPS, fp32_factor=fp32_factor)
+    out = poisoned(x.shape, normed.dtype, x.device)
+    assert trms.rms_norm(x, g, EPS, fp32_factor=fp32_factor, residual=residual, out=out) is out
+    assert torch.equal(out, residual + normed)
+    assert not torch.equal(out, normed)
+
+
+def test_residual_is_part_of_the_plan(device, monkeypatch):
+    monkeypatch.setattr(trms, "_PLANS", BoundedCache(trms.PLAN_CACHE_SIZE))
+    x, w = operands((3,), 96, torch.float32, device)
+    trms.rms_norm(x, w, EPS)
+    trms.rms_norm(x, w, EPS, residual=torch.ones_like(x))
+    assert sorted(p.launch.meta["ADD"] for p in trms._PLANS.values()) == [False, True]
+
+
+@pytest.mark.parametrize("residual, match", [
+    (lambda x: x[:, :-1], "residual must have x's shape"),
+    (lambda x: x.double(), "the output dtype"),
+    (lambda x: x.tolist(), "residual must be a torch.Tensor"),
+], ids=["shape", "dtype", "list"])
+def test_residual_bad_input(residual, match, device):
+    x, w = operands((3,), 96, torch.float16, device)
+    with pytest.raises((TypeError, ValueError), match=match):
+        trms.rms_norm(x, w, EPS, residual=residual(x))
+
+
 # ----------------------------------------------------------------------------- empty shapes
 
 
@@ -413,6 +453,7 @@ def test_plan_cache_is_bounded(device, monkeypatch):
 ])
 def test_plan_launch_shape(h, block, chunked, warps):
     plan = trms._make_plan(5, h, h, torch.device("cpu"))
-    assert plan.launch.grid == (5,) and plan.scalars == (h, h, 1.0 / h)
-    assert plan.launch.meta == {"BLOCK": block, "CHUNKED": chunked, "ROUND_FIRST": True, "num_warps": warps}
+    assert plan.launch.grid == (5,) and plan.scalars == (h, h, 0, 1.0 / h)
+    assert plan.launch.meta == {"BLOCK": block, "CHUNKED": chunked, "ROUND_FIRST": True, "ADD": False,
+                                "num_warps": warps}
     assert trms._make_plan(0, h, h, torch.device("cpu")).empty

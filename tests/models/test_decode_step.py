@@ -428,6 +428,7 @@ def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_o
     decode attention kernel; OLMo 2's layers take it with their norms, the rotary and the cache
     write after the GEMM."""
     from hybridgemm.kernels import triton_decode_attention as tda
+    from hybridgemm.kernels import triton_qk_rope as tqr
 
     stock = _tiny(kind, layers=2, attention=attention, head_dim=32, **extra)
     model = copy.deepcopy(stock)
@@ -436,10 +437,11 @@ def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_o
     assert all(layer.__dict__.get(checks.POST_NORMS) for layer in model.model.layers)
     if kind == "olmo2":
         assert all(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
-    steps, launches = [], []
-    real, real_attention = decode_step._post_norm_step, tda.decode_attention
+    steps, launches, qk_rows = [], [], []
+    real, real_attention, real_qk = decode_step._post_norm_step, tda.decode_attention, tqr.qk_norm_rope_store
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(decode_step, "_post_norm_step", lambda *a: steps.append(1) or real(*a))
+        mp.setattr(tqr, "qk_norm_rope_store", lambda y, *a: qk_rows.append(tuple(y.shape[:2])) or real_qk(y, *a))
         mp.setattr(tda, "decode_attention", lambda q, *a, **kw: launches.append(
             (tuple(q.shape), kw["softcap"], kw["step"])) or real_attention(q, *a, **kw))
         _compare(model, stock, steps=3, batch=2)  # past the window of 4 positions: the sliding layer's mask
@@ -451,6 +453,8 @@ def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_o
     # model reads for the mask (Gemma 2's layer 1, OLMo 2's layer 0)
     steps_added = {"gemma2": [0], "gemma3": [], "olmo2": [0, 1]}[kind]
     assert launches == [((2, 4 * 32), extra.get("attn_logit_softcapping") or 0.0, n) for n in steps_added] * 3
+    # OLMo 2: its q/k norms, rotary and cache write in one launch per layer and new token
+    assert qk_rows == ([(2, 1)] * 6 if kind == "olmo2" else [])
 
 
 def test_heads_no_tuned_tile_divides_take_narrower_tiles_in_the_rotary_epilogue(kernels_on_cpu, monkeypatch):
@@ -711,7 +715,7 @@ def test_a_layer_built_on_meta_and_loaded_with_assign_moves_as_the_stock_layer_d
 
 # (the eager backend runs the graph Dynamo captured as captured; aot_eager runs the same capture
 # functionalised)
-# OLMo 2: its all-head q/k norms, rotary and cache write as torch ops in the graph, no rotary epilogue
+# OLMo 2: its all-head q/k norms, rotary and cache write in their own custom op, no rotary epilogue
 @pytest.mark.parametrize("backend,kind", [("aot_eager", "llama"), ("inductor", "llama"), ("aot_eager", "granite"),
                                           ("aot_eager", "olmo2")])
 def test_dynamo_traces_a_decode_step_in_one_graph(backend, kind, kernels_on_cpu, monkeypatch):
@@ -721,9 +725,12 @@ def test_dynamo_traces_a_decode_step_in_one_graph(backend, kind, kernels_on_cpu,
     if backend == "inductor" and not (shutil.which("c++") or shutil.which("g++")):
         pytest.skip("Inductor's CPU backend needs a C++ compiler")
     from hybridgemm.kernels import triton_decode_attention as tda
+    from hybridgemm.kernels import triton_qk_rope as tqr
 
     launches, real = [], tda.decode_attention
     monkeypatch.setattr(tda, "decode_attention", lambda *a, **kw: launches.append(kw["step"]) or real(*a, **kw))
+    qk_launches, real_qk = [], tqr.qk_norm_rope_store
+    monkeypatch.setattr(tqr, "qk_norm_rope_store", lambda *a: qk_launches.append(1) or real_qk(*a))
     # a process where the attention kernel's module was never loaded: patch loads it (the trace cannot)
     from hybridgemm.kernels import lazy
 
@@ -743,6 +750,7 @@ def test_dynamo_traces_a_decode_step_in_one_graph(backend, kind, kernels_on_cpu,
     for a, b in zip(outs, ref[1:]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert kernels_on_cpu["rope"] == (0 if kind == "olmo2" else 2 * 2)
+    assert len(qk_launches) == (2 * 2 if kind == "olmo2" else 0)
     assert launches == [0, 1] * 2  # both layers' attention in the kernel, both steps
     assert [int(la.cumulative_length) for la in cache.layers] == [int(la.cumulative_length)
                                                                   for la in ref_cache.layers] == [5, 5]

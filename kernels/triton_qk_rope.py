@@ -1,0 +1,182 @@
+"""Q/K norms over all heads, the rotary embedding and the KV-cache write of a decode step, in one
+Triton launch (OLMo 2's attention after its Q/K/V projection).
+
+OLMo 2 normalises q and k over all their columns (an RMSNorm of width ``heads * head_dim``,
+before the head views), which a split-K tile of one head cannot compute in its epilogue
+(kernels/triton_rope.py handles norms per head). What the stock attention then runs per token
+is two norms (eight torch ops each, or one launch each patched), the rotary embedding of q and
+k (about six ops each), ``index_copy_`` of k and v into the cache and the views in between: in
+eager decode about twenty host dispatches on a few KB of data. This kernel computes the same
+from the projection ``y`` ``[M, (heads + 2 * kv_heads) * head_dim]`` (M = B x S tokens,
+batch-major), per token::
+
+    q = ((y_q * rsqrt(mean(y_q²) + eps_q)) * (offset_q + g_q)).to(dtype)     # fp32, rounded once
+    q = (q * cos + rotate_half(q) * sin).to(dtype)                           # per head
+    k = the same with its own norm;  keys[b, :, base + s] = k;  values[b, :, base + s] = y_v
+
+and returns the rotated q ``[M, heads * head_dim]``. The norm is the fp32-factor formula of
+kernels/triton_rmsnorm.py (``fp32_factor=True``). The rotary follows Hugging Face's
+``apply_rotary_pos_emb``: with fp32 cos/sin (OLMo 2's) the products and their sum in fp32,
+rounded once; with cos/sin of the data's dtype each product and the sum rounded to it, as
+torch's 16-bit ops round. ``rotate_half`` pairs column ``c`` of a head with column
+``c ± head_dim / 2``: the kernel loads the partner column from memory (the row is a few KB,
+read from L2) instead of shuffling registers. A token whose position ``base + s`` is outside
+``[0, L)`` writes nothing and its q row is NaN (stock's ``index_copy_`` raises a device assert
+there), as the rotary epilogue does.
+
+Grid ``(M, 3)``: per token one program for q, one for k, one for v. Inference only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .bounded_cache import BoundedCache
+from .triton_config import next_pow2
+from .triton_launch import Launcher
+from .triton_plan import TritonPlan
+
+__all__ = ["PLAN_CACHE_SIZE", "check", "qk_norm_rope_store"]
+
+PLAN_CACHE_SIZE = 1024
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _normed_rotated(row_ptr, w_ptr, cos_row, sin_row, idx, mask, inv_n, eps, offset, HD: tl.constexpr,
+                    ROUND_EACH: tl.constexpr):
+    """Columns ``idx`` of the row at ``row_ptr`` normalised over the row (``mask``: its columns),
+    scaled by ``offset + w`` in fp32, rounded to the row's dtype, then rotated per head; fp32
+    values of the dtype's rounding before the last one."""
+    dt = row_ptr.dtype.element_ty
+    c = idx % HD
+    lower = c < HD // 2
+    partner = tl.where(lower, idx + HD // 2, idx - HD // 2)
+    x = tl.load(row_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+    # tl.math.rsqrt, the fp32 sum times fp32(1/N): triton_rmsnorm's formula
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
+    g = offset + tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    gp = offset + tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+    n = ((x * rstd) * g).to(dt).to(tl.float32)
+    rot = ((xp * rstd) * gp).to(dt).to(tl.float32)
+    rot = tl.where(lower, -rot, rot)
+    cos = tl.load(cos_row + c, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_row + c, mask=mask, other=0.0).to(tl.float32)
+    if ROUND_EACH:  # 16-bit cos/sin: torch rounds each product and the sum
+        return (n * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)
+    return n * cos + rot * sin
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(y_ptr, qg_ptr, kg_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, base_ptr, q_ptr,
+                               seq, ldy, q_cols, kv_cols, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, cache_len,
+                               inv_q, inv_k, q_eps, k_eps, q_offset, k_offset, QB: tl.constexpr, KB: tl.constexpr,
+                               HD: tl.constexpr, ROUND_EACH: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    b = row // seq
+    s = row % seq
+    pos = tl.load(base_ptr) + s
+    in_cache = (pos >= 0) & (pos < cache_len)
+    y_row = y_ptr + row * ldy
+    cs = b * cs_b + s * cs_s
+    dt = y_ptr.dtype.element_ty
+    # (each branch names its own index and mask: the compiler types a name once across branches)
+    if part == 0:
+        qi = tl.arange(0, QB)
+        q_mask = qi < q_cols
+        q = _normed_rotated(y_row, qg_ptr, cos_ptr + cs, sin_ptr + cs, qi, q_mask, inv_q, q_eps, q_offset, HD,
+                            ROUND_EACH)
+        q = tl.where(in_cache, q, float("nan"))
+        tl.store(q_ptr + row * q_cols + qi, q.to(dt), mask=q_mask)
+    else:
+        ki = tl.arange(0, KB)
+        kv_mask = ki < kv_cols
+        head = ki // HD
+        c = ki % HD
+        ok = kv_mask & in_cache
+        if part == 1:
+            k = _normed_rotated(y_row + q_cols, kg_ptr, cos_ptr + cs, sin_ptr + cs, ki, kv_mask, inv_k, k_eps,
+                                k_offset, HD, ROUND_EACH)
+            tl.store(kc_ptr + b * kc_b + pos * kc_s + head * kc_h + c, k.to(dt), mask=ok)
+        else:
+            v = tl.load(y_row + q_cols + kv_cols + ki, mask=kv_mask, other=0.0)
+            tl.store(vc_ptr + b * vc_b + pos * vc_s + head * vc_h + c, v, mask=ok)
+
+
+def check(y: torch.Tensor, q_norm: tuple, k_norm: tuple, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+          values: torch.Tensor, base: torch.Tensor, heads: int) -> str | None:
+    """Why :func:`qk_norm_rope_store` cannot take these operands (None: it can). ``y`` [B, S, N]
+    with a unit last stride and rows that flatten; ``q_norm``/``k_norm`` ``(g, eps, offset)``
+    with g contiguous [heads * hd] / [kv_heads * hd]; cos/sin [B or 1, S, hd] with a unit last
+    stride, y's dtype or fp32; keys/values [B, kv_heads, L, hd] contiguous, y's dtype;
+    ``base`` an int64 scalar; all on one device."""
+    if y.dim() != 3 or y.dtype not in _FLOATS or y.stride(-1) != 1 or (y.shape[1] > 1 and y.stride(0) != y.shape[1]
+                                                                      * y.stride(1)):
+        return "y must be [B, S, N] of fp16/bf16/fp32 with rows that flatten"
+    b, s, n = y.shape
+    if keys.dim() != 4 or keys.shape[0] != b or values.shape != keys.shape or keys.dtype != y.dtype \
+            or values.dtype != y.dtype or not keys.is_contiguous() or not values.is_contiguous():
+        return "keys/values must be contiguous [B, kv_heads, L, head_dim] of y's dtype"
+    kv_heads, hd = keys.shape[1], keys.shape[3]
+    if hd % 2 or not isinstance(heads, int) or heads < 1 or n != (heads + 2 * kv_heads) * hd:
+        return f"y's {n} columns are not (heads + 2 * kv_heads) * head_dim with an even head_dim"
+    for name, (g, eps, offset), width in (("q_norm", q_norm, heads * hd), ("k_norm", k_norm, kv_heads * hd)):
+        if g.shape != (width,) or not g.is_contiguous() or g.dtype not in _FLOATS or g.device != y.device:
+            return f"{name} must be a contiguous [{width}] float tensor on y's device"
+        if not (0 <= float(eps) < float("inf")) or not abs(float(offset or 0.0)) < float("inf"):
+            return f"{name}'s eps and offset must be finite"
+    if cos.dim() != 3 or cos.shape != sin.shape or cos.stride() != sin.stride() or cos.shape[1] != s \
+            or cos.shape[0] not in (1, b) or cos.shape[2] != hd or cos.stride(-1) != 1 \
+            or cos.dtype not in (y.dtype, torch.float32) or sin.dtype != cos.dtype:
+        return f"cos/sin must be [B or 1, S, {hd}] with a unit last stride, of y's dtype or fp32"
+    if base.numel() != 1 or base.dtype != torch.int64:
+        return "base must be one int64 element"
+    if any(t.device != y.device for t in (cos, sin, keys, values, base)):
+        return "all operands must be on y's device"
+    return None
+
+
+def _make_plan(m: int, q_cols: int, kv_cols: int, hd: int, device: torch.device, round_each: bool) -> TritonPlan:
+    widest = max(q_cols, kv_cols)
+    warps = 4 if widest <= 1024 else 8 if widest <= 4096 else 16
+    meta = dict(QB=next_pow2(q_cols), KB=next_pow2(kv_cols), HD=hd, ROUND_EACH=round_each, num_warps=warps)
+    # 1 / N as fp32 arguments: the mean as torch's CUDA mean computes it (triton_rmsnorm)
+    return TritonPlan(device, Launcher(_qk_norm_rope_store_kernel, (m, 3), meta),
+                      scalars=(1.0 / q_cols, 1.0 / kv_cols))
+
+
+# Plans by everything the compiled kernel is specialised on: every integer argument (Triton
+# specialises ints on their value 1 and on divisibility by 16), dtypes, device, the pointers'
+# 16-byte alignment.
+_PLANS = BoundedCache(PLAN_CACHE_SIZE)
+
+
+def qk_norm_rope_store(y: torch.Tensor, q_norm: tuple, k_norm: tuple, cos: torch.Tensor, sin: torch.Tensor,
+                       keys: torch.Tensor, values: torch.Tensor, base: torch.Tensor, heads: int) -> torch.Tensor:
+    """The rotated q ``[B, S, heads * hd]`` of the module docstring's computation, with k and v
+    written into ``keys``/``values``; operands as :func:`check` accepts them (unchecked here:
+    the caller checks once), ``q_norm``/``k_norm`` ``(g, eps, offset)`` (offset None: 0)."""
+    b, s, _ = y.shape
+    kv_heads, cache_len, hd = keys.shape[1:]
+    q_cols, kv_cols = heads * hd, kv_heads * hd
+    m = b * s
+    out = torch.empty((b, s, q_cols), dtype=y.dtype, device=y.device)
+    if m == 0:
+        return out
+    (qg, q_eps, q_off), (kg, k_eps, k_off) = q_norm, k_norm
+    cs_b = 0 if cos.shape[0] == 1 else cos.stride(0)
+    ldy = y.shape[2] if m == 1 else y.stride(1) if s > 1 else y.stride(0)  # one row's stride is never read
+    ints = (s, ldy, q_cols, kv_cols, cs_b, cos.stride(1), *keys.stride()[:3], *values.stride()[:3], cache_len)
+    ptrs = (y, qg, kg, cos, sin, keys, values, base, out)
+    round_each = cos.dtype != torch.float32
+    key = (m, ints, y.dtype, qg.dtype, kg.dtype, cos.dtype, y.get_device(), round_each,
+           tuple(not t.data_ptr() & 15 for t in ptrs))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS.put(key, _make_plan(m, q_cols, kv_cols, hd, y.device, round_each))
+    plan.launch(*ptrs, *ints, *plan.scalars, float(q_eps), float(k_eps), float(q_off or 0.0), float(k_off or 0.0))
+    return out

@@ -1,0 +1,237 @@
+"""The q/k norm, rotary and cache-write kernel (kernels/triton_qk_rope.py): against transformers'
+own OLMo 2 modules (Olmo2RMSNorm, apply_rotary_pos_emb, the cache's index_copy_) in the same
+dtype and against fp64; odd head counts and widths, batch and sequence layouts, strided y, a
+position outside the cache, the refusals of ``check``; bf16 and the sm_90 build on the GPU side.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import poisoned
+from hybridgemm.kernels import triton_qk_rope as tqr
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+olmo2 = pytest.importorskip("transformers.models.olmo2.modeling_olmo2")
+
+CPU_DTYPES = [torch.float32, torch.float16]
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def _unit(dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def _norm_module(width, dtype, device, eps, seed):
+    norm = olmo2.Olmo2RMSNorm(width, eps=eps).to(device)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        norm.weight.copy_(0.5 + torch.rand(width, generator=g))
+    return norm.to(dtype)
+
+
+def _operands(b, s, heads, kv_heads, hd, dtype, device, cos_dtype, cache_len=12, per_batch_cos=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = (heads + 2 * kv_heads) * hd
+    # rows of scales from 0.05 to 20: the norm matters, eps matters for the quiet ones
+    scale = 10 ** (torch.rand(b, s, 1, generator=g) * 2.6 - 1.3)
+    y = (torch.randn(b, s, n, generator=g) * scale).to(dtype).to(device)
+    angles = torch.rand(b if per_batch_cos else 1, s, hd // 2, generator=g) * 6.3
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(cos_dtype).to(device), emb.sin().to(cos_dtype).to(device)
+    keys = poisoned((b, kv_heads, cache_len, hd), dtype, device)
+    values = poisoned((b, kv_heads, cache_len, hd), dtype, device)
+    q_norm = _norm_module(heads * hd, dtype, device, 1e-6, seed + 1)
+    k_norm = _norm_module(kv_heads * hd, dtype, device, 1e-5, seed + 2)
+    return y, cos, sin, keys, values, q_norm, k_norm
+
+
+def _stock(y, cos, sin, heads, kv_heads, hd, q_norm, k_norm):
+    """OLMo 2's attention between its projections and the cache, with transformers' own pieces."""
+    b, s, _ = y.shape
+    q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    q, k = q_norm(q), k_norm(k)
+    q = q.view(b, s, heads, hd).transpose(1, 2)
+    k = k.view(b, s, kv_heads, hd).transpose(1, 2)
+    q, k = olmo2.apply_rotary_pos_emb(q, k, cos, sin)
+    return q.transpose(1, 2).reshape(b, s, heads * hd), k, v.view(b, s, kv_heads, hd).transpose(1, 2)
+
+
+def _fp64(y, cos, sin, heads, kv_heads, hd, q_norm, k_norm):
+    """The same in float64, with no rounding in between: (q, k, and the magnitudes |t cos| +
+    |rotate_half(t) sin| of q's and k's terms, which bound what a rounding of t costs)."""
+    b, s, _ = y.shape
+    q, k, _ = y.double().split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+
+    def norm(t, mod):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + mod.variance_epsilon) * mod.weight.double()
+
+    def rotate(t, n, f=lambda a: a):
+        t = t.view(b, s, n, hd)
+        rot = torch.cat([-t[..., hd // 2:], t[..., : hd // 2]], dim=-1)
+        return (f(t * cos.double()[:, :, None]) + f(rot * sin.double()[:, :, None])).transpose(1, 2)
+
+    qn, kn = norm(q, q_norm), norm(k, k_norm)
+    return (rotate(qn, heads).transpose(1, 2).reshape(b, s, -1), rotate(kn, kv_heads),
+            rotate(qn, heads, torch.abs).transpose(1, 2).reshape(b, s, -1), rotate(kn, kv_heads, torch.abs))
+
+
+def _run(y, cos, sin, keys, values, q_norm, k_norm, base, heads):
+    ops = ((q_norm.weight.detach(), q_norm.variance_epsilon, 0.0), (k_norm.weight.detach(), k_norm.variance_epsilon,
+                                                                     0.0))
+    assert tqr.check(y, *ops, cos, sin, keys, values, base, heads) is None
+    return tqr.qk_norm_rope_store(y, *ops, cos, sin, keys, values, base, heads)
+
+
+def _close(out, ref, dtype, ulps, terms):
+    """Within ``ulps`` roundings of ``dtype`` of the magnitude of the rotary's terms (``terms``:
+    |t cos| + |rotate_half(t) sin|; a value where they cancel keeps their rounding errors)."""
+    err = (out.double() - ref.double()).abs()
+    bound = ulps * 2 * _unit(dtype) * terms
+    assert (err <= bound).all(), f"max err {err.max().item():.3g}, {(err > bound).sum().item()} elements out"
+
+
+CASES = [  # b, s, heads, kv_heads, hd, base
+    (1, 1, 4, 2, 32, 5),
+    (3, 1, 3, 1, 16, 0),
+    (2, 2, 5, 5, 6, 9),
+    (1, 3, 2, 1, 64, 4),
+    (3, 1, 6, 2, 10, 11),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cos_fp32", [True, False], ids=["fp32-cos", "same-cos"])
+@pytest.mark.parametrize("b,s,heads,kv_heads,hd,base", CASES)
+def test_matches_transformers_olmo2_and_fp64(device, cos_fp32, b, s, heads, kv_heads, hd, base):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    for dtype in ([torch.bfloat16, torch.float16] if device == "cuda" else CPU_DTYPES):
+        y, cos, sin, keys, values, q_norm, k_norm = _operands(b, s, heads, kv_heads, hd, dtype, device,
+                                                              torch.float32 if cos_fp32 else dtype,
+                                                              per_batch_cos=b % 2 == 1, seed=b * 7 + hd)
+        base_t = torch.tensor([base], dtype=torch.int64, device=device)
+        with torch.no_grad():
+            q = _run(y, cos, sin, keys, values, q_norm, k_norm, base_t, heads)
+            ref_q, ref_k, ref_v = _stock(y, cos, sin, heads, kv_heads, hd, q_norm, k_norm)
+            d_q, d_k, q_terms, k_terms = _fp64(y, cos, sin, heads, kv_heads, hd, q_norm, k_norm)
+        assert q.shape == (b, s, heads * hd) and q.dtype == dtype and q.is_contiguous()
+        written = slice(base, base + s)
+        assert torch.equal(values[:, :, written], ref_v), "v must be copied bit for bit"
+        assert torch.isnan(keys[:, :, :base]).all() and torch.isnan(keys[:, :, base + s:]).all(), \
+            "positions other than base + s must be untouched"
+        assert torch.isnan(values[:, :, :base]).all() and torch.isnan(values[:, :, base + s:]).all()
+        # against the stock modules in the same dtype: the sum's order and rsqrt differ in fp32's
+        # last bits, which a rounding to 16 bits shows as one ulp where a value sits on a boundary
+        _close(q, ref_q, dtype, 2 if dtype != torch.float32 else 64, q_terms)
+        _close(keys[:, :, written], ref_k, dtype, 2 if dtype != torch.float32 else 64, k_terms)
+        if dtype != torch.float32:  # the stock roundings, each one: nearly every value the same bits
+            same = torch.cat([(q == ref_q).flatten(), (keys[:, :, written] == ref_k).flatten()]).double().mean()
+            assert same >= 0.97, f"only {same:.1%} of the values equal stock's"
+        # against fp64: the norm's rounding, the two products' and the sum's (16-bit cos/sin),
+        # the last one, and fp32's few roundings
+        ulps = 4 if not cos_fp32 else 2
+        _close(q, d_q, dtype, ulps + (64 if dtype == torch.float32 else 1), q_terms)
+        _close(keys[:, :, written], d_k, dtype, ulps + (64 if dtype == torch.float32 else 1), k_terms)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_rows_and_a_shared_cos(device):
+    """y as a column slice of a wider [B, S, N'] tensor (the row stride is N'), cos [1, S, hd]."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    b, s, heads, kv_heads, hd = 3, 2, 3, 1, 8
+    y, cos, sin, keys, values, q_norm, k_norm = _operands(b, s, heads, kv_heads, hd, dtype, device, torch.float32,
+                                                          per_batch_cos=False, seed=3)
+    wide = torch.randn(b, s, y.shape[-1] + 24, dtype=dtype, device=device)
+    wide[..., : y.shape[-1]] = y
+    strided = wide[..., : y.shape[-1]]
+    assert not strided.is_contiguous()
+    base = torch.tensor([2], dtype=torch.int64, device=device)
+    with torch.no_grad():
+        q = _run(strided, cos, sin, keys, values, q_norm, k_norm, base, heads)
+        ref_q, ref_k, ref_v = _stock(y, cos, sin, heads, kv_heads, hd, q_norm, k_norm)
+        _, _, q_terms, k_terms = _fp64(y, cos, sin, heads, kv_heads, hd, q_norm, k_norm)
+    _close(q, ref_q, dtype, 64, q_terms)
+    _close(keys[:, :, 2:4], ref_k, dtype, 64, k_terms)
+    assert torch.equal(values[:, :, 2:4], ref_v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_position_outside_the_cache_writes_nothing_and_gives_nan(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    dtype = torch.float32
+    b, s, heads, kv_heads, hd = 2, 3, 2, 1, 8
+    y, cos, sin, keys, values, q_norm, k_norm = _operands(b, s, heads, kv_heads, hd, dtype, device, dtype,
+                                                          cache_len=6)
+    base = torch.tensor([4], dtype=torch.int64, device=device)  # positions 4, 5 fit; 6 does not
+    with torch.no_grad():
+        q = _run(y, cos, sin, keys, values, q_norm, k_norm, base, heads)
+    assert torch.isfinite(q[:, :2]).all() and torch.isnan(q[:, 2]).all()
+    assert torch.isfinite(keys[:, :, 4:]).all() and torch.isnan(keys[:, :, :4]).all()
+    assert torch.isfinite(values[:, :, 4:]).all() and torch.isnan(values[:, :, :4]).all()
+
+
+def test_an_empty_batch_launches_nothing():
+    y, cos, sin, keys, values, q_norm, k_norm = _operands(1, 1, 2, 1, 8, torch.float32, "cpu", torch.float32)
+    empty = y[:0]
+    q = tqr.qk_norm_rope_store(empty, (q_norm.weight, 1e-6, 0.0), (k_norm.weight, 1e-6, 0.0), cos, sin,
+                               keys[:0], values[:0], torch.zeros(1, dtype=torch.int64), 2)
+    assert q.shape == (0, 1, 16)
+
+
+@pytest.mark.parametrize("name,change,why", [
+    ("y", lambda y: y[..., :-2], "columns"),
+    ("y", lambda y: y.transpose(0, 1).contiguous().transpose(0, 1), "flatten"),
+    ("y", lambda y: y.to(torch.int32), "fp16/bf16/fp32"),
+    ("keys", lambda k: k.transpose(2, 3), "contiguous"),
+    ("values", lambda v: v.to(torch.float16), "y's dtype"),
+    ("cos", lambda c: c[..., :-2], "cos/sin"),
+    ("cos", lambda c: c.to(torch.float16), "cos/sin"),
+    ("base", lambda t: t.to(torch.int32), "int64"),
+    ("q_norm", lambda op: (op[0][:-1], *op[1:]), "q_norm"),
+    ("k_norm", lambda op: (op[0].repeat(2), *op[1:]), "k_norm"),
+    ("q_norm", lambda op: (op[0], float("nan"), op[2]), "finite"),
+    ("k_norm", lambda op: (op[0], 1e-6, float("inf")), "finite"),
+])
+def test_check_names_what_does_not_fit(name, change, why):
+    y, cos, sin, keys, values, q_norm, k_norm = _operands(3, 2, 4, 2, 8, torch.float32, "cpu", torch.float32)
+    args = dict(y=y, q_norm=(q_norm.weight.detach(), 1e-6, 0.0), k_norm=(k_norm.weight.detach(), 1e-6, 0.0),
+                cos=cos, sin=sin, keys=keys, values=values, base=torch.zeros(1, dtype=torch.int64), heads=4)
+    assert tqr.check(**args) is None
+    args[name] = change(args[name])
+    why_not = tqr.check(**args)
+    assert why_not is not None and why in why_not, why_not
+
+
+_COMPILE_FOR_HOPPER = """
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hybridgemm.kernels import triton_qk_rope as tqr
+
+fn = tqr._qk_norm_rope_store_kernel
+ptrs = ["*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*bf16", "*bf16", "*i64", "*bf16"]
+scalars = ["i32"] * 13 + ["fp32"] * 6
+sig = dict(zip(fn.arg_names, ptrs + scalars))
+for q_cols, kv_cols, hd in ((4096, 4096, 128), (5120, 1024, 128), (2048, 512, 64)):
+    consts = dict(QB=tqr.next_pow2(q_cols), KB=tqr.next_pow2(kv_cols), HD=hd, ROUND_EACH=False)
+    src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+    try:
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16 if q_cols > 4096 else 8})
+    except (TypeError, KeyError, AttributeError) as e:
+        raise SystemExit(f"API: {type(e).__name__}: {e}")
+    assert c.asm["cubin"], q_cols
+print("compiled")
+"""
+
+
+def test_the_kernel_compiles_for_hopper_at_olmo2_widths():
+    """Built for sm_90 by Triton's ptxas (no GPU needed): OLMo 2 7B's (32 + 32 heads of 128),
+    13B-like (40 + 8) and a small one, bf16 with fp32 cos/sin and factors."""
+    from helpers import compile_offline
+
+    compile_offline("import triton\n" + _COMPILE_FOR_HOPPER)
