@@ -20,6 +20,14 @@ With a ``residual`` (the post-norm layers' ``residual + norm(x)``: Gemma 2/3, OL
 normalised row is rounded to the output dtype and added to the residual row in fp32, rounded
 once, as torch's add of two 16-bit tensors computes it.
 
+Compiled without floating-point contraction (``enable_fp_fusion=False``): with it, the
+compiler fuses a product and the add that follows into one FMA across a rounding that torch
+makes (the weight's product and the residual add become one ``fma.rn.bf16``; the mean and eps
+one ``fma.rn.f32``), so the results would depend on the variant compiled. Without it, every
+operation rounds where torch's ops round: the 16-bit products and sums the compiler narrows
+are exact or rounded once in a way that equals fp32-then-round (a sum of two bf16/fp16
+values in fp32 then rounded to 16 bits is the correctly rounded sum).
+
 Why: a decode step in eager mode runs HF's RMSNorm as about eight torch ops (to fp32, pow,
 mean, add, rsqrt, mul, to, mul), each a kernel launch and a host dispatch, on a few KB of
 data; the host time is the cost. This is one launch, through a cached plan.
@@ -101,7 +109,8 @@ def _make_plan(m: int, h: int, ldx: int, device: torch.device, fp32_factor: bool
     chunked = h > SINGLE_PASS_MAX
     block = CHUNK if chunked else next_pow2(h)
     warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
-    meta = dict(BLOCK=block, CHUNKED=chunked, ROUND_FIRST=not fp32_factor, ADD=ldr is not None, num_warps=warps)
+    meta = dict(BLOCK=block, CHUNKED=chunked, ROUND_FIRST=not fp32_factor, ADD=ldr is not None, num_warps=warps,
+                enable_fp_fusion=False)  # (module docstring: no FMA, torch's roundings)
     # 1 / H as an fp32 argument: torch's CUDA mean multiplies the sum by fp32(1/N)
     return TritonPlan(device, Launcher(_rms_norm_kernel, (m,), meta), scalars=(h, ldx, ldr or 0, 1.0 / h))
 

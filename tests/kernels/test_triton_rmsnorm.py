@@ -455,5 +455,5 @@ def test_plan_launch_shape(h, block, chunked, warps):
     plan = trms._make_plan(5, h, h, torch.device("cpu"))
     assert plan.launch.grid == (5,) and plan.scalars == (h, h, 0, 1.0 / h)
     assert plan.launch.meta == {"BLOCK": block, "CHUNKED": chunked, "ROUND_FIRST": True, "ADD": False,
-                                "num_warps": warps}
+                                "num_warps": warps, "enable_fp_fusion": False}
     assert trms._make_plan(0, h, h, torch.device("cpu")).empty
