@@ -27,10 +27,16 @@ from torch import Tensor, nn
 _LORA_LINEAR = ("peft.tuners.lora.layer", "Linear")
 
 
+_IS_LORA: dict[type, bool] = {}  # by class: the per-call checks of the decode step ask for every slot
+
+
 def is_lora_linear(mod: nn.Module | None) -> bool:
     """Is ``mod`` PEFT's LoRA layer for an ``nn.Linear`` (exactly that class)?"""
     t = type(mod)
-    return (t.__module__, t.__name__) == _LORA_LINEAR
+    known = _IS_LORA.get(t)
+    if known is None:
+        known = _IS_LORA[t] = (t.__module__, t.__name__) == _LORA_LINEAR
+    return known
 
 
 def _active(mod: nn.Module) -> list[str]:

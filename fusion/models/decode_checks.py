@@ -283,7 +283,8 @@ def hooked(mod: nn.Module | None) -> bool:
         return False
     if mod._forward_pre_hooks or "forward" in mod.__dict__:
         return True
-    return any(not _idle_capture(hook) for hook in mod._forward_hooks.values())
+    hooks = mod._forward_hooks  # (empty on nearly every call: no generator then; eager decode is host-bound)
+    return bool(hooks) and any(not _idle_capture(hook) for hook in hooks.values())
 
 
 def _idle_capture(hook) -> bool:
@@ -719,14 +720,23 @@ def takes_fused_path(layer: nn.Module, x) -> bool:
         return False
     if layer.training and any(_dropping(layer._modules.get(n)) for n in RESIDUAL_DROPOUTS):
         return False
-    params = [t for m in _fused_parts(layer) for t in (m.weight, getattr(m, "bias", None)) if t is not None]
-    if any(t.dtype != x.dtype and not (t.dtype == E4M3 and x.dtype in _FP8_ACTIVATIONS) for t in params):
-        return False
+    dtype = x.dtype
+    params = []
+    for m in _fused_parts(layer):
+        for t in (m.weight, getattr(m, "bias", None)):
+            if t is not None:
+                if t.dtype != dtype and not (t.dtype == E4M3 and dtype in _FP8_ACTIVATIONS):
+                    return False
+                params.append(t)
     if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params) or any(
             p.requires_grad for m in _adapters(layer) for p in adapter_terms.lora_parameters(m))):
         return False
-    return not (any(hooked(m) for m in _skipped_modules(layer))
-                or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
+    if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
+        return False
+    for m in _skipped_modules(layer):
+        if hooked(m):
+            return False
+    return True
 
 
 def _dropping(mod: nn.Module | None) -> bool:

@@ -487,10 +487,45 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
         else:
             k, v = cache.update(k, v, attn.layer_idx)
     interface = form.attention_function(attn.config._attn_implementation)
+    if q.shape[2] == 1 and not attn.training and not torch.compiler.is_compiling():
+        out = _kernel_attention(attn, form, interface, q, k, v, kwargs.get("attention_mask"), counters)
+        if out is not None:
+            return out.view(*input_shape, -1)
     out, _ = interface(attn, q, k, v, kwargs.get("attention_mask"),
                        dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling,
                        **_function_kwargs(attn, form, rest))
     return out.reshape(*input_shape, -1).contiguous()
+
+
+def _kernel_attention(attn: nn.Module, form: checks.AttentionForm, interface, q: Tensor, k: Tensor, v: Tensor,
+                      mask: Tensor | None, counters: Tensor | None) -> Tensor | None:
+    """What the module's attention function computes for one query token per sequence (q
+    ``[B, heads, 1, hd]``) over the keys and values its cache returned (a sliding-window layer's
+    window, a dynamic cache's concatenation), in one launch of the decode attention kernel
+    (eager calls: host-bound, where SDPA's GQA expansion or the eager function's ops are many
+    launches): the function must be stock SDPA without a softcap, or the module's eager function
+    of a form the kernel computes; the mask (which holds any sliding window) is read as it is.
+    None where it is not, or where the kernel refuses the operands: the caller runs the function."""
+    sdpa = interface is checks.stock_sdpa()
+    if sdpa and form.softcap and getattr(attn, "attn_logit_softcapping", None) is not None:
+        return None  # stock's SDPA function raises on a softcap: the call says so
+    if not (sdpa or checks.kernel_computes_eager(interface, form)):
+        return None
+    b = q.shape[0]
+    q2 = q.transpose(1, 2).reshape(b, -1)
+    if not checks.kernel_takes(q2, k, v, mask, counters):
+        return None
+    from triton.errors import TritonError
+
+    softcap = 0.0 if sdpa or not form.softcap else float(attn.attn_logit_softcapping or 0.0)
+    try:
+        return checks.attention_kernel().decode_attention(q2, k, v, mask, float(attn.scaling), q2.new_empty(q2.shape),
+                                                          step=0, counters=counters, softcap=softcap)
+    except (ValueError, TritonError) as e:  # refused or not compiled: nothing was launched
+        warn_once(("decode_attention", tuple(k.shape), q2.shape[1], q2.dtype),
+                  f"hybridgemm: the decode attention kernel could not run for keys of {tuple(k.shape)} ({e}); "
+                  "that layer's attention runs on its attention function")
+        return None
 
 
 def _function_kwargs(attn: nn.Module, form: checks.AttentionForm, rest: dict) -> dict:

@@ -113,7 +113,7 @@ def test_add_norm_is_one_launch_of_the_module_output_plus_the_residual(family, d
         expected = residual + patched(x)
         assert torch.equal(out, expected)
         wider = residual.double()
-        assert torch.equal(hnorm.add_norm(wider, patched, x), wider + patched(x))
+        assert torch.equal(hnorm.add_norm(wider, patched, x), wider + hnorm.apply_norm(patched, x))
     assert launched == [True, False, False, False]  # the module's own launch, then the two steps'
 
 

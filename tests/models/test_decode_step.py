@@ -449,9 +449,11 @@ def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_o
     # the step's layers, each new token (4 heads of 32; the prompt fills the cache through the module)
     stepped = {"gemma2": 1, "gemma3": 0, "olmo2": 2}[kind]
     assert kernels_on_cpu["rope"] == (3 * stepped if kind == "gemma2" else 0)  # OLMo 2: its rotary after its norms
-    # the kernel adds the step to a layer's length but to the first full-attention layer's, which the
-    # model reads for the mask (Gemma 2's layer 1, OLMo 2's layer 0)
-    steps_added = {"gemma2": [0], "gemma3": [], "olmo2": [0, 1]}[kind]
+    # per layer and new token: the kernel adds the step to a layer's length but to the first
+    # full-attention layer's, which the model reads for the mask (Gemma 2's layer 1, OLMo 2's layer
+    # 0); the layers on the module's path (sliding windows, Gemma 3's) run it over the keys and values
+    # their cache layer returns, adding nothing
+    steps_added = {"gemma2": [0, 0], "gemma3": [0, 0], "olmo2": [0, 1]}[kind]
     assert launches == [((2, 4 * 32), extra.get("attn_logit_softcapping") or 0.0, n) for n in steps_added] * 3
     # OLMo 2: its q/k norms, rotary and cache write in one launch per layer and new token
     assert qk_rows == ([(2, 1)] * 6 if kind == "olmo2" else [])
@@ -819,7 +821,8 @@ def test_olmo2s_fp32_rotary_in_bfloat16_takes_the_step_with_its_roundings():
 
 def test_a_soft_capped_gemma2_layer_falls_back_to_its_eager_form_when_the_kernel_cannot_run(kernels_on_cpu,
                                                                                              monkeypatch):
-    """The fallback of a refused kernel computes the cap and the additive mask too (SDPA takes no cap)."""
+    """The fallback of a refused kernel computes the cap and the additive mask too (SDPA takes no cap);
+    one warning for the full layer's static-cache step, one for the sliding layer's module path."""
     from hybridgemm import diagnostics
     from hybridgemm.kernels import triton_decode_attention as tda
 
@@ -834,7 +837,48 @@ def test_a_soft_capped_gemma2_layer_falls_back_to_its_eager_form_when_the_kernel
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         _compare(model, stock, steps=2)
-    assert sum("decode attention kernel could not run" in str(w.message) for w in seen) == 1
+    assert sum("decode attention kernel could not run" in str(w.message) for w in seen) == 2
+
+
+@pytest.mark.parametrize("kind,attention,batch,extra", [
+    ("llama", "sdpa", 1, {}), ("llama", "sdpa", 3, {}), ("qwen3", "sdpa", 2, {"head_dim": 32}),
+    ("gemma2", "eager", 2, {"attn_logit_softcapping": 0.002, "head_dim": 32, **_WINDOWS}),
+], ids=["llama-b1", "llama-b3", "qwen3", "gemma2-softcap"])
+def test_dynamic_cache_decode_runs_the_attention_kernel_over_what_the_cache_returns(kind, attention, batch, extra,
+                                                                                    kernels_on_cpu):
+    """A dynamic cache (``generate``'s default): each new token's attention is one launch of the
+    decode attention kernel over the keys and values the cache layer returns (GQA without SDPA's
+    expanded copies; Gemma 2's softcap and additive mask), adding nothing to any length; logits
+    and caches as stock's."""
+    from transformers import DynamicCache
+
+    from hybridgemm.kernels import triton_decode_attention as tda
+
+    stock = _tiny(kind, attention=attention, **extra)
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    launches, real = [], tda.decode_attention
+    ids = torch.randint(0, VOCAB, (batch, 3), generator=torch.Generator().manual_seed(3))
+
+    def decode(m):
+        cache = DynamicCache(config=m.config)
+        with torch.no_grad():
+            logits = [m(ids, past_key_values=cache, use_cache=True).logits[:, -1]]
+            for _ in range(3):
+                logits.append(m(logits[-1].argmax(-1, keepdim=True), past_key_values=cache,
+                                use_cache=True).logits[:, -1])
+        return logits, cache
+
+    ref, ref_cache = decode(stock)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tda, "decode_attention", lambda q, *a, **kw: launches.append((tuple(q.shape), kw["step"],
+                                                                                 kw.get("base"))) or real(q, *a, **kw))
+        out, cache = decode(model)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for got, want in zip(cache.layers, ref_cache.layers):
+        torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-4)
+    assert launches == [((batch, 4 * model.model.layers[0].self_attn.head_dim), 0, None)] * (2 * 3)
 
 
 def test_the_eager_forms_the_kernel_computes_are_read_exactly(monkeypatch):
