@@ -25,6 +25,10 @@ read from L2) instead of shuffling registers. A token whose position ``base + s`
 there), as the rotary epilogue does.
 
 Grid ``(M, 3)``: per token one program for q, one for k, one for v. Inference only.
+
+:func:`rope_qk` is the rotary alone (no norms, no cache), for layers whose cache layer writes
+its own way (a sliding window's roll, a dynamic cache's concatenation): grid ``(M, 2)``, q and
+k rotated into tensors of their own, about twelve torch ops of the stock rotary in one launch.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from .triton_config import next_pow2
 from .triton_launch import Launcher
 from .triton_plan import TritonPlan
 
-__all__ = ["PLAN_CACHE_SIZE", "check", "qk_norm_rope_store"]
+__all__ = ["PLAN_CACHE_SIZE", "check", "check_rope", "qk_norm_rope_store", "rope_qk"]
 
 PLAN_CACHE_SIZE = 1024
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -46,22 +50,23 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _normed_rotated(row_ptr, w_ptr, cos_row, sin_row, idx, mask, inv_n, eps, offset, HD: tl.constexpr,
-                    ROUND_EACH: tl.constexpr):
+                    ROUND_EACH: tl.constexpr, NORM: tl.constexpr = True):
     """Columns ``idx`` of the row at ``row_ptr`` normalised over the row (``mask``: its columns),
-    scaled by ``offset + w`` in fp32, rounded to the row's dtype, then rotated per head; fp32
-    values of the dtype's rounding before the last one."""
+    scaled by ``offset + w`` in fp32, rounded to the row's dtype (without ``NORM``: as they are),
+    then rotated per head; fp32 values of the dtype's rounding before the last one."""
     dt = row_ptr.dtype.element_ty
     c = idx % HD
     lower = c < HD // 2
     partner = tl.where(lower, idx + HD // 2, idx - HD // 2)
-    x = tl.load(row_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(row_ptr + partner, mask=mask, other=0.0).to(tl.float32)
-    # tl.math.rsqrt, the fp32 sum times fp32(1/N): triton_rmsnorm's formula
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
-    g = offset + tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    gp = offset + tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
-    n = ((x * rstd) * g).to(dt).to(tl.float32)
-    rot = ((xp * rstd) * gp).to(dt).to(tl.float32)
+    n = tl.load(row_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    rot = tl.load(row_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        # tl.math.rsqrt, the fp32 sum times fp32(1/N): triton_rmsnorm's formula
+        rstd = tl.math.rsqrt(tl.sum(n * n, axis=0) * inv_n + eps)
+        g = offset + tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        gp = offset + tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+        n = ((n * rstd) * g).to(dt).to(tl.float32)
+        rot = ((rot * rstd) * gp).to(dt).to(tl.float32)
     rot = tl.where(lower, -rot, rot)
     cos = tl.load(cos_row + c, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_row + c, mask=mask, other=0.0).to(tl.float32)
@@ -105,6 +110,30 @@ def _qk_norm_rope_store_kernel(y_ptr, qg_ptr, kg_ptr, cos_ptr, sin_ptr, kc_ptr, 
         else:
             v = tl.load(y_row + q_cols + kv_cols + ki, mask=kv_mask, other=0.0)
             tl.store(vc_ptr + b * vc_b + pos * vc_s + head * vc_h + c, v, mask=ok)
+
+
+@triton.jit
+def _qk_rope_kernel(y_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, seq, ldy, q_cols, kv_cols, cs_b, cs_s,
+                    QB: tl.constexpr, KB: tl.constexpr, HD: tl.constexpr, ROUND_EACH: tl.constexpr):
+    # the rotary alone: program (token, 0) rotates the token's q columns, (token, 1) its k columns
+    row = tl.program_id(0).to(tl.int64)
+    b = row // seq
+    s = row % seq
+    y_row = y_ptr + row * ldy
+    cs = b * cs_b + s * cs_s
+    dt = y_ptr.dtype.element_ty
+    if tl.program_id(1) == 0:
+        qi = tl.arange(0, QB)
+        q_mask = qi < q_cols
+        q = _normed_rotated(y_row, y_ptr, cos_ptr + cs, sin_ptr + cs, qi, q_mask, 0.0, 0.0, 0.0, HD, ROUND_EACH,
+                            False)
+        tl.store(q_ptr + row * q_cols + qi, q.to(dt), mask=q_mask)
+    else:
+        ki = tl.arange(0, KB)
+        k_mask = ki < kv_cols
+        k = _normed_rotated(y_row + q_cols, y_ptr, cos_ptr + cs, sin_ptr + cs, ki, k_mask, 0.0, 0.0, 0.0, HD,
+                            ROUND_EACH, False)
+        tl.store(k_ptr + row * kv_cols + ki, k.to(dt), mask=k_mask)
 
 
 def check(y: torch.Tensor, q_norm: tuple, k_norm: tuple, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
@@ -182,3 +211,51 @@ def qk_norm_rope_store(y: torch.Tensor, q_norm: tuple, k_norm: tuple, cos: torch
         plan = _PLANS.put(key, _make_plan(m, q_cols, kv_cols, hd, y.device, round_each))
     plan.launch(*ptrs, *ints, *plan.scalars, float(q_eps), float(k_eps), float(q_off or 0.0), float(k_off or 0.0))
     return out
+
+
+def check_rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int) -> str | None:
+    """Why :func:`rope_qk` cannot take these operands (None: it can): ``y`` [B, S, N] as
+    :func:`check` takes it, N = (heads + 2 * kv_heads) * hd, cos/sin [B or 1, S, hd] of y's
+    dtype with a unit last stride, on y's device."""
+    if y.dim() != 3 or y.dtype not in _FLOATS or y.stride(-1) != 1 or (y.shape[1] > 1 and y.stride(0) != y.shape[1]
+                                                                      * y.stride(1)):
+        return "y must be [B, S, N] of fp16/bf16/fp32 with rows that flatten"
+    b, s, n = y.shape
+    hd = cos.shape[-1] if cos.dim() == 3 else 0
+    if not (isinstance(heads, int) and isinstance(kv_heads, int) and heads > 0 and kv_heads > 0) or hd < 2 or hd % 2 \
+            or n != (heads + 2 * kv_heads) * hd:
+        return f"y's {n} columns are not (heads + 2 * kv_heads) * head_dim with cos's even head_dim"
+    if cos.shape != sin.shape or cos.stride() != sin.stride() or cos.shape[1] != s or cos.shape[0] not in (1, b) \
+            or cos.stride(-1) != 1 or cos.dtype != y.dtype or sin.dtype != y.dtype:
+        return f"cos/sin must be [B or 1, S, {hd}] of y's dtype with a unit last stride"
+    if cos.device != y.device or sin.device != y.device:
+        return "all operands must be on y's device"
+    return None
+
+
+def rope_qk(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+            kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's rotary embedding of the q and k columns of the Q/K/V projection ``y``
+    ``[B, S, N]`` (per head; cos/sin of y's dtype: each product and the sum rounded as torch's
+    16-bit ops round), in one launch: ``(q [B, S, heads * hd], k [B, S, kv_heads * hd])``;
+    operands as :func:`check_rope` accepts them (unchecked here)."""
+    b, s, _ = y.shape
+    hd = cos.shape[-1]
+    q_cols, kv_cols = heads * hd, kv_heads * hd
+    m = b * s
+    q = torch.empty((b, s, q_cols), dtype=y.dtype, device=y.device)
+    k = torch.empty((b, s, kv_cols), dtype=y.dtype, device=y.device)
+    if m == 0:
+        return q, k
+    ldy = y.shape[2] if m == 1 else y.stride(1) if s > 1 else y.stride(0)
+    ints = (s, ldy, q_cols, kv_cols, 0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(1))
+    ptrs = (y, cos, sin, q, k)
+    key = ("rope", m, ints, hd, y.dtype, y.get_device(), tuple(not t.data_ptr() & 15 for t in ptrs))
+    plan = _PLANS.get(key)
+    if plan is None:
+        warps = 4 if max(q_cols, kv_cols) <= 1024 else 8 if max(q_cols, kv_cols) <= 4096 else 16
+        meta = dict(QB=next_pow2(q_cols), KB=next_pow2(kv_cols), HD=hd, ROUND_EACH=y.dtype != torch.float32,
+                    num_warps=warps, enable_fp_fusion=False)
+        plan = _PLANS.put(key, TritonPlan(y.device, Launcher(_qk_rope_kernel, (m, 2), meta)))
+    plan.launch(*ptrs, *ints)
+    return q, k

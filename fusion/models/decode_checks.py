@@ -446,19 +446,36 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
         why = why_not_qk_norms(attn)
         if why is not None:
             return why
-    if _rotary_kernelized(attn, attention_form(cls)):
-        return "its rotary embedding is a kernel from the Hugging Face Hub (kernels.kernelize), not the stock function"
-    rope = plain_function(attention_form(cls).rotary)
-    rotate = getattr(inspect.unwrap(rope), "__globals__", {}).get("rotate_half")
-    if rope is None or rotate is None or not _has_all(rotate, _ROTATE_HALF_STATEMENTS) or not (
-            _has_all(rope, _ROTARY_STATEMENTS) or _matches(body_statements(rope), _PARTIAL_ROTARY_BODY)):
-        return "its rotary embedding is not the standard rotate_half one"
+    why = why_not_rotary(attn)
+    if why is not None:
+        return why
     if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
         return "it has no integer head_dim and layer_idx"
     if getattr(attn, "sliding_window", None) is not None:  # (kv_slot refuses it per call too)
         return "it is a sliding-window layer, whose cache layer transformers rolls once full, which the step does " \
                "not write (the module's attention function runs over the fused Q/K/V)"
     return why_not_load_kernels()
+
+
+_STANDARD_ROTARY: dict[type, bool] = {}  # by attention class: its module's apply_rotary_pos_emb read once
+
+
+def why_not_rotary(attn: nn.Module) -> str | None:
+    """Why ``attn``'s rotary embedding is not Hugging Face's standard ``rotate_half`` one, which
+    the kernels compute (None: it is): the module's function (or its partial form), read once
+    per class, and no Hub kernel bound on the instance. Cheap per call after the first."""
+    cls = type(attn)
+    form = attention_form(cls)
+    if _rotary_kernelized(attn, form):
+        return "its rotary embedding is a kernel from the Hugging Face Hub (kernels.kernelize), not the stock function"
+    standard = _STANDARD_ROTARY.get(cls)
+    if standard is None:
+        rope = plain_function(form.rotary)
+        rotate = getattr(inspect.unwrap(rope), "__globals__", {}).get("rotate_half")
+        standard = _STANDARD_ROTARY[cls] = rope is not None and rotate is not None and _has_all(
+            rotate, _ROTATE_HALF_STATEMENTS) and (_has_all(rope, _ROTARY_STATEMENTS)
+                                                  or _matches(body_statements(rope), _PARTIAL_ROTARY_BODY))
+    return None if standard else "its rotary embedding is not the standard rotate_half one"
 
 
 def plain_function(fn):

@@ -467,15 +467,20 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
         y = _qkv_with_adapters(x, norm, qkv, slots, counters)
     else:
         y = norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
-    q, k, v = y.split(checks.qkv_sizes(attn, qkv), dim=-1)
+    sizes = checks.qkv_sizes(attn, qkv)
+    cos, sin = kwargs["position_embeddings"]
+    rotated = None if form.full_qk_norm or form.qk_norm else _rope_in_kernel(attn, y, cos, sin, sizes)
+    q, k, v = y.split(sizes, dim=-1)
+    if rotated is not None:
+        q, k = rotated
     if form.full_qk_norm:  # over all the q (k) columns, before the head views (OLMo 2)
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
     if form.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    cos, sin = kwargs["position_embeddings"]
-    q, k = checks.module_rotary(attn, form)(q, k, cos, sin)
+    if rotated is None:
+        q, k = checks.module_rotary(attn, form)(q, k, cos, sin)
     rest = {n: a for n, a in kwargs.items() if n not in _CONSUMED}
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is not None:  # as the module's forward calls it (decode_checks.UPDATE_FORMS)
@@ -495,6 +500,21 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
                        dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling,
                        **_function_kwargs(attn, form, rest))
     return out.reshape(*input_shape, -1).contiguous()
+
+
+def _rope_in_kernel(attn: nn.Module, y: Tensor, cos: Tensor, sin: Tensor,
+                    sizes: tuple[int, int, int]) -> tuple[Tensor, Tensor] | None:
+    """The module's rotary embedding of the q and k columns of ``y`` in one launch
+    (kernels/triton_qk_rope.py ``rope_qk``) in an eager call on the kernels' device, where the
+    module's function is the standard one and cos/sin are of y's dtype over whole heads; None
+    otherwise (the caller runs the module's function)."""
+    if torch.compiler.is_compiling() or not checks.on_kernel_device(y) or checks.why_not_rotary(attn) is not None:
+        return None
+    hd = attn.head_dim
+    kernel = checks.qk_rope_kernel()
+    if sizes[0] % hd or sizes[1] % hd or kernel.check_rope(y, cos, sin, sizes[0] // hd, sizes[1] // hd) is not None:
+        return None
+    return kernel.rope_qk(y, cos, sin, sizes[0] // hd, sizes[1] // hd)
 
 
 def _kernel_attention(attn: nn.Module, form: checks.AttentionForm, interface, q: Tensor, k: Tensor, v: Tensor,

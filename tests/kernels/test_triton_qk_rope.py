@@ -211,6 +211,52 @@ def test_check_names_what_does_not_fit(name, change, why):
     assert why_not is not None and why in why_not, why_not
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b,s,heads,kv_heads,hd,strided", [(1, 1, 4, 2, 32, False), (3, 1, 3, 1, 16, True),
+                                                            (2, 3, 5, 5, 6, False), (3, 2, 6, 2, 256, True)])
+def test_rope_alone_is_transformers_rotary_bit_for_bit(device, b, s, heads, kv_heads, hd, strided):
+    """``rope_qk``: Llama's ``apply_rotary_pos_emb`` (the standard form) over the q and k columns
+    of y, cos/sin of y's dtype: in 16 bits the same bits (each product and the sum rounded as
+    torch rounds them), in fp32 too (no FMA); y's row stride past its columns; cos per batch or shared."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    for dtype in ([torch.bfloat16, torch.float16, torch.float32] if device == "cuda" else CPU_DTYPES):
+        y, cos, sin, *_ = _operands(b, s, heads, kv_heads, hd, dtype, device, dtype, per_batch_cos=b % 2 == 0,
+                                    seed=hd + s)
+        if strided:
+            wide = torch.zeros(b, s, y.shape[-1] + 40, dtype=dtype, device=device)
+            wide[..., : y.shape[-1]] = y
+            y = wide[..., : y.shape[-1]]
+        assert tqr.check_rope(y, cos, sin, heads, kv_heads) is None
+        q, k = tqr.rope_qk(y, cos, sin, heads, kv_heads)
+        yq, yk, _ = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+        ref_q, ref_k = apply_rotary_pos_emb(yq.reshape(b, s, heads, hd).transpose(1, 2),
+                                            yk.reshape(b, s, kv_heads, hd).transpose(1, 2), cos, sin)
+        assert q.shape == (b, s, heads * hd) and k.shape == (b, s, kv_heads * hd)
+        assert torch.equal(q, ref_q.transpose(1, 2).reshape(b, s, -1)), dtype
+        assert torch.equal(k, ref_k.transpose(1, 2).reshape(b, s, -1)), dtype
+
+
+@pytest.mark.parametrize("name,change,why", [
+    ("y", lambda y: y[..., :-2], "columns"),
+    ("y", lambda y: y.transpose(0, 1).contiguous().transpose(0, 1), "flatten"),
+    ("cos", lambda c: c.float(), "y's dtype"),
+    ("cos", lambda c: c[..., :-2], "columns"),
+    ("heads", lambda h: 0, "columns"),
+])
+def test_check_rope_names_what_does_not_fit(name, change, why):
+    y, cos, sin, *_ = _operands(3, 2, 4, 2, 8, torch.float16, "cpu", torch.float16)
+    args = dict(y=y, cos=cos, sin=sin, heads=4, kv_heads=2)
+    assert tqr.check_rope(**args) is None
+    args[name] = change(args[name])
+    if name == "cos":
+        args["sin"] = change(sin)
+    why_not = tqr.check_rope(**args)
+    assert why_not is not None and why in why_not, why_not
+
+
 _COMPILE_FOR_HOPPER = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -230,6 +276,11 @@ for q_cols, kv_cols, hd in ((4096, 4096, 128), (5120, 1024, 128), (2048, 512, 64
     except (TypeError, KeyError, AttributeError) as e:
         raise SystemExit(f"API: {type(e).__name__}: {e}")
     assert c.asm["cubin"], q_cols
+rope = tqr._qk_rope_kernel  # the rotary alone: Gemma 2's 16 + 8 heads of 256, bf16 cos/sin
+sig = dict(zip(rope.arg_names, ["*bf16"] * 5 + ["i32"] * 6))
+consts = dict(QB=4096, KB=2048, HD=256, ROUND_EACH=True)
+src = ASTSource(fn=rope, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "enable_fp_fusion": False})
 print("compiled")
 """
 

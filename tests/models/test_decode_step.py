@@ -848,8 +848,8 @@ def test_dynamic_cache_decode_runs_the_attention_kernel_over_what_the_cache_retu
                                                                                     kernels_on_cpu):
     """A dynamic cache (``generate``'s default): each new token's attention is one launch of the
     decode attention kernel over the keys and values the cache layer returns (GQA without SDPA's
-    expanded copies; Gemma 2's softcap and additive mask), adding nothing to any length; logits
-    and caches as stock's."""
+    expanded copies; Gemma 2's softcap and additive mask), adding nothing to any length, and each
+    call's rotary one launch; logits and caches as stock's."""
     from transformers import DynamicCache
 
     from hybridgemm.kernels import triton_decode_attention as tda
@@ -857,7 +857,10 @@ def test_dynamic_cache_decode_runs_the_attention_kernel_over_what_the_cache_retu
     stock = _tiny(kind, attention=attention, **extra)
     model = copy.deepcopy(stock)
     hybridgemm.patch(model)
+    from hybridgemm.kernels import triton_qk_rope as tqr
+
     launches, real = [], tda.decode_attention
+    rotated, real_rope = [], tqr.rope_qk
     ids = torch.randint(0, VOCAB, (batch, 3), generator=torch.Generator().manual_seed(3))
 
     def decode(m):
@@ -873,12 +876,16 @@ def test_dynamic_cache_decode_runs_the_attention_kernel_over_what_the_cache_retu
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tda, "decode_attention", lambda q, *a, **kw: launches.append((tuple(q.shape), kw["step"],
                                                                                  kw.get("base"))) or real(q, *a, **kw))
+        mp.setattr(tqr, "rope_qk", lambda y, *a: rotated.append(y.shape[1]) or real_rope(y, *a))
         out, cache = decode(model)
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     for got, want in zip(cache.layers, ref_cache.layers):
         torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-4)
     assert launches == [((batch, 4 * model.model.layers[0].self_attn.head_dim), 0, None)] * (2 * 3)
+    # the rotary in one launch per layer and call, the prompt's too; Qwen3's q/k norms come before
+    # it (the module's ops then)
+    assert rotated == ([] if kind == "qwen3" else ([3] * 2 + [1] * 6))
 
 
 def test_the_eager_forms_the_kernel_computes_are_read_exactly(monkeypatch):
