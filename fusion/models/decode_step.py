@@ -27,8 +27,11 @@ Where the attention runs (:func:`attention`): with a static cache that
 several tokens); with any other cache, the attention module's computation written out here
 from its :class:`~hybridgemm.models.decode_checks.AttentionForm` (the q/k/v head views, the
 q/k norms where the module has them, the module's own rotary function, ``cache.update``, the
-registered attention function), fed the normalised Q/K/V of :func:`norm_linear`. No value
-travels between the pieces on module attributes: each returns what the next one takes.
+registered attention function), fed the normalised Q/K/V of :func:`norm_linear`; in eager
+calls the standard rotary there is one launch and one new token's attention the decode
+attention kernel over what the cache returned (:func:`_rope_in_kernel`,
+:func:`_kernel_attention`). No value travels between the pieces on module attributes: each
+returns what the next one takes.
 
 Numerics: the residual is added to the GEMM result after its rounding, as the stock add does;
 a fused norm rounds ``x * g`` once where the stock module rounds ``x * rstd`` and then the
