@@ -102,7 +102,8 @@ def _qk_norm_rope_store_kernel(y_ptr, qg_ptr, kg_ptr, cos_ptr, sin_ptr, kc_ptr, 
         kv_mask = ki < kv_cols
         head = ki // HD
         c = ki % HD
-        ok = kv_mask & in_cache
+        kpos = pos + tl.zeros([KB], dtype=tl.int64)  # a block: Triton 3.9's interpreter takes no scalar in a mask
+        ok = kv_mask & (kpos >= 0) & (kpos < cache_len)
         if part == 1:
             k = _normed_rotated(y_row + q_cols, kg_ptr, cos_ptr + cs, sin_ptr + cs, ki, kv_mask, inv_k, k_eps,
                                 k_offset, HD, ROUND_EACH)
