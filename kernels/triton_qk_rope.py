@@ -137,6 +137,37 @@ def _qk_rope_kernel(y_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, seq, ldy, q_cols, kv_
         tl.store(k_ptr + row * kv_cols + ki, k.to(dt), mask=k_mask)
 
 
+def _why_not_rows(y: torch.Tensor) -> str | None:
+    if y.dim() != 3 or y.dtype not in _FLOATS or y.stride(-1) != 1 or (y.shape[1] > 1 and y.stride(0) != y.shape[1]
+                                                                      * y.stride(1)):
+        return "y must be [B, S, N] of fp16/bf16/fp32 with rows that flatten"
+    return None
+
+
+def _why_not_cos(cos: torch.Tensor, sin: torch.Tensor, y: torch.Tensor, hd: int, fp32: bool) -> str | None:
+    """cos/sin ``[B or 1, S, hd]`` alike, unit last stride, of y's dtype (or fp32 where ``fp32``)."""
+    b, s = y.shape[:2]
+    dtypes = (y.dtype, torch.float32) if fp32 else (y.dtype,)
+    if cos.dim() != 3 or cos.shape != sin.shape or cos.stride() != sin.stride() or cos.shape[1] != s \
+            or cos.shape[0] not in (1, b) or cos.shape[2] != hd or cos.stride(-1) != 1 \
+            or cos.dtype not in dtypes or sin.dtype != cos.dtype:
+        return f"cos/sin must be [B or 1, S, {hd}] with a unit last stride, of y's dtype{' or fp32' if fp32 else ''}"
+    return None
+
+
+def _row_stride(y: torch.Tensor) -> int:
+    """y's token-row stride (one row's is never read: one plan for all)."""
+    b, s, n = y.shape
+    return n if b * s == 1 else y.stride(1) if s > 1 else y.stride(0)
+
+
+def _meta(q_cols: int, kv_cols: int, hd: int, round_each: bool) -> dict:
+    widest = max(q_cols, kv_cols)
+    # no FMA: the products and sums round where torch's ops round (kernels/triton_rmsnorm.py says why)
+    return dict(QB=next_pow2(q_cols), KB=next_pow2(kv_cols), HD=hd, ROUND_EACH=round_each,
+                num_warps=4 if widest <= 1024 else 8 if widest <= 4096 else 16, enable_fp_fusion=False)
+
+
 def check(y: torch.Tensor, q_norm: tuple, k_norm: tuple, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
           values: torch.Tensor, base: torch.Tensor, heads: int) -> str | None:
     """Why :func:`qk_norm_rope_store` cannot take these operands (None: it can). ``y`` [B, S, N]
@@ -144,10 +175,10 @@ def check(y: torch.Tensor, q_norm: tuple, k_norm: tuple, cos: torch.Tensor, sin:
     with g contiguous [heads * hd] / [kv_heads * hd]; cos/sin [B or 1, S, hd] with a unit last
     stride, y's dtype or fp32; keys/values [B, kv_heads, L, hd] contiguous, y's dtype;
     ``base`` an int64 scalar; all on one device."""
-    if y.dim() != 3 or y.dtype not in _FLOATS or y.stride(-1) != 1 or (y.shape[1] > 1 and y.stride(0) != y.shape[1]
-                                                                      * y.stride(1)):
-        return "y must be [B, S, N] of fp16/bf16/fp32 with rows that flatten"
-    b, s, n = y.shape
+    why = _why_not_rows(y)
+    if why is not None:
+        return why
+    b, _, n = y.shape
     if keys.dim() != 4 or keys.shape[0] != b or values.shape != keys.shape or keys.dtype != y.dtype \
             or values.dtype != y.dtype or not keys.is_contiguous() or not values.is_contiguous():
         return "keys/values must be contiguous [B, kv_heads, L, head_dim] of y's dtype"
@@ -159,10 +190,9 @@ def check(y: torch.Tensor, q_norm: tuple, k_norm: tuple, cos: torch.Tensor, sin:
             return f"{name} must be a contiguous [{width}] float tensor on y's device"
         if not (0 <= float(eps) < float("inf")) or not abs(float(offset or 0.0)) < float("inf"):
             return f"{name}'s eps and offset must be finite"
-    if cos.dim() != 3 or cos.shape != sin.shape or cos.stride() != sin.stride() or cos.shape[1] != s \
-            or cos.shape[0] not in (1, b) or cos.shape[2] != hd or cos.stride(-1) != 1 \
-            or cos.dtype not in (y.dtype, torch.float32) or sin.dtype != cos.dtype:
-        return f"cos/sin must be [B or 1, S, {hd}] with a unit last stride, of y's dtype or fp32"
+    why = _why_not_cos(cos, sin, y, hd, fp32=True)
+    if why is not None:
+        return why
     if base.numel() != 1 or base.dtype != torch.int64:
         return "base must be one int64 element"
     if any(t.device != y.device for t in (cos, sin, keys, values, base)):
@@ -171,13 +201,8 @@ def check(y: torch.Tensor, q_norm: tuple, k_norm: tuple, cos: torch.Tensor, sin:
 
 
 def _make_plan(m: int, q_cols: int, kv_cols: int, hd: int, device: torch.device, round_each: bool) -> TritonPlan:
-    widest = max(q_cols, kv_cols)
-    warps = 4 if widest <= 1024 else 8 if widest <= 4096 else 16
-    # no FMA: the products and sums round where torch's ops round (kernels/triton_rmsnorm.py says why)
-    meta = dict(QB=next_pow2(q_cols), KB=next_pow2(kv_cols), HD=hd, ROUND_EACH=round_each, num_warps=warps,
-                enable_fp_fusion=False)
     # 1 / N as fp32 arguments: the mean as torch's CUDA mean computes it (triton_rmsnorm)
-    return TritonPlan(device, Launcher(_qk_norm_rope_store_kernel, (m, 3), meta),
+    return TritonPlan(device, Launcher(_qk_norm_rope_store_kernel, (m, 3), _meta(q_cols, kv_cols, hd, round_each)),
                       scalars=(1.0 / q_cols, 1.0 / kv_cols))
 
 
@@ -201,7 +226,7 @@ def qk_norm_rope_store(y: torch.Tensor, q_norm: tuple, k_norm: tuple, cos: torch
         return out
     (qg, q_eps, q_off), (kg, k_eps, k_off) = q_norm, k_norm
     cs_b = 0 if cos.shape[0] == 1 else cos.stride(0)
-    ldy = y.shape[2] if m == 1 else y.stride(1) if s > 1 else y.stride(0)  # one row's stride is never read
+    ldy = _row_stride(y)
     ints = (s, ldy, q_cols, kv_cols, cs_b, cos.stride(1), *keys.stride()[:3], *values.stride()[:3], cache_len)
     ptrs = (y, qg, kg, cos, sin, keys, values, base, out)
     round_each = cos.dtype != torch.float32
@@ -218,17 +243,17 @@ def check_rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
     """Why :func:`rope_qk` cannot take these operands (None: it can): ``y`` [B, S, N] as
     :func:`check` takes it, N = (heads + 2 * kv_heads) * hd, cos/sin [B or 1, S, hd] of y's
     dtype with a unit last stride, on y's device."""
-    if y.dim() != 3 or y.dtype not in _FLOATS or y.stride(-1) != 1 or (y.shape[1] > 1 and y.stride(0) != y.shape[1]
-                                                                      * y.stride(1)):
-        return "y must be [B, S, N] of fp16/bf16/fp32 with rows that flatten"
-    b, s, n = y.shape
+    why = _why_not_rows(y)
+    if why is not None:
+        return why
+    n = y.shape[2]
     hd = cos.shape[-1] if cos.dim() == 3 else 0
     if not (isinstance(heads, int) and isinstance(kv_heads, int) and heads > 0 and kv_heads > 0) or hd < 2 or hd % 2 \
             or n != (heads + 2 * kv_heads) * hd:
         return f"y's {n} columns are not (heads + 2 * kv_heads) * head_dim with cos's even head_dim"
-    if cos.shape != sin.shape or cos.stride() != sin.stride() or cos.shape[1] != s or cos.shape[0] not in (1, b) \
-            or cos.stride(-1) != 1 or cos.dtype != y.dtype or sin.dtype != y.dtype:
-        return f"cos/sin must be [B or 1, S, {hd}] of y's dtype with a unit last stride"
+    why = _why_not_cos(cos, sin, y, hd, fp32=False)
+    if why is not None:
+        return why
     if cos.device != y.device or sin.device != y.device:
         return "all operands must be on y's device"
     return None
@@ -248,15 +273,13 @@ def rope_qk(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
     k = torch.empty((b, s, kv_cols), dtype=y.dtype, device=y.device)
     if m == 0:
         return q, k
-    ldy = y.shape[2] if m == 1 else y.stride(1) if s > 1 else y.stride(0)
+    ldy = _row_stride(y)
     ints = (s, ldy, q_cols, kv_cols, 0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(1))
     ptrs = (y, cos, sin, q, k)
     key = ("rope", m, ints, hd, y.dtype, y.get_device(), tuple(not t.data_ptr() & 15 for t in ptrs))
     plan = _PLANS.get(key)
     if plan is None:
-        warps = 4 if max(q_cols, kv_cols) <= 1024 else 8 if max(q_cols, kv_cols) <= 4096 else 16
-        meta = dict(QB=next_pow2(q_cols), KB=next_pow2(kv_cols), HD=hd, ROUND_EACH=y.dtype != torch.float32,
-                    num_warps=warps, enable_fp_fusion=False)
+        meta = _meta(q_cols, kv_cols, hd, y.dtype != torch.float32)
         plan = _PLANS.put(key, TritonPlan(y.device, Launcher(_qk_rope_kernel, (m, 2), meta)))
     plan.launch(*ptrs, *ints)
     return q, k
