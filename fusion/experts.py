@@ -30,19 +30,48 @@ from hybridgemm.mlp import GLU_FUNCTIONS, activation_name
 from . import decide
 
 
-def route(router_logits: Tensor, top_k: int, renormalize: bool = True) -> tuple[Tensor, Tensor]:
-    """``(topk_ids [T, k] int64, topk_weights [T, k] fp32)``: softmax over the experts in fp32,
-    the ``top_k`` largest (``torch.topk``, so ties resolve as transformers' routers resolve
-    them), renormalised to sum to one where ``renormalize`` (Mixtral, Qwen3-MoE)."""
+def route(router_logits: Tensor, top_k: int, renormalize: bool = True,
+          weights_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """``(topk_ids [T, k] int64, topk_weights [T, k])``: softmax over the experts in fp32, the
+    ``top_k`` largest, renormalised to sum to one where ``renormalize`` (Mixtral, Qwen3-MoE),
+    the weights in ``weights_dtype``. Where :func:`use_kernels` holds, one Triton launch
+    (kernels/triton_router.py: the experts ``torch.topk`` selects on CUDA, ties included;
+    a probability may differ from PyTorch's in its last bit); elsewhere :func:`route_torch`."""
     if router_logits.dim() != 2:
         raise ValueError(f"route: router_logits must be [tokens, experts], got {tuple(router_logits.shape)}")
     if not 1 <= top_k <= router_logits.shape[1]:
         raise ValueError(f"route: top_k {top_k} is not in 1..{router_logits.shape[1]} (the experts)")
+    wants_grad = torch.is_grad_enabled() and router_logits.requires_grad
+    if not wants_grad and use_kernels(router_logits) \
+            and triton_module("triton_router").why_not(router_logits, top_k, weights_dtype) is None:
+        if torch.compiler.is_compiling():
+            return torch.ops.hybridgemm.route_fwd(router_logits, top_k, renormalize, weights_dtype)
+        return triton_module("triton_router").route(router_logits, top_k, renormalize, weights_dtype)
+    return route_torch(router_logits, top_k, renormalize, weights_dtype)
+
+
+def route_torch(router_logits: Tensor, top_k: int, renormalize: bool = True,
+                weights_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """:func:`route` in PyTorch, the operations of transformers' routers (``torch.topk``, so ties
+    resolve as theirs do; differentiable)."""
     probs = F.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights
+    return ids, weights.to(weights_dtype)
+
+
+@torch.library.custom_op("hybridgemm::route_fwd", mutates_args=())
+def route_fwd(router_logits: Tensor, top_k: int, renormalize: bool,
+              weights_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return triton_module("triton_router").route(router_logits, top_k, renormalize, weights_dtype)
+
+
+@route_fwd.register_fake
+def _route_fwd_fake(router_logits, top_k, renormalize, weights_dtype):
+    t = router_logits.shape[0]
+    return (router_logits.new_empty((t, top_k), dtype=torch.int64),
+            router_logits.new_empty((t, top_k), dtype=weights_dtype))
 
 
 def use_kernels(x: Tensor) -> bool:

@@ -8,9 +8,10 @@ Each variant decodes greedily over a static cache exactly as ``hybridgemm bench 
 (perf/bench_e2e.py's decoder, compiled with "reduce-overhead" and fullgraph for
 ``compiled_static``); ``--steps`` steps run under torch.profiler (CUDA activity only, which
 records each kernel of a CUDA-graph replay too) after the warm-up. Every kernel is put in a
-group by its name (:func:`group_of`): ``gemm`` (cuBLAS/cuBLASLt, and hybridgemm's Triton GEMM
-and gated kernels), ``attention`` (SDPA's kernels), ``norm``, ``activation``, ``rotary``,
-``kv_cache``, ``copy``, ``elementwise`` and ``other``. Inductor's kernels are grouped by the
+group by its name (:func:`group_of`): ``gemm`` (cuBLAS/cuBLASLt, and hybridgemm's Triton GEMM,
+gated and MoE kernels), ``attention`` (SDPA's kernels), ``norm``, ``activation``, ``rotary``,
+``kv_cache``, ``routing`` (``torch.topk``'s kernels, hybridgemm's routing kernel), ``copy``,
+``elementwise`` and ``other``. Inductor's kernels are grouped by the
 ops their names list (a kernel fusing rotary with the KV-cache write counts as rotary); an
 eager RMSNorm's casts, multiplies and add count as copy and elementwise. The table printed per
 (mode, batch) gives µs per token and per layer of each group for both variants, the step's
@@ -42,7 +43,8 @@ from hybridgemm.perf.bench_e2e import WARMUP, Run, decoder, hbm_floor_ms, positi
 from hybridgemm.perf.bench_msweep import git_commit
 
 MODES = ("compiled_static", "eager_static")
-GEMM = re.compile(r"nvjet|gemm|gemv|xmma|cutlass|_glu_kernel|_splitk_kernel|_reduce_kernel|splitKreduce", re.I)
+GEMM = re.compile(r"nvjet|gemm|gemv|xmma|cutlass|_glu_kernel|_splitk_kernel|_reduce_kernel|splitKreduce|_moe_pair_|"
+                  r"_moe_kernel", re.I)
 ATTENTION = re.compile(r"flash|fmha|cudnn.*sdpa|attention_kernel", re.I)  # SDPA's own kernels
 # Inductor names a fused kernel after the ops it fuses (triton_poi_fused_<ops>_<n>): the most
 # telling op decides, in this order.
@@ -62,6 +64,7 @@ ATEN = (
     ("activation", re.compile(r"silu|gelu|sigmoid", re.I)),
     ("rotary", re.compile(r"neg_kernel|CatArray|_qk_norm_rope_store_kernel")),  # (ours: q/k norms, rotary, cache)
     ("kv_cache", re.compile(r"index_copy|index_put|scatter")),
+    ("routing", re.compile(r"sbtopk|bitonicSort|_route_kernel")),  # torch.topk's select and sort; ours
     ("copy", re.compile(r"copy_kernel|direct_copy")),
     ("other", re.compile(r"ArgMax|Memset|FillFunctor|indexSelect|reduce_kernel")),
 )
@@ -71,7 +74,7 @@ COLUMNS = ("model", "layers", "mode", "batch", "variant", "group", "kernel", "ca
 
 def group_of(kernel: str) -> str:
     """What a kernel does, from its name: gemm, attention, norm, activation, rotary, kv_cache,
-    copy, elementwise or other (see the module docstring)."""
+    routing, copy, elementwise or other (see the module docstring)."""
     if GEMM.search(kernel):
         return "gemm"
     fused = INDUCTOR.match(kernel)

@@ -196,7 +196,7 @@ def _cmd_autotune(args) -> int:
         if preset.moe and (args.mlp or args.tp is not None):
             print(f"hybridgemm autotune: {preset.name} is a mixture of experts ({preset.experts} experts, "
                   f"{preset.experts_per_token} per token) whose experts run in the grouped MoE kernels, not as "
-                  "dispatched GEMMs: no MLP shapes are tuned for it, only its LM head's", file=sys.stderr)
+                  "dispatched GEMMs: no MLP shapes are tuned for it, only its router's and LM head's", file=sys.stderr)
         shapes += _preset_shapes(preset, args.tp, args.mlp)
     for path in args.hf_config or []:
         try:

@@ -1,12 +1,14 @@
 """The GEMM shapes a patched model runs, read from the modules :func:`hybridgemm.patch` put in
 place (what ``hybridgemm autotune --hf-config`` tunes: the model built from the config on the
 meta device and patched, fusion/cli/patch_command.py): a fused Q/K/V or gate/up weight, each
-dispatched linear (:class:`~hybridgemm.HybridLinear`, FP8 included) and GPT-2's Conv1D
-stand-ins. Modules patch left alone run no dispatched GEMM and give no shape.
+dispatched linear (:class:`~hybridgemm.HybridLinear`, FP8 included), GPT-2's Conv1D
+stand-ins and mixture-of-experts routers (their logits GEMM). Modules patch left alone run
+no dispatched GEMM and give no shape.
 
 Names follow the presets' (autotune_cache/presets.py): ``qkv`` (a fused Q/K/V), ``o``,
 ``gate_up`` (one part's shape: the gated product runs two GEMMs of it past the gated
-kernel's rows, fusion/mlp.py), ``down``, ``lm_head``; other linears by their attribute name.
+kernel's rows, fusion/mlp.py), ``down``, ``router``, ``lm_head``; other linears by their
+attribute name.
 A shape belongs to attention when its module sits under a module named like an attention
 block (``self_attn``, ``attn``, ``attention``, ...), else to the MLP and LM head group.
 """
@@ -22,6 +24,7 @@ from hybridgemm.fused_rows import FusedLinears
 from hybridgemm.linear_layer import HybridLinear
 from hybridgemm.mlp import FUSED_GATE_UP
 from hybridgemm.norm import Fp32FactorRMSNorm
+from hybridgemm.router import HybridTopKRouter
 
 from . import decode_checks
 from .decoder_layer import HybridDecoderLayer
@@ -31,7 +34,7 @@ ATTENTION_BLOCKS = frozenset({"self_attn", "attn", "attention", "self_attention"
 _ROLES = {"o_proj": "o", "out_proj": "o", "dense": "o", "c_proj": "o", "c_attn": "qkv", "qkv_proj": "qkv",
           "query_key_value": "qkv", "Wqkv": "qkv", "down_proj": "down", "lm_head": "lm_head", "embed_out": "lm_head",
           "c_fc": "up", "dense_h_to_4h": "up", "dense_4h_to_h": "down"}
-_ORDER = ("qkv", "o", "gate_up", "up", "down", "lm_head")
+_ORDER = ("qkv", "o", "gate_up", "up", "down", "router", "lm_head")
 
 
 def _role(name: str, attention: bool) -> str:
@@ -63,6 +66,8 @@ def patched_gemms(model: nn.Module) -> tuple[list[ProjectionShape], list[Project
             shape = ProjectionShape(_role(name, attention), mod.out_features, mod.in_features, mod.bias is not None)
         elif isinstance(mod, HybridConv1D):
             shape = ProjectionShape(_role(name, attention), mod.nf, mod.nx, mod.bias is not None)
+        elif isinstance(mod, HybridTopKRouter):  # a mixture-of-experts router's logits
+            shape = ProjectionShape("router", *mod.weight.shape, False)
         else:
             continue
         key = (shape.n, shape.k, shape.bias)

@@ -28,8 +28,9 @@ same layout is covered; ``transformers`` is never imported here):
   attention, then their sparse block as it is.
 * transformers' stacked mixture-of-experts modules (Mixtral, Qwen2-MoE, Qwen3-MoE: weights
   ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]): the routed experts in the MoE
-  kernels (fusion/experts.py, the tuning table's configs); their router runs as the model
-  computes it.
+  kernels (fusion/experts.py, the tuning table's configs); their softmax-top-k routers (the
+  form checked by running each once at patch time, fusion/router.py): the router's GEMM by the
+  dispatcher, the routing in one kernel launch.
 
 How several linears are fused without re-implementing any forward (:class:`QKVSlice` modules
 standing where the linears stood, backed by one :class:`FusedQKV`; one GEMM per input, each
@@ -129,6 +130,7 @@ from hybridgemm.norm import (
     is_olmo2_norm,
     is_rms_norm,
 )
+from hybridgemm.router import HybridTopKRouter, why_not_router
 
 from .decode_checks import (
     NOT_A_LAYER,
@@ -370,6 +372,15 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
                 swap(name, mod, HybridExperts)
                 _set_attr(mod, "glu_activation", act)
             if act is not None or why is not None:
+                continue
+            form, why = why_not_router(mod)
+            if why is not None:
+                report.skipped.append((name, why))
+            if form is not None:
+                swap(name, mod, HybridTopKRouter)
+                _set_attr(mod, "route_renormalize", form.renormalize)
+                _set_attr(mod, "route_logits_dtype_weights", form.logits_dtype_weights)
+            if form is not None or why is not None:
                 continue
         if lm_head and is_lm_head(name, mod):
             swap(name, mod, HybridLinear)

@@ -74,7 +74,8 @@ def rank_projections(preset: ModelPreset, tp: int) -> tuple[ProjectionShape, ...
     :func:`tp_vocab_rows`; the whole vocabulary when the head is tied to the embedding,
     which stays replicated). A mixture-of-experts preset has no dense MLP (``intermediate`` is
     None): its experts run in the grouped MoE kernels, not as dispatched GEMMs, and
-    ``parallelize`` leaves them whole. ``tp=1`` gives the unsharded shapes of all of them.
+    ``parallelize`` leaves them whole; its ``router`` (n = the experts) is a dispatched GEMM.
+    ``tp=1`` gives the unsharded shapes of all of them.
     ``ValueError`` naming the preset when the model cannot be split ``tp`` ways.
     """
     try:
@@ -88,6 +89,8 @@ def rank_projections(preset: ModelPreset, tp: int) -> tuple[ProjectionShape, ...
                        ProjectionShape("down", preset.hidden, width, preset.mlp_bias)]
             if tp > 1 and preset.mlp_bias:
                 shapes.append(ProjectionShape("down_nobias", preset.hidden, width, False))
+        if preset.moe:  # the router's logits (replicated, as parallelize leaves the block whole)
+            shapes.append(ProjectionShape("router", preset.experts, preset.hidden, False))
         if preset.vocab is not None:
             rows = preset.vocab if preset.tied_lm_head else tp_vocab_rows(preset.vocab, tp)
             shapes.append(ProjectionShape("lm_head", rows, preset.hidden, False))

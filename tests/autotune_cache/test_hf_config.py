@@ -516,21 +516,24 @@ MIXTRAL_8X7B = {  # v0.1, 2 layers instead of 32
 
 @pytest.mark.parametrize("name, cfg", [("qwen3-30b-a3b", QWEN3_30B_A3B), ("mixtral-8x7b", MIXTRAL_8X7B)])
 def test_cli_moe_preset_tunes_what_the_patched_model_runs(tmp_path, monkeypatch, capsys, name, cfg):
-    """A mixture-of-experts preset: its attention shapes; with --mlp (or --tp) only the LM head
-    beyond them, with a note on stderr (the experts run in the grouped kernels, not the table's
-    GEMMs). The model its published config builds, patched, runs those very GEMMs."""
+    """A mixture-of-experts preset: its attention shapes; with --mlp (or --tp) only the router
+    and the LM head beyond them, with a note on stderr (the experts run in the grouped kernels,
+    not the table's GEMMs). The model its published config builds, patched, runs those very
+    GEMMs."""
     attention = _tuned_shapes(monkeypatch, ["--model", name])
     assert capsys.readouterr().err == ""
     mlp = _tuned_shapes(monkeypatch, ["--model", name, "--mlp"])
     err = capsys.readouterr().err
-    assert mlp == attention + [("lm_head", cfg["vocab_size"], cfg["hidden_size"], False)]
-    assert err.startswith(f"hybridgemm autotune: {name} is a mixture of experts") and "only its LM head" in err
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    assert mlp == attention + [("router", experts, cfg["hidden_size"], False),
+                               ("lm_head", cfg["vocab_size"], cfg["hidden_size"], False)]
+    assert err.startswith(f"hybridgemm autotune: {name} is a mixture of experts") and "only its router's and LM" in err
     assert len(err.strip().splitlines()) == 1
     _tuned_shapes(monkeypatch, ["--model", name, "--tp", "2"])
     assert f"{name} is a mixture of experts" in capsys.readouterr().err
     pytest_transformers("transformers")
     built = _tuned_shapes(monkeypatch, ["--hf-config", str(write(tmp_path, cfg)), "--mlp"])
-    assert [role for role, *_ in built] == ["qkv", "o", "lm_head"]  # the experts and routers run no table GEMM
+    assert [role for role, *_ in built] == ["qkv", "o", "router", "lm_head"]  # the experts run no table GEMM
     assert {tuple(s[1:]) for s in built} <= {tuple(s[1:]) for s in mlp}  # the preset's (o may be q's shape)
 
 

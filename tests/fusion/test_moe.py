@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from hybridgemm import experts as moe_mod
 from hybridgemm.kernels import triton_moe as tm
+from hybridgemm.kernels import triton_router as tr
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -144,6 +145,27 @@ def test_route_matches_mixtrals_router_ties_included():
     assert ids[3].tolist() == idx[3].tolist()
 
 
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.float16])
+def test_route_runs_the_routing_kernel_where_the_kernels_run(weights_dtype, monkeypatch):
+    logits = torch.randn(17, 12, generator=torch.Generator().manual_seed(2)) * 3
+    monkeypatch.setattr(moe_mod, "use_kernels", lambda x: True)
+    calls = []
+    real = tr.route
+    monkeypatch.setattr(tr, "route", lambda *a: calls.append(1) or real(*a))
+    ids, weights = moe_mod.route(logits, 3, True, weights_dtype)
+    want_ids, want = moe_mod.route_torch(logits, 3, True, weights_dtype)
+    assert calls == [1] and torch.equal(ids, want_ids) and weights.dtype == weights_dtype
+    torch.testing.assert_close(weights, want, rtol=4 * torch.finfo(weights_dtype).eps, atol=0)
+    compiled = torch.compile(lambda z: moe_mod.route(z, 3, True, weights_dtype), fullgraph=True, backend="aot_eager")
+    got_ids, got = compiled(logits)
+    torch._dynamo.reset()
+    assert torch.equal(got_ids, ids) and torch.equal(got, weights)  # the custom op: the same launch
+    leaf = logits.clone().requires_grad_()
+    ids, weights = moe_mod.route(leaf, 3)  # autograd: PyTorch's operations, not the kernel
+    weights.sum().backward()
+    assert len(calls) == 2 and leaf.grad is not None
+
+
 def test_moe_equals_transformers_mixtral_experts(monkeypatch):
     transformers = pytest.importorskip("transformers")
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
@@ -216,6 +238,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hybridgemm.kernels import triton_moe as tm
+from hybridgemm.kernels import triton_router as tr
 from hybridgemm.kernels.triton_glu import ACTIVATIONS
 
 names = ["x_ptr", "w_ptr", "out_ptr", "rows_ptr", "expert_ptr", "rw_ptr", "S", "N", "K", "top_k", "ldx", "lde", "ldw",

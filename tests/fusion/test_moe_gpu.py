@@ -12,6 +12,7 @@ import torch
 
 import hybridgemm
 from hybridgemm import experts
+from hybridgemm.router import HybridTopKRouter
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -63,7 +64,7 @@ def test_a_patched_mixtral_block_in_a_cuda_graph_and_compiled(cuda, shape):
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(cuda, torch.bfloat16).eval()
     hybridgemm.patch(model)
     block = model.model.layers[0].mlp
-    assert type(block.experts) is experts.HybridExperts
+    assert type(block.experts) is experts.HybridExperts and type(block.gate) is HybridTopKRouter
     h = torch.randn(*shape, 256, device=cuda, dtype=torch.bfloat16)
     with torch.no_grad():
         eager = block(h)
@@ -79,6 +80,36 @@ def test_a_patched_mixtral_block_in_a_cuda_graph_and_compiled(cuda, shape):
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_the_patched_router_chooses_the_stock_routers_experts(cuda, kind):
+    """bf16, 2000 tokens: where the router GEMM gives the stock logits bit for bit, the same
+    experts and weights; everywhere, the same experts for all but a few near-tied tokens."""
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(hidden_size=512, num_local_experts=8, num_experts_per_tok=2)
+        from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter as Router
+    else:
+        cfg = transformers.Qwen3MoeConfig(hidden_size=512, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter as Router
+    torch.manual_seed(0)
+    stock = Router(cfg).to(cuda, torch.bfloat16)
+    torch.nn.init.normal_(stock.weight, std=0.05)
+    patched = copy.deepcopy(stock)
+    hybridgemm.patch(patched)
+    assert type(patched) is HybridTopKRouter
+    x = torch.randn(2000, 512, device=cuda, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want_logits, want_w, want_ids = stock(x)
+        logits, weights, ids = patched(x)
+    assert weights.dtype == want_w.dtype and ids.dtype == want_ids.dtype == torch.int64
+    same_sets = (torch.sort(ids, -1).values == torch.sort(want_ids, -1).values).all(-1)
+    assert same_sets.float().mean() > 0.99
+    exact = (logits == want_logits).all(-1)
+    assert exact.sum() > 0 and same_sets[exact].all()
+    order = torch.argsort(want_ids[exact], -1)  # slot order among equal weights may differ
+    torch.testing.assert_close(weights[exact].gather(1, torch.argsort(ids[exact], -1)).float(),
+                               want_w[exact].gather(1, order).float(), rtol=1e-2 if kind != "mixtral" else 2e-6, atol=0)
+
+
 @pytest.mark.parametrize("t,k,e,block_m", [(2048, 8, 128, 128), (4096, 2, 8, 128), (64, 8, 128, 16), (3, 2, 8, 16)])
 def test_the_triton_layout_equals_the_pytorch_one_on_the_gpu(cuda, t, k, e, block_m):
     from hybridgemm.kernels import triton_moe as tm
@@ -92,6 +123,7 @@ def test_the_triton_layout_equals_the_pytorch_one_on_the_gpu(cuda, t, k, e, bloc
 _HASH_MOE = """
 import hashlib, torch
 from hybridgemm import experts
+from hybridgemm.router import HybridTopKRouter
 out = []
 for t, e, k, i, h in [(1, 128, 8, 768, 2048), (8, 128, 8, 768, 2048), (333, 8, 2, 1408, 1024)]:
     g = torch.Generator(device="cuda").manual_seed(t)

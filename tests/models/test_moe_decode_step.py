@@ -18,6 +18,7 @@ from helpers import greedy_static_decode, tiny_moe_lm
 from hybridgemm import experts
 from hybridgemm.experts import HybridExperts
 from hybridgemm.models import decode_checks as checks
+from hybridgemm.router import HybridTopKRouter
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -39,8 +40,9 @@ def test_moe_layers_take_the_step_and_decode_as_stock(kind, kernels_on_cpu, monk
         pytest.skip(f"no fused attention step with transformers {transformers.__version__}")
     assert report.fused_layers == ["model.layers.0", "model.layers.1"] == report.fused_attention
     assert all(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
-    # the routers (and Qwen2-MoE's one-output shared-expert gates) run as the model computes them
-    left = ["mlp.gate", "mlp.shared_expert_gate"] if kind == "qwen2_moe" else ["mlp.gate"]
+    # the routers patched; Qwen2-MoE's one-output shared-expert gates run as the model computes them
+    assert all(type(layer.mlp.gate) is HybridTopKRouter for layer in model.model.layers)
+    left = ["mlp.shared_expert_gate"] if kind == "qwen2_moe" else []
     assert [n for n, _ in report.skipped] == [f"model.layers.{i}.{m}" for i in range(2) for m in left]
     calls = []
     model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: calls.append(out.shape))

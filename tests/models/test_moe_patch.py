@@ -1,8 +1,10 @@
 """``patch`` of mixture-of-experts models (CPU): the stacked experts of tiny Mixtral, Qwen2-MoE
-and Qwen3-MoE become :class:`~hybridgemm.experts.HybridExperts`, whose logits equal stock's on
-the grouped kernels (Triton interpreter, the device check widened to the CPU) and on the
-PyTorch loop (autograd, CPU); the state dict stays stock's, ``unpatch`` restores the class,
-gradients of a training step equal stock's, and Dynamo traces the kernel path as one graph."""
+and Qwen3-MoE become :class:`~hybridgemm.experts.HybridExperts` and their routers
+:class:`~hybridgemm.router.HybridTopKRouter` (the form found by running each), whose logits equal
+stock's on the grouped and routing kernels (Triton interpreter, the device check widened to the
+CPU) and in PyTorch (autograd, CPU); the state dict stays stock's, ``unpatch`` restores the
+classes, gradients of a training step equal stock's, Dynamo traces the kernel path as one graph,
+and routers of another form are reported."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import hybridgemm
 from helpers import tiny_moe_lm
 from hybridgemm import experts
 from hybridgemm.experts import HybridExperts
+from hybridgemm.kernels import triton_router
+from hybridgemm.router import HybridTopKRouter, RouterForm
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -31,6 +35,10 @@ def _experts_modules(model):
     return [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
 
 
+def _routers(model):
+    return [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+
+
 def _ids():
     return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
 
@@ -43,20 +51,24 @@ def test_patched_moe_models_give_stock_logits(kind, kernels, monkeypatch):
     report = hybridgemm.patch(model)
     mods = _experts_modules(model)
     assert len(mods) == 2 and all(type(m) is HybridExperts for m in mods)
-    assert not any("experts" in name for name, _ in report.skipped), report.skipped
-    calls = []
+    assert all(type(m) is HybridTopKRouter for m in _routers(model))
+    assert not any("experts" in name or name.endswith("mlp.gate") for name, _ in report.skipped), report.skipped
+    calls, routed = [], []
     if kernels:
         monkeypatch.setattr(experts, "use_kernels", lambda x: True)
-        real = experts.moe
+        real, real_route = experts.moe, triton_router.route
         monkeypatch.setattr(experts, "moe", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        monkeypatch.setattr(triton_router, "route", lambda *a, **kw: routed.append(1) or real_route(*a, **kw))
     with torch.no_grad():
         want, got = stock(_ids()).logits, model(_ids()).logits
-    assert len(calls) == (2 if kernels else 0)  # both layers' experts through the grouped kernels
+    assert len(calls) == len(routed) == (2 if kernels else 0)  # both layers' experts and routers in kernels
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     sd, ref = model.state_dict(), stock.state_dict()
     assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
     hybridgemm.unpatch(model)
     assert all(type(m) is type(r) for m, r in zip(_experts_modules(model), _experts_modules(stock)))
+    assert all(type(m) is type(r) and not m.__dict__.keys() - r.__dict__.keys()
+               for m, r in zip(_routers(model), _routers(stock)))
 
 
 def test_a_training_step_gives_stock_gradients():
@@ -67,8 +79,8 @@ def test_a_training_step_gives_stock_gradients():
     for m in (stock, model):
         m.train()
         m(_ids(), labels=_ids()).loss.backward()
-        grads.append({n: p.grad for n, p in m.named_parameters() if "experts" in n})
-    assert set(grads[0]) == set(grads[1]) and len(grads[0]) == 4
+        grads.append({n: p.grad for n, p in m.named_parameters() if "experts" in n or "mlp.gate" in n})
+    assert set(grads[0]) == set(grads[1]) and len(grads[0]) == 6
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, rtol=1e-4, atol=1e-6)
 
@@ -101,3 +113,48 @@ def test_experts_sharded_over_ranks_are_reported_not_patched():
     report = hybridgemm.patch(model)
     assert type(mod) is not HybridExperts
     assert any(name.endswith("layers.0.mlp.experts") and "expert parallelism" in why for name, why in report.skipped)
+
+
+@pytest.mark.parametrize("kind,norm_topk,form", [
+    ("mixtral", None, RouterForm(True, False)),  # renormalised, fp32 weights
+    ("qwen3_moe", True, RouterForm(True, True)),  # weights in the logits' dtype
+    ("qwen3_moe", False, RouterForm(False, True)),
+    ("qwen2_moe", True, RouterForm(True, True)),
+])
+def test_the_router_form_is_what_the_router_computes(kind, norm_topk, form):
+    model = _tiny(kind)
+    for router in _routers(model):
+        if norm_topk is not None:
+            router.norm_topk_prob = norm_topk
+    hybridgemm.patch(model)
+    got = {RouterForm(r.route_renormalize, r.route_logits_dtype_weights) for r in _routers(model)}
+    assert got == {form}
+    model = model.to(torch.bfloat16)
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    router = _routers(model)[0]
+    with torch.no_grad():
+        logits, weights, ids = router(x)
+        stock = type(_routers(_tiny(kind))[0])
+        router.__class__ = stock  # the stock forward over the same weight
+        want = router(x)
+    assert weights.dtype == want[1].dtype and torch.equal(ids, want[2]) and torch.equal(weights, want[1])
+    assert torch.equal(logits, want[0])
+
+
+def test_a_router_of_another_form_is_reported_and_left_alone():
+    model = _tiny("mixtral")
+    router = _routers(model)[0]
+
+    class SigmoidTopKRouter(torch.nn.Module):  # DeepSeek-V3-like: sigmoid scores, not softmax
+        __module__ = "transformers.models.fake.modeling_fake"
+
+        def forward(self, hidden_states):
+            logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.weight.shape[1]), self.weight)
+            scores, ids = torch.topk(logits.sigmoid(), self.top_k, dim=-1)
+            return logits, scores, ids
+
+    router.__class__ = SigmoidTopKRouter
+    report = hybridgemm.patch(model)
+    assert type(router) is SigmoidTopKRouter
+    assert any(name.endswith("layers.0.mlp.gate") and "not softmax then top-k" in why for name, why in report.skipped)
+    assert type(_routers(model)[1]) is HybridTopKRouter

@@ -39,6 +39,11 @@ from hybridgemm.perf import e2e_profile as ep
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, at::native::ArgMaxOps<float>>>",
      "other"),
     ("Memset (Device)", "other"),
+    ("_moe_pair_down_kernel", "gemm"),
+    ("_moe_pair_glu_kernel", "gemm"),
+    ("_route_kernel", "routing"),
+    ("void at::native::sbtopk::gatherTopK<float, unsigned int, 1, false>(at::cuda::detail::TensorInfo", "routing"),
+    ("void at::native::bitonicSortKVInPlace<-2, -1, 16, 16, float, long, at::native::GTOp<float, true>>", "routing"),
     ("truncate_allocate_kernel", "elementwise"),  # no stray substring ("cat", "mean") makes it something else
 ])
 def test_kernel_groups(name, group):

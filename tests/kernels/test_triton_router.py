@@ -1,0 +1,167 @@
+"""The routing kernel (kernels/triton_router.py) against an fp64 reference: softmax, the k
+largest with the lowest expert first among equal values, renormalised or not, weights in
+fp32/fp16/bf16; T = 1, 3, 17, 333, expert counts that are not powers of two, strided rows, ties
+(all logits equal, ties at the k-th place), NaN logits, the refusals; on the GPU also against
+``torch.topk`` (the experts it selects, ties included) and the sm_90 build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridgemm.kernels import triton_router as tr
+from hybridgemm.kernels.triton_launch import interpreting
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+DEVICES = [pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(not interpreting(), reason="TRITON_INTERPRET=1")),
+           pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def _logits(t, e, dtype, device, seed=0, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(t, e, generator=g) * scale).to(dtype).to(device)
+
+
+def _reference(logits, k, renormalize):
+    """fp64: softmax of the logits' values, a stable descending sort (the lowest expert first
+    among equal probabilities), the first k, renormalised."""
+    p = torch.softmax(logits.double().cpu(), dim=-1)
+    order = torch.sort(p, dim=-1, descending=True, stable=True).indices[:, :k]
+    w = p.gather(1, order)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return order, w
+
+
+def _margin_ok(logits, k):
+    """Rows whose k-th and (k+1)-th probabilities are apart by more than rounding (where any
+    correct fp32 softmax selects the same experts)."""
+    p = torch.softmax(logits.double().cpu(), dim=-1)
+    top = torch.topk(p, min(k + 1, p.shape[1]), dim=-1).values
+    if k == p.shape[1]:
+        return torch.ones(p.shape[0], dtype=torch.bool)
+    return (top[:, k - 1] - top[:, k]) > 1e-6 * top[:, 0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (3, 60, 4), (17, 128, 8), (333, 6, 3), (5, 1000, 10), (2, 5, 5),
+                                   (4, 1, 1)])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("logits_dtype,weights_dtype", [(torch.float32, torch.float32),
+                                                        (torch.float16, torch.float16),
+                                                        (torch.bfloat16, torch.float32),
+                                                        (torch.bfloat16, torch.bfloat16)])
+def test_the_kernel_matches_fp64(device, t, e, k, renormalize, logits_dtype, weights_dtype):
+    logits = _logits(t, e, logits_dtype, device, seed=t * 1000 + e)
+    ids, weights = tr.route(logits, k, renormalize, weights_dtype)
+    assert ids.dtype == torch.int64 and weights.dtype == weights_dtype
+    assert ids.shape == weights.shape == (t, k) and ids.device == logits.device
+    want_ids, want = _reference(logits, k, renormalize)
+    ok = _margin_ok(logits, k)
+    assert ok.float().mean() > 0.9  # the comparison covers most rows
+    assert torch.equal(ids.cpu()[ok], want_ids[ok])
+    # the weights' rounding, and fp32's in the exponent (|logit - max| up to ~20 ulps here)
+    rtol = 4 * torch.finfo(weights_dtype).eps + 32 * torch.finfo(torch.float32).eps
+    torch.testing.assert_close(weights.cpu().double()[ok], want[ok], rtol=rtol, atol=1e-30)
+    assert ((ids >= 0) & (ids < e)).all()
+    assert all(len(set(row)) == k for row in ids.tolist())  # k different experts per token
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ties_take_the_lowest_experts_first(device):
+    e, k = 12, 4
+    logits = torch.zeros(4, e)
+    logits[1] = torch.tensor([0., 1, 1, 0, 2, 1, 1, 0, 0, 1, 0, 0])  # three of five 1s reach the top 4
+    logits[2, 7] = logits[2, 3] = 5.0  # two equal maxima, the rest equal
+    logits[3] = -torch.arange(e, dtype=torch.float32)  # strictly ordered: experts 0..3
+    ids, weights = tr.route(logits.to(device), k, renormalize=False)
+    assert ids.tolist() == [[0, 1, 2, 3], [4, 1, 2, 5], [3, 7, 0, 1], [0, 1, 2, 3]]
+    assert torch.equal(weights[0].cpu(), torch.full((k,), 1 / e))  # 1/12 in fp32, as softmax gives it
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_rows_and_empty_input(device):
+    wide = _logits(7, 40, torch.float32, device, seed=3)
+    logits = wide[:, 5:29]  # rows 40 apart, experts contiguous
+    ids, weights = tr.route(logits, 3)
+    want_ids, want_w = tr.route(logits.contiguous(), 3)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+    ids, weights = tr.route(logits[:0], 3)
+    assert ids.shape == weights.shape == (0, 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's -inf - -inf
+def test_nan_logits_give_nan_weights_and_experts_in_range(device):
+    logits = _logits(3, 16, torch.float32, device, seed=4)
+    logits[1, 5] = float("nan")
+    logits[2] = float("-inf")
+    ids, weights = tr.route(logits, 4)
+    assert ((ids >= 0) & (ids < 16)).all()
+    assert torch.isnan(weights[1]).all() and torch.isnan(weights[2]).all()
+    assert torch.isfinite(weights[0]).all()
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda z: z[0], "must be \\[tokens, experts\\]"),
+    (lambda z: torch.zeros(2, tr.MAX_EXPERTS + 1), "experts: the routing kernel holds"),
+    (lambda z: z.to(torch.int32), "the kernel reads fp32, bf16 or fp16"),
+    (lambda z: z.t(), "contiguous along the experts"),
+])
+def test_bad_operands_are_refused(change, match):
+    logits = torch.randn(6, 6)
+    with pytest.raises(ValueError, match=match):
+        tr.route(change(logits), 2)
+    with pytest.raises(ValueError, match="top_k 7 is not in 1..6"):
+        tr.route(logits, 7)
+    with pytest.raises(ValueError, match="top_k 33 is not in 1..32"):
+        tr.route(torch.randn(2, 64), 33)
+    with pytest.raises(ValueError, match="routing weights of torch.int64"):
+        tr.route(logits, 2, weights_dtype=torch.int64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e,k", [(8, 2), (60, 4), (128, 8)])
+def test_the_experts_are_those_torch_topk_selects_on_cuda(e, k):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    logits = _logits(4000, e, torch.bfloat16, "cuda", seed=e)  # bf16 logits: many exact ties in softmax
+    logits[::7] = 0  # rows of all-equal logits
+    logits[1::7, : e // 2] = logits[1::7, e // 2 - 1: e // 2]  # a run of equal maxima
+    ids, weights = tr.route(logits, k)
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, idx = torch.topk(probs, k, dim=-1)
+    same = torch.sort(ids, dim=-1).values == torch.sort(idx, dim=-1).values
+    assert same.all(dim=-1).float().mean() > 0.999, "the selected experts differ from torch.topk's"
+    tied = (probs == probs.gather(1, idx[:, -1:])).sum(dim=-1) > 1  # rows with ties at the k-th value
+    assert tied.sum() >= 4000 // 7 and same[tied].all()
+    torch.testing.assert_close(weights, top / top.sum(dim=-1, keepdim=True), rtol=2e-6, atol=0)
+
+
+_COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hybridgemm.kernels import triton_router as tr
+
+fn = tr._route_kernel
+sig = dict(zip(fn.arg_names, ["*bf16", "*i64", "*bf16", "i32", "i32"]))
+for e, k in ((128, 8), (8, 2), (1000, 10)):
+    consts = dict(TOP_K=k, EP=triton.next_power_of_2(e), KP=triton.next_power_of_2(k), RENORMALIZE=True, PDL=True)
+    src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+    try:
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if e > 256 else 1})
+    except (TypeError, KeyError, AttributeError) as exc:
+        raise SystemExit(f"API: {type(exc).__name__}: {exc}")
+    assert c.asm["cubin"], e
+print("compiled")
+"""
+
+
+def test_the_kernel_compiles_for_hopper():
+    """Built for sm_90 by Triton's ptxas (no GPU needed), with PDL: Qwen3-30B-A3B's 128 experts
+    top-8, Mixtral's 8 top-2, 1000 experts top-10."""
+    from helpers import compile_offline
+
+    compile_offline(_COMPILE_FOR_HOPPER)
