@@ -58,14 +58,15 @@ def _probe(mod: nn.Module, top_k: int) -> tuple[RouterForm | None, str | None]:
     # On a CPU copy in bf16 with random weights, whatever the router's device, dtype and values
     # (meta included): its form does not depend on them, the form shows in bf16 (in fp32
     # "weights in fp32" and "in the logits' dtype" look alike, and a model may be cast after
-    # patching), and random weights tell renormalised from not (zero weights tie every expert).
+    # patching), and random weights of the right scale tell renormalised from not (zero weights
+    # tie every expert; large logits make the softmax one-hot, its top k summing to 1 either way).
     name = type(mod).__name__
     g = torch.Generator().manual_seed(0)
     try:
         with torch.no_grad():
             probe = copy.deepcopy(mod).to_empty(device="cpu").to(PROBE_DTYPE)
-            weight = probe.weight
-            weight.copy_(torch.randn(weight.shape, generator=g))
+            weight = probe.weight  # logits of about unit scale
+            weight.copy_(torch.randn(weight.shape, generator=g) / weight.shape[1] ** 0.5)
             x = torch.randn(PROBE_TOKENS, weight.shape[1], generator=g).to(PROBE_DTYPE)
             out = type(mod).forward(probe, x)
     except Exception as exc:  # a router that does not take [tokens, hidden]: its own business

@@ -141,6 +141,23 @@ def test_the_router_form_is_what_the_router_computes(kind, norm_topk, form):
     assert torch.equal(logits, want[0])
 
 
+@pytest.mark.parametrize("hidden", [64, 512, 4096])
+@pytest.mark.parametrize("norm_topk", [False, True])
+def test_the_form_does_not_depend_on_the_routers_width_or_weights(hidden, norm_topk):
+    """Wide routers and zero weights alike (wide ones once made the probe's softmax one-hot, where
+    renormalised and not look the same)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from hybridgemm.router import why_not_router
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=hidden, num_experts=128, num_experts_per_tok=8,
+                                      norm_topk_prob=norm_topk)
+    router = Qwen3MoeTopKRouter(cfg)  # (its weight starts at zero)
+    assert why_not_router(router) == (RouterForm(norm_topk, True), None)
+    torch.nn.init.normal_(router.weight, std=1.0)  # huge logits: the probe uses its own weights
+    assert why_not_router(router) == (RouterForm(norm_topk, True), None)
+
+
 def test_a_router_of_another_form_is_reported_and_left_alone():
     model = _tiny("mixtral")
     router = _routers(model)[0]
