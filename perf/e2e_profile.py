@@ -2,7 +2,8 @@
 random-weight HF model, stock beside patched, grouped by what the kernel does.
 
     python -m hybridgemm.perf.e2e_profile --model llama3-8b --layers 8 --batch 1 8 \
-        [--modes compiled_static eager_static] [--steps 16] [--out CSV] [--by-grid]
+        [--modes compiled_static eager_static] [--steps 16] [--out CSV] [--by-grid] \
+        [--weights fp8 [--granularity channel|block128]]
 
 Each variant decodes greedily over a static cache exactly as ``hybridgemm bench --e2e`` does
 (perf/bench_e2e.py's decoder, compiled with "reduce-overhead" and fullgraph for
@@ -19,7 +20,9 @@ kernel time against its HBM floor (weight bytes / 4.23 TB/s) and, for the GEMMs,
 fraction of the floor their bytes alone would allow. ``--by-grid`` keys each kernel by its
 launch grid too, so the shapes one Triton kernel runs (Q/K/V, O, down) get a row each. Kernel
 time excludes the gaps between kernels: the wall time per token of ``bench --e2e`` minus this
-sum is launch and host time.
+sum is launch and host time. With ``--weights fp8`` the patched variant is ``patch(model,
+weights="fp8", granularity=...)`` (named ``hybridgemm_e4m3_<granularity>`` in the CSV), and the
+table adds its own floor (the bytes it reads: e4m3 projections, their scales, the bf16 rest).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from hybridgemm.perf import csvio
 from hybridgemm.perf import e2e_models as hf
 from hybridgemm.perf.bench_e2e import WARMUP, Run, decoder, hbm_floor_ms, positive_int, step_bytes
 from hybridgemm.perf.bench_msweep import git_commit
+from hybridgemm.perf.timing import HBM_TBPS
+from hybridgemm.perf.weight_formats import add_weight_options, resolve_weight_options, weight_options_problem
 
 MODES = ("compiled_static", "eager_static")
 GEMM = re.compile(r"nvjet|gemm|gemv|xmma|cutlass|_glu_kernel|_splitk_kernel|_reduce_kernel|splitKreduce|_moe_pair_|"
@@ -166,7 +171,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", help="CSV of every kernel's time per token (default: none)")
     ap.add_argument("--by-grid", action="store_true",
                     help="one row per kernel and launch grid (tells apart the shapes of one Triton kernel)")
-    return ap.parse_args(argv)
+    add_weight_options(ap, "the patched model's projections quantized to e4m3 (patch(weights='fp8'))")
+    args = ap.parse_args(argv)
+    problem = weight_options_problem(args.weights, args.granularity)
+    if problem:
+        ap.error(problem)
+    resolve_weight_options(args)
+    return args
 
 
 def main(argv=None) -> int:
@@ -179,7 +190,9 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     stock = hf.build_model(config, torch.bfloat16, "cuda")
     patched = copy.deepcopy(stock)
-    print(hybridgemm.patch(patched).summary())
+    fp8 = {} if args.granularity is None else {"weights": "fp8", "granularity": args.granularity}
+    print(hybridgemm.patch(patched, **fp8).summary())
+    name = "hybridgemm" if not fp8 else f"hybridgemm_e4m3_{args.granularity}"
     run = Run(args.model, config, torch.device("cuda"), tokens=args.steps, rounds=1)
     command = "python -m hybridgemm.perf.e2e_profile " + " ".join(sys.argv[1:] if argv is None else argv)
     extra = {"date": datetime.date.today().isoformat(), "commit": git_commit(), "command": command}
@@ -188,13 +201,18 @@ def main(argv=None) -> int:
         for mode in args.modes:
             for batch in args.batch:
                 rows = []
-                for variant, model in (("stock", stock), ("hybridgemm", patched)):
+                for variant, model in (("stock", stock), (name, patched)):
                     torch._dynamo.reset()
                     times = profile_variant(run, model, mode, batch, args.steps, args.by_grid)
                     rows += rows_for(args, mode, batch, variant, times, args.steps)
                 print(f"\n## {args.model}, {args.layers} layers, {mode}, batch {batch}")
                 print(summary(rows, hbm_floor_ms(step_bytes(run, stock, batch)), args.layers))
-                for v in ("stock", "hybridgemm"):
+                if fp8:
+                    own = hbm_floor_ms(step_bytes(run, patched, batch)) * 1e3
+                    total = sum(r["us_per_token"] for r in rows if r["variant"] == name)
+                    print(f"{name}'s own floor (its bytes at {HBM_TBPS} TB/s) {own:.1f} µs/token: its kernel time "
+                          f"{total:.1f} µs is {own / total:.1%} of it")
+                for v in ("stock", name):
                     top = [r for r in rows if r["variant"] == v][:12]
                     print(f"-- {v}: top kernels (µs/token, calls/token, group)")
                     for r in top:

@@ -95,3 +95,14 @@ def test_kernel_times_by_grid_keys_each_launch_grid(monkeypatch):
     assert times == {"_splitk_kernel grid=144,1,1": (2, 22.0), "_splitk_kernel grid=48,3,1": (1, 5.5)}
     assert ep.group_of("_splitk_kernel grid=48,3,1") == "gemm"
     assert ep.parse_args(["--model", "llama3-8b", "--by-grid"]).by_grid
+
+
+def test_fp8_options():
+    args = ep.parse_args(["--model", "llama3-8b", "--weights", "fp8"])
+    assert (args.weights, args.granularity) == ("fp8", "channel")
+    assert ep.parse_args(["--model", "llama3-8b"]).granularity is None
+    assert ep.parse_args(["--model", "llama3-8b", "--weights", "fp8", "--granularity", "block128"]).granularity \
+        == "block128"
+    with pytest.raises(SystemExit) as info:
+        ep.parse_args(["--model", "llama3-8b", "--granularity", "block128"])  # FP8 only
+    assert info.value.code == 2
