@@ -42,11 +42,19 @@ def route(router_logits: Tensor, top_k: int, renormalize: bool = True,
     if not 1 <= top_k <= router_logits.shape[1]:
         raise ValueError(f"route: top_k {top_k} is not in 1..{router_logits.shape[1]} (the experts)")
     wants_grad = torch.is_grad_enabled() and router_logits.requires_grad
-    if not wants_grad and use_kernels(router_logits) \
-            and triton_module("triton_router").why_not(router_logits, top_k, weights_dtype) is None:
-        if torch.compiler.is_compiling():
+    if not wants_grad and use_kernels(router_logits):
+        if torch.compiler.is_compiling():  # (Dynamo traces no first import of the kernel module)
             return torch.ops.hybridgemm.route_fwd(router_logits, top_k, renormalize, weights_dtype)
-        return triton_module("triton_router").route(router_logits, top_k, renormalize, weights_dtype)
+        return _route_kernel(router_logits, top_k, renormalize, weights_dtype)
+    return route_torch(router_logits, top_k, renormalize, weights_dtype)
+
+
+def _route_kernel(router_logits: Tensor, top_k: int, renormalize: bool,
+                  weights_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The routing kernel where it takes the operands, else :func:`route_torch`."""
+    kernel = triton_module("triton_router")
+    if kernel.why_not(router_logits, top_k, weights_dtype) is None:
+        return kernel.route(router_logits, top_k, renormalize, weights_dtype)
     return route_torch(router_logits, top_k, renormalize, weights_dtype)
 
 
@@ -64,7 +72,7 @@ def route_torch(router_logits: Tensor, top_k: int, renormalize: bool = True,
 @torch.library.custom_op("hybridgemm::route_fwd", mutates_args=())
 def route_fwd(router_logits: Tensor, top_k: int, renormalize: bool,
               weights_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    return triton_module("triton_router").route(router_logits, top_k, renormalize, weights_dtype)
+    return _route_kernel(router_logits, top_k, renormalize, weights_dtype)
 
 
 @route_fwd.register_fake

@@ -108,7 +108,6 @@ from dataclasses import dataclass, field
 import torch
 
 import hybridgemm
-from hybridgemm.experts import HybridExperts
 from hybridgemm.models.patching import ATTENTION_NOT_FUSED
 from hybridgemm.perf import csvio
 from hybridgemm.perf import e2e_models as hf
@@ -493,28 +492,6 @@ def fp32_logits(run: Run, stock, jobs: dict[str, torch.Tensor]) -> dict[str, tor
     return fp32_error_logits(run, copy, jobs)
 
 
-def moe_skips(model, skipped: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The entries of ``skipped`` (a patch report's) that a mixture-of-experts model leaves as
-    it is by design, beside experts that ``patch`` did patch (found by structure): the block's
-    router (a linear of one row per expert, run as the model computes it)."""
-    modules = dict(model.named_modules())
-
-    def patched_experts(block) -> int | None:
-        experts = block._modules.get("experts") if block is not None else None
-        return hf.stacked_experts(experts) if isinstance(experts, HybridExperts) else None
-
-    out = []
-    for name, why in skipped:
-        mod = modules.get(name)
-        if mod is None:
-            continue
-        experts = patched_experts(modules.get(name.rpartition(".")[0]))
-        weight = mod._parameters.get("weight")
-        if experts and weight is not None and weight.dim() == 2 and weight.shape[0] == experts:
-            out.append((name, why))
-    return out
-
-
 def attention_skips(report) -> list[tuple[str, str]]:
     """The entries of ``report.skipped`` for decoder layers ``patch`` fused whose attention runs
     the module's own function over the fused Q/K/V (Gemma 2's softcapped attention): the layer
@@ -527,17 +504,16 @@ def _patched(run: Run, stock) -> tuple[torch.nn.Module | BaseException, list[str
     """A copy of ``stock`` patched as ``run`` asks (FP8 weights with a granularity), and the
     names of the modules ``patch`` quantized; or the exception that stopped it. As strict as
     ``patch(strict=True)`` (every module patch reports it left alone fails the variant) but
-    for what a mixture-of-experts model leaves by design (:func:`moe_skips`) and fused layers
-    whose attention runs the module's function (:func:`attention_skips`), which the log lists."""
+    for fused layers whose attention runs the module's function (:func:`attention_skips`), which
+    the log lists."""
     try:
         patched = hf.build_model(run.config, run.dtype, run.device)
         patched.load_state_dict(stock.state_dict())
         fp8 = {} if run.granularity is None else dict(weights="fp8", granularity=run.granularity,
                                                        quantize_lm_head=run.quantize_lm_head)
         report = hybridgemm.patch(patched, **fp8)
-        by_design = moe_skips(patched, report.skipped)
         partial = attention_skips(report)
-        left = [s for s in report.skipped if s not in by_design and s not in partial]
+        left = [s for s in report.skipped if s not in partial]
         if not report.patched or left:
             raise ValueError(f"{report.summary()}; {len(left)} modules left unpatched or unfused: "
                              + "; ".join(f"{n or '(root)'}: {r}" for n, r in left))
@@ -546,10 +522,6 @@ def _patched(run: Run, stock) -> tuple[torch.nn.Module | BaseException, list[str
             reasons = dict.fromkeys(r for _, r in partial)
             run.log(f"{len(partial)} fused decoder layers run their attention module's function over the fused "
                     f"Q/K/V ({'; '.join(reasons)})")
-        if by_design:
-            reasons = dict.fromkeys(r for _, r in by_design)
-            run.log(f"mixture of experts, the experts patched: {len(by_design)} routers left as the model has them "
-                    f"({'; '.join(reasons)})")
         return patched, list(report.fp8)
     except Exception as e:  # noqa: BLE001 (the stock rows are still measured)
         run.log(f"patch failed: {type(e).__name__}: {e}")

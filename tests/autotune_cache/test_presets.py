@@ -104,9 +104,12 @@ def test_moe_presets_have_experts_and_no_dense_mlp(name, figures):
     p = get_preset(name)
     assert p.moe and (p.experts, p.experts_per_token, p.expert_intermediate, p.vocab, p.layers) == figures
     assert p.intermediate is None and not p.tied_lm_head
-    # the experts are no dispatched GEMM: past attention, only the LM head is tuned or sharded
-    assert [s.name for s in rank_projections(p, 1)] == ["q", "kv", "qkv", "o", "lm_head"]
-    assert [s.name for s in rank_projections(p, 2)] == ["q", "kv", "qkv", "o", "lm_head"]
+    # the experts are no dispatched GEMM: past attention, only the router and the LM head are
+    # tuned (the router whole on every rank)
+    assert [s.name for s in rank_projections(p, 1)] == ["q", "kv", "qkv", "o", "router", "lm_head"]
+    assert [s.name for s in rank_projections(p, 2)] == ["q", "kv", "qkv", "o", "router", "lm_head"]
+    router = next(s for s in rank_projections(p, 2) if s.name == "router")
+    assert (router.n, router.k, router.bias) == (p.experts, p.hidden, False)
     assert not get_preset("llama3-8b").moe
 
 

@@ -166,6 +166,14 @@ def test_route_runs_the_routing_kernel_where_the_kernels_run(weights_dtype, monk
     assert len(calls) == 2 and leaf.grad is not None
 
 
+def test_route_falls_back_to_pytorch_where_the_kernel_refuses(monkeypatch):
+    monkeypatch.setattr(moe_mod, "use_kernels", lambda x: True)
+    logits = torch.randn(3, tr.MAX_EXPERTS + 5, generator=torch.Generator().manual_seed(4))
+    ids, weights = moe_mod.route(logits, 40)  # too many experts and too large a top_k for the kernel
+    want_ids, want = moe_mod.route_torch(logits, 40)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want)
+
+
 def test_moe_equals_transformers_mixtral_experts(monkeypatch):
     transformers = pytest.importorskip("transformers")
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock

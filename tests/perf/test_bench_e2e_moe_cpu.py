@@ -21,6 +21,7 @@ from hybridgemm.autotune_cache.presets import PRESETS
 from hybridgemm.experts import HybridExperts
 from hybridgemm.perf import bench_e2e as E
 from hybridgemm.perf import e2e_models as hf
+from hybridgemm.router import HybridTopKRouter
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -163,7 +164,6 @@ TINY = {  # hidden 64 < 4 heads x 32: head_dim set in both, as Qwen3-30B-A3B nee
     "mixtral-8x7b": dict(hidden=64, heads=4, kv_heads=2, head_dim=32, experts=4, experts_per_token=2,
                          expert_intermediate=48),
 }
-ROUTER_CLASS = {"qwen3-30b-a3b": "Qwen3MoeTopKRouter", "mixtral-8x7b": "MixtralTopKRouter"}
 
 
 @pytest.fixture
@@ -201,7 +201,7 @@ def _patched_copy(config, stock, dtype):
 def test_tiny_moe_patch_report_and_stock_logits(name, tiny):
     """``patch`` fuses Q/K/V (and the q/k norms, norms, LM head), swaps the stacked experts for
     :class:`HybridExperts`, fuses the decoder layers (the decode step calls the sparse block),
-    and leaves the routers as they are, which the bench accepts as by design; the patched
+    and swaps the routers for :class:`HybridTopKRouter`, leaving nothing unpatched; the patched
     model's logits, of a whole forward and of a static-cache decode, are the stock model's."""
     config = tiny(name)
     torch.manual_seed(0)
@@ -219,11 +219,8 @@ def test_tiny_moe_patch_report_and_stock_logits(name, tiny):
     assert "lm_head" in report.patched and "model.norm" in report.patched
     assert (name == "qwen3-30b-a3b") == all(f"{n}.self_attn.q_norm" in report.patched for n in layers)
     assert report.fused_mlp == report.fp8 == [] and report.fused_layers == report.fused_attention == layers
-    for n, why in report.skipped:
-        assert n in [f"{layer}.mlp.gate" for layer in layers], (n, why)
-        assert why == f"linear not patched: {ROUTER_CLASS[name]} is not a plain nn.Linear"
-    assert sorted(n for n, _ in report.skipped) == [f"{n}.mlp.gate" for n in layers]
-    assert E.moe_skips(model, report.skipped) == report.skipped
+    assert report.skipped == []
+    assert all(type(model.get_submodule(f"{n}.mlp.gate")) is HybridTopKRouter for n in layers)
     ids = E.tokens(2, 12, VOCAB, "cpu")
     with torch.no_grad():
         torch.testing.assert_close(hf.full_logits(model, ids), hf.full_logits(stock, ids), rtol=1e-5, atol=1e-5)
@@ -234,10 +231,9 @@ def test_tiny_moe_patch_report_and_stock_logits(name, tiny):
     assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
 
 
-def test_moe_skips_accepts_only_routers_beside_patched_experts(tiny):
-    """Experts that patch could not take (a form it reports) make their layer (not fused) and
-    router count as left unpatched: the bench then fails the patched variant as strict=True
-    would."""
+def test_experts_of_another_form_fail_the_patched_variant(tiny):
+    """Experts that patch could not take (a form it reports) make their layer (not fused) count
+    as left unpatched: the bench then fails the patched variant as strict=True would."""
     config = tiny("mixtral-8x7b")
     model = hf.build_model(config, torch.float32, "cpu")
     model.model.layers[0].mlp.experts.has_bias = True
@@ -245,7 +241,7 @@ def test_moe_skips_accepts_only_routers_beside_patched_experts(tiny):
     names = [n for n, _ in report.skipped]
     assert "model.layers.0.mlp.experts" in names
     assert "model.layers.0" in names and "model.layers.1" not in names
-    assert [n for n, _ in E.moe_skips(model, report.skipped)] == ["model.layers.1.mlp.gate"]
+    assert not E.attention_skips(report)
 
 
 def test_decode_weight_bytes_counts_the_experts_it_is_told(tiny):
@@ -299,6 +295,5 @@ def test_tiny_moe_runs_every_mode_end_to_end(name, tiny, monkeypatch):
         else:
             assert r["hbm_floor_ms"] == pytest.approx(E.hbm_floor_ms(round(_tiny_bytes(name, read))))
             assert math.isfinite(r["fraction_of_floor"])
-    assert any(line.startswith("mixture of experts, the experts patched: 2 routers")
-               for line in lines)
+    assert not any("left unpatched" in line or "patch failed" in line for line in lines)
     assert any(line.startswith("batch 2:") and "uniform routing" in line for line in lines)
