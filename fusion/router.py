@@ -7,8 +7,8 @@ Which routers: :func:`why_not_router` runs the router's own forward once, at pat
 bf16 CPU copy of it with random weights and a few random tokens, and compares its outputs bit
 for bit with the PyTorch forms of that routing (renormalised or not, weights in fp32 or in
 the logits' dtype). The form that matches is what the patched router computes; none matching
-leaves the router as it is, with the reason. So the choice follows what the installed transformers computes,
-not its source text.
+leaves the router as it is, with the reason. So the choice follows what the installed
+transformers computes, not its source text.
 """
 
 from __future__ import annotations
