@@ -204,7 +204,10 @@ def _cmd_autotune(args) -> int:
         except ValueError as e:
             print(f"hybridgemm autotune: {e}", file=sys.stderr)
             return 2
-    shapes += [parse_shape(s) for s in args.shape or []]
+    if args.no_bias and not args.shape:
+        print("hybridgemm autotune: --no-bias applies to --shape", file=sys.stderr)
+        return 2
+    shapes += [parse_shape(s, bias=not args.no_bias) for s in args.shape or []]
     moe_presets = [get_preset(name) for name in args.moe or []]
     dense = [p.name for p in moe_presets if not p.moe]
     if dense:
@@ -700,6 +703,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("autotune", help="time every backend's candidates per shape and M range; fill the table")
     p.add_argument("--model", action="append", help="model preset (repeatable): bert-base, gpt2, llama3-8b, ...")
     p.add_argument("--shape", action="append", help="explicit N,K projection shape (repeatable)")
+    p.add_argument("--no-bias", action="store_true",
+                   help="the --shape projections have no bias (as a mixture-of-experts router's GEMM)")
     p.add_argument("--moe", action="append", metavar="NAME",
                    help="a mixture-of-experts preset (repeatable): tune the grouped MoE kernels' configs for its "
                    "experts at every M range against the grouped torch._grouped_mm baseline")
@@ -711,7 +716,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlp", action="store_true",
                    help="also tune the MLP's gate/up and down and the LM head of --model / --hf-config, the "
                    "GEMMs hybridgemm.patch runs through the dispatcher (where the model's sizes are known; a "
-                   "mixture-of-experts model's experts are not such GEMMs: its LM head only), and the gated "
+                   "mixture-of-experts model's experts are not such GEMMs: its router and LM head only), and the gated "
                    "kernel's configs for gate/up at decode rows, with and without the norm before it (not under "
                    "--tp)")
     p.add_argument("--tp", type=int, metavar="N",

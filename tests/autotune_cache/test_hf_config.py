@@ -571,3 +571,12 @@ def test_bad_expert_fields_are_named(tmp_path):
     with pytest.raises(ValueError, match="moe_intermediate_size: missing"):
         preset_from_hf_config(write(tmp_path, {k: v for k, v in QWEN3_30B_A3B.items()
                                                if k not in ("moe_intermediate_size", "intermediate_size")}))
+
+
+def test_cli_shape_without_bias(monkeypatch, capsys):
+    """``--shape N,K --no-bias`` tunes the bias-less GEMM (a router's); ``--no-bias`` alone is a
+    usage error."""
+    assert _tuned_shapes(monkeypatch, ["--shape", "128,2048", "--no-bias"]) == [("128,2048", 128, 2048, False)]
+    assert _tuned_shapes(monkeypatch, ["--shape", "128,2048"]) == [("128,2048", 128, 2048, True)]
+    assert main(["autotune", "--model", "llama3-8b", "--no-bias"]) == 2
+    assert "--no-bias applies to --shape" in capsys.readouterr().err
