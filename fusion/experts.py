@@ -54,7 +54,7 @@ def _route_kernel(router_logits: Tensor, top_k: int, renormalize: bool,
     """The routing kernel where it takes the operands, else :func:`route_torch`."""
     kernel = triton_module("triton_router")
     if kernel.why_not(router_logits, top_k, weights_dtype) is None:
-        return kernel.route(router_logits, top_k, renormalize, weights_dtype)
+        return kernel.launch(router_logits, top_k, renormalize, weights_dtype)
     return route_torch(router_logits, top_k, renormalize, weights_dtype)
 
 

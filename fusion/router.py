@@ -100,8 +100,8 @@ class HybridTopKRouter(nn.Module):
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         weight = self.weight
         logits = linear(hidden_states.reshape(-1, weight.shape[1]), weight)
-        form = RouterForm(self.route_renormalize, self.route_logits_dtype_weights)
-        ids, weights = route(logits, self.top_k, form.renormalize, _weights_dtype(form, logits))
+        weights_dtype = logits.dtype if self.route_logits_dtype_weights else torch.float32
+        ids, weights = route(logits, self.top_k, self.route_renormalize, weights_dtype)
         return logits, weights, ids
 
 

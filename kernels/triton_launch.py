@@ -4,13 +4,15 @@ data pointers as ints), the device facts the launch plans size their grids and s
 and whether a kernel uses programmatic dependent launch.
 
 Serves every Triton kernel here: triton_gemm, triton_splitk, triton_glu, triton_rmsnorm,
-triton_decode_attention and triton_push_sum (their launches), and the launch plans of
+triton_decode_attention and triton_push_sum (their launches), triton_moe and triton_router
+(:func:`pdl_options`), and the launch plans of
 triton_plan; kernels/backends.py reads :func:`device_facts` for the tuner's limits. Nothing
 here touches a GPU at import time: device facts are queried on first use and cached.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -44,6 +46,20 @@ def pdl_enabled(capability: tuple[int, int]) -> bool:
     if interpreting() or capability < (9, 0):
         return False
     return os.environ.get("HYBRIDGEMM_PDL", "1") not in ("0", "")
+
+
+def pdl_options(x: torch.Tensor) -> dict:
+    """The ``PDL`` constexpr and the ``launch_pdl`` option of a plain ``kernel[grid](...)``
+    launch on x's device (:func:`pdl_enabled`), read once per device, not per launch."""
+    return _pdl_options(x.device) if x.is_cuda else _NO_PDL
+
+
+_NO_PDL = {"PDL": False}
+
+
+@functools.cache
+def _pdl_options(device: torch.device) -> dict:
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device_facts(device).capability) else _NO_PDL
 
 
 # ----------------------------------------------------------------------------- device facts

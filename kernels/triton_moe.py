@@ -25,7 +25,6 @@ block is padding past the last expert's rows return at once. Nothing touches a G
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +33,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .triton_glu import ACTIVATIONS, _gate_act
-from .triton_launch import device_facts, interpreting, pdl_enabled
+from .triton_launch import interpreting, pdl_options
 
 
 @dataclass(frozen=True)
@@ -336,7 +335,7 @@ def pairs_gate_up(config: TritonMoeConfig, x: torch.Tensor, w_gate_up: torch.Ten
     _moe_pair_glu_kernel[(t * top_k, triton.cdiv(i, config.block_n))](
         x, w_gate_up, topk_ids.contiguous(), inter, i, k, top_k, x.stride(0), w_gate_up.stride(0),
         w_gate_up.stride(1), inter.stride(0), i, BN=config.block_n, BK=config.block_k, ACT=ACTIVATIONS[activation],
-        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl(x))
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x))
     return inter
 
 
@@ -356,22 +355,8 @@ def pairs_down(config: TritonMoeConfig, inter: torch.Tensor, w_down: torch.Tenso
         inter, w_down, topk_ids.contiguous(), rw, out, h, w_down.shape[2], inter.stride(0), w_down.stride(0),
         w_down.stride(1), out.stride(0), TOP_K=top_k, KP=triton.next_power_of_2(top_k), BN=config.block_n,
         BK=config.block_k, ROUND_PRODUCT=_rounds_product(inter, rw), num_warps=config.num_warps,
-        num_stages=config.num_stages, **_pdl(inter))
+        num_stages=config.num_stages, **pdl_options(inter))
     return out
-
-
-def _pdl(x: torch.Tensor) -> dict:
-    """The PDL constexpr and launch option of a pair kernel on x's device."""
-    return _pdl_options(x.device) if x.is_cuda else _NO_PDL
-
-
-_NO_PDL = {"PDL": False}
-
-
-@functools.cache
-def _pdl_options(device: torch.device) -> dict:
-    # read once per device (as a plan of the other decode kernels reads it once), not per launch
-    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device_facts(device).capability) else _NO_PDL
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .triton_launch import device_facts, pdl_enabled
+from .triton_launch import pdl_options
 
 MAX_EXPERTS = 1024  # one row of logits in one program's registers
 MAX_TOP_K = 32  # the selection loop is unrolled
@@ -94,15 +94,20 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
     why = why_not(logits, top_k, weights_dtype)
     if why is not None:
         raise ValueError(f"triton_router.route: {why}")
+    return launch(logits, top_k, renormalize, weights_dtype)
+
+
+def launch(logits: torch.Tensor, top_k: int, renormalize: bool,
+           weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route` for operands :func:`why_not` has taken (the caller asked it)."""
     t, e = logits.shape
     ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
     weights = torch.empty((t, top_k), dtype=weights_dtype, device=logits.device)
     if t:
-        pdl = logits.is_cuda and pdl_enabled(device_facts(logits.device).capability)
         _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), TOP_K=top_k, EP=triton.next_power_of_2(e),
-                            KP=triton.next_power_of_2(top_k), RENORMALIZE=bool(renormalize), PDL=pdl,
-                            num_warps=4 if e > 256 else 1, **({"launch_pdl": True} if pdl else {}))
+                            KP=triton.next_power_of_2(top_k), RENORMALIZE=bool(renormalize),
+                            num_warps=4 if e > 256 else 1, **pdl_options(logits))
     return ids, weights
 
 
-__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "route", "why_not"]
+__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "launch", "route", "why_not"]

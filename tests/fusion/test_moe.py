@@ -150,8 +150,8 @@ def test_route_runs_the_routing_kernel_where_the_kernels_run(weights_dtype, monk
     logits = torch.randn(17, 12, generator=torch.Generator().manual_seed(2)) * 3
     monkeypatch.setattr(moe_mod, "use_kernels", lambda x: True)
     calls = []
-    real = tr.route
-    monkeypatch.setattr(tr, "route", lambda *a: calls.append(1) or real(*a))
+    real = tr.launch
+    monkeypatch.setattr(tr, "launch", lambda *a: calls.append(1) or real(*a))
     ids, weights = moe_mod.route(logits, 3, True, weights_dtype)
     want_ids, want = moe_mod.route_torch(logits, 3, True, weights_dtype)
     assert calls == [1] and torch.equal(ids, want_ids) and weights.dtype == weights_dtype

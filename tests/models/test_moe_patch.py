@@ -56,9 +56,9 @@ def test_patched_moe_models_give_stock_logits(kind, kernels, monkeypatch):
     calls, routed = [], []
     if kernels:
         monkeypatch.setattr(experts, "use_kernels", lambda x: True)
-        real, real_route = experts.moe, triton_router.route
+        real, real_route = experts.moe, triton_router.launch
         monkeypatch.setattr(experts, "moe", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-        monkeypatch.setattr(triton_router, "route", lambda *a, **kw: routed.append(1) or real_route(*a, **kw))
+        monkeypatch.setattr(triton_router, "launch", lambda *a, **kw: routed.append(1) or real_route(*a, **kw))
     with torch.no_grad():
         want, got = stock(_ids()).logits, model(_ids()).logits
     assert len(calls) == len(routed) == (2 if kernels else 0)  # both layers' experts and routers in kernels
