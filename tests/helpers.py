@@ -129,7 +129,7 @@ def run_like_the_dispatcher(backend: str, config, x, weight, bias, activation=No
 
 
 def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, device: str = "cuda",
-                   kind: str = "llama"):
+                   kind: str = "llama", window: int | None = None):
     """A small 2-layer Llama (``kind="qwen3"``: Qwen3, with its q/k norms; ``"granite"``: Granite,
     with its multipliers; ``"qwen3_moe"``/``"mixtral"``: those mixtures of 8 experts, 2 per
     token, of a quarter of ``intermediate_size`` / of it; ``"qwen2_moe"``: Qwen2-MoE, 8 experts of
@@ -140,7 +140,7 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     linear each in the checkpoint; ``"olmo2"``: OLMo 2, post-norms only, q/k norms over all
     heads) of 8 heads and 2 KV heads, random
     weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16 patched by
-    hybridgemm with both decoder layers fused."""
+    hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's sliding window (else 4)."""
     import copy
 
     import transformers
@@ -160,8 +160,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
                                shared_expert_intermediate_size=intermediate_size // 2),
              "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
              "phi3": dict(pad_token_id=0, resid_pdrop=0.1),
-             "gemma2": dict(sliding_window=4, attn_logit_softcapping=50.0),
-             "gemma3": dict(sliding_window=4)}.get(kind, {})
+             "gemma2": dict(sliding_window=window or 4, attn_logit_softcapping=50.0),
+             "gemma3": dict(sliding_window=window or 4)}.get(kind, {})
     config = cls(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
                  tie_word_embeddings=False, head_dim=hidden_size // 8, **extra)

@@ -10,7 +10,8 @@ its attention forward one of the forms :class:`AttentionForm` describes (Q/K/V f
 projections or, Phi-3's, one), and its parts fused by ``patch`` (Q/K/V and gate/up into one
 GEMM each or the checkpoint's stacked linears, patched RMSNorms (fusion/norm.py PATCHED_NORMS),
 patched or row-parallel O and down). The static-cache step (rotary and the cache write in the QKV epilogue, the
-attention kernel) also needs transformers' ``StaticLayer`` and ``Cache.update`` as checked,
+attention kernel) also needs transformers' ``StaticLayer`` and ``Cache.update`` as checked (or,
+for a sliding-window layer, a window that never fills: fusion/models/window_cache.py),
 the standard ``rotate_half`` rotary, and q/k norms (if any) that are patched RMSNorms over
 ``head_dim``.
 
@@ -28,10 +29,8 @@ a LoRA form the step does not compute, gives the layer's own forward for that ca
 
 from __future__ import annotations
 
-import ast
 import inspect
 import math
-import textwrap
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +50,8 @@ from hybridgemm.mlp import FUSED_GATE_UP, HybridGatedMLP, HybridPrefusedGatedMLP
 from hybridgemm.mode_state import DEFAULT, get_mode
 from hybridgemm.norm import PATCHED_NORMS, HybridRMSNorm
 
-from . import adapter_terms
+from . import adapter_terms, window_cache
+from .source_forms import body_statements, has_statements, source_text
 
 DECODE_ROWS = 16  # rows up to which the fused path runs (the gated kernel's decode configs)
 QKV_NAME = "qkv_proj"  # the fused Q/K/V module of a patched attention
@@ -235,38 +235,10 @@ _STATIC_UPDATE_STATEMENTS = (
 _CACHE_UPDATE_STATEMENTS = ("self.layers[layer_idx].update(key_states,value_states",)
 
 
-def source_text(fn) -> str | None:
-    """``fn``'s source with all whitespace removed (None where it has none)."""
-    try:
-        return "".join(inspect.getsource(fn).split())
-    except (OSError, TypeError):
-        return None
-
-
-def body_statements(fn) -> list[str] | None:
-    """The top-level statements of ``fn``'s body (its docstring left out), each unparsed with
-    all whitespace removed; None where it has no source."""
-    try:
-        node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return None
-    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return None
-    body = node.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]
-    return ["".join(ast.unparse(s).split()) for s in body]
-
-
 def _matches(statements: list[str] | None, forms: tuple) -> bool:
     """Is ``statements`` exactly ``forms``, statement by statement (a tuple: one of its forms)?"""
     return statements is not None and len(statements) == len(forms) and all(
         s in f if isinstance(f, tuple) else s == f for s, f in zip(statements, forms))
-
-
-def _has_all(fn, statements) -> bool:
-    src = source_text(fn)
-    return src is not None and all(s in src for s in statements)
 
 
 def on_kernel_device(x: Tensor) -> bool:
@@ -333,8 +305,8 @@ class _Transformers:
         except ImportError:
             collector = None
         cls.cache_cls, cls.static_layer_cls, cls.collector = Cache, StaticLayer, collector
-        cls.static_ok = _has_all(Cache.update, _CACHE_UPDATE_STATEMENTS) \
-            and _has_all(StaticLayer.update, _STATIC_UPDATE_STATEMENTS)
+        cls.static_ok = has_statements(Cache.update, _CACHE_UPDATE_STATEMENTS) \
+            and has_statements(StaticLayer.update, _STATIC_UPDATE_STATEMENTS)
         cls.stock_sdpa = sdpa_attention_forward
         cls.attention_functions = ALL_ATTENTION_FUNCTIONS
 
@@ -451,9 +423,9 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
         return why
     if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
         return "it has no integer head_dim and layer_idx"
-    if getattr(attn, "sliding_window", None) is not None:  # (kv_slot refuses it per call too)
-        return "it is a sliding-window layer, whose cache layer transformers rolls once full, which the step does " \
-               "not write (the module's attention function runs over the fused Q/K/V)"
+    if getattr(attn, "sliding_window", None) is not None and window_cache.device_length_class() is None:
+        return "it is a sliding-window layer, whose cache layer in this transformers version is not the one checked " \
+               "(the module's attention function runs over the fused Q/K/V)"
     return why_not_load_kernels()
 
 
@@ -472,8 +444,8 @@ def why_not_rotary(attn: nn.Module) -> str | None:
     if standard is None:
         rope = plain_function(form.rotary)
         rotate = getattr(inspect.unwrap(rope), "__globals__", {}).get("rotate_half")
-        standard = _STANDARD_ROTARY[cls] = rope is not None and rotate is not None and _has_all(
-            rotate, _ROTATE_HALF_STATEMENTS) and (_has_all(rope, _ROTARY_STATEMENTS)
+        standard = _STANDARD_ROTARY[cls] = rope is not None and rotate is not None and has_statements(
+            rotate, _ROTATE_HALF_STATEMENTS) and (has_statements(rope, _ROTARY_STATEMENTS)
                                                   or _matches(body_statements(rope), _PARTIAL_ROTARY_BODY))
     return None if standard else "its rotary embedding is not the standard rotate_half one"
 
@@ -574,7 +546,6 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     implementation = attn.config._attn_implementation
     form = attention_form(type(attn))
     if cache is None or pe is None or x.dim() != 3 or attn.training \
-            or getattr(attn, "sliding_window", None) is not None \
             or not (implementation == "sdpa" or implementation == "eager" and form.kernel_eager):
         return None
     if implementation == "sdpa" and form.softcap and getattr(attn, "attn_logit_softcapping", None) is not None:
@@ -583,7 +554,11 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     if not _Transformers.static_ok or not isinstance(layers, list) or attn.layer_idx >= len(layers):
         return None
     layer = layers[attn.layer_idx]
-    if type(layer) is not _Transformers.static_layer_cls or not layer.is_initialized \
+    # a sliding-window layer only over a window that never fills (fusion/models/window_cache.py),
+    # which computes what StaticLayer computes: its mask holds the window
+    kind = type(layer)
+    if not (kind is _Transformers.static_layer_cls and getattr(attn, "sliding_window", None) is None
+            or kind is window_cache.device_length_class()) or not layer.is_initialized \
             or getattr(cache, "offloading", False) or type(cache).update is not _Transformers.cache_cls.update:
         return None
     keys, values, base = layer.keys, layer.values, layer.cumulative_length
@@ -607,9 +582,9 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
             or cos.shape != sin.shape or sin.dtype != cos.dtype:
         return None
     # ``first``: a layer whose length the model reads for the step's positions and mask: the cache's
-    # first (Cache.get_seq_length) and its first full-attention one (masking_utils, transformers >= 5.25)
-    first_full = next((la for la in layers if type(la) is _Transformers.static_layer_cls), None)
-    return layer, cos, sin, layer is layers[0] or layer is first_full
+    # first (Cache.get_seq_length) and its first full-attention and first sliding-window one
+    # (masking_utils, transformers >= 5.25)
+    return layer, cos, sin, layer is layers[0] or layer is next(la for la in layers if type(la) is kind)
 
 
 _ATTENTION_SLOTS = ("q_proj", "k_proj", "v_proj", "o_proj")

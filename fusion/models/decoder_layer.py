@@ -27,7 +27,7 @@ import importlib
 import torch
 from torch import nn
 
-from . import decode_checks, decode_step
+from . import decode_checks, decode_step, window_cache
 
 # Recognised layer classes and the transformers module of each (to rebuild the fused class
 # when a pickled model is loaded in a new process).
@@ -83,6 +83,11 @@ class HybridDecoderLayer(nn.Module):
             decode_checks.why_not_load_kernels()
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if not torch.compiler.is_compiling() and decode_checks.takes_static_step(self):
+            # a static cache whose sliding windows never fill counts on the device from here on,
+            # so a compiled step over it reads no Python int (fusion/models/window_cache.py)
+            window_cache.adopt(kwargs.get("cache", kwargs.get("past_key_values")),
+                               getattr(getattr(self.self_attn, "config", None), "sliding_window", None))
         if args or not decode_checks.takes_fused_path(self, hidden_states):
             return super().forward(hidden_states, *args, **kwargs)
         return decode_step.layer_step(self, hidden_states, kwargs, self._buffers.get(COUNTERS))

@@ -459,6 +459,33 @@ def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_o
     assert qk_rows == ([(2, 1)] * 6 if kind == "olmo2" else [])
 
 
+@pytest.mark.parametrize("kind,attention,extra", [
+    ("gemma2", "eager", {"attn_logit_softcapping": 0.002, "layer_types": ["sliding_attention", "full_attention"]}),
+    ("mistral", "sdpa", {})], ids=["gemma2", "mistral"])
+def test_sliding_layers_whose_window_never_fills_take_the_static_step(kind, attention, extra, kernels_on_cpu):
+    """A window of 32 over the cache of 16 positions never fills (Gemma 2: a sliding layer beside a
+    full one; Mistral: every layer sliding): the first call swaps the sliding layers for ones
+    that count on the device (window_cache), and every layer takes the static-cache step: its
+    rotary and cache write in the Q/K/V epilogue, its new token in the decode attention kernel.
+    Logits, cache entries and lengths as stock's (whose layers stay stock)."""
+    from hybridgemm.kernels import triton_decode_attention as tda
+    from hybridgemm.models import window_cache
+
+    stock = _tiny(kind, layers=2, attention=attention, head_dim=32, sliding_window=32, **extra)
+    model = _patched(stock)
+    launches = []
+    real = tda.decode_attention
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tda, "decode_attention", lambda q, *a, **kw: launches.append(kw["step"]) or real(q, *a, **kw))
+        _compare(model, stock, steps=3, batch=2)
+        with torch.no_grad():
+            _, _, cache = _decode(model, 2)  # a fresh cache: the prompt, then two steps
+    sliding = [type(la) for la in cache.layers if la.is_sliding]
+    assert sliding and sliding == [window_cache.device_length_class()] * len(sliding)
+    # every decode step of both layers (3, then the last call's 2)
+    assert kernels_on_cpu["rope"] == (3 + 2) * 2 and len(launches) == (3 + 2) * 2
+
+
 def test_heads_no_tuned_tile_divides_take_narrower_tiles_in_the_rotary_epilogue(kernels_on_cpu, monkeypatch):
     """Phi-3-mini's heads of 96 under a tuned tile 64 columns wide (which would span two heads):
     the rotary epilogue runs tiles of 32, the tuned config's other fields kept, and the model
@@ -521,8 +548,10 @@ def test_residual_dropout_that_drops_keeps_the_layers_own_forward(kernels_on_cpu
 def test_where_the_step_cannot_fuse_the_results_are_still_stock(why, kernels_on_cpu, monkeypatch):
     # qwen3 with the others' head_dim (its config's default, 128, makes every projection 4x wider),
     # its q_norm replaced
-    kind, extra = (("qwen3", {"head_dim": 32}) if why == "qwen3" else ("mistral", {}) if why == "sliding-window"
-                   else ("llama", {}))
+    # sliding-window: Mistral's window of 4 positions, which the cache of 16 fills: its cache layers
+    # roll (window_cache leaves them stock), so the step does not write them
+    kind, extra = (("qwen3", {"head_dim": 32}) if why == "qwen3"
+                   else ("mistral", {"sliding_window": 4}) if why == "sliding-window" else ("llama", {}))
     stock = _tiny(kind, **extra)
     model = copy.deepcopy(stock)
     hybridgemm.patch(model)

@@ -81,18 +81,21 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
 
 
 @pytest.fixture(params=["llama", "qwen3", "granite", "qwen3_moe", "mixtral", "qwen2_moe", "gemma", "phi3", "gemma2",
-                        "gemma3", "olmo2"])
+                        "gemma2-wide", "gemma3", "olmo2"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
     and qwen2_moe (with its gated shared expert; the sparse block after the fused attention) and
     gemma (its norms' fp32 1 + w in the QKV and gate/up prologues, GeGLU), phi3 (its
     checkpoint's qkv_proj and gate_up_proj as they are), gemma2 (post-norms; the static-cache step
-    on its full layers, its softcapped eager attention in the decode kernel), gemma3 (post-norms; its (1 + w) q/k
+    on its full layers, its softcapped eager attention in the decode kernel; its window of 4 fills),
+    gemma2-wide (a window of 64 that the cache of 32 never fills: every layer takes the step, the
+    sliding one over a layer that counts on the device, window_cache), gemma3 (post-norms; its (1 + w) q/k
     norms and attention the module's, over the fused QKV) and olmo2 (post-norms only; the static-cache
     step with its q/k norms over all heads as modules after the fused QKV, so no rotary epilogue)."""
-    ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=request.param)
-    calls = {"rope": 0, "static": request.param not in ("gemma2", "gemma3", "olmo2")}
+    kind, _, wide = request.param.partition("-")
+    ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=kind, window=64 if wide else None)
+    calls = {"rope": 0, "static": request.param not in ("gemma2", "gemma3", "olmo2"), "wide": bool(wide)}
     real = triton_splitk.run
 
     def run(cfg, *a, rope=None, **kw):
@@ -119,19 +122,28 @@ def test_static_cache_decode_matches_fp32_as_stock_does(models, compiled, batch)
     # Dynamo recompiles as it turns symbolic and as the window fills, and CUDA graph trees record
     # one graph per length (the first run warms each up, the second records it); the limit is
     # raised so that no run falls back to eager code past it
+    # raised so that no run falls back to eager code past it. A window that never fills
+    # (gemma2-wide) compiles once: a recompile there is an error.
+    torch._dynamo.reset()
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64):
         want, _ = _decode(ref, tokens, False)
         base, stock_cache = _decode(stock, tokens, False)
-        got, cache = _decode(patched, tokens, compiled)
+        with torch._dynamo.config.patch(error_on_recompile=calls["wide"]):
+            got, cache = _decode(patched, tokens, compiled)
+        torch._dynamo.reset()
         again, _ = _decode(patched, tokens, compiled)
     torch._dynamo.reset()
     if calls["static"]:
         assert calls["rope"] >= 2 * 2  # the compiled run records the graph once, then replays it
     assert _rel(got, want) <= 1.5 * _rel(base, want) + 1e-3, (_rel(got, want), _rel(base, want))
     assert torch.equal(got, again)
+    from hybridgemm.models import window_cache
+
     for a, b in zip(cache.layers, stock_cache.layers):
-        assert type(a) is type(b) and int(a.cumulative_length) == int(b.cumulative_length)
-        if type(b).__name__ == "StaticLayer":  # (a sliding-window layer counts its own way)
+        swapped = calls["wide"] and b.is_sliding  # (window_cache: the patched model's first call)
+        assert type(a) is (window_cache.device_length_class() if swapped else type(b))
+        assert int(a.cumulative_length) == int(b.cumulative_length)
+        if type(b).__name__ == "StaticLayer" or swapped:  # (a window that fills counts its own way)
             assert int(b.cumulative_length) == 11
         assert _rel(a.keys, b.keys) < 2e-2 and _rel(a.values, b.values) < 2e-2
 
