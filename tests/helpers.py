@@ -129,7 +129,7 @@ def run_like_the_dispatcher(backend: str, config, x, weight, bias, activation=No
 
 
 def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, device: str = "cuda",
-                   kind: str = "llama", window: int | None = None):
+                   kind: str = "llama", window: int | None = None, attention: str | None = None):
     """A small 2-layer Llama (``kind="qwen3"``: Qwen3, with its q/k norms; ``"granite"``: Granite,
     with its multipliers; ``"qwen3_moe"``/``"mixtral"``: those mixtures of 8 experts, 2 per
     token, of a quarter of ``intermediate_size`` / of it; ``"qwen2_moe"``: Qwen2-MoE, 8 experts of
@@ -140,7 +140,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     linear each in the checkpoint; ``"olmo2"``: OLMo 2, post-norms only, q/k norms over all
     heads) of 8 heads and 2 KV heads, random
     weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16 patched by
-    hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's sliding window (else 4)."""
+    hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's sliding window (else 4);
+    ``attention``: the attention implementation (else transformers' default)."""
     import copy
 
     import transformers
@@ -166,7 +167,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
                  tie_word_embeddings=False, head_dim=hidden_size // 8, **extra)
     torch.manual_seed(0)
-    base = transformers.AutoModelForCausalLM.from_config(config).eval()
+    load = {} if attention is None else {"attn_implementation": attention}
+    base = transformers.AutoModelForCausalLM.from_config(config, **load).eval()
     if kind in ("gemma", "gemma2", "gemma3"):  # its norms start at weight 0: other factors, so that 1 + w shows
         with torch.no_grad():
             for name, p in base.named_parameters():
