@@ -124,7 +124,7 @@ def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: T
 def _gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
                 bias: Tensor | None, activation: str, scale: Tensor | None = None,
                 keep_prologue: bool = False) -> Tensor:
-    if scale is not None:  # FP8: gate/up as one split-K launch with the norm prologue, the product apart
+    if scale is not None:  # FP8 (the op called as it is): gate/up as one split-K launch, the product apart
         gate, up = _norm_linear(x, norm_weight, eps, norm_offset, weight, bias, None, scale).chunk(2, dim=-1)
         return GLU_FUNCTIONS[activation](gate) * up
     y = dispatch.gated(x, weight, bias, activation, keep_prologue=keep_prologue,
@@ -210,6 +210,14 @@ def gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: f
     ``(norm_weight, eps, norm_offset)``; x itself for a None ``norm_weight``), one launch of the gated kernel
     where the dispatcher's gated rule picks it (an FP8 weight: the split-K launch with the norm
     prologue, then the product)."""
+    if scale is not None:
+        # FP8: the gated kernel reads no e4m3 weight. Gate/up as one split-K op (the norm in its
+        # prologue), the activation and product outside it, where torch.compile's Inductor makes
+        # them one kernel (inside the op they are two launches)
+        y = _compiled(torch.ops.hybridgemm.norm_linear_fwd, _norm_linear, x, norm_weight, float(eps), norm_offset,
+                      weight, bias, None, scale)
+        gate, up = y.chunk(2, dim=-1)
+        return GLU_FUNCTIONS[activation](gate) * up
     return _compiled(torch.ops.hybridgemm.gated_norm_fwd, _gated_norm_eager, x, norm_weight, float(eps),
                      norm_offset, weight, bias, activation, scale)
 
