@@ -57,6 +57,11 @@ class RotaryCache:
     q_norm: torch.Tensor | None = None  # [head_dim] RMSNorm weights of the q and k heads (both or neither)
     k_norm: torch.Tensor | None = None
     qk_eps: float = 0.0
+    # the q/k norms' formula, as fusion/norm.py prologue_norm reads a norm operand: None and
+    # weights of x's dtype, Llama's (the normalised head rounded, times the weight); a float
+    # (or fp32 weights with None: a factor already formed), Gemma's (times qk_offset + weight
+    # in fp32, rounded once)
+    qk_offset: float | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,8 @@ class RopeLayout:
     aligned: tuple[bool, ...] = ()  # 16-byte alignment of cos, sin (and keys, values; q_norm, k_norm), each
     qk_norm: bool = False
     qk_eps: float = 0.0
+    qk_factor: bool = False  # Gemma's formula (RotaryCache.qk_offset), with the offset below
+    qk_offset: float = 0.0
 
     def scalars(self, block_n: int) -> tuple:
         """The kernel's rotary arguments (integers, then the q/k norms' eps), in signature order."""
@@ -116,7 +123,9 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
         raise ValueError(f"{who}: rope cos {tuple(cos.shape)} does not fit x's {m} rows as [B, S] tokens")
     cos_strides = (0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(1))
     ptrs = [cos, sin]
-    qk = dict(qk_norm=bool(norms), qk_eps=float(rc.qk_eps) if norms else 0.0)
+    factor = bool(norms) and (rc.qk_offset is not None or rc.q_norm.dtype != x.dtype)
+    qk = dict(qk_norm=bool(norms), qk_eps=float(rc.qk_eps) if norms else 0.0, qk_factor=factor,
+              qk_offset=float(rc.qk_offset or 0.0) if factor else 0.0)
     if rc.keys is None:
         if rc.values is not None or rc.base is not None:
             raise ValueError(f"{who}: rope: values and base need keys")
@@ -139,17 +148,27 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
 
 def _qk_norms(rc: RotaryCache, x: torch.Tensor, block_n: int, who: str) -> list[torch.Tensor]:
     """``[q_norm, k_norm]`` checked (empty without them): both or neither, [head_dim] contiguous
-    in x's dtype and device, a finite positive eps, and tiles of one whole head."""
+    on x's device, of x's dtype (or fp32: Gemma's formula), a finite positive eps and offset,
+    and tiles of one whole head."""
     if rc.q_norm is None and rc.k_norm is None:
+        if rc.qk_offset is not None:
+            raise ValueError(f"{who}: rope qk_offset needs q_norm and k_norm")
         return []
     hd = rc.head_dim
     for name, t in (("q_norm", rc.q_norm), ("k_norm", rc.k_norm)):
         if not isinstance(t, torch.Tensor) or t.shape != (hd,) or not t.is_contiguous():
             raise ValueError(f"{who}: rope {name} must be a contiguous [{hd}] tensor (q_norm and k_norm go together)")
-        if t.dtype != x.dtype or t.device != x.device:
-            raise TypeError(f"{who}: rope {name} must have x's dtype and device ({x.dtype}, {x.device})")
+        if t.dtype not in (x.dtype, torch.float32) or t.device != x.device:
+            raise TypeError(f"{who}: rope {name} must have x's dtype (or fp32) and x's device ({x.dtype}, "
+                            f"{x.device}), got {t.dtype} on {t.device}")
+    if rc.q_norm.dtype != rc.k_norm.dtype:
+        raise TypeError(f"{who}: rope q_norm and k_norm must have one dtype, got {rc.q_norm.dtype} and "
+                        f"{rc.k_norm.dtype}")
     if not isinstance(rc.qk_eps, (int, float)) or not 0 <= rc.qk_eps < float("inf"):
         raise ValueError(f"{who}: rope qk_eps must be a finite number >= 0, got {rc.qk_eps!r}")
+    if rc.qk_offset is not None and (not isinstance(rc.qk_offset, (int, float))
+                                     or not abs(rc.qk_offset) < float("inf")):
+        raise ValueError(f"{who}: rope qk_offset must be a finite number or None, got {rc.qk_offset!r}")
     if block_n != hd:
         raise ValueError(f"{who}: rope with q/k norms needs tiles of one whole head: block_n={block_n}, "
                          f"head_dim={hd}")
@@ -185,22 +204,26 @@ def tl_rotate_half_rows(acc, BN: tl.constexpr, BM: tl.constexpr):
 def tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr, vc_ptr, base_ptr, qn_ptr, kn_ptr,
                      seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len, rope_tiles,
                      qk_eps, KV: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, HD: tl.constexpr,
-                     QK_NORM: tl.constexpr):
+                     QK_NORM: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr):
     """Rotate a q/k tile's fp32 accumulator [BN, BM] (columns from :func:`tl_rope_columns`,
-    tokens ``offs_m``) after its q/k norm (``QK_NORM``: ``BN == HD``, one head per tile) and,
-    with ``KV``, store a k or v tile into the cache. Returns the tile, NaN in the rows of tokens
-    whose cache position is outside ``[0, cache_len)``."""
+    tokens ``offs_m``) after its q/k norm (``QK_NORM``: ``BN == HD``, one head per tile; Llama's
+    formula, or with ``QK_FACTOR`` Gemma's, factor ``QK_OFFSET + weight``) and, with ``KV``,
+    store a k or v tile into the cache. Returns the tile, NaN in the rows of tokens whose cache
+    position is outside ``[0, cache_len)``."""
     b = (offs_m // seq).to(tl.int64)
     s = offs_m % seq
     if pid_n < rope_tiles:
         tok = b * cs_b + s * cs_s
         c = offs_n % HD
-        if QK_NORM:  # stock: proj (rounded) -> fp32 rms over the head -> rounded -> * weight (rounded)
+        if QK_NORM:  # stock: proj (rounded) -> fp32 rms over the head -> ...
             dt = kc_ptr.dtype.element_ty
             y = acc.to(dt).to(tl.float32)
             rstd = tl_rstd(tl.sum(y * y, axis=0), 1.0 / HD, qk_eps)
             g = tl.where(pid_n * BN < q_cols, tl.load(qn_ptr + c), tl.load(kn_ptr + c)).to(tl.float32)
-            acc = ((y * rstd[None, :]).to(dt).to(tl.float32) * g[:, None]).to(dt).to(tl.float32)
+            if QK_FACTOR:  # ... times (offset + weight) in fp32, rounded once (Gemma 3)
+                acc = (y * rstd[None, :] * (g + QK_OFFSET)[:, None]).to(dt).to(tl.float32)
+            else:  # ... rounded, times the weight, rounded (Llama's formula: Qwen3)
+                acc = ((y * rstd[None, :]).to(dt).to(tl.float32) * g[:, None]).to(dt).to(tl.float32)
         cs = tok[None, :] + c[:, None]
         cos = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)

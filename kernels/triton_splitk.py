@@ -298,7 +298,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                    PREC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                    ROPE: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr,
                    QK_NORM: tl.constexpr, RES_SCALED: tl.constexpr, WSCALE: tl.constexpr,
-                   WINT: tl.constexpr):
+                   WINT: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -396,7 +396,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
             if ROPE:
                 acc = tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr, vc_ptr, base_ptr,
                                        qn_ptr, kn_ptr, seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols,
-                                       v_start, cache_len, rope_tiles, qk_eps, KV, BN, BM, HD, QK_NORM)
+                                       v_start, cache_len, rope_tiles, qk_eps, KV, BN, BM, HD, QK_NORM,
+                                       QK_FACTOR, QK_OFFSET)
             if RESIDUAL:
                 acc = tl_add_residual(acc, res_ptr + offs_m[None, :] * ldr + offs_n[:, None], mask,
                                       out_ptr.dtype.element_ty, res_scale, RES_SCALED)
@@ -524,6 +525,7 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     meta = dict(plan_meta(config, problem, act, bias is not None), MODE=mode, NORM=norm,
                 RESIDUAL=residual and mode != 1, ROPE=rope is not None, KV=rope is not None and rope.kv,
                 HD=rope.head_dim if rope is not None else 2, QK_NORM=rope is not None and rope.qk_norm,
+                QK_FACTOR=rope is not None and rope.qk_factor, QK_OFFSET=rope.qk_offset if rope is not None else 0.0,
                 RES_SCALED=fusion.residual_scale is not None, PDL=pdl,
                 WSCALE=_WSCALE[weight_format],
                 WINT=bool(weight_format) and integer_conversion(x.dtype),

@@ -13,7 +13,7 @@ patched or row-parallel O and down). The static-cache step (rotary and the cache
 attention kernel) also needs transformers' ``StaticLayer`` and ``Cache.update`` as checked (or,
 for a sliding-window layer, a window that never fills: fusion/models/window_cache.py),
 the standard ``rotate_half`` rotary, and q/k norms (if any) that are patched RMSNorms over
-``head_dim``.
+``head_dim`` (Llama's formula, or Gemma 3's fp32 factor ``1 + w``).
 
 Per call (:func:`takes_fused_path`, :func:`kv_slot`): CUDA (:func:`on_kernel_device`), bf16
 or fp32 with every weight in x's dtype (or e4m3 with bf16 x: fusion/fp8_modules.py), at most
@@ -48,7 +48,7 @@ from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.linear_layer import HybridLinear, PartialSumLinear
 from hybridgemm.mlp import FUSED_GATE_UP, HybridGatedMLP, HybridPrefusedGatedMLP
 from hybridgemm.mode_state import DEFAULT, get_mode
-from hybridgemm.norm import PATCHED_NORMS, HybridRMSNorm
+from hybridgemm.norm import PATCHED_NORMS, Fp32FactorRMSNorm, HybridRMSNorm, norm_operand
 
 from . import adapter_terms, window_cache
 from .source_forms import body_statements, has_statements, source_text
@@ -479,15 +479,19 @@ def _rotary_kernelized(attn: nn.Module, form: AttentionForm) -> bool:
 
 
 def why_not_qk_norms(attn: nn.Module) -> str | None:
-    """Why the rotary epilogue cannot apply ``attn``'s q/k norms (None: it can): each must be a
-    patched RMSNorm (the Llama formula: fusion/norm.py) over ``head_dim`` with a weight."""
+    """Why the rotary epilogue cannot apply ``attn``'s q/k norms (None: it can): both must be
+    patched RMSNorms of one class and eps over ``head_dim`` with a weight: Llama's formula
+    (Qwen3) or the fp32 factor (Gemma 3's ``1 + w``; fusion/norm.py)."""
     hd = getattr(attn, "head_dim", None)
-    for name in ("q_norm", "k_norm"):
-        norm = getattr(attn, name, None)
+    norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+    for name, norm in zip(("q_norm", "k_norm"), norms):
         weight = getattr(norm, "weight", None)
-        if not isinstance(norm, HybridRMSNorm) or not isinstance(weight, Tensor) or tuple(weight.shape) != (hd,):
+        if not isinstance(norm, (HybridRMSNorm, Fp32FactorRMSNorm)) or not isinstance(weight, Tensor) \
+                or tuple(weight.shape) != (hd,):
             return f"its {name} is not an RMSNorm over head_dim with a weight that hybridgemm patched " \
                    f"({type(norm).__name__})"
+    if type(norms[0]) is not type(norms[1]) or norm_operand(norms[0])[1:] != norm_operand(norms[1])[1:]:
+        return "its q_norm and k_norm are not one formula with one eps"
     return None
 
 
@@ -510,12 +514,14 @@ def takes_static_step(layer: nn.Module) -> bool:
 
 
 def rotary_cache(cos: Tensor, sin: Tensor, heads: int, kv_heads: int, keys: Tensor, values: Tensor, base: Tensor,
-                 q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0):
-    """The rotary/cache operand of split-K's ``rope=`` fusion (with the q/k norms' weights)."""
+                 q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0,
+                 qk_offset: float | None = None):
+    """The rotary/cache operand of split-K's ``rope=`` fusion (with the q/k norms' operand:
+    weights or factors, eps, offset; norm.norm_operand)."""
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     return triton_module("triton_rope").RotaryCache(cos, sin, heads, kv_heads, keys.shape[-1], keys, values, base,
-                                                    q_norm, k_norm, qk_eps)
+                                                    q_norm, k_norm, qk_eps, qk_offset)
 
 
 def attention_kernel():

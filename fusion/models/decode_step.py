@@ -65,7 +65,7 @@ from hybridgemm.fp8_modules import weight_scale_of
 from hybridgemm.kernels.process_memory import per_call_scratch
 from hybridgemm.linear_layer import PartialSumLinear
 from hybridgemm.mlp import FUSED_GATE_UP, GLU_FUNCTIONS, gated_linear
-from hybridgemm.norm import Fp32FactorRMSNorm, add_norm, norm_operand, prologue_norm, rms_norm
+from hybridgemm.norm import Fp32FactorRMSNorm, add_norm, norm_operand, prologue_norm
 
 from . import adapter_terms
 from . import decode_checks as checks
@@ -233,17 +233,18 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-                      scale=None, q_norm=None, k_norm=None, qk_eps=0.0) -> Tensor:
+                      scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None) -> Tensor:
     """The stock computation: norm, GEMM, then :func:`_rotate_store`."""
     y = _linear(prologue_norm(x, norm_weight, eps, norm_offset), weight, bias, scale)
-    return _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm, k_norm, qk_eps)
+    return _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm, k_norm, qk_eps, qk_offset=qk_offset)
 
 
 def _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None, k_norm=None, qk_eps=0.0,
-                  full_norms: tuple[Callable, Callable] | None = None) -> Tensor:
+                  full_norms: tuple[Callable, Callable] | None = None, qk_offset: float | None = None) -> Tensor:
     """From the Q/K/V projection ``y`` [B, S, N], as the stock attention computes it: the q/k
     norms (``full_norms``: the norms over all the q (k) columns, before the head views, as OLMo 2's;
-    else RMSNorm weights per head), rotary in y's dtype, ``index_copy_`` of k and v into the cache."""
+    else per head, of operand ``(q_norm / k_norm, qk_eps, qk_offset)``, norm.prologue_norm), rotary
+    in y's dtype, ``index_copy_`` of k and v into the cache."""
     b, s = y.shape[:2]
     hd = keys.shape[-1]
     q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
@@ -251,7 +252,7 @@ def _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None,
         q, k = full_norms[0](q), full_norms[1](k)
     q, k = q.reshape(b, s, heads, hd), k.reshape(b, s, kv_heads, hd)
     if q_norm is not None:
-        q, k = rms_norm(q, q_norm, qk_eps), rms_norm(k, k_norm, qk_eps)
+        q, k = prologue_norm(q, q_norm, qk_eps, qk_offset), prologue_norm(k, k_norm, qk_eps, qk_offset)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     pos = torch.arange(s, device=y.device) + base.view(())
     keys.index_copy_(2, pos, k.transpose(1, 2))
@@ -260,13 +261,14 @@ def _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None,
 
 
 def _rope_qkv(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-              counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0, keep_prologue=False) -> Tensor:
-    rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base, q_norm, k_norm, float(qk_eps))
+              counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None,
+              keep_prologue=False) -> Tensor:
+    rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base, q_norm, k_norm, float(qk_eps), qk_offset)
     y = dispatch.fused_splitk(x, weight, bias, counters, scale, keep_prologue,
                               norm=(norm_weight, float(eps), norm_offset), rope=rc)
     if y is None:
         return _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads,
-                                 kv_heads, scale, q_norm, k_norm, qk_eps)
+                                 kv_heads, scale, q_norm, k_norm, qk_eps, qk_offset)
     return y
 
 
@@ -274,15 +276,16 @@ def _rope_qkv(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, va
 def norm_rope_qkv_fwd(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: float | None, weight: Tensor,
                       bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor,
                       heads: int, kv_heads: int, counters: Tensor | None = None, scale: Tensor | None = None,
-                      q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0) -> Tensor:
+                      q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0,
+                      qk_offset: float | None = None) -> Tensor:
     with per_call_scratch():
         return _rope_qkv(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads,
-                         kv_heads, counters, scale, q_norm, k_norm, qk_eps).contiguous()
+                         kv_heads, counters, scale, q_norm, k_norm, qk_eps, qk_offset).contiguous()
 
 
 @norm_rope_qkv_fwd.register_fake
 def _norm_rope_qkv_fake(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-                        counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0):
+                        counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -292,17 +295,19 @@ _rope_qkv_eager = functools.partial(_rope_qkv, keep_prologue=True)  # (as _norm_
 def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: float | None, weight: Tensor,
                   bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
                   kv_heads: int, counters: Tensor | None = None, scale: Tensor | None = None,
-                  q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0) -> Tensor:
+                  q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0,
+                  qk_offset: float | None = None) -> Tensor:
     """Q/K/V of ``rmsnorm(x)`` (x [B, S, D]; the norm of operand ``(norm_weight, eps,
     norm_offset)``, norm.norm_operand) with q and k normalised per head (``q_norm`` and
-    ``k_norm``: their RMSNorm weights [hd], eps ``qk_eps``; none without them) and rotated, k
+    ``k_norm``: their norms' operands [hd], eps ``qk_eps``, offset ``qk_offset``; none without
+    them) and rotated, k
     and v written into ``keys``/``values`` [B, kv_heads, L, hd] at positions ``base + s``;
     returns [B, S, N]. One split-K launch where the table runs split-K with a config that fits
     (tiles within a head, of one whole head with q/k norms; no two-launch reduction), the stock
     sequence of operations otherwise."""
     return _compiled(torch.ops.hybridgemm.norm_rope_qkv_fwd, _rope_qkv_eager, x, norm_weight, float(eps),
                      norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads, counters, scale, q_norm,
-                     k_norm, float(qk_eps))
+                     k_norm, float(qk_eps), None if qk_offset is None else float(qk_offset))
 
 
 def _qk_rope_store(y: Tensor, q_g: Tensor, q_eps: float, q_offset: float, k_g: Tensor, k_eps: float, k_offset: float,
@@ -408,7 +413,9 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
     qk = {}
     form = checks.attention_form(type(attn))
     if form.qk_norm:  # patched RMSNorms over head_dim (decode_checks.why_not_qk_norms)
-        qk = dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight, qk_eps=float(attn.q_norm.variance_epsilon))
+        # patched RMSNorms over head_dim of one formula and eps (decode_checks.why_not_qk_norms)
+        q_g, qk_eps, qk_offset = norm_operand(attn.q_norm)
+        qk = dict(q_norm=q_g, k_norm=norm_operand(attn.k_norm)[0], qk_eps=float(qk_eps), qk_offset=qk_offset)
     slots = _slots(attn, qkv)
     adapters = any(adapter_terms.adds_terms(m) for m in slots)
     if form.full_qk_norm and not adapters and isinstance(attn.q_norm, Fp32FactorRMSNorm) \
@@ -423,7 +430,8 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
         y = _qkv_with_adapters(x, norm, qkv, slots, counters) if adapters else \
             norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
         y = _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, qk.get("q_norm"), qk.get("k_norm"),
-                          qk.get("qk_eps", 0.0), (attn.q_norm, attn.k_norm) if form.full_qk_norm else None)
+                          qk.get("qk_eps", 0.0), (attn.q_norm, attn.k_norm) if form.full_qk_norm else None,
+                          qk.get("qk_offset"))
         q = y[..., : heads * hd]
     else:
         y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,

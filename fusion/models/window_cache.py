@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 
-from torch import nn
+import torch
 
 from .source_forms import body_statements, has_statements
 
@@ -86,7 +86,10 @@ def _build():
 
     def _set_int(self, value: int) -> None:
         # the stock reset() sets 0 after zeroing the device count
-        self.cumulative_length.fill_(value)
+        if isinstance(self.cumulative_length, torch.Tensor):
+            self.cumulative_length.fill_(value)
+        else:
+            self.cumulative_length = value
 
     body = {
         "__doc__": "A sliding-window static cache layer whose window never fills, counting its tokens on the device "
@@ -132,7 +135,7 @@ def adopt(cache, window: int | None = None) -> None:
     state[ADOPTED] = True
 
 
-def _never_fills(layer: nn.Module, full_lengths: list[int], window: int | None) -> bool:
+def _never_fills(layer, full_lengths: list[int], window: int | None) -> bool:
     """Does ``layer``'s window hold every token the cache can? Its length is min(window, the
     cache's): a full-attention layer of the cache no longer than it, or a length below the
     window, says the cache's is no longer. (The count itself is not read: a device value.)"""

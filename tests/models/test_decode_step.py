@@ -121,14 +121,17 @@ def test_rope_epilogue_matches_fp64(config, batch, seq, heads, kv_heads, hd, k_d
 
 @pytest.mark.parametrize("config", [MODEL_ONE_PASS, MODEL_FUSED_REDUCE, SMALL_X_FUSED_REDUCE],
                          ids=["one-pass", "fused-reduce", "small-x-fused-reduce"])
-@pytest.mark.parametrize("batch,seq,heads,kv_heads,hd,bias,cache", [
-    (1, 1, 4, 2, 32, False, True),     # one token, GQA
-    (3, 1, 2, 2, 16, True, True),      # three sequences, a bias before the norms
-    (2, 2, 2, 1, 32, False, False),    # rotary only
+@pytest.mark.parametrize("batch,seq,heads,kv_heads,hd,bias,cache,offset", [
+    (1, 1, 4, 2, 32, False, True, None),     # one token, GQA
+    (3, 1, 2, 2, 16, True, True, None),      # three sequences, a bias before the norms
+    (2, 2, 2, 1, 32, False, False, None),    # rotary only
+    (1, 1, 4, 2, 32, False, True, 1.0),      # Gemma 3's: factor 1 + w
+    (3, 1, 2, 2, 16, True, True, -0.25),     # another offset
 ])
-def test_qk_norms_in_the_rope_epilogue_match_fp64(config, batch, seq, heads, kv_heads, hd, bias, cache):
+def test_qk_norms_in_the_rope_epilogue_match_fp64(config, batch, seq, heads, kv_heads, hd, bias, cache, offset):
     """Qwen3's q/k norms: each q and k head RMS-normalised (its own weight) before the rotary,
-    in tiles of one whole head (configs of 16- or 32-row tiles run with block_n = head_dim)."""
+    in tiles of one whole head (configs of 16- or 32-row tiles run with block_n = head_dim);
+    Gemma 3's (``qk_offset``): the factor ``offset + weight``."""
     torch.manual_seed(batch + 10 * hd)
     dt, k_dim, base, cache_len = torch.float32, 72, 2, 8
     m, n = batch * seq, (heads + 2 * kv_heads) * hd
@@ -143,9 +146,10 @@ def test_qk_norms_in_the_rope_epilogue_match_fp64(config, batch, seq, heads, kv_
     values = torch.full_like(keys, -321.0) if cache else None
     out = torch.full((m, n), float("nan"), dtype=dt)
     rc = RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base) if cache else None,
-                     q_norm=qn, k_norm=kn, qk_eps=1e-6)
+                     q_norm=qn, k_norm=kn, qk_eps=1e-6, qk_offset=offset)
     triton_splitk.run(config, x, w, b, out, None, rope=rc)
-    q, k, v = _reference(x, w, b, None, 0.0, cos, sin, heads, kv_heads, hd, batch, seq, (qn, kn, 1e-6))
+    factors = (qn, kn) if offset is None else (qn + offset, kn + offset)
+    q, k, v = _reference(x, w, b, None, 0.0, cos, sin, heads, kv_heads, hd, batch, seq, (*factors, 1e-6))
     ref = torch.cat([q.reshape(m, -1), k.reshape(m, -1), v.reshape(m, -1)], dim=-1)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
     if cache:
@@ -422,11 +426,12 @@ def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_o
     norms on the head views) and OLMo 2 (no input norms; q/k norms over all heads, weight in
     fp32): each sublayer's output normalised before its residual add, the MLP's input by
     pre_feedforward_layernorm (OLMo 2: the residual stream itself), sliding-window layers beside
-    full ones, Gemma 2's attention softcap or none. Sliding-window layers and Gemma 3's call the
-    module's attention function over the fused QKV, with its window and softcap. Gemma 2's full
-    layer takes the static-cache step with its eager function's softcap and additive mask in the
-    decode attention kernel; OLMo 2's layers take it with their norms, the rotary and the cache
-    write after the GEMM."""
+    full ones, Gemma 2's attention softcap or none. Sliding-window layers whose window the cache
+    fills (4 of 16 positions) call the module's attention function over the fused QKV, with its
+    window and softcap. Gemma 2's full layer takes the static-cache step with its eager
+    function's softcap and additive mask in the decode attention kernel, Gemma 3's with its
+    (1 + w) q/k norms in the rotary epilogue; OLMo 2's layers take it with their norms, the
+    rotary and the cache write after the GEMM."""
     from hybridgemm.kernels import triton_decode_attention as tda
     from hybridgemm.kernels import triton_qk_rope as tqr
 
@@ -447,12 +452,12 @@ def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_o
         _compare(model, stock, steps=3, batch=2)  # past the window of 4 positions: the sliding layer's mask
     assert len(steps) == 2 * (1 + 3)  # both layers: the 3-token prompt (6 rows), then each step
     # the step's layers, each new token (4 heads of 32; the prompt fills the cache through the module)
-    stepped = {"gemma2": 1, "gemma3": 0, "olmo2": 2}[kind]
-    assert kernels_on_cpu["rope"] == (3 * stepped if kind == "gemma2" else 0)  # OLMo 2: its rotary after its norms
+    stepped = {"gemma2": 1, "gemma3": 1, "olmo2": 2}[kind]
+    assert kernels_on_cpu["rope"] == (3 * stepped if kind != "olmo2" else 0)  # OLMo 2: its rotary after its norms
     # per layer and new token: the kernel adds the step to a layer's length but to the first
-    # full-attention layer's, which the model reads for the mask (Gemma 2's layer 1, OLMo 2's layer
-    # 0); the layers on the module's path (sliding windows, Gemma 3's) run it over the keys and values
-    # their cache layer returns, adding nothing
+    # full-attention layer's, which the model reads for the mask (Gemma 2/3's layer 1, OLMo 2's layer
+    # 0); the layers on the module's path (sliding windows) run it over the keys and values their
+    # cache layer returns, adding nothing
     steps_added = {"gemma2": [0, 0], "gemma3": [0, 0], "olmo2": [0, 1]}[kind]
     assert launches == [((2, 4 * 32), extra.get("attn_logit_softcapping") or 0.0, n) for n in steps_added] * 3
     # OLMo 2: its q/k norms, rotary and cache write in one launch per layer and new token
@@ -461,10 +466,12 @@ def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_o
 
 @pytest.mark.parametrize("kind,attention,extra", [
     ("gemma2", "eager", {"attn_logit_softcapping": 0.002, "layer_types": ["sliding_attention", "full_attention"]}),
-    ("mistral", "sdpa", {})], ids=["gemma2", "mistral"])
+    ("gemma3", "sdpa", {"layer_types": ["sliding_attention", "full_attention"]}),
+    ("mistral", "sdpa", {})], ids=["gemma2", "gemma3", "mistral"])
 def test_sliding_layers_whose_window_never_fills_take_the_static_step(kind, attention, extra, kernels_on_cpu):
-    """A window of 32 over the cache of 16 positions never fills (Gemma 2: a sliding layer beside a
-    full one; Mistral: every layer sliding): the first call swaps the sliding layers for ones
+    """A window of 32 over the cache of 16 positions never fills (Gemma 2/3: a sliding layer beside
+    a full one, Gemma 3's (1 + w) q/k norms in the rotary epilogue; Mistral: every layer
+    sliding): the first call swaps the sliding layers for ones
     that count on the device (window_cache), and every layer takes the static-cache step: its
     rotary and cache write in the Q/K/V epilogue, its new token in the decode attention kernel.
     Logits, cache entries and lengths as stock's (whose layers stay stock)."""

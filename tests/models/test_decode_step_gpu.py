@@ -91,13 +91,14 @@ def models(monkeypatch, request):
     on its full layers, its softcapped eager attention in the decode kernel; its window of 4 fills),
     gemma2-wide (eager attention, as the bench builds Gemma 2; a window of 64 that the cache of
     32 never fills: both layers take the step, the sliding one over a cache layer that counts
-    on the device, window_cache), gemma3 (post-norms; its (1 + w) q/k
-    norms and attention the module's, over the fused QKV) and olmo2 (post-norms only; the static-cache
+    on the device, window_cache), gemma3 (post-norms; its full layer on the static-cache step
+    with its (1 + w) q/k norms in the rotary epilogue, its sliding one, whose window of 4
+    fills, on the module's attention over the fused QKV) and olmo2 (post-norms only; the static-cache
     step with its q/k norms over all heads as modules after the fused QKV, so no rotary epilogue)."""
     kind, _, wide = request.param.partition("-")
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=kind, window=64 if wide else None,
                                          attention="eager" if wide else None)
-    calls = {"rope": 0, "static": request.param not in ("gemma2", "gemma3", "olmo2"), "wide": bool(wide)}
+    calls = {"rope": 0, "static": request.param not in ("gemma2", "olmo2"), "wide": bool(wide)}
     real = triton_splitk.run
 
     def run(cfg, *a, rope=None, **kw):
