@@ -81,7 +81,7 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
 
 
 @pytest.fixture(params=["llama", "qwen3", "granite", "qwen3_moe", "mixtral", "qwen2_moe", "gemma", "phi3", "gemma2",
-                        "gemma2-wide", "gemma3", "olmo2"])
+                        "gemma2-wide", "gemma3", "gemma3-wide", "olmo2"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
@@ -91,14 +91,15 @@ def models(monkeypatch, request):
     on its full layers, its softcapped eager attention in the decode kernel; its window of 4 fills),
     gemma2-wide (eager attention, as the bench builds Gemma 2; a window of 64 that the cache of
     32 never fills: both layers take the step, the sliding one over a cache layer that counts
-    on the device, window_cache), gemma3 (post-norms; its full layer on the static-cache step
-    with its (1 + w) q/k norms in the rotary epilogue, its sliding one, whose window of 4
-    fills, on the module's attention over the fused QKV) and olmo2 (post-norms only; the static-cache
+    on the device, window_cache), gemma3 (post-norms, (1 + w) q/k norms; its two layers sliding,
+    their window of 4 filled: the module's attention over the fused QKV), gemma3-wide (the
+    same with a window of 64: both layers take the static-cache step, the q/k norms in the
+    rotary epilogue) and olmo2 (post-norms only; the static-cache
     step with its q/k norms over all heads as modules after the fused QKV, so no rotary epilogue)."""
     kind, _, wide = request.param.partition("-")
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=kind, window=64 if wide else None,
-                                         attention="eager" if wide else None)
-    calls = {"rope": 0, "static": request.param not in ("gemma2", "olmo2"), "wide": bool(wide)}
+                                         attention="eager" if request.param == "gemma2-wide" else None)
+    calls = {"rope": 0, "static": request.param not in ("gemma2", "gemma3", "olmo2"), "wide": bool(wide)}
     real = triton_splitk.run
 
     def run(cfg, *a, rope=None, **kw):
@@ -124,9 +125,8 @@ def test_static_cache_decode_matches_fp32_as_stock_does(models, compiled, batch)
     # transformers' sliding-window cache layer (Gemma 2/3) keeps its length as a Python int:
     # Dynamo recompiles as it turns symbolic and as the window fills, and CUDA graph trees record
     # one graph per length (the first run warms each up, the second records it); the limit is
-    # raised so that no run falls back to eager code past it
     # raised so that no run falls back to eager code past it. A window that never fills
-    # (gemma2-wide) compiles once: a recompile there is an error.
+    # (gemma2-wide, gemma3-wide) compiles once: a recompile there is an error.
     torch._dynamo.reset()
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64):
         want, _ = _decode(ref, tokens, False)
