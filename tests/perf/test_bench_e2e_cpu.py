@@ -299,10 +299,16 @@ def test_token_clock_times_the_gaps_between_new_tokens_only(monkeypatch):
     assert clock.ms_per_step() == pytest.approx(1500.0 / 3)
 
 
-def test_a_layer_whose_attention_runs_the_module_function_is_measured_as_patched():
-    """Gemma 3 with its (1 + w) q/k norms: every layer is fused and reports that its attention
-    runs the module's function (report.skipped); the bench measures that model and logs them.
-    Only entries of fused layers count so (anything else still fails the patched variant)."""
+def test_a_layer_whose_attention_runs_the_module_function_is_measured_as_patched(monkeypatch):
+    """Gemma 3's two sliding-window layers under a transformers whose sliding cache layer is not
+    the checked one (window_cache's source forms made to differ): every layer is fused and
+    reports that its attention runs the module's function (report.skipped); the bench measures
+    that model and logs them. Only entries of fused layers count so (anything else still fails
+    the patched variant)."""
+    from hybridgemm.models import window_cache
+
+    monkeypatch.setattr(window_cache, "_loaded", [])
+    monkeypatch.setattr(window_cache, "_SLIDING_UPDATE", ("self.some_other_statement()",))
     config = transformers.Gemma3TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=200,
                                            sliding_window=8, max_position_embeddings=1024)
@@ -314,7 +320,7 @@ def test_a_layer_whose_attention_runs_the_module_function_is_measured_as_patched
     patched, _ = E._patched(run, stock)
     assert isinstance(patched, torch.nn.Module)
     line = next(s for s in logged if "fused decoder layers run their attention module's function" in s)
-    assert line.startswith("2 fused decoder layers") and "q_norm is not an RMSNorm" in line
+    assert line.startswith("2 fused decoder layers") and "sliding-window layer" in line
     report = type("Report", (), {"fused_layers": ["model.layers.0"], "skipped": [
         ("model.layers.0", "attention step not fused: why"), ("model.layers.1", "attention step not fused: why"),
         ("model.layers.0.mlp", "linear not patched: why")]})()
