@@ -31,7 +31,7 @@ def ms_per_token(run: be.Run, model, adopt: bool) -> float:
     def cache(*args):
         made = real(*args)
         if adopt:
-            window_cache.adopt(made, getattr(model.config, "sliding_window", None))
+            window_cache.adopt(made)
         return made
 
     hf.static_cache = cache

@@ -140,7 +140,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     linear each in the checkpoint; ``"olmo2"``: OLMo 2, post-norms only, q/k norms over all
     heads) of 8 heads and 2 KV heads, random
     weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16 patched by
-    hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's sliding window (else 4);
+    hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's sliding window (else 4;
+    Gemma 3's two layers then sliding and full, else both sliding, its config's pattern);
     ``attention``: the attention implementation (else transformers' default)."""
     import copy
 
@@ -162,7 +163,10 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
              "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
              "phi3": dict(pad_token_id=0, resid_pdrop=0.1),
              "gemma2": dict(sliding_window=window or 4, attn_logit_softcapping=50.0),
-             "gemma3": dict(sliding_window=window or 4)}.get(kind, {})
+             # (with a window: a sliding layer beside a full one, whose length says the cache's)
+             "gemma3": dict(sliding_window=window or 4,
+                            **({"layer_types": ["sliding_attention", "full_attention"]} if window else {})),
+             }.get(kind, {})
     config = cls(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
                  tie_word_embeddings=False, head_dim=hidden_size // 8, **extra)

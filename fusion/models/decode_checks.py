@@ -564,7 +564,7 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     # which computes what StaticLayer computes: its mask holds the window
     kind = type(layer)
     if not (kind is _Transformers.static_layer_cls and getattr(attn, "sliding_window", None) is None
-            or kind is window_cache.device_length_class()) or not layer.is_initialized \
+            or window_cache.is_device_length(kind)) or not layer.is_initialized \
             or getattr(cache, "offloading", False) or type(cache).update is not _Transformers.cache_cls.update:
         return None
     keys, values, base = layer.keys, layer.values, layer.cumulative_length

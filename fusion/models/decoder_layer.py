@@ -86,8 +86,7 @@ class HybridDecoderLayer(nn.Module):
         if not torch.compiler.is_compiling() and decode_checks.takes_static_step(self):
             # a static cache whose sliding windows never fill counts on the device from here on,
             # so a compiled step over it reads no Python int (fusion/models/window_cache.py)
-            window_cache.adopt(kwargs.get("cache", kwargs.get("past_key_values")),
-                               getattr(getattr(self.self_attn, "config", None), "sliding_window", None))
+            window_cache.adopt(kwargs.get("cache", kwargs.get("past_key_values")))
         if args or not decode_checks.takes_fused_path(self, hidden_states):
             return super().forward(hidden_states, *args, **kwargs)
         return decode_step.layer_step(self, hidden_states, kwargs, self._buffers.get(COUNTERS))

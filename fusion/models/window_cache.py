@@ -9,8 +9,11 @@ recompile Dynamo makes it a symbolic input of the graph, and CUDA graph trees re
 per value of it: every decode step is a new length, so no step replays a CUDA graph
 (perf/results/h200/README.md, gemma2-9b compiled).
 
-A cache that holds no more tokens than the window (its full-attention layers as long as its
-sliding ones, or a length below the window) never fills it. Until full, the stock layer writes
+A cache whose full-attention layers are no longer than its sliding ones holds no more tokens
+than the window and never fills it (past its length the full layers refuse a write, as the
+swapped ones then do). A cache of sliding layers only keeps the stock layers: those are as long
+as the cache where it is shorter than the window, and roll once they are full, past where a
+``StaticLayer`` would stop. Until full, the stock layer writes
 at the device position (``torch.arange(S) + cumulative_length``, as ``StaticLayer`` does),
 returns its own keys and values, and gives the mask ``(max_cache_len, 0)``, as ``StaticLayer``
 does. Such a layer's class is swapped for :func:`device_length_class` (a subclass that
@@ -116,11 +119,15 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def adopt(cache, window: int | None = None) -> None:
+def is_device_length(layer_cls: type) -> bool:
+    """Is ``layer_cls`` :func:`device_length_class`? (Builds nothing for any other class: safe
+    inside a compiled region's trace.)"""
+    return getattr(layer_cls, "__module__", None) == __name__ and layer_cls is device_length_class()
+
+
+def adopt(cache) -> None:
     """Swap the sliding-window layers of ``cache`` whose window never fills for
-    :func:`device_length_class`, once per cache. ``window``: the attention's sliding window,
-    where the cache's full-attention layers do not tell its length (a cache of sliding layers
-    only). Raises nothing; leaves any other cache as it is."""
+    :func:`device_length_class`, once per cache. Raises nothing; leaves any other cache as it is."""
     state = getattr(cache, "__dict__", None)
     if state is None or state.get(ADOPTED):
         return
@@ -129,22 +136,20 @@ def adopt(cache, window: int | None = None) -> None:
     if swapped is not None and isinstance(layers, list) and not getattr(cache, "offloading", False):
         full = [la.max_cache_len for la in layers if type(la) is static]
         for la in layers:
-            if type(la) is sliding and _never_fills(la, full, window):
+            if type(la) is sliding and _never_fills(la, full):
                 la.__dict__.pop("cumulative_length_int", None)  # the class's property answers now
                 la.__class__ = swapped
     state[ADOPTED] = True
 
 
-def _never_fills(layer, full_lengths: list[int], window: int | None) -> bool:
+def _never_fills(layer, full_lengths: list[int]) -> bool:
     """Does ``layer``'s window hold every token the cache can? Its length is min(window, the
-    cache's): a full-attention layer of the cache no longer than it, or a length below the
-    window, says the cache's is no longer. (The count itself is not read: a device value.)"""
+    cache's): a full-attention layer of the cache no longer than it says the cache's is no
+    longer. (The count itself is not read: a device value.)"""
     length = getattr(layer, "max_cache_len", None)
     if not isinstance(length, int) or not isinstance(getattr(layer, "cumulative_length_int", None), int):
         return False
-    if any(isinstance(n, int) and n <= length for n in full_lengths):
-        return True
-    return isinstance(window, int) and length < window
+    return any(isinstance(n, int) and n <= length for n in full_lengths)
 
 
-__all__ = ["ADOPTED", "adopt", "device_length_class"]
+__all__ = ["ADOPTED", "adopt", "device_length_class", "is_device_length"]

@@ -466,12 +466,11 @@ def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_o
 
 @pytest.mark.parametrize("kind,attention,extra", [
     ("gemma2", "eager", {"attn_logit_softcapping": 0.002, "layer_types": ["sliding_attention", "full_attention"]}),
-    ("gemma3", "sdpa", {"layer_types": ["sliding_attention", "full_attention"]}),
-    ("mistral", "sdpa", {})], ids=["gemma2", "gemma3", "mistral"])
+    ("gemma3", "sdpa", {"layer_types": ["sliding_attention", "full_attention"]})], ids=["gemma2", "gemma3"])
 def test_sliding_layers_whose_window_never_fills_take_the_static_step(kind, attention, extra, kernels_on_cpu):
-    """A window of 32 over the cache of 16 positions never fills (Gemma 2/3: a sliding layer beside
-    a full one, Gemma 3's (1 + w) q/k norms in the rotary epilogue; Mistral: every layer
-    sliding): the first call swaps the sliding layers for ones
+    """A window of 32 over the cache of 16 positions never fills (a sliding layer beside a full one
+    of 16; Gemma 3's (1 + w) q/k norms in the rotary epilogue): the first call swaps the sliding
+    layers for ones
     that count on the device (window_cache), and every layer takes the static-cache step: its
     rotary and cache write in the Q/K/V epilogue, its new token in the decode attention kernel.
     Logits, cache entries and lengths as stock's (whose layers stay stock)."""
@@ -491,6 +490,26 @@ def test_sliding_layers_whose_window_never_fills_take_the_static_step(kind, atte
     assert sliding and sliding == [window_cache.device_length_class()] * len(sliding)
     # every decode step of both layers (3, then the last call's 2)
     assert kernels_on_cpu["rope"] == (3 + 2) * 2 and len(launches) == (3 + 2) * 2
+
+
+def test_a_first_call_compiled_over_a_dynamic_cache_traces_in_one_graph(kernels_on_cpu, monkeypatch):
+    """Nothing in a fused layer's per-call checks builds window_cache's classes inside a trace (a
+    lock Dynamo cannot trace): a patched Llama compiled with fullgraph over a DynamicCache, its
+    first call the compiled one, in a process where those classes were never built."""
+    from hybridgemm.models import window_cache
+
+    monkeypatch.setattr(window_cache, "_loaded", [])
+    stock = _tiny("llama")
+    model = _patched(stock)
+    config = model.config
+    ids = torch.randint(0, VOCAB, (1, 3), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = stock(ids, past_key_values=transformers.DynamicCache(config=config), use_cache=True).logits
+        step = torch.compile(model, fullgraph=True, backend="eager")
+        got = step(ids, past_key_values=transformers.DynamicCache(config=config), use_cache=True).logits
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert window_cache._loaded == []  # still never built
 
 
 def test_heads_no_tuned_tile_divides_take_narrower_tiles_in_the_rotary_epilogue(kernels_on_cpu, monkeypatch):

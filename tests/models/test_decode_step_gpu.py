@@ -92,9 +92,9 @@ def models(monkeypatch, request):
     gemma2-wide (eager attention, as the bench builds Gemma 2; a window of 64 that the cache of
     32 never fills: both layers take the step, the sliding one over a cache layer that counts
     on the device, window_cache), gemma3 (post-norms, (1 + w) q/k norms; its two layers sliding,
-    their window of 4 filled: the module's attention over the fused QKV), gemma3-wide (the
-    same with a window of 64: both layers take the static-cache step, the q/k norms in the
-    rotary epilogue) and olmo2 (post-norms only; the static-cache
+    their window of 4 filled: the module's attention over the fused QKV), gemma3-wide (a
+    sliding layer of window 64 beside a full one: both take the static-cache step, the q/k
+    norms in the rotary epilogue) and olmo2 (post-norms only; the static-cache
     step with its q/k norms over all heads as modules after the fused QKV, so no rotary epilogue)."""
     kind, _, wide = request.param.partition("-")
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=kind, window=64 if wide else None,

@@ -33,7 +33,7 @@ def _kv(g: torch.Generator, tokens: int):
 def test_a_window_that_never_fills_counts_on_the_device_and_computes_what_the_stock_layer_does():
     stock = _cache(window=32, length=16)
     twin = copy.deepcopy(stock)
-    window_cache.adopt(twin, 32)
+    window_cache.adopt(twin)
     assert [type(la) for la in stock.layers] == [StaticSlidingWindowLayer, StaticLayer]
     assert [type(la) for la in twin.layers] == [window_cache.device_length_class(), StaticLayer]
     assert twin.is_sliding == stock.is_sliding == [True, False]
@@ -64,26 +64,25 @@ def test_a_window_that_never_fills_counts_on_the_device_and_computes_what_the_st
 def test_caches_whose_window_can_fill_keep_the_stock_layers():
     # the cache longer than the window: the stock layer rolls once full
     longer = _cache(window=8, length=16)
-    window_cache.adopt(longer, 8)
+    window_cache.adopt(longer)
     assert type(longer.layers[0]) is StaticSlidingWindowLayer
-    # sliding layers only (Mistral), the cache as long as the window: the stock layer rolls at the
-    # window's end, where a StaticLayer would write past it
-    equal = _cache(window=16, length=16, kind="mistral")
-    window_cache.adopt(equal, 16)
-    assert {type(la) for la in equal.layers} == {StaticSlidingWindowLayer}
-    shorter = _cache(window=17, length=16, kind="mistral")
-    window_cache.adopt(shorter, None)  # no full layer, no window given: nothing says the cache is shorter
-    assert {type(la) for la in shorter.layers} == {StaticSlidingWindowLayer}
-    shorter = _cache(window=17, length=16, kind="mistral")
-    window_cache.adopt(shorter, 17)
-    assert {type(la) for la in shorter.layers} == {window_cache.device_length_class()}
+    # sliding layers only (Mistral), the cache as long as the window or shorter: the stock layer
+    # is as long as the cache and rolls once full, past where a StaticLayer would stop
+    for window in (16, 17, 4096):
+        only_sliding = _cache(window=window, length=16, kind="mistral")
+        window_cache.adopt(only_sliding)
+        assert {type(la) for la in only_sliding.layers} == {StaticSlidingWindowLayer}
+        g = torch.Generator().manual_seed(window)
+        for tokens in [3] + [1] * 15:  # past the cache's 16 positions: the stock layer rolls
+            only_sliding.layers[0].update(*_kv(g, tokens))
+        assert only_sliding.layers[0].cumulative_length_int == 18
     # considered once: a cache adopted is not looked at again
     again = _cache(window=32, length=16)
     again.__dict__[window_cache.ADOPTED] = True
-    window_cache.adopt(again, 32)
+    window_cache.adopt(again)
     assert type(again.layers[0]) is StaticSlidingWindowLayer
     for other in (None, (1, 2), "cache"):
-        window_cache.adopt(other, 32)  # nothing, no error
+        window_cache.adopt(other)  # nothing, no error
 
 
 def test_a_compiled_step_over_the_swapped_layer_is_one_graph_with_no_int_input():
@@ -101,7 +100,7 @@ def test_a_compiled_step_over_the_swapped_layer_is_one_graph_with_no_int_input()
 
     stock = _cache(window=32, length=16)
     twin = copy.deepcopy(stock)
-    window_cache.adopt(twin, 32)
+    window_cache.adopt(twin)
     seen = {}
     for name, cache in (("stock", stock), ("twin", twin)):
         torch._dynamo.reset()
@@ -120,7 +119,7 @@ def test_a_compiled_step_over_the_swapped_layer_is_one_graph_with_no_int_input()
 
 def test_a_cache_with_swapped_layers_pickles():
     cache = _cache(window=32, length=16)
-    window_cache.adopt(cache, 32)
+    window_cache.adopt(cache)
     cache.layers[0].update(*_kv(torch.Generator().manual_seed(2), 3))
     back = pickle.loads(pickle.dumps(cache))
     assert type(back.layers[0]) is window_cache.device_length_class()
@@ -134,7 +133,7 @@ def test_a_sliding_layer_of_another_form_is_left_stock_and_reported(monkeypatch)
     monkeypatch.setattr(window_cache, "_SLIDING_UPDATE", ("self.some_other_statement()",))
     assert window_cache.device_length_class() is None
     cache = _cache(window=32, length=16)
-    window_cache.adopt(cache, 32)
+    window_cache.adopt(cache)
     assert type(cache.layers[0]) is StaticSlidingWindowLayer
     config = transformers.Gemma2Config(hidden_size=32, intermediate_size=32, num_attention_heads=2,
                                        num_key_value_heads=1, head_dim=HEAD, num_hidden_layers=2, vocab_size=32,
