@@ -124,7 +124,10 @@ def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: T
 def _gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
                 bias: Tensor | None, activation: str, scale: Tensor | None = None,
                 keep_prologue: bool = False) -> Tensor:
-    if scale is not None:  # FP8 (the op called as it is): gate/up as one split-K launch, the product apart
+    if scale is not None:
+        # FP8, where the op is called with scales (gated_norm itself keeps the product outside
+        # the op; the op's schema keeps ``scale`` so that compiled code cached by an earlier
+        # release still calls it): gate/up as one split-K launch, the product apart
         gate, up = _norm_linear(x, norm_weight, eps, norm_offset, weight, bias, None, scale).chunk(2, dim=-1)
         return GLU_FUNCTIONS[activation](gate) * up
     y = dispatch.gated(x, weight, bias, activation, keep_prologue=keep_prologue,

@@ -11,16 +11,15 @@ per value of it: every decode step is a new length, so no step replays a CUDA gr
 
 A cache whose full-attention layers are no longer than its sliding ones holds no more tokens
 than the window and never fills it (past its length the full layers refuse a write, as the
-swapped ones then do). A cache of sliding layers only keeps the stock layers: those are as long
-as the cache where it is shorter than the window, and roll once they are full, past where a
-``StaticLayer`` would stop. Until full, the stock layer writes
-at the device position (``torch.arange(S) + cumulative_length``, as ``StaticLayer`` does),
-returns its own keys and values, and gives the mask ``(max_cache_len, 0)``, as ``StaticLayer``
-does. Such a layer's class is swapped for :func:`device_length_class` (a subclass that
-computes exactly that from the device count: no int a graph reads), so the layer also takes
-the fused static-cache step (fusion/models/decode_checks.py ``kv_slot``), whose kernels read
-the device position and the mask as they are. A cache whose window can fill keeps the stock
-layers.
+swapped ones then do). Until full, the stock layer writes at the device position
+(``torch.arange(S) + cumulative_length``, as ``StaticLayer`` does), returns its own keys and
+values, and gives the mask ``(max_cache_len, 0)``, as ``StaticLayer`` does. Such a layer's
+class is swapped for :func:`device_length_class` (a subclass that computes exactly that from
+the device count: no int a graph reads), so the layer also takes the fused static-cache step
+(fusion/models/decode_checks.py ``kv_slot``), whose kernels read the device position and the
+mask as they are. A cache whose window can fill keeps the stock layers, and so does a cache of
+sliding layers only: where it is shorter than the window its layers are as long as the cache
+and roll once full, past where a ``StaticLayer`` would stop.
 
 :func:`adopt` swaps a cache's layers once, on the first eager call of a patched decoder layer
 that is given the cache (never inside a compiled region, where a class swap cannot be
