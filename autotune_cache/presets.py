@@ -59,7 +59,8 @@ class ModelPreset:
     expert_intermediate: int | None = None
     # The norm before the MLP, which the fused decode step runs in the gated kernel's prologue
     # (autotune_cache/tune_glu.py NORM_OPS): "x" (a norm weight of x's dtype, Llama's), "fp32"
-    # (a Gemma norm's 1 + w), None (none: OLMo 2 normalises the MLP's output instead).
+    # (a Gemma norm's 1 + w), None (none: OLMo 2 normalises the MLP's output instead; StableLM's
+    # and Cohere's LayerNorms run as modules).
     mlp_norm: str | None = "x"
 
     def __post_init__(self):
@@ -126,6 +127,14 @@ PRESETS: dict[str, ModelPreset] = {
                     intermediate=14336, vocab=256000, layers=42, mlp_norm="fp32"),
         ModelPreset("olmo2-7b", 4096, 32, 32, 128, qkv_bias=False, o_bias=False,
                     intermediate=11008, vocab=100352, layers=32, mlp_norm=None),
+        # StableLM: LayerNorms, which the fused step runs as modules (no norm prologue)
+        ModelPreset("stablelm-2-1.6b", 2048, 32, 32, 64, qkv_bias=True, o_bias=False,
+                    intermediate=5632, vocab=100352, layers=24, mlp_norm=None),
+        ModelPreset("stablelm-3b", 2560, 32, 32, 80, qkv_bias=False, o_bias=False,
+                    intermediate=6912, vocab=50304, layers=32, mlp_norm=None),
+        # Cohere (Aya 23 8B): a mean-centred LayerNorm, which the fused step runs as its module
+        ModelPreset("aya-23-8b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False,
+                    intermediate=14336, vocab=256000, layers=32, tied_lm_head=True, mlp_norm=None),
         ModelPreset("qwen3-30b-a3b", 2048, 32, 4, 128, qkv_bias=False, o_bias=False, vocab=151936, layers=48,
                     experts=128, experts_per_token=8, expert_intermediate=768),
         ModelPreset("mixtral-8x7b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False, vocab=32000, layers=32,
@@ -413,7 +422,8 @@ def preset_from_hf_config(path: str | os.PathLike) -> ModelPreset:
                              _safe_name(os.path.basename(os.path.dirname(os.path.abspath(file)))))
                  if n), "hf-config")
     family = model_type if isinstance(model_type, str) else ""
-    mlp_norm = "fp32" if family.startswith("gemma") else None if family == "olmo2" else "x"  # (see mlp_norm)
+    # (see mlp_norm: OLMo 2 has no norm before its MLP, StableLM's and Cohere's run as modules)
+    mlp_norm = "fp32" if family.startswith("gemma") else None if family in ("olmo2", "stablelm", "cohere") else "x"
     return ModelPreset(name, hidden, heads, kv_heads, head_dim, qkv_bias=qkv_bias, o_bias=o_bias,
                        intermediate=intermediate, vocab=vocab, layers=layers, mlp_bias=mlp_bias,
                        tied_lm_head=bool(tied), mlp_norm=mlp_norm, **moe)

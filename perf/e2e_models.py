@@ -53,6 +53,8 @@ class Family:
     # Mixture of experts: its config's fields for the expert count, experts per token and expert width
     experts: tuple[str, str, str] | None = None
     fixed: tuple[tuple[str, object], ...] = ()  # fields set alike for every model of the family here
+    bias_field: str = "attention_bias"  # the config field of the q/k/v biases (where qkv_bias is None)
+    eps_field: str = "rms_norm_eps"  # the config field of the norms' eps
 
 
 FAMILIES: dict[str, Family] = {
@@ -77,6 +79,16 @@ FAMILIES: dict[str, Family] = {
     # OLMo 2: no input norms, each sublayer's output normalised before its residual add, q/k
     # norms over all heads (its RMSNorms scale by the weight in fp32)
     "olmo2": Family("Olmo2Config", head_dim=False, qkv_bias=None),
+    # StableLM: LayerNorms, the rotary over the first quarter of each head's columns, the residual
+    # sequential (StableLM 2 1.6B's and 3B-4E1T's published configs)
+    "stablelm": Family("StableLmConfig", head_dim=False, qkv_bias=None, bias_field="use_qkv_bias",
+                       eps_field="layer_norm_eps",
+                       fixed=(("partial_rotary_factor", 0.25), ("use_parallel_residual", False),
+                              ("qk_layernorm", False))),
+    # Cohere (Aya 23): its LayerNorm, the attention and the MLP in parallel, the rotary of
+    # neighbouring columns, logits scaled by 1/16 (its published config)
+    "cohere": Family("CohereConfig", head_dim=False, qkv_bias=None, eps_field="layer_norm_eps",
+                     fixed=(("use_qk_norm", False), ("logit_scale", 0.0625))),
     # Qwen3MoeConfig's signature has no head_dim, but its attention reads config.head_dim when set.
     # Every layer sparse (no dense mlp_only_layers), top-k weights renormalised: Qwen3-MoE's published configs.
     "qwen3_moe": Family("Qwen3MoeConfig", head_dim=True, qkv_bias=None,
@@ -104,6 +116,9 @@ SIZES: dict[str, ModelSizes] = {
     "gemma2-9b": ModelSizes("gemma2", 14336, 42, 256000, 1e4, 1e-6, 8192),  # its LM head tied in the release
     "gemma-7b": ModelSizes("gemma", 24576, 28, 256000, 1e4, 1e-6, 8192),  # its LM head tied in the release
     "olmo2-7b": ModelSizes("olmo2", 11008, 32, 100352, 5e5, 1e-6, 4096),  # OLMo-2-1124-7B
+    "stablelm-2-1.6b": ModelSizes("stablelm", 5632, 24, 100352, 1e4, 1e-5, 4096),  # q/k/v biases
+    "stablelm-3b": ModelSizes("stablelm", 6912, 32, 50304, 1e4, 1e-5, 4096),  # StableLM-3B-4E1T; heads of 80
+    "aya-23-8b": ModelSizes("cohere", 14336, 32, 256000, 1e4, 1e-5, 8192),  # its LM head tied in the release
     "qwen3-30b-a3b": ModelSizes("qwen3_moe", 6144, 48, 151936, 1e6, 1e-6, 40960),  # q/k norms; 128 experts, 8 a token
     "mixtral-8x7b": ModelSizes("mixtral", None, 32, 32000, 1e6, 1e-5, 32768),  # 8 experts, 2 a token
 }
@@ -155,14 +170,14 @@ def hf_config(name: str, layers: int | None = None):
                          "experts (a dense model needs its MLP width)")
     kw = dict(hidden_size=preset.hidden, num_attention_heads=preset.heads, num_key_value_heads=preset.kv_heads,
               num_hidden_layers=layers or sizes.layers, vocab_size=sizes.vocab,
-              max_position_embeddings=sizes.max_positions, rms_norm_eps=sizes.rms_eps, rope_theta=sizes.rope_theta,
-              tie_word_embeddings=False, **copy.deepcopy(dict(family.fixed)))
+              max_position_embeddings=sizes.max_positions, rope_theta=sizes.rope_theta,
+              tie_word_embeddings=False, **{family.eps_field: sizes.rms_eps}, **copy.deepcopy(dict(family.fixed)))
     if sizes.intermediate is not None:
         kw["intermediate_size"] = sizes.intermediate
     if family.head_dim:
         kw["head_dim"] = preset.head_dim
     if family.qkv_bias is None:
-        kw["attention_bias"] = preset.qkv_bias
+        kw[family.bias_field] = preset.qkv_bias
     if family.experts is not None:
         kw.update(zip(family.experts, (preset.experts, preset.experts_per_token, preset.expert_intermediate)))
     return getattr(transformers, family.config)(**kw)

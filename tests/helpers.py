@@ -138,7 +138,9 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     layer and the attention softcap, eager attention; ``"gemma3"``: Gemma 3, post-norms and (1 + w)
     q/k norms; ``"phi3"``: Phi-3, its Q/K/V and gate/up one
     linear each in the checkpoint; ``"olmo2"``: OLMo 2, post-norms only, q/k norms over all
-    heads) of 8 heads and 2 KV heads, random
+    heads; ``"stablelm"``: StableLM, LayerNorms, the rotary over a quarter of each head, a Q/K/V
+    bias; ``"stablelm_parallel"``: the same with the parallel residual and no bias; ``"cohere"``:
+    Cohere, its LayerNorm, the parallel residual, the rotary of neighbouring columns) of 8 heads and 2 KV heads, random
     weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16 patched by
     hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's sliding window (else 4;
     Gemma 3's two layers then sliding and full, else both sliding, its config's pattern);
@@ -154,7 +156,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
            "mixtral": transformers.MixtralConfig, "gemma": transformers.GemmaConfig,
            "qwen2_moe": transformers.Qwen2MoeConfig, "phi3": transformers.Phi3Config,
            "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig,
-           "olmo2": transformers.Olmo2Config}[kind]
+           "olmo2": transformers.Olmo2Config, "stablelm": transformers.StableLmConfig,
+           "stablelm_parallel": transformers.StableLmConfig, "cohere": transformers.CohereConfig}[kind]
     extra = {"granite": dict(residual_multiplier=0.22, attention_multiplier=0.05, embedding_multiplier=12.0,
                              logits_scaling=8.0),
              "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4),
@@ -162,6 +165,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
                                shared_expert_intermediate_size=intermediate_size // 2),
              "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
              "phi3": dict(pad_token_id=0, resid_pdrop=0.1),
+             "stablelm": dict(partial_rotary_factor=0.25, use_qkv_bias=True),
+             "stablelm_parallel": dict(partial_rotary_factor=0.25, use_parallel_residual=True),
              "gemma2": dict(sliding_window=window or 4, attn_logit_softcapping=50.0),
              # (with a window: a sliding layer beside a full one, whose length says the cache's)
              "gemma3": dict(sliding_window=window or 4,
@@ -178,6 +183,11 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
             for name, p in base.named_parameters():
                 if "norm" in name:
                     p.uniform_(-0.5, 0.5)
+    if kind.startswith("stablelm") or kind == "cohere":  # its LayerNorms start as the identity: others
+        with torch.no_grad():
+            for name, p in base.named_parameters():
+                if "norm" in name:
+                    p.uniform_(*((0.5, 1.5) if name.endswith("weight") else (-0.5, 0.5)))
     ref = copy.deepcopy(base).to(device)
     stock = copy.deepcopy(base).to(device, torch.bfloat16)
     patched = copy.deepcopy(stock)

@@ -124,6 +124,37 @@ _DROPOUT_LAYER_BODY = tuple(
     next(_DROPOUT_ADDS) if s == "hidden_states=residual+hidden_states"
     else tuple(c.replace("hidden_states,_=", "hidden_states,self_attn_weights=", 1) for c in s) if isinstance(s, tuple)
     else s for s in _LAYER_BODY)
+# StableLM's layer: one input LayerNorm; its forward adds the attention and the MLP of the same
+# normalised input in parallel, or in sequence with the MLP's input normalised by
+# post_attention_layernorm, as the instance's use_parallel_residual says; the MLP's output
+# through a dropout module (the identity unless the layer trains with p > 0)
+_CHOSEN_RESIDUAL_CALL = ("self_attn_output,_=self.self_attn(hidden_states=hidden_states,attention_mask=attention_mask,"
+                         "position_ids=position_ids,{},use_cache=use_cache,position_embeddings=position_embeddings)")
+_CHOSEN_RESIDUAL_LAYER_BODY = (
+    *_LAYER_BODY[:2],
+    tuple(_CHOSEN_RESIDUAL_CALL.format(c) for c in ("cache=cache", "past_key_values=past_key_values")),
+    "ifself.use_parallel_residual:mlp_output=self.mlp(hidden_states)mlp_output=self.dropout(mlp_output)"
+    "hidden_states=residual+self_attn_output+mlp_outputelse:residual=residual+self_attn_output"
+    "mlp_output=self.mlp(self.post_attention_layernorm(residual))mlp_output=self.dropout(mlp_output)"
+    "hidden_states=residual+mlp_output",
+    "returnhidden_states",
+)
+# Cohere's layer: one input norm, the attention and the MLP of the normalised input added to
+# the residual in parallel (left to right: residual + attention, then + MLP)
+_PARALLEL_LAYER_BODY = (
+    *_LAYER_BODY[:2],
+    tuple("hidden_states_attention,_=self.self_attn(hidden_states=hidden_states,attention_mask=attention_mask,"
+          f"position_ids=position_ids,{c},use_cache=use_cache,position_embeddings=position_embeddings,**kwargs)"
+          for c in ("cache=cache", "past_key_values=past_key_values")),
+    "hidden_states_mlp=self.mlp(hidden_states)",
+    "hidden_states=residual+hidden_states_attention+hidden_states_mlp",
+    "returnhidden_states",
+)
+# Instance attribute set when a layer of one of the two forms above is patched: the step calls
+# its norms as the modules they are, and takes its residual form from this value: "parallel"
+# (Cohere's) or "chosen" (StableLM's: as the instance's use_parallel_residual says).
+NORMS_AS_MODULES = "_hybridgemm_norms_as_modules"
+MLP_DROPOUT = "dropout"  # StableLM's dropout module
 _PLAIN_Q = "query_states=self.q_proj(hidden_states).view(hidden_shape).transpose(1,2)"
 _PLAIN_K = "key_states=self.k_proj(hidden_states).view(hidden_shape).transpose(1,2)"
 _NORMED_Q = "query_states=self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1,2)"
@@ -203,6 +234,52 @@ _PREFUSED_ATTENTION_BODY = (
     "value_states=value_states.view(hidden_shape).transpose(1,2)",
     *_ATTENTION_BODY[5:],
 )
+# StableLM's attention: the three projections viewed per head, per-head q/k LayerNorms where the
+# instance's qk_layernorm says so, the rotary over the first rotary_ndims columns of each head
+# (the rest passed), position_ids given to the attention function, no further keyword arguments
+_PARTIAL_ROTARY_ATTENTION_BODY = (
+    "bsz,q_len,_=hidden_states.size()",
+    "query_states=self.q_proj(hidden_states)",
+    "key_states=self.k_proj(hidden_states)",
+    "value_states=self.v_proj(hidden_states)",
+    "query_states=query_states.view(bsz,q_len,self.num_heads,self.head_dim).transpose(1,2)",
+    "key_states=key_states.view(bsz,q_len,self.num_key_value_heads,self.head_dim).transpose(1,2)",
+    "value_states=value_states.view(bsz,q_len,self.num_key_value_heads,self.head_dim).transpose(1,2)",
+    "ifself.qk_layernorm:query_states=self.q_layernorm(query_states)key_states=self.k_layernorm(key_states)",
+    "cos,sin=position_embeddings",
+    "query_rot,query_pass=(query_states[...,:self.rotary_ndims],query_states[...,self.rotary_ndims:])",
+    "key_rot,key_pass=(key_states[...,:self.rotary_ndims],key_states[...,self.rotary_ndims:])",
+    "query_rot,key_rot=apply_rotary_pos_emb(query_rot,key_rot,cos,sin)",
+    "query_states=torch.cat((query_rot,query_pass),dim=-1)",
+    "key_states=torch.cat((key_rot,key_pass),dim=-1)",
+    tuple(UPDATE_FORMS),
+    _ATTENTION_BODY[8],
+    _INTERFACE_CALL + "position_ids=position_ids,**kwargs)",
+    "attn_output=attn_output.reshape(bsz,q_len,-1)",
+    *_ATTENTION_BODY[-2:],
+)
+# Cohere's attention: the head views, its per-head q/k norms where the instance's use_qk_norm
+# says so, the transposes, then as _ATTENTION_BODY from the rotary on (its rotary pairs
+# neighbouring columns, in fp32: _PAIR_ROTARY_STATEMENTS)
+_PAIR_ROTARY_ATTENTION_BODY = (
+    *_ATTENTION_BODY[:2],
+    "query_states=self.q_proj(hidden_states).view(hidden_shape)",
+    "key_states=self.k_proj(hidden_states).view(hidden_shape)",
+    "value_states=self.v_proj(hidden_states).view(hidden_shape)",
+    "ifself.use_qk_norm:query_states=self.q_norm(query_states)key_states=self.k_norm(key_states)",
+    "query_states=query_states.transpose(1,2)",
+    "key_states=key_states.transpose(1,2)",
+    "value_states=value_states.transpose(1,2)",
+    *_ATTENTION_BODY[5:9],
+    _INTERFACE_CALL + "**kwargs)",
+    *_ATTENTION_BODY[10:],
+)
+_PAIR_ROTARY_STATEMENTS = (
+    "dtype=q.dtype", "q=q.float()", "k=k.float()", "cos=cos.unsqueeze(unsqueeze_dim)",
+    "sin=sin.unsqueeze(unsqueeze_dim)", "q_embed=q*cos+rotate_half(q)*sin", "k_embed=k*cos+rotate_half(k)*sin",
+    "return(q_embed.to(dtype=dtype),k_embed.to(dtype=dtype))")
+_PAIR_ROTATE_HALF_STATEMENTS = ("x1=x[...,::2]", "x2=x[...,1::2]", "rot_x=torch.stack([-x2,x1],dim=-1).flatten(-2)",
+                                "returnrot_x")
 # OLMo 2's q/k norms: over all the q (k) columns of the projection, before the head views
 _FULL_QK_NORMS = (
     "query_states=self.q_norm(self.q_proj(hidden_states))",
@@ -338,6 +415,12 @@ class AttentionForm:
     softcap: bool = False  # the call passes softcap=attn.attn_logit_softcapping (Gemma 2)
     full_qk_norm: bool = False  # q_norm/k_norm over all q (k) columns, before the head views (OLMo 2)
     kernel_eager: bool = False  # its module's eager function is one the decode attention kernel computes
+    # the rotary over the first attn.rotary_ndims columns of each head, per-head q/k LayerNorms
+    # where attn.qk_layernorm, and only position_ids for the attention function (StableLM)
+    partial_rotary: bool = False
+    # the rotary pairs neighbouring columns (2i, 2i + 1) and rotates in fp32, per-head q/k norms
+    # where attn.use_qk_norm (Cohere)
+    pair_rotary: bool = False
 
     def attention_function(self, implementation: str):
         return self.functions.get_interface(implementation, self.eager)
@@ -356,6 +439,10 @@ _FORMS: dict[type, AttentionForm | str] = {}
 def _read_form(cls: type) -> AttentionForm | str:
     forward = cls.forward
     statements = body_statements(forward)
+    if _matches(statements, _PARTIAL_ROTARY_ATTENTION_BODY):
+        return _functions_form(cls, UPDATE_FORMS[statements[14]], None, False, partial_rotary=True)
+    if _matches(statements, _PAIR_ROTARY_ATTENTION_BODY):
+        return _functions_form(cls, UPDATE_FORMS[statements[11]], None, False, pair_rotary=True)
     prefused = _matches(statements, _PREFUSED_ATTENTION_BODY)
     full_qk_norm = statements is not None and tuple(statements[2:8]) == _FULL_QK_NORMS
     if prefused:  # from the rotary on, the statements of _ATTENTION_BODY
@@ -367,16 +454,22 @@ def _read_form(cls: type) -> AttentionForm | str:
         statements = [*statements[:2], _NORMED_Q, _NORMED_K, *statements[4:5], *statements[7:]]
     if not _matches(statements, _ATTENTION_BODY):
         return f"{cls.__name__}.forward is not an attention this step computes"
-    names = getattr(inspect.unwrap(forward), "__globals__", {})
+    return _functions_form(cls, UPDATE_FORMS[statements[7]], WINDOW_FORMS[statements[9]],
+                           statements[9] == _SOFTCAP_CALL, qk_norm=statements[2] == _NORMED_Q, prefused=prefused,
+                           full_qk_norm=full_qk_norm)
+
+
+def _functions_form(cls: type, update: str, window_from: str | None, softcap: bool, **form) -> AttentionForm | str:
+    """The :class:`AttentionForm` of ``cls`` with the functions its forward's module holds."""
+    names = getattr(inspect.unwrap(cls.forward), "__globals__", {})
     rotary, eager = names.get("apply_rotary_pos_emb"), names.get("eager_attention_forward")
     functions = names.get("ALL_ATTENTION_FUNCTIONS")
     if not callable(rotary) or not callable(eager) or not callable(getattr(functions, "get_interface", None)):
         return f"{cls.__name__}.forward's module has no apply_rotary_pos_emb, eager_attention_forward and " \
                "ALL_ATTENTION_FUNCTIONS.get_interface"
-    softcap = statements[9] == _SOFTCAP_CALL
     kernel_eager = _matches(body_statements(eager), _SOFTCAP_EAGER_BODY if softcap else _EAGER_BODY)
-    return AttentionForm(statements[2] == _NORMED_Q, prefused, rotary, eager, functions, UPDATE_FORMS[statements[7]],
-                         WINDOW_FORMS[statements[9]], softcap, full_qk_norm, kernel_eager)
+    return AttentionForm(form.pop("qk_norm", False), form.pop("prefused", False), rotary, eager, functions, update,
+                         window_from, softcap, kernel_eager=kernel_eager, **form)
 
 
 def attention_form(cls: type) -> AttentionForm:
@@ -418,6 +511,13 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
         why = why_not_qk_norms(attn)
         if why is not None:
             return why
+    if attention_form(cls).partial_rotary:
+        why = why_not_partial_rotary(attn)
+        if why is not None:
+            return why
+    if attention_form(cls).pair_rotary and getattr(attn, "use_qk_norm", None) is not False:
+        return "its per-head q/k norms (use_qk_norm) run as modules (the module's attention computation over the " \
+               "fused Q/K/V)"
     why = why_not_rotary(attn)
     if why is not None:
         return why
@@ -444,10 +544,16 @@ def why_not_rotary(attn: nn.Module) -> str | None:
     if standard is None:
         rope = plain_function(form.rotary)
         rotate = getattr(inspect.unwrap(rope), "__globals__", {}).get("rotate_half")
-        standard = _STANDARD_ROTARY[cls] = rope is not None and rotate is not None and has_statements(
-            rotate, _ROTATE_HALF_STATEMENTS) and (has_statements(rope, _ROTARY_STATEMENTS)
-                                                  or _matches(body_statements(rope), _PARTIAL_ROTARY_BODY))
-    return None if standard else "its rotary embedding is not the standard rotate_half one"
+        if form.pair_rotary:  # Cohere's, statement by statement
+            standard = rope is not None and rotate is not None and _matches(
+                body_statements(rotate), _PAIR_ROTATE_HALF_STATEMENTS) and _matches(body_statements(rope),
+                                                                                     _PAIR_ROTARY_STATEMENTS)
+        else:
+            standard = rope is not None and rotate is not None and has_statements(
+                rotate, _ROTATE_HALF_STATEMENTS) and (has_statements(rope, _ROTARY_STATEMENTS)
+                                                      or _matches(body_statements(rope), _PARTIAL_ROTARY_BODY))
+        _STANDARD_ROTARY[cls] = standard
+    return None if standard else "its rotary embedding is not the standard rotate_half one (nor Cohere's)"
 
 
 def plain_function(fn):
@@ -493,6 +599,24 @@ def why_not_qk_norms(attn: nn.Module) -> str | None:
     if type(norms[0]) is not type(norms[1]) or norm_operand(norms[0])[1:] != norm_operand(norms[1])[1:]:
         return "its q_norm and k_norm are not one formula with one eps"
     return None
+
+
+def why_not_partial_rotary(attn: nn.Module) -> str | None:
+    """Why the static-cache step cannot run StableLM's attention ``attn`` (None: it can): its
+    per-head q/k LayerNorms (``qk_layernorm``), which the step leaves to the module's computation,
+    or a ``rotary_ndims`` that is not an even count of columns within a head."""
+    if getattr(attn, "qk_layernorm", None) is not False:
+        return "its per-head q/k LayerNorms (qk_layernorm) run as modules (the module's attention computation over " \
+               "the fused Q/K/V)"
+    rot, hd = getattr(attn, "rotary_ndims", None), getattr(attn, "head_dim", None)
+    if not isinstance(rot, int) or not isinstance(hd, int) or rot % 2 or not 2 <= rot <= hd:
+        return f"its rotary_ndims ({rot!r}) is not an even count of columns within a head of {hd!r}"
+    return None
+
+
+def rotary_columns(attn: nn.Module, form: AttentionForm) -> int:
+    """The columns of each head that ``attn``'s rotary embedding rotates (cos/sin's width)."""
+    return attn.rotary_ndims if form.partial_rotary else attn.head_dim
 
 
 def why_not_load_kernels() -> str | None:
@@ -584,8 +708,8 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     # fp32 cos/sin: OLMo 2's rotary embedding, which rotates in fp32 and rounds back; only its step
     # (the rotary as torch ops after the norms) takes them, the rotary epilogue rotates in x's dtype
     cos_dtypes = (x.dtype, torch.float32) if form.full_qk_norm else (x.dtype,)
-    if cos.dim() != 3 or cos.shape[-1] != hd or cos.shape[1] != x.shape[1] or cos.dtype not in cos_dtypes \
-            or cos.shape != sin.shape or sin.dtype != cos.dtype:
+    if cos.dim() != 3 or cos.shape[-1] != rotary_columns(attn, form) or cos.shape[1] != x.shape[1] \
+            or cos.dtype not in cos_dtypes or cos.shape != sin.shape or sin.dtype != cos.dtype:
         return None
     # ``first``: a layer whose length the model reads for the step's positions and mask: the cache's
     # first (Cache.get_seq_length) and its first full-attention and first sliding-window one
@@ -699,7 +823,7 @@ def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
                for m in (adapter_base(s), *s.lora_A.values(), *s.lora_B.values(), *s.lora_dropout.values())]
     attention = [layer._modules.get("input_layernorm"), attn, *slots, *wrapped,
                  *(attn._modules.get(n) for n in ("q_norm", "k_norm")), attn._modules.get(QKV_NAME),
-                 *(layer._modules.get(n) for n in RESIDUAL_DROPOUTS)]
+                 *(layer._modules.get(n) for n in (*RESIDUAL_DROPOUTS, MLP_DROPOUT))]
     if moe_block(mlp):  # the step calls the MoE block and its norm as modules: their hooks run
         return attention
     return [*attention, *layer_norms(layer)[1:], mlp, mlp._modules.get(FUSED_GATE_UP)]
@@ -716,7 +840,7 @@ def takes_fused_path(layer: nn.Module, x) -> bool:
         return False
     if torch.is_autocast_enabled(x.device.type) or get_mode() != DEFAULT or not _parts_in_place(layer):
         return False
-    if layer.training and any(_dropping(layer._modules.get(n)) for n in RESIDUAL_DROPOUTS):
+    if layer.training and any(_dropping(layer._modules.get(n)) for n in (*RESIDUAL_DROPOUTS, MLP_DROPOUT)):
         return False
     dtype = x.dtype
     params = []
@@ -755,6 +879,22 @@ def qkv_sizes(attn: nn.Module, qkv: nn.Module) -> tuple[int, int, int]:
 def _fusable_projection(proj) -> bool:
     """An O or down projection the step computes: patched, or row-parallel."""
     return type(proj) in (HybridLinear, FP8HybridLinear) or isinstance(proj, PartialSumLinear)
+
+
+def norm_modules_form(cls: type) -> str | None:
+    """``"parallel"`` where ``cls.forward`` is Cohere's form of the layer (:data:`_PARALLEL_LAYER_BODY`),
+    ``"chosen"`` where StableLM's (:data:`_CHOSEN_RESIDUAL_LAYER_BODY`), else None. Read from the
+    source when a layer is patched."""
+    statements = body_statements(cls.forward)
+    if _matches(statements, _PARALLEL_LAYER_BODY):
+        return "parallel"
+    return "chosen" if _matches(statements, _CHOSEN_RESIDUAL_LAYER_BODY) else None
+
+
+def norm_modules(layer: nn.Module) -> str | None:
+    """The residual form of a layer whose norms the step calls as modules, as patch marked it
+    (:data:`NORMS_AS_MODULES`): "parallel", "chosen" or None (another form)."""
+    return layer.__dict__.get(NORMS_AS_MODULES)
 
 
 def scales_residuals(cls: type) -> bool:
@@ -804,8 +944,11 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
     dropouts = not scaled and _matches(statements, _DROPOUT_LAYER_BODY)
     output_norms = not (scaled or dropouts) and _matches(statements, _OUTPUT_NORM_LAYER_BODY)
     post = output_norms or (not (scaled or dropouts) and _matches(statements, _POST_NORM_LAYER_BODY))
-    if not (scaled or dropouts or post or _matches(statements, _LAYER_BODY)):
+    modules = None if scaled or dropouts or post else norm_modules_form(t)
+    if not (scaled or dropouts or post or modules or _matches(statements, _LAYER_BODY)):
         return f"{t.__name__}.forward is not a decoder layer this step computes"
+    if modules:
+        return _why_not_norm_modules(mod, modules, moe) or _why_not_attention(attn, qkv)
     if post:
         names = _POST_NORM_NAMES[1::2] if output_norms else _POST_NORM_NAMES
         norms = [mod._modules.get(n) for n in names]
@@ -821,6 +964,27 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
             return f"its residual_multiplier is {m!r}, not a finite number"
         if any(isinstance(p, PartialSumLinear) for p in (o_proj, down_proj)):
             return "its residual_multiplier scales the output of a row-parallel projection (not fused)"
+    return _why_not_attention(attn, qkv)
+
+
+def _why_not_norm_modules(mod: nn.Module, form: str, moe: bool) -> str | None:
+    """Why a layer of Cohere's or StableLM's form (``form``: :func:`norm_modules_form`) cannot be
+    fused: the norms the step calls as the modules they are must be there (one, or StableLM's
+    two where its residual is sequential), StableLM's MLP dropout an nn.Dropout."""
+    names = ("input_layernorm",)
+    if form == "chosen":
+        parallel = getattr(mod, "use_parallel_residual", None)
+        if not isinstance(parallel, bool):
+            return f"its use_parallel_residual is {parallel!r}, not a bool"
+        if type(mod._modules.get(MLP_DROPOUT)) is not nn.Dropout:
+            return f"its {MLP_DROPOUT} is not an nn.Dropout module"
+        names = names if parallel else (*names, "post_attention_layernorm")
+    if moe or not all(isinstance(mod._modules.get(n), nn.Module) for n in names):
+        return f"it has no {' and '.join(names)} module"
+    return None
+
+
+def _why_not_attention(attn: nn.Module, qkv: nn.Module) -> str | None:
     if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
         return f"its {type(attn).__name__} has no integer head_dim and layer_idx"
     why = why_not_attention_form(type(attn))

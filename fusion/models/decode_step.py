@@ -227,12 +227,20 @@ def gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: f
 
 # ------------------------------------------------------------------ Q/K/V with rotary + cache
 
-def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Hugging Face's rotary embedding of ``t`` [B, S, heads, hd], cos/sin [B or 1, S, hd], in t's
-    dtype; fp32 cos/sin (OLMo 2's) rotate in fp32, then round to t's dtype, as its rotary does."""
+def _rotate(t: Tensor, cos: Tensor, sin: Tensor, pairs: bool = False) -> Tensor:
+    """Hugging Face's rotary embedding of ``t`` [B, S, heads, hd], cos/sin [B or 1, S, R], in t's
+    dtype; fp32 cos/sin (OLMo 2's) rotate in fp32, then round to t's dtype, as its rotary does.
+    R < hd (StableLM's partial rotary): the first R columns of each head, the rest as they are.
+    ``pairs``: Cohere's (neighbouring columns paired, rotated as fp32 copies, rounded once)."""
     c, s = cos[:, :, None, :], sin[:, :, None, :]
-    half = t.shape[-1] // 2
-    return (t * c + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * s).to(t.dtype)
+    if pairs:
+        f = t.float()
+        return (f * c + torch.stack((-f[..., 1::2], f[..., ::2]), dim=-1).flatten(-2) * s).to(t.dtype)
+    width = cos.shape[-1]
+    half = width // 2
+    r = t[..., :width]
+    out = (r * c + torch.cat((-r[..., half:], r[..., :half]), dim=-1) * s).to(t.dtype)
+    return out if width == t.shape[-1] else torch.cat((out, t[..., width:]), dim=-1)
 
 
 def _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
@@ -243,11 +251,12 @@ def _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, 
 
 
 def _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None, k_norm=None, qk_eps=0.0,
-                  full_norms: tuple[Callable, Callable] | None = None, qk_offset: float | None = None) -> Tensor:
+                  full_norms: tuple[Callable, Callable] | None = None, qk_offset: float | None = None,
+                  pairs: bool = False) -> Tensor:
     """From the Q/K/V projection ``y`` [B, S, N], as the stock attention computes it: the q/k
     norms (``full_norms``: the norms over all the q (k) columns, before the head views, as OLMo 2's;
     else per head, of operand ``(q_norm / k_norm, qk_eps, qk_offset)``, norm.prologue_norm), rotary
-    in y's dtype, ``index_copy_`` of k and v into the cache."""
+    in y's dtype (``pairs``: Cohere's), ``index_copy_`` of k and v into the cache."""
     b, s = y.shape[:2]
     hd = keys.shape[-1]
     q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
@@ -256,7 +265,7 @@ def _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None,
     q, k = q.reshape(b, s, heads, hd), k.reshape(b, s, kv_heads, hd)
     if q_norm is not None:
         q, k = prologue_norm(q, q_norm, qk_eps, qk_offset), prologue_norm(k, k_norm, qk_eps, qk_offset)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    q, k = _rotate(q, cos, sin, pairs), _rotate(k, cos, sin, pairs)
     pos = torch.arange(s, device=y.device) + base.view(())
     keys.index_copy_(2, pos, k.transpose(1, 2))
     values.index_copy_(2, pos, v.reshape(b, s, kv_heads, hd).transpose(1, 2))
@@ -349,6 +358,38 @@ def qk_rope_store(y: Tensor, q_norm: nn.Module, k_norm: nn.Module, cos: Tensor, 
                      *norm_operand(k_norm), cos, sin, keys, values, base, heads)
 
 
+def _rope_store(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
+                pairs: bool = False) -> Tensor:
+    kernel = checks.qk_rope_kernel()
+    if checks.on_kernel_device(y) and kernel.check(y, None, None, cos, sin, keys, values, base, heads) is None:
+        return kernel.qk_norm_rope_store(y, None, None, cos, sin, keys, values, base, heads, pairs=pairs)
+    y = _rotate_store(y, cos, sin, keys, values, base, heads, keys.shape[1], pairs=pairs)
+    return y[..., : heads * keys.shape[-1]].contiguous()
+
+
+@torch.library.custom_op("hybridgemm::rope_store_fwd", mutates_args=("keys", "values"))
+def rope_store_fwd(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
+                   pairs: bool = False) -> Tensor:
+    return _rope_store(y, cos, sin, keys, values, base, heads, pairs)
+
+
+@rope_store_fwd.register_fake
+def _rope_store_fake(y, cos, sin, keys, values, base, heads, pairs=False):
+    return y.new_empty((*y.shape[:-1], heads * keys.shape[-1]))
+
+
+def rope_store(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
+               pairs: bool = False) -> Tensor:
+    """From the Q/K/V projection ``y`` [B, S, N]: q and k rotated over the first ``cos.shape[-1]``
+    columns of each head (StableLM's partial rotary; cos/sin of y's dtype; ``pairs``: Cohere's
+    rotary of neighbouring columns in fp32), k and v written into ``keys``/``values`` at
+    ``base + s``; returns the rotated q [B, S, heads * hd]. One launch
+    (kernels/triton_qk_rope.py) where its operand checks pass, the stock sequence of torch ops
+    otherwise."""
+    return _compiled(torch.ops.hybridgemm.rope_store_fwd, _rope_store, y, cos, sin, keys, values, base, heads,
+                     bool(pairs))
+
+
 # ------------------------------------------------------------------------- decode attention
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor, step: int,
@@ -415,8 +456,7 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
     base = layer.cumulative_length
     qk = {}
     form = checks.attention_form(type(attn))
-    if form.qk_norm:  # patched RMSNorms over head_dim (decode_checks.why_not_qk_norms)
-        # patched RMSNorms over head_dim of one formula and eps (decode_checks.why_not_qk_norms)
+    if form.qk_norm:  # patched RMSNorms over head_dim of one formula and eps (decode_checks.why_not_qk_norms)
         q_g, qk_eps, qk_offset = norm_operand(attn.q_norm)
         qk = dict(q_norm=q_g, k_norm=norm_operand(attn.k_norm)[0], qk_eps=float(qk_eps), qk_offset=qk_offset)
     slots = _slots(attn, qkv)
@@ -434,8 +474,11 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
             norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
         y = _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, qk.get("q_norm"), qk.get("k_norm"),
                           qk.get("qk_eps", 0.0), (attn.q_norm, attn.k_norm) if form.full_qk_norm else None,
-                          qk.get("qk_offset"))
+                          qk.get("qk_offset"), form.pair_rotary)
         q = y[..., : heads * hd]
+    elif form.partial_rotary or form.pair_rotary:  # (StableLM's, Cohere's: the input norm ran as its module)
+        y = norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
+        q = rope_store(y, cos, sin, keys, values, base, heads, form.pair_rotary)
     else:
         y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,
                           base, heads, kv_heads, counters, weight_scale_of(qkv), **qk)
@@ -470,9 +513,8 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
         return out.reshape(b, 1, heads * hd)
     q = q.reshape(b, s, heads, hd).transpose(1, 2)
-    rest = {k: v for k, v in kwargs.items() if k not in _CONSUMED}
     out, _ = interface(attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling,
-                       **_function_kwargs(attn, form, rest))
+                       **_function_kwargs(attn, form, _passed_kwargs(form, kwargs)))
     return out.reshape(b, s, -1).contiguous()
 
 
@@ -491,23 +533,27 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
         y = norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
     sizes = checks.qkv_sizes(attn, qkv)
     cos, sin = kwargs["position_embeddings"]
-    rotated = None if form.full_qk_norm or form.qk_norm else _rope_in_kernel(attn, y, cos, sin, sizes)
+    head_norms = form.partial_rotary and attn.qk_layernorm  # StableLM's per-head LayerNorms
+    view_norms = form.qk_norm or form.pair_rotary and attn.use_qk_norm  # norms on the head views (Cohere's too)
+    rotated = None if form.full_qk_norm or view_norms or head_norms else _rope_in_kernel(attn, y, cos, sin, sizes)
     q, k, v = y.split(sizes, dim=-1)
     if rotated is not None:
         q, k = rotated
     if form.full_qk_norm:  # over all the q (k) columns, before the head views (OLMo 2)
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
-    if form.qk_norm:
+    if view_norms:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if head_norms:  # over the [B, heads, S, hd] views, as its forward calls them
+        q, k = attn.q_layernorm(q), attn.k_layernorm(k)
     if rotated is None:
-        q, k = checks.module_rotary(attn, form)(q, k, cos, sin)
-    rest = {n: a for n, a in kwargs.items() if n not in _CONSUMED}
+        q, k = _module_rotary(attn, form, q, k, cos, sin)
+    rest = _passed_kwargs(form, kwargs)
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is not None:  # as the module's forward calls it (decode_checks.UPDATE_FORMS)
         if form.update == "kwargs":
-            k, v = cache.update(k, v, attn.layer_idx, kwargs=rest)
+            k, v = cache.update(k, v, attn.layer_idx, kwargs={} if form.partial_rotary else rest)
         elif form.update == "cache_kwargs":
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
             k, v = cache.update(k, v, attn.layer_idx, cache_kwargs)
@@ -524,19 +570,43 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
     return out.reshape(*input_shape, -1).contiguous()
 
 
+def _passed_kwargs(form: checks.AttentionForm, kwargs: dict) -> dict:
+    """The keyword arguments of the layer's call that the module's attention forward passes on
+    to its attention function: all the step does not consume, or StableLM's ``position_ids``
+    alone (its layer passes its attention no others)."""
+    if form.partial_rotary:
+        return {"position_ids": kwargs.get("position_ids")}
+    return {k: v for k, v in kwargs.items() if k not in _CONSUMED}
+
+
+def _module_rotary(attn: nn.Module, form: checks.AttentionForm, q: Tensor, k: Tensor, cos: Tensor,
+                   sin: Tensor) -> tuple[Tensor, Tensor]:
+    """The module's rotary function over q and k [B, heads, S, hd] as its forward applies it: to
+    the first ``rotary_ndims`` columns of each head, the rest concatenated after (StableLM), or
+    to the whole heads."""
+    rotary = checks.module_rotary(attn, form)
+    if not form.partial_rotary:
+        return rotary(q, k, cos, sin)
+    r = attn.rotary_ndims
+    q_rot, k_rot = rotary(q[..., :r], k[..., :r], cos, sin)
+    return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+
+
 def _rope_in_kernel(attn: nn.Module, y: Tensor, cos: Tensor, sin: Tensor,
                     sizes: tuple[int, int, int]) -> tuple[Tensor, Tensor] | None:
     """The module's rotary embedding of the q and k columns of ``y`` in one launch
     (kernels/triton_qk_rope.py ``rope_qk``) in an eager call on the kernels' device, where the
-    module's function is the standard one and cos/sin are of y's dtype over whole heads; None
-    otherwise (the caller runs the module's function)."""
-    if torch.compiler.is_compiling() or not checks.on_kernel_device(y) or checks.why_not_rotary(attn) is not None:
+    module's function is the standard one and cos/sin are of y's dtype over the columns its
+    forward rotates (whole heads, or StableLM's first ``rotary_ndims``); None otherwise (the
+    caller runs the module's function)."""
+    if torch.compiler.is_compiling() or not checks.on_kernel_device(y) or checks.why_not_rotary(attn) is not None \
+            or cos.shape[-1] != checks.rotary_columns(attn, checks.attention_form(type(attn))):
         return None
     hd = attn.head_dim
     kernel = checks.qk_rope_kernel()
     if sizes[0] % hd or sizes[1] % hd or kernel.check_rope(y, cos, sin, sizes[0] // hd, sizes[1] // hd) is not None:
         return None
-    return kernel.rope_qk(y, cos, sin, sizes[0] // hd, sizes[1] // hd)
+    return kernel.rope_qk(y, cos, sin, sizes[0] // hd, sizes[1] // hd, checks.attention_form(type(attn)).pair_rotary)
 
 
 def _kernel_attention(attn: nn.Module, form: checks.AttentionForm, interface, q: Tensor, k: Tensor, v: Tensor,
@@ -601,10 +671,12 @@ def _qkv_with_adapters(x: Tensor, norm: nn.Module, qkv: nn.Module, slots: list[n
     return adapter_terms.add_slice_terms(slots, _normed(x, *_norm_args(norm)), y, qkv.sizes)
 
 
-def attention(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None) -> Tensor:
-    """The attention sublayer of ``layer`` before O, for the normalised ``x``: the static-cache
+def attention(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None, normed: bool = False) -> Tensor:
+    """The attention sublayer of ``layer`` before O, for ``x`` normalised by the layer's input
+    norm in the Q/K/V GEMM's prologue (``normed``: x is already normalised): the static-cache
     step where ``layer`` takes it and the call's cache allows, else the module's computation."""
-    attn, norm = layer.self_attn, layer._modules.get("input_layernorm")  # (OLMo 2's layer has none)
+    attn = layer.self_attn
+    norm = None if normed else layer._modules.get("input_layernorm")  # (OLMo 2's layer has none)
     qkv = attn._modules[QKV_NAME]
     slot = checks.kv_slot(attn, x, kwargs) if checks.takes_static_step(layer) else None
     if slot is not None:
@@ -684,16 +756,33 @@ def _post_norm_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor 
     return add_norm(h, layer.post_feedforward_layernorm, down)
 
 
+def _norm_modules_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None) -> Tensor:
+    """Cohere's and StableLM's layers: ``n = input_norm(x)``, ``h = x + O(attention(n))``, then
+    ``y = h + down(glu(gate_up(n)))`` (parallel: Cohere's, and StableLM's where its
+    ``use_parallel_residual`` says so) or ``y = h + down(glu(gate_up(post_attention_norm(h))))``;
+    their norms (LayerNorms) called as the modules they are (as stock), StableLM's MLP dropout
+    the identity (checked per call). The stock parallel sum ``x + attention + mlp`` adds left to
+    right, rounding after each add: the O epilogue's ``x + O`` and the down epilogue's add of the
+    MLP round the same way."""
+    n = layer.input_layernorm(x)
+    h = _slot_add(layer.self_attn.o_proj, attention(layer, n, kwargs, counters, normed=True), x, counters, None)
+    parallel = checks.norm_modules(layer) == "parallel" or layer.use_parallel_residual
+    mlp_in = n if parallel else layer.post_attention_layernorm(h)
+    return _slot_add(layer.mlp.down_proj, _mlp_inner(layer.mlp, None, mlp_in), h, counters, None)
+
+
 def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None = None) -> Tensor:
     """The whole decoder layer for a call ``decode_checks.takes_fused_path`` accepted:
     ``h = x + O(attention(norm1(x)))``, ``y = h + down(glu(gate_up(norm2(h))))`` (Granite:
     ``O(...)`` and ``down(...)`` times the layer's ``residual_multiplier``; Gemma 2/3: each
-    normalised before its add, :func:`_post_norm_step`), with the terms of
-    the LoRA layers over its projections (fusion/models/adapter_terms.py). A mixture-of-experts
+    normalised before its add, :func:`_post_norm_step`; Cohere, StableLM: :func:`_norm_modules_step`),
+    with the terms of the LoRA layers over its projections (fusion/models/adapter_terms.py). A mixture-of-experts
     layer: ``y = h + moe_block(norm2(h))``, the block (its router, the grouped expert kernels)
     and the norm called as the modules they are."""
     if checks.post_norms(layer):
         return _post_norm_step(layer, x, kwargs, counters)
+    if checks.norm_modules(layer):
+        return _norm_modules_step(layer, x, kwargs, counters)
     m = checks.residual_multiplier(layer)
     h = _slot_add(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), x, counters, m)
     if checks.moe_block(layer.mlp):

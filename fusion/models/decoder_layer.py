@@ -12,7 +12,10 @@ checkpoint, run as they are; its residual dropouts the identity in inference),
 ``Gemma2DecoderLayer`` and ``Gemma3DecoderLayer`` (each sublayer's output normalised before
 its residual add; their attention the module's function over the fused Q/K/V),
 ``Olmo2DecoderLayer`` (the same without input norms; its q/k norms over all heads, run as
-modules on the fused Q/K/V) and the
+modules on the fused Q/K/V), ``StableLmDecoderLayer`` (its LayerNorms called as the modules they
+are, its residual parallel or sequential as the instance says, its rotary over the first
+``rotary_ndims`` columns of each head in a launch after the Q/K/V GEMM), ``CohereDecoderLayer``
+(the same with its parallel residual and its rotary of neighbouring columns) and the
 mixture-of-experts ``Qwen3MoeDecoderLayer``, ``MixtralDecoderLayer`` and ``Qwen2MoeDecoderLayer``
 (their sparse block called as a module, its experts the grouped kernels) whose forwards are the
 ones the step computes (checked in their source when patched, so a release that changes them
@@ -35,7 +38,8 @@ LAYER_MODULES = {"LlamaDecoderLayer": "llama", "Qwen2DecoderLayer": "qwen2", "Qw
                  "MistralDecoderLayer": "mistral", "GraniteDecoderLayer": "granite",
                  "Qwen3MoeDecoderLayer": "qwen3_moe", "MixtralDecoderLayer": "mixtral",
                  "Qwen2MoeDecoderLayer": "qwen2_moe", "GemmaDecoderLayer": "gemma", "Phi3DecoderLayer": "phi3",
-                 "Gemma2DecoderLayer": "gemma2", "Gemma3DecoderLayer": "gemma3", "Olmo2DecoderLayer": "olmo2"}
+                 "Gemma2DecoderLayer": "gemma2", "Gemma3DecoderLayer": "gemma3", "Olmo2DecoderLayer": "olmo2",
+                 "StableLmDecoderLayer": "stablelm", "CohereDecoderLayer": "cohere"}
 LAYER_CLASSES = tuple(LAYER_MODULES)
 # A fused layer's int32 buffer (not in the state dict) of split-K arrival counters for its
 # GEMMs, which run one after another and leave it zero: a compiled decode step then needs no

@@ -94,13 +94,15 @@ def gated_shapes(model: nn.Module) -> list[GatedShape]:
     checkpoint's stacked ``gate_up_proj``), each (I, K, bias) once with every norm prologue it
     is called with: none as a module, and in a fused decoder layer the norm before its MLP
     (``post_attention_layernorm``, a post-norm layer's ``pre_feedforward_layernorm``; none
-    where the layer has none, OLMo 2)."""
+    where the layer has none, OLMo 2, or calls its norms as modules, Cohere and StableLM)."""
     found: dict[tuple[int, int, bool], set] = {}
     prologue: dict[int, str | None] = {}  # id(gate/up module) -> the decode step's prologue
     for layer in model.modules():
         if isinstance(layer, HybridDecoderLayer) and not decode_checks.moe_block(layer.mlp):
             gate_up = layer.mlp._modules.get(FUSED_GATE_UP)
             norm = decode_checks.layer_norms(layer)[2 if decode_checks.post_norms(layer) else 1]
+            if decode_checks.norm_modules(layer):  # Cohere's, StableLM's norms run as modules: no prologue
+                norm = None
             if gate_up is not None:  # (by the norm's class: a model built in fp32 has fp32 weights everywhere)
                 prologue[id(gate_up)] = None if norm is None else "fp32" if isinstance(norm, Fp32FactorRMSNorm) \
                     else "x"

@@ -133,10 +133,12 @@ from hybridgemm.norm import (
 from hybridgemm.router import HybridTopKRouter, why_not_router
 
 from .decode_checks import (
+    NORMS_AS_MODULES,
     NOT_A_LAYER,
     POST_NORMS,
     SCALED_RESIDUALS,
     STATIC_STEP,
+    norm_modules_form,
     normalises_outputs,
     scales_residuals,
     why_not_fuse_attention,
@@ -469,7 +471,8 @@ def _fuse_layer(layer: nn.Module) -> str | None:
     """Give a recognised decoder layer its fused forward and its arrival counters (class
     swapped in place, recorded for unpatch); mark it for the static-cache step where its
     attention allows (else return why not)."""
-    scaled, post_norms = scales_residuals(type(layer)), normalises_outputs(type(layer))
+    scaled, post_norms, norm_modules = scales_residuals(type(layer)), normalises_outputs(type(layer)), \
+        norm_modules_form(type(layer))
     record(layer, ("class", next(_SEQ), type(layer)))
     layer.__class__ = fused_class(type(layer))
     layer.register_buffer(COUNTERS, new_counters(next(layer.parameters()).device), persistent=False)
@@ -478,6 +481,8 @@ def _fuse_layer(layer: nn.Module) -> str | None:
         _set_attr(layer, SCALED_RESIDUALS, True)
     if post_norms:
         _set_attr(layer, POST_NORMS, True)
+    if norm_modules:
+        _set_attr(layer, NORMS_AS_MODULES, norm_modules)
     why_not = why_not_fuse_attention(layer.self_attn)
     if why_not is None:
         _set_attr(layer, STATIC_STEP, True)

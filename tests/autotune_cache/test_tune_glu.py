@@ -177,7 +177,8 @@ def test_presets_name_the_norm_before_their_mlp():
 
 
 @pytest.mark.parametrize("kind,norms", [("llama", (None, "x")), ("phi3", (None, "x")), ("gemma", (None, "fp32")),
-                                        ("gemma2", (None, "fp32")), ("olmo2", (None,)), ("mixtral", None)])
+                                        ("gemma2", (None, "fp32")), ("olmo2", (None,)), ("stablelm", (None,)),
+                                        ("mixtral", None)])
 def test_gated_shapes_are_what_the_patched_layers_call(kind, norms):
     pytest.importorskip("transformers")
     from helpers import llama_variants

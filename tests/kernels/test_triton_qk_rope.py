@@ -239,11 +239,96 @@ def test_rope_alone_is_transformers_rotary_bit_for_bit(device, b, s, heads, kv_h
         assert torch.equal(k, ref_k.transpose(1, 2).reshape(b, s, -1)), dtype
 
 
+def _stablelm_rotary(y, cos, sin, heads, kv_heads, hd):
+    """StableLM's attention from its projection to the cache, with transformers' own pieces: the
+    first ``cos.shape[-1]`` columns of each head rotated, the rest passed, ``torch.cat``."""
+    from transformers.models.stablelm.modeling_stablelm import apply_rotary_pos_emb
+
+    b, s, _ = y.shape
+    rot = cos.shape[-1]
+    q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    q = q.view(b, s, heads, hd).transpose(1, 2)
+    k = k.view(b, s, kv_heads, hd).transpose(1, 2)
+    q_rot, k_rot = apply_rotary_pos_emb(q[..., :rot], k[..., :rot], cos, sin)
+    q, k = torch.cat((q_rot, q[..., rot:]), dim=-1), torch.cat((k_rot, k[..., rot:]), dim=-1)
+    return q.transpose(1, 2).reshape(b, s, heads * hd), k, v.view(b, s, kv_heads, hd).transpose(1, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b,s,heads,kv_heads,hd,rot,base", [(1, 1, 4, 2, 32, 8, 5), (3, 1, 3, 1, 20, 4, 0),
+                                                            (2, 3, 5, 5, 80, 20, 7), (1, 2, 2, 2, 16, 16, 3),
+                                                            (3, 2, 6, 2, 10, 2, 1)])
+def test_partial_rotary_without_norms_is_stablelm_bit_for_bit(device, b, s, heads, kv_heads, hd, rot, base):
+    """No q/k norms and cos/sin of ``rot`` columns (StableLM's, GPT-NeoX's ``rotary_ndims``): q and
+    the cached k are transformers' partial rotary bit for bit (16-bit: each product and sum
+    rounded as torch rounds them; fp32: no FMA), v cached as it is, nothing else written; the
+    rotary alone (``rope_qk``) the same. A whole-head ``rot`` is the standard rotary."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    for dtype in ([torch.bfloat16, torch.float16, torch.float32] if device == "cuda" else CPU_DTYPES):
+        y, _, _, keys, values, *_ = _operands(b, s, heads, kv_heads, hd, dtype, device, dtype, seed=hd + rot)
+        g = torch.Generator().manual_seed(rot)
+        angles = torch.rand(b, s, rot // 2, generator=g) * 6.3
+        emb = torch.cat([angles, angles], dim=-1)
+        cos, sin = emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
+        pos = torch.tensor([base], dtype=torch.int64, device=device)
+        assert tqr.check(y, None, None, cos, sin, keys, values, pos, heads) is None
+        q = tqr.qk_norm_rope_store(y, None, None, cos, sin, keys, values, pos, heads)
+        ref_q, ref_k, ref_v = _stablelm_rotary(y, cos, sin, heads, kv_heads, hd)
+        assert torch.equal(q, ref_q), dtype
+        assert torch.equal(keys[:, :, base:base + s], ref_k) and torch.equal(values[:, :, base:base + s], ref_v)
+        others = torch.ones(keys.shape[2], dtype=torch.bool)
+        others[base:base + s] = False
+        assert torch.isnan(keys[:, :, others]).all() and torch.isnan(values[:, :, others]).all()
+        assert tqr.check_rope(y, cos, sin, heads, kv_heads) is None
+        q2, k2 = tqr.rope_qk(y, cos, sin, heads, kv_heads)
+        assert torch.equal(q2, ref_q) and torch.equal(k2, ref_k.transpose(1, 2).reshape(b, s, -1)), dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b,s,heads,kv_heads,hd,base", [(1, 1, 4, 2, 32, 5), (3, 1, 3, 1, 16, 0), (2, 2, 5, 5, 6, 9)])
+def test_neighbour_pairs_are_coheres_rotary_bit_for_bit(device, b, s, heads, kv_heads, hd, base):
+    """``pairs``: Cohere's rotary (columns 2i and 2i + 1 paired, cos/sin interleaved, q and k
+    rotated as fp32 copies and rounded once) with its own functions: q and the cached k bit for
+    bit, with the cache write and alone (``rope_qk``)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    cohere = pytest.importorskip("transformers.models.cohere.modeling_cohere")
+    for dtype in ([torch.bfloat16, torch.float16, torch.float32] if device == "cuda" else CPU_DTYPES):
+        y, _, _, keys, values, *_ = _operands(b, s, heads, kv_heads, hd, dtype, device, dtype, seed=hd + 1)
+        g = torch.Generator().manual_seed(hd)
+        emb = torch.repeat_interleave(torch.rand(b, s, hd // 2, generator=g) * 6.3, 2, dim=-1)
+        cos, sin = emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
+        q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+        ref_q, ref_k = cohere.apply_rotary_pos_emb(q.view(b, s, heads, hd).transpose(1, 2),
+                                                   k.view(b, s, kv_heads, hd).transpose(1, 2), cos, sin)
+        ref_q = ref_q.transpose(1, 2).reshape(b, s, -1)
+        pos = torch.tensor([base], dtype=torch.int64, device=device)
+        got = tqr.qk_norm_rope_store(y, None, None, cos, sin, keys, values, pos, heads, pairs=True)
+        assert torch.equal(got, ref_q), dtype
+        assert torch.equal(keys[:, :, base:base + s], ref_k)
+        assert torch.equal(values[:, :, base:base + s], v.view(b, s, kv_heads, hd).transpose(1, 2))
+        q2, k2 = tqr.rope_qk(y, cos, sin, heads, kv_heads, pairs=True)
+        assert torch.equal(q2, ref_q) and torch.equal(k2, ref_k.transpose(1, 2).reshape(b, s, -1)), dtype
+
+
+def test_check_refuses_one_norm_without_the_other_and_an_odd_or_too_wide_rotary():
+    y, cos, sin, keys, values, q_norm, _ = _operands(2, 1, 4, 2, 8, torch.float32, "cpu", torch.float32)
+    base = torch.zeros(1, dtype=torch.int64)
+    why = tqr.check(y, (q_norm.weight.detach(), 1e-6, 0.0), None, cos, sin, keys, values, base, 4)
+    assert why is not None and "together" in why
+    for width in (3, 10):  # odd; wider than the head
+        c = torch.ones(2, 1, width)
+        why = tqr.check(y, None, None, c, c, keys, values, base, 4)
+        assert why is not None and "R even, at most 8" in why, why
+        assert "R even" in tqr.check_rope(y, c, c, 4, 2)
+
+
 @pytest.mark.parametrize("name,change,why", [
     ("y", lambda y: y[..., :-2], "columns"),
     ("y", lambda y: y.transpose(0, 1).contiguous().transpose(0, 1), "flatten"),
     ("cos", lambda c: c.float(), "y's dtype"),
-    ("cos", lambda c: c[..., :-2], "columns"),
+    ("cos", lambda c: torch.cat([c, c[..., :2]], dim=-1), "at most 8"),  # wider than a head
     ("heads", lambda h: 0, "columns"),
 ])
 def test_check_rope_names_what_does_not_fit(name, change, why):
@@ -268,7 +353,8 @@ ptrs = ["*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*bf16", "*bf16", "*i64", "
 scalars = ["i32"] * 13 + ["fp32"] * 6
 sig = dict(zip(fn.arg_names, ptrs + scalars))
 for q_cols, kv_cols, hd in ((4096, 4096, 128), (5120, 1024, 128), (2048, 512, 64)):
-    consts = dict(QB=tqr.next_pow2(q_cols), KB=tqr.next_pow2(kv_cols), HD=hd, ROUND_EACH=False)
+    consts = dict(QB=tqr.next_pow2(q_cols), KB=tqr.next_pow2(kv_cols), HD=hd, ROUND_EACH=False, NORM=True,
+                  ROT=hd, PAIRS=False)
     src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
     try:
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16 if q_cols > 4096 else 8,
@@ -276,9 +362,9 @@ for q_cols, kv_cols, hd in ((4096, 4096, 128), (5120, 1024, 128), (2048, 512, 64
     except (TypeError, KeyError, AttributeError) as e:
         raise SystemExit(f"API: {type(e).__name__}: {e}")
     assert c.asm["cubin"], q_cols
-rope = tqr._qk_rope_kernel  # the rotary alone: Gemma 2's 16 + 8 heads of 256, bf16 cos/sin
+rope = tqr._qk_rope_kernel  # the rotary alone: 16 + 8 heads of 256, bf16 cos/sin
 sig = dict(zip(rope.arg_names, ["*bf16"] * 5 + ["i32"] * 6))
-consts = dict(QB=4096, KB=2048, HD=256, ROUND_EACH=True)
+consts = dict(QB=4096, KB=2048, HD=256, ROUND_EACH=True, ROT=64, PAIRS=False)  # (and a partial rotary)
 src = ASTSource(fn=rope, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
 assert triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "enable_fp_fusion": False})
 print("compiled")

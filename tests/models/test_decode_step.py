@@ -219,14 +219,16 @@ def _tiny(kind: str, layers: int = 2, attention: str = "sdpa", **extra):
               "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
               "granite": transformers.GraniteConfig, "gemma": transformers.GemmaConfig,
               "phi3": transformers.Phi3Config, "gemma2": transformers.Gemma2Config,
-              "gemma3": transformers.Gemma3TextConfig, "olmo2": transformers.Olmo2Config}[kind](**kw)
+              "gemma3": transformers.Gemma3TextConfig, "olmo2": transformers.Olmo2Config,
+              "stablelm": transformers.StableLmConfig, "cohere": transformers.CohereConfig}[kind](**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
-    if kind in ("gemma", "gemma2", "gemma3", "olmo2"):  # norms start at a factor of 1: others, so the factor shows
-        with torch.no_grad():
+    if kind in ("gemma", "gemma2", "gemma3", "olmo2", "stablelm", "cohere"):  # norms start as the identity:
+        with torch.no_grad():                                                    # others, so that they show
             for name, p in model.named_parameters():
                 if "norm" in name:
-                    p.uniform_(*((0.5, 1.5) if kind == "olmo2" else (-0.5, 0.5)))
+                    p.uniform_(*((0.5, 1.5) if kind in ("olmo2", "stablelm", "cohere") and name.endswith("weight")
+                                 else (-0.5, 0.5)))
     return model
 
 
@@ -462,6 +464,113 @@ def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_o
     assert launches == [((2, 4 * 32), extra.get("attn_logit_softcapping") or 0.0, n) for n in steps_added] * 3
     # OLMo 2: its q/k norms, rotary and cache write in one launch per layer and new token
     assert qk_rows == ([(2, 1)] * 6 if kind == "olmo2" else [])
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])
+@pytest.mark.parametrize("rotary,bias", [(0.25, True), (1.0, False)], ids=["quarter-rotary-qkv-bias", "whole-rotary"])
+def test_stablelm_layers_decode_as_stock_does(parallel, rotary, bias, kernels_on_cpu):
+    """StableLM: its LayerNorms (weight and bias) called as modules, the residual parallel (the
+    attention and the MLP of one normalised input) or sequential, the rotary over the first
+    quarter of each head's columns (the rest passed) or all of them, Q/K/V with or without a
+    bias. Each layer takes the static-cache step: the Q/K/V GEMM without a prologue, then one
+    launch for the rotary and the cache write, the attention kernel, O and down with their
+    residuals in the epilogue."""
+    from hybridgemm.kernels import triton_qk_rope as tqr
+
+    stock = _tiny("stablelm", head_dim=32, partial_rotary_factor=rotary, use_qkv_bias=bias,
+                  use_parallel_residual=parallel)
+    model = _patched(stock)
+    assert all(layer.__dict__.get(checks.NORMS_AS_MODULES) == "chosen" for layer in model.model.layers)
+    assert model.model.layers[0].post_attention_layernorm is None if parallel else True
+    stores, real = [], tqr.qk_norm_rope_store
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tqr, "qk_norm_rope_store", lambda y, qn, kn, cos, *a, **kw: stores.append(
+            (tuple(y.shape), qn, cos.shape[-1])) or real(y, qn, kn, cos, *a, **kw))
+        _compare(model, stock, steps=3, batch=2)
+    assert kernels_on_cpu["rope"] == 0 and kernels_on_cpu["norm"] == 0  # the norms ran as modules
+    assert stores == [((2, 1, (4 + 2 * 2) * 32), None, int(32 * rotary))] * 2 * 3  # each layer, each new token
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cohere_layers_decode_as_stock_does(batch, kernels_on_cpu):
+    """Cohere (Aya 23, Command R): its mean-centred LayerNorm (weight only, fp32) called as a
+    module, the attention and the MLP of one normalised input added in parallel, its rotary of
+    neighbouring columns in fp32 with the cache write in one launch after the Q/K/V GEMM; the
+    logit scale outside the layers. Static cache, then generate's dynamic one."""
+    from hybridgemm.kernels import triton_qk_rope as tqr
+
+    stock = _tiny("cohere", logit_scale=0.25)
+    model = _patched(stock)
+    assert all(layer.__dict__.get(checks.NORMS_AS_MODULES) == "parallel" for layer in model.model.layers)
+    stores, real = [], tqr.qk_norm_rope_store
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tqr, "qk_norm_rope_store", lambda y, qn, kn, cos, *a, pairs=False: stores.append(
+            (tuple(y.shape), qn, pairs)) or real(y, qn, kn, cos, *a, pairs=pairs))
+        _compare(model, stock, steps=3, batch=batch)
+    assert kernels_on_cpu["rope"] == 0 and kernels_on_cpu["norm"] == 0
+    assert stores == [((batch, 1, (4 + 2 * 2) * 32), None, True)] * 2 * 3
+    ids = torch.randint(3, VOCAB, (2, 4))
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        ref = stock.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens, ref)
+
+
+def test_cohere_with_per_head_qk_norms_keeps_the_fused_layer_on_the_modules_attention(kernels_on_cpu):
+    """use_qk_norm (Command R+'s per-head LayerNorms over q and k): the layer is fused, its
+    attention runs the module's computation over the fused Q/K/V, and the report says why."""
+    stock = _tiny("cohere", use_qk_norm=True)
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if "q_norm" in name or "k_norm" in name:
+                p.uniform_(0.5, 1.5)
+    model = copy.deepcopy(stock)
+    report = hybridgemm.patch(model)
+    assert report.fused_layers == ["model.layers.0", "model.layers.1"] and report.fused_attention == []
+    assert all("use_qk_norm" in why for _, why in report.skipped if why.startswith("decoder layer attention"))
+    _compare(model, stock, steps=2, batch=2)
+
+
+def test_stablelm_with_per_head_qk_layernorms_keeps_the_fused_layer_on_the_modules_attention(kernels_on_cpu):
+    """qk_layernorm (StableLM 2 12B's per-head LayerNorms over q and k): the layer is fused, its
+    attention runs the module's computation over the fused Q/K/V (the norms as modules, on the
+    head views, before the rotary), with a static cache and with generate's dynamic one, and
+    the report says why the attention step is not taken."""
+    stock = _tiny("stablelm", head_dim=32, qk_layernorm=True, use_parallel_residual=True)
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if "layernorm.norms" in name:
+                p.uniform_(0.5, 1.5)
+    model = copy.deepcopy(stock)
+    report = hybridgemm.patch(model)
+    assert report.fused_layers == ["model.layers.0", "model.layers.1"] and report.fused_attention == []
+    assert all("qk_layernorm" in why for _, why in report.skipped if why.startswith("decoder layer attention"))
+    _compare(model, stock, steps=2, batch=2)
+    ids = torch.randint(3, VOCAB, (1, 4))
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        ref = stock.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens, ref)
+
+
+def test_stablelm_over_generates_dynamic_cache_matches_stock(kernels_on_cpu):
+    """generate() with its default dynamic cache: the fused layer's attention through the module's
+    computation, the partial rotary in one launch (``rope_qk``) for each new token."""
+    from hybridgemm.kernels import triton_qk_rope as tqr
+
+    stock = _tiny("stablelm", head_dim=32, partial_rotary_factor=0.25)
+    model = _patched(stock)
+    widths, real = [], tqr.rope_qk
+    ids = torch.randint(3, VOCAB, (2, 4))
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tqr, "rope_qk", lambda y, cos, *a: widths.append(cos.shape[-1]) or real(y, cos, *a))
+        out = model(ids).logits
+        ref = stock(ids).logits
+        tokens = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        ref_tokens = stock.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(tokens, ref_tokens)
+    assert widths and set(widths) == {8}
 
 
 @pytest.mark.parametrize("kind,attention,extra", [

@@ -11,7 +11,7 @@ import torch
 
 from helpers import llama_variants, static_decode
 from hybridgemm import dispatch
-from hybridgemm.kernels import triton_splitk
+from hybridgemm.kernels import triton_qk_rope, triton_splitk
 from hybridgemm.kernels.triton_rope import RotaryCache
 
 pytestmark = pytest.mark.gpu
@@ -81,7 +81,8 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
 
 
 @pytest.fixture(params=["llama", "qwen3", "granite", "qwen3_moe", "mixtral", "qwen2_moe", "gemma", "phi3", "gemma2",
-                        "gemma2-wide", "gemma3", "gemma3-wide", "olmo2"])
+                        "gemma2-wide", "gemma3", "gemma3-wide", "olmo2", "stablelm", "stablelm_parallel",
+                        "cohere"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
@@ -94,8 +95,11 @@ def models(monkeypatch, request):
     on the device, window_cache), gemma3 (post-norms, (1 + w) q/k norms; its two layers sliding,
     their window of 4 filled: the module's attention over the fused QKV), gemma3-wide (a
     sliding layer of window 64 beside a full one: both take the static-cache step, the q/k
-    norms in the rotary epilogue) and olmo2 (post-norms only; the static-cache
-    step with its q/k norms over all heads as modules after the fused QKV, so no rotary epilogue)."""
+    norms in the rotary epilogue), olmo2 (post-norms only; the static-cache
+    step with its q/k norms over all heads as modules after the fused QKV, so no rotary epilogue)
+    and stablelm, stablelm_parallel (LayerNorms as modules; the rotary over a quarter of each head
+    and the cache write in one launch after the QKV GEMM, counted as the rotary here), cohere
+    (the same with its rotary of neighbouring columns in fp32)."""
     kind, _, wide = request.param.partition("-")
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=kind, window=64 if wide else None,
                                          attention="eager" if request.param == "gemma2-wide" else None)
@@ -106,8 +110,15 @@ def models(monkeypatch, request):
         calls["rope"] += rope is not None
         return real(cfg, *a, rope=rope, **kw)
 
+    real_store = triton_qk_rope.qk_norm_rope_store
+
+    def store(y, q_norm, *a, **kw):
+        calls["rope"] += q_norm is None  # (StableLM's, Cohere's rotary and cache write, after the GEMM)
+        return real_store(y, q_norm, *a, **kw)
+
     monkeypatch.setattr(dispatch, "splitk_config", lambda *a: SPLITK)
     monkeypatch.setattr(triton_splitk, "run", run)
+    monkeypatch.setattr(triton_qk_rope, "qk_norm_rope_store", store)
     return ref, stock, patched, calls
 
 

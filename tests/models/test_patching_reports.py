@@ -42,7 +42,7 @@ CONFIGS = {
 
 SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer, GraniteDecoderLayer, "
              "Qwen3MoeDecoderLayer, MixtralDecoderLayer, Qwen2MoeDecoderLayer, GemmaDecoderLayer, Phi3DecoderLayer, "
-             "Gemma2DecoderLayer, Gemma3DecoderLayer, Olmo2DecoderLayer")
+             "Gemma2DecoderLayer, Gemma3DecoderLayer, Olmo2DecoderLayer, StableLmDecoderLayer, CohereDecoderLayer")
 
 
 def _layer(cls: str) -> str:
@@ -79,9 +79,9 @@ EXPECTED = {
     # its norms (weight in fp32) patched, the post-norms applied to O's and down's outputs; its
     # q/k norms over all heads run as modules in the static-cache step, after the Q/K/V GEMM
     "olmo2": [],
-    "stablelm": [(L, _layer("StableLmDecoderLayer")), (f"{L}.input_layernorm", _norm("LayerNorm")),
-                 (f"{L}.post_attention_layernorm", _norm("LayerNorm"))],
-    "cohere": [(L, _layer("CohereDecoderLayer")), (f"{L}.input_layernorm", _norm("CohereLayerNorm"))],
+    # the layer fused, its LayerNorms called as the modules they are
+    "stablelm": [(f"{L}.input_layernorm", _norm("LayerNorm")), (f"{L}.post_attention_layernorm", _norm("LayerNorm"))],
+    "cohere": [(f"{L}.input_layernorm", _norm("CohereLayerNorm"))],  # the layer fused, its norm a module
     # Q/K/V one linear already (swapped as it is): Phi-3's layer fused with its stacked gate/up;
     # GPT-NeoX's and Falcon's GELU in the first MLP GEMM, the layer and its LayerNorms left
     "phi3": [],

@@ -94,7 +94,12 @@ def by_key_models(shapes, key) -> tuple[str, ...]:
 def test_all_presets_deduplicated_bias_kept_apart():
     shapes = MS.sweep_shapes()
     keys = [(s.n, s.k, s.bias) for s in shapes]
-    assert len(keys) == len(set(keys)) == 26
+    assert len(keys) == len(set(keys)) == 31
+    # stablelm-3b's (32 heads of 80 over 2560, no GQA): q, k/v and o one shape, its Q/K/V 7680 rows;
+    # stablelm-2-1.6b's q/k/v carry biases (o none): its 2048 x 2048 twice, apart
+    assert by_key_models(shapes, (7680, 2560, False)) == ("stablelm-3b",)
+    assert by_key_models(shapes, (2048, 2048, True)) == by_key_models(shapes, (2048, 2048, False)) \
+        == ("stablelm-2-1.6b",)
     # olmo2-7b's (32 heads of 128 over 4096, no GQA): its Q/K/V 12288 rows over 4096 (q, k/v and o are llama's o)
     assert by_key_models(shapes, (12288, 4096, False)) == ("olmo2-7b",)
     # gemma-7b's attention (16 heads of 256 over 3072, no GQA): q, k/v and o shapes of its own
@@ -102,7 +107,7 @@ def test_all_presets_deduplicated_bias_kept_apart():
     # qwen3-30b-a3b's attention (32 heads of 128 over 2048) is a shape set of its own; mixtral's is llama3-8b's
     assert by_key_models(shapes, (5120, 2048, False)) == ("qwen3-30b-a3b",)
     assert by_key_models(shapes, (6144, 4096, False)) == ("llama3-8b", "mistral-7b", "qwen3-8b", "granite-8b",
-                                                          "mixtral-8x7b")
+                                                          "aya-23-8b", "mixtral-8x7b")
     # phi3-mini's (32 heads of 96 over 3072, no GQA): q, k/v and o one 3072 x 3072 shape, its Q/K/V 9216 rows
     assert by_key_models(shapes, (3072, 3072, False)) == ("phi3-mini",)
     assert by_key_models(shapes, (9216, 3072, False)) == ("phi3-mini",)
