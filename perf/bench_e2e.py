@@ -108,6 +108,7 @@ from dataclasses import dataclass, field
 import torch
 
 import hybridgemm
+from hybridgemm.models import decode_checks
 from hybridgemm.models.patching import ATTENTION_NOT_FUSED
 from hybridgemm.perf import csvio
 from hybridgemm.perf import e2e_models as hf
@@ -500,24 +501,36 @@ def attention_skips(report) -> list[tuple[str, str]]:
     return [(n, r) for n, r in report.skipped if n in fused and r.startswith(ATTENTION_NOT_FUSED)]
 
 
+def norm_module_skips(report, model) -> list[tuple[str, str]]:
+    """The entries of ``report.skipped`` for the norms of decoder layers ``patch`` fused that call
+    them as the modules they are (StableLM's and Cohere's LayerNorms,
+    ``decode_checks.NORMS_AS_MODULES``): the layer is measured as patched, and the log lists them."""
+    fused = {n for n in report.fused_layers if decode_checks.norm_modules(model.get_submodule(n))}
+    return [(n, r) for n, r in report.skipped
+            if n.rpartition(".")[0] in fused and n.rpartition(".")[2] in decode_checks.LAYER_NORM_NAMES]
+
+
 def _patched(run: Run, stock) -> tuple[torch.nn.Module | BaseException, list[str]]:
     """A copy of ``stock`` patched as ``run`` asks (FP8 weights with a granularity), and the
     names of the modules ``patch`` quantized; or the exception that stopped it. As strict as
     ``patch(strict=True)`` (every module patch reports it left alone fails the variant) but
-    for fused layers whose attention runs the module's function (:func:`attention_skips`), which
-    the log lists."""
+    for fused layers whose attention runs the module's function (:func:`attention_skips`) and
+    the norms fused layers call as modules (:func:`norm_module_skips`), which the log lists."""
     try:
         patched = hf.build_model(run.config, run.dtype, run.device)
         patched.load_state_dict(stock.state_dict())
         fp8 = {} if run.granularity is None else dict(weights="fp8", granularity=run.granularity,
                                                        quantize_lm_head=run.quantize_lm_head)
         report = hybridgemm.patch(patched, **fp8)
-        partial = attention_skips(report)
-        left = [s for s in report.skipped if s not in partial]
+        partial, norms = attention_skips(report), norm_module_skips(report, patched)
+        left = [s for s in report.skipped if s not in partial and s not in norms]
         if not report.patched or left:
             raise ValueError(f"{report.summary()}; {len(left)} modules left unpatched or unfused: "
                              + "; ".join(f"{n or '(root)'}: {r}" for n, r in left))
         run.log(report.summary() + (f"; {len(report.fp8)} projections quantized ({run.granularity})" if fp8 else ""))
+        if norms:
+            kinds = dict.fromkeys(type(patched.get_submodule(n)).__name__ for n, _ in norms)
+            run.log(f"{len(norms)} norms of fused decoder layers run as their modules ({', '.join(kinds)})")
         if partial:
             reasons = dict.fromkeys(r for _, r in partial)
             run.log(f"{len(partial)} fused decoder layers run their attention module's function over the fused "

@@ -154,6 +154,7 @@ _PARALLEL_LAYER_BODY = (
 # its norms as the modules they are, and takes its residual form from this value: "parallel"
 # (Cohere's) or "chosen" (StableLM's: as the instance's use_parallel_residual says).
 NORMS_AS_MODULES = "_hybridgemm_norms_as_modules"
+LAYER_NORM_NAMES = ("input_layernorm", "post_attention_layernorm")  # a pre-norm layer's two norms
 MLP_DROPOUT = "dropout"  # StableLM's dropout module
 _PLAIN_Q = "query_states=self.q_proj(hidden_states).view(hidden_shape).transpose(1,2)"
 _PLAIN_K = "key_states=self.k_proj(hidden_states).view(hidden_shape).transpose(1,2)"
@@ -747,8 +748,7 @@ def _fused_parts(layer: nn.Module) -> list[nn.Module]:
     return [p for p in parts if p is not None]
 
 
-_PLAIN_NORMS = ("input_layernorm", "post_attention_layernorm")
-_POST_NORM_NAMES = (*_PLAIN_NORMS, "pre_feedforward_layernorm", "post_feedforward_layernorm")
+_POST_NORM_NAMES = (*LAYER_NORM_NAMES, "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 def post_norms(layer: nn.Module) -> bool:
@@ -760,7 +760,7 @@ def post_norms(layer: nn.Module) -> bool:
 def layer_norms(layer: nn.Module) -> list[nn.Module | None]:
     """The layer's norms, its input norm first: the pre-norm layer's two, a post-norm layer's four
     (None for the two an OLMo 2 layer does not have)."""
-    return [layer._modules.get(n) for n in (_POST_NORM_NAMES if post_norms(layer) else _PLAIN_NORMS)]
+    return [layer._modules.get(n) for n in (_POST_NORM_NAMES if post_norms(layer) else LAYER_NORM_NAMES)]
 
 
 def normalises_outputs(cls: type) -> bool:

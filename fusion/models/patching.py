@@ -206,7 +206,7 @@ class PatchReport:
             return f"hybridgemm.patch: nothing patched ({'; '.join(why) or 'no attention projections found'})"
         return (f"hybridgemm.patch: patched {len(self.patched)} modules ({len(self.fused_qkv)} with fused QKV, "
                 f"{len(self.fused_mlp)} with fused gate/up, {len(self.fused_layers)} decoder layers with fused "
-                f"norms and residuals, {len(self.fused_attention)} with rotary and KV-cache writes in the QKV GEMM)"
+                f"norms and residuals, {len(self.fused_attention)} with rotary and KV-cache writes fused)"
                 + (f", skipped {len(self.skipped)}" if self.skipped else "")
                 + (f", {len(self.already_patched)} already patched" if self.already_patched else ""))
 

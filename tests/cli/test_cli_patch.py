@@ -37,7 +37,7 @@ def test_dry_run_of_a_supported_family_reports_no_skips(tmp_path, capsys):
     assert lines[0] == f"{path}: LlamaForCausalLM, built on the meta device (no weights)"
     # per layer its attention, o_proj, MLP, down_proj and two norms, then the final norm, lm_head and the layers
     assert lines[1] == ("hybridgemm.patch: patched 16 modules (2 with fused QKV, 2 with fused gate/up, 2 decoder "
-                        "layers with fused norms and residuals, 2 with rotary and KV-cache writes in the QKV GEMM)")
+                        "layers with fused norms and residuals, 2 with rotary and KV-cache writes fused)")
     assert len(lines) == 2 and "skipped" not in out
 
 
@@ -49,7 +49,7 @@ def test_dry_run_lists_every_skipped_module(tmp_path, capsys):
     # per layer: query_key_value, dense, dense_h_to_4h (its GELU in the epilogue), dense_4h_to_h and
     # the MLP; and the LM head (embed_out)
     assert lines[1] == ("hybridgemm.patch: patched 11 modules (0 with fused QKV, 0 with fused gate/up, 0 decoder "
-                        "layers with fused norms and residuals, 0 with rotary and KV-cache writes in the QKV GEMM), "
+                        "layers with fused norms and residuals, 0 with rotary and KV-cache writes fused), "
                         "skipped 6")
     assert lines[2] == "skipped (6):"
     listed = [line.strip().split(": ", 1) for line in lines[3:]]

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+import hybridgemm
 from helpers import bench_cli
 from hybridgemm.perf import bench_e2e as E
 from hybridgemm.perf import e2e_models as hf
@@ -325,3 +326,24 @@ def test_a_layer_whose_attention_runs_the_module_function_is_measured_as_patched
         ("model.layers.0", "attention step not fused: why"), ("model.layers.1", "attention step not fused: why"),
         ("model.layers.0.mlp", "linear not patched: why")]})()
     assert E.attention_skips(report) == [("model.layers.0", "attention step not fused: why")]
+
+
+@pytest.mark.parametrize("kind", ["StableLmConfig", "CohereConfig"])
+def test_norms_a_fused_layer_calls_as_modules_keep_the_patched_variant(kind):
+    """StableLM's and Cohere's LayerNorms are listed in report.skipped (no GEMM prologue takes
+    them) but their fused layers call them: the patched variant is built and the log says so;
+    any other skipped module still fails it."""
+    config = getattr(transformers, kind)(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=200,
+                                         max_position_embeddings=64)
+    logged = []
+    run = E.Run("tiny", config, torch.device("cpu"), batches=(1,), tokens=2, prefill=8, rounds=1,
+                extra={"gpu": "cpu", "command": "test"})
+    run.log = logged.append
+    stock = hf.build_model(config, torch.float32, "cpu")
+    patched, _ = E._patched(run, stock)
+    assert isinstance(patched, torch.nn.Module), logged
+    norms = 2 if kind == "CohereConfig" else 4  # Cohere's layer has one norm, StableLM's sequential one two
+    assert f"{norms} norms of fused decoder layers run as their modules" in "\n".join(logged)
+    report = hybridgemm.patch(hf.build_model(config, torch.float32, "cpu"), layers=False)
+    assert report.skipped and not E.norm_module_skips(report, stock)  # no fused layers: nothing exempt
