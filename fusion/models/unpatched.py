@@ -86,11 +86,14 @@ def _experts_patched(experts: nn.Module) -> bool:
 
 
 def _is_norm(mod: nn.Module) -> bool:
+    """A norm: torch's, or a leaf with a weight whose parameters are all vectors, or whose class is
+    named as one (Cohere's per-head LayerNorm holds a [heads, head_dim] weight)."""
     if isinstance(mod, _TORCH_NORMS):
         return True
     weight = mod._parameters.get("weight")
-    return not mod._modules and weight is not None and weight.dim() == 1 and \
-        all(p.dim() == 1 for p in mod._parameters.values() if p is not None)
+    return not mod._modules and weight is not None and (type(mod).__name__.endswith("Norm") or weight.dim() == 1
+                                                        and all(p.dim() == 1 for p in mod._parameters.values()
+                                                                if p is not None))
 
 
 def _is_linear(mod: nn.Module) -> bool:

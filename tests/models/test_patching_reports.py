@@ -134,6 +134,19 @@ def test_strict_raises_naming_every_skipped_module_and_passes_without_any(kind):
     assert "hybridgemm.patch: patched" in message  # what was patched stays patched, as the summary says
 
 
+def test_per_head_qk_norms_of_a_2d_weight_are_reported_as_norms():
+    """Cohere's use_qk_norm: its q/k norms are LayerNorms over [heads, head_dim] (a 2-D weight),
+    named as norms in the report, beside the reason its attention step is not taken."""
+    name, extra = CONFIGS["cohere"]
+    config = getattr(transformers, name)(**{**COMMON, **extra, "use_qk_norm": True})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    report = _patch(model)
+    reasons = dict(report.skipped)
+    assert reasons[f"{L}.self_attn.q_norm"] == _norm("CohereLayerNorm") == reasons[f"{L}.self_attn.k_norm"]
+    assert "use_qk_norm" in reasons[L] and report.fused_layers == [L]
+
+
 def test_every_layer_is_reported_and_later_layers_alike():
     report = _patch(build("gpt_neox", layers=3))
     names = [n for n, _ in report.skipped]
