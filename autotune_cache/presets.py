@@ -382,7 +382,8 @@ def preset_from_hf_config(path: str | os.PathLike) -> ModelPreset:
     model_type = cfg.get("model_type") if isinstance(cfg.get("model_type"), str) else top.get("model_type")
     bias_key = next((k for k in _HF_BIAS if cfg.get(k) is not None), None)
     both = flag(bias_key) if bias_key else None
-    qkv_only = flag("qkv_bias")
+    # a q/k/v-only switch: "qkv_bias", StableLM's "use_qkv_bias"
+    qkv_only = next((flag(k) for k in ("qkv_bias", "use_qkv_bias") if cfg.get(k) is not None), None)
     default = _HF_BIAS_BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
     if both is not None:
         qkv_bias, o_bias = both, both

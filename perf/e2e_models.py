@@ -177,6 +177,10 @@ def hf_config(name: str, layers: int | None = None):
     if family.head_dim:
         kw["head_dim"] = preset.head_dim
     if family.qkv_bias is None:
+        if family.bias_field == "attention_bias" and preset.o_bias != preset.qkv_bias:
+            # (attention_bias switches o_proj's bias with q/k/v's in every family here that reads it)
+            raise ValueError(f"{name}: {family.config}'s attention_bias sets the q/k/v and o biases alike, the preset "
+                             f"has q/k/v {preset.qkv_bias} and o {preset.o_bias}")
         kw[family.bias_field] = preset.qkv_bias
     if family.experts is not None:
         kw.update(zip(family.experts, (preset.experts, preset.experts_per_token, preset.expert_intermediate)))

@@ -160,6 +160,18 @@ def test_bias_fields_beat_model_type(tmp_path):
     assert s["qkv"] == (6144, 4096, True) and s["o"] == (4096, 4096, False)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_stablelms_qkv_bias_switch_and_its_norms_as_modules(tmp_path, bias):
+    """StableLM's config names its q/k/v bias use_qkv_bias (o_proj has none); its LayerNorms run
+    as modules in the fused step, so its gate/up is tuned without a norm prologue."""
+    transformers = pytest.importorskip("transformers")
+    transformers.StableLmConfig(hidden_size=2560, intermediate_size=6912, num_attention_heads=32,
+                                use_qkv_bias=bias).save_pretrained(tmp_path)
+    preset = preset_from_hf_config(str(tmp_path / "config.json"))
+    s = shapes(preset)
+    assert s["qkv"] == (7680, 2560, bias) and s["o"] == (2560, 2560, False) and preset.mlp_norm is None
+
+
 def test_name_from_name_or_path_is_made_safe(tmp_path):
     p = preset_from_hf_config(write(tmp_path, {**QWEN25_7B, "_name_or_path": "Qwen/Qwen2.5 7B:Instruct"}))
     assert p.name == "qwen2.5-7b-instruct"

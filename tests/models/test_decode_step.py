@@ -24,6 +24,7 @@ from hybridgemm.kernels.triton_rope import RotaryCache
 from hybridgemm.models import decode_checks as checks
 from hybridgemm.models import decode_step
 from hybridgemm.models import decoder_layer as dl
+from hybridgemm.models.patching import ATTENTION_NOT_FUSED
 from hybridgemm.perf import e2e_models as hf
 
 transformers = pytest.importorskip("transformers")
@@ -481,7 +482,7 @@ def test_stablelm_layers_decode_as_stock_does(parallel, rotary, bias, kernels_on
                   use_parallel_residual=parallel)
     model = _patched(stock)
     assert all(layer.__dict__.get(checks.NORMS_AS_MODULES) == "chosen" for layer in model.model.layers)
-    assert model.model.layers[0].post_attention_layernorm is None if parallel else True
+    assert (model.model.layers[0].post_attention_layernorm is None) == parallel
     stores, real = [], tqr.qk_norm_rope_store
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tqr, "qk_norm_rope_store", lambda y, qn, kn, cos, *a, **kw: stores.append(
@@ -510,10 +511,14 @@ def test_cohere_layers_decode_as_stock_does(batch, kernels_on_cpu):
     assert kernels_on_cpu["rope"] == 0 and kernels_on_cpu["norm"] == 0
     assert stores == [((batch, 1, (4 + 2 * 2) * 32), None, True)] * 2 * 3
     ids = torch.randint(3, VOCAB, (2, 4))
-    with torch.no_grad():
+    rotated, real_rope = [], tqr.rope_qk
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tqr, "rope_qk", lambda y, cos, sin, heads, kv_heads, pairs=False: rotated.append(pairs) or real_rope(
+            y, cos, sin, heads, kv_heads, pairs))
         tokens = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         ref = stock.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(tokens, ref)
+    assert rotated and all(rotated)  # each fused layer call on the dynamic cache: Cohere's pairs in one launch
 
 
 def test_cohere_with_per_head_qk_norms_keeps_the_fused_layer_on_the_modules_attention(kernels_on_cpu):
@@ -527,7 +532,8 @@ def test_cohere_with_per_head_qk_norms_keeps_the_fused_layer_on_the_modules_atte
     model = copy.deepcopy(stock)
     report = hybridgemm.patch(model)
     assert report.fused_layers == ["model.layers.0", "model.layers.1"] and report.fused_attention == []
-    assert all("use_qk_norm" in why for _, why in report.skipped if why.startswith("decoder layer attention"))
+    attention = {n: why for n, why in report.skipped if why.startswith(ATTENTION_NOT_FUSED)}
+    assert list(attention) == report.fused_layers and all("use_qk_norm" in why for why in attention.values())
     _compare(model, stock, steps=2, batch=2)
 
 
@@ -544,7 +550,8 @@ def test_stablelm_with_per_head_qk_layernorms_keeps_the_fused_layer_on_the_modul
     model = copy.deepcopy(stock)
     report = hybridgemm.patch(model)
     assert report.fused_layers == ["model.layers.0", "model.layers.1"] and report.fused_attention == []
-    assert all("qk_layernorm" in why for _, why in report.skipped if why.startswith("decoder layer attention"))
+    attention = {n: why for n, why in report.skipped if why.startswith(ATTENTION_NOT_FUSED)}
+    assert list(attention) == report.fused_layers and all("qk_layernorm" in why for why in attention.values())
     _compare(model, stock, steps=2, batch=2)
     ids = torch.randint(3, VOCAB, (1, 4))
     with torch.no_grad():
