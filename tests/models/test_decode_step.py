@@ -521,37 +521,24 @@ def test_cohere_layers_decode_as_stock_does(batch, kernels_on_cpu):
     assert rotated and all(rotated)  # each fused layer call on the dynamic cache: Cohere's pairs in one launch
 
 
-def test_cohere_with_per_head_qk_norms_keeps_the_fused_layer_on_the_modules_attention(kernels_on_cpu):
-    """use_qk_norm (Command R+'s per-head LayerNorms over q and k): the layer is fused, its
-    attention runs the module's computation over the fused Q/K/V, and the report says why."""
-    stock = _tiny("cohere", use_qk_norm=True)
+@pytest.mark.parametrize("kind,flag,norms,extra", [
+    ("cohere", "use_qk_norm", ("q_norm", "k_norm"), {}),
+    ("stablelm", "qk_layernorm", ("layernorm.norms",), {"head_dim": 32, "use_parallel_residual": True})])
+def test_per_head_qk_norms_keep_the_fused_layer_on_the_modules_attention(kind, flag, norms, extra, kernels_on_cpu):
+    """Command R+'s use_qk_norm, StableLM 2 12B's qk_layernorm (per-head LayerNorms over q and k):
+    the layer is fused, its attention runs the module's computation over the fused Q/K/V (the
+    norms as modules on the head views, before the rotary), with a static cache and with
+    generate's dynamic one, and the report says why the attention step is not taken."""
+    stock = _tiny(kind, **{flag: True, **extra})
     with torch.no_grad():
         for name, p in stock.named_parameters():
-            if "q_norm" in name or "k_norm" in name:
+            if any(n in name for n in norms):
                 p.uniform_(0.5, 1.5)
     model = copy.deepcopy(stock)
     report = hybridgemm.patch(model)
     assert report.fused_layers == ["model.layers.0", "model.layers.1"] and report.fused_attention == []
     attention = {n: why for n, why in report.skipped if why.startswith(ATTENTION_NOT_FUSED)}
-    assert list(attention) == report.fused_layers and all("use_qk_norm" in why for why in attention.values())
-    _compare(model, stock, steps=2, batch=2)
-
-
-def test_stablelm_with_per_head_qk_layernorms_keeps_the_fused_layer_on_the_modules_attention(kernels_on_cpu):
-    """qk_layernorm (StableLM 2 12B's per-head LayerNorms over q and k): the layer is fused, its
-    attention runs the module's computation over the fused Q/K/V (the norms as modules, on the
-    head views, before the rotary), with a static cache and with generate's dynamic one, and
-    the report says why the attention step is not taken."""
-    stock = _tiny("stablelm", head_dim=32, qk_layernorm=True, use_parallel_residual=True)
-    with torch.no_grad():
-        for name, p in stock.named_parameters():
-            if "layernorm.norms" in name:
-                p.uniform_(0.5, 1.5)
-    model = copy.deepcopy(stock)
-    report = hybridgemm.patch(model)
-    assert report.fused_layers == ["model.layers.0", "model.layers.1"] and report.fused_attention == []
-    attention = {n: why for n, why in report.skipped if why.startswith(ATTENTION_NOT_FUSED)}
-    assert list(attention) == report.fused_layers and all("qk_layernorm" in why for why in attention.values())
+    assert list(attention) == report.fused_layers and all(flag in why for why in attention.values())
     _compare(model, stock, steps=2, batch=2)
     ids = torch.randint(3, VOCAB, (1, 4))
     with torch.no_grad():

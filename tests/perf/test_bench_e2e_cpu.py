@@ -313,12 +313,7 @@ def test_a_layer_whose_attention_runs_the_module_function_is_measured_as_patched
     config = transformers.Gemma3TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=200,
                                            sliding_window=8, max_position_embeddings=1024)
-    logged = []
-    run = E.Run("tiny-gemma3", config, torch.device("cpu"), batches=(1,), tokens=2, prefill=8, rounds=1,
-                extra={"gpu": "cpu", "command": "test"})
-    run.log = logged.append
-    stock = hf.build_model(config, torch.float32, "cpu")
-    patched, _ = E._patched(run, stock)
+    patched, logged, _ = _patched_variant(config)
     assert isinstance(patched, torch.nn.Module)
     line = next(s for s in logged if "fused decoder layers run their attention module's function" in s)
     assert line.startswith("2 fused decoder layers") and "sliding-window layer" in line
@@ -336,14 +331,26 @@ def test_norms_a_fused_layer_calls_as_modules_keep_the_patched_variant(kind):
     config = getattr(transformers, kind)(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=200,
                                          max_position_embeddings=64)
+    patched, logged, stock = _patched_variant(config)
+    assert isinstance(patched, torch.nn.Module), logged
+    norms = 2 if kind == "CohereConfig" else 4  # Cohere's layer has one norm, StableLM's sequential one two
+    assert f"{norms} norms of fused decoder layers run as their modules" in "\n".join(logged)
+    model = hf.build_model(config, torch.float32, "cpu")
+    report = hybridgemm.patch(model)
+    exempt = E.norm_module_skips(report, model)
+    assert len(exempt) == norms and all(n.endswith("layernorm") for n, _ in exempt)
+    report.skipped.append(("model.layers.0.extra_norm", "something else"))  # not one of those norms: not exempt
+    assert E.norm_module_skips(report, model) == exempt
+    unfused = hybridgemm.patch(hf.build_model(config, torch.float32, "cpu"), layers=False)
+    assert unfused.skipped and not E.norm_module_skips(unfused, stock)  # no fused layers: nothing exempt
+
+
+def _patched_variant(config):
+    """The bench's patched variant of a tiny CPU model of ``config``: (the model or the exception,
+    the lines logged, the stock model)."""
     logged = []
     run = E.Run("tiny", config, torch.device("cpu"), batches=(1,), tokens=2, prefill=8, rounds=1,
                 extra={"gpu": "cpu", "command": "test"})
     run.log = logged.append
     stock = hf.build_model(config, torch.float32, "cpu")
-    patched, _ = E._patched(run, stock)
-    assert isinstance(patched, torch.nn.Module), logged
-    norms = 2 if kind == "CohereConfig" else 4  # Cohere's layer has one norm, StableLM's sequential one two
-    assert f"{norms} norms of fused decoder layers run as their modules" in "\n".join(logged)
-    report = hybridgemm.patch(hf.build_model(config, torch.float32, "cpu"), layers=False)
-    assert report.skipped and not E.norm_module_skips(report, stock)  # no fused layers: nothing exempt
+    return E._patched(run, stock)[0], logged, stock
