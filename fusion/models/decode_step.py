@@ -535,7 +535,8 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
     cos, sin = kwargs["position_embeddings"]
     head_norms = form.partial_rotary and attn.qk_layernorm  # StableLM's per-head LayerNorms
     view_norms = form.qk_norm or form.pair_rotary and attn.use_qk_norm  # norms on the head views (Cohere's too)
-    rotated = None if form.full_qk_norm or view_norms or head_norms else _rope_in_kernel(attn, y, cos, sin, sizes)
+    in_modules = form.full_qk_norm or view_norms or head_norms  # norms before the rotary: the module's rotary
+    rotated = None if in_modules else _rope_in_kernel(attn, form, y, cos, sin, sizes)
     q, k, v = y.split(sizes, dim=-1)
     if rotated is not None:
         q, k = rotated
@@ -592,7 +593,7 @@ def _module_rotary(attn: nn.Module, form: checks.AttentionForm, q: Tensor, k: Te
     return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
 
 
-def _rope_in_kernel(attn: nn.Module, y: Tensor, cos: Tensor, sin: Tensor,
+def _rope_in_kernel(attn: nn.Module, form: checks.AttentionForm, y: Tensor, cos: Tensor, sin: Tensor,
                     sizes: tuple[int, int, int]) -> tuple[Tensor, Tensor] | None:
     """The module's rotary embedding of the q and k columns of ``y`` in one launch
     (kernels/triton_qk_rope.py ``rope_qk``) in an eager call on the kernels' device, where the
@@ -600,13 +601,13 @@ def _rope_in_kernel(attn: nn.Module, y: Tensor, cos: Tensor, sin: Tensor,
     forward rotates (whole heads, or StableLM's first ``rotary_ndims``); None otherwise (the
     caller runs the module's function)."""
     if torch.compiler.is_compiling() or not checks.on_kernel_device(y) or checks.why_not_rotary(attn) is not None \
-            or cos.shape[-1] != checks.rotary_columns(attn, checks.attention_form(type(attn))):
+            or cos.shape[-1] != checks.rotary_columns(attn, form):
         return None
     hd = attn.head_dim
     kernel = checks.qk_rope_kernel()
     if sizes[0] % hd or sizes[1] % hd or kernel.check_rope(y, cos, sin, sizes[0] // hd, sizes[1] // hd) is not None:
         return None
-    return kernel.rope_qk(y, cos, sin, sizes[0] // hd, sizes[1] // hd, checks.attention_form(type(attn)).pair_rotary)
+    return kernel.rope_qk(y, cos, sin, sizes[0] // hd, sizes[1] // hd, form.pair_rotary)
 
 
 def _kernel_attention(attn: nn.Module, form: checks.AttentionForm, interface, q: Tensor, k: Tensor, v: Tensor,
