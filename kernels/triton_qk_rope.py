@@ -28,7 +28,8 @@ rotated as the projection left them. cos/sin of ``R < head_dim`` columns (a part
 StableLM's, GPT-NeoX's ``rotary_ndims``) rotate the first R columns of each head, pairing ``c``
 with ``c ± R / 2``, and pass the others through unchanged, as the stock slice, rotate and
 ``torch.cat`` do. ``pairs`` (Cohere's rotary) pairs column ``2i`` with ``2i + 1`` instead (its
-``rotate_half`` interleaves) and rotates in fp32, as its function does.
+``rotate_half`` interleaves) and rotates in fp32, as its function does. ``per_head`` reads y in
+GPT-NeoX's layout, ``[q | k | v]`` per head (its ``query_key_value``).
 
 Grid ``(M, 3)``: per token one program for q, one for k, one for v. Inference only.
 
@@ -56,8 +57,10 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _normed_rotated(row_ptr, w_ptr, cos_row, sin_row, idx, mask, inv_n, eps, offset, HD: tl.constexpr,
-                    ROUND_EACH: tl.constexpr, NORM: tl.constexpr, ROT: tl.constexpr, PAIRS: tl.constexpr):
-    """Columns ``idx`` of the row at ``row_ptr`` normalised over the row (``mask``: its columns),
+                    ROUND_EACH: tl.constexpr, NORM: tl.constexpr, ROT: tl.constexpr, PAIRS: tl.constexpr,
+                    SPREAD: tl.constexpr):
+    """Columns ``idx`` of the row at ``row_ptr`` (head ``idx // HD``'s columns start ``SPREAD``
+    further on per head: GPT-NeoX's per-head q/k/v layout) normalised over the row (``mask``: its columns),
     scaled by ``offset + w`` in fp32, rounded to the row's dtype (without ``NORM``: as they are),
     then rotated per head over its first ``ROT`` columns (the rest passed as they are), column
     ``c`` paired with ``c ± ROT / 2`` (``PAIRS``: with its neighbour ``c ± 1``, ``c`` even first,
@@ -71,8 +74,9 @@ def _normed_rotated(row_ptr, w_ptr, cos_row, sin_row, idx, mask, inv_n, eps, off
     else:
         lower = c < ROT // 2
         partner = tl.where(lower, idx + ROT // 2, idx - ROT // 2)
-    n = tl.load(row_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    rot = tl.load(row_ptr + partner, mask=mask & rotated, other=0.0).to(tl.float32)
+    spread = (idx // HD) * SPREAD  # (the partner is in the same head)
+    n = tl.load(row_ptr + spread + idx, mask=mask, other=0.0).to(tl.float32)
+    rot = tl.load(row_ptr + spread + partner, mask=mask & rotated, other=0.0).to(tl.float32)
     if NORM:
         # tl.math.rsqrt, the fp32 sum times fp32(1/N): triton_rmsnorm's formula
         rstd = tl.math.rsqrt(tl.sum(n * n, axis=0) * inv_n + eps)
@@ -92,10 +96,11 @@ def _normed_rotated(row_ptr, w_ptr, cos_row, sin_row, idx, mask, inv_n, eps, off
 
 @triton.jit
 def _qk_norm_rope_store_kernel(y_ptr, qg_ptr, kg_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, base_ptr, q_ptr,
-                               seq, ldy, q_cols, kv_cols, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, cache_len,
-                               inv_q, inv_k, q_eps, k_eps, q_offset, k_offset, QB: tl.constexpr, KB: tl.constexpr,
+                               seq, ldy, q_cols, kv_cols, k_at, v_at, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h,
+                               vc_s, cache_len, inv_q, inv_k, q_eps, k_eps, q_offset, k_offset, QB: tl.constexpr,
+                               KB: tl.constexpr,
                                HD: tl.constexpr, ROUND_EACH: tl.constexpr, NORM: tl.constexpr, ROT: tl.constexpr,
-                               PAIRS: tl.constexpr):
+                               PAIRS: tl.constexpr, SPREAD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     b = row // seq
@@ -105,12 +110,15 @@ def _qk_norm_rope_store_kernel(y_ptr, qg_ptr, kg_ptr, cos_ptr, sin_ptr, kc_ptr, 
     y_row = y_ptr + row * ldy
     cs = b * cs_b + s * cs_s
     dt = y_ptr.dtype.element_ty
+    # head h's q, k and v columns start at h * (HD + SPREAD), k_at + h * (HD + SPREAD) and
+    # v_at + h * (HD + SPREAD): all q, then all k, then all v (SPREAD 0), or GPT-NeoX's
+    # [q | k | v] per head (SPREAD = 2 * HD, k_at = HD, v_at = 2 * HD)
     # (each branch names its own index and mask: the compiler types a name once across branches)
     if part == 0:
         qi = tl.arange(0, QB)
         q_mask = qi < q_cols
         q = _normed_rotated(y_row, qg_ptr, cos_ptr + cs, sin_ptr + cs, qi, q_mask, inv_q, q_eps, q_offset, HD,
-                            ROUND_EACH, NORM, ROT, PAIRS)
+                            ROUND_EACH, NORM, ROT, PAIRS, SPREAD)
         q = tl.where(in_cache, q, float("nan"))
         tl.store(q_ptr + row * q_cols + qi, q.to(dt), mask=q_mask)
     else:
@@ -121,11 +129,11 @@ def _qk_norm_rope_store_kernel(y_ptr, qg_ptr, kg_ptr, cos_ptr, sin_ptr, kc_ptr, 
         kpos = pos + tl.zeros([KB], dtype=tl.int64)  # a block: Triton 3.9's interpreter takes no scalar in a mask
         ok = kv_mask & (kpos >= 0) & (kpos < cache_len)
         if part == 1:
-            k = _normed_rotated(y_row + q_cols, kg_ptr, cos_ptr + cs, sin_ptr + cs, ki, kv_mask, inv_k, k_eps,
-                                k_offset, HD, ROUND_EACH, NORM, ROT, PAIRS)
+            k = _normed_rotated(y_row + k_at, kg_ptr, cos_ptr + cs, sin_ptr + cs, ki, kv_mask, inv_k, k_eps,
+                                k_offset, HD, ROUND_EACH, NORM, ROT, PAIRS, SPREAD)
             tl.store(kc_ptr + b * kc_b + pos * kc_s + head * kc_h + c, k.to(dt), mask=ok)
         else:
-            v = tl.load(y_row + q_cols + kv_cols + ki, mask=kv_mask, other=0.0)
+            v = tl.load(y_row + v_at + head * SPREAD + ki, mask=kv_mask, other=0.0)
             tl.store(vc_ptr + b * vc_b + pos * vc_s + head * vc_h + c, v, mask=ok)
 
 
@@ -144,13 +152,13 @@ def _qk_rope_kernel(y_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, seq, ldy, q_cols, kv_
         qi = tl.arange(0, QB)
         q_mask = qi < q_cols
         q = _normed_rotated(y_row, y_ptr, cos_ptr + cs, sin_ptr + cs, qi, q_mask, 0.0, 0.0, 0.0, HD, ROUND_EACH,
-                            False, ROT, PAIRS)
+                            False, ROT, PAIRS, 0)
         tl.store(q_ptr + row * q_cols + qi, q.to(dt), mask=q_mask)
     else:
         ki = tl.arange(0, KB)
         k_mask = ki < kv_cols
         k = _normed_rotated(y_row + q_cols, y_ptr, cos_ptr + cs, sin_ptr + cs, ki, k_mask, 0.0, 0.0, 0.0, HD,
-                            ROUND_EACH, False, ROT, PAIRS)
+                            ROUND_EACH, False, ROT, PAIRS, 0)
         tl.store(k_ptr + row * kv_cols + ki, k.to(dt), mask=k_mask)
 
 
@@ -188,12 +196,14 @@ def _meta(q_cols: int, kv_cols: int, hd: int, round_each: bool, rot: int, pairs:
 
 
 def check(y: torch.Tensor, q_norm: tuple | None, k_norm: tuple | None, cos: torch.Tensor, sin: torch.Tensor,
-          keys: torch.Tensor, values: torch.Tensor, base: torch.Tensor, heads: int) -> str | None:
+          keys: torch.Tensor, values: torch.Tensor, base: torch.Tensor, heads: int,
+          per_head: bool = False) -> str | None:
     """Why :func:`qk_norm_rope_store` cannot take these operands (None: it can). ``y`` [B, S, N]
     with a unit last stride and rows that flatten; ``q_norm``/``k_norm`` ``(g, eps, offset)``
     with g contiguous [heads * hd] / [kv_heads * hd], or both None; cos/sin [B or 1, S, R] (R
     even, at most hd) with a unit last stride, y's dtype or fp32; keys/values
-    [B, kv_heads, L, hd] contiguous, y's dtype; ``base`` an int64 scalar; all on one device."""
+    [B, kv_heads, L, hd] contiguous, y's dtype; ``base`` an int64 scalar; all on one device;
+    ``per_head`` (GPT-NeoX's layout): as many kv heads as heads."""
     why = _why_not_rows(y)
     if why is not None:
         return why
@@ -204,6 +214,8 @@ def check(y: torch.Tensor, q_norm: tuple | None, k_norm: tuple | None, cos: torc
     kv_heads, hd = keys.shape[1], keys.shape[3]
     if hd % 2 or not isinstance(heads, int) or heads < 1 or n != (heads + 2 * kv_heads) * hd:
         return f"y's {n} columns are not (heads + 2 * kv_heads) * head_dim with an even head_dim"
+    if per_head and kv_heads != heads:
+        return f"a per-head [q | k | v] layout needs as many kv heads as heads (got {kv_heads} and {heads})"
     if (q_norm is None) != (k_norm is None):
         return "q_norm and k_norm go together (both or neither)"
     for name, (g, eps, offset), width in (("q_norm", q_norm, heads * hd),
@@ -223,9 +235,9 @@ def check(y: torch.Tensor, q_norm: tuple | None, k_norm: tuple | None, cos: torc
 
 
 def _make_plan(m: int, q_cols: int, kv_cols: int, hd: int, device: torch.device, round_each: bool, norm: bool,
-               rot: int, pairs: bool) -> TritonPlan:
+               rot: int, pairs: bool, per_head: bool) -> TritonPlan:
     # 1 / N as fp32 arguments: the mean as torch's CUDA mean computes it (triton_rmsnorm)
-    meta = dict(_meta(q_cols, kv_cols, hd, round_each, rot, pairs), NORM=norm)
+    meta = dict(_meta(q_cols, kv_cols, hd, round_each, rot, pairs), NORM=norm, SPREAD=2 * hd if per_head else 0)
     return TritonPlan(device, Launcher(_qk_norm_rope_store_kernel, (m, 3), meta), scalars=(1.0 / q_cols, 1.0 / kv_cols))
 
 
@@ -237,14 +249,15 @@ _PLANS = BoundedCache(PLAN_CACHE_SIZE)
 
 def qk_norm_rope_store(y: torch.Tensor, q_norm: tuple | None, k_norm: tuple | None, cos: torch.Tensor,
                        sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, base: torch.Tensor,
-                       heads: int, pairs: bool = False) -> torch.Tensor:
+                       heads: int, pairs: bool = False, per_head: bool = False) -> torch.Tensor:
     """The rotated q ``[B, S, heads * hd]`` of the module docstring's computation, with k and v
     written into ``keys``/``values``; operands as :func:`check` accepts them (unchecked here:
     the caller checks once), ``q_norm``/``k_norm`` ``(g, eps, offset)`` (offset None: 0), or
     both None: q and k rotated as they are. cos/sin of R < hd columns rotate the first R
     columns of each head and pass the rest (StableLM's partial rotary). ``pairs``: Cohere's
     rotary, which pairs neighbouring columns (``2i``, ``2i + 1``) and rotates in fp32 whatever
-    cos's dtype (its function rotates fp32 copies of q and k), rounding once."""
+    cos's dtype (its function rotates fp32 copies of q and k), rounding once. ``per_head``: y's
+    columns are ``[q | k | v]`` per head (GPT-NeoX's ``query_key_value``), not all q, all k, all v."""
     b, s, _ = y.shape
     kv_heads, cache_len, hd = keys.shape[1:]
     q_cols, kv_cols = heads * hd, kv_heads * hd
@@ -257,14 +270,16 @@ def qk_norm_rope_store(y: torch.Tensor, q_norm: tuple | None, k_norm: tuple | No
     rot = cos.shape[-1]
     cs_b = 0 if cos.shape[0] == 1 else cos.stride(0)
     ldy = _row_stride(y)
-    ints = (s, ldy, q_cols, kv_cols, cs_b, cos.stride(1), *keys.stride()[:3], *values.stride()[:3], cache_len)
+    k_at, v_at = (hd, 2 * hd) if per_head else (q_cols, q_cols + kv_cols)
+    ints = (s, ldy, q_cols, kv_cols, k_at, v_at, cs_b, cos.stride(1), *keys.stride()[:3], *values.stride()[:3],
+            cache_len)
     ptrs = (y, qg, kg, cos, sin, keys, values, base, out)
     round_each = cos.dtype != torch.float32 and not pairs
-    key = (m, ints, y.dtype, qg.dtype, kg.dtype, cos.dtype, y.get_device(), round_each, norm, rot, pairs,
+    key = (m, ints, y.dtype, qg.dtype, kg.dtype, cos.dtype, y.get_device(), round_each, norm, rot, pairs, per_head,
            tuple(not t.data_ptr() & 15 for t in ptrs))
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS.put(key, _make_plan(m, q_cols, kv_cols, hd, y.device, round_each, norm, rot, pairs))
+        plan = _PLANS.put(key, _make_plan(m, q_cols, kv_cols, hd, y.device, round_each, norm, rot, pairs, per_head))
     plan.launch(*ptrs, *ints, *plan.scalars, float(q_eps), float(k_eps), float(q_off or 0.0), float(k_off or 0.0))
     return out
 

@@ -55,6 +55,7 @@ class Family:
     fixed: tuple[tuple[str, object], ...] = ()  # fields set alike for every model of the family here
     bias_field: str = "attention_bias"  # the config field of the q/k/v biases (where qkv_bias is None)
     eps_field: str = "rms_norm_eps"  # the config field of the norms' eps
+    kv_heads: bool = True  # its config takes num_key_value_heads (else as many kv heads as heads)
 
 
 FAMILIES: dict[str, Family] = {
@@ -89,6 +90,10 @@ FAMILIES: dict[str, Family] = {
     # neighbouring columns, logits scaled by 1/16 (its published config)
     "cohere": Family("CohereConfig", head_dim=False, qkv_bias=None, eps_field="layer_norm_eps",
                      fixed=(("use_qk_norm", False), ("logit_scale", 0.0625))),
+    # GPT-NeoX (Pythia): LayerNorms, Q/K/V one linear of [q | k | v] per head, the rotary over the
+    # first quarter of each head, the attention and the MLP (GELU) in parallel, biases throughout
+    "gpt_neox": Family("GPTNeoXConfig", head_dim=False, qkv_bias=None, eps_field="layer_norm_eps", kv_heads=False,
+                       fixed=(("rotary_pct", 0.25), ("use_parallel_residual", True), ("hidden_act", "gelu"))),
     # Qwen3MoeConfig's signature has no head_dim, but its attention reads config.head_dim when set.
     # Every layer sparse (no dense mlp_only_layers), top-k weights renormalised: Qwen3-MoE's published configs.
     "qwen3_moe": Family("Qwen3MoeConfig", head_dim=True, qkv_bias=None,
@@ -119,6 +124,7 @@ SIZES: dict[str, ModelSizes] = {
     "stablelm-2-1.6b": ModelSizes("stablelm", 5632, 24, 100352, 1e4, 1e-5, 4096),  # q/k/v biases
     "stablelm-3b": ModelSizes("stablelm", 6912, 32, 50304, 1e4, 1e-5, 4096),  # StableLM-3B-4E1T; heads of 80
     "aya-23-8b": ModelSizes("cohere", 14336, 32, 256000, 1e4, 1e-5, 8192),  # its LM head tied in the release
+    "pythia-6.9b": ModelSizes("gpt_neox", 16384, 32, 50432, 1e4, 1e-5, 2048),
     "qwen3-30b-a3b": ModelSizes("qwen3_moe", 6144, 48, 151936, 1e6, 1e-6, 40960),  # q/k norms; 128 experts, 8 a token
     "mixtral-8x7b": ModelSizes("mixtral", None, 32, 32000, 1e6, 1e-5, 32768),  # 8 experts, 2 a token
 }
@@ -135,8 +141,8 @@ def is_moe(name: str) -> bool:
 
 def dense_model_names() -> list[str]:
     """The models whose decoder layers have a dense gated MLP (the benchmarks that time or
-    shard gate/up/down take only these)."""
-    return [name for name in SIZES if not is_moe(name)]
+    shard gate/up/down take only these; GPT-NeoX's MLP is not gated)."""
+    return [name for name in SIZES if get_preset(name).intermediate is not None]
 
 
 def canonical_name(name: str) -> str:
@@ -168,7 +174,11 @@ def hf_config(name: str, layers: int | None = None):
     if (family.experts is not None) != preset.moe or (family.experts is None and sizes.intermediate is None):
         raise ValueError(f"{name}: {family.config} and the preset disagree on whether the model is a mixture of "
                          "experts (a dense model needs its MLP width)")
-    kw = dict(hidden_size=preset.hidden, num_attention_heads=preset.heads, num_key_value_heads=preset.kv_heads,
+    if not family.kv_heads and preset.kv_heads != preset.heads:
+        raise ValueError(f"{name}: {family.config} has as many key/value heads as heads, the preset "
+                         f"{preset.kv_heads} of {preset.heads}")
+    kv = {"num_key_value_heads": preset.kv_heads} if family.kv_heads else {}
+    kw = dict(hidden_size=preset.hidden, num_attention_heads=preset.heads, **kv,
               num_hidden_layers=layers or sizes.layers, vocab_size=sizes.vocab,
               max_position_embeddings=sizes.max_positions, rope_theta=sizes.rope_theta,
               tie_word_embeddings=False, **{family.eps_field: sizes.rms_eps}, **copy.deepcopy(dict(family.fixed)))

@@ -14,7 +14,7 @@ import time
 import torch
 
 import hybridgemm
-from hybridgemm.models import decode_step
+from hybridgemm.models import decode_step, neox_layer
 from hybridgemm.perf import bench_e2e as E
 from hybridgemm.perf import e2e_models as hf
 
@@ -29,15 +29,16 @@ def main() -> None:
     run = E.Run(name, config, torch.device("cuda"), batches=(1,), tokens=20, prefill=8, rounds=1,
                 extra={"gpu": "h200", "command": "probe"})
     calls = {"step": 0}
-    real = decode_step.layer_step
 
-    def counted(*a, **kw):
-        calls["step"] += 1
-        return real(*a, **kw)
+    def counting(real):
+        def counted(*a, **kw):
+            calls["step"] += 1
+            return real(*a, **kw)
+        return counted
 
-    decode_step.layer_step = counted
-    from hybridgemm.models import decoder_layer
-    decoder_layer.decode_step.layer_step = counted
+    # (the decoder layers call the steps through these modules' attributes)
+    decode_step.layer_step = counting(decode_step.layer_step)
+    neox_layer.layer_step = counting(neox_layer.layer_step)
     with torch.no_grad():
         for label, model in (("stock", stock), ("patched", patched)):
             steps = E.decoder(run, model, 1, False)

@@ -152,7 +152,8 @@ _PARALLEL_LAYER_BODY = (
 )
 # Instance attribute set when a layer of one of the two forms above is patched: the step calls
 # its norms as the modules they are, and takes its residual form from this value: "parallel"
-# (Cohere's) or "chosen" (StableLM's: as the instance's use_parallel_residual says).
+# (Cohere's) or "chosen" (StableLM's: as the instance's use_parallel_residual says); GPT-NeoX's
+# layer is marked "gpt_neox" (its step: fusion/models/neox_layer.py).
 NORMS_AS_MODULES = "_hybridgemm_norms_as_modules"
 LAYER_NORM_NAMES = ("input_layernorm", "post_attention_layernorm")  # a pre-norm layer's two norms
 MLP_DROPOUT = "dropout"  # StableLM's dropout module
@@ -187,6 +188,11 @@ _EAGER_BODY = (
     "attn_output=torch.matmul(attn_weights,value_states)",
     "attn_output=attn_output.transpose(1,2).contiguous()",
     "return(attn_output,attn_weights)",
+)
+# GPT-NeoX's: Llama's without GQA (as many kv heads as heads)
+_NO_GQA_EAGER_BODY = (
+    "attn_weights=torch.matmul(query,key.transpose(2,3))*scaling", *_EAGER_BODY[3:6],
+    "attn_output=torch.matmul(attn_weights,value)", *_EAGER_BODY[7:],
 )
 _SOFTCAP_EAGER_BODY = (
     "ifscalingisNone:scaling=module.head_dim**(-0.5)", *_EAGER_BODY[:3],
@@ -281,6 +287,25 @@ _PAIR_ROTARY_STATEMENTS = (
     "return(q_embed.to(dtype=dtype),k_embed.to(dtype=dtype))")
 _PAIR_ROTATE_HALF_STATEMENTS = ("x1=x[...,::2]", "x2=x[...,1::2]", "rot_x=torch.stack([-x2,x1],dim=-1).flatten(-2)",
                                 "returnrot_x")
+# GPT-NeoX's attention: Q/K/V one linear whose columns are [q | k | v] per head (query_key_value),
+# viewed per head and chunked, its rotary over the first cos.shape[-1] columns of each head
+# (_SPLIT_PARTIAL_ROTARY_BODY), the cache as layer_past, the attention function called with
+# scaling first, then dense
+_PER_HEAD_ATTENTION_BODY = (
+    _ATTENTION_BODY[0],
+    "hidden_shape=(*input_shape,-1,3*self.head_size)",
+    "qkv=self.query_key_value(hidden_states).view(hidden_shape).transpose(1,2)",
+    "query_states,key_states,value_states=qkv.chunk(3,dim=-1)",
+    *_ATTENTION_BODY[5:7],
+    "iflayer_pastisnotNone:key_states,value_states=layer_past.update(key_states,value_states,self.layer_idx)",
+    _ATTENTION_BODY[8],
+    "attn_output,attn_weights=attention_interface(self,query_states,key_states,value_states,attention_mask,"
+    "scaling=self.scaling,dropout=0.0ifnotself.trainingelseself.attention_dropout,**kwargs)",
+    _ATTENTION_BODY[10],
+    "attn_output=self.dense(attn_output)",
+    _ATTENTION_BODY[-1],
+)
+PER_HEAD_QKV_NAME = "query_key_value"  # GPT-NeoX's Q/K/V linear
 # OLMo 2's q/k norms: over all the q (k) columns of the projection, before the head views
 _FULL_QK_NORMS = (
     "query_states=self.q_norm(self.q_proj(hidden_states))",
@@ -301,6 +326,11 @@ _PARTIAL_ROTARY_BODY = (
     "q_rot,q_pass=(q[...,:rotary_dim],q[...,rotary_dim:])", "k_rot,k_pass=(k[...,:rotary_dim],k[...,rotary_dim:])",
     "q_embed=torch.cat([q_rot*cos+rotate_half(q_rot)*sin,q_pass],dim=-1)",
     "k_embed=torch.cat([k_rot*cos+rotate_half(k_rot)*sin,k_pass],dim=-1)", "return(q_embed,k_embed)")
+# GPT-NeoX's: the same, the rotated and passed columns concatenated in statements of their own
+_SPLIT_PARTIAL_ROTARY_BODY = (
+    *_PARTIAL_ROTARY_BODY[:5], "q_embed=q_rot*cos+rotate_half(q_rot)*sin", "k_embed=k_rot*cos+rotate_half(k_rot)*sin",
+    "q_embed=torch.cat([q_embed,q_pass],dim=-1)", "k_embed=torch.cat([k_embed,k_pass],dim=-1)",
+    "return(q_embed,k_embed)")
 _ROTATE_HALF_STATEMENTS = ("x1=x[...,:x.shape[-1]//2]", "x2=x[...,x.shape[-1]//2:]", "returntorch.cat((-x2,x1),dim=-1)")
 _STATIC_UPDATE_STATEMENTS = (
     "kv_length=key_states.shape[-2]",
@@ -313,7 +343,7 @@ _STATIC_UPDATE_STATEMENTS = (
 _CACHE_UPDATE_STATEMENTS = ("self.layers[layer_idx].update(key_states,value_states",)
 
 
-def _matches(statements: list[str] | None, forms: tuple) -> bool:
+def statements_match(statements: list[str] | None, forms: tuple) -> bool:
     """Is ``statements`` exactly ``forms``, statement by statement (a tuple: one of its forms)?"""
     return statements is not None and len(statements) == len(forms) and all(
         s in f if isinstance(f, tuple) else s == f for s, f in zip(statements, forms))
@@ -422,6 +452,14 @@ class AttentionForm:
     # the rotary pairs neighbouring columns (2i, 2i + 1) and rotates in fp32, per-head q/k norms
     # where attn.use_qk_norm (Cohere)
     pair_rotary: bool = False
+    # Q/K/V one linear whose columns are [q | k | v] per head, rotated over the first
+    # attn.rotary_ndims columns of each head (GPT-NeoX's query_key_value; its head width head_size)
+    per_head_qkv: bool = False
+    qkv_name: str = QKV_NAME  # the attention's Q/K/V module
+    head_dim_name: str = "head_dim"  # the attention's attribute that holds the head width
+
+    def head_dim(self, attn: nn.Module) -> int:
+        return getattr(attn, self.head_dim_name)
 
     def attention_function(self, implementation: str):
         return self.functions.get_interface(implementation, self.eager)
@@ -440,11 +478,14 @@ _FORMS: dict[type, AttentionForm | str] = {}
 def _read_form(cls: type) -> AttentionForm | str:
     forward = cls.forward
     statements = body_statements(forward)
-    if _matches(statements, _PARTIAL_ROTARY_ATTENTION_BODY):
+    if statements_match(statements, _PARTIAL_ROTARY_ATTENTION_BODY):
         return _functions_form(cls, UPDATE_FORMS[statements[14]], None, False, partial_rotary=True)
-    if _matches(statements, _PAIR_ROTARY_ATTENTION_BODY):
+    if statements_match(statements, _PAIR_ROTARY_ATTENTION_BODY):
         return _functions_form(cls, UPDATE_FORMS[statements[11]], None, False, pair_rotary=True)
-    prefused = _matches(statements, _PREFUSED_ATTENTION_BODY)
+    if statements_match(statements, _PER_HEAD_ATTENTION_BODY):
+        return _functions_form(cls, "none", None, False, prefused=True, per_head_qkv=True, qkv_name=PER_HEAD_QKV_NAME,
+                               head_dim_name="head_size")
+    prefused = statements_match(statements, _PREFUSED_ATTENTION_BODY)
     full_qk_norm = statements is not None and tuple(statements[2:8]) == _FULL_QK_NORMS
     if prefused:  # from the rotary on, the statements of _ATTENTION_BODY
         statements = [*_ATTENTION_BODY[:2], _PLAIN_Q, _PLAIN_K, _ATTENTION_BODY[4], *statements[10:]]
@@ -453,7 +494,7 @@ def _read_form(cls: type) -> AttentionForm | str:
     elif statements is not None and tuple(statements[5:7]) == _LATE_QK_NORMS \
             and statements[2:4] == [_PLAIN_Q, _PLAIN_K]:
         statements = [*statements[:2], _NORMED_Q, _NORMED_K, *statements[4:5], *statements[7:]]
-    if not _matches(statements, _ATTENTION_BODY):
+    if not statements_match(statements, _ATTENTION_BODY):
         return f"{cls.__name__}.forward is not an attention this step computes"
     return _functions_form(cls, UPDATE_FORMS[statements[7]], WINDOW_FORMS[statements[9]],
                            statements[9] == _SOFTCAP_CALL, qk_norm=statements[2] == _NORMED_Q, prefused=prefused,
@@ -468,7 +509,9 @@ def _functions_form(cls: type, update: str, window_from: str | None, softcap: bo
     if not callable(rotary) or not callable(eager) or not callable(getattr(functions, "get_interface", None)):
         return f"{cls.__name__}.forward's module has no apply_rotary_pos_emb, eager_attention_forward and " \
                "ALL_ATTENTION_FUNCTIONS.get_interface"
-    kernel_eager = _matches(body_statements(eager), _SOFTCAP_EAGER_BODY if softcap else _EAGER_BODY)
+    eager_body = body_statements(eager)
+    kernel_eager = statements_match(eager_body, _SOFTCAP_EAGER_BODY) if softcap else \
+        statements_match(eager_body, _NO_GQA_EAGER_BODY if form.get("per_head_qkv") else _EAGER_BODY)
     return AttentionForm(form.pop("qk_norm", False), form.pop("prefused", False), rotary, eager, functions, update,
                          window_from, softcap, kernel_eager=kernel_eager, **form)
 
@@ -516,14 +559,19 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
         why = why_not_partial_rotary(attn)
         if why is not None:
             return why
+    if attention_form(cls).per_head_qkv:
+        why = why_not_rotary_columns(attn, attn.head_size)
+        if why is not None:
+            return why
     if attention_form(cls).pair_rotary and getattr(attn, "use_qk_norm", None) is not False:
         return "its per-head q/k norms (use_qk_norm) run as modules (the module's attention computation over the " \
                "fused Q/K/V)"
     why = why_not_rotary(attn)
     if why is not None:
         return why
-    if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
-        return "it has no integer head_dim and layer_idx"
+    head_dim_name = attention_form(cls).head_dim_name
+    if not all(isinstance(getattr(attn, a, None), int) for a in (head_dim_name, "layer_idx")):
+        return f"it has no integer {head_dim_name} and layer_idx"
     if getattr(attn, "sliding_window", None) is not None and window_cache.device_length_class() is None:
         return "it is a sliding-window layer, whose cache layer in this transformers version is not the one checked " \
                "(the module's attention function runs over the fused Q/K/V)"
@@ -546,13 +594,15 @@ def why_not_rotary(attn: nn.Module) -> str | None:
         rope = plain_function(form.rotary)
         rotate = getattr(inspect.unwrap(rope), "__globals__", {}).get("rotate_half")
         if form.pair_rotary:  # Cohere's, statement by statement
-            standard = rope is not None and rotate is not None and _matches(
-                body_statements(rotate), _PAIR_ROTATE_HALF_STATEMENTS) and _matches(body_statements(rope),
+            standard = rope is not None and rotate is not None and statements_match(
+                body_statements(rotate), _PAIR_ROTATE_HALF_STATEMENTS) and statements_match(body_statements(rope),
                                                                                      _PAIR_ROTARY_STATEMENTS)
         else:
+            rope_body = body_statements(rope)
             standard = rope is not None and rotate is not None and has_statements(
                 rotate, _ROTATE_HALF_STATEMENTS) and (has_statements(rope, _ROTARY_STATEMENTS)
-                                                      or _matches(body_statements(rope), _PARTIAL_ROTARY_BODY))
+                                                      or statements_match(rope_body, _PARTIAL_ROTARY_BODY)
+                                                      or statements_match(rope_body, _SPLIT_PARTIAL_ROTARY_BODY))
         _STANDARD_ROTARY[cls] = standard
     return None if standard else "its rotary embedding is not the standard rotate_half one (nor Cohere's)"
 
@@ -609,7 +659,12 @@ def why_not_partial_rotary(attn: nn.Module) -> str | None:
     if getattr(attn, "qk_layernorm", None) is not False:
         return "its per-head q/k LayerNorms (qk_layernorm) run as modules (the module's attention computation over " \
                "the fused Q/K/V)"
-    rot, hd = getattr(attn, "rotary_ndims", None), getattr(attn, "head_dim", None)
+    return why_not_rotary_columns(attn, getattr(attn, "head_dim", None))
+
+
+def why_not_rotary_columns(attn: nn.Module, hd) -> str | None:
+    """Why ``attn.rotary_ndims`` is not an even count of columns within a head of ``hd`` (None: it is)."""
+    rot = getattr(attn, "rotary_ndims", None)
     if not isinstance(rot, int) or not isinstance(hd, int) or rot % 2 or not 2 <= rot <= hd:
         return f"its rotary_ndims ({rot!r}) is not an even count of columns within a head of {hd!r}"
     return None
@@ -617,7 +672,7 @@ def why_not_partial_rotary(attn: nn.Module) -> str | None:
 
 def rotary_columns(attn: nn.Module, form: AttentionForm) -> int:
     """The columns of each head that ``attn``'s rotary embedding rotates (cos/sin's width)."""
-    return attn.rotary_ndims if form.partial_rotary else attn.head_dim
+    return attn.rotary_ndims if form.partial_rotary or form.per_head_qkv else attn.head_dim
 
 
 def why_not_load_kernels() -> str | None:
@@ -668,11 +723,19 @@ def kernel_takes(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, c
         and (counters is None or counters.numel() >= keys.shape[0] * keys.shape[1])
 
 
+CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")  # what a layer's call names its cache (by version, family)
+
+
+def cache_of(kwargs: dict):
+    """The cache a decoder layer's call passes (None: none)."""
+    return next((kwargs[k] for k in CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
+
+
 def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     """``(cache layer, cos, sin, first)`` when this call can take the static-cache step, else
     None; ``first``: the layer is the cache's first. Only for an attention
     :func:`why_not_fuse_attention` accepted when it was patched."""
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache = cache_of(kwargs)
     pe = kwargs.get("position_embeddings")
     implementation = attn.config._attn_implementation
     form = attention_form(type(attn))
@@ -693,11 +756,11 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
             or getattr(cache, "offloading", False) or type(cache).update is not _Transformers.cache_cls.update:
         return None
     keys, values, base = layer.keys, layer.values, layer.cumulative_length
-    b, hd = x.shape[0], attn.head_dim
+    b, hd = x.shape[0], form.head_dim(attn)
     # Head counts from the fused weight and the cache, which hold this process's heads (all of
     # them, or a tensor-parallel rank's share, where the config still gives the whole model's).
-    rows, kv_heads = attn._modules[QKV_NAME].weight.shape[0], keys.shape[1]
-    groups = getattr(attn, "num_key_value_groups", None)
+    rows, kv_heads = attn._modules[form.qkv_name].weight.shape[0], keys.shape[1]
+    groups = 1 if form.per_head_qkv else getattr(attn, "num_key_value_groups", None)
     if not isinstance(groups, int) or groups < 1 or rows != (groups + 2) * kv_heads * hd:
         return None  # a cache (or fused weight) of other head counts: the module's computation says what is wrong
     if keys.dtype != x.dtype or values.dtype != x.dtype or keys.shape[0] != b or keys.shape[-1] != hd \
@@ -767,7 +830,7 @@ def normalises_outputs(cls: type) -> bool:
     """Is ``cls.forward`` a post-norm form (Gemma 2/3's, OLMo 2's without input norms)? Read from
     the source when patched."""
     statements = body_statements(cls.forward)
-    return _matches(statements, _POST_NORM_LAYER_BODY) or _matches(statements, _OUTPUT_NORM_LAYER_BODY)
+    return statements_match(statements, _POST_NORM_LAYER_BODY) or statements_match(statements, _OUTPUT_NORM_LAYER_BODY)
 
 
 def _adapters(layer: nn.Module) -> list[nn.Module]:
@@ -789,7 +852,7 @@ def _slice(mod) -> bool:
     return type(mod) is FusedSlice
 
 
-def _own_projection(mod) -> bool:
+def own_projection(mod) -> bool:
     return type(mod) in (HybridLinear, FP8HybridLinear)
 
 
@@ -803,15 +866,15 @@ def _parts_in_place(layer: nn.Module) -> bool:
     if isinstance(attn.get(QKV_NAME), FusedLinears):
         qkv = all(_in_place(attn.get(n), _slice) for n in ("q_proj", "k_proj", "v_proj"))
     else:
-        qkv = _own_projection(attn.get(QKV_NAME))
-    attention = qkv and (_fusable_projection(o) or _in_place(o, _own_projection))
+        qkv = own_projection(attn.get(QKV_NAME))
+    attention = qkv and (fusable_projection(o) or _in_place(o, own_projection))
     if moe_block(layer.mlp):
         return attention and type(layer.post_attention_layernorm) in PATCHED_NORMS
     if isinstance(mlp.get(FUSED_GATE_UP), FusedLinears):
         gate_up = all(_in_place(mlp.get(n), _slice) for n in ("gate_proj", "up_proj"))
     else:
-        gate_up = _own_projection(mlp.get(FUSED_GATE_UP))
-    return attention and gate_up and (_fusable_projection(down) or _in_place(down, _own_projection))
+        gate_up = own_projection(mlp.get(FUSED_GATE_UP))
+    return attention and gate_up and (fusable_projection(down) or _in_place(down, own_projection))
 
 
 def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
@@ -831,6 +894,20 @@ def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
 
 def takes_fused_path(layer: nn.Module, x) -> bool:
     """Does this call of a fused layer run the decode step (else the stock forward)?"""
+    if not _parts_in_place(layer):
+        return False
+    return call_allows(layer, x, _fused_parts(layer), _skipped_modules(layer),
+                       (*RESIDUAL_DROPOUTS, MLP_DROPOUT), _adapters(layer))
+
+
+def call_allows(layer: nn.Module, x, parts: list[nn.Module], skipped: list[nn.Module | None],
+                dropouts: tuple[str, ...], adapters: list[nn.Module] = ()) -> bool:
+    """Does this call of a fused ``layer`` allow its decode step: a plain tensor ``x`` of a layer
+    dtype on the kernels' device with at most :data:`DECODE_ROWS` rows, no autocast, the default
+    dispatch mode, none of the layer's ``dropouts`` (child names) dropping, the weights of
+    ``parts`` (the modules whose GEMMs the step runs) of x's dtype (or e4m3 with bf16 x), no
+    gradient wanted of x, them or the LoRA ``adapters``' parameters, and no hooks on the
+    ``skipped`` modules (whose forwards the step does not call) nor global ones?"""
     if not torch.compiler.is_compiling() and type(x) not in _PLAIN:
         return False
     if x.dtype not in _LAYER_DTYPES or x.dim() < 2 or not on_kernel_device(x):
@@ -838,27 +915,24 @@ def takes_fused_path(layer: nn.Module, x) -> bool:
     k = x.shape[-1]
     if not k or x.numel() // k > DECODE_ROWS:
         return False
-    if torch.is_autocast_enabled(x.device.type) or get_mode() != DEFAULT or not _parts_in_place(layer):
+    if torch.is_autocast_enabled(x.device.type) or get_mode() != DEFAULT:
         return False
-    if layer.training and any(_dropping(layer._modules.get(n)) for n in (*RESIDUAL_DROPOUTS, MLP_DROPOUT)):
+    if layer.training and any(_dropping(layer._modules.get(n)) for n in dropouts):
         return False
     dtype = x.dtype
     params = []
-    for m in _fused_parts(layer):
+    for m in parts:
         for t in (m.weight, getattr(m, "bias", None)):
             if t is not None:
                 if t.dtype != dtype and not (t.dtype == E4M3 and dtype in _FP8_ACTIVATIONS):
                     return False
                 params.append(t)
     if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params) or any(
-            p.requires_grad for m in _adapters(layer) for p in adapter_terms.lora_parameters(m))):
+            p.requires_grad for m in adapters for p in adapter_terms.lora_parameters(m))):
         return False
     if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
         return False
-    for m in _skipped_modules(layer):
-        if hooked(m):
-            return False
-    return True
+    return not any(hooked(m) for m in skipped)
 
 
 def _dropping(mod: nn.Module | None) -> bool:
@@ -876,7 +950,7 @@ def qkv_sizes(attn: nn.Module, qkv: nn.Module) -> tuple[int, int, int]:
     return qkv.weight.shape[0] - 2 * kv, kv, kv
 
 
-def _fusable_projection(proj) -> bool:
+def fusable_projection(proj) -> bool:
     """An O or down projection the step computes: patched, or row-parallel."""
     return type(proj) in (HybridLinear, FP8HybridLinear) or isinstance(proj, PartialSumLinear)
 
@@ -886,21 +960,22 @@ def norm_modules_form(cls: type) -> str | None:
     ``"chosen"`` where StableLM's (:data:`_CHOSEN_RESIDUAL_LAYER_BODY`), else None. Read from the
     source when a layer is patched."""
     statements = body_statements(cls.forward)
-    if _matches(statements, _PARALLEL_LAYER_BODY):
+    if statements_match(statements, _PARALLEL_LAYER_BODY):
         return "parallel"
-    return "chosen" if _matches(statements, _CHOSEN_RESIDUAL_LAYER_BODY) else None
+    return "chosen" if statements_match(statements, _CHOSEN_RESIDUAL_LAYER_BODY) else None
 
 
 def norm_modules(layer: nn.Module) -> str | None:
     """The residual form of a layer whose norms the step calls as modules, as patch marked it
-    (:data:`NORMS_AS_MODULES`): "parallel", "chosen" or None (another form)."""
+    (:data:`NORMS_AS_MODULES`): "parallel", "chosen", "gpt_neox" (fusion/models/neox_layer.py) or
+    None (another form)."""
     return layer.__dict__.get(NORMS_AS_MODULES)
 
 
 def scales_residuals(cls: type) -> bool:
     """Is ``cls.forward`` Granite's form of the layer (each sublayer's output times
     ``residual_multiplier`` before its add)? Read from the source when a layer is patched."""
-    return _matches(body_statements(cls.forward), _SCALED_LAYER_BODY)
+    return statements_match(body_statements(cls.forward), _SCALED_LAYER_BODY)
 
 
 def residual_multiplier(layer: nn.Module) -> float | None:
@@ -918,7 +993,7 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
     attn, mlp = mod._modules.get("self_attn"), mod._modules.get("mlp")
     norms = [mod._modules.get(n) for n in ("input_layernorm", "post_attention_layernorm")]
     qkv = attn._modules.get(QKV_NAME) if attn is not None else None
-    if not isinstance(qkv, FusedLinears) and not _own_projection(qkv):
+    if not isinstance(qkv, FusedLinears) and not own_projection(qkv):
         return "its Q/K/V are not fused into one GEMM"
     for owner, child in ((attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"), (mlp, "gate_proj"),
                          (mlp, "up_proj"), (mlp, "down_proj")):
@@ -929,23 +1004,23 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
         if adapter_terms.is_lora_linear(wrapper) and isinstance(adapter_base(wrapper), PartialSumLinear):
             return f"its {child} carries a LoRA adapter over a row-parallel projection, which the layer's forward runs"
     o_proj, down_proj = projection_base(attn._modules.get("o_proj")), projection_base(mlp._modules.get("down_proj"))
-    if not _fusable_projection(o_proj):
+    if not fusable_projection(o_proj):
         return f"its o_proj is a {type(o_proj).__name__}, not a patched or row-parallel nn.Linear"
     moe = moe_block(mlp)
     gate_up = mlp._modules.get(FUSED_GATE_UP) if mlp is not None else None
     if not moe and not ((type(mlp) is HybridGatedMLP and isinstance(gate_up, FusedLinears))
-                        or (type(mlp) is HybridPrefusedGatedMLP and _own_projection(gate_up))):
+                        or (type(mlp) is HybridPrefusedGatedMLP and own_projection(gate_up))):
         return ("its MoE block's experts are not the patched grouped kernels" if type(mlp).__name__ in MOE_BLOCKS
                 else "its MLP's gate/up are not fused into one GEMM")
-    if not moe and not _fusable_projection(down_proj):
+    if not moe and not fusable_projection(down_proj):
         return f"its down_proj is a {type(down_proj).__name__}, not a patched or row-parallel nn.Linear"
     scaled = scales_residuals(t)
     statements = body_statements(t.forward)
-    dropouts = not scaled and _matches(statements, _DROPOUT_LAYER_BODY)
-    output_norms = not (scaled or dropouts) and _matches(statements, _OUTPUT_NORM_LAYER_BODY)
-    post = output_norms or (not (scaled or dropouts) and _matches(statements, _POST_NORM_LAYER_BODY))
+    dropouts = not scaled and statements_match(statements, _DROPOUT_LAYER_BODY)
+    output_norms = not (scaled or dropouts) and statements_match(statements, _OUTPUT_NORM_LAYER_BODY)
+    post = output_norms or (not (scaled or dropouts) and statements_match(statements, _POST_NORM_LAYER_BODY))
     modules = None if scaled or dropouts or post else norm_modules_form(t)
-    if not (scaled or dropouts or post or modules or _matches(statements, _LAYER_BODY)):
+    if not (scaled or dropouts or post or modules or statements_match(statements, _LAYER_BODY)):
         return f"{t.__name__}.forward is not a decoder layer this step computes"
     if modules:
         return _why_not_norm_modules(mod, modules, moe) or _why_not_attention(attn, qkv)

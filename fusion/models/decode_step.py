@@ -73,7 +73,7 @@ from . import decode_checks as checks
 QKV_NAME = checks.QKV_NAME
 # Keyword arguments of the attention forward that the stock one does not pass on to the
 # attention function (or to cache.update).
-_CONSUMED = ("hidden_states", "position_embeddings", "attention_mask", "cache", "past_key_values", "cache_position")
+_CONSUMED = ("hidden_states", "position_embeddings", "attention_mask", *checks.CACHE_ARGUMENTS, "cache_position")
 
 
 def _compiled(op, eager, *args):
@@ -359,35 +359,41 @@ def qk_rope_store(y: Tensor, q_norm: nn.Module, k_norm: nn.Module, cos: Tensor, 
 
 
 def _rope_store(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
-                pairs: bool = False) -> Tensor:
+                pairs: bool = False, per_head: bool = False) -> Tensor:
     kernel = checks.qk_rope_kernel()
-    if checks.on_kernel_device(y) and kernel.check(y, None, None, cos, sin, keys, values, base, heads) is None:
-        return kernel.qk_norm_rope_store(y, None, None, cos, sin, keys, values, base, heads, pairs=pairs)
+    if checks.on_kernel_device(y) and kernel.check(y, None, None, cos, sin, keys, values, base, heads,
+                                                   per_head) is None:
+        return kernel.qk_norm_rope_store(y, None, None, cos, sin, keys, values, base, heads, pairs=pairs,
+                                         per_head=per_head)
+    if per_head:  # [q | k | v] per head -> all q, all k, all v
+        b, s = y.shape[:2]
+        y = y.view(b, s, heads, 3, keys.shape[-1]).transpose(2, 3).reshape(b, s, -1)
     y = _rotate_store(y, cos, sin, keys, values, base, heads, keys.shape[1], pairs=pairs)
     return y[..., : heads * keys.shape[-1]].contiguous()
 
 
 @torch.library.custom_op("hybridgemm::rope_store_fwd", mutates_args=("keys", "values"))
 def rope_store_fwd(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
-                   pairs: bool = False) -> Tensor:
-    return _rope_store(y, cos, sin, keys, values, base, heads, pairs)
+                   pairs: bool = False, per_head: bool = False) -> Tensor:
+    return _rope_store(y, cos, sin, keys, values, base, heads, pairs, per_head)
 
 
 @rope_store_fwd.register_fake
-def _rope_store_fake(y, cos, sin, keys, values, base, heads, pairs=False):
+def _rope_store_fake(y, cos, sin, keys, values, base, heads, pairs=False, per_head=False):
     return y.new_empty((*y.shape[:-1], heads * keys.shape[-1]))
 
 
 def rope_store(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
-               pairs: bool = False) -> Tensor:
+               pairs: bool = False, per_head: bool = False) -> Tensor:
     """From the Q/K/V projection ``y`` [B, S, N]: q and k rotated over the first ``cos.shape[-1]``
-    columns of each head (StableLM's partial rotary; cos/sin of y's dtype; ``pairs``: Cohere's
-    rotary of neighbouring columns in fp32), k and v written into ``keys``/``values`` at
-    ``base + s``; returns the rotated q [B, S, heads * hd]. One launch
+    columns of each head (StableLM's and GPT-NeoX's partial rotary; cos/sin of y's dtype;
+    ``pairs``: Cohere's rotary of neighbouring columns in fp32), k and v written into
+    ``keys``/``values`` at ``base + s``; returns the rotated q [B, S, heads * hd]. ``per_head``:
+    y's columns are ``[q | k | v]`` per head (GPT-NeoX's). One launch
     (kernels/triton_qk_rope.py) where its operand checks pass, the stock sequence of torch ops
     otherwise."""
     return _compiled(torch.ops.hybridgemm.rope_store_fwd, _rope_store, y, cos, sin, keys, values, base, heads,
-                     bool(pairs))
+                     bool(pairs), bool(per_head))
 
 
 # ------------------------------------------------------------------------- decode attention
@@ -443,14 +449,15 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: 
                      step, counters, float(softcap))
 
 
-def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn.Module, kwargs: dict,
-                      counters: Tensor | None) -> Tensor:
+def static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, qkv: nn.Module, kwargs: dict,
+                     counters: Tensor | None) -> Tensor:
     """The attention sublayer's output before O with a static cache (``slot`` from
-    ``decode_checks.kv_slot``): ``[B, S, heads * hd]``."""
+    ``decode_checks.kv_slot``), x normalised by ``norm`` in the Q/K/V GEMM's prologue (None: x
+    as it is): ``[B, S, heads * hd]``."""
     layer, cos, sin, first = slot
     b, s = x.shape[:2]
-    hd = attn.head_dim
     keys, values = layer.keys, layer.values
+    hd = keys.shape[-1]  # (kv_slot checked it is the attention's head width)
     kv_heads = keys.shape[1]
     heads = qkv.weight.shape[0] // hd - 2 * kv_heads
     base = layer.cumulative_length
@@ -476,9 +483,10 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module, qkv: nn
                           qk.get("qk_eps", 0.0), (attn.q_norm, attn.k_norm) if form.full_qk_norm else None,
                           qk.get("qk_offset"), form.pair_rotary)
         q = y[..., : heads * hd]
-    elif form.partial_rotary or form.pair_rotary:  # (StableLM's, Cohere's: the input norm ran as its module)
+    elif form.partial_rotary or form.pair_rotary or form.per_head_qkv:
+        # (StableLM's, Cohere's, GPT-NeoX's: the input norm ran as its module)
         y = norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
-        q = rope_store(y, cos, sin, keys, values, base, heads, form.pair_rotary)
+        q = rope_store(y, cos, sin, keys, values, base, heads, form.pair_rotary, form.per_head_qkv)
     else:
         y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,
                           base, heads, kv_heads, counters, weight_scale_of(qkv), **qk)
@@ -551,7 +559,7 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
     if rotated is None:
         q, k = _module_rotary(attn, form, q, k, cos, sin)
     rest = _passed_kwargs(form, kwargs)
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache = checks.cache_of(kwargs)
     if cache is not None:  # as the module's forward calls it (decode_checks.UPDATE_FORMS)
         if form.update == "kwargs":
             k, v = cache.update(k, v, attn.layer_idx, kwargs={} if form.partial_rotary else rest)
@@ -681,7 +689,7 @@ def attention(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None
     qkv = attn._modules[QKV_NAME]
     slot = checks.kv_slot(attn, x, kwargs) if checks.takes_static_step(layer) else None
     if slot is not None:
-        return _static_attention(attn, slot, x, norm, qkv, kwargs, counters)
+        return static_attention(attn, slot, x, norm, qkv, kwargs, counters)
     return _any_cache_attention(attn, x, norm, qkv, kwargs, counters)
 
 
@@ -707,6 +715,14 @@ def project_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor |
             return proj.sum_parts(linear_residual(x, proj.weight, proj.bias, residual, counters))
         return proj.sum_parts(linear_residual(x, proj.weight, None, None, counters))
     return linear_residual(x, proj.weight, proj.bias, residual, counters, scale, residual_scale)
+
+
+def project(proj: nn.Module, x: Tensor, counters: Tensor | None) -> Tensor:
+    """``proj(x)`` for the layer's O or down projection, no residual (as :func:`project_add`;
+    a row-parallel one's sum holds its bias once)."""
+    if isinstance(proj, PartialSumLinear):
+        return proj.sum_parts(linear_residual(x, proj.weight, proj.bias if proj.adds_bias else None, None, counters))
+    return linear_residual(x, proj.weight, proj.bias, None, counters, weight_scale_of(proj))
 
 
 def _slot_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor | None,
@@ -739,8 +755,7 @@ def _mlp_inner(mlp: nn.Module, norm: nn.Module, h: Tensor) -> Tensor:
 def _slot_project(proj: nn.Module, x: Tensor, counters: Tensor | None) -> Tensor:
     """The O or down projection alone, for a post-norm layer (which normalises it before the
     add): its GEMM, and a LoRA layer's terms there added to the rounded result (as PEFT does)."""
-    base = checks.projection_base(proj)
-    y = linear_residual(x, base.weight, base.bias, None, counters, weight_scale_of(base))
+    y = project(checks.projection_base(proj), x, counters)
     return adapter_terms.add_terms(proj, x, y) if adapter_terms.adds_terms(proj) else y
 
 
@@ -792,4 +807,4 @@ def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | Non
 
 
 __all__ = ["QKV_NAME", "attend", "attention", "gated_norm", "layer_step", "linear_residual", "norm_linear",
-           "norm_rope_qkv", "project_add"]
+           "norm_rope_qkv", "project", "project_add", "static_attention"]

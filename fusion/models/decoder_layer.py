@@ -15,7 +15,9 @@ its residual add; their attention the module's function over the fused Q/K/V),
 modules on the fused Q/K/V), ``StableLmDecoderLayer`` (its LayerNorms called as the modules they
 are, its residual parallel or sequential as the instance says, its rotary over the first
 ``rotary_ndims`` columns of each head in a launch after the Q/K/V GEMM), ``CohereDecoderLayer``
-(the same with its parallel residual and its rotary of neighbouring columns) and the
+(the same with its parallel residual and its rotary of neighbouring columns), ``GPTNeoXLayer``
+(its LayerNorms as modules, its per-head Q/K/V layout and partial rotary in one launch after the
+Q/K/V GEMM; fusion/models/neox_layer.py, static caches only) and the
 mixture-of-experts ``Qwen3MoeDecoderLayer``, ``MixtralDecoderLayer`` and ``Qwen2MoeDecoderLayer``
 (their sparse block called as a module, its experts the grouped kernels) whose forwards are the
 ones the step computes (checked in their source when patched, so a release that changes them
@@ -30,7 +32,7 @@ import importlib
 import torch
 from torch import nn
 
-from . import decode_checks, decode_step, window_cache
+from . import decode_checks, decode_step, neox_layer, window_cache
 
 # Recognised layer classes and the transformers module of each (to rebuild the fused class
 # when a pickled model is loaded in a new process).
@@ -39,13 +41,20 @@ LAYER_MODULES = {"LlamaDecoderLayer": "llama", "Qwen2DecoderLayer": "qwen2", "Qw
                  "Qwen3MoeDecoderLayer": "qwen3_moe", "MixtralDecoderLayer": "mixtral",
                  "Qwen2MoeDecoderLayer": "qwen2_moe", "GemmaDecoderLayer": "gemma", "Phi3DecoderLayer": "phi3",
                  "Gemma2DecoderLayer": "gemma2", "Gemma3DecoderLayer": "gemma3", "Olmo2DecoderLayer": "olmo2",
-                 "StableLmDecoderLayer": "stablelm", "CohereDecoderLayer": "cohere"}
+                 "StableLmDecoderLayer": "stablelm", "CohereDecoderLayer": "cohere", "GPTNeoXLayer": "gpt_neox"}
 LAYER_CLASSES = tuple(LAYER_MODULES)
 # A fused layer's int32 buffer (not in the state dict) of split-K arrival counters for its
 # GEMMs, which run one after another and leave it zero: a compiled decode step then needs no
 # zero-filled counters per GEMM (a fill kernel each).
 COUNTERS = "_hybridgemm_counters"
 COUNTER_SLOTS = 4096
+# A layer class's attention module, where it is not self_attn
+_ATTENTION_NAMES = {neox_layer.LAYER_CLASS: neox_layer.ATTENTION}
+
+
+def attention_of(layer: nn.Module) -> nn.Module:
+    """A recognised decoder layer's attention module."""
+    return layer._modules[_ATTENTION_NAMES.get(type(layer).__name__, "self_attn")]
 
 
 def new_counters(device) -> torch.Tensor:
@@ -82,7 +91,7 @@ class HybridDecoderLayer(nn.Module):
         super().__setstate__(state)
         # Unpickled (in a new process, say): what the step reads of transformers is read now,
         # not inside the first call, which may be a compiled region's trace.
-        decode_checks.why_not_attention_form(type(self.self_attn))
+        decode_checks.why_not_attention_form(type(attention_of(self)))
         if decode_checks.takes_static_step(self):
             decode_checks.why_not_load_kernels()
 
@@ -90,12 +99,24 @@ class HybridDecoderLayer(nn.Module):
         if not torch.compiler.is_compiling() and decode_checks.takes_static_step(self):
             # a static cache whose sliding windows never fill counts on the device from here on,
             # so a compiled step over it reads no Python int (fusion/models/window_cache.py)
-            window_cache.adopt(kwargs.get("cache", kwargs.get("past_key_values")))
+            window_cache.adopt(decode_checks.cache_of(kwargs))
         if args or not decode_checks.takes_fused_path(self, hidden_states):
             return super().forward(hidden_states, *args, **kwargs)
         return decode_step.layer_step(self, hidden_states, kwargs, self._buffers.get(COUNTERS))
 
 
+class HybridNeoXLayer(HybridDecoderLayer):
+    """:class:`HybridDecoderLayer` for GPT-NeoX's layer: the step of fusion/models/neox_layer.py
+    for a call with a static cache it takes, the class's own forward for any other."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        slot = None if args else neox_layer.step_slot(self, hidden_states, kwargs)
+        if slot is None:
+            return super(HybridDecoderLayer, self).forward(hidden_states, *args, **kwargs)
+        return neox_layer.layer_step(self, hidden_states, slot, kwargs, self._buffers.get(COUNTERS))
+
+
+_MIXINS = {neox_layer.LAYER_CLASS: HybridNeoXLayer}  # by layer class: the mixin, where not HybridDecoderLayer
 _FUSED_CLASSES: dict[type, type] = {}
 
 
@@ -106,7 +127,8 @@ def fused_class(cls: type) -> type:
     this module resolves (:func:`__getattr__`)."""
     fused = _FUSED_CLASSES.get(cls)
     if fused is None:
-        fused = _FUSED_CLASSES[cls] = type(cls.__name__, (HybridDecoderLayer, cls),
+        mixin = _MIXINS.get(cls.__name__, HybridDecoderLayer)
+        fused = _FUSED_CLASSES[cls] = type(cls.__name__, (mixin, cls),
                                            {"__module__": __name__, "__qualname__": cls.__name__})
         globals()[cls.__name__] = fused
     return fused
@@ -125,7 +147,10 @@ def __getattr__(name: str):
 def why_not_fuse_layer(mod: nn.Module) -> str | None:
     """Why the decoder layer ``mod`` cannot be fused (None: it can); raises nothing. A module
     that is no recognised decoder layer gives ``decode_checks.NOT_A_LAYER``."""
+    if neox_layer.is_neox_layer(mod):
+        return neox_layer.why_not_fuse(mod)
     return decode_checks.why_not_fuse_layer(mod, LAYER_CLASSES)
 
 
-__all__ = ["COUNTERS", "LAYER_CLASSES", "HybridDecoderLayer", "fused_class", "new_counters", "why_not_fuse_layer"]
+__all__ = ["COUNTERS", "LAYER_CLASSES", "HybridDecoderLayer", "attention_of", "fused_class", "new_counters",
+           "why_not_fuse_layer"]

@@ -132,6 +132,7 @@ from hybridgemm.norm import (
 )
 from hybridgemm.router import HybridTopKRouter, why_not_router
 
+from . import neox_layer
 from .decode_checks import (
     NORMS_AS_MODULES,
     NOT_A_LAYER,
@@ -143,7 +144,7 @@ from .decode_checks import (
     scales_residuals,
     why_not_fuse_attention,
 )
-from .decoder_layer import COUNTERS, HybridDecoderLayer, fused_class, new_counters, why_not_fuse_layer
+from .decoder_layer import COUNTERS, HybridDecoderLayer, attention_of, fused_class, new_counters, why_not_fuse_layer
 from .embeddings import RESIZE, ResizeKeepingHead, output_embeddings, resizes_embeddings
 from .fp8_checkpoints import adopt as adopt_fp8_checkpoint
 from .fp8_checkpoints import prepare as prepare_fp8_checkpoint
@@ -451,7 +452,7 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
                 report.skipped.append((name, f"decoder layer not fused: {why_not}"))
             elif isinstance(mod, HybridDecoderLayer) and not mod.__dict__.get(STATIC_STEP):
                 # fused by an earlier patch: what its attention step still leaves out, said again
-                why_not_attention = why_not_fuse_attention(mod.self_attn)
+                why_not_attention = why_not_fuse_attention(attention_of(mod))
                 if why_not_attention is not None:
                     report.skipped.append((name, f"{ATTENTION_NOT_FUSED}: {why_not_attention}"))
     report.skipped.extend(unpatched(model, report.skipped, attention=attention, mlp=mlp, norm=norm,
@@ -471,8 +472,8 @@ def _fuse_layer(layer: nn.Module) -> str | None:
     """Give a recognised decoder layer its fused forward and its arrival counters (class
     swapped in place, recorded for unpatch); mark it for the static-cache step where its
     attention allows (else return why not)."""
-    scaled, post_norms, norm_modules = scales_residuals(type(layer)), normalises_outputs(type(layer)), \
-        norm_modules_form(type(layer))
+    scaled, post_norms = scales_residuals(type(layer)), normalises_outputs(type(layer))
+    norm_modules = neox_layer.NORMS_AS_MODULES if neox_layer.is_neox_layer(layer) else norm_modules_form(type(layer))
     record(layer, ("class", next(_SEQ), type(layer)))
     layer.__class__ = fused_class(type(layer))
     layer.register_buffer(COUNTERS, new_counters(next(layer.parameters()).device), persistent=False)
@@ -483,7 +484,7 @@ def _fuse_layer(layer: nn.Module) -> str | None:
         _set_attr(layer, POST_NORMS, True)
     if norm_modules:
         _set_attr(layer, NORMS_AS_MODULES, norm_modules)
-    why_not = why_not_fuse_attention(layer.self_attn)
+    why_not = why_not_fuse_attention(attention_of(layer))
     if why_not is None:
         _set_attr(layer, STATIC_STEP, True)
     return why_not

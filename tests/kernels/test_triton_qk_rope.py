@@ -312,6 +312,44 @@ def test_neighbour_pairs_are_coheres_rotary_bit_for_bit(device, b, s, heads, kv_
         assert torch.equal(q2, ref_q) and torch.equal(k2, ref_k.transpose(1, 2).reshape(b, s, -1)), dtype
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b,s,heads,hd,rot,base", [(1, 1, 4, 32, 8, 5), (3, 1, 3, 20, 20, 0), (2, 3, 5, 80, 20, 7),
+                                                   (1, 2, 7, 6, 2, 3)])
+def test_per_head_layout_is_gpt_neoxs_attention_bit_for_bit(device, b, s, heads, hd, rot, base):
+    """``per_head``: y in GPT-NeoX's ``query_key_value`` layout (``[q | k | v]`` per head), rotated
+    over the first ``rot`` columns of each head: q and the cached k and v are what GPT-NeoX's
+    attention computes with its own functions (its head view, chunk and partial rotary), bit
+    for bit; the rest of the cache untouched."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    neox = pytest.importorskip("transformers.models.gpt_neox.modeling_gpt_neox")
+    for dtype in ([torch.bfloat16, torch.float16, torch.float32] if device == "cuda" else CPU_DTYPES):
+        y, _, _, keys, values, *_ = _operands(b, s, heads, heads, hd, dtype, device, dtype, seed=hd + rot + 3)
+        g = torch.Generator().manual_seed(rot + 1)
+        angles = torch.rand(b, s, rot // 2, generator=g) * 6.3
+        emb = torch.cat([angles, angles], dim=-1)
+        cos, sin = emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
+        qkv = y.view(b, s, heads, 3 * hd).transpose(1, 2)
+        ref_q, ref_k, ref_v = qkv.chunk(3, dim=-1)
+        ref_q, ref_k = neox.apply_rotary_pos_emb(ref_q, ref_k, cos, sin)
+        pos = torch.tensor([base], dtype=torch.int64, device=device)
+        assert tqr.check(y, None, None, cos, sin, keys, values, pos, heads, per_head=True) is None
+        q = tqr.qk_norm_rope_store(y, None, None, cos, sin, keys, values, pos, heads, per_head=True)
+        assert torch.equal(q, ref_q.transpose(1, 2).reshape(b, s, -1)), dtype
+        assert torch.equal(keys[:, :, base:base + s], ref_k) and torch.equal(values[:, :, base:base + s], ref_v)
+        others = torch.ones(keys.shape[2], dtype=torch.bool)
+        others[base:base + s] = False
+        assert torch.isnan(keys[:, :, others]).all() and torch.isnan(values[:, :, others]).all()
+
+
+def test_check_refuses_a_per_head_layout_with_fewer_kv_heads():
+    y, cos, sin, keys, values, *_ = _operands(2, 1, 4, 2, 8, torch.float32, "cpu", torch.float32)
+    base = torch.zeros(1, dtype=torch.int64)
+    assert tqr.check(y, None, None, cos, sin, keys, values, base, 4) is None
+    why = tqr.check(y, None, None, cos, sin, keys, values, base, 4, per_head=True)
+    assert why is not None and "as many kv heads as heads" in why
+
+
 def test_check_refuses_one_norm_without_the_other_and_an_odd_or_too_wide_rotary():
     y, cos, sin, keys, values, q_norm, _ = _operands(2, 1, 4, 2, 8, torch.float32, "cpu", torch.float32)
     base = torch.zeros(1, dtype=torch.int64)
@@ -350,11 +388,12 @@ from hybridgemm.kernels.triton_launch import interpreting
 
 fn = tqr._qk_norm_rope_store_kernel
 ptrs = ["*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*bf16", "*bf16", "*i64", "*bf16"]
-scalars = ["i32"] * 13 + ["fp32"] * 6
+scalars = ["i32"] * 15 + ["fp32"] * 6
 sig = dict(zip(fn.arg_names, ptrs + scalars))
-for q_cols, kv_cols, hd in ((4096, 4096, 128), (5120, 1024, 128), (2048, 512, 64)):
+for q_cols, kv_cols, hd, spread in ((4096, 4096, 128, 0), (5120, 1024, 128, 0), (2048, 512, 64, 0),
+                                    (2560, 2560, 80, 160)):  # (and GPT-NeoX's per-head layout)
     consts = dict(QB=tqr.next_pow2(q_cols), KB=tqr.next_pow2(kv_cols), HD=hd, ROUND_EACH=False, NORM=True,
-                  ROT=hd, PAIRS=False)
+                  ROT=hd, PAIRS=False, SPREAD=spread)
     src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
     try:
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16 if q_cols > 4096 else 8,
@@ -373,7 +412,8 @@ print("compiled")
 
 def test_the_kernel_compiles_for_hopper_at_olmo2_widths():
     """Built for sm_90 by Triton's ptxas (no GPU needed): OLMo 2 7B's (32 + 32 heads of 128),
-    13B-like (40 + 8) and a small one, bf16 with fp32 cos/sin and factors."""
+    13B-like (40 + 8), a small one and Pythia-2.8B's per-head layout (32 heads of 80), bf16 with
+    fp32 cos/sin and factors."""
     from helpers import compile_offline
 
     compile_offline("import triton\n" + _COMPILE_FOR_HOPPER)

@@ -505,8 +505,8 @@ def test_cohere_layers_decode_as_stock_does(batch, kernels_on_cpu):
     assert all(layer.__dict__.get(checks.NORMS_AS_MODULES) == "parallel" for layer in model.model.layers)
     stores, real = [], tqr.qk_norm_rope_store
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tqr, "qk_norm_rope_store", lambda y, qn, kn, cos, *a, pairs=False: stores.append(
-            (tuple(y.shape), qn, pairs)) or real(y, qn, kn, cos, *a, pairs=pairs))
+        mp.setattr(tqr, "qk_norm_rope_store", lambda y, qn, kn, cos, *a, pairs=False, **kw: stores.append(
+            (tuple(y.shape), qn, pairs)) or real(y, qn, kn, cos, *a, pairs=pairs, **kw))
         _compare(model, stock, steps=3, batch=batch)
     assert kernels_on_cpu["rope"] == 0 and kernels_on_cpu["norm"] == 0
     assert stores == [((batch, 1, (4 + 2 * 2) * 32), None, True)] * 2 * 3

@@ -82,7 +82,7 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
 
 @pytest.fixture(params=["llama", "qwen3", "granite", "qwen3_moe", "mixtral", "qwen2_moe", "gemma", "phi3", "gemma2",
                         "gemma2-wide", "gemma3", "gemma3-wide", "olmo2", "stablelm", "stablelm_parallel",
-                        "cohere"])
+                        "cohere", "gpt_neox"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
@@ -99,7 +99,8 @@ def models(monkeypatch, request):
     step with its q/k norms over all heads as modules after the fused QKV, so no rotary epilogue)
     and stablelm, stablelm_parallel (LayerNorms as modules; the rotary over a quarter of each head
     and the cache write in one launch after the QKV GEMM, counted as the rotary here), cohere
-    (the same with its rotary of neighbouring columns in fp32)."""
+    (the same with its rotary of neighbouring columns in fp32), gpt_neox (the same over its
+    per-head [q | k | v] layout)."""
     kind, _, wide = request.param.partition("-")
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=kind, window=64 if wide else None,
                                          attention="eager" if request.param == "gemma2-wide" else None)
@@ -113,7 +114,7 @@ def models(monkeypatch, request):
     real_store = triton_qk_rope.qk_norm_rope_store
 
     def store(y, q_norm, *a, **kw):
-        calls["rope"] += q_norm is None  # (StableLM's, Cohere's rotary and cache write, after the GEMM)
+        calls["rope"] += q_norm is None  # (StableLM's, Cohere's, GPT-NeoX's rotary and cache write, after the GEMM)
         return real_store(y, q_norm, *a, **kw)
 
     monkeypatch.setattr(dispatch, "splitk_config", lambda *a: SPLITK)

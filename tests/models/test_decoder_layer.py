@@ -175,7 +175,8 @@ def test_what_is_not_fused_and_why(monkeypatch):
                             "step (it supports LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, "
                             "MistralDecoderLayer, GraniteDecoderLayer, Qwen3MoeDecoderLayer, MixtralDecoderLayer, "
                             "Qwen2MoeDecoderLayer, GemmaDecoderLayer, Phi3DecoderLayer, Gemma2DecoderLayer, "
-                            "Gemma3DecoderLayer, Olmo2DecoderLayer, StableLmDecoderLayer, CohereDecoderLayer)")]
+                            "Gemma3DecoderLayer, Olmo2DecoderLayer, StableLmDecoderLayer, CohereDecoderLayer, "
+                            "GPTNeoXLayer)")]
 
 
 def _module_state(model) -> dict:

@@ -42,7 +42,8 @@ CONFIGS = {
 
 SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer, GraniteDecoderLayer, "
              "Qwen3MoeDecoderLayer, MixtralDecoderLayer, Qwen2MoeDecoderLayer, GemmaDecoderLayer, Phi3DecoderLayer, "
-             "Gemma2DecoderLayer, Gemma3DecoderLayer, Olmo2DecoderLayer, StableLmDecoderLayer, CohereDecoderLayer")
+             "Gemma2DecoderLayer, Gemma3DecoderLayer, Olmo2DecoderLayer, StableLmDecoderLayer, CohereDecoderLayer, "
+             "GPTNeoXLayer")
 
 
 def _layer(cls: str) -> str:
@@ -83,10 +84,10 @@ EXPECTED = {
     "stablelm": [(f"{L}.input_layernorm", _norm("LayerNorm")), (f"{L}.post_attention_layernorm", _norm("LayerNorm"))],
     "cohere": [(f"{L}.input_layernorm", _norm("CohereLayerNorm"))],  # the layer fused, its norm a module
     # Q/K/V one linear already (swapped as it is): Phi-3's layer fused with its stacked gate/up;
-    # GPT-NeoX's and Falcon's GELU in the first MLP GEMM, the layer and its LayerNorms left
+    # GPT-NeoX's layer fused, its LayerNorms called as modules; Falcon's GELU in the first MLP
+    # GEMM, the layer and its LayerNorm left
     "phi3": [],
-    "gpt_neox": [("gpt_neox.layers.0", _layer("GPTNeoXLayer")),
-                 ("gpt_neox.layers.0.input_layernorm", _norm("LayerNorm")),
+    "gpt_neox": [("gpt_neox.layers.0.input_layernorm", _norm("LayerNorm")),
                  ("gpt_neox.layers.0.post_attention_layernorm", _norm("LayerNorm"))],
     "falcon": [("transformer.h.0", _layer("FalconDecoderLayer")),
                ("transformer.h.0.input_layernorm", _norm("LayerNorm"))],
@@ -148,10 +149,9 @@ def test_per_head_qk_norms_of_a_2d_weight_are_reported_as_norms():
 
 
 def test_every_layer_is_reported_and_later_layers_alike():
-    report = _patch(build("gpt_neox", layers=3))
+    report = _patch(build("falcon", layers=3))
     names = [n for n, _ in report.skipped]
-    assert names == [f"gpt_neox.layers.{i}{part}" for i in range(3)
-                     for part in ("", ".input_layernorm", ".post_attention_layernorm")]
+    assert names == [f"transformer.h.{i}{part}" for i in range(3) for part in ("", ".input_layernorm")]
     assert all("embed" not in n and "rotary" not in n and "dropout" not in n for n in names)
 
 

@@ -94,7 +94,9 @@ def by_key_models(shapes, key) -> tuple[str, ...]:
 def test_all_presets_deduplicated_bias_kept_apart():
     shapes = MS.sweep_shapes()
     keys = [(s.n, s.k, s.bias) for s in shapes]
-    assert len(keys) == len(set(keys)) == 31
+    assert len(keys) == len(set(keys)) == 33
+    # pythia-6.9b's (32 heads of 128 over 4096, no GQA, biases throughout): q, k/v and o one shape, its Q/K/V
+    assert by_key_models(shapes, (4096, 4096, True)) == by_key_models(shapes, (12288, 4096, True)) == ("pythia-6.9b",)
     # stablelm-3b's (32 heads of 80 over 2560, no GQA): q, k/v and o one shape, its Q/K/V 7680 rows;
     # stablelm-2-1.6b's q/k/v carry biases (o none): its 2048 x 2048 twice, apart
     assert by_key_models(shapes, (7680, 2560, False)) == ("stablelm-3b",)
