@@ -125,6 +125,8 @@ PRESETS: dict[str, ModelPreset] = {
                     intermediate=24576, vocab=256000, layers=28, mlp_norm="fp32"),
         ModelPreset("gemma2-9b", 3584, 16, 8, 256, qkv_bias=False, o_bias=False,
                     intermediate=14336, vocab=256000, layers=42, mlp_norm="fp32"),
+        ModelPreset("gemma3-4b", 2560, 8, 4, 256, qkv_bias=False, o_bias=False,
+                    intermediate=10240, vocab=262208, layers=34, mlp_norm="fp32"),
         ModelPreset("olmo2-7b", 4096, 32, 32, 128, qkv_bias=False, o_bias=False,
                     intermediate=11008, vocab=100352, layers=32, mlp_norm=None),
         # StableLM: LayerNorms, which the fused step runs as modules (no norm prologue)

@@ -75,6 +75,11 @@ FAMILIES: dict[str, Family] = {
                      fixed=(("hidden_activation", "gelu_pytorch_tanh"), ("query_pre_attn_scalar", 256),
                             ("sliding_window", 4096), ("attn_logit_softcapping", 50.0),
                             ("final_logit_softcapping", 30.0))),
+    # Gemma 3: Gemma 2's norms, GeGLU and post-norms, q/k norms ((1 + w) over each head), five
+    # sliding-window layers (window 1024) to each full one, no softcaps: its published configs
+    "gemma3": Family("Gemma3TextConfig", head_dim=True, qkv_bias=None,
+                     fixed=(("hidden_activation", "gelu_pytorch_tanh"), ("query_pre_attn_scalar", 256),
+                            ("sliding_window", 1024))),
     # Phi-3: Q/K/V and gate/up one linear each in the checkpoint; heads of 96 (its hidden size / heads)
     "phi3": Family("Phi3Config", head_dim=False, qkv_bias=False, fixed=(("pad_token_id", 32000),)),
     # OLMo 2: no input norms, each sublayer's output normalised before its residual add, q/k
@@ -120,6 +125,7 @@ SIZES: dict[str, ModelSizes] = {
     "phi3-mini": ModelSizes("phi3", 8192, 32, 32064, 1e4, 1e-5, 4096),  # Phi-3-mini-4k
     "gemma2-9b": ModelSizes("gemma2", 14336, 42, 256000, 1e4, 1e-6, 8192),  # its LM head tied in the release
     "gemma-7b": ModelSizes("gemma", 24576, 28, 256000, 1e4, 1e-6, 8192),  # its LM head tied in the release
+    "gemma3-4b": ModelSizes("gemma3", 10240, 34, 262208, 1e6, 1e-6, 131072),  # its LM head tied in the release
     "olmo2-7b": ModelSizes("olmo2", 11008, 32, 100352, 5e5, 1e-6, 4096),  # OLMo-2-1124-7B
     "stablelm-2-1.6b": ModelSizes("stablelm", 5632, 24, 100352, 1e4, 1e-5, 4096),  # q/k/v biases
     "stablelm-3b": ModelSizes("stablelm", 6912, 32, 50304, 1e4, 1e-5, 4096),  # StableLM-3B-4E1T; heads of 80

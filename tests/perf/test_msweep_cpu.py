@@ -94,7 +94,10 @@ def by_key_models(shapes, key) -> tuple[str, ...]:
 def test_all_presets_deduplicated_bias_kept_apart():
     shapes = MS.sweep_shapes()
     keys = [(s.n, s.k, s.bias) for s in shapes]
-    assert len(keys) == len(set(keys)) == 33
+    assert len(keys) == len(set(keys)) == 37
+    # gemma3-4b's (8 heads of 256 over 2560, 4 KV heads): q, k/v, Q/K/V and o shapes of its own
+    assert [s.models for s in shapes if (s.n, s.k) in ((2048, 2560), (1024, 2560), (4096, 2560), (2560, 2048))] \
+        == [("gemma3-4b",)] * 4
     # pythia-6.9b's (32 heads of 128 over 4096, no GQA, biases throughout): q, k/v and o one shape, its Q/K/V
     assert by_key_models(shapes, (4096, 4096, True)) == by_key_models(shapes, (12288, 4096, True)) == ("pythia-6.9b",)
     # stablelm-3b's (32 heads of 80 over 2560, no GQA): q, k/v and o one shape, its Q/K/V 7680 rows;
