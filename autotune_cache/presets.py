@@ -139,7 +139,7 @@ PRESETS: dict[str, ModelPreset] = {
                     intermediate=14336, vocab=256000, layers=32, tied_lm_head=True, mlp_norm=None),
         # GPT-NeoX (Pythia 6.9B): LayerNorms as modules; its MLP is not gated (no gate/up width)
         ModelPreset("pythia-6.9b", 4096, 32, 32, 128, qkv_bias=True, o_bias=True, vocab=50432, layers=32,
-                    mlp_bias=True, mlp_norm=None),
+                    mlp_norm=None),
         ModelPreset("qwen3-30b-a3b", 2048, 32, 4, 128, qkv_bias=False, o_bias=False, vocab=151936, layers=48,
                     experts=128, experts_per_token=8, expert_intermediate=768),
         ModelPreset("mixtral-8x7b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False, vocab=32000, layers=32,

@@ -15,7 +15,8 @@ Found by module structure, never by model name (``transformers`` is never import
   ``dense_h_to_4h``/``dense_4h_to_h`` too, :class:`HybridTwoLayerMLP`): GPT-2's ``c_fc``/``c_proj``
   (transformers' ``Conv1D``) with ``act``; BERT's ``intermediate.dense`` with
   ``intermediate_act_fn`` and its sibling ``output.dense``. The activation moves into the first
-  GEMM's epilogue and the module's class becomes one whose forward does not apply it again.
+  GEMM's epilogue and the module's class becomes one whose forward does not apply it again (a
+  LoRA layer later put over that linear gets the activation module after it, as stock).
 
 An activation module that is not recognised (an unknown class, a custom function) leaves the
 MLP alone, with the reason in the report: fusing must compute what the module computed.
@@ -32,6 +33,8 @@ from hybridgemm.kernels.fp8 import FP8Weight
 from hybridgemm.kernels.lazy import triton_module
 
 from .decide import choose_gated
+from .fp8_linear import linear_fp8
+from .fp8_modules import FP8HybridLinear, weight_scale_of
 from .fused_rows import FusedSlice, stock_slot
 from .linear_layer import HybridLinear, linear
 
@@ -174,12 +177,35 @@ class HybridPrefusedGatedMLP(nn.Module):
         return self.down_proj(gated_linear(x, gate_up.weight, gate_up.bias, self.glu_activation))
 
 
+def activated(owner: nn.Module, child: str, act: str, act_module: nn.Module, x: Tensor) -> Tensor:
+    """``act_module(owner.<child>(x))`` with the activation (named ``act``) in the GEMM's epilogue
+    where the child is the :class:`~hybridgemm.HybridLinear` patch made (or its FP8 form),
+    unhooked; anything else in the slot (a LoRA layer over it, whose term goes in before the
+    activation as in the stock module; a hooked or replaced module) is called as a module, then
+    the activation module."""
+    lin = owner._modules[child]
+    if _hooked(lin):
+        return act_module(lin(x))
+    if type(lin) is HybridLinear:
+        return linear(x, lin.weight, lin.bias, act)
+    if type(lin) is FP8HybridLinear:
+        return linear_fp8(x, lin.weight, weight_scale_of(lin), lin.bias, act)
+    return act_module(lin(x))
+
+
 class HybridTwoLayerMLP(nn.Module):
     """Stands in for GPT-NeoX's and Falcon's MLP (``dense_h_to_4h``, ``act``, ``dense_4h_to_h``):
-    ``dense_h_to_4h`` carries the activation in its epilogue."""
+    ``dense_h_to_4h``'s GEMM carries the activation (``activation``, set when patched) in its
+    epilogue (:func:`activated`)."""
+
+    activation: str | None = None
+
+    def up(self, x: Tensor) -> Tensor:
+        """``act(dense_h_to_4h(x))``."""
+        return activated(self, "dense_h_to_4h", self.activation, self.act, x)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dense_4h_to_h(self.dense_h_to_4h(x))
+        return self.dense_4h_to_h(self.up(x))
 
 
 def _hooked(mod: nn.Module) -> bool:
@@ -227,10 +253,13 @@ def two_layer_act(mod: nn.Module) -> tuple[str | None, str | None]:
 
 
 class HybridIntermediate(nn.Module):
-    """Stands in for BERT's intermediate module: ``dense`` carries the activation in its epilogue."""
+    """Stands in for BERT's intermediate module: ``dense``'s GEMM carries the activation
+    (``activation``, set when patched) in its epilogue (:func:`activated`)."""
+
+    activation: str | None = None
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return self.dense(hidden_states)
+        return activated(self, "dense", self.activation, self.intermediate_act_fn, hidden_states)
 
 
 class HybridConvMLP(nn.Module):

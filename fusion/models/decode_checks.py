@@ -7,15 +7,17 @@ must be one the step computes (its statements checked in its source: the pre-nor
 Granite's with scaled residuals, Phi-3's with residual dropouts, Gemma 2/3's post-norm one,
 OLMo 2's post-norm one without input norms),
 its attention forward one of the forms :class:`AttentionForm` describes (Q/K/V from three
-projections or, Phi-3's, one), and its parts fused by ``patch`` (Q/K/V and gate/up into one
-GEMM each or the checkpoint's stacked linears, patched RMSNorms (fusion/norm.py PATCHED_NORMS),
-patched or row-parallel O and down). The static-cache step (rotary and the cache write in the QKV epilogue, the
+projections or one: Phi-3's [q | k | v], GPT-NeoX's [q | k | v] per head), and its parts
+fused by ``patch`` (Q/K/V and gate/up into one GEMM each or the checkpoint's stacked linears,
+patched RMSNorms (fusion/norm.py PATCHED_NORMS), patched or row-parallel O and down; GPT-NeoX's
+layer: fusion/models/neox_layer.py). The static-cache step (rotary and the cache write in the QKV epilogue, the
 attention kernel) also needs transformers' ``StaticLayer`` and ``Cache.update`` as checked (or,
 for a sliding-window layer, a window that never fills: fusion/models/window_cache.py),
 the standard ``rotate_half`` rotary, and q/k norms (if any) that are patched RMSNorms over
 ``head_dim`` (Llama's formula, or Gemma 3's fp32 factor ``1 + w``).
 
-Per call (:func:`takes_fused_path`, :func:`kv_slot`): CUDA (:func:`on_kernel_device`), bf16
+Per call (:func:`takes_fused_path`: :func:`operands_allow`, :func:`modules_allow`;
+:func:`kv_slot`): CUDA (:func:`on_kernel_device`), bf16
 or fp32 with every weight in x's dtype (or e4m3 with bf16 x: fusion/fp8_modules.py), at most
 :data:`DECODE_ROWS` rows, no gradient wanted,
 no autocast, the default dispatch mode, and no hooks on the modules the step does not call
@@ -560,7 +562,7 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
         if why is not None:
             return why
     if attention_form(cls).per_head_qkv:
-        why = why_not_rotary_columns(attn, attn.head_size)
+        why = why_not_rotary_columns(attn, getattr(attn, "head_size", None))
         if why is not None:
             return why
     if attention_form(cls).pair_rotary and getattr(attn, "use_qk_norm", None) is not False:
@@ -894,20 +896,15 @@ def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
 
 def takes_fused_path(layer: nn.Module, x) -> bool:
     """Does this call of a fused layer run the decode step (else the stock forward)?"""
-    if not _parts_in_place(layer):
-        return False
-    return call_allows(layer, x, _fused_parts(layer), _skipped_modules(layer),
-                       (*RESIDUAL_DROPOUTS, MLP_DROPOUT), _adapters(layer))
+    return operands_allow(layer, x, (*RESIDUAL_DROPOUTS, MLP_DROPOUT)) and _parts_in_place(layer) \
+        and modules_allow(x, _fused_parts(layer), _skipped_modules(layer), _adapters(layer))
 
 
-def call_allows(layer: nn.Module, x, parts: list[nn.Module], skipped: list[nn.Module | None],
-                dropouts: tuple[str, ...], adapters: list[nn.Module] = ()) -> bool:
-    """Does this call of a fused ``layer`` allow its decode step: a plain tensor ``x`` of a layer
-    dtype on the kernels' device with at most :data:`DECODE_ROWS` rows, no autocast, the default
-    dispatch mode, none of the layer's ``dropouts`` (child names) dropping, the weights of
-    ``parts`` (the modules whose GEMMs the step runs) of x's dtype (or e4m3 with bf16 x), no
-    gradient wanted of x, them or the LoRA ``adapters``' parameters, and no hooks on the
-    ``skipped`` modules (whose forwards the step does not call) nor global ones?"""
+def operands_allow(layer: nn.Module, x, dropouts: tuple[str, ...]) -> bool:
+    """Does this call of a fused ``layer`` allow its decode step, as far as its operands say: a
+    plain tensor ``x`` of a layer dtype on the kernels' device with at most :data:`DECODE_ROWS`
+    rows, no autocast, the default dispatch mode, none of the layer's ``dropouts`` (child
+    names) dropping? (Cheap: checked before :func:`modules_allow`.)"""
     if not torch.compiler.is_compiling() and type(x) not in _PLAIN:
         return False
     if x.dtype not in _LAYER_DTYPES or x.dim() < 2 or not on_kernel_device(x):
@@ -917,8 +914,14 @@ def call_allows(layer: nn.Module, x, parts: list[nn.Module], skipped: list[nn.Mo
         return False
     if torch.is_autocast_enabled(x.device.type) or get_mode() != DEFAULT:
         return False
-    if layer.training and any(_dropping(layer._modules.get(n)) for n in dropouts):
-        return False
+    return not (layer.training and any(_dropping(layer._modules.get(n)) for n in dropouts))
+
+
+def modules_allow(x, parts: list[nn.Module], skipped: list[nn.Module | None], adapters: list[nn.Module] = ()) -> bool:
+    """Do the layer's modules allow this call's decode step: the parameters of ``parts`` (the
+    modules the step computes with) of x's dtype (or e4m3 weights with bf16 x), no gradient
+    wanted of x, them or the LoRA ``adapters``' parameters, and no hooks on the ``skipped``
+    modules (whose forwards the step does not call) nor global ones?"""
     dtype = x.dtype
     params = []
     for m in parts:

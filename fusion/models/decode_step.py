@@ -367,7 +367,7 @@ def _rope_store(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tenso
                                          per_head=per_head)
     if per_head:  # [q | k | v] per head -> all q, all k, all v
         b, s = y.shape[:2]
-        y = y.view(b, s, heads, 3, keys.shape[-1]).transpose(2, 3).reshape(b, s, -1)
+        y = y.reshape(b, s, heads, 3, keys.shape[-1]).transpose(2, 3).reshape(b, s, -1)
     y = _rotate_store(y, cos, sin, keys, values, base, heads, keys.shape[1], pairs=pairs)
     return y[..., : heads * keys.shape[-1]].contiguous()
 

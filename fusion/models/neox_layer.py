@@ -1,4 +1,4 @@
-"""GPT-NeoX's decoder layer (``GPTNeoXLayer``: Pythia, GPT-NeoX-20B) on the fused decode step.
+"""GPT-NeoX's decoder layer (``GPTNeoXLayer``: Pythia) on the fused decode step.
 
 Its layer, per token, with a static cache::
 
@@ -10,15 +10,20 @@ where ``mlp(t) = dense_4h_to_h(act(dense_h_to_4h(t)))``. The step (:func:`layer_
 LayerNorms as the modules they are (no GEMM prologue computes a LayerNorm), then the shared
 pieces of fusion/models/decode_step.py: the Q/K/V GEMM, the partial rotary and the cache write of
 its per-head layout in one launch (``rope_store(per_head=True)``), the one-launch decode
-attention, ``dense``, ``dense_h_to_4h`` with its activation in the epilogue (the patched
-module), ``dense_4h_to_h``. The residual adds follow stock's order: sequential, ``x`` in
-``dense``'s epilogue and ``h`` in ``dense_4h_to_h``'s; parallel, ``a`` in ``dense_4h_to_h``'s
-epilogue and ``x`` added after, as stock's ``(mlp + a) + x`` adds the two small terms first
-(``x`` first would round twice at the residual stream's magnitude).
+attention, ``dense``, ``dense_h_to_4h`` with its activation in the epilogue
+(``HybridTwoLayerMLP.up``), ``dense_4h_to_h``. The residual adds follow stock's order:
+sequential, ``x`` in ``dense``'s epilogue and ``h`` in ``dense_4h_to_h``'s; parallel, ``a`` in
+``dense_4h_to_h``'s epilogue and ``x`` added after, as stock's ``(mlp + a) + x`` adds the two
+small terms first (``x`` first would round twice at the residual stream's magnitude).
 
-Only calls with a static cache that ``decode_checks.kv_slot`` accepts take the step; any other
-call (prefill, a dynamic cache, training, hooks, LoRA) runs the layer's own forward over its
-patched linears. Decided as for the other families (fusion/models/decode_checks.py): the forward
+Calls of up to ``decode_checks.DECODE_ROWS`` rows over a static cache that
+``decode_checks.kv_slot`` accepts take the step (decode, or a short chunk appended to a filled
+cache); any other call (a prompt's prefill, a dynamic cache, training, gradients wanted, hooks
+on the modules the step does not call, a LoRA layer over one of its linears) runs the layer's
+own forward over its patched linears. GPT-NeoX-20B's ``gelu_fast`` activation has no fused
+epilogue: its MLP, and so its layers, stay unpatched. Decided as for the other families
+(fusion/models/decode_checks.py): the forward statement by statement when patched, the call's
+operands per call. Decided as for the other families (fusion/models/decode_checks.py): the forward
 statement by statement when patched, the call's operands per call.
 """
 
@@ -26,7 +31,6 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from hybridgemm.linear_layer import HybridLinear
 from hybridgemm.mlp import HybridTwoLayerMLP
 
 from . import decode_checks as checks
@@ -79,14 +83,10 @@ def why_not_fuse(layer: nn.Module) -> str | None:
         return why
     if not checks.attention_form(type(attn)).per_head_qkv:
         return f"its {type(attn).__name__} is not GPT-NeoX's attention"
-    attn, qkv, dense, up, down = _parts(layer)
-    if not checks.own_projection(qkv):
-        return f"its {checks.PER_HEAD_QKV_NAME} is a {type(qkv).__name__}, not a patched nn.Linear"
-    for name, proj in (("dense", dense), ("dense_4h_to_h", down)):
-        if not checks.fusable_projection(proj):
-            return f"its {name} is a {type(proj).__name__}, not a patched or row-parallel nn.Linear"
-    if type(up) is not HybridLinear:
-        return f"its dense_h_to_4h is a {type(up).__name__}, not a patched nn.Linear"
+    why = _why_not_parts(layer)
+    if why is not None:
+        return why
+    attn, qkv = _parts(layer)[:2]
     if not all(isinstance(layer._modules.get(n), nn.Module) for n in LAYER_NORM_NAMES):
         return f"it has no {' and '.join(LAYER_NORM_NAMES)} modules"
     if not all(type(layer._modules.get(n)) is nn.Dropout for n in DROPOUTS):
@@ -99,38 +99,48 @@ def why_not_fuse(layer: nn.Module) -> str | None:
     return checks.why_not_fuse_attention(attn)
 
 
-def _in_place(layer: nn.Module) -> bool:
-    """Are the modules the step stands for still the ones patch made (none wrapped, say by a
-    LoRA layer, or replaced since)?"""
-    attn, mlp = layer._modules[ATTENTION], layer._modules["mlp"]
-    return type(mlp) is HybridTwoLayerMLP and checks.own_projection(attn._modules.get(checks.PER_HEAD_QKV_NAME)) \
-        and checks.fusable_projection(attn._modules.get("dense")) \
-        and type(mlp._modules.get("dense_h_to_4h")) is HybridLinear \
-        and checks.fusable_projection(mlp._modules.get("dense_4h_to_h"))
+def _why_not_parts(layer: nn.Module) -> str | None:
+    """Why the linears the step runs are not the ones patch made (None: they are): patched (FP8
+    included) or row-parallel, none wrapped since (a LoRA layer over one: the layer's own forward
+    runs it) nor replaced."""
+    _, qkv, dense, up, down = _parts(layer)
+    for name, proj, fits in ((checks.PER_HEAD_QKV_NAME, qkv, checks.own_projection),
+                             ("dense_h_to_4h", up, checks.own_projection),
+                             ("dense", dense, checks.fusable_projection),
+                             ("dense_4h_to_h", down, checks.fusable_projection)):
+        if not fits(proj):
+            return f"its {name} is a {type(proj).__module__}.{type(proj).__qualname__}, not a linear hybridgemm " \
+                   "patched"
+    return None
 
 
 def step_slot(layer: nn.Module, x: Tensor, kwargs: dict):
     """The static-cache slot (``decode_checks.kv_slot``) when this call of a fused GPT-NeoX layer
     takes the step, else None (the layer's own forward runs)."""
-    if not checks.takes_static_step(layer) or not _in_place(layer):
+    if not checks.takes_static_step(layer) or not checks.operands_allow(layer, x, DROPOUTS):
+        return None
+    if type(layer._modules.get("mlp")) is not HybridTwoLayerMLP or _why_not_parts(layer) is not None:
         return None
     attn, qkv, dense, up, down = _parts(layer)
-    # the modules whose forwards the step does not call (dense_h_to_4h and the norms it calls)
+    # the modules whose forwards the step does not call (it calls the norms, and dense_h_to_4h
+    # where hooked); the norms' parameters count as the GEMMs' do (dtype, gradients wanted)
+    norms = [layer._modules[n] for n in LAYER_NORM_NAMES]
     skipped = [attn, qkv, dense, layer._modules["mlp"], down, *(layer._modules.get(n) for n in DROPOUTS)]
-    if not checks.call_allows(layer, x, [qkv, dense, up, down], skipped, DROPOUTS):
+    if not checks.modules_allow(x, [*norms, qkv, dense, up, down], skipped):
         return None
     return checks.kv_slot(attn, x, kwargs)
 
 
 def layer_step(layer: nn.Module, x: Tensor, slot, kwargs: dict, counters: Tensor | None) -> Tensor:
     """The layer for a call :func:`step_slot` accepted (``slot``: its static-cache slot)."""
-    attn, qkv, dense, up, down = _parts(layer)
+    attn, qkv, dense, _, down = _parts(layer)
+    mlp = layer._modules["mlp"]
     o = decode_step.static_attention(attn, slot, layer.input_layernorm(x), None, qkv, kwargs, counters)
     if layer.use_parallel_residual:  # (mlp + a) + x, as stock adds it: the small terms first
         a = decode_step.project(dense, o, counters)
-        return decode_step.project_add(down, up(layer.post_attention_layernorm(x)), a, counters) + x
+        return decode_step.project_add(down, mlp.up(layer.post_attention_layernorm(x)), a, counters) + x
     h = decode_step.project_add(dense, o, x, counters)
-    return decode_step.project_add(down, up(layer.post_attention_layernorm(h)), h, counters)
+    return decode_step.project_add(down, mlp.up(layer.post_attention_layernorm(h)), h, counters)
 
 
 __all__ = ["LAYER_CLASS", "is_neox_layer", "layer_step", "step_slot", "why_not_fuse"]

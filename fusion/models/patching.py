@@ -541,9 +541,9 @@ def _patch_mlp(name: str, mod: nn.Module, modules: dict, owners: dict, report: P
     if act is not None:  # GPT-NeoX, Falcon: the activation in the first GEMM's epilogue
         up, down = _get(mod, "dense_h_to_4h"), _get(mod, "dense_4h_to_h")
         swap(qual(name, "dense_h_to_4h"), up, HybridLinear)
-        _set_attr(up, "activation", act)
         swap(qual(name, "dense_4h_to_h"), down, HybridLinear)
         swap(name, mod, HybridTwoLayerMLP)
+        _set_attr(mod, "activation", act)
         return True
     act, why = conv_mlp_act(mod, _is_conv1d)
     if why is not None:  # a GPT-2-style MLP that cannot be fused: left alone, with the reason
@@ -557,8 +557,8 @@ def _patch_mlp(name: str, mod: nn.Module, modules: dict, owners: dict, report: P
             return why is not None
         dense = _get(mod, "dense")
         swap(qual(name, "dense"), dense, HybridLinear)
-        _set_attr(dense, "activation", act)
         swap(name, mod, HybridIntermediate)
+        _set_attr(mod, "activation", act)
         parent_name = name.rpartition(".")[0]
         output = _get(modules[parent_name], "output") if name else None
         out_dense = _get(output, "dense") if output is not None else None

@@ -109,6 +109,25 @@ def test_other_calls_run_the_layers_own_forward(kernels_on_cpu):
     assert stores == [((2, 1, 3 * 128), 8, True)] * 2  # layer 0 only, each new token
 
 
+def test_trainable_layernorms_keep_the_layers_own_forward(kernels_on_cpu):
+    """Frozen linears, a trainable LayerNorm (LN tuning) in the second layer and gradients
+    enabled: the first layer (nothing to train, no gradient wanted of its input) takes the step,
+    the second, whose GEMMs would record no gradient, does not; the logits keep their graph back
+    to the norm."""
+    model = _patched(_tiny())
+    for p in model.parameters():
+        p.requires_grad_(False)
+    norm = model.gpt_neox.layers[1].post_attention_layernorm
+    norm.weight.requires_grad_(True)
+    stores = []
+    with pytest.MonkeyPatch.context() as mp:
+        _count_stores(mp, stores)
+        logits, _, _ = greedy_static_decode(model, 1, VOCAB, None, 1)
+    assert stores == [((1, 1, 3 * 128), 8, True)] and logits[-1].requires_grad  # the new token's, layer 0
+    logits[-1].sum().backward()
+    assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
+
+
 def test_a_layer_the_step_cannot_compute_is_reported_and_left_alone():
     """rotary_ndims of an odd count of columns (a rotary_pct the kernel cannot pair), and a
     use_parallel_residual that is no bool: the layer stays unfused, the report says why, the

@@ -59,7 +59,9 @@ def test_prefused_projections_are_dispatched_and_compute_what_stock_does(kind):
         assert type(patched.get_submodule(mlp.format(i))) is mlp_class
     if mlp_class is HybridTwoLayerMLP:
         first = patched.get_submodule(mlp.format(0)).dense_h_to_4h
-        assert type(first) is HybridLinear and first.activation == "gelu"  # the MLP's GELU, in the epilogue
+        # the MLP's GELU in dense_h_to_4h's epilogue, named on the MLP (what it applies after a wrapper there)
+        assert type(first) is HybridLinear and first.activation is None
+        assert patched.get_submodule(mlp.format(0)).activation == "gelu"
     else:
         assert report.fused_mlp == ["model.layers.0.mlp", "model.layers.1.mlp"]
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -89,6 +91,41 @@ def test_a_wrapped_stacked_gate_up_runs_its_own_computation():
     with torch.no_grad():
         torch.testing.assert_close(patched(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
     assert seen == [1]
+
+
+@pytest.mark.parametrize("kind", ["gpt_neox", "falcon_parallel_mqa", "bert"])
+def test_lora_after_patch_on_the_activated_linear_goes_in_before_the_activation(kind):
+    """A PEFT LoRA layer put over the first MLP linear after ``patch`` (whose GELU the patched
+    MLP runs in that GEMM's epilogue): its term goes in before the GELU, as in the stock model
+    with the same adapter."""
+    peft = pytest.importorskip("peft")
+    if kind == "bert":
+        torch.manual_seed(0)
+        stock = transformers.BertModel(transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96)).eval()
+        patched = copy.deepcopy(stock)
+        hybridgemm.patch(patched)
+        target = "intermediate.dense"
+    else:
+        stock, patched, _ = _models(kind)
+        target = "dense_h_to_4h"
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[target], init_lora_weights=False)
+    torch.manual_seed(1)
+    stock = peft.get_peft_model(stock, config)
+    torch.manual_seed(1)
+    patched = peft.get_peft_model(patched, config)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        if kind == "bert":
+            got, want = patched(input_ids=ids).last_hidden_state, stock(input_ids=ids).last_hidden_state
+            with stock.disable_adapter():
+                base = stock(input_ids=ids).last_hidden_state
+        else:
+            got, want = patched(ids).logits, stock(ids).logits
+            with stock.disable_adapter():
+                base = stock(ids).logits
+    assert (want - base).abs().max() > 1e-2  # the adapters matter
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_hf_config_tuning_takes_the_prefused_shapes(tmp_path):
