@@ -267,6 +267,20 @@ def greedy_static_decode(model, steps: int, vocab: int, tokens=None, batch: int 
     return logits, fed, cache
 
 
+def assert_static_decode_matches(model, stock, vocab: int, steps: int, batch: int) -> None:
+    """``model`` decodes as ``stock`` does over a StaticCache (CPU, fp32): logits per step and
+    the caches' keys, values and lengths, ``stock``'s greedy tokens fed to both."""
+    with torch.no_grad():
+        ref, fed, ref_cache = greedy_static_decode(stock, steps, vocab, None, batch)
+        out, _, cache = greedy_static_decode(model, steps, vocab, fed, batch)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for got, want in zip(cache.layers, ref_cache.layers):
+        torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.values, want.values, rtol=1e-4, atol=1e-4)
+        assert int(got.cumulative_length) == int(want.cumulative_length)
+
+
 def tiny_moe_lm(kind: str, vocab: int, hidden: int, experts: int, top_k: int, head_dim: int | None = None,
                 **load):
     """A 2-layer causal LM of transformers' ``kind`` ("mixtral", "qwen3_moe" or "qwen2_moe", the

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import hybridgemm
-from helpers import greedy_static_decode
+from helpers import assert_static_decode_matches, greedy_static_decode
 from hybridgemm import dispatch
 from hybridgemm.kernels import triton_splitk
 from hybridgemm.kernels.triton_rope import RotaryCache
@@ -252,15 +252,7 @@ def _decode(model, steps: int, batch: int = 2, prompt: int = 3, tokens=None):
 
 
 def _compare(model, stock, steps=3, batch=2):
-    with torch.no_grad():
-        ref, fed, ref_cache = _decode(stock, steps, batch)
-        out, _, cache = _decode(model, steps, batch, tokens=fed)
-    for a, b in zip(out, ref):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    for got, want in zip(cache.layers, ref_cache.layers):
-        torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(got.values, want.values, rtol=1e-4, atol=1e-4)
-        assert int(got.cumulative_length) == int(want.cumulative_length)
+    assert_static_decode_matches(model, stock, VOCAB, steps, batch)
 
 
 # Every model kind once, and each config: the config only changes the kernel, which

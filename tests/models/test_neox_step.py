@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hybridgemm
-from helpers import greedy_static_decode
+from helpers import assert_static_decode_matches, greedy_static_decode
 from hybridgemm.kernels import triton_qk_rope as tqr
 from hybridgemm.models import decode_checks as checks
 from hybridgemm.models import decode_step, neox_layer
@@ -52,15 +52,7 @@ def _patched(stock):
 
 
 def _compare(model, stock, steps, batch):
-    with torch.no_grad():
-        ref, fed, ref_cache = greedy_static_decode(stock, steps, VOCAB, None, batch)
-        out, _, cache = greedy_static_decode(model, steps, VOCAB, fed, batch)
-    for a, b in zip(out, ref):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    for got, want in zip(cache.layers, ref_cache.layers):
-        torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(got.values, want.values, rtol=1e-4, atol=1e-4)
-        assert int(got.cumulative_length) == int(want.cumulative_length)
+    assert_static_decode_matches(model, stock, VOCAB, steps, batch)
 
 
 def _count_stores(mp, stores):
