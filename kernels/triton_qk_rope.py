@@ -28,8 +28,9 @@ rotated as the projection left them. cos/sin of ``R < head_dim`` columns (a part
 StableLM's, GPT-NeoX's ``rotary_ndims``) rotate the first R columns of each head, pairing ``c``
 with ``c ± R / 2``, and pass the others through unchanged, as the stock slice, rotate and
 ``torch.cat`` do. ``pairs`` (Cohere's rotary) pairs column ``2i`` with ``2i + 1`` instead (its
-``rotate_half`` interleaves) and rotates in fp32, as its function does. ``per_head`` reads y in
-GPT-NeoX's layout, ``[q | k | v]`` per head (its ``query_key_value``).
+``rotate_half`` interleaves) and rotates in fp32, as its function does. ``group`` reads y's
+columns grouped per KV head, ``[q x group | k | v]``: GPT-NeoX's ``query_key_value`` (``[q | k |
+v]`` per head, group 1) and Falcon's new architecture's.
 
 Grid ``(M, 3)``: per token one program for q, one for k, one for v. Inference only.
 
@@ -58,9 +59,10 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _normed_rotated(row_ptr, w_ptr, cos_row, sin_row, idx, mask, inv_n, eps, offset, HD: tl.constexpr,
                     ROUND_EACH: tl.constexpr, NORM: tl.constexpr, ROT: tl.constexpr, PAIRS: tl.constexpr,
-                    SPREAD: tl.constexpr):
-    """Columns ``idx`` of the row at ``row_ptr`` (head ``idx // HD``'s columns start ``SPREAD``
-    further on per head: GPT-NeoX's per-head q/k/v layout) normalised over the row (``mask``: its columns),
+                    QG: tl.constexpr, GROUP: tl.constexpr):
+    """Columns ``idx`` of the row at ``row_ptr`` (heads in groups of ``QG``, ``GROUP`` columns
+    apart: head ``h``'s columns start at ``(h // QG) * GROUP + (h % QG) * HD``) normalised over
+    the row (``mask``: its columns),
     scaled by ``offset + w`` in fp32, rounded to the row's dtype (without ``NORM``: as they are),
     then rotated per head over its first ``ROT`` columns (the rest passed as they are), column
     ``c`` paired with ``c ± ROT / 2`` (``PAIRS``: with its neighbour ``c ± 1``, ``c`` even first,
@@ -74,7 +76,7 @@ def _normed_rotated(row_ptr, w_ptr, cos_row, sin_row, idx, mask, inv_n, eps, off
     else:
         lower = c < ROT // 2
         partner = tl.where(lower, idx + ROT // 2, idx - ROT // 2)
-    spread = (idx // HD) * SPREAD  # (the partner is in the same head)
+    spread = (idx // HD // QG) * (GROUP - QG * HD)  # (the partner is in the same head)
     n = tl.load(row_ptr + spread + idx, mask=mask, other=0.0).to(tl.float32)
     rot = tl.load(row_ptr + spread + partner, mask=mask & rotated, other=0.0).to(tl.float32)
     if NORM:
@@ -100,7 +102,7 @@ def _qk_norm_rope_store_kernel(y_ptr, qg_ptr, kg_ptr, cos_ptr, sin_ptr, kc_ptr, 
                                vc_s, cache_len, inv_q, inv_k, q_eps, k_eps, q_offset, k_offset, QB: tl.constexpr,
                                KB: tl.constexpr,
                                HD: tl.constexpr, ROUND_EACH: tl.constexpr, NORM: tl.constexpr, ROT: tl.constexpr,
-                               PAIRS: tl.constexpr, SPREAD: tl.constexpr):
+                               PAIRS: tl.constexpr, QG: tl.constexpr, GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     b = row // seq
@@ -110,15 +112,16 @@ def _qk_norm_rope_store_kernel(y_ptr, qg_ptr, kg_ptr, cos_ptr, sin_ptr, kc_ptr, 
     y_row = y_ptr + row * ldy
     cs = b * cs_b + s * cs_s
     dt = y_ptr.dtype.element_ty
-    # head h's q, k and v columns start at h * (HD + SPREAD), k_at + h * (HD + SPREAD) and
-    # v_at + h * (HD + SPREAD): all q, then all k, then all v (SPREAD 0), or GPT-NeoX's
-    # [q | k | v] per head (SPREAD = 2 * HD, k_at = HD, v_at = 2 * HD)
+    # y's columns in groups of GROUP, one per KV head: group g holds QG q heads, then k head g at
+    # k_at + g * GROUP and v head g at v_at + g * GROUP. All q, then all k, then all v: QG = 1,
+    # GROUP = HD (k_at, v_at after the q columns); GPT-NeoX's [q | k | v] per head: QG = 1,
+    # GROUP = 3 * HD; Falcon's new architecture: QG = heads / kv_heads, GROUP = (QG + 2) * HD
     # (each branch names its own index and mask: the compiler types a name once across branches)
     if part == 0:
         qi = tl.arange(0, QB)
         q_mask = qi < q_cols
         q = _normed_rotated(y_row, qg_ptr, cos_ptr + cs, sin_ptr + cs, qi, q_mask, inv_q, q_eps, q_offset, HD,
-                            ROUND_EACH, NORM, ROT, PAIRS, SPREAD)
+                            ROUND_EACH, NORM, ROT, PAIRS, QG, GROUP)
         q = tl.where(in_cache, q, float("nan"))
         tl.store(q_ptr + row * q_cols + qi, q.to(dt), mask=q_mask)
     else:
@@ -130,10 +133,10 @@ def _qk_norm_rope_store_kernel(y_ptr, qg_ptr, kg_ptr, cos_ptr, sin_ptr, kc_ptr, 
         ok = kv_mask & (kpos >= 0) & (kpos < cache_len)
         if part == 1:
             k = _normed_rotated(y_row + k_at, kg_ptr, cos_ptr + cs, sin_ptr + cs, ki, kv_mask, inv_k, k_eps,
-                                k_offset, HD, ROUND_EACH, NORM, ROT, PAIRS, SPREAD)
+                                k_offset, HD, ROUND_EACH, NORM, ROT, PAIRS, 1, GROUP)
             tl.store(kc_ptr + b * kc_b + pos * kc_s + head * kc_h + c, k.to(dt), mask=ok)
         else:
-            v = tl.load(y_row + v_at + head * SPREAD + ki, mask=kv_mask, other=0.0)
+            v = tl.load(y_row + v_at + head * (GROUP - HD) + ki, mask=kv_mask, other=0.0)
             tl.store(vc_ptr + b * vc_b + pos * vc_s + head * vc_h + c, v, mask=ok)
 
 
@@ -152,13 +155,13 @@ def _qk_rope_kernel(y_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, seq, ldy, q_cols, kv_
         qi = tl.arange(0, QB)
         q_mask = qi < q_cols
         q = _normed_rotated(y_row, y_ptr, cos_ptr + cs, sin_ptr + cs, qi, q_mask, 0.0, 0.0, 0.0, HD, ROUND_EACH,
-                            False, ROT, PAIRS, 0)
+                            False, ROT, PAIRS, 1, HD)
         tl.store(q_ptr + row * q_cols + qi, q.to(dt), mask=q_mask)
     else:
         ki = tl.arange(0, KB)
         k_mask = ki < kv_cols
         k = _normed_rotated(y_row + q_cols, y_ptr, cos_ptr + cs, sin_ptr + cs, ki, k_mask, 0.0, 0.0, 0.0, HD,
-                            ROUND_EACH, False, ROT, PAIRS, 0)
+                            ROUND_EACH, False, ROT, PAIRS, 1, HD)
         tl.store(k_ptr + row * kv_cols + ki, k.to(dt), mask=k_mask)
 
 
@@ -197,13 +200,14 @@ def _meta(q_cols: int, kv_cols: int, hd: int, round_each: bool, rot: int, pairs:
 
 def check(y: torch.Tensor, q_norm: tuple | None, k_norm: tuple | None, cos: torch.Tensor, sin: torch.Tensor,
           keys: torch.Tensor, values: torch.Tensor, base: torch.Tensor, heads: int,
-          per_head: bool = False) -> str | None:
+          group: int = 0) -> str | None:
     """Why :func:`qk_norm_rope_store` cannot take these operands (None: it can). ``y`` [B, S, N]
     with a unit last stride and rows that flatten; ``q_norm``/``k_norm`` ``(g, eps, offset)``
     with g contiguous [heads * hd] / [kv_heads * hd], or both None; cos/sin [B or 1, S, R] (R
     even, at most hd) with a unit last stride, y's dtype or fp32; keys/values
     [B, kv_heads, L, hd] contiguous, y's dtype; ``base`` an int64 scalar; all on one device;
-    ``per_head`` (GPT-NeoX's layout): as many kv heads as heads."""
+    ``group`` (y's columns grouped per KV head, :func:`qk_norm_rope_store`): heads =
+    ``group`` x kv_heads."""
     why = _why_not_rows(y)
     if why is not None:
         return why
@@ -214,8 +218,8 @@ def check(y: torch.Tensor, q_norm: tuple | None, k_norm: tuple | None, cos: torc
     kv_heads, hd = keys.shape[1], keys.shape[3]
     if hd % 2 or not isinstance(heads, int) or heads < 1 or n != (heads + 2 * kv_heads) * hd:
         return f"y's {n} columns are not (heads + 2 * kv_heads) * head_dim with an even head_dim"
-    if per_head and kv_heads != heads:
-        return f"a per-head [q | k | v] layout needs as many kv heads as heads (got {kv_heads} and {heads})"
+    if group and (not isinstance(group, int) or group < 0 or heads != group * kv_heads):
+        return f"columns grouped per KV head ([q x {group} | k | v]) need {group} x {kv_heads} heads (got {heads})"
     if (q_norm is None) != (k_norm is None):
         return "q_norm and k_norm go together (both or neither)"
     for name, (g, eps, offset), width in (("q_norm", q_norm, heads * hd),
@@ -235,9 +239,10 @@ def check(y: torch.Tensor, q_norm: tuple | None, k_norm: tuple | None, cos: torc
 
 
 def _make_plan(m: int, q_cols: int, kv_cols: int, hd: int, device: torch.device, round_each: bool, norm: bool,
-               rot: int, pairs: bool, per_head: bool) -> TritonPlan:
+               rot: int, pairs: bool, group: int) -> TritonPlan:
     # 1 / N as fp32 arguments: the mean as torch's CUDA mean computes it (triton_rmsnorm)
-    meta = dict(_meta(q_cols, kv_cols, hd, round_each, rot, pairs), NORM=norm, SPREAD=2 * hd if per_head else 0)
+    meta = dict(_meta(q_cols, kv_cols, hd, round_each, rot, pairs), NORM=norm, QG=max(group, 1),
+                GROUP=(group + 2) * hd if group else hd)
     return TritonPlan(device, Launcher(_qk_norm_rope_store_kernel, (m, 3), meta), scalars=(1.0 / q_cols, 1.0 / kv_cols))
 
 
@@ -249,15 +254,17 @@ _PLANS = BoundedCache(PLAN_CACHE_SIZE)
 
 def qk_norm_rope_store(y: torch.Tensor, q_norm: tuple | None, k_norm: tuple | None, cos: torch.Tensor,
                        sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, base: torch.Tensor,
-                       heads: int, pairs: bool = False, per_head: bool = False) -> torch.Tensor:
+                       heads: int, pairs: bool = False, group: int = 0) -> torch.Tensor:
     """The rotated q ``[B, S, heads * hd]`` of the module docstring's computation, with k and v
     written into ``keys``/``values``; operands as :func:`check` accepts them (unchecked here:
     the caller checks once), ``q_norm``/``k_norm`` ``(g, eps, offset)`` (offset None: 0), or
     both None: q and k rotated as they are. cos/sin of R < hd columns rotate the first R
     columns of each head and pass the rest (StableLM's partial rotary). ``pairs``: Cohere's
     rotary, which pairs neighbouring columns (``2i``, ``2i + 1``) and rotates in fp32 whatever
-    cos's dtype (its function rotates fp32 copies of q and k), rounding once. ``per_head``: y's
-    columns are ``[q | k | v]`` per head (GPT-NeoX's ``query_key_value``), not all q, all k, all v."""
+    cos's dtype (its function rotates fp32 copies of q and k), rounding once. ``group``: y's
+    columns are grouped per KV head, ``[q x group | k | v]`` (1: GPT-NeoX's ``query_key_value``,
+    ``[q | k | v]`` per head; heads / kv_heads: Falcon's new architecture); 0: all q, all k,
+    all v."""
     b, s, _ = y.shape
     kv_heads, cache_len, hd = keys.shape[1:]
     q_cols, kv_cols = heads * hd, kv_heads * hd
@@ -270,16 +277,16 @@ def qk_norm_rope_store(y: torch.Tensor, q_norm: tuple | None, k_norm: tuple | No
     rot = cos.shape[-1]
     cs_b = 0 if cos.shape[0] == 1 else cos.stride(0)
     ldy = _row_stride(y)
-    k_at, v_at = (hd, 2 * hd) if per_head else (q_cols, q_cols + kv_cols)
+    k_at, v_at = (group * hd, (group + 1) * hd) if group else (q_cols, q_cols + kv_cols)
     ints = (s, ldy, q_cols, kv_cols, k_at, v_at, cs_b, cos.stride(1), *keys.stride()[:3], *values.stride()[:3],
             cache_len)
     ptrs = (y, qg, kg, cos, sin, keys, values, base, out)
     round_each = cos.dtype != torch.float32 and not pairs
-    key = (m, ints, y.dtype, qg.dtype, kg.dtype, cos.dtype, y.get_device(), round_each, norm, rot, pairs, per_head,
+    key = (m, ints, y.dtype, qg.dtype, kg.dtype, cos.dtype, y.get_device(), round_each, norm, rot, pairs, group,
            tuple(not t.data_ptr() & 15 for t in ptrs))
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS.put(key, _make_plan(m, q_cols, kv_cols, hd, y.device, round_each, norm, rot, pairs, per_head))
+        plan = _PLANS.put(key, _make_plan(m, q_cols, kv_cols, hd, y.device, round_each, norm, rot, pairs, group))
     plan.launch(*ptrs, *ints, *plan.scalars, float(q_eps), float(k_eps), float(q_off or 0.0), float(k_off or 0.0))
     return out
 

@@ -108,7 +108,7 @@ from dataclasses import dataclass, field
 import torch
 
 import hybridgemm
-from hybridgemm.models import decode_checks
+from hybridgemm.models import decode_checks, layernorm_layers
 from hybridgemm.models.patching import ATTENTION_NOT_FUSED
 from hybridgemm.perf import csvio
 from hybridgemm.perf import e2e_models as hf
@@ -503,11 +503,11 @@ def attention_skips(report) -> list[tuple[str, str]]:
 
 def norm_module_skips(report, model) -> list[tuple[str, str]]:
     """The entries of ``report.skipped`` for the norms of decoder layers ``patch`` fused that call
-    them as the modules they are (StableLM's and Cohere's LayerNorms,
+    them as the modules they are (StableLM's, Cohere's, GPT-NeoX's and Falcon's LayerNorms,
     ``decode_checks.NORMS_AS_MODULES``): the layer is measured as patched, and the log lists them."""
-    fused = {n for n in report.fused_layers if decode_checks.norm_modules(model.get_submodule(n))}
-    return [(n, r) for n, r in report.skipped
-            if n.rpartition(".")[0] in fused and n.rpartition(".")[2] in decode_checks.LAYER_NORM_NAMES]
+    names = {n: layernorm_layers.norm_names(model.get_submodule(n)) for n in report.fused_layers
+             if decode_checks.norm_modules(model.get_submodule(n))}
+    return [(n, r) for n, r in report.skipped if n.rpartition(".")[2] in names.get(n.rpartition(".")[0], ())]
 
 
 def _patched(run: Run, stock) -> tuple[torch.nn.Module | BaseException, list[str]]:

@@ -14,7 +14,7 @@ import time
 import torch
 
 import hybridgemm
-from hybridgemm.models import decode_step, neox_layer
+from hybridgemm.models import decode_step, layernorm_layers
 from hybridgemm.perf import bench_e2e as E
 from hybridgemm.perf import e2e_models as hf
 
@@ -38,7 +38,7 @@ def main() -> None:
 
     # (the decoder layers call the steps through these modules' attributes)
     decode_step.layer_step = counting(decode_step.layer_step)
-    neox_layer.layer_step = counting(neox_layer.layer_step)
+    layernorm_layers.layer_step = counting(layernorm_layers.layer_step)
     with torch.no_grad():
         for label, model in (("stock", stock), ("patched", patched)):
             steps = E.decoder(run, model, 1, False)

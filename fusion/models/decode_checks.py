@@ -10,11 +10,11 @@ its attention forward one of the forms :class:`AttentionForm` describes (Q/K/V f
 projections or one: Phi-3's [q | k | v], GPT-NeoX's [q | k | v] per head), and its parts
 fused by ``patch`` (Q/K/V and gate/up into one GEMM each or the checkpoint's stacked linears,
 patched RMSNorms (fusion/norm.py PATCHED_NORMS), patched or row-parallel O and down; GPT-NeoX's
-layer: fusion/models/neox_layer.py). The static-cache step (rotary and the cache write in the QKV epilogue, the
-attention kernel) also needs transformers' ``StaticLayer`` and ``Cache.update`` as checked (or,
-for a sliding-window layer, a window that never fills: fusion/models/window_cache.py),
-the standard ``rotate_half`` rotary, and q/k norms (if any) that are patched RMSNorms over
-``head_dim`` (Llama's formula, or Gemma 3's fp32 factor ``1 + w``).
+and Falcon's layers: fusion/models/layernorm_layers.py). The static-cache step (rotary and the
+cache write in the QKV epilogue, the attention kernel) also needs transformers' ``StaticLayer``
+and ``Cache.update`` as checked (or, for a sliding-window layer, a window that never fills:
+fusion/models/window_cache.py), the standard ``rotate_half`` rotary, and q/k norms (if any)
+that are patched RMSNorms over ``head_dim`` (Llama's formula, or Gemma 3's fp32 factor ``1 + w``).
 
 Per call (:func:`takes_fused_path`: :func:`operands_allow`, :func:`modules_allow`;
 :func:`kv_slot`): CUDA (:func:`on_kernel_device`), bf16
@@ -155,7 +155,7 @@ _PARALLEL_LAYER_BODY = (
 # Instance attribute set when a layer of one of the two forms above is patched: the step calls
 # its norms as the modules they are, and takes its residual form from this value: "parallel"
 # (Cohere's) or "chosen" (StableLM's: as the instance's use_parallel_residual says); GPT-NeoX's
-# layer is marked "gpt_neox" (its step: fusion/models/neox_layer.py).
+# and Falcon's layers "gpt_neox" and "falcon" (their step: fusion/models/layernorm_layers.py).
 NORMS_AS_MODULES = "_hybridgemm_norms_as_modules"
 LAYER_NORM_NAMES = ("input_layernorm", "post_attention_layernorm")  # a pre-norm layer's two norms
 MLP_DROPOUT = "dropout"  # StableLM's dropout module
@@ -307,7 +307,29 @@ _PER_HEAD_ATTENTION_BODY = (
     "attn_output=self.dense(attn_output)",
     _ATTENTION_BODY[-1],
 )
-PER_HEAD_QKV_NAME = "query_key_value"  # GPT-NeoX's Q/K/V linear
+PER_HEAD_QKV_NAME = "query_key_value"  # GPT-NeoX's and Falcon's Q/K/V linear
+# Falcon's attention (transformers 5.25): Q/K/V one linear whose layout the instance's
+# configuration gives (grouped per KV head, [q | k | v] with one KV head, or per head), the rotary
+# unless ALiBi, the cache as layer_past, the attention function given position_ids, then dense
+_CONFIG_LAYOUT_ATTENTION_BODY = (
+    *_ATTENTION_BODY[:2],
+    "fused_qkv=self.query_key_value(hidden_states).view(hidden_shape)",
+    "ifself.new_decoder_architecture:grouped=fused_qkv.view(*input_shape,self.num_kv_heads,-1,self.head_dim)"
+    "query_states=grouped[...,:-2,:].flatten(-3,-2)key_states,value_states=(grouped[...,-2,:],grouped[...,-1,:])"
+    "elifself.multi_query:query_states,key_states,value_states=fused_qkv.split([self.num_heads,1,1],dim=-2)"
+    "else:query_states,key_states,value_states=fused_qkv.unflatten(-2,(self.num_heads,3)).unbind(-2)",
+    "query_states=query_states.transpose(1,2)",
+    "key_states=key_states.transpose(1,2)",
+    "value_states=value_states.transpose(1,2)",
+    "ifnotself.config.alibi:cos,sin=position_embeddingsquery_states,key_states=apply_rotary_pos_emb(query_states,"
+    "key_states,cos,sin)",
+    _PER_HEAD_ATTENTION_BODY[6],
+    _ATTENTION_BODY[8],
+    "attn_output,attn_weights=attention_interface(self,query_states,key_states,value_states,attention_mask,"
+    "dropout=0.0ifnotself.trainingelseself.attention_dropout,scaling=self.scaling,position_ids=position_ids,"
+    "**kwargs)",
+    *_PER_HEAD_ATTENTION_BODY[-3:],
+)
 # OLMo 2's q/k norms: over all the q (k) columns of the projection, before the head views
 _FULL_QK_NORMS = (
     "query_states=self.q_norm(self.q_proj(hidden_states))",
@@ -457,6 +479,9 @@ class AttentionForm:
     # Q/K/V one linear whose columns are [q | k | v] per head, rotated over the first
     # attn.rotary_ndims columns of each head (GPT-NeoX's query_key_value; its head width head_size)
     per_head_qkv: bool = False
+    # Q/K/V one linear whose layout the instance says (Falcon's: grouped per KV head in its new
+    # architecture, multi-query's [q | k | v] with one KV head, else per head: qkv_group)
+    layout_from_config: bool = False
     qkv_name: str = QKV_NAME  # the attention's Q/K/V module
     head_dim_name: str = "head_dim"  # the attention's attribute that holds the head width
 
@@ -487,6 +512,9 @@ def _read_form(cls: type) -> AttentionForm | str:
     if statements_match(statements, _PER_HEAD_ATTENTION_BODY):
         return _functions_form(cls, "none", None, False, prefused=True, per_head_qkv=True, qkv_name=PER_HEAD_QKV_NAME,
                                head_dim_name="head_size")
+    if statements_match(statements, _CONFIG_LAYOUT_ATTENTION_BODY):
+        return _functions_form(cls, "none", None, False, prefused=True, layout_from_config=True,
+                               qkv_name=PER_HEAD_QKV_NAME)
     prefused = statements_match(statements, _PREFUSED_ATTENTION_BODY)
     full_qk_norm = statements is not None and tuple(statements[2:8]) == _FULL_QK_NORMS
     if prefused:  # from the rotary on, the statements of _ATTENTION_BODY
@@ -670,6 +698,17 @@ def why_not_rotary_columns(attn: nn.Module, hd) -> str | None:
     if not isinstance(rot, int) or not isinstance(hd, int) or rot % 2 or not 2 <= rot <= hd:
         return f"its rotary_ndims ({rot!r}) is not an even count of columns within a head of {hd!r}"
     return None
+
+
+def qkv_group(attn: nn.Module, form: AttentionForm) -> int:
+    """How ``attn``'s Q/K/V columns are grouped per KV head, ``[q x n | k | v]``: n (GPT-NeoX's
+    and Falcon's ``[q | k | v]`` per head: 1; Falcon's new architecture: heads / kv_heads), or 0
+    for all q, all k, all v (Falcon's multi-query too, with its one KV head)."""
+    if form.per_head_qkv:
+        return 1
+    if not form.layout_from_config or attn.multi_query and not attn.new_decoder_architecture:
+        return 0
+    return attn.num_heads // attn.num_kv_heads if attn.new_decoder_architecture else 1
 
 
 def rotary_columns(attn: nn.Module, form: AttentionForm) -> int:
@@ -970,8 +1009,8 @@ def norm_modules_form(cls: type) -> str | None:
 
 def norm_modules(layer: nn.Module) -> str | None:
     """The residual form of a layer whose norms the step calls as modules, as patch marked it
-    (:data:`NORMS_AS_MODULES`): "parallel", "chosen", "gpt_neox" (fusion/models/neox_layer.py) or
-    None (another form)."""
+    (:data:`NORMS_AS_MODULES`): "parallel", "chosen", "gpt_neox" or "falcon"
+    (fusion/models/layernorm_layers.py) or None (another form)."""
     return layer.__dict__.get(NORMS_AS_MODULES)
 
 

@@ -359,41 +359,44 @@ def qk_rope_store(y: Tensor, q_norm: nn.Module, k_norm: nn.Module, cos: Tensor, 
 
 
 def _rope_store(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
-                pairs: bool = False, per_head: bool = False) -> Tensor:
+                pairs: bool = False, group: int = 0) -> Tensor:
     kernel = checks.qk_rope_kernel()
     if checks.on_kernel_device(y) and kernel.check(y, None, None, cos, sin, keys, values, base, heads,
-                                                   per_head) is None:
+                                                   group) is None:
         return kernel.qk_norm_rope_store(y, None, None, cos, sin, keys, values, base, heads, pairs=pairs,
-                                         per_head=per_head)
-    if per_head:  # [q | k | v] per head -> all q, all k, all v
+                                         group=group)
+    if group:  # [q x group | k | v] per KV head -> all q, all k, all v
         b, s = y.shape[:2]
-        y = y.reshape(b, s, heads, 3, keys.shape[-1]).transpose(2, 3).reshape(b, s, -1)
+        g = y.reshape(b, s, keys.shape[1], group + 2, keys.shape[-1])
+        y = torch.cat([g[..., :group, :].reshape(b, s, -1), g[..., group, :].reshape(b, s, -1),
+                       g[..., group + 1, :].reshape(b, s, -1)], dim=-1)
     y = _rotate_store(y, cos, sin, keys, values, base, heads, keys.shape[1], pairs=pairs)
     return y[..., : heads * keys.shape[-1]].contiguous()
 
 
 @torch.library.custom_op("hybridgemm::rope_store_fwd", mutates_args=("keys", "values"))
 def rope_store_fwd(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
-                   pairs: bool = False, per_head: bool = False) -> Tensor:
-    return _rope_store(y, cos, sin, keys, values, base, heads, pairs, per_head)
+                   pairs: bool = False, group: int = 0) -> Tensor:
+    return _rope_store(y, cos, sin, keys, values, base, heads, pairs, group)
 
 
 @rope_store_fwd.register_fake
-def _rope_store_fake(y, cos, sin, keys, values, base, heads, pairs=False, per_head=False):
+def _rope_store_fake(y, cos, sin, keys, values, base, heads, pairs=False, group=0):
     return y.new_empty((*y.shape[:-1], heads * keys.shape[-1]))
 
 
 def rope_store(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
-               pairs: bool = False, per_head: bool = False) -> Tensor:
+               pairs: bool = False, group: int = 0) -> Tensor:
     """From the Q/K/V projection ``y`` [B, S, N]: q and k rotated over the first ``cos.shape[-1]``
     columns of each head (StableLM's and GPT-NeoX's partial rotary; cos/sin of y's dtype;
     ``pairs``: Cohere's rotary of neighbouring columns in fp32), k and v written into
-    ``keys``/``values`` at ``base + s``; returns the rotated q [B, S, heads * hd]. ``per_head``:
-    y's columns are ``[q | k | v]`` per head (GPT-NeoX's). One launch
+    ``keys``/``values`` at ``base + s``; returns the rotated q [B, S, heads * hd]. ``group``:
+    y's columns grouped per KV head, ``[q x group | k | v]`` (GPT-NeoX's ``[q | k | v]`` per
+    head: 1; Falcon's new architecture: heads / kv_heads); 0: all q, all k, all v. One launch
     (kernels/triton_qk_rope.py) where its operand checks pass, the stock sequence of torch ops
     otherwise."""
     return _compiled(torch.ops.hybridgemm.rope_store_fwd, _rope_store, y, cos, sin, keys, values, base, heads,
-                     bool(pairs), bool(per_head))
+                     bool(pairs), int(group))
 
 
 # ------------------------------------------------------------------------- decode attention
@@ -483,10 +486,10 @@ def static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, q
                           qk.get("qk_eps", 0.0), (attn.q_norm, attn.k_norm) if form.full_qk_norm else None,
                           qk.get("qk_offset"), form.pair_rotary)
         q = y[..., : heads * hd]
-    elif form.partial_rotary or form.pair_rotary or form.per_head_qkv:
-        # (StableLM's, Cohere's, GPT-NeoX's: the input norm ran as its module)
+    elif form.partial_rotary or form.pair_rotary or form.per_head_qkv or form.layout_from_config:
+        # (StableLM's, Cohere's, GPT-NeoX's, Falcon's: the input norm ran as its module)
         y = norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
-        q = rope_store(y, cos, sin, keys, values, base, heads, form.pair_rotary, form.per_head_qkv)
+        q = rope_store(y, cos, sin, keys, values, base, heads, form.pair_rotary, checks.qkv_group(attn, form))
     else:
         y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,
                           base, heads, kv_heads, counters, weight_scale_of(qkv), **qk)

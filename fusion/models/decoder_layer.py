@@ -15,9 +15,9 @@ its residual add; their attention the module's function over the fused Q/K/V),
 modules on the fused Q/K/V), ``StableLmDecoderLayer`` (its LayerNorms called as the modules they
 are, its residual parallel or sequential as the instance says, its rotary over the first
 ``rotary_ndims`` columns of each head in a launch after the Q/K/V GEMM), ``CohereDecoderLayer``
-(the same with its parallel residual and its rotary of neighbouring columns), ``GPTNeoXLayer``
-(its LayerNorms as modules, its per-head Q/K/V layout and partial rotary in one launch after the
-Q/K/V GEMM; fusion/models/neox_layer.py, static caches only) and the
+(the same with its parallel residual and its rotary of neighbouring columns), ``GPTNeoXLayer`` and
+``FalconDecoderLayer`` (their LayerNorms as modules, their Q/K/V layouts and rotary in one launch
+after the Q/K/V GEMM; fusion/models/layernorm_layers.py, static caches only) and the
 mixture-of-experts ``Qwen3MoeDecoderLayer``, ``MixtralDecoderLayer`` and ``Qwen2MoeDecoderLayer``
 (their sparse block called as a module, its experts the grouped kernels) whose forwards are the
 ones the step computes (checked in their source when patched, so a release that changes them
@@ -32,7 +32,7 @@ import importlib
 import torch
 from torch import nn
 
-from . import decode_checks, decode_step, neox_layer, window_cache
+from . import decode_checks, decode_step, layernorm_layers, window_cache
 
 # Recognised layer classes and the transformers module of each (to rebuild the fused class
 # when a pickled model is loaded in a new process).
@@ -41,7 +41,8 @@ LAYER_MODULES = {"LlamaDecoderLayer": "llama", "Qwen2DecoderLayer": "qwen2", "Qw
                  "Qwen3MoeDecoderLayer": "qwen3_moe", "MixtralDecoderLayer": "mixtral",
                  "Qwen2MoeDecoderLayer": "qwen2_moe", "GemmaDecoderLayer": "gemma", "Phi3DecoderLayer": "phi3",
                  "Gemma2DecoderLayer": "gemma2", "Gemma3DecoderLayer": "gemma3", "Olmo2DecoderLayer": "olmo2",
-                 "StableLmDecoderLayer": "stablelm", "CohereDecoderLayer": "cohere", "GPTNeoXLayer": "gpt_neox"}
+                 "StableLmDecoderLayer": "stablelm", "CohereDecoderLayer": "cohere", "GPTNeoXLayer": "gpt_neox",
+                 "FalconDecoderLayer": "falcon"}
 LAYER_CLASSES = tuple(LAYER_MODULES)
 # A fused layer's int32 buffer (not in the state dict) of split-K arrival counters for its
 # GEMMs, which run one after another and leave it zero: a compiled decode step then needs no
@@ -49,7 +50,7 @@ LAYER_CLASSES = tuple(LAYER_MODULES)
 COUNTERS = "_hybridgemm_counters"
 COUNTER_SLOTS = 4096
 # A layer class's attention module, where it is not self_attn
-_ATTENTION_NAMES = {neox_layer.LAYER_CLASS: neox_layer.ATTENTION}
+_ATTENTION_NAMES = {name: family.attention for name, family in layernorm_layers.FAMILIES.items()}
 
 
 def attention_of(layer: nn.Module) -> nn.Module:
@@ -105,18 +106,20 @@ class HybridDecoderLayer(nn.Module):
         return decode_step.layer_step(self, hidden_states, kwargs, self._buffers.get(COUNTERS))
 
 
-class HybridNeoXLayer(HybridDecoderLayer):
-    """:class:`HybridDecoderLayer` for GPT-NeoX's layer: the step of fusion/models/neox_layer.py
-    for a call with a static cache it takes, the class's own forward for any other."""
+class HybridLayerNormLayer(HybridDecoderLayer):
+    """:class:`HybridDecoderLayer` for GPT-NeoX's and Falcon's layers: the step of
+    fusion/models/layernorm_layers.py for a call with a static cache it takes, the class's own
+    forward for any other."""
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        slot = None if args else neox_layer.step_slot(self, hidden_states, kwargs)
+        slot = None if args else layernorm_layers.step_slot(self, hidden_states, kwargs)
         if slot is None:
             return super(HybridDecoderLayer, self).forward(hidden_states, *args, **kwargs)
-        return neox_layer.layer_step(self, hidden_states, slot, kwargs, self._buffers.get(COUNTERS))
+        return layernorm_layers.layer_step(self, hidden_states, slot, kwargs, self._buffers.get(COUNTERS))
 
 
-_MIXINS = {neox_layer.LAYER_CLASS: HybridNeoXLayer}  # by layer class: the mixin, where not HybridDecoderLayer
+# by layer class: the mixin, where not HybridDecoderLayer
+_MIXINS = dict.fromkeys(layernorm_layers.FAMILIES, HybridLayerNormLayer)
 _FUSED_CLASSES: dict[type, type] = {}
 
 
@@ -147,8 +150,8 @@ def __getattr__(name: str):
 def why_not_fuse_layer(mod: nn.Module) -> str | None:
     """Why the decoder layer ``mod`` cannot be fused (None: it can); raises nothing. A module
     that is no recognised decoder layer gives ``decode_checks.NOT_A_LAYER``."""
-    if neox_layer.is_neox_layer(mod):
-        return neox_layer.why_not_fuse(mod)
+    if layernorm_layers.family_of(mod) is not None:
+        return layernorm_layers.why_not_fuse(mod)
     return decode_checks.why_not_fuse_layer(mod, LAYER_CLASSES)
 
 

@@ -132,7 +132,7 @@ from hybridgemm.norm import (
 )
 from hybridgemm.router import HybridTopKRouter, why_not_router
 
-from . import neox_layer
+from . import layernorm_layers
 from .decode_checks import (
     NORMS_AS_MODULES,
     NOT_A_LAYER,
@@ -473,7 +473,8 @@ def _fuse_layer(layer: nn.Module) -> str | None:
     swapped in place, recorded for unpatch); mark it for the static-cache step where its
     attention allows (else return why not)."""
     scaled, post_norms = scales_residuals(type(layer)), normalises_outputs(type(layer))
-    norm_modules = neox_layer.NORMS_AS_MODULES if neox_layer.is_neox_layer(layer) else norm_modules_form(type(layer))
+    family = layernorm_layers.family_of(layer)
+    norm_modules = family.norms_as_modules if family is not None else norm_modules_form(type(layer))
     record(layer, ("class", next(_SEQ), type(layer)))
     layer.__class__ = fused_class(type(layer))
     layer.register_buffer(COUNTERS, new_counters(next(layer.parameters()).device), persistent=False)

@@ -42,20 +42,21 @@ def test_dry_run_of_a_supported_family_reports_no_skips(tmp_path, capsys):
 
 
 def test_dry_run_lists_every_skipped_module(tmp_path, capsys):
-    path = _config(tmp_path, transformers.FalconConfig(**TINY), "falcon.json")
+    config = transformers.GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    path = _config(tmp_path, config, "gpt2.json")
     rc, out, err = _run(["patch", "--dry-run", "--hf-config", str(path)], capsys)
     assert rc == 0, err
     lines = out.splitlines()
-    # per layer: query_key_value, dense, dense_h_to_4h (its GELU in the epilogue), dense_4h_to_h and
-    # the MLP; and the LM head
+    # per layer: c_attn, c_proj, c_fc (its GELU in the epilogue), the MLP's c_proj and the MLP;
+    # and the LM head
     assert lines[1] == ("hybridgemm.patch: patched 11 modules (0 with fused QKV, 0 with fused gate/up, 0 decoder "
                         "layers with fused norms and residuals, 0 with rotary and KV-cache writes fused), "
-                        "skipped 4")
-    assert lines[2] == "skipped (4):"
+                        "skipped 6")
+    assert lines[2] == "skipped (6):"
     listed = [line.strip().split(": ", 1) for line in lines[3:]]
     assert [name for name, _ in listed] == [f"transformer.h.{i}{part}" for i in range(2) for part in (
-        "", ".input_layernorm")]
-    assert "FalconDecoderLayer" in listed[0][1]
+        "", ".ln_1", ".ln_2")]
+    assert "GPT2Block" in listed[0][1]
     assert "LayerNorm is not one of the" in listed[1][1] and "RMS_NORM_CLASSES" in listed[1][1]
     rc, strict_out, _ = _run(["patch", "--dry-run", "--hf-config", str(path), "--strict"], capsys)
     assert rc == 1 and strict_out == out  # the same report; --strict makes the skips the exit code

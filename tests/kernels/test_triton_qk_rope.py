@@ -316,7 +316,7 @@ def test_neighbour_pairs_are_coheres_rotary_bit_for_bit(device, b, s, heads, kv_
 @pytest.mark.parametrize("b,s,heads,hd,rot,base", [(1, 1, 4, 32, 8, 5), (3, 1, 3, 20, 20, 0), (2, 3, 5, 80, 20, 7),
                                                    (1, 2, 7, 6, 2, 3)])
 def test_per_head_layout_is_gpt_neoxs_attention_bit_for_bit(device, b, s, heads, hd, rot, base):
-    """``per_head``: y in GPT-NeoX's ``query_key_value`` layout (``[q | k | v]`` per head), rotated
+    """``group=1``: y in GPT-NeoX's ``query_key_value`` layout (``[q | k | v]`` per head), rotated
     over the first ``rot`` columns of each head: q and the cached k and v are what GPT-NeoX's
     attention computes with its own functions (its head view, chunk and partial rotary), bit
     for bit; the rest of the cache untouched."""
@@ -333,8 +333,8 @@ def test_per_head_layout_is_gpt_neoxs_attention_bit_for_bit(device, b, s, heads,
         ref_q, ref_k, ref_v = qkv.chunk(3, dim=-1)
         ref_q, ref_k = neox.apply_rotary_pos_emb(ref_q, ref_k, cos, sin)
         pos = torch.tensor([base], dtype=torch.int64, device=device)
-        assert tqr.check(y, None, None, cos, sin, keys, values, pos, heads, per_head=True) is None
-        q = tqr.qk_norm_rope_store(y, None, None, cos, sin, keys, values, pos, heads, per_head=True)
+        assert tqr.check(y, None, None, cos, sin, keys, values, pos, heads, group=1) is None
+        q = tqr.qk_norm_rope_store(y, None, None, cos, sin, keys, values, pos, heads, group=1)
         assert torch.equal(q, ref_q.transpose(1, 2).reshape(b, s, -1)), dtype
         assert torch.equal(keys[:, :, base:base + s], ref_k) and torch.equal(values[:, :, base:base + s], ref_v)
         others = torch.ones(keys.shape[2], dtype=torch.bool)
@@ -342,12 +342,39 @@ def test_per_head_layout_is_gpt_neoxs_attention_bit_for_bit(device, b, s, heads,
         assert torch.isnan(keys[:, :, others]).all() and torch.isnan(values[:, :, others]).all()
 
 
-def test_check_refuses_a_per_head_layout_with_fewer_kv_heads():
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b,s,heads,kv_heads,hd,base", [(1, 1, 4, 2, 32, 5), (3, 1, 6, 3, 16, 0), (2, 3, 8, 1, 8, 7)])
+def test_grouped_layout_is_falcons_new_architecture_bit_for_bit(device, b, s, heads, kv_heads, hd, base):
+    """``group=heads/kv_heads``: y in Falcon's new-architecture layout (per KV head, its q heads,
+    then its k and v) viewed, split and rotated as its attention does: q and the cached k and v
+    bit for bit, with Falcon's own rotary function."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    falcon = pytest.importorskip("transformers.models.falcon.modeling_falcon")
+    group = heads // kv_heads
+    for dtype in ([torch.bfloat16, torch.float16, torch.float32] if device == "cuda" else CPU_DTYPES):
+        y, cos, sin, keys, values, *_ = _operands(b, s, heads, kv_heads, hd, dtype, device, dtype, seed=heads + hd)
+        grouped = y.view(b, s, kv_heads, group + 2, hd)
+        ref_q, ref_k = falcon.apply_rotary_pos_emb(grouped[..., :-2, :].flatten(-3, -2).transpose(1, 2),
+                                                   grouped[..., -2, :].transpose(1, 2), cos, sin)
+        pos = torch.tensor([base], dtype=torch.int64, device=device)
+        assert tqr.check(y, None, None, cos, sin, keys, values, pos, heads, group=group) is None
+        q = tqr.qk_norm_rope_store(y, None, None, cos, sin, keys, values, pos, heads, group=group)
+        assert torch.equal(q, ref_q.transpose(1, 2).reshape(b, s, -1)), dtype
+        in_cache = slice(base, min(base + s, keys.shape[2]))
+        n = in_cache.stop - in_cache.start
+        assert torch.equal(keys[:, :, in_cache], ref_k[:, :, :n])
+        assert torch.equal(values[:, :, in_cache], grouped[..., -1, :].transpose(1, 2)[:, :, :n])
+
+
+def test_check_refuses_a_grouped_layout_the_heads_do_not_fill():
     y, cos, sin, keys, values, *_ = _operands(2, 1, 4, 2, 8, torch.float32, "cpu", torch.float32)
     base = torch.zeros(1, dtype=torch.int64)
     assert tqr.check(y, None, None, cos, sin, keys, values, base, 4) is None
-    why = tqr.check(y, None, None, cos, sin, keys, values, base, 4, per_head=True)
-    assert why is not None and "as many kv heads as heads" in why
+    assert tqr.check(y, None, None, cos, sin, keys, values, base, 4, group=2) is None
+    for group in (1, 3):  # per head needs 4 KV heads; 3 x 2 is not 4
+        why = tqr.check(y, None, None, cos, sin, keys, values, base, 4, group=group)
+        assert why is not None and f"need {group} x 2 heads (got 4)" in why
 
 
 def test_check_refuses_one_norm_without_the_other_and_an_odd_or_too_wide_rotary():
@@ -390,10 +417,12 @@ fn = tqr._qk_norm_rope_store_kernel
 ptrs = ["*bf16", "*fp32", "*fp32", "*fp32", "*fp32", "*bf16", "*bf16", "*i64", "*bf16"]
 scalars = ["i32"] * 15 + ["fp32"] * 6
 sig = dict(zip(fn.arg_names, ptrs + scalars))
-for q_cols, kv_cols, hd, spread in ((4096, 4096, 128, 0), (5120, 1024, 128, 0), (2048, 512, 64, 0),
-                                    (2560, 2560, 80, 160)):  # (and GPT-NeoX's per-head layout)
+for q_cols, kv_cols, hd, qg, group in ((4096, 4096, 128, 1, 128), (5120, 1024, 128, 1, 128),
+                                       (2048, 512, 64, 1, 64),
+                                       (2560, 2560, 80, 1, 240),  # GPT-NeoX's per-head layout
+                                       (8192, 512, 64, 16, 1152)):  # Falcon-40B's groups
     consts = dict(QB=tqr.next_pow2(q_cols), KB=tqr.next_pow2(kv_cols), HD=hd, ROUND_EACH=False, NORM=True,
-                  ROT=hd, PAIRS=False, SPREAD=spread)
+                  ROT=hd, PAIRS=False, QG=qg, GROUP=group)
     src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
     try:
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16 if q_cols > 4096 else 8,
@@ -412,7 +441,8 @@ print("compiled")
 
 def test_the_kernel_compiles_for_hopper_at_olmo2_widths():
     """Built for sm_90 by Triton's ptxas (no GPU needed): OLMo 2 7B's (32 + 32 heads of 128),
-    13B-like (40 + 8), a small one and Pythia-2.8B's per-head layout (32 heads of 80), bf16 with
+    13B-like (40 + 8), a small one, Pythia-2.8B's per-head layout (32 heads of 80) and Falcon-40B's
+    groups (128 heads of 64 over 8 KV heads), bf16 with
     fp32 cos/sin and factors."""
     from helpers import compile_offline
 

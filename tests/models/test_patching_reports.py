@@ -6,6 +6,7 @@ Most models are built on the meta device: the report reads only the modules' str
 from __future__ import annotations
 
 import copy
+import importlib
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 import hybridgemm
+from hybridgemm.models import decode_checks
 from hybridgemm.models.unpatched import is_decoder_layer
 from hybridgemm.norm import GEMMA_NORM_CLASSES, OLMO2_NORM_CLASSES, RMS_NORM_CLASSES
 
@@ -40,10 +42,13 @@ CONFIGS = {
                                      "head_dim": 16}),
 }
 
+# Does this transformers' Falcon attention take the fused step (5.25's form)?
+FALCON_FUSED = decode_checks.why_not_attention_form(
+    importlib.import_module("transformers.models.falcon.modeling_falcon").FalconAttention) is None
 SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer, GraniteDecoderLayer, "
              "Qwen3MoeDecoderLayer, MixtralDecoderLayer, Qwen2MoeDecoderLayer, GemmaDecoderLayer, Phi3DecoderLayer, "
              "Gemma2DecoderLayer, Gemma3DecoderLayer, Olmo2DecoderLayer, StableLmDecoderLayer, CohereDecoderLayer, "
-             "GPTNeoXLayer")
+             "GPTNeoXLayer, FalconDecoderLayer")
 
 
 def _layer(cls: str) -> str:
@@ -84,12 +89,13 @@ EXPECTED = {
     "stablelm": [(f"{L}.input_layernorm", _norm("LayerNorm")), (f"{L}.post_attention_layernorm", _norm("LayerNorm"))],
     "cohere": [(f"{L}.input_layernorm", _norm("CohereLayerNorm"))],  # the layer fused, its norm a module
     # Q/K/V one linear already (swapped as it is): Phi-3's layer fused with its stacked gate/up;
-    # GPT-NeoX's layer fused, its LayerNorms called as modules; Falcon's GELU in the first MLP
-    # GEMM, the layer and its LayerNorm left
+    # GPT-NeoX's and Falcon's layers fused, their LayerNorms called as modules (Falcon's where its
+    # attention is transformers 5.25's form; before, its layer is reported)
     "phi3": [],
     "gpt_neox": [("gpt_neox.layers.0.input_layernorm", _norm("LayerNorm")),
                  ("gpt_neox.layers.0.post_attention_layernorm", _norm("LayerNorm"))],
-    "falcon": [("transformer.h.0", _layer("FalconDecoderLayer")),
+    "falcon": [*([] if FALCON_FUSED else [("transformer.h.0", "decoder layer not fused: FalconDecoderLayer.forward is "
+                                                              "not a decoder layer this step computes")]),
                ("transformer.h.0.input_layernorm", _norm("LayerNorm"))],
     # the stacked experts run the grouped kernels (fusion/experts.py) inside the fused decode
     # step, the router the dispatcher's GEMM and the routing kernel (fusion/router.py)
@@ -149,9 +155,11 @@ def test_per_head_qk_norms_of_a_2d_weight_are_reported_as_norms():
 
 
 def test_every_layer_is_reported_and_later_layers_alike():
-    report = _patch(build("falcon", layers=3))
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=3, n_head=4,
+                                                                n_positions=32)).eval()
+    report = _patch(gpt2)
     names = [n for n, _ in report.skipped]
-    assert names == [f"transformer.h.{i}{part}" for i in range(3) for part in ("", ".input_layernorm")]
+    assert names == [f"transformer.h.{i}{part}" for i in range(3) for part in ("", ".ln_1", ".ln_2")]
     assert all("embed" not in n and "rotary" not in n and "dropout" not in n for n in names)
 
 

@@ -1,8 +1,9 @@
-"""GPT-NeoX's decoder layer on the fused decode step (fusion/models/neox_layer.py): tiny random
-GPT-NeoX models decoding over a StaticCache against the same model unpatched (kernels under the
-Triton interpreter, the device check widened to the CPU), the calls that keep the layer's own
-forward, the reasons a layer is not fused, and the per-head rotary/cache write's torch path
-against its kernel. GPU runs: tests/models/test_decode_step_gpu.py (``gpt_neox``)."""
+"""GPT-NeoX's and Falcon's decoder layers on the fused decode step
+(fusion/models/layernorm_layers.py): tiny random models decoding over a StaticCache against the
+same model unpatched (kernels under the Triton interpreter, the device check widened to the CPU),
+the calls that keep the layer's own forward, the reasons a layer is not fused, and the grouped
+rotary/cache write's torch path against its kernel. GPU runs: tests/models/test_decode_step_gpu.py
+(``gpt_neox``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import hybridgemm
 from helpers import assert_static_decode_matches, greedy_static_decode
 from hybridgemm.kernels import triton_qk_rope as tqr
 from hybridgemm.models import decode_checks as checks
-from hybridgemm.models import decode_step, neox_layer
+from hybridgemm.models import decode_step, layernorm_layers
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -45,9 +46,9 @@ def _patched(stock):
     assert report.fused_layers == LAYERS and report.fused_attention == LAYERS, \
         f"transformers {transformers.__version__}: {report.skipped}"
     # what stays unfused: the LayerNorms, which the step calls as the modules they are
-    assert [n for n, _ in report.skipped] == [f"{layer}.{n}" for layer in LAYERS for n in neox_layer.LAYER_NORM_NAMES]
-    assert all(layer.__dict__.get(checks.NORMS_AS_MODULES) == neox_layer.NORMS_AS_MODULES
-               for layer in model.gpt_neox.layers)
+    assert [n for n, _ in report.skipped] == [f"{layer}.{n}" for layer in LAYERS for n in checks.LAYER_NORM_NAMES]
+    mark = layernorm_layers.FAMILIES["GPTNeoXLayer"].norms_as_modules
+    assert all(layer.__dict__.get(checks.NORMS_AS_MODULES) == mark for layer in model.gpt_neox.layers)
     return model
 
 
@@ -57,8 +58,8 @@ def _compare(model, stock, steps, batch):
 
 def _count_stores(mp, stores):
     real = tqr.qk_norm_rope_store
-    mp.setattr(tqr, "qk_norm_rope_store", lambda y, qn, kn, cos, *a, per_head=False, **kw: stores.append(
-        (tuple(y.shape), cos.shape[-1], per_head)) or real(y, qn, kn, cos, *a, per_head=per_head, **kw))
+    mp.setattr(tqr, "qk_norm_rope_store", lambda y, qn, kn, cos, *a, group=0, **kw: stores.append(
+        (tuple(y.shape), cos.shape[-1], group)) or real(y, qn, kn, cos, *a, group=group, **kw))
 
 
 @pytest.mark.parametrize("parallel,rotary,bias,batch,attention", [
@@ -78,7 +79,7 @@ def test_gpt_neox_layers_decode_as_stock_does(parallel, rotary, bias, batch, att
         _count_stores(mp, stores)
         _compare(model, stock, steps=3, batch=batch)
     assert kernels_on_cpu["rope"] == 0 and kernels_on_cpu["norm"] == 0  # (no GEMM prologue or epilogue rotary)
-    assert stores == [((batch, 1, 3 * 128), int(32 * rotary), True)] * 2 * 3  # each layer, each new token
+    assert stores == [((batch, 1, 3 * 128), int(32 * rotary), 1)] * 2 * 3  # each layer, each new token
 
 
 def test_other_calls_run_the_layers_own_forward(kernels_on_cpu):
@@ -98,7 +99,7 @@ def test_other_calls_run_the_layers_own_forward(kernels_on_cpu):
         model.gpt_neox.layers[1].attention.register_forward_hook(lambda mod, args, out: seen.append(1))
         _compare(model, stock, steps=2, batch=2)
     assert len(seen) == 1 + 2  # the prompt and each new token
-    assert stores == [((2, 1, 3 * 128), 8, True)] * 2  # layer 0 only, each new token
+    assert stores == [((2, 1, 3 * 128), 8, 1)] * 2  # layer 0 only, each new token
 
 
 def test_trainable_layernorms_keep_the_layers_own_forward(kernels_on_cpu):
@@ -115,7 +116,7 @@ def test_trainable_layernorms_keep_the_layers_own_forward(kernels_on_cpu):
     with pytest.MonkeyPatch.context() as mp:
         _count_stores(mp, stores)
         logits, _, _ = greedy_static_decode(model, 1, VOCAB, None, 1)
-    assert stores == [((1, 1, 3 * 128), 8, True)] and logits[-1].requires_grad  # the new token's, layer 0
+    assert stores == [((1, 1, 3 * 128), 8, 1)] and logits[-1].requires_grad  # the new token's, layer 0
     logits[-1].sum().backward()
     assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
 
@@ -137,23 +138,105 @@ def test_a_layer_the_step_cannot_compute_is_reported_and_left_alone():
         torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("batch,seq,heads,hd,rot,base", [(1, 1, 4, 32, 8, 5), (3, 2, 3, 20, 20, 0)])
-def test_per_head_rope_store_on_torch_is_its_kernel(batch, seq, heads, hd, rot, base, monkeypatch):
-    """``rope_store(per_head=True)``: the torch path (a device the kernel does not run on) and the
-    kernel (under the interpreter) give the same q and cache bit for bit, fp32 and fp16."""
+@pytest.mark.parametrize("batch,seq,heads,kv_heads,group,hd,rot,base", [
+    (1, 1, 4, 4, 1, 32, 8, 5), (3, 2, 3, 3, 1, 20, 20, 0), (2, 1, 6, 2, 3, 16, 16, 4)])
+def test_grouped_rope_store_on_torch_is_its_kernel(batch, seq, heads, kv_heads, group, hd, rot, base, monkeypatch):
+    """``rope_store(group=...)``: the torch path (a device the kernel does not run on) and the
+    kernel (under the interpreter) give the same q and cache bit for bit, fp32 and fp16, per
+    head (GPT-NeoX's) and in groups per KV head (Falcon's new architecture)."""
     for dtype in (torch.float32, torch.float16):
         g = torch.Generator().manual_seed(hd + rot)
-        y = torch.randn(batch, seq, 3 * heads * hd, generator=g).to(dtype)
+        y = torch.randn(batch, seq, (heads + 2 * kv_heads) * hd, generator=g).to(dtype)
         angles = torch.rand(batch, seq, rot // 2, generator=g) * 6.3
         cos, sin = (torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype))
         results = []
         for on_kernel in (False, True):
             monkeypatch.setattr(checks, "on_kernel_device", lambda x, on=on_kernel: on)
-            keys = torch.full((batch, heads, 8, hd), float("nan"), dtype=dtype)
+            keys = torch.full((batch, kv_heads, 8, hd), float("nan"), dtype=dtype)
             values = keys.clone()
-            q = decode_step.rope_store(y, cos, sin, keys, values, torch.tensor([base]), heads, per_head=True)
+            q = decode_step.rope_store(y, cos, sin, keys, values, torch.tensor([base]), heads, group=group)
             results.append((q, keys, values))
         (q0, k0, v0), (q1, k1, v1) = results
         assert torch.equal(q0, q1) and torch.equal(k0.nan_to_num(7.0), k1.nan_to_num(7.0)) \
             and torch.equal(v0.nan_to_num(7.0), v1.nan_to_num(7.0)), dtype
         assert not k0[:, :, base:base + seq].isnan().any()  # (the new positions written)
+
+
+# ------------------------------------------------------------------------------------- Falcon
+
+FALCON_LAYERS = ["transformer.h.0", "transformer.h.1"]
+
+
+def _falcon(**extra):
+    config = transformers.FalconConfig(hidden_size=128, num_attention_heads=4, num_hidden_layers=2, vocab_size=VOCAB,
+                                       max_position_embeddings=64, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # biases and norms away from their initial zeros and ones
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def _falcon_form_taken() -> bool:
+    """Is the installed transformers' Falcon attention the form the step computes (5.25's)?"""
+    from transformers.models.falcon.modeling_falcon import FalconAttention
+
+    return checks.why_not_attention_form(FalconAttention) is None
+
+
+@pytest.mark.parametrize("extra,norms,group", [
+    (dict(multi_query=True, parallel_attn=True, bias=False), ("input_layernorm",), 0),      # Falcon-7B's form
+    (dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=2, bias=False),  # 40B's, 180B's
+     ("ln_attn", "ln_mlp"), 2),
+    (dict(new_decoder_architecture=True, num_kv_heads=1, num_ln_in_parallel_attn=1, bias=True),  # one norm
+     ("input_layernorm",), 4),
+    (dict(multi_query=False, parallel_attn=False, num_kv_heads=4, bias=True),               # sequential, per head
+     ("input_layernorm", "post_attention_layernorm"), 1),
+])
+def test_falcon_layers_decode_as_stock_does(extra, norms, group, kernels_on_cpu):
+    """Falcon's layer forms: its norms as modules (one shared by the attention and the MLP, two
+    of their own, or sequential), its Q/K/V layout (multi-query's one KV head, the new
+    architecture's groups per KV head, per head) rotated and cached in one launch, the parallel
+    residual as stock's (mlp + a) + x. Logits and caches as the unpatched model's. Under a
+    transformers whose Falcon attention is another form, the report says so and the model is
+    left computing what it did."""
+    stock = _falcon(**extra)
+    model = copy.deepcopy(stock)
+    report = hybridgemm.patch(model)
+    if not _falcon_form_taken():
+        assert report.fused_layers == [] and all(
+            "is not an attention this step computes" in why or "is not a decoder layer this step computes" in why
+            for name, why in report.skipped if name in FALCON_LAYERS)
+        assert_static_decode_matches(model, stock, VOCAB, 2, 2)
+        return
+    assert report.fused_layers == FALCON_LAYERS and report.fused_attention == FALCON_LAYERS, report.skipped
+    assert sorted(n for n, _ in report.skipped) == [f"{layer}.{n}" for layer in FALCON_LAYERS for n in sorted(norms)]
+    stores = []
+    with pytest.MonkeyPatch.context() as mp:
+        _count_stores(mp, stores)
+        assert_static_decode_matches(model, stock, VOCAB, 3, 2)
+    assert stores == [((2, 1, (4 + 2 * (4 // max(group, 1) if group else 1)) * 32), 32, group)] * 2 * 3
+
+
+def test_falcon_with_alibi_or_attention_weights_keeps_its_own_forward(kernels_on_cpu):
+    """ALiBi (no rotary): the layer is not fused, the report says why. A call asking for the
+    attention weights: the fused layer's own forward, which returns them."""
+    stock = _falcon(alibi=True, multi_query=True, parallel_attn=True)
+    report = hybridgemm.patch(copy.deepcopy(stock))
+    assert report.fused_layers == []
+    assert all("ALiBi" in why or "this step computes" in why for n, why in report.skipped if n in FALCON_LAYERS)
+    if not _falcon_form_taken():
+        return
+    stock = _falcon(multi_query=True, parallel_attn=True)
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    ids = torch.randint(3, VOCAB, (1, 4), generator=torch.Generator().manual_seed(4))
+    stores = []
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        _count_stores(mp, stores)
+        got = model(ids, output_attentions=True)
+        want = stock(ids, output_attentions=True)
+    assert stores == [] and len(got.attentions) == 2
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)

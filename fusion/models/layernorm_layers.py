@@ -1,0 +1,270 @@
+"""Decoder layers whose norms are LayerNorms, whose Q/K/V is one linear and whose MLP is two
+linears with an activation between (GPT-NeoX's ``GPTNeoXLayer``: Pythia; Falcon's
+``FalconDecoderLayer``) on the fused decode step. Each family is a :class:`LayerFamily`: where
+its parts live, its forward's statements, which norms feed what and how its residual adds.
+
+Per token, with a static cache::
+
+    a = dense(attention(attention_norm(x)))
+    parallel:   y = mlp(mlp_norm(x)) + a + x          # GPT-NeoX's use_parallel_residual, Falcon's
+    sequential: h = a + x;  y = mlp(mlp_norm(h)) + h   # parallel_attn / new architecture
+
+where ``mlp(t) = dense_4h_to_h(act(dense_h_to_4h(t)))``; Falcon's one-norm layers feed the MLP
+the attention's normalised input. The step (:func:`layer_step`) runs the LayerNorms as the
+modules they are (no GEMM prologue computes a LayerNorm), then the shared pieces of
+fusion/models/decode_step.py: the Q/K/V GEMM, the rotary and the cache write in one launch
+(``rope_store``; GPT-NeoX's columns ``[q | k | v]`` per head and its partial rotary, Falcon's
+``[q | k | v]`` with one KV head (multi-query) or per head), the one-launch decode attention,
+``dense``, ``dense_h_to_4h`` with its activation in the epilogue (``HybridTwoLayerMLP.up``),
+``dense_4h_to_h``. The residual adds follow stock's order: sequential, ``x`` in ``dense``'s
+epilogue and ``h`` in ``dense_4h_to_h``'s; parallel, ``a`` in ``dense_4h_to_h``'s epilogue and
+``x`` added after, as stock's ``(mlp + a) + x`` adds the two small terms first (``x`` first
+would round twice at the residual stream's magnitude).
+
+Calls of up to ``decode_checks.DECODE_ROWS`` rows over a static cache that
+``decode_checks.kv_slot`` accepts take the step (decode, or a short chunk appended to a filled
+cache); any other call (a prompt's prefill, a dynamic cache, training with dropout, gradients
+wanted, attention weights asked for, hooks on the modules the step does not call, a LoRA layer
+over one of its linears) runs the layer's own forward over its patched linears. Not fused, with
+the reason in the report: GPT-NeoX-20B's ``gelu_fast`` MLP (no fused epilogue computes it: the
+MLP stays unpatched), Falcon's new-architecture Q/K/V (grouped per KV head, ``[q × n | k | v]``,
+a layout the rotary launch does not read), ALiBi, and transformers releases whose Falcon
+attention is another form (before 5.25: ALiBi branches and SDPA called directly). Decided as
+for the other families (fusion/models/decode_checks.py): the forward statement by statement
+when patched, the call's operands per call.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from hybridgemm.mlp import HybridTwoLayerMLP
+
+from . import decode_checks as checks
+from . import decode_step
+from .source_forms import body_statements
+
+
+@dataclass(frozen=True)
+class LayerFamily:
+    """Where a family's decoder layer keeps what the step reads, and what its forward computes."""
+
+    layer_class: str  # transformers' class name
+    attention: str  # the layer's attention module
+    body: tuple  # its forward, statement by statement (decode_checks.statements_match)
+    norms_as_modules: str  # its decode_checks.NORMS_AS_MODULES mark (its norms run as modules)
+    # (attention norm, MLP norm or None: the attention's normalised input, parallel residual), or
+    # why the instance's configuration is not one the step computes
+    shape: Callable[[nn.Module], tuple[str, str | None, bool] | str]
+    dropouts: tuple[str, ...] = ()  # its nn.Dropout modules (the residuals')
+    dropping: Callable[[nn.Module], bool] = lambda layer: False  # does a call of it drop anything now
+    returns_weights: bool = False  # its forward returns (hidden_states, attention weights)
+
+
+def _neox_shape(layer: nn.Module):
+    parallel = getattr(layer, "use_parallel_residual", None)
+    if not isinstance(parallel, bool):
+        return f"its use_parallel_residual is {parallel!r}, not a bool"
+    return "input_layernorm", "post_attention_layernorm", parallel
+
+
+def _falcon_shape(layer: nn.Module):
+    config = layer.config
+    new, parallel = config.new_decoder_architecture, config.parallel_attn
+    norms = getattr(config, "num_ln_in_parallel_attn", None)
+    if new and norms == 2:
+        return "ln_attn", "ln_mlp", True
+    if new and not (parallel and norms == 1):
+        return f"its configuration (new_decoder_architecture, parallel_attn {parallel!r}, num_ln_in_parallel_attn " \
+               f"{norms!r}) gives its MLP no input"
+    if new or parallel:
+        return "input_layernorm", None, True
+    return "input_layernorm", "post_attention_layernorm", False
+
+
+def _falcon_dropping(layer: nn.Module) -> bool:
+    return layer.training and (layer.config.attention_dropout > 0 or layer.config.hidden_dropout > 0)
+
+
+_NEOX_CALL = ("attn_output,_=self.attention(self.input_layernorm(hidden_states),attention_mask=attention_mask,"
+              "position_ids=position_ids,layer_past=layer_past,use_cache=use_cache,"
+              "position_embeddings=position_embeddings,**kwargs)")
+FAMILIES = {f.layer_class: f for f in (
+    # transformers 5.8-5.25's GPTNeoXLayer.forward
+    LayerFamily("GPTNeoXLayer", "attention", (
+        _NEOX_CALL,
+        "attn_output=self.post_attention_dropout(attn_output)",
+        "ifself.use_parallel_residual:mlp_output=self.mlp(self.post_attention_layernorm(hidden_states))"
+        "mlp_output=self.post_mlp_dropout(mlp_output)hidden_states=mlp_output+attn_output+hidden_states"
+        "else:attn_output=attn_output+hidden_statesmlp_output=self.mlp(self.post_attention_layernorm(attn_output))"
+        "mlp_output=self.post_mlp_dropout(mlp_output)hidden_states=mlp_output+attn_output",
+        "returnhidden_states"), "gpt_neox", _neox_shape, dropouts=("post_attention_dropout", "post_mlp_dropout")),
+    # transformers 5.25's FalconDecoderLayer.forward (dropout_add: _DROPOUT_ADD)
+    LayerFamily("FalconDecoderLayer", "self_attention", (
+        "residual=hidden_states",
+        "ifself.config.new_decoder_architectureandself.config.num_ln_in_parallel_attn==2:attention_layernorm_out="
+        "self.ln_attn(hidden_states)mlp_layernorm_out=self.ln_mlp(hidden_states)else:attention_layernorm_out="
+        "self.input_layernorm(hidden_states)",
+        "attention_output,attn_weights=self.self_attention(attention_layernorm_out,layer_past=layer_past,"
+        "attention_mask=attention_mask,position_ids=position_ids,use_cache=use_cache,"
+        "output_attentions=output_attentions,position_embeddings=position_embeddings)",
+        "ifnotself.config.new_decoder_architecture:ifself.config.parallel_attn:mlp_layernorm_out="
+        "attention_layernorm_outelse:residual=dropout_add(attention_output,residual,self.config.attention_dropout,"
+        "training=self.training)mlp_layernorm_out=self.post_attention_layernorm(residual)",
+        "ifself.config.new_decoder_architectureandself.config.parallel_attnand(self.config.num_ln_in_parallel_attn"
+        "==1):mlp_layernorm_out=attention_layernorm_out",
+        "mlp_output=self.mlp(mlp_layernorm_out)",
+        "ifself.config.new_decoder_architectureorself.config.parallel_attn:mlp_output+=attention_output",
+        "output=dropout_add(mlp_output,residual,self.config.hidden_dropout,training=self.training)",
+        "return(output,attn_weights)"), "falcon", _falcon_shape, dropping=_falcon_dropping,
+        returns_weights=True),
+)}
+# Falcon's residual add: the dropout's output added to the residual (x + out)
+_DROPOUT_ADD = ("out=F.dropout(x,p=prob,training=training)", "out=residual+out", "returnout")
+
+
+_FAMILY_OF_CLASS: dict[type, LayerFamily | None] = {}
+
+
+def family_of(mod: nn.Module) -> LayerFamily | None:
+    """The :class:`LayerFamily` of ``mod``, a transformers decoder layer of one of these families
+    or the fused class patch made of one (None: neither); looked up once per class."""
+    t = type(mod)
+    if t not in _FAMILY_OF_CLASS:
+        _FAMILY_OF_CLASS[t] = next((FAMILIES[c.__name__] for c in t.__mro__ if c.__name__ in FAMILIES
+                                    and c.__module__.startswith("transformers")), None)
+    return _FAMILY_OF_CLASS[t]
+
+
+def norm_names(layer: nn.Module) -> tuple[str, ...]:
+    """The names of the norms a fused ``layer``'s step calls as modules: its family's (as its
+    configuration says), else a pre-norm layer's two (decode_checks.LAYER_NORM_NAMES)."""
+    family = family_of(layer)
+    shape = family.shape(layer) if family is not None else None
+    if shape is None or isinstance(shape, str):
+        return checks.LAYER_NORM_NAMES
+    return tuple(n for n in shape[:2] if n is not None)
+
+
+def _parts(layer: nn.Module, family: LayerFamily) -> tuple[nn.Module, ...]:
+    """(attention, query_key_value, dense, dense_h_to_4h, dense_4h_to_h) of ``layer``."""
+    attn, mlp = layer._modules[family.attention], layer._modules["mlp"]
+    return (attn, attn._modules.get(checks.PER_HEAD_QKV_NAME), attn._modules.get("dense"),
+            mlp._modules.get("dense_h_to_4h"), mlp._modules.get("dense_4h_to_h"))
+
+
+def why_not_fuse(layer: nn.Module) -> str | None:
+    """Why the layer ``layer`` of a :class:`LayerFamily` cannot take the step (None: it can): its
+    forward must be its family's, its configuration one the step computes, its attention a form
+    able to take the static-cache step, its linears the ones ``patch`` made, its norms modules
+    and its dropouts ``nn.Dropout``. Raises nothing."""
+    family = family_of(layer)
+    forward = type(layer).forward
+    if family is None or not checks.statements_match(body_statements(forward), family.body):
+        return f"{type(layer).__name__}.forward is not a decoder layer this step computes"
+    if family.returns_weights and not checks.statements_match(
+            body_statements(getattr(inspect.unwrap(forward), "__globals__", {}).get("dropout_add")), _DROPOUT_ADD):
+        return f"{type(layer).__name__}'s dropout_add is not the residual add this step computes"
+    shape = family.shape(layer)
+    if isinstance(shape, str):
+        return shape
+    attn, mlp = layer._modules.get(family.attention), layer._modules.get("mlp")
+    if attn is None or type(mlp) is not HybridTwoLayerMLP:
+        return "its MLP's dense_h_to_4h and dense_4h_to_h are not patched"
+    why = checks.why_not_attention_form(type(attn)) or _why_not_layout(attn)
+    if why is not None:
+        return why
+    why = _why_not_parts(layer, family)
+    if why is not None:
+        return why
+    norms = [n for n in shape[:2] if n is not None]
+    if not all(isinstance(layer._modules.get(n), nn.Module) for n in norms):
+        return f"it has no {' and '.join(norms)} modules"
+    if not all(type(layer._modules.get(n)) is nn.Dropout for n in family.dropouts):
+        return f"its {' and '.join(family.dropouts)} are not nn.Dropout modules"
+    return checks.why_not_fuse_attention(attn)
+
+
+def _why_not_layout(attn: nn.Module) -> str | None:
+    """Why the rotary/cache launch cannot read ``attn``'s Q/K/V columns (None: it can): GPT-NeoX's
+    per head, or Falcon's as its instance says (``decode_checks.qkv_group``), with rows for the
+    config's heads and no ALiBi."""
+    form = checks.attention_form(type(attn))
+    if not (form.per_head_qkv or form.layout_from_config):
+        return f"its {type(attn).__name__} is not one of these families' attentions"
+    qkv = attn._modules.get(checks.PER_HEAD_QKV_NAME)
+    heads, hd = getattr(attn.config, "num_attention_heads", None), getattr(attn, form.head_dim_name, None)
+    kv_heads = heads
+    if form.layout_from_config:
+        if getattr(attn.config, "alibi", None) is not False:
+            return "it uses ALiBi, not a rotary embedding"
+        kv_heads = attn.num_kv_heads
+        if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+            return f"its {kv_heads!r} key/value heads do not divide its {heads} heads"
+    if not all(isinstance(v, int) and v > 0 for v in (heads, hd)) or getattr(qkv, "weight", None) is None \
+            or qkv.weight.shape[0] != (heads + 2 * kv_heads) * hd:
+        return f"its {checks.PER_HEAD_QKV_NAME}'s rows are not the config's q, k and v heads"
+    return None
+
+
+def _why_not_parts(layer: nn.Module, family: LayerFamily) -> str | None:
+    """Why the linears the step runs are not the ones patch made (None: they are): patched (FP8
+    included) or row-parallel, none wrapped since (a LoRA layer over one: the layer's own forward
+    runs it) nor replaced."""
+    _, qkv, dense, up, down = _parts(layer, family)
+    for name, proj, fits in ((checks.PER_HEAD_QKV_NAME, qkv, checks.own_projection),
+                             ("dense_h_to_4h", up, checks.own_projection),
+                             ("dense", dense, checks.fusable_projection),
+                             ("dense_4h_to_h", down, checks.fusable_projection)):
+        if not fits(proj):
+            return f"its {name} is a {type(proj).__module__}.{type(proj).__qualname__}, not a linear hybridgemm " \
+                   "patched"
+    return None
+
+
+def step_slot(layer: nn.Module, x: Tensor, kwargs: dict):
+    """The static-cache slot (``decode_checks.kv_slot``) when this call of a fused layer takes
+    the step, else None (the layer's own forward runs)."""
+    family = family_of(layer)
+    if not checks.takes_static_step(layer) or not checks.operands_allow(layer, x, family.dropouts) \
+            or family.dropping(layer) or kwargs.get("output_attentions"):
+        return None
+    if type(layer._modules.get("mlp")) is not HybridTwoLayerMLP or _why_not_parts(layer, family) is not None:
+        return None
+    shape = family.shape(layer)
+    if isinstance(shape, str):
+        return None
+    attn, qkv, dense, up, down = _parts(layer, family)
+    # the modules whose forwards the step does not call (it calls the norms, and dense_h_to_4h
+    # where hooked); the norms' parameters count as the GEMMs' do (dtype, gradients wanted)
+    norms = [layer._modules[n] for n in shape[:2] if n is not None]
+    skipped = [attn, qkv, dense, layer._modules["mlp"], down, *(layer._modules.get(n) for n in family.dropouts)]
+    if not checks.modules_allow(x, [*norms, qkv, dense, up, down], skipped):
+        return None
+    return checks.kv_slot(attn, x, kwargs)
+
+
+def layer_step(layer: nn.Module, x: Tensor, slot, kwargs: dict, counters: Tensor | None):
+    """The layer for a call :func:`step_slot` accepted (``slot``: its static-cache slot): its
+    output, with ``None`` for the attention weights where its forward returns them."""
+    family = family_of(layer)
+    attn, qkv, dense, _, down = _parts(layer, family)
+    attention_norm, mlp_norm, parallel = family.shape(layer)
+    mlp = layer._modules["mlp"]
+    n = layer._modules[attention_norm](x)
+    o = decode_step.static_attention(attn, slot, n, None, qkv, kwargs, counters)
+    if parallel:  # (mlp + a) + x, as stock adds it: the small terms first
+        a = decode_step.project(dense, o, counters)
+        m = mlp.up(n if mlp_norm is None else layer._modules[mlp_norm](x))
+        y = decode_step.project_add(down, m, a, counters) + x
+    else:
+        h = decode_step.project_add(dense, o, x, counters)
+        y = decode_step.project_add(down, mlp.up(layer._modules[mlp_norm](h)), h, counters)
+    return (y, None) if family.returns_weights else y
+
+
+__all__ = ["FAMILIES", "LayerFamily", "family_of", "layer_step", "norm_names", "step_slot", "why_not_fuse"]
