@@ -7,7 +7,8 @@ must be one the step computes (its statements checked in its source: the pre-nor
 Granite's with scaled residuals, Phi-3's with residual dropouts, Gemma 2/3's post-norm one,
 OLMo 2's post-norm one without input norms),
 its attention forward one of the forms :class:`AttentionForm` describes (Q/K/V from three
-projections or one: Phi-3's [q | k | v], GPT-NeoX's [q | k | v] per head), and its parts
+projections or one: Phi-3's [q | k | v], GPT-NeoX's per head, Falcon's as its configuration
+says), and its parts
 fused by ``patch`` (Q/K/V and gate/up into one GEMM each or the checkpoint's stacked linears,
 patched RMSNorms (fusion/norm.py PATCHED_NORMS), patched or row-parallel O and down; GPT-NeoX's
 and Falcon's layers: fusion/models/layernorm_layers.py). The static-cache step (rotary and the

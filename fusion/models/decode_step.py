@@ -584,9 +584,9 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
 
 def _passed_kwargs(form: checks.AttentionForm, kwargs: dict) -> dict:
     """The keyword arguments of the layer's call that the module's attention forward passes on
-    to its attention function: all the step does not consume, or StableLM's ``position_ids``
-    alone (its layer passes its attention no others)."""
-    if form.partial_rotary:
+    to its attention function: all the step does not consume, or StableLM's and Falcon's
+    ``position_ids`` alone (their layers pass their attentions no others)."""
+    if form.partial_rotary or form.layout_from_config:
         return {"position_ids": kwargs.get("position_ids")}
     return {k: v for k, v in kwargs.items() if k not in _CONSUMED}
 

@@ -6,15 +6,17 @@ its parts live, its forward's statements, which norms feed what and how its resi
 Per token, with a static cache::
 
     a = dense(attention(attention_norm(x)))
-    parallel:   y = mlp(mlp_norm(x)) + a + x          # GPT-NeoX's use_parallel_residual, Falcon's
-    sequential: h = a + x;  y = mlp(mlp_norm(h)) + h   # parallel_attn / new architecture
+    parallel:   y = mlp(mlp_norm(x)) + a + x          # GPT-NeoX's use_parallel_residual; Falcon's
+                                                       # parallel_attn and new architecture
+    sequential: h = a + x;  y = mlp(mlp_norm(h)) + h
 
 where ``mlp(t) = dense_4h_to_h(act(dense_h_to_4h(t)))``; Falcon's one-norm layers feed the MLP
 the attention's normalised input. The step (:func:`layer_step`) runs the LayerNorms as the
 modules they are (no GEMM prologue computes a LayerNorm), then the shared pieces of
 fusion/models/decode_step.py: the Q/K/V GEMM, the rotary and the cache write in one launch
-(``rope_store``; GPT-NeoX's columns ``[q | k | v]`` per head and its partial rotary, Falcon's
-``[q | k | v]`` with one KV head (multi-query) or per head), the one-launch decode attention,
+(``rope_store``; GPT-NeoX's columns ``[q | k | v]`` per head and its partial rotary; Falcon's
+``[q | k | v]`` with one KV head (multi-query), grouped per KV head ``[q x n | k | v]`` (its new
+architecture) or per head), the one-launch decode attention,
 ``dense``, ``dense_h_to_4h`` with its activation in the epilogue (``HybridTwoLayerMLP.up``),
 ``dense_4h_to_h``. The residual adds follow stock's order: sequential, ``x`` in ``dense``'s
 epilogue and ``h`` in ``dense_4h_to_h``'s; parallel, ``a`` in ``dense_4h_to_h``'s epilogue and
@@ -27,9 +29,8 @@ cache); any other call (a prompt's prefill, a dynamic cache, training with dropo
 wanted, attention weights asked for, hooks on the modules the step does not call, a LoRA layer
 over one of its linears) runs the layer's own forward over its patched linears. Not fused, with
 the reason in the report: GPT-NeoX-20B's ``gelu_fast`` MLP (no fused epilogue computes it: the
-MLP stays unpatched), Falcon's new-architecture Q/K/V (grouped per KV head, ``[q × n | k | v]``,
-a layout the rotary launch does not read), ALiBi, and transformers releases whose Falcon
-attention is another form (before 5.25: ALiBi branches and SDPA called directly). Decided as
+MLP stays unpatched), ALiBi, and transformers releases whose Falcon layer and attention are
+another form (before 5.25: ALiBi branches, SDPA called directly). Decided as
 for the other families (fusion/models/decode_checks.py): the forward statement by statement
 when patched, the call's operands per call.
 """
@@ -200,7 +201,7 @@ def _why_not_layout(attn: nn.Module) -> str | None:
     heads, hd = getattr(attn.config, "num_attention_heads", None), getattr(attn, form.head_dim_name, None)
     kv_heads = heads
     if form.layout_from_config:
-        if getattr(attn.config, "alibi", None) is not False:
+        if getattr(attn.config, "alibi", False):
             return "it uses ALiBi, not a rotary embedding"
         kv_heads = attn.num_kv_heads
         if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:

@@ -17,6 +17,7 @@ from helpers import assert_static_decode_matches, greedy_static_decode
 from hybridgemm.kernels import triton_qk_rope as tqr
 from hybridgemm.models import decode_checks as checks
 from hybridgemm.models import decode_step, layernorm_layers
+from hybridgemm.perf import e2e_models as hf
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -167,11 +168,11 @@ def test_grouped_rope_store_on_torch_is_its_kernel(batch, seq, heads, kv_heads, 
 FALCON_LAYERS = ["transformer.h.0", "transformer.h.1"]
 
 
-def _falcon(**extra):
+def _falcon(attention: str = "sdpa", **extra):
     config = transformers.FalconConfig(hidden_size=128, num_attention_heads=4, num_hidden_layers=2, vocab_size=VOCAB,
                                        max_position_embeddings=64, **extra)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     with torch.no_grad():  # biases and norms away from their initial zeros and ones
         for p in model.parameters():
             if p.dim() == 1:
@@ -188,12 +189,14 @@ def _falcon_form_taken() -> bool:
 
 @pytest.mark.parametrize("extra,norms,group", [
     (dict(multi_query=True, parallel_attn=True, bias=False), ("input_layernorm",), 0),      # Falcon-7B's form
-    (dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=2, bias=False),  # 40B's, 180B's
-     ("ln_attn", "ln_mlp"), 2),
+    # 40B's, 180B's: two norms (num_ln_in_parallel_attn unset: the layer makes it 2), eager attention
+    (dict(new_decoder_architecture=True, num_kv_heads=2, bias=False, attention="eager"), ("ln_attn", "ln_mlp"), 2),
     (dict(new_decoder_architecture=True, num_kv_heads=1, num_ln_in_parallel_attn=1, bias=True),  # one norm
      ("input_layernorm",), 4),
     (dict(multi_query=False, parallel_attn=False, num_kv_heads=4, bias=True),               # sequential, per head
      ("input_layernorm", "post_attention_layernorm"), 1),
+    (dict(multi_query=True, parallel_attn=False, bias=False, attention="eager"),             # sequential, one KV head
+     ("input_layernorm", "post_attention_layernorm"), 0),
 ])
 def test_falcon_layers_decode_as_stock_does(extra, norms, group, kernels_on_cpu):
     """Falcon's layer forms: its norms as modules (one shared by the attention and the MLP, two
@@ -217,26 +220,38 @@ def test_falcon_layers_decode_as_stock_does(extra, norms, group, kernels_on_cpu)
     with pytest.MonkeyPatch.context() as mp:
         _count_stores(mp, stores)
         assert_static_decode_matches(model, stock, VOCAB, 3, 2)
-    assert stores == [((2, 1, (4 + 2 * (4 // max(group, 1) if group else 1)) * 32), 32, group)] * 2 * 3
+    kv_heads = stock.config.num_kv_heads if stock.config.new_decoder_architecture or not stock.config.multi_query \
+        else 1
+    assert stores == [((2, 1, (4 + 2 * kv_heads) * 32), 32, group)] * 2 * 3
 
 
 def test_falcon_with_alibi_or_attention_weights_keeps_its_own_forward(kernels_on_cpu):
-    """ALiBi (no rotary): the layer is not fused, the report says why. A call asking for the
-    attention weights: the fused layer's own forward, which returns them."""
+    """ALiBi (no rotary): the layer is not fused, the report says why. A decode call over a
+    static cache asking for the attention weights: the fused layer's own forward, which returns
+    them (eager attention), as stock's."""
     stock = _falcon(alibi=True, multi_query=True, parallel_attn=True)
     report = hybridgemm.patch(copy.deepcopy(stock))
-    assert report.fused_layers == []
-    assert all("ALiBi" in why or "this step computes" in why for n, why in report.skipped if n in FALCON_LAYERS)
+    reasons = dict(report.skipped)
+    assert report.fused_layers == [] and all(n in reasons for n in FALCON_LAYERS)
+    assert all(("ALiBi" if _falcon_form_taken() else "this step computes") in reasons[n] for n in FALCON_LAYERS)
     if not _falcon_form_taken():
         return
-    stock = _falcon(multi_query=True, parallel_attn=True)
+    stock = _falcon("eager", multi_query=True, parallel_attn=True)
     model = copy.deepcopy(stock)
     hybridgemm.patch(model)
-    ids = torch.randint(3, VOCAB, (1, 4), generator=torch.Generator().manual_seed(4))
+    outputs = []
     stores = []
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
         _count_stores(mp, stores)
-        got = model(ids, output_attentions=True)
-        want = stock(ids, output_attentions=True)
-    assert stores == [] and len(got.attentions) == 2
+        for m in (model, stock):
+            api, cache = hf.forward_api(m), hf.static_cache(m, 1, 16)
+            hf.cached_forward(m, api, torch.arange(3, 7).view(1, 4), cache, torch.arange(4))
+            kw = {api.cache_kw: cache, "use_cache": True, "position_ids": torch.tensor([[4]])}
+            if api.cache_position:
+                kw["cache_position"] = torch.tensor([4])
+            outputs.append(m(input_ids=torch.tensor([[9]]), output_attentions=True, **kw))
+    got, want = outputs
+    assert stores == [] and all(a is not None and a.shape == (1, 4, 1, 16) for a in got.attentions)
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got.attentions, want.attentions):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
