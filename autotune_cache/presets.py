@@ -140,6 +140,8 @@ PRESETS: dict[str, ModelPreset] = {
         # GPT-NeoX (Pythia 6.9B): LayerNorms as modules; its MLP is not gated (no gate/up width)
         ModelPreset("pythia-6.9b", 4096, 32, 32, 128, qkv_bias=True, o_bias=True, vocab=50432, layers=32,
                     mlp_norm=None),
+        # Falcon 7B: multi-query (one KV head), LayerNorms as modules; its MLP is not gated
+        ModelPreset("falcon-7b", 4544, 71, 1, 64, qkv_bias=False, o_bias=False, vocab=65024, layers=32, mlp_norm=None),
         ModelPreset("qwen3-30b-a3b", 2048, 32, 4, 128, qkv_bias=False, o_bias=False, vocab=151936, layers=48,
                     experts=128, experts_per_token=8, expert_intermediate=768),
         ModelPreset("mixtral-8x7b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False, vocab=32000, layers=32,

@@ -55,7 +55,11 @@ class Family:
     fixed: tuple[tuple[str, object], ...] = ()  # fields set alike for every model of the family here
     bias_field: str = "attention_bias"  # the config field of the q/k/v biases (where qkv_bias is None)
     eps_field: str = "rms_norm_eps"  # the config field of the norms' eps
-    kv_heads: bool = True  # its config takes num_key_value_heads (else as many kv heads as heads)
+    # the config field of the KV head count (None: the config has as many as heads), and of a
+    # multi-query switch (one KV head) where it has one
+    kv_heads_field: str | None = "num_key_value_heads"
+    multi_query_field: str | None = None
+    intermediate_field: str = "intermediate_size"  # the config field of the dense MLP's width
 
 
 FAMILIES: dict[str, Family] = {
@@ -97,8 +101,14 @@ FAMILIES: dict[str, Family] = {
                      fixed=(("use_qk_norm", False), ("logit_scale", 0.0625))),
     # GPT-NeoX (Pythia): LayerNorms, Q/K/V one linear of [q | k | v] per head, the rotary over the
     # first quarter of each head, the attention and the MLP (GELU) in parallel, biases throughout
-    "gpt_neox": Family("GPTNeoXConfig", head_dim=False, qkv_bias=None, eps_field="layer_norm_eps", kv_heads=False,
+    "gpt_neox": Family("GPTNeoXConfig", head_dim=False, qkv_bias=None, eps_field="layer_norm_eps", kv_heads_field=None,
                        fixed=(("rotary_pct", 0.25), ("use_parallel_residual", True), ("hidden_act", "gelu"))),
+    # Falcon (7B): LayerNorms, Q/K/V one linear (multi-query: one KV head), the attention and the
+    # MLP (GELU) of one normalised input in parallel, no biases (its published config)
+    "falcon": Family("FalconConfig", head_dim=False, qkv_bias=None, bias_field="bias", eps_field="layer_norm_epsilon",
+                     kv_heads_field="num_kv_heads", multi_query_field="multi_query",
+                     intermediate_field="ffn_hidden_size",
+                     fixed=(("parallel_attn", True), ("new_decoder_architecture", False), ("alibi", False))),
     # Qwen3MoeConfig's signature has no head_dim, but its attention reads config.head_dim when set.
     # Every layer sparse (no dense mlp_only_layers), top-k weights renormalised: Qwen3-MoE's published configs.
     "qwen3_moe": Family("Qwen3MoeConfig", head_dim=True, qkv_bias=None,
@@ -131,6 +141,7 @@ SIZES: dict[str, ModelSizes] = {
     "stablelm-3b": ModelSizes("stablelm", 6912, 32, 50304, 1e4, 1e-5, 4096),  # StableLM-3B-4E1T; heads of 80
     "aya-23-8b": ModelSizes("cohere", 14336, 32, 256000, 1e4, 1e-5, 8192),  # its LM head tied in the release
     "pythia-6.9b": ModelSizes("gpt_neox", 16384, 32, 50432, 1e4, 1e-5, 2048),
+    "falcon-7b": ModelSizes("falcon", 18176, 32, 65024, 1e4, 1e-5, 2048),
     "qwen3-30b-a3b": ModelSizes("qwen3_moe", 6144, 48, 151936, 1e6, 1e-6, 40960),  # q/k norms; 128 experts, 8 a token
     "mixtral-8x7b": ModelSizes("mixtral", None, 32, 32000, 1e6, 1e-5, 32768),  # 8 experts, 2 a token
 }
@@ -180,16 +191,23 @@ def hf_config(name: str, layers: int | None = None):
     if (family.experts is not None) != preset.moe or (family.experts is None and sizes.intermediate is None):
         raise ValueError(f"{name}: {family.config} and the preset disagree on whether the model is a mixture of "
                          "experts (a dense model needs its MLP width)")
-    if not family.kv_heads and preset.kv_heads != preset.heads:
+    if family.multi_query_field is not None:
+        kv = {family.multi_query_field: preset.kv_heads == 1}
+        if preset.kv_heads != 1:
+            kv[family.kv_heads_field] = preset.kv_heads
+    elif family.kv_heads_field is not None:
+        kv = {family.kv_heads_field: preset.kv_heads}
+    elif preset.kv_heads != preset.heads:
         raise ValueError(f"{name}: {family.config} has as many key/value heads as heads, the preset "
                          f"{preset.kv_heads} of {preset.heads}")
-    kv = {"num_key_value_heads": preset.kv_heads} if family.kv_heads else {}
+    else:
+        kv = {}
     kw = dict(hidden_size=preset.hidden, num_attention_heads=preset.heads, **kv,
               num_hidden_layers=layers or sizes.layers, vocab_size=sizes.vocab,
               max_position_embeddings=sizes.max_positions, rope_theta=sizes.rope_theta,
               tie_word_embeddings=False, **{family.eps_field: sizes.rms_eps}, **copy.deepcopy(dict(family.fixed)))
     if sizes.intermediate is not None:
-        kw["intermediate_size"] = sizes.intermediate
+        kw[family.intermediate_field] = sizes.intermediate
     if family.head_dim:
         kw["head_dim"] = preset.head_dim
     if family.qkv_bias is None:

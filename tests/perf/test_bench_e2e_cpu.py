@@ -121,6 +121,28 @@ def test_configs_have_the_published_sizes(name, sizes):
     assert hf.hf_config(name, layers=3).num_hidden_layers == 3
 
 
+@pytest.mark.parametrize("name, sizes", [
+    ("falcon-7b", dict(hidden_size=4544, num_hidden_layers=32, num_attention_heads=71, multi_query=True,
+                       parallel_attn=True, new_decoder_architecture=False, bias=False, ffn_hidden_size=18176,
+                       vocab_size=65024)),
+    ("pythia-6.9b", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, use_parallel_residual=True,
+                         attention_bias=True, intermediate_size=16384, vocab_size=50432)),
+])
+def test_layernorm_family_configs_have_the_published_sizes_and_are_fused(name, sizes):
+    """Falcon-7B's (multi-query: one KV head) and Pythia-6.9B's configs as published, built on the
+    meta device and patched: every layer takes the fused step where this transformers' forms allow
+    (Falcon's: 5.25's), else the report says why."""
+    config = hf.hf_config(name, layers=2)
+    assert {k: getattr(config, k) for k in sizes} == {**sizes, "num_hidden_layers": 2}
+    report = hybridgemm.patch(hf.build_model(config, torch.bfloat16, "meta"))
+    unfused = [(n, why) for n, why in report.skipped if why.startswith("decoder layer not fused")]
+    if unfused:  # (a transformers whose Falcon layer is an older form)
+        assert name == "falcon-7b" and report.fused_layers == [] and len(unfused) == 2
+        assert all("is not a decoder layer this step computes" in why for _, why in unfused)
+    else:
+        assert len(report.fused_layers) == 2 and report.fused_attention == report.fused_layers
+
+
 @pytest.mark.parametrize("name, floor_ms", [("qwen2.5-7b", 3.34), ("llama3-8b", 3.55)])
 def test_full_size_floor_on_the_meta_device(name, floor_ms):
     """The whole models, built without memory: the bytes a decode step reads give the floors
