@@ -112,10 +112,10 @@ class HybridLayerNormLayer(HybridDecoderLayer):
     forward for any other."""
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        slot = None if args else layernorm_layers.step_slot(self, hidden_states, kwargs)
-        if slot is None:
+        call = None if args else layernorm_layers.step_slot(self, hidden_states, kwargs)
+        if call is None:
             return super(HybridDecoderLayer, self).forward(hidden_states, *args, **kwargs)
-        return layernorm_layers.layer_step(self, hidden_states, slot, kwargs, self._buffers.get(COUNTERS))
+        return layernorm_layers.layer_step(self, hidden_states, call, kwargs, self._buffers.get(COUNTERS))
 
 
 # by layer class: the mixin, where not HybridDecoderLayer

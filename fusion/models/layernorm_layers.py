@@ -40,6 +40,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from torch import Tensor, nn
 
@@ -227,9 +228,18 @@ def _why_not_parts(layer: nn.Module, family: LayerFamily) -> str | None:
     return None
 
 
-def step_slot(layer: nn.Module, x: Tensor, kwargs: dict):
-    """The static-cache slot (``decode_checks.kv_slot``) when this call of a fused layer takes
-    the step, else None (the layer's own forward runs)."""
+class StepCall(NamedTuple):
+    """What :func:`step_slot` read of a call that takes the step, for :func:`layer_step`."""
+
+    family: LayerFamily
+    shape: tuple[str, str | None, bool]  # LayerFamily.shape
+    parts: tuple[nn.Module, ...]  # _parts
+    slot: tuple  # decode_checks.kv_slot
+
+
+def step_slot(layer: nn.Module, x: Tensor, kwargs: dict) -> StepCall | None:
+    """What :func:`layer_step` needs when this call of a fused layer takes the step (its
+    static-cache slot: ``decode_checks.kv_slot``), else None (the layer's own forward runs)."""
     family = family_of(layer)
     if not checks.takes_static_step(layer) or not checks.operands_allow(layer, x, family.dropouts) \
             or family.dropping(layer) or kwargs.get("output_attentions"):
@@ -239,22 +249,23 @@ def step_slot(layer: nn.Module, x: Tensor, kwargs: dict):
     shape = family.shape(layer)
     if isinstance(shape, str):
         return None
-    attn, qkv, dense, up, down = _parts(layer, family)
+    parts = attn, qkv, dense, up, down = _parts(layer, family)
     # the modules whose forwards the step does not call (it calls the norms, and dense_h_to_4h
     # where hooked); the norms' parameters count as the GEMMs' do (dtype, gradients wanted)
     norms = [layer._modules[n] for n in shape[:2] if n is not None]
     skipped = [attn, qkv, dense, layer._modules["mlp"], down, *(layer._modules.get(n) for n in family.dropouts)]
     if not checks.modules_allow(x, [*norms, qkv, dense, up, down], skipped):
         return None
-    return checks.kv_slot(attn, x, kwargs)
+    slot = checks.kv_slot(attn, x, kwargs)
+    return None if slot is None else StepCall(family, shape, parts, slot)
 
 
-def layer_step(layer: nn.Module, x: Tensor, slot, kwargs: dict, counters: Tensor | None):
-    """The layer for a call :func:`step_slot` accepted (``slot``: its static-cache slot): its
-    output, with ``None`` for the attention weights where its forward returns them."""
-    family = family_of(layer)
-    attn, qkv, dense, _, down = _parts(layer, family)
-    attention_norm, mlp_norm, parallel = family.shape(layer)
+def layer_step(layer: nn.Module, x: Tensor, call: StepCall, kwargs: dict, counters: Tensor | None):
+    """The layer for a call :func:`step_slot` accepted (``call``: what it read): its output, with
+    ``None`` for the attention weights where its forward returns them."""
+    attn, qkv, dense, _, down = call.parts
+    attention_norm, mlp_norm, parallel = call.shape
+    slot = call.slot
     mlp = layer._modules["mlp"]
     n = layer._modules[attention_norm](x)
     o = decode_step.static_attention(attn, slot, n, None, qkv, kwargs, counters)
@@ -265,7 +276,7 @@ def layer_step(layer: nn.Module, x: Tensor, slot, kwargs: dict, counters: Tensor
     else:
         h = decode_step.project_add(dense, o, x, counters)
         y = decode_step.project_add(down, mlp.up(layer._modules[mlp_norm](h)), h, counters)
-    return (y, None) if family.returns_weights else y
+    return (y, None) if call.family.returns_weights else y
 
 
-__all__ = ["FAMILIES", "LayerFamily", "family_of", "layer_step", "norm_names", "step_slot", "why_not_fuse"]
+__all__ = ["FAMILIES", "LayerFamily", "StepCall", "family_of", "layer_step", "norm_names", "step_slot", "why_not_fuse"]
