@@ -16,8 +16,9 @@ linear-step  eager fwd+bwd of ``hybridgemm.linear`` beside F.linear at ``--m --n
              step, then torch.profiler tables (CPU and CUDA time)
 hf-layer     a one-layer HF model of preset ``--model`` (default llama3-8b; perf/e2e_models.py),
              stock and patched, eager decode of one token at ``--batch`` over a static cache:
-             µs per call of q/k/v, o (where the attention has them), the MLP, the LM head and
-             the whole step, then cProfile of the stock and the patched step (by cumulative time)
+             µs per call of q/k/v, o, the MLP (where the layer has them), the LM head and
+             the whole step, then cProfile of the stock and the patched step (by cumulative time; the patched
+             one by own time too)
 
 No PROBE: all of them. Every µs figure is ``perf/timing.eager_time_interleaved`` (the
 callables alternate in rounds of one loop); cProfile and torch.profiler slow what they watch,
@@ -208,6 +209,11 @@ def _endless_steps(model, api, ids, pos, cache):
     return step
 
 
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    """The model's list of decoder layers (``model.layers``, ``gpt_neox.layers``, ``transformer.h``)."""
+    return next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
+
+
 def hf_layer_probe(args) -> None:
     stock = hf.build_model(hf.hf_config(args.model, layers=1), DTYPE, "cuda")
     patched = copy.deepcopy(stock)
@@ -221,22 +227,24 @@ def hf_layer_probe(args) -> None:
     pos = torch.zeros(1, dtype=torch.long, device="cuda")
     fns = {}
     for name, model in (("stock", stock), ("patched", patched)):
-        layer, api = model.model.layers[0], hf.forward_api(model)
+        layer, api = _decoder_layers(model)[0], hf.forward_api(model)
         step = _endless_steps(model, api, ids, pos, hf.static_cache(model, batch, STEP_CACHE_LEN))
-        a = layer.self_attn
+        a = next(layer._modules[n] for n in ("self_attn", "attention", "self_attention") if n in layer._modules)
         if hasattr(a, "qkv_proj"):  # the patched fused Q/K/V, or a checkpoint's own (Phi-3)
             fns[f"{name} q/k/v"] = lambda a=a: a.qkv_proj(x)
         elif all(hasattr(a, p) for p in ("q_proj", "k_proj", "v_proj")):
             fns[f"{name} q/k/v"] = lambda a=a: (a.q_proj(x), a.k_proj(x), a.v_proj(x))
         if hasattr(a, "o_proj"):
             fns[f"{name} o"] = lambda a=a: a.o_proj(attn)
-        fns[f"{name} mlp"] = lambda layer=layer: layer.mlp(x)
-        fns[f"{name} lm_head"] = lambda model=model: model.lm_head(x)
+        if hasattr(layer, "mlp"):
+            fns[f"{name} mlp"] = lambda layer=layer: layer.mlp(x)
+        fns[f"{name} lm_head"] = lambda model=model: model.get_output_embeddings()(x)
         fns[f"{name} one-token step"] = step
     with torch.no_grad():
         _print_times(fns, calls=200, width=28)
         for name in ("stock", "patched"):  # by cumulative time: where each step's host time goes, side by side
             _cprofile(f"{name} one-token step", fns[f"{name} one-token step"], calls=100, rows=45, sort="cumulative")
+        _cprofile("patched one-token step", fns["patched one-token step"], calls=100, rows=30)  # by own time
 
 
 RUN = {"calls": calls_probe, "decode": decode_probe, "train": train_probe, "grad": grad_probe,
@@ -252,7 +260,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--n", type=int, default=4096, help="linear-step: output features (default 4096)")
     ap.add_argument("--k", type=int, default=4096, help="linear-step: input features (default 4096)")
     ap.add_argument("--batch", type=int, default=1, help="hf-layer: sequences decoded at once (default 1)")
-    ap.add_argument("--model", default="llama3-8b", choices=hf.dense_model_names(),
+    ap.add_argument("--model", default="llama3-8b", choices=hf.model_names(),
                     help="hf-layer: the preset whose one-layer model is profiled (default llama3-8b)")
     args = ap.parse_args(argv)
     if min(args.m, args.n, args.k, args.batch) < 1:
