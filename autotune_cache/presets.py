@@ -30,6 +30,7 @@ class ProjectionShape:
     n: int  # output features (rows of W)
     k: int  # input features
     bias: bool
+    activation: str = "none"  # the GEMM's epilogue activation (kernels/epilogue.Activation's value)
 
 
 @dataclass(frozen=True)

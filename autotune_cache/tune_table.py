@@ -160,14 +160,15 @@ def keys_for(shapes, ms: Iterable[int] | None = None, dtypes=("bf16",), epilogue
     """Table keys for (N, K, bias) shapes x the default-grid ranges holding ``ms`` (default:
     every range, 1 to 16384) x dtypes, for dense, aligned operands (the layout class follows
     from the shape, e.g. an odd K is not 16-byte aligned). The epilogue follows each shape's
-    bias unless ``epilogues`` (names) is given. ``weight_format``: an FP8 format
+    bias and activation unless ``epilogues`` (names) is given. ``weight_format``: an FP8 format
     (kernels/fp8.py FORMAT_OF) gives that format's keys (op ``linear_e4m3_channel``, ...)."""
     ranges = sorted({octave(m) for m in (OCTAVE_TOPS if ms is None else ms)} - {None})
     if weight_format and not set(dtypes) <= {"bf16", "fp16"}:
         raise ValueError(f"an FP8 weight ({weight_format}) computes in bf16 or fp16, not {', '.join(dtypes)}")
     keys = []
     for shape in shapes:
-        epis = [Epilogue.from_name(e) for e in epilogues] if epilogues else [Epilogue(Activation.NONE, shape.bias)]
+        epis = [Epilogue.from_name(e) for e in epilogues] if epilogues \
+            else [Epilogue(Activation.parse(shape.activation), shape.bias)]
         for dt in dtypes:
             dtype = torch.float32 if dt == "tf32" else NAME_TO_DTYPE[dt]
             for epi in epis:

@@ -142,7 +142,10 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     bias; ``"stablelm_parallel"``: the same with the parallel residual and no bias; ``"cohere"``:
     Cohere, its LayerNorm, the parallel residual, the rotary of neighbouring columns; ``"gpt_neox"``:
     GPT-NeoX, LayerNorms, the parallel residual, its per-head Q/K/V layout, the rotary over a
-    quarter of each head, 8 KV heads) of 8 heads and 2 KV heads, random
+    quarter of each head, 8 KV heads; ``"falcon"``: Falcon-7B's form, multi-query (one KV head),
+    one LayerNorm for the parallel attention and MLP, no biases; ``"falcon_new"``: Falcon-40B's,
+    its Q/K/V grouped per KV head, a LayerNorm each for the attention and the MLP) of 8 heads and
+    2 KV heads, random
     weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16 patched by
     hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's sliding window (else 4;
     Gemma 3's two layers then sliding and full, else both sliding, its config's pattern);
@@ -160,7 +163,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
            "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig,
            "olmo2": transformers.Olmo2Config, "stablelm": transformers.StableLmConfig,
            "stablelm_parallel": transformers.StableLmConfig, "cohere": transformers.CohereConfig,
-           "gpt_neox": transformers.GPTNeoXConfig}[kind]
+           "gpt_neox": transformers.GPTNeoXConfig, "falcon": transformers.FalconConfig,
+           "falcon_new": transformers.FalconConfig}[kind]
     extra = {"granite": dict(residual_multiplier=0.22, attention_multiplier=0.05, embedding_multiplier=12.0,
                              logits_scaling=8.0),
              "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4),
@@ -171,15 +175,18 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
              "stablelm": dict(partial_rotary_factor=0.25, use_qkv_bias=True),
              "stablelm_parallel": dict(partial_rotary_factor=0.25, use_parallel_residual=True),
              "gpt_neox": dict(rotary_pct=0.25),
+             "falcon": dict(multi_query=True, parallel_attn=True, bias=False),
+             "falcon_new": dict(new_decoder_architecture=True, num_kv_heads=2, bias=False),
              "gemma2": dict(sliding_window=window or 4, attn_logit_softcapping=50.0),
              # (with a window: a sliding layer beside a full one, whose length says the cache's)
              "gemma3": dict(sliding_window=window or 4,
                             **({"layer_types": ["sliding_attention", "full_attention"]} if window else {})),
              }.get(kind, {})
-    heads = {} if kind == "gpt_neox" else dict(num_key_value_heads=2, head_dim=hidden_size // 8)
-    config = cls(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                 num_hidden_layers=2, num_attention_heads=8, max_position_embeddings=128, tie_word_embeddings=False,
-                 **heads, **extra)
+    falcon = kind.startswith("falcon")
+    heads = {} if kind == "gpt_neox" or falcon else dict(num_key_value_heads=2, head_dim=hidden_size // 8)
+    width = {"ffn_hidden_size" if falcon else "intermediate_size": intermediate_size}
+    config = cls(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=8,
+                 max_position_embeddings=128, tie_word_embeddings=False, **width, **heads, **extra)
     torch.manual_seed(0)
     load = {} if attention is None else {"attn_implementation": attention}
     base = transformers.AutoModelForCausalLM.from_config(config, **load).eval()
@@ -188,15 +195,16 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
             for name, p in base.named_parameters():
                 if "norm" in name:
                     p.uniform_(-0.5, 0.5)
-    if kind.startswith("stablelm") or kind in ("cohere", "gpt_neox"):  # its LayerNorms start as the identity: others
+    if kind.startswith("stablelm") or kind in ("cohere", "gpt_neox") or falcon:  # LayerNorms start as the identity
         with torch.no_grad():
             for name, p in base.named_parameters():
-                if "norm" in name:
+                if "norm" in name or (falcon and p.dim() == 1):  # (Falcon's: ln_attn, ln_mlp, ln_f too)
                     p.uniform_(*((0.5, 1.5) if name.endswith("weight") else (-0.5, 0.5)))
     ref = copy.deepcopy(base).to(device)
     stock = copy.deepcopy(base).to(device, torch.bfloat16)
     patched = copy.deepcopy(stock)
-    layers = "gpt_neox.layers" if kind == "gpt_neox" else "model.layers"
+    layers = {"gpt_neox": "gpt_neox.layers", "falcon": "transformer.h", "falcon_new": "transformer.h"}.get(
+        kind, "model.layers")
     assert hybridgemm.patch(patched).fused_layers == [f"{layers}.0", f"{layers}.1"]
     return ref, stock, patched
 

@@ -241,9 +241,9 @@ def _cmd_autotune(args) -> int:
     if gated and not args.check and not args.granularity:
         _tune_gated(gated, args)
     seen, unique = set(), []
-    for s in shapes:  # presets share shapes (e.g. q and o): tune each (N, K, bias) once
-        if (s.n, s.k, s.bias) not in seen:
-            seen.add((s.n, s.k, s.bias))
+    for s in shapes:  # presets share shapes (e.g. q and o): tune each (N, K, bias, activation) once
+        if (s.n, s.k, s.bias, s.activation) not in seen:
+            seen.add((s.n, s.k, s.bias, s.activation))
             unique.append(s)
     resolve_weight_options(args)
     weight_format = FORMAT_OF[args.granularity] if args.granularity else ""

@@ -8,7 +8,9 @@ no dispatched GEMM and give no shape.
 Names follow the presets' (autotune_cache/presets.py): ``qkv`` (a fused Q/K/V), ``o``,
 ``gate_up`` (one part's shape: the gated product runs two GEMMs of it past the gated
 kernel's rows, fusion/mlp.py), ``down``, ``router``, ``lm_head``; other linears by their
-attribute name.
+attribute name. A linear whose epilogue carries its MLP's activation (GPT-NeoX's and Falcon's
+``dense_h_to_4h``, BERT's intermediate ``dense``, GPT-2's ``c_fc``) gives its shape with that
+activation: its table key is the activated epilogue's.
 A shape belongs to attention when its module sits under a module named like an attention
 block (``self_attn``, ``attn``, ``attention``, ...), else to the MLP and LM head group.
 """
@@ -22,7 +24,7 @@ from torch import nn
 from hybridgemm.autotune_cache.presets import ProjectionShape
 from hybridgemm.fused_rows import FusedLinears
 from hybridgemm.linear_layer import HybridLinear
-from hybridgemm.mlp import FUSED_GATE_UP
+from hybridgemm.mlp import FUSED_GATE_UP, HybridIntermediate, HybridTwoLayerMLP
 from hybridgemm.norm import Fp32FactorRMSNorm
 from hybridgemm.router import HybridTopKRouter
 
@@ -46,12 +48,24 @@ def _role(name: str, attention: bool) -> str:
     return _ROLES.get(attr, attr)
 
 
+def _activated_linears(model: nn.Module) -> dict[str, str]:
+    """{name of a linear whose GEMM carries its MLP's activation: the activation}."""
+    out = {}
+    for name, mod in model.named_modules():
+        child = "dense_h_to_4h" if isinstance(mod, HybridTwoLayerMLP) else \
+            "dense" if isinstance(mod, HybridIntermediate) else None
+        if child is not None and mod.activation:
+            out[f"{name}.{child}" if name else child] = mod.activation
+    return out
+
+
 def patched_gemms(model: nn.Module) -> tuple[list[ProjectionShape], list[ProjectionShape]]:
     """(attention shapes, MLP and LM head shapes) of the dispatched GEMMs of the patched
-    ``model``, each (N, K, bias) once, in module order (a shape of both groups counts as
+    ``model``, each (N, K, bias, activation) once, in module order (a shape of both groups counts as
     attention's)."""
     groups: tuple[list, list] = ([], [])
-    seen: set[tuple[int, int, bool]] = set()
+    seen: set[tuple[int, int, bool, str]] = set()
+    activated = _activated_linears(model)
     for name, mod in model.named_modules():
         attention = not ATTENTION_BLOCKS.isdisjoint(name.split(".")[:-1])
         if isinstance(mod, FusedLinears):
@@ -63,14 +77,16 @@ def patched_gemms(model: nn.Module) -> tuple[list[ProjectionShape], list[Project
             # a model's own stacked gate/up (Phi-3): the gated product runs GEMMs of one half's shape
             shape = ProjectionShape("gate_up", mod.out_features // 2, mod.in_features, mod.bias is not None)
         elif isinstance(mod, HybridLinear):
-            shape = ProjectionShape(_role(name, attention), mod.out_features, mod.in_features, mod.bias is not None)
+            shape = ProjectionShape(_role(name, attention), mod.out_features, mod.in_features, mod.bias is not None,
+                                    activated.get(name, "none"))
         elif isinstance(mod, HybridConv1D):
-            shape = ProjectionShape(_role(name, attention), mod.nf, mod.nx, mod.bias is not None)
+            shape = ProjectionShape(_role(name, attention), mod.nf, mod.nx, mod.bias is not None,
+                                    mod.activation or "none")
         elif isinstance(mod, HybridTopKRouter):  # a mixture-of-experts router's logits
             shape = ProjectionShape("router", *mod.weight.shape, False)
         else:
             continue
-        key = (shape.n, shape.k, shape.bias)
+        key = (shape.n, shape.k, shape.bias, shape.activation)
         if key not in seen:
             seen.add(key)
             groups[0 if attention else 1].append(shape)

@@ -385,8 +385,9 @@ def _tuned_shapes(monkeypatch, argv, gated=None):
     class Stop(Exception):
         pass
 
-    def keys_for(shapes, *args, **kwargs):
-        raise Stop([(s.name, s.n, s.k, s.bias) for s in shapes])
+    def keys_for(shapes, *args, **kwargs):  # (an epilogue activation, where a shape has one, last)
+        raise Stop([(s.name, s.n, s.k, s.bias) + ((s.activation,) if s.activation != "none" else ())
+                    for s in shapes])
 
     monkeypatch.setattr(cli, "_need_gpu", lambda what: True)
     monkeypatch.setattr(cli.tune_table, "keys_for", keys_for)
@@ -462,13 +463,30 @@ pytest_transformers = pytest.importorskip  # (transformers is a test dependency;
     (QWEN25_7B, [("qkv", 4608, 3584, True), ("o", 3584, 3584, False)],
      [("gate_up", 18944, 3584, False), ("down", 3584, 18944, False), ("lm_head", 152064, 3584, False)]),
     (GPT2, [("qkv", 2304, 768, True), ("o", 768, 768, True)],
-     [("up", 3072, 768, True), ("down", 768, 3072, True), ("lm_head", 50257, 768, False)]),
+     [("up", 3072, 768, True, "gelu_tanh"), ("down", 768, 3072, True), ("lm_head", 50257, 768, False)]),
 ], ids=["llama3-8b", "qwen2.5-7b", "gpt2"])
 def test_cli_hf_config_tunes_the_gemms_the_patched_model_runs(tmp_path, monkeypatch, cfg, attention, rest):
     pytest_transformers("transformers")
     path = str(write(tmp_path, cfg))
     assert _tuned_shapes(monkeypatch, ["--hf-config", path]) == attention  # the fused QKV, not q and k/v apart
     assert _tuned_shapes(monkeypatch, ["--hf-config", path, "--mlp"]) == attention + rest
+
+
+@pytest.mark.parametrize("name, want", [
+    ("pythia-6.9b", [("qkv", 12288, 4096, True), ("o", 4096, 4096, True), ("up", 16384, 4096, True, "gelu"),
+                     ("down", 4096, 16384, True), ("lm_head", 50432, 4096, False)]),
+    ("falcon-7b", [("qkv", 4672, 4544, False), ("o", 4544, 4544, False), ("up", 18176, 4544, False, "gelu"),
+                   ("down", 4544, 18176, False), ("lm_head", 65024, 4544, False)]),
+])
+def test_cli_hf_config_tunes_an_activated_linear_with_its_activation(tmp_path, monkeypatch, name, want):
+    """GPT-NeoX's and Falcon's dense_h_to_4h runs with the MLP's GELU in its epilogue: that is
+    the table key tuned (its multi-query Q/K/V: 71 heads of 64 and one K/V head)."""
+    pytest_transformers("transformers")
+    from hybridgemm.perf import e2e_models as hf
+
+    path = tmp_path / "config.json"
+    hf.hf_config(name, layers=2).to_json_file(path)
+    assert _tuned_shapes(monkeypatch, ["--hf-config", str(path), "--mlp"]) == want
 
 
 def test_cli_hf_config_follows_what_patch_fuses(tmp_path, monkeypatch):

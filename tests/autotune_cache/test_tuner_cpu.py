@@ -295,6 +295,13 @@ def test_keys_for_takes_any_m_and_tunes_the_ranges_holding_them():
     assert len(tune_table.keys_for([ProjectionShape("t", 384, 512, False)])) == 15
 
 
+def test_keys_for_follows_each_shapes_bias_and_activation():
+    shapes = [ProjectionShape("up", 18176, 4544, False, "gelu"), ProjectionShape("up", 3072, 768, True, "gelu_tanh"),
+              ProjectionShape("o", 768, 768, True)]
+    assert [k.epilogue for k in tune_table.keys_for(shapes, [1])] == ["gelu", "bias+gelu_tanh", "bias"]
+    assert [k.epilogue for k in tune_table.keys_for(shapes[:1], [1], epilogues=["none"])] == ["none"]  # as asked
+
+
 class _ListBackend:
     def __init__(self, name, per_m):
         self.name, self.per_m = name, per_m

@@ -82,7 +82,7 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
 
 @pytest.fixture(params=["llama", "qwen3", "granite", "qwen3_moe", "mixtral", "qwen2_moe", "gemma", "phi3", "gemma2",
                         "gemma2-wide", "gemma3", "gemma3-wide", "olmo2", "stablelm", "stablelm_parallel",
-                        "cohere", "gpt_neox"])
+                        "cohere", "gpt_neox", "falcon", "falcon_new"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
@@ -100,8 +100,18 @@ def models(monkeypatch, request):
     and stablelm, stablelm_parallel (LayerNorms as modules; the rotary over a quarter of each head
     and the cache write in one launch after the QKV GEMM, counted as the rotary here), cohere
     (the same with its rotary of neighbouring columns in fp32), gpt_neox (the same over its
-    per-head [q | k | v] layout)."""
+    per-head [q | k | v] layout), falcon (multi-query, one LayerNorm for the parallel attention
+    and MLP) and falcon_new (Q/K/V grouped per KV head, two LayerNorms): these two where the
+    installed transformers' Falcon attention is the form the step computes (5.25's)."""
     kind, _, wide = request.param.partition("-")
+    if kind.startswith("falcon"):
+        from transformers.models.falcon.modeling_falcon import FalconAttention
+
+        from hybridgemm.models import decode_checks
+
+        why = decode_checks.why_not_attention_form(FalconAttention)
+        if why is not None:
+            pytest.skip(f"transformers {transformers.__version__}: {why}")
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=kind, window=64 if wide else None,
                                          attention="eager" if request.param == "gemma2-wide" else None)
     calls = {"rope": 0, "static": request.param not in ("gemma2", "gemma3", "olmo2"), "wide": bool(wide)}
@@ -114,7 +124,7 @@ def models(monkeypatch, request):
     real_store = triton_qk_rope.qk_norm_rope_store
 
     def store(y, q_norm, *a, **kw):
-        calls["rope"] += q_norm is None  # (StableLM's, Cohere's, GPT-NeoX's rotary and cache write, after the GEMM)
+        calls["rope"] += q_norm is None  # (the rotary and cache write after the GEMM: LayerNorm families)
         return real_store(y, q_norm, *a, **kw)
 
     monkeypatch.setattr(dispatch, "splitk_config", lambda *a: SPLITK)
