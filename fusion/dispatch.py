@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from hybridgemm.kernels import backends, cublaslt, fp8
 from hybridgemm.kernels.bounded_cache import BoundedCache
 from hybridgemm.kernels.checks import (
+    PLAIN_TENSOR_TYPES,
     call_signature,
     check_gpu_kernel_args,
     contiguous_bias,
@@ -92,6 +93,7 @@ def _decisions_changed(mode: str, tables_reloaded: bool) -> None:
             for cache in caches:
                 cache.clear()
         _fusable.clear()
+        _bound_splitk.clear()
     _launchers[0] = _MODE_CACHES[mode][1]
     _generation[0] += 1
 
@@ -330,6 +332,54 @@ def _tiles_within_heads(config, head_dim: int):
     return dataclasses.replace(config, block_n=block_n) if head_dim % block_n == 0 else config
 
 
+# An eager decode step calls the same few fused GEMMs at every token (O and down with their
+# residual, the LayerNorm families' Q/K/V, a norm prologue): the decision, the plan and the
+# checks of a call signature do not change from one token to the next, only the pointers. The
+# first call of a signature runs the general path below and binds the launch it made
+# (triton_splitk.bind); later calls of exactly that signature launch it with their pointers.
+_bound_splitk: BoundedCache = BoundedCache(4096)
+
+
+def _bound_key(x, weight, bias, keep_prologue: bool, fusion: dict):
+    """The signature a bound eager fused split-K launch is valid for, or None where the call
+    takes the general path every time: not CUDA, tensor subclasses, autograd wanted,
+    torch.compile, autocast, operands needing a copy, the rotary epilogue. The weight, bias and
+    norm weight are keyed by data pointer (a weight replaced is a miss, never a stale read);
+    x and the residual by layout and alignment class; the tables' generation and the mode, as
+    every cached decision is."""
+    if not fusion.keys() <= {"residual", "norm", "residual_scale"} or type(x) not in PLAIN_TENSOR_TYPES \
+            or type(weight) not in PLAIN_TENSOR_TYPES or not x.is_cuda:
+        return None
+    residual, norm = fusion.get("residual"), fusion.get("norm")
+    tensors = (x, weight, bias, residual, None if norm is None else norm[0])
+    if any(t is not None and (type(t) not in PLAIN_TENSOR_TYPES or not t.is_contiguous()) for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return None
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled("cuda"):
+        return None
+    g, eps, offset = (*norm, None)[:3] if norm is not None else (None, None, None)
+    if g is not None and prologue_factor(g, offset) is not g:
+        return None  # (a factor formed per call)
+    return (x.shape, x.dtype, x.device.index, x.data_ptr() % 16, weight.data_ptr(), weight.shape, weight.dtype,
+            None if bias is None else (bias.data_ptr(), bias.dtype, bias.shape),
+            None if residual is None else (residual.shape, residual.dtype, residual.data_ptr() % 16),
+            None if g is None else (g.data_ptr(), g.dtype, g.shape, eps, offset),
+            fusion.get("residual_scale"), keep_prologue, uses_tf32(x.dtype), _generation[0], _launchers[0].mode)
+
+
+def _bound_call(launch, n: int):
+    """``fn(x, weight, bias, fusion)``: the output allocated, ``launch`` with the call's pointers."""
+    def call(x, weight, bias, fusion):
+        out = x.new_empty((*x.shape[:-1], n))
+        residual, norm = fusion.get("residual"), fusion.get("norm")
+        launch(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+               0 if norm is None else norm[0].data_ptr(), 0 if residual is None else residual.data_ptr())
+        return out
+
+    return call
+
+
 def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
                  keep_prologue: bool = False, **fusion) -> torch.Tensor | None:
@@ -345,7 +395,16 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     None where it is not, or where the kernel refuses the fusion (warned once per shape, as a refused
     table entry is): the caller then computes it unfused. ``counters``: zeroed int32 arrival
     counters for the fused reduction, used by one launch at a time. ``weight_scale``: ``weight``
-    is e4m3 with these scales (kernels/fp8.py scale_vector's layout)."""
+    is e4m3 with these scales (kernels/fp8.py scale_vector's layout). Eager calls without
+    ``counters``, rotary or FP8 weight launch their signature's bound launch from the second
+    call on (:func:`_bound_key`)."""
+    bound_key = None if counters is not None or weight_scale is not None else \
+        _bound_key(x, weight, bias, keep_prologue, fusion)
+    if bound_key is not None:
+        call = _bound_splitk.get(bound_key)
+        if call is not None:
+            return call(x, weight, bias, fusion)
+    asked = dict(fusion)
     n = weight.shape[0]
     x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
     out = x.new_empty((x2.shape[0], n))
@@ -377,14 +436,18 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         fusion["weight_scale"] = weight_scale
     if "residual" in fusion:
         fusion["residual"] = row_major(rows_2d(fusion["residual"]))
+    splitk = backends.get_backend("triton_splitk")
     try:
-        backends.get_backend("triton_splitk").run(config, x2, w2, b2, out, None, uses_tf32(x.dtype),
-                                                  counters=counters, **fusion)
+        splitk.run(config, x2, w2, b2, out, None, uses_tf32(x.dtype), counters=counters, **fusion)
     except ValueError as e:
         warn_once(("fused_splitk", tuple(weight.shape), x.dtype, tuple(fusion)),
                   f"hybridgemm: split-K could not run the {'/'.join(_FUSION_NAMES[f] for f in fusion)} fusion "
                   f"for a {tuple(weight.shape)} weight ({e}); that part runs unfused")
         return None
+    if bound_key is not None and fusion.keys() == asked.keys():  # (not with the norm taken apart)
+        launch = splitk.bind(config, x2, w2, b2, out, None, uses_tf32(x.dtype), **fusion)
+        if launch is not None:
+            _bound_splitk.put(bound_key, _bound_call(launch, n))
     return out.view(*x.shape[:-1], n)
 
 

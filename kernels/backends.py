@@ -147,8 +147,9 @@ def _triton(mod) -> Backend:
 
     bind = None
     if hasattr(mod, "bind"):
-        def bind(config, x, w, b, out, act, tf32=False):
-            return mod.bind(config, x, w, b, out, act, tf32=tf32)
+        def bind(config, x, w, b, out, act, tf32=False, **fusion):
+            # fusion: split-K's norm=/residual=/residual_scale= (the decode step's eager calls)
+            return mod.bind(config, x, w, b, out, act, tf32=tf32, **fusion)
 
     return Backend(module_name, available, candidates, from_record, run, describe, bind)
 

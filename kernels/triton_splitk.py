@@ -679,34 +679,39 @@ def _scale_format(weight: torch.Tensor, weight_scale: torch.Tensor) -> str:
 
 
 def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-         out: torch.Tensor, activation: Activation | str | None = None, *, tf32: bool = False):
-    """``fn(xp, wp, bp, op)``: :func:`run` (no norm, no residual) for operands of exactly this
-    signature (dtypes, shapes, strides, device, 16-byte alignment) given as raw data pointers
-    (``bp`` 0 without a bias), with no checks and no Triton Python per call. None until
-    :func:`run` has launched this signature once, or where Triton offers no raw launch
-    (interpreter)."""
-    plan = _PLANS.plan((config, _NO_FUSION, ""), x, weight, bias, out, activation, tf32, build=False)
+         out: torch.Tensor, activation: Activation | str | None = None, *, tf32: bool = False,
+         norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+         residual_scale: float | None = None):
+    """``fn(xp, wp, bp, op, gp=0, rp=0)``: :func:`run` for operands of exactly this signature
+    (dtypes, shapes, strides, device, 16-byte alignment) and these fusions (``norm``'s eps,
+    ``residual``'s layout, ``residual_scale``; no rotary, no FP8 weight) given as raw data
+    pointers (``bp`` 0 without a bias; ``gp`` the norm's weight, ``rp`` the residual, where the
+    bound call had them), with no checks and no Triton Python per call. None until :func:`run`
+    has launched this signature once, or where Triton offers no raw launch (interpreter)."""
+    fusion = fusion_of(norm, residual, None, residual_scale)
+    plan = _PLANS.plan((config, fusion, ""), x, weight, bias, out, activation, tf32, build=False)
     if plan is None or plan.empty:
         return None
     main = plan.launch.raw()
     reduce = plan.reduce.raw() if plan.reduce is not None else None
     if main is None or (plan.reduce is not None and reduce is None):
         return None
-    dev, scalars, unfused = x.device.index, plan.scalars, _FUSION_POINTERS
-    # the GEMM's and the split's pointers, then op for the fusions' (see "launch arguments")
+    dev, scalars, rest = x.device.index, plan.scalars, _FUSION_POINTERS - 2
+    # the GEMM's and the split's pointers, then the norm's and the residual's, then op for the
+    # other fusions' (see "launch arguments")
     if not plan.ws_numel:
-        def launch(xp, wp, bp, op):
-            main(dev, xp, wp, bp or op, op, op, op, *(op,) * unfused, *scalars)
+        def launch(xp, wp, bp, op, gp=0, rp=0):
+            main(dev, xp, wp, bp or op, op, op, op, gp or op, rp or op, *(op,) * rest, *scalars)
         return launch
 
     device, ws_numel, counters, reduce_scalars = plan.device, plan.ws_numel, plan.counters, plan.reduce_scalars
 
-    def launch_split(xp, wp, bp, op):
+    def launch_split(xp, wp, bp, op, gp=0, rp=0):
         ws, cnt = split_scratch(device, ws_numel, counters)  # of dev's current stream, as main launches on
         wsp = ws.data_ptr()
         cntp = wsp if cnt is None else cnt.data_ptr()
-        main(dev, xp, wp, bp or op, op, wsp, cntp, *(op,) * unfused, *scalars)
+        main(dev, xp, wp, bp or op, op, wsp, cntp, gp or op, rp or op, *(op,) * rest, *scalars)
         if reduce is not None:
-            reduce(dev, wsp, bp or op, op, op, *reduce_scalars)
+            reduce(dev, wsp, bp or op, op, rp or op, *reduce_scalars)
 
     return launch_split

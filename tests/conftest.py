@@ -53,6 +53,18 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _unbound_splitk():
+    """No eager split-K launch bound by an earlier test (fusion/dispatch.py ``_bound_key``): a
+    test that pins a config (monkeypatching ``dispatch.splitk_config``) gets it from its first
+    call, whatever another test bound for a weight at the same address."""
+    if cuda_available():
+        from hybridgemm import dispatch
+
+        dispatch._bound_splitk.clear()
+    yield
+
+
 @pytest.fixture
 def device() -> str:
     """Where kernel tests run: the GPU if there is one, else the CPU (Triton interpreter)."""
