@@ -35,6 +35,7 @@ from hybridgemm.kernels.checks import (
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
 from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.kernels.problem import DTYPE_NAMES, Problem, uses_tf32
+from hybridgemm.kernels.process_memory import per_call
 
 from . import decide, mode_state, modes
 from .decide import Choice
@@ -398,7 +399,8 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     is e4m3 with these scales (kernels/fp8.py scale_vector's layout). Eager calls without
     ``counters``, rotary or FP8 weight launch their signature's bound launch from the second
     call on (:func:`_bound_key`)."""
-    bound_key = None if counters is not None or weight_scale is not None else \
+    # (eager calls ignore the layer's counters: triton_scratch.plan_scratch)
+    bound_key = None if (counters is not None and per_call()) or weight_scale is not None else \
         _bound_key(x, weight, bias, keep_prologue, fusion)
     if bound_key is not None:
         call = _bound_splitk.get(bound_key)
