@@ -157,7 +157,7 @@ class Progress:
 
 def keys_for(shapes, ms: Iterable[int] | None = None, dtypes=("bf16",), epilogues=None,
              op: str = "linear", weight_format: str = "") -> list[TableKey]:
-    """Table keys for (N, K, bias) shapes x the default-grid ranges holding ``ms`` (default:
+    """Table keys for (N, K, bias, activation) shapes x the default-grid ranges holding ``ms`` (default:
     every range, 1 to 16384) x dtypes, for dense, aligned operands (the layout class follows
     from the shape, e.g. an odd K is not 16-byte aligned). The epilogue follows each shape's
     bias and activation unless ``epilogues`` (names) is given. ``weight_format``: an FP8 format

@@ -338,22 +338,25 @@ def _tiles_within_heads(config, head_dim: int):
 # checks of a call signature do not change from one token to the next, only the pointers. The
 # first call of a signature runs the general path below and binds the launch it made
 # (triton_splitk.bind); later calls of exactly that signature launch it with their pointers.
-_bound_splitk: BoundedCache = BoundedCache(4096)
+_bound_splitk: BoundedCache = BoundedCache(4096, lru=True)  # (layers x row counts: the ones in use stay)
 
 
 def _bound_key(x, weight, bias, keep_prologue: bool, fusion: dict):
     """The signature a bound eager fused split-K launch is valid for, or None where the call
-    takes the general path every time: not CUDA, tensor subclasses, autograd wanted,
-    torch.compile, autocast, operands needing a copy, the rotary epilogue. The weight, bias and
-    norm weight are keyed by data pointer (a weight replaced is a miss, never a stale read);
-    x and the residual by layout and alignment class; the tables' generation and the mode, as
-    every cached decision is."""
+    takes the general path every time: not CUDA, tensor subclasses, autograd wanted, autocast,
+    a non-contiguous operand, a bias off 16-byte alignment (the general path aligns a copy), a
+    residual on another device, the rotary epilogue. The weight, bias and norm weight are keyed
+    by data pointer (a weight replaced is a miss, never a stale read); x and the residual by
+    layout and alignment class; the tables' generation and the mode, as every cached decision
+    is."""
     if not fusion.keys() <= {"residual", "norm", "residual_scale"} or type(x) not in PLAIN_TENSOR_TYPES \
             or type(weight) not in PLAIN_TENSOR_TYPES or not x.is_cuda:
         return None
     residual, norm = fusion.get("residual"), fusion.get("norm")
     tensors = (x, weight, bias, residual, None if norm is None else norm[0])
     if any(t is not None and (type(t) not in PLAIN_TENSOR_TYPES or not t.is_contiguous()) for t in tensors):
+        return None
+    if (bias is not None and bias.data_ptr() % 16) or (residual is not None and residual.device != x.device):
         return None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return None
@@ -396,9 +399,9 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     None where it is not, or where the kernel refuses the fusion (warned once per shape, as a refused
     table entry is): the caller then computes it unfused. ``counters``: zeroed int32 arrival
     counters for the fused reduction, used by one launch at a time. ``weight_scale``: ``weight``
-    is e4m3 with these scales (kernels/fp8.py scale_vector's layout). Eager calls without
-    ``counters``, rotary or FP8 weight launch their signature's bound launch from the second
-    call on (:func:`_bound_key`)."""
+    is e4m3 with these scales (kernels/fp8.py scale_vector's layout). Calls without rotary or
+    FP8 weight, outside compiled regions or there without ``counters``, launch their
+    signature's bound launch from the second call on (:func:`_bound_key`)."""
     # (eager calls ignore the layer's counters: triton_scratch.plan_scratch)
     bound_key = None if (counters is not None and per_call()) or weight_scale is not None else \
         _bound_key(x, weight, bias, keep_prologue, fusion)

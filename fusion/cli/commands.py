@@ -726,7 +726,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--m", type=int, nargs="+", help="tune the M ranges holding these M (default: every range, "
                    "1 to 16384: 1, 2, 3-4, 5-8, ..., 8193-16384)")
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32", "tf32"])
-    p.add_argument("--epilogue", nargs="+", help="epilogue names (default: bias if the shape has one, else none)")
+    p.add_argument("--epilogue", nargs="+",
+                   help="epilogue names (default: each shape's own: bias if it has one, and with --hf-config the "
+                        "MLP's activation of a linear whose GEMM carries it, e.g. bias+gelu)")
     add_weight_options(p, "tune the shapes with an FP8 weight, its own table keys (op linear_e4m3_<granularity>), "
                           "against the weight dequantized per call, then F.linear")
     p.add_argument("--out", help="table path (default: the user table; see README)")

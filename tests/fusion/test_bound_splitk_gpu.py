@@ -28,12 +28,13 @@ FUSIONS = ("none", "residual", "scaled_residual", "norm", "norm_residual")
 
 @pytest.fixture
 def runs(monkeypatch):
-    """The pinned config's general-path runs, counted."""
-    state = {"config": CONFIGS["one_split"], "runs": 0}
+    """The pinned config's general-path runs, counted (those with a residual apart too)."""
+    state = {"config": CONFIGS["one_split"], "runs": 0, "residual": 0}
     real = triton_splitk.run
 
     def run(*a, **kw):
         state["runs"] += 1
+        state["residual"] += kw.get("residual") is not None
         return real(*a, **kw)
 
     monkeypatch.setattr(dispatch, "splitk_config", lambda *a, **kw: state["config"])
@@ -96,7 +97,7 @@ def test_a_bound_launch_computes_what_the_general_path_does(runs, config, fusion
 
 def test_a_changed_signature_takes_the_general_path(runs):
     w = torch.randn(N, K, device="cuda", dtype=BF16) / K**0.5
-    b = torch.randn(N, device="cuda", dtype=BF16)
+    b, g = torch.randn(N, device="cuda", dtype=BF16), 1 + 0.1 * torch.randn(K, device="cuda", dtype=BF16)
     x, r = _operands(3)
     with torch.no_grad():
         for _ in range(2):
@@ -113,26 +114,42 @@ def test_a_changed_signature_takes_the_general_path(runs):
         _call(x, w, b, None, r, "scaled_residual")  # a scale
         assert runs["runs"] == 5
         strided = torch.randn(3, 1, 2 * K, device="cuda", dtype=BF16)[..., :K]
-        for _ in range(2):  # x not contiguous: copied by the general path, at every call
+        for _ in range(2):  # x's rows padded (not contiguous): the general path at every call
             assert torch.equal(_call(strided, w, b, None, r, "residual"),
                                _call(strided.contiguous(), w, b, None, r, "residual"))
         assert runs["runs"] == 7
+        _call(x, w, b.clone(), None, r, "residual")  # another bias
+        assert runs["runs"] == 8
+        odd_bias = torch.empty(N + 1, device="cuda", dtype=BF16)[1:].copy_(b)
+        for _ in range(2):  # a bias off 16-byte alignment (the general path aligns a copy): never bound
+            assert torch.equal(_call(x, w, odd_bias, None, r, "residual"), _call(x, w, b, None, r, "residual"))
+        assert runs["runs"] == 10
+        for _ in range(2):
+            _call(x, w, b, g, r, "norm")
+        _call(x, w, b, g.clone(), r, "norm")  # another norm weight
+        dispatch.fused_splitk(x, w, b, keep_prologue=True, norm=(g, EPS / 10, None))  # another eps
+        assert runs["runs"] == 13
+        with pytest.MonkeyPatch.context() as mp:  # the norm taken apart from the GEMM: never bound
+            mp.setattr(triton_splitk, "prologue_fits", lambda config, itemsize: False)
+            for _ in range(2):
+                dispatch.fused_splitk(x, w, b, keep_prologue=False, norm=(g, EPS, None))
+        assert runs["runs"] == 15
     wg = w.clone().requires_grad_()
     for _ in range(2):  # autograd wanted: the general path at every call
         _call(x, wg, b, None, r, "residual")
-    assert runs["runs"] == 9
+    assert runs["runs"] == 17
     with torch.no_grad():
         _call(x, w, b, None, r, "residual")
-        assert runs["runs"] == 9
+        assert runs["runs"] == 17
         decide.reload_tables()  # cached decisions dropped: so are the bound launches
         _call(x, w, b, None, r, "residual")
-        assert runs["runs"] == 10
+        assert runs["runs"] == 18
 
 
 def test_a_patched_model_decodes_the_same_bits_with_bound_launches(runs):
-    """Eager static-cache decode of a small patched Llama (its O and down with their residuals,
-    its gate/up's norm apart: the pinned config), the same logits with and without bound
-    launches; every step after the first launches bound."""
+    """Eager static-cache decode of a small patched Llama (the pinned config): the same logits
+    with and without bound launches; its O and down with their residuals launch bound at every
+    decode step after the first."""
     from helpers import llama_variants, static_decode
 
     runs["config"] = CONFIGS["fused_reduce"]
@@ -140,10 +157,10 @@ def test_a_patched_model_decodes_the_same_bits_with_bound_launches(runs):
     tokens = [torch.randint(0, 512, (2, 1), generator=torch.Generator().manual_seed(i)).cuda() for i in range(6)]
     with torch.no_grad():
         bound, _ = static_decode(patched, tokens, False, 512)
-        bound_runs, runs["runs"] = runs["runs"], 0
-        assert len(dispatch._bound_splitk) >= 4  # O and down of both layers at least
+        bound_runs, runs["residual"] = runs["residual"], 0
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(dispatch, "_bound_key", lambda *a: None)
             general, _ = static_decode(patched, tokens, False, 512)
     assert torch.equal(bound, general)
-    assert bound_runs < runs["runs"]
+    # O and down with their residuals, two layers: every decode step after the first launched bound
+    assert runs["residual"] - bound_runs == 4 * (len(tokens) - 1), (bound_runs, runs["residual"])
