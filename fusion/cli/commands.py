@@ -22,6 +22,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -46,7 +47,7 @@ from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem, uses_tf32
 from hybridgemm.kernels.version import __version__
 from hybridgemm.models.gemm_shapes import GatedShape, gated_shapes, patched_gemms
 from hybridgemm.norm import prologue_norm
-from hybridgemm.parallel.sharding import rank_projections
+from hybridgemm.parallel.sharding import rank_projections, tp_vocab_rows
 from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser, cmd_plot
 from hybridgemm.perf.demo import DEMO_MAX_ELEMENTS, run_demo
 from hybridgemm.perf.plots import RESULTS_DIR, figure_sources
@@ -150,7 +151,7 @@ def _hf_config_shapes(path: str, tp: int | None, mlp: bool, gated: list | None =
     transformers cannot build it, the shapes the config's fields give (said on stderr).
     ``ValueError`` when the patched model runs none of the asked GEMMs."""
     if tp is not None:
-        return _preset_shapes(preset_from_hf_config(path), tp, mlp)
+        return _tp_shapes(path, tp, mlp)
     try:
         _, model, _ = dry_run(path)
     except ValueError as e:
@@ -174,6 +175,52 @@ def _hf_config_shapes(path: str, tp: int | None, mlp: bool, gated: list | None =
                          f"{'' if mlp else 'in the attention '}of the {type(model).__name__} it configures "
                          f"(`hybridgemm patch --dry-run --hf-config {path}` says why"
                          f"{'' if mlp else '; --mlp adds the MLP and LM head'})")
+    return shapes
+
+
+_ATTENTION_SHAPES = frozenset({"q", "kv", "qkv", "o", "o_nobias"})
+
+
+def _tp_shapes(path: str, tp: int, mlp: bool) -> list:
+    """``--hf-config PATH --tp N``: one rank's shapes after :func:`hybridgemm.parallelize`, all
+    of them (attention, MLP, LM head). Where it splits every part, the rank's shapes from the
+    config's fields (``rank_projections``). Where it leaves a part whole (the layers of a family
+    it does not split: GPT-NeoX, Falcon, Phi-3), the GEMMs ``patch`` runs on the model, with the
+    parts it splits cut as it cuts them: the attention's heads, the MLP's columns (gate/up, up:
+    N / tp; down: K / tp), the LM head's rows. The config's fields alone where transformers
+    cannot build the model."""
+    preset = preset_from_hf_config(path)
+    try:
+        from hybridgemm.cli.patch_command import build_on_meta
+        from hybridgemm.parallel.tensor_parallel import split_parts
+
+        split = split_parts(build_on_meta(path)[1], tp)
+    except ImportError:
+        return _preset_shapes(preset, tp, mlp)
+    except ValueError as e:
+        if "hybridgemm.parallelize" in str(e):  # a part that cannot be split tp ways
+            raise ValueError(f"{show_path(path)}: {e}") from None
+        return _preset_shapes(preset, tp, mlp)  # transformers cannot build it: the fields say
+    whole = {"attention", "mlp"} - split
+    if not whole or (whole == {"mlp"} and preset.intermediate is None):
+        return _preset_shapes(preset, tp, mlp)
+    attention, rest = patched_gemms(dry_run(path)[1])
+    if "attention" in split:  # the rank's heads, as the fields give them (no MLP, no head)
+        attention = list(rank_projections(replace(preset, intermediate=None, vocab=None, experts=0), tp))
+    shapes = list(attention)
+    for s in rest:
+        if s.name == "lm_head" and "lm_head" in split and not preset.tied_lm_head:
+            s = replace(s, n=tp_vocab_rows(s.n, tp))
+        elif s.name in ("gate_up", "up") and "mlp" in split:
+            s = replace(s, n=s.n // tp)
+        elif s.name == "down" and "mlp" in split:
+            s = replace(s, k=s.k // tp)
+            if s.bias and tp > 1:  # only rank 0 adds a row-parallel layer's bias
+                shapes.append(replace(s, name="down_nobias", bias=False))
+        shapes.append(s)
+    print(f"hybridgemm autotune: hybridgemm.parallelize leaves {' and '.join(f'the {p}' for p in sorted(whole))} "
+          f"of the model {show_path(path)} configures whole on each rank: those shapes are tuned whole",
+          file=sys.stderr)
     return shapes
 
 
@@ -722,7 +769,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, metavar="N",
                    help="tensor-parallel degree: tune the shapes each of N ranks runs after "
                    "hybridgemm.parallel.parallelize (q/kv/qkv/o with the rank's heads; the MLP's gate/up and "
-                   "down and the LM head where the model's sizes are known); for --model and --hf-config")
+                   "down and the LM head where the model's sizes are known; with --hf-config, the layers of a "
+                   "family parallelize leaves whole, as patch runs them); for --model and --hf-config")
     p.add_argument("--m", type=int, nargs="+", help="tune the M ranges holding these M (default: every range, "
                    "1 to 16384: 1, 2, 3-4, 5-8, ..., 8193-16384)")
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32", "tf32"])

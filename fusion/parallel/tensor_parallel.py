@@ -434,6 +434,15 @@ def _plan(model: nn.Module, rank: int, tp: int) -> tuple[list[_Job], list[tuple[
     return jobs, skipped
 
 
+def split_parts(model: nn.Module, tp: int) -> frozenset[str]:
+    """Which of ``"attention"``, ``"mlp"`` and ``"lm_head"`` :func:`parallelize` splits ``tp``
+    ways in ``model`` (an unpatched model, on any device, the meta one included): the kinds of
+    module its plan shards; the others run whole on every rank. ``ValueError`` as
+    :func:`parallelize` raises it when a module cannot be split ``tp`` ways."""
+    jobs, _ = _plan(model, 0, tp)
+    return frozenset(job.kind for job in jobs)
+
+
 # --- sharding ---------------------------------------------------------------------------
 
 def _apply(job: _Job, group: dist.ProcessGroup, rank: int, tp: int) -> None:
@@ -558,4 +567,4 @@ def load_full_state_dict(model: nn.Module, state_dict, strict: bool = True, assi
 
 
 __all__ = ["ParallelReport", "RowParallelLinear", "Shard", "VocabParallelLinear", "load_full_state_dict",
-           "parallelize"]
+           "parallelize", "split_parts"]

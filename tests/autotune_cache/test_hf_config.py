@@ -489,6 +489,27 @@ def test_cli_hf_config_tunes_an_activated_linear_with_its_activation(tmp_path, m
     assert _tuned_shapes(monkeypatch, ["--hf-config", str(path), "--mlp"]) == want
 
 
+@pytest.mark.parametrize("name, attention_mlp, lm_head", [
+    ("pythia-6.9b", [("qkv", 12288, 4096, True), ("o", 4096, 4096, True), ("up", 16384, 4096, True, "gelu"),
+                     ("down", 4096, 16384, True)], ("lm_head", 25216, 4096, False)),
+    # 71 heads that 2 ranks do not split: parallelize leaves Falcon's attention whole, so no error
+    ("falcon-7b", [("qkv", 4672, 4544, False), ("o", 4544, 4544, False), ("up", 18176, 4544, False, "gelu"),
+                   ("down", 4544, 18176, False)], ("lm_head", 32512, 4544, False)),
+])
+def test_cli_hf_config_tp_of_a_family_parallelize_leaves_whole(tmp_path, monkeypatch, capsys, name, attention_mlp,
+                                                                  lm_head):
+    """GPT-NeoX's and Falcon's layers are not split by hybridgemm.parallelize (only the LM
+    head's rows are): under --tp each rank runs their GEMMs whole, and that is what is tuned."""
+    pytest_transformers("transformers")
+    from hybridgemm.perf import e2e_models as hf
+
+    path = tmp_path / "config.json"
+    hf.hf_config(name, layers=2).to_json_file(path)
+    assert _tuned_shapes(monkeypatch, ["--hf-config", str(path), "--tp", "2"]) == attention_mlp + [lm_head]
+    assert "leaves the attention and the mlp of the model" in capsys.readouterr().err
+    assert _tuned_shapes(monkeypatch, ["--hf-config", str(path), "--mlp"])[:-1] == attention_mlp  # as without --tp
+
+
 def test_cli_hf_config_follows_what_patch_fuses(tmp_path, monkeypatch):
     """A config whose model patch fuses differently gives other shapes: Qwen3 (a head_dim of its
     own), and a model whose MLP gate/up patch cannot fuse (a shared weight is not in a config, so

@@ -502,3 +502,20 @@ def test_lazy_exports():
     assert "parallelize" in hybridgemm.__all__ and "parallel" in dir(hybridgemm)
     with pytest.raises(AttributeError):
         hybridgemm.no_such_name  # noqa: B018
+
+
+@pytest.mark.parametrize("name, parts", [("llama3-8b", {"attention", "mlp", "lm_head"}),
+                                         ("pythia-6.9b", {"lm_head"}), ("phi3-mini", {"lm_head"})])
+def test_split_parts_names_what_parallelize_splits(name, parts):
+    """The parts of a meta model parallelize splits (GPT-NeoX's and Phi-3's layers it leaves
+    whole, only their LM head's rows split); a size that does not split is its error."""
+    transformers = pytest.importorskip("transformers")
+    from hybridgemm.parallel.tensor_parallel import split_parts
+    from hybridgemm.perf import e2e_models as hf
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf.hf_config(name, layers=2))
+    assert split_parts(model, 2) == parts
+    if name == "llama3-8b":
+        with pytest.raises(ValueError, match="tp=3 does not divide the 32 attention heads"):
+            split_parts(model, 3)
