@@ -54,10 +54,51 @@ from hybridgemm.mode_state import DEFAULT, get_mode
 from hybridgemm.norm import PATCHED_NORMS, Fp32FactorRMSNorm, HybridRMSNorm, norm_operand
 
 from . import adapter_terms, window_cache
+from .checked_forms import (
+    _ATTENTION_BODY,
+    _CACHE_UPDATE_STATEMENTS,
+    _CHOSEN_RESIDUAL_LAYER_BODY,
+    _CONFIG_LAYOUT_ATTENTION_BODY,
+    _DROPOUT_LAYER_BODY,
+    _EAGER_BODY,
+    _FULL_QK_NORMS,
+    _LATE_QK_NORMS,
+    _LAYER_BODY,
+    _NO_GQA_EAGER_BODY,
+    _NORMED_K,
+    _NORMED_Q,
+    _OUTPUT_NORM_LAYER_BODY,
+    _PAIR_ROTARY_ATTENTION_BODY,
+    _PAIR_ROTARY_STATEMENTS,
+    _PAIR_ROTATE_HALF_STATEMENTS,
+    _PARALLEL_LAYER_BODY,
+    _PARTIAL_ROTARY_ATTENTION_BODY,
+    _PARTIAL_ROTARY_BODY,
+    _PER_HEAD_ATTENTION_BODY,
+    _PLAIN_K,
+    _PLAIN_Q,
+    _POST_NORM_LAYER_BODY,
+    _PREFUSED_ATTENTION_BODY,
+    _ROTARY_STATEMENTS,
+    _ROTATE_HALF_STATEMENTS,
+    _SCALED_LAYER_BODY,
+    _SOFTCAP_CALL,
+    _SOFTCAP_EAGER_BODY,
+    _SPLIT_PARTIAL_ROTARY_BODY,
+    _STATIC_UPDATE_STATEMENTS,
+    LAYER_NORM_NAMES,
+    MLP_DROPOUT,
+    NORMS_AS_MODULES,
+    PER_HEAD_QKV_NAME,
+    POST_NORMS,
+    QKV_NAME,
+    RESIDUAL_DROPOUTS,
+    UPDATE_FORMS,
+    WINDOW_FORMS,
+)
 from .source_forms import body_statements, has_statements, source_text
 
 DECODE_ROWS = 16  # rows up to which the fused path runs (the gated kernel's decode configs)
-QKV_NAME = "qkv_proj"  # the fused Q/K/V module of a patched attention
 NOT_A_LAYER = "not a decoder layer"
 # Instance attribute set when a layer is patched: its attention can take the static-cache step.
 STATIC_STEP = "_hybridgemm_attention_step"
@@ -67,305 +108,6 @@ NO_WINDOW = object()  # AttentionForm.sliding_window: the stock forward passes n
 _LAYER_DTYPES = (torch.bfloat16, torch.float32)
 _FP8_ACTIVATIONS = (torch.bfloat16,)  # x of an FP8-weight layer (fusion/fp8_modules.py)
 
-# The forwards the step computes, statement by statement (each top-level statement of the
-# body, unparsed, whitespace removed; a tuple: one of these forms): transformers 5.3-5.25's
-# Llama, Qwen2, Qwen3, Mistral, Gemma, Qwen2-MoE, Qwen3-MoE and Mixtral decoder layers and attentions.
-# A forward with any other or any further statement is not fused (a subclass's extra line would
-# otherwise be skipped).
-_ATTENTION_CALL = ("hidden_states,_=self.self_attn(hidden_states=hidden_states,attention_mask=attention_mask,"
-                   "position_ids=")
-_LAYER_BODY = (
-    "residual=hidden_states",
-    "hidden_states=self.input_layernorm(hidden_states)",
-    (_ATTENTION_CALL + "position_ids,cache=cache,use_cache=use_cache,position_embeddings=position_embeddings,**kwargs)",
-     _ATTENTION_CALL + "position_ids,past_key_values=past_key_values,use_cache=use_cache,cache_position=cache_position,"
-     "position_embeddings=position_embeddings,**kwargs)",
-     _ATTENTION_CALL + "position_ids,past_key_values=past_key_values,use_cache=use_cache,"
-     "position_embeddings=position_embeddings,**kwargs)",
-     # Mixtral's: the same arguments in another order, no use_cache (its attention takes none)
-     "hidden_states,_=self.self_attn(hidden_states=hidden_states,position_embeddings=position_embeddings,"
-     "attention_mask=attention_mask,position_ids=position_ids,cache=cache,**kwargs)",
-     "hidden_states,_=self.self_attn(hidden_states=hidden_states,position_embeddings=position_embeddings,"
-     "attention_mask=attention_mask,position_ids=position_ids,past_key_values=past_key_values,**kwargs)"),
-    "hidden_states=residual+hidden_states",
-    "residual=hidden_states",
-    "hidden_states=self.post_attention_layernorm(hidden_states)",
-    "hidden_states=self.mlp(hidden_states)",
-    "hidden_states=residual+hidden_states",
-    "returnhidden_states",
-)
-# Granite's layer: the same, each sublayer's output times residual_multiplier before the add
-_SCALED_ADD = "hidden_states=residual+hidden_states*self.residual_multiplier"
-_SCALED_LAYER_BODY = tuple(_SCALED_ADD if s == "hidden_states=residual+hidden_states" else s for s in _LAYER_BODY)
-# Gemma 2's and Gemma 3's layer: each sublayer's output normalised before its residual add
-# (post_attention_layernorm, post_feedforward_layernorm), the MLP's input by
-# pre_feedforward_layernorm
-_POST_NORM_LAYER_BODY = (
-    *_LAYER_BODY[:3],
-    "hidden_states=self.post_attention_layernorm(hidden_states)",
-    "hidden_states=residual+hidden_states",
-    "residual=hidden_states",
-    "hidden_states=self.pre_feedforward_layernorm(hidden_states)",
-    "hidden_states=self.mlp(hidden_states)",
-    "hidden_states=self.post_feedforward_layernorm(hidden_states)",
-    "hidden_states=residual+hidden_states",
-    "returnhidden_states",
-)
-# OLMo 2's layer: the post-norm form without input norms (the attention and the MLP read the
-# residual stream as it is)
-_OUTPUT_NORM_LAYER_BODY = tuple(s for s in _POST_NORM_LAYER_BODY
-                                if s not in ("hidden_states=self.input_layernorm(hidden_states)",
-                                             "hidden_states=self.pre_feedforward_layernorm(hidden_states)"))
-# Instance attribute set when a layer is patched: its forward is one of the post-norm forms above.
-POST_NORMS = "_hybridgemm_post_norms"
-# Phi-3's layer: the same, each sublayer's output through a dropout module before the add
-# (the identity unless the layer trains with p > 0: residual_dropouts, checked per call)
-RESIDUAL_DROPOUTS = ("resid_attn_dropout", "resid_mlp_dropout")
-# (and its attention call names the unused weights self_attn_weights)
-_DROPOUT_ADDS = iter(f"hidden_states=residual+self.{n}(hidden_states)" for n in RESIDUAL_DROPOUTS)
-_DROPOUT_LAYER_BODY = tuple(
-    next(_DROPOUT_ADDS) if s == "hidden_states=residual+hidden_states"
-    else tuple(c.replace("hidden_states,_=", "hidden_states,self_attn_weights=", 1) for c in s) if isinstance(s, tuple)
-    else s for s in _LAYER_BODY)
-# StableLM's layer: one input LayerNorm; its forward adds the attention and the MLP of the same
-# normalised input in parallel, or in sequence with the MLP's input normalised by
-# post_attention_layernorm, as the instance's use_parallel_residual says; the MLP's output
-# through a dropout module (the identity unless the layer trains with p > 0)
-_CHOSEN_RESIDUAL_CALL = ("self_attn_output,_=self.self_attn(hidden_states=hidden_states,attention_mask=attention_mask,"
-                         "position_ids=position_ids,{},use_cache=use_cache,position_embeddings=position_embeddings)")
-_CHOSEN_RESIDUAL_LAYER_BODY = (
-    *_LAYER_BODY[:2],
-    tuple(_CHOSEN_RESIDUAL_CALL.format(c) for c in ("cache=cache", "past_key_values=past_key_values")),
-    "ifself.use_parallel_residual:mlp_output=self.mlp(hidden_states)mlp_output=self.dropout(mlp_output)"
-    "hidden_states=residual+self_attn_output+mlp_outputelse:residual=residual+self_attn_output"
-    "mlp_output=self.mlp(self.post_attention_layernorm(residual))mlp_output=self.dropout(mlp_output)"
-    "hidden_states=residual+mlp_output",
-    "returnhidden_states",
-)
-# Cohere's layer: one input norm, the attention and the MLP of the normalised input added to
-# the residual in parallel (left to right: residual + attention, then + MLP)
-_PARALLEL_LAYER_BODY = (
-    *_LAYER_BODY[:2],
-    tuple("hidden_states_attention,_=self.self_attn(hidden_states=hidden_states,attention_mask=attention_mask,"
-          f"position_ids=position_ids,{c},use_cache=use_cache,position_embeddings=position_embeddings,**kwargs)"
-          for c in ("cache=cache", "past_key_values=past_key_values")),
-    "hidden_states_mlp=self.mlp(hidden_states)",
-    "hidden_states=residual+hidden_states_attention+hidden_states_mlp",
-    "returnhidden_states",
-)
-# Instance attribute set when a layer of one of the two forms above is patched: the step calls
-# its norms as the modules they are, and takes its residual form from this value: "parallel"
-# (Cohere's) or "chosen" (StableLM's: as the instance's use_parallel_residual says); GPT-NeoX's
-# and Falcon's layers "gpt_neox" and "falcon" (their step: fusion/models/layernorm_layers.py).
-NORMS_AS_MODULES = "_hybridgemm_norms_as_modules"
-LAYER_NORM_NAMES = ("input_layernorm", "post_attention_layernorm")  # a pre-norm layer's two norms
-MLP_DROPOUT = "dropout"  # StableLM's dropout module
-_PLAIN_Q = "query_states=self.q_proj(hidden_states).view(hidden_shape).transpose(1,2)"
-_PLAIN_K = "key_states=self.k_proj(hidden_states).view(hidden_shape).transpose(1,2)"
-_NORMED_Q = "query_states=self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1,2)"
-_NORMED_K = "key_states=self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1,2)"
-# cache.update's calling convention, by the form of the statement that calls it
-UPDATE_FORMS = {
-    "ifcacheisnotNone:key_states,value_states=cache.update(key_states,value_states,self.layer_idx,kwargs=kwargs)":
-        "kwargs",
-    "ifpast_key_valuesisnotNone:cache_kwargs={'sin':sin,'cos':cos,'cache_position':cache_position}key_states,"
-    "value_states=past_key_values.update(key_states,value_states,self.layer_idx,cache_kwargs)": "cache_kwargs",
-    "ifpast_key_valuesisnotNone:key_states,value_states=past_key_values.update(key_states,value_states,self.layer_idx)":
-        "none",
-}
-_INTERFACE_CALL = ("attn_output,attn_weights=attention_interface(self,query_states,key_states,value_states,"
-                   "attention_mask,dropout=0.0ifnotself.trainingelseself.attention_dropout,scaling=self.scaling,")
-# Gemma 2's call: its dropout written the other way round, and a softcap (attn_logit_softcapping)
-_SOFTCAP_CALL = ("attn_output,attn_weights=attention_interface(self,query_states,key_states,value_states,"
-                 "attention_mask,dropout=self.attention_dropoutifself.trainingelse0.0,scaling=self.scaling,"
-                 "sliding_window=self.sliding_window,softcap=self.attn_logit_softcapping,**kwargs)")
-# transformers' eager attention functions, statement by statement, that the decode attention
-# kernel computes (its logits in fp32): Llama's, and Gemma 2's with its softcap and default scale
-_EAGER_BODY = (
-    "key_states=repeat_kv(key,module.num_key_value_groups)",
-    "value_states=repeat_kv(value,module.num_key_value_groups)",
-    "attn_weights=torch.matmul(query,key_states.transpose(2,3))*scaling",
-    "ifattention_maskisnotNone:attn_weights=attn_weights+attention_mask",
-    "attn_weights=nn.functional.softmax(attn_weights,dim=-1,dtype=torch.float32).to(query.dtype)",
-    "attn_weights=nn.functional.dropout(attn_weights,p=dropout,training=module.training)",
-    "attn_output=torch.matmul(attn_weights,value_states)",
-    "attn_output=attn_output.transpose(1,2).contiguous()",
-    "return(attn_output,attn_weights)",
-)
-# GPT-NeoX's: Llama's without GQA (as many kv heads as heads)
-_NO_GQA_EAGER_BODY = (
-    "attn_weights=torch.matmul(query,key.transpose(2,3))*scaling", *_EAGER_BODY[3:6],
-    "attn_output=torch.matmul(attn_weights,value)", *_EAGER_BODY[7:],
-)
-_SOFTCAP_EAGER_BODY = (
-    "ifscalingisNone:scaling=module.head_dim**(-0.5)", *_EAGER_BODY[:3],
-    "ifsoftcapisnotNone:attn_weights=attn_weights/softcapattn_weights=torch.tanh(attn_weights)"
-    "attn_weights=attn_weights*softcap",
-    *_EAGER_BODY[3:],
-)
-# Gemma 3's call: Gemma 2's without the softcap
-_GEMMA_CALL = _SOFTCAP_CALL.replace("softcap=self.attn_logit_softcapping,", "")
-# the sliding window the attention function is given, by the form of the call
-WINDOW_FORMS = {
-    _GEMMA_CALL: "module",
-    _INTERFACE_CALL + "**kwargs)": None,
-    _INTERFACE_CALL + "sliding_window=getattr(self.config,'sliding_window',None),**kwargs)": "config",
-    _INTERFACE_CALL + "sliding_window=self.sliding_window,**kwargs)": "module",
-    _SOFTCAP_CALL: "module",
-}
-_ATTENTION_BODY = (
-    "input_shape=hidden_states.shape[:-1]",
-    "hidden_shape=(*input_shape,-1,self.head_dim)",
-    (_PLAIN_Q, _NORMED_Q),
-    (_PLAIN_K, _NORMED_K),
-    "value_states=self.v_proj(hidden_states).view(hidden_shape).transpose(1,2)",
-    "cos,sin=position_embeddings",
-    "query_states,key_states=apply_rotary_pos_emb(query_states,key_states,cos,sin)",
-    tuple(UPDATE_FORMS),
-    "attention_interface:Callable=ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,"
-    "eager_attention_forward)",
-    tuple(WINDOW_FORMS),
-    "attn_output=attn_output.reshape(*input_shape,-1).contiguous()",
-    "attn_output=self.o_proj(attn_output)",
-    "return(attn_output,attn_weights)",
-)
-# Phi-3's attention: Q/K/V one linear in the checkpoint (qkv_proj), its columns [q | k | v]
-# sliced, then the same as the above from the rotary on
-_QUERY_COLUMNS = "query_pos=self.config.num_attention_heads*self.head_dim"
-_PREFUSED_ATTENTION_BODY = (
-    *_ATTENTION_BODY[:2],
-    f"qkv=self.{QKV_NAME}(hidden_states)",
-    _QUERY_COLUMNS,
-    "query_states=qkv[...,:query_pos]",
-    "key_states=qkv[...,query_pos:query_pos+self.num_key_value_heads*self.head_dim]",
-    "value_states=qkv[...,query_pos+self.num_key_value_heads*self.head_dim:]",
-    "query_states=query_states.view(hidden_shape).transpose(1,2)",
-    "key_states=key_states.view(hidden_shape).transpose(1,2)",
-    "value_states=value_states.view(hidden_shape).transpose(1,2)",
-    *_ATTENTION_BODY[5:],
-)
-# StableLM's attention: the three projections viewed per head, per-head q/k LayerNorms where the
-# instance's qk_layernorm says so, the rotary over the first rotary_ndims columns of each head
-# (the rest passed), position_ids given to the attention function, no further keyword arguments
-_PARTIAL_ROTARY_ATTENTION_BODY = (
-    "bsz,q_len,_=hidden_states.size()",
-    "query_states=self.q_proj(hidden_states)",
-    "key_states=self.k_proj(hidden_states)",
-    "value_states=self.v_proj(hidden_states)",
-    "query_states=query_states.view(bsz,q_len,self.num_heads,self.head_dim).transpose(1,2)",
-    "key_states=key_states.view(bsz,q_len,self.num_key_value_heads,self.head_dim).transpose(1,2)",
-    "value_states=value_states.view(bsz,q_len,self.num_key_value_heads,self.head_dim).transpose(1,2)",
-    "ifself.qk_layernorm:query_states=self.q_layernorm(query_states)key_states=self.k_layernorm(key_states)",
-    "cos,sin=position_embeddings",
-    "query_rot,query_pass=(query_states[...,:self.rotary_ndims],query_states[...,self.rotary_ndims:])",
-    "key_rot,key_pass=(key_states[...,:self.rotary_ndims],key_states[...,self.rotary_ndims:])",
-    "query_rot,key_rot=apply_rotary_pos_emb(query_rot,key_rot,cos,sin)",
-    "query_states=torch.cat((query_rot,query_pass),dim=-1)",
-    "key_states=torch.cat((key_rot,key_pass),dim=-1)",
-    tuple(UPDATE_FORMS),
-    _ATTENTION_BODY[8],
-    _INTERFACE_CALL + "position_ids=position_ids,**kwargs)",
-    "attn_output=attn_output.reshape(bsz,q_len,-1)",
-    *_ATTENTION_BODY[-2:],
-)
-# Cohere's attention: the head views, its per-head q/k norms where the instance's use_qk_norm
-# says so, the transposes, then as _ATTENTION_BODY from the rotary on (its rotary pairs
-# neighbouring columns, in fp32: _PAIR_ROTARY_STATEMENTS)
-_PAIR_ROTARY_ATTENTION_BODY = (
-    *_ATTENTION_BODY[:2],
-    "query_states=self.q_proj(hidden_states).view(hidden_shape)",
-    "key_states=self.k_proj(hidden_states).view(hidden_shape)",
-    "value_states=self.v_proj(hidden_states).view(hidden_shape)",
-    "ifself.use_qk_norm:query_states=self.q_norm(query_states)key_states=self.k_norm(key_states)",
-    "query_states=query_states.transpose(1,2)",
-    "key_states=key_states.transpose(1,2)",
-    "value_states=value_states.transpose(1,2)",
-    *_ATTENTION_BODY[5:9],
-    _INTERFACE_CALL + "**kwargs)",
-    *_ATTENTION_BODY[10:],
-)
-_PAIR_ROTARY_STATEMENTS = (
-    "dtype=q.dtype", "q=q.float()", "k=k.float()", "cos=cos.unsqueeze(unsqueeze_dim)",
-    "sin=sin.unsqueeze(unsqueeze_dim)", "q_embed=q*cos+rotate_half(q)*sin", "k_embed=k*cos+rotate_half(k)*sin",
-    "return(q_embed.to(dtype=dtype),k_embed.to(dtype=dtype))")
-_PAIR_ROTATE_HALF_STATEMENTS = ("x1=x[...,::2]", "x2=x[...,1::2]", "rot_x=torch.stack([-x2,x1],dim=-1).flatten(-2)",
-                                "returnrot_x")
-# GPT-NeoX's attention: Q/K/V one linear whose columns are [q | k | v] per head (query_key_value),
-# viewed per head and chunked, its rotary over the first cos.shape[-1] columns of each head
-# (_SPLIT_PARTIAL_ROTARY_BODY), the cache as layer_past, the attention function called with
-# scaling first, then dense
-_PER_HEAD_ATTENTION_BODY = (
-    _ATTENTION_BODY[0],
-    "hidden_shape=(*input_shape,-1,3*self.head_size)",
-    "qkv=self.query_key_value(hidden_states).view(hidden_shape).transpose(1,2)",
-    "query_states,key_states,value_states=qkv.chunk(3,dim=-1)",
-    *_ATTENTION_BODY[5:7],
-    "iflayer_pastisnotNone:key_states,value_states=layer_past.update(key_states,value_states,self.layer_idx)",
-    _ATTENTION_BODY[8],
-    "attn_output,attn_weights=attention_interface(self,query_states,key_states,value_states,attention_mask,"
-    "scaling=self.scaling,dropout=0.0ifnotself.trainingelseself.attention_dropout,**kwargs)",
-    _ATTENTION_BODY[10],
-    "attn_output=self.dense(attn_output)",
-    _ATTENTION_BODY[-1],
-)
-PER_HEAD_QKV_NAME = "query_key_value"  # GPT-NeoX's and Falcon's Q/K/V linear
-# Falcon's attention (transformers 5.25): Q/K/V one linear whose layout the instance's
-# configuration gives (grouped per KV head, [q | k | v] with one KV head, or per head), the rotary
-# unless ALiBi, the cache as layer_past, the attention function given position_ids, then dense
-_CONFIG_LAYOUT_ATTENTION_BODY = (
-    *_ATTENTION_BODY[:2],
-    "fused_qkv=self.query_key_value(hidden_states).view(hidden_shape)",
-    "ifself.new_decoder_architecture:grouped=fused_qkv.view(*input_shape,self.num_kv_heads,-1,self.head_dim)"
-    "query_states=grouped[...,:-2,:].flatten(-3,-2)key_states,value_states=(grouped[...,-2,:],grouped[...,-1,:])"
-    "elifself.multi_query:query_states,key_states,value_states=fused_qkv.split([self.num_heads,1,1],dim=-2)"
-    "else:query_states,key_states,value_states=fused_qkv.unflatten(-2,(self.num_heads,3)).unbind(-2)",
-    "query_states=query_states.transpose(1,2)",
-    "key_states=key_states.transpose(1,2)",
-    "value_states=value_states.transpose(1,2)",
-    "ifnotself.config.alibi:cos,sin=position_embeddingsquery_states,key_states=apply_rotary_pos_emb(query_states,"
-    "key_states,cos,sin)",
-    _PER_HEAD_ATTENTION_BODY[6],
-    _ATTENTION_BODY[8],
-    "attn_output,attn_weights=attention_interface(self,query_states,key_states,value_states,attention_mask,"
-    "dropout=0.0ifnotself.trainingelseself.attention_dropout,scaling=self.scaling,position_ids=position_ids,"
-    "**kwargs)",
-    *_PER_HEAD_ATTENTION_BODY[-3:],
-)
-# OLMo 2's q/k norms: over all the q (k) columns of the projection, before the head views
-_FULL_QK_NORMS = (
-    "query_states=self.q_norm(self.q_proj(hidden_states))",
-    "key_states=self.k_norm(self.k_proj(hidden_states))",
-    "value_states=self.v_proj(hidden_states)",
-    "query_states=query_states.view(hidden_shape).transpose(1,2)",
-    "key_states=key_states.view(hidden_shape).transpose(1,2)",
-    "value_states=value_states.view(hidden_shape).transpose(1,2)",
-)
-# Gemma 3's q/k norms: on the head views after the transpose (the same per-head RMSNorm as
-# _NORMED_Q / _NORMED_K's before it)
-_LATE_QK_NORMS = ("query_states=self.q_norm(query_states)", "key_states=self.k_norm(key_states)")
-_ROTARY_STATEMENTS = ("q_embed=(q*cos)+(rotate_half(q)*sin)", "k_embed=(k*cos)+(rotate_half(k)*sin)")
-# Phi-3's rotary, statement by statement: the first cos.shape[-1] columns of each head rotated,
-# the rest passed through (the whole head where cos spans it, which kv_slot checks per call)
-_PARTIAL_ROTARY_BODY = (
-    "cos=cos.unsqueeze(unsqueeze_dim)", "sin=sin.unsqueeze(unsqueeze_dim)", "rotary_dim=cos.shape[-1]",
-    "q_rot,q_pass=(q[...,:rotary_dim],q[...,rotary_dim:])", "k_rot,k_pass=(k[...,:rotary_dim],k[...,rotary_dim:])",
-    "q_embed=torch.cat([q_rot*cos+rotate_half(q_rot)*sin,q_pass],dim=-1)",
-    "k_embed=torch.cat([k_rot*cos+rotate_half(k_rot)*sin,k_pass],dim=-1)", "return(q_embed,k_embed)")
-# GPT-NeoX's: the same, the rotated and passed columns concatenated in statements of their own
-_SPLIT_PARTIAL_ROTARY_BODY = (
-    *_PARTIAL_ROTARY_BODY[:5], "q_embed=q_rot*cos+rotate_half(q_rot)*sin", "k_embed=k_rot*cos+rotate_half(k_rot)*sin",
-    "q_embed=torch.cat([q_embed,q_pass],dim=-1)", "k_embed=torch.cat([k_embed,k_pass],dim=-1)",
-    "return(q_embed,k_embed)")
-_ROTATE_HALF_STATEMENTS = ("x1=x[...,:x.shape[-1]//2]", "x2=x[...,x.shape[-1]//2:]", "returntorch.cat((-x2,x1),dim=-1)")
-_STATIC_UPDATE_STATEMENTS = (
-    "kv_length=key_states.shape[-2]",
-    "cache_position=torch.arange(kv_length,device=self.device)+self.cumulative_length",
-    "self.cumulative_length.add_(kv_length)",
-    "self.keys.index_copy_(2,cache_position,key_states)",
-    "self.values.index_copy_(2,cache_position,value_states)",
-    "returnself.keys,self.values",
-)
-_CACHE_UPDATE_STATEMENTS = ("self.layers[layer_idx].update(key_states,value_states",)
 
 
 def statements_match(statements: list[str] | None, forms: tuple) -> bool:

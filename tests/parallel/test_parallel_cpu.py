@@ -508,13 +508,15 @@ def test_lazy_exports():
                                          ("pythia-6.9b", {"lm_head"}), ("phi3-mini", {"lm_head"})])
 def test_split_parts_names_what_parallelize_splits(name, parts):
     """The parts of a meta model parallelize splits (GPT-NeoX's and Phi-3's layers it leaves
-    whole, only their LM head's rows split); a size that does not split is its error."""
+    whole, only an LM head named lm_head split by rows); a size that does not split is its error."""
     transformers = pytest.importorskip("transformers")
     from hybridgemm.parallel.tensor_parallel import split_parts
     from hybridgemm.perf import e2e_models as hf
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf.hf_config(name, layers=2))
+    if "lm_head" not in model._modules:  # (GPT-NeoX's head is embed_out in older transformers, 5.8.1: left whole)
+        parts = parts - {"lm_head"}
     assert split_parts(model, 2) == parts
     if name == "llama3-8b":
         with pytest.raises(ValueError, match="tp=3 does not divide the 32 attention heads"):
