@@ -52,6 +52,8 @@ LAZY_ALLOWED = {
     ("hybridgemm.norm", "hybridgemm.kernels.triton_rmsnorm"),
     ("hybridgemm.fp8_linear", "hybridgemm.kernels.triton_dequant"),  # the one-pass dequantization past the FP8 rows
     ("hybridgemm.kernels.cublaslt_fp8", "hybridgemm.kernels.fp8_quant"),
+    # autotune --hf-config --tp: what parallelize splits (tensor_parallel loads torch's functional collectives)
+    ("hybridgemm.cli.commands", "hybridgemm.parallel.tensor_parallel"),
 }
 
 

@@ -38,7 +38,7 @@ from hybridgemm.autotune_cache.table import (
     shipped_table_paths,
     user_table_path,
 )
-from hybridgemm.cli.patch_command import add_patch_parser, dry_run
+from hybridgemm.cli.patch_command import add_patch_parser, build_on_meta, dry_run
 from hybridgemm.decide import set_table_path
 from hybridgemm.kernels import backends
 from hybridgemm.kernels.epilogue import Activation, Epilogue
@@ -191,7 +191,7 @@ def _tp_shapes(path: str, tp: int, mlp: bool) -> list:
     cannot build the model."""
     preset = preset_from_hf_config(path)
     try:
-        from hybridgemm.cli.patch_command import build_on_meta
+        # (tensor_parallel loads torch's functional collectives: only under --tp)
         from hybridgemm.parallel.tensor_parallel import split_parts
 
         split = split_parts(build_on_meta(path)[1], tp)
