@@ -144,7 +144,7 @@ def _preset_gated(preset) -> list:
 
 
 def _hf_config_shapes(path: str, tp: int | None, mlp: bool, gated: list | None = None) -> list:
-    """``--hf-config PATH``'s shapes: under ``--tp``, one rank's from the config's fields; else
+    """``--hf-config PATH``'s shapes: under ``--tp``, one rank's (:func:`_tp_shapes`); else
     the GEMMs :func:`hybridgemm.patch` runs on the model the config builds (transformers, on
     the meta device; fusion/models/gemm_shapes.py): attention's, and with ``mlp`` the MLP's
     and the LM head's, and its gate/up shapes for the gated kernel appended to ``gated``. Where
@@ -178,38 +178,33 @@ def _hf_config_shapes(path: str, tp: int | None, mlp: bool, gated: list | None =
     return shapes
 
 
-_ATTENTION_SHAPES = frozenset({"q", "kv", "qkv", "o", "o_nobias"})
-
-
 def _tp_shapes(path: str, tp: int, mlp: bool) -> list:
-    """``--hf-config PATH --tp N``: one rank's shapes after :func:`hybridgemm.parallelize`, all
-    of them (attention, MLP, LM head). Where it splits every part, the rank's shapes from the
-    config's fields (``rank_projections``). Where it leaves a part whole (the layers of a family
-    it does not split: GPT-NeoX, Falcon, Phi-3), the GEMMs ``patch`` runs on the model, with the
-    parts it splits cut as it cuts them: the attention's heads, the MLP's columns (gate/up, up:
-    N / tp; down: K / tp), the LM head's rows. The config's fields alone where transformers
-    cannot build the model."""
-    preset = preset_from_hf_config(path)
+    """``--hf-config PATH --tp N``: the GEMM shapes one of N ranks runs after
+    :func:`hybridgemm.parallelize`, all of them (attention, MLP, LM head): the GEMMs ``patch``
+    runs on the model the config builds, each part ``parallelize`` splits cut as it cuts it
+    (the attention's heads, from the config's fields: ``rank_projections``; the MLP's columns:
+    gate/up and up N / tp, down K / tp; the LM head's rows), a part it leaves whole (the layers
+    of a family it does not split: GPT-NeoX, Falcon, Phi-3) whole. The config's fields alone
+    (said on stderr) where transformers cannot build the model."""
     try:
-        # (tensor_parallel loads torch's functional collectives: only under --tp)
-        from hybridgemm.parallel.tensor_parallel import split_parts
-
-        split = split_parts(build_on_meta(path)[1], tp)
-    except ImportError:
-        return _preset_shapes(preset, tp, mlp)
+        model = build_on_meta(path)[1]
     except ValueError as e:
-        if "hybridgemm.parallelize" in str(e):  # a part that cannot be split tp ways
-            raise ValueError(f"{show_path(path)}: {e}") from None
-        return _preset_shapes(preset, tp, mlp)  # transformers cannot build it: the fields say
-    whole = {"attention", "mlp"} - split
-    if not whole or (whole == {"mlp"} and preset.intermediate is None):
-        return _preset_shapes(preset, tp, mlp)
+        print(f"hybridgemm autotune: {e}; tuning the shapes the config's fields give", file=sys.stderr)
+        return _preset_shapes(preset_from_hf_config(path), tp, mlp)
+    # (tensor_parallel loads torch's functional collectives: only under --tp)
+    from hybridgemm.parallel.tensor_parallel import split_parts
+
+    try:
+        split = split_parts(model, tp)
+    except ValueError as e:  # a part that cannot be split tp ways
+        raise ValueError(f"{show_path(path)}: {e}") from None
     attention, rest = patched_gemms(dry_run(path)[1])
     if "attention" in split:  # the rank's heads, as the fields give them (no MLP, no head)
+        preset = preset_from_hf_config(path)
         attention = list(rank_projections(replace(preset, intermediate=None, vocab=None, experts=0), tp))
     shapes = list(attention)
     for s in rest:
-        if s.name == "lm_head" and "lm_head" in split and not preset.tied_lm_head:
+        if s.name == "lm_head" and "lm_head" in split:
             s = replace(s, n=tp_vocab_rows(s.n, tp))
         elif s.name in ("gate_up", "up") and "mlp" in split:
             s = replace(s, n=s.n // tp)
@@ -218,9 +213,11 @@ def _tp_shapes(path: str, tp: int, mlp: bool) -> list:
             if s.bias and tp > 1:  # only rank 0 adds a row-parallel layer's bias
                 shapes.append(replace(s, name="down_nobias", bias=False))
         shapes.append(s)
-    print(f"hybridgemm autotune: hybridgemm.parallelize leaves {' and '.join(f'the {p}' for p in sorted(whole))} "
-          f"of the model {show_path(path)} configures whole on each rank: those shapes are tuned whole",
-          file=sys.stderr)
+    whole = {"attention", "mlp"} - split
+    if whole and tp > 1:
+        print(f"hybridgemm autotune: hybridgemm.parallelize leaves {' and '.join(f'the {p}' for p in sorted(whole))} "
+              f"of the model {show_path(path)} configures whole on each rank: those GEMMs are tuned whole",
+              file=sys.stderr)
     return shapes
 
 

@@ -8,7 +8,7 @@ one of its names, so ``hybridgemm.parallel.sharding`` alone loads neither it nor
 import importlib
 
 _TENSOR_PARALLEL = ("ParallelReport", "RowParallelLinear", "Shard", "VocabParallelLinear", "load_full_state_dict",
-                    "parallelize")
+                    "parallelize", "split_parts")
 
 
 def __getattr__(name: str):

@@ -515,6 +515,34 @@ def test_cli_hf_config_tp_of_a_family_parallelize_leaves_whole(tmp_path, monkeyp
     assert _tuned_shapes(monkeypatch, ["--hf-config", str(path), "--mlp"])[:-1] == attention_mlp  # as without --tp
 
 
+def _mixed_split_configs():
+    transformers = pytest_transformers("transformers")
+    starcoder2 = transformers.Starcoder2Config(hidden_size=256, intermediate_size=1024, num_attention_heads=8,
+                                               num_key_value_heads=2, num_hidden_layers=2, vocab_size=1000,
+                                               tie_word_embeddings=False)
+    deepseek_v3 = transformers.DeepseekV3Config(
+        hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=2, first_k_dense_replace=2,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32,
+        v_head_dim=32, vocab_size=1000, tie_word_embeddings=False)
+    return {"starcoder2": starcoder2.to_dict(), "deepseek_v3": deepseek_v3.to_dict()}
+
+
+@pytest.mark.parametrize("name, want, whole", [
+    # its attention split (4 of 8 heads, 1 of 2 KV heads; only rank 0 adds o's bias), its MLP
+    # whole (c_fc / c_proj: not dispatched), the LM head's rows split
+    ("starcoder2", [("q", 128, 256, True), ("kv", 32, 256, True), ("qkv", 192, 256, True), ("o", 256, 128, True),
+                    ("o_nobias", 256, 128, False), ("lm_head", 500, 256, False)], "the mlp"),
+    # its attention whole (not dispatched), its dense MLP's columns split: gate/up N / 2, down K / 2
+    ("deepseek_v3", [("gate_up", 384, 256, False), ("down", 256, 384, False), ("lm_head", 500, 256, False)],
+     "the attention"),
+])
+def test_cli_hf_config_tp_cuts_each_part_as_parallelize_does(tmp_path, monkeypatch, capsys, name, want, whole):
+    path = write(tmp_path, _mixed_split_configs()[name])
+    assert _tuned_shapes(monkeypatch, ["--hf-config", str(path), "--tp", "2"]) == want
+    assert f"leaves {whole} of the model" in capsys.readouterr().err
+
+
 def test_cli_hf_config_follows_what_patch_fuses(tmp_path, monkeypatch):
     """A config whose model patch fuses differently gives other shapes: Qwen3 (a head_dim of its
     own), and a model whose MLP gate/up patch cannot fuse (a shared weight is not in a config, so
