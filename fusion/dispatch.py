@@ -40,7 +40,7 @@ from hybridgemm.kernels.process_memory import per_call
 from . import decide, mode_state, modes
 from .decide import Choice
 from .diagnostics import warn_once
-from .norm import prologue_factor, prologue_norm
+from .norm import prologue_norm, prologue_operand
 
 CACHE_SIZE = 1024
 WHO = "hybridgemm.linear"  # the name errors give: hybridgemm.linear is what callers call
@@ -363,8 +363,6 @@ def _bound_key(x, weight, bias, keep_prologue: bool, fusion: dict):
     if torch.compiler.is_compiling() or torch.is_autocast_enabled("cuda"):
         return None
     g, eps, offset = (*norm, None)[:3] if norm is not None else (None, None, None)
-    if g is not None and prologue_factor(g, offset) is not g:
-        return None  # (a factor formed per call)
     return (x.shape, x.dtype, x.device.index, x.data_ptr() % 16, weight.data_ptr(), weight.shape, weight.dtype,
             None if bias is None else (bias.data_ptr(), bias.dtype, bias.shape),
             None if residual is None else (residual.shape, residual.dtype, residual.data_ptr() % 16),
@@ -436,7 +434,7 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             x2 = row_major(rows_2d(prologue_norm(x, g, eps, offset)))
             del fusion["norm"]
         else:
-            fusion["norm"] = (prologue_factor(g, offset), eps)
+            fusion["norm"] = prologue_operand(g, eps, offset)
     if weight_scale is not None:
         fusion["weight_scale"] = weight_scale
     if "residual" in fusion:
@@ -472,5 +470,5 @@ def gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, acti
         choice = decide.choose_gated(x, weight, bias, g, tuned=False, fp32_factor=offset is not None)
     if choice.backend != "triton_glu":
         return None
-    kernel_norm = None if g is None else (prologue_factor(g, offset), eps)
+    kernel_norm = None if g is None else prologue_operand(g, eps, offset)
     return triton_module("triton_glu").glu(x, weight, bias, activation, norm=kernel_norm, config=choice.config)

@@ -244,22 +244,21 @@ def prologue_norm(x: Tensor, g: Tensor, eps: float, offset: float | None = None)
     return rms_norm(x, g, eps) if g.dtype == x.dtype else fp32_factor_rms_norm(x, g, eps)
 
 
-def prologue_factor(g: Tensor, offset: float | None) -> Tensor:
-    """The tensor a fused norm prologue multiplies x by for operand ``(g, offset)``: ``g``
-    itself (Llama's weight, or an fp32 factor already formed with offset 0), else
-    ``offset + g`` in fp32, formed here (torch's conversion and add: two small launches for a
-    16-bit weight; the prologue kernels take the factor from memory)."""
-    if offset is None or (offset == 0.0 and g.dtype == torch.float32):
-        return g
-    return offset + g.float()
+def prologue_operand(g: Tensor, eps: float, offset: float | None) -> tuple:
+    """The ``norm=`` argument a fused norm prologue's kernel takes for operand ``(g, eps,
+    offset)`` (:func:`norm_operand`): ``(g, eps)`` where the factor is ``g`` as it is (Llama's
+    weight, a kept fp32 factor, or OLMo 2's weight: the kernels multiply in fp32, and
+    ``0 + g`` in fp32 is ``g``), else ``(g, eps, offset)``, whose factor ``offset + g`` in fp32
+    the kernels form in registers (Gemma's ``1 + w``: no launches before the GEMM)."""
+    return (g, eps) if not offset else (g, eps, float(offset))
 
 
 def norm_operand(norm: nn.Module) -> tuple[Tensor, float, float | None]:
     """``(g, eps, offset)`` of a patched norm for the fused decode step: a Llama-style norm's
     weight, eps and None. A Gemma or OLMo 2 norm's eager operand is its kept factor
     (:meth:`Fp32FactorRMSNorm.kernel_weight`) and offset 0; under ``torch.compile`` its weight
-    and ``OFFSET``, so that no graph computes the factor: a norm apart forms it in registers,
-    and only a prologue that needs it in memory forms it (:func:`prologue_factor`)."""
+    and ``OFFSET``, so that no graph computes the factor: a norm apart and a norm prologue form
+    it in registers (:func:`prologue_operand`)."""
     if isinstance(norm, Fp32FactorRMSNorm):
         if torch.compiler.is_compiling():
             return norm.weight, norm.norm_eps(), norm.OFFSET
@@ -290,5 +289,5 @@ PATCHED_NORMS = (HybridRMSNorm, HybridGemmaRMSNorm, HybridOlmo2RMSNorm)
 
 __all__ = ["GEMMA_NORM_CLASSES", "OLMO2_NORM_CLASSES", "PATCHED_NORMS", "RMS_NORM_CLASSES", "Fp32FactorRMSNorm",
            "HybridGemmaRMSNorm", "HybridOlmo2RMSNorm", "HybridRMSNorm", "add_norm", "apply_norm",
-           "fp32_factor_rms_norm", "is_gemma_norm", "is_olmo2_norm", "is_rms_norm", "norm_operand", "prologue_factor",
+           "fp32_factor_rms_norm", "is_gemma_norm", "is_olmo2_norm", "is_rms_norm", "norm_operand", "prologue_operand",
            "prologue_norm", "reference_gemma_rms_norm", "reference_rms_norm", "rms_norm"]

@@ -1,6 +1,7 @@
 """The fused epilogue math of the Triton GEMMs, as @triton.jit helpers on the fp32 accumulator:
 the activation (triton_gemm, triton_splitk, and the GELUs of triton_glu's gate), the RMSNorm
-prologue's pieces (triton_splitk, triton_glu) and the residual add (triton_splitk).
+prologue's pieces (triton_splitk, triton_glu: its factor, the scaled x, the sums of squares) and
+the residual add (triton_splitk).
 
 ``ACT_CODE`` maps an :class:`~.epilogue.Activation` to the constexpr :func:`tl_activation`
 branches on. Nothing here touches a GPU at import time.
@@ -30,6 +31,16 @@ def tl_activation(z, ACT: tl.constexpr):
     elif ACT == 3:
         z = 0.5 * z * (1.0 + tl.erf(z * 0.7071067811865476))
     return z
+
+
+@triton.jit
+def tl_norm_factor(g, OFFSET: tl.constexpr):
+    """The factor a norm prologue multiplies x by, from the loaded norm weight ``g``: ``g``
+    itself, or with an ``OFFSET`` ``OFFSET + g`` in fp32 (Gemma's ``1 + w``), formed in registers
+    rather than by a conversion and an add in launches of their own before the GEMM."""
+    if OFFSET != 0.0:
+        g = g.to(tl.float32) + OFFSET
+    return g
 
 
 @triton.jit

@@ -51,7 +51,7 @@ from .triton_config import (
     next_pow2,
     problem_limits,
 )
-from .triton_epilogue import ACT_CODE, tl_activation, tl_diagonal, tl_norm_tile_mma, tl_rstd
+from .triton_epilogue import ACT_CODE, tl_activation, tl_diagonal, tl_norm_factor, tl_norm_tile_mma, tl_rstd
 from .triton_launch import Launcher, device_facts, interpreting, pdl_enabled
 from .triton_plan import PlanCache, TritonPlan, check_fusion, plan_meta
 
@@ -222,10 +222,12 @@ def _mma(w, xt, acc, PREC: tl.constexpr, SWAP: tl.constexpr):
 def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, M, N, K, ldx, ldw, ldo, inv_k, eps,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
-                SWAP: tl.constexpr, NORM: tl.constexpr, NORM_PREC: tl.constexpr, PDL: tl.constexpr):
+                SWAP: tl.constexpr, NORM: tl.constexpr, NORM_PREC: tl.constexpr, PDL: tl.constexpr,
+                NW_OFFSET: tl.constexpr):
     # N = I, the output width: gate rows of w are 0..N-1, up rows N..2N-1.
     # NORM: x is RMS-normalised (norm weight nw, eps): the dots take x * nw and the rows of the
-    # accumulators are scaled by 1/rms after the loop (triton_epilogue.tl_norm_tile_mma).
+    # accumulators are scaled by 1/rms after the loop (triton_epilogue.tl_norm_tile_mma); NW_OFFSET + nw
+    # in fp32 with an offset (tl_norm_factor).
     # One program per BM x BN tile of out, in grouped order (a no-op when M fits one tile-row).
     # PDL: nothing is read or written before the wait (triton_launch.pdl_enabled).
     if PDL:
@@ -255,14 +257,15 @@ def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, M, N, K, ldx, ldw, ldo, in
             wg = tl.load(wg_ptrs, eviction_policy="evict_first")
             wu = tl.load(wu_ptrs, eviction_policy="evict_first")
             if NORM:
-                xt, sq = tl_norm_tile_mma(xt, tl.load(nw_ptr + k + offs_k), sq, NORM_PREC)
+                xt, sq = tl_norm_tile_mma(xt, tl_norm_factor(tl.load(nw_ptr + k + offs_k), NW_OFFSET), sq, NORM_PREC)
         else:
             k_ok = offs_k < K - k
             xt = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_last")
             wg = tl.load(wg_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             wu = tl.load(wu_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             if NORM:
-                xt, sq = tl_norm_tile_mma(xt, tl.load(nw_ptr + k + offs_k, mask=k_ok, other=0.0), sq, NORM_PREC)
+                g = tl_norm_factor(tl.load(nw_ptr + k + offs_k, mask=k_ok, other=0.0), NW_OFFSET)
+                xt, sq = tl_norm_tile_mma(xt, g, sq, NORM_PREC)
         acc_g = _mma(wg, xt, acc_g, PREC, SWAP)
         acc_u = _mma(wu, xt, acc_u, PREC, SWAP)
         x_ptrs += BK
@@ -292,7 +295,7 @@ def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, M, N, K, ldx, ldw, ldo, in
 
 def _make_plan(key, x, w, b, out, _act, tf32) -> TritonPlan:
     """A launch plan; ``key`` is (config, gate activation name, norm: None or (eps, weight
-    16-byte aligned)), the PlanCache's config slot."""
+    16-byte aligned, its dtype, offset)), the PlanCache's config slot."""
     config, act, norm = key
     m, k = x.shape
     i = out.shape[1]
@@ -312,6 +315,7 @@ def _make_plan(key, x, w, b, out, _act, tf32) -> TritonPlan:
     meta = dict(plan_meta(config, problem, Activation.NONE, b is not None), ACT=ACTIVATIONS[act],
                 GROUP_M=GROUP_M, SWAP=config.block_m <= SWAP_MAX_BM, NORM=norm is not None,
                 NORM_PREC="ieee" if x.dtype == torch.float32 else dot_precision(problem), PDL=pdl,
+                NW_OFFSET=0.0 if norm is None else norm[3],
                 **(dict(launch_pdl=True) if pdl else {}))
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(i, config.block_n),)
     inv_k, eps = 1.0 / max(k, 1), 0.0 if norm is None else norm[0]  # fp32(1/K), as triton_rmsnorm's mean
@@ -324,10 +328,11 @@ _allow_tf32 = torch._C._get_cublas_allow_tf32
 
 
 def run(config: TritonGluConfig, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor,
-        act: str = "silu", *, tf32: bool | None = None, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        act: str = "silu", *, tf32: bool | None = None, norm: tuple | None = None) -> torch.Tensor:
     """``out[:] = act(x @ w[:I].T + b[:I]) * (x @ w[I:].T + b[I:])``; returns ``out``.
     ``norm=(g, eps)``: x is RMS-normalised first, as Hugging Face's Llama-style RMSNorm does it
-    (``g`` a contiguous K-vector of x's dtype; the caller checks it).
+    (``g`` a contiguous K-vector of x's dtype; the caller checks it); ``(g, eps, offset)``: by the
+    factor ``offset + g`` in fp32, formed in registers (Gemma's norm).
 
     The backend contract, unchecked: x (M, K) and w (2I, K) with unit column stride (rows may
     be padded), b None or a contiguous (2I,) vector, out (M, I) with unit column stride, one
@@ -337,7 +342,8 @@ def run(config: TritonGluConfig, x: torch.Tensor, w: torch.Tensor, b: torch.Tens
     """
     if tf32 is None:
         tf32 = x.dtype is torch.float32 and _allow_tf32()
-    norm_key = None if norm is None else (float(norm[1]), norm[0].data_ptr() % 16 == 0, norm[0].dtype)
+    norm_key = None if norm is None else (float(norm[1]), norm[0].data_ptr() % 16 == 0, norm[0].dtype,
+                                          float(norm[2]) if len(norm) == 3 else 0.0)
     plan = _PLANS.plan((config, act, norm_key), x, w, b, out, None, tf32)
     if plan.empty:
         return out
@@ -348,13 +354,14 @@ def run(config: TritonGluConfig, x: torch.Tensor, w: torch.Tensor, b: torch.Tens
 
 def glu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, act: str = "silu", *,
         config: TritonGluConfig | None = None, out: torch.Tensor | None = None,
-        norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        norm: tuple | None = None) -> torch.Tensor:
     """``act(x @ Wg.T + bg) * (x @ Wu.T + bu)`` for x (..., K), stacked w (2I, K) = [Wg; Wu] and
     b (2I,) = [bg; bu] or None; returns (..., I) in x's dtype (``out`` when given: contiguous,
     that shape and dtype). ``act``: "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU).
 
     ``norm=(g, eps)``: x is RMS-normalised first (Hugging Face's Llama-style RMSNorm: ``g`` a
-    contiguous K-vector of x's dtype), the norm that precedes the MLP in a decoder layer.
+    contiguous K-vector of x's dtype), the norm that precedes the MLP in a decoder layer;
+    ``(g, eps, offset)``: the factor ``offset + g`` in fp32 (Gemma's ``1 + w``).
     x is copied only when its rows cannot be read with one row stride and unit column stride.
     ``config`` defaults to :func:`default_config` for the shape and device. Bad arguments raise
     TypeError/ValueError naming the argument.

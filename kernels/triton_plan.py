@@ -9,6 +9,7 @@ checks, the constexprs they share) and triton_rmsnorm (:class:`TritonPlan`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -149,12 +150,17 @@ def parse_activation(activation) -> Activation:
 def check_fusion(x: torch.Tensor, out: torch.Tensor, norm: tuple | None, residual: torch.Tensor | None,
                  who: str) -> None:
     """ValueError/TypeError unless ``norm`` is None or (a contiguous K-vector of x's dtype or
-    fp32 on x's device, a finite eps ≥ 0) and ``residual`` is None or an (M, N) tensor like ``out`` with unit
+    fp32 on x's device, a finite eps ≥ 0[, a finite offset: the prologue's factor is then
+    ``offset + g`` in fp32]) and ``residual`` is None or an (M, N) tensor like ``out`` with unit
     column stride."""
     if norm is not None:
-        if not (isinstance(norm, tuple) and len(norm) == 2):
-            raise TypeError(f"{who}: norm must be a (weight, eps) pair, got {type(norm).__name__}")
-        nw, eps = norm
+        if not (isinstance(norm, tuple) and len(norm) in (2, 3)):
+            raise TypeError(f"{who}: norm must be a (weight, eps) pair or (weight, eps, offset), got "
+                            f"{type(norm).__name__}")
+        nw, eps = norm[:2]
+        offset = norm[2] if len(norm) == 3 else 0.0
+        if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
+            raise ValueError(f"{who}: norm offset must be a finite number, got {offset!r}")
         if not isinstance(nw, torch.Tensor) or nw.dim() != 1 or nw.shape[0] != x.shape[1] or nw.stride(0) != 1:
             raise ValueError(f"{who}: the norm weight must be a contiguous vector of {x.shape[1]} elements (x's K)")
         if nw.dtype not in (x.dtype, torch.float32) or nw.device != x.device:

@@ -59,7 +59,7 @@ from .triton_config import (
     problem_limits,
 )
 from .triton_e4m3 import integer_conversion, tl_weight_values
-from .triton_epilogue import ACT_CODE, tl_activation, tl_add_residual, tl_norm_tile_sq, tl_rstd
+from .triton_epilogue import ACT_CODE, tl_activation, tl_add_residual, tl_norm_factor, tl_norm_tile_sq, tl_rstd
 from .triton_launch import Launcher, pdl_enabled
 from .triton_plan import (
     PlanCache,
@@ -298,11 +298,12 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                    PREC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                    ROPE: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr,
                    QK_NORM: tl.constexpr, RES_SCALED: tl.constexpr, WSCALE: tl.constexpr,
-                   WINT: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr):
+                   WINT: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr, NW_OFFSET: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
-    # NORM: x is RMS-normalised (norm weight nw, eps): the dot takes x * nw, each program sums
+    # NORM: x is RMS-normalised (norm weight nw, eps): the dot takes x * nw (NW_OFFSET + nw in
+    # fp32 with an offset, triton_epilogue.tl_norm_factor), each program sums
     # the squares of its slice of x, and whoever runs the epilogue scales the rows by 1/rms of
     # the summed squares (triton_epilogue.tl_norm_tile_sq). Split programs leave their sums after
     # the partials in the workspace: [S, M] for the reduce kernel (MODE 1), [tiles, S, BM]
@@ -344,14 +345,15 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
             w = tl.load(w_ptrs, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0, eviction_policy="evict_last")
             if NORM:
-                x, sq = tl_norm_tile_sq(x, tl.load(nw_ptr + k + offs_k), sq)
+                x, sq = tl_norm_tile_sq(x, tl_norm_factor(tl.load(nw_ptr + k + offs_k), NW_OFFSET), sq)
         else:
             k_ok = (k + offs_k) < K
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0,
                         eviction_policy="evict_last")
             if NORM:
-                x, sq = tl_norm_tile_sq(x, tl.load(nw_ptr + k + offs_k, mask=k_ok, other=0.0), sq)
+                g = tl_norm_factor(tl.load(nw_ptr + k + offs_k, mask=k_ok, other=0.0), NW_OFFSET)
+                x, sq = tl_norm_tile_sq(x, g, sq)
         if WSCALE == 0:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
         elif WSCALE == 1:
@@ -440,8 +442,9 @@ class Fusion:
     (``norm_eps`` not None; the norm weight's 16-byte alignment), a residual added in the
     epilogue (``residual_ld`` not None: its row stride; its 16-byte alignment), the rotary
     embedding and KV-cache write of a Q/K/V projection (``rope``). ``norm_fp32``: the norm
-    weight is fp32 (a Gemma norm's ``1 + weight``), not x's dtype (Triton compiles the prologue
-    for its pointer type)."""
+    weight is fp32 (a Gemma norm's ``1 + weight`` formed before the call), not x's dtype (Triton
+    compiles the prologue for its pointer type); ``norm_offset``: the prologue's factor is
+    ``norm_offset + weight`` in fp32, formed in registers (a Gemma norm's weight as it is)."""
 
     norm_eps: float | None = None
     norm_aligned: bool = True
@@ -450,6 +453,7 @@ class Fusion:
     rope: RopeLayout | None = None
     residual_scale: float | None = None  # the residual adds y * residual_scale (Granite's residual_multiplier)
     norm_fp32: bool = False
+    norm_offset: float = 0.0
 
 
 _NO_FUSION = Fusion()
@@ -478,7 +482,7 @@ _NO_ROPE_SCALARS = (1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0)  # ROPE's scalar
 
 def _fusion_pointers(unused, norm: tuple | None = None, residual=None, rope: RotaryCache | None = None,
                      weight_scale=None) -> tuple:
-    """The pointers of the NORM, RESIDUAL, ROPE and FP8 groups for a call's ``norm=(weight, eps)``,
+    """The pointers of the NORM, RESIDUAL, ROPE and FP8 groups for a call's ``norm=(weight, eps[, offset])``,
     ``residual``, ``rope`` and ``weight_scale`` (``unused`` standing in for each one it does not
     take)."""
     if rope is None:
@@ -496,7 +500,7 @@ _FUSION_POINTERS = len(_fusion_pointers(None))  # what a call without fusions pa
 
 def fusion_of(norm: tuple | None, residual: torch.Tensor | None, rope: RopeLayout | None = None,
               residual_scale: float | None = None) -> Fusion:
-    """The :class:`Fusion` of a call's ``norm=(weight, eps)``, ``residual`` and
+    """The :class:`Fusion` of a call's ``norm=(weight, eps[, offset])``, ``residual`` and
     ``residual_scale`` arguments and its checked rotary layout."""
     if norm is None and residual is None and rope is None:
         return _NO_FUSION
@@ -504,7 +508,8 @@ def fusion_of(norm: tuple | None, residual: torch.Tensor | None, rope: RopeLayou
                   None if residual is None else (residual.stride(0) if residual.shape[0] > 1 else residual.shape[1]),
                   residual is None or residual.data_ptr() % 16 == 0, rope,
                   None if residual_scale is None else float(residual_scale),
-                  norm is not None and norm[0].dtype == torch.float32)
+                  norm is not None and norm[0].dtype == torch.float32,
+                  float(norm[2]) if norm is not None and len(norm) == 3 else 0.0)
 
 
 def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
@@ -526,7 +531,7 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
                 RESIDUAL=residual and mode != 1, ROPE=rope is not None, KV=rope is not None and rope.kv,
                 HD=rope.head_dim if rope is not None else 2, QK_NORM=rope is not None and rope.qk_norm,
                 QK_FACTOR=rope is not None and rope.qk_factor, QK_OFFSET=rope.qk_offset if rope is not None else 0.0,
-                RES_SCALED=fusion.residual_scale is not None, PDL=pdl,
+                RES_SCALED=fusion.residual_scale is not None, PDL=pdl, NW_OFFSET=fusion.norm_offset,
                 WSCALE=_WSCALE[weight_format],
                 WINT=bool(weight_format) and integer_conversion(x.dtype),
                 **launch_opts)
@@ -569,7 +574,7 @@ def run(
     activation: Activation | str | None = None,
     *,
     tf32: bool = False,
-    norm: tuple[torch.Tensor, float] | None = None,
+    norm: tuple | None = None,
     residual: torch.Tensor | None = None,
     rope: RotaryCache | None = None,
     counters: torch.Tensor | None = None,
@@ -579,9 +584,11 @@ def run(
     """``out[:] = act(rmsnorm(x) @ weight.T + bias) + residual`` with ``config``; returns ``out``.
 
     ``norm=(g, eps)``: x is first normalised as Hugging Face's Llama-style RMSNorm does it
-    (``g`` x's dtype, K elements); ``residual`` (like ``out``): added after the rounding to the
-    output dtype, as ``residual + linear(...)`` adds it (``residual_scale``: ``residual +
-    linear(...) * residual_scale``, each product rounded as Granite's layers compute it). ``rope``: x @ W.T is a Q/K/V
+    (``g`` x's dtype, K elements); ``norm=(g, eps, offset)``: by the factor ``offset + g`` in
+    fp32 (Gemma's norm: offset 1), formed in the kernel's registers; ``residual`` (like
+    ``out``): added after the rounding to the output dtype, as ``residual + linear(...)`` adds
+    it (``residual_scale``: ``residual + linear(...) * residual_scale``, each product rounded as
+    Granite's layers compute it). ``rope``: x @ W.T is a Q/K/V
     projection whose q and k heads get the rotary embedding, and whose k and v heads are also
     written to a static KV cache when it holds one (``triton_rope``; not with an activation,
     a residual or the two-launch reduction; with q/k norms in ``rope``, tiles of one whole
@@ -680,7 +687,7 @@ def _scale_format(weight: torch.Tensor, weight_scale: torch.Tensor) -> str:
 
 def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
          out: torch.Tensor, activation: Activation | str | None = None, *, tf32: bool = False,
-         norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+         norm: tuple | None = None, residual: torch.Tensor | None = None,
          residual_scale: float | None = None):
     """``fn(xp, wp, bp, op, gp=0, rp=0)``: :func:`run` for operands of exactly this signature
     (dtypes, shapes, strides, device, 16-byte alignment) and these fusions (``norm``'s eps,

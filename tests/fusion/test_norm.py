@@ -360,8 +360,9 @@ def test_fp32_factor_fast_path_matches_the_stock_module(cpu_fast_path, family, d
 def test_fp32_factor_operand_eager_and_traced(family, monkeypatch):
     """norm_operand: eager, the kept factor with offset 0; while compiling, the weight itself
     and the class's OFFSET, so that a graph forms no factor. Both operands give the same norm
-    apart (prologue_norm) and the same prologue factor (prologue_factor), bit for bit; a
-    Llama-style norm's operand is its weight with no offset."""
+    apart (prologue_norm) and the same prologue factor (the kernels' ``norm=`` of
+    prologue_operand: ``offset + g`` in fp32, or ``g`` as it is), bit for bit; a Llama-style
+    norm's operand is its weight with no offset."""
     stock, cls, factor, eps = _fp32_factor_norm(family, torch.bfloat16)
     patched = _patched_gemma(stock)
     x = (torch.randn(5, 96, generator=torch.Generator().manual_seed(6)) * 2).bfloat16()
@@ -374,12 +375,16 @@ def test_fp32_factor_operand_eager_and_traced(family, monkeypatch):
     with torch.no_grad():
         for g, e, offset in (eager, traced):
             assert torch.equal(hnorm.prologue_norm(x, g, e, offset), stock(x))
-            assert hnorm.prologue_factor(g, offset).dtype == torch.float32
-            assert torch.equal(hnorm.prologue_factor(g, offset), factor)
-    assert hnorm.prologue_factor(eager[0], 0.0) is eager[0]  # nothing formed for a kept factor
+            operand = hnorm.prologue_operand(g, e, offset)
+            assert operand[0] is g and operand[1] == e  # nothing formed outside the kernel
+            kernel_factor = operand[0].float() + (operand[2] if len(operand) == 3 else 0.0)
+            assert torch.equal(kernel_factor, factor)
+    assert len(hnorm.prologue_operand(eager[0], eps, 0.0)) == 2  # a kept factor as it is
+    assert hnorm.prologue_operand(traced[0], eps, traced[2]) == (
+        (traced[0], eps, 1.0) if family == "gemma" else (traced[0], eps))
     llama = patched_copy(stock_norm(dtype=torch.bfloat16))
     assert hnorm.norm_operand(llama) == (llama.weight, EPS, None)
-    assert hnorm.prologue_factor(llama.weight, None) is llama.weight
+    assert hnorm.prologue_operand(llama.weight, EPS, None) == (llama.weight, EPS)
 
 
 def test_gemma_kernel_weight_follows_the_weight():

@@ -189,6 +189,43 @@ def test_an_fp32_norm_factor_with_fp16_x_is_applied_in_fp32(m):
     assert rel_err(out, want) <= 3e-3
 
 
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_a_norm_offset_forms_the_factor_in_the_kernel_as_torch_forms_it(m):
+    """``norm=(g, eps, 1.0)`` (Gemma's weight as it is) gives bit for bit what ``norm=(1 + g
+    in fp32, eps)`` gives (the factor formed by torch before the call), in every split-K mode
+    and in the gated kernel, with a plan of its own; both against fp64."""
+    x, w, b, _, r = _operands(m, N, K, torch.float16, bias=True)
+    g = (0.5 * torch.randn(K, generator=torch.Generator().manual_seed(m + 10))).half()  # Gemma's w about 0
+    factor = 1.0 + g.float()
+    ref = _exact_norm(x, factor) @ w.double().T + b.double()
+    for cfg in SPLITK:
+        formed = ts.run(cfg, x, w, b, poisoned((m, N), torch.float16, "cpu"), None, norm=(factor, EPS))
+        plans = len(ts._PLANS)
+        got = ts.run(cfg, x, w, b, poisoned((m, N), torch.float16, "cpu"), None, norm=(g, EPS, 1.0))
+        assert len(ts._PLANS) == plans + 1
+        assert torch.equal(got, formed) and rel_err(got, ref) <= 2e-3
+        with_res = ts.run(cfg, x, w, b, poisoned((m, N), torch.float16, "cpu"), None, norm=(g, EPS, 1.0), residual=r)
+        assert torch.equal(with_res, ts.run(cfg, x, w, b, poisoned((m, N), torch.float16, "cpu"), None,
+                                            norm=(factor, EPS), residual=r))
+    i = N // 2
+    for cfg in GLU:
+        formed = tglu.glu(x, w, b, "gelu_tanh", config=cfg, out=poisoned((m, i), torch.float16, "cpu"),
+                          norm=(factor, EPS))
+        got = tglu.glu(x, w, b, "gelu_tanh", config=cfg, out=poisoned((m, i), torch.float16, "cpu"),
+                       norm=(g, EPS, 1.0))
+        assert torch.equal(got, formed)
+        assert rel_err(got, F.gelu(ref[:, :i], approximate="tanh") * ref[:, i:]) <= 3e-3
+
+
+@pytest.mark.parametrize("offset", [float("nan"), float("inf"), True, "1"])
+def test_a_bad_norm_offset_is_refused(offset):
+    x, w, b, g, _ = _operands(2, N, K, torch.float16, bias=False)
+    with pytest.raises(ValueError, match="norm offset must be a finite number"):
+        ts.run(DIRECT, x, w, b, torch.empty(2, N, dtype=torch.float16), None, norm=(g, EPS, offset))
+    with pytest.raises(ValueError, match="norm offset must be a finite number"):
+        tglu.glu(x, torch.cat([w, w]), None, "silu", config=GLU[0], norm=(g, EPS, offset))
+
+
 _COMPILE_FP32_NORM_FOR_HOPPER = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -204,7 +241,7 @@ ptr = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf1
 floats = {"inv_k", "eps", "res_scale", "qk_eps"}
 consts = dict(BM=16, BN=64, BK=256, MODE=2, HAS_BIAS=False, ACT=0, PREC="tf32", EVEN_K=True, NORM=True, RESIDUAL=False,
               ROPE=False, KV=False, HD=2, PDL=True, QK_NORM=False, RES_SCALED=False, WSCALE=0, WINT=False,
-              QK_FACTOR=False, QK_OFFSET=0.0)
+              QK_FACTOR=False, QK_OFFSET=0.0, NW_OFFSET=1.0)
 sig = {}
 for n in fn.arg_names:
     sig[n] = "constexpr" if n in consts else ptr.get(n, "fp32" if n in floats else "i32")
@@ -214,7 +251,7 @@ assert c.asm["cubin"]
 fn = tg._glu_kernel
 ptr = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "nw_ptr": "*fp32"}
 consts = dict(BM=16, BN=64, BK=64, GROUP_M=8, HAS_BIAS=False, ACT=0, PREC="tf32", EVEN_K=True, SWAP=True, NORM=True,
-              NORM_PREC="tf32", PDL=True)
+              NORM_PREC="tf32", PDL=True, NW_OFFSET=1.0)
 sig = {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n in ("inv_k", "eps") else "i32") for n in fn.arg_names}
 c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "num_stages": 3})
@@ -224,8 +261,8 @@ print("compiled")
 
 
 def test_the_prologues_with_an_fp32_norm_factor_compile_for_hopper():
-    """bf16 x with an fp32 norm factor (Gemma's 1 + w), both kernels, compiled for sm_90 by
-    Triton's bundled ptxas (no GPU needed; in a process without the interpreter)."""
+    """bf16 x with an fp32 norm factor and an offset (Gemma's 1 + w), both kernels, compiled for
+    sm_90 by Triton's bundled ptxas (no GPU needed; in a process without the interpreter)."""
     from helpers import compile_offline
 
     compile_offline(_COMPILE_FP32_NORM_FOR_HOPPER)
