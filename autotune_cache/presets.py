@@ -63,12 +63,18 @@ class ModelPreset:
     # (a Gemma norm's 1 + w), None (none: OLMo 2 normalises the MLP's output instead; StableLM's
     # and Cohere's LayerNorms run as modules).
     mlp_norm: str | None = "x"
+    # The parts of each decoder layer that hybridgemm.parallelize leaves whole on every rank
+    # ("attention", "mlp"): the layers of families it does not split (Phi-3's pre-fused
+    # projections, GPT-NeoX's and Falcon's), whose GEMMs a rank runs at their full size.
+    tp_whole: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.experts and not (0 < self.experts_per_token <= self.experts and self.expert_intermediate
                                  and self.intermediate is None):
             raise ValueError(f"{self.name}: a mixture-of-experts preset needs 1..{self.experts} experts per token, "
                              "an expert width and no dense MLP width (intermediate=None)")
+        if not set(self.tp_whole) <= {"attention", "mlp"}:
+            raise ValueError(f"{self.name}: tp_whole names 'attention' and 'mlp' only, got {self.tp_whole!r}")
         if self.mlp_norm not in (None, "x", "fp32"):
             raise ValueError(f"{self.name}: mlp_norm must be None, 'x' or 'fp32', got {self.mlp_norm!r}")
 
@@ -121,7 +127,7 @@ PRESETS: dict[str, ModelPreset] = {
         ModelPreset("granite-8b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False,
                     intermediate=12800, vocab=49155, layers=40, tied_lm_head=True),
         ModelPreset("phi3-mini", 3072, 32, 32, 96, qkv_bias=False, o_bias=False,
-                    intermediate=8192, vocab=32064, layers=32),
+                    intermediate=8192, vocab=32064, layers=32, tp_whole=("attention", "mlp")),
         ModelPreset("gemma-7b", 3072, 16, 16, 256, qkv_bias=False, o_bias=False,
                     intermediate=24576, vocab=256000, layers=28, mlp_norm="fp32"),
         ModelPreset("gemma2-9b", 3584, 16, 8, 256, qkv_bias=False, o_bias=False,
@@ -140,9 +146,10 @@ PRESETS: dict[str, ModelPreset] = {
                     intermediate=14336, vocab=256000, layers=32, tied_lm_head=True, mlp_norm=None),
         # GPT-NeoX (Pythia 6.9B): LayerNorms as modules; its MLP is not gated (no gate/up width)
         ModelPreset("pythia-6.9b", 4096, 32, 32, 128, qkv_bias=True, o_bias=True, vocab=50432, layers=32,
-                    mlp_norm=None),
+                    mlp_norm=None, tp_whole=("attention", "mlp")),
         # Falcon 7B: multi-query (one KV head), LayerNorms as modules; its MLP is not gated
-        ModelPreset("falcon-7b", 4544, 71, 1, 64, qkv_bias=False, o_bias=False, vocab=65024, layers=32, mlp_norm=None),
+        ModelPreset("falcon-7b", 4544, 71, 1, 64, qkv_bias=False, o_bias=False, vocab=65024, layers=32, mlp_norm=None,
+                    tp_whole=("attention", "mlp")),
         ModelPreset("qwen3-30b-a3b", 2048, 32, 4, 128, qkv_bias=False, o_bias=False, vocab=151936, layers=48,
                     experts=128, experts_per_token=8, expert_intermediate=768),
         ModelPreset("mixtral-8x7b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False, vocab=32000, layers=32,
@@ -210,6 +217,12 @@ _HF_BIAS_BY_MODEL_TYPE: dict[str, tuple[bool, bool]] = {
     **dict.fromkeys(("llama", "mistral", "mixtral", "gemma", "gemma2", "gemma3", "gemma3_text", "phi3",
                      "qwen3", "qwen3_moe", "gptj", "t5"), (False, False)),
 }
+
+
+# Families whose MLP is not gate/up/down (one activated linear, then one back): their
+# ``intermediate_size`` is no gated MLP's width, and the config's fields alone give no shape of it.
+_HF_UNGATED_MLP_MODEL_TYPES = frozenset(("gpt_neox", "falcon", "gpt2", "gpt_bigcode", "gptj", "opt", "bloom", "phi",
+                                         "bert", "roberta", "xlm-roberta", "distilbert", "starcoder2"))
 
 
 def _show(value: object, limit: int = 60) -> str:
@@ -311,7 +324,8 @@ def preset_from_hf_config(path: str | os.PathLike) -> ModelPreset:
     ``attention_bias``/``bias``/``qkv_bias`` field, else from the ``model_type``. Optional, for
     the tensor-parallel shapes (:meth:`ModelPreset.tp_projections`): ``intermediate_size``,
     ``vocab_size``, ``num_hidden_layers``/``n_layer``/``num_layers``, ``mlp_bias`` (absent:
-    false) and ``tie_word_embeddings`` (absent: an untied LM head). A mixture of experts
+    false) and ``tie_word_embeddings`` (absent: an untied LM head); a family whose MLP is not
+    gate/up/down (GPT-NeoX, Falcon, GPT-2, BERT, ...) has no dense MLP width. A mixture of experts
     (``num_experts``/``num_local_experts``, with ``num_experts_per_tok`` and
     ``moe_intermediate_size``, else ``intermediate_size``, as the experts' width) has no dense
     MLP width: its experts run in the MoE kernels. The preset's
@@ -406,6 +420,8 @@ def preset_from_hf_config(path: str | os.PathLike) -> ModelPreset:
         qkv_bias = qkv_only
 
     intermediate = positive_int(_HF_INTERMEDIATE, "MLP width", required=False)
+    if model_type in _HF_UNGATED_MLP_MODEL_TYPES:
+        intermediate = None
     experts = positive_int(_HF_EXPERTS, "experts per MoE layer", required=False) or 0
     moe = {}
     if experts:  # the MLPs are experts, run by the MoE kernels: no dense MLP shape is the model's

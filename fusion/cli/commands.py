@@ -241,6 +241,10 @@ def _cmd_autotune(args) -> int:
             print(f"hybridgemm autotune: {preset.name} is a mixture of experts ({preset.experts} experts, "
                   f"{preset.experts_per_token} per token) whose experts run in the grouped MoE kernels, not as "
                   "dispatched GEMMs: no MLP shapes are tuned for it, only its router's and LM head's", file=sys.stderr)
+        if args.tp is not None and args.tp > 1 and preset.tp_whole:
+            print(f"hybridgemm autotune: hybridgemm.parallelize leaves "
+                  f"{' and '.join(f'the {p}' for p in sorted(preset.tp_whole))} of {preset.name} whole on each rank: "
+                  "those GEMMs are tuned whole", file=sys.stderr)
         shapes += _preset_shapes(preset, args.tp, args.mlp)
     for path in args.hf_config or []:
         try:

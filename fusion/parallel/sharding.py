@@ -75,19 +75,22 @@ def rank_projections(preset: ModelPreset, tp: int) -> tuple[ProjectionShape, ...
     which stays replicated). A mixture-of-experts preset has no dense MLP (``intermediate`` is
     None): its experts run in the grouped MoE kernels, not as dispatched GEMMs, and
     ``parallelize`` leaves them whole; its ``router`` (n = the experts) is a dispatched GEMM.
-    ``tp=1`` gives the unsharded shapes of all of them.
+    The parts in the preset's ``tp_whole`` (a family whose layers ``parallelize`` does not
+    split) keep their full shapes on every rank. ``tp=1`` gives the unsharded shapes of all of them.
     ``ValueError`` naming the preset when the model cannot be split ``tp`` ways.
     """
     try:
-        heads, kv_heads = tp_local_heads(preset.heads, preset.kv_heads, tp)
+        attention_tp = 1 if "attention" in preset.tp_whole else tp
+        heads, kv_heads = tp_local_heads(preset.heads, preset.kv_heads, attention_tp)
         shapes = list(replace(preset, heads=heads, kv_heads=kv_heads).projections)
-        if tp > 1 and preset.o_bias:
+        if attention_tp > 1 and preset.o_bias:
             shapes.append(ProjectionShape("o_nobias", preset.hidden, heads * preset.head_dim, False))
         if preset.intermediate is not None:
-            width = tp_split(preset.intermediate, tp, "intermediate size")
+            mlp_tp = 1 if "mlp" in preset.tp_whole else tp
+            width = tp_split(preset.intermediate, mlp_tp, "intermediate size")
             shapes += [ProjectionShape("gate_up", width, preset.hidden, preset.mlp_bias),
                        ProjectionShape("down", preset.hidden, width, preset.mlp_bias)]
-            if tp > 1 and preset.mlp_bias:
+            if mlp_tp > 1 and preset.mlp_bias:
                 shapes.append(ProjectionShape("down_nobias", preset.hidden, width, False))
         if preset.moe:  # the router's logits (replicated, as parallelize leaves the block whole)
             shapes.append(ProjectionShape("router", preset.experts, preset.hidden, False))

@@ -428,6 +428,34 @@ def test_cli_tp_tunes_one_ranks_shapes(tmp_path, monkeypatch):
     assert [s[0] for s in _tuned_shapes(monkeypatch, ["--model", "llama3-8b"])] == ["q", "kv", "qkv"]  # o == q
 
 
+def test_cli_tp_tunes_a_family_parallelize_leaves_whole_at_its_full_size(monkeypatch, capsys):
+    """--model of a family whose layers parallelize does not split (GPT-NeoX, Falcon, Phi-3):
+    under --tp its attention and MLP GEMMs are the whole model's, only the LM head a rank's
+    rows, and stderr says so."""
+    shapes = _tuned_shapes(monkeypatch, ["--model", "pythia-6.9b", "--tp", "2"])
+    # (kv and o are q's shape: tuned once)
+    assert shapes == [("q", 4096, 4096, True), ("qkv", 12288, 4096, True), ("lm_head", 25216, 4096, False)]
+    assert "leaves the attention and the mlp of pythia-6.9b whole on each rank" in capsys.readouterr().err
+    phi3 = {s[0]: s[1:] for s in _tuned_shapes(monkeypatch, ["--model", "phi3-mini", "--tp", "4"])}
+    assert phi3["qkv"] == (9216, 3072, False) and phi3["gate_up"] == (8192, 3072, False)
+    assert phi3["down"] == (3072, 8192, False) and phi3["lm_head"] == (8016, 3072, False)
+    assert _tuned_shapes(monkeypatch, ["--model", "falcon-7b", "--tp", "2"])[2] == ("qkv", 4672, 4544, False)
+    capsys.readouterr()
+    _tuned_shapes(monkeypatch, ["--model", "pythia-6.9b", "--tp", "1"])
+    assert "whole" not in capsys.readouterr().err  # one rank: nothing to say
+
+
+def test_a_family_without_a_gated_mlp_has_no_mlp_width(tmp_path):
+    """GPT-NeoX's intermediate_size is its dense_h_to_4h's width, not a gate/up width: the
+    fields give no MLP shape (patch's activated linears come from the built model)."""
+    neox = {"model_type": "gpt_neox", "hidden_size": 4096, "num_attention_heads": 32, "intermediate_size": 16384,
+            "num_hidden_layers": 32, "vocab_size": 50432}
+    p = preset_from_hf_config(write(tmp_path, neox))
+    assert p.intermediate is None and p.qkv_bias and p.o_bias
+    assert [s.name for s in rank_projections(p, 1)] == ["q", "kv", "qkv", "o", "lm_head"]
+    assert preset_from_hf_config(write(tmp_path, {**neox, "model_type": "llama"})).intermediate == 16384
+
+
 def test_cli_mlp_adds_the_mlp_and_lm_head_shapes(tmp_path, monkeypatch, capsys):
     shapes = _tuned_shapes(monkeypatch, ["--model", "llama3-8b", "--mlp"])
     assert shapes == [("q", 4096, 4096, False), ("kv", 1024, 4096, False), ("qkv", 6144, 4096, False),

@@ -504,6 +504,28 @@ def test_lazy_exports():
         hybridgemm.no_such_name  # noqa: B018
 
 
+def test_each_presets_whole_parts_are_what_parallelize_leaves_whole():
+    """A preset's ``tp_whole`` (what ``rank_projections`` keeps at full size) names exactly the
+    decoder-layer parts parallelize does not split in the model the preset's config builds."""
+    transformers = pytest.importorskip("transformers")
+    from hybridgemm.autotune_cache.presets import PRESETS
+    from hybridgemm.parallel.tensor_parallel import split_parts
+    from hybridgemm.perf import e2e_models as hf
+
+    checked = 0
+    for name, preset in PRESETS.items():
+        try:
+            cfg = hf.hf_config(name, layers=1)
+        except ValueError:  # (a preset without a model config in the benches: BERT, GPT-2, Mistral)
+            continue
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        layer_parts = {"attention"} | (set() if preset.moe else {"mlp"})
+        assert layer_parts - split_parts(model, 2) == set(preset.tp_whole), name
+        checked += 1
+    assert checked >= 15
+
+
 @pytest.mark.parametrize("name, parts", [("llama3-8b", {"attention", "mlp", "lm_head"}),
                                          ("pythia-6.9b", {"lm_head"}), ("phi3-mini", {"lm_head"})])
 def test_split_parts_names_what_parallelize_splits(name, parts):
