@@ -5,22 +5,11 @@ A stock pre-norm layer runs, per token::
     h = x + o_proj(attn(qkv(rmsnorm1(x))))        # norm kernel, QKV GEMM, rotary, cache write, attention, O, add
     y = h + down(glu(gate_up(rmsnorm2(h))))       # norm kernel, gate/up GEMM, product, down GEMM, add
 
-Here the same step is five launches where the decisions allow:
-
-* :func:`norm_linear`: the QKV GEMM normalising x as it loads it (Triton split-K with an
-  RMSNorm prologue: ``rstd * ((x * g) @ W.T)``, the squares summed from the tiles it loads);
-* :func:`norm_rope_qkv`: the same, with a static KV cache, also rotating q and k and writing k
-  and v into the cache in its epilogue (kernels/triton_rope.py);
-* :func:`attend`: one token per sequence over a static cache in one launch (GQA without the
-  expanded copies, the boolean mask read as it is, the cache length updated);
-* :func:`linear_residual`: O and down with the residual added in the epilogue;
-* :func:`gated_norm`: gate/up normalising h on load, the GLU product in the epilogue.
-
-Every GEMM is decided and launched by the dispatcher (``dispatch.fused_splitk`` for the
-split-K fusions, ``dispatch.gated`` for gate/up). Where a decision is a kernel that cannot
-carry the fusion (the table runs cuBLASLt for that shape, a launch is refused), the piece
-computes the same thing unfused: the norm apart, the GEMM as the table says, the add after.
-Each piece is a custom op under torch.compile (:func:`_compiled`).
+Here the same step is five launches where the decisions allow, the fused pieces of
+fusion/models/fused_pieces.py: the QKV GEMM normalising x as it loads it, rotating q and k
+and writing the cache in its epilogue (``norm_rope_qkv``), the attention in one launch
+(``attend``), O with the residual in its epilogue (``linear_residual``), gate/up normalising h
+on load with the GLU product in its epilogue (``gated_norm``), down with the residual.
 
 Where the attention runs (:func:`attention`): with a static cache that
 ``decode_checks.kv_slot`` accepts, :func:`norm_rope_qkv` then :func:`attend` (or SDPA for
@@ -51,405 +40,34 @@ residual and the bias once each and no separate add runs.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hybridgemm import dispatch
 from hybridgemm.diagnostics import warn_once
-from hybridgemm.fp8_linear import fp8_linear
 from hybridgemm.fp8_modules import weight_scale_of
-from hybridgemm.kernels.process_memory import per_call_scratch
 from hybridgemm.linear_layer import PartialSumLinear
-from hybridgemm.mlp import FUSED_GATE_UP, GLU_FUNCTIONS, gated_linear
-from hybridgemm.norm import Fp32FactorRMSNorm, add_norm, norm_operand, prologue_norm
+from hybridgemm.mlp import FUSED_GATE_UP, GLU_FUNCTIONS
+from hybridgemm.norm import Fp32FactorRMSNorm, add_norm, norm_operand
 
 from . import adapter_terms
 from . import decode_checks as checks
+from .fused_pieces import (
+    attend,
+    gated_norm,
+    linear_residual,
+    norm_linear,
+    norm_rope_qkv,
+    normed,
+    qk_rope_store,
+    rope_store,
+    rotate_store,
+)
 
 QKV_NAME = checks.QKV_NAME
 # Keyword arguments of the attention forward that the stock one does not pass on to the
 # attention function (or to cache.update).
 _CONSUMED = ("hidden_states", "position_embeddings", "attention_mask", *checks.CACHE_ARGUMENTS, "cache_position")
-
-
-def _compiled(op, eager, *args):
-    """Under torch.compile the custom op (opaque to Inductor, one node), else the eager body."""
-    return op(*args) if torch.compiler.is_compiling() else eager(*args)
-
-
-# ----------------------------------------------------------------------------- the pieces
-
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | None) -> Tensor:
-    """The unfused GEMM of a piece: the dispatcher's, or the FP8 call for an e4m3 ``weight``."""
-    return dispatch.fused_linear(x, weight, bias) if scale is None else fp8_linear(x, weight, scale, bias)
-
-
-def _normed(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None = None) -> Tensor:
-    """x as a fused norm prologue leaves it (the piece's unfused form); x itself without a norm.
-    ``(norm_weight, eps, norm_offset)``: a norm operand (norm.norm_operand)."""
-    return x if norm_weight is None else prologue_norm(x, norm_weight, eps, norm_offset)
-
-
-def _norm_fusion(norm_weight: Tensor | None, eps: float, norm_offset: float | None) -> dict:
-    return {} if norm_weight is None else {"norm": (norm_weight, float(eps), norm_offset)}
-
-
-def _norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
-                 bias: Tensor | None, counters: Tensor | None = None, scale: Tensor | None = None,
-                 keep_prologue: bool = False) -> Tensor:
-    y = dispatch.fused_splitk(x, weight, bias, counters, scale, keep_prologue,
-                              **_norm_fusion(norm_weight, eps, norm_offset))
-    return _linear(_normed(x, norm_weight, eps, norm_offset), weight, bias, scale) if y is None else y
-
-
-def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
-                     counters: Tensor | None = None, scale: Tensor | None = None,
-                     residual_scale: float | None = None) -> Tensor:
-    fusion = {} if residual is None else {"residual": residual}
-    if residual is not None and residual_scale is not None:
-        fusion["residual_scale"] = float(residual_scale)
-    y = dispatch.fused_splitk(x, weight, bias, counters, scale, **fusion)
-    if y is not None:
-        return y
-    y = _linear(x, weight, bias, scale)
-    if residual is None:
-        return y
-    return residual + (y if residual_scale is None else y * residual_scale)
-
-
-def _gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
-                bias: Tensor | None, activation: str, scale: Tensor | None = None,
-                keep_prologue: bool = False) -> Tensor:
-    if scale is not None:
-        # FP8, where the op is called with scales (gated_norm itself keeps the product outside
-        # the op; the op's schema keeps ``scale`` so that compiled code cached by an earlier
-        # release still calls it): gate/up as one split-K launch, the product apart
-        gate, up = _norm_linear(x, norm_weight, eps, norm_offset, weight, bias, None, scale).chunk(2, dim=-1)
-        return GLU_FUNCTIONS[activation](gate) * up
-    y = dispatch.gated(x, weight, bias, activation, keep_prologue=keep_prologue,
-                       **_norm_fusion(norm_weight, eps, norm_offset))
-    return gated_linear(_normed(x, norm_weight, eps, norm_offset), weight, bias, activation) if y is None else y
-
-
-# ``counters`` (the layer's arrival counters, decoder_layer.COUNTERS) are scratch the kernels
-# leave as they found them (all zero), so the ops do not declare them mutated.
-@torch.library.custom_op("hybridgemm::norm_linear_fwd", mutates_args=())
-def norm_linear_fwd(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
-                    bias: Tensor | None, counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-    with per_call_scratch():  # no scratch cached from inside a compiled region (CUDA graph trees)
-        return _norm_linear(x, norm_weight, eps, norm_offset, weight, bias, counters, scale).contiguous()
-
-
-@norm_linear_fwd.register_fake
-def _norm_linear_fake(x, norm_weight, eps, norm_offset, weight, bias, counters=None, scale=None):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@torch.library.custom_op("hybridgemm::linear_residual_fwd", mutates_args=())
-def linear_residual_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
-                        counters: Tensor | None = None, scale: Tensor | None = None,
-                        residual_scale: float | None = None) -> Tensor:
-    with per_call_scratch():
-        return _linear_residual(x, weight, bias, residual, counters, scale, residual_scale).contiguous()
-
-
-@linear_residual_fwd.register_fake
-def _linear_residual_fake(x, weight, bias, residual, counters=None, scale=None, residual_scale=None):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@torch.library.custom_op("hybridgemm::gated_norm_fwd", mutates_args=())
-def gated_norm_fwd(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
-                   bias: Tensor | None, activation: str, scale: Tensor | None = None) -> Tensor:
-    with per_call_scratch():
-        return _gated_norm(x, norm_weight, eps, norm_offset, weight, bias, activation, scale)
-
-
-@gated_norm_fwd.register_fake
-def _gated_norm_fake(x, norm_weight, eps, norm_offset, weight, bias, activation, scale=None):
-    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
-
-
-# Eager decode is host-bound: a norm apart from split-K's prologue is a launch of host time,
-# and the prologue's extra GPU time hides behind the host's. Under torch.compile (CUDA graphs:
-# GPU time is the step's time) the ops take the norm apart where the prologue costs GPU time.
-# The choice is by mode, never by capture state, so that a graph's warm-up and replays compute
-# the same bits.
-_norm_linear_eager = functools.partial(_norm_linear, keep_prologue=True)
-
-
-def norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
-                bias: Tensor | None, counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-    """``linear(rmsnorm(x), weight, bias)`` with the RMSNorm of operand ``(norm_weight, eps,
-    norm_offset)`` (norm.norm_operand: Llama's formula, or Gemma's / OLMo 2's fp32 factor;
-    ``linear(x, weight, bias)`` for a None ``norm_weight``), one launch where the table runs Triton split-K.
-    ``counters``: zeroed int32 arrival counters for split-K's fused reduction, used by one launch
-    at a time. ``scale``: ``weight`` is e4m3 with
-    these scales (fusion/fp8_modules.py ``weight_scale_of``), as in every piece here."""
-    return _compiled(torch.ops.hybridgemm.norm_linear_fwd, _norm_linear_eager, x, norm_weight, float(eps),
-                     norm_offset, weight, bias, counters, scale)
-
-
-def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
-                    counters: Tensor | None = None, scale: Tensor | None = None,
-                    residual_scale: float | None = None) -> Tensor:
-    """``residual + linear(x, weight, bias)`` (times ``residual_scale`` before the add, as
-    Granite's layers scale it; ``linear(x, weight, bias)`` for a None residual), one launch where
-    the table runs Triton split-K."""
-    return _compiled(torch.ops.hybridgemm.linear_residual_fwd, _linear_residual, x, weight, bias, residual, counters,
-                     scale, None if residual_scale is None else float(residual_scale))
-
-
-_gated_norm_eager = functools.partial(_gated_norm, keep_prologue=True)  # (as _norm_linear_eager)
-
-
-def gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
-               bias: Tensor | None, activation: str, scale: Tensor | None = None) -> Tensor:
-    """``gated_linear(rmsnorm(x), weight, bias, activation)`` (the norm of operand
-    ``(norm_weight, eps, norm_offset)``; x itself for a None ``norm_weight``), one launch of the gated kernel
-    where the dispatcher's gated rule picks it (an FP8 weight: the split-K launch with the norm
-    prologue, then the product)."""
-    if scale is not None:
-        # FP8: the gated kernel reads no e4m3 weight. Gate/up as one split-K op (the norm in its
-        # prologue), the activation and product outside it, where torch.compile's Inductor makes
-        # them one kernel (inside the op they are two launches)
-        y = _compiled(torch.ops.hybridgemm.norm_linear_fwd, _norm_linear, x, norm_weight, float(eps), norm_offset,
-                      weight, bias, None, scale)
-        gate, up = y.chunk(2, dim=-1)
-        return GLU_FUNCTIONS[activation](gate) * up
-    return _compiled(torch.ops.hybridgemm.gated_norm_fwd, _gated_norm_eager, x, norm_weight, float(eps),
-                     norm_offset, weight, bias, activation, scale)
-
-
-# ------------------------------------------------------------------ Q/K/V with rotary + cache
-
-def _rotate(t: Tensor, cos: Tensor, sin: Tensor, pairs: bool = False) -> Tensor:
-    """Hugging Face's rotary embedding of ``t`` [B, S, heads, hd], cos/sin [B or 1, S, R], in t's
-    dtype; fp32 cos/sin (OLMo 2's) rotate in fp32, then round to t's dtype, as its rotary does.
-    R < hd (StableLM's partial rotary): the first R columns of each head, the rest as they are.
-    ``pairs``: Cohere's (neighbouring columns paired, rotated as fp32 copies, rounded once)."""
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    if pairs:
-        f = t.float()
-        return (f * c + torch.stack((-f[..., 1::2], f[..., ::2]), dim=-1).flatten(-2) * s).to(t.dtype)
-    width = cos.shape[-1]
-    half = width // 2
-    r = t[..., :width]
-    out = (r * c + torch.cat((-r[..., half:], r[..., :half]), dim=-1) * s).to(t.dtype)
-    return out if width == t.shape[-1] else torch.cat((out, t[..., width:]), dim=-1)
-
-
-def _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-                      scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None) -> Tensor:
-    """The stock computation: norm, GEMM, then :func:`_rotate_store`."""
-    y = _linear(prologue_norm(x, norm_weight, eps, norm_offset), weight, bias, scale)
-    return _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm, k_norm, qk_eps, qk_offset=qk_offset)
-
-
-def _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None, k_norm=None, qk_eps=0.0,
-                  full_norms: tuple[Callable, Callable] | None = None, qk_offset: float | None = None,
-                  pairs: bool = False) -> Tensor:
-    """From the Q/K/V projection ``y`` [B, S, N], as the stock attention computes it: the q/k
-    norms (``full_norms``: the norms over all the q (k) columns, before the head views, as OLMo 2's;
-    else per head, of operand ``(q_norm / k_norm, qk_eps, qk_offset)``, norm.prologue_norm), rotary
-    in y's dtype (``pairs``: Cohere's), ``index_copy_`` of k and v into the cache."""
-    b, s = y.shape[:2]
-    hd = keys.shape[-1]
-    q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
-    if full_norms is not None:
-        q, k = full_norms[0](q), full_norms[1](k)
-    q, k = q.reshape(b, s, heads, hd), k.reshape(b, s, kv_heads, hd)
-    if q_norm is not None:
-        q, k = prologue_norm(q, q_norm, qk_eps, qk_offset), prologue_norm(k, k_norm, qk_eps, qk_offset)
-    q, k = _rotate(q, cos, sin, pairs), _rotate(k, cos, sin, pairs)
-    pos = torch.arange(s, device=y.device) + base.view(())
-    keys.index_copy_(2, pos, k.transpose(1, 2))
-    values.index_copy_(2, pos, v.reshape(b, s, kv_heads, hd).transpose(1, 2))
-    return torch.cat([q.reshape(b, s, -1), k.reshape(b, s, -1), v], dim=-1)
-
-
-def _rope_qkv(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-              counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None,
-              keep_prologue=False) -> Tensor:
-    rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base, q_norm, k_norm, float(qk_eps), qk_offset)
-    y = dispatch.fused_splitk(x, weight, bias, counters, scale, keep_prologue,
-                              norm=(norm_weight, float(eps), norm_offset), rope=rc)
-    if y is None:
-        return _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads,
-                                 kv_heads, scale, q_norm, k_norm, qk_eps, qk_offset)
-    return y
-
-
-@torch.library.custom_op("hybridgemm::norm_rope_qkv_fwd", mutates_args=("keys", "values"))
-def norm_rope_qkv_fwd(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: float | None, weight: Tensor,
-                      bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor,
-                      heads: int, kv_heads: int, counters: Tensor | None = None, scale: Tensor | None = None,
-                      q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0,
-                      qk_offset: float | None = None) -> Tensor:
-    with per_call_scratch():
-        return _rope_qkv(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads,
-                         kv_heads, counters, scale, q_norm, k_norm, qk_eps, qk_offset).contiguous()
-
-
-@norm_rope_qkv_fwd.register_fake
-def _norm_rope_qkv_fake(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-                        counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-_rope_qkv_eager = functools.partial(_rope_qkv, keep_prologue=True)  # (as _norm_linear_eager)
-
-
-def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: float | None, weight: Tensor,
-                  bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
-                  kv_heads: int, counters: Tensor | None = None, scale: Tensor | None = None,
-                  q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0,
-                  qk_offset: float | None = None) -> Tensor:
-    """Q/K/V of ``rmsnorm(x)`` (x [B, S, D]; the norm of operand ``(norm_weight, eps,
-    norm_offset)``, norm.norm_operand) with q and k normalised per head (``q_norm`` and
-    ``k_norm``: their norms' operands [hd], eps ``qk_eps``, offset ``qk_offset``; none without
-    them) and rotated, k
-    and v written into ``keys``/``values`` [B, kv_heads, L, hd] at positions ``base + s``;
-    returns [B, S, N]. One split-K launch where the table runs split-K with a config that fits
-    (tiles within a head, of one whole head with q/k norms; no two-launch reduction), the stock
-    sequence of operations otherwise."""
-    return _compiled(torch.ops.hybridgemm.norm_rope_qkv_fwd, _rope_qkv_eager, x, norm_weight, float(eps),
-                     norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads, counters, scale, q_norm,
-                     k_norm, float(qk_eps), None if qk_offset is None else float(qk_offset))
-
-
-def _qk_rope_store(y: Tensor, q_g: Tensor, q_eps: float, q_offset: float, k_g: Tensor, k_eps: float, k_offset: float,
-                   cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int) -> Tensor:
-    kernel = checks.qk_rope_kernel()
-    q_op, k_op = (q_g, q_eps, q_offset), (k_g, k_eps, k_offset)
-    if checks.on_kernel_device(y) and kernel.check(y, q_op, k_op, cos, sin, keys, values, base, heads) is None:
-        return kernel.qk_norm_rope_store(y, q_op, k_op, cos, sin, keys, values, base, heads)
-    norms = (functools.partial(prologue_norm, g=q_g, eps=q_eps, offset=q_offset),
-             functools.partial(prologue_norm, g=k_g, eps=k_eps, offset=k_offset))
-    y = _rotate_store(y, cos, sin, keys, values, base, heads, keys.shape[1], full_norms=norms)
-    return y[..., : heads * keys.shape[-1]].contiguous()
-
-
-@torch.library.custom_op("hybridgemm::qk_rope_store_fwd", mutates_args=("keys", "values"))
-def qk_rope_store_fwd(y: Tensor, q_g: Tensor, q_eps: float, q_offset: float, k_g: Tensor, k_eps: float,
-                      k_offset: float, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor,
-                      heads: int) -> Tensor:
-    return _qk_rope_store(y, q_g, q_eps, q_offset, k_g, k_eps, k_offset, cos, sin, keys, values, base, heads)
-
-
-@qk_rope_store_fwd.register_fake
-def _qk_rope_store_fake(y, q_g, q_eps, q_offset, k_g, k_eps, k_offset, cos, sin, keys, values, base, heads):
-    return y.new_empty((*y.shape[:-1], heads * keys.shape[-1]))
-
-
-def qk_rope_store(y: Tensor, q_norm: nn.Module, k_norm: nn.Module, cos: Tensor, sin: Tensor, keys: Tensor,
-                  values: Tensor, base: Tensor, heads: int) -> Tensor:
-    """From the Q/K/V projection ``y`` [B, S, N], OLMo 2's attention up to the cache: q and k
-    normalised over all their columns by the patched fp32-factor norms ``q_norm``/``k_norm``
-    (norm.Fp32FactorRMSNorm), rotated (``cos``/``sin`` of y's dtype or fp32), k and v written
-    into ``keys``/``values`` at ``base + s``; returns the rotated q [B, S, heads * hd]. One launch
-    (kernels/triton_qk_rope.py) where its operand checks pass, the stock sequence of torch ops
-    otherwise."""
-    return _compiled(torch.ops.hybridgemm.qk_rope_store_fwd, _qk_rope_store, y, *norm_operand(q_norm),
-                     *norm_operand(k_norm), cos, sin, keys, values, base, heads)
-
-
-def _rope_store(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
-                pairs: bool = False, group: int = 0) -> Tensor:
-    kernel = checks.qk_rope_kernel()
-    if checks.on_kernel_device(y) and kernel.check(y, None, None, cos, sin, keys, values, base, heads,
-                                                   group) is None:
-        return kernel.qk_norm_rope_store(y, None, None, cos, sin, keys, values, base, heads, pairs=pairs,
-                                         group=group)
-    if group:  # [q x group | k | v] per KV head -> all q, all k, all v
-        b, s = y.shape[:2]
-        g = y.reshape(b, s, keys.shape[1], group + 2, keys.shape[-1])
-        y = torch.cat([g[..., :group, :].reshape(b, s, -1), g[..., group, :].reshape(b, s, -1),
-                       g[..., group + 1, :].reshape(b, s, -1)], dim=-1)
-    y = _rotate_store(y, cos, sin, keys, values, base, heads, keys.shape[1], pairs=pairs)
-    return y[..., : heads * keys.shape[-1]].contiguous()
-
-
-@torch.library.custom_op("hybridgemm::rope_store_fwd", mutates_args=("keys", "values"))
-def rope_store_fwd(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
-                   pairs: bool = False, group: int = 0) -> Tensor:
-    return _rope_store(y, cos, sin, keys, values, base, heads, pairs, group)
-
-
-@rope_store_fwd.register_fake
-def _rope_store_fake(y, cos, sin, keys, values, base, heads, pairs=False, group=0):
-    return y.new_empty((*y.shape[:-1], heads * keys.shape[-1]))
-
-
-def rope_store(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
-               pairs: bool = False, group: int = 0) -> Tensor:
-    """From the Q/K/V projection ``y`` [B, S, N]: q and k rotated over the first ``cos.shape[-1]``
-    columns of each head (StableLM's and GPT-NeoX's partial rotary; cos/sin of y's dtype;
-    ``pairs``: Cohere's rotary of neighbouring columns in fp32), k and v written into
-    ``keys``/``values`` at ``base + s``; returns the rotated q [B, S, heads * hd]. ``group``:
-    y's columns grouped per KV head, ``[q x group | k | v]`` (GPT-NeoX's ``[q | k | v]`` per
-    head: 1; Falcon's new architecture: heads / kv_heads); 0: all q, all k, all v. One launch
-    (kernels/triton_qk_rope.py) where its operand checks pass, the stock sequence of torch ops
-    otherwise."""
-    return _compiled(torch.ops.hybridgemm.rope_store_fwd, _rope_store, y, cos, sin, keys, values, base, heads,
-                     bool(pairs), int(group))
-
-
-# ------------------------------------------------------------------------- decode attention
-
-def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor, step: int,
-            counters: Tensor | None, softcap: float = 0.0) -> Tensor:
-    from triton.errors import TritonError
-
-    out = q.new_empty(q.shape)
-    try:
-        return checks.attention_kernel().decode_attention(q, keys, values, mask, scale, out, base=base, step=step,
-                                                          counters=counters, softcap=softcap)
-    except (ValueError, TritonError) as e:  # refused or not compiled: nothing was launched
-        warn_once(("decode_attention", tuple(keys.shape), q.shape[1], q.dtype),
-                  f"hybridgemm: the decode attention kernel could not run for a cache of {tuple(keys.shape)} ({e}); "
-                  "that layer's attention runs on PyTorch")
-    b, kv_heads, _, hd = keys.shape
-    rep = q.shape[1] // hd // kv_heads
-    qh = q.reshape(b, kv_heads * rep, 1, hd)
-    keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
-    if softcap:  # SDPA takes no cap: the capped logits, then the mask, softmax (fp32 here)
-        scores = softcap * torch.tanh(qh.float() @ keys.float().transpose(2, 3) * (scale / softcap))
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-        out = (torch.softmax(scores, dim=-1).to(q.dtype) @ values).reshape(b, -1)
-    else:
-        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale).reshape(b, -1)
-    if step:
-        base.add_(step)
-    return out
-
-
-# counters: scratch left as found (all zero), not declared mutated (decoder_layer.COUNTERS)
-@torch.library.custom_op("hybridgemm::decode_attention_fwd", mutates_args=("base",))
-def decode_attention_fwd(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor,
-                         step: int, counters: Tensor | None = None, softcap: float = 0.0) -> Tensor:
-    with per_call_scratch():
-        return _attend(q, keys, values, mask, scale, base, step, counters, softcap)
-
-
-@decode_attention_fwd.register_fake
-def _decode_attention_fake(q, keys, values, mask, scale, base, step, counters=None, softcap=0.0):
-    return q.new_empty(q.shape)
-
-
-def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor, step: int,
-           counters: Tensor | None = None, softcap: float = 0.0) -> Tensor:
-    """One query token per sequence (q [B, heads * hd]) over the static cache ``keys``/``values``
-    [B, kv_heads, L, hd] in one launch, adding ``step`` to the cache length ``base``; the logits
-    soft-capped where ``softcap > 0``; the mask boolean or additive. PyTorch (one warning) where
-    the kernel refuses the operands."""
-    return _compiled(torch.ops.hybridgemm.decode_attention_fwd, _attend, q, keys, values, mask, float(scale), base,
-                     step, counters, float(softcap))
 
 
 def static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, qkv: nn.Module, kwargs: dict,
@@ -482,7 +100,7 @@ def static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, q
         # the norms, then the stock rotary and cache write (fused by Inductor under torch.compile)
         y = _qkv_with_adapters(x, norm, qkv, slots, counters) if adapters else \
             norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
-        y = _rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, qk.get("q_norm"), qk.get("k_norm"),
+        y = rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, qk.get("q_norm"), qk.get("k_norm"),
                           qk.get("qk_eps", 0.0), (attn.q_norm, attn.k_norm) if form.full_qk_norm else None,
                           qk.get("qk_offset"), form.pair_rotary)
         q = y[..., : heads * hd]
@@ -680,7 +298,7 @@ def _qkv_with_adapters(x: Tensor, norm: nn.Module, qkv: nn.Module, slots: list[n
     of the LoRA layers in ``slots`` (which take the normalised x, as in the stock attention);
     for a call where some of them add terms."""
     y = norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
-    return adapter_terms.add_slice_terms(slots, _normed(x, *_norm_args(norm)), y, qkv.sizes)
+    return adapter_terms.add_slice_terms(slots, normed(x, *_norm_args(norm)), y, qkv.sizes)
 
 
 def attention(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None, normed: bool = False) -> Tensor:
@@ -750,7 +368,7 @@ def _mlp_inner(mlp: nn.Module, norm: nn.Module, h: Tensor) -> Tensor:
         return gated_norm(h, *_norm_args(norm), gate_up.weight, gate_up.bias, mlp.glu_activation,
                           weight_scale_of(gate_up))
     y = norm_linear(h, *_norm_args(norm), gate_up.weight, gate_up.bias, None, weight_scale_of(gate_up))
-    y = adapter_terms.add_slice_terms(slots, _normed(h, *_norm_args(norm)), y, gate_up.sizes)
+    y = adapter_terms.add_slice_terms(slots, normed(h, *_norm_args(norm)), y, gate_up.sizes)
     gate, up = y.split(list(gate_up.sizes), dim=-1)
     return GLU_FUNCTIONS[mlp.glu_activation](gate) * up
 
@@ -809,5 +427,4 @@ def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | Non
     return _slot_add(layer.mlp.down_proj, _mlp_inner(layer.mlp, layer.post_attention_layernorm, h), h, counters, m)
 
 
-__all__ = ["QKV_NAME", "attend", "attention", "gated_norm", "layer_step", "linear_residual", "norm_linear",
-           "norm_rope_qkv", "project", "project_add", "static_attention"]
+__all__ = ["QKV_NAME", "attention", "layer_step", "project", "project_add", "static_attention"]

@@ -74,9 +74,9 @@ def test_the_gated_decision_runs_the_entry(tuned, monkeypatch, m, norm):
             assert got is None and not ran  # the caller composes it: the norm apart, then gate/up
             if nw is not None:  # the decode step's piece: the norm apart, then gate/up as the glu entry says
                 from hybridgemm.mlp import gated_linear
-                from hybridgemm.models import decode_step
+                from hybridgemm.models import fused_pieces
 
-                piece = decode_step._gated_norm(x, nw, 1e-6, None, w, None, "silu")
+                piece = fused_pieces._gated_norm(x, nw, 1e-6, None, w, None, "silu")
                 assert torch.equal(piece, gated_linear(xn, w, None, "silu"))
             return
         assert ran == [tune_glu.config_of(entry["config"])]

@@ -22,7 +22,7 @@ from hybridgemm import dispatch
 from hybridgemm.kernels import triton_splitk
 from hybridgemm.kernels.triton_rope import RotaryCache
 from hybridgemm.models import decode_checks as checks
-from hybridgemm.models import decode_step
+from hybridgemm.models import decode_step, fused_pieces
 from hybridgemm.models import decoder_layer as dl
 from hybridgemm.models.patching import ATTENTION_NOT_FUSED
 from hybridgemm.perf import e2e_models as hf
@@ -309,7 +309,7 @@ def test_a_config_the_prologue_does_not_fit_normalises_x_in_a_launch_of_its_own(
     _compare(model, stock, steps=2)  # eager
     assert kernels_on_cpu["norm"] == (2 + 1) * 2 and kernels_on_cpu["rope"] == 2 * 2  # Q/K/V of every call
     # the custom ops called as they are: the bodies that run under torch.compile
-    monkeypatch.setattr(decode_step, "_compiled", lambda op, eager, *args: op(*args))
+    monkeypatch.setattr(fused_pieces, "_compiled", lambda op, eager, *args: op(*args))
     kernels_on_cpu.update(norm=0, rope=0)
     _compare(model, stock, steps=2)
     assert kernels_on_cpu["norm"] == 0 and kernels_on_cpu["rope"] == 2 * 2
@@ -358,12 +358,12 @@ def test_a_traced_fp32_factor_operand_computes_what_the_kept_factor_does(prologu
     w = (torch.randn(80, 96, generator=g) / 10).half()
     raw = (torch.rand(96, generator=g) - 0.5).half()  # a Gemma weight: the factor is 1 + w
     kept = 1.0 + raw.float()
-    traced = decode_step._norm_linear(x, raw, 1e-6, 1.0, w, None)
-    eager = decode_step._norm_linear(x, kept, 1e-6, 0.0, w, None)
+    traced = fused_pieces._norm_linear(x, raw, 1e-6, 1.0, w, None)
+    eager = fused_pieces._norm_linear(x, kept, 1e-6, 0.0, w, None)
     assert torch.equal(traced, eager) and kernels_on_cpu["norm"] == (2 if prologue else 0)
     gate_up = (torch.randn(64, 96, generator=g) / 10).half()
-    assert torch.equal(decode_step._gated_norm(x, raw, 1e-6, 1.0, gate_up, None, "gelu_tanh"),
-                       decode_step._gated_norm(x, kept, 1e-6, 0.0, gate_up, None, "gelu_tanh"))
+    assert torch.equal(fused_pieces._gated_norm(x, raw, 1e-6, 1.0, gate_up, None, "gelu_tanh"),
+                       fused_pieces._gated_norm(x, kept, 1e-6, 0.0, gate_up, None, "gelu_tanh"))
 
 
 @pytest.mark.parametrize("offset", [None, 1.0], ids=["llama-formula", "gemma-weight"])
@@ -391,9 +391,9 @@ def test_eager_gate_up_keeps_the_norm_in_its_prologue_where_the_table_takes_it_a
     x = torch.randn(3, 96, generator=g).half()
     w = (torch.randn(64, 96, generator=g) / 10).half()
     nw = (torch.rand(96, generator=g) - 0.5).half() if offset else (torch.rand(96, generator=g) + 0.5).half()
-    eager = decode_step._gated_norm_eager(x, nw, 1e-6, offset, w, None, "silu")
+    eager = fused_pieces._gated_norm_eager(x, nw, 1e-6, offset, w, None, "silu")
     assert launched == [True]
-    compiled_op = decode_step._gated_norm(x, nw, 1e-6, offset, w, None, "silu")
+    compiled_op = fused_pieces._gated_norm(x, nw, 1e-6, offset, w, None, "silu")
     assert launched == [True]  # the op: the norm apart, then gate/up as decided without it (on the CPU: torch)
     xn = prologue_norm(x.float(), nw.float() + (offset or 0.0), 1e-6)
     ref = torch.nn.functional.silu(xn @ w[:32].float().T) * (xn @ w[32:].float().T)
@@ -960,7 +960,7 @@ def test_olmo2s_fp32_rotary_in_bfloat16_takes_the_step_with_its_roundings():
     g = torch.Generator().manual_seed(0)
     y = torch.randn(2, 1, (4 + 2 * 2) * 32, generator=g).to(torch.bfloat16)
     keys, values = torch.zeros(2, 2, 16, 32, dtype=torch.bfloat16), torch.zeros(2, 2, 16, 32, dtype=torch.bfloat16)
-    got = decode_step._rotate_store(y, cos, sin, keys, values, torch.tensor(3), 4, 2)
+    got = fused_pieces.rotate_store(y, cos, sin, keys, values, torch.tensor(3), 4, 2)
     q, k, v = y.split([128, 64, 64], dim=-1)
     rotary = checks.plain_function(checks.attention_form(o2.Olmo2Attention).rotary)
     want_q, want_k = rotary(q.view(2, 1, 4, 32).transpose(1, 2), k.view(2, 1, 2, 32).transpose(1, 2), cos, sin)

@@ -23,8 +23,8 @@ from hybridgemm import dispatch
 from hybridgemm.kernels import triton_glu, triton_splitk
 from hybridgemm.linear_layer import HybridLinear
 from hybridgemm.models import decode_checks as checks
-from hybridgemm.models import decode_step
 from hybridgemm.models import decoder_layer as dl
+from hybridgemm.models import fused_pieces
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -96,8 +96,8 @@ def test_a_gemm_the_table_gives_another_backend_runs_the_norm_and_add_apart(kern
     hybridgemm.patch(model)
     monkeypatch.setattr(dispatch, "splitk_config", lambda *a: None)
     norms = []
-    real = decode_step.prologue_norm
-    monkeypatch.setattr(decode_step, "prologue_norm", lambda x, *operand: norms.append(x.shape) or real(x, *operand))
+    real = fused_pieces.prologue_norm
+    monkeypatch.setattr(fused_pieces, "prologue_norm", lambda x, *operand: norms.append(x.shape) or real(x, *operand))
     ids = torch.randint(0, VOCAB, (1, 7))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-4)

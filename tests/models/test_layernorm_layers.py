@@ -16,7 +16,7 @@ import hybridgemm
 from helpers import assert_static_decode_matches, greedy_static_decode
 from hybridgemm.kernels import triton_qk_rope as tqr
 from hybridgemm.models import decode_checks as checks
-from hybridgemm.models import decode_step, layernorm_layers
+from hybridgemm.models import fused_pieces, layernorm_layers
 from hybridgemm.perf import e2e_models as hf
 
 transformers = pytest.importorskip("transformers")
@@ -155,7 +155,7 @@ def test_grouped_rope_store_on_torch_is_its_kernel(batch, seq, heads, kv_heads, 
             monkeypatch.setattr(checks, "on_kernel_device", lambda x, on=on_kernel: on)
             keys = torch.full((batch, kv_heads, 8, hd), float("nan"), dtype=dtype)
             values = keys.clone()
-            q = decode_step.rope_store(y, cos, sin, keys, values, torch.tensor([base]), heads, group=group)
+            q = fused_pieces.rope_store(y, cos, sin, keys, values, torch.tensor([base]), heads, group=group)
             results.append((q, keys, values))
         (q0, k0, v0), (q1, k1, v1) = results
         assert torch.equal(q0, q1) and torch.equal(k0.nan_to_num(7.0), k1.nan_to_num(7.0)) \
