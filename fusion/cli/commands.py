@@ -151,7 +151,7 @@ def _hf_config_shapes(path: str, tp: int | None, mlp: bool, gated: list | None =
     transformers cannot build it, the shapes the config's fields give (said on stderr).
     ``ValueError`` when the patched model runs none of the asked GEMMs."""
     if tp is not None:
-        return _tp_shapes(path, tp, mlp)
+        return _tp_shapes(path, tp, mlp, gated)
     try:
         _, model, _ = dry_run(path)
     except ValueError as e:
@@ -178,14 +178,15 @@ def _hf_config_shapes(path: str, tp: int | None, mlp: bool, gated: list | None =
     return shapes
 
 
-def _tp_shapes(path: str, tp: int, mlp: bool) -> list:
+def _tp_shapes(path: str, tp: int, mlp: bool, gated: list | None = None) -> list:
     """``--hf-config PATH --tp N``: the GEMM shapes one of N ranks runs after
     :func:`hybridgemm.parallelize`, all of them (attention, MLP, LM head): the GEMMs ``patch``
     runs on the model the config builds, each part ``parallelize`` splits cut as it cuts it
     (the attention's heads, from the config's fields: ``rank_projections``; the MLP's columns:
     gate/up and up N / tp, down K / tp; the LM head's rows), a part it leaves whole (the layers
-    of a family it does not split: GPT-NeoX, Falcon, Phi-3) whole. The config's fields alone
-    (said on stderr) where transformers cannot build the model."""
+    of a family it does not split: GPT-NeoX, Falcon, Phi-3) whole, and with ``mlp`` a whole MLP's
+    gate/up shapes for the gated kernel appended to ``gated``. The config's fields alone (said
+    on stderr) where transformers cannot build the model."""
     try:
         model = build_on_meta(path)[1]
     except ValueError as e:
@@ -198,7 +199,10 @@ def _tp_shapes(path: str, tp: int, mlp: bool) -> list:
         split = split_parts(model, tp)
     except ValueError as e:  # a part that cannot be split tp ways
         raise ValueError(f"{show_path(path)}: {e}") from None
-    attention, rest = patched_gemms(dry_run(path)[1])
+    patched = dry_run(path)[1]
+    attention, rest = patched_gemms(patched)
+    if mlp and gated is not None and "mlp" not in split:
+        gated += [g for g in gated_shapes(patched) if not g.bias]
     if "attention" in split:  # the rank's heads, as the fields give them (no MLP, no head)
         preset = preset_from_hf_config(path)
         attention = list(rank_projections(replace(preset, intermediate=None, vocab=None, experts=0), tp))
@@ -235,7 +239,7 @@ def _cmd_autotune(args) -> int:
     shapes, gated = [], []
     for name in args.model or []:
         preset = get_preset(name)
-        if args.mlp and args.tp is None:
+        if args.mlp and (args.tp is None or "mlp" in preset.tp_whole):  # the whole gate/up runs the gated kernel
             gated += _preset_gated(preset)
         if preset.moe and (args.mlp or args.tp is not None):
             print(f"hybridgemm autotune: {preset.name} is a mixture of experts ({preset.experts} experts, "

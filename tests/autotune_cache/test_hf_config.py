@@ -445,6 +445,26 @@ def test_cli_tp_tunes_a_family_parallelize_leaves_whole_at_its_full_size(monkeyp
     assert "whole" not in capsys.readouterr().err  # one rank: nothing to say
 
 
+def test_cli_mlp_tp_tunes_the_gated_kernel_of_an_mlp_parallelize_leaves_whole(tmp_path, monkeypatch):
+    """Phi-3's MLP runs whole on every rank, so --mlp --tp tunes its gated kernel at full width,
+    from the preset and from the config (the patched model's gate/up); a split MLP gets none."""
+    pytest.importorskip("transformers")
+    from hybridgemm.perf import e2e_models as hf
+
+    gated = []
+    _tuned_shapes(monkeypatch, ["--model", "phi3-mini", "--mlp", "--tp", "2"], gated)
+    assert [(g.intermediate, g.k, g.bias) for g in gated] == [(8192, 3072, False)]
+    path = tmp_path / "phi3.json"
+    hf.hf_config("phi3-mini", layers=2).to_json_file(str(path))
+    gated.clear()
+    _tuned_shapes(monkeypatch, ["--hf-config", str(path), "--mlp", "--tp", "2"], gated)
+    assert [(g.intermediate, g.k, g.bias) for g in gated] == [(8192, 3072, False)]
+    gated.clear()
+    _tuned_shapes(monkeypatch, ["--hf-config", str(path), "--tp", "2"], gated)  # no --mlp: no gated entries
+    _tuned_shapes(monkeypatch, ["--hf-config", str(write(tmp_path, LLAMA3_8B)), "--mlp", "--tp", "2"], gated)
+    assert gated == []
+
+
 def test_a_family_without_a_gated_mlp_has_no_mlp_width(tmp_path):
     """GPT-NeoX's intermediate_size is its dense_h_to_4h's width, not a gate/up width: the
     fields give no MLP shape (patch's activated linears come from the built model)."""
