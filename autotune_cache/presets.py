@@ -112,8 +112,8 @@ class ModelPreset:
 PRESETS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
-        ModelPreset("bert-base", 768, 12, 12, 64, qkv_bias=True, o_bias=True),
-        ModelPreset("gpt2", 768, 12, 12, 64, qkv_bias=True, o_bias=True),
+        ModelPreset("bert-base", 768, 12, 12, 64, qkv_bias=True, o_bias=True, tp_whole=("attention", "mlp")),
+        ModelPreset("gpt2", 768, 12, 12, 64, qkv_bias=True, o_bias=True, tp_whole=("attention", "mlp")),
         ModelPreset("llama3-8b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False,
                     intermediate=14336, vocab=128256, layers=32),
         ModelPreset("llama3-70b", 8192, 64, 8, 128, qkv_bias=False, o_bias=False,
@@ -221,8 +221,9 @@ _HF_BIAS_BY_MODEL_TYPE: dict[str, tuple[bool, bool]] = {
 
 # Families whose MLP is not gate/up/down (one activated linear, then one back): their
 # ``intermediate_size`` is no gated MLP's width, and the config's fields alone give no shape of it.
-_HF_UNGATED_MLP_MODEL_TYPES = frozenset(("gpt_neox", "falcon", "gpt2", "gpt_bigcode", "gptj", "opt", "bloom", "phi",
-                                         "bert", "roberta", "xlm-roberta", "distilbert", "starcoder2"))
+_HF_UNGATED_MLP_MODEL_TYPES = frozenset(("gpt_neox", "falcon", "gpt2", "gpt_bigcode", "gpt_neo", "gptj", "opt", "bloom",
+                                         "phi", "persimmon", "nemotron", "biogpt", "bert", "roberta", "xlm-roberta",
+                                         "distilbert", "starcoder2"))
 
 
 def _show(value: object, limit: int = 60) -> str:

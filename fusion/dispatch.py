@@ -278,7 +278,7 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str):
 
 
 # ------------------------------------------------------------- GEMMs with fusions around them
-# The decode step's GEMMs (fusion/models/decode_step.py) carry work around the GEMM: an RMSNorm
+# The decode step's GEMMs (fusion/models/fused_pieces.py) carry work around the GEMM: an RMSNorm
 # prologue, a residual add, the rotary embedding and the KV-cache write. They are decided here
 # like any other call (the table's decision for the bare GEMM; the gated rule for gate/up) and
 # launched here; where the decision is a kernel that cannot carry the fusion, these return None
@@ -434,7 +434,7 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             x2 = row_major(rows_2d(prologue_norm(x, g, eps, offset)))
             del fusion["norm"]
         else:
-            fusion["norm"] = prologue_operand(g, eps, offset)
+            fusion["norm"] = prologue_operand(g, eps, offset, x.dtype)
     if weight_scale is not None:
         fusion["weight_scale"] = weight_scale
     if "residual" in fusion:
@@ -470,5 +470,5 @@ def gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, acti
         choice = decide.choose_gated(x, weight, bias, g, tuned=False, fp32_factor=offset is not None)
     if choice.backend != "triton_glu":
         return None
-    kernel_norm = None if g is None else prologue_operand(g, eps, offset)
+    kernel_norm = None if g is None else prologue_operand(g, eps, offset, x.dtype)
     return triton_module("triton_glu").glu(x, weight, bias, activation, norm=kernel_norm, config=choice.config)

@@ -244,12 +244,16 @@ def prologue_norm(x: Tensor, g: Tensor, eps: float, offset: float | None = None)
     return rms_norm(x, g, eps) if g.dtype == x.dtype else fp32_factor_rms_norm(x, g, eps)
 
 
-def prologue_operand(g: Tensor, eps: float, offset: float | None) -> tuple:
+def prologue_operand(g: Tensor, eps: float, offset: float | None, dtype: torch.dtype) -> tuple:
     """The ``norm=`` argument a fused norm prologue's kernel takes for operand ``(g, eps,
-    offset)`` (:func:`norm_operand`): ``(g, eps)`` where the factor is ``g`` as it is (Llama's
-    weight, a kept fp32 factor, or OLMo 2's weight: the kernels multiply in fp32, and
-    ``0 + g`` in fp32 is ``g``), else ``(g, eps, offset)``, whose factor ``offset + g`` in fp32
-    the kernels form in registers (Gemma's ``1 + w``: no launches before the GEMM)."""
+    offset)`` (:func:`norm_operand`) with x of ``dtype``: ``(g, eps)`` where the factor is ``g``
+    as it is (Llama's weight, a kept fp32 factor, or OLMo 2's weight: the kernels multiply in
+    fp32, and ``0 + g`` in fp32 is ``g``), else ``(g, eps, offset)``, whose factor ``offset + g``
+    in fp32 the kernels form in registers (Gemma's ``1 + w``: no launches before the GEMM). A
+    16-bit weight of the other 16-bit dtype than x's, which the kernels do not read, with an
+    offset: the factor formed here in fp32."""
+    if offset is not None and g.dtype not in (dtype, torch.float32):
+        return (offset + g.float(), eps)
     return (g, eps) if not offset else (g, eps, float(offset))
 
 

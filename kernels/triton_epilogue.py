@@ -36,8 +36,8 @@ def tl_activation(z, ACT: tl.constexpr):
 @triton.jit
 def tl_norm_factor(g, OFFSET: tl.constexpr):
     """The factor a norm prologue multiplies x by, from the loaded norm weight ``g``: ``g``
-    itself, or with an ``OFFSET`` ``OFFSET + g`` in fp32 (Gemma's ``1 + w``), formed in registers
-    rather than by a conversion and an add in launches of their own before the GEMM."""
+    itself, or with an ``OFFSET`` ``OFFSET + g`` in fp32 (Gemma's ``1 + w``), formed in registers:
+    no launch before the GEMM forms it."""
     if OFFSET != 0.0:
         g = g.to(tl.float32) + OFFSET
     return g

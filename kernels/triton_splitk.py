@@ -266,7 +266,7 @@ def default_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits)
     return cfg
 
 
-# A fused decode piece (fusion/models/decode_step.py) on a shape the table does not hold runs
+# A fused decode piece (fusion/models/fused_pieces.py) on a shape the table does not hold runs
 # this _PLAN shape (decide.choose_fusable): 64-row tiles, 256 bytes of K per stage, 6 stages,
 # about one wave, single-pass reduction (which the rotary/cache epilogue needs). In the shipped
 # H200 table (273 bf16 entries at M <= 16, 2026-12-03) it was among an entry's five timed
@@ -442,7 +442,7 @@ class Fusion:
     (``norm_eps`` not None; the norm weight's 16-byte alignment), a residual added in the
     epilogue (``residual_ld`` not None: its row stride; its 16-byte alignment), the rotary
     embedding and KV-cache write of a Q/K/V projection (``rope``). ``norm_fp32``: the norm
-    weight is fp32 (a Gemma norm's ``1 + weight`` formed before the call), not x's dtype (Triton
+    weight is fp32 (a Gemma norm's kept ``1 + weight``), not x's dtype (Triton
     compiles the prologue for its pointer type); ``norm_offset``: the prologue's factor is
     ``norm_offset + weight`` in fp32, formed in registers (a Gemma norm's weight as it is)."""
 

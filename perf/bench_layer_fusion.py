@@ -1,5 +1,5 @@
 """What the decoder-layer fusion costs inside each GEMM (GPU machine): the kernels of
-the fused decode step (fusion/models/decode_step.py) timed with and without their fused norm or residual.
+the fused decode step (fusion/models/fused_pieces.py) timed with and without their fused norm or residual.
 
     python -m hybridgemm.perf.bench_layer_fusion --model llama3-8b qwen2.5-7b --m 1 8 --out DIR
 

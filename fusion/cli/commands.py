@@ -47,7 +47,7 @@ from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem, uses_tf32
 from hybridgemm.kernels.version import __version__
 from hybridgemm.models.gemm_shapes import GatedShape, gated_shapes, patched_gemms
 from hybridgemm.norm import prologue_norm
-from hybridgemm.parallel.sharding import rank_projections, tp_vocab_rows
+from hybridgemm.parallel.sharding import rank_projections, tp_split, tp_vocab_rows
 from hybridgemm.perf.cli_commands import add_bench_parser, add_plot_parser, cmd_plot
 from hybridgemm.perf.demo import DEMO_MAX_ELEMENTS, run_demo
 from hybridgemm.perf.plots import RESULTS_DIR, figure_sources
@@ -135,12 +135,15 @@ def _preset_shapes(preset, tp: int | None, mlp: bool = False) -> list:
     return list(preset.projections if tp is None else rank_projections(preset, tp))
 
 
-def _preset_gated(preset) -> list:
-    """The preset's gate/up for the gated kernel's entries: none without a dense MLP width or
-    with MLP biases (the tuner times no bias)."""
+def _preset_gated(preset, tp: int | None = None) -> list:
+    """The preset's gate/up for the gated kernel's entries, one rank's under ``tp`` (I / tp
+    where ``parallelize`` splits the MLP; patch fuses each rank's gate and up): none without a
+    dense MLP width or with MLP biases (the tuner times no bias)."""
     if not preset.intermediate or preset.mlp_bias:
         return []
-    return [GatedShape(preset.intermediate, preset.hidden, False, tuple(dict.fromkeys((None, preset.mlp_norm))))]
+    width = preset.intermediate if not tp or "mlp" in preset.tp_whole else tp_split(preset.intermediate, tp,
+                                                                                      "intermediate size")
+    return [GatedShape(width, preset.hidden, False, tuple(dict.fromkeys((None, preset.mlp_norm))))]
 
 
 def _hf_config_shapes(path: str, tp: int | None, mlp: bool, gated: list | None = None) -> list:
@@ -184,7 +187,7 @@ def _tp_shapes(path: str, tp: int, mlp: bool, gated: list | None = None) -> list
     runs on the model the config builds, each part ``parallelize`` splits cut as it cuts it
     (the attention's heads, from the config's fields: ``rank_projections``; the MLP's columns:
     gate/up and up N / tp, down K / tp; the LM head's rows), a part it leaves whole (the layers
-    of a family it does not split: GPT-NeoX, Falcon, Phi-3) whole, and with ``mlp`` a whole MLP's
+    of a family it does not split: GPT-NeoX, Falcon, Phi-3) whole, and with ``mlp`` the rank's
     gate/up shapes for the gated kernel appended to ``gated``. The config's fields alone (said
     on stderr) where transformers cannot build the model."""
     try:
@@ -201,8 +204,10 @@ def _tp_shapes(path: str, tp: int, mlp: bool, gated: list | None = None) -> list
         raise ValueError(f"{show_path(path)}: {e}") from None
     patched = dry_run(path)[1]
     attention, rest = patched_gemms(patched)
-    if mlp and gated is not None and "mlp" not in split:
-        gated += [g for g in gated_shapes(patched) if not g.bias]
+    if mlp and gated is not None:  # a rank's gate/up: I / tp where the MLP is split
+        per_rank = 1 if "mlp" not in split else tp
+        gated += [g._replace(intermediate=tp_split(g.intermediate, per_rank, "intermediate size"))
+                  for g in gated_shapes(patched) if not g.bias]
     if "attention" in split:  # the rank's heads, as the fields give them (no MLP, no head)
         preset = preset_from_hf_config(path)
         attention = list(rank_projections(replace(preset, intermediate=None, vocab=None, experts=0), tp))
@@ -239,17 +244,17 @@ def _cmd_autotune(args) -> int:
     shapes, gated = [], []
     for name in args.model or []:
         preset = get_preset(name)
-        if args.mlp and (args.tp is None or "mlp" in preset.tp_whole):  # the whole gate/up runs the gated kernel
-            gated += _preset_gated(preset)
         if preset.moe and (args.mlp or args.tp is not None):
             print(f"hybridgemm autotune: {preset.name} is a mixture of experts ({preset.experts} experts, "
                   f"{preset.experts_per_token} per token) whose experts run in the grouped MoE kernels, not as "
                   "dispatched GEMMs: no MLP shapes are tuned for it, only its router's and LM head's", file=sys.stderr)
-        if args.tp is not None and args.tp > 1 and preset.tp_whole:
-            print(f"hybridgemm autotune: hybridgemm.parallelize leaves "
-                  f"{' and '.join(f'the {p}' for p in sorted(preset.tp_whole))} of {preset.name} whole on each rank: "
-                  "those GEMMs are tuned whole", file=sys.stderr)
-        shapes += _preset_shapes(preset, args.tp, args.mlp)
+        whole = [p for p in sorted(preset.tp_whole) if p == "attention" or preset.intermediate]  # (parts with shapes)
+        if args.tp is not None and args.tp > 1 and whole:
+            print(f"hybridgemm autotune: hybridgemm.parallelize leaves {' and '.join(f'the {p}' for p in whole)} "
+                  f"of {preset.name} whole on each rank: those GEMMs are tuned whole", file=sys.stderr)
+        shapes += _preset_shapes(preset, args.tp, args.mlp)  # (a --tp that does not split it: its error first)
+        if args.mlp:
+            gated += _preset_gated(preset, args.tp)
     for path in args.hf_config or []:
         try:
             shapes += _hf_config_shapes(path, args.tp, args.mlp, gated)
@@ -769,13 +774,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also tune the MLP's gate/up and down and the LM head of --model / --hf-config, the "
                    "GEMMs hybridgemm.patch runs through the dispatcher (where the model's sizes are known; a "
                    "mixture-of-experts model's experts are not such GEMMs: its router and LM head only), and the gated "
-                   "kernel's configs for gate/up at decode rows, with and without the norm before it (not under "
-                   "--tp)")
+                   "kernel's configs for gate/up at decode rows, with and without the norm before it (under --tp "
+                   "one rank's gate/up)")
     p.add_argument("--tp", type=int, metavar="N",
                    help="tensor-parallel degree: tune the shapes each of N ranks runs after "
                    "hybridgemm.parallel.parallelize (q/kv/qkv/o with the rank's heads; the MLP's gate/up and "
-                   "down and the LM head where the model's sizes are known; with --hf-config, the layers of a "
-                   "family parallelize leaves whole, as patch runs them); for --model and --hf-config")
+                   "down and the LM head where the model's sizes are known; the layers of a family parallelize "
+                   "leaves whole (Phi-3, GPT-NeoX, Falcon) at full size); for --model and --hf-config")
     p.add_argument("--m", type=int, nargs="+", help="tune the M ranges holding these M (default: every range, "
                    "1 to 16384: 1, 2, 3-4, 5-8, ..., 8193-16384)")
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32", "tf32"])

@@ -406,9 +406,14 @@ def test_cli_mlp_tunes_the_gated_kernel_with_the_presets_prologue(monkeypatch, n
     assert [(g.intermediate, g.k, g.bias, g.norms) for g in gated] == [(preset.intermediate, preset.hidden, False,
                                                                        norms)]
     gated.clear()
-    _tuned_shapes(monkeypatch, ["--model", name, "--mlp", "--tp", "2"], gated)
+    _tuned_shapes(monkeypatch, ["--model", name, "--mlp", "--tp", "2"], gated)  # a rank's gate/up: I / 2
+    assert [(g.intermediate, g.k, g.norms) for g in gated] == [(preset.intermediate // 2, preset.hidden, norms)]
+    gated.clear()
+    _tuned_shapes(monkeypatch, ["--model", name, "--mlp", "--tp", "1"], gated)  # one rank: the whole MLP
+    assert [g.intermediate for g in gated] == [preset.intermediate]
+    gated.clear()
     _tuned_shapes(monkeypatch, ["--model", name], gated)
-    assert gated == []  # a rank's shard, or no --mlp: no gated entries
+    assert gated == []  # no --mlp: no gated entries
 
 
 def test_cli_hf_config_tunes_the_gated_shapes_the_patched_model_calls(tmp_path, monkeypatch):
@@ -435,7 +440,7 @@ def test_cli_tp_tunes_a_family_parallelize_leaves_whole_at_its_full_size(monkeyp
     shapes = _tuned_shapes(monkeypatch, ["--model", "pythia-6.9b", "--tp", "2"])
     # (kv and o are q's shape: tuned once)
     assert shapes == [("q", 4096, 4096, True), ("qkv", 12288, 4096, True), ("lm_head", 25216, 4096, False)]
-    assert "leaves the attention and the mlp of pythia-6.9b whole on each rank" in capsys.readouterr().err
+    assert "leaves the attention of pythia-6.9b whole on each rank" in capsys.readouterr().err  # (no gated MLP)
     phi3 = {s[0]: s[1:] for s in _tuned_shapes(monkeypatch, ["--model", "phi3-mini", "--tp", "4"])}
     assert phi3["qkv"] == (9216, 3072, False) and phi3["gate_up"] == (8192, 3072, False)
     assert phi3["down"] == (3072, 8192, False) and phi3["lm_head"] == (8016, 3072, False)
@@ -447,7 +452,8 @@ def test_cli_tp_tunes_a_family_parallelize_leaves_whole_at_its_full_size(monkeyp
 
 def test_cli_mlp_tp_tunes_the_gated_kernel_of_an_mlp_parallelize_leaves_whole(tmp_path, monkeypatch):
     """Phi-3's MLP runs whole on every rank, so --mlp --tp tunes its gated kernel at full width,
-    from the preset and from the config (the patched model's gate/up); a split MLP gets none."""
+    from the preset and from the config (the patched model's gate/up); a split MLP, one rank's
+    I / tp."""
     pytest.importorskip("transformers")
     from hybridgemm.perf import e2e_models as hf
 
@@ -461,8 +467,9 @@ def test_cli_mlp_tp_tunes_the_gated_kernel_of_an_mlp_parallelize_leaves_whole(tm
     assert [(g.intermediate, g.k, g.bias) for g in gated] == [(8192, 3072, False)]
     gated.clear()
     _tuned_shapes(monkeypatch, ["--hf-config", str(path), "--tp", "2"], gated)  # no --mlp: no gated entries
-    _tuned_shapes(monkeypatch, ["--hf-config", str(write(tmp_path, LLAMA3_8B)), "--mlp", "--tp", "2"], gated)
     assert gated == []
+    _tuned_shapes(monkeypatch, ["--hf-config", str(write(tmp_path, LLAMA3_8B)), "--mlp", "--tp", "2"], gated)
+    assert [(g.intermediate, g.k, g.bias, g.norms) for g in gated] == [(7168, 4096, False, (None, "x"))]
 
 
 def test_a_family_without_a_gated_mlp_has_no_mlp_width(tmp_path):

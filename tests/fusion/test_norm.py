@@ -375,16 +375,20 @@ def test_fp32_factor_operand_eager_and_traced(family, monkeypatch):
     with torch.no_grad():
         for g, e, offset in (eager, traced):
             assert torch.equal(hnorm.prologue_norm(x, g, e, offset), stock(x))
-            operand = hnorm.prologue_operand(g, e, offset)
+            operand = hnorm.prologue_operand(g, e, offset, torch.bfloat16)
             assert operand[0] is g and operand[1] == e  # nothing formed outside the kernel
             kernel_factor = operand[0].float() + (operand[2] if len(operand) == 3 else 0.0)
             assert torch.equal(kernel_factor, factor)
-    assert len(hnorm.prologue_operand(eager[0], eps, 0.0)) == 2  # a kept factor as it is
-    assert hnorm.prologue_operand(traced[0], eps, traced[2]) == (
+    assert len(hnorm.prologue_operand(eager[0], eps, 0.0, torch.bfloat16)) == 2  # a kept factor as it is
+    assert hnorm.prologue_operand(traced[0], eps, traced[2], torch.bfloat16) == (
         (traced[0], eps, 1.0) if family == "gemma" else (traced[0], eps))
+    # fp16 x with the bf16 weight: no kernel reads a weight of the other 16-bit dtype, so the
+    # fp32 factor is formed here, the same values
+    formed, e16 = hnorm.prologue_operand(traced[0], eps, traced[2], torch.float16)
+    assert formed.dtype == torch.float32 and e16 == eps and torch.equal(formed, factor)
     llama = patched_copy(stock_norm(dtype=torch.bfloat16))
     assert hnorm.norm_operand(llama) == (llama.weight, EPS, None)
-    assert hnorm.prologue_operand(llama.weight, EPS, None) == (llama.weight, EPS)
+    assert hnorm.prologue_operand(llama.weight, EPS, None, torch.bfloat16) == (llama.weight, EPS)
 
 
 def test_gemma_kernel_weight_follows_the_weight():

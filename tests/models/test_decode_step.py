@@ -737,6 +737,7 @@ def test_one_token_attention_is_one_kernel_launch(batch, kernels_on_cpu, monkeyp
     monkeypatch.setattr(tda, "decode_attention", lambda q, k, *a, **kw: launches.append(
         (tuple(q.shape), kw["step"], kw["counters"] is not None)) or real(q, k, *a, **kw))
     monkeypatch.setattr(decode_step, "F", None)  # no SDPA call at all
+    monkeypatch.setattr(fused_pieces, "F", None)  # (nor the attention piece's fallback)
     _compare(model, stock, steps=2, batch=batch)
     assert kernels_on_cpu["rope"] == 2 * 2
     # 4 query heads of 32 over 2 KV heads; each layer's call adds 1 to its cache length but the
@@ -942,7 +943,7 @@ def test_a_model_on_transformers_eager_attention_takes_the_step_with_its_additiv
 def test_olmo2s_fp32_rotary_in_bfloat16_takes_the_step_with_its_roundings():
     """OLMo 2's rotary embedding gives fp32 cos/sin; its apply_rotary_pos_emb rotates in fp32 and rounds
     to q's dtype. A bf16 layer takes the step with them (kv_slot), and the step's rotary and cache
-    write (``_rotate_store``) give the stock function's bits."""
+    write (``rotate_store``) give the stock function's bits."""
     from transformers.models.olmo2 import modeling_olmo2 as o2
 
     stock = _tiny("olmo2", head_dim=32).to(torch.bfloat16)

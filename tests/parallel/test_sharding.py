@@ -51,10 +51,13 @@ def test_qwen_biases_per_rank():
 
 
 def test_a_row_parallel_bias_is_on_rank_zero_only_so_both_gemms_are_listed():
-    s = tp_shapes("bert-base", 2)  # o has a bias: rank 0's GEMM adds it, the others' do not
-    assert s["o"] == (768, 384, True) and s["o_nobias"] == (768, 384, False)
-    assert "gate_up" not in s and "lm_head" not in s  # BERT's MLP and head are not split
-    assert "o_nobias" not in tp_shapes("bert-base", 1)
+    biased = replace(get_preset("llama3-8b"), qkv_bias=True, o_bias=True)
+    s = {p.name: (p.n, p.k, p.bias) for p in rank_projections(biased, 2)}  # rank 0's o adds the bias, the others' not
+    assert s["o"] == (4096, 2048, True) and s["o_nobias"] == (4096, 2048, False)
+    assert "o_nobias" not in {p.name for p in rank_projections(biased, 1)}
+    bert = tp_shapes("bert-base", 2)  # parallelize splits none of BERT's layers: whole on every rank
+    assert bert["o"] == (768, 768, True) and "o_nobias" not in bert
+    assert "gate_up" not in bert and "lm_head" not in bert
     mlp_bias = replace(get_preset("llama3-8b"), mlp_bias=True)
     m = {p.name: (p.n, p.k, p.bias) for p in rank_projections(mlp_bias, 2)}
     assert m["down"] == (4096, 7168, True) and m["down_nobias"] == (4096, 7168, False)
