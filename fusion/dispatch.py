@@ -40,7 +40,7 @@ from hybridgemm.kernels.process_memory import per_call
 from . import decide, mode_state, modes
 from .decide import Choice
 from .diagnostics import warn_once
-from .norm import prologue_norm, prologue_operand
+from .norm import forms_factor, prologue_norm, prologue_operand
 
 CACHE_SIZE = 1024
 WHO = "hybridgemm.linear"  # the name errors give: hybridgemm.linear is what callers call
@@ -363,6 +363,8 @@ def _bound_key(x, weight, bias, keep_prologue: bool, fusion: dict):
     if torch.compiler.is_compiling() or torch.is_autocast_enabled("cuda"):
         return None
     g, eps, offset = (*norm, None)[:3] if norm is not None else (None, None, None)
+    if g is not None and forms_factor(g, offset, x.dtype):
+        return None  # (a factor formed per call: a bound launch would read the weight instead)
     return (x.shape, x.dtype, x.device.index, x.data_ptr() % 16, weight.data_ptr(), weight.shape, weight.dtype,
             None if bias is None else (bias.data_ptr(), bias.dtype, bias.shape),
             None if residual is None else (residual.shape, residual.dtype, residual.data_ptr() % 16),

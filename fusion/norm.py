@@ -244,6 +244,12 @@ def prologue_norm(x: Tensor, g: Tensor, eps: float, offset: float | None = None)
     return rms_norm(x, g, eps) if g.dtype == x.dtype else fp32_factor_rms_norm(x, g, eps)
 
 
+def forms_factor(g: Tensor, offset: float | None, dtype: torch.dtype) -> bool:
+    """Does :func:`prologue_operand` form the factor for x of ``dtype`` (a 16-bit weight of the
+    other 16-bit dtype, with an offset), rather than hand the kernels the weight?"""
+    return offset is not None and g.dtype not in (dtype, torch.float32)
+
+
 def prologue_operand(g: Tensor, eps: float, offset: float | None, dtype: torch.dtype) -> tuple:
     """The ``norm=`` argument a fused norm prologue's kernel takes for operand ``(g, eps,
     offset)`` (:func:`norm_operand`) with x of ``dtype``: ``(g, eps)`` where the factor is ``g``
@@ -252,7 +258,7 @@ def prologue_operand(g: Tensor, eps: float, offset: float | None, dtype: torch.d
     in fp32 the kernels form in registers (Gemma's ``1 + w``: no launches before the GEMM). A
     16-bit weight of the other 16-bit dtype than x's, which the kernels do not read, with an
     offset: the factor formed here in fp32."""
-    if offset is not None and g.dtype not in (dtype, torch.float32):
+    if forms_factor(g, offset, dtype):
         return (offset + g.float(), eps)
     return (g, eps) if not offset else (g, eps, float(offset))
 
@@ -293,5 +299,5 @@ PATCHED_NORMS = (HybridRMSNorm, HybridGemmaRMSNorm, HybridOlmo2RMSNorm)
 
 __all__ = ["GEMMA_NORM_CLASSES", "OLMO2_NORM_CLASSES", "PATCHED_NORMS", "RMS_NORM_CLASSES", "Fp32FactorRMSNorm",
            "HybridGemmaRMSNorm", "HybridOlmo2RMSNorm", "HybridRMSNorm", "add_norm", "apply_norm",
-           "fp32_factor_rms_norm", "is_gemma_norm", "is_olmo2_norm", "is_rms_norm", "norm_operand", "prologue_operand",
-           "prologue_norm", "reference_gemma_rms_norm", "reference_rms_norm", "rms_norm"]
+           "forms_factor", "fp32_factor_rms_norm", "is_gemma_norm", "is_olmo2_norm", "is_rms_norm", "norm_operand",
+           "prologue_operand", "prologue_norm", "reference_gemma_rms_norm", "reference_rms_norm", "rms_norm"]

@@ -386,6 +386,9 @@ def test_fp32_factor_operand_eager_and_traced(family, monkeypatch):
     # fp32 factor is formed here, the same values
     formed, e16 = hnorm.prologue_operand(traced[0], eps, traced[2], torch.float16)
     assert formed.dtype == torch.float32 and e16 == eps and torch.equal(formed, factor)
+    assert hnorm.forms_factor(traced[0], traced[2], torch.float16)  # (no bound launch for such a call)
+    assert not hnorm.forms_factor(traced[0], traced[2], torch.bfloat16)
+    assert not hnorm.forms_factor(traced[0], None, torch.float16)
     llama = patched_copy(stock_norm(dtype=torch.bfloat16))
     assert hnorm.norm_operand(llama) == (llama.weight, EPS, None)
     assert hnorm.prologue_operand(llama.weight, EPS, None, torch.bfloat16) == (llama.weight, EPS)
