@@ -136,13 +136,12 @@ def _preset_shapes(preset, tp: int | None, mlp: bool = False) -> list:
 
 
 def _preset_gated(preset, tp: int | None = None) -> list:
-    """The preset's gate/up for the gated kernel's entries, one rank's under ``tp`` (I / tp
-    where ``parallelize`` splits the MLP; patch fuses each rank's gate and up): none without a
+    """The preset's gate/up for the gated kernel's entries, one rank's under ``tp`` (the width
+    of ``rank_projections``' gate/up; patch fuses each rank's gate and up): none without a
     dense MLP width or with MLP biases (the tuner times no bias)."""
     if not preset.intermediate or preset.mlp_bias:
         return []
-    width = preset.intermediate if not tp or "mlp" in preset.tp_whole else tp_split(preset.intermediate, tp,
-                                                                                      "intermediate size")
+    width = next(s.n for s in rank_projections(preset, tp or 1) if s.name == "gate_up")
     return [GatedShape(width, preset.hidden, False, tuple(dict.fromkeys((None, preset.mlp_norm))))]
 
 
@@ -205,9 +204,10 @@ def _tp_shapes(path: str, tp: int, mlp: bool, gated: list | None = None) -> list
     patched = dry_run(path)[1]
     attention, rest = patched_gemms(patched)
     if mlp and gated is not None:  # a rank's gate/up: I / tp where the MLP is split
-        per_rank = 1 if "mlp" not in split else tp
-        gated += [g._replace(intermediate=tp_split(g.intermediate, per_rank, "intermediate size"))
-                  for g in gated_shapes(patched) if not g.bias]
+        for g in gated_shapes(patched):
+            if not g.bias:
+                gated.append(g if "mlp" not in split else
+                             g._replace(intermediate=tp_split(g.intermediate, tp, "intermediate size")))
     if "attention" in split:  # the rank's heads, as the fields give them (no MLP, no head)
         preset = preset_from_hf_config(path)
         attention = list(rank_projections(replace(preset, intermediate=None, vocab=None, experts=0), tp))
