@@ -3,7 +3,9 @@ entries, and the tuner that fills them.
 
 **Key.** ``moe_<activation>_e<experts>_k<top_k>|<dtype>|none|N=<I>|K=<H>|M=lo-hi|c``: the
 experts' GLU activation, count and top-k in the op, the expert width I as N and the hidden
-size H as K, M the tokens of the call. **Entry.** backend ``triton_moe`` with ``config``
+size H as K, M the tokens of the call. FP8 experts append their weight format to the op
+(``moe_silu_e128_k8_e4m3_channel``, keys.op_for), so their entries never serve bf16 experts.
+**Entry.** backend ``triton_moe`` with ``config``
 ``{"up": [block_m, block_n, block_k, num_warps, num_stages], "down": [...]}`` (one block_m:
 gate/up and down share the layout), or backend ``torch``: the unfused grouped baseline
 (kernels/grouped_mm_moe.py, transformers' ``grouped_mm`` computation) runs. ``ratios``: the
@@ -14,7 +16,9 @@ logits (softmax top-k, seeded by M) at each of the range's sample points; every 
 (:func:`candidates`) timed against the baseline on rotating copies of the expert weights by
 autotune_cache/baseline_tuner.py (screened at the top point, the best ones again at every
 point; a candidate must beat the baseline by more than 3% at its worst point, else the
-baseline stays). Nothing runs at import; tuning needs a CUDA GPU.
+baseline stays). FP8 experts are tuned on the random weights quantized (kernels/fp8.py), the
+baseline then dequantizing them to x's dtype in each call, as ``hybridgemm.moe`` does where
+that entry wins. Nothing runs at import; tuning needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -24,17 +28,18 @@ from collections.abc import Callable
 
 import torch
 
+from hybridgemm.kernels.fp8 import GRANULARITY_OF_FORMAT, FP8Weight, quantize_fp8
 from hybridgemm.kernels.grouped_mm_moe import grouped_mm_moe
 from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.kernels.problem import DTYPE_NAMES
 
 from . import baseline_tuner
-from .keys import TableKey, octave, sample_points
+from .keys import TableKey, octave, op_for, sample_points
 from .measure import rotation_copies
 
 BACKEND = "triton_moe"
 MOE_M_MAX = 4096
-_OP_RE = re.compile(r"^moe_([a-z_]+)_e([1-9][0-9]{0,4})_k([1-9][0-9]{0,2})$")
+_OP_RE = re.compile(r"^moe_([a-z_]+?)_e([1-9][0-9]{0,4})_k([1-9][0-9]{0,2})(_e4m3_channel|_e4m3_block128)?$")
 _RECORD_LIMITS = {"block_m": (1, 256), "block_n": (4, 512), "block_k": (16, 512), "num_warps": (1, 16),
                   "num_stages": (1, 8)}
 MOST_WEIGHT_COPY_BYTES = 16 << 30  # rotating copies of the expert weights, at most this much
@@ -45,14 +50,16 @@ def moe_op(experts: int, top_k: int, activation: str) -> str:
 
 
 def parse_moe_op(op: str) -> tuple[str, int, int] | None:
-    """``(activation, experts, top_k)`` of a MoE op name, ``None`` for any other op."""
+    """``(activation, experts, top_k)`` of a MoE op name (of any weight format: keys.weight_format_of
+    reads that), ``None`` for any other op."""
     m = _OP_RE.match(op)
     return (m.group(1), int(m.group(2)), int(m.group(3))) if m else None
 
 
 def moe_key(experts: int, top_k: int, activation: str, dtype: torch.dtype, intermediate: int, hidden: int,
-            lo: int, hi: int) -> TableKey:
-    return TableKey(moe_op(experts, top_k, activation), DTYPE_NAMES[dtype], "none", intermediate, hidden, lo, hi)
+            lo: int, hi: int, weight_format: str = "") -> TableKey:
+    return TableKey(op_for(moe_op(experts, top_k, activation), weight_format), DTYPE_NAMES[dtype], "none",
+                    intermediate, hidden, lo, hi)
 
 
 def record_of(up, down) -> dict:
@@ -92,9 +99,10 @@ _GROUPED = {16: [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3)],
             128: [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 4), (256, 64, 8, 3)]}
 
 
-def candidates(pairs: int, experts: int) -> list[tuple]:
+def candidates(pairs: int, experts: int, weight_format: str = "") -> list[tuple]:
     """(up, down) config pairs for ``pairs`` pairs over ``experts`` experts: pair-major ones up to
-    128 pairs; grouped ones of every block size up to twice the rows an expert gets on average."""
+    128 pairs; grouped ones of every block size up to twice the rows an expert gets on average;
+    for block-scaled FP8 experts those whose tiles fit the scale blocks (triton_moe.fp8_fits)."""
     tm = triton_module("triton_moe")
     out = []
     if pairs <= 128:
@@ -105,7 +113,7 @@ def candidates(pairs: int, experts: int) -> list[tuple]:
             continue
         ups = [t for t in tiles if t[0] < 256 or bm < 128]
         out += [(tm.TritonMoeConfig(bm, *u), tm.TritonMoeConfig(bm, *d)) for u in ups for d in tiles]
-    return out
+    return [c for c in out if not (tm.fp8_fits(c[0], weight_format) or tm.fp8_fits(c[1], weight_format))]
 
 
 def _routing(m: int, experts: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,29 +124,30 @@ def _routing(m: int, experts: int, top_k: int, device) -> tuple[torch.Tensor, to
 
 
 def moe_keys(experts: int, top_k: int, intermediate: int, hidden: int, activation: str = "silu",
-             dtype: torch.dtype = torch.bfloat16, m_max: int = MOE_M_MAX) -> list[TableKey]:
-    """The octave ranges up to ``m_max`` (at most ``MOE_M_MAX``) of one MoE shape."""
+             dtype: torch.dtype = torch.bfloat16, m_max: int = MOE_M_MAX, weight_format: str = "") -> list[TableKey]:
+    """The octave ranges up to ``m_max`` (at most ``MOE_M_MAX``) of one MoE shape and weight format."""
     keys, lo = [], 1
     while lo <= min(m_max, MOE_M_MAX):
         lo, hi = octave(lo)
-        keys.append(moe_key(experts, top_k, activation, dtype, intermediate, hidden, lo, hi))
+        keys.append(moe_key(experts, top_k, activation, dtype, intermediate, hidden, lo, hi, weight_format))
         lo = hi + 1
     return keys
 
 
 def tune_into(table, path, experts: int, top_k: int, intermediate: int, hidden: int, activation: str = "silu",
               dtype: torch.dtype = torch.bfloat16, m_max: int = MOE_M_MAX, force: bool = False,
-              log: Callable[[str], None] = print) -> int:
+              log: Callable[[str], None] = print, weight_format: str = "") -> int:
     """Tune the ranges of one MoE shape that ``table`` does not hold (all with ``force``) into
     it, saving it to ``path`` after each range (an interrupted run keeps what it tuned); a range
     that runs out of GPU memory keeps no entry (the default configs serve it). Returns the
     ranges tuned."""
-    keys = [k for k in moe_keys(experts, top_k, intermediate, hidden, activation, dtype, m_max)
+    keys = [k for k in moe_keys(experts, top_k, intermediate, hidden, activation, dtype, m_max, weight_format)
             if force or table.lookup(k) is None]
     if keys:
         table.save(path)  # an unwritable path fails now, not after the first range
     done = 0
-    for key, entry in tune_moe(experts, top_k, intermediate, hidden, activation, dtype, keys, log):
+    for key, entry in tune_moe(experts, top_k, intermediate, hidden, activation, dtype, keys, log,
+                               weight_format=weight_format):
         if entry is not None:
             table.set(key, entry)
             table.save(path)
@@ -148,28 +157,42 @@ def tune_into(table, path, experts: int, top_k: int, intermediate: int, hidden: 
 
 def tune_moe(experts: int, top_k: int, intermediate: int, hidden: int, activation: str = "silu",
              dtype: torch.dtype = torch.bfloat16, keys: list[TableKey] | None = None,
-             log: Callable[[str], None] = lambda s: None):
-    """``(key, entry)`` for each of ``keys`` (default: :func:`moe_keys`) of one MoE shape, as
-    each range is tuned (module docstring); ``entry`` None where the GPU ran out of memory."""
-    keys = moe_keys(experts, top_k, intermediate, hidden, activation, dtype) if keys is None else keys
+             log: Callable[[str], None] = lambda s: None, weight_format: str = ""):
+    """``(key, entry)`` for each of ``keys`` (default: :func:`moe_keys`) of one MoE shape and
+    weight format, as each range is tuned (module docstring); ``entry`` None where the GPU ran
+    out of memory."""
+    if keys is None:
+        keys = moe_keys(experts, top_k, intermediate, hidden, activation, dtype, weight_format=weight_format)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     w_gu = (torch.randn(experts, 2 * intermediate, hidden, device=dev, generator=g) * 0.02).to(dtype)
     w_d = (torch.randn(experts, hidden, intermediate, device=dev, generator=g) * 0.02).to(dtype)
-    per_expert_bytes = 3 * intermediate * hidden * w_gu.element_size()
+    if weight_format:
+        granularity = GRANULARITY_OF_FORMAT[weight_format]
+        w_gu, w_d = quantize_fp8(w_gu, granularity), quantize_fp8(w_d, granularity)
+    per_expert_bytes = 3 * intermediate * hidden * (1 if weight_format else w_gu.element_size())
     copies = max(2, min(rotation_copies(min(experts, top_k) * per_expert_bytes, dev),
                         MOST_WEIGHT_COPY_BYTES // (experts * per_expert_bytes)))
-    weights = [(w_gu, w_d)] + [(w_gu.clone(), w_d.clone()) for _ in range(copies - 1)]
+    weights = [(w_gu, w_d)] + [(_clone(w_gu), _clone(w_d)) for _ in range(copies - 1)]
     for key in keys:
         try:
-            entry = _tune_range(key, experts, top_k, hidden, activation, dtype, weights, copies, g, log)
+            entry = _tune_range(key, experts, top_k, hidden, activation, dtype, weights, copies, g, log,
+                                weight_format)
         except torch.OutOfMemoryError as exc:
             log(f"{key.to_string()}: out of GPU memory ({str(exc).splitlines()[0] if str(exc) else ''}); no entry")
             entry = None
         yield key, entry
 
 
-def _tune_range(key, experts, top_k, hidden, activation, dtype, weights, copies, g, log) -> dict:
+def _clone(w):
+    return FP8Weight(w.data.clone(), w.scale.clone(), w.granularity, w.dtype) if isinstance(w, FP8Weight) else w.clone()
+
+
+def _dense(w, dtype):
+    return w.dequantize(dtype) if isinstance(w, FP8Weight) else w
+
+
+def _tune_range(key, experts, top_k, hidden, activation, dtype, weights, copies, g, log, weight_format="") -> dict:
     tm = triton_module("triton_moe")
     dev = weights[0][0].device
     hi = key.m_hi
@@ -180,13 +203,13 @@ def _tune_range(key, experts, top_k, hidden, activation, dtype, weights, copies,
 
     def baseline(m):
         x, ids, rw = inputs[m]
-        return lambda i: grouped_mm_moe(x, ids, rw, *weights[i], activation)
+        return lambda i: grouped_mm_moe(x, ids, rw, *(_dense(w, dtype) for w in weights[i]), activation)
 
     def ours(m, up, down):
         x, ids, rw = inputs[m]
         return lambda i: tm.forward(x, ids, rw, *weights[i], activation, up, down)
 
-    return baseline_tuner.tune_range(key, BACKEND, candidates(hi * top_k, experts), baseline,
+    return baseline_tuner.tune_range(key, BACKEND, candidates(hi * top_k, experts, weight_format), baseline,
                                      lambda m, cand: ours(m, *cand), copies, lambda cand: record_of(*cand), log,
                                      "the grouped baseline")
 

@@ -9,6 +9,11 @@ or for router logits: per (token, expert) pair ``act(x Wg^T) * (x Wu^T)`` then `
 the routing weight, summed over the token's experts in slot order in fp32 and rounded to x's
 dtype once (transformers' grouped_mm form). On CUDA the two GEMMs are the Triton kernels,
 bit-identical run to run; elsewhere a loop over the experts that hold pairs computes the same.
+
+FP8 experts: ``w_gate_up`` and ``w_down`` may be stacked ``FP8Weight``s (``quantize_fp8`` of
+the [E, N, K] tensors, or a checkpoint's e4m3 data and scales), both of one granularity,
+computing in x's dtype. The kernels read the e4m3 bytes and apply the scales in fp32; the
+PyTorch loop (and the grouped baseline) compute with the weights dequantized to x's dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch import Tensor
 
 from hybridgemm.autotune_cache import tune_moe
 from hybridgemm.diagnostics import warn_once
+from hybridgemm.kernels import fp8
 from hybridgemm.kernels.grouped_mm_moe import available as grouped_mm_available
 from hybridgemm.kernels.grouped_mm_moe import grouped_mm_moe
 from hybridgemm.kernels.lazy import triton_module
@@ -93,7 +99,8 @@ def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str =
     ([T, k] each) or router logits [T, E] with ``top_k`` (and ``renormalize``, :func:`route`).
     ``config``: a kernels/triton_moe.py ``TritonMoeConfig`` for both launches, or a (gate/up,
     down) pair (default: :func:`decision_for`, the tuning table's choice); ``block_m`` 1 runs
-    the pair-major kernels (no layout; decode), larger blocks the grouped ones."""
+    the pair-major kernels (no layout; decode), larger blocks the grouped ones. The weights may
+    be stacked ``FP8Weight``s (module docstring)."""
     if isinstance(routing, Tensor):
         if top_k is None:
             raise ValueError("moe: router logits need top_k")
@@ -108,7 +115,8 @@ def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str =
     if config is None:
         decision = decision_for(x, topk_ids.shape[1], w_gate_up, activation)
         if decision.backend == "torch":
-            return grouped_mm_moe(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
+            return grouped_mm_moe(x, topk_ids, topk_weights, _dense(w_gate_up, x.dtype), _dense(w_down, x.dtype),
+                                  activation)
         up, down = decision.configs
     else:
         up, down = config if isinstance(config, tuple) else (config, config)
@@ -129,32 +137,44 @@ _decisions: dict[tuple, MoeDecision] = {}
 decide.on_change(lambda mode, reloaded: _decisions.clear() if reloaded else None)
 
 
-def decision_for(x: Tensor, top_k: int, w_gate_up: Tensor, activation: str) -> MoeDecision:
+def weight_format(w) -> str:
+    """The stacked expert weight's format: "" for a tensor of x's dtype, else the FP8 one."""
+    return w.weight_format if isinstance(w, fp8.FP8Weight) else ""
+
+
+def _dense(w, dtype: torch.dtype) -> Tensor:
+    """A stacked expert weight as a tensor of ``dtype`` (an FP8 one dequantized)."""
+    return w.dequantize(dtype) if isinstance(w, fp8.FP8Weight) else w
+
+
+def decision_for(x: Tensor, top_k: int, w_gate_up, activation: str) -> MoeDecision:
     """What runs the routed experts of ``x`` [T, H] on CUDA: the tuning table's entry for the
-    shape whose M range holds T (autotune_cache/tune_moe.py: the Triton kernels with its configs,
-    or the grouped baseline where that was the faster), else the kernels' default configs."""
+    shape and weight format whose M range holds T (autotune_cache/tune_moe.py: the Triton
+    kernels with its configs, or the grouped baseline where that was the faster), else the
+    kernels' default configs."""
     e, two_i, h = w_gate_up.shape
     t = x.shape[0]
+    fmt = weight_format(w_gate_up)
     if not x.is_cuda:  # the interpreter (tests): no device, no table
-        return MoeDecision(tune_moe.BACKEND, triton_module("triton_moe").default_configs(t * top_k, e),
+        return MoeDecision(tune_moe.BACKEND, triton_module("triton_moe").default_configs(t * top_k, e, fmt),
                            f"{x.device}: no tuning table; the default configs")
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    memo = (index, e, top_k, activation, x.dtype, two_i // 2, h, t)
+    memo = (index, e, top_k, activation, x.dtype, two_i // 2, h, t, fmt)
     got = _decisions.get(memo)
     if got is None:
-        got = _decide(index, e, top_k, activation, x.dtype, two_i // 2, h, t)
+        got = _decide(index, e, top_k, activation, x.dtype, two_i // 2, h, t, fmt)
         if len(_decisions) > 4096:
             _decisions.clear()
         _decisions[memo] = got
     return got
 
 
-def _decide(index, e, top_k, activation, dtype, i, h, t) -> MoeDecision:
+def _decide(index, e, top_k, activation, dtype, i, h, t, fmt="") -> MoeDecision:
     tm = triton_module("triton_moe")
-    defaults = tm.default_configs(t * top_k, e)
+    defaults = tm.default_configs(t * top_k, e, fmt)
     if dtype not in DTYPE_NAMES:
         return MoeDecision(tune_moe.BACKEND, defaults, f"{dtype}: no table key; default configs")
-    shape = tune_moe.moe_key(e, top_k, activation, dtype, i, h, 1, 1).shape
+    shape = tune_moe.moe_key(e, top_k, activation, dtype, i, h, 1, 1, fmt).shape
     found = decide.table_for_device(index).find(shape, t)
     if found is None:
         return MoeDecision(tune_moe.BACKEND, defaults, f"no table entry holds {shape.to_string()} at M={t}; the "
@@ -168,6 +188,9 @@ def _decide(index, e, top_k, activation, dtype, i, h, t) -> MoeDecision:
                            "lacks; the default configs")
     try:
         configs = tune_moe.configs_of(entry["config"])
+        why = next((w for w in (tm.fp8_fits(c, fmt) for c in configs) if w), None)
+        if why:
+            raise ValueError(why)
     except ValueError as exc:
         warn_once(("moe-entry", key), f"hybridgemm: {key.to_string()}: {exc}; the MoE kernels' default configs run")
         return MoeDecision(tune_moe.BACKEND, defaults, f"{tail} has a bad config ({exc}); the default configs")
@@ -175,10 +198,14 @@ def _decide(index, e, top_k, activation, dtype, i, h, t) -> MoeDecision:
 
 
 def explain_moe(tokens: int, w_gate_up_shape, top_k: int, dtype: torch.dtype = torch.bfloat16,
-                activation: str = "silu", device: int | None = None) -> str:
+                activation: str = "silu", device: int | None = None, weight_format: str = "") -> str:
     """What :func:`moe` runs for ``tokens`` tokens, experts stacked as ``w_gate_up_shape``
-    ([E, 2I, H]) and ``top_k`` experts per token, and why (a table entry, the defaults, or the
-    PyTorch loop without a GPU)."""
+    ([E, 2I, H]) and ``top_k`` experts per token, their weights in ``weight_format`` ("" for
+    x's dtype, ``e4m3_channel`` or ``e4m3_block128``), and why (a table entry, the defaults, or
+    the PyTorch loop without a GPU)."""
+    if weight_format not in ("", *fp8.FORMAT_OF.values()):
+        raise ValueError(f"explain_moe: weight_format must be '' or one of {sorted(fp8.FORMAT_OF.values())}, got "
+                         f"{weight_format!r:.40}")
     e, two_i, h = (int(d) for d in w_gate_up_shape)
     if tokens < 1 or not 1 <= top_k <= e or two_i % 2 or min(e, two_i, h) < 1:
         raise ValueError(f"explain_moe: {tokens} tokens, experts {tuple(w_gate_up_shape)} ([E, 2I, H]) and top_k "
@@ -190,28 +217,43 @@ def explain_moe(tokens: int, w_gate_up_shape, top_k: int, dtype: torch.dtype = t
     if not torch.cuda.is_available():
         return "no CUDA device: the experts run as a PyTorch loop (experts_loop)"
     index = torch.cuda.current_device() if device is None else device
-    return _decide(index, e, top_k, activation, dtype, two_i // 2, h, tokens).why
+    return _decide(index, e, top_k, activation, dtype, two_i // 2, h, tokens, weight_format).why
 
 
-def experts_loop(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
-                 activation: str) -> Tensor:
-    """:func:`moe`'s computation in PyTorch (differentiable): each expert that holds pairs, in
-    expert order; the per-pair results summed over the slots in fp32."""
+def experts_loop(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up, w_down, activation: str) -> Tensor:
+    """:func:`moe`'s computation in PyTorch (differentiable in x and the routing weights, and in
+    weights of x's dtype): each expert that holds pairs, in expert order (an FP8 expert's weights
+    dequantized to x's dtype); the per-pair results summed over the slots in fp32."""
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     out = torch.zeros((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
     for e in torch.unique(flat).tolist():
         pairs = (flat == e).nonzero().squeeze(1)
-        gate, up = F.linear(x[pairs // k], w_gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(GLU_FUNCTIONS[activation](gate) * up, w_down[e])
+        gate, up = F.linear(x[pairs // k], _expert(w_gate_up, e, x.dtype)).chunk(2, dim=-1)
+        y = F.linear(GLU_FUNCTIONS[activation](gate) * up, _expert(w_down, e, x.dtype))
         out[pairs] = (y * topk_weights.reshape(-1)[pairs, None]).float()  # in their promoted dtype, as transformers
     return out.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+
+def _expert(w, e: int, dtype: torch.dtype) -> Tensor:
+    if isinstance(w, fp8.FP8Weight):
+        return fp8.dequantize(w.data[e], w.scale[e], dtype)
+    return w[e]
 
 
 def _check(x, topk_ids, topk_weights, w_gate_up, w_down, activation) -> None:
     if x.dim() != 2:
         raise ValueError(f"moe: x must be [tokens, hidden], got {tuple(x.shape)}")
-    if w_gate_up.dim() != 3 or w_down.dim() != 3:
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if not isinstance(w, (Tensor, fp8.FP8Weight)):
+            raise TypeError(f"moe: {name} must be a tensor or a stacked FP8Weight, got {type(w).__name__}")
+        if isinstance(w, Tensor) and w.dtype in (fp8.E4M3, torch.float8_e5m2):
+            raise ValueError(f"moe: {name} is {w.dtype} without scales: pass an FP8Weight (hybridgemm.quantize_fp8, "
+                             "or FP8Weight.from_tensors for a checkpoint's data and scales)")
+    if weight_format(w_gate_up) != weight_format(w_down):
+        raise ValueError(f"moe: w_gate_up ({weight_format(w_gate_up) or 'not FP8'}) and w_down "
+                         f"({weight_format(w_down) or 'not FP8'}) differ in weight format")
+    if len(w_gate_up.shape) != 3 or len(w_down.shape) != 3:
         raise ValueError(f"moe: w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} must be stacked "
                          "per expert ([E, 2I, H] and [E, H, I])")
     e, two_i, h = w_gate_up.shape
@@ -232,6 +274,9 @@ def _check(x, topk_ids, topk_weights, w_gate_up, w_down, activation) -> None:
     if not (x.dtype == w_gate_up.dtype == w_down.dtype):
         raise ValueError(f"moe: x ({x.dtype}) and the expert weights ({w_gate_up.dtype}, {w_down.dtype}) differ in "
                          "dtype")
+    if weight_format(w_gate_up) == fp8.FORMAT_OF["block128"] and (two_i // 2) % fp8.BLOCK:
+        raise ValueError(f"moe: block-scaled FP8 gate/up weights need I a multiple of {fp8.BLOCK} (each half whole "
+                         f"blocks of scales), got I = {two_i // 2}")
 
 
 
@@ -283,20 +328,28 @@ class HybridExperts(torch.nn.Module):
 
     glu_activation = "silu"
 
+    def expert_weights(self, dtype: torch.dtype) -> tuple:
+        """(w_gate_up, w_down) as :func:`moe` takes them for activations of ``dtype``."""
+        return self.gate_up_proj, self.down_proj
+
+    def compiled_moe(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """:func:`moe` as one custom op (what torch.compile traces)."""
+        return torch.ops.hybridgemm.moe_fwd(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                            self.glu_activation)
+
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        gu, down = self.gate_up_proj, self.down_proj
+        gu, down = self.expert_weights(hidden_states.dtype)
         if getattr(self, "_is_expert_parallel", False):
             raise RuntimeError(f"hybridgemm: {type(self).__name__} was patched, then sharded over ranks (expert "
                                "parallelism), which its kernels do not run; unpatch it (hybridgemm.unpatch) first")
-        wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or gu.requires_grad
-                                                  or down.requires_grad or top_k_weights.requires_grad)
+        wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad
+                                                  or any(isinstance(w, Tensor) and w.requires_grad for w in (gu, down)))
         kernels_take = (use_kernels(hidden_states) and hidden_states.dtype == gu.dtype == down.dtype
-                        and gu.is_contiguous() and down.is_contiguous())
+                        and _data(gu).is_contiguous() and _data(down).is_contiguous())
         if wants_grad or not kernels_take:
             return experts_loop(hidden_states, top_k_index, top_k_weights, gu, down, self.glu_activation)
         if torch.compiler.is_compiling():
-            return torch.ops.hybridgemm.moe_fwd(hidden_states, top_k_index, top_k_weights, gu, down,
-                                                self.glu_activation)
+            return self.compiled_moe(hidden_states, top_k_index, top_k_weights)
         from triton.errors import TritonError
 
         try:
@@ -305,6 +358,10 @@ class HybridExperts(torch.nn.Module):
             warn_once(("moe", tuple(gu.shape), gu.dtype), f"hybridgemm: the grouped MoE kernels could not run for "
                       f"experts of {tuple(gu.shape)} ({e}); these experts run in PyTorch")
         return experts_loop(hidden_states, top_k_index, top_k_weights, gu, down, self.glu_activation)
+
+
+def _data(w) -> Tensor:
+    return w.data if isinstance(w, fp8.FP8Weight) else w
 
 
 __all__ = ["HybridExperts", "MoeDecision", "decision_for", "experts_loop", "explain_moe", "moe", "route",

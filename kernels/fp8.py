@@ -8,6 +8,11 @@
   (ceil(N / 128), ceil(K / 128)) (transformers' ``FineGrainedFP8Config``, whose checkpoints
   call it ``weight_scale_inv``).
 
+A mixture-of-experts block's experts, stacked as transformers stores them ([E, N, K]), take
+the same formats per expert, with the scales stacked too: (E, N) or (E, N, 1) per channel,
+(E, ceil(N/128), ceil(K/128)) per block (transformers' ``FP8Experts``); :func:`quantize_fp8`
+and :class:`FP8Weight` take both forms, ``hybridgemm.moe`` the stacked one.
+
 :class:`FP8Weight` is what :func:`quantize_fp8` returns and what ``hybridgemm.linear`` and the
 patched modules take in place of a bf16/fp16 weight. Its checks run once, when it is made
 (scale shape against granularity, scale dtype, finite positive scales, no NaN data), never per
@@ -39,28 +44,39 @@ def granularity_of(data: torch.Tensor, scale: torch.Tensor) -> str:
     """The granularity that ``scale``'s shape states for ``data`` (N, K): (N,) or (N, 1) is
     ``channel``, (ceil(N/128), ceil(K/128)) is ``block128``. FP8FormatError otherwise, and for
     data that is not 2-D e4m3fn or scales that are not fp32 on data's device (shapes and dtypes
-    only: no device work)."""
+    only: no device work). :func:`stacked_granularity_of` reads experts' stacked weights."""
+    return _granularity(data, scale, 2)
+
+
+def stacked_granularity_of(data: torch.Tensor, scale: torch.Tensor) -> str:
+    """:func:`granularity_of` for experts' weights stacked as (E, N, K), their scales (E, N),
+    (E, N, 1) or (E, ceil(N/128), ceil(K/128))."""
+    return _granularity(data, scale, 3)
+
+
+def _granularity(data: torch.Tensor, scale: torch.Tensor, dims: int) -> str:
     if not isinstance(data, torch.Tensor) or not isinstance(scale, torch.Tensor):
         raise TypeError(f"FP8 data and scale must be tensors, got {type(data).__name__}, {type(scale).__name__}")
     if data.dtype != E4M3:
         raise FP8FormatError(f"FP8 weight data must be {E4M3} (e4m3fn), got {data.dtype}")
-    if data.dim() != 2:
-        raise FP8FormatError(f"FP8 weight data must be 2-D (out_features, in_features), got {tuple(data.shape)}")
+    if data.dim() != dims:
+        what = "(out_features, in_features)" if dims == 2 else "(experts, out_features, in_features)"
+        raise FP8FormatError(f"FP8 weight data must be {dims}-D {what}, got {tuple(data.shape)}")
     if scale.dtype != torch.float32:
         raise FP8FormatError(f"FP8 weight scales must be float32, got {scale.dtype}")
     if scale.device != data.device:
         raise FP8FormatError(f"FP8 weight scales are on {scale.device} but the data is on {data.device}")
-    n, k = data.shape
+    lead, (n, k) = tuple(data.shape[:-2]), data.shape[-2:]
     shape = tuple(scale.shape)
-    if shape in ((n,), (n, 1)):
+    if shape in (lead + (n,), lead + (n, 1)):
         # (N, 1) with N = ceil(N/128) and K <= 128 would also read as block128: one 128-row block
         # of N = 1 rows; channel is the same numbers there.
         return "channel"
-    blocks = (-(-n // BLOCK), -(-k // BLOCK))
+    blocks = lead + (-(-n // BLOCK), -(-k // BLOCK))
     if shape == blocks:
         return "block128"
-    raise FP8FormatError(f"FP8 weight scale of shape {shape} fits neither granularity of a ({n}, {k}) weight: "
-                         f"channel wants ({n},) or ({n}, 1), block128 wants {blocks}")
+    raise FP8FormatError(f"FP8 weight scale of shape {shape} fits neither granularity of a {tuple(data.shape)} "
+                         f"weight: channel wants {lead + (n,)} or {lead + (n, 1)}, block128 wants {blocks}")
 
 
 def check_scales(scale: torch.Tensor) -> None:
@@ -86,32 +102,35 @@ def check_data(data: torch.Tensor) -> None:
                              f"{data.numel()}")
 
 
-def scale_vector(scale: torch.Tensor, granularity: str) -> torch.Tensor:
+def scale_vector(scale: torch.Tensor, granularity: str, experts: bool = False) -> torch.Tensor:
     """The scale as the kernels read it: (N,) contiguous for ``channel``, (N/128, K/128)
-    row-major for ``block128``."""
+    row-major for ``block128``; with ``experts``, the same with a leading (E,)."""
+    lead = (scale.shape[0],) if experts else ()
     if granularity == "channel":
-        return scale.reshape(-1).contiguous()
-    return scale.reshape(scale.shape[0], -1).contiguous()
+        return scale.reshape(*lead, -1).contiguous()
+    return scale.reshape(*lead, scale.shape[len(lead)], -1).contiguous()
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``data * scale`` in fp32, rounded once to ``dtype``: the reference every FP8 kernel is
-    checked against, and the fallback path's weight."""
-    granularity = granularity_of(data, scale)
+    checked against, and the fallback path's weight. Stacked experts' (E, N, K) data too."""
+    stacked = data.dim() == 3
+    granularity = (stacked_granularity_of if stacked else granularity_of)(data, scale)
     w = data.to(torch.float32)
+    n, k = data.shape[-2:]
     if granularity == "channel":
-        w = w * scale.reshape(-1, 1)
+        w = w * scale.reshape(*data.shape[:-1], 1)
     else:
-        n, k = data.shape
-        w = w * scale.repeat_interleave(BLOCK, 0)[:n].repeat_interleave(BLOCK, 1)[:, :k]
+        w = w * scale.repeat_interleave(BLOCK, -2)[..., :n, :].repeat_interleave(BLOCK, -1)[..., :k]
     return w.to(dtype)
 
 
 @dataclass(frozen=True, eq=False)
 class FP8Weight:
-    """An e4m3 weight (N, K) with its fp32 scales; ``dtype`` is the activations' and the
-    output's dtype (bf16 or fp16). Made by :func:`quantize_fp8` or from a checkpoint's tensors
-    (:meth:`from_tensors`); checked once, when made."""
+    """An e4m3 weight (N, K), or experts' weights stacked (E, N, K), with its fp32 scales;
+    ``dtype`` is the activations' and the output's dtype (bf16 or fp16). Made by
+    :func:`quantize_fp8` or from a checkpoint's tensors (:meth:`from_tensors`); checked once,
+    when made."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -121,9 +140,10 @@ class FP8Weight:
     def __post_init__(self):
         if self.granularity not in GRANULARITIES:
             raise FP8FormatError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
-        stated = granularity_of(self.data, self.scale)
-        n, k = self.data.shape
-        both = n == 1 and k <= BLOCK and tuple(self.scale.shape) == (1, 1)  # one row, one block: either reading
+        stacked = isinstance(self.data, torch.Tensor) and self.data.dim() == 3
+        stated = (stacked_granularity_of if stacked else granularity_of)(self.data, self.scale)
+        lead, (n, k) = tuple(self.data.shape[:-2]), self.data.shape[-2:]
+        both = n == 1 and k <= BLOCK and tuple(self.scale.shape) == lead + (1, 1)  # one row, one block: either
         if stated != self.granularity and not both:
             raise FP8FormatError(f"a scale of shape {tuple(self.scale.shape)} is {stated} granularity, "
                                  f"not {self.granularity}")
@@ -131,7 +151,7 @@ class FP8Weight:
             raise FP8FormatError(f"an FP8 weight computes in bfloat16 or float16, got {self.dtype}")
         if self.data.stride(-1) != 1:
             object.__setattr__(self, "data", self.data.contiguous())
-        object.__setattr__(self, "scale", scale_vector(self.scale, self.granularity))
+        object.__setattr__(self, "scale", scale_vector(self.scale, self.granularity, stacked))
 
     @classmethod
     def from_tensors(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
@@ -139,7 +159,8 @@ class FP8Weight:
         """A checkpoint's e4m3 ``data`` and ``scale`` (granularity read from the scale's shape);
         ``check`` also verifies that every scale is finite and positive and that no value is
         NaN (a pass over the data and a device sync)."""
-        weight = cls(data, scale, granularity_of(data, scale), dtype)
+        read = stacked_granularity_of if isinstance(data, torch.Tensor) and data.dim() == 3 else granularity_of
+        weight = cls(data, scale, read(data, scale), dtype)
         if check:
             check_scales(weight.scale)
             check_data(weight.data)
@@ -152,6 +173,11 @@ class FP8Weight:
     @property
     def device(self) -> torch.device:
         return self.data.device
+
+    @property
+    def experts(self) -> int | None:
+        """E for experts' stacked weights (E, N, K), None for one weight (N, K)."""
+        return self.data.shape[0] if self.data.dim() == 3 else None
 
     @property
     def weight_format(self) -> str:
@@ -170,31 +196,33 @@ class FP8Weight:
 
 
 def quantize_fp8(weight: torch.Tensor, granularity: str = "channel") -> FP8Weight:
-    """``weight`` (N, K), bf16/fp16/fp32, as an :class:`FP8Weight`: per output row
-    (``channel``) or per 128 x 128 block (``block128``), scale = amax / 448 so the largest
-    magnitude maps to e4m3's largest finite value, data = round-to-nearest(w / scale).
-    The result computes in the weight's dtype (fp32 weights: bf16)."""
+    """``weight`` (N, K), or experts' weights stacked (E, N, K), bf16/fp16/fp32, as an
+    :class:`FP8Weight`: per output row (``channel``) or per 128 x 128 block (``block128``; per
+    expert for stacked weights), scale = amax / 448 so the largest magnitude maps to e4m3's
+    largest finite value, data = round-to-nearest(w / scale). The result computes in the
+    weight's dtype (fp32 weights: bf16)."""
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"quantize_fp8 takes a tensor, got {type(weight).__name__}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"quantize_fp8 takes a 2-D bf16/fp16/fp32 weight, got {tuple(weight.shape)} {weight.dtype}")
+    if weight.dim() not in (2, 3) or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"quantize_fp8 takes a 2-D (N, K) or stacked 3-D (E, N, K) bf16/fp16/fp32 weight, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
     if not bool(torch.isfinite(weight).all()):
         raise ValueError("quantize_fp8: the weight holds NaN or Inf")
     w = weight.detach().to(torch.float32)
-    n, k = w.shape
+    lead, (n, k) = tuple(w.shape[:-2]), w.shape[-2:]
     if granularity == "channel":
-        scale = w.abs().amax(dim=1).clamp_min(_MIN_AMAX) / E4M3_MAX
-        data = (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        scale = w.abs().amax(dim=-1).clamp_min(_MIN_AMAX) / E4M3_MAX
+        data = (w / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     else:
         nb, kb = -(-n // BLOCK), -(-k // BLOCK)
-        padded = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
-        padded[:n, :k] = w
-        blocks = padded.view(nb, BLOCK, kb, BLOCK)
-        scale = blocks.abs().amax(dim=(1, 3)).clamp_min(_MIN_AMAX) / E4M3_MAX
-        data = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
-        data = data.view(nb * BLOCK, kb * BLOCK)[:n, :k].to(E4M3).contiguous()
+        padded = torch.zeros(*lead, nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
+        padded[..., :n, :k] = w
+        blocks = padded.view(*lead, nb, BLOCK, kb, BLOCK)
+        scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(_MIN_AMAX) / E4M3_MAX
+        data = (blocks / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+        data = data.view(*lead, nb * BLOCK, kb * BLOCK)[..., :n, :k].to(E4M3).contiguous()
     dtype = weight.dtype if weight.dtype in OUT_DTYPES else torch.bfloat16
     return FP8Weight(data, scale, granularity, dtype)
 
@@ -202,4 +230,5 @@ def quantize_fp8(weight: torch.Tensor, granularity: str = "channel") -> FP8Weigh
 __all__ = [
     "BLOCK", "E4M3", "E4M3_MAX", "FORMAT_OF", "FP8FormatError", "FP8Weight", "GRANULARITIES", "GRANULARITY_OF_FORMAT",
     "check_data", "check_scales", "dequantize", "granularity_of", "quantize_fp8", "scale_vector",
+    "stacked_granularity_of",
 ]

@@ -21,6 +21,15 @@ one per token's down projections, summed over its slots in the program (configs 
 Every output element is one program's fixed-order sum (no atomics, no split of K), and the
 layout depends only on ``topk_ids``: results are bit-identical run to run. Programs whose
 block is padding past the last expert's rows return at once. Nothing touches a GPU at import.
+
+FP8 experts (kernels/fp8.py ``FP8Weight`` of stacked [E, N, K] e4m3 data) are read as bytes,
+converted to x's dtype in registers (kernels/triton_e4m3.py) and scaled in fp32 (``WSCALE``):
+per output row once the K loop is done (``channel``), or per 128 x 128 block as each K tile's
+products are added (``block128``; tiles of at most 128 columns that never cross a block, and in
+the pair-major kernels column blocks that never cross a 128-row block: :func:`fp8_fits`). The
+gate/up launch takes block scales over the stacked 2I rows, so I must be a multiple of 128
+there (the gate and up halves then hold whole blocks, as transformers' ``FP8Experts`` stores
+them).
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from . import fp8
+from .triton_e4m3 import integer_conversion, tl_weight_values
 from .triton_glu import ACTIVATIONS, _gate_act
 from .triton_launch import interpreting, pdl_options
 
@@ -54,14 +65,17 @@ def pair_major(pairs: int, experts: int) -> bool:
     return pairs <= 64 and 2 * pairs <= experts
 
 
-def default_configs(pairs: int, experts: int) -> tuple[TritonMoeConfig, TritonMoeConfig]:
+def default_configs(pairs: int, experts: int, weight_format: str = "") -> tuple[TritonMoeConfig, TritonMoeConfig]:
     """(gate/up, down) configs for ``pairs`` (token, expert) pairs over ``experts`` experts:
     pair-major (``block_m`` 1, no layout) where :func:`pair_major`, else one block size for both
     (they share the layout) by the rows an expert gets on average, each expert's rows padded
     to whole blocks. The fastest or within 5% of it for the Qwen3-30B-A3B and Mixtral-8x7B
-    experts at 1, 8, 64 and 2048 tokens (scripts/moe_config_probe.py on the H200)."""
+    experts at 1, 8, 64 and 2048 tokens (scripts/moe_config_probe.py on the H200). Block-scaled
+    FP8 experts (``weight_format`` ``e4m3_block128``) take down's pair-major tiles 128 columns
+    deep (:func:`fp8_fits`)."""
     if pair_major(pairs, experts):
-        return TritonMoeConfig(1, 8, 128, 8, 4), TritonMoeConfig(1, 8, 256, 4, 4)
+        down_k = 128 if weight_format == fp8.FORMAT_OF["block128"] else 256
+        return TritonMoeConfig(1, 8, 128, 8, 4), TritonMoeConfig(1, 8, down_k, 4, 4)
     per_expert = -(-pairs // max(experts, 1))
     if per_expert <= 8:
         both = TritonMoeConfig(16, 64, 128, 4, 3)
@@ -72,6 +86,57 @@ def default_configs(pairs: int, experts: int) -> tuple[TritonMoeConfig, TritonMo
     else:
         return TritonMoeConfig(128, 128, 64, 8, 4), TritonMoeConfig(128, 256, 64, 8, 3)
     return both, both
+
+
+# the kernels' WSCALE per weight format: 0 a weight of x's dtype, 1 per output row, 2 per block
+_WSCALE = {"": 0, fp8.FORMAT_OF["channel"]: 1, fp8.FORMAT_OF["block128"]: 2}
+
+
+def fp8_fits(config: TritonMoeConfig, weight_format: str) -> str | None:
+    """Why ``config`` cannot read block-scaled FP8 experts (None: it can, or the weights are not
+    block-scaled): its K tiles must not cross a 128-column block of scales, and a pair-major
+    program's columns must lie in one 128-row block (one scale per program and K tile)."""
+    if weight_format != fp8.FORMAT_OF["block128"]:
+        return None
+    if fp8.BLOCK % config.block_k:
+        return f"block_k={config.block_k} crosses the {fp8.BLOCK}-column blocks of the scales"
+    if config.block_m == 1 and fp8.BLOCK % config.block_n:
+        return f"block_n={config.block_n} crosses the {fp8.BLOCK}-row blocks of the scales (pair-major)"
+    return None
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A stacked expert weight as the kernels take it: ``data`` [E, N, K] (x's dtype or e4m3),
+    ``scale`` (the data itself where there are none: never read), the format's ``WSCALE`` and
+    the scales' strides per expert and per row."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    wscale: int
+    lse: int
+    lsn: int
+    dtype: torch.dtype  # the dtype the products are computed and rounded in
+
+    @property
+    def weight_format(self) -> str:
+        return next(fmt for fmt, mode in _WSCALE.items() if mode == self.wscale)
+
+
+def operand(w) -> Operand:
+    """:class:`Operand` of a stacked weight tensor or a stacked ``fp8.FP8Weight``."""
+    if isinstance(w, fp8.FP8Weight):
+        if w.experts is None:
+            raise ValueError(f"moe: an FP8 expert weight must be stacked [E, N, K], got {tuple(w.shape)}")
+        sc = w.scale
+        return Operand(w.data, sc, _WSCALE[w.weight_format], sc.stride(0), sc.stride(1) if sc.dim() == 3 else 0,
+                       w.dtype)
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"moe: expert weights must be tensors or FP8Weights, got {type(w).__name__}")
+    if w.dtype == fp8.E4M3:
+        raise ValueError("moe: e4m3 expert weights need their scales: pass a kernels.fp8.FP8Weight "
+                         "(hybridgemm.quantize_fp8, or FP8Weight.from_tensors for a checkpoint's)")
+    return Operand(w, w, 0, 0, 0, w.dtype)
 
 
 @dataclass(frozen=True)
@@ -183,13 +248,15 @@ def _moe_place_kernel(ids_ptr, counts_ptr, rows_ptr, block_expert_ptr, S, E, C, 
 
 
 @triton.jit
-def _moe_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, expert_ptr, rw_ptr, S, N, K, top_k, ldx, lde, ldw, ldo, n_gate,
-                num_experts, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GLU: tl.constexpr,
-                ACT: tl.constexpr, PREC: tl.constexpr, ROUND_PRODUCT: tl.constexpr):
+def _moe_kernel(x_ptr, w_ptr, sc_ptr, out_ptr, rows_ptr, expert_ptr, rw_ptr, S, N, K, top_k, ldx, lde, ldw, lse, lsn,
+                ldo, n_gate, num_experts, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GLU: tl.constexpr,
+                ACT: tl.constexpr, PREC: tl.constexpr, ROUND_PRODUCT: tl.constexpr, WSCALE: tl.constexpr,
+                WINT: tl.constexpr):
     # GLU: x rows are tokens (row r reads x[rows[r] // top_k]); two accumulators over W rows n
     # and n_gate + n; out row r. Else: x rows are the laid-out rows; out row rows[r], times the
     # routing weight rw[rows[r]], in fp32 (ROUND_PRODUCT: the product rounded to x's dtype, as
-    # transformers computes it for routing weights in x's dtype).
+    # transformers computes it for routing weights in x's dtype). WSCALE (module docstring):
+    # W e4m3 with scales sc[expert] per row (1) or per 128 x 128 block (2, row stride lsn).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_ptr + pid_m)
@@ -207,6 +274,7 @@ def _moe_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, expert_ptr, rw_ptr, S, N, K, to
     offs_k = tl.arange(0, BK)
     w_base = w_ptr + expert.to(tl.int64) * lde
     rows_n = tl.where(n_ok, offs_n, 0)
+    sc_base = sc_ptr + expert.to(tl.int64) * lse
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -214,11 +282,28 @@ def _moe_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, expert_ptr, rw_ptr, S, N, K, to
         xt = tl.load(x_ptr + x_rows[:, None].to(tl.int64) * ldx + (k0 + offs_k)[None, :],
                      mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + rows_n[:, None] * ldw + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0)
-        acc = tl.dot(xt, tl.trans(w), acc, input_precision=PREC)
+        if WSCALE == 0:
+            acc = tl.dot(xt, tl.trans(w), acc, input_precision=PREC)
+        elif WSCALE == 1:
+            acc = tl.dot(xt, tl.trans(tl_weight_values(w, xt.dtype, WINT)), acc, input_precision=PREC)
+        else:
+            s = tl.load(sc_base + (rows_n // 128) * lsn + k0 // 128)
+            acc += tl.dot(xt, tl.trans(tl_weight_values(w, xt.dtype, WINT)), input_precision=PREC) * s[None, :]
         if GLU:
             wu = tl.load(w_base + (n_gate + rows_n)[:, None] * ldw + (k0 + offs_k)[None, :], mask=k_ok[None, :],
                          other=0.0)
-            acc_up = tl.dot(xt, tl.trans(wu), acc_up, input_precision=PREC)
+            if WSCALE == 0:
+                acc_up = tl.dot(xt, tl.trans(wu), acc_up, input_precision=PREC)
+            elif WSCALE == 1:
+                acc_up = tl.dot(xt, tl.trans(tl_weight_values(wu, xt.dtype, WINT)), acc_up, input_precision=PREC)
+            else:
+                su = tl.load(sc_base + ((n_gate + rows_n) // 128) * lsn + k0 // 128)
+                acc_up += tl.dot(xt, tl.trans(tl_weight_values(wu, xt.dtype, WINT)),
+                                 input_precision=PREC) * su[None, :]
+    if WSCALE == 1:
+        acc = acc * tl.load(sc_base + rows_n)[None, :]
+        if GLU:
+            acc_up = acc_up * tl.load(sc_base + n_gate + rows_n)[None, :]
     dt = out_ptr.dtype.element_ty
     if GLU:
         gate = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -247,8 +332,11 @@ def _moe_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, expert_ptr, rw_ptr, S, N, K, to
 # boundary between gate/up and down overlaps the gate/up epilogue.
 
 @triton.jit
-def _moe_pair_glu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, ldw, ldo, n_gate,
-                         BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr):
+def _moe_pair_glu_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, ldw, lse, lsn, ldo, n_gate,
+                         BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
+                         WSCALE: tl.constexpr, WINT: tl.constexpr):
+    # WSCALE 2: the program's BN rows lie in one 128-row block (fp8_fits), so each K tile has one
+    # scale for the gate rows and one for the up rows, applied to x's values
     if PDL:
         gdc_wait()
     p = tl.program_id(0)
@@ -261,28 +349,47 @@ def _moe_pair_glu_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, 
     offs_k = tl.arange(0, BK)
     w_gate = w_ptr + expert * lde + rows_n[:, None] * ldw
     w_up = w_gate + n_gate * ldw
+    dt = x_ptr.dtype.element_ty
+    sc_base = sc_ptr + expert * lse
+    sc_gate = sc_base + (pid_n * BN // 128) * lsn
+    sc_up = sc_base + ((n_gate + pid_n * BN) // 128) * lsn
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     acc_up = tl.zeros((BN, BK), dtype=tl.float32)
     for k0 in range(0, K, BK):
         k_ok = (k0 + offs_k) < K
         xv = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        acc += tl.load(w_gate + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32) * xv
-        acc_up += tl.load(w_up + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32) * xv
+        wg = tl.load(w_gate + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0)
+        wu = tl.load(w_up + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0)
+        if WSCALE == 0:
+            acc += wg.to(tl.float32) * xv
+            acc_up += wu.to(tl.float32) * xv
+        elif WSCALE == 1:
+            acc += tl_weight_values(wg, dt, WINT).to(tl.float32) * xv
+            acc_up += tl_weight_values(wu, dt, WINT).to(tl.float32) * xv
+        else:
+            acc += tl_weight_values(wg, dt, WINT).to(tl.float32) * (xv * tl.load(sc_gate + k0 // 128))
+            acc_up += tl_weight_values(wu, dt, WINT).to(tl.float32) * (xv * tl.load(sc_up + k0 // 128))
     if PDL:
         gdc_launch_dependents()
-    dt = x_ptr.dtype.element_ty
-    gate = tl.sum(acc, axis=1).to(dt).to(tl.float32)
-    up = tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
+    gate = tl.sum(acc, axis=1)
+    up = tl.sum(acc_up, axis=1)
+    if WSCALE == 1:
+        gate = gate * tl.load(sc_base + rows_n)
+        up = up * tl.load(sc_base + n_gate + rows_n)
+    gate = gate.to(dt).to(tl.float32)
+    up = up.to(dt).to(tl.float32)
     act = _gate_act(gate, ACT).to(dt).to(tl.float32)
     tl.store(out_ptr + p.to(tl.int64) * ldo + offs_n, (act * up).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _moe_pair_down_kernel(inter_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ldi, lde, ldw, ldo,
+def _moe_pair_down_kernel(inter_ptr, w_ptr, sc_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ldi, lde, ldw, lse, lsn, ldo,
                           TOP_K: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          ROUND_PRODUCT: tl.constexpr, PDL: tl.constexpr):
+                          ROUND_PRODUCT: tl.constexpr, PDL: tl.constexpr, WSCALE: tl.constexpr,
+                          WINT: tl.constexpr):
     # all of a token's slots in one [KP, BN, BK] tile (KP: TOP_K to a power of two), so each
-    # step of the K loop streams every slot's weight rows at once
+    # step of the K loop streams every slot's weight rows at once; WSCALE 2: one scale per slot
+    # and K tile (fp8_fits), applied to inter's values
     if PDL:
         gdc_wait()
     t = tl.program_id(0)
@@ -298,63 +405,79 @@ def _moe_pair_down_kernel(inter_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ldi,
     w_rows = w_ptr + experts[:, None, None] * lde + rows_n[None, :, None] * ldw
     i_rows = inter_ptr + p.to(tl.int64)[:, None] * ldi
     dt = inter_ptr.dtype.element_ty
+    sc_rows = sc_ptr + experts * lse
+    sc_blocks = sc_rows + (pid_n * BN // 128) * lsn
     acc = tl.zeros((KP, BN, BK), dtype=tl.float32)
     for k0 in range(0, K, BK):
         k_ok = (k0 + offs_k) < K
-        iv = tl.load(i_rows + (k0 + offs_k)[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0)
+        iv = tl.load(i_rows + (k0 + offs_k)[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_rows + (k0 + offs_k)[None, None, :], mask=s_ok[:, None, None] & k_ok[None, None, :], other=0.0)
-        acc += w.to(tl.float32) * iv.to(tl.float32)[:, None, :]
+        if WSCALE == 0:
+            acc += w.to(tl.float32) * iv[:, None, :]
+        elif WSCALE == 1:
+            acc += tl_weight_values(w, dt, WINT).to(tl.float32) * iv[:, None, :]
+        else:
+            s = tl.load(sc_blocks + k0 // 128, mask=s_ok, other=0.0)
+            acc += tl_weight_values(w, dt, WINT).to(tl.float32) * (iv * s[:, None])[:, None, :]
     if PDL:
         gdc_launch_dependents()
     routing = tl.load(rw_ptr + p, mask=s_ok, other=0.0).to(tl.float32)
-    y = tl.sum(acc, axis=2).to(dt).to(tl.float32) * routing[:, None]
+    y = tl.sum(acc, axis=2)
+    if WSCALE == 1:
+        y = y * tl.load(sc_rows[:, None] + rows_n[None, :], mask=s_ok[:, None], other=0.0)
+    y = y.to(dt).to(tl.float32) * routing[:, None]
     if ROUND_PRODUCT:
         y = y.to(dt).to(tl.float32)
     total = tl.sum(y, axis=0)  # padded slots add zeros
     tl.store(out_ptr + t.to(tl.int64) * ldo + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def run_pairs(config: TritonMoeConfig, x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-              topk_ids: torch.Tensor, routing_weights: torch.Tensor, activation: str = "silu",
+def run_pairs(config: TritonMoeConfig, x: torch.Tensor, w_gate_up, w_down, topk_ids: torch.Tensor,
+              routing_weights: torch.Tensor, activation: str = "silu",
               down_config: TritonMoeConfig | None = None) -> torch.Tensor:
     """The routed experts' output [T, H] in x's dtype, pair-major (configs of ``block_m`` 1):
-    :func:`pairs_gate_up` then :func:`pairs_down`."""
+    :func:`pairs_gate_up` then :func:`pairs_down`. Weights: stacked tensors of x's dtype or
+    stacked ``fp8.FP8Weight``s (module docstring)."""
     inter = pairs_gate_up(config, x, w_gate_up, topk_ids, activation)
     return pairs_down(down_config or config, inter, w_down, topk_ids, routing_weights)
 
 
-def pairs_gate_up(config: TritonMoeConfig, x: torch.Tensor, w_gate_up: torch.Tensor, topk_ids: torch.Tensor,
+def pairs_gate_up(config: TritonMoeConfig, x: torch.Tensor, w_gate_up, topk_ids: torch.Tensor,
                   activation: str = "silu") -> torch.Tensor:
     """``inter`` [T * k, I] in x's dtype, row ``p`` for pair ``p``: one launch for every pair."""
-    _check_pairs(config, x, w_gate_up, topk_ids)
-    e, two_i, k = w_gate_up.shape
-    _check_activation(two_i, activation)
+    w = operand(w_gate_up)
+    _check_pairs(config, x, w, topk_ids)
+    e, two_i, k = w.data.shape
+    _check_activation(two_i, activation, w)
     i = two_i // 2
     t, top_k = topk_ids.shape
     inter = torch.empty((t * top_k, i), dtype=x.dtype, device=x.device)
     _moe_pair_glu_kernel[(t * top_k, triton.cdiv(i, config.block_n))](
-        x, w_gate_up, topk_ids.contiguous(), inter, i, k, top_k, x.stride(0), w_gate_up.stride(0),
-        w_gate_up.stride(1), inter.stride(0), i, BN=config.block_n, BK=config.block_k, ACT=ACTIVATIONS[activation],
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x))
+        x, w.data, w.scale, topk_ids.contiguous(), inter, i, k, top_k, x.stride(0), w.data.stride(0),
+        w.data.stride(1), w.lse, w.lsn, inter.stride(0), i, BN=config.block_n, BK=config.block_k,
+        ACT=ACTIVATIONS[activation], **_wscale(w, x), num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl_options(x))
     return inter
 
 
-def pairs_down(config: TritonMoeConfig, inter: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+def pairs_down(config: TritonMoeConfig, inter: torch.Tensor, w_down, topk_ids: torch.Tensor,
                routing_weights: torch.Tensor) -> torch.Tensor:
     """[T, H] in inter's dtype: every token's down projections, each times its routing weight as
     :func:`run_down` makes it, summed over its slots in fp32 in one program (a fixed order)."""
-    _check_pairs(config, inter, w_down, topk_ids)
+    w = operand(w_down)
+    _check_pairs(config, inter, w, topk_ids)
     t, top_k = topk_ids.shape
     rw = routing_weights.reshape(-1).contiguous()
     if inter.shape[0] != t * top_k or rw.numel() != t * top_k:
         raise ValueError(f"moe: {inter.shape[0]} rows of inter and {rw.numel()} routing weights for "
                          f"{t * top_k} pairs")
-    h = w_down.shape[1]
+    h = w.data.shape[1]
     out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
     _moe_pair_down_kernel[(t, triton.cdiv(h, config.block_n))](
-        inter, w_down, topk_ids.contiguous(), rw, out, h, w_down.shape[2], inter.stride(0), w_down.stride(0),
-        w_down.stride(1), out.stride(0), TOP_K=top_k, KP=triton.next_power_of_2(top_k), BN=config.block_n,
-        BK=config.block_k, ROUND_PRODUCT=_rounds_product(inter, rw), num_warps=config.num_warps,
+        inter, w.data, w.scale, topk_ids.contiguous(), rw, out, h, w.data.shape[2], inter.stride(0),
+        w.data.stride(0), w.data.stride(1), w.lse, w.lsn, out.stride(0), TOP_K=top_k,
+        KP=triton.next_power_of_2(top_k), BN=config.block_n, BK=config.block_k,
+        ROUND_PRODUCT=_rounds_product(inter, rw), **_wscale(w, inter), num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl_options(inter))
     return out
 
@@ -382,48 +505,57 @@ def sum_slots(per_pair: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.T
         _moe_sum_slots_kernel[(s // top_k, triton.cdiv(h, 1024))](per_pair, out, h, TOP_K=top_k, BH=1024)
     return out
 
-def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
-            w_down: torch.Tensor, activation: str, up: TritonMoeConfig, down: TritonMoeConfig) -> torch.Tensor:
+def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up, w_down,
+            activation: str, up: TritonMoeConfig, down: TritonMoeConfig) -> torch.Tensor:
     """The routed experts' output [T, H] in x's dtype with configs ``up`` and ``down`` (one
     ``block_m``): :func:`run_pairs` for ``block_m`` 1, else :func:`align`, :func:`run_gate_up`,
-    :func:`run_down` and :func:`sum_slots`."""
+    :func:`run_down` and :func:`sum_slots`. The weights are stacked tensors of x's dtype or
+    stacked ``fp8.FP8Weight``s."""
     if up.block_m != down.block_m:
         raise ValueError(f"moe: the gate/up and down configs differ in block_m ({up.block_m}, {down.block_m})")
     if up.block_m == 1:
         return run_pairs(up, x, w_gate_up, w_down, topk_ids, topk_weights, activation, down)
     k = topk_ids.shape[1]
-    layout = align(topk_ids, w_gate_up.shape[0], up.block_m)
+    layout = align(topk_ids, operand(w_gate_up).data.shape[0], up.block_m)
     inter = run_gate_up(up, x, w_gate_up, layout, k, activation)
     return sum_slots(run_down(down, inter, w_down, layout, topk_weights), k, x.dtype)
+
 
 def _precision(x: torch.Tensor) -> str:
     return "tf32" if x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
-def run_gate_up(config: TritonMoeConfig, x: torch.Tensor, w_gate_up: torch.Tensor, layout: Layout, top_k: int,
+def _wscale(w: Operand, x: torch.Tensor) -> dict:
+    """The kernels' FP8 constexprs for weight ``w`` and activations ``x``."""
+    return {"WSCALE": w.wscale, "WINT": w.wscale != 0 and integer_conversion(x.dtype)}
+
+
+def run_gate_up(config: TritonMoeConfig, x: torch.Tensor, w_gate_up, layout: Layout, top_k: int,
                 activation: str = "silu") -> torch.Tensor:
     """``inter`` [R, I] in x's dtype for the laid-out rows (padding rows hold zeros' product)."""
-    _check(config, layout, x, w_gate_up)
-    e, two_i, k = w_gate_up.shape
-    _check_activation(two_i, activation)
+    w = operand(w_gate_up)
+    _check(config, layout, x, w)
+    e, two_i, k = w.data.shape
+    _check_activation(two_i, activation, w)
     i = two_i // 2
     out = torch.empty((layout.rows.numel(), i), dtype=x.dtype, device=x.device)
     grid = (layout.block_expert.numel(), triton.cdiv(i, config.block_n))
-    _moe_kernel[grid](x, w_gate_up, out, layout.rows, layout.block_expert, out, layout.pairs, i, k, top_k,
-                      x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), out.stride(0), i, e,
+    _moe_kernel[grid](x, w.data, w.scale, out, layout.rows, layout.block_expert, out, layout.pairs, i, k, top_k,
+                      x.stride(0), w.data.stride(0), w.data.stride(1), w.lse, w.lsn, out.stride(0), i, e,
                       BM=config.block_m, BN=config.block_n, BK=config.block_k, GLU=True,
-                      ACT=ACTIVATIONS[activation], PREC=_precision(x), ROUND_PRODUCT=False, num_warps=config.num_warps,
-                      num_stages=config.num_stages)
+                      ACT=ACTIVATIONS[activation], PREC=_precision(x), ROUND_PRODUCT=False, **_wscale(w, x),
+                      num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
-def run_down(config: TritonMoeConfig, inter: torch.Tensor, w_down: torch.Tensor, layout: Layout,
+def run_down(config: TritonMoeConfig, inter: torch.Tensor, w_down, layout: Layout,
              routing_weights: torch.Tensor) -> torch.Tensor:
     """``out`` [S, H] fp32: each pair's down projection (rounded to inter's dtype) times its
     routing weight, at its row; the product is rounded to inter's dtype where the weights' and
     inter's dtypes promote to a 16-bit one (transformers' ``proj_out * weights``)."""
-    _check(config, layout, inter, w_down)
-    e, h, i = w_down.shape
+    w = operand(w_down)
+    _check(config, layout, inter, w)
+    e, h, i = w.data.shape
     if inter.shape != (layout.rows.numel(), i):
         raise ValueError(f"moe: inter is {tuple(inter.shape)}, expected {(layout.rows.numel(), i)}")
     rw = routing_weights.reshape(-1)
@@ -432,11 +564,11 @@ def run_down(config: TritonMoeConfig, inter: torch.Tensor, w_down: torch.Tensor,
         raise ValueError(f"moe: {rw.numel()} routing weights for {layout.pairs} pairs")
     out = torch.empty((layout.pairs, h), dtype=torch.float32, device=inter.device)
     grid = (layout.block_expert.numel(), triton.cdiv(h, config.block_n))
-    _moe_kernel[grid](inter, w_down, out, layout.rows, layout.block_expert, rw.contiguous(), layout.pairs, h, i, 1,
-                      inter.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), 0, e,
-                      BM=config.block_m, BN=config.block_n, BK=config.block_k, GLU=False, ACT=0,
-                      PREC=_precision(inter), ROUND_PRODUCT=round_product, num_warps=config.num_warps,
-                      num_stages=config.num_stages)
+    _moe_kernel[grid](inter, w.data, w.scale, out, layout.rows, layout.block_expert, rw.contiguous(), layout.pairs,
+                      h, i, 1, inter.stride(0), w.data.stride(0), w.data.stride(1), w.lse, w.lsn, out.stride(0), 0,
+                      e, BM=config.block_m, BN=config.block_n, BK=config.block_k, GLU=False, ACT=0,
+                      PREC=_precision(inter), ROUND_PRODUCT=round_product, **_wscale(w, inter),
+                      num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
@@ -444,38 +576,46 @@ def _rounds_product(x: torch.Tensor, routing_weights: torch.Tensor) -> bool:
     return torch.promote_types(x.dtype, routing_weights.dtype) != torch.float32
 
 
-def _check_activation(two_i: int, activation: str) -> None:
+def _check_activation(two_i: int, activation: str, w: Operand) -> None:
     if two_i % 2:
         raise ValueError(f"moe: w_gate_up has {two_i} rows per expert, not gate and up halves")
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+    if w.wscale == _WSCALE[fp8.FORMAT_OF["block128"]] and (two_i // 2) % fp8.BLOCK:
+        raise ValueError(f"moe: block-scaled FP8 gate/up weights need I a multiple of {fp8.BLOCK} (each half whole "
+                         f"blocks of scales), got I = {two_i // 2}")
 
 
-def _check_pairs(config: TritonMoeConfig, x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor) -> None:
+def _check_pairs(config: TritonMoeConfig, x: torch.Tensor, w: Operand, topk_ids: torch.Tensor) -> None:
     if config.block_m != 1:
         raise ValueError(f"moe: the pair-major kernels take configs of block_m 1, not {config.block_m}")
-    _check_weights(x, w)
+    _check_weights(config, x, w)
     if topk_ids.dim() != 2:
         raise ValueError(f"moe: topk_ids must be [tokens, k], got {tuple(topk_ids.shape)}")
 
 
-def _check(config: TritonMoeConfig, layout: Layout, x: torch.Tensor, w: torch.Tensor) -> None:
+def _check(config: TritonMoeConfig, layout: Layout, x: torch.Tensor, w: Operand) -> None:
     if config.block_m != layout.block_m:
         raise ValueError(f"moe: config block_m {config.block_m} but the layout's blocks are {layout.block_m} rows")
-    _check_weights(x, w)
+    _check_weights(config, x, w)
 
 
-def _check_weights(x: torch.Tensor, w: torch.Tensor) -> None:
-    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
-        raise ValueError(f"moe: x {tuple(x.shape)} and stacked expert weights {tuple(w.shape)} do not fit "
+def _check_weights(config: TritonMoeConfig, x: torch.Tensor, w: Operand) -> None:
+    data = w.data
+    if x.dim() != 2 or data.dim() != 3 or x.shape[1] != data.shape[2]:
+        raise ValueError(f"moe: x {tuple(x.shape)} and stacked expert weights {tuple(data.shape)} do not fit "
                          "([rows, K] and [E, N, K])")
     if x.dtype != w.dtype:
-        raise ValueError(f"moe: x is {x.dtype} but the expert weights are {w.dtype}")
-    if x.stride(1) != 1 or w.stride(2) != 1 or w.stride(1) != w.shape[2]:
+        raise ValueError(f"moe: x is {x.dtype} but the expert weights compute in {w.dtype}")
+    if x.stride(1) != 1 or data.stride(2) != 1 or data.stride(1) != data.shape[2]:
         raise ValueError("moe: x and the expert weights must be row-major (unit stride along K)")
-    if x.device != w.device:
-        raise ValueError(f"moe: x is on {x.device} but the expert weights are on {w.device}")
+    if x.device != data.device:
+        raise ValueError(f"moe: x is on {x.device} but the expert weights are on {data.device}")
+    why = fp8_fits(config, w.weight_format)
+    if why is not None:
+        raise ValueError(f"moe: config {config} cannot read block-scaled FP8 experts: {why}")
 
 
-__all__ = ["ALIGN_CHUNK", "Layout", "TritonMoeConfig", "align", "align_torch", "default_configs", "forward",
-           "pair_major", "pairs_down", "pairs_gate_up", "run_down", "run_gate_up", "run_pairs", "sum_slots"]
+__all__ = ["ALIGN_CHUNK", "Layout", "Operand", "TritonMoeConfig", "align", "align_torch", "default_configs",
+           "forward", "fp8_fits", "operand", "pair_major", "pairs_down", "pairs_gate_up", "run_down", "run_gate_up",
+           "run_pairs", "sum_slots"]

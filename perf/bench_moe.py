@@ -7,7 +7,7 @@ under CUDA graphs runs it; perf/timing.gpu_time_many; a provider whose call sync
 cannot be captured and gets a ``skipped`` row).
 
     python3 -m hybridgemm.perf.bench_moe [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 8 2048]
-        [--rounds 7] --out perf/results/h200/moe_h200.csv
+        [--weights bf16 fp8] [--rounds 7] --out perf/results/h200/moe_h200.csv
 
 Shapes (hidden H, experts E of intermediate size I, top-k): ``qwen3-30b-a3b`` (2048, 128 of
 768, 8) and ``mixtral-8x7b`` (4096, 8 of 14336, 2); bf16 weights N(0, 0.02), the router's
@@ -15,6 +15,13 @@ logits random. Each row (``M``: the tokens): ``median_us``, ``floor_us`` (the by
 experts the routing actually hits, at perf/timing.HBM_TBPS), ``fraction_of_floor`` (floor /
 time), ``speedup`` over transformers' default implementation (``grouped_mm``) timed the same
 way, ``rel_err`` against the fp32 result of the same block.
+
+``--weights fp8`` adds ``hybridgemm_fp8_channel`` and ``hybridgemm_fp8_block128``: the same
+weights quantized (kernels/fp8.quantize_fp8, stacked per expert) in the MoE kernels, their rows'
+``weights`` column the format, ``floor_us`` their own bytes (e4m3 data and fp32 scales of the
+experts hit), ``rel_err`` against the same fp32 result of the bf16 weights (the quantization's
+error included) and ``rel_err_dequantized`` against the fp32 result of the dequantized weights
+(the kernels' own).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import sys
 import torch
 
 from hybridgemm import experts
+from hybridgemm.kernels import fp8
 
 from .csvio import environment_columns, write_rows
 from .timing import HBM_TBPS, events_time_interleaved, gpu_time_many
@@ -42,7 +50,7 @@ def _experts_module(h: int, e: int, i: int, k: int, implementation: str):
     return MixtralExperts(cfg)
 
 
-def bench_shape(name: str, tokens: int, env: dict, rounds: int) -> list[dict]:
+def bench_shape(name: str, tokens: int, env: dict, rounds: int, weights_kinds=("bf16",)) -> list[dict]:
     h, e, i, k = SHAPES[name]
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -59,13 +67,23 @@ def bench_shape(name: str, tokens: int, env: dict, rounds: int) -> list[dict]:
         "transformers_grouped_mm": lambda: grouped(x, ids, weights),
         "hybridgemm": lambda: experts.moe(x, (ids, weights), mod.gate_up_proj, mod.down_proj),
     }
+    quantized = {}  # provider: (w_gate_up, w_down) FP8Weights
+    if "fp8" in weights_kinds:
+        for granularity in fp8.GRANULARITIES:
+            qw = tuple(fp8.quantize_fp8(w.detach(), granularity) for w in (mod.gate_up_proj, mod.down_proj))
+            quantized[f"hybridgemm_fp8_{granularity}"] = qw
+            providers[f"hybridgemm_fp8_{granularity}"] = (lambda qw: lambda: experts.moe(x, (ids, weights), *qw))(qw)
     with torch.no_grad():
         ref = experts.experts_loop(x.float(), ids, weights, mod.gate_up_proj.float(), mod.down_proj.float(), "silu")
-        errs = {}
+        errs, own_errs = {}, {}
         for prov, fn in providers.items():
             try:
                 out = fn()
                 errs[prov] = float((out.float() - ref).norm() / ref.norm())
+                if prov in quantized:
+                    qref = experts.experts_loop(x.float(), ids, weights,
+                                                *(w.dequantize(torch.float32) for w in quantized[prov]), "silu")
+                    own_errs[prov] = float((out.float() - qref).norm() / qref.norm())
             except Exception as exc:  # noqa: BLE001 (recorded in the row; the run goes on)
                 errs[prov] = exc
         timed = {p: fn for p, fn in providers.items() if not isinstance(errs[p], BaseException)}
@@ -83,15 +101,20 @@ def bench_shape(name: str, tokens: int, env: dict, rounds: int) -> list[dict]:
             except Exception as exc:  # noqa: BLE001 (recorded in the row; the run goes on)
                 by_method["graph"][prov] = exc
     hit = int(torch.unique(ids).numel())
-    floor_us = hit * 3 * h * i * 2 / (HBM_TBPS * 1e12) * 1e6
+    floors = {p: _floor_us(hit, e, (mod.gate_up_proj, mod.down_proj)) for p in providers}
+    floors.update((p, _floor_us(hit, e, qw)) for p, qw in quantized.items())
     base = dict(env, shape=name, hidden=h, experts=e, intermediate=i, top_k=k, M=tokens, experts_hit=hit,
-                floor_us=round(floor_us, 2), dtype="bf16")
+                dtype="bf16")
     rows = []
     for method, times in by_method.items():
         stock = times.get("transformers_grouped_mm")  # transformers' default experts implementation
         stock = None if isinstance(stock, BaseException) else stock
         for prov in providers:
-            row = dict(base, provider=prov, method=method)
+            floor_us = floors[prov]
+            row = dict(base, provider=prov, method=method, floor_us=round(floor_us, 2),
+                       weights=quantized[prov][0].weight_format if prov in quantized else "bf16")
+            if prov in own_errs:
+                row["rel_err_dequantized"] = f"{own_errs[prov]:.2e}"
             t = times.get(prov)
             if isinstance(errs[prov], BaseException):
                 row.update(status="error", note=f"{type(errs[prov]).__name__}: {errs[prov]}"[:300])
@@ -106,11 +129,20 @@ def bench_shape(name: str, tokens: int, env: dict, rounds: int) -> list[dict]:
     return rows
 
 
+def _floor_us(hit: int, experts_count: int, weights) -> float:
+    """The time the bytes of ``hit`` of the experts' weights (tensors or stacked FP8Weights: data
+    and scales) take at perf/timing.HBM_TBPS."""
+    nbytes = sum(w.nbytes if isinstance(w, fp8.FP8Weight) else w.numel() * w.element_size() for w in weights)
+    return hit / experts_count * nbytes / (HBM_TBPS * 1e12) * 1e6
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m hybridgemm.perf.bench_moe", description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 2048])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--weights", nargs="+", choices=["bf16", "fp8"], default=["bf16"],
+                    help="fp8: also the FP8 experts, per channel and per 128x128 block")
     ap.add_argument("--out", required=True, help="CSV to upsert the rows into")
     args = ap.parse_args(argv)
     if min(args.tokens) < 1 or args.rounds < 1:
@@ -127,7 +159,7 @@ def main(argv=None) -> int:
     rows = []
     for name in args.shapes:
         for tokens in args.tokens:
-            got = bench_shape(name, tokens, env, args.rounds)
+            got = bench_shape(name, tokens, env, args.rounds, tuple(args.weights))
             rows += got
             for r in got:
                 print(f"{r['shape']:>14} T={tokens:>5} {r['method']:>6} {r['provider']:>24} {r['status']:>7} "

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from hybridgemm.autotune_cache.presets import get_preset
+from hybridgemm.fp8_experts import SCALE_SUFFIX
 from hybridgemm.fp8_modules import SCALE_NAMES
 
 
@@ -281,7 +282,8 @@ def stacked_experts(mod: nn.Module) -> int | None:
 def decode_weight_bytes(model: nn.Module, experts_read: ExpertsRead = None) -> int:
     """Bytes of the weights one decode step reads: every parameter once (shared ones once),
     and the FP8 scales of weights ``patch(weights="fp8")`` quantized (their buffers,
-    fusion/fp8_modules.SCALE_NAMES), except the input embedding table, of which a step reads
+    fusion/fp8_modules.SCALE_NAMES; of FP8 experts, fusion/fp8_experts.SCALE_SUFFIX), except the
+    input embedding table, of which a step reads
     one row per token, unless the LM head is tied to it (then the head streams all of it).
 
     Of a stacked-experts module (:func:`stacked_experts`, E experts) a step reads only the
@@ -303,11 +305,12 @@ def decode_weight_bytes(model: nn.Module, experts_read: ExpertsRead = None) -> i
             read = experts_read(name, experts) if callable(experts_read) else experts_read
             if not read >= 0:  # NaN too
                 raise ValueError(f"decode_weight_bytes: {read} experts read of {name}")
-            for p in mod.parameters(recurse=False):
+            for p in (*mod.parameters(recurse=False), *mod.buffers(recurse=False)):
                 if p.dim() >= 1 and p.shape[0] == experts:
                     share[id(p)] = min(read, experts) / experts
     tensors = {id(p): p for p in model.parameters() if id(p) not in skip}
-    tensors.update({id(b): b for name, b in model.named_buffers() if name.rpartition(".")[2] in SCALE_NAMES})
+    tensors.update({id(b): b for name, b in model.named_buffers()
+                    if name.rpartition(".")[2] in SCALE_NAMES or name.endswith(SCALE_SUFFIX)})
     return round(sum(tensor_bytes(t) * share.get(key, 1.0) for key, t in tensors.items()))
 
 

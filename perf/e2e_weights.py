@@ -4,7 +4,8 @@ one: the dequantized references and the torchao peers.
 Dequantized weights: each projection that ``patch(weights="fp8")`` quantized
 (``report.fp8``), dequantized from its e4m3 data and scales (kernels/fp8.dequantize: the
 product in fp32, rounded once to the dtype asked for), under the stock model's parameter names
-(a fused Q/K/V or gate/up weight split back into its parts). :func:`dequantized_model` builds a
+(a fused Q/K/V or gate/up weight split back into its parts; an experts module's stacked
+``gate_up_proj`` and ``down_proj`` as they are). :func:`dequantized_model` builds a
 plain (unpatched) model of the stock weights with those in place: in fp32 it is the reference
 the FP8 kernels are measured against; in bf16 it computes what dequantize -> bf16 ``F.linear``
 computes.
@@ -27,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hybridgemm.fp8_experts import PROJECTIONS, HybridFP8Experts
 from hybridgemm.fp8_modules import FP8FusedLinears, weight_scale_of
 from hybridgemm.fused_rows import qual
 from hybridgemm.kernels import fp8
@@ -53,6 +55,10 @@ def dequantized_weights(model: nn.Module, names: list[str], dtype: torch.dtype):
     named in ``names`` (``report.fp8``), one at a time (a whole model's worth is never held)."""
     for name in names:
         mod = model.get_submodule(name)
+        if isinstance(mod, HybridFP8Experts):
+            for proj, w in zip(PROJECTIONS, mod.expert_weights(dtype)):
+                yield qual(name, proj), w.dequantize(dtype)
+            continue
         w = fp8.dequantize(mod.weight, weight_scale_of(mod), dtype)
         if isinstance(mod, FP8FusedLinears):
             parent = name.rpartition(".")[0]

@@ -410,9 +410,12 @@ def plot_moe(csv_path, out_dir, name: str = "moe.png") -> Path:
             pts = sorted((to_int(r["M"]), to_float(r["median_us"])) for r in srows if series(r) == label)
             ls = "--" if label.endswith(f"({_MOE_METHODS['events']})") else "-"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, ms=4, lw=1.4, label=label, **styles[label])
-        floor = sorted({(to_int(r["M"]), to_float(r["floor_us"])) for r in srows})
-        ax.plot([p[0] for p in floor], [p[1] for p in floor], color="k", lw=0.8, ls=":",
-                label="HBM floor (experts hit)")
+        for fp8_rows, color, label in ((False, "k", "HBM floor (experts hit)"),
+                                       (True, "0.55", "HBM floor (experts hit, FP8 per channel)")):
+            floor = sorted({(to_int(r["M"]), to_float(r["floor_us"])) for r in srows
+                            if (r.get("weights") or "bf16") == ("e4m3_channel" if fp8_rows else "bf16")})
+            if floor:
+                ax.plot([p[0] for p in floor], [p[1] for p in floor], color=color, lw=0.8, ls=":", label=label)
         m_axis(ax, sorted({to_int(r["M"]) for r in srows}))
         log_y(ax)
         r0 = srows[0]
@@ -420,5 +423,6 @@ def plot_moe(csv_path, out_dir, name: str = "moe.png") -> Path:
                      fontsize=9)
         ax.set_ylabel("µs per MoE block (routed experts)")
     legend(footer, axes, ncol=3)
-    body.suptitle("Mixture-of-experts block, bf16: transformers vs hybridgemm.moe (same weights and routing)")
+    kinds = "bf16 and FP8 experts" if any((r.get("weights") or "bf16") != "bf16" for r in rows) else "bf16"
+    body.suptitle(f"Mixture-of-experts block, {kinds}: transformers vs hybridgemm.moe (same weights and routing)")
     return save(fig, footer, Path(out_dir) / name, rows)

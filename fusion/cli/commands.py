@@ -2,6 +2,7 @@
 
     hybridgemm autotune --model llama3-8b|--hf-config PATH [--tp N] [--m 1 16 ...] [--dtype bf16] [--out PATH]
                         [--weights fp8 [--granularity channel|block128]] [--force|--check]
+    hybridgemm autotune --moe qwen3-30b-a3b [--weights fp8 [--granularity ...]] [--dtype bf16] [--out PATH]
     hybridgemm show [PATH]
     hybridgemm explain --x 16,4096 --w 6144,4096 [--dtype bf16] [--no-bias] [--activation relu]
                        [--table PATH | --device h200]
@@ -275,9 +276,11 @@ def _cmd_autotune(args) -> int:
     if not shapes and not moe_presets:
         print("hybridgemm autotune: give --model NAME, --hf-config PATH, --shape N,K or --moe NAME", file=sys.stderr)
         return 2
-    if moe_presets and (args.check or args.granularity or args.m):
-        print("hybridgemm autotune: --moe tunes every M range of the experts in bf16 (no --check, --m or FP8 "
-              "weights)", file=sys.stderr)
+    if moe_presets and (args.check or args.m):
+        print("hybridgemm autotune: --moe tunes every M range of the experts (no --check or --m)", file=sys.stderr)
+        return 2
+    if moe_presets and not set(args.dtype) & {"bf16", "fp16"}:
+        print(f"hybridgemm autotune: --moe tunes bf16 or fp16 experts, not {' '.join(args.dtype)}", file=sys.stderr)
         return 2
 
     bad = [m for m in args.m or [] if not 1 <= m <= M_MAX]
@@ -291,6 +294,7 @@ def _cmd_autotune(args) -> int:
     if not _need_gpu("autotune"):
         return 2
 
+    resolve_weight_options(args)
     if moe_presets:
         rc = _tune_moe_presets(moe_presets, args)
         if rc or not shapes:
@@ -302,7 +306,6 @@ def _cmd_autotune(args) -> int:
         if (s.n, s.k, s.bias, s.activation) not in seen:
             seen.add((s.n, s.k, s.bias, s.activation))
             unique.append(s)
-    resolve_weight_options(args)
     weight_format = FORMAT_OF[args.granularity] if args.granularity else ""
     keys = tune_table.keys_for(unique, args.m, args.dtype, args.epilogue, weight_format=weight_format)
     path = _table_path(args.out)
@@ -325,16 +328,21 @@ def _cmd_autotune(args) -> int:
 
 
 def _tune_moe_presets(presets, args) -> int:
-    """The grouped MoE kernels' entries of each preset's experts (autotune_cache/tune_moe.py)."""
+    """The grouped MoE kernels' entries of each preset's experts (autotune_cache/tune_moe.py), in
+    each of --dtype's 16-bit dtypes, with FP8 experts of --granularity under --weights fp8."""
     path = _table_path(args.out)
     table = TuningTable.load(path, signature=signature.current_signature())
+    weight_format = FORMAT_OF[args.granularity] if args.granularity else ""
     for p in presets:
-        print(f"tuning the {p.name} experts ({p.experts} of {p.expert_intermediate} x {p.hidden}, top-"
-              f"{p.experts_per_token}) at M 1..{tune_moe.MOE_M_MAX} into {path}")
-        t0 = time.time()
-        done = tune_moe.tune_into(table, path, p.experts, p.experts_per_token, p.expert_intermediate, p.hidden,
-                                  force=args.force, log=print)
-        print(f"tuned {done} ranges of {p.name}'s experts in {time.time() - t0:.1f} s")
+        for name in (d for d in args.dtype if d in ("bf16", "fp16")):
+            weights = f", {weight_format} weights" if weight_format else ""
+            print(f"tuning the {p.name} experts ({p.experts} of {p.expert_intermediate} x {p.hidden}, top-"
+                  f"{p.experts_per_token}, {name}{weights}) at M 1..{tune_moe.MOE_M_MAX} into {path}")
+            t0 = time.time()
+            done = tune_moe.tune_into(table, path, p.experts, p.experts_per_token, p.expert_intermediate, p.hidden,
+                                      dtype=NAME_TO_DTYPE[name], force=args.force, log=print,
+                                      weight_format=weight_format)
+            print(f"tuned {done} ranges of {p.name}'s experts in {time.time() - t0:.1f} s")
     return 0
 
 
@@ -764,7 +772,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the --shape projections have no bias (as a mixture-of-experts router's GEMM)")
     p.add_argument("--moe", action="append", metavar="NAME",
                    help="a mixture-of-experts preset (repeatable): tune the grouped MoE kernels' configs for its "
-                   "experts at every M range against the grouped torch._grouped_mm baseline")
+                   "experts at every M range against the grouped torch._grouped_mm baseline (with --weights fp8: "
+                   "FP8 experts of --granularity, the baseline dequantizing them)")
     p.add_argument("--hf-config", action="append", metavar="PATH",
                    help="a Hugging Face config.json, or a local model directory holding one: tune the "
                    "attention GEMMs hybridgemm.patch runs on the model it configures (built by transformers "

@@ -578,7 +578,7 @@ MOE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "Qwen2MoeSparse
 def moe_block(mlp: nn.Module | None) -> bool:
     """Is ``mlp`` a sparse MoE block whose experts patch swapped for :class:`HybridExperts`?"""
     return (type(mlp).__name__ in MOE_BLOCKS and type(mlp).__module__.startswith("transformers")
-            and type(mlp._modules.get("experts")) is HybridExperts)
+            and isinstance(mlp._modules.get("experts"), HybridExperts))
 
 
 def projection_base(mod: nn.Module | None) -> nn.Module | None:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 
+from hybridgemm.fp8_experts import check_fp8_experts, why_not_fp8_experts
 from hybridgemm.fp8_modules import (
     KERNEL_SCALE,
     SCALE_NAMES,
@@ -198,6 +199,8 @@ def prepare(model: nn.Module, report) -> Prepared:
     are hidden from ``patch`` (:class:`FP8LinearAsLoaded`) until :func:`adopt`."""
     prepared = Prepared()
     for name, mod in model.named_modules():
+        if why_not_fp8_experts(mod)[0] is not None:  # experts the MoE kernels run: their values checked now
+            check_fp8_experts(name, mod)
         found = find_source(name, mod)
         if isinstance(found, str):
             report.skipped.append((name, f"FP8 linear left as loaded: {found}"))

@@ -28,9 +28,9 @@ same layout is covered; ``transformers`` is never imported here):
   attention, then their sparse block as it is.
 * transformers' stacked mixture-of-experts modules (Mixtral, Qwen2-MoE, Qwen3-MoE: weights
   ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]): the routed experts in the MoE
-  kernels (fusion/experts.py, the tuning table's configs); their softmax-top-k routers (the
-  form checked by running each once at patch time, fusion/router.py): the router's GEMM by the
-  dispatcher, the routing in one kernel launch.
+  kernels (fusion/experts.py, the tuning table's configs; FP8 experts: fusion/fp8_experts.py);
+  their softmax-top-k routers (the form checked by running each once at patch time,
+  fusion/router.py): the router's GEMM by the dispatcher, the routing in one kernel launch.
 
 How several linears are fused without re-implementing any forward (:class:`QKVSlice` modules
 standing where the linears stood, backed by one :class:`FusedQKV`; one GEMM per input, each
@@ -90,6 +90,12 @@ from torch import Tensor, nn
 
 from hybridgemm.attention import HybridMultiheadAttention
 from hybridgemm.experts import HybridExperts, why_not_experts
+from hybridgemm.fp8_experts import (
+    HybridFP8Experts,
+    quantize_patched_experts,
+    static_activation_scales,
+    why_not_fp8_experts,
+)
 from hybridgemm.fp8_modules import is_fp8, quantize_patched
 from hybridgemm.fused_rows import SEQ as _SEQ
 from hybridgemm.fused_rows import UNDO_ATTR as _UNDO_ATTR
@@ -294,15 +300,17 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
     fusion/norm.py). ``layers``: fuse the norms and residual adds of decoder layers whose
     parts are all patched (fusion/models/decoder_layer.py). ``fuse_qkv=False`` swaps each q/k/v linear
     on its own (state-dict keys unchanged).
-    ``weights="fp8"``: the patched projections' weights are quantized to e4m3 (``granularity``
-    ``"channel"`` or ``"block128"``; the LM head too with ``quantize_lm_head``) and run through
-    the FP8 kernels (fusion/fp8_modules.py); the bf16 weights are not kept, so such a model
-    cannot be unpatched (reload it). ``report.fp8`` lists the quantized modules.
+    ``weights="fp8"``: the patched projections' and experts' weights are quantized to e4m3
+    (``granularity`` ``"channel"`` or ``"block128"``; the LM head too with ``quantize_lm_head``)
+    and run through the FP8 kernels (fusion/fp8_modules.py, fusion/fp8_experts.py); the bf16
+    weights are not kept, so such a model cannot be unpatched (reload it). ``report.fp8`` lists
+    the quantized modules.
     A model loaded from an FP8 checkpoint (compressed-tensors ``float-quantized``, transformers'
-    fine-grained FP8) keeps its e4m3 weights and scales as they are, whatever ``weights`` says:
-    its projections become the same FP8 modules (listed in ``report.fp8``; fused where their
-    scales allow) and its state dict stays in the checkpoint's format
-    (fusion/models/fp8_checkpoints.py); malformed scales raise ``FP8FormatError``.
+    fine-grained FP8, its experts included) keeps its e4m3 weights and scales as they are,
+    whatever ``weights`` says: its projections and experts become the same FP8 modules (listed
+    in ``report.fp8``; fused where their scales allow) and its state dict stays in the
+    checkpoint's format (fusion/models/fp8_checkpoints.py); malformed scales raise
+    ``FP8FormatError``.
     Nothing to patch: a warning and an empty report, or ``ValueError`` with ``strict=True``.
     ``strict=True`` also raises ``ValueError`` naming every entry of ``report.skipped`` when
     anything was left unpatched or unfused (:class:`PatchReport` says what is listed); as with
@@ -367,13 +375,24 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
             continue
         if mlp and _patch_mlp(name, mod, modules, owners, report, swap, done):
             continue
-        if mlp:  # a mixture-of-experts block's stacked experts (fusion/experts.py)
-            act, why = why_not_experts(mod)
+        if mlp:  # a mixture-of-experts block's stacked experts (fusion/experts.py, fusion/fp8_experts.py)
+            act, why = why_not_fp8_experts(mod)
+            cls = HybridFP8Experts
+            if act is None and why is None:
+                act, why = why_not_experts(mod)
+                cls = HybridExperts
             if why is not None:
                 report.skipped.append((name, why))
             if act is not None:
-                swap(name, mod, HybridExperts)
+                swap(name, mod, cls)
                 _set_attr(mod, "glu_activation", act)
+                if cls is HybridFP8Experts:
+                    report.fp8.append(name)
+                    static = static_activation_scales(mod)
+                    if static:
+                        report.skipped.append((name, f"static activation scale ({', '.join(static)}) kept in the "
+                                                     "state dict, not applied: the MoE kernels take the activations "
+                                                     "as they are (W8A16)"))
             if act is not None or why is not None:
                 continue
             form, why = why_not_router(mod)
@@ -437,6 +456,7 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
     report.fp8.extend(adopt_fp8_checkpoint(model, fp8_checkpoint, report))
     if weights == "fp8":
         report.fp8.extend(quantize_patched(dict(model.named_modules()), granularity, quantize_lm_head))
+        report.fp8.extend(quantize_patched_experts(dict(model.named_modules()), granularity))
     if layers:
         for name, mod in modules.items():
             why_not = why_not_fuse_layer(mod) if name not in done and not records(mod) else NOT_A_LAYER
@@ -622,7 +642,7 @@ def unpatch(model: nn.Module) -> list[str]:
     (nothing changed) for a model whose weights ``patch(weights="fp8")`` quantized or that
     ``patch`` took from an FP8 checkpoint."""
     _check_module(model, "hybridgemm.unpatch")
-    quantized = [name for name, mod in model.named_modules() if is_fp8(mod)]
+    quantized = [name for name, mod in model.named_modules() if is_fp8(mod) or isinstance(mod, HybridFP8Experts)]
     if quantized:
         raise ValueError(f"hybridgemm.unpatch: {len(quantized)} modules hold FP8 weights, quantized by "
                          f"patch(weights='fp8') or taken from an FP8 checkpoint (e.g. {quantized[0] or '(root)'}); "

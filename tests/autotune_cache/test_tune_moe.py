@@ -13,7 +13,7 @@ import torch
 
 from hybridgemm import experts
 from hybridgemm.autotune_cache import tune_moe
-from hybridgemm.autotune_cache.keys import TableKey
+from hybridgemm.autotune_cache.keys import TableKey, weight_format_of
 from hybridgemm.autotune_cache.table import TuningTable
 from hybridgemm.autotune_cache.table_entries import make_entry
 from hybridgemm.kernels import triton_moe as tm
@@ -148,7 +148,8 @@ def test_tune_into_saves_each_range_and_skips_what_the_table_holds(tmp_path, mon
     path = tmp_path / "t.json"
     seen = []
 
-    def fake_tune(experts_, top_k, i, h, activation, dtype, keys, log):
+    def fake_tune(experts_, top_k, i, h, activation, dtype, keys, log, weight_format=""):
+        assert all(weight_format_of(k.op) == weight_format for k in keys)
         for key in keys:
             seen.append(key)
             if key.m_lo == 3:
@@ -171,3 +172,7 @@ def test_tune_into_saves_each_range_and_skips_what_the_table_holds(tmp_path, mon
     seen.clear()
     assert tune_moe.tune_into(saved, path, 8, 2, 64, 32, m_max=8, log=lambda s: None) == 0
     assert seen == [keys[2]]  # only the range without an entry
+    seen.clear()  # FP8 experts: their own keys, none of which the bf16 entries hold
+    assert tune_moe.tune_into(saved, path, 8, 2, 64, 32, m_max=8, log=lambda s: None,
+                              weight_format="e4m3_channel") == 3
+    assert [k.op for k in seen] == ["moe_silu_e8_k2_e4m3_channel"] * 4

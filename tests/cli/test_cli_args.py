@@ -85,6 +85,7 @@ CASES = [  # (argv, text the line must hold: the bad value)
     (["autotune", "--model", "llama3-8b", "--weights", "fp8", "--dtype", "bf16", "fp32"], "not fp32"),
     (["autotune", "--moe", "llama3-8b"], "llama3-8b has no experts"),
     (["autotune", "--moe", "qwen3-30b-a3b", "--m", "4"], "--moe tunes every M range"),
+    (["autotune", "--moe", "qwen3-30b-a3b", "--dtype", "fp32"], "--moe tunes bf16 or fp16 experts"),
     (["autotune", "--moe", "bogus"], "'bogus'"),
     (["explain", "--x", "16,4096", "--w", "6144"], "'6144'"),
     (["explain", "--x", "16,4000", "--w", "6144,4096"], "4000"),
@@ -128,6 +129,8 @@ def test_good_options_still_reach_the_gpu_check(tmp_path, capsys):
     rc, _, err = _run(["bench", "--model", "qwen2.5-7b", "--out", str(tmp_path / "b.csv")], capsys)
     assert rc == 2 and "needs a CUDA GPU" in _one_line(err)
     rc, _, err = _run(["autotune", "--moe", "qwen3-30b-a3b", "--moe", "mixtral-8x7b"], capsys)
+    assert rc == 2 and "needs a CUDA GPU" in _one_line(err)
+    rc, _, err = _run(["autotune", "--moe", "qwen3-30b-a3b", "--weights", "fp8", "--granularity", "block128"], capsys)
     assert rc == 2 and "needs a CUDA GPU" in _one_line(err)
 
 
@@ -211,6 +214,7 @@ def test_show_still_lists_every_entry(capsys):
 
     rc, out, _ = _run(["show"], capsys)
     assert rc == 0
-    ops = r"linear(_e4m3_channel|_e4m3_block128)?|moe_silu_e[0-9]+_k[0-9]+|glu(_rms|_rms32)?"
+    fp8 = "(_e4m3_channel|_e4m3_block128)?"
+    ops = rf"linear{fp8}|moe_silu_e[0-9]+_k[0-9]+{fp8}|glu(_rms|_rms32)?"
     listed = len(re.findall(rf"^\s+({ops})\|", out, re.M))
     assert listed == sum(len(TuningTable.load(p)) for p in shipped_table_paths())

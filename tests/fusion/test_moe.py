@@ -249,26 +249,33 @@ from hybridgemm.kernels import triton_moe as tm
 from hybridgemm.kernels import triton_router as tr
 from hybridgemm.kernels.triton_glu import ACTIVATIONS
 
-names = ["x_ptr", "w_ptr", "out_ptr", "rows_ptr", "expert_ptr", "rw_ptr", "S", "N", "K", "top_k", "ldx", "lde", "ldw",
-         "ldo", "n_gate", "num_experts"]
+# each GEMM kernel for bf16 weights (WSCALE 0) and e4m3 ones per channel (1) and per block (2),
+# the e4m3 bytes converted by integer ops (WINT) as the GPU runs them
+names = ["x_ptr", "w_ptr", "sc_ptr", "out_ptr", "rows_ptr", "expert_ptr", "rw_ptr", "S", "N", "K", "top_k", "ldx",
+         "lde", "ldw", "lse", "lsn", "ldo", "n_gate", "num_experts"]
 for glu in (True, False):
-    types = ["*bf16", "*bf16", "*bf16" if glu else "*fp32", "*i32", "*i32", "*bf16" if glu else "*fp32"]
-    sig = {**dict(zip(names, types + ["i32"] * 10)),
-           **dict.fromkeys(["BM", "BN", "BK", "GLU", "ACT", "PREC", "ROUND_PRODUCT"], "constexpr")}
-    for bm in (16, 64):
-        consts = {"BM": bm, "BN": 64, "BK": 64, "GLU": glu, "ACT": ACTIVATIONS["silu"], "PREC": "tf32",
-                  "ROUND_PRODUCT": not glu}
-        try:  # the offline-compile API (not the kernel) is what raises these
-            src = ASTSource(fn=tm._moe_kernel, signature=sig, constexprs=consts)
-            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-        except (TypeError, KeyError, AttributeError) as e:
-            raise SystemExit(f"API: {type(e).__name__}: {e}")
-        assert c.asm["cubin"]
-pair_kernels = [  # the pair kernels with and without programmatic dependent launch
-    *((tm._moe_pair_glu_kernel, ["*bf16", "*bf16", "*i64", "*bf16"] + ["i32"] * 8,
-       {"ACT": ACTIVATIONS["silu"], "PDL": pdl}) for pdl in (False, True)),
-    *((tm._moe_pair_down_kernel, ["*bf16", "*bf16", "*i64", "*fp32", "*bf16"] + ["i32"] * 6,
-       {"TOP_K": 6, "KP": 8, "ROUND_PRODUCT": False, "PDL": pdl}) for pdl in (False, True)),
+    for wscale in (0, 1, 2):
+        w = "*bf16" if wscale == 0 else "*fp8e4nv"
+        types = ["*bf16", w, "*fp32", "*bf16" if glu else "*fp32", "*i32", "*i32", "*bf16" if glu else "*fp32"]
+        sig = {**dict(zip(names, types + ["i32"] * 12)),
+               **dict.fromkeys(["BM", "BN", "BK", "GLU", "ACT", "PREC", "ROUND_PRODUCT", "WSCALE", "WINT"],
+                               "constexpr")}
+        for bm in (16, 64):
+            consts = {"BM": bm, "BN": 64, "BK": 64, "GLU": glu, "ACT": ACTIVATIONS["silu"], "PREC": "tf32",
+                      "ROUND_PRODUCT": not glu, "WSCALE": wscale, "WINT": wscale > 0}
+            try:  # the offline-compile API (not the kernel) is what raises these
+                src = ASTSource(fn=tm._moe_kernel, signature=sig, constexprs=consts)
+                c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+            except (TypeError, KeyError, AttributeError) as e:
+                raise SystemExit(f"API: {type(e).__name__}: {e}")
+            assert c.asm["cubin"]
+pair_kernels = [  # the pair kernels with and without programmatic dependent launch, each weight format
+    *((tm._moe_pair_glu_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*bf16"] + ["i32"] * 10,
+       {"ACT": ACTIVATIONS["silu"], "PDL": pdl, "WSCALE": ws, "WINT": ws > 0}) for pdl in (False, True)
+      for ws in (0, 1, 2)),
+    *((tm._moe_pair_down_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*fp32", "*bf16"]
+       + ["i32"] * 8, {"TOP_K": 6, "KP": 8, "ROUND_PRODUCT": False, "PDL": pdl, "WSCALE": ws, "WINT": ws > 0})
+      for pdl in (False, True) for ws in (0, 1, 2)),
     (tm._moe_count_kernel, ["*i64", "*i32", "i32"], {"EP": 128, "CHUNK": tm.ALIGN_CHUNK}),
     (tm._moe_sum_slots_kernel, ["*fp32", "*bf16", "i32"], {"TOP_K": 8, "BH": 1024}),
     (tm._moe_place_kernel, ["*i64", "*i32", "*i32", "*i32"] + ["i32"] * 5,
@@ -285,9 +292,9 @@ print("compiled")
 
 
 def test_the_kernels_compile_for_hopper():
-    """Both launches, decode and prefill block sizes, compiled for sm_90 by Triton's bundled
-    ptxas (no GPU needed; in a process without the interpreter): the program the interpreter
-    runs is one the GPU compiler takes."""
+    """Both launches, decode and prefill block sizes, bf16 and e4m3 weights, compiled for sm_90
+    by Triton's bundled ptxas (no GPU needed; in a process without the interpreter): the program
+    the interpreter runs is one the GPU compiler takes."""
     from helpers import compile_offline
 
     compile_offline(_COMPILE_FOR_HOPPER)

@@ -297,3 +297,47 @@ def test_tiny_moe_runs_every_mode_end_to_end(name, tiny, monkeypatch):
             assert math.isfinite(r["fraction_of_floor"])
     assert not any("left unpatched" in line or "patch failed" in line for line in lines)
     assert any(line.startswith("batch 2:") and "uniform routing" in line for line in lines)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_tiny_moe_runs_with_fp8_experts(name, tiny, monkeypatch):
+    """An FP8 run (``--weights fp8``) of a tiny model of the family: ``patch`` quantizes the
+    experts too (listed in ``report.fp8``), a step's bytes count the e4m3 experts it reaches with
+    their fp32 scales (by hand), and the logits err against the fp32 model of the dequantized
+    weights (its experts included) no more than the dequantized fp16 model does."""
+    from hybridgemm.fp8_experts import HybridFP8Experts
+    from hybridgemm.perf import e2e_weights
+
+    config = tiny(name)
+    monkeypatch.setattr(e2e_weights, "torchao_version", lambda: None)
+    monkeypatch.setattr(hexperts, "use_kernels", lambda x: torch.compiler.is_compiling())
+    run = E.Run(f"tiny-{name}", config, torch.device("cpu"), batches=(1,), tokens=2, prefill=8, rounds=1,
+                modes=("eager_static", "compiled_static", *E.ERROR_MODES), dtype=torch.float16,
+                compile_options={"backend": "eager", "fullgraph": True}, extra={"gpu": "cpu", "command": "test"},
+                granularity="channel")
+    torch.manual_seed(0)
+    res = E.run_e2e(run)
+    assert not res.errors, [(r["mode"], r["batch"], r["variant"], r.get("note")) for r in res.errors]
+    t = TINY[name]
+    e, i, h = t["experts"], t["expert_intermediate"], t["hidden"]
+    model = hf.build_model(config, torch.float16, "cpu")
+    report = hybridgemm.patch(model, weights="fp8", granularity="channel")
+    mods = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    assert len(mods) == 2 and all(type(m) is HybridFP8Experts for m in mods)
+    assert {n for n in report.fp8 if n.endswith("experts")} == {f"model.layers.{j}.mlp.experts" for j in (0, 1)}
+    per_expert = 3 * i * h + 4 * (2 * i + h)  # e4m3 data, fp32 scales per row
+    read = hf.expected_experts(e, t["experts_per_token"], 1)
+    assert hf.decode_weight_bytes(model, read) - hf.decode_weight_bytes(model, 0) == round(2 * read * per_expert)
+    dequantized = dict(e2e_weights.dequantized_weights(model, report.fp8, torch.float32))
+    for j in (0, 1):  # the reference's experts are the e4m3 ones dequantized, at the stock names
+        for proj in ("gate_up_proj", "down_proj"):
+            key = f"model.layers.{j}.mlp.experts.{proj}"
+            assert torch.equal(dequantized[key], model.get_submodule(key.rpartition(".")[0]).expert_weights(
+                torch.float32)[proj == "down_proj"].dequantize(torch.float32))
+    rows = {(r["mode"], r["variant"]): r for r in res.rows}
+    for mode in E.ERROR_MODES:
+        patched = rows[(mode, run.patched_variant)]
+        assert 0 < patched["logits_rel_err"] < 0.05 and patched["error_ratio"] < 1.5
+        assert patched["logits_rel_err_vs_bf16"] > 3 * patched["logits_rel_err"]  # the quantization shows there
+    step = rows[("compiled_static", run.patched_variant)]
+    assert step["variant_bytes"] < step["weight_bytes"]

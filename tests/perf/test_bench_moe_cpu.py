@@ -32,6 +32,17 @@ def test_plot_moe_draws_each_shape_and_make_all_plots_finds_it(tmp_path):
     assert [p.name for p in out] == ["moe.png"] and out[0].stat().st_size > 10_000
 
 
+def test_plot_moe_draws_fp8_rows_with_their_own_floor(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [dict(r, weights="bf16") for r in _rows()]
+    rows += [dict(r, provider="hybridgemm_fp8_channel", weights="e4m3_channel", floor_us=r["floor_us"] / 2,
+                  median_us=r["median_us"] / 2) for r in rows if r["provider"] == "hybridgemm"]
+    path = tmp_path / "moe_fp8.csv"
+    write_rows(str(path), rows)
+    out = plot_moe(path, tmp_path)
+    assert out.stat().st_size > 10_000
+
+
 def test_plot_moe_errors(tmp_path):
     pytest.importorskip("matplotlib")
     with pytest.raises(FileNotFoundError):
