@@ -13,6 +13,14 @@ weight format, so the format is part of the table key; ``decide.choose_fp8``):
   values of ``kernels.fp8.dequantize``: one rounding), then the dispatcher's decision for that
   dtype: what any other path would compute.
 
+``quantize_input`` (W8A8, opted into by ``patch(..., activations="fp8")``): where the decision
+is not one of the FP8 kernels (past the decode rows the split-K kernel serves), x is quantized
+to e4m3 (per token; per 1 x 128 block for block weights) and cuBLASLt's FP8 GEMM runs
+(``cublaslt_fp8``, Hopper with cuBLASLt 12.9+) instead of the dequantized weight's bf16 GEMM:
+the FP8 tensor cores, and the rounding of x to e4m3 added to the weight's. Where cuBLASLt
+cannot run that call (another GPU, an unaligned shape), the dequantized path runs, with one
+warning. Decode rows keep x as it is (W8A16): at those rows the weight's bytes set the time.
+
 CPU tensors, x of another dtype, and CUDA devices without FP8 (compute capability < 8.9,
 warned once) take the dequantized path. Gradients flow to x only: an FP8 weight is frozen
 (``dx = grad @ dequantize(W8)``), as it is in every FP8 checkpoint runtime.
@@ -26,6 +34,7 @@ from torch import Tensor, nn
 from hybridgemm import dispatch
 from hybridgemm.kernels import backends, fp8
 from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES, LinearArgumentError, contiguous_bias, row_major, rows_2d
+from hybridgemm.kernels.cublaslt_runtime import CublasLtUnavailable, CublasLtUnsupported
 from hybridgemm.kernels.epilogue import Activation, apply_activation
 from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.kernels.process_memory import per_call_scratch
@@ -73,9 +82,11 @@ def _runs_fp8_kernels(x: Tensor) -> bool:
     return True
 
 
-def fp8_linear(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = None, activation=None) -> Tensor:
+def fp8_linear(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = None, activation=None,
+               quantize_input: bool = False) -> Tensor:
     """``act(x @ dequantize(data, scale).T + bias)`` for any leading dims of x (see the module
-    docstring); ``scale`` in either granularity's shape (kernels/fp8.py)."""
+    docstring); ``scale`` in either granularity's shape (kernels/fp8.py); ``quantize_input``:
+    W8A8 past the decode rows (module docstring)."""
     act = Activation.parse(activation)
     granularity = check_fp8_args(x, data, scale, bias)
     scale = fp8.scale_vector(scale, granularity)
@@ -90,28 +101,46 @@ def fp8_linear(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = Non
     if choice.backend in backends.FP8_BACKENDS:  # split-K, or a table's cuBLASLt FP8 entry
         backends.get_backend(choice.backend).run(choice.config, x2, w2, b2, out, act, False, weight_scale=scale)
         return out.view(*x.shape[:-1], n)
+    if quantize_input and _runs_w8a8(x2, w2, scale, b2, out, act, granularity):
+        return out.view(*x.shape[:-1], n)
     # past the FP8 kernels' rows: a bf16/fp16 GEMM over the weight dequantized in one pass
     return dispatch.fused_linear(x, triton_module("triton_dequant").dequantize(w2, scale, granularity, x.dtype),
                                  bias, act)
 
 
+def _runs_w8a8(x2: Tensor, w2: Tensor, scale: Tensor, b2: Tensor | None, out: Tensor, act: Activation,
+               granularity: str) -> bool:
+    """Run cuBLASLt's FP8 GEMM over x quantized to e4m3 into ``out``; False (one warning per
+    device and reason) where it cannot run this call."""
+    try:
+        backends.get_backend("cublaslt_fp8").run({}, x2, w2, b2, out, act, False, weight_scale=scale)
+        return True
+    except (CublasLtUnsupported, CublasLtUnavailable, ImportError) as e:
+        reason = str(e)
+        warn_once(("fp8-activations", x2.device.index, reason[:80]),
+                  f"hybridgemm: activations='fp8': {reason}; this {granularity} FP8 GEMM runs over the weight "
+                  "dequantized, with x as it is")
+        return False
+
+
 # ------------------------------------------------------------------------------ custom op
 
 @torch.library.custom_op("hybridgemm::fp8_linear_fwd", mutates_args=())
-def fp8_linear_fwd(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+def fp8_linear_fwd(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None, activation: str,
+                   quantize_input: bool) -> Tensor:
     with per_call_scratch():  # no scratch cached from inside a compiled region (CUDA graph trees)
-        return fp8_linear(x, data, scale, bias, activation).contiguous()
+        return fp8_linear(x, data, scale, bias, activation, quantize_input).contiguous()
 
 
 @fp8_linear_fwd.register_fake
-def _fp8_linear_fwd_fake(x, data, scale, bias, activation):
+def _fp8_linear_fwd_fake(x, data, scale, bias, activation, quantize_input):
     check_fp8_args(x, data, scale, bias)
     Activation.parse(activation)
     return x.new_empty((*x.shape[:-1], data.shape[0]))
 
 
 def _setup(ctx, inputs, output):
-    x, data, scale, bias, activation = inputs
+    x, data, scale, bias, activation, _ = inputs
     ctx.activation = activation
     ctx.has_bias = bias is not None
     keep = activation != Activation.NONE.value  # the activation's derivative needs z = x @ W.T + b
@@ -126,23 +155,25 @@ def _backward(ctx, grad):
             (grad,) = torch.autograd.grad(apply_activation(z, Activation(ctx.activation)), z, grad)
     dx = grad @ fp8.dequantize(data, scale, grad.dtype) if ctx.needs_input_grad[0] else None
     db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[3] and ctx.has_bias else None
-    return dx, None, None, db, None
+    return dx, None, None, db, None, None
 
 
 fp8_linear_fwd.register_autograd(_backward, setup_context=_setup)
 
 
-def linear_fp8(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = None, activation=None) -> Tensor:
+def linear_fp8(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = None, activation=None,
+               quantize_input: bool = False) -> Tensor:
     """:func:`hybridgemm.linear` with an FP8 weight's tensors: the eager call directly where no
-    gradient is wanted, else (and under torch.compile) the custom op."""
+    gradient is wanted, else (and under torch.compile) the custom op. ``quantize_input``: W8A8
+    past the decode rows (module docstring)."""
     if not isinstance(x, Tensor) or (bias is not None and not isinstance(bias, Tensor)):
         raise TypeError(f"{WHO}: input and bias must be tensors (bias may be None), got {type(x).__name__}, "
                         f"{type(bias).__name__}")
     act = Activation.parse(activation)
     wants_grad = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
     if not wants_grad and not torch.compiler.is_compiling() and type(x) in PLAIN_TENSOR_TYPES:
-        return fp8_linear(x, data, scale, bias, act)
-    return torch.ops.hybridgemm.fp8_linear_fwd(x, data, scale, bias, act.value)
+        return fp8_linear(x, data, scale, bias, act, quantize_input)
+    return torch.ops.hybridgemm.fp8_linear_fwd(x, data, scale, bias, act.value, bool(quantize_input))
 
 
 # ------------------------------------------------------------------------------- module

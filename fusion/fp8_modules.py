@@ -17,7 +17,9 @@ layout under ``weight_scale``. A load checks what an FP8 weight needs (e4m3 data
 the stored shape, finite and > 0) and reports the rest as torch does.
 
 Both compute through fusion/fp8_linear.py; the fused decode step reads the scales with
-:func:`weight_scale_of`. The bf16 weights are gone once quantized (that is the memory the
+:func:`weight_scale_of`. ``fp8_activations`` (set by ``patch(..., activations="fp8")``): past the
+decode rows the module's GEMM quantizes x to e4m3 and runs on the FP8 tensor cores (W8A8;
+fusion/fp8_linear.py ``quantize_input``). The bf16 weights are gone once quantized (that is the memory the
 format saves), so such a model cannot be unpatched back to them: :func:`unpatch` says so.
 """
 
@@ -151,12 +153,13 @@ class FP8HybridLinear(HybridLinear):
     """A patched linear whose weight is FP8 (see the module docstring)."""
 
     fp8_dtype = torch.bfloat16
+    fp8_activations = False
 
     def _apply(self, fn, *args, **kwargs):
         return super()._apply(keep_fp8_dtypes(self, fn), *args, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear_fp8(x, self.weight, weight_scale_of(self), self.bias, self.activation)
+        return linear_fp8(x, self.weight, weight_scale_of(self), self.bias, self.activation, self.fp8_activations)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         fmt, own = format_of(self), {}
@@ -193,6 +196,7 @@ class FP8FusedLinears(FusedLinears):
     that way)."""
 
     fp8_dtype = torch.bfloat16
+    fp8_activations = False
     STOCK_TENSORS = (KERNEL_SCALE,)
 
     def _apply(self, fn, *args, **kwargs):
@@ -202,7 +206,8 @@ class FP8FusedLinears(FusedLinears):
         return keep_fp8_dtypes(piece, fn)  # the parts' e4m3 only move
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
-        return linear_fp8(x, self.weight, weight_scale_of(self), self.bias).split_with_sizes(self.sizes, dim=-1)
+        y = linear_fp8(x, self.weight, weight_scale_of(self), self.bias, None, self.fp8_activations)
+        return y.split_with_sizes(self.sizes, dim=-1)
 
     def part_rows(self, attr: str, t: Tensor) -> tuple[Tensor, ...]:
         if attr == KERNEL_SCALE and t.dim() == 2:  # per 128 x 128 block: every part holds whole blocks of rows

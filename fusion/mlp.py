@@ -189,7 +189,7 @@ def activated(owner: nn.Module, child: str, act: str, act_module: nn.Module, x: 
     if type(lin) is HybridLinear:
         return linear(x, lin.weight, lin.bias, act)
     if type(lin) is FP8HybridLinear:
-        return linear_fp8(x, lin.weight, weight_scale_of(lin), lin.bias, act)
+        return linear_fp8(x, lin.weight, weight_scale_of(lin), lin.bias, act, lin.fp8_activations)
     return act_module(lin(x))
 
 

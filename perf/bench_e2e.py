@@ -2,7 +2,8 @@
 
     hybridgemm bench --e2e --model NAME [--layers N] [--batch 1 8] [--prefill 2048]
                      [--tokens 64] [--modes ...] [--rounds 3] [--out CSV] [--plot DIR]
-                     [--weights fp8 [--granularity channel|block128] [--quantize-lm-head] [--no-peers]]
+                     [--weights fp8 [--granularity channel|block128] [--quantize-lm-head] [--no-peers]
+                      [--fp8-activations]]
     python -m hybridgemm.perf.bench_e2e  (the same options)
 
 The model (NAME: qwen2.5-7b, llama3-8b, llama3-70b, qwen3-8b, and the mixtures of experts
@@ -63,6 +64,10 @@ what quantizing costs too) and one built from the dequantized FP8 weights
 row's (in a bf16 run: hybridgemm's / stock's). The peers' rows have the bf16 reference's only.
 Peak memory of an FP8 run: the stock model, the FP8 one and an fp32 copy during the error modes
 (~60 GB for Llama-3-8B), then the bf16 dequantized copy in place of the fp32 one.
+``--fp8-activations``: the patched model is also ``patch(..., activations="fp8")`` (W8A8 past
+the decode rows: the prefill GEMMs quantize x to e4m3 and run cuBLASLt's FP8 GEMM); its
+variant and ``run_weights`` end in ``_w8a8``, and its error rows measure the activations'
+rounding too (the references keep x as it is).
 
 Rows (one CSV, upserted on gpu, model, layers, mode, batch, variant, run_weights, so runs of
 several models or of single modes share a file; ``run_weights`` is empty in a bf16 run's rows
@@ -168,16 +173,20 @@ class Run:
     granularity: str | None = None
     quantize_lm_head: bool = False
     peers: bool = True
+    fp8_activations: bool = False  # patch(..., activations="fp8"): W8A8 past the decode rows
 
     @property
     def run_weights(self) -> str:
-        """Every row's ``run_weights``: "" in a bf16 run, else the FP8 format."""
-        return "" if self.granularity is None else weight_format(self.granularity)
+        """Every row's ``run_weights``: "" in a bf16 run, else the FP8 format (``_w8a8`` with
+        ``fp8_activations``)."""
+        if self.granularity is None:
+            return ""
+        return weight_format(self.granularity) + ("_w8a8" if self.fp8_activations else "")
 
     @property
     def patched_variant(self) -> str:
         """The patched model's variant name: ``hybridgemm``, or ``hybridgemm_<FP8 format>``."""
-        return "hybridgemm" if self.granularity is None else f"hybridgemm_{weight_format(self.granularity)}"
+        return "hybridgemm" if self.granularity is None else f"hybridgemm_{self.run_weights}"
 
 
 @dataclass
@@ -520,7 +529,8 @@ def _patched(run: Run, stock) -> tuple[torch.nn.Module | BaseException, list[str
         patched = hf.build_model(run.config, run.dtype, run.device)
         patched.load_state_dict(stock.state_dict())
         fp8 = {} if run.granularity is None else dict(weights="fp8", granularity=run.granularity,
-                                                       quantize_lm_head=run.quantize_lm_head)
+                                                       quantize_lm_head=run.quantize_lm_head,
+                                                       activations="fp8" if run.fp8_activations else "same")
         report = hybridgemm.patch(patched, **fp8)
         partial, norms = attention_skips(report), norm_module_skips(report, patched)
         left = [s for s in report.skipped if s not in partial and s not in norms]
@@ -744,7 +754,7 @@ def add_e2e_options(ap: argparse.ArgumentParser, default_modes: tuple[str, ...] 
     ap.add_argument("--rounds", type=positive_int, help=f"timed rounds per variant (default {ROUNDS})")
 
 
-FP8_FLAGS = ("quantize_lm_head", "no_peers")  # options of FP8 runs only (besides --granularity)
+FP8_FLAGS = ("quantize_lm_head", "no_peers", "fp8_activations")  # options of FP8 runs only (and --granularity)
 WEIGHTS_HELP = ("the patched model's projections quantized to e4m3 (patch(weights='fp8')), beside the stock bf16 "
                 "model and the torchao peers")
 
@@ -756,6 +766,8 @@ def add_fp8_options(ap: argparse.ArgumentParser) -> None:
                     help="FP8 runs: quantize the LM head too (patch(quantize_lm_head=True); the peers' too)")
     ap.add_argument("--no-peers", action="store_true", default=None,
                     help="FP8 runs: no torchao peer rows (they run where torchao is installed)")
+    ap.add_argument("--fp8-activations", action="store_true", default=None,
+                    help="FP8 runs: patch(activations='fp8'), prefill GEMMs on x quantized to e4m3 (W8A8)")
 
 
 def fp8_options_problem(args: argparse.Namespace) -> str:
@@ -783,6 +795,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(problem)
     resolve_weight_options(args)
     args.quantize_lm_head, args.no_peers = bool(args.quantize_lm_head), bool(args.no_peers)
+    args.fp8_activations = bool(args.fp8_activations)
     return args
 
 
@@ -831,7 +844,7 @@ def main(argv=None) -> int:
 
     run = Run(args.model, config, torch.device("cuda"), args.batch, args.tokens, args.prefill, args.rounds,
               args.modes, extra=extra, log=log, granularity=args.granularity, quantize_lm_head=args.quantize_lm_head,
-              peers=not args.no_peers)
+              peers=not args.no_peers, fp8_activations=args.fp8_activations)
     log(f"{command_line(args)} on {gpu}, torch {torch.__version__}, transformers {transformers.__version__}")
     res = run_e2e(run, on_rows=lambda rows: upsert(out, rows))
     print_summary(res)

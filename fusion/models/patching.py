@@ -96,7 +96,7 @@ from hybridgemm.fp8_experts import (
     static_activation_scales,
     why_not_fp8_experts,
 )
-from hybridgemm.fp8_modules import is_fp8, quantize_patched
+from hybridgemm.fp8_modules import FP8FusedLinears, FP8HybridLinear, is_fp8, quantize_patched
 from hybridgemm.fused_rows import SEQ as _SEQ
 from hybridgemm.fused_rows import UNDO_ATTR as _UNDO_ATTR
 from hybridgemm.fused_rows import (
@@ -292,7 +292,8 @@ def _record_name(name: str, rec: tuple) -> str:
 
 def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, attention: bool = True,
           mlp: bool = True, lm_head: bool = True, norm: bool = True, layers: bool = True,
-          weights: str = "same", granularity: str = "channel", quantize_lm_head: bool = False) -> PatchReport:
+          weights: str = "same", granularity: str = "channel", quantize_lm_head: bool = False,
+          activations: str = "same") -> PatchReport:
     """Patch ``model`` in place (see the module docstring); returns a :class:`PatchReport`.
 
     ``attention``, ``mlp``, ``lm_head``, ``norm``: which parts to patch (the attention
@@ -310,7 +311,10 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
     whatever ``weights`` says: its projections and experts become the same FP8 modules (listed
     in ``report.fp8``; fused where their scales allow) and its state dict stays in the
     checkpoint's format (fusion/models/fp8_checkpoints.py); malformed scales raise
-    ``FP8FormatError``.
+    ``FP8FormatError``. ``activations="fp8"`` (W8A8): past the decode rows the FP8 projections
+    quantize their inputs to e4m3 (per token; per 1 x 128 block for block weights) and run
+    cuBLASLt's FP8 GEMM on Hopper (fusion/fp8_linear.py); decode steps and experts keep their
+    activations as they are. A model without FP8 projections gets a warning.
     Nothing to patch: a warning and an empty report, or ``ValueError`` with ``strict=True``.
     ``strict=True`` also raises ``ValueError`` naming every entry of ``report.skipped`` when
     anything was left unpatched or unfused (:class:`PatchReport` says what is listed); as with
@@ -322,6 +326,8 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
     _check_module(model, "hybridgemm.patch")
     if weights not in ("same", "fp8"):
         raise ValueError(f"hybridgemm.patch: weights must be 'same' or 'fp8', got {weights!r}")
+    if activations not in ("same", "fp8"):
+        raise ValueError(f"hybridgemm.patch: activations must be 'same' or 'fp8', got {activations!r}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"hybridgemm.patch: granularity must be one of {GRANULARITIES}, got {granularity!r}")
     report = PatchReport()
@@ -457,6 +463,8 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
     if weights == "fp8":
         report.fp8.extend(quantize_patched(dict(model.named_modules()), granularity, quantize_lm_head))
         report.fp8.extend(quantize_patched_experts(dict(model.named_modules()), granularity))
+    if activations == "fp8":
+        _quantize_activations(model, report)
     if layers:
         for name, mod in modules.items():
             why_not = why_not_fuse_layer(mod) if name not in done and not records(mod) else NOT_A_LAYER
@@ -631,6 +639,18 @@ def _why_not_fuse(name: str, mod: nn.Module, names, lins: list[nn.Linear], owner
     if getattr(mod, "is_cross_attention", False) or "Cross" in type(mod).__name__:
         return "cross-attention (K/V read another input)"
     return why_not_fuse(name, mod, names, lins, owners, _FUSED_NAME, "q/k/v")
+
+
+def _quantize_activations(model: nn.Module, report: PatchReport) -> None:
+    """``activations="fp8"``: every FP8 projection module quantizes its inputs past the decode
+    rows; a warning where there is none."""
+    mods = [m for m in model.modules() if isinstance(m, (FP8HybridLinear, FP8FusedLinears))]
+    for mod in mods:
+        mod.fp8_activations = True
+    if not mods:
+        warnings.warn("hybridgemm.patch: activations='fp8' applies to FP8 projections (weights='fp8', or a model "
+                      "loaded from an FP8 checkpoint); this model has none, so nothing quantizes its activations",
+                      stacklevel=3)
 
 
 def unpatch(model: nn.Module) -> list[str]:

@@ -84,6 +84,10 @@ def test_fp8_options_parse_and_default():
     args.layers, args.batch, args.prefill, args.tokens, args.modes, args.rounds = 2, (1,), 16, 4, ("prefill",), 1
     assert E.command_line(args).endswith("--rounds 1 --weights fp8 --granularity block128 --quantize-lm-head "
                                          "--no-peers")
+    args = E.parse_args(["--model", "llama3-8b", "--weights", "fp8", "--fp8-activations"])
+    assert args.fp8_activations is True and E.parse_args(["--model", "llama3-8b"]).fp8_activations is False
+    args.layers, args.batch, args.prefill, args.tokens, args.modes, args.rounds = 2, (1,), 16, 4, ("prefill",), 1
+    assert E.command_line(args).endswith("--weights fp8 --granularity channel --fp8-activations")
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -91,6 +95,7 @@ def test_fp8_options_parse_and_default():
     (["--weights", "bf16", "--granularity", "channel"], "--granularity: only with --weights fp8"),
     (["--no-peers"], "--no-peers: only with --weights fp8"),
     (["--quantize-lm-head", "--no-peers"], "--quantize-lm-head, --no-peers: only with --weights fp8"),
+    (["--fp8-activations"], "--fp8-activations: only with --weights fp8"),
     (["--weights", "int4"], "--weights: invalid choice"),
     (["--weights", "fp8", "--granularity", "tensor"], "--granularity: invalid choice"),
 ])
@@ -390,3 +395,16 @@ def test_real_torchao_peers_on_the_cpu():
     # torchao's e4m3 per-row weights hold exactly the bytes of hybridgemm's channel-scaled ones
     assert by[("eager_static", "torchao_float8_weight_only")]["variant_bytes"] == fp8_hand_count("channel")
     assert by[("eager_static", "torchao_int8_weight_only")]["variant_bytes"] >= fp8_hand_count("channel")
+
+
+def test_a_w8a8_run_patches_with_fp8_activations_under_its_own_names():
+    run = tiny_run(fp8_activations=True)
+    assert run.run_weights == "e4m3_channel_w8a8" and run.patched_variant == "hybridgemm_e4m3_channel_w8a8"
+    assert tiny_run().run_weights == "e4m3_channel" and tiny_run(granularity=None).run_weights == ""
+    torch.manual_seed(1)
+    stock = hf.build_model(tiny_config(), torch.bfloat16, "cpu")
+    patched, names = E._patched(run, stock)
+    mods = [patched.get_submodule(n) for n in names]
+    assert len(mods) == 4 * LAYERS and all(m.fp8_activations for m in mods)
+    plain, _ = E._patched(tiny_run(), stock)
+    assert not any(plain.get_submodule(n).fp8_activations for n in names)

@@ -1,0 +1,159 @@
+"""W8A8 FP8 projections (``patch(..., activations="fp8")``, fusion/fp8_linear.py ``quantize_input``)
+on the CPU: which path a call takes on the GPU branch (the decision faked, cuBLASLt's FP8 GEMM
+replaced by a recording stand-in that computes what it computes: x quantized per token or per
+1 x 128 block, both operands dequantized, in fp32): split-K at decode rows with x as it is, the
+FP8 GEMM past them, the dequantized weight's GEMM without the option or where cuBLASLt refuses
+(one warning); ``patch`` sets every FP8 projection, warns where there is none, refuses bad values;
+torch.compile traces the option."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hybridgemm
+from hybridgemm import decide, dispatch, fp8_linear, fp8_modules
+from hybridgemm.fp8_modules import FP8FusedLinears, FP8HybridLinear
+from hybridgemm.kernels import backends, fp8
+from hybridgemm.kernels.cublaslt_runtime import CublasLtUnsupported
+
+transformers = pytest.importorskip("transformers")
+
+
+def _w8a8_reference(x, q, bias):
+    """x quantized as the FP8 GEMM quantizes it (per token for channel weights, per 1 x 128 block
+    for block weights: quantize_fp8's formula on each row or row block), times the dequantized
+    weight, in fp32."""
+    xf = x.float()
+    if q.granularity == "channel":
+        xq = fp8.quantize_fp8(xf, "channel").dequantize(torch.float32)
+    else:
+        m, k = xf.shape
+        blocks = torch.zeros(m, -(-k // 128) * 128)
+        blocks[:, :k] = xf
+        rows = blocks.view(-1, 128)
+        xq = fp8.quantize_fp8(rows, "channel").dequantize(torch.float32).view(m, -1)[:, :k]
+    return F.linear(xq, q.dequantize(torch.float32), None if bias is None else bias.float())
+
+
+@pytest.fixture
+def gpu_branch(monkeypatch):
+    """The GPU branch of fp8_linear on CPU tensors: split-K decided at M <= 64 (run by a stand-in
+    recording the call), the dequantized path above (F.linear); cuBLASLt's FP8 GEMM a stand-in
+    (``refuse`` makes it raise CublasLtUnsupported). Returns the calls and the switch."""
+    calls, state = [], {"refuse": False}
+
+    def decision_for(x2, w, b, out, act=None, weight_format=""):
+        if x2.shape[0] <= 64:
+            return decide.Choice("triton_splitk", None, "rule", "k", "test")
+        return decide.Choice("torch", None, "rule", "k", "test")
+
+    def split_k(config, x, w, b, out, act, tf32=False, weight_scale=None):
+        calls.append(("splitk", x.shape[0]))
+        q = fp8.FP8Weight(w, weight_scale, fp8.granularity_of(w, weight_scale), x.dtype)
+        out.copy_(F.linear(x.float(), q.dequantize(torch.float32), None if b is None else b.float()))
+
+    def cublaslt_fp8(config, x, w, b, out, act, tf32=False, weight_scale=None):
+        if state["refuse"]:
+            raise CublasLtUnsupported("cuBLASLt has no FP8 algorithm here (test)")
+        calls.append(("w8a8", x.shape[0]))
+        q = fp8.FP8Weight(w, weight_scale, fp8.granularity_of(w, weight_scale), x.dtype)
+        out.copy_(_w8a8_reference(x, q, b))
+
+    real = backends.get_backend
+    fakes = {"triton_splitk": split_k, "cublaslt_fp8": cublaslt_fp8}
+
+    def get_backend(name):
+        be = real(name)
+        return type(be)(be.name, be.available, be.candidates, be.config_from_record, fakes[name], be.describe) \
+            if name in fakes else be
+
+    def dequantized(x, w, b, act):
+        calls.append(("dequantized", x.reshape(-1, x.shape[-1]).shape[0]))
+        return F.linear(x, w, b)
+
+    monkeypatch.setattr(fp8_linear, "_runs_fp8_kernels", lambda x: True)
+    monkeypatch.setattr(dispatch, "decision_for", decision_for)
+    monkeypatch.setattr(backends, "get_backend", get_backend)
+    monkeypatch.setattr(dispatch, "fused_linear", dequantized)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the one-pass dequantization kernel
+    return calls, state
+
+
+@pytest.mark.parametrize("granularity", fp8.GRANULARITIES)
+def test_w8a8_runs_the_fp8_gemm_past_the_decode_rows(granularity, gpu_branch):
+    calls, _ = gpu_branch
+    g = torch.Generator().manual_seed(0)
+    q = fp8.quantize_fp8((torch.randn(136, 300, generator=g) * 0.2).half(), granularity)
+    b = torch.randn(136, generator=g).half()
+    for m in (1, 17, 64, 65, 333):
+        x = (torch.randn(m, 300, generator=g) * torch.rand(m, 1, generator=g) * 4).half()
+        got = fp8_linear.linear_fp8(x, q.data, q.scale, b, quantize_input=True)
+        if m <= 64:  # decode rows: x as it is
+            want = F.linear(x.float(), q.dequantize(torch.float32), b.float())
+        else:
+            want = _w8a8_reference(x, q, b)
+        assert torch.equal(got, want.half())
+        plain = fp8_linear.linear_fp8(x, q.data, q.scale, b)
+        if m > 64:  # the option changes what is computed: x's rounding to e4m3 shows
+            assert not torch.equal(plain, got)
+    assert calls == [("splitk", 1), ("splitk", 1), ("splitk", 17), ("splitk", 17), ("splitk", 64), ("splitk", 64),
+                     ("w8a8", 65), ("dequantized", 65), ("w8a8", 333), ("dequantized", 333)]
+
+
+def test_where_cublaslt_refuses_the_dequantized_path_runs_with_one_warning(gpu_branch):
+    calls, state = gpu_branch
+    state["refuse"] = True
+    q = fp8.quantize_fp8(torch.randn(64, 128).half())
+    x = torch.randn(100, 128).half()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = fp8_linear.linear_fp8(x, q.data, q.scale, None, quantize_input=True)
+        again = fp8_linear.linear_fp8(x, q.data, q.scale, None, quantize_input=True)
+    ours = [w for w in caught if "activations='fp8'" in str(w.message)]
+    assert len(ours) == 1 and "no FP8 algorithm" in str(ours[0].message)
+    assert calls == [("dequantized", 100)] * 2 and torch.equal(first, again)
+    assert torch.equal(first, F.linear(x, q.dequantize(torch.float16)))
+
+
+def _tiny_llama():
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=64, num_hidden_layers=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_patch_sets_every_fp8_projection_and_the_modules_pass_it_on(monkeypatch):
+    model = _tiny_llama()
+    plain = copy.deepcopy(model)
+    hybridgemm.patch(plain, weights="fp8")
+    hybridgemm.patch(model, weights="fp8", activations="fp8")
+    mods = [m for m in model.modules() if isinstance(m, (FP8HybridLinear, FP8FusedLinears))]
+    assert len(mods) == 8 and all(m.fp8_activations for m in mods)
+    assert not any(m.fp8_activations for m in plain.modules() if isinstance(m, (FP8HybridLinear, FP8FusedLinears)))
+    seen = []
+    real = fp8_modules.linear_fp8
+    monkeypatch.setattr(fp8_modules, "linear_fp8", lambda *a: seen.append(a[-1]) or real(*a))
+    ids = torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        got = model(ids).logits
+        assert seen == [True] * 8
+        want = plain(ids).logits
+    assert seen[8:] == [False] * 8
+    assert torch.equal(got, want)  # on the CPU both run the dequantized weight with x as it is
+    compiled = torch.compile(lambda ids: model(ids).logits, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(ids), got)
+    torch._dynamo.reset()
+
+
+def test_activations_fp8_without_fp8_projections_warns_and_bad_values_are_refused():
+    model = _tiny_llama()
+    with pytest.warns(UserWarning, match="has none"):
+        hybridgemm.patch(model, activations="fp8")
+    with pytest.raises(ValueError, match="activations must be 'same' or 'fp8'"):
+        hybridgemm.patch(_tiny_llama(), weights="fp8", activations="e4m3")

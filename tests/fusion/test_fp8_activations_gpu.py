@@ -1,0 +1,96 @@
+"""W8A8 FP8 projections on the GPU (``pytest -m gpu``; Hopper with cuBLASLt 12.9+): past the
+decode rows an FP8 module with ``fp8_activations`` runs cuBLASLt's FP8 GEMM over x quantized to
+e4m3 (the result bit for bit that of kernels/cublaslt_fp8.run, against an fp32 computation of
+the same quantization as close as bf16 rounding allows); at decode rows it is the W8A16 result
+bit for bit; a CUDA graph replays it; a patched model's prefill logits stay finite and near the
+W8A16 model's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hybridgemm
+from hybridgemm.fp8_modules import FP8FusedLinears, FP8HybridLinear
+from hybridgemm.kernels import cublaslt_fp8, fp8
+
+pytestmark = pytest.mark.gpu
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    ok, why = cublaslt_fp8.environment()
+    if not ok:
+        pytest.skip(why)
+    return torch.device("cuda")
+
+
+def _rel(a, ref) -> float:
+    return float((a.float() - ref.float()).norm() / ref.float().norm())
+
+
+def _w8a8_reference(x, q, bias):
+    xf = x.float()
+    if q.granularity == "channel":
+        xq = fp8.quantize_fp8(xf, "channel").dequantize(torch.float32)
+    else:
+        m, k = xf.shape
+        blocks = torch.zeros(m, -(-k // 128) * 128, device=x.device)
+        blocks[:, :k] = xf
+        xq = fp8.quantize_fp8(blocks.view(-1, 128), "channel").dequantize(torch.float32).view(m, -1)[:, :k]
+    return F.linear(xq, q.dequantize(torch.float32), bias.float())
+
+
+def _llama(cuda):
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(cuda, torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("granularity", fp8.GRANULARITIES)
+@pytest.mark.parametrize("m", [16, 65, 333, 1000])
+def test_an_fp8_module_with_fp8_activations(cuda, granularity, m):
+    g = torch.Generator(device=cuda).manual_seed(m)
+    model = _llama(cuda)
+    hybridgemm.patch(model, weights="fp8", granularity=granularity, activations="fp8")
+    mod = model.model.layers[0].mlp.down_proj  # (512, 1024)
+    assert type(mod) is FP8HybridLinear and mod.fp8_activations
+    x = (torch.randn(m, 1024, device=cuda, generator=g) * 2).bfloat16()
+    q = fp8.FP8Weight(mod.weight, mod.weight_scale, granularity)
+    with torch.no_grad():
+        got = mod(x)
+        mod.fp8_activations = False
+        w8a16 = mod(x)
+    if m <= 64:
+        assert torch.equal(got, w8a16)
+        return
+    assert torch.equal(got, cublaslt_fp8.run(x, q.data, q.scale, mod.bias))
+    assert _rel(got, _w8a8_reference(x, q, mod.bias)) < 1e-2
+    assert not torch.equal(got, w8a16)
+    mod.fp8_activations = True
+    with torch.no_grad():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = mod(x)
+        graph.replay()
+    assert torch.equal(captured, got)
+
+
+def test_a_patched_llama_prefills_with_fp8_activations(cuda):
+    stock = _llama(cuda)
+    w8a16, w8a8 = copy.deepcopy(stock), copy.deepcopy(stock)
+    hybridgemm.patch(w8a16, weights="fp8")
+    hybridgemm.patch(w8a8, weights="fp8", activations="fp8")
+    assert all(m.fp8_activations for m in w8a8.modules() if isinstance(m, (FP8HybridLinear, FP8FusedLinears)))
+    ids = torch.randint(0, 512, (1, 300), device=cuda)
+    with torch.no_grad():
+        a, b = w8a16(ids).logits, w8a8(ids).logits
+    assert torch.isfinite(b).all() and not torch.equal(a, b)
+    assert _rel(b, a) < 0.05
