@@ -28,14 +28,14 @@ from collections.abc import Callable
 
 import torch
 
-from hybridgemm.kernels.fp8 import GRANULARITY_OF_FORMAT, FP8Weight, quantize_fp8
+from hybridgemm.kernels.fp8 import GRANULARITY_OF_FORMAT, quantize_fp8
 from hybridgemm.kernels.grouped_mm_moe import grouped_mm_moe
 from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.kernels.problem import DTYPE_NAMES
 
 from . import baseline_tuner
 from .keys import TableKey, octave, op_for, sample_points
-from .measure import rotation_copies
+from .measure import clone_operand, dense_weight, rotation_copies
 
 BACKEND = "triton_moe"
 MOE_M_MAX = 4096
@@ -173,7 +173,7 @@ def tune_moe(experts: int, top_k: int, intermediate: int, hidden: int, activatio
     per_expert_bytes = 3 * intermediate * hidden * (1 if weight_format else w_gu.element_size())
     copies = max(2, min(rotation_copies(min(experts, top_k) * per_expert_bytes, dev),
                         MOST_WEIGHT_COPY_BYTES // (experts * per_expert_bytes)))
-    weights = [(w_gu, w_d)] + [(_clone(w_gu), _clone(w_d)) for _ in range(copies - 1)]
+    weights = [(w_gu, w_d)] + [(clone_operand(w_gu), clone_operand(w_d)) for _ in range(copies - 1)]
     for key in keys:
         try:
             entry = _tune_range(key, experts, top_k, hidden, activation, dtype, weights, copies, g, log,
@@ -182,14 +182,6 @@ def tune_moe(experts: int, top_k: int, intermediate: int, hidden: int, activatio
             log(f"{key.to_string()}: out of GPU memory ({str(exc).splitlines()[0] if str(exc) else ''}); no entry")
             entry = None
         yield key, entry
-
-
-def _clone(w):
-    return FP8Weight(w.data.clone(), w.scale.clone(), w.granularity, w.dtype) if isinstance(w, FP8Weight) else w.clone()
-
-
-def _dense(w, dtype):
-    return w.dequantize(dtype) if isinstance(w, FP8Weight) else w
 
 
 def _tune_range(key, experts, top_k, hidden, activation, dtype, weights, copies, g, log, weight_format="") -> dict:
@@ -203,7 +195,7 @@ def _tune_range(key, experts, top_k, hidden, activation, dtype, weights, copies,
 
     def baseline(m):
         x, ids, rw = inputs[m]
-        return lambda i: grouped_mm_moe(x, ids, rw, *(_dense(w, dtype) for w in weights[i]), activation)
+        return lambda i: grouped_mm_moe(x, ids, rw, *(dense_weight(w, dtype) for w in weights[i]), activation)
 
     def ours(m, up, down):
         x, ids, rw = inputs[m]

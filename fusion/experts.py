@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hybridgemm.autotune_cache import tune_moe
+from hybridgemm.autotune_cache.measure import dense_weight
 from hybridgemm.diagnostics import warn_once
 from hybridgemm.kernels import fp8
 from hybridgemm.kernels.grouped_mm_moe import available as grouped_mm_available
@@ -34,6 +35,7 @@ from hybridgemm.kernels.problem import DTYPE_NAMES
 from hybridgemm.mlp import GLU_FUNCTIONS, activation_name
 
 from . import decide
+from .fp8_linear import runs_fp8_kernels
 
 
 def route(router_logits: Tensor, top_k: int, renormalize: bool = True,
@@ -93,6 +95,12 @@ def use_kernels(x: Tensor) -> bool:
     return x.is_cuda
 
 
+def fp8_kernels_run(x: Tensor) -> bool:
+    """Where the kernels run for x, do they read e4m3 weights? Not on a GPU without e4m3
+    conversion (below compute capability 8.9: warned once, the experts dequantized per call)."""
+    return not x.is_cuda or runs_fp8_kernels(x)
+
+
 def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str = "silu", *, top_k: int | None = None,
         renormalize: bool = True, config=None) -> Tensor:
     """The routed experts' output for ``x`` [T, H]: ``routing`` is ``(topk_ids, topk_weights)``
@@ -112,11 +120,13 @@ def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str =
         return x.new_zeros(x.shape)
     if not use_kernels(x):
         return experts_loop(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
+    if weight_format(w_gate_up) and not fp8_kernels_run(x):
+        w_gate_up, w_down = (dense_weight(w, x.dtype) for w in (w_gate_up, w_down))
     if config is None:
         decision = decision_for(x, topk_ids.shape[1], w_gate_up, activation)
         if decision.backend == "torch":
-            return grouped_mm_moe(x, topk_ids, topk_weights, _dense(w_gate_up, x.dtype), _dense(w_down, x.dtype),
-                                  activation)
+            return grouped_mm_moe(x, topk_ids, topk_weights, dense_weight(w_gate_up, x.dtype),
+                                  dense_weight(w_down, x.dtype), activation)
         up, down = decision.configs
     else:
         up, down = config if isinstance(config, tuple) else (config, config)
@@ -140,11 +150,6 @@ decide.on_change(lambda mode, reloaded: _decisions.clear() if reloaded else None
 def weight_format(w) -> str:
     """The stacked expert weight's format: "" for a tensor of x's dtype, else the FP8 one."""
     return w.weight_format if isinstance(w, fp8.FP8Weight) else ""
-
-
-def _dense(w, dtype: torch.dtype) -> Tensor:
-    """A stacked expert weight as a tensor of ``dtype`` (an FP8 one dequantized)."""
-    return w.dequantize(dtype) if isinstance(w, fp8.FP8Weight) else w
 
 
 def decision_for(x: Tensor, top_k: int, w_gate_up, activation: str) -> MoeDecision:
@@ -274,9 +279,9 @@ def _check(x, topk_ids, topk_weights, w_gate_up, w_down, activation) -> None:
     if not (x.dtype == w_gate_up.dtype == w_down.dtype):
         raise ValueError(f"moe: x ({x.dtype}) and the expert weights ({w_gate_up.dtype}, {w_down.dtype}) differ in "
                          "dtype")
-    if weight_format(w_gate_up) == fp8.FORMAT_OF["block128"] and (two_i // 2) % fp8.BLOCK:
-        raise ValueError(f"moe: block-scaled FP8 gate/up weights need I a multiple of {fp8.BLOCK} (each half whole "
-                         f"blocks of scales), got I = {two_i // 2}")
+    why = fp8.gate_up_blocks_problem(two_i) if weight_format(w_gate_up) == fp8.FORMAT_OF["block128"] else None
+    if why:
+        raise ValueError(f"moe: {why}")
 
 
 
@@ -338,10 +343,10 @@ class HybridExperts(torch.nn.Module):
                                             self.glu_activation)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        gu, down = self.expert_weights(hidden_states.dtype)
         if getattr(self, "_is_expert_parallel", False):
             raise RuntimeError(f"hybridgemm: {type(self).__name__} was patched, then sharded over ranks (expert "
                                "parallelism), which its kernels do not run; unpatch it (hybridgemm.unpatch) first")
+        gu, down = self.expert_weights(hidden_states.dtype)
         wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad
                                                   or any(isinstance(w, Tensor) and w.requires_grad for w in (gu, down)))
         kernels_take = (use_kernels(hidden_states) and hidden_states.dtype == gu.dtype == down.dtype

@@ -13,11 +13,14 @@ Two ways in, as for the linears (fusion/fp8_modules.py):
 * ``patch`` of a model loaded from a fine-grained FP8 checkpoint (transformers'
   ``FineGrainedFP8Config``, whose quantizer makes each experts module an ``FP8Experts`` with
   e4m3 ``gate_up_proj`` / ``down_proj`` and their 128 x 128 block ``*_scale_inv``) keeps its
-  tensors as they are: the module's class is swapped, its state dict does not change.
-  :func:`why_not_fp8_experts` recognises such a module by what it holds, never by its name.
+  tensors as they are: the module's class is swapped (:func:`adopt_checkpoint_experts`), its
+  state dict does not change. :func:`why_not_fp8_experts` recognises such a module by what it
+  holds, never by its name.
 
 Gradients reach the activations and routing weights only: FP8 weights and scales are frozen
 (the loop that autograd runs dequantizes them). ``model.to(dtype)`` moves them without casting.
+The stacked ``FP8Weight``s the kernels take are made once per module and dtype (and again when
+a tensor is replaced or moved), not per call.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from hybridgemm.kernels import fp8
 from hybridgemm.mlp import GLU_FUNCTIONS, activation_name
 
 from .experts import HybridExperts, moe
-from .fp8_modules import data_error, scales_error
+from .fp8_linear import keep_fp8_dtypes
+from .fp8_modules import data_error, refuse_bad_fp8, scales_error
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 SCALE_SUFFIX = "_scale_inv"
@@ -37,7 +41,6 @@ SCALE_SUFFIX = "_scale_inv"
 # and the static activation scales of a W8A8 checkpoint (kept, not applied)
 _BIASES = tuple(p + "_bias" for p in PROJECTIONS)
 _ACTIVATION_SCALES = tuple(p + "_activation_scale" for p in PROJECTIONS)
-_FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 
 
 def _scale(mod: nn.Module, proj: str) -> Tensor | None:
@@ -51,13 +54,22 @@ class HybridFP8Experts(HybridExperts):
 
     def expert_weights(self, dtype: torch.dtype) -> tuple[fp8.FP8Weight, fp8.FP8Weight]:
         """The stacked ``FP8Weight``s, computing in ``dtype`` (bf16 where that is not a 16-bit
-        dtype: the PyTorch loop then dequantizes to ``dtype`` itself)."""
+        dtype: the PyTorch loop then dequantizes to ``dtype`` itself); made once per dtype and
+        set of tensors (their objects and storage), then kept."""
         compute = dtype if dtype in fp8.OUT_DTYPES else torch.bfloat16
-        out = []
-        for proj in PROJECTIONS:
-            data, scale = self._parameters[proj].detach(), _scale(self, proj).detach()
-            out.append(fp8.FP8Weight(data, scale, fp8.stacked_granularity_of(data, scale), compute))
-        return tuple(out)
+        tensors = [(self._parameters[p], _scale(self, p)) for p in PROJECTIONS]
+
+        def made():
+            return tuple(fp8.FP8Weight(d.detach(), s.detach(), fp8.stacked_granularity_of(d, s), compute)
+                         for d, s in tensors)
+
+        if torch.compiler.is_compiling():  # traced once into the graph (Dynamo reads no data pointers)
+            return made()
+        key = (compute, *((id(t), t.data_ptr(), t.device) for pair in tensors for t in pair))
+        kept = self.__dict__.get("_fp8_weights")
+        if kept is None or kept[0] != key:
+            kept = self.__dict__["_fp8_weights"] = (key, made())
+        return kept[1]
 
     def compiled_moe(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         return torch.ops.hybridgemm.moe_fp8_fwd(x, top_k_index, top_k_weights, self.gate_up_proj.detach(),
@@ -66,30 +78,12 @@ class HybridFP8Experts(HybridExperts):
 
     def _apply(self, fn, *args, **kwargs):
         # e4m3 data and fp32 scales follow fn's device, never its dtype (module docstring)
-        kept = {id(t) for proj in PROJECTIONS for t in (self._parameters.get(proj), _scale(self, proj))
-                if t is not None}
-
-        def apply(t):
-            if id(t) not in kept:
-                return fn(t)
-            device = fn(t.new_empty(0)).device
-            if device == t.device:
-                return t
-            return torch.empty_like(t, device=device) if t.is_meta else t.to(device=device)
-
-        return super()._apply(apply, *args, **kwargs)
+        tensors = [t for p in PROJECTIONS for t in (self._parameters.get(p), _scale(self, p))]
+        return super()._apply(keep_fp8_dtypes(self, fn, tensors), *args, **kwargs)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        # e4m3 data only (a copy would turn bf16 weights into unscaled e4m3 values), finite
-        # positive scales; both checked before torch copies anything
-        for proj in PROJECTIONS:
-            for key, why in ((prefix + proj, data_error), (prefix + proj + SCALE_SUFFIX, scales_error)):
-                t = state_dict.get(key)
-                message = why(key, t) if isinstance(t, Tensor) else None
-                if message is not None:
-                    error_msgs.append(message)
-                    state_dict.pop(key)
+        refuse_bad_fp8(state_dict, prefix, PROJECTIONS, [p + SCALE_SUFFIX for p in PROJECTIONS], error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -121,16 +115,18 @@ def why_not_fp8_experts(mod: nn.Module) -> tuple[str | None, str | None]:
     if not t.__module__.startswith("transformers"):  # (a TorchScript module's _parameters is no dict)
         return None, None
     gu, down = mod._parameters.get("gate_up_proj"), mod._parameters.get("down_proj")
-    if gu is None or gu.dtype not in _FP8_DTYPES:
-        return None, None
     name = t.__name__
+    up = mod._parameters.get("up_proj")
+    if gu is None and up is not None and up.dtype in fp8.FP8_DTYPES:
+        return None, f"{name}: FP8 experts without a gate"
+    if gu is None or gu.dtype not in fp8.FP8_DTYPES:
+        return None, None
     if gu.dtype != fp8.E4M3 or down is None or down.dtype != fp8.E4M3:
         return None, f"{name}: FP8 experts of {gu.dtype}; the MoE kernels read {fp8.E4M3} weights"
     if getattr(mod, "_is_expert_parallel", False):
         return None, f"{name}: experts sharded over ranks (expert parallelism)"
-    if getattr(mod, "has_bias", False) or not getattr(mod, "has_gate", True) \
-            or any(mod._parameters.get(b) is not None for b in _BIASES):
-        return None, f"{name}: FP8 experts with biases or without a gate"
+    if getattr(mod, "has_bias", False) or any(mod._parameters.get(b) is not None for b in _BIASES):
+        return None, f"{name}: FP8 experts with biases"
     if any(getattr(mod, a, None) is not None for a in ("gate_softcap", "swiglu_alpha", "limit")):
         return None, f"{name}: a clamped or soft-capped gate"
     block = getattr(mod, "block_size", None)
@@ -152,8 +148,9 @@ def why_not_fp8_experts(mod: nn.Module) -> tuple[str | None, str | None]:
             return None, f"{name}: scales of a shape other than 128x128 blocks"
     except fp8.FP8FormatError as e:
         return None, f"{name}: {e}"
-    if (two_i // 2) % fp8.BLOCK:
-        return None, f"{name}: I = {two_i // 2} is not a multiple of {fp8.BLOCK} (block scales over both halves)"
+    why = fp8.gate_up_blocks_problem(two_i)
+    if why:
+        return None, f"{name}: {why}"
     act = activation_name(getattr(mod, "act_fn", None))
     if act not in GLU_FUNCTIONS:
         return None, f"{name}: activation {type(getattr(mod, 'act_fn', None)).__name__} has no GLU epilogue"
@@ -175,11 +172,21 @@ def check_fp8_experts(name: str, mod: nn.Module) -> None:
             raise fp8.FP8FormatError(why)
 
 
+def adopt_checkpoint_experts(mod: nn.Module) -> None:
+    """Freeze a checkpoint's FP8 experts module that :func:`why_not_fp8_experts` accepted (its
+    e4m3 weights, their scales, static activation scales), as ``patch`` swaps its class to
+    :class:`HybridFP8Experts`. The state dict is unchanged."""
+    for name in (*PROJECTIONS, *(p + SCALE_SUFFIX for p in PROJECTIONS), *_ACTIVATION_SCALES):
+        t = mod._parameters.get(name)
+        if t is not None:
+            t.requires_grad_(False)
+
+
 def quantize_experts(mod: HybridExperts, granularity: str) -> None:
     """Quantize a patched experts module's weights per expert (module docstring) and make it a
     :class:`HybridFP8Experts`."""
     two_i = mod.gate_up_proj.shape[1]
-    gran = granularity if granularity == "channel" or (two_i // 2) % fp8.BLOCK == 0 else "channel"
+    gran = "channel" if fp8.gate_up_blocks_problem(two_i) else granularity
     for proj in PROJECTIONS:
         q = fp8.quantize_fp8(mod._parameters[proj].detach(), gran)
         mod._parameters[proj] = nn.Parameter(q.data, requires_grad=False)
@@ -198,5 +205,5 @@ def quantize_patched_experts(modules: dict[str, nn.Module], granularity: str) ->
     return done
 
 
-__all__ = ["HybridFP8Experts", "PROJECTIONS", "SCALE_SUFFIX", "check_fp8_experts", "quantize_experts",
-           "quantize_patched_experts", "static_activation_scales", "why_not_fp8_experts"]
+__all__ = ["HybridFP8Experts", "PROJECTIONS", "SCALE_SUFFIX", "adopt_checkpoint_experts", "check_fp8_experts",
+           "quantize_experts", "quantize_patched_experts", "static_activation_scales", "why_not_fp8_experts"]

@@ -70,7 +70,9 @@ def check_fp8_args(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None) 
     return granularity
 
 
-def _runs_fp8_kernels(x: Tensor) -> bool:
+def runs_fp8_kernels(x: Tensor) -> bool:
+    """Do the FP8 kernels run for x: CUDA, bf16/fp16, a GPU that converts e4m3 in registers
+    (compute capability 8.9 or later; below it warns once: the weights are dequantized)?"""
     if not x.is_cuda or x.dtype not in _KERNEL_DTYPES:
         return False
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -93,7 +95,7 @@ def fp8_linear(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = Non
     n, k = data.shape
     x2 = rows_2d(x)
     m = x2.shape[0]
-    if m == 0 or n == 0 or k == 0 or not _runs_fp8_kernels(x):
+    if m == 0 or n == 0 or k == 0 or not runs_fp8_kernels(x):
         return dispatch.torch_linear(x, fp8.dequantize(data, scale, x.dtype), bias, act)
     x2, w2, b2 = row_major(x2), row_major(data), contiguous_bias(bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -181,14 +183,16 @@ def linear_fp8(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = Non
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")  # what FP8 checkpoints call the scales
 
 
-def keep_fp8_dtypes(module: nn.Module, fn):
+def keep_fp8_dtypes(module: nn.Module, fn, tensors=None):
     """``fn`` of ``Module._apply`` for a module with an FP8 weight: ``model.half()``,
     ``.to(torch.bfloat16)`` and the like would cast the e4m3 weight and its fp32 scales as torch
     casts any floating tensor (turning the weight into its unscaled e4m3 values and rounding the
-    scales); those two only move to the device ``fn`` sends a tensor to. Everything else
-    (the bias) is ``fn``'s as usual."""
-    kept = {id(t) for t in (module._parameters.get("weight"), *(module._buffers.get(n) for n in SCALE_NAMES))
-            if t is not None and (t.dtype == fp8.E4M3 or t.dtype == torch.float32)}
+    scales); those only move to the device ``fn`` sends a tensor to. ``tensors``: the FP8 data
+    and scales (default: ``weight`` and the scale buffers). Everything else (the bias) is
+    ``fn``'s as usual."""
+    if tensors is None:
+        tensors = (module._parameters.get("weight"), *(module._buffers.get(n) for n in SCALE_NAMES))
+    kept = {id(t) for t in tensors if t is not None and (t.dtype == fp8.E4M3 or t.dtype == torch.float32)}
 
     def apply(t):
         if id(t) not in kept:

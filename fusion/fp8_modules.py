@@ -129,6 +129,20 @@ def scales_error(key: str, scale: Tensor) -> str | None:
     return None
 
 
+def refuse_bad_fp8(state_dict: dict, prefix: str, data_names, scale_names, error_msgs: list) -> None:
+    """In a ``_load_from_state_dict``: report and take out of ``state_dict`` each of the module's
+    e4m3 tensors ``data_names`` that :func:`data_error` refuses and each of its scales
+    ``scale_names`` that :func:`scales_error` refuses, before torch copies anything (a copy would
+    turn bf16 values into unscaled e4m3 ones, or take NaN scales)."""
+    for names, why in ((data_names, data_error), (scale_names, scales_error)):
+        for key in (prefix + n for n in names):
+            t = state_dict.get(key)
+            message = why(key, t) if isinstance(t, Tensor) else None
+            if message is not None:
+                error_msgs.append(message)
+                state_dict.pop(key)
+
+
 def format_of(module: nn.Module) -> ScaleFormat:
     """The module's :class:`ScaleFormat` (the kernels' layout where none was recorded)."""
     fmt = module.__dict__.get("scale_format")
@@ -233,12 +247,7 @@ class FP8FusedLinears(FusedLinears):
                               error_msgs):
         # The fused keys themselves (a state dict of the fused layout, or the pre-hook's
         # concatenation of checked parts): checked before torch copies them.
-        for key, why in ((prefix + "weight", data_error), (prefix + KERNEL_SCALE, scales_error)):
-            t = state_dict.get(key)
-            message = why(key, t) if isinstance(t, Tensor) else None
-            if message is not None:
-                error_msgs.append(message)
-                state_dict.pop(key)
+        refuse_bad_fp8(state_dict, prefix, ("weight",), (KERNEL_SCALE,), error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 

@@ -11,12 +11,16 @@
 A mixture-of-experts block's experts, stacked as transformers stores them ([E, N, K]), take
 the same formats per expert, with the scales stacked too: (E, N) or (E, N, 1) per channel,
 (E, ceil(N/128), ceil(K/128)) per block (transformers' ``FP8Experts``); :func:`quantize_fp8`
-and :class:`FP8Weight` take both forms, ``hybridgemm.moe`` the stacked one.
+and :class:`FP8Weight` take both forms, ``hybridgemm.moe`` the stacked one. A stacked gate/up
+weight ([E, 2I, H], gate rows first) in blocks needs I a multiple of 128
+(:func:`gate_up_blocks_problem`): each half then holds whole blocks, as ``FP8Experts`` stores
+them, and a pair-major MoE program reads one scale per K tile for each half.
 
 :class:`FP8Weight` is what :func:`quantize_fp8` returns and what ``hybridgemm.linear`` and the
-patched modules take in place of a bf16/fp16 weight. Its checks run once, when it is made
-(scale shape against granularity, scale dtype, finite positive scales, no NaN data), never per
-call.
+patched modules take in place of a bf16/fp16 weight. Its checks run when it is made (scale
+shape against granularity and scale dtype; with :meth:`FP8Weight.from_tensors`, or when a
+quantized weight or checkpoint is loaded, finite positive scales and no NaN data), not in the
+kernels; a patched module makes its FP8 weights once.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from dataclasses import dataclass
 import torch
 
 E4M3 = torch.float8_e4m3fn
+# every 8-bit float dtype torch has: what an FP8 checkpoint's tensor may be (the kernels read E4M3)
+FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
 E4M3_MAX = 448.0  # the largest finite e4m3fn value
 BLOCK = 128  # the block granularity's tile edge, in both N and K
 GRANULARITIES = ("channel", "block128")
@@ -77,6 +83,15 @@ def _granularity(data: torch.Tensor, scale: torch.Tensor, dims: int) -> str:
         return "block128"
     raise FP8FormatError(f"FP8 weight scale of shape {shape} fits neither granularity of a {tuple(data.shape)} "
                          f"weight: channel wants {lead + (n,)} or {lead + (n, 1)}, block128 wants {blocks}")
+
+
+def gate_up_blocks_problem(two_i: int) -> str | None:
+    """Why a stacked gate/up weight of ``two_i`` rows per expert cannot take 128 x 128 block
+    scales (None: it can): see the module docstring."""
+    if two_i % 2 or (two_i // 2) % BLOCK:
+        return (f"block-scaled FP8 gate/up weights need I a multiple of {BLOCK} (each half whole blocks of "
+                f"scales), got {two_i} rows (I = {two_i / 2:g})")
+    return None
 
 
 def check_scales(scale: torch.Tensor) -> None:
@@ -210,25 +225,37 @@ def quantize_fp8(weight: torch.Tensor, granularity: str = "channel") -> FP8Weigh
                          f"{tuple(weight.shape)} {weight.dtype}")
     if not bool(torch.isfinite(weight).all()):
         raise ValueError("quantize_fp8: the weight holds NaN or Inf")
-    w = weight.detach().to(torch.float32)
-    lead, (n, k) = tuple(w.shape[:-2]), w.shape[-2:]
-    if granularity == "channel":
-        scale = w.abs().amax(dim=-1).clamp_min(_MIN_AMAX) / E4M3_MAX
-        data = (w / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    else:
-        nb, kb = -(-n // BLOCK), -(-k // BLOCK)
-        padded = torch.zeros(*lead, nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
-        padded[..., :n, :k] = w
-        blocks = padded.view(*lead, nb, BLOCK, kb, BLOCK)
-        scale = blocks.abs().amax(dim=(-3, -1)).clamp_min(_MIN_AMAX) / E4M3_MAX
-        data = (blocks / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
-        data = data.view(*lead, nb * BLOCK, kb * BLOCK)[..., :n, :k].to(E4M3).contiguous()
     dtype = weight.dtype if weight.dtype in OUT_DTYPES else torch.bfloat16
+    if weight.dim() == 2:
+        return FP8Weight(*_quantized(weight.detach(), granularity), granularity, dtype)
+    # experts one at a time: an fp32 temporary of one expert's weight, not of the whole stack
+    n, k = weight.shape[1:]
+    scale_shape = (n,) if granularity == "channel" else (-(-n // BLOCK), -(-k // BLOCK))
+    data = torch.empty(weight.shape, dtype=E4M3, device=weight.device)
+    scale = torch.empty((weight.shape[0], *scale_shape), dtype=torch.float32, device=weight.device)
+    for e in range(weight.shape[0]):
+        data[e], scale[e] = _quantized(weight[e].detach(), granularity)
     return FP8Weight(data, scale, granularity, dtype)
 
 
+def _quantized(weight: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 data, fp32 scales) of one (N, K) weight (:func:`quantize_fp8`)."""
+    w = weight.to(torch.float32)
+    n, k = w.shape
+    if granularity == "channel":
+        scale = w.abs().amax(dim=1).clamp_min(_MIN_AMAX) / E4M3_MAX
+        return (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+    nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+    padded = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
+    padded[:n, :k] = w
+    blocks = padded.view(nb, BLOCK, kb, BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(_MIN_AMAX) / E4M3_MAX
+    data = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    return data.view(nb * BLOCK, kb * BLOCK)[:n, :k].to(E4M3).contiguous(), scale
+
+
 __all__ = [
-    "BLOCK", "E4M3", "E4M3_MAX", "FORMAT_OF", "FP8FormatError", "FP8Weight", "GRANULARITIES", "GRANULARITY_OF_FORMAT",
-    "check_data", "check_scales", "dequantize", "granularity_of", "quantize_fp8", "scale_vector",
-    "stacked_granularity_of",
+    "BLOCK", "E4M3", "E4M3_MAX", "FORMAT_OF", "FP8FormatError", "FP8Weight", "FP8_DTYPES", "GRANULARITIES",
+    "GRANULARITY_OF_FORMAT", "check_data", "check_scales", "dequantize", "gate_up_blocks_problem", "granularity_of",
+    "quantize_fp8", "scale_vector", "stacked_granularity_of",
 ]

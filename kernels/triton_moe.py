@@ -26,10 +26,10 @@ FP8 experts (kernels/fp8.py ``FP8Weight`` of stacked [E, N, K] e4m3 data) are re
 converted to x's dtype in registers (kernels/triton_e4m3.py) and scaled in fp32 (``WSCALE``):
 per output row once the K loop is done (``channel``), or per 128 x 128 block as each K tile's
 products are added (``block128``; tiles of at most 128 columns that never cross a block, and in
-the pair-major kernels column blocks that never cross a 128-row block: :func:`fp8_fits`). The
-gate/up launch takes block scales over the stacked 2I rows, so I must be a multiple of 128
-there (the gate and up halves then hold whole blocks, as transformers' ``FP8Experts`` stores
-them).
+the pair-major kernels column blocks that never cross a 128-row block: :func:`fp8_fits`).
+Block-scaled gate/up weights need I a multiple of 128 (``fp8.gate_up_blocks_problem``): a
+pair-major program reads one scale per K tile for its gate columns and one for its up columns,
+which holds only where each half is whole blocks (as transformers' ``FP8Experts`` stores them).
 """
 
 from __future__ import annotations
@@ -581,9 +581,9 @@ def _check_activation(two_i: int, activation: str, w: Operand) -> None:
         raise ValueError(f"moe: w_gate_up has {two_i} rows per expert, not gate and up halves")
     if activation not in ACTIVATIONS:
         raise ValueError(f"moe: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
-    if w.wscale == _WSCALE[fp8.FORMAT_OF["block128"]] and (two_i // 2) % fp8.BLOCK:
-        raise ValueError(f"moe: block-scaled FP8 gate/up weights need I a multiple of {fp8.BLOCK} (each half whole "
-                         f"blocks of scales), got I = {two_i // 2}")
+    why = fp8.gate_up_blocks_problem(two_i) if w.wscale == _WSCALE[fp8.FORMAT_OF["block128"]] else None
+    if why:
+        raise ValueError(f"moe: {why}")
 
 
 def _check_pairs(config: TritonMoeConfig, x: torch.Tensor, w: Operand, topk_ids: torch.Tensor) -> None:

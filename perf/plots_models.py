@@ -386,6 +386,20 @@ def is_moe_csv(path) -> bool:
     return {"experts_hit", "top_k", "floor_us"} <= csv_header(path)
 
 
+def moe_floors(rows: list[dict]) -> list[tuple[str, str, list[tuple[int, float]]]]:
+    """The HBM-floor lines of one shape's bench_moe rows: ``(label, color, [(M, floor µs)])`` for
+    the bf16 experts, and for the FP8 ones per channel where there are such rows (each M's
+    floor once)."""
+    out = []
+    for weights, color, label in (("bf16", "k", "HBM floor (experts hit)"),
+                                  ("e4m3_channel", "0.55", "HBM floor (experts hit, FP8 per channel)")):
+        points = sorted({(to_int(r["M"]), to_float(r["floor_us"])) for r in rows
+                         if (r.get("weights") or "bf16") == weights})
+        if points:
+            out.append((label, color, points))
+    return out
+
+
 def plot_moe(csv_path, out_dir, name: str = "moe.png") -> Path:
     """``name`` in ``out_dir`` from perf/bench_moe.py's CSV: per shape, each provider's GPU time
     against the tokens, CUDA-graph replay solid and eager events dashed, and the HBM floor of
@@ -410,12 +424,8 @@ def plot_moe(csv_path, out_dir, name: str = "moe.png") -> Path:
             pts = sorted((to_int(r["M"]), to_float(r["median_us"])) for r in srows if series(r) == label)
             ls = "--" if label.endswith(f"({_MOE_METHODS['events']})") else "-"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, ms=4, lw=1.4, label=label, **styles[label])
-        for fp8_rows, color, label in ((False, "k", "HBM floor (experts hit)"),
-                                       (True, "0.55", "HBM floor (experts hit, FP8 per channel)")):
-            floor = sorted({(to_int(r["M"]), to_float(r["floor_us"])) for r in srows
-                            if (r.get("weights") or "bf16") == ("e4m3_channel" if fp8_rows else "bf16")})
-            if floor:
-                ax.plot([p[0] for p in floor], [p[1] for p in floor], color=color, lw=0.8, ls=":", label=label)
+        for label, color, floor in moe_floors(srows):
+            ax.plot([p[0] for p in floor], [p[1] for p in floor], color=color, lw=0.8, ls=":", label=label)
         m_axis(ax, sorted({to_int(r["M"]) for r in srows}))
         log_y(ax)
         r0 = srows[0]

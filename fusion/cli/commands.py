@@ -41,7 +41,7 @@ from hybridgemm.autotune_cache.table import (
 )
 from hybridgemm.cli.patch_command import add_patch_parser, build_on_meta, dry_run
 from hybridgemm.decide import set_table_path
-from hybridgemm.kernels import backends
+from hybridgemm.kernels import backends, fp8
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.fp8 import FORMAT_OF
 from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem, uses_tf32
@@ -278,6 +278,11 @@ def _cmd_autotune(args) -> int:
         return 2
     if moe_presets and (args.check or args.m):
         print("hybridgemm autotune: --moe tunes every M range of the experts (no --check or --m)", file=sys.stderr)
+        return 2
+    blocks = [f"{p.name}: {fp8.gate_up_blocks_problem(2 * p.expert_intermediate)}" for p in moe_presets
+              if args.granularity == "block128" and fp8.gate_up_blocks_problem(2 * p.expert_intermediate)]
+    if blocks:
+        print(f"hybridgemm autotune: --granularity block128: {'; '.join(blocks)}", file=sys.stderr)
         return 2
     if moe_presets and not set(args.dtype) & {"bf16", "fp16"}:
         print(f"hybridgemm autotune: --moe tunes bf16 or fp16 experts, not {' '.join(args.dtype)}", file=sys.stderr)

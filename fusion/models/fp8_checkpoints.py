@@ -66,7 +66,6 @@ from hybridgemm.linear_layer import HybridLinear
 # activation scales (W8A8 calibration) and zero points (all zero in a symmetric FP8 scheme).
 ACTIVATION_TENSORS = ("input_scale", "activation_scale", "input_zero_point")
 WEIGHT_ZERO_POINT = "weight_zero_point"
-_FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # converted to fp32 and back exactly
 # compressed-tensors' per-module state: its quantizing forward (an instance attribute) and its
 # bookkeeping; a module that keeps quantization_scheme is decompressed by the model's first forward.
@@ -151,7 +150,7 @@ def find_source(name: str, mod: nn.Module) -> FP8Source | str | None:
         return None
     tensors = _state_tensors(mod)
     weight = tensors.get("weight")
-    if weight is None or weight.dtype not in _FP8_DTYPES:
+    if weight is None or weight.dtype not in fp8.FP8_DTYPES:
         return None
     scale_names = [s for s in SCALE_NAMES if s in tensors]
     if weight.dtype != fp8.E4M3:

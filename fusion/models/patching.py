@@ -92,6 +92,7 @@ from hybridgemm.attention import HybridMultiheadAttention
 from hybridgemm.experts import HybridExperts, why_not_experts
 from hybridgemm.fp8_experts import (
     HybridFP8Experts,
+    adopt_checkpoint_experts,
     quantize_patched_experts,
     static_activation_scales,
     why_not_fp8_experts,
@@ -393,6 +394,7 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
                 swap(name, mod, cls)
                 _set_attr(mod, "glu_activation", act)
                 if cls is HybridFP8Experts:
+                    adopt_checkpoint_experts(mod)
                     report.fp8.append(name)
                     static = static_activation_scales(mod)
                     if static:

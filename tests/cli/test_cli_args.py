@@ -218,3 +218,16 @@ def test_show_still_lists_every_entry(capsys):
     ops = rf"linear{fp8}|moe_silu_e[0-9]+_k[0-9]+{fp8}|glu(_rms|_rms32)?"
     listed = len(re.findall(rf"^\s+({ops})\|", out, re.M))
     assert listed == sum(len(TuningTable.load(p)) for p in shipped_table_paths())
+
+
+def test_block_scaled_fp8_experts_need_whole_blocks_in_each_half(capsys, monkeypatch):
+    from dataclasses import replace
+
+    from hybridgemm.autotune_cache import presets
+
+    monkeypatch.setitem(presets.PRESETS, "odd-moe", replace(presets.PRESETS["qwen3-30b-a3b"], name="odd-moe",
+                                                            expert_intermediate=1408 + 64))
+    rc, _, err = _run(["autotune", "--moe", "odd-moe", "--weights", "fp8", "--granularity", "block128"], capsys)
+    assert rc == 2 and "odd-moe: block-scaled FP8 gate/up weights need I a multiple of 128" in _one_line(err)
+    rc, _, err = _run(["autotune", "--moe", "odd-moe", "--weights", "fp8"], capsys)  # per channel: any I
+    assert rc == 2 and "needs a CUDA GPU" in _one_line(err)

@@ -76,7 +76,7 @@ def gpu_branch(monkeypatch):
         calls.append(("dequantized", x.reshape(-1, x.shape[-1]).shape[0]))
         return F.linear(x, w, b)
 
-    monkeypatch.setattr(fp8_linear, "_runs_fp8_kernels", lambda x: True)
+    monkeypatch.setattr(fp8_linear, "runs_fp8_kernels", lambda x: True)
     monkeypatch.setattr(dispatch, "decision_for", decision_for)
     monkeypatch.setattr(backends, "get_backend", get_backend)
     monkeypatch.setattr(dispatch, "fused_linear", dequantized)

@@ -52,7 +52,7 @@ def test_kernel_path_through_the_interpreter(monkeypatch):
         seen.append(weight_format)
         return decide.Choice("triton_splitk", cfg, "rule", "k", "test")
 
-    monkeypatch.setattr(fp8_linear, "_runs_fp8_kernels", lambda x: True)
+    monkeypatch.setattr(fp8_linear, "runs_fp8_kernels", lambda x: True)
     monkeypatch.setattr(dispatch, "decision_for", decision_for)
     for granularity in ("channel", "block128"):
         q = _weight(200, 260, granularity)
@@ -203,7 +203,7 @@ def test_past_the_fp8_kernels_rows_the_gemm_reads_the_one_pass_dequantized_weigh
     calls = []
     real = module.dequantize
     monkeypatch.setattr(module, "dequantize", lambda *a: calls.append(a[2]) or real(*a))
-    monkeypatch.setattr(fp8_linear, "_runs_fp8_kernels", lambda x: True)
+    monkeypatch.setattr(fp8_linear, "runs_fp8_kernels", lambda x: True)
     monkeypatch.setattr(dispatch, "decision_for",
                         lambda *a, **k: decide.Choice("torch", None, "rule", "k", "test"))
     monkeypatch.setattr(dispatch, "fused_linear", lambda x, w, b, act: F.linear(x, w, b))

@@ -142,7 +142,7 @@ def test_stacked_quantization_is_the_2d_one_per_expert():
     assert fp8.quantize_fp8(w[0]).experts is None
 
 
-def test_the_table_key_names_the_weight_format():
+def test_the_table_key_names_the_weight_format(monkeypatch):
     key = tune_moe.moe_key(128, 8, "silu", torch.bfloat16, 768, 2048, 1, 1, "e4m3_block128")
     assert key.op == "moe_silu_e128_k8_e4m3_block128" and weight_format_of(key.op) == "e4m3_block128"
     assert tune_moe.parse_moe_op(key.op) == ("silu", 128, 8)
@@ -151,9 +151,19 @@ def test_the_table_key_names_the_weight_format():
     block = tune_moe.candidates(64, 128, "e4m3_block128")
     assert block and all(tm.fp8_fits(c, "e4m3_block128") is None for pair in block for c in pair)
     assert len(block) < len(tune_moe.candidates(64, 128))  # the 256-deep pair-major tiles are left out
-    assert moe_mod.explain_moe(1, (8, 256, 64), 2, weight_format="e4m3_channel")
     with pytest.raises(ValueError, match="weight_format"):
         moe_mod.explain_moe(1, (8, 256, 64), 2, weight_format="int4")
+    looked_up = []
+
+    class NoEntries:
+        def find(self, shape, m):
+            looked_up.append(shape.op)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(moe_mod.decide, "table_for_device", lambda index: NoEntries())
+    why = moe_mod.explain_moe(1, (8, 256, 64), 2, weight_format="e4m3_block128", device=0)
+    assert looked_up == ["moe_silu_e8_k2_e4m3_block128"] and "moe_silu_e8_k2_e4m3_block128" in why
+    assert "TritonMoeConfig(block_m=1, block_n=8, block_k=128" in why  # block-scaled: 128-deep down tiles
 
 
 def test_bad_fp8_experts_are_clear_errors():
@@ -165,9 +175,11 @@ def test_bad_fp8_experts_are_clear_errors():
         moe_mod.moe(x, routing, w_gu, chan_d)
     with pytest.raises(ValueError, match="without scales"):
         moe_mod.moe(x, routing, w_gu.data, w_d)
+    odd = _fp8_weights(e, 40, h, "block128")
     with pytest.raises(ValueError, match="multiple of 128"):
-        odd = _fp8_weights(e, 40, h, "block128")
         moe_mod.moe(x, routing, *odd)
+    with pytest.raises(ValueError, match="multiple of 128"):  # the kernels' own check
+        tm.forward(x, *routing, *odd, "silu", *tm.default_configs(2, e, "e4m3_block128"))
     with pytest.raises(ValueError, match="differ in dtype"):
         moe_mod.moe(x.float(), routing, chan_gu, chan_d)
     with pytest.raises(ValueError, match="stacked"):
@@ -180,3 +192,20 @@ def test_bad_fp8_experts_are_clear_errors():
     bad[1, 0, 0] = float("inf")
     with pytest.raises(fp8.FP8FormatError, match="finite"):
         fp8.FP8Weight.from_tensors(w_gu.data, bad, DT)
+
+
+def test_where_the_gpu_has_no_e4m3_conversion_the_kernels_get_dequantized_experts(monkeypatch):
+    w_gu, w_d = _fp8_weights(4, 128, 64, "channel")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(DT)
+    routing = _routing(3, 4, 2)
+    seen = []
+    real = tm.forward
+    monkeypatch.setattr(tm, "forward", lambda x, ids, rw, gu, d, *a: seen.append((gu, d)) or real(x, ids, rw, gu, d,
+                                                                                                  *a))
+    monkeypatch.setattr(moe_mod, "use_kernels", lambda x: True)
+    fp8_run = moe_mod.moe(x, routing, w_gu, w_d)
+    monkeypatch.setattr(moe_mod, "fp8_kernels_run", lambda x: False)
+    dense_run = moe_mod.moe(x, routing, w_gu, w_d)
+    assert [type(w) for w in seen[0]] == [fp8.FP8Weight] * 2
+    assert torch.equal(seen[1][0], w_gu.dequantize(DT)) and torch.equal(seen[1][1], w_d.dequantize(DT))
+    assert _relative(dense_run, fp8_run.double()) <= 4e-3

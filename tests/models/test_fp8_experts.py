@@ -169,7 +169,8 @@ def test_the_state_dict_round_trips_and_refuses_bad_tensors(granularity):
 def _write_checkpoint(path, static: bool = False) -> None:
     """A Qwen3-MoE fine-grained FP8 checkpoint: transformers saves the bf16 model (its experts as
     per-expert linears), its own quantize op makes every decoder projection e4m3 with 128 x 128
-    block scales, the config says so."""
+    block scales, the config says so. Static: the attention projections carry an activation
+    scale; the experts' are the parameters transformers' FP8Experts makes for that scheme."""
     _model("qwen3_moe", dtype=torch.bfloat16).save_pretrained(path)
     scheme = "static" if static else "dynamic"
     config = transformers.FineGrainedFP8Config(weight_block_size=(128, 128), activation_scheme=scheme)
@@ -178,7 +179,7 @@ def _write_checkpoint(path, static: bool = False) -> None:
     for key, value in safetensors_torch.load_file(path / "model.safetensors").items():
         if key.startswith("model.layers.") and key.endswith("_proj.weight"):
             tensors.update(quantize.convert({key: value}))
-            if static:
+            if static and ".experts." not in key:
                 tensors[key.removesuffix("weight") + "activation_scale"] = torch.tensor(0.02)
         else:
             tensors[key] = value
@@ -196,8 +197,8 @@ def load(monkeypatch):
 
     monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
 
-    def load(path):
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    def load(path, dtype=torch.bfloat16):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         found = _experts_modules(model)
         if not found or found[0]._parameters["gate_up_proj"].dtype != E4M3:
             pytest.skip(f"transformers {transformers.__version__} does not load MoE experts in FP8")
@@ -235,6 +236,7 @@ def test_a_fine_grained_fp8_checkpoints_experts_are_taken_as_they_are(static, lo
     report = hybridgemm.patch(model)
     mods = _experts_modules(model)
     assert all(type(m) is HybridFP8Experts for m in mods) and mods[0].gate_up_proj.data_ptr() == data_ptr
+    assert not any(p.requires_grad for m in mods for p in m.parameters())  # frozen, as the FP8 linears
     assert {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"} <= set(report.fp8)
     assert not [n for n, _ in report.skipped if "experts" in n and not static]
     if static:
@@ -246,6 +248,24 @@ def test_a_fine_grained_fp8_checkpoints_experts_are_taken_as_they_are(static, lo
     ids = _ids()
     want = _logits(_checkpoint_reference(tmp_path), ids)
     assert _rel(_logits(model, ids), want) < 2e-2  # bf16 activations against fp32
+
+
+def test_a_checkpoints_fp8_experts_run_in_the_kernels(load, tmp_path, monkeypatch):
+    """The same checkpoint loaded in fp16 (the interpreter's tl.dot is right in fp16): the MoE
+    kernels read its e4m3 experts and block scales as the PyTorch loop dequantizes them."""
+    _write_checkpoint(tmp_path)
+    model = load(tmp_path, torch.float16)
+    hybridgemm.patch(model)
+    ids = _ids()
+    loop = _logits(model, ids)
+    calls = []
+    real = experts.moe
+    monkeypatch.setattr(experts, "use_kernels", lambda x: True)
+    monkeypatch.setattr(experts, "moe", lambda *a, **kw: calls.append(type(a[2]).__name__) or real(*a, **kw))
+    got = _logits(model, ids)
+    assert calls == ["FP8Weight"] * 2
+    assert _rel(got, loop) < 4e-3
+    assert _rel(got, _logits(_checkpoint_reference(tmp_path), ids)) < 2e-2
 
 
 def test_nan_scales_in_checkpoint_experts_raise_and_change_nothing(load, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 
 from hybridgemm.perf import bench_moe, plots
 from hybridgemm.perf.csvio import write_rows
-from hybridgemm.perf.plots_models import is_moe_csv, plot_moe
+from hybridgemm.perf.plots_models import is_moe_csv, moe_floors, plot_moe
 
 
 def _rows():
@@ -41,6 +41,11 @@ def test_plot_moe_draws_fp8_rows_with_their_own_floor(tmp_path):
     write_rows(str(path), rows)
     out = plot_moe(path, tmp_path)
     assert out.stat().st_size > 10_000
+    qwen = [r for r in rows if r["shape"] == "qwen3-30b-a3b"]
+    floors = {label: points for label, _, points in moe_floors(qwen)}
+    assert floors == {"HBM floor (experts hit)": [(1, 10.0), (8, 80.0), (2048, 20480.0)],
+                      "HBM floor (experts hit, FP8 per channel)": [(1, 5.0), (8, 40.0), (2048, 10240.0)]}
+    assert [label for label, _, _ in moe_floors(_rows())] == ["HBM floor (experts hit)"]  # rows of old CSVs
 
 
 def test_plot_moe_errors(tmp_path):
