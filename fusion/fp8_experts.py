@@ -19,8 +19,6 @@ Two ways in, as for the linears (fusion/fp8_modules.py):
 
 Gradients reach the activations and routing weights only: FP8 weights and scales are frozen
 (the loop that autograd runs dequantizes them). ``model.to(dtype)`` moves them without casting.
-The stacked ``FP8Weight``s the kernels take are made once per module and dtype (and again when
-a tensor is replaced or moved), not per call.
 """
 
 from __future__ import annotations
@@ -53,23 +51,12 @@ class HybridFP8Experts(HybridExperts):
     """A patched experts module whose weights are FP8 (see the module docstring)."""
 
     def expert_weights(self, dtype: torch.dtype) -> tuple[fp8.FP8Weight, fp8.FP8Weight]:
-        """The stacked ``FP8Weight``s, computing in ``dtype`` (bf16 where that is not a 16-bit
-        dtype: the PyTorch loop then dequantizes to ``dtype`` itself); made once per dtype and
-        set of tensors (their objects and storage), then kept."""
+        """The stacked ``FP8Weight``s over the module's tensors as they are now (views: no copy;
+        shape and dtype checks only, a few µs of host time), computing in ``dtype`` (bf16 where
+        that is not a 16-bit dtype: the PyTorch loop then dequantizes to ``dtype`` itself)."""
         compute = dtype if dtype in fp8.OUT_DTYPES else torch.bfloat16
-        tensors = [(self._parameters[p], _scale(self, p)) for p in PROJECTIONS]
-
-        def made():
-            return tuple(fp8.FP8Weight(d.detach(), s.detach(), fp8.stacked_granularity_of(d, s), compute)
-                         for d, s in tensors)
-
-        if torch.compiler.is_compiling():  # traced once into the graph (Dynamo reads no data pointers)
-            return made()
-        key = (compute, *((id(t), t.data_ptr(), t.device) for pair in tensors for t in pair))
-        kept = self.__dict__.get("_fp8_weights")
-        if kept is None or kept[0] != key:
-            kept = self.__dict__["_fp8_weights"] = (key, made())
-        return kept[1]
+        tensors = [(self._parameters[p].detach(), _scale(self, p).detach()) for p in PROJECTIONS]
+        return tuple(fp8.FP8Weight(d, s, fp8.stacked_granularity_of(d, s), compute) for d, s in tensors)
 
     def compiled_moe(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         return torch.ops.hybridgemm.moe_fp8_fwd(x, top_k_index, top_k_weights, self.gate_up_proj.detach(),

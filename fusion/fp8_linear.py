@@ -13,13 +13,15 @@ weight format, so the format is part of the table key; ``decide.choose_fp8``):
   values of ``kernels.fp8.dequantize``: one rounding), then the dispatcher's decision for that
   dtype: what any other path would compute.
 
-``quantize_input`` (W8A8, opted into by ``patch(..., activations="fp8")``): where the decision
-is not one of the FP8 kernels (past the decode rows the split-K kernel serves), x is quantized
-to e4m3 (per token; per 1 x 128 block for block weights) and cuBLASLt's FP8 GEMM runs
-(``cublaslt_fp8``, Hopper with cuBLASLt 12.9+) instead of the dequantized weight's bf16 GEMM:
-the FP8 tensor cores, and the rounding of x to e4m3 added to the weight's. Where cuBLASLt
-cannot run that call (another GPU, an unaligned shape), the dequantized path runs, with one
-warning. Decode rows keep x as it is (W8A16): at those rows the weight's bytes set the time.
+``quantize_input`` (W8A8, opted into by ``patch(..., activations="fp8")``): past the decode rows
+(M > ``DECODE_MAX_M``), where the decision is not one of the FP8 kernels, x is quantized to e4m3
+dynamically (per token; per 1 x 128 block for block weights; a checkpoint's static input
+scales are not applied) and cuBLASLt's FP8 GEMM runs (``cublaslt_fp8``, Hopper with cuBLASLt
+12.9+) instead of the dequantized weight's bf16 GEMM: the FP8 tensor cores, and the rounding of
+x to e4m3 added to the weight's. Where cuBLASLt cannot run that call (another GPU, an unaligned
+shape), the dequantized path runs, with a warning once per device and reason. Decode rows keep
+x as it is (W8A16): there the weight's bytes set the time. The batch-invariant mode never
+quantizes x (cuBLASLt picks its algorithm per M, so a row's result could depend on M).
 
 CPU tensors, x of another dtype, and CUDA devices without FP8 (compute capability < 8.9,
 warned once) take the dequantized path. Gradients flow to x only: an FP8 weight is frozen
@@ -37,9 +39,11 @@ from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES, LinearArgumentError, c
 from hybridgemm.kernels.cublaslt_runtime import CublasLtUnavailable, CublasLtUnsupported
 from hybridgemm.kernels.epilogue import Activation, apply_activation
 from hybridgemm.kernels.lazy import triton_module
+from hybridgemm.kernels.problem import DECODE_MAX_M
 from hybridgemm.kernels.process_memory import per_call_scratch
 
 from .diagnostics import warn_once
+from .mode_state import DEFAULT, get_mode
 
 WHO = "hybridgemm.linear"
 FP8_MIN_CAPABILITY = (8, 9)  # e4m3 conversion in registers (Triton's fp8e4nv): Ada and Hopper on
@@ -103,7 +107,8 @@ def fp8_linear(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = Non
     if choice.backend in backends.FP8_BACKENDS:  # split-K, or a table's cuBLASLt FP8 entry
         backends.get_backend(choice.backend).run(choice.config, x2, w2, b2, out, act, False, weight_scale=scale)
         return out.view(*x.shape[:-1], n)
-    if quantize_input and _runs_w8a8(x2, w2, scale, b2, out, act, granularity):
+    if quantize_input and m > DECODE_MAX_M and get_mode() == DEFAULT \
+            and _runs_w8a8(x2, w2, scale, b2, out, act, granularity):
         return out.view(*x.shape[:-1], n)
     # past the FP8 kernels' rows: a bf16/fp16 GEMM over the weight dequantized in one pass
     return dispatch.fused_linear(x, triton_module("triton_dequant").dequantize(w2, scale, granularity, x.dtype),
@@ -142,8 +147,9 @@ def _fp8_linear_fwd_fake(x, data, scale, bias, activation, quantize_input):
 
 
 def _setup(ctx, inputs, output):
-    x, data, scale, bias, activation, _ = inputs
+    x, data, scale, bias, activation, quantize_input = inputs
     ctx.activation = activation
+    ctx.quantize_input = quantize_input
     ctx.has_bias = bias is not None
     keep = activation != Activation.NONE.value  # the activation's derivative needs z = x @ W.T + b
     ctx.save_for_backward(data, scale, x if keep else None, bias if keep else None)
@@ -153,7 +159,8 @@ def _backward(ctx, grad):
     data, scale, x, bias = ctx.saved_tensors
     if ctx.activation != Activation.NONE.value:  # through the activation: its derivative at z (recomputed)
         with torch.enable_grad():
-            z = fp8_linear(x.detach(), data, scale, None if bias is None else bias.detach(), None).requires_grad_()
+            z = fp8_linear(x.detach(), data, scale, None if bias is None else bias.detach(), None,
+                           ctx.quantize_input).requires_grad_()
             (grad,) = torch.autograd.grad(apply_activation(z, Activation(ctx.activation)), z, grad)
     dx = grad @ fp8.dequantize(data, scale, grad.dtype) if ctx.needs_input_grad[0] else None
     db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[3] and ctx.has_bias else None

@@ -20,7 +20,7 @@ them, and a pair-major MoE program reads one scale per K tile for each half.
 patched modules take in place of a bf16/fp16 weight. Its checks run when it is made (scale
 shape against granularity and scale dtype; with :meth:`FP8Weight.from_tensors`, or when a
 quantized weight or checkpoint is loaded, finite positive scales and no NaN data), not in the
-kernels; a patched module makes its FP8 weights once.
+kernels.
 """
 
 from __future__ import annotations

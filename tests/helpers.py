@@ -22,6 +22,26 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
+def w8a8_reference(x: torch.Tensor, q, bias: torch.Tensor | None = None, activation=None) -> torch.Tensor:
+    """``act(x8 @ W.T + b)`` in fp32 as cuBLASLt's FP8 GEMM computes it (kernels/cublaslt_fp8.py):
+    x quantized as that path quantizes it (per token for a ``channel`` FP8 weight ``q``, per 1 x 128
+    block for ``block128``: quantize_fp8's formula on each row or row block) then dequantized,
+    times the dequantized weight, plus the bias, then the activation."""
+    from hybridgemm.kernels import fp8
+    from hybridgemm.kernels.epilogue import Activation, apply_activation
+
+    xf = x.float()
+    if q.granularity == "channel":
+        xq = fp8.quantize_fp8(xf, "channel").dequantize(torch.float32)
+    else:
+        m, k = xf.shape
+        blocks = torch.zeros(m, -(-k // 128) * 128, device=x.device)
+        blocks[:, :k] = xf
+        xq = fp8.quantize_fp8(blocks.view(-1, 128), "channel").dequantize(torch.float32).view(m, -1)[:, :k]
+    z = torch.nn.functional.linear(xq, q.dequantize(torch.float32), None if bias is None else bias.float())
+    return apply_activation(z, Activation.parse(activation))
+
+
 def rank_order_sum(parts: list[torch.Tensor], residual: torch.Tensor | None = None) -> torch.Tensor:
     """What a tensor-parallel sum of ``parts`` (one per rank) must give: their fp32 sum in rank
     order, plus ``residual``, rounded once to their dtype."""

@@ -279,8 +279,8 @@ def _cmd_autotune(args) -> int:
     if moe_presets and (args.check or args.m):
         print("hybridgemm autotune: --moe tunes every M range of the experts (no --check or --m)", file=sys.stderr)
         return 2
-    blocks = [f"{p.name}: {fp8.gate_up_blocks_problem(2 * p.expert_intermediate)}" for p in moe_presets
-              if args.granularity == "block128" and fp8.gate_up_blocks_problem(2 * p.expert_intermediate)]
+    blocks = [f"{p.name}: {why}" for p in moe_presets if args.granularity == "block128"
+              for why in [fp8.gate_up_blocks_problem(2 * p.expert_intermediate)] if why]
     if blocks:
         print(f"hybridgemm autotune: --granularity block128: {'; '.join(blocks)}", file=sys.stderr)
         return 2

@@ -312,10 +312,11 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
     whatever ``weights`` says: its projections and experts become the same FP8 modules (listed
     in ``report.fp8``; fused where their scales allow) and its state dict stays in the
     checkpoint's format (fusion/models/fp8_checkpoints.py); malformed scales raise
-    ``FP8FormatError``. ``activations="fp8"`` (W8A8): past the decode rows the FP8 projections
-    quantize their inputs to e4m3 (per token; per 1 x 128 block for block weights) and run
-    cuBLASLt's FP8 GEMM on Hopper (fusion/fp8_linear.py); decode steps and experts keep their
-    activations as they are. A model without FP8 projections gets a warning.
+    ``FP8FormatError``. ``activations="fp8"`` (W8A8): past the decode rows (M > 64) the FP8
+    projections quantize their inputs to e4m3 dynamically (per token; per 1 x 128 block for block
+    weights) and run cuBLASLt's FP8 GEMM on Hopper (fusion/fp8_linear.py); decode rows, experts
+    and the batch-invariant mode keep activations as they are. A model without FP8 projections
+    gets a warning.
     Nothing to patch: a warning and an empty report, or ``ValueError`` with ``strict=True``.
     ``strict=True`` also raises ``ValueError`` naming every entry of ``report.skipped`` when
     anything was left unpatched or unfused (:class:`PatchReport` says what is listed); as with

@@ -16,28 +16,14 @@ import torch
 import torch.nn.functional as F
 
 import hybridgemm
-from hybridgemm import decide, dispatch, fp8_linear, fp8_modules
+from helpers import w8a8_reference
+from hybridgemm import decide, dispatch, fp8_linear, fp8_modules, mode_state
 from hybridgemm.fp8_modules import FP8FusedLinears, FP8HybridLinear
 from hybridgemm.kernels import backends, fp8
 from hybridgemm.kernels.cublaslt_runtime import CublasLtUnsupported
+from hybridgemm.kernels.epilogue import apply_activation
 
 transformers = pytest.importorskip("transformers")
-
-
-def _w8a8_reference(x, q, bias):
-    """x quantized as the FP8 GEMM quantizes it (per token for channel weights, per 1 x 128 block
-    for block weights: quantize_fp8's formula on each row or row block), times the dequantized
-    weight, in fp32."""
-    xf = x.float()
-    if q.granularity == "channel":
-        xq = fp8.quantize_fp8(xf, "channel").dequantize(torch.float32)
-    else:
-        m, k = xf.shape
-        blocks = torch.zeros(m, -(-k // 128) * 128)
-        blocks[:, :k] = xf
-        rows = blocks.view(-1, 128)
-        xq = fp8.quantize_fp8(rows, "channel").dequantize(torch.float32).view(m, -1)[:, :k]
-    return F.linear(xq, q.dequantize(torch.float32), None if bias is None else bias.float())
 
 
 @pytest.fixture
@@ -55,14 +41,15 @@ def gpu_branch(monkeypatch):
     def split_k(config, x, w, b, out, act, tf32=False, weight_scale=None):
         calls.append(("splitk", x.shape[0]))
         q = fp8.FP8Weight(w, weight_scale, fp8.granularity_of(w, weight_scale), x.dtype)
-        out.copy_(F.linear(x.float(), q.dequantize(torch.float32), None if b is None else b.float()))
+        z = F.linear(x.float(), q.dequantize(torch.float32), None if b is None else b.float())
+        out.copy_(apply_activation(z, act))
 
     def cublaslt_fp8(config, x, w, b, out, act, tf32=False, weight_scale=None):
         if state["refuse"]:
             raise CublasLtUnsupported("cuBLASLt has no FP8 algorithm here (test)")
         calls.append(("w8a8", x.shape[0]))
         q = fp8.FP8Weight(w, weight_scale, fp8.granularity_of(w, weight_scale), x.dtype)
-        out.copy_(_w8a8_reference(x, q, b))
+        out.copy_(w8a8_reference(x, q, b, act))
 
     real = backends.get_backend
     fakes = {"triton_splitk": split_k, "cublaslt_fp8": cublaslt_fp8}
@@ -74,7 +61,7 @@ def gpu_branch(monkeypatch):
 
     def dequantized(x, w, b, act):
         calls.append(("dequantized", x.reshape(-1, x.shape[-1]).shape[0]))
-        return F.linear(x, w, b)
+        return apply_activation(F.linear(x, w, b), act)
 
     monkeypatch.setattr(fp8_linear, "runs_fp8_kernels", lambda x: True)
     monkeypatch.setattr(dispatch, "decision_for", decision_for)
@@ -85,24 +72,47 @@ def gpu_branch(monkeypatch):
 
 
 @pytest.mark.parametrize("granularity", fp8.GRANULARITIES)
-def test_w8a8_runs_the_fp8_gemm_past_the_decode_rows(granularity, gpu_branch):
+@pytest.mark.parametrize("act", [None, "gelu_tanh"])
+def test_w8a8_runs_the_fp8_gemm_past_the_decode_rows(granularity, act, gpu_branch):
     calls, _ = gpu_branch
     g = torch.Generator().manual_seed(0)
     q = fp8.quantize_fp8((torch.randn(136, 300, generator=g) * 0.2).half(), granularity)
     b = torch.randn(136, generator=g).half()
     for m in (1, 17, 64, 65, 333):
         x = (torch.randn(m, 300, generator=g) * torch.rand(m, 1, generator=g) * 4).half()
-        got = fp8_linear.linear_fp8(x, q.data, q.scale, b, quantize_input=True)
+        got = fp8_linear.linear_fp8(x, q.data, q.scale, b, act, quantize_input=True)
         if m <= 64:  # decode rows: x as it is
-            want = F.linear(x.float(), q.dequantize(torch.float32), b.float())
+            want = apply_activation(F.linear(x.float(), q.dequantize(torch.float32), b.float()),
+                                    hybridgemm.Activation.parse(act))
         else:
-            want = _w8a8_reference(x, q, b)
+            want = w8a8_reference(x, q, b, act)
         assert torch.equal(got, want.half())
-        plain = fp8_linear.linear_fp8(x, q.data, q.scale, b)
+        plain = fp8_linear.linear_fp8(x, q.data, q.scale, b, act)
         if m > 64:  # the option changes what is computed: x's rounding to e4m3 shows
             assert not torch.equal(plain, got)
     assert calls == [("splitk", 1), ("splitk", 1), ("splitk", 17), ("splitk", 17), ("splitk", 64), ("splitk", 64),
                      ("w8a8", 65), ("dequantized", 65), ("w8a8", 333), ("dequantized", 333)]
+
+
+def test_3d_inputs_the_batch_invariant_mode_and_the_backward(gpu_branch):
+    """Rows of a 3-D x count as M; the batch-invariant mode keeps x as it is (cuBLASLt's
+    algorithm would depend on M); the backward's recompute of the pre-activation is the W8A8
+    one the forward used."""
+    calls, _ = gpu_branch
+    q = fp8.quantize_fp8(torch.randn(64, 128).half())
+    x = torch.randn(2, 40, 128).half()
+    got = fp8_linear.linear_fp8(x, q.data, q.scale, None, quantize_input=True)
+    assert calls == [("w8a8", 80)] and torch.equal(got, w8a8_reference(x.reshape(80, 128), q).half().view(2, 40, 64))
+    calls.clear()
+    with mode_state.mode(mode_state.BATCH_INVARIANT):
+        fp8_linear.linear_fp8(x, q.data, q.scale, None, quantize_input=True)
+    assert calls == [("dequantized", 80)]
+    calls.clear()
+    xg = x.float().requires_grad_()
+    y = fp8_linear.linear_fp8(xg.half(), q.data, q.scale, None, "gelu_tanh", quantize_input=True)
+    y.float().sum().backward()
+    assert calls == [("w8a8", 80), ("w8a8", 80)]  # the forward, then the recompute of z
+    assert xg.grad is not None and torch.isfinite(xg.grad).all()
 
 
 def test_where_cublaslt_refuses_the_dequantized_path_runs_with_one_warning(gpu_branch):
@@ -145,10 +155,19 @@ def test_patch_sets_every_fp8_projection_and_the_modules_pass_it_on(monkeypatch)
         want = plain(ids).logits
     assert seen[8:] == [False] * 8
     assert torch.equal(got, want)  # on the CPU both run the dequantized weight with x as it is
-    compiled = torch.compile(lambda ids: model(ids).logits, fullgraph=True, backend="aot_eager")
-    with torch.no_grad():
-        assert torch.equal(compiled(ids), got)
-    torch._dynamo.reset()
+
+
+def test_torch_compile_passes_the_option_to_the_fp8_call(gpu_branch):
+    calls, _ = gpu_branch
+    q = fp8.quantize_fp8(torch.randn(64, 128).half())
+    x = torch.randn(100, 128).half()
+    for option in (True, False):
+        fn = torch.compile(lambda x, o=option: fp8_linear.linear_fp8(x, q.data, q.scale, None, quantize_input=o),
+                           fullgraph=True, backend="aot_eager")
+        got = fn(x)
+        torch._dynamo.reset()
+        assert calls[-1] == (("w8a8", 100) if option else ("dequantized", 100))
+        assert torch.equal(got, w8a8_reference(x, q).half() if option else F.linear(x, q.dequantize(torch.float16)))
 
 
 def test_activations_fp8_without_fp8_projections_warns_and_bad_values_are_refused():

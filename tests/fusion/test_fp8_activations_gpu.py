@@ -11,9 +11,9 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import hybridgemm
+from helpers import rel_err, w8a8_reference
 from hybridgemm.fp8_modules import FP8FusedLinears, FP8HybridLinear
 from hybridgemm.kernels import cublaslt_fp8, fp8
 
@@ -29,22 +29,6 @@ def cuda():
     if not ok:
         pytest.skip(why)
     return torch.device("cuda")
-
-
-def _rel(a, ref) -> float:
-    return float((a.float() - ref.float()).norm() / ref.float().norm())
-
-
-def _w8a8_reference(x, q, bias):
-    xf = x.float()
-    if q.granularity == "channel":
-        xq = fp8.quantize_fp8(xf, "channel").dequantize(torch.float32)
-    else:
-        m, k = xf.shape
-        blocks = torch.zeros(m, -(-k // 128) * 128, device=x.device)
-        blocks[:, :k] = xf
-        xq = fp8.quantize_fp8(blocks.view(-1, 128), "channel").dequantize(torch.float32).view(m, -1)[:, :k]
-    return F.linear(xq, q.dequantize(torch.float32), bias.float())
 
 
 def _llama(cuda):
@@ -72,7 +56,7 @@ def test_an_fp8_module_with_fp8_activations(cuda, granularity, m):
         assert torch.equal(got, w8a16)
         return
     assert torch.equal(got, cublaslt_fp8.run(x, q.data, q.scale, mod.bias))
-    assert _rel(got, _w8a8_reference(x, q, mod.bias)) < 1e-2
+    assert rel_err(got, w8a8_reference(x, q, mod.bias)) < 1e-2
     assert not torch.equal(got, w8a16)
     mod.fp8_activations = True
     with torch.no_grad():
@@ -93,4 +77,4 @@ def test_a_patched_llama_prefills_with_fp8_activations(cuda):
     with torch.no_grad():
         a, b = w8a16(ids).logits, w8a8(ids).logits
     assert torch.isfinite(b).all() and not torch.equal(a, b)
-    assert _rel(b, a) < 0.05
+    assert rel_err(b, a) < 0.05
