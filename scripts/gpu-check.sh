@@ -16,7 +16,8 @@
 #                   scripts/fp8_decode_probe.py; FP8 tables: TUNE_ARGS="--weights fp8" with the tune stage
 #         fp8moe    FP8 experts and W8A8 prefill: their GPU tests, bench_moe --weights fp8 (1, 8, 2048
 #                   tokens), the compiled decode of qwen3-30b-a3b (12 layers) with FP8 weights beside
-#                   stock bf16, and llama3-8b's prefill with --fp8-activations; each step under
+#                   stock bf16 (and with --quantize-lm-head), and llama3-8b's prefill with
+#                   --fp8-activations; each step under
 #                   `timeout` (FP8MOE_TIMEOUT s, default 420), results in $OUT
 #         msweep    perf/bench_msweep.py: dispatched vs F.linear at 128 M per preset shape
 #                   (table: $TABLE or $OUT/h200.json; MSWEEP_ARGS passed on)
@@ -167,6 +168,11 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
         --modes prefill logits_error --rounds 2 --weights fp8 --fp8-activations --no-peers --no-progress \
         --out "$OUT/e2e_fp8_w8a8_h200.csv" >"$OUT/bench_e2e_w8a8.txt" 2>&1 || status=1
       tail -n 12 "$OUT/bench_e2e_w8a8.txt" | tee -a "$OUT/summary.txt"
+      log "e2e qwen3-30b-a3b FP8 compiled decode, the LM head in FP8 too"
+      timeout "$t" $PY -m hybridgemm bench --e2e --model qwen3-30b-a3b --layers 12 --batch 1 --tokens 32 \
+        --rounds 2 --modes compiled_static --weights fp8 --quantize-lm-head --no-peers --no-progress \
+        --out "$OUT/e2e_moe_fp8_head_h200.csv" >"$OUT/bench_e2e_qwen3_fp8_head.txt" 2>&1 || status=1
+      tail -n 8 "$OUT/bench_e2e_qwen3_fp8_head.txt" | tee -a "$OUT/summary.txt"
       ;;
     e2e)
       log "bench_e2e"

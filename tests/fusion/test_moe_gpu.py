@@ -143,8 +143,10 @@ def test_the_triton_layout_equals_the_pytorch_one_on_the_gpu(cuda, t, k, e, bloc
 _HASH_MOE = """
 import hashlib, torch
 from hybridgemm import experts
+from hybridgemm.kernels import fp8
 from hybridgemm.router import HybridTopKRouter
 out = []
+fp8_runs = torch.cuda.get_device_capability() >= (8, 9)
 for t, e, k, i, h in [(1, 128, 8, 768, 2048), (8, 128, 8, 768, 2048), (333, 8, 2, 1408, 1024)]:
     g = torch.Generator(device="cuda").manual_seed(t)
     w_gu = (torch.randn(e, 2 * i, h, device="cuda", generator=g) * 0.02).bfloat16()
@@ -152,12 +154,16 @@ for t, e, k, i, h in [(1, 128, 8, 768, 2048), (8, 128, 8, 768, 2048), (333, 8, 2
     x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
     logits = torch.randn(t, e, device="cuda", generator=g)
     out.append(experts.moe(x, logits, w_gu, w_d, top_k=k).view(torch.int16).cpu().numpy().tobytes())
+    for granularity in fp8.GRANULARITIES if fp8_runs else ():  # FP8 experts too
+        q = [fp8.quantize_fp8(w, granularity) for w in (w_gu, w_d)]
+        out.append(experts.moe(x, logits, *q, top_k=k).view(torch.int16).cpu().numpy().tobytes())
 print(hashlib.sha256(b"".join(out)).hexdigest())
 """
 
 
 def test_results_are_identical_across_processes(cuda):
-    """Decode (pair-major) and prefill (grouped) routings: the same bits in two fresh processes."""
+    """Decode (pair-major) and prefill (grouped) routings, bf16 and FP8 experts: the same bits
+    in two fresh processes."""
     import os
     import subprocess
     import sys
