@@ -89,7 +89,7 @@ def configs_of(record) -> tuple:
     return tuple(out)
 
 
-_PAIR_UP = [(8, 128, 8, 4), (32, 128, 8, 4), (8, 128, 8, 2)]
+_PAIR_UP = [(8, 128, 8, 4), (32, 128, 8, 4), (8, 128, 8, 2), (8, 256, 8, 4)]  # (256 deep: 256 e4m3 bytes a row)
 _PAIR_DOWN = [(8, 256, 4, 4), (4, 256, 4, 2), (16, 128, 4, 2)]
 # (block_n, block_k, warps, stages) per block_m; the gate/up launch holds two weight tiles, so its
 # widest tiles are left out where shared memory would not hold them
