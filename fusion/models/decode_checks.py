@@ -2,11 +2,11 @@
 the step reads of the model: decided once when a layer is patched (source and structure
 checks) and per call (device, dtype, rows, grad, hooks, the cache).
 
-Patch time (:func:`why_not_fuse_layer`, :func:`why_not_fuse_attention`): the layer's forward
-must be one the step computes (its statements checked in its source: the pre-norm layer;
-Granite's with scaled residuals, Phi-3's with residual dropouts, Gemma 2/3's post-norm one,
-OLMo 2's post-norm one without input norms),
-its attention forward one of the forms :class:`AttentionForm` describes (Q/K/V from three
+Patch time (:func:`why_not_fuse_layer`; the attention: fusion/models/attention_forms.py
+``why_not_fuse_attention``): the layer's forward must be one the step computes (its statements
+checked in its source: the pre-norm layer; Granite's with scaled residuals, Phi-3's with
+residual dropouts, Gemma 2/3's post-norm one, OLMo 2's post-norm one without input norms),
+its attention forward one of the forms ``AttentionForm`` describes (Q/K/V from three
 projections or one: Phi-3's [q | k | v], GPT-NeoX's per head, Falcon's as its configuration
 says), and its parts
 fused by ``patch`` (Q/K/V and gate/up into one GEMM each or the checkpoint's stacked linears,
@@ -32,11 +32,8 @@ a LoRA form the step does not compute, gives the layer's own forward for that ca
 
 from __future__ import annotations
 
-import inspect
 import math
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -51,52 +48,34 @@ from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.linear_layer import HybridLinear, PartialSumLinear
 from hybridgemm.mlp import FUSED_GATE_UP, HybridGatedMLP, HybridPrefusedGatedMLP
 from hybridgemm.mode_state import DEFAULT, get_mode
-from hybridgemm.norm import PATCHED_NORMS, Fp32FactorRMSNorm, HybridRMSNorm, norm_operand
+from hybridgemm.norm import PATCHED_NORMS
 
 from . import adapter_terms, window_cache
+from .attention_forms import (
+    AttentionForm,
+    _Transformers,
+    attention_form,
+    attention_kernel,
+    rotary_columns,
+    statements_match,
+    why_not_attention_form,
+)
 from .checked_forms import (
-    _ATTENTION_BODY,
-    _CACHE_UPDATE_STATEMENTS,
     _CHOSEN_RESIDUAL_LAYER_BODY,
-    _CONFIG_LAYOUT_ATTENTION_BODY,
     _DROPOUT_LAYER_BODY,
-    _EAGER_BODY,
-    _FULL_QK_NORMS,
-    _LATE_QK_NORMS,
     _LAYER_BODY,
-    _NO_GQA_EAGER_BODY,
-    _NORMED_K,
-    _NORMED_Q,
     _OUTPUT_NORM_LAYER_BODY,
-    _PAIR_ROTARY_ATTENTION_BODY,
-    _PAIR_ROTARY_STATEMENTS,
-    _PAIR_ROTATE_HALF_STATEMENTS,
     _PARALLEL_LAYER_BODY,
-    _PARTIAL_ROTARY_ATTENTION_BODY,
-    _PARTIAL_ROTARY_BODY,
-    _PER_HEAD_ATTENTION_BODY,
-    _PLAIN_K,
-    _PLAIN_Q,
     _POST_NORM_LAYER_BODY,
-    _PREFUSED_ATTENTION_BODY,
-    _ROTARY_STATEMENTS,
-    _ROTATE_HALF_STATEMENTS,
     _SCALED_LAYER_BODY,
-    _SOFTCAP_CALL,
-    _SOFTCAP_EAGER_BODY,
-    _SPLIT_PARTIAL_ROTARY_BODY,
-    _STATIC_UPDATE_STATEMENTS,
     LAYER_NORM_NAMES,
     MLP_DROPOUT,
     NORMS_AS_MODULES,
-    PER_HEAD_QKV_NAME,
     POST_NORMS,
     QKV_NAME,
     RESIDUAL_DROPOUTS,
-    UPDATE_FORMS,
-    WINDOW_FORMS,
 )
-from .source_forms import body_statements, has_statements, source_text
+from .source_forms import body_statements, source_text
 
 DECODE_ROWS = 16  # rows up to which the fused path runs (the gated kernel's decode configs)
 NOT_A_LAYER = "not a decoder layer"
@@ -104,16 +83,9 @@ NOT_A_LAYER = "not a decoder layer"
 STATIC_STEP = "_hybridgemm_attention_step"
 # Instance attribute set when a layer is patched: its forward scales the sublayer outputs (Granite).
 SCALED_RESIDUALS = "_hybridgemm_scaled_residuals"
-NO_WINDOW = object()  # AttentionForm.sliding_window: the stock forward passes none
 _LAYER_DTYPES = (torch.bfloat16, torch.float32)
 _FP8_ACTIVATIONS = (torch.bfloat16,)  # x of an FP8-weight layer (fusion/fp8_modules.py)
 
-
-
-def statements_match(statements: list[str] | None, forms: tuple) -> bool:
-    """Is ``statements`` exactly ``forms``, statement by statement (a tuple: one of its forms)?"""
-    return statements is not None and len(statements) == len(forms) and all(
-        s in f if isinstance(f, tuple) else s == f for s, f in zip(statements, forms))
 
 
 def on_kernel_device(x: Tensor) -> bool:
@@ -145,332 +117,6 @@ def _idle_capture(hook) -> bool:
     return collected is None or "attentions" not in collected
 
 
-# --------------------------------------------------------------------- transformers' objects
-
-class _Transformers:
-    """transformers' objects a call reads, looked up once (never per call), under a lock and
-    published last, so a concurrent first call never sees half of them; ``static_ok``:
-    ``Cache.update`` and ``StaticLayer.update`` are the checked ones; ``collector``: the
-    context variable of transformers' output-capturing hooks (None where it has none)."""
-
-    lock = threading.Lock()
-    loaded = False
-    static_ok = False
-    cache_cls = static_layer_cls = attention_functions = stock_sdpa = collector = None
-
-    @classmethod
-    def load(cls) -> bool:
-        if not cls.loaded:
-            with cls.lock:
-                if not cls.loaded:
-                    cls._import()
-                    cls.loaded = True
-        return cls.attention_functions is not None
-
-    @classmethod
-    def _import(cls) -> None:
-        try:
-            from transformers.cache_utils import Cache, StaticLayer
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        except ImportError:
-            return
-        try:
-            from transformers.utils.output_capturing import _active_collector as collector
-        except ImportError:
-            collector = None
-        cls.cache_cls, cls.static_layer_cls, cls.collector = Cache, StaticLayer, collector
-        cls.static_ok = has_statements(Cache.update, _CACHE_UPDATE_STATEMENTS) \
-            and has_statements(StaticLayer.update, _STATIC_UPDATE_STATEMENTS)
-        cls.stock_sdpa = sdpa_attention_forward
-        cls.attention_functions = ALL_ATTENTION_FUNCTIONS
-
-
-def registered_sdpa():
-    return _Transformers.attention_functions["sdpa"]
-
-
-def stock_sdpa():
-    return _Transformers.stock_sdpa
-
-
-# ------------------------------------------------------------------------- attention forms
-
-@dataclass(frozen=True)
-class AttentionForm:
-    """What an attention class's forward computes, read once from it (the step then computes
-    the same): q/k norms on the head views or none, the rotary, eager and attention-function
-    registry its forward's module uses, how it calls ``cache.update`` (:data:`UPDATE_FORMS`)
-    and where its sliding window comes from (:data:`WINDOW_FORMS`)."""
-
-    qk_norm: bool
-    prefused: bool  # Q/K/V one linear in the checkpoint (Phi-3's qkv_proj), not three that patch fused
-    rotary: Callable
-    eager: Callable
-    functions: object  # the forward's ALL_ATTENTION_FUNCTIONS
-    update: str  # "kwargs", "cache_kwargs" or "none"
-    window_from: str | None  # "module" (attn.sliding_window), "config" (attn.config.sliding_window), None
-    softcap: bool = False  # the call passes softcap=attn.attn_logit_softcapping (Gemma 2)
-    full_qk_norm: bool = False  # q_norm/k_norm over all q (k) columns, before the head views (OLMo 2)
-    kernel_eager: bool = False  # its module's eager function is one the decode attention kernel computes
-    # the rotary over the first attn.rotary_ndims columns of each head, per-head q/k LayerNorms
-    # where attn.qk_layernorm, and only position_ids for the attention function (StableLM)
-    partial_rotary: bool = False
-    # the rotary pairs neighbouring columns (2i, 2i + 1) and rotates in fp32, per-head q/k norms
-    # where attn.use_qk_norm (Cohere)
-    pair_rotary: bool = False
-    # Q/K/V one linear whose columns are [q | k | v] per head, rotated over the first
-    # attn.rotary_ndims columns of each head (GPT-NeoX's query_key_value; its head width head_size)
-    per_head_qkv: bool = False
-    # Q/K/V one linear whose layout the instance says (Falcon's: grouped per KV head in its new
-    # architecture, multi-query's [q | k | v] with one KV head, else per head: qkv_group)
-    layout_from_config: bool = False
-    qkv_name: str = QKV_NAME  # the attention's Q/K/V module
-    head_dim_name: str = "head_dim"  # the attention's attribute that holds the head width
-
-    def head_dim(self, attn: nn.Module) -> int:
-        return getattr(attn, self.head_dim_name)
-
-    def attention_function(self, implementation: str):
-        return self.functions.get_interface(implementation, self.eager)
-
-    def sliding_window(self, attn: nn.Module):
-        if self.window_from == "module":
-            return attn.sliding_window
-        if self.window_from == "config":
-            return getattr(attn.config, "sliding_window", None)
-        return NO_WINDOW
-
-
-_FORMS: dict[type, AttentionForm | str] = {}
-
-
-def _read_form(cls: type) -> AttentionForm | str:
-    forward = cls.forward
-    statements = body_statements(forward)
-    if statements_match(statements, _PARTIAL_ROTARY_ATTENTION_BODY):
-        return _functions_form(cls, UPDATE_FORMS[statements[14]], None, False, partial_rotary=True)
-    if statements_match(statements, _PAIR_ROTARY_ATTENTION_BODY):
-        return _functions_form(cls, UPDATE_FORMS[statements[11]], None, False, pair_rotary=True)
-    if statements_match(statements, _PER_HEAD_ATTENTION_BODY):
-        return _functions_form(cls, "none", None, False, prefused=True, per_head_qkv=True, qkv_name=PER_HEAD_QKV_NAME,
-                               head_dim_name="head_size")
-    if statements_match(statements, _CONFIG_LAYOUT_ATTENTION_BODY):
-        return _functions_form(cls, "none", None, False, prefused=True, layout_from_config=True,
-                               qkv_name=PER_HEAD_QKV_NAME)
-    prefused = statements_match(statements, _PREFUSED_ATTENTION_BODY)
-    full_qk_norm = statements is not None and tuple(statements[2:8]) == _FULL_QK_NORMS
-    if prefused:  # from the rotary on, the statements of _ATTENTION_BODY
-        statements = [*_ATTENTION_BODY[:2], _PLAIN_Q, _PLAIN_K, _ATTENTION_BODY[4], *statements[10:]]
-    elif full_qk_norm:  # the same with the norms taken out, as checked above
-        statements = [*statements[:2], _PLAIN_Q, _PLAIN_K, _ATTENTION_BODY[4], *statements[8:]]
-    elif statements is not None and tuple(statements[5:7]) == _LATE_QK_NORMS \
-            and statements[2:4] == [_PLAIN_Q, _PLAIN_K]:
-        statements = [*statements[:2], _NORMED_Q, _NORMED_K, *statements[4:5], *statements[7:]]
-    if not statements_match(statements, _ATTENTION_BODY):
-        return f"{cls.__name__}.forward is not an attention this step computes"
-    return _functions_form(cls, UPDATE_FORMS[statements[7]], WINDOW_FORMS[statements[9]],
-                           statements[9] == _SOFTCAP_CALL, qk_norm=statements[2] == _NORMED_Q, prefused=prefused,
-                           full_qk_norm=full_qk_norm)
-
-
-def _functions_form(cls: type, update: str, window_from: str | None, softcap: bool, **form) -> AttentionForm | str:
-    """The :class:`AttentionForm` of ``cls`` with the functions its forward's module holds."""
-    names = getattr(inspect.unwrap(cls.forward), "__globals__", {})
-    rotary, eager = names.get("apply_rotary_pos_emb"), names.get("eager_attention_forward")
-    functions = names.get("ALL_ATTENTION_FUNCTIONS")
-    if not callable(rotary) or not callable(eager) or not callable(getattr(functions, "get_interface", None)):
-        return f"{cls.__name__}.forward's module has no apply_rotary_pos_emb, eager_attention_forward and " \
-               "ALL_ATTENTION_FUNCTIONS.get_interface"
-    eager_body = body_statements(eager)
-    kernel_eager = statements_match(eager_body, _SOFTCAP_EAGER_BODY) if softcap else \
-        statements_match(eager_body, _NO_GQA_EAGER_BODY if form.get("per_head_qkv") else _EAGER_BODY)
-    return AttentionForm(form.pop("qk_norm", False), form.pop("prefused", False), rotary, eager, functions, update,
-                         window_from, softcap, kernel_eager=kernel_eager, **form)
-
-
-def attention_form(cls: type) -> AttentionForm:
-    """The form of attention class ``cls`` (read once per class); the layer was patched only
-    where :func:`why_not_attention_form` found one."""
-    form = _FORMS.get(cls)
-    if form is None:
-        form = _FORMS[cls] = _read_form(cls)
-    if isinstance(form, str):
-        raise RuntimeError(f"hybridgemm: the fused decode step cannot compute this attention: {form}")
-    return form
-
-
-def why_not_attention_form(cls: type) -> str | None:
-    """Why the step cannot compute attention class ``cls`` (None: it can); reads transformers'
-    objects (:class:`_Transformers`) and the class's form once."""
-    _Transformers.load()
-    form = _FORMS.get(cls)
-    if form is None:
-        form = _FORMS[cls] = _read_form(cls)
-    return form if isinstance(form, str) else None
-
-
-def why_not_fuse_attention(attn: nn.Module) -> str | None:
-    """Why ``attn`` cannot take the static-cache step (None: it can); raises nothing. Read once
-    when a layer is patched (source inspection), not per call."""
-    cls = type(attn)
-    _Transformers.load()
-    if not _Transformers.static_ok:
-        return "this transformers version's StaticCache update is not the one checked"
-    why = why_not_attention_form(cls)
-    if why is not None:
-        return why
-    if attention_form(cls).softcap and attn.attn_logit_softcapping is not None \
-            and not attention_form(cls).kernel_eager:
-        return "its attention logits are soft-capped by an eager attention function of a form the decode attention " \
-               "kernel does not compute (the module's attention function runs over the fused Q/K/V)"
-    if attention_form(cls).qk_norm:
-        why = why_not_qk_norms(attn)
-        if why is not None:
-            return why
-    if attention_form(cls).partial_rotary:
-        why = why_not_partial_rotary(attn)
-        if why is not None:
-            return why
-    if attention_form(cls).per_head_qkv:
-        why = why_not_rotary_columns(attn, getattr(attn, "head_size", None))
-        if why is not None:
-            return why
-    if attention_form(cls).pair_rotary and getattr(attn, "use_qk_norm", None) is not False:
-        return "its per-head q/k norms (use_qk_norm) run as modules (the module's attention computation over the " \
-               "fused Q/K/V)"
-    why = why_not_rotary(attn)
-    if why is not None:
-        return why
-    head_dim_name = attention_form(cls).head_dim_name
-    if not all(isinstance(getattr(attn, a, None), int) for a in (head_dim_name, "layer_idx")):
-        return f"it has no integer {head_dim_name} and layer_idx"
-    if getattr(attn, "sliding_window", None) is not None and window_cache.device_length_class() is None:
-        return "it is a sliding-window layer, whose cache layer in this transformers version is not the one checked " \
-               "(the module's attention function runs over the fused Q/K/V)"
-    return why_not_load_kernels()
-
-
-_STANDARD_ROTARY: dict[type, bool] = {}  # by attention class: its module's apply_rotary_pos_emb read once
-
-
-def why_not_rotary(attn: nn.Module) -> str | None:
-    """Why ``attn``'s rotary embedding is not Hugging Face's standard ``rotate_half`` one, which
-    the kernels compute (None: it is): the module's function (or its partial form), read once
-    per class, and no Hub kernel bound on the instance. Cheap per call after the first."""
-    cls = type(attn)
-    form = attention_form(cls)
-    if _rotary_kernelized(attn, form):
-        return "its rotary embedding is a kernel from the Hugging Face Hub (kernels.kernelize), not the stock function"
-    standard = _STANDARD_ROTARY.get(cls)
-    if standard is None:
-        rope = plain_function(form.rotary)
-        rotate = getattr(inspect.unwrap(rope), "__globals__", {}).get("rotate_half")
-        if form.pair_rotary:  # Cohere's, statement by statement
-            standard = rope is not None and rotate is not None and statements_match(
-                body_statements(rotate), _PAIR_ROTATE_HALF_STATEMENTS) and statements_match(body_statements(rope),
-                                                                                     _PAIR_ROTARY_STATEMENTS)
-        else:
-            rope_body = body_statements(rope)
-            standard = rope is not None and rotate is not None and has_statements(
-                rotate, _ROTATE_HALF_STATEMENTS) and (has_statements(rope, _ROTARY_STATEMENTS)
-                                                      or statements_match(rope_body, _PARTIAL_ROTARY_BODY)
-                                                      or statements_match(rope_body, _SPLIT_PARTIAL_ROTARY_BODY))
-        _STANDARD_ROTARY[cls] = standard
-    return None if standard else "its rotary embedding is not the standard rotate_half one (nor Cohere's)"
-
-
-def plain_function(fn):
-    """The function behind ``fn``. With Hugging Face's kernels installed (a dependency of transformers >= 5.25),
-    ``@use_kernel_forward_from_hub`` turns a function such as apply_rotary_pos_emb into a module instance whose
-    class's forward calls the function (a closure cell, ``func``); without it, ``fn`` is the function."""
-    if isinstance(fn, nn.Module):
-        return inspect.getclosurevars(type(fn).forward).nonlocals.get("func")
-    return fn
-
-
-def _rotary_wrapper(attn: nn.Module, form: AttentionForm) -> nn.Module | None:
-    # kernels' @use_kernelized_func gives each instance a wrapper of its own, keyed by the layer name
-    name = getattr(form.rotary, "kernel_layer_name", None)
-    return getattr(attn, "_kernel_funcs", {}).get(name) if name is not None else None
-
-
-def module_rotary(attn: nn.Module, form: AttentionForm) -> Callable:
-    """What ``attn``'s forward calls as apply_rotary_pos_emb: the instance's own wrapper where kernels gave it
-    one (the module's forward routes the global's calls to it), else the global."""
-    wrapper = _rotary_wrapper(attn, form)
-    return form.rotary if wrapper is None else wrapper
-
-
-def _rotary_kernelized(attn: nn.Module, form: AttentionForm) -> bool:
-    # kernels.kernelize binds a Hub kernel's forward on the instance's wrapper
-    wrapper = _rotary_wrapper(attn, form)
-    return wrapper is not None and "forward" in vars(wrapper)
-
-
-def why_not_qk_norms(attn: nn.Module) -> str | None:
-    """Why the rotary epilogue cannot apply ``attn``'s q/k norms (None: it can): both must be
-    patched RMSNorms of one class and eps over ``head_dim`` with a weight: Llama's formula
-    (Qwen3) or the fp32 factor (Gemma 3's ``1 + w``; fusion/norm.py)."""
-    hd = getattr(attn, "head_dim", None)
-    norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
-    for name, norm in zip(("q_norm", "k_norm"), norms):
-        weight = getattr(norm, "weight", None)
-        if not isinstance(norm, (HybridRMSNorm, Fp32FactorRMSNorm)) or not isinstance(weight, Tensor) \
-                or tuple(weight.shape) != (hd,):
-            return f"its {name} is not an RMSNorm over head_dim with a weight that hybridgemm patched " \
-                   f"({type(norm).__name__})"
-    if type(norms[0]) is not type(norms[1]) or norm_operand(norms[0])[1:] != norm_operand(norms[1])[1:]:
-        return "its q_norm and k_norm are not one formula with one eps"
-    return None
-
-
-def why_not_partial_rotary(attn: nn.Module) -> str | None:
-    """Why the static-cache step cannot run StableLM's attention ``attn`` (None: it can): its
-    per-head q/k LayerNorms (``qk_layernorm``), which the step leaves to the module's computation,
-    or a ``rotary_ndims`` that is not an even count of columns within a head."""
-    if getattr(attn, "qk_layernorm", None) is not False:
-        return "its per-head q/k LayerNorms (qk_layernorm) run as modules (the module's attention computation over " \
-               "the fused Q/K/V)"
-    return why_not_rotary_columns(attn, getattr(attn, "head_dim", None))
-
-
-def why_not_rotary_columns(attn: nn.Module, hd) -> str | None:
-    """Why ``attn.rotary_ndims`` is not an even count of columns within a head of ``hd`` (None: it is)."""
-    rot = getattr(attn, "rotary_ndims", None)
-    if not isinstance(rot, int) or not isinstance(hd, int) or rot % 2 or not 2 <= rot <= hd:
-        return f"its rotary_ndims ({rot!r}) is not an even count of columns within a head of {hd!r}"
-    return None
-
-
-def qkv_group(attn: nn.Module, form: AttentionForm) -> int:
-    """How ``attn``'s Q/K/V columns are grouped per KV head, ``[q x n | k | v]``: n (GPT-NeoX's
-    and Falcon's ``[q | k | v]`` per head: 1; Falcon's new architecture: heads / kv_heads), or 0
-    for all q, all k, all v (Falcon's multi-query too, with its one KV head)."""
-    if form.per_head_qkv:
-        return 1
-    if not form.layout_from_config or attn.multi_query and not attn.new_decoder_architecture:
-        return 0
-    return attn.num_heads // attn.num_kv_heads if attn.new_decoder_architecture else 1
-
-
-def rotary_columns(attn: nn.Module, form: AttentionForm) -> int:
-    """The columns of each head that ``attn``'s rotary embedding rotates (cos/sin's width)."""
-    return attn.rotary_ndims if form.partial_rotary or form.per_head_qkv else attn.head_dim
-
-
-def why_not_load_kernels() -> str | None:
-    """Load the kernel modules the static-cache step reads outside its custom ops (None: loaded):
-    a compiled decode step's trace cannot import a module (Dynamo does not trace
-    ``importlib.import_module``), so this runs when a layer is patched or unpickled."""
-    try:
-        attention_kernel()
-        qk_rope_kernel()
-    except ImportError as e:
-        return f"the decode attention kernels cannot be imported ({e})"
-    return None
-
-
 # ------------------------------------------------------------------------------- per call
 
 def takes_static_step(layer: nn.Module) -> bool:
@@ -486,14 +132,6 @@ def rotary_cache(cos: Tensor, sin: Tensor, heads: int, kv_heads: int, keys: Tens
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     return triton_module("triton_rope").RotaryCache(cos, sin, heads, kv_heads, keys.shape[-1], keys, values, base,
                                                     q_norm, k_norm, qk_eps, qk_offset)
-
-
-def attention_kernel():
-    return triton_module("triton_decode_attention")  # on first use: importing hybridgemm needs no Triton
-
-
-def qk_rope_kernel():
-    return triton_module("triton_qk_rope")  # (as attention_kernel)
 
 
 def kernel_computes_eager(interface, form: AttentionForm) -> bool:
@@ -518,7 +156,7 @@ def cache_of(kwargs: dict):
 def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     """``(cache layer, cos, sin, first)`` when this call can take the static-cache step, else
     None; ``first``: the layer is the cache's first. Only for an attention
-    :func:`why_not_fuse_attention` accepted when it was patched."""
+    ``why_not_fuse_attention`` accepted when it was patched."""
     cache = cache_of(kwargs)
     pe = kwargs.get("position_embeddings")
     implementation = attn.config._attn_implementation
@@ -861,6 +499,5 @@ def _why_not_attention(attn: nn.Module, qkv: nn.Module) -> str | None:
     return None
 
 
-__all__ = ["DECODE_ROWS", "MOE_BLOCKS", "NOT_A_LAYER", "QKV_NAME", "STATIC_STEP", "AttentionForm", "attention_form",
-           "hooked", "kv_slot", "moe_block", "on_kernel_device", "projection_base", "source_text", "takes_fused_path",
-           "why_not_fuse_attention", "why_not_fuse_layer"]
+__all__ = ["DECODE_ROWS", "MOE_BLOCKS", "NOT_A_LAYER", "QKV_NAME", "STATIC_STEP", "hooked", "kv_slot", "moe_block",
+           "on_kernel_device", "projection_base", "source_text", "takes_fused_path", "why_not_fuse_layer"]

@@ -14,7 +14,7 @@ on load with the GLU product in its epilogue (``gated_norm``), down with the res
 Where the attention runs (:func:`attention`): with a static cache that
 ``decode_checks.kv_slot`` accepts, :func:`norm_rope_qkv` then :func:`attend` (or SDPA for
 several tokens); with any other cache, the attention module's computation written out here
-from its :class:`~hybridgemm.models.decode_checks.AttentionForm` (the q/k/v head views, the
+from its :class:`~hybridgemm.models.forms.AttentionForm` (the q/k/v head views, the
 q/k norms where the module has them, the module's own rotary function, ``cache.update``, the
 registered attention function), fed the normalised Q/K/V of :func:`norm_linear`; in eager
 calls the standard rotary there is one launch and one new token's attention the decode
@@ -51,6 +51,7 @@ from hybridgemm.mlp import FUSED_GATE_UP, GLU_FUNCTIONS
 from hybridgemm.norm import Fp32FactorRMSNorm, add_norm, norm_operand
 
 from . import adapter_terms
+from . import attention_forms as forms
 from . import decode_checks as checks
 from .fused_pieces import (
     attend,
@@ -83,8 +84,8 @@ def static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, q
     heads = qkv.weight.shape[0] // hd - 2 * kv_heads
     base = layer.cumulative_length
     qk = {}
-    form = checks.attention_form(type(attn))
-    if form.qk_norm:  # patched RMSNorms over head_dim of one formula and eps (decode_checks.why_not_qk_norms)
+    form = forms.attention_form(type(attn))
+    if form.qk_norm:  # patched RMSNorms over head_dim of one formula and eps (forms.why_not_qk_norms)
         q_g, qk_eps, qk_offset = norm_operand(attn.q_norm)
         qk = dict(q_norm=q_g, k_norm=norm_operand(attn.k_norm)[0], qk_eps=float(qk_eps), qk_offset=qk_offset)
     slots = _slots(attn, qkv)
@@ -107,14 +108,14 @@ def static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, q
     elif form.partial_rotary or form.pair_rotary or form.per_head_qkv or form.layout_from_config:
         # (StableLM's, Cohere's, GPT-NeoX's, Falcon's: the input norm ran as its module)
         y = norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
-        q = rope_store(y, cos, sin, keys, values, base, heads, form.pair_rotary, checks.qkv_group(attn, form))
+        q = rope_store(y, cos, sin, keys, values, base, heads, form.pair_rotary, forms.qkv_group(attn, form))
     else:
         y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,
                           base, heads, kv_heads, counters, weight_scale_of(qkv), **qk)
         q = y[..., : heads * hd]
     mask = kwargs.get("attention_mask")
     interface = form.attention_function(attn.config._attn_implementation)  # a user may have registered another
-    sdpa = interface is checks.stock_sdpa()
+    sdpa = interface is forms.stock_sdpa()
     if s == 1 and (sdpa or checks.kernel_computes_eager(interface, form)):
         q = q.view(b, -1)
         if checks.kernel_takes(q, keys, values, mask, counters):
@@ -150,9 +151,9 @@ def static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, q
 def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Module, kwargs: dict,
                          counters: Tensor | None) -> Tensor:
     """The attention sublayer's output before O with any cache (or none), as the module's own
-    forward computes it (``decode_checks.AttentionForm``), from the normalised Q/K/V of one
+    forward computes it (``forms.AttentionForm``), from the normalised Q/K/V of one
     :func:`norm_linear` launch: ``[B, S, heads * hd]``."""
-    form = checks.attention_form(type(attn))
+    form = forms.attention_form(type(attn))
     input_shape = x.shape[:-1]
     hidden_shape = (*input_shape, -1, attn.head_dim)
     slots = _slots(attn, qkv)
@@ -181,7 +182,7 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
         q, k = _module_rotary(attn, form, q, k, cos, sin)
     rest = _passed_kwargs(form, kwargs)
     cache = checks.cache_of(kwargs)
-    if cache is not None:  # as the module's forward calls it (decode_checks.UPDATE_FORMS)
+    if cache is not None:  # as the module's forward calls it (checked_forms.UPDATE_FORMS)
         if form.update == "kwargs":
             k, v = cache.update(k, v, attn.layer_idx, kwargs={} if form.partial_rotary else rest)
         elif form.update == "cache_kwargs":
@@ -200,7 +201,7 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
     return out.reshape(*input_shape, -1).contiguous()
 
 
-def _passed_kwargs(form: checks.AttentionForm, kwargs: dict) -> dict:
+def _passed_kwargs(form: forms.AttentionForm, kwargs: dict) -> dict:
     """The keyword arguments of the layer's call that the module's attention forward passes on
     to its attention function: all the step does not consume, or StableLM's and Falcon's
     ``position_ids`` alone (their layers pass their attentions no others)."""
@@ -209,12 +210,12 @@ def _passed_kwargs(form: checks.AttentionForm, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k not in _CONSUMED}
 
 
-def _module_rotary(attn: nn.Module, form: checks.AttentionForm, q: Tensor, k: Tensor, cos: Tensor,
+def _module_rotary(attn: nn.Module, form: forms.AttentionForm, q: Tensor, k: Tensor, cos: Tensor,
                    sin: Tensor) -> tuple[Tensor, Tensor]:
     """The module's rotary function over q and k [B, heads, S, hd] as its forward applies it: to
     the first ``rotary_ndims`` columns of each head, the rest concatenated after (StableLM), or
     to the whole heads."""
-    rotary = checks.module_rotary(attn, form)
+    rotary = forms.module_rotary(attn, form)
     if not form.partial_rotary:
         return rotary(q, k, cos, sin)
     r = attn.rotary_ndims
@@ -222,24 +223,24 @@ def _module_rotary(attn: nn.Module, form: checks.AttentionForm, q: Tensor, k: Te
     return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
 
 
-def _rope_in_kernel(attn: nn.Module, form: checks.AttentionForm, y: Tensor, cos: Tensor, sin: Tensor,
+def _rope_in_kernel(attn: nn.Module, form: forms.AttentionForm, y: Tensor, cos: Tensor, sin: Tensor,
                     sizes: tuple[int, int, int]) -> tuple[Tensor, Tensor] | None:
     """The module's rotary embedding of the q and k columns of ``y`` in one launch
     (kernels/triton_qk_rope.py ``rope_qk``) in an eager call on the kernels' device, where the
     module's function is the standard one and cos/sin are of y's dtype over the columns its
     forward rotates (whole heads, or StableLM's first ``rotary_ndims``); None otherwise (the
     caller runs the module's function)."""
-    if torch.compiler.is_compiling() or not checks.on_kernel_device(y) or checks.why_not_rotary(attn) is not None \
-            or cos.shape[-1] != checks.rotary_columns(attn, form):
+    if torch.compiler.is_compiling() or not checks.on_kernel_device(y) or forms.why_not_rotary(attn) is not None \
+            or cos.shape[-1] != forms.rotary_columns(attn, form):
         return None
     hd = attn.head_dim
-    kernel = checks.qk_rope_kernel()
+    kernel = forms.qk_rope_kernel()
     if sizes[0] % hd or sizes[1] % hd or kernel.check_rope(y, cos, sin, sizes[0] // hd, sizes[1] // hd) is not None:
         return None
     return kernel.rope_qk(y, cos, sin, sizes[0] // hd, sizes[1] // hd, form.pair_rotary)
 
 
-def _kernel_attention(attn: nn.Module, form: checks.AttentionForm, interface, q: Tensor, k: Tensor, v: Tensor,
+def _kernel_attention(attn: nn.Module, form: forms.AttentionForm, interface, q: Tensor, k: Tensor, v: Tensor,
                       mask: Tensor | None, counters: Tensor | None) -> Tensor | None:
     """What the module's attention function computes for one query token per sequence (q
     ``[B, heads, 1, hd]``) over the keys and values its cache returned (a sliding-window layer's
@@ -248,7 +249,7 @@ def _kernel_attention(attn: nn.Module, form: checks.AttentionForm, interface, q:
     launches): the function must be stock SDPA without a softcap, or the module's eager function
     of a form the kernel computes; the mask (which holds any sliding window) is read as it is.
     None where it is not, or where the kernel refuses the operands: the caller runs the function."""
-    sdpa = interface is checks.stock_sdpa()
+    sdpa = interface is forms.stock_sdpa()
     if sdpa and form.softcap and getattr(attn, "attn_logit_softcapping", None) is not None:
         return None  # stock's SDPA function raises on a softcap: the call says so
     if not (sdpa or checks.kernel_computes_eager(interface, form)):
@@ -261,7 +262,7 @@ def _kernel_attention(attn: nn.Module, form: checks.AttentionForm, interface, q:
 
     softcap = 0.0 if sdpa or not form.softcap else float(attn.attn_logit_softcapping or 0.0)
     try:
-        return checks.attention_kernel().decode_attention(q2, k, v, mask, float(attn.scaling), q2.new_empty(q2.shape),
+        return forms.attention_kernel().decode_attention(q2, k, v, mask, float(attn.scaling), q2.new_empty(q2.shape),
                                                           step=0, counters=counters, softcap=softcap)
     except (ValueError, TritonError) as e:  # refused or not compiled: nothing was launched
         warn_once(("decode_attention", tuple(k.shape), q2.shape[1], q2.dtype),
@@ -270,10 +271,10 @@ def _kernel_attention(attn: nn.Module, form: checks.AttentionForm, interface, q:
         return None
 
 
-def _function_kwargs(attn: nn.Module, form: checks.AttentionForm, rest: dict) -> dict:
+def _function_kwargs(attn: nn.Module, form: forms.AttentionForm, rest: dict) -> dict:
     """``rest`` with the window and softcap the module's forward gives its attention function."""
     window = form.sliding_window(attn)
-    if window is not checks.NO_WINDOW:
+    if window is not forms.NO_WINDOW:
         rest["sliding_window"] = window
     if form.softcap:
         rest["softcap"] = attn.attn_logit_softcapping

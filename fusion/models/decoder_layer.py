@@ -32,6 +32,7 @@ import importlib
 import torch
 from torch import nn
 
+from . import attention_forms as forms
 from . import decode_checks, decode_step, layernorm_layers, window_cache
 
 # Recognised layer classes and the transformers module of each (to rebuild the fused class
@@ -92,9 +93,9 @@ class HybridDecoderLayer(nn.Module):
         super().__setstate__(state)
         # Unpickled (in a new process, say): what the step reads of transformers is read now,
         # not inside the first call, which may be a compiled region's trace.
-        decode_checks.why_not_attention_form(type(attention_of(self)))
+        forms.why_not_attention_form(type(attention_of(self)))
         if decode_checks.takes_static_step(self):
-            decode_checks.why_not_load_kernels()
+            forms.why_not_load_kernels()
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         if not torch.compiler.is_compiling() and decode_checks.takes_static_step(self):

@@ -34,6 +34,7 @@ from hybridgemm.kernels.process_memory import per_call_scratch
 from hybridgemm.mlp import GLU_FUNCTIONS, gated_linear
 from hybridgemm.norm import norm_operand, prologue_norm
 
+from . import attention_forms as forms
 from . import decode_checks as checks
 
 
@@ -285,7 +286,7 @@ def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: float
 
 def _qk_rope_store(y: Tensor, q_g: Tensor, q_eps: float, q_offset: float, k_g: Tensor, k_eps: float, k_offset: float,
                    cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int) -> Tensor:
-    kernel = checks.qk_rope_kernel()
+    kernel = forms.qk_rope_kernel()
     q_op, k_op = (q_g, q_eps, q_offset), (k_g, k_eps, k_offset)
     if checks.on_kernel_device(y) and kernel.check(y, q_op, k_op, cos, sin, keys, values, base, heads) is None:
         return kernel.qk_norm_rope_store(y, q_op, k_op, cos, sin, keys, values, base, heads)
@@ -321,7 +322,7 @@ def qk_rope_store(y: Tensor, q_norm: nn.Module, k_norm: nn.Module, cos: Tensor, 
 
 def _rope_store(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
                 pairs: bool = False, group: int = 0) -> Tensor:
-    kernel = checks.qk_rope_kernel()
+    kernel = forms.qk_rope_kernel()
     if checks.on_kernel_device(y) and kernel.check(y, None, None, cos, sin, keys, values, base, heads,
                                                    group) is None:
         return kernel.qk_norm_rope_store(y, None, None, cos, sin, keys, values, base, heads, pairs=pairs,
@@ -368,7 +369,7 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale:
 
     out = q.new_empty(q.shape)
     try:
-        return checks.attention_kernel().decode_attention(q, keys, values, mask, scale, out, base=base, step=step,
+        return forms.attention_kernel().decode_attention(q, keys, values, mask, scale, out, base=base, step=step,
                                                           counters=counters, softcap=softcap)
     except (ValueError, TritonError) as e:  # refused or not compiled: nothing was launched
         warn_once(("decode_attention", tuple(keys.shape), q.shape[1], q.dtype),

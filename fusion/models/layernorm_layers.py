@@ -46,8 +46,10 @@ from torch import Tensor, nn
 
 from hybridgemm.mlp import HybridTwoLayerMLP
 
+from . import attention_forms as forms
 from . import decode_checks as checks
 from . import decode_step
+from .checked_forms import PER_HEAD_QKV_NAME
 from .source_forms import body_statements
 
 
@@ -57,7 +59,7 @@ class LayerFamily:
 
     layer_class: str  # transformers' class name
     attention: str  # the layer's attention module
-    body: tuple  # its forward, statement by statement (decode_checks.statements_match)
+    body: tuple  # its forward, statement by statement (forms.statements_match)
     norms_as_modules: str  # its decode_checks.NORMS_AS_MODULES mark (its norms run as modules)
     # (attention norm, MLP norm or None: the attention's normalised input, parallel residual), or
     # why the instance's configuration is not one the step computes
@@ -155,7 +157,7 @@ def norm_names(layer: nn.Module) -> tuple[str, ...]:
 def _parts(layer: nn.Module, family: LayerFamily) -> tuple[nn.Module, ...]:
     """(attention, query_key_value, dense, dense_h_to_4h, dense_4h_to_h) of ``layer``."""
     attn, mlp = layer._modules[family.attention], layer._modules["mlp"]
-    return (attn, attn._modules.get(checks.PER_HEAD_QKV_NAME), attn._modules.get("dense"),
+    return (attn, attn._modules.get(PER_HEAD_QKV_NAME), attn._modules.get("dense"),
             mlp._modules.get("dense_h_to_4h"), mlp._modules.get("dense_4h_to_h"))
 
 
@@ -166,9 +168,9 @@ def why_not_fuse(layer: nn.Module) -> str | None:
     and its dropouts ``nn.Dropout``. Raises nothing."""
     family = family_of(layer)
     forward = type(layer).forward
-    if family is None or not checks.statements_match(body_statements(forward), family.body):
+    if family is None or not forms.statements_match(body_statements(forward), family.body):
         return f"{type(layer).__name__}.forward is not a decoder layer this step computes"
-    if family.returns_weights and not checks.statements_match(
+    if family.returns_weights and not forms.statements_match(
             body_statements(getattr(inspect.unwrap(forward), "__globals__", {}).get("dropout_add")), _DROPOUT_ADD):
         return f"{type(layer).__name__}'s dropout_add is not the residual add this step computes"
     shape = family.shape(layer)
@@ -177,7 +179,7 @@ def why_not_fuse(layer: nn.Module) -> str | None:
     attn, mlp = layer._modules.get(family.attention), layer._modules.get("mlp")
     if attn is None or type(mlp) is not HybridTwoLayerMLP:
         return "its MLP's dense_h_to_4h and dense_4h_to_h are not patched"
-    why = checks.why_not_attention_form(type(attn)) or _why_not_layout(attn)
+    why = forms.why_not_attention_form(type(attn)) or _why_not_layout(attn)
     if why is not None:
         return why
     why = _why_not_parts(layer, family)
@@ -188,17 +190,17 @@ def why_not_fuse(layer: nn.Module) -> str | None:
         return f"it has no {' and '.join(norms)} modules"
     if not all(type(layer._modules.get(n)) is nn.Dropout for n in family.dropouts):
         return f"its {' and '.join(family.dropouts)} are not nn.Dropout modules"
-    return checks.why_not_fuse_attention(attn)
+    return forms.why_not_fuse_attention(attn)
 
 
 def _why_not_layout(attn: nn.Module) -> str | None:
     """Why the rotary/cache launch cannot read ``attn``'s Q/K/V columns (None: it can): GPT-NeoX's
-    per head, or Falcon's as its instance says (``decode_checks.qkv_group``), with rows for the
+    per head, or Falcon's as its instance says (``forms.qkv_group``), with rows for the
     config's heads and no ALiBi."""
-    form = checks.attention_form(type(attn))
+    form = forms.attention_form(type(attn))
     if not (form.per_head_qkv or form.layout_from_config):
         return f"its {type(attn).__name__} is not one of these families' attentions"
-    qkv = attn._modules.get(checks.PER_HEAD_QKV_NAME)
+    qkv = attn._modules.get(PER_HEAD_QKV_NAME)
     heads, hd = getattr(attn.config, "num_attention_heads", None), getattr(attn, form.head_dim_name, None)
     kv_heads = heads
     if form.layout_from_config:
@@ -209,7 +211,7 @@ def _why_not_layout(attn: nn.Module) -> str | None:
             return f"its {kv_heads!r} key/value heads do not divide its {heads} heads"
     if not all(isinstance(v, int) and v > 0 for v in (heads, hd)) or getattr(qkv, "weight", None) is None \
             or qkv.weight.shape[0] != (heads + 2 * kv_heads) * hd:
-        return f"its {checks.PER_HEAD_QKV_NAME}'s rows are not the config's q, k and v heads"
+        return f"its {PER_HEAD_QKV_NAME}'s rows are not the config's q, k and v heads"
     return None
 
 
@@ -218,7 +220,7 @@ def _why_not_parts(layer: nn.Module, family: LayerFamily) -> str | None:
     included) or row-parallel, none wrapped since (a LoRA layer over one: the layer's own forward
     runs it) nor replaced."""
     _, qkv, dense, up, down = _parts(layer, family)
-    for name, proj, fits in ((checks.PER_HEAD_QKV_NAME, qkv, checks.own_projection),
+    for name, proj, fits in ((PER_HEAD_QKV_NAME, qkv, checks.own_projection),
                              ("dense_h_to_4h", up, checks.own_projection),
                              ("dense", dense, checks.fusable_projection),
                              ("dense_4h_to_h", down, checks.fusable_projection)):

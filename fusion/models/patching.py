@@ -140,6 +140,7 @@ from hybridgemm.norm import (
 from hybridgemm.router import HybridTopKRouter, why_not_router
 
 from . import layernorm_layers
+from .attention_forms import why_not_fuse_attention
 from .decode_checks import (
     NORMS_AS_MODULES,
     NOT_A_LAYER,
@@ -149,7 +150,6 @@ from .decode_checks import (
     norm_modules_form,
     normalises_outputs,
     scales_residuals,
-    why_not_fuse_attention,
 )
 from .decoder_layer import COUNTERS, HybridDecoderLayer, attention_of, fused_class, new_counters, why_not_fuse_layer
 from .embeddings import RESIZE, ResizeKeepingHead, output_embeddings, resizes_embeddings

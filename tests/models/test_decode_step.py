@@ -21,8 +21,8 @@ from helpers import assert_static_decode_matches, greedy_static_decode
 from hybridgemm import dispatch
 from hybridgemm.kernels import triton_splitk
 from hybridgemm.kernels.triton_rope import RotaryCache
+from hybridgemm.models import attention_forms, decode_step, fused_pieces
 from hybridgemm.models import decode_checks as checks
-from hybridgemm.models import decode_step, fused_pieces
 from hybridgemm.models import decoder_layer as dl
 from hybridgemm.models.patching import ATTENTION_NOT_FUSED
 from hybridgemm.perf import e2e_models as hf
@@ -620,7 +620,7 @@ def test_heads_no_tuned_tile_divides_take_narrower_tiles_in_the_rotary_epilogue(
         return real(cfg, *a, **kw)
 
     monkeypatch.setattr(triton_splitk, "run", run)
-    attention = checks.attention_kernel()
+    attention = attention_forms.attention_kernel()
     heads = []
     real_attention = attention.decode_attention
 
@@ -687,7 +687,7 @@ def test_where_the_step_cannot_fuse_the_results_are_still_stock(why, kernels_on_
             layer.self_attn.q_norm = nn.Identity()
         model = copy.deepcopy(stock)
         hybridgemm.patch(model)
-        assert "q_norm is not an RMSNorm" in checks.why_not_fuse_attention(model.model.layers[0].self_attn)
+        assert "q_norm is not an RMSNorm" in attention_forms.why_not_fuse_attention(model.model.layers[0].self_attn)
         assert not any(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -703,15 +703,15 @@ def test_a_hub_kernel_bound_as_the_rotary_runs_where_the_step_would_not(kernels_
     own, whose forward kernels.kernelize replaces with a Hub kernel's. Such an attention is not fused: its layer
     runs the module's attention over the fused Q/K/V, calling that kernel, as the stock model does."""
     stock = _tiny("llama")
-    form = checks.attention_form(type(stock.model.layers[0].self_attn))
-    wrappers = [checks.module_rotary(layer.self_attn, form) for layer in stock.model.layers]
+    form = attention_forms.attention_form(type(stock.model.layers[0].self_attn))
+    wrappers = [attention_forms.module_rotary(layer.self_attn, form) for layer in stock.model.layers]
     if wrappers[0] is form.rotary:
         pytest.skip("this transformers release calls apply_rotary_pos_emb as a plain function (no kernels wrappers)")
     calls = []
 
     def hub_rotary(self, q, k, cos, sin, unsqueeze_dim=1):  # the stock rotary with q scaled: a kernel of its own
         calls.append(1)
-        q, k = checks.plain_function(form.rotary)(q, k, cos, sin, unsqueeze_dim)
+        q, k = attention_forms.plain_function(form.rotary)(q, k, cos, sin, unsqueeze_dim)
         return q * 1.5, k
 
     for wrapper in wrappers:  # as kernels.kernelize binds a layer's forward
@@ -719,12 +719,12 @@ def test_a_hub_kernel_bound_as_the_rotary_runs_where_the_step_would_not(kernels_
     model = copy.deepcopy(stock)
     hybridgemm.patch(model)
     attn = model.model.layers[0].self_attn
-    assert "Hugging Face Hub" in checks.why_not_fuse_attention(attn)
+    assert "Hugging Face Hub" in attention_forms.why_not_fuse_attention(attn)
     assert not any(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
     _compare(model, stock, steps=2)
     assert calls and kernels_on_cpu["rope"] == 0
-    del checks.module_rotary(attn, form).forward  # the wrapper back to the stock function
-    assert checks.why_not_fuse_attention(attn) is None
+    del attention_forms.module_rotary(attn, form).forward  # the wrapper back to the stock function
+    assert attention_forms.why_not_fuse_attention(attn) is None
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -963,7 +963,7 @@ def test_olmo2s_fp32_rotary_in_bfloat16_takes_the_step_with_its_roundings():
     keys, values = torch.zeros(2, 2, 16, 32, dtype=torch.bfloat16), torch.zeros(2, 2, 16, 32, dtype=torch.bfloat16)
     got = fused_pieces.rotate_store(y, cos, sin, keys, values, torch.tensor(3), 4, 2)
     q, k, v = y.split([128, 64, 64], dim=-1)
-    rotary = checks.plain_function(checks.attention_form(o2.Olmo2Attention).rotary)
+    rotary = attention_forms.plain_function(attention_forms.attention_form(o2.Olmo2Attention).rotary)
     want_q, want_k = rotary(q.view(2, 1, 4, 32).transpose(1, 2), k.view(2, 1, 2, 32).transpose(1, 2), cos, sin)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got[..., :128], want_q.transpose(1, 2).reshape(2, 1, 128))
@@ -1045,8 +1045,9 @@ def test_the_eager_forms_the_kernel_computes_are_read_exactly(monkeypatch):
     from transformers.models.gemma2 import modeling_gemma2 as g2
     from transformers.models.llama import modeling_llama as ll
 
-    assert checks._read_form(ll.LlamaAttention).kernel_eager and checks._read_form(g2.Gemma2Attention).kernel_eager
-    real = checks.body_statements
+    assert attention_forms._read_form(ll.LlamaAttention).kernel_eager
+    assert attention_forms._read_form(g2.Gemma2Attention).kernel_eager
+    real = attention_forms.body_statements
 
     def with_one_more(fn):
         statements = real(fn)
@@ -1054,8 +1055,8 @@ def test_the_eager_forms_the_kernel_computes_are_read_exactly(monkeypatch):
             statements = [*statements[:-1], "attn_output=attn_output*2", statements[-1]]
         return statements
 
-    monkeypatch.setattr(checks, "body_statements", with_one_more)
-    assert not checks._read_form(ll.LlamaAttention).kernel_eager
+    monkeypatch.setattr(attention_forms, "body_statements", with_one_more)
+    assert not attention_forms._read_form(ll.LlamaAttention).kernel_eager
 
 
 def test_gemma3s_late_qk_norm_form_is_read_only_with_every_other_statement_as_checked(monkeypatch):
@@ -1063,10 +1064,10 @@ def test_gemma3s_late_qk_norm_form_is_read_only_with_every_other_statement_as_ch
     statements with one more anywhere are no form the step computes."""
     from transformers.models.gemma3 import modeling_gemma3 as g
 
-    statements = checks.body_statements(g.Gemma3Attention.forward)
-    form = checks._read_form(g.Gemma3Attention)
+    statements = attention_forms.body_statements(g.Gemma3Attention.forward)
+    form = attention_forms._read_form(g.Gemma3Attention)
     assert form.qk_norm and not form.prefused and not form.softcap and form.window_from == "module"
     for at in (3, 8, len(statements) - 1):
         extra = [*statements[:at], "attn_output=attn_output*2", *statements[at:]]
-        monkeypatch.setattr(checks, "body_statements", lambda fn, extra=extra: extra)
-        assert isinstance(checks._read_form(g.Gemma3Attention), str), at
+        monkeypatch.setattr(attention_forms, "body_statements", lambda fn, extra=extra: extra)
+        assert isinstance(attention_forms._read_form(g.Gemma3Attention), str), at

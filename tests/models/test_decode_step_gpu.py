@@ -107,9 +107,9 @@ def models(monkeypatch, request):
     if kind.startswith("falcon"):
         from transformers.models.falcon.modeling_falcon import FalconAttention
 
-        from hybridgemm.models import decode_checks
+        from hybridgemm.models import attention_forms
 
-        why = decode_checks.why_not_attention_form(FalconAttention)
+        why = attention_forms.why_not_attention_form(FalconAttention)
         if why is not None:
             pytest.skip(f"transformers {transformers.__version__}: {why}")
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=kind, window=64 if wide else None,

@@ -22,9 +22,9 @@ import hybridgemm
 from hybridgemm import dispatch
 from hybridgemm.kernels import triton_glu, triton_splitk
 from hybridgemm.linear_layer import HybridLinear
+from hybridgemm.models import attention_forms, fused_pieces
 from hybridgemm.models import decode_checks as checks
 from hybridgemm.models import decoder_layer as dl
-from hybridgemm.models import fused_pieces
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -262,9 +262,9 @@ def test_an_unpickled_layer_reads_its_attention_form_when_loaded(tmp_path):
     path = tmp_path / "model.pt"
     torch.save(model, path)
     attention = type(model.model.layers[0].self_attn)
-    checks._FORMS.pop(attention)
+    attention_forms._FORMS.pop(attention)
     torch.load(path, weights_only=False)
-    assert isinstance(checks._FORMS.get(attention), checks.AttentionForm)
+    assert isinstance(attention_forms._FORMS.get(attention), attention_forms.AttentionForm)
 
 
 def test_an_exception_inside_the_step_leaves_no_state(kernels_on_cpu, monkeypatch):
@@ -275,7 +275,7 @@ def test_an_exception_inside_the_step_leaves_no_state(kernels_on_cpu, monkeypatc
     def boom(*a, **kw):
         raise ValueError("attention failed")
 
-    monkeypatch.setattr(checks.AttentionForm, "attention_function", lambda self, impl: boom)
+    monkeypatch.setattr(attention_forms.AttentionForm, "attention_function", lambda self, impl: boom)
     with torch.no_grad(), pytest.raises(ValueError, match="attention failed"):
         model(torch.randint(0, VOCAB, (1, 3)))
     assert _module_state(model) == state

@@ -15,8 +15,8 @@ import torch
 import hybridgemm
 from helpers import assert_static_decode_matches, greedy_static_decode
 from hybridgemm.kernels import triton_qk_rope as tqr
+from hybridgemm.models import attention_forms, fused_pieces, layernorm_layers
 from hybridgemm.models import decode_checks as checks
-from hybridgemm.models import fused_pieces, layernorm_layers
 from hybridgemm.perf import e2e_models as hf
 
 transformers = pytest.importorskip("transformers")
@@ -184,7 +184,7 @@ def _falcon_form_taken() -> bool:
     """Is the installed transformers' Falcon attention the form the step computes (5.25's)?"""
     from transformers.models.falcon.modeling_falcon import FalconAttention
 
-    return checks.why_not_attention_form(FalconAttention) is None
+    return attention_forms.why_not_attention_form(FalconAttention) is None
 
 
 @pytest.mark.parametrize("extra,norms,group", [

@@ -17,6 +17,7 @@ import hybridgemm
 from helpers import greedy_static_decode, tiny_moe_lm
 from hybridgemm import experts
 from hybridgemm.experts import HybridExperts
+from hybridgemm.models import attention_forms
 from hybridgemm.models import decode_checks as checks
 from hybridgemm.router import HybridTopKRouter
 
@@ -36,7 +37,7 @@ def test_moe_layers_take_the_step_and_decode_as_stock(kind, kernels_on_cpu, monk
     stock = _tiny(kind)
     model = copy.deepcopy(stock)
     report = hybridgemm.patch(model)
-    if checks.why_not_fuse_attention(model.model.layers[0].self_attn) is not None:
+    if attention_forms.why_not_fuse_attention(model.model.layers[0].self_attn) is not None:
         pytest.skip(f"no fused attention step with transformers {transformers.__version__}")
     assert report.fused_layers == ["model.layers.0", "model.layers.1"] == report.fused_attention
     assert all(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)

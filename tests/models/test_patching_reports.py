@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import hybridgemm
-from hybridgemm.models import decode_checks
+from hybridgemm.models import attention_forms
 from hybridgemm.models.unpatched import is_decoder_layer
 from hybridgemm.norm import GEMMA_NORM_CLASSES, OLMO2_NORM_CLASSES, RMS_NORM_CLASSES
 
@@ -43,7 +43,7 @@ CONFIGS = {
 }
 
 # Does this transformers' Falcon attention take the fused step (5.25's form)?
-FALCON_FUSED = decode_checks.why_not_attention_form(
+FALCON_FUSED = attention_forms.why_not_attention_form(
     importlib.import_module("transformers.models.falcon.modeling_falcon").FalconAttention) is None
 SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer, GraniteDecoderLayer, "
              "Qwen3MoeDecoderLayer, MixtralDecoderLayer, Qwen2MoeDecoderLayer, GemmaDecoderLayer, Phi3DecoderLayer, "

@@ -10,7 +10,7 @@ import pickle
 import pytest
 import torch
 
-from hybridgemm.models import decode_checks, window_cache
+from hybridgemm.models import attention_forms, window_cache
 
 transformers = pytest.importorskip("transformers")
 from transformers import StaticCache  # noqa: E402
@@ -139,4 +139,4 @@ def test_a_sliding_layer_of_another_form_is_left_stock_and_reported(monkeypatch)
                                        num_key_value_heads=1, head_dim=HEAD, num_hidden_layers=2, vocab_size=32,
                                        sliding_window=32)
     attn = transformers.AutoModelForCausalLM.from_config(config).model.layers[0].self_attn
-    assert "sliding-window layer" in (decode_checks.why_not_fuse_attention(attn) or "")
+    assert "sliding-window layer" in (attention_forms.why_not_fuse_attention(attn) or "")
