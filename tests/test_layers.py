@@ -47,8 +47,8 @@ LAZY_ALLOWED = {
     ("hybridgemm.decide", "hybridgemm.kernels.triton_splitk"),
     ("hybridgemm.dispatch", "hybridgemm.kernels.triton_splitk"),  # fused_splitk: does the norm prologue fit
     ("hybridgemm.models.decode_checks", "hybridgemm.kernels.triton_rope"),
-    ("hybridgemm.models.decode_checks", "hybridgemm.kernels.triton_decode_attention"),
-    ("hybridgemm.models.decode_checks", "hybridgemm.kernels.triton_qk_rope"),  # OLMo 2's q/k norms, rotary, cache
+    ("hybridgemm.models.attention_forms", "hybridgemm.kernels.triton_decode_attention"),
+    ("hybridgemm.models.attention_forms", "hybridgemm.kernels.triton_qk_rope"),  # OLMo 2's q/k norms, rotary, cache
     ("hybridgemm.norm", "hybridgemm.kernels.triton_rmsnorm"),
     ("hybridgemm.fp8_linear", "hybridgemm.kernels.triton_dequant"),  # the one-pass dequantization past the FP8 rows
     ("hybridgemm.kernels.cublaslt_fp8", "hybridgemm.kernels.fp8_quant"),
