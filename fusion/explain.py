@@ -15,9 +15,22 @@ import torch
 
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.fp8 import FORMAT_OF
-from hybridgemm.kernels.problem import DTYPE_NAMES, NAME_TO_DTYPE, Problem, uses_tf32
+from hybridgemm.kernels.problem import DECODE_MAX_M, DTYPE_NAMES, NAME_TO_DTYPE, Problem, uses_tf32
 
 from . import decide, mode_state, modes
+
+
+def _w8a8(problem: Problem, choice, granularity: str, dev: int) -> str:
+    """What ``activations="fp8"`` changes for this call (fusion/fp8_linear.py ``quantize_input``)."""
+    from hybridgemm.kernels import backends, cublaslt_fp8
+
+    if problem.m <= DECODE_MAX_M or choice.backend in backends.FP8_BACKENDS:
+        return f"x as it is (W8A16): M={problem.m} is a decode row count, or the decision reads e4m3 itself"
+    ok, why = cublaslt_fp8.check(problem.n, problem.k, problem.dtype, granularity, dev)
+    if not ok:
+        return f"cuBLASLt's FP8 GEMM cannot run it here ({why}), so the above runs, with one warning"
+    group = "token" if granularity == "channel" else "1x128 block"
+    return f"instead, x quantized to e4m3 per {group} and cuBLASLt's FP8 GEMM on both (W8A8)"
 
 
 def _dims(shape, what: str, example: str) -> tuple[int, ...]:
@@ -63,7 +76,8 @@ def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: bool = True,
-            activation=None, device: int | None = None, weights: str = "same", granularity: str = "channel") -> str:
+            activation=None, device: int | None = None, weights: str = "same", granularity: str = "channel",
+            activations: str = "same") -> str:
     """Which kernel ``hybridgemm.linear`` runs for these shapes, and why (a table hit with the
     M range it was validated on and its worst measured ratio to F.linear, or the fallback
     rule). Works without a GPU (it then says PyTorch runs).
@@ -73,8 +87,10 @@ def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: b
     of a torch dtype (``bfloat16``, ``float16``, ``float32``, ``float64``, ...; a ``torch.``
     prefix is allowed). ``weights="fp8"``: the weight is FP8 of ``granularity`` (``channel`` or
     ``block128``; ``hybridgemm.quantize_fp8``), x and the output ``dtype`` (bf16/fp16), and the
-    decision is the FP8 one (its own table key). Anything else raises ValueError naming the
-    argument and what it takes."""
+    decision is the FP8 one (its own table key); with ``activations="fp8"`` (the module option
+    of ``patch(..., activations="fp8")``) it also says whether x is quantized to e4m3 for
+    cuBLASLt's FP8 GEMM at this M (W8A8) or taken as it is. Anything else raises ValueError
+    naming the argument and what it takes."""
     dtype = _parse_dtype(dtype)
     if weights not in ("same", "fp8"):
         raise ValueError(f"weights must be 'same' or 'fp8', got {weights!r:.40}")
@@ -82,6 +98,8 @@ def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: b
         raise ValueError(f"granularity must be one of {', '.join(FORMAT_OF)}, got {granularity!r:.40}")
     if weights == "fp8" and dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"an FP8 weight computes in bf16 or fp16, got dtype {dtype}")
+    if activations not in ("same", "fp8") or (activations == "fp8" and weights != "fp8"):
+        raise ValueError(f"activations must be 'same', or 'fp8' with weights='fp8', got {activations!r:.40}")
     weight_format = FORMAT_OF[granularity] if weights == "fp8" else ""
     x_dims = _dims(x_shape, "x_shape", "(16, 4096) or (2, 8, 4096)")
     w_dims = _dims(w_shape, "w_shape", "(6144, 4096)")
@@ -124,7 +142,9 @@ def explain(x_shape, w_shape, dtype: torch.dtype | str = torch.bfloat16, bias: b
             return f"{head}\n  batch_invariant mode: the weight is dequantized, then the batch-invariant {dtype} path"
         with torch.cuda.device(dev):
             choice = decide.choose_fp8(problem, dev)
-        return f"{head}\n  key {choice.key}\n  runs {choice.describe()}"
+        line = f"{head}\n  key {choice.key}\n  runs {choice.describe()}"
+        return line + (f"\n  activations='fp8': {_w8a8(problem, choice, granularity, dev)}" if activations == "fp8"
+                       else "")
     with torch.cuda.device(dev):
         if invariant:
             choice = modes.batch_invariant_choice(problem, dev)

@@ -6,6 +6,7 @@ on a faked H200 with and without a table entry, and bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -172,6 +173,32 @@ def test_explain_names_the_format_and_refuses_bad_values():
         hybridgemm.explain((1, 4096), (6144, 4096), weights="fp8", granularity="tensor")
     with pytest.raises(ValueError, match="bf16 or fp16"):
         hybridgemm.explain((1, 4096), (6144, 4096), dtype="fp32", weights="fp8")
+    with pytest.raises(ValueError, match="activations must be"):
+        hybridgemm.explain((1, 4096), (6144, 4096), activations="fp8")  # an FP8 weight's option
+
+
+def test_explain_says_what_fp8_activations_change(fake_h200, monkeypatch):
+    from hybridgemm.kernels import cublaslt_fp8
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    verdict = {"ok": (True, "")}
+    monkeypatch.setattr(cublaslt_fp8, "check", lambda *a: verdict["ok"])
+
+    def line(m, granularity="channel", activations="fp8"):
+        text = hybridgemm.explain((m, 4096), (6144, 4096), weights="fp8", granularity=granularity,
+                                  activations=activations)
+        return text.splitlines()[-1]
+
+    assert "x as it is (W8A16)" in line(64) and "triton_splitk" in hybridgemm.explain((64, 4096), (6144, 4096),
+                                                                                      weights="fp8")
+    assert line(65) == ("  activations='fp8': instead, x quantized to e4m3 per token and cuBLASLt's FP8 GEMM on both "
+                        "(W8A8)")
+    assert "per 1x128 block" in line(2048, "block128")
+    assert "activations" not in line(2048, activations="same")
+    verdict["ok"] = (False, "compute capability 8.0 has no FP8 tensor cores")
+    assert "cannot run it here (compute capability 8.0" in line(2048)
 
 
 @pytest.mark.parametrize("granularity", ["channel", "block128"])
