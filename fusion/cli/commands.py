@@ -5,7 +5,7 @@
     hybridgemm autotune --moe qwen3-30b-a3b [--weights fp8 [--granularity ...]] [--dtype bf16] [--out PATH]
     hybridgemm show [PATH]
     hybridgemm explain --x 16,4096 --w 6144,4096 [--dtype bf16] [--no-bias] [--activation relu]
-                       [--table PATH | --device h200]
+                       [--weights fp8 [--granularity ...] [--activations fp8]] [--table PATH | --device h200]
     hybridgemm bench --model llama3-8b [--m ...] [--providers ...] [--out results.csv] [--training] [--plot DIR]
     hybridgemm bench --m-sweep ... | --e2e --model qwen2.5-7b|llama3-8b ...   (perf/cli_commands.py)
     hybridgemm plot results.csv [more.csv ...] [--out DIR]
@@ -636,6 +636,8 @@ def _cmd_explain(args) -> int:
     The explicit table (``--table``, else ``$HYBRIDGEMM_TABLE``) must load as ``show`` loads
     it: if not, the line ``show`` prints for it, and exit code 2."""
     problem = weight_options_problem(args.weights, args.granularity, args.dtype)
+    if not problem and args.activations == "fp8" and args.weights != "fp8":
+        problem = "--activations fp8: only with --weights fp8 (an FP8 projection's option)"
     if problem:
         print(f"hybridgemm explain: error: {problem}", file=sys.stderr)
         return 2
@@ -652,7 +654,7 @@ def _cmd_explain(args) -> int:
         set_table_path(args.table)
     weights = "fp8" if args.weights == "fp8" else "same"
     print(explain(args.x, args.w, args.dtype, bias=not args.no_bias, activation=args.activation, weights=weights,
-                  granularity=args.granularity or "channel"))
+                  granularity=args.granularity or "channel", activations=args.activations))
     _print_backends()
     return 0
 
@@ -826,6 +828,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-bias", action="store_true")
     p.add_argument("--activation", choices=["relu", "gelu_tanh", "gelu"])
     add_weight_options(p, "the weight is FP8 (hybridgemm.quantize_fp8), its own table key")
+    p.add_argument("--activations", choices=["same", "fp8"], default="same",
+                   help="fp8: also say whether x is quantized to e4m3 for cuBLASLt's FP8 GEMM at this M "
+                        "(patch(..., activations='fp8'); with --weights fp8)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--table", help="explicit table path (over the user and shipped tables)")
     where.add_argument("--device", metavar="GPU", help="answer for a GPU of this model from its shipped table "

@@ -88,6 +88,8 @@ CASES = [  # (argv, text the line must hold: the bad value)
     (["autotune", "--moe", "qwen3-30b-a3b", "--dtype", "fp32"], "--moe tunes bf16 or fp16 experts"),
     (["autotune", "--moe", "bogus"], "'bogus'"),
     (["explain", "--x", "16,4096", "--w", "6144"], "'6144'"),
+    ([*EXPLAIN, "--activations", "fp8"], "--activations fp8: only with --weights fp8"),
+    ([*EXPLAIN, "--weights", "fp8", "--activations", "e4m3"], "--activations"),
     (["explain", "--x", "16,4000", "--w", "6144,4096"], "4000"),
     (["explain", *EXPLAIN[1:], "--dtype", "fp8"], "'fp8'"),
     (["frobnicate"], "'frobnicate'"),
