@@ -13,6 +13,7 @@ import operator
 
 import torch
 
+from hybridgemm.kernels import backends, cublaslt_fp8
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.fp8 import FORMAT_OF
 from hybridgemm.kernels.problem import DECODE_MAX_M, DTYPE_NAMES, NAME_TO_DTYPE, Problem, uses_tf32
@@ -22,8 +23,6 @@ from . import decide, mode_state, modes
 
 def _w8a8(problem: Problem, choice, granularity: str, dev: int) -> str:
     """What ``activations="fp8"`` changes for this call (fusion/fp8_linear.py ``quantize_input``)."""
-    from hybridgemm.kernels import backends, cublaslt_fp8
-
     if problem.m <= DECODE_MAX_M or choice.backend in backends.FP8_BACKENDS:
         return f"x as it is (W8A16): M={problem.m} is a decode row count, or the decision reads e4m3 itself"
     ok, why = cublaslt_fp8.check(problem.n, problem.k, problem.dtype, granularity, dev)
