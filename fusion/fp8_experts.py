@@ -55,8 +55,8 @@ class HybridFP8Experts(HybridExperts):
         shape and dtype checks only, a few µs of host time), computing in ``dtype`` (bf16 where
         that is not a 16-bit dtype: the PyTorch loop then dequantizes to ``dtype`` itself)."""
         compute = dtype if dtype in fp8.OUT_DTYPES else torch.bfloat16
-        tensors = [(self._parameters[p].detach(), _scale(self, p).detach()) for p in PROJECTIONS]
-        return tuple(fp8.FP8Weight(d, s, fp8.stacked_granularity_of(d, s), compute) for d, s in tensors)
+        return tuple(fp8.FP8Weight.from_tensors(self._parameters[p].detach(), _scale(self, p).detach(), compute,
+                                                check=False) for p in PROJECTIONS)
 
     def compiled_moe(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         return torch.ops.hybridgemm.moe_fp8_fwd(x, top_k_index, top_k_weights, self.gate_up_proj.detach(),
@@ -82,7 +82,7 @@ class HybridFP8Experts(HybridExperts):
 @torch.library.custom_op("hybridgemm::moe_fp8_fwd", mutates_args=())
 def moe_fp8_fwd(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, gate_up_scale: Tensor,
                 down: Tensor, down_scale: Tensor, activation: str) -> Tensor:
-    weights = [fp8.FP8Weight(d, s, fp8.stacked_granularity_of(d, s), x.dtype)
+    weights = [fp8.FP8Weight.from_tensors(d, s, x.dtype, check=False)
                for d, s in ((gate_up, gate_up_scale), (down, down_scale))]
     return moe(x, (topk_ids, topk_weights), *weights, activation)
 
