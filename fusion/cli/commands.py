@@ -44,7 +44,7 @@ from hybridgemm.decide import set_table_path
 from hybridgemm.kernels import backends, fp8
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.fp8 import FORMAT_OF
-from hybridgemm.kernels.problem import NAME_TO_DTYPE, Problem, uses_tf32
+from hybridgemm.kernels.problem import DECODE_MAX_M, NAME_TO_DTYPE, Problem, uses_tf32
 from hybridgemm.kernels.version import __version__
 from hybridgemm.models.gemm_shapes import GatedShape, gated_shapes, patched_gemms
 from hybridgemm.norm import prologue_norm
@@ -580,7 +580,15 @@ def _explain_for_device(args) -> int:
     hit = table.find(shape, m) if m <= M_MAX else None
     if hit is None:
         print(f"  key {shape.to_string()} at M={m}")
-        print(f"  runs torch (rule: {_printable(_why_no_entry(table, shape, m))}; F.linear)")
+        why = _printable(_why_no_entry(table, shape, m))
+        if fmt and m <= DECODE_MAX_M:  # decide.choose_fp8's rule 5
+            print(f"  runs triton_splitk (rule: {why}; M={m} <= {DECODE_MAX_M}: the split-K kernel streaming "
+                  "e4m3, its default config)")
+        elif fmt:
+            print(f"  runs torch (rule: {why}; the weight dequantized to {args.dtype} in one pass, then "
+                  f"{args.dtype}'s decision for this N, K: `hybridgemm explain` without --weights)")
+        else:
+            print(f"  runs torch (rule: {why}; F.linear)")
         return 0
     key, entry = hit
     points = ",".join(str(p) for p in entry["m_points"])

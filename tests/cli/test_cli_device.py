@@ -237,6 +237,25 @@ def test_explain_device_the_heuristic_flinear_and_a_miss(capsys, monkeypatch):
                       "any for this N, K (`hybridgemm autotune --shape 512,1024` on that GPU tunes it); F.linear)")
 
 
+def test_explain_device_says_what_an_fp8_weight_without_an_entry_runs(capsys):
+    """No entry for an FP8 weight: the split-K kernel streaming e4m3 at decode rows (the rule
+    decide.choose_fp8 takes), the dequantized weight's path past them; never plain F.linear."""
+    head = ("  runs triton_splitk (rule: the table has no entry for N=512 K=1024 with bf16 and epilogue none, "
+            "nor any for this N, K")
+    for m in (1, 64):
+        out = device_explain(capsys, "--x", f"{m},1024", "--w", "512,1024", "--no-bias", "--weights", "fp8",
+                             "--device", "h200")
+        assert out[1] == f"  key linear_e4m3_channel|bf16|none|N=512|K=1024|c at M={m}"
+        assert out[2].startswith(head) and out[2].endswith(f"M={m} <= 64: the split-K kernel streaming e4m3, "
+                                                           "its default config)"), out
+    out = device_explain(capsys, "--x", "65,1024", "--w", "512,1024", "--no-bias", "--weights", "fp8",
+                         "--granularity", "block128", "--dtype", "fp16", "--device", "h200")
+    assert out[1] == "  key linear_e4m3_block128|fp16|none|N=512|K=1024|c at M=65"
+    assert out[2].startswith("  runs torch (rule: the table has no entry") and out[2].endswith(
+        "the weight dequantized to fp16 in one pass, then fp16's decision for this N, K: `hybridgemm explain` "
+        "without --weights)"), out
+
+
 def test_explain_device_names_the_epilogue_the_shipped_table_holds(capsys, monkeypatch):
     """The README's example (6144 x 4096 with the default bias) on the real shipped table:
     llama3-8b's QKV has no bias, and the answer says so and names the flag that asks for it."""
