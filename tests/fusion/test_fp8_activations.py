@@ -157,6 +157,18 @@ def test_patch_sets_every_fp8_projection_and_the_modules_pass_it_on(monkeypatch)
     assert torch.equal(got, want)  # on the CPU both run the dequantized weight with x as it is
 
 
+def test_every_projection_of_a_patched_prefill_runs_the_w8a8_gemm(gpu_branch):
+    """Q/K/V, O, gate/up and down of both layers: 8 FP8 GEMMs over the 80 prefill rows, each
+    the W8A8 one (the fused Q/K/V and gate/up hand out their parts of one call); then the bf16
+    LM head (the fixture records the dispatcher's GEMM as "dequantized")."""
+    calls, _ = gpu_branch
+    model = _tiny_llama().half()
+    hybridgemm.patch(model, weights="fp8", activations="fp8")
+    with torch.no_grad():
+        logits = model(torch.randint(0, 64, (1, 80), generator=torch.Generator().manual_seed(3))).logits
+    assert calls == [("w8a8", 80)] * 8 + [("dequantized", 80)] and torch.isfinite(logits).all()
+
+
 def test_torch_compile_passes_the_option_to_the_fp8_call(gpu_branch):
     calls, _ = gpu_branch
     q = fp8.quantize_fp8(torch.randn(64, 128).half())
