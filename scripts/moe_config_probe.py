@@ -3,10 +3,13 @@ perf/timing.gpu_time), for the shapes of perf/bench_moe.py: the pair-major gate/
 (kernels/triton_moe.py ``pairs_gate_up``/``pairs_down``), the layout (``align``) and the grouped
 gate/up and down, each against the read floor of the expert weights it streams.
 
-    python3 scripts/moe_config_probe.py [--shapes ...] [--tokens 1 8 64 2048] --out DIR
+    python3 scripts/moe_config_probe.py [--shapes ...] [--tokens 1 8 64 2048]
+        [--weights bf16 | fp8_channel | fp8_block128] [--grouped-only] --out DIR
 
 Writes DIR/moe_config_probe.csv (one row per launch and config) and prints the fastest config of
-each launch per shape and token count.
+each launch per shape and token count. FP8 weights: the experts quantized per expert
+(kernels/fp8.py), their e4m3 bytes and scales counted in the floor; configs that cannot read
+block scales (``fp8_fits``) are left out.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import sys
 import torch
 
 from hybridgemm import experts
+from hybridgemm.kernels import fp8
 from hybridgemm.kernels import triton_moe as tm
 from hybridgemm.perf.bench_moe import SHAPES
 from hybridgemm.perf.timing import HBM_TBPS, gpu_time
@@ -46,17 +50,29 @@ def _time(fn, *args) -> float:
         return float("nan")
 
 
-def probe(name: str, tokens: int, writer) -> None:
+def _expert_bytes(w) -> float:
+    """Bytes of one expert's weight (and scales) as the kernels stream it."""
+    if isinstance(w, fp8.FP8Weight):
+        return (w.data.numel() * w.data.element_size() + w.scale.numel() * w.scale.element_size()) / w.data.shape[0]
+    return w.numel() * w.element_size() / w.shape[0]
+
+
+def probe(name: str, tokens: int, writer, weights_form: str = "bf16", pairs: bool = True) -> None:
     h, e, i, k = SHAPES[name]
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     w_gu = (torch.randn(e, 2 * i, h, device=dev, generator=g) * 0.02).to(torch.bfloat16)
     w_d = (torch.randn(e, h, i, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+    fmt = ""
+    if weights_form != "bf16":
+        granularity = weights_form.removeprefix("fp8_")
+        w_gu, w_d = fp8.quantize_fp8(w_gu, granularity), fp8.quantize_fp8(w_d, granularity)
+        fmt = fp8.FORMAT_OF[granularity]
     x = torch.randn(tokens, h, device=dev, generator=g).to(torch.bfloat16)
     ids, weights = experts.route(torch.randn(tokens, e, device=dev, generator=g), k)
     hit = int(torch.unique(ids).numel())
-    floor_up = hit * 2 * i * h * 2 / (HBM_TBPS * 1e12) * 1e6
-    floor_down = hit * h * i * 2 / (HBM_TBPS * 1e12) * 1e6
+    floor_up = hit * _expert_bytes(w_gu) / (HBM_TBPS * 1e12) * 1e6
+    floor_down = hit * _expert_bytes(w_d) / (HBM_TBPS * 1e12) * 1e6
     best = {}
 
     def row(launch, cfg, us, floor):
@@ -65,13 +81,16 @@ def probe(name: str, tokens: int, writer) -> None:
         if us == us and (launch not in best or us < best[launch][1]):
             best[launch] = (cfg, us, floor)
 
-    if tokens * k <= 128:
-        for cfg in PAIR_UP_GRID:
+    def fits(grid):
+        return [c for c in grid if tm.fp8_fits(c, fmt) is None]
+
+    if pairs and tokens * k <= 128:
+        for cfg in fits(PAIR_UP_GRID):
             row("pairs_gate_up", cfg, _time(tm.pairs_gate_up, cfg, x, w_gu, ids), floor_up)
-        inter = tm.pairs_gate_up(PAIR_UP_GRID[0], x, w_gu, ids)
-        for cfg in PAIR_DOWN_GRID:
+        inter = tm.pairs_gate_up(fits(PAIR_UP_GRID)[0], x, w_gu, ids)
+        for cfg in fits(PAIR_DOWN_GRID):
             row("pairs_down", cfg, _time(tm.pairs_down, cfg, inter, w_d, ids, weights), floor_down)
-    grid = [tm.TritonMoeConfig(*c) for c in (SMALL_GROUPED if tokens <= 64 else LARGE_GROUPED)]
+    grid = fits([tm.TritonMoeConfig(*c) for c in (SMALL_GROUPED if tokens <= 64 else LARGE_GROUPED)])
     for bm in sorted({c.block_m for c in grid}):
         lay = tm.align(ids, e, bm)
         row("align", tm.TritonMoeConfig(bm, 0, 0), _time(tm.align, ids, e, bm), 0.0)
@@ -91,16 +110,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 2048])
+    ap.add_argument("--weights", choices=["bf16", *(f"fp8_{g}" for g in fp8.GRANULARITIES)], default="bf16")
+    ap.add_argument("--grouped-only", action="store_true", help="time the grouped launches only, not the pair-major")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "moe_config_probe.csv"), "w", newline="") as f:
+    name = "moe_config_probe.csv" if args.weights == "bf16" else f"moe_config_probe_{args.weights}.csv"
+    with open(os.path.join(args.out, name), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["shape", "tokens", "experts_hit", "launch", "block_m", "block_n", "block_k", "num_warps",
                     "num_stages", "median_us", "floor_us", "fraction_of_floor"])
-        for name in args.shapes:
+        for shape in args.shapes:
             for tokens in args.tokens:
-                probe(name, tokens, w)
+                probe(shape, tokens, w, args.weights, pairs=not args.grouped_only)
                 f.flush()
     return 0
 
