@@ -56,13 +56,24 @@ class TritonMoeConfig:
     num_stages: int = 2
 
 
-
-
-def pair_major(pairs: int, experts: int) -> bool:
+def pair_major(pairs: int, experts: int, weight_format: str = "") -> bool:
     """Do ``pairs`` pairs over ``experts`` experts run pair-major by default? Where pairs are at
     most half the experts (decode: few experts take two pairs, and a pair-major launch streams
-    an expert's weights once per pair, but needs no layout's launches) and at most 64."""
-    return pairs <= 64 and 2 * pairs <= experts
+    an expert's weights once per pair, but needs no layout's launches) and at most 64; with
+    per-channel e4m3 experts at most :data:`FP8_PAIR_MAJOR_MAX` (their pair-major kernels
+    convert and multiply every byte on the CUDA cores, where the grouped kernels use the tensor
+    cores)."""
+    most = FP8_PAIR_MAJOR_MAX if weight_format == fp8.FORMAT_OF["channel"] else 64
+    return pairs <= most and 2 * pairs <= experts
+
+
+# Per-channel e4m3 experts, scripts/moe_config_probe.py --weights fp8_channel on the H200 (cold
+# launches, µs; perf/results/h200/moe_config_probe_fp8_h200.csv): Qwen3-30B-A3B at 8 tokens (64
+# pairs) pair-major 129.5 for the block, grouped 16 x 64 x 128 tiles 57.3 + 27.1 and a layout of
+# 9.8; the pair-major block at 1 token (8 pairs) 21.4 in perf/bench_moe.py. At 2048 tokens the
+# 64 x 128 x 64 tiles (4 warps, 4 stages) for both launches: Qwen3 382.8 + 226.0 and Mixtral
+# 2644.7 + 1313.8, against 486.5 + 279.8 and 2994.7 + 1557.8 for the bf16 defaults' tiles.
+FP8_PAIR_MAJOR_MAX = 8
 
 
 def default_configs(pairs: int, experts: int, weight_format: str = "") -> tuple[TritonMoeConfig, TritonMoeConfig]:
@@ -72,8 +83,9 @@ def default_configs(pairs: int, experts: int, weight_format: str = "") -> tuple[
     to whole blocks. The fastest or within 5% of it for the Qwen3-30B-A3B and Mixtral-8x7B
     experts at 1, 8, 64 and 2048 tokens (scripts/moe_config_probe.py on the H200). Block-scaled
     FP8 experts (``weight_format`` ``e4m3_block128``) take down's pair-major tiles 128 columns
-    deep (:func:`fp8_fits`)."""
-    if pair_major(pairs, experts):
+    deep (:func:`fp8_fits`); per-channel ones run pair-major up to :data:`FP8_PAIR_MAJOR_MAX`
+    pairs and past 48 rows an expert the 64 x 128 x 64 tiles however many rows it gets."""
+    if pair_major(pairs, experts, weight_format):
         down_k = 128 if weight_format == fp8.FORMAT_OF["block128"] else 256
         return TritonMoeConfig(1, 8, 128, 8, 4), TritonMoeConfig(1, 8, down_k, 4, 4)
     per_expert = -(-pairs // max(experts, 1))
@@ -81,7 +93,7 @@ def default_configs(pairs: int, experts: int, weight_format: str = "") -> tuple[
         both = TritonMoeConfig(16, 64, 128, 4, 3)
     elif per_expert <= 48:
         both = TritonMoeConfig(32, 64, 128, 4, 3)
-    elif per_expert <= 96:
+    elif per_expert <= 96 or weight_format == fp8.FORMAT_OF["channel"]:
         both = TritonMoeConfig(64, 128, 64, 4, 4)
     else:
         return TritonMoeConfig(128, 128, 64, 8, 4), TritonMoeConfig(128, 256, 64, 8, 3)
