@@ -290,14 +290,18 @@ def choose_fp8(problem: Problem, device_index: int) -> Choice:
 
 
 def _fp8_decode_config(problem: Problem, device_index: int):
-    """The split-K config rule 5 runs for an FP8 weight at decode rows: the default config
-    (kernels/triton_splitk.py ``default_config``: 64-row tiles, 256 e4m3 bytes of K per stage,
-    about two waves) with the one-launch reduction, which the decode step's rotary/KV-cache
-    epilogue needs; None where split-K cannot run the problem."""
+    return fp8_decode_config(problem, backends.num_sms(device_index), **backends.device_limits(device_index))
+
+
+def fp8_decode_config(problem: Problem, num_sms: int | None, **limits):
+    """The split-K config rule 5 runs for an FP8 weight at decode rows on a GPU of ``num_sms``
+    SMs (None: an H100/H200's) and ``limits`` (backends.device_limits; the kernel's defaults
+    where absent): the default config (kernels/triton_splitk.py ``default_config``: 64-row
+    tiles, 256 e4m3 bytes of K per stage, about two waves) with the one-launch reduction, which
+    the decode step's rotary/KV-cache epilogue needs; None where split-K cannot run the problem."""
     splitk = triton_module("triton_splitk")
     try:
-        cfg = splitk.default_config(problem, num_sms=backends.num_sms(device_index),
-                                    **backends.device_limits(device_index))
+        cfg = splitk.default_config(problem, num_sms=splitk.HOPPER_NUM_SMS if num_sms is None else num_sms, **limits)
     except ValueError:
         return None
     return dataclasses.replace(cfg, fused_reduce=cfg.split_k > 1)

@@ -23,12 +23,24 @@ from . import decide, mode_state, modes
 
 def _w8a8(problem: Problem, choice, granularity: str, dev: int) -> str:
     """What ``activations="fp8"`` changes for this call (fusion/fp8_linear.py ``quantize_input``)."""
-    if problem.m <= DECODE_MAX_M or choice.backend in backends.FP8_BACKENDS:
-        return f"x as it is (W8A16): M={problem.m} is a decode row count, or the decision reads e4m3 itself"
-    ok, why = cublaslt_fp8.check(problem.n, problem.k, problem.dtype, granularity, dev)
+    checked = problem.m > DECODE_MAX_M and choice.backend not in backends.FP8_BACKENDS
+    return w8a8_line(problem.m, choice.backend, granularity,
+                     cublaslt_fp8.check(problem.n, problem.k, problem.dtype, granularity, dev) if checked else None)
+
+
+def w8a8_line(m: int, backend: str, granularity: str, cublaslt_check: tuple[bool, str] | None) -> str:
+    """What ``activations="fp8"`` changes for a call of ``m`` rows whose decision runs
+    ``backend``; ``cublaslt_check``: kernels/cublaslt_fp8.py ``check`` on the device, or None
+    where no device is at hand (``hybridgemm explain --device``)."""
+    if m <= DECODE_MAX_M or backend in backends.FP8_BACKENDS:
+        return f"x as it is (W8A16): M={m} is a decode row count, or the decision reads e4m3 itself"
+    group = "token" if granularity == "channel" else "1x128 block"
+    if cublaslt_check is None:
+        return (f"instead, x quantized to e4m3 per {group} and cuBLASLt's FP8 GEMM on both (W8A8) where cuBLASLt "
+                "has an FP8 algorithm for the call; where not, the above, with one warning")
+    ok, why = cublaslt_check
     if not ok:
         return f"cuBLASLt's FP8 GEMM cannot run it here ({why}), so the above runs, with one warning"
-    group = "token" if granularity == "channel" else "1x128 block"
     return f"instead, x quantized to e4m3 per {group} and cuBLASLt's FP8 GEMM on both (W8A8)"
 
 

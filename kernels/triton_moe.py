@@ -67,13 +67,15 @@ def pair_major(pairs: int, experts: int, weight_format: str = "") -> bool:
     return pairs <= most and 2 * pairs <= experts
 
 
-# Per-channel e4m3 experts, scripts/moe_config_probe.py --weights fp8_channel on the H200 (cold
-# launches, µs; perf/results/h200/moe_config_probe_fp8_h200.csv): Qwen3-30B-A3B at 8 tokens (64
-# pairs) pair-major 129.5 for the block, grouped 16 x 64 x 128 tiles 57.3 + 27.1 and a layout of
-# 9.8; the pair-major block at 1 token (8 pairs) 21.4 in perf/bench_moe.py. At 2048 tokens the
-# 64 x 128 x 64 tiles (4 warps, 4 stages) for both launches: Qwen3 382.8 + 226.0 and Mixtral
-# 2644.7 + 1313.8, against 486.5 + 279.8 and 2994.7 + 1557.8 for the bf16 defaults' tiles.
-FP8_PAIR_MAJOR_MAX = 8
+# Per-channel e4m3 experts on the H200 (µs; perf/results/h200/moe_config_probe_fp8_h200.csv,
+# cold launches, and perf/bench_moe.py): at 8 Qwen3-30B-A3B pairs (1 token) the pair-major block
+# takes 21.4; at 64 (8 tokens) 129.5, where the grouped launches take 57.3 + 27.1 (16 x 64 x 128
+# tiles) after a 9.8 layout. Between those two counts nothing is timed: the pair-major block's
+# 2.0-2.7 a pair against the grouped one's layout and launches (about 15) plus about 1.6 an
+# expert hit put the crossing near 16 pairs. At 2048 tokens the 64 x 128 x 64 tiles (4 warps, 4
+# stages): Qwen3 382.8 + 226.0, Mixtral-8x7B 2644.7 + 1313.8, against 486.5 + 279.8 and 2994.7 +
+# 1557.8 for the tiles of the bf16 defaults at that size.
+FP8_PAIR_MAJOR_MAX = 16
 
 
 def default_configs(pairs: int, experts: int, weight_format: str = "") -> tuple[TritonMoeConfig, TritonMoeConfig]:

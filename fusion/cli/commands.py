@@ -40,7 +40,8 @@ from hybridgemm.autotune_cache.table import (
     user_table_path,
 )
 from hybridgemm.cli.patch_command import add_patch_parser, build_on_meta, dry_run
-from hybridgemm.decide import set_table_path
+from hybridgemm.decide import fp8_decode_config, set_table_path
+from hybridgemm.explain import w8a8_line
 from hybridgemm.kernels import backends, fp8
 from hybridgemm.kernels.epilogue import Activation, Epilogue
 from hybridgemm.kernels.fp8 import FORMAT_OF
@@ -567,7 +568,8 @@ def _explain_for_device(args) -> int:
         raise ValueError(f"x_shape {tuple(args.x)} has {k} features, w_shape expects {wk}")
     m = math.prod(lead)
     epilogue = Epilogue(Activation.parse(args.activation), not args.no_bias)
-    fmt = FORMAT_OF[args.granularity or "channel"] if args.weights == "fp8" else ""
+    fmt_granularity = args.granularity or "channel"
+    fmt = FORMAT_OF[fmt_granularity] if args.weights == "fp8" else ""
     problem = Problem(m=m, n=n, k=k, dtype=dtype, epilogue=epilogue, ldx=k, ldw=k, ldo=n, tf32=uses_tf32(dtype),
                       weight_format=fmt)
     sig = table.signature
@@ -578,17 +580,21 @@ def _explain_for_device(args) -> int:
           f"(shipped table {path.name})")
     shape = ShapeKey.from_problem(problem)
     hit = table.find(shape, m) if m <= M_MAX else None
+    w8a8 = fmt and args.activations == "fp8"
+    dequantized = (f"the weight dequantized to {args.dtype} in one pass, then {args.dtype}'s decision for this "
+                   "N, K: the same `hybridgemm explain --device` without --weights")
     if hit is None:
         print(f"  key {shape.to_string()} at M={m}")
         why = _printable(_why_no_entry(table, shape, m))
-        if fmt and m <= DECODE_MAX_M:  # decide.choose_fp8's rule 5
+        sms = sig.get("sm_count")
+        splitk = fmt and m <= DECODE_MAX_M and fp8_decode_config(problem, sms if isinstance(sms, int) else None)
+        if splitk:  # decide.choose_fp8's rule 5
             print(f"  runs triton_splitk (rule: {why}; M={m} <= {DECODE_MAX_M}: the split-K kernel streaming "
                   "e4m3, its default config)")
-        elif fmt:
-            print(f"  runs torch (rule: {why}; the weight dequantized to {args.dtype} in one pass, then "
-                  f"{args.dtype}'s decision for this N, K: `hybridgemm explain` without --weights)")
         else:
-            print(f"  runs torch (rule: {why}; F.linear)")
+            print(f"  runs torch (rule: {why}; {dequantized if fmt else 'F.linear'})")
+        if w8a8:
+            print(f"  activations='fp8': {w8a8_line(m, 'triton_splitk' if splitk else 'torch', fmt_granularity, None)}")
         return 0
     key, entry = hit
     points = ",".join(str(p) for p in entry["m_points"])
@@ -598,9 +604,11 @@ def _explain_for_device(args) -> int:
     backend = entry["backend"]
     print(f"  key {key.to_string()}")
     if backend == "torch":
-        print(f"  runs torch (table: {reason}; runs F.linear)")
-        return 0
-    print(f"  runs {_printable(backend)}{_printable(_record_text(backend, entry['config']))} (table: {reason})")
+        print(f"  runs torch (table: {reason}; runs {dequantized if fmt else 'F.linear'})")
+    else:
+        print(f"  runs {_printable(backend)}{_printable(_record_text(backend, entry['config']))} (table: {reason})")
+    if w8a8:
+        print(f"  activations='fp8': {w8a8_line(m, backend, fmt_granularity, None)}")
     if backend == "cublaslt" and entry["config"]:
         print(f"  under another cuBLASLt than {_printable(sig.get('cublaslt_version'))} this entry runs F.linear")
     elif signature.is_triton_backend(backend):

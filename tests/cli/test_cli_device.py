@@ -239,21 +239,33 @@ def test_explain_device_the_heuristic_flinear_and_a_miss(capsys, monkeypatch):
 
 def test_explain_device_says_what_an_fp8_weight_without_an_entry_runs(capsys):
     """No entry for an FP8 weight: the split-K kernel streaming e4m3 at decode rows (the rule
-    decide.choose_fp8 takes), the dequantized weight's path past them; never plain F.linear."""
+    decide.choose_fp8 takes) where split-K can run the shape, the dequantized weight's path past
+    them; never plain F.linear. With --activations fp8 past the decode rows: W8A8 on cuBLASLt."""
     head = ("  runs triton_splitk (rule: the table has no entry for N=512 K=1024 with bf16 and epilogue none, "
             "nor any for this N, K")
     for m in (1, 64):
         out = device_explain(capsys, "--x", f"{m},1024", "--w", "512,1024", "--no-bias", "--weights", "fp8",
-                             "--device", "h200")
+                             "--activations", "fp8", "--device", "h200")
         assert out[1] == f"  key linear_e4m3_channel|bf16|none|N=512|K=1024|c at M={m}"
         assert out[2].startswith(head) and out[2].endswith(f"M={m} <= 64: the split-K kernel streaming e4m3, "
                                                            "its default config)"), out
-    out = device_explain(capsys, "--x", "65,1024", "--w", "512,1024", "--no-bias", "--weights", "fp8",
-                         "--granularity", "block128", "--dtype", "fp16", "--device", "h200")
+        assert out[3].startswith("  activations='fp8': x as it is (W8A16)"), out
+    dequantized = ("the weight dequantized to fp16 in one pass, then fp16's decision for this N, K: the same "
+                   "`hybridgemm explain --device` without --weights)")
+    argv = ("--x", "65,1024", "--w", "512,1024", "--no-bias", "--weights", "fp8", "--granularity", "block128",
+            "--dtype", "fp16", "--device", "h200")
+    out = device_explain(capsys, *argv)
     assert out[1] == "  key linear_e4m3_block128|fp16|none|N=512|K=1024|c at M=65"
-    assert out[2].startswith("  runs torch (rule: the table has no entry") and out[2].endswith(
-        "the weight dequantized to fp16 in one pass, then fp16's decision for this N, K: `hybridgemm explain` "
-        "without --weights)"), out
+    assert out[2].startswith("  runs torch (rule: the table has no entry") and out[2].endswith(dequantized), out
+    assert len(out) == 3
+    out = device_explain(capsys, *argv, "--activations", "fp8")
+    assert out[3] == ("  activations='fp8': instead, x quantized to e4m3 per 1x128 block and cuBLASLt's FP8 GEMM on "
+                      "both (W8A8) where cuBLASLt has an FP8 algorithm for the call; where not, the above, with one "
+                      "warning"), out
+    # a shape split-K cannot take (2^31 weight elements and more): the dequantized path at M = 1 too
+    out = device_explain(capsys, "--x", "1,8192", "--w", "262144,8192", "--no-bias", "--weights", "fp8",
+                         "--device", "h200")
+    assert out[2].startswith("  runs torch (rule: the table has no entry") and "dequantized to bf16" in out[2], out
 
 
 def test_explain_device_names_the_epilogue_the_shipped_table_holds(capsys, monkeypatch):
@@ -281,13 +293,19 @@ def test_explain_device_from_the_real_shipped_table(capsys, monkeypatch):
     entries = sorted(((k, e) for k, e in table.entries.items() if k.op.startswith("linear")),
                      key=lambda item: item[0].to_string())
     assert any(k.op == "linear_e4m3_channel" for k, _ in entries[::17])
+    fp8_seen = set()
     for k, e in entries[::17]:
         argv = ["--x", f"{k.m_hi},{k.k}", "--w", f"{k.n},{k.k}"] + ([] if k.epilogue == "bias" else ["--no-bias"])
-        if k.op != "linear":  # an FP8 weight's key (op linear_e4m3_<granularity>)
-            argv += ["--weights", "fp8", "--granularity", k.op.rpartition("_")[2]]
+        if k.op != "linear":  # an FP8 weight's key (op linear_e4m3_<granularity>), W8A8 asked for
+            argv += ["--weights", "fp8", "--granularity", k.op.rpartition("_")[2], "--activations", "fp8"]
         out = device_explain(capsys, *argv, "--device", "h200")
         assert out[1] == f"  key {k.to_string()}"
         assert out[2].startswith(f"  runs {e['backend']}") and f"worst {e['worst_ratio']:.3f}x" in out[2]
+        if k.op != "linear":
+            w8a8 = k.m_hi > 64 and e["backend"] not in backends.FP8_BACKENDS
+            assert out[3].startswith("  activations='fp8': " + ("instead, x quantized" if w8a8 else "x as it is"))
+            fp8_seen.add(w8a8)
+    assert fp8_seen == {True, False}  # FP8 entries at decode rows and past them
 
 
 def test_explain_device_unknown_is_one_line_and_exit_2(capsys):

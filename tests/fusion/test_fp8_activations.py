@@ -159,8 +159,8 @@ def test_patch_sets_every_fp8_projection_and_the_modules_pass_it_on(monkeypatch)
 
 def test_every_projection_of_a_patched_prefill_runs_the_w8a8_gemm(gpu_branch):
     """Q/K/V, O, gate/up and down of both layers: 8 FP8 GEMMs over the 80 prefill rows, each
-    the W8A8 one (the fused Q/K/V and gate/up hand out their parts of one call); then the bf16
-    LM head (the fixture records the dispatcher's GEMM as "dequantized")."""
+    the W8A8 one (the fused Q/K/V and gate/up hand out their parts of one call); then the fp16
+    LM head, not FP8 (the fixture records the dispatcher's GEMM as "dequantized")."""
     calls, _ = gpu_branch
     model = _tiny_llama().half()
     hybridgemm.patch(model, weights="fp8", activations="fp8")

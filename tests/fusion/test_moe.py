@@ -351,11 +351,11 @@ def test_moe_takes_the_pair_major_path_for_few_pairs(monkeypatch):
     assert len({c.block_m for c in tm.default_configs(9, e)}) == 1 and tm.default_configs(9, e)[0].block_m > 1
     assert tm.default_configs(64, 128)[0].block_m == 1 and tm.default_configs(65, 256)[0].block_m > 1
     assert {c.block_m for c in tm.default_configs(4096, 8)} == {128}
-    # per-channel e4m3 experts: pair-major up to 8 pairs, the 64 x 128 x 64 tiles past 48 rows an
+    # per-channel e4m3 experts: pair-major up to 16 pairs, the 64 x 128 x 64 tiles past 48 rows an
     # expert; block-scaled ones as bf16 but for down's pair-major depth
     channel, block = "e4m3_channel", "e4m3_block128"
-    assert {c.block_m for c in tm.default_configs(8, 128, channel)} == {1}
-    assert tm.default_configs(9, 128, channel) == (tm.TritonMoeConfig(16, 64, 128, 4, 3),) * 2
+    assert {c.block_m for c in tm.default_configs(16, 128, channel)} == {1}
+    assert tm.default_configs(17, 128, channel) == (tm.TritonMoeConfig(16, 64, 128, 4, 3),) * 2
     assert tm.default_configs(64, 128, block)[0].block_m == 1 and tm.default_configs(64, 128, block)[1].block_k == 128
     for pairs, experts in ((16384, 128), (4096, 8), (400, 8)):
         assert tm.default_configs(pairs, experts, channel) == (tm.TritonMoeConfig(64, 128, 64, 4, 4),) * 2
