@@ -3,7 +3,7 @@ random-weight HF model, stock beside patched, grouped by what the kernel does.
 
     python -m hybridgemm.perf.e2e_profile --model llama3-8b --layers 8 --batch 1 8 \
         [--modes compiled_static eager_static] [--steps 16] [--out CSV] [--by-grid] \
-        [--weights fp8 [--granularity channel|block128]]
+        [--weights fp8 [--granularity channel|block128] [--quantize-lm-head]]
 
 Each variant decodes greedily over a static cache exactly as ``hybridgemm bench --e2e`` does
 (perf/bench_e2e.py's decoder, compiled with "reduce-overhead" and fullgraph for
@@ -21,8 +21,9 @@ fraction of the floor their bytes alone would allow. ``--by-grid`` keys each ker
 launch grid too, so the shapes one Triton kernel runs (Q/K/V, O, down) get a row each. Kernel
 time excludes the gaps between kernels: the wall time per token of ``bench --e2e`` minus this
 sum is launch and host time. With ``--weights fp8`` the patched variant is ``patch(model,
-weights="fp8", granularity=...)`` (named ``hybridgemm_e4m3_<granularity>`` in the CSV), and the
-table adds its own floor (the bytes it reads: e4m3 projections, their scales, the bf16 rest).
+weights="fp8", granularity=...)`` (named ``hybridgemm_e4m3_<granularity>`` in the CSV; with
+``--quantize-lm-head`` its LM head too, ``_head`` added to the name), and the table adds its own
+floor (the bytes it reads: e4m3 projections, their scales, the bf16 rest).
 """
 
 from __future__ import annotations
@@ -172,8 +173,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--by-grid", action="store_true",
                     help="one row per kernel and launch grid (tells apart the shapes of one Triton kernel)")
     add_weight_options(ap, "the patched model's projections quantized to e4m3 (patch(weights='fp8'))")
+    ap.add_argument("--quantize-lm-head", action="store_true",
+                    help="with --weights fp8: the LM head in e4m3 too (patch(quantize_lm_head=True))")
     args = ap.parse_args(argv)
     problem = weight_options_problem(args.weights, args.granularity)
+    if not problem and args.quantize_lm_head and args.weights != "fp8":
+        problem = "--quantize-lm-head: only with --weights fp8"
     if problem:
         ap.error(problem)
     resolve_weight_options(args)
@@ -190,9 +195,11 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     stock = hf.build_model(config, torch.bfloat16, "cuda")
     patched = copy.deepcopy(stock)
-    fp8 = {} if args.granularity is None else {"weights": "fp8", "granularity": args.granularity}
+    fp8 = {} if args.granularity is None else {"weights": "fp8", "granularity": args.granularity,
+                                               "quantize_lm_head": args.quantize_lm_head}
     print(hybridgemm.patch(patched, **fp8).summary())
-    name = "hybridgemm" if not fp8 else f"hybridgemm_e4m3_{args.granularity}"
+    head = "_head" if args.quantize_lm_head else ""
+    name = "hybridgemm" if not fp8 else f"hybridgemm_e4m3_{args.granularity}{head}"
     run = Run(args.model, config, torch.device("cuda"), tokens=args.steps, rounds=1)
     command = "python -m hybridgemm.perf.e2e_profile " + " ".join(sys.argv[1:] if argv is None else argv)
     extra = {"date": datetime.date.today().isoformat(), "commit": git_commit(), "command": command}

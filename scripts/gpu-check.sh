@@ -14,11 +14,11 @@
 #                   choices compared with the first ($OUT/tune_compare.txt)
 #         fp8       FP8 weights: GPU tests, the split-K sweep on e4m3 (FP8_GRANULARITY), the prefill bench,
 #                   scripts/fp8_decode_probe.py; FP8 tables: TUNE_ARGS="--weights fp8" with the tune stage
-#         fp8moe    FP8 experts and W8A8 prefill: their GPU tests, bench_moe --weights fp8 (1, 8, 2048
-#                   tokens), the compiled decode of qwen3-30b-a3b (12 layers) with FP8 weights beside
-#                   stock bf16 (and with --quantize-lm-head), and llama3-8b's prefill with
-#                   --fp8-activations; each step under
-#                   `timeout` (FP8MOE_TIMEOUT s, default 420), results in $OUT
+#         fp8moe    FP8 experts and W8A8: their GPU tests, bench_moe --weights fp8 (1, 2, 4, 8, 2048
+#                   tokens), moe_config_probe --weights fp8_channel at 1-8 tokens, the compiled decode
+#                   of qwen3-30b-a3b (12 layers) with FP8 weights beside stock bf16, and its kernel
+#                   profile with the LM head in FP8 too; each step under `timeout` (FP8MOE_TIMEOUT s,
+#                   default 420), results in $OUT
 #         msweep    perf/bench_msweep.py: dispatched vs F.linear at 128 M per preset shape
 #                   (table: $TABLE or $OUT/h200.json; MSWEEP_ARGS passed on)
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
@@ -155,24 +155,23 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
         tests/fusion/test_fp8_activations_gpu.py >"$OUT/pytest_fp8moe_gpu.txt" 2>&1 || status=1
       tail -n 5 "$OUT/pytest_fp8moe_gpu.txt" | tee -a "$OUT/summary.txt"
       log "bench_moe --weights bf16 fp8"
-      timeout "$t" $PY -m hybridgemm.perf.bench_moe --weights bf16 fp8 --tokens 1 8 2048 --rounds 5 \
+      timeout "$t" $PY -m hybridgemm.perf.bench_moe --weights bf16 fp8 --tokens 1 2 4 8 2048 --rounds 5 \
         --out "$OUT/moe_fp8_h200.csv" >"$OUT/bench_moe_fp8.txt" 2>&1 || status=1
       grep graph "$OUT/bench_moe_fp8.txt" | tee -a "$OUT/summary.txt"
+      log "moe_config_probe --weights fp8_channel (pair-major against grouped, 1-8 tokens)"
+      timeout "$t" $PY scripts/moe_config_probe.py --weights fp8_channel --tokens 1 2 4 8 --out "$OUT" \
+        >"$OUT/moe_probe_fp8.txt" 2>&1 || status=1
+      grep -E "T= " "$OUT/moe_probe_fp8.txt" | tee -a "$OUT/summary.txt"
       log "e2e qwen3-30b-a3b FP8 compiled decode"
       timeout "$t" $PY -m hybridgemm bench --e2e --model qwen3-30b-a3b --layers 12 --batch 1 8 --tokens 32 \
         --rounds 2 --modes compiled_static logits_error --weights fp8 --no-peers --no-progress \
         --out "$OUT/e2e_moe_fp8_h200.csv" >"$OUT/bench_e2e_qwen3_fp8.txt" 2>&1 || status=1
       tail -n 12 "$OUT/bench_e2e_qwen3_fp8.txt" | tee -a "$OUT/summary.txt"
-      log "e2e llama3-8b W8A8 prefill"
-      timeout "$t" $PY -m hybridgemm bench --e2e --model llama3-8b --layers 32 --batch 1 --prefill 2048 \
-        --modes prefill logits_error --rounds 2 --weights fp8 --fp8-activations --no-peers --no-progress \
-        --out "$OUT/e2e_fp8_w8a8_h200.csv" >"$OUT/bench_e2e_w8a8.txt" 2>&1 || status=1
-      tail -n 12 "$OUT/bench_e2e_w8a8.txt" | tee -a "$OUT/summary.txt"
-      log "e2e qwen3-30b-a3b FP8 compiled decode, the LM head in FP8 too"
-      timeout "$t" $PY -m hybridgemm bench --e2e --model qwen3-30b-a3b --layers 12 --batch 1 --tokens 32 \
-        --rounds 2 --modes compiled_static --weights fp8 --quantize-lm-head --no-peers --no-progress \
-        --out "$OUT/e2e_moe_fp8_head_h200.csv" >"$OUT/bench_e2e_qwen3_fp8_head.txt" 2>&1 || status=1
-      tail -n 8 "$OUT/bench_e2e_qwen3_fp8_head.txt" | tee -a "$OUT/summary.txt"
+      log "e2e_profile qwen3-30b-a3b FP8, the LM head in FP8 too"
+      timeout "$t" $PY -m hybridgemm.perf.e2e_profile --model qwen3-30b-a3b --layers 12 --batch 1 \
+        --modes compiled_static --weights fp8 --quantize-lm-head --out "$OUT/e2e_profile_fp8_head.csv" \
+        >"$OUT/e2e_profile_fp8_head.txt" 2>&1 || status=1
+      grep -v -i warn "$OUT/e2e_profile_fp8_head.txt" | head -n 40 | tee -a "$OUT/summary.txt"
       ;;
     e2e)
       log "bench_e2e"

@@ -103,6 +103,8 @@ def test_fp8_options():
     assert ep.parse_args(["--model", "llama3-8b"]).granularity is None
     assert ep.parse_args(["--model", "llama3-8b", "--weights", "fp8", "--granularity", "block128"]).granularity \
         == "block128"
-    with pytest.raises(SystemExit) as info:
-        ep.parse_args(["--model", "llama3-8b", "--granularity", "block128"])  # FP8 only
-    assert info.value.code == 2
+    assert ep.parse_args(["--model", "llama3-8b", "--weights", "fp8", "--quantize-lm-head"]).quantize_lm_head
+    for argv in (["--granularity", "block128"], ["--quantize-lm-head"]):  # FP8 only
+        with pytest.raises(SystemExit) as info:
+            ep.parse_args(["--model", "llama3-8b", *argv])
+        assert info.value.code == 2
