@@ -225,10 +225,14 @@ def _build(granularity, act, dtype, bias, rows, n, k, ldw, ldo, aligns, device_i
 
 
 _plans = BoundedCache(PLAN_CACHE_SIZE, lru=True)
+# What cuBLASLt refused, per plan key: a call of that signature raises at once, without another
+# heuristic query and failing matmul (cuBLASLt's answer for a descriptor does not change).
+_refused = BoundedCache(PLAN_CACHE_SIZE, lru=True)
 
 
 def clear_caches() -> None:
     _plans.clear()
+    _refused.clear()
 
 
 def _check_operands(x, w8, w_scale, bias, out) -> str:
@@ -278,7 +282,19 @@ def _launch(key: tuple, build_args: tuple, args: tuple) -> ScaledPlan:
     cuBLASLt may refuse a descriptor only when the matmul runs (its header says so of the scale
     pointers: an unsupported combination makes cublasLtMatmul() return an invalid-value status):
     a fused activation refused so is tried once more, after the GEMM; any other refusal is
-    :class:`CublasLtUnsupported`, and no refused plan stays cached."""
+    :class:`CublasLtUnsupported`, no refused plan stays cached, and the refusal is kept
+    (:data:`_refused`)."""
+    refused = _refused.get(key)
+    if refused is not None:
+        raise CublasLtUnsupported(refused)
+    try:
+        return _launch_or_refuse(key, build_args, args)
+    except CublasLtUnsupported as e:
+        _refused.put(key, str(e))
+        raise
+
+
+def _launch_or_refuse(key: tuple, build_args: tuple, args: tuple) -> ScaledPlan:
     plan = _plans.get(key)
     for fuse in (True, False):
         if plan is None:

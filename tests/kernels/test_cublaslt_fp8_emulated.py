@@ -267,6 +267,28 @@ def test_a_refused_matmul_is_cublaslt_unsupported(lt):
     assert not cf._plans  # nothing cached that fails
 
 
+def test_a_refusal_is_kept_per_signature(lt, monkeypatch):
+    """A signature cuBLASLt refused raises at once on later calls (no heuristic query, no
+    matmul); another signature is asked; clear_caches forgets the refusal. (Pointers count as
+    256-byte aligned, as the CUDA caching allocator's are: the CPU's vary call to call.)"""
+    monkeypatch.setattr(cf, "pointer_alignment", lambda ptr: 256)
+    x, w, b = operands(8, 128, 256, torch.bfloat16, "channel", True)
+    asked = []
+    heuristic = lt.matmul_algo_get_heuristic
+    monkeypatch.setattr(lt, "matmul_algo_get_heuristic", lambda *a: asked.append(1) or heuristic(*a))
+    lt.refuse_at_heuristic.add("BIAS")
+    for _ in range(3):
+        with pytest.raises(CublasLtUnsupported, match="cannot run FP8 channel M=8 N=128 K=256"):
+            cf.run(x, w.data, w.scale, b)
+    assert len(asked) == 1 and not cf._plans
+    out = cf.run(x, w.data, w.scale, None)  # no bias: another signature, which cuBLASLt runs
+    assert_matches(out, *reference(x, w, None, None, x.dtype), None, x.dtype, fused=True)
+    lt.refuse_at_heuristic.clear()
+    cf.clear_caches()
+    out = cf.run(x, w.data, w.scale, b)
+    assert_matches(out, *reference(x, w, b, None, x.dtype), None, x.dtype, fused=True)
+
+
 def test_no_algorithm_at_all_is_cublaslt_unsupported(lt):
     x, w, b = operands(8, 128, 256, torch.bfloat16, "block128", True)
     lt.refuse_at_heuristic |= {"RELU_BIAS", "BIAS"}
