@@ -279,26 +279,24 @@ def choose_fp8(problem: Problem, device_index: int) -> Choice:
     choice = choose(problem, device_index)
     if choice.source == "table" or choice.backend != "torch":
         return choice
-    if problem.m <= DECODE_MAX_M:
-        config = _fp8_decode_config(problem, device_index)
-        if config is not None:
-            return Choice("triton_splitk", config, "rule", choice.key,
-                          f"no table entry for this FP8 weight; M={problem.m} <= {DECODE_MAX_M}: the split-K kernel "
-                          "streaming e4m3 (default config, one-launch reduction)")
+    config = fp8_decode_config(problem, backends.num_sms(device_index), **backends.device_limits(device_index))
+    if config is not None:
+        return Choice("triton_splitk", config, "rule", choice.key,
+                      f"no table entry for this FP8 weight; M={problem.m} <= {DECODE_MAX_M}: the split-K kernel "
+                      "streaming e4m3 (default config, one-launch reduction)")
     return dataclasses.replace(choice, reason=f"no table entry for this FP8 weight at M={problem.m}; "
                                "dequantize, then that dtype's decision")
 
 
-def _fp8_decode_config(problem: Problem, device_index: int):
-    return fp8_decode_config(problem, backends.num_sms(device_index), **backends.device_limits(device_index))
-
-
 def fp8_decode_config(problem: Problem, num_sms: int | None, **limits):
-    """The split-K config rule 5 runs for an FP8 weight at decode rows on a GPU of ``num_sms``
-    SMs (None: an H100/H200's) and ``limits`` (backends.device_limits; the kernel's defaults
-    where absent): the default config (kernels/triton_splitk.py ``default_config``: 64-row
-    tiles, 256 e4m3 bytes of K per stage, about two waves) with the one-launch reduction, which
-    the decode step's rotary/KV-cache epilogue needs; None where split-K cannot run the problem."""
+    """The split-K config rule 5 runs for an FP8 weight without a table entry on a GPU of
+    ``num_sms`` SMs (None: an H100/H200's) and ``limits`` (backends.device_limits; the kernel's
+    defaults where absent): at decode rows (M ≤ DECODE_MAX_M) the default config
+    (kernels/triton_splitk.py ``default_config``: 64-row tiles, 256 e4m3 bytes of K per stage,
+    about two waves) with the one-launch reduction, which the decode step's rotary/KV-cache
+    epilogue needs; None past the decode rows or where split-K cannot run the problem."""
+    if problem.m > DECODE_MAX_M:
+        return None
     splitk = triton_module("triton_splitk")
     try:
         cfg = splitk.default_config(problem, num_sms=splitk.HOPPER_NUM_SMS if num_sms is None else num_sms, **limits)

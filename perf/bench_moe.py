@@ -101,8 +101,8 @@ def bench_shape(name: str, tokens: int, env: dict, rounds: int, weights_kinds=("
             except Exception as exc:  # noqa: BLE001 (recorded in the row; the run goes on)
                 by_method["graph"][prov] = exc
     hit = int(torch.unique(ids).numel())
-    floors = {p: _floor_us(hit, e, (mod.gate_up_proj, mod.down_proj)) for p in providers}
-    floors.update((p, _floor_us(hit, e, qw)) for p, qw in quantized.items())
+    floors = {p: floor_us(hit, e, (mod.gate_up_proj, mod.down_proj)) for p in providers}
+    floors.update((p, floor_us(hit, e, qw)) for p, qw in quantized.items())
     base = dict(env, shape=name, hidden=h, experts=e, intermediate=i, top_k=k, M=tokens, experts_hit=hit,
                 dtype="bf16")
     rows = []
@@ -129,7 +129,7 @@ def bench_shape(name: str, tokens: int, env: dict, rounds: int, weights_kinds=("
     return rows
 
 
-def _floor_us(hit: int, experts_count: int, weights) -> float:
+def floor_us(hit: int, experts_count: int, weights) -> float:
     """The time the bytes of ``hit`` of the experts' weights (tensors or stacked FP8Weights: data
     and scales) take at perf/timing.HBM_TBPS."""
     nbytes = sum(w.nbytes if isinstance(w, fp8.FP8Weight) else w.numel() * w.element_size() for w in weights)

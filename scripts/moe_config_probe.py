@@ -25,8 +25,8 @@ import torch
 from hybridgemm import experts
 from hybridgemm.kernels import fp8
 from hybridgemm.kernels import triton_moe as tm
-from hybridgemm.perf.bench_moe import SHAPES
-from hybridgemm.perf.timing import HBM_TBPS, gpu_time
+from hybridgemm.perf.bench_moe import SHAPES, floor_us
+from hybridgemm.perf.timing import gpu_time
 
 PAIR_UP_GRID = [tm.TritonMoeConfig(1, bn, bk, w, s) for bn, bk, w, s in [
     (8, 128, 8, 2), (8, 128, 8, 4), (16, 128, 8, 4), (32, 128, 8, 4), (32, 128, 8, 2), (16, 256, 8, 4),
@@ -50,13 +50,6 @@ def _time(fn, *args) -> float:
         return float("nan")
 
 
-def _expert_bytes(w) -> float:
-    """Bytes of one expert's weight (and scales) as the kernels stream it."""
-    if isinstance(w, fp8.FP8Weight):
-        return (w.data.numel() * w.data.element_size() + w.scale.numel() * w.scale.element_size()) / w.data.shape[0]
-    return w.numel() * w.element_size() / w.shape[0]
-
-
 def probe(name: str, tokens: int, writer, weights_form: str = "bf16", pairs: bool = True) -> None:
     h, e, i, k = SHAPES[name]
     dev = torch.device("cuda")
@@ -71,8 +64,7 @@ def probe(name: str, tokens: int, writer, weights_form: str = "bf16", pairs: boo
     x = torch.randn(tokens, h, device=dev, generator=g).to(torch.bfloat16)
     ids, weights = experts.route(torch.randn(tokens, e, device=dev, generator=g), k)
     hit = int(torch.unique(ids).numel())
-    floor_up = hit * _expert_bytes(w_gu) / (HBM_TBPS * 1e12) * 1e6
-    floor_down = hit * _expert_bytes(w_d) / (HBM_TBPS * 1e12) * 1e6
+    floor_up, floor_down = floor_us(hit, e, [w_gu]), floor_us(hit, e, [w_d])
     best = {}
 
     def row(launch, cfg, us, floor):

@@ -587,7 +587,7 @@ def _explain_for_device(args) -> int:
         print(f"  key {shape.to_string()} at M={m}")
         why = _printable(_why_no_entry(table, shape, m))
         sms = sig.get("sm_count")
-        splitk = fmt and m <= DECODE_MAX_M and fp8_decode_config(problem, sms if isinstance(sms, int) else None)
+        splitk = fmt and fp8_decode_config(problem, sms if isinstance(sms, int) else None)
         if splitk:  # decide.choose_fp8's rule 5
             print(f"  runs triton_splitk (rule: {why}; M={m} <= {DECODE_MAX_M}: the split-K kernel streaming "
                   "e4m3, its default config)")
