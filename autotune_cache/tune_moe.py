@@ -7,7 +7,8 @@ size H as K, M the tokens of the call. FP8 experts append their weight format to
 (``moe_silu_e128_k8_e4m3_channel``, keys.op_for), so their entries never serve bf16 experts.
 **Entry.** backend ``triton_moe`` with ``config``
 ``{"up": [block_m, block_n, block_k, num_warps, num_stages], "down": [...]}`` (one block_m:
-gate/up and down share the layout), or backend ``torch``: the unfused grouped baseline
+gate/up and down share the layout; a pair-major launch on the tensor cores adds a sixth value, 1:
+``mma``), or backend ``torch``: the unfused grouped baseline
 (kernels/grouped_mm_moe.py, transformers' ``grouped_mm`` computation) runs. ``ratios``: the
 baseline's time over the winner's at each point; ``flinear_us``: the baseline's at the top.
 
@@ -63,8 +64,8 @@ def moe_key(experts: int, top_k: int, activation: str, dtype: torch.dtype, inter
 
 
 def record_of(up, down) -> dict:
-    return {name: [c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages] for name, c in (("up", up),
-                                                                                            ("down", down))}
+    return {name: [c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages] + [1] * c.mma
+            for name, c in (("up", up), ("down", down))}
 
 
 def configs_of(record) -> tuple:
@@ -75,22 +76,31 @@ def configs_of(record) -> tuple:
     out = []
     for name in ("up", "down"):
         values = record[name]
-        if not isinstance(values, list) or len(values) != len(_RECORD_LIMITS):
-            raise ValueError(f"{name}: expected {len(_RECORD_LIMITS)} integers {list(_RECORD_LIMITS)}")
+        if not isinstance(values, list) or len(values) not in (len(_RECORD_LIMITS), len(_RECORD_LIMITS) + 1):
+            raise ValueError(f"{name}: expected {len(_RECORD_LIMITS)} integers {list(_RECORD_LIMITS)}, "
+                             "then 1 for a pair-major launch on the tensor cores")
         for field, v in zip(_RECORD_LIMITS, values):
             lo, hi = _RECORD_LIMITS[field]
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"{name}.{field} must be an integer in {lo}..{hi}, got {v!r}")
             if field != "num_stages" and v & (v - 1):
                 raise ValueError(f"{name}.{field} must be a power of two, got {v}")
-        out.append(tm.TritonMoeConfig(*values))
+        mma = values[len(_RECORD_LIMITS):] == [1]
+        if len(values) > len(_RECORD_LIMITS) and not (mma and values[0] == 1 and min(values[1:3]) >= 16):
+            raise ValueError(f"{name}: a sixth value is 1 (mma) after block_m 1 and block_n, block_k of at least "
+                             f"16, got {values!r}")
+        out.append(tm.TritonMoeConfig(*values[:len(_RECORD_LIMITS)], mma=mma))
     if out[0].block_m != out[1].block_m:
         raise ValueError(f"up and down differ in block_m ({out[0].block_m}, {out[1].block_m}): they share the layout")
     return tuple(out)
 
 
-_PAIR_UP = [(8, 128, 8, 4), (32, 128, 8, 4), (8, 128, 8, 2), (8, 256, 8, 4)]  # (256 deep: 256 e4m3 bytes a row)
-_PAIR_DOWN = [(8, 256, 4, 4), (4, 256, 4, 2), (16, 128, 4, 2)]
+# pair-major (block_n, block_k, warps, stages, mma): CUDA-core and tensor-core forms (the
+# fastest of each in scripts/moe_config_probe.py at the Qwen3-30B-A3B and Mixtral-8x7B experts)
+_PAIR_UP = [(8, 128, 8, 4, False), (8, 256, 8, 4, False), (16, 256, 1, 4, True), (32, 256, 2, 4, True),
+            (16, 128, 1, 4, True)]
+_PAIR_DOWN = [(8, 256, 4, 4, False), (4, 256, 4, 2, False), (4, 256, 8, 2, False), (8, 256, 8, 4, False),
+              (16, 128, 4, 2, False), (16, 128, 1, 4, True), (32, 256, 2, 4, True)]
 # (block_n, block_k, warps, stages) per block_m; the gate/up launch holds two weight tiles, so its
 # widest tiles are left out where shared memory would not hold them
 _GROUPED = {16: [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 4, 3)],

@@ -161,7 +161,8 @@ def decision_for(x: Tensor, top_k: int, w_gate_up, activation: str) -> MoeDecisi
     t = x.shape[0]
     fmt = weight_format(w_gate_up)
     if not x.is_cuda:  # the interpreter (tests): no device, no table
-        return MoeDecision(tune_moe.BACKEND, triton_module("triton_moe").default_configs(t * top_k, e, fmt),
+        defaults = triton_module("triton_moe").default_configs(t * top_k, e, fmt, top_k=top_k)
+        return MoeDecision(tune_moe.BACKEND, defaults,
                            f"{x.device}: no tuning table; the default configs")
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     memo = (index, e, top_k, activation, x.dtype, two_i // 2, h, t, fmt)
@@ -176,7 +177,7 @@ def decision_for(x: Tensor, top_k: int, w_gate_up, activation: str) -> MoeDecisi
 
 def _decide(index, e, top_k, activation, dtype, i, h, t, fmt="") -> MoeDecision:
     tm = triton_module("triton_moe")
-    defaults = tm.default_configs(t * top_k, e, fmt)
+    defaults = tm.default_configs(t * top_k, e, fmt, top_k=top_k)
     if dtype not in DTYPE_NAMES:
         return MoeDecision(tune_moe.BACKEND, defaults, f"{dtype}: no table key; default configs")
     shape = tune_moe.moe_key(e, top_k, activation, dtype, i, h, 1, 1, fmt).shape

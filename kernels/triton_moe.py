@@ -34,6 +34,7 @@ which holds only where each half is whole blocks (as transformers' ``FP8Experts`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -54,42 +55,48 @@ class TritonMoeConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
+    mma: bool = False  # pair-major only: the tensor-core forms of the kernels (see "pair-major" below)
 
 
-def pair_major(pairs: int, experts: int, weight_format: str = "") -> bool:
+def pair_major(pairs: int, experts: int) -> bool:
     """Do ``pairs`` pairs over ``experts`` experts run pair-major by default? Where pairs are at
     most half the experts (decode: few experts take two pairs, and a pair-major launch streams
-    an expert's weights once per pair, but needs no layout's launches) and at most 64; with
-    per-channel e4m3 experts at most :data:`FP8_PAIR_MAJOR_MAX` (their pair-major kernels
-    convert and multiply every byte on the CUDA cores, where the grouped kernels use the tensor
-    cores)."""
-    most = FP8_PAIR_MAJOR_MAX if weight_format == fp8.FORMAT_OF["channel"] else 64
-    return pairs <= most and 2 * pairs <= experts
+    an expert's weights once per pair, but needs no layout's launches) and at most 64."""
+    return pairs <= 64 and 2 * pairs <= experts
 
 
-# Per-channel e4m3 experts on the H200 (µs; perf/results/h200/moe_config_probe_fp8_h200.csv,
-# cold launches, and perf/bench_moe.py): at 8 Qwen3-30B-A3B pairs (1 token) the pair-major block
-# takes 21.4; at 64 (8 tokens) 129.5, where the grouped launches take 57.3 + 27.1 (16 x 64 x 128
-# tiles) after a 9.8 layout. Between those two counts nothing is timed: the pair-major block's
-# 2.0-2.7 a pair against the grouped one's layout and launches (about 15) plus about 1.6 an
-# expert hit put the crossing near 16 pairs. At 2048 tokens the 64 x 128 x 64 tiles (4 warps, 4
-# stages): Qwen3 382.8 + 226.0, Mixtral-8x7B 2644.7 + 1313.8, against 486.5 + 279.8 and 2994.7 +
-# 1557.8 for the tiles of the bf16 defaults at that size.
-FP8_PAIR_MAJOR_MAX = 16
+# Pair-major configs, from scripts/moe_config_probe.py on the H200 (2026-12-05, cold launches,
+# µs; perf/results/h200/moe_config_probe_pairs_h200.csv) at the Qwen3-30B-A3B and Mixtral-8x7B
+# experts, 1 and 8 tokens. Gate/up: the tensor-core form with 16 x 256 W tiles on one warp is
+# within 2.3% of the fastest config in all eight cases (bf16 and e4m3 per channel; e.g. Qwen3 at
+# one token 13.9 bf16 and 10.5 e4m3, against 15.4 and 13.5 for the CUDA-core 8 x 128 tiles).
+# Down: the tensor-core form runs a token's slots one after another, so at one token it has
+# too few programs (Qwen3: 16.5 bf16, 20.6 e4m3) and the CUDA-core form with all slots in one
+# tile wins (9.6 bf16 with 4 x 256 tiles, 8.0 e4m3 with 8 x 256); from two tokens on the
+# tensor-core 16 x 128 tiles (Qwen3 at 8 tokens: 43.2 bf16 against 47.4, 28.9 e4m3 against
+# 52.0). With these, 64 e4m3 pairs (Qwen3, 8 tokens) take 76.5 pair-major against 91.9 for the
+# layout and the grouped launches. Block-scaled e4m3 experts take tiles 128 columns deep (fp8_fits).
+_PAIR_UP = TritonMoeConfig(1, 16, 256, 1, 4, mma=True)
+_PAIR_DOWN_MANY_TOKENS = TritonMoeConfig(1, 16, 128, 1, 4, mma=True)
+_PAIR_DOWN_ONE_TOKEN = {"": TritonMoeConfig(1, 4, 256, 8, 2),
+                        fp8.FORMAT_OF["channel"]: TritonMoeConfig(1, 8, 256, 8, 4),
+                        fp8.FORMAT_OF["block128"]: TritonMoeConfig(1, 8, 128, 8, 4)}
 
 
-def default_configs(pairs: int, experts: int, weight_format: str = "") -> tuple[TritonMoeConfig, TritonMoeConfig]:
-    """(gate/up, down) configs for ``pairs`` (token, expert) pairs over ``experts`` experts:
-    pair-major (``block_m`` 1, no layout) where :func:`pair_major`, else one block size for both
-    (they share the layout) by the rows an expert gets on average, each expert's rows padded
-    to whole blocks. The fastest or within 5% of it for the Qwen3-30B-A3B and Mixtral-8x7B
-    experts at 1, 8, 64 and 2048 tokens (scripts/moe_config_probe.py on the H200). Block-scaled
-    FP8 experts (``weight_format`` ``e4m3_block128``) take down's pair-major tiles 128 columns
-    deep (:func:`fp8_fits`); per-channel ones run pair-major up to :data:`FP8_PAIR_MAJOR_MAX`
-    pairs and past 48 rows an expert the 64 x 128 x 64 tiles however many rows it gets."""
-    if pair_major(pairs, experts, weight_format):
-        down_k = 128 if weight_format == fp8.FORMAT_OF["block128"] else 256
-        return TritonMoeConfig(1, 8, 128, 8, 4), TritonMoeConfig(1, 8, down_k, 4, 4)
+def default_configs(pairs: int, experts: int, weight_format: str = "", *,
+                    top_k: int = 1) -> tuple[TritonMoeConfig, TritonMoeConfig]:
+    """(gate/up, down) configs for ``pairs`` (token, expert) pairs of ``top_k`` per token over
+    ``experts`` experts: pair-major (``block_m`` 1, no layout) where :func:`pair_major` (the
+    measured configs above), else one block size for both (they share the layout) by the rows an
+    expert gets on average, each expert's rows padded to whole blocks. The fastest or within 5%
+    of it for the Qwen3-30B-A3B and Mixtral-8x7B experts at 1, 8, 64 and 2048 tokens
+    (scripts/moe_config_probe.py on the H200). Block-scaled FP8 experts (``weight_format``
+    ``e4m3_block128``) take tiles 128 columns deep (:func:`fp8_fits`); per-channel ones past
+    48 rows an expert the 64 x 128 x 64 tiles however many rows it gets."""
+    if pair_major(pairs, experts):
+        block = weight_format == fp8.FORMAT_OF["block128"]
+        up = dataclasses.replace(_PAIR_UP, block_k=128) if block else _PAIR_UP
+        return up, _PAIR_DOWN_ONE_TOKEN[weight_format] if pairs <= top_k else _PAIR_DOWN_MANY_TOKENS
     per_expert = -(-pairs // max(experts, 1))
     if per_expert <= 8:
         both = TritonMoeConfig(16, 64, 128, 4, 3)
@@ -446,6 +453,107 @@ def _moe_pair_down_kernel(inter_ptr, w_ptr, sc_ptr, ids_ptr, rw_ptr, out_ptr, N,
     tl.store(out_ptr + t.to(tl.int64) * ldo + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+# The tensor-core forms (configs with ``mma``): the same programs, each K tile's products by
+# ``tl.dot`` with the weight tile as the MMA's first operand ([BN, BK] rows of W) and the one
+# x row as its second (Triton pads that side to 8 rows), as the split-K kernel runs M = 1
+# (kernels/triton_splitk.py). An e4m3 tile is converted once, then multiplied and summed along
+# K by the tensor cores, where the CUDA-core forms spend a multiply-add and a share of the
+# final reduction on every weight value. Down runs the token's slots one after another, each
+# slot's GEMM rounded and weighted as above, summed in slot order.
+
+@triton.jit
+def _moe_pair_glu_mma_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, ldw, lse, lsn, ldo,
+                             n_gate, BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
+                             PDL: tl.constexpr, WSCALE: tl.constexpr, WINT: tl.constexpr):
+    if PDL:
+        gdc_wait()
+    p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + p).to(tl.int64)
+    x_row = x_ptr + (p // top_k).to(tl.int64) * ldx
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    rows_n = tl.where(n_ok, offs_n, 0)
+    offs_k = tl.arange(0, BK)
+    w_gate = w_ptr + expert * lde + rows_n[:, None] * ldw
+    w_up = w_gate + n_gate * ldw
+    dt = x_ptr.dtype.element_ty
+    sc_base = sc_ptr + expert * lse
+    sc_gate = sc_base + (pid_n * BN // 128) * lsn
+    sc_up = sc_base + ((n_gate + pid_n * BN) // 128) * lsn
+    acc = tl.zeros((BN, 1), dtype=tl.float32)
+    acc_up = tl.zeros((BN, 1), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + offs_k) < K
+        xt = tl.trans(tl.load(x_row + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0))
+        wg = tl.load(w_gate + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        wu = tl.load(w_up + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        if WSCALE == 0:
+            acc = tl.dot(wg, xt, acc, input_precision=PREC)
+            acc_up = tl.dot(wu, xt, acc_up, input_precision=PREC)
+        elif WSCALE == 1:
+            acc = tl.dot(tl_weight_values(wg, dt, WINT), xt, acc, input_precision=PREC)
+            acc_up = tl.dot(tl_weight_values(wu, dt, WINT), xt, acc_up, input_precision=PREC)
+        else:
+            acc += tl.dot(tl_weight_values(wg, dt, WINT), xt, input_precision=PREC) * tl.load(sc_gate + k0 // 128)
+            acc_up += tl.dot(tl_weight_values(wu, dt, WINT), xt, input_precision=PREC) * tl.load(sc_up + k0 // 128)
+    if PDL:
+        gdc_launch_dependents()
+    if WSCALE == 1:
+        acc = acc * tl.load(sc_base + rows_n)[:, None]
+        acc_up = acc_up * tl.load(sc_base + n_gate + rows_n)[:, None]
+    gate = acc.to(dt).to(tl.float32)
+    up = acc_up.to(dt).to(tl.float32)
+    act = _gate_act(gate, ACT).to(dt).to(tl.float32)
+    y = act * up
+    tl.store(out_ptr + p.to(tl.int64) * ldo + offs_n[:, None], y.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])
+
+
+@triton.jit
+def _moe_pair_down_mma_kernel(inter_ptr, w_ptr, sc_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ldi, lde, ldw, lse, lsn,
+                              ldo, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                              ROUND_PRODUCT: tl.constexpr, PDL: tl.constexpr, WSCALE: tl.constexpr,
+                              WINT: tl.constexpr):
+    if PDL:
+        gdc_wait()
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    rows_n = tl.where(n_ok, offs_n, 0)
+    offs_k = tl.arange(0, BK)
+    dt = inter_ptr.dtype.element_ty
+    total = tl.zeros((BN, 1), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):  # slot order
+        p = t * TOP_K + slot
+        expert = tl.load(ids_ptr + p).to(tl.int64)
+        w_rows = w_ptr + expert * lde + rows_n[:, None] * ldw
+        i_row = inter_ptr + p.to(tl.int64) * ldi
+        sc_rows = sc_ptr + expert * lse
+        sc_block = sc_rows + (pid_n * BN // 128) * lsn
+        acc = tl.zeros((BN, 1), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k_ok = (k0 + offs_k) < K
+            it = tl.trans(tl.load(i_row + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0))
+            w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            if WSCALE == 0:
+                acc = tl.dot(w, it, acc, input_precision=PREC)
+            elif WSCALE == 1:
+                acc = tl.dot(tl_weight_values(w, dt, WINT), it, acc, input_precision=PREC)
+            else:
+                acc += tl.dot(tl_weight_values(w, dt, WINT), it, input_precision=PREC) * tl.load(sc_block + k0 // 128)
+        if WSCALE == 1:
+            acc = acc * tl.load(sc_rows + rows_n)[:, None]
+        y = acc.to(dt).to(tl.float32) * tl.load(rw_ptr + p).to(tl.float32)
+        if ROUND_PRODUCT:
+            y = y.to(dt).to(tl.float32)
+        total += y
+    if PDL:
+        gdc_launch_dependents()
+    tl.store(out_ptr + t.to(tl.int64) * ldo + offs_n[:, None], total.to(out_ptr.dtype.element_ty),
+             mask=n_ok[:, None])
+
+
 def run_pairs(config: TritonMoeConfig, x: torch.Tensor, w_gate_up, w_down, topk_ids: torch.Tensor,
               routing_weights: torch.Tensor, activation: str = "silu",
               down_config: TritonMoeConfig | None = None) -> torch.Tensor:
@@ -466,11 +574,12 @@ def pairs_gate_up(config: TritonMoeConfig, x: torch.Tensor, w_gate_up, topk_ids:
     i = two_i // 2
     t, top_k = topk_ids.shape
     inter = torch.empty((t * top_k, i), dtype=x.dtype, device=x.device)
-    _moe_pair_glu_kernel[(t * top_k, triton.cdiv(i, config.block_n))](
+    kernel, form = (_moe_pair_glu_mma_kernel, {"PREC": _precision(x)}) if config.mma else (_moe_pair_glu_kernel, {})
+    kernel[(t * top_k, triton.cdiv(i, config.block_n))](
         x, w.data, w.scale, topk_ids.contiguous(), inter, i, k, top_k, x.stride(0), w.data.stride(0),
         w.data.stride(1), w.lse, w.lsn, inter.stride(0), i, BN=config.block_n, BK=config.block_k,
-        ACT=ACTIVATIONS[activation], **_wscale(w, x), num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl_options(x))
+        ACT=ACTIVATIONS[activation], **form, **_wscale(w, x), num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_options(x))
     return inter
 
 
@@ -487,12 +596,15 @@ def pairs_down(config: TritonMoeConfig, inter: torch.Tensor, w_down, topk_ids: t
                          f"{t * top_k} pairs")
     h = w.data.shape[1]
     out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
-    _moe_pair_down_kernel[(t, triton.cdiv(h, config.block_n))](
+    if config.mma:
+        kernel, form = _moe_pair_down_mma_kernel, {"PREC": _precision(inter)}
+    else:
+        kernel, form = _moe_pair_down_kernel, {"KP": triton.next_power_of_2(top_k)}
+    kernel[(t, triton.cdiv(h, config.block_n))](
         inter, w.data, w.scale, topk_ids.contiguous(), rw, out, h, w.data.shape[2], inter.stride(0),
-        w.data.stride(0), w.data.stride(1), w.lse, w.lsn, out.stride(0), TOP_K=top_k,
-        KP=triton.next_power_of_2(top_k), BN=config.block_n, BK=config.block_k,
-        ROUND_PRODUCT=_rounds_product(inter, rw), **_wscale(w, inter), num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl_options(inter))
+        w.data.stride(0), w.data.stride(1), w.lse, w.lsn, out.stride(0), TOP_K=top_k, BN=config.block_n,
+        BK=config.block_k, ROUND_PRODUCT=_rounds_product(inter, rw), **form, **_wscale(w, inter),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(inter))
     return out
 
 
@@ -603,12 +715,16 @@ def _check_activation(two_i: int, activation: str, w: Operand) -> None:
 def _check_pairs(config: TritonMoeConfig, x: torch.Tensor, w: Operand, topk_ids: torch.Tensor) -> None:
     if config.block_m != 1:
         raise ValueError(f"moe: the pair-major kernels take configs of block_m 1, not {config.block_m}")
+    if config.mma and min(config.block_n, config.block_k) < 16:
+        raise ValueError(f"moe: a tensor-core (mma) config needs block_n and block_k of at least 16, got {config}")
     _check_weights(config, x, w)
     if topk_ids.dim() != 2:
         raise ValueError(f"moe: topk_ids must be [tokens, k], got {tuple(topk_ids.shape)}")
 
 
 def _check(config: TritonMoeConfig, layout: Layout, x: torch.Tensor, w: Operand) -> None:
+    if config.mma:
+        raise ValueError(f"moe: mma is a form of the pair-major kernels (block_m 1), not of {config}")
     if config.block_m != layout.block_m:
         raise ValueError(f"moe: config block_m {config.block_m} but the layout's blocks are {layout.block_m} rows")
     _check_weights(config, x, w)

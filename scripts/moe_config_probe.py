@@ -1,6 +1,7 @@
 """Times the MoE kernels' launches one by one, per config, cold (L2 flushed, CUDA-graph replay,
 perf/timing.gpu_time), for the shapes of perf/bench_moe.py: the pair-major gate/up and down
-(kernels/triton_moe.py ``pairs_gate_up``/``pairs_down``), the layout (``align``) and the grouped
+(kernels/triton_moe.py ``pairs_gate_up``/``pairs_down``, on the CUDA cores and on the tensor
+cores: configs with ``mma``), the layout (``align``) and the grouped
 gate/up and down, each against the read floor of the expert weights it streams.
 
     python3 scripts/moe_config_probe.py [--shapes ...] [--tokens 1 8 64 2048]
@@ -33,6 +34,13 @@ PAIR_UP_GRID = [tm.TritonMoeConfig(1, bn, bk, w, s) for bn, bk, w, s in [
     (64, 128, 8, 4), (8, 256, 4, 4)]]
 PAIR_DOWN_GRID = [tm.TritonMoeConfig(1, bn, bk, w, s) for bn, bk, w, s in
                   itertools.product((4, 8, 16, 32), (64, 128, 256), (4, 8), (2, 4))]
+# the tensor-core forms (mma): W tiles of 16-64 rows, a warp per 16 rows or fewer warps
+PAIR_UP_GRID += [tm.TritonMoeConfig(1, bn, bk, w, s, mma=True) for bn, bk, w, s in [
+    (16, 128, 1, 4), (16, 256, 1, 4), (16, 512, 1, 3), (32, 128, 2, 4), (32, 256, 2, 4), (32, 256, 4, 4),
+    (32, 512, 2, 3), (64, 128, 4, 4), (64, 256, 4, 4)]]
+PAIR_DOWN_GRID += [tm.TritonMoeConfig(1, bn, bk, w, s, mma=True) for bn, bk, w, s in [
+    (16, 128, 1, 4), (16, 256, 1, 4), (16, 512, 1, 3), (32, 128, 2, 4), (32, 256, 2, 4), (32, 256, 4, 3),
+    (64, 256, 4, 4)]]
 # (block_m, block_n, block_k, warps, stages); the large tiles for prefill only
 SMALL_GROUPED = [(16, 64, 64, 4, 3), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3), (32, 64, 128, 4, 3),
                  (64, 64, 64, 4, 3), (64, 128, 64, 4, 4), (64, 64, 128, 4, 3)]
@@ -69,7 +77,8 @@ def probe(name: str, tokens: int, writer, weights_form: str = "bf16", pairs: boo
 
     def row(launch, cfg, us, floor):
         writer.writerow([name, tokens, hit, launch, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
-                         cfg.num_stages, f"{us:.2f}", f"{floor:.2f}", f"{floor / us:.3f}" if us == us else ""])
+                         cfg.num_stages, int(cfg.mma), f"{us:.2f}", f"{floor:.2f}",
+                         f"{floor / us:.3f}" if us == us else ""])
         if us == us and (launch not in best or us < best[launch][1]):
             best[launch] = (cfg, us, floor)
 
@@ -78,10 +87,10 @@ def probe(name: str, tokens: int, writer, weights_form: str = "bf16", pairs: boo
 
     if pairs and tokens * k <= 128:
         for cfg in fits(PAIR_UP_GRID):
-            row("pairs_gate_up", cfg, _time(tm.pairs_gate_up, cfg, x, w_gu, ids), floor_up)
+            row("pairs_gate_up" + "_mma" * cfg.mma, cfg, _time(tm.pairs_gate_up, cfg, x, w_gu, ids), floor_up)
         inter = tm.pairs_gate_up(fits(PAIR_UP_GRID)[0], x, w_gu, ids)
         for cfg in fits(PAIR_DOWN_GRID):
-            row("pairs_down", cfg, _time(tm.pairs_down, cfg, inter, w_d, ids, weights), floor_down)
+            row("pairs_down" + "_mma" * cfg.mma, cfg, _time(tm.pairs_down, cfg, inter, w_d, ids, weights), floor_down)
     grid = fits([tm.TritonMoeConfig(*c) for c in (SMALL_GROUPED if tokens <= 64 else LARGE_GROUPED)])
     for bm in sorted({c.block_m for c in grid}):
         lay = tm.align(ids, e, bm)
@@ -111,7 +120,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, name), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["shape", "tokens", "experts_hit", "launch", "block_m", "block_n", "block_k", "num_warps",
-                    "num_stages", "median_us", "floor_us", "fraction_of_floor"])
+                    "num_stages", "mma", "median_us", "floor_us", "fraction_of_floor"])
         for shape in args.shapes:
             for tokens in args.tokens:
                 probe(shape, tokens, w, args.weights, pairs=not args.grouped_only)

@@ -36,9 +36,18 @@ def test_a_record_round_trips_and_bad_ones_are_named():
                        ({**good, "down": [64, 96, 64, 4, 3]}, "power of two"),
                        ({**good, "down": [32, 128, 64, 4, 3]}, "share the layout"),
                        ({**good, "up": [64, 128, 64, True, 3]}, "integer"), ([1, 2], "config is"),
-                       ({**good, "up": [64, 128, 64, 4, 99]}, "num_stages")]:
+                       ({**good, "up": [64, 128, 64, 4, 99]}, "num_stages"),
+                       ({**good, "up": [64, 128, 64, 4, 3, 1]}, "sixth value")]:
         with pytest.raises(ValueError, match=match):
             tune_moe.configs_of(bad)
+    # pair-major on the tensor cores: a sixth value 1, only after block_m 1 and tiles of 16 or more
+    mma_up, mma_down = tm.TritonMoeConfig(1, 32, 256, 2, 4, mma=True), tm.TritonMoeConfig(1, 8, 256, 4, 4)
+    record = tune_moe.record_of(mma_up, mma_down)
+    assert record == {"up": [1, 32, 256, 2, 4, 1], "down": [1, 8, 256, 4, 4]}
+    assert tune_moe.configs_of(record) == (mma_up, mma_down)
+    for bad in ([1, 8, 256, 4, 4, 1], [1, 32, 256, 2, 4, 0], [1, 32, 256, 2, 4, 1, 1]):
+        with pytest.raises(ValueError):
+            tune_moe.configs_of({"up": bad, "down": record["down"]})
 
 
 def test_candidates_share_a_block_size_and_fit_the_routing():

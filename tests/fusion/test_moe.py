@@ -227,6 +227,17 @@ def test_a_layout_of_another_block_size_is_refused():
         tm.run_gate_up(tm.TritonMoeConfig(32, 32, 32), torch.zeros(1, 16), w_gu, lay, 2)
 
 
+def test_tensor_core_configs_are_pair_major_with_tiles_an_mma_takes():
+    w_gu, w_d = _weights(3, 8, 16, torch.float32)
+    ids, weights = torch.tensor([[0, 1]]), torch.ones(1, 2)
+    lay = tm.align(ids, 3, 16)
+    with pytest.raises(ValueError, match="pair-major"):
+        tm.run_gate_up(tm.TritonMoeConfig(16, 32, 32, mma=True), torch.zeros(1, 16), w_gu, lay, 2)
+    for small in (tm.TritonMoeConfig(1, 8, 32, mma=True), tm.TritonMoeConfig(1, 16, 8, mma=True)):
+        with pytest.raises(ValueError, match="at least 16"):
+            tm.run_pairs(small, torch.zeros(1, 16), w_gu, w_d, ids, weights)
+
+
 def test_the_layout_has_no_value_dependent_size():
     """Dynamo traces the PyTorch form as one graph (no bincount or nonzero, whose sizes need a
     host sync: a CUDA graph could not hold it)."""
@@ -276,13 +287,20 @@ pair_kernels = [  # the pair kernels with and without programmatic dependent lau
     *((tm._moe_pair_down_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*fp32", "*bf16"]
        + ["i32"] * 8, {"TOP_K": 6, "KP": 8, "ROUND_PRODUCT": False, "PDL": pdl, "WSCALE": ws, "WINT": ws > 0})
       for pdl in (False, True) for ws in (0, 1, 2)),
+    *((tm._moe_pair_glu_mma_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*bf16"]
+       + ["i32"] * 10, {"ACT": ACTIVATIONS["silu"], "PREC": "ieee", "PDL": pdl, "WSCALE": ws, "WINT": ws > 0})
+      for pdl in (False, True) for ws in (0, 1, 2)),
+    *((tm._moe_pair_down_mma_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*fp32",
+                                      "*bf16"] + ["i32"] * 8,
+       {"TOP_K": 8, "PREC": "ieee", "ROUND_PRODUCT": False, "PDL": pdl, "WSCALE": ws, "WINT": ws > 0})
+      for pdl in (False, True) for ws in (0, 1, 2)),
     (tm._moe_count_kernel, ["*i64", "*i32", "i32"], {"EP": 128, "CHUNK": tm.ALIGN_CHUNK}),
     (tm._moe_sum_slots_kernel, ["*fp32", "*bf16", "i32"], {"TOP_K": 8, "BH": 1024}),
     (tm._moe_place_kernel, ["*i64", "*i32", "*i32", "*i32"] + ["i32"] * 5,
      {"EP": 128, "CHUNK": tm.ALIGN_CHUNK, "CT": 32, "BT": 64}),
 ]
 for fn, types, extra in pair_kernels:
-    consts = {"BN": 32, "BK": 128, **extra} if "ACT" in extra or "KP" in extra else extra
+    consts = {"BN": 32, "BK": 128, **extra} if "PDL" in extra else extra  # the pair kernels
     sig = {**dict(zip(fn.arg_names, types)), **dict.fromkeys(consts, "constexpr")}
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4, "num_stages": 3})
@@ -324,11 +342,12 @@ def test_the_routing_product_is_rounded_where_transformers_rounds_it(weights_dty
     (2, 9, 5, 24, 40, 8, 32),
     (17, 4, 2, 33, 65, 16, 32),
 ])
-def test_the_pair_major_kernels_match_fp64(dtype, tol, t, e, k, i, h, bn, bk):
+@pytest.mark.parametrize("mma", [False, True], ids=["cuda_cores", "mma"])
+def test_the_pair_major_kernels_match_fp64(dtype, tol, t, e, k, i, h, bn, bk, mma):
     w_gu, w_d = _weights(e, i, h, dtype)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(2)).to(dtype)
     ids, weights = _routing(t, e, k)
-    cfg = tm.TritonMoeConfig(1, bn, bk)
+    cfg = tm.TritonMoeConfig(1, max(bn, 16) if mma else bn, bk, mma=mma)  # (an MMA's W side is 16 rows or more)
     got = torch.full((t, h), float("nan"), dtype=dtype)
     got.copy_(tm.run_pairs(cfg, x, w_gu, w_d, ids, weights))
     ref = _reference(x, ids, weights, w_gu, w_d)
@@ -351,12 +370,19 @@ def test_moe_takes_the_pair_major_path_for_few_pairs(monkeypatch):
     assert len({c.block_m for c in tm.default_configs(9, e)}) == 1 and tm.default_configs(9, e)[0].block_m > 1
     assert tm.default_configs(64, 128)[0].block_m == 1 and tm.default_configs(65, 256)[0].block_m > 1
     assert {c.block_m for c in tm.default_configs(4096, 8)} == {128}
-    # per-channel e4m3 experts: pair-major up to 16 pairs, the 64 x 128 x 64 tiles past 48 rows an
-    # expert; block-scaled ones as bf16 but for down's pair-major depth
+    # pair-major: gate/up on the tensor cores; down on the CUDA cores for one token's pairs, on the
+    # tensor cores from two tokens on
+    one, two = tm.default_configs(8, 128, top_k=8), tm.default_configs(16, 128, top_k=8)
+    assert one[0] == two[0] and one[0].mma and not one[1].mma and two[1].mma
+    assert tm.default_configs(2, 8, top_k=2)[1] == one[1] and tm.default_configs(4, 8, top_k=2)[1] == two[1]
+    # per-channel e4m3 experts: the 64 x 128 x 64 tiles past 48 rows an expert; block-scaled ones
+    # as bf16 but for the pair-major tiles' depth (at most one 128-column block of scales)
     channel, block = "e4m3_channel", "e4m3_block128"
-    assert {c.block_m for c in tm.default_configs(16, 128, channel)} == {1}
-    assert tm.default_configs(17, 128, channel) == (tm.TritonMoeConfig(16, 64, 128, 4, 3),) * 2
-    assert tm.default_configs(64, 128, block)[0].block_m == 1 and tm.default_configs(64, 128, block)[1].block_k == 128
+    assert {c.block_m for c in tm.default_configs(64, 128, channel, top_k=8)} == {1}
+    assert tm.default_configs(65, 128, channel) == (tm.TritonMoeConfig(16, 64, 128, 4, 3),) * 2
+    for top_k in (1, 8):
+        pair = tm.default_configs(8, 128, block, top_k=top_k)
+        assert {c.block_m for c in pair} == {1} and all(tm.fp8_fits(c, block) is None for c in pair)
     for pairs, experts in ((16384, 128), (4096, 8), (400, 8)):
         assert tm.default_configs(pairs, experts, channel) == (tm.TritonMoeConfig(64, 128, 64, 4, 4),) * 2
     assert tm.default_configs(16384, 128, block) == tm.default_configs(16384, 128)

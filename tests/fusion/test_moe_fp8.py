@@ -66,14 +66,20 @@ CASES = [  # t, e, k, i, h, granularity, experts routed to
 ]
 
 
+# (gate/up, down) configs of each kernel form: pair-major on the CUDA cores, pair-major on the
+# tensor cores (mma), grouped
+FORMS = {"pair_major": (tm.TritonMoeConfig(1, 8, 64), tm.TritonMoeConfig(1, 16, 32)),
+         "pair_major_mma": (tm.TritonMoeConfig(1, 16, 64, mma=True), tm.TritonMoeConfig(1, 32, 32, mma=True)),
+         "grouped": (tm.TritonMoeConfig(16, 32, 64), tm.TritonMoeConfig(16, 64, 32))}
+
+
 @pytest.mark.parametrize("t,e,k,i,h,granularity,experts", CASES)
-@pytest.mark.parametrize("block_m", [1, 16], ids=["pair_major", "grouped"])
-def test_fp8_experts_match_fp64_of_the_dequantized_weights(t, e, k, i, h, granularity, experts, block_m):
+@pytest.mark.parametrize("form", list(FORMS))
+def test_fp8_experts_match_fp64_of_the_dequantized_weights(t, e, k, i, h, granularity, experts, form):
     w_gu, w_d = _fp8_weights(e, i, h, granularity)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(2)).to(DT)
     ids, weights = _routing(t, e, k, experts=experts)
-    up = tm.TritonMoeConfig(block_m, 8 if block_m == 1 else 32, 64)
-    down = tm.TritonMoeConfig(block_m, 16 if block_m == 1 else 64, 32)
+    up, down = FORMS[form]
     got = tm.forward(x, ids, weights, w_gu, w_d, "silu", up, down)
     ref = _reference(x, ids, weights, w_gu, w_d)
     assert got.dtype == DT and torch.isfinite(got).all()
@@ -85,13 +91,13 @@ def test_fp8_experts_match_fp64_of_the_dequantized_weights(t, e, k, i, h, granul
 
 
 @pytest.mark.parametrize("granularity", fp8.GRANULARITIES)
-@pytest.mark.parametrize("block_m", [1, 16], ids=["pair_major", "grouped"])
-def test_each_expert_reads_its_own_scales(granularity, block_m):
+@pytest.mark.parametrize("form", list(FORMS))
+def test_each_expert_reads_its_own_scales(granularity, form):
     t, e, k, i, h = 5, 6, 2, 128, 136
     w_gu, w_d = _fp8_weights(e, i, h, granularity)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(2)).to(DT)
     ids, weights = _routing(t, e, k, experts=[0, 2, 3])
-    cfg = (tm.TritonMoeConfig(block_m, 8 if block_m == 1 else 32, 64),) * 2
+    cfg = FORMS[form]
     base = tm.forward(x, ids, weights, w_gu, w_d, "silu", *cfg)
     poisoned = [fp8.FP8Weight(w.data, w.scale.clone(), granularity, DT) for w in (w_gu, w_d)]
     for w in poisoned:

@@ -18,6 +18,7 @@ import hybridgemm
 from hybridgemm import experts
 from hybridgemm.fp8_experts import HybridFP8Experts
 from hybridgemm.kernels import fp8, triton_e4m3
+from hybridgemm.kernels import triton_moe as tm
 from hybridgemm.router import HybridTopKRouter
 
 pytestmark = pytest.mark.gpu
@@ -276,3 +277,34 @@ def test_a_patched_fp8_qwen3_moe_block_in_a_cuda_graph_and_compiled(fp8_cuda, gr
     hybridgemm.patch(model, weights="fp8", granularity=granularity)
     assert type(model.model.layers[0].mlp.experts) is HybridFP8Experts
     _check_block_in_a_graph_and_compiled(model, shape, fp8_cuda)
+
+
+_PAIR_FORMS = {  # (gate/up, down): each pair-major kernel form, CUDA cores and tensor cores (mma)
+    "cuda_cores": ((1, 8, 128, 8, 4), (1, 8, 128, 4, 4)),
+    "mma": ((1, 16, 128, 1, 4, True), (1, 16, 128, 1, 4, True)),
+    "mma_wide": ((1, 32, 128, 2, 4, True), (1, 64, 128, 4, 4, True)),
+}
+
+
+@pytest.mark.parametrize("weights_form", ["bf16", *fp8.GRANULARITIES])
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+@pytest.mark.parametrize("form", list(_PAIR_FORMS))
+def test_each_pair_major_form_at_qwen3_30b_a3b_shape(fp8_cuda, weights_form, tokens, form):
+    """The pair-major launches in each form at Qwen3-30B-A3B's experts (bf16 and both e4m3
+    formats): within 1.1x the error of the bf16 grouped kernels over the same (dequantized)
+    weights against fp32, and the same bits on a second call."""
+    e, k, i, h = 128, 8, 768, 2048
+    w_gu, w_d = _weights(e, i, h, "channel" if weights_form == "bf16" else weights_form, fp8_cuda, tokens)
+    if weights_form == "bf16":
+        w_gu, w_d = w_gu.dequantize(), w_d.dequantize()
+    dense = (w_gu, w_d) if weights_form == "bf16" else (w_gu.dequantize(), w_d.dequantize())
+    x = torch.randn(tokens, h, device=fp8_cuda).bfloat16()
+    ids, weights = experts.route(torch.randn(tokens, e, device=fp8_cuda), k)
+    want = experts.experts_loop(x.float(), ids, weights.float(), dense[0].float(), dense[1].float(), "silu")
+    grouped = experts.moe(x, (ids, weights), *dense, config=tm.TritonMoeConfig(16, 64, 64))
+    up, down = (tm.TritonMoeConfig(*c) for c in _PAIR_FORMS[form])
+    out = torch.full((tokens, h), float("nan"), device=fp8_cuda, dtype=torch.bfloat16)
+    out.copy_(experts.moe(x, (ids, weights), w_gu, w_d, config=(up, down)))
+    assert torch.isfinite(out).all()
+    assert _rel(out, want) <= 1.1 * _rel(grouped, want) + 1e-3, (_rel(out, want), _rel(grouped, want))
+    assert torch.equal(out, experts.moe(x, (ids, weights), w_gu, w_d, config=(up, down)))
