@@ -50,9 +50,10 @@ def _experts_module(h: int, e: int, i: int, k: int, implementation: str):
     return MixtralExperts(cfg)
 
 
-def bench_shape(name: str, tokens: int, env: dict, rounds: int, weights_kinds=("bf16",)) -> list[dict]:
+def bench_shape(name: str, tokens: int, env: dict, rounds: int, weights_kinds=("bf16",),
+                device: str = "cuda") -> list[dict]:
     h, e, i, k = SHAPES[name]
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     torch.manual_seed(0)
     mod = _experts_module(h, e, i, k, "eager").to(dev, torch.bfloat16)
     with torch.no_grad():
@@ -110,8 +111,8 @@ def bench_shape(name: str, tokens: int, env: dict, rounds: int, weights_kinds=("
         stock = times.get("transformers_grouped_mm")  # transformers' default experts implementation
         stock = None if isinstance(stock, BaseException) else stock
         for prov in providers:
-            floor_us = floors[prov]
-            row = dict(base, provider=prov, method=method, floor_us=round(floor_us, 2),
+            floor = floors[prov]
+            row = dict(base, provider=prov, method=method, floor_us=round(floor, 2),
                        weights=quantized[prov][0].weight_format if prov in quantized else "bf16")
             if prov in own_errs:
                 row["rel_err_dequantized"] = f"{own_errs[prov]:.2e}"
@@ -122,7 +123,7 @@ def bench_shape(name: str, tokens: int, env: dict, rounds: int, weights_kinds=("
                 row.update(status="skipped", note=f"not capturable in a CUDA graph: {type(t).__name__}: {t}"[:300])
             else:
                 row.update(status="ok", rel_err=f"{errs[prov]:.2e}", median_us=round(t.median_us, 2),
-                           spread_us=round(t.spread_us, 2), fraction_of_floor=round(floor_us / t.median_us, 3))
+                           spread_us=round(t.spread_us, 2), fraction_of_floor=round(floor / t.median_us, 3))
                 if stock is not None:
                     row["speedup"] = round(stock.median_us / t.median_us, 3)
             rows.append(row)

@@ -65,3 +65,27 @@ def test_cli_without_a_gpu_and_bad_tokens(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         bench_moe.main(["--tokens", "0", "--out", str(tmp_path / "x.csv")])
     assert e.value.code == 2 and "positive" in capsys.readouterr().err
+
+
+def test_bench_shape_rows_on_the_cpu_with_stand_in_timings(monkeypatch):
+    """One shape's rows end to end (the CPU computes, the timings are stand-ins): every provider
+    per method, each with its own floor and the fraction of it, the FP8 rows with their error
+    against their dequantized weights."""
+    from types import SimpleNamespace
+
+    monkeypatch.setitem(bench_moe.SHAPES, "tiny", (256, 4, 128, 2))  # floors of 0.1 µs or more
+    timing = SimpleNamespace(median_us=5.0, spread_us=0.5)
+    monkeypatch.setattr(bench_moe, "events_time_interleaved", lambda fns, rounds: dict.fromkeys(fns, timing))
+    monkeypatch.setattr(bench_moe, "gpu_time_many", lambda fns, replays: [timing] * len(fns))
+    rows = bench_moe.bench_shape("tiny", 3, {"gpu": "cpu"}, rounds=1, weights_kinds=("bf16", "fp8"), device="cpu")
+    by = {(r["method"], r["provider"]): r for r in rows}
+    ours = [p for _, p in by if p.startswith("hybridgemm")]
+    assert {"hybridgemm", "hybridgemm_fp8_channel", "hybridgemm_fp8_block128"} <= set(ours)
+    for method in ("graph", "events"):
+        for prov in ("hybridgemm", "hybridgemm_fp8_channel", "hybridgemm_fp8_block128"):
+            r = by[(method, prov)]
+            assert r["status"] == "ok" and r["median_us"] == 5.0
+            assert abs(r["fraction_of_floor"] - r["floor_us"] / 5.0) < 2e-3 and r["floor_us"] > 0
+    bf16, channel = by[("graph", "hybridgemm")], by[("graph", "hybridgemm_fp8_channel")]
+    assert channel["floor_us"] < bf16["floor_us"]  # the e4m3 bytes and their scales
+    assert float(channel["rel_err_dequantized"]) < 1e-2 and "rel_err_dequantized" not in bf16  # bf16 rounding
