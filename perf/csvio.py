@@ -59,8 +59,14 @@ def read_rows(path: str) -> list[dict]:
 
 
 def write_rows(path: str, rows: list[dict]) -> None:
-    """Upsert ``rows`` into the CSV at ``path`` (atomic replace)."""
-    merged = {_key(r): r for r in read_rows(path)}
+    """Upsert ``rows`` into the CSV at ``path`` (atomic replace), one row per :data:`KEY_COLUMNS`.
+    ValueError, the file untouched, where two rows of the file or two of ``rows`` share a key
+    (a CSV of another kind, such as an end-to-end one: upserting would drop rows)."""
+    existing = read_rows(path)
+    for what, group in ((path, existing), ("the new rows", rows)):
+        if len({_key(r) for r in group}) < len(group):
+            raise ValueError(f"write_rows: rows of {what} share a key {KEY_COLUMNS}: not a CSV these rows upsert into")
+    merged = {_key(r): r for r in existing}
     for r in rows:
         merged[_key(r)] = {k: v for k, v in r.items() if v is not None}
     cols = set().union(*(r.keys() for r in merged.values())) if merged else set()

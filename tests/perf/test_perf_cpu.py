@@ -14,7 +14,7 @@ from helpers import bench_cli
 from hybridgemm.autotune_cache.presets import ProjectionShape
 from hybridgemm.perf import providers as P
 from hybridgemm.perf.bench import print_summary, run_bench, shapes_for
-from hybridgemm.perf.csvio import KEY_COLUMNS, environment_columns, read_rows, write_rows
+from hybridgemm.perf.csvio import KEY_COLUMNS, environment_columns, read_rows, write_csv, write_rows
 from hybridgemm.perf.plots import load_rows, make_all_plots
 from hybridgemm.perf.timing import Timing
 
@@ -43,6 +43,20 @@ def test_csv_upsert_keeps_other_gpus_and_replaces_same_key(tmp_path):
     header = list(rows[0])
     assert header[: len(KEY_COLUMNS)] == list(KEY_COLUMNS) and header[len(KEY_COLUMNS)] == "status"
     assert [r["note"] for r in rows if r["gpu"] == "GPU-B"] == ["other box"]  # union of columns
+
+
+def test_csv_upsert_refuses_a_csv_whose_rows_it_would_merge(tmp_path):
+    """An end-to-end CSV (no GEMM key columns) or new rows sharing a key: a clear error, the
+    file as it was."""
+    path = tmp_path / "e2e.csv"
+    path.write_text("model,mode,batch,ms_per_token\nm,compiled,1,2.0\nm,compiled,8,3.0\n")
+    before = path.read_text()
+    with pytest.raises(ValueError, match="share a key"):
+        write_rows(str(path), [_row("GPU-A", 1, "flinear", 10.0)])
+    assert path.read_text() == before
+    with pytest.raises(ValueError, match="new rows share a key"):
+        write_rows(str(tmp_path / "r.csv"), [_row("GPU-A", 1, "flinear", 10.0), _row("GPU-A", 1, "flinear", 9.0)])
+    assert not (tmp_path / "r.csv").exists()
 
 
 def test_environment_columns_name_the_machine_and_command():
@@ -90,9 +104,9 @@ def test_tensor_parallel_and_error_only_csvs(tmp_path):
     tp_csv = Path(__file__).resolve().parents[2] / "perf/results/h200x2/tp_h200x2.csv"
     errors = Path(__file__).resolve().parents[2] / "perf/results/h200/tp_errors_one_gpu_h200.csv"
     e2e_errors = tmp_path / "e2e_errors.csv"
-    write_rows(str(e2e_errors), [r for r in read_rows(str(Path(__file__).resolve().parents[2]
-                                                         / "perf/results/h200/e2e_h200.csv"))
-                                 if r["mode"] in ("logits_error", "decode_error")])
+    e2e_rows = [r for r in read_rows(str(Path(__file__).resolve().parents[2] / "perf/results/h200/e2e_h200.csv"))
+                if r["mode"] in ("logits_error", "decode_error")]
+    write_csv(e2e_errors, list(e2e_rows[0]), e2e_rows)
     notes: list = []
     written = make_all_plots([str(tp_csv), str(errors), str(e2e_errors)], tmp_path / "out", log=notes.append)
     assert [p.name for p in written] == ["tp.png"] and written[0].read_bytes()[:8] == PNG_MAGIC
