@@ -49,7 +49,8 @@ copy during the error modes (~45 GB for Qwen2.5-7B at full depth), then two bf16
 
 FP8 weights (``--weights fp8``): the patched variant (``hybridgemm_e4m3_channel`` or
 ``hybridgemm_e4m3_block128``) is ``patch(model, weights="fp8", granularity=...,
-quantize_lm_head=...)`` of the second copy, beside the stock bf16 model; where torchao is
+quantize_lm_head=...)`` of the second copy (with ``--quantize-lm-head`` the variant and
+``run_weights`` get ``_head`` after the format), beside the stock bf16 model; where torchao is
 installed (``pip install 'hybridgemm[bench]'``) two peers run beside them,
 ``torchao_float8_weight_only`` and ``torchao_int8_weight_only`` (perf/e2e_weights.py: torchao's
 weight-only configs on fresh bf16 copies, the same projections quantized; ``--no-peers`` leaves
@@ -177,11 +178,13 @@ class Run:
 
     @property
     def run_weights(self) -> str:
-        """Every row's ``run_weights``: "" in a bf16 run, else the FP8 format (``_w8a8`` with
-        ``fp8_activations``)."""
+        """Every row's ``run_weights``: "" in a bf16 run, else the FP8 format (``_head`` added with
+        ``quantize_lm_head``, ``_w8a8`` with ``fp8_activations``), so that runs of each kind keep
+        their rows apart in a CSV."""
         if self.granularity is None:
             return ""
-        return weight_format(self.granularity) + ("_w8a8" if self.fp8_activations else "")
+        return (weight_format(self.granularity) + ("_head" if self.quantize_lm_head else "")
+                + ("_w8a8" if self.fp8_activations else ""))
 
     @property
     def patched_variant(self) -> str:
