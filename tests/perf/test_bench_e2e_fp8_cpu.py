@@ -293,8 +293,9 @@ def test_main_runs_fp8_into_its_own_file(monkeypatch, tmp_path, capsys):
     run = seen["run"]
     assert (run.granularity, run.quantize_lm_head, run.peers) == ("block128", True, True)
     rows = read_rows(str(tmp_path / "e2e_fp8_h200.csv"))
-    assert [(r["variant"], r["run_weights"]) for r in rows] == [("stock", "e4m3_block128"),
-                                                                ("hybridgemm_e4m3_block128", "e4m3_block128")]
+    # the LM head quantized too: the run's rows apart from a run without (run_weights, variant)
+    assert [(r["variant"], r["run_weights"]) for r in rows] == [("stock", "e4m3_block128_head"),
+                                                                ("hybridgemm_e4m3_block128_head", "e4m3_block128_head")]
     assert rows[0]["torchao"] == "0.18.0" and "--weights fp8 --granularity block128" in rows[0]["command"]
     assert not (tmp_path / "e2e_h200.csv").exists()
     capsys.readouterr()
@@ -372,7 +373,7 @@ def test_peers_with_the_lm_head_and_a_failing_peer(monkeypatch):
     assert len(calls) == 1 and "lm_head" in calls[0][1]
     status = {r["variant"]: (r["status"], r.get("note", "")) for r in res.rows}
     assert status["torchao_int8_weight_only"] == ("error", "RuntimeError: this GPU has no kernel for it")
-    assert {v for v, (s, _) in status.items() if s == "ok"} == {"stock", "hybridgemm_e4m3_channel",
+    assert {v for v, (s, _) in status.items() if s == "ok"} == {"stock", "hybridgemm_e4m3_channel_head",
                                                                  "torchao_float8_weight_only"}
 
 
