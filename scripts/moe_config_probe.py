@@ -1,6 +1,6 @@
 """Times the MoE kernels' launches one by one, per config, cold (L2 flushed, CUDA-graph replay,
 perf/timing.gpu_time), for the shapes of perf/bench_moe.py: the pair-major gate/up and down
-(kernels/triton_moe.py ``pairs_gate_up``/``pairs_down``, on the CUDA cores and on the tensor
+(kernels/triton_moe_pairs.py ``pairs_gate_up``/``pairs_down``, on the CUDA cores and on the tensor
 cores: configs with ``mma``), the layout (``align``) and the grouped
 gate/up and down, each against the read floor of the expert weights it streams.
 
@@ -26,6 +26,7 @@ import torch
 from hybridgemm import experts
 from hybridgemm.kernels import fp8
 from hybridgemm.kernels import triton_moe as tm
+from hybridgemm.kernels import triton_moe_pairs as moe_pairs
 from hybridgemm.perf.bench_moe import SHAPES, floor_us
 from hybridgemm.perf.timing import gpu_time
 
@@ -87,10 +88,11 @@ def probe(name: str, tokens: int, writer, weights_form: str = "bf16", pairs: boo
 
     if pairs and tokens * k <= 128:
         for cfg in fits(PAIR_UP_GRID):
-            row("pairs_gate_up" + "_mma" * cfg.mma, cfg, _time(tm.pairs_gate_up, cfg, x, w_gu, ids), floor_up)
-        inter = tm.pairs_gate_up(fits(PAIR_UP_GRID)[0], x, w_gu, ids)
+            row("pairs_gate_up" + "_mma" * cfg.mma, cfg, _time(moe_pairs.pairs_gate_up, cfg, x, w_gu, ids), floor_up)
+        inter = moe_pairs.pairs_gate_up(fits(PAIR_UP_GRID)[0], x, w_gu, ids)
         for cfg in fits(PAIR_DOWN_GRID):
-            row("pairs_down" + "_mma" * cfg.mma, cfg, _time(tm.pairs_down, cfg, inter, w_d, ids, weights), floor_down)
+            us = _time(moe_pairs.pairs_down, cfg, inter, w_d, ids, weights)
+            row("pairs_down" + "_mma" * cfg.mma, cfg, us, floor_down)
     grid = fits([tm.TritonMoeConfig(*c) for c in (SMALL_GROUPED if tokens <= 64 else LARGE_GROUPED)])
     for bm in sorted({c.block_m for c in grid}):
         lay = tm.align(ids, e, bm)

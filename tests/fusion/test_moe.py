@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from hybridgemm import experts as moe_mod
 from hybridgemm.kernels import triton_moe as tm
+from hybridgemm.kernels import triton_moe_pairs as moe_pairs
 from hybridgemm.kernels import triton_router as tr
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -235,7 +236,7 @@ def test_tensor_core_configs_are_pair_major_with_tiles_an_mma_takes():
         tm.run_gate_up(tm.TritonMoeConfig(16, 32, 32, mma=True), torch.zeros(1, 16), w_gu, lay, 2)
     for small in (tm.TritonMoeConfig(1, 8, 32, mma=True), tm.TritonMoeConfig(1, 16, 8, mma=True)):
         with pytest.raises(ValueError, match="at least 16"):
-            tm.run_pairs(small, torch.zeros(1, 16), w_gu, w_d, ids, weights)
+            moe_pairs.run_pairs(small, torch.zeros(1, 16), w_gu, w_d, ids, weights)
 
 
 def test_the_layout_has_no_value_dependent_size():
@@ -257,6 +258,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hybridgemm.kernels import triton_moe as tm
+from hybridgemm.kernels import triton_moe_pairs as moe_pairs
 from hybridgemm.kernels import triton_router as tr
 from hybridgemm.kernels.triton_glu import ACTIVATIONS
 
@@ -281,16 +283,16 @@ for glu in (True, False):
                 raise SystemExit(f"API: {type(e).__name__}: {e}")
             assert c.asm["cubin"]
 pair_kernels = [  # the pair kernels with and without programmatic dependent launch, each weight format
-    *((tm._moe_pair_glu_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*bf16"] + ["i32"] * 10,
-       {"ACT": ACTIVATIONS["silu"], "PDL": pdl, "WSCALE": ws, "WINT": ws > 0}) for pdl in (False, True)
-      for ws in (0, 1, 2)),
-    *((tm._moe_pair_down_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*fp32", "*bf16"]
+    *((moe_pairs._moe_pair_glu_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*bf16"]
+       + ["i32"] * 10, {"ACT": ACTIVATIONS["silu"], "PDL": pdl, "WSCALE": ws, "WINT": ws > 0})
+      for pdl in (False, True) for ws in (0, 1, 2)),
+    *((moe_pairs._moe_pair_down_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*fp32", "*bf16"]
        + ["i32"] * 8, {"TOP_K": 6, "KP": 8, "ROUND_PRODUCT": False, "PDL": pdl, "WSCALE": ws, "WINT": ws > 0})
       for pdl in (False, True) for ws in (0, 1, 2)),
-    *((tm._moe_pair_glu_mma_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*bf16"]
+    *((moe_pairs._moe_pair_glu_mma_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*bf16"]
        + ["i32"] * 10, {"ACT": ACTIVATIONS["silu"], "PREC": "ieee", "PDL": pdl, "WSCALE": ws, "WINT": ws > 0})
       for pdl in (False, True) for ws in (0, 1, 2)),
-    *((tm._moe_pair_down_mma_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*fp32",
+    *((moe_pairs._moe_pair_down_mma_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*fp32",
                                       "*bf16"] + ["i32"] * 8,
        {"TOP_K": 8, "PREC": "ieee", "ROUND_PRODUCT": False, "PDL": pdl, "WSCALE": ws, "WINT": ws > 0})
       for pdl in (False, True) for ws in (0, 1, 2)),
@@ -349,7 +351,7 @@ def test_the_pair_major_kernels_match_fp64(dtype, tol, t, e, k, i, h, bn, bk, mm
     ids, weights = _routing(t, e, k)
     cfg = tm.TritonMoeConfig(1, max(bn, 16) if mma else bn, bk, mma=mma)  # (an MMA's W side is 16 rows or more)
     got = torch.full((t, h), float("nan"), dtype=dtype)
-    got.copy_(tm.run_pairs(cfg, x, w_gu, w_d, ids, weights))
+    got.copy_(moe_pairs.run_pairs(cfg, x, w_gu, w_d, ids, weights))
     ref = _reference(x, ids, weights, w_gu, w_d)
     scale = ref.abs().max()
     assert got.dtype == dtype and torch.isfinite(got).all()
@@ -387,8 +389,8 @@ def test_moe_takes_the_pair_major_path_for_few_pairs(monkeypatch):
         assert tm.default_configs(pairs, experts, channel) == (tm.TritonMoeConfig(64, 128, 64, 4, 4),) * 2
     assert tm.default_configs(16384, 128, block) == tm.default_configs(16384, 128)
     calls = []
-    run_pairs = tm.run_pairs
-    monkeypatch.setattr(tm, "run_pairs", lambda *a, **kw: calls.append(1) or run_pairs(*a, **kw))
+    run_pairs = moe_pairs.run_pairs
+    monkeypatch.setattr(tm, "run_pairs", lambda *a, **kw: calls.append(1) or run_pairs(*a, **kw))  # what forward calls
     x = torch.randn(3, h, generator=torch.Generator().manual_seed(9))
     ids, weights = _routing(3, e, k)
     pair = moe_mod.moe(x, (ids, weights), w_gu, w_d)
