@@ -29,30 +29,19 @@ from .triton_moe_configs import (
 )
 
 # One program per (pair, column block) for gate/up and per (token, column block) for down, no
-# layout: each pair streams its expert's weight rows once. Two forms, each with every sum's
-# order fixed by the config:
-# - on the CUDA cores: a multiply-add per weight value into an fp32 [BN, BK] partial-sum tile,
-#   reduced along K once at the end; down holds all of a token's slots in one [KP, BN, BK] tile;
-# - on the tensor cores (configs with ``mma``): each K tile's products by ``tl.dot`` with the
-#   weight tile as the MMA's first operand ([BN, BK] rows of W) and the one x row as its second
-#   (Triton pads that side to 8 rows), as the split-K kernel runs M = 1 (kernels/triton_splitk.py):
-#   an e4m3 tile is converted once, then multiplied and summed along K by the tensor cores;
-#   down runs the token's slots one after another, each slot's GEMM rounded and weighted, summed
-#   in slot order.
-# Gate/up is one kernel for both forms (MMA); down a kernel each. PDL (programmatic dependent
-# launch, triton_launch.pdl_enabled): nothing is read or written before the wait, and once a
-# program's loop is done the next grid may get ready, so the boundary between gate/up and down
-# overlaps the gate/up epilogue.
+# layout: each pair streams its expert's weight rows once, dot products on the CUDA cores (an
+# fp32 partial-sum tile per program, reduced along K once at the end, so the order of every
+# sum is fixed by the config). Down also sums the token's k slots, in the program.
+# PDL (programmatic dependent launch, triton_launch.pdl_enabled): nothing is read or written
+# before the wait, and once a program's loop is done the next grid may get ready, so the
+# boundary between gate/up and down overlaps the gate/up epilogue.
 
 @triton.jit
 def _moe_pair_glu_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, ldw, lse, lsn, ldo, n_gate,
                          BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
-                         WSCALE: tl.constexpr, WINT: tl.constexpr, MMA: tl.constexpr, PREC: tl.constexpr,
-                         W_EVICT: tl.constexpr):
-    # MMA: the tensor-core form (below), acc [BN, 1] by tl.dot; else [BN, BK] partial sums of
-    # multiply-adds, reduced along K after the loop. WSCALE 2: the program's BN rows lie in one
-    # 128-row block (fp8_fits), so each K tile has one scale for the gate rows and one for the up
-    # rows, applied to x's values (CUDA cores) or to the tile's products (MMA)
+                         WSCALE: tl.constexpr, WINT: tl.constexpr):
+    # WSCALE 2: the program's BN rows lie in one 128-row block (fp8_fits), so each K tile has one
+    # scale for the gate rows and one for the up rows, applied to x's values
     if PDL:
         gdc_wait()
     p = tl.program_id(0)
@@ -69,36 +58,22 @@ def _moe_pair_glu_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k, ld
     sc_base = sc_ptr + expert * lse
     sc_gate = sc_base + (pid_n * BN // 128) * lsn
     sc_up = sc_base + ((n_gate + pid_n * BN) // 128) * lsn
-    acc = tl.zeros((BN, 1 if MMA else BK), dtype=tl.float32)
-    acc_up = tl.zeros((BN, 1 if MMA else BK), dtype=tl.float32)
+    acc = tl.zeros((BN, BK), dtype=tl.float32)
+    acc_up = tl.zeros((BN, BK), dtype=tl.float32)
     for k0 in range(0, K, BK):
         k_ok = (k0 + offs_k) < K
-        xt = tl.load(x_row + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0)  # [1, BK]
-        wg = tl.load(w_gate + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0, eviction_policy=W_EVICT)
-        wu = tl.load(w_up + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0, eviction_policy=W_EVICT)
-        if MMA:
-            if WSCALE == 0:
-                acc = tl.dot(wg, tl.trans(xt), acc, input_precision=PREC)
-                acc_up = tl.dot(wu, tl.trans(xt), acc_up, input_precision=PREC)
-            elif WSCALE == 1:
-                acc = tl.dot(tl_weight_values(wg, dt, WINT), tl.trans(xt), acc, input_precision=PREC)
-                acc_up = tl.dot(tl_weight_values(wu, dt, WINT), tl.trans(xt), acc_up, input_precision=PREC)
-            else:
-                acc += tl.dot(tl_weight_values(wg, dt, WINT), tl.trans(xt), input_precision=PREC) * tl.load(
-                    sc_gate + k0 // 128)
-                acc_up += tl.dot(tl_weight_values(wu, dt, WINT), tl.trans(xt), input_precision=PREC) * tl.load(
-                    sc_up + k0 // 128)
+        xv = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        wg = tl.load(w_gate + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0)
+        wu = tl.load(w_up + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0)
+        if WSCALE == 0:
+            acc += wg.to(tl.float32) * xv
+            acc_up += wu.to(tl.float32) * xv
+        elif WSCALE == 1:
+            acc += tl_weight_values(wg, dt, WINT).to(tl.float32) * xv
+            acc_up += tl_weight_values(wu, dt, WINT).to(tl.float32) * xv
         else:
-            xv = xt.to(tl.float32)
-            if WSCALE == 0:
-                acc += wg.to(tl.float32) * xv
-                acc_up += wu.to(tl.float32) * xv
-            elif WSCALE == 1:
-                acc += tl_weight_values(wg, dt, WINT).to(tl.float32) * xv
-                acc_up += tl_weight_values(wu, dt, WINT).to(tl.float32) * xv
-            else:
-                acc += tl_weight_values(wg, dt, WINT).to(tl.float32) * (xv * tl.load(sc_gate + k0 // 128))
-                acc_up += tl_weight_values(wu, dt, WINT).to(tl.float32) * (xv * tl.load(sc_up + k0 // 128))
+            acc += tl_weight_values(wg, dt, WINT).to(tl.float32) * (xv * tl.load(sc_gate + k0 // 128))
+            acc_up += tl_weight_values(wu, dt, WINT).to(tl.float32) * (xv * tl.load(sc_up + k0 // 128))
     if PDL:
         gdc_launch_dependents()
     gate = tl.sum(acc, axis=1)
@@ -160,6 +135,62 @@ def _moe_pair_down_kernel(inter_ptr, w_ptr, sc_ptr, ids_ptr, rw_ptr, out_ptr, N,
         y = y.to(dt).to(tl.float32)
     total = tl.sum(y, axis=0)  # padded slots add zeros
     tl.store(out_ptr + t.to(tl.int64) * ldo + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# The tensor-core forms (configs with ``mma``): the same programs, each K tile's products by
+# ``tl.dot`` with the weight tile as the MMA's first operand ([BN, BK] rows of W) and the one
+# x row as its second (Triton pads that side to 8 rows), as the split-K kernel runs M = 1
+# (kernels/triton_splitk.py). An e4m3 tile is converted once, then multiplied and summed along
+# K by the tensor cores, where the CUDA-core forms spend a multiply-add and a share of the
+# final reduction on every weight value. Down runs the token's slots one after another, each
+# slot's GEMM rounded and weighted as above, summed in slot order.
+
+@triton.jit
+def _moe_pair_glu_mma_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, ldw, lse, lsn, ldo,
+                             n_gate, BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
+                             PDL: tl.constexpr, WSCALE: tl.constexpr, WINT: tl.constexpr):
+    if PDL:
+        gdc_wait()
+    p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + p).to(tl.int64)
+    x_row = x_ptr + (p // top_k).to(tl.int64) * ldx
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    rows_n = tl.where(n_ok, offs_n, 0)
+    offs_k = tl.arange(0, BK)
+    w_gate = w_ptr + expert * lde + rows_n[:, None] * ldw
+    w_up = w_gate + n_gate * ldw
+    dt = x_ptr.dtype.element_ty
+    sc_base = sc_ptr + expert * lse
+    sc_gate = sc_base + (pid_n * BN // 128) * lsn
+    sc_up = sc_base + ((n_gate + pid_n * BN) // 128) * lsn
+    acc = tl.zeros((BN, 1), dtype=tl.float32)
+    acc_up = tl.zeros((BN, 1), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + offs_k) < K
+        xt = tl.trans(tl.load(x_row + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0))
+        wg = tl.load(w_gate + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        wu = tl.load(w_up + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        if WSCALE == 0:
+            acc = tl.dot(wg, xt, acc, input_precision=PREC)
+            acc_up = tl.dot(wu, xt, acc_up, input_precision=PREC)
+        elif WSCALE == 1:
+            acc = tl.dot(tl_weight_values(wg, dt, WINT), xt, acc, input_precision=PREC)
+            acc_up = tl.dot(tl_weight_values(wu, dt, WINT), xt, acc_up, input_precision=PREC)
+        else:
+            acc += tl.dot(tl_weight_values(wg, dt, WINT), xt, input_precision=PREC) * tl.load(sc_gate + k0 // 128)
+            acc_up += tl.dot(tl_weight_values(wu, dt, WINT), xt, input_precision=PREC) * tl.load(sc_up + k0 // 128)
+    if PDL:
+        gdc_launch_dependents()
+    if WSCALE == 1:
+        acc = acc * tl.load(sc_base + rows_n)[:, None]
+        acc_up = acc_up * tl.load(sc_base + n_gate + rows_n)[:, None]
+    gate = acc.to(dt).to(tl.float32)
+    up = acc_up.to(dt).to(tl.float32)
+    act = _gate_act(gate, ACT).to(dt).to(tl.float32)
+    y = act * up
+    tl.store(out_ptr + p.to(tl.int64) * ldo + offs_n[:, None], y.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])
 
 
 @triton.jit
@@ -227,11 +258,14 @@ def pairs_gate_up(config: TritonMoeConfig, x: torch.Tensor, w_gate_up, topk_ids:
     i = two_i // 2
     t, top_k = topk_ids.shape
     inter = torch.empty((t * top_k, i), dtype=x.dtype, device=x.device)
-    _moe_pair_glu_kernel[(t * top_k, triton.cdiv(i, config.block_n))](
+    if config.mma:
+        kernel, form = _moe_pair_glu_mma_kernel, {"PREC": input_precision(x)}
+    else:
+        kernel, form = _moe_pair_glu_kernel, {}
+    kernel[(t * top_k, triton.cdiv(i, config.block_n))](
         x, w.data, w.scale, topk_ids.contiguous(), inter, i, k, top_k, x.stride(0), w.data.stride(0),
         w.data.stride(1), w.lse, w.lsn, inter.stride(0), i, BN=config.block_n, BK=config.block_k,
-        ACT=ACTIVATIONS[activation], MMA=config.mma, PREC=input_precision(x),
-        W_EVICT="evict_first" if config.mma else "", **wscale_args(w, x), num_warps=config.num_warps,
+        ACT=ACTIVATIONS[activation], **form, **wscale_args(w, x), num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl_options(x))
     return inter
 

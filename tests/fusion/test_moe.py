@@ -284,11 +284,13 @@ for glu in (True, False):
             assert c.asm["cubin"]
 pair_kernels = [  # the pair kernels with and without programmatic dependent launch, each weight format
     *((moe_pairs._moe_pair_glu_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*bf16"]
-       + ["i32"] * 10, {"ACT": ACTIVATIONS["silu"], "PDL": pdl, "WSCALE": ws, "WINT": ws > 0, "MMA": mma,
-                        "PREC": "ieee", "W_EVICT": "evict_first" if mma else ""})
-      for pdl in (False, True) for ws in (0, 1, 2) for mma in (False, True)),
+       + ["i32"] * 10, {"ACT": ACTIVATIONS["silu"], "PDL": pdl, "WSCALE": ws, "WINT": ws > 0})
+      for pdl in (False, True) for ws in (0, 1, 2)),
     *((moe_pairs._moe_pair_down_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*fp32", "*bf16"]
        + ["i32"] * 8, {"TOP_K": 6, "KP": 8, "ROUND_PRODUCT": False, "PDL": pdl, "WSCALE": ws, "WINT": ws > 0})
+      for pdl in (False, True) for ws in (0, 1, 2)),
+    *((moe_pairs._moe_pair_glu_mma_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*bf16"]
+       + ["i32"] * 10, {"ACT": ACTIVATIONS["silu"], "PREC": "ieee", "PDL": pdl, "WSCALE": ws, "WINT": ws > 0})
       for pdl in (False, True) for ws in (0, 1, 2)),
     *((moe_pairs._moe_pair_down_mma_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*fp32",
                                       "*bf16"] + ["i32"] * 8,
