@@ -85,7 +85,7 @@ def configs_of(record) -> tuple:
                 raise ValueError(f"{name}.{field} must be an integer in {lo}..{hi}, got {v!r}")
             if field != "num_stages" and v & (v - 1):
                 raise ValueError(f"{name}.{field} must be a power of two, got {v}")
-        mma = values[len(_RECORD_LIMITS):] == [1]
+        mma = [type(v) for v in values[len(_RECORD_LIMITS):]] == [int] and values[-1] == 1  # 1, not True or 1.0
         if len(values) > len(_RECORD_LIMITS) and not (mma and values[0] == 1 and min(values[1:3]) >= 16):
             raise ValueError(f"{name}: a sixth value is 1 (mma) after block_m 1 and block_n, block_k of at least "
                              f"16, got {values!r}")

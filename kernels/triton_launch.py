@@ -4,7 +4,7 @@ data pointers as ints), the device facts the launch plans size their grids and s
 and whether a kernel uses programmatic dependent launch.
 
 Serves every Triton kernel here: triton_gemm, triton_splitk, triton_glu, triton_rmsnorm,
-triton_decode_attention and triton_push_sum (their launches), triton_moe and triton_router
+triton_decode_attention and triton_push_sum (their launches), triton_moe_pairs and triton_router
 (:func:`pdl_options`), and the launch plans of
 triton_plan; kernels/backends.py reads :func:`device_facts` for the tuner's limits. Nothing
 here touches a GPU at import time: device facts are queried on first use and cached.

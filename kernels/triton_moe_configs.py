@@ -38,12 +38,14 @@ def pair_major(pairs: int, experts: int) -> bool:
 # experts, 1 and 8 tokens. Gate/up: the tensor-core form with 16 x 256 W tiles on one warp is
 # within 2.3% of the fastest config in all eight cases (bf16 and e4m3 per channel; e.g. Qwen3 at
 # one token 13.9 bf16 and 10.5 e4m3, against 15.4 and 13.5 for the CUDA-core 8 x 128 tiles).
-# Down: the tensor-core form runs a token's slots one after another, so at one token it has
-# too few programs (Qwen3: 16.5 bf16, 20.6 e4m3) and the CUDA-core form with all slots in one
-# tile wins (9.6 bf16 with 4 x 256 tiles, 8.0 e4m3 with 8 x 256); from two tokens on the
-# tensor-core 16 x 128 tiles (Qwen3 at 8 tokens: 43.2 bf16 against 47.4, 28.9 e4m3 against
-# 52.0). With these, 64 e4m3 pairs (Qwen3, 8 tokens) take 76.5 pair-major against 91.9 for the
-# layout and the grouped launches. Block-scaled e4m3 experts take tiles 128 columns deep (fp8_fits).
+# Down: the tensor-core form runs a token's slots one after another, so at one Qwen3 token it
+# has too few programs (16.5 bf16, 20.6 e4m3) and the CUDA-core form with all slots in one tile
+# wins; its default tiles (4 x 256 for bf16, 8 x 256 for e4m3, 8 warps) take 9.6 and 8.0 there
+# and 69.1 and 56.5 at one Mixtral token, all within 20% of the fastest probed config
+# (bf16 Mixtral's fastest: the tensor-core form, 57.4). From two tokens on, the tensor-core
+# 16 x 128 tiles (Qwen3 at 8 tokens: 43.2 bf16 against 47.4, 28.9 e4m3 against 52.0). With
+# these, 64 e4m3 pairs (Qwen3, 8 tokens) take 76.5 pair-major against 91.9 for the layout and
+# the grouped launches. Block-scaled e4m3 experts take tiles 128 columns deep (fp8_fits).
 _PAIR_UP = TritonMoeConfig(1, 16, 256, 1, 4, mma=True)
 _PAIR_DOWN_MANY_TOKENS = TritonMoeConfig(1, 16, 128, 1, 4, mma=True)
 _PAIR_DOWN_ONE_TOKEN = {"": TritonMoeConfig(1, 4, 256, 8, 2),
@@ -56,8 +58,8 @@ def default_configs(pairs: int, experts: int, weight_format: str = "", *,
     """(gate/up, down) configs for ``pairs`` (token, expert) pairs of ``top_k`` per token over
     ``experts`` experts: pair-major (``block_m`` 1, no layout) where :func:`pair_major` (the
     measured configs above), else one block size for both (they share the layout) by the rows an
-    expert gets on average, each expert's rows padded to whole blocks. The fastest or within 5%
-    of it for the Qwen3-30B-A3B and Mixtral-8x7B experts at 1, 8, 64 and 2048 tokens
+    expert gets on average, each expert's rows padded to whole blocks: the fastest or within 5%
+    of it for the Qwen3-30B-A3B and Mixtral-8x7B experts at 8, 64 and 2048 tokens
     (scripts/moe_config_probe.py on the H200). Block-scaled FP8 experts (``weight_format``
     ``e4m3_block128``) take tiles 128 columns deep (:func:`fp8_fits`); per-channel ones past
     48 rows an expert the 64 x 128 x 64 tiles however many rows it gets."""

@@ -188,7 +188,8 @@ class Run:
 
     @property
     def patched_variant(self) -> str:
-        """The patched model's variant name: ``hybridgemm``, or ``hybridgemm_<FP8 format>``."""
+        """The patched model's variant name: ``hybridgemm``, or ``hybridgemm_<run_weights>``
+        (the FP8 format, then ``_head`` and ``_w8a8`` where they apply)."""
         return "hybridgemm" if self.granularity is None else f"hybridgemm_{self.run_weights}"
 
 

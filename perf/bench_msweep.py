@@ -277,10 +277,11 @@ def write_csv(path, rows: list[dict]) -> None:
 
 
 def git_commit() -> str:
-    """The source tree's commit, ``-dirty`` appended where its files differ from it (``git
-    describe --always --dirty``), or "unknown" (no git, not a checkout)."""
+    """The source tree's commit (its hash, never a tag's name), ``-dirty`` appended where its
+    files differ from it (``git describe --always --dirty``), or "unknown" (no git, not a
+    checkout)."""
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
                              cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
         return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"

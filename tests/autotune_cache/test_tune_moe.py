@@ -45,8 +45,10 @@ def test_a_record_round_trips_and_bad_ones_are_named():
     record = tune_moe.record_of(mma_up, mma_down)
     assert record == {"up": [1, 32, 256, 2, 4, 1], "down": [1, 8, 256, 4, 4]}
     assert tune_moe.configs_of(record) == (mma_up, mma_down)
-    for bad in ([1, 8, 256, 4, 4, 1], [1, 32, 256, 2, 4, 0], [1, 32, 256, 2, 4, 1, 1]):
-        with pytest.raises(ValueError):
+    for bad, match in [([1, 8, 256, 4, 4, 1], "sixth value"), ([1, 32, 256, 2, 4, 0], "sixth value"),
+                       ([1, 32, 256, 2, 4, True], "sixth value"), ([1, 32, 256, 2, 4, 1.0], "sixth value"),
+                       ([1, 32, 256, 2, 4, 1, 1], "5 integers")]:
+        with pytest.raises(ValueError, match=match):
             tune_moe.configs_of({"up": bad, "down": record["down"]})
 
 

@@ -301,11 +301,16 @@ pair_kernels = [  # the pair kernels with and without programmatic dependent lau
     (tm._moe_place_kernel, ["*i64", "*i32", "*i32", "*i32"] + ["i32"] * 5,
      {"EP": 128, "CHUNK": tm.ALIGN_CHUNK, "CT": 32, "BT": 64}),
 ]
+# the default tensor-core tiles: 16 W rows on one warp, 128 and 256 deep
+pair_kernels += [(fn, types, {**extra, "BN": 16, "BK": bk, "num_warps": 1}) for fn, types, extra in pair_kernels
+                 if "PREC" in extra for bk in (128, 256)]
 for fn, types, extra in pair_kernels:
+    extra = dict(extra)
+    warps = extra.pop("num_warps", 4)
     consts = {"BN": 32, "BK": 128, **extra} if "PDL" in extra else extra  # the pair kernels
     sig = {**dict(zip(fn.arg_names, types)), **dict.fromkeys(consts, "constexpr")}
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4, "num_stages": 3})
+                       options={"num_warps": warps, "num_stages": 4})
     assert c.asm["cubin"]
 print("compiled")
 """
@@ -376,6 +381,9 @@ def test_moe_takes_the_pair_major_path_for_few_pairs(monkeypatch):
     # tensor cores from two tokens on
     one, two = tm.default_configs(8, 128, top_k=8), tm.default_configs(16, 128, top_k=8)
     assert one[0] == two[0] and one[0].mma and not one[1].mma and two[1].mma
+    w_128 = torch.empty(128, 2 * 40, 56)
+    for tokens, down_mma in ((1, False), (2, True)):  # what moe() decides passes its top_k on
+        assert moe_mod.decision_for(torch.empty(tokens, 56), 8, w_128, "silu").configs[1].mma is down_mma
     assert tm.default_configs(2, 8, top_k=2)[1] == one[1] and tm.default_configs(4, 8, top_k=2)[1] == two[1]
     # per-channel e4m3 experts: the 64 x 128 x 64 tiles past 48 rows an expert; block-scaled ones
     # as bf16 but for the pair-major tiles' depth (at most one 128-column block of scales)
