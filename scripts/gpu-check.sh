@@ -14,11 +14,11 @@
 #                   choices compared with the first ($OUT/tune_compare.txt)
 #         fp8       FP8 weights: GPU tests, the split-K sweep on e4m3 (FP8_GRANULARITY), the prefill bench,
 #                   scripts/fp8_decode_probe.py; FP8 tables: TUNE_ARGS="--weights fp8" with the tune stage
-#         fp8moe    FP8 experts and W8A8: their GPU tests, bench_moe --weights fp8 (1, 2, 4, 8, 2048
-#                   tokens), moe_config_probe --weights fp8_channel at 1-8 tokens, the compiled decode
-#                   of qwen3-30b-a3b (12 layers) with FP8 weights beside stock bf16, and its kernel
-#                   profile with the LM head in FP8 too; each step under `timeout` (FP8MOE_TIMEOUT s,
-#                   default 420), results in $OUT
+#         fp8moe    FP8 experts and W8A8: their GPU tests, bench_moe --weights bf16 fp8 (1, 2, 4, 8,
+#                   2048 tokens), moe_config_probe --weights fp8_channel at 2 and 4 tokens (both
+#                   pair-major forms against grouped), the compiled decode of qwen3-30b-a3b (12
+#                   layers) and llama3-8b (32) in FP8 with the LM head too, beside stock bf16; each
+#                   step under `timeout` (FP8MOE_TIMEOUT s, default 420), results in $OUT
 #         msweep    perf/bench_msweep.py: dispatched vs F.linear at 128 M per preset shape
 #                   (table: $TABLE or $OUT/h200.json; MSWEEP_ARGS passed on)
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
@@ -158,20 +158,18 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       timeout "$t" $PY -m hybridgemm.perf.bench_moe --weights bf16 fp8 --tokens 1 2 4 8 2048 --rounds 5 \
         --out "$OUT/moe_fp8_h200.csv" >"$OUT/bench_moe_fp8.txt" 2>&1 || status=1
       grep graph "$OUT/bench_moe_fp8.txt" | tee -a "$OUT/summary.txt"
-      log "moe_config_probe --weights fp8_channel (pair-major against grouped, 1-8 tokens)"
-      timeout "$t" $PY scripts/moe_config_probe.py --weights fp8_channel --tokens 1 2 4 8 --out "$OUT" \
+      log "moe_config_probe --weights fp8_channel (both pair-major forms against grouped, 2 and 4 tokens)"
+      timeout "$t" $PY scripts/moe_config_probe.py --weights fp8_channel --tokens 2 4 --out "$OUT" \
         >"$OUT/moe_probe_fp8.txt" 2>&1 || status=1
       grep -E "T= " "$OUT/moe_probe_fp8.txt" | tee -a "$OUT/summary.txt"
-      log "e2e qwen3-30b-a3b FP8 compiled decode"
-      timeout "$t" $PY -m hybridgemm bench --e2e --model qwen3-30b-a3b --layers 12 --batch 1 8 --tokens 32 \
-        --rounds 2 --modes compiled_static logits_error --weights fp8 --no-peers --no-progress \
-        --out "$OUT/e2e_moe_fp8_h200.csv" >"$OUT/bench_e2e_qwen3_fp8.txt" 2>&1 || status=1
-      tail -n 12 "$OUT/bench_e2e_qwen3_fp8.txt" | tee -a "$OUT/summary.txt"
-      log "e2e_profile qwen3-30b-a3b FP8, the LM head in FP8 too"
-      timeout "$t" $PY -m hybridgemm.perf.e2e_profile --model qwen3-30b-a3b --layers 12 --batch 1 \
-        --modes compiled_static --weights fp8 --quantize-lm-head --out "$OUT/e2e_profile_fp8_head.csv" \
-        >"$OUT/e2e_profile_fp8_head.txt" 2>&1 || status=1
-      grep -v -i warn "$OUT/e2e_profile_fp8_head.txt" | head -n 40 | tee -a "$OUT/summary.txt"
+      for model in "qwen3-30b-a3b --layers 12" "llama3-8b --layers 32"; do
+        log "e2e $model FP8 compiled decode, the LM head in FP8 too"
+        # shellcheck disable=SC2086
+        timeout "$t" $PY -m hybridgemm bench --e2e --model $model --batch 1 8 --tokens 32 --rounds 2 \
+          --modes compiled_static --weights fp8 --quantize-lm-head --no-peers --no-progress \
+          --out "$OUT/e2e_fp8_head_h200.csv" >"$OUT/bench_e2e_fp8_head_${model%% *}.txt" 2>&1 || status=1
+        tail -n 8 "$OUT/bench_e2e_fp8_head_${model%% *}.txt" | tee -a "$OUT/summary.txt"
+      done
       ;;
     e2e)
       log "bench_e2e"
