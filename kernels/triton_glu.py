@@ -197,6 +197,15 @@ def _gate_act(z, ACT: tl.constexpr):
 
 
 @triton.jit
+def tl_rounded_glu(gate, up, dtype: tl.constexpr, ACT: tl.constexpr):
+    """``act(gate) * up`` in fp32 with transformers' experts' roundings: the GEMMs' outputs
+    ``gate`` and ``up`` (fp32) and the activation each rounded to ``dtype`` (the MoE kernels)."""
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    return _gate_act(gate, ACT).to(dtype).to(tl.float32) * up
+
+
+@triton.jit
 def _tile_grid(offs_m, offs_n, SWAP: tl.constexpr):
     """The tile's M and N offsets as a column and a row (or a row and a column when SWAP), so
     that they broadcast against the accumulator: [BM, BN], or [BN, BM] when swapped."""

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .triton_e4m3 import tl_weight_values
-from .triton_glu import ACTIVATIONS, _gate_act
+from .triton_glu import ACTIVATIONS, tl_rounded_glu
 from .triton_launch import interpreting
 from .triton_moe_configs import (
     Operand,
@@ -226,10 +226,7 @@ def _moe_kernel(x_ptr, w_ptr, sc_ptr, out_ptr, rows_ptr, expert_ptr, rw_ptr, S, 
             acc_up = acc_up * tl.load(sc_base + n_gate + rows_n)[None, :]
     dt = out_ptr.dtype.element_ty
     if GLU:
-        gate = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(x_ptr.dtype.element_ty).to(tl.float32)
-        act = _gate_act(gate, ACT).to(x_ptr.dtype.element_ty).to(tl.float32)
-        y = act * up
+        y = tl_rounded_glu(acc, acc_up, x_ptr.dtype.element_ty, ACT)
         out_rows = offs_r
         mask = n_ok[None, :] & (offs_r[:, None] >= 0)
     else:

@@ -15,7 +15,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .triton_e4m3 import tl_weight_values
-from .triton_glu import ACTIVATIONS, _gate_act
+from .triton_glu import ACTIVATIONS, tl_rounded_glu
 from .triton_launch import pdl_options
 from .triton_moe_configs import (
     Operand,
@@ -37,13 +37,11 @@ from .triton_moe_configs import (
 # boundary between gate/up and down overlaps the gate/up epilogue.
 
 @triton.jit
-def _moe_pair_glu_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, ldw, lse, lsn, ldo, n_gate,
-                         BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
-                         WSCALE: tl.constexpr, WINT: tl.constexpr):
-    # WSCALE 2: the program's BN rows lie in one 128-row block (fp8_fits), so each K tile has one
-    # scale for the gate rows and one for the up rows, applied to x's values
-    if PDL:
-        gdc_wait()
+def _pair_glu_operands(x_ptr, w_ptr, sc_ptr, ids_ptr, N, top_k, ldx, lde, ldw, lse, lsn, n_gate, BN: tl.constexpr,
+                       BK: tl.constexpr):
+    # what a gate/up program (pair p, column block) reads: its x row, its BN gate and up rows of
+    # its expert's weight (rows past N clamped to 0, dropped at the store), BK at a time, and
+    # their scales
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + p).to(tl.int64)
@@ -54,10 +52,23 @@ def _moe_pair_glu_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k, ld
     offs_k = tl.arange(0, BK)
     w_gate = w_ptr + expert * lde + rows_n[:, None] * ldw
     w_up = w_gate + n_gate * ldw
-    dt = x_ptr.dtype.element_ty
     sc_base = sc_ptr + expert * lse
     sc_gate = sc_base + (pid_n * BN // 128) * lsn
     sc_up = sc_base + ((n_gate + pid_n * BN) // 128) * lsn
+    return p, x_row, offs_n, n_ok, rows_n, offs_k, w_gate, w_up, sc_base, sc_gate, sc_up
+
+
+@triton.jit
+def _moe_pair_glu_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, ldw, lse, lsn, ldo, n_gate,
+                         BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
+                         WSCALE: tl.constexpr, WINT: tl.constexpr):
+    # WSCALE 2: the program's BN rows lie in one 128-row block (fp8_fits), so each K tile has one
+    # scale for the gate rows and one for the up rows, applied to x's values
+    if PDL:
+        gdc_wait()
+    p, x_row, offs_n, n_ok, rows_n, offs_k, w_gate, w_up, sc_base, sc_gate, sc_up = _pair_glu_operands(
+        x_ptr, w_ptr, sc_ptr, ids_ptr, N, top_k, ldx, lde, ldw, lse, lsn, n_gate, BN, BK)
+    dt = x_ptr.dtype.element_ty
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     acc_up = tl.zeros((BN, BK), dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -81,10 +92,8 @@ def _moe_pair_glu_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k, ld
     if WSCALE == 1:
         gate = gate * tl.load(sc_base + rows_n)
         up = up * tl.load(sc_base + n_gate + rows_n)
-    gate = gate.to(dt).to(tl.float32)
-    up = up.to(dt).to(tl.float32)
-    act = _gate_act(gate, ACT).to(dt).to(tl.float32)
-    tl.store(out_ptr + p.to(tl.int64) * ldo + offs_n, (act * up).to(out_ptr.dtype.element_ty), mask=n_ok)
+    y = tl_rounded_glu(gate, up, dt, ACT)
+    tl.store(out_ptr + p.to(tl.int64) * ldo + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -151,20 +160,9 @@ def _moe_pair_glu_mma_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k
                              PDL: tl.constexpr, WSCALE: tl.constexpr, WINT: tl.constexpr):
     if PDL:
         gdc_wait()
-    p = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(ids_ptr + p).to(tl.int64)
-    x_row = x_ptr + (p // top_k).to(tl.int64) * ldx
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    n_ok = offs_n < N
-    rows_n = tl.where(n_ok, offs_n, 0)
-    offs_k = tl.arange(0, BK)
-    w_gate = w_ptr + expert * lde + rows_n[:, None] * ldw
-    w_up = w_gate + n_gate * ldw
+    p, x_row, offs_n, n_ok, rows_n, offs_k, w_gate, w_up, sc_base, sc_gate, sc_up = _pair_glu_operands(
+        x_ptr, w_ptr, sc_ptr, ids_ptr, N, top_k, ldx, lde, ldw, lse, lsn, n_gate, BN, BK)
     dt = x_ptr.dtype.element_ty
-    sc_base = sc_ptr + expert * lse
-    sc_gate = sc_base + (pid_n * BN // 128) * lsn
-    sc_up = sc_base + ((n_gate + pid_n * BN) // 128) * lsn
     acc = tl.zeros((BN, 1), dtype=tl.float32)
     acc_up = tl.zeros((BN, 1), dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -186,10 +184,7 @@ def _moe_pair_glu_mma_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k
     if WSCALE == 1:
         acc = acc * tl.load(sc_base + rows_n)[:, None]
         acc_up = acc_up * tl.load(sc_base + n_gate + rows_n)[:, None]
-    gate = acc.to(dt).to(tl.float32)
-    up = acc_up.to(dt).to(tl.float32)
-    act = _gate_act(gate, ACT).to(dt).to(tl.float32)
-    y = act * up
+    y = tl_rounded_glu(acc, acc_up, dt, ACT)
     tl.store(out_ptr + p.to(tl.int64) * ldo + offs_n[:, None], y.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])
 
 
