@@ -285,7 +285,8 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str):
 # and the caller computes the same thing unfused.
 
 _SPLITK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_FUSION_NAMES = {"norm": "norm", "residual": "residual", "rope": "rotary/KV-cache", "weight_scale": "FP8 weight"}
+_FUSION_NAMES = {"norm": "norm", "residual": "residual", "rope": "rotary/KV-cache", "weight_scale": "FP8 weight",
+                 "glu": "GLU product"}
 
 
 def splitk_config(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -388,7 +389,8 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  counters: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
                  keep_prologue: bool = False, **fusion) -> torch.Tensor | None:
     """``linear(x, weight, bias)`` with ``fusion`` (split-K's ``norm=(g, eps[, offset])``: a norm
-    operand, norm.norm_operand; ``residual=``, ``rope=``) in one launch, where the decision for
+    operand, norm.norm_operand; ``residual=``, ``rope=``; ``glu=`` an activation name: ``weight``
+    is a stacked [gate; up] and the result ``glu(gate) * up``, N / 2 wide) in one launch, where the decision for
     the bare GEMM is Triton split-K (or, with a
     fusion, the table holds a split-K candidate tied with its winner: :func:`fusable_splitk_config`);
     the norm in a launch of its own before it (``norm.prologue_norm``: one Triton launch, Llama's
@@ -412,13 +414,20 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     norm_asked = "norm" in fusion
     n = weight.shape[0]
     x2, w2, b2 = row_major(rows_2d(x)), row_major(weight), contiguous_bias(bias)
-    out = x.new_empty((x2.shape[0], n))
+    out = x.new_empty((x2.shape[0], n))  # the bare GEMM's output, which its decision is for
     weight_format = "" if weight_scale is None else fp8.FORMAT_OF[fp8.granularity_of(weight, weight_scale)]
     config = splitk_config(x2, w2, b2, out, weight_format)
     if config is None and fusion and weight_scale is None:
         config = fusable_splitk_config(x2, w2, b2, out)
     if config is None:
         return None
+    if fusion.get("glu") is not None:
+        n //= 2
+        out = x.new_empty((x2.shape[0], n))
+        if config.split_k > 1 and not config.fused_reduce:
+            # the epilogue needs a tile's sums in one program: the single-pass reduction adds
+            # the same partials in the same order, so the bits are the two-launch path's
+            config = dataclasses.replace(config, fused_reduce=True)
     rope = fusion.get("rope")
     if rope is not None and rope.head_dim % config.block_n:
         config = _tiles_within_heads(config, rope.head_dim)

@@ -206,6 +206,23 @@ def tl_rounded_glu(gate, up, dtype: tl.constexpr, ACT: tl.constexpr):
 
 
 @triton.jit
+def tl_glu_rows(pid_n, half, BN: tl.constexpr):
+    """The stacked weight's rows a GEMM tile ``pid_n`` of ``BN`` rows multiplies to end in the GLU
+    product (triton_splitk's GLU): the gate rows of ``BN / 2`` output columns, then the up rows
+    (``half`` further on) of the same columns. ``(rows, ok)``: ``ok`` is False past the
+    ``half`` output columns."""
+    j = tl.arange(0, BN)
+    col = pid_n * (BN // 2) + j % (BN // 2)
+    return tl.where(j < BN // 2, col, col + half), col < half
+
+
+@triton.jit
+def tl_glu_halves(acc, BN: tl.constexpr, BM: tl.constexpr):
+    """The gate and up halves ([BN/2, BM] each) of a [BN, BM] tile laid out by :func:`tl_glu_rows`."""
+    return tl.split(tl.permute(tl.reshape(acc, (2, BN // 2, BM)), (1, 2, 0)))
+
+
+@triton.jit
 def _tile_grid(offs_m, offs_n, SWAP: tl.constexpr):
     """The tile's M and N offsets as a column and a row (or a row and a column when SWAP), so
     that they broadcast against the accumulator: [BM, BN], or [BN, BM] when swapped."""

@@ -63,12 +63,14 @@ class PlanCache(BoundedCache):
         return plan
 
 
-def plan_problem(config, x, weight, bias, out, act: Activation, tf32: bool, weight_format: str = ""):
+def plan_problem(config, x, weight, bias, out, act: Activation, tf32: bool, weight_format: str = "",
+                 glu: bool = False):
     """What building any plan starts with: the operand checks (clear errors), the Problem, and
     ``config.supports`` on x's device. ``(problem, device facts)``, or None for an empty output
     (M or N is 0). Raises ValueError when the config cannot run the problem there.
-    ``weight_format``: W is FP8 in that format (kernels/fp8.py), x and out bf16/fp16."""
-    check_operands(x, weight, bias, out, weight_format)
+    ``weight_format``: W is FP8 in that format (kernels/fp8.py), x and out bf16/fp16. ``glu``:
+    W is a stacked [gate; up] and out holds the product's N / 2 columns."""
+    check_operands(x, weight, bias, out, weight_format, glu)
     problem = Problem.from_tensors(x, weight, bias, out, Epilogue(act, bias is not None), tf32, weight_format)
     if problem.m == 0 or problem.n == 0:
         return None
@@ -95,9 +97,10 @@ def split_extent(k: int, block_k: int, split: int) -> int:
 # ----------------------------------------------------------------------------- operands
 
 
-def check_operands(x, weight, bias, out, weight_format: str = "") -> None:
+def check_operands(x, weight, bias, out, weight_format: str = "", glu: bool = False) -> None:
     """Clear TypeError/ValueError for anything the kernels cannot take. Run once per plan.
-    With a ``weight_format`` W is e4m3 and x bf16/fp16; otherwise all share x's dtype."""
+    With a ``weight_format`` W is e4m3 and x bf16/fp16; otherwise all share x's dtype. ``glu``:
+    W's N rows are a stacked [gate; up] (N even) and out has N / 2 columns."""
     named = {"x": x, "weight": weight, "out": out} | ({} if bias is None else {"bias": bias})
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
@@ -109,9 +112,13 @@ def check_operands(x, weight, bias, out, weight_format: str = "") -> None:
         )
     m, k = x.shape
     n = weight.shape[0]
-    if weight.shape[1] != k or tuple(out.shape) != (m, n):
+    if glu and n % 2:
+        raise ValueError(f"a GLU weight stacks gate and up rows: N={n} must be even")
+    cols = n // 2 if glu else n
+    if weight.shape[1] != k or tuple(out.shape) != (m, cols):
         raise ValueError(
             f"shape mismatch: x{tuple(x.shape)} @ weight{tuple(weight.shape)}.T -> out{tuple(out.shape)}"
+            + (f" (the GLU product's {cols} columns)" if glu else "")
         )
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or (n > 1 and bias.stride(0) != 1)):
         raise ValueError(f"bias must be a contiguous vector of {n} elements, got {tuple(bias.shape)}")
@@ -127,10 +134,10 @@ def check_operands(x, weight, bias, out, weight_format: str = "") -> None:
             raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}; all must match")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    if (k > 1 and (x.stride(1) != 1 or weight.stride(1) != 1)) or (n > 1 and out.stride(1) != 1):
+    if (k > 1 and (x.stride(1) != 1 or weight.stride(1) != 1)) or (cols > 1 and out.stride(1) != 1):
         raise ValueError("x, weight and out need unit column stride (rows may be padded)")
-    if m > 1 and out.stride(0) < n:
-        raise ValueError(f"out rows overlap (row stride {out.stride(0)} < N={n})")
+    if m > 1 and out.stride(0) < cols:
+        raise ValueError(f"out rows overlap (row stride {out.stride(0)} < {cols} columns)")
     if x.device.type != "cuda" and not interpreting():
         raise ValueError(f"Triton kernels need CUDA tensors (got {x.device}) or TRITON_INTERPRET=1")
 

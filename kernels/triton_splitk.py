@@ -1,7 +1,9 @@
 """Deterministic split-K Triton GEMM for decode-sized M (≤ 64): ``out = act(x @ W.T + b)``,
-optionally with an RMSNorm of x fused in front, a residual added after, and for a Q/K/V
-projection the rotary embedding and the KV-cache write (``run(norm=, residual=, rope=)``, the
-decoder-layer fusion of fusion/models/decoder_layer.py).
+optionally with an RMSNorm of x fused in front, a residual added after, for a Q/K/V
+projection the rotary embedding and the KV-cache write, and for a stacked gate/up weight the
+GLU product (``run(norm=, residual=, rope=, glu=)``, the decoder-layer fusion of
+fusion/models/decoder_layer.py; ``glu`` serves e4m3 gate/up weights, which the gated kernel,
+kernels/triton_glu.py, does not read).
 
 At small M the GEMM is a stream over W (N x K): the kernel's only job is to keep enough
 bytes of W in flight on every SM. N alone gives too few tiles (70b qkv: 160 tiles of 64
@@ -60,6 +62,8 @@ from .triton_config import (
 )
 from .triton_e4m3 import integer_conversion, tl_weight_values
 from .triton_epilogue import ACT_CODE, tl_activation, tl_add_residual, tl_norm_factor, tl_norm_tile_sq, tl_rstd
+from .triton_glu import ACTIVATIONS as GLU_CODES
+from .triton_glu import tl_glu_halves, tl_glu_rows, tl_rounded_glu
 from .triton_launch import Launcher, pdl_enabled
 from .triton_plan import (
     PlanCache,
@@ -298,7 +302,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                    PREC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                    ROPE: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr,
                    QK_NORM: tl.constexpr, RES_SCALED: tl.constexpr, WSCALE: tl.constexpr,
-                   WINT: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr, NW_OFFSET: tl.constexpr):
+                   WINT: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr, NW_OFFSET: tl.constexpr,
+                   GLU: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -316,6 +321,10 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # loop; 2 per 128x128 block (sc[N/128, lds]) per K tile, which lies inside one block (BK
     # divides 128 and each split starts on a block edge), so acc += (W8 @ x.T) * s[row block].
     # WINT: the e4m3 -> bf16 conversion by integer ops (triton_e4m3), else Triton's cast.
+    # GLU (an activation code of triton_glu, 0 for none): W is a stacked [gate; up] of N rows and
+    # out has N / 2 columns, act(gate) * up; a tile multiplies the gate rows of BN / 2 output
+    # columns and the up rows of the same columns (triton_glu.tl_glu_rows), so the epilogue has
+    # both halves of its columns at hand (with the transformers GLU's roundings, tl_rounded_glu).
     # PDL (programmatic dependent launch): this grid may start while the previous kernel on
     # the stream finishes; nothing is read or written before the wait, which returns once that
     # kernel has completed and its writes are visible (see pdl_enabled()).
@@ -325,9 +334,11 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     offs_n = pid_n * BN + tl.arange(0, BN)
     if ROPE:
         offs_n = tl_rope_columns(pid_n, offs_n, rope_tiles, BN, HD)
+    n_ok = offs_n < N
+    if GLU != 0:
+        offs_n, n_ok = tl_glu_rows(pid_n, N // 2, BN)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
-    n_ok = offs_n < N
     m_ok = offs_m < M
     # W rows past N are clamped (re-read row 0, dropped at the store) so full-K W loads carry
     # no mask at all; x rows past M are masked, so the padding rows of a 1-row x cost nothing.
@@ -403,8 +414,15 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
             if RESIDUAL:
                 acc = tl_add_residual(acc, res_ptr + offs_m[None, :] * ldr + offs_n[:, None], mask,
                                       out_ptr.dtype.element_ty, res_scale, RES_SCALED)
-            ptrs = out_ptr + offs_m[None, :] * ldo + offs_n[:, None]
-            tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            if GLU != 0:
+                gate, up = tl_glu_halves(acc, BN, BM)
+                cols = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+                ptrs = out_ptr + offs_m[None, :] * ldo + cols[:, None]
+                tl.store(ptrs, tl_rounded_glu(gate, up, out_ptr.dtype.element_ty, GLU).to(out_ptr.dtype.element_ty),
+                         mask=(cols < N // 2)[:, None] & m_ok[None, :])
+            else:
+                ptrs = out_ptr + offs_m[None, :] * ldo + offs_n[:, None]
+                tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -444,7 +462,9 @@ class Fusion:
     embedding and KV-cache write of a Q/K/V projection (``rope``). ``norm_fp32``: the norm
     weight is fp32 (a Gemma norm's kept ``1 + weight``), not x's dtype (Triton
     compiles the prologue for its pointer type); ``norm_offset``: the prologue's factor is
-    ``norm_offset + weight`` in fp32, formed in registers (a Gemma norm's weight as it is)."""
+    ``norm_offset + weight`` in fp32, formed in registers (a Gemma norm's weight as it is);
+    ``glu``: the GLU product's activation (triton_glu.ACTIVATIONS) over a stacked [gate; up]
+    weight, the output N / 2 columns wide."""
 
     norm_eps: float | None = None
     norm_aligned: bool = True
@@ -454,6 +474,7 @@ class Fusion:
     residual_scale: float | None = None  # the residual adds y * residual_scale (Granite's residual_multiplier)
     norm_fp32: bool = False
     norm_offset: float = 0.0
+    glu: str | None = None
 
 
 _NO_FUSION = Fusion()
@@ -499,22 +520,22 @@ _FUSION_POINTERS = len(_fusion_pointers(None))  # what a call without fusions pa
 
 
 def fusion_of(norm: tuple | None, residual: torch.Tensor | None, rope: RopeLayout | None = None,
-              residual_scale: float | None = None) -> Fusion:
-    """The :class:`Fusion` of a call's ``norm=(weight, eps[, offset])``, ``residual`` and
-    ``residual_scale`` arguments and its checked rotary layout."""
-    if norm is None and residual is None and rope is None:
+              residual_scale: float | None = None, glu: str | None = None) -> Fusion:
+    """The :class:`Fusion` of a call's ``norm=(weight, eps[, offset])``, ``residual``,
+    ``residual_scale`` and ``glu`` arguments and its checked rotary layout."""
+    if norm is None and residual is None and rope is None and glu is None:
         return _NO_FUSION
     return Fusion(None if norm is None else float(norm[1]), norm is None or norm[0].data_ptr() % 16 == 0,
                   None if residual is None else (residual.stride(0) if residual.shape[0] > 1 else residual.shape[1]),
                   residual is None or residual.data_ptr() % 16 == 0, rope,
                   None if residual_scale is None else float(residual_scale),
                   norm is not None and norm[0].dtype == torch.float32,
-                  float(norm[2]) if norm is not None and len(norm) == 3 else 0.0)
+                  float(norm[2]) if norm is not None and len(norm) == 3 else 0.0, glu)
 
 
 def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     config, fusion, weight_format = key
-    found = plan_problem(config, x, weight, bias, out, act, tf32, weight_format)
+    found = plan_problem(config, x, weight, bias, out, act, tf32, weight_format, fusion.glu is not None)
     if found is None:
         return TritonPlan(x.device, empty=True)
     problem, facts = found
@@ -534,7 +555,7 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
                 RES_SCALED=fusion.residual_scale is not None, PDL=pdl, NW_OFFSET=fusion.norm_offset,
                 WSCALE=_WSCALE[weight_format],
                 WINT=bool(weight_format) and integer_conversion(x.dtype),
-                **launch_opts)
+                GLU=GLU_CODES[fusion.glu] if fusion.glu is not None else 0, **launch_opts)
     # the integer groups (see "launch arguments")
     gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)
     split_ints = (extent,)
@@ -580,6 +601,7 @@ def run(
     counters: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
     residual_scale: float | None = None,
+    glu: str | None = None,
 ) -> torch.Tensor:
     """``out[:] = act(rmsnorm(x) @ weight.T + bias) + residual`` with ``config``; returns ``out``.
 
@@ -598,7 +620,11 @@ def run(
     regions (left zero; not to be shared with a launch running at the same time), instead of
     a zero-filled one per call; eager calls use their stream's. ``weight_scale``: ``weight`` is
     e4m3 and these are its fp32 scales, (N,) per channel or (N/128, K/128) per block, contiguous
-    (kernels/fp8.py; x and out bf16/fp16).
+    (kernels/fp8.py; x and out bf16/fp16). ``glu`` ("silu", "gelu_tanh" or "gelu"): ``weight`` is
+    a stacked [gate; up] (N even) and ``out`` (M, N / 2) gets ``glu(gate) * up`` with the
+    roundings of transformers' GLU (each GEMM output, then the activation, rounded to out's
+    dtype; triton_glu.tl_rounded_glu), as :func:`hybridgemm.gated_linear` computes it; not with
+    an activation, a residual, rope or the two-launch reduction.
     Deterministic for a fixed config. ``tf32`` (fp32 inputs) allows TF32 tensor cores.
     Raises ValueError/TypeError naming the problem when operands or config do not fit.
     """
@@ -617,8 +643,10 @@ def run(
             raise ValueError("triton_splitk: rope takes no residual and no activation")
         if config.split_k > 1 and not config.fused_reduce:
             raise ValueError("triton_splitk: rope needs split_k == 1 or the fused reduction (fused_reduce=True)")
-    plan = _PLANS.plan((config, fusion_of(norm, residual, layout, residual_scale), weight_format), x, weight, bias,
-                       out, activation, tf32)
+    if glu is not None:
+        _check_glu(config, glu, residual, rope, activation)
+    plan = _PLANS.plan((config, fusion_of(norm, residual, layout, residual_scale, glu), weight_format), x, weight,
+                       bias, out, activation, tf32)
     if plan.empty:
         return out
     if counters is not None and (counters.dtype != torch.int32 or counters.device != out.device
@@ -630,6 +658,15 @@ def run(
     if plan.reduce is not None:
         plan.reduce(ws, b, out, out if residual is None else residual, *plan.reduce_scalars)
     return out
+
+
+def _check_glu(config: TritonSplitKConfig, glu, residual, rope, activation) -> None:
+    if not isinstance(glu, str) or glu not in GLU_CODES:
+        raise ValueError(f"triton_splitk: glu must be one of {sorted(GLU_CODES)}, got {glu!r}")
+    if residual is not None or rope is not None or parse_activation(activation) != Activation.NONE:
+        raise ValueError("triton_splitk: glu takes no residual, no rope and no activation")
+    if config.split_k > 1 and not config.fused_reduce:
+        raise ValueError("triton_splitk: glu needs split_k == 1 or the fused reduction (fused_reduce=True)")
 
 
 def rope_config(config: TritonSplitKConfig, rope: RotaryCache, x: torch.Tensor,

@@ -87,9 +87,12 @@ def _gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: 
                 bias: Tensor | None, activation: str, scale: Tensor | None = None,
                 keep_prologue: bool = False) -> Tensor:
     if scale is not None:
-        # FP8, where the op is called with scales (gated_norm itself keeps the product outside
-        # the op; the op's schema keeps ``scale`` so that compiled code cached by an earlier
-        # release still calls it): gate/up as one split-K launch, the product apart
+        # FP8: the gated kernel reads no e4m3 weight; split-K runs gate/up with the product in
+        # its epilogue, or where the table runs another backend, the GEMM then the product
+        y = dispatch.fused_splitk(x, weight, bias, None, scale, keep_prologue, glu=activation,
+                                  **_norm_fusion(norm_weight, eps, norm_offset))
+        if y is not None:
+            return y
         gate, up = _norm_linear(x, norm_weight, eps, norm_offset, weight, bias, None, scale).chunk(2, dim=-1)
         return GLU_FUNCTIONS[activation](gate) * up
     y = dispatch.gated(x, weight, bias, activation, keep_prologue=keep_prologue,
@@ -174,15 +177,7 @@ def gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: f
     """``gated_linear(rmsnorm(x), weight, bias, activation)`` (the norm of operand
     ``(norm_weight, eps, norm_offset)``; x itself for a None ``norm_weight``), one launch of the gated kernel
     where the dispatcher's gated rule picks it (an FP8 weight: the split-K launch with the norm
-    prologue, then the product)."""
-    if scale is not None:
-        # FP8: the gated kernel reads no e4m3 weight. Gate/up as one split-K op (the norm in its
-        # prologue), the activation and product outside it, where torch.compile's Inductor makes
-        # them one kernel (inside the op they are two launches)
-        y = _compiled(torch.ops.hybridgemm.norm_linear_fwd, _norm_linear, x, norm_weight, float(eps), norm_offset,
-                      weight, bias, None, scale)
-        gate, up = y.chunk(2, dim=-1)
-        return GLU_FUNCTIONS[activation](gate) * up
+    prologue and the product in its epilogue, where the table runs split-K)."""
     return _compiled(torch.ops.hybridgemm.gated_norm_fwd, _gated_norm_eager, x, norm_weight, float(eps),
                      norm_offset, weight, bias, activation, scale)
 

@@ -109,11 +109,12 @@ def _decode(model, tokens, compiled: bool):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_fp8_patched_llama_decodes_as_close_to_fp32_as_dequantized_bf16(granularity, compiled, monkeypatch):
     ref, deq, patched = _models(granularity)
-    calls = {"fp8": 0}
+    calls = {"fp8": 0, "glu": 0}
     real = triton_splitk.run
 
     def run(cfg, *a, weight_scale=None, **kw):
         calls["fp8"] += weight_scale is not None
+        calls["glu"] += weight_scale is not None and kw.get("glu") == "silu"
         return real(cfg, *a, weight_scale=weight_scale, **kw)
 
     monkeypatch.setattr(triton_splitk, "run", run)
@@ -125,6 +126,7 @@ def test_fp8_patched_llama_decodes_as_close_to_fp32_as_dequantized_bf16(granular
         again = _decode(patched, tokens, compiled)
     torch._dynamo.reset()
     assert calls["fp8"] >= 4 * 2  # QKV, O, gate/up and down of both layers ran the FP8 split-K kernel
+    assert calls["glu"] >= 2  # gate/up with the SwiGLU product in its epilogue
     assert _rel(got, want) <= 1.5 * _rel(base, want) + 1e-3, (_rel(got, want), _rel(base, want))
     assert torch.equal(got, again)
 

@@ -241,13 +241,22 @@ ptr = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf1
 floats = {"inv_k", "eps", "res_scale", "qk_eps"}
 consts = dict(BM=16, BN=64, BK=256, MODE=2, HAS_BIAS=False, ACT=0, PREC="tf32", EVEN_K=True, NORM=True, RESIDUAL=False,
               ROPE=False, KV=False, HD=2, PDL=True, QK_NORM=False, RES_SCALED=False, WSCALE=0, WINT=False,
-              QK_FACTOR=False, QK_OFFSET=0.0, NW_OFFSET=1.0)
+              QK_FACTOR=False, QK_OFFSET=0.0, NW_OFFSET=1.0, GLU=0)
 sig = {}
 for n in fn.arg_names:
     sig[n] = "constexpr" if n in consts else ptr.get(n, "fp32" if n in floats else "i32")
 c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "num_stages": 3})
 assert c.asm["cubin"]
+# the GLU epilogue over an e4m3 [gate; up] weight (FP8 decode's gate/up): x tiles of 1 and 8 rows,
+# both single-pass reductions, each weight scale, the norm prologue on and off
+for bm, mode, wscale, norm in ((1, 0, 1, True), (8, 2, 1, False), (1, 2, 2, True)):
+    glu = dict(consts, BM=bm, BN=32, BK=128, MODE=mode, WSCALE=wscale, WINT=True, NW_OFFSET=0.0, NORM=norm,
+               GLU=tg.ACTIVATIONS["silu"])
+    glu_sig = dict(sig, w_ptr="*fp8e4nv", nw_ptr="*bf16")
+    c = triton.compile(ASTSource(fn=fn, signature=glu_sig, constexprs=glu), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 2, "num_stages": 3})
+    assert c.asm["cubin"]
 fn = tg._glu_kernel
 ptr = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "nw_ptr": "*fp32"}
 consts = dict(BM=16, BN=64, BK=64, GROUP_M=8, HAS_BIAS=False, ACT=0, PREC="tf32", EVEN_K=True, SWAP=True, NORM=True,
@@ -261,8 +270,9 @@ print("compiled")
 
 
 def test_the_prologues_with_an_fp32_norm_factor_compile_for_hopper():
-    """bf16 x with an fp32 norm factor and an offset (Gemma's 1 + w), both kernels, compiled for
-    sm_90 by Triton's bundled ptxas (no GPU needed; in a process without the interpreter)."""
+    """bf16 x with an fp32 norm factor and an offset (Gemma's 1 + w), both kernels, and split-K's
+    GLU epilogue over e4m3 weights, compiled for sm_90 by Triton's bundled ptxas (no GPU needed;
+    in a process without the interpreter)."""
     from helpers import compile_offline
 
     compile_offline(_COMPILE_FP32_NORM_FOR_HOPPER)

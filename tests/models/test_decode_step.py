@@ -366,6 +366,39 @@ def test_a_traced_fp32_factor_operand_computes_what_the_kept_factor_does(prologu
                        fused_pieces._gated_norm(x, kept, 1e-6, 0.0, gate_up, None, "gelu_tanh"))
 
 
+@pytest.mark.parametrize("granularity", ["channel", "block128"])
+@pytest.mark.parametrize("config", [MODEL_ONE_PASS, MODEL_TWO_LAUNCH], ids=["one-pass", "two-launch-entry"])
+def test_fp8_gate_up_runs_the_glu_product_in_split_k_epilogue(granularity, config, kernels_on_cpu, monkeypatch):
+    """An e4m3 gate/up: one split-K launch with the norm in its prologue and the GLU product in
+    its epilogue (a table entry with the two-launch reduction runs its single-pass form, the
+    same sums); the same values as the GEMM then transformers' product, and where the table
+    runs another backend, that composition."""
+    from hybridgemm.kernels.fp8 import quantize_fp8
+    from hybridgemm.mlp import GLU_FUNCTIONS
+
+    kernels_on_cpu.update(config=config)
+    launched = []
+    real_run = triton_splitk.run
+    monkeypatch.setattr(triton_splitk, "run", lambda cfg, *a, **kw: launched.append((cfg, kw.get("glu")))
+                        or real_run(cfg, *a, **kw))
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 256, generator=g).half()
+    q = quantize_fp8((torch.randn(2 * 72, 256, generator=g) / 12).half(), granularity)
+    nw = (torch.rand(256, generator=g) + 0.5).half()
+    got = fused_pieces._gated_norm(x, nw, 1e-6, None, q.data, None, "silu", q.scale)
+    assert [(c.split_k, c.fused_reduce or c.split_k == 1, act) for c, act in launched] == \
+        [(config.split_k, True, "silu")]
+    assert got.shape == (3, 72)
+    y = fused_pieces._norm_linear(x, nw, 1e-6, None, q.data, None, None, q.scale)  # the GEMM alone
+    composed = GLU_FUNCTIONS["silu"](y[:, :72]) * y[:, 72:]
+    torch.testing.assert_close(got, composed, rtol=1e-3, atol=1e-3)  # one fp16 rounding apart at most
+    monkeypatch.setattr(dispatch, "splitk_config", lambda *a, **kw: None)  # the table runs another backend
+    launched.clear()
+    apart = fused_pieces._gated_norm(x, nw, 1e-6, None, q.data, None, "silu", q.scale)
+    assert launched == [] and apart.shape == (3, 72)
+    torch.testing.assert_close(apart.float(), composed.float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("offset", [None, 1.0], ids=["llama-formula", "gemma-weight"])
 def test_eager_gate_up_keeps_the_norm_in_its_prologue_where_the_table_takes_it_apart(offset, kernels_on_cpu,
                                                                                    monkeypatch):
