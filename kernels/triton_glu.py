@@ -39,7 +39,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .checks import check_linear_args, contiguous_bias, row_major, rows_2d
 from .epilogue import GLU_ACTIVATIONS, Activation, Epilogue
-from .problem import DTYPE_NAMES, Problem, dtype_name
+from .problem import DTYPE_NAMES, Problem, dtype_name, pointer_alignment
 from .triton_config import (
     HOPPER_NUM_SMS,
     HOPPER_SMEM_PER_BLOCK,
@@ -54,6 +54,7 @@ from .triton_config import (
 from .triton_epilogue import ACT_CODE, tl_activation, tl_diagonal, tl_norm_factor, tl_norm_tile_mma, tl_rstd
 from .triton_launch import Launcher, device_facts, interpreting, pdl_enabled
 from .triton_plan import PlanCache, TritonPlan, check_fusion, plan_meta
+from .triton_prefetch import prefetch_elements, tl_prefetch_rows
 
 __all__ = ["ACTIVATIONS", "KIND", "TritonGluConfig", "candidates", "default_config", "glu", "run"]
 
@@ -249,15 +250,15 @@ def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, M, N, K, ldx, ldw, ldo, in
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
                 SWAP: tl.constexpr, NORM: tl.constexpr, NORM_PREC: tl.constexpr, PDL: tl.constexpr,
-                NW_OFFSET: tl.constexpr):
+                NW_OFFSET: tl.constexpr, PREFETCH: tl.constexpr):
     # N = I, the output width: gate rows of w are 0..N-1, up rows N..2N-1.
     # NORM: x is RMS-normalised (norm weight nw, eps): the dots take x * nw and the rows of the
     # accumulators are scaled by 1/rms after the loop (triton_epilogue.tl_norm_tile_mma); NW_OFFSET + nw
     # in fp32 with an offset (tl_norm_factor).
     # One program per BM x BN tile of out, in grouped order (a no-op when M fits one tile-row).
-    # PDL: nothing is read or written before the wait (triton_launch.pdl_enabled).
-    if PDL:
-        gdc_wait()
+    # PDL: nothing the previous kernel writes is read before the wait (triton_launch.pdl_enabled);
+    # with PREFETCH (W elements per row, 0 for none) L2 is first asked for the start of this
+    # program's gate and up rows (triton_prefetch).
     num_n = tl.cdiv(N, BN)
     tile = tl.program_id(0)
     pid_m, pid_n = tl.swizzle2d(tile // num_n, tile % num_n, tl.cdiv(M, BM), num_n, GROUP_M)
@@ -268,6 +269,11 @@ def _glu_kernel(x_ptr, w_ptr, b_ptr, out_ptr, nw_ptr, M, N, K, ldx, ldw, ldo, in
     # W rows past N are clamped to row 0 (re-read, dropped at the store) so that full-K W loads
     # carry no mask; x rows past M are masked, so a 1-row x loads one row.
     rows_n = tl.where(offs_n < N, offs_n, 0)
+    if PREFETCH:
+        tl_prefetch_rows(w_ptr + rows_n * ldw, tl.minimum(K, PREFETCH))
+        tl_prefetch_rows(w_ptr + (rows_n + N) * ldw, tl.minimum(K, PREFETCH))
+    if PDL:
+        gdc_wait()
     x_ptrs = x_ptr + offs_m[:, None] * ldx + offs_k[None, :]
     wg_ptrs = w_ptr + rows_n[:, None] * ldw + offs_k[None, :]
     wu_ptrs = wg_ptrs + N * ldw  # the up row of each gate row
@@ -342,6 +348,8 @@ def _make_plan(key, x, w, b, out, _act, tf32) -> TritonPlan:
                 GROUP_M=GROUP_M, SWAP=config.block_m <= SWAP_MAX_BM, NORM=norm is not None,
                 NORM_PREC="ieee" if x.dtype == torch.float32 else dot_precision(problem), PDL=pdl,
                 NW_OFFSET=0.0 if norm is None else norm[3],
+                PREFETCH=prefetch_elements(pdl, pointer_alignment(w.data_ptr()), ldw, 0, w.element_size(),
+                                           config.block_k * config.num_stages),
                 **(dict(launch_pdl=True) if pdl else {}))
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(i, config.block_n),)
     inv_k, eps = 1.0 / max(k, 1), 0.0 if norm is None else norm[0]  # fp32(1/K), as triton_rmsnorm's mean

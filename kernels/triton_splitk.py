@@ -75,6 +75,7 @@ from .triton_plan import (
     plan_problem,
     split_extent,
 )
+from .triton_prefetch import prefetch_elements, tl_prefetch_rows
 from .triton_rope import RopeLayout, RotaryCache, rope_layout, tl_rope_columns, tl_rope_epilogue
 from .triton_scratch import clear_workspaces, plan_scratch, split_scratch, tl_split_fixup, workspace_bytes
 
@@ -303,7 +304,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                    ROPE: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr,
                    QK_NORM: tl.constexpr, RES_SCALED: tl.constexpr, WSCALE: tl.constexpr,
                    WINT: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr, NW_OFFSET: tl.constexpr,
-                   GLU: tl.constexpr):
+                   GLU: tl.constexpr, PREFETCH: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -327,7 +328,9 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # both halves of its columns at hand (with the transformers GLU's roundings, tl_rounded_glu).
     # PDL (programmatic dependent launch): this grid may start while the previous kernel on
     # the stream finishes; nothing is read or written before the wait, which returns once that
-    # kernel has completed and its writes are visible (see pdl_enabled()).
+    # kernel has completed and its writes are visible (see pdl_enabled()). PREFETCH (W elements
+    # per row, 0 for none): before the wait, L2 is asked for the first of this program's W bytes
+    # (triton_prefetch), which no earlier kernel writes.
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -345,6 +348,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     rows_n = tl.where(n_ok, offs_n, 0)
     k0 = pid_s * k_per_split
     k1 = tl.minimum(k0 + k_per_split, K)
+    if PREFETCH:
+        tl_prefetch_rows(w_ptr + rows_n * ldw + k0, tl.minimum(k1 - k0, PREFETCH))
     if PDL:
         gdc_wait()
     w_ptrs = w_ptr + rows_n[:, None] * ldw + (k0 + offs_k)[None, :]
@@ -555,7 +560,10 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
                 RES_SCALED=fusion.residual_scale is not None, PDL=pdl, NW_OFFSET=fusion.norm_offset,
                 WSCALE=_WSCALE[weight_format],
                 WINT=bool(weight_format) and integer_conversion(x.dtype),
-                GLU=GLU_CODES[fusion.glu] if fusion.glu is not None else 0, **launch_opts)
+                GLU=GLU_CODES[fusion.glu] if fusion.glu is not None else 0,
+                PREFETCH=prefetch_elements(pdl, problem.align_w, problem.ldw, extent, problem.w_itemsize,
+                                           config.block_k * config.num_stages),
+                **launch_opts)
     # the integer groups (see "launch arguments")
     gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)
     split_ints = (extent,)

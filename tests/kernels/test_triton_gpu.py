@@ -324,3 +324,53 @@ def test_splitk_pdl_chain_reads_its_producer(fused):
         return x
 
     assert_chain_reads_its_producer(chain, reference, x0, outs[-1])
+
+
+@pytest.mark.parametrize("k", [512, 300], ids=["aligned-rows", "rows-off-16-bytes"])
+def test_weight_prefetch_before_the_pdl_wait_changes_no_bit(k, monkeypatch):
+    """``HYBRIDGEMM_PDL_PREFETCH=1`` (kernels/triton_prefetch.py): split-K (bf16 and e4m3, each
+    reduction) and the gated kernel take the prefetch where every row starts on 16 bytes (Hopper:
+    with PDL), and give the bits they give without it, eagerly and in a replayed CUDA graph;
+    rows of 600 bytes run without it."""
+    from hybridgemm.kernels import triton_glu as tglu
+    from hybridgemm.kernels.fp8 import quantize_fp8
+
+    facts = device_facts(torch.device("cuda"))
+    torch.manual_seed(k)
+    x = torch.randn(3, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(320, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    q = quantize_fp8(w, "channel")
+    cfgs = [ts.TritonSplitKConfig(16, 64, 64, 1, 4, 3), ts.TritonSplitKConfig(16, 32, 64, 2, 4, 3),
+            ts.TritonSplitKConfig(16, 32, 64, 2, 4, 3, fused_reduce=True)]
+
+    def outputs():
+        ys = [ts.run(c, x, w, None, torch.empty(3, 320, device="cuda", dtype=torch.bfloat16)) for c in cfgs]
+        ys += [ts.run(c, x, q.data, None, torch.empty(3, 160, device="cuda", dtype=torch.bfloat16),
+                      weight_scale=q.scale, glu="silu") for c in (cfgs[0], cfgs[2])]
+        ys.append(tglu.run(tglu.TritonGluConfig(16, 32, 64, 4, 3), x, w, None,
+                           torch.empty(3, 160, device="cuda", dtype=torch.bfloat16), "silu"))
+        return ys
+
+    def prefetching():
+        plans = list(ts._PLANS.values()) + list(tglu._PLANS.values())
+        return [p.launch.meta["PREFETCH"] for p in plans if not p.empty]
+
+    results = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("HYBRIDGEMM_PDL_PREFETCH", flag)
+        ts._PLANS.clear()
+        tglu._PLANS.clear()
+        eager = outputs()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            graphed = outputs()
+        g.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
+        takes = flag == "1" and k == 512 and facts.capability >= (9, 0)
+        assert all((n > 0) == takes for n in prefetching()), prefetching()
+        results[flag] = eager
+    assert all(torch.equal(a, b) for a, b in zip(results["0"], results["1"]))
+    ts._PLANS.clear()
+    tglu._PLANS.clear()
