@@ -1,7 +1,11 @@
 """Mixture-of-experts routers: :class:`HybridTopKRouter` stands in for transformers' softmax-top-k
 routers (``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``, ``Qwen3MoeTopKRouter`` and any other
 that computes the same), with the router's GEMM through the dispatcher and the routing in one
-kernel launch (:func:`hybridgemm.experts.route`).
+kernel launch (:func:`hybridgemm.experts.route`). With ``HYBRIDGEMM_FUSED_ROUTER=1``, read at
+import, a decode call on the GPU (up to :data:`FUSED_MAX_TOKENS` tokens) runs both in one
+launch instead: split-K with the routing in its epilogue (kernels/triton_splitk.py
+``route_config``, ``run(route=)``), which computes the same logits and routing (the
+probabilities' sums in another order: a weight may differ in its last bit).
 
 Which routers: :func:`why_not_router` runs the router's own forward once, at patch time, on a
 bf16 CPU copy of it with random weights and a few random tokens, and compares its outputs bit
@@ -14,17 +18,27 @@ transformers computes, not its source text.
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hybridgemm.diagnostics import warn_once
+from hybridgemm.kernels.checks import row_major
+from hybridgemm.kernels.lazy import triton_module
+from hybridgemm.kernels.process_memory import per_call_scratch
+
+from . import experts
 from .experts import route, route_torch
 from .linear_layer import linear
 
 PROBE_TOKENS = 4
 PROBE_DTYPE = torch.bfloat16
+FUSED_ROUTER = os.environ.get("HYBRIDGEMM_FUSED_ROUTER", "0") not in ("0", "")
+FUSED_MAX_TOKENS = 16  # decode: one x tile of 16 rows (a router's tile of all its experts stays in registers)
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -99,10 +113,61 @@ class HybridTopKRouter(nn.Module):
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         weight = self.weight
-        logits = linear(hidden_states.reshape(-1, weight.shape[1]), weight)
+        x = hidden_states.reshape(-1, weight.shape[1])
+        weights_dtype = x.dtype if self.route_logits_dtype_weights else torch.float32
+        if _fused_runs(x, weight):
+            fused = torch.ops.hybridgemm.router_fwd if torch.compiler.is_compiling() else _router
+            return fused(x, weight, self.top_k, self.route_renormalize, weights_dtype)
+        logits = linear(x, weight)
         weights_dtype = logits.dtype if self.route_logits_dtype_weights else torch.float32
         ids, weights = route(logits, self.top_k, self.route_renormalize, weights_dtype)
         return logits, weights, ids
+
+
+def _fused_runs(x: Tensor, weight: Tensor) -> bool:
+    """Does a router call take the one-launch form (module docstring)? Asked for, on the
+    kernels' device, decode rows, one floating dtype, no autograd wanted."""
+    return FUSED_ROUTER and experts.use_kernels(x) and 1 <= x.shape[0] <= FUSED_MAX_TOKENS \
+        and x.dtype in _FUSED_DTYPES and weight.dtype == x.dtype \
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+
+
+def _router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
+            weights_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logits, weights, ids)`` of a router in one split-K launch with the routing in its
+    epilogue, or where that does not take the router (more experts than one tile holds, a
+    refused launch: warned once) its GEMM and then the routing kernel."""
+    splitk = triton_module("triton_splitk")
+    (m, k), e = x.shape, weight.shape[0]
+    config = splitk.route_config(m, e, k, x.element_size()) if top_k <= splitk.MAX_TOP_K else None
+    if config is not None:
+        logits = x.new_empty((m, e))
+        ids = torch.empty((m, top_k), dtype=torch.int64, device=x.device)
+        weights = torch.empty((m, top_k), dtype=weights_dtype, device=x.device)
+        try:
+            splitk.run(config, row_major(x), row_major(weight), None, logits, None, route=(ids, weights, renormalize))
+            return logits, weights, ids
+        except (ValueError, TypeError) as exc:
+            warn_once(("fused_router", tuple(weight.shape), x.dtype),
+                      f"hybridgemm: the router's GEMM could not route in its epilogue ({exc}); it runs apart")
+    logits = linear(x, weight)
+    ids, weights = route(logits, top_k, renormalize, weights_dtype)
+    return logits, weights, ids
+
+
+@torch.library.custom_op("hybridgemm::router_fwd", mutates_args=())
+def router_fwd(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
+               weights_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_router` as one opaque op under torch.compile."""
+    with per_call_scratch():  # no scratch cached from inside a compiled region (CUDA graph trees)
+        return _router(x, weight, top_k, renormalize, weights_dtype)
+
+
+@router_fwd.register_fake
+def _router_fwd_fake(x, weight, top_k, renormalize, weights_dtype):
+    m = x.shape[0]
+    return (x.new_empty((m, weight.shape[0])), x.new_empty((m, top_k), dtype=weights_dtype),
+            x.new_empty((m, top_k), dtype=torch.int64))
 
 
 __all__ = ["FORMS", "HybridTopKRouter", "RouterForm", "why_not_router"]

@@ -35,6 +35,37 @@ _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
+def tl_route_tile(logits, ok, TOP_K: tl.constexpr, KP: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """The routing of a tile of router logits ``[EP, BM]`` (experts down, one token a column;
+    fp32; rows where ``ok`` [EP] is False are padding): ``(ids [KP, BM] int32, weights [KP, BM]
+    fp32)``, slots from ``TOP_K`` on unused (module docstring: softmax, the k largest, lowest
+    expert first among equals, NaN above every number, renormalised)."""
+    EP: tl.constexpr = logits.shape[0]
+    BM: tl.constexpr = logits.shape[1]
+    offs = tl.arange(0, EP)[:, None]
+    logits = tl.where(ok[:, None], logits, float("-inf"))
+    shifted = tl.exp(logits - tl.max(logits, axis=0)[None, :])
+    probs = tl.math.div_rn(shifted, tl.sum(tl.where(ok[:, None], shifted, 0.0), axis=0)[None, :])
+    # selection keys: NaN above every probability (torch.topk's order), -1 for padding and for
+    # experts already taken (every probability is >= 0)
+    keys = tl.where(probs != probs, float("inf"), probs)
+    keys = tl.where(ok[:, None], keys, -1.0)
+    slots = tl.arange(0, KP)[:, None]
+    ids = tl.zeros((KP, BM), dtype=tl.int32)
+    values = tl.zeros((KP, BM), dtype=tl.float32)
+    for s in tl.static_range(TOP_K):
+        best = tl.max(keys, axis=0)[None, :]
+        expert = tl.min(tl.where(keys == best, offs, EP), axis=0)[None, :]  # the lowest of equal keys
+        value = tl.sum(tl.where(offs == expert, probs, 0.0), axis=0)[None, :]
+        ids = tl.where(slots == s, expert, ids)
+        values = tl.where(slots == s, value, values)
+        keys = tl.where(offs == expert, -1.0, keys)
+    if RENORMALIZE:
+        values = tl.math.div_rn(values, tl.sum(tl.where(slots < TOP_K, values, 0.0), axis=0)[None, :])
+    return ids, values
+
+
+@triton.jit
 def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, ld, TOP_K: tl.constexpr, EP: tl.constexpr,
                   KP: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
     # PDL: the logits are the previous kernel's output; nothing is read before the wait.
@@ -44,27 +75,11 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, ld, TOP_K: tl.constexpr, 
     offs = tl.arange(0, EP)
     ok = offs < E
     logits = tl.load(logits_ptr + t * ld + offs, mask=ok, other=float("-inf")).to(tl.float32)
-    shifted = tl.exp(logits - tl.max(logits, axis=0))
-    probs = tl.math.div_rn(shifted, tl.sum(tl.where(ok, shifted, 0.0), axis=0))
-    # selection keys: NaN above every probability (torch.topk's order), -1 for padding and for
-    # experts already taken (every probability is >= 0)
-    keys = tl.where(probs != probs, float("inf"), probs)
-    keys = tl.where(ok, keys, -1.0)
-    slots = tl.arange(0, KP)
-    ids = tl.zeros((KP,), dtype=tl.int32)
-    values = tl.zeros((KP,), dtype=tl.float32)
-    for s in tl.static_range(TOP_K):
-        best = tl.max(keys, axis=0)
-        expert = tl.min(tl.where(keys == best, offs, EP), axis=0)  # the lowest of equal keys
-        value = tl.sum(tl.where(offs == expert, probs, 0.0), axis=0)
-        ids = tl.where(slots == s, expert, ids)
-        values = tl.where(slots == s, value, values)
-        keys = tl.where(offs == expert, -1.0, keys)
+    ids, values = tl_route_tile(logits[:, None], ok, TOP_K, KP, RENORMALIZE)
     if PDL:
         gdc_launch_dependents()
+    slots = tl.arange(0, KP)[:, None]
     taken = slots < TOP_K
-    if RENORMALIZE:
-        values = tl.math.div_rn(values, tl.sum(tl.where(taken, values, 0.0), axis=0))
     tl.store(ids_ptr + t * TOP_K + slots, ids.to(tl.int64), mask=taken)
     tl.store(weights_ptr + t * TOP_K + slots, values.to(weights_ptr.dtype.element_ty), mask=taken)
 

@@ -77,6 +77,7 @@ from .triton_plan import (
 )
 from .triton_prefetch import prefetch_elements, tl_prefetch_rows
 from .triton_rope import RopeLayout, RotaryCache, rope_layout, tl_rope_columns, tl_rope_epilogue
+from .triton_router import MAX_TOP_K, tl_route_tile
 from .triton_scratch import clear_workspaces, plan_scratch, split_scratch, tl_split_fixup, workspace_bytes
 
 __all__ = [
@@ -295,16 +296,17 @@ def untuned_config(problem: Problem, *, num_sms: int = HOPPER_NUM_SMS, **limits)
 
 @triton.jit
 def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res_ptr, cos_ptr, sin_ptr, kc_ptr,
-                   vc_ptr, base_ptr, qn_ptr, kn_ptr, sc_ptr, M, N, K, ldx, ldw, ldo, k_per_split, inv_k, eps, ldr,
-                   res_scale, seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len,
-                   rope_tiles, qk_eps, lds,
+                   vc_ptr, base_ptr, qn_ptr, kn_ptr, sc_ptr, ids_ptr, rw_ptr, M, N, K, ldx, ldw, ldo, k_per_split,
+                   inv_k, eps, ldr, res_scale, seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start,
+                   cache_len, rope_tiles, qk_eps, lds,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    PREC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                    ROPE: tl.constexpr, KV: tl.constexpr, HD: tl.constexpr, PDL: tl.constexpr,
                    QK_NORM: tl.constexpr, RES_SCALED: tl.constexpr, WSCALE: tl.constexpr,
                    WINT: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr, NW_OFFSET: tl.constexpr,
-                   GLU: tl.constexpr, PREFETCH: tl.constexpr):
+                   GLU: tl.constexpr, PREFETCH: tl.constexpr, ROUTE: tl.constexpr, ROUTE_KP: tl.constexpr,
+                   RENORMALIZE: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -322,6 +324,9 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # loop; 2 per 128x128 block (sc[N/128, lds]) per K tile, which lies inside one block (BK
     # divides 128 and each split starts on a block edge), so acc += (W8 @ x.T) * s[row block].
     # WINT: the e4m3 -> bf16 conversion by integer ops (triton_e4m3), else Triton's cast.
+    # ROUTE (top k, 0 for none): the N outputs are a router's logits for its N experts, all in one
+    # tile; the epilogue also routes each token from its rounded logits (triton_router.tl_route_tile:
+    # softmax, top ROUTE, RENORMALIZE) and stores the expert ids (int64) and weights [M, ROUTE].
     # GLU (an activation code of triton_glu, 0 for none): W is a stacked [gate; up] of N rows and
     # out has N / 2 columns, act(gate) * up; a tile multiplies the gate rows of BN / 2 output
     # columns and the up rows of the same columns (triton_glu.tl_glu_rows), so the epilogue has
@@ -428,6 +433,14 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
             else:
                 ptrs = out_ptr + offs_m[None, :] * ldo + offs_n[:, None]
                 tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            if ROUTE != 0:  # from the logits as stored, as the router's softmax reads them
+                ids, weights = tl_route_tile(acc.to(out_ptr.dtype.element_ty).to(tl.float32), n_ok, ROUTE, ROUTE_KP,
+                                             RENORMALIZE)
+                slots = tl.arange(0, ROUTE_KP)[:, None]
+                taken = (slots < ROUTE) & m_ok[None, :]
+                at = offs_m[None, :].to(tl.int64) * ROUTE + slots
+                tl.store(ids_ptr + at, ids.to(tl.int64), mask=taken)
+                tl.store(rw_ptr + at, weights.to(rw_ptr.dtype.element_ty), mask=taken)
 
 
 @triton.jit
@@ -469,7 +482,8 @@ class Fusion:
     compiles the prologue for its pointer type); ``norm_offset``: the prologue's factor is
     ``norm_offset + weight`` in fp32, formed in registers (a Gemma norm's weight as it is);
     ``glu``: the GLU product's activation (triton_glu.ACTIVATIONS) over a stacked [gate; up]
-    weight, the output N / 2 columns wide."""
+    weight, the output N / 2 columns wide; ``route``: (top k, renormalise) of a router's
+    routing in the epilogue."""
 
     norm_eps: float | None = None
     norm_aligned: bool = True
@@ -480,6 +494,7 @@ class Fusion:
     norm_fp32: bool = False
     norm_offset: float = 0.0
     glu: str | None = None
+    route: tuple[int, bool] | None = None
 
 
 _NO_FUSION = Fusion()
@@ -498,6 +513,7 @@ _NO_FUSION = Fusion()
 #   ROPE       cos, sin, keys, values, base,     seq, cos/sin strides, keys/values strides,
 #              q_norm, k_norm                    q_cols, v_start, cache_len, rope_tiles, qk_eps
 #   FP8        sc (W's scales)                   lds (block scales' row stride)
+#   ROUTE      ids, rw (the routing's outputs)
 #
 # A pointer the call does not use (no bias, no split, a fusion not asked for) gets a stand-in,
 # ``out`` (the workspace for the counters of a two-launch split): the constexprs (HAS_BIAS,
@@ -507,10 +523,10 @@ _NO_ROPE_SCALARS = (1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0)  # ROPE's scalar
 
 
 def _fusion_pointers(unused, norm: tuple | None = None, residual=None, rope: RotaryCache | None = None,
-                     weight_scale=None) -> tuple:
-    """The pointers of the NORM, RESIDUAL, ROPE and FP8 groups for a call's ``norm=(weight, eps[, offset])``,
-    ``residual``, ``rope`` and ``weight_scale`` (``unused`` standing in for each one it does not
-    take)."""
+                     weight_scale=None, route: tuple | None = None) -> tuple:
+    """The pointers of the NORM, RESIDUAL, ROPE, FP8 and ROUTE groups for a call's ``norm=(weight, eps[,
+    offset])``, ``residual``, ``rope``, ``weight_scale`` and ``route`` (``unused`` standing in for
+    each one it does not take)."""
     if rope is None:
         rope_ptrs = (unused,) * 7
     else:
@@ -518,24 +534,26 @@ def _fusion_pointers(unused, norm: tuple | None = None, residual=None, rope: Rot
         norms = (unused,) * 2 if rope.q_norm is None else (rope.q_norm, rope.k_norm)
         rope_ptrs = (rope.cos, rope.sin, *cache, *norms)
     return (unused if norm is None else norm[0], unused if residual is None else residual, *rope_ptrs,
-            unused if weight_scale is None else weight_scale)
+            unused if weight_scale is None else weight_scale, *((unused,) * 2 if route is None else route[:2]))
 
 
 _FUSION_POINTERS = len(_fusion_pointers(None))  # what a call without fusions passes ``unused`` for
 
 
 def fusion_of(norm: tuple | None, residual: torch.Tensor | None, rope: RopeLayout | None = None,
-              residual_scale: float | None = None, glu: str | None = None) -> Fusion:
+              residual_scale: float | None = None, glu: str | None = None, route: tuple | None = None) -> Fusion:
     """The :class:`Fusion` of a call's ``norm=(weight, eps[, offset])``, ``residual``,
-    ``residual_scale`` and ``glu`` arguments and its checked rotary layout."""
-    if norm is None and residual is None and rope is None and glu is None:
+    ``residual_scale``, ``glu`` and ``route=(ids, weights, renormalize)`` arguments and its
+    checked rotary layout."""
+    if norm is None and residual is None and rope is None and glu is None and route is None:
         return _NO_FUSION
     return Fusion(None if norm is None else float(norm[1]), norm is None or norm[0].data_ptr() % 16 == 0,
                   None if residual is None else (residual.stride(0) if residual.shape[0] > 1 else residual.shape[1]),
                   residual is None or residual.data_ptr() % 16 == 0, rope,
                   None if residual_scale is None else float(residual_scale),
                   norm is not None and norm[0].dtype == torch.float32,
-                  float(norm[2]) if norm is not None and len(norm) == 3 else 0.0, glu)
+                  float(norm[2]) if norm is not None and len(norm) == 3 else 0.0, glu,
+                  None if route is None else (route[0].shape[1], bool(route[2])))
 
 
 def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
@@ -563,7 +581,9 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
                 GLU=GLU_CODES[fusion.glu] if fusion.glu is not None else 0,
                 PREFETCH=prefetch_elements(pdl, problem.align_w, problem.ldw, extent, problem.w_itemsize,
                                            config.block_k * config.num_stages),
-                **launch_opts)
+                ROUTE=fusion.route[0] if fusion.route else 0,
+                ROUTE_KP=next_pow2(fusion.route[0]) if fusion.route else 1,
+                RENORMALIZE=bool(fusion.route and fusion.route[1]), **launch_opts)
     # the integer groups (see "launch arguments")
     gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)
     split_ints = (extent,)
@@ -610,6 +630,7 @@ def run(
     weight_scale: torch.Tensor | None = None,
     residual_scale: float | None = None,
     glu: str | None = None,
+    route: tuple | None = None,
 ) -> torch.Tensor:
     """``out[:] = act(rmsnorm(x) @ weight.T + bias) + residual`` with ``config``; returns ``out``.
 
@@ -632,7 +653,12 @@ def run(
     a stacked [gate; up] (N even) and ``out`` (M, N / 2) gets ``glu(gate) * up`` with the
     roundings of transformers' GLU (each GEMM output, then the activation, rounded to out's
     dtype; triton_glu.tl_rounded_glu), as :func:`hybridgemm.gated_linear` computes it; not with
-    an activation, a residual, rope or the two-launch reduction.
+    an activation, a residual, rope or the two-launch reduction. ``route=(ids, weights,
+    renormalize)``: ``weight`` is a softmax-top-k router's (N experts, one tile of ``block_n``
+    holding all of them: :func:`route_config`); besides the logits in ``out``, each token's top
+    ``k`` experts (ids int64 [M, k], contiguous) and their probabilities (weights [M, k] fp32,
+    bf16 or fp16; renormalised to sum 1 if asked) are written, from the logits as rounded to
+    out's dtype (kernels/triton_router.py's routing); not with any other fusion.
     Deterministic for a fixed config. ``tf32`` (fp32 inputs) allows TF32 tensor cores.
     Raises ValueError/TypeError naming the problem when operands or config do not fit.
     """
@@ -653,8 +679,10 @@ def run(
             raise ValueError("triton_splitk: rope needs split_k == 1 or the fused reduction (fused_reduce=True)")
     if glu is not None:
         _check_glu(config, glu, residual, rope, activation)
-    plan = _PLANS.plan((config, fusion_of(norm, residual, layout, residual_scale, glu), weight_format), x, weight,
-                       bias, out, activation, tf32)
+    if route is not None:
+        _check_route(config, route, x, weight, out, residual, rope, glu, activation)
+    plan = _PLANS.plan((config, fusion_of(norm, residual, layout, residual_scale, glu, route), weight_format), x,
+                       weight, bias, out, activation, tf32)
     if plan.empty:
         return out
     if counters is not None and (counters.dtype != torch.int32 or counters.device != out.device
@@ -662,7 +690,8 @@ def run(
         raise ValueError("triton_splitk: counters must be a contiguous int32 tensor on the output's device")
     b = out if bias is None else bias  # the stand-in pointers: see "launch arguments"
     ws, cnt = plan_scratch(plan, out, counters)
-    plan.launch(x, weight, b, out, ws, cnt, *_fusion_pointers(out, norm, residual, rope, weight_scale), *plan.scalars)
+    plan.launch(x, weight, b, out, ws, cnt, *_fusion_pointers(out, norm, residual, rope, weight_scale, route),
+                *plan.scalars)
     if plan.reduce is not None:
         plan.reduce(ws, b, out, out if residual is None else residual, *plan.reduce_scalars)
     return out
@@ -675,6 +704,44 @@ def _check_glu(config: TritonSplitKConfig, glu, residual, rope, activation) -> N
         raise ValueError("triton_splitk: glu takes no residual, no rope and no activation")
     if config.split_k > 1 and not config.fused_reduce:
         raise ValueError("triton_splitk: glu needs split_k == 1 or the fused reduction (fused_reduce=True)")
+
+
+MAX_ROUTE_EXPERTS = 256  # a router's logits in one tile (the routing holds [experts, tokens] in registers)
+_ROUTE_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_route(config: TritonSplitKConfig, route, x, weight, out, residual, rope, glu, activation) -> None:
+    if not (isinstance(route, tuple) and len(route) == 3 and all(isinstance(t, torch.Tensor) for t in route[:2])):
+        raise TypeError("triton_splitk: route must be (ids, weights, renormalize)")
+    ids, weights, _ = route
+    m, n = x.shape[0], weight.shape[0]
+    if residual is not None or rope is not None or glu is not None or parse_activation(activation) != Activation.NONE:
+        raise ValueError("triton_splitk: route takes no residual, rope, glu or activation")
+    if ids.dim() != 2 or ids.shape[0] != m or not 1 <= ids.shape[1] <= min(n, MAX_TOP_K):
+        raise ValueError(f"triton_splitk: route ids must be [M={m}, k] with k in 1..{min(n, MAX_TOP_K)}, "
+                         f"got {tuple(ids.shape)}")
+    if ids.dtype != torch.int64 or weights.shape != ids.shape or weights.dtype not in _ROUTE_WEIGHTS:
+        raise TypeError("triton_splitk: route ids must be int64 and weights fp32/bf16/fp16 of the ids' shape")
+    if not (ids.is_contiguous() and weights.is_contiguous()) or ids.device != out.device \
+            or weights.device != out.device:
+        raise ValueError("triton_splitk: route ids and weights must be contiguous, on the output's device")
+    if n > config.block_n or n > MAX_ROUTE_EXPERTS:
+        raise ValueError(f"triton_splitk: route needs all {n} experts in one tile (block_n {config.block_n}; "
+                         f"at most {MAX_ROUTE_EXPERTS})")
+    if config.split_k > 1 and not config.fused_reduce:
+        raise ValueError("triton_splitk: route needs split_k == 1 or the fused reduction (fused_reduce=True)")
+
+
+def route_config(m: int, n: int, k: int, itemsize: int) -> TritonSplitKConfig | None:
+    """The config a router's GEMM with its routing in the epilogue runs (``run(route=)``): one
+    tile of all ``n`` experts, x tiles of M's power of two from 16, 128 bytes of K per row per
+    stage, K split so that each program streams at least two stages (at most 32 programs),
+    the reduction in the same launch. None past ``MAX_ROUTE_EXPERTS`` experts or decode's M."""
+    if n > MAX_ROUTE_EXPERTS or not 1 <= m <= MAX_M:
+        return None
+    bk = max(16, 128 // itemsize)
+    split = max(1, min(32, triton.cdiv(k, bk) // 2))
+    return TritonSplitKConfig(max(16, next_pow2(m)), max(16, next_pow2(n)), bk, split, 4, 3, fused_reduce=split > 1)
 
 
 def rope_config(config: TritonSplitKConfig, rope: RotaryCache, x: torch.Tensor,

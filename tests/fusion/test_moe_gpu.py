@@ -131,6 +131,46 @@ def test_the_patched_router_chooses_the_stock_routers_experts(cuda, kind):
                                want_w[exact].gather(1, order).float(), rtol=1e-2 if kind != "mixtral" else 2e-6, atol=0)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_the_fused_router_routes_as_the_two_launches(cuda, kind, tokens, monkeypatch):
+    """``HYBRIDGEMM_FUSED_ROUTER`` (router.FUSED_ROUTER) at Qwen3-30B-A3B's and Mixtral's router
+    shapes, bf16: the logits within the GEMM's rounding of the two-launch form's (another
+    summation order), the same experts wherever the k-th and (k+1)-th logits are apart, weights
+    close; eagerly, in a CUDA graph and under torch.compile, the same bits each time."""
+    from hybridgemm import router
+
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(hidden_size=4096, num_local_experts=8, num_experts_per_tok=2)
+        from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter as Router
+    else:
+        cfg = transformers.Qwen3MoeConfig(hidden_size=2048, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True)
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter as Router
+    torch.manual_seed(tokens)
+    patched = Router(cfg).to(cuda, torch.bfloat16)
+    torch.nn.init.normal_(patched.weight, std=0.05)
+    hybridgemm.patch(patched)
+    x = torch.randn(tokens, cfg.hidden_size, device=cuda, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want_logits, want_w, want_ids = patched(x)
+        monkeypatch.setattr(router, "FUSED_ROUTER", True)
+        logits, weights, ids = patched(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = patched(x)
+        graph.replay()
+        compiled = torch.compile(patched, fullgraph=True)(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(logits.float(), want_logits.float(), rtol=1.6e-2, atol=1e-2)
+    k = cfg.num_experts_per_tok
+    top = torch.topk(want_logits.float(), k + 1, dim=-1).values
+    apart = (top[:, k - 1] - top[:, k]) > 0.05
+    assert torch.equal(ids[apart], want_ids[apart])
+    torch.testing.assert_close(weights[apart], want_w[apart], rtol=5e-2, atol=1e-3)
+    for other in (captured, compiled):
+        assert all(torch.equal(a, b) for a, b in zip(other, (logits, weights, ids)))
+
+
 @pytest.mark.parametrize("t,k,e,block_m", [(2048, 8, 128, 128), (4096, 2, 8, 128), (64, 8, 128, 16), (3, 2, 8, 16)])
 def test_the_triton_layout_equals_the_pytorch_one_on_the_gpu(cuda, t, k, e, block_m):
     from hybridgemm.kernels import triton_moe as tm

@@ -155,13 +155,117 @@ for e, k in ((128, 8), (8, 2), (1000, 10)):
     except (TypeError, KeyError, AttributeError) as exc:
         raise SystemExit(f"API: {type(exc).__name__}: {exc}")
     assert c.asm["cubin"], e
+# the routing in split-K's epilogue, in each fused router's config: bf16 x and weight, bf16 logits
+from hybridgemm.kernels import triton_splitk as ts
+fn = ts._splitk_kernel
+ptr = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+       "cnt_ptr": "*i32", "ids_ptr": "*i64", "rw_ptr": "*fp32"}
+for m, e, hidden, k in ((1, 128, 2048, 8), (8, 8, 4096, 2), (16, 60, 2048, 4)):
+    cfg = ts.route_config(m, e, hidden, 2)
+    consts = dict(BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, MODE=2 if cfg.fused_reduce else 0, HAS_BIAS=False,
+                  ACT=0, PREC="tf32", EVEN_K=True, NORM=False, RESIDUAL=False, ROPE=False, KV=False, HD=2, PDL=True,
+                  QK_NORM=False, RES_SCALED=False, WSCALE=0, WINT=False, QK_FACTOR=False, QK_OFFSET=0.0,
+                  NW_OFFSET=0.0, GLU=0, PREFETCH=0, ROUTE=k, ROUTE_KP=triton.next_power_of_2(k), RENORMALIZE=True)
+    floats = ("inv_k", "eps", "res_scale", "qk_eps")
+    sig = {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
+    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    assert c.asm["cubin"], (m, e)
 print("compiled")
 """
 
 
 def test_the_kernel_compiles_for_hopper():
     """Built for sm_90 by Triton's ptxas (no GPU needed), with PDL: Qwen3-30B-A3B's 128 experts
-    top-8, Mixtral's 8 top-2, 1000 experts top-10."""
+    top-8, Mixtral's 8 top-2, 1000 experts top-10; and split-K with the routing in its epilogue
+    at Qwen3-30B-A3B's, Mixtral's and Qwen2-MoE's router shapes."""
     from helpers import compile_offline
 
     compile_offline(_COMPILE_FOR_HOPPER)
+
+
+# ----------------------------------------------------------------------------- in split-K's epilogue
+
+def _fused_route(x, w, k, renormalize, weights_dtype, config=None):
+    from hybridgemm.kernels import triton_splitk as ts
+
+    m, e = x.shape[0], w.shape[0]
+    config = config or ts.route_config(m, e, x.shape[1], x.element_size())
+    logits = torch.full((m, e), float("nan"), dtype=x.dtype, device=x.device)  # poisoned outputs
+    ids = torch.full((m, k), -7, dtype=torch.int64, device=x.device)
+    weights = torch.full((m, k), float("nan"), dtype=weights_dtype, device=x.device)
+    ts.run(config, x, w, None, logits, None, route=(ids, weights, renormalize))
+    return logits, ids, weights
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m,e,hidden,k", [(1, 128, 256, 8), (3, 60, 200, 4), (17, 8, 512, 2), (2, 5, 96, 5)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_the_router_gemm_routes_in_its_epilogue(device, m, e, hidden, k, renormalize):
+    """``triton_splitk.run(route=)``: the logits as the GEMM alone gives them (fp64 product,
+    rounded once), and the routing of those rounded logits as the routing kernel gives it."""
+    g = torch.Generator().manual_seed(m * 100 + e)
+    dt = torch.float16
+    x = torch.randn(m, hidden, generator=g).to(dt).to(device)
+    w = (torch.randn(e, hidden, generator=g) * 3 / hidden ** 0.5).to(dt).to(device)
+    logits, ids, weights = _fused_route(x, w, k, renormalize, torch.float32)
+    want_logits = (x.double() @ w.double().T).to(dt)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-3, atol=1e-3)
+    want_ids, want = tr.route(logits, k, renormalize, torch.float32)  # the routing of what was stored
+    ok = _margin_ok(logits, k)
+    assert ok.float().mean() > 0.6
+    assert torch.equal(ids[ok], want_ids[ok])
+    torch.testing.assert_close(weights[ok], want[ok], rtol=8 * torch.finfo(torch.float32).eps, atol=1e-30)
+    assert all(len(set(row)) == k for row in ids.tolist())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_fused_routing_resolves_ties_and_splits_as_the_kernel(device):
+    """Equal rows of the router's weight give equal logits: the lowest expert first, as the
+    routing kernel takes them; every split-K reduction (one pass, the fused one) gives the same
+    ids and weights; 16-bit weights are the fp32 ones rounded."""
+    from hybridgemm.kernels import triton_splitk as ts
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(12, 128, generator=g) / 8).half()
+    w[7] = w[3]
+    w[9] = w[3]  # three equal experts
+    x = torch.randn(4, 128, generator=g).half()
+    x[1] = (w[3].float() * 40).half()  # token 1 prefers the tied experts
+    x, w = x.to(device), w.to(device)
+    runs = [_fused_route(x, w, 4, True, torch.float32, c) for c in
+            (ts.TritonSplitKConfig(16, 16, 32, 1, 4, 2), ts.TritonSplitKConfig(16, 16, 32, 4, 4, 2, fused_reduce=True))]
+    for logits, ids, weights in runs:
+        want_ids, want = tr.route(logits, 4, True, torch.float32)
+        assert torch.equal(ids, want_ids)
+        # sums over a [experts, tokens] tile, not one token's row: the last bit may differ
+        torch.testing.assert_close(weights, want, rtol=8 * torch.finfo(torch.float32).eps, atol=1e-30)
+        assert ids[1, :3].tolist() == [3, 7, 9]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][2], runs[1][2])  # same logits, same routing
+    half = torch.bfloat16 if device == "cuda" else torch.float16  # (the interpreter rounds bf16 casts otherwise)
+    _, ids16, weights16 = _fused_route(x, w, 4, True, half, ts.TritonSplitKConfig(16, 16, 32, 1, 4, 2))
+    assert torch.equal(ids16, runs[0][1]) and torch.equal(weights16, runs[0][2].to(half))
+
+
+def test_what_the_fused_routing_refuses():
+    from hybridgemm.kernels import triton_splitk as ts
+
+    x, w = torch.randn(2, 64).half(), torch.randn(40, 64).half()
+    out = torch.empty(2, 40, dtype=torch.float16)
+    ids, weights = torch.empty(2, 4, dtype=torch.int64), torch.empty(2, 4)
+    one_tile = ts.TritonSplitKConfig(16, 64, 32, 1, 4, 2)
+    with pytest.raises(ValueError, match="all 40 experts in one tile"):
+        ts.run(ts.TritonSplitKConfig(16, 32, 32, 1, 4, 2), x, w, None, out, None, route=(ids, weights, True))
+    with pytest.raises(ValueError, match="fused reduction"):
+        ts.run(ts.TritonSplitKConfig(16, 64, 32, 2, 4, 2), x, w, None, out, None, route=(ids, weights, True))
+    with pytest.raises(ValueError, match="no residual"):
+        ts.run(one_tile, x, w, None, out, "relu", route=(ids, weights, True))
+    with pytest.raises(ValueError, match=r"k in 1\.\.32"):
+        ts.run(one_tile, x, w, None, out, None, route=(torch.empty(2, 33, dtype=torch.int64), torch.empty(2, 33), True))
+    with pytest.raises(TypeError, match="int64"):
+        ts.run(one_tile, x, w, None, out, None, route=(ids.int(), weights, True))
+    with pytest.raises(TypeError, match="ids, weights, renormalize"):
+        ts.run(one_tile, x, w, None, out, None, route=(ids, weights))
+    assert ts.route_config(1, 257, 2048, 2) is None and ts.route_config(65, 128, 2048, 2) is None
+    cfg = ts.route_config(1, 128, 2048, 2)
+    assert cfg.block_n == 128 and cfg.fused_reduce and cfg.split_k == 16

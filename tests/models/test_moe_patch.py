@@ -97,6 +97,35 @@ def test_dynamo_traces_the_kernel_path_in_one_graph(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "traced"])
+def test_a_fused_router_routes_in_its_gemm_and_gives_stock_logits(kind, compiled, monkeypatch):
+    """``HYBRIDGEMM_FUSED_ROUTER`` (router.FUSED_ROUTER): decode-sized calls (here 10 tokens) run
+    the router's GEMM with the routing in its epilogue, no routing kernel apart; the logits
+    equal stock's; Dynamo traces it as one graph (the router as one op)."""
+    from hybridgemm import router
+    from hybridgemm.kernels import triton_splitk
+
+    stock = _tiny(kind)
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    monkeypatch.setattr(router, "FUSED_ROUTER", True)
+    monkeypatch.setattr(experts, "use_kernels", lambda x: True)
+    fused, routed = [], []
+    real_run, real_route = triton_splitk.run, triton_router.launch
+    monkeypatch.setattr(triton_splitk, "run", lambda *a, route=None, **kw: fused.append(route is not None)
+                        or real_run(*a, route=route, **kw))
+    monkeypatch.setattr(triton_router, "launch", lambda *a, **kw: routed.append(1) or real_route(*a, **kw))
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+    fn = torch.compile(lambda t: model(t).logits, fullgraph=True, backend="aot_eager") if compiled \
+        else (lambda t: model(t).logits)
+    with torch.no_grad():
+        got, want = fn(ids), stock(ids).logits
+    torch._dynamo.reset()
+    assert fused.count(True) == 2 and routed == []  # both layers' routers in one launch each
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_experts_of_another_form_are_reported():
     model = _tiny("mixtral")
     mod = _experts_modules(model)[0]
