@@ -19,6 +19,10 @@
 #                   pair-major forms against grouped), the compiled decode of qwen3-30b-a3b (12
 #                   layers) and llama3-8b (32) in FP8 with the LM head too, beside stock bf16; each
 #                   step under `timeout` (FP8MOE_TIMEOUT s, default 420), results in $OUT
+#         optin     the opt-in kernels (HYBRIDGEMM_PDL_PREFETCH, HYBRIDGEMM_FUSED_ROUTER) against their
+#                   default and the FP8 gate/up GLU epilogue: their GPU tests, then compiled decode of
+#                   llama3-8b (FP8), qwen3-30b-a3b (12 layers) and pythia-6.9b beside stock, one process
+#                   per variant (OPTIN_CASES names a subset; OPTIN_TIMEOUT s per step, default 300)
 #         msweep    perf/bench_msweep.py: dispatched vs F.linear at 128 M per preset shape
 #                   (table: $TABLE or $OUT/h200.json; MSWEEP_ARGS passed on)
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
@@ -169,6 +173,36 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
           --modes compiled_static --weights fp8 --quantize-lm-head --no-peers --no-progress \
           --out "$OUT/e2e_fp8_head_h200.csv" >"$OUT/bench_e2e_fp8_head_${model%% *}.txt" 2>&1 || status=1
         tail -n 8 "$OUT/bench_e2e_fp8_head_${model%% *}.txt" | tee -a "$OUT/summary.txt"
+      done
+      ;;
+    optin)
+      # The opt-in kernels against their default, one process per variant (each reads its
+      # switch at import / plan build), and the FP8 gate/up GLU epilogue (on by default): their
+      # GPU tests, then compiled decode beside stock in each process; OPTIN_CASES picks cases
+      # by name (default: all), OPTIN_TIMEOUT caps each step (default 300 s). CSVs per case.
+      t=${OPTIN_TIMEOUT:-300}
+      log "GPU tests: GLU epilogue (FP8 gate/up), weight prefetch, fused router"
+      timeout "$t" $PY -m pytest -m gpu -q -p no:cacheprovider -rfE tests/fusion/test_fp8_gpu.py \
+        tests/kernels/test_triton_router.py "tests/kernels/test_triton_gpu.py::test_weight_prefetch_before_the_pdl_wait_changes_no_bit" \
+        tests/fusion/test_moe_gpu.py -k "fp8 or route or prefetch or router" >"$OUT/pytest_optin_gpu.txt" 2>&1 || status=1
+      tail -n 5 "$OUT/pytest_optin_gpu.txt" | tee -a "$OUT/summary.txt"
+      llama="--model llama3-8b --layers 32 --batch 1 --weights fp8 --quantize-lm-head"
+      qwen="--model qwen3-30b-a3b --layers 12 --batch 1"
+      pythia="--model pythia-6.9b --batch 1"
+      cases=(
+        "llama_fp8_pf0|HYBRIDGEMM_PDL_PREFETCH=0|$llama" "llama_fp8_pf1|HYBRIDGEMM_PDL_PREFETCH=1|$llama"
+        "qwen3_r0|HYBRIDGEMM_FUSED_ROUTER=0|$qwen" "qwen3_r1|HYBRIDGEMM_FUSED_ROUTER=1|$qwen"
+        "qwen3_r1_pf1|HYBRIDGEMM_FUSED_ROUTER=1 HYBRIDGEMM_PDL_PREFETCH=1|$qwen"
+        "pythia_pf0|HYBRIDGEMM_PDL_PREFETCH=0|$pythia" "pythia_pf1|HYBRIDGEMM_PDL_PREFETCH=1|$pythia"
+      )
+      for case in "${cases[@]}"; do
+        IFS='|' read -r name envs args <<<"$case"
+        if [ -n "${OPTIN_CASES:-}" ] && [[ " $OPTIN_CASES " != *" $name "* ]]; then continue; fi
+        log "optin $name: $envs hybridgemm bench --e2e $args"
+        # shellcheck disable=SC2086
+        env $envs timeout "$t" $PY -m hybridgemm bench --e2e $args --tokens 32 --rounds 2 --modes compiled_static \
+          --no-peers --no-progress --out "$OUT/e2e_optin_$name.csv" >"$OUT/bench_e2e_optin_$name.txt" 2>&1 || status=1
+        tail -n 6 "$OUT/bench_e2e_optin_$name.txt" | tee -a "$OUT/summary.txt"
       done
       ;;
     e2e)
