@@ -186,7 +186,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
         tests/kernels/test_triton_router.py "tests/kernels/test_triton_gpu.py::test_weight_prefetch_before_the_pdl_wait_changes_no_bit" \
         tests/fusion/test_moe_gpu.py -k "fp8 or route or prefetch or router" >"$OUT/pytest_optin_gpu.txt" 2>&1 || status=1
       tail -n 5 "$OUT/pytest_optin_gpu.txt" | tee -a "$OUT/summary.txt"
-      llama="--model llama3-8b --layers 32 --batch 1 --weights fp8 --quantize-lm-head"
+      llama="--model llama3-8b --layers 32 --batch 1 --weights fp8 --quantize-lm-head --no-peers"
       qwen="--model qwen3-30b-a3b --layers 12 --batch 1"
       pythia="--model pythia-6.9b --batch 1"
       cases=(
@@ -201,7 +201,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
         log "optin $name: $envs hybridgemm bench --e2e $args"
         # shellcheck disable=SC2086
         env $envs timeout "$t" $PY -m hybridgemm bench --e2e $args --tokens 32 --rounds 2 --modes compiled_static \
-          --no-peers --no-progress --out "$OUT/e2e_optin_$name.csv" >"$OUT/bench_e2e_optin_$name.txt" 2>&1 || status=1
+          --no-progress --out "$OUT/e2e_optin_$name.csv" >"$OUT/bench_e2e_optin_$name.txt" 2>&1 || status=1
         tail -n 6 "$OUT/bench_e2e_optin_$name.txt" | tee -a "$OUT/summary.txt"
       done
       ;;
