@@ -63,6 +63,10 @@ def _rel(got, want) -> float:
     return float((got.detach().float() - want.detach().float()).abs().max() / want.detach().float().abs().max())
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def _logits(model, ids):
     with torch.no_grad():
         return model(ids).logits.float()
@@ -243,8 +247,9 @@ def test_a_fine_grained_fp8_checkpoints_experts_are_taken_as_they_are(static, lo
         assert "model.layers.0.mlp.experts" in {n for n, why in report.skipped if "static activation" in why}
     sd = model.state_dict()
     assert list(sd) == list(before)
-    assert all(torch.equal(sd[k].view(torch.uint8) if sd[k].dtype == E4M3 else sd[k],
-                           before[k].view(torch.uint8) if before[k].dtype == E4M3 else before[k]) for k in before)
+    # byte for byte: the static scheme's expert activation scales are missing from the checkpoint,
+    # so transformers leaves them uninitialised, and memory a test before left NaN compares unequal
+    assert all(torch.equal(_bytes(sd[k]), _bytes(before[k])) for k in before)
     ids = _ids()
     want = _logits(_checkpoint_reference(tmp_path), ids)
     assert _rel(_logits(model, ids), want) < 2e-2  # bf16 activations against fp32
