@@ -43,8 +43,13 @@ from hybridgemm.kernels import triton_splitk as ts
 
 def ptx(fn, ptr, consts, floats=()):
     sig = {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
-    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4, "num_stages": 3})
+    # the pointers, K and the row strides multiples of 16, as Triton specialises a launch of such
+    # operands (the W loads then pipelined by cp.async)
+    aligned = set(ptr) | {"K", "ldx", "ldw", "ldo", "k_per_split"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in aligned and n not in consts}
+    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    assert "cp.async.cg.shared.global" in c.asm["ptx"], fn  # the pipelined form
     return c.asm["ptx"]
 
 
@@ -61,7 +66,8 @@ split = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*b
          "sc_ptr": "*fp32"}
 consts = dict(BM=16, BN=64, BK=256, MODE=2, HAS_BIAS=False, ACT=0, PREC="tf32", EVEN_K=True, NORM=False,
               RESIDUAL=True, ROPE=False, KV=False, HD=2, PDL=True, QK_NORM=False, RES_SCALED=False, WSCALE=0,
-              WINT=False, QK_FACTOR=False, QK_OFFSET=0.0, NW_OFFSET=0.0, GLU=0, PREFETCH=1024)
+              WINT=False, QK_FACTOR=False, QK_OFFSET=0.0, NW_OFFSET=0.0, GLU=0, PREFETCH=1024, ROUTE=0, ROUTE_KP=1,
+              RENORMALIZE=False)
 floats = ("inv_k", "eps", "res_scale", "qk_eps")
 for w, extra in (("*bf16", {}), ("*fp8e4nv", dict(BM=1, WSCALE=1, WINT=True, MODE=0, RESIDUAL=False,
                                                     GLU=tg.ACTIVATIONS["silu"]))):
