@@ -22,7 +22,8 @@
 #         optin     the opt-in kernels (HYBRIDGEMM_PDL_PREFETCH, HYBRIDGEMM_FUSED_ROUTER) against their
 #                   default and the FP8 gate/up GLU epilogue: their GPU tests, then compiled decode of
 #                   llama3-8b (FP8), qwen3-30b-a3b (12 layers) and pythia-6.9b beside stock, one process
-#                   per variant (OPTIN_CASES names a subset; OPTIN_TIMEOUT s per step, default 300)
+#                   per variant, and the FP8 llama3-8b step's kernels by grid (llama_fp8_profile)
+#                   (OPTIN_CASES names a subset; OPTIN_TIMEOUT s per step, default 300)
 #         msweep    perf/bench_msweep.py: dispatched vs F.linear at 128 M per preset shape
 #                   (table: $TABLE or $OUT/h200.json; MSWEEP_ARGS passed on)
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
@@ -204,6 +205,13 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
           --no-progress --out "$OUT/e2e_optin_$name.csv" >"$OUT/bench_e2e_optin_$name.txt" 2>&1 || status=1
         tail -n 6 "$OUT/bench_e2e_optin_$name.txt" | tee -a "$OUT/summary.txt"
       done
+      if [ -z "${OPTIN_CASES:-}" ] || [[ " $OPTIN_CASES " == *" llama_fp8_profile "* ]]; then
+        log "optin llama_fp8_profile: the FP8 step's kernels by launch grid"
+        timeout "$t" $PY -m hybridgemm.perf.e2e_profile --model llama3-8b --layers 32 --batch 1 --modes compiled_static \
+          --weights fp8 --quantize-lm-head --by-grid --out "$OUT/e2e_profile_optin.csv" >"$OUT/e2e_profile_optin.txt" 2>&1 \
+          || status=1
+        grep -v -i warn "$OUT/e2e_profile_optin.txt" | head -n 40 | tee -a "$OUT/summary.txt"
+      fi
       ;;
     e2e)
       log "bench_e2e"
