@@ -401,7 +401,7 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     None where it is not, or where the kernel refuses the fusion (warned once per shape, as a refused
     table entry is): the caller then computes it unfused. ``counters``: zeroed int32 arrival
     counters for the fused reduction, used by one launch at a time. ``weight_scale``: ``weight``
-    is e4m3 with these scales (kernels/fp8.py scale_vector's layout). Calls without rotary or
+    is e4m3 with these scales (kernels/fp8.py scale_vector's layout). Calls without rotary, GLU or
     FP8 weight, outside compiled regions or there without ``counters``, launch their
     signature's bound launch from the second call on (:func:`_bound_key`)."""
     # (eager calls ignore the layer's counters: triton_scratch.plan_scratch)

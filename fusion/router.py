@@ -4,8 +4,10 @@ that computes the same), with the router's GEMM through the dispatcher and the r
 kernel launch (:func:`hybridgemm.experts.route`). With ``HYBRIDGEMM_FUSED_ROUTER=1``, read at
 import, a decode call on the GPU (up to :data:`FUSED_MAX_TOKENS` tokens) runs both in one
 launch instead: split-K with the routing in its epilogue (kernels/triton_splitk.py
-``route_config``, ``run(route=)``), which computes the same logits and routing (the
-probabilities' sums in another order: a weight may differ in its last bit).
+``route_config``, ``run(route=)``). Its GEMM runs that fixed config, not the table's, so a
+logit may differ from the two-launch form's by its rounding (another summation order), and
+the routing is of the logits it stores (a weight may differ from the routing kernel's in its
+last bit, an expert choice only between experts that close).
 
 Which routers: :func:`why_not_router` runs the router's own forward once, at patch time, on a
 bf16 CPU copy of it with random weights and a few random tokens, and compares its outputs bit
@@ -36,7 +38,7 @@ from .linear_layer import linear
 
 PROBE_TOKENS = 4
 PROBE_DTYPE = torch.bfloat16
-FUSED_ROUTER = os.environ.get("HYBRIDGEMM_FUSED_ROUTER", "0") not in ("0", "")
+FUSED_ROUTER = os.environ.get("HYBRIDGEMM_FUSED_ROUTER", "0") == "1"
 FUSED_MAX_TOKENS = 16  # decode: one x tile of 16 rows (a router's tile of all its experts stays in registers)
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -114,14 +116,19 @@ class HybridTopKRouter(nn.Module):
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         weight = self.weight
         x = hidden_states.reshape(-1, weight.shape[1])
-        weights_dtype = x.dtype if self.route_logits_dtype_weights else torch.float32
-        if _fused_runs(x, weight):
+        if _fused_runs(x, weight):  # (the logits then have x's dtype)
             fused = torch.ops.hybridgemm.router_fwd if torch.compiler.is_compiling() else _router
+            weights_dtype = x.dtype if self.route_logits_dtype_weights else torch.float32
             return fused(x, weight, self.top_k, self.route_renormalize, weights_dtype)
-        logits = linear(x, weight)
-        weights_dtype = logits.dtype if self.route_logits_dtype_weights else torch.float32
-        ids, weights = route(logits, self.top_k, self.route_renormalize, weights_dtype)
-        return logits, weights, ids
+        return _two_launches(x, weight, self.top_k, self.route_renormalize, self.route_logits_dtype_weights)
+
+
+def _two_launches(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
+                  logits_dtype_weights: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The router's GEMM by the dispatcher, then the routing (:func:`hybridgemm.experts.route`)."""
+    logits = linear(x, weight)
+    ids, weights = route(logits, top_k, renormalize, logits.dtype if logits_dtype_weights else torch.float32)
+    return logits, weights, ids
 
 
 def _fused_runs(x: Tensor, weight: Tensor) -> bool:
@@ -150,15 +157,14 @@ def _router(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
         except (ValueError, TypeError) as exc:
             warn_once(("fused_router", tuple(weight.shape), x.dtype),
                       f"hybridgemm: the router's GEMM could not route in its epilogue ({exc}); it runs apart")
-    logits = linear(x, weight)
-    ids, weights = route(logits, top_k, renormalize, weights_dtype)
-    return logits, weights, ids
+    return _two_launches(x, weight, top_k, renormalize, weights_dtype != torch.float32)
 
 
 @torch.library.custom_op("hybridgemm::router_fwd", mutates_args=())
 def router_fwd(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
                weights_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_router` as one opaque op under torch.compile."""
+    """:func:`_router` as one opaque op under torch.compile. Its arrival counters are allocated
+    (zero-filled) per call, as every compiled op's without a layer's counters."""
     with per_call_scratch():  # no scratch cached from inside a compiled region (CUDA graph trees)
         return _router(x, weight, top_k, renormalize, weights_dtype)
 

@@ -9,8 +9,9 @@ aligned address and a multiple of 16 bytes), so that its pipeline's first loads 
 find them in L2, and HBM has work while the previous kernel drains. The prefetch only warms L2:
 what the kernel computes is the same, bits included.
 
-``HYBRIDGEMM_PDL_PREFETCH=1`` turns it on where PDL is on (read when a plan is built; off by
-default). Nothing touches a GPU at import time.
+``HYBRIDGEMM_PDL_PREFETCH=1`` turns it on where PDL is on (read when a plan is built, so plans
+and bound launches built before a change keep what they were built with; off by default).
+Nothing touches a GPU at import time.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ ALIGN = 16  # the bulk prefetch's address and size granularity, bytes
 def prefetch_enabled(pdl: bool) -> bool:
     """Prefetch the weight before the PDL wait? Only with PDL (Hopper, whose bulk prefetch it
     uses) and ``HYBRIDGEMM_PDL_PREFETCH=1``."""
-    return pdl and os.environ.get("HYBRIDGEMM_PDL_PREFETCH", "0") not in ("0", "")
+    return pdl and os.environ.get("HYBRIDGEMM_PDL_PREFETCH", "0") == "1"
 
 
 def prefetch_elements(pdl: bool, w_align: int, ldw: int, k_step: int, w_itemsize: int, elements: int) -> int:

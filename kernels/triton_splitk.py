@@ -3,7 +3,8 @@ optionally with an RMSNorm of x fused in front, a residual added after, for a Q/
 projection the rotary embedding and the KV-cache write, and for a stacked gate/up weight the
 GLU product (``run(norm=, residual=, rope=, glu=)``, the decoder-layer fusion of
 fusion/models/decoder_layer.py; ``glu`` serves e4m3 gate/up weights, which the gated kernel,
-kernels/triton_glu.py, does not read).
+kernels/triton_glu.py, does not read); for a mixture-of-experts router, its softmax-top-k
+routing (``run(route=)``, :func:`route_config`).
 
 At small M the GEMM is a stream over W (N x K): the kernel's only job is to keep enough
 bytes of W in flight on every SM. N alone gives too few tiles (70b qkv: 160 tiles of 64
@@ -332,8 +333,9 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # columns and the up rows of the same columns (triton_glu.tl_glu_rows), so the epilogue has
     # both halves of its columns at hand (with the transformers GLU's roundings, tl_rounded_glu).
     # PDL (programmatic dependent launch): this grid may start while the previous kernel on
-    # the stream finishes; nothing is read or written before the wait, which returns once that
-    # kernel has completed and its writes are visible (see pdl_enabled()). PREFETCH (W elements
+    # the stream finishes; nothing the previous kernel writes is read, and nothing is written,
+    # before the wait, which returns once that kernel has completed and its writes are visible
+    # (see pdl_enabled()). PREFETCH (W elements
     # per row, 0 for none): before the wait, L2 is asked for the first of this program's W bytes
     # (triton_prefetch), which no earlier kernel writes.
     pid_n = tl.program_id(0)
@@ -482,8 +484,9 @@ class Fusion:
     compiles the prologue for its pointer type); ``norm_offset``: the prologue's factor is
     ``norm_offset + weight`` in fp32, formed in registers (a Gemma norm's weight as it is);
     ``glu``: the GLU product's activation (triton_glu.ACTIVATIONS) over a stacked [gate; up]
-    weight, the output N / 2 columns wide; ``route``: (top k, renormalise) of a router's
-    routing in the epilogue."""
+    weight, the output N / 2 columns wide; ``route``: (top k, renormalise, the weights' dtype,
+    the ids' and the weights' 16-byte alignment) of a router's routing in the epilogue (what
+    the kernel is compiled for: a plan's launch reuses its kernel unchecked)."""
 
     norm_eps: float | None = None
     norm_aligned: bool = True
@@ -494,7 +497,7 @@ class Fusion:
     norm_fp32: bool = False
     norm_offset: float = 0.0
     glu: str | None = None
-    route: tuple[int, bool] | None = None
+    route: tuple | None = None
 
 
 _NO_FUSION = Fusion()
@@ -553,7 +556,8 @@ def fusion_of(norm: tuple | None, residual: torch.Tensor | None, rope: RopeLayou
                   None if residual_scale is None else float(residual_scale),
                   norm is not None and norm[0].dtype == torch.float32,
                   float(norm[2]) if norm is not None and len(norm) == 3 else 0.0, glu,
-                  None if route is None else (route[0].shape[1], bool(route[2])))
+                  None if route is None else (route[0].shape[1], bool(route[2]), route[1].dtype,
+                                              route[0].data_ptr() % 16 == 0, route[1].data_ptr() % 16 == 0))
 
 
 def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
@@ -658,7 +662,8 @@ def run(
     holding all of them: :func:`route_config`); besides the logits in ``out``, each token's top
     ``k`` experts (ids int64 [M, k], contiguous) and their probabilities (weights [M, k] fp32,
     bf16 or fp16; renormalised to sum 1 if asked) are written, from the logits as rounded to
-    out's dtype (kernels/triton_router.py's routing); not with any other fusion.
+    out's dtype (kernels/triton_router.py's routing); not with a residual, rope, glu, an
+    activation or the two-launch reduction.
     Deterministic for a fixed config. ``tf32`` (fp32 inputs) allows TF32 tensor cores.
     Raises ValueError/TypeError naming the problem when operands or config do not fit.
     """
@@ -675,8 +680,7 @@ def run(
         layout = rope_layout(rope, x, out, config.block_n, "triton_splitk")
         if residual is not None or parse_activation(activation) != Activation.NONE:
             raise ValueError("triton_splitk: rope takes no residual and no activation")
-        if config.split_k > 1 and not config.fused_reduce:
-            raise ValueError("triton_splitk: rope needs split_k == 1 or the fused reduction (fused_reduce=True)")
+        _check_single_pass(config, "rope")
     if glu is not None:
         _check_glu(config, glu, residual, rope, activation)
     if route is not None:
@@ -702,8 +706,13 @@ def _check_glu(config: TritonSplitKConfig, glu, residual, rope, activation) -> N
         raise ValueError(f"triton_splitk: glu must be one of {sorted(GLU_CODES)}, got {glu!r}")
     if residual is not None or rope is not None or parse_activation(activation) != Activation.NONE:
         raise ValueError("triton_splitk: glu takes no residual, no rope and no activation")
+    _check_single_pass(config, "glu")
+
+
+def _check_single_pass(config: TritonSplitKConfig, what: str) -> None:
+    """An epilogue that needs a tile's whole sum in one program: no two-launch reduction."""
     if config.split_k > 1 and not config.fused_reduce:
-        raise ValueError("triton_splitk: glu needs split_k == 1 or the fused reduction (fused_reduce=True)")
+        raise ValueError(f"triton_splitk: {what} needs split_k == 1 or the fused reduction (fused_reduce=True)")
 
 
 MAX_ROUTE_EXPERTS = 256  # a router's logits in one tile (the routing holds [experts, tokens] in registers)
@@ -720,18 +729,21 @@ def _check_route(config: TritonSplitKConfig, route, x, weight, out, residual, ro
     if ids.dim() != 2 or ids.shape[0] != m or not 1 <= ids.shape[1] <= min(n, MAX_TOP_K):
         raise ValueError(f"triton_splitk: route ids must be [M={m}, k] with k in 1..{min(n, MAX_TOP_K)}, "
                          f"got {tuple(ids.shape)}")
-    if ids.dtype != torch.int64 or weights.shape != ids.shape or weights.dtype not in _ROUTE_WEIGHTS:
-        raise TypeError("triton_splitk: route ids must be int64 and weights fp32/bf16/fp16 of the ids' shape")
+    if weights.shape != ids.shape:
+        raise ValueError(f"triton_splitk: route weights must have the ids' shape {tuple(ids.shape)}, "
+                         f"got {tuple(weights.shape)}")
+    if ids.dtype != torch.int64 or weights.dtype not in _ROUTE_WEIGHTS:
+        raise TypeError("triton_splitk: route ids must be int64 and weights fp32, bf16 or fp16")
     if not (ids.is_contiguous() and weights.is_contiguous()) or ids.device != out.device \
             or weights.device != out.device:
         raise ValueError("triton_splitk: route ids and weights must be contiguous, on the output's device")
     if n > config.block_n or n > MAX_ROUTE_EXPERTS:
         raise ValueError(f"triton_splitk: route needs all {n} experts in one tile (block_n {config.block_n}; "
                          f"at most {MAX_ROUTE_EXPERTS})")
-    if config.split_k > 1 and not config.fused_reduce:
-        raise ValueError("triton_splitk: route needs split_k == 1 or the fused reduction (fused_reduce=True)")
+    _check_single_pass(config, "route")
 
 
+@functools.lru_cache(maxsize=256)
 def route_config(m: int, n: int, k: int, itemsize: int) -> TritonSplitKConfig | None:
     """The config a router's GEMM with its routing in the epilogue runs (``run(route=)``): one
     tile of all ``n`` experts, x tiles of M's power of two from 16, 128 bytes of K per row per

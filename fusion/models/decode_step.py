@@ -360,15 +360,16 @@ def _slot_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor | N
     return residual + (y if residual_scale is None else y * residual_scale)
 
 
-def _mlp_inner(mlp: nn.Module, norm: nn.Module, h: Tensor) -> Tensor:
+def _mlp_inner(mlp: nn.Module, norm: nn.Module, h: Tensor, counters: Tensor | None) -> Tensor:
     """``glu(gate_up(norm2(h)))`` (``norm`` None: of h itself): one gated launch, or with LoRA
-    terms on gate or up the GEMM with its norm, the terms (on the normalised h), then the product."""
+    terms on gate or up the GEMM with its norm, the terms (on the normalised h), then the product.
+    ``counters``: the layer's, for the split-K launch of an FP8 gate/up."""
     gate_up = mlp._modules[FUSED_GATE_UP]
     slots = _slots(mlp, gate_up)
     if not any(adapter_terms.adds_terms(m) for m in slots):
         return gated_norm(h, *_norm_args(norm), gate_up.weight, gate_up.bias, mlp.glu_activation,
-                          weight_scale_of(gate_up))
-    y = norm_linear(h, *_norm_args(norm), gate_up.weight, gate_up.bias, None, weight_scale_of(gate_up))
+                          weight_scale_of(gate_up), counters)
+    y = norm_linear(h, *_norm_args(norm), gate_up.weight, gate_up.bias, counters, weight_scale_of(gate_up))
     y = adapter_terms.add_slice_terms(slots, normed(h, *_norm_args(norm)), y, gate_up.sizes)
     gate, up = y.split(list(gate_up.sizes), dim=-1)
     return GLU_FUNCTIONS[mlp.glu_activation](gate) * up
@@ -390,7 +391,7 @@ def _post_norm_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor 
     o = _slot_project(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), counters)
     h = add_norm(x, layer.post_attention_layernorm, o)
     mlp_norm = layer._modules.get("pre_feedforward_layernorm")
-    down = _slot_project(layer.mlp.down_proj, _mlp_inner(layer.mlp, mlp_norm, h), counters)
+    down = _slot_project(layer.mlp.down_proj, _mlp_inner(layer.mlp, mlp_norm, h, counters), counters)
     return add_norm(h, layer.post_feedforward_layernorm, down)
 
 
@@ -406,7 +407,7 @@ def _norm_modules_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tens
     h = _slot_add(layer.self_attn.o_proj, attention(layer, n, kwargs, counters, normed=True), x, counters, None)
     parallel = checks.norm_modules(layer) == "parallel" or layer.use_parallel_residual
     mlp_in = n if parallel else layer.post_attention_layernorm(h)
-    return _slot_add(layer.mlp.down_proj, _mlp_inner(layer.mlp, None, mlp_in), h, counters, None)
+    return _slot_add(layer.mlp.down_proj, _mlp_inner(layer.mlp, None, mlp_in, counters), h, counters, None)
 
 
 def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None = None) -> Tensor:
@@ -425,7 +426,8 @@ def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | Non
     h = _slot_add(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), x, counters, m)
     if checks.moe_block(layer.mlp):
         return h + layer.mlp(layer.post_attention_layernorm(h))
-    return _slot_add(layer.mlp.down_proj, _mlp_inner(layer.mlp, layer.post_attention_layernorm, h), h, counters, m)
+    return _slot_add(layer.mlp.down_proj, _mlp_inner(layer.mlp, layer.post_attention_layernorm, h, counters), h,
+                     counters, m)
 
 
 __all__ = ["QKV_NAME", "attention", "layer_step", "project", "project_add", "static_attention"]

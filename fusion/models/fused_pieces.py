@@ -84,12 +84,12 @@ def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: T
 
 
 def _gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
-                bias: Tensor | None, activation: str, scale: Tensor | None = None,
+                bias: Tensor | None, activation: str, scale: Tensor | None = None, counters: Tensor | None = None,
                 keep_prologue: bool = False) -> Tensor:
     if scale is not None:
         # FP8: the gated kernel reads no e4m3 weight; split-K runs gate/up with the product in
         # its epilogue, or where the table runs another backend, the GEMM then the product
-        y = dispatch.fused_splitk(x, weight, bias, None, scale, keep_prologue, glu=activation,
+        y = dispatch.fused_splitk(x, weight, bias, counters, scale, keep_prologue, glu=activation,
                                   **_norm_fusion(norm_weight, eps, norm_offset))
         if y is not None:
             return y
@@ -129,13 +129,14 @@ def _linear_residual_fake(x, weight, bias, residual, counters=None, scale=None, 
 
 @torch.library.custom_op("hybridgemm::gated_norm_fwd", mutates_args=())
 def gated_norm_fwd(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
-                   bias: Tensor | None, activation: str, scale: Tensor | None = None) -> Tensor:
+                   bias: Tensor | None, activation: str, scale: Tensor | None = None,
+                   counters: Tensor | None = None) -> Tensor:
     with per_call_scratch():
-        return _gated_norm(x, norm_weight, eps, norm_offset, weight, bias, activation, scale)
+        return _gated_norm(x, norm_weight, eps, norm_offset, weight, bias, activation, scale, counters)
 
 
 @gated_norm_fwd.register_fake
-def _gated_norm_fake(x, norm_weight, eps, norm_offset, weight, bias, activation, scale=None):
+def _gated_norm_fake(x, norm_weight, eps, norm_offset, weight, bias, activation, scale=None, counters=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
 
@@ -173,13 +174,15 @@ _gated_norm_eager = functools.partial(_gated_norm, keep_prologue=True)  # (as _n
 
 
 def gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
-               bias: Tensor | None, activation: str, scale: Tensor | None = None) -> Tensor:
+               bias: Tensor | None, activation: str, scale: Tensor | None = None,
+               counters: Tensor | None = None) -> Tensor:
     """``gated_linear(rmsnorm(x), weight, bias, activation)`` (the norm of operand
     ``(norm_weight, eps, norm_offset)``; x itself for a None ``norm_weight``), one launch of the gated kernel
     where the dispatcher's gated rule picks it (an FP8 weight: the split-K launch with the norm
-    prologue and the product in its epilogue, where the table runs split-K)."""
+    prologue and the product in its epilogue, where the table runs split-K; ``counters``: the
+    layer's zeroed arrival counters for its single-pass reduction, as :func:`norm_linear`'s)."""
     return _compiled(torch.ops.hybridgemm.gated_norm_fwd, _gated_norm_eager, x, norm_weight, float(eps),
-                     norm_offset, weight, bias, activation, scale)
+                     norm_offset, weight, bias, activation, scale, counters)
 
 
 # ------------------------------------------------------------------ Q/K/V with rotary + cache

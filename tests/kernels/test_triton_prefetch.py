@@ -10,7 +10,7 @@ from hybridgemm.kernels import triton_prefetch as tp
 
 
 @pytest.mark.parametrize("env,pdl,want", [("1", True, 2048), ("0", True, 0), ("", True, 0), (None, True, 0),
-                                          ("1", False, 0)])
+                                          ("true", True, 0), ("1", False, 0)])
 def test_it_runs_only_with_pdl_and_when_asked(env, pdl, want, monkeypatch):
     if env is None:
         monkeypatch.delenv("HYBRIDGEMM_PDL_PREFETCH", raising=False)
