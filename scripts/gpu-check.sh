@@ -24,6 +24,9 @@
 #                   llama3-8b (FP8), qwen3-30b-a3b (12 layers) and pythia-6.9b beside stock, one process
 #                   per variant, and the FP8 llama3-8b step's kernels by grid (llama_fp8_profile)
 #                   (OPTIN_CASES names a subset; OPTIN_TIMEOUT s per step, default 300)
+#         fp8mlp    FP8 table entries for llama3-8b's and qwen2.5-7b's MLP GEMMs and LM heads (M 1-64) into a
+#                   copy of the shipped table ($OUT/h200.json), then llama3-8b FP8 compiled decode on it
+#                   (FP8MLP_TIMEOUT s per step, default 420)
 #         msweep    perf/bench_msweep.py: dispatched vs F.linear at 128 M per preset shape
 #                   (table: $TABLE or $OUT/h200.json; MSWEEP_ARGS passed on)
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
@@ -212,6 +215,22 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
           || status=1
         grep -v -i warn "$OUT/e2e_profile_optin.txt" | head -n 40 | tee -a "$OUT/summary.txt"
       fi
+      ;;
+    fp8mlp)
+      # FP8 table entries for the MLP GEMMs and LM heads of llama3-8b and qwen2.5-7b at decode rows,
+      # into a copy of the shipped table ($OUT/h200.json; its attention entries are kept), then
+      # llama3-8b's FP8 compiled decode on that table beside stock (B = 1 and 8)
+      t=${FP8MLP_TIMEOUT:-420}
+      cp autotune_cache/tables/h200.json "$OUT/h200.json"
+      log "autotune --mlp --weights fp8 llama3-8b qwen2.5-7b (M 1-64) -> $OUT/h200.json"
+      timeout "$t" $PY -m hybridgemm autotune --model llama3-8b --model qwen2.5-7b --mlp --weights fp8 \
+        --m 1 2 4 8 16 32 64 --out "$OUT/h200.json" --no-progress >"$OUT/autotune_fp8_mlp.txt" 2>&1 || status=1
+      grep -E "tuned |compiled|M=1-1\||M=5-8\|" "$OUT/autotune_fp8_mlp.txt" | tee -a "$OUT/summary.txt"
+      log "e2e llama3-8b FP8 (LM head too) on that table"
+      HYBRIDGEMM_TABLE="$OUT/h200.json" timeout "$t" $PY -m hybridgemm bench --e2e --model llama3-8b --layers 32 \
+        --batch 1 8 --tokens 32 --rounds 2 --modes compiled_static --weights fp8 --quantize-lm-head --no-peers \
+        --no-progress --out "$OUT/e2e_fp8_mlp_tuned.csv" >"$OUT/bench_e2e_fp8_mlp_tuned.txt" 2>&1 || status=1
+      tail -n 8 "$OUT/bench_e2e_fp8_mlp_tuned.txt" | tee -a "$OUT/summary.txt"
       ;;
     e2e)
       log "bench_e2e"
