@@ -761,7 +761,7 @@ def rope_config(config: TritonSplitKConfig, rope: RotaryCache, x: torch.Tensor,
     """The config :func:`run` launches for ``rope``: ``config``, or with q/k norms in ``rope``
     its whole-head form (``_whole_head_config``)."""
     if getattr(rope, "q_norm", None) is not None and config.block_n != rope.head_dim:
-        return _whole_head_config(config, rope.head_dim, x.element_size(), weight.element_size())
+        return _whole_head_config(config, rope.head_dim, x.shape[1], x.element_size(), weight.element_size())
     return config
 
 
@@ -783,17 +783,26 @@ def prologue_fits(config: TritonSplitKConfig, itemsize: int) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _whole_head_config(config: TritonSplitKConfig, head_dim: int, itemsize: int, w_itemsize: int) -> TritonSplitKConfig:
+def _whole_head_config(config: TritonSplitKConfig, head_dim: int, k: int, itemsize: int,
+                       w_itemsize: int) -> TritonSplitKConfig:
     """``config`` with tiles of one whole head (``block_n = head_dim``), as the q/k norms of the
     rotary epilogue need; warps doubled while the accumulator would take more than
     MAX_ACC_REGS registers a thread, then stages and K tiles cut while the stages would not
-    fit in shared memory (what is left, ``supports`` reports)."""
+    fit in shared memory (what is left, ``supports`` reports). Tiles ``f`` times as wide make
+    ``f`` times fewer of them, so K is split ``f`` times as often (as far as ``k`` of two K tiles
+    a split allows, with the one-launch reduction): the programs the tuned config ran over the
+    weight, which a Q/K/V stream needs to keep HBM busy (Qwen3-30B-A3B's 5120 x 2048 at M = 1,
+    tuned to 80 programs of 64 rows, would otherwise run 40 of 128)."""
     c = dataclasses.replace(config, block_n=head_dim)
     while c.block_m * c.block_n // (32 * c.num_warps) > MAX_ACC_REGS and c.num_warps < 16:
         c = dataclasses.replace(c, num_warps=c.num_warps * 2)
     while c.smem_bytes(itemsize, w_itemsize) > HOPPER_SMEM_PER_BLOCK and (c.num_stages > 2 or c.block_k > 32):
         c = dataclasses.replace(c, num_stages=c.num_stages - 1) if c.num_stages > 2 else \
             dataclasses.replace(c, block_k=c.block_k // 2)
+    if head_dim > config.block_n:
+        split = min(config.split_k * (head_dim // config.block_n), max(1, triton.cdiv(k, c.block_k) // 2), 64)
+        if split > c.split_k:
+            c = dataclasses.replace(c, split_k=split, fused_reduce=True)
     return c
 
 

@@ -159,6 +159,32 @@ def test_qk_norms_in_the_rope_epilogue_match_fp64(config, batch, seq, heads, kv_
             torch.testing.assert_close(values[:, :, base + s].double(), v[:, s], rtol=1e-4, atol=1e-4)
 
 
+def test_whole_head_tiles_split_k_and_match_fp64():
+    """A tuned config of 16-row tiles over heads of 32: the q/k norms' whole-head tiles halve
+    the tiles, so K is split twice as often, reduced in the same launch (``rope_config``); the
+    result as fp64's, the cache written."""
+    torch.manual_seed(5)
+    dt, k_dim, heads, kv_heads, hd, base = torch.float32, 160, 4, 2, 32, 3
+    n = (heads + 2 * kv_heads) * hd
+    x = torch.randn(2, k_dim, dtype=dt)
+    w = torch.randn(n, k_dim, dtype=dt) / k_dim ** 0.5
+    qn, kn = torch.rand(hd, dtype=dt) + 0.5, torch.rand(hd, dtype=dt) + 0.5
+    cos, sin = _cos_sin(torch.tensor([[base]]), hd, dt, 2)
+    keys = torch.full((2, kv_heads, 8, hd), 123.0, dtype=dt)
+    values = torch.full_like(keys, -321.0)
+    rc = RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base), q_norm=qn, k_norm=kn,
+                     qk_eps=1e-6)
+    launched = triton_splitk.rope_config(ONE_PASS, rc, x, w)
+    assert (launched.block_n, launched.split_k, launched.fused_reduce) == (32, 2, True)
+    out = torch.full((2, n), float("nan"), dtype=dt)
+    triton_splitk.run(ONE_PASS, x, w, None, out, None, rope=rc)
+    q, k, v = _reference(x, w, None, None, 0.0, cos, sin, heads, kv_heads, hd, 2, 1, (qn, kn, 1e-6))
+    ref = torch.cat([q.reshape(2, -1), k.reshape(2, -1), v.reshape(2, -1)], dim=-1)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(keys[:, :, base].double(), k[:, 0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(values[:, :, base].double(), v[:, 0], rtol=1e-4, atol=1e-4)
+
+
 def test_rope_without_a_cache_only_rotates():
     torch.manual_seed(1)
     heads, kv_heads, hd, k_dim = 2, 1, 16, 32
