@@ -21,7 +21,7 @@
 #                   step under `timeout` (FP8MOE_TIMEOUT s, default 420), results in $OUT
 #         optin     the opt-in kernels (HYBRIDGEMM_PDL_PREFETCH, HYBRIDGEMM_FUSED_ROUTER) against their
 #                   default and the FP8 gate/up GLU epilogue: their GPU tests, then compiled decode of
-#                   llama3-8b (FP8), qwen3-30b-a3b (12 layers) and pythia-6.9b beside stock, one process
+#                   llama3-8b (FP8), qwen3-30b-a3b (12 layers), pythia-6.9b and qwen3-8b beside stock, one process
 #                   per variant, and the FP8 llama3-8b step's kernels by grid (llama_fp8_profile)
 #                   (OPTIN_CASES names a subset; OPTIN_TIMEOUT s per step, default 300)
 #         fp8mlp    FP8 table entries for llama3-8b's and qwen2.5-7b's MLP GEMMs and LM heads (M 1-64) into a
@@ -198,6 +198,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
         "qwen3_r0|HYBRIDGEMM_FUSED_ROUTER=0|$qwen" "qwen3_r1|HYBRIDGEMM_FUSED_ROUTER=1|$qwen"
         "qwen3_r1_pf1|HYBRIDGEMM_FUSED_ROUTER=1 HYBRIDGEMM_PDL_PREFETCH=1|$qwen"
         "pythia_pf0|HYBRIDGEMM_PDL_PREFETCH=0|$pythia" "pythia_pf1|HYBRIDGEMM_PDL_PREFETCH=1|$pythia"
+        "qwen3_8b|HYBRIDGEMM_PDL_PREFETCH=0|--model qwen3-8b --batch 1"
       )
       for case in "${cases[@]}"; do
         IFS='|' read -r name envs args <<<"$case"
