@@ -27,6 +27,7 @@ from hybridgemm.autotune_cache.measure import dense_weight, gpu_time_rotating, o
 from hybridgemm.autotune_cache.precompile import precompile
 from hybridgemm.kernels import triton_e4m3 as te
 from hybridgemm.kernels import triton_splitk as ts
+from hybridgemm.kernels import triton_splitk_configs as ts_configs
 from hybridgemm.kernels.backends import get_backend
 from hybridgemm.kernels.fp8 import FORMAT_OF
 from hybridgemm.perf.read_ceiling import fp8_bytes, fp8_in_one_buffer, read_calls
@@ -46,7 +47,7 @@ def small_m_grid(p) -> list:
     bm = 1 << max(0, p.m - 1).bit_length()
     pairs = ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8))
     for (bn, warps), bk, stages, waves in itertools.product(pairs, (256, 512), (3, 4), (1, 2)):
-        split = ts._split_for(waves, -(-p.n // bn), -(-p.k // bk), ts.HOPPER_NUM_SMS)
+        split = ts_configs._split_for(waves, -(-p.n // bn), -(-p.k // bk), ts_configs.HOPPER_NUM_SMS)
         out.append(ts.TritonSplitKConfig(bm, bn, bk, split, warps, stages, split > 1))
     return [c for c in out if c.supports(p)[0]]
 

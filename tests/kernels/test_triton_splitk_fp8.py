@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hybridgemm.kernels import triton_splitk as sk
+from hybridgemm.kernels import triton_splitk_configs
 from hybridgemm.kernels.epilogue import Epilogue
 from hybridgemm.kernels.fp8 import FORMAT_OF, quantize_fp8
 from hybridgemm.kernels.problem import Problem
@@ -154,6 +155,6 @@ def test_fp8_candidates_take_x_tiles_of_m_and_bf16_ones_keep_16_rows():
     assert {c.block_m for c in sk.candidates(Problem(**{**fp8.__dict__, "m": 24}))} == {32}
     bf16 = Problem(**{**fp8.__dict__, "weight_format": ""})
     assert {c.block_m for c in sk.candidates(bf16)} == {16} and sk.default_config(bf16).block_m == 16
-    assert 0 < len(sk.candidates(fp8)) <= sk.MAX_CANDIDATES
+    assert 0 < len(sk.candidates(fp8)) <= triton_splitk_configs.MAX_CANDIDATES
     cfg = sk.candidates(fp8)[0]
     assert sk.TritonSplitKConfig.from_record(cfg.to_record()) == cfg
