@@ -243,7 +243,7 @@ def choose_fusable(problem: Problem, device_index: int) -> Choice:
 
 def _untuned_fusable(problem: Problem, device_index: int, choice: Choice) -> Choice:
     """A fused piece whose shape no table entry holds at this M: split-K's untuned config
-    (kernels/triton_splitk.py ``untuned_config``, chosen from the shipped table's timings) for
+    (kernels/triton_splitk_configs.py ``untuned_config``, chosen from the shipped table's timings) for
     a bf16/fp16 weight at decode rows (at most :data:`FUSED_UNTUNED_MAX_M`), else ``choice``.
     Without it the piece would compose its fusion around F.linear (the plain rule 5), which
     measured slower than the stock layer end to end (gemma-7b before its entries were tuned:
@@ -292,14 +292,14 @@ def fp8_decode_config(problem: Problem, num_sms: int | None, **limits):
     """The split-K config rule 5 runs for an FP8 weight without a table entry on a GPU of
     ``num_sms`` SMs (None: an H100/H200's) and ``limits`` (backends.device_limits; the kernel's
     defaults where absent): at decode rows (M ≤ DECODE_MAX_M) the default config
-    (kernels/triton_splitk.py ``default_config``: 64-row tiles, 256 e4m3 bytes of K per stage,
+    (kernels/triton_splitk_configs.py ``default_config``: 64-row tiles, 256 e4m3 bytes of K per stage,
     about two waves) with the one-launch reduction, which the decode step's rotary/KV-cache
     epilogue needs; None past the decode rows or where split-K cannot run the problem."""
     if problem.m > DECODE_MAX_M:
         return None
     splitk = triton_module("triton_splitk")
     try:
-        cfg = splitk.default_config(problem, num_sms=splitk.HOPPER_NUM_SMS if num_sms is None else num_sms, **limits)
+        cfg = splitk.default_config(problem, **({} if num_sms is None else {"num_sms": num_sms}), **limits)
     except ValueError:
         return None
     return dataclasses.replace(cfg, fused_reduce=cfg.split_k > 1)

@@ -437,7 +437,10 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         apart = False
         if weight_scale is None and not keep_prologue:
             splitk = triton_module("triton_splitk")
-            launched = config if rope is None else splitk.rope_config(config, rope, x2, w2)
+            try:
+                launched = config if rope is None else splitk.rope_config(config, rope, x2, w2)
+            except ValueError:  # no whole-head config: the launch below refuses it, warned
+                launched = config
             apart = not splitk.prologue_fits(launched, x2.element_size())
         if apart:
             # the prologue would cost about a second GEMM with this config: normalise first, as

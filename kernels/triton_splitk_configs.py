@@ -164,7 +164,7 @@ def _block_k(problem: Problem, k_bytes: int) -> int:
 
 def _block_m(problem: Problem) -> int:
     """Rows of x per program: M's power of two, from 16 for a bf16/fp16 weight and from 1 for
-    an FP8 one (see the module docstring)."""
+    an FP8 one (see kernels/triton_splitk.py's module docstring)."""
     return min(64, max(1 if problem.weight_format else 16, next_pow2(problem.m)))
 
 
@@ -273,9 +273,10 @@ def _whole_head_config(config: TritonSplitKConfig, head_dim: int, k: int, itemsi
     MAX_ACC_REGS registers a thread, then stages and K tiles cut while the stages would not
     fit in shared memory (what is left, ``supports`` reports). Tiles ``f`` times as wide make
     ``f`` times fewer of them, so K is split ``f`` times as often (as far as ``k`` of two K tiles
-    a split allows, with the one-launch reduction): the programs the tuned config ran over the
-    weight, which a Q/K/V stream needs to keep HBM busy (Qwen3-30B-A3B's 5120 x 2048 at M = 1,
-    tuned to 80 programs of 64 rows, would otherwise run 40 of 128)."""
+    a split allows, at most 64, each split given K tiles, and always with the one-launch
+    reduction the rotary epilogue needs): the programs the tuned config ran over the weight,
+    which a Q/K/V stream needs to keep HBM busy (Qwen3-30B-A3B's 5120 x 2048 at M = 1, tuned to
+    80 programs of 64 rows, would otherwise run 40 of 128), where K is long enough."""
     c = dataclasses.replace(config, block_n=head_dim)
     while c.block_m * c.block_n // (32 * c.num_warps) > MAX_ACC_REGS and c.num_warps < 16:
         c = dataclasses.replace(c, num_warps=c.num_warps * 2)
@@ -283,7 +284,8 @@ def _whole_head_config(config: TritonSplitKConfig, head_dim: int, k: int, itemsi
         c = dataclasses.replace(c, num_stages=c.num_stages - 1) if c.num_stages > 2 else \
             dataclasses.replace(c, block_k=c.block_k // 2)
     if head_dim > config.block_n:
-        split = min(config.split_k * (head_dim // config.block_n), max(1, triton.cdiv(k, c.block_k) // 2), 64)
-        if split > c.split_k:
-            c = dataclasses.replace(c, split_k=split, fused_reduce=True)
+        k_tiles = triton.cdiv(k, c.block_k)
+        split = max(c.split_k, min(config.split_k * (head_dim // config.block_n), max(1, k_tiles // 2), 64))
+        split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # the splits that get K tiles
+        c = dataclasses.replace(c, split_k=split, fused_reduce=split > 1)
     return c

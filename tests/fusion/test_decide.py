@@ -217,3 +217,21 @@ def test_a_tuned_f_linear_winner_is_not_overridden_by_the_untuned_rule(fake_h200
     decide.set_table_path(_save(fake_h200 / "f.json", {KEY: tuned("torch", {}, ratios=[1.0, 1.2])}))
     assert decide.choose_fusable(PROBLEM, 0) == decide.choose(PROBLEM, 0)
     assert decide.choose_fusable(PROBLEM, 0).backend == "torch"
+
+
+def test_the_fp8_decode_rule_runs_the_default_config_on_a_gpu_of_unknown_size():
+    """``fp8_decode_config`` without an SM count (``explain`` on a table whose signature has none):
+    the split-K default config for an H100/H200, with the one-launch reduction; None past decode."""
+    from hybridgemm.kernels import triton_splitk_configs
+    from hybridgemm.kernels.epilogue import Epilogue
+    from hybridgemm.kernels.fp8 import FORMAT_OF
+    from hybridgemm.kernels.problem import Problem
+
+    fp8 = dict(epilogue=Epilogue(), weight_format=FORMAT_OF["channel"])
+    decode = Problem(m=1, n=4096, k=14336, dtype=torch.bfloat16, ldx=14336, ldw=14336, ldo=4096, **fp8)
+    cfg = decide.fp8_decode_config(decode, None)
+    want = triton_splitk_configs.default_config(decode)
+    assert cfg == dataclasses.replace(want, fused_reduce=want.split_k > 1) and cfg.split_k > 1
+    assert decide.fp8_decode_config(decode, 66).split_k <= cfg.split_k  # fewer SMs, no more splits
+    prefill = dataclasses.replace(decode, m=65)
+    assert decide.fp8_decode_config(prefill, None) is None

@@ -342,17 +342,18 @@ def test_launcher_fast_path(monkeypatch):
     (256, 512, ts.TritonSplitKConfig(16, 64, 256, 1, 4, 4), 2),      # K of four 128-wide tiles: two a split
     (128, 4096, ts.TritonSplitKConfig(16, 64, 256, 3, 4, 3, fused_reduce=True), 6),
     (128, 4096, ts.TritonSplitKConfig(16, 128, 256, 2, 4, 3, fused_reduce=True), 2),  # already whole heads
+    (32, 128, ts.TritonSplitKConfig(16, 16, 32, 2, 4, 2), 2),        # a two-launch entry at the cap: single-pass
+    (128, 4096, ts.TritonSplitKConfig(16, 32, 128, 3, 4, 3, fused_reduce=True), 11),  # 12 would leave one idle
 ])
 def test_whole_head_tiles_keep_the_tuned_programs(head_dim, k, tuned, want_split):
     """The q/k norms' whole-head tiles (``rope_config``): as many programs over the weight as
     the tuned config ran (K split as often more as the tiles are wider, two K tiles a split at
-    least, the one-launch reduction the rotary epilogue needs), in shared memory and registers."""
+    least, every split given K tiles, always the one-launch reduction the rotary epilogue
+    needs), in shared memory and registers."""
     cfg = ts._whole_head_config(tuned, head_dim, k, 2, 2)
     assert cfg.block_n == head_dim and cfg.split_k == want_split
     assert cfg.fused_reduce == (cfg.split_k > 1)
-    n = 40 * head_dim
-    prob = problem(m=1, n=n, k=k)
+    prob = problem(m=1, n=40 * head_dim, k=k)
     assert cfg.supports(prob)[0], cfg.supports(prob)
-    tuned_programs = -(-n // tuned.block_n) * tuned.split_k
-    programs = (n // head_dim) * cfg.split_k
-    assert programs == tuned_programs or cfg.split_k == max(1, -(-k // cfg.block_k) // 2)
+    k_tiles = -(-k // cfg.block_k)
+    assert (cfg.split_k - 1) * -(-k_tiles // cfg.split_k) < k_tiles  # the last split has K tiles too

@@ -176,6 +176,8 @@ def test_whole_head_tiles_split_k_and_match_fp64():
                      qk_eps=1e-6)
     launched = triton_splitk.rope_config(ONE_PASS, rc, x, w)
     assert (launched.block_n, launched.split_k, launched.fused_reduce) == (32, 2, True)
+    short = triton_splitk.rope_config(ONE_PASS, rc, x[:, :64], w[:, :64])  # K of two tiles: no split
+    assert (short.block_n, short.split_k, short.fused_reduce) == (32, 1, False)
     out = torch.full((2, n), float("nan"), dtype=dt)
     triton_splitk.run(ONE_PASS, x, w, None, out, None, rope=rc)
     q, k, v = _reference(x, w, None, None, 0.0, cos, sin, heads, kv_heads, hd, 2, 1, (qn, kn, 1e-6))
