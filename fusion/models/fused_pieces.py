@@ -93,7 +93,7 @@ def _gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: 
                                   **_norm_fusion(norm_weight, eps, norm_offset))
         if y is not None:
             return y
-        gate, up = _norm_linear(x, norm_weight, eps, norm_offset, weight, bias, None, scale).chunk(2, dim=-1)
+        gate, up = _norm_linear(x, norm_weight, eps, norm_offset, weight, bias, counters, scale).chunk(2, dim=-1)
         return GLU_FUNCTIONS[activation](gate) * up
     y = dispatch.gated(x, weight, bias, activation, keep_prologue=keep_prologue,
                        **_norm_fusion(norm_weight, eps, norm_offset))
