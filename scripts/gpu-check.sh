@@ -23,7 +23,8 @@
 #                   default and the FP8 gate/up GLU epilogue: their GPU tests, then compiled decode of
 #                   llama3-8b (FP8), qwen3-30b-a3b (12 layers), pythia-6.9b and qwen3-8b beside stock, one process
 #                   per variant, and the FP8 llama3-8b step's kernels by grid (llama_fp8_profile)
-#                   (OPTIN_CASES names a subset; OPTIN_TIMEOUT s per step, default 300)
+#                   (OPTIN_CASES names a subset; OPTIN_TESTS=0 skips the tests; OPTIN_TIMEOUT s per step,
+#                   default 300)
 #         fp8mlp    FP8 table entries for llama3-8b's and qwen2.5-7b's MLP GEMMs and LM heads (M 1-64) into a
 #                   copy of the shipped table ($OUT/h200.json), then llama3-8b FP8 compiled decode on it
 #                   (FP8MLP_TIMEOUT s per step, default 420)
@@ -185,11 +186,13 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       # GPU tests, then compiled decode beside stock in each process; OPTIN_CASES picks cases
       # by name (default: all), OPTIN_TIMEOUT caps each step (default 300 s). CSVs per case.
       t=${OPTIN_TIMEOUT:-300}
-      log "GPU tests: GLU epilogue (FP8 gate/up), weight prefetch, fused router"
-      timeout "$t" $PY -m pytest -m gpu -q -p no:cacheprovider -rfE tests/fusion/test_fp8_gpu.py \
-        tests/kernels/test_triton_router.py "tests/kernels/test_triton_gpu.py::test_weight_prefetch_before_the_pdl_wait_changes_no_bit" \
-        tests/fusion/test_moe_gpu.py -k "fp8 or route or prefetch or router" >"$OUT/pytest_optin_gpu.txt" 2>&1 || status=1
-      tail -n 5 "$OUT/pytest_optin_gpu.txt" | tee -a "$OUT/summary.txt"
+      if [ "${OPTIN_TESTS:-1}" = 1 ]; then
+        log "GPU tests: GLU epilogue (FP8 gate/up), weight prefetch, fused router"
+        timeout "$t" $PY -m pytest -m gpu -q -p no:cacheprovider -rfE tests/fusion/test_fp8_gpu.py \
+          tests/kernels/test_triton_router.py "tests/kernels/test_triton_gpu.py::test_weight_prefetch_before_the_pdl_wait_changes_no_bit" \
+          tests/fusion/test_moe_gpu.py -k "fp8 or route or prefetch or router" >"$OUT/pytest_optin_gpu.txt" 2>&1 || status=1
+        tail -n 5 "$OUT/pytest_optin_gpu.txt" | tee -a "$OUT/summary.txt"
+      fi
       llama="--model llama3-8b --layers 32 --batch 1 --weights fp8 --quantize-lm-head --no-peers"
       qwen="--model qwen3-30b-a3b --layers 12 --batch 1"
       pythia="--model pythia-6.9b --batch 1"

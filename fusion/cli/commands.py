@@ -137,6 +137,14 @@ def _preset_shapes(preset, tp: int | None, mlp: bool = False) -> list:
     return list(preset.projections if tp is None else rank_projections(preset, tp))
 
 
+def fp8_gate_up_shapes(shapes: list) -> list:
+    """``shapes`` as a model patched with FP8 weights runs them: its gate/up is one GEMM over the
+    stacked [gate; up] e4m3 rows at every M (split-K with the product in its epilogue at decode
+    rows, fusion/models/fused_pieces.py; the dequantized GEMM past them, fusion/mlp.py), so a
+    ``gate_up`` shape (one half's, which the bf16 gated product runs) becomes its stacked 2I rows."""
+    return [replace(s, n=2 * s.n) if s.name == "gate_up" else s for s in shapes]
+
+
 def _preset_gated(preset, tp: int | None = None) -> list:
     """The preset's gate/up for the gated kernel's entries, one rank's under ``tp`` (the width
     of ``rank_projections``' gate/up; patch fuses each rank's gate and up): none without a
@@ -307,6 +315,8 @@ def _cmd_autotune(args) -> int:
             return rc
     if gated and not args.check and not args.granularity:
         _tune_gated(gated, args)
+    if args.granularity:
+        shapes = fp8_gate_up_shapes(shapes)
     seen, unique = set(), []
     for s in shapes:  # presets share shapes (e.g. q and o): tune each (N, K, bias, activation) once
         if (s.n, s.k, s.bias, s.activation) not in seen:
@@ -807,7 +817,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "GEMMs hybridgemm.patch runs through the dispatcher (where the model's sizes are known; a "
                    "mixture-of-experts model's experts are not such GEMMs: its router and LM head only), and the gated "
                    "kernel's configs for gate/up at decode rows, with and without the norm before it (under --tp "
-                   "one rank's gate/up)")
+                   "one rank's gate/up; with --weights fp8 the GEMM over the stacked gate and up rows instead, "
+                   "which an FP8 gate/up runs at every M)")
     p.add_argument("--tp", type=int, metavar="N",
                    help="tensor-parallel degree: tune the shapes each of N ranks runs after "
                    "hybridgemm.parallel.parallelize (q/kv/qkv/o with the rank's heads; the MLP's gate/up and "

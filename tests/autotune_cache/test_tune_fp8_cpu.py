@@ -7,6 +7,7 @@ reads it."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from hybridgemm import decide
 from hybridgemm.autotune_cache import measure, signature, tune_table, tuner
 from hybridgemm.autotune_cache.keys import TableKey, op_for, weight_format_of
 from hybridgemm.autotune_cache.presets import ProjectionShape, get_preset
-from hybridgemm.cli import main
+from hybridgemm.cli import commands, main
 from hybridgemm.kernels import backends, cublaslt_fp8
 from hybridgemm.kernels.backends import ConfigRejected
 from hybridgemm.kernels.epilogue import Activation, Epilogue
@@ -288,3 +289,36 @@ def test_autotune_weights_fp8_tunes_the_presets_fp8_keys(tmp_path, capsys, monke
     tuned_keys.clear()
     assert main(argv) == 0  # without --weights: the bf16 keys, as before
     assert {k.op for k in tuned_keys} == {"linear"}
+
+
+@pytest.mark.parametrize("source", ["preset", "hf_config"])
+def test_autotune_mlp_weights_fp8_tunes_the_stacked_gate_up_an_fp8_model_runs(source, tmp_path, monkeypatch):
+    # An FP8 gate/up is one GEMM over the stacked [gate; up] rows (2I) at every M; the gated
+    # product's one-half shape (I) is a GEMM an FP8 model never runs.
+    monkeypatch.setenv("HYBRIDGEMM_CACHE_DIR", str(tmp_path / "user-cache"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(signature, "current_signature", lambda device_index=None: dict(SIG))
+    tuned_keys = []
+    monkeypatch.setattr(tune_table, "tune", lambda keys, table, path, **kw: tuned_keys.extend(keys) or [])
+    gated = []
+    monkeypatch.setattr(commands, "_tune_gated", lambda shapes, args: gated.extend(shapes))
+    preset = get_preset("llama3-8b")
+    if source == "preset":
+        model = ["--model", "llama3-8b"]
+    else:
+        config = tmp_path / "config.json"
+        config.write_text(json.dumps({
+            "model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 1000,
+            "architectures": ["LlamaForCausalLM"]}))
+        model = ["--hf-config", str(config)]
+    assert main(["autotune", *model, "--mlp", "--m", "1", "--out", str(tmp_path / "t.json"), "--weights", "fp8"]) == 0
+    hidden, inter = (preset.hidden, preset.intermediate) if source == "preset" else (256, 688)
+    shapes = {(k.n, k.k) for k in tuned_keys}
+    assert (2 * inter, hidden) in shapes and (inter, hidden) not in shapes
+    assert (hidden, inter) in shapes  # down, as it is
+    assert {k.op for k in tuned_keys} == {"linear_e4m3_channel"}
+    tuned_keys.clear()
+    assert main(["autotune", *model, "--mlp", "--m", "1", "--out", str(tmp_path / "b.json")]) == 0
+    assert (inter, hidden) in {(k.n, k.k) for k in tuned_keys}  # bf16: the one-half GEMMs, as before
+    assert [(g.intermediate, g.k) for g in gated] == [(inter, hidden)]  # and the gated kernel's entries
