@@ -76,8 +76,9 @@ and names the FP8 format in every row of an FP8 run, whose default file is e2e_f
 ``ms_per_token`` (ms per decode step, each step one new token for every sequence of the
 batch; for prefill, ms per prefill), ``tokens_per_s``,
 ``hbm_floor_ms`` = bytes of the weights a decode step reads (every parameter except the input
-embedding table, of which a step reads a row per token; the LM head included) / the H200's
-measured HBM bandwidth (perf/timing.HBM_TBPS), ``fraction_of_floor`` = floor / ms_per_token
+embedding table, of which a step reads a row per token; the LM head included) / the GPU's
+HBM read rate (perf/read_ceiling.device_read_tbps: the H200's measured 4.23 TB/s, perf/timing.HBM_TBPS;
+on another GPU, measured at the start and said in the log), ``fraction_of_floor`` = floor / ms_per_token
 (decode only: prefill is compute-bound), both of the stock bf16 model's bytes (``weight_bytes``);
 of a mixture of experts a step reads only the experts its tokens are routed to: the bytes count,
 per layer, the expected number of distinct experts B tokens reach when each picks k of E at
@@ -121,7 +122,8 @@ from hybridgemm.perf import e2e_models as hf
 from hybridgemm.perf import e2e_weights as ew
 from hybridgemm.perf.bench_msweep import git_commit, gpu_label
 from hybridgemm.perf.plots_models import plot_e2e
-from hybridgemm.perf.timing import HBM_TBPS, elapsed_ms
+from hybridgemm.perf.read_ceiling import device_read_tbps
+from hybridgemm.perf.timing import elapsed_ms
 from hybridgemm.perf.weight_formats import (
     add_weight_options,
     resolve_weight_options,
@@ -203,9 +205,16 @@ class Result:
         return [r for r in self.rows if r["status"] != "ok"]
 
 
-def hbm_floor_ms(weight_bytes: int, tbps: float = HBM_TBPS) -> float:
-    """Milliseconds to read ``weight_bytes`` once at ``tbps`` TB/s."""
-    return weight_bytes / (tbps * 1e12) * 1e3
+def hbm_floor_ms(weight_bytes: int, tbps: float | None = None) -> float:
+    """Milliseconds to read ``weight_bytes`` once at ``tbps`` TB/s (default: this GPU's read
+    rate, perf/read_ceiling.device_read_tbps)."""
+    return weight_bytes / ((device_read_tbps()[0] if tbps is None else tbps) * 1e12) * 1e3
+
+
+def read_rate_note() -> str:
+    """The rate the HBM floors divide by, and what it is, for a log line."""
+    tbps, what = device_read_tbps()
+    return f"{tbps:.2f} TB/s ({what})"
 
 
 class Clock:
@@ -612,14 +621,14 @@ def run_e2e(run: Run, on_rows: Callable[[list[dict]], None] | None = None) -> Re
     weight_bytes = step_bytes(run, stock, 1)
     if not hf.floor_assumption(run.config, 1):
         run.log(f"{run.name}, {run.config.num_hidden_layers} layers: {weight_bytes / 1e9:.2f} GB read per decode "
-                f"step, HBM floor {hbm_floor_ms(weight_bytes):.3f} ms at {HBM_TBPS} TB/s")
+                f"step, HBM floor {hbm_floor_ms(weight_bytes):.3f} ms at {read_rate_note()}")
     else:
         run.log(f"{run.name}, {run.config.num_hidden_layers} layers: {hf.decode_weight_bytes(stock) / 1e9:.2f} GB "
                 "of weights, every expert included")
         for b in run.batches:
             nbytes = step_bytes(run, stock, b)
             run.log(f"batch {b}: {nbytes / 1e9:.2f} GB read per decode step, HBM floor {hbm_floor_ms(nbytes):.3f} ms "
-                    f"at {HBM_TBPS} TB/s ({hf.floor_assumption(run.config, b)})")
+                    f"at {read_rate_note()}; {hf.floor_assumption(run.config, b)}")
     jobs = {m: error_ids(m, run.config.vocab_size, run.device) for m in run.modes if m in ERROR_MODES}
     bf16_refs = fp32_logits(run, stock, jobs) if jobs else {}  # its fp32 copy beside the stock model only
     patched, names = _patched(run, stock)

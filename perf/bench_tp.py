@@ -53,7 +53,7 @@ variant, and the figure, :func:`hybridgemm.perf.plots_models.plot_tp`): ``tp``, 
 error | skipped, ``note`` says why), ``ms_per_token`` (per decode step; prefill: per prefill),
 ``tokens_per_s``, ``speedup_vs_tp1`` (tp1_hybridgemm's ms / the variant's, same mode and
 batch), ``hbm_floor_ms_per_gpu`` (bytes of the weights a decode step reads on one GPU, its
-shard, counted as bench_e2e counts them / perf/timing.HBM_TBPS), ``fraction_of_floor``
+shard, counted as bench_e2e counts them / the GPU's read rate, bench_e2e.hbm_floor_ms), ``fraction_of_floor``
 (decode only), ``logits_rel_err``, and the environment columns. Exit code 0; 1 when a row is
 an error; 2 when the run cannot start (not launched by torchrun, a world size that is not
 the largest tp asked, an unknown model, no GPU for ``--device cuda``, ...).

@@ -16,7 +16,7 @@ gated and MoE kernels), ``attention`` (SDPA's kernels), ``norm``, ``activation``
 ops their names list (a kernel fusing rotary with the KV-cache write counts as rotary); an
 eager RMSNorm's casts, multiplies and add count as copy and elementwise. The table printed per
 (mode, batch) gives µs per token and per layer of each group for both variants, the step's
-kernel time against its HBM floor (weight bytes / 4.23 TB/s) and, for the GEMMs, the
+kernel time against its HBM floor (weight bytes / the GPU's read rate, bench_e2e.hbm_floor_ms) and, for the GEMMs, the
 fraction of the floor their bytes alone would allow. ``--by-grid`` keys each kernel by its
 launch grid too, so the shapes one Triton kernel runs (Q/K/V, O, down) get a row each. Kernel
 time excludes the gaps between kernels: the wall time per token of ``bench --e2e`` minus this
@@ -43,9 +43,8 @@ import torch
 import hybridgemm
 from hybridgemm.perf import csvio
 from hybridgemm.perf import e2e_models as hf
-from hybridgemm.perf.bench_e2e import WARMUP, Run, decoder, hbm_floor_ms, positive_int, step_bytes
+from hybridgemm.perf.bench_e2e import WARMUP, Run, decoder, hbm_floor_ms, positive_int, read_rate_note, step_bytes
 from hybridgemm.perf.bench_msweep import git_commit
-from hybridgemm.perf.timing import HBM_TBPS
 from hybridgemm.perf.weight_formats import add_weight_options, resolve_weight_options, weight_options_problem
 
 MODES = ("compiled_static", "eager_static")
@@ -217,7 +216,7 @@ def main(argv=None) -> int:
                 if fp8:
                     own = hbm_floor_ms(step_bytes(run, patched, batch)) * 1e3
                     total = sum(r["us_per_token"] for r in rows if r["variant"] == name)
-                    print(f"{name}'s own floor (its bytes at {HBM_TBPS} TB/s) {own:.1f} µs/token: its kernel time "
+                    print(f"{name}'s own floor (its bytes at {read_rate_note()}) {own:.1f} µs/token: its kernel time "
                           f"{total:.1f} µs is {own / total:.1%} of it")
                 for v in ("stock", name):
                     top = [r for r in rows if r["variant"] == v][:12]

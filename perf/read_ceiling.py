@@ -8,6 +8,10 @@ ceiling. An FP8 weight is read as the bytes it is: e4m3 data and fp32 scales, wh
 :func:`fp8_in_one_buffer` lays out back to back in one allocation so that the reading kernel
 and the FP8 GEMM read the very same N*K + 4 * (number of scales) bytes.
 
+:func:`device_read_tbps` is the GPU's whole-HBM read rate that the end-to-end benches divide a
+step's bytes by (their HBM floor): the H200's measured figure, or on another GPU the reading
+kernel's rate over 1 GiB, measured once per process.
+
 Triton is imported on first use: perf/bench_msweep.py imports this module, and
 ``import hybridgemm.perf.bench_msweep`` must work where Triton is absent (tests/test_layers.py).
 """
@@ -15,15 +19,22 @@ Triton is imported on first use: perf/bench_msweep.py imports this module, and
 from __future__ import annotations
 
 import functools
+import statistics
 from collections.abc import Callable
 
 import torch
 
+from hybridgemm.autotune_cache.table_locations import device_slug
 from hybridgemm.kernels.fp8 import BLOCK, FP8Weight, quantize_fp8
+from hybridgemm.perf.timing import HBM_TBPS
 
 READ_PROGRAMS_PER_SM = (2, 4, 8, 16)  # grids of the read-only kernel; the fastest is the ceiling
 READ_BLOCK = 4096  # elements per program per loop step
 _ALIGN = 16  # bytes: the scales start right after the e4m3 data, at a 16-byte boundary
+# GPUs whose whole-HBM read rate is a figure measured and published with their results (by
+# device_slug): the rate their reports divide by, so that a rerun's floors are comparable
+MEASURED_READ_TBPS = {"h200": HBM_TBPS}  # perf/results/h200/README.md
+MEASURE_BYTES = 1 << 30  # the buffer device_read_tbps reads on other GPUs: 20x an H100's L2
 
 
 @functools.cache
@@ -105,3 +116,40 @@ def fp8_in_one_buffer(weight: torch.Tensor, granularity: str) -> tuple[FP8Weight
     data.copy_(q.data)
     scale.copy_(q.scale)
     return FP8Weight(data, scale, granularity, q.dtype), buf
+
+
+@functools.cache
+def device_read_tbps(index: int | None = None) -> tuple[float, str]:
+    """(TB/s, what the figure is) of CUDA device ``index`` (default: the current one): the
+    published rate of a GPU in :data:`MEASURED_READ_TBPS`; on any other GPU, the fastest grid of
+    the reading kernel over :data:`MEASURE_BYTES` (or a quarter of the free memory, if less),
+    median of 5 calls; the H200's figure where there is no CUDA device (a CPU run's floors)."""
+    if not torch.cuda.is_available():
+        return HBM_TBPS, "the H200's measured read rate (no CUDA device)"
+    index = torch.cuda.current_device() if index is None else index
+    name = torch.cuda.get_device_name(index)
+    known = MEASURED_READ_TBPS.get(device_slug(name))
+    if known is not None:
+        return known, f"the {name}'s measured read rate"
+    return _measure_read_tbps(torch.device("cuda", index)), f"read rate measured on this {name}"
+
+
+def _measure_read_tbps(device: torch.device) -> float:
+    free = torch.cuda.mem_get_info(device)[0]
+    nbytes = min(MEASURE_BYTES, free // 4) // (4 * READ_BLOCK) * (4 * READ_BLOCK)
+    buf = torch.ones(nbytes // 4, dtype=torch.int32, device=device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best_ms = float("inf")
+    with torch.cuda.device(device):
+        for call in read_calls([buf], device):
+            call(0)  # compiles, warms the clocks
+            times = []
+            for _ in range(5):
+                start.record()
+                call(0)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            best_ms = min(best_ms, statistics.median(times))
+    del buf
+    return nbytes / (best_ms * 1e-3) / 1e12

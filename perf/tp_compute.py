@@ -19,7 +19,7 @@ The logits are therefore not the model's: nothing here checks numerics (``bench_
 ``logits_error`` does, on ``tp`` GPUs). Timed as bench_e2e's ``compiled_static`` (static
 cache, ``torch.compile(mode="reduce-overhead", fullgraph=True)``, ms per decode step, the
 median of ``--rounds``). Variants: ``tp1_hybridgemm`` (the whole model, patched) and
-``tp<N>_rank0_compute``. HBM floor: the GPU's weight bytes / perf/timing.HBM_TBPS.
+``tp<N>_rank0_compute``. HBM floor: the GPU's weight bytes / its read rate (bench_e2e.hbm_floor_ms).
 
 ``--profile CSV``: after each variant's timing, :data:`PROFILE_STEPS` more decode steps under
 torch.profiler (perf/e2e_profile.py's grouping of kernels: gemm, attention, norm, ...); the

@@ -99,3 +99,92 @@ def test_layer_fusion_lines_name_the_weights():
     assert "e4m3_channel" in line and "10.00 us; 16.8 MB" in line and "(90.0%)" in line
     untimed = dict(model="llama3-8b", gemm="qkv", fused="norm", weights="bf16", m=8, config="table: cublaslt")
     assert LF._line(untimed).endswith("M= 8: table: cublaslt")
+
+
+# ----------------------------------------------------------------------------- the GPU's read rate (HBM floors)
+
+
+@pytest.fixture
+def fresh_rate():
+    R.device_read_tbps.cache_clear()
+    yield
+    R.device_read_tbps.cache_clear()
+
+
+def _fake_gpu(monkeypatch, name: str):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
+
+
+def test_read_rate_without_a_gpu_is_the_h200_figure(fresh_rate, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    tbps, what = R.device_read_tbps()
+    assert tbps == R.HBM_TBPS == 4.23 and "no CUDA device" in what
+
+
+def test_read_rate_of_an_h200_is_its_published_figure_unmeasured(fresh_rate, monkeypatch):
+    _fake_gpu(monkeypatch, "NVIDIA H200")
+    monkeypatch.setattr(R, "_measure_read_tbps", lambda device: pytest.fail("an H200 is not measured"))
+    assert R.device_read_tbps() == (4.23, "the NVIDIA H200's measured read rate")
+
+
+def test_read_rate_of_another_gpu_is_measured_once_and_floors_divide_by_it(fresh_rate, monkeypatch):
+    from hybridgemm.perf import bench_e2e as E
+
+    _fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
+    measured = []
+    monkeypatch.setattr(R, "_measure_read_tbps", lambda device: measured.append(device) or 3.0)
+    assert R.device_read_tbps() == (3.0, "read rate measured on this NVIDIA H100 80GB HBM3")
+    assert E.hbm_floor_ms(3 * 10**9) == pytest.approx(1.0)  # 3 GB at 3 TB/s
+    assert E.hbm_floor_ms(3 * 10**9, tbps=1.5) == pytest.approx(2.0)
+    assert "3.00 TB/s (read rate measured on this NVIDIA H100" in E.read_rate_note()
+    assert measured == [torch.device("cuda", 0)]  # once per process
+
+
+class _FakeEvent:
+    clock = [0.0]
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        self.t = self.clock[0]
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return end.t - self.t
+
+
+def test_measured_read_rate_is_the_fastest_grids_median(monkeypatch):
+    # the reading calls advance a fake clock: grid i takes ms_of[i] (one slow outlier each);
+    # the rate is the buffer's bytes over the fastest grid's median
+    monkeypatch.setattr(R, "MEASURE_BYTES", 1 << 20)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (8 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
+    ms_of = [0.5, 0.25, 0.4, 0.3]
+    seen = []
+
+    def read_calls(buffers, device):
+        seen.append(buffers[0].numel() * buffers[0].element_size())
+
+        def make(ms):
+            n = [0]
+
+            def call(j):
+                n[0] += 1
+                _FakeEvent.clock[0] += ms * (9 if n[0] == 3 else 1)  # one slow call of the five timed
+            return call
+        return [make(ms) for ms in ms_of]
+
+    monkeypatch.setattr(R, "read_calls", read_calls)
+    tbps = R._measure_read_tbps(torch.device("cpu"))
+    assert seen == [1 << 20]
+    assert tbps == pytest.approx((1 << 20) / 0.25e-3 / 1e12)
+    # a quarter of the free memory bounds the buffer where it is less
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 20, 80 << 30))
+    R._measure_read_tbps(torch.device("cpu"))
+    assert seen[-1] == (1 << 18) // (4 * R.READ_BLOCK) * (4 * R.READ_BLOCK)
