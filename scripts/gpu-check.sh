@@ -26,8 +26,11 @@
 #                   (OPTIN_CASES names a subset; OPTIN_TESTS=0 skips the tests; OPTIN_TIMEOUT s per step,
 #                   default 300)
 #         fp8mlp    FP8 table entries for llama3-8b's and qwen2.5-7b's MLP GEMMs and LM heads (M 1-64) into a
-#                   copy of the shipped table ($OUT/h200.json), then llama3-8b FP8 compiled decode on it
+#                   copy of the shipped table ($OUT/h200.json, kept where an earlier stage of the call wrote it),
+#                   then llama3-8b FP8 compiled decode on it
 #                   (FP8MLP_TIMEOUT s per step, default 420)
+#         moetables the grouped MoE entries of qwen3-30b-a3b (bf16 retuned, FP8 per channel) into $OUT/h200.json,
+#                   then its 12-layer compiled decode (B = 1, 8) on it, bf16 and FP8, beside stock
 #         msweep    perf/bench_msweep.py: dispatched vs F.linear at 128 M per preset shape
 #                   (table: $TABLE or $OUT/h200.json; MSWEEP_ARGS passed on)
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
@@ -222,10 +225,10 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       ;;
     fp8mlp)
       # FP8 table entries for the MLP GEMMs and LM heads of llama3-8b and qwen2.5-7b at decode rows,
-      # into a copy of the shipped table ($OUT/h200.json; its attention entries are kept), then
+      # into a copy of the shipped table ($OUT/h200.json, or the one an earlier stage wrote), then
       # llama3-8b's FP8 compiled decode on that table beside stock (B = 1 and 8)
       t=${FP8MLP_TIMEOUT:-420}
-      cp autotune_cache/tables/h200.json "$OUT/h200.json"
+      [ -f "$OUT/h200.json" ] || cp autotune_cache/tables/h200.json "$OUT/h200.json"
       log "autotune --mlp --weights fp8 llama3-8b qwen2.5-7b (M 1-64) -> $OUT/h200.json"
       timeout "$t" $PY -m hybridgemm autotune --model llama3-8b --model qwen2.5-7b --mlp --weights fp8 \
         --m 1 2 4 8 16 32 64 --out "$OUT/h200.json" --no-progress >"$OUT/autotune_fp8_mlp.txt" 2>&1 || status=1
@@ -235,6 +238,29 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
         --batch 1 8 --tokens 32 --rounds 2 --modes compiled_static --weights fp8 --quantize-lm-head --no-peers \
         --no-progress --out "$OUT/e2e_fp8_mlp_tuned.csv" >"$OUT/bench_e2e_fp8_mlp_tuned.txt" 2>&1 || status=1
       tail -n 8 "$OUT/bench_e2e_fp8_mlp_tuned.txt" | tee -a "$OUT/summary.txt"
+      ;;
+    moetables)
+      # The grouped MoE kernels' entries of qwen3-30b-a3b's experts, bf16 (retuned: --force, so the
+      # pair-major tensor-core forms compete) and FP8 per channel, into $OUT/h200.json (a copy of the
+      # shipped table unless an earlier stage of this call wrote one), then the 12-layer compiled
+      # decode on it beside stock, bf16 and FP8 with the LM head (MOETABLES_TIMEOUT s per step, default 300)
+      t=${MOETABLES_TIMEOUT:-300}
+      [ -f "$OUT/h200.json" ] || cp autotune_cache/tables/h200.json "$OUT/h200.json"
+      log "autotune --moe qwen3-30b-a3b (bf16 --force, then --weights fp8) -> $OUT/h200.json"
+      timeout "$t" $PY -m hybridgemm autotune --moe qwen3-30b-a3b --force --out "$OUT/h200.json" --no-progress \
+        >"$OUT/autotune_moe_bf16.txt" 2>&1 || status=1
+      timeout "$t" $PY -m hybridgemm autotune --moe qwen3-30b-a3b --weights fp8 --out "$OUT/h200.json" --no-progress \
+        >"$OUT/autotune_moe_fp8.txt" 2>&1 || status=1
+      grep -h -E "^tuned|error|Error" "$OUT/autotune_moe_bf16.txt" "$OUT/autotune_moe_fp8.txt" | tee -a "$OUT/summary.txt"
+      for w in bf16 fp8; do
+        extra=""; [ "$w" = fp8 ] && extra="--weights fp8 --quantize-lm-head --no-peers"
+        log "e2e qwen3-30b-a3b (12 layers) $w on that table"
+        # shellcheck disable=SC2086
+        HYBRIDGEMM_TABLE="$OUT/h200.json" timeout "$t" $PY -m hybridgemm bench --e2e --model qwen3-30b-a3b --layers 12 \
+          --batch 1 8 --tokens 32 --rounds 2 --modes compiled_static $extra --no-progress \
+          --out "$OUT/e2e_moe_tuned_$w.csv" >"$OUT/bench_e2e_moe_tuned_$w.txt" 2>&1 || status=1
+        tail -n 8 "$OUT/bench_e2e_moe_tuned_$w.txt" | tee -a "$OUT/summary.txt"
+      done
       ;;
     e2e)
       log "bench_e2e"
