@@ -78,7 +78,7 @@ batch; for prefill, ms per prefill), ``tokens_per_s``,
 ``hbm_floor_ms`` = bytes of the weights a decode step reads (every parameter except the input
 embedding table, of which a step reads a row per token; the LM head included) / the GPU's
 HBM read rate (perf/read_ceiling.device_read_tbps: the H200's measured 4.23 TB/s, perf/timing.HBM_TBPS;
-on another GPU, measured at the start and said in the log), ``fraction_of_floor`` = floor / ms_per_token
+on another GPU, measured at the start; ``read_tbps``), ``fraction_of_floor`` = floor / ms_per_token
 (decode only: prefill is compute-bound), both of the stock bf16 model's bytes (``weight_bytes``);
 of a mixture of experts a step reads only the experts its tokens are routed to: the bytes count,
 per layer, the expected number of distinct experts B tokens reach when each picks k of E at
@@ -117,12 +117,11 @@ import torch
 import hybridgemm
 from hybridgemm.models import decode_checks, layernorm_layers
 from hybridgemm.models.patching import ATTENTION_NOT_FUSED
-from hybridgemm.perf import csvio
+from hybridgemm.perf import csvio, read_ceiling
 from hybridgemm.perf import e2e_models as hf
 from hybridgemm.perf import e2e_weights as ew
 from hybridgemm.perf.bench_msweep import git_commit, gpu_label
 from hybridgemm.perf.plots_models import plot_e2e
-from hybridgemm.perf.read_ceiling import device_read_tbps
 from hybridgemm.perf.timing import elapsed_ms
 from hybridgemm.perf.weight_formats import (
     add_weight_options,
@@ -148,10 +147,10 @@ COMPILE = {"mode": "reduce-overhead", "fullgraph": True}
 KEY = ("gpu", "model", "layers", "mode", "batch", "variant")
 ROW_KEY = (*KEY, "run_weights")  # an FP8 run's rows apart from a bf16 run's (bench_tp keeps KEY)
 COLUMNS = (*KEY, "run_weights", "status", "weights", "ms_per_token", "spread_ms", "tokens_per_s", "hbm_floor_ms",
-           "fraction_of_floor", "variant_floor_ms", "fraction_of_variant_floor", "speedup", "logits_rel_err",
-           "logits_rel_err_vs_bf16", "error_ratio", "tokens", "prompt_len", "rounds", "samples", "weight_bytes",
-           "variant_bytes", "floor_assumes", "note", "date", "commit", "torch", "triton", "transformers", "torchao",
-           "cublaslt", "nvmath", "hybridgemm", "host", "command")
+           "fraction_of_floor", "variant_floor_ms", "fraction_of_variant_floor", "read_tbps", "speedup",
+           "logits_rel_err", "logits_rel_err_vs_bf16", "error_ratio", "tokens", "prompt_len", "rounds", "samples",
+           "weight_bytes", "variant_bytes", "floor_assumes", "note", "date", "commit", "torch", "triton",
+           "transformers", "torchao", "cublaslt", "nvmath", "hybridgemm", "host", "command")
 
 
 @dataclass
@@ -205,15 +204,15 @@ class Result:
         return [r for r in self.rows if r["status"] != "ok"]
 
 
-def hbm_floor_ms(weight_bytes: int, tbps: float | None = None) -> float:
-    """Milliseconds to read ``weight_bytes`` once at ``tbps`` TB/s (default: this GPU's read
-    rate, perf/read_ceiling.device_read_tbps)."""
-    return weight_bytes / ((device_read_tbps()[0] if tbps is None else tbps) * 1e12) * 1e3
+def hbm_floor_ms(weight_bytes: int, tbps: float | None = None, device=None) -> float:
+    """Milliseconds to read ``weight_bytes`` once at ``tbps`` TB/s (default: ``device``'s read
+    rate, perf/read_ceiling.device_read_tbps; the current CUDA device's without one)."""
+    return weight_bytes / ((read_ceiling.device_read_tbps(device)[0] if tbps is None else tbps) * 1e12) * 1e3
 
 
-def read_rate_note() -> str:
-    """The rate the HBM floors divide by, and what it is, for a log line."""
-    tbps, what = device_read_tbps()
+def read_rate_note(device=None) -> str:
+    """The rate the HBM floors on ``device`` divide by, and what it is, for a log line."""
+    tbps, what = read_ceiling.device_read_tbps(device)
     return f"{tbps:.2f} TB/s ({what})"
 
 
@@ -388,7 +387,7 @@ def mode_rows(run: Run, mode: str, batch: int, results: dict, weight_bytes: int,
     stock model's (``hbm_floor_ms``); ``variant_bytes``, ``formats``: each variant's bytes
     (``variant_floor_ms``; default ``weight_bytes``) and weight format (default bf16);
     ``floor_assumes``: what those bytes assume of the routing (a mixture of experts), if anything."""
-    floor = hbm_floor_ms(weight_bytes)
+    floor = hbm_floor_ms(weight_bytes, device=run.device)
     ok = {v: statistics.median(s) for v, s in results.items() if isinstance(s, list) and s}
     rows = []
     for v, res in results.items():
@@ -410,8 +409,9 @@ def mode_rows(run: Run, mode: str, batch: int, results: dict, weight_bytes: int,
                        tokens_per_s=per_run * 1e3 / ms if ms > 0 else math.nan,
                        speedup=ok["stock"] / ms if "stock" in ok and ms > 0 else None)
             if mode in DECODE_MODES:
-                own = hbm_floor_ms(own_bytes)
+                own = hbm_floor_ms(own_bytes, device=run.device)
                 row.update(hbm_floor_ms=floor, fraction_of_floor=floor / ms if ms > 0 else math.nan,
+                           read_tbps=read_ceiling.device_read_tbps(run.device)[0],
                            variant_floor_ms=own, fraction_of_variant_floor=own / ms if ms > 0 else math.nan)
         rows.append(row)
     return rows
@@ -621,14 +621,16 @@ def run_e2e(run: Run, on_rows: Callable[[list[dict]], None] | None = None) -> Re
     weight_bytes = step_bytes(run, stock, 1)
     if not hf.floor_assumption(run.config, 1):
         run.log(f"{run.name}, {run.config.num_hidden_layers} layers: {weight_bytes / 1e9:.2f} GB read per decode "
-                f"step, HBM floor {hbm_floor_ms(weight_bytes):.3f} ms at {read_rate_note()}")
+                f"step, HBM floor {hbm_floor_ms(weight_bytes, device=run.device):.3f} ms "
+                f"at {read_rate_note(run.device)}")
     else:
         run.log(f"{run.name}, {run.config.num_hidden_layers} layers: {hf.decode_weight_bytes(stock) / 1e9:.2f} GB "
                 "of weights, every expert included")
         for b in run.batches:
             nbytes = step_bytes(run, stock, b)
-            run.log(f"batch {b}: {nbytes / 1e9:.2f} GB read per decode step, HBM floor {hbm_floor_ms(nbytes):.3f} ms "
-                    f"at {read_rate_note()}; {hf.floor_assumption(run.config, b)}")
+            run.log(f"batch {b}: {nbytes / 1e9:.2f} GB read per decode step, HBM floor "
+                    f"{hbm_floor_ms(nbytes, device=run.device):.3f} ms at {read_rate_note(run.device)}; "
+                    f"{hf.floor_assumption(run.config, b)}")
     jobs = {m: error_ids(m, run.config.vocab_size, run.device) for m in run.modes if m in ERROR_MODES}
     bf16_refs = fp32_logits(run, stock, jobs) if jobs else {}  # its fp32 copy beside the stock model only
     patched, names = _patched(run, stock)
@@ -640,7 +642,8 @@ def run_e2e(run: Run, on_rows: Callable[[list[dict]], None] | None = None) -> Re
     at_one = " at batch 1" if hf.floor_assumption(run.config, 1) else ""
     for v, nbytes in variant_bytes.items():
         if v != "stock":
-            run.log(f"{v}: {nbytes / 1e9:.2f} GB read per decode step{at_one}, HBM floor {hbm_floor_ms(nbytes):.3f} ms")
+            run.log(f"{v}: {nbytes / 1e9:.2f} GB read per decode step{at_one}, HBM floor "
+                    f"{hbm_floor_ms(nbytes, device=run.device):.3f} ms")
     if jobs:
         add(error_rows(run, jobs, bf16_refs, stock, patched, names, peers))
         bf16_refs = None

@@ -34,9 +34,9 @@ from hybridgemm.autotune_cache.measure import gpu_time_rotating, rotation_copies
 from hybridgemm.autotune_cache.presets import get_preset
 from hybridgemm.mlp import gated_linear
 
+from . import read_ceiling
 from .bench_msweep import git_commit
 from .csvio import environment_columns, write_csv
-from .read_ceiling import device_read_tbps
 
 DEFAULT_M = (1, 2, 4, 8, 16, 33, 64, 128, 333, 1024, 2048)
 COLUMNS = ("gpu", "model", "op", "m", "n", "k", "variant", "us", "spread_us", "weight_gbps", "fraction_of_hbm",
@@ -75,7 +75,7 @@ def measure(model: str, ms, replays: int = 7) -> list[dict]:
             for v, t in zip(names, times):
                 gbps = w.numel() * w.element_size() / (t.median_us * 1e3)
                 rows.append(dict(model=model, op=op, m=m, n=n, k=k, variant=v, us=t.median_us, spread_us=t.spread_us,
-                                 weight_gbps=gbps, fraction_of_hbm=gbps / (device_read_tbps()[0] * 1e3),
+                                 weight_gbps=gbps, fraction_of_hbm=gbps / (read_ceiling.device_read_tbps()[0] * 1e3),
                                  speedup=stock_us / t.median_us))
             del xs
         del ws, w

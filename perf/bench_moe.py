@@ -12,9 +12,9 @@ cannot be captured and gets a ``skipped`` row).
 Shapes (hidden H, experts E of intermediate size I, top-k): ``qwen3-30b-a3b`` (2048, 128 of
 768, 8) and ``mixtral-8x7b`` (4096, 8 of 14336, 2); bf16 weights N(0, 0.02), the router's
 logits random. Each row (``M``: the tokens): ``median_us``, ``floor_us`` (the bytes of the
-experts the routing actually hits, at perf/timing.HBM_TBPS), ``fraction_of_floor`` (floor /
-time), ``speedup`` over transformers' default implementation (``grouped_mm``) timed the same
-way, ``rel_err`` against the fp32 result of the same block.
+experts the routing actually hits, at the GPU's read rate, perf/read_ceiling.device_read_tbps),
+``fraction_of_floor`` (floor / time), ``speedup`` over transformers' default implementation
+(``grouped_mm``) timed the same way, ``rel_err`` against the fp32 result of the same block.
 
 ``--weights fp8`` adds ``hybridgemm_fp8_channel`` and ``hybridgemm_fp8_block128``: the same
 weights quantized (kernels/fp8.quantize_fp8, stacked per expert) in the MoE kernels, their rows'
@@ -34,8 +34,9 @@ import torch
 from hybridgemm import experts
 from hybridgemm.kernels import fp8
 
+from . import read_ceiling
 from .csvio import environment_columns, write_rows
-from .timing import HBM_TBPS, events_time_interleaved, gpu_time_many
+from .timing import events_time_interleaved, gpu_time_many
 
 # name: (hidden, experts, intermediate, top_k), from the models' published configs
 SHAPES = {"qwen3-30b-a3b": (2048, 128, 768, 8), "mixtral-8x7b": (4096, 8, 14336, 2)}
@@ -132,9 +133,9 @@ def bench_shape(name: str, tokens: int, env: dict, rounds: int, weights_kinds=("
 
 def floor_us(hit: int, experts_count: int, weights) -> float:
     """The time the bytes of ``hit`` of the experts' weights (tensors or stacked FP8Weights: data
-    and scales) take at perf/timing.HBM_TBPS."""
+    and scales) take at the GPU's read rate (perf/read_ceiling.device_read_tbps)."""
     nbytes = sum(w.nbytes if isinstance(w, fp8.FP8Weight) else w.numel() * w.element_size() for w in weights)
-    return hit / experts_count * nbytes / (HBM_TBPS * 1e12) * 1e6
+    return hit / experts_count * nbytes / (read_ceiling.device_read_tbps()[0] * 1e12) * 1e6
 
 
 def main(argv=None) -> int:

@@ -184,7 +184,7 @@ def timed_row(run: E.Run, variant: str, mode: str, batch: int, res, note: str, w
         return {**row, "status": "error", "note": "; ".join(x for x in (_short(err), note) if x)}
     ms = statistics.median(res)
     per_run = run.prefill if mode == "prefill" else batch
-    floor = E.hbm_floor_ms(weight_bytes)
+    floor = E.hbm_floor_ms(weight_bytes, device=run.device)
     row.update(status="ok", note=note or None, ms_per_token=ms, spread_ms=max(res) - min(res), samples=len(res),
                tokens_per_s=per_run * 1e3 / ms if ms > 0 else math.nan, hbm_floor_ms_per_gpu=floor)
     if mode != "prefill":
@@ -252,7 +252,7 @@ def run_variant(run: E.Run, variant: str, ranks: Ranks, refs: dict, ids: dict, c
             return [{**r, "status": status} for r in skipped_rows(run, variant, _short(err))]
         notes = "; ".join(built.notes)
         run.log(f"{variant}: {built.weight_bytes / 1e9:.2f} GB of weights per decode step on each GPU, HBM floor "
-                f"{E.hbm_floor_ms(built.weight_bytes):.3f} ms")
+                f"{E.hbm_floor_ms(built.weight_bytes, device=run.device):.3f} ms")
         for mode in error_modes(run):
             rows.append(logits_row(run, variant, mode, built.model, refs[mode], ids[mode], lockstep, ranks))
         for mode, batch in tasks(run):

@@ -31,7 +31,7 @@ from hybridgemm.autotune_cache.measure import time_placements
 from hybridgemm.kernels import triton_gemm, triton_splitk
 from hybridgemm.kernels.epilogue import Activation, Epilogue, reference_linear
 from hybridgemm.kernels.problem import Problem, dtype_name
-from hybridgemm.perf.read_ceiling import device_read_tbps
+from hybridgemm.perf import read_ceiling
 from hybridgemm.perf.timing import Timing, eager_time_interleaved, gpu_time_rotating, rotation_lists
 
 SHAPES = {  # name: (N, K) of W (N x K)
@@ -214,7 +214,8 @@ class Bench:
             speedup = s["flinear"].median_us / us
             if s["kind"] == triton_splitk.KIND:
                 decode_speedups.append(speedup)
-                rate = f"{s['nbytes'] / us / 1e3:6.0f} GB/s {s['weight_bytes'] / us / 1e6 / device_read_tbps()[0]:4.0%}"
+                read = s["weight_bytes"] / us / 1e6 / read_ceiling.device_read_tbps()[0]
+                rate = f"{s['nbytes'] / us / 1e3:6.0f} GB/s {read:4.0%}"
             else:
                 rate = f"{s['flops'] / us / 1e6:7.1f} TFLOP/s"
             rec = {k: v for k, v in cfg.to_record().items() if k != "kind"}
@@ -226,7 +227,7 @@ class Bench:
             geo = math.exp(sum(map(math.log, decode_speedups)) / len(decode_speedups))
             print(f"decode (split-K points) geomean speedup vs F.linear: {geo:.3f}x "
                   f"over {len(decode_speedups)} points (target >= 1.10x); "
-                  f"GB/s % = weight bytes / time / {device_read_tbps()[0]:.2f} TB/s (this GPU's read rate)")
+                  f"GB/s % = weight bytes / time / {read_ceiling.device_read_tbps()[0]:.2f} TB/s (the GPU's read rate)")
         print(f"CSV: {self.path}")
 
 

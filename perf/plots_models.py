@@ -232,8 +232,10 @@ def plot_e2e(csv_path, out_dir, name: str = "e2e.png") -> Path:
             floors = {to_float(r.get("hbm_floor_ms")) for r in prs} - {math.nan}
             floors = {f for f in floors if f > 0}
             if floors:
-                ax.axhline(min(floors), ls="--", color="crimson", lw=1.3,
-                           label=f"HBM floor: weights / {HBM_TBPS} TB/s")
+                # the rows' read rate (a CSV from before that column: the H200's figure it used)
+                rates = {t for t in (to_float(r.get("read_tbps")) for r in prs) if t > 0}
+                rate = f"{min(rates):.2f}" if rates else f"{HBM_TBPS}"
+                ax.axhline(min(floors), ls="--", color="crimson", lw=1.3, label=f"HBM floor: weights / {rate} TB/s")
             log_y(ax)
             ax.set_ylabel("ms per decode step (lower is better)")
             ax.set_title(f"{model}, {layers} layers: decode" + (f" ({gpu})" if gpu else ""), fontsize=10)

@@ -8,9 +8,9 @@ ceiling. An FP8 weight is read as the bytes it is: e4m3 data and fp32 scales, wh
 :func:`fp8_in_one_buffer` lays out back to back in one allocation so that the reading kernel
 and the FP8 GEMM read the very same N*K + 4 * (number of scales) bytes.
 
-:func:`device_read_tbps` is the GPU's whole-HBM read rate that the end-to-end benches divide a
-step's bytes by (their HBM floor): the H200's measured figure, or on another GPU the reading
-kernel's rate over 1 GiB, measured once per process.
+:func:`device_read_tbps` is the GPU's whole-HBM read rate that the benches divide a step's
+bytes by (their HBM floor): the H200's measured figure, or on another GPU the reading kernel's
+rate over 1 GiB, measured once per process (``$HYBRIDGEMM_READ_TBPS`` sets it by hand).
 
 Triton is imported on first use: perf/bench_msweep.py imports this module, and
 ``import hybridgemm.perf.bench_msweep`` must work where Triton is absent (tests/test_layers.py).
@@ -19,6 +19,8 @@ Triton is imported on first use: perf/bench_msweep.py imports this module, and
 from __future__ import annotations
 
 import functools
+import math
+import os
 import statistics
 from collections.abc import Callable
 
@@ -35,6 +37,7 @@ _ALIGN = 16  # bytes: the scales start right after the e4m3 data, at a 16-byte b
 # device_slug): the rate their reports divide by, so that a rerun's floors are comparable
 MEASURED_READ_TBPS = {"h200": HBM_TBPS}  # perf/results/h200/README.md
 MEASURE_BYTES = 1 << 30  # the buffer device_read_tbps reads on other GPUs: 20x an H100's L2
+READ_TBPS_ENV = "HYBRIDGEMM_READ_TBPS"
 
 
 @functools.cache
@@ -118,15 +121,32 @@ def fp8_in_one_buffer(weight: torch.Tensor, granularity: str) -> tuple[FP8Weight
     return FP8Weight(data, scale, granularity, q.dtype), buf
 
 
-@functools.cache
-def device_read_tbps(index: int | None = None) -> tuple[float, str]:
-    """(TB/s, what the figure is) of CUDA device ``index`` (default: the current one): the
-    published rate of a GPU in :data:`MEASURED_READ_TBPS`; on any other GPU, the fastest grid of
-    the reading kernel over :data:`MEASURE_BYTES` (or a quarter of the free memory, if less),
-    median of 5 calls; the H200's figure where there is no CUDA device (a CPU run's floors)."""
-    if not torch.cuda.is_available():
+def device_read_tbps(device: torch.device | str | int | None = None) -> tuple[float, str]:
+    """(TB/s, what the figure is) for HBM floors on ``device`` (default: the current CUDA
+    device): ``$HYBRIDGEMM_READ_TBPS`` where set (a rate given by hand; the tests pin the
+    H200's); the published rate of a GPU in :data:`MEASURED_READ_TBPS`; on any other GPU the
+    fastest grid of the reading kernel over :data:`MEASURE_BYTES` (or a quarter of the free
+    memory, if less), median of 5 calls, measured once per device and process; the H200's
+    figure for a run without a CUDA device (a CPU run's floors)."""
+    pinned = os.environ.get(READ_TBPS_ENV, "").strip()
+    if pinned:
+        try:
+            tbps = float(pinned)
+        except ValueError:
+            tbps = math.nan
+        if not math.isfinite(tbps) or tbps <= 0:
+            raise ValueError(f"{READ_TBPS_ENV}={pinned!r}: give the HBM read rate in TB/s, a positive number")
+        return tbps, READ_TBPS_ENV
+    if device is not None:  # (an int names a CUDA device, as torch.cuda's functions take it)
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device is not None and device.type != "cuda" or not torch.cuda.is_available():
         return HBM_TBPS, "the H200's measured read rate (no CUDA device)"
-    index = torch.cuda.current_device() if index is None else index
+    index = device.index if device is not None else None
+    return _cuda_read_tbps(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _cuda_read_tbps(index: int) -> tuple[float, str]:
     name = torch.cuda.get_device_name(index)
     known = MEASURED_READ_TBPS.get(device_slug(name))
     if known is not None:
@@ -141,7 +161,9 @@ def _measure_read_tbps(device: torch.device) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best_ms = float("inf")
     with torch.cuda.device(device):
-        for call in read_calls([buf], device):
+        calls = read_calls([buf], device)
+        del buf  # (the calls hold it until they go)
+        for call in calls:
             call(0)  # compiles, warms the clocks
             times = []
             for _ in range(5):
@@ -151,5 +173,6 @@ def _measure_read_tbps(device: torch.device) -> float:
                 end.synchronize()
                 times.append(start.elapsed_time(end))
             best_ms = min(best_ms, statistics.median(times))
-    del buf
+        del calls, call
+        torch.cuda.empty_cache()  # the buffer's memory back to the device, not kept by the allocator
     return nbytes / (best_ms * 1e-3) / 1e12

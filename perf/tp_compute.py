@@ -95,7 +95,7 @@ def row(run: E.Run, variant: str, tp: int, batch: int, built: Built, res) -> dic
            "weight_bytes_per_gpu": built.weight_bytes, "note": "; ".join(built.notes) or None}
     if isinstance(res, BaseException) or not res:
         return {**out, "status": "error", "note": f"{type(res).__name__}: {res}".splitlines()[0][:300]}
-    ms, floor = statistics.median(res), E.hbm_floor_ms(built.weight_bytes)
+    ms, floor = statistics.median(res), E.hbm_floor_ms(built.weight_bytes, device=run.device)
     return {**out, "status": "ok", "ms_per_token": ms, "spread_ms": max(res) - min(res), "samples": len(res),
             "hbm_floor_ms_per_gpu": floor, "fraction_of_floor": floor / ms}
 

@@ -322,3 +322,18 @@ def test_autotune_mlp_weights_fp8_tunes_the_stacked_gate_up_an_fp8_model_runs(so
     assert main(["autotune", *model, "--mlp", "--m", "1", "--out", str(tmp_path / "b.json")]) == 0
     assert (inter, hidden) in {(k.n, k.k) for k in tuned_keys}  # bf16: the one-half GEMMs, as before
     assert [(g.intermediate, g.k) for g in gated] == [(inter, hidden)]  # and the gated kernel's entries
+
+
+def test_autotune_mlp_weights_fp8_tp_tunes_a_ranks_stacked_gate_up(tmp_path, monkeypatch):
+    # a rank of tp=2 runs gate and up of I/2 rows each, stacked: I rows; down takes K = I/2
+    monkeypatch.setenv("HYBRIDGEMM_CACHE_DIR", str(tmp_path / "user-cache"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(signature, "current_signature", lambda device_index=None: dict(SIG))
+    tuned_keys = []
+    monkeypatch.setattr(tune_table, "tune", lambda keys, table, path, **kw: tuned_keys.extend(keys) or [])
+    p = get_preset("llama3-8b")
+    argv = ["autotune", "--model", "llama3-8b", "--tp", "2", "--mlp", "--m", "1", "--out", str(tmp_path / "t.json")]
+    assert main([*argv, "--weights", "fp8"]) == 0
+    shapes = {(k.n, k.k) for k in tuned_keys}
+    assert (p.intermediate, p.hidden) in shapes and (p.intermediate // 2, p.hidden) not in shapes
+    assert (p.hidden, p.intermediate // 2) in shapes

@@ -105,10 +105,32 @@ def test_layer_fusion_lines_name_the_weights():
 
 
 @pytest.fixture
-def fresh_rate():
-    R.device_read_tbps.cache_clear()
+def fresh_rate(monkeypatch):
+    monkeypatch.delenv(R.READ_TBPS_ENV)  # (tests/conftest.py pins it)
+    R._cuda_read_tbps.cache_clear()
     yield
-    R.device_read_tbps.cache_clear()
+    R._cuda_read_tbps.cache_clear()
+
+
+def test_the_test_suite_pins_the_read_rate():
+    from hybridgemm.perf import bench_e2e as E
+
+    assert R.device_read_tbps() == (4.23, R.READ_TBPS_ENV)
+    assert E.hbm_floor_ms(4_230_000_000) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "fast", "nan", "inf"])
+def test_a_bad_pinned_read_rate_is_refused_by_name(value, monkeypatch):
+    monkeypatch.setenv(R.READ_TBPS_ENV, value)
+    with pytest.raises(ValueError, match=f"{R.READ_TBPS_ENV}=.*positive number"):
+        R.device_read_tbps()
+
+
+def test_a_pinned_read_rate_wins_on_any_device(fresh_rate, monkeypatch):
+    monkeypatch.setenv(R.READ_TBPS_ENV, " 3.35 ")
+    _fake_gpu(monkeypatch, "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(R, "_measure_read_tbps", lambda device: pytest.fail("a pinned rate is not measured"))
+    assert R.device_read_tbps() == (3.35, R.READ_TBPS_ENV)
 
 
 def _fake_gpu(monkeypatch, name: str):
@@ -139,7 +161,11 @@ def test_read_rate_of_another_gpu_is_measured_once_and_floors_divide_by_it(fresh
     assert E.hbm_floor_ms(3 * 10**9) == pytest.approx(1.0)  # 3 GB at 3 TB/s
     assert E.hbm_floor_ms(3 * 10**9, tbps=1.5) == pytest.approx(2.0)
     assert "3.00 TB/s (read rate measured on this NVIDIA H100" in E.read_rate_note()
-    assert measured == [torch.device("cuda", 0)]  # once per process
+    assert R.device_read_tbps(0) == R.device_read_tbps("cuda:0") == R.device_read_tbps(torch.device("cuda"))
+    assert measured == [torch.device("cuda", 0)]  # once per device and process, however it is named
+    # a run on the CPU divides by the H200's figure, measuring nothing
+    assert R.device_read_tbps("cpu")[0] == 4.23 and E.hbm_floor_ms(4_230_000_000, device="cpu") == pytest.approx(1.0)
+    assert measured == [torch.device("cuda", 0)]
 
 
 class _FakeEvent:
