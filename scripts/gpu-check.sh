@@ -22,7 +22,8 @@
 #         optin     the opt-in kernels (HYBRIDGEMM_PDL_PREFETCH, HYBRIDGEMM_FUSED_ROUTER) against their
 #                   default and the FP8 gate/up GLU epilogue: their GPU tests, then compiled decode of
 #                   llama3-8b (FP8), qwen3-30b-a3b (12 layers), pythia-6.9b and qwen3-8b beside stock, one process
-#                   per variant, and the FP8 llama3-8b step's kernels by grid (llama_fp8_profile)
+#                   per variant, and the kernels by grid of the FP8 llama3-8b step (llama_fp8_profile) and of
+#                   the qwen3-30b-a3b step with the router apart and fused (qwen3_r0_profile, qwen3_r1_profile)
 #                   (OPTIN_CASES names a subset; OPTIN_TESTS=0 skips the tests; OPTIN_TIMEOUT s per step,
 #                   default 300)
 #         fp8mlp    FP8 table entries for llama3-8b's and qwen2.5-7b's MLP GEMMs and LM heads (M 1-64) into a
@@ -228,6 +229,15 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
           || status=1
         grep -v -i warn "$OUT/e2e_profile_optin.txt" | head -n 40 | tee -a "$OUT/summary.txt"
       fi
+      for r in 0 1; do  # qwen3_r0_profile, qwen3_r1_profile: the MoE step's kernels, router apart and fused
+        name=qwen3_r${r}_profile
+        if [ -n "${OPTIN_CASES:-}" ] && [[ " $OPTIN_CASES " != *" $name "* ]]; then continue; fi
+        log "optin $name: HYBRIDGEMM_FUSED_ROUTER=$r, the 12-layer qwen3-30b-a3b step's kernels by launch grid"
+        HYBRIDGEMM_FUSED_ROUTER=$r timeout "$t" $PY -m hybridgemm.perf.e2e_profile --model qwen3-30b-a3b --layers 12 \
+          --batch 1 --modes compiled_static --by-grid --out "$OUT/e2e_profile_$name.csv" >"$OUT/e2e_profile_$name.txt" \
+          2>&1 || status=1
+        grep -v -i warn "$OUT/e2e_profile_$name.txt" | head -n 40 | tee -a "$OUT/summary.txt"
+      done
       ;;
     fp8mlp)
       # FP8 table entries for the MLP GEMMs and LM heads of llama3-8b and qwen2.5-7b at decode rows,
