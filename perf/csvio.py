@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import os
 import platform
+import shlex
 import tempfile
 
 import torch
@@ -24,12 +25,24 @@ FIRST_COLUMNS = (*KEY_COLUMNS, "status", "median_us", "spread_us", "speedup_vs_f
 TAIL_COLUMNS = ("note", "torch", "triton", "cublaslt", "nvmath", "hybridgemm", "host", "command")
 
 
+SWITCH_PREFIX = "HYBRIDGEMM_"
+
+
+def command_as_run(command: str) -> str:
+    """``command`` with this process's ``HYBRIDGEMM_*`` environment variables before it, as a shell
+    takes them (``HYBRIDGEMM_PDL_PREFETCH=1 hybridgemm bench ...``): the table, the opt-in kernels
+    and the read rate a row was measured with are part of its command."""
+    switches = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith(SWITCH_PREFIX)]
+    return " ".join([*switches, command])
+
+
 def environment_columns(command: str) -> dict:
-    """GPU and versions, so that every row says where and with what it was measured."""
+    """GPU and versions, so that every row says where and with what it was measured; ``command``
+    as :func:`command_as_run` writes it."""
 
     env = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__, "hybridgemm": hybridgemm.__version__,
-           "host": platform.node(), "command": command}
+           "host": platform.node(), "command": command_as_run(command)}
     try:
         import triton
 

@@ -201,7 +201,8 @@ def main(argv=None) -> int:
     name = "hybridgemm" if not fp8 else f"hybridgemm_e4m3_{args.granularity}{head}"
     run = Run(args.model, config, torch.device("cuda"), tokens=args.steps, rounds=1)
     command = "python -m hybridgemm.perf.e2e_profile " + " ".join(sys.argv[1:] if argv is None else argv)
-    extra = {"date": datetime.date.today().isoformat(), "commit": git_commit(), "command": command}
+    extra = {"date": datetime.date.today().isoformat(), "commit": git_commit(),
+             "command": csvio.command_as_run(command)}
     all_rows = []
     with torch.no_grad():
         for mode in args.modes:

@@ -15,7 +15,7 @@ import hybridgemm
 from helpers import bench_cli
 from hybridgemm.perf import bench_e2e as E
 from hybridgemm.perf import e2e_models as hf
-from hybridgemm.perf.csvio import read_rows
+from hybridgemm.perf.csvio import command_as_run, read_rows
 from hybridgemm.perf.timing import HBM_TBPS
 
 transformers = pytest.importorskip("transformers")
@@ -301,7 +301,8 @@ def test_main_writes_the_csv_and_exits_1_on_an_error(monkeypatch, tmp_path, caps
     rows = read_rows(str(tmp_path / "e2e_h200.csv"))
     assert [(r["variant"], r["status"]) for r in rows] == [("stock", "ok"), ("hybridgemm", "error")]
     assert rows[0]["ms_per_token"] == "3.0" and rows[1]["note"] == "ValueError: bad"
-    assert rows[0]["command"].startswith("hybridgemm bench --e2e --model llama3-8b --layers 2 --batch 1 8")
+    assert rows[0]["command"].startswith(
+        command_as_run("hybridgemm bench --e2e --model llama3-8b --layers 2 --batch 1 8"))
     assert rows[0]["gpu"] == "NVIDIA H200" and rows[0]["transformers"] == transformers.__version__ and rows[0]["date"]
     out = capsys.readouterr()
     assert "prefill" in out.out and "errors in prefill B=1 hybridgemm" in out.err

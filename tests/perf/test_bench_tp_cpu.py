@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hybridgemm.perf import bench_e2e as E
 from hybridgemm.perf import bench_tp as T
 from hybridgemm.perf import tp_models as M
-from hybridgemm.perf.csvio import read_rows
+from hybridgemm.perf.csvio import command_as_run, read_rows
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,7 +81,8 @@ def test_two_ranks_write_every_row(two_ranks):
         (m, b, v) for m, b in measured for v in VARIANTS)
     for r in rows:
         assert (r["gpu"], r["model"], r["layers"], r["tp"]) == ("cpu", "tiny", "2", str(T.VARIANTS[r["variant"]]))
-        assert r["command"].startswith("torchrun --nproc-per-node 2 -m hybridgemm.perf.bench_tp --model tiny")
+        assert r["command"].startswith(
+            command_as_run("torchrun --nproc-per-node 2 -m hybridgemm.perf.bench_tp --model tiny"))
         assert r["transformers"] == transformers.__version__ and r["date"] and r["commit"]
         if r["mode"] == "compiled_static":
             assert r["status"] == "skipped" and "CPU" in r["note"] and not r["ms_per_token"], r

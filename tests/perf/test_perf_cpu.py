@@ -14,7 +14,7 @@ from helpers import bench_cli
 from hybridgemm.autotune_cache.presets import ProjectionShape
 from hybridgemm.perf import providers as P
 from hybridgemm.perf.bench import print_summary, run_bench, shapes_for
-from hybridgemm.perf.csvio import KEY_COLUMNS, environment_columns, read_rows, write_csv, write_rows
+from hybridgemm.perf.csvio import KEY_COLUMNS, command_as_run, environment_columns, read_rows, write_csv, write_rows
 from hybridgemm.perf.plots import load_rows, make_all_plots
 from hybridgemm.perf.timing import Timing
 
@@ -61,8 +61,19 @@ def test_csv_upsert_refuses_a_csv_whose_rows_it_would_merge(tmp_path):
 
 def test_environment_columns_name_the_machine_and_command():
     env = environment_columns("hybridgemm bench --model gpt2")
-    assert env["command"] == "hybridgemm bench --model gpt2"
+    assert env["command"] == command_as_run("hybridgemm bench --model gpt2")
     assert env["torch"] == torch.__version__ and env["gpu"] and env["hybridgemm"]
+
+
+def test_a_rows_command_carries_the_hybridgemm_switches_it_ran_under(monkeypatch):
+    for k in [k for k in __import__("os").environ if k.startswith("HYBRIDGEMM_")]:
+        monkeypatch.delenv(k)
+    assert command_as_run("hybridgemm bench --e2e") == "hybridgemm bench --e2e"
+    monkeypatch.setenv("HYBRIDGEMM_PDL_PREFETCH", "1")
+    monkeypatch.setenv("HYBRIDGEMM_TABLE", "/tmp/my table.json")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/x")  # not ours: left out
+    env = environment_columns("hybridgemm bench --e2e")
+    assert env["command"] == "HYBRIDGEMM_PDL_PREFETCH=1 HYBRIDGEMM_TABLE='/tmp/my table.json' hybridgemm bench --e2e"
 
 
 def test_fixture_has_the_documented_content():
@@ -247,7 +258,7 @@ def test_sweep_records_ok_failed_and_skipped_rows(tmp_path, monkeypatch):
     assert by[("dispatch", "gpu", "8")]["status"] == "skipped" and "CUDA" in by[("dispatch", "gpu", "8")]["note"]
     assert by[("flinear", "fwd_bwd_events", "8")]["status"] == "ok"
     assert ("hybridgemm_linear", "fwd_bwd_events", "8") in by
-    assert all(r["command"] == "hybridgemm bench --shape 48,64" for r in rows)
+    assert all(r["command"] == command_as_run("hybridgemm bench --shape 48,64") for r in rows)
     assert [s["failed"] for s in res.summary] == [["bad"], ["bad"]]
     buf = io.StringIO()
     from rich.console import Console

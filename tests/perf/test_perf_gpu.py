@@ -9,7 +9,7 @@ import math
 import pytest
 
 from hybridgemm.autotune_cache.presets import ProjectionShape
-from hybridgemm.perf.csvio import read_rows
+from hybridgemm.perf.csvio import command_as_run, read_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +38,7 @@ def test_tiny_sweep_writes_csv_and_plots(tmp_path):
         assert math.isfinite(t) and t > 0
     assert set(eager) == set(gpu)  # every timed provider also has its host time
     assert not any(s["failed"] for s in res.summary)
-    assert all(r["gpu"] != "cpu" and r["command"] == "pytest tiny sweep" for r in rows)
+    assert all(r["gpu"] != "cpu" and r["command"] == command_as_run("pytest tiny sweep") for r in rows)
     names = {p.name for p in make_all_plots([out], tmp_path / "fig", log=lambda s: None)}
     assert {"tflops_vs_m.png", "dispatch_speedup.png", "host_time.png"} <= names
 
@@ -55,7 +55,7 @@ def test_bench_cli_with_training_and_plot(tmp_path):
     rows = read_rows(str(out))
     train = _ok_times(rows, "fwd_bwd_events")
     assert ("flinear", 64) in train and all(t > 0 for t in train.values())
-    assert rows[0]["command"].startswith("hybridgemm bench --shape 512,256")
+    assert rows[0]["command"].startswith(command_as_run("hybridgemm bench --shape 512,256"))
     assert (tmp_path / "fig" / "tflops_vs_m.png").stat().st_size > 0
 
 
