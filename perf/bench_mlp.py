@@ -16,7 +16,7 @@ Per model (bf16, its hidden size H, MLP width I, vocabulary V) and per M:
 Each call is timed as the tuner times (autotune_cache/measure.py): CUDA graphs over rotating
 copies of the weights (every call reads them cold from HBM), replayed in interleaved rounds,
 median. Columns: ``us``, ``weight_gbps`` (weight bytes / time: what a decode GEMV can at most
-stream), ``fraction_of_hbm`` (of the GPU's read rate, perf/read_ceiling.device_read_tbps),
+stream), ``fraction_of_hbm`` (of the GPU's read rate ``read_tbps``, perf/read_ceiling.device_read_tbps),
 ``speedup`` (stock / variant).
 """
 
@@ -40,7 +40,7 @@ from .csvio import environment_columns, write_csv
 
 DEFAULT_M = (1, 2, 4, 8, 16, 33, 64, 128, 333, 1024, 2048)
 COLUMNS = ("gpu", "model", "op", "m", "n", "k", "variant", "us", "spread_us", "weight_gbps", "fraction_of_hbm",
-           "speedup", "date", "commit", "torch", "triton", "cublaslt", "hybridgemm", "command")
+           "read_tbps", "speedup", "date", "commit", "torch", "triton", "cublaslt", "hybridgemm", "command")
 
 
 def _variants(op: str, inter: int):
@@ -76,6 +76,7 @@ def measure(model: str, ms, replays: int = 7) -> list[dict]:
                 gbps = w.numel() * w.element_size() / (t.median_us * 1e3)
                 rows.append(dict(model=model, op=op, m=m, n=n, k=k, variant=v, us=t.median_us, spread_us=t.spread_us,
                                  weight_gbps=gbps, fraction_of_hbm=gbps / (read_ceiling.device_read_tbps()[0] * 1e3),
+                                 read_tbps=read_ceiling.device_read_tbps()[0],
                                  speedup=stock_us / t.median_us))
             del xs
         del ws, w

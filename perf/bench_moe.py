@@ -12,7 +12,7 @@ cannot be captured and gets a ``skipped`` row).
 Shapes (hidden H, experts E of intermediate size I, top-k): ``qwen3-30b-a3b`` (2048, 128 of
 768, 8) and ``mixtral-8x7b`` (4096, 8 of 14336, 2); bf16 weights N(0, 0.02), the router's
 logits random. Each row (``M``: the tokens): ``median_us``, ``floor_us`` (the bytes of the
-experts the routing actually hits, at the GPU's read rate, perf/read_ceiling.device_read_tbps),
+experts the routing actually hits, at the GPU's read rate ``read_tbps``, perf/read_ceiling.device_read_tbps),
 ``fraction_of_floor`` (floor / time), ``speedup`` over transformers' default implementation
 (``grouped_mm``) timed the same way, ``rel_err`` against the fp32 result of the same block.
 
@@ -103,10 +103,10 @@ def bench_shape(name: str, tokens: int, env: dict, rounds: int, weights_kinds=("
             except Exception as exc:  # noqa: BLE001 (recorded in the row; the run goes on)
                 by_method["graph"][prov] = exc
     hit = int(torch.unique(ids).numel())
-    floors = {p: floor_us(hit, e, (mod.gate_up_proj, mod.down_proj)) for p in providers}
-    floors.update((p, floor_us(hit, e, qw)) for p, qw in quantized.items())
+    floors = {p: floor_us(hit, e, (mod.gate_up_proj, mod.down_proj), dev) for p in providers}
+    floors.update((p, floor_us(hit, e, qw, dev)) for p, qw in quantized.items())
     base = dict(env, shape=name, hidden=h, experts=e, intermediate=i, top_k=k, M=tokens, experts_hit=hit,
-                dtype="bf16")
+                dtype="bf16", read_tbps=read_ceiling.device_read_tbps(dev)[0])
     rows = []
     for method, times in by_method.items():
         stock = times.get("transformers_grouped_mm")  # transformers' default experts implementation
@@ -131,11 +131,11 @@ def bench_shape(name: str, tokens: int, env: dict, rounds: int, weights_kinds=("
     return rows
 
 
-def floor_us(hit: int, experts_count: int, weights) -> float:
+def floor_us(hit: int, experts_count: int, weights, device=None) -> float:
     """The time the bytes of ``hit`` of the experts' weights (tensors or stacked FP8Weights: data
-    and scales) take at the GPU's read rate (perf/read_ceiling.device_read_tbps)."""
+    and scales) take at ``device``'s read rate (perf/read_ceiling.device_read_tbps)."""
     nbytes = sum(w.nbytes if isinstance(w, fp8.FP8Weight) else w.numel() * w.element_size() for w in weights)
-    return hit / experts_count * nbytes / (read_ceiling.device_read_tbps()[0] * 1e12) * 1e6
+    return hit / experts_count * nbytes / (read_ceiling.device_read_tbps(device)[0] * 1e12) * 1e6
 
 
 def main(argv=None) -> int:

@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 
 from hybridgemm.perf import bench_e2e as E
-from hybridgemm.perf import csvio
+from hybridgemm.perf import csvio, read_ceiling
 from hybridgemm.perf.bench_msweep import git_commit, gpu_label
 from hybridgemm.perf.plots_models import plot_tp
 from hybridgemm.perf.tp_models import (
@@ -96,8 +96,9 @@ MODES = E.MODES
 DEFAULT_MODES = ("compiled_static", "prefill", "logits_error")
 KEY = E.KEY
 COLUMNS = (*KEY, "tp", "status", "ms_per_token", "spread_ms", "tokens_per_s", "speedup_vs_tp1", "hbm_floor_ms_per_gpu",
-           "fraction_of_floor", "logits_rel_err", "weight_bytes_per_gpu", "tokens", "rounds", "samples", "note", "date",
-           "commit", "torch", "triton", "transformers", "cublaslt", "nvmath", "hybridgemm", "host", "command")
+           "fraction_of_floor", "read_tbps", "logits_rel_err", "weight_bytes_per_gpu", "tokens", "rounds", "samples",
+           "note", "date", "commit", "torch", "triton", "transformers", "cublaslt", "nvmath", "hybridgemm", "host",
+           "command")
 TP1_MAX_FRACTION = 0.85  # of GPU memory the tp=1 weights may take (caches, activations, graph pools: the rest)
 REF_MAX_FRACTION = 0.9  # of the free memory that the fp32 reference may take
 TIMEOUT = datetime.timedelta(minutes=30)  # of a collective: the idle rank waits out the whole tp=1 variant
@@ -186,7 +187,8 @@ def timed_row(run: E.Run, variant: str, mode: str, batch: int, res, note: str, w
     per_run = run.prefill if mode == "prefill" else batch
     floor = E.hbm_floor_ms(weight_bytes, device=run.device)
     row.update(status="ok", note=note or None, ms_per_token=ms, spread_ms=max(res) - min(res), samples=len(res),
-               tokens_per_s=per_run * 1e3 / ms if ms > 0 else math.nan, hbm_floor_ms_per_gpu=floor)
+               tokens_per_s=per_run * 1e3 / ms if ms > 0 else math.nan, hbm_floor_ms_per_gpu=floor,
+               read_tbps=read_ceiling.device_read_tbps(run.device)[0])
     if mode != "prefill":
         row["fraction_of_floor"] = floor / ms if ms > 0 else math.nan
     return row
@@ -251,8 +253,9 @@ def run_variant(run: E.Run, variant: str, ranks: Ranks, refs: dict, ids: dict, c
             run.log(f"{variant}: {status}: {_short(err)}")
             return [{**r, "status": status} for r in skipped_rows(run, variant, _short(err))]
         notes = "; ".join(built.notes)
-        run.log(f"{variant}: {built.weight_bytes / 1e9:.2f} GB of weights per decode step on each GPU, HBM floor "
-                f"{E.hbm_floor_ms(built.weight_bytes, device=run.device):.3f} ms")
+        if ranks.rank == 0:  # (only rank 0 logs: the others would read the rate for nothing)
+            run.log(f"{variant}: {built.weight_bytes / 1e9:.2f} GB of weights per decode step on each GPU, HBM floor "
+                    f"{E.hbm_floor_ms(built.weight_bytes, device=run.device):.3f} ms")
         for mode in error_modes(run):
             rows.append(logits_row(run, variant, mode, built.model, refs[mode], ids[mode], lockstep, ranks))
         for mode, batch in tasks(run):

@@ -26,14 +26,18 @@ TAIL_COLUMNS = ("note", "torch", "triton", "cublaslt", "nvmath", "hybridgemm", "
 
 
 SWITCH_PREFIX = "HYBRIDGEMM_"
+# variables of the test harness (tests/), not of what a bench runs
+_NOT_SWITCHES = ("HYBRIDGEMM_TEST_", "HYBRIDGEMM_DETERMINISM_")
 
 
 def command_as_run(command: str) -> str:
     """``command`` with this process's ``HYBRIDGEMM_*`` environment variables before it, as a shell
     takes them (``HYBRIDGEMM_PDL_PREFETCH=1 hybridgemm bench ...``): the table, the opt-in kernels
-    and the read rate a row was measured with are part of its command."""
-    switches = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith(SWITCH_PREFIX)]
-    return " ".join([*switches, command])
+    and the read rate a row was measured with are part of its command (the test harness's own
+    variables are not)."""
+    switches = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+                if k.startswith(SWITCH_PREFIX) and not k.startswith(_NOT_SWITCHES)]
+    return " ".join([*switches, command] if command else switches)
 
 
 def environment_columns(command: str) -> dict:

@@ -168,7 +168,7 @@ def plot_tflops(rows, path: Path) -> Path:
         # bytes a GEMM must move at least: read x, W, bias once, write y once
         intensity = 2 * mm * n * k / (e * (mm * k + n * k + mm * n + bias))
         ax.plot(mm, HBM_TBPS * intensity, ls="--", color="0.45", lw=1.2,
-                label=f"HBM read ceiling ({HBM_TBPS} TB/s x intensity)")
+                label=f"HBM read ceiling (the H200's {HBM_TBPS} TB/s x intensity)")
         if dtype in PEAK_TFLOPS:
             ax.axhline(PEAK_TFLOPS[dtype], ls=":", color="0.2", lw=1.2,
                        label=f"measured GEMM peak (~{PEAK_TFLOPS[dtype]:.0f} TFLOP/s)")

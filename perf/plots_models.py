@@ -229,13 +229,13 @@ def plot_e2e(csv_path, out_dir, name: str = "e2e.png") -> Path:
         groups = sorted({g for g, _ in ms}, key=lambda g: (order.get(g[0], 9), g[1]))
         if kind == "decode":
             _e2e_bars(ax, groups, ms, [f"{m.replace('_', chr(10))}\nB={b}" for m, b in groups], variants)
-            floors = {to_float(r.get("hbm_floor_ms")) for r in prs} - {math.nan}
-            floors = {f for f in floors if f > 0}
+            floors = [(f, r) for r in prs for f in [to_float(r.get("hbm_floor_ms"))] if f > 0]
             if floors:
-                # the rows' read rate (a CSV from before that column: the H200's figure it used)
-                rates = {t for t in (to_float(r.get("read_tbps")) for r in prs) if t > 0}
-                rate = f"{min(rates):.2f}" if rates else f"{HBM_TBPS}"
-                ax.axhline(min(floors), ls="--", color="crimson", lw=1.3, label=f"HBM floor: weights / {rate} TB/s")
+                floor, row = min(floors, key=lambda fr: fr[0])
+                # that row's read rate (a row from before that column: the H200's figure it used)
+                rate = to_float(row.get("read_tbps"))
+                rate = rate if rate > 0 else HBM_TBPS
+                ax.axhline(floor, ls="--", color="crimson", lw=1.3, label=f"HBM floor: weights / {rate:.2f} TB/s")
             log_y(ax)
             ax.set_ylabel("ms per decode step (lower is better)")
             ax.set_title(f"{model}, {layers} layers: decode" + (f" ({gpu})" if gpu else ""), fontsize=10)

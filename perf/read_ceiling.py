@@ -10,7 +10,7 @@ and the FP8 GEMM read the very same N*K + 4 * (number of scales) bytes.
 
 :func:`device_read_tbps` is the GPU's whole-HBM read rate that the benches divide a step's
 bytes by (their HBM floor): the H200's measured figure, or on another GPU the reading kernel's
-rate over 1 GiB, measured once per process (``$HYBRIDGEMM_READ_TBPS`` sets it by hand).
+rate over 1 GiB, measured once per device and process (``$HYBRIDGEMM_READ_TBPS`` sets it by hand).
 
 Triton is imported on first use: perf/bench_msweep.py imports this module, and
 ``import hybridgemm.perf.bench_msweep`` must work where Triton is absent (tests/test_layers.py).
@@ -140,7 +140,7 @@ def device_read_tbps(device: torch.device | str | int | None = None) -> tuple[fl
     if device is not None:  # (an int names a CUDA device, as torch.cuda's functions take it)
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if device is not None and device.type != "cuda" or not torch.cuda.is_available():
-        return HBM_TBPS, "the H200's measured read rate (no CUDA device)"
+        return HBM_TBPS, "the H200's measured read rate (not a CUDA device)"
     index = device.index if device is not None else None
     return _cuda_read_tbps(torch.cuda.current_device() if index is None else index)
 
@@ -157,6 +157,8 @@ def _cuda_read_tbps(index: int) -> tuple[float, str]:
 def _measure_read_tbps(device: torch.device) -> float:
     free = torch.cuda.mem_get_info(device)[0]
     nbytes = min(MEASURE_BYTES, free // 4) // (4 * READ_BLOCK) * (4 * READ_BLOCK)
+    if nbytes == 0:
+        raise RuntimeError(f"{device}: too little free memory to measure the HBM read rate (set {READ_TBPS_ENV})")
     buf = torch.ones(nbytes // 4, dtype=torch.int32, device=device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best_ms = float("inf")
@@ -173,6 +175,7 @@ def _measure_read_tbps(device: torch.device) -> float:
                 end.synchronize()
                 times.append(start.elapsed_time(end))
             best_ms = min(best_ms, statistics.median(times))
-        del calls, call
+        call = None  # (the loop's last call holds the buffer too)
+        del calls
         torch.cuda.empty_cache()  # the buffer's memory back to the device, not kept by the allocator
     return nbytes / (best_ms * 1e-3) / 1e12

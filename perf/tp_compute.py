@@ -49,7 +49,7 @@ from torch import Tensor
 import hybridgemm
 from hybridgemm.parallel import RowParallelLinear, VocabParallelLinear
 from hybridgemm.perf import bench_e2e as E
-from hybridgemm.perf import csvio
+from hybridgemm.perf import csvio, read_ceiling
 from hybridgemm.perf import e2e_profile as P
 from hybridgemm.perf.bench_msweep import git_commit, gpu_label
 from hybridgemm.perf.bench_tp import TP1_MAX_FRACTION, measure, model_name
@@ -58,7 +58,7 @@ from hybridgemm.perf.tp_ranks import Ranks
 
 KEY = ("gpu", "model", "layers", "batch", "variant")
 PROFILE_STEPS = 16
-COLUMNS = (*KEY, "tp", "status", "ms_per_token", "spread_ms", "hbm_floor_ms_per_gpu", "fraction_of_floor",
+COLUMNS = (*KEY, "tp", "status", "ms_per_token", "spread_ms", "hbm_floor_ms_per_gpu", "fraction_of_floor", "read_tbps",
            "weight_bytes_per_gpu", "tokens", "rounds", "samples", "note", "date", "commit", "torch", "triton",
            "transformers", "hybridgemm", "host", "command")
 
@@ -97,7 +97,8 @@ def row(run: E.Run, variant: str, tp: int, batch: int, built: Built, res) -> dic
         return {**out, "status": "error", "note": f"{type(res).__name__}: {res}".splitlines()[0][:300]}
     ms, floor = statistics.median(res), E.hbm_floor_ms(built.weight_bytes, device=run.device)
     return {**out, "status": "ok", "ms_per_token": ms, "spread_ms": max(res) - min(res), "samples": len(res),
-            "hbm_floor_ms_per_gpu": floor, "fraction_of_floor": floor / ms}
+            "hbm_floor_ms_per_gpu": floor, "fraction_of_floor": floor / ms,
+            "read_tbps": read_ceiling.device_read_tbps(run.device)[0]}
 
 
 def profile(run: E.Run, variant: str, batch: int, model, floor_ms: float) -> list[dict]:

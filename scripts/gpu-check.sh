@@ -69,7 +69,7 @@ log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
 # $OUT/h200.json as the stages that tune into it start: the shipped table, unless an earlier
 # stage of this call wrote it (a file left in $OUT by an earlier call is replaced)
 table_ready=0
-fresh_table() { [ "$table_ready" = 1 ] || cp autotune_cache/tables/h200.json "$OUT/h200.json"; table_ready=1; }
+fresh_table() { [ "$table_ready" = 1 ] || { cp autotune_cache/tables/h200.json "$OUT/h200.json" && table_ready=1; }; }
 
 for stage in "${stages[@]}"; do
   case "$stage" in
@@ -119,7 +119,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       /usr/bin/time -f "autotune ${models[*]} wall %e s" $PY -m hybridgemm autotune "${margs[@]}" ${TUNE_ARGS:-} \
         --out "$OUT/h200.json" --no-progress >"$OUT/autotune_h200.txt" 2>&1 || status=1
       grep -E "wall|tuned |compiled" "$OUT/autotune_h200.txt" | tee -a "$OUT/summary.txt"
-      table_ready=1
+      [ -f "$OUT/h200.json" ] && table_ready=1
       : >"$OUT/tune_compare.txt"
       for ((r = 1; r < ${TUNE_RUNS:-2}; r++)); do
         /usr/bin/time -f "autotune llama3-8b rerun $r wall %e s" $PY -m hybridgemm autotune --model llama3-8b --force \

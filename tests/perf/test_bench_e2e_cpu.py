@@ -377,3 +377,39 @@ def _patched_variant(config):
     run.log = logged.append
     stock = hf.build_model(config, torch.float32, "cpu")
     return E._patched(run, stock)[0], logged, stock
+
+
+def test_decode_rows_carry_the_read_rate_their_floors_divide_by(monkeypatch):
+    # the floor is the step's bytes over the read rate the row names (read_ceiling.device_read_tbps)
+    for tbps in ("4.23", "2.5"):
+        monkeypatch.setenv("HYBRIDGEMM_READ_TBPS", tbps)
+        rows = E.mode_rows(tiny_run(), "eager_static", 1, {"stock": [2.0], "hybridgemm": [1.0]}, 10**9)
+        for r in rows:
+            assert r["read_tbps"] == float(tbps)
+            assert r["hbm_floor_ms"] == pytest.approx(1e9 / (float(tbps) * 1e12) * 1e3)
+        assert rows[1]["fraction_of_floor"] == pytest.approx(rows[1]["hbm_floor_ms"] / 1.0)
+
+
+def test_the_floor_line_is_labelled_with_its_rows_rate(tmp_path, monkeypatch):
+    # a panel whose rows divided by two rates: the line at the lower floor, labelled with that row's rate
+    import matplotlib.axes
+
+    from hybridgemm.perf import csvio, plots_models
+
+    rows = []
+    for variant, ms, floor, rate in (("stock", 3.0, 2.0, "3.30"), ("hybridgemm", 2.5, 1.5, "4.40")):
+        rows.append({"gpu": "NVIDIA H100", "model": "m", "layers": "2", "mode": "compiled_static", "batch": "1",
+                     "variant": variant, "status": "ok", "ms_per_token": ms, "hbm_floor_ms": floor,
+                     "read_tbps": rate, "run_weights": ""})
+    path = tmp_path / "e2e.csv"
+    csvio.write_csv(path, list(rows[0]), rows)
+    labels = []
+    orig = matplotlib.axes.Axes.axhline
+
+    def spy(self, y=0, *a, **kw):
+        labels.append((y, kw.get("label")))
+        return orig(self, y, *a, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "axhline", spy)
+    plots_models.plot_e2e(str(path), str(tmp_path / "fig"), "e2e.png")
+    assert (1.5, "HBM floor: weights / 4.40 TB/s") in labels

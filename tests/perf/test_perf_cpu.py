@@ -72,8 +72,10 @@ def test_a_rows_command_carries_the_hybridgemm_switches_it_ran_under(monkeypatch
     monkeypatch.setenv("HYBRIDGEMM_PDL_PREFETCH", "1")
     monkeypatch.setenv("HYBRIDGEMM_TABLE", "/tmp/my table.json")
     monkeypatch.setenv("TRITON_CACHE_DIR", "/x")  # not ours: left out
+    monkeypatch.setenv("HYBRIDGEMM_TEST_SEED", "7")  # the test harness's: left out
     env = environment_columns("hybridgemm bench --e2e")
     assert env["command"] == "HYBRIDGEMM_PDL_PREFETCH=1 HYBRIDGEMM_TABLE='/tmp/my table.json' hybridgemm bench --e2e"
+    assert command_as_run("") == "HYBRIDGEMM_PDL_PREFETCH=1 HYBRIDGEMM_TABLE='/tmp/my table.json'"
 
 
 def test_fixture_has_the_documented_content():

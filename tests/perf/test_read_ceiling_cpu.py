@@ -142,7 +142,7 @@ def _fake_gpu(monkeypatch, name: str):
 def test_read_rate_without_a_gpu_is_the_h200_figure(fresh_rate, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     tbps, what = R.device_read_tbps()
-    assert tbps == R.HBM_TBPS == 4.23 and "no CUDA device" in what
+    assert tbps == R.HBM_TBPS == 4.23 and "not a CUDA device" in what
 
 
 def test_read_rate_of_an_h200_is_its_published_figure_unmeasured(fresh_rate, monkeypatch):
@@ -214,3 +214,9 @@ def test_measured_read_rate_is_the_fastest_grids_median(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 20, 80 << 30))
     R._measure_read_tbps(torch.device("cpu"))
     assert seen[-1] == (1 << 18) // (4 * R.READ_BLOCK) * (4 * R.READ_BLOCK)
+
+
+def test_too_little_free_memory_to_measure_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1000, 80 << 30))
+    with pytest.raises(RuntimeError, match="too little free memory.*HYBRIDGEMM_READ_TBPS"):
+        R._measure_read_tbps(torch.device("cpu"))
