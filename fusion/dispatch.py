@@ -15,6 +15,7 @@ launches of their own (fusion/eager_fast.py).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,10 @@ from .diagnostics import warn_once
 from .norm import forms_factor, prologue_norm, prologue_operand
 
 CACHE_SIZE = 1024
+# An FP8 weight's fused pieces (Q/K/V, gate/up) keep the RMSNorm in split-K's prologue unless
+# this is set (read at import): then the norm runs apart, one launch before the GEMM, as for a
+# bf16 weight whose config the prologue does not fit. scripts/fp8_prologue_probe.py times both.
+FP8_NORM_APART = os.environ.get("HYBRIDGEMM_FP8_NORM_APART", "0") == "1"
 WHO = "hybridgemm.linear"  # the name errors give: hybridgemm.linear is what callers call
 
 
@@ -395,9 +400,10 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     fusion, the table holds a split-K candidate tied with its winner: :func:`fusable_splitk_config`);
     the norm in a launch of its own before it (``norm.prologue_norm``: one Triton launch, Llama's
     formula or Gemma's / OLMo 2's fp32 factor) where its config is not one the prologue fits
-    (``triton_splitk.prologue_fits``); not for an FP8 weight, whose path keeps the prologue, nor
-    with ``keep_prologue`` (eager decode: host-bound, where the launch apart costs host time and
-    the prologue's GPU time hides behind it);
+    (``triton_splitk.prologue_fits``); for an FP8 weight only with ``HYBRIDGEMM_FP8_NORM_APART=1``
+    (:data:`FP8_NORM_APART`), else its path keeps the prologue; never with ``keep_prologue``
+    (eager decode: host-bound, where the launch apart costs host time and the prologue's GPU time
+    hides behind it);
     None where it is not, or where the kernel refuses the fusion (warned once per shape, as a refused
     table entry is): the caller then computes it unfused. ``counters``: zeroed int32 arrival
     counters for the fused reduction, used by one launch at a time. ``weight_scale``: ``weight``
@@ -435,7 +441,9 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if norm is not None:
         g, eps, offset = (*norm, None)[:3]
         apart = False
-        if weight_scale is None and not keep_prologue:
+        if weight_scale is not None and not keep_prologue:
+            apart = FP8_NORM_APART
+        elif not keep_prologue:
             splitk = triton_module("triton_splitk")
             try:
                 launched = config if rope is None else splitk.rope_config(config, rope, x2, w2)

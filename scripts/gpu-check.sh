@@ -19,8 +19,8 @@
 #                   pair-major forms against grouped), the compiled decode of qwen3-30b-a3b (12
 #                   layers) and llama3-8b (32) in FP8 with the LM head too, beside stock bf16; each
 #                   step under `timeout` (FP8MOE_TIMEOUT s, default 420), results in $OUT
-#         optin     the opt-in kernels (HYBRIDGEMM_PDL_PREFETCH, HYBRIDGEMM_FUSED_ROUTER) against their
-#                   default and the FP8 gate/up GLU epilogue: their GPU tests, then compiled decode of
+#         optin     the opt-in kernels (HYBRIDGEMM_PDL_PREFETCH, HYBRIDGEMM_FUSED_ROUTER, HYBRIDGEMM_FP8_NORM_APART)
+#                   against their default and the FP8 gate/up GLU epilogue: their GPU tests, then compiled decode of
 #                   llama3-8b (FP8), qwen3-30b-a3b (12 layers), pythia-6.9b and qwen3-8b beside stock, one process
 #                   per variant, and the kernels by grid of the FP8 llama3-8b step (llama_fp8_profile) and of
 #                   the qwen3-30b-a3b step with the router apart and fused (qwen3_r0_profile, qwen3_r1_profile)
@@ -208,6 +208,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       pythia="--model pythia-6.9b --batch 1"
       cases=(
         "llama_fp8_pf0|HYBRIDGEMM_PDL_PREFETCH=0|$llama" "llama_fp8_pf1|HYBRIDGEMM_PDL_PREFETCH=1|$llama"
+        "llama_fp8_na1|HYBRIDGEMM_FP8_NORM_APART=1|$llama"
         "qwen3_r0|HYBRIDGEMM_FUSED_ROUTER=0|$qwen" "qwen3_r1|HYBRIDGEMM_FUSED_ROUTER=1|$qwen"
         "qwen3_r1_pf1|HYBRIDGEMM_FUSED_ROUTER=1 HYBRIDGEMM_PDL_PREFETCH=1|$qwen"
         "pythia_pf0|HYBRIDGEMM_PDL_PREFETCH=0|$pythia" "pythia_pf1|HYBRIDGEMM_PDL_PREFETCH=1|$pythia"

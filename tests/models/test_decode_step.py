@@ -373,6 +373,33 @@ def test_either_norm_formula_is_taken_out_of_the_prologue(factor, kernels_on_cpu
         assert err <= 2 * base + 2e-3, (err, base)
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=["prologue", "apart"])
+def test_an_fp8_weight_takes_the_norm_apart_only_where_asked(apart, kernels_on_cpu, monkeypatch):
+    """An e4m3 Q/K/V or gate/up keeps the norm in split-K's prologue whatever the config (the
+    prologue rule is for bf16 weights); with HYBRIDGEMM_FP8_NORM_APART the norm runs in a launch
+    of its own first, never with ``keep_prologue`` (eager decode). Both as close to the GEMM of
+    the dequantized weight over the normalised x as the piece's rounding allows."""
+    from hybridgemm.kernels.fp8 import quantize_fp8
+    from hybridgemm.norm import prologue_norm
+
+    monkeypatch.setattr(dispatch, "FP8_NORM_APART", apart)
+    kernels_on_cpu.update(prologue=False, config=triton_splitk.TritonSplitKConfig(4, 32, 128, split_k=1,
+                                                                                    num_warps=4, num_stages=2))
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 256, generator=g).half()
+    q = quantize_fp8((torch.randn(80, 256, generator=g) / 12).half(), "channel")
+    nw = (torch.rand(256, generator=g) + 0.5).half()
+    got = dispatch.fused_splitk(x, q.data, None, weight_scale=q.scale, norm=(nw, 1e-6))
+    assert kernels_on_cpu["norm"] == (0 if apart else 1)
+    kept = dispatch.fused_splitk(x, q.data, None, weight_scale=q.scale, keep_prologue=True, norm=(nw, 1e-6))
+    assert kernels_on_cpu["norm"] == (1 if apart else 2)
+    w = q.dequantize(torch.float32)
+    ref = prologue_norm(x.float(), nw.float(), 1e-6) @ w.T
+    base = (prologue_norm(x, nw, 1e-6).float() @ w.T - ref).abs().max()
+    for y in (got, kept):
+        assert (y.float() - ref).abs().max() <= 2 * base + 2e-3
+
+
 @pytest.mark.parametrize("prologue", [False, True], ids=["apart", "prologue"])
 def test_a_traced_fp32_factor_operand_computes_what_the_kept_factor_does(prologue, kernels_on_cpu):
     """Under torch.compile a Gemma norm's operand is its weight and offset 1 (norm.norm_operand),
