@@ -122,6 +122,7 @@ from hybridgemm.perf import e2e_models as hf
 from hybridgemm.perf import e2e_weights as ew
 from hybridgemm.perf.bench_msweep import git_commit, gpu_label
 from hybridgemm.perf.plots_models import plot_e2e
+from hybridgemm.perf.read_ceiling import hbm_floor_ms, read_rate_note
 from hybridgemm.perf.timing import elapsed_ms
 from hybridgemm.perf.weight_formats import (
     add_weight_options,
@@ -202,18 +203,6 @@ class Result:
     @property
     def errors(self) -> list[dict]:
         return [r for r in self.rows if r["status"] != "ok"]
-
-
-def hbm_floor_ms(weight_bytes: int, tbps: float | None = None, device=None) -> float:
-    """Milliseconds to read ``weight_bytes`` once at ``tbps`` TB/s (default: ``device``'s read
-    rate, perf/read_ceiling.device_read_tbps; the current CUDA device's without one)."""
-    return weight_bytes / ((read_ceiling.device_read_tbps(device)[0] if tbps is None else tbps) * 1e12) * 1e3
-
-
-def read_rate_note(device=None) -> str:
-    """The rate the HBM floors on ``device`` divide by, and what it is, for a log line."""
-    tbps, what = read_ceiling.device_read_tbps(device)
-    return f"{tbps:.2f} TB/s ({what})"
 
 
 class Clock:

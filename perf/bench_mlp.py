@@ -61,6 +61,7 @@ def measure(model: str, ms, replays: int = 7) -> list[dict]:
     ops = {"gate_up": (2 * p.intermediate, p.hidden), "down": (p.hidden, p.intermediate),
            "lm_head": (p.vocab, p.hidden)}
     rows = []
+    tbps = read_ceiling.device_read_tbps()[0]
     for op, (n, k) in ops.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         copies = rotation_copies(w.numel() * w.element_size())
@@ -75,8 +76,7 @@ def measure(model: str, ms, replays: int = 7) -> list[dict]:
             for v, t in zip(names, times):
                 gbps = w.numel() * w.element_size() / (t.median_us * 1e3)
                 rows.append(dict(model=model, op=op, m=m, n=n, k=k, variant=v, us=t.median_us, spread_us=t.spread_us,
-                                 weight_gbps=gbps, fraction_of_hbm=gbps / (read_ceiling.device_read_tbps()[0] * 1e3),
-                                 read_tbps=read_ceiling.device_read_tbps()[0],
+                                 weight_gbps=gbps, fraction_of_hbm=gbps / (tbps * 1e3), read_tbps=tbps,
                                  speedup=stock_us / t.median_us))
             del xs
         del ws, w

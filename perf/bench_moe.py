@@ -135,7 +135,7 @@ def floor_us(hit: int, experts_count: int, weights, device=None) -> float:
     """The time the bytes of ``hit`` of the experts' weights (tensors or stacked FP8Weights: data
     and scales) take at ``device``'s read rate (perf/read_ceiling.device_read_tbps)."""
     nbytes = sum(w.nbytes if isinstance(w, fp8.FP8Weight) else w.numel() * w.element_size() for w in weights)
-    return hit / experts_count * nbytes / (read_ceiling.device_read_tbps(device)[0] * 1e12) * 1e6
+    return read_ceiling.hbm_floor_ms(hit / experts_count * nbytes, device=device) * 1e3
 
 
 def main(argv=None) -> int:

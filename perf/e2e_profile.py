@@ -43,8 +43,9 @@ import torch
 import hybridgemm
 from hybridgemm.perf import csvio
 from hybridgemm.perf import e2e_models as hf
-from hybridgemm.perf.bench_e2e import WARMUP, Run, decoder, hbm_floor_ms, positive_int, read_rate_note, step_bytes
+from hybridgemm.perf.bench_e2e import WARMUP, Run, decoder, positive_int, step_bytes
 from hybridgemm.perf.bench_msweep import git_commit
+from hybridgemm.perf.read_ceiling import hbm_floor_ms, read_rate_note
 from hybridgemm.perf.weight_formats import add_weight_options, resolve_weight_options, weight_options_problem
 
 MODES = ("compiled_static", "eager_static")

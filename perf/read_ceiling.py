@@ -179,3 +179,15 @@ def _measure_read_tbps(device: torch.device) -> float:
         del calls
         torch.cuda.empty_cache()  # the buffer's memory back to the device, not kept by the allocator
     return nbytes / (best_ms * 1e-3) / 1e12
+
+
+def hbm_floor_ms(nbytes: int, tbps: float | None = None, device=None) -> float:
+    """Milliseconds to read ``nbytes`` once at ``tbps`` TB/s (default: ``device``'s read rate,
+    :func:`device_read_tbps`; the current CUDA device's without one): the benches' HBM floor."""
+    return nbytes / ((device_read_tbps(device)[0] if tbps is None else tbps) * 1e12) * 1e3
+
+
+def read_rate_note(device=None) -> str:
+    """The rate the HBM floors on ``device`` divide by, and what it is, for a log line."""
+    tbps, what = device_read_tbps(device)
+    return f"{tbps:.2f} TB/s ({what})"
