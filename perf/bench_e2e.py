@@ -807,8 +807,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def command_line(args) -> str:
     """The run as one canonical command line (stored in every row)."""
     parts = ["hybridgemm", "bench", "--e2e", "--model", args.model, "--layers", str(args.layers),
-             "--batch", *map(str, args.batch), "--prefill", str(args.prefill), "--tokens", str(args.tokens),
-             "--modes", *args.modes, "--rounds", str(args.rounds)]
+             "--batch", *map(str, args.batch)]
+    parts += ["--prefill", str(args.prefill)] if "prefill" in args.modes else []  # no other mode reads it
+    parts += ["--tokens", str(args.tokens), "--modes", *args.modes, "--rounds", str(args.rounds)]
     if args.weights == "fp8":
         parts += ["--weights", "fp8", "--granularity", args.granularity]
         parts += [f"--{name.replace('_', '-')}" for name in FP8_FLAGS if getattr(args, name)]

@@ -90,6 +90,16 @@ def test_fp8_options_parse_and_default():
     assert E.command_line(args).endswith("--weights fp8 --granularity channel --fp8-activations")
 
 
+def test_the_command_line_names_the_prompt_length_only_where_the_prefill_mode_ran():
+    args = E.parse_args(["--model", "llama3-8b"])
+    args.layers, args.batch, args.prefill, args.tokens, args.rounds = 2, (1,), 512, 4, 1
+    args.modes = ("compiled_static", "prefill")
+    assert " --prefill 512 " in E.command_line(args)
+    args.modes = ("compiled_static", "logits_error")
+    line = E.command_line(args)
+    assert "--prefill" not in line and line.endswith("--tokens 4 --modes compiled_static logits_error --rounds 1")
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--granularity", "block128"], "--granularity: only with --weights fp8"),
     (["--weights", "bf16", "--granularity", "channel"], "--granularity: only with --weights fp8"),
