@@ -26,13 +26,14 @@
 #                   the qwen3-30b-a3b step with the router apart and fused (qwen3_r0_profile, qwen3_r1_profile)
 #                   (OPTIN_CASES names a subset; OPTIN_TESTS=0 skips the tests; OPTIN_TIMEOUT s per step,
 #                   default 300)
-#         fp8mlp    FP8 table entries for llama3-8b's and qwen2.5-7b's MLP GEMMs and LM heads (M 1-64) into a
-#                   copy of the shipped table ($OUT/h200.json, kept where an earlier stage of the call wrote it),
-#                   then llama3-8b FP8 compiled decode on it
+#         fp8mlp    FP8 table entries for the MLP GEMMs and LM heads of FP8MLP_MODELS (default llama3-8b
+#                   qwen2.5-7b; M 1-64) into a copy of the shipped table ($OUT/h200.json, kept where an earlier
+#                   stage of the call wrote it), then llama3-8b FP8 compiled decode on it
 #                   (FP8MLP_TIMEOUT s per step, default 420)
-#         moetables the grouped MoE entries of qwen3-30b-a3b (bf16 retuned, FP8 per channel) into $OUT/h200.json
-#                   (as fp8mlp), then its 12-layer compiled decode (B = 1, 8) on it, bf16 and FP8, beside stock
-#                   (MOETABLES_TIMEOUT s per step, default 300)
+#         moetables the grouped MoE entries of qwen3-30b-a3b in MOETABLES_WEIGHTS (default "bf16 fp8": bf16
+#                   retuned, FP8 per channel; FP8 adds its attention GEMMs, router and LM head at M 1-16) into
+#                   $OUT/h200.json (as fp8mlp), then its 12-layer compiled decode (B = 1, 8) on it in each,
+#                   beside stock (MOETABLES_TIMEOUT s per step, default 300)
 #         msweep    perf/bench_msweep.py: dispatched vs F.linear at 128 M per preset shape
 #                   (table: $TABLE or $OUT/h200.json; MSWEEP_ARGS passed on)
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
@@ -246,8 +247,10 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       # llama3-8b's FP8 compiled decode on that table beside stock (B = 1 and 8)
       t=${FP8MLP_TIMEOUT:-420}
       fresh_table
-      log "autotune --mlp --weights fp8 llama3-8b qwen2.5-7b (M 1-64) -> $OUT/h200.json"
-      timeout "$t" $PY -m hybridgemm autotune --model llama3-8b --model qwen2.5-7b --mlp --weights fp8 \
+      models=${FP8MLP_MODELS:-llama3-8b qwen2.5-7b}
+      log "autotune --mlp --weights fp8 $models (M 1-64) -> $OUT/h200.json"
+      # shellcheck disable=SC2046
+      timeout "$t" $PY -m hybridgemm autotune $(printf -- '--model %s ' $models) --mlp --weights fp8 \
         --m 1 2 4 8 16 32 64 --out "$OUT/h200.json" --no-progress >"$OUT/autotune_fp8_mlp.txt" 2>&1 || status=1
       grep -E "tuned |compiled|M=1-1\||M=5-8\|" "$OUT/autotune_fp8_mlp.txt" | tee -a "$OUT/summary.txt"
       log "e2e llama3-8b FP8 (LM head too) on that table"
@@ -263,13 +266,21 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       # decode on it beside stock, bf16 and FP8 with the LM head (MOETABLES_TIMEOUT s per step, default 300)
       t=${MOETABLES_TIMEOUT:-300}
       fresh_table
-      log "autotune --moe qwen3-30b-a3b (bf16 --force, then --weights fp8) -> $OUT/h200.json"
-      timeout "$t" $PY -m hybridgemm autotune --moe qwen3-30b-a3b --force --out "$OUT/h200.json" --no-progress \
-        >"$OUT/autotune_moe_bf16.txt" 2>&1 || status=1
-      timeout "$t" $PY -m hybridgemm autotune --moe qwen3-30b-a3b --weights fp8 --out "$OUT/h200.json" --no-progress \
-        >"$OUT/autotune_moe_fp8.txt" 2>&1 || status=1
-      grep -h -E "^tuned|error|Error" "$OUT/autotune_moe_bf16.txt" "$OUT/autotune_moe_fp8.txt" | tee -a "$OUT/summary.txt"
-      for w in bf16 fp8; do
+      weights=${MOETABLES_WEIGHTS:-bf16 fp8}
+      log "autotune --moe qwen3-30b-a3b ($weights; bf16 with --force) -> $OUT/h200.json"
+      if [[ " $weights " == *" bf16 "* ]]; then
+        timeout "$t" $PY -m hybridgemm autotune --moe qwen3-30b-a3b --force --out "$OUT/h200.json" --no-progress \
+          >"$OUT/autotune_moe_bf16.txt" 2>&1 || status=1
+      fi
+      if [[ " $weights " == *" fp8 "* ]]; then
+        timeout "$t" $PY -m hybridgemm autotune --moe qwen3-30b-a3b --weights fp8 --out "$OUT/h200.json" --no-progress \
+          >"$OUT/autotune_moe_fp8.txt" 2>&1 || status=1
+        # the FP8 model's attention GEMMs, router and LM head at decode rows
+        timeout "$t" $PY -m hybridgemm autotune --model qwen3-30b-a3b --mlp --weights fp8 --m 1 2 4 8 16 \
+          --out "$OUT/h200.json" --no-progress >"$OUT/autotune_moe_fp8_attention.txt" 2>&1 || status=1
+      fi
+      grep -h -E "^tuned|error|Error" "$OUT"/autotune_moe_*.txt | tee -a "$OUT/summary.txt"
+      for w in $weights; do
         extra=""; [ "$w" = fp8 ] && extra="--weights fp8 --quantize-lm-head --no-peers"
         log "e2e qwen3-30b-a3b (12 layers) $w on that table"
         # shellcheck disable=SC2086
