@@ -28,8 +28,8 @@
 #                   default 300)
 #         fp8mlp    FP8 table entries for the MLP GEMMs and LM heads of FP8MLP_MODELS (default llama3-8b
 #                   qwen2.5-7b; M 1-64) into a copy of the shipped table ($OUT/h200.json, kept where an earlier
-#                   stage of the call wrote it), then llama3-8b FP8 compiled decode on it
-#                   (FP8MLP_TIMEOUT s per step, default 420)
+#                   stage of the call wrote it), then llama3-8b FP8 compiled decode on it (FP8MLP_NORM_APART=1:
+#                   B = 1 again with HYBRIDGEMM_FP8_NORM_APART=1) (FP8MLP_TIMEOUT s per step, default 420)
 #         moetables the grouped MoE entries of qwen3-30b-a3b in MOETABLES_WEIGHTS (default "bf16 fp8": bf16
 #                   retuned, FP8 per channel; FP8 adds its attention GEMMs, router and LM head at M 1-16) into
 #                   $OUT/h200.json (as fp8mlp), then its 12-layer compiled decode (B = 1, 8) on it in each,
@@ -258,6 +258,14 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
         --batch 1 8 --tokens 32 --rounds 2 --modes compiled_static --weights fp8 --quantize-lm-head --no-peers \
         --no-progress --out "$OUT/e2e_fp8_mlp_tuned.csv" >"$OUT/bench_e2e_fp8_mlp_tuned.txt" 2>&1 || status=1
       tail -n 8 "$OUT/bench_e2e_fp8_mlp_tuned.txt" | tee -a "$OUT/summary.txt"
+      if [ "${FP8MLP_NORM_APART:-0}" = 1 ]; then  # the same decode, B = 1, with the RMSNorm apart from the FP8 GEMMs
+        log "e2e llama3-8b FP8 on that table, HYBRIDGEMM_FP8_NORM_APART=1"
+        HYBRIDGEMM_FP8_NORM_APART=1 HYBRIDGEMM_TABLE="$OUT/h200.json" timeout "$t" $PY -m hybridgemm bench --e2e \
+          --model llama3-8b --layers 32 --batch 1 --tokens 32 --rounds 2 --modes compiled_static --weights fp8 \
+          --quantize-lm-head --no-peers --no-progress --out "$OUT/e2e_fp8_mlp_tuned_na1.csv" \
+          >"$OUT/bench_e2e_fp8_mlp_tuned_na1.txt" 2>&1 || status=1
+        tail -n 6 "$OUT/bench_e2e_fp8_mlp_tuned_na1.txt" | tee -a "$OUT/summary.txt"
+      fi
       ;;
     moetables)
       # The grouped MoE kernels' entries of qwen3-30b-a3b's experts, bf16 (retuned: --force, so the
