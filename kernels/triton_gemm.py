@@ -55,7 +55,7 @@ from .triton_config import (
 from .triton_epilogue import tl_activation
 from .triton_launch import Launcher
 from .triton_plan import PlanCache, TritonPlan, plan_meta, plan_problem, split_extent
-from .triton_scratch import plan_scratch, tl_split_fixup
+from .triton_scratch import fixup_group, plan_scratch, tl_split_fixup
 
 KIND = "triton_gemm"
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread beyond which the kernel spills
@@ -287,7 +287,7 @@ def _gemm_tile(tile, x_src, w_src, out_src, bias_ptr, ws_ptr, cnt_ptr, M, N, K, 
                k_per_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                GROUP_M: tl.constexpr, USE_TMA: tl.constexpr, SUBTILE: tl.constexpr,
                HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
-               EVEN_K: tl.constexpr, SPLIT: tl.constexpr):
+               EVEN_K: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr):
     pid_m, pid_n = _tile_coords(tile, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     off_m = pid_m * BM
     off_n = pid_n * BN
@@ -329,7 +329,7 @@ def _gemm_tile(tile, x_src, w_src, out_src, bias_ptr, ws_ptr, cnt_ptr, M, N, K, 
         offs_n = off_n + tl.arange(0, BN)
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         acc, last = tl_split_fixup(acc, ws_ptr, offs_m[:, None] * N + offs_n[None, :], mask,
-                                   M * N, cnt_ptr + tile, pid_s, tl.num_programs(1))
+                                   M * N, cnt_ptr + tile, pid_s, tl.num_programs(1), FIXUP)
         if last:
             _finish_tile(acc, out_src, bias_ptr, off_m, off_n, M, N, ldo, BM, BN, SUBTILE,
                          HAS_BIAS, ACT, USE_TMA)
@@ -343,7 +343,7 @@ def _gemm_kernel(x_src, w_src, out_src, bias_ptr, ws_ptr, cnt_ptr, M, N, K, ldx,
                  num_progs, k_per_split, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, USE_TMA: tl.constexpr,
                  SUBTILE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-                 PREC: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr):
+                 PREC: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, FIXUP: tl.constexpr):
     # x_src/w_src/out_src are pointers, or TMA descriptors when USE_TMA. ws_ptr/cnt_ptr are
     # the split-K workspace and arrival counters (placeholders unless SPLIT).
     if PERSISTENT:
@@ -351,11 +351,11 @@ def _gemm_kernel(x_src, w_src, out_src, bias_ptr, ws_ptr, cnt_ptr, M, N, K, ldx,
         for tile in tl.range(tl.program_id(0), num_tiles, num_progs, flatten=True):
             _gemm_tile(tile, x_src, w_src, out_src, bias_ptr, ws_ptr, cnt_ptr, M, N, K, ldx, ldw,
                        ldo, k_per_split, BM, BN, BK, GROUP_M, USE_TMA, SUBTILE, HAS_BIAS, ACT,
-                       PREC, EVEN_K, False)
+                       PREC, EVEN_K, False, FIXUP)
     else:
         _gemm_tile(tl.program_id(0), x_src, w_src, out_src, bias_ptr, ws_ptr, cnt_ptr, M, N, K,
                    ldx, ldw, ldo, k_per_split, BM, BN, BK, GROUP_M, USE_TMA, SUBTILE, HAS_BIAS,
-                   ACT, PREC, EVEN_K, SPLIT)
+                   ACT, PREC, EVEN_K, SPLIT, FIXUP)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -393,7 +393,7 @@ def _make_plan(config, x, weight, bias, out, act, tf32) -> TritonPlan:
             TensorDescriptor(t, shape, strides, block)  # Triton's own checks, once per plan
     meta = dict(plan_meta(config, problem, act, bias is not None), GROUP_M=config.group_m,
                 PERSISTENT=config.persistent, USE_TMA=config.use_tma, SUBTILE=config.epilogue_subtile,
-                SPLIT=split > 1)
+                SPLIT=split > 1, FIXUP=fixup_group(config.block_m, config.block_n, config.num_warps))
     scalars = (m, n, k, problem.ldx, problem.ldw, problem.ldo, progs, split_extent(k, config.block_k, split))
     grid = (progs, split) if split > 1 else (progs,)
     return TritonPlan(x.device, Launcher(_gemm_kernel, grid, meta), scalars,

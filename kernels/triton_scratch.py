@@ -146,32 +146,64 @@ def tl_last_arrival(cnt_ptr, arrivals):
     return last
 
 
+# Partials loaded ahead of their adds: up to this many fp32 registers a thread (the loads of a
+# group are issued together, so a merge of S parts waits for about S / group L2 round trips
+# instead of S - 1; more in flight would spill beside the accumulator).
+FIXUP_REGS = 64
+MAX_FIXUP_GROUP = 8
+TL_MAX_FIXUP_GROUP = tl.constexpr(MAX_FIXUP_GROUP)  # the same, for kernels whose parts are small
+
+
+def fixup_group(block_m: int, block_n: int, num_warps: int) -> int:
+    """How many partials of a ``block_m x block_n`` fp32 tile over ``num_warps`` warps a merge
+    loads before adding them (:func:`tl_sum_parts`' GROUP): 1 to :data:`MAX_FIXUP_GROUP`."""
+    per_thread = max(1, block_m * block_n // (32 * num_warps))
+    return max(1, min(MAX_FIXUP_GROUP, FIXUP_REGS // per_thread))
+
+
 @triton.jit
-def tl_split_fixup(acc, ws_ptr, offs, mask, split_stride, cnt_ptr, pid_s, split_k):
+def tl_sum_parts(zeros, part_ptrs, part_stride, mask, count, GROUP: tl.constexpr):
+    """The sum of parts ``0 .. count - 1`` at ``part_ptrs + s * part_stride`` (``zeros``: fp32
+    zeros of their shape), added one at a time in index order: part 0, then + part 1, and so on
+    (the bits do not depend on GROUP or on any timing). The loads of GROUP consecutive parts are
+    issued before their adds, so the sum waits for about count / GROUP L2 round trips, not count
+    (nothing else goes between them: a part taken from registers would need its layout converted
+    through shared memory, a barrier that the next loads would not cross). A part past ``count``
+    adds nothing. Loads bypass L1 (``.cg``): the parts were written by other programs."""
+    total = zeros
+    for s0 in range(0, count, GROUP):
+        for j in tl.static_range(GROUP):
+            s = s0 + j
+            # where(c, mask, False), not mask & c: same PTX; Triton 3.9's interpreter rejects mask & c as an int32 mask
+            part = tl.load(part_ptrs + s * part_stride, mask=tl.where(s < count, mask, False), other=0.0,
+                           cache_modifier=".cg")
+            # part 0 as it is (0.0 + -0.0 would be +0.0)
+            total = tl.where(s < count, tl.where(s == 0, part, total + part), total)
+    return total
+
+
+@triton.jit
+def tl_split_fixup(acc, ws_ptr, offs, mask, split_stride, cnt_ptr, pid_s, split_k, GROUP: tl.constexpr):
     """Single-pass deterministic split-K reduction of one output tile.
 
     Every split program stores its fp32 partial ``acc`` at ``ws_ptr + pid_s * split_stride +
     offs`` and arrives at the tile's counter (:func:`tl_last_arrival`). The last to arrive
-    returns ``(sum of the partials in split order 0..split_k-1, True)``; the others return
-    ``(acc, False)`` and must not store. Which program finishes the tile varies from run to
-    run, the sum and its order do not: bit-identical results.
+    returns ``(sum of the partials in split order 0..split_k-1, True)`` (:func:`tl_sum_parts`,
+    its own partial read back like the others: the barrier before its arrival orders its
+    threads' stores before their loads); the others return ``(acc, False)`` and must not store.
+    Which program finishes the tile varies from run to run, the sum and its order do not:
+    bit-identical results. Positions outside ``mask`` hold 0. GROUP: :func:`fixup_group`.
     """
     tl.store(ws_ptr + pid_s * split_stride + offs, acc, mask=mask)
     last = tl_last_arrival(cnt_ptr, split_k)
     total = acc
     if last:
-        # where(c, mask, False), not mask & c: same PTX; Triton 3.9's interpreter rejects mask & c as an int32 mask
-        first = tl.load(ws_ptr + offs, mask=tl.where(pid_s != 0, mask, False), other=0.0, cache_modifier=".cg")
-        total = tl.where(pid_s == 0, acc, first)
-        for s in range(1, split_k):  # fixed order; this program's own partial from registers
-            # where(), not &, for the same reason as above (scalar comparison in the load mask)
-            part = tl.load(ws_ptr + s * split_stride + offs, mask=tl.where(s != pid_s, mask, False),
-                           other=0.0, cache_modifier=".cg")
-            total += tl.where(s == pid_s, acc, part)
+        total = tl_sum_parts(tl.zeros_like(acc), ws_ptr + offs, split_stride, mask, split_k, GROUP)
     return total, last
 
 
 __all__ = [
-    "clear_workspaces", "counters_snapshot", "plan_scratch", "split_counters", "split_scratch", "tl_last_arrival",
-    "tl_split_fixup", "workspace", "workspace_bytes",
+    "FIXUP_REGS", "MAX_FIXUP_GROUP", "TL_MAX_FIXUP_GROUP", "clear_workspaces", "counters_snapshot", "fixup_group",
+    "plan_scratch", "split_counters", "split_scratch", "tl_last_arrival", "tl_split_fixup", "tl_sum_parts",
+    "workspace", "workspace_bytes",
 ]

@@ -66,7 +66,16 @@ from .triton_plan import (
 from .triton_prefetch import prefetch_elements, tl_prefetch_rows
 from .triton_rope import RopeLayout, RotaryCache, rope_layout, tl_rope_columns, tl_rope_epilogue
 from .triton_router import MAX_TOP_K, tl_route_tile
-from .triton_scratch import clear_workspaces, plan_scratch, split_scratch, tl_split_fixup, workspace_bytes
+from .triton_scratch import (
+    TL_MAX_FIXUP_GROUP,
+    clear_workspaces,
+    fixup_group,
+    plan_scratch,
+    split_scratch,
+    tl_split_fixup,
+    tl_sum_parts,
+    workspace_bytes,
+)
 from .triton_splitk_configs import (  # (re-exported: the split-K backend's public names)
     _WSCALE,
     KIND,
@@ -102,7 +111,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                    QK_NORM: tl.constexpr, RES_SCALED: tl.constexpr, WSCALE: tl.constexpr,
                    WINT: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr, NW_OFFSET: tl.constexpr,
                    GLU: tl.constexpr, PREFETCH: tl.constexpr, ROUTE: tl.constexpr, ROUTE_KP: tl.constexpr,
-                   RENORMALIZE: tl.constexpr):
+                   RENORMALIZE: tl.constexpr, FIXUP: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -201,11 +210,9 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
             tile_ss = ss_ptr + tile * split_k * BM + tl.arange(0, BM)
             if NORM:  # stored before the fixup's barrier and release, like the partial
                 tl.store(tile_ss + pid_s * BM, ss)
-            acc, last = tl_split_fixup(acc, ws_ptr, ws_offs, mask, M * N, cnt_ptr + tile, pid_s, split_k)
-            if NORM and last:
-                ss = tl.load(tile_ss, cache_modifier=".cg")
-                for s in range(1, split_k):  # split order, as the partials
-                    ss += tl.load(tile_ss + s * BM, cache_modifier=".cg")
+            acc, last = tl_split_fixup(acc, ws_ptr, ws_offs, mask, M * N, cnt_ptr + tile, pid_s, split_k, FIXUP)
+            if NORM and last:  # split order, as the partials
+                ss = tl_sum_parts(tl.zeros_like(ss), tile_ss, BM, tl.arange(0, BM) < BM, split_k, TL_MAX_FIXUP_GROUP)
         if last:
             if NORM:
                 acc = acc * tl_rstd(ss, inv_k, eps)[None, :]
@@ -249,14 +256,12 @@ def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, res_ptr, M, N, ldo, ldr, res_scale
     m = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    acc = tl.load(ws_ptr + m * N + offs, mask=ok, other=0.0)
-    for s in range(1, split_k):  # fixed order: the result never depends on timing
-        acc += tl.load(ws_ptr + (s * M + m) * N + offs, mask=ok, other=0.0)
-    if NORM:  # the row's sum of squares, from the [S, M] sums after the partials
-        ss_ptr = ws_ptr + split_k * M * N + m
-        ss = tl.load(ss_ptr)
-        for s in range(1, split_k):
-            ss += tl.load(ss_ptr + s * M)
+    # fixed order: the result never depends on timing (a BLOCK of at most 1024 over 4 warps: 8 fp32
+    # registers a thread a part, MAX_FIXUP_GROUP parts loaded at a time)
+    zeros = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl_sum_parts(zeros, ws_ptr + m * N + offs, M * N, ok, split_k, TL_MAX_FIXUP_GROUP)
+    if NORM:  # the row's sum of squares, from the [S, M] sums after the partials (read by every lane)
+        ss = tl_sum_parts(zeros, ws_ptr + split_k * M * N + m + offs * 0, M, ok, split_k, TL_MAX_FIXUP_GROUP)
         acc = acc * tl_rstd(ss, inv_k, eps)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -382,7 +387,8 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
                                            config.block_k * config.num_stages),
                 ROUTE=fusion.route[0] if fusion.route else 0,
                 ROUTE_KP=next_pow2(fusion.route[0]) if fusion.route else 1,
-                RENORMALIZE=bool(fusion.route and fusion.route[1]), **launch_opts)
+                RENORMALIZE=bool(fusion.route and fusion.route[1]),
+                FIXUP=fixup_group(config.block_m, config.block_n, config.num_warps), **launch_opts)
     # the integer groups (see "launch arguments")
     gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)
     split_ints = (extent,)
