@@ -10,6 +10,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +22,7 @@ from hybridgemm.kernels import triton_splitk as ts
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation, reference_linear
 from hybridgemm.kernels.problem import Problem
 from hybridgemm.kernels.triton_config import HOPPER_NUM_SMS
-from hybridgemm.kernels.triton_scratch import counters_snapshot
+from hybridgemm.kernels.triton_scratch import counters_snapshot, tl_sum_parts
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -357,3 +359,73 @@ def test_whole_head_tiles_keep_the_tuned_programs(head_dim, k, tuned, want_split
     assert cfg.supports(prob)[0], cfg.supports(prob)
     k_tiles = -(-k // cfg.block_k)
     assert (cfg.split_k - 1) * -(-k_tiles // cfg.split_k) < k_tiles  # the last split has K tiles too
+
+
+# ----------------------------------------------------------------------------- merging the splits
+
+
+@pytest.mark.parametrize("block_m, block_n, num_warps, group", [
+    (16, 16, 4, 8),    # 2 fp32 registers a thread a part: capped at MAX_FIXUP_GROUP
+    (16, 64, 4, 8),    # 8
+    (16, 128, 4, 4),   # 16 (Qwen3-30B-A3B's one-tile router)
+    (64, 64, 4, 2),    # 32
+    (64, 128, 4, 1),   # 64: one part at a time
+    (128, 256, 8, 1),  # 128 (a large GEMM tile)
+])
+def test_the_merge_group_keeps_loads_in_flight_within_the_register_budget(block_m, block_n, num_warps, group):
+    from hybridgemm.kernels import triton_scratch as scratch
+
+    assert scratch.fixup_group(block_m, block_n, num_warps) == group
+    per_thread = block_m * block_n // (32 * num_warps)
+    assert group == 1 or group * per_thread <= scratch.FIXUP_REGS
+
+
+@triton.jit
+def _sum_parts_kernel(parts_ptr, out_ptr, count, n, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    total = tl_sum_parts(tl.zeros([BLOCK], dtype=tl.float32), parts_ptr + offs, n, ok, count, GROUP)
+    tl.store(out_ptr + offs, total, mask=ok)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_the_parts_are_summed_in_index_order_whatever_the_group(group, device):
+    """tl_sum_parts against the same fp32 additions one by one in PyTorch (part 0, + part 1, ...),
+    bit for bit, signs of zero included, for counts below, at and past the group and not a
+    multiple of it. The data make the order show: 1e8-scale terms that cancel beside small ones
+    (another order rounds the small ones away), and a column of -0.0 parts (a sum started from
+    +0.0 would end +0.0)."""
+    g = torch.Generator().manual_seed(group)
+    n, block = 37, 64
+    for count in (1, 2, group, group + 1, 2 * group + 3, 11):
+        parts = torch.randn(count, n, generator=g) * torch.where(torch.rand(count, n, generator=g) < 0.3, 1e8, 1.0)
+        parts[:, 5] = -0.0
+        parts = parts.to(device)
+        want = parts[0].clone()
+        for s in range(1, count):
+            want = want + parts[s]
+        out = torch.full((block,), float("nan"), device=device)  # past n: must stay unwritten
+        _sum_parts_kernel[(1,)](parts, out, count, n, GROUP=group, BLOCK=block)
+        assert torch.equal(out[:n].view(torch.int32), want.view(torch.int32)), (group, count)
+        assert out[n:].isnan().all()
+        assert torch.signbit(out[5])  # -0.0 kept
+
+
+@pytest.mark.parametrize("block_n, split", [(64, 5), (64, 7), (32, 9), (16, 11)])
+def test_fused_reduce_bit_identical_to_two_launches_at_many_splits(block_n, split, device):
+    """Splits past one merge group (and not a multiple of it): the single-pass merge still
+    gives the two-launch bits, the norm's summed squares included."""
+    x, w, b = operands(3, 70, 16 * split * 2, torch.float32, device)
+    two = check(Cfg(16, block_n, 16, split, 4, 2), x, w, b, Activation.GELU_TANH)
+    one = check(Cfg(16, block_n, 16, split, 4, 2, fused_reduce=True), x, w, b, Activation.GELU_TANH)
+    assert torch.equal(one, two)
+    assert_counters_zero()
+    nw = torch.rand(x.shape[1], device=device) + 0.5
+    outs = []
+    for fused in (False, True):
+        out = torch.full((3, 70), float("nan"), device=device)
+        ts.run(Cfg(16, block_n, 16, split, 4, 2, fused_reduce=fused), x, w, b, out, None, norm=(nw, 1e-6))
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+    ref = F.linear(F.rms_norm(x.double(), (x.shape[1],), nw.double(), 1e-6), w.double(), b.double())
+    assert rel_err(outs[1], ref) < 1e-5
