@@ -393,7 +393,7 @@ def _make_plan(config, x, weight, bias, out, act, tf32) -> TritonPlan:
             TensorDescriptor(t, shape, strides, block)  # Triton's own checks, once per plan
     meta = dict(plan_meta(config, problem, act, bias is not None), GROUP_M=config.group_m,
                 PERSISTENT=config.persistent, USE_TMA=config.use_tma, SUBTILE=config.epilogue_subtile,
-                SPLIT=split > 1, FIXUP=fixup_group(config.block_m, config.block_n, config.num_warps))
+                SPLIT=split > 1, FIXUP=fixup_group(config.block_m, config.block_n, config.num_warps, split))
     scalars = (m, n, k, problem.ldx, problem.ldw, problem.ldo, progs, split_extent(k, config.block_k, split))
     grid = (progs, split) if split > 1 else (progs,)
     return TritonPlan(x.device, Launcher(_gemm_kernel, grid, meta), scalars,

@@ -151,14 +151,15 @@ def tl_last_arrival(cnt_ptr, arrivals):
 # instead of S - 1; more in flight would spill beside the accumulator).
 FIXUP_REGS = 64
 MAX_FIXUP_GROUP = 8
-TL_MAX_FIXUP_GROUP = tl.constexpr(MAX_FIXUP_GROUP)  # the same, for kernels whose parts are small
+TL_MAX_FIXUP_GROUP = tl.constexpr(MAX_FIXUP_GROUP)  # the group of small parts (a row's sums of squares)
 
 
-def fixup_group(block_m: int, block_n: int, num_warps: int) -> int:
-    """How many partials of a ``block_m x block_n`` fp32 tile over ``num_warps`` warps a merge
-    loads before adding them (:func:`tl_sum_parts`' GROUP): 1 to :data:`MAX_FIXUP_GROUP`."""
+def fixup_group(block_m: int, block_n: int, num_warps: int, split: int) -> int:
+    """How many of ``split`` partials of a ``block_m x block_n`` fp32 tile over ``num_warps`` warps
+    a merge loads before adding them (:func:`tl_sum_parts`' GROUP): 1 to :data:`MAX_FIXUP_GROUP`,
+    no more than there are partials (a larger group only compiles loads that never run)."""
     per_thread = max(1, block_m * block_n // (32 * num_warps))
-    return max(1, min(MAX_FIXUP_GROUP, FIXUP_REGS // per_thread))
+    return max(1, min(MAX_FIXUP_GROUP, FIXUP_REGS // per_thread, split))
 
 
 @triton.jit

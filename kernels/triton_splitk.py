@@ -256,8 +256,8 @@ def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, res_ptr, M, N, ldo, ldr, res_scale
     m = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    # fixed order: the result never depends on timing (a BLOCK of at most 1024 over 4 warps: 8 fp32
-    # registers a thread a part, MAX_FIXUP_GROUP parts loaded at a time)
+    # fixed order: the result never depends on timing (the loads of up to MAX_FIXUP_GROUP parts go
+    # ahead of their adds as far as ptxas schedules them: about 2 for a BLOCK of 1024 on sm_90)
     zeros = tl.zeros([BLOCK], dtype=tl.float32)
     acc = tl_sum_parts(zeros, ws_ptr + m * N + offs, M * N, ok, split_k, TL_MAX_FIXUP_GROUP)
     if NORM:  # the row's sum of squares, from the [S, M] sums after the partials (read by every lane)
@@ -388,7 +388,7 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
                 ROUTE=fusion.route[0] if fusion.route else 0,
                 ROUTE_KP=next_pow2(fusion.route[0]) if fusion.route else 1,
                 RENORMALIZE=bool(fusion.route and fusion.route[1]),
-                FIXUP=fixup_group(config.block_m, config.block_n, config.num_warps), **launch_opts)
+                FIXUP=fixup_group(config.block_m, config.block_n, config.num_warps, split), **launch_opts)
     # the integer groups (see "launch arguments")
     gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)
     split_ints = (extent,)

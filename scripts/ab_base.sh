@@ -4,27 +4,38 @@
 #
 #   bash scripts/ab_base.sh NAME "COMMAND" PATH [PATH ...]
 #
-# COMMAND runs under bash with $AB_SIDE (base or tree) set; its output goes to
-# $OUT/ab_NAME_<side>.txt, the last lines to the terminal. The tree's files are restored
-# afterwards, whatever the command's status. The package must be installed editable (the
-# gpu-check install stage does), so the swapped files are what the command imports.
+# PATHs are files, relative to the repository root. COMMAND runs under bash in the repository
+# root with $AB_SIDE (base or tree) set; its output goes to $OUT/ab_NAME_<side>.txt after a
+# header line naming the side and commit, the last lines to the terminal. The tree's files are
+# restored afterwards, whatever the command's status (a kill -9 cannot be caught: the copies
+# are then in the folder the first line prints). The package must be installed editable (the
+# gpu-check install stage does), so the swapped files are what the command imports. Do not
+# edit the PATHs while it runs: the restore writes the copies taken at the start.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 3 ] || { echo "usage: bash scripts/ab_base.sh NAME \"COMMAND\" PATH [PATH ...]" >&2; exit 2; }
 name=$1; cmd=$2; shift 2
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-keep=$(mktemp -d)
+base=$(git rev-parse --short HEAD) || exit 2
 for p in "$@"; do
-  git cat-file -e "HEAD:$p" 2>/dev/null || { echo "ab_base: $p is not in HEAD ($(git rev-parse --short HEAD))" >&2; exit 2; }
-  mkdir -p "$keep/$(dirname "$p")" && cp -p "$p" "$keep/$p" || exit 2
+  [ "$(git cat-file -t "HEAD:$p" 2>/dev/null)" = blob ] && [ -f "$p" ] \
+    || { echo "ab_base: $p is not a file both in HEAD ($base) and in the tree" >&2; exit 2; }
 done
-restore() { for p in "$@"; do cp -p "$keep/$p" "$p"; done; }
+keep=$(mktemp -d)
+echo "ab_base: the tree's files are kept in $keep until the end"
+for p in "$@"; do mkdir -p "$keep/$(dirname "$p")" && cp -p "$p" "$keep/$p" || exit 2; done
+restore() { for p in "$@"; do cp -p "$keep/$p" "$p"; done && rm -rf "$keep"; }
 trap 'restore "$@"' EXIT
 status=0
 for side in base tree; do
-  if [ "$side" = base ]; then for p in "$@"; do git show "HEAD:$p" >"$p"; done; else restore "$@"; fi
-  echo "== ab $name $side ($(git rev-parse --short HEAD)$([ "$side" = tree ] && echo ' + tree')): $cmd"
-  AB_SIDE=$side bash -c "$cmd" >"$OUT/ab_${name}_$side.txt" 2>&1 || status=1
+  if [ "$side" = base ]; then
+    for p in "$@"; do git show "HEAD:$p" >"$p" || { echo "ab_base: could not write $p as at $base" >&2; exit 2; }; done
+  else
+    for p in "$@"; do cp -p "$keep/$p" "$p"; done
+  fi
+  header="== ab $name $side ($base$([ "$side" = tree ] && echo ' + tree')): $cmd"
+  echo "$header"; echo "$header" >"$OUT/ab_${name}_$side.txt"
+  AB_SIDE=$side bash -c "$cmd" >>"$OUT/ab_${name}_$side.txt" 2>&1 || status=1
   tail -n 8 "$OUT/ab_${name}_$side.txt"
 done
 exit $status

@@ -66,10 +66,11 @@ def control_varies() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("split_k", [4, 16])
+@pytest.mark.parametrize("split_k", [4, 11, 16])
 @pytest.mark.parametrize("m", [1, 5, 16])
 def test_fused_splitk_equals_two_pass_under_load(control_varies, dtype, split_k, m):
-    """Every one of REPEATS fused calls equals the two-launch reduction bit for bit."""
+    """Every one of REPEATS fused calls equals the two-launch reduction bit for bit (the merge
+    loads 4 (split 4) or 8 partials at a time: 11 ends on a part-filled group)."""
     n, k = 1064, 8192  # N not a multiple of the tile: a partial last tile
     x, w, b = make_operands(m, n, k, dtype, "cuda")
     bk = 256 // x.element_size() * 2
@@ -100,3 +101,26 @@ def test_tiled_splitk_repeats_bitwise_under_load(control_varies, m):
         assert torch.isfinite(outs).all(), cfg
         assert _distinct(outs) == 1, f"{cfg}: {_distinct(outs)} different results over {REPEATS} calls"
         assert_counters_zero()
+
+
+@pytest.mark.parametrize("split_k", [9, 11])
+def test_fused_splitk_with_the_norm_equals_two_pass_under_load(control_varies, split_k):
+    """The RMSNorm prologue's sums of squares are merged like the partials, in groups of 8 here:
+    past one group, the last part-filled, REPEATS fused calls under load give the two-launch
+    bits, and those are close to the fp64 result."""
+    m, n, k = 3, 1064, 512 * split_k  # two K tiles a split
+    x, w, b = make_operands(m, n, k, torch.bfloat16, "cuda")
+    nw = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    fused = ts.TritonSplitKConfig(16, 32, 256, split_k, 4, 3, fused_reduce=True)
+    two = ts.TritonSplitKConfig(16, 32, 256, split_k, 4, 3)
+    ref = torch.full((m, n), float("nan"), dtype=x.dtype, device="cuda")
+    ts.run(two, x, w, b, ref, None, norm=(nw, 1e-6))
+    outs = torch.full((REPEATS, m, n), float("nan"), dtype=x.dtype, device="cuda")
+    _under_load(REPEATS, lambda i: ts.run(fused, x, w, b, outs[i], None, norm=(nw, 1e-6)))
+    assert torch.isfinite(ref).all()
+    same = (outs == ref).flatten(1).all(dim=1)
+    assert bool(same.all()), f"{int((~same).sum())} of {REPEATS} fused calls differ from the two-pass bits"
+    assert_counters_zero()
+    exact = torch.nn.functional.linear(torch.nn.functional.rms_norm(x.double(), (k,), nw.double(), 1e-6),
+                                       w.double(), b.double())
+    assert float((ref.double() - exact).norm() / exact.norm()) < 1e-2
