@@ -28,12 +28,14 @@
 #                   default 300)
 #         fp8mlp    FP8 table entries for the MLP GEMMs and LM heads of FP8MLP_MODELS (default llama3-8b
 #                   qwen2.5-7b; M 1-64) into a copy of the shipped table ($OUT/h200.json, kept where an earlier
-#                   stage of the call wrote it), then llama3-8b FP8 compiled decode on it (FP8MLP_NORM_APART=1:
-#                   B = 1 again with HYBRIDGEMM_FP8_NORM_APART=1) (FP8MLP_TIMEOUT s per step, default 420)
+#                   stage of the call wrote it), then llama3-8b FP8 compiled decode on it, and first on the
+#                   table before the entries (FP8MLP_BASELINE=0 skips that; FP8MLP_NORM_APART=1: B = 1 again
+#                   with HYBRIDGEMM_FP8_NORM_APART=1) (FP8MLP_TIMEOUT s per step, default 420)
 #         moetables the grouped MoE entries of qwen3-30b-a3b in MOETABLES_WEIGHTS (default "bf16 fp8": bf16
 #                   retuned, FP8 per channel; FP8 adds its attention GEMMs, router and LM head at M 1-16) into
 #                   $OUT/h200.json (as fp8mlp), then its 12-layer compiled decode (B = 1, 8) on it in each,
-#                   beside stock (MOETABLES_TIMEOUT s per step, default 300)
+#                   beside stock, and first on the table before the entries (MOETABLES_BASELINE=0 skips
+#                   that) (MOETABLES_TIMEOUT s per step, default 300)
 #         msweep    perf/bench_msweep.py: dispatched vs F.linear at 128 M per preset shape
 #                   (table: $TABLE or $OUT/h200.json; MSWEEP_ARGS passed on)
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
@@ -248,15 +250,24 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       t=${FP8MLP_TIMEOUT:-420}
       fresh_table
       models=${FP8MLP_MODELS:-llama3-8b qwen2.5-7b}
+      llama_fp8="--model llama3-8b --layers 32 --batch 1 8 --tokens 32 --rounds 2 --modes compiled_static --weights fp8"
+      llama_fp8="$llama_fp8 --quantize-lm-head --no-peers --no-progress"
+      if [ "${FP8MLP_BASELINE:-1}" = 1 ]; then  # the same decode on the table before this stage's entries
+        log "e2e llama3-8b FP8 (LM head too) on the table before the entries"
+        # shellcheck disable=SC2086
+        HYBRIDGEMM_TABLE="$OUT/h200.json" timeout "$t" $PY -m hybridgemm bench --e2e $llama_fp8 \
+          --out "$OUT/e2e_fp8_mlp_before.csv" >"$OUT/bench_e2e_fp8_mlp_before.txt" 2>&1 || status=1
+        tail -n 8 "$OUT/bench_e2e_fp8_mlp_before.txt" | tee -a "$OUT/summary.txt"
+      fi
       log "autotune --mlp --weights fp8 $models (M 1-64) -> $OUT/h200.json"
       # shellcheck disable=SC2046
       timeout "$t" $PY -m hybridgemm autotune $(printf -- '--model %s ' $models) --mlp --weights fp8 \
         --m 1 2 4 8 16 32 64 --out "$OUT/h200.json" --no-progress >"$OUT/autotune_fp8_mlp.txt" 2>&1 || status=1
       grep -E "tuned |compiled|M=1-1\||M=5-8\|" "$OUT/autotune_fp8_mlp.txt" | tee -a "$OUT/summary.txt"
       log "e2e llama3-8b FP8 (LM head too) on that table"
-      HYBRIDGEMM_TABLE="$OUT/h200.json" timeout "$t" $PY -m hybridgemm bench --e2e --model llama3-8b --layers 32 \
-        --batch 1 8 --tokens 32 --rounds 2 --modes compiled_static --weights fp8 --quantize-lm-head --no-peers \
-        --no-progress --out "$OUT/e2e_fp8_mlp_tuned.csv" >"$OUT/bench_e2e_fp8_mlp_tuned.txt" 2>&1 || status=1
+      # shellcheck disable=SC2086
+      HYBRIDGEMM_TABLE="$OUT/h200.json" timeout "$t" $PY -m hybridgemm bench --e2e $llama_fp8 \
+        --out "$OUT/e2e_fp8_mlp_tuned.csv" >"$OUT/bench_e2e_fp8_mlp_tuned.txt" 2>&1 || status=1
       tail -n 8 "$OUT/bench_e2e_fp8_mlp_tuned.txt" | tee -a "$OUT/summary.txt"
       if [ "${FP8MLP_NORM_APART:-0}" = 1 ]; then  # the same decode, B = 1, with the RMSNorm apart from the FP8 GEMMs
         log "e2e llama3-8b FP8 on that table, HYBRIDGEMM_FP8_NORM_APART=1"
@@ -275,6 +286,16 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       t=${MOETABLES_TIMEOUT:-300}
       fresh_table
       weights=${MOETABLES_WEIGHTS:-bf16 fp8}
+      moe_e2e() {  # $1 weights, $2 name: the 12-layer decode beside stock on $OUT/h200.json as it is now
+        local extra=""; [ "$1" = fp8 ] && extra="--weights fp8 --quantize-lm-head --no-peers"
+        log "e2e qwen3-30b-a3b (12 layers) $1 on the table $2"
+        # shellcheck disable=SC2086
+        HYBRIDGEMM_TABLE="$OUT/h200.json" timeout "$t" $PY -m hybridgemm bench --e2e --model qwen3-30b-a3b --layers 12 \
+          --batch 1 8 --tokens 32 --rounds 2 --modes compiled_static $extra --no-progress \
+          --out "$OUT/e2e_moe_${2}_$1.csv" >"$OUT/bench_e2e_moe_${2}_$1.txt" 2>&1 || status=1
+        tail -n 8 "$OUT/bench_e2e_moe_${2}_$1.txt" | tee -a "$OUT/summary.txt"
+      }
+      if [ "${MOETABLES_BASELINE:-1}" = 1 ]; then for w in $weights; do moe_e2e "$w" before; done; fi
       log "autotune --moe qwen3-30b-a3b ($weights; bf16 with --force) -> $OUT/h200.json"
       if [[ " $weights " == *" bf16 "* ]]; then
         timeout "$t" $PY -m hybridgemm autotune --moe qwen3-30b-a3b --force --out "$OUT/h200.json" --no-progress \
@@ -288,15 +309,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
           --out "$OUT/h200.json" --no-progress >"$OUT/autotune_moe_fp8_attention.txt" 2>&1 || status=1
       fi
       grep -h -E "^tuned|error|Error" "$OUT"/autotune_moe_*.txt | tee -a "$OUT/summary.txt"
-      for w in $weights; do
-        extra=""; [ "$w" = fp8 ] && extra="--weights fp8 --quantize-lm-head --no-peers"
-        log "e2e qwen3-30b-a3b (12 layers) $w on that table"
-        # shellcheck disable=SC2086
-        HYBRIDGEMM_TABLE="$OUT/h200.json" timeout "$t" $PY -m hybridgemm bench --e2e --model qwen3-30b-a3b --layers 12 \
-          --batch 1 8 --tokens 32 --rounds 2 --modes compiled_static $extra --no-progress \
-          --out "$OUT/e2e_moe_tuned_$w.csv" >"$OUT/bench_e2e_moe_tuned_$w.txt" 2>&1 || status=1
-        tail -n 8 "$OUT/bench_e2e_moe_tuned_$w.txt" | tee -a "$OUT/summary.txt"
-      done
+      for w in $weights; do moe_e2e "$w" tuned; done
       ;;
     e2e)
       log "bench_e2e"
