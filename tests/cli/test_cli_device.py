@@ -295,7 +295,10 @@ def test_explain_device_from_the_real_shipped_table(capsys, monkeypatch):
     assert any(k.op == "linear_e4m3_channel" for k, _ in entries[::17])
     fp8_seen = set()
     for k, e in entries[::17]:
-        argv = ["--x", f"{k.m_hi},{k.k}", "--w", f"{k.n},{k.k}"] + ([] if k.epilogue == "bias" else ["--no-bias"])
+        parts = k.epilogue.split("+")  # none, bias, an activation, or bias+activation
+        acts = [p for p in parts if p not in ("none", "bias")]
+        argv = ["--x", f"{k.m_hi},{k.k}", "--w", f"{k.n},{k.k}"] + ([] if "bias" in parts else ["--no-bias"])
+        argv += ["--activation", *acts] if acts else []
         if k.op != "linear":  # an FP8 weight's key (op linear_e4m3_<granularity>), W8A8 asked for
             argv += ["--weights", "fp8", "--granularity", k.op.rpartition("_")[2], "--activations", "fp8"]
         out = device_explain(capsys, *argv, "--device", "h200")
