@@ -167,8 +167,8 @@ def tl_sum_parts(zeros, part_ptrs, part_stride, mask, count, GROUP: tl.constexpr
     """The sum of parts ``0 .. count - 1`` at ``part_ptrs + s * part_stride`` (``zeros``: fp32
     zeros of their shape), added one at a time in index order: part 0, then + part 1, and so on
     (the bits do not depend on GROUP or on any timing). The loads of GROUP consecutive parts are
-    issued before their adds, so the sum waits for about count / GROUP L2 round trips, not count
-    (nothing else goes between them: a part taken from registers would need its layout converted
+    issued before their adds, so the sum waits for about count / GROUP L2 round trips, not one a
+    part (nothing else goes between them: a part taken from registers would need its layout converted
     through shared memory, a barrier that the next loads would not cross). A part past ``count``
     adds nothing. Loads bypass L1 (``.cg``): the parts were written by other programs."""
     total = zeros

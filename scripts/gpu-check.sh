@@ -250,33 +250,26 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       t=${FP8MLP_TIMEOUT:-420}
       fresh_table
       models=${FP8MLP_MODELS:-llama3-8b qwen2.5-7b}
-      llama_fp8="--model llama3-8b --layers 32 --batch 1 8 --tokens 32 --rounds 2 --modes compiled_static --weights fp8"
-      llama_fp8="$llama_fp8 --quantize-lm-head --no-peers --no-progress"
-      if [ "${FP8MLP_BASELINE:-1}" = 1 ]; then  # the same decode on the table before this stage's entries
-        log "e2e llama3-8b FP8 (LM head too) on the table before the entries"
+      fp8_e2e() {  # $1 name, $2 batch sizes, then VAR=value settings: llama3-8b's FP8 decode on $OUT/h200.json now
+        local name=$1 batches=$2; shift 2
+        log "e2e llama3-8b FP8 (LM head too), B = $batches, on the table $name${*:+, $*}"
         # shellcheck disable=SC2086
-        HYBRIDGEMM_TABLE="$OUT/h200.json" timeout "$t" $PY -m hybridgemm bench --e2e $llama_fp8 \
-          --out "$OUT/e2e_fp8_mlp_before.csv" >"$OUT/bench_e2e_fp8_mlp_before.txt" 2>&1 || status=1
-        tail -n 8 "$OUT/bench_e2e_fp8_mlp_before.txt" | tee -a "$OUT/summary.txt"
-      fi
+        env "$@" HYBRIDGEMM_TABLE="$OUT/h200.json" timeout "$t" $PY -m hybridgemm bench --e2e --model llama3-8b \
+          --layers 32 --batch $batches --tokens 32 --rounds 2 --modes compiled_static --weights fp8 --quantize-lm-head \
+          --no-peers --no-progress --out "$OUT/e2e_fp8_mlp_$name.csv" >"$OUT/bench_e2e_fp8_mlp_$name.txt" 2>&1 \
+          || status=1
+        tail -n 8 "$OUT/bench_e2e_fp8_mlp_$name.txt" | tee -a "$OUT/summary.txt"
+      }
+      # the same decode on the table before this stage's entries
+      if [ "${FP8MLP_BASELINE:-1}" = 1 ]; then fp8_e2e before "1 8"; fi
       log "autotune --mlp --weights fp8 $models (M 1-64) -> $OUT/h200.json"
       # shellcheck disable=SC2046
       timeout "$t" $PY -m hybridgemm autotune $(printf -- '--model %s ' $models) --mlp --weights fp8 \
         --m 1 2 4 8 16 32 64 --out "$OUT/h200.json" --no-progress >"$OUT/autotune_fp8_mlp.txt" 2>&1 || status=1
       grep -E "tuned |compiled|M=1-1\||M=5-8\|" "$OUT/autotune_fp8_mlp.txt" | tee -a "$OUT/summary.txt"
-      log "e2e llama3-8b FP8 (LM head too) on that table"
-      # shellcheck disable=SC2086
-      HYBRIDGEMM_TABLE="$OUT/h200.json" timeout "$t" $PY -m hybridgemm bench --e2e $llama_fp8 \
-        --out "$OUT/e2e_fp8_mlp_tuned.csv" >"$OUT/bench_e2e_fp8_mlp_tuned.txt" 2>&1 || status=1
-      tail -n 8 "$OUT/bench_e2e_fp8_mlp_tuned.txt" | tee -a "$OUT/summary.txt"
-      if [ "${FP8MLP_NORM_APART:-0}" = 1 ]; then  # the same decode, B = 1, with the RMSNorm apart from the FP8 GEMMs
-        log "e2e llama3-8b FP8 on that table, HYBRIDGEMM_FP8_NORM_APART=1"
-        HYBRIDGEMM_FP8_NORM_APART=1 HYBRIDGEMM_TABLE="$OUT/h200.json" timeout "$t" $PY -m hybridgemm bench --e2e \
-          --model llama3-8b --layers 32 --batch 1 --tokens 32 --rounds 2 --modes compiled_static --weights fp8 \
-          --quantize-lm-head --no-peers --no-progress --out "$OUT/e2e_fp8_mlp_tuned_na1.csv" \
-          >"$OUT/bench_e2e_fp8_mlp_tuned_na1.txt" 2>&1 || status=1
-        tail -n 6 "$OUT/bench_e2e_fp8_mlp_tuned_na1.txt" | tee -a "$OUT/summary.txt"
-      fi
+      fp8_e2e tuned "1 8"
+      # the same decode, B = 1, with the RMSNorm apart from the FP8 GEMMs
+      if [ "${FP8MLP_NORM_APART:-0}" = 1 ]; then fp8_e2e tuned_na1 1 HYBRIDGEMM_FP8_NORM_APART=1; fi
       ;;
     moetables)
       # The grouped MoE kernels' entries of qwen3-30b-a3b's experts, bf16 (retuned: --force, so the
