@@ -36,6 +36,7 @@ from hybridgemm.mlp import GLU_FUNCTIONS, activation_name
 
 from . import decide
 from .fp8_linear import runs_fp8_kernels
+from .norm import prologue_norm
 
 
 def route(router_logits: Tensor, top_k: int, renormalize: bool = True,
@@ -102,13 +103,19 @@ def fp8_kernels_run(x: Tensor) -> bool:
 
 
 def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str = "silu", *, top_k: int | None = None,
-        renormalize: bool = True, config=None) -> Tensor:
+        renormalize: bool = True, config=None, norm: tuple | None = None, residual: Tensor | None = None) -> Tensor:
     """The routed experts' output for ``x`` [T, H]: ``routing`` is ``(topk_ids, topk_weights)``
     ([T, k] each) or router logits [T, E] with ``top_k`` (and ``renormalize``, :func:`route`).
     ``config``: a kernels/triton_moe.py ``TritonMoeConfig`` for both launches, or a (gate/up,
     down) pair (default: :func:`decision_for`, the tuning table's choice); ``block_m`` 1 runs
     the pair-major kernels (no layout; decode), larger blocks the grouped ones. The weights may
-    be stacked ``FP8Weight``s (module docstring)."""
+    be stacked ``FP8Weight``s (module docstring).
+
+    A mixture-of-experts decoder layer's second half, ``residual + experts(rmsnorm(x))``:
+    ``norm`` = (weight [H], eps) of a Llama-style RMSNorm normalises x (in the pair-major
+    gate/up launch as it loads x, as the split-K kernels' norm prologue; elsewhere the norm
+    apart, :func:`hybridgemm.norm.prologue_norm`), and ``residual`` [T, H] is added to the
+    output as the layer's add does (in the last launch on the kernel path)."""
     if isinstance(routing, Tensor):
         if top_k is None:
             raise ValueError("moe: router logits need top_k")
@@ -116,22 +123,46 @@ def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str =
     else:
         topk_ids, topk_weights = routing
     _check(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
+    if residual is not None and (not isinstance(residual, Tensor) or residual.shape != x.shape
+                                 or residual.dtype != x.dtype or residual.device != x.device):
+        raise ValueError(f"moe: the residual must be a tensor of x's shape {tuple(x.shape)}, dtype and device")
+    if norm is not None:
+        _check_norm(norm, x)
     if not x.shape[0]:
-        return x.new_zeros(x.shape)
-    if not use_kernels(x):
-        return experts_loop(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
-    if weight_format(w_gate_up) and not fp8_kernels_run(x):
+        return x.new_zeros(x.shape) if residual is None else residual.clone()
+    kernels = use_kernels(x)
+    if weight_format(w_gate_up) and kernels and not fp8_kernels_run(x):
         w_gate_up, w_down = (dense_weight(w, x.dtype) for w in (w_gate_up, w_down))
-    if config is None:
+    decision = None
+    if kernels and config is None:
         decision = decision_for(x, topk_ids.shape[1], w_gate_up, activation)
-        if decision.backend == "torch":
-            return grouped_mm_moe(x, topk_ids, topk_weights, dense_weight(w_gate_up, x.dtype),
-                                  dense_weight(w_down, x.dtype), activation)
-        up, down = decision.configs
+        config = decision.configs
+    pair_major = kernels and config is not None and _block_m(config) == 1
+    if norm is not None and not pair_major:  # the norm apart where no launch takes it
+        x, norm = prologue_norm(x, norm[0], norm[1]), None
+    if not kernels:
+        out = experts_loop(x, topk_ids, topk_weights, w_gate_up, w_down, activation)
+    elif decision is not None and decision.backend == "torch":
+        out = grouped_mm_moe(x, topk_ids, topk_weights, dense_weight(w_gate_up, x.dtype),
+                             dense_weight(w_down, x.dtype), activation)
     else:
         up, down = config if isinstance(config, tuple) else (config, config)
-    return triton_module("triton_moe").forward(x.contiguous(), topk_ids, topk_weights, w_gate_up, w_down, activation,
-                                               up, down)
+        return triton_module("triton_moe").forward(x.contiguous(), topk_ids, topk_weights, w_gate_up, w_down,
+                                                   activation, up, down, norm,
+                                                   None if residual is None else residual.contiguous())
+    return out if residual is None else residual + out
+
+
+def _check_norm(norm, x: Tensor) -> None:
+    h = x.shape[1]
+    ok = isinstance(norm, tuple) and len(norm) == 2 and isinstance(norm[0], Tensor) and isinstance(norm[1], float)
+    if not ok or norm[0].shape != (h,) or norm[0].dtype not in (x.dtype, torch.float32) or norm[0].device != x.device:
+        raise ValueError(f"moe: norm must be (weight, eps), the norm weight a [{h}] vector of x's dtype or float32 on "
+                         f"x's device and eps a float")
+
+
+def _block_m(config) -> int:
+    return (config[0] if isinstance(config, tuple) else config).block_m
 
 
 @dataclass(frozen=True)
@@ -291,13 +322,21 @@ def _check(x, topk_ids, topk_weights, w_gate_up, w_down, activation) -> None:
 
 @torch.library.custom_op("hybridgemm::moe_fwd", mutates_args=())
 def moe_fwd(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
-            activation: str) -> Tensor:
-    return moe(x, (topk_ids, topk_weights), w_gate_up, w_down, activation)
+            activation: str, norm_weight: Tensor | None = None, eps: float = 0.0,
+            residual: Tensor | None = None) -> Tensor:
+    return moe(x, (topk_ids, topk_weights), w_gate_up, w_down, activation, norm=norm_of(norm_weight, eps),
+               residual=residual)
 
 
 @moe_fwd.register_fake
-def _moe_fwd_fake(x, topk_ids, topk_weights, w_gate_up, w_down, activation):
+def _moe_fwd_fake(x, topk_ids, topk_weights, w_gate_up, w_down, activation, norm_weight=None, eps=0.0,
+                  residual=None):
     return x.new_empty(x.shape)
+
+
+def norm_of(norm_weight: Tensor | None, eps: float) -> tuple | None:
+    """:func:`moe`'s ``norm`` from a custom op's two arguments."""
+    return None if norm_weight is None else (norm_weight, eps)
 
 
 def why_not_experts(mod) -> tuple[str | None, str | None]:
@@ -338,32 +377,48 @@ class HybridExperts(torch.nn.Module):
         """(w_gate_up, w_down) as :func:`moe` takes them for activations of ``dtype``."""
         return self.gate_up_proj, self.down_proj
 
-    def compiled_moe(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    def compiled_moe(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, norm_weight: Tensor | None = None,
+                     eps: float = 0.0, residual: Tensor | None = None) -> Tensor:
         """:func:`moe` as one custom op (what torch.compile traces)."""
         return torch.ops.hybridgemm.moe_fwd(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                                            self.glu_activation)
+                                            self.glu_activation, norm_weight, eps, residual)
 
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    def kernels_run(self, x: Tensor, top_k_weights: Tensor) -> bool:
+        """Do the MoE kernels run this call (CUDA, x of the weights' dtype, no gradient wanted)?
+        Else :meth:`forward` runs the PyTorch loop."""
         if getattr(self, "_is_expert_parallel", False):
             raise RuntimeError(f"hybridgemm: {type(self).__name__} was patched, then sharded over ranks (expert "
                                "parallelism), which its kernels do not run; unpatch it (hybridgemm.unpatch) first")
-        gu, down = self.expert_weights(hidden_states.dtype)
-        wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad
+        gu, down = self.expert_weights(x.dtype)
+        wants_grad = torch.is_grad_enabled() and (x.requires_grad or top_k_weights.requires_grad
                                                   or any(isinstance(w, Tensor) and w.requires_grad for w in (gu, down)))
-        kernels_take = (use_kernels(hidden_states) and hidden_states.dtype == gu.dtype == down.dtype
-                        and _data(gu).is_contiguous() and _data(down).is_contiguous())
-        if wants_grad or not kernels_take:
+        return not wants_grad and use_kernels(x) and x.dtype == gu.dtype == down.dtype \
+            and _data(gu).is_contiguous() and _data(down).is_contiguous()
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        if not self.kernels_run(hidden_states, top_k_weights):
+            gu, down = self.expert_weights(hidden_states.dtype)
             return experts_loop(hidden_states, top_k_index, top_k_weights, gu, down, self.glu_activation)
+        return self.add_to(None, hidden_states, top_k_index, top_k_weights)
+
+    def add_to(self, residual: Tensor | None, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+               norm: tuple | None = None) -> Tensor:
+        """``residual + experts(rmsnorm(x))`` by the kernels (:func:`moe`'s ``norm`` and
+        ``residual``; None: that part left out), where :meth:`kernels_run` holds."""
+        norm_weight, eps = norm if norm is not None else (None, 0.0)
         if torch.compiler.is_compiling():
-            return self.compiled_moe(hidden_states, top_k_index, top_k_weights)
+            return self.compiled_moe(x, top_k_index, top_k_weights, norm_weight, eps, residual)
         from triton.errors import TritonError
 
+        gu, down = self.expert_weights(x.dtype)
         try:
-            return moe(hidden_states, (top_k_index, top_k_weights), gu, down, self.glu_activation)
+            return moe(x, (top_k_index, top_k_weights), gu, down, self.glu_activation, norm=norm, residual=residual)
         except TritonError as e:  # not compiled for this GPU: nothing was launched
             warn_once(("moe", tuple(gu.shape), gu.dtype), f"hybridgemm: the grouped MoE kernels could not run for "
                       f"experts of {tuple(gu.shape)} ({e}); these experts run in PyTorch")
-        return experts_loop(hidden_states, top_k_index, top_k_weights, gu, down, self.glu_activation)
+        out = experts_loop(x if norm is None else prologue_norm(x, *norm), top_k_index, top_k_weights, gu, down,
+                           self.glu_activation)
+        return out if residual is None else residual + out
 
 
 def _data(w) -> Tensor:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from hybridgemm.kernels import fp8
 from hybridgemm.mlp import GLU_FUNCTIONS, activation_name
 
-from .experts import HybridExperts, moe
+from .experts import HybridExperts, moe, norm_of
 from .fp8_linear import keep_fp8_dtypes
 from .fp8_modules import data_error, refuse_bad_fp8, scales_error
 
@@ -58,10 +58,12 @@ class HybridFP8Experts(HybridExperts):
         return tuple(fp8.FP8Weight.from_tensors(self._parameters[p].detach(), _scale(self, p).detach(), compute,
                                                 check=False) for p in PROJECTIONS)
 
-    def compiled_moe(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    def compiled_moe(self, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, norm_weight: Tensor | None = None,
+                     eps: float = 0.0, residual: Tensor | None = None) -> Tensor:
         return torch.ops.hybridgemm.moe_fp8_fwd(x, top_k_index, top_k_weights, self.gate_up_proj.detach(),
                                                 _scale(self, "gate_up_proj").detach(), self.down_proj.detach(),
-                                                _scale(self, "down_proj").detach(), self.glu_activation)
+                                                _scale(self, "down_proj").detach(), self.glu_activation, norm_weight,
+                                                eps, residual)
 
     def _apply(self, fn, *args, **kwargs):
         # e4m3 data and fp32 scales follow fn's device, never its dtype (module docstring)
@@ -81,14 +83,16 @@ class HybridFP8Experts(HybridExperts):
 
 @torch.library.custom_op("hybridgemm::moe_fp8_fwd", mutates_args=())
 def moe_fp8_fwd(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, gate_up_scale: Tensor,
-                down: Tensor, down_scale: Tensor, activation: str) -> Tensor:
+                down: Tensor, down_scale: Tensor, activation: str, norm_weight: Tensor | None = None,
+                eps: float = 0.0, residual: Tensor | None = None) -> Tensor:
     weights = [fp8.FP8Weight.from_tensors(d, s, x.dtype, check=False)
                for d, s in ((gate_up, gate_up_scale), (down, down_scale))]
-    return moe(x, (topk_ids, topk_weights), *weights, activation)
+    return moe(x, (topk_ids, topk_weights), *weights, activation, norm=norm_of(norm_weight, eps), residual=residual)
 
 
 @moe_fp8_fwd.register_fake
-def _moe_fp8_fwd_fake(x, topk_ids, topk_weights, gate_up, gate_up_scale, down, down_scale, activation):
+def _moe_fp8_fwd_fake(x, topk_ids, topk_weights, gate_up, gate_up_scale, down, down_scale, activation,
+                      norm_weight=None, eps=0.0, residual=None):
     return x.new_empty(x.shape)
 
 

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .triton_e4m3 import tl_weight_values
+from .triton_epilogue import tl_add_residual
 from .triton_glu import ACTIVATIONS, tl_rounded_glu
 from .triton_launch import interpreting
 from .triton_moe_configs import (
@@ -56,7 +57,7 @@ from .triton_moe_configs import (
     rounds_product,
     wscale_args,
 )
-from .triton_moe_pairs import run_pairs
+from .triton_moe_pairs import check_residual, run_pairs
 
 
 @dataclass(frozen=True)
@@ -240,42 +241,55 @@ def _moe_kernel(x_ptr, w_ptr, sc_ptr, out_ptr, rows_ptr, expert_ptr, rw_ptr, S, 
 
 
 @triton.jit
-def _moe_sum_slots_kernel(src_ptr, out_ptr, H, TOP_K: tl.constexpr, BH: tl.constexpr):
+def _moe_sum_slots_kernel(src_ptr, out_ptr, res_ptr, H, ldr, TOP_K: tl.constexpr, BH: tl.constexpr,
+                          RESIDUAL: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
     ok = offs < H
     total = tl.zeros((BH,), dtype=tl.float32)
     for slot in tl.static_range(TOP_K):  # slot order
         total += tl.load(src_ptr + (t * TOP_K + slot).to(tl.int64) * H + offs, mask=ok, other=0.0)
+    if RESIDUAL:  # the rounded sum plus the token's residual row, rounded (the decoder layer's add)
+        total = tl_add_residual(total, res_ptr + t.to(tl.int64) * ldr + offs, ok, out_ptr.dtype.element_ty, 1.0, False)
     tl.store(out_ptr + t.to(tl.int64) * H + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def sum_slots(per_pair: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+def sum_slots(per_pair: torch.Tensor, top_k: int, dtype: torch.dtype,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
     """[T, H] in ``dtype``: :func:`run_down`'s fp32 [T * k, H] rows summed over each token's k
-    slots in slot order in fp32, rounded once (one launch: PyTorch's sum and cast are two)."""
+    slots in slot order in fp32, rounded once (one launch: PyTorch's sum and cast are two);
+    ``residual`` [T, H] of ``dtype``: added to the rounded sum, as ``residual + experts(...)``."""
     s, h = per_pair.shape
     if per_pair.dtype != torch.float32 or not per_pair.is_contiguous() or s % top_k:
         raise ValueError(f"moe: sum_slots takes contiguous fp32 [T * {top_k}, H] rows, got "
                          f"{per_pair.dtype} {tuple(per_pair.shape)}")
     out = torch.empty((s // top_k, h), dtype=dtype, device=per_pair.device)
+    check_residual(residual, out.shape, out)
+    res = out if residual is None else residual
     if out.numel():
-        _moe_sum_slots_kernel[(s // top_k, triton.cdiv(h, 1024))](per_pair, out, h, TOP_K=top_k, BH=1024)
+        _moe_sum_slots_kernel[(s // top_k, triton.cdiv(h, 1024))](per_pair, out, res, h, res.stride(0), TOP_K=top_k,
+                                                                   BH=1024, RESIDUAL=residual is not None)
     return out
 
 def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up, w_down,
-            activation: str, up: TritonMoeConfig, down: TritonMoeConfig) -> torch.Tensor:
+            activation: str, up: TritonMoeConfig, down: TritonMoeConfig, norm: tuple | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts' output [T, H] in x's dtype with configs ``up`` and ``down`` (one
     ``block_m``): :func:`run_pairs` for ``block_m`` 1, else :func:`align`, :func:`run_gate_up`,
     :func:`run_down` and :func:`sum_slots`. The weights are stacked tensors of x's dtype or
-    stacked ``fp8.FP8Weight``s."""
+    stacked ``fp8.FP8Weight``s. ``residual`` [T, H]: added to the output (its rounded sum) in
+    the last launch; ``norm`` = (weight, eps): x RMS-normalised in the gate/up launch, which
+    the pair-major kernels take (``block_m`` 1; larger blocks refuse it)."""
     if up.block_m != down.block_m:
         raise ValueError(f"moe: the gate/up and down configs differ in block_m ({up.block_m}, {down.block_m})")
     if up.block_m == 1:
-        return run_pairs(up, x, w_gate_up, w_down, topk_ids, topk_weights, activation, down)
+        return run_pairs(up, x, w_gate_up, w_down, topk_ids, topk_weights, activation, down, norm, residual)
+    if norm is not None:
+        raise ValueError(f"moe: the grouped kernels (block_m {up.block_m}) take no norm prologue; normalise x first")
     k = topk_ids.shape[1]
     layout = align(topk_ids, operand(w_gate_up).data.shape[0], up.block_m)
     inter = run_gate_up(up, x, w_gate_up, layout, k, activation)
-    return sum_slots(run_down(down, inter, w_down, layout, topk_weights), k, x.dtype)
+    return sum_slots(run_down(down, inter, w_down, layout, topk_weights), k, x.dtype, residual)
 
 
 def run_gate_up(config: TritonMoeConfig, x: torch.Tensor, w_gate_up, layout: Layout, top_k: int,

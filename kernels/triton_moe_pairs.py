@@ -15,6 +15,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .triton_e4m3 import tl_weight_values
+from .triton_epilogue import tl_add_residual, tl_norm_tile_sq, tl_rstd
 from .triton_glu import ACTIVATIONS, tl_rounded_glu
 from .triton_launch import pdl_options
 from .triton_moe_configs import (
@@ -59,11 +60,13 @@ def _pair_glu_operands(x_ptr, w_ptr, sc_ptr, ids_ptr, N, top_k, ldx, lde, ldw, l
 
 
 @triton.jit
-def _moe_pair_glu_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, ldw, lse, lsn, ldo, n_gate,
-                         BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
-                         WSCALE: tl.constexpr, WINT: tl.constexpr):
+def _moe_pair_glu_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, nw_ptr, N, K, top_k, ldx, lde, ldw, lse, lsn, ldo,
+                         n_gate, inv_k, eps, BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
+                         WSCALE: tl.constexpr, WINT: tl.constexpr, NORM: tl.constexpr):
     # WSCALE 2: the program's BN rows lie in one 128-row block (fp8_fits), so each K tile has one
-    # scale for the gate rows and one for the up rows, applied to x's values
+    # scale for the gate rows and one for the up rows, applied to x's values. NORM: x is
+    # RMS-normalised (weight nw, eps) as it is loaded (the split-K kernel's norm prologue:
+    # x * nw rounded to x's dtype, its squares summed here, rstd applied after the loop)
     if PDL:
         gdc_wait()
     p, x_row, offs_n, n_ok, rows_n, offs_k, w_gate, w_up, sc_base, sc_gate, sc_up = _pair_glu_operands(
@@ -71,9 +74,13 @@ def _moe_pair_glu_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k, ld
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     acc_up = tl.zeros((BN, BK), dtype=tl.float32)
+    sq = tl.zeros((1, BK), dtype=tl.float32)
     for k0 in range(0, K, BK):
         k_ok = (k0 + offs_k) < K
-        xv = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        xr = tl.load(x_row + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0)
+        if NORM:
+            xr, sq = tl_norm_tile_sq(xr, tl.load(nw_ptr + k0 + offs_k, mask=k_ok, other=0.0), sq)
+        xv = xr.to(tl.float32)
         wg = tl.load(w_gate + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0)
         wu = tl.load(w_up + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0)
         if WSCALE == 0:
@@ -92,18 +99,23 @@ def _moe_pair_glu_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k, ld
     if WSCALE == 1:
         gate = gate * tl.load(sc_base + rows_n)
         up = up * tl.load(sc_base + n_gate + rows_n)
+    if NORM:
+        rstd = tl_rstd(tl.sum(sq), inv_k, eps)
+        gate = gate * rstd
+        up = up * rstd
     y = tl_rounded_glu(gate, up, dt, ACT)
     tl.store(out_ptr + p.to(tl.int64) * ldo + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _moe_pair_down_kernel(inter_ptr, w_ptr, sc_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ldi, lde, ldw, lse, lsn, ldo,
-                          TOP_K: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _moe_pair_down_kernel(inter_ptr, w_ptr, sc_ptr, ids_ptr, rw_ptr, out_ptr, res_ptr, N, K, ldi, lde, ldw, lse, lsn,
+                          ldo, ldr, TOP_K: tl.constexpr, KP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                           ROUND_PRODUCT: tl.constexpr, PDL: tl.constexpr, WSCALE: tl.constexpr,
-                          WINT: tl.constexpr):
+                          WINT: tl.constexpr, RESIDUAL: tl.constexpr):
     # all of a token's slots in one [KP, BN, BK] tile (KP: TOP_K to a power of two), so each
     # step of the K loop streams every slot's weight rows at once; WSCALE 2: one scale per slot
-    # and K tile (fp8_fits), applied to inter's values
+    # and K tile (fp8_fits), applied to inter's values. RESIDUAL: the token's row of res added
+    # to the rounded sum (the decoder layer's residual add)
     if PDL:
         gdc_wait()
     t = tl.program_id(0)
@@ -143,6 +155,8 @@ def _moe_pair_down_kernel(inter_ptr, w_ptr, sc_ptr, ids_ptr, rw_ptr, out_ptr, N,
     if ROUND_PRODUCT:
         y = y.to(dt).to(tl.float32)
     total = tl.sum(y, axis=0)  # padded slots add zeros
+    if RESIDUAL:
+        total = tl_add_residual(total, res_ptr + t.to(tl.int64) * ldr + offs_n, n_ok, dt, 1.0, False)
     tl.store(out_ptr + t.to(tl.int64) * ldo + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -155,9 +169,10 @@ def _moe_pair_down_kernel(inter_ptr, w_ptr, sc_ptr, ids_ptr, rw_ptr, out_ptr, N,
 # slot's GEMM rounded and weighted as above, summed in slot order.
 
 @triton.jit
-def _moe_pair_glu_mma_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k, ldx, lde, ldw, lse, lsn, ldo,
-                             n_gate, BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
-                             PDL: tl.constexpr, WSCALE: tl.constexpr, WINT: tl.constexpr):
+def _moe_pair_glu_mma_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, nw_ptr, N, K, top_k, ldx, lde, ldw, lse, lsn,
+                             ldo, n_gate, inv_k, eps, BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr,
+                             PREC: tl.constexpr, PDL: tl.constexpr, WSCALE: tl.constexpr, WINT: tl.constexpr,
+                             NORM: tl.constexpr):
     if PDL:
         gdc_wait()
     p, x_row, offs_n, n_ok, rows_n, offs_k, w_gate, w_up, sc_base, sc_gate, sc_up = _pair_glu_operands(
@@ -165,9 +180,13 @@ def _moe_pair_glu_mma_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros((BN, 1), dtype=tl.float32)
     acc_up = tl.zeros((BN, 1), dtype=tl.float32)
+    sq = tl.zeros((1, BK), dtype=tl.float32)
     for k0 in range(0, K, BK):
         k_ok = (k0 + offs_k) < K
-        xt = tl.trans(tl.load(x_row + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0))
+        xr = tl.load(x_row + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0)
+        if NORM:  # as the CUDA-core form
+            xr, sq = tl_norm_tile_sq(xr, tl.load(nw_ptr + k0 + offs_k, mask=k_ok, other=0.0), sq)
+        xt = tl.trans(xr)
         wg = tl.load(w_gate + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         wu = tl.load(w_up + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         if WSCALE == 0:
@@ -184,15 +203,19 @@ def _moe_pair_glu_mma_kernel(x_ptr, w_ptr, sc_ptr, ids_ptr, out_ptr, N, K, top_k
     if WSCALE == 1:
         acc = acc * tl.load(sc_base + rows_n)[:, None]
         acc_up = acc_up * tl.load(sc_base + n_gate + rows_n)[:, None]
+    if NORM:
+        rstd = tl_rstd(tl.sum(sq), inv_k, eps)
+        acc = acc * rstd
+        acc_up = acc_up * rstd
     y = tl_rounded_glu(acc, acc_up, dt, ACT)
     tl.store(out_ptr + p.to(tl.int64) * ldo + offs_n[:, None], y.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])
 
 
 @triton.jit
-def _moe_pair_down_mma_kernel(inter_ptr, w_ptr, sc_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ldi, lde, ldw, lse, lsn,
-                              ldo, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                              ROUND_PRODUCT: tl.constexpr, PDL: tl.constexpr, WSCALE: tl.constexpr,
-                              WINT: tl.constexpr):
+def _moe_pair_down_mma_kernel(inter_ptr, w_ptr, sc_ptr, ids_ptr, rw_ptr, out_ptr, res_ptr, N, K, ldi, lde, ldw, lse,
+                              lsn, ldo, ldr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                              PREC: tl.constexpr, ROUND_PRODUCT: tl.constexpr, PDL: tl.constexpr,
+                              WSCALE: tl.constexpr, WINT: tl.constexpr, RESIDUAL: tl.constexpr):
     if PDL:
         gdc_wait()
     t = tl.program_id(0)
@@ -229,46 +252,69 @@ def _moe_pair_down_mma_kernel(inter_ptr, w_ptr, sc_ptr, ids_ptr, rw_ptr, out_ptr
         total += y
     if PDL:
         gdc_launch_dependents()
+    if RESIDUAL:
+        total = tl_add_residual(total, res_ptr + t.to(tl.int64) * ldr + offs_n[:, None], n_ok[:, None], dt, 1.0, False)
     tl.store(out_ptr + t.to(tl.int64) * ldo + offs_n[:, None], total.to(out_ptr.dtype.element_ty),
              mask=n_ok[:, None])
 
 
 def run_pairs(config: TritonMoeConfig, x: torch.Tensor, w_gate_up, w_down, topk_ids: torch.Tensor,
               routing_weights: torch.Tensor, activation: str = "silu",
-              down_config: TritonMoeConfig | None = None) -> torch.Tensor:
+              down_config: TritonMoeConfig | None = None, norm: tuple | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts' output [T, H] in x's dtype, pair-major (configs of ``block_m`` 1):
     :func:`pairs_gate_up` then :func:`pairs_down`. Weights: stacked tensors of x's dtype or
-    stacked ``fp8.FP8Weight``s (module docstring)."""
-    inter = pairs_gate_up(config, x, w_gate_up, topk_ids, activation)
-    return pairs_down(down_config or config, inter, w_down, topk_ids, routing_weights)
+    stacked ``fp8.FP8Weight``s (module docstring). ``norm`` and ``residual``: as those take
+    them (``residual + experts(rmsnorm(x))``, a mixture-of-experts decoder layer's second half)."""
+    inter = pairs_gate_up(config, x, w_gate_up, topk_ids, activation, norm)
+    return pairs_down(down_config or config, inter, w_down, topk_ids, routing_weights, residual)
+
+
+def _norm_args(x: torch.Tensor, norm: tuple | None) -> tuple:
+    """The gate/up kernels' ``nw_ptr, inv_k, eps`` for ``norm`` = (weight [K] of x's dtype or
+    fp32, eps), or None (placeholders the kernel does not read)."""
+    k = x.shape[1]
+    if norm is None:
+        return x, 1.0, 0.0
+    g, eps = norm
+    if not isinstance(g, torch.Tensor) or g.shape != (k,) or g.dtype not in (x.dtype, torch.float32) \
+            or g.device != x.device or g.stride(0) != 1:
+        raise ValueError(f"moe: the norm weight must be a [{k}] vector of x's dtype or float32 on x's device, "
+                         f"got {getattr(g, 'dtype', type(g).__name__)} {tuple(getattr(g, 'shape', ()))}")
+    return g, 1.0 / k, float(eps)  # inv_k: fp32(1/K) as the kernel receives it, as triton_splitk passes it
 
 
 def pairs_gate_up(config: TritonMoeConfig, x: torch.Tensor, w_gate_up, topk_ids: torch.Tensor,
-                  activation: str = "silu") -> torch.Tensor:
-    """``inter`` [T * k, I] in x's dtype, row ``p`` for pair ``p``: one launch for every pair."""
+                  activation: str = "silu", norm: tuple | None = None) -> torch.Tensor:
+    """``inter`` [T * k, I] in x's dtype, row ``p`` for pair ``p``: one launch for every pair.
+    ``norm`` = (weight, eps): x RMS-normalised as the kernel loads it, as the split-K kernel's
+    norm prologue computes ``rmsnorm(x) @ W.T`` (``rstd * ((x * weight) @ W.T)``)."""
     w = operand(w_gate_up)
     _check_pairs(config, x, w, topk_ids)
     e, two_i, k = w.data.shape
     check_activation(two_i, activation, w)
     i = two_i // 2
     t, top_k = topk_ids.shape
+    nw, inv_k, eps = _norm_args(x, norm)
     inter = torch.empty((t * top_k, i), dtype=x.dtype, device=x.device)
     if config.mma:
         kernel, form = _moe_pair_glu_mma_kernel, {"PREC": input_precision(x)}
     else:
         kernel, form = _moe_pair_glu_kernel, {}
     kernel[(t * top_k, triton.cdiv(i, config.block_n))](
-        x, w.data, w.scale, topk_ids.contiguous(), inter, i, k, top_k, x.stride(0), w.data.stride(0),
-        w.data.stride(1), w.lse, w.lsn, inter.stride(0), i, BN=config.block_n, BK=config.block_k,
-        ACT=ACTIVATIONS[activation], **form, **wscale_args(w, x), num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl_options(x))
+        x, w.data, w.scale, topk_ids.contiguous(), inter, nw, i, k, top_k, x.stride(0), w.data.stride(0),
+        w.data.stride(1), w.lse, w.lsn, inter.stride(0), i, inv_k, eps, BN=config.block_n, BK=config.block_k,
+        ACT=ACTIVATIONS[activation], **form, **wscale_args(w, x), NORM=norm is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(x))
     return inter
 
 
 def pairs_down(config: TritonMoeConfig, inter: torch.Tensor, w_down, topk_ids: torch.Tensor,
-               routing_weights: torch.Tensor) -> torch.Tensor:
+               routing_weights: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """[T, H] in inter's dtype: every token's down projections, each times its routing weight as
-    :func:`run_down` makes it, summed over its slots in fp32 in one program (a fixed order)."""
+    :func:`run_down` makes it, summed over its slots in fp32 in one program (a fixed order).
+    ``residual`` [T, H] of inter's dtype: added to the rounded sum in the same program, as the
+    decoder layer's ``residual + block(...)`` adds it (the same bits)."""
     w = operand(w_down)
     _check_pairs(config, inter, w, topk_ids)
     t, top_k = topk_ids.shape
@@ -277,17 +323,30 @@ def pairs_down(config: TritonMoeConfig, inter: torch.Tensor, w_down, topk_ids: t
         raise ValueError(f"moe: {inter.shape[0]} rows of inter and {rw.numel()} routing weights for "
                          f"{t * top_k} pairs")
     h = w.data.shape[1]
+    check_residual(residual, (t, h), inter)
     out = torch.empty((t, h), dtype=inter.dtype, device=inter.device)
     if config.mma:
         kernel, form = _moe_pair_down_mma_kernel, {"PREC": input_precision(inter)}
     else:
         kernel, form = _moe_pair_down_kernel, {"KP": triton.next_power_of_2(top_k)}
+    res = out if residual is None else residual
     kernel[(t, triton.cdiv(h, config.block_n))](
-        inter, w.data, w.scale, topk_ids.contiguous(), rw, out, h, w.data.shape[2], inter.stride(0),
-        w.data.stride(0), w.data.stride(1), w.lse, w.lsn, out.stride(0), TOP_K=top_k, BN=config.block_n,
-        BK=config.block_k, ROUND_PRODUCT=rounds_product(inter, rw), **form, **wscale_args(w, inter),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(inter))
+        inter, w.data, w.scale, topk_ids.contiguous(), rw, out, res, h, w.data.shape[2], inter.stride(0),
+        w.data.stride(0), w.data.stride(1), w.lse, w.lsn, out.stride(0), res.stride(0), TOP_K=top_k,
+        BN=config.block_n, BK=config.block_k, ROUND_PRODUCT=rounds_product(inter, rw), **form,
+        **wscale_args(w, inter), RESIDUAL=residual is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl_options(inter))
     return out
+
+
+def check_residual(residual: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> None:
+    """A residual the kernels add: [T, H] of the output's dtype and device, unit column stride."""
+    if residual is not None and (not isinstance(residual, torch.Tensor) or tuple(residual.shape) != tuple(shape)
+                                 or residual.dtype != like.dtype or residual.device != like.device
+                                 or residual.stride(-1) != 1):
+        raise ValueError(f"moe: the residual must be {list(shape)} of {like.dtype} with unit column stride, got "
+                         f"{getattr(residual, 'dtype', type(residual).__name__)} "
+                         f"{tuple(getattr(residual, 'shape', ()))}")
 
 
 def _check_pairs(config: TritonMoeConfig, x: torch.Tensor, w: Operand, topk_ids: torch.Tensor) -> None:
@@ -300,4 +359,4 @@ def _check_pairs(config: TritonMoeConfig, x: torch.Tensor, w: Operand, topk_ids:
         raise ValueError(f"moe: topk_ids must be [tokens, k], got {tuple(topk_ids.shape)}")
 
 
-__all__ = ["pairs_down", "pairs_gate_up", "run_pairs"]
+__all__ = ["check_residual", "pairs_down", "pairs_gate_up", "run_pairs"]

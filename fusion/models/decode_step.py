@@ -50,7 +50,7 @@ from hybridgemm.linear_layer import PartialSumLinear
 from hybridgemm.mlp import FUSED_GATE_UP, GLU_FUNCTIONS
 from hybridgemm.norm import Fp32FactorRMSNorm, add_norm, norm_operand
 
-from . import adapter_terms
+from . import adapter_terms, moe_block
 from . import attention_forms as forms
 from . import decode_checks as checks
 from .fused_pieces import (
@@ -416,8 +416,9 @@ def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | Non
     ``O(...)`` and ``down(...)`` times the layer's ``residual_multiplier``; Gemma 2/3: each
     normalised before its add, :func:`_post_norm_step`; Cohere, StableLM: :func:`_norm_modules_step`),
     with the terms of the LoRA layers over its projections (fusion/models/adapter_terms.py). A mixture-of-experts
-    layer: ``y = h + moe_block(norm2(h))``, the block (its router, the grouped expert kernels)
-    and the norm called as the modules they are."""
+    layer: ``y = h + moe_block(norm2(h))``, the add in the experts' down launch where
+    fusion/models/moe_block.py takes the block, else the block (its router, the grouped expert
+    kernels) and the norm called as the modules they are."""
     if checks.post_norms(layer):
         return _post_norm_step(layer, x, kwargs, counters)
     if checks.norm_modules(layer):
@@ -425,7 +426,8 @@ def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | Non
     m = checks.residual_multiplier(layer)
     h = _slot_add(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), x, counters, m)
     if checks.moe_block(layer.mlp):
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        y = moe_block.block_step(layer, h)
+        return h + layer.mlp(layer.post_attention_layernorm(h)) if y is None else y
     return _slot_add(layer.mlp.down_proj, _mlp_inner(layer.mlp, layer.post_attention_layernorm, h, counters), h,
                      counters, m)
 

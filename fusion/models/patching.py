@@ -147,6 +147,7 @@ from .decode_checks import (
     POST_NORMS,
     SCALED_RESIDUALS,
     STATIC_STEP,
+    moe_block,
     norm_modules_form,
     normalises_outputs,
     scales_residuals,
@@ -155,6 +156,7 @@ from .decoder_layer import COUNTERS, HybridDecoderLayer, attention_of, fused_cla
 from .embeddings import RESIZE, ResizeKeepingHead, output_embeddings, resizes_embeddings
 from .fp8_checkpoints import adopt as adopt_fp8_checkpoint
 from .fp8_checkpoints import prepare as prepare_fp8_checkpoint
+from .moe_block import FUSED_BLOCK, why_not_fuse_block
 from .unpatched import unpatched
 
 # The report's reason for a fused decoder layer whose attention runs the module's own function
@@ -516,6 +518,8 @@ def _fuse_layer(layer: nn.Module) -> str | None:
         _set_attr(layer, POST_NORMS, True)
     if norm_modules:
         _set_attr(layer, NORMS_AS_MODULES, norm_modules)
+    if moe_block(layer._modules.get("mlp")) and why_not_fuse_block(layer.mlp) is None:
+        _set_attr(layer.mlp, FUSED_BLOCK, True)  # its norm and residual add in its launches (models/moe_block.py)
     why_not = why_not_fuse_attention(attention_of(layer))
     if why_not is None:
         _set_attr(layer, STATIC_STEP, True)

@@ -282,22 +282,28 @@ for glu in (True, False):
             except (TypeError, KeyError, AttributeError) as e:
                 raise SystemExit(f"API: {type(e).__name__}: {e}")
             assert c.asm["cubin"]
-pair_kernels = [  # the pair kernels with and without programmatic dependent launch, each weight format
-    *((moe_pairs._moe_pair_glu_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*bf16"]
-       + ["i32"] * 10, {"ACT": ACTIVATIONS["silu"], "PDL": pdl, "WSCALE": ws, "WINT": ws > 0})
+pair_kernels = [  # the pair kernels with and without programmatic dependent launch, each weight format; the
+    # norm prologue (gate/up) and the residual (down) with PDL, as the fused decode step launches them
+    *((moe_pairs._moe_pair_glu_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*bf16",
+                                        "*bf16"] + ["i32"] * 10 + ["fp32"] * 2,
+       {"ACT": ACTIVATIONS["silu"], "PDL": pdl, "WSCALE": ws, "WINT": ws > 0, "NORM": pdl})
       for pdl in (False, True) for ws in (0, 1, 2)),
-    *((moe_pairs._moe_pair_down_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*fp32", "*bf16"]
-       + ["i32"] * 8, {"TOP_K": 6, "KP": 8, "ROUND_PRODUCT": False, "PDL": pdl, "WSCALE": ws, "WINT": ws > 0})
+    *((moe_pairs._moe_pair_down_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*fp32", "*bf16",
+                                         "*bf16"] + ["i32"] * 9,
+       {"TOP_K": 6, "KP": 8, "ROUND_PRODUCT": False, "PDL": pdl, "WSCALE": ws, "WINT": ws > 0, "RESIDUAL": pdl})
       for pdl in (False, True) for ws in (0, 1, 2)),
-    *((moe_pairs._moe_pair_glu_mma_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*bf16"]
-       + ["i32"] * 10, {"ACT": ACTIVATIONS["silu"], "PREC": "ieee", "PDL": pdl, "WSCALE": ws, "WINT": ws > 0})
+    *((moe_pairs._moe_pair_glu_mma_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*bf16",
+                                            "*bf16"] + ["i32"] * 10 + ["fp32"] * 2,
+       {"ACT": ACTIVATIONS["silu"], "PREC": "ieee", "PDL": pdl, "WSCALE": ws, "WINT": ws > 0, "NORM": pdl})
       for pdl in (False, True) for ws in (0, 1, 2)),
     *((moe_pairs._moe_pair_down_mma_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*fp32",
-                                      "*bf16"] + ["i32"] * 8,
-       {"TOP_K": 8, "PREC": "ieee", "ROUND_PRODUCT": False, "PDL": pdl, "WSCALE": ws, "WINT": ws > 0})
+                                             "*bf16", "*bf16"] + ["i32"] * 9,
+       {"TOP_K": 8, "PREC": "ieee", "ROUND_PRODUCT": False, "PDL": pdl, "WSCALE": ws, "WINT": ws > 0,
+        "RESIDUAL": pdl})
       for pdl in (False, True) for ws in (0, 1, 2)),
     (tm._moe_count_kernel, ["*i64", "*i32", "i32"], {"EP": 128, "CHUNK": tm.ALIGN_CHUNK}),
-    (tm._moe_sum_slots_kernel, ["*fp32", "*bf16", "i32"], {"TOP_K": 8, "BH": 1024}),
+    *((tm._moe_sum_slots_kernel, ["*fp32", "*bf16", "*bf16", "i32", "i32"], {"TOP_K": 8, "BH": 1024, "RESIDUAL": r})
+      for r in (False, True)),
     (tm._moe_place_kernel, ["*i64", "*i32", "*i32", "*i32"] + ["i32"] * 5,
      {"EP": 128, "CHUNK": tm.ALIGN_CHUNK, "CT": 32, "BT": 64}),
 ]

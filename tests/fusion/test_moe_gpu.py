@@ -19,6 +19,7 @@ from hybridgemm import experts
 from hybridgemm.fp8_experts import HybridFP8Experts
 from hybridgemm.kernels import fp8, triton_e4m3
 from hybridgemm.kernels import triton_moe as tm
+from hybridgemm.norm import prologue_norm
 from hybridgemm.router import HybridTopKRouter
 
 pytestmark = pytest.mark.gpu
@@ -348,3 +349,37 @@ def test_each_pair_major_form_at_qwen3_30b_a3b_shape(fp8_cuda, weights_form, tok
     assert torch.isfinite(out).all()
     assert _rel(out, want) <= 1.1 * _rel(grouped, want) + 1e-3, (_rel(out, want), _rel(grouped, want))
     assert torch.equal(out, experts.moe(x, (ids, weights), w_gu, w_d, config=(up, down)))
+
+
+@pytest.mark.parametrize("weights_form", ["bf16", *fp8.GRANULARITIES])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("form", list(_PAIR_FORMS))
+def test_the_layers_norm_and_residual_in_each_pair_major_form(fp8_cuda, weights_form, tokens, form):
+    """``residual + experts(rmsnorm(x))`` with the norm in the gate/up launch and the residual in
+    the down launch (a mixture-of-experts layer's second half in the fused decode step): within
+    1.1x the error of the norm apart, the experts, then the add, against fp32; the add the
+    layer's own (the kernel's sum, then torch's add, bit for bit); the same bits again."""
+    e, k, i, h = 128, 8, 768, 2048
+    w_gu, w_d = _weights(e, i, h, "channel" if weights_form == "bf16" else weights_form, fp8_cuda, tokens)
+    if weights_form == "bf16":
+        w_gu, w_d = w_gu.dequantize(), w_d.dequantize()
+    dense = (w_gu, w_d) if weights_form == "bf16" else (w_gu.dequantize(), w_d.dequantize())
+    x = (3 * torch.randn(tokens, h, device=fp8_cuda)).bfloat16()
+    nw = (1 + 0.3 * torch.randn(h, device=fp8_cuda)).bfloat16()
+    residual = torch.randn(tokens, h, device=fp8_cuda).bfloat16()
+    ids, weights = experts.route(torch.randn(tokens, e, device=fp8_cuda), k)
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()
+    want = residual.float() + experts.experts_loop(normed, ids, weights.float(), dense[0].float(), dense[1].float(),
+                                                   "silu")
+    up, down = (tm.TritonMoeConfig(*c) for c in _PAIR_FORMS[form])
+    apart = residual + experts.moe(prologue_norm(x, nw, 1e-6), (ids, weights), w_gu, w_d,
+                                   config=(up, down))
+    out = torch.full((tokens, h), float("nan"), device=fp8_cuda, dtype=torch.bfloat16)
+    out.copy_(experts.moe(x, (ids, weights), w_gu, w_d, config=(up, down), norm=(nw, 1e-6), residual=residual))
+    assert torch.isfinite(out).all()
+    assert _rel(out, want) <= 1.1 * _rel(apart, want) + 1e-3, (_rel(out, want), _rel(apart, want))
+    plain = experts.moe(x, (ids, weights), w_gu, w_d, config=(up, down), norm=(nw, 1e-6))
+    assert torch.equal(out, residual + plain)
+    assert torch.equal(out, experts.moe(x, (ids, weights), w_gu, w_d, config=(up, down), norm=(nw, 1e-6),
+                                        residual=residual))

@@ -17,7 +17,8 @@ import hybridgemm
 from helpers import greedy_static_decode, tiny_moe_lm
 from hybridgemm import experts
 from hybridgemm.experts import HybridExperts
-from hybridgemm.models import attention_forms
+from hybridgemm.kernels import triton_moe_pairs as moe_pairs
+from hybridgemm.models import attention_forms, moe_block
 from hybridgemm.models import decode_checks as checks
 from hybridgemm.router import HybridTopKRouter
 
@@ -64,3 +65,61 @@ def test_experts_left_unpatched_keep_the_layers_own_forward():
     assert not report.fused_layers
     assert any("experts are not the patched grouped kernels" in why for _, why in report.skipped), report.skipped
     assert not any(type(m) is HybridExperts for m in model.modules())
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_routed_blocks_take_their_norm_and_residual_add_into_the_expert_launches(kind, kernels_on_cpu, monkeypatch):
+    """Blocks of router and experts alone: the residual add in the experts' down launch (the
+    norm once, apart, for the router and the experts), logits as stock's."""
+    monkeypatch.setattr(experts, "use_kernels", lambda x: True)
+    stock = _tiny(kind)
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    if attention_forms.why_not_fuse_attention(model.model.layers[0].self_attn) is not None:
+        pytest.skip(f"no fused attention step with transformers {transformers.__version__}")
+    assert all(layer.mlp.__dict__.get(moe_block.FUSED_BLOCK) for layer in model.model.layers)
+    downs = []
+    pairs_down = moe_pairs.pairs_down
+    monkeypatch.setattr(moe_pairs, "pairs_down", lambda *a, **kw: downs.append(kw.get("residual", a[5:6])) or
+                        pairs_down(*a, **kw))
+    with torch.no_grad():
+        ref, fed, _ = greedy_static_decode(stock, 2, VOCAB)
+        out, _, _ = greedy_static_decode(model, 2, VOCAB, tokens=fed)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # both decode steps of both layers: the residual into the pair-major down (the prefill's 12
+    # pairs take the grouped kernels, the residual in their slot sum)
+    assert sum(1 for r in downs if isinstance(r, torch.Tensor) or (isinstance(r, tuple) and r and r[0] is not None)) \
+        == 2 * 2
+    # the prefill and both steps, both layers: QKV's norm in its GEMM (the router's GEMM takes none)
+    assert kernels_on_cpu["norm"] == 3 * 2
+
+
+def test_blocks_that_compute_more_are_called_as_modules(kernels_on_cpu, monkeypatch):
+    """Qwen2-MoE's shared expert, a subclass whose forward scales the experts' output, and a
+    hook on the experts (whose forward the fused block skips): the block's own forward runs
+    (and the decode still equals stock's)."""
+    shared = _tiny("qwen2_moe")
+    hybridgemm.patch(shared)
+    why = moe_block.why_not_fuse_block(shared.model.layers[0].mlp)
+    assert "shared_expert" in why and not shared.model.layers[0].mlp.__dict__.get(moe_block.FUSED_BLOCK)
+    block = _tiny("qwen3_moe")
+    hybridgemm.patch(block)
+    mlp = block.model.layers[0].mlp
+    assert moe_block.why_not_fuse_block(mlp) is None
+    cls = type(mlp)
+    mlp.__class__ = type("Scaled", (cls,), {"forward": lambda self, h: 2 * cls.forward(self, h)})
+    assert "returns more" in moe_block.why_not_fuse_block(mlp)
+    mlp.__class__ = cls
+    monkeypatch.setattr(experts, "use_kernels", lambda x: True)
+    stock = _tiny("qwen3_moe")
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    calls = []
+    model.model.layers[1].mlp.experts.register_forward_hook(lambda m, a, out: calls.append(1))
+    with torch.no_grad():
+        ref, fed, _ = greedy_static_decode(stock, 2, VOCAB)
+        out, _, _ = greedy_static_decode(model, 2, VOCAB, tokens=fed)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert len(calls) == 3  # the experts (and their hook) ran in the prefill and both steps
