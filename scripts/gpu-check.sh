@@ -32,7 +32,7 @@
 #                   table before the entries (FP8MLP_BASELINE=0 skips that; FP8MLP_NORM_APART=1: B = 1 again
 #                   with HYBRIDGEMM_FP8_NORM_APART=1) (FP8MLP_TIMEOUT s per step, default 420)
 #         moetables the grouped MoE entries of qwen3-30b-a3b in MOETABLES_WEIGHTS (default "bf16 fp8": bf16
-#                   retuned, FP8 per channel; FP8 adds its attention GEMMs, router and LM head at M 1-16) into
+#                   retuned, FP8 per channel; FP8 adds its attention GEMMs, LM head and router (bf16) at M 1-16) into
 #                   $OUT/h200.json (as fp8mlp), then its 12-layer compiled decode (B = 1, 8) on it in each,
 #                   beside stock, and first on the table before the entries (MOETABLES_BASELINE=0 skips
 #                   that) (MOETABLES_TIMEOUT s per step, default 300)
@@ -297,7 +297,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       if [[ " $weights " == *" fp8 "* ]]; then
         timeout "$t" $PY -m hybridgemm autotune --moe qwen3-30b-a3b --weights fp8 --out "$OUT/h200.json" --no-progress \
           >"$OUT/autotune_moe_fp8.txt" 2>&1 || status=1
-        # the FP8 model's attention GEMMs, router and LM head at decode rows
+        # the FP8 model's attention GEMMs and LM head, and its router in bf16 (patch keeps it so), at decode rows
         timeout "$t" $PY -m hybridgemm autotune --model qwen3-30b-a3b --mlp --weights fp8 --m 1 2 4 8 16 \
           --out "$OUT/h200.json" --no-progress >"$OUT/autotune_moe_fp8_attention.txt" 2>&1 || status=1
       fi

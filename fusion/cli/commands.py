@@ -323,7 +323,12 @@ def _cmd_autotune(args) -> int:
             seen.add((s.n, s.k, s.bias, s.activation))
             unique.append(s)
     weight_format = FORMAT_OF[args.granularity] if args.granularity else ""
-    keys = tune_table.keys_for(unique, args.m, args.dtype, args.epilogue, weight_format=weight_format)
+    # patch(weights="fp8") quantizes projections, not a mixture-of-experts router: its GEMM keeps
+    # the model's dtype, so its keys do too
+    kept = [s for s in unique if weight_format and s.name == "router"]
+    keys = tune_table.keys_for([s for s in unique if s not in kept], args.m, args.dtype, args.epilogue,
+                               weight_format=weight_format) + tune_table.keys_for(kept, args.m, args.dtype,
+                                                                                  args.epilogue)
     path = _table_path(args.out)
     table = TuningTable.load(path, signature=signature.current_signature())
     if args.check:

@@ -719,3 +719,33 @@ def test_cli_shape_without_bias(monkeypatch, capsys):
     assert _tuned_shapes(monkeypatch, ["--shape", "128,2048"]) == [("128,2048", 128, 2048, True)]
     assert main(["autotune", "--model", "llama3-8b", "--no-bias"]) == 2
     assert "--no-bias applies to --shape" in capsys.readouterr().err
+
+
+def test_cli_fp8_tunes_the_router_in_the_models_dtype(monkeypatch):
+    """``--weights fp8``: the projections' and LM head's keys are the FP8 format's; a router's,
+    which ``patch(weights="fp8")`` leaves in the model's dtype, are the plain linear's."""
+    import hybridgemm.cli.commands as cli
+
+    class Stop(Exception):
+        pass
+
+    real, calls = cli.tune_table.keys_for, []
+
+    def keys_for(shapes, *args, **kwargs):
+        calls.append(([s.name for s in shapes], kwargs.get("weight_format", "")))
+        return real(shapes, *args, **kwargs)
+
+    def load(path, **kw):  # the keys are made: stop before any table is read
+        raise Stop()
+
+    monkeypatch.setattr(cli, "_need_gpu", lambda what: True)
+    monkeypatch.setattr(cli.tune_table, "keys_for", keys_for)
+    monkeypatch.setattr(cli.TuningTable, "load", load)
+    with pytest.raises(Stop):
+        main(["autotune", "--model", "qwen3-30b-a3b", "--mlp", "--weights", "fp8", "--m", "1"])
+    formats = {name: fmt for names, fmt in calls for name in names}
+    assert formats["router"] == "" and formats["lm_head"] == formats["qkv"] == "e4m3_channel", calls
+    calls.clear()
+    with pytest.raises(Stop):
+        main(["autotune", "--model", "qwen3-30b-a3b", "--mlp", "--m", "1"])
+    assert {fmt for _, fmt in calls} == {""}
