@@ -227,7 +227,7 @@ def projection_base(mod: nn.Module | None) -> nn.Module | None:
 def _fused_parts(layer: nn.Module) -> list[nn.Module]:
     attn, mlp = layer.self_attn, layer.mlp
     parts = [*layer_norms(layer)[:1], attn._modules[QKV_NAME], projection_base(attn.o_proj)]
-    if moe_block(mlp):  # the block and its norm run as modules
+    if moe_block(mlp):  # the norm and the router run as modules, the experts in moe_block.block_step
         return [p for p in parts if p is not None]
     parts += [*layer_norms(layer)[1:], mlp._modules[FUSED_GATE_UP], projection_base(mlp.down_proj)]
     return [p for p in parts if p is not None]
@@ -309,7 +309,8 @@ def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
     attention = [layer._modules.get("input_layernorm"), attn, *slots, *wrapped,
                  *(attn._modules.get(n) for n in ("q_norm", "k_norm")), attn._modules.get(QKV_NAME),
                  *(layer._modules.get(n) for n in (*RESIDUAL_DROPOUTS, MLP_DROPOUT))]
-    if moe_block(mlp):  # the step calls the MoE block and its norm as modules: their hooks run
+    if moe_block(mlp):  # the norm and the router are called as modules; moe_block.block_step checks the block's
+        # and its experts' hooks itself (with any, it calls the block as a module)
         return attention
     return [*attention, *layer_norms(layer)[1:], mlp, mlp._modules.get(FUSED_GATE_UP)]
 

@@ -3,19 +3,23 @@
 the router (its GEMM and the routing kernel, :class:`HybridTopKRouter`), then the experts' two
 launches with the residual added to down's rounded sum (:meth:`HybridExperts.add_to`), the
 layer's add bit for bit. Called as a module, the block's output is added in a launch of its
-own.
+own. Measured on the H100 (FP8 Qwen3-30B-A3B, 12 layers, ``scripts/ab_base.sh`` against the
+block called as a module; ``perf/results/h100/README.md``): 0.843 → 0.840 ms a step at B = 1
+(within the spread), 1.786 → 1.769 ms at B = 8.
 
-The experts' gate/up launch could take the norm too (``moe(..., norm=)``, the pair-major
-kernels' ``NORM``), but not at one token: on the H100 the FP8 Qwen3-30B-A3B step took 1.100 ms
-with the norm there and in the router's split-K prologue, against 0.904 ms with the norm apart
-(12 layers, B = 1, ``scripts/ab_base.sh``; ``perf/results/h100/README.md``), while B = 8 went
-from 1.810 to 1.770 ms. So the norm runs apart, once, for both the router and the experts.
+The experts' gate/up launch can take the norm too (``moe(..., norm=)``, the pair-major
+kernels' ``NORM``); the step does not use it: with the norm there and in the router's split-K
+prologue, the same step took 1.100 ms at B = 1 against 0.904 ms with the block called as a
+module (1.770 against 1.810 ms at B = 8).
 
-Which blocks: :func:`why_not_fuse_block` runs the block class's own forward once, at patch time,
-with stand-ins for its router and experts that record what they are given, and checks that it
-computes ``experts(x, ids, weights)`` of its router's outputs on the tokens as rows and returns
-that in h's shape, nothing else (Mixtral's and Qwen3-MoE's blocks outside training). A block
-with more modules (Qwen2-MoE's shared expert) is called as a module.
+Which blocks: :func:`why_not_fuse_block` runs the block class's own forward at patch time, on
+the CPU in the router's dtype for one token and for six, with stand-ins for its router and
+experts that record what they are given, and checks that it calls each once, hands the
+router the tokens as rows and the experts those rows with the router's experts and weights,
+and returns the experts' output in h's shape and dtype, nothing else (Mixtral's and
+Qwen3-MoE's blocks outside training). A block with more modules (Qwen2-MoE's shared expert) is
+called as a module. The probe runs on a shallow copy: the block's parameters and buffers are
+the real ones (none of the recognised blocks' forwards touches them).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from .decode_checks import hooked
 
 # Instance attribute set on a block :func:`why_not_fuse_block` accepted at patch time
 FUSED_BLOCK = "_hybridgemm_fused_block"
-_PROBE_SHAPE = (2, 3)  # (batch, sequence) of the probe's tokens
+_PROBE_SHAPES = ((1, 1), (2, 3))  # (batch, sequence) of the probe's tokens
 
 
 class _RouterStandIn(nn.Module):
@@ -41,13 +45,13 @@ class _RouterStandIn(nn.Module):
     def __init__(self, experts: int, top_k: int):
         super().__init__()
         self.experts, self.top_k = experts, top_k
-        self.seen = self.out = None
+        self.seen, self.out = [], None
 
     def forward(self, x: Tensor):
         g = torch.Generator().manual_seed(7)
         t = x.shape[0]
-        self.seen = x
-        self.out = (torch.randn(t, self.experts, generator=g), torch.rand(t, self.top_k, generator=g),
+        self.seen.append(x)
+        self.out = (torch.randn(t, self.experts, generator=g).to(x.dtype), torch.rand(t, self.top_k, generator=g),
                     torch.randint(0, self.experts, (t, self.top_k), generator=g))
         return self.out
 
@@ -57,10 +61,10 @@ class _ExpertsStandIn(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.seen = self.out = None
+        self.seen, self.out = [], None
 
     def forward(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        self.seen = (x, ids, weights)
+        self.seen.append((x, ids, weights))
         self.out = x * 3.0 + 1.0
         return self.out
 
@@ -75,31 +79,45 @@ def why_not_fuse_block(block: nn.Module) -> str | None:
     if not isinstance(router, HybridTopKRouter) or not isinstance(experts, HybridExperts):
         return f"{name}: its router or experts are not the patched ones"
     e, hidden = router.weight.shape
-    probe = copy.copy(block)
-    gate, stand_in = _RouterStandIn(e, router.top_k), _ExpertsStandIn()
-    probe.__dict__["_modules"] = {"gate": gate, "experts": stand_in}
-    probe.__dict__["training"] = False
-    x = torch.randn(*_PROBE_SHAPE, hidden, generator=torch.Generator().manual_seed(3))
+    dtype = router.weight.dtype if router.weight.is_floating_point() else torch.float32
     try:
-        with torch.no_grad():
-            y = type(block).forward(probe, x)
+        with torch.device("cpu"), torch.no_grad():
+            for shape in _PROBE_SHAPES:
+                why = _probe(block, e, router.top_k, hidden, dtype, shape)
+                if why is not None:
+                    return f"{name}: {why}"
     except Exception as exc:  # its forward takes another form: the module call runs it
         return f"{name}: its forward with stand-in router and experts raised {type(exc).__name__}"
+    return None
+
+
+def _probe(block: nn.Module, e: int, top_k: int, hidden: int, dtype: torch.dtype, shape: tuple) -> str | None:
+    probe = copy.copy(block)
+    gate, stand_in = _RouterStandIn(e, top_k), _ExpertsStandIn()
+    probe.__dict__["_modules"] = {"gate": gate, "experts": stand_in}
+    probe.__dict__["training"] = False
+    x = torch.randn(*shape, hidden, generator=torch.Generator().manual_seed(3)).to(dtype)
+    y = type(block).forward(probe, x)
     rows = x.reshape(-1, hidden)
-    if gate.seen is None or stand_in.seen is None or not torch.equal(gate.seen, rows):
-        return f"{name}: its forward does not route the tokens as rows"
-    seen_x, ids, weights = stand_in.seen
-    if not (torch.equal(seen_x, rows) and ids is gate.out[2] and weights is gate.out[1]):
-        return f"{name}: its experts do not take the tokens with its router's experts and weights"
-    if not isinstance(y, Tensor) or not torch.equal(y, stand_in.out.reshape(x.shape)):
-        return f"{name}: it returns more than its experts' output"
+    if len(gate.seen) != 1 or len(stand_in.seen) != 1:
+        return "its forward does not call its router and its experts once each"
+    seen = gate.seen[0]
+    if seen.dtype != dtype or not torch.equal(seen, rows):
+        return "its forward does not route the tokens as rows, as they are"
+    seen_x, ids, weights = stand_in.seen[0]
+    if not (seen_x.dtype == dtype and torch.equal(seen_x, rows) and ids is gate.out[2] and weights is gate.out[1]):
+        return "its experts do not take the tokens with its router's experts and weights"
+    if not isinstance(y, Tensor) or y.dtype != dtype or not torch.equal(y, stand_in.out.reshape(x.shape)):
+        return "it returns more than its experts' output"
     return None
 
 
 def block_step(layer: nn.Module, h: Tensor) -> Tensor | None:
     """``h + layer.mlp(layer.post_attention_layernorm(h))`` as the module docstring says, or None
     where this call cannot take it (a block not accepted at patch time, training, hooks on the
-    block or its experts, whose forwards it does not call, experts the kernels do not run)."""
+    block or its experts, whose forwards it does not call). Where the kernels do not run the
+    experts (gradients wanted, say) or the norm's output is not of h's dtype, the experts'
+    module after the norm and the router, then torch's add."""
     block = layer.mlp
     if not block.__dict__.get(FUSED_BLOCK) or block.training:
         return None
@@ -109,7 +127,7 @@ def block_step(layer: nn.Module, h: Tensor) -> Tensor | None:
         return None
     x = layer.post_attention_layernorm(h).reshape(-1, h.shape[-1])
     _, weights, ids = router(x)
-    if not experts.kernels_run(x, weights):  # (the PyTorch loop: gradients wanted, say)
+    if x.dtype != h.dtype or not experts.kernels_run(x, weights):
         return h + experts(x, ids, weights).view(h.shape)
     return experts.add_to(h.reshape(x.shape), x, ids, weights).view(h.shape)
 

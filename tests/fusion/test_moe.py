@@ -283,7 +283,7 @@ for glu in (True, False):
                 raise SystemExit(f"API: {type(e).__name__}: {e}")
             assert c.asm["cubin"]
 pair_kernels = [  # the pair kernels with and without programmatic dependent launch, each weight format; the
-    # norm prologue (gate/up) and the residual (down) with PDL, as the fused decode step launches them
+    # norm prologue (gate/up) and the residual (down) compiled in the PDL variants
     *((moe_pairs._moe_pair_glu_kernel, ["*bf16", "*bf16" if ws == 0 else "*fp8e4nv", "*fp32", "*i64", "*bf16",
                                         "*bf16"] + ["i32"] * 10 + ["fp32"] * 2,
        {"ACT": ACTIVATIONS["silu"], "PDL": pdl, "WSCALE": ws, "WINT": ws > 0, "NORM": pdl})

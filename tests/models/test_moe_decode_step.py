@@ -1,10 +1,12 @@
 """The fused decode step of mixture-of-experts decoder layers (CPU, Triton interpreter): tiny
 Qwen3-MoE, Mixtral and Qwen2-MoE (with its shared expert) models, patched, take the step in
 every layer (QKV with norm, rotary and cache write in one GEMM, the attention, O with the
-residual; then the sparse block, its experts the grouped kernels, called after the
-post-attention norm), and their static-cache
-decode gives stock's logits and cache; a hook on the MoE block still runs; experts that are
-not the patched kernels keep the layer's own forward, with the reason in the report."""
+residual; then the post-attention norm, the router and the experts in the grouped kernels,
+the residual added in their down launch where the block is a router and experts alone, else
+the block called as a module), and their static-cache decode gives stock's logits and cache;
+the block step equals the module call bit for bit; a hook on the MoE block still runs;
+experts that are not the patched kernels keep the layer's own forward, with the reason in the
+report; the patch-time probe refuses blocks that compute something else."""
 
 from __future__ import annotations
 
@@ -123,3 +125,54 @@ def test_blocks_that_compute_more_are_called_as_modules(kernels_on_cpu, monkeypa
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert len(calls) == 3  # the experts (and their hook) ran in the prefill and both steps
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_the_block_step_equals_the_module_call_bit_for_bit(kind, monkeypatch):
+    """``block_step`` against ``h + block(norm(h))`` called as modules, on the kernel path: one
+    token and three, a non-contiguous h; and with the norm's output of another dtype than h
+    (an fp32 norm and block in an fp16 layer), where the residual cannot go into the kernel."""
+    monkeypatch.setattr(experts, "use_kernels", lambda x: True)
+    model = _tiny(kind)
+    hybridgemm.patch(model)
+    layer = model.model.layers[0]
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for tokens in (1, 3):
+            h = torch.randn(1, tokens, 256, generator=g)[..., ::2]  # hidden 128, every other column
+            got = moe_block.block_step(layer, h)
+            assert got is not None and torch.equal(got, h + layer.mlp(layer.post_attention_layernorm(h)))
+        h = torch.randn(1, 1, 128, generator=g).half()
+        got = moe_block.block_step(layer, h)  # (the norm's fp32 weight gives fp32 rows)
+        assert got.dtype == torch.float32 and torch.equal(got, h + layer.mlp(layer.post_attention_layernorm(h)))
+
+
+def test_the_probe_refuses_blocks_that_compute_something_else():
+    """A block that routes fp32 copies of the tokens, one that returns zeros for one token: both
+    refused; the probe runs on the CPU whatever the default device (a model built on meta)."""
+    model = _tiny("qwen3_moe")
+    hybridgemm.patch(model)
+    mlp = model.model.layers[0].mlp
+    cls = type(mlp)
+
+    def casts(self, h):
+        b, s, d = h.shape
+        r = h.reshape(-1, d)
+        _, w, ids = self.gate(r.float())
+        return self.experts(r, ids, w).reshape(b, s, d)
+
+    def one_token_zeros(self, h):
+        return torch.zeros_like(h) if h.shape[0] * h.shape[1] == 1 else cls.forward(self, h)
+
+    try:
+        mlp.__class__ = type("Casts", (cls,), {"forward": casts})
+        with torch.no_grad():
+            mlp.gate.weight.data = mlp.gate.weight.data.bfloat16()  # a bf16 router: the probe's tokens are bf16
+            assert "route the tokens" in moe_block.why_not_fuse_block(mlp)
+            mlp.gate.weight.data = mlp.gate.weight.data.float()
+        mlp.__class__ = type("OneTokenZeros", (cls,), {"forward": one_token_zeros})
+        assert "once each" in moe_block.why_not_fuse_block(mlp)
+    finally:
+        mlp.__class__ = cls
+    with torch.device("meta"):
+        assert moe_block.why_not_fuse_block(mlp) is None
