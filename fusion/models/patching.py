@@ -195,6 +195,9 @@ class PatchReport:
     fused_mlp: list[str] = field(default_factory=list)
     fused_layers: list[str] = field(default_factory=list)
     fused_attention: list[str] = field(default_factory=list)  # layers whose attention runs the fused step
+    # mixture-of-experts blocks whose layer adds their output in the experts' down launch
+    # (fusion/models/moe_block.py; a block with more than a router and experts keeps the module call)
+    fused_moe: list[str] = field(default_factory=list)
     fp8: list[str] = field(default_factory=list)  # projections whose weights were quantized (weights="fp8")
     skipped: list[tuple[str, str]] = field(default_factory=list)
     already_patched: list[str] = field(default_factory=list)
@@ -216,7 +219,9 @@ class PatchReport:
             return f"hybridgemm.patch: nothing patched ({'; '.join(why) or 'no attention projections found'})"
         return (f"hybridgemm.patch: patched {len(self.patched)} modules ({len(self.fused_qkv)} with fused QKV, "
                 f"{len(self.fused_mlp)} with fused gate/up, {len(self.fused_layers)} decoder layers with fused "
-                f"norms and residuals, {len(self.fused_attention)} with rotary and KV-cache writes fused)"
+                f"norms and residuals, {len(self.fused_attention)} with rotary and KV-cache writes fused"
+                + (f", {len(self.fused_moe)} MoE blocks with the residual in the experts' launch" if self.fused_moe
+                   else "") + ")"
                 + (f", skipped {len(self.skipped)}" if self.skipped else "")
                 + (f", {len(self.already_patched)} already patched" if self.already_patched else ""))
 
@@ -477,6 +482,9 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
                 why_not_attention = _fuse_layer(mod)
                 report.patched.append(name or "(root)")
                 report.fused_layers.append(name or "(root)")
+                mlp = mod._modules.get("mlp")
+                if mlp is not None and mlp.__dict__.get(FUSED_BLOCK):
+                    report.fused_moe.append(f"{name}.mlp" if name else "mlp")
                 if why_not_attention is None:
                     report.fused_attention.append(name or "(root)")
                 else:

@@ -69,6 +69,7 @@ def test_dry_run_of_a_mixture_of_experts_model(tmp_path, capsys):
     assert rc == 0, err
     # the stacked experts (fusion/experts.py) and the router (fusion/router.py) are patched
     assert "mlp.gate" not in out and "mlp.experts" not in out and "skipped" not in out
+    assert "1 MoE blocks with the residual in the experts' launch" in out  # the probe runs on a meta-built model
 
 
 @pytest.mark.parametrize("content,message", [

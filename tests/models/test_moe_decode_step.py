@@ -43,6 +43,9 @@ def test_moe_layers_take_the_step_and_decode_as_stock(kind, kernels_on_cpu, monk
     if attention_forms.why_not_fuse_attention(model.model.layers[0].self_attn) is not None:
         pytest.skip(f"no fused attention step with transformers {transformers.__version__}")
     assert report.fused_layers == ["model.layers.0", "model.layers.1"] == report.fused_attention
+    # the blocks of a router and experts alone add their output in the experts' launch
+    assert report.fused_moe == ([] if kind == "qwen2_moe" else [f"model.layers.{i}.mlp" for i in range(2)])
+    assert ("MoE blocks with the residual in the experts' launch" in report.summary()) is (kind != "qwen2_moe")
     assert all(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
     # the routers patched; Qwen2-MoE's one-output shared-expert gates run as the model computes them
     assert all(type(layer.mlp.gate) is HybridTopKRouter for layer in model.model.layers)
