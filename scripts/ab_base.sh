@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# A/B of a change against the commit the checkout's git HEAD names, in one process tree and on one
-# machine: run COMMAND with PATHS as at HEAD ("base"), then as in the working tree ("tree").
+# A/B of a change against the commit the checkout's git HEAD names (or AB_BASE, any revision git
+# resolves there), in one process tree and on one machine: run COMMAND with PATHS as at that
+# commit ("base"), then as in the working tree ("tree").
 #
-#   bash scripts/ab_base.sh NAME "COMMAND" PATH [PATH ...]
+#   [AB_BASE=REV] bash scripts/ab_base.sh NAME "COMMAND" PATH [PATH ...]
 #
 # PATHs are files, relative to the repository root. COMMAND runs under bash in the repository
 # root with $AB_SIDE (base or tree) set; its output goes to $OUT/ab_NAME_<side>.txt after a
@@ -16,10 +17,11 @@ cd "$(dirname "$0")/.."
 [ $# -ge 3 ] || { echo "usage: bash scripts/ab_base.sh NAME \"COMMAND\" PATH [PATH ...]" >&2; exit 2; }
 name=$1; cmd=$2; shift 2
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-base=$(git rev-parse --short HEAD) || exit 2
+rev=${AB_BASE:-HEAD}
+base=$(git rev-parse --short "$rev^{commit}" 2>/dev/null) || { echo "ab_base: no commit $rev here" >&2; exit 2; }
 for p in "$@"; do
-  [ "$(git cat-file -t "HEAD:$p" 2>/dev/null)" = blob ] && [ -f "$p" ] \
-    || { echo "ab_base: $p is not a file both in HEAD ($base) and in the tree" >&2; exit 2; }
+  [ "$(git cat-file -t "$base:$p" 2>/dev/null)" = blob ] && [ -f "$p" ] \
+    || { echo "ab_base: $p is not a file both in $rev ($base) and in the tree" >&2; exit 2; }
 done
 keep=$(mktemp -d)
 echo "ab_base: the tree's files are kept in $keep until the end"
@@ -29,7 +31,7 @@ trap 'restore "$@"' EXIT
 status=0
 for side in base tree; do
   if [ "$side" = base ]; then
-    for p in "$@"; do git show "HEAD:$p" >"$p" || { echo "ab_base: could not write $p as at $base" >&2; exit 2; }; done
+    for p in "$@"; do git show "$base:$p" >"$p" || { echo "ab_base: could not write $p as at $base" >&2; exit 2; }; done
   else
     for p in "$@"; do cp -p "$keep/$p" "$p"; done
   fi
