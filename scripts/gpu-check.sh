@@ -265,7 +265,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       if [ "${FP8MLP_BASELINE:-1}" = 1 ]; then fp8_e2e before "1 8"; fi
       log "autotune --mlp --weights fp8 $models (M 1-64) -> $OUT/h200.json"
       # shellcheck disable=SC2046
-      timeout "$t" $PY -m hybridgemm autotune $(printf -- '--model %s ' $models) --mlp --weights fp8 \
+      timeout "$t" $PY -m hybridgemm autotune $(printf -- '--model %s ' $models) --mlp --weights fp8 --quantize-lm-head \
         --m 1 2 4 8 16 32 64 --out "$OUT/h200.json" --no-progress >"$OUT/autotune_fp8_mlp.txt" 2>&1 || status=1
       grep -E "tuned |compiled|M=1-1\||M=5-8\|" "$OUT/autotune_fp8_mlp.txt" | tee -a "$OUT/summary.txt"
       fp8_e2e tuned "1 8"
@@ -299,8 +299,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
         timeout "$t" $PY -m hybridgemm autotune --moe qwen3-30b-a3b --weights fp8 --out "$OUT/h200.json" --no-progress \
           >"$OUT/autotune_moe_fp8.txt" 2>&1 || status=1
         # the FP8 model's attention GEMMs and LM head, and its router in bf16 (patch keeps it so), at decode rows
-        timeout "$t" $PY -m hybridgemm autotune --model qwen3-30b-a3b --mlp --weights fp8 --m 1 2 4 8 16 \
-          --out "$OUT/h200.json" --no-progress >"$OUT/autotune_moe_fp8_attention.txt" 2>&1 || status=1
+        timeout "$t" $PY -m hybridgemm autotune --model qwen3-30b-a3b --mlp --weights fp8 --quantize-lm-head \
+          --m 1 2 4 8 16 --out "$OUT/h200.json" --no-progress >"$OUT/autotune_moe_fp8_attention.txt" 2>&1 || status=1
       fi
       grep -h -E "^tuned|error|Error" "$OUT"/autotune_moe_*.txt | tee -a "$OUT/summary.txt"
       for w in $weights; do moe_e2e "$w" tuned; done

@@ -323,9 +323,10 @@ def _cmd_autotune(args) -> int:
             seen.add((s.n, s.k, s.bias, s.activation))
             unique.append(s)
     weight_format = FORMAT_OF[args.granularity] if args.granularity else ""
-    # patch(weights="fp8") quantizes projections, not a mixture-of-experts router: its GEMM keeps
-    # the model's dtype, so its keys do too
-    kept = [s for s in unique if weight_format and s.name == "router"]
+    # patch(weights="fp8") quantizes projections, not a mixture-of-experts router, and the LM head
+    # only with quantize_lm_head: those GEMMs keep the model's dtype, so their keys do too
+    kept_names = {"router"} if args.quantize_lm_head else {"router", "lm_head"}
+    kept = [s for s in unique if weight_format and s.name in kept_names]
     keys = tune_table.keys_for([s for s in unique if s not in kept], args.m, args.dtype, args.epilogue,
                                weight_format=weight_format) + tune_table.keys_for(kept, args.m, args.dtype,
                                                                                   args.epilogue)
@@ -402,6 +403,8 @@ def _autotune_option_problem(args) -> str:
         problem = weight_options_problem(args.weights, args.granularity, dtype)
         if problem:
             return problem
+    if args.quantize_lm_head and args.weights != "fp8":
+        return "--quantize-lm-head: only with --weights fp8"
     for name in args.epilogue or []:
         try:
             Epilogue.from_name(name)
@@ -836,7 +839,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="epilogue names (default: each shape's own: bias if it has one, and with --hf-config the "
                         "MLP's activation of a linear whose GEMM carries it, e.g. bias+gelu)")
     add_weight_options(p, "tune the shapes with an FP8 weight, its own table keys (op linear_e4m3_<granularity>), "
-                          "against the weight dequantized per call, then F.linear")
+                          "against the weight dequantized per call, then F.linear; as patch(weights='fp8') runs them: "
+                          "an LM head and a mixture-of-experts router keep the model's dtype")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --weights fp8: the LM head's keys in the FP8 format too, as patch(..., weights='fp8', "
+                        "quantize_lm_head=True) runs it")
     p.add_argument("--out", help="table path (default: the user table; see README)")
     p.add_argument("--force", action="store_true", help="re-tune keys already in the table")
     p.add_argument("--check", action="store_true", help="re-time the table's winners and report drift")

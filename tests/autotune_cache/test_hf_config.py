@@ -722,8 +722,9 @@ def test_cli_shape_without_bias(monkeypatch, capsys):
 
 
 def test_cli_fp8_tunes_the_router_in_the_models_dtype(monkeypatch):
-    """``--weights fp8``: the projections' and LM head's keys are the FP8 format's; a router's,
-    which ``patch(weights="fp8")`` leaves in the model's dtype, are the plain linear's."""
+    """``--weights fp8``: the projections' keys are the FP8 format's; a router's and the LM
+    head's, which ``patch(weights="fp8")`` leaves in the model's dtype, the plain linear's (the
+    LM head FP8 with ``--quantize-lm-head``, as ``quantize_lm_head=True`` quantizes it)."""
     import hybridgemm.cli.commands as cli
 
     class Stop(Exception):
@@ -743,6 +744,11 @@ def test_cli_fp8_tunes_the_router_in_the_models_dtype(monkeypatch):
     monkeypatch.setattr(cli.TuningTable, "load", load)
     with pytest.raises(Stop):
         main(["autotune", "--model", "qwen3-30b-a3b", "--mlp", "--weights", "fp8", "--m", "1"])
+    formats = {name: fmt for names, fmt in calls for name in names}
+    assert formats["router"] == formats["lm_head"] == "" and formats["qkv"] == "e4m3_channel", calls
+    calls.clear()
+    with pytest.raises(Stop):
+        main(["autotune", "--model", "qwen3-30b-a3b", "--mlp", "--weights", "fp8", "--quantize-lm-head", "--m", "1"])
     formats = {name: fmt for names, fmt in calls for name in names}
     assert formats["router"] == "" and formats["lm_head"] == formats["qkv"] == "e4m3_channel", calls
     calls.clear()

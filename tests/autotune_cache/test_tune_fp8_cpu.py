@@ -317,6 +317,13 @@ def test_autotune_mlp_weights_fp8_tunes_the_stacked_gate_up_an_fp8_model_runs(so
     shapes = {(k.n, k.k) for k in tuned_keys}
     assert (2 * inter, hidden) in shapes and (inter, hidden) not in shapes
     assert (hidden, inter) in shapes  # down, as it is
+    vocab = preset.vocab if source == "preset" else 1000
+    # the LM head in the model's dtype, as patch(weights="fp8") leaves it; FP8 with --quantize-lm-head
+    assert {k.op for k in tuned_keys if k.n != vocab} == {"linear_e4m3_channel"}
+    assert {k.op for k in tuned_keys if k.n == vocab} == {"linear"}
+    tuned_keys.clear()
+    assert main(["autotune", *model, "--mlp", "--m", "1", "--out", str(tmp_path / "q.json"), "--weights", "fp8",
+                 "--quantize-lm-head"]) == 0
     assert {k.op for k in tuned_keys} == {"linear_e4m3_channel"}
     tuned_keys.clear()
     assert main(["autotune", *model, "--mlp", "--m", "1", "--out", str(tmp_path / "b.json")]) == 0

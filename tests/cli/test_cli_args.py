@@ -82,6 +82,7 @@ CASES = [  # (argv, text the line must hold: the bad value)
     (["autotune", "--model", "llama3-8b", "--weights", "fp4"], "'fp4'"),
     (["autotune", "--model", "llama3-8b", "--weights", "fp8", "--granularity", "block64"], "'block64'"),
     (["autotune", "--model", "llama3-8b", "--granularity", "block128"], "--granularity: only with --weights fp8"),
+    (["autotune", "--model", "llama3-8b", "--quantize-lm-head"], "--quantize-lm-head: only with --weights fp8"),
     (["autotune", "--model", "llama3-8b", "--weights", "fp8", "--dtype", "bf16", "fp32"], "not fp32"),
     (["autotune", "--moe", "llama3-8b"], "llama3-8b has no experts"),
     (["autotune", "--moe", "qwen3-30b-a3b", "--m", "4"], "--moe tunes every M range"),
