@@ -383,34 +383,37 @@ class HybridExperts(torch.nn.Module):
         return torch.ops.hybridgemm.moe_fwd(x, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                                             self.glu_activation, norm_weight, eps, residual)
 
-    def kernels_run(self, x: Tensor, top_k_weights: Tensor) -> bool:
-        """Do the MoE kernels run this call (CUDA, x of the weights' dtype, no gradient wanted)?
-        Else :meth:`forward` runs the PyTorch loop."""
+    def kernel_weights(self, x: Tensor, top_k_weights: Tensor) -> tuple | None:
+        """``(w_gate_up, w_down)`` (:meth:`expert_weights`) where the MoE kernels run this call
+        (CUDA, x of the weights' dtype, no gradient wanted); None where :meth:`forward` runs the
+        PyTorch loop."""
         if getattr(self, "_is_expert_parallel", False):
             raise RuntimeError(f"hybridgemm: {type(self).__name__} was patched, then sharded over ranks (expert "
                                "parallelism), which its kernels do not run; unpatch it (hybridgemm.unpatch) first")
         gu, down = self.expert_weights(x.dtype)
         wants_grad = torch.is_grad_enabled() and (x.requires_grad or top_k_weights.requires_grad
                                                   or any(isinstance(w, Tensor) and w.requires_grad for w in (gu, down)))
-        return not wants_grad and use_kernels(x) and x.dtype == gu.dtype == down.dtype \
+        runs = not wants_grad and use_kernels(x) and x.dtype == gu.dtype == down.dtype \
             and _data(gu).is_contiguous() and _data(down).is_contiguous()
+        return (gu, down) if runs else None
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        if not self.kernels_run(hidden_states, top_k_weights):
+        weights = self.kernel_weights(hidden_states, top_k_weights)
+        if weights is None:
             gu, down = self.expert_weights(hidden_states.dtype)
             return experts_loop(hidden_states, top_k_index, top_k_weights, gu, down, self.glu_activation)
-        return self.add_to(None, hidden_states, top_k_index, top_k_weights)
+        return self.add_to(None, hidden_states, top_k_index, top_k_weights, weights)
 
-    def add_to(self, residual: Tensor | None, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+    def add_to(self, residual: Tensor | None, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, weights: tuple,
                norm: tuple | None = None) -> Tensor:
         """``residual + experts(rmsnorm(x))`` by the kernels (:func:`moe`'s ``norm`` and
-        ``residual``; None: that part left out), where :meth:`kernels_run` holds."""
+        ``residual``; None: that part left out), ``weights`` what :meth:`kernel_weights` gave."""
         norm_weight, eps = norm if norm is not None else (None, 0.0)
         if torch.compiler.is_compiling():
             return self.compiled_moe(x, top_k_index, top_k_weights, norm_weight, eps, residual)
         from triton.errors import TritonError
 
-        gu, down = self.expert_weights(x.dtype)
+        gu, down = weights
         try:
             return moe(x, (top_k_index, top_k_weights), gu, down, self.glu_activation, norm=norm, residual=residual)
         except TritonError as e:  # not compiled for this GPU: nothing was launched

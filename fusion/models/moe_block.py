@@ -127,9 +127,10 @@ def block_step(layer: nn.Module, h: Tensor) -> Tensor | None:
         return None
     x = layer.post_attention_layernorm(h).reshape(-1, h.shape[-1])
     _, weights, ids = router(x)
-    if x.dtype != h.dtype or not experts.kernels_run(x, weights):
+    expert_weights = experts.kernel_weights(x, weights) if x.dtype == h.dtype else None
+    if expert_weights is None:
         return h + experts(x, ids, weights).view(h.shape)
-    return experts.add_to(h.reshape(x.shape), x, ids, weights).view(h.shape)
+    return experts.add_to(h.reshape(x.shape), x, ids, weights, expert_weights).view(h.shape)
 
 
 __all__ = ["FUSED_BLOCK", "block_step", "why_not_fuse_block"]
