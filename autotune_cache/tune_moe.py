@@ -97,10 +97,10 @@ def configs_of(record) -> tuple:
 
 # pair-major (block_n, block_k, warps, stages, mma): CUDA-core and tensor-core forms (the
 # fastest of each in scripts/moe_config_probe.py at the Qwen3-30B-A3B and Mixtral-8x7B experts).
-# Down's CUDA-core form loads its K tiles without a cp.async pipeline (Triton pipelines the loads
-# that feed tl.dot), so each K step waits for the last: 4 x 512 and 4 x 1024 read a token's slots
-# over Qwen3-30B-A3B's K = 768 in two rounds and in one (compiled for sm_90 with e4m3 weights they
-# keep no local memory: tests/fusion/test_moe.py)
+# Down's CUDA-core form compiles its K-tile loads without a cp.async pipeline (sm_90 SASS), so
+# each K step waits for the last: 4 x 512 and 4 x 1024 read a token's slots over Qwen3-30B-A3B's
+# K = 768 in two rounds and in one (compiled for sm_90 with e4m3 weights they keep no local
+# memory: tests/fusion/test_moe.py)
 _PAIR_UP = [(8, 128, 8, 4, False), (8, 256, 8, 4, False), (16, 256, 1, 4, True), (32, 256, 2, 4, True),
             (16, 128, 1, 4, True)]
 _PAIR_DOWN = [(8, 256, 4, 4, False), (4, 256, 4, 2, False), (4, 256, 8, 2, False), (8, 256, 8, 4, False),
