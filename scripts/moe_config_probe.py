@@ -36,7 +36,7 @@ PAIR_UP_GRID = [tm.TritonMoeConfig(1, bn, bk, w, s) for bn, bk, w, s in [
 PAIR_DOWN_GRID = [tm.TritonMoeConfig(1, bn, bk, w, s) for bn, bk, w, s in
                   itertools.product((4, 8, 16, 32), (64, 128, 256), (4, 8), (2, 4))]
 # tiles as deep as a small K (Qwen3-30B-A3B's 768): a token's slots in two K steps, or one
-PAIR_DOWN_GRID += [tm.TritonMoeConfig(1, 4, bk, w, 1) for bk, w in [(512, 8), (1024, 8), (1024, 16)]]
+PAIR_DOWN_GRID += [tm.TritonMoeConfig(1, bn, bk, w, 1) for bn, bk, w in [(4, 512, 8), (2, 1024, 8), (4, 1024, 16)]]
 # the tensor-core forms (mma): W tiles of 16-64 rows, a warp per 16 rows or fewer warps
 PAIR_UP_GRID += [tm.TritonMoeConfig(1, bn, bk, w, s, mma=True) for bn, bk, w, s in [
     (16, 128, 1, 4), (16, 256, 1, 4), (16, 512, 1, 3), (32, 128, 2, 4), (32, 256, 2, 4), (32, 256, 4, 4),

@@ -38,6 +38,7 @@ def test_a_record_round_trips_and_bad_ones_are_named():
                        ({**good, "up": [64, 128, 64, True, 3]}, "integer"), ([1, 2], "config is"),
                        ({**good, "up": [64, 128, 64, 4, 99]}, "num_stages"),
                        ({**good, "down": [64, 256, 2048, 8, 3]}, "block_k"),
+                       ({**good, "down": [1, 1, 1024, 8, 1]}, "block_n"),
                        ({**good, "up": [64, 128, 64, 4, 3, 1]}, "sixth value")]:
         with pytest.raises(ValueError, match=match):
             tune_moe.configs_of(bad)
@@ -46,7 +47,7 @@ def test_a_record_round_trips_and_bad_ones_are_named():
     record = tune_moe.record_of(mma_up, mma_down)
     assert record == {"up": [1, 32, 256, 2, 4, 1], "down": [1, 8, 256, 4, 4]}
     assert tune_moe.configs_of(record) == (mma_up, mma_down)
-    one_step = tm.TritonMoeConfig(1, 4, 1024, 16, 1)  # the widest K tile a record holds
+    one_step = tm.TritonMoeConfig(1, 2, 1024, 8, 1)  # the narrowest N tile and widest K tile a record holds
     assert tune_moe.configs_of(tune_moe.record_of(mma_up, one_step)) == (mma_up, one_step)
     for bad, match in [([1, 8, 256, 4, 4, 1], "sixth value"), ([1, 32, 256, 2, 4, 0], "sixth value"),
                        ([1, 32, 256, 2, 4, True], "sixth value"), ([1, 32, 256, 2, 4, 1.0], "sixth value"),
@@ -60,7 +61,7 @@ def test_candidates_share_a_block_size_and_fit_the_routing():
     assert any(u.block_m == 1 for u, _ in decode) and {u.block_m for u, _ in decode} <= {1, 16}
     # the CUDA-core down whose K tile covers Qwen3-30B-A3B's K = 768 in one step, and in two
     downs = {d for _, d in decode}
-    assert {tm.TritonMoeConfig(1, 4, 1024, 16, 1), tm.TritonMoeConfig(1, 4, 512, 8, 1)} <= downs
+    assert {tm.TritonMoeConfig(1, 2, 1024, 8, 1), tm.TritonMoeConfig(1, 4, 512, 8, 1)} <= downs
     prefill = tune_moe.candidates(16384, 128)
     assert all(u.block_m == d.block_m > 1 for u, d in prefill) and {u.block_m for u, _ in prefill} == {16, 32, 64, 128}
     assert not any(u.block_m == 128 and u.block_n == 256 for u, _ in prefill)  # two 128x256 tiles: no smem
