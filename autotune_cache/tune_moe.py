@@ -43,6 +43,9 @@ MOE_M_MAX = 4096
 _OP_RE = re.compile(r"^moe_([a-z_]+?)_e([1-9][0-9]{0,4})_k([1-9][0-9]{0,2})(_e4m3_channel|_e4m3_block128)?$")
 _RECORD_LIMITS = {"block_m": (1, 256), "block_n": (2, 512), "block_k": (16, 1024), "num_warps": (1, 16),
                   "num_stages": (1, 8)}
+# block_n below 4 and block_k above 512: the pair-major CUDA-core form's narrow, deep tiles only
+# (a grouped or tensor-core launch of such tiles would not fit shared memory or an MMA)
+_NARROW_N, _DEEP_K = 4, 512
 MOST_WEIGHT_COPY_BYTES = 16 << 30  # rotating copies of the expert weights, at most this much
 
 
@@ -89,6 +92,9 @@ def configs_of(record) -> tuple:
         if len(values) > len(_RECORD_LIMITS) and not (mma and values[0] == 1 and min(values[1:3]) >= 16):
             raise ValueError(f"{name}: a sixth value is 1 (mma) after block_m 1 and block_n, block_k of at least "
                              f"16, got {values!r}")
+        if (values[1] < _NARROW_N or values[2] > _DEEP_K) and (values[0] != 1 or mma):
+            raise ValueError(f"{name}: block_n below {_NARROW_N} or block_k above {_DEEP_K} only pair-major on the "
+                             f"CUDA cores (block_m 1, no mma), got {values!r}")
         out.append(tm.TritonMoeConfig(*values[:len(_RECORD_LIMITS)], mma=mma))
     if out[0].block_m != out[1].block_m:
         raise ValueError(f"up and down differ in block_m ({out[0].block_m}, {out[1].block_m}): they share the layout")
@@ -97,10 +103,10 @@ def configs_of(record) -> tuple:
 
 # pair-major (block_n, block_k, warps, stages, mma): CUDA-core and tensor-core forms (the
 # fastest of each in scripts/moe_config_probe.py at the Qwen3-30B-A3B and Mixtral-8x7B experts).
-# Down's CUDA-core form compiles its K-tile loads without a cp.async pipeline (sm_90 SASS), so
-# each K step waits for the last: 4 x 512 and 2 x 1024 read a token's slots over Qwen3-30B-A3B's
-# K = 768 in two rounds and in one (compiled for sm_90 they keep no local memory under Triton 3.6
-# and 3.9, where 4 x 1024 spills under 3.9: tests/fusion/test_moe.py)
+# Down's CUDA-core form compiles its K-tile loads without a cp.async pipeline (sm_90 SASS, Triton
+# 3.6 and 3.9), so each K step waits for the last: 4 x 512 and 2 x 1024 read a token's slots over
+# Qwen3-30B-A3B's K = 768 in two rounds and in one (compiled for sm_90 with e4m3 or bf16 weights
+# they keep no local memory: tests/fusion/test_moe.py)
 _PAIR_UP = [(8, 128, 8, 4, False), (8, 256, 8, 4, False), (16, 256, 1, 4, True), (32, 256, 2, 4, True),
             (16, 128, 1, 4, True)]
 _PAIR_DOWN = [(8, 256, 4, 4, False), (4, 256, 4, 2, False), (4, 256, 8, 2, False), (8, 256, 8, 4, False),

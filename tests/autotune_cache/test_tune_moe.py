@@ -39,6 +39,9 @@ def test_a_record_round_trips_and_bad_ones_are_named():
                        ({**good, "up": [64, 128, 64, 4, 99]}, "num_stages"),
                        ({**good, "down": [64, 256, 2048, 8, 3]}, "block_k"),
                        ({**good, "down": [1, 1, 1024, 8, 1]}, "block_n"),
+                       # narrow or deep tiles: the pair-major CUDA-core form's alone
+                       ({**good, "down": [64, 2, 64, 4, 3]}, "pair-major on the CUDA cores"),
+                       ({**good, "down": [64, 64, 1024, 4, 3]}, "pair-major on the CUDA cores"),
                        ({**good, "up": [64, 128, 64, 4, 3, 1]}, "sixth value")]:
         with pytest.raises(ValueError, match=match):
             tune_moe.configs_of(bad)
@@ -49,7 +52,8 @@ def test_a_record_round_trips_and_bad_ones_are_named():
     assert tune_moe.configs_of(record) == (mma_up, mma_down)
     one_step = tm.TritonMoeConfig(1, 2, 1024, 8, 1)  # the narrowest N tile and widest K tile a record holds
     assert tune_moe.configs_of(tune_moe.record_of(mma_up, one_step)) == (mma_up, one_step)
-    for bad, match in [([1, 8, 256, 4, 4, 1], "sixth value"), ([1, 32, 256, 2, 4, 0], "sixth value"),
+    for bad, match in [([1, 16, 1024, 4, 4, 1], "pair-major on the CUDA cores"),
+                       ([1, 8, 256, 4, 4, 1], "sixth value"), ([1, 32, 256, 2, 4, 0], "sixth value"),
                        ([1, 32, 256, 2, 4, True], "sixth value"), ([1, 32, 256, 2, 4, 1.0], "sixth value"),
                        ([1, 32, 256, 2, 4, 1, 1], "5 integers")]:
         with pytest.raises(ValueError, match=match):

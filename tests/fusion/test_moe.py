@@ -332,7 +332,7 @@ def test_the_kernels_compile_for_hopper():
 
 
 _COMPILE_AS_LAUNCHED = """
-import os, re, subprocess, tempfile
+import itertools, os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -361,14 +361,16 @@ for bn, bk, warps, stages in ((32, 256, 2, 4), (16, 256, 1, 4)):  # the H200 tab
     local = [o for o in ops if o.startswith(("LDL", "STL"))]
     assert ops and not local, (bn, bk, len(ops), len(local))  # no local memory: nothing spilled
     assert any(o.startswith("LDGSTS") for o in ops), (bn, bk)  # the W tiles stream through the cp.async pipeline
-# the CUDA-core down's one- and two-round tiles (autotune_cache/tune_moe.py's pair-major candidates)
+# the CUDA-core down's one- and two-round tiles (autotune_cache/tune_moe.py's pair-major candidates),
+# e4m3 and bf16 weights
 fn = moe_pairs._moe_pair_down_kernel
-types = ["*bf16", "*fp8e4nv", "*fp32", "*i64", "*fp32", "*bf16", "*bf16"] + ["i32"] * 9
 aligned = {"inter_ptr", "w_ptr", "sc_ptr", "ids_ptr", "rw_ptr", "out_ptr", "res_ptr", "N", "K", "ldi", "lde", "ldw",
            "ldo", "ldr"}
-for bn, bk, warps, stages in ((4, 512, 8, 1), (2, 1024, 8, 1)):
-    consts = {"TOP_K": 8, "KP": 8, "BN": bn, "BK": bk, "ROUND_PRODUCT": False, "PDL": True, "WSCALE": 1, "WINT": True,
-              "RESIDUAL": True}
+for (bn, bk, warps, stages), w in itertools.product(((4, 512, 8, 1), (2, 1024, 8, 1)), ("*fp8e4nv", "*bf16")):
+    types = ["*bf16", w, "*fp32", "*i64", "*fp32", "*bf16", "*bf16"] + ["i32"] * 9
+    e4m3 = w == "*fp8e4nv"
+    consts = {"TOP_K": 8, "KP": 8, "BN": bn, "BK": bk, "ROUND_PRODUCT": False, "PDL": True, "WSCALE": int(e4m3),
+              "WINT": e4m3, "RESIDUAL": True}
     sig = {**dict(zip(fn.arg_names, types)), **dict.fromkeys(consts, "constexpr")}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in aligned}
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
@@ -378,7 +380,7 @@ for bn, bk, warps, stages in ((4, 512, 8, 1), (2, 1024, 8, 1)):
     sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     os.unlink(f.name)
     ops = re.findall(r"^\\s+/\\*[0-9a-f]+\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z0-9_]+)", sass, re.M)
-    assert ops and not [o for o in ops if o.startswith(("LDL", "STL"))], (bn, bk)
+    assert ops and not [o for o in ops if o.startswith(("LDL", "STL"))], (bn, bk, w)
 print("compiled")
 """
 
@@ -388,9 +390,10 @@ def test_the_fp8_tensor_core_gate_up_spills_nothing_and_pipelines_its_loads():
     compiled for sm_90 as a launch specialises it (16-divisible pointers, K and strides): no
     local loads or stores in its SASS (nothing spilled) and its weight tiles loaded by
     ``cp.async`` (the pipelined loop). Compiled without those specialisations the same source
-    spills (68 local loads at 32 x 256): what the GPU runs is the specialised one. The CUDA-core
-    down at the tuner's 4 x 512 and 2 x 1024 tiles (a token's slots in two K steps, or one, at
-    Qwen3-30B-A3B's K = 768) keeps no local memory either."""
+    spills (Triton 3.6: 68 local loads at 32 x 256): what the GPU runs is the specialised one.
+    The CUDA-core down at the tuner's 4 x 512 and 2 x 1024 tiles (a token's slots in two K
+    steps, or one, at Qwen3-30B-A3B's K = 768), e4m3 and bf16 weights, keeps no local memory
+    either."""
     from helpers import compile_offline
 
     compile_offline(_COMPILE_AS_LAUNCHED)
