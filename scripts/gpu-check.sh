@@ -31,6 +31,13 @@
 #                   stage of the call wrote it), then llama3-8b FP8 compiled decode on it, and first on the
 #                   table before the entries (FP8MLP_BASELINE=0 skips that; FP8MLP_NORM_APART=1: B = 1 again
 #                   with HYBRIDGEMM_FP8_NORM_APART=1) (FP8MLP_TIMEOUT s per step, default 420)
+#         devtable  the shipped table of the GPU it runs on (autotune_cache/tables/, found by GPU name; a new
+#                   <gpu slug>.json where none ships) extended into $OUT with DEVTABLE_MODELS' ranges (default
+#                   llama3-8b qwen2.5-7b; DEVTABLE_ARGS, default "--mlp --m 1 2 4 8 16"; then DEVTABLE_FP8_ARGS
+#                   with --weights fp8 where set), each autotune under DEVTABLE_TIMEOUT s (default 420; the table
+#                   keeps every range it finished), then llama3-8b's compiled decode (B = 1, 8; DEVTABLE_E2E_ARGS
+#                   added, e.g. "--weights fp8 --quantize-lm-head --no-peers") on the shipped table and on the
+#                   extended one (DEVTABLE_E2E=0 skips)
 #         moetables the grouped MoE entries of qwen3-30b-a3b in MOETABLES_WEIGHTS (default "bf16 fp8": bf16
 #                   retuned, FP8 per channel; FP8 adds its attention GEMMs, LM head and router (bf16) at M 1-16) into
 #                   $OUT/h200.json (as fp8mlp), then its 12-layer compiled decode (B = 1, 8) on it in each,
@@ -243,6 +250,35 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
           2>&1 || status=1
         grep -v -i warn "$OUT/e2e_profile_$name.txt" | head -n 40 | tee -a "$OUT/summary.txt"
       done
+      ;;
+    devtable)
+      t=${DEVTABLE_TIMEOUT:-420}
+      file=$($PY -c "import torch; from hybridgemm.autotune_cache.table_locations import device_slug, shipped_table_for_device as f
+name = torch.cuda.get_device_name(); p = f(name); print(p.name if p else device_slug(name) + '.json')" 2>/dev/null) \
+        || { log "devtable: no CUDA device"; status=1; continue; }
+      [ -f "autotune_cache/tables/$file" ] && cp "autotune_cache/tables/$file" "$OUT/$file"
+      models=(${DEVTABLE_MODELS:-llama3-8b qwen2.5-7b}); margs=(); for mdl in "${models[@]}"; do margs+=(--model "$mdl"); done
+      dev_e2e() {  # $1 name, then VAR=value settings: llama3-8b's compiled decode, B = 1 and 8
+        local name=$1; shift
+        log "devtable e2e llama3-8b ($name) ${DEVTABLE_E2E_ARGS:-}"
+        # shellcheck disable=SC2086
+        env "$@" timeout "$t" $PY -m hybridgemm bench --e2e --model llama3-8b --batch 1 8 --tokens 32 --rounds 2 \
+          --modes compiled_static ${DEVTABLE_E2E_ARGS:-} --no-progress --out "$OUT/e2e_devtable_$name.csv" \
+          >"$OUT/bench_e2e_devtable_$name.txt" \
+          2>&1 || status=1
+        tail -n 8 "$OUT/bench_e2e_devtable_$name.txt" | tee -a "$OUT/summary.txt"
+      }
+      if [ "${DEVTABLE_E2E:-1}" = 1 ]; then dev_e2e shipped; fi
+      passes=("${DEVTABLE_ARGS:---mlp --m 1 2 4 8 16}")
+      [ -n "${DEVTABLE_FP8_ARGS:-}" ] && passes+=("--weights fp8 $DEVTABLE_FP8_ARGS")
+      for i in "${!passes[@]}"; do
+        log "devtable autotune ${models[*]} ${passes[$i]} -> $OUT/$file"
+        # shellcheck disable=SC2086
+        timeout "$t" $PY -m hybridgemm autotune "${margs[@]}" ${passes[$i]} --out "$OUT/$file" --no-progress \
+          >"$OUT/autotune_devtable_$i.txt" 2>&1 || status=1
+        grep -E "^tun|^compiled" "$OUT/autotune_devtable_$i.txt" | tee -a "$OUT/summary.txt"
+      done
+      if [ "${DEVTABLE_E2E:-1}" = 1 ]; then dev_e2e extended HYBRIDGEMM_TABLE="$OUT/$file"; fi
       ;;
     fp8mlp)
       # FP8 table entries for the MLP GEMMs and LM heads of llama3-8b and qwen2.5-7b at decode rows,
