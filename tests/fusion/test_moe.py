@@ -342,13 +342,11 @@ from hybridgemm.kernels.triton_glu import ACTIVATIONS
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 if not os.path.exists(cuobjdump):
     raise SystemExit("API: no cuobjdump beside this Triton")
-fn = moe_pairs._moe_pair_glu_mma_kernel
-types = ["*bf16", "*fp8e4nv", "*fp32", "*i64", "*bf16", "*bf16"] + ["i32"] * 10 + ["fp32"] * 2
-# a launch specialises pointers and integers divisible by 16 (Qwen3-30B-A3B's K, strides, N)
-aligned = {"x_ptr", "w_ptr", "sc_ptr", "ids_ptr", "out_ptr", "nw_ptr", "N", "K", "ldx", "lde", "ldw", "ldo", "n_gate"}
-for bn, bk, warps, stages in ((32, 256, 2, 4), (16, 256, 1, 4)):  # the H200 table's e4m3 gate/up at M = 1 and 2
-    consts = {"BN": bn, "BK": bk, "ACT": ACTIVATIONS["silu"], "PREC": "tf32", "PDL": True, "WSCALE": 1, "WINT": True,
-              "NORM": False}
+
+
+def sass_ops(fn, types, consts, aligned, warps, stages):
+    # fn compiled for sm_90 as a launch specialises it (pointers and integers divisible by 16:
+    # Qwen3-30B-A3B's K, strides, N), disassembled: its SASS opcodes in order
     sig = {**dict(zip(fn.arg_names, types)), **dict.fromkeys(consts, "constexpr")}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in aligned}
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
@@ -358,12 +356,24 @@ for bn, bk, warps, stages in ((32, 256, 2, 4), (16, 256, 1, 4)):  # the H200 tab
     sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     os.unlink(f.name)
     ops = re.findall(r"^\\s+/\\*[0-9a-f]+\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z0-9_]+)", sass, re.M)
-    local = [o for o in ops if o.startswith(("LDL", "STL"))]
-    assert ops and not local, (bn, bk, len(ops), len(local))  # no local memory: nothing spilled
+    assert ops, fn
+    return ops
+
+
+def local_memory(ops):
+    return [o for o in ops if o.startswith(("LDL", "STL"))]
+
+
+types = ["*bf16", "*fp8e4nv", "*fp32", "*i64", "*bf16", "*bf16"] + ["i32"] * 10 + ["fp32"] * 2
+aligned = {"x_ptr", "w_ptr", "sc_ptr", "ids_ptr", "out_ptr", "nw_ptr", "N", "K", "ldx", "lde", "ldw", "ldo", "n_gate"}
+for bn, bk, warps, stages in ((32, 256, 2, 4), (16, 256, 1, 4)):  # the H200 table's e4m3 gate/up at M = 1 and 2
+    consts = {"BN": bn, "BK": bk, "ACT": ACTIVATIONS["silu"], "PREC": "tf32", "PDL": True, "WSCALE": 1, "WINT": True,
+              "NORM": False}
+    ops = sass_ops(moe_pairs._moe_pair_glu_mma_kernel, types, consts, aligned, warps, stages)
+    assert not local_memory(ops), (bn, bk, len(local_memory(ops)))  # nothing spilled
     assert any(o.startswith("LDGSTS") for o in ops), (bn, bk)  # the W tiles stream through the cp.async pipeline
 # the CUDA-core down's one- and two-round tiles (autotune_cache/tune_moe.py's pair-major candidates),
 # e4m3 and bf16 weights
-fn = moe_pairs._moe_pair_down_kernel
 aligned = {"inter_ptr", "w_ptr", "sc_ptr", "ids_ptr", "rw_ptr", "out_ptr", "res_ptr", "N", "K", "ldi", "lde", "ldw",
            "ldo", "ldr"}
 for (bn, bk, warps, stages), w in itertools.product(((4, 512, 8, 1), (2, 1024, 8, 1)), ("*fp8e4nv", "*bf16")):
@@ -371,16 +381,8 @@ for (bn, bk, warps, stages), w in itertools.product(((4, 512, 8, 1), (2, 1024, 8
     e4m3 = w == "*fp8e4nv"
     consts = {"TOP_K": 8, "KP": 8, "BN": bn, "BK": bk, "ROUND_PRODUCT": False, "PDL": True, "WSCALE": int(e4m3),
               "WINT": e4m3, "RESIDUAL": True}
-    sig = {**dict(zip(fn.arg_names, types)), **dict.fromkeys(consts, "constexpr")}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in aligned}
-    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(c.asm["cubin"])
-    sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    os.unlink(f.name)
-    ops = re.findall(r"^\\s+/\\*[0-9a-f]+\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z0-9_]+)", sass, re.M)
-    assert ops and not [o for o in ops if o.startswith(("LDL", "STL"))], (bn, bk, w)
+    ops = sass_ops(moe_pairs._moe_pair_down_kernel, types, consts, aligned, warps, stages)
+    assert not local_memory(ops), (bn, bk, w)
 print("compiled")
 """
 
