@@ -328,15 +328,23 @@ def fusable_splitk_config(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return found.config if found.backend == "triton_splitk" and found.config is not None else None
 
 
-def _tiles_within_heads(config, head_dim: int):
+def _tiles_within_heads(config, head_dim: int, rotated: int):
     """``config`` with tiles narrow enough for the rotary epilogue's heads: the rotary pairs
     columns within one head, so a tile must not span two (a head of 96, Phi-3's, under a tuned
-    tile of 64 columns: tiles of 32). The other fields are the tuned ones; a head no power-of-two
-    tile of 16 or more divides keeps the config, which the kernel then refuses."""
+    tile of 64 columns: tiles of 32), and the ``rotated`` columns of a head (a partial rotary)
+    must fill whole tiles or a tile whole groups of them. The other fields are the tuned ones.
+    None where no power-of-two tile of 16 or more fits (StableLM-3B's heads of 80 rotated over
+    20 columns): the caller computes it unfused."""
+    def fits(block_n):
+        return head_dim % block_n == 0 and rotated > 0 and \
+            (rotated % block_n if block_n <= rotated else block_n % rotated) == 0
+
     block_n = config.block_n
-    while block_n > 16 and head_dim % block_n:
+    while block_n > 16 and not fits(block_n):
         block_n //= 2
-    return dataclasses.replace(config, block_n=block_n) if head_dim % block_n == 0 else config
+    if not fits(block_n):
+        return None
+    return config if block_n == config.block_n else dataclasses.replace(config, block_n=block_n)
 
 
 # An eager decode step calls the same few fused GEMMs at every token (O and down with their
@@ -435,8 +443,10 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             # the same partials in the same order, so the bits are the two-launch path's
             config = dataclasses.replace(config, fused_reduce=True)
     rope = fusion.get("rope")
-    if rope is not None and rope.head_dim % config.block_n:
-        config = _tiles_within_heads(config, rope.head_dim)
+    if rope is not None:
+        config = _tiles_within_heads(config, rope.head_dim, rope.cos.shape[-1])
+        if config is None:
+            return None
     norm = fusion.get("norm")
     if norm is not None:
         g, eps, offset = (*norm, None)[:3]

@@ -3,13 +3,20 @@
 
 The QKV GEMM's output columns are ``[q heads | k heads | v heads]``, each head ``head_dim``
 wide. Hugging Face's rotary embedding (``q * cos + rotate_half(q) * sin``) pairs column ``c``
-of a q or k head with column ``c ± head_dim / 2`` of the same head, which a tile of contiguous
-columns does not hold together. So a q/k tile takes its ``BN`` weight rows as two half-blocks,
-``BN / 2`` rows from the first half of one head and the matching ``BN / 2`` from its second
-half (:func:`tl_rope_columns`); pointer loads take any row order, the bytes of W read are the
-same. The epilogue then has both members of every pair in its fp32 tile and rotates in
-registers (:func:`tl_rotate_half_rows`), before the one rounding to the output dtype. The v
-tiles keep contiguous columns and are not rotated.
+of a q or k head with column ``c ± R / 2`` of the same head (R = cos's width: ``head_dim``, or
+fewer for a partial rotary, GPT-NeoX's and StableLM's, whose columns from R on pass through),
+which a tile of contiguous columns does not hold together. So a q/k tile takes its ``BN``
+weight rows as two half-blocks, each pair's lower column in the first and its partner at the
+same place in the second (:func:`tl_rope_columns`); pointer loads take any row order, the
+bytes of W read are the same. The epilogue then has both members of every pair in its fp32
+tile and rotates in registers (:func:`tl_rotate_half_rows`), before the one rounding to the
+output dtype. The v tiles keep contiguous columns and are not rotated.
+
+A weight whose rows are grouped per KV head, ``[q x group | k | v]`` (GPT-NeoX's
+``query_key_value``, ``[q | k | v]`` per head, group 1; Falcon's new architecture, group
+heads / kv_heads), is read in that order (:func:`tl_grouped_rows` maps each output column to
+its weight row and bias entry) while the output keeps the ``[q | k | v]`` columns above: the
+same bytes of W, and q contiguous for the attention.
 
 With q/k norms (Qwen3's ``q_norm``/``k_norm``: an RMSNorm over each head's ``head_dim``
 columns, before the rotary), a q/k tile holds one whole head (``block_n == head_dim``): the
@@ -62,6 +69,7 @@ class RotaryCache:
     # (or fp32 weights with None: a factor already formed), Gemma's (times qk_offset + weight
     # in fp32, rounded once)
     qk_offset: float | None = None
+    group: int = 0  # the weight's rows grouped per KV head, [q x group | k | v]; 0: all q, all k, all v
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,8 @@ class RopeLayout:
     qk_eps: float = 0.0
     qk_factor: bool = False  # Gemma's formula (RotaryCache.qk_offset), with the offset below
     qk_offset: float = 0.0
+    rot: int = 0  # the rotated columns of each head (cos's width); 0: head_dim
+    group: int = 0  # RotaryCache.group
 
     def scalars(self, block_n: int) -> tuple:
         """The kernel's rotary arguments (integers, then the q/k norms' eps), in signature order."""
@@ -107,16 +117,26 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
     if block_n > hd or hd % block_n:
         raise ValueError(f"{who}: rope needs tiles within one head: block_n={block_n} does not divide "
                          f"head_dim={hd}")
+    group = rc.group
+    if not isinstance(group, int) or group < 0 or group and h != group * hkv:
+        raise ValueError(f"{who}: rope group must be 0 or heads / kv_heads = {h // hkv if h % hkv == 0 else '-'} "
+                         f"(the query heads of each KV head), got {group!r}")
     norms = _qk_norms(rc, x, block_n, who)
     m = x.shape[0]
     cos, sin = rc.cos, rc.sin
     for name, t in (("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[-1] != hd or t.stride(-1) != 1:
-            raise ValueError(f"{who}: rope {name} must be [B or 1, S, {hd}] with unit last stride")
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or not 2 <= t.shape[-1] <= hd or t.shape[-1] % 2 \
+                or t.stride(-1) != 1:
+            raise ValueError(f"{who}: rope {name} must be [B or 1, S, R] (R even, at most head_dim {hd}) with unit "
+                             "last stride")
         if t.dtype != x.dtype or t.device != x.device:
             raise TypeError(f"{who}: rope {name} must have x's dtype and device ({x.dtype}, {x.device})")
     if cos.shape != sin.shape or cos.stride() != sin.stride():
         raise ValueError(f"{who}: rope cos and sin must have the same shape and strides")
+    rot = cos.shape[-1]
+    if rot % block_n if block_n <= rot else block_n % rot:
+        raise ValueError(f"{who}: rope over {rot} of each head's columns needs tiles of a width that divides it or "
+                         f"that it divides: block_n={block_n}")
     seq = cos.shape[1]
     batch = m // seq if seq else 0
     if not seq or batch * seq != m or cos.shape[0] not in (1, batch):
@@ -125,7 +145,7 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
     ptrs = [cos, sin]
     factor = bool(norms) and (rc.qk_offset is not None or rc.q_norm.dtype != x.dtype)
     qk = dict(qk_norm=bool(norms), qk_eps=float(rc.qk_eps) if norms else 0.0, qk_factor=factor,
-              qk_offset=float(rc.qk_offset or 0.0) if factor else 0.0)
+              qk_offset=float(rc.qk_offset or 0.0) if factor else 0.0, rot=rot, group=group)
     if rc.keys is None:
         if rc.values is not None or rc.base is not None:
             raise ValueError(f"{who}: rope: values and base need keys")
@@ -180,15 +200,34 @@ def _aligned(tensors) -> tuple[bool, ...]:
 
 
 @triton.jit
-def tl_rope_columns(pid_n, offs_n, rope_tiles, BN: tl.constexpr, HD: tl.constexpr):
-    """The output columns of tile ``pid_n``: for a q/k tile (``pid_n < rope_tiles``) ``BN / 2``
-    columns of the first half of its head, then the ``BN / 2`` columns they pair with in the
-    second half; the contiguous ``offs_n`` otherwise."""
+def tl_rope_columns(pid_n, offs_n, rope_tiles, BN: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr):
+    """The output columns of tile ``pid_n``: for a q/k tile (``pid_n < rope_tiles``) that holds
+    rotated columns (the first ``ROT`` of its head), the lower columns of its pairs, then their
+    partners ``ROT / 2`` further, in the same order; the contiguous ``offs_n`` otherwise. A tile
+    of ``BN <= ROT`` columns takes ``BN / 2`` pairs; a wider one (``ROT`` divides ``BN``) spans
+    ``BN / ROT`` groups of ``ROT`` columns, the first of them rotated."""
     j = tl.arange(0, BN)
     per_head: tl.constexpr = HD // BN
-    head = pid_n // per_head
-    paired = head * HD + (j // (BN // 2)) * (HD // 2) + (pid_n % per_head) * (BN // 2) + j % (BN // 2)
-    return tl.where(pid_n < rope_tiles, paired, offs_n)
+    half: tl.constexpr = BN // 2
+    t = pid_n % per_head
+    start = (pid_n // per_head) * HD
+    if BN <= ROT:
+        paired = start + (j // half) * (ROT // 2) + t * half + j % half
+    else:
+        paired = start + t * BN + ((j % half) // (ROT // 2)) * ROT + (j // half) * (ROT // 2) + j % (ROT // 2)
+    return tl.where((pid_n < rope_tiles) & (t * BN < ROT), paired, offs_n)
+
+
+@triton.jit
+def tl_grouped_rows(cols, q_cols, v_start, HD: tl.constexpr, QG: tl.constexpr):
+    """The weight rows of output columns ``cols`` (``[q | k | v]``, heads of ``HD``) in a weight
+    grouped per KV head, ``[q x QG | k | v]``: KV head g's rows start at ``g * (QG + 2) * HD``."""
+    is_q = cols < q_cols
+    is_v = cols >= v_start
+    head = (cols - tl.where(is_q, 0, tl.where(is_v, v_start, q_cols))) // HD
+    group = tl.where(is_q, head // QG, head)
+    part = tl.where(is_q, head % QG, tl.where(is_v, QG + 1, QG))
+    return (group * (QG + 2) + part) * HD + cols % HD
 
 
 @triton.jit
@@ -204,12 +243,12 @@ def tl_rotate_half_rows(acc, BN: tl.constexpr, BM: tl.constexpr):
 def tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr, vc_ptr, base_ptr, qn_ptr, kn_ptr,
                      seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len, rope_tiles,
                      qk_eps, KV: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, HD: tl.constexpr,
-                     QK_NORM: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr):
+                     QK_NORM: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr, ROT: tl.constexpr):
     """Rotate a q/k tile's fp32 accumulator [BN, BM] (columns from :func:`tl_rope_columns`,
-    tokens ``offs_m``) after its q/k norm (``QK_NORM``: ``BN == HD``, one head per tile; Llama's
-    formula, or with ``QK_FACTOR`` Gemma's, factor ``QK_OFFSET + weight``) and, with ``KV``,
-    store a k or v tile into the cache. Returns the tile, NaN in the rows of tokens whose cache
-    position is outside ``[0, cache_len)``."""
+    tokens ``offs_m``; the first ``ROT`` columns of each head) after its q/k norm (``QK_NORM``:
+    ``BN == HD``, one head per tile; Llama's formula, or with ``QK_FACTOR`` Gemma's, factor
+    ``QK_OFFSET + weight``) and, with ``KV``, store a k or v tile into the cache. Returns the
+    tile, NaN in the rows of tokens whose cache position is outside ``[0, cache_len)``."""
     b = (offs_m // seq).to(tl.int64)
     s = offs_m % seq
     if pid_n < rope_tiles:
@@ -225,9 +264,15 @@ def tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr,
             else:  # ... rounded, times the weight, rounded (Llama's formula: Qwen3)
                 acc = ((y * rstd[None, :]).to(dt).to(tl.float32) * g[:, None]).to(dt).to(tl.float32)
         cs = tok[None, :] + c[:, None]
-        cos = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
-        acc = acc * cos + tl_rotate_half_rows(acc, BN, BM) * sin
+        if ROT == HD:
+            cos = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
+            acc = acc * cos + tl_rotate_half_rows(acc, BN, BM) * sin
+        else:  # a partial rotary: columns from ROT on pass through
+            rotated = (c < ROT)[:, None]
+            cos = tl.load(cos_ptr + cs, mask=mask & rotated, other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + cs, mask=mask & rotated, other=0.0).to(tl.float32)
+            acc = tl.where(rotated, acc * cos + tl_rotate_half_rows(acc, BN, BM) * sin, acc)
     if KV:
         pos = tl.load(base_ptr) + s
         in_cache = (pos >= 0) & (pos < cache_len)
@@ -246,4 +291,5 @@ def tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr,
     return acc
 
 
-__all__ = ["RopeLayout", "RotaryCache", "rope_layout", "tl_rope_columns", "tl_rope_epilogue", "tl_rotate_half_rows"]
+__all__ = ["RopeLayout", "RotaryCache", "rope_layout", "tl_grouped_rows", "tl_rope_columns", "tl_rope_epilogue",
+           "tl_rotate_half_rows"]

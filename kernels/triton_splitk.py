@@ -64,7 +64,7 @@ from .triton_plan import (
     split_extent,
 )
 from .triton_prefetch import prefetch_elements, tl_prefetch_rows
-from .triton_rope import RopeLayout, RotaryCache, rope_layout, tl_rope_columns, tl_rope_epilogue
+from .triton_rope import RopeLayout, RotaryCache, rope_layout, tl_grouped_rows, tl_rope_columns, tl_rope_epilogue
 from .triton_router import MAX_TOP_K, tl_route_tile
 from .triton_scratch import (
     TL_MAX_FIXUP_GROUP,
@@ -111,7 +111,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                    QK_NORM: tl.constexpr, RES_SCALED: tl.constexpr, WSCALE: tl.constexpr,
                    WINT: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr, NW_OFFSET: tl.constexpr,
                    GLU: tl.constexpr, PREFETCH: tl.constexpr, ROUTE: tl.constexpr, ROUTE_KP: tl.constexpr,
-                   RENORMALIZE: tl.constexpr, FIXUP: tl.constexpr):
+                   RENORMALIZE: tl.constexpr, FIXUP: tl.constexpr, ROT: tl.constexpr, QG: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -123,7 +123,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # for the tile's last program (MODE 2). RESIDUAL: the epilogue adds res (ldr) to the
     # rounded result (RES_SCALED: times res_scale first). ROPE: the rotary embedding of the q/k
     # heads (tiles of paired columns), after their RMSNorms with QK_NORM, and, with KV, the k/v
-    # heads stored into a static cache (triton_rope).
+    # heads stored into a static cache (triton_rope); ROT: the rotated columns of a head; QG > 0:
+    # W's rows grouped per KV head, [q x QG | k | v], the output's columns [q | k | v].
     # WSCALE: W is e4m3 (kernels/fp8.py), converted to x's dtype in registers (exact: every e4m3
     # value is a bf16/fp16 value) and scaled in fp32: 1 per output row (sc[N]) once after the
     # loop; 2 per 128x128 block (sc[N/128, lds]) per K tile, which lies inside one block (BK
@@ -147,7 +148,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     pid_m = tl.program_id(2)
     offs_n = pid_n * BN + tl.arange(0, BN)
     if ROPE:
-        offs_n = tl_rope_columns(pid_n, offs_n, rope_tiles, BN, HD)
+        offs_n = tl_rope_columns(pid_n, offs_n, rope_tiles, BN, HD, ROT)
     n_ok = offs_n < N
     if GLU != 0:
         offs_n, n_ok = tl_glu_rows(pid_n, N // 2, BN)
@@ -157,6 +158,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # W rows past N are clamped (re-read row 0, dropped at the store) so full-K W loads carry
     # no mask at all; x rows past M are masked, so the padding rows of a 1-row x cost nothing.
     rows_n = tl.where(n_ok, offs_n, 0)
+    if QG != 0:
+        rows_n = tl_grouped_rows(rows_n, q_cols, v_start, HD, QG)
     k0 = pid_s * k_per_split
     k1 = tl.minimum(k0 + k_per_split, K)
     if PREFETCH:
@@ -217,14 +220,14 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
             if NORM:
                 acc = acc * tl_rstd(ss, inv_k, eps)[None, :]
             if HAS_BIAS:
-                bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                bias = tl.load(bias_ptr + rows_n, mask=n_ok, other=0.0).to(tl.float32)
                 acc = acc + bias[:, None]
             acc = tl_activation(acc, ACT)
             if ROPE:
                 acc = tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr, vc_ptr, base_ptr,
                                        qn_ptr, kn_ptr, seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols,
                                        v_start, cache_len, rope_tiles, qk_eps, KV, BN, BM, HD, QK_NORM,
-                                       QK_FACTOR, QK_OFFSET)
+                                       QK_FACTOR, QK_OFFSET, ROT)
             if RESIDUAL:
                 acc = tl_add_residual(acc, res_ptr + offs_m[None, :] * ldr + offs_n[:, None], mask,
                                       out_ptr.dtype.element_ty, res_scale, RES_SCALED)
@@ -388,7 +391,8 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
                 ROUTE=fusion.route[0] if fusion.route else 0,
                 ROUTE_KP=next_pow2(fusion.route[0]) if fusion.route else 1,
                 RENORMALIZE=bool(fusion.route and fusion.route[1]),
-                FIXUP=fixup_group(config.block_m, config.block_n, config.num_warps, split), **launch_opts)
+                FIXUP=fixup_group(config.block_m, config.block_n, config.num_warps, split),
+                ROT=rope.rot if rope is not None else 2, QG=rope.group if rope is not None else 0, **launch_opts)
     # the integer groups (see "launch arguments")
     gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)
     split_ints = (extent,)

@@ -13,10 +13,11 @@ Per token, with a static cache::
 where ``mlp(t) = dense_4h_to_h(act(dense_h_to_4h(t)))``; Falcon's one-norm layers feed the MLP
 the attention's normalised input. The step (:func:`layer_step`) runs the LayerNorms as the
 modules they are (no GEMM prologue computes a LayerNorm), then the shared pieces of
-fusion/models/decode_step.py: the Q/K/V GEMM, the rotary and the cache write in one launch
-(``rope_store``; GPT-NeoX's columns ``[q | k | v]`` per head and its partial rotary; Falcon's
-``[q | k | v]`` with one KV head (multi-query), grouped per KV head ``[q x n | k | v]`` (its new
-architecture) or per head), the one-launch decode attention,
+fusion/models/decode_step.py: the Q/K/V GEMM with the rotary and the cache write in its
+epilogue (``rope_qkv``; GPT-NeoX's weight rows ``[q | k | v]`` per head and its partial rotary;
+Falcon's ``[q | k | v]`` with one KV head (multi-query), grouped per KV head ``[q x n | k | v]``
+(its new architecture) or per head; where the table's GEMM is not split-K, the GEMM and then
+``rope_store``'s one launch), the one-launch decode attention,
 ``dense``, ``dense_h_to_4h`` with its activation in the epilogue (``HybridTwoLayerMLP.up``),
 ``dense_4h_to_h``. The residual adds follow stock's order: sequential, ``x`` in ``dense``'s
 epilogue and ``h`` in ``dense_4h_to_h``'s; parallel, ``a`` in ``dense_4h_to_h``'s epilogue and

@@ -52,7 +52,7 @@ def _tol(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("b,heads,kvh,hd,length", [
     (1, 8, 2, 32, 1), (1, 8, 2, 32, 17), (3, 6, 3, 16, 333), (2, 7, 1, 64, 150), (1, 4, 4, 16, 1000),
-    (2, 28, 4, 16, 65), (1, 40, 2, 16, 100), (1, 64, 1, 16, 70),
+    (2, 28, 4, 16, 65), (1, 40, 2, 16, 100), (1, 64, 1, 16, 70), (2, 71, 1, 16, 90),  # Falcon-7B's 71 per KV head
     (2, 4, 2, 256, 70),  # heads of 256 (Gemma's): blocks of 32 positions
     (2, 6, 2, 96, 90), (1, 3, 3, 48, 40)])  # heads of 96 (Phi-3's) and 48: a padded head block, masked
 @pytest.mark.parametrize("mask_kind", ["none", "per-sequence", "shared", "holes"])
@@ -177,6 +177,8 @@ def test_caller_counters_are_used_in_compiled_regions_and_left_zero(monkeypatch)
           out=torch.zeros(2, 8 * 512)), "head_dim 512"),
     (dict(base=torch.zeros((), dtype=torch.int32)), "base must be"),
     (dict(base=torch.zeros(2, dtype=torch.int64)), "base must be"),
+    (dict(keys=torch.zeros(2, 1, 10, 16), values=torch.zeros(2, 1, 10, 16), q=torch.zeros(2, 129 * 16),
+          out=torch.zeros(2, 129 * 16)), "more than 128 query heads per KV head"),
 ])
 def test_bad_operands_are_clear_errors(change, match):
     args = dict(q=torch.zeros(2, 8 * 16), keys=torch.zeros(2, 4, 10, 16), values=torch.zeros(2, 4, 10, 16),
@@ -188,6 +190,7 @@ def test_bad_operands_are_clear_errors(change, match):
 
 
 _COMPILE_FOR_HOPPER = """
+import os, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -208,6 +211,25 @@ for mask, capped in (("*i1", False), ("*bf16", True)):  # a boolean mask; Gemma 
             raise SystemExit(f"API: {type(e).__name__}: {e}")
         assert c.asm["cubin"] and c.metadata.shared <= 227 * 1024, (hd, c.metadata.shared)
         print(mask, hd, c.metadata.shared)
+# Falcon-7B's 71 query heads of 64 per KV head: tiles of 128 rows on 8 warps, one span or four,
+# compiled as a launch specialises it (16-divisible pointers and strides), nothing spilled
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+if not os.path.exists(cuobjdump):
+    raise SystemExit("API: no cuobjdump beside this Triton")
+sig = dict(zip(fn.arg_names, ["*bf16", "*bf16", "*bf16", "*i1", "*bf16", "*fp32", "*i32", "*i64"] + scalars))
+aligned = {"q_ptr", "k_ptr", "v_ptr", "m_ptr", "o_ptr", "ws_ptr", "cnt_ptr", "base_ptr", "q_sb", "k_sb", "k_sh", "k_st",
+           "v_sb", "v_sh", "v_st", "o_sb"}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in aligned}
+for splits in (1, 4):
+    consts = dict(REP=71, RP=128, HD=64, HDP=64, BT=tda._block_t(64), HAS_MASK=True, ADD_MASK=False, SOFTCAP=False,
+                  SPLITS=splits, INC=True, PREC="tf32", PDL=True)
+    src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts, attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 2})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(c.asm["cubin"])
+    sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    os.unlink(f.name)
+    assert "LDL" not in sass and "STL" not in sass, splits
 print("compiled")
 """
 
@@ -215,7 +237,8 @@ print("compiled")
 def test_the_kernel_compiles_for_hopper_with_heads_of_96_128_and_256():
     """Compiled for sm_90 by Triton's bundled ptxas (no GPU needed; in a process without the
     interpreter), its shared memory within the H100/H200 limit, for heads of 96, 128 and 256,
-    with a boolean mask and with an additive mask and a softcap."""
+    with a boolean mask and with an additive mask and a softcap; Falcon-7B's 71 query heads per
+    KV head (tiles of 128 rows, 8 warps) with no local memory in its SASS."""
     from helpers import compile_offline
 
     compile_offline(_COMPILE_FOR_HOPPER)

@@ -120,6 +120,59 @@ def test_rope_epilogue_matches_fp64(config, batch, seq, heads, kv_heads, hd, k_d
         assert (cache[:, :, untouched] == poison).all()  # nothing else written (nor past the end)
 
 
+def _grouped_to_qkv(y, kv_heads, group, hd):
+    """Columns ``[q x group | k | v]`` per KV head -> all q, all k, all v."""
+    g = y.reshape(y.shape[0], kv_heads, group + 2, hd)
+    return torch.cat([g[:, :, :group].reshape(y.shape[0], -1), g[:, :, group].reshape(y.shape[0], -1),
+                      g[:, :, group + 1].reshape(y.shape[0], -1)], dim=-1)
+
+
+@pytest.mark.parametrize("block_n,split", [(16, 1), (32, 2)], ids=["16-wide-one-pass", "32-wide-fused-reduce"])
+@pytest.mark.parametrize("batch,heads,kv_heads,group,rot,bias", [
+    (1, 4, 2, 0, 8, True),     # a partial rotary narrower than a tile (GPT-NeoX's rotary_pct 0.25)
+    (2, 4, 2, 0, 16, False),   # rotary as wide as a 16-wide tile, half a 32-wide one
+    (3, 2, 2, 1, 8, True),     # GPT-NeoX's rows, [q | k | v] per head
+    (2, 6, 2, 3, 32, True),    # Falcon's new architecture, [q x 3 | k | v] per KV head, whole-head rotary
+    (1, 4, 1, 0, 32, False),   # Falcon-7B's multi-query rows
+])
+def test_partial_rotary_and_grouped_rows_in_the_rope_epilogue_match_fp64(block_n, split, batch, heads, kv_heads,
+                                                                         group, rot, bias):
+    """The rotary over the first ``rot`` columns of each head (the rest passed through), of a
+    weight whose rows are grouped per KV head: the output in ``[q | k | v]`` columns, k and v
+    in the cache, against fp64; poisoned outputs and cache positions."""
+    torch.manual_seed(batch + 3 * group + rot)
+    dt, hd, k_dim, base, cache_len = torch.float32, 32, 72, 4, 8
+    m, n = batch, (heads + 2 * kv_heads) * hd
+    x = torch.randn(m, k_dim, dtype=dt)
+    w = torch.randn(n, k_dim, dtype=dt) / k_dim ** 0.5
+    b = torch.randn(n, dtype=dt) if bias else None
+    cos, sin = _cos_sin(torch.tensor([[base]]), rot, dt, batch)
+    keys = torch.full((batch, kv_heads, cache_len, hd), 123.0, dtype=dt)
+    values = torch.full_like(keys, -321.0)
+    out = torch.full((m, n), float("nan"), dtype=dt)
+    config = triton_splitk.TritonSplitKConfig(16, block_n, 16, split_k=split, num_warps=4, num_stages=2,
+                                              fused_reduce=split > 1)
+    triton_splitk.run(config, x, w, b, out, None,
+                      rope=RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base), group=group))
+    y = x.double() @ w.double().T + (0 if b is None else b.double())
+    q, k, v = (_grouped_to_qkv(y, kv_heads, group, hd) if group else y).split(
+        [heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    c, s = cos.double()[:, :, None], sin.double()[:, :, None]
+
+    def rotated(t, count):
+        t = t.reshape(batch, 1, count, hd)
+        r = t[..., :rot]
+        return torch.cat((r * c + _rotate_half(r) * s, t[..., rot:]), dim=-1)
+
+    q, k = rotated(q, heads), rotated(k, kv_heads)
+    ref = torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(keys[:, :, base].double(), k[:, 0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(values[:, :, base].double(), v.reshape(batch, kv_heads, hd), rtol=1e-4, atol=1e-4)
+    others = torch.arange(cache_len) != base
+    assert (keys[:, :, others] == 123.0).all() and (values[:, :, others] == -321.0).all()
+
+
 @pytest.mark.parametrize("config", [MODEL_ONE_PASS, MODEL_FUSED_REDUCE, SMALL_X_FUSED_REDUCE],
                          ids=["one-pass", "fused-reduce", "small-x-fused-reduce"])
 @pytest.mark.parametrize("batch,seq,heads,kv_heads,hd,bias,cache,offset", [
@@ -216,7 +269,10 @@ def _args(**over):
     (lambda a: dict(config=triton_splitk.TritonSplitKConfig(16, 32, 32, 1, 4, 2)), "does not divide head_dim"),
     (lambda a: dict(w=a["w"][:-16]), "columns are not"),
     (lambda a: dict(activation="relu"), "no residual and no activation"),
-    (lambda a: dict(rc=RotaryCache(a["rc"].cos[:, :, :8], a["rc"].sin[:, :, :8], 2, 1, 16)), "cos must be"),
+    (lambda a: dict(rc=RotaryCache(a["rc"].cos[:, :, :7], a["rc"].sin[:, :, :7], 2, 1, 16)), "cos must be"),
+    (lambda a: dict(rc=RotaryCache(a["rc"].cos[:, :, :6], a["rc"].sin[:, :, :6], 2, 1, 16)), "divides it or"),
+    (lambda a: dict(rc=dataclasses.replace(a["rc"], group=1)), "group must be 0 or heads / kv_heads = 2"),
+    (lambda a: dict(rc=dataclasses.replace(a["rc"], group=-2)), "group must be"),
     (lambda a: dict(rc=RotaryCache(a["rc"].cos.double(), a["rc"].sin.double(), 2, 1, 16)), "x's dtype"),
     (lambda a: dict(rc=RotaryCache(a["rc"].cos, a["rc"].sin, 2, 1, 16, a["rc"].keys, a["rc"].values,
                                    torch.tensor(3, dtype=torch.int32))), "base must be one int64"),
@@ -553,9 +609,9 @@ def test_stablelm_layers_decode_as_stock_does(parallel, rotary, bias, kernels_on
     """StableLM: its LayerNorms (weight and bias) called as modules, the residual parallel (the
     attention and the MLP of one normalised input) or sequential, the rotary over the first
     quarter of each head's columns (the rest passed) or all of them, Q/K/V with or without a
-    bias. Each layer takes the static-cache step: the Q/K/V GEMM without a prologue, then one
-    launch for the rotary and the cache write, the attention kernel, O and down with their
-    residuals in the epilogue."""
+    bias. Each layer takes the static-cache step: the Q/K/V GEMM without a prologue, the rotary
+    and the cache write in its epilogue, the attention kernel, O and down with their residuals
+    in the epilogue."""
     from hybridgemm.kernels import triton_qk_rope as tqr
 
     stock = _tiny("stablelm", head_dim=32, partial_rotary_factor=rotary, use_qkv_bias=bias,
@@ -568,8 +624,44 @@ def test_stablelm_layers_decode_as_stock_does(parallel, rotary, bias, kernels_on
         mp.setattr(tqr, "qk_norm_rope_store", lambda y, qn, kn, cos, *a, **kw: stores.append(
             (tuple(y.shape), qn, cos.shape[-1])) or real(y, qn, kn, cos, *a, **kw))
         _compare(model, stock, steps=3, batch=2)
-    assert kernels_on_cpu["rope"] == 0 and kernels_on_cpu["norm"] == 0  # the norms ran as modules
-    assert stores == [((2, 1, (4 + 2 * 2) * 32), None, int(32 * rotary))] * 2 * 3  # each layer, each new token
+    assert kernels_on_cpu["rope"] == 2 * 3 and kernels_on_cpu["norm"] == 0  # each layer, each new token
+    assert stores == []  # (the norms ran as modules; no rotary launch of its own)
+
+
+def test_a_rotary_no_tile_fits_runs_after_the_gemm_without_a_warning(kernels_on_cpu):
+    """StableLM rotating 12 of each head's 32 columns: no power-of-two tile of 16 or more holds
+    whole pairs of them (``dispatch._tiles_within_heads``), so the Q/K/V GEMM runs without the
+    epilogue and the rotary and cache write follow in one launch, silently; logits and caches as
+    the unpatched model's."""
+    from hybridgemm.kernels import triton_qk_rope as tqr
+
+    stock = _tiny("stablelm", partial_rotary_factor=0.375)
+    model = _patched(stock)
+    stores, real = [], tqr.qk_norm_rope_store
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.filterwarnings("error", message="hybridgemm")
+        mp.setattr(tqr, "qk_norm_rope_store", lambda y, qn, kn, cos, *a, **kw: stores.append(
+            (tuple(y.shape), cos.shape[-1])) or real(y, qn, kn, cos, *a, **kw))
+        _compare(model, stock, steps=2, batch=2)
+    assert kernels_on_cpu["rope"] == 0
+    assert stores == [((2, 1, (4 + 2 * 2) * 32), 12)] * 2 * 2  # each layer, each new token
+
+
+@pytest.mark.parametrize("block_n,head_dim,rotated,launched", [
+    (64, 128, 32, 64),    # Pythia's: a 64-wide tile holds two groups of 32, the first rotated
+    (64, 96, 96, 32),     # Phi-3's heads of 96: tiles of 32
+    (64, 64, 16, 64),     # StableLM-2's quarter rotary of heads of 64
+    (32, 128, 64, 32),
+    (64, 80, 20, None),   # StableLM-3B's heads of 80 rotated over 20: no tile fits
+    (64, 32, 12, None),
+])
+def test_rotary_tiles_fit_the_heads_and_the_rotated_columns(block_n, head_dim, rotated, launched):
+    config = triton_splitk.TritonSplitKConfig(16, block_n, 128, split_k=2, num_warps=4, num_stages=3,
+                                              fused_reduce=True)
+    got = dispatch._tiles_within_heads(config, head_dim, rotated)
+    assert (got if got is None else got.block_n) == launched
+    if got is not None:
+        assert dataclasses.replace(got, block_n=block_n) == config  # the other fields as tuned
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -98,10 +98,11 @@ def models(monkeypatch, request):
     norms in the rotary epilogue), olmo2 (post-norms only; the static-cache
     step with its q/k norms over all heads as modules after the fused QKV, so no rotary epilogue)
     and stablelm, stablelm_parallel (LayerNorms as modules; the rotary over a quarter of each head
-    and the cache write in one launch after the QKV GEMM, counted as the rotary here), cohere
-    (the same with its rotary of neighbouring columns in fp32), gpt_neox (the same over its
-    per-head [q | k | v] layout), falcon (multi-query, one LayerNorm for the parallel attention
-    and MLP) and falcon_new (Q/K/V grouped per KV head, two LayerNorms): these two where the
+    and the cache write in the QKV epilogue), cohere (its rotary of neighbouring columns in fp32
+    and the cache write in one launch after the QKV GEMM, counted as the rotary here), gpt_neox
+    (the QKV epilogue over its per-head [q | k | v] weight rows), falcon (multi-query, one
+    LayerNorm for the parallel attention and MLP) and falcon_new (Q/K/V grouped per KV head, two
+    LayerNorms): these two where the
     installed transformers' Falcon attention is the form the step computes (5.25's)."""
     kind, _, wide = request.param.partition("-")
     if kind.startswith("falcon"):
@@ -176,11 +177,12 @@ def test_static_cache_decode_matches_fp32_as_stock_does(models, compiled, batch)
 
 @pytest.mark.parametrize("heads,kv_heads,hd,filled,length", [
     (32, 8, 128, 100, 2080), (28, 4, 128, 4096, 4096), (32, 8, 128, 1, 64), (16, 16, 256, 1000, 2048),
-    (32, 32, 96, 500, 4096)])
+    (32, 32, 96, 500, 4096), (71, 1, 64, 100, 2080), (71, 1, 64, 30, 64)])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_decode_attention_kernel_in_bf16(heads, kv_heads, hd, filled, length, batch):
-    """Llama-3-8B's (32/8), Qwen2.5-7B's (28/4), Gemma-7B's (16/16, heads of 256) and
-    Phi-3-mini's (32/32, heads of 96) head layouts, a static cache filled to
+    """Llama-3-8B's (32/8), Qwen2.5-7B's (28/4), Gemma-7B's (16/16, heads of 256),
+    Phi-3-mini's (32/32, heads of 96) and Falcon-7B's (71/1, multi-query; a cache of one span
+    too) head layouts, a static cache filled to
     ``filled`` of ``length``: as close to the fp32 attention as stock bf16 SDPA is, the cache
     length updated once per call, bit-identical over repeated calls and CUDA-graph replays
     (the spans of a pair are merged by whichever program finishes last)."""

@@ -69,18 +69,34 @@ def _count_stores(mp, stores):
     (True, 0.5, False, 3, "eager"),    # the eager attention function (the decode kernel computes it)
 ])
 def test_gpt_neox_layers_decode_as_stock_does(parallel, rotary, bias, batch, attention, kernels_on_cpu):
-    """Each layer takes the static-cache step: its LayerNorms as modules, the Q/K/V GEMM, the
-    rotary over the first ``rotary_pct`` of each head and the cache write of its per-head
-    [q | k | v] layout in one launch, the attention kernel, dense and dense_4h_to_h with their
-    residuals in the epilogue; logits and caches as the unpatched model's."""
+    """Each layer takes the static-cache step: its LayerNorms as modules, the Q/K/V GEMM with
+    the rotary over the first ``rotary_pct`` of each head and the cache write of its per-head
+    [q | k | v] weight rows in its epilogue, the attention kernel, dense and dense_4h_to_h with
+    their residuals in the epilogue; logits and caches as the unpatched model's."""
     stock = _tiny(attention, use_parallel_residual=parallel, rotary_pct=rotary, attention_bias=bias)
     model = _patched(stock)
     stores = []
     with pytest.MonkeyPatch.context() as mp:
         _count_stores(mp, stores)
         _compare(model, stock, steps=3, batch=batch)
-    assert kernels_on_cpu["rope"] == 0 and kernels_on_cpu["norm"] == 0  # (no GEMM prologue or epilogue rotary)
-    assert stores == [((batch, 1, 3 * 128), int(32 * rotary), 1)] * 2 * 3  # each layer, each new token
+    assert kernels_on_cpu["rope"] == 2 * 3 and kernels_on_cpu["norm"] == 0  # each layer, each new token
+    assert stores == []  # (no launch of its own)
+
+
+@pytest.mark.parametrize("rotary", [0.25, 1.0])
+def test_gpt_neox_qkv_the_table_runs_apart_rotates_in_one_launch_after_it(rotary, kernels_on_cpu):
+    """Where the table's Q/K/V GEMM is not split-K, the GEMM runs as the table says and the
+    rotary and cache write of its per-head layout follow in one launch; logits and caches as
+    the unpatched model's."""
+    stock = _tiny(rotary_pct=rotary)
+    model = _patched(stock)
+    kernels_on_cpu["config"] = None  # no split-K decision: nothing carries the epilogue
+    stores = []
+    with pytest.MonkeyPatch.context() as mp:
+        _count_stores(mp, stores)
+        _compare(model, stock, steps=3, batch=2)
+    assert kernels_on_cpu["rope"] == 0
+    assert stores == [((2, 1, 3 * 128), int(32 * rotary), 1)] * 2 * 3  # each layer, each new token
 
 
 def test_other_calls_run_the_layers_own_forward(kernels_on_cpu):
@@ -100,7 +116,7 @@ def test_other_calls_run_the_layers_own_forward(kernels_on_cpu):
         model.gpt_neox.layers[1].attention.register_forward_hook(lambda mod, args, out: seen.append(1))
         _compare(model, stock, steps=2, batch=2)
     assert len(seen) == 1 + 2  # the prompt and each new token
-    assert stores == [((2, 1, 3 * 128), 8, 1)] * 2  # layer 0 only, each new token
+    assert kernels_on_cpu["rope"] == 2 and stores == []  # layer 0 only, each new token
 
 
 def test_trainable_layernorms_keep_the_layers_own_forward(kernels_on_cpu):
@@ -117,7 +133,7 @@ def test_trainable_layernorms_keep_the_layers_own_forward(kernels_on_cpu):
     with pytest.MonkeyPatch.context() as mp:
         _count_stores(mp, stores)
         logits, _, _ = greedy_static_decode(model, 1, VOCAB, None, 1)
-    assert stores == [((1, 1, 3 * 128), 8, 1)] and logits[-1].requires_grad  # the new token's, layer 0
+    assert kernels_on_cpu["rope"] == 1 and stores == [] and logits[-1].requires_grad  # the new token's, layer 0
     logits[-1].sum().backward()
     assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
 
@@ -220,9 +236,19 @@ def test_falcon_layers_decode_as_stock_does(extra, norms, group, kernels_on_cpu)
     with pytest.MonkeyPatch.context() as mp:
         _count_stores(mp, stores)
         assert_static_decode_matches(model, stock, VOCAB, 3, 2)
-    kv_heads = stock.config.num_kv_heads if stock.config.new_decoder_architecture or not stock.config.multi_query \
-        else 1
-    assert stores == [((2, 1, (4 + 2 * kv_heads) * 32), 32, group)] * 2 * 3
+    assert kernels_on_cpu["rope"] == 2 * 3 and stores == []  # rotated and cached in the Q/K/V epilogue
+    assert [layer.self_attention.query_key_value.weight.shape[0] for layer in model.transformer.h] == \
+        [(4 + 2 * _falcon_kv_heads(stock.config)) * 32] * 2
+    if group:  # the rows grouped per KV head, as the kernel reads them
+        assert forms_group(model.transformer.h[0].self_attention) == group
+
+
+def _falcon_kv_heads(config) -> int:
+    return config.num_kv_heads if config.new_decoder_architecture or not config.multi_query else 1
+
+
+def forms_group(attn) -> int:
+    return attention_forms.qkv_group(attn, attention_forms.attention_form(type(attn)))
 
 
 def test_falcon_with_alibi_or_attention_weights_keeps_its_own_forward(kernels_on_cpu):
