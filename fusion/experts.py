@@ -146,10 +146,28 @@ def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str =
         out = grouped_mm_moe(x, topk_ids, topk_weights, dense_weight(w_gate_up, x.dtype),
                              dense_weight(w_down, x.dtype), activation)
     else:
+        from triton.errors import TritonError
+
+        tm = triton_module("triton_moe")
         up, down = config if isinstance(config, tuple) else (config, config)
-        return triton_module("triton_moe").forward(x.contiguous(), topk_ids, topk_weights, w_gate_up, w_down,
-                                                   activation, up, down, norm,
-                                                   None if residual is None else residual.contiguous())
+        try:
+            return tm.forward(x.contiguous(), topk_ids, topk_weights, w_gate_up, w_down, activation, up, down, norm,
+                              None if residual is None else residual.contiguous())
+        except TritonError as e:
+            # a table entry's configs that this GPU's Triton cannot compile (out of shared memory):
+            # the results of any launch before the failed one are dropped, and the default
+            # configs run, this call and the next ones (an explicit config, or the defaults
+            # failing, raise)
+            defaults = tm.default_configs(x.shape[0] * topk_ids.shape[1], w_gate_up.shape[0],
+                                          weight_format(w_gate_up), top_k=topk_ids.shape[1])
+            if decision is None or tuple(decision.configs) == tuple(defaults):
+                raise
+            warn_once(("moe-compile", decision.why), f"hybridgemm: {decision.why} could not be compiled here ({e}); "
+                      "the MoE kernels' default configs run")
+            _forget(x, topk_ids.shape[1], w_gate_up, activation, MoeDecision(
+                tune_moe.BACKEND, defaults, f"{decision.why}, which did not compile here; the default configs"))
+            return moe(x, (topk_ids, topk_weights), w_gate_up, w_down, activation, config=defaults, norm=norm,
+                       residual=residual)
     return out if residual is None else residual + out
 
 
@@ -195,8 +213,8 @@ def decision_for(x: Tensor, top_k: int, w_gate_up, activation: str) -> MoeDecisi
         defaults = triton_module("triton_moe").default_configs(t * top_k, e, fmt, top_k=top_k)
         return MoeDecision(tune_moe.BACKEND, defaults,
                            f"{x.device}: no tuning table; the default configs")
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    memo = (index, e, top_k, activation, x.dtype, two_i // 2, h, t, fmt)
+    memo = _memo_key(x, top_k, w_gate_up, activation)
+    index = memo[0]
     got = _decisions.get(memo)
     if got is None:
         got = _decide(index, e, top_k, activation, x.dtype, two_i // 2, h, t, fmt)
@@ -204,6 +222,18 @@ def decision_for(x: Tensor, top_k: int, w_gate_up, activation: str) -> MoeDecisi
             _decisions.clear()
         _decisions[memo] = got
     return got
+
+
+def _memo_key(x: Tensor, top_k: int, w_gate_up, activation: str) -> tuple:
+    e, two_i, h = w_gate_up.shape
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return index, e, top_k, activation, x.dtype, two_i // 2, h, x.shape[0], weight_format(w_gate_up)
+
+
+def _forget(x: Tensor, top_k: int, w_gate_up, activation: str, instead: MoeDecision) -> None:
+    """Replace the decision :func:`decision_for` keeps for this call's shape with ``instead``."""
+    if x.is_cuda:
+        _decisions[_memo_key(x, top_k, w_gate_up, activation)] = instead
 
 
 def _decide(index, e, top_k, activation, dtype, i, h, t, fmt="") -> MoeDecision:

@@ -487,3 +487,41 @@ def test_moe_takes_the_pair_major_path_for_few_pairs(monkeypatch):
     with pytest.raises(ValueError, match="block_m"):
         moe_mod.moe(x, (ids, weights), w_gu, w_d, config=(tm.TritonMoeConfig(1, 32, 32),
                                                           tm.TritonMoeConfig(16, 32, 32)))
+
+
+@pytest.mark.parametrize("tokens", [3, 40], ids=["pair-major-entry", "grouped-entry"])
+def test_a_table_entry_this_triton_cannot_compile_runs_the_default_configs(tokens, monkeypatch):
+    """A table entry whose configs fail to compile here (out of shared memory: a hand-edited
+    record, another GPU's table) is dropped for the default configs, this call and the next,
+    with one warning naming it; with the norm and the residual the result is the defaults'
+    bit for bit. A config passed explicitly that fails raises."""
+    from triton.runtime.errors import OutOfResources
+
+    e, i, h, k = 4, 32, 48, 2
+    w_gu, w_d = _weights(e, i, h, torch.float32)
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(3))
+    res = torch.randn(tokens, h, generator=torch.Generator().manual_seed(4))
+    norm = (torch.rand(h, generator=torch.Generator().manual_seed(5)) + 0.5, 1e-6)
+    ids, weights = _routing(tokens, e, k)
+    defaults = tm.default_configs(tokens * k, e, "", top_k=k)
+    bm = 1 if tokens == 3 else 16
+    bad = (tm.TritonMoeConfig(bm, 64, 1024 if bm == 1 else 512, 4, 8), tm.TritonMoeConfig(bm, 64, 512, 4, 8))
+    entry = moe_mod.MoeDecision("triton_moe", bad, f"table entry moe_silu_e4_k2|fp32|none|N=32|K=48|M={tokens} "
+                                "(a test's)")
+    monkeypatch.setattr(moe_mod, "use_kernels", lambda x: True)
+    monkeypatch.setattr(moe_mod, "decision_for", lambda *a: entry)
+    real, launched = tm.forward, []
+
+    def forward(x, ids, weights, w_gu, w_d, activation, up, down, *rest):
+        launched.append((up, down))
+        if (up, down) == bad:
+            raise OutOfResources(300 * 1024, 227 * 1024, "shared memory")
+        return real(x, ids, weights, w_gu, w_d, activation, up, down, *rest)
+
+    monkeypatch.setattr(tm, "forward", forward)
+    with pytest.warns(RuntimeWarning, match=r"a test's\) could not be compiled here .*default configs run"):
+        got = moe_mod.moe(x, (ids, weights), w_gu, w_d, norm=norm, residual=res)
+    want = moe_mod.moe(x, (ids, weights), w_gu, w_d, config=defaults, norm=norm, residual=res)
+    assert torch.equal(got, want) and launched == [bad, defaults, defaults]
+    with pytest.raises(OutOfResources):
+        moe_mod.moe(x, (ids, weights), w_gu, w_d, config=bad)
