@@ -412,8 +412,9 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     (:data:`FP8_NORM_APART`), else its path keeps the prologue; never with ``keep_prologue``
     (eager decode: host-bound, where the launch apart costs host time and the prologue's GPU time
     hides behind it);
-    None where it is not, or where the kernel refuses the fusion (warned once per shape, as a refused
-    table entry is): the caller then computes it unfused. ``counters``: zeroed int32 arrival
+    None where it is not, where no tile fits a ``rope``'s heads and rotated columns
+    (:func:`_tiles_within_heads`), or where the kernel refuses the fusion (warned once per shape,
+    as a refused table entry is): the caller then computes it unfused. ``counters``: zeroed int32 arrival
     counters for the fused reduction, used by one launch at a time. ``weight_scale``: ``weight``
     is e4m3 with these scales (kernels/fp8.py scale_vector's layout). Calls without rotary, GLU or
     FP8 weight, outside compiled regions or there without ``counters``, launch their

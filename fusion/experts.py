@@ -138,6 +138,7 @@ def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str =
         decision = decision_for(x, topk_ids.shape[1], w_gate_up, activation)
         config = decision.configs
     pair_major = kernels and config is not None and _block_m(config) == 1
+    given = x, norm  # (a retry with other configs starts from these)
     if norm is not None and not pair_major:  # the norm apart where no launch takes it
         x, norm = prologue_norm(x, norm[0], norm[1]), None
     if not kernels:
@@ -164,10 +165,10 @@ def moe(x: Tensor, routing, w_gate_up: Tensor, w_down: Tensor, activation: str =
                 raise
             warn_once(("moe-compile", decision.why), f"hybridgemm: {decision.why} could not be compiled here ({e}); "
                       "the MoE kernels' default configs run")
-            _forget(x, topk_ids.shape[1], w_gate_up, activation, MoeDecision(
+            _forget(given[0], topk_ids.shape[1], w_gate_up, activation, MoeDecision(
                 tune_moe.BACKEND, defaults, f"{decision.why}, which did not compile here; the default configs"))
-            return moe(x, (topk_ids, topk_weights), w_gate_up, w_down, activation, config=defaults, norm=norm,
-                       residual=residual)
+            return moe(given[0], (topk_ids, topk_weights), w_gate_up, w_down, activation, config=defaults,
+                       norm=given[1], residual=residual)
     return out if residual is None else residual + out
 
 
@@ -205,7 +206,8 @@ def decision_for(x: Tensor, top_k: int, w_gate_up, activation: str) -> MoeDecisi
     """What runs the routed experts of ``x`` [T, H] on CUDA: the tuning table's entry for the
     shape and weight format whose M range holds T (autotune_cache/tune_moe.py: the Triton
     kernels with its configs, or the grouped baseline where that was the faster), else the
-    kernels' default configs."""
+    kernels' default configs (also once :func:`moe` found the entry's configs do not compile
+    here)."""
     e, two_i, h = w_gate_up.shape
     t = x.shape[0]
     fmt = weight_format(w_gate_up)

@@ -48,10 +48,11 @@ _LOG2E = 1.4426950408889634
 _BLOCK_T = 64  # cache positions per step of a program's loop
 _BLOCK_T_WIDE = 32  # the same for heads of 256 (Gemma's): the K and V tiles' shared memory halved
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# query heads per KV head, the rows of a program's tiles (Falcon-7B's multi-query: 71, in tiles of
-# 128 rows on 8 warps; offline sm_90 SASS of 71 x 64 on 4 or 8 warps, one span or four, bf16:
-# no local memory)
-_MAX_REP = 128
+# query heads per KV head, the rows of a program's tiles: up to 64, and up to 128 for heads of at
+# most 64 columns (Falcon-7B's multi-query: 71, in tiles of 128 rows on 8 warps). Offline sm_90
+# SASS, bf16, 8 warps: 71 x 64 keeps no local memory at one span or four; 128 rows of heads of 128
+# or 256 spill (2 and 6 local loads/stores at four spans)
+_MAX_REP, _MAX_REP_NARROW, _NARROW_HEAD = 64, 128, 64
 
 
 @triton.jit
@@ -165,8 +166,10 @@ def why_not(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
         return "q, keys, values and out must share a dtype: float16, bfloat16 or float32"
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         return "keys and values need unit stride along head_dim"
-    if q.shape[1] // hd // kv_heads > _MAX_REP:
-        return f"more than {_MAX_REP} query heads per KV head"
+    most = _MAX_REP_NARROW if hd <= _NARROW_HEAD else _MAX_REP
+    if q.shape[1] // hd // kv_heads > most:
+        return f"more than {most} query heads per KV head (heads of {hd}; up to {_MAX_REP_NARROW} for heads of at " \
+               f"most {_NARROW_HEAD})"
     if mask is not None and (mask.dtype not in (torch.bool, q.dtype, torch.float32) or mask.dim() != 4
                              or mask.shape[1:3] != (1, 1) or mask.shape[0] not in (1, b) or mask.shape[3] != length):
         return f"the mask must be boolean or additive (of q's dtype or float32) [1 or {b}, 1, 1, {length}]"
@@ -241,7 +244,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if launch is None:
         meta = dict(REP=rep, RP=max(16, triton.next_power_of_2(rep)), HD=hd, HDP=triton.next_power_of_2(hd), BT=bt,
                     HAS_MASK=mask is not None, ADD_MASK=add_mask, SOFTCAP=capped, SPLITS=splits,
-                    INC=base is not None and step != 0, PREC=prec, PDL=pdl, num_warps=8 if rep > 64 else 4,
+                    INC=base is not None and step != 0, PREC=prec, PDL=pdl, num_warps=8 if rep > _MAX_REP else 4,
                     num_stages=2)
         if pdl:
             meta["launch_pdl"] = True

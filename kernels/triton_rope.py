@@ -48,10 +48,11 @@ _INT64 = torch.int64
 
 @dataclass(frozen=True)
 class RotaryCache:
-    """What the epilogue needs: ``cos``/``sin`` ``[B or 1, S, head_dim]`` (x's rows are B x S
-    tokens, batch-major, as a ``[B, S, D]`` hidden state flattens), the head counts and, for
-    the cache write, ``keys``/``values`` ``[B, kv_heads, L, head_dim]`` and ``base`` (an int64
-    device scalar). Without ``keys`` only the rotary embedding is applied."""
+    """What the epilogue needs: ``cos``/``sin`` ``[B or 1, S, R]`` (x's rows are B x S tokens,
+    batch-major, as a ``[B, S, D]`` hidden state flattens; R even, at most ``head_dim``: the
+    rotated columns of each head), the head counts and, for the cache write,
+    ``keys``/``values`` ``[B, kv_heads, L, head_dim]`` and ``base`` (an int64 device scalar).
+    Without ``keys`` only the rotary embedding is applied."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -91,7 +92,7 @@ class RopeLayout:
     qk_eps: float = 0.0
     qk_factor: bool = False  # Gemma's formula (RotaryCache.qk_offset), with the offset below
     qk_offset: float = 0.0
-    rot: int = 0  # the rotated columns of each head (cos's width); 0: head_dim
+    rot: int = 0  # the rotated columns of each head (cos's width); 0: all, head_dim
     group: int = 0  # RotaryCache.group
 
     def scalars(self, block_n: int) -> tuple:

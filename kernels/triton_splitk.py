@@ -220,7 +220,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
             if NORM:
                 acc = acc * tl_rstd(ss, inv_k, eps)[None, :]
             if HAS_BIAS:
-                bias = tl.load(bias_ptr + rows_n, mask=n_ok, other=0.0).to(tl.float32)
+                bias_at = rows_n if QG != 0 else offs_n  # (a weight's grouped rows: their bias entries)
+                bias = tl.load(bias_ptr + bias_at, mask=n_ok, other=0.0).to(tl.float32)
                 acc = acc + bias[:, None]
             acc = tl_activation(acc, ACT)
             if ROPE:
@@ -392,7 +393,8 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
                 ROUTE_KP=next_pow2(fusion.route[0]) if fusion.route else 1,
                 RENORMALIZE=bool(fusion.route and fusion.route[1]),
                 FIXUP=fixup_group(config.block_m, config.block_n, config.num_warps, split),
-                ROT=rope.rot if rope is not None else 2, QG=rope.group if rope is not None else 0, **launch_opts)
+                ROT=(rope.rot or rope.head_dim) if rope is not None else 2, QG=rope.group if rope is not None else 0,
+                **launch_opts)
     # the integer groups (see "launch arguments")
     gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)
     split_ints = (extent,)

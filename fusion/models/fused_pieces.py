@@ -290,7 +290,8 @@ def _rope_qkv_q(x: Tensor, weight: Tensor, bias: Tensor | None, cos: Tensor, sin
     rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base, group=group)
     y = dispatch.fused_splitk(x, weight, bias, counters, scale, keep_prologue, rope=rc)
     if y is None:  # the GEMM as the table says, then the rotary and the cache write in one launch
-        return _rope_store(_linear(x, weight, bias, scale), cos, sin, keys, values, base, heads, group=group)
+        y = _norm_linear(x, None, 0.0, None, weight, bias, counters, scale, keep_prologue)
+        return _rope_store(y, cos, sin, keys, values, base, heads, group=group)
     return y[..., : heads * keys.shape[-1]]
 
 

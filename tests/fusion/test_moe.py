@@ -6,6 +6,8 @@ against transformers' own experts module, and bad input."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -489,27 +491,32 @@ def test_moe_takes_the_pair_major_path_for_few_pairs(monkeypatch):
                                                           tm.TritonMoeConfig(16, 32, 32)))
 
 
-@pytest.mark.parametrize("tokens", [3, 40], ids=["pair-major-entry", "grouped-entry"])
-def test_a_table_entry_this_triton_cannot_compile_runs_the_default_configs(tokens, monkeypatch):
+@pytest.mark.parametrize("tokens,bm", [(3, 1), (40, 16), (3, 16)],
+                         ids=["pair-major-entry", "grouped-entry", "grouped-entry-pair-major-defaults"])
+def test_a_table_entry_this_triton_cannot_compile_runs_the_default_configs(tokens, bm, monkeypatch):
     """A table entry whose configs fail to compile here (out of shared memory: a hand-edited
-    record, another GPU's table) is dropped for the default configs, this call and the next,
-    with one warning naming it; with the norm and the residual the result is the defaults'
-    bit for bit. A config passed explicitly that fails raises."""
+    record, another GPU's table) is dropped for the default configs, with one warning naming
+    it and the decision for that shape replaced; with the norm and the residual the result is
+    the defaults' bit for bit (a grouped entry whose defaults are pair-major too: the norm in
+    the pair-major launch, as the next calls run it). A config passed explicitly that fails
+    raises."""
     from triton.runtime.errors import OutOfResources
 
-    e, i, h, k = 4, 32, 48, 2
+    e, i, h, k = 16, 32, 48, 2
     w_gu, w_d = _weights(e, i, h, torch.float32)
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(3))
     res = torch.randn(tokens, h, generator=torch.Generator().manual_seed(4))
     norm = (torch.rand(h, generator=torch.Generator().manual_seed(5)) + 0.5, 1e-6)
     ids, weights = _routing(tokens, e, k)
     defaults = tm.default_configs(tokens * k, e, "", top_k=k)
-    bm = 1 if tokens == 3 else 16
+    assert defaults[0].block_m == (1 if tokens == 3 else 16)
     bad = (tm.TritonMoeConfig(bm, 64, 1024 if bm == 1 else 512, 4, 8), tm.TritonMoeConfig(bm, 64, 512, 4, 8))
-    entry = moe_mod.MoeDecision("triton_moe", bad, f"table entry moe_silu_e4_k2|fp32|none|N=32|K=48|M={tokens} "
-                                "(a test's)")
+    entry = moe_mod.MoeDecision("triton_moe", bad, f"table entry moe_silu_e16_k2|fp32|none|N=32|K=48|M={tokens} "
+                                f"block_m {bm} (a test's)")
     monkeypatch.setattr(moe_mod, "use_kernels", lambda x: True)
     monkeypatch.setattr(moe_mod, "decision_for", lambda *a: entry)
+    forgotten = []
+    monkeypatch.setattr(moe_mod, "_forget", lambda *a: forgotten.append((a[0] is x, a[1:4], a[4])))
     real, launched = tm.forward, []
 
     def forward(x, ids, weights, w_gu, w_d, activation, up, down, *rest):
@@ -523,5 +530,22 @@ def test_a_table_entry_this_triton_cannot_compile_runs_the_default_configs(token
         got = moe_mod.moe(x, (ids, weights), w_gu, w_d, norm=norm, residual=res)
     want = moe_mod.moe(x, (ids, weights), w_gu, w_d, config=defaults, norm=norm, residual=res)
     assert torch.equal(got, want) and launched == [bad, defaults, defaults]
+    (same_x, (top_k, gate_up, activation), instead), = forgotten
+    assert same_x and (top_k, activation) == (k, "silu") and gate_up is w_gu and instead.configs == defaults
     with pytest.raises(OutOfResources):
         moe_mod.moe(x, (ids, weights), w_gu, w_d, config=bad)
+
+
+def test_a_replaced_decision_is_the_one_the_next_call_finds(monkeypatch):
+    """``_forget`` keys the replacement as :func:`decision_for` looks it up (device, shape,
+    tokens, weight format), so the next call of that shape runs it without asking the table."""
+    w_gu, _ = _weights(4, 32, 48, torch.bfloat16)
+    x = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=torch.bfloat16, shape=(5, 48))
+    instead = moe_mod.MoeDecision("triton_moe", tm.default_configs(10, 4, top_k=2), "the defaults (a test's)")
+    monkeypatch.setattr(moe_mod, "_decisions", {})
+    monkeypatch.setattr(moe_mod, "_decide", lambda *a: pytest.fail("the table was asked"))
+    moe_mod._forget(x, 2, w_gu, "silu", instead)
+    assert moe_mod.decision_for(x, 2, w_gu, "silu") is instead
+    other = types.SimpleNamespace(**{**vars(x), "shape": (6, 48)})
+    with pytest.raises(pytest.fail.Exception, match="the table was asked"):
+        moe_mod.decision_for(other, 2, w_gu, "silu")  # another token count: its own decision

@@ -179,6 +179,8 @@ def test_caller_counters_are_used_in_compiled_regions_and_left_zero(monkeypatch)
     (dict(base=torch.zeros(2, dtype=torch.int64)), "base must be"),
     (dict(keys=torch.zeros(2, 1, 10, 16), values=torch.zeros(2, 1, 10, 16), q=torch.zeros(2, 129 * 16),
           out=torch.zeros(2, 129 * 16)), "more than 128 query heads per KV head"),
+    (dict(keys=torch.zeros(2, 1, 10, 80), values=torch.zeros(2, 1, 10, 80), q=torch.zeros(2, 65 * 80),
+          out=torch.zeros(2, 65 * 80)), "more than 64 query heads per KV head .heads of 80"),
 ])
 def test_bad_operands_are_clear_errors(change, match):
     args = dict(q=torch.zeros(2, 8 * 16), keys=torch.zeros(2, 4, 10, 16), values=torch.zeros(2, 4, 10, 16),

@@ -128,25 +128,26 @@ def _grouped_to_qkv(y, kv_heads, group, hd):
 
 
 @pytest.mark.parametrize("block_n,split", [(16, 1), (32, 2)], ids=["16-wide-one-pass", "32-wide-fused-reduce"])
-@pytest.mark.parametrize("batch,heads,kv_heads,group,rot,bias", [
-    (1, 4, 2, 0, 8, True),     # a partial rotary narrower than a tile (GPT-NeoX's rotary_pct 0.25)
-    (2, 4, 2, 0, 16, False),   # rotary as wide as a 16-wide tile, half a 32-wide one
-    (3, 2, 2, 1, 8, True),     # GPT-NeoX's rows, [q | k | v] per head
-    (2, 6, 2, 3, 32, True),    # Falcon's new architecture, [q x 3 | k | v] per KV head, whole-head rotary
-    (1, 4, 1, 0, 32, False),   # Falcon-7B's multi-query rows
+@pytest.mark.parametrize("batch,seq,heads,kv_heads,hd,group,rot,bias", [
+    (1, 1, 4, 2, 32, 0, 8, True),     # a partial rotary narrower than a tile (GPT-NeoX's rotary_pct 0.25)
+    (2, 1, 4, 2, 32, 0, 16, False),   # rotary as wide as a 16-wide tile, half a 32-wide one
+    (3, 1, 2, 2, 32, 1, 8, True),     # GPT-NeoX's rows, [q | k | v] per head
+    (2, 1, 6, 2, 32, 3, 32, True),    # Falcon's new architecture, [q x 3 | k | v] per KV head, whole-head rotary
+    (1, 1, 4, 1, 32, 0, 32, False),   # Falcon-7B's multi-query rows
+    (1, 3, 2, 2, 64, 1, 32, True),    # three tokens; 16-wide tiles: two rotated, two passed per head
 ])
-def test_partial_rotary_and_grouped_rows_in_the_rope_epilogue_match_fp64(block_n, split, batch, heads, kv_heads,
-                                                                         group, rot, bias):
+def test_partial_rotary_and_grouped_rows_in_the_rope_epilogue_match_fp64(block_n, split, batch, seq, heads, kv_heads,
+                                                                         hd, group, rot, bias):
     """The rotary over the first ``rot`` columns of each head (the rest passed through), of a
     weight whose rows are grouped per KV head: the output in ``[q | k | v]`` columns, k and v
     in the cache, against fp64; poisoned outputs and cache positions."""
-    torch.manual_seed(batch + 3 * group + rot)
-    dt, hd, k_dim, base, cache_len = torch.float32, 32, 72, 4, 8
-    m, n = batch, (heads + 2 * kv_heads) * hd
+    torch.manual_seed(batch + 3 * group + rot + seq)
+    dt, k_dim, base, cache_len = torch.float32, 72, 4, 8
+    m, n = batch * seq, (heads + 2 * kv_heads) * hd
     x = torch.randn(m, k_dim, dtype=dt)
     w = torch.randn(n, k_dim, dtype=dt) / k_dim ** 0.5
     b = torch.randn(n, dtype=dt) if bias else None
-    cos, sin = _cos_sin(torch.tensor([[base]]), rot, dt, batch)
+    cos, sin = _cos_sin((torch.arange(seq) + base)[None], rot, dt, batch)
     keys = torch.full((batch, kv_heads, cache_len, hd), 123.0, dtype=dt)
     values = torch.full_like(keys, -321.0)
     out = torch.full((m, n), float("nan"), dtype=dt)
@@ -160,16 +161,18 @@ def test_partial_rotary_and_grouped_rows_in_the_rope_epilogue_match_fp64(block_n
     c, s = cos.double()[:, :, None], sin.double()[:, :, None]
 
     def rotated(t, count):
-        t = t.reshape(batch, 1, count, hd)
+        t = t.reshape(batch, seq, count, hd)
         r = t[..., :rot]
         return torch.cat((r * c + _rotate_half(r) * s, t[..., rot:]), dim=-1)
 
     q, k = rotated(q, heads), rotated(k, kv_heads)
     ref = torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(keys[:, :, base].double(), k[:, 0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(values[:, :, base].double(), v.reshape(batch, kv_heads, hd), rtol=1e-4, atol=1e-4)
-    others = torch.arange(cache_len) != base
+    v = v.reshape(batch, seq, kv_heads, hd)
+    for i in range(seq):
+        torch.testing.assert_close(keys[:, :, base + i].double(), k[:, i], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(values[:, :, base + i].double(), v[:, i], rtol=1e-4, atol=1e-4)
+    others = (torch.arange(cache_len) < base) | (torch.arange(cache_len) >= base + seq)
     assert (keys[:, :, others] == 123.0).all() and (values[:, :, others] == -321.0).all()
 
 

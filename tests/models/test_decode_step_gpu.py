@@ -115,7 +115,8 @@ def models(monkeypatch, request):
             pytest.skip(f"transformers {transformers.__version__}: {why}")
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=kind, window=64 if wide else None,
                                          attention="eager" if request.param == "gemma2-wide" else None)
-    calls = {"rope": 0, "static": request.param not in ("gemma2", "gemma3", "olmo2"), "wide": bool(wide)}
+    calls = {"rope": 0, "store": 0, "static": request.param not in ("gemma2", "gemma3", "olmo2"),
+             "wide": bool(wide), "store_apart": kind == "cohere"}
     real = triton_splitk.run
 
     def run(cfg, *a, rope=None, **kw):
@@ -125,7 +126,7 @@ def models(monkeypatch, request):
     real_store = triton_qk_rope.qk_norm_rope_store
 
     def store(y, q_norm, *a, **kw):
-        calls["rope"] += q_norm is None  # (the rotary and cache write after the GEMM: LayerNorm families)
+        calls["store"] += q_norm is None  # (the rotary and cache write after the GEMM: Cohere's)
         return real_store(y, q_norm, *a, **kw)
 
     monkeypatch.setattr(dispatch, "splitk_config", lambda *a: SPLITK)
@@ -159,8 +160,9 @@ def test_static_cache_decode_matches_fp32_as_stock_does(models, compiled, batch)
         torch._dynamo.reset()
         again, _ = _decode(patched, tokens, compiled)
     torch._dynamo.reset()
-    if calls["static"]:
-        assert calls["rope"] >= 2 * 2  # the compiled run records the graph once, then replays it
+    if calls["static"]:  # (the compiled run records the graph once, then replays it)
+        assert calls["store" if calls["store_apart"] else "rope"] >= 2 * 2, calls
+        assert calls["rope" if calls["store_apart"] else "store"] == 0, calls
     assert _rel(got, want) <= 1.5 * _rel(base, want) + 1e-3, (_rel(got, want), _rel(base, want))
     assert torch.equal(got, again)
     from hybridgemm.models import window_cache
