@@ -38,6 +38,12 @@
 #                   keeps every range it finished), then llama3-8b's compiled decode (B = 1, 8; DEVTABLE_E2E_ARGS
 #                   added, e.g. "--weights fp8 --quantize-lm-head --no-peers") on the shipped table and on the
 #                   extended one (DEVTABLE_E2E=0 skips)
+#         families  the LayerNorm families' decode step (GPT-NeoX, Falcon, StableLM): its GPU tests (FAMILIES_TESTS=0
+#                   skips), then FAMILIES_MODELS' compiled decode (default pythia-6.9b falcon-7b; B = 1, 8) beside
+#                   stock as at FAMILIES_BASE (a revision, default HEAD) and as in the tree (scripts/ab_base.sh
+#                   over the kernels/ and fusion/ files that differ), on FAMILIES_TABLE where set (e.g. the
+#                   table the devtable stage wrote, with DEVTABLE_MODELS="pythia-6.9b falcon-7b")
+#                   (FAMILIES_TIMEOUT s per step, default 300)
 #         moetables the grouped MoE entries of qwen3-30b-a3b in MOETABLES_WEIGHTS (default "bf16 fp8": bf16
 #                   retuned, FP8 per channel; FP8 adds its attention GEMMs, LM head and router (bf16) at M 1-16) into
 #                   $OUT/h200.json (as fp8mlp), then its 12-layer compiled decode (B = 1, 8) on it in each,
@@ -279,6 +285,28 @@ name = torch.cuda.get_device_name(); p = f(name); print(p.name if p else device_
         grep -E "^tun|^compiled" "$OUT/autotune_devtable_$i.txt" | tee -a "$OUT/summary.txt"
       done
       if [ "${DEVTABLE_E2E:-1}" = 1 ]; then dev_e2e extended HYBRIDGEMM_TABLE="$OUT/$file"; fi
+      ;;
+    families)
+      t=${FAMILIES_TIMEOUT:-300}
+      if [ "${FAMILIES_TESTS:-1}" = 1 ]; then
+        log "GPU tests: the LayerNorm families' decode step, the decode attention kernel"
+        timeout "$t" $PY -m pytest -m gpu -q -p no:cacheprovider -rfE tests/models/test_decode_step_gpu.py \
+          tests/kernels/test_triton_decode_attention.py -k "gpt_neox or falcon or stablelm or cohere or decode_attention" \
+          >"$OUT/pytest_families_gpu.txt" 2>&1 || status=1
+        tail -n 5 "$OUT/pytest_families_gpu.txt" | tee -a "$OUT/summary.txt"
+      fi
+      fbase=${FAMILIES_BASE:-HEAD}
+      mapfile -t changed < <(git diff --name-only "$fbase" -- kernels fusion 2>/dev/null)
+      margs=(); for mdl in ${FAMILIES_MODELS:-pythia-6.9b falcon-7b}; do margs+=(--model "$mdl"); done
+      if [ ${#changed[@]} -eq 0 ]; then
+        log "families: no kernels/ or fusion/ file differs from $fbase: no A/B"
+      else
+        table=(); [ -n "${FAMILIES_TABLE:-}" ] && table=("HYBRIDGEMM_TABLE=$FAMILIES_TABLE")
+        log "families A/B against $fbase (${#changed[@]} files) ${table[*]}: ${margs[*]}"
+        OUT="$OUT" AB_BASE="$fbase" bash scripts/ab_base.sh families "env ${table[*]} timeout $((2 * t)) $PY -m hybridgemm \
+bench --e2e ${margs[*]} --batch 1 8 --tokens 32 --rounds 2 --modes compiled_static --no-progress \
+--out $OUT/e2e_families_\$AB_SIDE.csv" "${changed[@]}" | tee -a "$OUT/summary.txt" || status=1
+      fi
       ;;
     fp8mlp)
       # FP8 table entries for the MLP GEMMs and LM heads of llama3-8b and qwen2.5-7b at decode rows,
