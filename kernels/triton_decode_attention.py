@@ -193,10 +193,18 @@ def _block_t(hd: int) -> int:
     return _BLOCK_T if hd <= 128 else _BLOCK_T_WIDE
 
 
-def _splits(pairs: int, length: int, num_sms: int, block_t: int) -> int:
+# Spans per pair for tiles of more than 64 query heads: a pair's last program merges every span's
+# fp32 partial (rep x head_dim values) alone, 18 KB a span for Falcon-7B's 71 x 64, so at the
+# two-programs-per-SM rule (264 spans for one sequence on 132 SMs, one per 64 positions of a long
+# cache) that one program would read MBs; four spans keep it under 80 KB
+_WIDE_TILE_SPANS = 4
+
+
+def _splits(pairs: int, length: int, num_sms: int, block_t: int, rep: int = 1) -> int:
     """Spans per (sequence, KV head): about two programs per SM in all, at least one block of
-    positions each."""
-    return max(1, min(triton.cdiv(length, block_t), triton.cdiv(2 * num_sms, pairs)))
+    positions each (at most :data:`_WIDE_TILE_SPANS` for more than 64 query heads per KV head)."""
+    spans = max(1, min(triton.cdiv(length, block_t), triton.cdiv(2 * num_sms, pairs)))
+    return min(spans, _WIDE_TILE_SPANS) if rep > _MAX_REP else spans
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -229,7 +237,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     rep = q.shape[1] // hd // kv_heads
     facts = device_facts(q.device)
     bt = _block_t(hd)
-    splits = _splits(b * kv_heads, length, facts.num_sms, bt)
+    splits = _splits(b * kv_heads, length, facts.num_sms, bt, rep)
     pdl = pdl_enabled(facts.capability) and q.is_cuda
     m_sb, m_st = (0, 0) if mask is None else (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(3))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"

@@ -52,7 +52,8 @@ def _tol(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("b,heads,kvh,hd,length", [
     (1, 8, 2, 32, 1), (1, 8, 2, 32, 17), (3, 6, 3, 16, 333), (2, 7, 1, 64, 150), (1, 4, 4, 16, 1000),
-    (2, 28, 4, 16, 65), (1, 40, 2, 16, 100), (1, 64, 1, 16, 70), (2, 71, 1, 16, 90),  # Falcon-7B's 71 per KV head
+    (2, 28, 4, 16, 65), (1, 40, 2, 16, 100), (1, 64, 1, 16, 70),
+    (2, 71, 1, 16, 90), (1, 71, 1, 16, 600),  # Falcon-7B's 71 per KV head; a cache of 10 blocks in 4 spans
     (2, 4, 2, 256, 70),  # heads of 256 (Gemma's): blocks of 32 positions
     (2, 6, 2, 96, 90), (1, 3, 3, 48, 40)])  # heads of 96 (Phi-3's) and 48: a padded head block, masked
 @pytest.mark.parametrize("mask_kind", ["none", "per-sequence", "shared", "holes"])
@@ -71,6 +72,15 @@ def test_matches_fp64_sdpa(sms, dtype, b, heads, kvh, hd, length, mask_kind):
     out = torch.full((b, heads * hd), float("nan"), dtype=dtype)  # poisoned: every element must be written
     tda.decode_attention(q, keys, values, mask, 0.125, out)
     torch.testing.assert_close(out.double(), _reference(q, keys, values, mask, 0.125), **_tol(dtype))
+
+
+def test_tiles_of_more_than_64_query_heads_merge_at_most_four_spans():
+    """A pair's last program merges every span's partial of rep x head_dim fp32 values: for
+    more than 64 query heads per KV head at most four spans; up to 64, two programs per SM."""
+    assert tda._splits(1, 600, 64, 64, rep=71) == 4
+    assert tda._splits(1, 100, 64, 64, rep=71) == 2  # (a span holds a block of positions at least)
+    assert tda._splits(1, 600, 64, 64, rep=64) == 10
+    assert tda._splits(8, 4096, 132, 64, rep=4) == 33
 
 
 def test_a_long_cache_with_few_positions_filled(sms):
