@@ -41,7 +41,7 @@
 #         families  the LayerNorm families' decode step (GPT-NeoX, Falcon, StableLM): its GPU tests (FAMILIES_TESTS=0
 #                   skips), then FAMILIES_MODELS' compiled decode (default pythia-6.9b falcon-7b; B = 1, 8) beside
 #                   stock as at FAMILIES_BASE (a revision, default HEAD) and as in the tree (scripts/ab_base.sh
-#                   over the kernels/ and fusion/ files that differ), on FAMILIES_TABLE where set (e.g. the
+#                   over the kernels/ and fusion/ files both hold that differ), on FAMILIES_TABLE where set (e.g. the
 #                   table the devtable stage wrote, with DEVTABLE_MODELS="pythia-6.9b falcon-7b")
 #                   (FAMILIES_TIMEOUT s per step, default 300)
 #         moetables the grouped MoE entries of qwen3-30b-a3b in MOETABLES_WEIGHTS (default "bf16 fp8": bf16
@@ -296,7 +296,7 @@ name = torch.cuda.get_device_name(); p = f(name); print(p.name if p else device_
         tail -n 5 "$OUT/pytest_families_gpu.txt" | tee -a "$OUT/summary.txt"
       fi
       fbase=${FAMILIES_BASE:-HEAD}
-      mapfile -t changed < <(git diff --name-only "$fbase" -- kernels fusion 2>/dev/null)
+      mapfile -t changed < <(git diff --name-only --diff-filter=M "$fbase" -- kernels fusion 2>/dev/null)
       margs=(); for mdl in ${FAMILIES_MODELS:-pythia-6.9b falcon-7b}; do margs+=(--model "$mdl"); done
       if [ ${#changed[@]} -eq 0 ]; then
         log "families: no kernels/ or fusion/ file differs from $fbase: no A/B"
