@@ -176,6 +176,45 @@ def test_partial_rotary_and_grouped_rows_in_the_rope_epilogue_match_fp64(block_n
     assert (keys[:, :, others] == 123.0).all() and (values[:, :, others] == -321.0).all()
 
 
+@pytest.mark.parametrize("granularity", ["channel", "block128"])
+def test_grouped_rows_of_an_fp8_weight_take_their_own_scales(granularity):
+    """An e4m3 Q/K/V in GPT-NeoX's per-head rows, rotated over a quarter of each head: each
+    output column takes the scale of the weight row it reads (per row, or of its 128 x 128
+    block), against fp64 over the dequantized weight."""
+    from hybridgemm.kernels.fp8 import quantize_fp8
+
+    g = torch.Generator().manual_seed(11)
+    heads = kv_heads = 2
+    hd, rot, k_dim, base, batch = 64, 16, 256, 2, 2
+    n = (heads + 2 * kv_heads) * hd
+    x = torch.randn(batch, k_dim, generator=g).half()
+    w = torch.randn(n, k_dim, generator=g) / 16
+    w[: n // 2] *= 8  # rows of two 128-row blocks far apart in scale
+    q = quantize_fp8(w.half(), granularity)
+    b = torch.randn(n, generator=g).half()
+    cos, sin = _cos_sin(torch.tensor([[base]]), rot, torch.float16, batch)
+    keys = torch.full((batch, kv_heads, 4, hd), 7.0, dtype=torch.float16)
+    values = torch.full_like(keys, -7.0)
+    out = torch.full((batch, n), float("nan"), dtype=torch.float16)
+    config = triton_splitk.TritonSplitKConfig(4, 32, 128, split_k=2, num_warps=4, num_stages=2, fused_reduce=True)
+    triton_splitk.run(config, x, q.data, b, out, None, weight_scale=q.scale,
+                      rope=RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base), group=1))
+    y = x.double() @ q.dequantize(torch.float64).T + b.double()
+    qh, kh, v = _grouped_to_qkv(y, kv_heads, 1, hd).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    c, s = cos.double()[:, 0, None], sin.double()[:, 0, None]
+
+    def rotated(t, count):
+        t = t.reshape(batch, count, hd)
+        r = t[..., :rot]
+        return torch.cat((r * c + _rotate_half(r) * s, t[..., rot:]), dim=-1)
+
+    qh, kh = rotated(qh, heads), rotated(kh, kv_heads)
+    ref = torch.cat([qh.reshape(batch, -1), kh.reshape(batch, -1), v], dim=-1)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-2)
+    torch.testing.assert_close(keys[:, :, base].double(), kh, rtol=2e-3, atol=2e-2)
+    torch.testing.assert_close(values[:, :, base].double(), v.reshape(batch, kv_heads, hd), rtol=2e-3, atol=2e-2)
+
+
 @pytest.mark.parametrize("config", [MODEL_ONE_PASS, MODEL_FUSED_REDUCE, SMALL_X_FUSED_REDUCE],
                          ids=["one-pass", "fused-reduce", "small-x-fused-reduce"])
 @pytest.mark.parametrize("batch,seq,heads,kv_heads,hd,bias,cache,offset", [
