@@ -1,6 +1,6 @@
 """Q/K norms over all heads, the rotary embedding and the KV-cache write of a decode step, in one
-Triton launch (OLMo 2's attention after its Q/K/V projection; without the norms, Cohere's, and
-StableLM's, GPT-NeoX's and Falcon's where their Q/K/V GEMM's epilogue does not take them:
+Triton launch (OLMo 2's attention after its Q/K/V projection; without the norms, StableLM's,
+Cohere's, GPT-NeoX's and Falcon's where their Q/K/V GEMM's epilogue does not take them:
 fusion/models/fused_pieces.py ``rope_qkv``).
 
 OLMo 2 normalises q and k over all their columns (an RMSNorm of width ``heads * head_dim``,

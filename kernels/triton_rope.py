@@ -10,7 +10,9 @@ weight rows as two half-blocks, each pair's lower column in the first and its pa
 same place in the second (:func:`tl_rope_columns`); pointer loads take any row order, the
 bytes of W read are the same. The epilogue then has both members of every pair in its fp32
 tile and rotates in registers (:func:`tl_rotate_half_rows`), before the one rounding to the
-output dtype. The v tiles keep contiguous columns and are not rotated.
+output dtype. The v tiles keep contiguous columns and are not rotated. Cohere's rotary pairs
+neighbouring columns ``2i`` and ``2i + 1`` instead (``pairs``): a tile's even columns, then its
+odd ones; rotated in fp32 and rounded once, as its function computes it.
 
 A weight whose rows are grouped per KV head, ``[q x group | k | v]`` (GPT-NeoX's
 ``query_key_value``, ``[q | k | v]`` per head, group 1; Falcon's new architecture, group
@@ -71,6 +73,9 @@ class RotaryCache:
     # in fp32, rounded once)
     qk_offset: float | None = None
     group: int = 0  # the weight's rows grouped per KV head, [q x group | k | v]; 0: all q, all k, all v
+    # Cohere's rotary: column 2i paired with 2i + 1 (its rotate_half interleaves; cos/sin hold each
+    # frequency twice), over all of each head
+    pairs: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class RopeLayout:
     qk_offset: float = 0.0
     rot: int = 0  # the rotated columns of each head (cos's width); 0: all, head_dim
     group: int = 0  # RotaryCache.group
+    pairs: bool = False  # RotaryCache.pairs
 
     def scalars(self, block_n: int) -> tuple:
         """The kernel's rotary arguments (integers, then the q/k norms' eps), in signature order."""
@@ -135,6 +141,9 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
     if cos.shape != sin.shape or cos.stride() != sin.stride():
         raise ValueError(f"{who}: rope cos and sin must have the same shape and strides")
     rot = cos.shape[-1]
+    if not isinstance(rc.pairs, bool) or rc.pairs and rot != hd:
+        raise ValueError(f"{who}: rope pairs (neighbouring columns) must be a bool, True only for cos/sin over all "
+                         f"{hd} columns of each head, got {rc.pairs!r} over {rot}")
     if rot % block_n if block_n <= rot else block_n % rot:
         raise ValueError(f"{who}: rope over {rot} of each head's columns needs tiles of a width that divides it or "
                          f"that it divides: block_n={block_n}")
@@ -146,7 +155,7 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
     ptrs = [cos, sin]
     factor = bool(norms) and (rc.qk_offset is not None or rc.q_norm.dtype != x.dtype)
     qk = dict(qk_norm=bool(norms), qk_eps=float(rc.qk_eps) if norms else 0.0, qk_factor=factor,
-              qk_offset=float(rc.qk_offset or 0.0) if factor else 0.0, rot=rot, group=group)
+              qk_offset=float(rc.qk_offset or 0.0) if factor else 0.0, rot=rot, group=group, pairs=rc.pairs)
     if rc.keys is None:
         if rc.values is not None or rc.base is not None:
             raise ValueError(f"{who}: rope: values and base need keys")
@@ -201,18 +210,22 @@ def _aligned(tensors) -> tuple[bool, ...]:
 
 
 @triton.jit
-def tl_rope_columns(pid_n, offs_n, rope_tiles, BN: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr):
+def tl_rope_columns(pid_n, offs_n, rope_tiles, BN: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
+                    PAIRS: tl.constexpr):
     """The output columns of tile ``pid_n``: for a q/k tile (``pid_n < rope_tiles``) that holds
     rotated columns (the first ``ROT`` of its head), the lower columns of its pairs, then their
     partners ``ROT / 2`` further, in the same order; the contiguous ``offs_n`` otherwise. A tile
     of ``BN <= ROT`` columns takes ``BN / 2`` pairs; a wider one (``ROT`` divides ``BN``) spans
-    ``BN / ROT`` groups of ``ROT`` columns, the first of them rotated."""
+    ``BN / ROT`` groups of ``ROT`` columns, the first of them rotated. ``PAIRS`` (Cohere's):
+    the tile's even columns, then the odd ones, each its lower neighbour's partner."""
     j = tl.arange(0, BN)
     per_head: tl.constexpr = HD // BN
     half: tl.constexpr = BN // 2
     t = pid_n % per_head
     start = (pid_n // per_head) * HD
-    if BN <= ROT:
+    if PAIRS:
+        paired = pid_n * BN + (j % half) * 2 + j // half
+    elif BN <= ROT:
         paired = start + (j // half) * (ROT // 2) + t * half + j % half
     else:
         paired = start + t * BN + ((j % half) // (ROT // 2)) * ROT + (j // half) * (ROT // 2) + j % (ROT // 2)

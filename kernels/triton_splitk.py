@@ -111,7 +111,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                    QK_NORM: tl.constexpr, RES_SCALED: tl.constexpr, WSCALE: tl.constexpr,
                    WINT: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr, NW_OFFSET: tl.constexpr,
                    GLU: tl.constexpr, PREFETCH: tl.constexpr, ROUTE: tl.constexpr, ROUTE_KP: tl.constexpr,
-                   RENORMALIZE: tl.constexpr, FIXUP: tl.constexpr, ROT: tl.constexpr, QG: tl.constexpr):
+                   RENORMALIZE: tl.constexpr, FIXUP: tl.constexpr, ROT: tl.constexpr, QG: tl.constexpr,
+                   PAIRS: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -124,7 +125,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # rounded result (RES_SCALED: times res_scale first). ROPE: the rotary embedding of the q/k
     # heads (tiles of paired columns), after their RMSNorms with QK_NORM, and, with KV, the k/v
     # heads stored into a static cache (triton_rope); ROT: the rotated columns of a head; QG > 0:
-    # W's rows grouped per KV head, [q x QG | k | v], the output's columns [q | k | v].
+    # W's rows grouped per KV head, [q x QG | k | v], the output's columns [q | k | v]; PAIRS:
+    # Cohere's rotary of neighbouring columns.
     # WSCALE: W is e4m3 (kernels/fp8.py), converted to x's dtype in registers (exact: every e4m3
     # value is a bf16/fp16 value) and scaled in fp32: 1 per output row (sc[N]) once after the
     # loop; 2 per 128x128 block (sc[N/128, lds]) per K tile, which lies inside one block (BK
@@ -148,7 +150,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     pid_m = tl.program_id(2)
     offs_n = pid_n * BN + tl.arange(0, BN)
     if ROPE:
-        offs_n = tl_rope_columns(pid_n, offs_n, rope_tiles, BN, HD, ROT)
+        offs_n = tl_rope_columns(pid_n, offs_n, rope_tiles, BN, HD, ROT, PAIRS)
     n_ok = offs_n < N
     if GLU != 0:
         offs_n, n_ok = tl_glu_rows(pid_n, N // 2, BN)
@@ -394,7 +396,7 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
                 RENORMALIZE=bool(fusion.route and fusion.route[1]),
                 FIXUP=fixup_group(config.block_m, config.block_n, config.num_warps, split),
                 ROT=(rope.rot or rope.head_dim) if rope is not None else 2, QG=rope.group if rope is not None else 0,
-                **launch_opts)
+                PAIRS=rope is not None and rope.pairs, **launch_opts)
     # the integer groups (see "launch arguments")
     gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)
     split_ints = (extent,)

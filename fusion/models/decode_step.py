@@ -62,7 +62,6 @@ from .fused_pieces import (
     normed,
     qk_rope_store,
     rope_qkv,
-    rope_store,
     rotate_store,
 )
 
@@ -106,15 +105,11 @@ def static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, q
                           qk.get("qk_eps", 0.0), (attn.q_norm, attn.k_norm) if form.full_qk_norm else None,
                           qk.get("qk_offset"), form.pair_rotary)
         q = y[..., : heads * hd]
-    elif (form.partial_rotary or form.per_head_qkv or form.layout_from_config) and norm is None \
-            and not form.pair_rotary:
-        # (StableLM's, GPT-NeoX's, Falcon's: the input norm ran as its module)
-        q = rope_qkv(x, qkv.weight, qkv.bias, cos, sin, keys, values, base, heads, kv_heads,
-                     forms.qkv_group(attn, form), counters, weight_scale_of(qkv))
     elif form.partial_rotary or form.pair_rotary or form.per_head_qkv or form.layout_from_config:
-        # (Cohere's rotary of neighbouring columns)
-        y = norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
-        q = rope_store(y, cos, sin, keys, values, base, heads, form.pair_rotary, forms.qkv_group(attn, form))
+        # (StableLM's, Cohere's, GPT-NeoX's, Falcon's: the input norm ran as its module)
+        x = normed(x, *_norm_args(norm))
+        q = rope_qkv(x, qkv.weight, qkv.bias, cos, sin, keys, values, base, heads, kv_heads,
+                     forms.qkv_group(attn, form), form.pair_rotary, counters, weight_scale_of(qkv))
     else:
         y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,
                           base, heads, kv_heads, counters, weight_scale_of(qkv), **qk)

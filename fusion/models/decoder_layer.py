@@ -15,10 +15,9 @@ its residual add; their attention the module's function over the fused Q/K/V),
 modules on the fused Q/K/V), ``StableLmDecoderLayer`` (its LayerNorms called as the modules they
 are, its residual parallel or sequential as the instance says, its rotary over the first
 ``rotary_ndims`` columns of each head in the Q/K/V GEMM's epilogue), ``CohereDecoderLayer``
-(the same with its parallel residual and its rotary of neighbouring columns, in a launch after
-the Q/K/V GEMM), ``GPTNeoXLayer`` and ``FalconDecoderLayer`` (their LayerNorms as modules, their
-Q/K/V layouts and rotary in the Q/K/V GEMM's epilogue; fusion/models/layernorm_layers.py, static
-caches only) and the
+(the same with its parallel residual and its rotary of neighbouring columns), ``GPTNeoXLayer``
+and ``FalconDecoderLayer`` (their LayerNorms as modules, their Q/K/V layouts and rotary in the
+Q/K/V GEMM's epilogue; fusion/models/layernorm_layers.py, static caches only) and the
 mixture-of-experts ``Qwen3MoeDecoderLayer``, ``MixtralDecoderLayer`` and ``Qwen2MoeDecoderLayer``
 (their sparse block called as a module, its experts the grouped kernels) whose forwards are the
 ones the step computes (checked in their source when patched, so a release that changes them

@@ -6,7 +6,7 @@
 * :func:`norm_rope_qkv`: the same for Q/K/V over a static KV cache, also rotating q and k and
   writing k and v into the cache in its epilogue (kernels/triton_rope.py);
 * :func:`rope_qkv`: the same without a norm prologue (the LayerNorm families' input norm runs
-  as its module), for partial rotaries and weights grouped per KV head too;
+  as its module), for partial rotaries, Cohere's pairs and weights grouped per KV head too;
 * :func:`qk_rope_store` and :func:`rope_store`: q/k norms, rotary and cache write in one launch
   after a Q/K/V GEMM whose epilogue cannot take them (kernels/triton_qk_rope.py);
 * :func:`attend`: one token per sequence over a static cache in one launch (GQA without the
@@ -285,27 +285,28 @@ def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: float
 
 
 def _rope_qkv_q(x: Tensor, weight: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
-                base: Tensor, heads: int, kv_heads: int, group: int = 0, counters: Tensor | None = None,
-                scale: Tensor | None = None, keep_prologue: bool = False) -> Tensor:
-    rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base, group=group)
+                base: Tensor, heads: int, kv_heads: int, group: int = 0, pairs: bool = False,
+                counters: Tensor | None = None, scale: Tensor | None = None, keep_prologue: bool = False) -> Tensor:
+    rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base, group=group, pairs=pairs)
     y = dispatch.fused_splitk(x, weight, bias, counters, scale, keep_prologue, rope=rc)
     if y is None:  # the GEMM as the table says, then the rotary and the cache write in one launch
         y = _norm_linear(x, None, 0.0, None, weight, bias, counters, scale, keep_prologue)
-        return _rope_store(y, cos, sin, keys, values, base, heads, group=group)
+        return _rope_store(y, cos, sin, keys, values, base, heads, pairs, group)
     return y[..., : heads * keys.shape[-1]]
 
 
 @torch.library.custom_op("hybridgemm::rope_qkv_fwd", mutates_args=("keys", "values"))
 def rope_qkv_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor,
-                 values: Tensor, base: Tensor, heads: int, kv_heads: int, group: int = 0,
+                 values: Tensor, base: Tensor, heads: int, kv_heads: int, group: int = 0, pairs: bool = False,
                  counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     with per_call_scratch():
-        return _rope_qkv_q(x, weight, bias, cos, sin, keys, values, base, heads, kv_heads, group, counters,
+        return _rope_qkv_q(x, weight, bias, cos, sin, keys, values, base, heads, kv_heads, group, pairs, counters,
                            scale).contiguous()
 
 
 @rope_qkv_fwd.register_fake
-def _rope_qkv_fake(x, weight, bias, cos, sin, keys, values, base, heads, kv_heads, group=0, counters=None, scale=None):
+def _rope_qkv_fake(x, weight, bias, cos, sin, keys, values, base, heads, kv_heads, group=0, pairs=False, counters=None,
+                   scale=None):
     return x.new_empty((*x.shape[:-1], heads * keys.shape[-1]))
 
 
@@ -313,18 +314,18 @@ _rope_qkv_q_eager = functools.partial(_rope_qkv_q, keep_prologue=True)
 
 
 def rope_qkv(x: Tensor, weight: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,
-             base: Tensor, heads: int, kv_heads: int, group: int = 0, counters: Tensor | None = None,
-             scale: Tensor | None = None) -> Tensor:
+             base: Tensor, heads: int, kv_heads: int, group: int = 0, pairs: bool = False,
+             counters: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
     """The Q/K/V projection of x (normalised already: the LayerNorm families' input norm runs as
     its module), q and k rotated over the first ``cos.shape[-1]`` columns of each head (a partial
-    rotary: GPT-NeoX's, StableLM's), k and v written into ``keys``/``values`` at ``base + s``;
-    returns the rotated q [B, S, heads * hd]. ``group``: the weight's rows grouped per KV head,
-    ``[q x group | k | v]`` (GPT-NeoX's ``[q | k | v]`` per head: 1; Falcon's new
-    architecture: heads / kv_heads; 0: all q, all k, all v). One split-K launch where the table
-    runs split-K with tiles that fit the heads and the rotary (kernels/triton_rope.py); else the
-    GEMM, then :func:`rope_store`'s one launch."""
+    rotary: GPT-NeoX's, StableLM's; ``pairs``: Cohere's rotary of neighbouring columns), k and v
+    written into ``keys``/``values`` at ``base + s``; returns the rotated q [B, S, heads * hd].
+    ``group``: the weight's rows grouped per KV head, ``[q x group | k | v]`` (GPT-NeoX's
+    ``[q | k | v]`` per head: 1; Falcon's new architecture: heads / kv_heads; 0: all q, all k,
+    all v). One split-K launch where the table runs split-K with tiles that fit the heads and
+    the rotary (kernels/triton_rope.py); else the GEMM, then :func:`rope_store`'s one launch."""
     return _compiled(torch.ops.hybridgemm.rope_qkv_fwd, _rope_qkv_q_eager, x, weight, bias, cos, sin, keys, values,
-                     base, heads, kv_heads, int(group), counters, scale)
+                     base, heads, kv_heads, int(group), bool(pairs), counters, scale)
 
 
 def _qk_rope_store(y: Tensor, q_g: Tensor, q_eps: float, q_offset: float, k_g: Tensor, k_eps: float, k_offset: float,

@@ -242,7 +242,7 @@ floats = {"inv_k", "eps", "res_scale", "qk_eps"}
 consts = dict(BM=16, BN=64, BK=256, MODE=2, HAS_BIAS=False, ACT=0, PREC="tf32", EVEN_K=True, NORM=True, RESIDUAL=False,
               ROPE=False, KV=False, HD=2, PDL=True, QK_NORM=False, RES_SCALED=False, WSCALE=0, WINT=False,
               QK_FACTOR=False, QK_OFFSET=0.0, NW_OFFSET=1.0, GLU=0, PREFETCH=0, ROUTE=0, ROUTE_KP=1, RENORMALIZE=False,
-              FIXUP=ts.fixup_group(16, 64, 4, 2), ROT=2, QG=0)
+              FIXUP=ts.fixup_group(16, 64, 4, 2), ROT=2, QG=0, PAIRS=False)
 sig = {}
 for n in fn.arg_names:
     sig[n] = "constexpr" if n in consts else ptr.get(n, "fp32" if n in floats else "i32")
@@ -259,11 +259,12 @@ for bm, mode, wscale, norm in ((1, 0, 1, True), (8, 2, 1, False), (1, 2, 2, True
                        options={"num_warps": 2, "num_stages": 3})
     assert c.asm["cubin"]
 # the rotary epilogue of the LayerNorm families: GPT-NeoX's per-head [q | k | v] rows rotated over
-# 32 of 128 columns (a 64-wide tile, bias, single pass), Falcon-7B's multi-query heads of 64 and
-# its new architecture's rows grouped per KV head (the fused reduction)
-for mode, hd, rot, qg, bn in ((0, 128, 32, 1, 64), (2, 64, 64, 0, 64), (2, 64, 64, 8, 32)):
+# 32 of 128 columns (a 64-wide tile, bias, single pass), Falcon-7B's multi-query heads of 64, its
+# new architecture's rows grouped per KV head (the fused reduction), Cohere's neighbouring pairs
+for mode, hd, rot, qg, bn, pairs in ((0, 128, 32, 1, 64, False), (2, 64, 64, 0, 64, False), (2, 64, 64, 8, 32, False),
+                                     (0, 128, 128, 0, 64, True)):
     rope = dict(consts, BN=bn, BK=128, MODE=mode, HAS_BIAS=True, NORM=False, ROPE=True, KV=True, HD=hd, ROT=rot, QG=qg,
-                FIXUP=ts.fixup_group(16, bn, 4, 2))
+                PAIRS=pairs, FIXUP=ts.fixup_group(16, bn, 4, 2))
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=rope), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": 4, "num_stages": 4})
     assert c.asm["cubin"]
@@ -281,8 +282,8 @@ print("compiled")
 
 def test_the_prologues_with_an_fp32_norm_factor_compile_for_hopper():
     """bf16 x with an fp32 norm factor and an offset (Gemma's 1 + w), both kernels, split-K's
-    GLU epilogue over e4m3 weights and its rotary epilogue over a partial rotary and weight rows
-    grouped per KV head, compiled for sm_90 by Triton's bundled ptxas (no GPU needed; in a
+    GLU epilogue over e4m3 weights and its rotary epilogue over a partial rotary, weight rows
+    grouped per KV head and neighbouring pairs, compiled for sm_90 by Triton's bundled ptxas (no GPU needed; in a
     process without the interpreter)."""
     from helpers import compile_offline
 

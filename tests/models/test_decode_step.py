@@ -176,6 +176,43 @@ def test_partial_rotary_and_grouped_rows_in_the_rope_epilogue_match_fp64(block_n
     assert (keys[:, :, others] == 123.0).all() and (values[:, :, others] == -321.0).all()
 
 
+@pytest.mark.parametrize("block_n,split", [(16, 1), (32, 2)], ids=["16-wide-one-pass", "32-wide-fused-reduce"])
+@pytest.mark.parametrize("batch,seq,heads,kv_heads", [(1, 1, 4, 2), (2, 3, 2, 2)])
+def test_neighbouring_pairs_in_the_rope_epilogue_match_fp64(block_n, split, batch, seq, heads, kv_heads):
+    """Cohere's rotary: column 2i paired with 2i + 1 (``rotate_half`` interleaved), cos/sin
+    holding each frequency twice, over all of each head; against fp64, k and v in the cache."""
+    torch.manual_seed(batch + seq)
+    dt, hd, k_dim, base, cache_len = torch.float32, 32, 48, 3, 8
+    m, n = batch * seq, (heads + 2 * kv_heads) * hd
+    x = torch.randn(m, k_dim, dtype=dt)
+    w = torch.randn(n, k_dim, dtype=dt) / k_dim ** 0.5
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    freqs = (torch.arange(seq) + base).double()[:, None] * inv
+    emb = torch.repeat_interleave(freqs, 2, dim=-1)[None].expand(batch, seq, hd)
+    cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+    keys = torch.full((batch, kv_heads, cache_len, hd), 123.0, dtype=dt)
+    values = torch.full_like(keys, -321.0)
+    out = torch.full((m, n), float("nan"), dtype=dt)
+    config = triton_splitk.TritonSplitKConfig(16, block_n, 16, split_k=split, num_warps=4, num_stages=2,
+                                              fused_reduce=split > 1)
+    triton_splitk.run(config, x, w, None, out, None,
+                      rope=RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base), pairs=True))
+    q, k, v = (x.double() @ w.double().T).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    c, s = cos.double()[:, :, None], sin.double()[:, :, None]
+
+    def rotated(t, count):
+        t = t.reshape(batch, seq, count, hd)
+        return t * c + torch.stack((-t[..., 1::2], t[..., ::2]), dim=-1).flatten(-2) * s
+
+    q, k = rotated(q, heads), rotated(k, kv_heads)
+    torch.testing.assert_close(out.double(), torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1),
+                               rtol=1e-4, atol=1e-4)
+    v = v.reshape(batch, seq, kv_heads, hd)
+    for i in range(seq):
+        torch.testing.assert_close(keys[:, :, base + i].double(), k[:, i], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(values[:, :, base + i].double(), v[:, i], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("granularity", ["channel", "block128"])
 def test_grouped_rows_of_an_fp8_weight_take_their_own_scales(granularity):
     """An e4m3 Q/K/V in GPT-NeoX's per-head rows, rotated over a quarter of each head: each
@@ -315,6 +352,9 @@ def _args(**over):
     (lambda a: dict(rc=RotaryCache(a["rc"].cos[:, :, :6], a["rc"].sin[:, :, :6], 2, 1, 16)), "divides it or"),
     (lambda a: dict(rc=dataclasses.replace(a["rc"], group=1)), "group must be 0 or heads / kv_heads = 2"),
     (lambda a: dict(rc=dataclasses.replace(a["rc"], group=-2)), "group must be"),
+    (lambda a: dict(rc=RotaryCache(a["rc"].cos[:, :, :8], a["rc"].sin[:, :, :8], 2, 1, 16, pairs=True)),
+     "True only for cos/sin over all 16"),
+    (lambda a: dict(rc=dataclasses.replace(a["rc"], pairs=1)), "pairs .neighbouring columns. must be a bool"),
     (lambda a: dict(rc=RotaryCache(a["rc"].cos.double(), a["rc"].sin.double(), 2, 1, 16)), "x's dtype"),
     (lambda a: dict(rc=RotaryCache(a["rc"].cos, a["rc"].sin, 2, 1, 16, a["rc"].keys, a["rc"].values,
                                    torch.tensor(3, dtype=torch.int32))), "base must be one int64"),
@@ -710,8 +750,9 @@ def test_rotary_tiles_fit_the_heads_and_the_rotated_columns(block_n, head_dim, r
 def test_cohere_layers_decode_as_stock_does(batch, kernels_on_cpu):
     """Cohere (Aya 23, Command R): its mean-centred LayerNorm (weight only, fp32) called as a
     module, the attention and the MLP of one normalised input added in parallel, its rotary of
-    neighbouring columns in fp32 with the cache write in one launch after the Q/K/V GEMM; the
-    logit scale outside the layers. Static cache, then generate's dynamic one."""
+    neighbouring columns in fp32 with the cache write in the Q/K/V GEMM's epilogue (or, where the
+    table's GEMM is not split-K, in one launch after it); the logit scale outside the layers.
+    Static cache, then generate's dynamic one."""
     from hybridgemm.kernels import triton_qk_rope as tqr
 
     stock = _tiny("cohere", logit_scale=0.25)
@@ -722,8 +763,12 @@ def test_cohere_layers_decode_as_stock_does(batch, kernels_on_cpu):
         mp.setattr(tqr, "qk_norm_rope_store", lambda y, qn, kn, cos, *a, pairs=False, **kw: stores.append(
             (tuple(y.shape), qn, pairs)) or real(y, qn, kn, cos, *a, pairs=pairs, **kw))
         _compare(model, stock, steps=3, batch=batch)
-    assert kernels_on_cpu["rope"] == 0 and kernels_on_cpu["norm"] == 0
-    assert stores == [((batch, 1, (4 + 2 * 2) * 32), None, True)] * 2 * 3
+        assert kernels_on_cpu["rope"] == 2 * 3 and kernels_on_cpu["norm"] == 0 and stores == []
+        tuned, kernels_on_cpu["config"] = kernels_on_cpu["config"], None  # no split-K decision: the separate launch
+        _compare(model, stock, steps=2, batch=batch)
+        kernels_on_cpu["config"] = tuned
+    assert kernels_on_cpu["rope"] == 2 * 3
+    assert stores == [((batch, 1, (4 + 2 * 2) * 32), None, True)] * 2 * 2
     ids = torch.randint(3, VOCAB, (2, 4))
     rotated, real_rope = [], tqr.rope_qk
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
