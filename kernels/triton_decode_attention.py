@@ -201,8 +201,10 @@ _WIDE_TILE_SPANS = 4
 
 
 def _splits(pairs: int, length: int, num_sms: int, block_t: int, rep: int = 1) -> int:
-    """Spans per (sequence, KV head): about two programs per SM in all, at least one block of
-    positions each (at most :data:`_WIDE_TILE_SPANS` for more than 64 query heads per KV head)."""
+    """Spans per (sequence, KV head): about two programs per SM in all, no more spans than
+    blocks of positions, at most :data:`_WIDE_TILE_SPANS` for more than 64 query heads per KV
+    head. Each span is a whole number of blocks, so a last span may start past the cache's end:
+    it merges as empty."""
     spans = max(1, min(triton.cdiv(length, block_t), triton.cdiv(2 * num_sms, pairs)))
     return min(spans, _WIDE_TILE_SPANS) if rep > _MAX_REP else spans
 

@@ -12,7 +12,8 @@ bytes of W read are the same. The epilogue then has both members of every pair i
 tile and rotates in registers (:func:`tl_rotate_half_rows`), before the one rounding to the
 output dtype. The v tiles keep contiguous columns and are not rotated. Cohere's rotary pairs
 neighbouring columns ``2i`` and ``2i + 1`` instead (``pairs``): a tile's even columns, then its
-odd ones; rotated in fp32 and rounded once, as its function computes it.
+odd ones, rotated in fp32 from the accumulator and rounded once (Cohere's function rotates fp32
+copies of the projection already rounded to the dtype: one rounding more).
 
 A weight whose rows are grouped per KV head, ``[q x group | k | v]`` (GPT-NeoX's
 ``query_key_value``, ``[q | k | v]`` per head, group 1; Falcon's new architecture, group

@@ -193,7 +193,7 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
         return None
     cos, sin = pe
     # fp32 cos/sin: OLMo 2's rotary embedding, which rotates in fp32 and rounds back; only its step
-    # (the rotary as torch ops after the norms) takes them, the rotary epilogue rotates in x's dtype
+    # (the rotary as torch ops after the norms) takes them; the rotary epilogue takes cos/sin of x's dtype
     cos_dtypes = (x.dtype, torch.float32) if form.full_qk_norm else (x.dtype,)
     if cos.dim() != 3 or cos.shape[-1] != rotary_columns(attn, form) or cos.shape[1] != x.shape[1] \
             or cos.dtype not in cos_dtypes or cos.shape != sin.shape or sin.dtype != cos.dtype:

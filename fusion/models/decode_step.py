@@ -106,9 +106,9 @@ def static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, q
                           qk.get("qk_offset"), form.pair_rotary)
         q = y[..., : heads * hd]
     elif form.partial_rotary or form.pair_rotary or form.per_head_qkv or form.layout_from_config:
-        # (StableLM's, Cohere's, GPT-NeoX's, Falcon's: the input norm ran as its module)
-        x = normed(x, *_norm_args(norm))
-        q = rope_qkv(x, qkv.weight, qkv.bias, cos, sin, keys, values, base, heads, kv_heads,
+        # (StableLM's, Cohere's, GPT-NeoX's, Falcon's: their layers run the input norm as its module and
+        # pass none; an RMSNorm operand given here would run apart first)
+        q = rope_qkv(normed(x, *_norm_args(norm)), qkv.weight, qkv.bias, cos, sin, keys, values, base, heads, kv_heads,
                      forms.qkv_group(attn, form), form.pair_rotary, counters, weight_scale_of(qkv))
     else:
         y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,

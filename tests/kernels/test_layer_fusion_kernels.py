@@ -283,8 +283,8 @@ print("compiled")
 def test_the_prologues_with_an_fp32_norm_factor_compile_for_hopper():
     """bf16 x with an fp32 norm factor and an offset (Gemma's 1 + w), both kernels, split-K's
     GLU epilogue over e4m3 weights and its rotary epilogue over a partial rotary, weight rows
-    grouped per KV head and neighbouring pairs, compiled for sm_90 by Triton's bundled ptxas (no GPU needed; in a
-    process without the interpreter)."""
+    grouped per KV head and neighbouring pairs, compiled for sm_90 by Triton's bundled ptxas (no
+    GPU needed; in a process without the interpreter)."""
     from helpers import compile_offline
 
     compile_offline(_COMPILE_FP32_NORM_FOR_HOPPER)

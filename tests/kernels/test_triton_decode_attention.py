@@ -53,7 +53,8 @@ def _tol(dtype):
 @pytest.mark.parametrize("b,heads,kvh,hd,length", [
     (1, 8, 2, 32, 1), (1, 8, 2, 32, 17), (3, 6, 3, 16, 333), (2, 7, 1, 64, 150), (1, 4, 4, 16, 1000),
     (2, 28, 4, 16, 65), (1, 40, 2, 16, 100), (1, 64, 1, 16, 70),
-    (2, 71, 1, 16, 90), (1, 71, 1, 16, 600),  # Falcon-7B's 71 per KV head; a cache of 10 blocks in 4 spans
+    (2, 71, 1, 16, 90), (1, 71, 1, 16, 600), (1, 71, 1, 16, 300),  # Falcon-7B's 71 per KV head; 10 blocks in 4
+    # spans; 5 blocks in 4 spans of 2, the last one empty
     (2, 4, 2, 256, 70),  # heads of 256 (Gemma's): blocks of 32 positions
     (2, 6, 2, 96, 90), (1, 3, 3, 48, 40)])  # heads of 96 (Phi-3's) and 48: a padded head block, masked
 @pytest.mark.parametrize("mask_kind", ["none", "per-sequence", "shared", "holes"])

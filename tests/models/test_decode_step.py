@@ -226,7 +226,7 @@ def test_grouped_rows_of_an_fp8_weight_take_their_own_scales(granularity):
     n = (heads + 2 * kv_heads) * hd
     x = torch.randn(batch, k_dim, generator=g).half()
     w = torch.randn(n, k_dim, generator=g) / 16
-    w[: n // 2] *= 8  # rows of two 128-row blocks far apart in scale
+    w[: n // 2] *= 8  # the first KV head's q, k and v rows: 128-row blocks 0 and 2 eight times apart
     q = quantize_fp8(w.half(), granularity)
     b = torch.randn(n, generator=g).half()
     cos, sin = _cos_sin(torch.tensor([[base]]), rot, torch.float16, batch)

@@ -100,10 +100,9 @@ def models(monkeypatch, request):
     and stablelm, stablelm_parallel (LayerNorms as modules; the rotary over a quarter of each head
     and the cache write in the QKV epilogue), cohere (the same with its rotary of neighbouring
     columns in fp32), gpt_neox (the QKV epilogue over its per-head [q | k | v] weight rows),
-    falcon (multi-query, one
-    LayerNorm for the parallel attention and MLP) and falcon_new (Q/K/V grouped per KV head, two
-    LayerNorms): these two where the
-    installed transformers' Falcon attention is the form the step computes (5.25's)."""
+    falcon (multi-query, one LayerNorm for the parallel attention and MLP) and falcon_new (Q/K/V
+    grouped per KV head, two LayerNorms): these two where the installed transformers' Falcon
+    attention is the form the step computes (5.25's)."""
     kind, _, wide = request.param.partition("-")
     if kind.startswith("falcon"):
         from transformers.models.falcon.modeling_falcon import FalconAttention
