@@ -127,6 +127,37 @@ def _grouped_to_qkv(y, kv_heads, group, hd):
                       g[:, :, group + 1].reshape(y.shape[0], -1)], dim=-1)
 
 
+def _partially_rotated(t, cos, sin):
+    """fp64 rotary of ``t`` [B, S, heads, hd] over the first ``cos.shape[-1]`` columns of each
+    head (the rest as they are), cos/sin [B, S, R]."""
+    rot = cos.shape[-1]
+    c, s = cos.double()[:, :, None], sin.double()[:, :, None]
+    r = t[..., :rot]
+    return torch.cat((r * c + _rotate_half(r) * s, t[..., rot:]), dim=-1)
+
+
+def _poisoned_cache(batch, kv_heads, cache_len, hd, dtype):
+    keys = torch.full((batch, kv_heads, cache_len, hd), 123.0, dtype=dtype)
+    return keys, torch.full_like(keys, -321.0)
+
+
+def _epilogue_out(block_n, split, x, w, b, rope):
+    """x @ w.T + b with ``rope`` in split-K's epilogue, K tiles of 16 (``split`` > 1: the fused
+    reduction), into a NaN-poisoned output."""
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype)
+    config = triton_splitk.TritonSplitKConfig(16, block_n, 16, split_k=split, num_warps=4, num_stages=2,
+                                              fused_reduce=split > 1)
+    triton_splitk.run(config, x, w, b, out, None, rope=rope)
+    return out
+
+
+def _assert_cached(keys, values, k, v, base):
+    """Tokens s of k and v ([B, S, kv_heads, hd]) at cache positions ``base + s``."""
+    for i in range(k.shape[1]):
+        torch.testing.assert_close(keys[:, :, base + i].double(), k[:, i], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(values[:, :, base + i].double(), v[:, i], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("block_n,split", [(16, 1), (32, 2)], ids=["16-wide-one-pass", "32-wide-fused-reduce"])
 @pytest.mark.parametrize("batch,seq,heads,kv_heads,hd,group,rot,bias", [
     (1, 1, 4, 2, 32, 0, 8, True),     # a partial rotary narrower than a tile (GPT-NeoX's rotary_pct 0.25)
@@ -148,30 +179,17 @@ def test_partial_rotary_and_grouped_rows_in_the_rope_epilogue_match_fp64(block_n
     w = torch.randn(n, k_dim, dtype=dt) / k_dim ** 0.5
     b = torch.randn(n, dtype=dt) if bias else None
     cos, sin = _cos_sin((torch.arange(seq) + base)[None], rot, dt, batch)
-    keys = torch.full((batch, kv_heads, cache_len, hd), 123.0, dtype=dt)
-    values = torch.full_like(keys, -321.0)
-    out = torch.full((m, n), float("nan"), dtype=dt)
-    config = triton_splitk.TritonSplitKConfig(16, block_n, 16, split_k=split, num_warps=4, num_stages=2,
-                                              fused_reduce=split > 1)
-    triton_splitk.run(config, x, w, b, out, None,
-                      rope=RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base), group=group))
+    keys, values = _poisoned_cache(batch, kv_heads, cache_len, hd, dt)
+    out = _epilogue_out(block_n, split, x, w, b,
+                        RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base), group=group))
     y = x.double() @ w.double().T + (0 if b is None else b.double())
     q, k, v = (_grouped_to_qkv(y, kv_heads, group, hd) if group else y).split(
         [heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
-    c, s = cos.double()[:, :, None], sin.double()[:, :, None]
-
-    def rotated(t, count):
-        t = t.reshape(batch, seq, count, hd)
-        r = t[..., :rot]
-        return torch.cat((r * c + _rotate_half(r) * s, t[..., rot:]), dim=-1)
-
-    q, k = rotated(q, heads), rotated(k, kv_heads)
+    q = _partially_rotated(q.reshape(batch, seq, heads, hd), cos, sin)
+    k = _partially_rotated(k.reshape(batch, seq, kv_heads, hd), cos, sin)
     ref = torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
-    v = v.reshape(batch, seq, kv_heads, hd)
-    for i in range(seq):
-        torch.testing.assert_close(keys[:, :, base + i].double(), k[:, i], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(values[:, :, base + i].double(), v[:, i], rtol=1e-4, atol=1e-4)
+    _assert_cached(keys, values, k, v.reshape(batch, seq, kv_heads, hd), base)
     others = (torch.arange(cache_len) < base) | (torch.arange(cache_len) >= base + seq)
     assert (keys[:, :, others] == 123.0).all() and (values[:, :, others] == -321.0).all()
 
@@ -190,13 +208,9 @@ def test_neighbouring_pairs_in_the_rope_epilogue_match_fp64(block_n, split, batc
     freqs = (torch.arange(seq) + base).double()[:, None] * inv
     emb = torch.repeat_interleave(freqs, 2, dim=-1)[None].expand(batch, seq, hd)
     cos, sin = emb.cos().to(dt), emb.sin().to(dt)
-    keys = torch.full((batch, kv_heads, cache_len, hd), 123.0, dtype=dt)
-    values = torch.full_like(keys, -321.0)
-    out = torch.full((m, n), float("nan"), dtype=dt)
-    config = triton_splitk.TritonSplitKConfig(16, block_n, 16, split_k=split, num_warps=4, num_stages=2,
-                                              fused_reduce=split > 1)
-    triton_splitk.run(config, x, w, None, out, None,
-                      rope=RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base), pairs=True))
+    keys, values = _poisoned_cache(batch, kv_heads, cache_len, hd, dt)
+    out = _epilogue_out(block_n, split, x, w, None,
+                        RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base), pairs=True))
     q, k, v = (x.double() @ w.double().T).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
     c, s = cos.double()[:, :, None], sin.double()[:, :, None]
 
@@ -207,10 +221,7 @@ def test_neighbouring_pairs_in_the_rope_epilogue_match_fp64(block_n, split, batc
     q, k = rotated(q, heads), rotated(k, kv_heads)
     torch.testing.assert_close(out.double(), torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1),
                                rtol=1e-4, atol=1e-4)
-    v = v.reshape(batch, seq, kv_heads, hd)
-    for i in range(seq):
-        torch.testing.assert_close(keys[:, :, base + i].double(), k[:, i], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(values[:, :, base + i].double(), v[:, i], rtol=1e-4, atol=1e-4)
+    _assert_cached(keys, values, k, v.reshape(batch, seq, kv_heads, hd), base)
 
 
 @pytest.mark.parametrize("granularity", ["channel", "block128"])
@@ -238,14 +249,8 @@ def test_grouped_rows_of_an_fp8_weight_take_their_own_scales(granularity):
                       rope=RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base), group=1))
     y = x.double() @ q.dequantize(torch.float64).T + b.double()
     qh, kh, v = _grouped_to_qkv(y, kv_heads, 1, hd).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
-    c, s = cos.double()[:, 0, None], sin.double()[:, 0, None]
-
-    def rotated(t, count):
-        t = t.reshape(batch, count, hd)
-        r = t[..., :rot]
-        return torch.cat((r * c + _rotate_half(r) * s, t[..., rot:]), dim=-1)
-
-    qh, kh = rotated(qh, heads), rotated(kh, kv_heads)
+    qh = _partially_rotated(qh.reshape(batch, 1, heads, hd), cos, sin)[:, 0]
+    kh = _partially_rotated(kh.reshape(batch, 1, kv_heads, hd), cos, sin)[:, 0]
     ref = torch.cat([qh.reshape(batch, -1), kh.reshape(batch, -1), v], dim=-1)
     torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-2)
     torch.testing.assert_close(keys[:, :, base].double(), kh, rtol=2e-3, atol=2e-2)
