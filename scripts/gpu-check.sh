@@ -43,7 +43,8 @@
 #                   stock as at FAMILIES_BASE (a revision, default HEAD) and as in the tree (scripts/ab_base.sh
 #                   over the kernels/ and fusion/ files both hold that differ), on FAMILIES_TABLE where set (e.g. the
 #                   table the devtable stage wrote, with DEVTABLE_MODELS="pythia-6.9b falcon-7b")
-#                   (FAMILIES_TIMEOUT s per step, default 300)
+#                   (FAMILIES_TIMEOUT s per step, default 300). Falcon's layer takes the step under
+#                   transformers >= 5.25 only: carry its wheel (fetch-wheels.sh transformers==5.25.0)
 #         moetables the grouped MoE entries of qwen3-30b-a3b in MOETABLES_WEIGHTS (default "bf16 fp8": bf16
 #                   retuned, FP8 per channel; FP8 adds its attention GEMMs, LM head and router (bf16) at M 1-16) into
 #                   $OUT/h200.json (as fp8mlp), then its 12-layer compiled decode (B = 1, 8) on it in each,
@@ -297,15 +298,17 @@ name = torch.cuda.get_device_name(); p = f(name); print(p.name if p else device_
       fi
       fbase=${FAMILIES_BASE:-HEAD}
       mapfile -t changed < <(git diff --name-only --diff-filter=M "$fbase" -- kernels fusion 2>/dev/null)
-      margs=(); for mdl in ${FAMILIES_MODELS:-pythia-6.9b falcon-7b}; do margs+=(--model "$mdl"); done
       if [ ${#changed[@]} -eq 0 ]; then
         log "families: no kernels/ or fusion/ file differs from $fbase: no A/B"
       else
         table=(); [ -n "${FAMILIES_TABLE:-}" ] && table=("HYBRIDGEMM_TABLE=$FAMILIES_TABLE")
-        log "families A/B against $fbase (${#changed[@]} files) ${table[*]}: ${margs[*]}"
-        OUT="$OUT" AB_BASE="$fbase" bash scripts/ab_base.sh families "env ${table[*]} timeout $((2 * t)) $PY -m hybridgemm \
-bench --e2e ${margs[*]} --batch 1 8 --tokens 32 --rounds 2 --modes compiled_static --no-progress \
---out $OUT/e2e_families_\$AB_SIDE.csv" "${changed[@]}" | tee -a "$OUT/summary.txt" || status=1
+        for mdl in ${FAMILIES_MODELS:-pythia-6.9b falcon-7b}; do  # bench --e2e takes one model a run
+          log "families A/B against $fbase (${#changed[@]} files) ${table[*]}: $mdl"
+          OUT="$OUT" AB_BASE="$fbase" bash scripts/ab_base.sh "families_$mdl" "env ${table[*]} timeout $t $PY -m \
+hybridgemm bench --e2e --model $mdl --batch 1 8 --tokens 32 --rounds 2 --modes compiled_static --no-progress \
+--out $OUT/e2e_families_${mdl}_\$AB_SIDE.csv" "${changed[@]}" | grep -E "│|^==|error" | tee -a "$OUT/summary.txt" \
+            || status=1
+        done
       fi
       ;;
     fp8mlp)
