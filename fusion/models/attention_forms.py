@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.norm import Fp32FactorRMSNorm, HybridRMSNorm, norm_operand
 
-from . import window_cache
+from . import legacy_falcon, window_cache
 from .checked_forms import (
     _ATTENTION_BODY,
     _CACHE_UPDATE_STATEMENTS,
@@ -30,6 +30,8 @@ from .checked_forms import (
     _EAGER_BODY,
     _FULL_QK_NORMS,
     _LATE_QK_NORMS,
+    _LEGACY_FALCON_ATTENTION_BODY,
+    _LEGACY_FALCON_SPLIT_BODY,
     _NO_GQA_EAGER_BODY,
     _NORMED_K,
     _NORMED_Q,
@@ -105,12 +107,14 @@ class _Transformers:
         cls.attention_functions = ALL_ATTENTION_FUNCTIONS
 
 
+def computes_sdpa(interface) -> bool:
+    """Is ``interface`` an attention function that computes SDPA over the cache (transformers'
+    own, or the one standing in for transformers 5.8-5.24's Falcon attention)?"""
+    return interface is _Transformers.stock_sdpa or interface is legacy_falcon.sdpa_attention
+
+
 def registered_sdpa():
     return _Transformers.attention_functions["sdpa"]
-
-
-def stock_sdpa():
-    return _Transformers.stock_sdpa
 
 
 # ------------------------------------------------------------------------- attention forms
@@ -146,9 +150,27 @@ class AttentionForm:
     layout_from_config: bool = False
     qkv_name: str = QKV_NAME  # the attention's Q/K/V module
     head_dim_name: str = "head_dim"  # the attention's attribute that holds the head width
+    scaling_name: str = "scaling"  # the attention's attribute that holds the scores' scale
+    # its cache holds the new architecture's K and V copied to every query head (transformers
+    # 5.8-5.24's Falcon: legacy_falcon)
+    kv_per_query_head: bool = False
 
     def head_dim(self, attn: nn.Module) -> int:
         return getattr(attn, self.head_dim_name)
+
+    def scaling(self, attn: nn.Module) -> float:
+        return getattr(attn, self.scaling_name)
+
+    def kv_groups(self, attn: nn.Module) -> int | None:
+        """Query heads per KV head: 1 for GPT-NeoX's per-head layout, else the attention's
+        ``num_key_value_groups`` (transformers 5.8-5.24's Falcon has none: its heads over its KV heads)."""
+        if self.per_head_qkv:
+            return 1
+        if self.kv_per_query_head:
+            heads, kv_heads = getattr(attn, "num_heads", None), getattr(attn, "num_kv_heads", None)
+            ints = isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0
+            return heads // kv_heads if ints and heads % kv_heads == 0 else None
+        return getattr(attn, "num_key_value_groups", None)
 
     def attention_function(self, implementation: str):
         return self.functions.get_interface(implementation, self.eager)
@@ -177,6 +199,14 @@ def _read_form(cls: type) -> AttentionForm | str:
     if statements_match(statements, _CONFIG_LAYOUT_ATTENTION_BODY):
         return _functions_form(cls, "none", None, False, prefused=True, layout_from_config=True,
                                qkv_name=PER_HEAD_QKV_NAME)
+    if statements_match(statements, _LEGACY_FALCON_ATTENTION_BODY) \
+            and statements_match(body_statements(getattr(cls, "_split_heads", None)), _LEGACY_FALCON_SPLIT_BODY):
+        rotary = getattr(inspect.unwrap(cls.forward), "__globals__", {}).get("apply_rotary_pos_emb")
+        if not callable(rotary):
+            return f"{cls.__name__}.forward's module has no apply_rotary_pos_emb"
+        return AttentionForm(False, True, rotary, legacy_falcon.eager_attention, legacy_falcon.FUNCTIONS, "none",
+                             None, layout_from_config=True, qkv_name=PER_HEAD_QKV_NAME,
+                             scaling_name="inv_norm_factor", kv_per_query_head=True)
     prefused = statements_match(statements, _PREFUSED_ATTENTION_BODY)
     full_qk_norm = statements is not None and tuple(statements[2:8]) == _FULL_QK_NORMS
     if prefused:  # from the rotary on, the statements of _ATTENTION_BODY

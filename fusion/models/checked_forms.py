@@ -271,6 +271,58 @@ _CONFIG_LAYOUT_ATTENTION_BODY = (
     "**kwargs)",
     *_PER_HEAD_ATTENTION_BODY[-3:],
 )
+# Falcon's attention in transformers 5.8-5.24: the same Q/K/V layouts split by its _split_heads
+# (_LEGACY_FALCON_SPLIT_BODY; the new architecture's K and V copied to every query head), the
+# rotary unless ALiBi, the cache as layer_past, then SDPA called directly (eager: the scores
+# divided by sqrt(head_dim), softmax in the activations' dtype), then dense
+_LEGACY_FALCON_ATTENTION_BODY = (
+    'fused_qkv=self.query_key_value(hidden_states)',
+    'num_kv_heads=self.num_headsifself.new_decoder_architectureelseself.num_kv_heads',
+    'query_layer,key_layer,value_layer=self._split_heads(fused_qkv)',
+    'batch_size,query_length,_,_=query_layer.shape',
+    'query_layer=query_layer.transpose(1,2).reshape(batch_size,self.num_heads,query_length,self.head_dim)',
+    'key_layer=key_layer.transpose(1,2).reshape(batch_size,num_kv_heads,query_length,self.head_dim)',
+    'value_layer=value_layer.transpose(1,2).reshape(batch_size,num_kv_heads,query_length,self.head_dim)',
+    'ifalibiisNone:cos,sin=position_embeddingsquery_layer,key_layer=apply_rotary_pos_emb(query_layer,key_layer,cos,'
+    'sin)',
+    'iflayer_pastisnotNone:key_layer,value_layer=layer_past.update(key_layer,value_layer,self.layer_idx)',
+    'kv_length=key_layer.shape[-2]',
+    "ifalibiisNone:ifself.config._attn_implementation=='sdpa'and(notoutput_attentions):"
+    'is_causal=self.is_causalandattention_maskisNoneand(query_length>1)'
+    'attn_output=torch.nn.functional.scaled_dot_product_attention(query_layer,key_layer,value_layer,'
+    'attn_mask=attention_mask,dropout_p=0.0,is_causal=is_causal)attention_scores=Noneelse:'
+    'attention_scores=query_layer@key_layer.transpose(-1,-2)attention_scores/=math.sqrt(self.head_dim)'
+    'attention_scores=F.softmax(attention_scores+attention_mask,dim=-1,dtype=hidden_states.dtype)'
+    'attn_output=attention_scores@value_layerattn_output=attn_output.view(batch_size,self.num_heads,query_length,'
+    'self.head_dim)attn_output=attn_output.permute(0,2,1,3)attn_output=attn_output.reshape(batch_size,query_length,'
+    'self.num_heads*self.head_dim)attn_output=self.dense(attn_output)return(attn_output,attention_scores)else:'
+    "ifself.config._attn_implementation=='sdpa'and(notoutput_attentions):"
+    'is_causal=self.is_causalandattention_maskisNoneand(query_length>1)'
+    'attn_output=torch.nn.functional.scaled_dot_product_attention(query_layer,key_layer,value_layer,'
+    'attn_mask=attention_mask,dropout_p=self.attention_dropout.pifself.trainingelse0.0,is_causal=is_causal)'
+    'attention_probs=Noneattn_output=attn_output.transpose(1,2)attn_output=attn_output.reshape(batch_size,'
+    'query_length,self.num_heads*self.head_dim)attn_output=self.dense(attn_output)else:'
+    'matmul_result=query_layer@key_layer.transpose(-1,-2)attention_scores=matmul_result.view(batch_size,'
+    'self.num_heads,query_length,kv_length)'
+    'input_dtype=attention_scores.dtypeifinput_dtype==torch.float16orinput_dtype==torch.bfloat16:'
+    'attention_scores=attention_scores.to(torch.float32)attention_logits=attention_scores+alibi.view(batch_size,'
+    'self.num_heads,1,-1)'
+    'attention_logits*=self.inv_norm_factorattention_probs=F.softmax(attention_logits+attention_mask,dim=-1,'
+    'dtype=hidden_states.dtype)attention_probs=self.attention_dropout(attention_probs)'
+    'attention_probs_reshaped=attention_probs.view(batch_size,self.num_heads,query_length,kv_length)'
+    'attn_output=(attention_probs_reshaped@value_layer).flatten(0,1)attn_output=self._merge_heads(attn_output)'
+    'attn_output=self.dense(attn_output)return(attn_output,attention_probs)',
+)
+_LEGACY_FALCON_SPLIT_BODY = (
+    'ifself.new_decoder_architecture:batch,seq_len,_=fused_qkv.shapeqkv=fused_qkv.view(batch,seq_len,-1,'
+    'self.num_heads//self.num_kv_heads+2,self.head_dim)query=qkv[:,:,:,:-2]key=qkv[:,:,:,[-2]]value=qkv[:,:,:,'
+    '[-1]]key=torch.broadcast_to(key,query.shape)value=torch.broadcast_to(value,query.shape)query,key,'
+    'value=[x.flatten(2,3)forxin(query,key,value)]return(query,key,value)elifnotself.multi_query:batch_size,'
+    'seq_length,three_times_hidden_size=fused_qkv.shapefused_qkv=fused_qkv.view(batch_size,seq_length,'
+    'self.num_heads,3,self.head_dim)return(fused_qkv[...,0,:],fused_qkv[...,1,:],fused_qkv[...,2,:])else:'
+    'batch_size,seq_length,three_times_hidden_size=fused_qkv.shapefused_qkv=fused_qkv.view(batch_size,seq_length,'
+    'self.num_heads+2,self.head_dim)return(fused_qkv[...,:-2,:],fused_qkv[...,[-2],:],fused_qkv[...,[-1],:])',
+)
 # OLMo 2's q/k norms: over all the q (k) columns of the projection, before the head views
 _FULL_QK_NORMS = (
     "query_states=self.q_norm(self.q_proj(hidden_states))",

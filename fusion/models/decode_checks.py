@@ -162,8 +162,11 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     pe = kwargs.get("position_embeddings")
     implementation = attn.config._attn_implementation
     form = attention_form(type(attn))
+    # eager: a function the decode attention kernel computes, or transformers 5.8-5.24's Falcon
+    # scores (legacy_falcon.eager_attention) over the cache the step wrote
+    eager_ok = form.kernel_eager or form.kv_per_query_head
     if cache is None or pe is None or x.dim() != 3 or attn.training \
-            or not (implementation == "sdpa" or implementation == "eager" and form.kernel_eager):
+            or not (implementation == "sdpa" or implementation == "eager" and eager_ok):
         return None
     if implementation == "sdpa" and form.softcap and getattr(attn, "attn_logit_softcapping", None) is not None:
         return None  # stock's SDPA function refuses a softcap: the module's computation says so
@@ -183,7 +186,7 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     # Head counts from the fused weight and the cache, which hold this process's heads (all of
     # them, or a tensor-parallel rank's share, where the config still gives the whole model's).
     rows, kv_heads = attn._modules[form.qkv_name].weight.shape[0], keys.shape[1]
-    groups = 1 if form.per_head_qkv else getattr(attn, "num_key_value_groups", None)
+    groups = form.kv_groups(attn)
     if not isinstance(groups, int) or groups < 1 or rows != (groups + 2) * kv_heads * hd:
         return None  # a cache (or fused weight) of other head counts: the module's computation says what is wrong
     if keys.dtype != x.dtype or values.dtype != x.dtype or keys.shape[0] != b or keys.shape[-1] != hd \

@@ -116,7 +116,7 @@ def static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, q
         q = y[..., : heads * hd]
     mask = kwargs.get("attention_mask")
     interface = form.attention_function(attn.config._attn_implementation)  # a user may have registered another
-    sdpa = interface is forms.stock_sdpa()
+    sdpa = forms.computes_sdpa(interface)
     if s == 1 and (sdpa or checks.kernel_computes_eager(interface, form)):
         q = q.view(b, -1)
         if checks.kernel_takes(q, keys, values, mask, counters):
@@ -127,7 +127,7 @@ def static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, q
             # so it stays a separate in-graph add whose ordering the compiler tracks.
             # (softcap: what the eager function computes; kv_slot turns a capped SDPA layer away)
             softcap = 0.0 if sdpa or not form.softcap else float(attn.attn_logit_softcapping or 0.0)
-            out = attend(q, keys, values, mask, float(attn.scaling), base, 0 if first else s, counters, softcap)
+            out = attend(q, keys, values, mask, float(form.scaling(attn)), base, 0 if first else s, counters, softcap)
             if first:
                 base.add_(s)
             return out.view(b, 1, heads * hd)
@@ -141,10 +141,10 @@ def static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, q
         # instead of the rep-fold expanded copy that GQA otherwise makes of it. At batch 1 the
         # expanded copy is small, so batch 1 keeps the model's own SDPA call.
         q = q.reshape(b, kv_heads, rep, hd)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=form.scaling(attn))
         return out.reshape(b, 1, heads * hd)
     q = q.reshape(b, s, heads, hd).transpose(1, 2)
-    out, _ = interface(attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling,
+    out, _ = interface(attn, q, keys, values, mask, dropout=0.0, scaling=form.scaling(attn),
                        **_function_kwargs(attn, form, _passed_kwargs(form, kwargs)))
     return out.reshape(b, s, -1).contiguous()
 
@@ -197,7 +197,7 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
         if out is not None:
             return out.view(*input_shape, -1)
     out, _ = interface(attn, q, k, v, kwargs.get("attention_mask"),
-                       dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling,
+                       dropout=0.0 if not attn.training else attn.attention_dropout, scaling=form.scaling(attn),
                        **_function_kwargs(attn, form, rest))
     return out.reshape(*input_shape, -1).contiguous()
 
@@ -250,7 +250,7 @@ def _kernel_attention(attn: nn.Module, form: forms.AttentionForm, interface, q: 
     launches): the function must be stock SDPA without a softcap, or the module's eager function
     of a form the kernel computes; the mask (which holds any sliding window) is read as it is.
     None where it is not, or where the kernel refuses the operands: the caller runs the function."""
-    sdpa = interface is forms.stock_sdpa()
+    sdpa = forms.computes_sdpa(interface)
     if sdpa and form.softcap and getattr(attn, "attn_logit_softcapping", None) is not None:
         return None  # stock's SDPA function raises on a softcap: the call says so
     if not (sdpa or checks.kernel_computes_eager(interface, form)):
@@ -263,8 +263,9 @@ def _kernel_attention(attn: nn.Module, form: forms.AttentionForm, interface, q: 
 
     softcap = 0.0 if sdpa or not form.softcap else float(attn.attn_logit_softcapping or 0.0)
     try:
-        return forms.attention_kernel().decode_attention(q2, k, v, mask, float(attn.scaling), q2.new_empty(q2.shape),
-                                                          step=0, counters=counters, softcap=softcap)
+        return forms.attention_kernel().decode_attention(q2, k, v, mask, float(form.scaling(attn)),
+                                                          q2.new_empty(q2.shape), step=0, counters=counters,
+                                                          softcap=softcap)
     except (ValueError, TritonError) as e:  # refused or not compiled: nothing was launched
         warn_once(("decode_attention", tuple(k.shape), q2.shape[1], q2.dtype),
                   f"hybridgemm: the decode attention kernel could not run for keys of {tuple(k.shape)} ({e}); "

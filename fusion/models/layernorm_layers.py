@@ -30,8 +30,9 @@ cache); any other call (a prompt's prefill, a dynamic cache, training with dropo
 wanted, attention weights asked for, hooks on the modules the step does not call, a LoRA layer
 over one of its linears) runs the layer's own forward over its patched linears. Not fused, with
 the reason in the report: GPT-NeoX-20B's ``gelu_fast`` MLP (no fused epilogue computes it: the
-MLP stays unpatched), ALiBi, and transformers releases whose Falcon layer and attention are
-another form (before 5.25: ALiBi branches, SDPA called directly). Decided as
+MLP stays unpatched), ALiBi, and, under transformers 5.8-5.24 (whose Falcon attention calls SDPA
+itself: fusion/models/legacy_falcon.py), a new-architecture Falcon with fewer KV heads than query
+heads (that release caches K and V copied to every query head). Decided as
 for the other families (fusion/models/decode_checks.py): the forward statement by statement
 when patched, the call's operands per call.
 """
@@ -108,15 +109,19 @@ FAMILIES = {f.layer_class: f for f in (
         "else:attn_output=attn_output+hidden_statesmlp_output=self.mlp(self.post_attention_layernorm(attn_output))"
         "mlp_output=self.post_mlp_dropout(mlp_output)hidden_states=mlp_output+attn_output",
         "returnhidden_states"), "gpt_neox", _neox_shape, dropouts=("post_attention_dropout", "post_mlp_dropout")),
-    # transformers 5.25's FalconDecoderLayer.forward (dropout_add: _DROPOUT_ADD)
+    # transformers 5.8-5.25's FalconDecoderLayer.forward (dropout_add: _DROPOUT_ADD); before 5.25 it
+    # passes its attention the ALiBi tensor (None for the rotary models the step takes: step_slot)
     LayerFamily("FalconDecoderLayer", "self_attention", (
         "residual=hidden_states",
         "ifself.config.new_decoder_architectureandself.config.num_ln_in_parallel_attn==2:attention_layernorm_out="
         "self.ln_attn(hidden_states)mlp_layernorm_out=self.ln_mlp(hidden_states)else:attention_layernorm_out="
         "self.input_layernorm(hidden_states)",
-        "attention_output,attn_weights=self.self_attention(attention_layernorm_out,layer_past=layer_past,"
-        "attention_mask=attention_mask,position_ids=position_ids,use_cache=use_cache,"
-        "output_attentions=output_attentions,position_embeddings=position_embeddings)",
+        ("attention_output,attn_weights=self.self_attention(attention_layernorm_out,layer_past=layer_past,"
+         "attention_mask=attention_mask,position_ids=position_ids,use_cache=use_cache,"
+         "output_attentions=output_attentions,position_embeddings=position_embeddings)",
+         "attention_output,attn_weights=self.self_attention(attention_layernorm_out,layer_past=layer_past,"
+         "attention_mask=attention_mask,position_ids=position_ids,alibi=alibi,use_cache=use_cache,"
+         "output_attentions=output_attentions,position_embeddings=position_embeddings)"),
         "ifnotself.config.new_decoder_architecture:ifself.config.parallel_attn:mlp_layernorm_out="
         "attention_layernorm_outelse:residual=dropout_add(attention_output,residual,self.config.attention_dropout,"
         "training=self.training)mlp_layernorm_out=self.post_attention_layernorm(residual)",
@@ -210,6 +215,9 @@ def _why_not_layout(attn: nn.Module) -> str | None:
         kv_heads = attn.num_kv_heads
         if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
             return f"its {kv_heads!r} key/value heads do not divide its {heads} heads"
+        if form.kv_per_query_head and attn.new_decoder_architecture and kv_heads != heads:
+            return "its cache holds K and V copied to each of its query heads (this transformers release's Falcon " \
+                   "attention), which the step's cache write does not make"
     if not all(isinstance(v, int) and v > 0 for v in (heads, hd)) or getattr(qkv, "weight", None) is None \
             or qkv.weight.shape[0] != (heads + 2 * kv_heads) * hd:
         return f"its {PER_HEAD_QKV_NAME}'s rows are not the config's q, k and v heads"
@@ -245,7 +253,7 @@ def step_slot(layer: nn.Module, x: Tensor, kwargs: dict) -> StepCall | None:
     static-cache slot: ``decode_checks.kv_slot``), else None (the layer's own forward runs)."""
     family = family_of(layer)
     if not checks.takes_static_step(layer) or not checks.operands_allow(layer, x, family.dropouts) \
-            or family.dropping(layer) or kwargs.get("output_attentions"):
+            or family.dropping(layer) or kwargs.get("output_attentions") or kwargs.get("alibi") is not None:
         return None
     if type(layer._modules.get("mlp")) is not HybridTwoLayerMLP or _why_not_parts(layer, family) is not None:
         return None
