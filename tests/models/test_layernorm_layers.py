@@ -8,6 +8,8 @@ rotary/cache write's torch path against its kernel. GPU runs: tests/models/test_
 from __future__ import annotations
 
 import copy
+import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ import torch
 import hybridgemm
 from helpers import assert_static_decode_matches, greedy_static_decode
 from hybridgemm.kernels import triton_qk_rope as tqr
-from hybridgemm.models import attention_forms, fused_pieces, layernorm_layers
+from hybridgemm.models import attention_forms, fused_pieces, layernorm_layers, legacy_falcon
 from hybridgemm.models import decode_checks as checks
 from hybridgemm.perf import e2e_models as hf
 
@@ -261,6 +263,47 @@ def _falcon_kv_heads(config) -> int:
 
 def forms_group(attn) -> int:
     return attention_forms.qkv_group(attn, attention_forms.attention_form(type(attn)))
+
+
+def _attention_fp64(q, k, v, mask):
+    """softmax(q k^T / sqrt(hd) + mask) v in fp64, K and V broadcast over the query heads; [B, S, heads, hd]."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.double()
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 5])
+def test_legacy_falcon_functions_compute_its_sdpa_and_eager_branches(kv_heads):
+    """The functions standing in for transformers 5.8-5.24's Falcon attention branches
+    (legacy_falcon), over a cache of one KV head (multi-query, broadcast) or one per query head:
+    SDPA with a boolean mask, with none (causal), eager with an additive mask, against fp64, out
+    as [B, S, heads, hd]; eager's scores in the queries' dtype (that branch's softmax dtype)."""
+    torch.manual_seed(1)
+    b, heads, s, length, hd = 2, 5, 3, 7, 16
+    module = SimpleNamespace(head_dim=hd, is_causal=True)
+    q = torch.randn(b, heads, s, hd)
+    k, v = torch.randn(b, kv_heads, length, hd), torch.randn(b, kv_heads, length, hd)
+    allowed = torch.rand(b, 1, s, length) > 0.3
+    allowed[..., 0] = True  # (every row attends somewhere)
+    additive = torch.zeros(b, 1, s, length).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    sdpa = legacy_falcon.FUNCTIONS.get_interface("sdpa", None)
+    eager = legacy_falcon.FUNCTIONS.get_interface("eager", None)
+    assert sdpa is legacy_falcon.sdpa_attention and eager is legacy_falcon.eager_attention
+    assert attention_forms.computes_sdpa(sdpa) and not attention_forms.computes_sdpa(eager)
+    out, none = sdpa(module, q, k, v, allowed, scaling=0.5)  # (SDPA's own scale, as that branch)
+    assert none is None and out.shape == (b, s, heads, hd) and out.is_contiguous()
+    torch.testing.assert_close(out.double(), _attention_fp64(q, k, v, allowed), rtol=1e-5, atol=1e-5)
+    causal = torch.ones(s, s, dtype=torch.bool).tril().view(1, 1, s, s)
+    out, _ = sdpa(module, q, k[:, :, :s], v[:, :, :s], None)
+    torch.testing.assert_close(out.double(), _attention_fp64(q, k[:, :, :s], v[:, :, :s], causal), rtol=1e-5,
+                               atol=1e-5)
+    out, scores = eager(module, q, k, v, additive)
+    assert out.shape == (b, s, heads, hd) and scores.shape == (b, heads, s, length)
+    torch.testing.assert_close(out.double(), _attention_fp64(q, k, v, additive), rtol=1e-5, atol=1e-5)
+    _, scores = eager(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), additive.bfloat16())
+    assert scores.dtype == torch.bfloat16
 
 
 def test_falcon_with_alibi_or_attention_weights_keeps_its_own_forward(kernels_on_cpu):
