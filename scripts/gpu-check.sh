@@ -106,7 +106,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cu
       'gpu', torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/summary.txt"
       ;;
     tests)
-      # pytest-xdist where installed (8 workers): 1351 passed, 17 skipped in 276 s on an H100 (055ec5d,
+      # pytest-xdist where installed (8 workers): 1355 passed, 17 skipped in 298 s on an H200 (cddfdde,
       # Triton's compiles included); every test holds the GPU through tests/device_lock.py (gpu_alone
       # tests exclusively). Give it a device call of its own.
       par=(); $PY -c "import xdist" 2>/dev/null && par=(-n 8)
