@@ -43,8 +43,8 @@
 #                   stock as at FAMILIES_BASE (a revision, default HEAD) and as in the tree (scripts/ab_base.sh
 #                   over the kernels/ and fusion/ files both hold that differ), on FAMILIES_TABLE where set (e.g. the
 #                   table the devtable stage wrote, with DEVTABLE_MODELS="pythia-6.9b falcon-7b")
-#                   (FAMILIES_TIMEOUT s per step, default 300). Falcon's layer takes the step under
-#                   transformers >= 5.25 only: carry its wheel (fetch-wheels.sh transformers==5.25.0)
+#                   (FAMILIES_TIMEOUT s per step, default 300). Falcon's stock attention is another form
+#                   before transformers 5.25 (the machine has 5.17); perf/results' Falcon rows are 5.25's
 #         moetables the grouped MoE entries of qwen3-30b-a3b in MOETABLES_WEIGHTS (default "bf16 fp8": bf16
 #                   retuned, FP8 per channel; FP8 adds its attention GEMMs, LM head and router (bf16) at M 1-16) into
 #                   $OUT/h200.json (as fp8mlp), then its 12-layer compiled decode (B = 1, 8) on it in each,
