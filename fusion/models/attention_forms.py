@@ -113,10 +113,6 @@ def computes_sdpa(interface) -> bool:
     return interface is _Transformers.stock_sdpa or interface is legacy_falcon.sdpa_attention
 
 
-def registered_sdpa():
-    return _Transformers.attention_functions["sdpa"]
-
-
 # ------------------------------------------------------------------------- attention forms
 
 @dataclass(frozen=True)
@@ -151,9 +147,10 @@ class AttentionForm:
     qkv_name: str = QKV_NAME  # the attention's Q/K/V module
     head_dim_name: str = "head_dim"  # the attention's attribute that holds the head width
     scaling_name: str = "scaling"  # the attention's attribute that holds the scores' scale
-    # its cache holds the new architecture's K and V copied to every query head (transformers
-    # 5.8-5.24's Falcon: legacy_falcon)
-    kv_per_query_head: bool = False
+    # transformers 5.8-5.24's Falcon attention (its _split_heads form): attention functions
+    # legacy_falcon's, its eager one computed by the step too (decode_checks.kv_slot), KV groups
+    # from its head counts, and the new architecture's K and V cached copied to every query head
+    split_heads_falcon: bool = False
 
     def head_dim(self, attn: nn.Module) -> int:
         return getattr(attn, self.head_dim_name)
@@ -166,7 +163,7 @@ class AttentionForm:
         ``num_key_value_groups`` (transformers 5.8-5.24's Falcon has none: its heads over its KV heads)."""
         if self.per_head_qkv:
             return 1
-        if self.kv_per_query_head:
+        if self.split_heads_falcon:
             heads, kv_heads = getattr(attn, "num_heads", None), getattr(attn, "num_kv_heads", None)
             ints = isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0
             return heads // kv_heads if ints and heads % kv_heads == 0 else None
@@ -206,7 +203,7 @@ def _read_form(cls: type) -> AttentionForm | str:
             return f"{cls.__name__}.forward's module has no apply_rotary_pos_emb"
         return AttentionForm(False, True, rotary, legacy_falcon.eager_attention, legacy_falcon.FUNCTIONS, "none",
                              None, layout_from_config=True, qkv_name=PER_HEAD_QKV_NAME,
-                             scaling_name="inv_norm_factor", kv_per_query_head=True)
+                             scaling_name="inv_norm_factor", split_heads_falcon=True)
     prefused = statements_match(statements, _PREFUSED_ATTENTION_BODY)
     full_qk_norm = statements is not None and tuple(statements[2:8]) == _FULL_QK_NORMS
     if prefused:  # from the rotary on, the statements of _ATTENTION_BODY

@@ -164,7 +164,7 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     form = attention_form(type(attn))
     # eager: a function the decode attention kernel computes, or transformers 5.8-5.24's Falcon
     # scores (legacy_falcon.eager_attention) over the cache the step wrote
-    eager_ok = form.kernel_eager or form.kv_per_query_head
+    eager_ok = form.kernel_eager or form.split_heads_falcon
     if cache is None or pe is None or x.dim() != 3 or attn.training \
             or not (implementation == "sdpa" or implementation == "eager" and eager_ok):
         return None

@@ -247,9 +247,10 @@ def _kernel_attention(attn: nn.Module, form: forms.AttentionForm, interface, q: 
     ``[B, heads, 1, hd]``) over the keys and values its cache returned (a sliding-window layer's
     window, a dynamic cache's concatenation), in one launch of the decode attention kernel
     (eager calls: host-bound, where SDPA's GQA expansion or the eager function's ops are many
-    launches): the function must be stock SDPA without a softcap, or the module's eager function
-    of a form the kernel computes; the mask (which holds any sliding window) is read as it is.
-    None where it is not, or where the kernel refuses the operands: the caller runs the function."""
+    launches): the function must compute SDPA (``forms.computes_sdpa``) without a softcap, or be
+    the module's eager function of a form the kernel computes; the mask (which holds any sliding
+    window) is read as it is. None where it is not, or where the kernel refuses the operands: the
+    caller runs the function."""
     sdpa = forms.computes_sdpa(interface)
     if sdpa and form.softcap and getattr(attn, "attn_logit_softcapping", None) is not None:
         return None  # stock's SDPA function raises on a softcap: the call says so

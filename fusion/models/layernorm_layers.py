@@ -202,7 +202,8 @@ def why_not_fuse(layer: nn.Module) -> str | None:
 def _why_not_layout(attn: nn.Module) -> str | None:
     """Why the rotary/cache launch cannot read ``attn``'s Q/K/V columns (None: it can): GPT-NeoX's
     per head, or Falcon's as its instance says (``forms.qkv_group``), with rows for the
-    config's heads and no ALiBi."""
+    config's heads and no ALiBi; under transformers 5.8-5.24 not a new-architecture Falcon with
+    fewer KV heads than heads (that release caches its K and V copied to every query head)."""
     form = forms.attention_form(type(attn))
     if not (form.per_head_qkv or form.layout_from_config):
         return f"its {type(attn).__name__} is not one of these families' attentions"
@@ -215,7 +216,7 @@ def _why_not_layout(attn: nn.Module) -> str | None:
         kv_heads = attn.num_kv_heads
         if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
             return f"its {kv_heads!r} key/value heads do not divide its {heads} heads"
-        if form.kv_per_query_head and attn.new_decoder_architecture and kv_heads != heads:
+        if form.split_heads_falcon and attn.new_decoder_architecture and kv_heads != heads:
             return "its cache holds K and V copied to each of its query heads (this transformers release's Falcon " \
                    "attention), which the step's cache write does not make"
     if not all(isinstance(v, int) and v > 0 for v in (heads, hd)) or getattr(qkv, "weight", None) is None \

@@ -111,7 +111,7 @@ def models(monkeypatch, request):
         from hybridgemm.models import attention_forms
 
         why = attention_forms.why_not_attention_form(FalconAttention)
-        if why is None and kind == "falcon_new" and attention_forms.attention_form(FalconAttention).kv_per_query_head:
+        if why is None and kind == "falcon_new" and attention_forms.attention_form(FalconAttention).split_heads_falcon:
             why = "its Falcon attention caches K and V copied to every query head"
         if why is not None:
             pytest.skip(f"transformers {transformers.__version__}: {why}")

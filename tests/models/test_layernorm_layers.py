@@ -211,7 +211,7 @@ def _falcon_caches_copies(model) -> bool:
     from transformers.models.falcon.modeling_falcon import FalconAttention
 
     config = model.config
-    return attention_forms.attention_form(FalconAttention).kv_per_query_head and config.new_decoder_architecture \
+    return attention_forms.attention_form(FalconAttention).split_heads_falcon and config.new_decoder_architecture \
         and config.num_kv_heads < config.num_attention_heads
 
 
@@ -225,14 +225,19 @@ def _falcon_caches_copies(model) -> bool:
      ("input_layernorm", "post_attention_layernorm"), 1),
     (dict(multi_query=True, parallel_attn=False, bias=False, attention="eager"),             # sequential, one KV head
      ("input_layernorm", "post_attention_layernorm"), 0),
+    # the new architecture with a KV head per query head (its groups of one)
+    (dict(new_decoder_architecture=True, num_kv_heads=4, bias=True), ("ln_attn", "ln_mlp"), 1),
 ])
-def test_falcon_layers_decode_as_stock_does(extra, norms, group, kernels_on_cpu):
+@pytest.mark.parametrize("attention_kernel", [True, False])
+def test_falcon_layers_decode_as_stock_does(extra, norms, group, attention_kernel, kernels_on_cpu):
     """Falcon's layer forms: its norms as modules (one shared by the attention and the MLP, two
     of their own, or sequential), its Q/K/V layout (multi-query's one KV head, the new
     architecture's groups per KV head, per head) rotated and cached in one launch, the parallel
-    residual as stock's (mlp + a) + x. Logits and caches as the unpatched model's. Under a
-    transformers whose Falcon attention is another form, the report says so and the model is
-    left computing what it did."""
+    residual as stock's (mlp + a) + x. Logits and caches as the unpatched model's, with the
+    decode attention kernel and without it (batch 3: the attention function over the cache, or
+    SDPA over the query heads of a KV head as rows). Under a transformers whose Falcon attention
+    is another form, or whose cache the step does not write (5.8-5.24's new architecture with
+    fewer KV heads), the report says so and the model is left computing what it did."""
     stock = _falcon(**extra)
     model = copy.deepcopy(stock)
     report = hybridgemm.patch(model)
@@ -246,11 +251,18 @@ def test_falcon_layers_decode_as_stock_does(extra, norms, group, kernels_on_cpu)
         return
     assert report.fused_layers == FALCON_LAYERS and report.fused_attention == FALCON_LAYERS, report.skipped
     assert sorted(n for n, _ in report.skipped) == [f"{layer}.{n}" for layer in FALCON_LAYERS for n in sorted(norms)]
-    stores = []
+    stores, attended = [], []
     with pytest.MonkeyPatch.context() as mp:
         _count_stores(mp, stores)
-        assert_static_decode_matches(model, stock, VOCAB, 3, 2)
+        real_takes = checks.kernel_takes
+        mp.setattr(checks, "kernel_takes", lambda *a: attended.append(1) or attention_kernel and real_takes(*a))
+        assert_static_decode_matches(model, stock, VOCAB, 3, 2 if attention_kernel else 3)
     assert kernels_on_cpu["rope"] == 2 * 3 and stores == []  # rotated and cached in the Q/K/V epilogue
+    # each layer's decode steps asked the kernel, but for the eager scores of 5.8-5.24's Falcon
+    # attention (legacy_falcon.eager_attention: softmax in the activations' dtype, not the kernel's)
+    eager_apart = attention_forms.attention_form(type(model.transformer.h[0].self_attention)).split_heads_falcon \
+        and stock.config._attn_implementation == "eager"
+    assert len(attended) == (0 if eager_apart else 2 * 3)
     assert [layer.self_attention.query_key_value.weight.shape[0] for layer in model.transformer.h] == \
         [(4 + 2 * _falcon_kv_heads(stock.config)) * 32] * 2
     if group:  # the rows grouped per KV head, as the kernel reads them
@@ -281,7 +293,7 @@ def test_legacy_falcon_functions_compute_its_sdpa_and_eager_branches(kv_heads):
     SDPA with a boolean mask, with none (causal), eager with an additive mask, against fp64, out
     as [B, S, heads, hd]; eager's scores in the queries' dtype (that branch's softmax dtype)."""
     torch.manual_seed(1)
-    b, heads, s, length, hd = 2, 5, 3, 7, 16
+    b, heads, s, length, hd = 2, 5, 3, 7, 24  # (sqrt(hd) not a power of two: the division rounds)
     module = SimpleNamespace(head_dim=hd, is_causal=True)
     q = torch.randn(b, heads, s, hd)
     k, v = torch.randn(b, kv_heads, length, hd), torch.randn(b, kv_heads, length, hd)
@@ -302,8 +314,14 @@ def test_legacy_falcon_functions_compute_its_sdpa_and_eager_branches(kv_heads):
     out, scores = eager(module, q, k, v, additive)
     assert out.shape == (b, s, heads, hd) and scores.shape == (b, heads, s, length)
     torch.testing.assert_close(out.double(), _attention_fp64(q, k, v, additive), rtol=1e-5, atol=1e-5)
-    _, scores = eager(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), additive.bfloat16())
-    assert scores.dtype == torch.bfloat16
+    # in bf16, bit for bit the branch's own ops: the scores divided in place, softmax in bf16
+    q, k, v, additive = q.bfloat16(), k.bfloat16(), v.bfloat16(), additive.bfloat16()
+    out, scores = eager(module, q, k, v, additive)
+    want = q @ k.transpose(-1, -2)
+    want /= math.sqrt(hd)
+    want = torch.nn.functional.softmax(want + additive, dim=-1, dtype=torch.bfloat16)
+    assert scores.dtype == torch.bfloat16 and torch.equal(scores, want)
+    assert torch.equal(out, (want @ v).transpose(1, 2))
 
 
 def test_falcon_with_alibi_or_attention_weights_keeps_its_own_forward(kernels_on_cpu):
