@@ -29,8 +29,7 @@ Calls of up to ``decode_checks.DECODE_ROWS`` rows over a static cache that
 cache); any other call (a prompt's prefill, a dynamic cache, training with dropout, gradients
 wanted, attention weights asked for, hooks on the modules the step does not call, a LoRA layer
 over one of its linears) runs the layer's own forward over its patched linears. Not fused, with
-the reason in the report: GPT-NeoX-20B's ``gelu_fast`` MLP (no fused epilogue computes it: the
-MLP stays unpatched), ALiBi, and, under transformers 5.8-5.24 (whose Falcon attention calls SDPA
+the reason in the report: ALiBi, and, under transformers 5.8-5.24 (whose Falcon attention calls SDPA
 itself: fusion/models/legacy_falcon.py), a new-architecture Falcon with fewer KV heads than query
 heads (that release caches K and V copied to every query head). Decided as
 for the other families (fusion/models/decode_checks.py): the forward statement by statement

@@ -71,12 +71,16 @@ def test_activation_names():
     acts = transformers.activations.ACT2FN
     assert activation_name(acts["silu"]) == activation_name(nn.SiLU()) == "silu"
     assert activation_name(acts["gelu"]) == activation_name(nn.GELU()) == "gelu"
-    for name in ("gelu_new", "gelu_pytorch_tanh"):
+    for name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
         assert activation_name(acts[name]) == "gelu_tanh", name
     assert activation_name(nn.GELU(approximate="tanh")) == "gelu_tanh"
     assert activation_name(nn.ReLU()) == "relu"
-    for unknown in (acts["quick_gelu"], acts["gelu_fast"], nn.Tanh(), None, F.silu):
+    for unknown in (acts["quick_gelu"], nn.Tanh(), None, F.silu):
         assert activation_name(unknown) is None, unknown
+    # gelu_fast's factored form is the tanh GELU in fp64, to far below fp32's resolution
+    x = torch.linspace(-8, 8, 4001, dtype=torch.float64)
+    torch.testing.assert_close(acts["gelu_fast"](x), F.gelu(x, approximate="tanh"), rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(acts["quick_gelu"](x), F.gelu(x, approximate="tanh"), rtol=1e-3, atol=1e-4)
 
 
 def _llama(**overrides) -> nn.Module:

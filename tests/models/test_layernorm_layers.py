@@ -65,17 +65,19 @@ def _count_stores(mp, stores):
         (tuple(y.shape), cos.shape[-1], group)) or real(y, qn, kn, cos, *a, group=group, **kw))
 
 
-@pytest.mark.parametrize("parallel,rotary,bias,batch,attention", [
-    (True, 0.25, True, 2, "sdpa"),     # Pythia's and GPT-NeoX-20B's form
-    (False, 1.0, False, 1, "sdpa"),    # sequential residual, whole-head rotary, no biases
-    (True, 0.5, False, 3, "eager"),    # the eager attention function (the decode kernel computes it)
+@pytest.mark.parametrize("parallel,rotary,bias,batch,attention,act", [
+    (True, 0.25, True, 2, "sdpa", "gelu"),        # Pythia's form
+    (True, 0.25, True, 2, "sdpa", "gelu_fast"),   # GPT-NeoX-20B's MLP: the tanh GELU factored
+    (False, 1.0, False, 1, "sdpa", "gelu"),       # sequential residual, whole-head rotary, no biases
+    (True, 0.5, False, 3, "eager", "gelu"),       # the eager attention function (the decode kernel computes it)
 ])
-def test_gpt_neox_layers_decode_as_stock_does(parallel, rotary, bias, batch, attention, kernels_on_cpu):
+def test_gpt_neox_layers_decode_as_stock_does(parallel, rotary, bias, batch, attention, act, kernels_on_cpu):
     """Each layer takes the static-cache step: its LayerNorms as modules, the Q/K/V GEMM with
     the rotary over the first ``rotary_pct`` of each head and the cache write of its per-head
     [q | k | v] weight rows in its epilogue, the attention kernel, dense and dense_4h_to_h with
-    their residuals in the epilogue; logits and caches as the unpatched model's."""
-    stock = _tiny(attention, use_parallel_residual=parallel, rotary_pct=rotary, attention_bias=bias)
+    their residuals in the epilogue (dense_h_to_4h's GELU in its own); logits and caches as the
+    unpatched model's."""
+    stock = _tiny(attention, use_parallel_residual=parallel, rotary_pct=rotary, attention_bias=bias, hidden_act=act)
     model = _patched(stock)
     stores = []
     with pytest.MonkeyPatch.context() as mp:
