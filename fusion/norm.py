@@ -37,7 +37,8 @@ from hybridgemm.kernels.lazy import triton_module
 # + eps), rounded to x's dtype, then times the weight); tests/fusion/test_norm.py checks each one
 # against reference_rms_norm bit for bit with the installed transformers.
 RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "MixtralRMSNorm",
-                    "Phi3RMSNorm", "GraniteRMSNorm", "GraniteMoeRMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm")
+                    "Phi3RMSNorm", "GraniteRMSNorm", "GraniteMoeRMSNorm", "Qwen2MoeRMSNorm", "Qwen3MoeRMSNorm",
+                    "OlmoeRMSNorm")
 # transformers' RMSNorm classes of Gemma's formula (tests/fusion/test_norm.py checks each one
 # against reference_gemma_rms_norm bit for bit with the installed transformers).
 GEMMA_NORM_CLASSES = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")

@@ -311,9 +311,10 @@ def assert_static_decode_matches(model, stock, vocab: int, steps: int, batch: in
 
 def tiny_moe_lm(kind: str, vocab: int, hidden: int, experts: int, top_k: int, head_dim: int | None = None,
                 **load):
-    """A 2-layer causal LM of transformers' ``kind`` ("mixtral", "qwen3_moe" or "qwen2_moe", the
-    last with a shared expert) of 4 heads and 2 KV heads, seed 0, its experts N(0, 0.1) (large
-    enough to matter in the logits); ``load``: from_config's keywords (attn_implementation)."""
+    """A 2-layer causal LM of transformers' ``kind`` ("mixtral", "qwen3_moe", "olmoe" (its q/k
+    norms over all heads) or "qwen2_moe", the last with a shared expert) of 4 heads and 2 KV
+    heads, seed 0, its experts N(0, 0.1) (large enough to matter in the logits); ``load``:
+    from_config's keywords (attn_implementation)."""
     import transformers
 
     common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
@@ -324,6 +325,8 @@ def tiny_moe_lm(kind: str, vocab: int, hidden: int, experts: int, top_k: int, he
     elif kind == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=40, num_experts=experts, num_experts_per_tok=top_k,
                                           intermediate_size=80, head_dim=head_dim or hidden // 4, **common)
+    elif kind == "olmoe":
+        cfg = transformers.OlmoeConfig(intermediate_size=40, num_experts=experts, num_experts_per_tok=top_k, **common)
     else:
         cfg = transformers.Qwen2MoeConfig(moe_intermediate_size=40, num_experts=experts, num_experts_per_tok=top_k,
                                           shared_expert_intermediate_size=56, intermediate_size=80, **common)

@@ -26,6 +26,7 @@ from . import legacy_falcon, window_cache
 from .checked_forms import (
     _ATTENTION_BODY,
     _CACHE_UPDATE_STATEMENTS,
+    _CLIPPED_FULL_QK_NORMS,
     _CONFIG_LAYOUT_ATTENTION_BODY,
     _EAGER_BODY,
     _FULL_QK_NORMS,
@@ -131,6 +132,9 @@ class AttentionForm:
     window_from: str | None  # "module" (attn.sliding_window), "config" (attn.config.sliding_window), None
     softcap: bool = False  # the call passes softcap=attn.attn_logit_softcapping (Gemma 2)
     full_qk_norm: bool = False  # q_norm/k_norm over all q (k) columns, before the head views (OLMo 2)
+    # then Q, K and V clamped where config.clip_qkv is set (OLMoE): the step takes such a layer
+    # only while it is None (why_not_fuse_attention, decode_checks.takes_fused_path)
+    clip_qkv: bool = False
     kernel_eager: bool = False  # its module's eager function is one the decode attention kernel computes
     # the rotary over the first attn.rotary_ndims columns of each head, per-head q/k LayerNorms
     # where attn.qk_layernorm, and only position_ids for the attention function (StableLM)
@@ -205,11 +209,12 @@ def _read_form(cls: type) -> AttentionForm | str:
                              None, layout_from_config=True, qkv_name=PER_HEAD_QKV_NAME,
                              scaling_name="inv_norm_factor", split_heads_falcon=True)
     prefused = statements_match(statements, _PREFUSED_ATTENTION_BODY)
-    full_qk_norm = statements is not None and tuple(statements[2:8]) == _FULL_QK_NORMS
+    clip_qkv = statements is not None and tuple(statements[2:9]) == _CLIPPED_FULL_QK_NORMS
+    full_qk_norm = clip_qkv or statements is not None and tuple(statements[2:8]) == _FULL_QK_NORMS
     if prefused:  # from the rotary on, the statements of _ATTENTION_BODY
         statements = [*_ATTENTION_BODY[:2], _PLAIN_Q, _PLAIN_K, _ATTENTION_BODY[4], *statements[10:]]
-    elif full_qk_norm:  # the same with the norms taken out, as checked above
-        statements = [*statements[:2], _PLAIN_Q, _PLAIN_K, _ATTENTION_BODY[4], *statements[8:]]
+    elif full_qk_norm:  # the same with the norms (and the clamp) taken out, as checked above
+        statements = [*statements[:2], _PLAIN_Q, _PLAIN_K, _ATTENTION_BODY[4], *statements[9 if clip_qkv else 8:]]
     elif statements is not None and tuple(statements[5:7]) == _LATE_QK_NORMS \
             and statements[2:4] == [_PLAIN_Q, _PLAIN_K]:
         statements = [*statements[:2], _NORMED_Q, _NORMED_K, *statements[4:5], *statements[7:]]
@@ -217,7 +222,7 @@ def _read_form(cls: type) -> AttentionForm | str:
         return f"{cls.__name__}.forward is not an attention this step computes"
     return _functions_form(cls, UPDATE_FORMS[statements[7]], WINDOW_FORMS[statements[9]],
                            statements[9] == _SOFTCAP_CALL, qk_norm=statements[2] == _NORMED_Q, prefused=prefused,
-                           full_qk_norm=full_qk_norm)
+                           full_qk_norm=full_qk_norm, clip_qkv=clip_qkv)
 
 
 def _functions_form(cls: type, update: str, window_from: str | None, softcap: bool, **form) -> AttentionForm | str:
@@ -270,6 +275,9 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
             and not attention_form(cls).kernel_eager:
         return "its attention logits are soft-capped by an eager attention function of a form the decode attention " \
                "kernel does not compute (the module's attention function runs over the fused Q/K/V)"
+    why = why_clipped(attn)
+    if why is not None:
+        return why
     if attention_form(cls).qk_norm:
         why = why_not_qk_norms(attn)
         if why is not None:
@@ -298,6 +306,19 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
 
 
 _STANDARD_ROTARY: dict[type, bool] = {}  # by attention class: its module's apply_rotary_pos_emb read once
+
+
+def clipped(attn: nn.Module) -> bool:
+    """Does ``attn``'s forward clamp its Q/K/V, of a form that does so where config.clip_qkv is
+    set, and is it set? (A dictionary lookup and an attribute: cheap per call.)"""
+    return attention_form(type(attn)).clip_qkv and getattr(attn.config, "clip_qkv", None) is not None
+
+
+def why_clipped(attn: nn.Module) -> str | None:
+    """Why ``attn``'s layer cannot be fused for its Q/K/V clamp (None: it has none set)."""
+    if not clipped(attn):
+        return None
+    return f"its Q/K/V are clamped to config.clip_qkv ({attn.config.clip_qkv}), which the fused layer does not compute"
 
 
 def why_not_rotary(attn: nn.Module) -> str | None:

@@ -332,6 +332,18 @@ _FULL_QK_NORMS = (
     "key_states=key_states.view(hidden_shape).transpose(1,2)",
     "value_states=value_states.view(hidden_shape).transpose(1,2)",
 )
+# OLMoE's: the same norms, then Q, K and V clamped to config.clip_qkv where it is set (the
+# step takes the layer only where it is None), then the head views
+_CLIP_QKV = (
+    "ifself.config.clip_qkvisnotNone:query_states.clamp_(min=-self.config.clip_qkv,max=self.config.clip_qkv)"
+    "key_states.clamp_(min=-self.config.clip_qkv,max=self.config.clip_qkv)value_states.clamp_(min=-self.config."
+    "clip_qkv,max=self.config.clip_qkv)")
+_CLIPPED_FULL_QK_NORMS = (
+    *_FULL_QK_NORMS[:3], _CLIP_QKV,
+    "query_states=query_states.view(*hidden_shape).transpose(1,2)",
+    "key_states=key_states.view(*hidden_shape).transpose(1,2)",
+    "value_states=value_states.view(*hidden_shape).transpose(1,2)",
+)
 # Gemma 3's q/k norms: on the head views after the transpose (the same per-head RMSNorm as
 # _NORMED_Q / _NORMED_K's before it)
 _LATE_QK_NORMS = ("query_states=self.q_norm(query_states)", "key_states=self.k_norm(key_states)")

@@ -56,8 +56,10 @@ from .attention_forms import (
     _Transformers,
     attention_form,
     attention_kernel,
+    clipped,
     rotary_columns,
     statements_match,
+    why_clipped,
     why_not_attention_form,
 )
 from .checked_forms import (
@@ -213,8 +215,8 @@ _MLP_SLOTS = ("gate_proj", "up_proj", "down_proj")
 
 # transformers' sparse MoE blocks whose forward is router, then experts (Qwen2-MoE's also its
 # gated shared expert), one tensor out: the step calls the block itself after the
-# post-attention norm
-MOE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
+# post-attention norm (or computes it: moe_block.why_not_fuse_block)
+MOE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "OlmoeSparseMoeBlock")
 
 
 def moe_block(mlp: nn.Module | None) -> bool:
@@ -320,8 +322,10 @@ def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
 
 
 def takes_fused_path(layer: nn.Module, x) -> bool:
-    """Does this call of a fused layer run the decode step (else the stock forward)?"""
+    """Does this call of a fused layer run the decode step (else the stock forward)? (Not where
+    its Q/K/V clamp has been set since it was patched: attention_forms.clipped.)"""
     return operands_allow(layer, x, (*RESIDUAL_DROPOUTS, MLP_DROPOUT)) and _parts_in_place(layer) \
+        and not clipped(layer.self_attn) \
         and modules_allow(x, _fused_parts(layer), _skipped_modules(layer), _adapters(layer))
 
 
@@ -490,7 +494,7 @@ def _why_not_norm_modules(mod: nn.Module, form: str, moe: bool) -> str | None:
 def _why_not_attention(attn: nn.Module, qkv: nn.Module) -> str | None:
     if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
         return f"its {type(attn).__name__} has no integer head_dim and layer_idx"
-    why = why_not_attention_form(type(attn))
+    why = why_not_attention_form(type(attn)) or why_clipped(attn)
     if why is not None:
         return why
     prefused = attention_form(type(attn)).prefused

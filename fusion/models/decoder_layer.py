@@ -18,8 +18,9 @@ are, its residual parallel or sequential as the instance says, its rotary over t
 (the same with its parallel residual and its rotary of neighbouring columns), ``GPTNeoXLayer``
 and ``FalconDecoderLayer`` (their LayerNorms as modules, their Q/K/V layouts and rotary in the
 Q/K/V GEMM's epilogue; fusion/models/layernorm_layers.py, static caches only) and the
-mixture-of-experts ``Qwen3MoeDecoderLayer``, ``MixtralDecoderLayer`` and ``Qwen2MoeDecoderLayer``
-(their sparse block called as a module, its experts the grouped kernels) whose forwards are the
+mixture-of-experts ``Qwen3MoeDecoderLayer``, ``MixtralDecoderLayer``, ``Qwen2MoeDecoderLayer`` and
+``OlmoeDecoderLayer`` (OLMo 2's q/k norms over all heads, where its Q/K/V clamp ``clip_qkv`` is
+unset) (their sparse block called as a module, its experts the grouped kernels) whose forwards are the
 ones the step computes (checked in their source when patched, so a release that changes them
 is left alone, with the reason in the report), with the parts :func:`hybridgemm.patch` fused:
 Q/K/V, gate/up (or the experts), HybridRMSNorm, HybridGemmaRMSNorm or HybridOlmo2RMSNorm norms.
@@ -43,7 +44,7 @@ LAYER_MODULES = {"LlamaDecoderLayer": "llama", "Qwen2DecoderLayer": "qwen2", "Qw
                  "Qwen2MoeDecoderLayer": "qwen2_moe", "GemmaDecoderLayer": "gemma", "Phi3DecoderLayer": "phi3",
                  "Gemma2DecoderLayer": "gemma2", "Gemma3DecoderLayer": "gemma3", "Olmo2DecoderLayer": "olmo2",
                  "StableLmDecoderLayer": "stablelm", "CohereDecoderLayer": "cohere", "GPTNeoXLayer": "gpt_neox",
-                 "FalconDecoderLayer": "falcon"}
+                 "FalconDecoderLayer": "falcon", "OlmoeDecoderLayer": "olmoe"}
 LAYER_CLASSES = tuple(LAYER_MODULES)
 # A fused layer's int32 buffer (not in the state dict) of split-K arrival counters for its
 # GEMMs, which run one after another and leave it zero: a compiled decode step then needs no

@@ -16,8 +16,8 @@ Which blocks: :func:`why_not_fuse_block` runs the block class's own forward at p
 the CPU in the router's dtype for one token and for six, with stand-ins for its router and
 experts that record what they are given, and checks that it calls each once, hands the
 router the tokens as rows and the experts those rows with the router's experts and weights,
-and returns the experts' output in h's shape and dtype, nothing else (Mixtral's and
-Qwen3-MoE's blocks outside training). A block with more modules (Qwen2-MoE's shared expert) is
+and returns the experts' output in h's shape and dtype, nothing else (Mixtral's, Qwen3-MoE's and
+OLMoE's blocks outside training). A block with more modules (Qwen2-MoE's shared expert) is
 called as a module. The probe runs on a shallow copy: the block's parameters and buffers are
 the real ones (none of the recognised blocks' forwards touches them).
 """

@@ -46,7 +46,7 @@ def test_transformers_rms_norms_are_recognised(cls):
 
 _FAMILY_OF = {"Llama": "llama", "Qwen2": "qwen2", "Qwen3": "qwen3", "Mistral": "mistral", "Mixtral": "mixtral",
               "Phi3": "phi3", "Granite": "granite", "GraniteMoe": "granitemoe", "Qwen2Moe": "qwen2_moe",
-              "Qwen3Moe": "qwen3_moe"}
+              "Qwen3Moe": "qwen3_moe", "Olmoe": "olmoe"}
 
 
 @pytest.mark.parametrize("name", hnorm.RMS_NORM_CLASSES)

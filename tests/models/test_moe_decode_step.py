@@ -34,7 +34,7 @@ def _tiny(kind: str):  # (Qwen2-MoE's with a gated shared expert beside the rout
     return tiny_moe_lm(kind, VOCAB, 128, 8, 2, head_dim=32, attn_implementation="sdpa")
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
 def test_moe_layers_take_the_step_and_decode_as_stock(kind, kernels_on_cpu, monkeypatch):
     monkeypatch.setattr(experts, "use_kernels", lambda x: True)
     stock = _tiny(kind)
@@ -60,7 +60,9 @@ def test_moe_layers_take_the_step_and_decode_as_stock(kind, kernels_on_cpu, monk
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     for got, want in zip(cache.layers, ref_cache.layers):
         torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-4)
-    assert kernels_on_cpu["rope"] == 2 * 2  # both decode steps of both layers ran the fused QKV
+    # both decode steps of both layers ran the fused QKV, with the rotary in its epilogue but for
+    # OLMoE's q/k norms over all heads (the norms, rotary and cache write after the GEMM)
+    assert kernels_on_cpu["rope"] == (0 if kind == "olmoe" else 2 * 2)
     assert len(calls) == 3  # the block's forward (and its hooks) ran in the prefill and both steps
 
 
@@ -72,7 +74,7 @@ def test_experts_left_unpatched_keep_the_layers_own_forward():
     assert not any(type(m) is HybridExperts for m in model.modules())
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "olmoe"])
 def test_routed_blocks_take_their_norm_and_residual_add_into_the_expert_launches(kind, kernels_on_cpu, monkeypatch):
     """Blocks of router and experts alone: the residual add in the experts' down launch (the
     norm once, apart, for the router and the experts), logits as stock's."""
@@ -98,6 +100,38 @@ def test_routed_blocks_take_their_norm_and_residual_add_into_the_expert_launches
         == 2 * 2
     # the prefill and both steps, both layers: QKV's norm in its GEMM (the router's GEMM takes none)
     assert kernels_on_cpu["norm"] == 3 * 2
+
+
+def test_olmoe_with_its_qkv_clamped_keeps_its_own_forward(kernels_on_cpu, monkeypatch):
+    """OLMoE's clamp of Q/K/V (config.clip_qkv), which the step does not compute: set when
+    patched, its layers are not fused and the report says why; set after patching, each call
+    runs the layer's own forward (none takes the fused QKV with its norm). Logits as stock's,
+    which the clamp changes."""
+    monkeypatch.setattr(experts, "use_kernels", lambda x: True)
+    clamp = 0.05  # (a tenth of the projections' magnitude: the clamp shows in the logits)
+    stock = _tiny("olmoe")
+    stock.config.clip_qkv = clamp
+    model = copy.deepcopy(stock)
+    report = hybridgemm.patch(model)
+    assert report.fused_layers == [] and all(
+        f"clamped to config.clip_qkv ({clamp})" in why for name, why in report.skipped if name.endswith(("0", "1"))) \
+        and sum(name.endswith(("0", "1")) for name, _ in report.skipped) == 2
+    later = copy.deepcopy(stock)
+    later.config.clip_qkv = None
+    assert hybridgemm.patch(later).fused_layers == ["model.layers.0", "model.layers.1"]
+    later.config.clip_qkv = clamp
+    unclamped = copy.deepcopy(stock)
+    unclamped.config.clip_qkv = None
+    with torch.no_grad():
+        ref, fed, _ = greedy_static_decode(stock, 2, VOCAB)
+        off, _, _ = greedy_static_decode(unclamped, 2, VOCAB, tokens=fed)
+        for m in (model, later):
+            kernels_on_cpu["norm"] = 0
+            out, _, _ = greedy_static_decode(m, 2, VOCAB, tokens=fed)
+            for a, b in zip(out, ref):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            assert kernels_on_cpu["norm"] == 0  # (the step's QKV takes its norm; the layer's own forward none)
+    assert not all(torch.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in zip(off, ref))
 
 
 def test_blocks_that_compute_more_are_called_as_modules(kernels_on_cpu, monkeypatch):

@@ -38,17 +38,18 @@ CONFIGS = {
     "gpt_neox": ("GPTNeoXConfig", {}),
     "falcon": ("FalconConfig", {}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2}),
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                      "head_dim": 16}),
 }
 
-# Does this transformers' Falcon attention take the fused step (5.25's form)?
+# Does this transformers' Falcon attention take the fused step (5.8-5.25's forms)?
 FALCON_FUSED = attention_forms.why_not_attention_form(
     importlib.import_module("transformers.models.falcon.modeling_falcon").FalconAttention) is None
 SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer, GraniteDecoderLayer, "
              "Qwen3MoeDecoderLayer, MixtralDecoderLayer, Qwen2MoeDecoderLayer, GemmaDecoderLayer, Phi3DecoderLayer, "
              "Gemma2DecoderLayer, Gemma3DecoderLayer, Olmo2DecoderLayer, StableLmDecoderLayer, CohereDecoderLayer, "
-             "GPTNeoXLayer, FalconDecoderLayer")
+             "GPTNeoXLayer, FalconDecoderLayer, OlmoeDecoderLayer")
 
 
 def _layer(cls: str) -> str:
@@ -90,7 +91,7 @@ EXPECTED = {
     "cohere": [(f"{L}.input_layernorm", _norm("CohereLayerNorm"))],  # the layer fused, its norm a module
     # Q/K/V one linear already (swapped as it is): Phi-3's layer fused with its stacked gate/up;
     # GPT-NeoX's and Falcon's layers fused, their LayerNorms called as modules (Falcon's where its
-    # attention is transformers 5.25's form; before, its layer is reported)
+    # attention is a form the step computes, transformers 5.8-5.25's; else its layer is reported)
     "phi3": [],
     "gpt_neox": [("gpt_neox.layers.0.input_layernorm", _norm("LayerNorm")),
                  ("gpt_neox.layers.0.post_attention_layernorm", _norm("LayerNorm"))],
@@ -101,6 +102,7 @@ EXPECTED = {
     # step, the router the dispatcher's GEMM and the routing kernel (fusion/router.py)
     "mixtral": [],
     "qwen3_moe": [],
+    "olmoe": [],  # the same, its q/k norms over all heads as OLMo 2's (its Q/K/V clamp unset)
 }
 
 
