@@ -164,7 +164,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     GPT-NeoX, LayerNorms, the parallel residual, its per-head Q/K/V layout, the rotary over a
     quarter of each head, 8 KV heads; ``"falcon"``: Falcon-7B's form, multi-query (one KV head),
     one LayerNorm for the parallel attention and MLP, no biases; ``"falcon_new"``: Falcon-40B's,
-    its Q/K/V grouped per KV head, a LayerNorm each for the attention and the MLP) of 8 heads and
+    its Q/K/V grouped per KV head, a LayerNorm each for the attention and the MLP; ``"olmoe"``: OLMoE,
+    8 experts of a quarter of ``intermediate_size``, 2 per token, q/k norms over all heads) of 8 heads and
     2 KV heads, random
     weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16 patched by
     hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's sliding window (else 4;
@@ -184,13 +185,14 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
            "olmo2": transformers.Olmo2Config, "stablelm": transformers.StableLmConfig,
            "stablelm_parallel": transformers.StableLmConfig, "cohere": transformers.CohereConfig,
            "gpt_neox": transformers.GPTNeoXConfig, "falcon": transformers.FalconConfig,
-           "falcon_new": transformers.FalconConfig}[kind]
+           "falcon_new": transformers.FalconConfig, "olmoe": transformers.OlmoeConfig}[kind]
     extra = {"granite": dict(residual_multiplier=0.22, attention_multiplier=0.05, embedding_multiplier=12.0,
                              logits_scaling=8.0),
              "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4),
              "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4,
                                shared_expert_intermediate_size=intermediate_size // 2),
              "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+             "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=intermediate_size // 4),
              "phi3": dict(pad_token_id=0, resid_pdrop=0.1),
              "stablelm": dict(partial_rotary_factor=0.25, use_qkv_bias=True),
              "stablelm_parallel": dict(partial_rotary_factor=0.25, use_parallel_residual=True),
@@ -206,7 +208,7 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     heads = {} if kind == "gpt_neox" or falcon else dict(num_key_value_heads=2, head_dim=hidden_size // 8)
     width = {"ffn_hidden_size" if falcon else "intermediate_size": intermediate_size}
     config = cls(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=8,
-                 max_position_embeddings=128, tie_word_embeddings=False, **width, **heads, **extra)
+                 max_position_embeddings=128, tie_word_embeddings=False, **{**width, **heads, **extra})
     torch.manual_seed(0)
     load = {} if attention is None else {"attn_implementation": attention}
     base = transformers.AutoModelForCausalLM.from_config(config, **load).eval()

@@ -82,7 +82,7 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
 
 @pytest.fixture(params=["llama", "qwen3", "granite", "qwen3_moe", "mixtral", "qwen2_moe", "gemma", "phi3", "gemma2",
                         "gemma2-wide", "gemma3", "gemma3-wide", "olmo2", "stablelm", "stablelm_parallel",
-                        "cohere", "gpt_neox", "falcon", "falcon_new"])
+                        "cohere", "gpt_neox", "falcon", "falcon_new", "olmoe"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
@@ -96,8 +96,8 @@ def models(monkeypatch, request):
     their window of 4 filled: the module's attention over the fused QKV), gemma3-wide (a
     sliding layer of window 64 beside a full one: both take the static-cache step, the q/k
     norms in the rotary epilogue), olmo2 (post-norms only; the static-cache
-    step with its q/k norms over all heads as modules after the fused QKV, so no rotary epilogue)
-    and stablelm, stablelm_parallel (LayerNorms as modules; the rotary over a quarter of each head
+    step with its q/k norms over all heads as modules after the fused QKV, so no rotary epilogue),
+    olmoe (the same q/k norms, its sparse block a router and experts alone) and stablelm, stablelm_parallel (LayerNorms as modules; the rotary over a quarter of each head
     and the cache write in the QKV epilogue), cohere (the same with its rotary of neighbouring
     columns in fp32), gpt_neox (the QKV epilogue over its per-head [q | k | v] weight rows),
     falcon (multi-query, one LayerNorm for the parallel attention and MLP) and falcon_new (Q/K/V
@@ -117,7 +117,7 @@ def models(monkeypatch, request):
             pytest.skip(f"transformers {transformers.__version__}: {why}")
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=kind, window=64 if wide else None,
                                          attention="eager" if request.param == "gemma2-wide" else None)
-    calls = {"rope": 0, "store": 0, "static": request.param not in ("gemma2", "gemma3", "olmo2"),
+    calls = {"rope": 0, "store": 0, "static": request.param not in ("gemma2", "gemma3", "olmo2", "olmoe"),
              "wide": bool(wide)}
     real = triton_splitk.run
 
