@@ -97,7 +97,8 @@ def models(monkeypatch, request):
     sliding layer of window 64 beside a full one: both take the static-cache step, the q/k
     norms in the rotary epilogue), olmo2 (post-norms only; the static-cache
     step with its q/k norms over all heads as modules after the fused QKV, so no rotary epilogue),
-    olmoe (the same q/k norms, its sparse block a router and experts alone) and stablelm, stablelm_parallel (LayerNorms as modules; the rotary over a quarter of each head
+    olmoe (the same q/k norms, its sparse block a router and experts alone) and stablelm,
+    stablelm_parallel (LayerNorms as modules; the rotary over a quarter of each head
     and the cache write in the QKV epilogue), cohere (the same with its rotary of neighbouring
     columns in fp32), gpt_neox (the QKV epilogue over its per-head [q | k | v] weight rows),
     falcon (multi-query, one LayerNorm for the parallel attention and MLP) and falcon_new (Q/K/V
