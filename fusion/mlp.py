@@ -58,8 +58,9 @@ def activation_name(act) -> str | None:
     if from_hf and name in ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh"):
         return "gelu_tanh"  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), the tanh form
     if from_hf and name == "FastGELUActivation":
-        # ("gelu_fast", GPT-NeoX-20B's) the same, its argument factored as x c (1 + 0.044715 x^2),
-        # c = 0.7978845608: sqrt(2/pi) to 3e-12 relative, far under fp32's resolution
+        # ("gelu_fast", GPT-NeoX-20B's) the same function, its argument factored as x c (1 +
+        # 0.044715 x^2), c = 0.7978845608 (sqrt(2/pi) to 4e-12 relative): equal up to each op's
+        # rounding, as NewGELUActivation's Python form is
         return "gelu_tanh"
     if from_hf and name == "GELUActivation":
         return "gelu"  # erf form, whether through F.gelu or transformers' Python copy of it

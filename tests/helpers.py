@@ -212,6 +212,11 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     torch.manual_seed(0)
     load = {} if attention is None else {"attn_implementation": attention}
     base = transformers.AutoModelForCausalLM.from_config(config, **load).eval()
+    if kind == "olmoe":  # its q/k norms start at weight 1: other factors, so that they show
+        with torch.no_grad():
+            for name, p in base.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.uniform_(0.5, 1.5)
     if kind in ("gemma", "gemma2", "gemma3"):  # its norms start at weight 0: other factors, so that 1 + w shows
         with torch.no_grad():
             for name, p in base.named_parameters():
@@ -338,6 +343,8 @@ def tiny_moe_lm(kind: str, vocab: int, hidden: int, experts: int, top_k: int, he
         for name, p in model.named_parameters():
             if "experts" in name:
                 p.normal_(0, 0.1)
+            elif kind == "olmoe" and name.endswith(("q_norm.weight", "k_norm.weight")):  # (they start at ones)
+                p.uniform_(0.5, 1.5)
     return model
 
 

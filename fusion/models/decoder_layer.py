@@ -19,8 +19,9 @@ are, its residual parallel or sequential as the instance says, its rotary over t
 and ``FalconDecoderLayer`` (their LayerNorms as modules, their Q/K/V layouts and rotary in the
 Q/K/V GEMM's epilogue; fusion/models/layernorm_layers.py, static caches only) and the
 mixture-of-experts ``Qwen3MoeDecoderLayer``, ``MixtralDecoderLayer``, ``Qwen2MoeDecoderLayer`` and
-``OlmoeDecoderLayer`` (OLMo 2's q/k norms over all heads, where its Q/K/V clamp ``clip_qkv`` is
-unset) (their sparse block called as a module, its experts the grouped kernels) whose forwards are the
+``OlmoeDecoderLayer`` (their sparse block called as a module, its experts the grouped kernels;
+OLMoE's q/k norms over all heads as OLMo 2's, where its Q/K/V clamp ``clip_qkv`` is unset) whose
+forwards are the
 ones the step computes (checked in their source when patched, so a release that changes them
 is left alone, with the reason in the report), with the parts :func:`hybridgemm.patch` fused:
 Q/K/V, gate/up (or the experts), HybridRMSNorm, HybridGemmaRMSNorm or HybridOlmo2RMSNorm norms.

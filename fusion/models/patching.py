@@ -653,6 +653,10 @@ def _prefused_attention(mod: nn.Module) -> tuple[str, ...]:
 def _why_not_fuse(name: str, mod: nn.Module, names, lins: list[nn.Linear], owners: dict) -> str | None:
     if getattr(mod, "is_cross_attention", False) or "Cross" in type(mod).__name__:
         return "cross-attention (K/V read another input)"
+    clip = getattr(getattr(mod, "config", None), "clip_qkv", None)
+    if clip is not None:  # (OLMo's, OLMoE's: clamp_ on each of the parts, which would be views of one output)
+        return f"its forward clamps Q, K and V in place (config.clip_qkv = {clip}), which autograd refuses on views " \
+               "of one GEMM's output"
     return why_not_fuse(name, mod, names, lins, owners, _FUSED_NAME, "q/k/v")
 
 

@@ -1,7 +1,8 @@
 """The fused decode step of mixture-of-experts decoder layers (CPU, Triton interpreter): tiny
-Qwen3-MoE, Mixtral and Qwen2-MoE (with its shared expert) models, patched, take the step in
-every layer (QKV with norm, rotary and cache write in one GEMM, the attention, O with the
-residual; then the post-attention norm, the router and the experts in the grouped kernels,
+Qwen3-MoE, Mixtral, Qwen2-MoE (with its shared expert) and OLMoE models, patched, take the step
+in every layer (QKV with norm, rotary and cache write in one GEMM, or for OLMoE's q/k norms over
+all heads the GEMM with its norm, then those norms, the rotary and the cache write; the
+attention, O with the residual; then the post-attention norm, the router and the experts in the grouped kernels,
 the residual added in their down launch where the block is a router and experts alone, else
 the block called as a module), and their static-cache decode gives stock's logits and cache;
 the block step equals the module call bit for bit; a hook on the MoE block still runs;
@@ -60,6 +61,7 @@ def test_moe_layers_take_the_step_and_decode_as_stock(kind, kernels_on_cpu, monk
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     for got, want in zip(cache.layers, ref_cache.layers):
         torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.values, want.values, rtol=1e-4, atol=1e-4)
     # both decode steps of both layers ran the fused QKV, with the rotary in its epilogue but for
     # OLMoE's q/k norms over all heads (the norms, rotary and cache write after the GEMM)
     assert kernels_on_cpu["rope"] == (0 if kind == "olmoe" else 2 * 2)
@@ -103,19 +105,22 @@ def test_routed_blocks_take_their_norm_and_residual_add_into_the_expert_launches
 
 
 def test_olmoe_with_its_qkv_clamped_keeps_its_own_forward(kernels_on_cpu, monkeypatch):
-    """OLMoE's clamp of Q/K/V (config.clip_qkv), which the step does not compute: set when
-    patched, its layers are not fused and the report says why; set after patching, each call
-    runs the layer's own forward (none takes the fused QKV with its norm). Logits as stock's,
-    which the clamp changes."""
+    """OLMoE's clamp of Q/K/V (config.clip_qkv), which the step does not compute and which its
+    forward applies in place to each of Q, K and V: set when patched, its Q/K/V are not fused
+    (views of one output) and so neither are its layers, the report says why; set after
+    patching, each call runs the layer's own forward (none takes the fused QKV with its norm).
+    Logits as stock's, which the clamp changes."""
     monkeypatch.setattr(experts, "use_kernels", lambda x: True)
-    clamp = 0.05  # (a tenth of the projections' magnitude: the clamp shows in the logits)
+    clamp = 0.05  # (about a twentieth of q's and k's magnitude, a quarter of v's: the clamp shows)
     stock = _tiny("olmoe")
     stock.config.clip_qkv = clamp
     model = copy.deepcopy(stock)
     report = hybridgemm.patch(model)
-    assert report.fused_layers == [] and all(
-        f"clamped to config.clip_qkv ({clamp})" in why for name, why in report.skipped if name.endswith(("0", "1"))) \
-        and sum(name.endswith(("0", "1")) for name, _ in report.skipped) == 2
+    reasons = dict(report.skipped)
+    assert report.fused_layers == [] and report.fused_qkv == []
+    for i in range(2):
+        assert f"clamps Q, K and V in place (config.clip_qkv = {clamp})" in reasons[f"model.layers.{i}.self_attn"]
+        assert "Q/K/V are not fused" in reasons[f"model.layers.{i}"]
     later = copy.deepcopy(stock)
     later.config.clip_qkv = None
     assert hybridgemm.patch(later).fused_layers == ["model.layers.0", "model.layers.1"]
@@ -132,6 +137,27 @@ def test_olmoe_with_its_qkv_clamped_keeps_its_own_forward(kernels_on_cpu, monkey
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
             assert kernels_on_cpu["norm"] == 0  # (the step's QKV takes its norm; the layer's own forward none)
     assert not all(torch.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in zip(off, ref))
+
+
+def test_olmoe_with_its_qkv_clamped_trains_as_stock():
+    """Its forward clamps the fused Q/K/V's parts in place: with gradients wanted, logits and the
+    gradients of its stock parameters (the Q/K/V rows among them) as the unpatched model's."""
+    stock = _tiny("olmoe")
+    stock.config.clip_qkv = 0.05
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+    logits = []
+    for m in (model, stock):
+        out = m(input_ids=ids).logits
+        out.square().mean().backward()
+        logits.append(out.detach())
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    names = [n for n, _ in stock.named_parameters() if n.endswith(("q_proj.weight", "v_proj.weight"))]
+    assert len(names) == 4
+    for name, p in stock.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_blocks_that_compute_more_are_called_as_modules(kernels_on_cpu, monkeypatch):
