@@ -221,7 +221,7 @@ class FP8FusedLinears(FusedLinears):
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
         y = linear_fp8(x, self.weight, weight_scale_of(self), self.bias, None, self.fp8_activations)
-        return y.split_with_sizes(self.sizes, dim=-1)
+        return self.own_parts(y.split_with_sizes(self.sizes, dim=-1))
 
     def part_rows(self, attr: str, t: Tensor) -> tuple[Tensor, ...]:
         if attr == KERNEL_SCALE and t.dim() == 2:  # per 128 x 128 block: every part holds whole blocks of rows

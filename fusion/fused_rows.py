@@ -288,7 +288,18 @@ class FusedLinears(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, [], unexpected_keys, error_msgs)
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
-        return linear(x, self.weight, self.bias).split_with_sizes(self.sizes, dim=-1)
+        return self.own_parts(linear(x, self.weight, self.bias).split_with_sizes(self.sizes, dim=-1))
+
+    def own_parts(self, parts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """The GEMM output's ``parts`` (views of it), or copies of them where autograd records
+        them and the owner's forward changes each in place: OLMo's and OLMoE's clamp Q, K and V
+        to ``config.clip_qkv`` where it is set (``clamps_config``, the owner's config, read per
+        call), which autograd refuses on views of one output and, on views of one storage,
+        would change what it saved of another part."""
+        config = self.__dict__.get("clamps_config")
+        if config is not None and parts[0].requires_grad and getattr(config, "clip_qkv", None) is not None:
+            return tuple(p.clone() for p in parts)
+        return parts
 
     # ----------------------------------------------------- checkpoints, part by part
     def part_rows(self, attr: str, t: Tensor) -> tuple[Tensor, ...]:

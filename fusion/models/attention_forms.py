@@ -132,9 +132,10 @@ class AttentionForm:
     window_from: str | None  # "module" (attn.sliding_window), "config" (attn.config.sliding_window), None
     softcap: bool = False  # the call passes softcap=attn.attn_logit_softcapping (Gemma 2)
     full_qk_norm: bool = False  # q_norm/k_norm over all q (k) columns, before the head views (OLMo 2)
-    # then Q, K and V clamped where config.clip_qkv is set (OLMoE): patch leaves such Q/K/V
-    # unfused (so the layer too), and a call after it is set runs the layer's own forward
-    # (decode_checks.takes_fused_path; why_not_fuse_attention reports it on a later patch)
+    # then Q, K and V clamped where config.clip_qkv is set (OLMoE): the step takes such a layer
+    # only while it is None (patch: why_clipped; a call after it is set runs the layer's own
+    # forward, decode_checks.takes_fused_path); its fused Q/K/V hand out copies to autograd
+    # (fused_rows.FusedLinears.own_parts)
     clip_qkv: bool = False
     kernel_eager: bool = False  # its module's eager function is one the decode attention kernel computes
     # the rotary over the first attn.rotary_ndims columns of each head, per-head q/k LayerNorms
@@ -316,7 +317,7 @@ def clipped(attn: nn.Module) -> bool:
 
 
 def why_clipped(attn: nn.Module) -> str | None:
-    """Why ``attn``'s static-cache step cannot run for its Q/K/V clamp (None: it has none set)."""
+    """Why ``attn``'s layer cannot take the static-cache step for its Q/K/V clamp (None: it has none set)."""
     if not clipped(attn):
         return None
     return f"its Q/K/V are clamped to config.clip_qkv ({attn.config.clip_qkv}), which the fused layer does not compute"

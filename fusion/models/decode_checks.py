@@ -59,6 +59,7 @@ from .attention_forms import (
     clipped,
     rotary_columns,
     statements_match,
+    why_clipped,
     why_not_attention_form,
 )
 from .checked_forms import (
@@ -493,7 +494,7 @@ def _why_not_norm_modules(mod: nn.Module, form: str, moe: bool) -> str | None:
 def _why_not_attention(attn: nn.Module, qkv: nn.Module) -> str | None:
     if not all(isinstance(getattr(attn, a, None), int) for a in ("head_dim", "layer_idx")):
         return f"its {type(attn).__name__} has no integer head_dim and layer_idx"
-    why = why_not_attention_form(type(attn))
+    why = why_not_attention_form(type(attn)) or why_clipped(attn)
     if why is not None:
         return why
     prefused = attention_form(type(attn)).prefused

@@ -452,7 +452,9 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
             continue
         why_not = _why_not_fuse(name, mod, paths, list(lins), owners) if fuse_qkv else "fuse_qkv=False"
         if why_not is None:
-            fuse(mod, paths, list(lins), _FUSED_NAME)
+            fused = fuse(mod, paths, list(lins), _FUSED_NAME)
+            if hasattr(getattr(mod, "config", None), "clip_qkv"):  # (OLMo's, OLMoE's: FusedLinears.own_parts)
+                object.__setattr__(fused, "clamps_config", mod.config)
             report.patched.append(name or "(root)")
             report.fused_qkv.append(name or "(root)")
         else:
@@ -653,10 +655,6 @@ def _prefused_attention(mod: nn.Module) -> tuple[str, ...]:
 def _why_not_fuse(name: str, mod: nn.Module, names, lins: list[nn.Linear], owners: dict) -> str | None:
     if getattr(mod, "is_cross_attention", False) or "Cross" in type(mod).__name__:
         return "cross-attention (K/V read another input)"
-    clip = getattr(getattr(mod, "config", None), "clip_qkv", None)
-    if clip is not None:  # (OLMo's, OLMoE's: clamp_ on each of the parts, which would be views of one output)
-        return f"its forward clamps Q, K and V in place (config.clip_qkv = {clip}), which autograd refuses on views " \
-               "of one GEMM's output"
     return why_not_fuse(name, mod, names, lins, owners, _FUSED_NAME, "q/k/v")
 
 

@@ -106,10 +106,9 @@ def test_routed_blocks_take_their_norm_and_residual_add_into_the_expert_launches
 
 def test_olmoe_with_its_qkv_clamped_keeps_its_own_forward(kernels_on_cpu, monkeypatch):
     """OLMoE's clamp of Q/K/V (config.clip_qkv), which the step does not compute and which its
-    forward applies in place to each of Q, K and V: set when patched, its Q/K/V are not fused
-    (views of one output) and so neither are its layers, the report says why; set after
-    patching, each call runs the layer's own forward (none takes the fused QKV with its norm).
-    Logits as stock's, which the clamp changes."""
+    forward applies in place to each of Q, K and V: set when patched, its Q/K/V are fused but
+    its layers are not, the report says why; set after patching, each call runs the layer's own
+    forward (none takes the fused QKV with its norm). Logits as stock's, which the clamp changes."""
     monkeypatch.setattr(experts, "use_kernels", lambda x: True)
     clamp = 0.05  # (about a twentieth of q's and k's magnitude, a quarter of v's: the clamp shows)
     stock = _tiny("olmoe")
@@ -117,10 +116,9 @@ def test_olmoe_with_its_qkv_clamped_keeps_its_own_forward(kernels_on_cpu, monkey
     model = copy.deepcopy(stock)
     report = hybridgemm.patch(model)
     reasons = dict(report.skipped)
-    assert report.fused_layers == [] and report.fused_qkv == []
+    assert report.fused_layers == [] and report.fused_qkv == [f"model.layers.{i}.self_attn" for i in range(2)]
     for i in range(2):
-        assert f"clamps Q, K and V in place (config.clip_qkv = {clamp})" in reasons[f"model.layers.{i}.self_attn"]
-        assert "Q/K/V are not fused" in reasons[f"model.layers.{i}"]
+        assert f"clamped to config.clip_qkv ({clamp})" in reasons[f"model.layers.{i}"]
     later = copy.deepcopy(stock)
     later.config.clip_qkv = None
     assert hybridgemm.patch(later).fused_layers == ["model.layers.0", "model.layers.1"]
@@ -139,13 +137,16 @@ def test_olmoe_with_its_qkv_clamped_keeps_its_own_forward(kernels_on_cpu, monkey
     assert not all(torch.allclose(a, b, rtol=1e-3, atol=1e-3) for a, b in zip(off, ref))
 
 
-def test_olmoe_with_its_qkv_clamped_trains_as_stock():
-    """Its forward clamps the fused Q/K/V's parts in place: with gradients wanted, logits and the
-    gradients of its stock parameters (the Q/K/V rows among them) as the unpatched model's."""
+@pytest.mark.parametrize("clamped", ["before", "after"])
+def test_olmoe_with_its_qkv_clamped_trains_as_stock(clamped):
+    """Its forward clamps the fused Q/K/V's parts in place, the clamp set before or after
+    patching: with gradients wanted, logits and the gradients of its stock parameters (the Q/K/V
+    rows among them) as the unpatched model's (the parts handed out as copies then)."""
     stock = _tiny("olmoe")
-    stock.config.clip_qkv = 0.05
+    stock.config.clip_qkv = 0.05 if clamped == "before" else None
     model = copy.deepcopy(stock)
-    hybridgemm.patch(model)
+    assert hybridgemm.patch(model).fused_qkv == [f"model.layers.{i}.self_attn" for i in range(2)]
+    stock.config.clip_qkv = model.config.clip_qkv = 0.05
     ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
     logits = []
     for m in (model, stock):
