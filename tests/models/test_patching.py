@@ -119,6 +119,33 @@ def test_hf_training_grads_and_step_then_unpatch():
         torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.mark.parametrize("clamped", ["before", "after"])
+def test_olmo_clamping_its_fused_qkv_in_place_trains_as_stock(clamped):
+    """OLMo's forward clamps the raw outputs of q_proj, k_proj and v_proj in place where
+    config.clip_qkv is set (before or after patching): Q/K/V are fused, and with gradients
+    wanted the logits and every stock parameter's gradient are the unpatched model's."""
+    from transformers import OlmoConfig, OlmoForCausalLM
+
+    torch.manual_seed(0)
+    config = OlmoConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, clip_qkv=0.05 if clamped == "before" else None,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    stock = OlmoForCausalLM(config)
+    model = copy.deepcopy(stock)
+    assert hybridgemm.patch(model).fused_qkv == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    stock.config.clip_qkv = model.config.clip_qkv = 0.05  # (about a tenth of q's magnitude: the clamp shows)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for m in (model, stock):
+        out = m(input_ids=ids).logits
+        out.square().mean().backward()
+        logits.append(out.detach())
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-6)
+    grads = dict(model.named_parameters())
+    for name, p in stock.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
 def test_hf_torch_compile_fullgraph_patched():
     torch._dynamo.reset()
     model = _tiny("llama", layers=1)
