@@ -3,7 +3,11 @@
 #
 #   bash scripts/gpu-check.sh [STAGE ...]      (default: install tests bench)
 #
-# Stages: install   pip-install the carried wheels (.whl/) and this package, offline
+# Stages: install   pip-install the carried wheels (.whl/) and this package, offline; with TF_WHEELS=1 also
+#                   .whl-tf/'s wheels into /tmp/tf, ahead of the machine's packages (another transformers
+#                   with its huggingface_hub closure: pip download --only-binary=:all: --python-version 3.12
+#                   --platform manylinux2014_x86_64 -d .whl-tf transformers==X huggingface_hub==Y; carry
+#                   .whl-tf). The PYTHONPATH it sets holds for the later stages of the same call only
 #         tests     pytest -m gpu (all GPU tests; -n 8 when pytest-xdist is installed: the tests
 #                   marked gpu_alone then run while no other test does, tests/device_lock.py)
 #         alltests  the whole suite on the GPU (CPU tests too, Triton compiled for real)
@@ -44,7 +48,8 @@
 #                   over the kernels/ and fusion/ files both hold that differ), on FAMILIES_TABLE where set (e.g. the
 #                   table the devtable stage wrote, with DEVTABLE_MODELS="pythia-6.9b falcon-7b")
 #                   (FAMILIES_TIMEOUT s per step, default 300). Falcon's stock attention is another form
-#                   before transformers 5.25 (the machine has 5.17); perf/results' Falcon rows are 5.25's
+#                   before transformers 5.25 (the machine has 5.17), and so is its time; perf/results' Falcon
+#                   rows are 5.25's (TF_WHEELS=1 with the install stage)
 #         moetables the grouped MoE entries of qwen3-30b-a3b in MOETABLES_WEIGHTS (default "bf16 fp8": bf16
 #                   retuned, FP8 per channel; FP8 adds its attention GEMMs, LM head and router (bf16) at M 1-16) into
 #                   $OUT/h200.json (as fp8mlp), then its 12-layer compiled decode (B = 1, 8) on it in each,
@@ -97,12 +102,20 @@ for stage in "${stages[@]}"; do
           --target /tmp/site .whl/*.whl || { log "wheel install failed"; exit 1; }
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       fi
+      if [ "${TF_WHEELS:-0}" = 1 ]; then
+        compgen -G ".whl-tf/*.whl" >/dev/null || { log "TF_WHEELS=1 but no .whl-tf/*.whl carried"; exit 1; }
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tf \
+          .whl-tf/*.whl || { log "transformers wheel install failed"; exit 1; }
+        export PYTHONPATH=/tmp/tf${PYTHONPATH:+:$PYTHONPATH}
+      fi
       $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.txt" 2>&1 \
         || { cat "$OUT/install.txt"; log "package install failed"; exit 1; }
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv \
         | tee -a "$OUT/summary.txt"
       $PY -c "import torch, triton, hybridgemm; from hybridgemm.kernels import cublaslt as c;
-print('torch', torch.__version__, 'triton', triton.__version__, 'cublaslt', c.cublaslt_version(),
+import transformers
+print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__,
+      'cublaslt', c.cublaslt_version(),
       'gpu', torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/summary.txt"
       ;;
     tests)
