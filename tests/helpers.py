@@ -236,6 +236,21 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     return ref, stock, patched
 
 
+def assert_trains_as_stock(model, stock, ids: torch.Tensor, logits_atol: float, grad_atol: float) -> None:
+    """One forward and backward of each (the loss: the logits' mean square): ``model``'s logits
+    as ``stock``'s (rtol 1e-5), and the gradient of each of ``stock``'s parameters as the
+    same-named one of ``model`` (rtol 1e-4)."""
+    logits = []
+    for m in (model, stock):
+        out = m(input_ids=ids).logits
+        out.square().mean().backward()
+        logits.append(out.detach())
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=logits_atol)
+    grads = dict(model.named_parameters())
+    for name, p in stock.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=grad_atol, msg=name)
+
+
 def static_decode(model, tokens, compiled: bool, vocab: int, prompt: int = 5, cache_len: int = 32):
     """Logits (fp32) of each fed token (``tokens``: [B, 1] each) after a ``prompt``-token random
     prompt, over a fresh StaticCache on CUDA; compiled with ``reduce-overhead`` and fullgraph

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hybridgemm
-from helpers import greedy_static_decode, tiny_moe_lm
+from helpers import assert_trains_as_stock, greedy_static_decode, tiny_moe_lm
 from hybridgemm import experts
 from hybridgemm.experts import HybridExperts
 from hybridgemm.kernels import triton_moe_pairs as moe_pairs
@@ -147,18 +147,9 @@ def test_olmoe_with_its_qkv_clamped_trains_as_stock(clamped):
     model = copy.deepcopy(stock)
     assert hybridgemm.patch(model).fused_qkv == [f"model.layers.{i}.self_attn" for i in range(2)]
     stock.config.clip_qkv = model.config.clip_qkv = 0.05
+    assert sum(n.endswith(("q_proj.weight", "v_proj.weight")) for n, _ in model.named_parameters()) == 4
     ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
-    logits = []
-    for m in (model, stock):
-        out = m(input_ids=ids).logits
-        out.square().mean().backward()
-        logits.append(out.detach())
-    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    names = [n for n, _ in stock.named_parameters() if n.endswith(("q_proj.weight", "v_proj.weight"))]
-    assert len(names) == 4
-    for name, p in stock.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_trains_as_stock(model, stock, ids, logits_atol=1e-5, grad_atol=1e-6)
 
 
 def test_blocks_that_compute_more_are_called_as_modules(kernels_on_cpu, monkeypatch):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import hybridgemm
+from helpers import assert_trains_as_stock
 from hybridgemm import HybridLinear, HybridMultiheadAttention, dispatch
 from hybridgemm.mlp import HybridGatedMLP
 from hybridgemm.models.patching import FusedQKV, HybridConv1D, QKVSlice
@@ -135,15 +136,7 @@ def test_olmo_clamping_its_fused_qkv_in_place_trains_as_stock(clamped):
     assert hybridgemm.patch(model).fused_qkv == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     stock.config.clip_qkv = model.config.clip_qkv = 0.05  # (about a tenth of q's magnitude: the clamp shows)
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
-    logits = []
-    for m in (model, stock):
-        out = m(input_ids=ids).logits
-        out.square().mean().backward()
-        logits.append(out.detach())
-    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-6)
-    grads = dict(model.named_parameters())
-    for name, p in stock.named_parameters():
-        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-7, msg=name)
+    assert_trains_as_stock(model, stock, ids, logits_atol=1e-6, grad_atol=1e-7)
 
 
 def test_hf_torch_compile_fullgraph_patched():
