@@ -112,10 +112,12 @@ for stage in "${stages[@]}"; do
         || { cat "$OUT/install.txt"; log "package install failed"; exit 1; }
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv \
         | tee -a "$OUT/summary.txt"
-      $PY -c "import torch, triton, hybridgemm; from hybridgemm.kernels import cublaslt as c;
-import transformers
-print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__,
-      'cublaslt', c.cublaslt_version(),
+      $PY -c "import torch, triton, hybridgemm; from hybridgemm.kernels import cublaslt as c
+try:
+    import transformers; tf = transformers.__version__
+except Exception as e:  # (a broken transformers install must not hide the rest of the line)
+    tf = f'unavailable: {e}'.splitlines()[0]
+print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', tf, 'cublaslt', c.cublaslt_version(),
       'gpu', torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/summary.txt"
       ;;
     tests)

@@ -120,11 +120,14 @@ def test_hf_training_grads_and_step_then_unpatch():
         torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
 @pytest.mark.parametrize("clamped", ["before", "after"])
-def test_olmo_clamping_its_fused_qkv_in_place_trains_as_stock(clamped):
+def test_olmo_clamping_its_fused_qkv_in_place_trains_as_stock(clamped, weights):
     """OLMo's forward clamps the raw outputs of q_proj, k_proj and v_proj in place where
     config.clip_qkv is set (before or after patching): Q/K/V are fused, and with gradients
-    wanted the logits and every stock parameter's gradient are the unpatched model's."""
+    wanted the logits and every stock parameter's gradient are the unpatched model's (FP8
+    weights: those of the same FP8 model with Q/K/V not fused, each projection's output a tensor
+    of its own)."""
     from transformers import OlmoConfig, OlmoForCausalLM
 
     torch.manual_seed(0)
@@ -133,7 +136,10 @@ def test_olmo_clamping_its_fused_qkv_in_place_trains_as_stock(clamped):
                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
     stock = OlmoForCausalLM(config)
     model = copy.deepcopy(stock)
-    assert hybridgemm.patch(model).fused_qkv == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    if weights == "fp8":
+        hybridgemm.patch(stock, weights="fp8", fuse_qkv=False)
+    report = hybridgemm.patch(model, **({"weights": "fp8"} if weights == "fp8" else {}))
+    assert report.fused_qkv == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     stock.config.clip_qkv = model.config.clip_qkv = 0.05  # (about a tenth of q's magnitude: the clamp shows)
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
     assert_trains_as_stock(model, stock, ids, logits_atol=1e-6, grad_atol=1e-7)
