@@ -120,7 +120,7 @@ def test_hf_training_grads_and_step_then_unpatch():
         torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
-@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+@pytest.mark.parametrize("weights", ["fp32", "fp8"])
 @pytest.mark.parametrize("clamped", ["before", "after"])
 def test_olmo_clamping_its_fused_qkv_in_place_trains_as_stock(clamped, weights):
     """OLMo's forward clamps the raw outputs of q_proj, k_proj and v_proj in place where
@@ -140,7 +140,7 @@ def test_olmo_clamping_its_fused_qkv_in_place_trains_as_stock(clamped, weights):
         hybridgemm.patch(stock, weights="fp8", fuse_qkv=False)
     report = hybridgemm.patch(model, **({"weights": "fp8"} if weights == "fp8" else {}))
     assert report.fused_qkv == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
-    stock.config.clip_qkv = model.config.clip_qkv = 0.05  # (about a tenth of q's magnitude: the clamp shows)
+    stock.config.clip_qkv = model.config.clip_qkv = 0.05  # (3/4 of q's and v's entries are larger)
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
     assert_trains_as_stock(model, stock, ids, logits_atol=1e-6, grad_atol=1e-7)
 
