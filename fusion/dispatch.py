@@ -291,7 +291,7 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str):
 
 _SPLITK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FUSION_NAMES = {"norm": "norm", "residual": "residual", "rope": "rotary/KV-cache", "weight_scale": "FP8 weight",
-                 "glu": "GLU product"}
+                 "glu": "GLU product", "residual_scale": "residual scale", "residual2": "second residual"}
 
 
 def splitk_config(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -363,14 +363,15 @@ def _bound_key(x, weight, bias, keep_prologue: bool, fusion: dict):
     by data pointer (a weight replaced is a miss, never a stale read); x and the residual by
     layout and alignment class; the tables' generation and the mode, as every cached decision
     is."""
-    if not fusion.keys() <= {"residual", "norm", "residual_scale"} or type(x) not in PLAIN_TENSOR_TYPES \
+    if not fusion.keys() <= {"residual", "norm", "residual_scale", "residual2"} or type(x) not in PLAIN_TENSOR_TYPES \
             or type(weight) not in PLAIN_TENSOR_TYPES or not x.is_cuda:
         return None
-    residual, norm = fusion.get("residual"), fusion.get("norm")
-    tensors = (x, weight, bias, residual, None if norm is None else norm[0])
+    residual, norm, residual2 = fusion.get("residual"), fusion.get("norm"), fusion.get("residual2")
+    tensors = (x, weight, bias, residual, None if norm is None else norm[0], residual2)
     if any(t is not None and (type(t) not in PLAIN_TENSOR_TYPES or not t.is_contiguous()) for t in tensors):
         return None
-    if (bias is not None and bias.data_ptr() % 16) or (residual is not None and residual.device != x.device):
+    if (bias is not None and bias.data_ptr() % 16) or any(r is not None and r.device != x.device
+                                                           for r in (residual, residual2)):
         return None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return None
@@ -382,6 +383,7 @@ def _bound_key(x, weight, bias, keep_prologue: bool, fusion: dict):
     return (x.shape, x.dtype, x.device.index, x.data_ptr() % 16, weight.data_ptr(), weight.shape, weight.dtype,
             None if bias is None else (bias.data_ptr(), bias.dtype, bias.shape),
             None if residual is None else (residual.shape, residual.dtype, residual.data_ptr() % 16),
+            None if residual2 is None else (residual2.shape, residual2.dtype, residual2.data_ptr() % 16),
             None if g is None else (g.data_ptr(), g.dtype, g.shape, eps, offset),
             fusion.get("residual_scale"), keep_prologue, uses_tf32(x.dtype), _generation[0], _launchers[0].mode)
 
@@ -390,9 +392,10 @@ def _bound_call(launch, n: int):
     """``fn(x, weight, bias, fusion)``: the output allocated, ``launch`` with the call's pointers."""
     def call(x, weight, bias, fusion):
         out = x.new_empty((*x.shape[:-1], n))
-        residual, norm = fusion.get("residual"), fusion.get("norm")
+        residual, norm, residual2 = fusion.get("residual"), fusion.get("norm"), fusion.get("residual2")
         launch(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-               0 if norm is None else norm[0].data_ptr(), 0 if residual is None else residual.data_ptr())
+               0 if norm is None else norm[0].data_ptr(), 0 if residual is None else residual.data_ptr(),
+               0 if residual2 is None else residual2.data_ptr())
         return out
 
     return call
@@ -470,8 +473,9 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             fusion["norm"] = prologue_operand(g, eps, offset, x.dtype)
     if weight_scale is not None:
         fusion["weight_scale"] = weight_scale
-    if "residual" in fusion:
-        fusion["residual"] = row_major(rows_2d(fusion["residual"]))
+    for name in ("residual", "residual2"):
+        if name in fusion:
+            fusion[name] = row_major(rows_2d(fusion[name]))
     splitk = backends.get_backend("triton_splitk")
     try:
         splitk.run(config, x2, w2, b2, out, None, uses_tf32(x.dtype), counters=counters, **fusion)

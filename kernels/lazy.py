@@ -16,9 +16,9 @@ from types import ModuleType
 # kernels/ modules that import Triton at module level
 TRITON_MODULES = frozenset({
     "triton_config", "triton_decode_attention", "triton_dequant", "triton_e4m3", "triton_epilogue", "triton_gemm",
-    "triton_glu", "triton_launch", "triton_moe", "triton_moe_configs", "triton_moe_pairs", "triton_plan",
-    "triton_prefetch", "triton_push_sum", "triton_qk_rope", "triton_rmsnorm", "triton_rope", "triton_router",
-    "triton_scratch", "triton_splitk", "triton_splitk_configs",
+    "triton_glu", "triton_launch", "triton_layernorm", "triton_moe", "triton_moe_configs", "triton_moe_pairs",
+    "triton_plan", "triton_prefetch", "triton_push_sum", "triton_qk_rope", "triton_rmsnorm", "triton_rope",
+    "triton_router", "triton_scratch", "triton_splitk", "triton_splitk_configs",
 })
 
 _loaded: dict[str, ModuleType] = {}

@@ -100,10 +100,10 @@ __all__ = [
 
 
 @triton.jit
-def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res_ptr, cos_ptr, sin_ptr, kc_ptr,
-                   vc_ptr, base_ptr, qn_ptr, kn_ptr, sc_ptr, ids_ptr, rw_ptr, M, N, K, ldx, ldw, ldo, k_per_split,
-                   inv_k, eps, ldr, res_scale, seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start,
-                   cache_len, rope_tiles, qk_eps, lds,
+def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res_ptr, res2_ptr, cos_ptr, sin_ptr,
+                   kc_ptr, vc_ptr, base_ptr, qn_ptr, kn_ptr, sc_ptr, ids_ptr, rw_ptr, M, N, K, ldx, ldw, ldo,
+                   k_per_split, inv_k, eps, ldr, res_scale, ldr2, seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h,
+                   vc_s, q_cols, v_start, cache_len, rope_tiles, qk_eps, lds,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    PREC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
@@ -112,7 +112,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                    WINT: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr, NW_OFFSET: tl.constexpr,
                    GLU: tl.constexpr, PREFETCH: tl.constexpr, ROUTE: tl.constexpr, ROUTE_KP: tl.constexpr,
                    RENORMALIZE: tl.constexpr, FIXUP: tl.constexpr, ROT: tl.constexpr, QG: tl.constexpr,
-                   PAIRS: tl.constexpr):
+                   PAIRS: tl.constexpr, RES2: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -122,7 +122,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # the summed squares (triton_epilogue.tl_norm_tile_sq). Split programs leave their sums after
     # the partials in the workspace: [S, M] for the reduce kernel (MODE 1), [tiles, S, BM]
     # for the tile's last program (MODE 2). RESIDUAL: the epilogue adds res (ldr) to the
-    # rounded result (RES_SCALED: times res_scale first). ROPE: the rotary embedding of the q/k
+    # rounded result (RES_SCALED: times res_scale first); RES2: then res2 (ldr2) to that sum,
+    # rounded (a parallel-residual layer's (mlp + a) + x, as stock rounds it). ROPE: the rotary embedding of the q/k
     # heads (tiles of paired columns), after their RMSNorms with QK_NORM, and, with KV, the k/v
     # heads stored into a static cache (triton_rope); ROT: the rotated columns of a head; QG > 0:
     # W's rows grouped per KV head, [q x QG | k | v], the output's columns [q | k | v]; PAIRS:
@@ -234,6 +235,9 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
             if RESIDUAL:
                 acc = tl_add_residual(acc, res_ptr + offs_m[None, :] * ldr + offs_n[:, None], mask,
                                       out_ptr.dtype.element_ty, res_scale, RES_SCALED)
+            if RES2:
+                acc = tl_add_residual(acc, res2_ptr + offs_m[None, :] * ldr2 + offs_n[:, None], mask,
+                                      out_ptr.dtype.element_ty, 1.0, False)
             if GLU != 0:
                 gate, up = tl_glu_halves(acc, BN, BM)
                 cols = pid_n * (BN // 2) + tl.arange(0, BN // 2)
@@ -254,9 +258,9 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
 
 
 @triton.jit
-def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, res_ptr, M, N, ldo, ldr, res_scale, split_k, inv_k, eps,
-                   BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
-                   RESIDUAL: tl.constexpr, RES_SCALED: tl.constexpr, PDL: tl.constexpr):
+def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, res_ptr, res2_ptr, M, N, ldo, ldr, res_scale, ldr2, split_k, inv_k,
+                   eps, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
+                   RESIDUAL: tl.constexpr, RES_SCALED: tl.constexpr, PDL: tl.constexpr, RES2: tl.constexpr):
     if PDL:
         gdc_wait()
     m = tl.program_id(1)
@@ -274,6 +278,8 @@ def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, res_ptr, M, N, ldo, ldr, res_scale
     acc = tl_activation(acc, ACT)
     if RESIDUAL:
         acc = tl_add_residual(acc, res_ptr + m * ldr + offs, ok, out_ptr.dtype.element_ty, res_scale, RES_SCALED)
+    if RES2:
+        acc = tl_add_residual(acc, res2_ptr + m * ldr2 + offs, ok, out_ptr.dtype.element_ty, 1.0, False)
     tl.store(out_ptr + m * ldo + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -284,7 +290,8 @@ def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, res_ptr, M, N, ldo, ldr, res_scale
 class Fusion:
     """What a plan fuses around the GEMM, part of its cache key: an RMSNorm of x in the prologue
     (``norm_eps`` not None; the norm weight's 16-byte alignment), a residual added in the
-    epilogue (``residual_ld`` not None: its row stride; its 16-byte alignment), the rotary
+    epilogue (``residual_ld`` not None: its row stride; its 16-byte alignment; ``residual2_ld``:
+    a second one added to that rounded sum, as a parallel-residual layer's ``(mlp + a) + x``), the rotary
     embedding and KV-cache write of a Q/K/V projection (``rope``). ``norm_fp32``: the norm
     weight is fp32 (a Gemma norm's kept ``1 + weight``), not x's dtype (Triton
     compiles the prologue for its pointer type); ``norm_offset``: the prologue's factor is
@@ -304,6 +311,8 @@ class Fusion:
     norm_offset: float = 0.0
     glu: str | None = None
     route: tuple | None = None
+    residual2_ld: int | None = None  # a second residual added after the first (its row stride)
+    residual2_aligned: bool = True
 
 
 _NO_FUSION = Fusion()
@@ -318,7 +327,7 @@ _NO_FUSION = Fusion()
 #   GEMM       x, w, bias, out                   M, N, K, ldx, ldw, ldo
 #   split      ws (workspace), cnt (counters)    k_per_split
 #   NORM       nw (the norm weight)              inv_k, eps
-#   RESIDUAL   res                               ldr, res_scale
+#   RESIDUAL   res, res2                         ldr, res_scale, ldr2
 #   ROPE       cos, sin, keys, values, base,     seq, cos/sin strides, keys/values strides,
 #              q_norm, k_norm                    q_cols, v_start, cache_len, rope_tiles, qk_eps
 #   FP8        sc (W's scales)                   lds (block scales' row stride)
@@ -332,38 +341,44 @@ _NO_ROPE_SCALARS = (1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0)  # ROPE's scalar
 
 
 def _fusion_pointers(unused, norm: tuple | None = None, residual=None, rope: RotaryCache | None = None,
-                     weight_scale=None, route: tuple | None = None) -> tuple:
+                     weight_scale=None, route: tuple | None = None, residual2=None) -> tuple:
     """The pointers of the NORM, RESIDUAL, ROPE, FP8 and ROUTE groups for a call's ``norm=(weight, eps[,
-    offset])``, ``residual``, ``rope``, ``weight_scale`` and ``route`` (``unused`` standing in for
-    each one it does not take)."""
+    offset])``, ``residual`` and ``residual2``, ``rope``, ``weight_scale`` and ``route`` (``unused``
+    standing in for each one it does not take)."""
     if rope is None:
         rope_ptrs = (unused,) * 7
     else:
         cache = (unused,) * 3 if rope.keys is None else (rope.keys, rope.values, rope.base)  # rotary only: no cache
         norms = (unused,) * 2 if rope.q_norm is None else (rope.q_norm, rope.k_norm)
         rope_ptrs = (rope.cos, rope.sin, *cache, *norms)
-    return (unused if norm is None else norm[0], unused if residual is None else residual, *rope_ptrs,
+    return (unused if norm is None else norm[0], unused if residual is None else residual,
+            unused if residual2 is None else residual2, *rope_ptrs,
             unused if weight_scale is None else weight_scale, *((unused,) * 2 if route is None else route[:2]))
 
 
 _FUSION_POINTERS = len(_fusion_pointers(None))  # what a call without fusions passes ``unused`` for
 
 
+def _row_stride(t: torch.Tensor | None) -> int | None:
+    return None if t is None else (t.stride(0) if t.shape[0] > 1 else t.shape[1])  # (one row: never used)
+
+
 def fusion_of(norm: tuple | None, residual: torch.Tensor | None, rope: RopeLayout | None = None,
-              residual_scale: float | None = None, glu: str | None = None, route: tuple | None = None) -> Fusion:
+              residual_scale: float | None = None, glu: str | None = None, route: tuple | None = None,
+              residual2: torch.Tensor | None = None) -> Fusion:
     """The :class:`Fusion` of a call's ``norm=(weight, eps[, offset])``, ``residual``,
-    ``residual_scale``, ``glu`` and ``route=(ids, weights, renormalize)`` arguments and its
-    checked rotary layout."""
+    ``residual_scale``, ``glu``, ``route=(ids, weights, renormalize)`` and ``residual2``
+    arguments and its checked rotary layout."""
     if norm is None and residual is None and rope is None and glu is None and route is None:
         return _NO_FUSION
     return Fusion(None if norm is None else float(norm[1]), norm is None or norm[0].data_ptr() % 16 == 0,
-                  None if residual is None else (residual.stride(0) if residual.shape[0] > 1 else residual.shape[1]),
-                  residual is None or residual.data_ptr() % 16 == 0, rope,
+                  _row_stride(residual), residual is None or residual.data_ptr() % 16 == 0, rope,
                   None if residual_scale is None else float(residual_scale),
                   norm is not None and norm[0].dtype == torch.float32,
                   float(norm[2]) if norm is not None and len(norm) == 3 else 0.0, glu,
                   None if route is None else (route[0].shape[1], bool(route[2]), route[1].dtype,
-                                              route[0].data_ptr() % 16 == 0, route[1].data_ptr() % 16 == 0))
+                                              route[0].data_ptr() % 16 == 0, route[1].data_ptr() % 16 == 0),
+                  _row_stride(residual2), residual2 is None or residual2.data_ptr() % 16 == 0)
 
 
 def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
@@ -377,7 +392,8 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     mode = 0 if split == 1 else (2 if config.fused_reduce else 1)
     pdl = pdl_enabled(facts.capability)
     launch_opts = dict(launch_pdl=True) if pdl else {}
-    norm, residual = fusion.norm_eps is not None, fusion.residual_ld is not None
+    norm, residual, residual2 = fusion.norm_eps is not None, fusion.residual_ld is not None, \
+        fusion.residual2_ld is not None
     rope = fusion.rope
     blocks = weight_format == FORMAT_OF["block128"]  # each split starts on a 128-column scale block
     extent = split_extent(k, max(config.block_k, fp8.BLOCK) if blocks else config.block_k, split)
@@ -396,13 +412,14 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
                 RENORMALIZE=bool(fusion.route and fusion.route[1]),
                 FIXUP=fixup_group(config.block_m, config.block_n, config.num_warps, split),
                 ROT=(rope.rot or rope.head_dim) if rope is not None else 2, QG=rope.group if rope is not None else 0,
-                PAIRS=rope is not None and rope.pairs, **launch_opts)
+                PAIRS=rope is not None and rope.pairs, RES2=residual2 and mode != 1, **launch_opts)
     # the integer groups (see "launch arguments")
     gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)
     split_ints = (extent,)
     norm_ints = (1.0 / max(k, 1), fusion.norm_eps or 0.0)  # inv_k: fp32(1/K), as triton_rmsnorm computes the mean
     residual_ints = (fusion.residual_ld if residual else problem.ldo,
-                     1.0 if fusion.residual_scale is None else fusion.residual_scale)
+                     1.0 if fusion.residual_scale is None else fusion.residual_scale,
+                     fusion.residual2_ld if residual2 else problem.ldo)
     rope_ints = _NO_ROPE_SCALARS if rope is None else rope.scalars(config.block_n)
     reduce = None
     if mode == 1:
@@ -410,7 +427,7 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
         reduce = Launcher(_reduce_kernel, (triton.cdiv(n, block), m),
                           dict(BLOCK=block, HAS_BIAS=bias is not None, ACT=ACT_CODE[act], NORM=norm,
                                RESIDUAL=residual, RES_SCALED=fusion.residual_scale is not None, PDL=pdl,
-                               num_warps=4, **launch_opts))
+                               RES2=residual2, num_warps=4, **launch_opts))
     # the norm's sums of squares after the partials: [S, M] (MODE 1) or [tiles, S, BM] (MODE 2)
     ss_numel = (split * m if mode == 1 else grid[0] * grid[2] * split * config.block_m) if norm and split > 1 else 0
     return TritonPlan(
@@ -444,6 +461,7 @@ def run(
     residual_scale: float | None = None,
     glu: str | None = None,
     route: tuple | None = None,
+    residual2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[:] = act(rmsnorm(x) @ weight.T + bias) + residual`` with ``config``; returns ``out``.
 
@@ -472,12 +490,18 @@ def run(
     ``k`` experts (ids int64 [M, k], contiguous) and their probabilities (weights [M, k] fp32,
     bf16 or fp16; renormalised to sum 1 if asked) are written, from the logits as rounded to
     out's dtype (kernels/triton_router.py's routing); not with a residual, rope, glu, an
-    activation or the two-launch reduction.
+    activation or the two-launch reduction. ``residual2`` (like ``out``, with a ``residual`` and no
+    ``residual_scale``): added to the rounded ``residual + linear(...)``, rounded again, as a
+    parallel-residual layer's ``(mlp + a) + x`` rounds it.
     Deterministic for a fixed config. ``tf32`` (fp32 inputs) allows TF32 tensor cores.
     Raises ValueError/TypeError naming the problem when operands or config do not fit.
     """
     if norm is not None or residual is not None:
         check_fusion(x, out, norm, residual, "triton_splitk")
+    if residual2 is not None:
+        if residual is None or residual_scale is not None:
+            raise ValueError("triton_splitk: residual2 comes with a residual and no residual_scale")
+        check_fusion(x, out, None, residual2, "triton_splitk")
     if residual_scale is not None and (residual is None or not isinstance(residual_scale, (int, float))
                                        or isinstance(residual_scale, bool) or not math.isfinite(residual_scale)):
         raise ValueError("triton_splitk: residual_scale must be a finite number and comes with a residual")
@@ -494,8 +518,8 @@ def run(
         _check_glu(config, glu, residual, rope, activation)
     if route is not None:
         _check_route(config, route, x, weight, out, residual, rope, glu, activation)
-    plan = _PLANS.plan((config, fusion_of(norm, residual, layout, residual_scale, glu, route), weight_format), x,
-                       weight, bias, out, activation, tf32)
+    plan = _PLANS.plan((config, fusion_of(norm, residual, layout, residual_scale, glu, route, residual2),
+                        weight_format), x, weight, bias, out, activation, tf32)
     if plan.empty:
         return out
     if counters is not None and (counters.dtype != torch.int32 or counters.device != out.device
@@ -503,10 +527,11 @@ def run(
         raise ValueError("triton_splitk: counters must be a contiguous int32 tensor on the output's device")
     b = out if bias is None else bias  # the stand-in pointers: see "launch arguments"
     ws, cnt = plan_scratch(plan, out, counters)
-    plan.launch(x, weight, b, out, ws, cnt, *_fusion_pointers(out, norm, residual, rope, weight_scale, route),
-                *plan.scalars)
+    plan.launch(x, weight, b, out, ws, cnt,
+                *_fusion_pointers(out, norm, residual, rope, weight_scale, route, residual2), *plan.scalars)
     if plan.reduce is not None:
-        plan.reduce(ws, b, out, out if residual is None else residual, *plan.reduce_scalars)
+        plan.reduce(ws, b, out, out if residual is None else residual, out if residual2 is None else residual2,
+                    *plan.reduce_scalars)
     return out
 
 
@@ -575,14 +600,14 @@ def _scale_format(weight: torch.Tensor, weight_scale: torch.Tensor) -> str:
 def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
          out: torch.Tensor, activation: Activation | str | None = None, *, tf32: bool = False,
          norm: tuple | None = None, residual: torch.Tensor | None = None,
-         residual_scale: float | None = None):
-    """``fn(xp, wp, bp, op, gp=0, rp=0)``: :func:`run` for operands of exactly this signature
+         residual_scale: float | None = None, residual2: torch.Tensor | None = None):
+    """``fn(xp, wp, bp, op, gp=0, rp=0, r2p=0)``: :func:`run` for operands of exactly this signature
     (dtypes, shapes, strides, device, 16-byte alignment) and these fusions (``norm``'s eps,
-    ``residual``'s layout, ``residual_scale``; no rotary, no FP8 weight) given as raw data
-    pointers (``bp`` 0 without a bias; ``gp`` the norm's weight, ``rp`` the residual, where the
-    bound call had them), with no checks and no Triton Python per call. None until :func:`run`
+    ``residual``'s and ``residual2``'s layouts, ``residual_scale``; no rotary, no FP8 weight) given as
+    raw data pointers (``bp`` 0 without a bias; ``gp`` the norm's weight, ``rp`` and ``r2p`` the
+    residuals, where the bound call had them), with no checks and no Triton Python per call. None until :func:`run`
     has launched this signature once, or where Triton offers no raw launch (interpreter)."""
-    fusion = fusion_of(norm, residual, None, residual_scale)
+    fusion = fusion_of(norm, residual, None, residual_scale, residual2=residual2)
     plan = _PLANS.plan((config, fusion, ""), x, weight, bias, out, activation, tf32, build=False)
     if plan is None or plan.empty:
         return None
@@ -590,22 +615,22 @@ def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias
     reduce = plan.reduce.raw() if plan.reduce is not None else None
     if main is None or (plan.reduce is not None and reduce is None):
         return None
-    dev, scalars, rest = x.device.index, plan.scalars, _FUSION_POINTERS - 2
-    # the GEMM's and the split's pointers, then the norm's and the residual's, then op for the
+    dev, scalars, rest = x.device.index, plan.scalars, _FUSION_POINTERS - 3
+    # the GEMM's and the split's pointers, then the norm's and the residuals', then op for the
     # other fusions' (see "launch arguments")
     if not plan.ws_numel:
-        def launch(xp, wp, bp, op, gp=0, rp=0):
-            main(dev, xp, wp, bp or op, op, op, op, gp or op, rp or op, *(op,) * rest, *scalars)
+        def launch(xp, wp, bp, op, gp=0, rp=0, r2p=0):
+            main(dev, xp, wp, bp or op, op, op, op, gp or op, rp or op, r2p or op, *(op,) * rest, *scalars)
         return launch
 
     device, ws_numel, counters, reduce_scalars = plan.device, plan.ws_numel, plan.counters, plan.reduce_scalars
 
-    def launch_split(xp, wp, bp, op, gp=0, rp=0):
+    def launch_split(xp, wp, bp, op, gp=0, rp=0, r2p=0):
         ws, cnt = split_scratch(device, ws_numel, counters)  # of dev's current stream, as main launches on
         wsp = ws.data_ptr()
         cntp = wsp if cnt is None else cnt.data_ptr()
-        main(dev, xp, wp, bp or op, op, wsp, cntp, gp or op, rp or op, *(op,) * rest, *scalars)
+        main(dev, xp, wp, bp or op, op, wsp, cntp, gp or op, rp or op, r2p or op, *(op,) * rest, *scalars)
         if reduce is not None:
-            reduce(dev, wsp, bp or op, op, rp or op, *reduce_scalars)
+            reduce(dev, wsp, bp or op, op, rp or op, r2p or op, *reduce_scalars)
 
     return launch_split

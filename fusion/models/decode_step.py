@@ -321,7 +321,7 @@ def attention(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None
 # ------------------------------------------------------------------------------ the residuals
 
 def project_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor | None,
-                residual_scale: float | None = None) -> Tensor:
+                residual_scale: float | None = None, residual2: Tensor | None = None) -> Tensor:
     """``residual + proj(x)`` for the layer's O or down projection. A row-parallel projection
     (:class:`PartialSumLinear`) whose sum adds the residual (``sums_residual``) gets it there:
     every rank's GEMM adds nothing but the one rank's bias. Otherwise the residual goes into
@@ -330,16 +330,22 @@ def project_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor |
     no separate add runs. Every rank must take the same path (the decoder layer's conditions
     are the same on every rank, as the collectives already require). ``residual_scale``: the
     layer scales the projection before the add (Granite; never with a row-parallel one:
-    decode_checks.why_not_fuse_layer)."""
+    decode_checks.why_not_fuse_layer). ``residual2``: then added to that sum (a parallel-residual
+    layer's ``(mlp + a) + x``; in the one launch where the residual is, else after)."""
     scale = weight_scale_of(proj)
     if isinstance(proj, PartialSumLinear):
-        if proj.sums_residual:
-            part = linear_residual(x, proj.weight, proj.bias if proj.adds_bias else None, None, counters)
-            return proj.sum_parts_residual(part, residual)
-        if proj.adds_bias:
-            return proj.sum_parts(linear_residual(x, proj.weight, proj.bias, residual, counters))
-        return proj.sum_parts(linear_residual(x, proj.weight, None, None, counters))
-    return linear_residual(x, proj.weight, proj.bias, residual, counters, scale, residual_scale)
+        y = _partial_sum_add(proj, x, residual, counters)
+        return y if residual2 is None else y + residual2
+    return linear_residual(x, proj.weight, proj.bias, residual, counters, scale, residual_scale, residual2)
+
+
+def _partial_sum_add(proj: PartialSumLinear, x: Tensor, residual: Tensor, counters: Tensor | None) -> Tensor:
+    if proj.sums_residual:
+        part = linear_residual(x, proj.weight, proj.bias if proj.adds_bias else None, None, counters)
+        return proj.sum_parts_residual(part, residual)
+    if proj.adds_bias:
+        return proj.sum_parts(linear_residual(x, proj.weight, proj.bias, residual, counters))
+    return proj.sum_parts(linear_residual(x, proj.weight, None, None, counters))
 
 
 def project(proj: nn.Module, x: Tensor, counters: Tensor | None) -> Tensor:

@@ -72,17 +72,20 @@ def _norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset:
 
 def _linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
                      counters: Tensor | None = None, scale: Tensor | None = None,
-                     residual_scale: float | None = None) -> Tensor:
+                     residual_scale: float | None = None, residual2: Tensor | None = None) -> Tensor:
     fusion = {} if residual is None else {"residual": residual}
     if residual is not None and residual_scale is not None:
         fusion["residual_scale"] = float(residual_scale)
+    if residual2 is not None:
+        fusion["residual2"] = residual2
     y = dispatch.fused_splitk(x, weight, bias, counters, scale, **fusion)
     if y is not None:
         return y
     y = _linear(x, weight, bias, scale)
     if residual is None:
         return y
-    return residual + (y if residual_scale is None else y * residual_scale)
+    y = residual + (y if residual_scale is None else y * residual_scale)
+    return y if residual2 is None else y + residual2
 
 
 def _gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
@@ -119,13 +122,13 @@ def _norm_linear_fake(x, norm_weight, eps, norm_offset, weight, bias, counters=N
 @torch.library.custom_op("hybridgemm::linear_residual_fwd", mutates_args=())
 def linear_residual_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
                         counters: Tensor | None = None, scale: Tensor | None = None,
-                        residual_scale: float | None = None) -> Tensor:
+                        residual_scale: float | None = None, residual2: Tensor | None = None) -> Tensor:
     with per_call_scratch():
-        return _linear_residual(x, weight, bias, residual, counters, scale, residual_scale).contiguous()
+        return _linear_residual(x, weight, bias, residual, counters, scale, residual_scale, residual2).contiguous()
 
 
 @linear_residual_fwd.register_fake
-def _linear_residual_fake(x, weight, bias, residual, counters=None, scale=None, residual_scale=None):
+def _linear_residual_fake(x, weight, bias, residual, counters=None, scale=None, residual_scale=None, residual2=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -164,12 +167,16 @@ def norm_linear(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: 
 
 def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
                     counters: Tensor | None = None, scale: Tensor | None = None,
-                    residual_scale: float | None = None) -> Tensor:
+                    residual_scale: float | None = None, residual2: Tensor | None = None) -> Tensor:
     """``residual + linear(x, weight, bias)`` (times ``residual_scale`` before the add, as
-    Granite's layers scale it; ``linear(x, weight, bias)`` for a None residual), one launch where
-    the table runs Triton split-K."""
+    Granite's layers scale it; ``linear(x, weight, bias)`` for a None residual), then
+    ``+ residual2`` where given (with a residual and no scale: a parallel-residual layer's
+    ``(mlp + a) + x``, each sum rounded as stock's), one launch where the table runs Triton
+    split-K."""
+    if residual2 is not None and (residual is None or residual_scale is not None):
+        raise ValueError("linear_residual: residual2 comes with a residual and no residual_scale")
     return _compiled(torch.ops.hybridgemm.linear_residual_fwd, _linear_residual, x, weight, bias, residual, counters,
-                     scale, None if residual_scale is None else float(residual_scale))
+                     scale, None if residual_scale is None else float(residual_scale), residual2)
 
 
 _gated_norm_eager = functools.partial(_gated_norm, keep_prologue=True)  # (as _norm_linear_eager)

@@ -11,18 +11,19 @@ Per token, with a static cache::
     sequential: h = a + x;  y = mlp(mlp_norm(h)) + h
 
 where ``mlp(t) = dense_4h_to_h(act(dense_h_to_4h(t)))``; Falcon's one-norm layers feed the MLP
-the attention's normalised input. The step (:func:`layer_step`) runs the LayerNorms as the
-modules they are (no GEMM prologue computes a LayerNorm), then the shared pieces of
-fusion/models/decode_step.py: the Q/K/V GEMM with the rotary and the cache write in its
+the attention's normalised input. The step (:func:`layer_step`) runs the LayerNorms (no GEMM
+prologue computes a LayerNorm): under torch.compile the one or two of x in one launch where
+they are plain ``nn.LayerNorm`` modules (fusion/models/layer_norms.py), else as the modules they
+are; then the shared pieces of fusion/models/decode_step.py: the Q/K/V GEMM with the rotary and the cache write in its
 epilogue (``rope_qkv``; GPT-NeoX's weight rows ``[q | k | v]`` per head and its partial rotary;
 Falcon's ``[q | k | v]`` with one KV head (multi-query), grouped per KV head ``[q x n | k | v]``
 (its new architecture) or per head; where the table's GEMM is not split-K, the GEMM and then
 ``rope_store``'s one launch), the one-launch decode attention,
 ``dense``, ``dense_h_to_4h`` with its activation in the epilogue (``HybridTwoLayerMLP.up``),
 ``dense_4h_to_h``. The residual adds follow stock's order: sequential, ``x`` in ``dense``'s
-epilogue and ``h`` in ``dense_4h_to_h``'s; parallel, ``a`` in ``dense_4h_to_h``'s epilogue and
-``x`` added after, as stock's ``(mlp + a) + x`` adds the two small terms first (``x`` first
-would round twice at the residual stream's magnitude).
+epilogue and ``h`` in ``dense_4h_to_h``'s; parallel, ``a`` and then ``x`` in ``dense_4h_to_h``'s
+epilogue (each sum rounded), as stock's ``(mlp + a) + x`` adds the two small terms first
+(``x`` first would round twice at the residual stream's magnitude).
 
 Calls of up to ``decode_checks.DECODE_ROWS`` rows over a static cache that
 ``decode_checks.kv_slot`` accepts take the step (decode, or a short chunk appended to a filled
@@ -51,6 +52,7 @@ from . import attention_forms as forms
 from . import decode_checks as checks
 from . import decode_step
 from .checked_forms import PER_HEAD_QKV_NAME
+from .layer_norms import layer_norms
 from .source_forms import body_statements
 
 
@@ -278,15 +280,16 @@ def layer_step(layer: nn.Module, x: Tensor, call: StepCall, kwargs: dict, counte
     attention_norm, mlp_norm, parallel = call.shape
     slot = call.slot
     mlp = layer._modules["mlp"]
-    n = layer._modules[attention_norm](x)
-    o = decode_step.static_attention(attn, slot, n, None, qkv, kwargs, counters)
     if parallel:  # (mlp + a) + x, as stock adds it: the small terms first
+        n, *mlp_in = layer_norms(x, [layer._modules[name] for name in (attention_norm, mlp_norm) if name is not None])
+        o = decode_step.static_attention(attn, slot, n, None, qkv, kwargs, counters)
         a = decode_step.project(dense, o, counters)
-        m = mlp.up(n if mlp_norm is None else layer._modules[mlp_norm](x))
-        y = decode_step.project_add(down, m, a, counters) + x
+        y = decode_step.project_add(down, mlp.up(mlp_in[0] if mlp_in else n), a, counters, residual2=x)
     else:
+        n, = layer_norms(x, [layer._modules[attention_norm]])
+        o = decode_step.static_attention(attn, slot, n, None, qkv, kwargs, counters)
         h = decode_step.project_add(dense, o, x, counters)
-        y = decode_step.project_add(down, mlp.up(layer._modules[mlp_norm](h)), h, counters)
+        y = decode_step.project_add(down, mlp.up(*layer_norms(h, [layer._modules[mlp_norm]])), h, counters)
     return (y, None) if call.family.returns_weights else y
 
 

@@ -95,6 +95,36 @@ def test_splitk_scaled_residual_rounds_as_granite_does(cfg, m):
         ts.run(cfg, x, w, b, torch.empty(m, N, dtype=torch.float16), None, residual=r, residual_scale=float("nan"))
 
 
+@pytest.mark.parametrize("cfg", SPLITK, ids=_ids)
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_splitk_second_residual_rounds_as_a_parallel_layer_does(cfg, m):
+    """``(y + r) + r2`` (a parallel-residual layer's ``(mlp + a) + x``): y rounded to the output
+    dtype, plus r, rounded, plus r2, rounded, bit for bit against those roundings of the same
+    config's plain output; r2 at the residual stream's magnitude, where adding it first would
+    round differently."""
+    x, w, b, g, r = _operands(m, N, K, torch.float16, bias=m != 3)
+    r2 = (torch.randn(m, N, dtype=torch.float64) * 300).to(torch.float16)
+    out = poisoned((m, N), torch.float16, "cpu")
+    ts.run(cfg, x, w, b, out, None, norm=(g, EPS), residual=r, residual2=r2)
+    y = ts.run(cfg, x, w, b, poisoned((m, N), torch.float16, "cpu"), None, norm=(g, EPS))
+    want = ((y.float() + r.float()).half().float() + r2.float()).half()
+    assert torch.equal(out, want)
+    small_first = (y.float() + (r.float() + r2.float()).half().float()).half()
+    assert m == 1 or not torch.equal(out, small_first)  # (the order shows at these magnitudes)
+    assert_counters_zero()
+
+
+def test_splitk_second_residual_needs_a_first_and_its_shape():
+    x, w, b, _, r = _operands(3, N, K, torch.float16, bias=True)
+    out = torch.empty(3, N, dtype=torch.float16)
+    with pytest.raises(ValueError, match="residual2 comes with a residual and no residual_scale"):
+        ts.run(DIRECT, x, w, b, out, None, residual2=r)
+    with pytest.raises(ValueError, match="residual2 comes with a residual and no residual_scale"):
+        ts.run(DIRECT, x, w, b, out, None, residual=r, residual_scale=0.5, residual2=r)
+    with pytest.raises(ValueError, match="residual must match the output"):
+        ts.run(DIRECT, x, w, b, out, None, residual=r, residual2=r[:2])
+
+
 def test_splitk_norm_is_deterministic_and_plain_calls_are_unchanged():
     x, w, b, g, r = _operands(5, N, K, torch.float32, bias=True)
     outs = [ts.run(FUSED3, x, w, b, torch.empty(5, N), None, norm=(g, EPS), residual=r) for _ in range(2)]
@@ -235,14 +265,15 @@ from hybridgemm.kernels import triton_splitk as ts
 
 fn = ts._splitk_kernel
 ptr = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
-       "cnt_ptr": "*i32", "nw_ptr": "*fp32", "res_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+       "cnt_ptr": "*i32", "nw_ptr": "*fp32", "res_ptr": "*bf16", "res2_ptr": "*bf16",
+       "cos_ptr": "*bf16", "sin_ptr": "*bf16",
        "kc_ptr": "*bf16", "vc_ptr": "*bf16", "base_ptr": "*i64", "qn_ptr": "*bf16", "kn_ptr": "*bf16",
        "sc_ptr": "*fp32"}
 floats = {"inv_k", "eps", "res_scale", "qk_eps"}
 consts = dict(BM=16, BN=64, BK=256, MODE=2, HAS_BIAS=False, ACT=0, PREC="tf32", EVEN_K=True, NORM=True, RESIDUAL=False,
               ROPE=False, KV=False, HD=2, PDL=True, QK_NORM=False, RES_SCALED=False, WSCALE=0, WINT=False,
               QK_FACTOR=False, QK_OFFSET=0.0, NW_OFFSET=1.0, GLU=0, PREFETCH=0, ROUTE=0, ROUTE_KP=1, RENORMALIZE=False,
-              FIXUP=ts.fixup_group(16, 64, 4, 2), ROT=2, QG=0, PAIRS=False)
+              FIXUP=ts.fixup_group(16, 64, 4, 2), ROT=2, QG=0, PAIRS=False, RES2=False)
 sig = {}
 for n in fn.arg_names:
     sig[n] = "constexpr" if n in consts else ptr.get(n, "fp32" if n in floats else "i32")
