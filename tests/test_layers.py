@@ -51,7 +51,7 @@ LAZY_ALLOWED = {
     ("hybridgemm.models.attention_forms", "hybridgemm.kernels.triton_decode_attention"),
     ("hybridgemm.models.attention_forms", "hybridgemm.kernels.triton_qk_rope"),  # OLMo 2's q/k norms, rotary, cache
     ("hybridgemm.norm", "hybridgemm.kernels.triton_rmsnorm"),
-    ("hybridgemm.models.layer_norms", "hybridgemm.kernels.triton_layernorm"),  # the LayerNorm families' norms
+    ("hybridgemm.models.compiled_layer_norm", "hybridgemm.kernels.triton_layernorm"),  # the LayerNorm families' norms
     ("hybridgemm.fp8_linear", "hybridgemm.kernels.triton_dequant"),  # the one-pass dequantization past the FP8 rows
     ("hybridgemm.kernels.cublaslt_fp8", "hybridgemm.kernels.fp8_quant"),
     # autotune --hf-config --tp: what parallelize splits (tensor_parallel loads torch's functional collectives)

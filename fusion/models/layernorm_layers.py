@@ -12,9 +12,11 @@ Per token, with a static cache::
 
 where ``mlp(t) = dense_4h_to_h(act(dense_h_to_4h(t)))``; Falcon's one-norm layers feed the MLP
 the attention's normalised input. The step (:func:`layer_step`) runs the LayerNorms (no GEMM
-prologue computes a LayerNorm): under torch.compile the one or two of x in one launch where
-they are plain ``nn.LayerNorm`` modules (fusion/models/layer_norms.py), else as the modules they
-are; then the shared pieces of fusion/models/decode_step.py: the Q/K/V GEMM with the rotary and the cache write in its
+prologue computes a LayerNorm): under torch.compile each norm of one input (Falcon's one
+norm, a sequential layer's two) in one launch where it is a plain ``nn.LayerNorm``
+(fusion/models/compiled_layer_norm.py), else, and where two norms read x (GPT-NeoX's parallel
+layers: Inductor fuses them into one kernel), as the modules they are; then the shared pieces
+of fusion/models/decode_step.py: the Q/K/V GEMM with the rotary and the cache write in its
 epilogue (``rope_qkv``; GPT-NeoX's weight rows ``[q | k | v]`` per head and its partial rotary;
 Falcon's ``[q | k | v]`` with one KV head (multi-query), grouped per KV head ``[q x n | k | v]``
 (its new architecture) or per head; where the table's GEMM is not split-K, the GEMM and then
@@ -52,7 +54,7 @@ from . import attention_forms as forms
 from . import decode_checks as checks
 from . import decode_step
 from .checked_forms import PER_HEAD_QKV_NAME
-from .layer_norms import layer_norms
+from .compiled_layer_norm import layer_norm
 from .source_forms import body_statements
 
 
@@ -280,16 +282,19 @@ def layer_step(layer: nn.Module, x: Tensor, call: StepCall, kwargs: dict, counte
     attention_norm, mlp_norm, parallel = call.shape
     slot = call.slot
     mlp = layer._modules["mlp"]
-    if parallel:  # (mlp + a) + x, as stock adds it: the small terms first
-        n, *mlp_in = layer_norms(x, [layer._modules[name] for name in (attention_norm, mlp_norm) if name is not None])
-        o = decode_step.static_attention(attn, slot, n, None, qkv, kwargs, counters)
-        a = decode_step.project(dense, o, counters)
-        y = decode_step.project_add(down, mlp.up(mlp_in[0] if mlp_in else n), a, counters, residual2=x)
+    if parallel and mlp_norm is not None:
+        # two norms of x: Inductor computes them in one kernel, faster here than two launches
+        n, mlp_in = layer._modules[attention_norm](x), layer._modules[mlp_norm](x)
     else:
-        n, = layer_norms(x, [layer._modules[attention_norm]])
-        o = decode_step.static_attention(attn, slot, n, None, qkv, kwargs, counters)
+        n = layer_norm(layer._modules[attention_norm], x)
+        mlp_in = n
+    o = decode_step.static_attention(attn, slot, n, None, qkv, kwargs, counters)
+    if parallel:  # (mlp + a) + x, as stock adds it: the small terms first
+        a = decode_step.project(dense, o, counters)
+        y = decode_step.project_add(down, mlp.up(mlp_in), a, counters, residual2=x)
+    else:
         h = decode_step.project_add(dense, o, x, counters)
-        y = decode_step.project_add(down, mlp.up(*layer_norms(h, [layer._modules[mlp_norm]])), h, counters)
+        y = decode_step.project_add(down, mlp.up(layer_norm(layer._modules[mlp_norm], h)), h, counters)
     return (y, None) if call.family.returns_weights else y
 
 
