@@ -16,7 +16,7 @@ modules on the fused Q/K/V), ``StableLmDecoderLayer`` (its LayerNorms called as 
 are, its residual parallel or sequential as the instance says, its rotary over the first
 ``rotary_ndims`` columns of each head in the Q/K/V GEMM's epilogue), ``CohereDecoderLayer``
 (the same with its parallel residual and its rotary of neighbouring columns), ``GPTNeoXLayer``
-and ``FalconDecoderLayer`` (their LayerNorms as modules, their Q/K/V layouts and rotary in the
+and ``FalconDecoderLayer`` (their LayerNorms apart, their Q/K/V layouts and rotary in the
 Q/K/V GEMM's epilogue; fusion/models/layernorm_layers.py, static caches only) and the
 mixture-of-experts ``Qwen3MoeDecoderLayer``, ``MixtralDecoderLayer``, ``Qwen2MoeDecoderLayer`` and
 ``OlmoeDecoderLayer`` (their sparse block called as a module, its experts the grouped kernels;
