@@ -369,7 +369,7 @@ def fusion_of(norm: tuple | None, residual: torch.Tensor | None, rope: RopeLayou
     """The :class:`Fusion` of a call's ``norm=(weight, eps[, offset])``, ``residual``,
     ``residual_scale``, ``glu``, ``route=(ids, weights, renormalize)`` and ``residual2``
     arguments and its checked rotary layout."""
-    if norm is None and residual is None and rope is None and glu is None and route is None:
+    if norm is None and residual is None and rope is None and glu is None and route is None and residual2 is None:
         return _NO_FUSION
     return Fusion(None if norm is None else float(norm[1]), norm is None or norm[0].data_ptr() % 16 == 0,
                   _row_stride(residual), residual is None or residual.data_ptr() % 16 == 0, rope,
@@ -501,7 +501,7 @@ def run(
     if residual2 is not None:
         if residual is None or residual_scale is not None:
             raise ValueError("triton_splitk: residual2 comes with a residual and no residual_scale")
-        check_fusion(x, out, None, residual2, "triton_splitk")
+        check_fusion(x, out, None, residual2, "triton_splitk residual2")
     if residual_scale is not None and (residual is None or not isinstance(residual_scale, (int, float))
                                        or isinstance(residual_scale, bool) or not math.isfinite(residual_scale)):
         raise ValueError("triton_splitk: residual_scale must be a finite number and comes with a residual")

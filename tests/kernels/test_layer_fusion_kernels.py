@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from helpers import assert_counters_zero, poisoned, rel_err
 from hybridgemm.kernels import triton_glu as tglu
 from hybridgemm.kernels import triton_splitk as ts
+from hybridgemm.kernels.fp8 import quantize_fp8
 from hybridgemm.norm import reference_rms_norm
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -96,22 +97,40 @@ def test_splitk_scaled_residual_rounds_as_granite_does(cfg, m):
 
 
 @pytest.mark.parametrize("cfg", SPLITK, ids=_ids)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("m", [1, 3, 17])
-def test_splitk_second_residual_rounds_as_a_parallel_layer_does(cfg, m):
+def test_splitk_second_residual_rounds_as_a_parallel_layer_does(cfg, dtype, m):
     """``(y + r) + r2`` (a parallel-residual layer's ``(mlp + a) + x``): y rounded to the output
     dtype, plus r, rounded, plus r2, rounded, bit for bit against those roundings of the same
     config's plain output; r2 at the residual stream's magnitude, where adding it first would
-    round differently."""
-    x, w, b, g, r = _operands(m, N, K, torch.float16, bias=m != 3)
-    r2 = (torch.randn(m, N, dtype=torch.float64) * 300).to(torch.float16)
-    out = poisoned((m, N), torch.float16, "cpu")
+    round differently; r and r2 rows of other strides than the output's and each other's."""
+    x, w, b, g, _ = _operands(m, N, K, dtype, bias=m != 3)
+    r = torch.randn(m, N + 16, dtype=torch.float64).to(dtype)[:, 3:3 + N]
+    r2 = (torch.randn(m, N + 48, dtype=torch.float64) * 300).to(dtype)[:, 8:8 + N]
+    out = poisoned((m, N), dtype, "cpu")
     ts.run(cfg, x, w, b, out, None, norm=(g, EPS), residual=r, residual2=r2)
-    y = ts.run(cfg, x, w, b, poisoned((m, N), torch.float16, "cpu"), None, norm=(g, EPS))
-    want = ((y.float() + r.float()).half().float() + r2.float()).half()
+    y = ts.run(cfg, x, w, b, poisoned((m, N), dtype, "cpu"), None, norm=(g, EPS))
+    want = ((y.float() + r.float()).to(dtype).float() + r2.float()).to(dtype)
     assert torch.equal(out, want)
-    small_first = (y.float() + (r.float() + r2.float()).half().float()).half()
-    assert m == 1 or not torch.equal(out, small_first)  # (the order shows at these magnitudes)
+    small_first = (y.float() + (r.float() + r2.float()).to(dtype).float()).to(dtype)
+    assert dtype == torch.float32 or m == 1 or not torch.equal(out, small_first)  # (the order shows)
     assert_counters_zero()
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block128"])
+@pytest.mark.parametrize("split", [1, 2])
+def test_splitk_second_residual_with_fp8_weights(granularity, split):
+    """The same roundings over an e4m3 weight (its scales applied before the residuals)."""
+    torch.manual_seed(split)
+    k = 384
+    cfg = Cfg(16, 32, 64, split_k=split, num_warps=4, num_stages=2, fused_reduce=split > 1)
+    q = quantize_fp8(torch.randn(N, k).half(), granularity)
+    x, b = torch.randn(5, k).half(), torch.randn(N).half()
+    r, r2 = torch.randn(5, N).half(), (torch.randn(5, N) * 300).half()
+    out = ts.run(cfg, x, q.data, b, poisoned((5, N), torch.float16, "cpu"), None, weight_scale=q.scale,
+                 residual=r, residual2=r2)
+    y = ts.run(cfg, x, q.data, b, poisoned((5, N), torch.float16, "cpu"), None, weight_scale=q.scale)
+    assert torch.equal(out, ((y.float() + r.float()).half().float() + r2.float()).half())
 
 
 def test_splitk_second_residual_needs_a_first_and_its_shape():
@@ -121,7 +140,7 @@ def test_splitk_second_residual_needs_a_first_and_its_shape():
         ts.run(DIRECT, x, w, b, out, None, residual2=r)
     with pytest.raises(ValueError, match="residual2 comes with a residual and no residual_scale"):
         ts.run(DIRECT, x, w, b, out, None, residual=r, residual_scale=0.5, residual2=r)
-    with pytest.raises(ValueError, match="residual must match the output"):
+    with pytest.raises(ValueError, match="residual2: residual must match the output"):
         ts.run(DIRECT, x, w, b, out, None, residual=r, residual2=r[:2])
 
 

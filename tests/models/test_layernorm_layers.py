@@ -17,7 +17,7 @@ import torch
 import hybridgemm
 from helpers import assert_static_decode_matches, greedy_static_decode
 from hybridgemm.kernels import triton_qk_rope as tqr
-from hybridgemm.models import attention_forms, fused_pieces, layernorm_layers, legacy_falcon
+from hybridgemm.models import attention_forms, decode_step, fused_pieces, layernorm_layers, legacy_falcon
 from hybridgemm.models import decode_checks as checks
 from hybridgemm.perf import e2e_models as hf
 
@@ -85,6 +85,35 @@ def test_gpt_neox_layers_decode_as_stock_does(parallel, rotary, bias, batch, att
         _compare(model, stock, steps=3, batch=batch)
     assert kernels_on_cpu["rope"] == 2 * 3 and kernels_on_cpu["norm"] == 0  # each layer, each new token
     assert stores == []  # (no launch of its own)
+
+
+def test_gpt_neox_parallel_layers_add_the_attention_then_x_in_dense_4h_to_h(kernels_on_cpu, monkeypatch):
+    """``(mlp + a) + x`` as stock rounds it: dense_4h_to_h's GEMM gets the attention's output
+    as its first residual and the layer's input as its second (tiny fp32 models cannot show the
+    order in their logits; tests/kernels/test_layer_fusion_kernels.py pins the roundings)."""
+    stock = _tiny(use_parallel_residual=True)
+    model = _patched(stock)
+    seen, adds = {}, []
+    real_step, real_project, real_add = layernorm_layers.layer_step, decode_step.project, decode_step.project_add
+
+    def step(layer, x, *args):
+        seen["x"] = x
+        return real_step(layer, x, *args)
+
+    def project(proj, x, counters):
+        seen["a"] = a = real_project(proj, x, counters)
+        return a
+
+    def add(proj, x, residual, counters, residual_scale=None, residual2=None):
+        adds.append((proj, residual is seen.get("a"), residual2 is seen.get("x")))
+        return real_add(proj, x, residual, counters, residual_scale, residual2)
+
+    monkeypatch.setattr(layernorm_layers, "layer_step", step)
+    monkeypatch.setattr(decode_step, "project", project)
+    monkeypatch.setattr(decode_step, "project_add", add)
+    _compare(model, stock, steps=2, batch=1)
+    downs = {id(layer.mlp.dense_4h_to_h) for layer in model.gpt_neox.layers}
+    assert adds and all(id(proj) in downs and first and second for proj, first, second in adds), adds
 
 
 @pytest.mark.parametrize("rotary", [0.25, 1.0])

@@ -21,6 +21,8 @@ from two_ranks import SEED, assert_ranks_ok, llama_config, randomize, run_on_two
 
 import hybridgemm
 from helpers import rank_order_sum
+from hybridgemm.linear_layer import PartialSumLinear
+from hybridgemm.models import decode_step
 from hybridgemm.parallel import (
     RowParallelLinear,
     VocabParallelLinear,
@@ -546,3 +548,35 @@ def test_split_parts_names_what_parallelize_splits(name, parts):
     if name == "llama3-8b":
         with pytest.raises(ValueError, match="tp=3 does not divide the 32 attention heads"):
             split_parts(model, 3)
+
+
+
+class _OnePart(PartialSumLinear):
+    """A row-parallel linear of one part: its sums are the part itself."""
+
+    def __init__(self, weight, bias, adds_bias, sums_residual):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(weight), nn.Parameter(bias)
+        self.adds_bias, self.sums_residual = adds_bias, sums_residual
+
+    def sum_parts(self, y):
+        return y
+
+    def sum_parts_residual(self, y, residual):
+        return residual + y
+
+
+@pytest.mark.parametrize("adds_bias,sums_residual", [(True, False), (False, False), (False, True), (True, True)])
+def test_a_row_parallel_projection_adds_the_second_residual_after_its_sum(adds_bias, sums_residual):
+    """decode_step.project_add(..., residual2=x) over a row-parallel projection: its sum holds
+    the first residual where this part adds it (with the bias, or in the residual-summing
+    collective), then x is added to the sum."""
+    torch.manual_seed(0)
+    w, b = torch.randn(24, 40), torch.randn(24)
+    proj = _OnePart(w, b, adds_bias, sums_residual)
+    x, a, r2 = torch.randn(3, 40), torch.randn(3, 24), torch.randn(3, 24) * 300
+    with torch.no_grad():
+        got = decode_step.project_add(proj, x, a, None, residual2=r2)
+        y = F.linear(x, w, b if adds_bias else None)
+    first = a + y if adds_bias or sums_residual else y  # (a part without the bias leaves a to the one with it)
+    assert torch.equal(got, first + r2)
