@@ -2,8 +2,9 @@
 ``_bound_key``, kernels/triton_splitk.py ``bind``): from the second call of a signature on, the
 launch bound at the first, with the call's own pointers. The same bits as the general path on
 the same operands and close to an fp32 reference, with the norm prologue, the residual (scaled
-too) and each way of splitting K (one split, the fused reduction, the two-launch reduction); a
-changed signature, autograd and a table reload take the general path."""
+too, and a second one after it) and each way of splitting K (one split, the fused reduction,
+the two-launch reduction); a changed signature, autograd and a table reload take the general
+path."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ CONFIGS = {
                                                      fused_reduce=True),
     "two_launches": triton_splitk.TritonSplitKConfig(16, 32, 32, split_k=3, num_warps=4, num_stages=2),
 }
-FUSIONS = ("none", "residual", "scaled_residual", "norm", "norm_residual")
+FUSIONS = ("none", "residual", "scaled_residual", "norm", "norm_residual", "two_residuals")
 
 
 @pytest.fixture
@@ -52,9 +53,15 @@ def _call(x, w, b, g, r, fusion: str):
         kw["residual"] = r
         if fusion.startswith("scaled"):
             kw["residual_scale"] = SCALE
+        if fusion == "two_residuals":  # (a tensor of its own per call: at another address each time)
+            kw["residual2"] = _second_residual(r)
     if "norm" in fusion:
         kw["norm"] = (g, EPS, None)
     return dispatch.fused_splitk(x, w, b, keep_prologue=True, **kw)
+
+
+def _second_residual(r: torch.Tensor) -> torch.Tensor:
+    return r * 7 + 1
 
 
 def _reference(x, w, b, g, r, fusion: str) -> torch.Tensor:
@@ -64,6 +71,8 @@ def _reference(x, w, b, g, r, fusion: str) -> torch.Tensor:
     y = x @ w.float().T + b.float()
     if "residual" in fusion:
         y = r.float() + y * (SCALE if fusion.startswith("scaled") else 1.0)
+    if fusion == "two_residuals":
+        y = y + _second_residual(r).float()
     return y
 
 
