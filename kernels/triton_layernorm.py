@@ -17,6 +17,7 @@ GPU at import time.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 
@@ -65,10 +66,6 @@ def _make_plan(m: int, h: int, ldx: int, device: torch.device) -> TritonPlan:
 _PLANS = BoundedCache(PLAN_CACHE_SIZE)
 
 
-def _aligned(*tensors) -> tuple:
-    return tuple(not t.data_ptr() & 15 for t in tensors)
-
-
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """``F.layer_norm(x, (H,), weight, bias, eps)`` in one launch: a tensor of x's shape and
     dtype. x (..., H) is read in place where its last dim has unit stride and its leading dims
@@ -103,13 +100,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     m = x2d.shape[0]
     ldx = x2d.stride(0) if m > 1 else h  # (one row's stride is never used: one plan for all)
     w, b = weight.contiguous(), bias.contiguous()
-    key = (m, h, ldx, x.dtype, x.get_device(), _aligned(x2d, w, b, out))
+    key = (m, h, ldx, x.dtype, x.get_device(), *(not t.data_ptr() & 15 for t in (x2d, w, b, out)))
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.put(key, _make_plan(m, h, ldx, x.device))
-    if x.is_cuda and x.get_device() != torch.cuda.current_device():
-        with torch.cuda.device(x.device):
-            plan.launch(x2d, w, b, out, *plan.scalars, float(eps))
-    else:
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (x's device's stream)
         plan.launch(x2d, w, b, out, *plan.scalars, float(eps))
     return out
