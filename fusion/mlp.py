@@ -24,6 +24,8 @@ MLP alone, with the reason in the report: fusing must compute what the module co
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 
@@ -182,20 +184,49 @@ class HybridPrefusedGatedMLP(nn.Module):
         return self.down_proj(gated_linear(x, gate_up.weight, gate_up.bias, self.glu_activation))
 
 
+class ActivatedGemm(NamedTuple):
+    """The tensors of ``act(child(x))`` as one GEMM with the activation in its epilogue: what
+    :func:`run_activated` launches (an FP8 child's e4m3 weight with its ``scale``)."""
+
+    weight: Tensor
+    bias: Tensor | None
+    activation: str
+    scale: Tensor | None
+    fp8_activations: bool
+
+
+def activated_gemm(owner: nn.Module, child: str, act: str | None) -> ActivatedGemm | None:
+    """The GEMM of ``act(owner.<child>(x))`` where the child is the unhooked
+    :class:`~hybridgemm.HybridLinear` patch made (or its FP8 form) and ``act`` an epilogue
+    activation; None for anything else in the slot (called as a module by :func:`activated`)."""
+    lin = owner._modules[child]
+    if act is None or _hooked(lin):
+        return None
+    if type(lin) is HybridLinear:
+        return ActivatedGemm(lin.weight, lin.bias, act, None, False)
+    if type(lin) is FP8HybridLinear:
+        return ActivatedGemm(lin.weight, lin.bias, act, weight_scale_of(lin), bool(lin.fp8_activations))
+    return None
+
+
+def run_activated(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, scale: Tensor | None,
+                  fp8_activations: bool) -> Tensor:
+    """``act(x @ weight.T + bias)`` of an :class:`ActivatedGemm`'s tensors."""
+    if scale is None:
+        return linear(x, weight, bias, activation)
+    return linear_fp8(x, weight, scale, bias, activation, fp8_activations)
+
+
 def activated(owner: nn.Module, child: str, act: str, act_module: nn.Module, x: Tensor) -> Tensor:
     """``act_module(owner.<child>(x))`` with the activation (named ``act``) in the GEMM's epilogue
     where the child is the :class:`~hybridgemm.HybridLinear` patch made (or its FP8 form),
-    unhooked; anything else in the slot (a LoRA layer over it, whose term goes in before the
-    activation as in the stock module; a hooked or replaced module) is called as a module, then
-    the activation module."""
-    lin = owner._modules[child]
-    if _hooked(lin):
-        return act_module(lin(x))
-    if type(lin) is HybridLinear:
-        return linear(x, lin.weight, lin.bias, act)
-    if type(lin) is FP8HybridLinear:
-        return linear_fp8(x, lin.weight, weight_scale_of(lin), lin.bias, act, lin.fp8_activations)
-    return act_module(lin(x))
+    unhooked (:func:`activated_gemm`); anything else in the slot (a LoRA layer over it, whose
+    term goes in before the activation as in the stock module; a hooked or replaced module) is
+    called as a module, then the activation module."""
+    gemm = activated_gemm(owner, child, act)
+    if gemm is None:
+        return act_module(owner._modules[child](x))
+    return run_activated(x, *gemm)
 
 
 class HybridTwoLayerMLP(nn.Module):

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from hybridgemm.diagnostics import warn_once
 from hybridgemm.fp8_modules import weight_scale_of
 from hybridgemm.linear_layer import PartialSumLinear
-from hybridgemm.mlp import FUSED_GATE_UP, GLU_FUNCTIONS
+from hybridgemm.mlp import FUSED_GATE_UP, GLU_FUNCTIONS, ActivatedGemm, run_activated
 from hybridgemm.norm import Fp32FactorRMSNorm, add_norm, norm_operand
 
 from . import adapter_terms, moe_block
@@ -55,6 +55,7 @@ from . import attention_forms as forms
 from . import decode_checks as checks
 from .fused_pieces import (
     attend,
+    attend_beside,
     gated_norm,
     linear_residual,
     norm_linear,
@@ -76,6 +77,23 @@ def static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, q
     """The attention sublayer's output before O with a static cache (``slot`` from
     ``decode_checks.kv_slot``), x normalised by ``norm`` in the Q/K/V GEMM's prologue (None: x
     as it is): ``[B, S, heads * hd]``."""
+    return _static_attention(attn, slot, x, norm, qkv, kwargs, counters, None)[0]
+
+
+def static_attention_beside(attn: nn.Module, slot, x: Tensor, qkv: nn.Module, kwargs: dict,
+                            counters: Tensor | None, mlp_in: Tensor, up: ActivatedGemm) -> tuple[Tensor, Tensor]:
+    """:func:`static_attention` of a parallel layer (x normalised already), and its MLP's first
+    GEMM ``up`` of ``mlp_in``, which the attention does not feed: where the decode attention
+    kernel runs, it runs beside that GEMM (``fused_pieces.attend_beside``), else one after the
+    other. ``(attention output, up's output)``."""
+    out, g = _static_attention(attn, slot, x, None, qkv, kwargs, counters, (mlp_in, up))
+    return out, run_activated(mlp_in, *up) if g is None else g
+
+
+def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, qkv: nn.Module, kwargs: dict,
+                      counters: Tensor | None, beside: tuple[Tensor, ActivatedGemm] | None
+                      ) -> tuple[Tensor, Tensor | None]:
+    # (the output, and beside's GEMM where it ran beside the attention kernel, else None)
     layer, cos, sin, first = slot
     b, s = x.shape[:2]
     keys, values = layer.keys, layer.values
@@ -127,10 +145,15 @@ def static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, q
             # so it stays a separate in-graph add whose ordering the compiler tracks.
             # (softcap: what the eager function computes; kv_slot turns a capped SDPA layer away)
             softcap = 0.0 if sdpa or not form.softcap else float(attn.attn_logit_softcapping or 0.0)
-            out = attend(q, keys, values, mask, float(form.scaling(attn)), base, 0 if first else s, counters, softcap)
+            scaling, step = float(form.scaling(attn)), 0 if first else s
+            g = None
+            if beside is None:
+                out = attend(q, keys, values, mask, scaling, base, step, counters, softcap)
+            else:
+                out, g = attend_beside(q, keys, values, mask, scaling, base, step, counters, softcap, *beside)
             if first:
                 base.add_(s)
-            return out.view(b, 1, heads * hd)
+            return out.view(b, 1, heads * hd), g
     base.add_(s)  # what StaticLayer.update does after computing the positions
     rep = heads // kv_heads
     shared_mask = mask is None or (mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
@@ -142,11 +165,11 @@ def static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, q
         # expanded copy is small, so batch 1 keeps the model's own SDPA call.
         q = q.reshape(b, kv_heads, rep, hd)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=form.scaling(attn))
-        return out.reshape(b, 1, heads * hd)
+        return out.reshape(b, 1, heads * hd), None
     q = q.reshape(b, s, heads, hd).transpose(1, 2)
     out, _ = interface(attn, q, keys, values, mask, dropout=0.0, scaling=form.scaling(attn),
                        **_function_kwargs(attn, form, _passed_kwargs(form, kwargs)))
-    return out.reshape(b, s, -1).contiguous()
+    return out.reshape(b, s, -1).contiguous(), None
 
 
 def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Module, kwargs: dict,

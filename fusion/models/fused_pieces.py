@@ -33,7 +33,7 @@ from hybridgemm import dispatch
 from hybridgemm.diagnostics import warn_once
 from hybridgemm.fp8_linear import fp8_linear
 from hybridgemm.kernels.process_memory import per_call_scratch
-from hybridgemm.mlp import GLU_FUNCTIONS, gated_linear
+from hybridgemm.mlp import GLU_FUNCTIONS, ActivatedGemm, gated_linear, run_activated
 from hybridgemm.norm import norm_operand, prologue_norm
 
 from . import attention_forms as forms
@@ -415,10 +415,10 @@ def rope_store(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor
 # ------------------------------------------------------------------------- decode attention
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor, step: int,
-            counters: Tensor | None, softcap: float = 0.0) -> Tensor:
+            counters: Tensor | None, softcap: float = 0.0, out: Tensor | None = None) -> Tensor:
     from triton.errors import TritonError
 
-    out = q.new_empty(q.shape)
+    out = q.new_empty(q.shape) if out is None else out
     try:
         return forms.attention_kernel().decode_attention(q, keys, values, mask, scale, out, base=base, step=step,
                                                           counters=counters, softcap=softcap)
@@ -465,5 +465,64 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: 
                      step, counters, float(softcap))
 
 
-__all__ = ["attend", "gated_norm", "linear_residual", "norm_linear", "norm_rope_qkv", "normed", "qk_rope_store",
-           "rope_qkv", "rope_store", "rotate_store"]
+# ---------------------------------------------------------- attention beside the MLP's first GEMM
+
+@functools.cache
+def _side_stream(device_index: int) -> torch.cuda.Stream:
+    # high priority: the attention is the short branch, and its one grid should not queue
+    # behind the GEMM's programs
+    return torch.cuda.Stream(device_index, priority=-1)
+
+
+def _attend_beside(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor,
+                   step: int, counters: Tensor | None, softcap: float, x: Tensor, weight: Tensor,
+                   bias: Tensor | None, activation: str, weight_scale: Tensor | None,
+                   fp8_activations: bool) -> tuple[Tensor, Tensor]:
+    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # one after the other
+        return (_attend(q, keys, values, mask, scale, base, step, counters, softcap),
+                run_activated(x, weight, bias, activation, weight_scale, fp8_activations))
+    main = torch.cuda.current_stream(q.device)
+    side = _side_stream(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    out = q.new_empty(q.shape)  # on the main stream, which reads it after the join
+    side.wait_stream(main)  # q, the cache and base are written
+    with torch.cuda.stream(side):
+        _attend(q, keys, values, mask, scale, base, step, counters, softcap, out)
+    up = run_activated(x, weight, bias, activation, weight_scale, fp8_activations)
+    main.wait_stream(side)
+    return out, up
+
+
+@torch.library.custom_op("hybridgemm::attend_beside_fwd", mutates_args=("base",))
+def attend_beside_fwd(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor,
+                      step: int, counters: Tensor | None, softcap: float, x: Tensor, weight: Tensor,
+                      bias: Tensor | None, activation: str, weight_scale: Tensor | None,
+                      fp8_activations: bool) -> tuple[Tensor, Tensor]:
+    with per_call_scratch():
+        return _attend_beside(q, keys, values, mask, scale, base, step, counters, softcap, x, weight, bias,
+                              activation, weight_scale, fp8_activations)
+
+
+@attend_beside_fwd.register_fake
+def _attend_beside_fake(q, keys, values, mask, scale, base, step, counters, softcap, x, weight, bias, activation,
+                        weight_scale, fp8_activations):
+    return q.new_empty(q.shape), x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def attend_beside(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor,
+                  step: int, counters: Tensor | None, softcap: float, x: Tensor, up: ActivatedGemm
+                  ) -> tuple[Tensor, Tensor]:
+    """:func:`attend`, and the GEMM ``up`` of x (a parallel layer's MLP input, which the attention
+    does not feed). While a CUDA graph is captured (torch.compile's reduce-overhead mode, or the
+    caller's own graph), the attention is captured on a second stream beside the GEMM on the
+    current one, joined before they return: the attention is one short grid of a few programs,
+    and beside the GEMM its time is hidden instead of added. Otherwise (eager calls, which the
+    host's time per launch bounds, and CPU tensors) one after the other: switching streams costs
+    host time there and gains nothing. Both compute what they compute alone, bits included (the
+    attention keeps the caller's ``counters``: the GEMM takes none)."""
+    return _compiled(torch.ops.hybridgemm.attend_beside_fwd, _attend_beside, q, keys, values, mask, float(scale),
+                     base, step, counters, float(softcap), x, up.weight, up.bias, up.activation, up.scale,
+                     bool(up.fp8_activations))
+
+
+__all__ = ["attend", "attend_beside", "gated_norm", "linear_residual", "norm_linear", "norm_rope_qkv", "normed",
+           "qk_rope_store", "rope_qkv", "rope_store", "rotate_store"]

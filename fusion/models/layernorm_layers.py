@@ -22,7 +22,9 @@ Falcon's ``[q | k | v]`` with one KV head (multi-query), grouped per KV head ``[
 (its new architecture) or per head; where the table's GEMM is not split-K, the GEMM and then
 ``rope_store``'s one launch), the one-launch decode attention,
 ``dense``, ``dense_h_to_4h`` with its activation in the epilogue (``HybridTwoLayerMLP.up``),
-``dense_4h_to_h``. The residual adds follow stock's order: sequential, ``x`` in ``dense``'s
+``dense_4h_to_h``. In a parallel layer ``dense_h_to_4h`` does not wait for the attention: a
+CUDA graph recorded over the step runs the attention kernel on a second stream beside it
+(``decode_step.static_attention_beside``). The residual adds follow stock's order: sequential, ``x`` in ``dense``'s
 epilogue and ``h`` in ``dense_4h_to_h``'s; parallel, ``a`` and then ``x`` in ``dense_4h_to_h``'s
 epilogue (each sum rounded), as stock's ``(mlp + a) + x`` adds the two small terms first
 (``x`` first would round twice at the residual stream's magnitude).
@@ -48,7 +50,7 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
-from hybridgemm.mlp import HybridTwoLayerMLP
+from hybridgemm.mlp import HybridTwoLayerMLP, activated_gemm
 
 from . import attention_forms as forms
 from . import decode_checks as checks
@@ -289,10 +291,14 @@ def layer_step(layer: nn.Module, x: Tensor, call: StepCall, kwargs: dict, counte
     else:
         n = layer_norm(layer._modules[attention_norm], x)
         mlp_in = n
-    o = decode_step.static_attention(attn, slot, n, None, qkv, kwargs, counters)
+    up = activated_gemm(mlp, "dense_h_to_4h", mlp.activation) if parallel else None
+    if up is not None:  # the MLP's first GEMM does not wait for the attention: they run side by side
+        o, g = decode_step.static_attention_beside(attn, slot, n, qkv, kwargs, counters, mlp_in, up)
+    else:
+        o = decode_step.static_attention(attn, slot, n, None, qkv, kwargs, counters)
     if parallel:  # (mlp + a) + x, as stock adds it: the small terms first
         a = decode_step.project(dense, o, counters)
-        y = decode_step.project_add(down, mlp.up(mlp_in), a, counters, residual2=x)
+        y = decode_step.project_add(down, mlp.up(mlp_in) if up is None else g, a, counters, residual2=x)
     else:
         h = decode_step.project_add(dense, o, x, counters)
         y = decode_step.project_add(down, mlp.up(layer_norm(layer._modules[mlp_norm], h)), h, counters)
