@@ -415,10 +415,11 @@ def rope_store(y: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor
 # ------------------------------------------------------------------------- decode attention
 
 def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor, step: int,
-            counters: Tensor | None, softcap: float = 0.0, out: Tensor | None = None) -> Tensor:
+            counters: Tensor | None, softcap: float = 0.0, into: Tensor | None = None) -> Tensor:
+    # into: the output tensor to fill (the PyTorch form's result is copied into it), else a new one
     from triton.errors import TritonError
 
-    out = q.new_empty(q.shape) if out is None else out
+    out = q.new_empty(q.shape) if into is None else into
     try:
         return forms.attention_kernel().decode_attention(q, keys, values, mask, scale, out, base=base, step=step,
                                                           counters=counters, softcap=softcap)
@@ -439,7 +440,7 @@ def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale:
         out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale).reshape(b, -1)
     if step:
         base.add_(step)
-    return out
+    return out if into is None else into.copy_(out)
 
 
 # counters: scratch left as found (all zero), not declared mutated (decoder_layer.COUNTERS)
@@ -468,27 +469,36 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: 
 # ---------------------------------------------------------- attention beside the MLP's first GEMM
 
 @functools.cache
-def _side_stream(device_index: int) -> torch.cuda.Stream:
-    # high priority: the attention is the short branch, and its one grid should not queue
-    # behind the GEMM's programs
+def _side_stream(device_index: int, main_stream: int) -> torch.cuda.Stream:
+    # one per stream that captures (two captures at once never share one); high priority: the
+    # attention is the short branch, and its grid should not queue behind the GEMM's programs
     return torch.cuda.Stream(device_index, priority=-1)
+
+
+def _capturing(q: Tensor) -> bool:
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _attend_beside(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, base: Tensor,
                    step: int, counters: Tensor | None, softcap: float, x: Tensor, weight: Tensor,
                    bias: Tensor | None, activation: str, weight_scale: Tensor | None,
                    fp8_activations: bool) -> tuple[Tensor, Tensor]:
-    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):  # one after the other
+    if not _capturing(q):  # one after the other
         return (_attend(q, keys, values, mask, scale, base, step, counters, softcap),
                 run_activated(x, weight, bias, activation, weight_scale, fp8_activations))
     main = torch.cuda.current_stream(q.device)
-    side = _side_stream(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    side = _side_stream(q.device.index if q.device.index is not None else torch.cuda.current_device(),
+                        main.cuda_stream)
     out = q.new_empty(q.shape)  # on the main stream, which reads it after the join
     side.wait_stream(main)  # q, the cache and base are written
-    with torch.cuda.stream(side):
-        _attend(q, keys, values, mask, scale, base, step, counters, softcap, out)
-    up = run_activated(x, weight, bias, activation, weight_scale, fp8_activations)
-    main.wait_stream(side)
+    try:
+        # per-call scratch: the graph's own workspace, and the caller's counters or zeroed ones,
+        # never the side stream's cached buffers (which every graph captured here would share)
+        with torch.cuda.stream(side), per_call_scratch():
+            _attend(q, keys, values, mask, scale, base, step, counters, softcap, out)
+        up = run_activated(x, weight, bias, activation, weight_scale, fp8_activations)
+    finally:
+        main.wait_stream(side)  # joined whatever happened, so that the capture can end
     return out, up
 
 
@@ -498,8 +508,9 @@ def attend_beside_fwd(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | No
                       bias: Tensor | None, activation: str, weight_scale: Tensor | None,
                       fp8_activations: bool) -> tuple[Tensor, Tensor]:
     with per_call_scratch():
-        return _attend_beside(q, keys, values, mask, scale, base, step, counters, softcap, x, weight, bias,
-                              activation, weight_scale, fp8_activations)
+        out, up = _attend_beside(q, keys, values, mask, scale, base, step, counters, softcap, x, weight, bias,
+                                 activation, weight_scale, fp8_activations)
+    return out, up.contiguous()  # (Inductor relies on contiguous outputs, as linear_fwd's)
 
 
 @attend_beside_fwd.register_fake
@@ -514,11 +525,12 @@ def attend_beside(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, 
     """:func:`attend`, and the GEMM ``up`` of x (a parallel layer's MLP input, which the attention
     does not feed). While a CUDA graph is captured (torch.compile's reduce-overhead mode, or the
     caller's own graph), the attention is captured on a second stream beside the GEMM on the
-    current one, joined before they return: the attention is one short grid of a few programs,
-    and beside the GEMM its time is hidden instead of added. Otherwise (eager calls, which the
-    host's time per launch bounds, and CPU tensors) one after the other: switching streams costs
-    host time there and gains nothing. Both compute what they compute alone, bits included (the
-    attention keeps the caller's ``counters``: the GEMM takes none)."""
+    current one, joined before they return: the attention is one short grid (a program per KV
+    head and span of the cache), and beside the GEMM its time is hidden instead of added.
+    Otherwise (eager calls, which the host's time per launch bounds, and CPU tensors) one after
+    the other: switching streams costs host time there and gains nothing. Both compute what
+    they compute alone, bits included (the attention takes the caller's ``counters``, or zeroed
+    ones of its own, and a workspace of its own; the GEMM takes none of them)."""
     return _compiled(torch.ops.hybridgemm.attend_beside_fwd, _attend_beside, q, keys, values, mask, float(scale),
                      base, step, counters, float(softcap), x, up.weight, up.bias, up.activation, up.scale,
                      bool(up.fp8_activations))

@@ -22,10 +22,11 @@ Falcon's ``[q | k | v]`` with one KV head (multi-query), grouped per KV head ``[
 (its new architecture) or per head; where the table's GEMM is not split-K, the GEMM and then
 ``rope_store``'s one launch), the one-launch decode attention,
 ``dense``, ``dense_h_to_4h`` with its activation in the epilogue (``HybridTwoLayerMLP.up``),
-``dense_4h_to_h``. In a parallel layer ``dense_h_to_4h`` does not wait for the attention: a
-CUDA graph recorded over the step runs the attention kernel on a second stream beside it
-(``decode_step.static_attention_beside``). The residual adds follow stock's order: sequential, ``x`` in ``dense``'s
-epilogue and ``h`` in ``dense_4h_to_h``'s; parallel, ``a`` and then ``x`` in ``dense_4h_to_h``'s
+``dense_4h_to_h``. In a parallel layer ``dense_h_to_4h`` does not wait for the attention and
+is launched right after it, before ``dense``: a CUDA graph recorded over the step runs the
+attention kernel on a second stream beside it (``decode_step.static_attention_beside``).
+The residual adds follow stock's order: sequential, ``x`` in ``dense``'s epilogue and ``h`` in
+``dense_4h_to_h``'s; parallel, ``a`` and then ``x`` in ``dense_4h_to_h``'s
 epilogue (each sum rounded), as stock's ``(mlp + a) + x`` adds the two small terms first
 (``x`` first would round twice at the residual stream's magnitude).
 

@@ -112,3 +112,118 @@ def test_on_the_gpu_the_attention_runs_on_a_second_stream_with_the_serial_bits(b
     torch._dynamo.reset()
     assert torch.equal(c_out, want_out) and torch.equal(c_up, want_up)
     assert int(base) == 2 + 5 + 3
+
+
+class _Stream:
+    """A stand-in CUDA stream that records the waits and which stream is current."""
+
+    current = None
+
+    def __init__(self, name, log):
+        self.name, self.log, self.cuda_stream = name, log, id(self)
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits {other.name}")
+
+
+def _fake_capture(monkeypatch, log):
+    import contextlib
+
+    main, side = _Stream("main", log), _Stream("side", log)
+    _Stream.current = main
+
+    @contextlib.contextmanager
+    def on(stream):
+        before, _Stream.current = _Stream.current, stream
+        try:
+            yield
+        finally:
+            _Stream.current = before
+
+    monkeypatch.setattr(fused_pieces, "_capturing", lambda q: True)
+    monkeypatch.setattr(fused_pieces, "_side_stream", lambda *a: side)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: main)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+
+
+@pytest.mark.parametrize("gemm_fails", [False, True], ids=["both-run", "the-gemm-raises"])
+def test_a_capture_forks_the_attention_onto_the_side_stream_and_always_joins(gemm_fails, monkeypatch):
+    """The capture branch's order, with stand-in streams (CPU): the side stream waits for the
+    main one, the attention runs on the side stream with scratch of its own per call and writes
+    the output the main stream allocated, the GEMM runs on the main stream, and the main stream
+    waits for the side one before anything is returned, or raised."""
+    from hybridgemm.kernels.process_memory import per_call
+
+    log = []
+    _fake_capture(monkeypatch, log)
+
+    def attend(q, keys, values, mask, scale, base, step, counters, softcap, into=None):
+        log.append(f"attention on {_Stream.current.name}, per call {per_call()}")
+        return into.fill_(7.0)
+
+    def gemm(x, *a):
+        log.append(f"gemm on {_Stream.current.name}")
+        if gemm_fails:
+            raise RuntimeError("the GEMM failed")
+        return x * 2
+
+    monkeypatch.setattr(fused_pieces, "_attend", attend)
+    monkeypatch.setattr(fused_pieces, "run_activated", gemm)
+    q, x = torch.zeros(1, 8), torch.ones(1, 1, 4)
+    call = lambda: fused_pieces._attend_beside(q, None, None, None, 1.0, None, 1, None, 0.0, x, None, None,  # noqa: E731
+                                               "gelu", None, False)
+    if gemm_fails:
+        with pytest.raises(RuntimeError, match="the GEMM failed"):
+            call()
+    else:
+        out, up = call()
+        assert torch.equal(out, torch.full((1, 8), 7.0)) and torch.equal(up, x * 2)
+    assert log == ["side waits main", "attention on side, per call True", "gemm on main", "main waits side"]
+
+
+def test_a_refused_attention_kernel_fills_the_given_output(monkeypatch):
+    """Where the kernel refuses (or fails to compile), the PyTorch form's result lands in the
+    output the caller passed (the one the capture branch returns), not in a tensor of its own."""
+    import warnings
+
+    def refuse(*a, **kw):
+        raise ValueError("refused")
+
+    monkeypatch.setattr(fused_pieces.forms.attention_kernel(), "decode_attention", refuse)
+    q, keys, values, mask, _, _, _ = _operands("cpu", torch.float32, 1, 4, 2, 16, 9, 8, 8, 3)
+    into = torch.full_like(q, float("nan"))
+    base = torch.tensor(9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = fused_pieces._attend(q, keys, values, mask, 0.25, base, 1, None, 0.0, into)
+    want = F.scaled_dot_product_attention(q.reshape(1, 4, 1, 16), keys.repeat_interleave(2, 1),
+                                          values.repeat_interleave(2, 1), attn_mask=mask, scale=0.25).reshape(1, -1)
+    assert got is into and torch.allclose(into, want) and int(base) == 10
+
+
+def test_the_custom_op_passes_opcheck():
+    """``hybridgemm::attend_beside_fwd``: schema (``base`` mutated), fake tensors and autograd
+    registration checked by torch.library.opcheck (the CPU form)."""
+    q, keys, values, mask, x, w, b = _operands("cpu", torch.float32, 1, 4, 2, 16, 9, 32, 24, 5)
+    torch.library.opcheck(torch.ops.hybridgemm.attend_beside_fwd,
+                          (q, keys, values, mask, 0.25, torch.tensor(9), 1, None, 0.0, x, w, b, "gelu", None, False))
+
+
+def test_activated_applies_the_activation_module_where_no_epilogue_activation_is_named():
+    """``mlp.activated`` with ``act`` None runs the child and then the activation module (no GEMM
+    spec: activated_gemm gives None); with an epilogue activation, the GEMM carries it."""
+    from torch import nn
+
+    from hybridgemm import HybridLinear
+    from hybridgemm.mlp import activated, activated_gemm
+
+    torch.manual_seed(0)
+    owner = nn.Module()
+    owner.fc = HybridLinear.from_linear(nn.Linear(32, 24))
+    x = torch.randn(3, 32)
+    want = F.gelu(x.double() @ owner.fc.weight.double().T + owner.fc.bias.double())
+    assert activated_gemm(owner, "fc", None) is None
+    torch.testing.assert_close(activated(owner, "fc", None, nn.GELU(), x).double(), want, rtol=1e-4, atol=1e-5)
+    assert activated_gemm(owner, "fc", "gelu") is not None
+    torch.testing.assert_close(activated(owner, "fc", "gelu", nn.Identity(), x).double(), want, rtol=1e-4, atol=1e-5)
