@@ -487,8 +487,7 @@ def _attend_beside(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None,
         return (_attend(q, keys, values, mask, scale, base, step, counters, softcap),
                 run_activated(x, weight, bias, activation, weight_scale, fp8_activations))
     main = torch.cuda.current_stream(q.device)
-    side = _side_stream(q.device.index if q.device.index is not None else torch.cuda.current_device(),
-                        main.cuda_stream)
+    side = _side_stream(main.device_index, main.cuda_stream)
     out = q.new_empty(q.shape)  # on the main stream, which reads it after the join
     side.wait_stream(main)  # q, the cache and base are written
     try:

@@ -120,7 +120,7 @@ class _Stream:
     current = None
 
     def __init__(self, name, log):
-        self.name, self.log, self.cuda_stream = name, log, id(self)
+        self.name, self.log, self.cuda_stream, self.device_index = name, log, id(self), 0
 
     def wait_stream(self, other):
         self.log.append(f"{self.name} waits {other.name}")
@@ -143,7 +143,6 @@ def _fake_capture(monkeypatch, log):
     monkeypatch.setattr(fused_pieces, "_capturing", lambda q: True)
     monkeypatch.setattr(fused_pieces, "_side_stream", lambda *a: side)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: main)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "stream", on)
 
 
