@@ -39,9 +39,10 @@ def torchrun(tmp_path, *args: str) -> subprocess.CompletedProcess:
             proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired as e:
             pytest.fail(f"bench_tp on two ranks did not finish within {RUN_TIMEOUT_S} s:\n{e.stderr}")
-        # One retry for a rank killed by C++'s std::terminate with no exception in flight (a
-        # thread torn down under it): seen once with torch 2.15's gloo on a CI machine, in none
-        # of a dozen reruns. Any other failure, or the same one twice, is reported.
+        # One retry for a rank killed by C++'s std::terminate with no exception in flight, which
+        # a C++ thread's destructor can call in the interpreter's teardown: a finished rank skips
+        # that teardown (bench_tp.exit_now), a rank that raised does not. Any other failure, or
+        # the same one twice, is reported.
         if proc.returncode == 0 or "terminate called without an active exception" not in proc.stderr or attempt:
             return proc
     return proc
@@ -181,6 +182,45 @@ def test_stock_compile_falls_back_to_graph_breaks_with_a_note(monkeypatch):
     seen.clear()
     res, _ = T.measure_variant_mode(run, "tp2_hybridgemm", "compiled_static", 1, None, None)
     assert isinstance(res, RuntimeError) and seen == [True]
+
+
+def test_a_finished_rank_exits_without_the_teardown(tmp_path):
+    """exit_now: the exit code kept, Python's exit handlers run, buffered output flushed, and no
+    interpreter teardown (a module global's ``__del__``, which the teardown runs, never runs);
+    the same script ending in ``sys.exit`` runs all of it."""
+    script = ("import atexit, os, sys\n"
+              "from hybridgemm.perf.bench_tp import exit_now\n"
+              "class Held:\n"
+              "    def __del__(self, mark=os.path.abspath('teardown'), open=open):\n"
+              "        open(mark, 'w').close()\n"
+              "held = Held()\n"
+              "atexit.register(lambda: open('handler', 'w').close())\n"
+              "sys.stdout.write('buffered, no newline')\n")
+    for ending, teardown in (("exit_now(3)", False), ("sys.exit(3)", True)):
+        where = tmp_path / ending[:-3]
+        where.mkdir()
+        (where / "rank.py").write_text(script + ending + "\n")
+        proc = subprocess.run([sys.executable, "rank.py"], cwd=where, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 3, proc.stderr
+        assert proc.stdout == "buffered, no newline"
+        assert (where / "handler").exists()
+        assert (where / "teardown").exists() == teardown, ending
+
+
+def test_the_module_run_as_a_script_ends_through_exit_now(tmp_path, no_torchrun_env):
+    """``python -m hybridgemm.perf.bench_tp`` returns main's status through exit_now: without a
+    torchrun environment it says how to launch and exits 2, and no teardown runs."""
+    (tmp_path / "run.py").write_text(
+        "import os, runpy, sys\n"
+        "class Held:\n"
+        "    def __del__(self, mark=os.path.abspath('teardown'), open=open):\n"
+        "        open(mark, 'w').close()\n"
+        "held = Held()\n"
+        "sys.argv = ['bench_tp', '--model', 'tiny', '--device', 'cpu']\n"
+        "runpy.run_module('hybridgemm.perf.bench_tp', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "run.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "torchrun" in proc.stderr, proc.stderr
+    assert not (tmp_path / "teardown").exists()
 
 
 # ----------------------------------------------------------------------------- command-line errors
