@@ -36,6 +36,7 @@ from hybridgemm.mlp import GLU_FUNCTIONS, activation_name
 
 from . import decide
 from .fp8_linear import runs_fp8_kernels
+from .fused_rows import replaced_class
 from .norm import prologue_norm
 
 
@@ -400,8 +401,10 @@ def why_not_experts(mod) -> tuple[str | None, str | None]:
 
 class HybridExperts(torch.nn.Module):
     """Stands in for a transformers experts module (its class is swapped in place; its
-    parameters stay): the routed experts by :func:`moe` (one custom op under torch.compile),
-    in PyTorch where autograd needs them or off CUDA."""
+    parameters stay): the routed experts by :func:`moe` (one custom op under torch.compile);
+    where the kernels do not run (autograd, off CUDA, weights of another dtype or layout), the
+    forward of the class it replaced (:meth:`unfused`); where they cannot compile for the GPU,
+    :func:`experts_loop` (:meth:`add_to`)."""
 
     glu_activation = "silu"
 
@@ -417,8 +420,8 @@ class HybridExperts(torch.nn.Module):
 
     def kernel_weights(self, x: Tensor, top_k_weights: Tensor) -> tuple | None:
         """``(w_gate_up, w_down)`` (:meth:`expert_weights`) where the MoE kernels run this call
-        (CUDA, x of the weights' dtype, no gradient wanted); None where :meth:`forward` runs the
-        PyTorch loop."""
+        (CUDA, x of the weights' dtype, no gradient wanted); None where :meth:`forward` runs
+        :meth:`unfused`."""
         if getattr(self, "_is_expert_parallel", False):
             raise RuntimeError(f"hybridgemm: {type(self).__name__} was patched, then sharded over ranks (expert "
                                "parallelism), which its kernels do not run; unpatch it (hybridgemm.unpatch) first")
@@ -432,9 +435,29 @@ class HybridExperts(torch.nn.Module):
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         weights = self.kernel_weights(hidden_states, top_k_weights)
         if weights is None:
-            gu, down = self.expert_weights(hidden_states.dtype)
-            return experts_loop(hidden_states, top_k_index, top_k_weights, gu, down, self.glu_activation)
+            return self.unfused(hidden_states, top_k_index, top_k_weights)
         return self.add_to(None, hidden_states, top_k_index, top_k_weights, weights)
+
+    def unfused(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """The experts where the kernels do not run: the forward of the transformers class
+        ``patch`` replaced, so the output and gradients are the unpatched module's (the same
+        operations on the same tensors), and torch.compile traces it as it traces that module
+        (the experts implementation its config names: ``grouped_mm``, traced in one graph,
+        ``batched_mm`` or the loop); :meth:`loop` for a module that no ``patch`` swapped."""
+        stock = replaced_class(self)
+        if stock is None:
+            return self.loop(hidden_states, top_k_index, top_k_weights)
+        return stock.forward(self, hidden_states, top_k_index, top_k_weights)
+
+    def loop(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """:func:`experts_loop` over :meth:`expert_weights`."""
+        gu, down = self.expert_weights(hidden_states.dtype)
+        return experts_loop(hidden_states, top_k_index, top_k_weights, gu, down, self.glu_activation)
+
+    def _apply_gate(self, gate_up: Tensor) -> Tensor:
+        # transformers' grouped_mm and batched_mm forwards call it on the module (patch takes
+        # only classes whose gate is transformers' default)
+        return replaced_class(self)._apply_gate(self, gate_up)
 
     def add_to(self, residual: Tensor | None, x: Tensor, top_k_index: Tensor, top_k_weights: Tensor, weights: tuple,
                norm: tuple | None = None) -> Tensor:

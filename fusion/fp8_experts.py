@@ -65,6 +65,11 @@ class HybridFP8Experts(HybridExperts):
                                                 _scale(self, "down_proj").detach(), self.glu_activation, norm_weight,
                                                 eps, residual)
 
+    def unfused(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """:meth:`loop`, over the weights dequantized to the activations' dtype (the class
+        ``patch`` replaced may hold these weights in another precision, or not read FP8 at all)."""
+        return self.loop(hidden_states, top_k_index, top_k_weights)
+
     def _apply(self, fn, *args, **kwargs):
         # e4m3 data and fp32 scales follow fn's device, never its dtype (module docstring)
         tensors = [t for p in PROJECTIONS for t in (self._parameters.get(p), _scale(self, p))]

@@ -93,6 +93,12 @@ def record(mod: nn.Module, rec: tuple) -> None:
     mod.__dict__.setdefault(UNDO_ATTR, []).append(rec)
 
 
+def replaced_class(mod: nn.Module) -> type | None:
+    """The class ``patch`` swapped out of ``mod`` (its ``("class", order, cls)`` record), None
+    where there is none."""
+    return next((rec[2] for rec in records(mod) if rec[0] == "class"), None)
+
+
 class _StackedParts(torch.autograd.Function):
     """The stacked tensor as a function of its parts: the forward hands out the stacked tensor
     (the parts' own storage, no copy); the backward gives each part its rows of the gradient."""

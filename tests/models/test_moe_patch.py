@@ -27,7 +27,7 @@ VOCAB = 97
 
 
 def _tiny(kind: str):
-    experts, top_k = {"mixtral": (4, 2), "qwen3_moe": (6, 3), "qwen2_moe": (6, 2)}[kind]
+    experts, top_k = {"mixtral": (4, 2), "qwen3_moe": (6, 3), "qwen2_moe": (6, 2), "olmoe": (6, 2)}[kind]
     return tiny_moe_lm(kind, VOCAB, 64, experts, top_k, head_dim=16)
 
 
@@ -44,7 +44,7 @@ def _ids():
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "qwen2_moe"])
-@pytest.mark.parametrize("kernels", [False, True], ids=["loop", "kernels"])
+@pytest.mark.parametrize("kernels", [False, True], ids=["unfused", "kernels"])
 def test_patched_moe_models_give_stock_logits(kind, kernels, monkeypatch):
     stock = _tiny(kind)
     model = copy.deepcopy(stock)
@@ -69,6 +69,78 @@ def test_patched_moe_models_give_stock_logits(kind, kernels, monkeypatch):
     assert all(type(m) is type(r) for m, r in zip(_experts_modules(model), _experts_modules(stock)))
     assert all(type(m) is type(r) and not m.__dict__.keys() - r.__dict__.keys()
                for m, r in zip(_routers(model), _routers(stock)))
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "olmoe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
+def test_experts_that_need_gradients_run_the_replaced_forward(kind, dtype, implementation):
+    """With autograd (or anywhere the kernels do not run) a patched experts module runs the
+    forward of the transformers class it replaced, in the experts implementation its config
+    names: the output and every gradient equal stock's bit for bit (in fp32 the PyTorch loop
+    over experts, :func:`~hybridgemm.experts.experts_loop`, gives other bits); the loop stays
+    within rounding. Stock's ``batched_mm`` in fp32 on the CPU gives other bits from one call to
+    the next (half of 20 repeated calls, 2026-12-06): there, within fp32 rounding."""
+    stock = _tiny(kind).to(dtype)
+    stock.set_experts_implementation(implementation)
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    assert model.config._experts_implementation == implementation
+    (ref,), (mod,) = _experts_modules(stock)[:1], _experts_modules(model)[:1]
+    assert type(mod) is HybridExperts
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(11, 64, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(mod.gate_up_proj.shape[0], generator=gen)[:2] for _ in range(11)])
+    routing = torch.rand(11, 2, generator=gen).to(dtype)
+    outs, grads = [], []
+    for m in (ref, mod):
+        xi, wi = x.clone().requires_grad_(), routing.clone().requires_grad_()
+        out = m(xi, ids, wi)
+        out.float().square().sum().backward()
+        outs.append(out)
+        grads.append([xi.grad, wi.grad, m.gate_up_proj.grad, m.down_proj.grad])
+    if implementation == "batched_mm" and dtype == torch.float32:
+        for got, want in zip([outs[1], *grads[1]], [outs[0], *grads[0]]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(outs[1], outs[0])
+        assert all(torch.equal(g, r) for g, r in zip(grads[1], grads[0]))
+    with torch.no_grad():
+        loop = experts.experts_loop(x, ids, routing, mod.gate_up_proj, mod.down_proj, mod.glu_activation)
+    torch.testing.assert_close(loop, outs[0].detach(), **({} if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)))
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("mixtral", torch.float32), ("olmoe", torch.float32),
+                                             ("qwen2_moe", torch.float32), ("mixtral", torch.bfloat16)],
+                         ids=["mixtral", "olmoe", "qwen2_moe", "mixtral-bf16"])
+def test_a_training_step_traces_in_one_graph_where_stock_does(kind, dtype):
+    """torch.compile(fullgraph=True) of a patched model's forward and backward (transformers'
+    grouped_mm experts: its fallback op in fp32, ``grouped_mm`` itself in bf16): its gradients
+    equal the stock model's eager ones (no graph break from the experts or the router)."""
+    stock = _tiny(kind).to(dtype)
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    grads = []
+    for m, compiled in ((stock, False), (stock, True), (model, True)):
+        m.train()
+        m.zero_grad()
+        fn = lambda ids, m=m: m(ids).logits  # noqa: E731
+        if compiled:
+            fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        try:
+            fn(_ids()).square().mean().backward()
+        except Exception as e:  # (Dynamo's Unsupported, or BackendCompilerFailed from AOTAutograd)
+            if m is stock and compiled:
+                pytest.skip(f"stock {kind} does not trace in one graph with transformers "
+                            f"{transformers.__version__}, torch {torch.__version__}: {str(e)[:80]}")
+            raise
+        finally:
+            torch._dynamo.reset()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    assert set(grads[2]) == set(grads[0]) and any("experts" in n for n in grads[0])
+    tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else dict(rtol=0.05, atol=2e-4)
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[2][n], g, **tol)
 
 
 def test_a_training_step_gives_stock_gradients():
