@@ -291,7 +291,8 @@ def _fused_linear_slow(x, weight, bias, activation, fast_key, mode: str):
 
 _SPLITK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FUSION_NAMES = {"norm": "norm", "residual": "residual", "rope": "rotary/KV-cache", "weight_scale": "FP8 weight",
-                 "glu": "GLU product", "residual_scale": "residual scale", "residual2": "second residual"}
+                 "glu": "GLU product", "residual_scale": "residual scale", "residual2": "second residual",
+                 "second": "second product"}
 
 
 def splitk_config(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -406,7 +407,9 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  keep_prologue: bool = False, **fusion) -> torch.Tensor | None:
     """``linear(x, weight, bias)`` with ``fusion`` (split-K's ``norm=(g, eps[, offset])``: a norm
     operand, norm.norm_operand; ``residual=``, ``rope=``; ``glu=`` an activation name: ``weight``
-    is a stacked [gate; up] and the result ``glu(gate) * up``, N / 2 wide) in one launch, where the decision for
+    is a stacked [gate; up] and the result ``glu(gate) * up``, N / 2 wide; ``second=(x2, weight2, bias2)``:
+    ``x2 @ weight2.T + bias2`` summed in, its K split in the same extent as the bare GEMM's
+    config splits K, weights of x's dtype) in one launch, where the decision for
     the bare GEMM is Triton split-K (or, with a
     fusion, the table holds a split-K candidate tied with its winner: :func:`fusable_splitk_config`);
     the norm in a launch of its own before it (``norm.prologue_norm``: one Triton launch, Llama's
@@ -476,6 +479,9 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     for name in ("residual", "residual2"):
         if name in fusion:
             fusion[name] = row_major(rows_2d(fusion[name]))
+    if "second" in fusion:
+        sx, sw, sb = fusion["second"]
+        fusion["second"] = (row_major(rows_2d(sx)), row_major(sw), contiguous_bias(sb))
     splitk = backends.get_backend("triton_splitk")
     try:
         splitk.run(config, x2, w2, b2, out, None, uses_tf32(x.dtype), counters=counters, **fusion)

@@ -4,7 +4,9 @@ projection the rotary embedding and the KV-cache write, and for a stacked gate/u
 GLU product (``run(norm=, residual=, rope=, glu=)``, the decoder-layer fusion of
 fusion/models/decoder_layer.py; ``glu`` serves e4m3 gate/up weights, which the gated kernel,
 kernels/triton_glu.py, does not read); for a mixture-of-experts router, its softmax-top-k
-routing (``run(route=)``, :func:`route_config`).
+routing (``run(route=)``, :func:`route_config`); a second product over its own K columns
+summed into the same output tiles (``run(second=)``: a parallel-residual layer's attention
+output and MLP down projections in one launch).
 
 At small M the GEMM is a stream over W (N x K): the kernel's only job is to keep enough
 bytes of W in flight on every SM. N alone gives too few tiles (70b qkv: 160 tiles of 64
@@ -36,6 +38,7 @@ must not be called while graphs captured with split-K calls exist.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -101,9 +104,10 @@ __all__ = [
 
 @triton.jit
 def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res_ptr, res2_ptr, cos_ptr, sin_ptr,
-                   kc_ptr, vc_ptr, base_ptr, qn_ptr, kn_ptr, sc_ptr, ids_ptr, rw_ptr, M, N, K, ldx, ldw, ldo,
-                   k_per_split, inv_k, eps, ldr, res_scale, ldr2, seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h,
-                   vc_s, q_cols, v_start, cache_len, rope_tiles, qk_eps, lds,
+                   kc_ptr, vc_ptr, base_ptr, qn_ptr, kn_ptr, sc_ptr, ids_ptr, rw_ptr, x2_ptr, w2_ptr, bias2_ptr,
+                   M, N, K, ldx, ldw, ldo, k_per_split, inv_k, eps, ldr, res_scale, ldr2, seq, cs_b, cs_s, kc_b, kc_h,
+                   kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len, rope_tiles, qk_eps, lds, K2, ldx2, ldw2,
+                   splits1,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
                    PREC: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
@@ -112,7 +116,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                    WINT: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr, NW_OFFSET: tl.constexpr,
                    GLU: tl.constexpr, PREFETCH: tl.constexpr, ROUTE: tl.constexpr, ROUTE_KP: tl.constexpr,
                    RENORMALIZE: tl.constexpr, FIXUP: tl.constexpr, ROT: tl.constexpr, QG: tl.constexpr,
-                   PAIRS: tl.constexpr, RES2: tl.constexpr):
+                   PAIRS: tl.constexpr, RES2: tl.constexpr, TWO: tl.constexpr, HAS_BIAS2: tl.constexpr):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -146,6 +150,9 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     # (see pdl_enabled()). PREFETCH (W elements
     # per row, 0 for none): before the wait, L2 is asked for the first of this program's W bytes
     # (triton_prefetch), which no earlier kernel writes.
+    # TWO: a second product x2 @ W2.T (K2 columns, its bias2 with HAS_BIAS2) summed into the same
+    # tiles: splits 0..splits1-1 cover x @ W.T, splits1.. cover x2 @ W2.T with the same K extent
+    # each, and the partials are added in split order as for one GEMM (never MODE 0).
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -163,7 +170,16 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
     rows_n = tl.where(n_ok, offs_n, 0)
     if QG != 0:
         rows_n = tl_grouped_rows(rows_n, q_cols, v_start, HD, QG)
-    k0 = pid_s * k_per_split
+    ks = pid_s
+    if TWO:  # a split of the second product: its operands, from its column 0 (selects, not branches)
+        second = pid_s >= splits1
+        x_ptr = tl.where(second, x2_ptr, x_ptr)
+        w_ptr = tl.where(second, w2_ptr, w_ptr)
+        ldx = tl.where(second, ldx2, ldx)
+        ldw = tl.where(second, ldw2, ldw)
+        K = tl.where(second, K2, K)
+        ks = tl.where(second, pid_s - splits1, pid_s)
+    k0 = ks * k_per_split
     k1 = tl.minimum(k0 + k_per_split, K)
     if PREFETCH:
         tl_prefetch_rows(w_ptr + rows_n * ldw + k0, tl.minimum(k1 - k0, PREFETCH))
@@ -226,6 +242,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                 bias_at = rows_n if QG != 0 else offs_n  # (a weight's grouped rows: their bias entries)
                 bias = tl.load(bias_ptr + bias_at, mask=n_ok, other=0.0).to(tl.float32)
                 acc = acc + bias[:, None]
+            if HAS_BIAS2:
+                acc = acc + tl.load(bias2_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             acc = tl_activation(acc, ACT)
             if ROPE:
                 acc = tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr, vc_ptr, base_ptr,
@@ -258,9 +276,10 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
 
 
 @triton.jit
-def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, res_ptr, res2_ptr, M, N, ldo, ldr, res_scale, ldr2, split_k, inv_k,
-                   eps, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
-                   RESIDUAL: tl.constexpr, RES_SCALED: tl.constexpr, PDL: tl.constexpr, RES2: tl.constexpr):
+def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, res_ptr, res2_ptr, bias2_ptr, M, N, ldo, ldr, res_scale, ldr2, split_k,
+                   inv_k, eps, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
+                   RESIDUAL: tl.constexpr, RES_SCALED: tl.constexpr, PDL: tl.constexpr, RES2: tl.constexpr,
+                   HAS_BIAS2: tl.constexpr):
     if PDL:
         gdc_wait()
     m = tl.program_id(1)
@@ -275,6 +294,8 @@ def _reduce_kernel(ws_ptr, bias_ptr, out_ptr, res_ptr, res2_ptr, M, N, ldo, ldr,
         acc = acc * tl_rstd(ss, inv_k, eps)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS2:
+        acc += tl.load(bias2_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     acc = tl_activation(acc, ACT)
     if RESIDUAL:
         acc = tl_add_residual(acc, res_ptr + m * ldr + offs, ok, out_ptr.dtype.element_ty, res_scale, RES_SCALED)
@@ -313,6 +334,9 @@ class Fusion:
     route: tuple | None = None
     residual2_ld: int | None = None  # a second residual added after the first (its row stride)
     residual2_aligned: bool = True
+    # a second product x2 @ W2.T (+ bias2) summed in: (K2, x2's and W2's row strides, has bias2,
+    # x2's, W2's and bias2's 16-byte alignment), what the kernel specialises on
+    second: tuple | None = None
 
 
 _NO_FUSION = Fusion()
@@ -332,6 +356,7 @@ _NO_FUSION = Fusion()
 #              q_norm, k_norm                    q_cols, v_start, cache_len, rope_tiles, qk_eps
 #   FP8        sc (W's scales)                   lds (block scales' row stride)
 #   ROUTE      ids, rw (the routing's outputs)
+#   SECOND     x2, w2, bias2                     K2, ldx2, ldw2, splits1
 #
 # A pointer the call does not use (no bias, no split, a fusion not asked for) gets a stand-in,
 # ``out`` (the workspace for the counters of a two-launch split): the constexprs (HAS_BIAS,
@@ -341,10 +366,11 @@ _NO_ROPE_SCALARS = (1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0)  # ROPE's scalar
 
 
 def _fusion_pointers(unused, norm: tuple | None = None, residual=None, rope: RotaryCache | None = None,
-                     weight_scale=None, route: tuple | None = None, residual2=None) -> tuple:
-    """The pointers of the NORM, RESIDUAL, ROPE, FP8 and ROUTE groups for a call's ``norm=(weight, eps[,
-    offset])``, ``residual`` and ``residual2``, ``rope``, ``weight_scale`` and ``route`` (``unused``
-    standing in for each one it does not take)."""
+                     weight_scale=None, route: tuple | None = None, residual2=None,
+                     second: tuple | None = None) -> tuple:
+    """The pointers of the NORM, RESIDUAL, ROPE, FP8, ROUTE and SECOND groups for a call's ``norm=(weight, eps[,
+    offset])``, ``residual`` and ``residual2``, ``rope``, ``weight_scale``, ``route`` and ``second``
+    (``unused`` standing in for each one it does not take)."""
     if rope is None:
         rope_ptrs = (unused,) * 7
     else:
@@ -353,7 +379,8 @@ def _fusion_pointers(unused, norm: tuple | None = None, residual=None, rope: Rot
         rope_ptrs = (rope.cos, rope.sin, *cache, *norms)
     return (unused if norm is None else norm[0], unused if residual is None else residual,
             unused if residual2 is None else residual2, *rope_ptrs,
-            unused if weight_scale is None else weight_scale, *((unused,) * 2 if route is None else route[:2]))
+            unused if weight_scale is None else weight_scale, *((unused,) * 2 if route is None else route[:2]),
+            *((unused,) * 3 if second is None else (second[0], second[1], unused if second[2] is None else second[2])))
 
 
 _FUSION_POINTERS = len(_fusion_pointers(None))  # what a call without fusions passes ``unused`` for
@@ -365,11 +392,12 @@ def _row_stride(t: torch.Tensor | None) -> int | None:
 
 def fusion_of(norm: tuple | None, residual: torch.Tensor | None, rope: RopeLayout | None = None,
               residual_scale: float | None = None, glu: str | None = None, route: tuple | None = None,
-              residual2: torch.Tensor | None = None) -> Fusion:
+              residual2: torch.Tensor | None = None, second: tuple | None = None) -> Fusion:
     """The :class:`Fusion` of a call's ``norm=(weight, eps[, offset])``, ``residual``,
-    ``residual_scale``, ``glu``, ``route=(ids, weights, renormalize)`` and ``residual2``
-    arguments and its checked rotary layout."""
-    if norm is None and residual is None and rope is None and glu is None and route is None and residual2 is None:
+    ``residual_scale``, ``glu``, ``route=(ids, weights, renormalize)``, ``residual2`` and
+    ``second=(x2, weight2, bias2)`` arguments and its checked rotary layout."""
+    if norm is None and residual is None and rope is None and glu is None and route is None and residual2 is None \
+            and second is None:
         return _NO_FUSION
     return Fusion(None if norm is None else float(norm[1]), norm is None or norm[0].data_ptr() % 16 == 0,
                   _row_stride(residual), residual is None or residual.data_ptr() % 16 == 0, rope,
@@ -378,7 +406,13 @@ def fusion_of(norm: tuple | None, residual: torch.Tensor | None, rope: RopeLayou
                   float(norm[2]) if norm is not None and len(norm) == 3 else 0.0, glu,
                   None if route is None else (route[0].shape[1], bool(route[2]), route[1].dtype,
                                               route[0].data_ptr() % 16 == 0, route[1].data_ptr() % 16 == 0),
-                  _row_stride(residual2), residual2 is None or residual2.data_ptr() % 16 == 0)
+                  _row_stride(residual2), residual2 is None or residual2.data_ptr() % 16 == 0,
+                  None if second is None else _second_key(*second))
+
+
+def _second_key(x2: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None) -> tuple:
+    return (x2.shape[1], _row_stride(x2), _row_stride(w2), b2 is not None, x2.data_ptr() % 16 == 0,
+            w2.data_ptr() % 16 == 0, b2 is None or b2.data_ptr() % 16 == 0)
 
 
 def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
@@ -388,15 +422,26 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
         return TritonPlan(x.device, empty=True)
     problem, facts = found
     m, n, k, split = problem.m, problem.n, problem.k, config.split_k
-    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, config.block_m))
-    mode = 0 if split == 1 else (2 if config.fused_reduce else 1)
+    blocks = weight_format == FORMAT_OF["block128"]  # each split starts on a 128-column scale block
+    extent = split_extent(k, max(config.block_k, fp8.BLOCK) if blocks else config.block_k, split)
+    second = fusion.second  # (_second_key) its splits follow x @ W.T's, of the same extent
+    if second is not None:
+        extent = max(extent, config.block_k)  # (K = 0: the second product's splits still cover K2)
+    splits = split if second is None else split + triton.cdiv(second[0], extent)
+    two = splits > split
+    grid = (triton.cdiv(n, config.block_n), splits, triton.cdiv(m, config.block_m))
+    # with a second product the splits' sums are added in one launch where the config has one
+    # split of its own (its two-launch reduction would be a launch more than the plain GEMM)
+    mode = 0 if splits == 1 else (2 if config.fused_reduce or (two and split == 1) else 1)
     pdl = pdl_enabled(facts.capability)
     launch_opts = dict(launch_pdl=True) if pdl else {}
     norm, residual, residual2 = fusion.norm_eps is not None, fusion.residual_ld is not None, \
         fusion.residual2_ld is not None
     rope = fusion.rope
-    blocks = weight_format == FORMAT_OF["block128"]  # each split starts on a 128-column scale block
-    extent = split_extent(k, max(config.block_k, fp8.BLOCK) if blocks else config.block_k, split)
+    prefetch = prefetch_elements(pdl, problem.align_w, problem.ldw, extent, problem.w_itemsize,
+                                 config.block_k * config.num_stages)
+    if two:  # (W2's rows start on 16 bytes too, or no prefetch)
+        prefetch *= bool(second[5]) and bool(prefetch_elements(pdl, 16, second[2], extent, problem.w_itemsize, 1))
     meta = dict(plan_meta(config, problem, act, bias is not None), MODE=mode, NORM=norm,
                 RESIDUAL=residual and mode != 1, ROPE=rope is not None, KV=rope is not None and rope.kv,
                 HD=rope.head_dim if rope is not None else 2, QK_NORM=rope is not None and rope.qk_norm,
@@ -405,14 +450,16 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
                 WSCALE=_WSCALE[weight_format],
                 WINT=bool(weight_format) and integer_conversion(x.dtype),
                 GLU=GLU_CODES[fusion.glu] if fusion.glu is not None else 0,
-                PREFETCH=prefetch_elements(pdl, problem.align_w, problem.ldw, extent, problem.w_itemsize,
-                                           config.block_k * config.num_stages),
+                PREFETCH=prefetch,
                 ROUTE=fusion.route[0] if fusion.route else 0,
                 ROUTE_KP=next_pow2(fusion.route[0]) if fusion.route else 1,
                 RENORMALIZE=bool(fusion.route and fusion.route[1]),
-                FIXUP=fixup_group(config.block_m, config.block_n, config.num_warps, split),
+                FIXUP=fixup_group(config.block_m, config.block_n, config.num_warps, splits),
                 ROT=(rope.rot or rope.head_dim) if rope is not None else 2, QG=rope.group if rope is not None else 0,
-                PAIRS=rope is not None and rope.pairs, RES2=residual2 and mode != 1, **launch_opts)
+                PAIRS=rope is not None and rope.pairs, RES2=residual2 and mode != 1, TWO=two,
+                HAS_BIAS2=two and second[3], **launch_opts)
+    if two and second[0] % config.block_k:
+        meta["EVEN_K"] = False
     # the integer groups (see "launch arguments")
     gemm_ints = (m, n, k, problem.ldx, problem.ldw, problem.ldo)
     split_ints = (extent,)
@@ -421,21 +468,23 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
                      1.0 if fusion.residual_scale is None else fusion.residual_scale,
                      fusion.residual2_ld if residual2 else problem.ldo)
     rope_ints = _NO_ROPE_SCALARS if rope is None else rope.scalars(config.block_n)
+    second_ints = (second[0], second[1], second[2], split) if two else (0, 0, 0, splits)
     reduce = None
     if mode == 1:
         block = min(1024, next_pow2(n))
         reduce = Launcher(_reduce_kernel, (triton.cdiv(n, block), m),
                           dict(BLOCK=block, HAS_BIAS=bias is not None, ACT=ACT_CODE[act], NORM=norm,
                                RESIDUAL=residual, RES_SCALED=fusion.residual_scale is not None, PDL=pdl,
-                               RES2=residual2, num_warps=4, **launch_opts))
+                               RES2=residual2, HAS_BIAS2=two and second[3], num_warps=4, **launch_opts))
     # the norm's sums of squares after the partials: [S, M] (MODE 1) or [tiles, S, BM] (MODE 2)
-    ss_numel = (split * m if mode == 1 else grid[0] * grid[2] * split * config.block_m) if norm and split > 1 else 0
+    ss_numel = (splits * m if mode == 1 else grid[0] * grid[2] * splits * config.block_m) if norm and splits > 1 else 0
     return TritonPlan(
         x.device, Launcher(_splitk_kernel, grid, meta),
-        scalars=gemm_ints + split_ints + norm_ints + residual_ints + rope_ints + (triton.cdiv(k, fp8.BLOCK),),
-        ws_numel=split * m * n + ss_numel if split > 1 else 0,
+        scalars=gemm_ints + split_ints + norm_ints + residual_ints + rope_ints + (triton.cdiv(k, fp8.BLOCK),)
+        + second_ints,
+        ws_numel=splits * m * n + ss_numel if splits > 1 else 0,
         counters=grid[0] * grid[2] if mode == 2 else 0,
-        reduce=reduce, reduce_scalars=(m, n, problem.ldo, *residual_ints, split, *norm_ints),
+        reduce=reduce, reduce_scalars=(m, n, problem.ldo, *residual_ints, splits, *norm_ints),
     )
 
 
@@ -462,6 +511,7 @@ def run(
     glu: str | None = None,
     route: tuple | None = None,
     residual2: torch.Tensor | None = None,
+    second: tuple | None = None,
 ) -> torch.Tensor:
     """``out[:] = act(rmsnorm(x) @ weight.T + bias) + residual`` with ``config``; returns ``out``.
 
@@ -492,7 +542,12 @@ def run(
     out's dtype (kernels/triton_router.py's routing); not with a residual, rope, glu, an
     activation or the two-launch reduction. ``residual2`` (like ``out``, with a ``residual`` and no
     ``residual_scale``): added to the rounded ``residual + linear(...)``, rounded again, as a
-    parallel-residual layer's ``(mlp + a) + x`` rounds it.
+    parallel-residual layer's ``(mlp + a) + x`` rounds it. ``second=(x2, weight2, bias2)`` (x's dtype;
+    x2 [M, K2], weight2 [N, K2], bias2 None or N): ``x2 @ weight2.T + bias2`` is added to the
+    product in fp32 before the bias, activation and residuals, in the same launch: its K is
+    split in ``config``'s extent per split after x @ weight.T's splits, and the sum taken in
+    split order as for one GEMM (a parallel-residual layer's attention output projection and
+    MLP down projection in one launch); not with a norm, rope, glu, route or an FP8 weight.
     Deterministic for a fixed config. ``tf32`` (fp32 inputs) allows TF32 tensor cores.
     Raises ValueError/TypeError naming the problem when operands or config do not fit.
     """
@@ -518,7 +573,9 @@ def run(
         _check_glu(config, glu, residual, rope, activation)
     if route is not None:
         _check_route(config, route, x, weight, out, residual, rope, glu, activation)
-    plan = _PLANS.plan((config, fusion_of(norm, residual, layout, residual_scale, glu, route, residual2),
+    if second is not None:
+        _check_second(config, second, x, out, norm, rope, glu, route, weight_format)
+    plan = _PLANS.plan((config, fusion_of(norm, residual, layout, residual_scale, glu, route, residual2, second),
                         weight_format), x, weight, bias, out, activation, tf32)
     if plan.empty:
         return out
@@ -528,9 +585,10 @@ def run(
     b = out if bias is None else bias  # the stand-in pointers: see "launch arguments"
     ws, cnt = plan_scratch(plan, out, counters)
     plan.launch(x, weight, b, out, ws, cnt,
-                *_fusion_pointers(out, norm, residual, rope, weight_scale, route, residual2), *plan.scalars)
+                *_fusion_pointers(out, norm, residual, rope, weight_scale, route, residual2, second), *plan.scalars)
     if plan.reduce is not None:
-        plan.reduce(ws, b, out, out if residual is None else residual, out if residual2 is None else residual2,
+        b2 = out if second is None or second[2] is None else second[2]
+        plan.reduce(ws, b, out, out if residual is None else residual, out if residual2 is None else residual2, b2,
                     *plan.reduce_scalars)
     return out
 
@@ -541,6 +599,20 @@ def _check_glu(config: TritonSplitKConfig, glu, residual, rope, activation) -> N
     if residual is not None or rope is not None or parse_activation(activation) != Activation.NONE:
         raise ValueError("triton_splitk: glu takes no residual, no rope and no activation")
     _check_single_pass(config, "glu")
+
+
+def _check_second(config: TritonSplitKConfig, second, x, out, norm, rope, glu, route, weight_format: str) -> None:
+    if not (isinstance(second, tuple) and len(second) == 3):
+        raise TypeError("triton_splitk: second must be (x2, weight2, bias2)")
+    x2, w2, b2 = second
+    if norm is not None or rope is not None or glu is not None or route is not None or weight_format:
+        raise ValueError("triton_splitk: second takes no norm, rope, glu, route or FP8 weight")
+    # the operand checks of x2 @ weight2.T + bias2 into out, and the config's tiles on that problem
+    # (its splits are counted in the first product's extent: _make_plan)
+    plan_problem(dataclasses.replace(config, split_k=1, fused_reduce=False), x2, w2, b2, out, Activation.NONE, False)
+    if x2.dtype != x.dtype or x2.shape[0] != x.shape[0]:
+        raise ValueError(f"triton_splitk: second's x2 {tuple(x2.shape)} {x2.dtype} must have x's "
+                         f"{x.shape[0]} rows and dtype {x.dtype}")
 
 
 def _check_single_pass(config: TritonSplitKConfig, what: str) -> None:
@@ -631,6 +703,6 @@ def bind(config: TritonSplitKConfig, x: torch.Tensor, weight: torch.Tensor, bias
         cntp = wsp if cnt is None else cnt.data_ptr()
         main(dev, xp, wp, bp or op, op, wsp, cntp, gp or op, rp or op, r2p or op, *(op,) * rest, *scalars)
         if reduce is not None:
-            reduce(dev, wsp, bp or op, op, rp or op, r2p or op, *reduce_scalars)
+            reduce(dev, wsp, bp or op, op, rp or op, r2p or op, op, *reduce_scalars)
 
     return launch_split

@@ -61,6 +61,7 @@ from .fused_pieces import (
     norm_linear,
     norm_rope_qkv,
     normed,
+    pair_residual,
     qk_rope_store,
     rope_qkv,
     rotate_store,
@@ -360,6 +361,19 @@ def project_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor |
         y = _partial_sum_add(proj, x, residual, counters)
         return y if residual2 is None else y + residual2
     return linear_residual(x, proj.weight, proj.bias, residual, counters, scale, residual_scale, residual2)
+
+
+def project_pair_add(proj: nn.Module, x: Tensor, proj2: nn.Module, x2: Tensor, residual: Tensor,
+                     counters: Tensor | None) -> Tensor:
+    """``(proj(x) + proj2(x2)) + residual`` for a parallel-residual layer's down (``proj``) and
+    O (``proj2``) projections: both GEMMs in one launch under torch.compile where their weights
+    are of x's dtype and neither is row-parallel (``fused_pieces.pair_residual``), else
+    :func:`project` of ``proj2`` then :func:`project_add` of ``proj`` with the residual second,
+    each sum rounded as stock's ``(mlp + a) + x``."""
+    if isinstance(proj, PartialSumLinear) or isinstance(proj2, PartialSumLinear) \
+            or weight_scale_of(proj) is not None or weight_scale_of(proj2) is not None:
+        return project_add(proj, x, project(proj2, x2, counters), counters, residual2=residual)
+    return pair_residual(x, proj.weight, proj.bias, x2, proj2.weight, proj2.bias, residual, counters)
 
 
 def _partial_sum_add(proj: PartialSumLinear, x: Tensor, residual: Tensor, counters: Tensor | None) -> Tensor:

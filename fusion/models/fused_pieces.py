@@ -12,6 +12,8 @@
 * :func:`attend`: one token per sequence over a static cache in one launch (GQA without the
   expanded copies, the boolean mask read as it is, the cache length updated);
 * :func:`linear_residual`: O and down with the residual added in the epilogue;
+* :func:`pair_residual`: a parallel-residual layer's O and down in one GEMM over both K
+  sources (compiled regions), the residual added in its epilogue;
 * :func:`gated_norm`: gate/up normalising h on load, the GLU product in the epilogue.
 
 Every GEMM is decided and launched by the dispatcher (``dispatch.fused_splitk`` for the
@@ -177,6 +179,49 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Te
         raise ValueError("linear_residual: residual2 comes with a residual and no residual_scale")
     return _compiled(torch.ops.hybridgemm.linear_residual_fwd, _linear_residual, x, weight, bias, residual, counters,
                      scale, None if residual_scale is None else float(residual_scale), residual2)
+
+
+def _pair_apart(x: Tensor, weight: Tensor, bias: Tensor | None, x2: Tensor, weight2: Tensor, bias2: Tensor | None,
+                residual: Tensor, counters: Tensor | None = None) -> Tensor:
+    """``((x2 W2^T + b2) + (x W^T + b)) + residual`` in two launches, each sum rounded as stock's
+    parallel layer rounds ``(mlp + a) + x``."""
+    a = _linear_residual(x2, weight2, bias2, None, counters)
+    return _linear_residual(x, weight, bias, a, counters, residual2=residual)
+
+
+def _pair_residual(x: Tensor, weight: Tensor, bias: Tensor | None, x2: Tensor, weight2: Tensor, bias2: Tensor | None,
+                   residual: Tensor, counters: Tensor | None = None) -> Tensor:
+    y = None
+    if weight.dtype == x.dtype and weight2.dtype == x.dtype == x2.dtype:  # (an FP8 weight: the two apart)
+        y = dispatch.fused_splitk(x, weight, bias, counters, residual=residual, second=(x2, weight2, bias2))
+    return _pair_apart(x, weight, bias, x2, weight2, bias2, residual, counters) if y is None else y
+
+
+@torch.library.custom_op("hybridgemm::pair_residual_fwd", mutates_args=())
+def pair_residual_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, x2: Tensor, weight2: Tensor,
+                      bias2: Tensor | None, residual: Tensor, counters: Tensor | None = None) -> Tensor:
+    with per_call_scratch():
+        return _pair_residual(x, weight, bias, x2, weight2, bias2, residual, counters).contiguous()
+
+
+@pair_residual_fwd.register_fake
+def _pair_residual_fake(x, weight, bias, x2, weight2, bias2, residual, counters=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def pair_residual(x: Tensor, weight: Tensor, bias: Tensor | None, x2: Tensor, weight2: Tensor, bias2: Tensor | None,
+                  residual: Tensor, counters: Tensor | None = None) -> Tensor:
+    """``(linear(x, weight, bias) + linear(x2, weight2, bias2)) + residual`` (weights of x's
+    dtype): a parallel-residual layer's down and O projections and its residual. Under
+    torch.compile one split-K launch where the table runs split-K for the first GEMM (its config,
+    the second product's K split in the same extent after it: ``triton_splitk.run(second=)``),
+    both products and biases summed in fp32 and rounded once before the residual; a CUDA graph
+    replays the step, so one launch fewer is GPU time saved. Eager calls (host-bound: each of the
+    two GEMMs takes a bound launch from the second call on, which the one launch has not) and any
+    call the launch does not take run the two GEMMs apart with stock's roundings:
+    ``(x W^T + b) + (x2 W2^T + b2)`` rounded, plus the residual, rounded."""
+    return _compiled(torch.ops.hybridgemm.pair_residual_fwd, _pair_apart, x, weight, bias, x2, weight2, bias2,
+                     residual, counters)
 
 
 _gated_norm_eager = functools.partial(_gated_norm, keep_prologue=True)  # (as _norm_linear_eager)
@@ -536,4 +581,4 @@ def attend_beside(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, 
 
 
 __all__ = ["attend", "attend_beside", "gated_norm", "linear_residual", "norm_linear", "norm_rope_qkv", "normed",
-           "qk_rope_store", "rope_qkv", "rope_store", "rotate_store"]
+           "pair_residual", "qk_rope_store", "rope_qkv", "rope_store", "rotate_store"]

@@ -26,9 +26,11 @@ Falcon's ``[q | k | v]`` with one KV head (multi-query), grouped per KV head ``[
 is launched right after it, before ``dense``: a CUDA graph recorded over the step runs the
 attention kernel on a second stream beside it (``decode_step.static_attention_beside``).
 The residual adds follow stock's order: sequential, ``x`` in ``dense``'s epilogue and ``h`` in
-``dense_4h_to_h``'s; parallel, ``a`` and then ``x`` in ``dense_4h_to_h``'s
-epilogue (each sum rounded), as stock's ``(mlp + a) + x`` adds the two small terms first
-(``x`` first would round twice at the residual stream's magnitude).
+``dense_4h_to_h``'s; parallel, ``mlp + a`` and then ``x``, as stock's ``(mlp + a) + x`` adds
+the two small terms first (``x`` first would round twice at the residual stream's magnitude):
+under torch.compile ``dense`` and ``dense_4h_to_h`` are one split-K launch over both K sources,
+``mlp + a`` summed in fp32 and ``x`` added in its epilogue; eager, ``a`` and then ``x`` in
+``dense_4h_to_h``'s epilogue, each sum rounded (``decode_step.project_pair_add``).
 
 Calls of up to ``decode_checks.DECODE_ROWS`` rows over a static cache that
 ``decode_checks.kv_slot`` accepts take the step (decode, or a short chunk appended to a filled
@@ -298,8 +300,7 @@ def layer_step(layer: nn.Module, x: Tensor, call: StepCall, kwargs: dict, counte
     else:
         o = decode_step.static_attention(attn, slot, n, None, qkv, kwargs, counters)
     if parallel:  # (mlp + a) + x, as stock adds it: the small terms first
-        a = decode_step.project(dense, o, counters)
-        y = decode_step.project_add(down, mlp.up(mlp_in) if up is None else g, a, counters, residual2=x)
+        y = decode_step.project_pair_add(down, mlp.up(mlp_in) if up is None else g, dense, o, x, counters)
     else:
         h = decode_step.project_add(dense, o, x, counters)
         y = decode_step.project_add(down, mlp.up(layer_norm(layer._modules[mlp_norm], h)), h, counters)

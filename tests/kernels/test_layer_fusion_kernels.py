@@ -292,7 +292,7 @@ floats = {"inv_k", "eps", "res_scale", "qk_eps"}
 consts = dict(BM=16, BN=64, BK=256, MODE=2, HAS_BIAS=False, ACT=0, PREC="tf32", EVEN_K=True, NORM=True, RESIDUAL=False,
               ROPE=False, KV=False, HD=2, PDL=True, QK_NORM=False, RES_SCALED=False, WSCALE=0, WINT=False,
               QK_FACTOR=False, QK_OFFSET=0.0, NW_OFFSET=1.0, GLU=0, PREFETCH=0, ROUTE=0, ROUTE_KP=1, RENORMALIZE=False,
-              FIXUP=ts.fixup_group(16, 64, 4, 2), ROT=2, QG=0, PAIRS=False, RES2=False)
+              FIXUP=ts.fixup_group(16, 64, 4, 2), ROT=2, QG=0, PAIRS=False, RES2=False, TWO=False, HAS_BIAS2=False)
 sig = {}
 for n in fn.arg_names:
     sig[n] = "constexpr" if n in consts else ptr.get(n, "fp32" if n in floats else "i32")

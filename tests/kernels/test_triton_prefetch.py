@@ -68,7 +68,8 @@ split = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*b
 consts = dict(BM=16, BN=64, BK=256, MODE=2, HAS_BIAS=False, ACT=0, PREC="tf32", EVEN_K=True, NORM=False,
               RESIDUAL=True, ROPE=False, KV=False, HD=2, PDL=True, QK_NORM=False, RES_SCALED=False, WSCALE=0,
               WINT=False, QK_FACTOR=False, QK_OFFSET=0.0, NW_OFFSET=0.0, GLU=0, PREFETCH=1024, ROUTE=0, ROUTE_KP=1,
-              RENORMALIZE=False, FIXUP=ts.fixup_group(16, 64, 4, 2), ROT=2, QG=0, PAIRS=False, RES2=False)
+              RENORMALIZE=False, FIXUP=ts.fixup_group(16, 64, 4, 2), ROT=2, QG=0, PAIRS=False, RES2=False, TWO=False,
+              HAS_BIAS2=False)
 floats = ("inv_k", "eps", "res_scale", "qk_eps")
 for w, extra in (("*bf16", {}), ("*fp8e4nv", dict(BM=1, WSCALE=1, WINT=True, MODE=0, RESIDUAL=False,
                                                     GLU=tg.ACTIVATIONS["silu"]))):

@@ -167,7 +167,7 @@ for m, e, hidden, k in ((1, 128, 2048, 8), (8, 8, 4096, 2), (16, 60, 2048, 4)):
                   QK_NORM=False, RES_SCALED=False, WSCALE=0, WINT=False, QK_FACTOR=False, QK_OFFSET=0.0,
                   NW_OFFSET=0.0, GLU=0, PREFETCH=0, ROUTE=k, ROUTE_KP=triton.next_power_of_2(k), RENORMALIZE=True,
                   FIXUP=ts.fixup_group(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.split_k), ROT=2, QG=0, PAIRS=False,
-                  RES2=False)
+                  RES2=False, TWO=False, HAS_BIAS2=False)
     floats = ("inv_k", "eps", "res_scale", "qk_eps")
     sig = {n: "constexpr" if n in consts else ptr.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),

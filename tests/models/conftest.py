@@ -19,9 +19,9 @@ def kernels_on_cpu(monkeypatch):
     """The fused decode path on CPU tensors (Triton interpreter) with split-K config
     ``state["config"]``, its norm prologue fused where ``state["prologue"]`` (the tests' small
     configs are not the shape ``triton_splitk.prologue_fits`` takes on a GPU); counts the split-K
-    calls that carry a rope (``state["rope"]``), a norm (``state["norm"]``) and arrival counters
-    (``state["counters"]``)."""
-    state = {"config": HEAD_WIDE_FUSED_REDUCE, "prologue": True, "rope": 0, "norm": 0, "counters": 0}
+    calls that carry a rope (``state["rope"]``), a norm (``state["norm"]``), arrival counters
+    (``state["counters"]``) and a second product (``state["second"]``)."""
+    state = {"config": HEAD_WIDE_FUSED_REDUCE, "prologue": True, "rope": 0, "norm": 0, "counters": 0, "second": 0}
     monkeypatch.setattr(checks, "on_kernel_device", lambda x: True)
     monkeypatch.setattr(dispatch, "splitk_config", lambda x2, w, b, out, weight_format="": state["config"])
     monkeypatch.setattr(triton_splitk, "prologue_fits", lambda config, itemsize: state["prologue"])
@@ -31,6 +31,7 @@ def kernels_on_cpu(monkeypatch):
         state["rope"] += rope is not None
         state["norm"] += kw.get("norm") is not None
         state["counters"] += counters is not None
+        state["second"] += kw.get("second") is not None
         return real_run(cfg, *a, rope=rope, counters=counters, **kw)
 
     monkeypatch.setattr(triton_splitk, "run", run)

@@ -17,7 +17,7 @@ import torch
 import hybridgemm
 from helpers import assert_static_decode_matches, greedy_static_decode
 from hybridgemm.kernels import triton_qk_rope as tqr
-from hybridgemm.models import attention_forms, decode_step, fused_pieces, layernorm_layers, legacy_falcon
+from hybridgemm.models import attention_forms, fused_pieces, layernorm_layers, legacy_falcon
 from hybridgemm.models import decode_checks as checks
 from hybridgemm.perf import e2e_models as hf
 
@@ -88,32 +88,58 @@ def test_gpt_neox_layers_decode_as_stock_does(parallel, rotary, bias, batch, att
 
 
 def test_gpt_neox_parallel_layers_add_the_attention_then_x_in_dense_4h_to_h(kernels_on_cpu, monkeypatch):
-    """``(mlp + a) + x`` as stock rounds it: dense_4h_to_h's GEMM gets the attention's output
-    as its first residual and the layer's input as its second (tiny fp32 models cannot show the
-    order in their logits; tests/kernels/test_layer_fusion_kernels.py pins the roundings)."""
+    """Eager, ``(mlp + a) + x`` as stock rounds it: dense_4h_to_h's GEMM gets the attention's
+    output (dense's GEMM) as its first residual and the layer's input as its second (tiny fp32
+    models cannot show the order in their logits; tests/kernels/test_layer_fusion_kernels.py pins
+    the roundings)."""
     stock = _tiny(use_parallel_residual=True)
     model = _patched(stock)
     seen, adds = {}, []
-    real_step, real_project, real_add = layernorm_layers.layer_step, decode_step.project, decode_step.project_add
+    real_step, real_gemm = layernorm_layers.layer_step, fused_pieces._linear_residual
 
     def step(layer, x, *args):
         seen["x"] = x
         return real_step(layer, x, *args)
 
-    def project(proj, x, counters):
-        seen["a"] = a = real_project(proj, x, counters)
-        return a
-
-    def add(proj, x, residual, counters, residual_scale=None, residual2=None):
-        adds.append((proj, residual is seen.get("a"), residual2 is seen.get("x")))
-        return real_add(proj, x, residual, counters, residual_scale, residual2)
+    def gemm(x, weight, bias, residual, *args, residual2=None):
+        y = real_gemm(x, weight, bias, residual, *args, residual2=residual2)
+        adds.append((weight, residual is not None and residual is seen.get("a"),
+                     residual2 is not None and residual2 is seen.get("x")))
+        seen["a"] = y
+        return y
 
     monkeypatch.setattr(layernorm_layers, "layer_step", step)
-    monkeypatch.setattr(decode_step, "project", project)
-    monkeypatch.setattr(decode_step, "project_add", add)
+    monkeypatch.setattr(fused_pieces, "_linear_residual", gemm)
     _compare(model, stock, steps=2, batch=1)
-    downs = {id(layer.mlp.dense_4h_to_h) for layer in model.gpt_neox.layers}
-    assert adds and all(id(proj) in downs and first and second for proj, first, second in adds), adds
+    layers = model.gpt_neox.layers
+    dense, down = [{id(w) for w in ws} for ws in zip(*((la.attention.dense.weight, la.mlp.dense_4h_to_h.weight)
+                                                       for la in layers))]
+    assert len(adds) == 2 * 2 * 2  # dense then dense_4h_to_h, each layer, each new token
+    assert all(id(w) in dense and not first and not second for w, first, second in adds[0::2]), adds
+    assert all(id(w) in down and first and second for w, first, second in adds[1::2]), adds
+    assert kernels_on_cpu["second"] == 0
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "falcon"])
+def test_parallel_layers_compiled_take_dense_and_dense_4h_to_h_in_one_launch(family, kernels_on_cpu, monkeypatch):
+    """The pieces as torch.compile calls them (each custom op, no Dynamo): a parallel layer's
+    dense and dense_4h_to_h are one split-K launch with the attention's output as its second
+    product (GPT-NeoX with biases, Falcon's multi-query layer without), logits and caches as the
+    unpatched model's; the pieces' eager bodies, as eager calls run them, take none."""
+    if family == "falcon":
+        if not _falcon_form_taken():
+            pytest.skip(f"transformers {transformers.__version__}: its Falcon attention is another form")
+        stock = _falcon(multi_query=True, parallel_attn=True, bias=False)
+        model = copy.deepcopy(stock)
+        assert hybridgemm.patch(model).fused_layers == FALCON_LAYERS
+    else:
+        stock = _tiny(use_parallel_residual=True, attention_bias=True)
+        model = _patched(stock)
+    _compare(model, stock, steps=2, batch=2)
+    assert kernels_on_cpu["second"] == 0
+    monkeypatch.setattr(fused_pieces, "_compiled", lambda op, eager, *args: op(*args))
+    _compare(model, stock, steps=2, batch=2)
+    assert kernels_on_cpu["second"] == 2 * 2  # each layer, each new token
 
 
 @pytest.mark.parametrize("rotary", [0.25, 1.0])
