@@ -457,7 +457,7 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
                 FIXUP=fixup_group(config.block_m, config.block_n, config.num_warps, splits),
                 ROT=(rope.rot or rope.head_dim) if rope is not None else 2, QG=rope.group if rope is not None else 0,
                 PAIRS=rope is not None and rope.pairs, RES2=residual2 and mode != 1, TWO=two,
-                HAS_BIAS2=two and second[3], **launch_opts)
+                HAS_BIAS2=second is not None and second[3], **launch_opts)
     if two and second[0] % config.block_k:
         meta["EVEN_K"] = False
     # the integer groups (see "launch arguments")
@@ -475,7 +475,8 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
         reduce = Launcher(_reduce_kernel, (triton.cdiv(n, block), m),
                           dict(BLOCK=block, HAS_BIAS=bias is not None, ACT=ACT_CODE[act], NORM=norm,
                                RESIDUAL=residual, RES_SCALED=fusion.residual_scale is not None, PDL=pdl,
-                               RES2=residual2, HAS_BIAS2=two and second[3], num_warps=4, **launch_opts))
+                               RES2=residual2, HAS_BIAS2=second is not None and second[3], num_warps=4,
+                               **launch_opts))
     # the norm's sums of squares after the partials: [S, M] (MODE 1) or [tiles, S, BM] (MODE 2)
     ss_numel = (splits * m if mode == 1 else grid[0] * grid[2] * splits * config.block_m) if norm and splits > 1 else 0
     return TritonPlan(
@@ -574,7 +575,7 @@ def run(
     if route is not None:
         _check_route(config, route, x, weight, out, residual, rope, glu, activation)
     if second is not None:
-        _check_second(config, second, x, out, norm, rope, glu, route, weight_format)
+        _check_second(config, second, out, norm, rope, glu, route, weight_format)
     plan = _PLANS.plan((config, fusion_of(norm, residual, layout, residual_scale, glu, route, residual2, second),
                         weight_format), x, weight, bias, out, activation, tf32)
     if plan.empty:
@@ -601,7 +602,7 @@ def _check_glu(config: TritonSplitKConfig, glu, residual, rope, activation) -> N
     _check_single_pass(config, "glu")
 
 
-def _check_second(config: TritonSplitKConfig, second, x, out, norm, rope, glu, route, weight_format: str) -> None:
+def _check_second(config: TritonSplitKConfig, second, out, norm, rope, glu, route, weight_format: str) -> None:
     if not (isinstance(second, tuple) and len(second) == 3):
         raise TypeError("triton_splitk: second must be (x2, weight2, bias2)")
     x2, w2, b2 = second
@@ -609,10 +610,8 @@ def _check_second(config: TritonSplitKConfig, second, x, out, norm, rope, glu, r
         raise ValueError("triton_splitk: second takes no norm, rope, glu, route or FP8 weight")
     # the operand checks of x2 @ weight2.T + bias2 into out, and the config's tiles on that problem
     # (its splits are counted in the first product's extent: _make_plan)
+    # (out has x's rows and dtype: so has x2 once these pass)
     plan_problem(dataclasses.replace(config, split_k=1, fused_reduce=False), x2, w2, b2, out, Activation.NONE, False)
-    if x2.dtype != x.dtype or x2.shape[0] != x.shape[0]:
-        raise ValueError(f"triton_splitk: second's x2 {tuple(x2.shape)} {x2.dtype} must have x's "
-                         f"{x.shape[0]} rows and dtype {x.dtype}")
 
 
 def _check_single_pass(config: TritonSplitKConfig, what: str) -> None:

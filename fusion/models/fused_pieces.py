@@ -213,7 +213,8 @@ def pair_residual(x: Tensor, weight: Tensor, bias: Tensor | None, x2: Tensor, we
                   residual: Tensor, counters: Tensor | None = None) -> Tensor:
     """``(linear(x, weight, bias) + linear(x2, weight2, bias2)) + residual`` (weights of x's
     dtype): a parallel-residual layer's down and O projections and its residual. Under
-    torch.compile one split-K launch where the table runs split-K for the first GEMM (its config,
+    torch.compile one split-K launch (and its reduce kernel where the config reduces in a second
+    launch) where the table runs split-K for the first GEMM (its config,
     the second product's K split in the same extent after it: ``triton_splitk.run(second=)``),
     both products and biases summed in fp32 and rounded once before the residual; a CUDA graph
     replays the step, so one launch fewer is GPU time saved. Eager calls (host-bound: each of the

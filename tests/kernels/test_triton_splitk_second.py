@@ -1,8 +1,8 @@
 """Triton split-K with a second product summed into the same launch (``run(second=)``): a
 parallel-residual layer's ``dense(o) + dense_4h_to_h(g)`` in one GEMM over two K sources.
 
-Runs under the Triton interpreter on a CPU machine (fp16/fp32); bf16 on the GPU
-(tests/models/test_parallel_pair_gpu.py).
+Runs under the Triton interpreter on a CPU machine (fp16/fp32); bf16 on the GPU (the ``gpu``
+test at the end).
 """
 
 from __future__ import annotations
@@ -119,6 +119,21 @@ def test_padded_rows_and_a_second_of_another_k_take_their_own_plans(device):
         out = ts.run(FUSED, x, w, b, poisoned((m, n), dtype, device), None, second=(x2, w2, b2))
         ref = _reference(x, w, b, x2, w2, b2)
         assert rel_err(out, ref) <= 2 * rel_err(_same_dtype(x, w, b, x2, w2, b2), ref) + EPS[dtype]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_ids)
+def test_many_more_splits_of_the_second_product_and_an_empty_one(cfg, device):
+    """A second product of 13x the first's K (more splits than one fixup group gathers at a time:
+    triton_scratch.TL_MAX_FIXUP_GROUP), and one of no columns at all, whose bias still adds."""
+    torch.manual_seed(11)
+    m, n, dtype = 3, 40, torch.float32
+    x, w, b = operands(m, n, 48, dtype, device)
+    for k2 in (13 * 48, 0):
+        x2, w2, b2 = operands(m, n, k2, dtype, device)
+        out = ts.run(cfg, x, w, b, poisoned((m, n), dtype, device), None, second=(x2, w2, b2))
+        ref = _reference(x, w, b, x2, w2, b2)
+        assert rel_err(out, ref) <= 2 * rel_err(_same_dtype(x, w, b, x2, w2, b2), ref) + EPS[dtype], k2
+    assert_counters_zero()
 
 
 def test_bad_second_operands_are_refused_by_name():
