@@ -440,8 +440,8 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
     rope = fusion.rope
     prefetch = prefetch_elements(pdl, problem.align_w, problem.ldw, extent, problem.w_itemsize,
                                  config.block_k * config.num_stages)
-    if two:  # (W2's rows start on 16 bytes too, or no prefetch)
-        prefetch *= bool(second[5]) and bool(prefetch_elements(pdl, 16, second[2], extent, problem.w_itemsize, 1))
+    if two and not (second[5] and prefetch_elements(pdl, 16, second[2], extent, problem.w_itemsize, 1)):
+        prefetch = 0  # (W2's rows must start on 16 bytes too)
     meta = dict(plan_meta(config, problem, act, bias is not None), MODE=mode, NORM=norm,
                 RESIDUAL=residual and mode != 1, ROPE=rope is not None, KV=rope is not None and rope.kv,
                 HD=rope.head_dim if rope is not None else 2, QK_NORM=rope is not None and rope.qk_norm,

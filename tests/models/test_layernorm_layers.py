@@ -111,9 +111,8 @@ def test_gpt_neox_parallel_layers_add_the_attention_then_x_in_dense_4h_to_h(kern
     monkeypatch.setattr(layernorm_layers, "layer_step", step)
     monkeypatch.setattr(fused_pieces, "_linear_residual", gemm)
     _compare(model, stock, steps=2, batch=1)
-    layers = model.gpt_neox.layers
-    dense, down = [{id(w) for w in ws} for ws in zip(*((la.attention.dense.weight, la.mlp.dense_4h_to_h.weight)
-                                                       for la in layers))]
+    dense = {id(layer.attention.dense.weight) for layer in model.gpt_neox.layers}
+    down = {id(layer.mlp.dense_4h_to_h.weight) for layer in model.gpt_neox.layers}
     assert len(adds) == 2 * 2 * 2  # dense then dense_4h_to_h, each layer, each new token
     assert all(id(w) in dense and not first and not second for w, first, second in adds[0::2]), adds
     assert all(id(w) in down and first and second for w, first, second in adds[1::2]), adds
