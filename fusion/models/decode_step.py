@@ -364,16 +364,18 @@ def project_add(proj: nn.Module, x: Tensor, residual: Tensor, counters: Tensor |
 
 
 def project_pair_add(proj: nn.Module, x: Tensor, proj2: nn.Module, x2: Tensor, residual: Tensor,
-                     counters: Tensor | None) -> Tensor:
+                     counters: Tensor | None, residual_first: bool = False) -> Tensor:
     """``(proj(x) + proj2(x2)) + residual`` for a parallel-residual layer's down (``proj``) and
     O (``proj2``) projections: both GEMMs in one launch under torch.compile where their weights
-    are of x's dtype and neither is row-parallel (``fused_pieces.pair_residual``), else
-    :func:`project` of ``proj2`` then :func:`project_add` of ``proj`` with the residual second,
-    each sum rounded as stock's ``(mlp + a) + x``."""
+    are of x's dtype and neither is row-parallel (``fused_pieces.pair_residual``), else apart,
+    each sum rounded as stock's: ``(mlp + a) + x`` (GPT-NeoX, Falcon), or with
+    ``residual_first`` ``(x + a) + mlp`` (Cohere, StableLM)."""
     if isinstance(proj, PartialSumLinear) or isinstance(proj2, PartialSumLinear) \
             or weight_scale_of(proj) is not None or weight_scale_of(proj2) is not None:
+        if residual_first:
+            return project_add(proj, x, project_add(proj2, x2, residual, counters), counters)
         return project_add(proj, x, project(proj2, x2, counters), counters, residual2=residual)
-    return pair_residual(x, proj.weight, proj.bias, x2, proj2.weight, proj2.bias, residual, counters)
+    return pair_residual(x, proj.weight, proj.bias, x2, proj2.weight, proj2.bias, residual, counters, residual_first)
 
 
 def _partial_sum_add(proj: PartialSumLinear, x: Tensor, residual: Tensor, counters: Tensor | None) -> Tensor:
@@ -448,12 +450,19 @@ def _norm_modules_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tens
     their norms (LayerNorms) called as the modules they are (as stock), StableLM's MLP dropout
     the identity (checked per call). The stock parallel sum ``x + attention + mlp`` adds left to
     right, rounding after each add: the O epilogue's ``x + O`` and the down epilogue's add of the
-    MLP round the same way."""
+    MLP round the same way. Under torch.compile a parallel layer without LoRA terms on O or down
+    takes both in one launch (:func:`project_pair_add`): ``(mlp + attention) + x``, the two small
+    terms summed in fp32 and rounded once, then ``x``."""
     n = layer.input_layernorm(x)
-    h = _slot_add(layer.self_attn.o_proj, attention(layer, n, kwargs, counters, normed=True), x, counters, None)
+    o = attention(layer, n, kwargs, counters, normed=True)
     parallel = checks.norm_modules(layer) == "parallel" or layer.use_parallel_residual
+    o_proj, down = layer.self_attn.o_proj, layer.mlp.down_proj
+    if parallel and not (adapter_terms.adds_terms(o_proj) or adapter_terms.adds_terms(down)):
+        return project_pair_add(checks.projection_base(down), _mlp_inner(layer.mlp, None, n, counters),
+                                checks.projection_base(o_proj), o, x, counters, residual_first=True)
+    h = _slot_add(o_proj, o, x, counters, None)
     mlp_in = n if parallel else layer.post_attention_layernorm(h)
-    return _slot_add(layer.mlp.down_proj, _mlp_inner(layer.mlp, None, mlp_in, counters), h, counters, None)
+    return _slot_add(down, _mlp_inner(layer.mlp, None, mlp_in, counters), h, counters, None)
 
 
 def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None = None) -> Tensor:

@@ -182,35 +182,39 @@ def linear_residual(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Te
 
 
 def _pair_apart(x: Tensor, weight: Tensor, bias: Tensor | None, x2: Tensor, weight2: Tensor, bias2: Tensor | None,
-                residual: Tensor, counters: Tensor | None = None) -> Tensor:
+                residual: Tensor, counters: Tensor | None = None, residual_first: bool = False) -> Tensor:
     """``((x2 W2^T + b2) + (x W^T + b)) + residual`` in two launches, each sum rounded as stock's
-    parallel layer rounds ``(mlp + a) + x``."""
+    GPT-NeoX and Falcon layers round ``(mlp + a) + x``; ``residual_first``: ``(residual + (x2 W2^T
+    + b2)) + (x W^T + b)``, as Cohere's and StableLM's add ``x + a + mlp`` left to right."""
+    if residual_first:
+        return _linear_residual(x, weight, bias, _linear_residual(x2, weight2, bias2, residual, counters), counters)
     a = _linear_residual(x2, weight2, bias2, None, counters)
     return _linear_residual(x, weight, bias, a, counters, residual2=residual)
 
 
 def _pair_residual(x: Tensor, weight: Tensor, bias: Tensor | None, x2: Tensor, weight2: Tensor, bias2: Tensor | None,
-                   residual: Tensor, counters: Tensor | None = None) -> Tensor:
+                   residual: Tensor, counters: Tensor | None = None, residual_first: bool = False) -> Tensor:
     y = None
     if weight.dtype == x.dtype and weight2.dtype == x.dtype == x2.dtype:  # (an FP8 weight: the two apart)
         y = dispatch.fused_splitk(x, weight, bias, counters, residual=residual, second=(x2, weight2, bias2))
-    return _pair_apart(x, weight, bias, x2, weight2, bias2, residual, counters) if y is None else y
+    return _pair_apart(x, weight, bias, x2, weight2, bias2, residual, counters, residual_first) if y is None else y
 
 
 @torch.library.custom_op("hybridgemm::pair_residual_fwd", mutates_args=())
 def pair_residual_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, x2: Tensor, weight2: Tensor,
-                      bias2: Tensor | None, residual: Tensor, counters: Tensor | None = None) -> Tensor:
+                      bias2: Tensor | None, residual: Tensor, counters: Tensor | None = None,
+                      residual_first: bool = False) -> Tensor:
     with per_call_scratch():
-        return _pair_residual(x, weight, bias, x2, weight2, bias2, residual, counters).contiguous()
+        return _pair_residual(x, weight, bias, x2, weight2, bias2, residual, counters, residual_first).contiguous()
 
 
 @pair_residual_fwd.register_fake
-def _pair_residual_fake(x, weight, bias, x2, weight2, bias2, residual, counters=None):
+def _pair_residual_fake(x, weight, bias, x2, weight2, bias2, residual, counters=None, residual_first=False):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def pair_residual(x: Tensor, weight: Tensor, bias: Tensor | None, x2: Tensor, weight2: Tensor, bias2: Tensor | None,
-                  residual: Tensor, counters: Tensor | None = None) -> Tensor:
+                  residual: Tensor, counters: Tensor | None = None, residual_first: bool = False) -> Tensor:
     """``(linear(x, weight, bias) + linear(x2, weight2, bias2)) + residual`` (weights of x's
     dtype): a parallel-residual layer's down and O projections and its residual. Under
     torch.compile one split-K launch (and its reduce kernel where the config reduces in a second
@@ -220,9 +224,11 @@ def pair_residual(x: Tensor, weight: Tensor, bias: Tensor | None, x2: Tensor, we
     replays the step, so one launch fewer is GPU time saved. Eager calls (host-bound: each of the
     two GEMMs takes a bound launch from the second call on, which the one launch has not) and any
     call the launch does not take run the two GEMMs apart with stock's roundings:
-    ``(x W^T + b) + (x2 W2^T + b2)`` rounded, plus the residual, rounded."""
+    ``(x W^T + b) + (x2 W2^T + b2)`` rounded, plus the residual, rounded (GPT-NeoX's and Falcon's
+    ``(mlp + a) + x``), or with ``residual_first`` the residual plus ``x2 W2^T + b2``, rounded,
+    plus ``x W^T + b``, rounded (Cohere's and StableLM's ``x + a + mlp``)."""
     return _compiled(torch.ops.hybridgemm.pair_residual_fwd, _pair_apart, x, weight, bias, x2, weight2, bias2,
-                     residual, counters)
+                     residual, counters, bool(residual_first))
 
 
 _gated_norm_eager = functools.partial(_gated_norm, keep_prologue=True)  # (as _norm_linear_eager)

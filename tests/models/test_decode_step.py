@@ -785,6 +785,24 @@ def test_cohere_layers_decode_as_stock_does(batch, kernels_on_cpu):
     assert rotated and all(rotated)  # each fused layer call on the dynamic cache: Cohere's pairs in one launch
 
 
+@pytest.mark.parametrize("kind,extra", [("cohere", {}), ("stablelm", {"head_dim": 32, "use_parallel_residual": True}),
+                                         ("stablelm", {"head_dim": 32, "use_parallel_residual": False})],
+                         ids=["cohere", "stablelm-parallel", "stablelm-sequential"])
+def test_parallel_norm_module_layers_compiled_take_o_and_down_in_one_launch(kind, extra, kernels_on_cpu, monkeypatch):
+    """Cohere's and a parallel StableLM's layers as torch.compile calls the pieces (each custom
+    op, no Dynamo): O and down in one split-K launch with the attention's output as its second
+    product, logits and caches as the unpatched model's; eager calls (the pieces' bodies) and a
+    sequential StableLM take none."""
+    stock = _tiny(kind, **extra)
+    model = _patched(stock)
+    _compare(model, stock, steps=2, batch=2)
+    assert kernels_on_cpu["second"] == 0
+    monkeypatch.setattr(fused_pieces, "_compiled", lambda op, eager, *args: op(*args))
+    _compare(model, stock, steps=2, batch=2)
+    # each layer: the prompt (the fused layer over the module's attention) and each new token
+    assert kernels_on_cpu["second"] == (2 * 3 if extra.get("use_parallel_residual", True) else 0)
+
+
 @pytest.mark.parametrize("kind,flag,norms,extra", [
     ("cohere", "use_qk_norm", ("q_norm", "k_norm"), {}),
     ("stablelm", "qk_layernorm", ("layernorm.norms",), {"head_dim": 32, "use_parallel_residual": True})])

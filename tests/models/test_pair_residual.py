@@ -1,7 +1,8 @@
 """``fused_pieces.pair_residual``: a parallel-residual layer's dense_4h_to_h and dense GEMMs and
 its residual, one split-K launch as torch.compile calls the piece (its custom op), the two GEMMs
 apart otherwise. CPU (kernels under the Triton interpreter, the device check widened); the
-layers that use it: tests/models/test_layernorm_layers.py; bf16 on the GPU:
+layers that use it: tests/models/test_layernorm_layers.py (GPT-NeoX, Falcon),
+tests/models/test_decode_step.py (Cohere, StableLM); bf16 on the GPU:
 tests/models/test_decode_step_gpu.py (``gpt_neox``, ``falcon``)."""
 
 from __future__ import annotations
@@ -64,3 +65,24 @@ def test_the_custom_op_passes_opcheck():
     """``hybridgemm::pair_residual_fwd``: schema, fake tensors and autograd registration checked
     by torch.library.opcheck (the CPU form)."""
     torch.library.opcheck(torch.ops.hybridgemm.pair_residual_fwd, (*_operands(torch.float32), None))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_residual_first_rounds_as_cohere_adds(seed, kernels_on_cpu):
+    """``residual_first`` (Cohere's and StableLM's ``x + a + mlp``, left to right): the residual
+    plus the second product, rounded, plus the first product, rounded; without it GPT-NeoX's
+    ``(mlp + a) + x``. fp16, the residual 30x the products: the two orders round apart. The
+    eager piece (the two GEMMs apart)."""
+    x, w, b, x2, w2, b2, residual = ops = _operands(torch.float16, batch=5, n=200, seed=seed)
+
+    def product(a, weight, bias):  # (one GEMM, fp32 accumulation, rounded to fp16)
+        return (a.float() @ weight.float().T + bias.float()).half()
+
+    def add(u, v):  # (as stock adds two fp16 tensors)
+        return (u.float() + v.float()).half()
+
+    first = add(add(residual, product(x2, w2, b2)), product(x, w, b))
+    mlp_first = add(add(product(x, w, b), product(x2, w2, b2)), residual)
+    got, other = fused_pieces.pair_residual(*ops, residual_first=True), fused_pieces.pair_residual(*ops)
+    assert not torch.equal(first, mlp_first)  # (the orders tell apart on these operands)
+    assert torch.equal(got, first) and torch.equal(other, mlp_first)
