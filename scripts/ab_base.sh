@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A/B of a change against the commit the checkout's git HEAD names (or AB_BASE, any revision git
 # resolves there), in one process tree and on one machine: run COMMAND with PATHS as at that
-# commit ("base"), then as in the working tree ("tree").
+# commit ("base"), then as in the working tree ("tree"). The device machine's copy of .git can
+# name an older HEAD than the tree it runs (its CSVs' commit column shows which): give AB_BASE as
+# a commit hash there, not relative to HEAD.
 #
 #   [AB_BASE=REV] bash scripts/ab_base.sh NAME "COMMAND" PATH [PATH ...]
 #

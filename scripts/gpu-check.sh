@@ -44,8 +44,9 @@
 #                   extended one (DEVTABLE_E2E=0 skips)
 #         families  the LayerNorm families' decode step (GPT-NeoX, Falcon, StableLM): its GPU tests (FAMILIES_TESTS=0
 #                   skips), then FAMILIES_MODELS' compiled decode (default pythia-6.9b falcon-7b; B = 1, 8) beside
-#                   stock as at FAMILIES_BASE (a revision, default HEAD) and as in the tree (scripts/ab_base.sh
-#                   over the kernels/ and fusion/ files both hold that differ), on FAMILIES_TABLE where set (e.g. the
+#                   stock as at FAMILIES_BASE (a revision, default HEAD; name a hash: scripts/ab_base.sh says why)
+#                   and as in the tree (scripts/ab_base.sh over the kernels/ and fusion/ files both hold that
+#                   differ), on FAMILIES_TABLE where set (e.g. the
 #                   table the devtable stage wrote, with DEVTABLE_MODELS="pythia-6.9b falcon-7b")
 #                   (FAMILIES_TIMEOUT s per step, default 300). Falcon's stock attention is another form
 #                   before transformers 5.25 (the machine has 5.17), and so is its time; perf/results' Falcon
