@@ -2,16 +2,19 @@
 random-weight HF model, stock beside patched, grouped by what the kernel does.
 
     python -m hybridgemm.perf.e2e_profile --model llama3-8b --layers 8 --batch 1 8 \
-        [--modes compiled_static eager_static] [--steps 16] [--out CSV] [--by-grid] \
-        [--weights fp8 [--granularity channel|block128] [--quantize-lm-head]]
+        [--modes compiled_static eager_static prefill] [--steps 16] [--prefill 2048] [--out CSV] \
+        [--by-grid] [--weights fp8 [--granularity channel|block128] [--quantize-lm-head] [--fp8-activations]]
 
 Each variant decodes greedily over a static cache exactly as ``hybridgemm bench --e2e`` does
 (perf/bench_e2e.py's decoder, compiled with "reduce-overhead" and fullgraph for
 ``compiled_static``); ``--steps`` steps run under torch.profiler (CUDA activity only, which
-records each kernel of a CUDA-graph replay too) after the warm-up. Every kernel is put in a
+records each kernel of a CUDA-graph replay too) after the warm-up. ``prefill`` profiles ``--steps``
+eager forwards of a ``--prefill``-token prompt at batch 1, as ``bench --e2e``'s prefill mode
+runs them (logits of the last position only); its rows are per prefill, not per token. Every kernel is put in a
 group by its name (:func:`group_of`): ``gemm`` (cuBLAS/cuBLASLt, and hybridgemm's Triton GEMM,
 gated and MoE kernels), ``attention`` (SDPA's kernels), ``norm``, ``activation``, ``rotary``,
-``kv_cache``, ``routing`` (``torch.topk``'s kernels, hybridgemm's routing kernel), ``copy``,
+``kv_cache``, ``routing`` (``torch.topk``'s kernels, hybridgemm's routing kernel), ``quantize``
+(hybridgemm's kernels that round x to e4m3 or expand an FP8 weight), ``copy``,
 ``elementwise`` and ``other``. Inductor's kernels are grouped by the
 ops their names list (a kernel fusing rotary with the KV-cache write counts as rotary); an
 eager RMSNorm's casts, multiplies and add count as copy and elementwise. The table printed per
@@ -22,8 +25,9 @@ launch grid too, so the shapes one Triton kernel runs (Q/K/V, O, down) get a row
 time excludes the gaps between kernels: the wall time per token of ``bench --e2e`` minus this
 sum is launch and host time. With ``--weights fp8`` the patched variant is ``patch(model,
 weights="fp8", granularity=...)`` (named ``hybridgemm_e4m3_<granularity>`` in the CSV; with
-``--quantize-lm-head`` its LM head too, ``_head`` added to the name), and the table adds its own
-floor (the bytes it reads: e4m3 projections, their scales, the bf16 rest).
+``--quantize-lm-head`` its LM head too, ``_head`` added to the name; with ``--fp8-activations``
+also ``activations="fp8"``, W8A8 past the decode rows, ``_w8a8`` added), and the decode tables add
+its own floor (the bytes it reads: e4m3 projections, their scales, the bf16 rest).
 """
 
 from __future__ import annotations
@@ -43,12 +47,12 @@ import torch
 import hybridgemm
 from hybridgemm.perf import csvio
 from hybridgemm.perf import e2e_models as hf
-from hybridgemm.perf.bench_e2e import WARMUP, Run, decoder, positive_int, step_bytes
+from hybridgemm.perf.bench_e2e import PREFILL, WARMUP, Run, decoder, positive_int, step_bytes, tokens
 from hybridgemm.perf.bench_msweep import git_commit
 from hybridgemm.perf.read_ceiling import hbm_floor_ms, read_rate_note
 from hybridgemm.perf.weight_formats import add_weight_options, resolve_weight_options, weight_options_problem
 
-MODES = ("compiled_static", "eager_static")
+MODES = ("compiled_static", "eager_static", "prefill")
 GEMM = re.compile(r"nvjet|gemm|gemv|xmma|cutlass|_glu_kernel|_splitk_kernel|_reduce_kernel|splitKreduce|_moe_pair_|"
                   r"_moe_kernel", re.I)
 ATTENTION = re.compile(r"flash|fmha|cudnn.*sdpa|attention_kernel", re.I)  # SDPA's own kernels
@@ -66,7 +70,8 @@ FUSED_OPS = (
 # multiplies and an add, which land in copy and elementwise: only its pow, mean and rsqrt
 # kernels are told apart here.
 ATEN = (
-    ("norm", re.compile(r"_rms_norm_kernel|MeanOps|rsqrt|pow_tensor_scalar")),  # ours, then the stock ops
+    ("norm", re.compile(r"_rms_norm_kernel|layer_norm|MeanOps|rsqrt|pow_tensor_scalar")),  # ours, then the stock ops
+    ("quantize", re.compile(r"_quantize_(token|block)_kernel|_dequant")),  # x to e4m3 (W8A8); weights to bf16
     ("activation", re.compile(r"silu|gelu|sigmoid", re.I)),
     ("rotary", re.compile(r"neg_kernel|CatArray|_qk_norm_rope_store_kernel")),  # (ours: q/k norms, rotary, cache)
     ("kv_cache", re.compile(r"index_copy|index_put|scatter")),
@@ -80,7 +85,7 @@ COLUMNS = ("model", "layers", "mode", "batch", "variant", "group", "kernel", "ca
 
 def group_of(kernel: str) -> str:
     """What a kernel does, from its name: gemm, attention, norm, activation, rotary, kv_cache,
-    routing, copy, elementwise or other (see the module docstring)."""
+    routing, quantize, copy, elementwise or other (see the module docstring)."""
     if GEMM.search(kernel):
         return "gemm"
     fused = INDUCTOR.match(kernel)
@@ -127,6 +132,17 @@ def _trace_kernels(prof) -> list[tuple[str, list, float]]:
 
 def profile_variant(run: Run, model, mode: str, batch: int, steps: int,
                     by_grid: bool = False) -> dict[str, tuple[int, float]]:
+    if mode == "prefill":
+        api = hf.forward_api(model)
+        ids = tokens(1, run.prefill, model.config.vocab_size, run.device)
+
+        def forwards(n: int) -> None:
+            for _ in range(n):
+                hf.prefill_forward(model, api, ids)
+
+        forwards(2)  # warm-up: Triton compiles, cuBLASLt plans
+        torch.cuda.synchronize()
+        return kernel_times(forwards, steps, by_grid)
     step = decoder(run, model, batch, compiled=mode == "compiled_static")
     step(WARMUP)  # compilation, CUDA-graph warm-up and recording
     torch.cuda.synchronize()
@@ -142,8 +158,9 @@ def rows_for(args, mode, batch, variant, times, steps) -> list[dict]:
     return rows
 
 
-def summary(rows: list[dict], floor_ms: float, layers: int) -> str:
-    """The per-group table of one (mode, batch): µs per token and per layer for each variant."""
+def summary(rows: list[dict], floor_ms: float | None, layers: int) -> str:
+    """The per-group table of one (mode, batch): µs per token and per layer for each variant;
+    ``floor_ms`` None (prefill): no HBM floor line."""
     by = defaultdict(float)
     variants = sorted({r["variant"] for r in rows}, key=lambda v: v != "stock")
     for r in rows:
@@ -155,10 +172,13 @@ def summary(rows: list[dict], floor_ms: float, layers: int) -> str:
         lines.append(f"{g:12s}" + "".join(f"{by[(v, g)]:22.1f}{by[(v, g)] / layers:10.1f}" for v in variants))
     totals = {v: sum(by[(v, g)] for g in groups) for v in variants}
     lines.append(f"{'total':12s}" + "".join(f"{totals[v]:22.1f}{totals[v] / layers:10.1f}" for v in variants))
-    lines.append(f"HBM floor {floor_ms * 1e3:.1f} µs/token; kernel time as a fraction of it: "
-                 + ", ".join(f"{v} {floor_ms * 1e3 / totals[v]:.1%}" for v in variants if totals[v])
-                 + "; GEMM kernels alone: "
-                 + ", ".join(f"{v} {by[(v, 'gemm')]:.1f} µs" for v in variants))
+    gemms = "GEMM kernels alone: " + ", ".join(f"{v} {by[(v, 'gemm')]:.1f} µs" for v in variants)
+    if floor_ms is None:
+        lines.append(gemms)
+    else:
+        lines.append(f"HBM floor {floor_ms * 1e3:.1f} µs/token; kernel time as a fraction of it: "
+                     + ", ".join(f"{v} {floor_ms * 1e3 / totals[v]:.1%}" for v in variants if totals[v])
+                     + "; " + gemms)
     return "\n".join(lines)
 
 
@@ -168,17 +188,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--layers", type=positive_int, help="decoder layers (default: the model's own)")
     ap.add_argument("--batch", type=positive_int, nargs="+", default=[1])
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    ap.add_argument("--steps", type=positive_int, default=16, help="decode steps profiled (default 16)")
+    ap.add_argument("--steps", type=positive_int, default=16,
+                    help="decode steps (prefill mode: forwards) profiled (default 16)")
+    ap.add_argument("--prefill", type=positive_int, default=PREFILL,
+                    help=f"prompt length of the prefill mode (default {PREFILL})")
     ap.add_argument("--out", help="CSV of every kernel's time per token (default: none)")
     ap.add_argument("--by-grid", action="store_true",
                     help="one row per kernel and launch grid (tells apart the shapes of one Triton kernel)")
     add_weight_options(ap, "the patched model's projections quantized to e4m3 (patch(weights='fp8'))")
     ap.add_argument("--quantize-lm-head", action="store_true",
                     help="with --weights fp8: the LM head in e4m3 too (patch(quantize_lm_head=True))")
+    ap.add_argument("--fp8-activations", action="store_true",
+                    help="with --weights fp8: patch(activations='fp8'), W8A8 past the decode rows")
     args = ap.parse_args(argv)
     problem = weight_options_problem(args.weights, args.granularity)
-    if not problem and args.quantize_lm_head and args.weights != "fp8":
-        problem = "--quantize-lm-head: only with --weights fp8"
+    for flag in ("quantize_lm_head", "fp8_activations"):
+        if not problem and getattr(args, flag) and args.weights != "fp8":
+            problem = f"--{flag.replace('_', '-')}: only with --weights fp8"
     if problem:
         ap.error(problem)
     resolve_weight_options(args)
@@ -197,25 +223,30 @@ def main(argv=None) -> int:
     patched = copy.deepcopy(stock)
     fp8 = {} if args.granularity is None else {"weights": "fp8", "granularity": args.granularity,
                                                "quantize_lm_head": args.quantize_lm_head}
+    if args.fp8_activations:
+        fp8["activations"] = "fp8"
     print(hybridgemm.patch(patched, **fp8).summary())
     head = "_head" if args.quantize_lm_head else ""
-    name = "hybridgemm" if not fp8 else f"hybridgemm_e4m3_{args.granularity}{head}"
-    run = Run(args.model, config, torch.device("cuda"), tokens=args.steps, rounds=1)
+    w8a8 = "_w8a8" if args.fp8_activations else ""
+    name = "hybridgemm" if not fp8 else f"hybridgemm_e4m3_{args.granularity}{head}{w8a8}"
+    run = Run(args.model, config, torch.device("cuda"), tokens=args.steps, prefill=args.prefill, rounds=1)
     command = "python -m hybridgemm.perf.e2e_profile " + " ".join(sys.argv[1:] if argv is None else argv)
     extra = {"date": datetime.date.today().isoformat(), "commit": git_commit(),
              "command": csvio.command_as_run(command)}
     all_rows = []
     with torch.no_grad():
         for mode in args.modes:
-            for batch in args.batch:
+            for batch in [1] if mode == "prefill" else args.batch:
                 rows = []
                 for variant, model in (("stock", stock), (name, patched)):
                     torch._dynamo.reset()
                     times = profile_variant(run, model, mode, batch, args.steps, args.by_grid)
                     rows += rows_for(args, mode, batch, variant, times, args.steps)
-                print(f"\n## {args.model}, {args.layers} layers, {mode}, batch {batch}")
-                print(summary(rows, hbm_floor_ms(step_bytes(run, stock, batch)), args.layers))
-                if fp8:
+                what = f"prefill of {args.prefill} tokens, µs per prefill" if mode == "prefill" else f"batch {batch}"
+                print(f"\n## {args.model}, {args.layers} layers, {mode}, {what}")
+                floor = None if mode == "prefill" else hbm_floor_ms(step_bytes(run, stock, batch))
+                print(summary(rows, floor, args.layers))
+                if fp8 and floor is not None:
                     own = hbm_floor_ms(step_bytes(run, patched, batch)) * 1e3
                     total = sum(r["us_per_token"] for r in rows if r["variant"] == name)
                     print(f"{name}'s own floor (its bytes at {read_rate_note()}) {own:.1f} µs/token: its kernel time "
@@ -224,9 +255,9 @@ def main(argv=None) -> int:
                     top = [r for r in rows if r["variant"] == v][:12]
                     print(f"-- {v}: top kernels (µs/token, calls/token, group)")
                     for r in top:
-                        name, grid = r["kernel"].rpartition(" ")[::2] if args.by_grid else (r["kernel"], "")
+                        kernel, grid = r["kernel"].rpartition(" ")[::2] if args.by_grid else (r["kernel"], "")
                         print(f"  {r['us_per_token']:9.1f} {r['calls_per_token']:6.1f}  {r['group']:11s} "
-                              f"{name[:110]} {grid}")
+                              f"{kernel[:110]} {grid}")
                 all_rows += [{**r, **extra} for r in rows]
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

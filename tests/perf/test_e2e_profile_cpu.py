@@ -44,6 +44,11 @@ from hybridgemm.perf import e2e_profile as ep
     ("_route_kernel", "routing"),
     ("void at::native::sbtopk::gatherTopK<float, unsigned int, 1, false>(at::cuda::detail::TensorInfo", "routing"),
     ("void at::native::bitonicSortKVInPlace<-2, -1, 16, 16, float, long, at::native::GTOp<float, true>>", "routing"),
+    ("_quantize_token_kernel", "quantize"),
+    ("_quantize_block_kernel", "quantize"),
+    ("_dequantize_kernel", "quantize"),
+    ("_layer_norm_kernel", "norm"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float, true>", "norm"),
     ("truncate_allocate_kernel", "elementwise"),  # no stray substring ("cat", "mean") makes it something else
 ])
 def test_kernel_groups(name, group):
@@ -57,6 +62,8 @@ def test_summary_adds_the_groups_per_variant():
     total = next(line for line in text.splitlines() if line.startswith("total")).split()
     assert [float(v) for v in total[1:]] == [120.0, 60.0, 95.0, 47.5]
     assert "stock 50.0%" in text and "hybridgemm 63.2%" in text
+    prefill = ep.summary(rows, floor_ms=None, layers=2)  # prefill: no floor line, the GEMMs' sum kept
+    assert "HBM floor" not in prefill and "stock 100.0 µs, hybridgemm 90.0 µs" in prefill
 
 
 def test_needs_cuda(capsys):
@@ -104,7 +111,12 @@ def test_fp8_options():
     assert ep.parse_args(["--model", "llama3-8b", "--weights", "fp8", "--granularity", "block128"]).granularity \
         == "block128"
     assert ep.parse_args(["--model", "llama3-8b", "--weights", "fp8", "--quantize-lm-head"]).quantize_lm_head
-    for argv in (["--granularity", "block128"], ["--quantize-lm-head"]):  # FP8 only
+    args = ep.parse_args(["--model", "llama3-8b", "--weights", "fp8", "--fp8-activations", "--modes", "prefill",
+                          "--prefill", "333"])
+    assert args.fp8_activations and args.modes == ["prefill"] and args.prefill == 333
+    assert ep.parse_args(["--model", "llama3-8b"]).prefill == 2048
+    for argv in (["--granularity", "block128"], ["--quantize-lm-head"], ["--fp8-activations"],  # FP8 only
+                 ["--prefill", "0"]):
         with pytest.raises(SystemExit) as info:
             ep.parse_args(["--model", "llama3-8b", *argv])
         assert info.value.code == 2
