@@ -5,7 +5,10 @@
 # name an older HEAD than the tree it runs (its CSVs' commit column shows which): give AB_BASE as
 # a commit hash there, not relative to HEAD.
 #
-#   [AB_BASE=REV] bash scripts/ab_base.sh NAME "COMMAND" PATH [PATH ...]
+#   [AB_BASE=REV | AB_BASE_DIR=DIR] bash scripts/ab_base.sh NAME "COMMAND" PATH [PATH ...]
+#
+# AB_BASE_DIR: the base's files are DIR/PATH (copies written where the commit is known, e.g.
+# `git show REV:PATH > DIR/PATH`, carried with the tree) rather than read from git.
 #
 # PATHs are files, relative to the repository root. COMMAND runs under bash in the repository
 # root with $AB_SIDE (base or tree) set; its output goes to $OUT/ab_NAME_<side>.txt after a
@@ -19,12 +22,20 @@ cd "$(dirname "$0")/.."
 [ $# -ge 3 ] || { echo "usage: bash scripts/ab_base.sh NAME \"COMMAND\" PATH [PATH ...]" >&2; exit 2; }
 name=$1; cmd=$2; shift 2
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-rev=${AB_BASE:-HEAD}
-base=$(git rev-parse --short "$rev^{commit}" 2>/dev/null) || { echo "ab_base: no commit $rev here" >&2; exit 2; }
-for p in "$@"; do
-  [ "$(git cat-file -t "$base:$p" 2>/dev/null)" = blob ] && [ -f "$p" ] \
-    || { echo "ab_base: $p is not a file both in $rev ($base) and in the tree" >&2; exit 2; }
-done
+dir=${AB_BASE_DIR:-}
+if [ -n "$dir" ]; then
+  base="files of $dir"
+  for p in "$@"; do
+    [ -f "$dir/$p" ] && [ -f "$p" ] || { echo "ab_base: $p is not a file both in $dir and in the tree" >&2; exit 2; }
+  done
+else
+  rev=${AB_BASE:-HEAD}
+  base=$(git rev-parse --short "$rev^{commit}" 2>/dev/null) || { echo "ab_base: no commit $rev here" >&2; exit 2; }
+  for p in "$@"; do
+    [ "$(git cat-file -t "$base:$p" 2>/dev/null)" = blob ] && [ -f "$p" ] \
+      || { echo "ab_base: $p is not a file both in $rev ($base) and in the tree" >&2; exit 2; }
+  done
+fi
 keep=$(mktemp -d)
 echo "ab_base: the tree's files are kept in $keep until the end"
 for p in "$@"; do mkdir -p "$keep/$(dirname "$p")" && cp -p "$p" "$keep/$p" || exit 2; done
@@ -33,7 +44,10 @@ trap 'restore "$@"' EXIT
 status=0
 for side in base tree; do
   if [ "$side" = base ]; then
-    for p in "$@"; do git show "$base:$p" >"$p" || { echo "ab_base: could not write $p as at $base" >&2; exit 2; }; done
+    for p in "$@"; do
+      if [ -n "$dir" ]; then cp "$dir/$p" "$p"; else git show "$base:$p" >"$p"; fi \
+        || { echo "ab_base: could not write $p as at $base" >&2; exit 2; }
+    done
   else
     for p in "$@"; do cp -p "$keep/$p" "$p"; done
   fi
