@@ -35,7 +35,7 @@ from hybridgemm.kernels.checks import (
 )
 from hybridgemm.kernels.epilogue import Activation, Epilogue, apply_activation
 from hybridgemm.kernels.lazy import triton_module
-from hybridgemm.kernels.problem import DTYPE_NAMES, Problem, uses_tf32
+from hybridgemm.kernels.problem import DTYPE_NAMES, MAX_ALIGNMENT, Problem, uses_tf32
 from hybridgemm.kernels.process_memory import per_call
 
 from . import decide, mode_state, modes
@@ -225,13 +225,17 @@ def _decision(problem: Problem, dev: int, mode: str) -> Choice:
 
 
 def decision_for(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                 activation=None, weight_format: str = "") -> Choice:
+                 activation=None, weight_format: str = "", *, fresh_x: bool = False) -> Choice:
     """What the current mode runs for ``out = act(x2 @ weight.T + bias)`` (x2 (M, K) and
     ``weight`` row-major, ``out`` (M, N) contiguous, CUDA, a kernel dtype): the decision
     :func:`fused_linear` takes for these operands, for callers that fuse more around the same
-    GEMM (:func:`fused_splitk`) and for FP8 weights (``weight_format``, fusion/fp8_linear.py)."""
+    GEMM (:func:`fused_splitk`) and for FP8 weights (``weight_format``, fusion/fp8_linear.py).
+    ``fresh_x``: x2 stands for a tensor of its shape not yet formed, which would be a fresh
+    contiguous allocation (its row stride K, its start aligned as the allocator aligns it)."""
     problem = Problem.from_tensors(x2, weight, bias, out, Epilogue(Activation.parse(activation), bias is not None),
                                    uses_tf32(x2.dtype), weight_format)
+    if fresh_x:
+        problem = dataclasses.replace(problem, ldx=problem.k, align_x=MAX_ALIGNMENT)
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     return _decision(problem, dev, _launchers[0].mode)
 

@@ -37,7 +37,7 @@ from hybridgemm import dispatch
 from hybridgemm.kernels import backends, fp8
 from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES, LinearArgumentError, contiguous_bias, row_major, rows_2d
 from hybridgemm.kernels.cublaslt_runtime import CublasLtUnavailable, CublasLtUnsupported
-from hybridgemm.kernels.epilogue import Activation, apply_activation
+from hybridgemm.kernels.epilogue import GLU_ACTIVATIONS, Activation, apply_activation
 from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.kernels.problem import DECODE_MAX_M
 from hybridgemm.kernels.process_memory import per_call_scratch
@@ -128,6 +128,53 @@ def _runs_w8a8(x2: Tensor, w2: Tensor, scale: Tensor, b2: Tensor | None, out: Te
                   f"hybridgemm: activations='fp8': {reason}; this {granularity} FP8 GEMM runs over the weight "
                   "dequantized, with x as it is")
         return False
+
+
+def linear_fp8_glu(gate_up: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None, glu: str,
+                   quantize_input: bool = False, activation=None) -> Tensor:
+    """:func:`linear_fp8` (with ``activation`` after it) of a gated MLP's product, ``glu(gate) *
+    up`` of the stacked (..., 2K) output ``gate_up`` (gate columns first; ``glu`` a key of
+    ``GLU_ACTIVATIONS``), in gate_up's dtype as transformers' eager MLP rounds it. Where that
+    call would quantize its input for cuBLASLt's FP8 GEMM (:func:`_glu_into_gemm`), the product
+    is formed while x is quantized and never written (kernels/fp8_quant.py): the same bytes
+    reach the same GEMM. Anywhere else, the composition itself."""
+    if isinstance(gate_up, Tensor) and gate_up.dim() >= 1 and gate_up.shape[-1] == 2 * data.shape[-1]:
+        y = _glu_into_gemm(gate_up, data, scale, bias, glu, quantize_input, Activation.parse(activation))
+        if y is not None:
+            return y
+    gate, up = gate_up.chunk(2, dim=-1)
+    return linear_fp8(GLU_ACTIVATIONS[glu](gate) * up, data, scale, bias, activation, quantize_input)
+
+
+def _glu_into_gemm(gate_up: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None, glu: str,
+                   quantize_input: bool, act: Activation) -> Tensor | None:
+    """The product's GEMM with the product formed inside the quantization of x, or None where
+    :func:`fp8_linear` of the product would not quantize x for cuBLASLt here: an activation the
+    kernel does not form, a gradient wanted, a compiled region, a tensor subclass, a device the
+    FP8 kernels skip, or a decision of the split-K kernel or of the dequantized weight's GEMM."""
+    wants_grad = torch.is_grad_enabled() and (gate_up.requires_grad or (bias is not None and bias.requires_grad))
+    if glu not in fp8.QUANTIZED_GLUS or wants_grad or torch.compiler.is_compiling() \
+            or type(gate_up) not in PLAIN_TENSOR_TYPES or not runs_fp8_kernels(gate_up):
+        return None
+    k = data.shape[1]
+    gu2 = rows_2d(gate_up)
+    granularity = check_fp8_args(gu2[:, :k], data, scale, bias)
+    m, n = gu2.shape[0], data.shape[0]
+    if m == 0 or n == 0 or k == 0:
+        return None
+    scale = fp8.scale_vector(scale, granularity)
+    w2, b2 = row_major(data), contiguous_bias(bias)
+    out = torch.empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
+    choice = dispatch.decision_for(gu2[:, :k], w2, b2, out, act, fp8.FORMAT_OF[granularity], fresh_x=True)
+    w8a8 = quantize_input and m > DECODE_MAX_M and get_mode() == DEFAULT
+    if not (choice.backend == "cublaslt_fp8" or (w8a8 and choice.backend not in backends.FP8_BACKENDS)):
+        return None
+    try:
+        backends.get_backend("cublaslt_fp8").run({}, row_major(gu2), w2, b2, out, act, False, weight_scale=scale,
+                                                  glu=glu)
+    except (CublasLtUnsupported, CublasLtUnavailable, ImportError):
+        return None  # (the composition then runs, and fp8_linear warns as it does for any such call)
+    return out.view(*gate_up.shape[:-1], n)
 
 
 # ------------------------------------------------------------------------------ custom op

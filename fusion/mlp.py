@@ -35,7 +35,7 @@ from hybridgemm.kernels.fp8 import FP8Weight
 from hybridgemm.kernels.lazy import triton_module
 
 from .decide import choose_gated
-from .fp8_linear import linear_fp8
+from .fp8_linear import linear_fp8, linear_fp8_glu
 from .fp8_modules import FP8HybridLinear, weight_scale_of
 from .fused_rows import FusedSlice, stock_slot
 from .linear_layer import HybridLinear, linear
@@ -162,6 +162,11 @@ class HybridGatedMLP(nn.Module):
             # wraps them runs; their bases still share the one gate/up GEMM (fusion/fused_rows.py)
             return self.down_proj(GLU_FUNCTIONS[self.glu_activation](gate(x)) * up(x))
         if "weight_scale" in fused._buffers:  # an FP8 gate/up (fusion/fp8_modules.py): one GEMM, the product apart
+            down = self._modules["down_proj"]
+            if type(down) is FP8HybridLinear and not _hooked(down) and not _hooked(fused):
+                # down's input quantized for the FP8 tensor cores: the product formed on the way
+                return linear_fp8_glu(fused.stacked_output(x), down.weight, weight_scale_of(down), down.bias,
+                                      self.glu_activation, bool(down.fp8_activations), down.activation)
             gate, up = fused(x)
             return self.down_proj(GLU_FUNCTIONS[self.glu_activation](gate) * up)
         return self.down_proj(gated_linear(x, fused.weight, fused.bias, self.glu_activation))

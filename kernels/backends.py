@@ -176,10 +176,11 @@ def _cublaslt_fp8() -> Backend:
             raise ConfigRejected(f"cublaslt_fp8 pins no algorithm (record {{}}), got fields {sorted(record)}")
         return None
 
-    def run(config, x, w, b, out, act, tf32=False, weight_scale=None):
+    def run(config, x, w, b, out, act, tf32=False, weight_scale=None, glu=None):
+        # glu: x is a gated MLP's gate and up, whose product is formed as x is quantized (lt8.run)
         if weight_scale is None:
             raise ValueError("cublaslt_fp8 runs an e4m3 weight: weight_scale (its fp32 scales) is required")
-        return lt8.run(x, w, weight_scale, b, out, act)
+        return lt8.run(x, w, weight_scale, b, out, act, glu=glu)
 
     return Backend("cublaslt_fp8", lambda: lt8.is_available(), candidates, from_record, run,
                    lambda c: "heuristic at the exact M")

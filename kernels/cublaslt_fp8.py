@@ -235,7 +235,7 @@ def clear_caches() -> None:
     _refused.clear()
 
 
-def _check_operands(x, w8, w_scale, bias, out) -> str:
+def _check_operands(x, w8, w_scale, bias, out, glu=None) -> str:
     """The granularity of (w8, w_scale); TypeError/ValueError naming the argument otherwise."""
     who = "cublaslt_fp8.run"
     if not isinstance(x, torch.Tensor):
@@ -244,8 +244,10 @@ def _check_operands(x, w8, w_scale, bias, out) -> str:
     if x.dtype not in OUT_DTYPES:
         raise TypeError(f"{who}: x must be bfloat16 or float16, got {x.dtype}")
     n, k = w8.shape
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"{who}: x must be (M, {k}) to match the weight ({n}, {k}), got {tuple(x.shape)}")
+    width = k if glu is None else 2 * k  # with glu: gate then up
+    if x.dim() != 2 or x.shape[1] != width:
+        what = "" if glu is None else f" (gate then up, glu={glu!r})"
+        raise ValueError(f"{who}: x must be (M, {width}){what} to match the weight ({n}, {k}), got {tuple(x.shape)}")
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (n,) or bias.dtype != x.dtype
                              or bias.device != x.device):
         got = f"{tuple(bias.shape)} {bias.dtype} on {bias.device}" if isinstance(bias, torch.Tensor) else type(bias)
@@ -271,10 +273,10 @@ def _check_operands(x, w8, w_scale, bias, out) -> str:
     return granularity
 
 
-def _quantize(x: torch.Tensor, group: str, rows: int):
+def _quantize(x: torch.Tensor, group: str, rows: int, glu: str | None):
     from .fp8_quant import quantize_for_gemm  # Triton, loaded on first use: import and supports() need none
 
-    return quantize_for_gemm(x, group, rows)
+    return quantize_for_gemm(x, group, rows, glu)
 
 
 def _launch(key: tuple, build_args: tuple, args: tuple) -> ScaledPlan:
@@ -312,22 +314,24 @@ def _launch_or_refuse(key: tuple, build_args: tuple, args: tuple) -> ScaledPlan:
 
 
 def run(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-        out: torch.Tensor | None = None, activation=None) -> torch.Tensor:
+        out: torch.Tensor | None = None, activation=None, glu: str | None = None) -> torch.Tensor:
     """``out[:] = act(x @ dequantize(w8, w_scale).T + bias)`` on the FP8 tensor cores; returns
     ``out`` (allocated when None). x (M, K) bf16/fp16 CUDA with unit column stride; w8 (N, K)
     e4m3 with ``w_scale`` per kernels/fp8.py (``channel`` (N,) or ``block128`` (nb, L)); bias
     (N,) of x's dtype or None; out (M, N) of x's dtype; activation None, "relu", "gelu_tanh" or
-    "gelu" (exact: after the GEMM). TypeError/ValueError for bad arguments,
+    "gelu" (exact: after the GEMM). ``glu="silu"``: x is (M, 2K), a gated MLP's gate then up, and
+    the GEMM's input is ``silu(gate) * up`` in x's dtype, formed while x is quantized
+    (kernels/fp8_quant.py) and never written. TypeError/ValueError for bad arguments,
     :class:`CublasLtUnsupported` where this path cannot run (the caller falls back)."""
     act = Activation.parse(activation)
-    granularity = _check_operands(x, w8, w_scale, bias, out)
+    granularity = _check_operands(x, w8, w_scale, bias, out, glu)
     m, (n, k) = x.shape[0], w8.shape
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     rows = m if granularity == "channel" else m + (-m) % 4  # VEC128_32F: cuBLASLt's N a multiple of 4
-    x8, x_scale = _quantize(x, ACTIVATION_GROUP[granularity], rows)
+    x8, x_scale = _quantize(x, ACTIVATION_GROUP[granularity], rows, glu)
     w_scale = weight_scale_operand(w_scale, granularity)
     b = contiguous_bias(bias)
     d = out if rows == m else torch.empty((rows, n), dtype=x.dtype, device=x.device)

@@ -39,6 +39,8 @@ GRANULARITIES = ("channel", "block128")
 FORMAT_OF = {"channel": "e4m3_channel", "block128": "e4m3_block128"}
 GRANULARITY_OF_FORMAT = {fmt: g for g, fmt in FORMAT_OF.items()}
 OUT_DTYPES = (torch.bfloat16, torch.float16)
+# the gated products (act(gate) * up) that activation quantization forms on the way (kernels/fp8_quant.py)
+QUANTIZED_GLUS = ("silu",)
 _MIN_AMAX = 1e-12  # an all-zero row or block gets a tiny positive scale, so dequantize gives zeros
 
 
@@ -238,24 +240,32 @@ def quantize_fp8(weight: torch.Tensor, granularity: str = "channel") -> FP8Weigh
     return FP8Weight(data, scale, granularity, dtype)
 
 
+def scale_of_amax(amax: torch.Tensor) -> torch.Tensor:
+    """``max(amax, floor) / 448``, IEEE-rounded on every device (kernels/fp8_quant.py computes
+    the activations' scales so). The divisor is a 0-dim tensor on amax's device: torch's CUDA
+    division by a Python number multiplies by its reciprocal, a rounding off by one ulp for some
+    values."""
+    return amax.clamp_min(_MIN_AMAX) / amax.new_full((), E4M3_MAX)
+
+
 def _quantized(weight: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 data, fp32 scales) of one (N, K) weight (:func:`quantize_fp8`)."""
     w = weight.to(torch.float32)
     n, k = w.shape
     if granularity == "channel":
-        scale = w.abs().amax(dim=1).clamp_min(_MIN_AMAX) / E4M3_MAX
+        scale = scale_of_amax(w.abs().amax(dim=1))
         return (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
     nb, kb = -(-n // BLOCK), -(-k // BLOCK)
     padded = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
     padded[:n, :k] = w
     blocks = padded.view(nb, BLOCK, kb, BLOCK)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(_MIN_AMAX) / E4M3_MAX
+    scale = scale_of_amax(blocks.abs().amax(dim=(1, 3)))
     data = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
     return data.view(nb * BLOCK, kb * BLOCK)[:n, :k].to(E4M3).contiguous(), scale
 
 
 __all__ = [
     "BLOCK", "E4M3", "E4M3_MAX", "FORMAT_OF", "FP8FormatError", "FP8Weight", "FP8_DTYPES", "GRANULARITIES",
-    "GRANULARITY_OF_FORMAT", "check_data", "check_scales", "dequantize", "gate_up_blocks_problem", "granularity_of",
-    "quantize_fp8", "scale_vector", "stacked_granularity_of",
+    "GRANULARITY_OF_FORMAT", "QUANTIZED_GLUS", "check_data", "check_scales", "dequantize", "gate_up_blocks_problem",
+    "granularity_of", "quantize_fp8", "scale_of_amax", "scale_vector", "stacked_granularity_of",
 ]

@@ -8,7 +8,12 @@ For x (M, K) bf16/fp16 (any row stride ≥ K, unit column stride), with ``x ≈ 
   128b + 128]|), MIN_AMAX) / 448`` (the activation side of DeepSeek-style 128 x 128 block
   weights, as transformers' FineGrainedFP8 quantizes it);
 
-then ``x8 = e4m3(clamp(x / scale, -448, 448))``, rounded to nearest even. The formula is
+then ``x8 = e4m3(clamp(x / scale, -448, 448))``, rounded to nearest even. With ``glu="silu"``
+the row quantized is not x's but the product of a gated MLP, ``silu(gate) * up`` of x's halves
+(x (M, 2K): gate then up, as a stacked gate/up GEMM writes them), each step rounded to x's dtype
+as transformers' eager ``act_fn(gate) * up`` rounds it (SiLU as torch computes it: ``g / (1 +
+exp(-g))`` in fp32 with IEEE division and the accurate ``expf``): the product is never written,
+and its bytes equal the unfused composition's. The formula is
 kernels/fp8.py's weight quantization (same MIN_AMAX, same order of operations), so a row
 quantized here and the same row quantized by ``quantize_fp8(..., "channel")`` are identical.
 The divisions are IEEE round-to-nearest (``div_rn``), as torch's are, and the e4m3 bytes are
@@ -29,14 +34,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .bounded_cache import BoundedCache
 from .fp8 import _MIN_AMAX as MIN_AMAX  # one floor for weights and activations
-from .fp8 import BLOCK, E4M3, E4M3_MAX
+from .fp8 import BLOCK, E4M3, E4M3_MAX, QUANTIZED_GLUS
 from .triton_config import next_pow2
 from .triton_launch import Launcher, interpreting
 
 GROUPS = ("token", "block128")
+GLUS = (None, *QUANTIZED_GLUS)  # None: x itself; else the gated product formed before quantizing
 IN_DTYPES = (torch.bfloat16, torch.float16)
 ONE_PASS_MAX = 8192  # widest row a per-token program keeps in registers (8 warps: 32 fp32 per thread)
 CHUNK = 4096  # elements per step of the two-pass loop over wider rows
@@ -79,8 +86,27 @@ def _e4m3_bits(xf, scale):
 
 
 @triton.jit
-def _quantize_token_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
-    # One program per row; rows >= M (GEMM padding) read nothing and store zeros.
+def _row_values(x_row, cols, mask, K, GLU: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """The fp32 values of columns ``cols`` of the row to quantize: x's own, or with GLU the
+    product silu(gate) * up of x's gate (columns < K) and up (K + columns) halves, rounded to x's
+    dtype after the SiLU and after the product, as torch's eager ops round them. LIBDEVICE: the
+    accurate expf torch's kernel calls (Triton's own exp is an approximation); the interpreter,
+    which has no libdevice, evaluates tl.exp with numpy's."""
+    v = tl.load(x_row + cols, mask=mask, other=0.0)
+    if GLU:
+        up = tl.load(x_row + K + cols, mask=mask, other=0.0)
+        g = v.to(tl.float32)
+        e = libdevice.exp(-g) if LIBDEVICE else tl.exp(-g)
+        act = tl.math.div_rn(g, 1.0 + e).to(v.dtype)  # torch: x / (1 + expf(-x)), IEEE division
+        v = (act.to(tl.float32) * up.to(tl.float32)).to(v.dtype)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _quantize_token_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
+                           GLU: tl.constexpr, LIBDEVICE: tl.constexpr):
+    # One program per row; rows >= M (GEMM padding) read nothing and store zeros. K: the
+    # quantized row's width (with GLU, x's rows hold 2K: gate, then up).
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * ldx
     q_row = q_ptr + row * K
@@ -89,24 +115,25 @@ def _quantize_token_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, BLOCK_K: tl.constexpr
     live = (tl.zeros_like(cols) + row) < M
     if ONE_PASS:
         mask = cols < K
-        xf = tl.load(x_row + cols, mask=mask & live, other=0.0).to(tl.float32)
+        xf = _row_values(x_row, cols, mask & live, K, GLU, LIBDEVICE)
         scale = _scale_of(tl.max(tl.abs(xf), axis=0))
         tl.store(q_row + cols, _e4m3_bits(xf, scale), mask=mask)
     else:  # the row's amax first, then a second read (from L2) to quantize
         acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             mask = start + cols < K
-            acc = tl.maximum(acc, tl.abs(tl.load(x_row + start + cols, mask=mask & live, other=0.0).to(tl.float32)))
+            acc = tl.maximum(acc, tl.abs(_row_values(x_row, start + cols, mask & live, K, GLU, LIBDEVICE)))
         scale = _scale_of(tl.max(acc, axis=0))
         for start in range(0, K, BLOCK_K):
             mask = start + cols < K
-            xf = tl.load(x_row + start + cols, mask=mask & live, other=0.0).to(tl.float32)
+            xf = _row_values(x_row, start + cols, mask & live, K, GLU, LIBDEVICE)
             tl.store(q_row + start + cols, _e4m3_bits(xf, scale), mask=mask)
     tl.store(s_ptr + row, scale)
 
 
 @triton.jit
-def _quantize_block_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, ld_s, BLOCKS: tl.constexpr, GROUP: tl.constexpr):
+def _quantize_block_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, ld_s, BLOCKS: tl.constexpr, GROUP: tl.constexpr,
+                           GLU: tl.constexpr, LIBDEVICE: tl.constexpr):
     # Program (row, j) quantizes blocks [j * BLOCKS, (j + 1) * BLOCKS) of one row; the scale of
     # block b of row m goes to s_ptr[b * ld_s + m] (M-major, as cuBLASLt's VEC128_32F reads it).
     row = tl.program_id(0).to(tl.int64)
@@ -114,21 +141,23 @@ def _quantize_block_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, ld_s, BLOCKS: tl.cons
     cols = blocks[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = cols < K
     live = (tl.zeros_like(cols) + row) < M  # a boolean tensor, as in _quantize_token_kernel
-    xf = tl.load(x_ptr + row * ldx + cols, mask=mask & live, other=0.0).to(tl.float32)
+    xf = _row_values(x_ptr + row * ldx, cols, mask & live, K, GLU, LIBDEVICE)
     scale = _scale_of(tl.max(tl.abs(xf), axis=1))
     tl.store(q_ptr + row * K + cols, _e4m3_bits(xf, scale[:, None]), mask=mask)
     tl.store(s_ptr + blocks * ld_s + row, scale, mask=blocks * GROUP < K)
 
 
-def _launcher(group: str, rows: int, m: int, k: int, ldx: int, device: torch.device) -> Launcher:
+def _launcher(group: str, rows: int, m: int, k: int, ldx: int, glu: str | None, device: torch.device) -> Launcher:
+    glu_meta = dict(GLU=glu is not None, LIBDEVICE=not interpreting())
     if group == "token":
         one_pass = k <= ONE_PASS_MAX
         block = next_pow2(k) if one_pass else CHUNK
         warps = 4 if block <= 1024 else 8
-        return Launcher(_quantize_token_kernel, (rows,), dict(BLOCK_K=block, ONE_PASS=one_pass, num_warps=warps))
+        return Launcher(_quantize_token_kernel, (rows,),
+                        dict(BLOCK_K=block, ONE_PASS=one_pass, num_warps=warps, **glu_meta))
     blocks = min(BLOCKS_PER_PROGRAM, next_pow2(triton.cdiv(k, BLOCK)))
     grid = (rows, triton.cdiv(triton.cdiv(k, BLOCK), blocks))
-    return Launcher(_quantize_block_kernel, grid, dict(BLOCKS=blocks, GROUP=BLOCK, num_warps=4))
+    return Launcher(_quantize_block_kernel, grid, dict(BLOCKS=blocks, GROUP=BLOCK, num_warps=4, **glu_meta))
 
 
 # Launchers by everything the compiled kernel is specialised on: group, the integer arguments
@@ -137,36 +166,44 @@ def _launcher(group: str, rows: int, m: int, k: int, ldx: int, device: torch.dev
 _LAUNCHERS = BoundedCache(PLAN_CACHE_SIZE)
 
 
-def check_activations(x, group: str, who: str = "quantize_activations") -> None:
+def check_activations(x, group: str, who: str = "quantize_activations", glu: str | None = None) -> None:
     """TypeError/ValueError naming the problem unless ``x`` is a 2-D bf16/fp16 tensor with unit
-    column stride and K ≥ 1, on CUDA (or the CPU under TRITON_INTERPRET=1), and ``group`` one
-    of :data:`GROUPS`."""
+    column stride and K ≥ 1 (with ``glu``, an even number of columns ≥ 2), on CUDA (or the CPU
+    under TRITON_INTERPRET=1), ``group`` one of :data:`GROUPS` and ``glu`` one of :data:`GLUS`."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{who}: x must be a torch.Tensor, got {type(x).__name__}")
     if group not in GROUPS:
         raise ValueError(f"{who}: group must be one of {GROUPS}, got {group!r}")
+    if glu not in GLUS:
+        raise ValueError(f"{who}: glu must be one of {GLUS}, got {glu!r}")
     if x.dtype not in IN_DTYPES:
         raise TypeError(f"{who}: x must be bfloat16 or float16, got {x.dtype}")
     if x.dim() != 2:
         raise ValueError(f"{who}: x must be 2-D (M, K), got shape {tuple(x.shape)}")
     if x.shape[1] == 0:
         raise ValueError(f"{who}: x has no features (K = 0): nothing to scale")
+    if glu is not None and x.shape[1] % 2:
+        raise ValueError(f"{who}: with glu={glu!r} x holds gate then up, an even number of columns; got {x.shape[1]}")
     if x.device.type != "cuda" and not (x.device.type == "cpu" and interpreting()):
         raise ValueError(f"{who}: x must be a CUDA tensor (or a CPU one under TRITON_INTERPRET=1), got {x.device}")
 
 
-def quantize_for_gemm(x: torch.Tensor, group: str, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_for_gemm(x: torch.Tensor, group: str, rows: int | None = None,
+                      glu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x8 (rows, K) contiguous, scales)``: x (M, K) quantized (checked: :func:`check_activations`),
-    ``rows`` ≥ M rows (default M; rows past M are zeros). Scales: ``token`` a (rows,) vector,
-    ``block128`` an (L, rows) row-major buffer, L = ceil(K / 128) (M-major, cuBLASLt's layout)."""
-    check_activations(x, group)
-    m, k = x.shape
+    ``rows`` ≥ M rows (default M; rows past M are zeros); with ``glu`` x is (M, 2K), gate then
+    up, and the product is what is quantized (module docstring). Scales: ``token`` a (rows,)
+    vector, ``block128`` an (L, rows) row-major buffer, L = ceil(K / 128) (M-major, cuBLASLt's
+    layout)."""
+    check_activations(x, group, glu=glu)
+    m, k = x.shape[0], x.shape[1] // (1 if glu is None else 2)
     rows = m if rows is None else rows
     if rows < m:
         raise ValueError(f"quantize_for_gemm: rows ({rows}) must be at least x's {m} rows")
-    if (k > 1 and x.stride(1) != 1) or (m > 1 and x.stride(0) < k):
+    width = x.shape[1]  # (2K with glu)
+    if (width > 1 and x.stride(1) != 1) or (m > 1 and x.stride(0) < width):
         x = x.contiguous()  # a column-strided or overlapping view: one copy into the kernel's layout
-    ldx = x.stride(0) if m > 1 else k
+    ldx = x.stride(0) if m > 1 else width
     x8 = torch.empty((rows, k), dtype=E4M3, device=x.device)  # written as bytes (_e4m3_bits)
     if group == "token":
         scale = torch.empty((rows,), dtype=torch.float32, device=x.device)
@@ -174,10 +211,10 @@ def quantize_for_gemm(x: torch.Tensor, group: str, rows: int | None = None) -> t
         scale = torch.empty((triton.cdiv(k, BLOCK), rows), dtype=torch.float32, device=x.device)
     if rows == 0:
         return x8, scale
-    key = (group, rows, m, k, ldx, x.dtype, x.get_device(), not x.data_ptr() & 15)
+    key = (group, rows, m, k, ldx, glu, x.dtype, x.get_device(), not x.data_ptr() & 15)
     launch = _LAUNCHERS.get(key)
     if launch is None:
-        launch = _LAUNCHERS.put(key, _launcher(group, rows, m, k, ldx, x.device))
+        launch = _LAUNCHERS.put(key, _launcher(group, rows, m, k, ldx, glu, x.device))
     args = (x, x8.view(torch.uint8), scale, m, k, ldx) + ((rows,) if group == "block128" else ())
     if x.is_cuda and x.get_device() != torch.cuda.current_device():
         with torch.cuda.device(x.device):  # the launch goes to the current device's stream
@@ -187,12 +224,14 @@ def quantize_for_gemm(x: torch.Tensor, group: str, rows: int | None = None) -> t
     return x8, scale
 
 
-def quantize_activations(x: torch.Tensor, group: str = "token") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, group: str = "token",
+                         glu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x8, scale)`` with ``x ≈ x8.float() * scale``: x (M, K) bf16/fp16 quantized to e4m3
     per token (scale (M,)) or per 1 x 128 block (scale (M, ceil(K/128)), M-major: strides
-    (1, M)). See the module docstring for the formula. TypeError/ValueError for bad input."""
-    x8, scale = quantize_for_gemm(x, group)
+    (1, M)); with ``glu="silu"``, x (M, 2K) and ``silu(gate) * up ≈ x8.float() * scale``. See
+    the module docstring for the formula. TypeError/ValueError for bad input."""
+    x8, scale = quantize_for_gemm(x, group, glu=glu)
     return x8, scale if group == "token" else scale.t()
 
 
-__all__ = ["GROUPS", "MIN_AMAX", "check_activations", "quantize_activations", "quantize_for_gemm"]
+__all__ = ["GLUS", "GROUPS", "MIN_AMAX", "check_activations", "quantize_activations", "quantize_for_gemm"]

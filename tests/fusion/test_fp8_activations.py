@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import hybridgemm
 from helpers import w8a8_reference
-from hybridgemm import decide, dispatch, fp8_linear, fp8_modules, mode_state
+from hybridgemm import decide, dispatch, fp8_linear, fp8_modules, mlp, mode_state
 from hybridgemm.fp8_modules import FP8FusedLinears, FP8HybridLinear
 from hybridgemm.kernels import backends, fp8
 from hybridgemm.kernels.cublaslt_runtime import CublasLtUnsupported
@@ -30,10 +30,11 @@ transformers = pytest.importorskip("transformers")
 def gpu_branch(monkeypatch):
     """The GPU branch of fp8_linear on CPU tensors: split-K decided at M <= 64 (run by a stand-in
     recording the call), the dequantized path above (F.linear); cuBLASLt's FP8 GEMM a stand-in
-    (``refuse`` makes it raise CublasLtUnsupported). Returns the calls and the switch."""
+    (``refuse`` makes it raise CublasLtUnsupported; with ``glu`` it forms the product of x's
+    halves first). Returns the calls and the switch."""
     calls, state = [], {"refuse": False}
 
-    def decision_for(x2, w, b, out, act=None, weight_format=""):
+    def decision_for(x2, w, b, out, act=None, weight_format="", fresh_x=False):
         if x2.shape[0] <= 64:
             return decide.Choice("triton_splitk", None, "rule", "k", "test")
         return decide.Choice("torch", None, "rule", "k", "test")
@@ -44,10 +45,13 @@ def gpu_branch(monkeypatch):
         z = F.linear(x.float(), q.dequantize(torch.float32), None if b is None else b.float())
         out.copy_(apply_activation(z, act))
 
-    def cublaslt_fp8(config, x, w, b, out, act, tf32=False, weight_scale=None):
+    def cublaslt_fp8(config, x, w, b, out, act, tf32=False, weight_scale=None, glu=None):
         if state["refuse"]:
             raise CublasLtUnsupported("cuBLASLt has no FP8 algorithm here (test)")
-        calls.append(("w8a8", x.shape[0]))
+        calls.append(("w8a8" if glu is None else f"w8a8 {glu}", x.shape[0]))
+        if glu is not None:  # the product the quantization kernel forms (kernels/fp8_quant.py)
+            gate, up = x.chunk(2, dim=1)
+            x = F.silu(gate) * up
         q = fp8.FP8Weight(w, weight_scale, fp8.granularity_of(w, weight_scale), x.dtype)
         out.copy_(w8a8_reference(x, q, b, act))
 
@@ -146,27 +150,40 @@ def test_patch_sets_every_fp8_projection_and_the_modules_pass_it_on(monkeypatch)
     assert len(mods) == 8 and all(m.fp8_activations for m in mods)
     assert not any(m.fp8_activations for m in plain.modules() if isinstance(m, (FP8HybridLinear, FP8FusedLinears)))
     seen = []
-    real = fp8_modules.linear_fp8
-    monkeypatch.setattr(fp8_modules, "linear_fp8", lambda *a: seen.append(a[-1]) or real(*a))
+    real, real_glu = fp8_modules.linear_fp8, mlp.linear_fp8_glu
+    monkeypatch.setattr(fp8_modules, "linear_fp8", lambda *a: seen.append(("linear", a[-1])) or real(*a))
+    # down_proj: its input is the gated product, which the call forms (fp8_linear.linear_fp8_glu)
+    monkeypatch.setattr(mlp, "linear_fp8_glu", lambda *a: seen.append(("glu", a[5])) or real_glu(*a))
     ids = torch.randint(0, 64, (1, 5))
+    per_layer = [("linear", True)] * 3 + [("glu", True)]  # Q/K/V, O, gate/up; then down
     with torch.no_grad():
         got = model(ids).logits
-        assert seen == [True] * 8
+        assert seen == per_layer * 2
         want = plain(ids).logits
-    assert seen[8:] == [False] * 8
+    assert seen[8:] == [(how, False) for how, _ in per_layer] * 2
     assert torch.equal(got, want)  # on the CPU both run the dequantized weight with x as it is
 
 
 def test_every_projection_of_a_patched_prefill_runs_the_w8a8_gemm(gpu_branch):
     """Q/K/V, O, gate/up and down of both layers: 8 FP8 GEMMs over the 80 prefill rows, each
-    the W8A8 one (the fused Q/K/V and gate/up hand out their parts of one call); then the fp16
-    LM head, not FP8 (the fixture records the dispatcher's GEMM as "dequantized")."""
+    the W8A8 one (the fused Q/K/V and gate/up hand out their parts of one call; down's input the
+    gated product, formed as it is quantized); then the fp16 LM head, not FP8 (the fixture
+    records the dispatcher's GEMM as "dequantized"). The logits are those of the same model
+    with down called on the product as a module (the product written, then quantized)."""
     calls, _ = gpu_branch
     model = _tiny_llama().half()
     hybridgemm.patch(model, weights="fp8", activations="fp8")
+    ids = torch.randint(0, 64, (1, 80), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        logits = model(torch.randint(0, 64, (1, 80), generator=torch.Generator().manual_seed(3))).logits
-    assert calls == [("w8a8", 80)] * 8 + [("dequantized", 80)] and torch.isfinite(logits).all()
+        logits = model(ids).logits
+        assert calls == [("w8a8", 80)] * 3 + [("w8a8 silu", 80)] + [("w8a8", 80)] * 3 + [("w8a8 silu", 80)] \
+            + [("dequantized", 80)] and torch.isfinite(logits).all()
+        calls.clear()
+        for layer in model.model.layers:  # a forward hook on down: the MLP calls it as a module
+            layer.mlp.down_proj.register_forward_hook(lambda *a: None)
+        unfused = model(ids).logits
+    assert calls == [("w8a8", 80)] * 8 + [("dequantized", 80)]
+    assert torch.equal(logits, unfused)
 
 
 def test_torch_compile_passes_the_option_to_the_fp8_call(gpu_branch):

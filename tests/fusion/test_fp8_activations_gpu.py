@@ -115,8 +115,11 @@ def test_a_patched_llama_prefills_with_fp8_activations(cuda, granularity, monkey
             if name != "cublaslt_fp8":
                 return be
 
-            def run(config, x, w, b, out, act, tf32=False, weight_scale=None):
-                be.run(config, x, w, b, out, act, tf32, weight_scale=weight_scale)
+            def run(config, x, w, b, out, act, tf32=False, weight_scale=None, glu=None):
+                be.run(config, x, w, b, out, act, tf32, weight_scale=weight_scale, glu=glu)
+                if glu is not None:  # down: its input is the gated product, formed as it is quantized
+                    gate, up = x.chunk(2, dim=1)
+                    x = torch.nn.functional.silu(gate) * up
                 calls.append((x.clone(), w, weight_scale, b, out.clone()))
             return type(be)(be.name, be.available, be.candidates, be.config_from_record, run, be.describe)
 
@@ -134,3 +137,52 @@ def test_a_patched_llama_prefills_with_fp8_activations(cuda, granularity, monkey
     # fp32 W8A8 model as the W8A16 one does (measured: 0.98-1.01x); a wrong scale or input
     # would put it far beyond
     assert rel_err(b, expected) < 1.5 * rel_err(a, expected), (rel_err(b, expected), rel_err(a, expected))
+
+
+@pytest.mark.parametrize("granularity", fp8.GRANULARITIES)
+@pytest.mark.parametrize("m", [65, 333, 1000])
+def test_the_gated_product_formed_while_quantizing_is_the_composition_bit_for_bit(cuda, granularity, m,
+                                                                                  monkeypatch):
+    """``linear_fp8_glu`` (a gated MLP's down over its gate/up output): past the decode rows with
+    W8A8 the product ``silu(gate) * up`` is formed inside the quantization of x and never
+    written; the result equals, bit for bit, down called on the product written first, for
+    rows of a wider buffer and 3-D inputs too; at decode rows and without the option it is the
+    composition's call (the split-K or dequantized path)."""
+    from hybridgemm import fp8_linear
+
+    g = torch.Generator(device=cuda).manual_seed(m)
+    k, n = 1376, 520
+    q = fp8.quantize_fp8((torch.randn(n, k, device=cuda, generator=g) / k**0.5).bfloat16(), granularity)
+    bias = torch.randn(n, device=cuda, generator=g).bfloat16()
+    buf = (torch.randn(m, 2 * k + 64, device=cuda, generator=g) * 3).bfloat16()
+    buf[:, 0] = -120.0  # SiLU's -0 and a saturating exp
+    glu_calls = []
+    real_get = backends.get_backend
+
+    def get_backend(name):
+        be = real_get(name)
+        if name != "cublaslt_fp8":
+            return be
+
+        def run(config, x, w, b, out, act, tf32=False, weight_scale=None, glu=None):
+            glu_calls.append(glu)
+            return be.run(config, x, w, b, out, act, tf32, weight_scale=weight_scale, glu=glu)
+        return type(be)(be.name, be.available, be.candidates, be.config_from_record, run, be.describe)
+
+    monkeypatch.setattr(backends, "get_backend", get_backend)
+    for gu in (buf[:, :2 * k], buf[:, :2 * k].contiguous().view(1, m, 2 * k)):
+        gate, up = gu.chunk(2, dim=-1)
+        with torch.no_grad():
+            for option in (True, False):
+                glu_calls.clear()
+                got = fp8_linear.linear_fp8_glu(gu, q.data, q.scale, bias, "silu", option)
+                want = fp8_linear.linear_fp8(torch.nn.functional.silu(gate) * up, q.data, q.scale, bias, None, option)
+                assert got.shape == (*gu.shape[:-1], n) and torch.equal(got, want)
+                assert glu_calls == (["silu", None] if option else [])  # ours, then the composition's
+    if m == 65:  # at the decode rows' edge (64) and below: the composition's call, x as it is
+        gu = buf[:64, :2 * k]
+        gate, up = gu.chunk(2, dim=-1)
+        with torch.no_grad():
+            got = fp8_linear.linear_fp8_glu(gu, q.data, q.scale, bias, "silu", True)
+            want = fp8_linear.linear_fp8(torch.nn.functional.silu(gate) * up, q.data, q.scale, bias, None, True)
+        assert torch.equal(got, want)

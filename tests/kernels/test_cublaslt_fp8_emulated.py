@@ -173,7 +173,7 @@ def lt(monkeypatch):
     monkeypatch.setattr(cublaslt_plan, "cublaslt_version", lambda: 130100)
     monkeypatch.setitem(cublaslt_plan.workspace_ptrs, (-1, 0), 256)
     # the operand checks want CUDA tensors: here only the weight's own checks run
-    monkeypatch.setattr(cf, "_check_operands", lambda x, w8, w_scale, bias, out: granularity_of(w8, w_scale))
+    monkeypatch.setattr(cf, "_check_operands", lambda x, w8, w_scale, bias, out, glu=None: granularity_of(w8, w_scale))
     cf.clear_caches()
     yield fake
     cf.clear_caches()
@@ -218,6 +218,24 @@ def test_matches_the_reference_through_the_documented_layouts(lt, granularity, d
         cf.run(x, w.data, w.scale, b, out, act)
         z, want = reference(x, w, b, act, dtype)
         assert_matches(out, z, want, act, dtype, fused=act != "gelu")
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block128"])
+def test_glu_input_is_the_gemm_of_the_product(lt, granularity):
+    """``glu="silu"``: x holds a gated MLP's gate then up; the GEMM's input is the product the
+    quantization forms (kernels/fp8_quant.py), so the output is the bits of the GEMM of the
+    product written first (fp16: the interpreter rounds it as the GPU does)."""
+    m, n, k = 17, 200, 400
+    gu, w, b = operands(m, n, 2 * k, torch.float16, granularity, True)
+    w = quantize_fp8(torch.randn(n, k) / k**0.5, granularity)
+    g = gu[:, :k].float().numpy()
+    import numpy as np
+
+    product = torch.from_numpy(g / (np.float32(1.0) + np.exp(-g))).half() * gu[:, k:]  # as the interpreter forms it
+    out, want = (torch.full((m, n), float("nan"), dtype=torch.float16) for _ in range(2))
+    cf.run(gu, w.data, w.scale, b, out, "relu", glu="silu")
+    cf.run(product, w.data, w.scale, b, want, "relu")
+    assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("granularity", ["channel", "block128"])

@@ -18,16 +18,18 @@ DTYPES = [torch.bfloat16, torch.float16]
 
 def reference(x: torch.Tensor, group: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The formula in torch, fp32: scale = max(amax, floor) / 448 per row or per 1x128 block,
-    x8 = e4m3(clamp(x / scale, ±448)). Block scales returned as (M, L)."""
+    x8 = e4m3(clamp(x / scale, ±448)). Block scales returned as (M, L). The divisor 448 is a
+    tensor: torch's CUDA division by a Python number multiplies by its reciprocal, which is not
+    the IEEE quotient for every amax."""
     xf = x.float()
     m, k = xf.shape
     if group == "token":
-        scale = xf.abs().amax(dim=1).clamp_min(fq.MIN_AMAX) / 448.0
+        scale = xf.abs().amax(dim=1).clamp_min(fq.MIN_AMAX) / xf.new_full((), 448.0)
         return (xf / scale[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
     nb = -(-k // 128)
     padded = torch.zeros(m, nb * 128, device=x.device)
     padded[:, :k] = xf
-    scale = padded.view(m, nb, 128).abs().amax(dim=2).clamp_min(fq.MIN_AMAX) / 448.0
+    scale = padded.view(m, nb, 128).abs().amax(dim=2).clamp_min(fq.MIN_AMAX) / xf.new_full((), 448.0)
     per_col = scale.repeat_interleave(128, dim=1)[:, :k]
     return (xf / per_col).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
@@ -158,6 +160,43 @@ def test_no_rows(group, device):
     assert q.shape == (0, 300) and s.shape == ((0,) if group == "token" else (0, 3))
 
 
+def silu_product(gu: torch.Tensor) -> torch.Tensor:
+    """transformers' eager ``act_fn(gate) * up`` of a stacked (gate | up) tensor, in its dtype.
+    On the GPU torch's own SiLU kernel; on the CPU the same formula as the interpreter evaluates
+    it (float32 ``g / (1 + exp(-g))`` with numpy's exp, which the interpreter's libdevice is), so
+    that each device checks the bytes of the very product it computes."""
+    gate, up = gu.chunk(2, dim=1)
+    if gu.is_cuda:
+        return torch.nn.functional.silu(gate) * up
+    import numpy as np
+
+    g = gate.float().numpy()
+    act = torch.from_numpy(g / (np.float32(1.0) + np.exp(-g))).to(gu.dtype)
+    return act * up
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", fq.GROUPS)
+@pytest.mark.parametrize("m,k", [(1, 1), (3, 129), (17, 300), (4, fq.ONE_PASS_MAX + 264)])
+def test_glu_quantizes_the_silu_product_it_never_writes(dtype, group, m, k, device):
+    """``glu="silu"``: x holds gate then up (a stacked gate/up GEMM's output, here with a row
+    stride past 2K); the bytes and scales are those of the eager product quantized, including a
+    row wider than one pass and gates far into the negative (SiLU's -0) and the positive."""
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the interpreter truncates fp32 to bf16 where the GPU rounds to nearest (the SiLU and the "
+                    "product are rounded to x's dtype): bf16 runs on the GPU")
+    torch.manual_seed(m * 1000 + k)
+    buf = torch.randn(m, 2 * k + 8, device=device) * 4
+    buf[:, 0] = -200.0  # exp(200) overflows fp32: the SiLU is -0
+    buf[-1, :k] = 0  # a row whose product is all zeros
+    gu = buf.to(dtype)[:, :2 * k]
+    q, s = fq.quantize_activations(gu, group, glu="silu")
+    ref_q, ref_s = reference(silu_product(gu), group)
+    assert_same_bytes(q, ref_q)
+    assert torch.equal(s, ref_s)
+    assert not q[-1].float().any()
+
+
 def test_launchers_are_cached_per_shape(device):
     fq._LAUNCHERS.clear()
     for _ in range(3):
@@ -176,6 +215,8 @@ def test_bad_input(device, monkeypatch):
         ((x.to(torch.int32), "token"), TypeError, "bfloat16 or float16"),
         ((x.view(2, 2, 64), "token"), ValueError, "2-D"),
         ((x[:, :0], "block128"), ValueError, "K = 0"),
+        ((x, "token", "gelu"), ValueError, "glu must be one of"),
+        ((x[:, :63], "token", "silu"), ValueError, "even number of columns"),
     ]
     for args, exc, words in cases:
         with pytest.raises(exc, match=words):
