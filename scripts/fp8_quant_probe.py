@@ -1,0 +1,84 @@
+"""What quantizing a prefill's activations to e4m3 costs (GPU machine): kernels/fp8_quant.py per
+token on Llama-3-8B's shapes at 2048 rows, bf16 — x (4096 columns, the input of Q/K/V, O and
+gate/up), the MLP's product (14336 columns, down's input), and that product formed from the
+gate/up output inside the kernel (``glu="silu"``, what W8A8 prefill runs for down) beside torch's
+eager ``silu(gate) * up`` that it replaces. CUDA events around each call with the L2 flushed
+before it, median of ``--reps``; the formed product's bytes and scales are checked equal to those
+of the product written first.
+
+    python3 scripts/fp8_quant_probe.py [--rows 2048] [--reps 20] [--one-pass-max 8192 16384]
+    python3 scripts/fp8_quant_probe.py --dry-run     (each call once on small shapes, no timing;
+                                                     runs under TRITON_INTERPRET=1 on a CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from hybridgemm.kernels import fp8_quant as fq
+
+HIDDEN, INTERMEDIATE = 4096, 14336  # Llama-3-8B
+
+
+def median_us(fn, reps: int, flush: torch.Tensor) -> float:
+    times = []
+    for _ in range(reps):
+        flush.zero_()  # the operands come from HBM, as after the GEMM that wrote them
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--one-pass-max", type=int, nargs="+", default=[fq.ONE_PASS_MAX],
+                    help="widest row kept in registers (fp8_quant.ONE_PASS_MAX), one run each")
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args(argv)
+    dry = args.dry_run
+    device = "cpu" if dry else "cuda"
+    dtype = torch.float16 if dry else torch.bfloat16  # (the interpreter rounds fp32 to bf16 by truncation)
+    rows, hidden, inter = (5, 64, 160) if dry else (args.rows, HIDDEN, INTERMEDIATE)
+    torch.manual_seed(0)
+    gate_up = (torch.randn(rows, 2 * inter, device=device) * 2).to(dtype)
+    x = torch.randn(rows, hidden, device=device).to(dtype)
+    product = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).contiguous()
+    calls = {"x": lambda: fq.quantize_for_gemm(x, "token"),
+             "product": lambda: fq.quantize_for_gemm(product, "token"),
+             "product formed (glu)": lambda: fq.quantize_for_gemm(gate_up, "token", glu="silu"),
+             "torch silu(gate) * up": lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:]}
+    flush = None if dry else torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    default = fq.ONE_PASS_MAX
+    try:
+        for one_pass_max in args.one_pass_max:
+            fq.ONE_PASS_MAX = one_pass_max
+            fq._LAUNCHERS.clear()
+            formed, written = calls["product formed (glu)"](), calls["product"]()
+            same = torch.equal(formed[0].view(torch.uint8), written[0].view(torch.uint8)) \
+                and torch.equal(formed[1], written[1])
+            if dry:
+                for fn in calls.values():
+                    fn()
+                print(f"ONE_PASS_MAX={one_pass_max}: every call ran; formed == written: {same}")
+                continue
+            times = {name: median_us(fn, args.reps, flush) for name, fn in calls.items()}
+            print(f"ONE_PASS_MAX={one_pass_max}, {rows} rows: "
+                  + ", ".join(f"{name} {us:.1f} µs" for name, us in times.items())
+                  + f"; formed == written: {same}", flush=True)
+    finally:
+        fq.ONE_PASS_MAX = default
+        fq._LAUNCHERS.clear()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
