@@ -16,7 +16,8 @@
 #         tune      autotune TUNE_MODELS (default llama3-8b; every M range) into $OUT/h200.json, then
 #                   llama3-8b again with --force (TUNE_RUNS - 1 times, default once) and each rerun's
 #                   choices compared with the first ($OUT/tune_compare.txt)
-#         fp8       FP8 weights: GPU tests, the split-K sweep on e4m3 (FP8_GRANULARITY), the prefill bench,
+#         fp8       FP8 weights: GPU tests (the activation quantization's too), the split-K sweep on e4m3
+#                   (FP8_GRANULARITY), the prefill bench,
 #                   scripts/fp8_decode_probe.py; FP8 tables: TUNE_ARGS="--weights fp8" with the tune stage
 #         fp8moe    FP8 experts and W8A8: their GPU tests, bench_moe --weights bf16 fp8 (1, 2, 4, 8,
 #                   2048 tokens), moe_config_probe --weights fp8_channel at 2 and 4 tokens (both
@@ -172,6 +173,11 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', 
       $PY -m pytest -m gpu -q -p no:cacheprovider -rfE tests/fusion/test_fp8_gpu.py tests/kernels/test_cublaslt_fp8_gpu.py \
         tests/perf/test_fp8_bench_gpu.py >"$OUT/pytest_fp8_gpu.txt" 2>&1 || status=1
       tail -n 3 "$OUT/pytest_fp8_gpu.txt" | tee -a "$OUT/summary.txt"
+      # the activation quantization's tests take the `device` fixture (no gpu marker: they run on the
+      # CPU too), so `pytest -m gpu` leaves them out; here they run on the GPU
+      $PY -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_fp8_quant.py tests/kernels/test_fp8.py \
+        >"$OUT/pytest_fp8_quant_gpu.txt" 2>&1 || status=1
+      tail -n 3 "$OUT/pytest_fp8_quant_gpu.txt" | tee -a "$OUT/summary.txt"
       log "sweep_configs split-K fp8 ($g)"
       $PY -m hybridgemm.perf.sweep_configs --backend triton_splitk --weights fp8 --granularity "$g" \
         --shape 6144,4096 4096,4096 28672,4096 4096,14336 --m 1 8 --out "$OUT" >"$OUT/sweep_fp8.txt" 2>&1 || status=1
