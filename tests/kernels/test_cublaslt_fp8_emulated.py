@@ -226,11 +226,9 @@ def test_glu_input_is_the_gemm_of_the_product(lt, granularity):
     quantization forms (kernels/fp8_quant.py), so the output is the bits of the GEMM of the
     product written first (fp16: the interpreter rounds it as the GPU does)."""
     m, n, k = 17, 200, 400
-    gu, w, b = operands(m, n, 2 * k, torch.float16, granularity, True)
+    gu, _, b = operands(m, n, 2 * k, torch.float16, granularity, True)
     w = quantize_fp8(torch.randn(n, k) / k**0.5, granularity)
     g = gu[:, :k].float().numpy()
-    import numpy as np
-
     product = torch.from_numpy(g / (np.float32(1.0) + np.exp(-g))).half() * gu[:, k:]  # as the interpreter forms it
     out, want = (torch.full((m, n), float("nan"), dtype=torch.float16) for _ in range(2))
     cf.run(gu, w.data, w.scale, b, out, "relu", glu="silu")

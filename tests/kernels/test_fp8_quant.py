@@ -5,6 +5,7 @@ of the GEMM path, the block scales' layout, and bad input."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,14 +163,12 @@ def test_no_rows(group, device):
 
 def silu_product(gu: torch.Tensor) -> torch.Tensor:
     """transformers' eager ``act_fn(gate) * up`` of a stacked (gate | up) tensor, in its dtype.
-    On the GPU torch's own SiLU kernel; on the CPU the same formula as the interpreter evaluates
-    it (float32 ``g / (1 + exp(-g))`` with numpy's exp, which the interpreter's libdevice is), so
-    that each device checks the bytes of the very product it computes."""
+    On the GPU torch's own SiLU kernel; on the CPU the formula as the interpreter evaluates the
+    kernel's (float32 ``g / (1 + exp(-g))``, its exp numpy's), so that each device checks the
+    bytes of the very product it computes."""
     gate, up = gu.chunk(2, dim=1)
     if gu.is_cuda:
         return torch.nn.functional.silu(gate) * up
-    import numpy as np
-
     g = gate.float().numpy()
     act = torch.from_numpy(g / (np.float32(1.0) + np.exp(-g))).to(gu.dtype)
     return act * up
