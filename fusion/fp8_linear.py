@@ -149,26 +149,30 @@ def linear_fp8_glu(gate_up: Tensor, data: Tensor, scale: Tensor, bias: Tensor | 
 def _glu_into_gemm(gate_up: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None, glu: str,
                    quantize_input: bool, act: Activation) -> Tensor | None:
     """The product's GEMM with the product formed inside the quantization of x, or None where
-    :func:`fp8_linear` of the product would not quantize x for cuBLASLt here: an activation the
-    kernel does not form, a gradient wanted, a compiled region, a tensor subclass, a device the
-    FP8 kernels skip, or a decision of the split-K kernel or of the dequantized weight's GEMM."""
+    :func:`fp8_linear` of the product would not run W8A8 here: no ``quantize_input``, decode
+    rows, another mode, an activation the kernel does not form, a gradient wanted, a compiled
+    region, a tensor subclass, a device the FP8 kernels skip, or a table's split-K decision. (A
+    table's cublaslt_fp8 entry without ``quantize_input`` also quantizes x; the composition
+    serves it, so that decode rows pay for no second decision.)"""
+    gu2 = rows_2d(gate_up)
+    m = gu2.shape[0]
+    if not (quantize_input and m > DECODE_MAX_M and get_mode() == DEFAULT) or glu not in fp8.QUANTIZED_GLUS:
+        return None
     wants_grad = torch.is_grad_enabled() and (gate_up.requires_grad or (bias is not None and bias.requires_grad))
-    if glu not in fp8.QUANTIZED_GLUS or wants_grad or torch.compiler.is_compiling() \
-            or type(gate_up) not in PLAIN_TENSOR_TYPES or not runs_fp8_kernels(gate_up):
+    if wants_grad or torch.compiler.is_compiling() or type(gate_up) not in PLAIN_TENSOR_TYPES \
+            or not runs_fp8_kernels(gate_up):
         return None
     k = data.shape[1]
-    gu2 = rows_2d(gate_up)
     granularity = check_fp8_args(gu2[:, :k], data, scale, bias)
-    m, n = gu2.shape[0], data.shape[0]
-    if m == 0 or n == 0 or k == 0:
+    n = data.shape[0]
+    if n == 0 or k == 0:
         return None
     scale = fp8.scale_vector(scale, granularity)
     w2, b2 = row_major(data), contiguous_bias(bias)
     out = torch.empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
     choice = dispatch.decision_for(gu2[:, :k], w2, b2, out, act, fp8.FORMAT_OF[granularity], fresh_x=True)
-    w8a8 = quantize_input and m > DECODE_MAX_M and get_mode() == DEFAULT
-    if not (choice.backend == "cublaslt_fp8" or (w8a8 and choice.backend not in backends.FP8_BACKENDS)):
-        return None
+    if choice.backend in backends.FP8_BACKENDS and choice.backend != "cublaslt_fp8":
+        return None  # (fp8_linear runs a table's split-K decision with x as it is)
     try:
         backends.get_backend("cublaslt_fp8").run({}, row_major(gu2), w2, b2, out, act, False, weight_scale=scale,
                                                   glu=glu)

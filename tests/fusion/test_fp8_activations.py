@@ -186,6 +186,39 @@ def test_every_projection_of_a_patched_prefill_runs_the_w8a8_gemm(gpu_branch):
     assert torch.equal(logits, unfused)
 
 
+def test_the_gated_product_takes_the_w8a8_gemm_only_past_the_decode_rows(gpu_branch, monkeypatch):
+    """``linear_fp8_glu``: with the option and past the decode rows the product goes to the W8A8
+    GEMM unwritten (one decision, for the product's shape); at decode rows, without the option,
+    or where the table decides split-K for those rows, the composition runs (its own decision
+    only), with the composition's result."""
+    calls, _ = gpu_branch
+    fresh = []
+    faked = dispatch.decision_for
+
+    def decision_for(*a, fresh_x=False, **kw):
+        fresh.append(fresh_x)
+        return faked(*a, fresh_x=fresh_x, **kw)
+
+    monkeypatch.setattr(dispatch, "decision_for", decision_for)
+    g = torch.Generator().manual_seed(5)
+    q = fp8.quantize_fp8((torch.randn(96, 160, generator=g) * 0.2).half())
+    for m, option, want in ((80, True, [("w8a8 silu", 80)]), (17, True, [("splitk", 17)]),
+                            (80, False, [("dequantized", 80)])):
+        calls.clear()
+        fresh.clear()
+        gu = torch.randn(m, 320, generator=g).half()
+        got = fp8_linear.linear_fp8_glu(gu, q.data, q.scale, None, "silu", option)
+        gate, up = gu.chunk(2, dim=1)
+        assert calls == want and fresh == ([True] if want[0][0] == "w8a8 silu" else [False])
+        calls.clear()
+        assert torch.equal(got, fp8_linear.linear_fp8(F.silu(gate) * up, q.data, q.scale, None, None, option))
+    monkeypatch.setattr(dispatch, "decision_for",  # a table's split-K entry past the decode rows
+                        lambda *a, **kw: decide.Choice("triton_splitk", None, "table", "k", "test"))
+    calls.clear()
+    fp8_linear.linear_fp8_glu(torch.randn(80, 320, generator=g).half(), q.data, q.scale, None, "silu", True)
+    assert calls == [("splitk", 80)]
+
+
 def test_torch_compile_passes_the_option_to_the_fp8_call(gpu_branch):
     calls, _ = gpu_branch
     q = fp8.quantize_fp8(torch.randn(64, 128).half())
