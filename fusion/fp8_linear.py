@@ -135,9 +135,9 @@ def linear_fp8_glu(gate_up: Tensor, data: Tensor, scale: Tensor, bias: Tensor | 
     """:func:`linear_fp8` (with ``activation`` after it) of a gated MLP's product, ``glu(gate) *
     up`` of the stacked (..., 2K) output ``gate_up`` (gate columns first; ``glu`` a key of
     ``GLU_ACTIVATIONS``), in gate_up's dtype as transformers' eager MLP rounds it. Where that
-    call would quantize its input for cuBLASLt's FP8 GEMM (:func:`_glu_into_gemm`), the product
-    is formed while x is quantized and never written (kernels/fp8_quant.py): the same bytes
-    reach the same GEMM. Anywhere else, the composition itself."""
+    call runs W8A8 (:func:`_glu_into_gemm`), the product is formed while x is quantized and
+    never written (kernels/fp8_quant.py): the same bytes reach the same GEMM. Anywhere else,
+    the composition itself."""
     if isinstance(gate_up, Tensor) and gate_up.dim() >= 1 and gate_up.shape[-1] == 2 * data.shape[-1]:
         y = _glu_into_gemm(gate_up, data, scale, bias, glu, quantize_input, Activation.parse(activation))
         if y is not None:
