@@ -10,6 +10,8 @@
 #                   .whl-tf). The PYTHONPATH it sets holds for the later stages of the same call only
 #         tests     pytest -m gpu (all GPU tests; -n 8 when pytest-xdist is installed: the tests
 #                   marked gpu_alone then run while no other test does, tests/device_lock.py)
+#         devtests  the tests that take the `device` fixture (marker anydevice: kernel tests that run on the
+#                   GPU where there is one, which `pytest -m gpu` leaves out), on the GPU
 #         alltests  the whole suite on the GPU (CPU tests too, Triton compiled for real)
 #         bench     the backend benchmarks (cuBLASLt, Triton)
 #         quick     the backend benchmarks, small subset
@@ -130,6 +132,14 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', 
       log "pytest -m gpu ${par[*]}"
       $PY -m pytest -m gpu "${par[@]}" -q -rfE tests >"$OUT/pytest_gpu.txt" 2>&1; rc=$?
       tail -n 25 "$OUT/pytest_gpu.txt" | tee -a "$OUT/summary.txt"; [ $rc -eq 0 ] || status=$rc
+      ;;
+    devtests)
+      # the tests that take the `device` fixture (no gpu marker: they run on the CPU too, so
+      # `pytest -m gpu` leaves them out), here on the GPU
+      par=(); $PY -c "import xdist" 2>/dev/null && par=(-n 8)
+      log "pytest -m anydevice ${par[*]}"
+      $PY -m pytest -m anydevice "${par[@]}" -q -rfE tests >"$OUT/pytest_anydevice.txt" 2>&1; rc=$?
+      tail -n 25 "$OUT/pytest_anydevice.txt" | tee -a "$OUT/summary.txt"; [ $rc -eq 0 ] || status=$rc
       ;;
     alltests)
       log "pytest (all)"

@@ -24,6 +24,11 @@ def cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # A test taking the `device` fixture runs on the GPU where there is one: `pytest -m gpu`
+    # leaves it out, so it carries a marker of its own for the GPU machine's run of them.
+    for item in items:
+        if "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.anydevice)
     if cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none here); run `pytest -m gpu` on a GPU machine")
