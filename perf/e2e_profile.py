@@ -52,7 +52,8 @@ from hybridgemm.perf.bench_msweep import git_commit
 from hybridgemm.perf.read_ceiling import hbm_floor_ms, read_rate_note
 from hybridgemm.perf.weight_formats import add_weight_options, resolve_weight_options, weight_options_problem
 
-MODES = ("compiled_static", "eager_static", "prefill")
+DECODE_MODES = ("compiled_static", "eager_static")
+MODES = (*DECODE_MODES, "prefill")
 GEMM = re.compile(r"nvjet|gemm|gemv|xmma|cutlass|_glu_kernel|_splitk_kernel|_reduce_kernel|splitKreduce|_moe_pair_|"
                   r"_moe_kernel", re.I)
 ATTENTION = re.compile(r"flash|fmha|cudnn.*sdpa|attention_kernel", re.I)  # SDPA's own kernels
@@ -187,7 +188,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", required=True, choices=hf.model_names())
     ap.add_argument("--layers", type=positive_int, help="decoder layers (default: the model's own)")
     ap.add_argument("--batch", type=positive_int, nargs="+", default=[1])
-    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(DECODE_MODES),
+                    help=f"default: the decode modes, {' '.join(DECODE_MODES)}")
     ap.add_argument("--steps", type=positive_int, default=16,
                     help="decode steps (prefill mode: forwards) profiled (default 16)")
     ap.add_argument("--prefill", type=positive_int, default=PREFILL,

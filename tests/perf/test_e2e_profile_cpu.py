@@ -115,6 +115,7 @@ def test_fp8_options():
                           "--prefill", "333"])
     assert args.fp8_activations and args.modes == ["prefill"] and args.prefill == 333
     assert ep.parse_args(["--model", "llama3-8b"]).prefill == 2048
+    assert ep.parse_args(["--model", "llama3-8b"]).modes == ["compiled_static", "eager_static"]  # prefill: asked for
     for argv in (["--granularity", "block128"], ["--quantize-lm-head"], ["--fp8-activations"],  # FP8 only
                  ["--prefill", "0"]):
         with pytest.raises(SystemExit) as info:
