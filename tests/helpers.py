@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -378,3 +379,16 @@ def compile_offline(script: str) -> None:
     if done.returncode and "API:" in done.stderr:
         pytest.skip(f"this Triton's offline-compile API differs: {done.stderr.strip()[-200:]}")
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-2000:]
+
+
+def silu_product(gu: torch.Tensor) -> torch.Tensor:
+    """transformers' eager ``act_fn(gate) * up`` of a stacked (gate | up) tensor, in its dtype.
+    On the GPU torch's own SiLU kernel; on the CPU the formula as the interpreter evaluates the
+    kernel's (float32 ``g / (1 + exp(-g))``, its exp numpy's), so that each device checks the
+    bytes of the very product it computes."""
+    gate, up = gu.chunk(2, dim=1)
+    if gu.is_cuda:
+        return F.silu(gate) * up
+    g = gate.float().numpy()
+    act = torch.from_numpy(g / (np.float32(1.0) + np.exp(-g))).to(gu.dtype)
+    return act * up

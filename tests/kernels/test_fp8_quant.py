@@ -5,10 +5,10 @@ of the GEMM path, the block scales' layout, and bad input."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
+from helpers import silu_product
 from hybridgemm.kernels import fp8_quant as fq
 from hybridgemm.kernels.fp8 import quantize_fp8
 
@@ -159,19 +159,6 @@ def test_padded_rows_quantize_as_zeros(group, device):
 def test_no_rows(group, device):
     q, s = fq.quantize_activations(torch.empty(0, 300, dtype=torch.float16, device=device), group)
     assert q.shape == (0, 300) and s.shape == ((0,) if group == "token" else (0, 3))
-
-
-def silu_product(gu: torch.Tensor) -> torch.Tensor:
-    """transformers' eager ``act_fn(gate) * up`` of a stacked (gate | up) tensor, in its dtype.
-    On the GPU torch's own SiLU kernel; on the CPU the formula as the interpreter evaluates the
-    kernel's (float32 ``g / (1 + exp(-g))``, its exp numpy's), so that each device checks the
-    bytes of the very product it computes."""
-    gate, up = gu.chunk(2, dim=1)
-    if gu.is_cuda:
-        return torch.nn.functional.silu(gate) * up
-    g = gate.float().numpy()
-    act = torch.from_numpy(g / (np.float32(1.0) + np.exp(-g))).to(gu.dtype)
-    return act * up
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
