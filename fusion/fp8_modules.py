@@ -219,11 +219,7 @@ class FP8FusedLinears(FusedLinears):
     def part_apply(self, piece: nn.Module, fn):
         return keep_fp8_dtypes(piece, fn)  # the parts' e4m3 only move
 
-    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
-        return self.own_parts(self.stacked_output(x).split_with_sizes(self.sizes, dim=-1))
-
     def stacked_output(self, x: Tensor) -> Tensor:
-        """The one GEMM's output, the parts' columns side by side (what :meth:`forward` splits)."""
         return linear_fp8(x, self.weight, weight_scale_of(self), self.bias, None, self.fp8_activations)
 
     def part_rows(self, attr: str, t: Tensor) -> tuple[Tensor, ...]:

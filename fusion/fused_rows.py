@@ -294,7 +294,11 @@ class FusedLinears(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, [], unexpected_keys, error_msgs)
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:
-        return self.own_parts(linear(x, self.weight, self.bias).split_with_sizes(self.sizes, dim=-1))
+        return self.own_parts(self.stacked_output(x).split_with_sizes(self.sizes, dim=-1))
+
+    def stacked_output(self, x: Tensor) -> Tensor:
+        """The one GEMM's output, the parts' columns side by side (what :meth:`forward` splits)."""
+        return linear(x, self.weight, self.bias)
 
     def own_parts(self, parts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """The GEMM output's ``parts`` (views of it), or copies of them where autograd records

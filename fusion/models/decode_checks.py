@@ -329,17 +329,29 @@ def takes_fused_path(layer: nn.Module, x) -> bool:
         and modules_allow(x, _fused_parts(layer), _skipped_modules(layer), _adapters(layer))
 
 
-def operands_allow(layer: nn.Module, x, dropouts: tuple[str, ...]) -> bool:
+def takes_prefill_step(layer: nn.Module, x) -> bool:
+    """Does this eager call of a fused layer that :func:`takes_fused_path` refused run
+    ``decode_step.prefill_step`` (else the stock forward)? Where the call has more rows than
+    :data:`DECODE_ROWS` and allows all else the step asks, of a pre-norm layer (neither post-norm,
+    nor norms called as modules, nor scaled residuals) with no LoRA layer over its projections."""
+    if torch.compiler.is_compiling() or post_norms(layer) or norm_modules(layer) \
+            or layer.__dict__.get(SCALED_RESIDUALS) or _adapters(layer):
+        return False
+    return operands_allow(layer, x, (*RESIDUAL_DROPOUTS, MLP_DROPOUT), rows=None) and _parts_in_place(layer) \
+        and not clipped(layer.self_attn) and modules_allow(x, _fused_parts(layer), _skipped_modules(layer))
+
+
+def operands_allow(layer: nn.Module, x, dropouts: tuple[str, ...], rows: int | None = DECODE_ROWS) -> bool:
     """Does this call of a fused ``layer`` allow its decode step, as far as its operands say: a
-    plain tensor ``x`` of a layer dtype on the kernels' device with at most :data:`DECODE_ROWS`
-    rows, no autocast, the default dispatch mode, none of the layer's ``dropouts`` (child
-    names) dropping? (Cheap: checked before :func:`modules_allow`.)"""
+    plain tensor ``x`` of a layer dtype on the kernels' device with at most ``rows`` rows (None:
+    more than :data:`DECODE_ROWS`), no autocast, the default dispatch mode, none of the layer's
+    ``dropouts`` (child names) dropping? (Cheap: checked before :func:`modules_allow`.)"""
     if not torch.compiler.is_compiling() and type(x) not in _PLAIN:
         return False
     if x.dtype not in _LAYER_DTYPES or x.dim() < 2 or not on_kernel_device(x):
         return False
     k = x.shape[-1]
-    if not k or x.numel() // k > DECODE_ROWS:
+    if not k or (x.numel() // k > rows if rows is not None else x.numel() // k <= DECODE_ROWS):
         return False
     if torch.is_autocast_enabled(x.device.type) or get_mode() != DEFAULT:
         return False
@@ -509,4 +521,5 @@ def _why_not_attention(attn: nn.Module, qkv: nn.Module) -> str | None:
 
 
 __all__ = ["DECODE_ROWS", "MOE_BLOCKS", "NOT_A_LAYER", "QKV_NAME", "STATIC_STEP", "hooked", "kv_slot", "moe_block",
-           "on_kernel_device", "projection_base", "source_text", "takes_fused_path", "why_not_fuse_layer"]
+           "on_kernel_device", "projection_base", "source_text", "takes_fused_path", "takes_prefill_step",
+           "why_not_fuse_layer"]

@@ -22,6 +22,10 @@ attention kernel over what the cache returned (:func:`_rope_in_kernel`,
 :func:`_kernel_attention`). No value travels between the pieces on module attributes: each
 returns what the next one takes.
 
+An eager prefill (more rows than the step takes) of a pre-norm layer runs :func:`prefill_step`:
+the stock forward's modules, with the attention's computation after Q/K/V written out as above,
+so that the standard rotary is one launch rather than the stock function's several kernels.
+
 Numerics: the residual is added to the GEMM result after its rounding, as the stock add does;
 a fused norm rounds ``x * g`` once where the stock module rounds ``x * rstd`` and then the
 product with g, so results agree with the stock layer's to the inputs' rounding, not bit for
@@ -46,6 +50,7 @@ from torch import Tensor, nn
 
 from hybridgemm.diagnostics import warn_once
 from hybridgemm.fp8_modules import weight_scale_of
+from hybridgemm.fused_rows import FusedLinears
 from hybridgemm.linear_layer import PartialSumLinear
 from hybridgemm.mlp import FUSED_GATE_UP, GLU_FUNCTIONS, ActivatedGemm, run_activated
 from hybridgemm.norm import Fp32FactorRMSNorm, add_norm, norm_operand
@@ -178,15 +183,21 @@ def _any_cache_attention(attn: nn.Module, x: Tensor, norm: nn.Module, qkv: nn.Mo
     """The attention sublayer's output before O with any cache (or none), as the module's own
     forward computes it (``forms.AttentionForm``), from the normalised Q/K/V of one
     :func:`norm_linear` launch: ``[B, S, heads * hd]``."""
-    form = forms.attention_form(type(attn))
-    input_shape = x.shape[:-1]
-    hidden_shape = (*input_shape, -1, attn.head_dim)
     slots = _slots(attn, qkv)
     if any(adapter_terms.adds_terms(m) for m in slots):
         y = _qkv_with_adapters(x, norm, qkv, slots, counters)
     else:
         y = norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
-    sizes = checks.qkv_sizes(attn, qkv)
+    return _attention_of_qkv(attn, y, checks.qkv_sizes(attn, qkv), kwargs, counters)
+
+
+def _attention_of_qkv(attn: nn.Module, y: Tensor, sizes: tuple[int, int, int], kwargs: dict,
+                      counters: Tensor | None) -> Tensor:
+    """What the attention module's forward computes after its Q/K/V projection, whose output ``y``
+    ``[B, S, sum(sizes)]`` holds q, k and v side by side: ``[B, S, heads * hd]``, before O."""
+    form = forms.attention_form(type(attn))
+    input_shape = y.shape[:-1]
+    hidden_shape = (*input_shape, -1, attn.head_dim)
     cos, sin = kwargs["position_embeddings"]
     head_norms = form.partial_rotary and attn.qk_layernorm  # StableLM's per-head LayerNorms
     view_norms = form.qk_norm or form.pair_rotary and attn.use_qk_norm  # norms on the head views (Cohere's too)
@@ -465,6 +476,22 @@ def _norm_modules_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tens
     return _slot_add(down, _mlp_inner(layer.mlp, None, mlp_in, counters), h, counters, None)
 
 
+def prefill_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None = None) -> Tensor:
+    """A pre-norm layer for an eager call of more rows than the step takes (a prefill), as its
+    forward computes it, ``h = x + O(attention(norm1(x)))``, ``y = h + mlp(norm2(h))``: the norms,
+    Q/K/V's one GEMM, O and the MLP called as the modules they are; what the attention module does
+    after its projection as :func:`_attention_of_qkv` computes it, the standard rotary one launch
+    (kernels/triton_qk_rope.py ``rope_qk``, rounded as torch's ops round: the same bits as the
+    stock functions' several element-wise kernels). For a call ``decode_checks.takes_prefill_step``
+    accepted."""
+    attn = layer.self_attn
+    qkv = attn._modules[QKV_NAME]
+    normed_x = layer.input_layernorm(x)
+    y = qkv.stacked_output(normed_x) if isinstance(qkv, FusedLinears) else qkv(normed_x)
+    h = x + attn.o_proj(_attention_of_qkv(attn, y, checks.qkv_sizes(attn, qkv), kwargs, counters))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None = None) -> Tensor:
     """The whole decoder layer for a call ``decode_checks.takes_fused_path`` accepted:
     ``h = x + O(attention(norm1(x)))``, ``y = h + down(glu(gate_up(norm2(h))))`` (Granite:
@@ -487,4 +514,4 @@ def layer_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | Non
                      counters, m)
 
 
-__all__ = ["QKV_NAME", "attention", "layer_step", "project", "project_add", "static_attention"]
+__all__ = ["QKV_NAME", "attention", "layer_step", "prefill_step", "project", "project_add", "static_attention"]

@@ -1,8 +1,9 @@
 """The fused decoder layer: a recognised transformers decoder-layer class with
 :class:`HybridDecoderLayer` mixed in (:func:`fused_class`), whose forward runs the fused decode
-step (fusion/models/decode_step.py) where a call allows it (fusion/models/decode_checks.py) and
-the class's own forward everywhere else (prefill, training, fp16, CPU, hooks). Part of
-:func:`hybridgemm.patch` (``layers=True``).
+step (fusion/models/decode_step.py) where a call allows it (fusion/models/decode_checks.py), an
+eager call of more rows (a prefill) of a pre-norm layer its modules with the rotary in one launch
+(``decode_step.prefill_step``), and the class's own forward everywhere else (compiled prefill,
+training, fp16, CPU, hooks). Part of :func:`hybridgemm.patch` (``layers=True``).
 
 Recognised: transformers' ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``, ``Qwen3DecoderLayer``,
 ``MistralDecoderLayer``, ``GemmaDecoderLayer`` (its (1 + w) RMSNorms' fp32 factor in the QKV
@@ -67,7 +68,8 @@ def new_counters(device) -> torch.Tensor:
 
 class HybridDecoderLayer(nn.Module):
     """Mixed in before a recognised decoder-layer class (:func:`fused_class`): the fused
-    decode step where it applies, the class's own forward everywhere else."""
+    decode step where it applies, the prefill step where that applies, the class's own forward
+    everywhere else."""
 
     def _apply(self, fn, *args, **kwargs):
         # The counters must be zero before a kernel uses them. A move keeps them so, but
@@ -105,6 +107,8 @@ class HybridDecoderLayer(nn.Module):
             # so a compiled step over it reads no Python int (fusion/models/window_cache.py)
             window_cache.adopt(decode_checks.cache_of(kwargs))
         if args or not decode_checks.takes_fused_path(self, hidden_states):
+            if not args and decode_checks.takes_prefill_step(self, hidden_states):
+                return decode_step.prefill_step(self, hidden_states, kwargs, self._buffers.get(COUNTERS))
             return super().forward(hidden_states, *args, **kwargs)
         return decode_step.layer_step(self, hidden_states, kwargs, self._buffers.get(COUNTERS))
 
