@@ -49,6 +49,7 @@ ONE_PASS_MAX = 8192  # widest row a per-token program keeps in registers (8 warp
 CHUNK = 4096  # elements per step of the two-pass loop over wider rows
 BLOCKS_PER_PROGRAM = 8  # 128-element blocks per program of the block kernel
 PLAN_CACHE_SIZE = 1024
+HARDWARE_CVT = True  # compiled kernels encode e4m3 with the hardware's cvt (_e4m3_bits; False: in code)
 # the constants as the kernels see them (a @triton.jit function reads globals only as constexprs)
 _FLOOR = tl.constexpr(MIN_AMAX)
 _FP8_MAX = tl.constexpr(E4M3_MAX)
@@ -63,16 +64,20 @@ def _scale_of(amax):
 
 
 @triton.jit
-def _e4m3_bits(xf, scale):
+def _e4m3_bits(xf, scale, HW_CVT: tl.constexpr):
     """The e4m3fn byte of x / scale, clamped to ±448, rounded to nearest even, as uint8.
 
-    Encoded here rather than cast: the hardware's cvt rounds right, but Triton's interpreter (where
-    the CPU tests run) carries a rounded-up mantissa into the wrong binade (127.9 becomes 64) and
-    turns NaN into 384; this code gives the same bytes on both."""
+    HW_CVT: the hardware's conversion (cvt.rn.satfinite, two values an instruction), compiled for
+    the GPU. Otherwise encoded here, about fifteen integer operations a value: Triton's
+    interpreter (where the CPU tests run) carries a rounded-up mantissa into the wrong binade
+    (127.9 becomes 64) and turns NaN into 384. Both give the same bytes (the GPU tests compare
+    them with torch's cast)."""
     q = tl.math.div_rn(xf, scale)
     # NaN stays NaN (a NaN or Inf in x makes a NaN byte, and the GEMM's row NaN, as F.linear's)
     q = tl.minimum(tl.maximum(q, -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX,
                    propagate_nan=tl.PropagateNan.ALL)
+    if HW_CVT:
+        return q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     bits = q.to(tl.int32, bitcast=True)
     a = tl.abs(q)
     # Normal range (|q| >= 2**-6): keep 3 mantissa bits, nearest even (the carry may step the
@@ -104,7 +109,7 @@ def _row_values(x_row, cols, mask, K, GLU: tl.constexpr, LIBDEVICE: tl.constexpr
 
 @triton.jit
 def _quantize_token_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
-                           GLU: tl.constexpr, LIBDEVICE: tl.constexpr):
+                           GLU: tl.constexpr, LIBDEVICE: tl.constexpr, HW_CVT: tl.constexpr):
     # One program per row; rows >= M (GEMM padding) read nothing and store zeros. K: the
     # quantized row's width (with GLU, x's rows hold 2K: gate, then up).
     row = tl.program_id(0).to(tl.int64)
@@ -117,7 +122,7 @@ def _quantize_token_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, BLOCK_K: tl.constexpr
         mask = cols < K
         xf = _row_values(x_row, cols, mask & live, K, GLU, LIBDEVICE)
         scale = _scale_of(tl.max(tl.abs(xf), axis=0))
-        tl.store(q_row + cols, _e4m3_bits(xf, scale), mask=mask)
+        tl.store(q_row + cols, _e4m3_bits(xf, scale, HW_CVT), mask=mask)
     else:  # the row's amax first, then a second read (from L2) to quantize
         acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
@@ -127,13 +132,13 @@ def _quantize_token_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, BLOCK_K: tl.constexpr
         for start in range(0, K, BLOCK_K):
             mask = start + cols < K
             xf = _row_values(x_row, start + cols, mask & live, K, GLU, LIBDEVICE)
-            tl.store(q_row + start + cols, _e4m3_bits(xf, scale), mask=mask)
+            tl.store(q_row + start + cols, _e4m3_bits(xf, scale, HW_CVT), mask=mask)
     tl.store(s_ptr + row, scale)
 
 
 @triton.jit
 def _quantize_block_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, ld_s, BLOCKS: tl.constexpr, GROUP: tl.constexpr,
-                           GLU: tl.constexpr, LIBDEVICE: tl.constexpr):
+                           GLU: tl.constexpr, LIBDEVICE: tl.constexpr, HW_CVT: tl.constexpr):
     # Program (row, j) quantizes blocks [j * BLOCKS, (j + 1) * BLOCKS) of one row; the scale of
     # block b of row m goes to s_ptr[b * ld_s + m] (M-major, as cuBLASLt's VEC128_32F reads it).
     row = tl.program_id(0).to(tl.int64)
@@ -143,12 +148,13 @@ def _quantize_block_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, ld_s, BLOCKS: tl.cons
     live = (tl.zeros_like(cols) + row) < M  # a boolean tensor, as in _quantize_token_kernel
     xf = _row_values(x_ptr + row * ldx, cols, mask & live, K, GLU, LIBDEVICE)
     scale = _scale_of(tl.max(tl.abs(xf), axis=1))
-    tl.store(q_ptr + row * K + cols, _e4m3_bits(xf, scale[:, None]), mask=mask)
+    tl.store(q_ptr + row * K + cols, _e4m3_bits(xf, scale[:, None], HW_CVT), mask=mask)
     tl.store(s_ptr + blocks * ld_s + row, scale, mask=blocks * GROUP < K)
 
 
 def _launcher(group: str, rows: int, m: int, k: int, ldx: int, glu: str | None, device: torch.device) -> Launcher:
-    glu_meta = dict(GLU=glu is not None, LIBDEVICE=not interpreting())
+    compiled = not interpreting()
+    glu_meta = dict(GLU=glu is not None, LIBDEVICE=compiled, HW_CVT=compiled and HARDWARE_CVT)
     if group == "token":
         one_pass = k <= ONE_PASS_MAX
         block = next_pow2(k) if one_pass else CHUNK

@@ -6,7 +6,7 @@ eager ``silu(gate) * up`` that it replaces. CUDA events around each call with th
 before it, median of ``--reps``; the formed product's bytes and scales are checked equal to those
 of the product written first.
 
-    python3 scripts/fp8_quant_probe.py [--rows 2048] [--reps 20] [--one-pass-max 8192 16384]
+    python3 scripts/fp8_quant_probe.py [--rows 2048] [--reps 20] [--one-pass-max 8192 16384] [--encode hw code]
     python3 scripts/fp8_quant_probe.py --dry-run     (each call once on small shapes, no timing;
                                                      runs under TRITON_INTERPRET=1 on a CPU)
 """
@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--one-pass-max", type=int, nargs="+", default=[fq.ONE_PASS_MAX],
                     help="widest row kept in registers (fp8_quant.ONE_PASS_MAX), one run each")
+    ap.add_argument("--encode", nargs="+", choices=("hw", "code"), default=["hw" if fq.HARDWARE_CVT else "code"],
+                    help="e4m3 bytes by the hardware's cvt or encoded in code (fp8_quant.HARDWARE_CVT), one run each")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     dry = args.dry_run
@@ -57,25 +59,32 @@ def main(argv=None) -> int:
              "product formed (glu)": lambda: fq.quantize_for_gemm(gate_up, "token", glu="silu"),
              "torch silu(gate) * up": lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:]}
     flush = None if dry else torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    default = fq.ONE_PASS_MAX
+    default, default_cvt = fq.ONE_PASS_MAX, fq.HARDWARE_CVT
+    first = None
+    runs = [(width, encode) for width in args.one_pass_max for encode in args.encode]
     try:
-        for one_pass_max in args.one_pass_max:
-            fq.ONE_PASS_MAX = one_pass_max
+        for one_pass_max, encode in runs:
+            fq.ONE_PASS_MAX, fq.HARDWARE_CVT = one_pass_max, encode == "hw"
             fq._LAUNCHERS.clear()
+            label = f"ONE_PASS_MAX={one_pass_max} encode={encode}"
             formed, written = calls["product formed (glu)"](), calls["product"]()
             same = torch.equal(formed[0].view(torch.uint8), written[0].view(torch.uint8)) \
                 and torch.equal(formed[1], written[1])
+            xq = calls["x"]()
+            first = first or (xq, formed)  # every run's bytes and scales must equal the first run's
+            same = same and all(torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
+                                and torch.equal(a[1], b[1]) for a, b in zip(first, (xq, formed)))
             if dry:
                 for fn in calls.values():
                     fn()
-                print(f"ONE_PASS_MAX={one_pass_max}: every call ran; formed == written: {same}")
+                print(f"{label}: every call ran; formed == written == the first run's: {same}")
                 continue
             times = {name: median_us(fn, args.reps, flush) for name, fn in calls.items()}
-            print(f"ONE_PASS_MAX={one_pass_max}, {rows} rows: "
+            print(f"{label}, {rows} rows: "
                   + ", ".join(f"{name} {us:.1f} µs" for name, us in times.items())
-                  + f"; formed == written: {same}", flush=True)
+                  + f"; formed == written == the first run's: {same}", flush=True)
     finally:
-        fq.ONE_PASS_MAX = default
+        fq.ONE_PASS_MAX, fq.HARDWARE_CVT = default, default_cvt
         fq._LAUNCHERS.clear()
     return 0
 
