@@ -60,6 +60,10 @@ def tma_reason(problem: Problem) -> str | None:
         ld = tma_row_stride(rows, ld, width, e)
         if (ld * e) % TMA_ALIGN or ld < width:
             return f"TMA needs 16-byte aligned row strides ({name} row stride is {ld * e} bytes)"
+    # A TMA store writes a row up to its next 16-byte boundary (on an H100, Triton 3.6: columns
+    # 37-39 of an fp16 out of 37 columns in rows of 40), which may be another tensor's bytes.
+    if (problem.n * e) % TMA_ALIGN:
+        return f"TMA stores whole 16-byte units: out's rows of {problem.n * e} bytes would be written past their end"
     return None
 
 

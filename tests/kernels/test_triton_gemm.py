@@ -91,16 +91,35 @@ def test_odd_shapes_pointer_path(m, dtype, cfg, device):
 @pytest.mark.parametrize("cfg", [TMA_PERSISTENT, TMA_TILED, TMA_SPLIT], ids=path_id)
 def test_odd_shapes_tma_padded_rows(m, dtype, cfg, device):
     """Odd logical shapes inside padded (16-byte aligned) rows: TMA must zero-fill loads past
-    K and clip stores past N, leaving the padding columns of out untouched."""
-    n, k = 37, 45
+    K and clip stores past N (N x itemsize a multiple of 16 bytes, tma_reason), leaving the
+    padding columns of out untouched."""
+    n, k = 40, 45  # N not a multiple of the blocks
     xbuf = torch.randn(m, 48, device=device).to(dtype)
     wbuf = (torch.randn(n, 48, device=device) / k**0.5).to(dtype)
     wbuf[:, k:] = float("nan")  # must never be read
-    obuf = torch.full((m, 40), float("nan"), dtype=dtype, device=device)
+    obuf = torch.full((m, 48), float("nan"), dtype=dtype, device=device)
     x, w, out = xbuf[:, :k], wbuf[:, :k], obuf[:, :n]
     b = torch.randn(n, device=device).to(dtype)
     assert cfg.supports(Problem.from_tensors(x, w, b, out, Epilogue(Activation.RELU, True)))[0]
     check(cfg, x, w, b, Activation.RELU, out=out)
+    assert torch.isnan(obuf[:, n:]).all(), "store wrote past N"
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("cfg", [TMA_PERSISTENT, TMA_TILED, TMA_SPLIT], ids=path_id)
+def test_tma_refuses_an_out_whose_rows_end_inside_16_bytes(m, cfg, device):
+    """A TMA store writes up to the next 16-byte boundary (tma_reason): an fp16 out of 37 columns
+    in rows of 40 is no TMA problem, and the default configs for it write none of the padding."""
+    n, k = 37, 48
+    x, w, b = operands(m, n, k, torch.float16, device)
+    obuf = torch.full((m, 40), float("nan"), dtype=torch.float16, device=device)
+    out = obuf[:, :n]
+    problem = Problem.from_tensors(x, w, b, out, Epilogue(Activation.RELU, True))
+    ok, why = cfg.supports(problem)
+    assert not ok and "16-byte units" in why, why
+    chosen = tg.default_config(problem)
+    assert not chosen.use_tma
+    check(chosen, x, w, b, Activation.RELU, out=out)
     assert torch.isnan(obuf[:, n:]).all(), "store wrote past N"
 
 
