@@ -74,7 +74,8 @@ ATEN = (
     ("norm", re.compile(r"_rms_norm_kernel|layer_norm|MeanOps|rsqrt|pow_tensor_scalar")),  # ours, then the stock ops
     ("quantize", re.compile(r"_quantize_(token|block)_kernel|_dequant")),  # x to e4m3 (W8A8); weights to bf16
     ("activation", re.compile(r"silu|gelu|sigmoid", re.I)),
-    ("rotary", re.compile(r"neg_kernel|CatArray|_qk_norm_rope_store_kernel")),  # (ours: q/k norms, rotary, cache)
+    # (ours: the rotary alone, or with the q/k norms and the cache write)
+    ("rotary", re.compile(r"neg_kernel|CatArray|_qk_norm_rope_store_kernel|_qk_rope_kernel")),
     ("kv_cache", re.compile(r"index_copy|index_put|scatter")),
     ("routing", re.compile(r"sbtopk|bitonicSort|_route_kernel")),  # torch.topk's select and sort; ours
     ("copy", re.compile(r"copy_kernel|direct_copy")),

@@ -15,6 +15,7 @@ from hybridgemm.perf import e2e_profile as ep
     ("_splitk_kernel", "gemm"),
     ("_rms_norm_kernel", "norm"),
     ("_qk_norm_rope_store_kernel", "rotary"),
+    ("_qk_rope_kernel", "rotary"),
     ("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16", "attention"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm"),
     ("triton_poi_fused__unsafe_view_mul_silu_8", "activation"),
