@@ -17,7 +17,8 @@ and its bytes equal the unfused composition's. The formula is
 kernels/fp8.py's weight quantization (same MIN_AMAX, same order of operations), so a row
 quantized here and the same row quantized by ``quantize_fp8(..., "channel")`` are identical.
 The divisions are IEEE round-to-nearest (``div_rn``), as torch's are, and the e4m3 bytes are
-encoded in the kernel, so the bytes and scales equal a torch reference computed in fp32. A NaN
+rounded to nearest even (the hardware's conversion; under the interpreter encoded in code), so
+the bytes and scales equal a torch reference computed in fp32. A NaN
 or Inf in a row gives NaN bytes (and the GEMM a NaN output row, as F.linear would).
 
 Scale layouts (what cuBLASLt reads, cuBLAS docs §3.1.4.5.1 "Scaling factors layouts"): per

@@ -113,3 +113,22 @@ def test_what_keeps_the_stock_forward_for_many_rows(why, kernels_on_cpu, counted
     assert not takes
     expected = {"decode-rows": 0, "hook": 1}.get(why, 0)  # the unhooked layer still takes it
     assert counted["prefill"] == expected
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_a_mixture_of_experts_prefill_calls_its_block_as_a_module(kind, kernels_on_cpu, counted, monkeypatch):
+    from helpers import tiny_moe_lm
+    from hybridgemm import experts
+
+    monkeypatch.setattr(experts, "use_kernels", lambda x: True)
+    stock = tiny_moe_lm(kind, VOCAB, 128, 8, 2, head_dim=32, attn_implementation="sdpa")
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    blocks = []
+    for layer in model.model.layers:
+        layer.mlp.register_forward_hook(lambda mod, args, out: blocks.append(mod))  # (hooks of the MLP run)
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out, ref = model(ids).logits, stock(ids).logits
+    assert counted["prefill"] == 2 and len(counted["rope"]) == 2 and len(blocks) == 2
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,62 @@
+"""Each eager W8A8 prefill forward's time, one by one (GPU machine): Llama-3-8B-shaped, ``--layers``
+layers, ``patch(model, weights="fp8", activations="fp8")``, a 2048-token prompt, two warm-up
+forwards then ``--forwards`` timed ones (CUDA events, and the host's wall clock from the call to
+the end of the GPU work). ``--variant``: ``tree`` (as installed), ``stock-rotary`` (every prefill
+through the layers' stock forwards: decode_checks.takes_prefill_step off), ``code-cvt`` (the
+activation quantization's e4m3 encoded in code: fp8_quant.HARDWARE_CVT off). Run each variant in
+a process of its own, with TRITON_CACHE_DIR set to an empty folder to compile its kernels there.
+
+    TRITON_CACHE_DIR=$(mktemp -d) python3 scripts/prefill_variance_probe.py --variant tree
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import hybridgemm
+from hybridgemm.kernels import fp8_quant
+from hybridgemm.models import decode_checks
+from hybridgemm.perf import e2e_models as hf
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variant", choices=("tree", "stock-rotary", "code-cvt"), default="tree")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--forwards", type=int, default=12)
+    ap.add_argument("--tokens", type=int, default=2048)
+    args = ap.parse_args(argv)
+    if args.variant == "stock-rotary":
+        decode_checks.takes_prefill_step = lambda *a: False
+    if args.variant == "code-cvt":
+        fp8_quant.HARDWARE_CVT = False
+    torch.manual_seed(0)
+    model = hf.build_model(hf.hf_config("llama3-8b", args.layers), torch.bfloat16, "cuda")
+    hybridgemm.patch(model, weights="fp8", activations="fp8")
+    api = hf.forward_api(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device="cuda")
+    times = []
+    with torch.no_grad():
+        for i in range(2 + args.forwards):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            hf.prefill_forward(model, api, ids)
+            end.record()
+            end.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3
+            if i >= 2:
+                times.append((start.elapsed_time(end), wall))
+    gpu = sorted(t[0] for t in times)
+    print(f"{args.variant}, {args.layers} layers, {args.tokens} tokens: median {gpu[len(gpu) // 2]:.3f} ms, "
+          f"min {gpu[0]:.3f}, max {gpu[-1]:.3f}; each (events ms / wall ms): "
+          + " ".join(f"{g:.2f}/{w:.2f}" for g, w in times), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
