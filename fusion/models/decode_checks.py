@@ -324,9 +324,7 @@ def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
 def takes_fused_path(layer: nn.Module, x) -> bool:
     """Does this call of a fused layer run the decode step (else the stock forward)? (Not where
     its Q/K/V clamp has been set since it was patched: attention_forms.clipped.)"""
-    return operands_allow(layer, x, (*RESIDUAL_DROPOUTS, MLP_DROPOUT)) and _parts_in_place(layer) \
-        and not clipped(layer.self_attn) \
-        and modules_allow(x, _fused_parts(layer), _skipped_modules(layer), _adapters(layer))
+    return _layer_allows(layer, x, DECODE_ROWS)
 
 
 def takes_prefill_step(layer: nn.Module, x) -> bool:
@@ -337,8 +335,14 @@ def takes_prefill_step(layer: nn.Module, x) -> bool:
     if torch.compiler.is_compiling() or post_norms(layer) or norm_modules(layer) \
             or layer.__dict__.get(SCALED_RESIDUALS) or _adapters(layer):
         return False
-    return operands_allow(layer, x, (*RESIDUAL_DROPOUTS, MLP_DROPOUT), rows=None) and _parts_in_place(layer) \
-        and not clipped(layer.self_attn) and modules_allow(x, _fused_parts(layer), _skipped_modules(layer))
+    return _layer_allows(layer, x, None)
+
+
+def _layer_allows(layer: nn.Module, x, rows: int | None) -> bool:
+    # what both steps ask of the call and the layer's modules (rows: as operands_allow takes it)
+    return operands_allow(layer, x, (*RESIDUAL_DROPOUTS, MLP_DROPOUT), rows) and _parts_in_place(layer) \
+        and not clipped(layer.self_attn) \
+        and modules_allow(x, _fused_parts(layer), _skipped_modules(layer), _adapters(layer))
 
 
 def operands_allow(layer: nn.Module, x, dropouts: tuple[str, ...], rows: int | None = DECODE_ROWS) -> bool:
@@ -351,7 +355,10 @@ def operands_allow(layer: nn.Module, x, dropouts: tuple[str, ...], rows: int | N
     if x.dtype not in _LAYER_DTYPES or x.dim() < 2 or not on_kernel_device(x):
         return False
     k = x.shape[-1]
-    if not k or (x.numel() // k > rows if rows is not None else x.numel() // k <= DECODE_ROWS):
+    if not k:
+        return False
+    m = x.numel() // k
+    if m <= DECODE_ROWS if rows is None else m > rows:
         return False
     if torch.is_autocast_enabled(x.device.type) or get_mode() != DEFAULT:
         return False
