@@ -13,6 +13,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from interpreter_calls import install as _install_interpreter_calls  # noqa: E402
+
+    _install_interpreter_calls()
+
 # The benches' HBM floors divide by the GPU's read rate, which is measured on GPUs other than
 # the H200 (perf/read_ceiling.device_read_tbps): pinned to the H200's figure, a test's floors are
 # the same numbers on every machine. Tests of the rate itself unset it.
