@@ -1,10 +1,13 @@
 """Each eager W8A8 prefill forward's time, one by one (GPU machine): Llama-3-8B-shaped, ``--layers``
 layers, ``patch(model, weights="fp8", activations="fp8")``, a 2048-token prompt, two warm-up
-forwards then ``--forwards`` timed ones (CUDA events, and the host's wall clock from the call to
-the end of the GPU work). ``--variant``: ``tree`` (as installed), ``stock-rotary`` (every prefill
-through the layers' stock forwards: decode_checks.takes_prefill_step off), ``code-cvt`` (the
-activation quantization's e4m3 encoded in code: fp8_quant.HARDWARE_CVT off). Run each variant in
-a process of its own, with TRITON_CACHE_DIR set to an empty folder to compile its kernels there.
+forwards then ``--forwards`` timed ones: CUDA events; the host's wall clock from the call to the end
+of the GPU work; the host's time until the forward returns (close to the wall time: the GPU waited
+for the host); and what ran during the timed forwards that a warm process should not run (Triton
+compiles, cuBLASLt FP8 plans built, cudaMalloc/cudaFree by the caching allocator). ``--variant``:
+``tree`` (as installed), ``stock-rotary`` (every prefill through the layers' stock forwards:
+decode_checks.takes_prefill_step off), ``code-cvt`` (the activation quantization's e4m3 encoded in
+code: fp8_quant.HARDWARE_CVT off). Run each variant in a process of its own, with TRITON_CACHE_DIR
+set to an empty folder to compile its kernels there.
 
     TRITON_CACHE_DIR=$(mktemp -d) python3 scripts/prefill_variance_probe.py --variant tree
 """
@@ -15,9 +18,10 @@ import argparse
 import time
 
 import torch
+import triton
 
 import hybridgemm
-from hybridgemm.kernels import fp8_quant
+from hybridgemm.kernels import cublaslt_fp8, fp8_quant
 from hybridgemm.models import decode_checks
 from hybridgemm.perf import e2e_models as hf
 
@@ -36,26 +40,52 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model = hf.build_model(hf.hf_config("llama3-8b", args.layers), torch.bfloat16, "cuda")
     hybridgemm.patch(model, weights="fp8", activations="fp8")
+    compiles, plans, build = [], [], cublaslt_fp8._build
+
+    def count_compile(*args, **kwargs):
+        compiles.append(getattr(kwargs.get("fn"), "name", "?"))
+        return False  # compile as usual
+
+    def count_plan(*args, **kwargs):
+        plans.append(args[4:7])  # rows, n, k
+        return build(*args, **kwargs)
+
     api = hf.forward_api(model)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device="cuda")
     times = []
     with torch.no_grad():
         for i in range(2 + args.forwards):
+            if i == 2:
+                triton.knobs.runtime.jit_cache_hook = count_compile
+                cublaslt_fp8._build = count_plan
+                allocator = _allocator_counts()
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
             start.record()
             hf.prefill_forward(model, api, ids)
             end.record()
+            host = (time.perf_counter() - t0) * 1e3
             end.synchronize()
             wall = (time.perf_counter() - t0) * 1e3
             if i >= 2:
-                times.append((start.elapsed_time(end), wall))
+                times.append((start.elapsed_time(end), wall, host))
     gpu = sorted(t[0] for t in times)
     print(f"{args.variant}, {args.layers} layers, {args.tokens} tokens: median {gpu[len(gpu) // 2]:.3f} ms, "
-          f"min {gpu[0]:.3f}, max {gpu[-1]:.3f}; each (events ms / wall ms): "
-          + " ".join(f"{g:.2f}/{w:.2f}" for g, w in times), flush=True)
+          f"min {gpu[0]:.3f}, max {gpu[-1]:.3f}; each (events ms / wall ms / host ms): "
+          + " ".join(f"{g:.2f}/{w:.2f}/{h:.2f}" for g, w, h in times), flush=True)
+    allocator = {k: v - allocator[k] for k, v in _allocator_counts().items()}
+    print(f"  during the timed forwards: {len(compiles)} Triton compiles {sorted(set(compiles))}, "
+          f"{len(plans)} cuBLASLt FP8 plans built {sorted(set(plans))}, caching allocator {allocator}; "
+          f"{torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved at most", flush=True)
     return 0
+
+
+def _allocator_counts() -> dict:
+    """The caching allocator's cudaMalloc/cudaFree calls and retries (a retry frees cached blocks,
+    which synchronises the device)."""
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
 
 
 if __name__ == "__main__":
