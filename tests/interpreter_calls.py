@@ -48,7 +48,7 @@ def install() -> bool:
     def patch_lang_once(fn):
         patched = getattr(_launch, "patched", None)
         langs = _language_modules(fn)
-        if patched is not None and langs <= patched:
+        if patched is not None and langs and langs <= patched:
             return scope_type()  # nothing to restore: the launch's patch stands
         scope = patch_lang(fn)
         if patched is not None:
