@@ -58,7 +58,7 @@ def main(argv=None) -> int:
             if i == 2:
                 triton.knobs.runtime.jit_cache_hook = count_compile
                 cublaslt_fp8._build = count_plan
-                allocator = _allocator_counts()
+                allocator_before = _allocator_counts()
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     print(f"{args.variant}, {args.layers} layers, {args.tokens} tokens: median {gpu[len(gpu) // 2]:.3f} ms, "
           f"min {gpu[0]:.3f}, max {gpu[-1]:.3f}; each (events ms / wall ms / host ms): "
           + " ".join(f"{g:.2f}/{w:.2f}/{h:.2f}" for g, w, h in times), flush=True)
-    allocator = {k: v - allocator[k] for k, v in _allocator_counts().items()}
+    allocator = {k: v - allocator_before[k] for k, v in _allocator_counts().items()}
     print(f"  during the timed forwards: {len(compiles)} Triton compiles {sorted(set(compiles))}, "
           f"{len(plans)} cuBLASLt FP8 plans built {sorted(set(plans))}, caching allocator {allocator}; "
           f"{torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved at most", flush=True)
