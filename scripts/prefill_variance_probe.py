@@ -3,11 +3,13 @@ layers, ``patch(model, weights="fp8", activations="fp8")``, a 2048-token prompt,
 forwards then ``--forwards`` timed ones: CUDA events; the host's wall clock from the call to the end
 of the GPU work; the host's time until the forward returns (close to the wall time: the GPU waited
 for the host); and what ran during the timed forwards that a warm process should not run (Triton
-compiles, cuBLASLt FP8 plans built, cudaMalloc/cudaFree by the caching allocator). ``--variant``:
-``tree`` (as installed), ``stock-rotary`` (every prefill through the layers' stock forwards:
+compiles, cuBLASLt FP8 plans built, cudaMalloc/cudaFree by the caching allocator); with ``--profile
+N``, one more forward under cProfile (the host's own time by function). ``--variant``: ``tree`` (as
+installed), ``stock-rotary`` (every prefill through the layers' stock forwards:
 decode_checks.takes_prefill_step off), ``code-cvt`` (the activation quantization's e4m3 encoded in
-code: fp8_quant.HARDWARE_CVT off). Run each variant in a process of its own, with TRITON_CACHE_DIR
-set to an empty folder to compile its kernels there.
+code: fp8_quant.HARDWARE_CVT off), ``unpatched`` (the bf16 model as transformers runs it). Run each
+variant in a process of its own, with TRITON_CACHE_DIR set to an empty folder to compile its kernels
+there.
 
     TRITON_CACHE_DIR=$(mktemp -d) python3 scripts/prefill_variance_probe.py --variant tree
 """
@@ -15,6 +17,9 @@ set to an empty folder to compile its kernels there.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -28,10 +33,12 @@ from hybridgemm.perf import e2e_models as hf
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variant", choices=("tree", "stock-rotary", "code-cvt"), default="tree")
+    ap.add_argument("--variant", choices=("tree", "stock-rotary", "code-cvt", "unpatched"), default="tree")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--forwards", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="then one forward under cProfile: its N functions of most own host time")
     args = ap.parse_args(argv)
     if args.variant == "stock-rotary":
         decode_checks.takes_prefill_step = lambda *a: False
@@ -39,7 +46,8 @@ def main(argv=None) -> int:
         fp8_quant.HARDWARE_CVT = False
     torch.manual_seed(0)
     model = hf.build_model(hf.hf_config("llama3-8b", args.layers), torch.bfloat16, "cuda")
-    hybridgemm.patch(model, weights="fp8", activations="fp8")
+    if args.variant != "unpatched":
+        hybridgemm.patch(model, weights="fp8", activations="fp8")
     compiles, plans, build = [], [], cublaslt_fp8._build
 
     def count_compile(*args, **kwargs):
@@ -74,6 +82,17 @@ def main(argv=None) -> int:
     print(f"{args.variant}, {args.layers} layers, {args.tokens} tokens: median {gpu[len(gpu) // 2]:.3f} ms, "
           f"min {gpu[0]:.3f}, max {gpu[-1]:.3f}; each (events ms / wall ms / host ms): "
           + " ".join(f"{g:.2f}/{w:.2f}/{h:.2f}" for g, w, h in times), flush=True)
+    if args.profile:
+        profiler = cProfile.Profile()
+        with torch.no_grad():
+            torch.cuda.synchronize()
+            profiler.enable()
+            hf.prefill_forward(model, api, ids)
+            profiler.disable()
+            torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
+        print(text.getvalue(), flush=True)
     allocator = {k: v - allocator_before[k] for k, v in _allocator_counts().items()}
     print(f"  during the timed forwards: {len(compiles)} Triton compiles {sorted(set(compiles))}, "
           f"{len(plans)} cuBLASLt FP8 plans built {sorted(set(plans))}, caching allocator {allocator}; "
