@@ -36,8 +36,10 @@ exact (erf) GELU, which cuBLASLt does not have, the GEMM runs with the bias only
 activation runs after it on the rounded output, with torch's ops (as ``F.gelu(F.linear(...))``
 would; the pre-activation is rounded once more than in a fused epilogue).
 
-Accumulation: FAST_ACCUM off, so cuBLAS promotes the tensor cores' partial sums into fp32 as it
-goes (the block modes require it). Plans (kernels/cublaslt_plan.Plan with e4m3 A and B layouts
+Accumulation: by default cuBLAS promotes the tensor cores' partial sums into fp32 as it goes
+(the descriptor's FAST_ACCUM off; the block modes require it). :data:`FAST_ACCUM` set True makes
+per-channel plans built after it take the tensor cores' own accumulation instead
+(scripts/fp8_accum_probe.py measures both). Plans (kernels/cublaslt_plan.Plan with e4m3 A and B layouts
 and the scale modes) live in a bounded LRU cache per operand signature; the scale pointers are
 descriptor attributes, set when they change, under a lock. Nothing here touches a GPU, nor
 imports Triton, at import time.
@@ -73,6 +75,8 @@ CUDA_R_8F_E4M3 = 28  # cudaDataType_t of A and B (nvmath.CudaDataType.CUDA_R_8F_
 MIN_CUBLASLT = 120900  # cuBLASLt 12.9: the outer-vector and 128-block FP32 scale modes
 HOPPER = 9  # compute capability major these scale modes run on
 # granularity -> (A = weight, B = activations) MatmulMatrixScale names, and how x is grouped
+BLOCK_SCALE_MODES = {"BLK128x128_32F", "VEC128_32F"}
+FAST_ACCUM = False  # True: the tensor cores' own accumulation for per-channel scales (no fp32 promotion)
 SCALE_MODES = {"channel": ("OUTER_VEC_32F", "OUTER_VEC_32F"), "block128": ("BLK128x128_32F", "VEC128_32F")}
 ACTIVATION_GROUP = {"channel": "token", "block128": "block128"}
 PLAN_CACHE_SIZE = 256
@@ -174,7 +178,8 @@ class ScaledPlan(Plan):
         D, S, set_desc = lt.MatmulDescAttribute, lt.MatmulMatrixScale, lt.matmul_desc_set_attribute
         set_attr(set_desc, self.desc, D.A_SCALE_MODE, int(S[modes[0]]), np.int32)
         set_attr(set_desc, self.desc, D.B_SCALE_MODE, int(S[modes[1]]), np.int32)
-        set_attr(set_desc, self.desc, D.FAST_ACCUM, 0, np.int8)
+        fast = FAST_ACCUM and not (set(modes) & BLOCK_SCALE_MODES)  # the block modes require promotion
+        set_attr(set_desc, self.desc, D.FAST_ACCUM, int(fast), np.int8)
         if bias_dtype is not None:
             set_attr(set_desc, self.desc, D.BIAS_DATA_TYPE, CUDA_DTYPE[bias_dtype], np.int32)
         self._scale_attrs = (int(D.A_SCALE_POINTER), int(D.B_SCALE_POINTER))

@@ -261,6 +261,21 @@ def test_each_call_reads_its_own_weights_scales(lt, monkeypatch):
     assert len(cf._plans) == 1
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["promoted", "fast"])
+def test_fast_accumulation_where_asked_and_never_with_block_scales(lt, monkeypatch, fast):
+    """``FAST_ACCUM``: the descriptor of a per-channel plan asks for the tensor cores' own
+    accumulation; a block-scaled plan never does (the documentation requires promotion there)."""
+    monkeypatch.setattr(cf, "FAST_ACCUM", fast)
+    for granularity in ("channel", "block128"):
+        cf.clear_caches()
+        x, w, b = operands(8, 128, 256, torch.bfloat16, granularity, False)
+        out = cf.run(x, w.data, w.scale, b)
+        z, want = reference(x, w, b, None, x.dtype)
+        assert_matches(out, z, want, None, x.dtype, fused=True)
+        (plan,) = cf._plans.values()
+        assert lt.objs[plan.desc]["attrs"][D.FAST_ACCUM] == int(fast and granularity == "channel")
+
+
 def test_activation_runs_after_where_cublaslt_refuses_to_fuse_it(lt):
     x, w, b = operands(8, 128, 256, torch.bfloat16, "block128", True)
     lt.refuse_at_heuristic.add("GELU_BIAS")
