@@ -27,6 +27,12 @@ M entries of one K-block are contiguous), and :func:`quantize_activations` retur
 (M, L) view with strides (1, M). ``rows`` > M (see :func:`quantize_for_gemm`) appends rows
 that quantize as zeros, for a GEMM whose M must be padded.
 
+Passes: a per-token row of at most :data:`ONE_PASS_MAX` columns is read once and kept in
+registers; a wider row is read twice (its amax, then its bytes). With ``glu`` and
+:data:`GLU_STASH` the first pass writes the product it forms to a scratch row that the second
+reads back instead of forming it again (scripts/fp8_quant_probe.py ``--stash 0 1`` times both;
+the bytes are the same).
+
 Nothing touches a GPU at import time. Runs under ``TRITON_INTERPRET=1`` on CPU tensors.
 """
 
@@ -47,6 +53,9 @@ GROUPS = ("token", "block128")
 GLUS = (None, *QUANTIZED_GLUS)  # None: x itself; else the gated product formed before quantizing
 IN_DTYPES = (torch.bfloat16, torch.float16)
 ONE_PASS_MAX = 8192  # widest row a per-token program keeps in registers (8 warps: 32 fp32 per thread)
+# two-pass GLU rows: the first pass stashes the product it forms, the second reads it back
+GLU_STASH = False
+WIDE_ROW_WARPS = 16  # warps of a one-pass program over a row wider than 8192 (32 fp32 per thread at 16384)
 CHUNK = 4096  # elements per step of the two-pass loop over wider rows
 BLOCKS_PER_PROGRAM = 8  # 128-element blocks per program of the block kernel
 PLAN_CACHE_SIZE = 1024
@@ -109,10 +118,12 @@ def _row_values(x_row, cols, mask, K, GLU: tl.constexpr, LIBDEVICE: tl.constexpr
 
 
 @triton.jit
-def _quantize_token_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
-                           GLU: tl.constexpr, LIBDEVICE: tl.constexpr, HW_CVT: tl.constexpr):
+def _quantize_token_kernel(x_ptr, q_ptr, s_ptr, st_ptr, M, K, ldx, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
+                           GLU: tl.constexpr, LIBDEVICE: tl.constexpr, HW_CVT: tl.constexpr, STASH: tl.constexpr):
     # One program per row; rows >= M (GEMM padding) read nothing and store zeros. K: the
-    # quantized row's width (with GLU, x's rows hold 2K: gate, then up).
+    # quantized row's width (with GLU, x's rows hold 2K: gate, then up). STASH (two passes with
+    # GLU): the first pass writes the product, in x's dtype, to st_ptr's row (K wide), and the
+    # second reads it back (from L2) instead of forming it again.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * ldx
     q_row = q_ptr + row * K
@@ -125,14 +136,23 @@ def _quantize_token_kernel(x_ptr, q_ptr, s_ptr, M, K, ldx, BLOCK_K: tl.constexpr
         scale = _scale_of(tl.max(tl.abs(xf), axis=0))
         tl.store(q_row + cols, _e4m3_bits(xf, scale, HW_CVT), mask=mask)
     else:  # the row's amax first, then a second read (from L2) to quantize
+        st_row = st_ptr + row * K
         acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             mask = start + cols < K
-            acc = tl.maximum(acc, tl.abs(_row_values(x_row, start + cols, mask & live, K, GLU, LIBDEVICE)))
+            xf = _row_values(x_row, start + cols, mask & live, K, GLU, LIBDEVICE)
+            if STASH:
+                tl.store(st_row + start + cols, xf.to(st_ptr.dtype.element_ty), mask=mask & live)
+            acc = tl.maximum(acc, tl.abs(xf))
         scale = _scale_of(tl.max(acc, axis=0))
+        if STASH:
+            tl.debug_barrier()  # every thread's stash writes visible to the whole program
         for start in range(0, K, BLOCK_K):
             mask = start + cols < K
-            xf = _row_values(x_row, start + cols, mask & live, K, GLU, LIBDEVICE)
+            if STASH:
+                xf = tl.load(st_row + start + cols, mask=mask & live, other=0.0).to(tl.float32)
+            else:
+                xf = _row_values(x_row, start + cols, mask & live, K, GLU, LIBDEVICE)
             tl.store(q_row + start + cols, _e4m3_bits(xf, scale, HW_CVT), mask=mask)
     tl.store(s_ptr + row, scale)
 
@@ -159,12 +179,17 @@ def _launcher(group: str, rows: int, m: int, k: int, ldx: int, glu: str | None, 
     if group == "token":
         one_pass = k <= ONE_PASS_MAX
         block = next_pow2(k) if one_pass else CHUNK
-        warps = 4 if block <= 1024 else 8
+        warps = 4 if block <= 1024 else 8 if block <= 8192 else WIDE_ROW_WARPS
         return Launcher(_quantize_token_kernel, (rows,),
-                        dict(BLOCK_K=block, ONE_PASS=one_pass, num_warps=warps, **glu_meta))
+                        dict(BLOCK_K=block, ONE_PASS=one_pass, STASH=stashes(k, glu), num_warps=warps, **glu_meta))
     blocks = min(BLOCKS_PER_PROGRAM, next_pow2(triton.cdiv(k, BLOCK)))
     grid = (rows, triton.cdiv(triton.cdiv(k, BLOCK), blocks))
     return Launcher(_quantize_block_kernel, grid, dict(BLOCKS=blocks, GROUP=BLOCK, num_warps=4, **glu_meta))
+
+
+def stashes(k: int, glu: str | None) -> bool:
+    """Does a per-token quantization of a K-wide row stash the GLU product between its passes?"""
+    return GLU_STASH and glu is not None and k > ONE_PASS_MAX
 
 
 # Launchers by everything the compiled kernel is specialised on: group, the integer arguments
@@ -222,7 +247,11 @@ def quantize_for_gemm(x: torch.Tensor, group: str, rows: int | None = None,
     launch = _LAUNCHERS.get(key)
     if launch is None:
         launch = _LAUNCHERS.put(key, _launcher(group, rows, m, k, ldx, glu, x.device))
-    args = (x, x8.view(torch.uint8), scale, m, k, ldx) + ((rows,) if group == "block128" else ())
+    if group == "block128":
+        args = (x, x8.view(torch.uint8), scale, m, k, ldx, rows)
+    else:  # (the stash: x itself where the kernel reads none)
+        stash = torch.empty((m, k), dtype=x.dtype, device=x.device) if stashes(k, glu) else x
+        args = (x, x8.view(torch.uint8), scale, stash, m, k, ldx)
     if x.is_cuda and x.get_device() != torch.cuda.current_device():
         with torch.cuda.device(x.device):  # the launch goes to the current device's stream
             launch(*args)

@@ -6,7 +6,8 @@ eager ``silu(gate) * up`` that it replaces. CUDA events around each call with th
 before it, median of ``--reps``; the formed product's bytes and scales are checked equal to those
 of the product written first.
 
-    python3 scripts/fp8_quant_probe.py [--rows 2048] [--reps 20] [--one-pass-max 8192 16384] [--encode hw code]
+    python3 scripts/fp8_quant_probe.py [--rows 2048] [--reps 20] [--one-pass-max 8192 16384] [--wide-warps 8 16]
+                                       [--stash 0 1] [--encode hw code]
     python3 scripts/fp8_quant_probe.py --dry-run     (each call once on small shapes, no timing;
                                                      runs under TRITON_INTERPRET=1 on a CPU)
 """
@@ -42,6 +43,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--one-pass-max", type=int, nargs="+", default=[fq.ONE_PASS_MAX],
                     help="widest row kept in registers (fp8_quant.ONE_PASS_MAX), one run each")
+    ap.add_argument("--wide-warps", type=int, nargs="+", default=[fq.WIDE_ROW_WARPS],
+                    help="warps of a one-pass program over a row wider than 8192 (fp8_quant.WIDE_ROW_WARPS), "
+                         "one run each")
+    ap.add_argument("--stash", type=int, nargs="+", choices=(0, 1), default=[int(fq.GLU_STASH)],
+                    help="two-pass GLU rows stash the product between the passes (fp8_quant.GLU_STASH), one run each")
     ap.add_argument("--encode", nargs="+", choices=("hw", "code"), default=["hw" if fq.HARDWARE_CVT else "code"],
                     help="e4m3 bytes by the hardware's cvt or encoded in code (fp8_quant.HARDWARE_CVT), one run each")
     ap.add_argument("--dry-run", action="store_true")
@@ -59,14 +65,18 @@ def main(argv=None) -> int:
              "product formed (glu)": lambda: fq.quantize_for_gemm(gate_up, "token", glu="silu"),
              "torch silu(gate) * up": lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:]}
     flush = None if dry else torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    default, default_cvt = fq.ONE_PASS_MAX, fq.HARDWARE_CVT
+    defaults = fq.ONE_PASS_MAX, fq.HARDWARE_CVT, fq.WIDE_ROW_WARPS, fq.GLU_STASH
     first = None
-    runs = [(width, encode) for width in args.one_pass_max for encode in args.encode]
+    runs = [(width, encode, warps, stash) for width in args.one_pass_max for encode in args.encode
+            for warps in (args.wide_warps if width > 8192 else args.wide_warps[:1])
+            for stash in (args.stash if width < INTERMEDIATE else args.stash[:1])]
     try:
-        for one_pass_max, encode in runs:
-            fq.ONE_PASS_MAX, fq.HARDWARE_CVT = one_pass_max, encode == "hw"
+        for one_pass_max, encode, warps, stash in runs:
+            fq.ONE_PASS_MAX, fq.HARDWARE_CVT, fq.WIDE_ROW_WARPS = one_pass_max, encode == "hw", warps
+            fq.GLU_STASH = bool(stash)
             fq._LAUNCHERS.clear()
-            label = f"ONE_PASS_MAX={one_pass_max} encode={encode}"
+            label = f"ONE_PASS_MAX={one_pass_max} encode={encode}" + (
+                f" wide rows on {warps} warps" if one_pass_max > 8192 else "") + (" stash" if stash else "")
             formed, written = calls["product formed (glu)"](), calls["product"]()
             same = torch.equal(formed[0].view(torch.uint8), written[0].view(torch.uint8)) \
                 and torch.equal(formed[1], written[1])
@@ -84,7 +94,7 @@ def main(argv=None) -> int:
                   + ", ".join(f"{name} {us:.1f} µs" for name, us in times.items())
                   + f"; formed == written == the first run's: {same}", flush=True)
     finally:
-        fq.ONE_PASS_MAX, fq.HARDWARE_CVT = default, default_cvt
+        fq.ONE_PASS_MAX, fq.HARDWARE_CVT, fq.WIDE_ROW_WARPS, fq.GLU_STASH = defaults
         fq._LAUNCHERS.clear()
     return 0
 

@@ -183,6 +183,23 @@ def test_glu_quantizes_the_silu_product_it_never_writes(dtype, group, m, k, devi
     assert not q[-1].float().any()
 
 
+@pytest.mark.parametrize("stash", [False, True], ids=["formed_twice", "stashed"])
+def test_glu_rows_of_two_passes_with_padding(stash, device, monkeypatch):
+    """A GLU row wider than one pass, its product formed again in the second pass or stashed by
+    the first (fp8_quant.GLU_STASH): the same bytes and scales, and the GEMM's padded rows zeros."""
+    monkeypatch.setattr(fq, "GLU_STASH", stash)
+    monkeypatch.setattr(fq, "_LAUNCHERS", type(fq._LAUNCHERS)(4))
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16  # (the interpreter's bf16: above)
+    k = fq.ONE_PASS_MAX + 136
+    torch.manual_seed(k)
+    gu = (torch.randn(3, 2 * k, device=device) * 4).to(dtype)
+    q, s = fq.quantize_for_gemm(gu, "token", rows=6, glu="silu")
+    assert fq.stashes(k, "silu") == stash
+    ref_q, ref_s = reference(silu_product(gu), "token")
+    assert_same_bytes(q[:3], ref_q)
+    assert torch.equal(s[:3], ref_s) and not q[3:].float().any() and torch.all(s[3:] == fq.MIN_AMAX / 448.0)
+
+
 def test_launchers_are_cached_per_shape(device):
     fq._LAUNCHERS.clear()
     for _ in range(3):
