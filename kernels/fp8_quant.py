@@ -249,8 +249,8 @@ def quantize_for_gemm(x: torch.Tensor, group: str, rows: int | None = None,
         launch = _LAUNCHERS.put(key, _launcher(group, rows, m, k, ldx, glu, x.device))
     if group == "block128":
         args = (x, x8.view(torch.uint8), scale, m, k, ldx, rows)
-    else:  # (the stash: x itself where the kernel reads none)
-        stash = torch.empty((m, k), dtype=x.dtype, device=x.device) if stashes(k, glu) else x
+    else:  # (the stash as the launcher's kernel was built: x itself where it reads none)
+        stash = torch.empty((m, k), dtype=x.dtype, device=x.device) if launch.meta["STASH"] else x
         args = (x, x8.view(torch.uint8), scale, stash, m, k, ldx)
     if x.is_cuda and x.get_device() != torch.cuda.current_device():
         with torch.cuda.device(x.device):  # the launch goes to the current device's stream
