@@ -82,6 +82,10 @@ def main(argv=None) -> int:
     print(f"{args.variant}, {args.layers} layers, {args.tokens} tokens: median {gpu[len(gpu) // 2]:.3f} ms, "
           f"min {gpu[0]:.3f}, max {gpu[-1]:.3f}; each (events ms / wall ms / host ms): "
           + " ".join(f"{g:.2f}/{w:.2f}/{h:.2f}" for g, w, h in times), flush=True)
+    allocator = {k: v - allocator_before[k] for k, v in _allocator_counts().items()}
+    print(f"  during the timed forwards: {len(compiles)} Triton compiles {sorted(set(compiles))}, "
+          f"{len(plans)} cuBLASLt FP8 plans built {sorted(set(plans))}, caching allocator {allocator}; "
+          f"{torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved at most", flush=True)
     if args.profile:
         profiler = cProfile.Profile()
         with torch.no_grad():
@@ -93,10 +97,6 @@ def main(argv=None) -> int:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
         print(text.getvalue(), flush=True)
-    allocator = {k: v - allocator_before[k] for k, v in _allocator_counts().items()}
-    print(f"  during the timed forwards: {len(compiles)} Triton compiles {sorted(set(compiles))}, "
-          f"{len(plans)} cuBLASLt FP8 plans built {sorted(set(plans))}, caching allocator {allocator}; "
-          f"{torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved at most", flush=True)
     return 0
 
 
