@@ -59,6 +59,11 @@
 #                   $OUT/h200.json (as fp8mlp), then its 12-layer compiled decode (B = 1, 8) on it in each,
 #                   beside stock, and first on the table before the entries (MOETABLES_BASELINE=0 skips
 #                   that) (MOETABLES_TIMEOUT s per step, default 300)
+#         w8a8prefill  the W8A8 prefill's experiments and figure: scripts/fp8_quant_probe.py (the GLU row
+#                   stashed or in one pass on 8 or 16 warps), scripts/fp8_accum_probe.py (cuBLASLt FP8 with
+#                   and without fast accumulation), the llama3-8b 32-layer W8A8 prefill beside stock bf16,
+#                   then scripts/prefill_variance_probe.py with its host profile (W8A8_TIMEOUT s per
+#                   step, default 200; each step in a fresh Triton cache)
 #         msweep    perf/bench_msweep.py: dispatched vs F.linear at 128 M per preset shape
 #                   (table: $TABLE or $OUT/h200.json; MSWEEP_ARGS passed on)
 #         attention the Qwen2.5-7B attention projection path (uses $OUT/h200.json)
@@ -199,6 +204,25 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', 
       log "fp8 decode probe"
       $PY scripts/fp8_decode_probe.py llama3-8b 32 1,8 "$g" >"$OUT/fp8_decode_probe.txt" 2>&1 || status=1
       grep -E "^(compiled|eager|GEMM|bf16 bytes)" "$OUT/fp8_decode_probe.txt" | tee -a "$OUT/summary.txt"
+      ;;
+    w8a8prefill)
+      t=${W8A8_TIMEOUT:-200}
+      log "fp8_quant_probe (stash, wide rows)"
+      TRITON_CACHE_DIR=$(mktemp -d) timeout "$t" $PY scripts/fp8_quant_probe.py --one-pass-max 8192 16384 \
+        --wide-warps 8 16 --stash 0 1 >"$OUT/fp8_quant_probe.txt" 2>&1 || status=1
+      tail -n 5 "$OUT/fp8_quant_probe.txt" | tee -a "$OUT/summary.txt"
+      log "fp8_accum_probe"
+      timeout "$t" $PY scripts/fp8_accum_probe.py >"$OUT/fp8_accum_probe.txt" 2>&1 || status=1
+      tail -n 5 "$OUT/fp8_accum_probe.txt" | tee -a "$OUT/summary.txt"
+      log "W8A8 prefill, llama3-8b 32 layers"
+      TRITON_CACHE_DIR=$(mktemp -d) timeout "$t" $PY -m hybridgemm bench --e2e --model llama3-8b --layers 32 \
+        --batch 1 --prefill 2048 --modes prefill --rounds 2 --weights fp8 --fp8-activations --no-peers \
+        --out "$OUT/e2e_w8a8_prefill_h200.csv" --no-progress >"$OUT/bench_e2e_w8a8_prefill.txt" 2>&1 || status=1
+      tail -n 12 "$OUT/bench_e2e_w8a8_prefill.txt" | tee -a "$OUT/summary.txt"
+      log "prefill_variance_probe (tree, host profile)"
+      TRITON_CACHE_DIR=$(mktemp -d) timeout "$t" $PY scripts/prefill_variance_probe.py --variant tree --layers 32 \
+        --forwards 8 --profile 25 >"$OUT/prefill_variance_probe.txt" 2>&1 || status=1
+      tail -n 45 "$OUT/prefill_variance_probe.txt" | tee -a "$OUT/summary.txt"
       ;;
     msweep)
       log "bench_msweep (table ${TABLE:-$OUT/h200.json})"
