@@ -26,6 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--m", type=int, nargs="+", default=[2048])
     args = ap.parse_args(argv)
     torch.manual_seed(0)
+    default = cublaslt_fp8.FAST_ACCUM
     for name, n, k in SHAPES:
         for m in args.m:
             x = torch.randn(m, k, device="cuda").bfloat16()
@@ -48,7 +49,8 @@ def main(argv=None) -> int:
                 times.append(gpu_time_many([call], reps=3, replays=7)[0].median_us)
             print(f"{name} M={m}: promoted {times[0]:.1f} us, fast {times[1]:.1f} us ({times[0] / times[1]:.3f}x); "
                   + "; ".join(line), flush=True)
-    cublaslt_fp8.FAST_ACCUM = False
+    cublaslt_fp8.FAST_ACCUM = default
+    cublaslt_fp8.clear_caches()
     return 0
 
 

@@ -44,8 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--one-pass-max", type=int, nargs="+", default=[fq.ONE_PASS_MAX],
                     help="widest row kept in registers (fp8_quant.ONE_PASS_MAX), one run each")
     ap.add_argument("--wide-warps", type=int, nargs="+", default=[fq.WIDE_ROW_WARPS],
-                    help="warps of a one-pass program over a row wider than 8192 (fp8_quant.WIDE_ROW_WARPS), "
-                         "one run each")
+                    help="warps of a one-pass program over a row wider than fp8_quant.EIGHT_WARPS_MAX "
+                         "(WIDE_ROW_WARPS), one run each")
     ap.add_argument("--stash", type=int, nargs="+", choices=(0, 1), default=[int(fq.GLU_STASH)],
                     help="two-pass GLU rows stash the product between the passes (fp8_quant.GLU_STASH), one run each")
     ap.add_argument("--encode", nargs="+", choices=("hw", "code"), default=["hw" if fq.HARDWARE_CVT else "code"],
@@ -68,15 +68,15 @@ def main(argv=None) -> int:
     defaults = fq.ONE_PASS_MAX, fq.HARDWARE_CVT, fq.WIDE_ROW_WARPS, fq.GLU_STASH
     first = None
     runs = [(width, encode, warps, stash) for width in args.one_pass_max for encode in args.encode
-            for warps in (args.wide_warps if width > 8192 else args.wide_warps[:1])
+            for warps in (args.wide_warps if width > fq.EIGHT_WARPS_MAX else args.wide_warps[:1])
             for stash in (args.stash if width < INTERMEDIATE else args.stash[:1])]
     try:
         for one_pass_max, encode, warps, stash in runs:
             fq.ONE_PASS_MAX, fq.HARDWARE_CVT, fq.WIDE_ROW_WARPS = one_pass_max, encode == "hw", warps
             fq.GLU_STASH = bool(stash)
             fq._LAUNCHERS.clear()
-            label = f"ONE_PASS_MAX={one_pass_max} encode={encode}" + (
-                f" wide rows on {warps} warps" if one_pass_max > 8192 else "") + (" stash" if stash else "")
+            wide = f" wide rows on {warps} warps" if one_pass_max > fq.EIGHT_WARPS_MAX else ""
+            label = f"ONE_PASS_MAX={one_pass_max} encode={encode}{wide}" + (" stash" if stash else "")
             formed, written = calls["product formed (glu)"](), calls["product"]()
             same = torch.equal(formed[0].view(torch.uint8), written[0].view(torch.uint8)) \
                 and torch.equal(formed[1], written[1])

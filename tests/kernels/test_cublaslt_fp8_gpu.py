@@ -26,10 +26,13 @@ DTYPES = [torch.bfloat16, torch.float16]
 ACTS = [None, "relu", "gelu_tanh", "gelu"]
 SHAPES_NK = [(4096, 4096), (1000, 1152), (6144, 4096)]
 MS = [1, 17, 333, 2048]
-# What each output element may be off by, beyond rounding: Hopper's FP8 tensor cores keep about
-# 14 bits while they accumulate (DeepSeek-V3 report, §3.3.2) and cuBLAS promotes the partial sums
-# to fp32 every few MMAs, so the accumulation error is a small fraction of sum_l |x_l w_l|.
-ACC_SLACK = 2.0**-13
+# What each output element may be off by, beyond rounding, as a fraction of sum_l |x_l w_l|:
+# Hopper's FP8 tensor cores keep about 14 bits while they accumulate (DeepSeek-V3 report, §3.3.2).
+# Where cuBLAS promotes the partial sums to fp32 every few MMAs (block scales) that stays small;
+# where the tensor cores accumulate on their own (per-channel plans, cf.FAST_ACCUM) it grows: on
+# an H100 these operands reached 2^-10.5 (scripts/fp8_accum_bound_probe.py,
+# perf/results/h100/logs/fp8_accum_bound_probe_fast.txt).
+ACC_SLACK = {"promoted": 2.0**-13, "fast": 2.0**-9}
 ULPS = 2  # rounding of the output (and of the pre-activation where the activation runs after)
 SLOPE = {None: 1.0, "relu": 1.0, "gelu_tanh": 1.2, "gelu": 1.2}  # bound on |act'|
 
@@ -66,12 +69,16 @@ def dequantized_activations(x, granularity) -> torch.Tensor:
     return x8.double() * per
 
 
-def check_against(out, z, act, dtype, what):
-    """|out - act(z)| <= ULPS ulp(|act(z)| + slope |z|) + ACC_SLACK * sum|x w| elementwise;
+def accumulation(granularity) -> str:
+    return "fast" if cf.FAST_ACCUM and granularity == "channel" else "promoted"
+
+
+def check_against(out, z, act, dtype, what, slack):
+    """|out - act(z)| <= ULPS ulp(|act(z)| + slope |z|) + slack * sum|x w| elementwise;
     returns the worst ratio of error to bound and the worst error in output ulps."""
     ref = apply_activation(z.value, Activation.parse(act))
     err = (out.double() - ref).abs()
-    bound = ULPS * unit(dtype) * (ref.abs() + SLOPE[act] * z.value.abs()) + ACC_SLACK * z.abs_sum
+    bound = ULPS * unit(dtype) * (ref.abs() + SLOPE[act] * z.value.abs()) + slack * z.abs_sum
     ratio = (err / bound).max().item()
     ulps = (err / (unit(dtype) * ref.abs().clamp_min(torch.finfo(dtype).tiny))).max().item()
     worst = (err / bound).argmax().item()
@@ -104,8 +111,8 @@ def test_matches_the_dequantized_reference(dtype, granularity, bias, nk, m, reco
         out = poisoned((m, n), dtype, "cuda")
         cf.run(x, w.data, w.scale, b, out, act)
         assert torch.isfinite(out).all(), f"{act}: some outputs were never written"
-        what = f"{granularity} {dtype} M={m} N={n} K={k} bias={bias} act={act}"
-        ratio, ulps = check_against(out, z, act, dtype, what)
+        what = f"{granularity} {dtype} M={m} N={n} K={k} bias={bias} act={act} ({accumulation(granularity)})"
+        ratio, ulps = check_against(out, z, act, dtype, what, ACC_SLACK[accumulation(granularity)])
         ref_bf = apply_activation(z_bf, Activation.parse(act))
         ours_vs_bf = rel_err(out, ref_bf)
         quantizing = rel_err(apply_activation(z.value, Activation.parse(act)), ref_bf)
