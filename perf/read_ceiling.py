@@ -22,6 +22,7 @@ import functools
 import math
 import os
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -38,6 +39,10 @@ _ALIGN = 16  # bytes: the scales start right after the e4m3 data, at a 16-byte b
 MEASURED_READ_TBPS = {"h200": HBM_TBPS}  # perf/results/h200/README.md
 MEASURE_BYTES = 1 << 30  # the buffer device_read_tbps reads on other GPUs: 20x an H100's L2
 READ_TBPS_ENV = "HYBRIDGEMM_READ_TBPS"
+# Seconds of reads before any call is timed, so that the clocks have left idle (one 1 GiB read
+# gives them little time: an H100's figure, measured once per process, ranged over 2.67-3.05 TB/s
+# in perf/results/h100's CSVs, column read_tbps).
+WARM_SECONDS = 0.25
 
 
 @functools.cache
@@ -166,7 +171,12 @@ def _measure_read_tbps(device: torch.device) -> float:
         calls = read_calls([buf], device)
         del buf  # (the calls hold it until they go)
         for call in calls:
-            call(0)  # compiles, warms the clocks
+            call(0)  # compiles
+        warm_until = time.perf_counter() + WARM_SECONDS
+        while time.perf_counter() < warm_until:  # the clocks up before any call is timed
+            calls[0](0)
+            torch.cuda.synchronize(device)
+        for call in calls:
             times = []
             for _ in range(5):
                 start.record()

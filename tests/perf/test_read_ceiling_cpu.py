@@ -5,6 +5,7 @@ interpreter (every element read once, whatever the grid), and the bench's option
 
 from __future__ import annotations
 
+import time
 import types
 
 import pytest
@@ -186,29 +187,34 @@ class _FakeEvent:
 
 def test_measured_read_rate_is_the_fastest_grids_median(monkeypatch):
     # the reading calls advance a fake clock: grid i takes ms_of[i] (one slow outlier each);
-    # the rate is the buffer's bytes over the fastest grid's median
+    # the rate is the buffer's bytes over the fastest grid's median, timed after the first
+    # grid has read for WARM_SECONDS
     monkeypatch.setattr(R, "MEASURE_BYTES", 1 << 20)
+    monkeypatch.setattr(R, "WARM_SECONDS", 0.02)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (8 << 30, 80 << 30))
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     ms_of = [0.5, 0.25, 0.4, 0.3]
-    seen = []
+    seen, calls_made = [], [0] * len(ms_of)
 
     def read_calls(buffers, device):
         seen.append(buffers[0].numel() * buffers[0].element_size())
 
-        def make(ms):
-            n = [0]
-
+        def make(i, ms):
             def call(j):
-                n[0] += 1
-                _FakeEvent.clock[0] += ms * (9 if n[0] == 3 else 1)  # one slow call of the five timed
+                calls_made[i] += 1
+                # one slow call of the five timed (the first grid's falls in its warm-up)
+                _FakeEvent.clock[0] += ms * (9 if calls_made[i] == 3 else 1)
             return call
-        return [make(ms) for ms in ms_of]
+        return [make(i, ms) for i, ms in enumerate(ms_of)]
 
     monkeypatch.setattr(R, "read_calls", read_calls)
+    t0 = time.perf_counter()
     tbps = R._measure_read_tbps(torch.device("cpu"))
+    assert time.perf_counter() - t0 >= R.WARM_SECONDS
     assert seen == [1 << 20]
+    assert calls_made[0] > 6 and calls_made[1:] == [6, 6, 6]  # compile + 5 timed; the first grid warmed too
     assert tbps == pytest.approx((1 << 20) / 0.25e-3 / 1e12)
     # a quarter of the free memory bounds the buffer where it is less
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 << 20, 80 << 30))
