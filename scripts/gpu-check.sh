@@ -3,8 +3,9 @@
 #
 #   bash scripts/gpu-check.sh [STAGE ...]      (default: install tests bench)
 #
-# Stages: install   pip-install the carried wheels (.whl/) and this package, offline; with TF_WHEELS=1 also
-#                   .whl-tf/'s wheels into /tmp/tf, ahead of the machine's packages (another transformers
+# Stages: install   pip-install the carried wheels (.whl/, into /tmp/site: on the PYTHONPATH of this script's
+#                   later stages only, so give other commands as stages, quoted) and this package, offline;
+#                   with TF_WHEELS=1 also .whl-tf/'s wheels into /tmp/tf, ahead of the machine's packages (another transformers
 #                   with its huggingface_hub closure: pip download --only-binary=:all: --python-version 3.12
 #                   --platform manylinux2014_x86_64 -d .whl-tf transformers==X huggingface_hub==Y; carry
 #                   .whl-tf). The PYTHONPATH it sets holds for the later stages of the same call only
@@ -217,7 +218,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', 
       log "W8A8 prefill, llama3-8b 32 layers"
       TRITON_CACHE_DIR=$(mktemp -d) timeout "$t" $PY -m hybridgemm bench --e2e --model llama3-8b --layers 32 \
         --batch 1 --prefill 2048 --modes prefill --rounds 2 --weights fp8 --fp8-activations --no-peers \
-        --out "$OUT/e2e_w8a8_prefill_h200.csv" --no-progress >"$OUT/bench_e2e_w8a8_prefill.txt" 2>&1 || status=1
+        --out "$OUT/e2e_w8a8_prefill.csv" --no-progress >"$OUT/bench_e2e_w8a8_prefill.txt" 2>&1 || status=1
       tail -n 12 "$OUT/bench_e2e_w8a8_prefill.txt" | tee -a "$OUT/summary.txt"
       log "prefill_variance_probe (tree, host profile)"
       TRITON_CACHE_DIR=$(mktemp -d) timeout "$t" $PY scripts/prefill_variance_probe.py --variant tree --layers 32 \
