@@ -21,7 +21,11 @@ scales are not applied) and cuBLASLt's FP8 GEMM runs (``cublaslt_fp8``, Hopper w
 x to e4m3 added to the weight's. Where cuBLASLt cannot run that call (another GPU, an unaligned
 shape), the dequantized path runs, with a warning once per device and reason. Decode rows keep
 x as it is (W8A16): there the weight's bytes set the time. The batch-invariant mode never
-quantizes x (cuBLASLt picks its algorithm per M, so a row's result could depend on M).
+quantizes x (cuBLASLt picks its algorithm per M, so a row's result could depend on M). The first
+W8A8 call of a signature (:func:`_bound_key`) runs every check and lookup and keeps the launch
+it made (kernels/cublaslt_fp8.BoundRun); later calls of that signature (a prefill's projections
+at every forward of one prompt length) take it with their own pointers: an eager prefill's host
+time is mostly these calls.
 
 CPU tensors, x of another dtype, and CUDA devices without FP8 (compute capability < 8.9,
 warned once) take the dequantized path. Gradients flow to x only: an FP8 weight is frozen
@@ -35,11 +39,12 @@ from torch import Tensor, nn
 
 from hybridgemm import dispatch
 from hybridgemm.kernels import backends, fp8
+from hybridgemm.kernels import cublaslt_fp8 as lt8
 from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES, LinearArgumentError, contiguous_bias, row_major, rows_2d
 from hybridgemm.kernels.cublaslt_runtime import CublasLtUnavailable, CublasLtUnsupported
 from hybridgemm.kernels.epilogue import GLU_ACTIVATIONS, Activation, apply_activation
 from hybridgemm.kernels.lazy import triton_module
-from hybridgemm.kernels.problem import DECODE_MAX_M
+from hybridgemm.kernels.problem import DECODE_MAX_M, pointer_alignment
 from hybridgemm.kernels.process_memory import per_call_scratch
 
 from .diagnostics import warn_once
@@ -94,40 +99,72 @@ def fp8_linear(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = Non
     docstring); ``scale`` in either granularity's shape (kernels/fp8.py); ``quantize_input``:
     W8A8 past the decode rows (module docstring)."""
     act = Activation.parse(activation)
+    key = _bound_key(x, data, scale, bias, act, None) if quantize_input else None
+    bound = None if key is None else lt8.BOUND_RUNS.get(key)
+    if bound is not None:  # this signature ran W8A8 before: its launch, with these pointers
+        return bound(x.view(-1, x.shape[-1]), data, scale, bias).view(*x.shape[:-1], data.shape[0])
     granularity = check_fp8_args(x, data, scale, bias)
-    scale = fp8.scale_vector(scale, granularity)
+    scale_vec = fp8.scale_vector(scale, granularity)
     n, k = data.shape
     x2 = rows_2d(x)
     m = x2.shape[0]
     if m == 0 or n == 0 or k == 0 or not runs_fp8_kernels(x):
-        return dispatch.torch_linear(x, fp8.dequantize(data, scale, x.dtype), bias, act)
+        return dispatch.torch_linear(x, fp8.dequantize(data, scale_vec, x.dtype), bias, act)
     x2, w2, b2 = row_major(x2), row_major(data), contiguous_bias(bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     choice = dispatch.decision_for(x2, w2, b2, out, act, fp8.FORMAT_OF[granularity])
     if choice.backend in backends.FP8_BACKENDS:  # split-K, or a table's cuBLASLt FP8 entry
-        backends.get_backend(choice.backend).run(choice.config, x2, w2, b2, out, act, False, weight_scale=scale)
+        backends.get_backend(choice.backend).run(choice.config, x2, w2, b2, out, act, False,
+                                                 weight_scale=scale_vec)
         return out.view(*x.shape[:-1], n)
     if quantize_input and m > DECODE_MAX_M and get_mode() == DEFAULT \
-            and _runs_w8a8(x2, w2, scale, b2, out, act, granularity):
+            and _runs_w8a8(x2, w2, scale_vec, b2, out, act, granularity, key, (data, scale, bias)):
         return out.view(*x.shape[:-1], n)
     # past the FP8 kernels' rows: a bf16/fp16 GEMM over the weight dequantized in one pass
-    return dispatch.fused_linear(x, triton_module("triton_dequant").dequantize(w2, scale, granularity, x.dtype),
+    return dispatch.fused_linear(x, triton_module("triton_dequant").dequantize(w2, scale_vec, granularity, x.dtype),
                                  bias, act)
 
 
+def _bound_key(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None, act: Activation,
+               glu: str | None) -> tuple | None:
+    """The signature under which a W8A8 call's bound launch is kept (kernels/cublaslt_fp8.BoundRun),
+    or None where the call takes the general path every time (a tensor subclass, decode rows, x
+    not contiguous): what the checks, the decision and the plan depend on. x's shape, dtype, device
+    and alignment; the weight, scales and bias by data pointer, shape, dtype and strides (a
+    weight replaced is a miss, never a stale read); the activation, the GLU, and the
+    dispatcher's generation (tables reloaded, mode switched). A launch is kept only after a
+    call of the key ran W8A8 (on a CUDA device) with none of its operands copied."""
+    if type(x) not in PLAIN_TENSOR_TYPES or type(data) not in PLAIN_TENSOR_TYPES \
+            or type(scale) not in PLAIN_TENSOR_TYPES or (bias is not None and type(bias) not in PLAIN_TENSOR_TYPES) \
+            or x.dim() < 2 or x.numel() <= DECODE_MAX_M * x.shape[-1] or not x.is_contiguous():
+        return None  # (decode rows never run W8A8: no key to build)
+    return (x.shape, x.dtype, x.device.index, pointer_alignment(x.data_ptr()), data.data_ptr(), data.shape,
+            data.dtype, data.stride(), scale.data_ptr(), scale.shape, scale.dtype, scale.stride(),
+            None if bias is None else (bias.data_ptr(), bias.shape, bias.dtype, bias.stride()), act, glu,
+            dispatch.generation())
+
+
 def _runs_w8a8(x2: Tensor, w2: Tensor, scale: Tensor, b2: Tensor | None, out: Tensor, act: Activation,
-               granularity: str) -> bool:
+               granularity: str, key: tuple | None, given: tuple, glu: str | None = None) -> bool:
     """Run cuBLASLt's FP8 GEMM over x quantized to e4m3 into ``out``; False (one warning per
-    device and reason) where it cannot run this call."""
+    device and reason) where it cannot run this call. Keeps the bound launch under ``key``
+    where later calls can pass the ``given`` (weight, scale, bias) as they are: none of them
+    was copied for this call."""
     try:
-        backends.get_backend("cublaslt_fp8").run({}, x2, w2, b2, out, act, False, weight_scale=scale)
-        return True
+        _, bound = lt8.run_and_bind(x2, w2, scale, b2, out, act, glu)
     except (CublasLtUnsupported, CublasLtUnavailable, ImportError) as e:
+        if glu is not None:
+            return False  # (the composition then runs, and fp8_linear warns as it does for any such call)
         reason = str(e)
         warn_once(("fp8-activations", x2.device.index, reason[:80]),
                   f"hybridgemm: activations='fp8': {reason}; this {granularity} FP8 GEMM runs over the weight "
                   "dequantized, with x as it is")
         return False
+    data, scale_given, bias = given
+    if key is not None and bound is not None and w2 is data and b2 is bias \
+            and scale.data_ptr() == scale_given.data_ptr():
+        lt8.BOUND_RUNS.put(key, bound)
+    return True
 
 
 def linear_fp8_glu(gate_up: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None, glu: str,
@@ -154,11 +191,18 @@ def _glu_into_gemm(gate_up: Tensor, data: Tensor, scale: Tensor, bias: Tensor | 
     region, a tensor subclass, a device the FP8 kernels skip, or a table's split-K decision. (A
     table's cublaslt_fp8 entry without ``quantize_input`` also quantizes x; the composition
     serves it, so that decode rows pay for no second decision.)"""
-    gu2 = rows_2d(gate_up)
-    m = gu2.shape[0]
-    if not (quantize_input and m > DECODE_MAX_M and get_mode() == DEFAULT) or glu not in fp8.QUANTIZED_GLUS:
+    if not quantize_input or glu not in fp8.QUANTIZED_GLUS:
         return None
     wants_grad = torch.is_grad_enabled() and (gate_up.requires_grad or (bias is not None and bias.requires_grad))
+    key = None if wants_grad else _bound_key(gate_up, data, scale, bias, act, glu)
+    bound = None if key is None else lt8.BOUND_RUNS.get(key)
+    if bound is not None:  # this signature ran W8A8 before: its launch, with these pointers
+        return bound(gate_up.view(-1, gate_up.shape[-1]), data, scale, bias).view(*gate_up.shape[:-1],
+                                                                                  data.shape[0])
+    gu2 = rows_2d(gate_up)
+    m = gu2.shape[0]
+    if not (m > DECODE_MAX_M and get_mode() == DEFAULT):
+        return None
     if wants_grad or torch.compiler.is_compiling() or type(gate_up) not in PLAIN_TENSOR_TYPES \
             or not runs_fp8_kernels(gate_up):
         return None
@@ -167,17 +211,14 @@ def _glu_into_gemm(gate_up: Tensor, data: Tensor, scale: Tensor, bias: Tensor | 
     n = data.shape[0]
     if n == 0 or k == 0:
         return None
-    scale = fp8.scale_vector(scale, granularity)
+    scale_vec = fp8.scale_vector(scale, granularity)
     w2, b2 = row_major(data), contiguous_bias(bias)
     out = torch.empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
     choice = dispatch.decision_for(gu2[:, :k], w2, b2, out, act, fp8.FORMAT_OF[granularity], fresh_x=True)
     if choice.backend in backends.FP8_BACKENDS and choice.backend != "cublaslt_fp8":
         return None  # (fp8_linear runs a table's split-K decision with x as it is)
-    try:
-        backends.get_backend("cublaslt_fp8").run({}, row_major(gu2), w2, b2, out, act, False, weight_scale=scale,
-                                                  glu=glu)
-    except (CublasLtUnsupported, CublasLtUnavailable, ImportError):
-        return None  # (the composition then runs, and fp8_linear warns as it does for any such call)
+    if not _runs_w8a8(row_major(gu2), w2, scale_vec, b2, out, act, granularity, key, (data, scale, bias), glu):
+        return None
     return out.view(*gate_up.shape[:-1], n)
 
 

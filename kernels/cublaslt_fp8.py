@@ -45,8 +45,10 @@ projections, scripts/fp8_accum_probe.py, perf/results/h100/README.md) the fast s
 quantizing the activations to e4m3 costs (2.6e-2). Set :data:`FAST_ACCUM` False before the first
 call for promoted per-channel plans. Plans (kernels/cublaslt_plan.Plan with e4m3 A and B layouts
 and the scale modes) live in a bounded LRU cache per operand signature; the scale pointers are
-descriptor attributes, set when they change, under a lock. Nothing here touches a GPU, nor
-imports Triton, at import time.
+descriptor attributes, set when they change, under a lock. :func:`run_and_bind` also returns a
+:class:`BoundRun`: the call's quantization launcher and plan, which later calls of the same
+signature launch with their own pointers and none of the checks (its caller keys it,
+:data:`BOUND_RUNS`). Nothing here touches a GPU, nor imports Triton, at import time.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ from .cublaslt_runtime import (
 )
 from .epilogue import Activation, apply_activation
 from .fp8 import FORMAT_OF, GRANULARITY_OF_FORMAT, OUT_DTYPES, granularity_of
-from .problem import dtype_name, pointer_alignment
+from .problem import MAX_ALIGNMENT, dtype_name, pointer_alignment
 
 CUDA_R_8F_E4M3 = 28  # cudaDataType_t of A and B (nvmath.CudaDataType.CUDA_R_8F_E4M3)
 MIN_CUBLASLT = 120900  # cuBLASLt 12.9: the outer-vector and 128-block FP32 scale modes
@@ -239,9 +241,14 @@ _plans = BoundedCache(PLAN_CACHE_SIZE, lru=True)
 _refused = BoundedCache(PLAN_CACHE_SIZE, lru=True)
 
 
+# Bound runs (BoundRun) under their callers' keys (fusion/fp8_linear.py): emptied with the plans.
+BOUND_RUNS = BoundedCache(4 * PLAN_CACHE_SIZE, lru=True)
+
+
 def clear_caches() -> None:
     _plans.clear()
     _refused.clear()
+    BOUND_RUNS.clear()
 
 
 def _check_operands(x, w8, w_scale, bias, out, glu=None) -> str:
@@ -282,10 +289,10 @@ def _check_operands(x, w8, w_scale, bias, out, glu=None) -> str:
     return granularity
 
 
-def _quantize(x: torch.Tensor, group: str, rows: int, glu: str | None):
-    from .fp8_quant import quantize_for_gemm  # Triton, loaded on first use: import and supports() need none
+def _bound_quantize(x: torch.Tensor, group: str, rows: int, glu: str | None):
+    from .fp8_quant import bound_quantize  # Triton, loaded on first use: import and supports() need none
 
-    return quantize_for_gemm(x, group, rows, glu)
+    return bound_quantize(x, group, rows, glu)
 
 
 def _launch(key: tuple, build_args: tuple, args: tuple) -> ScaledPlan:
@@ -322,6 +329,43 @@ def _launch_or_refuse(key: tuple, build_args: tuple, args: tuple) -> ScaledPlan:
     raise CublasLtUnsupported(f"cuBLASLt refused {plan.what}: {refusal}") from None
 
 
+class BoundRun:
+    """:func:`run` for every later call of one signature, bound after a first call of it: x of
+    the same shape, dtype, device, row stride and 16-byte alignment; a weight of the same
+    shape, row stride and alignment, its scales in the same layout and not copied by
+    :func:`weight_scale_operand`, a bias of the same dtype (or none) and 16-byte aligned; the
+    output allocated fresh. ``bound(x, w8, w_scale, bias)`` quantizes x and launches the plan
+    with those tensors' pointers: none of :func:`run`'s checks, lookups or copies. It holds no
+    tensor (a model's weights are not kept alive by it); the caller keys it by everything
+    above (fusion/fp8_linear.py)."""
+
+    __slots__ = ("quantize", "plan", "m", "n", "rows", "dtype", "device")
+
+    def __init__(self, quantize, plan: ScaledPlan, m: int, n: int, rows: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.quantize, self.plan, self.m, self.n, self.rows, self.dtype, self.device = \
+            quantize, plan, m, n, rows, dtype, device
+
+    def __call__(self, x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        keep, x8_ptr, x_scale_ptr = self.quantize.pointers(x)  # (keep: x8 and its scales, until enqueued)
+        out = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
+        d = out if self.rows == self.m else torch.empty((self.rows, self.n), dtype=self.dtype, device=self.device)
+        self.plan.launch(w8.data_ptr(), x8_ptr, d.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                         w_scale.data_ptr(), x_scale_ptr)
+        del keep
+        return _finish(self.plan, d, out)
+
+
+def _finish(plan: ScaledPlan, d: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The activation cuBLASLt did not fuse, and the padded rows dropped: ``out``."""
+    if plan.post is not Activation.NONE:
+        d.copy_(apply_activation(d, plan.post))
+    if d is not out:
+        out.copy_(d[:out.shape[0]])
+    return out
+
+
 def run(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
         out: torch.Tensor | None = None, activation=None, glu: str | None = None) -> torch.Tensor:
     """``out[:] = act(x @ dequantize(w8, w_scale).T + bias)`` on the FP8 tensor cores; returns
@@ -332,33 +376,46 @@ def run(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Te
     the GEMM's input is ``silu(gate) * up`` in x's dtype, formed while x is quantized
     (kernels/fp8_quant.py) and never written. TypeError/ValueError for bad arguments,
     :class:`CublasLtUnsupported` where this path cannot run (the caller falls back)."""
+    return run_and_bind(x, w8, w_scale, bias, out, activation, glu)[0]
+
+
+def run_and_bind(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, activation=None,
+                 glu: str | None = None) -> tuple[torch.Tensor, BoundRun | None]:
+    """:func:`run`, and the :class:`BoundRun` for later calls of this signature: None where
+    they could not reuse this call's launch as it is (no rows; an ``out`` that is not what a
+    fresh allocation would be: rows N wide, 256-byte aligned; an operand copied: x's layout, a
+    bias off alignment, block scales whose row stride is not a multiple of 4)."""
     act = Activation.parse(activation)
     granularity = _check_operands(x, w8, w_scale, bias, out, glu)
     m, (n, k) = x.shape[0], w8.shape
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return out
+        return out, None
     rows = m if granularity == "channel" else m + (-m) % 4  # VEC128_32F: cuBLASLt's N a multiple of 4
-    x8, x_scale = _quantize(x, ACTIVATION_GROUP[granularity], rows, glu)
-    w_scale = weight_scale_operand(w_scale, granularity)
+    x_in = x
+    x, quantize = _bound_quantize(x, ACTIVATION_GROUP[granularity], rows, glu)
+    x8, x_scale = quantize(x)
+    w_operand = weight_scale_operand(w_scale, granularity)
     b = contiguous_bias(bias)
     d = out if rows == m else torch.empty((rows, n), dtype=x.dtype, device=x.device)
     ldo = d.stride(0) if rows > 1 else n
     wp, xp, dp = w8.data_ptr(), x8.data_ptr(), d.data_ptr()
     aligns = (pointer_alignment(wp), pointer_alignment(xp), pointer_alignment(dp), pointer_alignment(dp))
     key = (granularity, act, x.dtype, b is not None, rows, n, k, w8.stride(0), ldo, aligns, x.get_device())
-    args = (wp, xp, dp, b.data_ptr() if b is not None else 0, w_scale.data_ptr(), x_scale.data_ptr())
+    args = (wp, xp, dp, b.data_ptr() if b is not None else 0, w_operand.data_ptr(), x_scale.data_ptr())
     plan = _launch(key, (granularity, act, x.dtype, b is not None, rows, n, k, w8.stride(0), ldo, aligns,
                          x.get_device(), args[4:]), args)
-    if plan.post is not Activation.NONE:
-        d.copy_(apply_activation(d, plan.post))
-    if d is not out:
-        out.copy_(d[:m])
-    return out
+    _finish(plan, d, out)
+    # A bound call allocates out and x8 fresh: the caching allocator's blocks are 512-byte
+    # aligned and out's rows N wide, so this call's plan fits it where this call's were so too.
+    reusable = ldo == n and pointer_alignment(dp) == pointer_alignment(xp) == MAX_ALIGNMENT \
+        and x is x_in and b is bias and w_operand.data_ptr() == w_scale.data_ptr()
+    return out, (BoundRun(quantize, plan, m, n, rows, x.dtype, x.device) if reusable else None)
 
 
 __all__ = [
-    "ACTIVATION_GROUP", "MIN_CUBLASLT", "SCALE_MODES", "ScaledPlan", "check", "clear_caches", "environment",
-    "is_available", "run", "supports", "weight_scale_operand",
+    "ACTIVATION_GROUP", "BOUND_RUNS", "MIN_CUBLASLT", "SCALE_MODES", "BoundRun", "ScaledPlan", "check", "clear_caches",
+    "environment", "is_available", "run", "run_and_bind", "supports", "weight_scale_operand",
 ]

@@ -193,9 +193,77 @@ def stashes(k: int, glu: str | None) -> bool:
     return GLU_STASH and glu is not None and k > ONE_PASS_MAX
 
 
-# Launchers by everything the compiled kernel is specialised on: group, the integer arguments
-# (rows, M, K, ldx) and x's dtype, device and 16-byte alignment (x8 and the scales are fresh
-# allocations, always aligned).
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 256) * 256
+
+
+class BoundQuantize:
+    """The quantization of every x of one signature (group, rows, M, K, row stride, glu, dtype,
+    device, 16-byte alignment: what the compiled kernel is specialised on): allocates x8, the
+    scales (and the GLU stash) and launches, with none of :func:`quantize_for_gemm`'s checks.
+    Valid only for x of its signature; holds no tensor."""
+
+    __slots__ = ("launch", "raw", "group", "rows", "m", "k", "ldx", "dtype", "device", "scale_shape", "stash",
+                 "offsets")
+
+    def __init__(self, group: str, rows: int, m: int, k: int, ldx: int, glu: str | None, dtype: torch.dtype,
+                 device: torch.device):
+        self.launch = _launcher(group, rows, m, k, ldx, glu, device)
+        self.raw = None  # the launch with plain-int pointers (Launcher.raw), once a first call compiled it
+        self.group, self.rows, self.m, self.k, self.ldx, self.dtype, self.device = group, rows, m, k, ldx, dtype, device
+        self.scale_shape = (rows,) if group == "token" else (triton.cdiv(k, BLOCK), rows)
+        self.stash = group == "token" and self.launch.meta["STASH"]  # (as the launcher's kernel was built)
+        # :meth:`pointers`' one buffer: x8, then the scales, then the stash, each at a 256-byte boundary
+        scale_at = _aligned(rows * k)
+        stash_at = scale_at + _aligned(4 * rows * (1 if group == "token" else self.scale_shape[0]))
+        end = stash_at + (m * k * dtype.itemsize if self.stash else 0)
+        self.offsets = (scale_at, stash_at, end)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.device
+        x8 = torch.empty((self.rows, self.k), dtype=E4M3, device=device)  # written as bytes (_e4m3_bits)
+        scale = torch.empty(self.scale_shape, dtype=torch.float32, device=device)
+        stash = torch.empty((self.m, self.k), dtype=self.dtype, device=device) if self.stash else x
+        if self.raw is not None:
+            self._raw_launch(x.data_ptr(), x8.data_ptr(), scale.data_ptr(), stash.data_ptr())
+            return x8, scale
+        if self.group == "block128":
+            args = (x, x8.view(torch.uint8), scale, self.m, self.k, self.ldx, self.rows)
+        else:  # (the stash: x itself where the kernel reads none)
+            args = (x, x8.view(torch.uint8), scale, stash, self.m, self.k, self.ldx)
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):  # the launch goes to the current device's stream
+                self.launch(*args)
+        else:
+            self.launch(*args)
+        if device.type == "cuda":
+            self.raw = self.launch.raw()
+        return x8, scale
+
+    def pointers(self, x: torch.Tensor) -> tuple[object, int, int]:
+        """``(keep, x8 pointer, scales pointer)``: x quantized into one allocation holding x8,
+        the scales and the stash (fewer allocations than :meth:`__call__`'s tensors, for a
+        caller that reads them by pointer: the GEMM); ``keep`` holds the memory until the caller
+        has enqueued its reads (the caching allocator reuses it only for later work on the
+        stream)."""
+        if self.raw is None:  # no raw launch (not yet compiled, or the interpreter): the tensors
+            x8, scale = self(x)
+            return (x8, scale), x8.data_ptr(), scale.data_ptr()
+        scale_at, stash_at, end = self.offsets
+        buf = torch.empty(end, dtype=torch.uint8, device=self.device)
+        ptr = buf.data_ptr()
+        self._raw_launch(x.data_ptr(), ptr, ptr + scale_at, ptr + stash_at if self.stash else x.data_ptr())
+        return buf, ptr, ptr + scale_at
+
+    def _raw_launch(self, xp: int, x8p: int, sp: int, stash_p: int) -> None:
+        if self.group == "block128":
+            self.raw(self.device.index, xp, x8p, sp, self.m, self.k, self.ldx, self.rows)
+        else:
+            self.raw(self.device.index, xp, x8p, sp, stash_p, self.m, self.k, self.ldx)
+
+
+# The bound quantizations by their signature (x8 and the scales are fresh allocations, always
+# aligned).
 _LAUNCHERS = BoundedCache(PLAN_CACHE_SIZE)
 
 
@@ -221,13 +289,12 @@ def check_activations(x, group: str, who: str = "quantize_activations", glu: str
         raise ValueError(f"{who}: x must be a CUDA tensor (or a CPU one under TRITON_INTERPRET=1), got {x.device}")
 
 
-def quantize_for_gemm(x: torch.Tensor, group: str, rows: int | None = None,
-                      glu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x8 (rows, K) contiguous, scales)``: x (M, K) quantized (checked: :func:`check_activations`),
-    ``rows`` ≥ M rows (default M; rows past M are zeros); with ``glu`` x is (M, 2K), gate then
-    up, and the product is what is quantized (module docstring). Scales: ``token`` a (rows,)
-    vector, ``block128`` an (L, rows) row-major buffer, L = ceil(K / 128) (M-major, cuBLASLt's
-    layout)."""
+def bound_quantize(x: torch.Tensor, group: str, rows: int | None = None,
+                   glu: str | None = None) -> tuple[torch.Tensor, BoundQuantize | None]:
+    """``(x, bound)``: x checked (:func:`check_activations`; copied where its layout is not the
+    kernel's: a column-strided or overlapping view) and the :class:`BoundQuantize` of its
+    signature, for :func:`quantize_for_gemm` and callers that quantize x of one signature
+    again (kernels/cublaslt_fp8.py); ``bound`` None for zero rows."""
     check_activations(x, group, glu=glu)
     m, k = x.shape[0], x.shape[1] // (1 if glu is None else 2)
     rows = m if rows is None else rows
@@ -236,29 +303,30 @@ def quantize_for_gemm(x: torch.Tensor, group: str, rows: int | None = None,
     width = x.shape[1]  # (2K with glu)
     if (width > 1 and x.stride(1) != 1) or (m > 1 and x.stride(0) < width):
         x = x.contiguous()  # a column-strided or overlapping view: one copy into the kernel's layout
-    ldx = x.stride(0) if m > 1 else width
-    x8 = torch.empty((rows, k), dtype=E4M3, device=x.device)  # written as bytes (_e4m3_bits)
-    if group == "token":
-        scale = torch.empty((rows,), dtype=torch.float32, device=x.device)
-    else:
-        scale = torch.empty((triton.cdiv(k, BLOCK), rows), dtype=torch.float32, device=x.device)
     if rows == 0:
-        return x8, scale
+        return x, None
+    ldx = x.stride(0) if m > 1 else width
     key = (group, rows, m, k, ldx, glu, x.dtype, x.get_device(), not x.data_ptr() & 15)
-    launch = _LAUNCHERS.get(key)
-    if launch is None:
-        launch = _LAUNCHERS.put(key, _launcher(group, rows, m, k, ldx, glu, x.device))
-    if group == "block128":
-        args = (x, x8.view(torch.uint8), scale, m, k, ldx, rows)
-    else:  # (the stash as the launcher's kernel was built: x itself where it reads none)
-        stash = torch.empty((m, k), dtype=x.dtype, device=x.device) if launch.meta["STASH"] else x
-        args = (x, x8.view(torch.uint8), scale, stash, m, k, ldx)
-    if x.is_cuda and x.get_device() != torch.cuda.current_device():
-        with torch.cuda.device(x.device):  # the launch goes to the current device's stream
-            launch(*args)
-    else:
-        launch(*args)
-    return x8, scale
+    bound = _LAUNCHERS.get(key)
+    if bound is None:
+        bound = _LAUNCHERS.put(key, BoundQuantize(group, rows, m, k, ldx, glu, x.dtype, x.device))
+    return x, bound
+
+
+def quantize_for_gemm(x: torch.Tensor, group: str, rows: int | None = None,
+                      glu: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x8 (rows, K) contiguous, scales)``: x (M, K) quantized (checked: :func:`check_activations`),
+    ``rows`` ≥ M rows (default M; rows past M are zeros); with ``glu`` x is (M, 2K), gate then
+    up, and the product is what is quantized (module docstring). Scales: ``token`` a (rows,)
+    vector, ``block128`` an (L, rows) row-major buffer, L = ceil(K / 128) (M-major, cuBLASLt's
+    layout)."""
+    x, bound = bound_quantize(x, group, rows, glu)
+    if bound is None:  # no rows
+        k = x.shape[1] // (1 if glu is None else 2)
+        scale_shape = (0,) if group == "token" else (triton.cdiv(k, BLOCK), 0)
+        return (torch.empty((0, k), dtype=E4M3, device=x.device),
+                torch.empty(scale_shape, dtype=torch.float32, device=x.device))
+    return bound(x)
 
 
 def quantize_activations(x: torch.Tensor, group: str = "token",
@@ -271,4 +339,5 @@ def quantize_activations(x: torch.Tensor, group: str = "token",
     return x8, scale if group == "token" else scale.t()
 
 
-__all__ = ["GLUS", "GROUPS", "MIN_AMAX", "check_activations", "quantize_activations", "quantize_for_gemm"]
+__all__ = ["GLUS", "GROUPS", "MIN_AMAX", "BoundQuantize", "bound_quantize", "check_activations", "quantize_activations",
+           "quantize_for_gemm"]

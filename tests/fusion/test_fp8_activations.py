@@ -20,6 +20,7 @@ from helpers import w8a8_reference
 from hybridgemm import decide, dispatch, fp8_linear, fp8_modules, mlp, mode_state
 from hybridgemm.fp8_modules import FP8FusedLinears, FP8HybridLinear
 from hybridgemm.kernels import backends, fp8
+from hybridgemm.kernels import cublaslt_fp8 as lt8
 from hybridgemm.kernels.cublaslt_runtime import CublasLtUnsupported
 from hybridgemm.kernels.epilogue import apply_activation
 
@@ -45,18 +46,27 @@ def gpu_branch(monkeypatch):
         z = F.linear(x.float(), q.dequantize(torch.float32), None if b is None else b.float())
         out.copy_(apply_activation(z, act))
 
-    def cublaslt_fp8(config, x, w, b, out, act, tf32=False, weight_scale=None, glu=None):
-        if state["refuse"]:
-            raise CublasLtUnsupported("cuBLASLt has no FP8 algorithm here (test)")
-        calls.append(("w8a8" if glu is None else f"w8a8 {glu}", x.shape[0]))
+    def w8a8(x, w, weight_scale, b, out, act, glu, what):
+        calls.append((what if glu is None else f"{what} {glu}", x.shape[0]))
         if glu is not None:  # the product the quantization kernel forms (kernels/fp8_quant.py)
             gate, up = x.chunk(2, dim=1)
             x = F.silu(gate) * up
         q = fp8.FP8Weight(w, weight_scale, fp8.granularity_of(w, weight_scale), x.dtype)
         out.copy_(w8a8_reference(x, q, b, act))
+        return out
+
+    def run_and_bind(x, w, weight_scale, b=None, out=None, act=None, glu=None):
+        if state["refuse"]:
+            raise CublasLtUnsupported("cuBLASLt has no FP8 algorithm here (test)")
+        out = w8a8(x, w, weight_scale, b, out, act, glu, "w8a8")
+
+        def bound(x, w, weight_scale, b):  # a later call of the signature: its own operands, scales as given
+            scale = fp8.scale_vector(weight_scale, fp8.granularity_of(w, weight_scale))
+            return w8a8(x, w, scale, b, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype), act, glu, "bound")
+        return out, bound
 
     real = backends.get_backend
-    fakes = {"triton_splitk": split_k, "cublaslt_fp8": cublaslt_fp8}
+    fakes = {"triton_splitk": split_k}
 
     def get_backend(name):
         be = real(name)
@@ -70,6 +80,10 @@ def gpu_branch(monkeypatch):
     monkeypatch.setattr(fp8_linear, "runs_fp8_kernels", lambda x: True)
     monkeypatch.setattr(dispatch, "decision_for", decision_for)
     monkeypatch.setattr(backends, "get_backend", get_backend)
+    monkeypatch.setattr(lt8, "run_and_bind", run_and_bind)
+    monkeypatch.setattr(lt8, "BOUND_RUNS", type(lt8.BOUND_RUNS)(64, lru=True))
+    # x's alignment, as the CUDA caching allocator's blocks have it (CPU buffers' vary from call to call)
+    monkeypatch.setattr(fp8_linear, "pointer_alignment", lambda ptr: 256)
     monkeypatch.setattr(dispatch, "fused_linear", dequantized)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the one-pass dequantization kernel
     return calls, state
@@ -134,6 +148,51 @@ def test_where_cublaslt_refuses_the_dequantized_path_runs_with_one_warning(gpu_b
     assert torch.equal(first, F.linear(x, q.dequantize(torch.float16)))
 
 
+def test_later_calls_of_a_signature_take_its_bound_launch_and_only_those(gpu_branch):
+    """A W8A8 call keeps the launch it made (kernels/cublaslt_fp8.BoundRun) under its signature
+    (fp8_linear._bound_key): the same signature again takes it, with that call's own operands.
+    Another weight, a bias copied per call, x not contiguous, a gradient wanted through the gated
+    product, or the tables reloaded: the general path."""
+    calls, _ = gpu_branch
+    g = torch.Generator().manual_seed(7)
+    q, q2 = (fp8.quantize_fp8((torch.randn(96, 160, generator=g) * 0.2).half()) for _ in range(2))
+    b = torch.randn(96, generator=g).half()
+
+    def fresh(*shape):
+        return torch.randn(*shape, generator=g).half()
+
+    def run(x, q=q, b=b, **kw):
+        return fp8_linear.linear_fp8(x, q.data, q.scale, b, None, True, **kw)
+
+    run(fresh(80, 160))
+    x = fresh(80, 160)
+    assert torch.equal(run(x), w8a8_reference(x, q, b).half())
+    assert calls == [("w8a8", 80), ("bound", 80)]
+    strided = fresh(192)[::2]  # (copied for each call: the copy's address is the call's own)
+    cases = [("another weight", lambda: run(fresh(80, 160), q=q2), [("w8a8", 80), ("bound", 80)]),
+             ("a strided bias", lambda: run(fresh(80, 160), b=strided), [("w8a8", 80)] * 2),
+             ("x not contiguous", lambda: run(fresh(160, 80).t()), [("w8a8", 80)] * 2)]
+    for what, call, want in cases:
+        calls.clear()
+        call(), call()
+        assert calls == want, what
+    calls.clear()
+    decide.reload_tables()
+    run(fresh(80, 160)), run(fresh(80, 160))
+    assert calls == [("w8a8", 80), ("bound", 80)]
+    calls.clear()
+    gu = fresh(80, 320)
+    gate, up = gu.chunk(2, dim=1)
+    for _ in range(2):
+        assert torch.equal(fp8_linear.linear_fp8_glu(gu, q.data, q.scale, None, "silu", True),
+                           w8a8_reference(F.silu(gate) * up, q).half())
+    assert calls == [("w8a8 silu", 80), ("bound silu", 80)]
+    calls.clear()
+    with torch.enable_grad():
+        fp8_linear.linear_fp8_glu(gu.float().requires_grad_().half(), q.data, q.scale, None, "silu", True)
+    assert calls and all(not what.endswith("silu") for what, _ in calls)  # the composition's call
+
+
 def _tiny_llama():
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_attention_heads=2,
                                    num_key_value_heads=1, head_dim=64, num_hidden_layers=2, max_position_embeddings=32)
@@ -182,7 +241,8 @@ def test_every_projection_of_a_patched_prefill_runs_the_w8a8_gemm(gpu_branch):
         for layer in model.model.layers:  # a forward hook on down: the MLP calls it as a module
             layer.mlp.down_proj.register_forward_hook(lambda *a: None)
         unfused = model(ids).logits
-    assert calls == [("w8a8", 80)] * 8 + [("dequantized", 80)]
+    # Q/K/V, O and gate/up again: their bound launches; down over the written product: a new signature
+    assert calls == ([("bound", 80)] * 3 + [("w8a8", 80)]) * 2 + [("dequantized", 80)]
     assert torch.equal(logits, unfused)
 
 
@@ -214,6 +274,7 @@ def test_the_gated_product_takes_the_w8a8_gemm_only_past_the_decode_rows(gpu_bra
         assert torch.equal(got, fp8_linear.linear_fp8(F.silu(gate) * up, q.data, q.scale, None, None, option))
     monkeypatch.setattr(dispatch, "decision_for",  # a table's split-K entry past the decode rows
                         lambda *a, **kw: decide.Choice("triton_splitk", None, "table", "k", "test"))
+    decide.reload_tables()  # (how a table's entry arrives: the bound launches of the old decisions go)
     calls.clear()
     fp8_linear.linear_fp8_glu(torch.randn(80, 320, generator=g).half(), q.data, q.scale, None, "silu", True)
     assert calls == [("splitk", 80)]

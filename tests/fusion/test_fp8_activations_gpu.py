@@ -17,7 +17,7 @@ from torch import nn
 import hybridgemm
 from helpers import rel_err, w8a8_reference
 from hybridgemm.fp8_modules import FP8FusedLinears, FP8HybridLinear
-from hybridgemm.kernels import backends, cublaslt_fp8, fp8
+from hybridgemm.kernels import cublaslt_fp8, fp8
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -31,6 +31,12 @@ def cuda():
     if not ok:
         pytest.skip(why)
     return torch.device("cuda")
+
+
+def fresh_bound_runs(monkeypatch):
+    """An empty cache of bound W8A8 launches for this test (keys hold data pointers, which an
+    earlier test's freed tensors may have had)."""
+    monkeypatch.setattr(cublaslt_fp8, "BOUND_RUNS", type(cublaslt_fp8.BOUND_RUNS)(64, lru=True))
 
 
 def _llama(cuda):
@@ -108,22 +114,18 @@ def test_a_patched_llama_prefills_with_fp8_activations(cuda, granularity, monkey
     with torch.no_grad():
         expected, a = ref(ids).logits, w8a16(ids).logits
         calls = []
-        real_get = backends.get_backend
+        real = cublaslt_fp8.run_and_bind
 
-        def get_backend(name):  # cuBLASLt's FP8 GEMM, each call's operands and result recorded
-            be = real_get(name)
-            if name != "cublaslt_fp8":
-                return be
+        def run_and_bind(x, w, weight_scale, b, out, act, glu=None):  # each call's operands and result recorded
+            out, bound = real(x, w, weight_scale, b, out, act, glu)
+            if glu is not None:  # down: its input is the gated product, formed as it is quantized
+                gate, up = x.chunk(2, dim=1)
+                x = torch.nn.functional.silu(gate) * up
+            calls.append((x.clone(), w, weight_scale, b, out.clone()))
+            return out, bound
 
-            def run(config, x, w, b, out, act, tf32=False, weight_scale=None, glu=None):
-                be.run(config, x, w, b, out, act, tf32, weight_scale=weight_scale, glu=glu)
-                if glu is not None:  # down: its input is the gated product, formed as it is quantized
-                    gate, up = x.chunk(2, dim=1)
-                    x = torch.nn.functional.silu(gate) * up
-                calls.append((x.clone(), w, weight_scale, b, out.clone()))
-            return type(be)(be.name, be.available, be.candidates, be.config_from_record, run, be.describe)
-
-        monkeypatch.setattr(backends, "get_backend", get_backend)
+        fresh_bound_runs(monkeypatch)  # (every call of the one forward a first one anyway)
+        monkeypatch.setattr(cublaslt_fp8, "run_and_bind", run_and_bind)
         b = w8a8(ids).logits
     # every projection of both layers (Q/K/V, O, gate/up, down) ran the W8A8 GEMM on its 300 rows,
     # each within bf16 rounding of the fp32 product of its input quantized the same way
@@ -157,19 +159,9 @@ def test_the_gated_product_formed_while_quantizing_is_the_composition_bit_for_bi
     buf = (torch.randn(m, 2 * k + 64, device=cuda, generator=g) * 3).bfloat16()
     buf[:, 0] = -120.0  # SiLU's -0 and a saturating exp
     glu_calls = []
-    real_get = backends.get_backend
-
-    def get_backend(name):
-        be = real_get(name)
-        if name != "cublaslt_fp8":
-            return be
-
-        def run(config, x, w, b, out, act, tf32=False, weight_scale=None, glu=None):
-            glu_calls.append(glu)
-            return be.run(config, x, w, b, out, act, tf32, weight_scale=weight_scale, glu=glu)
-        return type(be)(be.name, be.available, be.candidates, be.config_from_record, run, be.describe)
-
-    monkeypatch.setattr(backends, "get_backend", get_backend)
+    real = cublaslt_fp8.run_and_bind
+    fresh_bound_runs(monkeypatch)  # each call below the first of its signature
+    monkeypatch.setattr(cublaslt_fp8, "run_and_bind", lambda *a: glu_calls.append(a[-1]) or real(*a))
     for gu in (buf[:, :2 * k], buf[:, :2 * k].contiguous().view(1, m, 2 * k)):
         gate, up = gu.chunk(2, dim=-1)
         with torch.no_grad():
@@ -186,3 +178,44 @@ def test_the_gated_product_formed_while_quantizing_is_the_composition_bit_for_bi
             got = fp8_linear.linear_fp8_glu(gu, q.data, q.scale, bias, "silu", True)
             want = fp8_linear.linear_fp8(torch.nn.functional.silu(gate) * up, q.data, q.scale, bias, None, True)
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("granularity", fp8.GRANULARITIES)
+@pytest.mark.parametrize("m", [65, 333, 1000])
+def test_a_signature_again_takes_its_bound_launch_with_the_general_paths_bits(cuda, granularity, m, monkeypatch):
+    """The first W8A8 call of a signature (fusion/fp8_linear.py) runs the general path and keeps
+    its launch (kernels/cublaslt_fp8.BoundRun); later calls with fresh x take that launch: bit
+    for bit ``run``'s result for their own x, into an output block the allocator had filled with
+    NaN, for x and for the gated product; a CUDA graph captures the bound launch and replays it
+    on new x."""
+    from hybridgemm import fp8_linear
+
+    fresh_bound_runs(monkeypatch)
+    g = torch.Generator(device=cuda).manual_seed(m)
+    n, k = 520, 1488  # 12 blocks of K: block scales whose row stride (12) cuBLASLt reads as they are
+    q = fp8.quantize_fp8((torch.randn(n, k, device=cuda, generator=g) / k**0.5).bfloat16(), granularity)
+    bias = torch.randn(n, device=cuda, generator=g).bfloat16()
+    binds = []
+    real = cublaslt_fp8.run_and_bind
+    monkeypatch.setattr(cublaslt_fp8, "run_and_bind", lambda *a: binds.append(a[-1]) or real(*a))
+    calls = {None: lambda x: fp8_linear.linear_fp8(x, q.data, q.scale, bias, None, True),
+             "silu": lambda x: fp8_linear.linear_fp8_glu(x, q.data, q.scale, bias, "silu", True)}
+    with torch.no_grad():
+        for glu, call in calls.items():
+            for _ in range(3):
+                x = (torch.randn(m, k if glu is None else 2 * k, device=cuda, generator=g) * 2).bfloat16()
+                x.new_full((m, n), float("nan"))  # freed at once: the block the output may take holds NaN
+                got = call(x)
+                assert torch.equal(got, real(x, q.data, q.scale, bias, None, None, glu)[0])
+                if glu is None:
+                    assert rel_err(got, w8a8_reference(x, q, bias)) < 1e-2
+            assert binds == [glu]  # only the first call ran the general path
+            binds.clear()
+        static = (torch.randn(m, k, device=cuda, generator=g)).bfloat16()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = calls[None](static)
+        new = (torch.randn(m, k, device=cuda, generator=g) * 3).bfloat16()
+        static.copy_(new)
+        graph.replay()
+        assert torch.equal(captured, real(new, q.data, q.scale, bias, None, None, None)[0]) and not binds

@@ -9,6 +9,8 @@ leading dimension, scale layout and descriptor attribute reaches cuBLASLt as doc
 from __future__ import annotations
 
 import ctypes
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -326,3 +328,65 @@ def test_no_algorithm_at_all_is_cublaslt_unsupported(lt):
     with pytest.raises(CublasLtUnsupported, match="cannot run FP8 block128 M=8 N=128 K=256: RELU_BIAS: .*; BIAS"):
         cf.run(x, w.data, w.scale, b, None, "relu")
     assert not cf._plans
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block128"])
+@pytest.mark.parametrize("act", [None, "gelu"], ids=["fused", "after"])
+@pytest.mark.parametrize("glu", [None, "silu"], ids=["x", "glu"])
+def test_a_bound_run_is_the_call_again_with_its_own_operands(lt, monkeypatch, granularity, act, glu):
+    """``run_and_bind``: the call's result, and a :class:`BoundRun` that computes a later call of
+    the signature from that call's own tensors (other values at other addresses) bit for bit as
+    ``run`` does: x quantized anew, the weight's and the bias's pointers, the padded rows of the
+    block modes (17 tokens: 20 rows) dropped, the activation cuBLASLt does not fuse run after."""
+    monkeypatch.setattr(cf, "pointer_alignment", lambda ptr: 256)  # as CUDA allocations are (one plan)
+    m, n, k = 17, 200, 400
+    width = k if glu is None else 2 * k
+
+    def fresh():
+        x, _, b = operands(m, n, width, torch.float16, granularity, True)
+        return x, quantize_fp8(torch.randn(n, k) / k**0.5 * 3, granularity), b
+
+    x, w, b = fresh()
+    first, bound = cf.run_and_bind(x, w.data, w.scale, b, activation=act, glu=glu)
+    assert bound is not None and torch.equal(first, cf.run(x, w.data, w.scale, b, activation=act, glu=glu))
+    for _ in range(2):
+        x, w, b = fresh()
+        matmuls = lt.matmuls
+        got = bound(x, w.data, w.scale, b)
+        assert lt.matmuls == matmuls + 1 and got.shape == (m, n)
+        assert torch.equal(got, cf.run(x, w.data, w.scale, b, activation=act, glu=glu))
+        if glu is None:
+            assert_matches(got, *reference(x, w, b, act, x.dtype), act, x.dtype, fused=act is None)
+
+
+def test_no_bound_run_where_the_call_copied_an_operand_or_ran_nothing(lt, monkeypatch):
+    """A later call could not pass these as they are: x in a layout the quantization copies, a
+    bias off alignment (copied), block scales whose row stride is not a multiple of 4 (copied
+    into a padded buffer), an ``out`` whose rows are not N wide; and no rows at all. Each such
+    call still computes its result."""
+    monkeypatch.setattr(cf, "pointer_alignment", lambda ptr: 256)
+    x, w, b = operands(8, 128, 272, torch.bfloat16, "channel", True)
+    _, wb, _ = operands(8, 256, 272, torch.bfloat16, "block128", False)  # 2 x 3 scales: a row stride of 3
+    cases = {
+        "x's columns strided": dict(x=torch.stack([x, x], 2).view(8, 544)[:, ::2]),
+        "bias off alignment": dict(b=torch.cat([b[:1], b])[1:]),
+        "block scales padded": dict(w=wb, b=None),
+        "out rows wider than N": dict(out=torch.empty(8, 136, dtype=torch.bfloat16)[:, :128]),
+    }
+    assert cf.run_and_bind(x, w.data, w.scale, b)[1] is not None
+    for what, case in cases.items():
+        xx, ww, bb = case.get("x", x), case.get("w", w), case.get("b", b)
+        out, bound = cf.run_and_bind(xx, ww.data, ww.scale, bb, case.get("out"))
+        assert bound is None, what
+        assert_matches(out, *reference(x, ww, bb, None, x.dtype), None, x.dtype, fused=True)
+    assert cf.run_and_bind(x[:0], w.data, w.scale, b)[1] is None
+
+
+def test_a_bound_run_keeps_no_tensor_alive(lt, monkeypatch):
+    monkeypatch.setattr(cf, "pointer_alignment", lambda ptr: 256)
+    x, w, b = operands(8, 128, 256, torch.bfloat16, "channel", True)
+    _, bound = cf.run_and_bind(x, w.data, w.scale, b)
+    refs = [weakref.ref(t) for t in (x, w.data, w.scale, b)]
+    del x, w, b
+    gc.collect()
+    assert bound is not None and all(r() is None for r in refs)
