@@ -14,6 +14,13 @@ grad         µs per call of the cuBLASLt backward GEMMs (dx; dW with and withou
 kernels      which CUDA kernels F.linear and the cuBLASLt heuristic run at M=1 (torch.profiler)
 linear-step  eager fwd+bwd of ``hybridgemm.linear`` beside F.linear at ``--m --n --k``: µs per
              step, then torch.profiler tables (CPU and CUDA time)
+w8a8         the W8A8 prefill path's host cost: Llama-3-8B's O (4096 x 4096) and down (4096 x
+             14336, its input the gated product) as per-channel FP8 weights at ``--m`` rows
+             (default 16 is raised to 64: W8A8 runs past the decode rows); at 64 rows the GPU's
+             work is a few µs, so the figures are the host's. µs per call of each layer of the
+             call (the checks, the dispatcher's decision, the quantize launch, cuBLASLt's
+             ``run``, ``fp8_linear``, ``linear_fp8``, ``linear_fp8_glu``), then cProfile of
+             ``run``, ``linear_fp8`` and ``linear_fp8_glu`` by cumulative time
 hf-layer     a one-layer HF model of preset ``--model`` (default llama3-8b; perf/e2e_models.py),
              stock and patched, eager decode of one token at ``--batch`` over a static cache:
              µs per call of q/k/v, o, the MLP (where the layer has them), the LM head and
@@ -39,17 +46,18 @@ import torch.nn.functional as F
 
 import hybridgemm
 from hybridgemm import decide, dispatch
-from hybridgemm.kernels import cublaslt
+from hybridgemm import fp8_linear as fl
+from hybridgemm.kernels import cublaslt, cublaslt_fp8, fp8, fp8_quant
 from hybridgemm.kernels import cublaslt_grad as grad_gemms
 from hybridgemm.kernels.backends import get_backend
 from hybridgemm.kernels.checks import call_signature
 from hybridgemm.kernels.epilogue import Activation, Epilogue
-from hybridgemm.kernels.problem import Problem
+from hybridgemm.kernels.problem import DECODE_MAX_M, Problem
 from hybridgemm.perf import e2e_models as hf
 from hybridgemm.perf.bench_attention import MODEL, Layer, train_step_fn
 from hybridgemm.perf.timing import eager_time_interleaved
 
-PROBES = ("calls", "decode", "train", "grad", "kernels", "linear-step", "hf-layer")
+PROBES = ("calls", "decode", "train", "grad", "kernels", "linear-step", "w8a8", "hf-layer")
 DTYPE = torch.bfloat16
 
 
@@ -191,6 +199,37 @@ def linear_step_probe(args) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
 
 
+def w8a8_probe(args) -> None:
+    m = max(args.m, 64) if args.m <= DECODE_MAX_M else args.m
+    hidden, inter = 4096, 14336
+    x = torch.randn(1, m, hidden, device="cuda", dtype=DTYPE)
+    x2 = x.view(m, hidden)
+    gate_up = torch.randn(1, m, 2 * inter, device="cuda", dtype=DTYPE)
+    w_o = fp8.quantize_fp8(torch.randn(hidden, hidden, device="cuda", dtype=DTYPE) / 64, "channel")
+    w_down = fp8.quantize_fp8(torch.randn(hidden, inter, device="cuda", dtype=DTYPE) / 120, "channel")
+    w_bf16 = fp8.dequantize(w_o.data, w_o.scale, DTYPE)
+    out = torch.empty(m, hidden, device="cuda", dtype=DTYPE)
+    o8, os_ = w_o.data, w_o.scale
+    problem_args = (x2, o8, None, out, Activation.NONE, fp8.FORMAT_OF["channel"])
+    print(f"w8a8 M={m}: O {tuple(o8.shape)}, down {tuple(w_down.data.shape)} (glu), per channel")
+    fns = {
+        "F.linear bf16 (O)": lambda: F.linear(x, w_bf16),
+        "check_fp8_args (O)": lambda: fl.check_fp8_args(x, o8, os_, None),
+        "cublaslt_fp8.environment": lambda: cublaslt_fp8.environment(x.device.index),
+        "dispatch.decision_for (O)": lambda: dispatch.decision_for(*problem_args),
+        "quantize_for_gemm (O)": lambda: fp8_quant.quantize_for_gemm(x2, "token"),
+        "cublaslt_fp8.run (O)": lambda: cublaslt_fp8.run(x2, o8, os_, out=out),
+        "fp8_linear W8A8 (O)": lambda: fl.fp8_linear(x, o8, os_, None, None, True),
+        "linear_fp8 W8A8 (O)": lambda: fl.linear_fp8(x, o8, os_, quantize_input=True),
+        "linear_fp8_glu W8A8 (down)": lambda: fl.linear_fp8_glu(gate_up, w_down.data, w_down.scale, None, "silu",
+                                                                True),
+    }
+    with torch.no_grad():
+        _print_times(fns, calls=300, width=30)
+        for name in ("cublaslt_fp8.run (O)", "linear_fp8 W8A8 (O)", "linear_fp8_glu W8A8 (down)"):
+            _cprofile(name, fns[name], calls=300, rows=40, sort="cumulative")
+
+
 STEP_CACHE_LEN = 64
 
 
@@ -248,7 +287,8 @@ def hf_layer_probe(args) -> None:
 
 
 RUN = {"calls": calls_probe, "decode": decode_probe, "train": train_probe, "grad": grad_probe,
-       "kernels": kernels_probe, "linear-step": linear_step_probe, "hf-layer": hf_layer_probe}
+       "kernels": kernels_probe, "linear-step": linear_step_probe, "w8a8": w8a8_probe,
+       "hf-layer": hf_layer_probe}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -256,7 +296,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 2)[2])
     ap.add_argument("probes", nargs="*", metavar="PROBE", help=f"any of {', '.join(PROBES)} (default: all)")
-    ap.add_argument("--m", type=int, default=16, help="linear-step: rows of x (default 16)")
+    ap.add_argument("--m", type=int, default=16, help="linear-step, w8a8: rows of x (default 16; w8a8 raises it to 64)")
     ap.add_argument("--n", type=int, default=4096, help="linear-step: output features (default 4096)")
     ap.add_argument("--k", type=int, default=4096, help="linear-step: input features (default 4096)")
     ap.add_argument("--batch", type=int, default=1, help="hf-layer: sequences decoded at once (default 1)")

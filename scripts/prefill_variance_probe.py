@@ -4,7 +4,7 @@ forwards then ``--forwards`` timed ones: CUDA events; the host's wall clock from
 of the GPU work; the host's time until the forward returns (close to the wall time: the GPU waited
 for the host); and what ran during the timed forwards that a warm process should not run (Triton
 compiles, cuBLASLt FP8 plans built, cudaMalloc/cudaFree by the caching allocator); with ``--profile
-N``, one more forward under cProfile (the host's own time by function). ``--variant``: ``tree`` (as
+N``, one more forward under cProfile (the host's time by function: own, then cumulative). ``--variant``: ``tree`` (as
 installed), ``stock-rotary`` (every prefill through the layers' stock forwards:
 decode_checks.takes_prefill_step off), ``code-cvt`` (the activation quantization's e4m3 encoded in
 code: fp8_quant.HARDWARE_CVT off), ``unpatched`` (the bf16 model as transformers runs it). Run each
@@ -38,7 +38,9 @@ def main(argv=None) -> int:
     ap.add_argument("--forwards", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="then one forward under cProfile: its N functions of most own host time")
+                    help="then one forward under cProfile: its N functions of most own host time, then of most "
+                    "cumulative time")
+    ap.add_argument("--profile-out", metavar="PATH", help="with --profile: also write that forward's pstats there")
     args = ap.parse_args(argv)
     if args.variant == "stock-rotary":
         decode_checks.takes_prefill_step = lambda *a: False
@@ -95,7 +97,10 @@ def main(argv=None) -> int:
             profiler.disable()
             torch.cuda.synchronize()
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(args.profile)
+        if args.profile_out:
+            profiler.dump_stats(args.profile_out)
         print(text.getvalue(), flush=True)
     return 0
 
