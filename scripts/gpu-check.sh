@@ -62,7 +62,8 @@
 #                   that) (MOETABLES_TIMEOUT s per step, default 300)
 #         w8a8prefill  the W8A8 prefill's experiments and figure: scripts/fp8_quant_probe.py (the GLU row
 #                   stashed or in one pass on 8 or 16 warps), scripts/fp8_accum_probe.py (cuBLASLt FP8 with
-#                   and without fast accumulation), the llama3-8b 32-layer W8A8 prefill beside stock bf16,
+#                   and without fast accumulation), the llama3-8b 32-layer W8A8 prefill beside stock bf16
+#                   (4 rounds: 12 forwards each, whose median a host of varying speed moves less than 6's),
 #                   then scripts/prefill_variance_probe.py with its host profile (W8A8_TIMEOUT s per
 #                   step, default 200; each step in a fresh Triton cache)
 #         msweep    perf/bench_msweep.py: dispatched vs F.linear at 128 M per preset shape
@@ -217,7 +218,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', 
       tail -n 5 "$OUT/fp8_accum_probe.txt" | tee -a "$OUT/summary.txt"
       log "W8A8 prefill, llama3-8b 32 layers"
       TRITON_CACHE_DIR=$(mktemp -d) timeout "$t" $PY -m hybridgemm bench --e2e --model llama3-8b --layers 32 \
-        --batch 1 --prefill 2048 --modes prefill --rounds 2 --weights fp8 --fp8-activations --no-peers \
+        --batch 1 --prefill 2048 --modes prefill --rounds 4 --weights fp8 --fp8-activations --no-peers \
         --out "$OUT/e2e_w8a8_prefill.csv" --no-progress >"$OUT/bench_e2e_w8a8_prefill.txt" 2>&1 || status=1
       tail -n 12 "$OUT/bench_e2e_w8a8_prefill.txt" | tee -a "$OUT/summary.txt"
       log "prefill_variance_probe (tree, host profile)"
