@@ -118,7 +118,8 @@ def fp8_linear(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = Non
                                                  weight_scale=scale_vec)
         return out.view(*x.shape[:-1], n)
     if quantize_input and m > DECODE_MAX_M and get_mode() == DEFAULT \
-            and _runs_w8a8(x2, w2, scale_vec, b2, out, act, granularity, key, (data, scale, bias)):
+            and _runs_w8a8(x2, w2, scale_vec, b2, out, act, granularity, None if choice.provisional else key,
+                           (data, scale, bias)):
         return out.view(*x.shape[:-1], n)
     # past the FP8 kernels' rows: a bf16/fp16 GEMM over the weight dequantized in one pass
     return dispatch.fused_linear(x, triton_module("triton_dequant").dequantize(w2, scale_vec, granularity, x.dtype),
@@ -128,13 +129,13 @@ def fp8_linear(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = Non
 def _bound_key(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None, act: Activation,
                glu: str | None) -> tuple | None:
     """The signature under which a W8A8 call's bound launch is kept (kernels/cublaslt_fp8.BoundRun),
-    or None where the call takes the general path every time (a tensor subclass, decode rows, x
-    not contiguous): what the checks, the decision and the plan depend on. x's shape, dtype, device
+    or None where the call takes the general path every time (a traced call, a tensor subclass,
+    decode rows, x not contiguous): what the checks, the decision and the plan depend on. x's shape, dtype, device
     and alignment; the weight, scales and bias by data pointer, shape, dtype and strides (a
     weight replaced is a miss, never a stale read); the activation, the GLU, and the
     dispatcher's generation (tables reloaded, mode switched). A launch is kept only after a
     call of the key ran W8A8 (on a CUDA device) with none of its operands copied."""
-    if type(x) not in PLAIN_TENSOR_TYPES or type(data) not in PLAIN_TENSOR_TYPES \
+    if torch.compiler.is_compiling() or type(x) not in PLAIN_TENSOR_TYPES or type(data) not in PLAIN_TENSOR_TYPES \
             or type(scale) not in PLAIN_TENSOR_TYPES or (bias is not None and type(bias) not in PLAIN_TENSOR_TYPES) \
             or x.dim() < 2 or x.numel() <= DECODE_MAX_M * x.shape[-1] or not x.is_contiguous():
         return None  # (decode rows never run W8A8: no key to build)
@@ -148,8 +149,9 @@ def _runs_w8a8(x2: Tensor, w2: Tensor, scale: Tensor, b2: Tensor | None, out: Te
                granularity: str, key: tuple | None, given: tuple, glu: str | None = None) -> bool:
     """Run cuBLASLt's FP8 GEMM over x quantized to e4m3 into ``out``; False (one warning per
     device and reason) where it cannot run this call. Keeps the bound launch under ``key``
-    where later calls can pass the ``given`` (weight, scale, bias) as they are: none of them
-    was copied for this call."""
+    (None: keeps nothing, as for a provisional decision, which the dispatcher asks again) where
+    later calls can pass the ``given`` (weight, scale, bias) as they are: none of them was
+    copied for this call."""
     try:
         _, bound = lt8.run_and_bind(x2, w2, scale, b2, out, act, glu)
     except (CublasLtUnsupported, CublasLtUnavailable, ImportError) as e:
@@ -194,7 +196,7 @@ def _glu_into_gemm(gate_up: Tensor, data: Tensor, scale: Tensor, bias: Tensor | 
     if not quantize_input or glu not in fp8.QUANTIZED_GLUS:
         return None
     wants_grad = torch.is_grad_enabled() and (gate_up.requires_grad or (bias is not None and bias.requires_grad))
-    key = None if wants_grad else _bound_key(gate_up, data, scale, bias, act, glu)
+    key = None if wants_grad else _bound_key(gate_up, data, scale, bias, act, glu)  # (None while traced)
     bound = None if key is None else lt8.BOUND_RUNS.get(key)
     if bound is not None:  # this signature ran W8A8 before: its launch, with these pointers
         return bound(gate_up.view(-1, gate_up.shape[-1]), data, scale, bias).view(*gate_up.shape[:-1],
@@ -217,7 +219,8 @@ def _glu_into_gemm(gate_up: Tensor, data: Tensor, scale: Tensor, bias: Tensor | 
     choice = dispatch.decision_for(gu2[:, :k], w2, b2, out, act, fp8.FORMAT_OF[granularity], fresh_x=True)
     if choice.backend in backends.FP8_BACKENDS and choice.backend != "cublaslt_fp8":
         return None  # (fp8_linear runs a table's split-K decision with x as it is)
-    if not _runs_w8a8(row_major(gu2), w2, scale_vec, b2, out, act, granularity, key, (data, scale, bias), glu):
+    if not _runs_w8a8(row_major(gu2), w2, scale_vec, b2, out, act, granularity,
+                      None if choice.provisional else key, (data, scale, bias), glu):
         return None
     return out.view(*gate_up.shape[:-1], n)
 

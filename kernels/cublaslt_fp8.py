@@ -334,24 +334,30 @@ class BoundRun:
     the same shape, dtype, device, row stride and 16-byte alignment; a weight of the same
     shape, row stride and alignment, its scales in the same layout and not copied by
     :func:`weight_scale_operand`, a bias of the same dtype (or none) and 16-byte aligned; the
-    output allocated fresh. ``bound(x, w8, w_scale, bias)`` quantizes x and launches the plan
+    output allocated fresh (where an allocator hands out blocks less aligned than the plan's
+    call had, that call runs :func:`run`). ``bound(x, w8, w_scale, bias)`` quantizes x and launches the plan
     with those tensors' pointers: none of :func:`run`'s checks, lookups or copies. It holds no
     tensor (a model's weights are not kept alive by it); the caller keys it by everything
     above (fusion/fp8_linear.py)."""
 
-    __slots__ = ("quantize", "plan", "m", "n", "rows", "dtype", "device")
+    __slots__ = ("quantize", "plan", "m", "n", "rows", "dtype", "device", "act", "glu")
 
     def __init__(self, quantize, plan: ScaledPlan, m: int, n: int, rows: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, act: Activation, glu: str | None):
         self.quantize, self.plan, self.m, self.n, self.rows, self.dtype, self.device = \
             quantize, plan, m, n, rows, dtype, device
+        self.act, self.glu = act, glu
 
     def __call__(self, x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
         keep, x8_ptr, x_scale_ptr = self.quantize.pointers(x)  # (keep: x8 and its scales, until enqueued)
         out = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
         d = out if self.rows == self.m else torch.empty((self.rows, self.n), dtype=self.dtype, device=self.device)
-        self.plan.launch(w8.data_ptr(), x8_ptr, d.data_ptr(), 0 if bias is None else bias.data_ptr(),
+        dp = d.data_ptr()
+        if min(pointer_alignment(x8_ptr), pointer_alignment(dp)) < MAX_ALIGNMENT:  # not as the plan's call was
+            del keep  # (the quantization enqueued above is unused; run quantizes again)
+            return run(x, w8, w_scale, bias, out, self.act, self.glu)
+        self.plan.launch(w8.data_ptr(), x8_ptr, dp, 0 if bias is None else bias.data_ptr(),
                          w_scale.data_ptr(), x_scale_ptr)
         del keep
         return _finish(self.plan, d, out)
@@ -412,7 +418,7 @@ def run_and_bind(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias:
     # aligned and out's rows N wide, so this call's plan fits it where this call's were so too.
     reusable = ldo == n and pointer_alignment(dp) == pointer_alignment(xp) == MAX_ALIGNMENT \
         and x is x_in and b is bias and w_operand.data_ptr() == w_scale.data_ptr()
-    return out, (BoundRun(quantize, plan, m, n, rows, x.dtype, x.device) if reusable else None)
+    return out, (BoundRun(quantize, plan, m, n, rows, x.dtype, x.device, act, glu) if reusable else None)
 
 
 __all__ = [

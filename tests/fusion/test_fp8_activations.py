@@ -9,6 +9,7 @@ torch.compile traces the option."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -23,6 +24,7 @@ from hybridgemm.kernels import backends, fp8
 from hybridgemm.kernels import cublaslt_fp8 as lt8
 from hybridgemm.kernels.cublaslt_runtime import CublasLtUnsupported
 from hybridgemm.kernels.epilogue import apply_activation
+from hybridgemm.kernels.problem import pointer_alignment
 
 transformers = pytest.importorskip("transformers")
 
@@ -193,6 +195,35 @@ def test_later_calls_of_a_signature_take_its_bound_launch_and_only_those(gpu_bra
     assert calls and all(not what.endswith("silu") for what, _ in calls)  # the composition's call
 
 
+def test_the_bound_key_follows_x_alignment_and_keeps_no_provisional_decision(gpu_branch, monkeypatch):
+    """x's alignment is part of the signature (the decision and the quantization kernel's
+    specialisation read it): x at a 2-byte offset, twice, binds and hits; at an 8-byte offset it
+    is a signature of its own. A provisional decision (the dispatcher asks again next call) is
+    never bound."""
+    calls, _ = gpu_branch
+    monkeypatch.setattr(fp8_linear, "pointer_alignment", pointer_alignment)  # the real one: CPU blocks are 64-aligned
+    g = torch.Generator().manual_seed(11)
+    q = fp8.quantize_fp8((torch.randn(96, 160, generator=g) * 0.2).half())
+
+    def at(offset):  # x (80, 160) starting `offset` fp16 elements into a fresh buffer
+        buf = torch.randn(80 * 160 + 8, generator=g).half()
+        return buf[offset : offset + 80 * 160].view(80, 160)
+
+    for offset in (1, 1, 4, 4):
+        x = at(offset)
+        assert torch.equal(fp8_linear.linear_fp8(x, q.data, q.scale, None, None, True), w8a8_reference(x, q).half())
+    assert calls == [("w8a8", 80), ("bound", 80)] * 2
+    calls.clear()
+    faked = dispatch.decision_for
+    monkeypatch.setattr(dispatch, "decision_for", lambda *a, **kw: dataclasses.replace(faked(*a, **kw),
+                                                                                        provisional=True))
+    decide.reload_tables()
+    for _ in range(2):
+        fp8_linear.linear_fp8(torch.randn(80, 160, generator=g).half(), q.data, q.scale, None, None, True)
+        fp8_linear.linear_fp8_glu(torch.randn(80, 320, generator=g).half(), q.data, q.scale, None, "silu", True)
+    assert calls == [("w8a8", 80), ("w8a8 silu", 80)] * 2
+
+
 def _tiny_llama():
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_attention_heads=2,
                                    num_key_value_heads=1, head_dim=64, num_hidden_layers=2, max_position_embeddings=32)
@@ -291,6 +322,22 @@ def test_torch_compile_passes_the_option_to_the_fp8_call(gpu_branch):
         torch._dynamo.reset()
         assert calls[-1] == (("w8a8", 100) if option else ("dequantized", 100))
         assert torch.equal(got, w8a8_reference(x, q).half() if option else F.linear(x, q.dequantize(torch.float16)))
+
+
+def test_torch_compile_traces_the_gated_product_call_whole(gpu_branch, monkeypatch):
+    """``linear_fp8_glu`` with the option, past the decode rows, under torch.compile(fullgraph):
+    no data pointer is read while tracing (the bound launches' key is not built there); the
+    traced call is the composition's, the product's GEMM the W8A8 op."""
+    calls, _ = gpu_branch
+    monkeypatch.setattr(fp8_linear, "pointer_alignment", pointer_alignment)  # the real one, as traced
+    q = fp8.quantize_fp8(torch.randn(64, 128).half())
+    gu = torch.randn(100, 256).half()
+    fn = torch.compile(lambda gu: fp8_linear.linear_fp8_glu(gu, q.data, q.scale, None, "silu", True),
+                       fullgraph=True, backend="aot_eager")
+    got = fn(gu)
+    torch._dynamo.reset()
+    gate, up = gu.chunk(2, dim=1)
+    assert calls[-1] == ("w8a8", 100) and torch.equal(got, w8a8_reference(F.silu(gate) * up, q).half())
 
 
 def test_activations_fp8_without_fp8_projections_warns_and_bad_values_are_refused():

@@ -185,9 +185,9 @@ def test_the_gated_product_formed_while_quantizing_is_the_composition_bit_for_bi
 def test_a_signature_again_takes_its_bound_launch_with_the_general_paths_bits(cuda, granularity, m, monkeypatch):
     """The first W8A8 call of a signature (fusion/fp8_linear.py) runs the general path and keeps
     its launch (kernels/cublaslt_fp8.BoundRun); later calls with fresh x take that launch: bit
-    for bit ``run``'s result for their own x, into an output block the allocator had filled with
-    NaN, for x and for the gated product; a CUDA graph captures the bound launch and replays it
-    on new x."""
+    for bit ``run``'s result for their own x (each after a block of the output's size was filled
+    with NaN and freed, which the output's allocation may take), for x and for the gated
+    product; a CUDA graph captures the bound launch and replays it on new x."""
     from hybridgemm import fp8_linear
 
     fresh_bound_runs(monkeypatch)
@@ -219,3 +219,38 @@ def test_a_signature_again_takes_its_bound_launch_with_the_general_paths_bits(cu
         static.copy_(new)
         graph.replay()
         assert torch.equal(captured, real(new, q.data, q.scale, bias, None, None, None)[0]) and not binds
+
+
+@pytest.mark.parametrize("granularity", fp8.GRANULARITIES)
+def test_bound_launches_without_bias_of_unaligned_x_and_of_a_stashed_product(cuda, granularity, monkeypatch):
+    """Signatures the test above does not reach: no bias; x starting 2 bytes into its buffer
+    (the quantization kernel specialised for x off 16-byte alignment); the gated product of a
+    row wider than one pass (``fp8_quant.ONE_PASS_MAX``: the stash, inside the bound call's one
+    allocation). Three calls of each: the checked call's bits, one general call."""
+    from hybridgemm import fp8_linear
+    from hybridgemm.kernels import fp8_quant
+
+    fresh_bound_runs(monkeypatch)
+    g = torch.Generator(device=cuda).manual_seed(7)
+    m, n = 333, 520
+    binds = []
+    real = cublaslt_fp8.run_and_bind
+    monkeypatch.setattr(cublaslt_fp8, "run_and_bind", lambda *a: binds.append(a[-1]) or real(*a))
+    wide = 9728  # > ONE_PASS_MAX; 76 blocks of K (block scales read as they are)
+    assert wide > fp8_quant.ONE_PASS_MAX and fp8_quant.stashes(wide, "silu")
+    for what, k, glu, with_bias, offset in (("no bias", 1488, None, False, 0), ("x off alignment", 1488, None, True, 1),
+                                            ("stashed product", wide, "silu", True, 0)):
+        q = fp8.quantize_fp8((torch.randn(n, k, device=cuda, generator=g) / k**0.5).bfloat16(), granularity)
+        bias = torch.randn(n, device=cuda, generator=g).bfloat16() if with_bias else None
+        width = k if glu is None else 2 * k
+        binds.clear()
+        with torch.no_grad():
+            for _ in range(3):
+                buf = (torch.randn(m * width + 8, device=cuda, generator=g) * 2).bfloat16()
+                x = buf[offset : offset + m * width].view(m, width)
+                if glu is None:
+                    got = fp8_linear.linear_fp8(x, q.data, q.scale, bias, None, True)
+                else:
+                    got = fp8_linear.linear_fp8_glu(x, q.data, q.scale, bias, glu, True)
+                assert torch.equal(got, real(x, q.data, q.scale, bias, None, None, glu)[0]), what
+        assert binds == [glu], what  # one general call, then the bound launch

@@ -390,3 +390,18 @@ def test_a_bound_run_keeps_no_tensor_alive(lt, monkeypatch):
     del x, w, b
     gc.collect()
     assert bound is not None and all(r() is None for r in refs)
+
+
+def test_a_bound_run_whose_allocations_align_less_runs_the_checked_call(lt, monkeypatch):
+    """The plan of a bound run was chosen for 256-byte aligned x8 and output (the CUDA caching
+    allocator's blocks); where an allocator hands out less, the call is ``run``'s, with a plan
+    of its own, and the result the same."""
+    aligned = [256]
+    monkeypatch.setattr(cf, "pointer_alignment", lambda ptr: aligned[0])
+    x, w, b = operands(8, 128, 256, torch.bfloat16, "channel", True)
+    _, bound = cf.run_and_bind(x, w.data, w.scale, b)
+    assert bound is not None and len(cf._plans) == 1
+    aligned[0] = 64
+    got = bound(x, w.data, w.scale, b)
+    assert len(cf._plans) == 2  # run's plan for the 64-byte alignment
+    assert_matches(got, *reference(x, w, b, None, x.dtype), None, x.dtype, fused=True)
