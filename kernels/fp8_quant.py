@@ -33,6 +33,11 @@ writes the product it forms to a scratch row that the second reads back instead 
 again (:data:`GLU_STASH`; the bytes are the same). scripts/fp8_quant_probe.py ``--stash 0 1``
 times both: Llama-3-8B's down input at 2048 rows, 127.2 against 134.7 µs on an H100.
 
+Launches: each signature (group, rows, M, K, row stride, glu, dtype, device, x's 16-byte
+alignment) has a :class:`BoundQuantize`, which allocates and launches with no checks (a raw
+launch of plain-int pointers once compiled); :func:`quantize_for_gemm` checks x and calls it,
+and kernels/cublaslt_fp8.py's bound runs call its :meth:`BoundQuantize.pointers` directly.
+
 Nothing touches a GPU at import time. Runs under ``TRITON_INTERPRET=1`` on CPU tensors.
 """
 
