@@ -99,10 +99,9 @@ def fp8_linear(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = Non
     docstring); ``scale`` in either granularity's shape (kernels/fp8.py); ``quantize_input``:
     W8A8 past the decode rows (module docstring)."""
     act = Activation.parse(activation)
-    key = _bound_key(x, data, scale, bias, act, None) if quantize_input else None
-    bound = None if key is None else lt8.BOUND_RUNS.get(key)
-    if bound is not None:  # this signature ran W8A8 before: its launch, with these pointers
-        return bound(x.view(-1, x.shape[-1]), data, scale, bias).view(*x.shape[:-1], data.shape[0])
+    key, y = _bound_call(x, data, scale, bias, act, None) if quantize_input else (None, None)
+    if y is not None:
+        return y
     granularity = check_fp8_args(x, data, scale, bias)
     scale_vec = fp8.scale_vector(scale, granularity)
     n, k = data.shape
@@ -126,15 +125,26 @@ def fp8_linear(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None = Non
                                  bias, act)
 
 
+def _bound_call(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None, act: Activation,
+                glu: str | None) -> tuple[tuple | None, Tensor | None]:
+    """``(key, y)``: the call's :func:`_bound_key`, and its result where a launch is kept under
+    that key (this signature ran W8A8 before: its launch, with this call's pointers), else None."""
+    key = _bound_key(x, data, scale, bias, act, glu)
+    bound = None if key is None else lt8.BOUND_RUNS.get(key)
+    if bound is None:
+        return key, None
+    return key, bound(x.view(-1, x.shape[-1]), data, scale, bias).view(*x.shape[:-1], data.shape[0])
+
+
 def _bound_key(x: Tensor, data: Tensor, scale: Tensor, bias: Tensor | None, act: Activation,
                glu: str | None) -> tuple | None:
     """The signature under which a W8A8 call's bound launch is kept (kernels/cublaslt_fp8.BoundRun),
     or None where the call takes the general path every time (a traced call, a tensor subclass,
-    decode rows, x not contiguous): what the checks, the decision and the plan depend on. x's shape, dtype, device
-    and alignment; the weight, scales and bias by data pointer, shape, dtype and strides (a
-    weight replaced is a miss, never a stale read); the activation, the GLU, and the
-    dispatcher's generation (tables reloaded, mode switched). A launch is kept only after a
-    call of the key ran W8A8 (on a CUDA device) with none of its operands copied."""
+    decode rows, x not contiguous): what the checks, the decision and the plan depend on. x's
+    shape, dtype, device and alignment; the weight, scales and bias by data pointer, shape,
+    dtype and strides (a weight replaced is a miss, never a stale read); the activation, the
+    GLU, and the dispatcher's generation (tables reloaded, mode switched). A launch is kept only
+    after a call of the key ran W8A8 (on a CUDA device) with none of its operands copied."""
     if torch.compiler.is_compiling() or type(x) not in PLAIN_TENSOR_TYPES or type(data) not in PLAIN_TENSOR_TYPES \
             or type(scale) not in PLAIN_TENSOR_TYPES or (bias is not None and type(bias) not in PLAIN_TENSOR_TYPES) \
             or x.dim() < 2 or x.numel() <= DECODE_MAX_M * x.shape[-1] or not x.is_contiguous():
@@ -196,11 +206,9 @@ def _glu_into_gemm(gate_up: Tensor, data: Tensor, scale: Tensor, bias: Tensor | 
     if not quantize_input or glu not in fp8.QUANTIZED_GLUS:
         return None
     wants_grad = torch.is_grad_enabled() and (gate_up.requires_grad or (bias is not None and bias.requires_grad))
-    key = None if wants_grad else _bound_key(gate_up, data, scale, bias, act, glu)  # (None while traced)
-    bound = None if key is None else lt8.BOUND_RUNS.get(key)
-    if bound is not None:  # this signature ran W8A8 before: its launch, with these pointers
-        return bound(gate_up.view(-1, gate_up.shape[-1]), data, scale, bias).view(*gate_up.shape[:-1],
-                                                                                  data.shape[0])
+    key, y = (None, None) if wants_grad else _bound_call(gate_up, data, scale, bias, act, glu)
+    if y is not None:
+        return y
     gu2 = rows_2d(gate_up)
     m = gu2.shape[0]
     if not (m > DECODE_MAX_M and get_mode() == DEFAULT):

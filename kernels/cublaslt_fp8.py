@@ -335,10 +335,10 @@ class BoundRun:
     shape, row stride and alignment, its scales in the same layout and not copied by
     :func:`weight_scale_operand`, a bias of the same dtype (or none) and 16-byte aligned; the
     output allocated fresh (where an allocator hands out blocks less aligned than the plan's
-    call had, that call runs :func:`run`). ``bound(x, w8, w_scale, bias)`` quantizes x and launches the plan
-    with those tensors' pointers: none of :func:`run`'s checks, lookups or copies. It holds no
-    tensor (a model's weights are not kept alive by it); the caller keys it by everything
-    above (fusion/fp8_linear.py)."""
+    call had, that call runs :func:`run`). ``bound(x, w8, w_scale, bias)`` quantizes x and
+    launches the plan with those tensors' pointers: none of :func:`run`'s checks, lookups or
+    copies. It holds no tensor (a model's weights are not kept alive by it); the caller keys it
+    by everything above (fusion/fp8_linear.py)."""
 
     __slots__ = ("quantize", "plan", "m", "n", "rows", "dtype", "device", "act", "glu")
 
