@@ -22,7 +22,10 @@ Per call (:func:`takes_fused_path`: :func:`operands_allow`, :func:`modules_allow
 or fp32 with every weight in x's dtype (or e4m3 with bf16 x: fusion/fp8_modules.py), at most
 :data:`DECODE_ROWS` rows, no gradient wanted,
 no autocast, the default dispatch mode, and no hooks on the modules the step does not call
-(norms, attention, its projections, the MLP, down). Elsewhere the stock forward runs.
+(norms, attention, its projections, the MLP, down). Elsewhere the stock forward runs. The lists
+of a layer's parts those checks go through are kept between eager calls while the layer's, its
+attention's and its MLP's children stay the same objects (:func:`layer_parts`); hooks, dtypes,
+gradients and LoRA layers are read at every call.
 
 PEFT LoRA layers over the fused parts (the slices of Q/K/V and gate/up, O and down) keep the
 step: it adds their terms itself (fusion/models/adapter_terms.py) where a call allows
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -333,16 +337,75 @@ def takes_prefill_step(layer: nn.Module, x) -> bool:
     :data:`DECODE_ROWS` and allows all else the step asks, of a pre-norm layer (neither post-norm,
     nor norms called as modules, nor scaled residuals) with no LoRA layer over its projections."""
     if torch.compiler.is_compiling() or post_norms(layer) or norm_modules(layer) \
-            or layer.__dict__.get(SCALED_RESIDUALS) or _adapters(layer):
+            or layer.__dict__.get(SCALED_RESIDUALS):
         return False
-    return _layer_allows(layer, x, None)
+    return _layer_allows(layer, x, None, adapters_allowed=False)
 
 
-def _layer_allows(layer: nn.Module, x, rows: int | None) -> bool:
+def _layer_allows(layer: nn.Module, x, rows: int | None, adapters_allowed: bool = True) -> bool:
     # what both steps ask of the call and the layer's modules (rows: as operands_allow takes it)
-    return operands_allow(layer, x, (*RESIDUAL_DROPOUTS, MLP_DROPOUT), rows) and _parts_in_place(layer) \
-        and not clipped(layer.self_attn) \
-        and modules_allow(x, _fused_parts(layer), _skipped_modules(layer), _adapters(layer))
+    if not operands_allow(layer, x, (*RESIDUAL_DROPOUTS, MLP_DROPOUT), rows):
+        return False
+    parts = layer_parts(layer)
+    if parts.adapters and not adapters_allowed:
+        return False
+    return parts.in_place and not clipped(layer.self_attn) \
+        and modules_allow(x, parts.fused, parts.skipped, parts.adapters)
+
+
+class LayerParts(NamedTuple):
+    """What the per-call checks read of a fused layer's module structure: the LoRA layers over
+    its projections, whether its fused parts are still patch's (:func:`_parts_in_place`), the
+    modules the step computes with (:func:`_fused_parts`) and those whose forwards it skips
+    (:func:`_skipped_modules`)."""
+
+    adapters: tuple[nn.Module, ...]
+    in_place: bool
+    fused: tuple[nn.Module, ...]
+    skipped: tuple[nn.Module | None, ...]
+
+
+# Instance attribute of a fused layer: ``(structure, LayerParts)`` as read at its last eager
+# check. Rebuilding the lists costs about as much host time as the rest of the checks together
+# (eager decode and prefill are host-bound), and they change only when a child of the layer,
+# its attention or its MLP is replaced, which changes the structure (:func:`_structure`).
+_PARTS_SEEN = "_hybridgemm_parts_seen"
+_APART = "|"  # (between the three children lists of a structure; a string survives a deep copy)
+
+
+def _structure(layer: nn.Module) -> tuple:
+    """The children (by identity, in order) of ``layer``, its attention and its MLP, and patch's
+    post-norm mark: everything :class:`LayerParts` is read from, but for the LoRA layers' own
+    state, which is read per call (a layer with LoRA layers is never kept)."""
+    attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
+    return (*layer._modules.values(), _APART, *(attn._modules.values() if attn is not None else ()), _APART,
+            *(mlp._modules.values() if mlp is not None else ()), _APART, layer.__dict__.get(POST_NORMS))
+
+
+def layer_parts(layer: nn.Module) -> LayerParts:
+    """:class:`LayerParts` of ``layer`` now: the ones kept from its last eager call where its
+    structure is the same and it has no LoRA layer, else read anew (and kept, outside a traced
+    call). The kept structure holds the children it names until the next check sees others."""
+    if torch.compiler.is_compiling():
+        return _read_parts(layer)
+    structure = _structure(layer)
+    seen = layer.__dict__.get(_PARTS_SEEN)
+    if seen is not None and seen[0] == structure:
+        return seen[1]
+    parts = _read_parts(layer)
+    if parts.adapters:
+        layer.__dict__.pop(_PARTS_SEEN, None)
+    else:
+        layer.__dict__[_PARTS_SEEN] = (structure, parts)
+    return parts
+
+
+def _read_parts(layer: nn.Module) -> LayerParts:
+    # (the lists only of parts in place: a replaced attention or MLP may lack the children they name)
+    adapters, in_place = tuple(_adapters(layer)), _parts_in_place(layer)
+    if not in_place:
+        return LayerParts(adapters, False, (), ())
+    return LayerParts(adapters, True, tuple(_fused_parts(layer)), tuple(_skipped_modules(layer)))
 
 
 def operands_allow(layer: nn.Module, x, dropouts: tuple[str, ...], rows: int | None = DECODE_ROWS) -> bool:
@@ -370,20 +433,22 @@ def modules_allow(x, parts: list[nn.Module], skipped: list[nn.Module | None], ad
     modules the step computes with) of x's dtype (or e4m3 weights with bf16 x), no gradient
     wanted of x, them or the LoRA ``adapters``' parameters, and no hooks on the ``skipped``
     modules (whose forwards the step does not call) nor global ones?"""
-    dtype = x.dtype
-    params = []
+    dtype, grad = x.dtype, torch.is_grad_enabled()
+    if grad and x.requires_grad:
+        return False
     for m in parts:
         for t in (m.weight, getattr(m, "bias", None)):
-            if t is not None:
-                if t.dtype != dtype and not (t.dtype == E4M3 and dtype in _FP8_ACTIVATIONS):
-                    return False
-                params.append(t)
-    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params) or any(
-            p.requires_grad for m in adapters for p in adapter_terms.lora_parameters(m))):
+            if t is not None and (t.dtype != dtype and not (t.dtype == E4M3 and dtype in _FP8_ACTIVATIONS)
+                                  or grad and t.requires_grad):
+                return False
+    if grad and any(p.requires_grad for m in adapters for p in adapter_terms.lora_parameters(m)):
         return False
     if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks:
         return False
-    return not any(hooked(m) for m in skipped)
+    for m in skipped:  # (a loop, not any() over a generator: host time per layer call)
+        if hooked(m):
+            return False
+    return True
 
 
 def _dropping(mod: nn.Module | None) -> bool:
