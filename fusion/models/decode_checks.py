@@ -24,8 +24,8 @@ or fp32 with every weight in x's dtype (or e4m3 with bf16 x: fusion/fp8_modules.
 no autocast, the default dispatch mode, and no hooks on the modules the step does not call
 (norms, attention, its projections, the MLP, down). Elsewhere the stock forward runs. The lists
 of a layer's parts those checks go through are kept between eager calls while the layer's, its
-attention's and its MLP's children stay the same objects (:func:`layer_parts`); hooks, dtypes,
-gradients and LoRA layers are read at every call.
+attention's and its MLP's children stay the same objects of the same classes under the same names
+(:func:`layer_parts`); hooks, dtypes, gradients and LoRA layers are read at every call.
 
 PEFT LoRA layers over the fused parts (the slices of Q/K/V and gate/up, O and down) keep the
 step: it adds their terms itself (fusion/models/adapter_terms.py) where a call allows
@@ -368,18 +368,28 @@ class LayerParts(NamedTuple):
 # Instance attribute of a fused layer: ``(structure, LayerParts)`` as read at its last eager
 # check. Rebuilding the lists costs about as much host time as the rest of the checks together
 # (eager decode and prefill are host-bound), and they change only when a child of the layer,
-# its attention or its MLP is replaced, which changes the structure (:func:`_structure`).
-_PARTS_SEEN = "_hybridgemm_parts_seen"
+# its attention or its MLP is replaced, renamed or changes class (torch's parametrizations and
+# ``hybridgemm.unpatch`` swap classes in place), which changes the structure (:func:`_structure`).
+# ``unpatch`` drops it.
+PARTS_SEEN = "_hybridgemm_parts_seen"
 _APART = "|"  # (between the three children lists of a structure; a string survives a deep copy)
 
 
+def _children(mod: nn.Module | None) -> tuple:
+    """``mod``'s children: their names, the objects and their classes (none for no module)."""
+    if mod is None:
+        return ()
+    children = mod._modules
+    return (*children, *children.values(), *map(type, children.values()))
+
+
 def _structure(layer: nn.Module) -> tuple:
-    """The children (by identity, in order) of ``layer``, its attention and its MLP, and patch's
-    post-norm mark: everything :class:`LayerParts` is read from, but for the LoRA layers' own
-    state, which is read per call (a layer with LoRA layers is never kept)."""
-    attn, mlp = layer._modules.get("self_attn"), layer._modules.get("mlp")
-    return (*layer._modules.values(), _APART, *(attn._modules.values() if attn is not None else ()), _APART,
-            *(mlp._modules.values() if mlp is not None else ()), _APART, layer.__dict__.get(POST_NORMS))
+    """The layer's class and the children (by name, identity and class) of ``layer``, its
+    attention and its MLP, and patch's post-norm mark: everything :class:`LayerParts` is read
+    from, but for the LoRA layers' own state, which is read per call (a layer with LoRA layers is
+    never kept)."""
+    return (type(layer), *_children(layer), _APART, *_children(layer._modules.get("self_attn")), _APART,
+            *_children(layer._modules.get("mlp")), _APART, layer.__dict__.get(POST_NORMS))
 
 
 def layer_parts(layer: nn.Module) -> LayerParts:
@@ -389,14 +399,14 @@ def layer_parts(layer: nn.Module) -> LayerParts:
     if torch.compiler.is_compiling():
         return _read_parts(layer)
     structure = _structure(layer)
-    seen = layer.__dict__.get(_PARTS_SEEN)
+    seen = layer.__dict__.get(PARTS_SEEN)
     if seen is not None and seen[0] == structure:
         return seen[1]
     parts = _read_parts(layer)
     if parts.adapters:
-        layer.__dict__.pop(_PARTS_SEEN, None)
+        layer.__dict__.pop(PARTS_SEEN, None)
     else:
-        layer.__dict__[_PARTS_SEEN] = (structure, parts)
+        layer.__dict__[PARTS_SEEN] = (structure, parts)
     return parts
 
 

@@ -144,6 +144,7 @@ from .attention_forms import why_not_fuse_attention
 from .decode_checks import (
     NORMS_AS_MODULES,
     NOT_A_LAYER,
+    PARTS_SEEN,
     POST_NORMS,
     SCALED_RESIDUALS,
     STATIC_STEP,
@@ -715,6 +716,8 @@ def unpatch(model: nn.Module) -> list[str]:
             setattr(mod, child, conv)
         elif kind == "fused":
             unfuse(mod, rec)
+    for mod in model.modules():  # the checks' kept part lists (decode_checks.layer_parts) name patched modules
+        mod.__dict__.pop(PARTS_SEEN, None)
     return restored
 
 
