@@ -7,7 +7,10 @@ compiles, cuBLASLt FP8 plans built, cudaMalloc/cudaFree by the caching allocator
 N``, one more forward under cProfile (the host's time by function: own, then cumulative). ``--variant``: ``tree`` (as
 installed), ``stock-rotary`` (every prefill through the layers' stock forwards:
 decode_checks.takes_prefill_step off), ``code-cvt`` (the activation quantization's e4m3 encoded in
-code: fp8_quant.HARDWARE_CVT off), ``unpatched`` (the bf16 model as transformers runs it). Run each
+code: fp8_quant.HARDWARE_CVT off), ``unpatched`` (the bf16 model as transformers runs it).
+``--beside-stock``: a stock bf16 copy of the model too, whose prefill forward runs before each
+forward of the variant (as ``hybridgemm bench --e2e`` alternates them), untimed; the bound
+W8A8 launches kept (kernels/cublaslt_fp8.BOUND_RUNS) are counted after the timed forwards. Run each
 variant in a process of its own, with TRITON_CACHE_DIR set to an empty folder to compile its kernels
 there.
 
@@ -17,6 +20,7 @@ there.
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import io
 import pstats
@@ -41,6 +45,8 @@ def main(argv=None) -> int:
                     help="then one forward under cProfile: its N functions of most own host time, then of most "
                     "cumulative time")
     ap.add_argument("--profile-out", metavar="PATH", help="with --profile: also write that forward's pstats there")
+    ap.add_argument("--beside-stock", action="store_true",
+                    help="a stock bf16 copy's forward before each forward (untimed), as the e2e bench alternates them")
     args = ap.parse_args(argv)
     if args.variant == "stock-rotary":
         decode_checks.takes_prefill_step = lambda *a: False
@@ -48,6 +54,7 @@ def main(argv=None) -> int:
         fp8_quant.HARDWARE_CVT = False
     torch.manual_seed(0)
     model = hf.build_model(hf.hf_config("llama3-8b", args.layers), torch.bfloat16, "cuda")
+    stock = copy.deepcopy(model) if args.beside_stock else None
     if args.variant != "unpatched":
         hybridgemm.patch(model, weights="fp8", activations="fp8")
     compiles, plans, build = [], [], cublaslt_fp8._build
@@ -69,6 +76,8 @@ def main(argv=None) -> int:
                 triton.knobs.runtime.jit_cache_hook = count_compile
                 cublaslt_fp8._build = count_plan
                 allocator_before = _allocator_counts()
+            if stock is not None:
+                hf.prefill_forward(stock, api, ids)
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
@@ -87,7 +96,8 @@ def main(argv=None) -> int:
     allocator = {k: v - allocator_before[k] for k, v in _allocator_counts().items()}
     print(f"  during the timed forwards: {len(compiles)} Triton compiles {sorted(set(compiles))}, "
           f"{len(plans)} cuBLASLt FP8 plans built {sorted(set(plans))}, caching allocator {allocator}; "
-          f"{torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved at most", flush=True)
+          f"{torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved at most; {len(cublaslt_fp8.BOUND_RUNS)} "
+          "bound W8A8 launches kept", flush=True)
     if args.profile:
         profiler = cProfile.Profile()
         with torch.no_grad():
