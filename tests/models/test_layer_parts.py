@@ -57,6 +57,15 @@ def _linear_like(mod: torch.nn.Module) -> torch.nn.Linear:
     return lin
 
 
+def _checked_first_layer() -> tuple[torch.nn.Module, torch.Tensor]:
+    """The first layer of a patched tiny model after one decode check it passed, and that x."""
+    _, model = _pair()
+    layer, x = model.model.layers[0], torch.randn(1, 1, HIDDEN)
+    with torch.no_grad():
+        assert checks.takes_fused_path(layer, x)
+    return layer, x
+
+
 def test_a_layer_reads_its_parts_once_while_its_structure_holds(kernels_on_cpu, reads):
     stock, model = _pair()
     ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(0))
@@ -96,11 +105,8 @@ def test_a_child_replaced_after_a_check_is_seen_at_the_next_call(replaced, kerne
 
 
 def test_hooks_dtypes_and_gradients_are_read_at_every_call(kernels_on_cpu, reads):
-    _, model = _pair()
-    layer = model.model.layers[0]
-    x = torch.randn(1, 1, HIDDEN)
+    layer, x = _checked_first_layer()
     with torch.no_grad():
-        assert checks.takes_fused_path(layer, x)
         handle = layer.self_attn.o_proj.register_forward_pre_hook(lambda mod, args: None)
         assert not checks.takes_fused_path(layer, x)
         handle.remove()
@@ -112,19 +118,6 @@ def test_hooks_dtypes_and_gradients_are_read_at_every_call(kernels_on_cpu, reads
         assert checks.takes_fused_path(layer, x)
     assert not checks.takes_fused_path(layer, x)  # gradients wanted for the parameters
     assert reads["n"] == 1
-
-
-def test_a_deep_copy_checks_its_own_children(kernels_on_cpu):
-    _, model = _pair()
-    layer = model.model.layers[0]
-    x = torch.randn(1, 1, HIDDEN)
-    with torch.no_grad():
-        assert checks.takes_fused_path(layer, x)
-        twin = copy.deepcopy(layer)
-        assert checks.takes_fused_path(twin, x)
-        twin.self_attn.o_proj = _linear_like(twin.self_attn.o_proj)
-        assert not checks.takes_fused_path(twin, x)
-        assert checks.takes_fused_path(layer, x)
 
 
 def test_a_traced_call_keeps_nothing(kernels_on_cpu, reads, monkeypatch):
@@ -153,16 +146,16 @@ def test_a_layer_with_lora_layers_is_read_at_every_call(kernels_on_cpu, reads):
     assert checks.PARTS_SEEN not in layer.__dict__ and reads["n"] == 4
 
 
-def test_a_deep_copy_keeps_its_parts_without_reading_them_again(kernels_on_cpu, reads):
-    _, model = _pair()
-    layer = model.model.layers[0]
-    x = torch.randn(1, 1, HIDDEN)
+def test_a_deep_copy_keeps_its_parts_and_checks_its_own_children(kernels_on_cpu, reads):
+    layer, x = _checked_first_layer()
     with torch.no_grad():
-        assert checks.takes_fused_path(layer, x)
         twin = copy.deepcopy(layer)
         assert checks.takes_fused_path(twin, x)
-    assert reads["n"] == 1
-    assert all(a is not b for a, b in zip(checks.layer_parts(twin).fused, checks.layer_parts(layer).fused))
+        assert reads["n"] == 1  # the copy's kept parts are its own children
+        assert all(a is not b for a, b in zip(checks.layer_parts(twin).fused, checks.layer_parts(layer).fused))
+        twin.self_attn.o_proj = _linear_like(twin.self_attn.o_proj)
+        assert not checks.takes_fused_path(twin, x)
+        assert checks.takes_fused_path(layer, x)
 
 
 @pytest.mark.parametrize("change", ["parametrize-q", "parametrize-o", "unpatch-o", "renamed-qkv"])
