@@ -190,17 +190,22 @@ class ScaledPlan(Plan):
             set_attr(set_desc, self.desc, D.BIAS_DATA_TYPE, CUDA_DTYPE[bias_dtype], np.int32)
         self._scale_attrs = (int(D.A_SCALE_POINTER), int(D.B_SCALE_POINTER))
         self._scale_ptrs = np.zeros(2, dtype=np.int64)
+        self._scale_addr = self._scale_ptrs.ctypes.data  # (the set_attribute calls copy the value there)
         self._scales_set: tuple[int, int] | None = None
         self._scale_lock = threading.Lock()
         self.post = Activation.NONE  # the activation run after the GEMM (not fused)
 
     def _set_scales(self, a_scale: int, b_scale: int) -> None:
-        if (a_scale, b_scale) != self._scales_set:
-            self._scale_ptrs[:] = (a_scale, b_scale)
-            addr = self._scale_ptrs.ctypes.data
-            self._set_desc_attr(self.desc, self._scale_attrs[0], addr, 8)
-            self._set_desc_attr(self.desc, self._scale_attrs[1], addr + 8, 8)
-            self._scales_set = (a_scale, b_scale)
+        # each pointer set only when it changed: the weight's scales (A) stay, while a W8A8
+        # call's activation scales (B) are a fresh allocation of each call
+        held = self._scales_set
+        if held is None or a_scale != held[0]:
+            self._scale_ptrs[0] = a_scale
+            self._set_desc_attr(self.desc, self._scale_attrs[0], self._scale_addr, 8)
+        if held is None or b_scale != held[1]:
+            self._scale_ptrs[1] = b_scale
+            self._set_desc_attr(self.desc, self._scale_attrs[1], self._scale_addr + 8, 8)
+        self._scales_set = (a_scale, b_scale)
 
     def launch(self, a_ptr: int, b_ptr: int, d_ptr: int, bias_ptr: int, a_scale: int, b_scale: int) -> None:
         """:meth:`Plan.call` with the two scale vectors; the lock keeps another thread's scale
@@ -354,7 +359,7 @@ class BoundRun:
         out = torch.empty((self.m, self.n), dtype=self.dtype, device=self.device)
         d = out if self.rows == self.m else torch.empty((self.rows, self.n), dtype=self.dtype, device=self.device)
         dp = d.data_ptr()
-        if min(pointer_alignment(x8_ptr), pointer_alignment(dp)) < MAX_ALIGNMENT:  # not as the plan's call was
+        if pointer_alignment(x8_ptr | dp) < MAX_ALIGNMENT:  # (either's alignment) not as the plan's call was
             del keep  # (the quantization enqueued above is unused; run quantizes again)
             return run(x, w8, w_scale, bias, out, self.act, self.glu)
         self.plan.launch(w8.data_ptr(), x8_ptr, dp, 0 if bias is None else bias.data_ptr(),

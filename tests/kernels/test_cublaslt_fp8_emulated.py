@@ -405,3 +405,28 @@ def test_a_bound_run_whose_allocations_align_less_runs_the_checked_call(lt, monk
     got = bound(x, w.data, w.scale, b)
     assert len(cf._plans) == 2  # run's plan for the 64-byte alignment
     assert_matches(got, *reference(x, w, b, None, x.dtype), None, x.dtype, fused=True)
+
+
+def test_a_bound_run_sets_the_weights_scale_pointer_only_when_the_weight_changes(lt, monkeypatch):
+    """The plan's descriptor takes the activation scales' pointer at each call (a fresh
+    allocation) but the weight's only when another weight comes: the results stay ``run``'s."""
+    monkeypatch.setattr(cf, "pointer_alignment", lambda ptr: 256)
+    sets = []
+    real_set = lt.matmul_desc_set_attribute
+
+    def counted(desc, attr, ptr, size):
+        sets.append(D(int(attr)))
+        return real_set(desc, attr, ptr, size)
+
+    monkeypatch.setattr(lt, "matmul_desc_set_attribute", counted)
+    x, w, b = operands(17, 200, 400, torch.float16, "channel", False)
+    _, bound = cf.run_and_bind(x, w.data, w.scale, b)
+    other = quantize_fp8(torch.randn(200, 400) / 20, "channel")
+    for weight in (w, w, other, other):
+        x = operands(17, 200, 400, torch.float16, "channel", False)[0]
+        want = cf.run(x, weight.data, weight.scale, None)  # (the plan's call: its own pointers set)
+        bound(x, w.data, w.scale, None)  # the plan holds w's scales again
+        sets.clear()
+        got = bound(x, weight.data, weight.scale, None)
+        assert torch.equal(got, want)
+        assert sets.count(D.A_SCALE_POINTER) == (weight is other) and sets.count(D.B_SCALE_POINTER) <= 1

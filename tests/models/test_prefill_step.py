@@ -132,3 +132,26 @@ def test_a_mixture_of_experts_prefill_calls_its_block_as_a_module(kind, kernels_
         out, ref = model(ids).logits, stock(ids).logits
     assert counted["prefill"] == 2 and len(counted["rope"]) == 2 and len(blocks) == 2
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_the_residual_is_added_into_the_sublayer_output_with_the_sums_bits():
+    """``decode_step._add_into``: ``residual + out`` in ``out``'s memory where it may be written
+    (the bits of the stock add, which is the same sum either way round), else a new tensor with
+    ``out`` left as it was."""
+    g = torch.Generator().manual_seed(4)
+    residual = torch.randn(3, 17, 96, generator=g).to(torch.bfloat16)
+    out = (torch.randn(3, 17, 96, generator=g) * 1e-2).to(torch.bfloat16)
+    want = residual + out
+    got = decode_step._add_into(out, residual)
+    assert got is out and torch.equal(got, want)
+    base = (torch.randn(3, 96, 17, generator=g) * 1e-2).to(torch.bfloat16)
+    cases = {"strided": base.transpose(1, 2), "expanded": base[:1, :1, :].transpose(1, 2).expand(3, 17, 96),
+             "fp32": base.transpose(1, 2).float(), "broadcast": base[0, :, 0].clone()}
+    for name, other in cases.items():
+        keep = other.clone()
+        got = decode_step._add_into(other, residual)
+        assert got is not other and torch.equal(other, keep), name
+        assert torch.equal(got, residual + keep), name
+    keep = residual.clone()  # out in the residual's memory: a new tensor, the residual kept
+    got = decode_step._add_into(residual, residual)
+    assert got is not residual and torch.equal(residual, keep) and torch.equal(got, keep + keep)
