@@ -29,7 +29,9 @@ parameter put in place, as accelerate's loaders and ``register_parameter`` do) m
 module stack the parts anew before its next GEMM (``.to()`` at once; inside a compiled graph
 the check is not traced: there the next eager call restacks). Tensors that are not parameters
 put in the parts' places for one call (``torch.func.functional_call``) are stacked for that
-call only. An in-place change of a part between a forward and its backward raises, as for a
+call only, as are the values of a part parametrized after patching (``torch.nn.utils.parametrize``:
+the GEMM reads what the parametrization computes; ``unpatch`` moves the parametrization to the
+restored linear). An in-place change of a part between a forward and its backward raises, as for a
 stock weight. Storage changed below that API (``Tensor.set_``, ``torch.utils.swap_tensors``
 by hand) is not seen.
 
@@ -59,6 +61,7 @@ import itertools
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from hybridgemm.kernels.fp8 import BLOCK
 
@@ -204,8 +207,10 @@ class FusedLinears(nn.Module):
         self._checked = _EPOCH[0]  # after its own restacks' bumps
 
     def parts(self, attr: str) -> list[Tensor]:
-        """The slices' parameters ``attr`` (the parts of the stacked ``attr``), in row order."""
-        return [s._parameters[attr] for s in self.slices]
+        """The slices' parameters ``attr`` (the parts of the stacked ``attr``), in row order; a
+        slice whose ``attr`` is parametrized (``torch.nn.utils.parametrize``) gives its computed
+        value, a tensor of no rows of the module's, so the GEMM stacks the parts per call."""
+        return [s._parameters[attr] if attr in s._parameters else getattr(s, attr) for s in self.slices]
 
     def _in_rows(self, attr: str, t: Tensor) -> bool:
         if t.is_meta:
@@ -692,9 +697,29 @@ def fuse(mod: nn.Module, names, lins: list[nn.Linear], fused_name: str) -> Fused
     return fused
 
 
+def restored_class(mod: nn.Module, cls: type) -> type:
+    """The class ``mod`` takes when ``unpatch`` gives it back its class ``cls``: ``cls`` itself,
+    or, where ``torch.nn.utils.parametrize`` parametrized ``mod`` after ``patch`` (its class is
+    then parametrize's subclass of the patched class, holding the parametrized tensors'
+    properties), that subclass made anew over ``cls``: the parametrizations stay in force."""
+    now = type(mod)
+    if not parametrize.is_parametrized(mod) or len(now.__bases__) != 1 or now.__bases__[0] is cls:
+        return cls
+    members = {k: v for k, v in vars(now).items() if k not in ("__dict__", "__weakref__", "__qualname__")}
+    return type(f"Parametrized{cls.__name__}", (cls,), members)
+
+
+def _own_storage(p: Tensor) -> None:
+    """A part parameter out of the stacked rows: storage of its own, an ``nn.Parameter`` again."""
+    _DATA.__set__(p, p.detach().clone())
+    p.__class__ = nn.Parameter
+    p.__dict__.pop("part_of", None)
+
+
 def unfuse(mod: nn.Module, rec: tuple) -> None:
     """Undo :func:`fuse`: the original linears come back holding their parameters (the same
-    objects, with their current values) in storage of their own."""
+    objects, with their current values) in storage of their own; a slice's parametrizations
+    (``torch.nn.utils.parametrize``, registered after ``patch``) move to its linear."""
     _, _, names, lins, hook, fused_name = rec
     hook.remove()
     fused = mod._modules.pop(fused_name)
@@ -704,10 +729,16 @@ def unfuse(mod: nn.Module, rec: tuple) -> None:
                 p = piece._parameters.get(attr)
                 if p is None:
                     continue
-                _DATA.__set__(p, p.detach().clone())
-                p.__class__ = nn.Parameter
-                p.__dict__.pop("part_of", None)
+                _own_storage(p)
                 lin._parameters[attr] = p
+            if parametrize.is_parametrized(piece):
+                for p in piece.parametrizations.parameters():
+                    if isinstance(p, FusedPart):  # a part the parametrization holds as its original
+                        _own_storage(p)
+                for attr in piece.parametrizations:
+                    lin._parameters.pop(attr, None)
+                lin.__class__ = restored_class(piece, type(lin))
+                lin._modules["parametrizations"] = piece._modules.pop("parametrizations")
             _set_child(mod, n, lin)
     fused._rec = None
     object.__setattr__(fused, "_originals", ())

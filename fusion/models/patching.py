@@ -107,6 +107,7 @@ from hybridgemm.fused_rows import (
     qual,
     record,
     records,
+    restored_class,
     stock_slot,
     unfuse,
     why_not_fuse,
@@ -706,7 +707,7 @@ def unpatch(model: nn.Module) -> list[str]:
         if _record_name(name, rec) not in restored:
             restored.append(_record_name(name, rec))
         if kind == "class":
-            mod.__class__ = rec[2]
+            mod.__class__ = restored_class(mod, rec[2])
         elif kind == "conv1d":
             _, _, child, conv, new = rec
             with torch.no_grad():

@@ -485,6 +485,52 @@ def test_functional_call_runs_the_given_tensors_and_leaves_the_module_as_it_was(
     assert torch.equal(_logits(patched, ids), before)
 
 
+class _RowNormalized(torch.nn.Module):
+    """A parametrization that changes every value (weight normalisation without its gain)."""
+
+    def forward(self, w):
+        return w / w.norm(dim=1, keepdim=True)
+
+
+@pytest.mark.parametrize("name", ["k_proj", "gate_proj", "o_proj"])  # fused Q/K/V, fused gate/up, swapped class
+def test_a_parametrization_registered_after_patch_runs_trains_saves_and_survives_unpatch(name):
+    from torch.nn.utils import parametrize
+
+    stock = _stock()
+    patched = copy.deepcopy(stock)
+    hybridgemm.patch(patched)
+
+    def module(model):
+        layer = model.model.layers[1]
+        return getattr(layer.self_attn if name.endswith(("k_proj", "o_proj")) else layer.mlp, name)
+
+    for model in (stock, patched):
+        parametrize.register_parametrization(module(model), "weight", _RowNormalized())
+    ids = _ids()
+    want = _logits(stock, ids)
+    assert torch.allclose(_logits(patched, ids), want, rtol=1e-5, atol=1e-5)
+    for model in (stock, patched):
+        model(ids).logits.square().mean().backward()
+    grads = [module(m).parametrizations.weight.original.grad for m in (stock, patched)]
+    assert grads[1] is not None and torch.allclose(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+    state = patched.state_dict()
+    assert list(state) == list(stock.state_dict())
+    reloaded = _stock(seed=5)
+    parametrize.register_parametrization(module(reloaded), "weight", _RowNormalized())
+    reloaded.load_state_dict(state)
+    assert torch.equal(_logits(reloaded, ids), want)
+
+    assert hybridgemm.unpatch(patched)
+    restored = module(patched)
+    assert type(restored).__name__ == "ParametrizedLinear" and parametrize.is_parametrized(restored, "weight")
+    original = restored.parametrizations.weight.original
+    assert type(original) is torch.nn.Parameter and not isinstance(original, FusedPart)
+    assert torch.allclose(_logits(patched, ids), want, rtol=1e-5, atol=1e-5)
+    parametrize.remove_parametrizations(restored, "weight")
+    assert type(module(patched)) is torch.nn.Linear
+    assert torch.allclose(_logits(patched, ids), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
 def test_an_in_place_step_between_forward_and_backward_raises_as_for_stock(patched):
     model = _stock()

@@ -177,7 +177,7 @@ def test_a_child_changed_in_place_after_a_check_is_seen_at_the_next_call(change,
         else:
             attn._modules["renamed"] = attn._modules.pop(checks.QKV_NAME)
         assert not checks.takes_fused_path(layer, x) and not checks.takes_prefill_step(layer, rows)
-        if change in ("parametrize-o", "unpatch-o"):  # (the stock forward, with the modules as they are now)
+        if change in ("parametrize-q", "parametrize-o", "unpatch-o"):  # (the stock forward, modules as they are now)
             ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(2))
             torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
 
