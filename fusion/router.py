@@ -9,12 +9,21 @@ logit may differ from the two-launch form's by its rounding (another summation o
 the routing is of the logits it stores (a weight may differ from the routing kernel's in its
 last bit, an expert choice only between experts that close).
 
+:class:`HybridSigmoidRouter` stands in for DeepSeek-V3's router form (``DeepseekV3TopkRouter``,
+``Glm4MoeTopkRouter`` and the others that compute the same): the logits of the router's GEMM
+in fp32 as the stock forward computes them (``F.linear`` of x and the weight in fp32), then
+sigmoid scores, the selection bias, the group-limited choice, normalisation and scaling in one
+launch (:func:`route_sigmoid`, kernels/triton_router.py ``route_sigmoid``), reading the
+router's own attributes (its groups, kept groups, ``norm_topk_prob``, ``routed_scaling_factor``
+and ``e_score_correction_bias``) at every call.
+
 Which routers: :func:`why_not_router` runs the router's own forward once, at patch time, on a
 bf16 CPU copy of it with random weights and a few random tokens, and compares its outputs bit
-for bit with the PyTorch forms of that routing (renormalised or not, weights in fp32 or in
-the logits' dtype). The form that matches is what the patched router computes; none matching
-leaves the router as it is, with the reason. So the choice follows what the installed
-transformers computes, not its source text.
+for bit with the PyTorch forms of that routing (softmax: renormalised or not, weights in fp32
+or in the logits' dtype; sigmoid: the experts as a set, since those routers' ``torch.topk``
+leaves their order unspecified). The form that matches is what the patched router computes;
+none matching leaves the router as it is, with the reason. So the choice follows what the
+installed transformers computes, not its source text.
 """
 
 from __future__ import annotations
@@ -53,7 +62,24 @@ class RouterForm:
 FORMS = (RouterForm(True, False), RouterForm(True, True), RouterForm(False, False), RouterForm(False, True))
 
 
-def why_not_router(mod: nn.Module) -> tuple[RouterForm | None, str | None]:
+@dataclass(frozen=True)
+class SigmoidRouterForm:
+    """The attributes a DeepSeek-V3-form router's forward reads (read again at every call)."""
+
+    groups: str  # its number of expert groups
+    topk_groups: str  # the groups kept
+    normalize: str  # the k weights divided by their sum (plus 1e-20)
+    scale: str  # the weights' factor
+    bias: str | None  # its selection-bias buffer, if any
+
+
+# the attribute names transformers' routers of this form use, tried in this order
+_SIGMOID_NAMES = {"groups": ("num_group", "n_group"), "topk_groups": ("topk_group",),
+                  "normalize": ("norm_topk_prob",), "scale": ("routed_scaling_factor",)}
+_SIGMOID_BIAS = "e_score_correction_bias"
+
+
+def why_not_router(mod: nn.Module) -> tuple[RouterForm | SigmoidRouterForm | None, str | None]:
     """``(form, None)`` for a transformers router :class:`HybridTopKRouter` computes, ``(None,
     reason)`` for another transformers router, ``(None, None)`` for anything else."""
     t = type(mod)
@@ -70,12 +96,18 @@ def why_not_router(mod: nn.Module) -> tuple[RouterForm | None, str | None]:
     return _probe(mod, top_k)
 
 
-def _probe(mod: nn.Module, top_k: int) -> tuple[RouterForm | None, str | None]:
+def _probe(mod: nn.Module, top_k: int) -> tuple[RouterForm | SigmoidRouterForm | None, str | None]:
     # On a CPU copy in bf16 with random weights, whatever the router's device, dtype and values
-    # (meta included): its form does not depend on them, the form shows in bf16 (in fp32
-    # "weights in fp32" and "in the logits' dtype" look alike, and a model may be cast after
-    # patching), and random weights of the right scale tell renormalised from not (zero weights
-    # tie every expert; large logits make the softmax one-hot, its top k summing to 1 either way).
+    # (meta included) and whatever device context patch runs in: its form does not depend on
+    # them, the form shows in bf16 (in fp32 "weights in fp32" and "in the logits' dtype" look
+    # alike, and a model may be cast after patching), and random weights of the right scale tell
+    # renormalised from not (zero weights tie every expert; large logits make the softmax
+    # one-hot, its top k summing to 1 either way).
+    with torch.device("cpu"):
+        return _probe_on_cpu(mod, top_k)
+
+
+def _probe_on_cpu(mod: nn.Module, top_k: int) -> tuple[RouterForm | SigmoidRouterForm | None, str | None]:
     name = type(mod).__name__
     g = torch.Generator().manual_seed(0)
     try:
@@ -91,6 +123,9 @@ def _probe(mod: nn.Module, top_k: int) -> tuple[RouterForm | None, str | None]:
         return None, f"{name}: its forward does not return (logits, weights, experts)"
     logits, weights, ids = out
     with torch.no_grad():
+        if logits.shape == (PROBE_TOKENS, weight.shape[0]) and logits.dtype == torch.float32 \
+                and torch.equal(logits, F.linear(x.float(), weight.float())):
+            return _sigmoid_form(mod, probe, top_k, logits, weights, ids)
         if logits.shape != (PROBE_TOKENS, weight.shape[0]) or not torch.equal(logits, F.linear(x, weight)):
             return None, f"{name}: its first output is not the router GEMM's logits"
         for form in FORMS:
@@ -98,6 +133,102 @@ def _probe(mod: nn.Module, top_k: int) -> tuple[RouterForm | None, str | None]:
             if weights.dtype == want.dtype and torch.equal(ids, want_ids) and torch.equal(weights, want):
                 return form, None
     return None, f"{name}: its routing is not softmax then top-k (then renormalised), which the kernel computes"
+
+
+def _sigmoid_form(mod: nn.Module, probe: nn.Module, top_k: int, logits: Tensor, weights: Tensor,
+                  ids: Tensor) -> tuple[SigmoidRouterForm | None, str | None]:
+    """The :class:`SigmoidRouterForm` whose routing of the probe's fp32 ``logits`` gives the
+    probe's ``(weights, ids)``, the experts compared as sets; else (None, the reason)."""
+    name = type(mod).__name__
+    found = {k: next((n for n in names if n in mod.__dict__), None) for k, names in _SIGMOID_NAMES.items()}
+    bias = _SIGMOID_BIAS if isinstance(mod._buffers.get(_SIGMOID_BIAS), Tensor) else None
+    if None in found.values():
+        return None, f"{name}: fp32 logits, but not the sigmoid routing's attributes ({', '.join(_SIGMOID_NAMES)})"
+    form = SigmoidRouterForm(bias=bias, **found)
+    try:
+        want_ids, want = route_sigmoid_torch(logits, top_k, *_sigmoid_args(probe, form))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        return None, f"{name}: its sigmoid routing's attributes do not fit its experts ({exc})"
+    order, want_order = ids.sort(dim=-1), want_ids.sort(dim=-1)
+    if weights.dtype == want.dtype and torch.equal(order.values, want_order.values) \
+            and torch.equal(weights.gather(1, order.indices), want.gather(1, want_order.indices)):
+        return form, None
+    return None, f"{name}: its routing of fp32 logits is not DeepSeek-V3's sigmoid routing, which the kernel computes"
+
+
+def _sigmoid_args(router: nn.Module, form: SigmoidRouterForm) -> tuple:
+    """(bias, groups, topk_groups, normalize, scale) of ``router`` now, for :func:`route_sigmoid`."""
+    bias = router._buffers.get(form.bias) if form.bias is not None else None
+    return (bias, int(getattr(router, form.groups)), int(getattr(router, form.topk_groups)),
+            bool(getattr(router, form.normalize)), float(getattr(router, form.scale)))
+
+
+def route_sigmoid_torch(logits: Tensor, top_k: int, bias: Tensor | None, groups: int, topk_groups: int,
+                        normalize: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V3's routing of fp32 ``logits`` [T, E] in PyTorch, the operations of
+    transformers' router op for op (differentiable): ``(ids [T, k], weights [T, k] fp32)``."""
+    scores = logits.sigmoid()
+    choice = scores if bias is None else scores + bias
+    t, e = choice.shape
+    if groups > 1:
+        group_scores = choice.view(t, groups, e // groups).topk(2, dim=-1)[0].sum(dim=-1)
+        kept = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, topk_groups, dim=-1)[1], 1)
+        allowed = kept.unsqueeze(-1).expand(t, groups, e // groups).reshape(t, e)
+        choice = choice.masked_fill(~allowed.bool(), float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * scale
+
+
+def route_sigmoid(logits: Tensor, top_k: int, bias: Tensor | None = None, groups: int = 1, topk_groups: int = 1,
+                  normalize: bool = True, scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V3's routing of fp32 router logits [T, E]: one Triton launch where the kernels
+    run and take the operands and no gradient is wanted (kernels/triton_router.py; a weight may
+    differ from PyTorch's in its last bit, an expert choice only between experts that close),
+    else :func:`route_sigmoid_torch`."""
+    wants_grad = torch.is_grad_enabled() and (logits.requires_grad or bias is not None and bias.requires_grad)
+    if not wants_grad and experts.use_kernels(logits) and logits.dtype == torch.float32:
+        if torch.compiler.is_compiling():  # (Dynamo traces no first import of the kernel module)
+            return torch.ops.hybridgemm.route_sigmoid_fwd(logits, top_k, bias, groups, topk_groups, normalize, scale)
+        return _route_sigmoid_kernel(logits, top_k, bias, groups, topk_groups, normalize, scale)
+    return route_sigmoid_torch(logits, top_k, bias, groups, topk_groups, normalize, scale)
+
+
+def _route_sigmoid_kernel(logits: Tensor, top_k: int, bias: Tensor | None, groups: int, topk_groups: int,
+                          normalize: bool, scale: float) -> tuple[Tensor, Tensor]:
+    kernel = triton_module("triton_router")
+    if kernel.why_not_sigmoid(logits, top_k, bias, groups, topk_groups) is None:
+        return kernel.launch_sigmoid(logits, top_k, bias, groups, topk_groups, normalize, scale)
+    return route_sigmoid_torch(logits, top_k, bias, groups, topk_groups, normalize, scale)
+
+
+@torch.library.custom_op("hybridgemm::route_sigmoid_fwd", mutates_args=())
+def route_sigmoid_fwd(logits: Tensor, top_k: int, bias: Tensor | None, groups: int, topk_groups: int, normalize: bool,
+                      scale: float) -> tuple[Tensor, Tensor]:
+    return _route_sigmoid_kernel(logits, top_k, bias, groups, topk_groups, normalize, scale)
+
+
+@route_sigmoid_fwd.register_fake
+def _route_sigmoid_fwd_fake(logits, top_k, bias, groups, topk_groups, normalize, scale):
+    t = logits.shape[0]
+    return logits.new_empty((t, top_k), dtype=torch.int64), logits.new_empty((t, top_k), dtype=torch.float32)
+
+
+class HybridSigmoidRouter(nn.Module):
+    """Stands in for a transformers router of DeepSeek-V3's form (its class is swapped in place;
+    its weight, bias buffer, attributes and hooks stay): ``(logits, weights, experts)`` of
+    ``hidden_states`` [..., H], the fp32 logits as the stock forward computes them, the routing
+    by :func:`route_sigmoid` with the attributes :attr:`route_sigmoid_form` names."""
+
+    route_sigmoid_form: SigmoidRouterForm
+
+    def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        weight = self.weight
+        logits = F.linear(hidden_states.reshape(-1, weight.shape[1]).float(), weight.float())
+        ids, weights = route_sigmoid(logits, self.top_k, *_sigmoid_args(self, self.route_sigmoid_form))
+        return logits, weights, ids
 
 
 def _weights_dtype(form: RouterForm, logits: Tensor) -> torch.dtype:
@@ -176,4 +307,5 @@ def _router_fwd_fake(x, weight, top_k, renormalize, weights_dtype):
             x.new_empty((m, top_k), dtype=torch.int64))
 
 
-__all__ = ["FORMS", "HybridTopKRouter", "RouterForm", "why_not_router"]
+__all__ = ["FORMS", "HybridSigmoidRouter", "HybridTopKRouter", "RouterForm", "SigmoidRouterForm", "route_sigmoid",
+           "route_sigmoid_torch", "why_not_router"]

@@ -335,7 +335,9 @@ def assert_static_decode_matches(model, stock, vocab: int, steps: int, batch: in
 def tiny_moe_lm(kind: str, vocab: int, hidden: int, experts: int, top_k: int, head_dim: int | None = None,
                 **load):
     """A 2-layer causal LM of transformers' ``kind`` ("mixtral", "qwen3_moe", "olmoe" (its q/k
-    norms over all heads) or "qwen2_moe", the last with a shared expert) of 4 heads and 2 KV
+    norms over all heads), "qwen2_moe" with a shared expert, or DeepSeek-V3's router form:
+    "glm4_moe" (4 groups, 2 kept) and "deepseek_v3" (MLA attention; 2 groups, 1 kept), both with
+    shared experts, a dense first layer and their selection bias N(0, 0.3)) of 4 heads and 2 KV
     heads, seed 0, its experts N(0, 0.1) (large enough to matter in the logits); ``load``:
     from_config's keywords (attn_implementation)."""
     import transformers
@@ -348,6 +350,16 @@ def tiny_moe_lm(kind: str, vocab: int, hidden: int, experts: int, top_k: int, he
     elif kind == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(moe_intermediate_size=40, num_experts=experts, num_experts_per_tok=top_k,
                                           intermediate_size=80, head_dim=head_dim or hidden // 4, **common)
+    elif kind == "glm4_moe":
+        cfg = transformers.Glm4MoeConfig(moe_intermediate_size=40, n_routed_experts=experts, num_experts_per_tok=top_k,
+                                         n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                                         intermediate_size=80, head_dim=head_dim or hidden // 4, **common)
+    elif kind == "deepseek_v3":
+        cfg = transformers.DeepseekV3Config(moe_intermediate_size=40, n_routed_experts=experts,
+                                            num_experts_per_tok=top_k, n_group=2, topk_group=1,
+                                            routed_scaling_factor=2.5, first_k_dense_replace=1, intermediate_size=80,
+                                            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                            v_head_dim=16, **common)
     elif kind == "olmoe":
         cfg = transformers.OlmoeConfig(intermediate_size=40, num_experts=experts, num_experts_per_tok=top_k, **common)
     else:
@@ -361,6 +373,9 @@ def tiny_moe_lm(kind: str, vocab: int, hidden: int, experts: int, top_k: int, he
                 p.normal_(0, 0.1)
             elif kind == "olmoe" and name.endswith(("q_norm.weight", "k_norm.weight")):  # (they start at ones)
                 p.uniform_(0.5, 1.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # (it starts at zero)
+                b.normal_(0, 0.3)
     return model
 
 

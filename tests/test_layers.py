@@ -42,6 +42,7 @@ LAZY_ALLOWED = {
     ("hybridgemm.experts", "hybridgemm.kernels.triton_moe"),
     ("hybridgemm.experts", "hybridgemm.kernels.triton_router"),
     ("hybridgemm.router", "hybridgemm.kernels.triton_splitk"),  # the router's GEMM with the routing in its epilogue
+    ("hybridgemm.router", "hybridgemm.kernels.triton_router"),  # DeepSeek-V3's routing
     ("hybridgemm.autotune_cache.tune_moe", "hybridgemm.kernels.triton_moe"),
     ("hybridgemm.autotune_cache.tune_glu", "hybridgemm.kernels.triton_glu"),
     # choose_fp8: the split-K default config; choose_fusable: its untuned config

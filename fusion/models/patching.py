@@ -138,7 +138,7 @@ from hybridgemm.norm import (
     is_olmo2_norm,
     is_rms_norm,
 )
-from hybridgemm.router import HybridTopKRouter, why_not_router
+from hybridgemm.router import HybridSigmoidRouter, HybridTopKRouter, SigmoidRouterForm, why_not_router
 
 from . import layernorm_layers
 from .attention_forms import why_not_fuse_attention
@@ -416,7 +416,10 @@ def patch(model: nn.Module, fuse_qkv: bool = True, strict: bool = False, *, atte
             form, why = why_not_router(mod)
             if why is not None:
                 report.skipped.append((name, why))
-            if form is not None:
+            if isinstance(form, SigmoidRouterForm):
+                swap(name, mod, HybridSigmoidRouter)
+                _set_attr(mod, "route_sigmoid_form", form)
+            elif form is not None:
                 swap(name, mod, HybridTopKRouter)
                 _set_attr(mod, "route_renormalize", form.renormalize)
                 _set_attr(mod, "route_logits_dtype_weights", form.logits_dtype_weights)

@@ -83,18 +83,25 @@ def test_a_patched_mixtral_block_in_a_cuda_graph_and_compiled(cuda, shape):
     _check_block_in_a_graph_and_compiled(model, shape, cuda)
 
 
+def _eager_graph_compiled(mod, h):
+    """``mod(h)`` eager, replayed from a captured CUDA graph, and compiled (fullgraph)."""
+    with torch.no_grad():
+        eager = mod(h)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = mod(h)
+        graph.replay()
+        compiled = torch.compile(mod, fullgraph=True)(h)
+    return eager, captured, compiled
+
+
 def _check_block_in_a_graph_and_compiled(model, shape, cuda):
     """Layer 0's sparse block: a captured CUDA graph replays its eager result bit for bit,
     torch.compile (fullgraph) of the block matches it, the compiled model's logits are finite."""
     block = model.model.layers[0].mlp
     h = torch.randn(*shape, 256, device=cuda, dtype=torch.bfloat16)
+    eager, captured, compiled = _eager_graph_compiled(block, h)
     with torch.no_grad():
-        eager = block(h)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = block(h)
-        graph.replay()
-        compiled = torch.compile(block, fullgraph=True)(h)
         logits = torch.compile(model, fullgraph=True)(torch.randint(0, 256, shape, device=cuda)).logits
     torch._dynamo.reset()
     assert torch.equal(captured, eager)
@@ -130,6 +137,46 @@ def test_the_patched_router_chooses_the_stock_routers_experts(cuda, kind):
     order = torch.argsort(want_ids[exact], -1)  # slot order among equal weights may differ
     torch.testing.assert_close(weights[exact].gather(1, torch.argsort(ids[exact], -1)).float(),
                                want_w[exact].gather(1, order).float(), rtol=1e-2 if kind != "mixtral" else 2e-6, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["glm4_moe", "deepseek_v3"])
+def test_a_patched_sigmoid_router_model_on_cuda(cuda, kind):
+    """DeepSeek-V3-form routers (HybridSigmoidRouter, the routing kernel): the stock router's
+    experts and weights for 2000 tokens; the patched bf16 model's logits no further from its
+    fp32 copy's than stock bf16's; the router in a CUDA graph (replayed bit for bit) and under
+    torch.compile fullgraph; the same bits on a second call."""
+    from helpers import tiny_moe_lm
+    from hybridgemm.router import HybridSigmoidRouter
+
+    fp32 = tiny_moe_lm(kind, 97, 256, 16, 4, head_dim=64).to(cuda)
+    if not isinstance(fp32.model.layers[1].mlp.gate(torch.zeros(1, 256, device=cuda)), tuple):
+        pytest.skip("this transformers' router returns its logits only")
+    stock = copy.deepcopy(fp32).to(torch.bfloat16)
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    router, stock_router = model.model.layers[1].mlp.gate, stock.model.layers[1].mlp.gate
+    assert type(router) is HybridSigmoidRouter
+    x = torch.randn(2000, 256, device=cuda, dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits, weights, ids = router(x)
+        want_logits, want_w, want_ids = stock_router(x)
+        again = router(x)
+    assert torch.equal(logits, want_logits) and logits.dtype == torch.float32
+    got_order, want_order = ids.sort(-1), want_ids.sort(-1)
+    same = (got_order.values == want_order.values).all(-1)
+    assert same.float().mean() > 0.999
+    torch.testing.assert_close(weights.gather(1, got_order.indices)[same], want_w.gather(1, want_order.indices)[same],
+                               rtol=8 * torch.finfo(torch.float32).eps, atol=0)
+    assert all(torch.equal(a, b) for a, b in zip(again, (logits, weights, ids)))
+    tokens = torch.randint(0, 97, (2, 24), device=cuda)
+    with torch.no_grad():
+        ref = fp32(tokens).logits
+        err, stock_err = _rel(model(tokens).logits, ref), _rel(stock(tokens).logits, ref)
+    assert err <= 1.1 * stock_err + 1e-3, (err, stock_err)
+    eager, captured, compiled = _eager_graph_compiled(router, x[:3])
+    torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(captured, eager))
+    assert torch.equal(compiled[2], eager[2]) and torch.allclose(compiled[1], eager[1], rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])

@@ -257,6 +257,8 @@ def test_the_form_does_not_depend_on_the_routers_width_or_weights(hidden, norm_t
     assert why_not_router(router) == (RouterForm(norm_topk, True), None)
     torch.nn.init.normal_(router.weight, std=1.0)  # huge logits: the probe uses its own weights
     assert why_not_router(router) == (RouterForm(norm_topk, True), None)
+    with torch.device("meta"):  # patch called in a device context: the probe still runs on the CPU
+        assert why_not_router(router) == (RouterForm(norm_topk, True), None)
 
 
 def test_a_router_of_another_form_is_reported_and_left_alone():

@@ -1,0 +1,195 @@
+"""``patch`` of DeepSeek-V3-form routers (CPU): the routers of tiny GLM-4.5-MoE and DeepSeek-V3
+models (sigmoid scores, the selection bias, group-limited choice, normalised and scaled) become
+:class:`~hybridgemm.router.HybridSigmoidRouter`, found by running each; their outputs equal the
+stock router's (the experts as a set) in PyTorch and on the routing kernel (Triton interpreter,
+the device check widened to the CPU); the model's logits equal stock's; the router reads its
+attributes at every call; gradients equal stock's; ``unpatch`` restores the class; routers of
+another form are reported and left alone. Under transformers releases whose router returns its
+logits only (5.8: the MoE block routes), the tests skip and
+``test_a_router_that_only_computes_logits_is_reported`` checks what ``patch`` does there."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hybridgemm
+from helpers import tiny_moe_lm
+from hybridgemm import experts
+from hybridgemm.kernels import triton_router
+from hybridgemm.router import HybridSigmoidRouter, SigmoidRouterForm, why_not_router
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+VOCAB = 97
+KINDS = ["glm4_moe", "deepseek_v3"]
+
+
+def _tiny(kind: str):
+    model = tiny_moe_lm(kind, VOCAB, 64, 8, 3, head_dim=16)
+    with torch.no_grad():
+        out = _routers(model)[0](torch.zeros(1, 64))
+    if not isinstance(out, tuple):  # transformers 5.8: the block routes (route_tokens_to_experts), not its router
+        pytest.skip(f"this transformers' {kind} router returns its logits only; its MoE block routes")
+    return model
+
+
+def _routers(model):
+    return [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+
+
+def _ids():
+    return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+
+
+def _as_sets(out):
+    """(logits, weights, ids) with each row's experts in ascending order, weights alike."""
+    logits, weights, ids = out
+    order = ids.sort(dim=-1)
+    return logits, weights.gather(1, order.indices), order.values
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernel"])
+def test_patched_models_route_as_stock_and_give_its_logits(kind, kernels, monkeypatch):
+    stock = _tiny(kind)
+    model = copy.deepcopy(stock)
+    report = hybridgemm.patch(model)
+    routers = _routers(model)
+    assert len(routers) == 1 and type(routers[0]) is HybridSigmoidRouter  # (layer 0 is dense)
+    assert routers[0].route_sigmoid_form == SigmoidRouterForm("num_group", "topk_group", "norm_topk_prob",
+                                                              "routed_scaling_factor", "e_score_correction_bias")
+    assert not any(name.endswith("mlp.gate") for name, _ in report.skipped), report.skipped
+    launches = []
+    if kernels:
+        monkeypatch.setattr(experts, "use_kernels", lambda x: True)
+        real = triton_router.launch_sigmoid
+        monkeypatch.setattr(triton_router, "launch_sigmoid", lambda *a: launches.append(a) or real(*a))
+    x = torch.randn(33, 64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, want = _as_sets(routers[0](x)), _as_sets(_routers(stock)[0](x))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+        if kernels:  # the kernel's sums in its own order: the last bit may differ
+            torch.testing.assert_close(got[1], want[1], rtol=4 * torch.finfo(torch.float32).eps, atol=0)
+        else:
+            assert torch.equal(got[1], want[1])
+        logits, want_logits = model(_ids()).logits, stock(_ids()).logits
+    assert len(launches) == (2 if kernels else 0)
+    if kernels:  # (groups, kept groups, normalize, scale) as the router's attributes say
+        assert launches[-1][3:] == (stock.config.n_group, stock.config.topk_group, True, 2.5)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+    sd, ref = model.state_dict(), stock.state_dict()
+    assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
+    hybridgemm.unpatch(model)
+    router, stock_router = _routers(model)[0], _routers(stock)[0]
+    assert type(router) is type(stock_router) and not router.__dict__.keys() - stock_router.__dict__.keys()
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernel"])
+def test_the_router_reads_its_attributes_and_bias_at_every_call(kernels, monkeypatch):
+    stock = _tiny("glm4_moe")
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    if kernels:
+        monkeypatch.setattr(experts, "use_kernels", lambda x: True)
+    router, stock_router = _routers(model)[0], _routers(stock)[0]
+    x = torch.randn(17, 64, generator=torch.Generator().manual_seed(6))
+    before = router(x)
+    for r in (router, stock_router):
+        r.routed_scaling_factor, r.norm_topk_prob, r.topk_group = 1.5, False, 3
+        with torch.no_grad():
+            r.e_score_correction_bias.copy_(torch.linspace(-1, 1, 8))
+    with torch.no_grad():
+        got, want = _as_sets(router(x)), _as_sets(stock_router(x))
+    assert torch.equal(got[2], want[2]) and not torch.equal(got[2], _as_sets(before)[2])
+    torch.testing.assert_close(got[1], want[1], rtol=4 * torch.finfo(torch.float32).eps, atol=0)
+
+
+def test_a_training_step_gives_stock_gradients():
+    stock = _tiny("glm4_moe").train()
+    model = copy.deepcopy(stock)
+    hybridgemm.patch(model)
+    for m in (stock, model):
+        m(_ids(), labels=_ids()).loss.backward()
+    got, want = _routers(model)[0].weight.grad, _routers(stock)[0].weight.grad
+    assert got is not None and got.abs().sum() > 0
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_dynamo_traces_the_kernel_path_in_one_graph(monkeypatch):
+    monkeypatch.setattr(experts, "use_kernels", lambda x: True)
+    model = _tiny("glm4_moe")
+    hybridgemm.patch(model)
+    router = _routers(model)[0]
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():  # (with a gradient wanted, the PyTorch form runs)
+        explained = torch._dynamo.explain(router)(x)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    assert "route_sigmoid_fwd" in str(explained.graphs[0].graph)
+
+
+def test_routers_of_other_forms_are_reported_and_left_alone():
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    model = _tiny("glm4_moe")
+    router = _routers(model)[0]
+
+    class FakeSoftmaxTopkRouter(Glm4MoeTopkRouter):  # fp32 logits, but softmax scores
+        __module__ = "transformers.models.fake.modeling_fake"
+
+        def forward(self, hidden_states):
+            logits = torch.nn.functional.linear(hidden_states.float(), self.weight.float())
+            weights, ids = torch.topk(logits.softmax(dim=-1), self.top_k, dim=-1)
+            return logits, weights, ids
+
+    router.__class__ = FakeSoftmaxTopkRouter
+    form, why = why_not_router(router)
+    assert form is None and "not DeepSeek-V3's sigmoid routing" in why
+    report = hybridgemm.patch(model)
+    assert type(router) is FakeSoftmaxTopkRouter
+    assert any(name.endswith("mlp.gate") and "not DeepSeek-V3's sigmoid routing" in w for name, w in report.skipped)
+
+    good = _routers(_tiny("glm4_moe"))[0]
+    with torch.device("meta"):  # patch called in a device context: the probe still runs on the CPU
+        assert isinstance(why_not_router(good)[0], SigmoidRouterForm)
+    bad = copy.deepcopy(good)
+    bad.topk_group = 5  # more groups kept than its 4
+    form, why = why_not_router(bad)
+    assert form is None and why.startswith("Glm4MoeTopkRouter:")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_router_that_only_computes_logits_is_reported(kind):
+    """Whichever transformers: a router returning its logits only (the block routes) is left
+    alone with the reason, and the patched model gives stock's logits."""
+    stock = tiny_moe_lm(kind, VOCAB, 64, 8, 3, head_dim=16)
+    router = _routers(stock)[0]
+    if isinstance(router(torch.zeros(1, 64)), tuple):
+        router.__class__ = type("LogitsOnlyRouter", (type(router),), {
+            "__module__": type(router).__module__,
+            "forward": lambda self, h: torch.nn.functional.linear(h.view(-1, 64).float(), self.weight.float())})
+        stock.model.layers[1].mlp.__class__ = type("BlockRouting", (type(stock.model.layers[1].mlp),), {
+            "__module__": type(stock.model.layers[1].mlp).__module__,
+            "forward": lambda self, h: self.experts(h.view(-1, 64), *_route_in_block(self, self.gate(h))).view(
+                h.shape) + self.shared_experts(h)})
+    model = copy.deepcopy(stock)
+    report = hybridgemm.patch(model)
+    assert type(_routers(model)[0]) is type(router)
+    assert any(name.endswith("mlp.gate") and why.startswith(f"{type(router).__name__}: ")
+               and ("does not return (logits, weights, experts)" in why or "no top_k" in why)  # (5.8's: no top_k)
+               for name, why in report.skipped)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids()).logits, stock(_ids()).logits, rtol=1e-4, atol=1e-4)
+
+
+def _route_in_block(block, logits):
+    """transformers 5.8's block routing, for a router made to return its logits only."""
+    from hybridgemm.router import route_sigmoid_torch
+
+    gate = block.gate
+    ids, weights = route_sigmoid_torch(logits, gate.top_k, gate.e_score_correction_bias, gate.num_group,
+                                       gate.topk_group, gate.norm_topk_prob, gate.routed_scaling_factor)
+    return ids, weights
