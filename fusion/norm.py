@@ -9,7 +9,12 @@ rounded to the input dtype before the weight multiplies it.
 
 Recognised by class (the formula is the class's, not something the structure shows): the
 RMSNorm classes of transformers' Llama, Qwen2, Qwen3 and Mistral (one formula, copied per
-model), with a 1-D ``weight`` and a ``variance_epsilon``. Gemma's, Gemma 2's and Gemma 3's
+model), with a 1-D ``weight`` and a ``variance_epsilon``; and any other transformers module
+with those two whose own forward, run at patch time on a CPU copy with random weights, an
+epsilon of its own and random rows in bf16 and in fp16, gives Llama's formula bit for bit
+(:func:`computes_rms_norm`: DeepSeek-V3's, GLM's, Ernie's and most other models' copies; a
+forward that reads its epsilon from elsewhere, scales in fp32 or adds an offset gives other
+bits and is left alone). Gemma's, Gemma 2's and Gemma 3's
 (:data:`GEMMA_NORM_CLASSES`:
 ``x * rsqrt(mean(x²) + eps)`` times ``1 + weight``, all in fp32, rounded once, with ``eps``)
 become :class:`HybridGemmaRMSNorm`, which computes the same formula as one launch (the
@@ -26,6 +31,9 @@ torch ops, so the result there is the stock module's.
 """
 
 from __future__ import annotations
+
+import copy
+import inspect
 
 import torch
 from torch import Tensor, nn
@@ -65,8 +73,54 @@ def _recognised(mod: nn.Module, classes: tuple[str, ...], eps_attr: str) -> bool
 
 def is_rms_norm(mod: nn.Module) -> bool:
     """Is ``mod`` one of transformers' RMSNorm classes of :data:`RMS_NORM_CLASSES` (its epsilon
-    ``variance_epsilon``)?"""
-    return _recognised(mod, RMS_NORM_CLASSES, "variance_epsilon")
+    ``variance_epsilon``), or another transformers module that :func:`computes_rms_norm`?"""
+    return _recognised(mod, RMS_NORM_CLASSES, "variance_epsilon") or computes_rms_norm(mod)
+
+
+_PROBE_EPS = 0.25  # large enough to change the bits of rows of unit scale: a forward that ignores it differs
+_PROBE_ROWS = 3
+
+
+def _takes_rows_only(cls: type) -> bool:
+    """Does ``cls.forward`` take one argument, ``hidden_states``, as :class:`HybridRMSNorm`'s
+    does (a gated norm's second argument would have nowhere to go)?"""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].name == "hidden_states" \
+        and params[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+
+
+def computes_rms_norm(mod: nn.Module) -> bool:
+    """Does transformers module ``mod`` (a 1-D ``weight``, a float ``variance_epsilon``) compute
+    :func:`reference_rms_norm` with them? Its class's forward runs on a CPU copy of it (hooks
+    not called) with random weights, ``variance_epsilon`` set to :data:`_PROBE_EPS` and random
+    rows, in bf16 and in fp16; True where both outputs equal the reference's bit for bit (and its
+    forward takes ``hidden_states`` alone).
+    Never raises: a forward that fails on the probe is not this formula."""
+    t = type(mod)
+    w = mod._parameters.get("weight")
+    eps = mod.__dict__.get("variance_epsilon")
+    if not t.__module__.startswith("transformers") or w is None or w.dim() != 1 or not w.is_floating_point() \
+            or not isinstance(eps, float) or len(mod._parameters) != 1 or mod._modules or not _takes_rows_only(t):
+        return False
+    g = torch.Generator().manual_seed(0)
+    try:
+        with torch.device("cpu"), torch.no_grad():  # (whatever device context patch is called in)
+            probe = copy.deepcopy(mod).to_empty(device="cpu")
+            probe.variance_epsilon = _PROBE_EPS
+            for dtype in (torch.bfloat16, torch.float16):
+                probe = probe.to(dtype)
+                probe.weight.copy_(torch.randn(w.shape, generator=g))
+                x = torch.randn(_PROBE_ROWS, w.shape[0], generator=g).to(dtype)
+                y = t.forward(probe, x)
+                want = reference_rms_norm(x, probe.weight, _PROBE_EPS)
+                if not isinstance(y, Tensor) or y.dtype != want.dtype or not torch.equal(y, want):
+                    return False
+    except Exception:  # its forward takes something else: not this formula
+        return False
+    return True
 
 
 def is_gemma_norm(mod: nn.Module) -> bool:
@@ -299,6 +353,6 @@ def add_norm(residual: Tensor, norm: nn.Module, x: Tensor) -> Tensor:
 PATCHED_NORMS = (HybridRMSNorm, HybridGemmaRMSNorm, HybridOlmo2RMSNorm)
 
 __all__ = ["GEMMA_NORM_CLASSES", "OLMO2_NORM_CLASSES", "PATCHED_NORMS", "RMS_NORM_CLASSES", "Fp32FactorRMSNorm",
-           "HybridGemmaRMSNorm", "HybridOlmo2RMSNorm", "HybridRMSNorm", "add_norm", "apply_norm",
+           "HybridGemmaRMSNorm", "HybridOlmo2RMSNorm", "HybridRMSNorm", "add_norm", "apply_norm", "computes_rms_norm",
            "forms_factor", "fp32_factor_rms_norm", "is_gemma_norm", "is_olmo2_norm", "is_rms_norm", "norm_operand",
            "prologue_operand", "prologue_norm", "reference_gemma_rms_norm", "reference_rms_norm", "rms_norm"]

@@ -135,7 +135,8 @@ def _mlp_reason(mlp: nn.Module) -> str:
 def _norm_reason(norm: nn.Module) -> str:
     return (f"norm not patched: {type(norm).__name__} is not one of the "
             f"{len(RMS_NORM_CLASSES) + len(GEMMA_NORM_CLASSES) + len(OLMO2_NORM_CLASSES)} RMSNorm classes of known "
-            "formula hybridgemm recognises (hybridgemm.norm.RMS_NORM_CLASSES, GEMMA_NORM_CLASSES, OLMO2_NORM_CLASSES)")
+            "formula hybridgemm recognises (hybridgemm.norm.RMS_NORM_CLASSES, GEMMA_NORM_CLASSES, OLMO2_NORM_CLASSES), "
+            "nor does its forward compute Llama's formula with its weight and variance_epsilon")
 
 
 def _linear_reason(lin: nn.Module) -> str:

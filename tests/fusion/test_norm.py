@@ -85,6 +85,92 @@ def test_other_norms_are_left_alone():
     assert not hnorm.is_rms_norm(odd)
 
 
+def _fake_transformers_norm(forward, name="FakeRMSNorm"):
+    """An RMSNorm-shaped class (1-D weight, variance_epsilon) of a transformers module, with ``forward``."""
+
+    def init(self, hidden):
+        nn.Module.__init__(self)
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon = 1e-6
+        self.eps = 1e-6
+
+    return type(name, (nn.Module,), {"__init__": init, "forward": forward,
+                                     "__module__": "transformers.models.fake.modeling_fake"})
+
+
+def _llama_formula(self, hidden_states):
+    return hnorm.reference_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+@pytest.mark.parametrize("module,name", [("deepseek_v3", "DeepseekV3RMSNorm"), ("glm4_moe", "Glm4MoeRMSNorm"),
+                                         ("ernie4_5_moe", "Ernie4_5_MoeRMSNorm")])
+def test_classes_outside_the_list_that_compute_the_formula_are_recognised_by_running_them(module, name):
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+    except (ImportError, AttributeError):
+        pytest.skip(f"this transformers has no {name}")
+    assert name not in hnorm.RMS_NORM_CLASSES
+    assert hnorm.computes_rms_norm(cls(96)) and hnorm.is_rms_norm(cls(96))
+    with torch.device("meta"):
+        assert hnorm.is_rms_norm(cls(96))  # the probe runs on a CPU copy of any device's module
+    stock = stock_norm(cls, dtype=torch.bfloat16)
+    x = (torch.randn(4, 96, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(stock(x), hnorm.reference_rms_norm(x, stock.weight, stock.variance_epsilon))
+
+
+def test_forwards_of_other_formulas_or_arguments_are_not_recognised():
+    assert hnorm.computes_rms_norm(_fake_transformers_norm(_llama_formula)(16))
+
+    def other_eps(self, hidden_states):  # reads its epsilon from another attribute
+        return hnorm.reference_rms_norm(hidden_states, self.weight, self.eps)
+
+    def fp32_scale(self, hidden_states):  # scales in fp32, rounds once (GPT-OSS's, OLMo 2's)
+        h = hidden_states.float()
+        return (self.weight.float() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(
+            hidden_states.dtype)
+
+    def gated(self, hidden_states, gate=None):  # a second argument HybridRMSNorm has no place for
+        return _llama_formula(self, hidden_states)
+
+    def raises(self, hidden_states):
+        raise RuntimeError("needs a GPU")
+
+    def renamed(self, x):
+        return _llama_formula(self, x)
+
+    for forward in (other_eps, fp32_scale, gated, raises, renamed):
+        assert not hnorm.computes_rms_norm(_fake_transformers_norm(forward)(16)), forward.__name__
+    outside = _fake_transformers_norm(_llama_formula)
+    outside.__module__ = "my_models"
+    assert not hnorm.computes_rms_norm(outside(16))
+    two = _fake_transformers_norm(_llama_formula)(16)
+    two.bias = nn.Parameter(torch.zeros(16))  # a second parameter: not this module's formula
+    assert not hnorm.computes_rms_norm(two)
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    assert not hnorm.is_rms_norm(gpt_oss.GptOssRMSNorm(16))
+
+
+def test_a_model_of_norms_outside_the_list_is_patched_and_gives_stock_logits():
+    import copy
+
+    from helpers import tiny_moe_lm
+
+    stock = tiny_moe_lm("glm4_moe", 97, 64, 8, 3, head_dim=16)
+    model = copy.deepcopy(stock)
+    report = hybridgemm.patch(model)
+    norms = [n for n, m in model.named_modules() if n.endswith("layernorm") or n == "model.norm"]
+    assert len(norms) == 5 and all(type(model.get_submodule(n)) is hnorm.HybridRMSNorm for n in norms)
+    assert not any("norm not patched" in why for _, why in report.skipped), report.skipped
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
+    hybridgemm.unpatch(model)
+    assert all(type(model.get_submodule(n)) is type(stock.get_submodule(n)) for n in norms)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_path_is_the_stock_formula_bit_for_bit(dtype):
     stock = stock_norm(dtype=dtype)

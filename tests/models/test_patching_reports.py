@@ -60,7 +60,8 @@ def _layer(cls: str) -> str:
 def _norm(cls: str) -> str:
     count = len(RMS_NORM_CLASSES) + len(GEMMA_NORM_CLASSES) + len(OLMO2_NORM_CLASSES)
     return (f"norm not patched: {cls} is not one of the {count} RMSNorm classes of known formula hybridgemm "
-            "recognises (hybridgemm.norm.RMS_NORM_CLASSES, GEMMA_NORM_CLASSES, OLMO2_NORM_CLASSES)")
+            "recognises (hybridgemm.norm.RMS_NORM_CLASSES, GEMMA_NORM_CLASSES, OLMO2_NORM_CLASSES), nor does its "
+            "forward compute Llama's formula with its weight and variance_epsilon")
 
 
 def _moe(cls: str) -> str:
