@@ -19,8 +19,17 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 
 
-def pair(h, dtype):
-    stock = LlamaRMSNorm(h, eps=1e-5).to("cuda", dtype)
+def _norm_class(name):
+    """transformers' ``name`` class: LlamaRMSNorm, or one recognised by running it (not in the list)."""
+    if name == "LlamaRMSNorm":
+        return LlamaRMSNorm
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    return DeepseekV3RMSNorm
+
+
+def pair(h, dtype, name="LlamaRMSNorm"):
+    stock = _norm_class(name)(h, eps=1e-5).to("cuda", dtype)
     with torch.no_grad():
         stock.weight.copy_(1 + 0.5 * torch.randn(h, device="cuda"))
     patched = copy.deepcopy(stock)
@@ -28,10 +37,11 @@ def pair(h, dtype):
     return stock, patched
 
 
+@pytest.mark.parametrize("name", ["LlamaRMSNorm", "DeepseekV3RMSNorm"])  # listed; recognised by running it
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 1, 4096), (8, 1, 3584), (1, 333, 4096), (3, 17, 5000)])
-def test_kernel_matches_the_stock_module(dtype, shape, monkeypatch):
-    stock, patched = pair(shape[-1], dtype)
+def test_kernel_matches_the_stock_module(name, dtype, shape, monkeypatch):
+    stock, patched = pair(shape[-1], dtype, name)
     launched = []
     kernel = hnorm._triton_rmsnorm()
     real = kernel.run
