@@ -186,7 +186,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
            "olmo2": transformers.Olmo2Config, "stablelm": transformers.StableLmConfig,
            "stablelm_parallel": transformers.StableLmConfig, "cohere": transformers.CohereConfig,
            "gpt_neox": transformers.GPTNeoXConfig, "falcon": transformers.FalconConfig,
-           "falcon_new": transformers.FalconConfig, "olmoe": transformers.OlmoeConfig}[kind]
+           "falcon_new": transformers.FalconConfig, "olmoe": transformers.OlmoeConfig,
+           "glm4_moe": transformers.Glm4MoeConfig}[kind]
     extra = {"granite": dict(residual_multiplier=0.22, attention_multiplier=0.05, embedding_multiplier=12.0,
                              logits_scaling=8.0),
              "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4),
@@ -194,6 +195,9 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
                                shared_expert_intermediate_size=intermediate_size // 2),
              "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
              "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=intermediate_size // 4),
+             "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4,
+                              n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                              attention_bias=True),
              "phi3": dict(pad_token_id=0, resid_pdrop=0.1),
              "stablelm": dict(partial_rotary_factor=0.25, use_qkv_bias=True),
              "stablelm_parallel": dict(partial_rotary_factor=0.25, use_parallel_residual=True),
@@ -213,6 +217,11 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     torch.manual_seed(0)
     load = {} if attention is None else {"attn_implementation": attention}
     base = transformers.AutoModelForCausalLM.from_config(config, **load).eval()
+    if kind == "glm4_moe":  # its selection bias starts at zero: values that change choices
+        with torch.no_grad():
+            for name, b in base.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.normal_(0, 0.3)
     if kind == "olmoe":  # its q/k norms start at weight 1: other factors, so that they show
         with torch.no_grad():
             for name, p in base.named_parameters():
@@ -336,8 +345,9 @@ def tiny_moe_lm(kind: str, vocab: int, hidden: int, experts: int, top_k: int, he
                 **load):
     """A 2-layer causal LM of transformers' ``kind`` ("mixtral", "qwen3_moe", "olmoe" (its q/k
     norms over all heads), "qwen2_moe" with a shared expert, or DeepSeek-V3's router form:
-    "glm4_moe" (4 groups, 2 kept) and "deepseek_v3" (MLA attention; 2 groups, 1 kept), both with
-    shared experts, a dense first layer and their selection bias N(0, 0.3)) of 4 heads and 2 KV
+    "glm4_moe" (4 groups, 2 kept; q/k/v biases, the rotary over half of each head) and
+    "deepseek_v3" (MLA attention; 2 groups, 1 kept), both with shared experts, a dense first layer
+    and their selection bias N(0, 0.3)) of 4 heads and 2 KV
     heads, seed 0, its experts N(0, 0.1) (large enough to matter in the logits); ``load``:
     from_config's keywords (attn_implementation)."""
     import transformers
@@ -353,7 +363,8 @@ def tiny_moe_lm(kind: str, vocab: int, hidden: int, experts: int, top_k: int, he
     elif kind == "glm4_moe":
         cfg = transformers.Glm4MoeConfig(moe_intermediate_size=40, n_routed_experts=experts, num_experts_per_tok=top_k,
                                          n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
-                                         intermediate_size=80, head_dim=head_dim or hidden // 4, **common)
+                                         intermediate_size=80, head_dim=head_dim or hidden // 4, attention_bias=True,
+                                         **common)
     elif kind == "deepseek_v3":
         cfg = transformers.DeepseekV3Config(moe_intermediate_size=40, n_routed_experts=experts,
                                             num_experts_per_tok=top_k, n_group=2, topk_group=1,

@@ -141,9 +141,13 @@ class AttentionForm:
     # the rotary over the first attn.rotary_ndims columns of each head, per-head q/k LayerNorms
     # where attn.qk_layernorm, and only position_ids for the attention function (StableLM)
     partial_rotary: bool = False
-    # the rotary pairs neighbouring columns (2i, 2i + 1) and rotates in fp32, per-head q/k norms
-    # where attn.use_qk_norm (Cohere)
+    # the rotary pairs neighbouring columns (2i, 2i + 1) and rotates in fp32 (Cohere)
     pair_rotary: bool = False
+    # per-head q/k norms on the head views where attn.use_qk_norm (Cohere's, GLM-4-MoE's)
+    flagged_qk_norm: bool = False
+    # its module's rotary function rotates the first cos.shape[-1] columns of each head and passes
+    # the rest (a partial rotary whose width the rotary embedding's cos says: GLM-4-MoE's)
+    rotary_by_cos: bool = False
     # Q/K/V one linear whose columns are [q | k | v] per head, rotated over the first
     # attn.rotary_ndims columns of each head (GPT-NeoX's query_key_value; its head width head_size)
     per_head_qkv: bool = False
@@ -195,7 +199,8 @@ def _read_form(cls: type) -> AttentionForm | str:
     if statements_match(statements, _PARTIAL_ROTARY_ATTENTION_BODY):
         return _functions_form(cls, UPDATE_FORMS[statements[14]], None, False, partial_rotary=True)
     if statements_match(statements, _PAIR_ROTARY_ATTENTION_BODY):
-        return _functions_form(cls, UPDATE_FORMS[statements[11]], None, False, pair_rotary=True)
+        return _functions_form(cls, UPDATE_FORMS[statements[11]], None, False, pair_rotary=_pairs_neighbours(cls),
+                               flagged_qk_norm=True)
     if statements_match(statements, _PER_HEAD_ATTENTION_BODY):
         return _functions_form(cls, "none", None, False, prefused=True, per_head_qkv=True, qkv_name=PER_HEAD_QKV_NAME,
                                head_dim_name="head_size")
@@ -227,6 +232,13 @@ def _read_form(cls: type) -> AttentionForm | str:
                            full_qk_norm=full_qk_norm, clip_qkv=clip_qkv)
 
 
+def _pairs_neighbours(cls: type) -> bool:
+    """Is the rotary function of ``cls.forward``'s module Cohere's (neighbouring columns paired,
+    in fp32; else the standard or partial rotate_half one is what why_not_rotary accepts)?"""
+    rope = getattr(inspect.unwrap(cls.forward), "__globals__", {}).get("apply_rotary_pos_emb")
+    return callable(rope) and statements_match(body_statements(plain_function(rope)), _PAIR_ROTARY_STATEMENTS)
+
+
 def _functions_form(cls: type, update: str, window_from: str | None, softcap: bool, **form) -> AttentionForm | str:
     """The :class:`AttentionForm` of ``cls`` with the functions its forward's module holds."""
     names = getattr(inspect.unwrap(cls.forward), "__globals__", {})
@@ -238,8 +250,10 @@ def _functions_form(cls: type, update: str, window_from: str | None, softcap: bo
     eager_body = body_statements(eager)
     kernel_eager = statements_match(eager_body, _SOFTCAP_EAGER_BODY) if softcap else \
         statements_match(eager_body, _NO_GQA_EAGER_BODY if form.get("per_head_qkv") else _EAGER_BODY)
+    rope_body = body_statements(plain_function(rotary))
+    by_cos = any(statements_match(rope_body, body) for body in (_PARTIAL_ROTARY_BODY, _SPLIT_PARTIAL_ROTARY_BODY))
     return AttentionForm(form.pop("qk_norm", False), form.pop("prefused", False), rotary, eager, functions, update,
-                         window_from, softcap, kernel_eager=kernel_eager, **form)
+                         window_from, softcap, kernel_eager=kernel_eager, rotary_by_cos=by_cos, **form)
 
 
 def attention_form(cls: type) -> AttentionForm:
@@ -292,7 +306,7 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
         why = why_not_rotary_columns(attn, getattr(attn, "head_size", None))
         if why is not None:
             return why
-    if attention_form(cls).pair_rotary and getattr(attn, "use_qk_norm", None) is not False:
+    if attention_form(cls).flagged_qk_norm and getattr(attn, "use_qk_norm", None) is not False:
         return "its per-head q/k norms (use_qk_norm) run as modules (the module's attention computation over the " \
                "fused Q/K/V)"
     why = why_not_rotary(attn)
@@ -423,9 +437,16 @@ def qkv_group(attn: nn.Module, form: AttentionForm) -> int:
     return attn.num_heads // attn.num_kv_heads if attn.new_decoder_architecture else 1
 
 
-def rotary_columns(attn: nn.Module, form: AttentionForm) -> int:
-    """The columns of each head that ``attn``'s rotary embedding rotates (cos/sin's width)."""
-    return attn.rotary_ndims if form.partial_rotary or form.per_head_qkv else attn.head_dim
+def rotary_columns(attn: nn.Module, form: AttentionForm, cos_width: int) -> int:
+    """The columns of each head that ``attn``'s rotary embedding rotates, the width its cos/sin
+    must have: StableLM's and GPT-NeoX's ``rotary_ndims``; ``cos_width`` itself where the
+    module's rotary function rotates the first ``cos.shape[-1]`` columns (GLM-4-MoE's partial
+    rotary: an even width up to the head's); else the whole head."""
+    if form.partial_rotary or form.per_head_qkv:
+        return attn.rotary_ndims
+    if form.rotary_by_cos and 2 <= cos_width <= attn.head_dim and cos_width % 2 == 0:
+        return cos_width
+    return attn.head_dim
 
 
 def why_not_load_kernels() -> str | None:

@@ -208,9 +208,10 @@ _PARTIAL_ROTARY_ATTENTION_BODY = (
     "attn_output=attn_output.reshape(bsz,q_len,-1)",
     *_ATTENTION_BODY[-2:],
 )
-# Cohere's attention: the head views, its per-head q/k norms where the instance's use_qk_norm
-# says so, the transposes, then as _ATTENTION_BODY from the rotary on (its rotary pairs
-# neighbouring columns, in fp32: _PAIR_ROTARY_STATEMENTS)
+# Cohere's and GLM-4-MoE's attention: the head views, the per-head q/k norms where the
+# instance's use_qk_norm says so, the transposes, then as _ATTENTION_BODY from the rotary on
+# (Cohere's rotary pairs neighbouring columns, in fp32: _PAIR_ROTARY_STATEMENTS; GLM-4-MoE's is
+# the partial rotate_half one over cos's columns, _SPLIT_PARTIAL_ROTARY_BODY)
 _PAIR_ROTARY_ATTENTION_BODY = (
     *_ATTENTION_BODY[:2],
     "query_states=self.q_proj(hidden_states).view(hidden_shape)",

@@ -204,7 +204,7 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     # fp32 cos/sin: OLMo 2's rotary embedding, which rotates in fp32 and rounds back; only its step
     # (the rotary as torch ops after the norms) takes them; the rotary epilogue takes cos/sin of x's dtype
     cos_dtypes = (x.dtype, torch.float32) if form.full_qk_norm else (x.dtype,)
-    if cos.dim() != 3 or cos.shape[-1] != rotary_columns(attn, form) or cos.shape[1] != x.shape[1] \
+    if cos.dim() != 3 or cos.shape[-1] != rotary_columns(attn, form, cos.shape[-1]) or cos.shape[1] != x.shape[1] \
             or cos.dtype not in cos_dtypes or cos.shape != sin.shape or sin.dtype != cos.dtype:
         return None
     # ``first``: a layer whose length the model reads for the step's positions and mask: the cache's
@@ -220,7 +220,8 @@ _MLP_SLOTS = ("gate_proj", "up_proj", "down_proj")
 # transformers' sparse MoE blocks whose forward is router, then experts (Qwen2-MoE's also its
 # gated shared expert), one tensor out: the step calls the block itself after the
 # post-attention norm (or computes it: moe_block.why_not_fuse_block)
-MOE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "OlmoeSparseMoeBlock")
+MOE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "OlmoeSparseMoeBlock",
+              "Glm4MoeMoE")
 
 
 def moe_block(mlp: nn.Module | None) -> bool:

@@ -200,7 +200,7 @@ def _attention_of_qkv(attn: nn.Module, y: Tensor, sizes: tuple[int, int, int], k
     hidden_shape = (*input_shape, -1, attn.head_dim)
     cos, sin = kwargs["position_embeddings"]
     head_norms = form.partial_rotary and attn.qk_layernorm  # StableLM's per-head LayerNorms
-    view_norms = form.qk_norm or form.pair_rotary and attn.use_qk_norm  # norms on the head views (Cohere's too)
+    view_norms = form.qk_norm or form.flagged_qk_norm and attn.use_qk_norm  # norms on the head views (Cohere's too)
     in_modules = form.full_qk_norm or view_norms or head_norms  # norms before the rotary: the module's rotary
     rotated = None if in_modules else _rope_in_kernel(attn, form, y, cos, sin, sizes)
     q, k, v = y.split(sizes, dim=-1)
@@ -267,7 +267,7 @@ def _rope_in_kernel(attn: nn.Module, form: forms.AttentionForm, y: Tensor, cos: 
     forward rotates (whole heads, or StableLM's first ``rotary_ndims``); None otherwise (the
     caller runs the module's function)."""
     if torch.compiler.is_compiling() or not checks.on_kernel_device(y) or forms.why_not_rotary(attn) is not None \
-            or cos.shape[-1] != forms.rotary_columns(attn, form):
+            or cos.shape[-1] != forms.rotary_columns(attn, form, cos.shape[-1]):
         return None
     hd = attn.head_dim
     kernel = forms.qk_rope_kernel()

@@ -21,8 +21,10 @@ and ``FalconDecoderLayer`` (their LayerNorms apart, their Q/K/V layouts and rota
 Q/K/V GEMM's epilogue; fusion/models/layernorm_layers.py, static caches only) and the
 mixture-of-experts ``Qwen3MoeDecoderLayer``, ``MixtralDecoderLayer``, ``Qwen2MoeDecoderLayer`` and
 ``OlmoeDecoderLayer`` (their sparse block called as a module, its experts the grouped kernels;
-OLMoE's q/k norms over all heads as OLMo 2's, where its Q/K/V clamp ``clip_qkv`` is unset) whose
-forwards are the
+OLMoE's q/k norms over all heads as OLMo 2's, where its Q/K/V clamp ``clip_qkv`` is unset) and
+``Glm4MoeDecoderLayer`` (GLM-4.5-MoE: its rotary over the first half of each head in the Q/K/V
+epilogue, a dense MLP or a block of shared and routed experts with DeepSeek-V3's router; per-head
+q/k norms, where ``use_qk_norm``, leave the attention to the module) whose forwards are the
 ones the step computes (checked in their source when patched, so a release that changes them
 is left alone, with the reason in the report), with the parts :func:`hybridgemm.patch` fused:
 Q/K/V, gate/up (or the experts), HybridRMSNorm, HybridGemmaRMSNorm or HybridOlmo2RMSNorm norms.
@@ -46,7 +48,7 @@ LAYER_MODULES = {"LlamaDecoderLayer": "llama", "Qwen2DecoderLayer": "qwen2", "Qw
                  "Qwen2MoeDecoderLayer": "qwen2_moe", "GemmaDecoderLayer": "gemma", "Phi3DecoderLayer": "phi3",
                  "Gemma2DecoderLayer": "gemma2", "Gemma3DecoderLayer": "gemma3", "Olmo2DecoderLayer": "olmo2",
                  "StableLmDecoderLayer": "stablelm", "CohereDecoderLayer": "cohere", "GPTNeoXLayer": "gpt_neox",
-                 "FalconDecoderLayer": "falcon", "OlmoeDecoderLayer": "olmoe"}
+                 "FalconDecoderLayer": "falcon", "OlmoeDecoderLayer": "olmoe", "Glm4MoeDecoderLayer": "glm4_moe"}
 LAYER_CLASSES = tuple(LAYER_MODULES)
 # A fused layer's int32 buffer (not in the state dict) of split-K arrival counters for its
 # GEMMs, which run one after another and leave it zero: a compiled decode step then needs no

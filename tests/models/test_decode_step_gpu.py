@@ -82,7 +82,7 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
 
 @pytest.fixture(params=["llama", "qwen3", "granite", "qwen3_moe", "mixtral", "qwen2_moe", "gemma", "phi3", "gemma2",
                         "gemma2-wide", "gemma3", "gemma3-wide", "olmo2", "stablelm", "stablelm_parallel",
-                        "cohere", "gpt_neox", "falcon", "falcon_new", "olmoe"])
+                        "cohere", "gpt_neox", "falcon", "falcon_new", "olmoe", "glm4_moe"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
@@ -104,7 +104,10 @@ def models(monkeypatch, request):
     falcon (multi-query, one LayerNorm for the parallel attention and MLP) and falcon_new (Q/K/V
     grouped per KV head, two LayerNorms): these two where the installed transformers' Falcon
     attention is a form the step computes (5.8-5.25's); falcon_new not under 5.8-5.24, whose
-    attention caches K and V copied to every query head (the report says so: test_layernorm_layers)."""
+    attention caches K and V copied to every query head (the report says so: test_layernorm_layers);
+    glm4_moe (q/k/v biases, the rotary over half of each head in the QKV epilogue, a dense first
+    layer, then shared and routed experts with DeepSeek-V3's router), where its attention and
+    router are forms the step computes."""
     kind, _, wide = request.param.partition("-")
     if kind.startswith("falcon"):
         from transformers.models.falcon.modeling_falcon import FalconAttention
@@ -114,6 +117,14 @@ def models(monkeypatch, request):
         why = attention_forms.why_not_attention_form(FalconAttention)
         if why is None and kind == "falcon_new" and attention_forms.attention_form(FalconAttention).split_heads_falcon:
             why = "its Falcon attention caches K and V copied to every query head"
+        if why is not None:
+            pytest.skip(f"transformers {transformers.__version__}: {why}")
+    if kind == "glm4_moe":
+        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeAttention
+
+        from hybridgemm.models import attention_forms
+
+        why = attention_forms.why_not_attention_form(Glm4MoeAttention)
         if why is not None:
             pytest.skip(f"transformers {transformers.__version__}: {why}")
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=kind, window=64 if wide else None,

@@ -68,6 +68,50 @@ def test_moe_layers_take_the_step_and_decode_as_stock(kind, kernels_on_cpu, monk
     assert len(calls) == 3  # the block's forward (and its hooks) ran in the prefill and both steps
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_glm4_moe_layers_take_the_step_and_decode_as_stock(qk_norm, kernels_on_cpu, monkeypatch):
+    """GLM-4-MoE: q/k/v biases, the rotary over the first half of each head, a dense first layer,
+    then a block of shared experts beside the routed ones (called as a module) with DeepSeek-V3's
+    router. With per-head q/k norms (use_qk_norm) the attention is the module's computation."""
+    from hybridgemm.router import HybridSigmoidRouter
+
+    monkeypatch.setattr(experts, "use_kernels", lambda x: True)
+    stock = tiny_moe_lm("glm4_moe", VOCAB, 128, 8, 2, head_dim=32, attn_implementation="sdpa")
+    if not isinstance(stock.model.layers[1].mlp.gate(torch.zeros(1, 128)), tuple):
+        pytest.skip("this transformers' GLM-4-MoE router returns its logits only")
+    for layer in stock.model.layers:
+        attn = layer.self_attn
+        attn.use_qk_norm = qk_norm
+        if qk_norm:  # (the modules exist where the config says so: made here, weights not ones)
+            attn.q_norm = type(layer.input_layernorm)(32, eps=1e-6)
+            attn.k_norm = type(layer.input_layernorm)(32, eps=1e-6)
+            with torch.no_grad():
+                attn.q_norm.weight.uniform_(0.5, 1.5)
+                attn.k_norm.weight.uniform_(0.5, 1.5)
+    model = copy.deepcopy(stock)
+    report = hybridgemm.patch(model)
+    if attention_forms.why_not_attention_form(type(model.model.layers[0].self_attn)) is not None:
+        pytest.skip(f"no fused attention step for GLM-4-MoE with transformers {transformers.__version__}")
+    assert report.fused_layers == ["model.layers.0", "model.layers.1"]
+    assert report.fused_attention == ([] if qk_norm else ["model.layers.0", "model.layers.1"])
+    assert type(model.model.layers[1].mlp.gate) is HybridSigmoidRouter
+    assert all(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers) is not qk_norm
+    if qk_norm:
+        assert any("use_qk_norm" in why for _, why in report.skipped), report.skipped
+    else:
+        assert report.skipped == []
+    with torch.no_grad():
+        ref, fed, ref_cache = greedy_static_decode(stock, 2, VOCAB)
+        out, _, cache = greedy_static_decode(model, 2, VOCAB, tokens=fed)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for got, want in zip(cache.layers, ref_cache.layers):
+        torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.values, want.values, rtol=1e-4, atol=1e-4)
+    # both decode steps of both layers ran the fused QKV with the (partial) rotary in its epilogue
+    assert kernels_on_cpu["rope"] == (0 if qk_norm else 2 * 2)
+
+
 def test_experts_left_unpatched_keep_the_layers_own_forward():
     model = _tiny("qwen3_moe")
     report = hybridgemm.patch(model, mlp=False)
