@@ -35,6 +35,18 @@ def _tiny(kind: str):  # (Qwen2-MoE's with a gated shared expert beside the rout
     return tiny_moe_lm(kind, VOCAB, 128, 8, 2, head_dim=32, attn_implementation="sdpa")
 
 
+def _decodes_as_stock(model, stock) -> None:
+    """Two greedy static-cache steps of ``model`` fed stock's tokens: stock's logits and cache."""
+    with torch.no_grad():
+        ref, fed, ref_cache = greedy_static_decode(stock, 2, VOCAB)
+        out, _, cache = greedy_static_decode(model, 2, VOCAB, tokens=fed)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for got, want in zip(cache.layers, ref_cache.layers):
+        torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.values, want.values, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
 def test_moe_layers_take_the_step_and_decode_as_stock(kind, kernels_on_cpu, monkeypatch):
     monkeypatch.setattr(experts, "use_kernels", lambda x: True)
@@ -54,14 +66,7 @@ def test_moe_layers_take_the_step_and_decode_as_stock(kind, kernels_on_cpu, monk
     assert [n for n, _ in report.skipped] == [f"model.layers.{i}.{m}" for i in range(2) for m in left]
     calls = []
     model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: calls.append(out.shape))
-    with torch.no_grad():
-        ref, fed, ref_cache = greedy_static_decode(stock, 2, VOCAB)
-        out, _, cache = greedy_static_decode(model, 2, VOCAB, tokens=fed)
-    for a, b in zip(out, ref):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    for got, want in zip(cache.layers, ref_cache.layers):
-        torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(got.values, want.values, rtol=1e-4, atol=1e-4)
+    _decodes_as_stock(model, stock)
     # both decode steps of both layers ran the fused QKV, with the rotary in its epilogue but for
     # OLMoE's q/k norms over all heads (the norms, rotary and cache write after the GEMM)
     assert kernels_on_cpu["rope"] == (0 if kind == "olmoe" else 2 * 2)
@@ -100,14 +105,7 @@ def test_glm4_moe_layers_take_the_step_and_decode_as_stock(qk_norm, kernels_on_c
         assert any("use_qk_norm" in why for _, why in report.skipped), report.skipped
     else:
         assert report.skipped == []
-    with torch.no_grad():
-        ref, fed, ref_cache = greedy_static_decode(stock, 2, VOCAB)
-        out, _, cache = greedy_static_decode(model, 2, VOCAB, tokens=fed)
-    for a, b in zip(out, ref):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    for got, want in zip(cache.layers, ref_cache.layers):
-        torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(got.values, want.values, rtol=1e-4, atol=1e-4)
+    _decodes_as_stock(model, stock)
     # both decode steps of both layers ran the fused QKV with the (partial) rotary in its epilogue
     assert kernels_on_cpu["rope"] == (0 if qk_norm else 2 * 2)
 
