@@ -115,6 +115,9 @@ def _probe_on_cpu(mod: nn.Module, top_k: int) -> tuple[RouterForm | SigmoidRoute
             probe = copy.deepcopy(mod).to_empty(device="cpu").to(PROBE_DTYPE)
             weight = probe.weight  # logits of about unit scale
             weight.copy_(torch.randn(weight.shape, generator=g) / weight.shape[1] ** 0.5)
+            for b in probe.buffers():  # (a selection bias: values that change choices; to_empty left none)
+                if b.is_floating_point():
+                    b.copy_(torch.randn(b.shape, generator=g) * 0.3)
             x = torch.randn(PROBE_TOKENS, weight.shape[1], generator=g).to(PROBE_DTYPE)
             out = type(mod).forward(probe, x)
     except Exception as exc:  # a router that does not take [tokens, hidden]: its own business
@@ -172,10 +175,12 @@ def route_sigmoid_torch(logits: Tensor, top_k: int, bias: Tensor | None, groups:
     t, e = choice.shape
     if groups > 1:
         group_scores = choice.view(t, groups, e // groups).topk(2, dim=-1)[0].sum(dim=-1)
-        kept = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, topk_groups, dim=-1)[1], 1)
+        kept = torch.zeros_like(group_scores).scatter_(
+            1, torch.topk(group_scores, topk_groups, dim=-1, sorted=False)[1], 1)
         allowed = kept.unsqueeze(-1).expand(t, groups, e // groups).reshape(t, e)
         choice = choice.masked_fill(~allowed.bool(), float("-inf"))
-    ids = torch.topk(choice, top_k, dim=-1)[1]
+    # unsorted, as transformers' router takes them: the weights' sum then adds them in its order
+    ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

@@ -131,6 +131,24 @@ def test_dynamo_traces_the_kernel_path_in_one_graph(monkeypatch):
     assert "route_sigmoid_fwd" in str(explained.graphs[0].graph)
 
 
+def test_the_form_is_found_for_routers_built_on_meta_at_full_width():
+    """GLM-4.5-Air's router width (128 experts of hidden 4096, one group): routers made on the
+    meta device, as ``hybridgemm patch --dry-run`` builds models (to_empty leaves their bias
+    buffers arbitrary), all take the form: the probe sets its own bias."""
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    cfg = transformers.Glm4MoeConfig(hidden_size=4096, n_routed_experts=128, num_experts_per_tok=8, n_group=1,
+                                     topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0)
+    with torch.device("meta"):
+        routers = [Glm4MoeTopkRouter(cfg) for _ in range(6)]
+    if not isinstance(Glm4MoeTopkRouter(transformers.Glm4MoeConfig(hidden_size=8, n_routed_experts=4,
+                                                                   num_experts_per_tok=2, n_group=1, topk_group=1))(
+            torch.zeros(1, 8)), tuple):
+        pytest.skip("this transformers' GLM-4-MoE router returns its logits only")
+    forms = [why_not_router(r) for r in routers]
+    assert all(isinstance(form, SigmoidRouterForm) and why is None for form, why in forms), forms
+
+
 def test_routers_of_other_forms_are_reported_and_left_alone():
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 
