@@ -15,8 +15,9 @@ For each token's router logits (a row of E), what transformers' softmax-top-k ro
 :func:`route_sigmoid` computes the other routing transformers ships widely, DeepSeek-V3's
 (GLM-4.5 MoE, Kimi K2, dots.llm1 and others carry the same router): per token
 
-* ``s = sigmoid(logits)`` in fp32 and the selection scores ``c = s + bias`` (the router's
-  ``e_score_correction_bias``);
+* ``s = sigmoid(logits)`` in fp32 as torch's CUDA kernel computes it (``1 / (1 + expf(-x))``,
+  the same bits: the choices below then break near-ties as torch's do) and the selection scores
+  ``c = s + bias`` (the router's ``e_score_correction_bias``);
 * with ``groups`` > 1, the experts in ``groups`` equal groups: each group scored by the sum of
   its two largest ``c``, the ``topk_groups`` best groups kept (the lowest group first among
   equal scores), the other groups' experts out of the choice (their ``c`` set to -inf);
@@ -36,9 +37,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .triton_launch import pdl_options
+from .triton_launch import interpreting, pdl_options
 
 MAX_EXPERTS = 1024  # one row of logits in one program's registers
 MAX_TOP_K = 32  # the selection loop is unrolled
@@ -100,7 +102,7 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, E, ld, TOP_K: tl.constexpr, 
 def _route_sigmoid_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, ld, scale, TOP_K: tl.constexpr,
                           EP: tl.constexpr, KP: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
                           TOPK_GROUPS: tl.constexpr, NORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PDL: tl.constexpr, LIBDEVICE: tl.constexpr):
     # PDL: the logits are the previous kernel's output; nothing is read before the wait.
     if PDL:
         gdc_wait()
@@ -108,7 +110,11 @@ def _route_sigmoid_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, ld, sca
     offs = tl.arange(0, EP)
     ok = offs < E
     logits = tl.load(logits_ptr + t * ld + offs, mask=ok, other=0.0).to(tl.float32)
-    s = tl.math.div_rn(1.0, 1.0 + tl.exp(-logits))
+    # torch's CUDA sigmoid, 1 / (1 + expf(-x)) with IEEE division: libdevice's expf (Triton's own exp
+    # is an approximation, whose last bits would break near-ties otherwise than torch's); the
+    # interpreter, which has no libdevice, evaluates tl.exp with numpy's
+    e = libdevice.exp(-logits) if LIBDEVICE else tl.exp(-logits)
+    s = tl.math.div_rn(1.0, 1.0 + e)
     c = s
     if HAS_BIAS:
         c = s + tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -236,7 +242,8 @@ def launch_sigmoid(logits: torch.Tensor, top_k: int, bias: torch.Tensor | None, 
                                     float(scale), TOP_K=top_k, EP=triton.next_power_of_2(e),
                                     KP=triton.next_power_of_2(top_k), GROUPS=groups, GROUP_SIZE=e // groups,
                                     TOPK_GROUPS=topk_groups, NORMALIZE=bool(normalize), HAS_BIAS=bias is not None,
-                                    num_warps=4 if e > 256 else 1, **pdl_options(logits))
+                                    LIBDEVICE=not interpreting(), num_warps=4 if e > 256 else 1,
+                                    **pdl_options(logits))
     return ids, weights
 
 

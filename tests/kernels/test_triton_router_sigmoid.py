@@ -147,3 +147,34 @@ def test_the_routing_is_transformers_routers_on_cuda(experts, top_k, groups, top
     assert same.float().mean() > 0.999, "the selected experts differ from transformers' router's"
     torch.testing.assert_close(weights.gather(1, got_order.indices)[same], want.gather(1, want_order.indices)[same],
                                rtol=8 * torch.finfo(torch.float32).eps, atol=0)
+
+
+_COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hybridgemm.kernels import triton_router as tr
+
+fn = tr._route_sigmoid_kernel
+types = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32", "scale": "fp32"}
+for e, k, groups, kept in ((256, 8, 8, 4), (128, 8, 1, 1), (160, 6, 8, 3)):
+    consts = dict(TOP_K=k, EP=triton.next_power_of_2(e), KP=triton.next_power_of_2(k), GROUPS=groups,
+                  GROUP_SIZE=e // groups, TOPK_GROUPS=kept, NORMALIZE=True, HAS_BIAS=True, PDL=True, LIBDEVICE=True)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    try:
+        c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 1})
+    except (TypeError, KeyError, AttributeError) as exc:
+        raise SystemExit(f"API: {type(exc).__name__}: {exc}")
+    assert c.asm["cubin"], e
+    assert "__nv_expf" in c.asm["ttgir"], "the sigmoid's exp must be libdevice's expf"
+print("compiled")
+"""
+
+
+def test_the_kernel_compiles_for_hopper_with_libdevices_expf():
+    """Built for sm_90 by Triton's ptxas (no GPU needed), with PDL, at DeepSeek-V3's, GLM-4.5-Air's
+    and a 160-expert router's sizes; its sigmoid calls libdevice's expf, not Triton's approximate exp."""
+    from helpers import compile_offline
+
+    compile_offline(_COMPILE_FOR_HOPPER)
