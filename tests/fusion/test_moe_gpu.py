@@ -168,11 +168,16 @@ def test_a_patched_sigmoid_router_model_on_cuda(cuda, kind):
     torch.testing.assert_close(weights.gather(1, got_order.indices)[same], want_w.gather(1, want_order.indices)[same],
                                rtol=8 * torch.finfo(torch.float32).eps, atol=0)
     assert all(torch.equal(a, b) for a, b in zip(again, (logits, weights, ids)))
-    tokens = torch.randint(0, 97, (2, 24), device=cuda)
+    # Per token: a choice between experts whose scores bf16 rounding alone reorders (a near-tie,
+    # decided by the layer below's rounding) moves that token's logits far in a model this small,
+    # for stock's bf16 as for the patched model, so most tokens, not every one, must be as close
+    # to the fp32 model as stock's; a systematic error moves them all.
+    tokens = torch.randint(0, 97, (4, 32), device=cuda, generator=torch.Generator(device=cuda).manual_seed(1))
     with torch.no_grad():
-        ref = fp32(tokens).logits
-        err, stock_err = _rel(model(tokens).logits, ref), _rel(stock(tokens).logits, ref)
-    assert err <= 1.1 * stock_err + 1e-3, (err, stock_err)
+        ref = fp32(tokens).logits.float()
+        err, stock_err = ((m(tokens).logits.float() - ref).norm(dim=-1) / ref.norm(dim=-1) for m in (model, stock))
+    close = err <= 1.1 * stock_err + 1e-3
+    assert close.float().mean() >= 0.9 and err.median() <= 1.1 * stock_err.median() + 1e-3, (err, stock_err)
     eager, captured, compiled = _eager_graph_compiled(router, x[:3])
     torch._dynamo.reset()
     assert all(torch.equal(a, b) for a, b in zip(captured, eager))
