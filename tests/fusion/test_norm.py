@@ -228,11 +228,14 @@ def test_fast_path_matches_the_stock_module(cpu_fast_path, dtype, shape):
         assert (wrong - ref.float()).abs().max() > 10 * bound  # the bound can fail
 
 
-def test_fast_path_reads_a_row_strided_input(cpu_fast_path):
-    stock = stock_norm(h=64)
+@pytest.mark.parametrize("h,width,start", [(64, 200, 10), (16, 24, 0), (32, 40, 8)])
+def test_fast_path_reads_a_row_strided_input(cpu_fast_path, h, width, start):
+    """Rows ``width`` apart; and narrow rows as DeepSeek-V3's attention normalises them (16 of each
+    24-column row of its compressed K/V, a split view)."""
+    stock = stock_norm(h=h)
     patched = patched_copy(stock)
-    wide = torch.randn(5, 200)
-    x = wide[:, 10:74]  # rows 200 apart
+    wide = torch.randn(2, 24, width)
+    x = wide[..., start:start + h]
     with torch.no_grad():
         torch.testing.assert_close(patched(x), stock(x), rtol=2e-6, atol=1e-6)
     assert cpu_fast_path == [True]
