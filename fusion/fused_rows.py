@@ -161,11 +161,12 @@ class FusedLinears(nn.Module):
         if t is None:
             return None
         parts = self.parts(attr)
+        if not all(isinstance(p, nn.Parameter) for p in parts):
+            # tensors put in the slices' places for a call (torch.func.functional_call) or a
+            # parametrization's values (traced too under torch.compile): stacked for this call,
+            # differentiably; nothing of the module's changes
+            return torch.cat(parts)
         if not torch.compiler.is_compiling() and not self._seen(attr, parts):
-            if not all(isinstance(p, nn.Parameter) for p in parts):
-                # tensors put in the slices' places for a call (torch.func.functional_call):
-                # stacked for this call, differentiably; nothing of the module's changes
-                return torch.cat(parts)
             self.check_rows()
             t, parts = self.__dict__["stacked_" + attr], self.parts(attr)
         if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
@@ -268,12 +269,15 @@ class FusedLinears(nn.Module):
 
     def restack_if_moved(self) -> None:
         """After a slice's ``_apply``: once every part has the same new dtype/device, stack
-        them there (the old stacked tensor is then released)."""
+        them there (the old stacked tensor is then released). A parametrized part has no rows
+        to re-point (its values are computed per call): its parametrization moved itself."""
         _moved()
         for attr in self.PART_TENSORS:
             t = self.__dict__.get("stacked_" + attr)
-            parts = self.parts(attr) if t is not None else ()
-            if t is not None and len({(p.device, p.dtype) for p in parts}) == 1 and not self._in_rows(attr, t):
+            if t is None or any(attr not in s._parameters for s in self.slices):
+                continue
+            parts = self.parts(attr)
+            if len({(p.device, p.dtype) for p in parts}) == 1 and not self._in_rows(attr, t):
                 self.restack(attr)
 
     def part_apply(self, piece: nn.Module, fn):
@@ -462,7 +466,7 @@ class FusedSlice(nn.Linear):
     def __setattr__(self, name: str, value) -> None:
         fused = self.__dict__.get("fused")
         attr = _stock_attr(fused, self.__dict__.get("idx"), name) if fused is not None else None
-        if attr is None:
+        if attr is None or parametrize.is_parametrized(self, name):  # (the parametrization's setter)
             super().__setattr__(name, value)
         elif value is None:
             raise ValueError(f"hybridgemm: cannot remove {name} of {fused.names[self.idx]}, one part of a fused "

@@ -11,7 +11,8 @@ Recognised by class (the formula is the class's, not something the structure sho
 RMSNorm classes of transformers' Llama, Qwen2, Qwen3 and Mistral (one formula, copied per
 model), with a 1-D ``weight`` and a ``variance_epsilon``; and any other transformers module
 with those two whose own forward, run at patch time on a CPU copy with random weights, an
-epsilon of its own and random rows in bf16 and in fp16, gives Llama's formula bit for bit
+epsilon of its own and random rows in bf16, in fp16 and in fp32 under a bf16 weight, gives
+Llama's formula bit for bit
 (:func:`computes_rms_norm`: DeepSeek-V3's, GLM's, Ernie's and most other models' copies; a
 forward that reads its epsilon from elsewhere, scales in fp32 or adds an offset gives other
 bits and is left alone). Gemma's, Gemma 2's and Gemma 3's
@@ -96,8 +97,8 @@ def computes_rms_norm(mod: nn.Module) -> bool:
     """Does transformers module ``mod`` (a 1-D ``weight``, a float ``variance_epsilon``) compute
     :func:`reference_rms_norm` with them? Its class's forward runs on a CPU copy of it (hooks
     not called) with random weights, ``variance_epsilon`` set to :data:`_PROBE_EPS` and random
-    rows, in bf16 and in fp16; True where both outputs equal the reference's bit for bit (and its
-    forward takes ``hidden_states`` alone).
+    rows, in bf16 and in fp16, and fp32 rows under a bf16 weight; True where every output equals
+    the reference's bit for bit (and its forward takes ``hidden_states`` alone).
     Never raises: a forward that fails on the probe is not this formula."""
     t = type(mod)
     w = mod._parameters.get("weight")
@@ -110,10 +111,12 @@ def computes_rms_norm(mod: nn.Module) -> bool:
         with torch.device("cpu"), torch.no_grad():  # (whatever device context patch is called in)
             probe = copy.deepcopy(mod).to_empty(device="cpu")
             probe.variance_epsilon = _PROBE_EPS
-            for dtype in (torch.bfloat16, torch.float16):
+            # (x_dtype, weight dtype): and fp32 rows under a bf16 weight, where T5's norm, which
+            # casts the row to a 16-bit weight's dtype, gives other bits and dtype
+            for x_dtype, dtype in ((torch.bfloat16,) * 2, (torch.float16,) * 2, (torch.float32, torch.bfloat16)):
                 probe = probe.to(dtype)
                 probe.weight.copy_(torch.randn(w.shape, generator=g))
-                x = torch.randn(_PROBE_ROWS, w.shape[0], generator=g).to(dtype)
+                x = torch.randn(_PROBE_ROWS, w.shape[0], generator=g).to(x_dtype)
                 y = t.forward(probe, x)
                 want = reference_rms_norm(x, probe.weight, _PROBE_EPS)
                 if not isinstance(y, Tensor) or y.dtype != want.dtype or not torch.equal(y, want):

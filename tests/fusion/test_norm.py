@@ -149,6 +149,8 @@ def test_forwards_of_other_formulas_or_arguments_are_not_recognised():
     two = _fake_transformers_norm(_llama_formula)(16)
     two.bias = nn.Parameter(torch.zeros(16))  # a second parameter: not this module's formula
     assert not hnorm.computes_rms_norm(two)
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")
+    assert not hnorm.is_rms_norm(t5.T5LayerNorm(16))  # casts the row to a 16-bit weight's dtype
     gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
     assert not hnorm.is_rms_norm(gpt_oss.GptOssRMSNorm(16))
 

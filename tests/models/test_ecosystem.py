@@ -513,6 +513,12 @@ def test_a_parametrization_registered_after_patch_runs_trains_saves_and_survives
         model(ids).logits.square().mean().backward()
     grads = [module(m).parametrizations.weight.original.grad for m in (stock, patched)]
     assert grads[1] is not None and torch.allclose(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+    compiled = torch.compile(patched, backend="eager")  # the parametrization traced into the graph
+    assert torch.allclose(_logits(compiled, ids), want, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    for model in (stock, patched):  # a move or cast after parametrizing keeps it in force
+        model.double().float()
+    assert torch.allclose(_logits(patched, ids), want, rtol=1e-5, atol=1e-5)
     state = patched.state_dict()
     assert list(state) == list(stock.state_dict())
     reloaded = _stock(seed=5)
@@ -529,6 +535,32 @@ def test_a_parametrization_registered_after_patch_runs_trains_saves_and_survives
     parametrize.remove_parametrizations(restored, "weight")
     assert type(module(patched)) is torch.nn.Linear
     assert torch.allclose(_logits(patched, ids), want, rtol=1e-5, atol=1e-5)
+
+
+class _Halved(torch.nn.Module):
+    """A parametrization with a right inverse: assigning the weight stores half of it."""
+
+    def forward(self, w):
+        return 2 * w
+
+    def right_inverse(self, w):
+        return w / 2
+
+
+def test_assigning_a_parametrized_fused_slices_weight_goes_through_its_right_inverse():
+    from torch.nn.utils import parametrize
+
+    stock = _stock()
+    patched = copy.deepcopy(stock)
+    hybridgemm.patch(patched)
+    new = torch.randn(32, 64, generator=torch.Generator().manual_seed(4)) * 0.05
+    for model in (stock, patched):
+        k = model.model.layers[0].self_attn.k_proj
+        parametrize.register_parametrization(k, "weight", _Halved())
+        k.weight = new
+        assert torch.allclose(k.weight, new) and torch.allclose(k.parametrizations.weight.original, new / 2)
+    ids = _ids()
+    assert torch.allclose(_logits(patched, ids), _logits(stock, ids), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("patched", [False, True], ids=["stock", "patched"])
