@@ -350,7 +350,8 @@ _CLIPPED_FULL_QK_NORMS = (
 _LATE_QK_NORMS = ("query_states=self.q_norm(query_states)", "key_states=self.k_norm(key_states)")
 _ROTARY_STATEMENTS = ("q_embed=(q*cos)+(rotate_half(q)*sin)", "k_embed=(k*cos)+(rotate_half(k)*sin)")
 # Phi-3's rotary, statement by statement: the first cos.shape[-1] columns of each head rotated,
-# the rest passed through (the whole head where cos spans it, which kv_slot checks per call)
+# the rest passed through (AttentionForm.rotary_by_cos: kv_slot takes cos of any even width up to
+# the head's, which the Q/K/V epilogue rotates as this function does)
 _PARTIAL_ROTARY_BODY = (
     "cos=cos.unsqueeze(unsqueeze_dim)", "sin=sin.unsqueeze(unsqueeze_dim)", "rotary_dim=cos.shape[-1]",
     "q_rot,q_pass=(q[...,:rotary_dim],q[...,rotary_dim:])", "k_rot,k_pass=(k[...,:rotary_dim],k[...,rotary_dim:])",

@@ -264,7 +264,8 @@ def _rope_in_kernel(attn: nn.Module, form: forms.AttentionForm, y: Tensor, cos: 
     """The module's rotary embedding of the q and k columns of ``y`` in one launch
     (kernels/triton_qk_rope.py ``rope_qk``) in an eager call on the kernels' device, where the
     module's function is the standard one and cos/sin are of y's dtype over the columns its
-    forward rotates (whole heads, or StableLM's first ``rotary_ndims``); None otherwise (the
+    forward rotates (whole heads, StableLM's first ``rotary_ndims``, or cos's own width where the
+    module's function rotates that many: ``forms.rotary_columns``); None otherwise (the
     caller runs the module's function)."""
     if torch.compiler.is_compiling() or not checks.on_kernel_device(y) or forms.why_not_rotary(attn) is not None \
             or cos.shape[-1] != forms.rotary_columns(attn, form, cos.shape[-1]):
