@@ -161,14 +161,16 @@ class FusedLinears(nn.Module):
         if t is None:
             return None
         parts = self.parts(attr)
-        if not all(isinstance(p, nn.Parameter) for p in parts):
-            # tensors put in the slices' places for a call (torch.func.functional_call) or a
-            # parametrization's values (traced too under torch.compile): stacked for this call,
-            # differentiably; nothing of the module's changes
-            return torch.cat(parts)
-        if not torch.compiler.is_compiling() and not self._seen(attr, parts):
-            self.check_rows()
-            t, parts = self.__dict__["stacked_" + attr], self.parts(attr)
+        compiling = torch.compiler.is_compiling()
+        if compiling or not self._seen(attr, parts):  # (eager: the identity check first, it is the common case)
+            if not all(isinstance(p, nn.Parameter) for p in parts):
+                # tensors put in the slices' places for a call (torch.func.functional_call) or a
+                # parametrization's values (traced too under torch.compile): stacked for this call,
+                # differentiably; nothing of the module's changes
+                return torch.cat(parts)
+            if not compiling:
+                self.check_rows()
+                t, parts = self.__dict__["stacked_" + attr], self.parts(attr)
         if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
             return _StackedParts.apply(t, self.sizes, *parts)
         return t
