@@ -32,8 +32,8 @@ put in the parts' places for one call (``torch.func.functional_call``) are stack
 call only, as are the values of a part parametrized after patching (``torch.nn.utils.parametrize``:
 the GEMM reads what the parametrization computes; ``unpatch`` moves the parametrization to the
 restored linear). An in-place change of a part between a forward and its backward raises, as for a
-stock weight. Storage changed below that API (``Tensor.set_``, ``torch.utils.swap_tensors``
-by hand) is not seen.
+stock weight. A part's ``set_`` (as ``remove_parametrizations(leave_parametrized=True)`` calls it)
+counts as a move; storage swapped below that API (``torch.utils.swap_tensors`` by hand) is not seen.
 
 Checkpoints. The state dict keeps the stock keys: each slice writes its parameters under
 their stock names as copies of their own (safetensors' ``save_model`` refuses a state-dict
@@ -428,6 +428,12 @@ class FusedPart(nn.Parameter):
         elif value.data_ptr() != current.data_ptr():
             with torch.no_grad():
                 current.copy_(value)
+
+    def set_(self, *args, **kwargs):
+        # storage of its own (remove_parametrizations(leave_parametrized=True) puts the computed
+        # values in place so): the fused module stacks the parts anew before its next GEMM
+        _moved()
+        return super().set_(*args, **kwargs)
 
     def _name(self) -> str:
         fused, idx = self.__dict__.get("part_of", (None, None))

@@ -537,6 +537,37 @@ def test_a_parametrization_registered_after_patch_runs_trains_saves_and_survives
     assert torch.allclose(_logits(patched, ids), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("leave", [True, False], ids=["leave_parametrized", "original"])
+@pytest.mark.parametrize("name", ["k_proj", "up_proj"])
+def test_removing_a_parametrization_from_a_fused_slice_while_patched_gives_the_gemm_its_values(name, leave):
+    """``remove_parametrizations`` on a fused slice while the model stays patched: the GEMM reads
+    what stock's linear then holds (with ``leave_parametrized=True`` the computed values, which
+    torch puts into the original parameter's storage; else the original's own values)."""
+    from torch.nn.utils import parametrize
+
+    stock = _stock()
+    patched = copy.deepcopy(stock)
+    hybridgemm.patch(patched)
+    ids = _ids()
+
+    def module(model):
+        layer = model.model.layers[0]
+        return getattr(layer.self_attn if name == "k_proj" else layer.mlp, name)
+
+    for model in (stock, patched):
+        _logits(model, ids)  # the fused module's parts checked in their rows
+        parametrize.register_parametrization(module(model), "weight", _RowNormalized())
+        if name == "k_proj":  # (gate/up: removed before any forward reads the parametrization)
+            _logits(model, ids)
+        parametrize.remove_parametrizations(module(model), "weight", leave_parametrized=leave)
+    assert not parametrize.is_parametrized(module(patched))
+    want = _logits(stock, ids)
+    assert not torch.allclose(want, _logits(_stock(), ids), rtol=1e-3, atol=1e-3) or not leave
+    assert torch.allclose(_logits(patched, ids), want, rtol=1e-5, atol=1e-5)
+    assert hybridgemm.unpatch(patched)
+    assert torch.allclose(_logits(patched, ids), want, rtol=1e-5, atol=1e-5)
+
+
 class _Halved(torch.nn.Module):
     """A parametrization with a right inverse: assigning the weight stores half of it."""
 
