@@ -11,7 +11,8 @@ last bit, an expert choice only between experts that close).
 
 :class:`HybridSigmoidRouter` stands in for DeepSeek-V3's router form (``DeepseekV3TopkRouter``,
 ``Glm4MoeTopkRouter`` and the others that compute the same): the logits of the router's GEMM
-in fp32 as the stock forward computes them (``F.linear`` of x and the weight in fp32), then
+in fp32 as the stock forward computes them (``F.linear`` of x and the weight in fp32; under
+autocast in autocast's dtype, or in fp32 where the stock forward disables autocast there), then
 sigmoid scores, the selection bias, the group-limited choice, normalisation and scaling in one
 launch (:func:`route_sigmoid`, kernels/triton_router.py ``route_sigmoid``), reading the
 router's own attributes (its groups, kept groups, ``norm_topk_prob``, ``routed_scaling_factor``
@@ -71,6 +72,7 @@ class SigmoidRouterForm:
     normalize: str  # the k weights divided by their sum (plus 1e-20)
     scale: str  # the weights' factor
     bias: str | None  # its selection-bias buffer, if any
+    autocast_off: bool = False  # its GEMM runs in fp32 under autocast too (autocast disabled around it)
 
 
 # the attribute names transformers' routers of this form use, tried in this order
@@ -147,7 +149,7 @@ def _sigmoid_form(mod: nn.Module, probe: nn.Module, top_k: int, logits: Tensor, 
     bias = _SIGMOID_BIAS if isinstance(mod._buffers.get(_SIGMOID_BIAS), Tensor) else None
     if None in found.values():
         return None, f"{name}: fp32 logits, but not the sigmoid routing's attributes ({', '.join(_SIGMOID_NAMES)})"
-    form = SigmoidRouterForm(bias=bias, **found)
+    form = SigmoidRouterForm(bias=bias, autocast_off=_fp32_under_autocast(mod, probe), **found)
     try:
         want_ids, want = route_sigmoid_torch(logits, top_k, *_sigmoid_args(probe, form))
     except (RuntimeError, ValueError, TypeError) as exc:
@@ -157,6 +159,18 @@ def _sigmoid_form(mod: nn.Module, probe: nn.Module, top_k: int, logits: Tensor, 
             and torch.equal(weights.gather(1, order.indices), want.gather(1, want_order.indices)):
         return form, None
     return None, f"{name}: its routing of fp32 logits is not DeepSeek-V3's sigmoid routing, which the kernel computes"
+
+
+def _fp32_under_autocast(mod: nn.Module, probe: nn.Module) -> bool:
+    """Does the router's forward keep its logits fp32 under bf16 autocast (some disable autocast
+    around their GEMM; most let autocast run it in bf16)?"""
+    x = torch.randn(PROBE_TOKENS, probe.weight.shape[1], generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = type(mod).forward(probe, x)
+    except Exception:  # (its forward ran without autocast: the routing decides)
+        return False
+    return isinstance(out, tuple) and isinstance(out[0], Tensor) and out[0].dtype == torch.float32
 
 
 def _sigmoid_args(router: nn.Module, form: SigmoidRouterForm) -> tuple:
@@ -173,12 +187,12 @@ def route_sigmoid_torch(logits: Tensor, top_k: int, bias: Tensor | None, groups:
     scores = logits.sigmoid()
     choice = scores if bias is None else scores + bias
     t, e = choice.shape
-    if groups > 1:
-        group_scores = choice.view(t, groups, e // groups).topk(2, dim=-1)[0].sum(dim=-1)
-        kept = torch.zeros_like(group_scores).scatter_(
-            1, torch.topk(group_scores, topk_groups, dim=-1, sorted=False)[1], 1)
-        allowed = kept.unsqueeze(-1).expand(t, groups, e // groups).reshape(t, e)
-        choice = choice.masked_fill(~allowed.bool(), float("-inf"))
+    # the group step for one group too: it keeps every expert, and raises where stock's raises
+    # (more groups kept than there are)
+    group_scores = choice.view(t, groups, e // groups).topk(2, dim=-1)[0].sum(dim=-1)
+    kept = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, topk_groups, dim=-1, sorted=False)[1], 1)
+    allowed = kept.unsqueeze(-1).expand(t, groups, e // groups).reshape(t, e)
+    choice = choice.masked_fill(~allowed.bool(), float("-inf"))
     # unsorted, as transformers' router takes them: the weights' sum then adds them in its order
     ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
@@ -231,7 +245,12 @@ class HybridSigmoidRouter(nn.Module):
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         weight = self.weight
-        logits = F.linear(hidden_states.reshape(-1, weight.shape[1]).float(), weight.float())
+        x = hidden_states.reshape(-1, weight.shape[1]).float()
+        if self.route_sigmoid_form.autocast_off:
+            with torch.autocast(x.device.type, enabled=False):
+                logits = F.linear(x, weight.float())
+        else:  # (under autocast in autocast's dtype, as the stock forward)
+            logits = F.linear(x, weight.float())
         ids, weights = route_sigmoid(logits, self.top_k, *_sigmoid_args(self, self.route_sigmoid_form))
         return logits, weights, ids
 

@@ -211,3 +211,59 @@ def _route_in_block(block, logits):
     ids, weights = route_sigmoid_torch(logits, gate.top_k, gate.e_score_correction_bias, gate.num_group,
                                        gate.topk_group, gate.norm_topk_prob, gate.routed_scaling_factor)
     return ids, weights
+
+
+def _minicpm5_router():
+    """MiniCPM5-MoE's router (it disables autocast around its GEMM), 8 experts in 2 groups."""
+    module = pytest.importorskip("transformers.models.minicpm5_moe.modeling_minicpm5_moe")
+    cfg = transformers.MiniCPM5MoeConfig(hidden_size=64, n_routed_experts=8, num_experts_per_tok=3, n_group=2,
+                                         topk_group=1)
+    router = module.MiniCPM5MoeTopkRouter(cfg)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.2)
+        router.e_score_correction_bias.normal_(0, 0.3)
+    if not isinstance(router(torch.zeros(1, 64)), tuple):
+        pytest.skip("this transformers' MiniCPM5-MoE router returns its logits only")
+    return router
+
+
+@pytest.mark.parametrize("which", ["glm4_moe", "minicpm5_moe"])
+def test_under_autocast_the_router_computes_its_logits_in_stock_dtype(which):
+    """Under bf16 autocast, a router whose forward lets autocast run its GEMM (GLM's) gives bf16
+    logits and one that disables autocast there (MiniCPM5-MoE's) fp32 logits: the patched router
+    the same, with stock's experts and weights."""
+    stock = _minicpm5_router() if which == "minicpm5_moe" else _routers(_tiny("glm4_moe"))[0]
+    router = copy.deepcopy(stock)
+    hybridgemm.patch(router)
+    assert type(router) is HybridSigmoidRouter
+    assert router.route_sigmoid_form.autocast_off is (which == "minicpm5_moe")
+    x = torch.randn(29, 64, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = _as_sets(router(x)), _as_sets(stock(x))
+    assert got[0].dtype == want[0].dtype == (torch.float32 if which == "minicpm5_moe" else torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernel"])
+def test_more_groups_kept_than_there_are_raises_as_stock_after_patch(kernels, monkeypatch):
+    """One group (GLM-4.5-Air's form): a router whose kept groups are then set above its one group
+    raises as the stock forward does, on the PyTorch form and where the kernel refuses it."""
+    stock = _routers(_tiny("glm4_moe"))[0]
+    stock.num_group, stock.topk_group = 1, 1
+    router = copy.deepcopy(stock)
+    hybridgemm.patch(router)
+    if kernels:
+        monkeypatch.setattr(experts, "use_kernels", lambda x: True)
+    assert type(router) is HybridSigmoidRouter
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        got, want = _as_sets(router(x)), _as_sets(stock(x))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+        torch.testing.assert_close(got[1], want[1], rtol=4 * torch.finfo(torch.float32).eps, atol=0)
+        for r in (stock, router):
+            r.topk_group = 2
+        with pytest.raises(RuntimeError):
+            stock(x)
+        with pytest.raises(RuntimeError):
+            router(x)
