@@ -112,7 +112,7 @@ def save(fig, footer, path: Path, rows, text: str | None = None) -> Path:
     """Write the figure to ``path`` with ``text`` (default: :func:`caption` of ``rows``) at the
     bottom of the footer."""
     footer.text(0.5, 0.5 * CAPTION_IN / footer_inches(footer), caption(rows) if text is None else text,
-                ha="center", va="center", fontsize=7, color="0.3")
+                ha="center", va="center", fontsize=7, color="0.3", wrap=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     return path

@@ -246,7 +246,7 @@ def plot_e2e(csv_path, out_dir, name: str = "e2e.png") -> Path:
             ax.set_title(f"{model}, {layers} layers: prefill" + (f" ({gpu})" if gpu else ""), fontsize=10)
     legend(footer, axes)
     body.suptitle("One LoRA adapter (PEFT): stock vs patched,\nsame weights and adapter (labels: speedup)" if lora else
-                  "End to end: stock vs hybridgemm.patch, same weights, one process (labels: speedup over stock)")
+                  "End to end: stock vs hybridgemm.patch, same weights, one process\n(labels: speedup over stock)")
     return save(fig, footer, Path(out_dir) / name, rows)
 
 
