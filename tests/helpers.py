@@ -151,27 +151,24 @@ def run_like_the_dispatcher(backend: str, config, x, weight, bias, activation=No
 
 def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, device: str = "cuda",
                    kind: str = "llama", window: int | None = None, attention: str | None = None):
-    """A small 2-layer Llama (``kind="qwen3"``: Qwen3, with its q/k norms; ``"granite"``: Granite,
-    with its multipliers; ``"qwen3_moe"``/``"mixtral"``: those mixtures of 8 experts, 2 per
-    token, of a quarter of ``intermediate_size`` / of it; ``"qwen2_moe"``: Qwen2-MoE, 8 experts of
-    a quarter of it and a gated shared expert of half of it; ``"gemma"``: Gemma, its (1 + w) norms
-    drawn from U(-0.5, 0.5), GeGLU; ``"gemma2"``: Gemma 2, the same with post-norms, a sliding-window
-    layer and the attention softcap, eager attention; ``"gemma3"``: Gemma 3, post-norms and (1 + w)
-    q/k norms; ``"phi3"``: Phi-3, its Q/K/V and gate/up one
-    linear each in the checkpoint; ``"olmo2"``: OLMo 2, post-norms only, q/k norms over all
-    heads; ``"stablelm"``: StableLM, LayerNorms, the rotary over a quarter of each head, a Q/K/V
-    bias; ``"stablelm_parallel"``: the same with the parallel residual and no bias; ``"cohere"``:
-    Cohere, its LayerNorm, the parallel residual, the rotary of neighbouring columns; ``"gpt_neox"``:
-    GPT-NeoX, LayerNorms, the parallel residual, its per-head Q/K/V layout, the rotary over a
-    quarter of each head, 8 KV heads; ``"falcon"``: Falcon-7B's form, multi-query (one KV head),
-    one LayerNorm for the parallel attention and MLP, no biases; ``"falcon_new"``: Falcon-40B's,
-    its Q/K/V grouped per KV head, a LayerNorm each for the attention and the MLP; ``"olmoe"``: OLMoE,
-    8 experts of a quarter of ``intermediate_size``, 2 per token, q/k norms over all heads) of 8 heads and
-    2 KV heads, random
-    weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16 patched by
-    hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's sliding window (else 4;
-    Gemma 3's two layers then sliding and full, else both sliding, its config's pattern);
-    ``attention``: the attention implementation (else transformers' default)."""
+    """A small 2-layer Llama (``kind="qwen3"``: Qwen3, with its q/k norms; ``"granite"``: Granite, with its
+    multipliers; ``"qwen3_moe"``/``"mixtral"``: those mixtures of 8 experts, 2 per token, of a quarter of
+    ``intermediate_size`` / of it; ``"qwen2_moe"``: Qwen2-MoE, 8 experts of a quarter of it and a gated shared
+    expert of half of it; ``"gemma"``: Gemma, its (1 + w) norms drawn from U(-0.5, 0.5), GeGLU; ``"gemma2"``: Gemma
+    2, the same with post-norms, a sliding-window layer and the attention softcap, eager attention; ``"gemma3"``:
+    Gemma 3, post-norms and (1 + w) q/k norms; ``"phi3"``: Phi-3, its Q/K/V and gate/up one linear each in the
+    checkpoint (``"phi3_partial"``: with the rotary over three quarters of each head, Phi-4-mini's); ``"olmo2"``:
+    OLMo 2, post-norms only, q/k norms over all heads; ``"stablelm"``: StableLM, LayerNorms, the rotary over a
+    quarter of each head, a Q/K/V bias; ``"stablelm_parallel"``: the same with the parallel residual and no bias;
+    ``"cohere"``: Cohere, its LayerNorm, the parallel residual, the rotary of neighbouring columns; ``"gpt_neox"``:
+    GPT-NeoX, LayerNorms, the parallel residual, its per-head Q/K/V layout, the rotary over a quarter of each head,
+    8 KV heads; ``"falcon"``: Falcon-7B's form, multi-query (one KV head), one LayerNorm for the parallel attention
+    and MLP, no biases; ``"falcon_new"``: Falcon-40B's, its Q/K/V grouped per KV head, a LayerNorm each for the
+    attention and the MLP; ``"olmoe"``: OLMoE, 8 experts of a quarter of ``intermediate_size``, 2 per token, q/k
+    norms over all heads) of 8 heads and 2 KV heads, random weights, seed 0, three ways: fp32 (the reference), bf16
+    stock, and bf16 patched by hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's sliding window
+    (else 4; Gemma 3's two layers then sliding and full, else both sliding, its config's pattern); ``attention``:
+    the attention implementation (else transformers' default)."""
     import copy
 
     import transformers
@@ -182,7 +179,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
            "granite": transformers.GraniteConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
            "mixtral": transformers.MixtralConfig, "gemma": transformers.GemmaConfig,
            "qwen2_moe": transformers.Qwen2MoeConfig, "phi3": transformers.Phi3Config,
-           "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig,
+           "phi3_partial": transformers.Phi3Config, "gemma2": transformers.Gemma2Config,
+           "gemma3": transformers.Gemma3TextConfig,
            "olmo2": transformers.Olmo2Config, "stablelm": transformers.StableLmConfig,
            "stablelm_parallel": transformers.StableLmConfig, "cohere": transformers.CohereConfig,
            "gpt_neox": transformers.GPTNeoXConfig, "falcon": transformers.FalconConfig,
@@ -199,6 +197,7 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
                               n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
                               attention_bias=True),
              "phi3": dict(pad_token_id=0, resid_pdrop=0.1),
+             "phi3_partial": dict(pad_token_id=0, partial_rotary_factor=0.75),
              "stablelm": dict(partial_rotary_factor=0.25, use_qkv_bias=True),
              "stablelm_parallel": dict(partial_rotary_factor=0.25, use_parallel_residual=True),
              "gpt_neox": dict(rotary_pct=0.25),

@@ -442,8 +442,10 @@ def _compare(model, stock, steps=3, batch=2):
     # Phi-3: its checkpoint's qkv_proj and gate_up_proj run as they are, residual dropouts (p > 0:
     # the identity in eval), the rotary's partial form spanning the whole head
     ("phi3", {"resid_pdrop": 0.1, "pad_token_id": 0}, MODEL_ONE_PASS),
+    # a partial rotary (Phi-4-mini's form): the first half of each head rotated (16 of 32 columns)
+    ("phi3", {"pad_token_id": 0, "partial_rotary_factor": 0.5}, MODEL_FUSED_REDUCE),
 ], ids=["llama-fused-reduce", "qwen2-one-pass", "mistral-fused-reduce", "qwen3-fused-reduce", "granite-one-pass",
-        "gemma-fused-reduce", "phi3-one-pass"])
+        "gemma-fused-reduce", "phi3-one-pass", "phi3-partial-rotary-fused-reduce"])
 def test_static_cache_decode_matches_the_stock_model(kind, extra, config, kernels_on_cpu):
     kernels_on_cpu["config"] = config
     stock = _tiny(kind, **extra)
@@ -458,6 +460,17 @@ def test_static_cache_decode_matches_the_stock_model(kind, extra, config, kernel
         counters = layer._buffers[dl.COUNTERS]
         assert counters.dtype == torch.int32 and not counters.any()
     assert not any(dl.COUNTERS in k for k in model.state_dict())
+
+
+def test_a_partial_rotary_no_tile_fits_runs_its_rotary_after_the_gemm(kernels_on_cpu):
+    """Phi-3 with the rotary over 24 of 32 columns: no power-of-two tile of 16 or more holds whole
+    groups of them, so the Q/K/V GEMM runs without the rotary epilogue and the rotary and cache
+    write follow it; the step still matches stock."""
+    stock = _tiny("phi3", pad_token_id=0, partial_rotary_factor=0.75)
+    model = _patched(stock)
+    assert all(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
+    _compare(model, stock, steps=2)
+    assert kernels_on_cpu["rope"] == 0 and kernels_on_cpu["counters"] > 0
 
 
 _WINDOWS = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])

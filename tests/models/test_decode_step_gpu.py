@@ -80,15 +80,16 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
     assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))  # bit-identical run to run
 
 
-@pytest.fixture(params=["llama", "qwen3", "granite", "qwen3_moe", "mixtral", "qwen2_moe", "gemma", "phi3", "gemma2",
-                        "gemma2-wide", "gemma3", "gemma3-wide", "olmo2", "stablelm", "stablelm_parallel",
-                        "cohere", "gpt_neox", "falcon", "falcon_new", "olmoe", "glm4_moe"])
+@pytest.fixture(params=["llama", "qwen3", "granite", "qwen3_moe", "mixtral", "qwen2_moe", "gemma", "phi3",
+                        "phi3_partial", "gemma2", "gemma2-wide", "gemma3", "gemma3-wide", "olmo2", "stablelm",
+                        "stablelm_parallel", "cohere", "gpt_neox", "falcon", "falcon_new", "olmoe", "glm4_moe"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
     and qwen2_moe (with its gated shared expert; the sparse block after the fused attention) and
     gemma (its norms' fp32 1 + w in the QKV and gate/up prologues, GeGLU), phi3 (its
-    checkpoint's qkv_proj and gate_up_proj as they are), gemma2 (post-norms; the static-cache step
+    checkpoint's qkv_proj and gate_up_proj as they are; phi3_partial: the rotary over 48 of each
+    head's 64 columns, Phi-4-mini's form, in the QKV epilogue on tiles of 16), gemma2 (post-norms; the static-cache step
     on its full layers, its softcapped eager attention in the decode kernel; its window of 4 fills),
     gemma2-wide (eager attention, as the bench builds Gemma 2; a window of 64 that the cache of
     32 never fills: both layers take the step, the sliding one over a cache layer that counts
