@@ -22,8 +22,11 @@ become :class:`HybridGemmaRMSNorm`, which computes the same formula as one launc
 kernel's ``fp32_factor`` form) and hands the fused decode step its operand
 (:func:`norm_operand`: the kept ``1 + weight`` in fp32 in eager calls, the weight and its
 offset under torch.compile); OLMo 2's (:data:`OLMO2_NORM_CLASSES`: the same with ``weight``,
-epsilon ``variance_epsilon``) become :class:`HybridOlmo2RMSNorm`; any other class is left
-alone. The module keeps its object, weight and state-dict key; only its class is swapped
+epsilon ``variance_epsilon``) become :class:`HybridOlmo2RMSNorm`. Other transformers modules
+whose forward computes one of these two formulas bit for bit on the same probe (bf16 rows under
+an fp32 weight too: :func:`computes_gemma_norm`, :func:`computes_olmo2_norm`; Qwen3-Next's,
+Qwen3.5's, OLMo 3's, GPT-OSS's, Helium's copies among them) become those classes; any other
+class is left alone. The module keeps its object, weight and state-dict key; only its class is swapped
 (undone by :func:`hybridgemm.unpatch`).
 
 Anything but eager inference on CUDA (a gradient wanted, ``torch.compile``, which fuses the
@@ -82,14 +85,14 @@ _PROBE_EPS = 0.25  # large enough to change the bits of rows of unit scale: a fo
 _PROBE_ROWS = 3
 
 
-def _takes_rows_only(cls: type) -> bool:
-    """Does ``cls.forward`` take one argument, ``hidden_states``, as :class:`HybridRMSNorm`'s
+def _takes_rows_only(cls: type, names: tuple[str, ...] = ("hidden_states",)) -> bool:
+    """Does ``cls.forward`` take one argument, named as one of ``names``, as the patched class's
     does (a gated norm's second argument would have nowhere to go)?"""
     try:
         params = list(inspect.signature(cls.forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return False
-    return len(params) == 1 and params[0].name == "hidden_states" \
+    return len(params) == 1 and params[0].name in names \
         and params[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
 
 
@@ -100,25 +103,52 @@ def computes_rms_norm(mod: nn.Module) -> bool:
     rows, in bf16 and in fp16, and fp32 rows under a bf16 weight; True where every output equals
     the reference's bit for bit (and its forward takes ``hidden_states`` alone).
     Never raises: a forward that fails on the probe is not this formula."""
+    return _computes(mod, "variance_epsilon", reference_rms_norm)
+
+
+def computes_gemma_norm(mod: nn.Module) -> bool:
+    """:func:`computes_rms_norm` for Gemma's formula (:func:`reference_gemma_rms_norm`, epsilon
+    ``eps``; Qwen3-Next's, Qwen3.5's, VaultGemma's copies), bf16 rows under an fp32 weight too."""
+    return _computes(mod, "eps", reference_gemma_rms_norm)
+
+
+def computes_olmo2_norm(mod: nn.Module) -> bool:
+    """:func:`computes_rms_norm` for OLMo 2's formula (the weight in fp32 times the normalised
+    row, rounded once; epsilon ``variance_epsilon``; OLMo 3's, GPT-OSS's, Helium's copies), bf16
+    rows under an fp32 weight too."""
+    return _computes(mod, "variance_epsilon", lambda x, w, eps: _scaled_in_fp32(x, w.float(), eps))
+
+
+# (rows, weight) dtypes of a probe: fp32 rows under a bf16 weight tell T5's norm (it casts the
+# row to a 16-bit weight's dtype) from Llama's; bf16 rows under an fp32 weight tell a factor
+# applied in fp32 (rounded once) from one applied after rounding
+_PROBE_DTYPES = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16))
+_FP32_FACTOR_PROBE_DTYPES = (*_PROBE_DTYPES, (torch.bfloat16, torch.float32))
+
+
+def _computes(mod: nn.Module, eps_attr: str, reference) -> bool:
     t = type(mod)
     w = mod._parameters.get("weight")
-    eps = mod.__dict__.get("variance_epsilon")
+    eps = mod.__dict__.get(eps_attr)
+    llama = reference is reference_rms_norm
+    # (the fp32-factor forms' argument may be named x, as in Gemma's classes, which are swapped so too)
+    names = ("hidden_states",) if llama else ("hidden_states", "x")
     if not t.__module__.startswith("transformers") or w is None or w.dim() != 1 or not w.is_floating_point() \
-            or not isinstance(eps, float) or len(mod._parameters) != 1 or mod._modules or not _takes_rows_only(t):
+            or not isinstance(eps, float) or len(mod._parameters) != 1 or mod._modules \
+            or not _takes_rows_only(t, names):
         return False
     g = torch.Generator().manual_seed(0)
+    dtypes = _PROBE_DTYPES if llama else _FP32_FACTOR_PROBE_DTYPES
     try:
         with torch.device("cpu"), torch.no_grad():  # (whatever device context patch is called in)
             probe = copy.deepcopy(mod).to_empty(device="cpu")
-            probe.variance_epsilon = _PROBE_EPS
-            # (x_dtype, weight dtype): and fp32 rows under a bf16 weight, where T5's norm, which
-            # casts the row to a 16-bit weight's dtype, gives other bits and dtype
-            for x_dtype, dtype in ((torch.bfloat16,) * 2, (torch.float16,) * 2, (torch.float32, torch.bfloat16)):
+            setattr(probe, eps_attr, _PROBE_EPS)
+            for x_dtype, dtype in dtypes:
                 probe = probe.to(dtype)
                 probe.weight.copy_(torch.randn(w.shape, generator=g))
                 x = torch.randn(_PROBE_ROWS, w.shape[0], generator=g).to(x_dtype)
                 y = t.forward(probe, x)
-                want = reference_rms_norm(x, probe.weight, _PROBE_EPS)
+                want = reference(x, probe.weight, _PROBE_EPS)
                 if not isinstance(y, Tensor) or y.dtype != want.dtype or not torch.equal(y, want):
                     return False
     except Exception:  # its forward takes something else: not this formula
@@ -128,14 +158,14 @@ def computes_rms_norm(mod: nn.Module) -> bool:
 
 def is_gemma_norm(mod: nn.Module) -> bool:
     """Is ``mod`` one of transformers' RMSNorm classes of :data:`GEMMA_NORM_CLASSES` (its epsilon
-    ``eps``)?"""
-    return _recognised(mod, GEMMA_NORM_CLASSES, "eps")
+    ``eps``), or another transformers module that :func:`computes_gemma_norm`?"""
+    return _recognised(mod, GEMMA_NORM_CLASSES, "eps") or computes_gemma_norm(mod)
 
 
 def is_olmo2_norm(mod: nn.Module) -> bool:
     """Is ``mod`` one of transformers' RMSNorm classes of :data:`OLMO2_NORM_CLASSES` (its epsilon
-    ``variance_epsilon``)?"""
-    return _recognised(mod, OLMO2_NORM_CLASSES, "variance_epsilon")
+    ``variance_epsilon``), or another transformers module that :func:`computes_olmo2_norm`?"""
+    return _recognised(mod, OLMO2_NORM_CLASSES, "variance_epsilon") or computes_olmo2_norm(mod)
 
 
 def _scaled_in_fp32(x: Tensor, g: Tensor, eps: float) -> Tensor:
@@ -356,6 +386,7 @@ def add_norm(residual: Tensor, norm: nn.Module, x: Tensor) -> Tensor:
 PATCHED_NORMS = (HybridRMSNorm, HybridGemmaRMSNorm, HybridOlmo2RMSNorm)
 
 __all__ = ["GEMMA_NORM_CLASSES", "OLMO2_NORM_CLASSES", "PATCHED_NORMS", "RMS_NORM_CLASSES", "Fp32FactorRMSNorm",
-           "HybridGemmaRMSNorm", "HybridOlmo2RMSNorm", "HybridRMSNorm", "add_norm", "apply_norm", "computes_rms_norm",
+           "HybridGemmaRMSNorm", "HybridOlmo2RMSNorm", "HybridRMSNorm", "add_norm", "apply_norm", "computes_gemma_norm",
+           "computes_olmo2_norm", "computes_rms_norm",
            "forms_factor", "fp32_factor_rms_norm", "is_gemma_norm", "is_olmo2_norm", "is_rms_norm", "norm_operand",
            "prologue_operand", "prologue_norm", "reference_gemma_rms_norm", "reference_rms_norm", "rms_norm"]

@@ -136,7 +136,8 @@ def _norm_reason(norm: nn.Module) -> str:
     return (f"norm not patched: {type(norm).__name__} is not one of the "
             f"{len(RMS_NORM_CLASSES) + len(GEMMA_NORM_CLASSES) + len(OLMO2_NORM_CLASSES)} RMSNorm classes of known "
             "formula hybridgemm recognises (hybridgemm.norm.RMS_NORM_CLASSES, GEMMA_NORM_CLASSES, OLMO2_NORM_CLASSES), "
-            "nor does its forward compute Llama's formula with its weight and variance_epsilon")
+            "nor does its forward compute Llama's formula or OLMo 2's with its weight and variance_epsilon, or Gemma's "
+            "with its weight and eps")
 
 
 def _linear_reason(lin: nn.Module) -> str:

@@ -5,6 +5,7 @@ unpatch."""
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -155,9 +156,63 @@ def test_forwards_of_other_formulas_or_arguments_are_not_recognised():
     assert not hnorm.is_rms_norm(gpt_oss.GptOssRMSNorm(16))
 
 
-def test_a_model_of_norms_outside_the_list_is_patched_and_gives_stock_logits():
-    import copy
+@pytest.mark.parametrize("module,name,patched_as", [
+    ("gpt_oss", "GptOssRMSNorm", "HybridOlmo2RMSNorm"), ("olmo3", "Olmo3RMSNorm", "HybridOlmo2RMSNorm"),
+    ("helium", "HeliumRMSNorm", "HybridOlmo2RMSNorm"), ("qwen3_next", "Qwen3NextRMSNorm", "HybridGemmaRMSNorm"),
+    ("vaultgemma", "VaultGemmaRMSNorm", "HybridGemmaRMSNorm")])
+def test_classes_that_compute_gemmas_or_olmo2s_formula_are_recognised_by_running_them(module, name, patched_as):
+    """Norms of the fp32-factor formulas outside the lists (OLMo 2's weight, Gemma's 1 + weight,
+    scaled in fp32 and rounded once): taken by running them, patched as that formula's class,
+    the stock bits on the CPU path; Llama's probe leaves them alone."""
+    import importlib
 
+    try:
+        cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+    except (ImportError, AttributeError):
+        pytest.skip(f"this transformers has no {name}")
+    gemma = patched_as == "HybridGemmaRMSNorm"
+    assert name not in hnorm.GEMMA_NORM_CLASSES + hnorm.OLMO2_NORM_CLASSES
+    assert not hnorm.is_rms_norm(cls(96))
+    assert hnorm.is_gemma_norm(cls(96)) is gemma and hnorm.is_olmo2_norm(cls(96)) is not gemma
+    stock = cls(96)
+    with torch.no_grad():
+        stock.weight.copy_(torch.randn(96, generator=torch.Generator().manual_seed(1)))
+    stock = stock.to(torch.bfloat16)
+    patched = copy.deepcopy(stock)
+    hybridgemm.patch(patched)
+    assert type(patched).__name__ == patched_as
+    x = (torch.randn(4, 96, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16)
+    with torch.no_grad():
+        want = stock(x)
+        assert torch.equal(patched(x), want)
+        reference = hnorm.reference_gemma_rms_norm if gemma else \
+            (lambda x, w, eps: hnorm.fp32_factor_rms_norm(x, w, eps, 0.0))
+        assert torch.equal(reference(x, stock.weight, patched.norm_eps()), want)
+    hybridgemm.unpatch(patched)
+    assert type(patched) is cls
+
+
+def test_forwards_close_to_the_fp32_factor_formulas_are_not_taken_for_them():
+    def olmo2(self, hidden_states):
+        h = hidden_states.float()
+        return (self.weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))).to(
+            hidden_states.dtype)
+
+    def rounded_first(self, hidden_states):  # rounds the normalised row before an fp32 weight multiplies it
+        h = hidden_states.float()
+        return self.weight.float() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(
+            hidden_states.dtype)
+
+    def gemma_of_variance_epsilon(self, hidden_states):  # Gemma's factor, another epsilon attribute
+        return hnorm.reference_gemma_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+    assert hnorm.computes_olmo2_norm(_fake_transformers_norm(olmo2)(16))
+    for forward in (rounded_first, gemma_of_variance_epsilon, _llama_formula):
+        norm = _fake_transformers_norm(forward)(16)
+        assert not hnorm.computes_olmo2_norm(norm) and not hnorm.computes_gemma_norm(norm), forward.__name__
+
+
+def test_a_model_of_norms_outside_the_list_is_patched_and_gives_stock_logits():
     from helpers import tiny_moe_lm
 
     stock = tiny_moe_lm("glm4_moe", 97, 64, 8, 3, head_dim=16)
