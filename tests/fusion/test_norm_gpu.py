@@ -61,14 +61,19 @@ def test_kernel_matches_the_stock_module(name, dtype, shape, monkeypatch):
 
 
 def fp32_factor_pair(family, h, dtype):
-    """A stock Gemma (1 + w) or OLMo 2 (w) norm on the GPU and its patched copy."""
-    if family == "gemma":
-        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as cls
-    else:
-        from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm as cls
+    """A stock Gemma (1 + w) or OLMo 2 (w) norm on the GPU and its patched copy; "qwen3_next" and
+    "gpt_oss": those models' norms, of Gemma's and OLMo 2's formula, recognised by running them."""
+    import importlib
+
+    name = {"gemma": "GemmaRMSNorm", "olmo2": "Olmo2RMSNorm", "qwen3_next": "Qwen3NextRMSNorm",
+            "gpt_oss": "GptOssRMSNorm"}[family]
+    try:
+        cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+    except (ImportError, AttributeError):
+        pytest.skip(f"this transformers has no {name}")
     stock = cls(h, eps=1e-6)
     with torch.no_grad():
-        stock.weight.copy_(0.5 * torch.randn(h) + (0.0 if family == "gemma" else 1.0))
+        stock.weight.copy_(0.5 * torch.randn(h) + (0.0 if family in ("gemma", "qwen3_next") else 1.0))
     stock = stock.to("cuda", dtype)
     patched = copy.deepcopy(stock)
     hybridgemm.patch(nn.Sequential(patched), strict=True)
@@ -76,7 +81,7 @@ def fp32_factor_pair(family, h, dtype):
     return stock, patched
 
 
-@pytest.mark.parametrize("family", ["gemma", "olmo2"])
+@pytest.mark.parametrize("family", ["gemma", "olmo2", "qwen3_next", "gpt_oss"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 1, 3072), (8, 1, 3584), (1, 333, 4096), (3, 17, 5000)])
 def test_fp32_factor_kernel_matches_the_stock_module(family, dtype, shape, monkeypatch):
