@@ -392,15 +392,17 @@ def _tiny(kind: str, layers: int = 2, attention: str = "sdpa", **extra):
               "granite": transformers.GraniteConfig, "gemma": transformers.GemmaConfig,
               "phi3": transformers.Phi3Config, "gemma2": transformers.Gemma2Config,
               "gemma3": transformers.Gemma3TextConfig, "olmo2": transformers.Olmo2Config,
-              "stablelm": transformers.StableLmConfig, "cohere": transformers.CohereConfig}[kind](**kw)
+              "stablelm": transformers.StableLmConfig, "cohere": transformers.CohereConfig,
+              "olmo3": transformers.Olmo3Config, "ministral": transformers.MinistralConfig,
+              "cwm": transformers.CwmConfig}[kind](**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
-    if kind in ("gemma", "gemma2", "gemma3", "olmo2", "stablelm", "cohere"):  # norms start as the identity:
-        with torch.no_grad():                                                    # others, so that they show
+    if kind in ("gemma", "gemma2", "gemma3", "olmo2", "olmo3", "stablelm", "cohere"):  # norms start as the identity:
+        with torch.no_grad():                                                             # others, so that they show
             for name, p in model.named_parameters():
                 if "norm" in name:
-                    p.uniform_(*((0.5, 1.5) if kind in ("olmo2", "stablelm", "cohere") and name.endswith("weight")
-                                 else (-0.5, 0.5)))
+                    olmo_or_layernorm = kind in ("olmo2", "olmo3", "stablelm", "cohere")
+                    p.uniform_(*((0.5, 1.5) if olmo_or_layernorm and name.endswith("weight") else (-0.5, 0.5)))
     return model
 
 
@@ -701,6 +703,26 @@ def test_post_norm_layers_decode_as_stock_does(kind, attention, extra, kernels_o
     assert launches == [((2, 4 * 32), extra.get("attn_logit_softcapping") or 0.0, n) for n in steps_added] * 3
     # OLMo 2: its q/k norms, rotary and cache write in one launch per layer and new token
     assert qk_rows == ([(2, 1)] * 6 if kind == "olmo2" else [])
+
+
+@pytest.mark.parametrize("kind,layer_types", [
+    ("olmo3", ["sliding_attention", "full_attention"]), ("ministral", ["sliding_attention", "full_attention"]),
+    ("cwm", ["full_attention", "sliding_attention"])])
+def test_sliding_window_families_decode_as_stock_does(kind, layer_types, kernels_on_cpu):
+    """OLMo 3 (OLMo 2's layer: post-norms, q/k norms over all heads), Ministral and CWM (Llama's
+    layer): a sliding-window layer beside a full one, the window of 4 filled by the decode. Both
+    layers fused; the full layer takes the static-cache step (Ministral's and CWM's with the rotary
+    in the Q/K/V epilogue), the sliding one, whose window the cache fills, runs the module's
+    attention over the fused Q/K/V."""
+    stock = _tiny(kind, head_dim=32, sliding_window=4, layer_types=layer_types)
+    model = _patched(stock)
+    _compare(model, stock, steps=3)
+    assert all(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
+    assert all(bool(layer.__dict__.get(checks.POST_NORMS)) is (kind == "olmo3") for layer in model.model.layers)
+    # Q/K/V, O and down of both layers, the prompt's call and each step's, in fused split-K
+    assert kernels_on_cpu["counters"] == (1 + 3) * 2 * 3
+    # the full layer's rotary in its Q/K/V epilogue at each step (OLMo 3: after its q/k norms, apart)
+    assert kernels_on_cpu["rope"] == (0 if kind == "olmo3" else 3)
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])

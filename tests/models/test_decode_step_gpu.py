@@ -82,7 +82,8 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
 
 @pytest.fixture(params=["llama", "qwen3", "granite", "qwen3_moe", "mixtral", "qwen2_moe", "gemma", "phi3",
                         "phi3_partial", "gemma2", "gemma2-wide", "gemma3", "gemma3-wide", "olmo2", "stablelm",
-                        "stablelm_parallel", "cohere", "gpt_neox", "falcon", "falcon_new", "olmoe", "glm4_moe"])
+                        "stablelm_parallel", "cohere", "gpt_neox", "falcon", "falcon_new", "olmoe", "glm4_moe", "olmo3",
+                        "ministral-wide"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
@@ -108,7 +109,9 @@ def models(monkeypatch, request):
     attention caches K and V copied to every query head (the report says so: test_layernorm_layers);
     glm4_moe (q/k/v biases, the rotary over half of each head in the QKV epilogue, a dense first
     layer, then shared and routed experts with DeepSeek-V3's router), where its attention and
-    router are forms the step computes."""
+    router are forms the step computes; olmo3 (OLMo 2's layer, a sliding layer whose window of 4
+    fills beside a full one); ministral-wide (Llama's layer, a sliding layer of window 64 that the
+    cache never fills beside a full one: both take the static-cache step)."""
     kind, _, wide = request.param.partition("-")
     if kind.startswith("falcon"):
         from transformers.models.falcon.modeling_falcon import FalconAttention
@@ -130,7 +133,7 @@ def models(monkeypatch, request):
             pytest.skip(f"transformers {transformers.__version__}: {why}")
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=kind, window=64 if wide else None,
                                          attention="eager" if request.param == "gemma2-wide" else None)
-    calls = {"rope": 0, "store": 0, "static": request.param not in ("gemma2", "gemma3", "olmo2", "olmoe"),
+    calls = {"rope": 0, "store": 0, "static": request.param not in ("gemma2", "gemma3", "olmo2", "olmoe", "olmo3"),
              "wide": bool(wide)}
     real = triton_splitk.run
 

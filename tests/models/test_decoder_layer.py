@@ -177,7 +177,8 @@ def test_what_is_not_fused_and_why(monkeypatch):
                             "MistralDecoderLayer, GraniteDecoderLayer, Qwen3MoeDecoderLayer, MixtralDecoderLayer, "
                             "Qwen2MoeDecoderLayer, GemmaDecoderLayer, Phi3DecoderLayer, Gemma2DecoderLayer, "
                             "Gemma3DecoderLayer, Olmo2DecoderLayer, StableLmDecoderLayer, CohereDecoderLayer, "
-                            "GPTNeoXLayer, FalconDecoderLayer, OlmoeDecoderLayer, Glm4MoeDecoderLayer)")]
+                            "GPTNeoXLayer, FalconDecoderLayer, OlmoeDecoderLayer, Glm4MoeDecoderLayer, "
+                            "Olmo3DecoderLayer, MinistralDecoderLayer, CwmDecoderLayer)")]
 
 
 def _module_state(model) -> dict:

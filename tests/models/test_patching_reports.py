@@ -32,6 +32,9 @@ CONFIGS = {
     "gemma2": ("Gemma2Config", {"head_dim": 16}),
     "granite": ("GraniteConfig", {}),
     "olmo2": ("Olmo2Config", {}),
+    "olmo3": ("Olmo3Config", {}),
+    "ministral": ("MinistralConfig", {"head_dim": 16}),
+    "cwm": ("CwmConfig", {}),
     "stablelm": ("StableLmConfig", {}),
     "cohere": ("CohereConfig", {}),
     "phi3": ("Phi3Config", {}),
@@ -49,7 +52,8 @@ FALCON_FUSED = attention_forms.why_not_attention_form(
 SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDecoderLayer, GraniteDecoderLayer, "
              "Qwen3MoeDecoderLayer, MixtralDecoderLayer, Qwen2MoeDecoderLayer, GemmaDecoderLayer, Phi3DecoderLayer, "
              "Gemma2DecoderLayer, Gemma3DecoderLayer, Olmo2DecoderLayer, StableLmDecoderLayer, CohereDecoderLayer, "
-             "GPTNeoXLayer, FalconDecoderLayer, OlmoeDecoderLayer, Glm4MoeDecoderLayer")
+             "GPTNeoXLayer, FalconDecoderLayer, OlmoeDecoderLayer, Glm4MoeDecoderLayer, Olmo3DecoderLayer, "
+             "MinistralDecoderLayer, CwmDecoderLayer")
 
 
 def _layer(cls: str) -> str:
@@ -61,7 +65,8 @@ def _norm(cls: str) -> str:
     count = len(RMS_NORM_CLASSES) + len(GEMMA_NORM_CLASSES) + len(OLMO2_NORM_CLASSES)
     return (f"norm not patched: {cls} is not one of the {count} RMSNorm classes of known formula hybridgemm "
             "recognises (hybridgemm.norm.RMS_NORM_CLASSES, GEMMA_NORM_CLASSES, OLMO2_NORM_CLASSES), nor does its "
-            "forward compute Llama's formula with its weight and variance_epsilon")
+            "forward compute Llama's formula or OLMo 2's with its weight and variance_epsilon, or Gemma's with its "
+            "weight and eps")
 
 
 def _moe(cls: str) -> str:
@@ -87,6 +92,8 @@ EXPECTED = {
     # its norms (weight in fp32) patched, the post-norms applied to O's and down's outputs; its
     # q/k norms over all heads run as modules in the static-cache step, after the Q/K/V GEMM
     "olmo2": [],
+    "olmo3": [],  # OLMo 2's layer beside sliding-window ones (its norms recognised by running them)
+    "ministral": [], "cwm": [],  # Llama's layer beside sliding-window ones
     # the layer fused, its LayerNorms called as the modules they are
     "stablelm": [(f"{L}.input_layernorm", _norm("LayerNorm")), (f"{L}.post_attention_layernorm", _norm("LayerNorm"))],
     "cohere": [(f"{L}.input_layernorm", _norm("CohereLayerNorm"))],  # the layer fused, its norm a module
