@@ -33,7 +33,9 @@ call only, as are the values of a part parametrized after patching (``torch.nn.u
 the GEMM reads what the parametrization computes; ``unpatch`` moves the parametrization to the
 restored linear). An in-place change of a part between a forward and its backward raises, as for a
 stock weight. A part's ``set_`` (as ``remove_parametrizations(leave_parametrized=True)`` calls it)
-counts as a move; storage swapped below that API (``torch.utils.swap_tensors`` by hand) is not seen.
+counts as a move, and so does ``torch.utils.swap_tensors`` of a part (which it calls under
+``torch.__future__.set_swap_module_params_on_conversion(True)``: the part's class changes); a swap
+of a part's storage alone, by hand, is not seen.
 
 Checkpoints. The state dict keeps the stock keys: each slice writes its parameters under
 their stock names as copies of their own (safetensors' ``save_model`` refuses a state-dict
@@ -178,7 +180,11 @@ class FusedLinears(nn.Module):
     def _seen(self, attr: str, parts: list[Tensor]) -> bool:
         """Are ``parts`` the objects of the last check, with nothing moved since (:data:`_EPOCH`)?"""
         seen = (self.__dict__.get("_seen_parts") or {}).get(attr)
-        return self._checked == _EPOCH[0] and seen is not None and all(p is q for p, q in zip(parts, seen))
+        # (the class too: torch.utils.swap_tensors, which remove_parametrizations calls under
+        # torch.__future__.set_swap_module_params_on_conversion(True), swaps a part's contents and
+        # class in place, keeping the object)
+        return self._checked == _EPOCH[0] and seen is not None \
+            and all(p is q and p.__class__ is FusedPart for p, q in zip(parts, seen))
 
     def stacked(self, attr: str) -> Tensor | None:
         """The stacked ``attr`` (a part tensor: stacked anew first where a part parameter no
@@ -193,8 +199,9 @@ class FusedLinears(nn.Module):
 
     def check_rows(self) -> None:
         """Stack anew every part tensor one of whose part parameters no longer lies in its rows.
-        Parts that are not parameters (a call's own tensors, torch.func.functional_call) are
-        no state of the module: left as they are."""
+        A part tensor some of whose parts are not parameters (a call's own tensors,
+        torch.func.functional_call; a parametrization's values) is no state of the module: left
+        as it is, and checked again once they are (the other part tensors are checked now)."""
         seen = {}
         for attr in self.PART_TENSORS:
             t = self.__dict__["stacked_" + attr]
@@ -202,7 +209,7 @@ class FusedLinears(nn.Module):
                 continue
             parts = self.parts(attr)
             if not all(isinstance(p, nn.Parameter) for p in parts):
-                return
+                continue
             if not self._in_rows(attr, t):
                 self.restack(attr)
             seen[attr] = tuple(self.parts(attr))

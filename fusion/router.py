@@ -246,8 +246,11 @@ class HybridSigmoidRouter(nn.Module):
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         weight = self.weight
         x = hidden_states.reshape(-1, weight.shape[1]).float()
-        if self.route_sigmoid_form.autocast_off:
-            with torch.autocast(x.device.type, enabled=False):
+        device = x.device.type
+        # autocast switched off only where it is on (as transformers' maybe_autocast: no region in
+        # a graph that needs none; the meta device has no autocast)
+        if self.route_sigmoid_form.autocast_off and device != "meta" and torch.is_autocast_enabled(device):
+            with torch.autocast(device, enabled=False):
                 logits = F.linear(x, weight.float())
         else:  # (under autocast in autocast's dtype, as the stock forward)
             logits = F.linear(x, weight.float())

@@ -537,14 +537,20 @@ def test_a_parametrization_registered_after_patch_runs_trains_saves_and_survives
     assert torch.allclose(_logits(patched, ids), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["set_", "swap_tensors"])
 @pytest.mark.parametrize("leave", [True, False], ids=["leave_parametrized", "original"])
 @pytest.mark.parametrize("name", ["k_proj", "up_proj"])
-def test_removing_a_parametrization_from_a_fused_slice_while_patched_gives_the_gemm_its_values(name, leave):
+def test_removing_a_parametrization_from_a_fused_slice_while_patched_gives_the_gemm_its_values(name, leave, swap,
+                                                                                              monkeypatch):
     """``remove_parametrizations`` on a fused slice while the model stays patched: the GEMM reads
     what stock's linear then holds (with ``leave_parametrized=True`` the computed values, which
-    torch puts into the original parameter's storage; else the original's own values)."""
+    torch puts into the original parameter's storage by ``set_``, or by ``torch.utils.swap_tensors``
+    under ``torch.__future__.set_swap_module_params_on_conversion(True)``; else the original's own
+    values)."""
     from torch.nn.utils import parametrize
 
+    monkeypatch.setattr(torch.__future__, "_swap_module_params_on_conversion", swap)
+    assert torch.__future__.get_swap_module_params_on_conversion() is swap
     stock = _stock()
     patched = copy.deepcopy(stock)
     hybridgemm.patch(patched)
@@ -566,6 +572,47 @@ def test_removing_a_parametrization_from_a_fused_slice_while_patched_gives_the_g
     assert torch.allclose(_logits(patched, ids), want, rtol=1e-5, atol=1e-5)
     assert hybridgemm.unpatch(patched)
     assert torch.allclose(_logits(patched, ids), want, rtol=1e-5, atol=1e-5)
+
+
+class _Shifted(torch.nn.Module):
+    def forward(self, t):
+        return 3 * t + 0.5
+
+
+def test_a_bias_parametrization_removed_while_the_weight_keeps_its_own_reaches_the_gemm():
+    """A fused Q/K/V with biases (Qwen2's), k_proj's weight and bias parametrized, then the bias's
+    parametrization removed with its values left: the GEMM adds k_proj's new bias while its
+    weight is still computed per call; then the weight's removed too."""
+    import transformers
+    from torch.nn.utils import parametrize
+
+    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=1, vocab_size=97, max_position_embeddings=64)
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for n, p in stock.named_parameters():
+            if n.endswith("bias"):
+                p.normal_()
+    patched = copy.deepcopy(stock)
+    hybridgemm.patch(patched)
+    ids = _ids()
+
+    def k_proj(model):
+        return model.model.layers[0].self_attn.k_proj
+
+    assert type(k_proj(patched)).__name__ == "FusedSlice"
+    for model in (stock, patched):
+        _logits(model, ids)
+        for attr in ("weight", "bias"):
+            parametrize.register_parametrization(k_proj(model), attr, _Shifted())
+        _logits(model, ids)
+        parametrize.remove_parametrizations(k_proj(model), "bias", leave_parametrized=True)
+    want = _logits(stock, ids)
+    assert torch.allclose(_logits(patched, ids), want, rtol=1e-5, atol=1e-5)
+    for model in (stock, patched):
+        parametrize.remove_parametrizations(k_proj(model), "weight", leave_parametrized=True)
+    assert torch.allclose(_logits(patched, ids), _logits(stock, ids), rtol=1e-5, atol=1e-5)
 
 
 class _Halved(torch.nn.Module):

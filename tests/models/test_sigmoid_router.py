@@ -243,6 +243,11 @@ def test_under_autocast_the_router_computes_its_logits_in_stock_dtype(which):
         got, want = _as_sets(router(x)), _as_sets(stock(x))
     assert got[0].dtype == want[0].dtype == (torch.float32 if which == "minicpm5_moe" else torch.bfloat16)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with torch.no_grad():  # without autocast, and on the meta device (shapes only), as stock
+        assert all(torch.equal(a, b) for a, b in zip(_as_sets(router(x)), _as_sets(stock(x))))
+        meta_got, meta_want = copy.deepcopy(router).to("meta"), copy.deepcopy(stock).to("meta")
+        x = torch.empty(5, 64, device="meta")
+        assert [t.shape for t in meta_got(x)] == [t.shape for t in meta_want(x)]
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "kernel"])
