@@ -136,6 +136,12 @@ PRESETS: dict[str, ModelPreset] = {
                     intermediate=10240, vocab=262208, layers=34, mlp_norm="fp32"),
         ModelPreset("olmo2-7b", 4096, 32, 32, 128, qkv_bias=False, o_bias=False,
                     intermediate=11008, vocab=100352, layers=32, mlp_norm=None),
+        ModelPreset("olmo3-7b", 4096, 32, 32, 128, qkv_bias=False, o_bias=False,
+                    intermediate=11008, vocab=100278, layers=32, mlp_norm=None),
+        ModelPreset("ministral-8b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False,
+                    intermediate=12288, vocab=131072, layers=36),
+        ModelPreset("phi4-mini", 3072, 24, 8, 128, qkv_bias=False, o_bias=False, intermediate=8192, vocab=200064,
+                    layers=32, tied_lm_head=True, tp_whole=("attention", "mlp")),
         # StableLM: LayerNorms, which the fused step runs as modules (no norm prologue)
         ModelPreset("stablelm-2-1.6b", 2048, 32, 32, 64, qkv_bias=True, o_bias=False,
                     intermediate=5632, vocab=100352, layers=24, mlp_norm=None),

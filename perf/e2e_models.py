@@ -90,6 +90,13 @@ FAMILIES: dict[str, Family] = {
     # OLMo 2: no input norms, each sublayer's output normalised before its residual add, q/k
     # norms over all heads (its RMSNorms scale by the weight in fp32)
     "olmo2": Family("Olmo2Config", head_dim=False, qkv_bias=None),
+    # OLMo 3: OLMo 2's layer, three sliding-window layers (window 4096) to each full one
+    "olmo3": Family("Olmo3Config", head_dim=False, qkv_bias=None, fixed=(("sliding_window", 4096),)),
+    # Ministral (8B): Llama's layer, every layer sliding over a window of 32768 (its published config)
+    "ministral": Family("MinistralConfig", head_dim=True, qkv_bias=None, fixed=(("sliding_window", 32768),)),
+    # Phi-4-mini: Phi-3's layer, the rotary over the first three quarters of each head's columns
+    "phi4": Family("Phi3Config", head_dim=False, qkv_bias=False,
+                   fixed=(("pad_token_id", 199999), ("partial_rotary_factor", 0.75))),
     # StableLM: LayerNorms, the rotary over the first quarter of each head's columns, the residual
     # sequential (StableLM 2 1.6B's and 3B-4E1T's published configs)
     "stablelm": Family("StableLmConfig", head_dim=False, qkv_bias=None, bias_field="use_qkv_bias",
@@ -138,6 +145,9 @@ SIZES: dict[str, ModelSizes] = {
     "gemma-7b": ModelSizes("gemma", 24576, 28, 256000, 1e4, 1e-6, 8192),  # its LM head tied in the release
     "gemma3-4b": ModelSizes("gemma3", 10240, 34, 262208, 1e6, 1e-6, 131072),  # its LM head tied in the release
     "olmo2-7b": ModelSizes("olmo2", 11008, 32, 100352, 5e5, 1e-6, 4096),  # OLMo-2-1124-7B
+    "olmo3-7b": ModelSizes("olmo3", 11008, 32, 100278, 5e5, 1e-6, 65536),  # Olmo-3-1025-7B
+    "ministral-8b": ModelSizes("ministral", 12288, 36, 131072, 1e8, 1e-5, 32768),  # Ministral-8B-Instruct-2410
+    "phi4-mini": ModelSizes("phi4", 8192, 32, 200064, 1e4, 1e-5, 131072),  # its LM head tied in the release
     "stablelm-2-1.6b": ModelSizes("stablelm", 5632, 24, 100352, 1e4, 1e-5, 4096),  # q/k/v biases
     "stablelm-3b": ModelSizes("stablelm", 6912, 32, 50304, 1e4, 1e-5, 4096),  # StableLM-3B-4E1T; heads of 80
     "aya-23-8b": ModelSizes("cohere", 14336, 32, 256000, 1e4, 1e-5, 8192),  # its LM head tied in the release

@@ -143,6 +143,30 @@ def test_layernorm_family_configs_have_the_published_sizes_and_are_fused(name, s
         assert len(report.fused_layers) == 2 and report.fused_attention == report.fused_layers
 
 
+@pytest.mark.parametrize("name, sizes", [
+    ("olmo3-7b", dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
+                      vocab_size=100278, sliding_window=4096)),
+    ("ministral-8b", dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                          intermediate_size=12288, vocab_size=131072, sliding_window=32768)),
+    ("phi4-mini", dict(hidden_size=3072, num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192,
+                       vocab_size=200064)),
+])
+def test_sliding_window_and_partial_rotary_presets_are_fused(name, sizes):
+    """OLMo 3's and Ministral's (sliding-window layers: OLMo 3's three to one full, Ministral's all)
+    and Phi-4-mini's (the rotary over 96 of each head's 128 columns) configs as published, built on
+    the meta device and patched: every layer fused and its attention on the static-cache step."""
+    config = hf.hf_config(name, layers=4)
+    assert {k: getattr(config, k) for k in sizes} == sizes and config.num_hidden_layers == 4
+    layer_types = getattr(config, "layer_types", None) or []
+    assert layer_types == {"olmo3-7b": ["sliding_attention"] * 3 + ["full_attention"],
+                           "ministral-8b": ["sliding_attention"] * 4, "phi4-mini": []}[name]
+    if name == "phi4-mini":
+        assert config.rope_parameters["partial_rotary_factor"] == 0.75
+    report = hybridgemm.patch(hf.build_model(config, torch.bfloat16, "meta"))
+    assert len(report.fused_layers) == 4 and report.fused_attention == report.fused_layers
+    assert report.skipped == []
+
+
 @pytest.mark.parametrize("name, floor_ms", [("qwen2.5-7b", 3.34), ("llama3-8b", 3.55)])
 def test_full_size_floor_on_the_meta_device(name, floor_ms):
     """The whole models, built without memory: the bytes a decode step reads give the floors

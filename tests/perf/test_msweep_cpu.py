@@ -94,7 +94,7 @@ def by_key_models(shapes, key) -> tuple[str, ...]:
 def test_all_presets_deduplicated_bias_kept_apart():
     shapes = MS.sweep_shapes()
     keys = [(s.n, s.k, s.bias) for s in shapes]
-    assert len(keys) == len(set(keys)) == 40
+    assert len(keys) == len(set(keys)) == 42
     # falcon-7b's (71 heads of 64 over 4544, one KV head): q and o one shape, k/v and Q/K/V their own
     assert by_key_models(shapes, (4544, 4544, False)) == by_key_models(shapes, (64, 4544, False)) \
         == by_key_models(shapes, (4672, 4544, False)) == ("falcon-7b",)
@@ -108,17 +108,20 @@ def test_all_presets_deduplicated_bias_kept_apart():
     assert by_key_models(shapes, (7680, 2560, False)) == ("stablelm-3b",)
     assert by_key_models(shapes, (2048, 2048, True)) == by_key_models(shapes, (2048, 2048, False)) \
         == ("stablelm-2-1.6b",)
-    # olmo2-7b's (32 heads of 128 over 4096, no GQA): its Q/K/V 12288 rows over 4096 (q, k/v and o are llama's o)
-    assert by_key_models(shapes, (12288, 4096, False)) == ("olmo2-7b",)
+    # olmo2-7b's and olmo3-7b's (32 heads of 128 over 4096, no GQA): their Q/K/V 12288 rows over 4096 (q, k/v and
+    # o are llama's o)
+    assert by_key_models(shapes, (12288, 4096, False)) == ("olmo2-7b", "olmo3-7b")
     # gemma-7b's attention (16 heads of 256 over 3072, no GQA): q, k/v and o shapes of its own
     assert by_key_models(shapes, (4096, 3072, False)) == ("gemma-7b",)
     # qwen3-30b-a3b's attention (32 heads of 128 over 2048) is a shape set of its own; mixtral's is llama3-8b's
     assert by_key_models(shapes, (5120, 2048, False)) == ("qwen3-30b-a3b",)
     assert by_key_models(shapes, (6144, 4096, False)) == ("llama3-8b", "mistral-7b", "qwen3-8b", "granite-8b",
-                                                          "aya-23-8b", "mixtral-8x7b")
+                                                          "ministral-8b", "aya-23-8b", "mixtral-8x7b")
     # phi3-mini's (32 heads of 96 over 3072, no GQA): q, k/v and o one 3072 x 3072 shape, its Q/K/V 9216 rows
-    assert by_key_models(shapes, (3072, 3072, False)) == ("phi3-mini",)
+    assert by_key_models(shapes, (3072, 3072, False)) == ("phi3-mini", "phi4-mini")
     assert by_key_models(shapes, (9216, 3072, False)) == ("phi3-mini",)
+    # phi4-mini's (24 heads of 128 over 3072, 8 KV heads): its k/v and Q/K/V shapes of its own
+    assert by_key_models(shapes, (1024, 3072, False)) == by_key_models(shapes, (5120, 3072, False)) == ("phi4-mini",)
     # gemma2-9b's (16 heads of 256 over 3584, 8 KV heads): four shapes of its own
     assert [s.models for s in shapes if (s.n, s.k) in ((4096, 3584), (2048, 3584), (8192, 3584), (3584, 4096))] \
         == [("gemma2-9b",)] * 4
