@@ -92,7 +92,8 @@ FAMILIES: dict[str, Family] = {
     "olmo2": Family("Olmo2Config", head_dim=False, qkv_bias=None),
     # OLMo 3: OLMo 2's layer, three sliding-window layers (window 4096) to each full one
     "olmo3": Family("Olmo3Config", head_dim=False, qkv_bias=None, fixed=(("sliding_window", 4096),)),
-    # Ministral (8B): Llama's layer, every layer sliding over a window of 32768 (its published config)
+    # Ministral (8B): Llama's layer, sliding-window layers of 32768 (MinistralConfig's default
+    # layer types: every layer sliding; the release interleaves full layers)
     "ministral": Family("MinistralConfig", head_dim=True, qkv_bias=None, fixed=(("sliding_window", 32768),)),
     # Phi-4-mini: Phi-3's layer, the rotary over the first three quarters of each head's columns
     "phi4": Family("Phi3Config", head_dim=False, qkv_bias=False,
