@@ -103,20 +103,21 @@ def computes_rms_norm(mod: nn.Module) -> bool:
     rows, in bf16 and in fp16, and fp32 rows under a bf16 weight; True where every output equals
     the reference's bit for bit (and its forward takes ``hidden_states`` alone).
     Never raises: a forward that fails on the probe is not this formula."""
-    return _computes(mod, "variance_epsilon", reference_rms_norm)
+    return _computes(mod, "variance_epsilon", reference_rms_norm, _PROBE_DTYPES, ("hidden_states",))
 
 
 def computes_gemma_norm(mod: nn.Module) -> bool:
     """:func:`computes_rms_norm` for Gemma's formula (:func:`reference_gemma_rms_norm`, epsilon
     ``eps``; Qwen3-Next's, Qwen3.5's, VaultGemma's copies), bf16 rows under an fp32 weight too."""
-    return _computes(mod, "eps", reference_gemma_rms_norm)
+    return _computes(mod, "eps", reference_gemma_rms_norm, _FP32_FACTOR_PROBE_DTYPES, _FP32_FACTOR_ARGUMENTS)
 
 
 def computes_olmo2_norm(mod: nn.Module) -> bool:
     """:func:`computes_rms_norm` for OLMo 2's formula (the weight in fp32 times the normalised
     row, rounded once; epsilon ``variance_epsilon``; OLMo 3's, GPT-OSS's, Helium's copies), bf16
     rows under an fp32 weight too."""
-    return _computes(mod, "variance_epsilon", lambda x, w, eps: _scaled_in_fp32(x, w.float(), eps))
+    return _computes(mod, "variance_epsilon", lambda x, w, eps: _scaled_in_fp32(x, w.float(), eps),
+                     _FP32_FACTOR_PROBE_DTYPES, _FP32_FACTOR_ARGUMENTS)
 
 
 # (rows, weight) dtypes of a probe: fp32 rows under a bf16 weight tell T5's norm (it casts the
@@ -124,21 +125,21 @@ def computes_olmo2_norm(mod: nn.Module) -> bool:
 # applied in fp32 (rounded once) from one applied after rounding
 _PROBE_DTYPES = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.bfloat16))
 _FP32_FACTOR_PROBE_DTYPES = (*_PROBE_DTYPES, (torch.bfloat16, torch.float32))
+# the fp32-factor forms' forward argument may be named x, as in Gemma's classes (swapped so too)
+_FP32_FACTOR_ARGUMENTS = ("hidden_states", "x")
 
 
-def _computes(mod: nn.Module, eps_attr: str, reference) -> bool:
+def _computes(mod: nn.Module, eps_attr: str, reference, dtypes: tuple, names: tuple[str, ...]) -> bool:
+    """Does ``mod``'s forward (one argument, named as one of ``names``) give ``reference(x,
+    weight, eps)`` bit for bit, its epsilon ``eps_attr``, for rows and weight of each of ``dtypes``?"""
     t = type(mod)
     w = mod._parameters.get("weight")
     eps = mod.__dict__.get(eps_attr)
-    llama = reference is reference_rms_norm
-    # (the fp32-factor forms' argument may be named x, as in Gemma's classes, which are swapped so too)
-    names = ("hidden_states",) if llama else ("hidden_states", "x")
     if not t.__module__.startswith("transformers") or w is None or w.dim() != 1 or not w.is_floating_point() \
             or not isinstance(eps, float) or len(mod._parameters) != 1 or mod._modules \
             or not _takes_rows_only(t, names):
         return False
     g = torch.Generator().manual_seed(0)
-    dtypes = _PROBE_DTYPES if llama else _FP32_FACTOR_PROBE_DTYPES
     try:
         with torch.device("cpu"), torch.no_grad():  # (whatever device context patch is called in)
             probe = copy.deepcopy(mod).to_empty(device="cpu")

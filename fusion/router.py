@@ -29,6 +29,7 @@ installed transformers computes, not its source text.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from dataclasses import dataclass
@@ -248,11 +249,10 @@ class HybridSigmoidRouter(nn.Module):
         x = hidden_states.reshape(-1, weight.shape[1]).float()
         device = x.device.type
         # autocast switched off only where it is on (as transformers' maybe_autocast: no region in
-        # a graph that needs none; the meta device has no autocast)
-        if self.route_sigmoid_form.autocast_off and device != "meta" and torch.is_autocast_enabled(device):
-            with torch.autocast(device, enabled=False):
-                logits = F.linear(x, weight.float())
-        else:  # (under autocast in autocast's dtype, as the stock forward)
+        # a graph that needs none; the meta device has no autocast); else under autocast in
+        # autocast's dtype, as the stock forward
+        off = self.route_sigmoid_form.autocast_off and device != "meta" and torch.is_autocast_enabled(device)
+        with torch.autocast(device, enabled=False) if off else contextlib.nullcontext():
             logits = F.linear(x, weight.float())
         ids, weights = route_sigmoid(logits, self.top_k, *_sigmoid_args(self, self.route_sigmoid_form))
         return logits, weights, ids
