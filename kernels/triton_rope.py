@@ -13,7 +13,9 @@ tile and rotates in registers (:func:`tl_rotate_half_rows`), before the one roun
 output dtype. The v tiles keep contiguous columns and are not rotated. Cohere's rotary pairs
 neighbouring columns ``2i`` and ``2i + 1`` instead (``pairs``): a tile's even columns, then its
 odd ones, rotated in fp32 from the accumulator and rounded once (Cohere's function rotates fp32
-copies of the projection already rounded to the dtype: one rounding more).
+copies of the projection already rounded to the dtype: one rounding more). A layer without
+positional embedding (``rotate=False``: SmolLM3's NoPE layers) rotates no tile: the epilogue
+then writes the cache alone.
 
 A weight whose rows are grouped per KV head, ``[q x group | k | v]`` (GPT-NeoX's
 ``query_key_value``, ``[q | k | v]`` per head, group 1; Falcon's new architecture, group
@@ -77,6 +79,9 @@ class RotaryCache:
     # Cohere's rotary: column 2i paired with 2i + 1 (its rotate_half interleaves; cos/sin hold each
     # frequency twice), over all of each head
     pairs: bool = False
+    # False: q and k pass unrotated (a layer without positional embedding: SmolLM3's NoPE layers);
+    # cos/sin are checked as ever but not read
+    rotate: bool = True
 
 
 @dataclass(frozen=True)
@@ -101,13 +106,15 @@ class RopeLayout:
     rot: int = 0  # the rotated columns of each head (cos's width); 0: all, head_dim
     group: int = 0  # RotaryCache.group
     pairs: bool = False  # RotaryCache.pairs
+    rotate: bool = True  # RotaryCache.rotate
 
     def scalars(self, block_n: int) -> tuple:
-        """The kernel's rotary arguments (integers, then the q/k norms' eps), in signature order."""
+        """The kernel's rotary arguments (integers, then the q/k norms' eps), in signature order;
+        without ``rotate`` no tile is a rotated one (the epilogue then only writes the cache)."""
         q_cols = self.heads * self.head_dim
+        rope_tiles = (self.heads + self.kv_heads) * self.head_dim // block_n if self.rotate else 0
         return (self.seq, *self.cos_strides, *self.k_strides, *self.v_strides, q_cols,
-                q_cols + self.kv_heads * self.head_dim, self.cache_len,
-                (self.heads + self.kv_heads) * self.head_dim // block_n, self.qk_eps)
+                q_cols + self.kv_heads * self.head_dim, self.cache_len, rope_tiles, self.qk_eps)
 
 
 def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: int, who: str) -> RopeLayout:
@@ -130,6 +137,9 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
         raise ValueError(f"{who}: rope group must be 0 or heads / kv_heads = {h // hkv if h % hkv == 0 else '-'} "
                          f"(the query heads of each KV head), got {group!r}")
     norms = _qk_norms(rc, x, block_n, who)
+    if not isinstance(rc.rotate, bool) or not rc.rotate and (norms or rc.pairs):
+        raise ValueError(f"{who}: rope rotate must be a bool, False only without q/k norms and pairs, got "
+                         f"{rc.rotate!r}")
     m = x.shape[0]
     cos, sin = rc.cos, rc.sin
     for name, t in (("cos", cos), ("sin", sin)):
@@ -156,7 +166,8 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
     ptrs = [cos, sin]
     factor = bool(norms) and (rc.qk_offset is not None or rc.q_norm.dtype != x.dtype)
     qk = dict(qk_norm=bool(norms), qk_eps=float(rc.qk_eps) if norms else 0.0, qk_factor=factor,
-              qk_offset=float(rc.qk_offset or 0.0) if factor else 0.0, rot=rot, group=group, pairs=rc.pairs)
+              qk_offset=float(rc.qk_offset or 0.0) if factor else 0.0, rot=rot, group=group, pairs=rc.pairs,
+              rotate=rc.rotate)
     if rc.keys is None:
         if rc.values is not None or rc.base is not None:
             raise ValueError(f"{who}: rope: values and base need keys")

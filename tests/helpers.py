@@ -165,7 +165,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     8 KV heads; ``"falcon"``: Falcon-7B's form, multi-query (one KV head), one LayerNorm for the parallel attention
     and MLP, no biases; ``"falcon_new"``: Falcon-40B's, its Q/K/V grouped per KV head, a LayerNorm each for the
     attention and the MLP; ``"olmoe"``: OLMoE, 8 experts of a quarter of ``intermediate_size``, 2 per token, q/k
-    norms over all heads; ``"olmo3"``, ``"ministral"``: OLMo 3 and Ministral, a sliding-window layer and a full one)
+    norms over all heads; ``"olmo3"``, ``"ministral"``: OLMo 3 and Ministral, a sliding-window layer and a full one;
+    ``"smollm3"``: SmolLM3, its second layer without positional embedding)
     of 8 heads and 2 KV heads, random weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16
     patched by hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's, OLMo 3's and Ministral's sliding
     window (else 4; Gemma 3's two layers then sliding and full, else both sliding, its config's pattern);
@@ -187,7 +188,7 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
            "gpt_neox": transformers.GPTNeoXConfig, "falcon": transformers.FalconConfig,
            "falcon_new": transformers.FalconConfig, "olmoe": transformers.OlmoeConfig,
            "glm4_moe": transformers.Glm4MoeConfig, "olmo3": transformers.Olmo3Config,
-           "ministral": transformers.MinistralConfig}[kind]
+           "ministral": transformers.MinistralConfig, "smollm3": transformers.SmolLM3Config}[kind]
     extra = {"granite": dict(residual_multiplier=0.22, attention_multiplier=0.05, embedding_multiplier=12.0,
                              logits_scaling=8.0),
              "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4),
@@ -208,6 +209,7 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
              "gemma2": dict(sliding_window=window or 4, attn_logit_softcapping=50.0),
              "olmo3": dict(sliding_window=window or 4, layer_types=["sliding_attention", "full_attention"]),
              "ministral": dict(sliding_window=window or 4, layer_types=["sliding_attention", "full_attention"]),
+             "smollm3": dict(no_rope_layers=[1, 0], pad_token_id=0),
              # (with a window: a sliding layer beside a full one, whose length says the cache's)
              "gemma3": dict(sliding_window=window or 4,
                             **({"layer_types": ["sliding_attention", "full_attention"]} if window else {})),

@@ -29,6 +29,7 @@ from .checked_forms import (
     _CLIPPED_FULL_QK_NORMS,
     _CONFIG_LAYOUT_ATTENTION_BODY,
     _EAGER_BODY,
+    _FLAGGED_ROTARY,
     _FULL_QK_NORMS,
     _LATE_QK_NORMS,
     _LEGACY_FALCON_ATTENTION_BODY,
@@ -161,6 +162,8 @@ class AttentionForm:
     # legacy_falcon's, its eager one computed by the step too (decode_checks.kv_slot), KV groups
     # from its head counts, and the new architecture's K and V cached copied to every query head
     split_heads_falcon: bool = False
+    # the rotary runs where the instance's use_rope is true (SmolLM3's NoPE layers: none; rotates())
+    flagged_rotary: bool = False
 
     def head_dim(self, attn: nn.Module) -> int:
         return getattr(attn, self.head_dim_name)
@@ -215,6 +218,9 @@ def _read_form(cls: type) -> AttentionForm | str:
         return AttentionForm(False, True, rotary, legacy_falcon.eager_attention, legacy_falcon.FUNCTIONS, "none",
                              None, layout_from_config=True, qkv_name=PER_HEAD_QKV_NAME,
                              scaling_name="inv_norm_factor", split_heads_falcon=True)
+    flagged_rotary = statements is not None and len(statements) > 5 and statements[5] == _FLAGGED_ROTARY
+    if flagged_rotary:  # the rotary's two statements, run where use_rope says (rotates())
+        statements = [*statements[:5], *_ATTENTION_BODY[5:7], *statements[6:]]
     prefused = statements_match(statements, _PREFUSED_ATTENTION_BODY)
     clip_qkv = statements is not None and tuple(statements[2:9]) == _CLIPPED_FULL_QK_NORMS
     full_qk_norm = clip_qkv or statements is not None and tuple(statements[2:8]) == _FULL_QK_NORMS
@@ -227,9 +233,12 @@ def _read_form(cls: type) -> AttentionForm | str:
         statements = [*statements[:2], _NORMED_Q, _NORMED_K, *statements[4:5], *statements[7:]]
     if not statements_match(statements, _ATTENTION_BODY):
         return f"{cls.__name__}.forward is not an attention this step computes"
+    if flagged_rotary and statements[2] == _NORMED_Q:  # the rotary epilogue's q/k norms always rotate after
+        return f"{cls.__name__}.forward's q/k norms with a rotary its use_rope may turn off are not a form this " \
+               "step computes"
     return _functions_form(cls, UPDATE_FORMS[statements[7]], WINDOW_FORMS[statements[9]],
                            statements[9] == _SOFTCAP_CALL, qk_norm=statements[2] == _NORMED_Q, prefused=prefused,
-                           full_qk_norm=full_qk_norm, clip_qkv=clip_qkv)
+                           full_qk_norm=full_qk_norm, clip_qkv=clip_qkv, flagged_rotary=flagged_rotary)
 
 
 def _pairs_neighbours(cls: type) -> bool:
@@ -335,6 +344,11 @@ def why_clipped(attn: nn.Module) -> str | None:
     if not clipped(attn):
         return None
     return f"its Q/K/V are clamped to config.clip_qkv ({attn.config.clip_qkv}), which the fused layer does not compute"
+
+
+def rotates(attn: nn.Module, form: AttentionForm) -> bool:
+    """Does ``attn``'s forward rotate q and k (not a layer whose ``use_rope`` is off: SmolLM3's NoPE layers)?"""
+    return not form.flagged_rotary or bool(attn.use_rope)
 
 
 def why_not_rotary(attn: nn.Module) -> str | None:

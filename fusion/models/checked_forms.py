@@ -348,6 +348,9 @@ _CLIPPED_FULL_QK_NORMS = (
 # Gemma 3's q/k norms: on the head views after the transpose (the same per-head RMSNorm as
 # _NORMED_Q / _NORMED_K's before it)
 _LATE_QK_NORMS = ("query_states=self.q_norm(query_states)", "key_states=self.k_norm(key_states)")
+# SmolLM3's rotary: run where the instance's use_rope says so (its NoPE layers: none), else
+# _ATTENTION_BODY's two statements
+_FLAGGED_ROTARY = "ifself.use_rope:" + "".join(_ATTENTION_BODY[5:7])
 _ROTARY_STATEMENTS = ("q_embed=(q*cos)+(rotate_half(q)*sin)", "k_embed=(k*cos)+(rotate_half(k)*sin)")
 # Phi-3's rotary, statement by statement: the first cos.shape[-1] columns of each head rotated,
 # the rest passed through (AttentionForm.rotary_by_cos: kv_slot takes cos of any even width up to

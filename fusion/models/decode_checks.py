@@ -131,14 +131,15 @@ def takes_static_step(layer: nn.Module) -> bool:
 
 def rotary_cache(cos: Tensor, sin: Tensor, heads: int, kv_heads: int, keys: Tensor, values: Tensor, base: Tensor,
                  q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0,
-                 qk_offset: float | None = None, group: int = 0, pairs: bool = False):
+                 qk_offset: float | None = None, group: int = 0, pairs: bool = False, rotate: bool = True):
     """The rotary/cache operand of split-K's ``rope=`` fusion (with the q/k norms' operand:
     weights or factors, eps, offset; norm.norm_operand; ``group``: the weight's rows grouped per
-    KV head; ``pairs``: Cohere's rotary of neighbouring columns; triton_rope.RotaryCache)."""
+    KV head; ``pairs``: Cohere's rotary of neighbouring columns; ``rotate``: False for a layer
+    without positional embedding, the cache write alone; triton_rope.RotaryCache)."""
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     return triton_module("triton_rope").RotaryCache(cos, sin, heads, kv_heads, keys.shape[-1], keys, values, base,
-                                                    q_norm, k_norm, qk_eps, qk_offset, group, pairs)
+                                                    q_norm, k_norm, qk_eps, qk_offset, group, pairs, rotate)
 
 
 def kernel_computes_eager(interface, form: AttentionForm) -> bool:

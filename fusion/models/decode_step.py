@@ -114,6 +114,7 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, 
         qk = dict(q_norm=q_g, k_norm=norm_operand(attn.k_norm)[0], qk_eps=float(qk_eps), qk_offset=qk_offset)
     slots = _slots(attn, qkv)
     adapters = any(adapter_terms.adds_terms(m) for m in slots)
+    rotate = forms.rotates(attn, form)
     if form.full_qk_norm and not adapters and isinstance(attn.q_norm, Fp32FactorRMSNorm) \
             and isinstance(attn.k_norm, Fp32FactorRMSNorm):
         # q/k norms over all heads, which a tile of one head cannot compute: the GEMM, then the
@@ -127,7 +128,7 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, 
             norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
         y = rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, qk.get("q_norm"), qk.get("k_norm"),
                           qk.get("qk_eps", 0.0), (attn.q_norm, attn.k_norm) if form.full_qk_norm else None,
-                          qk.get("qk_offset"), form.pair_rotary)
+                          qk.get("qk_offset"), form.pair_rotary, rotate)
         q = y[..., : heads * hd]
     elif form.partial_rotary or form.pair_rotary or form.per_head_qkv or form.layout_from_config:
         # (StableLM's, Cohere's, GPT-NeoX's, Falcon's: their layers run the input norm as its module and
@@ -136,7 +137,7 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, 
                      forms.qkv_group(attn, form), form.pair_rotary, counters, weight_scale_of(qkv))
     else:
         y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,
-                          base, heads, kv_heads, counters, weight_scale_of(qkv), **qk)
+                          base, heads, kv_heads, counters, weight_scale_of(qkv), **qk, rotate=rotate)
         q = y[..., : heads * hd]
     mask = kwargs.get("attention_mask")
     interface = form.attention_function(attn.config._attn_implementation)  # a user may have registered another
@@ -202,7 +203,8 @@ def _attention_of_qkv(attn: nn.Module, y: Tensor, sizes: tuple[int, int, int], k
     head_norms = form.partial_rotary and attn.qk_layernorm  # StableLM's per-head LayerNorms
     view_norms = form.qk_norm or form.flagged_qk_norm and attn.use_qk_norm  # norms on the head views (Cohere's too)
     in_modules = form.full_qk_norm or view_norms or head_norms  # norms before the rotary: the module's rotary
-    rotated = None if in_modules else _rope_in_kernel(attn, form, y, cos, sin, sizes)
+    rotate = forms.rotates(attn, form)
+    rotated = None if in_modules or not rotate else _rope_in_kernel(attn, form, y, cos, sin, sizes)
     q, k, v = y.split(sizes, dim=-1)
     if rotated is not None:
         q, k = rotated
@@ -214,7 +216,7 @@ def _attention_of_qkv(attn: nn.Module, y: Tensor, sizes: tuple[int, int, int], k
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if head_norms:  # over the [B, heads, S, hd] views, as its forward calls them
         q, k = attn.q_layernorm(q), attn.k_layernorm(k)
-    if rotated is None:
+    if rotated is None and rotate:
         q, k = _module_rotary(attn, form, q, k, cos, sin)
     rest = _passed_kwargs(form, kwargs)
     cache = checks.cache_of(kwargs)

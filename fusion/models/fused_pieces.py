@@ -265,19 +265,21 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor, pairs: bool = False) -> Tensor:
 
 
 def _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-                      scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None) -> Tensor:
+                      scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None, rotate=True) -> Tensor:
     """The stock computation: norm, GEMM, then :func:`rotate_store`."""
     y = _linear(prologue_norm(x, norm_weight, eps, norm_offset), weight, bias, scale)
-    return rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm, k_norm, qk_eps, qk_offset=qk_offset)
+    return rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm, k_norm, qk_eps, qk_offset=qk_offset,
+                        rotate=rotate)
 
 
 def rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None, k_norm=None, qk_eps=0.0,
                   full_norms: tuple[Callable, Callable] | None = None, qk_offset: float | None = None,
-                  pairs: bool = False) -> Tensor:
+                  pairs: bool = False, rotate: bool = True) -> Tensor:
     """From the Q/K/V projection ``y`` [B, S, N], as the stock attention computes it: the q/k
     norms (``full_norms``: the norms over all the q (k) columns, before the head views, as OLMo 2's;
     else per head, of operand ``(q_norm / k_norm, qk_eps, qk_offset)``, norm.prologue_norm), rotary
-    in y's dtype (``pairs``: Cohere's), ``index_copy_`` of k and v into the cache."""
+    in y's dtype (``pairs``: Cohere's; none without ``rotate``), ``index_copy_`` of k and v into
+    the cache."""
     b, s = y.shape[:2]
     hd = keys.shape[-1]
     q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
@@ -286,7 +288,8 @@ def rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None, 
     q, k = q.reshape(b, s, heads, hd), k.reshape(b, s, kv_heads, hd)
     if q_norm is not None:
         q, k = prologue_norm(q, q_norm, qk_eps, qk_offset), prologue_norm(k, k_norm, qk_eps, qk_offset)
-    q, k = _rotate(q, cos, sin, pairs), _rotate(k, cos, sin, pairs)
+    if rotate:
+        q, k = _rotate(q, cos, sin, pairs), _rotate(k, cos, sin, pairs)
     pos = torch.arange(s, device=y.device) + base.view(())
     keys.index_copy_(2, pos, k.transpose(1, 2))
     values.index_copy_(2, pos, v.reshape(b, s, kv_heads, hd).transpose(1, 2))
@@ -294,14 +297,15 @@ def rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None, 
 
 
 def _rope_qkv(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-              counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None,
+              counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None, rotate=True,
               keep_prologue=False) -> Tensor:
-    rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base, q_norm, k_norm, float(qk_eps), qk_offset)
+    rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base, q_norm, k_norm, float(qk_eps), qk_offset,
+                             rotate=rotate)
     y = dispatch.fused_splitk(x, weight, bias, counters, scale, keep_prologue,
                               norm=(norm_weight, float(eps), norm_offset), rope=rc)
     if y is None:
         return _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads,
-                                 kv_heads, scale, q_norm, k_norm, qk_eps, qk_offset)
+                                 kv_heads, scale, q_norm, k_norm, qk_eps, qk_offset, rotate)
     return y
 
 
@@ -310,15 +314,15 @@ def norm_rope_qkv_fwd(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: f
                       bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor,
                       heads: int, kv_heads: int, counters: Tensor | None = None, scale: Tensor | None = None,
                       q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0,
-                      qk_offset: float | None = None) -> Tensor:
+                      qk_offset: float | None = None, rotate: bool = True) -> Tensor:
     with per_call_scratch():
         return _rope_qkv(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads,
-                         kv_heads, counters, scale, q_norm, k_norm, qk_eps, qk_offset).contiguous()
+                         kv_heads, counters, scale, q_norm, k_norm, qk_eps, qk_offset, rotate).contiguous()
 
 
 @norm_rope_qkv_fwd.register_fake
 def _norm_rope_qkv_fake(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
-                        counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None):
+                        counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None, rotate=True):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -329,18 +333,18 @@ def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: float
                   bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
                   kv_heads: int, counters: Tensor | None = None, scale: Tensor | None = None,
                   q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0,
-                  qk_offset: float | None = None) -> Tensor:
+                  qk_offset: float | None = None, rotate: bool = True) -> Tensor:
     """Q/K/V of ``rmsnorm(x)`` (x [B, S, D]; the norm of operand ``(norm_weight, eps,
     norm_offset)``, norm.norm_operand) with q and k normalised per head (``q_norm`` and
     ``k_norm``: their norms' operands [hd], eps ``qk_eps``, offset ``qk_offset``; none without
-    them) and rotated, k
+    them) and rotated (not without ``rotate``: a layer without positional embedding), k
     and v written into ``keys``/``values`` [B, kv_heads, L, hd] at positions ``base + s``;
     returns [B, S, N]. One split-K launch where the table runs split-K with a config that fits
     (tiles within a head, of one whole head with q/k norms; no two-launch reduction), the stock
     sequence of operations otherwise."""
     return _compiled(torch.ops.hybridgemm.norm_rope_qkv_fwd, _rope_qkv_eager, x, norm_weight, float(eps),
                      norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads, counters, scale, q_norm,
-                     k_norm, float(qk_eps), None if qk_offset is None else float(qk_offset))
+                     k_norm, float(qk_eps), None if qk_offset is None else float(qk_offset), bool(rotate))
 
 
 def _rope_qkv_q(x: Tensor, weight: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,

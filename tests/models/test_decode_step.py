@@ -65,9 +65,9 @@ def _rms(t, g, eps):
     return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * g.double()
 
 
-def _reference(x, w, b, g, eps, cos, sin, heads, kv_heads, hd, batch, seq, qk_norms=None):
+def _reference(x, w, b, g, eps, cos, sin, heads, kv_heads, hd, batch, seq, qk_norms=None, rotate=True):
     """fp64: rmsnorm(x) @ W.T + b, q/k norms per head (``qk_norms``: (q_norm, k_norm, eps)),
-    rotary on q and k, split into heads."""
+    rotary on q and k (not without ``rotate``), split into heads."""
     xd = x.double()
     if g is not None:
         xd = _rms(xd, g, eps)
@@ -77,9 +77,10 @@ def _reference(x, w, b, g, eps, cos, sin, heads, kv_heads, hd, batch, seq, qk_no
     q, k = q.reshape(batch, seq, heads, hd), k.reshape(batch, seq, kv_heads, hd)
     if qk_norms is not None:
         q, k = _rms(q, qk_norms[0], qk_norms[2]), _rms(k, qk_norms[1], qk_norms[2])
-    c, s = cos.double()[:, :, None], sin.double()[:, :, None]
-    q = q * c + _rotate_half(q) * s
-    k = k * c + _rotate_half(k) * s
+    if rotate:
+        c, s = cos.double()[:, :, None], sin.double()[:, :, None]
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
     return q, k, v.reshape(batch, seq, kv_heads, hd)
 
 
@@ -90,7 +91,9 @@ def _reference(x, w, b, g, eps, cos, sin, heads, kv_heads, hd, batch, seq, qk_no
     (3, 1, 2, 1, 16, 64, 0, False, True),     # M = 3, position 0
     (2, 3, 4, 4, 32, 96, 6, True, False),     # M = 6, S = 3: the last position falls past the cache
 ])
-def test_rope_epilogue_matches_fp64(config, batch, seq, heads, kv_heads, hd, k_dim, base, bias, norm):
+# rotate False: a layer without positional embedding (SmolLM3's NoPE layers), the cache write alone
+@pytest.mark.parametrize("rotate", [True, False], ids=["rotary", "no-rotary"])
+def test_rope_epilogue_matches_fp64(config, batch, seq, heads, kv_heads, hd, k_dim, base, bias, norm, rotate):
     torch.manual_seed(batch * 7 + seq)
     dt, cache_len = torch.float32, 8
     m, n = batch * seq, (heads + 2 * kv_heads) * hd
@@ -103,9 +106,9 @@ def test_rope_epilogue_matches_fp64(config, batch, seq, heads, kv_heads, hd, k_d
     keys = torch.full((batch, kv_heads, cache_len, hd), 123.0, dtype=dt)
     values = torch.full_like(keys, -321.0)
     out = torch.full((m, n), float("nan"), dtype=dt)
-    rc = RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base))
+    rc = RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base), rotate=rotate)
     triton_splitk.run(config, x, w, b, out, None, norm=None if g is None else (g, 1e-5), rope=rc)
-    q, k, v = _reference(x, w, b, g, 1e-5, cos, sin, heads, kv_heads, hd, batch, seq)
+    q, k, v = _reference(x, w, b, g, 1e-5, cos, sin, heads, kv_heads, hd, batch, seq, rotate=rotate)
     ref = torch.cat([q.reshape(m, -1), k.reshape(m, -1), v.reshape(m, -1)], dim=-1)
     outside = (pos >= cache_len).repeat(batch)  # token rows (batch-major) whose position the cache cannot hold
     assert out[outside].isnan().all()  # shown, not silently dropped
@@ -360,6 +363,9 @@ def _args(**over):
     (lambda a: dict(rc=RotaryCache(a["rc"].cos[:, :, :8], a["rc"].sin[:, :, :8], 2, 1, 16, pairs=True)),
      "True only for cos/sin over all 16"),
     (lambda a: dict(rc=dataclasses.replace(a["rc"], pairs=1)), "pairs .neighbouring columns. must be a bool"),
+    (lambda a: dict(rc=dataclasses.replace(a["rc"], rotate=0)), "rotate must be a bool"),
+    (lambda a: dict(rc=dataclasses.replace(a["rc"], rotate=False, q_norm=torch.ones(16), k_norm=torch.ones(16))),
+     "False only without q/k norms"),
     (lambda a: dict(rc=RotaryCache(a["rc"].cos.double(), a["rc"].sin.double(), 2, 1, 16)), "x's dtype"),
     (lambda a: dict(rc=RotaryCache(a["rc"].cos, a["rc"].sin, 2, 1, 16, a["rc"].keys, a["rc"].values,
                                    torch.tensor(3, dtype=torch.int32))), "base must be one int64"),
@@ -394,7 +400,7 @@ def _tiny(kind: str, layers: int = 2, attention: str = "sdpa", **extra):
               "gemma3": transformers.Gemma3TextConfig, "olmo2": transformers.Olmo2Config,
               "stablelm": transformers.StableLmConfig, "cohere": transformers.CohereConfig,
               "olmo3": transformers.Olmo3Config, "ministral": transformers.MinistralConfig,
-              "cwm": transformers.CwmConfig}[kind](**kw)
+              "cwm": transformers.CwmConfig, "smollm3": transformers.SmolLM3Config}[kind](**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     if kind in ("gemma", "gemma2", "gemma3", "olmo2", "olmo3", "stablelm", "cohere"):  # norms start as the identity:
@@ -723,6 +729,27 @@ def test_sliding_window_families_decode_as_stock_does(kind, layer_types, kernels
     assert kernels_on_cpu["counters"] == (1 + 3) * 2 * 3
     # the full layer's rotary in its Q/K/V epilogue at each step (OLMo 3: after its q/k norms, apart)
     assert kernels_on_cpu["rope"] == (0 if kind == "olmo3" else 3)
+
+
+@pytest.mark.parametrize("no_rope_layers", [[1, 0], [0, 1]], ids=["second-nope", "first-nope"])
+@pytest.mark.parametrize("fused", [True, False], ids=["epilogue", "after-the-gemm"])
+def test_a_layer_without_positional_embedding_writes_its_cache_unrotated(no_rope_layers, fused, kernels_on_cpu):
+    """SmolLM3: a layer whose ``use_rope`` is off (its NoPE layers, every fourth in the release)
+    beside one that rotates; both fused, both on the static-cache step. The NoPE layer's Q/K/V
+    epilogue writes the cache without rotating (``RotaryCache.rotate`` False), the other's rotates;
+    where the split-K epilogue does not run (``fused`` False) the GEMM, then the stock ops without
+    the rotary. Logits and caches as stock's."""
+    stock = _tiny("smollm3", head_dim=32, no_rope_layers=no_rope_layers, pad_token_id=0)
+    model = _patched(stock)
+    assert [layer.self_attn.use_rope for layer in model.model.layers] == no_rope_layers
+    rotates, real = [], triton_splitk.run
+    with pytest.MonkeyPatch.context() as mp:
+        if not fused:
+            mp.setattr(dispatch, "fused_splitk", lambda *a, **kw: None)
+        mp.setattr(triton_splitk, "run", lambda cfg, *a, rope=None, **kw: (
+            rope is not None and rotates.append(rope.rotate)) or real(cfg, *a, rope=rope, **kw))
+        _compare(model, stock, steps=3)
+    assert rotates == ([bool(r) for r in no_rope_layers] * 3 if fused else [])
 
 
 @pytest.mark.parametrize("parallel", [False, True], ids=["sequential", "parallel"])
@@ -1319,7 +1346,8 @@ def test_a_soft_capped_gemma2_layer_falls_back_to_its_eager_form_when_the_kernel
 @pytest.mark.parametrize("kind,attention,batch,extra", [
     ("llama", "sdpa", 1, {}), ("llama", "sdpa", 3, {}), ("qwen3", "sdpa", 2, {"head_dim": 32}),
     ("gemma2", "eager", 2, {"attn_logit_softcapping": 0.002, "head_dim": 32, **_WINDOWS}),
-], ids=["llama-b1", "llama-b3", "qwen3", "gemma2-softcap"])
+    ("smollm3", "sdpa", 2, {"no_rope_layers": [1, 0], "pad_token_id": 0}),
+], ids=["llama-b1", "llama-b3", "qwen3", "gemma2-softcap", "smollm3-nope"])
 def test_dynamic_cache_decode_runs_the_attention_kernel_over_what_the_cache_returns(kind, attention, batch, extra,
                                                                                     kernels_on_cpu):
     """A dynamic cache (``generate``'s default): each new token's attention is one launch of the
@@ -1360,8 +1388,8 @@ def test_dynamic_cache_decode_runs_the_attention_kernel_over_what_the_cache_retu
         torch.testing.assert_close(got.keys, want.keys, rtol=1e-4, atol=1e-4)
     assert launches == [((batch, 4 * model.model.layers[0].self_attn.head_dim), 0, None)] * (2 * 3)
     # the rotary in one launch per layer and call, the prompt's too; Qwen3's q/k norms come before
-    # it (the module's ops then)
-    assert rotated == ([] if kind == "qwen3" else ([3] * 2 + [1] * 6))
+    # it (the module's ops then); SmolLM3's second layer rotates nothing
+    assert rotated == {"qwen3": [], "smollm3": [3] + [1] * 3}.get(kind, [3] * 2 + [1] * 6)
 
 
 def test_the_eager_forms_the_kernel_computes_are_read_exactly(monkeypatch):

@@ -35,6 +35,7 @@ CONFIGS = {
     "olmo3": ("Olmo3Config", {}),
     "ministral": ("MinistralConfig", {"head_dim": 16}),
     "cwm": ("CwmConfig", {}),
+    "smollm3": ("SmolLM3Config", {"no_rope_layers": [1, 0]}),
     "stablelm": ("StableLmConfig", {}),
     "cohere": ("CohereConfig", {}),
     "phi3": ("Phi3Config", {}),
@@ -94,6 +95,7 @@ EXPECTED = {
     "olmo2": [],
     "olmo3": [],  # OLMo 2's layer beside sliding-window ones (its norms recognised by running them)
     "ministral": [], "cwm": [],  # Llama's layer beside sliding-window ones
+    "smollm3": [],  # Llama's layer, a NoPE layer beside one with the rotary
     # the layer fused, its LayerNorms called as the modules they are
     "stablelm": [(f"{L}.input_layernorm", _norm("LayerNorm")), (f"{L}.post_attention_layernorm", _norm("LayerNorm"))],
     "cohere": [(f"{L}.input_layernorm", _norm("CohereLayerNorm"))],  # the layer fused, its norm a module

@@ -150,16 +150,20 @@ def test_layernorm_family_configs_have_the_published_sizes_and_are_fused(name, s
                           intermediate_size=12288, vocab_size=131072, sliding_window=32768)),
     ("phi4-mini", dict(hidden_size=3072, num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192,
                        vocab_size=200064)),
+    ("smollm3-3b", dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, intermediate_size=11008,
+                        vocab_size=128256, no_rope_layers=[1, 1, 1, 0])),
 ])
 def test_sliding_window_and_partial_rotary_presets_are_fused(name, sizes):
-    """OLMo 3's and Ministral's (sliding-window layers: OLMo 3's three to one full, Ministral's all)
-    and Phi-4-mini's (the rotary over 96 of each head's 128 columns) configs as published, built on
-    the meta device and patched: every layer fused and its attention on the static-cache step."""
+    """OLMo 3's and Ministral's (sliding-window layers: OLMo 3's three to one full, Ministral's all),
+    Phi-4-mini's (the rotary over 96 of each head's 128 columns) and SmolLM3's (every fourth layer
+    without positional embedding) configs as published, built on the meta device and patched:
+    every layer fused and its attention on the static-cache step."""
     config = hf.hf_config(name, layers=4)
     assert {k: getattr(config, k) for k in sizes} == sizes and config.num_hidden_layers == 4
     layer_types = getattr(config, "layer_types", None) or []
     assert layer_types == {"olmo3-7b": ["sliding_attention"] * 3 + ["full_attention"],
-                           "ministral-8b": ["sliding_attention"] * 4, "phi4-mini": []}[name]
+                           "ministral-8b": ["sliding_attention"] * 4, "phi4-mini": [],
+                           "smollm3-3b": ["full_attention"] * 4}[name]
     if name == "phi4-mini":
         assert config.rope_parameters["partial_rotary_factor"] == 0.75
     report = hybridgemm.patch(hf.build_model(config, torch.bfloat16, "meta"))

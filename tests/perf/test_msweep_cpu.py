@@ -94,7 +94,7 @@ def by_key_models(shapes, key) -> tuple[str, ...]:
 def test_all_presets_deduplicated_bias_kept_apart():
     shapes = MS.sweep_shapes()
     keys = [(s.n, s.k, s.bias) for s in shapes]
-    assert len(keys) == len(set(keys)) == 42
+    assert len(keys) == len(set(keys)) == 43
     # falcon-7b's (71 heads of 64 over 4544, one KV head): q and o one shape, k/v and Q/K/V their own
     assert by_key_models(shapes, (4544, 4544, False)) == by_key_models(shapes, (64, 4544, False)) \
         == by_key_models(shapes, (4672, 4544, False)) == ("falcon-7b",)
@@ -106,8 +106,12 @@ def test_all_presets_deduplicated_bias_kept_apart():
     # stablelm-3b's (32 heads of 80 over 2560, no GQA): q, k/v and o one shape, its Q/K/V 7680 rows;
     # stablelm-2-1.6b's q/k/v carry biases (o none): its 2048 x 2048 twice, apart
     assert by_key_models(shapes, (7680, 2560, False)) == ("stablelm-3b",)
-    assert by_key_models(shapes, (2048, 2048, True)) == by_key_models(shapes, (2048, 2048, False)) \
-        == ("stablelm-2-1.6b",)
+    assert by_key_models(shapes, (2048, 2048, True)) == ("stablelm-2-1.6b",)
+    # smollm3-3b's (16 heads of 128 over 2048, 4 KV heads): q and o stablelm-2-1.6b's without its bias, k/v
+    # qwen3-30b-a3b's, its Q/K/V 3072 rows of its own
+    assert by_key_models(shapes, (2048, 2048, False)) == ("smollm3-3b", "stablelm-2-1.6b")
+    assert by_key_models(shapes, (512, 2048, False)) == ("smollm3-3b", "qwen3-30b-a3b")
+    assert by_key_models(shapes, (3072, 2048, False)) == ("smollm3-3b",)
     # olmo2-7b's and olmo3-7b's (32 heads of 128 over 4096, no GQA): their Q/K/V 12288 rows over 4096 (q, k/v and
     # o are llama's o)
     assert by_key_models(shapes, (12288, 4096, False)) == ("olmo2-7b", "olmo3-7b")
