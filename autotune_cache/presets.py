@@ -144,6 +144,8 @@ PRESETS: dict[str, ModelPreset] = {
                     layers=32, tied_lm_head=True, tp_whole=("attention", "mlp")),
         ModelPreset("smollm3-3b", 2048, 16, 4, 128, qkv_bias=False, o_bias=False, intermediate=11008, vocab=128256,
                     layers=36, tied_lm_head=True),
+        ModelPreset("ministral3-8b", 4096, 32, 8, 128, qkv_bias=False, o_bias=False, intermediate=14336,
+                    vocab=131072, layers=34),
         # StableLM: LayerNorms, which the fused step runs as modules (no norm prologue)
         ModelPreset("stablelm-2-1.6b", 2048, 32, 32, 64, qkv_bias=True, o_bias=False,
                     intermediate=5632, vocab=100352, layers=24, mlp_norm=None),

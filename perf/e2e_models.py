@@ -102,6 +102,9 @@ FAMILIES: dict[str, Family] = {
     # sliding window (SmolLM3-3B's published config)
     "smollm3": Family("SmolLM3Config", head_dim=False, qkv_bias=None,
                       fixed=(("use_sliding_window", False), ("no_rope_layer_interval", 4))),
+    # Ministral 3 (its text model): Llama's layer, YaRN's rotary, the queries scaled per position past
+    # 16384 (Ministral3Config's defaults: Ministral 3 8B's published text config)
+    "ministral3": Family("Ministral3Config", head_dim=True, qkv_bias=False),
     # StableLM: LayerNorms, the rotary over the first quarter of each head's columns, the residual
     # sequential (StableLM 2 1.6B's and 3B-4E1T's published configs)
     "stablelm": Family("StableLmConfig", head_dim=False, qkv_bias=None, bias_field="use_qkv_bias",
@@ -154,6 +157,7 @@ SIZES: dict[str, ModelSizes] = {
     "ministral-8b": ModelSizes("ministral", 12288, 36, 131072, 1e8, 1e-5, 32768),  # Ministral-8B-Instruct-2410
     "phi4-mini": ModelSizes("phi4", 8192, 32, 200064, 1e4, 1e-5, 131072),  # its LM head tied in the release
     "smollm3-3b": ModelSizes("smollm3", 11008, 36, 128256, 5e6, 1e-6, 65536),  # its LM head tied in the release
+    "ministral3-8b": ModelSizes("ministral3", 14336, 34, 131072, 1e6, 1e-5, 262144),  # Ministral-3-8B-*-2512
     "stablelm-2-1.6b": ModelSizes("stablelm", 5632, 24, 100352, 1e4, 1e-5, 4096),  # q/k/v biases
     "stablelm-3b": ModelSizes("stablelm", 6912, 32, 50304, 1e4, 1e-5, 4096),  # StableLM-3B-4E1T; heads of 80
     "aya-23-8b": ModelSizes("cohere", 14336, 32, 256000, 1e4, 1e-5, 8192),  # its LM head tied in the release

@@ -45,6 +45,8 @@ from .checked_forms import (
     _PER_HEAD_ATTENTION_BODY,
     _PLAIN_K,
     _PLAIN_Q,
+    _POSITION_Q_SCALE,
+    _POSITION_SCALE_BODY,
     _PREFUSED_ATTENTION_BODY,
     _ROTARY_STATEMENTS,
     _ROTATE_HALF_STATEMENTS,
@@ -164,6 +166,9 @@ class AttentionForm:
     split_heads_falcon: bool = False
     # the rotary runs where the instance's use_rope is true (SmolLM3's NoPE layers: none; rotates())
     flagged_rotary: bool = False
+    # after the rotary, q times a factor per position, its module's get_llama_4_attn_scale of the
+    # call's position_ids and two rope_parameters (Ministral 3's; position_scale())
+    position_scale: Callable | None = None
 
     def head_dim(self, attn: nn.Module) -> int:
         return getattr(attn, self.head_dim_name)
@@ -221,6 +226,12 @@ def _read_form(cls: type) -> AttentionForm | str:
     flagged_rotary = statements is not None and len(statements) > 5 and statements[5] == _FLAGGED_ROTARY
     if flagged_rotary:  # the rotary's two statements, run where use_rope says (rotates())
         statements = [*statements[:5], *_ATTENTION_BODY[5:7], *statements[6:]]
+    position_scale = None
+    if statements is not None and len(statements) > 7 and statements[7] == _POSITION_Q_SCALE:
+        position_scale = getattr(inspect.unwrap(forward), "__globals__", {}).get("get_llama_4_attn_scale")
+        if not statements_match(body_statements(position_scale), _POSITION_SCALE_BODY):
+            return f"{cls.__name__}.forward scales its queries by a get_llama_4_attn_scale of another form"
+        statements = [*statements[:7], *statements[8:]]  # the scale applied after the rotary (position_scale())
     prefused = statements_match(statements, _PREFUSED_ATTENTION_BODY)
     clip_qkv = statements is not None and tuple(statements[2:9]) == _CLIPPED_FULL_QK_NORMS
     full_qk_norm = clip_qkv or statements is not None and tuple(statements[2:8]) == _FULL_QK_NORMS
@@ -238,7 +249,8 @@ def _read_form(cls: type) -> AttentionForm | str:
                "step computes"
     return _functions_form(cls, UPDATE_FORMS[statements[7]], WINDOW_FORMS[statements[9]],
                            statements[9] == _SOFTCAP_CALL, qk_norm=statements[2] == _NORMED_Q, prefused=prefused,
-                           full_qk_norm=full_qk_norm, clip_qkv=clip_qkv, flagged_rotary=flagged_rotary)
+                           full_qk_norm=full_qk_norm, clip_qkv=clip_qkv, flagged_rotary=flagged_rotary,
+                           position_scale=position_scale)
 
 
 def _pairs_neighbours(cls: type) -> bool:
@@ -349,6 +361,17 @@ def why_clipped(attn: nn.Module) -> str | None:
 def rotates(attn: nn.Module, form: AttentionForm) -> bool:
     """Does ``attn``'s forward rotate q and k (not a layer whose ``use_rope`` is off: SmolLM3's NoPE layers)?"""
     return not form.flagged_rotary or bool(attn.use_rope)
+
+
+def position_scale(attn: nn.Module, form: AttentionForm, kwargs: dict) -> Tensor | None:
+    """The factor ``attn``'s forward multiplies its rotated queries by, ``[B or 1, 1, S, 1]`` as its
+    module's function computes it from the call's ``position_ids`` (Ministral 3's), None where it
+    has none; a call it cannot compute for raises as the module's forward does."""
+    if form.position_scale is None:
+        return None
+    rope = attn.config.rope_parameters
+    return form.position_scale(kwargs.get("position_ids"), rope.get("llama_4_scaling_beta"),
+                               rope.get("original_max_position_embeddings"))
 
 
 def why_not_rotary(attn: nn.Module) -> str | None:

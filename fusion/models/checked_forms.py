@@ -151,6 +151,10 @@ WINDOW_FORMS = {
     _INTERFACE_CALL + "**kwargs)": None,
     _INTERFACE_CALL + "sliding_window=getattr(self.config,'sliding_window',None),**kwargs)": "config",
     _INTERFACE_CALL + "sliding_window=self.sliding_window,**kwargs)": "module",
+    # Ministral 3's: position_ids, a parameter of its forward, passed on by name (the step passes the
+    # call's position_ids on as the other forms' **kwargs hold it)
+    _INTERFACE_CALL + "sliding_window=getattr(self.config,'sliding_window',None),position_ids=position_ids,**kwargs)":
+        "config",
     _SOFTCAP_CALL: "module",
 }
 _ATTENTION_BODY = (
@@ -348,6 +352,13 @@ _CLIPPED_FULL_QK_NORMS = (
 # Gemma 3's q/k norms: on the head views after the transpose (the same per-head RMSNorm as
 # _NORMED_Q / _NORMED_K's before it)
 _LATE_QK_NORMS = ("query_states=self.q_norm(query_states)", "key_states=self.k_norm(key_states)")
+# Ministral 3's query scale after the rotary, per position (transformers' get_llama_4_attn_scale,
+# statement by statement: _POSITION_SCALE_BODY)
+_POSITION_Q_SCALE = ("query_states=query_states*get_llama_4_attn_scale(position_ids,self.config.rope_parameters.get("
+                     "'llama_4_scaling_beta'),self.config.rope_parameters.get('original_max_position_embeddings'))"
+                     ".to(query_states.dtype)")
+_POSITION_SCALE_BODY = ("scaling=1+beta*torch.log(1+torch.floor(positions_ids/max_position_embeddings))",
+                        "returnscaling[:,None,:,None]")
 # SmolLM3's rotary: run where the instance's use_rope says so (its NoPE layers: none), else
 # _ATTENTION_BODY's two statements
 _FLAGGED_ROTARY = "ifself.use_rope:" + "".join(_ATTENTION_BODY[5:7])

@@ -139,6 +139,9 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, 
         y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,
                           base, heads, kv_heads, counters, weight_scale_of(qkv), **qk, rotate=rotate)
         q = y[..., : heads * hd]
+    scale = forms.position_scale(attn, form, kwargs)
+    if scale is not None:  # Ministral 3's factor per position, on the rotated queries as its forward has it
+        q = (q.view(b, s, heads, hd) * scale.transpose(1, 2).to(q.dtype)).view(b, s, heads * hd)
     mask = kwargs.get("attention_mask")
     interface = form.attention_function(attn.config._attn_implementation)  # a user may have registered another
     sdpa = forms.computes_sdpa(interface)
@@ -218,6 +221,9 @@ def _attention_of_qkv(attn: nn.Module, y: Tensor, sizes: tuple[int, int, int], k
         q, k = attn.q_layernorm(q), attn.k_layernorm(k)
     if rotated is None and rotate:
         q, k = _module_rotary(attn, form, q, k, cos, sin)
+    scale = forms.position_scale(attn, form, kwargs)
+    if scale is not None:
+        q = q * scale.to(q.dtype)
     rest = _passed_kwargs(form, kwargs)
     cache = checks.cache_of(kwargs)
     if cache is not None:  # as the module's forward calls it (checked_forms.UPDATE_FORMS)

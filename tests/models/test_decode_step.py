@@ -400,7 +400,8 @@ def _tiny(kind: str, layers: int = 2, attention: str = "sdpa", **extra):
               "gemma3": transformers.Gemma3TextConfig, "olmo2": transformers.Olmo2Config,
               "stablelm": transformers.StableLmConfig, "cohere": transformers.CohereConfig,
               "olmo3": transformers.Olmo3Config, "ministral": transformers.MinistralConfig,
-              "cwm": transformers.CwmConfig, "smollm3": transformers.SmolLM3Config}[kind](**kw)
+              "cwm": transformers.CwmConfig, "smollm3": transformers.SmolLM3Config,
+              "ministral3": transformers.Ministral3Config}[kind](**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     if kind in ("gemma", "gemma2", "gemma3", "olmo2", "olmo3", "stablelm", "cohere"):  # norms start as the identity:
@@ -729,6 +730,38 @@ def test_sliding_window_families_decode_as_stock_does(kind, layer_types, kernels
     assert kernels_on_cpu["counters"] == (1 + 3) * 2 * 3
     # the full layer's rotary in its Q/K/V epilogue at each step (OLMo 3: after its q/k norms, apart)
     assert kernels_on_cpu["rope"] == (0 if kind == "olmo3" else 3)
+
+
+# Ministral 3's query scale per position, 1 + beta * log(1 + floor(position / original)): with an
+# original length of 2 every position from 2 on gets a factor above 1 (its release: 16384)
+_LLAMA4_SCALED_ROPE = {"rope_type": "default", "rope_theta": 1e4, "llama_4_scaling_beta": 0.1,
+                       "original_max_position_embeddings": 2}
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_ministral3_scales_its_rotated_queries_per_position(batch, kernels_on_cpu):
+    """Ministral 3: after the rotary its queries are multiplied by a factor of each token's
+    position (its module's get_llama_4_attn_scale over the call's position_ids), here above 1 from
+    position 2 on. Both layers take the static-cache step, the rotary in the Q/K/V epilogue and
+    the factor on the rotated queries; logits and caches as stock's."""
+    stock = _tiny("ministral3", head_dim=32, rope_parameters=_LLAMA4_SCALED_ROPE, pad_token_id=0)
+    model = _patched(stock)
+    assert all(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
+    _compare(model, stock, steps=3, batch=batch)
+    assert kernels_on_cpu["rope"] == 2 * 3  # both layers, each new token
+
+
+def test_a_changed_query_scale_function_is_not_fused(monkeypatch):
+    """A get_llama_4_attn_scale of any other statements leaves the attention to the module, with the reason."""
+    from transformers.models.ministral3 import modeling_ministral3 as m3
+
+    def other_scale(positions_ids, beta, max_position_embeddings):
+        scaling = 1 + beta * torch.log1p(torch.floor(positions_ids / max_position_embeddings))
+        return scaling[:, None, :, None]
+
+    monkeypatch.setattr(m3, "get_llama_4_attn_scale", other_scale)
+    monkeypatch.setattr(attention_forms, "_FORMS", {})
+    assert "get_llama_4_attn_scale of another form" in attention_forms.why_not_attention_form(m3.Ministral3Attention)
 
 
 @pytest.mark.parametrize("no_rope_layers", [[1, 0], [0, 1]], ids=["second-nope", "first-nope"])
@@ -1347,7 +1380,8 @@ def test_a_soft_capped_gemma2_layer_falls_back_to_its_eager_form_when_the_kernel
     ("llama", "sdpa", 1, {}), ("llama", "sdpa", 3, {}), ("qwen3", "sdpa", 2, {"head_dim": 32}),
     ("gemma2", "eager", 2, {"attn_logit_softcapping": 0.002, "head_dim": 32, **_WINDOWS}),
     ("smollm3", "sdpa", 2, {"no_rope_layers": [1, 0], "pad_token_id": 0}),
-], ids=["llama-b1", "llama-b3", "qwen3", "gemma2-softcap", "smollm3-nope"])
+    ("ministral3", "sdpa", 2, {"rope_parameters": _LLAMA4_SCALED_ROPE, "pad_token_id": 0, "head_dim": 32}),
+], ids=["llama-b1", "llama-b3", "qwen3", "gemma2-softcap", "smollm3-nope", "ministral3-position-scale"])
 def test_dynamic_cache_decode_runs_the_attention_kernel_over_what_the_cache_returns(kind, attention, batch, extra,
                                                                                     kernels_on_cpu):
     """A dynamic cache (``generate``'s default): each new token's attention is one launch of the

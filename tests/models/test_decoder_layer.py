@@ -178,7 +178,8 @@ def test_what_is_not_fused_and_why(monkeypatch):
                             "Qwen2MoeDecoderLayer, GemmaDecoderLayer, Phi3DecoderLayer, Gemma2DecoderLayer, "
                             "Gemma3DecoderLayer, Olmo2DecoderLayer, StableLmDecoderLayer, CohereDecoderLayer, "
                             "GPTNeoXLayer, FalconDecoderLayer, OlmoeDecoderLayer, Glm4MoeDecoderLayer, "
-                            "Olmo3DecoderLayer, MinistralDecoderLayer, CwmDecoderLayer)")]
+                            "Olmo3DecoderLayer, MinistralDecoderLayer, CwmDecoderLayer, SmolLM3DecoderLayer, "
+                            "Ministral3DecoderLayer)")]
 
 
 def _module_state(model) -> dict:

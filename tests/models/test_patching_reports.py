@@ -36,6 +36,7 @@ CONFIGS = {
     "ministral": ("MinistralConfig", {"head_dim": 16}),
     "cwm": ("CwmConfig", {}),
     "smollm3": ("SmolLM3Config", {"no_rope_layers": [1, 0]}),
+    "ministral3": ("Ministral3Config", {"head_dim": 16}),
     "stablelm": ("StableLmConfig", {}),
     "cohere": ("CohereConfig", {}),
     "phi3": ("Phi3Config", {}),
@@ -54,7 +55,7 @@ SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDe
              "Qwen3MoeDecoderLayer, MixtralDecoderLayer, Qwen2MoeDecoderLayer, GemmaDecoderLayer, Phi3DecoderLayer, "
              "Gemma2DecoderLayer, Gemma3DecoderLayer, Olmo2DecoderLayer, StableLmDecoderLayer, CohereDecoderLayer, "
              "GPTNeoXLayer, FalconDecoderLayer, OlmoeDecoderLayer, Glm4MoeDecoderLayer, Olmo3DecoderLayer, "
-             "MinistralDecoderLayer, CwmDecoderLayer")
+             "MinistralDecoderLayer, CwmDecoderLayer, SmolLM3DecoderLayer, Ministral3DecoderLayer")
 
 
 def _layer(cls: str) -> str:
@@ -96,6 +97,7 @@ EXPECTED = {
     "olmo3": [],  # OLMo 2's layer beside sliding-window ones (its norms recognised by running them)
     "ministral": [], "cwm": [],  # Llama's layer beside sliding-window ones
     "smollm3": [],  # Llama's layer, a NoPE layer beside one with the rotary
+    "ministral3": [],  # Llama's layer, its queries scaled per position after the rotary
     # the layer fused, its LayerNorms called as the modules they are
     "stablelm": [(f"{L}.input_layernorm", _norm("LayerNorm")), (f"{L}.post_attention_layernorm", _norm("LayerNorm"))],
     "cohere": [(f"{L}.input_layernorm", _norm("CohereLayerNorm"))],  # the layer fused, its norm a module

@@ -120,7 +120,7 @@ def test_all_presets_deduplicated_bias_kept_apart():
     # qwen3-30b-a3b's attention (32 heads of 128 over 2048) is a shape set of its own; mixtral's is llama3-8b's
     assert by_key_models(shapes, (5120, 2048, False)) == ("qwen3-30b-a3b",)
     assert by_key_models(shapes, (6144, 4096, False)) == ("llama3-8b", "mistral-7b", "qwen3-8b", "granite-8b",
-                                                          "ministral-8b", "aya-23-8b", "mixtral-8x7b")
+                                                          "ministral-8b", "ministral3-8b", "aya-23-8b", "mixtral-8x7b")
     # phi3-mini's (32 heads of 96 over 3072, no GQA): q, k/v and o one 3072 x 3072 shape, its Q/K/V 9216 rows
     assert by_key_models(shapes, (3072, 3072, False)) == ("phi3-mini", "phi4-mini")
     assert by_key_models(shapes, (9216, 3072, False)) == ("phi3-mini",)
