@@ -333,16 +333,17 @@ def fusable_splitk_config(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return found.config if found.backend == "triton_splitk" and found.config is not None else None
 
 
-def _tiles_within_heads(config, head_dim: int, rotated: int):
+def _tiles_within_heads(config, head_dim: int, rotated: int, pairs: bool = False):
     """``config`` with tiles narrow enough for the rotary epilogue's heads: the rotary pairs
     columns within one head, so a tile must not span two (a head of 96, Phi-3's, under a tuned
     tile of 64 columns: tiles of 32), and the ``rotated`` columns of a head (a partial rotary)
-    must fill whole tiles or a tile whole groups of them. The other fields are the tuned ones.
-    None where no power-of-two tile of 16 or more fits (StableLM-3B's heads of 80 rotated over
-    20 columns): the caller computes it unfused."""
+    must fill whole tiles or a tile whole groups of them (``pairs``, neighbouring columns paired:
+    whole tiles only). The other fields are the tuned ones. None where no power-of-two tile of
+    16 or more fits (StableLM-3B's heads of 80 rotated over 20 columns): the caller computes it
+    unfused."""
     def fits(block_n):
         return head_dim % block_n == 0 and rotated > 0 and \
-            (rotated % block_n if block_n <= rotated else block_n % rotated) == 0
+            (rotated % block_n if block_n <= rotated else pairs or block_n % rotated) == 0
 
     block_n = config.block_n
     while block_n > 16 and not fits(block_n):
@@ -455,7 +456,7 @@ def fused_splitk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             config = dataclasses.replace(config, fused_reduce=True)
     rope = fusion.get("rope")
     if rope is not None:
-        config = _tiles_within_heads(config, rope.head_dim, rope.cos.shape[-1])
+        config = _tiles_within_heads(config, rope.head_dim, rope.cos.shape[-1], rope.pairs)
         if config is None:
             return None
     norm = fusion.get("norm")

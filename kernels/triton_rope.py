@@ -77,7 +77,7 @@ class RotaryCache:
     qk_offset: float | None = None
     group: int = 0  # the weight's rows grouped per KV head, [q x group | k | v]; 0: all q, all k, all v
     # Cohere's rotary: column 2i paired with 2i + 1 (its rotate_half interleaves; cos/sin hold each
-    # frequency twice), over all of each head
+    # frequency twice), over all of each head, or over its first R columns with tiles of at most R
     pairs: bool = False
     # False: q and k pass unrotated (a layer without positional embedding: SmolLM3's NoPE layers);
     # cos/sin are checked as ever but not read
@@ -152,9 +152,10 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
     if cos.shape != sin.shape or cos.stride() != sin.stride():
         raise ValueError(f"{who}: rope cos and sin must have the same shape and strides")
     rot = cos.shape[-1]
-    if not isinstance(rc.pairs, bool) or rc.pairs and rot != hd:
+    if not isinstance(rc.pairs, bool) or rc.pairs and rot != hd and block_n > rot:
         raise ValueError(f"{who}: rope pairs (neighbouring columns) must be a bool, True only for cos/sin over all "
-                         f"{hd} columns of each head, got {rc.pairs!r} over {rot}")
+                         f"{hd} columns of each head or tiles within the rotated {rot}, got {rc.pairs!r} with "
+                         f"block_n={block_n}")
     if rot % block_n if block_n <= rot else block_n % rot:
         raise ValueError(f"{who}: rope over {rot} of each head's columns needs tiles of a width that divides it or "
                          f"that it divides: block_n={block_n}")

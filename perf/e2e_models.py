@@ -55,6 +55,7 @@ class Family:
     experts: tuple[str, str, str] | None = None
     fixed: tuple[tuple[str, object], ...] = ()  # fields set alike for every model of the family here
     bias_field: str = "attention_bias"  # the config field of the q/k/v biases (where qkv_bias is None)
+    bias_sets_o: bool = True  # that field switches o_proj's bias too (not GLM's)
     eps_field: str = "rms_norm_eps"  # the config field of the norms' eps
     # the config field of the KV head count (None: the config has as many as heads), and of a
     # multi-query switch (one KV head) where it has one
@@ -102,6 +103,9 @@ FAMILIES: dict[str, Family] = {
     # sliding window (SmolLM3-3B's published config)
     "smollm3": Family("SmolLM3Config", head_dim=False, qkv_bias=None,
                       fixed=(("use_sliding_window", False), ("no_rope_layer_interval", 4))),
+    # GLM (GLM-4-9B's chat-hf form): Llama's layer with Phi-3's one gate/up linear, q/k/v biases (no o
+    # bias), the rotary over the first half of each head, neighbouring columns paired
+    "glm": Family("GlmConfig", head_dim=True, qkv_bias=None, bias_sets_o=False),
     # Ministral 3 (its text model): Llama's layer, YaRN's rotary, the queries scaled per position past
     # 16384 (Ministral3Config's defaults: Ministral 3 8B's published text config)
     "ministral3": Family("Ministral3Config", head_dim=True, qkv_bias=False),
@@ -158,6 +162,7 @@ SIZES: dict[str, ModelSizes] = {
     "phi4-mini": ModelSizes("phi4", 8192, 32, 200064, 1e4, 1e-5, 131072),  # its LM head tied in the release
     "smollm3-3b": ModelSizes("smollm3", 11008, 36, 128256, 5e6, 1e-6, 65536),  # its LM head tied in the release
     "ministral3-8b": ModelSizes("ministral3", 14336, 34, 131072, 1e6, 1e-5, 262144),  # Ministral-3-8B-*-2512
+    "glm4-9b": ModelSizes("glm", 13696, 40, 151552, 1e4, 1.5625e-7, 131072),  # glm-4-9b-chat-hf
     "stablelm-2-1.6b": ModelSizes("stablelm", 5632, 24, 100352, 1e4, 1e-5, 4096),  # q/k/v biases
     "stablelm-3b": ModelSizes("stablelm", 6912, 32, 50304, 1e4, 1e-5, 4096),  # StableLM-3B-4E1T; heads of 80
     "aya-23-8b": ModelSizes("cohere", 14336, 32, 256000, 1e4, 1e-5, 8192),  # its LM head tied in the release
@@ -232,7 +237,7 @@ def hf_config(name: str, layers: int | None = None):
     if family.head_dim:
         kw["head_dim"] = preset.head_dim
     if family.qkv_bias is None:
-        if family.bias_field == "attention_bias" and preset.o_bias != preset.qkv_bias:
+        if family.bias_field == "attention_bias" and family.bias_sets_o and preset.o_bias != preset.qkv_bias:
             # (attention_bias switches o_proj's bias with q/k/v's in every family here that reads it)
             raise ValueError(f"{name}: {family.config}'s attention_bias sets the q/k/v and o biases alike, the preset "
                              f"has q/k/v {preset.qkv_bias} and o {preset.o_bias}")

@@ -167,7 +167,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     attention and the MLP; ``"olmoe"``: OLMoE, 8 experts of a quarter of ``intermediate_size``, 2 per token, q/k
     norms over all heads; ``"olmo3"``, ``"ministral"``: OLMo 3 and Ministral, a sliding-window layer and a full one;
     ``"smollm3"``: SmolLM3, its second layer without positional embedding; ``"ministral3"``: Ministral 3, its queries
-    scaled per position from position 2 on)
+    scaled per position from position 2 on; ``"glm"``, ``"helium"``: GLM and Helium, the rotary of neighbouring pairs
+    over the first half of each head and over whole heads)
     of 8 heads and 2 KV heads, random weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16
     patched by hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's, OLMo 3's and Ministral's sliding
     window (else 4; Gemma 3's two layers then sliding and full, else both sliding, its config's pattern);
@@ -190,7 +191,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
            "falcon_new": transformers.FalconConfig, "olmoe": transformers.OlmoeConfig,
            "glm4_moe": transformers.Glm4MoeConfig, "olmo3": transformers.Olmo3Config,
            "ministral": transformers.MinistralConfig, "smollm3": transformers.SmolLM3Config,
-           "ministral3": transformers.Ministral3Config}[kind]
+           "ministral3": transformers.Ministral3Config, "glm": transformers.GlmConfig,
+           "helium": transformers.HeliumConfig}[kind]
     extra = {"granite": dict(residual_multiplier=0.22, attention_multiplier=0.05, embedding_multiplier=12.0,
                              logits_scaling=8.0),
              "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4),
@@ -212,6 +214,7 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
              "olmo3": dict(sliding_window=window or 4, layer_types=["sliding_attention", "full_attention"]),
              "ministral": dict(sliding_window=window or 4, layer_types=["sliding_attention", "full_attention"]),
              "smollm3": dict(no_rope_layers=[1, 0], pad_token_id=0),
+             "glm": dict(pad_token_id=0), "helium": dict(pad_token_id=0),
              "ministral3": dict(pad_token_id=0, rope_parameters={
                  "rope_type": "default", "rope_theta": 1e4, "llama_4_scaling_beta": 0.1,
                  "original_max_position_embeddings": 2}),

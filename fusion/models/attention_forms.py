@@ -31,6 +31,9 @@ from .checked_forms import (
     _EAGER_BODY,
     _FLAGGED_ROTARY,
     _FULL_QK_NORMS,
+    _HALVED_PAIR_PARTIAL_BODY,
+    _HALVED_PAIR_ROTARY_BODY,
+    _INTERLEAVED_ROTATE_HALF,
     _LATE_QK_NORMS,
     _LEGACY_FALCON_ATTENTION_BODY,
     _LEGACY_FALCON_SPLIT_BODY,
@@ -144,8 +147,13 @@ class AttentionForm:
     # the rotary over the first attn.rotary_ndims columns of each head, per-head q/k LayerNorms
     # where attn.qk_layernorm, and only position_ids for the attention function (StableLM)
     partial_rotary: bool = False
-    # the rotary pairs neighbouring columns (2i, 2i + 1) and rotates in fp32 (Cohere)
+    # the rotary pairs neighbouring columns (2i, 2i + 1) and rotates in fp32 (Cohere; GLM's and
+    # Helium's, cos_halved, in the step too)
     pair_rotary: bool = False
+    # the rotary pairs neighbouring columns from cos/sin in the standard layout, the first half of
+    # which it repeats per pair (GLM's, Helium's): the step interleaves them so (interleaved_cos) and
+    # rotates as Cohere's, in fp32 rounded once (where the module rounds in the dtype)
+    cos_halved: bool = False
     # per-head q/k norms on the head views where attn.use_qk_norm (Cohere's, GLM-4-MoE's)
     flagged_qk_norm: bool = False
     # its module's rotary function rotates the first cos.shape[-1] columns of each head and passes
@@ -260,6 +268,24 @@ def _pairs_neighbours(cls: type) -> bool:
     return callable(rope) and statements_match(body_statements(plain_function(rope)), _PAIR_ROTARY_STATEMENTS)
 
 
+def _halved_pairs(rotary) -> bool:
+    """Is ``rotary`` GLM's or Helium's rotary function (neighbouring columns paired, cos/sin
+    halved and repeated per pair: AttentionForm.cos_halved), statement by statement, with its
+    module's rotate_half?"""
+    rope = plain_function(rotary)
+    rotate = getattr(inspect.unwrap(rope), "__globals__", {}).get("rotate_half") if callable(rope) else None
+    body = body_statements(rope)
+    return rotate is not None and statements_match(body_statements(rotate), _INTERLEAVED_ROTATE_HALF) and any(
+        statements_match(body, form) for form in (_HALVED_PAIR_ROTARY_BODY, _HALVED_PAIR_PARTIAL_BODY))
+
+
+def interleaved_cos(t: Tensor) -> Tensor:
+    """cos (or sin) ``[..., R]`` in the standard layout as a rotary of neighbouring pairs takes it:
+    its first half, each frequency repeated for the two columns of its pair (what GLM's and
+    Helium's rotary functions make of it)."""
+    return t[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1)
+
+
 def _functions_form(cls: type, update: str, window_from: str | None, softcap: bool, **form) -> AttentionForm | str:
     """The :class:`AttentionForm` of ``cls`` with the functions its forward's module holds."""
     names = getattr(inspect.unwrap(cls.forward), "__globals__", {})
@@ -272,7 +298,10 @@ def _functions_form(cls: type, update: str, window_from: str | None, softcap: bo
     kernel_eager = statements_match(eager_body, _SOFTCAP_EAGER_BODY) if softcap else \
         statements_match(eager_body, _NO_GQA_EAGER_BODY if form.get("per_head_qkv") else _EAGER_BODY)
     rope_body = body_statements(plain_function(rotary))
-    by_cos = any(statements_match(rope_body, body) for body in (_PARTIAL_ROTARY_BODY, _SPLIT_PARTIAL_ROTARY_BODY))
+    by_cos = any(statements_match(rope_body, body) for body in (_PARTIAL_ROTARY_BODY, _SPLIT_PARTIAL_ROTARY_BODY,
+                                                                _HALVED_PAIR_PARTIAL_BODY))
+    if _halved_pairs(rotary):
+        form.update(pair_rotary=True, cos_halved=True)
     return AttentionForm(form.pop("qk_norm", False), form.pop("prefused", False), rotary, eager, functions, update,
                          window_from, softcap, kernel_eager=kernel_eager, rotary_by_cos=by_cos, **form)
 
@@ -386,7 +415,9 @@ def why_not_rotary(attn: nn.Module) -> str | None:
     if standard is None:
         rope = plain_function(form.rotary)
         rotate = getattr(inspect.unwrap(rope), "__globals__", {}).get("rotate_half")
-        if form.pair_rotary:  # Cohere's, statement by statement
+        if form.cos_halved:  # GLM's, Helium's (read with the form)
+            standard = True
+        elif form.pair_rotary:  # Cohere's, statement by statement
             standard = rope is not None and rotate is not None and statements_match(
                 body_statements(rotate), _PAIR_ROTATE_HALF_STATEMENTS) and statements_match(body_statements(rope),
                                                                                      _PAIR_ROTARY_STATEMENTS)
@@ -397,7 +428,7 @@ def why_not_rotary(attn: nn.Module) -> str | None:
                                                       or statements_match(rope_body, _PARTIAL_ROTARY_BODY)
                                                       or statements_match(rope_body, _SPLIT_PARTIAL_ROTARY_BODY))
         _STANDARD_ROTARY[cls] = standard
-    return None if standard else "its rotary embedding is not the standard rotate_half one (nor Cohere's)"
+    return None if standard else "its rotary embedding is not the standard rotate_half one (nor Cohere's, GLM's)"
 
 
 def plain_function(fn):

@@ -376,6 +376,15 @@ _SPLIT_PARTIAL_ROTARY_BODY = (
     *_PARTIAL_ROTARY_BODY[:5], "q_embed=q_rot*cos+rotate_half(q_rot)*sin", "k_embed=k_rot*cos+rotate_half(k_rot)*sin",
     "q_embed=torch.cat([q_embed,q_pass],dim=-1)", "k_embed=torch.cat([k_embed,k_pass],dim=-1)",
     "return(q_embed,k_embed)")
+# GLM's and Helium's rotary: neighbouring columns paired (_INTERLEAVED_ROTATE_HALF), cos/sin in the
+# standard layout, the first half of which each pair's frequency is taken from
+# (AttentionForm.cos_halved); Helium's over whole heads, GLM's over the first cos.shape[-1] columns
+_HALVED_COS = ("cos=cos[...,:cos.shape[-1]//2].repeat_interleave(2,dim=-1)",
+               "sin=sin[...,:sin.shape[-1]//2].repeat_interleave(2,dim=-1)")
+_HALVED_PAIR_ROTARY_BODY = (*_PARTIAL_ROTARY_BODY[:2], *_HALVED_COS, "q_embed=q*cos+rotate_half(q)*sin",
+                            "k_embed=k*cos+rotate_half(k)*sin", "return(q_embed,k_embed)")
+_HALVED_PAIR_PARTIAL_BODY = (*_PARTIAL_ROTARY_BODY[:2], *_HALVED_COS, *_SPLIT_PARTIAL_ROTARY_BODY[2:])
+_INTERLEAVED_ROTATE_HALF = ("x1=x[...,0::2]", "x2=x[...,1::2]", "returntorch.stack((-x2,x1),dim=-1).flatten(-2)")
 _ROTATE_HALF_STATEMENTS = ("x1=x[...,:x.shape[-1]//2]", "x2=x[...,x.shape[-1]//2:]", "returntorch.cat((-x2,x1),dim=-1)")
 _STATIC_UPDATE_STATEMENTS = (
     "kv_length=key_states.shape[-2]",

@@ -115,6 +115,8 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, 
     slots = _slots(attn, qkv)
     adapters = any(adapter_terms.adds_terms(m) for m in slots)
     rotate = forms.rotates(attn, form)
+    if form.cos_halved:  # GLM's, Helium's: the layout a rotary of neighbouring pairs takes
+        cos, sin = forms.interleaved_cos(cos), forms.interleaved_cos(sin)
     if form.full_qk_norm and not adapters and isinstance(attn.q_norm, Fp32FactorRMSNorm) \
             and isinstance(attn.k_norm, Fp32FactorRMSNorm):
         # q/k norms over all heads, which a tile of one head cannot compute: the GEMM, then the
@@ -130,14 +132,16 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, 
                           qk.get("qk_eps", 0.0), (attn.q_norm, attn.k_norm) if form.full_qk_norm else None,
                           qk.get("qk_offset"), form.pair_rotary, rotate)
         q = y[..., : heads * hd]
-    elif form.partial_rotary or form.pair_rotary or form.per_head_qkv or form.layout_from_config:
+    elif (form.partial_rotary or form.pair_rotary or form.per_head_qkv or form.layout_from_config) \
+            and not form.cos_halved:
         # (StableLM's, Cohere's, GPT-NeoX's, Falcon's: their layers run the input norm as its module and
         # pass none; an RMSNorm operand given here would run apart first)
         q = rope_qkv(normed(x, *_norm_args(norm)), qkv.weight, qkv.bias, cos, sin, keys, values, base, heads, kv_heads,
                      forms.qkv_group(attn, form), form.pair_rotary, counters, weight_scale_of(qkv))
     else:
         y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,
-                          base, heads, kv_heads, counters, weight_scale_of(qkv), **qk, rotate=rotate)
+                          base, heads, kv_heads, counters, weight_scale_of(qkv), **qk, rotate=rotate,
+                          pairs=form.pair_rotary)
         q = y[..., : heads * hd]
     scale = forms.position_scale(attn, form, kwargs)
     if scale is not None:  # Ministral 3's factor per position, on the rotated queries as its forward has it
@@ -279,6 +283,8 @@ def _rope_in_kernel(attn: nn.Module, form: forms.AttentionForm, y: Tensor, cos: 
             or cos.shape[-1] != forms.rotary_columns(attn, form, cos.shape[-1]):
         return None
     hd = attn.head_dim
+    if form.cos_halved:
+        cos, sin = forms.interleaved_cos(cos), forms.interleaved_cos(sin)
     kernel = forms.qk_rope_kernel()
     if sizes[0] % hd or sizes[1] % hd or kernel.check_rope(y, cos, sin, sizes[0] // hd, sizes[1] // hd) is not None:
         return None

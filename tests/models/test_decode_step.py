@@ -199,27 +199,36 @@ def test_partial_rotary_and_grouped_rows_in_the_rope_epilogue_match_fp64(block_n
 
 @pytest.mark.parametrize("block_n,split", [(16, 1), (32, 2)], ids=["16-wide-one-pass", "32-wide-fused-reduce"])
 @pytest.mark.parametrize("batch,seq,heads,kv_heads", [(1, 1, 4, 2), (2, 3, 2, 2)])
-def test_neighbouring_pairs_in_the_rope_epilogue_match_fp64(block_n, split, batch, seq, heads, kv_heads):
+@pytest.mark.parametrize("rot", [32, 16], ids=["whole-heads", "first-half"])
+def test_neighbouring_pairs_in_the_rope_epilogue_match_fp64(block_n, split, batch, seq, heads, kv_heads, rot):
     """Cohere's rotary: column 2i paired with 2i + 1 (``rotate_half`` interleaved), cos/sin
-    holding each frequency twice, over all of each head; against fp64, k and v in the cache."""
+    holding each frequency twice, over all of each head, or over its first half (GLM's, tiles
+    within the rotated columns; a 32-wide tile over 16 rotated columns is refused); against
+    fp64, k and v in the cache."""
     torch.manual_seed(batch + seq)
     dt, hd, k_dim, base, cache_len = torch.float32, 32, 48, 3, 8
     m, n = batch * seq, (heads + 2 * kv_heads) * hd
     x = torch.randn(m, k_dim, dtype=dt)
     w = torch.randn(n, k_dim, dtype=dt) / k_dim ** 0.5
-    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
     freqs = (torch.arange(seq) + base).double()[:, None] * inv
-    emb = torch.repeat_interleave(freqs, 2, dim=-1)[None].expand(batch, seq, hd)
+    emb = torch.repeat_interleave(freqs, 2, dim=-1)[None].expand(batch, seq, rot)
     cos, sin = emb.cos().to(dt), emb.sin().to(dt)
     keys, values = _poisoned_cache(batch, kv_heads, cache_len, hd, dt)
-    out = _epilogue_out(block_n, split, x, w, None,
-                        RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base), pairs=True))
+    rc = RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base), pairs=True)
+    if block_n > rot:
+        with pytest.raises(ValueError, match="tiles within the rotated 16"):
+            _epilogue_out(block_n, split, x, w, None, rc)
+        return
+    out = _epilogue_out(block_n, split, x, w, None, rc)
     q, k, v = (x.double() @ w.double().T).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
     c, s = cos.double()[:, :, None], sin.double()[:, :, None]
 
     def rotated(t, count):
         t = t.reshape(batch, seq, count, hd)
-        return t * c + torch.stack((-t[..., 1::2], t[..., ::2]), dim=-1).flatten(-2) * s
+        r = t[..., :rot]
+        r = r * c + torch.stack((-r[..., 1::2], r[..., ::2]), dim=-1).flatten(-2) * s
+        return torch.cat([r, t[..., rot:]], dim=-1)
 
     q, k = rotated(q, heads), rotated(k, kv_heads)
     torch.testing.assert_close(out.double(), torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1),
@@ -401,7 +410,8 @@ def _tiny(kind: str, layers: int = 2, attention: str = "sdpa", **extra):
               "stablelm": transformers.StableLmConfig, "cohere": transformers.CohereConfig,
               "olmo3": transformers.Olmo3Config, "ministral": transformers.MinistralConfig,
               "cwm": transformers.CwmConfig, "smollm3": transformers.SmolLM3Config,
-              "ministral3": transformers.Ministral3Config}[kind](**kw)
+              "ministral3": transformers.Ministral3Config, "glm": transformers.GlmConfig,
+              "helium": transformers.HeliumConfig}[kind](**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     if kind in ("gemma", "gemma2", "gemma3", "olmo2", "olmo3", "stablelm", "cohere"):  # norms start as the identity:
@@ -730,6 +740,24 @@ def test_sliding_window_families_decode_as_stock_does(kind, layer_types, kernels
     assert kernels_on_cpu["counters"] == (1 + 3) * 2 * 3
     # the full layer's rotary in its Q/K/V epilogue at each step (OLMo 3: after its q/k norms, apart)
     assert kernels_on_cpu["rope"] == (0 if kind == "olmo3" else 3)
+
+
+@pytest.mark.parametrize("kind", ["glm", "helium"])
+def test_rotaries_of_neighbouring_pairs_from_halved_cos_decode_as_stock_does(kind, kernels_on_cpu):
+    """GLM (its rotary over the first half of each head) and Helium (over whole heads) pair
+    neighbouring columns, each pair's frequency from the first half of cos/sin in the standard
+    layout. Both layers take the static-cache step: the step interleaves cos/sin, the Q/K/V
+    epilogue rotates neighbouring pairs (tiles within the rotated columns) and writes the cache;
+    logits and caches as stock's."""
+    stock = _tiny(kind, head_dim=32, pad_token_id=0)
+    model = _patched(stock)
+    ropes, real = [], triton_splitk.run
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_splitk, "run", lambda cfg, *a, rope=None, **kw: (rope is not None and ropes.append(
+            (rope.pairs, rope.cos.shape[-1], cfg.block_n))) or real(cfg, *a, rope=rope, **kw))
+        _compare(model, stock, steps=3)
+    rot = {"glm": 16, "helium": 32}[kind]
+    assert ropes == [(True, rot, min(rot, kernels_on_cpu["config"].block_n))] * 2 * 3
 
 
 # Ministral 3's query scale per position, 1 + beta * log(1 + floor(position / original)): with an
@@ -1381,7 +1409,9 @@ def test_a_soft_capped_gemma2_layer_falls_back_to_its_eager_form_when_the_kernel
     ("gemma2", "eager", 2, {"attn_logit_softcapping": 0.002, "head_dim": 32, **_WINDOWS}),
     ("smollm3", "sdpa", 2, {"no_rope_layers": [1, 0], "pad_token_id": 0}),
     ("ministral3", "sdpa", 2, {"rope_parameters": _LLAMA4_SCALED_ROPE, "pad_token_id": 0, "head_dim": 32}),
-], ids=["llama-b1", "llama-b3", "qwen3", "gemma2-softcap", "smollm3-nope", "ministral3-position-scale"])
+    ("glm", "sdpa", 2, {"pad_token_id": 0, "head_dim": 32}),
+], ids=["llama-b1", "llama-b3", "qwen3", "gemma2-softcap", "smollm3-nope", "ministral3-position-scale",
+        "glm-halved-pairs"])
 def test_dynamic_cache_decode_runs_the_attention_kernel_over_what_the_cache_returns(kind, attention, batch, extra,
                                                                                     kernels_on_cpu):
     """A dynamic cache (``generate``'s default): each new token's attention is one launch of the

@@ -37,6 +37,8 @@ CONFIGS = {
     "cwm": ("CwmConfig", {}),
     "smollm3": ("SmolLM3Config", {"no_rope_layers": [1, 0]}),
     "ministral3": ("Ministral3Config", {"head_dim": 16}),
+    "glm": ("GlmConfig", {"head_dim": 16}),
+    "helium": ("HeliumConfig", {"head_dim": 16}),
     "stablelm": ("StableLmConfig", {}),
     "cohere": ("CohereConfig", {}),
     "phi3": ("Phi3Config", {}),
@@ -55,7 +57,8 @@ SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDe
              "Qwen3MoeDecoderLayer, MixtralDecoderLayer, Qwen2MoeDecoderLayer, GemmaDecoderLayer, Phi3DecoderLayer, "
              "Gemma2DecoderLayer, Gemma3DecoderLayer, Olmo2DecoderLayer, StableLmDecoderLayer, CohereDecoderLayer, "
              "GPTNeoXLayer, FalconDecoderLayer, OlmoeDecoderLayer, Glm4MoeDecoderLayer, Olmo3DecoderLayer, "
-             "MinistralDecoderLayer, CwmDecoderLayer, SmolLM3DecoderLayer, Ministral3DecoderLayer")
+             "MinistralDecoderLayer, CwmDecoderLayer, SmolLM3DecoderLayer, Ministral3DecoderLayer, GlmDecoderLayer, "
+             "HeliumDecoderLayer")
 
 
 def _layer(cls: str) -> str:
@@ -98,6 +101,7 @@ EXPECTED = {
     "ministral": [], "cwm": [],  # Llama's layer beside sliding-window ones
     "smollm3": [],  # Llama's layer, a NoPE layer beside one with the rotary
     "ministral3": [],  # Llama's layer, its queries scaled per position after the rotary
+    "glm": [], "helium": [],  # Llama's layer (GLM's gate/up one linear), the rotary of neighbouring pairs
     # the layer fused, its LayerNorms called as the modules they are
     "stablelm": [(f"{L}.input_layernorm", _norm("LayerNorm")), (f"{L}.post_attention_layernorm", _norm("LayerNorm"))],
     "cohere": [(f"{L}.input_layernorm", _norm("CohereLayerNorm"))],  # the layer fused, its norm a module
