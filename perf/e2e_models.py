@@ -106,6 +106,8 @@ FAMILIES: dict[str, Family] = {
     # GLM (GLM-4-9B's chat-hf form): Llama's layer with Phi-3's one gate/up linear, q/k/v biases (no o
     # bias), the rotary over the first half of each head, neighbouring columns paired
     "glm": Family("GlmConfig", head_dim=True, qkv_bias=None, bias_sets_o=False),
+    # GLM-4 (0414): GLM's attention and MLP, each sublayer's output normalised before its residual add
+    "glm4": Family("Glm4Config", head_dim=True, qkv_bias=None, bias_sets_o=False),
     # Ministral 3 (its text model): Llama's layer, YaRN's rotary, the queries scaled per position past
     # 16384 (Ministral3Config's defaults: Ministral 3 8B's published text config)
     "ministral3": Family("Ministral3Config", head_dim=True, qkv_bias=False),
@@ -163,6 +165,7 @@ SIZES: dict[str, ModelSizes] = {
     "smollm3-3b": ModelSizes("smollm3", 11008, 36, 128256, 5e6, 1e-6, 65536),  # its LM head tied in the release
     "ministral3-8b": ModelSizes("ministral3", 14336, 34, 131072, 1e6, 1e-5, 262144),  # Ministral-3-8B-*-2512
     "glm4-9b": ModelSizes("glm", 13696, 40, 151552, 1e4, 1.5625e-7, 131072),  # glm-4-9b-chat-hf
+    "glm4-9b-0414": ModelSizes("glm4", 13696, 40, 151552, 1e4, 1e-5, 32768),  # GLM-4-9B-0414
     "stablelm-2-1.6b": ModelSizes("stablelm", 5632, 24, 100352, 1e4, 1e-5, 4096),  # q/k/v biases
     "stablelm-3b": ModelSizes("stablelm", 6912, 32, 50304, 1e4, 1e-5, 4096),  # StableLM-3B-4E1T; heads of 80
     "aya-23-8b": ModelSizes("cohere", 14336, 32, 256000, 1e4, 1e-5, 8192),  # its LM head tied in the release

@@ -62,7 +62,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
 
 # Families whose checkpoint holds Q/K/V (and gate/up) as one linear: the tensor-parallel plan
 # splits separate q/k/v and gate/up projections by heads and rows, not such a stacked one.
-_PREFUSED_FAMILIES = ("phi3", "phi4", "glm")
+_PREFUSED_FAMILIES = ("phi3", "phi4", "glm", "glm4")
 
 
 def model_names() -> list[str]:

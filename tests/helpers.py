@@ -168,7 +168,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     norms over all heads; ``"olmo3"``, ``"ministral"``: OLMo 3 and Ministral, a sliding-window layer and a full one;
     ``"smollm3"``: SmolLM3, its second layer without positional embedding; ``"ministral3"``: Ministral 3, its queries
     scaled per position from position 2 on; ``"glm"``, ``"helium"``: GLM and Helium, the rotary of neighbouring pairs
-    over the first half of each head and over whole heads)
+    over the first half of each head and over whole heads; ``"glm4"``: GLM-4 (0414), GLM's with norms around each
+    sublayer)
     of 8 heads and 2 KV heads, random weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16
     patched by hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's, OLMo 3's and Ministral's sliding
     window (else 4; Gemma 3's two layers then sliding and full, else both sliding, its config's pattern);
@@ -192,7 +193,7 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
            "glm4_moe": transformers.Glm4MoeConfig, "olmo3": transformers.Olmo3Config,
            "ministral": transformers.MinistralConfig, "smollm3": transformers.SmolLM3Config,
            "ministral3": transformers.Ministral3Config, "glm": transformers.GlmConfig,
-           "helium": transformers.HeliumConfig}[kind]
+           "helium": transformers.HeliumConfig, "glm4": transformers.Glm4Config}[kind]
     extra = {"granite": dict(residual_multiplier=0.22, attention_multiplier=0.05, embedding_multiplier=12.0,
                              logits_scaling=8.0),
              "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4),
@@ -214,7 +215,7 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
              "olmo3": dict(sliding_window=window or 4, layer_types=["sliding_attention", "full_attention"]),
              "ministral": dict(sliding_window=window or 4, layer_types=["sliding_attention", "full_attention"]),
              "smollm3": dict(no_rope_layers=[1, 0], pad_token_id=0),
-             "glm": dict(pad_token_id=0), "helium": dict(pad_token_id=0),
+             "glm": dict(pad_token_id=0), "helium": dict(pad_token_id=0), "glm4": dict(pad_token_id=0),
              "ministral3": dict(pad_token_id=0, rope_parameters={
                  "rope_type": "default", "rope_theta": 1e4, "llama_4_scaling_beta": 0.1,
                  "original_max_position_embeddings": 2}),
@@ -245,6 +246,11 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
             for name, p in base.named_parameters():
                 if "norm" in name:
                     p.uniform_(-0.5, 0.5)
+    if kind == "glm4":  # its norms start at weight 1: other factors, so that a norm in another's place shows
+        with torch.no_grad():
+            for name, p in base.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
     if kind.startswith("stablelm") or kind in ("cohere", "gpt_neox") or falcon:  # LayerNorms start as the identity
         with torch.no_grad():
             for name, p in base.named_parameters():

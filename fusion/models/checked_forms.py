@@ -37,26 +37,33 @@ _LAYER_BODY = (
 # Granite's layer: the same, each sublayer's output times residual_multiplier before the add
 _SCALED_ADD = "hidden_states=residual+hidden_states*self.residual_multiplier"
 _SCALED_LAYER_BODY = tuple(_SCALED_ADD if s == "hidden_states=residual+hidden_states" else s for s in _LAYER_BODY)
-# Gemma 2's and Gemma 3's layer: each sublayer's output normalised before its residual add
-# (post_attention_layernorm, post_feedforward_layernorm), the MLP's input by
-# pre_feedforward_layernorm
-_POST_NORM_LAYER_BODY = (
-    *_LAYER_BODY[:3],
-    "hidden_states=self.post_attention_layernorm(hidden_states)",
-    "hidden_states=residual+hidden_states",
-    "residual=hidden_states",
-    "hidden_states=self.pre_feedforward_layernorm(hidden_states)",
-    "hidden_states=self.mlp(hidden_states)",
-    "hidden_states=self.post_feedforward_layernorm(hidden_states)",
-    "hidden_states=residual+hidden_states",
-    "returnhidden_states",
-)
-# OLMo 2's layer: the post-norm form without input norms (the attention and the MLP read the
-# residual stream as it is)
-_OUTPUT_NORM_LAYER_BODY = tuple(s for s in _POST_NORM_LAYER_BODY
-                                if s not in ("hidden_states=self.input_layernorm(hidden_states)",
-                                             "hidden_states=self.pre_feedforward_layernorm(hidden_states)"))
-# Instance attribute set when a layer is patched: its forward is one of the post-norm forms above.
+# A post-norm layer's norms, in the order its forward applies them: the input norm, the attention
+# output's (before its residual add), the MLP input's, the MLP output's (before its add); None
+# where the form has none. Gemma 2's and Gemma 3's names:
+POST_NORM_NAMES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                   "post_feedforward_layernorm")
+# GLM-4's (0414): the same norms, named after what they follow
+GLM4_POST_NORM_NAMES = ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
+# OLMo 2's: no input norms (the attention and the MLP read the residual stream as it is)
+OUTPUT_NORM_NAMES = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
+
+
+def _post_norm_layer_body(names: tuple) -> tuple:
+    """The post-norm layer's statements over norms of ``names`` (a name None: that norm absent)."""
+    def norm(name):
+        return () if name is None else (f"hidden_states=self.{name}(hidden_states)",)
+
+    return ("residual=hidden_states", *norm(names[0]), _LAYER_BODY[2], *norm(names[1]),
+            "hidden_states=residual+hidden_states", "residual=hidden_states", *norm(names[2]),
+            "hidden_states=self.mlp(hidden_states)", *norm(names[3]), "hidden_states=residual+hidden_states",
+            "returnhidden_states")
+
+
+# Each post-norm form's names by its statements: each sublayer's output normalised before its
+# residual add, the MLP's input normalised as the attention's (where the form has input norms)
+POST_NORM_FORMS = {names: _post_norm_layer_body(names) for names in (POST_NORM_NAMES, GLM4_POST_NORM_NAMES,
+                                                                     OUTPUT_NORM_NAMES)}
+# Instance attribute set when a layer is patched: the names of its norms (POST_NORM_FORMS).
 POST_NORMS = "_hybridgemm_post_norms"
 # Phi-3's layer: the same, each sublayer's output through a dropout module before the add
 # (the identity unless the layer trains with p > 0: residual_dropouts, checked per call)

@@ -70,13 +70,12 @@ from .checked_forms import (
     _CHOSEN_RESIDUAL_LAYER_BODY,
     _DROPOUT_LAYER_BODY,
     _LAYER_BODY,
-    _OUTPUT_NORM_LAYER_BODY,
     _PARALLEL_LAYER_BODY,
-    _POST_NORM_LAYER_BODY,
     _SCALED_LAYER_BODY,
     LAYER_NORM_NAMES,
     MLP_DROPOUT,
     NORMS_AS_MODULES,
+    POST_NORM_FORMS,
     POST_NORMS,
     QKV_NAME,
     RESIDUAL_DROPOUTS,
@@ -245,26 +244,24 @@ def _fused_parts(layer: nn.Module) -> list[nn.Module]:
     return [p for p in parts if p is not None]
 
 
-_POST_NORM_NAMES = (*LAYER_NORM_NAMES, "pre_feedforward_layernorm", "post_feedforward_layernorm")
-
-
-def post_norms(layer: nn.Module) -> bool:
-    """Is ``layer`` of the post-norm form (Gemma 2/3: :data:`_POST_NORM_LAYER_BODY`), as patch
-    marked it (:data:`POST_NORMS`)?"""
-    return bool(layer.__dict__.get(POST_NORMS))
+def post_norms(layer: nn.Module) -> tuple | None:
+    """The names of ``layer``'s norms where it is of a post-norm form (Gemma 2/3's, GLM-4's,
+    OLMo 2's: checked_forms.POST_NORM_FORMS), as patch marked it (:data:`POST_NORMS`); else None."""
+    return layer.__dict__.get(POST_NORMS)
 
 
 def layer_norms(layer: nn.Module) -> list[nn.Module | None]:
     """The layer's norms, its input norm first: the pre-norm layer's two, a post-norm layer's four
-    (None for the two an OLMo 2 layer does not have)."""
-    return [layer._modules.get(n) for n in (_POST_NORM_NAMES if post_norms(layer) else LAYER_NORM_NAMES)]
+    in the order its forward applies them (None for the two an OLMo 2 layer does not have)."""
+    names = post_norms(layer) or LAYER_NORM_NAMES
+    return [None if n is None else layer._modules.get(n) for n in names]
 
 
-def normalises_outputs(cls: type) -> bool:
-    """Is ``cls.forward`` a post-norm form (Gemma 2/3's, OLMo 2's without input norms)? Read from
-    the source when patched."""
+def normalises_outputs(cls: type) -> tuple | None:
+    """The names of ``cls.forward``'s norms where it is a post-norm form (checked_forms.POST_NORM_FORMS:
+    Gemma 2/3's, GLM-4's, OLMo 2's without input norms), else None. Read from the source when patched."""
     statements = body_statements(cls.forward)
-    return statements_match(statements, _POST_NORM_LAYER_BODY) or statements_match(statements, _OUTPUT_NORM_LAYER_BODY)
+    return next((names for names, body in POST_NORM_FORMS.items() if statements_match(statements, body)), None)
 
 
 def _adapters(layer: nn.Module) -> list[nn.Module]:
@@ -545,16 +542,14 @@ def why_not_fuse_layer(mod: nn.Module, layer_classes) -> str | None:
     scaled = scales_residuals(t)
     statements = body_statements(t.forward)
     dropouts = not scaled and statements_match(statements, _DROPOUT_LAYER_BODY)
-    output_norms = not (scaled or dropouts) and statements_match(statements, _OUTPUT_NORM_LAYER_BODY)
-    post = output_norms or (not (scaled or dropouts) and statements_match(statements, _POST_NORM_LAYER_BODY))
+    post = None if scaled or dropouts else normalises_outputs(t)
     modules = None if scaled or dropouts or post else norm_modules_form(t)
     if not (scaled or dropouts or post or modules or statements_match(statements, _LAYER_BODY)):
         return f"{t.__name__}.forward is not a decoder layer this step computes"
     if modules:
         return _why_not_norm_modules(mod, modules, moe) or _why_not_attention(attn, qkv)
     if post:
-        names = _POST_NORM_NAMES[1::2] if output_norms else _POST_NORM_NAMES
-        norms = [mod._modules.get(n) for n in names]
+        norms = [mod._modules.get(n) for n in post if n is not None]
         if moe or any(isinstance(p, PartialSumLinear) for p in (o_proj, down_proj)):
             return "its post-norms follow a mixture of experts or a row-parallel projection (not fused)"
     if not all(type(n) in PATCHED_NORMS for n in norms):

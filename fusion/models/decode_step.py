@@ -458,15 +458,15 @@ def _slot_project(proj: nn.Module, x: Tensor, counters: Tensor | None) -> Tensor
 
 def _post_norm_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None) -> Tensor:
     """Gemma 2/3's layer: ``h = x + post_attn_norm(O(attention(input_norm(x))))``,
-    ``y = h + post_ff_norm(down(glu(gate_up(pre_ff_norm(h)))))`` (OLMo 2's: the same without the
-    input norms); the norms of the outputs as the modules compute them, each with its add one
-    Triton launch in eager calls (norm.add_norm; under torch.compile torch ops, which Inductor
-    fuses)."""
+    ``y = h + post_ff_norm(down(glu(gate_up(pre_ff_norm(h)))))`` (GLM-4's under other names; OLMo 2's:
+    the same without the input norms); the norms of the outputs as the modules compute them, each
+    with its add one Triton launch in eager calls (norm.add_norm; under torch.compile torch ops,
+    which Inductor fuses)."""
+    _, attention_norm, mlp_norm, output_norm = checks.layer_norms(layer)
     o = _slot_project(layer.self_attn.o_proj, attention(layer, x, kwargs, counters), counters)
-    h = add_norm(x, layer.post_attention_layernorm, o)
-    mlp_norm = layer._modules.get("pre_feedforward_layernorm")
+    h = add_norm(x, attention_norm, o)
     down = _slot_project(layer.mlp.down_proj, _mlp_inner(layer.mlp, mlp_norm, h, counters), counters)
-    return add_norm(h, layer.post_feedforward_layernorm, down)
+    return add_norm(h, output_norm, down)
 
 
 def _norm_modules_step(layer: nn.Module, x: Tensor, kwargs: dict, counters: Tensor | None) -> Tensor:

@@ -530,7 +530,7 @@ def _fuse_layer(layer: nn.Module) -> str | None:
     if scaled:
         _set_attr(layer, SCALED_RESIDUALS, True)
     if post_norms:
-        _set_attr(layer, POST_NORMS, True)
+        _set_attr(layer, POST_NORMS, post_norms)
     if norm_modules:
         _set_attr(layer, NORMS_AS_MODULES, norm_modules)
     if moe_block(layer._modules.get("mlp")) and why_not_fuse_block(layer.mlp) is None:

@@ -411,14 +411,14 @@ def _tiny(kind: str, layers: int = 2, attention: str = "sdpa", **extra):
               "olmo3": transformers.Olmo3Config, "ministral": transformers.MinistralConfig,
               "cwm": transformers.CwmConfig, "smollm3": transformers.SmolLM3Config,
               "ministral3": transformers.Ministral3Config, "glm": transformers.GlmConfig,
-              "helium": transformers.HeliumConfig}[kind](**kw)
+              "helium": transformers.HeliumConfig, "glm4": transformers.Glm4Config}[kind](**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
-    if kind in ("gemma", "gemma2", "gemma3", "olmo2", "olmo3", "stablelm", "cohere"):  # norms start as the identity:
-        with torch.no_grad():                                                             # others, so that they show
-            for name, p in model.named_parameters():
+    if kind in ("gemma", "gemma2", "gemma3", "olmo2", "olmo3", "stablelm", "cohere", "glm4"):  # norms start as the
+        with torch.no_grad():                                                                # identity: others, so
+            for name, p in model.named_parameters():                                        # that they show
                 if "norm" in name:
-                    olmo_or_layernorm = kind in ("olmo2", "olmo3", "stablelm", "cohere")
+                    olmo_or_layernorm = kind in ("olmo2", "olmo3", "stablelm", "cohere", "glm4")
                     p.uniform_(*((0.5, 1.5) if olmo_or_layernorm and name.endswith("weight") else (-0.5, 0.5)))
     return model
 
@@ -740,6 +740,27 @@ def test_sliding_window_families_decode_as_stock_does(kind, layer_types, kernels
     assert kernels_on_cpu["counters"] == (1 + 3) * 2 * 3
     # the full layer's rotary in its Q/K/V epilogue at each step (OLMo 3: after its q/k norms, apart)
     assert kernels_on_cpu["rope"] == (0 if kind == "olmo3" else 3)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_glm4_norms_around_each_sublayer_decode_as_stock_does(batch, kernels_on_cpu):
+    """GLM-4 (0414): each sublayer's output normalised before its residual add
+    (post_self_attn_layernorm, post_mlp_layernorm), the MLP's input by post_attention_layernorm:
+    Gemma 2's post-norm form under other names (each norm's weight drawn apart, so that a norm
+    put in another's place shows); Phi-3's one gate/up linear, q/k/v biases, GLM's rotary of
+    neighbouring pairs over the first half of each head. Both layers on the static-cache step
+    (the rotary in the Q/K/V epilogue), each output norm with its add; logits and caches as
+    stock's."""
+    stock = _tiny("glm4", head_dim=32, pad_token_id=0, attention_bias=True)
+    model = _patched(stock)
+    assert all(checks.post_norms(layer) == ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm",
+                                            "post_mlp_layernorm") for layer in model.model.layers)
+    steps, real = [], decode_step._post_norm_step
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode_step, "_post_norm_step", lambda *a: steps.append(1) or real(*a))
+        _compare(model, stock, steps=3, batch=batch)
+    assert len(steps) == 2 * (1 + 3)  # both layers: the prompt, then each step
+    assert kernels_on_cpu["rope"] == 2 * 3
 
 
 @pytest.mark.parametrize("kind", ["glm", "helium"])

@@ -39,6 +39,7 @@ CONFIGS = {
     "ministral3": ("Ministral3Config", {"head_dim": 16}),
     "glm": ("GlmConfig", {"head_dim": 16}),
     "helium": ("HeliumConfig", {"head_dim": 16}),
+    "glm4": ("Glm4Config", {"head_dim": 16}),
     "stablelm": ("StableLmConfig", {}),
     "cohere": ("CohereConfig", {}),
     "phi3": ("Phi3Config", {}),
@@ -58,7 +59,7 @@ SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDe
              "Gemma2DecoderLayer, Gemma3DecoderLayer, Olmo2DecoderLayer, StableLmDecoderLayer, CohereDecoderLayer, "
              "GPTNeoXLayer, FalconDecoderLayer, OlmoeDecoderLayer, Glm4MoeDecoderLayer, Olmo3DecoderLayer, "
              "MinistralDecoderLayer, CwmDecoderLayer, SmolLM3DecoderLayer, Ministral3DecoderLayer, GlmDecoderLayer, "
-             "HeliumDecoderLayer")
+             "HeliumDecoderLayer, Glm4DecoderLayer")
 
 
 def _layer(cls: str) -> str:
@@ -102,6 +103,7 @@ EXPECTED = {
     "smollm3": [],  # Llama's layer, a NoPE layer beside one with the rotary
     "ministral3": [],  # Llama's layer, its queries scaled per position after the rotary
     "glm": [], "helium": [],  # Llama's layer (GLM's gate/up one linear), the rotary of neighbouring pairs
+    "glm4": [],  # GLM's attention and MLP, Gemma 2's post-norm layer under other names
     # the layer fused, its LayerNorms called as the modules they are
     "stablelm": [(f"{L}.input_layernorm", _norm("LayerNorm")), (f"{L}.post_attention_layernorm", _norm("LayerNorm"))],
     "cohere": [(f"{L}.input_layernorm", _norm("CohereLayerNorm"))],  # the layer fused, its norm a module

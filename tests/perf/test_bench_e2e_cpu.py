@@ -156,22 +156,25 @@ def test_layernorm_family_configs_have_the_published_sizes_and_are_fused(name, s
                            intermediate_size=14336, vocab_size=131072)),
     ("glm4-9b", dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
                      intermediate_size=13696, vocab_size=151552, attention_bias=True)),
+    ("glm4-9b-0414", dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+                          intermediate_size=13696, vocab_size=151552, attention_bias=True)),
 ])
 def test_sliding_window_and_partial_rotary_presets_are_fused(name, sizes):
     """OLMo 3's and Ministral's (sliding-window layers: OLMo 3's three to one full, Ministral's all),
     Phi-4-mini's (the rotary over 96 of each head's 128 columns), SmolLM3's (every fourth layer
-    without positional embedding), Ministral 3's (YaRN, queries scaled per position) and GLM-4-9B's
-    (neighbouring columns paired over the first half of each head) configs as published, built on
-    the meta device and patched: every layer fused and its attention on the static-cache step."""
+    without positional embedding), Ministral 3's (YaRN, queries scaled per position) and GLM-4-9B's,
+    both forms (neighbouring columns paired over the first half of each head; 0414's norms around
+    each sublayer) configs as published, built on the meta device and patched: every layer fused
+    and its attention on the static-cache step."""
     config = hf.hf_config(name, layers=4)
     assert {k: getattr(config, k) for k in sizes} == sizes and config.num_hidden_layers == 4
     layer_types = getattr(config, "layer_types", None) or []
     assert layer_types == {"olmo3-7b": ["sliding_attention"] * 3 + ["full_attention"],
                            "ministral-8b": ["sliding_attention"] * 4, "phi4-mini": [],
-                           "smollm3-3b": ["full_attention"] * 4, "ministral3-8b": [], "glm4-9b": []}[name]
+                           "smollm3-3b": ["full_attention"] * 4}.get(name, [])
     if name == "phi4-mini":
         assert config.rope_parameters["partial_rotary_factor"] == 0.75
-    if name == "glm4-9b":
+    if name.startswith("glm4-9b"):
         assert config.rope_parameters["partial_rotary_factor"] == 0.5
     if name == "ministral3-8b":
         rope = config.rope_parameters

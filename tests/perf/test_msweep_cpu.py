@@ -103,10 +103,11 @@ def test_all_presets_deduplicated_bias_kept_apart():
         == [("gemma3-4b",)] * 4
     # pythia-6.9b's (32 heads of 128 over 4096, no GQA, biases throughout): q, k/v and o one shape, its Q/K/V
     assert by_key_models(shapes, (12288, 4096, True)) == ("pythia-6.9b",)
-    # glm4-9b's (32 heads of 128 over 4096, 2 KV heads, q/k/v biases): q pythia-6.9b's biased one, k/v and
-    # Q/K/V its own, o (no bias) llama3-8b's
-    assert by_key_models(shapes, (4096, 4096, True)) == ("glm4-9b", "pythia-6.9b")
-    assert by_key_models(shapes, (256, 4096, True)) == by_key_models(shapes, (4608, 4096, True)) == ("glm4-9b",)
+    # glm4-9b's and glm4-9b-0414's (32 heads of 128 over 4096, 2 KV heads, q/k/v biases): q pythia-6.9b's biased
+    # one, k/v and Q/K/V their own, o (no bias) llama3-8b's
+    assert by_key_models(shapes, (4096, 4096, True)) == ("glm4-9b", "glm4-9b-0414", "pythia-6.9b")
+    assert by_key_models(shapes, (256, 4096, True)) == by_key_models(shapes, (4608, 4096, True)) \
+        == ("glm4-9b", "glm4-9b-0414")
     # stablelm-3b's (32 heads of 80 over 2560, no GQA): q, k/v and o one shape, its Q/K/V 7680 rows;
     # stablelm-2-1.6b's q/k/v carry biases (o none): its 2048 x 2048 twice, apart
     assert by_key_models(shapes, (7680, 2560, False)) == ("stablelm-3b",)
