@@ -18,8 +18,10 @@ Found by module structure, never by model name (``transformers`` is never import
   GEMM's epilogue and the module's class becomes one whose forward does not apply it again (a
   LoRA layer later put over that linear gets the activation module after it, as stock).
 
-An activation module that is not recognised (an unknown class, a custom function) leaves the
-MLP alone, with the reason in the report: fusing must compute what the module computed.
+An activation module that is not recognised (an unknown class, a custom function), or a
+forward that computes more than these classes do (fusion/models/mlp_forms.py: a scale, a clamp,
+a dropout, a norm), leaves the MLP's forward alone, with the reason in the report: fusing must
+compute what the module computed.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ from hybridgemm.norm import (
 )
 from hybridgemm.router import HybridSigmoidRouter, HybridTopKRouter, SigmoidRouterForm, why_not_router
 
-from . import layernorm_layers
+from . import layernorm_layers, mlp_forms
 from .attention_forms import why_not_fuse_attention
 from .decode_checks import (
     NORMS_AS_MODULES,
@@ -557,7 +557,8 @@ def _patch_mlp(name: str, mod: nn.Module, modules: dict, owners: dict, report: P
     if lins:
         paths = tuple(stock_slot(mod, n)[0] for n in GATED_NAMES)
         down_path, down = stock_slot(mod, "down_proj")
-        why_not = why_not_fuse(name, mod, paths, lins, owners, FUSED_GATE_UP, "gate/up")
+        why_not = mlp_forms.why_not_form(mod, mlp_forms.GATED_FORMS, "gated MLP") or \
+            why_not_fuse(name, mod, paths, lins, owners, FUSED_GATE_UP, "gate/up")
         if why_not is not None:  # still through hybridgemm, one GEMM each, the module's own forward
             report.skipped.append((name, f"gate/up not fused: {why_not}; swapped one by one"))
             for n, lin in zip(paths, lins):
@@ -572,6 +573,10 @@ def _patch_mlp(name: str, mod: nn.Module, modules: dict, owners: dict, report: P
         done.update(qual(name, n) for n in (*GATED_NAMES, *paths, "down_proj", down_path))
         return True
     gate_up, act, why = prefused_gated_parts(mod)
+    if why is None and gate_up is not None:
+        why = mlp_forms.why_not_form(mod, mlp_forms.PREFUSED_GATED_FORMS, "gated MLP")
+        if why is not None:  # its own forward, its linears dispatched one by one
+            _swap_each(name, mod, (FUSED_GATE_UP, "down_proj"), swap, done)
     if why is not None:
         report.skipped.append((name, why))
         return True
@@ -586,6 +591,10 @@ def _patch_mlp(name: str, mod: nn.Module, modules: dict, owners: dict, report: P
         done.update(qual(name, n) for n in (FUSED_GATE_UP, "down_proj", down_path))
         return True
     act, why = two_layer_act(mod)
+    if why is None and act is not None:
+        why = mlp_forms.why_not_form(mod, mlp_forms.TWO_LAYER_FORMS, "MLP")
+        if why is not None:  # its own forward, its linears dispatched one by one
+            _swap_each(name, mod, ("dense_h_to_4h", "dense_4h_to_h"), swap, done)
     if why is not None:
         report.skipped.append((name, why))
         return True
@@ -597,11 +606,16 @@ def _patch_mlp(name: str, mod: nn.Module, modules: dict, owners: dict, report: P
         _set_attr(mod, "activation", act)
         return True
     act, why = conv_mlp_act(mod, _is_conv1d)
+    if why is None and act is not None:
+        why = mlp_forms.why_not_form(mod, mlp_forms.CONV_FORMS, "MLP")
     if why is not None:  # a GPT-2-style MLP that cannot be fused: left alone, with the reason
         report.skipped.append((name, why))
         return True
     if act is None:
         act, why = intermediate_act(mod)
+        if why is None and act is not None:
+            why = mlp_forms.why_not_form(mod, mlp_forms.INTERMEDIATE_FORMS, "intermediate GEMM")
+            act = None if why is not None else act
         if act is None:
             if why is not None:
                 report.skipped.append((name, why))
@@ -621,6 +635,15 @@ def _patch_mlp(name: str, mod: nn.Module, modules: dict, owners: dict, report: P
     _swap_conv1d(name, mod, "c_fc", act, report, done)
     _swap_conv1d(name, mod, "c_proj", None, report, done)
     return True
+
+
+def _swap_each(name: str, mod: nn.Module, children: tuple[str, ...], swap, done: set) -> None:
+    """Each plain ``nn.Linear`` of ``mod``'s ``children`` a :class:`HybridLinear` (the module's forward calls it)."""
+    for child in children:
+        lin = _get(mod, child)
+        if type(lin) is nn.Linear:
+            swap(qual(name, child), lin, HybridLinear)
+        done.add(qual(name, child))
 
 
 def _swap_conv1d(name: str, mod: nn.Module, child: str, act: str | None, report: PatchReport, done: set) -> None:
