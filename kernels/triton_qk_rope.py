@@ -313,11 +313,13 @@ def check_rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
 
 
 def rope_qk(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-            pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            pairs: bool = False, fp32_pairs: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face's rotary embedding of the q and k columns of the Q/K/V projection ``y``
     ``[B, S, N]`` (per head; cos/sin of y's dtype: each product and the sum rounded as torch's
     16-bit ops round; cos/sin of R < hd columns: the first R columns of each head, the rest as
-    they are; ``pairs``: Cohere's, as :func:`qk_norm_rope_store` says), in one launch:
+    they are; ``pairs``: neighbouring columns paired, rotated in fp32 and rounded once as
+    Cohere's function does, as :func:`qk_norm_rope_store` says, or with ``fp32_pairs`` False
+    rounded as the standard rotary, GLM's and Helium's functions), in one launch:
     ``(q [B, S, heads * hd], k [B, S, kv_heads * hd])``; operands as :func:`check_rope` accepts
     them (unchecked here)."""
     b, s, n = y.shape
@@ -331,10 +333,12 @@ def rope_qk(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, k
     ldy = _row_stride(y)
     ints = (s, ldy, q_cols, kv_cols, 0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(1))
     ptrs = (y, cos, sin, q, k)
-    key = ("rope", m, ints, hd, rot, pairs, y.dtype, y.get_device(), tuple(not t.data_ptr() & 15 for t in ptrs))
+    round_each = y.dtype != torch.float32 and not (pairs and fp32_pairs)
+    key = ("rope", m, ints, hd, rot, pairs, round_each, y.dtype, y.get_device(),
+           tuple(not t.data_ptr() & 15 for t in ptrs))
     plan = _PLANS.get(key)
     if plan is None:
-        meta = _meta(q_cols, kv_cols, hd, y.dtype != torch.float32 and not pairs, rot, pairs)
+        meta = _meta(q_cols, kv_cols, hd, round_each, rot, pairs)
         plan = _PLANS.put(key, TritonPlan(y.device, Launcher(_qk_rope_kernel, (m, 2), meta)))
     plan.launch(*ptrs, *ints)
     return q, k

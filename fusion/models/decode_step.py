@@ -288,7 +288,7 @@ def _rope_in_kernel(attn: nn.Module, form: forms.AttentionForm, y: Tensor, cos: 
     kernel = forms.qk_rope_kernel()
     if sizes[0] % hd or sizes[1] % hd or kernel.check_rope(y, cos, sin, sizes[0] // hd, sizes[1] // hd) is not None:
         return None
-    return kernel.rope_qk(y, cos, sin, sizes[0] // hd, sizes[1] // hd, form.pair_rotary)
+    return kernel.rope_qk(y, cos, sin, sizes[0] // hd, sizes[1] // hd, form.pair_rotary, not form.cos_halved)
 
 
 def _kernel_attention(attn: nn.Module, form: forms.AttentionForm, interface, q: Tensor, k: Tensor, v: Tensor,

@@ -251,16 +251,18 @@ def gated_norm(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: f
 def _rotate(t: Tensor, cos: Tensor, sin: Tensor, pairs: bool = False) -> Tensor:
     """Hugging Face's rotary embedding of ``t`` [B, S, heads, hd], cos/sin [B or 1, S, R], in t's
     dtype; fp32 cos/sin (OLMo 2's) rotate in fp32, then round to t's dtype, as its rotary does.
-    R < hd (StableLM's partial rotary): the first R columns of each head, the rest as they are.
-    ``pairs``: Cohere's (neighbouring columns paired, rotated as fp32 copies, rounded once)."""
+    R < hd (StableLM's, GLM's partial rotary): the first R columns of each head, the rest as they
+    are. ``pairs``: Cohere's (neighbouring columns paired, rotated as fp32 copies, rounded once;
+    GLM's and Helium's in the static step too, as the pair epilogue rotates)."""
     c, s = cos[:, :, None, :], sin[:, :, None, :]
-    if pairs:
-        f = t.float()
-        return (f * c + torch.stack((-f[..., 1::2], f[..., ::2]), dim=-1).flatten(-2) * s).to(t.dtype)
     width = cos.shape[-1]
-    half = width // 2
     r = t[..., :width]
-    out = (r * c + torch.cat((-r[..., half:], r[..., :half]), dim=-1) * s).to(t.dtype)
+    if pairs:
+        f = r.float()
+        out = (f * c + torch.stack((-f[..., 1::2], f[..., ::2]), dim=-1).flatten(-2) * s).to(t.dtype)
+    else:
+        half = width // 2
+        out = (r * c + torch.cat((-r[..., half:], r[..., :half]), dim=-1) * s).to(t.dtype)
     return out if width == t.shape[-1] else torch.cat((out, t[..., width:]), dim=-1)
 
 

@@ -313,6 +313,34 @@ def test_neighbour_pairs_are_coheres_rotary_bit_for_bit(device, b, s, heads, kv_
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("module,b,s,heads,kv_heads,hd,rot", [("glm", 1, 1, 4, 2, 32, 16), ("glm", 2, 3, 3, 1, 16, 8),
+                                                             ("helium", 3, 2, 2, 2, 32, 32)])
+def test_halved_neighbour_pairs_are_glms_and_heliums_rotary_bit_for_bit(device, module, b, s, heads, kv_heads, hd,
+                                                                        rot):
+    """``pairs`` with ``fp32_pairs`` off over cos/sin the step interleaves (attention_forms.interleaved_cos):
+    GLM's rotary (the first ``rot`` columns of each head) and Helium's (all of them) with their own
+    functions, each product and the sum rounded to the dtype as theirs: q and k bit for bit."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    mod = pytest.importorskip(f"transformers.models.{module}.modeling_{module}")
+    from hybridgemm.models.attention_forms import interleaved_cos
+
+    for dtype in ([torch.bfloat16, torch.float16, torch.float32] if device == "cuda" else CPU_DTYPES):
+        y, *_ = _operands(b, s, heads, kv_heads, hd, dtype, device, dtype, seed=hd + rot)
+        g = torch.Generator().manual_seed(rot)
+        angles = torch.rand(b, s, rot // 2, generator=g) * 6.3
+        emb = torch.cat([angles, angles], dim=-1)  # the standard layout, as their rotary embeddings give it
+        cos, sin = emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
+        q, k, _ = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+        ref_q, ref_k = mod.apply_rotary_pos_emb(q.view(b, s, heads, hd).transpose(1, 2),
+                                                k.view(b, s, kv_heads, hd).transpose(1, 2), cos, sin)
+        q2, k2 = tqr.rope_qk(y, interleaved_cos(cos), interleaved_cos(sin), heads, kv_heads, pairs=True,
+                             fp32_pairs=False)
+        assert torch.equal(q2, ref_q.transpose(1, 2).reshape(b, s, -1)), dtype
+        assert torch.equal(k2, ref_k.transpose(1, 2).reshape(b, s, -1)), dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("b,s,heads,hd,rot,base", [(1, 1, 4, 32, 8, 5), (3, 1, 3, 20, 20, 0), (2, 3, 5, 80, 20, 7),
                                                    (1, 2, 7, 6, 2, 3)])
 def test_per_head_layout_is_gpt_neoxs_attention_bit_for_bit(device, b, s, heads, hd, rot, base):

@@ -763,22 +763,29 @@ def test_glm4_norms_around_each_sublayer_decode_as_stock_does(batch, kernels_on_
     assert kernels_on_cpu["rope"] == 2 * 3
 
 
-@pytest.mark.parametrize("kind", ["glm", "helium"])
-def test_rotaries_of_neighbouring_pairs_from_halved_cos_decode_as_stock_does(kind, kernels_on_cpu):
-    """GLM (its rotary over the first half of each head) and Helium (over whole heads) pair
-    neighbouring columns, each pair's frequency from the first half of cos/sin in the standard
-    layout. Both layers take the static-cache step: the step interleaves cos/sin, the Q/K/V
-    epilogue rotates neighbouring pairs (tiles within the rotated columns) and writes the cache;
-    logits and caches as stock's."""
-    stock = _tiny(kind, head_dim=32, pad_token_id=0)
+@pytest.mark.parametrize("kind,fused", [("glm", True), ("helium", True), ("glm", False), ("glm-quarter", False)],
+                         ids=["glm", "helium", "glm-after-the-gemm", "glm-quarter-rotary-after-the-gemm"])
+def test_rotaries_of_neighbouring_pairs_from_halved_cos_decode_as_stock_does(kind, fused, kernels_on_cpu):
+    """GLM (its rotary over the first half of each head, or a quarter) and Helium (over whole
+    heads) pair neighbouring columns, each pair's frequency from the first half of cos/sin in the
+    standard layout. Both layers take the static-cache step: the step interleaves cos/sin, the
+    Q/K/V epilogue rotates neighbouring pairs (tiles within the rotated columns) and writes the
+    cache; where the split-K epilogue does not run (``fused`` False), the GEMM, then the rotary of
+    the rotated columns and the cache write as torch ops. Logits and caches as stock's."""
+    kind, _, quarter = kind.partition("-")
+    extra = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}} \
+        if quarter else {}
+    stock = _tiny(kind, head_dim=32, pad_token_id=0, **extra)
     model = _patched(stock)
     ropes, real = [], triton_splitk.run
     with pytest.MonkeyPatch.context() as mp:
+        if not fused:
+            mp.setattr(dispatch, "fused_splitk", lambda *a, **kw: None)
         mp.setattr(triton_splitk, "run", lambda cfg, *a, rope=None, **kw: (rope is not None and ropes.append(
             (rope.pairs, rope.cos.shape[-1], cfg.block_n))) or real(cfg, *a, rope=rope, **kw))
         _compare(model, stock, steps=3)
     rot = {"glm": 16, "helium": 32}[kind]
-    assert ropes == [(True, rot, min(rot, kernels_on_cpu["config"].block_n))] * 2 * 3
+    assert ropes == ([(True, rot, min(rot, kernels_on_cpu["config"].block_n))] * 2 * 3 if fused else [])
 
 
 # Ministral 3's query scale per position, 1 + beta * log(1 + floor(position / original)): with an
