@@ -928,8 +928,8 @@ def test_cohere_layers_decode_as_stock_does(batch, kernels_on_cpu):
     ids = torch.randint(3, VOCAB, (2, 4))
     rotated, real_rope = [], tqr.rope_qk
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tqr, "rope_qk", lambda y, cos, sin, heads, kv_heads, pairs=False: rotated.append(pairs) or real_rope(
-            y, cos, sin, heads, kv_heads, pairs))
+        mp.setattr(tqr, "rope_qk", lambda y, cos, sin, heads, kv_heads, pairs=False, fp32_pairs=True: rotated.append(
+            pairs and fp32_pairs) or real_rope(y, cos, sin, heads, kv_heads, pairs, fp32_pairs))
         tokens = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         ref = stock.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(tokens, ref)

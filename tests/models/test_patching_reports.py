@@ -293,6 +293,10 @@ class _GatedExpert(nn.Module):
             self.add_module(n, nn.Linear(d, d, bias=False))
         self.act_fn = nn.SiLU()
 
+    def forward(self, x):  # Llama's statements (the w1/w3/w2 layout is not called here)
+        down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return down_proj
+
 
 class _MoE(nn.Module):
     def __init__(self, d: int, names):
