@@ -1,8 +1,9 @@
 """The forwards of the MLP modules :func:`hybridgemm.patch` swaps for its own (fusion/mlp.py),
 statement by statement. A module with the children and activation of one of those MLPs whose
 forward computes anything more (a clamp, a scale, a norm, a dropout, Gemma 3n's activation
-sparsity, Falcon-H1's multipliers) keeps its own forward: its linears are dispatched one by one,
-and the report says why."""
+sparsity, Falcon-H1's multipliers) keeps its own forward, and the report says why: a gated,
+prefused-gated or two-layer MLP's linears are dispatched one by one, a BERT intermediate or a
+GPT-2 MLP is left as it is."""
 
 from __future__ import annotations
 
