@@ -286,6 +286,11 @@ def interleaved_cos(t: Tensor) -> Tensor:
     return t[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1)
 
 
+def kernel_cos_sin(form: AttentionForm, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """The call's cos/sin in the layout the rotary kernels take for ``form`` (cos_halved: interleaved)."""
+    return (interleaved_cos(cos), interleaved_cos(sin)) if form.cos_halved else (cos, sin)
+
+
 def _functions_form(cls: type, update: str, window_from: str | None, softcap: bool, **form) -> AttentionForm | str:
     """The :class:`AttentionForm` of ``cls`` with the functions its forward's module holds."""
     names = getattr(inspect.unwrap(cls.forward), "__globals__", {})

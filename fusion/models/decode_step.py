@@ -115,8 +115,7 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, 
     slots = _slots(attn, qkv)
     adapters = any(adapter_terms.adds_terms(m) for m in slots)
     rotate = forms.rotates(attn, form)
-    if form.cos_halved:  # GLM's, Helium's: the layout a rotary of neighbouring pairs takes
-        cos, sin = forms.interleaved_cos(cos), forms.interleaved_cos(sin)
+    cos, sin = forms.kernel_cos_sin(form, cos, sin)  # (GLM's, Helium's interleaved)
     if form.full_qk_norm and not adapters and isinstance(attn.q_norm, Fp32FactorRMSNorm) \
             and isinstance(attn.k_norm, Fp32FactorRMSNorm):
         # q/k norms over all heads, which a tile of one head cannot compute: the GEMM, then the
@@ -283,8 +282,7 @@ def _rope_in_kernel(attn: nn.Module, form: forms.AttentionForm, y: Tensor, cos: 
             or cos.shape[-1] != forms.rotary_columns(attn, form, cos.shape[-1]):
         return None
     hd = attn.head_dim
-    if form.cos_halved:
-        cos, sin = forms.interleaved_cos(cos), forms.interleaved_cos(sin)
+    cos, sin = forms.kernel_cos_sin(form, cos, sin)
     kernel = forms.qk_rope_kernel()
     if sizes[0] % hd or sizes[1] % hd or kernel.check_rope(y, cos, sin, sizes[0] // hd, sizes[1] // hd) is not None:
         return None

@@ -7,6 +7,7 @@ GPT-2 MLP is left as it is."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from torch import nn
@@ -39,16 +40,21 @@ CONV_FORMS = (  # GPT-2's, OpenAI GPT's
 def why_not_form(mod: nn.Module, forms: tuple, kind: str) -> str | None:
     """Why ``mod``'s forward is none of ``forms`` (None: it is one), for the report: ``kind``
     names what hybridgemm would compute in its place."""
-    forward = type(mod).forward
-    try:
-        params = list(inspect.signature(forward).parameters)
-    except (TypeError, ValueError):
-        params = []
-    statements = body_statements(forward)
-    if len(params) == 2 and statements is not None \
-            and any(statements == [s.format(x=params[1]) for s in form] for form in forms):
+    if _computes(type(mod), forms):
         return None
     return f"{type(mod).__name__}.forward computes more than the {kind} hybridgemm fuses (its own forward runs)"
+
+
+@functools.lru_cache(maxsize=256)
+def _computes(cls: type, forms: tuple) -> bool:
+    # read once per class (a model's many layers, a list of experts, share one)
+    try:
+        params = list(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    statements = body_statements(cls.forward)
+    return len(params) == 2 and statements is not None \
+        and any(statements == [s.format(x=params[1]) for s in form] for form in forms)
 
 
 __all__ = ["CONV_FORMS", "GATED_FORMS", "INTERMEDIATE_FORMS", "PREFUSED_GATED_FORMS", "TWO_LAYER_FORMS",
