@@ -150,6 +150,8 @@ PRESETS: dict[str, ModelPreset] = {
                     layers=40, tp_whole=("mlp",)),
         ModelPreset("glm4-9b-0414", 4096, 32, 2, 128, qkv_bias=True, o_bias=False, intermediate=13696,
                     vocab=151552, layers=40, tp_whole=("mlp",)),
+        ModelPreset("ernie4.5-0.3b", 1024, 16, 2, 128, qkv_bias=False, o_bias=False, intermediate=3072,
+                    vocab=103424, layers=18, tied_lm_head=True),
         # StableLM: LayerNorms, which the fused step runs as modules (no norm prologue)
         ModelPreset("stablelm-2-1.6b", 2048, 32, 32, 64, qkv_bias=True, o_bias=False,
                     intermediate=5632, vocab=100352, layers=24, mlp_norm=None),

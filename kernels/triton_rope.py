@@ -53,9 +53,9 @@ _INT64 = torch.int64
 
 @dataclass(frozen=True)
 class RotaryCache:
-    """What the epilogue needs: ``cos``/``sin`` ``[B or 1, S, R]`` (x's rows are B x S tokens,
-    batch-major, as a ``[B, S, D]`` hidden state flattens; R even, at most ``head_dim``: the
-    rotated columns of each head), the head counts and, for the cache write,
+    """What the epilogue needs: ``cos``/``sin`` ``[B or 1, S, R]`` of x's dtype or fp32 (x's rows
+    are B x S tokens, batch-major, as a ``[B, S, D]`` hidden state flattens; R even, at most
+    ``head_dim``: the rotated columns of each head), the head counts and, for the cache write,
     ``keys``/``values`` ``[B, kv_heads, L, head_dim]`` and ``base`` (an int64 device scalar).
     Without ``keys`` only the rotary embedding is applied."""
 
@@ -107,6 +107,7 @@ class RopeLayout:
     group: int = 0  # RotaryCache.group
     pairs: bool = False  # RotaryCache.pairs
     rotate: bool = True  # RotaryCache.rotate
+    cos_fp32: bool = False  # cos/sin fp32 (Ernie 4.5's), else of x's dtype: the kernel's pointer type
 
     def scalars(self, block_n: int) -> tuple:
         """The kernel's rotary arguments (integers, then the q/k norms' eps), in signature order;
@@ -147,10 +148,10 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
                 or t.stride(-1) != 1:
             raise ValueError(f"{who}: rope {name} must be [B or 1, S, R] (R even, at most head_dim {hd}) with unit "
                              "last stride")
-        if t.dtype != x.dtype or t.device != x.device:
-            raise TypeError(f"{who}: rope {name} must have x's dtype and device ({x.dtype}, {x.device})")
-    if cos.shape != sin.shape or cos.stride() != sin.stride():
-        raise ValueError(f"{who}: rope cos and sin must have the same shape and strides")
+        if t.dtype not in (x.dtype, torch.float32) or t.device != x.device:
+            raise TypeError(f"{who}: rope {name} must have x's dtype (or fp32) and x's device ({x.dtype}, {x.device})")
+    if cos.shape != sin.shape or cos.stride() != sin.stride() or cos.dtype != sin.dtype:
+        raise ValueError(f"{who}: rope cos and sin must have the same shape, strides and dtype")
     rot = cos.shape[-1]
     if not isinstance(rc.pairs, bool) or rc.pairs and rot != hd and block_n > rot:
         raise ValueError(f"{who}: rope pairs (neighbouring columns) must be a bool, True only for cos/sin over all "
@@ -168,7 +169,7 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
     factor = bool(norms) and (rc.qk_offset is not None or rc.q_norm.dtype != x.dtype)
     qk = dict(qk_norm=bool(norms), qk_eps=float(rc.qk_eps) if norms else 0.0, qk_factor=factor,
               qk_offset=float(rc.qk_offset or 0.0) if factor else 0.0, rot=rot, group=group, pairs=rc.pairs,
-              rotate=rc.rotate)
+              rotate=rc.rotate, cos_fp32=cos.dtype != x.dtype)
     if rc.keys is None:
         if rc.values is not None or rc.base is not None:
             raise ValueError(f"{who}: rope: values and base need keys")

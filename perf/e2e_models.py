@@ -108,6 +108,9 @@ FAMILIES: dict[str, Family] = {
     "glm": Family("GlmConfig", head_dim=True, qkv_bias=None, bias_sets_o=False),
     # GLM-4 (0414): GLM's attention and MLP, each sublayer's output normalised before its residual add
     "glm4": Family("Glm4Config", head_dim=True, qkv_bias=None, bias_sets_o=False),
+    # Ernie 4.5 (0.3B): Llama's layer, GLM's rotary of neighbouring pairs over whole heads in fp32 from
+    # fp32 cos/sin, no biases (use_bias switches every linear's)
+    "ernie4_5": Family("Ernie4_5Config", head_dim=True, qkv_bias=False, fixed=(("use_bias", False),)),
     # Ministral 3 (its text model): Llama's layer, YaRN's rotary, the queries scaled per position past
     # 16384 (Ministral3Config's defaults: Ministral 3 8B's published text config)
     "ministral3": Family("Ministral3Config", head_dim=True, qkv_bias=False),
@@ -166,6 +169,7 @@ SIZES: dict[str, ModelSizes] = {
     "ministral3-8b": ModelSizes("ministral3", 14336, 34, 131072, 1e6, 1e-5, 262144),  # Ministral-3-8B-*-2512
     "glm4-9b": ModelSizes("glm", 13696, 40, 151552, 1e4, 1.5625e-7, 131072),  # glm-4-9b-chat-hf
     "glm4-9b-0414": ModelSizes("glm4", 13696, 40, 151552, 1e4, 1e-5, 32768),  # GLM-4-9B-0414
+    "ernie4.5-0.3b": ModelSizes("ernie4_5", 3072, 18, 103424, 5e5, 1e-5, 131072),  # its LM head tied in the release
     "stablelm-2-1.6b": ModelSizes("stablelm", 5632, 24, 100352, 1e4, 1e-5, 4096),  # q/k/v biases
     "stablelm-3b": ModelSizes("stablelm", 6912, 32, 50304, 1e4, 1e-5, 4096),  # StableLM-3B-4E1T; heads of 80
     "aya-23-8b": ModelSizes("cohere", 14336, 32, 256000, 1e4, 1e-5, 8192),  # its LM head tied in the release

@@ -169,7 +169,9 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     ``"smollm3"``: SmolLM3, its second layer without positional embedding; ``"ministral3"``: Ministral 3, its queries
     scaled per position from position 2 on; ``"glm"``, ``"helium"``: GLM and Helium, the rotary of neighbouring pairs
     over the first half of each head and over whole heads; ``"glm4"``: GLM-4 (0414), GLM's with norms around each
-    sublayer)
+    sublayer; ``"ernie4_5"``: Ernie 4.5, the rotary of neighbouring pairs in fp32 from its fp32 cos/sin;
+    ``"ernie4_5_moe"``: Ernie 4.5 MoE, a dense first layer, then 8 experts of a quarter of ``intermediate_size``, 2
+    per token, with a shared expert and its router's selection bias)
     of 8 heads and 2 KV heads, random weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16
     patched by hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's, OLMo 3's and Ministral's sliding
     window (else 4; Gemma 3's two layers then sliding and full, else both sliding, its config's pattern);
@@ -193,7 +195,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
            "glm4_moe": transformers.Glm4MoeConfig, "olmo3": transformers.Olmo3Config,
            "ministral": transformers.MinistralConfig, "smollm3": transformers.SmolLM3Config,
            "ministral3": transformers.Ministral3Config, "glm": transformers.GlmConfig,
-           "helium": transformers.HeliumConfig, "glm4": transformers.Glm4Config}[kind]
+           "helium": transformers.HeliumConfig, "glm4": transformers.Glm4Config,
+           "ernie4_5": transformers.Ernie4_5Config, "ernie4_5_moe": transformers.Ernie4_5_MoeConfig}[kind]
     extra = {"granite": dict(residual_multiplier=0.22, attention_multiplier=0.05, embedding_multiplier=12.0,
                              logits_scaling=8.0),
              "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4),
@@ -216,6 +219,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
              "ministral": dict(sliding_window=window or 4, layer_types=["sliding_attention", "full_attention"]),
              "smollm3": dict(no_rope_layers=[1, 0], pad_token_id=0),
              "glm": dict(pad_token_id=0), "helium": dict(pad_token_id=0), "glm4": dict(pad_token_id=0),
+             "ernie4_5_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4,
+                                  moe_num_shared_experts=1, moe_layer_start_index=1),
              "ministral3": dict(pad_token_id=0, rope_parameters={
                  "rope_type": "default", "rope_theta": 1e4, "llama_4_scaling_beta": 0.1,
                  "original_max_position_embeddings": 2}),
@@ -231,9 +236,9 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     torch.manual_seed(0)
     load = {} if attention is None else {"attn_implementation": attention}
     base = transformers.AutoModelForCausalLM.from_config(config, **load).eval()
-    if kind == "glm4_moe":  # its selection bias starts at zero: values that change choices
-        with torch.no_grad():
-            for name, b in base.named_buffers():
+    if kind in ("glm4_moe", "ernie4_5_moe"):  # its selection bias starts at zero: values that change choices
+        with torch.no_grad():  # (GLM-4-MoE's a buffer, Ernie's a parameter)
+            for name, b in [*base.named_buffers(), *base.named_parameters()]:
                 if name.endswith("e_score_correction_bias"):
                     b.normal_(0, 0.3)
     if kind == "olmoe":  # its q/k norms start at weight 1: other factors, so that they show

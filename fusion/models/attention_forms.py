@@ -30,6 +30,7 @@ from .checked_forms import (
     _CONFIG_LAYOUT_ATTENTION_BODY,
     _EAGER_BODY,
     _FLAGGED_ROTARY,
+    _FP32_HALVED_PAIR_ROTARY_BODY,
     _FULL_QK_NORMS,
     _HALVED_PAIR_PARTIAL_BODY,
     _HALVED_PAIR_ROTARY_BODY,
@@ -154,6 +155,9 @@ class AttentionForm:
     # which it repeats per pair (GLM's, Helium's): the step interleaves them so (interleaved_cos) and
     # rotates as Cohere's, in fp32 rounded once (where the module rounds in the dtype)
     cos_halved: bool = False
+    # GLM's rotary over whole heads computed by the module in fp32 from its fp32 cos/sin, rounded once
+    # (Ernie 4.5's; with cos_halved): the step passes its fp32 cos/sin as they are
+    fp32_halved: bool = False
     # per-head q/k norms on the head views where attn.use_qk_norm (Cohere's, GLM-4-MoE's)
     flagged_qk_norm: bool = False
     # its module's rotary function rotates the first cos.shape[-1] columns of each head and passes
@@ -268,15 +272,20 @@ def _pairs_neighbours(cls: type) -> bool:
     return callable(rope) and statements_match(body_statements(plain_function(rope)), _PAIR_ROTARY_STATEMENTS)
 
 
-def _halved_pairs(rotary) -> bool:
-    """Is ``rotary`` GLM's or Helium's rotary function (neighbouring columns paired, cos/sin
-    halved and repeated per pair: AttentionForm.cos_halved), statement by statement, with its
-    module's rotate_half?"""
+def _halved_pairs(rotary) -> dict:
+    """The form fields of ``rotary`` where it is GLM's, Helium's or Ernie 4.5's rotary function
+    (neighbouring columns paired, cos/sin halved and repeated per pair: AttentionForm.cos_halved;
+    Ernie's in fp32: fp32_halved), statement by statement, with its module's rotate_half; else {}."""
     rope = plain_function(rotary)
     rotate = getattr(inspect.unwrap(rope), "__globals__", {}).get("rotate_half") if callable(rope) else None
+    if rotate is None or not statements_match(body_statements(rotate), _INTERLEAVED_ROTATE_HALF):
+        return {}
     body = body_statements(rope)
-    return rotate is not None and statements_match(body_statements(rotate), _INTERLEAVED_ROTATE_HALF) and any(
-        statements_match(body, form) for form in (_HALVED_PAIR_ROTARY_BODY, _HALVED_PAIR_PARTIAL_BODY))
+    if any(statements_match(body, form) for form in (_HALVED_PAIR_ROTARY_BODY, _HALVED_PAIR_PARTIAL_BODY)):
+        return dict(pair_rotary=True, cos_halved=True)
+    if statements_match(body, _FP32_HALVED_PAIR_ROTARY_BODY):
+        return dict(pair_rotary=True, cos_halved=True, fp32_halved=True)
+    return {}
 
 
 def interleaved_cos(t: Tensor) -> Tensor:
@@ -305,8 +314,7 @@ def _functions_form(cls: type, update: str, window_from: str | None, softcap: bo
     rope_body = body_statements(plain_function(rotary))
     by_cos = any(statements_match(rope_body, body) for body in (_PARTIAL_ROTARY_BODY, _SPLIT_PARTIAL_ROTARY_BODY,
                                                                 _HALVED_PAIR_PARTIAL_BODY))
-    if _halved_pairs(rotary):
-        form.update(pair_rotary=True, cos_halved=True)
+    form.update(_halved_pairs(rotary))
     return AttentionForm(form.pop("qk_norm", False), form.pop("prefused", False), rotary, eager, functions, update,
                          window_from, softcap, kernel_eager=kernel_eager, rotary_by_cos=by_cos, **form)
 
@@ -420,7 +428,7 @@ def why_not_rotary(attn: nn.Module) -> str | None:
     if standard is None:
         rope = plain_function(form.rotary)
         rotate = getattr(inspect.unwrap(rope), "__globals__", {}).get("rotate_half")
-        if form.cos_halved:  # GLM's, Helium's (read with the form)
+        if form.cos_halved:  # GLM's, Helium's, Ernie 4.5's (read with the form)
             standard = True
         elif form.pair_rotary:  # Cohere's, statement by statement
             standard = rope is not None and rotate is not None and statements_match(
@@ -433,7 +441,8 @@ def why_not_rotary(attn: nn.Module) -> str | None:
                                                       or statements_match(rope_body, _PARTIAL_ROTARY_BODY)
                                                       or statements_match(rope_body, _SPLIT_PARTIAL_ROTARY_BODY))
         _STANDARD_ROTARY[cls] = standard
-    return None if standard else "its rotary embedding is not the standard rotate_half one (nor Cohere's, GLM's)"
+    return None if standard else "its rotary embedding is not the standard rotate_half one (nor Cohere's, GLM's, " \
+        "Ernie 4.5's)"
 
 
 def plain_function(fn):

@@ -391,6 +391,12 @@ _HALVED_COS = ("cos=cos[...,:cos.shape[-1]//2].repeat_interleave(2,dim=-1)",
 _HALVED_PAIR_ROTARY_BODY = (*_PARTIAL_ROTARY_BODY[:2], *_HALVED_COS, "q_embed=q*cos+rotate_half(q)*sin",
                             "k_embed=k*cos+rotate_half(k)*sin", "return(q_embed,k_embed)")
 _HALVED_PAIR_PARTIAL_BODY = (*_PARTIAL_ROTARY_BODY[:2], *_HALVED_COS, *_SPLIT_PARTIAL_ROTARY_BODY[2:])
+# Ernie 4.5's: GLM's pairs over whole heads, from fp32 copies of q and k and its fp32 cos/sin,
+# rounded once (AttentionForm.fp32_halved)
+_FP32_HALVED_PAIR_ROTARY_BODY = (
+    "original_dtype=q.dtype", *_PARTIAL_ROTARY_BODY[:2], *_HALVED_COS,
+    "q_embed=q.float()*cos+rotate_half(q).float()*sin", "k_embed=k.float()*cos+rotate_half(k).float()*sin",
+    "return(q_embed.to(original_dtype),k_embed.to(original_dtype))")
 _INTERLEAVED_ROTATE_HALF = ("x1=x[...,0::2]", "x2=x[...,1::2]", "returntorch.stack((-x2,x1),dim=-1).flatten(-2)")
 _ROTATE_HALF_STATEMENTS = ("x1=x[...,:x.shape[-1]//2]", "x2=x[...,x.shape[-1]//2:]", "returntorch.cat((-x2,x1),dim=-1)")
 _STATIC_UPDATE_STATEMENTS = (

@@ -201,9 +201,10 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     if not isinstance(base, Tensor) or base.dtype != torch.int64 or base.numel() != 1 or base.device != x.device:
         return None
     cos, sin = pe
-    # fp32 cos/sin: OLMo 2's rotary embedding, which rotates in fp32 and rounds back; only its step
-    # (the rotary as torch ops after the norms) takes them; the rotary epilogue takes cos/sin of x's dtype
-    cos_dtypes = (x.dtype, torch.float32) if form.full_qk_norm else (x.dtype,)
+    # fp32 cos/sin: OLMo 2's rotary embedding, which rotates in fp32 and rounds back (its step: the
+    # rotary as torch ops after the norms), and Ernie 4.5's, whose function rotates pairs in fp32
+    # (the pair epilogue's fp32 rotation, from its fp32 cos/sin)
+    cos_dtypes = (x.dtype, torch.float32) if form.full_qk_norm or form.fp32_halved else (x.dtype,)
     if cos.dim() != 3 or cos.shape[-1] != rotary_columns(attn, form, cos.shape[-1]) or cos.shape[1] != x.shape[1] \
             or cos.dtype not in cos_dtypes or cos.shape != sin.shape or sin.dtype != cos.dtype:
         return None
@@ -218,10 +219,10 @@ _MLP_SLOTS = ("gate_proj", "up_proj", "down_proj")
 
 
 # transformers' sparse MoE blocks whose forward is router, then experts (Qwen2-MoE's also its
-# gated shared expert), one tensor out: the step calls the block itself after the
-# post-attention norm (or computes it: moe_block.why_not_fuse_block)
+# gated shared expert, Ernie 4.5's its shared experts), one tensor out: the step calls the block
+# itself after the post-attention norm (or computes it: moe_block.why_not_fuse_block)
 MOE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "OlmoeSparseMoeBlock",
-              "Glm4MoeMoE")
+              "Glm4MoeMoE", "Ernie4_5_MoeSparseMoeBlock")
 
 
 def moe_block(mlp: nn.Module | None) -> bool:

@@ -274,9 +274,9 @@ def _rope_in_kernel(attn: nn.Module, form: forms.AttentionForm, y: Tensor, cos: 
                     sizes: tuple[int, int, int]) -> tuple[Tensor, Tensor] | None:
     """The module's rotary embedding of the q and k columns of ``y`` in one launch
     (kernels/triton_qk_rope.py ``rope_qk``) in an eager call on the kernels' device, where the
-    module's function is the standard one and cos/sin are of y's dtype over the columns its
-    forward rotates (whole heads, StableLM's first ``rotary_ndims``, or cos's own width where the
-    module's function rotates that many: ``forms.rotary_columns``); None otherwise (the
+    module's function is the standard one and cos/sin are of y's dtype (fp32 for Ernie 4.5's) over
+    the columns its forward rotates (whole heads, StableLM's first ``rotary_ndims``, or cos's own width
+    where the module's function rotates that many: ``forms.rotary_columns``); None otherwise (the
     caller runs the module's function)."""
     if torch.compiler.is_compiling() or not checks.on_kernel_device(y) or forms.why_not_rotary(attn) is not None \
             or cos.shape[-1] != forms.rotary_columns(attn, form, cos.shape[-1]):
@@ -284,9 +284,11 @@ def _rope_in_kernel(attn: nn.Module, form: forms.AttentionForm, y: Tensor, cos: 
     hd = attn.head_dim
     cos, sin = forms.kernel_cos_sin(form, cos, sin)
     kernel = forms.qk_rope_kernel()
-    if sizes[0] % hd or sizes[1] % hd or kernel.check_rope(y, cos, sin, sizes[0] // hd, sizes[1] // hd) is not None:
+    if sizes[0] % hd or sizes[1] % hd or kernel.check_rope(y, cos, sin, sizes[0] // hd, sizes[1] // hd,
+                                                          fp32_cos=form.fp32_halved) is not None:
         return None
-    return kernel.rope_qk(y, cos, sin, sizes[0] // hd, sizes[1] // hd, form.pair_rotary, not form.cos_halved)
+    return kernel.rope_qk(y, cos, sin, sizes[0] // hd, sizes[1] // hd, form.pair_rotary,
+                          not form.cos_halved or form.fp32_halved)
 
 
 def _kernel_attention(attn: nn.Module, form: forms.AttentionForm, interface, q: Tensor, k: Tensor, v: Tensor,

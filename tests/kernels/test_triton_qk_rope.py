@@ -341,6 +341,41 @@ def test_halved_neighbour_pairs_are_glms_and_heliums_rotary_bit_for_bit(device, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b,s,heads,kv_heads,hd", [(1, 1, 4, 2, 32), (2, 3, 3, 1, 16), (3, 2, 2, 2, 6)])
+def test_halved_neighbour_pairs_in_fp32_are_ernies_rotary_bit_for_bit(device, b, s, heads, kv_heads, hd):
+    """``pairs`` over fp32 cos/sin the step interleaves: Ernie 4.5's rotary (neighbouring pairs from
+    the first half of its fp32 cos/sin, q and k rotated as fp32 copies, rounded once) with its own
+    function, q and k bit for bit; fp32 cos/sin beside a 16-bit y only where ``fp32_cos`` says so."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    ernie = pytest.importorskip("transformers.models.ernie4_5.modeling_ernie4_5")
+    from hybridgemm.models.attention_forms import interleaved_cos
+
+    for dtype in ([torch.bfloat16, torch.float16, torch.float32] if device == "cuda" else CPU_DTYPES):
+        y, _, _, _, _, *_ = _operands(b, s, heads, kv_heads, hd, dtype, device, dtype, seed=hd + 3)
+        g = torch.Generator().manual_seed(hd + 1)
+        angles = torch.rand(b, s, hd // 2, generator=g) * 6.3
+        emb = torch.cat([angles, angles], dim=-1)  # fp32 in the standard layout, as its rotary embedding gives it
+        cos, sin = emb.cos().to(device), emb.sin().to(device)
+        q, k, _ = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+        ref_q, ref_k = ernie.apply_rotary_pos_emb(q.view(b, s, heads, hd).transpose(1, 2),
+                                                  k.view(b, s, kv_heads, hd).transpose(1, 2), cos, sin)
+        icos, isin = interleaved_cos(cos), interleaved_cos(sin)
+        if dtype != torch.float32:
+            assert "of y's dtype" in tqr.check_rope(y, icos, isin, heads, kv_heads)
+        assert tqr.check_rope(y, icos, isin, heads, kv_heads, fp32_cos=True) is None
+        q2, k2 = tqr.rope_qk(y, icos, isin, heads, kv_heads, pairs=True)
+        assert torch.equal(q2, ref_q.transpose(1, 2).reshape(b, s, -1)), dtype
+        assert torch.equal(k2, ref_k.transpose(1, 2).reshape(b, s, -1)), dtype
+        # the same shapes with cos/sin of y's dtype: another plan (the pointer type), the dtype's values
+        q3, _ = tqr.rope_qk(y, icos.to(dtype), isin.to(dtype), heads, kv_heads, pairs=True)
+        ref_q3, _ = ernie.apply_rotary_pos_emb(q.view(b, s, heads, hd).transpose(1, 2),
+                                               k.view(b, s, kv_heads, hd).transpose(1, 2), cos.to(dtype),
+                                               sin.to(dtype))
+        assert torch.equal(q3, ref_q3.transpose(1, 2).reshape(b, s, -1)), dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("b,s,heads,hd,rot,base", [(1, 1, 4, 32, 8, 5), (3, 1, 3, 20, 20, 0), (2, 3, 5, 80, 20, 7),
                                                    (1, 2, 7, 6, 2, 3)])
 def test_per_head_layout_is_gpt_neoxs_attention_bit_for_bit(device, b, s, heads, hd, rot, base):

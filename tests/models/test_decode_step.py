@@ -154,11 +154,11 @@ def _epilogue_out(block_n, split, x, w, b, rope):
     return out
 
 
-def _assert_cached(keys, values, k, v, base):
+def _assert_cached(keys, values, k, v, base, rtol=1e-4, atol=1e-4):
     """Tokens s of k and v ([B, S, kv_heads, hd]) at cache positions ``base + s``."""
     for i in range(k.shape[1]):
-        torch.testing.assert_close(keys[:, :, base + i].double(), k[:, i], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(values[:, :, base + i].double(), v[:, i], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(keys[:, :, base + i].double(), k[:, i], rtol=rtol, atol=atol)
+        torch.testing.assert_close(values[:, :, base + i].double(), v[:, i], rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("block_n,split", [(16, 1), (32, 2)], ids=["16-wide-one-pass", "32-wide-fused-reduce"])
@@ -200,20 +200,22 @@ def test_partial_rotary_and_grouped_rows_in_the_rope_epilogue_match_fp64(block_n
 @pytest.mark.parametrize("block_n,split", [(16, 1), (32, 2)], ids=["16-wide-one-pass", "32-wide-fused-reduce"])
 @pytest.mark.parametrize("batch,seq,heads,kv_heads", [(1, 1, 4, 2), (2, 3, 2, 2)])
 @pytest.mark.parametrize("rot", [32, 16], ids=["whole-heads", "first-half"])
-def test_neighbouring_pairs_in_the_rope_epilogue_match_fp64(block_n, split, batch, seq, heads, kv_heads, rot):
+@pytest.mark.parametrize("dt", [torch.float32, torch.float16], ids=["fp32", "fp16-fp32-cos"])
+def test_neighbouring_pairs_in_the_rope_epilogue_match_fp64(block_n, split, batch, seq, heads, kv_heads, rot, dt):
     """Cohere's rotary: column 2i paired with 2i + 1 (``rotate_half`` interleaved), cos/sin
     holding each frequency twice, over all of each head, or over its first half (GLM's, tiles
     within the rotated columns; a 32-wide tile over 16 rotated columns is refused); against
-    fp64, k and v in the cache."""
+    fp64, k and v in the cache. fp16 x with fp32 cos/sin: Ernie 4.5's (read as fp32)."""
     torch.manual_seed(batch + seq)
-    dt, hd, k_dim, base, cache_len = torch.float32, 32, 48, 3, 8
+    hd, k_dim, base, cache_len = 32, 48, 3, 8
+    tol = dict(rtol=1e-4, atol=1e-4) if dt == torch.float32 else dict(rtol=2e-3, atol=2e-3)
     m, n = batch * seq, (heads + 2 * kv_heads) * hd
     x = torch.randn(m, k_dim, dtype=dt)
     w = torch.randn(n, k_dim, dtype=dt) / k_dim ** 0.5
     inv = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
     freqs = (torch.arange(seq) + base).double()[:, None] * inv
     emb = torch.repeat_interleave(freqs, 2, dim=-1)[None].expand(batch, seq, rot)
-    cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+    cos, sin = emb.cos().float(), emb.sin().float()
     keys, values = _poisoned_cache(batch, kv_heads, cache_len, hd, dt)
     rc = RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base), pairs=True)
     if block_n > rot:
@@ -231,9 +233,8 @@ def test_neighbouring_pairs_in_the_rope_epilogue_match_fp64(block_n, split, batc
         return torch.cat([r, t[..., rot:]], dim=-1)
 
     q, k = rotated(q, heads), rotated(k, kv_heads)
-    torch.testing.assert_close(out.double(), torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1),
-                               rtol=1e-4, atol=1e-4)
-    _assert_cached(keys, values, k, v.reshape(batch, seq, kv_heads, hd), base)
+    torch.testing.assert_close(out.double(), torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1), **tol)
+    _assert_cached(keys, values, k, v.reshape(batch, seq, kv_heads, hd), base, **tol)
 
 
 @pytest.mark.parametrize("granularity", ["channel", "block128"])
@@ -411,7 +412,8 @@ def _tiny(kind: str, layers: int = 2, attention: str = "sdpa", **extra):
               "olmo3": transformers.Olmo3Config, "ministral": transformers.MinistralConfig,
               "cwm": transformers.CwmConfig, "smollm3": transformers.SmolLM3Config,
               "ministral3": transformers.Ministral3Config, "glm": transformers.GlmConfig,
-              "helium": transformers.HeliumConfig, "glm4": transformers.Glm4Config}[kind](**kw)
+              "helium": transformers.HeliumConfig, "glm4": transformers.Glm4Config,
+              "ernie4_5": transformers.Ernie4_5Config, "ernie4_5_moe": transformers.Ernie4_5_MoeConfig}[kind](**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     if kind in ("gemma", "gemma2", "gemma3", "olmo2", "olmo3", "stablelm", "cohere", "glm4"):  # norms start as the
@@ -763,12 +765,15 @@ def test_glm4_norms_around_each_sublayer_decode_as_stock_does(batch, kernels_on_
     assert kernels_on_cpu["rope"] == 2 * 3
 
 
-@pytest.mark.parametrize("kind,fused", [("glm", True), ("helium", True), ("glm", False), ("glm-quarter", False)],
-                         ids=["glm", "helium", "glm-after-the-gemm", "glm-quarter-rotary-after-the-gemm"])
+@pytest.mark.parametrize("kind,fused", [("glm", True), ("helium", True), ("ernie4_5", True), ("glm", False),
+                                        ("glm-quarter", False), ("ernie4_5", False)],
+                         ids=["glm", "helium", "ernie4_5", "glm-after-the-gemm", "glm-quarter-rotary-after-the-gemm",
+                              "ernie4_5-after-the-gemm"])
 def test_rotaries_of_neighbouring_pairs_from_halved_cos_decode_as_stock_does(kind, fused, kernels_on_cpu):
-    """GLM (its rotary over the first half of each head, or a quarter) and Helium (over whole
-    heads) pair neighbouring columns, each pair's frequency from the first half of cos/sin in the
-    standard layout. Both layers take the static-cache step: the step interleaves cos/sin, the
+    """GLM (its rotary over the first half of each head, or a quarter), Helium and Ernie 4.5 (over
+    whole heads; Ernie's in fp32 from fp32 cos/sin) pair neighbouring columns, each pair's frequency
+    from the first half of cos/sin in the standard layout. Both layers take the static-cache step:
+    the step interleaves cos/sin, the
     Q/K/V epilogue rotates neighbouring pairs (tiles within the rotated columns) and writes the
     cache; where the split-K epilogue does not run (``fused`` False), the GEMM, then the rotary of
     the rotated columns and the cache write as torch ops. Logits and caches as stock's."""
@@ -784,8 +789,59 @@ def test_rotaries_of_neighbouring_pairs_from_halved_cos_decode_as_stock_does(kin
         mp.setattr(triton_splitk, "run", lambda cfg, *a, rope=None, **kw: (rope is not None and ropes.append(
             (rope.pairs, rope.cos.shape[-1], cfg.block_n))) or real(cfg, *a, rope=rope, **kw))
         _compare(model, stock, steps=3)
-    rot = {"glm": 16, "helium": 32}[kind]
+    rot = {"glm": 16, "helium": 32, "ernie4_5": 32}[kind]
     assert ropes == ([(True, rot, min(rot, kernels_on_cpu["config"].block_n))] * 2 * 3 if fused else [])
+
+
+def test_ernie_moe_layers_decode_as_stock_does(kernels_on_cpu):
+    """Ernie 4.5 MoE: a dense first layer, then a sparse block of 4 experts (2 per token; its router
+    in fp32 with a selection bias, not patched) and a shared expert, which the step calls after the
+    post-attention norm with the patched experts inside. Both layers on the static-cache step (the
+    rotary from Ernie's fp32 cos/sin in the Q/K/V epilogue); logits and caches as stock's."""
+    from hybridgemm.experts import HybridExperts
+
+    stock = _tiny("ernie4_5_moe", head_dim=32, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                  moe_num_shared_experts=1, moe_layer_start_index=1, tie_word_embeddings=False)
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if "experts" in name:
+                p.normal_(0, 0.1)  # (large enough to show in the logits)
+            elif name.endswith("e_score_correction_bias"):
+                p.normal_(0, 0.3)  # (it starts at zero: values that change choices)
+    model = _patched(stock)
+    assert isinstance(model.model.layers[1].mlp.experts, HybridExperts)
+    assert all(layer.__dict__.get(checks.STATIC_STEP) for layer in model.model.layers)
+    blocks, real = [], type(model.model.layers[1].mlp).forward
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(model.model.layers[1].mlp), "forward", lambda self, h: blocks.append(h.shape) or real(self, h))
+        _compare(model, stock, steps=3)
+    assert kernels_on_cpu["rope"] == 2 * 3
+    assert len(blocks) == 2 * (1 + 3)  # stock's and the patched model's calls: the prompt, then each step
+
+
+@pytest.mark.parametrize("kind,fp32_rotation", [("ernie4_5", True), ("glm", False), ("helium", False)])
+def test_the_module_path_rotates_halved_pairs_as_each_function_rounds(kind, fp32_rotation, kernels_on_cpu):
+    """On a dynamic cache each layer call rotates q and k in one launch with its function's
+    rounding: Ernie 4.5's in fp32 from its fp32 cos/sin (``fp32_pairs``), GLM's and Helium's each
+    product in the dtype (bit for bit each function in 16-bit dtypes:
+    tests/kernels/test_triton_qk_rope.py); Ernie's cos/sin reach the launch in fp32, as its rotary
+    embedding gives them; the logits as stock's."""
+    from transformers import DynamicCache
+
+    from hybridgemm.kernels import triton_qk_rope as tqr
+
+    stock = _tiny(kind, head_dim=32, pad_token_id=0)
+    model = _patched(stock)
+    rotated, real_rope = [], tqr.rope_qk
+    ids = torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(5))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tqr, "rope_qk", lambda y, cos, sin, heads, kv_heads, pairs=False, fp32_pairs=True: rotated.append(
+            (cos.dtype, pairs, fp32_pairs)) or real_rope(y, cos, sin, heads, kv_heads, pairs, fp32_pairs))
+        with torch.no_grad():
+            got, want = (m(ids, past_key_values=DynamicCache(config=m.config), use_cache=True).logits
+                         for m in (model, stock))
+    assert rotated == [(torch.float32, True, fp32_rotation)] * 2  # the prompt, both layers
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 # Ministral 3's query scale per position, 1 + beta * log(1 + floor(position / original)): with an
@@ -1438,8 +1494,9 @@ def test_a_soft_capped_gemma2_layer_falls_back_to_its_eager_form_when_the_kernel
     ("smollm3", "sdpa", 2, {"no_rope_layers": [1, 0], "pad_token_id": 0}),
     ("ministral3", "sdpa", 2, {"rope_parameters": _LLAMA4_SCALED_ROPE, "pad_token_id": 0, "head_dim": 32}),
     ("glm", "sdpa", 2, {"pad_token_id": 0, "head_dim": 32}),
+    ("ernie4_5", "sdpa", 2, {"head_dim": 32}),
 ], ids=["llama-b1", "llama-b3", "qwen3", "gemma2-softcap", "smollm3-nope", "ministral3-position-scale",
-        "glm-halved-pairs"])
+        "glm-halved-pairs", "ernie4_5-fp32-halved-pairs"])
 def test_dynamic_cache_decode_runs_the_attention_kernel_over_what_the_cache_returns(kind, attention, batch, extra,
                                                                                     kernels_on_cpu):
     """A dynamic cache (``generate``'s default): each new token's attention is one launch of the

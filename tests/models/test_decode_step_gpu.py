@@ -83,7 +83,8 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
 @pytest.fixture(params=["llama", "qwen3", "granite", "qwen3_moe", "mixtral", "qwen2_moe", "gemma", "phi3",
                         "phi3_partial", "gemma2", "gemma2-wide", "gemma3", "gemma3-wide", "olmo2", "stablelm",
                         "stablelm_parallel", "cohere", "gpt_neox", "falcon", "falcon_new", "olmoe", "glm4_moe", "olmo3",
-                        "ministral-wide", "smollm3", "ministral3", "glm", "helium", "glm4"])
+                        "ministral-wide", "smollm3", "ministral3", "glm", "helium", "glm4", "ernie4_5",
+                        "ernie4_5_moe"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
@@ -116,7 +117,9 @@ def models(monkeypatch, request):
     queries scaled per position after the rotary, by factors above 1 from position 2 on); glm and helium (the
     rotary of neighbouring pairs, cos/sin interleaved by the step: GLM's over the first half of each head, with
     q/k/v biases and its one gate/up linear; Helium's over whole heads); glm4 (GLM's attention and MLP, norms around
-    each sublayer: the post-norm step)."""
+    each sublayer: the post-norm step); ernie4_5 (the same pairs over whole heads from its fp32 cos/sin, read as
+    fp32 by the QKV epilogue) and ernie4_5_moe (a dense first layer, then routed experts with a shared expert, the
+    block called after the post-attention norm)."""
     kind, _, wide = request.param.partition("-")
     if kind.startswith("falcon"):
         from transformers.models.falcon.modeling_falcon import FalconAttention

@@ -179,7 +179,8 @@ def test_what_is_not_fused_and_why(monkeypatch):
                             "Gemma3DecoderLayer, Olmo2DecoderLayer, StableLmDecoderLayer, CohereDecoderLayer, "
                             "GPTNeoXLayer, FalconDecoderLayer, OlmoeDecoderLayer, Glm4MoeDecoderLayer, "
                             "Olmo3DecoderLayer, MinistralDecoderLayer, CwmDecoderLayer, SmolLM3DecoderLayer, "
-                            "Ministral3DecoderLayer, GlmDecoderLayer, HeliumDecoderLayer, Glm4DecoderLayer)")]
+                            "Ministral3DecoderLayer, GlmDecoderLayer, HeliumDecoderLayer, Glm4DecoderLayer, "
+                            "Ernie4_5DecoderLayer, Ernie4_5_MoeDecoderLayer)")]
 
 
 def _module_state(model) -> dict:

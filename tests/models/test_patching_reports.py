@@ -40,6 +40,9 @@ CONFIGS = {
     "glm": ("GlmConfig", {"head_dim": 16}),
     "helium": ("HeliumConfig", {"head_dim": 16}),
     "glm4": ("Glm4Config", {"head_dim": 16}),
+    "ernie4_5": ("Ernie4_5Config", {"head_dim": 16}),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                           "moe_num_shared_experts": 1, "moe_layer_start_index": 0}),
     "stablelm": ("StableLmConfig", {}),
     "cohere": ("CohereConfig", {}),
     "phi3": ("Phi3Config", {}),
@@ -59,7 +62,7 @@ SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDe
              "Gemma2DecoderLayer, Gemma3DecoderLayer, Olmo2DecoderLayer, StableLmDecoderLayer, CohereDecoderLayer, "
              "GPTNeoXLayer, FalconDecoderLayer, OlmoeDecoderLayer, Glm4MoeDecoderLayer, Olmo3DecoderLayer, "
              "MinistralDecoderLayer, CwmDecoderLayer, SmolLM3DecoderLayer, Ministral3DecoderLayer, GlmDecoderLayer, "
-             "HeliumDecoderLayer, Glm4DecoderLayer")
+             "HeliumDecoderLayer, Glm4DecoderLayer, Ernie4_5DecoderLayer, Ernie4_5_MoeDecoderLayer")
 
 
 def _layer(cls: str) -> str:
@@ -104,6 +107,10 @@ EXPECTED = {
     "ministral3": [],  # Llama's layer, its queries scaled per position after the rotary
     "glm": [], "helium": [],  # Llama's layer (GLM's gate/up one linear), the rotary of neighbouring pairs
     "glm4": [],  # GLM's attention and MLP, Gemma 2's post-norm layer under other names
+    "ernie4_5": [],  # Llama's layer, GLM's rotary of neighbouring pairs in fp32
+    # the same attention; its experts run the grouped kernels, its router (fp32, a selection bias) as it is
+    "ernie4_5_moe": [("model.layers.0.mlp.gate", "Ernie4_5_MoeTopKRouter: not a router of one [experts, hidden] "
+                                                 "weight without bias")],
     # the layer fused, its LayerNorms called as the modules they are
     "stablelm": [(f"{L}.input_layernorm", _norm("LayerNorm")), (f"{L}.post_attention_layernorm", _norm("LayerNorm"))],
     "cohere": [(f"{L}.input_layernorm", _norm("CohereLayerNorm"))],  # the layer fused, its norm a module

@@ -158,14 +158,16 @@ def test_layernorm_family_configs_have_the_published_sizes_and_are_fused(name, s
                      intermediate_size=13696, vocab_size=151552, attention_bias=True)),
     ("glm4-9b-0414", dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
                           intermediate_size=13696, vocab_size=151552, attention_bias=True)),
+    ("ernie4.5-0.3b", dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+                           intermediate_size=3072, vocab_size=103424, use_bias=False)),
 ])
 def test_sliding_window_and_partial_rotary_presets_are_fused(name, sizes):
     """OLMo 3's and Ministral's (sliding-window layers: OLMo 3's three to one full, Ministral's all),
     Phi-4-mini's (the rotary over 96 of each head's 128 columns), SmolLM3's (every fourth layer
-    without positional embedding), Ministral 3's (YaRN, queries scaled per position) and GLM-4-9B's,
+    without positional embedding), Ministral 3's (YaRN, queries scaled per position), GLM-4-9B's,
     both forms (neighbouring columns paired over the first half of each head; 0414's norms around
-    each sublayer) configs as published, built on the meta device and patched: every layer fused
-    and its attention on the static-cache step."""
+    each sublayer) and Ernie 4.5's (the same pairs over whole heads, in fp32) configs as published,
+    built on the meta device and patched: every layer fused and its attention on the static-cache step."""
     config = hf.hf_config(name, layers=4)
     assert {k: getattr(config, k) for k in sizes} == sizes and config.num_hidden_layers == 4
     layer_types = getattr(config, "layer_types", None) or []

@@ -304,7 +304,7 @@ def test_launch_defaults(no_torchrun_env):
 @pytest.mark.parametrize("argv, words", [
     (["--model", "gpt-9"], "unknown model 'gpt-9'; known: qwen2.5-7b, llama3-8b, llama3-70b, qwen3-8b, granite-8b, "
                            "gemma2-9b, gemma-7b, gemma3-4b, olmo2-7b, olmo3-7b, ministral-8b, smollm3-3b, "
-                           "ministral3-8b, stablelm-2-1.6b, stablelm-3b, aya-23-8b, tiny"),
+                           "ministral3-8b, ernie4.5-0.3b, stablelm-2-1.6b, stablelm-3b, aya-23-8b, tiny"),
     (["--model", "tiny", "--variants", "tp8_magic"], "--variants: invalid choice"),
     (["--model", "tiny", "--backend", "mpi"], "--backend: invalid choice"),
     (["--model", "tiny", "--layers", "0"], "--layers: must be positive"),

@@ -26,6 +26,27 @@ def test_the_glm_config_loads_with_the_layers_asked_for():
     assert config.n_routed_experts == 128 and config.num_experts_per_tok == 8 and config.first_k_dense_replace == 1
 
 
+def test_the_ernie_moe_config_loads_and_every_layer_is_fused():
+    """ERNIE-4.5-21B-A3B's published sizes (a dense first layer, then 64 experts of 1536, 6 per token,
+    two shared), built on the meta device with 3 layers and patched: every layer on the fused step,
+    the experts on the grouped kernels, only the fp32 routers left as they are."""
+    import torch
+
+    import hybridgemm
+
+    config = _script().load_config(str(ROOT / "perf" / "configs" / "ernie4.5-21b-a3b.json"), 3)
+    assert type(config).__name__ == "Ernie4_5_MoeConfig" and config.num_hidden_layers == 3
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) \
+        == (2560, 20, 4, 128)
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            config.moe_num_shared_experts) == (64, 6, 1536, 2)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    report = hybridgemm.patch(model)
+    assert report.fused_layers == [f"model.layers.{i}" for i in range(3)]
+    assert [name for name, _ in report.skipped] == ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
+
+
 @pytest.mark.parametrize("text", ["[1, 2]", '{"hidden_size": 8}', '{"model_type": "no-such-model"}'])
 def test_files_that_are_no_config_are_refused(tmp_path, text, capsys, monkeypatch):
     path = tmp_path / "config.json"

@@ -94,7 +94,10 @@ def by_key_models(shapes, key) -> tuple[str, ...]:
 def test_all_presets_deduplicated_bias_kept_apart():
     shapes = MS.sweep_shapes()
     keys = [(s.n, s.k, s.bias) for s in shapes]
-    assert len(keys) == len(set(keys)) == 45
+    assert len(keys) == len(set(keys)) == 49
+    # ernie4.5-0.3b's (16 heads of 128 over 1024, 2 KV heads): q, k/v, Q/K/V and o shapes of its own
+    assert [s.models for s in shapes if (s.n, s.k) in ((2048, 1024), (256, 1024), (2560, 1024), (1024, 2048))] \
+        == [("ernie4.5-0.3b",)] * 4
     # falcon-7b's (71 heads of 64 over 4544, one KV head): q and o one shape, k/v and Q/K/V their own
     assert by_key_models(shapes, (4544, 4544, False)) == by_key_models(shapes, (64, 4544, False)) \
         == by_key_models(shapes, (4672, 4544, False)) == ("falcon-7b",)
