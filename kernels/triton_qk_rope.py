@@ -296,8 +296,8 @@ def check_rope(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int
                fp32_cos: bool = False) -> str | None:
     """Why :func:`rope_qk` cannot take these operands (None: it can): ``y`` [B, S, N] as
     :func:`check` takes it, N = (heads + 2 * kv_heads) * hd with hd even, cos/sin
-    [B or 1, S, R] (R even, at most hd) of y's dtype (or fp32 where ``fp32_cos``: for a rotary of
-    pairs in fp32 only) with a unit last stride, on y's device."""
+    [B or 1, S, R] (R even, at most hd) of y's dtype (or fp32 where ``fp32_cos``: rotated in fp32,
+    rounded once) with a unit last stride, on y's device."""
     why = _why_not_rows(y)
     if why is not None:
         return why
@@ -318,10 +318,11 @@ def rope_qk(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, k
             pairs: bool = False, fp32_pairs: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face's rotary embedding of the q and k columns of the Q/K/V projection ``y``
     ``[B, S, N]`` (per head; cos/sin of y's dtype: each product and the sum rounded as torch's
-    16-bit ops round; cos/sin of R < hd columns: the first R columns of each head, the rest as
-    they are; ``pairs``: neighbouring columns paired, rotated in fp32 and rounded once as
-    Cohere's function does, as :func:`qk_norm_rope_store` says (fp32 cos/sin: Ernie 4.5's), or with
-    ``fp32_pairs`` False rounded as the standard rotary, GLM's and Helium's functions), in one launch:
+    16-bit ops round; fp32 cos/sin: in fp32, rounded once; cos/sin of R < hd columns: the first
+    R columns of each head, the rest as they are; ``pairs``: neighbouring columns paired, rotated in
+    fp32 and rounded once as Cohere's function does, as :func:`qk_norm_rope_store` says (fp32
+    cos/sin: Ernie 4.5's), or with ``fp32_pairs`` False rounded as the standard rotary, GLM's and
+    Helium's functions), in one launch:
     ``(q [B, S, heads * hd], k [B, S, kv_heads * hd])``; operands as :func:`check_rope` accepts
     them (unchecked here)."""
     b, s, n = y.shape
@@ -335,7 +336,8 @@ def rope_qk(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, k
     ldy = _row_stride(y)
     ints = (s, ldy, q_cols, kv_cols, 0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(1))
     ptrs = (y, cos, sin, q, k)
-    round_each = y.dtype != torch.float32 and not (pairs and fp32_pairs)
+    # (fp32 cos/sin: the rotary in fp32, rounded once, whatever the pairing)
+    round_each = y.dtype != torch.float32 and cos.dtype != torch.float32 and not (pairs and fp32_pairs)
     key = ("rope", m, ints, hd, rot, pairs, round_each, y.dtype, cos.dtype, y.get_device(),
            tuple(not t.data_ptr() & 15 for t in ptrs))
     plan = _PLANS.get(key)

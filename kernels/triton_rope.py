@@ -82,6 +82,8 @@ class RotaryCache:
     # False: q and k pass unrotated (a layer without positional embedding: SmolLM3's NoPE layers);
     # cos/sin are checked as ever but not read
     rotate: bool = True
+    # the q/k norms applied to the rotated heads (Hunyuan's), else before the rotary (Qwen3's)
+    qk_after_rotary: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ class RopeLayout:
     pairs: bool = False  # RotaryCache.pairs
     rotate: bool = True  # RotaryCache.rotate
     cos_fp32: bool = False  # cos/sin fp32 (Ernie 4.5's), else of x's dtype: the kernel's pointer type
+    qk_after_rotary: bool = False  # RotaryCache.qk_after_rotary
 
     def scalars(self, block_n: int) -> tuple:
         """The kernel's rotary arguments (integers, then the q/k norms' eps), in signature order;
@@ -141,6 +144,9 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
     if not isinstance(rc.rotate, bool) or not rc.rotate and (norms or rc.pairs):
         raise ValueError(f"{who}: rope rotate must be a bool, False only without q/k norms and pairs, got "
                          f"{rc.rotate!r}")
+    if not isinstance(rc.qk_after_rotary, bool) or rc.qk_after_rotary and not norms:
+        raise ValueError(f"{who}: rope qk_after_rotary must be a bool, True only with q/k norms, got "
+                         f"{rc.qk_after_rotary!r}")
     m = x.shape[0]
     cos, sin = rc.cos, rc.sin
     for name, t in (("cos", cos), ("sin", sin)):
@@ -169,7 +175,7 @@ def rope_layout(rc: RotaryCache, x: torch.Tensor, out: torch.Tensor, block_n: in
     factor = bool(norms) and (rc.qk_offset is not None or rc.q_norm.dtype != x.dtype)
     qk = dict(qk_norm=bool(norms), qk_eps=float(rc.qk_eps) if norms else 0.0, qk_factor=factor,
               qk_offset=float(rc.qk_offset or 0.0) if factor else 0.0, rot=rot, group=group, pairs=rc.pairs,
-              rotate=rc.rotate, cos_fp32=cos.dtype != x.dtype)
+              rotate=rc.rotate, cos_fp32=cos.dtype != x.dtype, qk_after_rotary=rc.qk_after_rotary)
     if rc.keys is None:
         if rc.values is not None or rc.base is not None:
             raise ValueError(f"{who}: rope: values and base need keys")
@@ -268,29 +274,38 @@ def tl_rotate_half_rows(acc, BN: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
+def _tl_qk_norm(acc, c, pid_n, qn_ptr, kn_ptr, q_cols, qk_eps, dt: tl.constexpr, BN: tl.constexpr, HD: tl.constexpr,
+                QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr):
+    # stock: the head (rounded to dt) -> fp32 rms over the head -> ...
+    y = acc.to(dt).to(tl.float32)
+    rstd = tl_rstd(tl.sum(y * y, axis=0), 1.0 / HD, qk_eps)
+    g = tl.where(pid_n * BN < q_cols, tl.load(qn_ptr + c), tl.load(kn_ptr + c)).to(tl.float32)
+    if QK_FACTOR:  # ... times (offset + weight) in fp32, rounded once (Gemma 3)
+        return (y * rstd[None, :] * (g + QK_OFFSET)[:, None]).to(dt).to(tl.float32)
+    # ... rounded, times the weight, rounded (Llama's formula: Qwen3)
+    return ((y * rstd[None, :]).to(dt).to(tl.float32) * g[:, None]).to(dt).to(tl.float32)
+
+
+@triton.jit
 def tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr, vc_ptr, base_ptr, qn_ptr, kn_ptr,
                      seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols, v_start, cache_len, rope_tiles,
                      qk_eps, KV: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, HD: tl.constexpr,
-                     QK_NORM: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr, ROT: tl.constexpr):
+                     QK_NORM: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr, ROT: tl.constexpr,
+                     QK_AFTER: tl.constexpr = False):
     """Rotate a q/k tile's fp32 accumulator [BN, BM] (columns from :func:`tl_rope_columns`,
     tokens ``offs_m``; the first ``ROT`` columns of each head) after its q/k norm (``QK_NORM``:
     ``BN == HD``, one head per tile; Llama's formula, or with ``QK_FACTOR`` Gemma's, factor
-    ``QK_OFFSET + weight``) and, with ``KV``, store a k or v tile into the cache. Returns the
-    tile, NaN in the rows of tokens whose cache position is outside ``[0, cache_len)``."""
+    ``QK_OFFSET + weight``; with ``QK_AFTER`` the norm of the rotated head instead) and, with
+    ``KV``, store a k or v tile into the cache. Returns the tile, NaN in the rows of tokens whose
+    cache position is outside ``[0, cache_len)``."""
     b = (offs_m // seq).to(tl.int64)
     s = offs_m % seq
     if pid_n < rope_tiles:
         tok = b * cs_b + s * cs_s
         c = offs_n % HD
-        if QK_NORM:  # stock: proj (rounded) -> fp32 rms over the head -> ...
-            dt = kc_ptr.dtype.element_ty
-            y = acc.to(dt).to(tl.float32)
-            rstd = tl_rstd(tl.sum(y * y, axis=0), 1.0 / HD, qk_eps)
-            g = tl.where(pid_n * BN < q_cols, tl.load(qn_ptr + c), tl.load(kn_ptr + c)).to(tl.float32)
-            if QK_FACTOR:  # ... times (offset + weight) in fp32, rounded once (Gemma 3)
-                acc = (y * rstd[None, :] * (g + QK_OFFSET)[:, None]).to(dt).to(tl.float32)
-            else:  # ... rounded, times the weight, rounded (Llama's formula: Qwen3)
-                acc = ((y * rstd[None, :]).to(dt).to(tl.float32) * g[:, None]).to(dt).to(tl.float32)
+        if QK_NORM and not QK_AFTER:
+            acc = _tl_qk_norm(acc, c, pid_n, qn_ptr, kn_ptr, q_cols, qk_eps, kc_ptr.dtype.element_ty, BN, HD,
+                              QK_FACTOR, QK_OFFSET)
         cs = tok[None, :] + c[:, None]
         if ROT == HD:
             cos = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
@@ -301,6 +316,9 @@ def tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr,
             cos = tl.load(cos_ptr + cs, mask=mask & rotated, other=0.0).to(tl.float32)
             sin = tl.load(sin_ptr + cs, mask=mask & rotated, other=0.0).to(tl.float32)
             acc = tl.where(rotated, acc * cos + tl_rotate_half_rows(acc, BN, BM) * sin, acc)
+        if QK_NORM and QK_AFTER:  # the rotated head (rounded) normalised, as Hunyuan's norms after its rotary
+            acc = _tl_qk_norm(acc, c, pid_n, qn_ptr, kn_ptr, q_cols, qk_eps, kc_ptr.dtype.element_ty, BN, HD,
+                              QK_FACTOR, QK_OFFSET)
     if KV:
         pos = tl.load(base_ptr) + s
         in_cache = (pos >= 0) & (pos < cache_len)

@@ -116,7 +116,8 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                    WINT: tl.constexpr, QK_FACTOR: tl.constexpr, QK_OFFSET: tl.constexpr, NW_OFFSET: tl.constexpr,
                    GLU: tl.constexpr, PREFETCH: tl.constexpr, ROUTE: tl.constexpr, ROUTE_KP: tl.constexpr,
                    RENORMALIZE: tl.constexpr, FIXUP: tl.constexpr, ROT: tl.constexpr, QG: tl.constexpr,
-                   PAIRS: tl.constexpr, RES2: tl.constexpr, TWO: tl.constexpr, HAS_BIAS2: tl.constexpr):
+                   PAIRS: tl.constexpr, RES2: tl.constexpr, TWO: tl.constexpr, HAS_BIAS2: tl.constexpr,
+                   QK_AFTER: tl.constexpr = False):
     # Arguments in groups (see "launch arguments" below): the pointers, then the integers.
     # MODE 0: split_k == 1, epilogue here. 1: write the partial for _reduce_kernel.
     # 2: write the partial; the last split program of the tile reduces and runs the epilogue.
@@ -249,7 +250,7 @@ def _splitk_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, nw_ptr, res
                 acc = tl_rope_epilogue(acc, offs_n, offs_m, mask, pid_n, cos_ptr, sin_ptr, kc_ptr, vc_ptr, base_ptr,
                                        qn_ptr, kn_ptr, seq, cs_b, cs_s, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, q_cols,
                                        v_start, cache_len, rope_tiles, qk_eps, KV, BN, BM, HD, QK_NORM,
-                                       QK_FACTOR, QK_OFFSET, ROT)
+                                       QK_FACTOR, QK_OFFSET, ROT, QK_AFTER)
             if RESIDUAL:
                 acc = tl_add_residual(acc, res_ptr + offs_m[None, :] * ldr + offs_n[:, None], mask,
                                       out_ptr.dtype.element_ty, res_scale, RES_SCALED)
@@ -446,6 +447,7 @@ def _make_plan(key, x, weight, bias, out, act, tf32) -> TritonPlan:
                 RESIDUAL=residual and mode != 1, ROPE=rope is not None, KV=rope is not None and rope.kv,
                 HD=rope.head_dim if rope is not None else 2, QK_NORM=rope is not None and rope.qk_norm,
                 QK_FACTOR=rope is not None and rope.qk_factor, QK_OFFSET=rope.qk_offset if rope is not None else 0.0,
+                QK_AFTER=rope is not None and rope.qk_after_rotary,
                 RES_SCALED=fusion.residual_scale is not None, PDL=pdl, NW_OFFSET=fusion.norm_offset,
                 WSCALE=_WSCALE[weight_format],
                 WINT=bool(weight_format) and integer_conversion(x.dtype),

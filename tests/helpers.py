@@ -171,7 +171,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     over the first half of each head and over whole heads; ``"glm4"``: GLM-4 (0414), GLM's with norms around each
     sublayer; ``"ernie4_5"``: Ernie 4.5, the rotary of neighbouring pairs in fp32 from its fp32 cos/sin;
     ``"ernie4_5_moe"``: Ernie 4.5 MoE, a dense first layer, then 8 experts of a quarter of ``intermediate_size``, 2
-    per token, with a shared expert and its router's selection bias)
+    per token, with a shared expert and its router's selection bias; ``"hunyuan"``: Hunyuan, q/k norms of the
+    rotated heads; ``"hunyuan_moe"``: the same attention, 8 experts, 2 per token, with a shared expert)
     of 8 heads and 2 KV heads, random weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16
     patched by hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's, OLMo 3's and Ministral's sliding
     window (else 4; Gemma 3's two layers then sliding and full, else both sliding, its config's pattern);
@@ -196,7 +197,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
            "ministral": transformers.MinistralConfig, "smollm3": transformers.SmolLM3Config,
            "ministral3": transformers.Ministral3Config, "glm": transformers.GlmConfig,
            "helium": transformers.HeliumConfig, "glm4": transformers.Glm4Config,
-           "ernie4_5": transformers.Ernie4_5Config, "ernie4_5_moe": transformers.Ernie4_5_MoeConfig}[kind]
+           "ernie4_5": transformers.Ernie4_5Config, "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
+           "hunyuan": transformers.HunYuanDenseV1Config, "hunyuan_moe": transformers.HunYuanMoEV1Config}[kind]
     extra = {"granite": dict(residual_multiplier=0.22, attention_multiplier=0.05, embedding_multiplier=12.0,
                              logits_scaling=8.0),
              "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4),
@@ -221,6 +223,7 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
              "glm": dict(pad_token_id=0), "helium": dict(pad_token_id=0), "glm4": dict(pad_token_id=0),
              "ernie4_5_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4,
                                   moe_num_shared_experts=1, moe_layer_start_index=1),
+             "hunyuan_moe": dict(num_experts=8, moe_topk=2),
              "ministral3": dict(pad_token_id=0, rope_parameters={
                  "rope_type": "default", "rope_theta": 1e4, "llama_4_scaling_beta": 0.1,
                  "original_max_position_embeddings": 2}),
@@ -251,7 +254,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
             for name, p in base.named_parameters():
                 if "norm" in name:
                     p.uniform_(-0.5, 0.5)
-    if kind == "glm4":  # its norms start at weight 1: other factors, so that a norm in another's place shows
+    if kind in ("glm4", "hunyuan", "hunyuan_moe"):  # norms start at weight 1: other factors, so that a norm in
+        # another's place shows
         with torch.no_grad():
             for name, p in base.named_parameters():
                 if "norm" in name:
@@ -263,6 +267,12 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
                     p.uniform_(*((0.5, 1.5) if name.endswith("weight") else (-0.5, 0.5)))
     ref = copy.deepcopy(base).to(device)
     stock = copy.deepcopy(base).to(device, torch.bfloat16)
+    # Ernie's router in fp32, as its loader keeps it (_keep_in_fp32_modules_strict)
+    routers = {"ernie4_5_moe": ("gate.weight", "e_score_correction_bias")}
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if name.endswith(routers.get(kind, ())):
+                p.data = p.data.float().copy_(base.get_parameter(name))
     patched = copy.deepcopy(stock)
     layers = {"gpt_neox": "gpt_neox.layers", "falcon": "transformer.h", "falcon_new": "transformer.h"}.get(
         kind, "model.layers")

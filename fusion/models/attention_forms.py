@@ -54,12 +54,14 @@ from .checked_forms import (
     _PREFUSED_ATTENTION_BODY,
     _ROTARY_STATEMENTS,
     _ROTATE_HALF_STATEMENTS,
+    _ROTATED_QK_NORMS,
     _SOFTCAP_CALL,
     _SOFTCAP_EAGER_BODY,
     _SPLIT_PARTIAL_ROTARY_BODY,
     _STATIC_UPDATE_STATEMENTS,
     PER_HEAD_QKV_NAME,
     QKV_NAME,
+    ROTATED_QK_NORM_NAMES,
     UPDATE_FORMS,
     WINDOW_FORMS,
 )
@@ -155,8 +157,8 @@ class AttentionForm:
     # which it repeats per pair (GLM's, Helium's): the step interleaves them so (interleaved_cos) and
     # rotates as Cohere's, in fp32 rounded once (where the module rounds in the dtype)
     cos_halved: bool = False
-    # GLM's rotary over whole heads computed by the module in fp32 from its fp32 cos/sin, rounded once
-    # (Ernie 4.5's; with cos_halved): the step passes its fp32 cos/sin as they are
+    # the rotary of halved cos/sin over whole heads (Helium's form) computed by the module in fp32 from
+    # its fp32 cos/sin, rounded once (Ernie 4.5's; with cos_halved): the step passes them as they are
     fp32_halved: bool = False
     # per-head q/k norms on the head views where attn.use_qk_norm (Cohere's, GLM-4-MoE's)
     flagged_qk_norm: bool = False
@@ -181,6 +183,10 @@ class AttentionForm:
     # after the rotary, q times a factor per position, its module's get_llama_4_attn_scale of the
     # call's position_ids and two rope_parameters (Ministral 3's; position_scale())
     position_scale: Callable | None = None
+    # with qk_norm: the attention's q/k norm modules, and whether they normalise the rotated heads
+    # (Hunyuan's query_layernorm/key_layernorm after its rotary) or the heads before it (Qwen3's)
+    qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
+    qk_after_rotary: bool = False
 
     def head_dim(self, attn: nn.Module) -> int:
         return getattr(attn, self.head_dim_name)
@@ -244,6 +250,10 @@ def _read_form(cls: type) -> AttentionForm | str:
         if not statements_match(body_statements(position_scale), _POSITION_SCALE_BODY):
             return f"{cls.__name__}.forward scales its queries by a get_llama_4_attn_scale of another form"
         statements = [*statements[:7], *statements[8:]]  # the scale applied after the rotary (position_scale())
+    rotated_norms = statements is not None and tuple(statements[7:9]) == _ROTATED_QK_NORMS \
+        and statements[2:4] == [_PLAIN_Q, _PLAIN_K]
+    if rotated_norms:  # the q/k norms of the rotated heads (qk_after_rotary), taken out
+        statements = [*statements[:7], *statements[9:]]
     prefused = statements_match(statements, _PREFUSED_ATTENTION_BODY)
     clip_qkv = statements is not None and tuple(statements[2:9]) == _CLIPPED_FULL_QK_NORMS
     full_qk_norm = clip_qkv or statements is not None and tuple(statements[2:8]) == _FULL_QK_NORMS
@@ -259,10 +269,14 @@ def _read_form(cls: type) -> AttentionForm | str:
     if flagged_rotary and statements[2] == _NORMED_Q:  # the rotary epilogue's q/k norms always rotate after
         return f"{cls.__name__}.forward's q/k norms with a rotary its use_rope may turn off are not a form this " \
                "step computes"
+    if rotated_norms and (flagged_rotary or position_scale is not None):
+        return f"{cls.__name__}.forward's q/k norms after a rotary it may skip or a query scale are not a form this " \
+               "step computes"
+    names = dict(qk_norm_names=ROTATED_QK_NORM_NAMES, qk_after_rotary=True) if rotated_norms else {}
     return _functions_form(cls, UPDATE_FORMS[statements[7]], WINDOW_FORMS[statements[9]],
-                           statements[9] == _SOFTCAP_CALL, qk_norm=statements[2] == _NORMED_Q, prefused=prefused,
-                           full_qk_norm=full_qk_norm, clip_qkv=clip_qkv, flagged_rotary=flagged_rotary,
-                           position_scale=position_scale)
+                           statements[9] == _SOFTCAP_CALL, qk_norm=statements[2] == _NORMED_Q or rotated_norms,
+                           prefused=prefused, full_qk_norm=full_qk_norm, clip_qkv=clip_qkv,
+                           flagged_rotary=flagged_rotary, position_scale=position_scale, **names)
 
 
 def _pairs_neighbours(cls: type) -> bool:
@@ -400,6 +414,11 @@ def why_clipped(attn: nn.Module) -> str | None:
     return f"its Q/K/V are clamped to config.clip_qkv ({attn.config.clip_qkv}), which the fused layer does not compute"
 
 
+def qk_norms(attn: nn.Module, form: AttentionForm) -> tuple[nn.Module, nn.Module]:
+    """``attn``'s per-head q and k norm modules (a form with ``qk_norm``)."""
+    return getattr(attn, form.qk_norm_names[0]), getattr(attn, form.qk_norm_names[1])
+
+
 def rotates(attn: nn.Module, form: AttentionForm) -> bool:
     """Does ``attn``'s forward rotate q and k (not a layer whose ``use_rope`` is off: SmolLM3's NoPE layers)?"""
     return not form.flagged_rotary or bool(attn.use_rope)
@@ -476,17 +495,18 @@ def _rotary_kernelized(attn: nn.Module, form: AttentionForm) -> bool:
 def why_not_qk_norms(attn: nn.Module) -> str | None:
     """Why the rotary epilogue cannot apply ``attn``'s q/k norms (None: it can): both must be
     patched RMSNorms of one class and eps over ``head_dim`` with a weight: Llama's formula
-    (Qwen3) or the fp32 factor (Gemma 3's ``1 + w``; fusion/norm.py)."""
+    (Qwen3, Hunyuan) or the fp32 factor (Gemma 3's ``1 + w``; fusion/norm.py)."""
     hd = getattr(attn, "head_dim", None)
-    norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
-    for name, norm in zip(("q_norm", "k_norm"), norms):
+    names = attention_form(type(attn)).qk_norm_names
+    norms = [getattr(attn, name, None) for name in names]
+    for name, norm in zip(names, norms):
         weight = getattr(norm, "weight", None)
         if not isinstance(norm, (HybridRMSNorm, Fp32FactorRMSNorm)) or not isinstance(weight, Tensor) \
                 or tuple(weight.shape) != (hd,):
             return f"its {name} is not an RMSNorm over head_dim with a weight that hybridgemm patched " \
                    f"({type(norm).__name__})"
     if type(norms[0]) is not type(norms[1]) or norm_operand(norms[0])[1:] != norm_operand(norms[1])[1:]:
-        return "its q_norm and k_norm are not one formula with one eps"
+        return f"its {names[0]} and {names[1]} are not one formula with one eps"
     return None
 
 

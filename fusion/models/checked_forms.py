@@ -359,6 +359,9 @@ _CLIPPED_FULL_QK_NORMS = (
 # Gemma 3's q/k norms: on the head views after the transpose (the same per-head RMSNorm as
 # _NORMED_Q / _NORMED_K's before it)
 _LATE_QK_NORMS = ("query_states=self.q_norm(query_states)", "key_states=self.k_norm(key_states)")
+# Hunyuan's q/k norms: on the rotated head views, after the rotary (AttentionForm.qk_after_rotary)
+ROTATED_QK_NORM_NAMES = ("query_layernorm", "key_layernorm")
+_ROTATED_QK_NORMS = ("query_states=self.query_layernorm(query_states)", "key_states=self.key_layernorm(key_states)")
 # Ministral 3's query scale after the rotary, per position (transformers' get_llama_4_attn_scale,
 # statement by statement: _POSITION_SCALE_BODY)
 _POSITION_Q_SCALE = ("query_states=query_states*get_llama_4_attn_scale(position_ids,self.config.rope_parameters.get("

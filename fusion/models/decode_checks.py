@@ -79,6 +79,7 @@ from .checked_forms import (
     POST_NORMS,
     QKV_NAME,
     RESIDUAL_DROPOUTS,
+    ROTATED_QK_NORM_NAMES,
 )
 from .source_forms import body_statements, source_text
 
@@ -130,15 +131,18 @@ def takes_static_step(layer: nn.Module) -> bool:
 
 def rotary_cache(cos: Tensor, sin: Tensor, heads: int, kv_heads: int, keys: Tensor, values: Tensor, base: Tensor,
                  q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0,
-                 qk_offset: float | None = None, group: int = 0, pairs: bool = False, rotate: bool = True):
+                 qk_offset: float | None = None, group: int = 0, pairs: bool = False, rotate: bool = True,
+                 qk_after_rotary: bool = False):
     """The rotary/cache operand of split-K's ``rope=`` fusion (with the q/k norms' operand:
     weights or factors, eps, offset; norm.norm_operand; ``group``: the weight's rows grouped per
     KV head; ``pairs``: Cohere's rotary of neighbouring columns; ``rotate``: False for a layer
-    without positional embedding, the cache write alone; triton_rope.RotaryCache)."""
+    without positional embedding, the cache write alone; ``qk_after_rotary``: the q/k norms of the
+    rotated heads; triton_rope.RotaryCache)."""
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     return triton_module("triton_rope").RotaryCache(cos, sin, heads, kv_heads, keys.shape[-1], keys, values, base,
-                                                    q_norm, k_norm, qk_eps, qk_offset, group, pairs, rotate)
+                                                    q_norm, k_norm, qk_eps, qk_offset, group, pairs, rotate,
+                                                    qk_after_rotary)
 
 
 def kernel_computes_eager(interface, form: AttentionForm) -> bool:
@@ -219,10 +223,10 @@ _MLP_SLOTS = ("gate_proj", "up_proj", "down_proj")
 
 
 # transformers' sparse MoE blocks whose forward is router, then experts (Qwen2-MoE's also its
-# gated shared expert, Ernie 4.5's its shared experts), one tensor out: the step calls the block
-# itself after the post-attention norm (or computes it: moe_block.why_not_fuse_block)
+# gated shared expert, Ernie 4.5's and Hunyuan's their shared experts), one tensor out: the step
+# calls the block itself after the post-attention norm (or computes it: moe_block.why_not_fuse_block)
 MOE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "OlmoeSparseMoeBlock",
-              "Glm4MoeMoE", "Ernie4_5_MoeSparseMoeBlock")
+              "Glm4MoeMoE", "Ernie4_5_MoeSparseMoeBlock", "HunYuanMoEV1Moe")
 
 
 def moe_block(mlp: nn.Module | None) -> bool:
@@ -317,7 +321,8 @@ def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
     wrapped = [m for s in slots if adapter_terms.is_lora_linear(s)
                for m in (adapter_base(s), *s.lora_A.values(), *s.lora_B.values(), *s.lora_dropout.values())]
     attention = [layer._modules.get("input_layernorm"), attn, *slots, *wrapped,
-                 *(attn._modules.get(n) for n in ("q_norm", "k_norm")), attn._modules.get(QKV_NAME),
+                 *(attn._modules.get(n) for n in ("q_norm", "k_norm", *ROTATED_QK_NORM_NAMES)),
+                 attn._modules.get(QKV_NAME),
                  *(layer._modules.get(n) for n in (*RESIDUAL_DROPOUTS, MLP_DROPOUT))]
     if moe_block(mlp):  # the norm and the router are called as modules; moe_block.block_step checks the block's
         # and its experts' hooks itself (with any, it calls the block as a module)

@@ -110,12 +110,13 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, 
     qk = {}
     form = forms.attention_form(type(attn))
     if form.qk_norm:  # patched RMSNorms over head_dim of one formula and eps (forms.why_not_qk_norms)
-        q_g, qk_eps, qk_offset = norm_operand(attn.q_norm)
-        qk = dict(q_norm=q_g, k_norm=norm_operand(attn.k_norm)[0], qk_eps=float(qk_eps), qk_offset=qk_offset)
+        q_norm, k_norm = forms.qk_norms(attn, form)
+        q_g, qk_eps, qk_offset = norm_operand(q_norm)
+        qk = dict(q_norm=q_g, k_norm=norm_operand(k_norm)[0], qk_eps=float(qk_eps), qk_offset=qk_offset)
     slots = _slots(attn, qkv)
     adapters = any(adapter_terms.adds_terms(m) for m in slots)
     rotate = forms.rotates(attn, form)
-    cos, sin = forms.kernel_cos_sin(form, cos, sin)  # (GLM's, Helium's interleaved)
+    cos, sin = forms.kernel_cos_sin(form, cos, sin)  # (GLM's, Helium's, Ernie's interleaved)
     if form.full_qk_norm and not adapters and isinstance(attn.q_norm, Fp32FactorRMSNorm) \
             and isinstance(attn.k_norm, Fp32FactorRMSNorm):
         # q/k norms over all heads, which a tile of one head cannot compute: the GEMM, then the
@@ -129,7 +130,7 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, 
             norm_linear(x, *_norm_args(norm), qkv.weight, qkv.bias, counters, weight_scale_of(qkv))
         y = rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, qk.get("q_norm"), qk.get("k_norm"),
                           qk.get("qk_eps", 0.0), (attn.q_norm, attn.k_norm) if form.full_qk_norm else None,
-                          qk.get("qk_offset"), form.pair_rotary, rotate)
+                          qk.get("qk_offset"), form.pair_rotary, rotate, form.qk_after_rotary)
         q = y[..., : heads * hd]
     elif (form.partial_rotary or form.pair_rotary or form.per_head_qkv or form.layout_from_config) \
             and not form.cos_halved:
@@ -140,7 +141,7 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, 
     else:
         y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,
                           base, heads, kv_heads, counters, weight_scale_of(qkv), **qk, rotate=rotate,
-                          pairs=form.pair_rotary)
+                          pairs=form.pair_rotary, qk_after_rotary=form.qk_after_rotary)
         q = y[..., : heads * hd]
     scale = forms.position_scale(attn, form, kwargs)
     if scale is not None:  # Ministral 3's factor per position, on the rotated queries as its forward has it
@@ -207,7 +208,8 @@ def _attention_of_qkv(attn: nn.Module, y: Tensor, sizes: tuple[int, int, int], k
     hidden_shape = (*input_shape, -1, attn.head_dim)
     cos, sin = kwargs["position_embeddings"]
     head_norms = form.partial_rotary and attn.qk_layernorm  # StableLM's per-head LayerNorms
-    view_norms = form.qk_norm or form.flagged_qk_norm and attn.use_qk_norm  # norms on the head views (Cohere's too)
+    # norms on the head views before the rotary (Cohere's too; Hunyuan's come after it)
+    view_norms = form.qk_norm and not form.qk_after_rotary or form.flagged_qk_norm and attn.use_qk_norm
     in_modules = form.full_qk_norm or view_norms or head_norms  # norms before the rotary: the module's rotary
     rotate = forms.rotates(attn, form)
     rotated = None if in_modules or not rotate else _rope_in_kernel(attn, form, y, cos, sin, sizes)
@@ -224,6 +226,9 @@ def _attention_of_qkv(attn: nn.Module, y: Tensor, sizes: tuple[int, int, int], k
         q, k = attn.q_layernorm(q), attn.k_layernorm(k)
     if rotated is None and rotate:
         q, k = _module_rotary(attn, form, q, k, cos, sin)
+    if form.qk_after_rotary:  # over the rotated [B, heads, S, hd] views, as Hunyuan's forward calls them
+        q_norm, k_norm = forms.qk_norms(attn, form)
+        q, k = q_norm(q), k_norm(k)
     scale = forms.position_scale(attn, form, kwargs)
     if scale is not None:
         q = q * scale.to(q.dtype)

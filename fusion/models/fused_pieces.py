@@ -253,7 +253,8 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor, pairs: bool = False) -> Tensor:
     dtype; fp32 cos/sin (OLMo 2's) rotate in fp32, then round to t's dtype, as its rotary does.
     R < hd (StableLM's, GLM's partial rotary): the first R columns of each head, the rest as they
     are. ``pairs``: Cohere's (neighbouring columns paired, rotated as fp32 copies, rounded once;
-    GLM's and Helium's in the static step too, as the pair epilogue rotates)."""
+    GLM's and Helium's in the static step too, as the pair epilogue rotates; Ernie 4.5's, from its
+    fp32 cos/sin)."""
     c, s = cos[:, :, None, :], sin[:, :, None, :]
     width = cos.shape[-1]
     r = t[..., :width]
@@ -268,31 +269,33 @@ def _rotate(t: Tensor, cos: Tensor, sin: Tensor, pairs: bool = False) -> Tensor:
 
 def _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
                       scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None, rotate=True,
-                      pairs=False) -> Tensor:
+                      pairs=False, qk_after_rotary=False) -> Tensor:
     """The stock computation: norm, GEMM, then :func:`rotate_store`."""
     y = _linear(prologue_norm(x, norm_weight, eps, norm_offset), weight, bias, scale)
     return rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm, k_norm, qk_eps, qk_offset=qk_offset,
-                        pairs=pairs, rotate=rotate)
+                        pairs=pairs, rotate=rotate, qk_after_rotary=qk_after_rotary)
 
 
 def rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None, k_norm=None, qk_eps=0.0,
                   full_norms: tuple[Callable, Callable] | None = None, qk_offset: float | None = None,
-                  pairs: bool = False, rotate: bool = True) -> Tensor:
+                  pairs: bool = False, rotate: bool = True, qk_after_rotary: bool = False) -> Tensor:
     """From the Q/K/V projection ``y`` [B, S, N], as the stock attention computes it: the q/k
     norms (``full_norms``: the norms over all the q (k) columns, before the head views, as OLMo 2's;
-    else per head, of operand ``(q_norm / k_norm, qk_eps, qk_offset)``, norm.prologue_norm), rotary
-    in y's dtype (``pairs``: Cohere's; none without ``rotate``), ``index_copy_`` of k and v into
-    the cache."""
+    else per head, of operand ``(q_norm / k_norm, qk_eps, qk_offset)``, norm.prologue_norm; with
+    ``qk_after_rotary`` of the rotated heads, as Hunyuan's), rotary in y's dtype (``pairs``:
+    Cohere's; none without ``rotate``), ``index_copy_`` of k and v into the cache."""
     b, s = y.shape[:2]
     hd = keys.shape[-1]
     q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
     if full_norms is not None:
         q, k = full_norms[0](q), full_norms[1](k)
     q, k = q.reshape(b, s, heads, hd), k.reshape(b, s, kv_heads, hd)
-    if q_norm is not None:
+    if q_norm is not None and not qk_after_rotary:
         q, k = prologue_norm(q, q_norm, qk_eps, qk_offset), prologue_norm(k, k_norm, qk_eps, qk_offset)
     if rotate:
         q, k = _rotate(q, cos, sin, pairs), _rotate(k, cos, sin, pairs)
+    if q_norm is not None and qk_after_rotary:
+        q, k = prologue_norm(q, q_norm, qk_eps, qk_offset), prologue_norm(k, k_norm, qk_eps, qk_offset)
     pos = torch.arange(s, device=y.device) + base.view(())
     keys.index_copy_(2, pos, k.transpose(1, 2))
     values.index_copy_(2, pos, v.reshape(b, s, kv_heads, hd).transpose(1, 2))
@@ -301,14 +304,14 @@ def rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm=None, 
 
 def _rope_qkv(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
               counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None, rotate=True,
-              pairs=False, keep_prologue=False) -> Tensor:
+              pairs=False, qk_after_rotary=False, keep_prologue=False) -> Tensor:
     rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base, q_norm, k_norm, float(qk_eps), qk_offset,
-                             pairs=pairs, rotate=rotate)
+                             pairs=pairs, rotate=rotate, qk_after_rotary=qk_after_rotary)
     y = dispatch.fused_splitk(x, weight, bias, counters, scale, keep_prologue,
                               norm=(norm_weight, float(eps), norm_offset), rope=rc)
     if y is None:
         return _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads,
-                                 kv_heads, scale, q_norm, k_norm, qk_eps, qk_offset, rotate, pairs)
+                                 kv_heads, scale, q_norm, k_norm, qk_eps, qk_offset, rotate, pairs, qk_after_rotary)
     return y
 
 
@@ -317,16 +320,18 @@ def norm_rope_qkv_fwd(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: f
                       bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor,
                       heads: int, kv_heads: int, counters: Tensor | None = None, scale: Tensor | None = None,
                       q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0,
-                      qk_offset: float | None = None, rotate: bool = True, pairs: bool = False) -> Tensor:
+                      qk_offset: float | None = None, rotate: bool = True, pairs: bool = False,
+                      qk_after_rotary: bool = False) -> Tensor:
     with per_call_scratch():
         return _rope_qkv(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads,
-                         kv_heads, counters, scale, q_norm, k_norm, qk_eps, qk_offset, rotate, pairs).contiguous()
+                         kv_heads, counters, scale, q_norm, k_norm, qk_eps, qk_offset, rotate, pairs,
+                         qk_after_rotary).contiguous()
 
 
 @norm_rope_qkv_fwd.register_fake
 def _norm_rope_qkv_fake(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads,
                         counters=None, scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None, rotate=True,
-                        pairs=False):
+                        pairs=False, qk_after_rotary=False):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -337,19 +342,22 @@ def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: float
                   bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
                   kv_heads: int, counters: Tensor | None = None, scale: Tensor | None = None,
                   q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0,
-                  qk_offset: float | None = None, rotate: bool = True, pairs: bool = False) -> Tensor:
+                  qk_offset: float | None = None, rotate: bool = True, pairs: bool = False,
+                  qk_after_rotary: bool = False) -> Tensor:
     """Q/K/V of ``rmsnorm(x)`` (x [B, S, D]; the norm of operand ``(norm_weight, eps,
     norm_offset)``, norm.norm_operand) with q and k normalised per head (``q_norm`` and
     ``k_norm``: their norms' operands [hd], eps ``qk_eps``, offset ``qk_offset``; none without
-    them) and rotated (not without ``rotate``: a layer without positional embedding; ``pairs``:
-    neighbouring columns paired, cos/sin holding each frequency twice, in fp32), k
+    them; ``qk_after_rotary``: the rotated heads normalised) and rotated (not without ``rotate``: a
+    layer without positional embedding; ``pairs``: neighbouring columns paired, cos/sin holding each
+    frequency twice, in fp32), k
     and v written into ``keys``/``values`` [B, kv_heads, L, hd] at positions ``base + s``;
     returns [B, S, N]. One split-K launch where the table runs split-K with a config that fits
     (tiles within a head, of one whole head with q/k norms; no two-launch reduction), the stock
     sequence of operations otherwise."""
     return _compiled(torch.ops.hybridgemm.norm_rope_qkv_fwd, _rope_qkv_eager, x, norm_weight, float(eps),
                      norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads, counters, scale, q_norm,
-                     k_norm, float(qk_eps), None if qk_offset is None else float(qk_offset), bool(rotate), bool(pairs))
+                     k_norm, float(qk_eps), None if qk_offset is None else float(qk_offset), bool(rotate), bool(pairs),
+                     bool(qk_after_rotary))
 
 
 def _rope_qkv_q(x: Tensor, weight: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor,

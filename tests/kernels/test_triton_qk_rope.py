@@ -376,6 +376,25 @@ def test_halved_neighbour_pairs_in_fp32_are_ernies_rotary_bit_for_bit(device, b,
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_fp32_cos_rotates_in_fp32_as_olmo2s_rotary(device):
+    """The standard rotary (no pairs) over fp32 cos/sin beside a 16-bit y: rotated in fp32 and
+    rounded once, bit for bit OLMo 2's function (which promotes q and k to cos's fp32), not each
+    product rounded to the dtype as for cos/sin of y's dtype."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    b, s, heads, kv_heads, hd = 2, 3, 3, 1, 32
+    for dtype in ([torch.bfloat16, torch.float16] if device == "cuda" else [torch.float16]):
+        y, cos, sin, *_ = _operands(b, s, heads, kv_heads, hd, dtype, device, torch.float32, seed=13)
+        q, k, _ = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+        ref_q, ref_k = olmo2.apply_rotary_pos_emb(q.view(b, s, heads, hd).transpose(1, 2),
+                                                  k.view(b, s, kv_heads, hd).transpose(1, 2), cos, sin)
+        assert tqr.check_rope(y, cos, sin, heads, kv_heads, fp32_cos=True) is None
+        q2, k2 = tqr.rope_qk(y, cos, sin, heads, kv_heads)
+        assert torch.equal(q2, ref_q.transpose(1, 2).reshape(b, s, -1)), dtype
+        assert torch.equal(k2, ref_k.transpose(1, 2).reshape(b, s, -1)), dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("b,s,heads,hd,rot,base", [(1, 1, 4, 32, 8, 5), (3, 1, 3, 20, 20, 0), (2, 3, 5, 80, 20, 7),
                                                    (1, 2, 7, 6, 2, 3)])
 def test_per_head_layout_is_gpt_neoxs_attention_bit_for_bit(device, b, s, heads, hd, rot, base):

@@ -65,9 +65,10 @@ def _rms(t, g, eps):
     return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * g.double()
 
 
-def _reference(x, w, b, g, eps, cos, sin, heads, kv_heads, hd, batch, seq, qk_norms=None, rotate=True):
-    """fp64: rmsnorm(x) @ W.T + b, q/k norms per head (``qk_norms``: (q_norm, k_norm, eps)),
-    rotary on q and k (not without ``rotate``), split into heads."""
+def _reference(x, w, b, g, eps, cos, sin, heads, kv_heads, hd, batch, seq, qk_norms=None, rotate=True,
+               norms_after=False):
+    """fp64: rmsnorm(x) @ W.T + b, q/k norms per head (``qk_norms``: (q_norm, k_norm, eps); of the
+    rotated heads where ``norms_after``), rotary on q and k (not without ``rotate``), split into heads."""
     xd = x.double()
     if g is not None:
         xd = _rms(xd, g, eps)
@@ -75,12 +76,14 @@ def _reference(x, w, b, g, eps, cos, sin, heads, kv_heads, hd, batch, seq, qk_no
     y = y.view(batch, seq, -1)
     q, k, v = y.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
     q, k = q.reshape(batch, seq, heads, hd), k.reshape(batch, seq, kv_heads, hd)
-    if qk_norms is not None:
+    if qk_norms is not None and not norms_after:
         q, k = _rms(q, qk_norms[0], qk_norms[2]), _rms(k, qk_norms[1], qk_norms[2])
     if rotate:
         c, s = cos.double()[:, :, None], sin.double()[:, :, None]
         q = q * c + _rotate_half(q) * s
         k = k * c + _rotate_half(k) * s
+    if qk_norms is not None and norms_after:
+        q, k = _rms(q, qk_norms[0], qk_norms[2]), _rms(k, qk_norms[1], qk_norms[2])
     return q, k, v.reshape(batch, seq, kv_heads, hd)
 
 
@@ -272,17 +275,20 @@ def test_grouped_rows_of_an_fp8_weight_take_their_own_scales(granularity):
 
 @pytest.mark.parametrize("config", [MODEL_ONE_PASS, MODEL_FUSED_REDUCE, SMALL_X_FUSED_REDUCE],
                          ids=["one-pass", "fused-reduce", "small-x-fused-reduce"])
-@pytest.mark.parametrize("batch,seq,heads,kv_heads,hd,bias,cache,offset", [
-    (1, 1, 4, 2, 32, False, True, None),     # one token, GQA
-    (3, 1, 2, 2, 16, True, True, None),      # three sequences, a bias before the norms
-    (2, 2, 2, 1, 32, False, False, None),    # rotary only
-    (1, 1, 4, 2, 32, False, True, 1.0),      # Gemma 3's: factor 1 + w
-    (3, 1, 2, 2, 16, True, True, -0.25),     # another offset
+@pytest.mark.parametrize("batch,seq,heads,kv_heads,hd,bias,cache,offset,after", [
+    (1, 1, 4, 2, 32, False, True, None, False),     # one token, GQA
+    (3, 1, 2, 2, 16, True, True, None, False),      # three sequences, a bias before the norms
+    (2, 2, 2, 1, 32, False, False, None, False),    # rotary only
+    (1, 1, 4, 2, 32, False, True, 1.0, False),      # Gemma 3's: factor 1 + w
+    (3, 1, 2, 2, 16, True, True, -0.25, False),     # another offset
+    (1, 1, 4, 2, 32, False, True, None, True),      # Hunyuan's: the norms of the rotated heads
+    (2, 2, 2, 1, 16, True, True, None, True),       # the same, two tokens of two sequences, a bias
 ])
-def test_qk_norms_in_the_rope_epilogue_match_fp64(config, batch, seq, heads, kv_heads, hd, bias, cache, offset):
+def test_qk_norms_in_the_rope_epilogue_match_fp64(config, batch, seq, heads, kv_heads, hd, bias, cache, offset, after):
     """Qwen3's q/k norms: each q and k head RMS-normalised (its own weight) before the rotary,
     in tiles of one whole head (configs of 16- or 32-row tiles run with block_n = head_dim);
-    Gemma 3's (``qk_offset``): the factor ``offset + weight``."""
+    Gemma 3's (``qk_offset``): the factor ``offset + weight``; Hunyuan's (``qk_after_rotary``):
+    each rotated head normalised."""
     torch.manual_seed(batch + 10 * hd)
     dt, k_dim, base, cache_len = torch.float32, 72, 2, 8
     m, n = batch * seq, (heads + 2 * kv_heads) * hd
@@ -297,10 +303,11 @@ def test_qk_norms_in_the_rope_epilogue_match_fp64(config, batch, seq, heads, kv_
     values = torch.full_like(keys, -321.0) if cache else None
     out = torch.full((m, n), float("nan"), dtype=dt)
     rc = RotaryCache(cos, sin, heads, kv_heads, hd, keys, values, torch.tensor(base) if cache else None,
-                     q_norm=qn, k_norm=kn, qk_eps=1e-6, qk_offset=offset)
+                     q_norm=qn, k_norm=kn, qk_eps=1e-6, qk_offset=offset, qk_after_rotary=after)
     triton_splitk.run(config, x, w, b, out, None, rope=rc)
     factors = (qn, kn) if offset is None else (qn + offset, kn + offset)
-    q, k, v = _reference(x, w, b, None, 0.0, cos, sin, heads, kv_heads, hd, batch, seq, (*factors, 1e-6))
+    q, k, v = _reference(x, w, b, None, 0.0, cos, sin, heads, kv_heads, hd, batch, seq, (*factors, 1e-6),
+                         norms_after=after)
     ref = torch.cat([q.reshape(m, -1), k.reshape(m, -1), v.reshape(m, -1)], dim=-1)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
     if cache:
@@ -389,6 +396,7 @@ def _args(**over):
      "x's dtype"),
     (lambda a: dict(rc=dataclasses.replace(a["rc"], q_norm=torch.ones(16), k_norm=torch.ones(16), qk_eps=-1.0)),
      "qk_eps must be"),
+    (lambda a: dict(rc=dataclasses.replace(a["rc"], qk_after_rotary=True)), "True only with q/k norms"),
 ])
 def test_bad_rope_arguments_are_clear_errors(change, match):
     a = _args()
@@ -413,14 +421,15 @@ def _tiny(kind: str, layers: int = 2, attention: str = "sdpa", **extra):
               "cwm": transformers.CwmConfig, "smollm3": transformers.SmolLM3Config,
               "ministral3": transformers.Ministral3Config, "glm": transformers.GlmConfig,
               "helium": transformers.HeliumConfig, "glm4": transformers.Glm4Config,
-              "ernie4_5": transformers.Ernie4_5Config, "ernie4_5_moe": transformers.Ernie4_5_MoeConfig}[kind](**kw)
+              "ernie4_5": transformers.Ernie4_5Config, "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
+              "hunyuan": transformers.HunYuanDenseV1Config, "hunyuan_moe": transformers.HunYuanMoEV1Config}[kind](**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
-    if kind in ("gemma", "gemma2", "gemma3", "olmo2", "olmo3", "stablelm", "cohere", "glm4"):  # norms start as the
+    if kind in ("gemma", "gemma2", "gemma3", "olmo2", "olmo3", "stablelm", "cohere", "glm4", "hunyuan"):  # norms as the
         with torch.no_grad():                                                                # identity: others, so
             for name, p in model.named_parameters():                                        # that they show
                 if "norm" in name:
-                    olmo_or_layernorm = kind in ("olmo2", "olmo3", "stablelm", "cohere", "glm4")
+                    olmo_or_layernorm = kind in ("olmo2", "olmo3", "stablelm", "cohere", "glm4", "hunyuan")
                     p.uniform_(*((0.5, 1.5) if olmo_or_layernorm and name.endswith("weight") else (-0.5, 0.5)))
     return model
 
@@ -793,15 +802,18 @@ def test_rotaries_of_neighbouring_pairs_from_halved_cos_decode_as_stock_does(kin
     assert ropes == ([(True, rot, min(rot, kernels_on_cpu["config"].block_n))] * 2 * 3 if fused else [])
 
 
-def test_ernie_moe_layers_decode_as_stock_does(kernels_on_cpu):
-    """Ernie 4.5 MoE: a dense first layer, then a sparse block of 4 experts (2 per token; its router
-    in fp32 with a selection bias, not patched) and a shared expert, which the step calls after the
-    post-attention norm with the patched experts inside. Both layers on the static-cache step (the
-    rotary from Ernie's fp32 cos/sin in the Q/K/V epilogue); logits and caches as stock's."""
+@pytest.mark.parametrize("kind", ["ernie4_5_moe", "hunyuan_moe"])
+def test_moe_layers_with_shared_experts_and_routers_of_their_own_decode_as_stock_does(kind, kernels_on_cpu):
+    """Ernie 4.5 MoE (a dense first layer, then a sparse block of 4 experts, 2 per token, its router
+    in fp32 with a selection bias) and Hunyuan MoE (every layer sparse, its router a linear, the q/k
+    norms of the rotated heads), both with a shared expert: the step calls the block after the
+    post-attention norm with the patched experts inside, their routers as they are. Both layers on
+    the static-cache step (the rotary in the Q/K/V epilogue); logits and caches as stock's."""
     from hybridgemm.experts import HybridExperts
 
-    stock = _tiny("ernie4_5_moe", head_dim=32, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                  moe_num_shared_experts=1, moe_layer_start_index=1, tie_word_embeddings=False)
+    sizes = dict(moe_intermediate_size=32, num_experts_per_tok=2, moe_num_shared_experts=1, moe_layer_start_index=1) \
+        if kind == "ernie4_5_moe" else dict(moe_topk=2)
+    stock = _tiny(kind, head_dim=32, num_experts=4, tie_word_embeddings=False, **sizes)
     with torch.no_grad():
         for name, p in stock.named_parameters():
             if "experts" in name:
@@ -816,7 +828,28 @@ def test_ernie_moe_layers_decode_as_stock_does(kernels_on_cpu):
         mp.setattr(type(model.model.layers[1].mlp), "forward", lambda self, h: blocks.append(h.shape) or real(self, h))
         _compare(model, stock, steps=3)
     assert kernels_on_cpu["rope"] == 2 * 3
-    assert len(blocks) == 2 * (1 + 3)  # stock's and the patched model's calls: the prompt, then each step
+    # the sparse layers' blocks, stock's and the patched model's calls: the prompt, then each step
+    assert len(blocks) == (1 if kind == "ernie4_5_moe" else 2) * 2 * (1 + 3)
+
+
+def test_a_half_precision_ernie_takes_the_step_with_its_fp32_cos(kernels_on_cpu, monkeypatch):
+    """Ernie 4.5 in 16 bits (fp16 here: the interpreter's bf16 products are wrong; the step's own
+    dtypes widened to it): its rotary embedding's fp32 cos/sin pass the call's checks and reach the
+    Q/K/V epilogue as fp32 (interleaved), every step of both layers; the logits as stock fp16's to
+    its rounding."""
+    monkeypatch.setattr(checks, "_LAYER_DTYPES", (torch.bfloat16, torch.float16, torch.float32))
+    stock = _tiny("ernie4_5", head_dim=32).half()
+    model = _patched(stock)
+    ropes, real = [], triton_splitk.run
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_splitk, "run", lambda cfg, *a, rope=None, **kw: (rope is not None and ropes.append(
+            (rope.cos.dtype, rope.pairs))) or real(cfg, *a, rope=rope, **kw))
+        with torch.no_grad():
+            ref, fed, _ = greedy_static_decode(stock, 3, VOCAB)
+            out, _, _ = greedy_static_decode(model, 3, VOCAB, fed)
+    assert ropes == [(torch.float32, True)] * 2 * 3
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a.float(), b.float(), rtol=5e-3, atol=5e-3)
 
 
 @pytest.mark.parametrize("kind,fp32_rotation", [("ernie4_5", True), ("glm", False), ("helium", False)])
@@ -841,6 +874,34 @@ def test_the_module_path_rotates_halved_pairs_as_each_function_rounds(kind, fp32
             got, want = (m(ids, past_key_values=DynamicCache(config=m.config), use_cache=True).logits
                          for m in (model, stock))
     assert rotated == [(torch.float32, True, fp32_rotation)] * 2  # the prompt, both layers
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["epilogue", "after-the-gemm"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_hunyuan_normalises_its_rotated_heads_as_stock_does(fused, batch, kernels_on_cpu):
+    """Hunyuan (dense): its q/k norms (query_layernorm, key_layernorm: Llama's formula over each
+    head, weights drawn apart) normalise the rotated heads. Both layers take the static-cache
+    step: the Q/K/V epilogue rotates each whole-head tile, then normalises it (``qk_after_rotary``);
+    where the split-K epilogue does not run (``fused`` False), the GEMM, then the rotary and the
+    norms as torch ops in that order. Logits and caches as stock's; a dynamic cache's calls (the
+    one-launch rotary, then the norm modules) too."""
+    from transformers import DynamicCache
+
+    stock = _tiny("hunyuan", head_dim=32, pad_token_id=0)
+    model = _patched(stock)
+    ropes, real = [], triton_splitk.run
+    with pytest.MonkeyPatch.context() as mp:
+        if not fused:
+            mp.setattr(dispatch, "fused_splitk", lambda *a, **kw: None)
+        mp.setattr(triton_splitk, "run", lambda cfg, *a, rope=None, **kw: (rope is not None and ropes.append(
+            (rope.q_norm is not None, rope.qk_after_rotary, cfg.block_n))) or real(cfg, *a, rope=rope, **kw))
+        _compare(model, stock, steps=3, batch=batch)
+    assert ropes == ([(True, True, 32)] * 2 * 3 if fused else [])
+    ids = torch.randint(0, VOCAB, (batch, 3), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got, want = (m(ids, past_key_values=DynamicCache(config=m.config), use_cache=True).logits
+                     for m in (model, stock))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

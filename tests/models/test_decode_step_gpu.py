@@ -84,7 +84,7 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
                         "phi3_partial", "gemma2", "gemma2-wide", "gemma3", "gemma3-wide", "olmo2", "stablelm",
                         "stablelm_parallel", "cohere", "gpt_neox", "falcon", "falcon_new", "olmoe", "glm4_moe", "olmo3",
                         "ministral-wide", "smollm3", "ministral3", "glm", "helium", "glm4", "ernie4_5",
-                        "ernie4_5_moe"])
+                        "ernie4_5_moe", "hunyuan", "hunyuan_moe"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
@@ -119,7 +119,8 @@ def models(monkeypatch, request):
     q/k/v biases and its one gate/up linear; Helium's over whole heads); glm4 (GLM's attention and MLP, norms around
     each sublayer: the post-norm step); ernie4_5 (the same pairs over whole heads from its fp32 cos/sin, read as
     fp32 by the QKV epilogue) and ernie4_5_moe (a dense first layer, then routed experts with a shared expert, the
-    block called after the post-attention norm)."""
+    block called after the post-attention norm); hunyuan (Llama's layer, the q/k norms of the rotated heads in the
+    QKV epilogue after its rotary) and hunyuan_moe (the same attention, routed experts with a shared expert)."""
     kind, _, wide = request.param.partition("-")
     if kind.startswith("falcon"):
         from transformers.models.falcon.modeling_falcon import FalconAttention
@@ -142,7 +143,7 @@ def models(monkeypatch, request):
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=kind, window=64 if wide else None,
                                          attention="eager" if request.param == "gemma2-wide" else None)
     calls = {"rope": 0, "store": 0, "static": request.param not in ("gemma2", "gemma3", "olmo2", "olmoe", "olmo3"),
-             "wide": bool(wide)}
+             "wide": bool(wide), "stock_router": kind in ("ernie4_5_moe", "hunyuan_moe")}
     real = triton_splitk.run
 
     def run(cfg, *a, rope=None, **kw):
@@ -179,7 +180,7 @@ def test_static_cache_decode_matches_fp32_as_stock_does(models, compiled, batch)
     # (gemma2-wide, gemma3-wide) compiles once: a recompile there is an error.
     torch._dynamo.reset()
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64):
-        want, _ = _decode(ref, tokens, False)
+        want, ref_cache = _decode(ref, tokens, False)
         base, stock_cache = _decode(stock, tokens, False)
         with torch._dynamo.config.patch(error_on_recompile=calls["wide"]):
             got, cache = _decode(patched, tokens, compiled)
@@ -192,13 +193,21 @@ def test_static_cache_decode_matches_fp32_as_stock_does(models, compiled, batch)
     assert torch.equal(got, again)
     from hybridgemm.models import window_cache
 
-    for a, b in zip(cache.layers, stock_cache.layers):
+    for a, b, r in zip(cache.layers, stock_cache.layers, ref_cache.layers):
         swapped = calls["wide"] and b.is_sliding  # (window_cache: the patched model's first call)
         assert type(a) is (window_cache.device_length_class() if swapped else type(b))
         assert int(a.cumulative_length) == int(b.cumulative_length)
         if type(b).__name__ == "StaticLayer" or swapped:  # (a window that fills counts its own way)
             assert int(b.cumulative_length) == 11
-        assert _rel(a.keys, b.keys) < 2e-2 and _rel(a.values, b.values) < 2e-2
+        if calls["stock_router"]:
+            # routers that run as stock's: a near tie between two experts' probabilities may go
+            # either way for inputs rounded otherwise (Hunyuan's bf16 router, B = 2 on an H100: one
+            # choice of 28, two experts tied at 0.3945, the patched logits then the closer to fp32's),
+            # and the later keys of that token with it; so the caches as close to fp32's as stock's
+            assert _rel(a.keys, r.keys) <= 1.5 * _rel(b.keys, r.keys) + 1e-3
+            assert _rel(a.values, r.values) <= 1.5 * _rel(b.values, r.values) + 1e-3
+        else:
+            assert _rel(a.keys, b.keys) < 2e-2 and _rel(a.values, b.values) < 2e-2
 
 
 

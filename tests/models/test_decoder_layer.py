@@ -180,7 +180,8 @@ def test_what_is_not_fused_and_why(monkeypatch):
                             "GPTNeoXLayer, FalconDecoderLayer, OlmoeDecoderLayer, Glm4MoeDecoderLayer, "
                             "Olmo3DecoderLayer, MinistralDecoderLayer, CwmDecoderLayer, SmolLM3DecoderLayer, "
                             "Ministral3DecoderLayer, GlmDecoderLayer, HeliumDecoderLayer, Glm4DecoderLayer, "
-                            "Ernie4_5DecoderLayer, Ernie4_5_MoeDecoderLayer)")]
+                            "Ernie4_5DecoderLayer, Ernie4_5_MoeDecoderLayer, HunYuanDenseV1DecoderLayer, "
+                            "HunYuanMoEV1DecoderLayer)")]
 
 
 def _module_state(model) -> dict:
