@@ -267,8 +267,9 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
                     p.uniform_(*((0.5, 1.5) if name.endswith("weight") else (-0.5, 0.5)))
     ref = copy.deepcopy(base).to(device)
     stock = copy.deepcopy(base).to(device, torch.bfloat16)
-    # Ernie's router in fp32, as its loader keeps it (_keep_in_fp32_modules_strict)
-    routers = {"ernie4_5_moe": ("gate.weight", "e_score_correction_bias")}
+    # routers in fp32, as their models load them: Ernie's (_keep_in_fp32_modules_strict), Hunyuan's
+    # (its gate builds wg in fp32)
+    routers = {"ernie4_5_moe": ("gate.weight", "e_score_correction_bias"), "hunyuan_moe": ("gate.wg.weight",)}
     with torch.no_grad():
         for name, p in stock.named_parameters():
             if name.endswith(routers.get(kind, ())):

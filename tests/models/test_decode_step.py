@@ -425,11 +425,13 @@ def _tiny(kind: str, layers: int = 2, attention: str = "sdpa", **extra):
               "hunyuan": transformers.HunYuanDenseV1Config, "hunyuan_moe": transformers.HunYuanMoEV1Config}[kind](**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
-    if kind in ("gemma", "gemma2", "gemma3", "olmo2", "olmo3", "stablelm", "cohere", "glm4", "hunyuan"):  # norms as the
-        with torch.no_grad():                                                                # identity: others, so
-            for name, p in model.named_parameters():                                        # that they show
+    # norms start as the identity: others, so that they show (weights U(0.5, 1.5); biases and Gemma's w U(-0.5, 0.5))
+    drawn = ("olmo2", "olmo3", "stablelm", "cohere", "glm4", "hunyuan", "hunyuan_moe")
+    if kind in ("gemma", "gemma2", "gemma3", *drawn):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
                 if "norm" in name:
-                    olmo_or_layernorm = kind in ("olmo2", "olmo3", "stablelm", "cohere", "glm4", "hunyuan")
+                    olmo_or_layernorm = kind in drawn
                     p.uniform_(*((0.5, 1.5) if olmo_or_layernorm and name.endswith("weight") else (-0.5, 0.5)))
     return model
 
@@ -774,6 +776,19 @@ def test_glm4_norms_around_each_sublayer_decode_as_stock_does(batch, kernels_on_
     assert kernels_on_cpu["rope"] == 2 * 3
 
 
+def _compare_recording_ropes(model, stock, fused: bool, what, batch: int = 2) -> list:
+    """:func:`_compare` over 3 steps, returning ``what(config, rope)`` of each split-K launch that
+    carried a rotary; with ``fused`` False no split-K call takes a fusion (the GEMM, then the rest)."""
+    ropes, real = [], triton_splitk.run
+    with pytest.MonkeyPatch.context() as mp:
+        if not fused:
+            mp.setattr(dispatch, "fused_splitk", lambda *a, **kw: None)
+        mp.setattr(triton_splitk, "run", lambda cfg, *a, rope=None, **kw: (
+            rope is not None and ropes.append(what(cfg, rope))) or real(cfg, *a, rope=rope, **kw))
+        _compare(model, stock, steps=3, batch=batch)
+    return ropes
+
+
 @pytest.mark.parametrize("kind,fused", [("glm", True), ("helium", True), ("ernie4_5", True), ("glm", False),
                                         ("glm-quarter", False), ("ernie4_5", False)],
                          ids=["glm", "helium", "ernie4_5", "glm-after-the-gemm", "glm-quarter-rotary-after-the-gemm",
@@ -791,13 +806,8 @@ def test_rotaries_of_neighbouring_pairs_from_halved_cos_decode_as_stock_does(kin
         if quarter else {}
     stock = _tiny(kind, head_dim=32, pad_token_id=0, **extra)
     model = _patched(stock)
-    ropes, real = [], triton_splitk.run
-    with pytest.MonkeyPatch.context() as mp:
-        if not fused:
-            mp.setattr(dispatch, "fused_splitk", lambda *a, **kw: None)
-        mp.setattr(triton_splitk, "run", lambda cfg, *a, rope=None, **kw: (rope is not None and ropes.append(
-            (rope.pairs, rope.cos.shape[-1], cfg.block_n))) or real(cfg, *a, rope=rope, **kw))
-        _compare(model, stock, steps=3)
+    ropes = _compare_recording_ropes(model, stock, fused, lambda cfg, rope: (rope.pairs, rope.cos.shape[-1],
+                                                                            cfg.block_n))
     rot = {"glm": 16, "helium": 32, "ernie4_5": 32}[kind]
     assert ropes == ([(True, rot, min(rot, kernels_on_cpu["config"].block_n))] * 2 * 3 if fused else [])
 
@@ -890,19 +900,30 @@ def test_hunyuan_normalises_its_rotated_heads_as_stock_does(fused, batch, kernel
 
     stock = _tiny("hunyuan", head_dim=32, pad_token_id=0)
     model = _patched(stock)
-    ropes, real = [], triton_splitk.run
-    with pytest.MonkeyPatch.context() as mp:
-        if not fused:
-            mp.setattr(dispatch, "fused_splitk", lambda *a, **kw: None)
-        mp.setattr(triton_splitk, "run", lambda cfg, *a, rope=None, **kw: (rope is not None and ropes.append(
-            (rope.q_norm is not None, rope.qk_after_rotary, cfg.block_n))) or real(cfg, *a, rope=rope, **kw))
-        _compare(model, stock, steps=3, batch=batch)
+    ropes = _compare_recording_ropes(model, stock, fused, lambda cfg, rope: (rope.q_norm is not None,
+                                                                            rope.qk_after_rotary, cfg.block_n), batch)
     assert ropes == ([(True, True, 32)] * 2 * 3 if fused else [])
     ids = torch.randint(0, VOCAB, (batch, 3), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         got, want = (m(ids, past_key_values=DynamicCache(config=m.config), use_cache=True).logits
                      for m in (model, stock))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_hook_on_a_rotated_head_norm_runs_the_layers_own_forward(kernels_on_cpu):
+    """A forward hook on Hunyuan's key_layernorm (a module the static-cache step computes in the
+    Q/K/V epilogue, not calls): that layer runs its own forward, so the hook sees every call and
+    changes what it returns (here, doubles it); the other layer keeps the step. Decode as the hooked
+    stock model's."""
+    stock = _tiny("hunyuan", head_dim=32, pad_token_id=0)
+    model = _patched(stock)
+    seen = []
+    for m in (stock, model):
+        m.model.layers[1].self_attn.key_layernorm.register_forward_hook(
+            lambda mod, args, out: seen.append(out.shape) or out * 2)
+    _compare(model, stock, steps=3)
+    assert len(seen) == 2 * (1 + 3)  # stock's and the patched model's: the prompt, then each step
+    assert kernels_on_cpu["rope"] == 3  # the first layer's steps only
 
 
 # Ministral 3's query scale per position, 1 + beta * log(1 + floor(position / original)): with an
