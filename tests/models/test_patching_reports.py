@@ -188,6 +188,21 @@ def test_per_head_qk_norms_of_a_2d_weight_are_reported_as_norms():
     assert "use_qk_norm" in reasons[L] and report.fused_layers == [L]
 
 
+def test_rotated_head_norms_of_another_kind_keep_hunyuans_attention_on_the_module_and_say_why():
+    """Hunyuan's key_layernorm swapped for a LayerNorm (not an RMSNorm the epilogue computes): the
+    layer stays fused, its attention on the module's computation, and the report names the norm by
+    its Hunyuan name."""
+    name, extra = CONFIGS["hunyuan"]
+    config = getattr(transformers, name)(**{**COMMON, **extra})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        model.model.layers[0].self_attn.key_layernorm = nn.LayerNorm(16)
+    report = _patch(model)
+    reasons = dict(report.skipped)
+    assert "its key_layernorm is not an RMSNorm over head_dim" in reasons[L] and report.fused_layers == [L]
+    assert report.fused_attention == []
+
+
 def test_every_layer_is_reported_and_later_layers_alike():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=3, n_head=4,
                                                                 n_positions=32)).eval()
