@@ -240,9 +240,16 @@ def projection_base(mod: nn.Module | None) -> nn.Module | None:
     return adapter_base(mod) if adapter_terms.is_lora_linear(mod) else mod
 
 
+# The attention's per-head q/k norm modules by the names the forms give them (Qwen3's and OLMo 2's,
+# Hunyuan's of the rotated heads): the step reads their weights in the Q/K/V epilogue
+_QK_NORM_NAMES = ("q_norm", "k_norm", *ROTATED_QK_NORM_NAMES)
+
+
 def _fused_parts(layer: nn.Module) -> list[nn.Module]:
     attn, mlp = layer.self_attn, layer.mlp
     parts = [*layer_norms(layer)[:1], attn._modules[QKV_NAME], projection_base(attn.o_proj)]
+    # (a q/k norm of another dtype, or one that trains, would not be computed as its module computes it)
+    parts += [m for m in map(attn._modules.get, _QK_NORM_NAMES) if hasattr(m, "weight")]
     if moe_block(mlp):  # the norm and the router run as modules, the experts in moe_block.block_step
         return [p for p in parts if p is not None]
     parts += [*layer_norms(layer)[1:], mlp._modules[FUSED_GATE_UP], projection_base(mlp.down_proj)]
@@ -321,7 +328,7 @@ def _skipped_modules(layer: nn.Module) -> list[nn.Module | None]:
     wrapped = [m for s in slots if adapter_terms.is_lora_linear(s)
                for m in (adapter_base(s), *s.lora_A.values(), *s.lora_B.values(), *s.lora_dropout.values())]
     attention = [layer._modules.get("input_layernorm"), attn, *slots, *wrapped,
-                 *(attn._modules.get(n) for n in ("q_norm", "k_norm", *ROTATED_QK_NORM_NAMES)),
+                 *map(attn._modules.get, _QK_NORM_NAMES),
                  attn._modules.get(QKV_NAME),
                  *(layer._modules.get(n) for n in (*RESIDUAL_DROPOUTS, MLP_DROPOUT))]
     if moe_block(mlp):  # the norm and the router are called as modules; moe_block.block_step checks the block's

@@ -926,6 +926,30 @@ def test_a_hook_on_a_rotated_head_norm_runs_the_layers_own_forward(kernels_on_cp
     assert kernels_on_cpu["rope"] == 3  # the first layer's steps only
 
 
+@pytest.mark.parametrize("kind,norm", [("qwen3", "k_norm"), ("hunyuan", "key_layernorm")])
+def test_a_trainable_qk_norm_keeps_its_layers_own_forward(kind, norm, kernels_on_cpu):
+    """Every weight frozen but the second layer's k norm (the step reads its weight in the Q/K/V
+    epilogue), gradients enabled: the first layer takes the step, the second runs its own forward,
+    so the logits keep their graph back to that norm and its gradient is stock's."""
+    stock = _tiny(kind, head_dim=32, pad_token_id=0)
+    model = _patched(stock)
+    for m in (stock, model):
+        for p in m.parameters():
+            p.requires_grad_(False)
+        getattr(m.model.layers[1].self_attn, norm).weight.requires_grad_(True)
+    got, fed, _ = greedy_static_decode(model, 2, VOCAB, None, 1)
+    want, _, _ = greedy_static_decode(stock, 2, VOCAB, fed, 1)
+    assert kernels_on_cpu["rope"] == 2  # the first layer's steps only
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    grads = []
+    for m, logits in ((model, got), (stock, want)):
+        logits[-1].sum().backward()
+        grads.append(getattr(m.model.layers[1].self_attn, norm).weight.grad)
+    assert grads[0] is not None and grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-4)
+
+
 # Ministral 3's query scale per position, 1 + beta * log(1 + floor(position / original)): with an
 # original length of 2 every position from 2 on gets a factor above 1 (its release: 16384)
 _LLAMA4_SCALED_ROPE = {"rope_type": "default", "rope_theta": 1e4, "llama_4_scaling_beta": 0.1,
