@@ -55,6 +55,7 @@ from .checked_forms import (
     _ROTARY_STATEMENTS,
     _ROTATE_HALF_STATEMENTS,
     _ROTATED_QK_NORMS,
+    _SLIDING_ROTARY,
     _SOFTCAP_CALL,
     _SOFTCAP_EAGER_BODY,
     _SPLIT_PARTIAL_ROTARY_BODY,
@@ -138,7 +139,9 @@ class AttentionForm:
     eager: Callable
     functions: object  # the forward's ALL_ATTENTION_FUNCTIONS
     update: str  # "kwargs", "cache_kwargs" or "none"
-    window_from: str | None  # "module" (attn.sliding_window), "config" (attn.config.sliding_window), None
+    # "module" (attn.sliding_window), "config" (attn.config.sliding_window), "flagged" (attn.sliding_window
+    # where attn.is_sliding, else none: EXAONE 4's), None
+    window_from: str | None
     softcap: bool = False  # the call passes softcap=attn.attn_logit_softcapping (Gemma 2)
     full_qk_norm: bool = False  # q_norm/k_norm over all q (k) columns, before the head views (OLMo 2)
     # then Q, K and V clamped where config.clip_qkv is set (OLMoE): the step takes such a layer
@@ -178,8 +181,10 @@ class AttentionForm:
     # legacy_falcon's, its eager one computed by the step too (decode_checks.kv_slot), KV groups
     # from its head counts, and the new architecture's K and V cached copied to every query head
     split_heads_falcon: bool = False
-    # the rotary runs where the instance's use_rope is true (SmolLM3's NoPE layers: none; rotates())
-    flagged_rotary: bool = False
+    # where the rotary runs (rotates()): always (None), where the instance's use_rope is true ("use_rope":
+    # SmolLM3's NoPE layers have none), where it has no window or its layer slides ("sliding": EXAONE 4's
+    # global layers have none, their q/k norms still run)
+    rotary_when: str | None = None
     # after the rotary, q times a factor per position, its module's get_llama_4_attn_scale of the
     # call's position_ids and two rope_parameters (Ministral 3's; position_scale())
     position_scale: Callable | None = None
@@ -213,7 +218,15 @@ class AttentionForm:
             return attn.sliding_window
         if self.window_from == "config":
             return getattr(attn.config, "sliding_window", None)
+        if self.window_from == "flagged":
+            return attn.sliding_window if attn.is_sliding else None
         return NO_WINDOW
+
+    def slides(self, attn: nn.Module) -> bool:
+        """Is ``attn``'s a sliding-window layer (its cache layer one of a window)? Its ``sliding_window``
+        is set, and for the "flagged" form its ``is_sliding`` too."""
+        window = getattr(attn, "sliding_window", None)
+        return window is not None and (self.window_from != "flagged" or bool(getattr(attn, "is_sliding", False)))
 
 
 _FORMS: dict[type, AttentionForm | str] = {}
@@ -241,9 +254,13 @@ def _read_form(cls: type) -> AttentionForm | str:
         return AttentionForm(False, True, rotary, legacy_falcon.eager_attention, legacy_falcon.FUNCTIONS, "none",
                              None, layout_from_config=True, qkv_name=PER_HEAD_QKV_NAME,
                              scaling_name="inv_norm_factor", split_heads_falcon=True)
-    flagged_rotary = statements is not None and len(statements) > 5 and statements[5] == _FLAGGED_ROTARY
-    if flagged_rotary:  # the rotary's two statements, run where use_rope says (rotates())
+    rotary_when = None
+    if statements is not None and len(statements) > 5 and statements[5] == _FLAGGED_ROTARY:
+        rotary_when = "use_rope"  # the rotary's two statements, run where use_rope says (rotates())
         statements = [*statements[:5], *_ATTENTION_BODY[5:7], *statements[6:]]
+    elif statements is not None and _SLIDING_ROTARY in statements:
+        rotary_when = "sliding"  # the rotary's statement, run where the layer slides or has no window
+        statements = [_ATTENTION_BODY[6] if st == _SLIDING_ROTARY else st for st in statements]
     position_scale = None
     if statements is not None and len(statements) > 7 and statements[7] == _POSITION_Q_SCALE:
         position_scale = getattr(inspect.unwrap(forward), "__globals__", {}).get("get_llama_4_attn_scale")
@@ -266,17 +283,14 @@ def _read_form(cls: type) -> AttentionForm | str:
         statements = [*statements[:2], _NORMED_Q, _NORMED_K, *statements[4:5], *statements[7:]]
     if not statements_match(statements, _ATTENTION_BODY):
         return f"{cls.__name__}.forward is not an attention this step computes"
-    if flagged_rotary and statements[2] == _NORMED_Q:  # the rotary epilogue's q/k norms always rotate after
-        return f"{cls.__name__}.forward's q/k norms with a rotary its use_rope may turn off are not a form this " \
-               "step computes"
-    if rotated_norms and (flagged_rotary or position_scale is not None):
+    if rotated_norms and (rotary_when or position_scale is not None):
         return f"{cls.__name__}.forward's q/k norms after a rotary it may skip or a query scale are not a form this " \
                "step computes"
     names = dict(qk_norm_names=ROTATED_QK_NORM_NAMES, qk_after_rotary=True) if rotated_norms else {}
     return _functions_form(cls, UPDATE_FORMS[statements[7]], WINDOW_FORMS[statements[9]],
                            statements[9] == _SOFTCAP_CALL, qk_norm=statements[2] == _NORMED_Q or rotated_norms,
                            prefused=prefused, full_qk_norm=full_qk_norm, clip_qkv=clip_qkv,
-                           flagged_rotary=flagged_rotary, position_scale=position_scale, **names)
+                           rotary_when=rotary_when, position_scale=position_scale, **names)
 
 
 def _pairs_neighbours(cls: type) -> bool:
@@ -392,7 +406,7 @@ def why_not_fuse_attention(attn: nn.Module) -> str | None:
     head_dim_name = attention_form(cls).head_dim_name
     if not all(isinstance(getattr(attn, a, None), int) for a in (head_dim_name, "layer_idx")):
         return f"it has no integer {head_dim_name} and layer_idx"
-    if getattr(attn, "sliding_window", None) is not None and window_cache.device_length_class() is None:
+    if attention_form(cls).slides(attn) and window_cache.device_length_class() is None:
         return "it is a sliding-window layer, whose cache layer in this transformers version is not the one checked " \
                "(the module's attention function runs over the fused Q/K/V)"
     return why_not_load_kernels()
@@ -420,8 +434,13 @@ def qk_norms(attn: nn.Module, form: AttentionForm) -> tuple[nn.Module, nn.Module
 
 
 def rotates(attn: nn.Module, form: AttentionForm) -> bool:
-    """Does ``attn``'s forward rotate q and k (not a layer whose ``use_rope`` is off: SmolLM3's NoPE layers)?"""
-    return not form.flagged_rotary or bool(attn.use_rope)
+    """Does ``attn``'s forward rotate q and k (not a layer whose ``use_rope`` is off: SmolLM3's NoPE
+    layers; nor one with a window that does not slide: EXAONE 4's global layers)?"""
+    if form.rotary_when == "use_rope":
+        return bool(attn.use_rope)
+    if form.rotary_when == "sliding":
+        return attn.sliding_window is None or bool(attn.is_sliding)
+    return True
 
 
 def position_scale(attn: nn.Module, form: AttentionForm, kwargs: dict) -> Tensor | None:

@@ -163,6 +163,8 @@ WINDOW_FORMS = {
     _INTERFACE_CALL + "sliding_window=getattr(self.config,'sliding_window',None),position_ids=position_ids,**kwargs)":
         "config",
     _SOFTCAP_CALL: "module",
+    # EXAONE 4's: the module's window where its layer slides (is_sliding), else none
+    _INTERFACE_CALL + "sliding_window=self.sliding_windowifself.is_slidingelseNone,**kwargs)": "flagged",
 }
 _ATTENTION_BODY = (
     "input_shape=hidden_states.shape[:-1]",
@@ -372,6 +374,9 @@ _POSITION_SCALE_BODY = ("scaling=1+beta*torch.log(1+torch.floor(positions_ids/ma
 # SmolLM3's rotary: run where the instance's use_rope says so (its NoPE layers: none), else
 # _ATTENTION_BODY's two statements
 _FLAGGED_ROTARY = "ifself.use_rope:" + "".join(_ATTENTION_BODY[5:7])
+# EXAONE 4's rotary: run where the attention has no window or the layer slides (its global layers:
+# none), after _ATTENTION_BODY's cos/sin statement
+_SLIDING_ROTARY = "ifself.sliding_windowisNoneorself.is_sliding:" + _ATTENTION_BODY[6]
 _ROTARY_STATEMENTS = ("q_embed=(q*cos)+(rotate_half(q)*sin)", "k_embed=(k*cos)+(rotate_half(k)*sin)")
 # Phi-3's rotary, statement by statement: the first cos.shape[-1] columns of each head rotated,
 # the rest passed through (AttentionForm.rotary_by_cos: kv_slot takes cos of any even width up to

@@ -187,7 +187,7 @@ def kv_slot(attn: nn.Module, x: Tensor, kwargs: dict):
     # a sliding-window layer only over a window that never fills (fusion/models/window_cache.py),
     # which computes what StaticLayer computes: its mask holds the window
     kind = type(layer)
-    if not (kind is _Transformers.static_layer_cls and getattr(attn, "sliding_window", None) is None
+    if not (kind is _Transformers.static_layer_cls and not form.slides(attn)
             or window_cache.is_device_length(kind)) or not layer.is_initialized \
             or getattr(cache, "offloading", False) or type(cache).update is not _Transformers.cache_cls.update:
         return None

@@ -117,6 +117,10 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, 
     adapters = any(adapter_terms.adds_terms(m) for m in slots)
     rotate = forms.rotates(attn, form)
     cos, sin = forms.kernel_cos_sin(form, cos, sin)  # (GLM's, Helium's, Ernie's interleaved)
+    if qk and not rotate:
+        # q/k norms without a rotary (EXAONE 4's global layers): the epilogue's whole-head tiles
+        # normalise, then rotate by cos 1, sin 0, which leaves every value as it is in fp32
+        cos, sin, rotate = torch.ones_like(cos), torch.zeros_like(sin), True
     if form.full_qk_norm and not adapters and isinstance(attn.q_norm, Fp32FactorRMSNorm) \
             and isinstance(attn.k_norm, Fp32FactorRMSNorm):
         # q/k norms over all heads, which a tile of one head cannot compute: the GEMM, then the
@@ -139,7 +143,7 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, 
         q = rope_qkv(normed(x, *_norm_args(norm)), qkv.weight, qkv.bias, cos, sin, keys, values, base, heads, kv_heads,
                      forms.qkv_group(attn, form), form.pair_rotary, counters, weight_scale_of(qkv))
     else:
-        y = norm_rope_qkv(x, *norm_operand(norm), qkv.weight, qkv.bias, cos, sin, keys, values,
+        y = norm_rope_qkv(x, *_norm_args(norm), qkv.weight, qkv.bias, cos, sin, keys, values,
                           base, heads, kv_heads, counters, weight_scale_of(qkv), **qk, rotate=rotate,
                           pairs=form.pair_rotary, qk_after_rotary=form.qk_after_rotary)
         q = y[..., : heads * hd]

@@ -271,7 +271,7 @@ def _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, 
                       scale=None, q_norm=None, k_norm=None, qk_eps=0.0, qk_offset=None, rotate=True,
                       pairs=False, qk_after_rotary=False) -> Tensor:
     """The stock computation: norm, GEMM, then :func:`rotate_store`."""
-    y = _linear(prologue_norm(x, norm_weight, eps, norm_offset), weight, bias, scale)
+    y = _linear(normed(x, norm_weight, eps, norm_offset), weight, bias, scale)
     return rotate_store(y, cos, sin, keys, values, base, heads, kv_heads, q_norm, k_norm, qk_eps, qk_offset=qk_offset,
                         pairs=pairs, rotate=rotate, qk_after_rotary=qk_after_rotary)
 
@@ -308,7 +308,7 @@ def _rope_qkv(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, va
     rc = checks.rotary_cache(cos, sin, heads, kv_heads, keys, values, base, q_norm, k_norm, float(qk_eps), qk_offset,
                              pairs=pairs, rotate=rotate, qk_after_rotary=qk_after_rotary)
     y = dispatch.fused_splitk(x, weight, bias, counters, scale, keep_prologue,
-                              norm=(norm_weight, float(eps), norm_offset), rope=rc)
+                              **_norm_fusion(norm_weight, eps, norm_offset), rope=rc)
     if y is None:
         return _rope_qkv_unfused(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, values, base, heads,
                                  kv_heads, scale, q_norm, k_norm, qk_eps, qk_offset, rotate, pairs, qk_after_rotary)
@@ -316,7 +316,7 @@ def _rope_qkv(x, norm_weight, eps, norm_offset, weight, bias, cos, sin, keys, va
 
 
 @torch.library.custom_op("hybridgemm::norm_rope_qkv_fwd", mutates_args=("keys", "values"))
-def norm_rope_qkv_fwd(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: float | None, weight: Tensor,
+def norm_rope_qkv_fwd(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
                       bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor,
                       heads: int, kv_heads: int, counters: Tensor | None = None, scale: Tensor | None = None,
                       q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0,
@@ -338,22 +338,22 @@ def _norm_rope_qkv_fake(x, norm_weight, eps, norm_offset, weight, bias, cos, sin
 _rope_qkv_eager = functools.partial(_rope_qkv, keep_prologue=True)  # (as _norm_linear_eager)
 
 
-def norm_rope_qkv(x: Tensor, norm_weight: Tensor, eps: float, norm_offset: float | None, weight: Tensor,
+def norm_rope_qkv(x: Tensor, norm_weight: Tensor | None, eps: float, norm_offset: float | None, weight: Tensor,
                   bias: Tensor | None, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, base: Tensor, heads: int,
                   kv_heads: int, counters: Tensor | None = None, scale: Tensor | None = None,
                   q_norm: Tensor | None = None, k_norm: Tensor | None = None, qk_eps: float = 0.0,
                   qk_offset: float | None = None, rotate: bool = True, pairs: bool = False,
                   qk_after_rotary: bool = False) -> Tensor:
     """Q/K/V of ``rmsnorm(x)`` (x [B, S, D]; the norm of operand ``(norm_weight, eps,
-    norm_offset)``, norm.norm_operand) with q and k normalised per head (``q_norm`` and
-    ``k_norm``: their norms' operands [hd], eps ``qk_eps``, offset ``qk_offset``; none without
-    them; ``qk_after_rotary``: the rotated heads normalised) and rotated (not without ``rotate``: a
-    layer without positional embedding; ``pairs``: neighbouring columns paired, cos/sin holding each
-    frequency twice, in fp32), k
-    and v written into ``keys``/``values`` [B, kv_heads, L, hd] at positions ``base + s``;
-    returns [B, S, N]. One split-K launch where the table runs split-K with a config that fits
-    (tiles within a head, of one whole head with q/k norms; no two-launch reduction), the stock
-    sequence of operations otherwise."""
+    norm_offset)``, norm.norm_operand; of x itself without ``norm_weight``) with q and k
+    normalised per head (``q_norm`` and ``k_norm``: their norms' operands [hd], eps ``qk_eps``,
+    offset ``qk_offset``; none without them; ``qk_after_rotary``: the rotated heads normalised) and
+    rotated (not without ``rotate``: a layer without positional embedding; ``pairs``: neighbouring
+    columns paired, cos/sin holding each frequency twice, in fp32), k and v written into
+    ``keys``/``values`` [B, kv_heads, L, hd] at positions ``base + s``; returns [B, S, N]. One
+    split-K launch where the table runs split-K with a config that fits (tiles within a head, of
+    one whole head with q/k norms; no two-launch reduction), the stock sequence of operations
+    otherwise."""
     return _compiled(torch.ops.hybridgemm.norm_rope_qkv_fwd, _rope_qkv_eager, x, norm_weight, float(eps),
                      norm_offset, weight, bias, cos, sin, keys, values, base, heads, kv_heads, counters, scale, q_norm,
                      k_norm, float(qk_eps), None if qk_offset is None else float(qk_offset), bool(rotate), bool(pairs),

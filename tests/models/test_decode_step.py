@@ -422,11 +422,12 @@ def _tiny(kind: str, layers: int = 2, attention: str = "sdpa", **extra):
               "ministral3": transformers.Ministral3Config, "glm": transformers.GlmConfig,
               "helium": transformers.HeliumConfig, "glm4": transformers.Glm4Config,
               "ernie4_5": transformers.Ernie4_5Config, "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
-              "hunyuan": transformers.HunYuanDenseV1Config, "hunyuan_moe": transformers.HunYuanMoEV1Config}[kind](**kw)
+              "hunyuan": transformers.HunYuanDenseV1Config, "hunyuan_moe": transformers.HunYuanMoEV1Config,
+              "exaone4": transformers.Exaone4Config}[kind](**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     # norms start as the identity: others, so that they show (weights U(0.5, 1.5); biases and Gemma's w U(-0.5, 0.5))
-    drawn = ("olmo2", "olmo3", "stablelm", "cohere", "glm4", "hunyuan", "hunyuan_moe")
+    drawn = ("olmo2", "olmo3", "stablelm", "cohere", "glm4", "hunyuan", "hunyuan_moe", "exaone4")
     if kind in ("gemma", "gemma2", "gemma3", *drawn):
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -753,6 +754,27 @@ def test_sliding_window_families_decode_as_stock_does(kind, layer_types, kernels
     assert kernels_on_cpu["counters"] == (1 + 3) * 2 * 3
     # the full layer's rotary in its Q/K/V epilogue at each step (OLMo 3: after its q/k norms, apart)
     assert kernels_on_cpu["rope"] == (0 if kind == "olmo3" else 3)
+
+
+@pytest.mark.parametrize("window,layer_types,ropes", [
+    # the window never filled (3 + 3 of 64 positions): both layers on the static-cache step
+    (64, ["sliding_attention", "full_attention", "sliding_attention"], 3 * 3),
+    # a window of 4 the decode fills: the sliding layers run the module's attention over the fused Q/K/V
+    (4, ["sliding_attention", "full_attention", "sliding_attention"], 3),
+    # no window: every layer full, every layer rotated
+    (None, ["full_attention"] * 3, 3 * 3)], ids=["window-64", "window-4", "no-window"])
+def test_exaone4_rotates_only_its_sliding_layers_as_stock_does(window, layer_types, ropes, kernels_on_cpu):
+    """EXAONE 4: OLMo 2's post-norm layer, q/k norms on the head views (Qwen3's), and a rotary only
+    where the layer slides or the model has no window (its global layers none: their q/k norms in
+    the Q/K/V epilogue with a rotation by cos 1, sin 0), each sliding layer's window passed where
+    it slides. Every layer fused and on the static-cache step where its cache allows; logits and
+    caches as stock's."""
+    stock = _tiny("exaone4", layers=3, head_dim=32, sliding_window=window, layer_types=layer_types)
+    model = _patched(stock)
+    assert all(checks.post_norms(layer) for layer in model.model.layers)
+    _compare(model, stock, steps=3)
+    assert kernels_on_cpu["rope"] == ropes  # the Q/K/V epilogues of the static-cache step, each new token
+    assert kernels_on_cpu["counters"] == (1 + 3) * 3 * 3  # Q/K/V, O and down of each layer, each call
 
 
 @pytest.mark.parametrize("batch", [1, 2])

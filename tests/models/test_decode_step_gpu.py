@@ -84,7 +84,7 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
                         "phi3_partial", "gemma2", "gemma2-wide", "gemma3", "gemma3-wide", "olmo2", "stablelm",
                         "stablelm_parallel", "cohere", "gpt_neox", "falcon", "falcon_new", "olmoe", "glm4_moe", "olmo3",
                         "ministral-wide", "smollm3", "ministral3", "glm", "helium", "glm4", "ernie4_5",
-                        "ernie4_5_moe", "hunyuan", "hunyuan_moe"])
+                        "ernie4_5_moe", "hunyuan", "hunyuan_moe", "exaone4", "exaone4-wide"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
@@ -120,7 +120,10 @@ def models(monkeypatch, request):
     each sublayer: the post-norm step); ernie4_5 (the same pairs over whole heads from its fp32 cos/sin, read as
     fp32 by the QKV epilogue) and ernie4_5_moe (a dense first layer, then routed experts with a shared expert, the
     block called after the post-attention norm); hunyuan (Llama's layer, the q/k norms of the rotated heads in the
-    QKV epilogue after its rotary) and hunyuan_moe (the same attention, routed experts with a shared expert)."""
+    QKV epilogue after its rotary) and hunyuan_moe (the same attention, routed experts with a shared expert);
+    exaone4 (OLMo 2's layer, per-head q/k norms in the QKV epilogue, a sliding layer whose window of 4 fills
+    beside a full one without rotary) and exaone4-wide (a window of 64 the cache never fills: both layers take the
+    static-cache step)."""
     kind, _, wide = request.param.partition("-")
     if kind.startswith("falcon"):
         from transformers.models.falcon.modeling_falcon import FalconAttention
@@ -142,7 +145,8 @@ def models(monkeypatch, request):
             pytest.skip(f"transformers {transformers.__version__}: {why}")
     ref, stock, patched = llama_variants(512, 1024, VOCAB, kind=kind, window=64 if wide else None,
                                          attention="eager" if request.param == "gemma2-wide" else None)
-    calls = {"rope": 0, "store": 0, "static": request.param not in ("gemma2", "gemma3", "olmo2", "olmoe", "olmo3"),
+    module_path = ("gemma2", "gemma3", "olmo2", "olmoe", "olmo3", "exaone4")  # (a layer off the static-cache step)
+    calls = {"rope": 0, "store": 0, "static": request.param not in module_path,
              "wide": bool(wide), "stock_router": kind in ("ernie4_5_moe", "hunyuan_moe")}
     real = triton_splitk.run
 

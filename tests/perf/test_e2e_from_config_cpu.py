@@ -47,6 +47,24 @@ def test_the_ernie_moe_config_loads_and_every_layer_is_fused():
     assert [name for name, _ in report.skipped] == ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
 
 
+def test_the_exaone4_shape_config_loads_and_every_layer_is_fused():
+    """EXAONE 4's layer form at Llama-3-8B's sizes, its window pattern of 4 (three sliding layers,
+    then a global one without rotary), built on the meta device with 4 layers: every layer fused,
+    attention and all, nothing left unfused."""
+    import torch
+
+    import hybridgemm
+
+    config = _script().load_config(str(ROOT / "perf" / "configs" / "exaone4-8b-shape.json"), 4)
+    assert type(config).__name__ == "Exaone4Config" and config.num_hidden_layers == 4
+    assert config.layer_types[:4] == ["sliding_attention"] * 3 + ["full_attention"] and config.sliding_window == 4096
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    report = hybridgemm.patch(model)
+    layers = [f"model.layers.{i}" for i in range(4)]
+    assert report.fused_layers == layers and report.fused_attention == layers and report.skipped == []
+
+
 @pytest.mark.parametrize("text", ["[1, 2]", '{"hidden_size": 8}', '{"model_type": "no-such-model"}'])
 def test_files_that_are_no_config_are_refused(tmp_path, text, capsys, monkeypatch):
     path = tmp_path / "config.json"
