@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES as _PLAIN
@@ -150,13 +151,25 @@ def gated_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, activati
     return _halves(x, weight, bias, fn)
 
 
+# Instance attribute of a patched gated MLP whose stock forward ends in a dropout of its
+# ``residual_dropout`` (Seed-OSS's; patch sets it): its forward applies that dropout too
+OUTPUT_DROPOUT = "_hybridgemm_output_dropout"
+
+
 class HybridGatedMLP(nn.Module):
     """Stands in for a gated MLP module (its class is swapped in place; every attribute stays):
-    one GEMM for gate and up, the gated product, then ``down_proj``."""
+    one GEMM for gate and up, the gated product, then ``down_proj`` (then, where patch set
+    :data:`OUTPUT_DROPOUT`, the module's dropout of ``residual_dropout``, as its forward had it)."""
 
     glu_activation = "silu"
 
     def forward(self, x: Tensor) -> Tensor:
+        y = self._gated_down(x)
+        if self.training and OUTPUT_DROPOUT in self.__dict__:
+            y = F.dropout(y, p=self.residual_dropout, training=True)
+        return y
+
+    def _gated_down(self, x: Tensor) -> Tensor:
         fused = self._modules[FUSED_GATE_UP]
         gate, up = (self._modules[n] for n in GATED_NAMES)
         if not (type(gate) is type(up) is FusedSlice):

@@ -41,6 +41,7 @@ from .checked_forms import (
     _NO_GQA_EAGER_BODY,
     _NORMED_K,
     _NORMED_Q,
+    _OUTPUT_DROPOUT,
     _PAIR_ROTARY_ATTENTION_BODY,
     _PAIR_ROTARY_STATEMENTS,
     _PAIR_ROTATE_HALF_STATEMENTS,
@@ -192,6 +193,9 @@ class AttentionForm:
     # (Hunyuan's query_layernorm/key_layernorm after its rotary) or the heads before it (Qwen3's)
     qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
     qk_after_rotary: bool = False
+    # the output through a dropout of the instance's residual_dropout before the return (Seed-OSS's):
+    # a layer whose dropout drops runs its own forward (decode_checks.drops_outputs)
+    output_dropout: bool = False
 
     def head_dim(self, attn: nn.Module) -> int:
         return getattr(attn, self.head_dim_name)
@@ -254,6 +258,9 @@ def _read_form(cls: type) -> AttentionForm | str:
         return AttentionForm(False, True, rotary, legacy_falcon.eager_attention, legacy_falcon.FUNCTIONS, "none",
                              None, layout_from_config=True, qkv_name=PER_HEAD_QKV_NAME,
                              scaling_name="inv_norm_factor", split_heads_falcon=True)
+    output_dropout = statements is not None and len(statements) > 2 and statements[-2] == _OUTPUT_DROPOUT
+    if output_dropout:  # (the identity wherever the step runs: decode_checks.drops_outputs)
+        statements = [*statements[:-2], statements[-1]]
     rotary_when = None
     if statements is not None and len(statements) > 5 and statements[5] == _FLAGGED_ROTARY:
         rotary_when = "use_rope"  # the rotary's two statements, run where use_rope says (rotates())
@@ -290,7 +297,8 @@ def _read_form(cls: type) -> AttentionForm | str:
     return _functions_form(cls, UPDATE_FORMS[statements[7]], WINDOW_FORMS[statements[9]],
                            statements[9] == _SOFTCAP_CALL, qk_norm=statements[2] == _NORMED_Q or rotated_norms,
                            prefused=prefused, full_qk_norm=full_qk_norm, clip_qkv=clip_qkv,
-                           rotary_when=rotary_when, position_scale=position_scale, **names)
+                           rotary_when=rotary_when, position_scale=position_scale,
+                           output_dropout=output_dropout, **names)
 
 
 def _pairs_neighbours(cls: type) -> bool:

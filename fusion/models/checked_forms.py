@@ -374,6 +374,9 @@ _POSITION_SCALE_BODY = ("scaling=1+beta*torch.log(1+torch.floor(positions_ids/ma
 # SmolLM3's rotary: run where the instance's use_rope says so (its NoPE layers: none), else
 # _ATTENTION_BODY's two statements
 _FLAGGED_ROTARY = "ifself.use_rope:" + "".join(_ATTENTION_BODY[5:7])
+# Seed-OSS's attention output through a dropout of its residual_dropout (the identity in eval), before
+# _ATTENTION_BODY's return (AttentionForm.output_dropout)
+_OUTPUT_DROPOUT = "attn_output=nn.functional.dropout(attn_output,p=self.residual_dropout,training=self.training)"
 # EXAONE 4's rotary: run where the attention has no window or the layer slides (its global layers:
 # none), after _ATTENTION_BODY's cos/sin statement
 _SLIDING_ROTARY = "ifself.sliding_windowisNoneorself.is_sliding:" + _ATTENTION_BODY[6]

@@ -50,7 +50,7 @@ from hybridgemm.kernels.checks import PLAIN_TENSOR_TYPES as _PLAIN
 from hybridgemm.kernels.fp8 import E4M3
 from hybridgemm.kernels.lazy import triton_module
 from hybridgemm.linear_layer import HybridLinear, PartialSumLinear
-from hybridgemm.mlp import FUSED_GATE_UP, HybridGatedMLP, HybridPrefusedGatedMLP
+from hybridgemm.mlp import FUSED_GATE_UP, OUTPUT_DROPOUT, HybridGatedMLP, HybridPrefusedGatedMLP
 from hybridgemm.mode_state import DEFAULT, get_mode
 from hybridgemm.norm import PATCHED_NORMS
 
@@ -356,7 +356,7 @@ def takes_prefill_step(layer: nn.Module, x) -> bool:
 
 def _layer_allows(layer: nn.Module, x, rows: int | None, adapters_allowed: bool = True) -> bool:
     # what both steps ask of the call and the layer's modules (rows: as operands_allow takes it)
-    if not operands_allow(layer, x, (*RESIDUAL_DROPOUTS, MLP_DROPOUT), rows):
+    if not operands_allow(layer, x, (*RESIDUAL_DROPOUTS, MLP_DROPOUT), rows) or layer.training and drops_outputs(layer):
         return False
     parts = layer_parts(layer)
     if parts.adapters and not adapters_allowed:
@@ -471,6 +471,14 @@ def modules_allow(x, parts: list[nn.Module], skipped: list[nn.Module | None], ad
         if hooked(m):
             return False
     return True
+
+
+def drops_outputs(layer: nn.Module) -> bool:
+    """Does a dropout in the forward of ``layer``'s attention or MLP drop anything now (Seed-OSS's
+    of their outputs: AttentionForm.output_dropout, mlp.OUTPUT_DROPOUT)? The steps compute neither."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attention_form(type(attn)).output_dropout and attn.training and attn.residual_dropout > 0 \
+        or OUTPUT_DROPOUT in mlp.__dict__ and mlp.training and mlp.residual_dropout > 0
 
 
 def _dropping(mod: nn.Module | None) -> bool:

@@ -20,6 +20,12 @@ GATED_FORMS = (  # Llama's and most gated MLPs'; Qwen2's and Idefics' one statem
     ("down_proj=self.down_proj(self.act_fn(self.gate_proj({x}))*self.up_proj({x}))", "returndown_proj"),
     ("returnself.down_proj(self.act_fn(self.gate_proj({x}))*self.up_proj({x}))",),
 )
+# Seed-OSS's: the first of GATED_FORMS, its output then through a dropout of the module's
+# residual_dropout (the identity in eval); HybridGatedMLP applies it where OUTPUT_DROPOUT is set
+GATED_DROPOUT_FORMS = (
+    (GATED_FORMS[0][0], "down_proj=nn.functional.dropout(down_proj,p=self.residual_dropout,training=self.training)",
+     "returndown_proj"),
+)
 PREFUSED_GATED_FORMS = (  # Phi-3's, GLM's: gate and up one linear
     ("up_states=self.gate_up_proj({x})", "gate,up_states=up_states.chunk(2,dim=-1)",
      "up_states=up_states*self.activation_fn(gate)", "returnself.down_proj(up_states)"),
@@ -57,5 +63,5 @@ def _computes(cls: type, forms: tuple) -> bool:
         and any(statements == [s.format(x=params[1]) for s in form] for form in forms)
 
 
-__all__ = ["CONV_FORMS", "GATED_FORMS", "INTERMEDIATE_FORMS", "PREFUSED_GATED_FORMS", "TWO_LAYER_FORMS",
-           "why_not_form"]
+__all__ = ["CONV_FORMS", "GATED_DROPOUT_FORMS", "GATED_FORMS", "INTERMEDIATE_FORMS", "PREFUSED_GATED_FORMS",
+           "TWO_LAYER_FORMS", "why_not_form"]

@@ -117,6 +117,7 @@ from hybridgemm.linear_layer import HybridLinear, linear
 from hybridgemm.mlp import (
     FUSED_GATE_UP,
     GATED_NAMES,
+    OUTPUT_DROPOUT,
     HybridConvMLP,
     HybridGatedMLP,
     HybridIntermediate,
@@ -557,7 +558,9 @@ def _patch_mlp(name: str, mod: nn.Module, modules: dict, owners: dict, report: P
     if lins:
         paths = tuple(stock_slot(mod, n)[0] for n in GATED_NAMES)
         down_path, down = stock_slot(mod, "down_proj")
-        why_not = mlp_forms.why_not_form(mod, mlp_forms.GATED_FORMS, "gated MLP") or \
+        # (Seed-OSS's form: the same, then a dropout of its residual_dropout, which the swapped forward keeps)
+        output_dropout = mlp_forms.why_not_form(mod, mlp_forms.GATED_DROPOUT_FORMS, "gated MLP") is None
+        why_not = (None if output_dropout else mlp_forms.why_not_form(mod, mlp_forms.GATED_FORMS, "gated MLP")) or \
             why_not_fuse(name, mod, paths, lins, owners, FUSED_GATE_UP, "gate/up")
         if why_not is not None:  # still through hybridgemm, one GEMM each, the module's own forward
             report.skipped.append((name, f"gate/up not fused: {why_not}; swapped one by one"))
@@ -567,6 +570,8 @@ def _patch_mlp(name: str, mod: nn.Module, modules: dict, owners: dict, report: P
             swap(name, mod, HybridGatedMLP)  # before fuse: swap() leaves modules holding records alone
             fuse(mod, paths, lins, FUSED_GATE_UP)
             _set_attr(mod, "glu_activation", act)
+            if output_dropout:
+                _set_attr(mod, OUTPUT_DROPOUT, True)
             report.fused_mlp.append(name or "(root)")
         if type(down) is nn.Linear:
             swap(qual(name, down_path), down, HybridLinear)

@@ -423,7 +423,7 @@ def _tiny(kind: str, layers: int = 2, attention: str = "sdpa", **extra):
               "helium": transformers.HeliumConfig, "glm4": transformers.Glm4Config,
               "ernie4_5": transformers.Ernie4_5Config, "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
               "hunyuan": transformers.HunYuanDenseV1Config, "hunyuan_moe": transformers.HunYuanMoEV1Config,
-              "exaone4": transformers.Exaone4Config}[kind](**kw)
+              "exaone4": transformers.Exaone4Config, "seed_oss": transformers.SeedOssConfig}[kind](**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     # norms start as the identity: others, so that they show (weights U(0.5, 1.5); biases and Gemma's w U(-0.5, 0.5))
@@ -477,8 +477,11 @@ def _compare(model, stock, steps=3, batch=2):
     ("phi3", {"resid_pdrop": 0.1, "pad_token_id": 0}, MODEL_ONE_PASS),
     # a partial rotary (Phi-4-mini's form): the first half of each head rotated (16 of 32 columns)
     ("phi3", {"pad_token_id": 0, "partial_rotary_factor": 0.5}, MODEL_FUSED_REDUCE),
+    # Seed-OSS: Llama's layer, q/k/v biases, its attention's and MLP's outputs through dropouts
+    # (p > 0: the identity in eval)
+    ("seed_oss", {"residual_dropout": 0.1, "attention_bias": True, "head_dim": 32}, MODEL_ONE_PASS),
 ], ids=["llama-fused-reduce", "qwen2-one-pass", "mistral-fused-reduce", "qwen3-fused-reduce", "granite-one-pass",
-        "gemma-fused-reduce", "phi3-one-pass", "phi3-partial-rotary-fused-reduce"])
+        "gemma-fused-reduce", "phi3-one-pass", "phi3-partial-rotary-fused-reduce", "seed-oss-one-pass"])
 def test_static_cache_decode_matches_the_stock_model(kind, extra, config, kernels_on_cpu):
     kernels_on_cpu["config"] = config
     stock = _tiny(kind, **extra)
@@ -754,6 +757,36 @@ def test_sliding_window_families_decode_as_stock_does(kind, layer_types, kernels
     assert kernels_on_cpu["counters"] == (1 + 3) * 2 * 3
     # the full layer's rotary in its Q/K/V epilogue at each step (OLMo 3: after its q/k norms, apart)
     assert kernels_on_cpu["rope"] == (0 if kind == "olmo3" else 3)
+
+
+@pytest.mark.parametrize("tokens", [1, 20], ids=["decode-rows", "prefill-rows"])
+def test_seed_oss_dropouts_that_drop_keep_the_layers_own_forward(tokens, kernels_on_cpu, monkeypatch):
+    """Seed-OSS in training mode, its residual_dropout 0.5 (its attention's and MLP's outputs
+    dropped), no gradient: each layer runs its own forward, its patched MLP applying the dropout
+    as the stock one does, so the same seed drops the same elements as stock's; in eval the
+    same model takes the fused decode (1 token) or prefill (20) step."""
+    stock = _tiny("seed_oss", head_dim=32, residual_dropout=0.5, attention_bias=True)
+    model = _patched(stock)
+    steps = []
+    for name in ("takes_fused_path", "takes_prefill_step"):
+        real = getattr(checks, name)
+        monkeypatch.setattr(checks, name,
+                            lambda *a, real=real, name=name: steps.append((name, real(*a))) or steps[-1][1])
+    ids = torch.randint(0, VOCAB, (2, tokens), generator=torch.Generator().manual_seed(4))
+    outs = []
+    with torch.no_grad():
+        for m in (model.train(), stock.train()):
+            torch.manual_seed(7)
+            outs.append(m(ids).logits)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    assert steps and not any(took for _, took in steps)  # each layer's own forward
+    steps.clear()
+    with torch.no_grad():
+        got, want = model.eval()(ids).logits, stock.eval()(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(outs[1], want, atol=1e-3)  # (the dropouts dropped: training's logits differ)
+    step = "takes_fused_path" if tokens == 1 else "takes_prefill_step"
+    assert [s for s in steps if s[1]] == [(step, True)] * 2  # eval: both layers on the fused step
 
 
 @pytest.mark.parametrize("window,layer_types,ropes", [

@@ -84,7 +84,8 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
                         "phi3_partial", "gemma2", "gemma2-wide", "gemma3", "gemma3-wide", "olmo2", "stablelm",
                         "stablelm_parallel", "cohere", "gpt_neox", "falcon", "falcon_new", "olmoe", "glm4_moe", "olmo3",
                         "ministral-wide", "smollm3", "ministral3", "glm", "helium", "glm4", "ernie4_5",
-                        "ernie4_5_moe", "hunyuan", "hunyuan_moe", "exaone4", "exaone4-wide"])
+                        "ernie4_5_moe", "hunyuan", "hunyuan_moe", "exaone4", "exaone4-wide",
+                        "seed_oss"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
@@ -123,7 +124,8 @@ def models(monkeypatch, request):
     QKV epilogue after its rotary) and hunyuan_moe (the same attention, routed experts with a shared expert);
     exaone4 (OLMo 2's layer, per-head q/k norms in the QKV epilogue, a sliding layer whose window of 4 fills
     beside a full one without rotary) and exaone4-wide (a window of 64 the cache never fills: both layers take the
-    static-cache step)."""
+    static-cache step); seed_oss (Llama's layer, q/k/v biases, dropouts of its attention's and MLP's outputs:
+    the identity in eval)."""
     kind, _, wide = request.param.partition("-")
     if kind.startswith("falcon"):
         from transformers.models.falcon.modeling_falcon import FalconAttention

@@ -109,28 +109,44 @@ def test_an_mlp_whose_forward_computes_more_keeps_its_forward(mlp):
     ("falcon_h1", "FalconH1MLP", dict(hidden_size=64, intermediate_size=96, mlp_multipliers=[2.0, 0.5])),
     ("gemma3n", "Gemma3nTextMLP", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       activation_sparsity_pattern=[0.95, 0.95])),
-    ("seed_oss", "SeedOssMLP", dict(hidden_size=64, intermediate_size=96)),
 ])
 def test_transformers_gated_mlps_that_compute_more_keep_their_forward(module, cls, config):
-    """Falcon-H1's (multipliers on the gate and the output), Gemma 3n's (activation sparsity: a
-    top-k of the gate) and Seed-OSS's (a residual dropout, run in training) gated MLPs."""
+    """Falcon-H1's (multipliers on the gate and the output) and Gemma 3n's (activation sparsity: a
+    top-k of the gate) gated MLPs."""
     transformers = pytest.importorskip("transformers")
     mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-    config_cls = {"falcon_h1": "FalconH1Config", "gemma3n": "Gemma3nTextConfig", "seed_oss": "SeedOssConfig"}[module]
+    config_cls = {"falcon_h1": "FalconH1Config", "gemma3n": "Gemma3nTextConfig"}[module]
     cfg = getattr(transformers, config_cls)(**config)
     mlp = getattr(mod, cls)(cfg, layer_idx=0) if module == "gemma3n" else getattr(mod, cls)(cfg)
     stock, model, report = _patched_pair(mlp)
     assert type(model.mlp) is type(stock.mlp) and report.fused_mlp == []
     x = torch.randn(2, 3, 64)
     torch.testing.assert_close(model(x), stock(x), rtol=1e-5, atol=1e-5)
-    if module == "seed_oss":  # training: the same dropout mask with the same seed
-        stock.train(), model.train()
-        outs = []
-        for m in (stock, model):
-            torch.manual_seed(5)
-            outs.append(m(x))
-        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
-        assert (outs[0] == 0).any()  # (the dropout ran)
+
+
+def test_seed_oss_gated_mlp_is_fused_with_its_output_dropout():
+    """Seed-OSS's gated MLP ends in a dropout of its residual_dropout: fused, the swapped forward
+    applies the dropout in training (the same mask as stock's with the same seed) and not in
+    eval; unpatch restores its class and leaves no mark."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.seed_oss.modeling_seed_oss import SeedOssMLP
+
+    from hybridgemm.mlp import OUTPUT_DROPOUT
+
+    stock, model, report = _patched_pair(SeedOssMLP(transformers.SeedOssConfig(
+        hidden_size=64, intermediate_size=96, residual_dropout=0.3)))
+    assert type(model.mlp) is HybridGatedMLP and report.fused_mlp == ["mlp"] and OUTPUT_DROPOUT in model.mlp.__dict__
+    x = torch.randn(2, 3, 64)
+    torch.testing.assert_close(model(x), stock(x), rtol=1e-5, atol=1e-5)
+    stock.train(), model.train()
+    outs = []
+    for m in (stock, model):
+        torch.manual_seed(5)
+        outs.append(m(x))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    assert (outs[0] == 0).any()  # (the dropout ran)
+    hybridgemm.unpatch(model)
+    assert type(model.mlp) is SeedOssMLP and OUTPUT_DROPOUT not in model.mlp.__dict__
 
 
 def test_an_intermediate_with_a_layernorm_inside_keeps_its_forward():

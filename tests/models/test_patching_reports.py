@@ -43,6 +43,7 @@ CONFIGS = {
     "ernie4_5": ("Ernie4_5Config", {"head_dim": 16}),
     "hunyuan": ("HunYuanDenseV1Config", {"head_dim": 16}),
     "exaone4": ("Exaone4Config", {"head_dim": 16}),
+    "seed_oss": ("SeedOssConfig", {"head_dim": 16, "attention_bias": True, "residual_dropout": 0.1}),
     "hunyuan_moe": ("HunYuanMoEV1Config", {"head_dim": 16, "num_experts": 4, "moe_topk": 2}),
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                            "moe_num_shared_experts": 1, "moe_layer_start_index": 0}),
@@ -66,7 +67,7 @@ SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDe
              "GPTNeoXLayer, FalconDecoderLayer, OlmoeDecoderLayer, Glm4MoeDecoderLayer, Olmo3DecoderLayer, "
              "MinistralDecoderLayer, CwmDecoderLayer, SmolLM3DecoderLayer, Ministral3DecoderLayer, GlmDecoderLayer, "
              "HeliumDecoderLayer, Glm4DecoderLayer, Ernie4_5DecoderLayer, Ernie4_5_MoeDecoderLayer, "
-             "HunYuanDenseV1DecoderLayer, HunYuanMoEV1DecoderLayer, Exaone4DecoderLayer")
+             "HunYuanDenseV1DecoderLayer, HunYuanMoEV1DecoderLayer, Exaone4DecoderLayer, SeedOssDecoderLayer")
 
 
 def _layer(cls: str) -> str:
@@ -113,6 +114,7 @@ EXPECTED = {
     "glm4": [],  # GLM's attention and MLP, Gemma 2's post-norm layer under other names
     "ernie4_5": [],  # Llama's layer, GLM's rotary of neighbouring pairs in fp32
     "hunyuan": [],  # Llama's layer, the q/k norms of the rotated heads
+    "seed_oss": [],  # Llama's layer, q/k/v biases, dropouts of its attention's and MLP's outputs
     "exaone4": [],  # OLMo 2's layer, per-head q/k norms, a sliding layer with the rotary (its full ones have none)
     # the same attention; its experts run the grouped kernels, its router's linear as it is
     "hunyuan_moe": [("model.layers.0.mlp.gate.wg", "linear not patched: not part of an attention or MLP hybridgemm "

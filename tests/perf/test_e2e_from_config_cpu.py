@@ -65,6 +65,22 @@ def test_the_exaone4_shape_config_loads_and_every_layer_is_fused():
     assert report.fused_layers == layers and report.fused_attention == layers and report.skipped == []
 
 
+def test_the_seed_oss_shape_config_loads_and_every_layer_is_fused():
+    """Seed-OSS's layer form (q/k/v biases, dropouts of the attention's and MLP's outputs) at
+    Llama-3-8B's sizes, built on the meta device with 2 layers: every layer fused, nothing left."""
+    import torch
+
+    import hybridgemm
+
+    config = _script().load_config(str(ROOT / "perf" / "configs" / "seed-oss-8b-shape.json"), 2)
+    assert type(config).__name__ == "SeedOssConfig" and config.attention_bias and config.residual_dropout == 0.1
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    report = hybridgemm.patch(model)
+    layers = [f"model.layers.{i}" for i in range(2)]
+    assert report.fused_layers == layers and report.fused_attention == layers and report.skipped == []
+
+
 @pytest.mark.parametrize("text", ["[1, 2]", '{"hidden_size": 8}', '{"model_type": "no-such-model"}'])
 def test_files_that_are_no_config_are_refused(tmp_path, text, capsys, monkeypatch):
     path = tmp_path / "config.json"
