@@ -119,7 +119,7 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, 
     cos, sin = forms.kernel_cos_sin(form, cos, sin)  # (GLM's, Helium's, Ernie's interleaved)
     if qk and not rotate:
         # q/k norms without a rotary (EXAONE 4's global layers): the epilogue's whole-head tiles
-        # normalise, then rotate by cos 1, sin 0, which leaves every value as it is in fp32
+        # normalise, then rotate by cos 1, sin 0, which leaves every finite value as it is in fp32
         cos, sin, rotate = torch.ones_like(cos), torch.zeros_like(sin), True
     if form.full_qk_norm and not adapters and isinstance(attn.q_norm, Fp32FactorRMSNorm) \
             and isinstance(attn.k_norm, Fp32FactorRMSNorm):

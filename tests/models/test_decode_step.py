@@ -759,14 +759,18 @@ def test_sliding_window_families_decode_as_stock_does(kind, layer_types, kernels
     assert kernels_on_cpu["rope"] == (0 if kind == "olmo3" else 3)
 
 
+@pytest.mark.parametrize("training", ["model", "attention", "mlp"])
 @pytest.mark.parametrize("tokens", [1, 20], ids=["decode-rows", "prefill-rows"])
-def test_seed_oss_dropouts_that_drop_keep_the_layers_own_forward(tokens, kernels_on_cpu, monkeypatch):
-    """Seed-OSS in training mode, its residual_dropout 0.5 (its attention's and MLP's outputs
-    dropped), no gradient: each layer runs its own forward, its patched MLP applying the dropout
-    as the stock one does, so the same seed drops the same elements as stock's; in eval the
-    same model takes the fused decode (1 token) or prefill (20) step."""
+def test_seed_oss_dropouts_that_drop_keep_the_layers_own_forward(tokens, training, kernels_on_cpu, monkeypatch):
+    """Seed-OSS with its residual_dropout 0.5 in training mode (the whole model, or only each
+    layer's attention or MLP: that module's output dropped), no gradient: each layer runs its own
+    forward, its patched MLP applying the dropout as the stock one does, so the same seed drops the
+    same elements as stock's; in eval the same model takes the fused decode (1 token) or prefill
+    (20) step."""
     stock = _tiny("seed_oss", head_dim=32, residual_dropout=0.5, attention_bias=True)
     model = _patched(stock)
+    train = {"model": lambda m: m.train(), "attention": lambda m: [layer.self_attn.train() for layer in m.model.layers],
+             "mlp": lambda m: [layer.mlp.train() for layer in m.model.layers]}[training]
     steps = []
     for name in ("takes_fused_path", "takes_prefill_step"):
         real = getattr(checks, name)
@@ -775,7 +779,8 @@ def test_seed_oss_dropouts_that_drop_keep_the_layers_own_forward(tokens, kernels
     ids = torch.randint(0, VOCAB, (2, tokens), generator=torch.Generator().manual_seed(4))
     outs = []
     with torch.no_grad():
-        for m in (model.train(), stock.train()):
+        for m in (model, stock):
+            train(m)
             torch.manual_seed(7)
             outs.append(m(ids).logits)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
@@ -981,28 +986,62 @@ def test_a_hook_on_a_rotated_head_norm_runs_the_layers_own_forward(kernels_on_cp
     assert kernels_on_cpu["rope"] == 3  # the first layer's steps only
 
 
+@pytest.mark.parametrize("change", ["trains", "bf16"])
 @pytest.mark.parametrize("kind,norm", [("qwen3", "k_norm"), ("hunyuan", "key_layernorm")])
-def test_a_trainable_qk_norm_keeps_its_layers_own_forward(kind, norm, kernels_on_cpu):
+def test_a_trainable_or_other_dtype_qk_norm_keeps_its_layers_own_forward(kind, norm, change, kernels_on_cpu):
     """Every weight frozen but the second layer's k norm (the step reads its weight in the Q/K/V
-    epilogue), gradients enabled: the first layer takes the step, the second runs its own forward,
-    so the logits keep their graph back to that norm and its gradient is stock's."""
+    epilogue), gradients enabled; or that norm's weight in bf16 in the fp32 model: the first layer
+    takes the step, the second runs its own forward, so the logits are stock's and keep their graph
+    back to a trainable norm, whose gradient is stock's."""
     stock = _tiny(kind, head_dim=32, pad_token_id=0)
     model = _patched(stock)
     for m in (stock, model):
         for p in m.parameters():
             p.requires_grad_(False)
-        getattr(m.model.layers[1].self_attn, norm).weight.requires_grad_(True)
-    got, fed, _ = greedy_static_decode(model, 2, VOCAB, None, 1)
-    want, _, _ = greedy_static_decode(stock, 2, VOCAB, fed, 1)
+        k_norm = getattr(m.model.layers[1].self_attn, norm)
+        if change == "trains":
+            k_norm.weight.requires_grad_(True)
+        else:
+            k_norm.to(torch.bfloat16)
+    with torch.set_grad_enabled(change == "trains"):
+        got, fed, _ = greedy_static_decode(model, 2, VOCAB, None, 1)
+        want, _, _ = greedy_static_decode(stock, 2, VOCAB, fed, 1)
     assert kernels_on_cpu["rope"] == 2  # the first layer's steps only
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    if change != "trains":
+        return
     grads = []
     for m, logits in ((model, got), (stock, want)):
         logits[-1].sum().backward()
         grads.append(getattr(m.model.layers[1].self_attn, norm).weight.grad)
     assert grads[0] is not None and grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_whose_attention_is_wrapped_runs_its_own_forward_in_training_mode(kernels_on_cpu):
+    """A patched Llama whose first layer's attention a wrapper module replaced (a checkpointing
+    wrapper, say), in training mode without gradients: that layer runs its own forward (no error
+    from the checks reading the attention's form), the other keeps the step; logits as stock's
+    (Llama has no dropout that drops)."""
+
+    class Wrapped(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            return self.inner(*args, **kwargs)
+
+    stock = _tiny("llama")
+    model = _patched(stock)
+    for m in (stock, model):
+        m.model.layers[0].self_attn = Wrapped(m.model.layers[0].self_attn)
+        m.train()
+    ids = torch.randint(0, VOCAB, (2, 1), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-4)
+    assert kernels_on_cpu["counters"] == 3  # the second layer's Q/K/V, O and down
 
 
 # Ministral 3's query scale per position, 1 + beta * log(1 + floor(position / original)): with an
