@@ -174,7 +174,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
     per token, with a shared expert and its router's selection bias; ``"hunyuan"``: Hunyuan, q/k norms of the
     rotated heads; ``"hunyuan_moe"``: the same attention, 8 experts, 2 per token, with a shared expert;
     ``"exaone4"``: EXAONE 4, OLMo 2's layer, per-head q/k norms, a sliding layer and a full one without rotary;
-    ``"seed_oss"``: Seed-OSS, Llama's layer with q/k/v biases, dropouts of its attention's and MLP's outputs)
+    ``"seed_oss"``: Seed-OSS, Llama's layer with q/k/v biases, dropouts of its attention's and MLP's outputs;
+    ``"cohere2"``: Cohere 2, Cohere's layer, the rotary on its sliding layer only)
     of 8 heads and 2 KV heads, random weights, seed 0, three ways: fp32 (the reference), bf16 stock, and bf16
     patched by hybridgemm with both decoder layers fused. ``window``: Gemma 2/3's, OLMo 3's, Ministral's and
     EXAONE 4's sliding window (else 4; Gemma 3's two layers then sliding and full, else both sliding, its config's
@@ -202,7 +203,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
            "helium": transformers.HeliumConfig, "glm4": transformers.Glm4Config,
            "ernie4_5": transformers.Ernie4_5Config, "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
            "hunyuan": transformers.HunYuanDenseV1Config, "hunyuan_moe": transformers.HunYuanMoEV1Config,
-           "exaone4": transformers.Exaone4Config, "seed_oss": transformers.SeedOssConfig}[kind]
+           "exaone4": transformers.Exaone4Config, "seed_oss": transformers.SeedOssConfig,
+           "cohere2": transformers.Cohere2Config}[kind]
     extra = {"granite": dict(residual_multiplier=0.22, attention_multiplier=0.05, embedding_multiplier=12.0,
                              logits_scaling=8.0),
              "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4),
@@ -225,6 +227,7 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
              "ministral": dict(sliding_window=window or 4, layer_types=["sliding_attention", "full_attention"]),
              "exaone4": dict(sliding_window=window or 4, layer_types=["sliding_attention", "full_attention"]),
              "seed_oss": dict(residual_dropout=0.1, attention_bias=True),
+             "cohere2": dict(sliding_window=window or 4, layer_types=["sliding_attention", "full_attention"]),
              "smollm3": dict(no_rope_layers=[1, 0], pad_token_id=0),
              "glm": dict(pad_token_id=0), "helium": dict(pad_token_id=0), "glm4": dict(pad_token_id=0),
              "ernie4_5_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 4,
@@ -266,7 +269,8 @@ def llama_variants(hidden_size: int, intermediate_size: int, vocab_size: int, de
             for name, p in base.named_parameters():
                 if "norm" in name:
                     p.uniform_(0.5, 1.5)
-    if kind.startswith("stablelm") or kind in ("cohere", "gpt_neox") or falcon:  # LayerNorms start as the identity
+    if kind.startswith("stablelm") or kind in ("cohere", "cohere2", "gpt_neox") or falcon:
+        # LayerNorms start as the identity
         with torch.no_grad():
             for name, p in base.named_parameters():
                 if "norm" in name or (falcon and p.dim() == 1):  # (Falcon's: ln_attn, ln_mlp, ln_f too)

@@ -61,6 +61,7 @@ from .checked_forms import (
     _SOFTCAP_EAGER_BODY,
     _SPLIT_PARTIAL_ROTARY_BODY,
     _STATIC_UPDATE_STATEMENTS,
+    _WINDOWED_ROTARY,
     PER_HEAD_QKV_NAME,
     QKV_NAME,
     ROTATED_QK_NORM_NAMES,
@@ -184,7 +185,7 @@ class AttentionForm:
     split_heads_falcon: bool = False
     # where the rotary runs (rotates()): always (None), where the instance's use_rope is true ("use_rope":
     # SmolLM3's NoPE layers have none), where it has no window or its layer slides ("sliding": EXAONE 4's
-    # global layers have none, their q/k norms still run)
+    # global layers have none, their q/k norms still run), where it has a window ("windowed": Cohere 2's)
     rotary_when: str | None = None
     # after the rotary, q times a factor per position, its module's get_llama_4_attn_scale of the
     # call's position_ids and two rope_parameters (Ministral 3's; position_scale())
@@ -265,9 +266,11 @@ def _read_form(cls: type) -> AttentionForm | str:
     if statements is not None and len(statements) > 5 and statements[5] == _FLAGGED_ROTARY:
         rotary_when = "use_rope"  # the rotary's two statements, run where use_rope says (rotates())
         statements = [*statements[:5], *_ATTENTION_BODY[5:7], *statements[6:]]
-    elif statements is not None and _SLIDING_ROTARY in statements:
-        rotary_when = "sliding"  # the rotary's statement, run where the layer slides or has no window
-        statements = [_ATTENTION_BODY[6] if st == _SLIDING_ROTARY else st for st in statements]
+    elif statements is not None and (_SLIDING_ROTARY in statements or _WINDOWED_ROTARY in statements):
+        # the rotary's statement, run where the layer slides or has no window (EXAONE 4's), where it
+        # has a window (Cohere 2's)
+        rotary_when = "sliding" if _SLIDING_ROTARY in statements else "windowed"
+        statements = [_ATTENTION_BODY[6] if st in (_SLIDING_ROTARY, _WINDOWED_ROTARY) else st for st in statements]
     position_scale = None
     if statements is not None and len(statements) > 7 and statements[7] == _POSITION_Q_SCALE:
         position_scale = getattr(inspect.unwrap(forward), "__globals__", {}).get("get_llama_4_attn_scale")
@@ -298,7 +301,7 @@ def _read_form(cls: type) -> AttentionForm | str:
                            statements[9] == _SOFTCAP_CALL, qk_norm=statements[2] == _NORMED_Q or rotated_norms,
                            prefused=prefused, full_qk_norm=full_qk_norm, clip_qkv=clip_qkv,
                            rotary_when=rotary_when, position_scale=position_scale,
-                           output_dropout=output_dropout, **names)
+                           output_dropout=output_dropout, pair_rotary=_pairs_neighbours(cls), **names)
 
 
 def _pairs_neighbours(cls: type) -> bool:
@@ -443,11 +446,14 @@ def qk_norms(attn: nn.Module, form: AttentionForm) -> tuple[nn.Module, nn.Module
 
 def rotates(attn: nn.Module, form: AttentionForm) -> bool:
     """Does ``attn``'s forward rotate q and k (not a layer whose ``use_rope`` is off: SmolLM3's NoPE
-    layers; nor one with a window that does not slide: EXAONE 4's global layers)?"""
+    layers; nor one with a window that does not slide: EXAONE 4's global layers; nor Cohere 2's
+    without a window)?"""
     if form.rotary_when == "use_rope":
         return bool(attn.use_rope)
     if form.rotary_when == "sliding":
         return attn.sliding_window is None or bool(attn.is_sliding)
+    if form.rotary_when == "windowed":
+        return attn.sliding_window is not None
     return True
 
 

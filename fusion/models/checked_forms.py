@@ -93,9 +93,13 @@ _CHOSEN_RESIDUAL_LAYER_BODY = (
 # the residual in parallel (left to right: residual + attention, then + MLP)
 _PARALLEL_LAYER_BODY = (
     *_LAYER_BODY[:2],
-    tuple("hidden_states_attention,_=self.self_attn(hidden_states=hidden_states,attention_mask=attention_mask,"
-          f"position_ids=position_ids,{c},use_cache=use_cache,position_embeddings=position_embeddings,**kwargs)"
-          for c in ("cache=cache", "past_key_values=past_key_values")),
+    (*("hidden_states_attention,_=self.self_attn(hidden_states=hidden_states,attention_mask=attention_mask,"
+       f"position_ids=position_ids,{c},use_cache=use_cache,position_embeddings=position_embeddings,**kwargs)"
+       for c in ("cache=cache", "past_key_values=past_key_values")),
+     # Cohere 2's: position_ids (not a parameter of its forward) passed in its **kwargs
+     *("hidden_states_attention,_=self.self_attn(hidden_states=hidden_states,position_embeddings=position_embeddings,"
+       f"attention_mask=attention_mask,{c},use_cache=use_cache,**kwargs)"
+       for c in ("cache=cache", "past_key_values=past_key_values"))),
     "hidden_states_mlp=self.mlp(hidden_states)",
     "hidden_states=residual+hidden_states_attention+hidden_states_mlp",
     "returnhidden_states",
@@ -380,6 +384,8 @@ _OUTPUT_DROPOUT = "attn_output=nn.functional.dropout(attn_output,p=self.residual
 # EXAONE 4's rotary: run where the attention has no window or the layer slides (its global layers:
 # none), after _ATTENTION_BODY's cos/sin statement
 _SLIDING_ROTARY = "ifself.sliding_windowisNoneorself.is_sliding:" + _ATTENTION_BODY[6]
+# Cohere 2's rotary: run where the layer has a window (its global layers: none)
+_WINDOWED_ROTARY = "ifself.sliding_windowisnotNone:" + _ATTENTION_BODY[6]
 _ROTARY_STATEMENTS = ("q_embed=(q*cos)+(rotate_half(q)*sin)", "k_embed=(k*cos)+(rotate_half(k)*sin)")
 # Phi-3's rotary, statement by statement: the first cos.shape[-1] columns of each head rotated,
 # the rest passed through (AttentionForm.rotary_by_cos: kv_slot takes cos of any even width up to

@@ -117,9 +117,10 @@ def _static_attention(attn: nn.Module, slot, x: Tensor, norm: nn.Module | None, 
     adapters = any(adapter_terms.adds_terms(m) for m in slots)
     rotate = forms.rotates(attn, form)
     cos, sin = forms.kernel_cos_sin(form, cos, sin)  # (GLM's, Helium's, Ernie's interleaved)
-    if qk and not rotate:
-        # q/k norms without a rotary (EXAONE 4's global layers): the epilogue's whole-head tiles
-        # normalise, then rotate by cos 1, sin 0, which leaves every finite value as it is in fp32
+    if not rotate and (qk or form.pair_rotary):
+        # q/k norms without a rotary (EXAONE 4's global layers), or a rotary of neighbouring pairs
+        # turned off (Cohere 2's global layers): the epilogue's tiles (whole heads for the norms)
+        # rotate by cos 1, sin 0, which leaves every finite value as it is in fp32
         cos, sin, rotate = torch.ones_like(cos), torch.zeros_like(sin), True
     if form.full_qk_norm and not adapters and isinstance(attn.q_norm, Fp32FactorRMSNorm) \
             and isinstance(attn.k_norm, Fp32FactorRMSNorm):

@@ -54,7 +54,8 @@ LAYER_MODULES = {"LlamaDecoderLayer": "llama", "Qwen2DecoderLayer": "qwen2", "Qw
                  "HeliumDecoderLayer": "helium", "Glm4DecoderLayer": "glm4", "Ernie4_5DecoderLayer": "ernie4_5",
                  "Ernie4_5_MoeDecoderLayer": "ernie4_5_moe", "HunYuanDenseV1DecoderLayer": "hunyuan_v1_dense",
                  "HunYuanMoEV1DecoderLayer": "hunyuan_v1_moe",
-                 "Exaone4DecoderLayer": "exaone4", "SeedOssDecoderLayer": "seed_oss"}
+                 "Exaone4DecoderLayer": "exaone4", "SeedOssDecoderLayer": "seed_oss",
+                 "Cohere2DecoderLayer": "cohere2"}
 LAYER_CLASSES = tuple(LAYER_MODULES)
 # A fused layer's int32 buffer (not in the state dict) of split-K arrival counters for its
 # GEMMs, which run one after another and leave it zero: a compiled decode step then needs no

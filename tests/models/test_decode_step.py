@@ -423,11 +423,12 @@ def _tiny(kind: str, layers: int = 2, attention: str = "sdpa", **extra):
               "helium": transformers.HeliumConfig, "glm4": transformers.Glm4Config,
               "ernie4_5": transformers.Ernie4_5Config, "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
               "hunyuan": transformers.HunYuanDenseV1Config, "hunyuan_moe": transformers.HunYuanMoEV1Config,
-              "exaone4": transformers.Exaone4Config, "seed_oss": transformers.SeedOssConfig}[kind](**kw)
+              "exaone4": transformers.Exaone4Config, "seed_oss": transformers.SeedOssConfig,
+              "cohere2": transformers.Cohere2Config}[kind](**kw)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     # norms start as the identity: others, so that they show (weights U(0.5, 1.5); biases and Gemma's w U(-0.5, 0.5))
-    drawn = ("olmo2", "olmo3", "stablelm", "cohere", "glm4", "hunyuan", "hunyuan_moe", "exaone4")
+    drawn = ("olmo2", "olmo3", "stablelm", "cohere", "glm4", "hunyuan", "hunyuan_moe", "exaone4", "cohere2")
     if kind in ("gemma", "gemma2", "gemma3", *drawn):
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -1190,6 +1191,26 @@ def test_cohere_layers_decode_as_stock_does(batch, kernels_on_cpu):
         ref = stock.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(tokens, ref)
     assert rotated and all(rotated)  # each fused layer call on the dynamic cache: Cohere's pairs in one launch
+
+
+@pytest.mark.parametrize("window,ropes", [(64, 4 * 3), (4, 3)], ids=["window-64", "window-4"])
+def test_cohere2_rotates_only_its_sliding_layers_as_stock_does(window, ropes, kernels_on_cpu):
+    """Cohere 2 (Command R7B): Cohere's parallel layer and LayerNorm, its rotary of neighbouring
+    columns only on its sliding layers (its global one none: that layer's Q/K/V epilogue rotates
+    by cos 1, sin 0), the window passed where the layer has one. Three sliding layers beside one
+    global; every layer fused and on the static-cache step where its cache allows (a window of 64
+    the decode never fills; of 4, filled: the sliding layers run the module's attention over the
+    fused Q/K/V). Logits and caches as stock's."""
+    stock = _tiny("cohere2", layers=4, head_dim=32, sliding_window=window, logit_scale=0.25, pad_token_id=0,
+                  bos_token_id=1, eos_token_id=2)
+    model = _patched(stock)
+    assert all(layer.__dict__.get(checks.NORMS_AS_MODULES) == "parallel" for layer in model.model.layers)
+    _compare(model, stock, steps=3)
+    assert kernels_on_cpu["rope"] == ropes  # the static-cache steps' Q/K/V epilogues, each new token
+    ids = torch.randint(3, VOCAB, (2, 4), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():  # (a dynamic cache: the module path's rotary, skipped on the global layer)
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0),
+                           stock.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
 
 
 @pytest.mark.parametrize("kind,extra", [("cohere", {}), ("stablelm", {"head_dim": 32, "use_parallel_residual": True}),

@@ -85,7 +85,7 @@ def test_llama3_8b_qkv_with_rotary_and_cache_write(m):
                         "stablelm_parallel", "cohere", "gpt_neox", "falcon", "falcon_new", "olmoe", "glm4_moe", "olmo3",
                         "ministral-wide", "smollm3", "ministral3", "glm", "helium", "glm4", "ernie4_5",
                         "ernie4_5_moe", "hunyuan", "hunyuan_moe", "exaone4", "exaone4-wide",
-                        "seed_oss"])
+                        "seed_oss", "cohere2-wide"])
 def models(monkeypatch, request):
     """llama, qwen3 (q/k norms in the rotary epilogue, tiles one 64-column head wide), granite
     (residual_multiplier in the O and down epilogues), the mixtures of experts qwen3_moe, mixtral
@@ -125,7 +125,8 @@ def models(monkeypatch, request):
     exaone4 (OLMo 2's layer, per-head q/k norms in the QKV epilogue, a sliding layer whose window of 4 fills
     beside a full one without rotary) and exaone4-wide (a window of 64 the cache never fills: both layers take the
     static-cache step); seed_oss (Llama's layer, q/k/v biases, dropouts of its attention's and MLP's outputs:
-    the identity in eval)."""
+    the identity in eval); cohere2-wide (Cohere's layer, a sliding layer of window 64 with its rotary of
+    neighbouring columns beside a global one without: both take the static-cache step)."""
     kind, _, wide = request.param.partition("-")
     if kind.startswith("falcon"):
         from transformers.models.falcon.modeling_falcon import FalconAttention

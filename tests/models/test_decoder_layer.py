@@ -181,7 +181,8 @@ def test_what_is_not_fused_and_why(monkeypatch):
                             "Olmo3DecoderLayer, MinistralDecoderLayer, CwmDecoderLayer, SmolLM3DecoderLayer, "
                             "Ministral3DecoderLayer, GlmDecoderLayer, HeliumDecoderLayer, Glm4DecoderLayer, "
                             "Ernie4_5DecoderLayer, Ernie4_5_MoeDecoderLayer, HunYuanDenseV1DecoderLayer, "
-                            "HunYuanMoEV1DecoderLayer, Exaone4DecoderLayer, SeedOssDecoderLayer)")]
+                            "HunYuanMoEV1DecoderLayer, Exaone4DecoderLayer, SeedOssDecoderLayer, "
+                            "Cohere2DecoderLayer)")]
 
 
 def _module_state(model) -> dict:

@@ -49,6 +49,7 @@ CONFIGS = {
                                            "moe_num_shared_experts": 1, "moe_layer_start_index": 0}),
     "stablelm": ("StableLmConfig", {}),
     "cohere": ("CohereConfig", {}),
+    "cohere2": ("Cohere2Config", {"head_dim": 16}),
     "phi3": ("Phi3Config", {}),
     "gpt_neox": ("GPTNeoXConfig", {}),
     "falcon": ("FalconConfig", {}),
@@ -67,7 +68,8 @@ SUPPORTED = ("LlamaDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer, MistralDe
              "GPTNeoXLayer, FalconDecoderLayer, OlmoeDecoderLayer, Glm4MoeDecoderLayer, Olmo3DecoderLayer, "
              "MinistralDecoderLayer, CwmDecoderLayer, SmolLM3DecoderLayer, Ministral3DecoderLayer, GlmDecoderLayer, "
              "HeliumDecoderLayer, Glm4DecoderLayer, Ernie4_5DecoderLayer, Ernie4_5_MoeDecoderLayer, "
-             "HunYuanDenseV1DecoderLayer, HunYuanMoEV1DecoderLayer, Exaone4DecoderLayer, SeedOssDecoderLayer")
+             "HunYuanDenseV1DecoderLayer, HunYuanMoEV1DecoderLayer, Exaone4DecoderLayer, SeedOssDecoderLayer, "
+             "Cohere2DecoderLayer")
 
 
 def _layer(cls: str) -> str:
@@ -125,6 +127,7 @@ EXPECTED = {
     # the layer fused, its LayerNorms called as the modules they are
     "stablelm": [(f"{L}.input_layernorm", _norm("LayerNorm")), (f"{L}.post_attention_layernorm", _norm("LayerNorm"))],
     "cohere": [(f"{L}.input_layernorm", _norm("CohereLayerNorm"))],  # the layer fused, its norm a module
+    "cohere2": [(f"{L}.input_layernorm", _norm("Cohere2LayerNorm"))],  # the same, its rotary on sliding layers only
     # Q/K/V one linear already (swapped as it is): Phi-3's layer fused with its stacked gate/up;
     # GPT-NeoX's and Falcon's layers fused, their LayerNorms called as modules (Falcon's where its
     # attention is a form the step computes, transformers 5.8-5.25's; else its layer is reported)
