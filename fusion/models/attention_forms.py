@@ -296,12 +296,16 @@ def _read_form(cls: type) -> AttentionForm | str:
     if rotated_norms and (rotary_when or position_scale is not None):
         return f"{cls.__name__}.forward's q/k norms after a rotary it may skip or a query scale are not a form this " \
                "step computes"
+    pairs = _pairs_neighbours(cls)
+    if pairs and (statements[2] == _NORMED_Q or rotated_norms or full_qk_norm):
+        return f"{cls.__name__}.forward's q/k norms with Cohere's rotary of neighbouring pairs are not a form this " \
+               "step computes"
     names = dict(qk_norm_names=ROTATED_QK_NORM_NAMES, qk_after_rotary=True) if rotated_norms else {}
     return _functions_form(cls, UPDATE_FORMS[statements[7]], WINDOW_FORMS[statements[9]],
                            statements[9] == _SOFTCAP_CALL, qk_norm=statements[2] == _NORMED_Q or rotated_norms,
                            prefused=prefused, full_qk_norm=full_qk_norm, clip_qkv=clip_qkv,
                            rotary_when=rotary_when, position_scale=position_scale,
-                           output_dropout=output_dropout, pair_rotary=_pairs_neighbours(cls), **names)
+                           output_dropout=output_dropout, pair_rotary=pairs, **names)
 
 
 def _pairs_neighbours(cls: type) -> bool:

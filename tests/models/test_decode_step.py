@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import shutil
 import types
 import warnings
@@ -1211,6 +1212,29 @@ def test_cohere2_rotates_only_its_sliding_layers_as_stock_does(window, ropes, ke
     with torch.no_grad():  # (a dynamic cache: the module path's rotary, skipped on the global layer)
         assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0),
                            stock.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
+
+
+@pytest.mark.parametrize("module,cls,why", [
+    ("llama", "LlamaAttention", None),
+    ("qwen3", "Qwen3Attention", "q/k norms with Cohere's rotary of neighbouring pairs are not a form")])
+def test_an_attention_of_cohere_pairs_is_read_as_such_and_with_qk_norms_refused(module, cls, why):
+    """Llama's and Qwen3's attention forwards, each with Cohere's rotary function in its module's
+    place: Llama's is read as a rotary of neighbouring pairs (the pair epilogue's form); Qwen3's,
+    whose per-head q/k norms the pair epilogue would not apply, is refused with its reason."""
+    import inspect
+
+    from transformers.models.cohere import modeling_cohere
+
+    base = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)
+    stock = inspect.unwrap(base.forward)
+    names = {**stock.__globals__, "apply_rotary_pos_emb": modeling_cohere.apply_rotary_pos_emb}
+    forward = types.FunctionType(stock.__code__, names, stock.__name__, stock.__defaults__, stock.__closure__)
+    variant = type(f"Paired{cls}", (base,), {"forward": forward})
+    got = attention_forms.why_not_attention_form(variant)
+    if why is None:
+        assert got is None and attention_forms.attention_form(variant).pair_rotary
+    else:
+        assert why in got
 
 
 @pytest.mark.parametrize("kind,extra", [("cohere", {}), ("stablelm", {"head_dim": 32, "use_parallel_residual": True}),
